@@ -1,0 +1,44 @@
+# Helpers every module uses, so that warnings, sanitizers and test registration stay uniform.
+#
+#   orbitkv_add_library(NAME base SOURCES a.cc ... PUBLIC_DEPS ... PRIVATE_DEPS ...)
+#       -> target orbitkv_<NAME>, alias orbitkv::<NAME>; include root is src/ so internal headers read
+#          "base/status.h".
+#   orbitkv_add_test(NAME status_test SOURCES status_test.cc DEPS orbitkv::base [LABELS unit])
+#       -> a GoogleTest binary whose cases ctest discovers at test time (label "unit" by default).
+#   orbitkv_add_executable(NAME orbitkv-state-demo SOURCES ... DEPS ...)
+
+function(orbitkv_target_defaults target)
+  target_compile_options(${target} PRIVATE ${ORBITKV_WARNINGS})
+endfunction()
+
+function(orbitkv_add_library)
+  cmake_parse_arguments(ARG "" "NAME" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target orbitkv_${ARG_NAME})
+  add_library(${target} STATIC ${ARG_SOURCES})
+  add_library(orbitkv::${ARG_NAME} ALIAS ${target})
+  target_include_directories(${target} PUBLIC ${PROJECT_SOURCE_DIR}/src)
+  target_link_libraries(${target} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  orbitkv_target_defaults(${target})
+endfunction()
+
+function(orbitkv_add_test)
+  cmake_parse_arguments(ARG "" "NAME" "SOURCES;DEPS;LABELS" ${ARGN})
+  if(NOT ORBITKV_BUILD_TESTS)
+    return()
+  endif()
+  if(NOT ARG_LABELS)
+    set(ARG_LABELS unit)
+  endif()
+  add_executable(${ARG_NAME} ${ARG_SOURCES})
+  target_link_libraries(${ARG_NAME} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest_main)
+  orbitkv_target_defaults(${ARG_NAME})
+  # PRE_TEST discovery keeps the build fast and works under sanitizers.
+  gtest_discover_tests(${ARG_NAME} DISCOVERY_MODE PRE_TEST PROPERTIES LABELS "${ARG_LABELS}")
+endfunction()
+
+function(orbitkv_add_executable)
+  cmake_parse_arguments(ARG "" "NAME" "SOURCES;DEPS" ${ARGN})
+  add_executable(${ARG_NAME} ${ARG_SOURCES})
+  target_link_libraries(${ARG_NAME} PRIVATE ${ARG_DEPS})
+  orbitkv_target_defaults(${ARG_NAME})
+endfunction()
