@@ -153,11 +153,12 @@ std::strong_ordering operator<=>(const StateKey& a, const StateKey& b) {
 
 uint32_t ShardOf(const StateKey& key, uint32_t num_shards) {
   ORBITKV_CHECK_MSG(num_shards >= 1, "ShardOf with zero shards");
-  static constexpr std::string_view kDomain = "orbitkv.shard.v1";
-  std::array<uint8_t, StateKey::kEncodedSize> encoded = key.Encode();
-  Sha256 h;
-  h.Update(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(kDomain.data()), kDomain.size() + 1));
-  Digest256 d = h.Update(encoded).Finish();
+  // SHA-256("orbitkv.shard.v1\0" || encoded key), hashed in one call from one stack buffer.
+  static constexpr char kDomain[] = "orbitkv.shard.v1";
+  std::array<uint8_t, sizeof(kDomain) + StateKey::kEncodedSize> buf;
+  std::memcpy(buf.data(), kDomain, sizeof(kDomain));
+  key.EncodeTo(std::span<uint8_t, StateKey::kEncodedSize>(buf.data() + sizeof(kDomain), StateKey::kEncodedSize));
+  Digest256 d = Sha256::Of(buf);
   uint64_t prefix = 0;
   for (int i = 0; i < 8; ++i) prefix = prefix << 8 | d.bytes[i];  // Big-endian: the digest's leading bytes.
   return static_cast<uint32_t>(prefix % num_shards);

@@ -1,0 +1,25 @@
+# Shared by scripts/*: project root, bootstrap-if-needed, and the one configure+build step every entry point
+# uses, so that `scripts/test`, `scripts/run` and `scripts/bench` build the same tree the same way.
+# shellcheck shell=bash
+ORBITKV_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ORBITKV_ROOT"
+
+orbitkv_bootstrap() {
+  scripts/bootstrap --quiet
+  # shellcheck disable=SC1091
+  source .bootstrap/env
+  export ORBITKV_PYTHON
+}
+
+# orbitkv_build DIR [cmake args...]: configure (first time or when args change) and build with Ninja.
+orbitkv_build() {
+  local dir="$1"
+  shift
+  local args=(-G Ninja -DPython_EXECUTABLE="$ORBITKV_PYTHON" -DPYTHON_EXECUTABLE="$ORBITKV_PYTHON" "$@")
+  local stamp="$dir/.orbitkv-configure-args"
+  if [[ ! -f "$dir/build.ninja" || ! -f "$stamp" || "$(cat "$stamp")" != "${args[*]}" ]]; then
+    cmake -S . -B "$dir" "${args[@]}"
+    printf '%s' "${args[*]}" >"$stamp"
+  fi
+  cmake --build "$dir" -- -j"$(nproc)"
+}
