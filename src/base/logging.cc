@@ -9,9 +9,9 @@
 #include <cctype>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 
 #include "base/check.h"
+#include "base/mutex.h"
 
 namespace orbitkv::log {
 namespace {
@@ -19,8 +19,9 @@ namespace {
 // Relaxed: the level is a filter; a thread seeing a level change slightly late is harmless.
 std::atomic<Level> g_level{Level::kInfo};
 
-std::mutex g_logger_mu;
-std::shared_ptr<spdlog::logger> g_logger;  // Guarded by g_logger_mu (the pointer, not the logger).
+Mutex g_logger_mu;
+// The pointer is guarded, not the logger (spdlog loggers are thread-safe).
+std::shared_ptr<spdlog::logger> g_logger GUARDED_BY(g_logger_mu);
 
 spdlog::level::level_enum ToSpd(Level level) {
   switch (level) {
@@ -52,7 +53,7 @@ std::shared_ptr<spdlog::logger> MakeLogger(const Options& options) {
 }
 
 std::shared_ptr<spdlog::logger> Logger() {
-  std::lock_guard<std::mutex> lock(g_logger_mu);
+  MutexLock lock(&g_logger_mu);
   if (!g_logger) g_logger = MakeLogger(Options{});
   return g_logger;
 }
@@ -103,7 +104,7 @@ Status Init(const Options& options) {
     return Status::InvalidArgument(fmt::format("cannot open log file '{}': {}", options.file, e.what()));
   }
   {
-    std::lock_guard<std::mutex> lock(g_logger_mu);
+    MutexLock lock(&g_logger_mu);
     if (g_logger) g_logger->flush();
     g_logger = std::move(logger);
   }

@@ -146,7 +146,7 @@ MetricsRegistry::Family& MetricsRegistry::FamilyFor(std::string_view name, std::
 }
 
 Counter& MetricsRegistry::GetCounter(std::string_view name, std::string_view help, MetricLabels labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Family& family = FamilyFor(name, help, Type::kCounter, labels);
   auto& slot = family.counters[labels];
   if (!slot) slot = std::make_unique<Counter>();
@@ -154,7 +154,7 @@ Counter& MetricsRegistry::GetCounter(std::string_view name, std::string_view hel
 }
 
 Gauge& MetricsRegistry::GetGauge(std::string_view name, std::string_view help, MetricLabels labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Family& family = FamilyFor(name, help, Type::kGauge, labels);
   auto& slot = family.gauges[labels];
   if (!slot) slot = std::make_unique<Gauge>();
@@ -163,7 +163,7 @@ Gauge& MetricsRegistry::GetGauge(std::string_view name, std::string_view help, M
 
 Histogram& MetricsRegistry::GetHistogram(std::string_view name, std::string_view help,
                                          std::vector<double> upper_bounds, MetricLabels labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Family& family = FamilyFor(name, help, Type::kHistogram, labels);
   if (family.histograms.empty()) {
     family.bounds = upper_bounds;
@@ -176,7 +176,7 @@ Histogram& MetricsRegistry::GetHistogram(std::string_view name, std::string_view
 }
 
 std::string MetricsRegistry::RenderPrometheus() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::string out;
   for (const auto& [name, family] : families_) {
     std::string_view type_name = family.type == Type::kCounter ? "counter"

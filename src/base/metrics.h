@@ -15,12 +15,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "base/mutex.h"
 #include "base/thread_annotations.h"
 
 namespace orbitkv {
@@ -108,7 +108,7 @@ class MetricsRegistry {
   Family& FamilyFor(std::string_view name, std::string_view help, Type type, MetricLabels& labels)
       REQUIRES(mu_);
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   // Guarded by mu_.
   std::map<std::string, Family, std::less<>> families_ GUARDED_BY(mu_);
 };

@@ -82,9 +82,11 @@ Status ToStatus(const Result<T>& r) {
 // `ORBITKV_ASSIGN_OR_RETURN(auto x, MakeX());` declares or assigns lhs from a Result, or returns its Status.
 #define ORBITKV_ASSIGN_OR_RETURN(lhs, expr) \
   ORBITKV_ASSIGN_OR_RETURN_IMPL_(ORBITKV_CONCAT_(orbitkv_result_, __COUNTER__), lhs, expr)
+// NOLINTBEGIN(bugprone-macro-parentheses): lhs may be a declaration ("auto x"), which parentheses would break.
 #define ORBITKV_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                                  \
   if (!tmp.ok()) return tmp.status();                 \
   lhs = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)
 
 #endif  // ORBITKV_BASE_RESULT_H_

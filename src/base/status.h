@@ -80,7 +80,7 @@ class [[nodiscard]] Status {
   bool ok() const { return rep_ == nullptr; }
   StatusCode code() const { return rep_ ? rep_->code : StatusCode::kOk; }
   // Empty for OK.
-  std::string_view message() const { return rep_ ? std::string_view(rep_->message) : std::string_view(); }
+  std::string_view message() const { return rep_ ? std::string_view{rep_->message} : std::string_view{}; }
 
   // "OK" or "NOT_FOUND: key 3f.. is not resident".
   std::string ToString() const;

@@ -9,6 +9,8 @@
 #define ORBITKV_THREAD_ANNOTATION_(x)
 #endif
 
+#define CAPABILITY(x) ORBITKV_THREAD_ANNOTATION_(capability(x))
+#define SCOPED_CAPABILITY ORBITKV_THREAD_ANNOTATION_(scoped_lockable)
 #define GUARDED_BY(x) ORBITKV_THREAD_ANNOTATION_(guarded_by(x))
 #define PT_GUARDED_BY(x) ORBITKV_THREAD_ANNOTATION_(pt_guarded_by(x))
 #define REQUIRES(...) ORBITKV_THREAD_ANNOTATION_(requires_capability(__VA_ARGS__))

@@ -1,0 +1,42 @@
+// Mutex and MutexLock: std::mutex with the capability annotations clang's -Wthread-safety checks, so that
+// "Guarded by mu_" members are verified at compile time (libstdc++'s std::mutex carries no annotations).
+#ifndef ORBITKV_BASE_MUTEX_H_
+#define ORBITKV_BASE_MUTEX_H_
+
+#include <mutex>
+
+#include "base/thread_annotations.h"
+
+namespace orbitkv {
+
+class CAPABILITY("mutex") Mutex {
+ public:
+  Mutex() = default;
+  Mutex(const Mutex&) = delete;
+  Mutex& operator=(const Mutex&) = delete;
+
+  void Lock() ACQUIRE() { mu_.lock(); }
+  void Unlock() RELEASE() { mu_.unlock(); }
+  // For std::condition_variable_any and friends.
+  void lock() ACQUIRE() { mu_.lock(); }
+  void unlock() RELEASE() { mu_.unlock(); }
+
+ private:
+  std::mutex mu_;
+};
+
+// Holds a Mutex for the lifetime of the scope.
+class SCOPED_CAPABILITY MutexLock {
+ public:
+  explicit MutexLock(Mutex* mu) ACQUIRE(mu) : mu_(mu) { mu_->Lock(); }
+  ~MutexLock() RELEASE() { mu_->Unlock(); }
+  MutexLock(const MutexLock&) = delete;
+  MutexLock& operator=(const MutexLock&) = delete;
+
+ private:
+  Mutex* const mu_;
+};
+
+}  // namespace orbitkv
+
+#endif  // ORBITKV_BASE_MUTEX_H_
