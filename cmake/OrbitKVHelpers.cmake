@@ -4,7 +4,9 @@
 #       -> target orbitkv_<NAME>, alias orbitkv::<NAME>; include root is src/ so internal headers read
 #          "base/status.h".
 #   orbitkv_add_test(NAME status_test SOURCES status_test.cc DEPS orbitkv::base [LABELS unit])
-#       -> a GoogleTest binary whose cases ctest discovers at test time (label "unit" by default).
+#       -> a GoogleTest binary whose cases ctest discovers at test time, with one label: "unit" (default),
+#          "integration" or "concurrency". Concurrency tests run in every suite (ctest -L 'unit|concurrency')
+#          and alone under TSan. One label only: gtest_discover_tests cannot carry a list-valued property.
 #   orbitkv_add_executable(NAME orbitkv-state-demo SOURCES ... DEPS ...)
 
 function(orbitkv_target_defaults target)
@@ -28,6 +30,10 @@ function(orbitkv_add_test)
   endif()
   if(NOT ARG_LABELS)
     set(ARG_LABELS unit)
+  endif()
+  list(LENGTH ARG_LABELS label_count)
+  if(NOT label_count EQUAL 1)
+    message(FATAL_ERROR "orbitkv_add_test(${ARG_NAME}): give exactly one label, not '${ARG_LABELS}'")
   endif()
   add_executable(${ARG_NAME} ${ARG_SOURCES})
   target_link_libraries(${ARG_NAME} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest_main)

@@ -20,6 +20,12 @@ struct Reader {
     --size;
     return v % bound;
   }
+  uint64_t Wide() {  // Sometimes a full 64-bit value, to reach overflow edges.
+    if (Next(4) != 0) return Next(300);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v = v << 8 | Next(256);
+    return v;
+  }
 };
 
 }  // namespace
@@ -32,17 +38,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<RecoveryRule> rules(r.Next(5));
   for (auto& rule : rules) {
     rule.group = static_cast<uint32_t>(r.Next(6));
-    rule.kind = static_cast<RecoveryRuleKind>(r.Next(5));
-    rule.window_tokens = r.Next(300);
+    rule.kind = static_cast<RecoveryRuleKind>(r.Next(5));  // 0 and 4 are invalid kinds.
+    // Windows only on window rules, except rarely, to also exercise that rejection.
+    if (rule.kind == RecoveryRuleKind::kWindow || r.Next(16) == 0) rule.window_tokens = r.Wide();
   }
   auto contract = RecoveryContract::Compile(ns, page, rules);
   if (!contract.ok()) return 0;
-  uint64_t origin = r.Next(20) * page + r.Next(2);  // Sometimes unaligned.
+  // Sometimes unaligned; sometimes at the very top of the uint64 range.
+  uint64_t top = r.Next(8) == 0 ? (UINT64_MAX / page - 64) * page : 0;
+  uint64_t origin = top + r.Next(20) * page + r.Next(2);
   uint64_t end = origin + r.Next(40) * page;
   std::vector<GroupCoverage> coverage;
   for (const auto& rule : contract->rules()) {
     GroupCoverage g{rule.group, {}};
-    for (uint64_t n = r.Next(64); n > 0; --n) g.pages.push_back(r.Next(64));
+    for (uint64_t n = r.Next(64); n > 0; --n) g.pages.push_back(top / page + r.Next(64));
     coverage.push_back(std::move(g));
   }
   auto demand = contract->RequiredRanges(ns, origin, end);

@@ -1,6 +1,7 @@
 # Shared by scripts/*: project root, bootstrap-if-needed, and the one configure+build step every entry point
 # uses, so that `scripts/test`, `scripts/run` and `scripts/bench` build the same tree the same way.
 # shellcheck shell=bash
+unset CDPATH  # cd must never print: scripts/bench keeps stdout for JSON.
 ORBITKV_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ORBITKV_ROOT"
 

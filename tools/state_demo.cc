@@ -50,7 +50,7 @@ bool ParseArgs(int argc, char** argv, Options* opt) {
       return false;
     }
     char* end = nullptr;
-    unsigned long long value = std::strtoull(argv[++i], &end, 10);
+    uint64_t value = std::strtoull(argv[++i], &end, 10);
     if (*end != '\0' || value == 0) {
       fmt::print(stderr, "orbitkv-state-demo: {} needs a positive integer, got '{}'\n", arg, argv[i]);
       return false;

@@ -2,6 +2,7 @@
 // OrbitKV Python API (RecoveryContract(namespace, page_tokens, groups=[(group, kind, param)])).
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -30,7 +31,13 @@ state::Digest256 DigestFromBytes(const py::bytes& b, const char* what) {
   return d;
 }
 
-StateNamespace NamespaceFromBytes(const py::bytes& b) { return StateNamespace(DigestFromBytes(b, "namespace")); }
+StateNamespace NamespaceFromBytes(const py::bytes& b) {
+  // Unlike the optional format digests, a namespace is never implied: empty is an error, not all zeros.
+  if (std::string(b).size() != 32) {
+    throw StatusError(Status::InvalidArgument("namespace must be the 32 bytes derive_namespace() returns"));
+  }
+  return StateNamespace(DigestFromBytes(b, "namespace"));
+}
 
 py::bytes ToBytes(const state::Digest256& d) {
   return py::bytes(reinterpret_cast<const char*>(d.bytes.data()), d.bytes.size());
@@ -135,7 +142,7 @@ void BindState(py::module_& m) {
              if (n == 0) throw StatusError(Status::InvalidArgument("shard_of needs at least one shard"));
              return state::ShardOf(k, n);
            })
-      .def("__eq__", [](const StateKey& a, const StateKey& b) { return a == b; })
+      .def("__eq__", [](const StateKey& a, const StateKey& b) { return a == b; }, py::is_operator())
       .def("__hash__", [](const StateKey& k) { return static_cast<py::ssize_t>(k.Hash64() >> 1); })
       .def("__repr__", [](const StateKey& k) { return "StateKey(" + k.ToString() + ")"; });
 
@@ -145,9 +152,8 @@ void BindState(py::module_& m) {
                        const std::vector<std::tuple<uint32_t, std::string, uint64_t>>& groups) {
              std::vector<state::RecoveryRule> rules;
              for (const auto& [group, kind, param] : groups) {
-               state::RecoveryRule rule{.group = group, .kind = ParseKind(kind)};
-               if (rule.kind == state::RecoveryRuleKind::kWindow) rule.window_tokens = param;
-               rules.push_back(rule);
+               // The parameter goes through unchanged so that Compile rejects a window on a non-window rule.
+               rules.push_back({.group = group, .kind = ParseKind(kind), .window_tokens = param});
              }
              return ValueOrThrow(state::RecoveryContract::Compile(NamespaceFromBytes(ns), page_tokens, rules));
            }),
@@ -174,7 +180,13 @@ void BindState(py::module_& m) {
 
   m.def(
       "intersect_boundaries",
-      [](const std::vector<std::vector<uint64_t>>& sets) { return state::IntersectBoundaries(sets); },
+      [](std::vector<std::vector<uint64_t>> sets) {
+        for (auto& set : sets) {
+          std::sort(set.begin(), set.end());
+          set.erase(std::unique(set.begin(), set.end()), set.end());
+        }
+        return state::IntersectBoundaries(sets);
+      },
       py::arg("sets"), "Boundaries legal on every rank: the intersection of ascending lists.");
 }
 

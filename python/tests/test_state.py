@@ -122,3 +122,16 @@ def test_recovery_contract_errors(ns):
         contract.required_ranges(other, 0, 16)
     with pytest.raises(orbitkv.OrbitKVError, match="does not declare"):
         contract.restorable_boundaries(ns, 0, 16, [(5, [0])])
+    with pytest.raises(orbitkv.OrbitKVError, match="cannot have a window"):
+        orbitkv.RecoveryContract(ns, 16, [(0, "prefix", 8)])
+    with pytest.raises(orbitkv.OrbitKVError, match="32 bytes"):
+        orbitkv.RecoveryContract(b"", 16, [(0, "prefix", 0)])
+    with pytest.raises(orbitkv.OrbitKVError, match="32 bytes"):
+        orbitkv.StateKey(b"short", 0, 0, 16, b"k")
+
+
+def test_intersect_accepts_unsorted_input_and_keys_compare_with_anything(ns):
+    assert orbitkv.intersect_boundaries([[64, 16, 32], [32, 64, 64]]) == [32, 64]
+    key = orbitkv.StateKey(ns, 0, 0, 16, b"k")
+    assert key != None  # noqa: E711  (must not raise TypeError)
+    assert key != "k"

@@ -35,7 +35,12 @@ class Stopwatch {
 // A point in monotonic time after which work should stop. Infinite() never expires.
 class Deadline {
  public:
-  static Deadline After(MonoClock::duration timeout) { return Deadline(MonoNow() + timeout); }
+  // Saturates to Infinite() for timeouts too large to add to now (e.g. duration::max()).
+  static Deadline After(MonoClock::duration timeout) {
+    MonoTime now = MonoNow();
+    if (timeout >= MonoTime::max() - now) return Infinite();
+    return Deadline(now + timeout);
+  }
   static Deadline At(MonoTime when) { return Deadline(when); }
   static Deadline Infinite() { return Deadline(MonoTime::max()); }
 

@@ -32,6 +32,12 @@ TEST(ClockTest, InfiniteDeadlineNeverExpires) {
   EXPECT_EQ(d.Remaining(), MonoClock::duration::max());
 }
 
+TEST(ClockTest, HugeTimeoutSaturatesToInfinite) {
+  EXPECT_TRUE(Deadline::After(MonoClock::duration::max()).IsInfinite());
+  EXPECT_FALSE(Deadline::After(MonoClock::duration::max() - 1h).Expired());  // Near max: no wrap to the past.
+  EXPECT_FALSE(Deadline::After(1h).IsInfinite());
+}
+
 TEST(ClockTest, PastDeadlineIsExpiredWithZeroRemaining) {
   Deadline d = Deadline::At(MonoNow() - 1s);
   EXPECT_TRUE(d.Expired());

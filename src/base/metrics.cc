@@ -87,7 +87,9 @@ Histogram::Histogram(std::vector<double> upper_bounds)
 }
 
 void Histogram::Observe(double value) {
-  // First bucket whose bound is >= value ("le" semantics); NaN lands in +Inf.
+  // A NaN observation is a caller bug that would poison _sum forever; drop it.
+  if (std::isnan(value)) return;
+  // First bucket whose bound is >= value ("le" semantics).
   size_t index = std::lower_bound(upper_bounds_.begin(), upper_bounds_.end(), value) - upper_bounds_.begin();
   buckets_[index].fetch_add(1, std::memory_order_relaxed);
   count_.fetch_add(1, std::memory_order_relaxed);

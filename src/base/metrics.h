@@ -53,6 +53,7 @@ class Histogram {
  public:
   explicit Histogram(std::vector<double> upper_bounds);
 
+  // NaN is ignored (it would make _sum NaN forever); +Inf counts in the +Inf bucket.
   void Observe(double value);
 
   const std::vector<double>& upper_bounds() const { return upper_bounds_; }

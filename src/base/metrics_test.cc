@@ -3,7 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <thread>
+#include <cmath>
+
 
 namespace orbitkv {
 namespace {
@@ -62,6 +63,15 @@ TEST(MetricsTest, HistogramBucketsAreCumulativeWithInf) {
   EXPECT_THAT(text, HasSubstr("lat_seconds_sum 5.0515\n"));
 }
 
+TEST(MetricsTest, HistogramIgnoresNaNAndCountsInfinityInLastBucket) {
+  MetricsRegistry r;
+  Histogram& h = r.GetHistogram("x", "x", {1});
+  h.Observe(std::nan(""));
+  h.Observe(INFINITY);
+  EXPECT_EQ(h.BucketCounts(), (std::vector<uint64_t>{0, 1}));
+  EXPECT_EQ(h.Count(), 1u);
+}
+
 TEST(MetricsTest, HistogramLabelsPrecedeLe) {
   MetricsRegistry r;
   r.GetHistogram("size_bytes", "Sizes", {10}, {{"op", "save"}}).Observe(3);
@@ -108,25 +118,6 @@ TEST(MetricsDeathTest, MisuseCrashes) {
   r.GetHistogram("h", "h", {1, 2});
   EXPECT_DEATH(r.GetHistogram("h", "h", {1, 3}, {{"k", "v"}}), "other bounds");
   EXPECT_DEATH(r.GetHistogram("h2", "h", {2, 1}), "strictly increasing");
-}
-
-TEST(MetricsTest, ConcurrentIncrementsAreNotLost) {
-  MetricsRegistry r;
-  constexpr int kThreads = 4;
-  constexpr int kPerThread = 20000;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&r] {
-      for (int i = 0; i < kPerThread; ++i) {
-        r.GetCounter("ops_total", "ops").Increment();
-        r.GetHistogram("v", "v", {1}).Observe(0.5);
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(r.GetCounter("ops_total", "ops").Value(), uint64_t{kThreads} * kPerThread);
-  EXPECT_EQ(r.GetHistogram("v", "v", {1}).Count(), uint64_t{kThreads} * kPerThread);
-  EXPECT_THAT(r.RenderPrometheus(), Not(HasSubstr("NaN")));
 }
 
 }  // namespace

@@ -52,7 +52,8 @@ TEST(NamespaceTest, EncodingStartsWithDomainAndVersion) {
 
 // A golden value: the namespace of a fixed identity must never change silently, because SSD records and peer
 // catalogs written by an earlier build would stop matching. Change it only together with
-// kNamespaceEncodingVersion and docs/formats/state_key.md.
+// kNamespaceEncodingVersion and docs/formats/state_key.md. The value was checked against an independent
+// implementation of the documented encoding (python/tests/test_state.py does the same with hashlib).
 TEST(NamespaceTest, GoldenDigestIsStable) {
   NamespaceIdentity id;
   id.model_id = "m";

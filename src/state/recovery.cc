@@ -20,6 +20,10 @@ Result<RecoveryContract> RecoveryContract::Compile(const StateNamespace& ns, uin
                                                    std::vector<RecoveryRule> rules) {
   if (page_tokens == 0) return Status::InvalidArgument("recovery contract: page_tokens must be >= 1");
   if (rules.empty()) return Status::InvalidArgument("recovery contract: at least one group rule is required");
+  if (rules.size() > kMaxGroups) {
+    return Status::InvalidArgument(
+        fmt::format("recovery contract: {} groups declared, at most {} allowed", rules.size(), kMaxGroups));
+  }
   std::sort(rules.begin(), rules.end(), [](const auto& a, const auto& b) { return a.group < b.group; });
   for (size_t i = 0; i < rules.size(); ++i) {
     RecoveryRule& rule = rules[i];
@@ -78,10 +82,11 @@ GroupRange RecoveryContract::RangeFor(const RecoveryRule& rule, uint64_t origin,
       break;
     case RecoveryRuleKind::kWindow: {
       // The next token attends to the W-1 tokens before it; whole pages hold them.
+      // Computed in pages so that huge windows (up to UINT64_MAX) cannot overflow into a smaller demand.
       uint64_t past = rule.window_tokens - 1;
-      uint64_t pages = (past + page_tokens_ - 1) / page_tokens_;
-      uint64_t reach = pages * page_tokens_;
-      range.begin = std::max(origin, end > reach ? end - reach : 0);
+      uint64_t pages = past / page_tokens_ + (past % page_tokens_ != 0 ? 1 : 0);
+      uint64_t begin = pages >= end / page_tokens_ ? 0 : end - pages * page_tokens_;
+      range.begin = std::max(origin, begin);
       break;
     }
     case RecoveryRuleKind::kCheckpoint:
@@ -106,7 +111,7 @@ Result<std::vector<uint64_t>> RecoveryContract::RestorableBoundaries(const State
   ORBITKV_RETURN_IF_ERROR(CheckSpan(ns, origin, end));
   const uint64_t first_page = origin / page_tokens_;
   const uint64_t num_pages = (end - origin) / page_tokens_;
-  if (num_pages > kMaxBoundaryPages) {
+  if (num_pages > kMaxBoundaryPages || num_pages * rules_.size() > kMaxBoundaryCells) {
     return Status::OutOfRange(fmt::format("recovery: span [{}, {}) has {} pages, at most {} per call", origin, end,
                                           num_pages, kMaxBoundaryPages));
   }
@@ -133,7 +138,9 @@ Result<std::vector<uint64_t>> RecoveryContract::RestorableBoundaries(const State
   }
 
   std::vector<uint64_t> boundaries;
-  for (uint64_t b = origin + page_tokens_; b <= end; b += page_tokens_) {
+  // Iterate page counts, not token positions: origin + i * page <= end cannot overflow.
+  for (uint64_t i = 1; i <= num_pages; ++i) {
+    const uint64_t b = origin + i * page_tokens_;
     bool complete = true;
     for (size_t g = 0; g < rules_.size() && complete; ++g) {
       GroupRange r = RangeFor(rules_[g], origin, b);

@@ -71,8 +71,11 @@ class RecoveryContract {
  public:
   // RestorableBoundaries() works in memory proportional to the span; longer spans are OutOfRange.
   static constexpr uint64_t kMaxBoundaryPages = uint64_t{1} << 22;
+  // And at most this many (group, page) cells per call (bounds its memory to 64 MiB).
+  static constexpr uint64_t kMaxBoundaryCells = uint64_t{1} << 24;
+  static constexpr size_t kMaxGroups = 64;
 
-  // InvalidArgument for: page_tokens == 0, no rules, a group declared twice, a window rule without a window, a
+  // InvalidArgument for: page_tokens == 0, no rules, more than kMaxGroups rules, a group declared twice, a window rule without a window, a
   // window or checkpoint rule carrying a window of the wrong kind.
   static Result<RecoveryContract> Compile(const StateNamespace& ns, uint32_t page_tokens,
                                           std::vector<RecoveryRule> rules);
@@ -89,7 +92,7 @@ class RecoveryContract {
   // Every boundary b in (origin, end], ascending and page-aligned, whose RequiredRanges(origin, b) is fully
   // covered. Groups missing from `coverage` have no pages. InvalidArgument for the same inputs RequiredRanges
   // rejects, for a coverage group the contract does not declare, and for a group listed twice; OutOfRange for a
-  // span over kMaxBoundaryPages pages.
+  // span over kMaxBoundaryPages pages or kMaxBoundaryCells (group, page) cells.
   Result<std::vector<uint64_t>> RestorableBoundaries(const StateNamespace& ns, uint64_t origin, uint64_t end,
                                                      std::span<const GroupCoverage> coverage) const;
 

@@ -104,6 +104,45 @@ TEST(RecoveryContractTest, WindowExactlyOnPageBoundary) {
   EXPECT_EQ(d->ranges[0], (GroupRange{0, 48, 64}));
 }
 
+TEST(RecoveryContractTest, HugeWindowNeverShrinksTheDemand) {
+  // A window of UINT64_MAX tokens ("unbounded") must demand the whole tail, not wrap around to nothing.
+  auto c = RecoveryContract::Compile(
+      SampleNamespace(), kPage,
+      {{.group = 0, .kind = RecoveryRuleKind::kWindow, .window_tokens = UINT64_MAX}});
+  ASSERT_TRUE(c.ok());
+  auto d = c->RequiredRanges(SampleNamespace(), 32, 160);
+  EXPECT_EQ(d->ranges[0], (GroupRange{0, 32, 160}));
+  auto no_swa = c->RestorableBoundaries(SampleNamespace(), 0, 64, std::vector<GroupCoverage>{});
+  EXPECT_TRUE(no_swa->empty());
+}
+
+TEST(RecoveryContractTest, SpansAtTheTopOfTheRangeDoNotWrap) {
+  RecoveryContract c = Hybrid();
+  const uint64_t top = UINT64_MAX / kPage * kPage;  // Highest aligned position.
+  auto b = c.RestorableBoundaries(SampleNamespace(), top, top, std::vector<GroupCoverage>{});
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE(b->empty());
+  std::vector<GroupCoverage> cov = {{kFull, {top / kPage - 1}}, {kSwa, {top / kPage - 1}}, {kMamba, {top / kPage - 1}}};
+  b = c.RestorableBoundaries(SampleNamespace(), top - kPage, top, cov);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(*b, (std::vector<uint64_t>{top}));
+  auto d = c.RequiredRanges(SampleNamespace(), top - 4 * kPage, top);
+  EXPECT_EQ(d->ranges[1], (GroupRange{kSwa, top - 3 * kPage, top}));
+}
+
+TEST(RecoveryContractTest, TooManyGroupsOrCellsAreRejected) {
+  std::vector<RecoveryRule> many;
+  for (uint32_t g = 0; g <= RecoveryContract::kMaxGroups; ++g) many.push_back({.group = g});
+  EXPECT_EQ(RecoveryContract::Compile(SampleNamespace(), kPage, many).status().code(),
+            StatusCode::kInvalidArgument);
+  many.pop_back();
+  auto c = RecoveryContract::Compile(SampleNamespace(), kPage, many);
+  ASSERT_TRUE(c.ok());
+  // 64 groups x 2^20 pages exceeds the cell budget even though the page count alone is allowed.
+  EXPECT_EQ(c->RestorableBoundaries(SampleNamespace(), 0, (uint64_t{1} << 20) * kPage, {}).status().code(),
+            StatusCode::kOutOfRange);
+}
+
 TEST(RecoveryContractTest, CheckpointSelectsTheFinalPage) {
   auto d = Hybrid().RequiredRanges(SampleNamespace(), 0, 160);
   EXPECT_EQ(d->ranges[2], (GroupRange{kMamba, 144, 160}));
