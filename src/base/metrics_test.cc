@@ -10,7 +10,6 @@ namespace orbitkv {
 namespace {
 
 using ::testing::HasSubstr;
-using ::testing::Not;
 
 TEST(MetricsTest, CounterRendersWithHelpAndType) {
   MetricsRegistry r;
