@@ -25,7 +25,8 @@ def test_state_bench_json_contract(build_dir):
 def test_bench_script_lists_and_rejects(root):
     listed = subprocess.run([str(root / "scripts" / "bench"), "--list"], check=True, capture_output=True,
                             text=True).stdout
-    assert listed.split()[0] == "state"
+    names = [line.split()[0] for line in listed.splitlines()]
+    assert {"core", "state"} <= set(names)
     bad = subprocess.run([str(root / "scripts" / "bench"), "no-such-bench"], capture_output=True, text=True)
     assert bad.returncode == 2
     assert "no benchmark 'no-such-bench'" in bad.stderr
@@ -47,3 +48,26 @@ def test_demo_rejects_bad_flags(build_dir):
                          text=True)
     assert bad.returncode == 2
     assert "positive integer" in bad.stderr
+
+
+def test_cache_demo_serves_a_workload_and_verifies_every_restore(build_dir):
+    out = subprocess.run([str(build_dir / "tools" / "orbitkv-cache-demo"), "--requests", "300", "--pool-mib", "32",
+                          "--allow-unpinned", "--metrics"], check=True, capture_output=True, text=True,
+                         timeout=300).stdout
+    fields = {line.split()[0] + " " + line.split()[1]: line for line in out.splitlines() if line.startswith("  ")}
+    assert fields["corrupted restores"].split()[-1] == "0"
+    hit = int(fields["pages asked"].split("/")[2].split()[0])
+    assert hit > 0
+    # A 32 MiB pool cannot hold the working set: eviction and admission both had work to do.
+    assert int(fields["evictions"].split()[-1]) > 0
+    assert "orbitkv_cache_hits_total" in out and "orbitkv_leases_active 0" in out
+
+
+def test_cache_demo_rejects_bad_flags(build_dir):
+    exe = str(build_dir / "tools" / "orbitkv-cache-demo")
+    bad = subprocess.run([exe, "--requests", "abc"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "positive integer" in bad.stderr
+    unknown = subprocess.run([exe, "--frobnicate"], capture_output=True, text=True)
+    assert unknown.returncode == 2
+    assert "unknown option" in unknown.stderr

@@ -1,0 +1,643 @@
+#include "core/block_table.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "base/check.h"
+#include "base/logging.h"
+
+namespace orbitkv::core {
+
+using state::StateKey;
+
+// ---- BlockPin / BlockWriter ----
+
+BlockPin::BlockPin(BlockPin&& other) noexcept
+    : table_(std::exchange(other.table_, nullptr)),
+      ref_(other.ref_),
+      data_(other.data_),
+      bytes_(other.bytes_),
+      generation_(other.generation_) {}
+
+BlockPin& BlockPin::operator=(BlockPin&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    table_ = std::exchange(other.table_, nullptr);
+    ref_ = other.ref_;
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    generation_ = other.generation_;
+  }
+  return *this;
+}
+
+void BlockPin::Reset() {
+  if (table_ != nullptr) std::exchange(table_, nullptr)->Unpin(ref_);
+}
+
+BlockWriter::BlockWriter(BlockWriter&& other) noexcept
+    : table_(std::exchange(other.table_, nullptr)),
+      ref_(other.ref_),
+      data_(other.data_),
+      bytes_(other.bytes_) {}
+
+BlockWriter& BlockWriter::operator=(BlockWriter&& other) noexcept {
+  if (this != &other) {
+    Abort();
+    table_ = std::exchange(other.table_, nullptr);
+    ref_ = other.ref_;
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+  }
+  return *this;
+}
+
+void BlockWriter::Abort() {
+  if (table_ != nullptr) std::exchange(table_, nullptr)->AbortWrite(ref_);
+}
+
+// ---- BlockTable ----
+
+BlockTable::BlockTable(const Options& options, PinnedPool* pool, ResidencyInventory* inventory,
+                       MetricsRegistry* metrics)
+    : pool_(pool), inventory_(inventory) {
+  ORBITKV_CHECK(pool != nullptr && inventory != nullptr && metrics != nullptr);
+  ORBITKV_CHECK(options.shards >= 1);
+  const uint64_t capacity = pool->Stats().capacity_bytes;
+  window_bytes_per_shard_ = static_cast<uint64_t>(static_cast<double>(capacity) *
+                                                  std::clamp(options.window_fraction, 0.0, 1.0)) /
+                            options.shards;
+  const uint64_t per_shard_entries =
+      std::max<uint64_t>(options.expected_blocks / options.shards, 64);
+  shards_.reserve(options.shards);
+  for (uint32_t i = 0; i < options.shards; ++i)
+    shards_.push_back(std::make_unique<Shard>(per_shard_entries));
+
+  hits_ =
+      &metrics->GetCounter("orbitkv_cache_hits_total", "Blocks found resident in DRAM by lookups");
+  misses_ = &metrics->GetCounter("orbitkv_cache_misses_total",
+                                 "Blocks asked for by lookups beyond the resident DRAM prefix");
+  evictions_dram_ = &metrics->GetCounter("orbitkv_cache_evictions_total",
+                                         "Residences evicted for capacity", {{"tier", "dram"}});
+  admissions_rejected_ =
+      &metrics->GetCounter("orbitkv_cache_admissions_rejected_total",
+                           "Window blocks that lost the W-TinyLFU frequency duel and were evicted "
+                           "instead of a main-segment block");
+  prepare_exhausted_ = &metrics->GetCounter(
+      "orbitkv_cache_prepare_exhausted_total",
+      "Publishes refused because every DRAM block was pinned or being written (backpressure)");
+  resident_bytes_dram_ = &metrics->GetGauge("orbitkv_cache_resident_bytes",
+                                            "Bytes of published residences", {{"tier", "dram"}});
+  resident_bytes_ssd_ = &metrics->GetGauge("orbitkv_cache_resident_bytes",
+                                           "Bytes of published residences", {{"tier", "ssd"}});
+  resident_blocks_dram_ = &metrics->GetGauge("orbitkv_cache_resident_blocks",
+                                             "Published residences", {{"tier", "dram"}});
+  pinned_blocks_ =
+      &metrics->GetGauge("orbitkv_cache_pinned_blocks",
+                         "DRAM blocks held by leases, copies, write-backs or peer reads");
+}
+
+BlockTable::~BlockTable() {
+  for (auto& shard_ptr : shards_) {
+    Shard& shard = *shard_ptr;
+    MutexLock lock(&shard.mu);
+    for (size_t slot = 0; slot < shard.slots.size(); ++slot) {
+      Block& block = shard.slots[slot];
+      ORBITKV_CHECK_MSG(block.pins == 0 && block.state != BlockState::kPreparing,
+                        "BlockTable destroyed while a block is pinned or being written");
+      if (block.state == BlockState::kSealed) {
+        resident_bytes_dram_->Add(-static_cast<double>(block.memory.requested_bytes));
+        resident_blocks_dram_->Add(-1);
+        pool_->Free(block.memory);
+      }
+    }
+    resident_bytes_ssd_->Add(-static_cast<double>(shard.ssd_bytes));
+  }
+}
+
+uint32_t BlockTable::AllocateSlot(Shard& shard) {
+  if (!shard.free_slots.empty()) {
+    uint32_t slot = shard.free_slots.back();
+    shard.free_slots.pop_back();
+    return slot;
+  }
+  ORBITKV_CHECK(shard.slots.size() < kNone);
+  shard.slots.emplace_back();
+  return static_cast<uint32_t>(shard.slots.size() - 1);
+}
+
+void BlockTable::ReleaseSlot(Shard& shard, uint32_t slot) {
+  Block& block = shard.slots[slot];
+  block.memory = PoolBlock{};
+  block.key.reset();
+  block.state = BlockState::kFree;
+  block.segment = Segment::kNone;
+  block.residence_generation = 0;
+  block.under_pressure = false;
+  block.referenced = false;
+  // Generation 0 never names a live slot, so skip it on wrap-around.
+  if (++block.slot_generation == 0) block.slot_generation = 1;
+  shard.free_slots.push_back(slot);
+}
+
+void BlockTable::FreeBlock(Shard& shard, uint32_t slot) {
+  Block& block = shard.slots[slot];
+  ORBITKV_CHECK(block.pins == 0 && block.state == BlockState::kUnpublished);
+  pool_->Free(block.memory);
+  --shard.unpublished_blocks;
+  ReleaseSlot(shard, slot);
+}
+
+BlockTable::List& BlockTable::ListOf(Shard& shard, Segment segment) {
+  ORBITKV_CHECK(segment != Segment::kNone);
+  return segment == Segment::kWindow ? shard.window : shard.main;
+}
+
+void BlockTable::PushFront(Shard& shard, uint32_t slot, Segment segment) {
+  Block& block = shard.slots[slot];
+  ORBITKV_CHECK(!block.on_list);
+  List& list = ListOf(shard, segment);
+  block.segment = segment;
+  block.on_list = true;
+  block.referenced = false;
+  block.prev = kNone;
+  block.next = list.head;
+  if (list.head != kNone) shard.slots[list.head].prev = slot;
+  list.head = slot;
+  if (list.tail == kNone) list.tail = slot;
+  list.bytes += block.memory.class_bytes;
+}
+
+void BlockTable::Unlink(Shard& shard, uint32_t slot) {
+  Block& block = shard.slots[slot];
+  if (!block.on_list) return;
+  List& list = ListOf(shard, block.segment);
+  if (block.prev != kNone)
+    shard.slots[block.prev].next = block.next;
+  else
+    list.head = block.next;
+  if (block.next != kNone)
+    shard.slots[block.next].prev = block.prev;
+  else
+    list.tail = block.prev;
+  block.prev = block.next = kNone;
+  block.on_list = false;
+  list.bytes -= block.memory.class_bytes;
+}
+
+void BlockTable::Touch(Shard& shard, uint32_t slot) {
+  // Pinned blocks are on no list; they go to the front when the last pin drops.
+  shard.slots[slot].referenced = true;
+}
+
+uint32_t BlockTable::SettledTail(Shard& shard, Segment segment) {
+  List& list = ListOf(shard, segment);
+  // Each referenced block moves once and loses its bit, so this ends within one pass over the list.
+  while (list.tail != kNone && shard.slots[list.tail].referenced) {
+    const uint32_t slot = list.tail;
+    Unlink(shard, slot);
+    PushFront(shard, slot, segment);
+  }
+  return list.tail;
+}
+
+void BlockTable::EraseEntryIfEmpty(Shard& shard, const StateKey& key, const Entry& entry) {
+  if (entry.dram == kNone && entry.preparing == kNone && !entry.ssd.has_value())
+    shard.entries.erase(key);
+}
+
+void BlockTable::TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool present,
+                                TransitionCause cause) {
+  Block& block = shard.slots[slot];
+  const uint64_t bytes = block.memory.requested_bytes;
+  if (present) {
+    ORBITKV_CHECK(entry.dram == kNone && block.state == BlockState::kPreparing);
+    block.state = BlockState::kSealed;
+    entry.dram = slot;
+    ++shard.resident_blocks;
+    shard.resident_bytes += bytes;
+    resident_bytes_dram_->Add(static_cast<double>(bytes));
+    resident_blocks_dram_->Add(1);
+  } else {
+    ORBITKV_CHECK(entry.dram == slot && block.state == BlockState::kSealed);
+    Unlink(shard, slot);
+    block.state = BlockState::kUnpublished;
+    ++shard.unpublished_blocks;
+    entry.dram = kNone;
+    --shard.resident_blocks;
+    shard.resident_bytes -= bytes;
+    resident_bytes_dram_->Add(-static_cast<double>(bytes));
+    resident_blocks_dram_->Add(-1);
+  }
+  inventory_->Apply(block.inventory_shard, *block.key, Tier::kDram, present, cause,
+                    block.residence_generation, bytes);
+}
+
+uint64_t BlockTable::TransitionSsd(Shard& shard, Entry& entry, const StateKey& key,
+                                   std::optional<SsdResidence> residence, TransitionCause cause) {
+  const uint64_t old_bytes = entry.ssd.has_value() ? entry.ssd->bytes : 0;
+  if (residence.has_value()) {
+    if (!entry.ssd.has_value()) ++shard.ssd_residences;
+    shard.ssd_bytes += residence->bytes - old_bytes;
+    resident_bytes_ssd_->Add(static_cast<double>(residence->bytes) -
+                             static_cast<double>(old_bytes));
+    entry.ssd = residence;
+    inventory_->Apply(entry.inventory_shard, key, Tier::kSsd, true, cause, residence->generation,
+                      residence->bytes);
+    return residence->generation;
+  }
+  ORBITKV_CHECK(entry.ssd.has_value());
+  const uint64_t generation = entry.ssd->generation;
+  --shard.ssd_residences;
+  shard.ssd_bytes -= old_bytes;
+  resident_bytes_ssd_->Add(-static_cast<double>(old_bytes));
+  entry.ssd.reset();
+  inventory_->Apply(entry.inventory_shard, key, Tier::kSsd, false, cause, generation, old_bytes);
+  return generation;
+}
+
+BlockPin BlockTable::PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot) {
+  Block& block = shard.slots[slot];
+  if (block.pins == 0) {
+    Unlink(shard, slot);
+    ++shard.pinned_blocks;
+    pinned_blocks_->Add(1);
+  }
+  ++block.pins;
+  return BlockPin(this, BlockRef{shard_index, slot, block.slot_generation}, block.memory.data,
+                  block.memory.requested_bytes, block.residence_generation);
+}
+
+void BlockTable::Unpin(const BlockRef& ref) {
+  Shard& shard = *shards_[ref.shard];
+  MutexLock lock(&shard.mu);
+  Block& block = shard.slots[ref.index];
+  ORBITKV_CHECK_MSG(block.slot_generation == ref.generation && block.pins > 0,
+                    "unpin of block slot {} generation {} that holds no pin", ref.index,
+                    ref.generation);
+  if (--block.pins > 0) return;
+  --shard.pinned_blocks;
+  pinned_blocks_->Add(-1);
+  if (block.state == BlockState::kSealed) {
+    // The use just finished counts as the most recent access.
+    PushFront(shard, ref.index, block.segment);
+  } else {
+    FreeBlock(shard, ref.index);
+  }
+}
+
+Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
+  if (bytes == 0) return Status::InvalidArgument("cannot prepare an empty block");
+  const uint64_t hash = key.Hash64();
+  const uint32_t shard_index = ShardIndex(hash);
+  Shard& shard = *shards_[shard_index];
+  // SHA-256 placement is computed outside the lock; it is only needed for a new entry.
+  const uint32_t inventory_shard = inventory_->ShardFor(key);
+  uint32_t slot = kNone;
+  uint32_t slot_generation = 0;
+  {
+    MutexLock lock(&shard.mu);
+    shard.sketch.Increment(hash);
+    auto [it, inserted] = shard.entries.try_emplace(key);
+    Entry& entry = it->second;
+    if (inserted) entry.inventory_shard = inventory_shard;
+    if (entry.dram != kNone) return Status::AlreadyExists("block is already resident in DRAM");
+    if (entry.preparing != kNone)
+      return Status::Aborted("block is being written by another publisher");
+    slot = AllocateSlot(shard);
+    Block& block = shard.slots[slot];
+    block.key = key;
+    block.hash = hash;
+    block.inventory_shard = inventory_shard;
+    block.state = BlockState::kPreparing;
+    slot_generation = block.slot_generation;
+    entry.preparing = slot;
+    ++shard.preparing_blocks;
+  }
+
+  // Allocation and eviction run without this shard's lock: eviction takes shard locks itself.
+  // The key's own shard evicts first, so its admission window drains as fast as it fills.
+  Result<PoolBlock> memory = pool_->Allocate(bytes);
+  bool under_pressure = false;
+  while (!memory.ok() && memory.status().code() == StatusCode::kResourceExhausted) {
+    under_pressure = true;
+    if (EvictOne(shard_index) == 0) break;
+    memory = pool_->Allocate(bytes);
+  }
+
+  MutexLock lock(&shard.mu);
+  Block& block = shard.slots[slot];
+  if (!memory.ok()) {
+    Entry& entry = shard.entries.at(key);
+    entry.preparing = kNone;
+    --shard.preparing_blocks;
+    ReleaseSlot(shard, slot);
+    EraseEntryIfEmpty(shard, key, entry);
+    if (memory.status().code() != StatusCode::kResourceExhausted) return memory.status();
+    prepare_exhausted_->Increment();
+    return Status::ResourceExhausted(fmt::format(
+        "DRAM pool cannot fit a {}-byte block: every block is pinned by a lease or copy, or being "
+        "written; retry after leases are released",
+        bytes));
+  }
+  block.memory = *memory;
+  block.under_pressure = under_pressure;
+  return BlockWriter(this, BlockRef{shard_index, slot, slot_generation}, block.memory.data, bytes);
+}
+
+uint64_t BlockTable::Seal(BlockWriter& writer, TransitionCause cause) {
+  ORBITKV_CHECK_MSG(writer.table_ == this, "Seal of a writer that is not live for this table");
+  const BlockRef ref = writer.ref_;
+  writer.table_ = nullptr;
+  Shard& shard = *shards_[ref.shard];
+  MutexLock lock(&shard.mu);
+  Block& block = shard.slots[ref.index];
+  ORBITKV_CHECK(block.slot_generation == ref.generation && block.state == BlockState::kPreparing);
+  Entry& entry = shard.entries.at(*block.key);
+  ORBITKV_CHECK(entry.preparing == ref.index);
+  entry.preparing = kNone;
+  --shard.preparing_blocks;
+  block.residence_generation = next_generation_.fetch_add(1, std::memory_order_relaxed);
+  TransitionDram(shard, entry, ref.index, /*present=*/true, cause);
+  PushFront(shard, ref.index, Segment::kWindow);
+  if (!block.under_pressure) {
+    // The pool had room, so the main segment does too: blocks leaving the window need no duel.
+    while (shard.window.bytes > window_bytes_per_shard_ && shard.window.tail != ref.index) {
+      const uint32_t oldest = shard.window.tail;
+      Unlink(shard, oldest);
+      PushFront(shard, oldest, Segment::kMain);
+    }
+  }
+  return block.residence_generation;
+}
+
+void BlockTable::AbortWrite(const BlockRef& ref) {
+  Shard& shard = *shards_[ref.shard];
+  MutexLock lock(&shard.mu);
+  Block& block = shard.slots[ref.index];
+  ORBITKV_CHECK(block.slot_generation == ref.generation && block.state == BlockState::kPreparing);
+  const StateKey key = *block.key;
+  Entry& entry = shard.entries.at(key);
+  entry.preparing = kNone;
+  --shard.preparing_blocks;
+  pool_->Free(block.memory);
+  ReleaseSlot(shard, ref.index);
+  EraseEntryIfEmpty(shard, key, entry);
+}
+
+bool BlockTable::EvictOneLocked(Shard& shard, uint32_t shard_index, std::vector<Evicted>* out) {
+  uint32_t target = kNone;
+  const uint32_t candidate = SettledTail(shard, Segment::kWindow);
+  const uint32_t victim = SettledTail(shard, Segment::kMain);
+  if (candidate != kNone && victim != kNone) {
+    // Admission duel: the window's oldest block enters the main segment only if it is accessed more
+    // often than the main segment's least recently used block; ties keep the incumbent.
+    if (shard.sketch.AdmitCandidate(shard.slots[candidate].hash, shard.slots[victim].hash)) {
+      Unlink(shard, candidate);
+      PushFront(shard, candidate, Segment::kMain);
+      target = victim;
+    } else {
+      target = candidate;
+      admissions_rejected_->Increment();
+    }
+  } else if (victim != kNone) {
+    target = victim;
+  } else if (candidate != kNone) {
+    target = candidate;
+  } else {
+    return false;
+  }
+  Block& block = shard.slots[target];
+  const StateKey key = *block.key;
+  Entry& entry = shard.entries.at(key);
+  TransitionDram(shard, entry, target, /*present=*/false, TransitionCause::kEvict);
+  evictions_dram_->Increment();
+  // The table's reference becomes the pin handed to the listener; the block is freed when it drops.
+  out->push_back(Evicted{key, PinLocked(shard, shard_index, target)});
+  EraseEntryIfEmpty(shard, key, entry);
+  return true;
+}
+
+void BlockTable::FinishEvictions(std::vector<Evicted>* evicted) {
+  for (Evicted& e : *evicted) {
+    if (eviction_listener_) eviction_listener_(e.key, std::move(e.pin));
+    e.pin.Reset();
+  }
+  evicted->clear();
+}
+
+uint64_t BlockTable::EvictOne(uint32_t first) {
+  const uint32_t n = shard_count();
+  std::vector<Evicted> evicted;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t shard_index = (first + i) % n;
+    Shard& shard = *shards_[shard_index];
+    MutexLock lock(&shard.mu);
+    if (EvictOneLocked(shard, shard_index, &evicted)) break;
+  }
+  if (evicted.empty()) return 0;
+  const uint64_t bytes = evicted.front().pin.bytes();
+  FinishEvictions(&evicted);
+  return bytes;
+}
+
+uint64_t BlockTable::EvictBytes(uint64_t bytes) {
+  uint64_t evicted = 0;
+  while (evicted < bytes) {
+    const uint64_t one =
+        EvictOne(evict_cursor_.fetch_add(1, std::memory_order_relaxed) % shard_count());
+    if (one == 0) break;
+    evicted += one;
+  }
+  return evicted;
+}
+
+size_t BlockTable::LookupPrefix(std::span<const StateKey> keys) {
+  size_t hit = 0;
+  for (const StateKey& key : keys) {
+    const uint64_t hash = key.Hash64();
+    Shard& shard = ShardOf(hash);
+    MutexLock lock(&shard.mu);
+    shard.sketch.Increment(hash);
+    auto it = shard.entries.find(HashedKey{&key, hash});
+    if (it == shard.entries.end() || it->second.dram == kNone) break;
+    Touch(shard, it->second.dram);
+    ++hit;
+  }
+  hits_->Increment(hit);
+  misses_->Increment(keys.size() - hit);
+  return hit;
+}
+
+size_t BlockTable::LookupPrefixTiers(std::span<const StateKey> keys,
+                                     std::vector<Residence>* tiers) {
+  size_t found = 0;
+  size_t dram_hits = 0;
+  for (const StateKey& key : keys) {
+    const uint64_t hash = key.Hash64();
+    Shard& shard = ShardOf(hash);
+    MutexLock lock(&shard.mu);
+    shard.sketch.Increment(hash);
+    auto it = shard.entries.find(HashedKey{&key, hash});
+    if (it == shard.entries.end()) break;
+    if (it->second.dram != kNone) {
+      Touch(shard, it->second.dram);
+      tiers->push_back(Residence::kDram);
+      ++dram_hits;
+    } else if (it->second.ssd.has_value()) {
+      tiers->push_back(Residence::kSsd);
+    } else {
+      break;
+    }
+    ++found;
+  }
+  hits_->Increment(dram_hits);
+  misses_->Increment(keys.size() - dram_hits);
+  return found;
+}
+
+size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPin>* pins) {
+  size_t hit = 0;
+  for (const StateKey& key : keys) {
+    const uint64_t hash = key.Hash64();
+    const uint32_t shard_index = ShardIndex(hash);
+    Shard& shard = *shards_[shard_index];
+    MutexLock lock(&shard.mu);
+    shard.sketch.Increment(hash);
+    auto it = shard.entries.find(HashedKey{&key, hash});
+    if (it == shard.entries.end() || it->second.dram == kNone) break;
+    pins->push_back(PinLocked(shard, shard_index, it->second.dram));
+    ++hit;
+  }
+  hits_->Increment(hit);
+  misses_->Increment(keys.size() - hit);
+  return hit;
+}
+
+Result<BlockPin> BlockTable::Pin(const StateKey& key) {
+  const uint64_t hash = key.Hash64();
+  const uint32_t shard_index = ShardIndex(hash);
+  Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  auto it = shard.entries.find(key);
+  if (it == shard.entries.end() || it->second.dram == kNone) {
+    return Status::NotFound("block is not resident in DRAM");
+  }
+  return PinLocked(shard, shard_index, it->second.dram);
+}
+
+Result<BlockPin> BlockTable::PinRef(const BlockRef& ref) {
+  if (ref.shard >= shards_.size()) {
+    return Status::InvalidArgument(
+        fmt::format("block ref names shard {} of {}", ref.shard, shards_.size()));
+  }
+  Shard& shard = *shards_[ref.shard];
+  MutexLock lock(&shard.mu);
+  if (ref.index >= shard.slots.size()) {
+    return Status::InvalidArgument(
+        fmt::format("block ref names slot {} of {}", ref.index, shard.slots.size()));
+  }
+  Block& block = shard.slots[ref.index];
+  if (block.slot_generation != ref.generation || block.state != BlockState::kSealed) {
+    return Status::Aborted(
+        fmt::format("block ref slot {} generation {} is stale", ref.index, ref.generation));
+  }
+  return PinLocked(shard, ref.shard, ref.index);
+}
+
+Status BlockTable::Remove(const StateKey& key, Tier tier, TransitionCause cause) {
+  const uint64_t hash = key.Hash64();
+  Shard& shard = ShardOf(hash);
+  MutexLock lock(&shard.mu);
+  auto it = shard.entries.find(key);
+  if (tier == Tier::kDram) {
+    if (it == shard.entries.end() || it->second.dram == kNone)
+      return Status::NotFound("no DRAM residence");
+    const uint32_t slot = it->second.dram;
+    TransitionDram(shard, it->second, slot, /*present=*/false, cause);
+    if (shard.slots[slot].pins == 0) FreeBlock(shard, slot);
+  } else {
+    if (it == shard.entries.end() || !it->second.ssd.has_value())
+      return Status::NotFound("no SSD residence");
+    TransitionSsd(shard, it->second, key, std::nullopt, cause);
+  }
+  EraseEntryIfEmpty(shard, key, it->second);
+  return Status::Ok();
+}
+
+size_t BlockTable::RemoveAllDram() {
+  size_t removed = 0;
+  for (auto& shard_ptr : shards_) {
+    Shard& shard = *shard_ptr;
+    MutexLock lock(&shard.mu);
+    for (auto it = shard.entries.begin(); it != shard.entries.end();) {
+      Entry& entry = it->second;
+      if (entry.dram != kNone) {
+        const uint32_t slot = entry.dram;
+        TransitionDram(shard, entry, slot, /*present=*/false, TransitionCause::kCleanup);
+        if (shard.slots[slot].pins == 0) FreeBlock(shard, slot);
+        ++removed;
+      }
+      if (entry.dram == kNone && entry.preparing == kNone && !entry.ssd.has_value()) {
+        it = shard.entries.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return removed;
+}
+
+uint64_t BlockTable::PublishSsd(const StateKey& key, uint64_t locator, uint64_t bytes,
+                                TransitionCause cause) {
+  const uint64_t hash = key.Hash64();
+  Shard& shard = ShardOf(hash);
+  const uint32_t inventory_shard = inventory_->ShardFor(key);
+  MutexLock lock(&shard.mu);
+  auto [it, inserted] = shard.entries.try_emplace(key);
+  if (inserted) it->second.inventory_shard = inventory_shard;
+  const uint64_t generation = next_generation_.fetch_add(1, std::memory_order_relaxed);
+  const TransitionCause effective = it->second.ssd.has_value() ? TransitionCause::kReplace : cause;
+  return TransitionSsd(shard, it->second, key, SsdResidence{generation, locator, bytes}, effective);
+}
+
+std::optional<SsdResidence> BlockTable::FindSsd(const StateKey& key) {
+  Shard& shard = ShardOf(key.Hash64());
+  MutexLock lock(&shard.mu);
+  auto it = shard.entries.find(key);
+  if (it == shard.entries.end()) return std::nullopt;
+  return it->second.ssd;
+}
+
+Status BlockTable::DropSsd(const StateKey& key, uint64_t generation, TransitionCause cause) {
+  Shard& shard = ShardOf(key.Hash64());
+  MutexLock lock(&shard.mu);
+  auto it = shard.entries.find(key);
+  if (it == shard.entries.end() || !it->second.ssd.has_value())
+    return Status::NotFound("no SSD residence");
+  if (it->second.ssd->generation != generation) {
+    return Status::Aborted(fmt::format("SSD residence generation is {}, not {}",
+                                       it->second.ssd->generation, generation));
+  }
+  TransitionSsd(shard, it->second, key, std::nullopt, cause);
+  EraseEntryIfEmpty(shard, key, it->second);
+  return Status::Ok();
+}
+
+BlockTableStats BlockTable::Stats() const {
+  BlockTableStats stats;
+  for (const auto& shard_ptr : shards_) {
+    const Shard& shard = *shard_ptr;
+    MutexLock lock(&shard.mu);
+    stats.resident_blocks += shard.resident_blocks;
+    stats.resident_bytes += shard.resident_bytes;
+    stats.pinned_blocks += shard.pinned_blocks;
+    stats.preparing_blocks += shard.preparing_blocks;
+    stats.unpublished_blocks += shard.unpublished_blocks;
+    stats.ssd_residences += shard.ssd_residences;
+    stats.ssd_bytes += shard.ssd_bytes;
+  }
+  return stats;
+}
+
+}  // namespace orbitkv::core

@@ -1,0 +1,372 @@
+// BlockTable: the content-addressed table of cached blocks, keyed by StateKey, with DRAM payloads
+// in the pinned pool and an independent SSD residence per key.
+//
+// A DRAM block moves through preparing -> sealed -> evicting. Prepare() allocates pool memory for a
+// writer that is not visible to readers; Seal() publishes it as the key's DRAM residence with a
+// fresh generation; eviction, cleanup or replacement unpublish it (evicting) and its memory returns
+// to the pool once nothing references it. Readers only ever see sealed blocks. Every publish and
+// unpublish of a residence, DRAM or SSD, goes through one transition function that changes the
+// table and appends to the ResidencyInventory in the same locked step.
+//
+// A block slot is referenced by the table while it is the key's published residence, and once per
+// BlockPin (a lease, a running copy, an SSD write-back, a peer read). Like leveldb's cache, a
+// sealed block sits on an LRU list only while the table alone references it; pinned blocks are on
+// no list, so they are never evicted. A slot (and its pool memory) is reused only when it is
+// unpublished (the seed's SemanticDead condition) and has no pin left (ExecutionComplete).
+//
+// Replacement is W-TinyLFU: new blocks enter a small admission window. While the pool has room,
+// blocks leaving the window (beyond window_fraction of the pool) move to the main segment. Once
+// memory must be freed, each eviction makes the window's oldest block (the candidate) duel the main
+// segment's least recently used block (the victim) on estimated access frequency, and the loser is
+// evicted. A block seen once therefore leaves through the window without flushing a hot prefix out
+// of the main segment. Evictions start in the shard of the block being written, so each shard's
+// window drains as fast as it fills.
+//
+// The table is split into shards by StateKey::Hash64 (leveldb's ShardedLRUCache shape), each with
+// its own mutex, LRU lists and frequency sketch, so lookups from many sessions do not serialize on
+// one lock. Lock order: a table shard's mutex, then the pool's and the inventory's; callbacks (the
+// eviction listener) run with no lock.
+//
+// Thread safety: all methods are safe from any thread.
+#ifndef ORBITKV_CORE_BLOCK_TABLE_H_
+#define ORBITKV_CORE_BLOCK_TABLE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "base/metrics.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/thread_annotations.h"
+#include "core/frequency_sketch.h"
+#include "core/inventory.h"
+#include "core/slab_pool.h"
+#include "state/state_key.h"
+
+namespace orbitkv::core {
+
+class BlockTable;
+
+// Names one DRAM block version: the slot and the slot's generation. This, packed, is what crosses a
+// process boundary; a stale value is detected, never dereferenced.
+struct BlockRef {
+  uint32_t shard = 0;
+  uint32_t index = 0;
+  uint32_t generation = 0;  // 0 is never a live slot generation
+  friend bool operator==(const BlockRef&, const BlockRef&) = default;
+};
+
+// One reference on a DRAM block: while it exists the block's bytes stay valid and unchanged and the
+// block is not evicted. Move-only; destruction releases the reference (and frees the block if it
+// was the last one and the block is no longer published).
+class BlockPin {
+ public:
+  BlockPin() = default;
+  BlockPin(BlockPin&& other) noexcept;
+  BlockPin& operator=(BlockPin&& other) noexcept;
+  BlockPin(const BlockPin&) = delete;
+  BlockPin& operator=(const BlockPin&) = delete;
+  ~BlockPin() { Reset(); }
+
+  bool valid() const { return table_ != nullptr; }
+  const BlockRef& ref() const { return ref_; }
+  const uint8_t* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+  // Residence generation of the DRAM block (unique per publication, shared by every pin of it).
+  uint64_t generation() const { return generation_; }
+  void Reset();
+
+ private:
+  friend class BlockTable;
+  BlockPin(BlockTable* table, BlockRef ref, const uint8_t* data, uint64_t bytes,
+           uint64_t generation)
+      : table_(table), ref_(ref), data_(data), bytes_(bytes), generation_(generation) {}
+
+  BlockTable* table_ = nullptr;
+  BlockRef ref_;
+  const uint8_t* data_ = nullptr;
+  uint64_t bytes_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// Exclusive write access to a preparing block. Seal() publishes it; dropping it unsealed aborts the
+// write and frees the memory. Move-only.
+class BlockWriter {
+ public:
+  BlockWriter() = default;
+  BlockWriter(BlockWriter&& other) noexcept;
+  BlockWriter& operator=(BlockWriter&& other) noexcept;
+  BlockWriter(const BlockWriter&) = delete;
+  BlockWriter& operator=(const BlockWriter&) = delete;
+  ~BlockWriter() { Abort(); }
+
+  bool valid() const { return table_ != nullptr; }
+  uint8_t* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+  const BlockRef& ref() const { return ref_; }
+  void Abort();
+
+ private:
+  friend class BlockTable;
+  BlockWriter(BlockTable* table, BlockRef ref, uint8_t* data, uint64_t bytes)
+      : table_(table), ref_(ref), data_(data), bytes_(bytes) {}
+
+  BlockTable* table_ = nullptr;
+  BlockRef ref_;
+  uint8_t* data_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+// An SSD residence as the table records it; the storage module owns the meaning of `locator`.
+struct SsdResidence {
+  uint64_t generation = 0;
+  uint64_t locator = 0;
+  uint64_t bytes = 0;
+};
+
+// Where each key of a lookup can be served from.
+enum class Residence : uint8_t { kMiss = 0, kDram = 1, kSsd = 2 };
+
+struct BlockTableStats {
+  uint64_t resident_blocks = 0;     // sealed DRAM residences
+  uint64_t resident_bytes = 0;      // their requested bytes
+  uint64_t pinned_blocks = 0;       // DRAM blocks with at least one pin (published or not)
+  uint64_t preparing_blocks = 0;    // writers not yet sealed
+  uint64_t unpublished_blocks = 0;  // evicted or removed but still pinned
+  uint64_t ssd_residences = 0;
+  uint64_t ssd_bytes = 0;
+};
+
+class BlockTable {
+ public:
+  struct Options {
+    uint32_t shards = 16;
+    // Share of the pool's capacity that the W-TinyLFU admission window may hold.
+    double window_fraction = 0.01;
+    // Sizes the frequency sketches; about the number of blocks the pool holds.
+    uint64_t expected_blocks = 65536;
+  };
+
+  // The SSD tier installs this to take a write-back copy of an evicted DRAM block. It runs with no
+  // lock held, on the evicting thread; keeping the pin keeps the bytes valid until the copy is
+  // done.
+  using EvictionListener = std::function<void(const state::StateKey& key, BlockPin pin)>;
+
+  // `pool`, `inventory` and `metrics` must outlive the table.
+  BlockTable(const Options& options, PinnedPool* pool, ResidencyInventory* inventory,
+             MetricsRegistry* metrics);
+  // Every BlockPin and BlockWriter must be gone (CHECK); remaining published blocks are freed.
+  ~BlockTable();
+  BlockTable(const BlockTable&) = delete;
+  BlockTable& operator=(const BlockTable&) = delete;
+
+  // Set before use; not synchronized with concurrent evictions.
+  void SetEvictionListener(EvictionListener listener) { eviction_listener_ = std::move(listener); }
+
+  // Allocates `bytes` of pool memory for `key`, evicting unpinned blocks as needed.
+  // AlreadyExists: the key already has a sealed DRAM residence (nothing to write).
+  // Aborted: another writer is preparing the same key right now.
+  // ResourceExhausted: nothing more can be evicted (all memory pinned or preparing): backpressure.
+  // InvalidArgument: bytes is 0 or larger than the pool's largest block.
+  Result<BlockWriter> Prepare(const state::StateKey& key, uint64_t bytes);
+
+  // Publishes the written block as the key's DRAM residence (inventory cause kAdmit, or kRestore
+  // when it was filled from another tier or a peer) and returns its residence generation. The
+  // writer becomes invalid.
+  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit);
+
+  // Length of the longest prefix of `keys` with sealed DRAM residences. Counts as an access to each
+  // examined key.
+  size_t LookupPrefix(std::span<const state::StateKey> keys);
+  // Per key, the best residence (DRAM before SSD), up to the first key with neither; returns that
+  // prefix length.
+  size_t LookupPrefixTiers(std::span<const state::StateKey> keys, std::vector<Residence>* tiers);
+
+  // Pins the longest DRAM-resident prefix of `keys`, appending one pin per key to `pins`; returns
+  // its length.
+  size_t PinPrefix(std::span<const state::StateKey> keys, std::vector<BlockPin>* pins);
+  // NotFound when the key has no sealed DRAM residence.
+  Result<BlockPin> Pin(const state::StateKey& key);
+  // Re-pins a block named by a ref from another process. Aborted when the ref is stale (slot reused
+  // or freed), InvalidArgument when it is out of range.
+  Result<BlockPin> PinRef(const BlockRef& ref);
+
+  // Unpublishes the key's residence on `tier` (cause kCleanup by default). A pinned DRAM block
+  // stays readable through its pins and is freed after the last one. NotFound when there is no such
+  // residence.
+  Status Remove(const state::StateKey& key, Tier tier,
+                TransitionCause cause = TransitionCause::kCleanup);
+  // Unpublishes every DRAM residence (pinned ones stay readable through their pins). Returns how
+  // many.
+  size_t RemoveAllDram();
+  // Evicts unpinned DRAM blocks in replacement order until at least `bytes` were unpublished or
+  // none is left.
+  uint64_t EvictBytes(uint64_t bytes);
+
+  // Publishes (or replaces) the key's SSD residence after its write completed; returns the new
+  // generation.
+  uint64_t PublishSsd(const state::StateKey& key, uint64_t locator, uint64_t bytes,
+                      TransitionCause cause = TransitionCause::kAdmit);
+  std::optional<SsdResidence> FindSsd(const state::StateKey& key);
+  // Removes the SSD residence only if it still has `generation` (a late failure never drops a newer
+  // copy). NotFound when absent, Aborted when the generation differs.
+  Status DropSsd(const state::StateKey& key, uint64_t generation, TransitionCause cause);
+
+  BlockTableStats Stats() const;
+  uint32_t shard_count() const { return static_cast<uint32_t>(shards_.size()); }
+
+ private:
+  friend class BlockPin;
+  friend class BlockWriter;
+
+  static constexpr uint32_t kNone = UINT32_MAX;
+
+  enum class BlockState : uint8_t { kFree, kPreparing, kSealed, kUnpublished };
+  enum class Segment : uint8_t { kNone, kWindow, kMain };
+
+  struct Block {
+    std::optional<state::StateKey> key;
+    uint64_t hash = 0;
+    PoolBlock memory;
+    uint64_t residence_generation = 0;
+    uint32_t slot_generation = 1;
+    uint32_t pins = 0;  // live BlockPins; a sealed block is also referenced by the table itself
+    uint32_t inventory_shard = 0;
+    BlockState state = BlockState::kFree;
+    Segment segment = Segment::kNone;  // the segment it belongs to, kept while pinned
+    bool on_list = false;
+    bool under_pressure = false;  // its Prepare had to evict: the pool was full
+    bool referenced = false;      // accessed since it was last placed at the front of its list
+    uint32_t prev = kNone;
+    uint32_t next = kNone;
+  };
+
+  struct Entry {
+    uint32_t dram = kNone;       // sealed block slot
+    uint32_t preparing = kNone;  // writer's slot
+    std::optional<SsdResidence> ssd;
+    uint32_t inventory_shard = 0;
+  };
+
+  // A key with its hash computed once: lookups hash each key once for the shard choice and the map
+  // probe.
+  struct HashedKey {
+    const state::StateKey* key;
+    uint64_t hash;
+  };
+  struct EntryHash {
+    using is_transparent = void;
+    size_t operator()(const state::StateKey& key) const { return key.Hash64(); }
+    size_t operator()(const HashedKey& key) const { return key.hash; }
+  };
+  struct EntryEqual {
+    using is_transparent = void;
+    bool operator()(const state::StateKey& a, const state::StateKey& b) const { return a == b; }
+    bool operator()(const HashedKey& a, const state::StateKey& b) const { return *a.key == b; }
+    bool operator()(const state::StateKey& a, const HashedKey& b) const { return a == *b.key; }
+  };
+
+  struct List {
+    uint32_t head = kNone;  // most recently used
+    uint32_t tail = kNone;  // least recently used
+    uint64_t bytes = 0;
+  };
+
+  struct Shard {
+    explicit Shard(uint64_t expected_entries) : sketch(expected_entries) {}
+    mutable Mutex mu;
+    std::unordered_map<state::StateKey, Entry, EntryHash, EntryEqual> entries GUARDED_BY(mu);
+    std::deque<Block> slots GUARDED_BY(mu);
+    std::vector<uint32_t> free_slots GUARDED_BY(mu);
+    List window GUARDED_BY(mu);
+    List main GUARDED_BY(mu);
+    FrequencySketch sketch GUARDED_BY(mu);
+    uint64_t resident_blocks GUARDED_BY(mu) = 0;
+    uint64_t resident_bytes GUARDED_BY(mu) = 0;
+    uint64_t pinned_blocks GUARDED_BY(mu) = 0;
+    uint64_t preparing_blocks GUARDED_BY(mu) = 0;
+    uint64_t unpublished_blocks GUARDED_BY(mu) = 0;
+    uint64_t ssd_residences GUARDED_BY(mu) = 0;
+    uint64_t ssd_bytes GUARDED_BY(mu) = 0;
+  };
+
+  // A block unpublished under a shard lock, handed to the listener (or just released) after
+  // unlocking.
+  struct Evicted {
+    state::StateKey key;
+    BlockPin pin;
+  };
+
+  Shard& ShardOf(uint64_t hash) { return *shards_[hash % shards_.size()]; }
+  uint32_t ShardIndex(uint64_t hash) const { return static_cast<uint32_t>(hash % shards_.size()); }
+
+  // The one residency transition function: publishes (present) or unpublishes a residence in the
+  // table and records it in the inventory, in one step under the shard lock.
+  void TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool present,
+                      TransitionCause cause) REQUIRES(shard.mu);
+  uint64_t TransitionSsd(Shard& shard, Entry& entry, const state::StateKey& key,
+                         std::optional<SsdResidence> residence, TransitionCause cause)
+      REQUIRES(shard.mu);
+
+  // Picks and unpublishes one victim in `shard` by W-TinyLFU; false when the shard has nothing
+  // evictable.
+  bool EvictOneLocked(Shard& shard, uint32_t shard_index, std::vector<Evicted>* out)
+      REQUIRES(shard.mu);
+  // Evicts one block from shard `first`, or else the next shard that has one; returns its bytes, 0
+  // when no shard has anything evictable.
+  uint64_t EvictOne(uint32_t first);
+  void FinishEvictions(std::vector<Evicted>* evicted);
+
+  uint32_t AllocateSlot(Shard& shard) REQUIRES(shard.mu);
+  void ReleaseSlot(Shard& shard, uint32_t slot) REQUIRES(shard.mu);
+  BlockPin PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot) REQUIRES(shard.mu);
+  void FreeBlock(Shard& shard, uint32_t slot) REQUIRES(shard.mu);
+  void Unpin(const BlockRef& ref);
+  void AbortWrite(const BlockRef& ref);
+  void Touch(Shard& shard, uint32_t slot) REQUIRES(shard.mu);
+
+  List& ListOf(Shard& shard, Segment segment) REQUIRES(shard.mu);
+  // The least recently used block of `list`, after giving referenced blocks at the tail a second
+  // chance (moving them to the front): lookups only set a bit, so the hot path never relinks lists.
+  // kNone when empty.
+  uint32_t SettledTail(Shard& shard, Segment segment) REQUIRES(shard.mu);
+  void PushFront(Shard& shard, uint32_t slot, Segment segment) REQUIRES(shard.mu);
+  void Unlink(Shard& shard, uint32_t slot) REQUIRES(shard.mu);
+  void EraseEntryIfEmpty(Shard& shard, const state::StateKey& key, const Entry& entry)
+      REQUIRES(shard.mu);
+
+  // Immutable after construction.
+  PinnedPool* const pool_;
+  ResidencyInventory* const inventory_;
+  uint64_t window_bytes_per_shard_ = 0;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  EvictionListener eviction_listener_;
+
+  // Residence generations are unique per publication across the table; relaxed: only uniqueness
+  // matters.
+  std::atomic<uint64_t> next_generation_{1};
+  // Where the next cross-shard eviction search starts, so pressure spreads over shards; relaxed: a
+  // hint.
+  std::atomic<uint32_t> evict_cursor_{0};
+
+  Counter* hits_ = nullptr;
+  Counter* misses_ = nullptr;
+  Counter* evictions_dram_ = nullptr;
+  Counter* admissions_rejected_ = nullptr;
+  Counter* prepare_exhausted_ = nullptr;
+  Gauge* resident_bytes_dram_ = nullptr;
+  Gauge* resident_bytes_ssd_ = nullptr;
+  Gauge* resident_blocks_dram_ = nullptr;
+  Gauge* pinned_blocks_ = nullptr;
+};
+
+}  // namespace orbitkv::core
+
+#endif  // ORBITKV_CORE_BLOCK_TABLE_H_

@@ -1,0 +1,189 @@
+#include "core/inventory.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "base/check.h"
+#include "base/logging.h"
+
+namespace orbitkv::core {
+
+const char* TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kDram:
+      return "dram";
+    case Tier::kSsd:
+      return "ssd";
+  }
+  return "unknown";
+}
+
+const char* TransitionCauseName(TransitionCause cause) {
+  switch (cause) {
+    case TransitionCause::kAdmit:
+      return "admit";
+    case TransitionCause::kReplace:
+      return "replace";
+    case TransitionCause::kEvict:
+      return "evict";
+    case TransitionCause::kRestore:
+      return "restore";
+    case TransitionCause::kCleanup:
+      return "cleanup";
+  }
+  return "unknown";
+}
+
+Result<std::unique_ptr<ResidencyInventory>> ResidencyInventory::Create(const Options& options,
+                                                                       MetricsRegistry* metrics) {
+  if (options.shards == 0) return Status::InvalidArgument("inventory needs at least one shard");
+  if (options.journal_bytes / options.shards < kRecordCharge) {
+    return Status::InvalidArgument(fmt::format(
+        "inventory journal of {} bytes cannot hold one {}-byte record in each of {} shards",
+        options.journal_bytes, kRecordCharge, options.shards));
+  }
+  ORBITKV_CHECK(metrics != nullptr);
+  return std::unique_ptr<ResidencyInventory>(new ResidencyInventory(options, metrics));
+}
+
+ResidencyInventory::ResidencyInventory(const Options& options, MetricsRegistry* metrics)
+    : incarnation_(options.incarnation),
+      journal_records_per_shard_(options.journal_bytes / options.shards / kRecordCharge) {
+  shards_.reserve(options.shards);
+  for (uint32_t i = 0; i < options.shards; ++i) shards_.push_back(std::make_unique<Shard>());
+  records_total_ = &metrics->GetCounter("orbitkv_inventory_records_total",
+                                        "Residency transitions recorded in the inventory journal");
+  resync_total_ = &metrics->GetCounter(
+      "orbitkv_inventory_resync_total",
+      "Times a journal shard dropped unacknowledged records and set its resync flag");
+  journal_records_ = &metrics->GetGauge("orbitkv_inventory_journal_records",
+                                        "Records retained in the inventory journals");
+}
+
+uint32_t ResidencyInventory::ShardFor(const state::StateKey& key) const {
+  return state::ShardOf(key, shard_count());
+}
+
+uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& key, Tier tier,
+                                   bool present, TransitionCause cause, uint64_t generation,
+                                   uint64_t bytes) {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  const uint64_t sequence = ++shard.last_sequence;
+  ViewKey view_key{key, tier};
+  if (present) {
+    shard.view.insert_or_assign(view_key, ViewValue{generation, bytes, sequence});
+  } else {
+    auto it = shard.view.find(view_key);
+    ORBITKV_CHECK_MSG(it != shard.view.end(),
+                      "inventory: removing {} residence of {} that it does not hold",
+                      TierName(tier), key.ToString());
+    shard.view.erase(it);
+  }
+  int64_t retained_delta = 1;
+  if (shard.journal.size() >= journal_records_per_shard_) {
+    if (shard.journal.front().sequence > shard.acked_sequence && !shard.resync) {
+      shard.resync = true;
+      resync_total_->Increment();
+      ORBITKV_LOG_WARN("inventory shard {}: journal full ({} records), subscriber must resync",
+                       shard_index, shard.journal.size());
+    }
+    shard.journal.pop_front();
+    retained_delta = 0;
+  }
+  shard.journal.push_back(ResidencyRecord{sequence, key, tier, present, cause, generation, bytes});
+  records_total_->Increment();
+  if (retained_delta != 0) journal_records_->Add(static_cast<double>(retained_delta));
+  return sequence;
+}
+
+Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index, uint64_t after_sequence,
+                                                    size_t max_records) const {
+  if (shard_index >= shards_.size()) {
+    return Status::InvalidArgument(fmt::format("inventory shard {} out of range", shard_index));
+  }
+  const Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  if (after_sequence > shard.last_sequence) {
+    return Status::InvalidArgument(
+        fmt::format("inventory shard {}: sequence {} is beyond the watermark {}", shard_index,
+                    after_sequence, shard.last_sequence));
+  }
+  JournalRead read;
+  read.watermark = shard.last_sequence;
+  read.resync_required = shard.resync;
+  if (after_sequence == shard.last_sequence) return read;
+  // Records are contiguous in sequence, so the first wanted one is at a computable index.
+  const uint64_t oldest =
+      shard.journal.empty() ? shard.last_sequence + 1 : shard.journal.front().sequence;
+  if (after_sequence + 1 < oldest) {
+    return Status::OutOfRange(fmt::format(
+        "inventory shard {}: records after {} were dropped (oldest retained {}); take a snapshot",
+        shard_index, after_sequence, oldest));
+  }
+  const size_t begin = static_cast<size_t>(after_sequence + 1 - oldest);
+  const size_t end = std::min(shard.journal.size(), begin + max_records);
+  read.records.assign(shard.journal.begin() + static_cast<std::ptrdiff_t>(begin),
+                      shard.journal.begin() + static_cast<std::ptrdiff_t>(end));
+  return read;
+}
+
+void ResidencyInventory::Acknowledge(uint32_t shard_index, uint64_t sequence) {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  shard.acked_sequence = std::max(shard.acked_sequence, std::min(sequence, shard.last_sequence));
+}
+
+bool ResidencyInventory::resync_required(uint32_t shard_index) const {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  const Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  return shard.resync;
+}
+
+void ResidencyInventory::ClearResync(uint32_t shard_index) {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  shard.resync = false;
+}
+
+InventoryPage ResidencyInventory::Scan(uint32_t shard_index, const InventoryCursor* after,
+                                       size_t max_records) const {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  ORBITKV_CHECK(max_records >= 1);
+  const Shard& shard = *shards_[shard_index];
+  InventoryPage page;
+  page.records.reserve(max_records);
+  MutexLock lock(&shard.mu);
+  page.watermark = shard.last_sequence;
+  auto it = after == nullptr ? shard.view.begin()
+                             : shard.view.upper_bound(ViewKey{after->key, after->tier});
+  for (; it != shard.view.end() && page.records.size() < max_records; ++it) {
+    page.records.push_back(InventoryRecord{it->first.key, it->first.tier, it->second.generation,
+                                           it->second.bytes, it->second.version});
+  }
+  if (it != shard.view.end())
+    page.next = InventoryCursor{page.records.back().key, page.records.back().tier};
+  return page;
+}
+
+uint64_t ResidencyInventory::Watermark(uint32_t shard_index) const {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  const Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  return shard.last_sequence;
+}
+
+uint64_t ResidencyInventory::ReplicaCount(Tier tier) const {
+  uint64_t count = 0;
+  for (const auto& shard : shards_) {
+    MutexLock lock(&shard->mu);
+    for (const auto& [key, value] : shard->view) count += key.tier == tier ? 1 : 0;
+  }
+  return count;
+}
+
+}  // namespace orbitkv::core

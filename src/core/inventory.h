@@ -1,0 +1,177 @@
+// ResidencyInventory: the record of which replicas this Manager holds, kept as a bounded journal of
+// changes plus an enumerable current view, per logical shard.
+//
+// Every residency transition of the block table (admission, replacement, eviction, restore,
+// cleanup) calls Apply() in the same step that changes the table, with the table shard's lock held,
+// so the journal and the table never disagree. The distributed catalog later replays this: an owner
+// streams each logical shard's journal to the shard's catalog host, and rebuilds a lost view with
+// the snapshot cut of seed 000:
+//   1. w0 = Watermark(shard); 2. Scan() pages with a stable key cursor; 3. w1 = Watermark(shard)
+//   and ReadJournal(shard, w0, ...) through w1; the receiver applies records by record version (=
+//   sequence).
+//
+// Sequences are per (runtime incarnation, logical shard), start at 1 and have no gaps. The journal
+// is bounded (16 MiB by default over all shards): when a record that a subscriber has not
+// acknowledged must be dropped to make room, the shard's resync flag is set and stays set until
+// ClearResync(); a reader asking for dropped history gets OutOfRange and must snapshot. Records
+// hold keys and sizes, never payload references, so they never keep a block alive or delay an
+// eviction.
+//
+// Thread safety: all methods are safe from any thread. Each logical shard has its own mutex, taken
+// after (inside) a block-table shard lock and never the other way round; Scan() takes only the
+// inventory shard mutex, never the payload (block table) locks.
+#ifndef ORBITKV_CORE_INVENTORY_H_
+#define ORBITKV_CORE_INVENTORY_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "base/metrics.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/thread_annotations.h"
+#include "state/state_key.h"
+
+namespace orbitkv::core {
+
+// Where a replica lives. Each tier of a key is an independent residence with its own generation.
+enum class Tier : uint8_t { kDram = 1, kSsd = 2 };
+const char* TierName(Tier tier);
+
+// Why a residence appeared or disappeared.
+enum class TransitionCause : uint8_t {
+  kAdmit = 1,    // a published block became resident
+  kReplace = 2,  // a residence was replaced by a newer generation of the same key
+  kEvict = 3,    // capacity eviction
+  kRestore = 4,  // filled from another tier or a peer
+  kCleanup = 5,  // removed by cleanup (instance gone, explicit drop, fault)
+};
+const char* TransitionCauseName(TransitionCause cause);
+
+struct ResidencyRecord {
+  uint64_t sequence =
+      0;  // per (incarnation, shard); also the record version of the replica it describes
+  state::StateKey key;
+  Tier tier = Tier::kDram;
+  bool present = false;  // true: residence added or replaced; false: removed
+  TransitionCause cause = TransitionCause::kAdmit;
+  uint64_t generation = 0;  // the residence's generation
+  uint64_t bytes = 0;
+};
+
+// One current replica in the enumerable view.
+struct InventoryRecord {
+  state::StateKey key;
+  Tier tier = Tier::kDram;
+  uint64_t generation = 0;
+  uint64_t bytes = 0;
+  uint64_t version = 0;  // sequence of the record that created or last replaced it
+};
+
+// A stable position in a shard's key order; Scan resumes strictly after it.
+struct InventoryCursor {
+  state::StateKey key;
+  Tier tier = Tier::kDram;
+};
+
+struct InventoryPage {
+  std::vector<InventoryRecord> records;
+  std::optional<InventoryCursor> next;  // nullopt: the scan is complete
+  uint64_t watermark = 0;               // last sequence applied when the page was taken
+};
+
+struct JournalRead {
+  std::vector<ResidencyRecord> records;  // in sequence order, all > after_sequence
+  uint64_t watermark = 0;                // last sequence of the shard at read time
+  bool resync_required = false;
+};
+
+class ResidencyInventory {
+ public:
+  static constexpr uint32_t kDefaultShards = 16;
+  static constexpr uint64_t kDefaultJournalBytes = 16ull << 20;
+  // What one retained record is charged against the journal budget.
+  static constexpr uint64_t kRecordCharge = sizeof(ResidencyRecord);
+
+  struct Options {
+    uint64_t incarnation = 0;  // this runtime's identity; sequences restart with every incarnation
+    uint32_t shards = kDefaultShards;
+    uint64_t journal_bytes = kDefaultJournalBytes;  // over all shards
+  };
+
+  // InvalidArgument when shards is 0 or journal_bytes cannot hold one record per shard.
+  static Result<std::unique_ptr<ResidencyInventory>> Create(const Options& options,
+                                                            MetricsRegistry* metrics);
+
+  ResidencyInventory(const ResidencyInventory&) = delete;
+  ResidencyInventory& operator=(const ResidencyInventory&) = delete;
+
+  uint64_t incarnation() const { return incarnation_; }
+  uint32_t shard_count() const { return static_cast<uint32_t>(shards_.size()); }
+  uint32_t ShardFor(const state::StateKey& key) const;
+
+  // Records one transition on `shard` (== ShardFor(key), passed in because callers cache it) and
+  // returns its sequence. Removing a residence that the view does not hold is a programming error
+  // (CHECK).
+  uint64_t Apply(uint32_t shard, const state::StateKey& key, Tier tier, bool present,
+                 TransitionCause cause, uint64_t generation, uint64_t bytes);
+
+  // Records after `after_sequence`, at most `max_records`. OutOfRange when records after it were
+  // already dropped (the reader must snapshot); InvalidArgument for a bad shard or a sequence
+  // beyond the watermark.
+  Result<JournalRead> ReadJournal(uint32_t shard, uint64_t after_sequence,
+                                  size_t max_records) const;
+
+  // A subscriber processed everything up to `sequence`; older records may be dropped without
+  // setting resync.
+  void Acknowledge(uint32_t shard, uint64_t sequence);
+  bool resync_required(uint32_t shard) const;
+  // After a completed snapshot the subscriber clears the flag.
+  void ClearResync(uint32_t shard);
+
+  // Current replicas of `shard` in (key, tier) order strictly after `after` (from the start when
+  // null), at most `max_records` (>= 1).
+  InventoryPage Scan(uint32_t shard, const InventoryCursor* after, size_t max_records) const;
+
+  uint64_t Watermark(uint32_t shard) const;
+  // Replicas currently recorded for `tier` over all shards.
+  uint64_t ReplicaCount(Tier tier) const;
+
+ private:
+  struct ViewKey {
+    state::StateKey key;
+    Tier tier;
+    friend auto operator<=>(const ViewKey&, const ViewKey&) = default;
+  };
+  struct ViewValue {
+    uint64_t generation;
+    uint64_t bytes;
+    uint64_t version;
+  };
+  struct Shard {
+    mutable Mutex mu;
+    uint64_t last_sequence GUARDED_BY(mu) = 0;
+    uint64_t acked_sequence GUARDED_BY(mu) = 0;
+    bool resync GUARDED_BY(mu) = false;
+    std::deque<ResidencyRecord> journal GUARDED_BY(mu);
+    std::map<ViewKey, ViewValue> view GUARDED_BY(mu);
+  };
+
+  ResidencyInventory(const Options& options, MetricsRegistry* metrics);
+
+  // Immutable after construction.
+  const uint64_t incarnation_;
+  const size_t journal_records_per_shard_;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  Counter* records_total_ = nullptr;
+  Counter* resync_total_ = nullptr;
+  Gauge* journal_records_ = nullptr;
+};
+
+}  // namespace orbitkv::core
+
+#endif  // ORBITKV_CORE_INVENTORY_H_

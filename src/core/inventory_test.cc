@@ -1,0 +1,151 @@
+#include "core/inventory.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+
+#include "core/test_util.h"
+
+namespace orbitkv::core {
+namespace {
+
+using state::StateKey;
+using testing::ChainKey;
+
+std::unique_ptr<ResidencyInventory> MakeInventory(MetricsRegistry* metrics, uint32_t shards,
+                                                  uint64_t journal_bytes) {
+  ResidencyInventory::Options options;
+  options.incarnation = 99;
+  options.shards = shards;
+  options.journal_bytes = journal_bytes;
+  auto inventory = ResidencyInventory::Create(options, metrics);
+  EXPECT_TRUE(inventory.ok()) << inventory.status();
+  return std::move(*inventory);
+}
+
+TEST(InventoryTest, RejectsBadOptions) {
+  MetricsRegistry metrics;
+  ResidencyInventory::Options options;
+  options.shards = 0;
+  EXPECT_EQ(ResidencyInventory::Create(options, &metrics).status().code(),
+            StatusCode::kInvalidArgument);
+  options.shards = 16;
+  options.journal_bytes = 100;
+  EXPECT_EQ(ResidencyInventory::Create(options, &metrics).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(InventoryTest, SequencesArePerShardAndContiguous) {
+  MetricsRegistry metrics;
+  auto inventory = MakeInventory(&metrics, 4, 1 << 20);
+  std::map<uint32_t, uint64_t> next;
+  for (uint64_t i = 0; i < 64; ++i) {
+    const StateKey key = ChainKey(1, i);
+    const uint32_t shard = inventory->ShardFor(key);
+    EXPECT_EQ(inventory->Apply(shard, key, Tier::kDram, true, TransitionCause::kAdmit, i + 1, 4096),
+              ++next[shard]);
+  }
+  for (uint32_t shard = 0; shard < 4; ++shard) {
+    EXPECT_EQ(inventory->Watermark(shard), next[shard]);
+    auto read = inventory->ReadJournal(shard, 0, 1000);
+    ASSERT_TRUE(read.ok());
+    EXPECT_EQ(read->records.size(), next[shard]);
+    EXPECT_EQ(read->watermark, next[shard]);
+    EXPECT_FALSE(read->resync_required);
+    // Reading from the middle returns exactly the tail.
+    if (next[shard] > 2) {
+      auto tail = inventory->ReadJournal(shard, 2, 1000);
+      ASSERT_TRUE(tail.ok());
+      ASSERT_EQ(tail->records.size(), next[shard] - 2);
+      EXPECT_EQ(tail->records.front().sequence, 3u);
+    }
+  }
+  EXPECT_EQ(inventory->ReplicaCount(Tier::kDram), 64u);
+  EXPECT_EQ(inventory->ReadJournal(9, 0, 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(inventory->ReadJournal(0, next[0] + 1, 1).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(InventoryTest, RemovalOfAnUnknownResidenceIsAProgrammingError) {
+  MetricsRegistry metrics;
+  auto inventory = MakeInventory(&metrics, 1, 1 << 20);
+  EXPECT_DEATH(
+      inventory->Apply(0, ChainKey(2, 0), Tier::kSsd, false, TransitionCause::kEvict, 1, 1),
+      "inventory");
+}
+
+TEST(InventoryTest, OverflowOfUnacknowledgedRecordsSetsResyncAndReadersMustSnapshot) {
+  MetricsRegistry metrics;
+  const uint64_t capacity_records = 8;
+  auto inventory = MakeInventory(&metrics, 1, capacity_records * ResidencyInventory::kRecordCharge);
+  for (uint64_t i = 0; i < capacity_records; ++i) {
+    inventory->Apply(0, ChainKey(3, i), Tier::kDram, true, TransitionCause::kAdmit, i + 1, 1);
+  }
+  EXPECT_FALSE(inventory->resync_required(0));
+  // Acknowledged records are dropped silently...
+  inventory->Acknowledge(0, 2);
+  inventory->Apply(0, ChainKey(3, 100), Tier::kDram, true, TransitionCause::kAdmit, 100, 1);
+  inventory->Apply(0, ChainKey(3, 101), Tier::kDram, true, TransitionCause::kAdmit, 101, 1);
+  EXPECT_FALSE(inventory->resync_required(0));
+  // ...an unacknowledged one is not.
+  inventory->Apply(0, ChainKey(3, 102), Tier::kDram, true, TransitionCause::kAdmit, 102, 1);
+  EXPECT_TRUE(inventory->resync_required(0));
+  EXPECT_EQ(inventory->ReadJournal(0, 0, 100).status().code(), StatusCode::kOutOfRange);
+  auto read = inventory->ReadJournal(0, 3, 100);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(read->resync_required);
+  EXPECT_EQ(read->records.size(), capacity_records);
+  EXPECT_EQ(metrics.GetCounter("orbitkv_inventory_resync_total", "").Value(), 1u);
+  inventory->ClearResync(0);
+  EXPECT_FALSE(inventory->resync_required(0));
+  // The view still holds every replica although the journal forgot the early records.
+  EXPECT_EQ(inventory->ReplicaCount(Tier::kDram), capacity_records + 3);
+}
+
+TEST(InventoryTest, PagedScanWithTheSnapshotCutRebuildsTheViewDespiteConcurrentChanges) {
+  MetricsRegistry metrics;
+  auto inventory = MakeInventory(&metrics, 1, 1 << 20);
+  for (uint64_t i = 0; i < 50; ++i) {
+    inventory->Apply(0, ChainKey(4, i), Tier::kDram, true, TransitionCause::kAdmit, i + 1, 10);
+  }
+  // Receiver: start watermark, pages of 7, changes interleaved with the scan, end watermark, then
+  // the interval.
+  std::map<std::pair<StateKey, Tier>, uint64_t> view;  // -> version
+  const uint64_t start = inventory->Watermark(0);
+  std::optional<InventoryCursor> cursor;
+  uint64_t changes = 0;
+  do {
+    InventoryPage page = inventory->Scan(0, cursor ? &*cursor : nullptr, 7);
+    EXPECT_LE(page.records.size(), 7u);
+    for (const auto& record : page.records) view[{record.key, record.tier}] = record.version;
+    cursor = page.next;
+    // Concurrent modifications: remove a key (possibly already scanned) and add a new one.
+    inventory->Apply(0, ChainKey(4, changes), Tier::kDram, false, TransitionCause::kEvict,
+                     changes + 1, 10);
+    inventory->Apply(0, ChainKey(5, changes), Tier::kSsd, true, TransitionCause::kAdmit,
+                     500 + changes, 10);
+    ++changes;
+  } while (cursor.has_value());
+  auto interval = inventory->ReadJournal(0, start, 1 << 20);
+  ASSERT_TRUE(interval.ok());
+  for (const auto& record : interval->records) {
+    auto id = std::make_pair(record.key, record.tier);
+    if (record.present) {
+      auto it = view.find(id);
+      if (it == view.end() || it->second < record.sequence) view[id] = record.sequence;
+    } else {
+      view.erase(id);
+    }
+  }
+  // The rebuilt view equals a full scan taken now.
+  std::map<std::pair<StateKey, Tier>, uint64_t> truth;
+  InventoryPage all = inventory->Scan(0, nullptr, 1 << 20);
+  EXPECT_FALSE(all.next.has_value());
+  for (const auto& record : all.records) truth[{record.key, record.tier}] = record.version;
+  EXPECT_EQ(view, truth);
+  EXPECT_EQ(truth.size(), 50u);
+}
+
+}  // namespace
+}  // namespace orbitkv::core
