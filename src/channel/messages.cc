@@ -1,0 +1,165 @@
+#include "channel/messages.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace orbitkv::channel {
+namespace {
+
+constexpr uint64_t Pack(uint32_t high, uint32_t low) { return static_cast<uint64_t>(high) << 32 | low; }
+
+Result<uint32_t> Fits(size_t bytes, std::span<uint8_t> slot, const char* what) {
+  if (bytes > slot.size()) {
+    return Status::InvalidArgument(
+        fmt::format("{} needs {} payload bytes but a slot holds {}; split the request", what, bytes, slot.size()));
+  }
+  return static_cast<uint32_t>(bytes);
+}
+
+}  // namespace
+
+size_t MaxQueryKeys(uint32_t slot_bytes) { return slot_bytes / kKeyBytes; }
+size_t MaxSaveItems(uint32_t slot_bytes) { return slot_bytes / sizeof(SaveEntry); }
+size_t MaxRestorePages(uint32_t slot_bytes) {
+  return slot_bytes < sizeof(RestoreBody) ? 0 : (slot_bytes - sizeof(RestoreBody)) / sizeof(uint32_t);
+}
+
+Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot) {
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes, Fits(request.keys.size() * kKeyBytes, slot, "query"));
+  for (size_t i = 0; i < request.keys.size(); ++i) {
+    request.keys[i].EncodeTo(std::span<uint8_t, kKeyBytes>(slot.data() + i * kKeyBytes, kKeyBytes));
+  }
+  d->opcode = static_cast<uint16_t>(Opcode::kQuery);
+  d->arg0 = request.instance;
+  d->arg1 = Pack(request.group, static_cast<uint32_t>(request.keys.size()));
+  return bytes;
+}
+
+Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d, std::span<uint8_t> slot) {
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes,
+                           Fits(sizeof(RestoreBody) + request.pages.size() * sizeof(uint32_t), slot, "restore"));
+  const RestoreBody body{request.group, static_cast<uint32_t>(request.pages.size())};
+  std::memcpy(slot.data(), &body, sizeof(body));
+  if (!request.pages.empty()) {
+    std::memcpy(slot.data() + sizeof(body), request.pages.data(), request.pages.size() * sizeof(uint32_t));
+  }
+  d->opcode = static_cast<uint16_t>(Opcode::kRestore);
+  d->arg0 = request.instance;
+  d->arg1 = request.lease;
+  return bytes;
+}
+
+Result<uint32_t> EncodeSave(const SaveRequest& request, Descriptor* d, std::span<uint8_t> slot) {
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes, Fits(request.items.size() * sizeof(SaveEntry), slot, "save"));
+  for (size_t i = 0; i < request.items.size(); ++i) {
+    SaveEntry entry{};
+    request.items[i].key.EncodeTo(std::span<uint8_t, kKeyBytes>(entry.key, kKeyBytes));
+    entry.page = request.items[i].page;
+    std::memcpy(slot.data() + i * sizeof(SaveEntry), &entry, sizeof(entry));
+  }
+  d->opcode = static_cast<uint16_t>(Opcode::kSave);
+  d->arg0 = request.instance;
+  d->arg1 = Pack(request.group, static_cast<uint32_t>(request.items.size()));
+  return bytes;
+}
+
+void EncodeRelease(const ReleaseRequest& request, Descriptor* d) {
+  d->opcode = static_cast<uint16_t>(Opcode::kRelease);
+  d->arg0 = request.instance;
+  d->arg1 = request.lease;
+}
+
+Status ValidateRequestDescriptor(const Descriptor& d, uint32_t payload_slots, uint32_t slot_bytes) {
+  if (d.magic != kMagic) return Status::InvalidArgument(fmt::format("descriptor magic {:#x} is wrong", d.magic));
+  if (d.version != kWireVersion) {
+    return Status::FailedPrecondition(
+        fmt::format("descriptor version {} is not {}: upgrade the client and the Manager together", d.version,
+                    kWireVersion));
+  }
+  if (d.opcode == 0 || d.opcode > kMaxOpcode) {
+    return Status::InvalidArgument(fmt::format("unknown opcode {}", d.opcode));
+  }
+  if (d.flags != 0 || d.reserved0 != 0 || d.reserved1 != 0 || d.status != 0) {
+    return Status::InvalidArgument("request descriptor has flags, status or reserved fields set");
+  }
+  if (d.payload_slot >= payload_slots) {
+    return Status::InvalidArgument(fmt::format("payload slot {} is out of range ({} slots)", d.payload_slot,
+                                               payload_slots));
+  }
+  if ((d.payload_generation & 1) == 0) {
+    return Status::InvalidArgument(fmt::format("request generation {} is not odd", d.payload_generation));
+  }
+  if (d.payload_bytes > slot_bytes) {
+    return Status::InvalidArgument(fmt::format("payload of {} bytes exceeds the {}-byte slot", d.payload_bytes,
+                                               slot_bytes));
+  }
+  return Status::Ok();
+}
+
+Result<QueryRequest> DecodeQuery(const Descriptor& d, std::span<const uint8_t> payload) {
+  QueryRequest request;
+  request.instance = d.arg0;
+  request.group = static_cast<uint32_t>(d.arg1 >> 32);
+  const uint64_t count = static_cast<uint32_t>(d.arg1);
+  if (count * kKeyBytes != payload.size()) {
+    return Status::InvalidArgument(
+        fmt::format("query names {} keys but carries {} payload bytes", count, payload.size()));
+  }
+  request.keys.reserve(count);
+  for (uint64_t i = 0; i < count; ++i) {
+    auto key = state::StateKey::Decode(payload.subspan(i * kKeyBytes, kKeyBytes));
+    if (!key.ok()) return key.status().WithContext(fmt::format("query key {}", i));
+    request.keys.push_back(*key);
+  }
+  return request;
+}
+
+Result<RestoreRequest> DecodeRestore(const Descriptor& d, std::span<const uint8_t> payload) {
+  if (payload.size() < sizeof(RestoreBody)) {
+    return Status::InvalidArgument(fmt::format("restore payload of {} bytes has no header", payload.size()));
+  }
+  RestoreBody body;
+  std::memcpy(&body, payload.data(), sizeof(body));
+  if (uint64_t{body.page_count} * sizeof(uint32_t) != payload.size() - sizeof(body)) {
+    return Status::InvalidArgument(fmt::format("restore names {} pages but carries {} payload bytes",
+                                               body.page_count, payload.size()));
+  }
+  RestoreRequest request;
+  request.instance = d.arg0;
+  request.lease = d.arg1;
+  request.group = body.group;
+  request.pages.resize(body.page_count);
+  if (body.page_count != 0) {
+    std::memcpy(request.pages.data(), payload.data() + sizeof(body), body.page_count * sizeof(uint32_t));
+  }
+  return request;
+}
+
+Result<SaveRequest> DecodeSave(const Descriptor& d, std::span<const uint8_t> payload) {
+  SaveRequest request;
+  request.instance = d.arg0;
+  request.group = static_cast<uint32_t>(d.arg1 >> 32);
+  const uint64_t count = static_cast<uint32_t>(d.arg1);
+  if (count * sizeof(SaveEntry) != payload.size()) {
+    return Status::InvalidArgument(
+        fmt::format("save names {} blocks but carries {} payload bytes", count, payload.size()));
+  }
+  request.items.reserve(count);
+  for (uint64_t i = 0; i < count; ++i) {
+    SaveEntry entry;
+    std::memcpy(&entry, payload.data() + i * sizeof(SaveEntry), sizeof(entry));
+    if (entry.reserved != 0) return Status::InvalidArgument(fmt::format("save entry {} has reserved bits set", i));
+    auto key = state::StateKey::Decode(std::span<const uint8_t>(entry.key, kKeyBytes));
+    if (!key.ok()) return key.status().WithContext(fmt::format("save key {}", i));
+    request.items.push_back(SaveItem{*key, entry.page});
+  }
+  return request;
+}
+
+Result<ReleaseRequest> DecodeRelease(const Descriptor& d, std::span<const uint8_t> payload) {
+  if (!payload.empty()) return Status::InvalidArgument("release carries no payload");
+  return ReleaseRequest{d.arg0, d.arg1};
+}
+
+}  // namespace orbitkv::channel
