@@ -3,6 +3,7 @@ scripts/run shows."""
 
 import json
 import math
+import re
 import subprocess
 
 import orbitkv
@@ -54,9 +55,14 @@ def test_cache_demo_serves_a_workload_and_verifies_every_restore(build_dir):
     out = subprocess.run([str(build_dir / "tools" / "orbitkv-cache-demo"), "--requests", "300", "--pool-mib", "32",
                           "--allow-unpinned", "--metrics"], check=True, capture_output=True, text=True,
                          timeout=300).stdout
-    fields = {line.split()[0] + " " + line.split()[1]: line for line in out.splitlines() if line.startswith("  ")}
+    # "  label words      value..." lines: the label ends at the first run of two spaces.
+    fields = {}
+    for line in out.splitlines():
+        match = re.match(r"  (\S.*?)\s{2,}(.*)", line)
+        if match:
+            fields[match.group(1)] = match.group(2)
     assert fields["corrupted restores"].split()[-1] == "0"
-    hit = int(fields["pages asked"].split("/")[2].split()[0])
+    hit = int(fields["pages asked / hit"].split("/")[1].split()[0])
     assert hit > 0
     # A 32 MiB pool cannot hold the working set: eviction and admission both had work to do.
     assert int(fields["evictions"].split()[-1]) > 0

@@ -1,18 +1,21 @@
 // DescriptorArena: the shared-memory half of a channel session, and the SPSC rings inside it.
 //
-// The Manager creates the arena (a memfd sized by ArenaLayout, header written, then sealed against resizing so
-// neither side can make the other fault on a truncated mapping) and passes the fd to the engine, which maps it and
-// validates the header against the Welcome frame. The request ring carries engine -> Manager descriptors, the
-// reply ring the other way; payload slots follow.
+// The Manager creates the arena (a memfd sized by ArenaLayout, header written, then sealed against
+// resizing so neither side can make the other fault on a truncated mapping) and passes the fd to
+// the engine, which maps it and validates the header against the Welcome frame. The request ring
+// carries engine -> Manager descriptors, the reply ring the other way; payload slots follow.
 //
-// Ring protocol (one producer and one consumer per ring, in different processes): the producer copies a
-// descriptor into entry head % entries, then publishes head with a release store; the consumer reads head with
-// an acquire load, copies the entry out, then publishes tail with a release store. A consumer about to sleep sets
-// consumer_waiting and re-checks head (both sequentially consistent), and a producer rings the doorbell only if it
-// sees consumer_waiting after publishing head (also sequentially consistent): no wakeup is lost. Indices read from
-// the other process are validated (0 <= head - tail <= entries); a violation is DataLoss and poisons the session.
+// Ring protocol (one producer and one consumer per ring, in different processes): the producer
+// copies a descriptor into entry head % entries, then publishes head with a release store; the
+// consumer reads head with an acquire load, copies the entry out, then publishes tail with a
+// release store. A consumer about to sleep sets consumer_waiting and re-checks head (both
+// sequentially consistent), and a producer rings the doorbell only if it sees consumer_waiting
+// after publishing head (also sequentially consistent): no wakeup is lost. Indices read from the
+// other process are validated (0 <= head - tail <= entries); a violation is DataLoss and poisons
+// the session.
 //
-// Thread safety: an arena may be used from any thread, but each ring end has exactly one user at a time.
+// Thread safety: an arena may be used from any thread, but each ring end has exactly one user at a
+// time.
 #ifndef ORBITKV_CHANNEL_ARENA_H_
 #define ORBITKV_CHANNEL_ARENA_H_
 
@@ -36,15 +39,18 @@ struct ArenaLayout {
   uint64_t slots_offset = 0;
   uint64_t arena_bytes = 0;
 
-  // Validates the three sizes (ring_entries a power of two in [16, 4096], payload_slots in [1, 1024], slot_bytes
-  // a multiple of 4096 in [4096, 1 MiB]) and computes the offsets. InvalidArgument names the bad field.
-  static Result<ArenaLayout> Compute(uint32_t ring_entries, uint32_t payload_slots, uint32_t slot_bytes);
+  // Validates the three sizes (ring_entries a power of two in [16, 4096], payload_slots in [1,
+  // 1024], slot_bytes a multiple of 4096 in [4096, 1 MiB]) and computes the offsets.
+  // InvalidArgument names the bad field.
+  static Result<ArenaLayout> Compute(uint32_t ring_entries, uint32_t payload_slots,
+                                     uint32_t slot_bytes);
 };
 
 class DescriptorArena {
  public:
   // Manager side: a new sealed memfd arena with its header written.
-  static Result<std::unique_ptr<DescriptorArena>> Create(const ArenaLayout& layout, uint64_t session_epoch);
+  static Result<std::unique_ptr<DescriptorArena>> Create(const ArenaLayout& layout,
+                                                         uint64_t session_epoch);
   // Engine side: maps `fd` and checks its seals, size and header against what Welcome announced.
   static Result<std::unique_ptr<DescriptorArena>> Attach(ScopedFd fd, const WelcomeBody& welcome);
 
@@ -80,7 +86,8 @@ class RingProducer {
   RingProducer(RingControl* control, Descriptor* entries, uint32_t entries_count)
       : control_(control), entries_(entries), count_(entries_count) {}
 
-  // Appends `d`. ResourceExhausted when the ring is full; DataLoss when the consumer's tail is corrupt.
+  // Appends `d`. ResourceExhausted when the ring is full; DataLoss when the consumer's tail is
+  // corrupt.
   Status TryPush(const Descriptor& d);
   // True when the consumer announced it is sleeping (ring its doorbell).
   bool ConsumerWaiting() const;
@@ -98,11 +105,12 @@ class RingConsumer {
   RingConsumer(RingControl* control, Descriptor* entries, uint32_t entries_count)
       : control_(control), entries_(entries), count_(entries_count) {}
 
-  // Copies the next descriptor into *out: true if there was one, false if empty. DataLoss when the producer's
-  // head is corrupt (ahead by more than the ring size, or behind the tail).
+  // Copies the next descriptor into *out: true if there was one, false if empty. DataLoss when the
+  // producer's head is corrupt (ahead by more than the ring size, or behind the tail).
   Result<bool> TryPop(Descriptor* out);
-  // Announces that this end is about to sleep on its doorbell, then re-checks: returns true if a descriptor
-  // arrived meanwhile (do not sleep). Pair every true or false with ClearWaiting after waking.
+  // Announces that this end is about to sleep on its doorbell, then re-checks: returns true if a
+  // descriptor arrived meanwhile (do not sleep). Pair every true or false with ClearWaiting after
+  // waking.
   Result<bool> PrepareToWait();
   void ClearWaiting();
 

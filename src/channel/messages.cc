@@ -7,12 +7,15 @@
 namespace orbitkv::channel {
 namespace {
 
-constexpr uint64_t Pack(uint32_t high, uint32_t low) { return static_cast<uint64_t>(high) << 32 | low; }
+constexpr uint64_t Pack(uint32_t high, uint32_t low) {
+  return static_cast<uint64_t>(high) << 32 | low;
+}
 
 Result<uint32_t> Fits(size_t bytes, std::span<uint8_t> slot, const char* what) {
   if (bytes > slot.size()) {
     return Status::InvalidArgument(
-        fmt::format("{} needs {} payload bytes but a slot holds {}; split the request", what, bytes, slot.size()));
+        fmt::format("{} needs {} payload bytes but a slot holds {}; split the request", what, bytes,
+                    slot.size()));
   }
   return static_cast<uint32_t>(bytes);
 }
@@ -22,7 +25,8 @@ Result<uint32_t> Fits(size_t bytes, std::span<uint8_t> slot, const char* what) {
 size_t MaxQueryKeys(uint32_t slot_bytes) { return slot_bytes / kKeyBytes; }
 size_t MaxSaveItems(uint32_t slot_bytes) { return slot_bytes / sizeof(SaveEntry); }
 size_t MaxRestorePages(uint32_t slot_bytes) {
-  return slot_bytes < sizeof(RestoreBody) ? 0 : (slot_bytes - sizeof(RestoreBody)) / sizeof(uint32_t);
+  return slot_bytes < sizeof(RestoreBody) ? 0
+                                          : (slot_bytes - sizeof(RestoreBody)) / sizeof(uint32_t);
 }
 
 Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot) {
@@ -36,13 +40,16 @@ Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::sp
   return bytes;
 }
 
-Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d, std::span<uint8_t> slot) {
-  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes,
-                           Fits(sizeof(RestoreBody) + request.pages.size() * sizeof(uint32_t), slot, "restore"));
+Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d,
+                               std::span<uint8_t> slot) {
+  ORBITKV_ASSIGN_OR_RETURN(
+      uint32_t bytes,
+      Fits(sizeof(RestoreBody) + request.pages.size() * sizeof(uint32_t), slot, "restore"));
   const RestoreBody body{request.group, static_cast<uint32_t>(request.pages.size())};
   std::memcpy(slot.data(), &body, sizeof(body));
   if (!request.pages.empty()) {
-    std::memcpy(slot.data() + sizeof(body), request.pages.data(), request.pages.size() * sizeof(uint32_t));
+    std::memcpy(slot.data() + sizeof(body), request.pages.data(),
+                request.pages.size() * sizeof(uint32_t));
   }
   d->opcode = static_cast<uint16_t>(Opcode::kRestore);
   d->arg0 = request.instance;
@@ -51,7 +58,8 @@ Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d, std
 }
 
 Result<uint32_t> EncodeSave(const SaveRequest& request, Descriptor* d, std::span<uint8_t> slot) {
-  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes, Fits(request.items.size() * sizeof(SaveEntry), slot, "save"));
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes,
+                           Fits(request.items.size() * sizeof(SaveEntry), slot, "save"));
   for (size_t i = 0; i < request.items.size(); ++i) {
     SaveEntry entry{};
     request.items[i].key.EncodeTo(std::span<uint8_t, kKeyBytes>(entry.key, kKeyBytes));
@@ -71,11 +79,12 @@ void EncodeRelease(const ReleaseRequest& request, Descriptor* d) {
 }
 
 Status ValidateRequestDescriptor(const Descriptor& d, uint32_t payload_slots, uint32_t slot_bytes) {
-  if (d.magic != kMagic) return Status::InvalidArgument(fmt::format("descriptor magic {:#x} is wrong", d.magic));
+  if (d.magic != kMagic)
+    return Status::InvalidArgument(fmt::format("descriptor magic {:#x} is wrong", d.magic));
   if (d.version != kWireVersion) {
     return Status::FailedPrecondition(
-        fmt::format("descriptor version {} is not {}: upgrade the client and the Manager together", d.version,
-                    kWireVersion));
+        fmt::format("descriptor version {} is not {}: upgrade the client and the Manager together",
+                    d.version, kWireVersion));
   }
   if (d.opcode == 0 || d.opcode > kMaxOpcode) {
     return Status::InvalidArgument(fmt::format("unknown opcode {}", d.opcode));
@@ -84,15 +93,16 @@ Status ValidateRequestDescriptor(const Descriptor& d, uint32_t payload_slots, ui
     return Status::InvalidArgument("request descriptor has flags, status or reserved fields set");
   }
   if (d.payload_slot >= payload_slots) {
-    return Status::InvalidArgument(fmt::format("payload slot {} is out of range ({} slots)", d.payload_slot,
-                                               payload_slots));
+    return Status::InvalidArgument(
+        fmt::format("payload slot {} is out of range ({} slots)", d.payload_slot, payload_slots));
   }
   if ((d.payload_generation & 1) == 0) {
-    return Status::InvalidArgument(fmt::format("request generation {} is not odd", d.payload_generation));
+    return Status::InvalidArgument(
+        fmt::format("request generation {} is not odd", d.payload_generation));
   }
   if (d.payload_bytes > slot_bytes) {
-    return Status::InvalidArgument(fmt::format("payload of {} bytes exceeds the {}-byte slot", d.payload_bytes,
-                                               slot_bytes));
+    return Status::InvalidArgument(
+        fmt::format("payload of {} bytes exceeds the {}-byte slot", d.payload_bytes, slot_bytes));
   }
   return Status::Ok();
 }
@@ -117,13 +127,14 @@ Result<QueryRequest> DecodeQuery(const Descriptor& d, std::span<const uint8_t> p
 
 Result<RestoreRequest> DecodeRestore(const Descriptor& d, std::span<const uint8_t> payload) {
   if (payload.size() < sizeof(RestoreBody)) {
-    return Status::InvalidArgument(fmt::format("restore payload of {} bytes has no header", payload.size()));
+    return Status::InvalidArgument(
+        fmt::format("restore payload of {} bytes has no header", payload.size()));
   }
   RestoreBody body;
   std::memcpy(&body, payload.data(), sizeof(body));
   if (uint64_t{body.page_count} * sizeof(uint32_t) != payload.size() - sizeof(body)) {
-    return Status::InvalidArgument(fmt::format("restore names {} pages but carries {} payload bytes",
-                                               body.page_count, payload.size()));
+    return Status::InvalidArgument(fmt::format(
+        "restore names {} pages but carries {} payload bytes", body.page_count, payload.size()));
   }
   RestoreRequest request;
   request.instance = d.arg0;
@@ -131,7 +142,8 @@ Result<RestoreRequest> DecodeRestore(const Descriptor& d, std::span<const uint8_
   request.group = body.group;
   request.pages.resize(body.page_count);
   if (body.page_count != 0) {
-    std::memcpy(request.pages.data(), payload.data() + sizeof(body), body.page_count * sizeof(uint32_t));
+    std::memcpy(request.pages.data(), payload.data() + sizeof(body),
+                body.page_count * sizeof(uint32_t));
   }
   return request;
 }
@@ -149,7 +161,8 @@ Result<SaveRequest> DecodeSave(const Descriptor& d, std::span<const uint8_t> pay
   for (uint64_t i = 0; i < count; ++i) {
     SaveEntry entry;
     std::memcpy(&entry, payload.data() + i * sizeof(SaveEntry), sizeof(entry));
-    if (entry.reserved != 0) return Status::InvalidArgument(fmt::format("save entry {} has reserved bits set", i));
+    if (entry.reserved != 0)
+      return Status::InvalidArgument(fmt::format("save entry {} has reserved bits set", i));
     auto key = state::StateKey::Decode(std::span<const uint8_t>(entry.key, kKeyBytes));
     if (!key.ok()) return key.status().WithContext(fmt::format("save key {}", i));
     request.items.push_back(SaveItem{*key, entry.page});

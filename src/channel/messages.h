@@ -1,8 +1,9 @@
 // Typed hot-path messages and their encodings into descriptors + payload slots (wire.h).
 //
-// Encoders are used by the engine-side client; decoders by the Manager, on bytes it already copied out of shared
-// memory. Decoders validate everything (counts against payload size and limits, StateKey encodings, reserved
-// fields) and return InvalidArgument naming the problem; they never trust a length field.
+// Encoders are used by the engine-side client; decoders by the Manager, on bytes it already copied
+// out of shared memory. Decoders validate everything (counts against payload size and limits,
+// StateKey encodings, reserved fields) and return InvalidArgument naming the problem; they never
+// trust a length field.
 #ifndef ORBITKV_CHANNEL_MESSAGES_H_
 #define ORBITKV_CHANNEL_MESSAGES_H_
 
@@ -50,21 +51,25 @@ size_t MaxQueryKeys(uint32_t slot_bytes);
 size_t MaxSaveItems(uint32_t slot_bytes);
 size_t MaxRestorePages(uint32_t slot_bytes);
 
-// Encoders fill `d`'s opcode and args and write the payload into `slot`, returning the payload bytes used;
-// InvalidArgument when the message does not fit the slot (callers split requests by the Max* limits).
+// Encoders fill `d`'s opcode and args and write the payload into `slot`, returning the payload
+// bytes used; InvalidArgument when the message does not fit the slot (callers split requests by the
+// Max* limits).
 Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot);
-Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d, std::span<uint8_t> slot);
+Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d,
+                               std::span<uint8_t> slot);
 Result<uint32_t> EncodeSave(const SaveRequest& request, Descriptor* d, std::span<uint8_t> slot);
 void EncodeRelease(const ReleaseRequest& request, Descriptor* d);
 
-// Decoders take the validated descriptor and the payload bytes it names (already copied to private memory).
+// Decoders take the validated descriptor and the payload bytes it names (already copied to private
+// memory).
 Result<QueryRequest> DecodeQuery(const Descriptor& d, std::span<const uint8_t> payload);
 Result<RestoreRequest> DecodeRestore(const Descriptor& d, std::span<const uint8_t> payload);
 Result<SaveRequest> DecodeSave(const Descriptor& d, std::span<const uint8_t> payload);
 Result<ReleaseRequest> DecodeRelease(const Descriptor& d, std::span<const uint8_t> payload);
 
-// Checks the fields every request descriptor must satisfy, independent of session state: magic, version, a
-// known opcode, request flags, zero reserved fields, an odd generation, payload within `slot_bytes`.
+// Checks the fields every request descriptor must satisfy, independent of session state: magic,
+// version, a known opcode, request flags, zero reserved fields, an odd generation, payload within
+// `slot_bytes`.
 Status ValidateRequestDescriptor(const Descriptor& d, uint32_t payload_slots, uint32_t slot_bytes);
 
 }  // namespace orbitkv::channel

@@ -1,22 +1,23 @@
 // Channel sessions: the Manager's and the engine's ends of one connection.
 //
-// A session is one SOCK_SEQPACKET connection plus its descriptor arena and two doorbells. The engine connects and
-// sends Hello; the Manager checks SO_PEERCRED, creates the arena and answers Welcome with three fds (arena,
-// doorbell to the Manager, doorbell to the engine), or Reject with a reason. Hot requests then flow through the
-// rings; lifecycle frames (and a final Reject when the Manager poisons the session) through the socket. The
-// session ends when either side closes the socket: the Manager sees the hangup and cleans up everything the
-// session owned, without any further message from the engine.
+// A session is one SOCK_SEQPACKET connection plus its descriptor arena and two doorbells. The
+// engine connects and sends Hello; the Manager checks SO_PEERCRED, creates the arena and answers
+// Welcome with three fds (arena, doorbell to the Manager, doorbell to the engine), or Reject with a
+// reason. Hot requests then flow through the rings; lifecycle frames (and a final Reject when the
+// Manager poisons the session) through the socket. The session ends when either side closes the
+// socket: the Manager sees the hangup and cleans up everything the session owned, without any
+// further message from the engine.
 //
-// Thread safety: a ClientSession is used by one thread at a time. A ServerSession is driven by one dispatcher
-// thread, except Reply/ReplyError, which copy-completion threads may call concurrently (they serialize on the
-// reply ring's mutex).
+// Thread safety: a ClientSession is used by one thread at a time. A ServerSession is driven by one
+// dispatcher thread, except Reply/ReplyError, which copy-completion threads may call concurrently
+// (they serialize on the reply ring's mutex).
 #ifndef ORBITKV_CHANNEL_SESSION_H_
 #define ORBITKV_CHANNEL_SESSION_H_
 
 #include <sys/types.h>
 
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
@@ -39,7 +40,7 @@ struct AcceptOptions {
   uint64_t session_id = 0;
   uint64_t session_epoch = 0;
   uint64_t manager_incarnation = 0;
-  ArenaLayout default_layout;  // used for fields the Hello leaves 0
+  ArenaLayout default_layout;                // used for fields the Hello leaves 0
   Deadline deadline = Deadline::Infinite();  // for reading the Hello
 };
 
@@ -52,9 +53,11 @@ struct InboundRequest {
 
 class ServerSession {
  public:
-  // Authenticates the connected peer, reads its Hello and answers Welcome (or Reject, returning the reason):
-  // PermissionDenied for a uid not allowed, InvalidArgument/FailedPrecondition for a bad Hello.
-  static Result<std::unique_ptr<ServerSession>> Accept(ScopedFd connection, const AcceptOptions& options);
+  // Authenticates the connected peer, reads its Hello and answers Welcome (or Reject, returning the
+  // reason): PermissionDenied for a uid not allowed, InvalidArgument/FailedPrecondition for a bad
+  // Hello.
+  static Result<std::unique_ptr<ServerSession>> Accept(ScopedFd connection,
+                                                       const AcceptOptions& options);
 
   uint64_t session_id() const { return session_id_; }
   SessionRole role() const { return role_; }
@@ -64,17 +67,19 @@ class ServerSession {
   int request_doorbell_fd() const { return to_manager_.fd().get(); }
   const DescriptorArena& arena() const { return *arena_; }
 
-  // The next request, or nullopt when the ring is empty. Any violation (corrupt ring, bad descriptor, wrong
-  // epoch, stale or replayed generation) is an error: the caller must Poison the session.
+  // The next request, or nullopt when the ring is empty. Any violation (corrupt ring, bad
+  // descriptor, wrong epoch, stale or replayed generation) is an error: the caller must Poison the
+  // session.
   Result<std::optional<InboundRequest>> NextRequest();
-  // Before sleeping on request_doorbell_fd: true when a request arrived meanwhile (then do not sleep).
+  // Before sleeping on request_doorbell_fd: true when a request arrived meanwhile (then do not
+  // sleep).
   Result<bool> PrepareToWait() { return requests_.PrepareToWait(); }
   void ClearWaiting() { requests_.ClearWaiting(); }
   void DrainDoorbell() { to_manager_.Drain(); }
 
-  // Answers `request` with `code`, args and an optional payload (written into the request's slot, at most
-  // slot_bytes). Errors: ResourceExhausted if the reply ring is full (the engine exceeded its outstanding limit),
-  // DataLoss if the engine corrupted the ring: poison in both cases.
+  // Answers `request` with `code`, args and an optional payload (written into the request's slot,
+  // at most slot_bytes). Errors: ResourceExhausted if the reply ring is full (the engine exceeded
+  // its outstanding limit), DataLoss if the engine corrupted the ring: poison in both cases.
   Status Reply(const Descriptor& request, StatusCode code, uint64_t arg0, uint64_t arg1,
                std::span<const uint8_t> payload = {}) EXCLUDES(reply_mu_);
   // Replies with an error status and its message as the payload.
@@ -82,8 +87,8 @@ class ServerSession {
   // True once a Reply failed: the dispatcher must poison the session.
   bool broken() const { return broken_.load(std::memory_order_acquire); }
 
-  // Reads one lifecycle frame if the socket is readable (non-blocking): nullopt when none is pending;
-  // Unavailable when the engine closed the session.
+  // Reads one lifecycle frame if the socket is readable (non-blocking): nullopt when none is
+  // pending; Unavailable when the engine closed the session.
   Result<std::optional<Frame>> ReadFrame();
   Status SendLifecycleReply(uint64_t request_id, const Status& status, uint64_t value = 0);
 
@@ -92,8 +97,9 @@ class ServerSession {
   bool poisoned() const { return poisoned_; }
 
  private:
-  ServerSession(ScopedFd socket, PeerCredentials peer, std::unique_ptr<DescriptorArena> arena, Doorbell to_manager,
-                Doorbell to_engine, uint64_t session_id, SessionRole role, uint64_t control_session);
+  ServerSession(ScopedFd socket, PeerCredentials peer, std::unique_ptr<DescriptorArena> arena,
+                Doorbell to_manager, Doorbell to_engine, uint64_t session_id, SessionRole role,
+                uint64_t control_session);
 
   ScopedFd socket_;
   PeerCredentials peer_;
@@ -129,9 +135,10 @@ struct InboundReply {
 
 class ClientSession {
  public:
-  // Connects to the Manager at `socket_path` and opens a session. Unavailable when no Manager listens there,
-  // PermissionDenied (with the Manager's reason) when refused.
-  static Result<std::unique_ptr<ClientSession>> Connect(const std::string& socket_path, const ConnectOptions& options);
+  // Connects to the Manager at `socket_path` and opens a session. Unavailable when no Manager
+  // listens there, PermissionDenied (with the Manager's reason) when refused.
+  static Result<std::unique_ptr<ClientSession>> Connect(const std::string& socket_path,
+                                                        const ConnectOptions& options);
 
   const WelcomeBody& welcome() const { return welcome_; }
   uint64_t session_id() const { return welcome_.session_id; }
@@ -145,19 +152,21 @@ class ClientSession {
   void ReleaseSlot(uint32_t slot);
   std::span<uint8_t> slot(uint32_t index) const { return arena_->slot(index); }
 
-  // Sends a request: fills magic, version, epoch, id and a fresh generation for `slot` into `d` and pushes it.
-  // Returns the request id. ResourceExhausted when the ring is full.
+  // Sends a request: fills magic, version, epoch, id and a fresh generation for `slot` into `d` and
+  // pushes it. Returns the request id. ResourceExhausted when the ring is full.
   Result<uint64_t> Submit(Descriptor d, uint32_t slot, uint32_t payload_bytes);
-  // Next reply if any (non-blocking). Replies with a stale generation are dropped. DataLoss on a corrupt ring.
+  // Next reply if any (non-blocking). Replies with a stale generation are dropped. DataLoss on a
+  // corrupt ring.
   Result<std::optional<InboundReply>> PollReply();
-  // Waits for the reply to `request_id`: spins `spin_iterations` polls, then sleeps on the doorbell. Replies to
-  // other requests that arrive meanwhile are kept for later WaitReply calls. DeadlineExceeded leaves the request
-  // outstanding (its slot stays owned); Unavailable/Aborted when the Manager closed or poisoned the session.
+  // Waits for the reply to `request_id`: spins `spin_iterations` polls, then sleeps on the
+  // doorbell. Replies to other requests that arrive meanwhile are kept for later WaitReply calls.
+  // DeadlineExceeded leaves the request outstanding (its slot stays owned); Unavailable/Aborted
+  // when the Manager closed or poisoned the session.
   Result<InboundReply> WaitReply(uint64_t request_id, Deadline deadline, int spin_iterations = 64);
 
   // Sends a lifecycle frame (with fds) and waits for its LifecycleReply; returns the reply's value.
-  Result<uint64_t> Lifecycle(FrameType type, std::span<const uint8_t> body, std::span<const int> fds,
-                             Deadline deadline);
+  Result<uint64_t> Lifecycle(FrameType type, std::span<const uint8_t> body,
+                             std::span<const int> fds, Deadline deadline);
 
  private:
   ClientSession(ScopedFd socket, const WelcomeBody& welcome, std::unique_ptr<DescriptorArena> arena,
@@ -173,11 +182,11 @@ class ClientSession {
   RingProducer requests_;
   RingConsumer replies_;
   uint64_t next_request_id_ = 1;
-  std::vector<uint32_t> generation_;  // per slot, the generation of its current request
+  std::vector<uint32_t> generation_;    // per slot, the generation of its current request
   std::vector<uint64_t> slot_request_;  // per slot, the request id in flight (0: none)
   std::vector<uint32_t> free_slots_;
   std::vector<InboundReply> parked_;  // replies that arrived while waiting for another request
-  Status dead_;                        // set once the session is known dead
+  Status dead_;                       // set once the session is known dead
 };
 
 }  // namespace orbitkv::channel

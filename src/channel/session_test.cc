@@ -29,7 +29,9 @@ class SessionTest : public ::testing::Test {
     ASSERT_TRUE(listener.ok()) << listener.status();
     listener_ = std::move(*listener);
   }
-  void TearDown() override { std::filesystem::remove_all(std::filesystem::path(path_).parent_path()); }
+  void TearDown() override {
+    std::filesystem::remove_all(std::filesystem::path(path_).parent_path());
+  }
 
   AcceptOptions Options(uint64_t id = 1) {
     AcceptOptions options;
@@ -45,7 +47,8 @@ class SessionTest : public ::testing::Test {
   std::pair<Result<std::unique_ptr<ServerSession>>, Result<std::unique_ptr<ClientSession>>> Open(
       ConnectOptions connect = {}, AcceptOptions accept = {}) {
     if (accept.session_id == 0) accept = Options();
-    auto client = std::async(std::launch::async, [&] { return ClientSession::Connect(path_, connect); });
+    auto client =
+        std::async(std::launch::async, [&] { return ClientSession::Connect(path_, connect); });
     ScopedFd conn;
     for (int i = 0; i < 1000 && !conn.valid(); ++i) {
       conn = ScopedFd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
@@ -119,7 +122,8 @@ TEST_F(SessionTest, TimeoutKeepsTheSlotOwnedAndLateRepliesAreStillMatched) {
   Descriptor d{};
   d.opcode = static_cast<uint16_t>(Opcode::kPing);
   uint64_t id = *(*client)->Submit(d, slot, 0);
-  EXPECT_EQ((*client)->WaitReply(id, Deadline::After(milliseconds(20))).status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*client)->WaitReply(id, Deadline::After(milliseconds(20))).status().code(),
+            StatusCode::kDeadlineExceeded);
   // The slot is not reusable while its request is outstanding.
   (*client)->ReleaseSlot(slot);
   for (int i = 0; i < 3; ++i) EXPECT_NE(*(*client)->AcquireSlot(), slot);
@@ -137,7 +141,8 @@ TEST_F(SessionTest, ReplayedAndStaleDescriptorsAreRejected) {
   ASSERT_TRUE((*client)->Submit(d, slot, 0).ok());
   auto first = *(*server)->NextRequest();
   ASSERT_TRUE(first.has_value());
-  // Replay the same descriptor straight into the ring, bypassing the client's generation bookkeeping.
+  // Replay the same descriptor straight into the ring, bypassing the client's generation
+  // bookkeeping.
   Descriptor replay = first->descriptor;
   std::memcpy(&(*server)->arena().request_entries()[1], &replay, sizeof(replay));
   (*server)->arena().request_control()->head = 2;
@@ -197,7 +202,8 @@ TEST_F(SessionTest, PoisonTellsTheClientWhy) {
   ASSERT_EQ(reply.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(reply.status().message().find("bad encoding"), std::string::npos);
   // Every later call fails the same way, fast.
-  EXPECT_EQ((*client)->Submit(d, *(*client)->AcquireSlot(), 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*client)->Submit(d, *(*client)->AcquireSlot(), 0).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST_F(SessionTest, ManagerGoneIsUnavailableNotAHang) {
@@ -213,7 +219,8 @@ TEST_F(SessionTest, ManagerGoneIsUnavailableNotAHang) {
 }
 
 TEST_F(SessionTest, DisallowedUidIsRefusedWithTheFix) {
-  // Run the client as another uid in a child process (the test runs as root in CI; skip the switch otherwise).
+  // Run the client as another uid in a child process (the test runs as root in CI; skip the switch
+  // otherwise).
   if (geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
   pid_t child = fork();
   if (child == 0) {
@@ -235,8 +242,8 @@ TEST_F(SessionTest, LifecycleFramesRoundTripWithFds) {
   const int fds[] = {bell->fd().get()};
   auto pending = std::async(std::launch::async, [&] {
     return (*client)->Lifecycle(FrameType::kRegisterInstance,
-                                std::span(reinterpret_cast<const uint8_t*>(&body), sizeof(body)), fds,
-                                Deadline::After(seconds(10)));
+                                std::span(reinterpret_cast<const uint8_t*>(&body), sizeof(body)),
+                                fds, Deadline::After(seconds(10)));
   });
   std::optional<Frame> frame;
   for (int i = 0; i < 2000 && !frame.has_value(); ++i) {

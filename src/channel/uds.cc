@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -40,33 +41,50 @@ Status WaitFor(int fd, short events, Deadline deadline) {
 
 }  // namespace
 
-Result<ScopedFd> ListenUnix(const std::string& path, int backlog) {
+std::string DefaultManagerSocketPath() {
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  if (runtime != nullptr && runtime[0] != '\0')
+    return fmt::format("{}/orbitkv/manager.sock", runtime);
+  return fmt::format("/tmp/orbitkv-{}/manager.sock", getuid());
+}
+
+Result<ScopedFd> ListenUnix(const std::string& path, mode_t mode, int backlog) {
   ORBITKV_ASSIGN_OR_RETURN(sockaddr_un addr, UnixAddress(path));
   const std::filesystem::path dir = std::filesystem::path(path).parent_path();
   if (!dir.empty()) {
     std::error_code ec;
     if (std::filesystem::create_directories(dir, ec)) {
-      std::filesystem::permissions(dir, std::filesystem::perms::owner_all, ec);
+      const bool shared = (mode & 0066) != 0;
+      std::filesystem::permissions(
+          dir,
+          shared ? static_cast<std::filesystem::perms>(0755) : std::filesystem::perms::owner_all,
+          ec);
     }
-    if (ec) return Status::Internal(fmt::format("cannot create socket directory {}: {}", dir.string(), ec.message()));
+    if (ec)
+      return Status::Internal(
+          fmt::format("cannot create socket directory {}: {}", dir.string(), ec.message()));
   }
-  // A socket file that nobody accepts on is left over from a dead Manager: replace it. A live one is an error.
+  // A socket file that nobody accepts on is left over from a dead Manager: replace it. A live one
+  // is an error.
   if (std::filesystem::exists(path)) {
     ScopedFd probe(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-    if (probe.valid() && connect(probe.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0) {
+    if (probe.valid() &&
+        connect(probe.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0) {
       return Status::AlreadyExists(fmt::format("another Manager is already listening on {}", path));
     }
-    if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("remove stale socket " + path, errno);
+    if (unlink(path.c_str()) != 0 && errno != ENOENT)
+      return ErrnoStatus("remove stale socket " + path, errno);
   }
   ScopedFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return ErrnoStatus("socket(AF_UNIX)", errno);
-  // Bind with a restrictive umask so the socket never exists with looser permissions, then pin 0600.
+  // Bind with a restrictive umask so the socket never exists with looser permissions, then pin
+  // 0600.
   const mode_t old_umask = umask(0177);
   const int bound = bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   const int bind_errno = errno;
   umask(old_umask);
   if (bound != 0) return ErrnoStatus("bind " + path, bind_errno);
-  if (chmod(path.c_str(), 0600) != 0) return ErrnoStatus("chmod " + path, errno);
+  if (chmod(path.c_str(), mode) != 0) return ErrnoStatus("chmod " + path, errno);
   if (listen(fd.get(), backlog) != 0) return ErrnoStatus("listen " + path, errno);
   return fd;
 }
@@ -77,9 +95,10 @@ Result<ScopedFd> ConnectUnix(const std::string& path) {
   if (!fd.valid()) return ErrnoStatus("socket(AF_UNIX)", errno);
   if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     const int err = errno;
-    return Status::Unavailable(fmt::format("cannot connect to the OrbitKV Manager at {}: {} (is orbitkv-manager "
-                                           "running, and is this the socket it was started with?)",
-                                           path, std::strerror(err)));
+    return Status::Unavailable(
+        fmt::format("cannot connect to the OrbitKV Manager at {}: {} (is orbitkv-manager "
+                    "running, and is this the socket it was started with?)",
+                    path, std::strerror(err)));
   }
   return fd;
 }
@@ -87,21 +106,25 @@ Result<ScopedFd> ConnectUnix(const std::string& path) {
 Result<PeerCredentials> GetPeerCredentials(int fd) {
   ucred cred{};
   socklen_t len = sizeof(cred);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return ErrnoStatus("SO_PEERCRED", errno);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    return ErrnoStatus("SO_PEERCRED", errno);
   return PeerCredentials{cred.pid, cred.uid, cred.gid};
 }
 
 Status SendFrame(int fd, FrameType type, uint64_t request_id, std::span<const uint8_t> body,
                  std::span<const int> fds) {
   if (sizeof(FrameHeader) + body.size() > kMaxFrameBytes) {
-    return Status::InvalidArgument(fmt::format("frame body of {} bytes exceeds the {}-byte frame limit", body.size(),
-                                               kMaxFrameBytes - sizeof(FrameHeader)));
+    return Status::InvalidArgument(
+        fmt::format("frame body of {} bytes exceeds the {}-byte frame limit", body.size(),
+                    kMaxFrameBytes - sizeof(FrameHeader)));
   }
   if (fds.size() > kMaxFrameFds) {
-    return Status::InvalidArgument(fmt::format("{} fds exceed the {} per frame", fds.size(), kMaxFrameFds));
+    return Status::InvalidArgument(
+        fmt::format("{} fds exceed the {} per frame", fds.size(), kMaxFrameFds));
   }
-  FrameHeader header{kMagic, kWireVersion, static_cast<uint16_t>(type), static_cast<uint32_t>(body.size()), 0,
-                     request_id};
+  FrameHeader header{
+      kMagic, kWireVersion, static_cast<uint16_t>(type), static_cast<uint32_t>(body.size()),
+      0,      request_id};
   iovec iov[2] = {{&header, sizeof(header)}, {const_cast<uint8_t*>(body.data()), body.size()}};
   msghdr msg{};
   msg.msg_iov = iov;
@@ -125,7 +148,8 @@ Status SendFrame(int fd, FrameType type, uint64_t request_id, std::span<const ui
       ORBITKV_RETURN_IF_ERROR(WaitFor(fd, POLLOUT, Deadline::After(std::chrono::seconds(5))));
       continue;
     }
-    if (errno == EPIPE || errno == ECONNRESET) return Status::Unavailable("channel peer closed the connection");
+    if (errno == EPIPE || errno == ECONNRESET)
+      return Status::Unavailable("channel peer closed the connection");
     return ErrnoStatus("sendmsg channel frame", errno);
   }
 }
@@ -161,25 +185,31 @@ Result<Frame> RecvFrame(int fd, Deadline deadline) {
     }
   }
   if (received == 0) return Status::Unavailable("channel peer closed the connection");
-  if ((msg.msg_flags & MSG_CTRUNC) != 0) return Status::InvalidArgument("channel frame carried too many fds");
-  if ((msg.msg_flags & MSG_TRUNC) != 0) return Status::InvalidArgument("channel frame exceeds the frame limit");
+  if ((msg.msg_flags & MSG_CTRUNC) != 0)
+    return Status::InvalidArgument("channel frame carried too many fds");
+  if ((msg.msg_flags & MSG_TRUNC) != 0)
+    return Status::InvalidArgument("channel frame exceeds the frame limit");
   if (static_cast<size_t>(received) < sizeof(FrameHeader)) {
-    return Status::InvalidArgument(fmt::format("channel frame of {} bytes is shorter than its header", received));
+    return Status::InvalidArgument(
+        fmt::format("channel frame of {} bytes is shorter than its header", received));
   }
   std::memcpy(&frame.header, buffer.data(), sizeof(FrameHeader));
   const FrameHeader& h = frame.header;
-  if (h.magic != kMagic) return Status::InvalidArgument(fmt::format("bad channel frame magic {:#x}", h.magic));
+  if (h.magic != kMagic)
+    return Status::InvalidArgument(fmt::format("bad channel frame magic {:#x}", h.magic));
   if (h.version != kWireVersion) {
-    return Status::FailedPrecondition(fmt::format(
-        "channel wire version {} is not this Manager's {}: upgrade the client and the Manager together", h.version,
-        kWireVersion));
+    return Status::FailedPrecondition(
+        fmt::format("channel wire version {} is not this Manager's {}: upgrade the client and the "
+                    "Manager together",
+                    h.version, kWireVersion));
   }
   if (h.type == 0 || h.type > kMaxFrameType) {
     return Status::InvalidArgument(fmt::format("unknown channel frame type {}", h.type));
   }
   if (h.body_bytes != static_cast<size_t>(received) - sizeof(FrameHeader) || h.reserved != 0) {
-    return Status::InvalidArgument(fmt::format("channel frame length {} does not match its {} received bytes",
-                                               h.body_bytes, received - sizeof(FrameHeader)));
+    return Status::InvalidArgument(
+        fmt::format("channel frame length {} does not match its {} received bytes", h.body_bytes,
+                    received - sizeof(FrameHeader)));
   }
   frame.body.assign(buffer.begin() + sizeof(FrameHeader), buffer.begin() + received);
   return frame;

@@ -1,9 +1,10 @@
-// Unix-socket plumbing of the channel: listening and connecting SOCK_SEQPACKET sockets, peer credentials,
-// framed messages with file descriptors (SCM_RIGHTS), and eventfd doorbells.
+// Unix-socket plumbing of the channel: listening and connecting SOCK_SEQPACKET sockets, peer
+// credentials, framed messages with file descriptors (SCM_RIGHTS), and eventfd doorbells.
 //
-// Received descriptors are wrapped in ScopedFd the moment they arrive, so a malformed or rejected frame never
-// leaks one. Every receive validates the frame header (magic, version, type, exact length) and reports truncated
-// data or control messages as InvalidArgument. A closed peer is Unavailable.
+// Received descriptors are wrapped in ScopedFd the moment they arrive, so a malformed or rejected
+// frame never leaks one. Every receive validates the frame header (magic, version, type, exact
+// length) and reports truncated data or control messages as InvalidArgument. A closed peer is
+// Unavailable.
 //
 // Thread safety: free functions; a socket is used by one thread at a time.
 #ifndef ORBITKV_CHANNEL_UDS_H_
@@ -36,9 +37,16 @@ struct PeerCredentials {
   gid_t gid = 0;
 };
 
-// Binds and listens on `path` with mode 0600, creating its directory (mode 0700) if missing. A stale socket file
-// left by a dead Manager is replaced; a live one (something accepts connections) is AlreadyExists.
-Result<ScopedFd> ListenUnix(const std::string& path, int backlog = 64);
+// Where a Manager listens unless told otherwise: `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when
+// XDG_RUNTIME_DIR is set, else `/tmp/orbitkv-<uid>/manager.sock`. Engines and the Manager agree on
+// it without configuration.
+std::string DefaultManagerSocketPath();
+
+// Binds and listens on `path` with `mode` (0600: only this uid; 0666 when other uids are admitted
+// by SO_PEERCRED), creating its directory if missing (0700, or 0755 for a shared socket). A stale
+// socket file left by a dead Manager is replaced; a live one (something accepts connections) is
+// AlreadyExists.
+Result<ScopedFd> ListenUnix(const std::string& path, mode_t mode = 0600, int backlog = 64);
 // Connects to `path`; Unavailable (with the path and the reason) when no Manager listens there.
 Result<ScopedFd> ConnectUnix(const std::string& path);
 Result<PeerCredentials> GetPeerCredentials(int fd);
@@ -46,8 +54,8 @@ Result<PeerCredentials> GetPeerCredentials(int fd);
 // Sends one frame; the fds are duplicated into the receiver (the caller keeps its own).
 Status SendFrame(int fd, FrameType type, uint64_t request_id, std::span<const uint8_t> body,
                  std::span<const int> fds = {});
-// Receives one frame, waiting until `deadline`. DeadlineExceeded, Unavailable (peer closed), InvalidArgument
-// (malformed), or the frame.
+// Receives one frame, waiting until `deadline`. DeadlineExceeded, Unavailable (peer closed),
+// InvalidArgument (malformed), or the frame.
 Result<Frame> RecvFrame(int fd, Deadline deadline);
 
 // An eventfd used as a doorbell between processes.

@@ -1,17 +1,20 @@
 // The engine <-> Manager wire format, version 1 (docs/formats/channel.md is the reference page).
 //
 // Two paths:
-//   - Bootstrap and lifecycle travel as frames over a Unix SOCK_SEQPACKET socket: a FrameHeader followed by a
-//     fixed body, with file descriptors passed by SCM_RIGHTS (the descriptor arena and doorbells on Welcome, the
-//     engine's shared-memory KV buffers on RegisterGroup).
+//   - Bootstrap and lifecycle travel as frames over a Unix SOCK_SEQPACKET socket: a FrameHeader
+//   followed by a
+//     fixed body, with file descriptors passed by SCM_RIGHTS (the descriptor arena and doorbells on
+//     Welcome, the engine's shared-memory KV buffers on RegisterGroup).
 //   - Hot operations (query, restore, save, release, ...) travel as 64-byte Descriptors through two
-//     single-producer/single-consumer rings in a sealed memfd arena, with variable data (keys, page lists, error
-//     text) in per-request payload slots of the same arena. KV bytes never travel over the channel.
+//     single-producer/single-consumer rings in a sealed memfd arena, with variable data (keys, page
+//     lists, error text) in per-request payload slots of the same arena. KV bytes never travel over
+//     the channel.
 //
-// Everything here is plain data with fixed little-endian layouts (x86-64 and aarch64 are both little-endian; the
-// static_asserts pin sizes and offsets). Nothing in shared memory is trusted: the Manager copies a descriptor and
-// its payload into private memory before validating (the engine could change them afterwards), and every field
-// is range- and generation-checked; a violation poisons only that session.
+// Everything here is plain data with fixed little-endian layouts (x86-64 and aarch64 are both
+// little-endian; the static_asserts pin sizes and offsets). Nothing in shared memory is trusted:
+// the Manager copies a descriptor and its payload into private memory before validating (the engine
+// could change them afterwards), and every field is range- and generation-checked; a violation
+// poisons only that session.
 #ifndef ORBITKV_CHANNEL_WIRE_H_
 #define ORBITKV_CHANNEL_WIRE_H_
 
@@ -26,13 +29,14 @@ inline constexpr uint16_t kWireVersion = 1;
 // ---- Bootstrap and lifecycle frames (UDS) ----
 
 enum class FrameType : uint16_t {
-  kHello = 1,              // engine -> Manager: open a session
-  kWelcome = 2,            // Manager -> engine: session accepted (+ fds: arena, doorbell to Manager, to engine)
-  kReject = 3,             // Manager -> engine: refused or poisoned; body = RejectBody + UTF-8 message
-  kRegisterInstance = 4,   // engine -> Manager
-  kRegisterGroup = 5,      // engine -> Manager (+ one fd per buffer)
-  kUnregisterInstance = 6, // engine -> Manager
-  kLifecycleReply = 7,     // Manager -> engine: LifecycleReplyBody + UTF-8 message
+  kHello = 1,  // engine -> Manager: open a session
+  kWelcome =
+      2,  // Manager -> engine: session accepted (+ fds: arena, doorbell to Manager, to engine)
+  kReject = 3,  // Manager -> engine: refused or poisoned; body = RejectBody + UTF-8 message
+  kRegisterInstance = 4,    // engine -> Manager
+  kRegisterGroup = 5,       // engine -> Manager (+ one fd per buffer)
+  kUnregisterInstance = 6,  // engine -> Manager
+  kLifecycleReply = 7,      // Manager -> engine: LifecycleReplyBody + UTF-8 message
 };
 inline constexpr uint16_t kMaxFrameType = 7;
 
@@ -52,12 +56,12 @@ inline constexpr size_t kMaxFrameFds = 64;
 enum class SessionRole : uint32_t { kControl = 1, kPublish = 2 };
 
 struct HelloBody {
-  uint32_t role;            // SessionRole
-  uint32_t client_pid;      // informational (the Manager trusts SO_PEERCRED, not this)
-  uint64_t control_session; // kPublish: the control session this one belongs to; kControl: 0
-  uint32_t ring_entries;    // requested; 0 = default. Power of two in [16, 4096]
-  uint32_t payload_slots;   // requested; 0 = default. In [1, 1024]
-  uint32_t slot_bytes;      // requested; 0 = default. Multiple of 4096 in [4096, 1 MiB]
+  uint32_t role;             // SessionRole
+  uint32_t client_pid;       // informational (the Manager trusts SO_PEERCRED, not this)
+  uint64_t control_session;  // kPublish: the control session this one belongs to; kControl: 0
+  uint32_t ring_entries;     // requested; 0 = default. Power of two in [16, 4096]
+  uint32_t payload_slots;    // requested; 0 = default. In [1, 1024]
+  uint32_t slot_bytes;       // requested; 0 = default. Multiple of 4096 in [4096, 1 MiB]
   uint32_t reserved;
 };
 static_assert(sizeof(HelloBody) == 32);
@@ -87,9 +91,9 @@ struct RegisterInstanceBody {
 };
 static_assert(sizeof(RegisterInstanceBody) == 40);
 
-// A group's KV lives in `buffer_count` buffers (one per layer, or per K and V, or one for page-first layouts).
-// Page p of the group is the concatenation, in buffer order, of buffer i's bytes
-// [base_offset_i + p * page_stride_i, +page_bytes_i).
+// A group's KV lives in `buffer_count` buffers (one per layer, or per K and V, or one for
+// page-first layouts). Page p of the group is the concatenation, in buffer order, of buffer i's
+// bytes [base_offset_i + p * page_stride_i, +page_bytes_i).
 struct RegisterGroupHeader {
   uint64_t instance_id;
   uint32_t group;
@@ -122,8 +126,9 @@ static_assert(sizeof(LifecycleReplyBody) == 16);
 
 // ---- Descriptor arena (shared memory) ----
 
-// The arena starts with this header; rings and payload slots follow at the offsets it records. The Manager writes
-// it once before handing the (sealed) memfd over; the engine validates it after mapping.
+// The arena starts with this header; rings and payload slots follow at the offsets it records. The
+// Manager writes it once before handing the (sealed) memfd over; the engine validates it after
+// mapping.
 struct ArenaHeader {
   uint32_t magic;
   uint16_t version;
@@ -140,9 +145,9 @@ struct ArenaHeader {
 };
 static_assert(sizeof(ArenaHeader) == 64);
 
-// Head and tail of one SPSC ring, each on its own cache line. Indices grow without wrapping (u64); the entry of
-// index i is i % ring_entries. The consumer sets `consumer_waiting` before it sleeps on its doorbell, so the
-// producer rings the doorbell only when someone waits.
+// Head and tail of one SPSC ring, each on its own cache line. Indices grow without wrapping (u64);
+// the entry of index i is i % ring_entries. The consumer sets `consumer_waiting` before it sleeps
+// on its doorbell, so the producer rings the doorbell only when someone waits.
 struct alignas(64) RingControl {
   alignas(64) uint64_t head;  // written by the producer: next index to fill
   alignas(64) uint64_t tail;  // written by the consumer: next index to read
@@ -168,11 +173,12 @@ enum class DescriptorFlags : uint16_t {
   kReply = 1,  // set on every Manager -> engine descriptor
 };
 
-// One request or reply. A request names its payload slot; the reply uses the same slot (the engine does not
-// reuse a slot before its reply arrived). Generations: the engine gives each use of a slot an odd generation
-// greater than the slot's previous one; the reply carries generation + 1. The Manager rejects a generation that
-// is even or not newer than the last it saw for that slot, and the engine drops a reply whose generation is not
-// its request's + 1: stale or replayed descriptors cannot be mistaken for current ones.
+// One request or reply. A request names its payload slot; the reply uses the same slot (the engine
+// does not reuse a slot before its reply arrived). Generations: the engine gives each use of a slot
+// an odd generation greater than the slot's previous one; the reply carries generation + 1. The
+// Manager rejects a generation that is even or not newer than the last it saw for that slot, and
+// the engine drops a reply whose generation is not its request's + 1: stale or replayed descriptors
+// cannot be mistaken for current ones.
 struct Descriptor {
   uint32_t magic;
   uint16_t version;
@@ -196,7 +202,8 @@ inline constexpr size_t kKeyBytes = 128;  // state::StateKey::kEncodedSize
 
 struct RestoreBody {
   uint32_t group;
-  uint32_t page_count;  // followed by page_count u32 destination page indices (kSkipPage: leave that block out)
+  uint32_t page_count;  // followed by page_count u32 destination page indices (kSkipPage: leave
+                        // that block out)
 };
 static_assert(sizeof(RestoreBody) == 8);
 inline constexpr uint32_t kSkipPage = 0xffffffffu;
@@ -208,8 +215,9 @@ struct SaveEntry {
 };
 static_assert(sizeof(SaveEntry) == 136);
 
-// The reply of kQuery: arg0 = QueryOutcome << 32 | blocks hit; arg1 = the lease (kHit) or the operation to poll
-// (kLoading). Replies of kSave: arg0 = blocks written, arg1 = blocks skipped (already resident or being written).
+// The reply of kQuery: arg0 = QueryOutcome << 32 | blocks hit; arg1 = the lease (kHit) or the
+// operation to poll (kLoading). Replies of kSave: arg0 = blocks written, arg1 = blocks skipped
+// (already resident or being written).
 enum class QueryOutcome : uint32_t { kMiss = 0, kHit = 1, kLoading = 2 };
 
 }  // namespace orbitkv::channel

@@ -143,6 +143,10 @@ class Worker {
     *chain = RandomChain();
     return keys_->chain(*chain).first(1 + Uniform(kChainLength));
   }
+  std::span<const StateKey> RandomPrefix() {
+    uint64_t chain = 0;
+    return RandomPrefix(&chain);
+  }
 
   void Step() {
     const uint64_t roll = Uniform(100);
@@ -240,8 +244,7 @@ class Worker {
   }
 
   void QueryAndConsume() {
-    uint64_t chain = 0;
-    const std::span<const StateKey> prefix = RandomPrefix(&chain);
+    const std::span<const StateKey> prefix = RandomPrefix();
     size_t hits = 0;
     const std::optional<LeaseId> lease = Query(prefix, &hits);
     if (!lease.has_value()) return;
@@ -259,8 +262,7 @@ class Worker {
   }
 
   void QueryAndRelease() {
-    uint64_t chain = 0;
-    const std::span<const StateKey> prefix = RandomPrefix(&chain);
+    const std::span<const StateKey> prefix = RandomPrefix();
     size_t hits = 0;
     const std::optional<LeaseId> lease = Query(prefix, &hits);
     if (!lease.has_value()) return;
@@ -275,8 +277,7 @@ class Worker {
   // Pins one key, verifies it and re-pins it by ref: the ref stays valid while published, and an
   // unpublished block is refused as stale, never handed out.
   void PinAndRepin() {
-    uint64_t chain = 0;
-    const std::span<const StateKey> prefix = RandomPrefix(&chain);
+    const std::span<const StateKey> prefix = RandomPrefix();
     const StateKey& key = prefix.back();
     Result<BlockPin> pin = cache_->table().Pin(key);
     if (!pin.ok()) {
@@ -314,8 +315,7 @@ class Worker {
   }
 
   void Remove() {
-    uint64_t chain = 0;
-    const std::span<const StateKey> prefix = RandomPrefix(&chain);
+    const std::span<const StateKey> prefix = RandomPrefix();
     const Status status = cache_->table().Remove(prefix.back(), Tier::kDram);
     EXPECT_TRUE(OneOf(status.code(), {StatusCode::kOk, StatusCode::kNotFound})) << status;
   }
@@ -332,8 +332,7 @@ class Worker {
   }
 
   void Ssd() {
-    uint64_t chain = 0;
-    const std::span<const StateKey> prefix = RandomPrefix(&chain);
+    const std::span<const StateKey> prefix = RandomPrefix();
     const StateKey& key = prefix.back();
     const uint64_t roll = Uniform(3);
     if (roll == 0) {
@@ -355,8 +354,7 @@ class Worker {
   }
 
   void Lookup() {
-    uint64_t chain = 0;
-    const std::span<const StateKey> prefix = RandomPrefix(&chain);
+    const std::span<const StateKey> prefix = RandomPrefix();
     std::vector<Residence> tiers;
     const size_t found = cache_->table().LookupPrefixTiers(prefix, &tiers);
     EXPECT_LE(found, prefix.size());
@@ -475,6 +473,17 @@ TEST_F(BlockCacheStressTest, ManyThreadsEndWithEveryGaugeAtZero) {
   EXPECT_EQ(cache_->inventory().ReplicaCount(Tier::kDram), table.resident_blocks);
   EXPECT_EQ(cache_->inventory().ReplicaCount(Tier::kSsd), table.ssd_residences);
 
+  // Every block still resident carries its key's bytes.
+  for (uint64_t chain = 0; chain < keys_.chain_count(); ++chain) {
+    for (const StateKey& key : keys_.chain(chain)) {
+      Result<BlockPin> pin = cache_->table().Pin(key);
+      if (pin.ok()) {
+        EXPECT_TRUE(keys_.Verify(key, pin->data(), pin->bytes())) << key.ToString();
+      } else {
+        EXPECT_EQ(pin.status().code(), StatusCode::kNotFound) << pin.status();
+      }
+    }
+  }
   EXPECT_EQ(cache_->table().RemoveAllDram(), table.resident_blocks);
   for (uint64_t chain = 0; chain < keys_.chain_count(); ++chain) {
     for (const StateKey& key : keys_.chain(chain)) {

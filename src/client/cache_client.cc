@@ -1,0 +1,281 @@
+#include "client/cache_client.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "channel/messages.h"
+#include "channel/uds.h"
+
+namespace orbitkv::client {
+namespace {
+
+using channel::Descriptor;
+using channel::Opcode;
+
+template <typename T>
+std::span<const uint8_t> BytesOf(const T& value) {
+  return {reinterpret_cast<const uint8_t*>(&value), sizeof(T)};
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CacheClient>> CacheClient::Connect(const ClientOptions& options) {
+  std::string path =
+      options.socket_path.empty() ? channel::DefaultManagerSocketPath() : options.socket_path;
+  channel::ConnectOptions connect;
+  connect.role = channel::SessionRole::kControl;
+  connect.deadline = orbitkv::Deadline::After(options.timeout);
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<channel::ClientSession> control,
+                           channel::ClientSession::Connect(path, connect));
+  return std::unique_ptr<CacheClient>(
+      new CacheClient(options, std::move(path), std::move(control)));
+}
+
+CacheClient::~CacheClient() = default;
+
+orbitkv::Deadline CacheClient::CallDeadline() const {
+  return orbitkv::Deadline::After(options_.timeout);
+}
+
+Status CacheClient::ErrorFromReply(channel::ClientSession& session,
+                                   const channel::InboundReply& reply, uint32_t slot) {
+  const auto bytes = session.slot(slot).first(reply.descriptor.payload_bytes);
+  return Status(reply.code(),
+                std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+}
+
+Result<channel::InboundReply> CacheClient::Call(Descriptor d, std::span<const uint8_t> payload,
+                                                std::string* reply_payload) {
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, control_->AcquireSlot());
+  if (!payload.empty()) std::memcpy(control_->slot(slot).data(), payload.data(), payload.size());
+  Result<uint64_t> id = control_->Submit(d, slot, static_cast<uint32_t>(payload.size()));
+  if (!id.ok()) {
+    control_->ReleaseSlot(slot);
+    return id.status();
+  }
+  Result<channel::InboundReply> reply =
+      control_->WaitReply(*id, CallDeadline(), options_.spin_iterations);
+  if (!reply.ok()) {
+    control_->ReleaseSlot(slot);  // kept retired by the session while the request is outstanding
+    return reply.status();
+  }
+  Status error =
+      reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(*control_, *reply, slot);
+  if (reply_payload != nullptr && error.ok()) {
+    const auto bytes = control_->slot(slot).first(reply->descriptor.payload_bytes);
+    reply_payload->assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  }
+  control_->ReleaseSlot(slot);
+  if (!error.ok()) return error;
+  return reply;
+}
+
+Status CacheClient::RegisterInstance(uint64_t instance, const state::StateNamespace& ns) {
+  channel::RegisterInstanceBody body{};
+  body.instance_id = instance;
+  std::memcpy(body.namespace_digest, ns.digest().bytes.data(), 32);
+  MutexLock lock(&control_mu_);
+  return control_
+      ->Lifecycle(channel::FrameType::kRegisterInstance, BytesOf(body), {}, CallDeadline())
+      .status();
+}
+
+Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, uint32_t num_pages,
+                                            std::span<const BufferSpec> buffers) {
+  if (buffers.empty() || buffers.size() > channel::kMaxFrameFds) {
+    return Status::InvalidArgument(
+        fmt::format("a group needs 1-{} buffers", channel::kMaxFrameFds));
+  }
+  channel::RegisterGroupHeader header{instance, group, static_cast<uint32_t>(buffers.size()),
+                                      num_pages, 0};
+  std::vector<uint8_t> body(BytesOf(header).begin(), BytesOf(header).end());
+  std::vector<int> fds;
+  for (const BufferSpec& spec : buffers) {
+    const channel::BufferDescriptor layout{spec.buffer_bytes, spec.base_offset, spec.page_stride,
+                                           spec.page_bytes};
+    body.insert(body.end(), BytesOf(layout).begin(), BytesOf(layout).end());
+    fds.push_back(spec.fd);
+  }
+  MutexLock lock(&control_mu_);
+  return control_->Lifecycle(channel::FrameType::kRegisterGroup, body, fds, CallDeadline());
+}
+
+Status CacheClient::UnregisterInstance(uint64_t instance) {
+  const channel::UnregisterInstanceBody body{instance};
+  MutexLock lock(&control_mu_);
+  return control_
+      ->Lifecycle(channel::FrameType::kUnregisterInstance, BytesOf(body), {}, CallDeadline())
+      .status();
+}
+
+size_t CacheClient::MaxQueryKeys() const { return channel::MaxQueryKeys(control_slot_bytes_); }
+
+Result<QueryResult> CacheClient::Query(uint64_t instance, uint32_t group,
+                                       std::span<const state::StateKey> keys) {
+  if (keys.empty()) return QueryResult{};
+  channel::QueryRequest request;
+  request.instance = instance;
+  request.group = group;
+  const size_t count = std::min(keys.size(), MaxQueryKeys());
+  request.keys.assign(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(count));
+  std::vector<uint8_t> payload(count * channel::kKeyBytes);
+  Descriptor d{};
+  ORBITKV_RETURN_IF_ERROR(channel::EncodeQuery(request, &d, payload).status());
+  MutexLock lock(&control_mu_);
+  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, Call(d, payload));
+  const auto outcome = static_cast<channel::QueryOutcome>(reply.descriptor.arg0 >> 32);
+  QueryResult result;
+  if (outcome == channel::QueryOutcome::kHit) {
+    result.hits = static_cast<uint32_t>(reply.descriptor.arg0);
+    result.lease = reply.descriptor.arg1;
+  }
+  return result;
+}
+
+Result<uint64_t> CacheClient::StartRestore(uint64_t instance, uint32_t group, uint64_t lease,
+                                           std::span<const uint32_t> pages) {
+  channel::RestoreRequest request;
+  request.instance = instance;
+  request.lease = lease;
+  request.group = group;
+  request.pages.assign(pages.begin(), pages.end());
+  MutexLock lock(&control_mu_);
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, control_->AcquireSlot());
+  Descriptor d{};
+  Result<uint32_t> bytes = channel::EncodeRestore(request, &d, control_->slot(slot));
+  if (!bytes.ok()) {
+    control_->ReleaseSlot(slot);
+    return bytes.status();
+  }
+  Result<uint64_t> id = control_->Submit(d, slot, *bytes);
+  if (!id.ok()) {
+    control_->ReleaseSlot(slot);
+    return id.status();
+  }
+  const uint64_t handle = next_handle_++;
+  restores_.emplace(handle, PendingRestore{*id, slot});
+  return handle;
+}
+
+Result<std::optional<Status>> CacheClient::PollRestore(uint64_t handle) {
+  MutexLock lock(&control_mu_);
+  auto it = restores_.find(handle);
+  if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
+  Result<channel::InboundReply> reply =
+      control_->WaitReply(it->second.request_id, orbitkv::Deadline::At(MonoNow()),
+                          /*spin_iterations=*/0);
+  if (!reply.ok()) {
+    if (reply.status().code() == StatusCode::kDeadlineExceeded) return std::optional<Status>();
+    return std::optional<Status>(reply.status());
+  }
+  Status status = reply->code() == StatusCode::kOk
+                      ? Status::Ok()
+                      : ErrorFromReply(*control_, *reply, it->second.slot);
+  control_->ReleaseSlot(it->second.slot);
+  restores_.erase(it);
+  return std::optional<Status>(status);
+}
+
+Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::milliseconds> timeout) {
+  MutexLock lock(&control_mu_);
+  auto it = restores_.find(handle);
+  if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
+  const orbitkv::Deadline deadline = orbitkv::Deadline::After(timeout.value_or(options_.timeout));
+  Result<channel::InboundReply> reply =
+      control_->WaitReply(it->second.request_id, deadline, options_.spin_iterations);
+  if (!reply.ok()) {
+    if (reply.status().code() == StatusCode::kDeadlineExceeded) {
+      return Status::DeadlineExceeded(
+          "the restore is still running; its destination pages stay owned by it (wait or poll "
+          "again)");
+    }
+    return reply.status();  // the session is dead: nothing will write the pages any more
+  }
+  Status status = reply->code() == StatusCode::kOk
+                      ? Status::Ok()
+                      : ErrorFromReply(*control_, *reply, it->second.slot);
+  control_->ReleaseSlot(it->second.slot);
+  restores_.erase(it);
+  return status;
+}
+
+Status CacheClient::Restore(uint64_t instance, uint32_t group, uint64_t lease,
+                            std::span<const uint32_t> pages) {
+  ORBITKV_ASSIGN_OR_RETURN(uint64_t handle, StartRestore(instance, group, lease, pages));
+  return WaitRestore(handle);
+}
+
+Result<channel::ClientSession*> CacheClient::PublishSession() {
+  if (publish_ == nullptr) {
+    channel::ConnectOptions connect;
+    connect.role = channel::SessionRole::kPublish;
+    connect.control_session = session_id_;
+    connect.deadline = CallDeadline();
+    ORBITKV_ASSIGN_OR_RETURN(publish_, channel::ClientSession::Connect(socket_path_, connect));
+  }
+  return publish_.get();
+}
+
+Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
+                                     std::span<const SaveItem> items) {
+  MutexLock lock(&publish_mu_);
+  ORBITKV_ASSIGN_OR_RETURN(channel::ClientSession * session, PublishSession());
+  const size_t per_request = channel::MaxSaveItems(session->slot_bytes());
+  SaveResult total;
+  for (size_t start = 0; start < items.size(); start += per_request) {
+    channel::SaveRequest request;
+    request.instance = instance;
+    request.group = group;
+    const size_t end = std::min(items.size(), start + per_request);
+    for (size_t i = start; i < end; ++i)
+      request.items.push_back(channel::SaveItem{items[i].key, items[i].page});
+    ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, session->AcquireSlot());
+    Descriptor d{};
+    Result<uint32_t> bytes = channel::EncodeSave(request, &d, session->slot(slot));
+    Result<uint64_t> id =
+        bytes.ok() ? session->Submit(d, slot, *bytes) : Result<uint64_t>(bytes.status());
+    if (!id.ok()) {
+      session->ReleaseSlot(slot);
+      return id.status();
+    }
+    Result<channel::InboundReply> reply =
+        session->WaitReply(*id, CallDeadline(), options_.spin_iterations);
+    if (!reply.ok()) {
+      session->ReleaseSlot(slot);
+      return reply.status();
+    }
+    Status error =
+        reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(*session, *reply, slot);
+    session->ReleaseSlot(slot);
+    ORBITKV_RETURN_IF_ERROR(error);
+    total.written += reply->descriptor.arg0;
+    total.skipped += reply->descriptor.arg1;
+  }
+  return total;
+}
+
+Status CacheClient::Release(uint64_t instance, uint64_t lease) {
+  Descriptor d{};
+  channel::EncodeRelease(channel::ReleaseRequest{instance, lease}, &d);
+  MutexLock lock(&control_mu_);
+  return Call(d, {}).status();
+}
+
+Result<std::string> CacheClient::Stats() {
+  Descriptor d{};
+  d.opcode = static_cast<uint16_t>(Opcode::kStats);
+  std::string json;
+  MutexLock lock(&control_mu_);
+  ORBITKV_RETURN_IF_ERROR(Call(d, {}, &json).status());
+  return json;
+}
+
+Result<uint64_t> CacheClient::Ping() {
+  Descriptor d{};
+  d.opcode = static_cast<uint16_t>(Opcode::kPing);
+  MutexLock lock(&control_mu_);
+  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, Call(d, {}));
+  return reply.descriptor.arg0;
+}
+
+}  // namespace orbitkv::client

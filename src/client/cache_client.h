@@ -1,0 +1,158 @@
+// CacheClient: the engine side of OrbitKV. It owns the engine's sessions with its host's Manager
+// and the state of every request it sends, and exposes the placement-neutral cache API (DESIGN.md
+// §4).
+//
+//   RegisterInstance / RegisterGroup  bind the engine's namespace and its KV buffers (shared-memory
+//   fds) once; Query                             -> the longest resident prefix, leased (hits,
+//   lease) or a miss; StartRestore / WaitRestore        copy leased blocks into the engine's pages,
+//   one completion per restore; Save                              copy pages out and seal them,
+//   replying once they are resident; Release                           give back a lease the engine
+//   will not restore from.
+//
+// Saves travel on a second session opened on first use, so a long save never queues queries or
+// restores behind it. Timeouts never free memory the Manager may still use: a restore that timed
+// out stays pending (poll it again) and its request slot is not reused until its reply arrives. If
+// the Manager dies, every call fails with Unavailable within its timeout; a poisoned session
+// reports the Manager's reason.
+//
+// Links only base, state and channel (no gRPC, UCX, CUDA). Thread safety: all methods are safe from
+// any thread; control calls serialize on one mutex and saves on another.
+#ifndef ORBITKV_CLIENT_CACHE_CLIENT_H_
+#define ORBITKV_CLIENT_CACHE_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/thread_annotations.h"
+#include "channel/session.h"
+#include "state/namespace.h"
+#include "state/state_key.h"
+
+namespace orbitkv::client {
+
+struct ClientOptions {
+  std::string socket_path;  // empty: the Manager's default (see orbitkv-manager --help)
+  std::chrono::milliseconds timeout{5000};
+  int spin_iterations = 64;  // reply polls before sleeping on the doorbell
+};
+
+// One KV buffer of a group: a shared-memory object (memfd or /dev/shm file) the Manager maps.
+struct BufferSpec {
+  int fd = -1;                // not consumed: the caller keeps its fd
+  uint64_t buffer_bytes = 0;  // size of the object
+  uint64_t base_offset = 0;
+  uint64_t page_stride = 0;
+  uint64_t page_bytes = 0;
+};
+
+struct QueryResult {
+  uint32_t hits = 0;   // blocks of the asked prefix resident and leased
+  uint64_t lease = 0;  // valid when hits > 0
+};
+
+struct SaveItem {
+  state::StateKey key;
+  uint32_t page;
+};
+
+struct SaveResult {
+  uint64_t written = 0;  // blocks copied and sealed
+  uint64_t skipped = 0;  // already resident, being written elsewhere, or no room
+};
+
+class CacheClient {
+ public:
+  static Result<std::unique_ptr<CacheClient>> Connect(const ClientOptions& options);
+  ~CacheClient();
+  CacheClient(const CacheClient&) = delete;
+  CacheClient& operator=(const CacheClient&) = delete;
+
+  const std::string& socket_path() const { return socket_path_; }
+  uint64_t session_id() const { return session_id_; }
+  uint64_t manager_incarnation() const { return manager_incarnation_; }
+
+  Status RegisterInstance(uint64_t instance, const state::StateNamespace& ns);
+  // Returns the padded bytes of one block (what a query charges per block).
+  Result<uint64_t> RegisterGroup(uint64_t instance, uint32_t group, uint32_t num_pages,
+                                 std::span<const BufferSpec> buffers);
+  Status UnregisterInstance(uint64_t instance);
+
+  // At most MaxQueryKeys() keys are looked up; a longer list is answered for its first
+  // MaxQueryKeys().
+  Result<QueryResult> Query(uint64_t instance, uint32_t group,
+                            std::span<const state::StateKey> keys);
+  size_t MaxQueryKeys() const;
+
+  // Copies the leased blocks into `pages` (one destination page per leased block, in order;
+  // kSkipPage leaves one out). The lease is consumed. StartRestore returns a handle; WaitRestore
+  // blocks until the copy drained (or the timeout: DeadlineExceeded, and the restore stays
+  // pending), PollRestore does not block (nullopt: pending).
+  Result<uint64_t> StartRestore(uint64_t instance, uint32_t group, uint64_t lease,
+                                std::span<const uint32_t> pages);
+  Status WaitRestore(uint64_t handle,
+                     std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+  Result<std::optional<Status>> PollRestore(uint64_t handle);
+  Status Restore(uint64_t instance, uint32_t group, uint64_t lease,
+                 std::span<const uint32_t> pages);
+
+  // Copies the named pages into the cache and returns once the copied blocks are sealed and
+  // resident. Splits long lists into several requests.
+  Result<SaveResult> Save(uint64_t instance, uint32_t group, std::span<const SaveItem> items);
+
+  Status Release(uint64_t instance, uint64_t lease);
+  // The Manager's counters as JSON.
+  Result<std::string> Stats();
+  // Round trip with no work; returns the Manager's incarnation.
+  Result<uint64_t> Ping();
+
+ private:
+  struct PendingRestore {
+    uint64_t request_id;
+    uint32_t slot;
+  };
+
+  CacheClient(ClientOptions options, std::string socket_path,
+              std::unique_ptr<channel::ClientSession> control)
+      : options_(std::move(options)),
+        socket_path_(std::move(socket_path)),
+        session_id_(control->session_id()),
+        manager_incarnation_(control->welcome().manager_incarnation),
+        control_slot_bytes_(control->slot_bytes()),
+        control_(std::move(control)) {}
+
+  orbitkv::Deadline CallDeadline() const;
+  // One request on the control session, waiting for its reply. The reply payload is copied to
+  // *payload.
+  Result<channel::InboundReply> Call(channel::Descriptor d, std::span<const uint8_t> payload,
+                                     std::string* reply_payload = nullptr) REQUIRES(control_mu_);
+  Status ErrorFromReply(channel::ClientSession& session, const channel::InboundReply& reply,
+                        uint32_t slot);
+  Result<channel::ClientSession*> PublishSession() REQUIRES(publish_mu_);
+
+  // Immutable after Connect.
+  const ClientOptions options_;
+  const std::string socket_path_;
+  const uint64_t session_id_;
+  const uint64_t manager_incarnation_;
+  const uint32_t control_slot_bytes_;
+
+  mutable Mutex control_mu_;
+  std::unique_ptr<channel::ClientSession> control_ PT_GUARDED_BY(control_mu_);
+  std::map<uint64_t, PendingRestore> restores_ GUARDED_BY(control_mu_);
+  uint64_t next_handle_ GUARDED_BY(control_mu_) = 1;
+
+  Mutex publish_mu_;
+  std::unique_ptr<channel::ClientSession> publish_ PT_GUARDED_BY(publish_mu_);
+};
+
+}  // namespace orbitkv::client
+
+#endif  // ORBITKV_CLIENT_CACHE_CLIENT_H_

@@ -1,0 +1,350 @@
+#include "server/config.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "channel/uds.h"
+
+// toml++ header-only and without exceptions, in this translation unit only.
+#define TOML_HEADER_ONLY 1
+#define TOML_EXCEPTIONS 0
+#include <toml++/toml.h>
+
+namespace orbitkv::server {
+namespace {
+
+Result<uint64_t> ParseUint(std::string_view text) {
+  uint64_t value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || text.empty()) {
+    return Status::InvalidArgument(fmt::format("'{}' is not a non-negative integer", text));
+  }
+  return value;
+}
+
+Result<bool> ParseBool(std::string_view text) {
+  if (text == "true" || text == "1" || text == "yes" || text == "on") return true;
+  if (text == "false" || text == "0" || text == "no" || text == "off") return false;
+  return Status::InvalidArgument(fmt::format("'{}' is not true or false", text));
+}
+
+using Apply = std::function<Status(ManagerConfig&, std::string_view)>;
+
+struct Option {
+  const char* name;
+  const char* value_name;  // nullptr: a boolean switch
+  const char* help;
+  Apply apply;
+};
+
+Apply SizeInto(uint64_t ManagerConfig::*field) {
+  return [field](ManagerConfig& c, std::string_view v) -> Status {
+    ORBITKV_ASSIGN_OR_RETURN(c.*field, ParseSize(v));
+    return Status::Ok();
+  };
+}
+
+Apply Uint32Into(uint32_t ManagerConfig::*field, uint32_t min, uint32_t max) {
+  return [field, min, max](ManagerConfig& c, std::string_view v) -> Status {
+    ORBITKV_ASSIGN_OR_RETURN(uint64_t value, ParseUint(v));
+    if (value < min || value > max) {
+      return Status::InvalidArgument(fmt::format("{} is not in [{}, {}]", value, min, max));
+    }
+    c.*field = static_cast<uint32_t>(value);
+    return Status::Ok();
+  };
+}
+
+Apply StringInto(std::string ManagerConfig::*field) {
+  return [field](ManagerConfig& c, std::string_view v) -> Status {
+    c.*field = std::string(v);
+    return Status::Ok();
+  };
+}
+
+const std::vector<Option>& Options() {
+  static const std::vector<Option> options = {
+      {"socket", "PATH",
+       "Unix socket engines connect to (default $XDG_RUNTIME_DIR/orbitkv/manager.sock, else "
+       "/tmp/orbitkv-<uid>/manager.sock)",
+       StringInto(&ManagerConfig::socket_path)},
+      {"dram", "SIZE",
+       "pinned DRAM pool size, e.g. 64GiB (default: a quarter of available memory, 256 MiB to "
+       "32 GiB)",
+       SizeInto(&ManagerConfig::dram_bytes)},
+      {"numa", "auto|none|LIST",
+       "NUMA placement of the pool: auto (one arena per node with memory), none (one "
+       "unbound arena), or nodes like 0,1 (default auto)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         if (v != "auto" && v != "none" &&
+             v.find_first_not_of("0123456789,") != std::string_view::npos) {
+           return Status::InvalidArgument(
+               fmt::format("'{}' is not auto, none or a list of node numbers", v));
+         }
+         c.numa = std::string(v);
+         return Status::Ok();
+       }},
+      {"allow-unpinned", nullptr,
+       "run with an unlocked pool when memory cannot be mlocked (development only: "
+       "restores may then page-fault)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         ORBITKV_ASSIGN_OR_RETURN(c.allow_unpinned, ParseBool(v));
+         return Status::Ok();
+       }},
+      {"slab", "SIZE",
+       "pool slab size, a power of two >= 1MiB that bounds the largest block (default 32MiB)",
+       SizeInto(&ManagerConfig::slab_bytes)},
+      {"query-budget", "SIZE",
+       "bytes all pending queries and restores may hold (default 75% of the pool)",
+       SizeInto(&ManagerConfig::query_budget_bytes)},
+      {"query-instance-budget", "SIZE",
+       "the same limit per engine instance (default: the query budget)",
+       SizeInto(&ManagerConfig::query_instance_budget_bytes)},
+      {"transfer-budget", "SIZE", "bytes peer transfers may pin as sources (default half the pool)",
+       SizeInto(&ManagerConfig::transfer_budget_bytes)},
+      {"copy-threads", "N", "threads of the CPU copy engine (default 2)",
+       Uint32Into(&ManagerConfig::copy_threads, 1, 256)},
+      {"max-operations", "N",
+       "outstanding restores and saves over all sessions; more get backpressure (default "
+       "1024)",
+       Uint32Into(&ManagerConfig::max_operations, 1, 1 << 20)},
+      {"metrics-addr", "HOST:PORT",
+       "serve Prometheus metrics at http://HOST:PORT/metrics (default off; "
+       "127.0.0.1:9091 is a good choice)",
+       StringInto(&ManagerConfig::metrics_addr)},
+      {"log-level", "LEVEL", "trace, debug, info, warn, error or off (default info)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         std::optional<log::Level> level = log::ParseLevel(v);
+         if (!level.has_value())
+           return Status::InvalidArgument(fmt::format("'{}' is not a log level", v));
+         c.log_level = *level;
+         return Status::Ok();
+       }},
+      {"log-file", "PATH", "append logs to PATH instead of stderr",
+       StringInto(&ManagerConfig::log_file)},
+      {"allow-uid", "UID[,UID...]",
+       "also admit engines running as these uids (the Manager's own uid always may)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         size_t start = 0;
+         while (start <= v.size()) {
+           const size_t comma = std::min(v.find(',', start), v.size());
+           ORBITKV_ASSIGN_OR_RETURN(uint64_t uid, ParseUint(v.substr(start, comma - start)));
+           c.allowed_uids.push_back(static_cast<uid_t>(uid));
+           start = comma + 1;
+         }
+         return Status::Ok();
+       }},
+      {"ring-entries", "N",
+       "descriptor ring entries per session, a power of two in [16, 4096] (default 256)",
+       Uint32Into(&ManagerConfig::ring_entries, 16, 4096)},
+      {"payload-slots", "N", "request payload slots per session (default 64)",
+       Uint32Into(&ManagerConfig::payload_slots, 1, 1024)},
+      {"slot-bytes", "SIZE",
+       "bytes per payload slot, a multiple of 4KiB up to 1MiB (default 64KiB)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         ORBITKV_ASSIGN_OR_RETURN(uint64_t bytes, ParseSize(v));
+         if (bytes < 4096 || bytes > (1 << 20) || bytes % 4096 != 0) {
+           return Status::InvalidArgument(
+               fmt::format("{} is not a multiple of 4KiB in [4KiB, 1MiB]", bytes));
+         }
+         c.slot_bytes = static_cast<uint32_t>(bytes);
+         return Status::Ok();
+       }},
+  };
+  return options;
+}
+
+const Option* FindOption(std::string_view name) {
+  for (const Option& option : Options()) {
+    if (name == option.name) return &option;
+  }
+  return nullptr;
+}
+
+// A TOML value in the textual form the flag parser takes.
+Result<std::string> TomlValueText(const toml::node& node) {
+  if (auto s = node.value<std::string>()) return *s;
+  if (auto b = node.value<bool>(); b.has_value() && node.is_boolean())
+    return std::string(*b ? "true" : "false");
+  if (auto i = node.value<int64_t>(); i.has_value() && node.is_integer()) {
+    if (*i < 0) return Status::InvalidArgument(fmt::format("{} is negative", *i));
+    return std::to_string(*i);
+  }
+  if (const toml::array* array = node.as_array()) {
+    std::string joined;
+    for (const toml::node& element : *array) {
+      ORBITKV_ASSIGN_OR_RETURN(std::string text, TomlValueText(element));
+      if (!joined.empty()) joined += ',';
+      joined += text;
+    }
+    return joined;
+  }
+  return Status::InvalidArgument("values must be strings, integers, booleans or arrays of them");
+}
+
+Status ApplyFile(const std::string& path, ManagerConfig* config) {
+  toml::parse_result parsed = toml::parse_file(path);
+  if (!parsed) {
+    const toml::parse_error& error = parsed.error();
+    return Status::InvalidArgument(fmt::format("config file {} line {}: {}", path,
+                                               error.source().begin.line, error.description()));
+  }
+  for (const auto& [key, node] : parsed.table()) {
+    const std::string_view name = key.str();
+    const Option* option = FindOption(name);
+    if (option == nullptr || name == "config") {
+      return Status::InvalidArgument(
+          fmt::format("config file {}: unknown key '{}' (keys are the flag names of "
+                      "orbitkv-manager --help)",
+                      path, name));
+    }
+    Result<std::string> text = TomlValueText(node);
+    if (!text.ok())
+      return text.status().WithContext(fmt::format("config file {}: key '{}'", path, name));
+    ORBITKV_RETURN_IF_ERROR(option->apply(*config, *text)
+                                .WithContext(fmt::format("config file {}: key '{}'", path, name)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string DefaultSocketPath() { return channel::DefaultManagerSocketPath(); }
+
+uint64_t DefaultDramBytes() {
+  uint64_t available_kib = 0;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    if (line.rfind("MemAvailable:", 0) == 0) {
+      std::istringstream(line.substr(13)) >> available_kib;
+      break;
+    }
+  }
+  const uint64_t quarter = available_kib * 1024 / 4;
+  const uint64_t clamped = std::clamp<uint64_t>(quarter, 256ull << 20, 32ull << 30);
+  return clamped / (32ull << 20) * (32ull << 20);
+}
+
+Result<uint64_t> ParseSize(std::string_view text) {
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  if (digits == 0)
+    return Status::InvalidArgument(fmt::format("'{}' is not a size like 4GiB or 1048576", text));
+  ORBITKV_ASSIGN_OR_RETURN(uint64_t value, ParseUint(text.substr(0, digits)));
+  std::string suffix(text.substr(digits));
+  std::transform(suffix.begin(), suffix.end(), suffix.begin(),
+                 [](unsigned char c) { return std::tolower(c); });
+  int shift = 0;
+  if (suffix.empty() || suffix == "b") {
+    shift = 0;
+  } else if (suffix == "k" || suffix == "kib" || suffix == "kb") {
+    shift = 10;
+  } else if (suffix == "m" || suffix == "mib" || suffix == "mb") {
+    shift = 20;
+  } else if (suffix == "g" || suffix == "gib" || suffix == "gb") {
+    shift = 30;
+  } else if (suffix == "t" || suffix == "tib" || suffix == "tb") {
+    shift = 40;
+  } else {
+    return Status::InvalidArgument(
+        fmt::format("'{}' has an unknown size suffix (use K, M, G or T)", text));
+  }
+  if (shift != 0 && value > (UINT64_MAX >> shift)) {
+    return Status::InvalidArgument(fmt::format("'{}' is too large", text));
+  }
+  return value << shift;
+}
+
+Result<ParsedArgs> ParseManagerArgs(int argc, const char* const* argv) {
+  ParsedArgs parsed;
+  // The config file applies first, whatever its position among the flags.
+  std::vector<std::pair<const Option*, std::string>> flags;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      parsed.help = true;
+      return parsed;
+    }
+    if (arg == "--version") {
+      parsed.version = true;
+      return parsed;
+    }
+    if (arg.substr(0, 2) != "--") {
+      return Status::InvalidArgument(fmt::format("unexpected argument '{}' (see --help)", arg));
+    }
+    arg.remove_prefix(2);
+    std::optional<std::string> value;
+    if (const size_t eq = arg.find('='); eq != std::string_view::npos) {
+      value = std::string(arg.substr(eq + 1));
+      arg = arg.substr(0, eq);
+    }
+    if (arg == "config") {
+      if (!value.has_value()) {
+        if (i + 1 >= argc) return Status::InvalidArgument("--config needs a file (see --help)");
+        value = argv[++i];
+      }
+      parsed.config.config_file = *value;
+      continue;
+    }
+    const Option* option = FindOption(arg);
+    if (option == nullptr)
+      return Status::InvalidArgument(fmt::format("unknown flag --{} (see --help)", arg));
+    if (!value.has_value()) {
+      if (option->value_name == nullptr) {
+        value = "true";
+      } else if (i + 1 < argc) {
+        value = argv[++i];
+      } else {
+        return Status::InvalidArgument(
+            fmt::format("--{} needs a value {} (see --help)", arg, option->value_name));
+      }
+    }
+    flags.emplace_back(option, *value);
+  }
+  if (!parsed.config.config_file.empty())
+    ORBITKV_RETURN_IF_ERROR(ApplyFile(parsed.config.config_file, &parsed.config));
+  for (const auto& [option, value] : flags) {
+    ORBITKV_RETURN_IF_ERROR(
+        option->apply(parsed.config, value).WithContext(fmt::format("--{}", option->name)));
+  }
+  if (parsed.config.socket_path.empty()) parsed.config.socket_path = DefaultSocketPath();
+  if (parsed.config.dram_bytes == 0) parsed.config.dram_bytes = DefaultDramBytes();
+  return parsed;
+}
+
+std::string ManagerHelp() {
+  std::string out =
+      "orbitkv-manager: the OrbitKV Cache Manager for one host. Engines (vLLM, SGLang, or the "
+      "orbitkv client)\n"
+      "connect over a Unix socket and shared memory; the Manager keeps their KV blocks in a pinned "
+      "DRAM pool and\n"
+      "copies them to and from the engines' pages. With no flags it serves this host with embedded "
+      "defaults.\n\n"
+      "Usage: orbitkv-manager [--config FILE] [flags]\n\n"
+      "Flags (each can also be a key of the TOML file given by --config; flags win):\n";
+  out += fmt::format("  {:<34} {}\n", "--config FILE",
+                     "read settings from a TOML file, keys named like the flags");
+  for (const Option& option : Options()) {
+    const std::string left = option.value_name == nullptr
+                                 ? fmt::format("--{}", option.name)
+                                 : fmt::format("--{} {}", option.name, option.value_name);
+    out += fmt::format("  {:<34} {}\n", left, option.help);
+  }
+  out += fmt::format("  {:<34} {}\n", "--version", "print the version and exit");
+  out += fmt::format("  {:<34} {}\n", "--help", "this text");
+  out +=
+      "\nSizes take K, M, G or T suffixes (powers of 1024). SIGTERM or SIGINT stops the Manager "
+      "gracefully:\n"
+      "new work is refused, in-flight copies drain, then sessions close.\n";
+  return out;
+}
+
+}  // namespace orbitkv::server

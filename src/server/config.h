@@ -1,0 +1,66 @@
+// ManagerConfig: every setting of orbitkv-manager, from embedded defaults, an optional TOML file
+// and flags.
+//
+// Precedence: defaults < the file named by --config < command-line flags. The TOML file uses the
+// flag names as keys (without the leading dashes), e.g. `dram = "8GiB"` or `allow-uid = [1001,
+// 1002]`. Sizes accept plain bytes or a K/M/G/T suffix with or without "iB" (powers of 1024). Every
+// error names the flag or key and the value.
+#ifndef ORBITKV_SERVER_CONFIG_H_
+#define ORBITKV_SERVER_CONFIG_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "base/logging.h"
+#include "base/result.h"
+
+namespace orbitkv::server {
+
+struct ManagerConfig {
+  std::string socket_path;  // default: DefaultSocketPath()
+  uint64_t dram_bytes = 0;  // 0: DefaultDramBytes()
+  std::string numa =
+      "auto";  // "auto" (every node with memory), "none" (one unbound arena), or "0,1"
+  bool allow_unpinned = false;
+  uint64_t slab_bytes = 32ull << 20;
+  uint64_t query_budget_bytes = 0;           // 0: 75% of the pool
+  uint64_t query_instance_budget_bytes = 0;  // 0: the global query budget
+  uint64_t transfer_budget_bytes = 0;        // 0: half the pool
+  uint32_t copy_threads = 2;
+  uint32_t max_operations = 1024;  // outstanding restores and saves over all sessions
+  std::string metrics_addr;        // "" (off) or HOST:PORT, e.g. 127.0.0.1:9091
+  log::Level log_level = log::Level::kInfo;
+  std::string log_file;
+  std::vector<uid_t> allowed_uids;
+  uint32_t ring_entries = 256;
+  uint32_t payload_slots = 64;
+  uint32_t slot_bytes = 64 * 1024;
+  std::string config_file;
+};
+
+// `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when XDG_RUNTIME_DIR is set, else
+// `/tmp/orbitkv-<uid>/manager.sock`.
+std::string DefaultSocketPath();
+// A quarter of MemAvailable, at least 256 MiB and at most 32 GiB, rounded down to 32 MiB.
+uint64_t DefaultDramBytes();
+
+// "4GiB", "512M", "1073741824" -> bytes. InvalidArgument otherwise.
+Result<uint64_t> ParseSize(std::string_view text);
+
+// What Parse found: a config, or a request for help or the version (already printed by the caller).
+struct ParsedArgs {
+  ManagerConfig config;
+  bool help = false;
+  bool version = false;
+};
+
+// Applies defaults, then --config's file, then the flags.
+Result<ParsedArgs> ParseManagerArgs(int argc, const char* const* argv);
+std::string ManagerHelp();
+
+}  // namespace orbitkv::server
+
+#endif  // ORBITKV_SERVER_CONFIG_H_

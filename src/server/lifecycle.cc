@@ -1,0 +1,177 @@
+// Lifecycle frames: instance and group registration over the session socket.
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <cstring>
+
+#include "base/logging.h"
+#include "server/manager.h"
+#include "server/manager_internal.h"
+
+namespace orbitkv::server {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+
+// page_bytes + (num_pages - 1) * stride + base_offset <= buffer_bytes, without overflow.
+bool PagesFit(const channel::BufferDescriptor& b, uint32_t num_pages) {
+  if (b.page_bytes == 0 || b.page_bytes > b.buffer_bytes) return false;
+  const uint64_t last = num_pages - 1;
+  if (last != 0 && b.page_stride > (UINT64_MAX - b.page_bytes) / last) return false;
+  const uint64_t span = last * b.page_stride + b.page_bytes;
+  if (b.base_offset > UINT64_MAX - span) return false;
+  return b.base_offset + span <= b.buffer_bytes;
+}
+
+}  // namespace
+
+Status Manager::HandleFrame(Session& session, channel::Frame& frame) {
+  const uint64_t request_id = frame.header.request_id;
+  switch (frame.type()) {
+    case channel::FrameType::kRegisterInstance: {
+      Status status = RegisterInstance(session, frame);
+      return session.channel->SendLifecycleReply(request_id, status);
+    }
+    case channel::FrameType::kRegisterGroup: {
+      Result<uint64_t> padded = RegisterGroup(session, frame);
+      return session.channel->SendLifecycleReply(
+          request_id, padded.ok() ? Status::Ok() : padded.status(), padded.ok() ? *padded : 0);
+    }
+    case channel::FrameType::kUnregisterInstance: {
+      ORBITKV_ASSIGN_OR_RETURN(channel::UnregisterInstanceBody body,
+                               channel::BodyAs<channel::UnregisterInstanceBody>(frame));
+      return session.channel->SendLifecycleReply(request_id,
+                                                 UnregisterInstance(session, body.instance_id));
+    }
+    default:
+      // Engines never send Welcome, Reject or replies: a protocol violation.
+      return Status::InvalidArgument(
+          fmt::format("unexpected frame type {} from an engine", frame.header.type));
+  }
+}
+
+Status Manager::RegisterInstance(Session& session, const channel::Frame& frame) {
+  if (session.channel->role() != channel::SessionRole::kControl) {
+    return Status::FailedPrecondition("instances are registered on the control session");
+  }
+  ORBITKV_ASSIGN_OR_RETURN(channel::RegisterInstanceBody body,
+                           channel::BodyAs<channel::RegisterInstanceBody>(frame));
+  MutexLock lock(&instances_mu_);
+  auto it = instances_.find(body.instance_id);
+  if (it != instances_.end()) {
+    if (it->second->owner_session != session.id) {
+      return Status::AlreadyExists(
+          fmt::format("instance {} is registered by another live session; pick another instance id "
+                      "or stop that "
+                      "engine first",
+                      body.instance_id));
+    }
+    if (std::memcmp(it->second->namespace_digest.data(), body.namespace_digest, 32) != 0) {
+      return Status::AlreadyExists(fmt::format(
+          "instance {} is already registered with another namespace", body.instance_id));
+    }
+    return Status::Ok();  // idempotent
+  }
+  auto instance = std::make_shared<Instance>();
+  instance->id = body.instance_id;
+  std::memcpy(instance->namespace_digest.data(), body.namespace_digest, 32);
+  instance->owner_session = session.id;
+  instances_.emplace(body.instance_id, std::move(instance));
+  instances_active_->Add(1);
+  ORBITKV_LOG_INFO("manager: session {} registered instance {}", session.id, body.instance_id);
+  return Status::Ok();
+}
+
+Result<uint64_t> Manager::RegisterGroup(Session& session, channel::Frame& frame) {
+  ORBITKV_ASSIGN_OR_RETURN(
+      channel::RegisterGroupHeader header,
+      channel::BodyAs<channel::RegisterGroupHeader>(frame, /*allow_trailing=*/true));
+  if (header.buffer_count == 0 || header.buffer_count > channel::kMaxFrameFds ||
+      header.reserved != 0) {
+    return Status::InvalidArgument(fmt::format("a group needs 1-{} buffers, not {}",
+                                               channel::kMaxFrameFds, header.buffer_count));
+  }
+  if (frame.body.size() !=
+      sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor)) {
+    return Status::InvalidArgument("RegisterGroup body size does not match its buffer count");
+  }
+  if (frame.fds.size() != header.buffer_count) {
+    return Status::InvalidArgument(fmt::format("RegisterGroup names {} buffers but passed {} fds",
+                                               header.buffer_count, frame.fds.size()));
+  }
+  if (header.num_pages == 0) return Status::InvalidArgument("a group needs at least one page");
+  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<Instance> instance,
+                           InstanceFor(session, header.instance_id));
+
+  auto group = std::make_shared<Group>();
+  group->group = header.group;
+  group->num_pages = header.num_pages;
+  // On any failure, buffers already registered with the copy engine are unregistered (the Group
+  // unmaps them).
+  auto abandon = [&](Status status) {
+    for (Group::Buffer& b : group->buffers) {
+      if (b.id.generation != 0) (void)copy_engine_->UnregisterBuffer(b.id);
+    }
+    return status;
+  };
+  for (uint32_t i = 0; i < header.buffer_count; ++i) {
+    channel::BufferDescriptor layout;
+    std::memcpy(&layout, frame.body.data() + sizeof(header) + i * sizeof(layout), sizeof(layout));
+    if (!PagesFit(layout, header.num_pages)) {
+      return abandon(Status::InvalidArgument(fmt::format(
+          "buffer {}: {} pages of {} bytes with stride {} from offset {} do not fit its {} bytes",
+          i, header.num_pages, layout.page_bytes, layout.page_stride, layout.base_offset,
+          layout.buffer_bytes)));
+    }
+    struct stat st {};
+    if (fstat(frame.fds[i].get(), &st) != 0)
+      return abandon(ErrnoStatus("fstat engine buffer", errno));
+    if (static_cast<uint64_t>(st.st_size) < layout.buffer_bytes) {
+      return abandon(Status::InvalidArgument(
+          fmt::format("buffer {} is {} bytes, smaller than the {} it claims", i, st.st_size,
+                      layout.buffer_bytes)));
+    }
+    void* mapped = mmap(nullptr, layout.buffer_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                        frame.fds[i].get(), 0);
+    if (mapped == MAP_FAILED)
+      return abandon(ErrnoStatus(fmt::format("mmap engine buffer {}", i), errno));
+    Group::Buffer buffer;
+    buffer.base = static_cast<uint8_t*>(mapped);
+    buffer.bytes = layout.buffer_bytes;
+    buffer.layout = layout;
+    group->buffers.push_back(buffer);  // the Group unmaps it, whatever happens next
+    Result<core::BufferId> id = copy_engine_->RegisterBuffer(buffer.base, buffer.bytes);
+    if (!id.ok()) return abandon(id.status());
+    group->buffers.back().id = *id;
+    group->block_bytes += layout.page_bytes;
+  }
+  group->padded_bytes = (group->block_bytes + kPage - 1) / kPage * kPage;
+  if (group->block_bytes > cache_->pool().slab_bytes()) {
+    return abandon(Status::InvalidArgument(
+        fmt::format("a block of {} bytes exceeds the pool's {}-byte slabs; start "
+                    "the Manager with a larger --slab",
+                    group->block_bytes, cache_->pool().slab_bytes())));
+  }
+  MutexLock lock(&instance->mu);
+  if (instance->groups.count(header.group) != 0) {
+    return abandon(Status::AlreadyExists(fmt::format(
+        "group {} of instance {} is already registered", header.group, header.instance_id)));
+  }
+  instance->groups.emplace(header.group, group);
+  ORBITKV_LOG_INFO("manager: instance {} group {}: {} pages of {} bytes in {} buffer(s)",
+                   header.instance_id, header.group, header.num_pages, group->block_bytes,
+                   group->buffers.size());
+  return group->padded_bytes;
+}
+
+Status Manager::UnregisterInstance(Session& session, uint64_t instance_id) {
+  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<Instance> instance, InstanceFor(session, instance_id));
+  {
+    MutexLock lock(&instances_mu_);
+    instances_.erase(instance_id);
+  }
+  RetireInstance(instance);
+  return Status::Ok();
+}
+
+}  // namespace orbitkv::server

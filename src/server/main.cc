@@ -1,0 +1,68 @@
+// orbitkv-manager: flags, logging and signals around server::Manager.
+#include <fmt/format.h>
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+
+#include "base/logging.h"
+#include "server/config.h"
+#include "server/manager.h"
+
+#ifndef ORBITKV_VERSION
+#define ORBITKV_VERSION "dev"
+#endif
+
+int main(int argc, char** argv) {
+  using namespace orbitkv;
+  Result<server::ParsedArgs> parsed = server::ParseManagerArgs(argc, argv);
+  if (!parsed.ok()) {
+    fmt::print(stderr, "orbitkv-manager: {}\n", parsed.status().message());
+    return 2;
+  }
+  if (parsed->help) {
+    fmt::print("{}", server::ManagerHelp());
+    return 0;
+  }
+  if (parsed->version) {
+    fmt::print("orbitkv-manager {}\n", ORBITKV_VERSION);
+    return 0;
+  }
+  const server::ManagerConfig& config = parsed->config;
+  log::Options log_options;
+  log_options.level = config.log_level;
+  log_options.file = config.log_file;
+  log_options.name = "orbitkv-manager";
+  if (Status logged = log::Init(log_options); !logged.ok()) {
+    fmt::print(stderr, "orbitkv-manager: {}\n", logged.message());
+    return 2;
+  }
+  // SIGTERM and SIGINT are taken with sigwait on this thread; every thread the Manager starts
+  // inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  Result<std::unique_ptr<server::Manager>> manager = server::Manager::Create(config);
+  if (!manager.ok()) {
+    ORBITKV_LOG_ERROR("cannot start: {}", manager.status().ToString());
+    fmt::print(stderr, "orbitkv-manager: cannot start: {}\n", manager.status().message());
+    return 1;
+  }
+  if (Status started = (*manager)->Start(); !started.ok()) {
+    fmt::print(stderr, "orbitkv-manager: cannot start: {}\n", started.message());
+    return 1;
+  }
+  fmt::print(stderr, "orbitkv-manager: ready on {}\n", config.socket_path);
+  std::fflush(stderr);
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  ORBITKV_LOG_INFO("received signal {}, stopping", signal_number);
+  (*manager)->RequestStop();
+  (*manager)->Wait();
+  manager->reset();
+  return 0;
+}

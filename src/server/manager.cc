@@ -1,0 +1,389 @@
+#include "server/manager.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+#include "base/check.h"
+#include "base/logging.h"
+#include "server/manager_internal.h"
+
+namespace orbitkv::server {
+namespace {
+
+// epoll data: session id << 2 | kind.
+enum EventKind : uint64_t { kListener = 0, kWake = 1, kSocket = 2, kDoorbell = 3 };
+uint64_t EventData(uint64_t session_id, EventKind kind) { return session_id << 2 | kind; }
+
+std::vector<int> ParseNumaNodes(const std::string& numa) {
+  if (numa == "auto") return {};
+  if (numa == "none") return {-1};
+  std::vector<int> nodes;
+  size_t start = 0;
+  while (start < numa.size()) {
+    const size_t comma = std::min(numa.find(',', start), numa.size());
+    nodes.push_back(std::stoi(numa.substr(start, comma - start)));
+    start = comma + 1;
+  }
+  return nodes;
+}
+
+}  // namespace
+
+Manager::Group::~Group() {
+  for (Buffer& buffer : buffers) {
+    if (buffer.base != nullptr) munmap(buffer.base, buffer.bytes);
+  }
+}
+
+Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
+  std::unique_ptr<Manager> manager(new Manager(config));
+  core::BlockCacheOptions options;
+  options.pool.capacity_bytes = config.dram_bytes;
+  options.pool.slab_bytes = config.slab_bytes;
+  options.pool.numa_nodes = ParseNumaNodes(config.numa);
+  options.pool.pin_mode =
+      config.allow_unpinned ? core::PinMode::kAllowUnpinned : core::PinMode::kRequireLocked;
+  options.query_budget_bytes = config.query_budget_bytes;
+  options.query_instance_budget_bytes = config.query_instance_budget_bytes;
+  options.transfer_budget_bytes = config.transfer_budget_bytes;
+  options.table.expected_blocks = std::max<uint64_t>(config.dram_bytes / (256 << 10), 1024);
+  Result<std::unique_ptr<core::BlockCache>> cache =
+      core::BlockCache::Create(options, &manager->metrics_);
+  if (!cache.ok()) return cache.status().WithContext("creating the DRAM pool");
+  manager->cache_ = std::move(*cache);
+  manager->incarnation_ = manager->cache_->incarnation();
+
+  // Admitting other uids needs a socket they can connect to; SO_PEERCRED then decides who stays.
+  Result<ScopedFd> listener =
+      channel::ListenUnix(config.socket_path, config.allowed_uids.empty() ? 0600 : 0666);
+  if (!listener.ok()) return listener.status().WithContext("opening the engine socket");
+  manager->listener_ = std::move(*listener);
+  manager->wake_ = ScopedFd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  manager->epoll_ = ScopedFd(epoll_create1(EPOLL_CLOEXEC));
+  if (!manager->wake_.valid() || !manager->epoll_.valid())
+    return ErrnoStatus("eventfd/epoll", errno);
+
+  MetricsRegistry& m = manager->metrics_;
+  manager->sessions_opened_ =
+      &m.GetCounter("orbitkv_sessions_opened_total", "Engine sessions accepted");
+  manager->sessions_poisoned_ = &m.GetCounter("orbitkv_sessions_poisoned_total",
+                                              "Sessions closed for a malformed or invalid request");
+  manager->sessions_active_ = &m.GetGauge("orbitkv_sessions_active", "Open engine sessions");
+  manager->instances_active_ =
+      &m.GetGauge("orbitkv_instances_active", "Registered engine instances");
+  manager->operations_active_ =
+      &m.GetGauge("orbitkv_operations_active", "Restores and saves in flight");
+  manager->requests_total_ =
+      &m.GetCounter("orbitkv_requests_total", "Requests received from engines");
+  manager->operation_rejections_ =
+      &m.GetCounter("orbitkv_operation_rejections_total",
+                    "Restores and saves refused because --max-operations were in flight");
+  manager->restored_bytes_ =
+      &m.GetCounter("orbitkv_restored_bytes_total", "Bytes copied into engine pages");
+  manager->saved_bytes_ =
+      &m.GetCounter("orbitkv_saved_bytes_total", "Bytes copied from engine pages and sealed");
+  manager->save_skipped_ = &m.GetCounter("orbitkv_save_skipped_blocks_total",
+                                         "Saved blocks skipped (already resident or in progress)");
+  manager->query_latency_ =
+      &m.GetHistogram("orbitkv_query_seconds", "Time to answer a query in the Manager",
+                      Histogram::ExponentialBounds(1e-6, 2, 20));
+  return manager;
+}
+
+Status Manager::Start() {
+  ORBITKV_CHECK(!started_);
+  core::CpuCopyEngine::Options engine_options;
+  engine_options.threads = static_cast<int>(config_.copy_threads);
+  engine_options.max_inflight_batches = config_.max_operations;
+  ORBITKV_ASSIGN_OR_RETURN(copy_engine_, core::CpuCopyEngine::Create(engine_options, &metrics_));
+  if (!config_.metrics_addr.empty()) {
+    Result<std::unique_ptr<MetricsHttpServer>> http =
+        MetricsHttpServer::Bind(config_.metrics_addr, &metrics_);
+    if (!http.ok()) return http.status().WithContext("--metrics-addr");
+    http_ = std::move(*http);
+    http_->Start();
+  }
+  epoll_event listener_event{EPOLLIN, {.u64 = EventData(0, kListener)}};
+  epoll_event wake_event{EPOLLIN, {.u64 = EventData(0, kWake)}};
+  if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, listener_.get(), &listener_event) != 0 ||
+      epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &wake_event) != 0) {
+    return ErrnoStatus("epoll_ctl", errno);
+  }
+  cleaner_ = std::thread([this] { CleanupLoop(); });
+  dispatcher_ = std::thread([this] { DispatchLoop(); });
+  started_ = true;
+  ORBITKV_LOG_INFO("manager: serving engines on {} ({} MiB DRAM pool, {} copy threads{})",
+                   config_.socket_path, cache_->pool().Stats().capacity_bytes >> 20,
+                   config_.copy_threads,
+                   http_ ? fmt::format(", metrics on port {}", http_->port()) : std::string());
+  return Status::Ok();
+}
+
+uint16_t Manager::metrics_port() const { return http_ ? http_->port() : 0; }
+
+void Manager::RequestStop() {
+  stopping_.store(true, std::memory_order_release);
+  const uint64_t one = 1;
+  (void)!write(wake_.get(), &one, sizeof(one));  // async-signal-safe
+}
+
+void Manager::Wait() {
+  if (!started_ || waited_) return;
+  waited_ = true;
+  dispatcher_.join();
+  // The dispatcher stopped accepting and closed every session; drain the copies they left running.
+  copy_engine_->Shutdown();
+  {
+    MutexLock lock(&cleanup_mu_);
+    cleanup_stop_ = true;
+  }
+  cleanup_cv_.notify_all();
+  cleaner_.join();
+  if (http_) http_->Stop();
+  ORBITKV_LOG_INFO("manager: stopped");
+}
+
+Manager::~Manager() {
+  if (started_) {
+    RequestStop();
+    Wait();
+  }
+  {
+    MutexLock lock(&instances_mu_);
+    instances_.clear();
+  }
+  copy_engine_.reset();
+  unlink(config_.socket_path.c_str());
+}
+
+void Manager::DispatchLoop() {
+  epoll_event events[64];
+  while (!stopping_.load(std::memory_order_acquire)) {
+    // Announce sleep on every session's request ring; a request that raced in means no sleep this
+    // round.
+    bool pending = false;
+    for (auto& [id, session] : sessions_) {
+      Result<bool> arrived = session->channel->PrepareToWait();
+      pending = pending || !arrived.ok() || *arrived || session->channel->broken();
+    }
+    const int n = epoll_wait(epoll_.get(), events, 64, pending ? 0 : 1000);
+    for (auto& [id, session] : sessions_) session->channel->ClearWaiting();
+    if (n < 0 && errno != EINTR) {
+      ORBITKV_LOG_ERROR("manager: epoll_wait failed: {}", std::strerror(errno));
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      const uint64_t data = events[i].data.u64;
+      const auto kind = static_cast<EventKind>(data & 3);
+      if (kind == kListener) AcceptSessions();
+      if (kind != kSocket) continue;
+      auto it = sessions_.find(data >> 2);
+      if (it == sessions_.end()) continue;
+      // Lifecycle frames, or the engine closing the session.
+      std::shared_ptr<Session> session = it->second;
+      for (;;) {
+        Result<std::optional<channel::Frame>> frame = session->channel->ReadFrame();
+        if (!frame.ok()) {
+          CloseSession(session->id, frame.status());
+          break;
+        }
+        if (!frame->has_value()) break;
+        Status handled = HandleFrame(*session, **frame);
+        if (!handled.ok()) {
+          sessions_poisoned_->Increment();
+          session->channel->Poison(handled);
+          CloseSession(session->id, handled);
+          break;
+        }
+      }
+    }
+    // Serve every session's ring (cheap when empty): doorbells are only rung for sleeping
+    // consumers.
+    std::vector<std::shared_ptr<Session>> live;
+    live.reserve(sessions_.size());
+    for (auto& [id, session] : sessions_) live.push_back(session);
+    for (const auto& session : live) ServeSession(session);
+  }
+  // Shutdown: refuse new sessions, close the existing ones (their copies drain in Wait).
+  std::vector<uint64_t> ids;
+  for (auto& [id, session] : sessions_) ids.push_back(id);
+  for (uint64_t id : ids) CloseSession(id, Status::Unavailable("the Manager is shutting down"));
+}
+
+void Manager::AcceptSessions() {
+  for (;;) {
+    ScopedFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!conn.valid()) return;
+    channel::AcceptOptions options;
+    options.allowed_uids = config_.allowed_uids;
+    options.session_id = next_session_id_++;
+    std::random_device random;
+    options.session_epoch = (static_cast<uint64_t>(random()) << 32 | random()) | 1;
+    options.manager_incarnation = incarnation_;
+    options.default_layout.ring_entries = config_.ring_entries;
+    options.default_layout.payload_slots = config_.payload_slots;
+    options.default_layout.slot_bytes = config_.slot_bytes;
+    options.deadline = Deadline::After(std::chrono::seconds(2));
+    Result<std::unique_ptr<channel::ServerSession>> accepted =
+        channel::ServerSession::Accept(std::move(conn), options);
+    if (!accepted.ok()) {
+      ORBITKV_LOG_WARN("manager: refused a session: {}", accepted.status().ToString());
+      continue;
+    }
+    auto session = std::make_shared<Session>();
+    session->id = options.session_id;
+    session->channel = std::shared_ptr<channel::ServerSession>(std::move(*accepted));
+    session->owner_id = session->channel->role() == channel::SessionRole::kPublish
+                            ? session->channel->control_session()
+                            : session->id;
+    if (session->channel->role() == channel::SessionRole::kPublish) {
+      auto control = sessions_.find(session->owner_id);
+      if (control == sessions_.end() ||
+          control->second->channel->role() != channel::SessionRole::kControl ||
+          control->second->channel->peer().pid != session->channel->peer().pid) {
+        session->channel->Poison(Status::PermissionDenied(
+            "a publish session must name a live control session of the same process"));
+        continue;
+      }
+    }
+    epoll_event socket_event{EPOLLIN | EPOLLRDHUP, {.u64 = EventData(session->id, kSocket)}};
+    epoll_event bell_event{EPOLLIN, {.u64 = EventData(session->id, kDoorbell)}};
+    if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, session->channel->socket_fd(), &socket_event) != 0 ||
+        epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, session->channel->request_doorbell_fd(),
+                  &bell_event) != 0) {
+      ORBITKV_LOG_ERROR("manager: epoll_ctl for a new session failed: {}", std::strerror(errno));
+      continue;
+    }
+    sessions_opened_->Increment();
+    sessions_active_->Add(1);
+    ORBITKV_LOG_INFO(
+        "manager: session {} ({}) opened by pid {} uid {}", session->id,
+        session->channel->role() == channel::SessionRole::kControl ? "control" : "publish",
+        session->channel->peer().pid, session->channel->peer().uid);
+    sessions_.emplace(session->id, std::move(session));
+  }
+}
+
+void Manager::ServeSession(const std::shared_ptr<Session>& session) {
+  session->channel->DrainDoorbell();
+  // Bounded per round so one busy session cannot starve the others.
+  for (int served = 0; served < 64; ++served) {
+    if (session->channel->broken()) {
+      const Status why =
+          Status::ResourceExhausted("the engine's reply ring overflowed or was corrupted");
+      sessions_poisoned_->Increment();
+      session->channel->Poison(why);
+      CloseSession(session->id, why);
+      return;
+    }
+    Result<std::optional<channel::InboundRequest>> request = session->channel->NextRequest();
+    Status status = request.ok() ? Status::Ok() : request.status();
+    if (status.ok() && !request->has_value()) return;
+    if (status.ok()) {
+      requests_total_->Increment();
+      status = HandleRequest(session, **request);
+    }
+    if (!status.ok()) {
+      ORBITKV_LOG_WARN("manager: poisoning session {}: {}", session->id, status.ToString());
+      sessions_poisoned_->Increment();
+      session->channel->Poison(status);
+      CloseSession(session->id, status);
+      return;
+    }
+  }
+}
+
+void Manager::CloseSession(uint64_t session_id, const Status& why) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return;
+  std::shared_ptr<Session> session = it->second;
+  sessions_.erase(it);
+  epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, session->channel->socket_fd(), nullptr);
+  epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, session->channel->request_doorbell_fd(), nullptr);
+  sessions_active_->Add(-1);
+  // A control session's instances go with it; a superseded session cannot touch its replacement's.
+  std::vector<std::shared_ptr<Instance>> retired;
+  {
+    MutexLock lock(&instances_mu_);
+    for (auto inst = instances_.begin(); inst != instances_.end();) {
+      if (inst->second->owner_session == session->id) {
+        retired.push_back(inst->second);
+        inst = instances_.erase(inst);
+      } else {
+        ++inst;
+      }
+    }
+  }
+  for (const auto& instance : retired) RetireInstance(instance);
+  ORBITKV_LOG_INFO("manager: session {} closed ({}); {} instance(s) cleaned up", session_id,
+                   why.ToString(), retired.size());
+}
+
+void Manager::RetireInstance(const std::shared_ptr<Instance>& instance) {
+  instance->retired.store(true, std::memory_order_release);
+  instances_active_->Add(-1);
+  const size_t leases = cache_->CleanupInstance(instance->id);
+  if (leases != 0)
+    ORBITKV_LOG_INFO("manager: instance {}: released {} lease(s)", instance->id, leases);
+  // Unregistering waits for in-flight copies into the instance's buffers: not on the dispatcher.
+  PostCleanup([this, instance] {
+    std::map<uint32_t, std::shared_ptr<Group>> groups;
+    {
+      MutexLock lock(&instance->mu);
+      groups.swap(instance->groups);
+    }
+    for (auto& [id, group] : groups) {
+      for (Group::Buffer& buffer : group->buffers) {
+        Status unregistered = copy_engine_->UnregisterBuffer(buffer.id);
+        if (!unregistered.ok())
+          ORBITKV_LOG_WARN("manager: unregister buffer: {}", unregistered.ToString());
+      }
+    }
+    // Mappings are released when the last in-flight operation drops its reference to the group.
+  });
+}
+
+void Manager::PostCleanup(std::function<void()> task) {
+  {
+    MutexLock lock(&cleanup_mu_);
+    cleanup_tasks_.push_back(std::move(task));
+  }
+  cleanup_cv_.notify_one();
+}
+
+void Manager::CleanupLoop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      MutexLock lock(&cleanup_mu_);
+      while (cleanup_tasks_.empty() && !cleanup_stop_) cleanup_cv_.wait(cleanup_mu_);
+      if (cleanup_tasks_.empty()) return;
+      task = std::move(cleanup_tasks_.front());
+      cleanup_tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+Result<std::shared_ptr<Manager::Instance>> Manager::InstanceFor(const Session& session,
+                                                                uint64_t instance_id) {
+  MutexLock lock(&instances_mu_);
+  auto it = instances_.find(instance_id);
+  if (it == instances_.end()) {
+    return Status::NotFound(fmt::format("instance {} is not registered", instance_id));
+  }
+  if (it->second->owner_session != session.owner_id) {
+    return Status::PermissionDenied(
+        fmt::format("instance {} belongs to another session", instance_id));
+  }
+  return it->second;
+}
+
+}  // namespace orbitkv::server

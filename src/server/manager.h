@@ -1,0 +1,154 @@
+// Manager: the Cache Manager daemon's body, everything but flag parsing and signal handling.
+//
+// It owns the cache core (pinned pool, block table, leases, budgets), the CPU copy engine, the
+// engine-facing listener and every session, and the metrics endpoint. Threads are created in one
+// place, Start():
+//   - the dispatcher: one epoll loop over the listener, each session's socket and request doorbell;
+//   it decodes
+//     and validates requests, answers queries and releases inline, and submits restores and saves
+//     to the copy engine;
+//   - the copy engine's workers, which complete restores and saves and post their replies;
+//   - the cleanup worker, which drains an instance's in-flight copies before unmapping its buffers;
+//   - the metrics HTTP server, when --metrics-addr is set.
+// A malformed request poisons only its session; a closed session (engine exit or kill -9) releases
+// its instances' leases, reservations and mappings with no further message.
+//
+// Thread safety: RequestStop() is safe from any thread (and from a signal handler); the rest is for
+// the thread that created the Manager.
+#ifndef ORBITKV_SERVER_MANAGER_H_
+#define ORBITKV_SERVER_MANAGER_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "base/metrics.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/scoped_fd.h"
+#include "base/thread_annotations.h"
+#include "channel/session.h"
+#include "core/block_cache.h"
+#include "core/cpu_copy_engine.h"
+#include "server/config.h"
+#include "server/metrics_http.h"
+#include "state/namespace.h"
+
+namespace orbitkv::server {
+
+class Manager {
+ public:
+  // Builds the cache (allocating and locking the pool) and binds the socket; starts no thread.
+  static Result<std::unique_ptr<Manager>> Create(const ManagerConfig& config);
+  // Stops (if still running) and releases everything.
+  ~Manager();
+  Manager(const Manager&) = delete;
+  Manager& operator=(const Manager&) = delete;
+
+  Status Start();
+  // Asks the dispatcher to stop; async-signal-safe.
+  void RequestStop();
+  // Blocks until the dispatcher stopped, then drains copies, closes sessions and joins every
+  // thread.
+  void Wait();
+
+  const ManagerConfig& config() const { return config_; }
+  MetricsRegistry& metrics() { return metrics_; }
+  core::BlockCache& cache() { return *cache_; }
+  // The metrics endpoint's bound port (0 when off).
+  uint16_t metrics_port() const;
+
+  // Per-session, per-instance and per-group state; defined in manager_internal.h for the Manager's
+  // own files.
+  struct Group;
+  struct Instance;
+  struct Session;
+
+ private:
+  explicit Manager(const ManagerConfig& config) : config_(config) {}
+
+  void DispatchLoop();
+  void AcceptSessions();
+  void ServeSession(const std::shared_ptr<Session>& session);
+  void CloseSession(uint64_t session_id, const Status& why);
+  Status HandleFrame(Session& session, channel::Frame& frame);
+  Status RegisterInstance(Session& session, const channel::Frame& frame);
+  Result<uint64_t> RegisterGroup(Session& session, channel::Frame& frame);
+  Status UnregisterInstance(Session& session, uint64_t instance_id);
+  void RetireInstance(const std::shared_ptr<Instance>& instance);
+  Result<std::shared_ptr<Instance>> InstanceFor(const Session& session, uint64_t instance_id);
+
+  // Hot operations (operations.cc). A returned error poisons the session; per-request failures are
+  // replies.
+  Status HandleRequest(const std::shared_ptr<Session>& session, channel::InboundRequest& request);
+  Status HandleQuery(Session& session, const channel::InboundRequest& request);
+  Status HandleRestore(const std::shared_ptr<Session>& session,
+                       const channel::InboundRequest& request);
+  Status HandleSave(const std::shared_ptr<Session>& session,
+                    const channel::InboundRequest& request);
+  Status HandleRelease(Session& session, const channel::InboundRequest& request);
+  Status HandleStats(Session& session, const channel::InboundRequest& request);
+  bool TryBeginOperation();
+  void EndOperation();
+
+  void CleanupLoop();
+  void PostCleanup(std::function<void()> task);
+
+  // Immutable after Create.
+  const ManagerConfig config_;
+  MetricsRegistry metrics_;
+  std::unique_ptr<core::BlockCache> cache_;
+  ScopedFd listener_;
+  ScopedFd wake_;  // eventfd: RequestStop rings it
+  ScopedFd epoll_;
+  uint64_t incarnation_ = 0;
+
+  // Created by Start.
+  std::unique_ptr<core::CpuCopyEngine> copy_engine_;
+  std::unique_ptr<MetricsHttpServer> http_;
+  std::thread dispatcher_;
+  std::thread cleaner_;
+  bool started_ = false;
+  bool waited_ = false;
+
+  // Dispatcher thread only.
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_;
+  uint64_t next_session_id_ = 1;
+
+  // Instances are looked up by the dispatcher and pinned (shared_ptr) by in-flight copies.
+  mutable Mutex instances_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<Instance>> instances_ GUARDED_BY(instances_mu_);
+
+  // Relaxed: an admission counter, exactness under races is not needed beyond never going negative.
+  std::atomic<uint32_t> operations_{0};
+  // Release/acquire: RequestStop's store is seen by the dispatcher after its wakeup.
+  std::atomic<bool> stopping_{false};
+
+  Mutex cleanup_mu_;
+  std::condition_variable_any cleanup_cv_;
+  std::deque<std::function<void()>> cleanup_tasks_ GUARDED_BY(cleanup_mu_);
+  bool cleanup_stop_ GUARDED_BY(cleanup_mu_) = false;
+
+  Counter* sessions_opened_ = nullptr;
+  Counter* sessions_poisoned_ = nullptr;
+  Gauge* sessions_active_ = nullptr;
+  Gauge* instances_active_ = nullptr;
+  Gauge* operations_active_ = nullptr;
+  Counter* requests_total_ = nullptr;
+  Counter* operation_rejections_ = nullptr;
+  Counter* restored_bytes_ = nullptr;
+  Counter* saved_bytes_ = nullptr;
+  Counter* save_skipped_ = nullptr;
+  Histogram* query_latency_ = nullptr;
+};
+
+}  // namespace orbitkv::server
+
+#endif  // ORBITKV_SERVER_MANAGER_H_

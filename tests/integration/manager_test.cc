@@ -1,0 +1,427 @@
+// A real orbitkv-manager process and real client processes: save, query, restore byte for byte;
+// concurrency; and the faults an operator meets (engine killed mid-restore or mid-save, Manager
+// killed, foreign uid, malformed descriptors).
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "channel/messages.h"
+#include "channel/session.h"
+#include "client/cache_client.h"
+#include "manager_process.h"
+#include "state/test_util.h"
+
+namespace orbitkv {
+namespace {
+
+using client::BufferSpec;
+using client::CacheClient;
+using client::ClientOptions;
+using client::SaveItem;
+using state::StateKey;
+using testing::ManagerProcess;
+
+constexpr uint32_t kLayers = 2;            // two buffers: K and V
+constexpr uint64_t kPageBytes = 16 << 10;  // per buffer
+constexpr uint64_t kBlockBytes = kLayers * kPageBytes;
+
+// An engine's KV memory: kLayers memfd buffers of `pages` pages each, with a guard gap between
+// pages.
+class EngineKv {
+ public:
+  explicit EngineKv(uint32_t pages) : pages_(pages) {
+    stride_ = kPageBytes + 4096;
+    bytes_ = stride_ * pages + 4096;
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      fds_[l] = ScopedFd(memfd_create("engine-kv", MFD_CLOEXEC));
+      EXPECT_EQ(ftruncate(fds_[l].get(), static_cast<off_t>(bytes_)), 0);
+      base_[l] = static_cast<uint8_t*>(
+          mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds_[l].get(), 0));
+    }
+  }
+  ~EngineKv() {
+    for (uint32_t l = 0; l < kLayers; ++l) munmap(base_[l], bytes_);
+  }
+  std::vector<BufferSpec> Specs() const {
+    std::vector<BufferSpec> specs;
+    for (uint32_t l = 0; l < kLayers; ++l)
+      specs.push_back({fds_[l].get(), bytes_, 4096, stride_, kPageBytes});
+    return specs;
+  }
+  uint8_t* Page(uint32_t layer, uint32_t page) { return base_[layer] + 4096 + page * stride_; }
+  // The bytes key K must have, in every layer: a function of the key only.
+  void Fill(uint32_t page, const StateKey& key) {
+    for (uint32_t l = 0; l < kLayers; ++l) Pattern(key, l, Page(l, page));
+  }
+  bool Holds(uint32_t page, const StateKey& key) {
+    std::vector<uint8_t> expected(kPageBytes);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      Pattern(key, l, expected.data());
+      if (std::memcmp(expected.data(), Page(l, page), kPageBytes) != 0) return false;
+    }
+    return true;
+  }
+  void Poison() {
+    for (uint32_t l = 0; l < kLayers; ++l) std::memset(base_[l], 0xee, bytes_);
+  }
+  uint32_t pages() const { return pages_; }
+
+ private:
+  static void Pattern(const StateKey& key, uint32_t layer, uint8_t* out) {
+    uint64_t x = key.Hash64() ^ (layer * 0x9e3779b97f4a7c15ull);
+    for (uint64_t i = 0; i < kPageBytes; i += 8) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      std::memcpy(out + i, &x, 8);
+    }
+  }
+  uint32_t pages_;
+  uint64_t stride_ = 0, bytes_ = 0;
+  ScopedFd fds_[kLayers];
+  uint8_t* base_[kLayers] = {};
+};
+
+std::vector<StateKey> Chain(uint64_t chain, size_t n) {
+  static const state::StateNamespace ns = state::testing::SampleNamespace();
+  std::vector<StateKey> keys;
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t native[2] = {chain, i};
+    keys.push_back(
+        *StateKey::Create(ns, 0, {i * 16, i * 16 + 16},
+                          std::span<const uint8_t>(reinterpret_cast<uint8_t*>(native), 16)));
+  }
+  return keys;
+}
+
+std::unique_ptr<CacheClient> Connect(const ManagerProcess& manager, int timeout_ms = 10000) {
+  ClientOptions options;
+  options.socket_path = manager.socket();
+  options.timeout = std::chrono::milliseconds(timeout_ms);
+  auto client = CacheClient::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+// Registers `instance` with one group over `kv`; returns the padded block bytes.
+uint64_t Register(CacheClient& client, uint64_t instance, EngineKv& kv) {
+  EXPECT_TRUE(client.RegisterInstance(instance, state::testing::SampleNamespace()).ok());
+  auto specs = kv.Specs();
+  auto padded = client.RegisterGroup(instance, 0, kv.pages(), specs);
+  EXPECT_TRUE(padded.ok()) << padded.status();
+  return padded.ok() ? *padded : 0;
+}
+
+Status SaveChain(CacheClient& client, uint64_t instance, EngineKv& kv,
+                 const std::vector<StateKey>& keys, uint32_t first_page = 0,
+                 client::SaveResult* out = nullptr) {
+  std::vector<SaveItem> items;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    kv.Fill(first_page + static_cast<uint32_t>(i), keys[i]);
+    items.push_back(SaveItem{keys[i], first_page + static_cast<uint32_t>(i)});
+  }
+  auto saved = client.Save(instance, 0, items);
+  if (saved.ok() && out != nullptr) *out = *saved;
+  return saved.status();
+}
+
+// Reads a numeric field of the Manager's stats JSON.
+uint64_t StatField(CacheClient& client, const std::string& field) {
+  auto json = client.Stats();
+  EXPECT_TRUE(json.ok()) << json.status();
+  const size_t at = json->find("\"" + field + "\": ");
+  EXPECT_NE(at, std::string::npos) << field;
+  return std::stoull(json->substr(at + field.size() + 4));
+}
+
+// Polls until the Manager holds no leases, pins or in-flight operations (cleanup is asynchronous).
+bool EventuallyIdle(CacheClient& client) {
+  for (int i = 0; i < 3000; ++i) {
+    if (StatField(client, "leases_active") == 0 && StatField(client, "pinned_blocks") == 0 &&
+        StatField(client, "operations_active") == 0 &&
+        StatField(client, "query_reserved_bytes") == 0) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+TEST(ManagerIntegrationTest, SaveQueryRestoreIsByteExact) {
+  ManagerProcess manager;
+  ASSERT_TRUE(manager.running());
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  EngineKv kv(64);
+  EXPECT_EQ(Register(*client, 1, kv), kBlockBytes);
+  const auto keys = Chain(1, 24);
+  client::SaveResult saved;
+  ASSERT_TRUE(SaveChain(*client, 1, kv, keys, 0, &saved).ok());
+  EXPECT_EQ(saved.written, 24u);
+  // Saving again copies nothing: content-addressed blocks are already resident.
+  ASSERT_TRUE(SaveChain(*client, 1, kv, keys, 0, &saved).ok());
+  EXPECT_EQ(saved.written, 0u);
+  EXPECT_EQ(saved.skipped, 24u);
+
+  kv.Poison();
+  auto extended = keys;
+  for (const auto& k : Chain(2, 4)) extended.push_back(k);  // a suffix never saved
+  auto hit = client->Query(1, 0, extended);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->hits, 24u);
+  std::vector<uint32_t> pages;
+  for (uint32_t i = 0; i < 24; ++i) pages.push_back(63 - i);  // scattered, reversed destinations
+  ASSERT_TRUE(client->Restore(1, 0, hit->lease, pages).ok());
+  for (uint32_t i = 0; i < 24; ++i) EXPECT_TRUE(kv.Holds(63 - i, keys[i])) << i;
+  // Pages not named stay poisoned.
+  EXPECT_EQ(kv.Page(0, 0)[0], 0xee);
+  EXPECT_TRUE(EventuallyIdle(*client));
+  auto miss = client->Query(1, 0, Chain(3, 4));
+  ASSERT_TRUE(miss.ok());
+  EXPECT_EQ(miss->hits, 0u);
+}
+
+TEST(ManagerIntegrationTest, LeaseErrorsAreRepliesNotCrashes) {
+  ManagerProcess manager;
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  EngineKv kv(16);
+  Register(*client, 1, kv);
+  const auto keys = Chain(4, 8);
+  ASSERT_TRUE(SaveChain(*client, 1, kv, keys).ok());
+  auto hit = client->Query(1, 0, keys);
+  ASSERT_TRUE(hit.ok() && hit->hits == 8);
+  ASSERT_TRUE(client->Release(1, hit->lease).ok());
+  EXPECT_EQ(client->Release(1, hit->lease).code(), StatusCode::kFailedPrecondition);
+  std::vector<uint32_t> pages(8, 0);
+  EXPECT_EQ(client->Restore(1, 0, hit->lease, pages).code(), StatusCode::kFailedPrecondition);
+  // Out-of-range destination: the lease is consumed, nothing is written, the session continues.
+  auto again = client->Query(1, 0, keys);
+  ASSERT_TRUE(again.ok() && again->hits == 8);
+  std::vector<uint32_t> bad(8, 16);
+  EXPECT_EQ(client->Restore(1, 0, again->lease, bad).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->Query(99, 0, keys).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(client->Ping().ok());
+  EXPECT_TRUE(EventuallyIdle(*client));
+}
+
+TEST(ManagerIntegrationTest, BadGeometryIsRefusedAtRegistration) {
+  ManagerProcess manager;
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  EngineKv kv(4);
+  ASSERT_TRUE(client->RegisterInstance(5, state::testing::SampleNamespace()).ok());
+  auto specs = kv.Specs();
+  auto too_many_pages = client->RegisterGroup(5, 0, 1000, specs);
+  EXPECT_EQ(too_many_pages.status().code(), StatusCode::kInvalidArgument);
+  specs[0].buffer_bytes *= 100;  // claims more than the memfd holds
+  EXPECT_EQ(client->RegisterGroup(5, 0, 4, specs).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->RegisterGroup(6, 0, 4, kv.Specs()).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(client->RegisterGroup(5, 0, 4, kv.Specs()).ok());
+  EXPECT_EQ(client->RegisterGroup(5, 0, 4, kv.Specs()).status().code(), StatusCode::kAlreadyExists);
+  // Another session cannot take over a live instance.
+  auto other = Connect(manager);
+  EXPECT_EQ(other->RegisterInstance(5, state::testing::SampleNamespace()).code(),
+            StatusCode::kAlreadyExists);
+}
+
+TEST(ManagerIntegrationTest, ConcurrentSessionsAndPublishWhileRestoring) {
+  ManagerProcess manager;
+  const auto shared = Chain(10, 16);
+  std::atomic<int> failures{0};
+  auto engine = [&](uint64_t instance) {
+    auto client = Connect(manager);
+    if (client == nullptr) return failures++, void();
+    EngineKv kv(96);
+    Register(*client, instance, kv);
+    const auto own = Chain(100 + instance, 16);
+    std::atomic<bool> done{false};
+    // A second thread saves continuously on the publish session while this one queries and
+    // restores.
+    std::thread publisher([&] {
+      EngineKv pub(32);
+      uint64_t round = 0;
+      while (!done.load()) {
+        const auto keys = Chain(1000 + instance * 100 + (round++ % 50), 8);
+        std::vector<SaveItem> items;
+        for (uint32_t i = 0; i < keys.size(); ++i) {
+          kv.Fill(64 + i, keys[i]);
+          items.push_back(SaveItem{keys[i], 64 + i});
+        }
+        if (!client->Save(instance, 0, items).ok()) failures++;
+      }
+    });
+    if (!SaveChain(*client, instance, kv, shared).ok() ||
+        !SaveChain(*client, instance, kv, own, 16).ok())
+      failures++;
+    for (int round = 0; round < 30; ++round) {
+      const auto& keys = round % 2 ? shared : own;
+      auto hit = client->Query(instance, 0, keys);
+      if (!hit.ok()) {
+        failures++;
+        continue;
+      }
+      std::vector<uint32_t> pages;
+      for (uint32_t i = 0; i < hit->hits; ++i) pages.push_back(32 + i);
+      if (hit->hits == 0) continue;
+      for (uint32_t i = 0; i < hit->hits; ++i) std::memset(kv.Page(0, 32 + i), 0, kPageBytes);
+      if (!client->Restore(instance, 0, hit->lease, pages).ok()) failures++;
+      for (uint32_t i = 0; i < hit->hits; ++i) {
+        if (!kv.Holds(32 + i, keys[i])) failures++;
+      }
+    }
+    done.store(true);
+    publisher.join();
+  };
+  std::vector<std::thread> engines;
+  for (uint64_t i = 1; i <= 3; ++i) engines.emplace_back(engine, i);
+  for (auto& t : engines) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  auto observer = Connect(manager);
+  EXPECT_TRUE(EventuallyIdle(*observer));
+}
+
+// Runs `body` in a child process that ends by SIGKILL (from itself); returns after it died.
+template <typename Body>
+void InKilledChild(Body body) {
+  pid_t child = fork();
+  if (child == 0) {
+    body();
+    kill(getpid(), SIGKILL);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+}
+
+TEST(ManagerIntegrationTest, EngineKilledMidRestoreOrMidSaveIsCleanedUp) {
+  ManagerProcess manager;
+  auto observer = Connect(manager);
+  ASSERT_NE(observer, nullptr);
+  const auto keys = Chain(20, 400);  // 400 blocks of 32 KiB: a restore takes a while
+  InKilledChild([&] {
+    auto client = Connect(manager);
+    EngineKv kv(800);
+    Register(*client, 7, kv);
+    if (!SaveChain(*client, 7, kv, keys).ok()) _exit(3);
+    auto hit = client->Query(7, 0, keys);
+    if (!hit.ok() || hit->hits == 0) _exit(4);
+    std::vector<uint32_t> pages;
+    for (uint32_t i = 0; i < hit->hits; ++i) pages.push_back(400 + i);
+    // Leave a second lease unreleased too, then die with the restore in flight.
+    (void)client->Query(7, 0, keys);
+    (void)client->StartRestore(7, 0, hit->lease, pages);
+  });
+  EXPECT_TRUE(EventuallyIdle(*observer));
+  InKilledChild([&] {
+    auto client = Connect(manager);
+    EngineKv kv(800);
+    Register(*client, 8, kv);
+    std::thread saver([&] { (void)SaveChain(*client, 8, kv, Chain(21, 400)); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    kill(getpid(), SIGKILL);
+    saver.join();
+  });
+  EXPECT_TRUE(EventuallyIdle(*observer));
+  // The pool is intact and the next engine works.
+  EngineKv kv(64);
+  Register(*observer, 9, kv);
+  kv.Poison();
+  auto hit = observer->Query(9, 0, std::vector<StateKey>(keys.begin(), keys.begin() + 32));
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(hit->hits, 32u);
+  std::vector<uint32_t> pages;
+  for (uint32_t i = 0; i < 32; ++i) pages.push_back(i);
+  ASSERT_TRUE(observer->Restore(9, 0, hit->lease, pages).ok());
+  for (uint32_t i = 0; i < 32; ++i) EXPECT_TRUE(kv.Holds(i, keys[i])) << i;
+}
+
+TEST(ManagerIntegrationTest, KilledManagerIsUnavailableNotAHang) {
+  ManagerProcess manager;
+  auto client = Connect(manager, /*timeout_ms=*/30000);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Ping().ok());
+  manager.Stop(SIGKILL);
+  auto ping = client->Ping();
+  EXPECT_EQ(ping.status().code(), StatusCode::kUnavailable) << ping.status();
+  EXPECT_EQ(client->Query(1, 0, Chain(1, 1)).status().code(), StatusCode::kUnavailable);
+  // A new connection explains that no Manager is there.
+  ClientOptions options;
+  options.socket_path = manager.socket();
+  auto fresh = CacheClient::Connect(options);
+  EXPECT_EQ(fresh.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(ManagerIntegrationTest, SigtermDrainsAndExitsCleanly) {
+  ManagerProcess manager;
+  auto client = Connect(manager);
+  EngineKv kv(16);
+  Register(*client, 1, kv);
+  ASSERT_TRUE(SaveChain(*client, 1, kv, Chain(30, 8)).ok());
+  const int status = manager.Stop(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(client->Ping().status().code(), StatusCode::kUnavailable);
+}
+
+TEST(ManagerIntegrationTest, OtherUidsAreRefusedUnlessAllowed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+  ManagerProcess manager({"--allow-uid", "65534"});
+  ASSERT_TRUE(manager.running());
+  auto as_uid = [&](uid_t uid) {
+    pid_t child = fork();
+    if (child == 0) {
+      if (setgid(65534) != 0 || setuid(uid) != 0) _exit(10);
+      ClientOptions options;
+      options.socket_path = manager.socket();
+      auto client = CacheClient::Connect(options);
+      if (client.ok()) _exit(client.value()->Ping().ok() ? 0 : 11);
+      _exit(client.status().code() == StatusCode::kPermissionDenied ? 20 : 21);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  EXPECT_EQ(as_uid(65534), 0);   // allowed
+  EXPECT_EQ(as_uid(65533), 20);  // refused with PermissionDenied
+  auto client = Connect(manager);
+  EXPECT_TRUE(client->Ping().ok());
+}
+
+TEST(ManagerIntegrationTest, MalformedDescriptorPoisonsOnlyItsSession) {
+  ManagerProcess manager;
+  auto healthy = Connect(manager);
+  ASSERT_NE(healthy, nullptr);
+  auto raw = channel::ClientSession::Connect(manager.socket(), {});
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  // A query whose key bytes are garbage.
+  uint32_t slot = *(*raw)->AcquireSlot();
+  std::memset((*raw)->slot(slot).data(), 0x5a, channel::kKeyBytes);
+  channel::Descriptor d{};
+  d.opcode = static_cast<uint16_t>(channel::Opcode::kQuery);
+  d.arg0 = 1;
+  d.arg1 = 1;  // one key
+  auto id = (*raw)->Submit(d, slot, channel::kKeyBytes);
+  ASSERT_TRUE(id.ok());
+  auto reply = (*raw)->WaitReply(*id, Deadline::After(std::chrono::seconds(10)));
+  EXPECT_FALSE(reply.ok());
+  EXPECT_NE(reply.status().code(), StatusCode::kDeadlineExceeded) << reply.status();
+  EXPECT_NE(reply.status().message().find("query key 0"), std::string::npos) << reply.status();
+  // A count that does not match the payload, on a second raw session.
+  auto raw2 = *channel::ClientSession::Connect(manager.socket(), {});
+  uint32_t slot2 = *raw2->AcquireSlot();
+  d.arg1 = 5;
+  auto id2 = raw2->Submit(d, slot2, channel::kKeyBytes);
+  EXPECT_FALSE(raw2->WaitReply(*id2, Deadline::After(std::chrono::seconds(10))).ok());
+  // The Manager and the other session are unaffected.
+  EXPECT_TRUE(healthy->Ping().ok());
+  EXPECT_GE(StatField(*healthy, "incarnation"), 1u);
+}
+
+}  // namespace
+}  // namespace orbitkv
