@@ -1,21 +1,33 @@
 """OrbitKV: a KV-cache manager for vLLM and SGLang.
 
-This package holds the Python side of OrbitKV. Today it exposes the state library (namespaces, StateKey,
-recovery contracts) through the native extension ``orbitkv._native``; the client, the vLLM connector and the
-SGLang backend build on it.
+The Python side of OrbitKV: the state library (namespaces, StateKey, recovery contracts) and the Manager client
+(``CacheManagerClient``, with engine KV buffers in shared memory from ``orbitkv.shm``), through the native
+extension ``orbitkv._native``. The vLLM connector and the SGLang backend build on them.
 """
 
 from orbitkv._native import (  # noqa: F401  (re-exported API)
+    ManagerUnavailable,
+    OrbitKVBusy,
     OrbitKVError,
+    OrbitKVTimeout,
     RecoveryContract,
     StateKey,
     derive_namespace,
     intersect_boundaries,
 )
+from orbitkv.client import SKIP_PAGE, CacheManagerClient, QueryHit, QueryMiss, RestoreHandle  # noqa: F401
 
 __all__ = [
+    "SKIP_PAGE",
+    "CacheManagerClient",
+    "ManagerUnavailable",
+    "OrbitKVBusy",
     "OrbitKVError",
+    "OrbitKVTimeout",
+    "QueryHit",
+    "QueryMiss",
     "RecoveryContract",
+    "RestoreHandle",
     "StateKey",
     "derive_namespace",
     "intersect_boundaries",

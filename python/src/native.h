@@ -33,6 +33,7 @@ T ValueOrThrow(Result<T> result) {
 }
 
 void BindState(pybind11::module_& m);
+void BindClient(pybind11::module_& m);
 
 }  // namespace orbitkv::python
 

@@ -22,7 +22,43 @@ Result<uint32_t> Fits(size_t bytes, std::span<uint8_t> slot, const char* what) {
 
 }  // namespace
 
-size_t MaxQueryKeys(uint32_t slot_bytes) { return slot_bytes / kKeyBytes; }
+size_t MaxQueryKeys(uint32_t slot_bytes, size_t native_bytes) {
+  if (native_bytes == 0 || slot_bytes < sizeof(QueryKeysHeader)) return 0;
+  return (slot_bytes - sizeof(QueryKeysHeader)) / native_bytes;
+}
+
+Result<state::StateKey> QueryRequest::Key(const state::StateNamespace& ns, size_t i) const {
+  const uint64_t begin = first_token + i * page_tokens;
+  return state::StateKey::Create(ns, group, {begin, begin + page_tokens}, native(i), key_version);
+}
+
+Result<QueryRequest> QueryRequest::FromKeys(uint64_t instance,
+                                            std::span<const state::StateKey> keys) {
+  QueryRequest request;
+  request.instance = instance;
+  if (keys.empty()) return request;
+  const state::StateKey& first = keys.front();
+  request.group = first.group();
+  request.first_token = first.span().begin;
+  request.page_tokens = static_cast<uint32_t>(first.span().size());
+  request.key_version = first.key_version();
+  request.native_bytes = static_cast<uint8_t>(first.native_key().size());
+  request.natives.reserve(keys.size() * request.native_bytes);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const state::StateKey& key = keys[i];
+    const uint64_t begin = request.first_token + i * request.page_tokens;
+    if (key.group() != request.group || key.key_version() != request.key_version ||
+        key.native_key().size() != request.native_bytes || key.span().begin != begin ||
+        key.span().end != begin + request.page_tokens || !(key.ns() == first.ns())) {
+      return Status::InvalidArgument(fmt::format(
+          "query key {} does not continue the chain (same namespace, group, version, native length "
+          "and consecutive {}-token pages)",
+          i, request.page_tokens));
+    }
+    request.natives.insert(request.natives.end(), key.native_key().begin(), key.native_key().end());
+  }
+  return request;
+}
 size_t MaxSaveItems(uint32_t slot_bytes) { return slot_bytes / sizeof(SaveEntry); }
 size_t MaxRestorePages(uint32_t slot_bytes) {
   return slot_bytes < sizeof(RestoreBody) ? 0
@@ -30,13 +66,22 @@ size_t MaxRestorePages(uint32_t slot_bytes) {
 }
 
 Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot) {
-  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes, Fits(request.keys.size() * kKeyBytes, slot, "query"));
-  for (size_t i = 0; i < request.keys.size(); ++i) {
-    request.keys[i].EncodeTo(std::span<uint8_t, kKeyBytes>(slot.data() + i * kKeyBytes, kKeyBytes));
+  if (request.native_bytes == 0 || request.native_bytes > state::kMaxNativeKeyBytes ||
+      request.natives.size() % request.native_bytes != 0 || request.page_tokens == 0) {
+    return Status::InvalidArgument(
+        "a query needs 1-64-byte native keys of one length and a page size");
+  }
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes,
+                           Fits(sizeof(QueryKeysHeader) + request.natives.size(), slot, "query"));
+  const QueryKeysHeader header{request.first_token, request.page_tokens, request.key_version,
+                               request.native_bytes, 0};
+  std::memcpy(slot.data(), &header, sizeof(header));
+  if (!request.natives.empty()) {
+    std::memcpy(slot.data() + sizeof(header), request.natives.data(), request.natives.size());
   }
   d->opcode = static_cast<uint16_t>(Opcode::kQuery);
   d->arg0 = request.instance;
-  d->arg1 = Pack(request.group, static_cast<uint32_t>(request.keys.size()));
+  d->arg1 = Pack(request.group, static_cast<uint32_t>(request.count()));
   return bytes;
 }
 
@@ -108,20 +153,37 @@ Status ValidateRequestDescriptor(const Descriptor& d, uint32_t payload_slots, ui
 }
 
 Result<QueryRequest> DecodeQuery(const Descriptor& d, std::span<const uint8_t> payload) {
+  if (payload.size() < sizeof(QueryKeysHeader)) {
+    return Status::InvalidArgument(
+        fmt::format("query payload of {} bytes has no header", payload.size()));
+  }
+  QueryKeysHeader header;
+  std::memcpy(&header, payload.data(), sizeof(header));
   QueryRequest request;
   request.instance = d.arg0;
   request.group = static_cast<uint32_t>(d.arg1 >> 32);
   const uint64_t count = static_cast<uint32_t>(d.arg1);
-  if (count * kKeyBytes != payload.size()) {
+  if (header.native_bytes == 0 || header.native_bytes > state::kMaxNativeKeyBytes ||
+      header.reserved != 0) {
     return Status::InvalidArgument(
-        fmt::format("query names {} keys but carries {} payload bytes", count, payload.size()));
+        fmt::format("query native keys of {} bytes (1-64 allowed)", header.native_bytes));
   }
-  request.keys.reserve(count);
-  for (uint64_t i = 0; i < count; ++i) {
-    auto key = state::StateKey::Decode(payload.subspan(i * kKeyBytes, kKeyBytes));
-    if (!key.ok()) return key.status().WithContext(fmt::format("query key {}", i));
-    request.keys.push_back(*key);
+  if (header.page_tokens == 0 || header.key_version == 0) {
+    return Status::InvalidArgument("query pages need a token count and a key version");
   }
+  if (count * header.native_bytes != payload.size() - sizeof(header)) {
+    return Status::InvalidArgument(
+        fmt::format("query names {} keys of {} bytes but carries {} payload bytes", count,
+                    header.native_bytes, payload.size()));
+  }
+  if (count != 0 && header.first_token > UINT64_MAX - count * header.page_tokens) {
+    return Status::InvalidArgument("query token spans overflow");
+  }
+  request.first_token = header.first_token;
+  request.page_tokens = header.page_tokens;
+  request.key_version = header.key_version;
+  request.native_bytes = header.native_bytes;
+  request.natives.assign(payload.begin() + sizeof(header), payload.end());
   return request;
 }
 

@@ -17,10 +17,25 @@
 
 namespace orbitkv::channel {
 
+// A chain of pages named by native keys (see QueryKeysHeader).
 struct QueryRequest {
   uint64_t instance = 0;
   uint32_t group = 0;
-  std::vector<state::StateKey> keys;
+  uint64_t first_token = 0;
+  uint32_t page_tokens = 0;
+  uint16_t key_version = 1;
+  uint8_t native_bytes = 0;
+  std::vector<uint8_t> natives;  // count x native_bytes
+
+  size_t count() const { return native_bytes == 0 ? 0 : natives.size() / native_bytes; }
+  std::span<const uint8_t> native(size_t i) const {
+    return {natives.data() + i * native_bytes, native_bytes};
+  }
+  // The StateKey of page i in namespace `ns`.
+  Result<state::StateKey> Key(const state::StateNamespace& ns, size_t i) const;
+  // The compact form of `keys` when they form a chain (same group, version and native length,
+  // consecutive equal-sized token spans); InvalidArgument otherwise.
+  static Result<QueryRequest> FromKeys(uint64_t instance, std::span<const state::StateKey> keys);
 };
 
 struct RestoreRequest {
@@ -47,7 +62,7 @@ struct ReleaseRequest {
 };
 
 // The most keys (or pages) one request can carry in a slot of `slot_bytes`.
-size_t MaxQueryKeys(uint32_t slot_bytes);
+size_t MaxQueryKeys(uint32_t slot_bytes, size_t native_bytes);
 size_t MaxSaveItems(uint32_t slot_bytes);
 size_t MaxRestorePages(uint32_t slot_bytes);
 

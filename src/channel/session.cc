@@ -1,6 +1,7 @@
 #include "channel/session.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -319,6 +320,8 @@ Result<uint64_t> ClientSession::Submit(Descriptor d, uint32_t slot, uint32_t pay
 
 Result<std::optional<InboundReply>> ClientSession::PollReply() {
   ORBITKV_RETURN_IF_ERROR(dead_);
+  // With a completion fd, consume its pending rings first: a reply arriving after this re-arms it.
+  if (always_wake_) to_engine_.Drain();
   for (;;) {
     InboundReply reply;
     Result<bool> got = replies_.TryPop(&reply.descriptor);
@@ -373,18 +376,26 @@ Result<InboundReply> ClientSession::WaitReply(uint64_t request_id, Deadline dead
   for (;;) {
     for (int spin = 0; spin <= spin_iterations; ++spin) {
       ORBITKV_ASSIGN_OR_RETURN(std::optional<InboundReply> reply, PollReply());
-      if (!reply.has_value()) continue;
+      if (!reply.has_value()) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();  // be polite to the sibling hyperthread while spinning
+#endif
+        // On an oversubscribed machine the Manager may need this very core: let it run now and
+        // then.
+        if ((spin & 255) == 255) sched_yield();
+        continue;
+      }
       if (reply->descriptor.request_id == request_id) return *reply;
       parked_.push_back(*reply);
     }
     ORBITKV_ASSIGN_OR_RETURN(bool arrived, replies_.PrepareToWait());
     if (arrived) {
-      replies_.ClearWaiting();
+      if (!always_wake_) replies_.ClearWaiting();
       continue;
     }
     pollfd fds[2] = {{to_engine_.fd().get(), POLLIN, 0}, {socket_.get(), POLLIN, 0}};
     const int rc = poll(fds, 2, deadline.RemainingPollMs());
-    replies_.ClearWaiting();
+    if (!always_wake_) replies_.ClearWaiting();
     if (rc < 0 && errno != EINTR) return ErrnoStatus("poll reply doorbell", errno);
     if (rc > 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
       ORBITKV_RETURN_IF_ERROR(SocketStatus());
@@ -395,6 +406,11 @@ Result<InboundReply> ClientSession::WaitReply(uint64_t request_id, Deadline dead
           fmt::format("no reply to request {} before the deadline", request_id));
     }
   }
+}
+
+Status ClientSession::EnableCompletionFd() {
+  always_wake_ = true;
+  return replies_.PrepareToWait().status();
 }
 
 Result<uint64_t> ClientSession::Lifecycle(FrameType type, std::span<const uint8_t> body,

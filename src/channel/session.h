@@ -145,6 +145,9 @@ class ClientSession {
   uint32_t payload_slots() const { return welcome_.payload_slots; }
   uint32_t slot_bytes() const { return welcome_.slot_bytes; }
   int reply_doorbell_fd() const { return to_engine_.fd().get(); }
+  // Makes the Manager ring reply_doorbell_fd for every reply (not only while this side sleeps), so
+  // a caller can poll/epoll that fd for completions. Costs one eventfd write per reply.
+  Status EnableCompletionFd();
   int socket_fd() const { return socket_.get(); }
 
   // Slot bookkeeping: the caller owns a slot from AcquireSlot until its reply arrived.
@@ -162,7 +165,8 @@ class ClientSession {
   // doorbell. Replies to other requests that arrive meanwhile are kept for later WaitReply calls.
   // DeadlineExceeded leaves the request outstanding (its slot stays owned); Unavailable/Aborted
   // when the Manager closed or poisoned the session.
-  Result<InboundReply> WaitReply(uint64_t request_id, Deadline deadline, int spin_iterations = 64);
+  Result<InboundReply> WaitReply(uint64_t request_id, Deadline deadline,
+                                 int spin_iterations = 4096);
 
   // Sends a lifecycle frame (with fds) and waits for its LifecycleReply; returns the reply's value.
   Result<uint64_t> Lifecycle(FrameType type, std::span<const uint8_t> body,
@@ -187,6 +191,7 @@ class ClientSession {
   std::vector<uint32_t> free_slots_;
   std::vector<InboundReply> parked_;  // replies that arrived while waiting for another request
   Status dead_;                       // set once the session is known dead
+  bool always_wake_ = false;          // EnableCompletionFd: consumer_waiting stays set
 };
 
 }  // namespace orbitkv::channel

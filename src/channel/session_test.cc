@@ -63,7 +63,9 @@ class SessionTest : public ::testing::Test {
 };
 
 TEST_F(SessionTest, PingRoundTripWithPayloadEcho) {
-  auto [server, client] = Open();
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_EQ((*client)->session_id(), 1u);
@@ -97,7 +99,9 @@ TEST_F(SessionTest, PingRoundTripWithPayloadEcho) {
 }
 
 TEST_F(SessionTest, ClientSleepsOnTheDoorbellAndWakesForAReplyFromAnotherThread) {
-  auto [server, client] = Open();
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
   ASSERT_TRUE(server.ok() && client.ok());
   uint32_t slot = *(*client)->AcquireSlot();
   Descriptor d{};
@@ -116,7 +120,9 @@ TEST_F(SessionTest, ClientSleepsOnTheDoorbellAndWakesForAReplyFromAnotherThread)
 }
 
 TEST_F(SessionTest, TimeoutKeepsTheSlotOwnedAndLateRepliesAreStillMatched) {
-  auto [server, client] = Open();
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
   ASSERT_TRUE(server.ok() && client.ok());
   uint32_t slot = *(*client)->AcquireSlot();
   Descriptor d{};
@@ -133,7 +139,9 @@ TEST_F(SessionTest, TimeoutKeepsTheSlotOwnedAndLateRepliesAreStillMatched) {
 }
 
 TEST_F(SessionTest, ReplayedAndStaleDescriptorsAreRejected) {
-  auto [server, client] = Open();
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
   ASSERT_TRUE(server.ok() && client.ok());
   uint32_t slot = *(*client)->AcquireSlot();
   Descriptor d{};
@@ -152,7 +160,9 @@ TEST_F(SessionTest, ReplayedAndStaleDescriptorsAreRejected) {
 }
 
 TEST_F(SessionTest, WrongEpochAndMalformedDescriptorsAreRejected) {
-  auto [server, client] = Open();
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
   ASSERT_TRUE(server.ok() && client.ok());
   auto inject = [&](Descriptor d) {
     auto* control = (*server)->arena().request_control();
@@ -191,7 +201,9 @@ TEST_F(SessionTest, WrongEpochAndMalformedDescriptorsAreRejected) {
 }
 
 TEST_F(SessionTest, PoisonTellsTheClientWhy) {
-  auto [server, client] = Open();
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
   ASSERT_TRUE(server.ok() && client.ok());
   uint32_t slot = *(*client)->AcquireSlot();
   Descriptor d{};
@@ -207,7 +219,9 @@ TEST_F(SessionTest, PoisonTellsTheClientWhy) {
 }
 
 TEST_F(SessionTest, ManagerGoneIsUnavailableNotAHang) {
-  auto [server, client] = Open();
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
   ASSERT_TRUE(server.ok() && client.ok());
   uint32_t slot = *(*client)->AcquireSlot();
   Descriptor d{};
@@ -235,7 +249,9 @@ TEST_F(SessionTest, DisallowedUidIsRefusedWithTheFix) {
 }
 
 TEST_F(SessionTest, LifecycleFramesRoundTripWithFds) {
-  auto [server, client] = Open();
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
   ASSERT_TRUE(server.ok() && client.ok());
   auto bell = Doorbell::Create();
   const RegisterInstanceBody body{77, {}};

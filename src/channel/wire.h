@@ -51,7 +51,7 @@ struct FrameHeader {
 static_assert(sizeof(FrameHeader) == 24);
 
 inline constexpr size_t kMaxFrameBytes = 64 * 1024;
-inline constexpr size_t kMaxFrameFds = 64;
+inline constexpr size_t kMaxFrameFds = 250;  // under the kernel's SCM_MAX_FD (253)
 
 enum class SessionRole : uint32_t { kControl = 1, kPublish = 2 };
 
@@ -158,8 +158,8 @@ static_assert(sizeof(RingControl) == 192);
 static_assert(offsetof(RingControl, tail) == 64 && offsetof(RingControl, consumer_waiting) == 128);
 
 enum class Opcode : uint16_t {
-  kPing = 1,     // round trip, no payload
-  kQuery = 2,    // arg0 instance, arg1 group<<32 | key count; payload: keys (128 B each)
+  kPing = 1,   // round trip, no payload
+  kQuery = 2,  // arg0 instance, arg1 group<<32 | key count; payload: QueryKeysHeader + native keys
   kRestore = 3,  // arg0 instance, arg1 lease; payload: RestoreBody + page indices
   kSave = 4,     // arg0 instance, arg1 group<<32 | count; payload: SaveEntry[count]
   kRelease = 5,  // arg0 instance, arg1 lease
@@ -199,6 +199,19 @@ static_assert(sizeof(Descriptor) == 64);
 static_assert(offsetof(Descriptor, request_id) == 16 && offsetof(Descriptor, arg0) == 48);
 
 inline constexpr size_t kKeyBytes = 128;  // state::StateKey::kEncodedSize
+
+// A query names a chain of pages by their engines' native keys (block hashes): key i covers tokens
+// [first_token + i * page_tokens, + page_tokens) of the instance's namespace and the query's group,
+// so the Manager builds each StateKey from 32 bytes or so instead of receiving 128.
+struct QueryKeysHeader {
+  uint64_t first_token;
+  uint32_t page_tokens;
+  uint16_t key_version;
+  uint8_t native_bytes;  // 1..64, the same for every key of the query
+  uint8_t reserved;
+  // followed by key count x native_bytes
+};
+static_assert(sizeof(QueryKeysHeader) == 16);
 
 struct RestoreBody {
   uint32_t group;

@@ -44,30 +44,47 @@ Status CacheClient::ErrorFromReply(channel::ClientSession& session,
                 std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
-Result<channel::InboundReply> CacheClient::Call(Descriptor d, std::span<const uint8_t> payload,
-                                                std::string* reply_payload) {
-  ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, control_->AcquireSlot());
-  if (!payload.empty()) std::memcpy(control_->slot(slot).data(), payload.data(), payload.size());
-  Result<uint64_t> id = control_->Submit(d, slot, static_cast<uint32_t>(payload.size()));
+Result<channel::InboundReply> CacheClient::RoundTrip(channel::ClientSession& session,
+                                                     const Encoder& encode,
+                                                     std::string* reply_payload) {
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, session.AcquireSlot());
+  Descriptor d{};
+  Result<uint32_t> bytes = encode(&d, session.slot(slot));
+  Result<uint64_t> id =
+      bytes.ok() ? session.Submit(d, slot, *bytes) : Result<uint64_t>(bytes.status());
   if (!id.ok()) {
-    control_->ReleaseSlot(slot);
+    session.ReleaseSlot(slot);
     return id.status();
   }
   Result<channel::InboundReply> reply =
-      control_->WaitReply(*id, CallDeadline(), options_.spin_iterations);
+      session.WaitReply(*id, CallDeadline(), options_.spin_iterations);
   if (!reply.ok()) {
-    control_->ReleaseSlot(slot);  // kept retired by the session while the request is outstanding
+    session.ReleaseSlot(slot);  // kept retired by the session while the request is outstanding
     return reply.status();
   }
   Status error =
-      reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(*control_, *reply, slot);
+      reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(session, *reply, slot);
   if (reply_payload != nullptr && error.ok()) {
-    const auto bytes = control_->slot(slot).first(reply->descriptor.payload_bytes);
-    reply_payload->assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    const auto out = session.slot(slot).first(reply->descriptor.payload_bytes);
+    reply_payload->assign(reinterpret_cast<const char*>(out.data()), out.size());
   }
-  control_->ReleaseSlot(slot);
+  session.ReleaseSlot(slot);
   if (!error.ok()) return error;
   return reply;
+}
+
+Result<channel::InboundReply> CacheClient::Call(Descriptor d, std::span<const uint8_t> payload,
+                                                std::string* reply_payload) {
+  return RoundTrip(
+      *control_,
+      [&](Descriptor* out, std::span<uint8_t> slot) -> Result<uint32_t> {
+        if (payload.size() > slot.size())
+          return Status::InvalidArgument("request payload exceeds its slot");
+        *out = d;
+        if (!payload.empty()) std::memcpy(slot.data(), payload.data(), payload.size());
+        return static_cast<uint32_t>(payload.size());
+      },
+      reply_payload);
 }
 
 Status CacheClient::RegisterInstance(uint64_t instance, const state::StateNamespace& ns) {
@@ -108,24 +125,50 @@ Status CacheClient::UnregisterInstance(uint64_t instance) {
       .status();
 }
 
-size_t CacheClient::MaxQueryKeys() const { return channel::MaxQueryKeys(control_slot_bytes_); }
+size_t CacheClient::MaxQueryKeys(size_t native_bytes) const {
+  return channel::MaxQueryKeys(control_slot_bytes_, native_bytes);
+}
 
 Result<QueryResult> CacheClient::Query(uint64_t instance, uint32_t group,
                                        std::span<const state::StateKey> keys) {
   if (keys.empty()) return QueryResult{};
-  channel::QueryRequest request;
-  request.instance = instance;
-  request.group = group;
-  const size_t count = std::min(keys.size(), MaxQueryKeys());
-  request.keys.assign(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(count));
-  std::vector<uint8_t> payload(count * channel::kKeyBytes);
-  Descriptor d{};
-  ORBITKV_RETURN_IF_ERROR(channel::EncodeQuery(request, &d, payload).status());
+  const size_t count = std::min(keys.size(), MaxQueryKeys(keys.front().native_key().size()));
+  ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request,
+                           channel::QueryRequest::FromKeys(instance, keys.first(count)));
+  if (request.group != group) {
+    return Status::InvalidArgument(
+        fmt::format("query keys belong to group {}, not {}", request.group, group));
+  }
+  return QueryNative(instance, group, request.first_token, request.page_tokens,
+                     request.native_bytes, request.natives, request.key_version);
+}
+
+Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
+                                             uint64_t first_token, uint32_t page_tokens,
+                                             uint8_t native_bytes, std::span<const uint8_t> natives,
+                                             uint16_t key_version) {
+  if (native_bytes == 0 || natives.size() % native_bytes != 0) {
+    return Status::InvalidArgument("native keys must all have native_bytes bytes");
+  }
+  if (natives.empty()) return QueryResult{};
+  const size_t count = std::min(natives.size() / native_bytes, MaxQueryKeys(native_bytes));
   MutexLock lock(&control_mu_);
-  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, Call(d, payload));
-  const auto outcome = static_cast<channel::QueryOutcome>(reply.descriptor.arg0 >> 32);
+  // Encoded straight into the request slot: no intermediate copy on the hot path.
+  ORBITKV_ASSIGN_OR_RETURN(
+      channel::InboundReply reply,
+      RoundTrip(*control_, [&](Descriptor* d, std::span<uint8_t> slot) -> Result<uint32_t> {
+        const channel::QueryKeysHeader header{first_token, page_tokens, key_version, native_bytes,
+                                              0};
+        std::memcpy(slot.data(), &header, sizeof(header));
+        std::memcpy(slot.data() + sizeof(header), natives.data(), count * native_bytes);
+        d->opcode = static_cast<uint16_t>(Opcode::kQuery);
+        d->arg0 = instance;
+        d->arg1 = static_cast<uint64_t>(group) << 32 | count;
+        return static_cast<uint32_t>(sizeof(header) + count * native_bytes);
+      }));
   QueryResult result;
-  if (outcome == channel::QueryOutcome::kHit) {
+  if (static_cast<channel::QueryOutcome>(reply.descriptor.arg0 >> 32) ==
+      channel::QueryOutcome::kHit) {
     result.hits = static_cast<uint32_t>(reply.descriptor.arg0);
     result.lease = reply.descriptor.arg1;
   }
@@ -205,6 +248,12 @@ Status CacheClient::Restore(uint64_t instance, uint32_t group, uint64_t lease,
   return WaitRestore(handle);
 }
 
+Result<int> CacheClient::CompletionFd() {
+  MutexLock lock(&control_mu_);
+  ORBITKV_RETURN_IF_ERROR(control_->EnableCompletionFd());
+  return control_->reply_doorbell_fd();
+}
+
 Result<channel::ClientSession*> CacheClient::PublishSession() {
   if (publish_ == nullptr) {
     channel::ConnectOptions connect;
@@ -229,27 +278,12 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
     const size_t end = std::min(items.size(), start + per_request);
     for (size_t i = start; i < end; ++i)
       request.items.push_back(channel::SaveItem{items[i].key, items[i].page});
-    ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, session->AcquireSlot());
-    Descriptor d{};
-    Result<uint32_t> bytes = channel::EncodeSave(request, &d, session->slot(slot));
-    Result<uint64_t> id =
-        bytes.ok() ? session->Submit(d, slot, *bytes) : Result<uint64_t>(bytes.status());
-    if (!id.ok()) {
-      session->ReleaseSlot(slot);
-      return id.status();
-    }
-    Result<channel::InboundReply> reply =
-        session->WaitReply(*id, CallDeadline(), options_.spin_iterations);
-    if (!reply.ok()) {
-      session->ReleaseSlot(slot);
-      return reply.status();
-    }
-    Status error =
-        reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(*session, *reply, slot);
-    session->ReleaseSlot(slot);
-    ORBITKV_RETURN_IF_ERROR(error);
-    total.written += reply->descriptor.arg0;
-    total.skipped += reply->descriptor.arg1;
+    ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply,
+                             RoundTrip(*session, [&](Descriptor* d, std::span<uint8_t> slot) {
+                               return channel::EncodeSave(request, d, slot);
+                             }));
+    total.written += reply.descriptor.arg0;
+    total.skipped += reply.descriptor.arg1;
   }
   return total;
 }

@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -41,7 +42,7 @@ namespace orbitkv::client {
 struct ClientOptions {
   std::string socket_path;  // empty: the Manager's default (see orbitkv-manager --help)
   std::chrono::milliseconds timeout{5000};
-  int spin_iterations = 64;  // reply polls before sleeping on the doorbell
+  int spin_iterations = 4096;  // reply polls (~10 ns each) before sleeping on the doorbell
 };
 
 // One KV buffer of a group: a shared-memory object (memfd or /dev/shm file) the Manager maps.
@@ -85,11 +86,18 @@ class CacheClient {
                                  std::span<const BufferSpec> buffers);
   Status UnregisterInstance(uint64_t instance);
 
-  // At most MaxQueryKeys() keys are looked up; a longer list is answered for its first
-  // MaxQueryKeys().
+  // The longest resident prefix of a chain of pages. Keys must form a chain (same namespace, group,
+  // version and native-key length, consecutive equal token spans): the request carries only their
+  // native keys. At most MaxQueryKeys(native bytes) keys are looked up; a longer chain is answered
+  // for its first ones.
   Result<QueryResult> Query(uint64_t instance, uint32_t group,
                             std::span<const state::StateKey> keys);
-  size_t MaxQueryKeys() const;
+  // The same with the chain given directly: `natives` holds count x native_bytes bytes; page i
+  // covers tokens [first_token + i * page_tokens, + page_tokens).
+  Result<QueryResult> QueryNative(uint64_t instance, uint32_t group, uint64_t first_token,
+                                  uint32_t page_tokens, uint8_t native_bytes,
+                                  std::span<const uint8_t> natives, uint16_t key_version = 1);
+  size_t MaxQueryKeys(size_t native_bytes = 32) const;
 
   // Copies the leased blocks into `pages` (one destination page per leased block, in order;
   // kSkipPage leaves one out). The lease is consumed. StartRestore returns a handle; WaitRestore
@@ -102,6 +110,9 @@ class CacheClient {
   Result<std::optional<Status>> PollRestore(uint64_t handle);
   Status Restore(uint64_t instance, uint32_t group, uint64_t lease,
                  std::span<const uint32_t> pages);
+  // An fd that becomes readable when a reply (e.g. a restore completion) arrives: poll it, then
+  // PollRestore. The first call switches the session to ringing it for every reply.
+  Result<int> CompletionFd();
 
   // Copies the named pages into the cache and returns once the copied blocks are sealed and
   // resident. Splits long lists into several requests.
@@ -129,8 +140,13 @@ class CacheClient {
         control_(std::move(control)) {}
 
   orbitkv::Deadline CallDeadline() const;
-  // One request on the control session, waiting for its reply. The reply payload is copied to
-  // *payload.
+  // Fills the descriptor and writes the payload into the request slot; returns the payload bytes.
+  using Encoder = std::function<Result<uint32_t>(channel::Descriptor*, std::span<uint8_t>)>;
+  // One request on `session` (the caller holds that session's mutex): encode, submit, wait for the
+  // reply; an error reply becomes its Status. A reply payload is copied to *reply_payload.
+  Result<channel::InboundReply> RoundTrip(channel::ClientSession& session, const Encoder& encode,
+                                          std::string* reply_payload = nullptr);
+  // RoundTrip on the control session with a prepared descriptor and payload.
   Result<channel::InboundReply> Call(channel::Descriptor d, std::span<const uint8_t> payload,
                                      std::string* reply_payload = nullptr) REQUIRES(control_mu_);
   Status ErrorFromReply(channel::ClientSession& session, const channel::InboundReply& reply,

@@ -78,6 +78,7 @@ Result<QueryResult> BlockCache::Query(uint64_t instance, std::span<const state::
   if (hits == 0) return result;
   Result<BudgetTicket> ticket = query_budget_->TryReserve(instance, hits * padded_block_bytes);
   if (!ticket.ok()) {
+    BlockPin::ReleaseAll(&pins);
     // OutOfRange: the prefix can never fit the budget; answer a miss rather than keep the engine
     // waiting.
     if (ticket.status().code() == StatusCode::kOutOfRange) return result;

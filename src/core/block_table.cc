@@ -166,6 +166,7 @@ void BlockTable::PushFront(Shard& shard, uint32_t slot, Segment segment) {
   list.head = slot;
   if (list.tail == kNone) list.tail = slot;
   list.bytes += block.memory.class_bytes;
+  ++list.count;
 }
 
 void BlockTable::Unlink(Shard& shard, uint32_t slot) {
@@ -183,22 +184,28 @@ void BlockTable::Unlink(Shard& shard, uint32_t slot) {
   block.prev = block.next = kNone;
   block.on_list = false;
   list.bytes -= block.memory.class_bytes;
+  --list.count;
 }
 
 void BlockTable::Touch(Shard& shard, uint32_t slot) {
-  // Pinned blocks are on no list; they go to the front when the last pin drops.
+  // A bit, not a relink: SettledTail gives referenced blocks their second chance at eviction time.
   shard.slots[slot].referenced = true;
 }
 
 uint32_t BlockTable::SettledTail(Shard& shard, Segment segment) {
   List& list = ListOf(shard, segment);
-  // Each referenced block moves once and loses its bit, so this ends within one pass over the list.
-  while (list.tail != kNone && shard.slots[list.tail].referenced) {
+  // Referenced blocks get a second chance and pinned blocks are skipped: both move to the front (a referenced one
+  // losing its bit). Two passes at most (the first may only clear bits), so a list of only pinned blocks yields
+  // kNone.
+  for (uint64_t steps = 0; list.tail != kNone && steps < 2 * list.count; ++steps) {
+    Block& block = shard.slots[list.tail];
+    if (!block.referenced && block.pins == 0) return list.tail;
+    block.referenced = false;
     const uint32_t slot = list.tail;
     Unlink(shard, slot);
     PushFront(shard, slot, segment);
   }
-  return list.tail;
+  return kNone;
 }
 
 void BlockTable::EraseEntryIfEmpty(Shard& shard, const StateKey& key, const Entry& entry) {
@@ -256,34 +263,84 @@ uint64_t BlockTable::TransitionSsd(Shard& shard, Entry& entry, const StateKey& k
   return generation;
 }
 
-BlockPin BlockTable::PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot) {
+BlockPin BlockTable::PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot,
+                               int64_t* newly_pinned) {
   Block& block = shard.slots[slot];
+  // A pinned block stays on its list (no relinking on the hot path); SettledTail skips it at
+  // eviction time.
   if (block.pins == 0) {
-    Unlink(shard, slot);
     ++shard.pinned_blocks;
-    pinned_blocks_->Add(1);
+    ++*newly_pinned;
   }
   ++block.pins;
   return BlockPin(this, BlockRef{shard_index, slot, block.slot_generation}, block.memory.data,
                   block.memory.requested_bytes, block.residence_generation);
 }
 
-void BlockTable::Unpin(const BlockRef& ref) {
-  Shard& shard = *shards_[ref.shard];
-  MutexLock lock(&shard.mu);
+BlockPin BlockTable::PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) {
+  int64_t newly_pinned = 0;
+  BlockPin pin = PinLocked(shard, shard_index, slot, &newly_pinned);
+  if (newly_pinned != 0) pinned_blocks_->Add(static_cast<double>(newly_pinned));
+  return pin;
+}
+
+bool BlockTable::UnpinLocked(Shard& shard, const BlockRef& ref) {
   Block& block = shard.slots[ref.index];
   ORBITKV_CHECK_MSG(block.slot_generation == ref.generation && block.pins > 0,
                     "unpin of block slot {} generation {} that holds no pin", ref.index,
                     ref.generation);
-  if (--block.pins > 0) return;
+  if (--block.pins > 0) return false;
   --shard.pinned_blocks;
-  pinned_blocks_->Add(-1);
   if (block.state == BlockState::kSealed) {
-    // The use just finished counts as the most recent access.
-    PushFront(shard, ref.index, block.segment);
+    block.referenced = true;  // the use just finished counts as a recent access
   } else {
     FreeBlock(shard, ref.index);
   }
+  return true;
+}
+
+void BlockTable::Unpin(const BlockRef& ref) {
+  Shard& shard = *shards_[ref.shard];
+  bool unpinned;
+  {
+    MutexLock lock(&shard.mu);
+    unpinned = UnpinLocked(shard, ref);
+  }
+  if (unpinned) pinned_blocks_->Add(-1);
+}
+
+void BlockTable::UnpinMany(std::vector<BlockRef>* refs) {
+  // One lock per shard for the whole batch.
+  std::sort(refs->begin(), refs->end(),
+            [](const BlockRef& a, const BlockRef& b) { return a.shard < b.shard; });
+  int64_t unpinned = 0;
+  for (size_t start = 0; start < refs->size();) {
+    Shard& shard = *shards_[(*refs)[start].shard];
+    size_t end = start;
+    MutexLock lock(&shard.mu);
+    for (; end < refs->size() && (*refs)[end].shard == (*refs)[start].shard; ++end) {
+      unpinned += UnpinLocked(shard, (*refs)[end]) ? 1 : 0;
+    }
+    start = end;
+  }
+  if (unpinned != 0) pinned_blocks_->Add(-static_cast<double>(unpinned));
+}
+
+void BlockPin::ReleaseAll(std::vector<BlockPin>* pins) {
+  std::vector<BlockRef> refs;
+  BlockTable* table = nullptr;
+  for (BlockPin& pin : *pins) {
+    if (pin.table_ == nullptr) continue;
+    if (table != nullptr && pin.table_ != table) {
+      pin.Reset();  // pins of another table (never in practice): one at a time
+      continue;
+    }
+    table = pin.table_;
+    refs.push_back(pin.ref_);
+    pin.table_ = nullptr;
+  }
+  if (table != nullptr) table->UnpinMany(&refs);
+  pins->clear();
 }
 
 Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
@@ -413,7 +470,7 @@ bool BlockTable::EvictOneLocked(Shard& shard, uint32_t shard_index, std::vector<
   TransitionDram(shard, entry, target, /*present=*/false, TransitionCause::kEvict);
   evictions_dram_->Increment();
   // The table's reference becomes the pin handed to the listener; the block is freed when it drops.
-  out->push_back(Evicted{key, PinLocked(shard, shard_index, target)});
+  out->push_back(Evicted{key, PinOne(shard, shard_index, target)});
   EraseEntryIfEmpty(shard, key, entry);
   return true;
 }
@@ -497,21 +554,59 @@ size_t BlockTable::LookupPrefixTiers(std::span<const StateKey> keys,
 }
 
 size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPin>* pins) {
-  size_t hit = 0;
-  for (const StateKey& key : keys) {
-    const uint64_t hash = key.Hash64();
-    const uint32_t shard_index = ShardIndex(hash);
+  // Each shard is locked once per call rather than once per key: keys are bucketed by shard (a
+  // counting sort that keeps their order), each bucket is looked up under one lock, and the prefix
+  // is cut at the first miss. Keys past a miss already found are skipped.
+  const size_t n = keys.size();
+  const size_t shard_count = shards_.size();
+  std::vector<uint64_t> hashes(n);
+  std::vector<uint32_t> bucket_start(shard_count + 1, 0);
+  std::vector<uint32_t> shard_of(n);
+  for (size_t i = 0; i < n; ++i) {
+    hashes[i] = keys[i].Hash64();
+    shard_of[i] = ShardIndex(hashes[i]);
+    ++bucket_start[shard_of[i] + 1];
+  }
+  for (size_t s = 0; s < shard_count; ++s) bucket_start[s + 1] += bucket_start[s];
+  std::vector<uint32_t> order(n);
+  {
+    std::vector<uint32_t> fill(bucket_start.begin(), bucket_start.end() - 1);
+    for (size_t i = 0; i < n; ++i) order[fill[shard_of[i]]++] = static_cast<uint32_t>(i);
+  }
+  const size_t base = pins->size();
+  pins->resize(base + n);
+  size_t first_miss = n;
+  int64_t newly_pinned = 0;
+  for (uint32_t shard_index = 0; shard_index < shard_count; ++shard_index) {
+    const uint32_t begin = bucket_start[shard_index];
+    const uint32_t end = bucket_start[shard_index + 1];
+    if (begin == end || order[begin] >= first_miss) continue;
     Shard& shard = *shards_[shard_index];
     MutexLock lock(&shard.mu);
-    shard.sketch.Increment(hash);
-    auto it = shard.entries.find(HashedKey{&key, hash});
-    if (it == shard.entries.end() || it->second.dram == kNone) break;
-    pins->push_back(PinLocked(shard, shard_index, it->second.dram));
-    ++hit;
+    for (uint32_t k = begin; k < end && order[k] < first_miss; ++k) {
+      const size_t i = order[k];
+      shard.sketch.Increment(hashes[i]);
+      auto it = shard.entries.find(HashedKey{&keys[i], hashes[i]});
+      if (it == shard.entries.end() || it->second.dram == kNone) {
+        first_miss = i;
+        break;
+      }
+      (*pins)[base + i] = PinLocked(shard, shard_index, it->second.dram, &newly_pinned);
+    }
   }
-  hits_->Increment(hit);
-  misses_->Increment(keys.size() - hit);
-  return hit;
+  if (newly_pinned != 0) pinned_blocks_->Add(static_cast<double>(newly_pinned));
+  if (first_miss < n) {
+    // Pins found past the first miss are released now, outside every lock.
+    std::vector<BlockPin> beyond;
+    for (size_t i = first_miss; i < n; ++i) {
+      if ((*pins)[base + i].valid()) beyond.push_back(std::move((*pins)[base + i]));
+    }
+    pins->resize(base + first_miss);
+    BlockPin::ReleaseAll(&beyond);
+  }
+  hits_->Increment(first_miss);
+  misses_->Increment(n - first_miss);
+  return first_miss;
 }
 
 Result<BlockPin> BlockTable::Pin(const StateKey& key) {
@@ -523,7 +618,7 @@ Result<BlockPin> BlockTable::Pin(const StateKey& key) {
   if (it == shard.entries.end() || it->second.dram == kNone) {
     return Status::NotFound("block is not resident in DRAM");
   }
-  return PinLocked(shard, shard_index, it->second.dram);
+  return PinOne(shard, shard_index, it->second.dram);
 }
 
 Result<BlockPin> BlockTable::PinRef(const BlockRef& ref) {
@@ -542,7 +637,7 @@ Result<BlockPin> BlockTable::PinRef(const BlockRef& ref) {
     return Status::Aborted(
         fmt::format("block ref slot {} generation {} is stale", ref.index, ref.generation));
   }
-  return PinLocked(shard, ref.shard, ref.index);
+  return PinOne(shard, ref.shard, ref.index);
 }
 
 Status BlockTable::Remove(const StateKey& key, Tier tier, TransitionCause cause) {

@@ -9,10 +9,11 @@
 // table and appends to the ResidencyInventory in the same locked step.
 //
 // A block slot is referenced by the table while it is the key's published residence, and once per
-// BlockPin (a lease, a running copy, an SSD write-back, a peer read). Like leveldb's cache, a
-// sealed block sits on an LRU list only while the table alone references it; pinned blocks are on
-// no list, so they are never evicted. A slot (and its pool memory) is reused only when it is
-// unpublished (the seed's SemanticDead condition) and has no pin left (ExecutionComplete).
+// BlockPin (a lease, a running copy, an SSD write-back, a peer read). A sealed block stays on its
+// LRU list while pinned (pinning and lookups never relink lists, they bump a count or set a bit);
+// eviction skips pinned blocks, so they are never evicted. A slot (and its pool memory) is reused
+// only when it is unpublished (the seed's SemanticDead condition) and has no pin left
+// (ExecutionComplete).
 //
 // Replacement is W-TinyLFU: new blocks enter a small admission window. While the pool has room,
 // blocks leaving the window (beyond window_fraction of the pool) move to the main segment. Once
@@ -82,6 +83,8 @@ class BlockPin {
   // Residence generation of the DRAM block (unique per publication, shared by every pin of it).
   uint64_t generation() const { return generation_; }
   void Reset();
+  // Releases every pin in `pins` (taking each table shard's lock once) and clears the vector.
+  static void ReleaseAll(std::vector<BlockPin>* pins);
 
  private:
   friend class BlockTable;
@@ -277,6 +280,7 @@ class BlockTable {
     uint32_t head = kNone;  // most recently used
     uint32_t tail = kNone;  // least recently used
     uint64_t bytes = 0;
+    uint64_t count = 0;
   };
 
   struct Shard {
@@ -326,7 +330,13 @@ class BlockTable {
 
   uint32_t AllocateSlot(Shard& shard) REQUIRES(shard.mu);
   void ReleaseSlot(Shard& shard, uint32_t slot) REQUIRES(shard.mu);
-  BlockPin PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot) REQUIRES(shard.mu);
+  // Pins `slot`; counts a first pin in *newly_pinned (the caller updates the gauge once per batch).
+  BlockPin PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot, int64_t* newly_pinned)
+      REQUIRES(shard.mu);
+  BlockPin PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) REQUIRES(shard.mu);
+  // Drops one pin; true when it was the block's last.
+  bool UnpinLocked(Shard& shard, const BlockRef& ref) REQUIRES(shard.mu);
+  void UnpinMany(std::vector<BlockRef>* refs);
   void FreeBlock(Shard& shard, uint32_t slot) REQUIRES(shard.mu);
   void Unpin(const BlockRef& ref);
   void AbortWrite(const BlockRef& ref);

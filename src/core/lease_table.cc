@@ -31,6 +31,7 @@ LeaseTable::~LeaseTable() {
     slots_.clear();
   }
   // Pins and tickets are released here, outside the lock.
+  for (Slot& slot : drained) BlockPin::ReleaseAll(&slot.pins);
 }
 
 Result<LeaseId> LeaseTable::Create(uint64_t owner, std::vector<BlockPin> pins,
@@ -95,7 +96,8 @@ Status LeaseTable::Release(LeaseId id, uint64_t owner) {
     MutexLock lock(&mu_);
     ORBITKV_RETURN_IF_ERROR(TakeLocked(id, owner, &taken));
   }
-  return Status::Ok();  // `taken` releases its pins and ticket here, outside the lock
+  BlockPin::ReleaseAll(&taken.pins);  // outside the lock; the ticket goes with `taken`
+  return Status::Ok();
 }
 
 Result<LeaseUse> LeaseTable::Consume(LeaseId id, uint64_t owner) {

@@ -47,15 +47,24 @@ class LeaseUse {
   LeaseUse(std::vector<BlockPin> pins, BudgetTicket ticket, uint64_t owner)
       : pins_(std::move(pins)), ticket_(std::move(ticket)), owner_(owner) {}
   LeaseUse(LeaseUse&&) noexcept = default;
-  LeaseUse& operator=(LeaseUse&&) noexcept = default;
+  LeaseUse& operator=(LeaseUse&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      pins_ = std::move(other.pins_);
+      ticket_ = std::move(other.ticket_);
+      owner_ = other.owner_;
+    }
+    return *this;
+  }
 
   const std::vector<BlockPin>& pins() const { return pins_; }
   uint64_t owner() const { return owner_; }
   // Releases pins and reservation now (the copy completed).
   void Reset() {
-    pins_.clear();
+    BlockPin::ReleaseAll(&pins_);
     ticket_.Reset();
   }
+  ~LeaseUse() { Reset(); }
 
  private:
   std::vector<BlockPin> pins_;

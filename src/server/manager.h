@@ -76,7 +76,8 @@ class Manager {
 
   void DispatchLoop();
   void AcceptSessions();
-  void ServeSession(const std::shared_ptr<Session>& session);
+  // Serves up to 64 queued requests of `session`; returns how many.
+  int ServeSession(const std::shared_ptr<Session>& session);
   void CloseSession(uint64_t session_id, const Status& why);
   Status HandleFrame(Session& session, channel::Frame& frame);
   Status RegisterInstance(Session& session, const channel::Frame& frame);

@@ -94,15 +94,17 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
   if (!instance.ok()) return session.channel->ReplyError(d, instance.status());
   Result<std::shared_ptr<Group>> group = FindGroup(**instance, query.group);
   if (!group.ok()) return session.channel->ReplyError(d, group.status());
-  for (const state::StateKey& key : query.keys) {
-    if (!SameNamespace(key, (*instance)->namespace_digest) || key.group() != query.group) {
-      return session.channel->ReplyError(
-          d, Status::InvalidArgument(
-                 "a query key belongs to another namespace or group than its instance"));
-    }
-  }
-  Result<core::QueryResult> result =
-      cache_->Query(query.instance, query.keys, (*group)->padded_bytes);
+  // Keys are built in the instance's namespace: an engine can only ever ask for its own model's
+  // blocks.
+  state::Digest256 digest;
+  std::memcpy(digest.bytes.data(), (*instance)->namespace_digest.data(), 32);
+  const state::StateNamespace ns(digest);
+  std::vector<state::StateKey> keys;
+  Status built =
+      state::StateKey::AppendChain(ns, query.group, query.first_token, query.page_tokens,
+                                   query.natives, query.native_bytes, query.key_version, &keys);
+  if (!built.ok()) return session.channel->ReplyError(d, built);
+  Result<core::QueryResult> result = cache_->Query(query.instance, keys, (*group)->padded_bytes);
   query_latency_->Observe(watch.ElapsedSeconds());
   if (!result.ok()) return session.channel->ReplyError(d, result.status());
   if (!result->lease.has_value()) {

@@ -169,8 +169,7 @@ TEST(ManagerIntegrationTest, SaveQueryRestoreIsByteExact) {
   EXPECT_EQ(saved.skipped, 24u);
 
   kv.Poison();
-  auto extended = keys;
-  for (const auto& k : Chain(2, 4)) extended.push_back(k);  // a suffix never saved
+  const auto extended = Chain(1, 28);  // the saved chain and 4 more pages never saved
   auto hit = client->Query(1, 0, extended);
   ASSERT_TRUE(hit.ok()) << hit.status();
   EXPECT_EQ(hit->hits, 24u);
@@ -411,7 +410,7 @@ TEST(ManagerIntegrationTest, MalformedDescriptorPoisonsOnlyItsSession) {
   auto reply = (*raw)->WaitReply(*id, Deadline::After(std::chrono::seconds(10)));
   EXPECT_FALSE(reply.ok());
   EXPECT_NE(reply.status().code(), StatusCode::kDeadlineExceeded) << reply.status();
-  EXPECT_NE(reply.status().message().find("query key 0"), std::string::npos) << reply.status();
+  EXPECT_NE(reply.status().message().find("native keys"), std::string::npos) << reply.status();
   // A count that does not match the payload, on a second raw session.
   auto raw2 = *channel::ClientSession::Connect(manager.socket(), {});
   uint32_t slot2 = *raw2->AcquireSlot();

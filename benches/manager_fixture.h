@@ -1,0 +1,116 @@
+// Benchmark-only: a real orbitkv-manager process on a private socket, and a CPU engine's
+// shared-memory KV buffer registered with it through the C++ client.
+#ifndef ORBITKV_BENCHES_MANAGER_FIXTURE_H_
+#define ORBITKV_BENCHES_MANAGER_FIXTURE_H_
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/check.h"
+#include "client/cache_client.h"
+#include "state/namespace.h"
+#include "state/state_key.h"
+
+namespace orbitkv::bench {
+
+class ManagerFixture {
+ public:
+  explicit ManagerFixture(const std::string& dram, std::vector<std::string> extra = {}) {
+    dir_ = fmt::format("/tmp/orbitkv-bench-{}", getpid());
+    std::filesystem::create_directories(dir_);
+    socket_ = dir_ + "/manager.sock";
+    std::vector<std::string> args = {ORBITKV_MANAGER_BIN, "--socket", socket_, "--dram", dram,
+                                     "--log-level",       "warn"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    pid_ = fork();
+    if (pid_ == 0) {
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    for (int i = 0; i < 6000; ++i) {
+      client::ClientOptions options;
+      options.socket_path = socket_;
+      if (client::CacheClient::Connect(options).ok()) return;
+      int status;
+      ORBITKV_CHECK_MSG(waitpid(pid_, &status, WNOHANG) != pid_,
+                        "orbitkv-manager exited during startup");
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ORBITKV_CHECK_MSG(false, "orbitkv-manager did not start");
+  }
+  ~ManagerFixture() {
+    kill(pid_, SIGTERM);
+    int status;
+    waitpid(pid_, &status, 0);
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  const std::string& socket() const { return socket_; }
+
+ private:
+  std::string dir_, socket_;
+  pid_t pid_ = -1;
+};
+
+// One memfd buffer of `pages` pages of `page_bytes`, registered as group 0 of `instance`.
+struct EngineBuffer {
+  EngineBuffer(client::CacheClient& client, uint64_t instance, uint32_t num_pages, uint64_t bytes_per_page)
+      : pages(num_pages), page_bytes(bytes_per_page), bytes(num_pages * bytes_per_page) {
+    fd = memfd_create("bench-engine", MFD_CLOEXEC);
+    ORBITKV_CHECK(fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0);
+    base = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    ORBITKV_CHECK(base != MAP_FAILED);
+    std::memset(base, 0x5a, bytes);
+    ORBITKV_CHECK(client.RegisterInstance(instance, Namespace()).ok());
+    client::BufferSpec spec{fd, bytes, 0, page_bytes, page_bytes};
+    auto padded = client.RegisterGroup(instance, 0, pages, std::span(&spec, 1));
+    ORBITKV_CHECK_MSG(padded.ok(), "{}", padded.status().ToString());
+  }
+  ~EngineBuffer() {
+    munmap(base, bytes);
+    close(fd);
+  }
+  static state::StateNamespace Namespace() {
+    state::NamespaceIdentity id;
+    id.model_id = "bench/model";
+    id.weights_revision = "r1";
+    id.tokenizer = "bench/tok";
+    id.engine_kind = "bench";
+    return *state::DeriveNamespace(id);
+  }
+  static std::vector<state::StateKey> Keys(uint64_t chain, size_t n) {
+    static const state::StateNamespace ns = Namespace();
+    std::vector<state::StateKey> keys;
+    for (size_t i = 0; i < n; ++i) {
+      // 32-byte native keys, the size of vLLM's and SGLang's block hashes.
+      uint64_t native[4] = {chain, i, chain * 0x9e3779b97f4a7c15ull, ~i};
+      keys.push_back(*state::StateKey::Create(
+          ns, 0, {i * 16, i * 16 + 16},
+          std::span<const uint8_t>(reinterpret_cast<uint8_t*>(native), 32)));
+    }
+    return keys;
+  }
+
+  uint32_t pages;
+  uint64_t page_bytes;
+  uint64_t bytes;
+  int fd = -1;
+  uint8_t* base = nullptr;
+};
+
+}  // namespace orbitkv::bench
+
+#endif  // ORBITKV_BENCHES_MANAGER_FIXTURE_H_

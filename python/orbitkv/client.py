@@ -1,0 +1,141 @@
+"""CacheManagerClient: the engine-side API of OrbitKV, for vLLM and SGLang adapters and for CPU engines.
+
+    client = CacheManagerClient()                        # this host's Manager, default socket
+    client.register_instance(7, namespace)               # namespace: orbitkv.derive_namespace(...)
+    client.register_group(7, 0, [k_cache, v_cache])      # tensors/arrays from orbitkv.shm, [num_pages, ...]
+    hit = client.query_prefetch(7, keys)                 # QueryHit(num_hit_blocks, lease) or QueryMiss()
+    client.start_restore(7, hit.lease, pages).wait()     # one completion after every copy drained
+    client.save(7, [(key, page), ...])                   # returns once the blocks are resident
+
+Blocking calls release the GIL. Failures raise ``OrbitKVError`` (``ManagerUnavailable`` when the Manager is gone,
+``OrbitKVTimeout`` when a call ran out of time, ``OrbitKVBusy`` for backpressure); a miss is a return value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from orbitkv import _native, shm
+
+__all__ = ["CacheManagerClient", "QueryHit", "QueryMiss", "RestoreHandle", "SKIP_PAGE"]
+
+SKIP_PAGE = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class QueryHit:
+    num_hit_blocks: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class QueryMiss:
+    num_hit_blocks: int = 0
+
+
+class RestoreHandle:
+    """A restore in flight. Its destination pages belong to it until ``wait`` or ``poll`` reports completion."""
+
+    def __init__(self, client: "CacheManagerClient", handle: int):
+        self._client = client
+        self._handle = handle
+        self.done = False
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Blocks until every copy drained; raises OrbitKVTimeout (still pending) or the restore's error."""
+        if self.done:
+            return
+        self._client._native.wait_restore(self._handle, None if timeout is None else int(timeout * 1000))
+        self.done = True
+
+    def poll(self) -> bool:
+        if not self.done:
+            self.done = self._client._native.poll_restore(self._handle)
+        return self.done
+
+
+def _layout(tensor) -> tuple[int, int, int, int, int, int]:
+    """(fd, buffer_bytes, base_offset, page_stride, page_bytes, num_pages) of a [num_pages, ...] array/tensor."""
+    view = shm.buffer_of(tensor)
+    try:  # torch
+        num_pages = tensor.shape[0]
+        itemsize = tensor.element_size()
+        stride = tensor.stride(0) * itemsize
+        contiguous_page = tensor[0].is_contiguous()
+        page_bytes = tensor[0].numel() * itemsize
+    except AttributeError:  # numpy
+        num_pages = tensor.shape[0]
+        stride = tensor.strides[0]
+        contiguous_page = tensor[0].flags["C_CONTIGUOUS"]
+        page_bytes = tensor[0].nbytes
+    if not contiguous_page:
+        raise ValueError("each page (tensor[i]) must be contiguous")
+    return view.buffer.fd, view.buffer.nbytes, view.offset, stride, page_bytes, num_pages
+
+
+class CacheManagerClient:
+    """A connection to this host's OrbitKV Manager (one per engine process)."""
+
+    def __init__(self, socket_path: Optional[str] = None, *, timeout_ms: int = 5000, spin_iterations: int = 4096):
+        self._native = _native.CacheClient(socket_path, timeout_ms, spin_iterations)
+
+    @property
+    def socket_path(self) -> str:
+        return self._native.socket_path
+
+    def max_query_keys(self, native_bytes: int = 32) -> int:
+        return self._native.max_query_keys(native_bytes)
+
+    def register_instance(self, instance_id: int, namespace: bytes) -> None:
+        self._native.register_instance(instance_id, namespace)
+
+    def register_group(self, instance_id: int, group: int, tensors: Sequence) -> int:
+        """Registers KV buffers whose first dimension is the page index; returns the padded bytes per block."""
+        layouts = [_layout(t) for t in tensors]
+        pages = {layout[5] for layout in layouts}
+        if len(pages) != 1:
+            raise ValueError(f"all buffers of a group need the same number of pages, got {sorted(pages)}")
+        buffers = [layout[:5] for layout in layouts]
+        return self._native.register_group(instance_id, group, pages.pop(), buffers)
+
+    def unregister_instance(self, instance_id: int) -> None:
+        self._native.unregister_instance(instance_id)
+
+    def query_prefetch(self, instance_id: int, keys: Sequence, group: int = 0):
+        """Keys: a chain of StateKeys (consecutive pages of one group)."""
+        hits, lease = self._native.query(instance_id, group, list(keys))
+        return QueryHit(hits, lease) if hits > 0 else QueryMiss()
+
+    def query_hashes(self, instance_id: int, block_hashes: Sequence[bytes], *, first_token: int = 0,
+                     page_tokens: int, group: int = 0, key_version: int = 1):
+        """The fast path: the chain named by the engine's block hashes (all the same length); page i covers tokens
+        [first_token + i * page_tokens, + page_tokens) of this instance's namespace."""
+        hits, lease = self._native.query_native(instance_id, group, first_token, page_tokens, list(block_hashes),
+                                                key_version)
+        return QueryHit(hits, lease) if hits > 0 else QueryMiss()
+
+    def start_restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> RestoreHandle:
+        return RestoreHandle(self, self._native.start_restore(instance_id, group, lease, list(pages)))
+
+    def restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> None:
+        self.start_restore(instance_id, lease, pages, group).wait()
+
+    def completion_fd(self) -> int:
+        """An fd that turns readable when a restore (or any reply) completes; poll it, then RestoreHandle.poll()."""
+        return self._native.completion_fd()
+
+    def save(self, instance_id: int, items: Iterable[tuple], group: int = 0) -> tuple[int, int]:
+        """items: (StateKey, page) pairs -> (written, skipped)."""
+        return self._native.save(instance_id, group, list(items))
+
+    def release(self, instance_id: int, lease: int) -> None:
+        self._native.release(instance_id, lease)
+
+    def stats(self) -> dict:
+        import json
+
+        return json.loads(self._native.stats())
+
+    def ping(self) -> int:
+        return self._native.ping()

@@ -1,0 +1,184 @@
+// Python view of orbitkv::client::CacheClient. Every call that may block (anything that talks to
+// the Manager) releases the GIL; arguments are converted to C++ values before, so no Python object
+// is touched without it.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "client/cache_client.h"
+#include "native.h"
+
+namespace orbitkv::python {
+namespace {
+
+namespace py = pybind11;
+using client::CacheClient;
+using GilRelease = py::call_guard<py::gil_scoped_release>;
+
+state::StateNamespace NamespaceFromBytes(const std::string& bytes) {
+  if (bytes.size() != 32)
+    throw StatusError(Status::InvalidArgument("a namespace is exactly 32 bytes"));
+  state::Digest256 digest;
+  std::copy(bytes.begin(), bytes.end(), digest.bytes.begin());
+  return state::StateNamespace(digest);
+}
+
+}  // namespace
+
+void BindClient(py::module_& m) {
+  py::class_<CacheClient>(
+      m, "CacheClient",
+      "A connection to this host's OrbitKV Manager (see orbitkv.CacheManagerClient for the "
+      "friendly wrapper).")
+      .def(
+          py::init([](std::optional<std::string> socket_path, int timeout_ms, int spin_iterations) {
+            client::ClientOptions options;
+            options.socket_path = socket_path.value_or("");
+            options.timeout = std::chrono::milliseconds(timeout_ms);
+            options.spin_iterations = spin_iterations;
+            Result<std::unique_ptr<CacheClient>> connected = [&] {
+              py::gil_scoped_release release;
+              return CacheClient::Connect(options);
+            }();
+            return ValueOrThrow(std::move(connected));
+          }),
+          py::arg("socket_path") = py::none(), py::arg("timeout_ms") = 5000,
+          py::arg("spin_iterations") = 4096)
+      .def_property_readonly("socket_path", &CacheClient::socket_path)
+      .def_property_readonly("session_id", &CacheClient::session_id)
+      .def_property_readonly("manager_incarnation", &CacheClient::manager_incarnation)
+      .def(
+          "max_query_keys",
+          [](const CacheClient& c, size_t native_bytes) { return c.MaxQueryKeys(native_bytes); },
+          py::arg("native_bytes") = 32)
+      .def(
+          "register_instance",
+          [](CacheClient& c, uint64_t instance, const py::bytes& ns) {
+            const state::StateNamespace parsed = NamespaceFromBytes(ns);
+            py::gil_scoped_release release;
+            ThrowIfError(c.RegisterInstance(instance, parsed));
+          },
+          py::arg("instance_id"), py::arg("namespace"))
+      .def(
+          "register_group",
+          [](CacheClient& c, uint64_t instance, uint32_t group, uint32_t num_pages,
+             const std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t, uint64_t>>& buffers) {
+            std::vector<client::BufferSpec> specs;
+            for (const auto& [fd, bytes, offset, stride, page] : buffers)
+              specs.push_back({fd, bytes, offset, stride, page});
+            py::gil_scoped_release release;
+            return ValueOrThrow(c.RegisterGroup(instance, group, num_pages, specs));
+          },
+          py::arg("instance_id"), py::arg("group"), py::arg("num_pages"), py::arg("buffers"),
+          "buffers: [(fd, buffer_bytes, base_offset, page_stride, page_bytes)], one per KV buffer; "
+          "returns the "
+          "padded bytes of one block")
+      .def(
+          "unregister_instance",
+          [](CacheClient& c, uint64_t instance) { ThrowIfError(c.UnregisterInstance(instance)); },
+          GilRelease(), py::arg("instance_id"))
+      .def(
+          "query",
+          [](CacheClient& c, uint64_t instance, uint32_t group,
+             const std::vector<state::StateKey>& keys) {
+            client::QueryResult result = [&] {
+              py::gil_scoped_release release;
+              return ValueOrThrow(c.Query(instance, group, keys));
+            }();
+            return py::make_tuple(result.hits, result.lease);
+          },
+          py::arg("instance_id"), py::arg("group"), py::arg("keys"),
+          "-> (hits, lease): the longest resident prefix, leased when hits > 0")
+      .def(
+          "query_native",
+          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t first_token,
+             uint32_t page_tokens, const std::vector<py::bytes>& hashes, uint16_t key_version) {
+            // Flatten the native keys while holding the GIL, then talk to the Manager without it.
+            std::string flat;
+            size_t native_bytes = 0;
+            for (const py::bytes& hash : hashes) {
+              std::string_view view(hash);
+              if (native_bytes == 0) native_bytes = view.size();
+              if (view.size() != native_bytes || native_bytes == 0 || native_bytes > 64) {
+                throw StatusError(Status::InvalidArgument(
+                    "block hashes must all have the same length, 1-64 bytes"));
+              }
+              flat.append(view);
+            }
+            client::QueryResult result = [&] {
+              py::gil_scoped_release release;
+              return ValueOrThrow(c.QueryNative(
+                  instance, group, first_token, page_tokens, static_cast<uint8_t>(native_bytes),
+                  std::span(reinterpret_cast<const uint8_t*>(flat.data()), flat.size()),
+                  key_version));
+            }();
+            return py::make_tuple(result.hits, result.lease);
+          },
+          py::arg("instance_id"), py::arg("group"), py::arg("first_token"), py::arg("page_tokens"),
+          py::arg("block_hashes"), py::arg("key_version") = 1,
+          "-> (hits, lease) for the chain of pages whose native keys (block hashes) are given")
+      .def(
+          "start_restore",
+          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease,
+             const std::vector<uint32_t>& pages) {
+            return ValueOrThrow(c.StartRestore(instance, group, lease, pages));
+          },
+          GilRelease(), py::arg("instance_id"), py::arg("group"), py::arg("lease"),
+          py::arg("pages"))
+      .def(
+          "wait_restore",
+          [](CacheClient& c, uint64_t handle, std::optional<int> timeout_ms) {
+            std::optional<std::chrono::milliseconds> timeout;
+            if (timeout_ms.has_value()) timeout = std::chrono::milliseconds(*timeout_ms);
+            ThrowIfError(c.WaitRestore(handle, timeout));
+          },
+          GilRelease(), py::arg("handle"), py::arg("timeout_ms") = py::none())
+      .def(
+          "poll_restore",
+          [](CacheClient& c, uint64_t handle) -> bool {
+            std::optional<Status> done = ValueOrThrow(c.PollRestore(handle));
+            if (!done.has_value()) return false;
+            ThrowIfError(*done);
+            return true;
+          },
+          GilRelease(), py::arg("handle"),
+          "True when the restore completed (raises if it failed); False if pending")
+      .def(
+          "completion_fd", [](CacheClient& c) { return ValueOrThrow(c.CompletionFd()); },
+          "an fd that turns readable when a reply arrives (poll it, then poll_restore)")
+      .def(
+          "save",
+          [](CacheClient& c, uint64_t instance, uint32_t group,
+             const std::vector<std::pair<state::StateKey, uint32_t>>& items) {
+            std::vector<client::SaveItem> converted;
+            converted.reserve(items.size());
+            for (const auto& [key, page] : items) converted.push_back(client::SaveItem{key, page});
+            client::SaveResult result = [&] {
+              py::gil_scoped_release release;
+              return ValueOrThrow(c.Save(instance, group, converted));
+            }();
+            return py::make_tuple(result.written, result.skipped);
+          },
+          py::arg("instance_id"), py::arg("group"), py::arg("items"),
+          "items: [(StateKey, page)] -> (written, skipped); returns once the written blocks are "
+          "resident")
+      .def(
+          "release",
+          [](CacheClient& c, uint64_t instance, uint64_t lease) {
+            ThrowIfError(c.Release(instance, lease));
+          },
+          GilRelease(), py::arg("instance_id"), py::arg("lease"))
+      .def(
+          "stats", [](CacheClient& c) { return ValueOrThrow(c.Stats()); }, GilRelease(),
+          "the Manager's counters as a JSON string")
+      .def(
+          "ping", [](CacheClient& c) { return ValueOrThrow(c.Ping()); }, GilRelease(),
+          "a round trip; returns the Manager's incarnation");
+}
+
+}  // namespace orbitkv::python

@@ -1,0 +1,115 @@
+"""The Python client against a real orbitkv-manager process: a CPU engine with torch KV tensors in shared memory
+saves, queries and restores pages byte for byte, and sees clear errors."""
+
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import orbitkv
+from orbitkv import shm
+
+LAYERS, PAGES, PAGE_TOKENS, KV_HEADS, HEAD_DIM = 4, 32, 16, 2, 64
+
+
+@pytest.fixture()
+def manager(build_dir):
+    tmp = tempfile.mkdtemp(prefix="orbitkv-py-")
+    sock = os.path.join(tmp, "manager.sock")
+    proc = subprocess.Popen([str(build_dir / "src" / "server" / "orbitkv-manager"), "--socket", sock, "--dram",
+                             "64MiB", "--slab", "4MiB", "--log-level", "warn"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the Manager did not start"
+        time.sleep(0.01)
+    yield proc, sock
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def namespace():
+    return orbitkv.derive_namespace("test/llama", "r1", "test/tok", "cpu-test", dtype="bf16", page_size_tokens=16)
+
+
+def keys_for(ns, chain, n):
+    return [orbitkv.StateKey(ns, 0, i * 16, i * 16 + 16, bytes([chain]) * 8 + i.to_bytes(8, "little"))
+            for i in range(n)]
+
+
+def kv_tensors():
+    # vLLM-like per-layer K and V caches: [num_pages, page_tokens, kv_heads, head_dim] bf16, in shared memory.
+    return [shm.empty((PAGES, PAGE_TOKENS, KV_HEADS, HEAD_DIM), "bfloat16", like="torch") for _ in range(2 * LAYERS)]
+
+
+def test_save_query_restore_round_trip_is_byte_exact(manager):
+    _, sock = manager
+    client = orbitkv.CacheManagerClient(sock)
+    ns = namespace()
+    client.register_instance(1, ns)
+    caches = kv_tensors()
+    page_bytes = PAGE_TOKENS * KV_HEADS * HEAD_DIM * 2
+    padded = client.register_group(1, 0, caches)
+    assert padded == 2 * LAYERS * page_bytes
+    gen = torch.Generator().manual_seed(0)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen, dtype=torch.float32).to(torch.bfloat16))
+    expected = [cache[:8].clone() for cache in caches]
+    keys = keys_for(ns, 1, 8)
+    assert client.save(1, [(k, i) for i, k in enumerate(keys)]) == (8, 0)
+    assert client.save(1, [(k, i) for i, k in enumerate(keys)]) == (0, 8)
+    for cache in caches:
+        cache.fill_(float("nan"))  # poison
+    hit = client.query_prefetch(1, keys_for(ns, 1, 11))  # 3 pages past the saved prefix
+    assert isinstance(hit, orbitkv.QueryHit) and hit.num_hit_blocks == 8
+    # Non-blocking completion: wait on the completion fd with select, then poll.
+    fd = client.completion_fd()
+    handle = client.start_restore(1, hit.lease, range(16, 24))
+    deadline = time.monotonic() + 30
+    while not handle.poll():
+        assert time.monotonic() < deadline, "the restore never completed"
+        select.select([fd], [], [], 1.0)
+    for cache, want in zip(caches, expected):
+        assert torch.equal(cache[16:24].view(torch.int16), want.view(torch.int16))
+        assert torch.isnan(cache[:16].float()).all()
+    assert isinstance(client.query_prefetch(1, keys_for(ns, 3, 2)), orbitkv.QueryMiss)
+    stats = client.stats()
+    assert stats["leases_active"] == 0 and stats["resident_blocks"] == 8
+
+
+def test_numpy_buffers_and_clear_errors(manager):
+    proc, sock = manager
+    client = orbitkv.CacheManagerClient(sock, timeout_ms=5000)
+    ns = namespace()
+    client.register_instance(2, ns)
+    with pytest.raises(ValueError, match="not in OrbitKV shared memory"):
+        client.register_group(2, 0, [np.zeros((4, 4096), np.uint8)])
+    kv = shm.empty((PAGES, 4096), "uint8")
+    client.register_group(2, 0, [kv])
+    kv[:4] = np.arange(4, dtype=np.uint8)[:, None]
+    keys = keys_for(ns, 9, 4)
+    client.save(2, [(k, i) for i, k in enumerate(keys)])
+    hit = client.query_prefetch(2, keys)
+    client.release(2, hit.lease)
+    with pytest.raises(orbitkv.OrbitKVError) as stale:
+        client.release(2, hit.lease)
+    assert stale.value.code == "FAILED_PRECONDITION"
+    with pytest.raises(orbitkv.OrbitKVError) as unknown:
+        client.query_prefetch(3, keys)
+    assert unknown.value.code == "NOT_FOUND"
+    proc.kill()
+    proc.wait()
+    with pytest.raises(orbitkv.ManagerUnavailable):
+        client.ping()
+
+
+def test_missing_manager_is_a_clear_error(tmp_path):
+    with pytest.raises(orbitkv.ManagerUnavailable, match="orbitkv-manager"):
+        orbitkv.CacheManagerClient(str(tmp_path / "nobody.sock"))

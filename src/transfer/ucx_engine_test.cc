@@ -1,0 +1,392 @@
+// UcxTransferEngine between two engines of one process over loopback tcp (UCX_TLS=tcp): byte-exact
+// scattered reads in both pull modes, concurrency, cancellation, stale descriptors, validation,
+// pins, deadlines against a peer that never answers, and shutdown with live batches.
+#include "transfer/ucx_engine.h"
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <random>
+#include <thread>
+
+#include "base/scoped_fd.h"
+#include "transfer/test_util.h"
+
+namespace orbitkv::transfer {
+namespace {
+
+using testing::BatchWaiter;
+using testing::FindPatternMismatch;
+using testing::TestBuffer;
+
+constexpr uint64_t kSeed = 42;
+// Generous: a loaded 2-core CI machine; a hang is what these bounds detect, not slowness.
+constexpr auto kWait = std::chrono::seconds(60);
+
+std::unique_ptr<UcxTransferEngine> MakeEngine(PullMode mode = PullMode::kAuto,
+                                              uint64_t inflight = 64ull << 20) {
+  UcxEngineOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.transports = "tcp";
+  options.default_mode = mode;
+  options.max_inflight_bytes = inflight;
+  auto engine = UcxTransferEngine::Create(options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return std::move(engine).value();
+}
+
+struct Plan {
+  std::vector<Fragment> fragments;
+  uint64_t bytes = 0;
+};
+
+// `count` fragments of random lengths in [min_len, max_len] at random source offsets, packed back
+// to back in the destination (so every destination byte is checked against exactly one source
+// offset).
+Plan RandomPlan(size_t count, uint64_t min_len, uint64_t max_len, uint64_t source_bytes,
+                RegionHandle local, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Plan plan;
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t len = min_len + rng() % (max_len - min_len + 1);
+    Fragment f;
+    f.remote = 0;
+    f.remote_offset = rng() % (source_bytes - len + 1);
+    f.local = local;
+    f.local_offset = plan.bytes;
+    f.length = len;
+    plan.bytes += len;
+    plan.fragments.push_back(f);
+  }
+  return plan;
+}
+
+void ExpectLanded(const Plan& plan, const TestBuffer& dest) {
+  for (size_t i = 0; i < plan.fragments.size(); ++i) {
+    const Fragment& f = plan.fragments[i];
+    int64_t bad =
+        FindPatternMismatch(dest.data() + f.local_offset, f.length, kSeed, f.remote_offset);
+    ASSERT_EQ(bad, -1) << "fragment " << i << " differs at byte " << bad;
+  }
+}
+
+class UcxEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    source_ = MakeEngine();
+    source_buffer_ = std::make_unique<TestBuffer>(kSourceBytes);
+    testing::FillPattern(source_buffer_->data(), kSourceBytes, kSeed);
+    auto handle = source_->RegisterRegion(source_buffer_->data(), kSourceBytes);
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    source_region_ = *handle;
+    descriptor_ = *source_->ExportRegion(source_region_);
+  }
+
+  ReadBatchRequest Request(const Plan& plan, PullMode mode = PullMode::kAuto) {
+    ReadBatchRequest r;
+    r.peer = source_->ListenAddress();
+    r.remotes = {descriptor_};
+    r.fragments = plan.fragments;
+    r.deadline = Deadline::After(kWait);
+    r.mode = mode;
+    return r;
+  }
+
+  BatchResult ReadAndWait(UcxTransferEngine& engine, ReadBatchRequest request) {
+    BatchWaiter waiter;
+    Result<uint64_t> id = engine.ReadBatch(std::move(request), waiter.Callback());
+    EXPECT_TRUE(id.ok()) << id.status();
+    std::optional<BatchResult> result =
+        waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+    EXPECT_TRUE(result.has_value()) << "batch did not complete";
+    return result.value_or(BatchResult{});
+  }
+
+  static constexpr uint64_t kSourceBytes = 16ull << 20;
+  std::unique_ptr<UcxTransferEngine> source_;
+  std::unique_ptr<TestBuffer> source_buffer_;
+  RegionHandle source_region_;
+  RegionDescriptor descriptor_;
+};
+
+TEST_F(UcxEngineTest, ActiveMessagePullLandsScatteredFragmentsByteExact) {
+  auto requester = MakeEngine();
+  TestBuffer dest(32ull << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  // Small fragments travel eagerly, large ones by rendezvous: cover both.
+  Plan plan = RandomPlan(300, 1, 48 << 10, kSourceBytes, local, 1);
+  Plan big = RandomPlan(6, 1 << 20, 3 << 20, kSourceBytes, local, 2);
+  for (Fragment f : big.fragments) {
+    f.local_offset += plan.bytes;
+    plan.fragments.push_back(f);
+  }
+  plan.bytes += big.bytes;
+  ASSERT_LE(plan.bytes, dest.size());
+
+  BatchResult result = ReadAndWait(*requester, Request(plan, PullMode::kActiveMessage));
+  ASSERT_TRUE(result.status.ok()) << result.status;
+  EXPECT_EQ(result.mode, PullMode::kActiveMessage);
+  EXPECT_TRUE(result.checksum_verified);
+  EXPECT_EQ(result.bytes, plan.bytes);
+  ExpectLanded(plan, dest);
+  EXPECT_TRUE(requester->UnregisterRegion(local).ok());
+}
+
+TEST_F(UcxEngineTest, RmaPullLandsScatteredFragmentsByteExact) {
+  auto requester = MakeEngine();
+  TestBuffer dest(4ull << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  // tcp emulates RMA slowly: keep this one small.
+  Plan plan = RandomPlan(64, 1, 32 << 10, kSourceBytes, local, 3);
+  BatchResult result = ReadAndWait(*requester, Request(plan, PullMode::kRma));
+  ASSERT_TRUE(result.status.ok()) << result.status;
+  EXPECT_EQ(result.mode, PullMode::kRma);
+  EXPECT_TRUE(result.checksum_verified);
+  ExpectLanded(plan, dest);
+}
+
+TEST_F(UcxEngineTest, AutoModeStaysOnActiveMessagesOverTcp) {
+  auto requester = MakeEngine();
+  TestBuffer dest(1 << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  Plan plan = RandomPlan(8, 100, 4096, kSourceBytes, local, 4);
+  for (int i = 0; i < 2; ++i) {
+    BatchResult result = ReadAndWait(*requester, Request(plan));
+    ASSERT_TRUE(result.status.ok()) << result.status;
+    // The second batch runs after the endpoint's lanes were inspected: tcp has no native RMA lane.
+    EXPECT_EQ(result.mode, PullMode::kActiveMessage) << "batch " << i;
+  }
+  EXPECT_EQ(requester->Stats().peer_endpoints, 1u);  // Pooled: one endpoint for both batches.
+}
+
+TEST_F(UcxEngineTest, ChecksumCanBeTurnedOff) {
+  auto requester = MakeEngine();
+  TestBuffer dest(1 << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  Plan plan = RandomPlan(16, 1, 32 << 10, kSourceBytes, local, 5);
+  ReadBatchRequest request = Request(plan);
+  request.verify_checksum = false;
+  BatchResult result = ReadAndWait(*requester, std::move(request));
+  ASSERT_TRUE(result.status.ok()) << result.status;
+  EXPECT_FALSE(result.checksum_verified);
+  ExpectLanded(plan, dest);
+}
+
+TEST_F(UcxEngineTest, ConcurrentBatchesFromSeveralThreads) {
+  auto requester = MakeEngine();
+  constexpr int kThreads = 3;
+  constexpr int kBatchesPerThread = 4;
+  std::vector<std::unique_ptr<TestBuffer>> dests;
+  std::vector<RegionHandle> locals;
+  for (int t = 0; t < kThreads * kBatchesPerThread; ++t) {
+    dests.push_back(std::make_unique<TestBuffer>(4 << 20));
+    locals.push_back(*requester->RegisterRegion(dests.back()->data(), dests.back()->size()));
+  }
+  std::vector<Plan> plans(dests.size());
+  std::vector<std::optional<BatchResult>> results(dests.size());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<std::unique_ptr<BatchWaiter>> waiters;
+      for (int b = 0; b < kBatchesPerThread; ++b) {
+        size_t k = t * kBatchesPerThread + b;
+        plans[k] = RandomPlan(40, 1, 96 << 10, kSourceBytes, locals[k], 100 + k);
+        waiters.push_back(std::make_unique<BatchWaiter>());
+        EXPECT_TRUE(requester->ReadBatch(Request(plans[k]), waiters.back()->Callback()).ok());
+      }
+      for (int b = 0; b < kBatchesPerThread; ++b) {
+        results[t * kBatchesPerThread + b] =
+            waiters[b]->Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t k = 0; k < dests.size(); ++k) {
+    ASSERT_TRUE(results[k].has_value()) << k;
+    ASSERT_TRUE(results[k]->status.ok()) << k << ": " << results[k]->status;
+    ExpectLanded(plans[k], *dests[k]);
+  }
+  EXPECT_EQ(requester->Stats().live_batches, 0u);
+  EXPECT_EQ(requester->Stats().pinned_regions, 0u);
+}
+
+TEST_F(UcxEngineTest, CancelStopsTheSourceAndDrainsBeforeReleasing) {
+  // A small in-flight window at the source so that the cancel arrives long before the last fragment
+  // is sent.
+  source_ = MakeEngine(PullMode::kAuto, /*inflight=*/128 << 10);
+  auto handle = source_->RegisterRegion(source_buffer_->data(), kSourceBytes);
+  ASSERT_TRUE(handle.ok());
+  descriptor_ = *source_->ExportRegion(*handle);
+  auto requester = MakeEngine();
+  TestBuffer dest(64ull << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  Plan plan = RandomPlan(1024, 64 << 10, 64 << 10, kSourceBytes, local, 6);
+
+  BatchWaiter waiter;
+  Result<uint64_t> id =
+      requester->ReadBatch(Request(plan, PullMode::kActiveMessage), waiter.Callback());
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(requester->Cancel(*id).ok());
+  std::optional<BatchResult> result = waiter.Wait(Deadline::After(kWait));
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(result->status.code(), StatusCode::kCancelled) << result->status;
+  // Completion means drained: the destination and the source's pins are free again.
+  EXPECT_EQ(requester->Cancel(*id).code(), StatusCode::kNotFound);
+  EXPECT_TRUE(requester->UnregisterRegion(local).ok());
+  for (int i = 0; i < 1000 && source_->Stats().serving_requests != 0; ++i) {
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(10));  // The source's done send completes async.
+  }
+  EXPECT_EQ(source_->Stats().serving_requests, 0u);
+  EXPECT_TRUE(source_->UnregisterRegion(*handle).ok());
+}
+
+TEST_F(UcxEngineTest, StaleDescriptorIsRefusedBySource) {
+  auto requester = MakeEngine();
+  TestBuffer dest(1 << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  Plan plan = RandomPlan(4, 10, 1000, kSourceBytes, local, 7);
+  ASSERT_TRUE(source_->UnregisterRegion(source_region_).ok());
+  // Re-registering the same memory gives a new generation; the old descriptor stays dead.
+  RegionHandle again = *source_->RegisterRegion(source_buffer_->data(), kSourceBytes);
+  EXPECT_NE(again.generation, source_region_.generation);
+  BatchResult result = ReadAndWait(*requester, Request(plan, PullMode::kActiveMessage));
+  EXPECT_EQ(result.status.code(), StatusCode::kNotFound) << result.status;
+  EXPECT_NE(result.status.message().find("not registered"), std::string_view::npos)
+      << result.status;
+
+  RegionDescriptor other_incarnation = *source_->ExportRegion(again);
+  other_incarnation.engine_id ^= 1;
+  ReadBatchRequest request = Request(plan, PullMode::kActiveMessage);
+  request.remotes = {other_incarnation};
+  result = ReadAndWait(*requester, std::move(request));
+  EXPECT_EQ(result.status.code(), StatusCode::kNotFound) << result.status;
+  EXPECT_NE(result.status.message().find("incarnation"), std::string_view::npos) << result.status;
+  EXPECT_EQ(requester->Stats().pinned_regions, 0u);
+}
+
+TEST_F(UcxEngineTest, ValidationErrorsAreReturnedWithoutACallback) {
+  auto requester = MakeEngine();
+  TestBuffer dest(1 << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  Plan plan = RandomPlan(2, 10, 100, kSourceBytes, local, 8);
+  int calls = 0;
+  auto count = [&calls](const BatchResult&) { ++calls; };
+
+  ReadBatchRequest r = Request(plan);
+  r.deadline = Deadline::Infinite();
+  EXPECT_EQ(requester->ReadBatch(r, count).status().code(), StatusCode::kInvalidArgument);
+  r = Request(plan);
+  r.fragments[0].local_offset = dest.size();
+  EXPECT_EQ(requester->ReadBatch(r, count).status().code(), StatusCode::kOutOfRange);
+  r = Request(plan);
+  r.fragments[1].remote_offset = kSourceBytes - 1;
+  EXPECT_EQ(requester->ReadBatch(r, count).status().code(), StatusCode::kOutOfRange);
+  r = Request(plan);
+  r.fragments[0].local.generation += 1;
+  EXPECT_EQ(requester->ReadBatch(r, count).status().code(), StatusCode::kNotFound);
+  r = Request(plan);
+  r.fragments.clear();
+  EXPECT_EQ(requester->ReadBatch(r, count).status().code(), StatusCode::kInvalidArgument);
+  r = Request(plan);
+  r.peer = "not-an-address";
+  EXPECT_EQ(requester->ReadBatch(r, count).status().code(), StatusCode::kInvalidArgument);
+  r = Request(plan);
+  r.fragments[0].length = 0;
+  EXPECT_EQ(requester->ReadBatch(r, count).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(calls, 0);
+  // Failed validation pinned nothing.
+  EXPECT_TRUE(requester->UnregisterRegion(local).ok());
+  EXPECT_EQ(requester->UnregisterRegion(local).code(), StatusCode::kNotFound);
+  EXPECT_EQ(requester->RegisterRegion(nullptr, 10).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A TCP listener that completes handshakes in the kernel and never speaks: a peer that hangs.
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_.Reset(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(bind(fd_.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    EXPECT_EQ(listen(fd_.get(), 16), 0);
+    socklen_t len = sizeof(sa);
+    getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&sa), &len);
+    address_ = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  }
+  const std::string& address() const { return address_; }
+
+ private:
+  ScopedFd fd_;
+  std::string address_;
+};
+
+TEST_F(UcxEngineTest, HungPeerPinsUntilTheDeadlineThenReleases) {
+  SilentListener silent;
+  auto requester = MakeEngine();
+  TestBuffer dest(1 << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  Plan plan = RandomPlan(4, 10, 1000, kSourceBytes, local, 9);
+  ReadBatchRequest request = Request(plan, PullMode::kActiveMessage);
+  request.peer = silent.address();
+  request.deadline = Deadline::After(std::chrono::milliseconds(500));
+  BatchWaiter waiter;
+  ASSERT_TRUE(requester->ReadBatch(std::move(request), waiter.Callback()).ok());
+  // The destination stays owned while the batch lives.
+  if (!waiter.done()) {
+    EXPECT_EQ(requester->UnregisterRegion(local).code(), StatusCode::kFailedPrecondition);
+  }
+  std::optional<BatchResult> result = waiter.Wait(Deadline::After(kWait));
+  ASSERT_TRUE(result.has_value()) << "a batch to a hung peer never completed";
+  EXPECT_TRUE(result->status.code() == StatusCode::kDeadlineExceeded ||
+              result->status.code() == StatusCode::kUnavailable)
+      << result->status;
+  EXPECT_TRUE(requester->UnregisterRegion(local).ok());
+  EXPECT_EQ(requester->Stats().live_batches, 0u);
+}
+
+TEST_F(UcxEngineTest, DestroyingTheEngineCompletesLiveBatches) {
+  SilentListener silent;
+  auto requester = MakeEngine();
+  TestBuffer dest(1 << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  Plan plan = RandomPlan(4, 10, 1000, kSourceBytes, local, 10);
+  ReadBatchRequest request = Request(plan);
+  request.peer = silent.address();
+  BatchWaiter waiter;
+  ASSERT_TRUE(requester->ReadBatch(std::move(request), waiter.Callback()).ok());
+  requester.reset();
+  std::optional<BatchResult> result = waiter.Wait(Deadline::After(std::chrono::seconds(1)));
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(result->status.code(), StatusCode::kCancelled) << result->status;
+}
+
+TEST_F(UcxEngineTest, RegionTableFillsUp) {
+  UcxEngineOptions options;
+  options.transports = "tcp";
+  options.max_regions = 2;
+  auto engine = *UcxTransferEngine::Create(options);
+  TestBuffer buffer(3 * 4096);
+  ASSERT_TRUE(engine->RegisterRegion(buffer.data(), 4096).ok());
+  RegionHandle second = *engine->RegisterRegion(buffer.data() + 4096, 4096);
+  EXPECT_EQ(engine->RegisterRegion(buffer.data() + 8192, 4096).status().code(),
+            StatusCode::kResourceExhausted);
+  ASSERT_TRUE(engine->UnregisterRegion(second).ok());
+  RegionHandle reused = *engine->RegisterRegion(buffer.data() + 8192, 4096);
+  EXPECT_EQ(reused.index, second.index);
+  EXPECT_NE(reused.generation, second.generation);
+  EXPECT_EQ(engine->Stats().registered_regions, 2u);
+}
+
+TEST(UcxEngineCreateTest, BadOptionsFailClearly) {
+  UcxEngineOptions options;
+  options.listen_address = "localhost";
+  EXPECT_EQ(UcxTransferEngine::Create(options).status().code(), StatusCode::kInvalidArgument);
+  options.listen_address = "127.0.0.1:99999";
+  EXPECT_EQ(UcxTransferEngine::Create(options).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace orbitkv::transfer
