@@ -13,8 +13,7 @@ Blocking calls release the GIL. Failures raise ``OrbitKVError`` (``ManagerUnavai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 from orbitkv import _native, shm
 
@@ -23,15 +22,18 @@ __all__ = ["CacheManagerClient", "QueryHit", "QueryMiss", "RestoreHandle", "SKIP
 SKIP_PAGE = 0xFFFFFFFF
 
 
-@dataclass(frozen=True)
-class QueryHit:
+class QueryHit(NamedTuple):
+    """The first ``num_hit_blocks`` pages are resident and leased (restore them, or release the lease)."""
+
     num_hit_blocks: int
     lease: int
 
 
-@dataclass(frozen=True)
-class QueryMiss:
+class QueryMiss(NamedTuple):
     num_hit_blocks: int = 0
+
+
+_MISS = QueryMiss()
 
 
 class RestoreHandle:
@@ -111,9 +113,10 @@ class CacheManagerClient:
                      page_tokens: int, group: int = 0, key_version: int = 1):
         """The fast path: the chain named by the engine's block hashes (all the same length); page i covers tokens
         [first_token + i * page_tokens, + page_tokens) of this instance's namespace."""
-        hits, lease = self._native.query_native(instance_id, group, first_token, page_tokens, list(block_hashes),
-                                                key_version)
-        return QueryHit(hits, lease) if hits > 0 else QueryMiss()
+        if not isinstance(block_hashes, (list, tuple)):
+            block_hashes = list(block_hashes)
+        hits, lease = self._native.query_native(instance_id, group, first_token, page_tokens, block_hashes, key_version)
+        return QueryHit(hits, lease) if hits else _MISS
 
     def start_restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> RestoreHandle:
         return RestoreHandle(self, self._native.start_restore(instance_id, group, lease, list(pages)))

@@ -97,26 +97,43 @@ void BindClient(py::module_& m) {
       .def(
           "query_native",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t first_token,
-             uint32_t page_tokens, const std::vector<py::bytes>& hashes, uint16_t key_version) {
-            // Flatten the native keys while holding the GIL, then talk to the Manager without it.
+             uint32_t page_tokens, const py::object& hashes, uint16_t key_version) {
+            // Flatten the native keys while holding the GIL (straight from the bytes objects, no
+            // per-item conversion), then talk to the Manager without it. `hashes` is a list of
+            // equal-length bytes, or one bytes object of count x native_bytes with native_bytes
+            // given by len(first) semantics below.
             std::string flat;
             size_t native_bytes = 0;
-            for (const py::bytes& hash : hashes) {
-              std::string_view view(hash);
-              if (native_bytes == 0) native_bytes = view.size();
-              if (view.size() != native_bytes || native_bytes == 0 || native_bytes > 64) {
-                throw StatusError(Status::InvalidArgument(
-                    "block hashes must all have the same length, 1-64 bytes"));
+            if (PyList_Check(hashes.ptr()) || PyTuple_Check(hashes.ptr())) {
+              const py::sequence seq = hashes.cast<py::sequence>();
+              const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+              PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+              for (Py_ssize_t i = 0; i < n; ++i) {
+                if (!PyBytes_Check(items[i]))
+                  throw StatusError(Status::InvalidArgument("block hashes must be bytes"));
+                const size_t size = static_cast<size_t>(PyBytes_GET_SIZE(items[i]));
+                if (i == 0) {
+                  native_bytes = size;
+                  flat.reserve(native_bytes * static_cast<size_t>(n));
+                }
+                if (size != native_bytes || size == 0 || size > 64) {
+                  throw StatusError(Status::InvalidArgument(
+                      "block hashes must all have the same length, 1-64 bytes"));
+                }
+                flat.append(PyBytes_AS_STRING(items[i]), size);
               }
-              flat.append(view);
+            } else {
+              throw StatusError(
+                  Status::InvalidArgument("block_hashes must be a list or tuple of bytes"));
             }
-            client::QueryResult result = [&] {
+            client::QueryResult result;
+            if (!flat.empty()) {
               py::gil_scoped_release release;
-              return ValueOrThrow(c.QueryNative(
+              result = ValueOrThrow(c.QueryNative(
                   instance, group, first_token, page_tokens, static_cast<uint8_t>(native_bytes),
                   std::span(reinterpret_cast<const uint8_t*>(flat.data()), flat.size()),
                   key_version));
-            }();
+            }
             return py::make_tuple(result.hits, result.lease);
           },
           py::arg("instance_id"), py::arg("group"), py::arg("first_token"), py::arg("page_tokens"),

@@ -270,21 +270,61 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
   MutexLock lock(&publish_mu_);
   ORBITKV_ASSIGN_OR_RETURN(channel::ClientSession * session, PublishSession());
   const size_t per_request = channel::MaxSaveItems(session->slot_bytes());
+  // Up to kPipeline requests in flight, so the Manager prepares one chunk while it copies another.
+  constexpr size_t kPipeline = 4;
+  struct InFlight {
+    uint64_t id;
+    uint32_t slot;
+  };
+  std::vector<InFlight> inflight;
   SaveResult total;
-  for (size_t start = 0; start < items.size(); start += per_request) {
+  Status failed;
+  auto wait_oldest = [&]() {
+    const InFlight oldest = inflight.front();
+    inflight.erase(inflight.begin());
+    Result<channel::InboundReply> reply =
+        session->WaitReply(oldest.id, CallDeadline(), options_.spin_iterations);
+    Status status = reply.ok() ? (reply->code() == StatusCode::kOk
+                                      ? Status::Ok()
+                                      : ErrorFromReply(*session, *reply, oldest.slot))
+                               : reply.status();
+    session->ReleaseSlot(
+        oldest.slot);  // kept retired by the session while the request is outstanding
+    if (status.ok()) {
+      total.written += reply->descriptor.arg0;
+      total.skipped += reply->descriptor.arg1;
+    } else if (failed.ok()) {
+      failed = status;
+    }
+  };
+  for (size_t start = 0; start < items.size() && failed.ok(); start += per_request) {
+    if (inflight.size() == kPipeline) wait_oldest();
     channel::SaveRequest request;
     request.instance = instance;
     request.group = group;
     const size_t end = std::min(items.size(), start + per_request);
     for (size_t i = start; i < end; ++i)
       request.items.push_back(channel::SaveItem{items[i].key, items[i].page});
-    ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply,
-                             RoundTrip(*session, [&](Descriptor* d, std::span<uint8_t> slot) {
-                               return channel::EncodeSave(request, d, slot);
-                             }));
-    total.written += reply.descriptor.arg0;
-    total.skipped += reply.descriptor.arg1;
+    Result<uint32_t> slot = session->AcquireSlot();
+    if (!slot.ok()) {
+      failed = slot.status();
+      break;
+    }
+    Descriptor d{};
+    Result<uint32_t> bytes = channel::EncodeSave(request, &d, session->slot(*slot));
+    Result<uint64_t> id =
+        bytes.ok() ? session->Submit(d, *slot, *bytes) : Result<uint64_t>(bytes.status());
+    if (!id.ok()) {
+      session->ReleaseSlot(*slot);
+      failed = id.status();
+      break;
+    }
+    inflight.push_back(InFlight{*id, *slot});
   }
+  // Every submitted chunk is waited for, even after a failure: its source pages stay in use until
+  // then.
+  while (!inflight.empty()) wait_oldest();
+  if (!failed.ok()) return failed;
   return total;
 }
 

@@ -1,0 +1,3 @@
+# Benchmarks of the cluster module (included from benches/CMakeLists.txt when ORBITKV_HAVE_ETCD is on).
+orbitkv_add_executable(NAME membership_bench SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/membership_bench.cc
+  DEPS orbitkv::cluster orbitkv_cluster_testing orbitkv_bench_report)

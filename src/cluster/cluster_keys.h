@@ -1,0 +1,45 @@
+// The etcd key layout of one OrbitKV cluster, and the names that appear in it.
+//
+// Every key lives under /orbitkv/v1/<cluster>/ (docs/formats/cluster_records.md):
+//   epochs/<node>   persistent incarnation counter of a Node ID (decimal text, never leased, never
+//   deleted) members/<node>  the live member record (JSON, attached to the member's lease)
+//   placement       the immutable catalog placement record (JSON, no lease)
+// The member view reads the one contiguous range [members/, placement + "\0"), which holds exactly
+// the member records and the placement record because "members/" < "placement" and nothing else is
+// written between them.
+//
+// Thread safety: pure functions.
+#ifndef ORBITKV_CLUSTER_CLUSTER_KEYS_H_
+#define ORBITKV_CLUSTER_CLUSTER_KEYS_H_
+
+#include <string>
+#include <string_view>
+
+#include "base/status.h"
+
+namespace orbitkv::cluster {
+
+inline constexpr size_t kMaxNameBytes = 64;
+
+// Cluster names and Node IDs: 1..64 bytes of [A-Za-z0-9._-], not "." or "..". InvalidArgument
+// naming `what` (e.g. "--node-id") otherwise.
+Status ValidateName(std::string_view what, std::string_view name);
+
+std::string ClusterPrefix(std::string_view cluster);  // "/orbitkv/v1/<cluster>/"
+std::string MembersPrefix(std::string_view cluster);  // ".../members/"
+std::string MemberKey(std::string_view cluster, std::string_view node_id);
+std::string EpochKey(std::string_view cluster, std::string_view node_id);
+std::string PlacementKey(std::string_view cluster);
+
+// [begin, end) of the member view's Range and Watch: all member records plus the placement record.
+std::string ViewRangeBegin(std::string_view cluster);
+std::string ViewRangeEnd(std::string_view cluster);
+
+// The smallest key greater than every key that starts with `prefix` (etcd's range_end for a prefix
+// scan): trailing 0xff bytes dropped, the last remaining byte incremented; "\0" (all keys) when
+// nothing remains.
+std::string PrefixEnd(std::string_view prefix);
+
+}  // namespace orbitkv::cluster
+
+#endif  // ORBITKV_CLUSTER_CLUSTER_KEYS_H_

@@ -1,0 +1,258 @@
+#include "cluster/etcd_client.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/check.h"
+#include "base/logging.h"
+
+namespace orbitkv::cluster {
+namespace {
+
+// gRPC keepalive: etcd's default --grpc-keepalive-min-time is 5 s and it answers faster pings with
+// GOAWAY too_many_pings, so ping every 10 s, give up after 5 s, and never ping without an active
+// call.
+constexpr int kKeepaliveTimeMs = 10'000;
+constexpr int kKeepaliveTimeoutMs = 5'000;
+// A restarted etcd must be found within about a second, not after gRPC's default 2-minute backoff
+// ceiling.
+constexpr int kReconnectBackoffMinMs = 100;
+constexpr int kReconnectBackoffMaxMs = 1'000;
+// gRPC's connect timeout (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS; 20 s by default). A connection
+// accepted by a stopping etcd's backlog never gets HTTP/2 settings, and the default would keep the
+// channel on it for 20 s.
+constexpr int kConnectTimeoutMs = 2'000;
+// Snapshots are paged (128 records of at most 1 KiB), so 16 MiB is only a guard.
+constexpr int kMaxReceiveBytes = 16 << 20;
+
+constexpr const char* kMethodNames[] = {"Range",   "Put",        "DeleteRange",   "Txn",
+                                        "Compact", "LeaseGrant", "LeaseRevoke",   "LeaseTimeToLive",
+                                        "Status",  "Watch",      "LeaseKeepAlive"};
+
+thread_local uint64_t t_calls_on_thread = 0;
+
+std::chrono::system_clock::time_point ToSystemDeadline(Deadline deadline) {
+  if (deadline.IsInfinite()) return std::chrono::system_clock::time_point::max();
+  const auto remaining = deadline.Remaining();
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(remaining);
+}
+
+Result<std::string> NormalizeEndpoint(std::string_view endpoint) {
+  std::string_view e = endpoint;
+  if (e.starts_with("https://")) {
+    return Status::InvalidArgument(
+        fmt::format("etcd endpoint '{}': TLS is not supported; use http://", endpoint));
+  }
+  if (e.starts_with("http://")) e.remove_prefix(7);
+  while (!e.empty() && e.back() == '/') e.remove_suffix(1);
+  const size_t colon = e.rfind(':');
+  if (e.empty() || colon == std::string_view::npos || colon == 0 || colon + 1 == e.size() ||
+      e.find_first_of(" /,\"") != std::string_view::npos) {
+    return Status::InvalidArgument(fmt::format(
+        "etcd endpoint '{}' is not host:port (e.g. 127.0.0.1:2379 or http://etcd-1:2379)",
+        endpoint));
+  }
+  for (char c : e.substr(colon + 1)) {
+    if (c < '0' || c > '9')
+      return Status::InvalidArgument(fmt::format("etcd endpoint '{}' has a bad port", endpoint));
+  }
+  return std::string(e);
+}
+
+}  // namespace
+
+struct EtcdClient::Endpoint {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<etcdserverpb::KV::Stub> kv;
+  std::unique_ptr<etcdserverpb::Lease::Stub> lease;
+  std::unique_ptr<etcdserverpb::Watch::Stub> watch;
+  std::unique_ptr<etcdserverpb::Maintenance::Stub> maintenance;
+};
+
+Status FromGrpc(const grpc::Status& status, std::string_view method, std::string_view endpoint) {
+  if (status.ok()) return Status::Ok();
+  const int code = static_cast<int>(status.error_code());
+  const StatusCode ours =
+      (code >= 0 && code <= kMaxStatusCode) ? static_cast<StatusCode>(code) : StatusCode::kUnknown;
+  return Status(ours, fmt::format("etcd {} at {}: {}", method, endpoint, status.error_message()));
+}
+
+Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options) {
+  if (options.endpoints.empty()) {
+    return Status::InvalidArgument("--etcd-endpoints: give at least one etcd endpoint (host:port)");
+  }
+  if (options.call_timeout <= std::chrono::milliseconds::zero()) {
+    return Status::InvalidArgument("etcd call timeout must be positive");
+  }
+  std::vector<std::string> normalized;
+  for (const std::string& e : options.endpoints) {
+    ORBITKV_ASSIGN_OR_RETURN(std::string n, NormalizeEndpoint(e));
+    if (std::find(normalized.begin(), normalized.end(), n) != normalized.end()) {
+      return Status::InvalidArgument(fmt::format("--etcd-endpoints lists '{}' twice", e));
+    }
+    normalized.push_back(std::move(n));
+  }
+  std::unique_ptr<EtcdClient> client(new EtcdClient(std::move(options)));
+  client->endpoints_ = std::move(normalized);
+  for (const std::string& target : client->endpoints_) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectBackoffMinMs);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectBackoffMaxMs);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kConnectTimeoutMs);
+    args.SetMaxReceiveMessageSize(kMaxReceiveBytes);
+    // Each endpoint gets its own connection even when two clients in one process name the same
+    // etcd.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto endpoint = std::make_unique<Endpoint>();
+    endpoint->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    endpoint->kv = etcdserverpb::KV::NewStub(endpoint->channel);
+    endpoint->lease = etcdserverpb::Lease::NewStub(endpoint->channel);
+    endpoint->watch = etcdserverpb::Watch::NewStub(endpoint->channel);
+    endpoint->maintenance = etcdserverpb::Maintenance::NewStub(endpoint->channel);
+    client->channels_.push_back(std::move(endpoint));
+  }
+  return client;
+}
+
+EtcdClient::EtcdClient(EtcdClientOptions options) : options_(std::move(options)) {
+  MetricsRegistry* metrics = options_.metrics;
+  if (metrics == nullptr) {
+    own_metrics_ = std::make_unique<MetricsRegistry>();
+    metrics = own_metrics_.get();
+  }
+  for (int m = 0; m < kMethodCount; ++m) {
+    counters_[m].calls = &metrics->GetCounter("orbitkv_etcd_calls_total",
+                                              "etcd unary calls and stream opens, by method",
+                                              {{"method", kMethodNames[m]}});
+    counters_[m].failures = &metrics->GetCounter(
+        "orbitkv_etcd_call_failures_total", "etcd unary calls that returned an error, by method",
+        {{"method", kMethodNames[m]}});
+  }
+  failovers_ =
+      &metrics->GetCounter("orbitkv_etcd_failovers_total",
+                           "etcd calls or streams moved to another endpoint after UNAVAILABLE");
+}
+
+EtcdClient::~EtcdClient() = default;
+
+uint64_t EtcdClient::CallsOnThisThread() { return t_calls_on_thread; }
+
+void EtcdClient::CountCall(Method method) {
+  ++t_calls_on_thread;
+  calls_total_.fetch_add(1, std::memory_order_relaxed);
+  counters_[method].calls->Increment();
+}
+
+Deadline EtcdClient::Cap(Deadline deadline) const {
+  const Deadline cap = Deadline::After(options_.call_timeout);
+  return cap.when() < deadline.when() ? cap : deadline;
+}
+
+template <typename Response, typename Invoke>
+Result<Response> EtcdClient::Call(Method method, Deadline deadline, Invoke&& invoke) {
+  const Deadline capped = Cap(deadline);
+  const size_t n = channels_.size();
+  const size_t first = preferred_.load(std::memory_order_relaxed) % n;
+  Status last;
+  for (size_t attempt = 0; attempt < n; ++attempt) {
+    const size_t index = (first + attempt) % n;
+    if (attempt > 0) {
+      if (capped.Expired()) break;
+      failovers_->Increment();
+    }
+    CountCall(method);
+    grpc::ClientContext context;
+    context.set_deadline(ToSystemDeadline(capped));
+    Response response;
+    const grpc::Status status = invoke(*channels_[index], &context, &response);
+    if (status.ok()) {
+      preferred_.store(index, std::memory_order_relaxed);
+      return response;
+    }
+    counters_[method].failures->Increment();
+    last = FromGrpc(status, kMethodNames[method], endpoints_[index]);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+  }
+  return last;
+}
+
+#define ORBITKV_ETCD_UNARY(Name, Stub, Req, Resp)                                  \
+  Result<etcdserverpb::Resp> EtcdClient::Name(const etcdserverpb::Req& request,    \
+                                              Deadline deadline) {                 \
+    return Call<etcdserverpb::Resp>(                                               \
+        k##Name, deadline,                                                         \
+        [&](Endpoint& e, grpc::ClientContext* ctx, etcdserverpb::Resp* response) { \
+          return e.Stub->Name(ctx, request, response);                             \
+        });                                                                        \
+  }
+
+ORBITKV_ETCD_UNARY(Range, kv, RangeRequest, RangeResponse)
+ORBITKV_ETCD_UNARY(Put, kv, PutRequest, PutResponse)
+ORBITKV_ETCD_UNARY(DeleteRange, kv, DeleteRangeRequest, DeleteRangeResponse)
+ORBITKV_ETCD_UNARY(Txn, kv, TxnRequest, TxnResponse)
+ORBITKV_ETCD_UNARY(LeaseGrant, lease, LeaseGrantRequest, LeaseGrantResponse)
+ORBITKV_ETCD_UNARY(LeaseRevoke, lease, LeaseRevokeRequest, LeaseRevokeResponse)
+ORBITKV_ETCD_UNARY(LeaseTimeToLive, lease, LeaseTimeToLiveRequest, LeaseTimeToLiveResponse)
+#undef ORBITKV_ETCD_UNARY
+
+Result<etcdserverpb::CompactionResponse> EtcdClient::Compact(
+    const etcdserverpb::CompactionRequest& request, Deadline deadline) {
+  return Call<etcdserverpb::CompactionResponse>(
+      kCompact, deadline,
+      [&](Endpoint& e, grpc::ClientContext* ctx, etcdserverpb::CompactionResponse* response) {
+        return e.kv->Compact(ctx, request, response);
+      });
+}
+
+Result<etcdserverpb::StatusResponse> EtcdClient::EndpointStatus(size_t endpoint_index,
+                                                                Deadline deadline) {
+  ORBITKV_CHECK(endpoint_index < channels_.size());
+  CountCall(kStatus);
+  grpc::ClientContext context;
+  context.set_deadline(ToSystemDeadline(Cap(deadline)));
+  etcdserverpb::StatusResponse response;
+  const grpc::Status status = channels_[endpoint_index]->maintenance->Status(
+      &context, etcdserverpb::StatusRequest(), &response);
+  if (!status.ok()) {
+    counters_[kStatus].failures->Increment();
+    return FromGrpc(status, "Status", endpoints_[endpoint_index]);
+  }
+  return response;
+}
+
+size_t EtcdClient::PreferredEndpoint() const {
+  return preferred_.load(std::memory_order_relaxed) % channels_.size();
+}
+
+etcdserverpb::Watch::Stub* EtcdClient::WatchStub(size_t endpoint_index) {
+  ORBITKV_CHECK(endpoint_index < channels_.size());
+  return channels_[endpoint_index]->watch.get();
+}
+
+etcdserverpb::Lease::Stub* EtcdClient::LeaseStub(size_t endpoint_index) {
+  ORBITKV_CHECK(endpoint_index < channels_.size());
+  return channels_[endpoint_index]->lease.get();
+}
+
+void EtcdClient::PrepareStreamContext(grpc::ClientContext* context, std::string_view method) {
+  context->AddMetadata("hasleader", "true");
+  CountCall(method == "Watch" ? kWatch : kLeaseKeepAlive);
+}
+
+void EtcdClient::ReportStreamFailure(size_t endpoint_index) {
+  if (channels_.size() < 2) return;
+  size_t expected = endpoint_index;
+  // Only the first report about the current preference moves it; later reports of the same outage
+  // do not skip a healthy endpoint.
+  if (preferred_.compare_exchange_strong(expected, (endpoint_index + 1) % channels_.size(),
+                                         std::memory_order_relaxed)) {
+    failovers_->Increment();
+  }
+}
+
+}  // namespace orbitkv::cluster

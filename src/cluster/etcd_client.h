@@ -1,0 +1,148 @@
+// EtcdClient: the etcd v3 client of the cluster module, over gRPC C++ with OrbitKV's own
+// wire-compatible proto (proto/rpc.proto, docs/reference in the shared docs: etcd.md).
+//
+// One client talks to one etcd cluster through a list of endpoints. It keeps one gRPC channel per
+// endpoint and a preferred endpoint; a unary call that fails with UNAVAILABLE (connection refused
+// or reset, "no leader") moves on to the next endpoint and retries there until every endpoint was
+// tried once or the call's deadline passed. Every unary call has a deadline: the caller's, capped
+// at Options::call_timeout. Because etcd cannot tell a client whether an interrupted write was
+// applied, a retried Put or Txn may have taken effect twice; callers make writes idempotent with
+// Txn compares (membership.cc does). Long-lived streams (Watch, LeaseKeepAlive) are driven by their
+// owners through StreamStub()/PrepareStreamContext(); an owner reports a broken stream with
+// ReportStreamFailure() so that the next stream goes to another endpoint.
+//
+// Channels use gRPC keepalive settings etcd accepts (10 s pings, 5 s timeout, none without calls:
+// etcd answers faster pings with GOAWAY too_many_pings) and a short reconnect backoff (at most 1 s)
+// so a restarted etcd is found again quickly.
+//
+// Every call is counted: per method in the metrics registry (orbitkv_etcd_calls_total{method}) and
+// per thread (CallsOnThisThread), so tests can prove that a code path makes no etcd call.
+//
+// Thread safety: all methods are safe from any thread; gRPC stubs are thread-safe.
+#ifndef ORBITKV_CLUSTER_ETCD_CLIENT_H_
+#define ORBITKV_CLUSTER_ETCD_CLIENT_H_
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "base/clock.h"
+#include "base/metrics.h"
+#include "base/result.h"
+#include "cluster/grpc.h"
+
+namespace orbitkv::cluster {
+
+struct EtcdClientOptions {
+  // "host:port" or "http://host:port"; at least one. TLS ("https://") is not supported.
+  std::vector<std::string> endpoints;
+  // Upper bound of every unary call, including its failover retries.
+  std::chrono::milliseconds call_timeout{5000};
+  // Metrics land here; null means a registry private to the client.
+  MetricsRegistry* metrics = nullptr;
+};
+
+class EtcdClient {
+ public:
+  // InvalidArgument for an empty or malformed endpoint list. Connects lazily: no I/O happens here.
+  static Result<std::unique_ptr<EtcdClient>> Create(EtcdClientOptions options);
+
+  ~EtcdClient();
+  EtcdClient(const EtcdClient&) = delete;
+  EtcdClient& operator=(const EtcdClient&) = delete;
+
+  // Unary calls. On error the Status carries the gRPC code (the values are the same) and a message
+  // naming the method and the endpoint: e.g. OUT_OF_RANGE "etcd Range at 127.0.0.1:2379: mvcc:
+  // required revision has been compacted".
+  Result<etcdserverpb::RangeResponse> Range(const etcdserverpb::RangeRequest& request,
+                                            Deadline deadline);
+  Result<etcdserverpb::PutResponse> Put(const etcdserverpb::PutRequest& request, Deadline deadline);
+  Result<etcdserverpb::DeleteRangeResponse> DeleteRange(
+      const etcdserverpb::DeleteRangeRequest& request, Deadline deadline);
+  Result<etcdserverpb::TxnResponse> Txn(const etcdserverpb::TxnRequest& request, Deadline deadline);
+  Result<etcdserverpb::CompactionResponse> Compact(const etcdserverpb::CompactionRequest& request,
+                                                   Deadline deadline);
+  Result<etcdserverpb::LeaseGrantResponse> LeaseGrant(
+      const etcdserverpb::LeaseGrantRequest& request, Deadline deadline);
+  Result<etcdserverpb::LeaseRevokeResponse> LeaseRevoke(
+      const etcdserverpb::LeaseRevokeRequest& request, Deadline deadline);
+  Result<etcdserverpb::LeaseTimeToLiveResponse> LeaseTimeToLive(
+      const etcdserverpb::LeaseTimeToLiveRequest& request, Deadline deadline);
+  // Status of one specific endpoint (no failover): which member it is and who it thinks leads.
+  Result<etcdserverpb::StatusResponse> EndpointStatus(size_t endpoint_index, Deadline deadline);
+
+  // --- Streams
+  // -------------------------------------------------------------------------------------------------
+  // The endpoint a new stream should use, and its stubs.
+  size_t PreferredEndpoint() const;
+  etcdserverpb::Watch::Stub* WatchStub(size_t endpoint_index);
+  etcdserverpb::Lease::Stub* LeaseStub(size_t endpoint_index);
+  // Adds the "hasleader: true" metadata, so that a member cut off from its leader ends the stream
+  // instead of leaving it silent, and counts the stream open as a call of `method` on this thread.
+  void PrepareStreamContext(grpc::ClientContext* context, std::string_view method);
+  // A stream on `endpoint_index` broke: the next stream (and call) starts at the following
+  // endpoint, unless another failure already moved the preference.
+  void ReportStreamFailure(size_t endpoint_index);
+
+  const std::vector<std::string>& endpoints() const { return endpoints_; }
+  const EtcdClientOptions& options() const { return options_; }
+
+  // Unary calls plus stream opens made by the calling thread, by any EtcdClient, since the thread
+  // started.
+  static uint64_t CallsOnThisThread();
+  // Unary calls plus stream opens made through this client.
+  uint64_t calls_total() const { return calls_total_.load(std::memory_order_relaxed); }
+  uint64_t failovers_total() const { return failovers_->Value(); }
+
+ private:
+  struct Endpoint;
+  struct MethodCounters {
+    Counter* calls = nullptr;
+    Counter* failures = nullptr;
+  };
+  enum Method : int {
+    kRange,
+    kPut,
+    kDeleteRange,
+    kTxn,
+    kCompact,
+    kLeaseGrant,
+    kLeaseRevoke,
+    kLeaseTimeToLive,
+    kStatus,
+    kWatch,
+    kLeaseKeepAlive,
+    kMethodCount
+  };
+
+  explicit EtcdClient(EtcdClientOptions options);
+
+  template <typename Response, typename Invoke>
+  Result<Response> Call(Method method, Deadline deadline, Invoke&& invoke);
+  void CountCall(Method method);
+  Deadline Cap(Deadline deadline) const;
+
+  // Immutable after construction.
+  const EtcdClientOptions options_;
+  std::unique_ptr<MetricsRegistry> own_metrics_;
+  std::vector<std::string> endpoints_;  // Normalized "host:port".
+  std::vector<std::unique_ptr<Endpoint>> channels_;
+  MethodCounters counters_[kMethodCount];
+  Counter* failovers_ = nullptr;
+
+  // Relaxed: a hint of which endpoint answered last; a stale value costs one extra failover at
+  // most.
+  std::atomic<size_t> preferred_{0};
+  // Relaxed: a statistic.
+  std::atomic<uint64_t> calls_total_{0};
+};
+
+// Maps a gRPC status to an OrbitKV Status with "etcd <method> at <endpoint>: " as context.
+Status FromGrpc(const grpc::Status& status, std::string_view method, std::string_view endpoint);
+
+}  // namespace orbitkv::cluster
+
+#endif  // ORBITKV_CLUSTER_ETCD_CLIENT_H_

@@ -1,0 +1,131 @@
+#include "cluster/member_record.h"
+
+#include <fmt/format.h>
+#include <sys/random.h>
+
+#include <array>
+#include <cerrno>
+
+#include "base/check.h"
+#include "cluster/cluster_keys.h"
+#include "cluster/flat_json.h"
+
+namespace orbitkv::cluster {
+
+Status ValidateEndpoint(std::string_view what, std::string_view endpoint) {
+  if (endpoint.empty() || endpoint.size() > 255) {
+    return Status::InvalidArgument(fmt::format("{} must be 1..255 bytes of host:port", what));
+  }
+  for (char c : endpoint) {
+    if (c <= ' ' || c > '~' || c == '"' || c == '\\' || c == ',' || c == '/') {
+      return Status::InvalidArgument(fmt::format("{} '{}' is not a host:port", what, endpoint));
+    }
+  }
+  const size_t colon = endpoint.rfind(':');
+  if (colon == std::string_view::npos || colon == 0 || colon + 1 == endpoint.size()) {
+    return Status::InvalidArgument(fmt::format("{} '{}' is not a host:port", what, endpoint));
+  }
+  const std::string_view host = endpoint.substr(0, colon);
+  if (host.find(':') != std::string_view::npos && !(host.front() == '[' && host.back() == ']')) {
+    return Status::InvalidArgument(
+        fmt::format("{} '{}': write an IPv6 host as [addr]:port", what, endpoint));
+  }
+  const std::string_view port = endpoint.substr(colon + 1);
+  uint32_t value = 0;
+  for (char c : port) {
+    if (c < '0' || c > '9' || port.size() > 5) {
+      return Status::InvalidArgument(fmt::format("{} '{}' has a bad port", what, endpoint));
+    }
+    value = value * 10 + static_cast<uint32_t>(c - '0');
+  }
+  if (value == 0 || value > 65535) {
+    return Status::InvalidArgument(fmt::format("{} '{}': port must be 1..65535", what, endpoint));
+  }
+  return Status::Ok();
+}
+
+bool IsRuntimeUuid(std::string_view text) {
+  if (text.size() != 36) return false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (i == 8 || i == 13 || i == 18 || i == 23) {
+      if (c != '-') return false;
+    } else if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string NewRuntimeUuid() {
+  std::array<uint8_t, 16> b{};
+  size_t filled = 0;
+  while (filled < b.size()) {
+    const ssize_t n = getrandom(b.data() + filled, b.size() - filled, 0);
+    if (n < 0 && errno == EINTR) continue;
+    ORBITKV_CHECK_MSG(n > 0, "getrandom failed: errno {}", errno);
+    filled += static_cast<size_t>(n);
+  }
+  b[6] = static_cast<uint8_t>((b[6] & 0x0f) | 0x40);  // Version 4.
+  b[8] = static_cast<uint8_t>((b[8] & 0x3f) | 0x80);  // RFC 4122 variant.
+  return fmt::format(
+      "{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:"
+      "02x}{:02x}",
+      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
+      b[15]);
+}
+
+Status ValidateMemberRecord(const MemberRecord& record) {
+  ORBITKV_RETURN_IF_ERROR(ValidateName("member record cluster", record.cluster));
+  ORBITKV_RETURN_IF_ERROR(ValidateName("member record node", record.node_id));
+  if (record.epoch < 1)
+    return Status::InvalidArgument(fmt::format("member epoch {} is below 1", record.epoch));
+  ORBITKV_RETURN_IF_ERROR(ValidateEndpoint("member endpoint", record.endpoint));
+  if (!IsRuntimeUuid(record.runtime_uuid)) {
+    return Status::InvalidArgument(
+        fmt::format("member runtime UUID '{}' is not a lower-case UUID", record.runtime_uuid));
+  }
+  return Status::Ok();
+}
+
+std::string EncodeMemberRecord(const MemberRecord& record) {
+  ORBITKV_CHECK_MSG(ValidateMemberRecord(record).ok(), "encoding an invalid member record: {}",
+                    ValidateMemberRecord(record).ToString());
+  return FlatJsonWriter()
+      .Add("v", kMemberRecordVersion)
+      .Add("cluster", record.cluster)
+      .Add("node", record.node_id)
+      .Add("epoch", record.epoch)
+      .Add("endpoint", record.endpoint)
+      .Add("uuid", record.runtime_uuid)
+      .Finish();
+}
+
+Result<MemberRecord> DecodeMemberRecord(std::string_view cluster, std::string_view node_id,
+                                        std::string_view bytes) {
+  if (bytes.size() > kMaxMemberRecordBytes) {
+    return Status::OutOfRange(fmt::format("member record for '{}' is {} bytes; the limit is {}",
+                                          node_id, bytes.size(), kMaxMemberRecordBytes));
+  }
+  ORBITKV_ASSIGN_OR_RETURN(FlatJsonObject json, FlatJsonObject::Parse(bytes));
+  ORBITKV_ASSIGN_OR_RETURN(int64_t version, json.GetInt("v"));
+  if (version != kMemberRecordVersion) {
+    return Status::InvalidArgument(
+        fmt::format("member record version {} is not {}", version, kMemberRecordVersion));
+  }
+  MemberRecord record;
+  ORBITKV_ASSIGN_OR_RETURN(record.cluster, json.GetString("cluster"));
+  ORBITKV_ASSIGN_OR_RETURN(record.node_id, json.GetString("node"));
+  ORBITKV_ASSIGN_OR_RETURN(record.epoch, json.GetInt("epoch"));
+  ORBITKV_ASSIGN_OR_RETURN(record.endpoint, json.GetString("endpoint"));
+  ORBITKV_ASSIGN_OR_RETURN(record.runtime_uuid, json.GetString("uuid"));
+  ORBITKV_RETURN_IF_ERROR(ValidateMemberRecord(record));
+  if (record.cluster != cluster || record.node_id != node_id) {
+    return Status::InvalidArgument(
+        fmt::format("member record names {}/{} but is stored under {}/{}", record.cluster,
+                    record.node_id, cluster, node_id));
+  }
+  return record;
+}
+
+}  // namespace orbitkv::cluster

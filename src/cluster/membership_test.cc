@@ -1,0 +1,317 @@
+// Membership against a real etcd: registration, epochs, duplicate Node IDs, expiry after kill -9,
+// fencing, placement, etcd restarts and the no-etcd-call guarantee of the cache-operation path.
+#include "cluster/membership.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include "cluster/etcd_client.h"
+#include "cluster/testing/child_process.h"
+#include "cluster/testing/cluster_fixture.h"
+
+namespace orbitkv::cluster {
+namespace {
+
+using testing::CounterValue;
+using testing::EtcdTest;
+using testing::kWaitLimit;
+using testing::WaitUntil;
+
+class MembershipTest : public EtcdTest {};
+
+TEST_F(MembershipTest, TwoManagersRegisterAndSeeEachOther) {
+  MetricsRegistry ma, mb;
+  auto a = Join(Options("node-a", {"node-a", "node-b"}), &ma);
+  auto b = Join(Options("node-b", {"node-b", "node-a"}), &mb);
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(WaitUntil([&] { return Sees(*a, "node-b") && Sees(*b, "node-a"); }));
+  EXPECT_EQ(a->state(), MembershipState::kRegistered);
+  EXPECT_TRUE(a->CanDoRemoteWork());
+  EXPECT_EQ(a->self().epoch, 1);
+  Result<Member> b_seen_by_a = a->view().Find("node-b");
+  ASSERT_TRUE(b_seen_by_a.ok());
+  EXPECT_EQ(b_seen_by_a->record, b->self());
+  EXPECT_NE(a->self().runtime_uuid, b->self().runtime_uuid);
+  EXPECT_EQ(a->view().Read().members.size(), 2u);
+  const std::string text = a->StatusText();
+  EXPECT_NE(text.find("membership: registered"), std::string::npos) << text;
+  EXPECT_NE(text.find("node-b epoch 1"), std::string::npos) << text;
+  EXPECT_EQ(ma.GetGauge("orbitkv_membership_registered", "").Value(), 1.0);
+}
+
+TEST_F(MembershipTest, ThreeManagersResolveEveryShardOwnerFromTheCache) {
+  const std::vector<std::string> catalog = {"node-a", "node-b", "node-c"};
+  MetricsRegistry m1, m2, m3;
+  auto a = Join(Options("node-a", catalog), &m1);
+  auto b = Join(Options("node-b", catalog), &m2);
+  auto c = Join(Options("node-c", catalog), &m3);
+  ASSERT_TRUE(a && b && c);
+  const std::map<std::string, const Membership*> by_id = {
+      {"node-a", a.get()}, {"node-b", b.get()}, {"node-c", c.get()}};
+  for (const Membership* m : {a.get(), b.get(), c.get()}) {
+    ASSERT_TRUE(WaitUntil([&] { return m->view().complete() && m->view().size() == 3; }));
+    for (uint32_t shard = 0; shard < kNumShards; ++shard) {
+      Result<Member> owner = m->ResolveShardOwner(shard);
+      ASSERT_TRUE(owner.ok()) << owner.status();
+      EXPECT_EQ(owner->record, by_id.at(m->placement().OwnerOf(shard))->self());
+    }
+  }
+}
+
+TEST_F(MembershipTest, DuplicateNodeIdIsRefusedWhileLive) {
+  MetricsRegistry ma, mdup;
+  auto a = Join(Options("node-a"), &ma);
+  ASSERT_TRUE(a);
+  Result<std::unique_ptr<Membership>> dup = Membership::Create(Options("node-a"), &mdup);
+  ASSERT_TRUE(dup.ok());
+  const Status joined = (*dup)->Join(Deadline::After(kWaitLimit));
+  EXPECT_EQ(joined.code(), StatusCode::kAlreadyExists) << joined;
+  EXPECT_NE(joined.message().find(a->self().runtime_uuid), std::string_view::npos) << joined;
+  EXPECT_EQ((*dup)->state(), MembershipState::kNotJoined);
+  EXPECT_FALSE((*dup)->RegistrationValid());
+  // The live registration is untouched, and the refused attempt did not bump the epoch.
+  ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
+  EXPECT_EQ(a->state(), MembershipState::kRegistered);
+  Result<Member> self = a->view().Find("node-a");
+  ASSERT_TRUE(self.ok());
+  EXPECT_EQ(self->record.epoch, 1);
+}
+
+TEST_F(MembershipTest, EpochIncrementsAcrossRestartsAndShutdownRevokes) {
+  MetricsRegistry mw;
+  auto watcher = Join(Options("watcher"), &mw);
+  ASSERT_TRUE(watcher);
+  std::string last_uuid;
+  for (int64_t expected_epoch = 1; expected_epoch <= 3; ++expected_epoch) {
+    MetricsRegistry m;
+    auto a = Join(Options("node-a"), &m);
+    ASSERT_TRUE(a);
+    EXPECT_EQ(a->self().epoch, expected_epoch);
+    EXPECT_NE(a->self().runtime_uuid, last_uuid);
+    last_uuid = a->self().runtime_uuid;
+    ASSERT_TRUE(WaitUntil([&] {
+      Result<Member> seen = watcher->view().Find("node-a");
+      return seen.ok() && seen->record.runtime_uuid == last_uuid;
+    }));
+    a->Shutdown();
+    EXPECT_EQ(a->state(), MembershipState::kStopped);
+    // Revoked, not left to expire (the TTL is 20 s): the record is gone from etcd as Shutdown()
+    // returns.
+    etcdserverpb::RangeRequest range;
+    range.set_key(MemberKey(cluster_, "node-a"));
+    Result<etcdserverpb::RangeResponse> gone = raw_->Range(range, Deadline::After(kWaitLimit));
+    ASSERT_TRUE(gone.ok());
+    EXPECT_EQ(gone->kvs_size(), 0);
+    ASSERT_TRUE(WaitUntil(
+        [&] { return watcher->view().Find("node-a").status().code() == StatusCode::kNotFound; }));
+  }
+}
+
+TEST_F(MembershipTest, KillNineExpiresTheLeaseAndTheSurvivorDropsTheStaleMember) {
+  MetricsRegistry mb;
+  auto b = Join(Options("node-b", {"node-a", "node-b"}), &mb);
+  ASSERT_TRUE(b);
+  auto spawn_a = [&] {
+    testing::ChildProcess::Options options;
+    options.argv = {ORBITKV_MEMBER_HELPER, etcd_->endpoint(), cluster_, "node-a", "2",
+                    "node-a,node-b",       "127.0.0.1:7999"};
+    options.pipe_stdio = true;
+    return testing::ChildProcess::Spawn(options);
+  };
+  Result<testing::ChildProcess> a = spawn_a();
+  ASSERT_TRUE(a.ok()) << a.status();
+  Result<std::string> line = a->ReadLine(Deadline::After(kWaitLimit));
+  ASSERT_TRUE(line.ok()) << line.status();
+  ASSERT_TRUE(line->starts_with("joined 1 ")) << *line;
+  const std::string first_uuid = line->substr(9);
+  ASSERT_TRUE(WaitUntil([&] { return Sees(*b, "node-a"); }));
+  uint32_t shard_of_a = kNumShards;
+  for (uint32_t s = 0; s < kNumShards; ++s) {
+    if (b->placement().OwnerOf(s) == "node-a") shard_of_a = s;
+  }
+  ASSERT_LT(shard_of_a, kNumShards);
+  ASSERT_TRUE(b->ResolveShardOwner(shard_of_a).ok());
+
+  ASSERT_TRUE(a->Signal(SIGKILL).ok());
+  Result<int> status = a->Wait(Deadline::After(kWaitLimit));
+  ASSERT_TRUE(status.ok());
+  EXPECT_TRUE(WIFSIGNALED(*status));
+  // Nobody revokes: etcd expires the 2 s lease, and B's Watch drops the stale member.
+  ASSERT_TRUE(
+      WaitUntil([&] { return b->view().Find("node-a").status().code() == StatusCode::kNotFound; }));
+  EXPECT_EQ(b->ResolveShardOwner(shard_of_a).status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(b->CanDoRemoteWork());
+
+  // A restart is a new incarnation; B resolves the shard to it, never to the killed runtime.
+  Result<testing::ChildProcess> again = spawn_a();
+  ASSERT_TRUE(again.ok());
+  line = again->ReadLine(Deadline::After(kWaitLimit));
+  ASSERT_TRUE(line.ok() && line->starts_with("joined 2 "))
+      << (line.ok() ? *line : line.status().ToString());
+  const std::string second_uuid = line->substr(9);
+  EXPECT_NE(second_uuid, first_uuid);
+  ASSERT_TRUE(WaitUntil([&] {
+    Result<Member> owner = b->ResolveShardOwner(shard_of_a);
+    return owner.ok() && owner->record.runtime_uuid == second_uuid;
+  }));
+  again->CloseStdin();
+  line = again->ReadLine(Deadline::After(kWaitLimit));
+  EXPECT_TRUE(line.ok() && *line == "stopped");
+}
+
+TEST_F(MembershipTest, OwnRecordRemovalFencesAndNothingRevivesIt) {
+  MetricsRegistry m;
+  auto a = Join(Options("node-a"), &m);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(WaitUntil([&] { return a->CanDoRemoteWork(); }));
+  ASSERT_TRUE(RawDelete(MemberKey(cluster_, "node-a")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kFenced; }));
+  EXPECT_FALSE(a->RegistrationValid());
+  EXPECT_FALSE(a->CanDoRemoteWork());
+  EXPECT_EQ(a->ResolveShardOwner(0).status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(a->GetStatus().reason.find("deleted"), std::string::npos) << a->GetStatus().reason;
+  // Putting the very same record back (under the still-live lease) does not un-fence the runtime.
+  ASSERT_TRUE(
+      RawPut(MemberKey(cluster_, "node-a"), EncodeMemberRecord(a->self()), a->GetStatus().lease_id)
+          .ok());
+  MetricsRegistry probe_metrics;
+  auto probe = Join(Options("probe"), &probe_metrics);
+  ASSERT_TRUE(probe);
+  ASSERT_TRUE(WaitUntil([&] { return Sees(*probe, "node-a"); }));
+  EXPECT_EQ(a->state(), MembershipState::kFenced);
+  EXPECT_FALSE(a->RegistrationValid());
+  EXPECT_EQ(CounterValue(m, "orbitkv_membership_registration_ends_total", {{"state", "fenced"}}),
+            1u);
+}
+
+TEST_F(MembershipTest, ReplacedRecordFences) {
+  MetricsRegistry m;
+  auto a = Join(Options("node-a"), &m);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "node-a"), FakeRecord("node-a", 7)).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kFenced; }));
+  EXPECT_NE(a->GetStatus().reason.find("replaced"), std::string::npos) << a->GetStatus().reason;
+}
+
+TEST_F(MembershipTest, PlacementMismatchOnJoinFailsClearly) {
+  MetricsRegistry ma, mb;
+  auto a = Join(Options("node-a", {"node-a", "node-b"}), &ma);
+  ASSERT_TRUE(a);
+  Result<std::unique_ptr<Membership>> b =
+      Membership::Create(Options("node-b", {"node-a", "node-c"}), &mb);
+  ASSERT_TRUE(b.ok());
+  const Status joined = (*b)->Join(Deadline::After(kWaitLimit));
+  EXPECT_EQ(joined.code(), StatusCode::kFailedPrecondition) << joined;
+  EXPECT_NE(joined.message().find("placement mismatch"), std::string_view::npos) << joined;
+  EXPECT_NE(joined.message().find("node-a,node-b"), std::string_view::npos) << joined;
+  EXPECT_NE(joined.message().find("node-a,node-c"), std::string_view::npos) << joined;
+  // Nothing of B was registered, and its Node ID's epoch was never touched.
+  etcdserverpb::RangeRequest range;
+  range.set_key(ClusterPrefix(cluster_));
+  range.set_range_end(PrefixEnd(ClusterPrefix(cluster_)));
+  Result<etcdserverpb::RangeResponse> all = raw_->Range(range, Deadline::After(kWaitLimit));
+  ASSERT_TRUE(all.ok());
+  for (const auto& kv : all->kvs())
+    EXPECT_EQ(kv.key().find("node-b"), std::string::npos) << kv.key();
+}
+
+TEST_F(MembershipTest, PlacementChangeFencesEveryMember) {
+  MetricsRegistry m;
+  auto a = Join(Options("node-a"), &m);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
+  ASSERT_TRUE(
+      RawPut(PlacementKey(cluster_), Placement::Create({"node-a", "node-z"})->Encode()).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kFenced; }));
+  EXPECT_NE(a->GetStatus().reason.find("placement"), std::string::npos) << a->GetStatus().reason;
+}
+
+TEST_F(MembershipTest, EtcdStoppedAndRestartedRepairsTheView) {
+  MetricsRegistry ma, mb;
+  MembershipOptions oa = Options("node-a", {"node-a"}, 120);
+  oa.etcd_call_timeout = std::chrono::milliseconds(1000);
+  auto a = Join(oa, &ma);
+  auto b = Join(Options("node-b", {"node-a"}, 120), &mb);
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(WaitUntil([&] { return Sees(*a, "node-b"); }));
+  const uint64_t snapshots = CounterValue(ma, "orbitkv_membership_snapshots_total");
+  const uint64_t acks = CounterValue(ma, "orbitkv_membership_keepalive_acks_total");
+
+  ASSERT_TRUE(etcd_->Stop().ok());
+  ASSERT_TRUE(WaitUntil([&] { return !a->view().complete(); }));
+  // Remote work pauses; the registration itself is still within its TTL/2 window.
+  EXPECT_FALSE(a->CanDoRemoteWork());
+  EXPECT_EQ(a->state(), MembershipState::kRegistered);
+  EXPECT_TRUE(a->RegistrationValid());
+  EXPECT_EQ(a->view().Find("node-b").status().code(), StatusCode::kUnavailable);
+
+  ASSERT_TRUE(etcd_->Launch().ok());
+  ASSERT_TRUE(etcd_->WaitReady(Deadline::After(kWaitLimit)).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->CanDoRemoteWork() && Sees(*a, "node-b"); }));
+  EXPECT_GT(CounterValue(ma, "orbitkv_membership_snapshots_total"), snapshots);
+  EXPECT_GE(
+      CounterValue(ma, "orbitkv_membership_view_invalidations_total", {{"reason", "reconnect"}}),
+      1u);
+  EXPECT_EQ(a->state(), MembershipState::kRegistered);
+  // Keepalives resumed on the restarted etcd (none can be acknowledged while it is down).
+  ASSERT_TRUE(WaitUntil(
+      [&] { return CounterValue(ma, "orbitkv_membership_keepalive_acks_total") > acks; }));
+}
+
+TEST_F(MembershipTest, RegistrationThatLapsedWhileEtcdWasDownStaysExpired) {
+  MetricsRegistry m;
+  MembershipOptions o = Options("node-a", {"node-a"}, 2);
+  o.etcd_call_timeout = std::chrono::milliseconds(500);
+  auto a = Join(o, &m);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(etcd_->Stop().ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kExpired; }));
+  EXPECT_FALSE(a->RegistrationValid());
+  ASSERT_TRUE(etcd_->Launch().ok());
+  ASSERT_TRUE(etcd_->WaitReady(Deadline::After(kWaitLimit)).ok());
+  // The lease may well be alive again in etcd (a restart refreshes leases), yet the runtime stays
+  // expired and a new incarnation must register.
+  MetricsRegistry probe_metrics;
+  auto probe = Join(Options("probe", {"node-a"}), &probe_metrics);
+  ASSERT_TRUE(probe);
+  ASSERT_TRUE(WaitUntil([&] { return probe->view().complete(); }));
+  EXPECT_EQ(a->state(), MembershipState::kExpired);
+  EXPECT_FALSE(a->CanDoRemoteWork());
+  a->Shutdown();  // Revokes whatever is left of the old lease.
+  MetricsRegistry m2;
+  auto again = Join(Options("node-a", {"node-a"}), &m2);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->self().epoch, 2);
+}
+
+TEST_F(MembershipTest, CacheOperationsMakeNoEtcdCalls) {
+  MetricsRegistry ma, mb;
+  auto a = Join(Options("node-a", {"node-a", "node-b"}), &ma);
+  auto b = Join(Options("node-b", {"node-a", "node-b"}), &mb);
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(WaitUntil([&] { return a->CanDoRemoteWork() && Sees(*a, "node-b"); }));
+  auto non_keepalive_calls = [&] {
+    uint64_t total = 0;
+    for (const char* method : {"Range", "Put", "DeleteRange", "Txn", "LeaseGrant", "LeaseRevoke",
+                               "LeaseTimeToLive", "Watch"}) {
+      total += CounterValue(ma, "orbitkv_etcd_calls_total", {{"method", method}});
+    }
+    return total;
+  };
+  const uint64_t thread_before = EtcdClient::CallsOnThisThread();
+  const uint64_t calls_before = non_keepalive_calls();
+  uint64_t resolved = 0;
+  for (int i = 0; i < 100'000; ++i) {
+    const uint32_t shard = static_cast<uint32_t>(i) % kNumShards;
+    if (a->CanDoRemoteWork() && a->ResolveShardOwner(shard).ok()) ++resolved;
+    (void)a->view().Find(i % 2 ? "node-a" : "node-b");
+  }
+  EXPECT_EQ(resolved, 100'000u);
+  EXPECT_EQ(EtcdClient::CallsOnThisThread(), thread_before);
+  EXPECT_EQ(non_keepalive_calls(), calls_before);
+}
+
+}  // namespace
+}  // namespace orbitkv::cluster

@@ -1,0 +1,212 @@
+#include "cluster/testing/etcd_process.h"
+
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "base/scoped_fd.h"
+
+namespace orbitkv::cluster::testing {
+
+std::string EtcdBinary() {
+#ifdef ORBITKV_ETCD_BIN
+  return ORBITKV_ETCD_BIN;
+#else
+  return "";
+#endif
+}
+
+Result<int> PickFreePort() {
+  ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return ErrnoStatus("socket", errno);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
+    return ErrnoStatus("bind", errno);
+  socklen_t len = sizeof(addr);
+  if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    return ErrnoStatus("getsockname", errno);
+  return static_cast<int>(ntohs(addr.sin_port));
+}
+
+namespace {
+
+Result<std::string> MakeTempDir() {
+  std::string pattern = (std::filesystem::temp_directory_path() / "orbitkv-etcd-XXXXXX").string();
+  if (mkdtemp(pattern.data()) == nullptr) return ErrnoStatus("mkdtemp", errno);
+  return pattern;
+}
+
+Result<EtcdProcess::Member> NewMember(std::string name) {
+  EtcdProcess::Member member;
+  member.name = std::move(name);
+  ORBITKV_ASSIGN_OR_RETURN(member.client_port, PickFreePort());
+  ORBITKV_ASSIGN_OR_RETURN(member.peer_port, PickFreePort());
+  if (member.peer_port == member.client_port)
+    return Status::Unavailable("port picker returned one port twice");
+  return member;
+}
+
+std::string PeerUrl(const EtcdProcess::Member& m) {
+  return fmt::format("http://127.0.0.1:{}", m.peer_port);
+}
+
+}  // namespace
+
+EtcdProcess::EtcdProcess(Member member, std::string initial_cluster, std::string token,
+                         std::string dir)
+    : member_(std::move(member)),
+      initial_cluster_(std::move(initial_cluster)),
+      token_(std::move(token)),
+      dir_(std::move(dir)) {}
+
+EtcdProcess::~EtcdProcess() {
+  process_.Kill();
+  std::error_code ignored;
+  std::filesystem::remove_all(dir_, ignored);
+}
+
+std::string EtcdProcess::endpoint() const {
+  return fmt::format("127.0.0.1:{}", member_.client_port);
+}
+
+Status EtcdProcess::Launch() {
+  if (EtcdBinary().empty())
+    return Status::FailedPrecondition("no etcd binary was found at configure time");
+  if (process_.running()) return Status::FailedPrecondition("etcd is already running");
+  const std::string client_url = fmt::format("http://127.0.0.1:{}", member_.client_port);
+  ChildProcess::Options options;
+  options.argv = {EtcdBinary(),
+                  "--name",
+                  member_.name,
+                  "--data-dir",
+                  dir_ + "/data",
+                  "--listen-client-urls",
+                  client_url,
+                  "--advertise-client-urls",
+                  client_url,
+                  "--listen-peer-urls",
+                  PeerUrl(member_),
+                  "--initial-advertise-peer-urls",
+                  PeerUrl(member_),
+                  "--initial-cluster",
+                  initial_cluster_,
+                  "--initial-cluster-state",
+                  "new",
+                  "--initial-cluster-token",
+                  token_,
+                  "--logger",
+                  "zap",
+                  "--log-outputs",
+                  "stderr"};
+  options.output_path = dir_ + "/etcd.log";
+  ORBITKV_ASSIGN_OR_RETURN(process_, ChildProcess::Spawn(options));
+  launched_before_ = true;
+  return Status::Ok();
+}
+
+Status EtcdProcess::Stop() {
+  ORBITKV_RETURN_IF_ERROR(process_.Signal(SIGTERM));
+  return process_.Wait(Deadline::After(std::chrono::seconds(30))).status();
+}
+
+std::string EtcdProcess::LogTail() const {
+  std::ifstream in(dir_ + "/etcd.log");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string all = ss.str();
+  return all.size() > 4000 ? all.substr(all.size() - 4000) : all;
+}
+
+Status EtcdProcess::WaitReady(Deadline deadline) {
+  Status last = Status::Unavailable("etcd exited");
+  while (!deadline.Expired() && process_.running()) {
+    // A fresh channel per probe: a channel that first met a port nobody listened on can sit in
+    // reconnect backoff well after etcd started serving, which would only slow the test down.
+    EtcdClientOptions options;
+    options.endpoints = {endpoint()};
+    options.call_timeout = std::chrono::milliseconds(1000);
+    ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client, EtcdClient::Create(options));
+    etcdserverpb::RangeRequest request;
+    request.set_key("/orbitkv-test/ready");
+    Result<etcdserverpb::RangeResponse> response = client->Range(request, deadline);
+    if (response.ok()) return Status::Ok();
+    last = response.status();
+    // Readiness has no notification; poll it.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return Status::Unavailable(fmt::format("etcd {} did not become ready ({}); log tail:\n{}",
+                                         member_.name, last.ToString(), LogTail()));
+}
+
+Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline) {
+  Status last;
+  // A port picked free can be taken before etcd binds it; try a few fresh pairs.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    ORBITKV_ASSIGN_OR_RETURN(Member member, NewMember("orbitkv-test"));
+    ORBITKV_ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
+    const std::string initial = fmt::format("{}={}", member.name, PeerUrl(member));
+    std::unique_ptr<EtcdProcess> etcd(
+        new EtcdProcess(member, initial, fmt::format("orbitkv-{}", member.peer_port), dir));
+    ORBITKV_RETURN_IF_ERROR(etcd->Launch());
+    last = etcd->WaitReady(deadline);
+    if (last.ok()) return etcd;
+  }
+  return last;
+}
+
+Result<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, Deadline deadline) {
+  auto cluster = std::make_unique<EtcdCluster>();
+  std::vector<EtcdProcess::Member> specs;
+  std::string initial;
+  for (int i = 0; i < members; ++i) {
+    ORBITKV_ASSIGN_OR_RETURN(EtcdProcess::Member m, NewMember(fmt::format("orbitkv-test-{}", i)));
+    if (!initial.empty()) initial += ",";
+    initial += fmt::format("{}={}", m.name, PeerUrl(m));
+    specs.push_back(std::move(m));
+  }
+  for (const EtcdProcess::Member& m : specs) {
+    ORBITKV_ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
+    cluster->members_.push_back(std::unique_ptr<EtcdProcess>(
+        new EtcdProcess(m, initial, fmt::format("orbitkv-{}", specs[0].peer_port), dir)));
+  }
+  for (auto& member : cluster->members_) ORBITKV_RETURN_IF_ERROR(member->Launch());
+  for (auto& member : cluster->members_) ORBITKV_RETURN_IF_ERROR(member->WaitReady(deadline));
+  return cluster;
+}
+
+std::vector<std::string> EtcdCluster::endpoints() const {
+  std::vector<std::string> out;
+  for (const auto& m : members_) out.push_back(m->endpoint());
+  return out;
+}
+
+Result<size_t> EtcdCluster::LeaderIndex(Deadline deadline) {
+  EtcdClientOptions options;
+  options.endpoints = endpoints();
+  options.call_timeout = std::chrono::milliseconds(2000);
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client, EtcdClient::Create(options));
+  while (!deadline.Expired()) {
+    for (size_t i = 0; i < members_.size(); ++i) {
+      if (!members_[i]->running()) continue;
+      Result<etcdserverpb::StatusResponse> status = client->EndpointStatus(i, deadline);
+      if (status.ok() && status->leader() != 0 && status->leader() == status->header().member_id())
+        return i;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return Status::DeadlineExceeded("no etcd member reported itself leader");
+}
+
+}  // namespace orbitkv::cluster::testing

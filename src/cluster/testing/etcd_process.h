@@ -1,0 +1,86 @@
+// EtcdProcess and EtcdCluster (test-only): real etcd servers (Debian's etcd-server) on free
+// loopback ports, each with its own temp data dir, stopped by PID and cleaned up by the destructor
+// even when a test fails.
+//
+// Thread safety: one owner thread.
+#ifndef ORBITKV_CLUSTER_TESTING_ETCD_PROCESS_H_
+#define ORBITKV_CLUSTER_TESTING_ETCD_PROCESS_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/clock.h"
+#include "base/result.h"
+#include "cluster/etcd_client.h"
+#include "cluster/testing/child_process.h"
+
+namespace orbitkv::cluster::testing {
+
+// Path of the etcd binary found at configure time, or empty when there was none.
+std::string EtcdBinary();
+
+// A loopback TCP port that was free a moment ago.
+Result<int> PickFreePort();
+
+class EtcdProcess {
+ public:
+  struct Member {
+    std::string name;
+    int client_port = 0;
+    int peer_port = 0;
+  };
+
+  // Starts a single-member etcd and waits until it serves requests.
+  static Result<std::unique_ptr<EtcdProcess>> StartSingle(Deadline deadline);
+
+  ~EtcdProcess();
+  EtcdProcess(const EtcdProcess&) = delete;
+  EtcdProcess& operator=(const EtcdProcess&) = delete;
+
+  std::string endpoint() const;  // "127.0.0.1:<client port>"
+  const Member& member() const { return member_; }
+  bool running() const { return process_.running(); }
+
+  // SIGTERM and wait for exit.
+  Status Stop();
+  // SIGKILL and reap.
+  void Kill() { process_.Kill(); }
+  // Starts again with the same name, ports and data dir (after Stop or Kill), without waiting for
+  // health.
+  Status Launch();
+  // Waits until the member answers a linearizable read.
+  Status WaitReady(Deadline deadline);
+  // The tail of etcd's log, for failure messages.
+  std::string LogTail() const;
+
+ private:
+  friend class EtcdCluster;
+  EtcdProcess(Member member, std::string initial_cluster, std::string token, std::string dir);
+
+  Member member_;
+  std::string initial_cluster_;
+  std::string token_;  // --initial-cluster-token, shared by the members of one cluster.
+  std::string dir_;    // Temp dir holding data/ and etcd.log; removed by the destructor.
+  bool launched_before_ = false;
+  ChildProcess process_;
+};
+
+// A multi-member etcd cluster on loopback.
+class EtcdCluster {
+ public:
+  static Result<std::unique_ptr<EtcdCluster>> Start(int members, Deadline deadline);
+
+  std::vector<std::string> endpoints() const;
+  EtcdProcess& member(size_t i) { return *members_[i]; }
+  size_t size() const { return members_.size(); }
+  // Index of the current raft leader, asked of every running member.
+  Result<size_t> LeaderIndex(Deadline deadline);
+
+ private:
+  std::vector<std::unique_ptr<EtcdProcess>> members_;
+};
+
+}  // namespace orbitkv::cluster::testing
+
+#endif  // ORBITKV_CLUSTER_TESTING_ETCD_PROCESS_H_

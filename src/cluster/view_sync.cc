@@ -1,0 +1,324 @@
+#include "cluster/view_sync.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/check.h"
+#include "base/logging.h"
+#include "cluster/bidi_stream.h"
+#include "cluster/cluster_keys.h"
+#include "cluster/etcd_client.h"
+
+namespace orbitkv::cluster {
+namespace {
+
+constexpr std::chrono::milliseconds kBackoffMin{100};
+constexpr std::chrono::milliseconds kBackoffMax{2000};
+
+using WatchStream = BidiStream<etcdserverpb::WatchRequest, etcdserverpb::WatchResponse>;
+
+}  // namespace
+
+ViewSync::ViewSync(EtcdClient* client, MemberView* view, Options options)
+    : client_(client),
+      view_(view),
+      options_(std::move(options)),
+      range_begin_(ViewRangeBegin(options_.cluster)),
+      range_end_(ViewRangeEnd(options_.cluster)),
+      members_prefix_(MembersPrefix(options_.cluster)),
+      placement_key_(PlacementKey(options_.cluster)),
+      metrics_(options_.metrics),
+      cluster_id_(options_.etcd_cluster_id) {
+  ORBITKV_CHECK(metrics_ != nullptr);
+  snapshots_ = &metrics_->GetCounter("orbitkv_membership_snapshots_total",
+                                     "Member view snapshots installed");
+  rejected_malformed_ = &metrics_->GetCounter("orbitkv_membership_rejected_records_total",
+                                              "Member records ignored because they were unusable",
+                                              {{"reason", "malformed"}});
+  rejected_oversized_ = &metrics_->GetCounter("orbitkv_membership_rejected_records_total",
+                                              "Member records ignored because they were unusable",
+                                              {{"reason", "oversized"}});
+  complete_gauge_ = &metrics_->GetGauge("orbitkv_membership_view_complete",
+                                        "1 when the cached member view is complete, else 0");
+  revision_gauge_ =
+      &metrics_->GetGauge("orbitkv_membership_view_revision", "etcd revision of the member view");
+  members_gauge_ =
+      &metrics_->GetGauge("orbitkv_membership_view_members", "Members in the cached view");
+}
+
+bool ViewSync::stopping() const {
+  MutexLock lock(&mu_);
+  return stopping_;
+}
+
+void ViewSync::Stop() {
+  MutexLock lock(&mu_);
+  stopping_ = true;
+  // TryCancel only flags the call; it does no I/O and calls back nothing of ours.
+  if (cancel_active_) cancel_active_();
+  wake_.notify_all();
+}
+
+bool ViewSync::WaitFor(std::chrono::milliseconds delay) {
+  const MonoTime until = MonoNow() + delay;
+  MutexLock lock(&mu_);
+  while (!stopping_ && MonoNow() < until) wake_.wait_until(mu_, until);
+  return !stopping_;
+}
+
+void ViewSync::Invalidate(const char* reason) {
+  view_->Invalidate();
+  complete_gauge_->Set(0);
+  metrics_
+      ->GetCounter("orbitkv_membership_view_invalidations_total",
+                   "Member view invalidations, by cause", {{"reason", reason}})
+      .Increment();
+  ORBITKV_LOG_INFO("cluster {}: member view invalidated ({}); taking a fresh snapshot",
+                   options_.cluster, reason);
+}
+
+void ViewSync::Fence(const std::string& reason) {
+  if (fenced_) return;
+  fenced_ = true;
+  if (options_.on_fence) options_.on_fence(reason);
+}
+
+bool ViewSync::CheckClusterId(const etcdserverpb::ResponseHeader& header) {
+  if (header.cluster_id() == 0)
+    return true;  // E.g. the compaction-cancel reply carries an empty header.
+  if (cluster_id_ == 0) {
+    cluster_id_ = header.cluster_id();
+    return true;
+  }
+  if (header.cluster_id() == cluster_id_) return true;
+  if (options_.self.has_value()) {
+    Fence(
+        fmt::format("etcd cluster ID changed from {:x} to {:x}", cluster_id_, header.cluster_id()));
+    return false;
+  }
+  // An observer follows the new cluster from a fresh snapshot.
+  cluster_id_ = header.cluster_id();
+  return true;
+}
+
+Result<Member> ViewSync::DecodeMember(std::string_view node_id, const std::string& key,
+                                      const std::string& value, int64_t lease,
+                                      int64_t create_revision, int64_t mod_revision) {
+  Status status = ValidateName("member key", node_id);
+  Result<MemberRecord> record = status.ok() ? DecodeMemberRecord(options_.cluster, node_id, value)
+                                            : Result<MemberRecord>(status);
+  if (!record.ok()) {
+    (record.status().code() == StatusCode::kOutOfRange ? rejected_oversized_ : rejected_malformed_)
+        ->Increment();
+    ORBITKV_LOG_WARN("cluster {}: ignoring member record at '{}': {}", options_.cluster, key,
+                     record.status().ToString());
+    return record.status();
+  }
+  return Member{std::move(record).value(), lease, create_revision, mod_revision};
+}
+
+Result<int64_t> ViewSync::TakeSnapshot() {
+  std::map<std::string, Member> members;
+  std::optional<std::string> placement;
+  int64_t revision = 0;
+  std::string cursor = range_begin_;
+  while (true) {
+    etcdserverpb::RangeRequest request;
+    request.set_key(cursor);
+    request.set_range_end(range_end_);
+    request.set_limit(kSnapshotPageSize);
+    request.set_revision(revision);
+    ORBITKV_ASSIGN_OR_RETURN(
+        etcdserverpb::RangeResponse page,
+        client_->Range(request, Deadline::After(client_->options().call_timeout)));
+    if (!CheckClusterId(page.header())) return Status::Aborted("fenced");
+    if (revision == 0) revision = page.header().revision();
+    for (const mvccpb::KeyValue& kv : page.kvs()) {
+      if (kv.key() == placement_key_) {
+        placement = kv.value();
+        continue;
+      }
+      if (!kv.key().starts_with(members_prefix_))
+        continue;  // Nothing else is written in the range.
+      const std::string_view node = std::string_view(kv.key()).substr(members_prefix_.size());
+      Result<Member> member = DecodeMember(node, kv.key(), kv.value(), kv.lease(),
+                                           kv.create_revision(), kv.mod_revision());
+      if (!member.ok()) continue;
+      members.emplace(std::string(node), std::move(member).value());
+      if (members.size() > kMaxMembers) {
+        Invalidate("overflow");
+        return Status::ResourceExhausted(
+            fmt::format("cluster {} has more than {} members", options_.cluster, kMaxMembers));
+      }
+    }
+    if (!page.more() || page.kvs().empty()) break;
+    cursor = page.kvs(page.kvs_size() - 1).key();
+    cursor.push_back('\0');
+  }
+
+  if (options_.placement.has_value() && placement != options_.placement) {
+    Fence(placement.has_value() ? fmt::format("placement record changed to {}", *placement)
+                                : std::string("placement record was removed"));
+    return Status::Aborted("fenced");
+  }
+  if (options_.self.has_value()) {
+    const Member& self = *options_.self;
+    auto it = members.find(self.record.node_id);
+    if (it == members.end()) {
+      Fence(fmt::format("own member record is missing at revision {}", revision));
+      return Status::Aborted("fenced");
+    }
+    if (it->second.record != self.record || it->second.lease_id != self.lease_id) {
+      Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}",
+                        it->second.record.epoch, it->second.record.runtime_uuid,
+                        it->second.mod_revision));
+      return Status::Aborted("fenced");
+    }
+  }
+  const size_t count = members.size();
+  view_->Install(std::move(members), revision);
+  snapshots_->Increment();
+  complete_gauge_->Set(1);
+  revision_gauge_->Set(static_cast<double>(revision));
+  members_gauge_->Set(static_cast<double>(count));
+  return revision;
+}
+
+bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
+  std::vector<MemberView::Change> changes;
+  int64_t revision = 0;
+  for (const mvccpb::Event& event : response.events()) {
+    const mvccpb::KeyValue& kv = event.kv();
+    const bool deleted = event.type() == mvccpb::Event::DELETE;
+    revision = std::max(revision, kv.mod_revision());
+    if (kv.key() == placement_key_) {
+      if (options_.placement.has_value() && (deleted || kv.value() != *options_.placement)) {
+        Fence(deleted ? std::string("placement record was removed")
+                      : fmt::format("placement record changed to {}", kv.value()));
+        return false;
+      }
+      continue;
+    }
+    if (!kv.key().starts_with(members_prefix_)) continue;
+    const std::string node(std::string_view(kv.key()).substr(members_prefix_.size()));
+    std::optional<Member> member;
+    if (!deleted) {
+      Result<Member> decoded = DecodeMember(node, kv.key(), kv.value(), kv.lease(),
+                                            kv.create_revision(), kv.mod_revision());
+      if (!decoded.ok()) {
+        Invalidate("malformed");
+        return false;
+      }
+      member = std::move(decoded).value();
+    }
+    if (options_.self.has_value() && node == options_.self->record.node_id) {
+      const Member& self = *options_.self;
+      if (!member.has_value()) {
+        Fence(fmt::format("own member record was deleted at revision {}", kv.mod_revision()));
+        return false;
+      }
+      if (member->record != self.record || member->lease_id != self.lease_id) {
+        Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}",
+                          member->record.epoch, member->record.runtime_uuid, kv.mod_revision()));
+        return false;
+      }
+    }
+    changes.emplace_back(node, std::move(member));
+  }
+  if (changes.empty()) return true;
+  if (!view_->Apply(changes, revision)) {
+    Invalidate("overflow");
+    return false;
+  }
+  revision_gauge_->Set(static_cast<double>(view_->revision()));
+  members_gauge_->Set(static_cast<double>(view_->size()));
+  return true;
+}
+
+ViewSync::WatchEnd ViewSync::WatchFrom(int64_t start_revision) {
+  const size_t endpoint = client_->PreferredEndpoint();
+  WatchStream stream;
+  client_->PrepareStreamContext(stream.context(), "Watch");
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return WatchEnd::kStopped;
+    cancel_active_ = [&stream] { stream.Cancel(); };
+  }
+  struct ClearActive {
+    ViewSync* self;
+    ~ClearActive() {
+      MutexLock lock(&self->mu_);
+      self->cancel_active_ = nullptr;
+    }
+  } clear_active{this};
+
+  const auto prepare = [&](grpc::ClientContext* ctx, grpc::CompletionQueue* cq) {
+    return client_->WatchStub(endpoint)->PrepareAsyncWatch(ctx, cq);
+  };
+  bool healthy = stream.Start(prepare, Deadline::After(client_->options().call_timeout));
+  if (healthy) {
+    etcdserverpb::WatchRequest request;
+    etcdserverpb::WatchCreateRequest* create = request.mutable_create_request();
+    create->set_key(range_begin_);
+    create->set_range_end(range_end_);
+    create->set_start_revision(start_revision);
+    stream.StartWrite(request);
+  }
+  etcdserverpb::WatchResponse response;
+  if (healthy) stream.StartRead(&response);
+  // Until etcd confirms the watch, a silent stream is a dead connection (e.g. accepted by a
+  // stopping etcd); afterwards silence is normal and gRPC keepalive pings watch the connection.
+  Deadline confirm_by = Deadline::After(client_->options().call_timeout);
+  while (healthy) {
+    std::optional<WatchStream::Event> event = stream.Next(confirm_by);
+    if (!event.has_value() || !event->ok) break;
+    if (event->op != WatchStream::Op::kRead) continue;
+    confirm_by = Deadline::Infinite();
+    if (!CheckClusterId(response.header())) return WatchEnd::kFenced;
+    if (response.canceled()) {
+      if (response.compact_revision() > 0) {
+        Invalidate("compaction");
+      } else {
+        ORBITKV_LOG_WARN("cluster {}: watch cancelled: {}", options_.cluster,
+                         response.cancel_reason());
+        Invalidate("canceled");
+      }
+      return WatchEnd::kInvalidated;
+    }
+    if (!ApplyResponse(response)) return fenced_ ? WatchEnd::kFenced : WatchEnd::kInvalidated;
+    response.Clear();
+    stream.StartRead(&response);
+  }
+  const grpc::Status status = stream.Finish();
+  if (stopping()) return WatchEnd::kStopped;
+  ORBITKV_LOG_INFO("cluster {}: watch stream to {} ended: {}", options_.cluster,
+                   client_->endpoints()[endpoint], status.error_message());
+  client_->ReportStreamFailure(endpoint);
+  Invalidate("reconnect");
+  return WatchEnd::kInvalidated;
+}
+
+void ViewSync::Run() {
+  std::chrono::milliseconds backoff = kBackoffMin;
+  while (!stopping() && !fenced_) {
+    Result<int64_t> revision = TakeSnapshot();
+    if (fenced_) return;
+    if (!revision.ok()) {
+      if (revision.status().code() == StatusCode::kOutOfRange)
+        continue;  // Compacted while paging: restart now.
+      if (view_->complete()) Invalidate("reconnect");
+      ORBITKV_LOG_DEBUG("cluster {}: snapshot failed: {}", options_.cluster,
+                        revision.status().ToString());
+      if (!WaitFor(backoff)) return;
+      backoff = std::min(backoff * 2, kBackoffMax);
+      continue;
+    }
+    backoff = kBackoffMin;
+    if (options_.on_installed) options_.on_installed(*revision);
+    const WatchEnd end = WatchFrom(*revision + 1);
+    if (end == WatchEnd::kStopped || end == WatchEnd::kFenced) return;
+  }
+}
+
+}  // namespace orbitkv::cluster

@@ -1,0 +1,125 @@
+// ViewSync: keeps a MemberView equal to the member records in etcd, on a thread its owner provides.
+//
+// Run() loops: take a snapshot of the view range (cluster_keys.h) in pages of 128 at one revision
+// R, install it, then Watch from R+1 and apply events until something makes the cache doubtful;
+// then it invalidates the view and starts over. Doubtful means: the stream broke (reconnect), the
+// Watch was cancelled for compaction, an event carried a malformed or oversized member record, or
+// applying events would exceed kMaxMembers. A snapshot skips malformed and oversized records
+// (counting them) and fails with overflow when more than kMaxMembers valid records exist; either
+// way the view stays incomplete until a snapshot fits. Failed snapshots are retried with a capped
+// exponential backoff (100 ms to 2 s).
+//
+// When it guards a registration (Options::self), ViewSync also fences: the registration's own
+// record missing, deleted or rewritten with another epoch, lease or UUID, the placement record
+// changed or removed, or the etcd cluster ID changed all call on_fence once and end Run().
+//
+// Thread safety: Run() on one thread; Stop() from any thread, and it makes Run() return promptly.
+#ifndef ORBITKV_CLUSTER_VIEW_SYNC_H_
+#define ORBITKV_CLUSTER_VIEW_SYNC_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "base/metrics.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/thread_annotations.h"
+#include "cluster/member_record.h"
+#include "cluster/member_view.h"
+
+namespace etcdserverpb {
+class ResponseHeader;
+class WatchResponse;
+}  // namespace etcdserverpb
+
+namespace orbitkv::cluster {
+
+class EtcdClient;
+
+inline constexpr int64_t kSnapshotPageSize = 128;
+
+class ViewSync {
+ public:
+  struct Options {
+    std::string cluster;
+    // The registration this view guards, or nullopt for an observer that only watches.
+    std::optional<Member> self;
+    // Canonical placement record that must stay installed, or nullopt to ignore the placement key.
+    std::optional<std::string> placement;
+    // etcd cluster ID seen at registration; 0 adopts the first one seen.
+    uint64_t etcd_cluster_id = 0;
+    // Called once, on the ViewSync thread, when the guarded registration must be fenced. Must not
+    // block on ViewSync.
+    std::function<void(const std::string& reason)> on_fence;
+    // Called on the ViewSync thread after each snapshot is installed, before the Watch opens: while
+    // it runs the view does not advance. May be empty.
+    std::function<void(int64_t revision)> on_installed;
+    // Required.
+    MetricsRegistry* metrics = nullptr;
+  };
+
+  ViewSync(EtcdClient* client, MemberView* view, Options options);
+  ViewSync(const ViewSync&) = delete;
+  ViewSync& operator=(const ViewSync&) = delete;
+
+  void Run();
+  void Stop();
+
+  uint64_t snapshots_installed() const { return snapshots_->Value(); }
+
+ private:
+  enum class WatchEnd { kStopped, kFenced, kInvalidated };
+
+  // Installs a snapshot and returns its revision. ResourceExhausted on overflow, Aborted when
+  // fenced, the etcd error otherwise.
+  Result<int64_t> TakeSnapshot();
+  WatchEnd WatchFrom(int64_t start_revision);
+  // Applies one response; false when the view had to be invalidated or the runtime was fenced.
+  bool ApplyResponse(const etcdserverpb::WatchResponse& response);
+  // Validates a member key-value; counts and logs a rejected one.
+  Result<Member> DecodeMember(std::string_view node_id, const std::string& key,
+                              const std::string& value, int64_t lease, int64_t create_revision,
+                              int64_t mod_revision);
+  bool CheckClusterId(const etcdserverpb::ResponseHeader& header);
+  void Invalidate(const char* reason);
+  void Fence(const std::string& reason);
+  // Waits for `delay` or Stop(); false when stopping.
+  bool WaitFor(std::chrono::milliseconds delay);
+  bool stopping() const;
+
+  // Immutable after construction.
+  EtcdClient* const client_;
+  MemberView* const view_;
+  const Options options_;
+  const std::string range_begin_;
+  const std::string range_end_;
+  const std::string members_prefix_;
+  const std::string placement_key_;
+  Counter* snapshots_;
+  Counter* rejected_malformed_;
+  Counter* rejected_oversized_;
+  Gauge* complete_gauge_;
+  Gauge* revision_gauge_;
+  Gauge* members_gauge_;
+  MetricsRegistry* metrics_;
+
+  // Owned by the Run() thread.
+  uint64_t cluster_id_ = 0;
+  bool fenced_ = false;
+
+  mutable Mutex mu_;
+  std::condition_variable_any wake_;
+  // Guarded by mu_.
+  bool stopping_ GUARDED_BY(mu_) = false;
+  // The stream Run() is reading, so that Stop() can cancel it.
+  std::function<void()> cancel_active_ GUARDED_BY(mu_);
+};
+
+}  // namespace orbitkv::cluster
+
+#endif  // ORBITKV_CLUSTER_VIEW_SYNC_H_

@@ -1,0 +1,154 @@
+// The member view against a real etcd: malformed and oversized records, compaction during Watch,
+// overflow, and an observer that watches without registering.
+#include "cluster/view_sync.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "cluster/etcd_client.h"
+#include "cluster/testing/cluster_fixture.h"
+
+namespace orbitkv::cluster {
+namespace {
+
+using testing::CounterValue;
+using testing::EtcdTest;
+using testing::kWaitLimit;
+using testing::WaitUntil;
+
+class ViewSyncTest : public EtcdTest {
+ protected:
+  uint64_t Snapshots(MetricsRegistry& m) {
+    return CounterValue(m, "orbitkv_membership_snapshots_total");
+  }
+  uint64_t Invalidations(MetricsRegistry& m, const char* reason) {
+    return CounterValue(m, "orbitkv_membership_view_invalidations_total", {{"reason", reason}});
+  }
+  uint64_t Rejected(MetricsRegistry& m, const char* reason) {
+    return CounterValue(m, "orbitkv_membership_rejected_records_total", {{"reason", reason}});
+  }
+
+  // Writes `count` valid member records node-0000.. in transactions of 128 puts.
+  void PutFakeMembers(int first, int count) {
+    for (int start = first; start < first + count; start += 128) {
+      etcdserverpb::TxnRequest txn;
+      for (int i = start; i < std::min(first + count, start + 128); ++i) {
+        const std::string node = fmt::format("node-{:04}", i);
+        etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
+        put->set_key(MemberKey(cluster_, node));
+        put->set_value(FakeRecord(node));
+      }
+      Result<etcdserverpb::TxnResponse> r = raw_->Txn(txn, Deadline::After(kWaitLimit));
+      ASSERT_TRUE(r.ok() && r->succeeded()) << r.status();
+    }
+  }
+};
+
+TEST_F(ViewSyncTest, MalformedAndOversizedRecordsAreIgnoredAndTriggerAFreshSnapshot) {
+  MetricsRegistry m;
+  auto a = Join(Options("node-a"), &m);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
+  ASSERT_EQ(Snapshots(m), 1u);
+
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "bad"), "{not json").ok());
+  // The Watch event invalidates the view; the fresh snapshot skips the record again and completes.
+  ASSERT_TRUE(WaitUntil([&] { return Snapshots(m) == 2 && a->view().complete(); }));
+  EXPECT_EQ(Invalidations(m, "malformed"), 1u);
+  EXPECT_EQ(Rejected(m, "malformed"), 2u);  // Once in the event, once in the snapshot.
+  EXPECT_EQ(a->view().Find("bad").status().code(), StatusCode::kNotFound);
+
+  std::string big = FakeRecord("big");
+  big.insert(big.size() - 1, ",\"pad\":\"" + std::string(2048, 'x') + "\"");
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "big"), big).ok());
+  ASSERT_TRUE(WaitUntil([&] { return Snapshots(m) == 3 && a->view().complete(); }));
+  EXPECT_EQ(Rejected(m, "oversized"), 2u);
+  EXPECT_EQ(a->view().Find("big").status().code(), StatusCode::kNotFound);
+  // A record under a name that is not a Node ID is malformed too.
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "a/b"), FakeRecord("ok")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return Snapshots(m) == 4 && a->view().complete(); }));
+  // Throughout, the registration itself was never in doubt.
+  EXPECT_EQ(a->state(), MembershipState::kRegistered);
+  EXPECT_TRUE(a->CanDoRemoteWork());
+}
+
+TEST_F(ViewSyncTest, CompactionDuringWatchTriggersAFreshSnapshot) {
+  MetricsRegistry m;
+  MembershipOptions o = Options("node-a");
+  std::atomic<int> installs{0};
+  // Between the first snapshot (revision R) and its Watch (from R+1), history up to a newer
+  // revision is compacted away; the Watch must be cancelled for compaction and the view rebuilt
+  // from a fresh snapshot.
+  o.on_view_installed = [&](int64_t) {
+    if (installs.fetch_add(1) != 0) return;
+    ASSERT_TRUE(RawPut(MemberKey(cluster_, "ghost-1"), FakeRecord("ghost-1")).ok());
+    ASSERT_TRUE(RawPut(MemberKey(cluster_, "ghost-2"), FakeRecord("ghost-2")).ok());
+    Result<int64_t> now = CurrentRevision();
+    ASSERT_TRUE(now.ok());
+    etcdserverpb::CompactionRequest compact;
+    compact.set_revision(*now);
+    ASSERT_TRUE(raw_->Compact(compact, Deadline::After(kWaitLimit)).ok());
+  };
+  auto a = Join(o, &m);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(WaitUntil([&] { return installs.load() == 2 && a->view().complete(); }));
+  EXPECT_EQ(Invalidations(m, "compaction"), 1u);
+  EXPECT_TRUE(Sees(*a, "ghost-1"));
+  EXPECT_TRUE(Sees(*a, "ghost-2"));
+  EXPECT_EQ(a->state(), MembershipState::kRegistered);
+}
+
+TEST_F(ViewSyncTest, OverflowInvalidatesUntilTheClusterFitsAgain) {
+  // 4,095 others plus node-a is exactly the limit.
+  PutFakeMembers(0, static_cast<int>(kMaxMembers) - 1);
+  MetricsRegistry m;
+  auto a = Join(Options("node-a"), &m);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
+  EXPECT_EQ(a->view().size(), kMaxMembers);
+  // Snapshot pages hold at most 128 records at one revision.
+  EXPECT_GE(CounterValue(m, "orbitkv_etcd_calls_total", {{"method", "Range"}}), kMaxMembers / 128);
+
+  // One more member overflows through the Watch; every snapshot then overflows too.
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "one-too-many"), FakeRecord("one-too-many")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return Invalidations(m, "overflow") >= 2; }));
+  EXPECT_FALSE(a->view().complete());
+  EXPECT_FALSE(a->CanDoRemoteWork());
+  EXPECT_TRUE(a->RegistrationValid());
+
+  ASSERT_TRUE(RawDelete(MemberKey(cluster_, "node-0000")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
+  EXPECT_TRUE(Sees(*a, "one-too-many"));
+  EXPECT_EQ(a->view().size(), kMaxMembers);
+  EXPECT_TRUE(a->CanDoRemoteWork());
+}
+
+TEST_F(ViewSyncTest, ObserverFollowsMembersWithoutRegistering) {
+  MetricsRegistry m;
+  MemberView view;
+  ViewSync::Options options;
+  options.cluster = cluster_;
+  options.metrics = &m;
+  ViewSync sync(raw_.get(), &view, options);
+  std::thread thread([&] { sync.Run(); });
+  ASSERT_TRUE(WaitUntil([&] { return view.complete(); }));
+  EXPECT_EQ(view.size(), 0u);
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "x"), FakeRecord("x")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return view.Find("x").ok(); }));
+  const int64_t revision = view.revision();
+  ASSERT_TRUE(RawDelete(MemberKey(cluster_, "x")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return view.Find("x").status().code() == StatusCode::kNotFound; }));
+  EXPECT_GT(view.revision(), revision);
+  // Keys outside the view range never show up.
+  ASSERT_TRUE(RawPut(EpochKey(cluster_, "y"), "5").ok());
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "z"), FakeRecord("z")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return view.Find("z").ok(); }));
+  EXPECT_EQ(view.size(), 1u);
+  sync.Stop();
+  thread.join();
+}
+
+}  // namespace
+}  // namespace orbitkv::cluster
