@@ -5,6 +5,7 @@
 // usage.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -84,6 +85,8 @@ int main(int argc, char** argv) {
   }
   auto f = ParseFlatJson(*stats);
   if (command == "status") {
+    std::string membership = f["membership"];
+    membership.erase(std::remove(membership.begin(), membership.end(), '"'), membership.end());
     fmt::print(
         "Manager on {}: up (incarnation {}), {} of {} pool in use, {} blocks resident, {} leases, "
         "{} copies "

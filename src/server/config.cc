@@ -157,6 +157,22 @@ const std::vector<Option>& Options() {
          c.slot_bytes = static_cast<uint32_t>(bytes);
          return Status::Ok();
        }},
+      {"etcd-endpoints", "HOST:PORT[,...]",
+       "join the cluster registered in this etcd (distributed mode; default off: a single host)",
+       StringInto(&ManagerConfig::etcd_endpoints)},
+      {"cluster-name", "NAME", "the cluster to join in etcd (needed with --etcd-endpoints)",
+       StringInto(&ManagerConfig::cluster_name)},
+      {"node-id", "ID",
+       "this Manager's stable Node ID in the cluster (needed with --etcd-endpoints)",
+       StringInto(&ManagerConfig::node_id)},
+      {"membership-ttl-secs", "N", "lease TTL of the membership record in seconds (default 10)",
+       Uint32Into(&ManagerConfig::membership_ttl_secs, 2, 3600)},
+      {"catalog-nodes", "ID[,ID...]",
+       "the 1-16 Node IDs that host catalog shards (the same on every Manager)",
+       StringInto(&ManagerConfig::catalog_nodes)},
+      {"peer-endpoint", "HOST:PORT",
+       "where other Managers reach this one (advertised in its member record)",
+       StringInto(&ManagerConfig::peer_endpoint)},
   };
   return options;
 }

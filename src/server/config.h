@@ -39,6 +39,14 @@ struct ManagerConfig {
   uint32_t payload_slots = 64;
   uint32_t slot_bytes = 64 * 1024;
   std::string config_file;
+  // Distributed mode (membership on etcd): off unless etcd_endpoints is set.
+  std::string etcd_endpoints;  // host:port[,host:port...]
+  std::string cluster_name;
+  std::string node_id;
+  uint32_t membership_ttl_secs = 10;
+  std::string catalog_nodes;  // id[,id...]
+  std::string
+      peer_endpoint;  // host:port peers reach this Manager at (advertised in its member record)
 };
 
 // `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when XDG_RUNTIME_DIR is set, else

@@ -91,6 +91,10 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
       &m.GetCounter("orbitkv_saved_bytes_total", "Bytes copied from engine pages and sealed");
   manager->save_skipped_ = &m.GetCounter("orbitkv_save_skipped_blocks_total",
                                          "Saved blocks skipped (already resident or in progress)");
+  manager->remote_work_enabled_ = &m.GetGauge("orbitkv_membership_remote_work_enabled",
+                                              "1 while membership is registered and the member "
+                                              "view complete (remote work allowed); 0 otherwise, "
+                                              "including single-host mode");
   manager->query_latency_ =
       &m.GetHistogram("orbitkv_query_seconds", "Time to answer a query in the Manager",
                       Histogram::ExponentialBounds(1e-6, 2, 20));
@@ -116,6 +120,7 @@ Status Manager::Start() {
       epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &wake_event) != 0) {
     return ErrnoStatus("epoll_ctl", errno);
   }
+  ORBITKV_RETURN_IF_ERROR(StartMembership());
   cleaner_ = std::thread([this] { CleanupLoop(); });
   dispatcher_ = std::thread([this] { DispatchLoop(); });
   started_ = true;
@@ -146,6 +151,10 @@ void Manager::Wait() {
   }
   cleanup_cv_.notify_all();
   cleaner_.join();
+#if ORBITKV_SERVER_HAS_CLUSTER
+  if (membership_)
+    membership_->Shutdown();  // revokes the lease: peers see this Manager leave at once
+#endif
   if (http_) http_->Stop();
   ORBITKV_LOG_INFO("manager: stopped");
 }
@@ -182,6 +191,7 @@ void Manager::DispatchLoop() {
       }
     }
     const int n = epoll_wait(epoll_.get(), events, 64, pending ? 0 : 1000);
+    if (!spinning) UpdateMembershipGauges();
     if (!spinning) {
       for (auto& [id, session] : sessions_) session->channel->ClearWaiting();
     }
@@ -387,6 +397,57 @@ void Manager::CleanupLoop() {
     }
     task();
   }
+}
+
+Status Manager::StartMembership() {
+#if ORBITKV_SERVER_HAS_CLUSTER
+  if (config_.etcd_endpoints.empty()) return Status::Ok();
+  cluster::MembershipOptions options;
+  ORBITKV_ASSIGN_OR_RETURN(options.etcd_endpoints,
+                           cluster::SplitFlagList("--etcd-endpoints", config_.etcd_endpoints));
+  options.cluster_name = config_.cluster_name;
+  options.node_id = config_.node_id;
+  options.membership_ttl_secs = config_.membership_ttl_secs;
+  if (!config_.catalog_nodes.empty()) {
+    ORBITKV_ASSIGN_OR_RETURN(options.catalog_nodes,
+                             cluster::SplitFlagList("--catalog-nodes", config_.catalog_nodes));
+  }
+  options.peer_endpoint = config_.peer_endpoint;
+  ORBITKV_ASSIGN_OR_RETURN(membership_, cluster::Membership::Create(std::move(options), &metrics_));
+  Status joined = membership_->Join(Deadline::After(std::chrono::seconds(30)));
+  if (!joined.ok()) {
+    membership_.reset();
+    return joined.WithContext("joining the cluster");
+  }
+  ORBITKV_LOG_INFO("manager: joined cluster '{}' as node {}", config_.cluster_name,
+                   config_.node_id);
+#endif
+  return Status::Ok();
+}
+
+void Manager::UpdateMembershipGauges() {
+#if ORBITKV_SERVER_HAS_CLUSTER
+  if (membership_) {
+    remote_work_enabled_->Set(membership_->CanDoRemoteWork() ? 1 : 0);
+    return;
+  }
+#endif
+  remote_work_enabled_->Set(0);
+}
+
+std::string Manager::MembershipJson() const {
+#if ORBITKV_SERVER_HAS_CLUSTER
+  if (membership_) {
+    const cluster::MembershipStatus status = membership_->GetStatus();
+    return fmt::format(
+        ", \"membership\": \"{}\", \"membership_epoch\": {}, \"remote_work\": {}, "
+        "\"view_revision\": {}, "
+        "\"members\": {}",
+        cluster::MembershipStateName(status.state), status.self.epoch,
+        status.remote_work_allowed ? 1 : 0, status.view.revision, status.view.members.size());
+  }
+#endif
+  return ", \"membership\": \"single-host\"";
 }
 
 Result<std::shared_ptr<Manager::Instance>> Manager::InstanceFor(const Session& session,

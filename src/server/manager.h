@@ -41,6 +41,10 @@
 #include "server/metrics_http.h"
 #include "state/namespace.h"
 
+#if ORBITKV_SERVER_HAS_CLUSTER
+#include "cluster/membership.h"
+#endif
+
 namespace orbitkv::server {
 
 class Manager {
@@ -99,6 +103,9 @@ class Manager {
   bool TryBeginOperation();
   void EndOperation();
 
+  Status StartMembership();
+  void UpdateMembershipGauges();
+  std::string MembershipJson() const;
   void CleanupLoop();
   void PostCleanup(std::function<void()> task);
 
@@ -114,6 +121,12 @@ class Manager {
   // Created by Start.
   std::unique_ptr<core::CpuCopyEngine> copy_engine_;
   std::unique_ptr<MetricsHttpServer> http_;
+#if ORBITKV_SERVER_HAS_CLUSTER
+  // Distributed mode only (--etcd-endpoints). Its own keepalive and view threads start in Join,
+  // called from Start; cache operations read it without any etcd call.
+  std::unique_ptr<cluster::Membership> membership_;
+#endif
+  Gauge* remote_work_enabled_ = nullptr;
   std::thread dispatcher_;
   std::thread cleaner_;
   bool started_ = false;

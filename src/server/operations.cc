@@ -282,13 +282,14 @@ Status Manager::HandleStats(Session& session, const channel::InboundRequest& req
       "\"resident_blocks\": {}, "
       "\"resident_bytes\": {}, \"pinned_blocks\": {}, \"leases_active\": {}, "
       "\"query_reserved_bytes\": {}, "
-      "\"operations_active\": {}, \"hits\": {}, \"misses\": {}, \"evictions\": {}}}",
+      "\"operations_active\": {}, \"hits\": {}, \"misses\": {}, \"evictions\": {}{}}}",
       incarnation_, pool.capacity_bytes, pool.allocated_bytes, table.resident_blocks,
       table.resident_bytes, table.pinned_blocks, cache_->leases().active(),
       cache_->query_budget().reserved_bytes(), operations_.load(std::memory_order_relaxed),
       metrics_.GetCounter("orbitkv_cache_hits_total", "").Value(),
       metrics_.GetCounter("orbitkv_cache_misses_total", "").Value(),
-      metrics_.GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}}).Value());
+      metrics_.GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}}).Value(),
+      MembershipJson());
   return session.channel->Reply(
       request.descriptor, StatusCode::kOk, 0, 0,
       std::span(reinterpret_cast<const uint8_t*>(json.data()), json.size()));

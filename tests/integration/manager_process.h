@@ -10,10 +10,13 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "channel/session.h"
 #include "channel/uds.h"
 
 namespace orbitkv::testing {
@@ -39,8 +42,12 @@ class ManagerProcess {
       execv(argv[0], argv.data());
       _exit(127);
     }
+    // Ready means a session was welcomed: the socket exists from Create on, but only a started
+    // dispatcher answers Hello (a Manager that fails to join its cluster exits before that).
     for (int i = 0; i < 3000; ++i) {
-      if (auto fd = channel::ConnectUnix(socket_); fd.ok()) return;
+      channel::ConnectOptions options;
+      options.deadline = Deadline::After(std::chrono::milliseconds(200));
+      if (auto session = channel::ClientSession::Connect(socket_, options); session.ok()) return;
       int status;
       if (waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
@@ -58,6 +65,11 @@ class ManagerProcess {
   bool running() const { return pid_ > 0; }
   const std::string& socket() const { return socket_; }
   const std::string& log() const { return log_; }
+  // The Manager's log so far (for failure messages).
+  std::string LogText() const {
+    std::ifstream in(log_);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
   pid_t pid() const { return pid_; }
 
   // Sends `signal` and reaps the process; returns its wait status (-1 if it was not running).
