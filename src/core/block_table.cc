@@ -194,9 +194,9 @@ void BlockTable::Touch(Shard& shard, uint32_t slot) {
 
 uint32_t BlockTable::SettledTail(Shard& shard, Segment segment) {
   List& list = ListOf(shard, segment);
-  // Referenced blocks get a second chance and pinned blocks are skipped: both move to the front (a referenced one
-  // losing its bit). Two passes at most (the first may only clear bits), so a list of only pinned blocks yields
-  // kNone.
+  // Referenced blocks get a second chance and pinned blocks are skipped: both move to the front (a
+  // referenced one losing its bit). Two passes at most (the first may only clear bits), so a list
+  // of only pinned blocks yields kNone.
   for (uint64_t steps = 0; list.tail != kNone && steps < 2 * list.count; ++steps) {
     Block& block = shard.slots[list.tail];
     if (!block.referenced && block.pins == 0) return list.tail;
@@ -509,59 +509,17 @@ uint64_t BlockTable::EvictBytes(uint64_t bytes) {
   return evicted;
 }
 
-size_t BlockTable::LookupPrefix(std::span<const StateKey> keys) {
-  size_t hit = 0;
-  for (const StateKey& key : keys) {
-    const uint64_t hash = key.Hash64();
-    Shard& shard = ShardOf(hash);
-    MutexLock lock(&shard.mu);
-    shard.sketch.Increment(hash);
-    auto it = shard.entries.find(HashedKey{&key, hash});
-    if (it == shard.entries.end() || it->second.dram == kNone) break;
-    Touch(shard, it->second.dram);
-    ++hit;
-  }
-  hits_->Increment(hit);
-  misses_->Increment(keys.size() - hit);
-  return hit;
-}
-
-size_t BlockTable::LookupPrefixTiers(std::span<const StateKey> keys,
-                                     std::vector<Residence>* tiers) {
-  size_t found = 0;
-  size_t dram_hits = 0;
-  for (const StateKey& key : keys) {
-    const uint64_t hash = key.Hash64();
-    Shard& shard = ShardOf(hash);
-    MutexLock lock(&shard.mu);
-    shard.sketch.Increment(hash);
-    auto it = shard.entries.find(HashedKey{&key, hash});
-    if (it == shard.entries.end()) break;
-    if (it->second.dram != kNone) {
-      Touch(shard, it->second.dram);
-      tiers->push_back(Residence::kDram);
-      ++dram_hits;
-    } else if (it->second.ssd.has_value()) {
-      tiers->push_back(Residence::kSsd);
-    } else {
-      break;
-    }
-    ++found;
-  }
-  hits_->Increment(dram_hits);
-  misses_->Increment(keys.size() - dram_hits);
-  return found;
-}
-
-size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPin>* pins) {
+template <typename Visit>
+size_t BlockTable::ScanPrefix(std::span<const StateKey> keys, Visit&& visit) {
   // Each shard is locked once per call rather than once per key: keys are bucketed by shard (a
-  // counting sort that keeps their order), each bucket is looked up under one lock, and the prefix
-  // is cut at the first miss. Keys past a miss already found are skipped.
+  // counting sort that keeps their order), each bucket is visited under one lock, and the prefix
+  // ends at the first key the visitor rejects. Keys past a rejection already found are skipped.
+  // Every visited key counts as an access.
   const size_t n = keys.size();
   const size_t shard_count = shards_.size();
   std::vector<uint64_t> hashes(n);
-  std::vector<uint32_t> bucket_start(shard_count + 1, 0);
   std::vector<uint32_t> shard_of(n);
+  std::vector<uint32_t> bucket_start(shard_count + 1, 0);
   for (size_t i = 0; i < n; ++i) {
     hashes[i] = keys[i].Hash64();
     shard_of[i] = ShardIndex(hashes[i]);
@@ -573,10 +531,7 @@ size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPi
     std::vector<uint32_t> fill(bucket_start.begin(), bucket_start.end() - 1);
     for (size_t i = 0; i < n; ++i) order[fill[shard_of[i]]++] = static_cast<uint32_t>(i);
   }
-  const size_t base = pins->size();
-  pins->resize(base + n);
   size_t first_miss = n;
-  int64_t newly_pinned = 0;
   for (uint32_t shard_index = 0; shard_index < shard_count; ++shard_index) {
     const uint32_t begin = bucket_start[shard_index];
     const uint32_t end = bucket_start[shard_index + 1];
@@ -587,26 +542,78 @@ size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPi
       const size_t i = order[k];
       shard.sketch.Increment(hashes[i]);
       auto it = shard.entries.find(HashedKey{&keys[i], hashes[i]});
-      if (it == shard.entries.end() || it->second.dram == kNone) {
+      if (!visit(shard, shard_index, i, it == shard.entries.end() ? nullptr : &it->second)) {
         first_miss = i;
         break;
       }
-      (*pins)[base + i] = PinLocked(shard, shard_index, it->second.dram, &newly_pinned);
     }
   }
+  return first_miss;
+}
+
+size_t BlockTable::LookupPrefix(std::span<const StateKey> keys) {
+  // The visitors run under the shard lock ScanPrefix holds; the analysis cannot follow that into a
+  // lambda.
+  const size_t hit = ScanPrefix(
+      keys, [this](Shard& shard, uint32_t, size_t, Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
+        if (entry == nullptr || entry->dram == kNone) return false;
+        Touch(shard, entry->dram);
+        return true;
+      });
+  hits_->Increment(hit);
+  misses_->Increment(keys.size() - hit);
+  return hit;
+}
+
+size_t BlockTable::LookupPrefixTiers(std::span<const StateKey> keys,
+                                     std::vector<Residence>* tiers) {
+  std::vector<Residence> found(keys.size(), Residence::kMiss);
+  const size_t prefix = ScanPrefix(keys, [this, &found](Shard& shard, uint32_t, size_t i,
+                                                        Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
+    if (entry == nullptr) return false;
+    if (entry->dram != kNone) {
+      Touch(shard, entry->dram);
+      found[i] = Residence::kDram;
+      return true;
+    }
+    if (!entry->ssd.has_value()) return false;
+    found[i] = Residence::kSsd;
+    return true;
+  });
+  size_t dram_hits = 0;
+  for (size_t i = 0; i < prefix; ++i) {
+    tiers->push_back(found[i]);
+    dram_hits += found[i] == Residence::kDram ? 1 : 0;
+  }
+  hits_->Increment(dram_hits);
+  misses_->Increment(keys.size() - dram_hits);
+  return prefix;
+}
+
+size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPin>* pins) {
+  const size_t base = pins->size();
+  pins->resize(base + keys.size());
+  int64_t newly_pinned = 0;
+  const size_t prefix = ScanPrefix(
+      keys, [this, pins, base, &newly_pinned](Shard& shard, uint32_t shard_index, size_t i,
+                                              Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
+        if (entry == nullptr || entry->dram == kNone) return false;
+        (*pins)[base + i] = PinLocked(shard, shard_index, entry->dram, &newly_pinned);
+        return true;
+      });
   if (newly_pinned != 0) pinned_blocks_->Add(static_cast<double>(newly_pinned));
-  if (first_miss < n) {
+  if (prefix < keys.size()) {
     // Pins found past the first miss are released now, outside every lock.
     std::vector<BlockPin> beyond;
-    for (size_t i = first_miss; i < n; ++i) {
+    for (size_t i = prefix; i < keys.size(); ++i) {
       if ((*pins)[base + i].valid()) beyond.push_back(std::move((*pins)[base + i]));
     }
-    pins->resize(base + first_miss);
+    pins->resize(base + prefix);
     BlockPin::ReleaseAll(&beyond);
   }
-  hits_->Increment(first_miss);
-  misses_->Increment(n - first_miss);
-  return first_miss;
+  hits_->Increment(prefix);
+  misses_->Increment(keys.size() - prefix);
+  return prefix;
 }
 
 Result<BlockPin> BlockTable::Pin(const StateKey& key) {

@@ -311,6 +311,12 @@ class BlockTable {
   Shard& ShardOf(uint64_t hash) { return *shards_[hash % shards_.size()]; }
   uint32_t ShardIndex(uint64_t hash) const { return static_cast<uint32_t>(hash % shards_.size()); }
 
+  // Visits the keys of a prefix lookup shard by shard (one lock per shard); `visit(shard, shard_index, i,
+  // entry or nullptr)` runs under the shard lock and returns whether key i extends the prefix. Returns the prefix
+  // length.
+  template <typename Visit>
+  size_t ScanPrefix(std::span<const state::StateKey> keys, Visit&& visit);
+
   // The one residency transition function: publishes (present) or unpublishes a residence in the
   // table and records it in the inventory, in one step under the shard lock.
   void TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool present,

@@ -178,7 +178,7 @@ void Manager::DispatchLoop() {
   // sleeping: a busy engine's next request is then picked up without a doorbell round trip (a
   // wakeup costs several microseconds). An idle Manager sleeps in epoll_wait.
   constexpr auto kSpinAfterWork = std::chrono::microseconds(100);
-  MonoTime last_work = MonoTime::min();
+  MonoTime last_work = MonoNow() - std::chrono::seconds(1);  // not "recent": start asleep
   while (!stopping_.load(std::memory_order_acquire)) {
     const bool spinning = MonoNow() - last_work < kSpinAfterWork;
     bool pending = spinning;
