@@ -516,6 +516,20 @@ size_t BlockTable::ScanPrefix(std::span<const StateKey> keys, Visit&& visit) {
   // ends at the first key the visitor rejects. Keys past a rejection already found are skipped.
   // Every visited key counts as an access.
   const size_t n = keys.size();
+  if (n == 0) return 0;
+  {
+    // A cold prefix usually misses on its first key: answer that without hashing the rest.
+    const uint64_t hash = keys[0].Hash64();
+    const uint32_t shard_index = ShardIndex(hash);
+    Shard& shard = *shards_[shard_index];
+    MutexLock lock(&shard.mu);
+    auto it = shard.entries.find(HashedKey{&keys[0], hash});
+    if (it == shard.entries.end()) {
+      shard.sketch.Increment(hash);
+      (void)visit(shard, shard_index, 0, nullptr);
+      return 0;
+    }
+  }
   const size_t shard_count = shards_.size();
   std::vector<uint64_t> hashes(n);
   std::vector<uint32_t> shard_of(n);
