@@ -91,7 +91,7 @@ Percentiles UdsPingPong() {
   return Summarize(std::move(us));
 }
 
-Percentiles CppPingRtt(const ManagerFixture& manager) {
+Percentiles CppPingRtt(const testing::ManagerProcess& manager) {
   client::ClientOptions options;
   options.socket_path = manager.socket();
   auto client = *client::CacheClient::Connect(options);
@@ -104,7 +104,7 @@ Percentiles CppPingRtt(const ManagerFixture& manager) {
   return Summarize(std::move(us));
 }
 
-Percentiles CppQueryRtt(const ManagerFixture& manager) {
+Percentiles CppQueryRtt(const testing::ManagerProcess& manager) {
   client::ClientOptions options;
   options.socket_path = manager.socket();
   auto client = *client::CacheClient::Connect(options);
@@ -133,7 +133,7 @@ Percentiles CppQueryRtt(const ManagerFixture& manager) {
 }
 
 // The same loop in a Python engine process through orbitkv.CacheManagerClient.
-Percentiles PythonQueryRtt(const ManagerFixture& manager) {
+Percentiles PythonQueryRtt(const testing::ManagerProcess& manager) {
   const std::string script = fmt::format(R"PY(
 import json, os, sys, time, orbitkv
 from orbitkv import shm
@@ -206,10 +206,10 @@ int main(int argc, char** argv) {
   };
   const Percentiles shm = best(ShmEventfdPingPong);
   const Percentiles uds = best(UdsPingPong);
-  ManagerFixture manager("256MiB");
-  const Percentiles ping = best([&] { return CppPingRtt(manager); });
-  const Percentiles cpp = best([&] { return CppQueryRtt(manager); });
-  const Percentiles py = best([&] { return PythonQueryRtt(manager); });
+  const auto manager = StartManager("256MiB");
+  const Percentiles ping = best([&] { return CppPingRtt(*manager); });
+  const Percentiles cpp = best([&] { return CppQueryRtt(*manager); });
+  const Percentiles py = best([&] { return PythonQueryRtt(*manager); });
   report.Add({"query_rtt_cpp_p50", "us", cpp.p50, "shm_eventfd_pingpong_p50", shm.p50});
   report.Add({"query_rtt_python_p50", "us", py.p50, "shm_eventfd_pingpong_p50", shm.p50});
   report.Add({"query_rtt_cpp_p99", "us", cpp.p99, "shm_eventfd_pingpong_p99", shm.p99});

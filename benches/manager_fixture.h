@@ -4,72 +4,37 @@
 #define ORBITKV_BENCHES_MANAGER_FIXTURE_H_
 
 #include <fmt/format.h>
-#include <signal.h>
-#include <sys/prctl.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstring>
-#include <filesystem>
+#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "base/check.h"
 #include "client/cache_client.h"
+#include "manager_process.h"
 #include "state/namespace.h"
 #include "state/state_key.h"
 
 namespace orbitkv::bench {
 
-class ManagerFixture {
- public:
-  explicit ManagerFixture(const std::string& dram, std::vector<std::string> extra = {}) {
-    dir_ = fmt::format("/tmp/orbitkv-bench-{}", getpid());
-    std::filesystem::create_directories(dir_);
-    socket_ = dir_ + "/manager.sock";
-    std::vector<std::string> args = {ORBITKV_MANAGER_BIN, "--socket", socket_, "--dram", dram,
-                                     "--log-level",       "warn"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    pid_ = fork();
-    if (pid_ == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive a crashed parent
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    for (int i = 0; i < 6000; ++i) {
-      client::ClientOptions options;
-      options.socket_path = socket_;
-      if (client::CacheClient::Connect(options).ok()) return;
-      int status;
-      ORBITKV_CHECK_MSG(waitpid(pid_, &status, WNOHANG) != pid_,
-                        "orbitkv-manager exited during startup");
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    ORBITKV_CHECK_MSG(false, "orbitkv-manager did not start");
-  }
-  ~ManagerFixture() {
-    kill(pid_, SIGTERM);
-    int status;
-    waitpid(pid_, &status, 0);
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
-  const std::string& socket() const { return socket_; }
-
- private:
-  std::string dir_, socket_;
-  pid_t pid_ = -1;
-};
+// A real Manager: the integration tests' ManagerProcess (tests/integration/manager_process.h),
+// started with a benchmark-sized pool and quiet logs.
+inline std::unique_ptr<testing::ManagerProcess> StartManager(const std::string& dram,
+                                                             std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"--dram", dram, "--log-level", "warn"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto manager = std::make_unique<testing::ManagerProcess>(args, "bench");
+  ORBITKV_CHECK_MSG(manager->running(), "orbitkv-manager did not start: {}", manager->LogText());
+  return manager;
+}
 
 // One memfd buffer of `pages` pages of `page_bytes`, registered as group 0 of `instance`.
 struct EngineBuffer {
-  EngineBuffer(client::CacheClient& client, uint64_t instance, uint32_t num_pages, uint64_t bytes_per_page)
+  EngineBuffer(client::CacheClient& client, uint64_t instance, uint32_t num_pages,
+               uint64_t bytes_per_page)
       : pages(num_pages), page_bytes(bytes_per_page), bytes(num_pages * bytes_per_page) {
     fd = memfd_create("bench-engine", MFD_CLOEXEC);
     ORBITKV_CHECK(fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0);

@@ -22,7 +22,7 @@ struct Figures {
   double restore_gbps = 0, save_gbps = 0;
 };
 
-Figures Measure(const ManagerFixture& manager, uint64_t instance, uint64_t page_bytes,
+Figures Measure(const testing::ManagerProcess& manager, uint64_t instance, uint64_t page_bytes,
                 uint32_t pages) {
   client::ClientOptions options;
   options.socket_path = manager.socket();
@@ -93,9 +93,9 @@ int main(int argc, char** argv) {
   BenchReport report("restore-cpu");
   AddStandardEnv(report);
   // Large enough that no round evicts another round's blocks (3 x 256 MiB + 3 x 128 MiB).
-  ManagerFixture manager("2GiB", {"--slab", "4MiB"});
-  const Figures f64 = Measure(manager, 1, 64 << 10, 4096);
-  const Figures f16 = Measure(manager, 2, 16 << 10, 8192);
+  const auto manager = StartManager("2GiB", {"--slab", "4MiB"});
+  const Figures f64 = Measure(*manager, 1, 64 << 10, 4096);
+  const Figures f16 = Measure(*manager, 2, 16 << 10, 8192);
   const double memcpy_gbps = MemcpyGbps(256ull << 20);
   report.Add({"restore_cpu_64k", "GB/s", f64.restore_gbps, "memcpy_1t", memcpy_gbps});
   report.Add({"save_cpu_64k", "GB/s", f64.save_gbps, "memcpy_1t", memcpy_gbps});
