@@ -24,11 +24,16 @@ def manager(build_dir):
     sock = os.path.join(tmp, "manager.sock")
     proc = subprocess.Popen([str(build_dir / "src" / "server" / "orbitkv-manager"), "--socket", sock, "--dram",
                              "64MiB", "--slab", "4MiB", "--log-level", "warn"], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(sock):
+    # Ready means it answers: the socket file appears at bind(), a moment before listen() and the dispatcher.
+    deadline = time.monotonic() + 60
+    while True:
         assert proc.poll() is None, proc.stderr.read()
         assert time.monotonic() < deadline, "the Manager did not start"
-        time.sleep(0.01)
+        try:
+            orbitkv.CacheManagerClient(sock, timeout_ms=1000).ping()
+            break
+        except orbitkv.OrbitKVError:
+            time.sleep(0.02)
     yield proc, sock
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -113,3 +118,12 @@ def test_numpy_buffers_and_clear_errors(manager):
 def test_missing_manager_is_a_clear_error(tmp_path):
     with pytest.raises(orbitkv.ManagerUnavailable, match="orbitkv-manager"):
         orbitkv.CacheManagerClient(str(tmp_path / "nobody.sock"))
+
+
+def test_workload_engine_runs_against_the_manager(manager):
+    """The main job's engine (python -m orbitkv.workload) on a small run: it must verify every restore and exit 0."""
+    _, sock = manager
+    from orbitkv import workload
+
+    assert workload.main(["--socket", sock, "--documents", "2", "--prefix-pages", "3", "--tail-pages", "1",
+                          "--requests", "4"]) == 0
