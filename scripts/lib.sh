@@ -13,6 +13,7 @@ orbitkv_bootstrap() {
 }
 
 # orbitkv_build DIR [cmake args...]: configure (first time or when args change) and build with Ninja.
+# ORBITKV_BUILD_TARGETS (space-separated) builds only those targets instead of everything.
 orbitkv_build() {
   local dir="$1"
   shift
@@ -22,5 +23,8 @@ orbitkv_build() {
     cmake -S . -B "$dir" "${args[@]}"
     printf '%s' "${args[*]}" >"$stamp"
   fi
-  cmake --build "$dir" -- -j"$(nproc)"
+  local targets=()
+  # shellcheck disable=SC2206
+  [[ -n "${ORBITKV_BUILD_TARGETS:-}" ]] && targets=(--target ${ORBITKV_BUILD_TARGETS})
+  cmake --build "$dir" "${targets[@]}" -- -j"$(nproc)"
 }
