@@ -1,0 +1,99 @@
+// Device: the seam between the SSD tier and the bytes on a disk, in the shape of CacheLib navy's
+// Device.
+//
+// A device is a flat range of `size()` bytes that is read and written at offsets and lengths that
+// are multiples of `io_alignment()`, from buffers whose address is aligned the same way (O_DIRECT's
+// rules). The public methods validate every request and pass only valid ones to the backend; a
+// request that fails validation gets its own error and is never submitted. Submit() runs a batch
+// and blocks until every submitted request has completed, with one Status per request: a failed or
+// short transfer fails that request only.
+//
+// Backends: PsyncDevice (pread/pwrite on the caller's thread) and UringDevice (io_uring, bounded
+// queue depth). CreateDevice() preallocates the backing file and picks a backend.
+//
+// Thread safety: every method may be called from any number of threads at once. Requests that
+// overlap in the file and run concurrently have no defined order; the caller (the store's slot
+// allocator) keeps them apart.
+#ifndef ORBITKV_STORAGE_DEVICE_H_
+#define ORBITKV_STORAGE_DEVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "base/result.h"
+#include "base/status.h"
+
+namespace orbitkv::storage {
+
+struct IoRequest {
+  enum class Op : uint8_t { kRead, kWrite };
+  Op op = Op::kRead;
+  uint64_t offset = 0;
+  // Read: filled with the bytes at [offset, offset + size). Write: its bytes are written there (not
+  // modified). The caller keeps the memory alive until Submit() returns.
+  std::span<uint8_t> buffer;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  uint64_t size() const { return size_; }
+  uint32_t io_alignment() const { return io_alignment_; }
+  // "io_uring" or "psync", for logs and the configuration summary.
+  virtual std::string_view backend_name() const = 0;
+  // Whether the file was opened with O_DIRECT (false where the file system refused it, e.g. tmpfs).
+  virtual bool direct_io() const = 0;
+
+  // Runs every request and blocks until all have completed. Returns one Status per request, in
+  // order: InvalidArgument for a misaligned offset, length or buffer address or an empty buffer;
+  // OutOfRange for a range past size(); DataLoss for a short transfer; the errno-derived Status
+  // (ResourceExhausted for ENOSPC, DataLoss for EIO, ...) for a failed one.
+  std::vector<Status> Submit(std::span<const IoRequest> requests);
+
+  // Single-request conveniences over Submit().
+  Status Read(uint64_t offset, std::span<uint8_t> out);
+  Status Write(uint64_t offset, std::span<const uint8_t> data);
+
+ protected:
+  Device(uint64_t size, uint32_t io_alignment) : size_(size), io_alignment_(io_alignment) {}
+
+  // Runs the requests whose index is in `valid` (all already validated) and stores each one's
+  // outcome in `statuses[index]`. Must not return before every submitted request has completed.
+  virtual void DoSubmit(std::span<const IoRequest> requests, std::span<const size_t> valid,
+                        std::span<Status> statuses) = 0;
+
+ private:
+  Status Validate(const IoRequest& request) const;
+
+  // Immutable after construction.
+  const uint64_t size_;
+  const uint32_t io_alignment_;
+};
+
+enum class DeviceBackend : uint8_t { kAuto, kIoUring, kPsync };
+std::string_view DeviceBackendName(DeviceBackend backend);  // "auto", "io_uring", "psync"
+std::optional<DeviceBackend> ParseDeviceBackend(std::string_view text);
+
+// Whether this build has the io_uring backend (liburing found at configure time).
+bool IoUringCompiledIn();
+
+// Opens (creating if needed) the file at `path`, preallocates `bytes` bytes, and wraps it in a
+// device. kAuto picks io_uring when a ring can be set up and completes a probe read, otherwise
+// psync with a log line; kIoUring fails (Unimplemented when not compiled in, or the setup error)
+// instead of falling back. InvalidArgument unless `bytes` is a non-zero multiple of 4096;
+// ResourceExhausted when the preallocation hits ENOSPC; the errno-derived Status when the file
+// cannot be opened.
+Result<std::unique_ptr<Device>> CreateDevice(const std::string& path, uint64_t bytes,
+                                             DeviceBackend backend);
+
+}  // namespace orbitkv::storage
+
+#endif  // ORBITKV_STORAGE_DEVICE_H_

@@ -1,0 +1,262 @@
+#include "storage/device.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "storage/aligned_buffer.h"
+#include "storage/psync_device.h"
+#ifdef ORBITKV_HAVE_IO_URING
+#include "storage/uring_device.h"
+#endif
+
+namespace orbitkv::storage {
+namespace {
+
+constexpr uint64_t kDeviceBytes = 4 << 20;
+
+// A fresh directory under /var/tmp (a real disk file system that accepts O_DIRECT; /tmp may be
+// tmpfs), removed with everything in it when the test ends, whether it passed or not.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& parent = "/var/tmp") {
+    std::string pattern = parent + "/orbitkv_storage_test.XXXXXX";
+    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+AlignedBuffer Buffer(size_t bytes) {
+  auto buffer = AlignedBuffer::Create(bytes, 4096);
+  EXPECT_TRUE(buffer.ok()) << buffer.status();
+  return std::move(buffer).value();
+}
+
+void Fill(AlignedBuffer& buffer, uint32_t seed) {
+  for (size_t i = 0; i < buffer.size(); ++i)
+    buffer.data()[i] = static_cast<uint8_t>((i * 2654435761u + seed) >> 7);
+}
+
+Result<std::unique_ptr<Device>> Open(const std::string& path, DeviceBackend backend,
+                                     uint64_t bytes) {
+#ifdef ORBITKV_HAVE_IO_URING
+  // A small queue depth so batches exercise the refill-as-completions-arrive path.
+  if (backend == DeviceBackend::kIoUring) {
+    ORBITKV_ASSIGN_OR_RETURN(auto device, UringDevice::Create(path, bytes, 8));
+    return std::unique_ptr<Device>(std::move(device));
+  }
+#endif
+  return CreateDevice(path, bytes, backend);
+}
+
+std::vector<DeviceBackend> Backends() {
+  std::vector<DeviceBackend> out{DeviceBackend::kPsync};
+  if (IoUringCompiledIn()) out.push_back(DeviceBackend::kIoUring);
+  return out;
+}
+
+class DeviceTest : public ::testing::TestWithParam<DeviceBackend> {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(dir_.path().empty());
+    path_ = dir_.path() + "/ssd0";
+    auto device = Open(path_, GetParam(), kDeviceBytes);
+    ASSERT_TRUE(device.ok()) << device.status();
+    device_ = std::move(device).value();
+  }
+
+  TempDir dir_;
+  std::string path_;
+  std::unique_ptr<Device> device_;
+};
+
+TEST_P(DeviceTest, PreallocatesAndReportsGeometry) {
+  EXPECT_EQ(device_->size(), kDeviceBytes);
+  EXPECT_EQ(device_->io_alignment(), 4096u);
+  EXPECT_EQ(device_->backend_name(), DeviceBackendName(GetParam()));
+  struct stat st {};
+  ASSERT_EQ(::stat(path_.c_str(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), kDeviceBytes);
+  EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512,
+            kDeviceBytes);  // Space is reserved, not sparse.
+}
+
+TEST_P(DeviceTest, WritesAndReadsByteExact) {
+  for (uint64_t offset : {uint64_t{0}, uint64_t{4096}, kDeviceBytes - 65536}) {
+    AlignedBuffer out = Buffer(65536);
+    Fill(out, static_cast<uint32_t>(offset));
+    ASSERT_TRUE(device_->Write(offset, out.span()).ok());
+    AlignedBuffer in = Buffer(65536);
+    ASSERT_TRUE(device_->Read(offset, in.span()).ok());
+    EXPECT_EQ(std::memcmp(in.data(), out.data(), out.size()), 0) << offset;
+  }
+}
+
+TEST_P(DeviceTest, DataSurvivesReopen) {
+  AlignedBuffer out = Buffer(8192);
+  Fill(out, 77);
+  ASSERT_TRUE(device_->Write(12288, out.span()).ok());
+  device_.reset();
+  auto reopened = Open(path_, GetParam(), kDeviceBytes);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  AlignedBuffer in = Buffer(8192);
+  ASSERT_TRUE((*reopened)->Read(12288, in.span()).ok());
+  EXPECT_EQ(std::memcmp(in.data(), out.data(), out.size()), 0);
+}
+
+TEST_P(DeviceTest, BatchOfManyRequests) {
+  constexpr size_t kCount = 200;  // Many times the test queue depth of 8.
+  constexpr size_t kBytes = 16384;
+  std::vector<AlignedBuffer> outs, ins;
+  std::vector<IoRequest> writes, reads;
+  for (size_t i = 0; i < kCount; ++i) {
+    outs.push_back(Buffer(kBytes));
+    Fill(outs.back(), static_cast<uint32_t>(i));
+    ins.push_back(Buffer(kBytes));
+    writes.push_back(
+        {.op = IoRequest::Op::kWrite, .offset = i * kBytes, .buffer = outs.back().span()});
+  }
+  for (size_t i = 0; i < kCount; ++i) {
+    reads.push_back({.op = IoRequest::Op::kRead, .offset = i * kBytes, .buffer = ins[i].span()});
+  }
+  for (const Status& s : device_->Submit(writes)) ASSERT_TRUE(s.ok()) << s;
+  auto statuses = device_->Submit(reads);
+  ASSERT_EQ(statuses.size(), kCount);
+  for (size_t i = 0; i < kCount; ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << i << ": " << statuses[i];
+    ASSERT_EQ(std::memcmp(ins[i].data(), outs[i].data(), kBytes), 0) << i;
+  }
+}
+
+TEST_P(DeviceTest, InvalidRequestsFailAloneAndAreNotSubmitted) {
+  AlignedBuffer good = Buffer(8192);
+  Fill(good, 5);
+  AlignedBuffer victim = Buffer(4096);
+  Fill(victim, 6);
+  ASSERT_TRUE(device_->Write(kDeviceBytes - 4096, victim.span()).ok());
+  AlignedBuffer big = Buffer(8192);
+  std::vector<IoRequest> batch{
+      {.op = IoRequest::Op::kWrite, .offset = 0, .buffer = good.span()},
+      {.op = IoRequest::Op::kWrite, .offset = 100, .buffer = good.span()},  // Misaligned offset.
+      {.op = IoRequest::Op::kWrite,
+       .offset = 4096,
+       .buffer = good.span().first(100)},  // Misaligned size.
+      {.op = IoRequest::Op::kWrite,
+       .offset = 4096,
+       .buffer = good.span().subspan(8, 4096)},                     // Misaligned address.
+      {.op = IoRequest::Op::kWrite, .offset = 4096, .buffer = {}},  // Empty.
+      {.op = IoRequest::Op::kWrite,
+       .offset = kDeviceBytes - 4096,
+       .buffer = big.span()},  // Runs past the end.
+      {.op = IoRequest::Op::kRead,
+       .offset = kDeviceBytes,
+       .buffer = big.span()},  // Starts at the end.
+      {.op = IoRequest::Op::kRead,
+       .offset = UINT64_MAX - 4095,
+       .buffer = big.span()},  // Overflows.
+  };
+  auto statuses = device_->Submit(batch);
+  ASSERT_EQ(statuses.size(), batch.size());
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  for (size_t i = 1; i <= 4; ++i) EXPECT_EQ(statuses[i].code(), StatusCode::kInvalidArgument) << i;
+  for (size_t i = 5; i <= 7; ++i) EXPECT_EQ(statuses[i].code(), StatusCode::kOutOfRange) << i;
+  // The rejected overrunning write left the last page alone.
+  AlignedBuffer in = Buffer(4096);
+  ASSERT_TRUE(device_->Read(kDeviceBytes - 4096, in.span()).ok());
+  EXPECT_EQ(std::memcmp(in.data(), victim.data(), 4096), 0);
+}
+
+TEST_P(DeviceTest, ShortReadOfTruncatedFileIsDataLoss) {
+  // Someone truncated the file under the device: a read past the new end transfers nothing.
+  ASSERT_EQ(::truncate(path_.c_str(), kDeviceBytes / 2), 0);
+  AlignedBuffer in = Buffer(4096);
+  EXPECT_EQ(device_->Read(kDeviceBytes - 4096, in.span()).code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(device_->Read(0, in.span()).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DeviceTest, ::testing::ValuesIn(Backends()),
+                         [](const ::testing::TestParamInfo<DeviceBackend>& param_info) {
+                           return std::string(DeviceBackendName(param_info.param));
+                         });
+
+TEST(DeviceBackendTest, ParsesNames) {
+  EXPECT_EQ(ParseDeviceBackend("auto"), DeviceBackend::kAuto);
+  EXPECT_EQ(ParseDeviceBackend("io_uring"), DeviceBackend::kIoUring);
+  EXPECT_EQ(ParseDeviceBackend("psync"), DeviceBackend::kPsync);
+  EXPECT_EQ(ParseDeviceBackend("uring"), std::nullopt);
+}
+
+TEST(CreateDeviceTest, AutoPicksIoUringWhenItWorks) {
+  TempDir dir;
+  auto device = CreateDevice(dir.path() + "/auto", kDeviceBytes, DeviceBackend::kAuto);
+  ASSERT_TRUE(device.ok()) << device.status();
+  // This machine runs io_uring whenever the build has it (the io_uring suite above would fail
+  // otherwise).
+  EXPECT_EQ((*device)->backend_name(), IoUringCompiledIn() ? "io_uring" : "psync");
+  EXPECT_TRUE((*device)->direct_io());  // /var/tmp is a disk file system.
+}
+
+TEST(CreateDeviceTest, RejectsBadSizesAndPaths) {
+  TempDir dir;
+  EXPECT_EQ(CreateDevice(dir.path() + "/a", 0, DeviceBackend::kPsync).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateDevice(dir.path() + "/a", 4097, DeviceBackend::kAuto).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      CreateDevice(dir.path() + "/missing/dir/f", 4096, DeviceBackend::kPsync).status().code(),
+      StatusCode::kNotFound);
+  if (!IoUringCompiledIn()) {
+    EXPECT_EQ(CreateDevice(dir.path() + "/u", 4096, DeviceBackend::kIoUring).status().code(),
+              StatusCode::kUnimplemented);
+  }
+}
+
+TEST(CreateDeviceTest, WorksOnTmpfsWithOrWithoutODirect) {
+  // /dev/shm is tmpfs, which refuses O_DIRECT before Linux 6.6: the device then falls back to
+  // buffered I/O.
+  TempDir dir("/dev/shm");
+  if (dir.path().empty()) GTEST_SKIP() << "no /dev/shm";
+  const std::string& pattern = dir.path();
+  const std::string path = pattern + "/f";
+  const int probe =
+      ::open((pattern + "/probe").c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+  const bool tmpfs_direct = probe >= 0;
+  if (probe >= 0) ::close(probe);
+  for (DeviceBackend backend : Backends()) {
+    auto device = CreateDevice(path, 65536, backend);
+    ASSERT_TRUE(device.ok()) << device.status();
+    EXPECT_EQ((*device)->direct_io(), tmpfs_direct);
+    AlignedBuffer out = Buffer(8192);
+    Fill(out, 3);
+    AlignedBuffer in = Buffer(8192);
+    EXPECT_TRUE((*device)->Write(4096, out.span()).ok());
+    EXPECT_TRUE((*device)->Read(4096, in.span()).ok());
+    EXPECT_EQ(std::memcmp(in.data(), out.data(), out.size()), 0);
+  }
+}
+
+TEST(AlignedBufferTest, RejectsBadGeometry) {
+  EXPECT_EQ(AlignedBuffer::Create(4096, 3000).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(AlignedBuffer::Create(100, 4096).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(AlignedBuffer::Create(0, 4096).status().code(), StatusCode::kInvalidArgument);
+  auto ok = AlignedBuffer::Create(8192, 4096);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(ok->data()) % 4096, 0u);
+  EXPECT_EQ(ok->size(), 8192u);
+}
+
+}  // namespace
+}  // namespace orbitkv::storage

@@ -1,0 +1,68 @@
+// UringDevice: a Device over one O_DIRECT file driven by io_uring.
+//
+// Submit() prepares up to queue_depth requests at a time on a ring, submits them in one
+// io_uring_enter, and keeps the ring full as completions arrive; it returns only after every
+// request it handed to the kernel has completed and its completion was consumed, so the caller's
+// buffers are never touched after Submit() returns. A completion shorter than its request is a
+// DataLoss for that request (O_DIRECT transfers are whole blocks, so a short one means the file is
+// shorter than the device or the disk misbehaved).
+//
+// Rings are single-issuer objects, so each concurrent Submit() takes its own ring from a small pool
+// (created on demand, at most kMaxIdleRings kept); the pool's lock is held only to take or return a
+// ring, never across I/O.
+//
+// Thread safety: as Device.
+#ifndef ORBITKV_STORAGE_URING_DEVICE_H_
+#define ORBITKV_STORAGE_URING_DEVICE_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/mutex.h"
+#include "base/scoped_fd.h"
+#include "base/thread_annotations.h"
+#include "storage/device.h"
+
+namespace orbitkv::storage {
+
+class UringRing;
+
+class UringDevice final : public Device {
+ public:
+  static constexpr uint32_t kDefaultQueueDepth = 64;
+  static constexpr uint32_t kMaxQueueDepth = 4096;
+  static constexpr size_t kMaxIdleRings = 8;
+
+  // Opens and preallocates the file (see OpenDeviceFile), sets up a ring and completes a probe read
+  // through it, so a kernel or sandbox that refuses io_uring fails here rather than on the first
+  // block. InvalidArgument for a queue depth of 0 or above kMaxQueueDepth; the io_uring_queue_init
+  // error otherwise.
+  static Result<std::unique_ptr<UringDevice>> Create(const std::string& path, uint64_t bytes,
+                                                     uint32_t queue_depth);
+  ~UringDevice() override;
+
+  std::string_view backend_name() const override { return "io_uring"; }
+  bool direct_io() const override { return direct_io_; }
+  uint32_t queue_depth() const { return queue_depth_; }
+
+ private:
+  UringDevice(ScopedFd fd, uint64_t size, bool direct_io, uint32_t queue_depth);
+  void DoSubmit(std::span<const IoRequest> requests, std::span<const size_t> valid,
+                std::span<Status> statuses) override;
+  Result<std::unique_ptr<UringRing>> AcquireRing();
+  void ReleaseRing(std::unique_ptr<UringRing> ring);
+
+  // Immutable after construction.
+  const ScopedFd fd_;
+  const bool direct_io_;
+  const uint32_t queue_depth_;
+
+  Mutex mu_;
+  // Guarded by mu_.
+  std::vector<std::unique_ptr<UringRing>> idle_rings_ GUARDED_BY(mu_);
+};
+
+}  // namespace orbitkv::storage
+
+#endif  // ORBITKV_STORAGE_URING_DEVICE_H_
