@@ -27,11 +27,6 @@ size_t MaxQueryKeys(uint32_t slot_bytes, size_t native_bytes) {
   return (slot_bytes - sizeof(QueryKeysHeader)) / native_bytes;
 }
 
-Result<state::StateKey> QueryRequest::Key(const state::StateNamespace& ns, size_t i) const {
-  const uint64_t begin = first_token + i * page_tokens;
-  return state::StateKey::Create(ns, group, {begin, begin + page_tokens}, native(i), key_version);
-}
-
 Result<QueryRequest> QueryRequest::FromKeys(uint64_t instance,
                                             std::span<const state::StateKey> keys) {
   QueryRequest request;

@@ -31,8 +31,6 @@ struct QueryRequest {
   std::span<const uint8_t> native(size_t i) const {
     return {natives.data() + i * native_bytes, native_bytes};
   }
-  // The StateKey of page i in namespace `ns`.
-  Result<state::StateKey> Key(const state::StateNamespace& ns, size_t i) const;
   // The compact form of `keys` when they form a chain (same group, version and native length,
   // consecutive equal-sized token spans); InvalidArgument otherwise.
   static Result<QueryRequest> FromKeys(uint64_t instance, std::span<const state::StateKey> keys);

@@ -761,6 +761,17 @@ void UcxTransferEngine::Track(ucs_status_ptr_t request, Op* op) {
   // Otherwise UCX calls OnSendComplete / OnRecvComplete later, from ucp_worker_progress.
 }
 
+void UcxTransferEngine::SendAm(ucp_ep_h ep, unsigned id, const void* header, size_t header_bytes,
+                               const void* payload, size_t payload_bytes, uint32_t flags, Op* op) {
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.cb.send = &OnSendComplete;
+  param.user_data = op;
+  param.flags = flags;
+  Track(ucp_am_send_nbx(ep, id, header, header_bytes, payload, payload_bytes, &param), op);
+}
+
 void UcxTransferEngine::OnSendComplete(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<Op*>(user_data);
   op->status = status;

@@ -118,6 +118,10 @@ class UcxTransferEngine final : public TransferEngine {
   MonoTime NextDeadline() const;
   void CheckDeadlines();
   void Track(ucs_status_ptr_t request, Op* op);
+  // Sends active message `id` (header, then an optional payload) on `ep` with `flags`; `op`
+  // completes through OnSendComplete (or at once, via Track).
+  void SendAm(ucp_ep_h ep, unsigned id, const void* header, size_t header_bytes,
+              const void* payload, size_t payload_bytes, uint32_t flags, Op* op);
   void CloseEndpoint(ucp_ep_h ep, uint64_t owner_id, bool peer_side);
   void BeginShutdown();
   bool ShutdownComplete() const;

@@ -102,20 +102,14 @@ void UcxTransferEngine::SendReadRequest(Batch& b, uint16_t flags) {
     b.wire_fragments[i] =
         wire::WireFragment{r.region_index, r.generation, f.remote_offset, f.length};
   }
-  auto* op = new Op{this, Op::Kind::kBatchControl, b.id, 0, UCS_OK};
-  ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  param.cb.send = &OnSendComplete;
-  param.user_data = op;
-  // REPLY: the source answers on the endpoint the request came in on. EAGER: a control message is
-  // small, and the source must see it whole inside its callback.
-  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
   b.outstanding += 1;
   b.request_sent = true;
-  Track(ucp_am_send_nbx(p.ep, wire::kAmReadRequest, &b.request_header, sizeof(b.request_header),
-                        b.wire_fragments.data(), n * sizeof(wire::WireFragment), &param),
-        op);
+  // REPLY: the source answers on the endpoint the request came in on. EAGER: a control message is
+  // small, and the source must see it whole inside its callback.
+  SendAm(p.ep, wire::kAmReadRequest, &b.request_header, sizeof(b.request_header),
+         b.wire_fragments.data(), n * sizeof(wire::WireFragment),
+         UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
+         new Op{this, Op::Kind::kBatchControl, b.id, 0, UCS_OK});
 }
 
 void UcxTransferEngine::PumpGets(Batch& b) {
@@ -261,18 +255,11 @@ void UcxTransferEngine::RequestCancel(uint64_t batch_id) {
     // The source stops sending and answers with a done message once its submitted sends are
     // terminal; data it already sent keeps landing (the destination stays owned until then).
     b.cancel_header.batch_id = b.id;
-    auto* op = new Op{this, Op::Kind::kBatchControl, b.id, 0, UCS_OK};
-    ucp_request_param_t param{};
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    param.cb.send = &OnSendComplete;
-    param.user_data = op;
-    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
     b.outstanding += 1;
     b.cancel_sent = true;
-    Track(ucp_am_send_nbx(pit->second->ep, wire::kAmCancel, &b.cancel_header,
-                          sizeof(b.cancel_header), nullptr, 0, &param),
-          op);
+    SendAm(pit->second->ep, wire::kAmCancel, &b.cancel_header, sizeof(b.cancel_header), nullptr, 0,
+           UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
+           new Op{this, Op::Kind::kBatchControl, b.id, 0, UCS_OK});
   }
   MaybeFinish(b);
 }

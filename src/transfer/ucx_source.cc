@@ -142,17 +142,12 @@ void UcxTransferEngine::PumpServe(ServeOp& s) {
   while (s.next < n && s.inflight_bytes < options_.max_inflight_bytes) {
     const uint32_t i = s.next++;
     s.headers[i] = wire::DataHeader{s.batch_id, i, 0};
-    auto* op = new Op{this, Op::Kind::kServeData, s.id, i, UCS_OK};
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = &OnSendComplete;
-    param.user_data = op;
     s.outstanding += 1;
     s.inflight_bytes += s.lengths[i];
     s.sent += 1;
-    Track(ucp_am_send_nbx(s.ep, wire::kAmData, &s.headers[i], sizeof(wire::DataHeader), s.src[i],
-                          s.lengths[i], &param),
-          op);
+    // No flags: UCX picks eager or rendezvous by size, so large fragments land without a copy.
+    SendAm(s.ep, wire::kAmData, &s.headers[i], sizeof(wire::DataHeader), s.src[i], s.lengths[i], 0,
+           new Op{this, Op::Kind::kServeData, s.id, i, UCS_OK});
     // Hash while UCX moves the bytes; the source bytes are pinned and stable until the send is
     // terminal.
     if (checksum) s.hashes.Set(i, FragmentHash(s.src[i], s.lengths[i]));
@@ -199,17 +194,10 @@ void UcxTransferEngine::SendDone(ServeOp& s, const Status& status, bool has_chec
                                    0,
                                    checksum};
   s.done_text = std::string(status.message().substr(0, wire::kMaxErrorTextBytes));
-  auto* op = new Op{this, Op::Kind::kServeDone, s.id, 0, UCS_OK};
-  ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  param.cb.send = &OnSendComplete;
-  param.user_data = op;
-  param.flags = UCP_AM_SEND_FLAG_EAGER;
   s.outstanding += 1;
-  Track(ucp_am_send_nbx(s.ep, wire::kAmDone, &s.done_header, sizeof(s.done_header),
-                        s.done_text.data(), s.done_text.size(), &param),
-        op);
+  SendAm(s.ep, wire::kAmDone, &s.done_header, sizeof(s.done_header), s.done_text.data(),
+         s.done_text.size(), UCP_AM_SEND_FLAG_EAGER,
+         new Op{this, Op::Kind::kServeDone, s.id, 0, UCS_OK});
 }
 
 void UcxTransferEngine::HandleCancel(const Event& e) {
