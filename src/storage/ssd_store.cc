@@ -1,0 +1,241 @@
+#include "storage/ssd_store.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+
+#include "base/clock.h"
+#include "base/logging.h"
+#include "storage/record.h"
+
+namespace orbitkv::storage {
+namespace {
+
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+constexpr uint64_t kMinFileBytes = uint64_t{1} << 20;
+constexpr uint64_t kScanWindowBytes = uint64_t{1} << 20;
+
+Status EnsureCapacity(AlignedBuffer* buffer, uint64_t bytes) {
+  if (buffer->size() >= bytes) return Status::Ok();
+  // Grow in powers of two so a stream of slightly larger records does not reallocate each time.
+  uint64_t size = std::max<uint64_t>(bytes, 64 * 1024);
+  size = std::bit_ceil(size);
+  ORBITKV_ASSIGN_OR_RETURN(AlignedBuffer grown, AlignedBuffer::Create(size, kRecordAlignment));
+  *buffer = std::move(grown);
+  return Status::Ok();
+}
+
+struct FileScan {
+  std::vector<RecoveredRecord> records;
+  std::vector<Extent> extents;
+  ScanReport report;
+  Status status;
+};
+
+// Walks one file: at each candidate offset, decodes a header from a 4 KiB read; a valid header
+// skips to the end of its record, anything else moves on 4 KiB (gaps are read a window at a time).
+FileScan ScanFile(Device& device, uint32_t file, bool verify) {
+  FileScan scan;
+  Result<AlignedBuffer> window = AlignedBuffer::Create(kScanWindowBytes, kRecordAlignment);
+  if (!window.ok()) {
+    scan.status = window.status();
+    return scan;
+  }
+  AlignedBuffer record_buffer;
+  uint64_t window_start = UINT64_MAX;  // file offset of window[0]
+  uint64_t window_bytes = 0;
+  uint64_t offset = 0;
+  const uint64_t size = device.size();
+  while (offset + kRecordAlignment <= size) {
+    if (offset < window_start || offset + kRecordAlignment > window_start + window_bytes) {
+      window_bytes = std::min(kScanWindowBytes, size - offset);
+      Status read = device.Read(offset, window->span().first(window_bytes));
+      if (!read.ok()) {
+        scan.status = Status(read.code(), fmt::format("scanning file {} at offset {}: {}", file,
+                                                      offset, read.message()));
+        return scan;
+      }
+      window_start = offset;
+      scan.report.bytes_scanned += window_bytes;
+    }
+    const uint8_t* at = window->data() + (offset - window_start);
+    uint32_t magic;
+    std::memcpy(&magic, at, sizeof(magic));
+    if (magic != kRecordMagic) {
+      offset += kRecordAlignment;
+      continue;
+    }
+    Result<RecordHeader> header = DecodeRecordHeader(std::span(at, kRecordHeaderBytes));
+    if (!header.ok()) {
+      if (header.status().code() == StatusCode::kFailedPrecondition) {
+        ++scan.report.dropped_version;
+        ORBITKV_LOG_INFO("ssd: dropping a record of another format version in file {} at {}: {}",
+                         file, offset, header.status().message());
+      }
+      offset += kRecordAlignment;
+      continue;
+    }
+    const uint64_t record_bytes = RecordBytes(header->payload_bytes);
+    if (offset + record_bytes > size) {  // a header whose record cannot fit: stale or torn
+      offset += kRecordAlignment;
+      continue;
+    }
+    if (verify) {
+      Status grown = EnsureCapacity(&record_buffer, record_bytes);
+      Status read =
+          grown.ok() ? device.Read(offset, record_buffer.span().first(record_bytes)) : grown;
+      if (!read.ok()) {
+        scan.status = read;
+        return scan;
+      }
+      scan.report.bytes_scanned += record_bytes;
+      if (!VerifyRecord(record_buffer.span().first(record_bytes)).ok()) {
+        ++scan.report.dropped_corrupt;
+        offset += kRecordAlignment;
+        continue;
+      }
+    }
+    scan.records.push_back(RecoveredRecord{header->key, SsdStore::PackLocator(file, offset),
+                                           header->payload_bytes, header->write_epoch});
+    scan.extents.push_back(Extent{file, offset, record_bytes});
+    offset += record_bytes;
+  }
+  return scan;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options,
+                                                 std::vector<RecoveredRecord>* recovered,
+                                                 ScanReport* report) {
+  Stopwatch watch;
+  recovered->clear();
+  *report = ScanReport{};
+  if (options.directory.empty()) return Status::InvalidArgument("the SSD tier needs a directory");
+  uint32_t files = options.file_count;
+  if (files == 0) {
+    files =
+        static_cast<uint32_t>(std::clamp<uint64_t>(options.capacity_bytes / (64 * kGiB), 1, 16));
+  }
+  if (files > 255) return Status::InvalidArgument("the SSD tier takes at most 255 files");
+  const uint64_t per_file = options.capacity_bytes / files / 4096 * 4096;
+  if (per_file < kMinFileBytes) {
+    return Status::InvalidArgument(
+        fmt::format("SSD capacity {} bytes over {} file(s) leaves less than 1 MiB per file",
+                    options.capacity_bytes, files));
+  }
+  std::error_code error;
+  std::filesystem::create_directories(options.directory, error);
+  if (error) {
+    return Status::InvalidArgument(
+        fmt::format("cannot create the SSD directory {}: {}", options.directory, error.message()));
+  }
+  std::vector<std::unique_ptr<Device>> devices;
+  for (uint32_t i = 0; i < files; ++i) {
+    const std::string path = fmt::format("{}/orbitkv-ssd-{}.data", options.directory, i);
+    Result<std::unique_ptr<Device>> device = CreateDevice(path, per_file, options.backend);
+    if (!device.ok()) {
+      return Status(device.status().code(),
+                    fmt::format("SSD file {}: {}", path, device.status().message()));
+    }
+    devices.push_back(std::move(device).value());
+  }
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<ExtentAllocator> allocator,
+                           ExtentAllocator::Create(std::vector<uint64_t>(files, per_file)));
+  uint64_t max_epoch = 0;
+  if (options.recover) {
+    std::vector<FileScan> scans(files);
+    std::vector<std::thread> threads;
+    // One thread per file, at most 8 at a time; each holds one 1 MiB window (plus one record when
+    // verifying).
+    for (uint32_t begin = 0; begin < files; begin += 8) {
+      threads.clear();
+      for (uint32_t i = begin; i < std::min(files, begin + 8); ++i) {
+        threads.emplace_back([&scans, &devices, &options, i] {
+          scans[i] = ScanFile(*devices[i], i, options.verify_on_open);
+        });
+      }
+      for (std::thread& thread : threads) thread.join();
+    }
+    for (FileScan& scan : scans) {
+      if (!scan.status.ok()) return scan.status;
+      report->bytes_scanned += scan.report.bytes_scanned;
+      report->dropped_version += scan.report.dropped_version;
+      report->dropped_corrupt += scan.report.dropped_corrupt;
+      for (size_t i = 0; i < scan.records.size(); ++i) {
+        if (!allocator->MarkUsed(scan.extents[i]).ok()) {
+          ++report->dropped_overlap;
+          continue;
+        }
+        max_epoch = std::max(max_epoch, scan.records[i].write_epoch);
+        report->payload_bytes += scan.records[i].payload_bytes;
+        recovered->push_back(std::move(scan.records[i]));
+      }
+    }
+    report->records = recovered->size();
+  }
+  report->seconds = watch.ElapsedSeconds();
+  return std::unique_ptr<SsdStore>(
+      new SsdStore(std::move(devices), std::move(allocator), max_epoch + 1));
+}
+
+SsdStore::~SsdStore() = default;
+
+Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uint8_t> payload,
+                                 AlignedBuffer* staging) {
+  if (payload.empty() || payload.size() > kMaxRecordPayloadBytes) {
+    return Status::InvalidArgument(
+        fmt::format("an SSD record holds 1 byte to 1 GiB, not {}", payload.size()));
+  }
+  const uint64_t record_bytes = RecordBytes(payload.size());
+  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, record_bytes));
+  const uint64_t epoch = epoch_.fetch_add(1, std::memory_order_relaxed);
+  const RecordHeader header{.key = key,
+                            .payload_bytes = payload.size(),
+                            .residence_generation = epoch,
+                            .write_epoch = epoch};
+  ORBITKV_RETURN_IF_ERROR(EncodeRecord(header, payload, staging->span().first(record_bytes)));
+  ORBITKV_ASSIGN_OR_RETURN(Extent extent, allocator_->Allocate(record_bytes));
+  Status written = devices_[extent.file]->Write(extent.offset, staging->span().first(record_bytes));
+  if (!written.ok()) {
+    allocator_->Release(extent);
+    return written;
+  }
+  return PackLocator(extent.file, extent.offset);
+}
+
+Result<std::span<const uint8_t>> SsdStore::Read(const state::StateKey& key, uint64_t locator,
+                                                uint64_t payload_bytes, AlignedBuffer* staging) {
+  const uint32_t file = LocatorFile(locator);
+  if (file >= devices_.size() || payload_bytes == 0 || payload_bytes > kMaxRecordPayloadBytes) {
+    return Status::InvalidArgument("not a locator of this store");
+  }
+  const uint64_t record_bytes = RecordBytes(payload_bytes);
+  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, record_bytes));
+  std::span<uint8_t> record = staging->span().first(record_bytes);
+  ORBITKV_RETURN_IF_ERROR(devices_[file]->Read(LocatorOffset(locator), record));
+  Result<RecordHeader> header = VerifyRecord(record);
+  if (!header.ok()) {
+    return Status::DataLoss(fmt::format("SSD record in file {} at {} is not intact: {}", file,
+                                        LocatorOffset(locator), header.status().message()));
+  }
+  if (header->key != key || header->payload_bytes != payload_bytes) {
+    return Status::DataLoss(
+        fmt::format("SSD record in file {} at {} belongs to another block (the extent was reused)",
+                    file, LocatorOffset(locator)));
+  }
+  return std::span<const uint8_t>(record.data() + kRecordHeaderBytes, payload_bytes);
+}
+
+void SsdStore::Release(uint64_t locator, uint64_t payload_bytes) {
+  allocator_->Release(
+      Extent{LocatorFile(locator), LocatorOffset(locator), RecordBytes(payload_bytes)});
+}
+
+}  // namespace orbitkv::storage

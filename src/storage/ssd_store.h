@@ -1,0 +1,127 @@
+// SsdStore: the SSD tier's bytes. One or more preallocated files under a directory, holding
+// self-describing records (record.h) at extents handed out by an ExtentAllocator.
+//
+// The store knows records, not residences: Write() reserves an extent (capacity is reserved before
+// a byte is written), writes the record and returns its locator; Read() reads a record back and
+// verifies it (magic, version, key, size, checksum) before a byte reaches the caller; Release()
+// returns an extent. The SSD tier (core/ssd_tier.h) decides what is written, publishes residences
+// and owns the mapping from keys to locators, so it is the only caller of Release().
+//
+// Restart: Open() scans every file for record headers (one thread per file, bounded memory: a
+// record start costs one 4 KiB read, a gap is read in 1 MiB windows), claims the extents of the
+// records it keeps and returns them; with `verify_on_open` each record is read whole and its
+// checksum checked (eager); otherwise checksums are checked when a record is read (lazy). A record
+// of another format version is dropped with a log line; when two records claim the same bytes, the
+// first one found is kept and the other dropped (whichever is torn fails its checksum on read and
+// becomes a miss). `recover = false` discards every record (the files are kept, their contents
+// ignored).
+//
+// A locator packs (file index, offset / 4096) into 64 bits; it is only meaningful with the payload
+// size recorded beside it.
+//
+// Thread safety: every method may be called from any number of threads at once. Reads and writes of
+// different extents run in parallel; a read racing with the reuse of its extent reads another
+// record (or a torn one) and fails verification: it never returns wrong bytes.
+#ifndef ORBITKV_STORAGE_SSD_STORE_H_
+#define ORBITKV_STORAGE_SSD_STORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/result.h"
+#include "base/status.h"
+#include "state/state_key.h"
+#include "storage/aligned_buffer.h"
+#include "storage/device.h"
+#include "storage/extent_allocator.h"
+
+namespace orbitkv::storage {
+
+struct SsdStoreOptions {
+  std::string directory;        // created if missing
+  uint64_t capacity_bytes = 0;  // over all files; rounded down to 4 KiB per file
+  uint32_t file_count = 0;      // 0: one file per 64 GiB of capacity, 1..16
+  DeviceBackend backend = DeviceBackend::kAuto;
+  bool recover = true;          // false: start empty (the seeds' behaviour)
+  bool verify_on_open = false;  // eager checksums during the scan
+};
+
+// A record found by the restart scan.
+struct RecoveredRecord {
+  state::StateKey key;
+  uint64_t locator = 0;
+  uint64_t payload_bytes = 0;
+  uint64_t write_epoch = 0;
+};
+
+struct ScanReport {
+  uint64_t records = 0;          // kept
+  uint64_t payload_bytes = 0;    // of the kept records
+  uint64_t dropped_version = 0;  // another format version
+  uint64_t dropped_corrupt = 0;  // failed the eager checksum
+  uint64_t dropped_overlap = 0;  // claimed bytes another record already claimed
+  uint64_t bytes_scanned = 0;
+  double seconds = 0;
+};
+
+class SsdStore {
+ public:
+  // Creates or opens the files `<directory>/orbitkv-ssd-<i>.data` and scans them (see above).
+  // InvalidArgument for a capacity below 1 MiB per file or an unusable directory; the device's
+  // errors (ResourceExhausted when preallocation hits ENOSPC).
+  static Result<std::unique_ptr<SsdStore>> Open(const SsdStoreOptions& options,
+                                                std::vector<RecoveredRecord>* recovered,
+                                                ScanReport* report);
+  ~SsdStore();
+  SsdStore(const SsdStore&) = delete;
+  SsdStore& operator=(const SsdStore&) = delete;
+
+  // Writes `payload` as the record of `key` and returns its locator. `staging` is the caller's
+  // scratch buffer (grown as needed; reusing one per thread avoids an allocation per write).
+  // ResourceExhausted("no free extent") when the store is full (the caller may free space and
+  // retry); otherwise the device's error, and the extent is released again.
+  Result<uint64_t> Write(const state::StateKey& key, std::span<const uint8_t> payload,
+                         AlignedBuffer* staging);
+
+  // Reads the record at `locator` into `staging` and returns its payload (a view into `staging`,
+  // valid until the next use of it). DataLoss when the bytes there are not an intact record of
+  // `key` with `payload_bytes` bytes (torn, corrupted, or the extent was reused); the device's
+  // error for a failed read.
+  Result<std::span<const uint8_t>> Read(const state::StateKey& key, uint64_t locator,
+                                        uint64_t payload_bytes, AlignedBuffer* staging);
+
+  // Returns the extent of the record at `locator` (payload size as written).
+  void Release(uint64_t locator, uint64_t payload_bytes);
+
+  uint64_t capacity_bytes() const { return allocator_->capacity_bytes(); }
+  uint64_t allocated_bytes() const { return allocator_->allocated_bytes(); }
+  size_t file_count() const { return devices_.size(); }
+  std::string_view backend_name() const { return devices_.front()->backend_name(); }
+  bool direct_io() const { return devices_.front()->direct_io(); }
+
+  static uint64_t PackLocator(uint32_t file, uint64_t offset) {
+    return (offset / 4096) << 8 | file;
+  }
+  static uint32_t LocatorFile(uint64_t locator) { return static_cast<uint32_t>(locator & 0xff); }
+  static uint64_t LocatorOffset(uint64_t locator) { return (locator >> 8) * 4096; }
+
+ private:
+  SsdStore(std::vector<std::unique_ptr<Device>> devices, std::unique_ptr<ExtentAllocator> allocator,
+           uint64_t first_epoch)
+      : devices_(std::move(devices)), allocator_(std::move(allocator)), epoch_(first_epoch) {}
+
+  // Immutable after Open.
+  const std::vector<std::unique_ptr<Device>> devices_;
+  const std::unique_ptr<ExtentAllocator> allocator_;
+
+  // Relaxed: only uniqueness and monotonicity per store matter, not ordering with other memory.
+  std::atomic<uint64_t> epoch_;
+};
+
+}  // namespace orbitkv::storage
+
+#endif  // ORBITKV_STORAGE_SSD_STORE_H_
