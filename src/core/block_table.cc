@@ -725,6 +725,13 @@ std::optional<SsdResidence> BlockTable::FindSsd(const StateKey& key) {
   return it->second.ssd;
 }
 
+uint32_t BlockTable::Frequency(const StateKey& key) {
+  const uint64_t hash = key.Hash64();
+  Shard& shard = ShardOf(hash);
+  MutexLock lock(&shard.mu);
+  return shard.sketch.Estimate(hash);
+}
+
 Status BlockTable::DropSsd(const StateKey& key, uint64_t generation, TransitionCause cause) {
   Shard& shard = ShardOf(key.Hash64());
   MutexLock lock(&shard.mu);

@@ -222,6 +222,10 @@ class BlockTable {
   // copy). NotFound when absent, Aborted when the generation differs.
   Status DropSsd(const state::StateKey& key, uint64_t generation, TransitionCause cause);
 
+  // How often `key` was accessed recently (the W-TinyLFU sketch's estimate, 0..16); the SSD tier's
+  // admission filter reads it for evicted blocks.
+  uint32_t Frequency(const state::StateKey& key);
+
   BlockTableStats Stats() const;
   uint32_t shard_count() const { return static_cast<uint32_t>(shards_.size()); }
 

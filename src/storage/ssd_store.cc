@@ -205,7 +205,11 @@ Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uin
   Status written = devices_[extent.file]->Write(extent.offset, staging->span().first(record_bytes));
   if (!written.ok()) {
     allocator_->Release(extent);
-    return written;
+    // Unavailable, not the device's code: a full file system (ENOSPC) must not read as "the store
+    // is full, evict and retry".
+    return Status::Unavailable(fmt::format("SSD write of {} bytes to file {} at {} failed: {}",
+                                           record_bytes, extent.file, extent.offset,
+                                           written.ToString()));
   }
   return PackLocator(extent.file, extent.offset);
 }

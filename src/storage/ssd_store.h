@@ -82,8 +82,9 @@ class SsdStore {
 
   // Writes `payload` as the record of `key` and returns its locator. `staging` is the caller's
   // scratch buffer (grown as needed; reusing one per thread avoids an allocation per write).
-  // ResourceExhausted("no free extent") when the store is full (the caller may free space and
-  // retry); otherwise the device's error, and the extent is released again.
+  // ResourceExhausted when the store is full (the caller may free space and retry); Unavailable
+  // when the device failed the write (EIO, ENOSPC of the file system), and the extent is released
+  // again.
   Result<uint64_t> Write(const state::StateKey& key, std::span<const uint8_t> payload,
                          AlignedBuffer* staging);
 

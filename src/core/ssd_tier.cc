@@ -1,0 +1,385 @@
+#include "core/ssd_tier.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "base/clock.h"
+#include "base/logging.h"
+#include "storage/record.h"
+
+namespace orbitkv::core {
+
+// One Load(): the keys it waits for and how each ended.
+struct SsdTier::LoadJob {
+  std::vector<Status> statuses;  // per key of the prefix; written by waiters before `remaining`
+  // Acq_rel: the waiter that brings it to zero sees every other waiter's status write.
+  std::atomic<size_t> remaining{0};
+  LoadDone done;
+
+  void Finish() {
+    size_t loaded = 0;
+    while (loaded < statuses.size() && statuses[loaded].ok()) ++loaded;
+    done(loaded);
+  }
+};
+
+Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options, BlockCache* cache,
+                                                 MetricsRegistry* metrics) {
+  if (options.writer_threads == 0 || options.reader_threads == 0) {
+    return Status::InvalidArgument("the SSD tier needs at least one writer and one reader thread");
+  }
+  std::vector<storage::RecoveredRecord> recovered;
+  storage::ScanReport report;
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<storage::SsdStore> store,
+                           storage::SsdStore::Open(options.store, &recovered, &report));
+  std::unique_ptr<SsdTier> tier(new SsdTier(options, cache, metrics, std::move(store)));
+  tier->scan_report_ = report;
+  tier->Recover(std::move(recovered));
+  SsdTier* raw = tier.get();
+  if (options.policy == SsdWritePolicy::kWriteBack) {
+    cache->table().SetEvictionListener(
+        [raw](const state::StateKey& key, BlockPin pin) { raw->Enqueue(key, std::move(pin)); });
+  }
+  for (uint32_t i = 0; i < options.writer_threads; ++i) {
+    tier->threads_.emplace_back([raw] { raw->WriterLoop(); });
+  }
+  for (uint32_t i = 0; i < options.reader_threads; ++i) {
+    tier->threads_.emplace_back([raw] { raw->ReaderLoop(); });
+  }
+  return tier;
+}
+
+SsdTier::SsdTier(const SsdTierOptions& options, BlockCache* cache, MetricsRegistry* metrics,
+                 std::unique_ptr<storage::SsdStore> store)
+    : options_(options), cache_(cache), store_(std::move(store)) {
+  writes_ = &metrics->GetCounter("orbitkv_ssd_writes_total", "Records written to the SSD tier.");
+  written_bytes_ =
+      &metrics->GetCounter("orbitkv_ssd_written_bytes_total", "Payload bytes written to SSD.");
+  reads_ = &metrics->GetCounter("orbitkv_ssd_reads_total", "Records read back from the SSD tier.");
+  read_bytes_ =
+      &metrics->GetCounter("orbitkv_ssd_read_bytes_total", "Payload bytes read back from SSD.");
+  verify_failures_ = &metrics->GetCounter(
+      "orbitkv_ssd_verify_failures_total",
+      "SSD reads whose record was torn, corrupted or reused: served as a miss.");
+  queue_drops_ = &metrics->GetCounter("orbitkv_ssd_writeback_dropped_total",
+                                      "Evicted blocks not written because the queue was full.");
+  filtered_ = &metrics->GetCounter("orbitkv_ssd_admission_filtered_total",
+                                   "Evicted blocks not written: accessed too rarely.");
+  write_errors_ =
+      &metrics->GetCounter("orbitkv_ssd_write_errors_total", "SSD writes the device failed.");
+  evictions_ = &metrics->GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "ssd"}});
+  used_bytes_ = &metrics->GetGauge("orbitkv_ssd_used_bytes", "SSD bytes holding records.");
+  records_gauge_ = &metrics->GetGauge("orbitkv_ssd_records", "Records on the SSD tier.");
+  admissions_enabled_gauge_ =
+      &metrics->GetGauge("orbitkv_ssd_admissions_enabled",
+                         "1 while the SSD tier accepts new blocks; 0 after a device write error.");
+  admissions_enabled_gauge_->Set(1);
+  metrics->GetGauge("orbitkv_ssd_capacity_bytes", "SSD tier capacity.")
+      .Set(static_cast<double>(store_->capacity_bytes()));
+  refilled_ = MonoNow();
+}
+
+SsdTier::~SsdTier() { Shutdown(); }
+
+void SsdTier::Recover(std::vector<storage::RecoveredRecord> records) {
+  // Oldest first, so the FIFO evicts in write order and a key found twice keeps its newest record.
+  std::sort(records.begin(), records.end(),
+            [](const auto& a, const auto& b) { return a.write_epoch < b.write_epoch; });
+  MutexLock lock(&mu_);
+  for (storage::RecoveredRecord& record : records) {
+    auto it = live_.find(record.key);
+    if (it != live_.end()) {
+      store_->Release(it->second.locator, it->second.bytes);
+      live_.erase(it);
+    }
+    const uint64_t generation = cache_->table().PublishSsd(
+        record.key, record.locator, record.payload_bytes, TransitionCause::kRestore);
+    live_[record.key] = Live{generation, record.locator, record.payload_bytes};
+    fifo_.push_back(FifoEntry{record.key, generation});
+  }
+  recovered_records_ = live_.size();
+  records_gauge_->Set(static_cast<double>(live_.size()));
+  used_bytes_->Set(static_cast<double>(store_->allocated_bytes()));
+}
+
+void SsdTier::OnSealed(const state::StateKey& key) {
+  if (options_.policy != SsdWritePolicy::kWriteThrough) return;
+  Result<BlockPin> pin = cache_->table().Pin(key);
+  if (pin.ok()) Enqueue(key, std::move(*pin));
+}
+
+void SsdTier::Enqueue(const state::StateKey& key, BlockPin pin) {
+  if (!admissions_enabled_.load(std::memory_order_acquire)) return;
+  if (options_.policy == SsdWritePolicy::kWriteBack && options_.min_frequency > 1 &&
+      cache_->table().Frequency(key) < options_.min_frequency) {
+    filtered_->Increment();
+    return;
+  }
+  if (cache_->table().FindSsd(key).has_value()) return;  // already on SSD
+  const uint64_t bytes = pin.bytes();
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return;
+    if (queued_bytes_ + bytes > options_.queue_bytes) {
+      queue_drops_->Increment();
+      return;
+    }
+    queued_bytes_ += bytes;
+    write_queue_.push_back(WriteJob{key, std::move(pin)});
+  }
+  write_cv_.notify_one();
+}
+
+void SsdTier::WriterLoop() {
+  storage::AlignedBuffer staging;
+  for (;;) {
+    std::optional<WriteJob> job;
+    {
+      MutexLock lock(&mu_);
+      while (write_queue_.empty() && !stopping_) write_cv_.wait(mu_);
+      if (write_queue_.empty()) return;
+      job.emplace(std::move(write_queue_.front()));
+      write_queue_.pop_front();
+      queued_bytes_ -= job->pin.bytes();
+      ++writes_in_flight_;
+    }
+    WriteOne(*job, &staging);
+    job.reset();  // the evicted DRAM block is freed here
+    {
+      MutexLock lock(&mu_);
+      --writes_in_flight_;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+void SsdTier::SpendWriteBudget(uint64_t bytes) {
+  if (options_.write_bytes_per_second == 0) return;
+  const double rate = static_cast<double>(options_.write_bytes_per_second);
+  MutexLock lock(&mu_);
+  for (;;) {
+    const MonoTime now = MonoNow();
+    const double elapsed = std::chrono::duration<double>(now - refilled_).count();
+    refilled_ = now;
+    // The bucket holds at most one second of budget, so an idle period does not allow a burst
+    // larger than that.
+    tokens_ = std::min(rate, tokens_ + elapsed * rate);
+    if (tokens_ >= static_cast<double>(bytes) || tokens_ >= rate || stopping_) {
+      tokens_ -= static_cast<double>(bytes);
+      return;
+    }
+    const double wait = (static_cast<double>(bytes) - tokens_) / rate;
+    write_cv_.wait_for(mu_, std::chrono::duration<double>(std::min(wait, 0.1)));
+  }
+}
+
+void SsdTier::WriteOne(WriteJob& job, storage::AlignedBuffer* staging) {
+  if (!admissions_enabled_.load(std::memory_order_acquire)) return;
+  if (cache_->table().FindSsd(job.key).has_value()) return;
+  SpendWriteBudget(job.pin.bytes());
+  const std::span<const uint8_t> payload(job.pin.data(), job.pin.bytes());
+  Result<uint64_t> locator = store_->Write(job.key, payload, staging);
+  // A full store makes room by evicting its oldest records, a few times at most.
+  for (int attempt = 0;
+       !locator.ok() && locator.status().code() == StatusCode::kResourceExhausted && attempt < 8;
+       ++attempt) {
+    if (!EvictOldest(storage::RecordBytes(payload.size()))) break;
+    locator = store_->Write(job.key, payload, staging);
+  }
+  if (!locator.ok()) {
+    if (locator.status().code() != StatusCode::kResourceExhausted) {
+      write_errors_->Increment();
+      DisableAdmissions(locator.status());
+    }
+    return;
+  }
+  writes_->Increment();
+  written_bytes_->Increment(payload.size());
+  const uint64_t generation =
+      cache_->table().PublishSsd(job.key, *locator, payload.size(), TransitionCause::kAdmit);
+  MutexLock lock(&mu_);
+  auto it = live_.find(job.key);
+  if (it != live_.end()) {
+    // Another writer won the race for the same key: PublishSsd replaced its residence, so its
+    // extent is ours to free.
+    store_->Release(it->second.locator, it->second.bytes);
+  }
+  live_[job.key] = Live{generation, *locator, payload.size()};
+  fifo_.push_back(FifoEntry{job.key, generation});
+  records_gauge_->Set(static_cast<double>(live_.size()));
+  used_bytes_->Set(static_cast<double>(store_->allocated_bytes()));
+}
+
+bool SsdTier::EvictOldest(uint64_t bytes) {
+  uint64_t freed = 0;
+  std::vector<FifoEntry> victims;
+  {
+    MutexLock lock(&mu_);
+    while (freed < bytes && !fifo_.empty()) {
+      FifoEntry entry = std::move(fifo_.front());
+      fifo_.pop_front();
+      auto it = live_.find(entry.key);
+      if (it == live_.end() || it->second.generation != entry.generation) continue;  // gone
+      freed += storage::RecordBytes(it->second.bytes);
+      store_->Release(it->second.locator, it->second.bytes);
+      live_.erase(it);
+      victims.push_back(std::move(entry));
+    }
+    records_gauge_->Set(static_cast<double>(live_.size()));
+    used_bytes_->Set(static_cast<double>(store_->allocated_bytes()));
+  }
+  for (const FifoEntry& victim : victims) {
+    (void)cache_->table().DropSsd(victim.key, victim.generation, TransitionCause::kEvict);
+    evictions_->Increment();
+  }
+  return !victims.empty();
+}
+
+void SsdTier::Forget(const state::StateKey& key, uint64_t generation, TransitionCause cause) {
+  {
+    MutexLock lock(&mu_);
+    auto it = live_.find(key);
+    if (it == live_.end() || it->second.generation != generation) return;
+    store_->Release(it->second.locator, it->second.bytes);
+    live_.erase(it);
+    records_gauge_->Set(static_cast<double>(live_.size()));
+    used_bytes_->Set(static_cast<double>(store_->allocated_bytes()));
+  }
+  (void)cache_->table().DropSsd(key, generation, cause);
+}
+
+void SsdTier::DisableAdmissions(const Status& why) {
+  if (admissions_enabled_.exchange(false, std::memory_order_acq_rel)) {
+    ORBITKV_LOG_ERROR(
+        "ssd: a write failed ({}); new SSD admissions are disabled until the Manager restarts. "
+        "Blocks already on SSD are still served and DRAM service continues.",
+        why.ToString());
+    admissions_enabled_gauge_->Set(0);
+  }
+}
+
+Status SsdTier::Load(std::vector<state::StateKey> keys, LoadDone done) {
+  std::vector<Residence> tiers;
+  const size_t prefix = cache_->table().LookupPrefixTiers(keys, &tiers);
+  auto job = std::make_shared<LoadJob>();
+  job->statuses.assign(prefix, Status::Ok());
+  job->done = std::move(done);
+  std::vector<size_t> to_read;
+  for (size_t i = 0; i < prefix; ++i) {
+    if (tiers[i] == Residence::kSsd) to_read.push_back(i);
+  }
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return Status::Unavailable("the SSD tier is shutting down");
+  }
+  // One extra count held by this function, so the job cannot finish while waiters are attached.
+  job->remaining.store(to_read.size() + 1, std::memory_order_relaxed);
+  size_t queued = 0;
+  for (size_t i : to_read) {
+    const bool leader = cache_->coalescer().Join(keys[i], [job, i](const Status& status) {
+      job->statuses[i] = status;
+      if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job->Finish();
+    });
+    if (leader) {
+      MutexLock lock(&mu_);
+      read_queue_.push_back(ReadTask{keys[i]});
+      ++queued;
+    }
+  }
+  if (queued > 0) read_cv_.notify_all();
+  if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job->Finish();
+  return Status::Ok();
+}
+
+void SsdTier::ReaderLoop() {
+  storage::AlignedBuffer staging;
+  for (;;) {
+    std::optional<ReadTask> task;
+    {
+      MutexLock lock(&mu_);
+      // Readers drain every queued read before exiting, so every Load's callback runs.
+      while (read_queue_.empty() && !stopping_) read_cv_.wait(mu_);
+      if (read_queue_.empty()) return;
+      task.emplace(std::move(read_queue_.front()));
+      read_queue_.pop_front();
+    }
+    const Status status = ReadOne(task->key, &staging);
+    cache_->coalescer().Complete(task->key, status);
+  }
+}
+
+Status SsdTier::ReadOne(const state::StateKey& key, storage::AlignedBuffer* staging) {
+  std::optional<SsdResidence> residence = cache_->table().FindSsd(key);
+  if (!residence.has_value()) return Status::NotFound("the block left the SSD tier");
+  Result<std::span<const uint8_t>> payload =
+      store_->Read(key, residence->locator, residence->bytes, staging);
+  if (!payload.ok()) {
+    if (payload.status().code() == StatusCode::kDataLoss) {
+      verify_failures_->Increment();
+      ORBITKV_LOG_WARN("ssd: {}; served as a miss and dropped", payload.status().message());
+      Forget(key, residence->generation, TransitionCause::kCleanup);
+    }
+    return payload.status();
+  }
+  reads_->Increment();
+  read_bytes_->Increment(payload->size());
+  Result<BlockWriter> writer = cache_->Prepare(key, payload->size());
+  if (!writer.ok()) {
+    // Already in DRAM (a save or another load won): the block is there, which is what was asked.
+    if (writer.status().code() == StatusCode::kAlreadyExists) return Status::Ok();
+    return writer.status();
+  }
+  std::memcpy(writer->data(), payload->data(), payload->size());
+  cache_->Seal(*writer, TransitionCause::kRestore);
+  return Status::Ok();
+}
+
+void SsdTier::Flush() {
+  MutexLock lock(&mu_);
+  while (!write_queue_.empty() || writes_in_flight_ > 0) idle_cv_.wait(mu_);
+}
+
+void SsdTier::Shutdown() {
+  std::call_once(shutdown_once_, [this] {
+    std::deque<WriteJob> dropped;
+    {
+      MutexLock lock(&mu_);
+      stopping_ = true;
+      dropped.swap(write_queue_);
+      queued_bytes_ = 0;
+    }
+    write_cv_.notify_all();
+    read_cv_.notify_all();
+    idle_cv_.notify_all();
+    dropped.clear();  // their DRAM pins go
+    for (std::thread& thread : threads_) thread.join();
+    threads_.clear();
+    if (options_.policy == SsdWritePolicy::kWriteBack) {
+      cache_->table().SetEvictionListener(nullptr);
+    }
+  });
+}
+
+SsdTierStats SsdTier::Stats() const {
+  SsdTierStats stats;
+  stats.capacity_bytes = store_->capacity_bytes();
+  stats.used_bytes = store_->allocated_bytes();
+  {
+    MutexLock lock(&mu_);
+    stats.records = live_.size();
+  }
+  stats.recovered_records = recovered_records_;
+  stats.writes = writes_->Value();
+  stats.written_bytes = written_bytes_->Value();
+  stats.reads = reads_->Value();
+  stats.read_bytes = read_bytes_->Value();
+  stats.verify_failures = verify_failures_->Value();
+  stats.queue_drops = queue_drops_->Value();
+  stats.filtered = filtered_->Value();
+  stats.write_errors = write_errors_->Value();
+  stats.admissions_enabled = admissions_enabled_.load(std::memory_order_acquire);
+  return stats;
+}
+
+}  // namespace orbitkv::core

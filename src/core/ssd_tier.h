@@ -1,0 +1,190 @@
+// SsdTier: the second tier under the DRAM pool. It writes blocks evicted from DRAM (or, with
+// write-through, every sealed block) to an SsdStore, publishes their SSD residence once the write
+// completed, and loads SSD-only blocks back into DRAM for queries.
+//
+//   write-back  BlockTable's eviction listener hands over (key, pin) of each evicted block; the
+//               admission filter drops blocks the sketch saw fewer than `min_frequency` times
+//               (one-hit wonders), and a bounded queue (bytes) feeds writer threads that spend a
+//               bytes-per-second budget. The pin keeps the evicted bytes alive until the write is
+//               done; a full queue drops the write (counted) rather than holding DRAM hostage.
+//   residence   PublishSsd only after the record is on the device; the tier owns the map from key
+//               to extent and is the only one to free an extent (after DropSsd of that generation).
+//               A full store evicts its oldest records first (FIFO).
+//   load        Load(keys) reads SSD-only blocks (one shared read per key through the cache's
+//               ReadCoalescer), verifies each record, copies it into a DRAM block and seals it with
+//               cause kRestore; the callback reports how many leading keys are now in DRAM. A
+//               record that fails verification is a miss: its residence is dropped and counted,
+//               its bytes are never served.
+//   faults      A device write error (EIO, ENOSPC from a file system that ran out despite the
+//               preallocation) disables new admissions (log line, gauge
+//               orbitkv_ssd_admissions_enabled = 0); reads and DRAM service continue.
+//   restart     Create() rebuilds the SSD residences from the store's scan (newest write epoch
+//               wins for a key found twice).
+//
+// Thread safety: all methods are safe from any thread. Threads (writers, readers) are created in
+// Create() and joined in Shutdown(); callbacks run on reader threads and must not call Shutdown().
+#ifndef ORBITKV_CORE_SSD_TIER_H_
+#define ORBITKV_CORE_SSD_TIER_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "base/metrics.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/thread_annotations.h"
+#include "core/block_cache.h"
+#include "storage/ssd_store.h"
+
+namespace orbitkv::core {
+
+enum class SsdWritePolicy : uint8_t { kWriteBack, kWriteThrough };
+
+struct SsdTierOptions {
+  storage::SsdStoreOptions store;
+  SsdWritePolicy policy = SsdWritePolicy::kWriteBack;
+  // Evicted blocks the sketch estimates below this are not written (1: write every block).
+  uint32_t min_frequency = 2;
+  uint64_t write_bytes_per_second = 0;  // 0: unlimited
+  uint64_t queue_bytes = 256ull << 20;  // evicted bytes waiting for a writer, at most
+  uint32_t writer_threads = 2;
+  uint32_t reader_threads = 4;
+};
+
+struct SsdTierStats {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t records = 0;
+  uint64_t recovered_records = 0;
+  uint64_t writes = 0;
+  uint64_t written_bytes = 0;
+  uint64_t reads = 0;
+  uint64_t read_bytes = 0;
+  uint64_t verify_failures = 0;
+  uint64_t queue_drops = 0;
+  uint64_t filtered = 0;
+  uint64_t write_errors = 0;
+  bool admissions_enabled = true;
+};
+
+class SsdTier {
+ public:
+  // Loaded: how many leading keys of the Load are now resident in DRAM.
+  using LoadDone = std::function<void(size_t loaded)>;
+
+  // Opens the store (scanning it unless options.store.recover is false), republishes what it found,
+  // installs the eviction listener on `cache`'s table and starts the threads. `cache` and `metrics`
+  // must outlive the tier; the tier must be shut down before the cache is destroyed.
+  static Result<std::unique_ptr<SsdTier>> Create(const SsdTierOptions& options, BlockCache* cache,
+                                                 MetricsRegistry* metrics);
+  ~SsdTier();  // Shutdown()
+  SsdTier(const SsdTier&) = delete;
+  SsdTier& operator=(const SsdTier&) = delete;
+
+  // Write-through: queues a copy of the sealed DRAM block of `key` (no-op under write-back).
+  void OnSealed(const state::StateKey& key);
+
+  // Loads the SSD-only blocks among `keys` (in order; keys already in DRAM are skipped) into DRAM
+  // and calls `done` once, on a reader thread, with the length of the prefix now DRAM-resident.
+  // Unavailable after Shutdown began (done is not called).
+  Status Load(std::vector<state::StateKey> keys, LoadDone done);
+
+  // Stops accepting work, drops queued write-backs (their DRAM pins go), finishes writes and reads
+  // in flight and every queued load (their callbacks run), then joins the threads. Idempotent.
+  void Shutdown();
+
+  // Waits until the write-back queue is empty and no write is in flight (tests, benchmarks).
+  void Flush();
+
+  SsdTierStats Stats() const;
+  const storage::ScanReport& scan_report() const { return scan_report_; }
+  std::string_view backend_name() const { return store_->backend_name(); }
+  bool direct_io() const { return store_->direct_io(); }
+  uint64_t capacity_bytes() const { return store_->capacity_bytes(); }
+
+ private:
+  struct WriteJob {
+    state::StateKey key;
+    BlockPin pin;
+  };
+  struct Live {
+    uint64_t generation = 0;
+    uint64_t locator = 0;
+    uint64_t bytes = 0;
+  };
+  struct FifoEntry {
+    state::StateKey key;
+    uint64_t generation = 0;
+  };
+  struct LoadJob;
+  struct ReadTask {
+    state::StateKey key;
+  };
+
+  SsdTier(const SsdTierOptions& options, BlockCache* cache, MetricsRegistry* metrics,
+          std::unique_ptr<storage::SsdStore> store);
+  void Recover(std::vector<storage::RecoveredRecord> records);
+  void Enqueue(const state::StateKey& key, BlockPin pin);
+  void WriterLoop();
+  void ReaderLoop();
+  void WriteOne(WriteJob& job, storage::AlignedBuffer* staging);
+  Status ReadOne(const state::StateKey& key, storage::AlignedBuffer* staging);
+  // Frees the oldest records until about `bytes` were released; false when nothing is left.
+  bool EvictOldest(uint64_t bytes);
+  // Forgets the record of `key` with `generation`: drops the residence and frees the extent.
+  void Forget(const state::StateKey& key, uint64_t generation, TransitionCause cause);
+  void DisableAdmissions(const Status& why);
+  void SpendWriteBudget(uint64_t bytes);
+
+  // Immutable after construction.
+  const SsdTierOptions options_;
+  BlockCache* const cache_;
+  const std::unique_ptr<storage::SsdStore> store_;
+  storage::ScanReport scan_report_;
+  Counter* writes_;
+  Counter* written_bytes_;
+  Counter* reads_;
+  Counter* read_bytes_;
+  Counter* verify_failures_;
+  Counter* queue_drops_;
+  Counter* filtered_;
+  Counter* write_errors_;
+  Counter* evictions_;
+  Gauge* used_bytes_;
+  Gauge* records_gauge_;
+  Gauge* admissions_enabled_gauge_;
+  uint64_t recovered_records_ = 0;
+
+  // Release/acquire: set once by DisableAdmissions, read by every eviction.
+  std::atomic<bool> admissions_enabled_{true};
+
+  mutable Mutex mu_;
+  std::condition_variable_any write_cv_;  // writers (and the write budget) wait on it (with mu_)
+  std::condition_variable_any read_cv_;   // readers wait on it (with mu_)
+  std::condition_variable_any idle_cv_;   // Flush waits on it
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::deque<WriteJob> write_queue_ GUARDED_BY(mu_);
+  uint64_t queued_bytes_ GUARDED_BY(mu_) = 0;
+  uint32_t writes_in_flight_ GUARDED_BY(mu_) = 0;
+  std::deque<ReadTask> read_queue_ GUARDED_BY(mu_);
+  std::unordered_map<state::StateKey, Live, state::StateKeyHash> live_ GUARDED_BY(mu_);
+  std::deque<FifoEntry> fifo_ GUARDED_BY(mu_);
+  // Token bucket for the write budget.
+  double tokens_ GUARDED_BY(mu_) = 0;
+  MonoTime refilled_ GUARDED_BY(mu_);
+
+  std::vector<std::thread> threads_;
+  std::once_flag shutdown_once_;
+};
+
+}  // namespace orbitkv::core
+
+#endif  // ORBITKV_CORE_SSD_TIER_H_
