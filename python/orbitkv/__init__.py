@@ -15,7 +15,14 @@ from orbitkv._native import (  # noqa: F401  (re-exported API)
     derive_namespace,
     intersect_boundaries,
 )
-from orbitkv.client import SKIP_PAGE, CacheManagerClient, QueryHit, QueryMiss, RestoreHandle  # noqa: F401
+from orbitkv.client import (  # noqa: F401
+    SKIP_PAGE,
+    CacheManagerClient,
+    QueryHit,
+    QueryLoading,
+    QueryMiss,
+    RestoreHandle,
+)
 
 __all__ = [
     "SKIP_PAGE",
@@ -25,6 +32,7 @@ __all__ = [
     "OrbitKVError",
     "OrbitKVTimeout",
     "QueryHit",
+    "QueryLoading",
     "QueryMiss",
     "RecoveryContract",
     "RestoreHandle",

@@ -3,7 +3,7 @@
     client = CacheManagerClient()                        # this host's Manager, default socket
     client.register_instance(7, namespace)               # namespace: orbitkv.derive_namespace(...)
     client.register_group(7, 0, [k_cache, v_cache])      # tensors/arrays from orbitkv.shm, [num_pages, ...]
-    hit = client.query_prefetch(7, keys)                 # QueryHit(num_hit_blocks, lease) or QueryMiss()
+    hit = client.query_prefetch(7, keys)                 # QueryHit(num_hit_blocks, lease), QueryLoading(op) or QueryMiss()
     client.start_restore(7, hit.lease, pages).wait()     # one completion after every copy drained
     client.save(7, [(key, page), ...])                   # returns once the blocks are resident
 
@@ -17,7 +17,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 from orbitkv import _native, shm
 
-__all__ = ["CacheManagerClient", "QueryHit", "QueryMiss", "RestoreHandle", "SKIP_PAGE"]
+__all__ = ["CacheManagerClient", "QueryHit", "QueryLoading", "QueryMiss", "RestoreHandle", "SKIP_PAGE"]
 
 SKIP_PAGE = 0xFFFFFFFF
 
@@ -33,7 +33,24 @@ class QueryMiss(NamedTuple):
     num_hit_blocks: int = 0
 
 
+class QueryLoading(NamedTuple):
+    """The prefix continues on SSD and the Manager is reading it into DRAM. Ask again with the same keys: the
+    answer stays Loading (same ``op``) until the blocks are in DRAM, then it is the Hit. ``cancel(instance, op)``
+    if the request goes away (optional: the reads finish either way and nothing is leased)."""
+
+    num_hit_blocks: int = 0
+    op: int = 0
+
+
 _MISS = QueryMiss()
+
+
+def _answer(hits: int, lease: int, loading_op: int):
+    if hits > 0:
+        return QueryHit(hits, lease)
+    if loading_op:
+        return QueryLoading(0, loading_op)
+    return _MISS
 
 
 class RestoreHandle:
@@ -106,8 +123,7 @@ class CacheManagerClient:
 
     def query_prefetch(self, instance_id: int, keys: Sequence, group: int = 0):
         """Keys: a chain of StateKeys (consecutive pages of one group)."""
-        hits, lease = self._native.query(instance_id, group, list(keys))
-        return QueryHit(hits, lease) if hits > 0 else QueryMiss()
+        return _answer(*self._native.query(instance_id, group, list(keys)))
 
     def query_hashes(self, instance_id: int, block_hashes: Sequence[bytes], *, first_token: int = 0,
                      page_tokens: int, group: int = 0, key_version: int = 1):
@@ -115,8 +131,8 @@ class CacheManagerClient:
         [first_token + i * page_tokens, + page_tokens) of this instance's namespace."""
         if not isinstance(block_hashes, (list, tuple)):
             block_hashes = list(block_hashes)
-        hits, lease = self._native.query_native(instance_id, group, first_token, page_tokens, block_hashes, key_version)
-        return QueryHit(hits, lease) if hits else _MISS
+        return _answer(*self._native.query_native(instance_id, group, first_token, page_tokens, block_hashes,
+                                                  key_version))
 
     def start_restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> RestoreHandle:
         return RestoreHandle(self, self._native.start_restore(instance_id, group, lease, list(pages)))
@@ -134,6 +150,16 @@ class CacheManagerClient:
 
     def release(self, instance_id: int, lease: int) -> None:
         self._native.release(instance_id, lease)
+
+    def cancel(self, instance_id: int, op: int) -> bool:
+        """Forgets a Loading operation; False when it had already completed (or was cancelled)."""
+        try:
+            self._native.cancel(instance_id, op)
+            return True
+        except _native.OrbitKVError as error:
+            if "no Loading operation" in str(error):
+                return False
+            raise
 
     def stats(self) -> dict:
         import json

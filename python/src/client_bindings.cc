@@ -90,10 +90,11 @@ void BindClient(py::module_& m) {
               py::gil_scoped_release release;
               return ValueOrThrow(c.Query(instance, group, keys));
             }();
-            return py::make_tuple(result.hits, result.lease);
+            return py::make_tuple(result.hits, result.lease, result.loading_op);
           },
           py::arg("instance_id"), py::arg("group"), py::arg("keys"),
-          "-> (hits, lease): the longest resident prefix, leased when hits > 0")
+          "-> (hits, lease, loading_op): the longest resident prefix, leased when hits > 0; "
+          "loading_op != 0 when the prefix continues on SSD and is being loaded (ask again)")
       .def(
           "query_native",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t first_token,
@@ -134,11 +135,12 @@ void BindClient(py::module_& m) {
                   std::span(reinterpret_cast<const uint8_t*>(flat.data()), flat.size()),
                   key_version));
             }
-            return py::make_tuple(result.hits, result.lease);
+            return py::make_tuple(result.hits, result.lease, result.loading_op);
           },
           py::arg("instance_id"), py::arg("group"), py::arg("first_token"), py::arg("page_tokens"),
           py::arg("block_hashes"), py::arg("key_version") = 1,
-          "-> (hits, lease) for the chain of pages whose native keys (block hashes) are given")
+          "-> (hits, lease, loading_op) for the chain of pages whose native keys (block hashes) "
+          "are given")
       .def(
           "start_restore",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease,
@@ -190,6 +192,13 @@ void BindClient(py::module_& m) {
             ThrowIfError(c.Release(instance, lease));
           },
           GilRelease(), py::arg("instance_id"), py::arg("lease"))
+      .def(
+          "cancel",
+          [](CacheClient& c, uint64_t instance, uint64_t op) {
+            ThrowIfError(c.Cancel(instance, op));
+          },
+          GilRelease(), py::arg("instance_id"), py::arg("op"),
+          "forgets a Loading operation (raises NotFound-style OrbitKVError once it completed)")
       .def(
           "stats", [](CacheClient& c) { return ValueOrThrow(c.Stats()); }, GilRelease(),
           "the Manager's counters as a JSON string")

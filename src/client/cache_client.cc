@@ -167,10 +167,12 @@ Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
         return static_cast<uint32_t>(sizeof(header) + count * native_bytes);
       }));
   QueryResult result;
-  if (static_cast<channel::QueryOutcome>(reply.descriptor.arg0 >> 32) ==
-      channel::QueryOutcome::kHit) {
+  const auto outcome = static_cast<channel::QueryOutcome>(reply.descriptor.arg0 >> 32);
+  if (outcome == channel::QueryOutcome::kHit) {
     result.hits = static_cast<uint32_t>(reply.descriptor.arg0);
     result.lease = reply.descriptor.arg1;
+  } else if (outcome == channel::QueryOutcome::kLoading) {
+    result.loading_op = reply.descriptor.arg1;
   }
   return result;
 }
@@ -331,6 +333,14 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
 Status CacheClient::Release(uint64_t instance, uint64_t lease) {
   Descriptor d{};
   channel::EncodeRelease(channel::ReleaseRequest{instance, lease}, &d);
+  MutexLock lock(&control_mu_);
+  return Call(d, {}).status();
+}
+
+Status CacheClient::Cancel(uint64_t instance, uint64_t op) {
+  Descriptor d{};
+  channel::EncodeRelease(channel::ReleaseRequest{instance, op}, &d);
+  d.opcode = static_cast<uint16_t>(Opcode::kCancel);
   MutexLock lock(&control_mu_);
   return Call(d, {}).status();
 }

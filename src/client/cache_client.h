@@ -54,9 +54,13 @@ struct BufferSpec {
   uint64_t page_bytes = 0;
 };
 
+// A query's answer: Hit (hits > 0, lease), Loading (loading_op != 0: the prefix continues on SSD
+// and the Manager is reading it into DRAM; ask again with the same keys, which returns the same op
+// until the blocks are in DRAM and then the Hit) or Miss (neither).
 struct QueryResult {
-  uint32_t hits = 0;   // blocks of the asked prefix resident and leased
-  uint64_t lease = 0;  // valid when hits > 0
+  uint32_t hits = 0;        // blocks of the asked prefix resident and leased
+  uint64_t lease = 0;       // valid when hits > 0
+  uint64_t loading_op = 0;  // non-zero: Loading
 };
 
 struct SaveItem {
@@ -119,6 +123,9 @@ class CacheClient {
   Result<SaveResult> Save(uint64_t instance, uint32_t group, std::span<const SaveItem> items);
 
   Status Release(uint64_t instance, uint64_t lease);
+  // Forgets a Loading operation (the engine no longer wants it): its reads still drain and what
+  // they bring into DRAM stays cached. NotFound when it already completed or was cancelled.
+  Status Cancel(uint64_t instance, uint64_t op);
   // The Manager's counters as JSON.
   Result<std::string> Stats();
   // Round trip with no work; returns the Manager's incarnation.

@@ -1,5 +1,6 @@
 #include "core/block_cache.h"
 
+#include <algorithm>
 #include <random>
 #include <utility>
 #include <vector>
@@ -69,8 +70,19 @@ BlockCache::~BlockCache() {
   pool_.reset();
 }
 
+size_t BlockCache::MaxQueryBlocks(uint64_t padded_block_bytes) const {
+  const Budget::Options& limits = query_budget_->options();
+  uint64_t limit = UINT64_MAX;
+  if (limits.global_bytes != 0) limit = std::min(limit, limits.global_bytes);
+  if (limits.per_owner_bytes != 0) limit = std::min(limit, limits.per_owner_bytes);
+  if (padded_block_bytes == 0) return 0;
+  return static_cast<size_t>(std::min<uint64_t>(limit / padded_block_bytes, SIZE_MAX));
+}
+
 Result<QueryResult> BlockCache::Query(uint64_t instance, std::span<const state::StateKey> keys,
                                       uint64_t padded_block_bytes) {
+  // A prefix longer than the budget can ever hold is answered for the part that fits.
+  keys = keys.first(std::min(keys.size(), MaxQueryBlocks(padded_block_bytes)));
   std::vector<BlockPin> pins;
   pins.reserve(keys.size());
   const size_t hits = table_->PinPrefix(keys, &pins);
@@ -79,8 +91,8 @@ Result<QueryResult> BlockCache::Query(uint64_t instance, std::span<const state::
   Result<BudgetTicket> ticket = query_budget_->TryReserve(instance, hits * padded_block_bytes);
   if (!ticket.ok()) {
     BlockPin::ReleaseAll(&pins);
-    // OutOfRange: the prefix can never fit the budget; answer a miss rather than keep the engine
-    // waiting.
+    // OutOfRange cannot happen for a prefix cut to MaxQueryBlocks; answer a miss rather than keep
+    // the engine waiting if it does.
     if (ticket.status().code() == StatusCode::kOutOfRange) return result;
     return ticket.status();
   }

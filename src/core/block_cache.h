@@ -74,11 +74,13 @@ class BlockCache {
   // Pins the longest DRAM-resident prefix of `keys` under a lease owned by `instance`, reserving
   // hits * padded_block_bytes of the query budget. A miss (hits == 0) takes no lease. Errors:
   // ResourceExhausted when the query budget or the lease table is full right now (backpressure:
-  // keep the query pending and retry); a prefix too large for the budget ever to hold is answered
-  // as a miss.
+  // keep the query pending and retry). Only the first MaxQueryBlocks() keys are looked at: a
+  // longer prefix could never be leased at once.
   Result<QueryResult> Query(uint64_t instance, std::span<const state::StateKey> keys,
                             uint64_t padded_block_bytes);
 
+  // The most blocks of `padded_block_bytes` one lease can hold (the query budget's limits).
+  size_t MaxQueryBlocks(uint64_t padded_block_bytes) const;
   Status ReleaseLease(uint64_t instance, LeaseId lease) {
     return leases_->Release(lease, instance);
   }

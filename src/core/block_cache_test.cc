@@ -77,7 +77,7 @@ TEST_F(BlockCacheTest, MissTakesNoLeaseAndNoBudget) {
   EXPECT_EQ(cache_->query_budget().tickets(), 0u);
 }
 
-TEST_F(BlockCacheTest, FullQueryBudgetIsBackpressureAndOversizedPrefixIsAMiss) {
+TEST_F(BlockCacheTest, FullQueryBudgetIsBackpressureAndOversizedPrefixIsCut) {
   auto options = testing::SmallCacheOptions();
   options.query_budget_bytes = 4 * kBlock;
   options.query_instance_budget_bytes = 3 * kBlock;
@@ -91,10 +91,16 @@ TEST_F(BlockCacheTest, FullQueryBudgetIsBackpressureAndOversizedPrefixIsAMiss) {
   EXPECT_EQ(busy.status().code(), StatusCode::kResourceExhausted);
   // Backpressure released its pins.
   EXPECT_EQ(cache_->table().Stats().pinned_blocks, 3u);
+  // Four keys never fit a 3-block instance budget: the query is cut to 3, which must wait for room
+  // now (1 block of the global budget is free).
+  EXPECT_EQ(cache_->MaxQueryBlocks(kBlock), 3u);
   auto too_big = cache_->Query(2, keys, kBlock);
-  ASSERT_TRUE(too_big.ok());
-  EXPECT_EQ(too_big->hits, 0u);
+  EXPECT_EQ(too_big.status().code(), StatusCode::kResourceExhausted);
   ASSERT_TRUE(cache_->ReleaseLease(1, *first->lease).ok());
+  auto cut = cache_->Query(2, keys, kBlock);
+  ASSERT_TRUE(cut.ok());
+  EXPECT_EQ(cut->hits, 3u);
+  ASSERT_TRUE(cache_->ReleaseLease(2, *cut->lease).ok());
   EXPECT_EQ(cache_->ReleaseLease(1, *first->lease).code(), StatusCode::kFailedPrecondition);
   EXPECT_TRUE(cache_->Query(1, std::span(keys).first(1), kBlock).ok());
 }

@@ -157,6 +157,67 @@ const std::vector<Option>& Options() {
          c.slot_bytes = static_cast<uint32_t>(bytes);
          return Status::Ok();
        }},
+      {"ssd-path", "DIR",
+       "enable the SSD tier with its files in DIR (default off); blocks evicted from DRAM are "
+       "written there and found again after a restart",
+       StringInto(&ManagerConfig::ssd_path)},
+      {"ssd-capacity", "SIZE",
+       "bytes of SSD space to preallocate under --ssd-path (default 64GiB, at most 90% of the "
+       "file system's free space)",
+       SizeInto(&ManagerConfig::ssd_capacity_bytes)},
+      {"ssd-files", "N", "files the SSD capacity is split over (default one per 64GiB, 1-16)",
+       Uint32Into(&ManagerConfig::ssd_files, 0, 255)},
+      {"ssd-backend", "auto|io_uring|psync",
+       "SSD I/O: io_uring with O_DIRECT, or pread/pwrite threads; auto tries io_uring first "
+       "(default auto)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         if (v != "auto" && v != "io_uring" && v != "psync") {
+           return Status::InvalidArgument(fmt::format("'{}' is not auto, io_uring or psync", v));
+         }
+         c.ssd_backend = std::string(v);
+         return Status::Ok();
+       }},
+      {"ssd-recover", "BOOL",
+       "on start, find the blocks already on SSD (true, default) or discard them (false)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         ORBITKV_ASSIGN_OR_RETURN(c.ssd_recover, ParseBool(v));
+         return Status::Ok();
+       }},
+      {"ssd-verify", "lazy|eager",
+       "check record checksums on every read only (lazy, default) or also while scanning at start "
+       "(eager: slower start, bad records dropped at once)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         if (v != "lazy" && v != "eager") {
+           return Status::InvalidArgument(fmt::format("'{}' is not lazy or eager", v));
+         }
+         c.ssd_verify = std::string(v);
+         return Status::Ok();
+       }},
+      {"ssd-policy", "write-back|write-through",
+       "write blocks to SSD when DRAM evicts them (write-back, default) or as soon as they are "
+       "saved (write-through)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         if (v != "write-back" && v != "write-through") {
+           return Status::InvalidArgument(
+               fmt::format("'{}' is not write-back or write-through", v));
+         }
+         c.ssd_policy = std::string(v);
+         return Status::Ok();
+       }},
+      {"ssd-min-frequency", "N",
+       "write an evicted block to SSD only if it was used at least N times (1: every block; "
+       "default 2, so one-hit blocks do not wear the SSD)",
+       Uint32Into(&ManagerConfig::ssd_min_frequency, 1, 16)},
+      {"ssd-write-budget", "SIZE",
+       "SSD write bandwidth the tier may use per second, e.g. 1GiB (default unlimited)",
+       SizeInto(&ManagerConfig::ssd_write_budget_bytes)},
+      {"ssd-queue", "SIZE",
+       "evicted bytes that may wait for an SSD writer; more are not written (default an eighth of "
+       "the pool, at most 1GiB)",
+       SizeInto(&ManagerConfig::ssd_queue_bytes)},
+      {"max-loading", "N",
+       "outstanding Loading operations (SSD reads for queries) per session (default 256)",
+       Uint32Into(&ManagerConfig::max_loading, 1, 1 << 16)},
       {"etcd-endpoints", "HOST:PORT[,...]",
        "join the cluster registered in this etcd (distributed mode; default off: a single host)",
        StringInto(&ManagerConfig::etcd_endpoints)},

@@ -39,6 +39,19 @@ struct ManagerConfig {
   uint32_t payload_slots = 64;
   uint32_t slot_bytes = 64 * 1024;
   std::string config_file;
+  // SSD tier: off unless ssd_path is set.
+  std::string ssd_path;              // directory holding the tier's files
+  uint64_t ssd_capacity_bytes = 0;   // 0: 64 GiB, capped at 90% of the file system's free space
+  uint32_t ssd_files = 0;            // 0: one per 64 GiB (1..16)
+  std::string ssd_backend = "auto";  // auto | io_uring | psync
+  bool ssd_recover = true;
+  std::string ssd_verify = "lazy";        // lazy | eager
+  std::string ssd_policy = "write-back";  // write-back | write-through
+  uint32_t ssd_min_frequency = 2;
+  uint64_t ssd_write_budget_bytes = 0;  // per second; 0: unlimited
+  uint64_t ssd_queue_bytes = 0;         // 0: an eighth of the pool, at most 1 GiB
+  uint32_t max_loading = 256;           // outstanding Loading operations per session
+
   // Distributed mode (membership on etcd): off unless etcd_endpoints is set.
   std::string etcd_endpoints;  // host:port[,host:port...]
   std::string cluster_name;

@@ -5,9 +5,12 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 #include "base/check.h"
@@ -34,6 +37,61 @@ std::vector<int> ParseNumaNodes(const std::string& numa) {
   return nodes;
 }
 
+// The SSD tier's options from the flags; the capacity defaults to 64 GiB and never exceeds 90% of
+// the free space of the file system holding --ssd-path (preallocation must not fill the disk).
+Result<core::SsdTierOptions> SsdOptionsFor(const ManagerConfig& config) {
+  core::SsdTierOptions options;
+  options.store.directory = config.ssd_path;
+  std::error_code error;
+  std::filesystem::create_directories(config.ssd_path, error);
+  if (error) {
+    return Status::InvalidArgument(
+        fmt::format("--ssd-path {}: cannot create it: {}", config.ssd_path, error.message()));
+  }
+  struct statvfs fs {};
+  if (statvfs(config.ssd_path.c_str(), &fs) != 0) {
+    return ErrnoStatus(fmt::format("--ssd-path {}: statvfs", config.ssd_path), errno);
+  }
+  // Space the tier's existing files already hold counts as available to it.
+  uint64_t existing = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(config.ssd_path, error)) {
+    if (entry.path().filename().string().starts_with("orbitkv-ssd-")) {
+      struct stat st {};
+      if (stat(entry.path().c_str(), &st) == 0)
+        existing += static_cast<uint64_t>(st.st_blocks) * 512;
+    }
+  }
+  const uint64_t available = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize + existing;
+  const uint64_t limit = available / 10 * 9;
+  uint64_t capacity = config.ssd_capacity_bytes != 0 ? config.ssd_capacity_bytes : (64ull << 30);
+  if (capacity > limit) {
+    if (config.ssd_capacity_bytes != 0) {
+      return Status::ResourceExhausted(fmt::format(
+          "--ssd-capacity {} MiB does not fit: the file system of {} has {} MiB available (the "
+          "tier takes at most 90% of it); give a smaller --ssd-capacity",
+          capacity >> 20, config.ssd_path, available >> 20));
+    }
+    capacity = limit;
+  }
+  options.store.capacity_bytes = capacity;
+  options.store.file_count = config.ssd_files;
+  if (options.store.file_count == 0) {
+    options.store.file_count =
+        static_cast<uint32_t>(std::clamp<uint64_t>(capacity / (64ull << 30), 1, 16));
+  }
+  options.store.backend = *storage::ParseDeviceBackend(config.ssd_backend);
+  options.store.recover = config.ssd_recover;
+  options.store.verify_on_open = config.ssd_verify == "eager";
+  options.policy = config.ssd_policy == "write-through" ? core::SsdWritePolicy::kWriteThrough
+                                                        : core::SsdWritePolicy::kWriteBack;
+  options.min_frequency = config.ssd_min_frequency;
+  options.write_bytes_per_second = config.ssd_write_budget_bytes;
+  options.queue_bytes = config.ssd_queue_bytes != 0
+                            ? config.ssd_queue_bytes
+                            : std::min<uint64_t>(config.dram_bytes / 8, 1ull << 30);
+  return options;
+}
+
 }  // namespace
 
 Manager::Group::~Group() {
@@ -58,6 +116,24 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
       core::BlockCache::Create(options, &manager->metrics_);
   if (!cache.ok()) return cache.status().WithContext("creating the DRAM pool");
   manager->cache_ = std::move(*cache);
+  if (!config.ssd_path.empty()) {
+    ORBITKV_ASSIGN_OR_RETURN(core::SsdTierOptions ssd, SsdOptionsFor(config));
+    Result<std::unique_ptr<core::SsdTier>> tier =
+        core::SsdTier::Create(ssd, manager->cache_.get(), &manager->metrics_);
+    if (!tier.ok()) return tier.status().WithContext("opening the SSD tier (--ssd-path)");
+    manager->ssd_ = std::move(*tier);
+    const storage::ScanReport& scan = manager->ssd_->scan_report();
+    ORBITKV_LOG_INFO(
+        "manager: SSD tier at {}: {} GiB in {} file(s), {} backend{}; recovered {} block(s) "
+        "({} MiB) in {:.2f} s{}",
+        config.ssd_path, manager->ssd_->capacity_bytes() >> 30, ssd.store.file_count,
+        manager->ssd_->backend_name(), manager->ssd_->direct_io() ? " with O_DIRECT" : "",
+        scan.records, scan.payload_bytes >> 20, scan.seconds,
+        scan.dropped_version + scan.dropped_corrupt + scan.dropped_overlap == 0
+            ? std::string()
+            : fmt::format(" (dropped {} of another format version, {} corrupt, {} overlapping)",
+                          scan.dropped_version, scan.dropped_corrupt, scan.dropped_overlap));
+  }
   manager->incarnation_ = manager->cache_->incarnation();
 
   // Admitting other uids needs a socket they can connect to; SO_PEERCRED then decides who stays.
@@ -95,6 +171,10 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
                                               "1 while membership is registered and the member "
                                               "view complete (remote work allowed); 0 otherwise, "
                                               "including single-host mode");
+  manager->loading_started_ = &m.GetCounter(
+      "orbitkv_loading_started_total", "Queries answered Loading (blocks read from SSD into DRAM)");
+  manager->loading_active_ =
+      &m.GetGauge("orbitkv_loading_active", "Loading operations not yet complete");
   manager->query_latency_ =
       &m.GetHistogram("orbitkv_query_seconds", "Time to answer a query in the Manager",
                       Histogram::ExponentialBounds(1e-6, 2, 20));
@@ -145,6 +225,8 @@ void Manager::Wait() {
   dispatcher_.join();
   // The dispatcher stopped accepting and closed every session; drain the copies they left running.
   copy_engine_->Shutdown();
+  // Then the SSD tier: queued write-backs are dropped, writes and reads in flight finish.
+  if (ssd_) ssd_->Shutdown();
   {
     MutexLock lock(&cleanup_mu_);
     cleanup_stop_ = true;
@@ -169,6 +251,7 @@ Manager::~Manager() {
     instances_.clear();
   }
   copy_engine_.reset();
+  ssd_.reset();  // before the cache it writes back from
   unlink(config_.socket_path.c_str());
 }
 
@@ -356,6 +439,7 @@ void Manager::CloseSession(uint64_t session_id, const Status& why) {
 void Manager::RetireInstance(const std::shared_ptr<Instance>& instance) {
   instance->retired.store(true, std::memory_order_release);
   instances_active_->Add(-1);
+  DropLoadingOf(instance->id);
   const size_t leases = cache_->CleanupInstance(instance->id);
   if (leases != 0)
     ORBITKV_LOG_INFO("manager: instance {}: released {} lease(s)", instance->id, leases);

@@ -37,6 +37,7 @@
 #include "channel/session.h"
 #include "core/block_cache.h"
 #include "core/cpu_copy_engine.h"
+#include "core/ssd_tier.h"
 #include "server/config.h"
 #include "server/metrics_http.h"
 #include "state/namespace.h"
@@ -100,12 +101,20 @@ class Manager {
                     const channel::InboundRequest& request);
   Status HandleRelease(Session& session, const channel::InboundRequest& request);
   Status HandleStats(Session& session, const channel::InboundRequest& request);
+  Status HandleCancel(Session& session, const channel::InboundRequest& request);
+  // Starts (or finds) the Loading operation that brings `keys` from SSD into DRAM for `instance`;
+  // returns its id. ResourceExhausted when the session has --max-loading operations outstanding.
+  Result<uint64_t> StartLoading(const Session& session, uint64_t instance, uint32_t group,
+                                std::vector<state::StateKey> keys);
+  // Forgets every Loading operation of `instance` (its reads still drain).
+  void DropLoadingOf(uint64_t instance);
   bool TryBeginOperation();
   void EndOperation();
 
   Status StartMembership();
   void UpdateMembershipGauges();
   std::string MembershipJson() const;
+  std::string SsdJson() const;
   void CleanupLoop();
   void PostCleanup(std::function<void()> task);
 
@@ -117,6 +126,9 @@ class Manager {
   ScopedFd wake_;  // eventfd: RequestStop rings it
   ScopedFd epoll_;
   uint64_t incarnation_ = 0;
+
+  // The SSD tier (--ssd-path), created with the cache: its scan finds the blocks of the last run.
+  std::unique_ptr<core::SsdTier> ssd_;
 
   // Created by Start.
   std::unique_ptr<core::CpuCopyEngine> copy_engine_;
@@ -145,6 +157,27 @@ class Manager {
   // Release/acquire: RequestStop's store is seen by the dispatcher after its wakeup.
   std::atomic<bool> stopping_{false};
 
+  // Loading operations: a query whose prefix continues on SSD starts one, and the engine asks again
+  // (same instance, group and chain) until the blocks are in DRAM; cancel or cleanup forgets it.
+  // Each is bound to the control session that started it, its instance, group and chain.
+  struct LoadingOp {
+    uint64_t session = 0;
+    uint64_t instance = 0;
+    uint32_t group = 0;
+    uint64_t chain = 0;  // the chain's identity: hash of its last key and length
+  };
+  struct LoadingKey {
+    uint64_t instance;
+    uint32_t group;
+    uint64_t chain;
+    friend auto operator<=>(const LoadingKey&, const LoadingKey&) = default;
+  };
+  Mutex loading_mu_;
+  std::unordered_map<uint64_t, LoadingOp> loading_ GUARDED_BY(loading_mu_);
+  std::map<LoadingKey, uint64_t> loading_index_ GUARDED_BY(loading_mu_);
+  std::unordered_map<uint64_t, uint32_t> loading_per_session_ GUARDED_BY(loading_mu_);
+  uint64_t next_loading_id_ GUARDED_BY(loading_mu_) = 1;
+
   Mutex cleanup_mu_;
   std::condition_variable_any cleanup_cv_;
   std::deque<std::function<void()>> cleanup_tasks_ GUARDED_BY(cleanup_mu_);
@@ -161,6 +194,8 @@ class Manager {
   Counter* saved_bytes_ = nullptr;
   Counter* save_skipped_ = nullptr;
   Histogram* query_latency_ = nullptr;
+  Counter* loading_started_ = nullptr;
+  Gauge* loading_active_ = nullptr;
 };
 
 }  // namespace orbitkv::server

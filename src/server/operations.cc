@@ -76,9 +76,7 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
     case Opcode::kRelease:
       return HandleRelease(*session, request);
     case Opcode::kCancel:
-      // Every operation today completes on its own (no Loading yet): there is nothing to cancel.
-      return session->channel->ReplyError(
-          d, Status::NotFound("no cancellable operation with that id"));
+      return HandleCancel(*session, request);
     case Opcode::kStats:
       return HandleStats(*session, request);
   }
@@ -104,7 +102,29 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
       state::StateKey::AppendChain(ns, query.group, query.first_token, query.page_tokens,
                                    query.natives, query.native_bytes, query.key_version, &keys);
   if (!built.ok()) return session.channel->ReplyError(d, built);
+  // Keys past what one lease can hold are never looked at (nor loaded from SSD).
+  const size_t max_blocks = cache_->MaxQueryBlocks((*group)->padded_bytes);
+  if (keys.size() > max_blocks)
+    keys.erase(keys.begin() + static_cast<ptrdiff_t>(max_blocks), keys.end());
+  if (keys.empty()) {
+    query_latency_->Observe(watch.ElapsedSeconds());
+    return session.channel->Reply(d, StatusCode::kOk,
+                                  static_cast<uint64_t>(channel::QueryOutcome::kMiss) << 32, 0);
+  }
   Result<core::QueryResult> result = cache_->Query(query.instance, keys, (*group)->padded_bytes);
+  if (result.ok() && ssd_ != nullptr && result->hits < keys.size() &&
+      cache_->table().FindSsd(keys[result->hits]).has_value()) {
+    // The prefix continues on SSD: load it into DRAM and let the engine ask again. The DRAM part's
+    // lease goes back; the next query leases the whole prefix at once.
+    if (result->lease.has_value()) {
+      (void)cache_->ReleaseLease(query.instance, *result->lease);
+    }
+    Result<uint64_t> op = StartLoading(session, query.instance, query.group, std::move(keys));
+    query_latency_->Observe(watch.ElapsedSeconds());
+    if (!op.ok()) return session.channel->ReplyError(d, op.status());
+    return session.channel->Reply(
+        d, StatusCode::kOk, static_cast<uint64_t>(channel::QueryOutcome::kLoading) << 32, *op);
+  }
   query_latency_->Observe(watch.ElapsedSeconds());
   if (!result.ok()) return session.channel->ReplyError(d, result.status());
   if (!result->lease.has_value()) {
@@ -114,6 +134,92 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
   return session.channel->Reply(
       d, StatusCode::kOk, static_cast<uint64_t>(channel::QueryOutcome::kHit) << 32 | result->hits,
       result->lease->Pack());
+}
+
+Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance, uint32_t group,
+                                       std::vector<state::StateKey> keys) {
+  const LoadingKey index{instance, group, keys.back().Hash64() ^ keys.size()};
+  uint64_t id = 0;
+  {
+    MutexLock lock(&loading_mu_);
+    auto found = loading_index_.find(index);
+    if (found != loading_index_.end()) return found->second;  // the engine asked again: same op
+    uint32_t& outstanding = loading_per_session_[session.owner_id];
+    if (outstanding >= config_.max_loading) {
+      return Status::ResourceExhausted(fmt::format(
+          "{} Loading operations are outstanding on this session (--max-loading); retry",
+          outstanding));
+    }
+    ++outstanding;
+    id = next_loading_id_++;
+    loading_.emplace(id, LoadingOp{session.owner_id, instance, group, index.chain});
+    loading_index_.emplace(index, id);
+  }
+  loading_started_->Increment();
+  loading_active_->Add(1);
+  Status started = ssd_->Load(std::move(keys), [this, id](size_t) {
+    // The blocks that could be loaded are in DRAM now: the engine's next query leases them. The
+    // op may already be gone (cancelled, its instance cleaned up): nothing to do then.
+    MutexLock lock(&loading_mu_);
+    auto it = loading_.find(id);
+    if (it == loading_.end()) return;
+    loading_index_.erase(LoadingKey{it->second.instance, it->second.group, it->second.chain});
+    if (--loading_per_session_[it->second.session] == 0) {
+      loading_per_session_.erase(it->second.session);
+    }
+    loading_.erase(it);
+    loading_active_->Add(-1);
+  });
+  if (!started.ok()) {
+    MutexLock lock(&loading_mu_);
+    loading_.erase(id);
+    loading_index_.erase(index);
+    if (--loading_per_session_[session.owner_id] == 0) loading_per_session_.erase(session.owner_id);
+    loading_active_->Add(-1);
+    return started;
+  }
+  return id;
+}
+
+void Manager::DropLoadingOf(uint64_t instance) {
+  MutexLock lock(&loading_mu_);
+  for (auto it = loading_.begin(); it != loading_.end();) {
+    if (it->second.instance != instance) {
+      ++it;
+      continue;
+    }
+    loading_index_.erase(LoadingKey{it->second.instance, it->second.group, it->second.chain});
+    if (--loading_per_session_[it->second.session] == 0) {
+      loading_per_session_.erase(it->second.session);
+    }
+    it = loading_.erase(it);
+    loading_active_->Add(-1);
+  }
+}
+
+Status Manager::HandleCancel(Session& session, const channel::InboundRequest& request) {
+  ORBITKV_ASSIGN_OR_RETURN(channel::ReleaseRequest cancel,
+                           channel::DecodeRelease(request.descriptor, request.payload));
+  Result<std::shared_ptr<Instance>> instance = InstanceFor(session, cancel.instance);
+  if (!instance.ok()) return session.channel->ReplyError(request.descriptor, instance.status());
+  {
+    MutexLock lock(&loading_mu_);
+    auto it = loading_.find(cancel.lease);
+    if (it == loading_.end() || it->second.instance != cancel.instance) {
+      return session.channel->ReplyError(
+          request.descriptor,
+          Status::NotFound("no Loading operation with that id for this instance (it completed "
+                           "or was cancelled)"));
+    }
+    // The reads drain on their own; what they bring into DRAM stays cached for later queries.
+    loading_index_.erase(LoadingKey{it->second.instance, it->second.group, it->second.chain});
+    if (--loading_per_session_[it->second.session] == 0) {
+      loading_per_session_.erase(it->second.session);
+    }
+    loading_.erase(it);
+    loading_active_->Add(-1);
+  }
+  return session.channel->Reply(request.descriptor, StatusCode::kOk, 0, 0);
 }
 
 Status Manager::HandleRelease(Session& session, const channel::InboundRequest& request) {
@@ -227,6 +333,10 @@ Status Manager::HandleSave(const std::shared_ptr<Session>& session,
         d, Status::ResourceExhausted("too many restores and saves in flight; retry"));
   }
   auto writers = std::make_shared<std::vector<core::BlockWriter>>();
+  // With --ssd-policy write-through, the keys of the writers (in order) to queue for SSD once
+  // sealed.
+  auto through_keys = std::make_shared<std::vector<state::StateKey>>();
+  const bool write_through = ssd_ != nullptr && config_.ssd_policy == "write-through";
   core::CopyBatch batch;
   batch.direction = core::CopyDirection::kSave;
   uint64_t skipped = 0;
@@ -240,6 +350,7 @@ Status Manager::HandleSave(const std::shared_ptr<Session>& session,
     }
     AppendBlockFragments(g, item.page, writer->data(), &batch.fragments);
     writers->push_back(std::move(*writer));
+    if (write_through) through_keys->push_back(item.key);
   }
   save_skipped_->Increment(skipped);
   if (writers->empty()) {
@@ -250,11 +361,13 @@ Status Manager::HandleSave(const std::shared_ptr<Session>& session,
   std::shared_ptr<Group> keep_group = *group;
   const uint64_t bytes = writers->size() * g.block_bytes;
   Status submitted = copy_engine_->Submit(
-      std::move(batch), [this, channel, d, writers, keep_group, skipped, bytes](Status status) {
+      std::move(batch),
+      [this, channel, d, writers, through_keys, keep_group, skipped, bytes](Status status) {
         uint64_t written = 0;
         if (status.ok()) {
-          for (core::BlockWriter& writer : *writers) {
-            cache_->Seal(writer);
+          for (size_t i = 0; i < writers->size(); ++i) {
+            cache_->Seal((*writers)[i]);
+            if (!through_keys->empty()) ssd_->OnSealed((*through_keys)[i]);
             ++written;
           }
           saved_bytes_->Increment(bytes);
@@ -274,6 +387,19 @@ Status Manager::HandleSave(const std::shared_ptr<Session>& session,
   return Status::Ok();
 }
 
+std::string Manager::SsdJson() const {
+  if (ssd_ == nullptr) return ", \"ssd\": null";
+  const core::SsdTierStats ssd = ssd_->Stats();
+  return fmt::format(
+      ", \"ssd\": {{\"capacity_bytes\": {}, \"used_bytes\": {}, \"records\": {}, "
+      "\"recovered_records\": {}, \"writes\": {}, \"written_bytes\": {}, \"reads\": {}, "
+      "\"read_bytes\": {}, \"verify_failures\": {}, \"writeback_dropped\": {}, "
+      "\"admission_filtered\": {}, \"write_errors\": {}, \"admissions_enabled\": {}}}",
+      ssd.capacity_bytes, ssd.used_bytes, ssd.records, ssd.recovered_records, ssd.writes,
+      ssd.written_bytes, ssd.reads, ssd.read_bytes, ssd.verify_failures, ssd.queue_drops,
+      ssd.filtered, ssd.write_errors, ssd.admissions_enabled ? "true" : "false");
+}
+
 Status Manager::HandleStats(Session& session, const channel::InboundRequest& request) {
   const core::PoolStats pool = cache_->pool().Stats();
   const core::BlockTableStats table = cache_->table().Stats();
@@ -282,14 +408,14 @@ Status Manager::HandleStats(Session& session, const channel::InboundRequest& req
       "\"resident_blocks\": {}, "
       "\"resident_bytes\": {}, \"pinned_blocks\": {}, \"leases_active\": {}, "
       "\"query_reserved_bytes\": {}, "
-      "\"operations_active\": {}, \"hits\": {}, \"misses\": {}, \"evictions\": {}{}}}",
+      "\"operations_active\": {}, \"hits\": {}, \"misses\": {}, \"evictions\": {}{}{}}}",
       incarnation_, pool.capacity_bytes, pool.allocated_bytes, table.resident_blocks,
       table.resident_bytes, table.pinned_blocks, cache_->leases().active(),
       cache_->query_budget().reserved_bytes(), operations_.load(std::memory_order_relaxed),
       metrics_.GetCounter("orbitkv_cache_hits_total", "").Value(),
       metrics_.GetCounter("orbitkv_cache_misses_total", "").Value(),
       metrics_.GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}}).Value(),
-      MembershipJson());
+      SsdJson(), MembershipJson());
   return session.channel->Reply(
       request.descriptor, StatusCode::kOk, 0, 0,
       std::span(reinterpret_cast<const uint8_t*>(json.data()), json.size()));

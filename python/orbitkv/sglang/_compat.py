@@ -1,0 +1,251 @@
+"""SGLang's storage-backend and linker types: the real ones when SGLang is importable, same-named stand-ins
+otherwise, so that ``orbitkv.sglang`` imports (and its tests run) on hosts without SGLang.
+
+The stand-ins follow the field names and method signatures of ``sglang.srt.mem_cache.hicache_storage`` and
+``sglang.srt.mem_cache.unified_cache.unified_cache_linker``; they carry no behaviour beyond the base-class
+defaults SGLang documents. ``HAVE_SGLANG`` says which set is in use.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+__all__ = [
+    "HAVE_SGLANG",
+    "HAVE_SGLANG_LINKER",
+    "STORAGE_BATCH_SIZE",
+    "HiCacheStorage",
+    "HiCacheStorageConfig",
+    "HiCacheStorageExtraInfo",
+    "PoolHitPolicy",
+    "PoolName",
+    "PoolTransfer",
+    "PoolTransferResult",
+    "StorageMetrics",
+    "UnifiedCacheLinker",
+]
+
+try:  # SGLang installed: subclass its real base so the dynamic-backend factory's issubclass() check passes.
+    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+        PoolTransfer,
+        PoolTransferResult,
+    )
+
+    try:
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName  # type: ignore
+    except ImportError:  # SGLang before the v2 (hybrid pool) interface
+        PoolHitPolicy = PoolName = None  # type: ignore[assignment]
+    try:
+        from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE  # type: ignore
+    except ImportError:
+        STORAGE_BATCH_SIZE = 128
+    HAVE_SGLANG = True
+except ImportError:
+    HAVE_SGLANG = False
+
+try:
+    from sglang.srt.observability.metrics_collector import StorageMetrics  # type: ignore[import-not-found]
+except ImportError:
+    try:
+        from sglang.srt.metrics.collector import StorageMetrics  # type: ignore[import-not-found]
+    except ImportError:
+        StorageMetrics = None  # type: ignore[assignment]
+
+try:
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # type: ignore[import-not-found]
+        UnifiedCacheLinker,
+    )
+
+    HAVE_SGLANG_LINKER = True
+except ImportError:
+    HAVE_SGLANG_LINKER = False
+
+
+if not HAVE_SGLANG:
+    STORAGE_BATCH_SIZE = 128
+
+    @dataclass
+    class HiCacheStorageConfig:  # type: ignore[no-redef]
+        tp_rank: int
+        tp_size: int
+        pp_rank: int
+        pp_size: int
+        attn_cp_rank: int
+        attn_cp_size: int
+        is_mla_model: bool
+        enable_storage_metrics: bool
+        is_page_first_layout: bool
+        model_name: Optional[str]
+        dp_rank: int = 0
+        dp_size: int = 1
+        tp_lcm_size: Optional[int] = None
+        should_split_heads: bool = False
+        extra_config: Optional[dict] = None
+
+    @dataclass
+    class HiCacheStorageExtraInfo:  # type: ignore[no-redef]
+        prefix_keys: Optional[List[str]] = None
+        extra_info: Optional[dict] = None
+
+    class PoolName(str, enum.Enum):  # type: ignore[no-redef]
+        KV = "kv"
+        MAMBA = "mamba"
+        SWA = "swa"
+        INDEXER = "indexer"
+        DRAFT = "draft"
+
+        def __str__(self) -> str:
+            return self.value
+
+    class PoolHitPolicy(str, enum.Enum):  # type: ignore[no-redef]
+        ALL_PAGES = "all_pages"
+        TRAILING_PAGES = "trailing_pages"
+
+    @dataclass
+    class PoolTransfer:  # type: ignore[no-redef]
+        name: Any
+        host_indices: Any = None
+        device_indices: Any = None
+        keys: Optional[List[str]] = None
+        hit_policy: Any = PoolHitPolicy.ALL_PAGES
+        nodes_to_load: Optional[List[Any]] = None
+        indices_from_pool: Any = None
+
+    @dataclass
+    class PoolTransferResult:  # type: ignore[no-redef]
+        kv_hit_pages: int
+        extra_pool_hit_pages: dict
+        restorable_prefix_pages: Optional[List[int]] = None
+
+    class HiCacheStorage(abc.ABC):  # type: ignore[no-redef]
+        """Stand-in for SGLang's storage-backend base class (same abstract methods and defaults)."""
+
+        def register_mem_pool_host(self, mem_pool_host) -> None:
+            self.mem_pool_host = mem_pool_host
+
+        def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+            if not hasattr(self, "registered_pools"):
+                self.registered_pools = {}
+            self.registered_pools[host_pool_name] = host_pool
+
+        def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_get_v2(self, transfers, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_set_v2(self, transfers, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_get_v1(self, keys, host_indices, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_set_v1(self, keys, host_indices, extra_info=None):
+            raise NotImplementedError()
+
+        @abc.abstractmethod
+        def get(self, key, target_location=None, target_sizes=None):
+            ...
+
+        @abc.abstractmethod
+        def batch_get(self, keys, target_locations=None, target_sizes=None):
+            ...
+
+        @abc.abstractmethod
+        def set(self, key, value=None, target_location=None, target_sizes=None):
+            ...
+
+        @abc.abstractmethod
+        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+            ...
+
+        @abc.abstractmethod
+        def exists(self, key) -> bool:
+            ...
+
+        def batch_exists(self, keys, extra_info=None) -> int:
+            for i, key in enumerate(keys):
+                if not self.exists(key):
+                    return i
+            return len(keys)
+
+        def clear(self) -> None:
+            pass
+
+        def get_stats(self):
+            return None
+
+
+if StorageMetrics is None:
+
+    @dataclass
+    class StorageMetrics:  # type: ignore[no-redef]
+        """Stand-in for SGLang's per-poll storage metrics (pages per call and GB/s, since the last poll)."""
+
+        prefetch_pgs: List[int] = field(default_factory=list)
+        backup_pgs: List[int] = field(default_factory=list)
+        prefetch_bandwidth: List[float] = field(default_factory=list)
+        backup_bandwidth: List[float] = field(default_factory=list)
+
+
+if not HAVE_SGLANG_LINKER:
+
+    class UnifiedCacheLinker(abc.ABC):  # type: ignore[no-redef]
+        """Stand-in for SGLang's external-KV linker interface of UnifiedRadixCache."""
+
+        layer_done_counter: object
+
+        @abc.abstractmethod
+        def lookup(self, rid: str, transfers: list) -> list:
+            ...
+
+        @abc.abstractmethod
+        def load(self, rid: str, transfers: list) -> bool:
+            ...
+
+        @abc.abstractmethod
+        def start_layer_wise_loading(self) -> int:
+            ...
+
+        @abc.abstractmethod
+        def cancel_queued_load(self, rid: str) -> bool:
+            ...
+
+        @abc.abstractmethod
+        def num_completed_loads(self) -> int:
+            ...
+
+        @abc.abstractmethod
+        def pop_completed_load(self) -> list:
+            ...
+
+        @abc.abstractmethod
+        def offload(self, transfers: list) -> bool:
+            ...
+
+        @abc.abstractmethod
+        def num_completed_offloads(self) -> int:
+            ...
+
+        @abc.abstractmethod
+        def pop_completed_offload(self) -> bool:
+            ...
+
+        @abc.abstractmethod
+        def reset(self) -> None:
+            ...
+
+        @abc.abstractmethod
+        def close(self) -> None:
+            ...
+
+
+def pool_name_str(name) -> str:
+    """A pool name (PoolName member or plain string) as its string value."""
+    return name.value if isinstance(name, enum.Enum) else str(name)

@@ -1,0 +1,187 @@
+"""How an SGLang KV pool maps onto OrbitKV group buffers.
+
+OrbitKV copies a block as the concatenation of one fragment per registered buffer, each buffer indexed by page.
+An SGLang page of ``page_size`` tokens becomes one block:
+
+- ``page_first`` (MHA K/V ``(S, L, H, D)``, MLA ``(S, L, 1, C)``) and ``page_first_direct`` / ``page_head``
+  (``(N, ...)`` with the page first): one contiguous blob per buffer, so a block is [K blob][V blob] (MHA) or the
+  one MLA blob. Pages are views of the pool, nothing is copied.
+- ``layer_first`` (``(L, S, ...)``): every layer of every buffer is its own paged view, so a block is
+  [K layer 0]..[K layer L-1][V layer 0]..[V layer L-1] (MHA) or the L MLA layers.
+
+In every layout that order equals SGLang's flat page (``get_data_page(flat=True)``), so the legacy generic calls
+store the same bytes as the zero-copy ones. The bytes still depend on the layout, which is why the layout and
+shapes are part of the namespace (``detail``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+__all__ = ["PoolGeometry", "describe_host_pool", "describe_device_pool", "dtype_name", "orbitkv_layout"]
+
+_DTYPES = {
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+    "int8": "int8",
+    "uint8": "uint8",
+}
+_KV_CACHE_DTYPES = {  # SGLang --kv-cache-dtype spellings, and ours
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "fp8": "fp8_e4m3",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "int8": "int8",
+    "uint8": "uint8",
+}
+_PAGED_FIRST = ("page_first_direct", "page_head")  # (N, ...): the page is the first axis
+SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head", "layer_first")
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """A pool as OrbitKV sees it. ``buffers`` are ``[num_pages, ...]`` views whose rows are contiguous pages."""
+
+    layout: str  # SGLang's layout name
+    page_tokens: int
+    num_pages: int
+    buffers: tuple
+    block_bytes: int
+    dtype: str  # OrbitKV dtype name
+    state_layout: str  # OrbitKV StateFormat layout
+    detail: str  # everything else the bytes depend on (shapes, layer range, pool label)
+    is_mla: bool
+
+
+def dtype_name(torch_dtype) -> str:
+    name = str(torch_dtype).replace("torch.", "")
+    if name not in _DTYPES:
+        raise ValueError(f"OrbitKV cannot store a KV pool of dtype {name}")
+    return _DTYPES[name]
+
+
+def orbitkv_layout(sglang_layout: str, is_mla: bool) -> str:
+    if is_mla:
+        return "mla"
+    return {"layer_first": "layer_first", "page_first": "page_first", "page_first_direct": "page_first_direct",
+            "page_head": "page_first"}[sglang_layout]
+
+
+def _resolve_dtype(tensors: Sequence, kv_cache_dtype: Optional[str], require_real: bool = True) -> str:
+    pool_dtype = dtype_name(tensors[0].dtype)
+    if any(dtype_name(t.dtype) != pool_dtype for t in tensors):
+        raise ValueError("the KV buffers of one pool have different dtypes")
+    if kv_cache_dtype is None:
+        if pool_dtype == "uint8" and require_real:
+            # SGLang keeps an fp8 KV cache in uint8 storage: without the real dtype, e4m3 and e5m2 runs would share
+            # keys and read each other's bytes (sgl-project/sglang#33268).
+            raise ValueError("the host KV pool stores uint8 (SGLang's storage for fp8 KV caches): set "
+                             "\"kv_cache_dtype\" (fp8_e4m3 or fp8_e5m2) in --hicache-storage-backend-extra-config")
+        return pool_dtype
+    wanted = _KV_CACHE_DTYPES.get(str(kv_cache_dtype).lower())
+    if wanted is None:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {sorted(_KV_CACHE_DTYPES)}")
+    itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}.get(wanted, 1)
+    if itemsize != tensors[0].element_size():
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} does not match the pool's {pool_dtype} elements")
+    return wanted
+
+
+def _shape_signature(tensor, paged_axis: int) -> str:
+    dims = [str(d) for d in tensor.shape]
+    dims[paged_axis] = "*"
+    return "x".join(dims)
+
+
+def _paged_views(tensor, layout: str, num_pages: int, page_tokens: int) -> list:
+    """[num_pages, page_elements] views of one pool buffer, in block fragment order."""
+    if tensor.device.type != "cpu":
+        raise NotImplementedError("KV buffers on a GPU register through the OrbitKV GPU path, which this adapter "
+                                  "does not use yet; give it CPU tensors in OrbitKV shared memory")
+    if not tensor.is_contiguous():
+        raise ValueError(f"a {layout} KV buffer must be contiguous, got strides {tuple(tensor.stride())}")
+    if layout in _PAGED_FIRST:
+        if tensor.shape[0] < num_pages:
+            raise ValueError(f"a {layout} buffer of {tensor.shape[0]} pages is smaller than the pool's {num_pages}")
+        return [tensor[:num_pages].view(num_pages, -1)]
+    tokens = num_pages * page_tokens
+    if layout == "page_first":
+        if tensor.shape[0] < tokens:
+            raise ValueError(f"a page_first buffer of {tensor.shape[0]} tokens is smaller than the pool's {tokens}")
+        return [tensor[:tokens].view(num_pages, -1)]
+    if layout == "layer_first":
+        if tensor.dim() < 2 or tensor.shape[1] < tokens:
+            raise ValueError(f"a layer_first buffer of shape {tuple(tensor.shape)} holds fewer than {tokens} tokens")
+        return [tensor[layer, :tokens].view(num_pages, -1) for layer in range(tensor.shape[0])]
+    raise ValueError(f"OrbitKV does not support the SGLang host layout {layout!r}; use one of "
+                     f"{', '.join(SUPPORTED_LAYOUTS)} (page_first_direct or page_first recommended)")
+
+
+def describe_host_pool(pool, *, is_mla: bool, kv_cache_dtype: Optional[str] = None,
+                       label: str = "kv") -> Optional[PoolGeometry]:
+    """The geometry of an SGLang host pool (``HostKVCache``), or None for a logical anchor with no buffer."""
+    layout = getattr(pool, "layout", "layer_first")
+    page_tokens = int(getattr(pool, "page_size", 1) or 1)
+    if page_tokens <= 0:
+        raise ValueError(f"page_size must be positive, got {page_tokens}")
+    num_pages = int(getattr(pool, "page_num", 0) or pool.size // page_tokens)
+    if hasattr(pool, "get_hybrid_pool_buffer"):
+        tensors = pool.get_hybrid_pool_buffer()
+    else:
+        tensors = [getattr(pool, "kv_buffer", None)]
+    if tensors is None or len(tensors) == 0 or any(t is None for t in tensors):
+        return None
+    tensors = list(tensors)
+    # Side pools (Mamba state, indexer keys) keep whatever storage SGLang gives them; their label and shapes are in
+    # the namespace, and only the KV pool's uint8 needs the real fp8 dtype.
+    dtype = _resolve_dtype(tensors, kv_cache_dtype if label == "kv" else None, require_real=label == "kv")
+    buffers = []
+    for tensor in tensors:
+        buffers.extend(_paged_views(tensor, layout, num_pages, page_tokens))
+    block_bytes = sum(b[0].numel() * b.element_size() for b in buffers)
+    paged_axis = 1 if layout == "layer_first" else 0
+    shapes = ",".join(_shape_signature(t, paged_axis) for t in tensors)
+    layers = ""
+    if getattr(pool, "start_layer", None) is not None and getattr(pool, "end_layer", None) is not None:
+        layers = f"/layers{pool.start_layer}-{pool.end_layer}"
+    detail = f"sglang-host/{label}/{layout}/{'mla' if is_mla else 'mha'}/{shapes}{layers}"
+    return PoolGeometry(layout, page_tokens, num_pages, tuple(buffers), block_bytes, dtype,
+                        orbitkv_layout(layout, is_mla) if label == "kv" else "layer_first", detail, is_mla)
+
+
+def describe_device_pool(kvcache, page_tokens: int, *, is_mla: bool,
+                         kv_cache_dtype: Optional[str] = None) -> PoolGeometry:
+    """The geometry of an SGLang device KV pool (per-layer ``k_buffer``/``v_buffer`` lists of ``[slots, H, D]``, or
+    ``kv_buffer`` for MLA): a block is one page of every layer, K layers then V layers."""
+    if is_mla:
+        layers = list(getattr(kvcache, "kv_buffer", None) or kvcache.k_buffer)
+    else:
+        layers = list(kvcache.k_buffer) + list(kvcache.v_buffer)
+    if not layers:
+        raise ValueError("the device KV pool has no layer buffers")
+    dtype = _resolve_dtype(layers, kv_cache_dtype)
+    num_pages = min(int(t.shape[0]) for t in layers) // page_tokens
+    if num_pages == 0:
+        raise ValueError(f"the device KV pool holds fewer than one {page_tokens}-token page")
+    buffers = []
+    for tensor in layers:
+        if tensor.device.type != "cpu":
+            raise NotImplementedError("OrbitKVLinker moves GPU pages through the OrbitKV GPU path, which is not "
+                                      "available yet; only CPU device pools in OrbitKV shared memory work today")
+        if not tensor.is_contiguous():
+            raise ValueError("a device KV layer buffer must be contiguous")
+        buffers.append(tensor[: num_pages * page_tokens].view(num_pages, -1))
+    block_bytes = sum(b[0].numel() * b.element_size() for b in buffers)
+    shapes = "x".join(str(d) for d in layers[0].shape[1:])
+    detail = f"sglang-device/{'mla' if is_mla else 'mha'}/{len(layers)}x[*x{shapes}]"
+    return PoolGeometry("layer_first", page_tokens, num_pages, tuple(buffers), block_bytes, dtype,
+                        "mla" if is_mla else "layer_first", detail, is_mla)

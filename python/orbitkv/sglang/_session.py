@@ -1,0 +1,453 @@
+"""The SGLang adapters' connection to the Manager: registered pools, page-hash queries, restores and saves, and
+reconnection after the Manager restarts.
+
+Every SGLang page key is a chained SHA-256 that already binds the whole token prefix before it. OrbitKV's StateKey
+adds the namespace (model, dtype, layout, shard) and the token span. Two spans are used:
+
+- chain mode: page i of a call covers ``[first + i * page, + page)`` where ``first`` is the page's absolute
+  position when SGLang tells it (``prefix_keys``) or a position learned earlier in this process; one query answers
+  a whole batch.
+- single mode: every page covers ``[0, page)`` whatever its position (the chained hash makes the position
+  redundant), which needs one query per page. It is used where SGLang never says where a page sits.
+
+Threading: SGLang calls from its prefetch, prefetch-IO, backup and scheduler threads at once. The native client is
+thread safe; this class only guards swapping the client after a reconnect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import orbitkv
+from orbitkv import shm
+
+from orbitkv.sglang._layout import PoolGeometry
+
+logger = logging.getLogger("orbitkv.sglang")
+
+__all__ = ["ManagerLink", "Counters", "native_key", "native_keys", "PositionMemo"]
+
+
+def native_key(page_hash) -> bytes:
+    """The 32 bytes OrbitKV stores for an SGLang page hash (64 hex chars); any other key is hashed to 32 bytes."""
+    if isinstance(page_hash, bytes):
+        return page_hash if len(page_hash) == 32 else hashlib.sha256(page_hash).digest()
+    if len(page_hash) == 64:
+        try:
+            return bytes.fromhex(page_hash)
+        except ValueError:
+            pass
+    return hashlib.sha256(str(page_hash).encode()).digest()
+
+
+def native_keys(page_hashes: Sequence) -> List[bytes]:
+    """native_key of every hash (the usual batch of 64-hex-character SGLang hashes decodes in one pass)."""
+    if page_hashes and isinstance(page_hashes[0], str) and set(map(len, page_hashes)) == {64}:
+        try:
+            return list(map(bytes.fromhex, page_hashes))
+        except ValueError:
+            pass
+    return [native_key(h) for h in page_hashes]
+
+
+class PositionMemo:
+    """Page hash -> absolute first token, learned from calls whose position was known. Bounded: cleared when full
+    (a forgotten position only costs a miss, never a wrong read: the hash still binds the prefix)."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self._capacity = capacity
+        self._map: Dict[bytes, int] = {}
+
+    def get(self, native: bytes) -> Optional[int]:
+        return self._map.get(native)
+
+    def learn(self, natives: Sequence[bytes], first: int, page_tokens: int) -> None:
+        if not natives or self._map.get(natives[-1]) == first + (len(natives) - 1) * page_tokens:
+            return  # the usual case of a page asked again: already known
+        if len(self._map) + len(natives) > self._capacity:
+            self._map.clear()
+        self._map.update(zip(natives, range(first, first + len(natives) * page_tokens, page_tokens)))
+
+
+class Counters:
+    """Thread-safe event counters (hits, misses, failures) for get_stats and logs."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values: Dict[str, int] = {}
+
+    def add(self, name: str, value: int = 1) -> None:
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + value
+
+    def add_many(self, **values: int) -> None:
+        with self._lock:
+            for name, value in values.items():
+                self._values[name] = self._values.get(name, 0) + value
+
+    def snapshot(self) -> Dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+class RateLimitedLog:
+    """At most one log line per key per interval: failures repeat per batch and must not flood the log."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self._interval = interval_s
+        self._last: Dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, message: str, *args) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -1e9) < self._interval:
+                return
+            self._last[key] = now
+        logger.warning(message, *args)
+
+
+class Answer(NamedTuple):
+    """A query's outcome: ``hits`` leading pages leased under ``lease`` on ``client``/``instance``, or a miss;
+    ``loading_timeout`` marks a miss that was really blocks still being staged after the bounded wait."""
+
+    hits: int
+    lease: int
+    client: object
+    instance: int
+    loading_timeout: bool = False
+
+
+@dataclass
+class _Pool:
+    label: str
+    geometry: PoolGeometry
+    namespace: bytes
+    span_tokens: int  # tokens of one key's span: the KV page, also for side pools (their pages follow KV pages)
+    instance_id: int = 0  # on the current client; 0 while not registered
+    largest_hit: int = 0  # the most blocks one query found: a chain that long fits the query budget
+
+
+class ManagerLink:
+    """One SGLang rank's view of the Manager: a client, the pools registered through it, and reconnection."""
+
+    def __init__(self, socket_path: Optional[str], *, timeout_ms: int, loading_wait_s: float,
+                 reconnect_interval_s: float, counters: Counters, log: RateLimitedLog):
+        self._socket = socket_path
+        self._timeout_ms = timeout_ms
+        self._loading_wait_s = loading_wait_s
+        self._reconnect_interval_s = reconnect_interval_s
+        self._counters = counters
+        self._log = log
+        self._lock = threading.Lock()
+        self._pools: Dict[str, _Pool] = {}
+        self._closed = False
+        self._last_attempt = 0.0
+        try:
+            self._client: Optional[orbitkv.CacheManagerClient] = orbitkv.CacheManagerClient(
+                socket_path, timeout_ms=timeout_ms)
+        except orbitkv.OrbitKVError as e:
+            where = socket_path or "the default socket (see orbitkv-manager --help)"
+            raise RuntimeError(f"OrbitKV: no Manager answers at {where}: {e}. Start orbitkv-manager on this host, "
+                               "or set \"socket\" in --hicache-storage-backend-extra-config") from e
+
+    # ---- registration ----
+
+    def register(self, label: str, geometry: PoolGeometry, namespace: bytes, span_tokens: Optional[int] = None) -> None:
+        """Registers a pool's buffers (they must be in OrbitKV shared memory) under a fresh instance. Keys of this
+        pool cover ``span_tokens`` tokens each (default: the pool's page)."""
+        for buffer in geometry.buffers:
+            try:
+                shm.buffer_of(buffer)
+            except ValueError as e:
+                raise ValueError(
+                    f"OrbitKV: the SGLang {label!r} pool is not in shared memory, so the Manager cannot copy its "
+                    "pages. Allocate the host KV pool with orbitkv.shm.empty(..., like='torch') (registration of "
+                    "ordinary process memory is not supported yet)") from e
+        pool = _Pool(label, geometry, namespace, span_tokens or geometry.page_tokens)
+        with self._lock:
+            if label in self._pools:
+                raise ValueError(f"OrbitKV: a pool named {label!r} is already registered")
+            client = self._client
+            if client is None:
+                raise orbitkv.ManagerUnavailable("the OrbitKV Manager is not connected")
+            self._register_on(client, pool)
+            self._pools[label] = pool
+
+    def _register_on(self, client: orbitkv.CacheManagerClient, pool: _Pool) -> None:
+        for _ in range(8):
+            instance = secrets.randbits(62) + 1
+            try:
+                client.register_instance(instance, pool.namespace)
+            except orbitkv.OrbitKVError as e:
+                if getattr(e, "code", "") == "ALREADY_EXISTS":
+                    continue
+                raise
+            client.register_group(instance, 0, list(pool.geometry.buffers))
+            pool.instance_id = instance
+            return
+        raise RuntimeError("OrbitKV: could not find a free instance id")
+
+    def has_pool(self, label: str) -> bool:
+        return label in self._pools
+
+    def geometry(self, label: str) -> PoolGeometry:
+        return self._pools[label].geometry
+
+    def span_tokens(self, label: str) -> int:
+        return self._pools[label].span_tokens
+
+    def namespace(self, label: str) -> bytes:
+        return self._pools[label].namespace
+
+    # ---- connection ----
+
+    def _current(self, label: str) -> Tuple[orbitkv.CacheManagerClient, int]:
+        """The live client and the pool's instance on it; reconnects (at most once per interval) after a loss."""
+        client = self._client
+        pool = self._pools[label]
+        if client is not None and pool.instance_id:
+            return client, pool.instance_id
+        with self._lock:
+            if self._closed:
+                raise orbitkv.ManagerUnavailable("the OrbitKV storage backend is closed")
+            if self._client is None:
+                now = time.monotonic()
+                if now - self._last_attempt < self._reconnect_interval_s:
+                    raise orbitkv.ManagerUnavailable("the OrbitKV Manager is gone; waiting to reconnect")
+                self._last_attempt = now
+                try:
+                    client = orbitkv.CacheManagerClient(self._socket, timeout_ms=self._timeout_ms)
+                    for p in self._pools.values():
+                        p.instance_id = 0
+                    for p in self._pools.values():
+                        self._register_on(client, p)
+                except orbitkv.OrbitKVError:
+                    self._counters.add("reconnect_failures")
+                    raise
+                self._client = client
+                self._counters.add("reconnects")
+                logger.info("OrbitKV: reconnected to the Manager at %s", client.socket_path)
+            return self._client, self._pools[label].instance_id
+
+    def _lost(self, client, error: BaseException) -> None:
+        """Drops the client after the Manager went away, so the next call reconnects."""
+        if isinstance(error, orbitkv.ManagerUnavailable):
+            with self._lock:
+                if self._client is client:
+                    self._client = None
+                    self._last_attempt = time.monotonic()
+                    self._log.warning("lost", "OrbitKV: the Manager is unavailable (%s); treating every page as a "
+                                      "miss until it is back", error)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client = self._client, None
+            pools = list(self._pools.values())
+        if client is None:
+            return
+        for pool in pools:
+            if pool.instance_id:
+                try:
+                    client.unregister_instance(pool.instance_id)
+                except orbitkv.OrbitKVError:
+                    pass
+                pool.instance_id = 0
+
+    # ---- queries, restores, saves ----
+
+    def query(self, label: str, natives: List[bytes], first: int, *, wait_loading: bool = True) -> Answer:
+        """The chain ``natives`` starting at token ``first``. A Loading answer (blocks being read from SSD into
+        DRAM) is asked again with the same keys until ``loading_wait`` passes; then the op is cancelled (its reads
+        finish anyway, nothing stays leased) and the answer counts as a miss."""
+        client, instance = self._current(label)
+        page = self._pools[label].span_tokens
+        loading_type = getattr(orbitkv, "QueryLoading", None)
+        deadline = None
+        pending_op = None
+        delay = 0.0002
+        try:
+            while True:
+                answer = client.query_hashes(instance, natives, first_token=first, page_tokens=page)
+                if loading_type is None or not isinstance(answer, loading_type):
+                    # A Loading op that turned into this answer has completed: nothing to cancel.
+                    return Answer(answer.num_hit_blocks, getattr(answer, "lease", 0), client, instance)
+                self._counters.add("query_loading")
+                op = getattr(answer, "op", None)
+                if pending_op is not None and op != pending_op:
+                    self._cancel(client, instance, pending_op)
+                pending_op = op
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + (self._loading_wait_s if wait_loading else 0.0)
+                if now >= deadline:
+                    self._cancel(client, instance, pending_op)
+                    self._counters.add("query_loading_timeouts")
+                    return Answer(0, 0, client, instance, True)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.005)
+        except orbitkv.OrbitKVError as e:
+            self._lost(client, e)
+            raise
+
+    def _cancel(self, client, instance: int, op) -> None:
+        cancel = getattr(client, "cancel", None)
+        if cancel is None or op is None:
+            return
+        try:
+            cancel(instance, op)
+        except orbitkv.OrbitKVError:
+            pass
+
+    def release(self, client, instance: int, lease: int) -> None:
+        try:
+            client.release(instance, lease)
+        except orbitkv.OrbitKVError as e:
+            self._lost(client, e)
+
+    def restore(self, client, instance: int, lease: int, pages: List[int]) -> None:
+        """Copies the leased blocks into ``pages`` and returns once every copy drained. It never returns while the
+        Manager may still write those pages (a slow restore keeps waiting; a dead Manager writes nothing)."""
+        try:
+            handle = client.start_restore(instance, lease, pages)
+        except orbitkv.ManagerUnavailable as e:
+            self._lost(client, e)
+            raise
+        except orbitkv.OrbitKVError:
+            self.release(client, instance, lease)
+            raise
+        started = time.monotonic()
+        while True:
+            try:
+                # Short slices: the client holds its control lock while waiting, and the prefetch thread's
+                # queries must not queue behind a long restore.
+                handle.wait(timeout=0.002)
+                return
+            except orbitkv.OrbitKVTimeout:
+                if time.monotonic() - started > 10.0:
+                    self._log.warning("slow-restore", "OrbitKV: a restore of %d pages has run for over 10 s",
+                                      len(pages))
+            except orbitkv.OrbitKVError as e:
+                self._lost(client, e)
+                raise
+
+    def save(self, label: str, natives: List[bytes], begins: List[int], pages: List[int]) -> Tuple[int, int]:
+        """Saves ``pages`` of the pool under ``natives`` with token spans starting at ``begins``; returns once the
+        Manager holds them: (written, skipped: already stored or no room)."""
+        client, instance = self._current(label)
+        pool = self._pools[label]
+        page = pool.span_tokens
+        ns = pool.namespace
+        make = orbitkv.StateKey
+        items = [(make(ns, 0, b, b + page, n), p) for n, b, p in zip(natives, begins, pages)]
+        try:
+            return client.save(instance, items)
+        except orbitkv.OrbitKVError as e:
+            self._lost(client, e)
+            raise
+
+    def manager_stats(self) -> dict:
+        client = self._client
+        if client is None:
+            return {}
+        try:
+            return client.stats()
+        except orbitkv.OrbitKVError as e:
+            self._lost(client, e)
+            return {}
+
+    # ---- composite reads ----
+
+    def _chunked(self, label: str, natives: List[bytes], first: int, step: Optional[int], action) -> int:
+        """Runs ``action(hits, lease, client, instance, offset)`` over the chain in chunks, the whole chain first.
+        A query reserves query budget for every block it finds: on backpressure (no room now) the chunk is halved;
+        the Manager answers a prefix larger than the whole budget for the part that fits, so a shorter hit is
+        followed by a query on the rest (older Managers answered a miss: a miss on a chunk longer than any hit
+        seen so far is checked with its first page alone, and halved when that page is there).
+        Returns how many leading pages were found (and handled)."""
+        pool = self._pools[label]
+        page = pool.span_tokens
+        step = step or len(natives)
+        done = 0
+        while done < len(natives):
+            chunk = natives[done:done + step]
+            try:
+                hits, lease, client, instance, loading = self.query(label, chunk, first + done * page)
+                if hits == 0 and not loading and len(chunk) > 1 and len(chunk) > pool.largest_hit:
+                    probe = self.query(label, chunk[:1], first + done * page)
+                    if probe.hits:
+                        self.release(probe.client, probe.instance, probe.lease)
+                        self._counters.add("query_over_budget")
+                        step = max(1, min(step, len(chunk)) // 2)
+                        continue
+            except orbitkv.OrbitKVBusy:
+                self._counters.add("query_busy")
+                if step == 1:
+                    return done
+                step = max(1, min(step, len(natives) - done) // 2)
+                continue
+            if hits:
+                pool.largest_hit = max(pool.largest_hit, hits)
+                action(hits, lease, client, instance, done)
+            done += hits
+            if hits == 0:
+                break
+            if hits < len(chunk):
+                # Either the stored prefix ends here or the Manager cut the answer to what one lease can hold
+                # (its query budget): the next query, on the rest, tells which.
+                step = hits
+        return done
+
+    def read_chain(self, label: str, natives: List[bytes], first: int, pages: List[int]) -> int:
+        """Restores the longest stored prefix of a chain into ``pages``; returns how many pages landed."""
+        def restore(hits, lease, client, instance, offset):
+            self.restore(client, instance, lease, pages[offset:offset + hits])
+
+        return self._chunked(label, natives, first, None, restore)
+
+    def read_singles(self, label: str, natives: List[bytes], pages: List[int]) -> int:
+        """Single mode: one query and restore per page, stopping at the first miss."""
+        done = 0
+        for native, page in zip(natives, pages):
+            hits, lease, client, instance, _ = self.query(label, [native], 0)
+            if hits == 0:
+                break
+            self.restore(client, instance, lease, [page])
+            done += 1
+        return done
+
+    def exists_chain(self, label: str, natives: List[bytes], first: int) -> int:
+        """The longest stored prefix of a chain. The query leases (pins) what it finds, so it is released at once;
+        under budget pressure the chain is probed in smaller pieces."""
+        def release(hits, lease, client, instance, offset):
+            self.release(client, instance, lease)
+
+        return self._chunked(label, natives, first, None, release)
+
+    def exists_singles(self, label: str, natives: List[bytes]) -> int:
+        for i, native in enumerate(natives):
+            if self.exists_chain(label, [native], 0) == 0:
+                return i
+        return len(natives)
+
+
+def env_socket() -> Optional[str]:
+    """The Manager socket from the environment: ORBITKV_SOCKET, or ORBITKV_SGLANG_ENDPOINT=unix://PATH."""
+    path = os.environ.get("ORBITKV_SOCKET")
+    if path:
+        return path
+    endpoint = os.environ.get("ORBITKV_SGLANG_ENDPOINT", "")
+    if endpoint.startswith("unix://"):
+        return endpoint[len("unix://"):]
+    return None
+

@@ -1,0 +1,563 @@
+"""OrbitKVStorage: an SGLang HiCache L3 storage backend whose pages live in this host's OrbitKV Manager.
+
+Loaded by SGLang's dynamic backend factory:
+
+    --enable-hierarchical-cache --page-size 64 --hicache-mem-layout page_first_direct --hicache-io-backend direct \\
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+    '{"backend_name":"orbitkv","module_path":"orbitkv.sglang","class_name":"OrbitKVStorage","interface_v1":1,
+      "hicache_storage_pass_prefix_keys":true}'
+
+The host KV pool (L2) must be in OrbitKV shared memory; then ``batch_get_v1`` / ``batch_set_v1`` are zero copy:
+the Manager copies pages straight between its pool and the host pool's pages. Keys: SGLang's page hashes inside a
+namespace that binds model, dtype, layout, shapes and the TP/PP/CP shard (one namespace for all TP ranks of an MLA
+model, where only rank 0 writes). See docs/sglang.md.
+
+Contract with SGLang's storage threads: no I/O method raises or returns None. A failure (Manager gone, bad
+arguments, a full pool) is a False per page or a shorter hit, logged at most every 10 s and counted
+(``counters()``), because an exception would silently kill the calling HiCache thread for the process's life.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, List, Optional
+
+import torch
+
+import orbitkv
+from orbitkv import shm
+from orbitkv.sglang._compat import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorage,
+    PoolHitPolicy,
+    PoolTransferResult,
+    StorageMetrics,
+    pool_name_str,
+)
+from orbitkv.sglang._layout import PoolGeometry, describe_host_pool
+from orbitkv.sglang._session import (
+    Counters,
+    ManagerLink,
+    PositionMemo,
+    RateLimitedLog,
+    env_socket,
+    native_keys,
+)
+
+logger = logging.getLogger("orbitkv.sglang")
+
+__all__ = ["OrbitKVStorage", "model_fingerprint"]
+
+
+def model_fingerprint(model_id: str) -> str:
+    """A weights revision for the namespace when the extra config names none: for a local model directory, a digest
+    of its config and the names and sizes of its weight files; otherwise a marker that keys bind the model name
+    only (set "model_revision" to the hub commit then)."""
+    path = os.path.expanduser(model_id)
+    if os.path.isdir(path):
+        digest = hashlib.sha256()
+        for name in sorted(os.listdir(path)):
+            full = os.path.join(path, name)
+            if not os.path.isfile(full):
+                continue
+            if name.endswith(".json"):
+                with open(full, "rb") as f:
+                    digest.update(name.encode() + b"\0" + f.read())
+            elif name.endswith((".safetensors", ".bin", ".pt", ".gguf")):
+                digest.update(f"{name}:{os.path.getsize(full)}".encode())
+        return "dir-sha256:" + digest.hexdigest()[:32]
+    logger.warning("OrbitKV: %r is not a local directory and no \"model_revision\" is set: stored pages are bound "
+                   "to the model name only; set model_revision to the weights' commit", model_id)
+    return "unpinned"
+
+# Keys SGLang itself leaves in the extra config, and ours (docs/sglang.md lists what each does).
+_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
+_OUR_KEYS = {"socket", "timeout_ms", "loading_wait_ms", "reconnect_interval_ms", "cache_scope", "model_id",
+             "model_revision", "tokenizer", "kv_cache_dtype", "legacy_staging_pages"}
+_KV = "kv"
+_STAGING = "kv-staging"
+
+
+def _int_option(extra: dict, key: str, default: int, minimum: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"OrbitKV: extra-config key {key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _str_option(extra: dict, key: str, default: Optional[str]) -> Optional[str]:
+    value = extra.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"OrbitKV: extra-config key {key!r} must be a string, got {value!r}")
+    return value
+
+
+class OrbitKVStorage(HiCacheStorage):
+    """SGLang HiCacheStorage backed by the OrbitKV Manager. One instance per SGLang rank (scheduler process)."""
+
+    def __init__(self, storage_config=None, factory_kwargs: Optional[dict] = None):
+        if storage_config is None:
+            raise ValueError("OrbitKVStorage needs the HiCacheStorageConfig SGLang's backend factory passes")
+        extra = dict(storage_config.extra_config or {})
+        unknown = sorted(set(extra) - _SGLANG_KEYS - _OUR_KEYS)
+        if unknown:
+            logger.warning("OrbitKV: ignoring unknown extra-config keys %s", unknown)
+        self.config = storage_config
+        self.model_id = _str_option(extra, "model_id", None) or storage_config.model_name
+        if not self.model_id:
+            raise ValueError("OrbitKV: the served model name is empty; set \"model_id\" in the extra config so keys "
+                             "are bound to the model")
+        self.model_revision = _str_option(extra, "model_revision", None) or model_fingerprint(self.model_id)
+        self.tokenizer = _str_option(extra, "tokenizer", None) or self.model_id
+        self.cache_scope = _str_option(extra, "cache_scope", "")
+        self.kv_cache_dtype = _str_option(extra, "kv_cache_dtype", None)
+        timeout_ms = _int_option(extra, "timeout_ms", 10000, 1)
+        loading_wait_ms = _int_option(extra, "loading_wait_ms", 100, 0)
+        reconnect_ms = _int_option(extra, "reconnect_interval_ms", 1000, 0)
+        self._staging_pages = _int_option(extra, "legacy_staging_pages", 8, 1)
+        # Only the zero-copy calls carry positions (prefix_keys); the generic ones never do, so without
+        # interface_v1 every page is keyed on its own (see orbitkv/sglang/_session.py).
+        self.chain_mode = bool(extra.get("interface_v1", 0))
+        if not self.chain_mode:
+            logger.warning("OrbitKV: \"interface_v1\" is not set, so SGLang uses the generic copy path and OrbitKV "
+                           "answers each page with its own query; add \"interface_v1\": 1 for zero copy")
+        self.is_mla = bool(storage_config.is_mla_model)
+        # Rank-replicated KV (MLA): every TP rank holds the same bytes, only rank 0 writes, all ranks read.
+        self.is_writer = not self.is_mla or storage_config.tp_rank == 0
+        self.counters_ = Counters()
+        self._log = RateLimitedLog()
+        self._memo = PositionMemo()
+        self._calls = threading.local()
+        self._link = ManagerLink(_str_option(extra, "socket", None) or env_socket(), timeout_ms=timeout_ms,
+                                 loading_wait_s=loading_wait_ms / 1000.0, reconnect_interval_s=reconnect_ms / 1000.0,
+                                 counters=self.counters_, log=self._log)
+        self._anchor = False  # a KV pool without a buffer (DeepSeek-V4 logical anchor): v2 pools carry the data
+        self._kv: Optional[PoolGeometry] = None
+        self._staging_lock = threading.Lock()
+        self._staging: Optional[torch.Tensor] = None
+        self._metrics_lock = threading.Lock()
+        self._metrics = StorageMetrics()
+        self._closed = False
+
+    # ---- registration (errors here fail SGLang's attach, with the reason) ----
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        geometry = describe_host_pool(mem_pool_host, is_mla=self.is_mla, kv_cache_dtype=self.kv_cache_dtype)
+        if geometry is None:
+            self._anchor = True
+            logger.info("OrbitKV: the KV host pool has no buffer (logical anchor); pages move through v2 pools")
+            return
+        self._link.register(_KV, geometry, self._namespace(geometry))
+        self._kv = geometry
+        logger.info("OrbitKV: registered the %s host pool (%d pages of %d bytes) with the Manager",
+                    geometry.layout, geometry.num_pages, geometry.block_bytes)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = pool_name_str(host_pool_name)
+        if name == _KV or host_pool is getattr(self, "mem_pool_host", None):
+            return
+        geometry = describe_host_pool(host_pool, is_mla=self.is_mla, label=name)
+        if geometry is None:
+            raise ValueError(f"OrbitKV: the {name!r} host pool has no buffer to register")
+        # A side page belongs to a KV page: its key spans that KV page's tokens.
+        span = self._kv.page_tokens if self._kv is not None else None
+        self._link.register("pool:" + name, geometry, self._namespace(geometry), span)
+
+    def _namespace(self, geometry: PoolGeometry) -> bytes:
+        cfg = self.config
+        tp_size, tp_rank = (1, 0) if self.is_mla else (cfg.tp_size, cfg.tp_rank)
+        detail = geometry.detail
+        cp_size = getattr(cfg, "attn_cp_size", 1) or 1
+        if cp_size > 1:  # each context-parallel rank holds a disjoint slice of every page
+            detail += f"/cp{cfg.attn_cp_rank}of{cp_size}"
+        return orbitkv.derive_namespace(
+            self.model_id, self.model_revision, self.tokenizer, "sglang", cache_scope=self.cache_scope,
+            dtype=geometry.dtype, layout=geometry.state_layout, layout_detail=detail,
+            page_size_tokens=geometry.page_tokens, tp_size=tp_size, tp_rank=tp_rank,
+            pp_size=getattr(cfg, "pp_size", 1) or 1, pp_rank=getattr(cfg, "pp_rank", 0) or 0)
+
+    # ---- helpers ----
+
+    def _guarded(self, op: str, fallback: Callable[[], Any], fn: Callable[[], Any]):
+        if self._closed:
+            self.counters_.add(op + "_after_close")
+            return fallback()
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 -- any exception would kill SGLang's storage thread
+            self.counters_.add(op + "_errors")
+            self._log.warning(op, "OrbitKV: %s failed (%s: %s); SGLang sees a miss", op, type(e).__name__, e)
+            return fallback()
+        return fallback() if result is None else result
+
+    def _candidates(self, natives: List[bytes], extra_info, page_tokens: int, *, write: bool = False) -> List[int]:
+        """Where natives[0] may sit (first token), most likely first. A non-empty prefix_keys says it. Else the
+        span the page was used under before in this process. Else SGLang's calls name no position: an empty
+        prefix_keys is the root, or a later 128-page batch of the same operation (SGLang does not grow an empty
+        list between batches; the same list object comes back), and None (the hit query of a root prefetch, or no
+        prefix keys at all) may follow a full 128-page batch on this thread, or start at 0 (reads try both; a write
+        with None is never guessed to continue)."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if prefix:
+            return [len(prefix) * page_tokens]
+        learned = self._memo.get(natives[0])
+        if learned is not None:
+            return [learned]
+        if write and prefix is None:
+            return [0]
+        last = getattr(self._calls, "last", None)
+        if last is not None and last[0] is prefix and (prefix is not None or (last[2] == STORAGE_BATCH_SIZE
+                                                                              and last[3])):
+            follow = last[1] + last[2] * page_tokens
+            return [follow] if prefix is not None else [follow, 0]
+        return [0]
+
+    def _remember(self, extra_info, first: int, count: int, complete: bool) -> None:
+        """This thread's last call, for _candidates (the list object is kept so its identity stays unique)."""
+        self._calls.last = (getattr(extra_info, "prefix_keys", None) if extra_info is not None else None,
+                            first, count, complete)
+
+    def _learned_or_zero(self, natives: List[bytes]) -> int:
+        learned = self._memo.get(natives[0])
+        return 0 if learned is None else learned
+
+    def _learn(self, natives: List[bytes], first: int) -> None:
+        """Remembers the span each page was stored or asked under, so a later call that names no position (a side
+        pool's, a generic one's, a root batch after the first) uses the same one."""
+        if self.chain_mode:
+            self._memo.learn(natives, first, self._kv.page_tokens)
+
+    def _pages(self, host_indices, count: int, geometry: PoolGeometry) -> List[int]:
+        """Host-pool page numbers of ``count`` pages given as token slots (page i starts at slot i*page)."""
+        unit = geometry.page_tokens
+        if host_indices is None:
+            raise ValueError("host_indices is missing")
+        if hasattr(host_indices, "device") and host_indices.device.type != "cpu":
+            host_indices = host_indices.cpu()
+        if len(host_indices) != count * unit:
+            raise ValueError(f"{len(host_indices)} host slots for {count} pages of {unit} tokens")
+        firsts = host_indices[::unit].tolist()
+        pages = []
+        for slot in firsts:
+            if slot % unit != 0 or not 0 <= slot // unit < geometry.num_pages:
+                raise ValueError(f"host slot {slot} is not the start of one of the pool's {geometry.num_pages} pages")
+            pages.append(slot // unit)
+        return pages
+
+    def _record(self, kind: str, pages: int, seconds: float, block_bytes: int) -> None:
+        if pages <= 0:
+            return
+        with self._metrics_lock:
+            if kind == "prefetch":
+                self._metrics.prefetch_pgs.append(pages)
+                self._metrics.prefetch_bandwidth.append(pages * block_bytes / max(seconds, 1e-9) / 1e9)
+            else:
+                self._metrics.backup_pgs.append(pages)
+                self._metrics.backup_bandwidth.append(pages * block_bytes / max(seconds, 1e-9) / 1e9)
+
+    def _exists(self, label: str, natives: List[bytes], first: int) -> int:
+        if self.chain_mode:
+            return self._link.exists_chain(label, natives, first)
+        return self._link.exists_singles(label, natives)
+
+    def _read(self, label: str, natives: List[bytes], first: int, pages: List[int]) -> int:
+        if self.chain_mode:
+            return self._link.read_chain(label, natives, first, pages)
+        return self._link.read_singles(label, natives, pages)
+
+    def _write(self, label: str, natives: List[bytes], first: int, pages: List[int]):
+        page = self._link.span_tokens(label)
+        begins = [first + i * page for i in range(len(natives))] if self.chain_mode else [0] * len(natives)
+        return self._link.save(label, natives, begins, pages)
+
+    # ---- the hit query ----
+
+    def batch_exists(self, keys, extra_info=None) -> int:
+        def run() -> int:
+            if not keys:
+                return 0
+            if self._anchor:
+                return len(keys)
+            natives = native_keys(keys)
+            hits = 0
+            for first in self._candidates(natives, extra_info, self._kv.page_tokens):
+                hits = self._exists(_KV, natives, first)
+                if hits:
+                    break
+            self._learn(natives, first)
+            self._remember(extra_info, first, len(natives), hits == len(natives))
+            self.counters_.add_many(exists_calls=1, exists_keys=len(keys), exists_hits=hits)
+            return hits
+
+        return self._guarded("batch_exists", lambda: 0, run)
+
+    def exists(self, key) -> bool:
+        return self.batch_exists([key]) > 0
+
+    # ---- zero copy ----
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None) -> List[bool]:
+        def run() -> List[bool]:
+            n = len(keys)
+            if n == 0 or self._anchor:
+                return [True] * n
+            started = time.perf_counter()
+            pages = self._pages(host_indices, n, self._kv)
+            natives = native_keys(keys)
+            got = 0
+            for first in self._candidates(natives, extra_info, self._kv.page_tokens):
+                got = self._read(_KV, natives, first, pages)
+                if got:
+                    break
+            self._learn(natives, first)
+            self._remember(extra_info, first, n, got == n)
+            self.counters_.add_many(get_pages=n, get_hits=got)
+            self._record("prefetch", got, time.perf_counter() - started, self._kv.block_bytes)
+            return [True] * got + [False] * (n - got)
+
+        return self._guarded("batch_get_v1", lambda: [False] * len(keys), run)
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None) -> List[bool]:
+        def run() -> List[bool]:
+            n = len(keys)
+            if n == 0 or self._anchor or not self.is_writer:
+                return [True] * n
+            started = time.perf_counter()
+            pages = self._pages(host_indices, n, self._kv)
+            natives = native_keys(keys)
+            first = self._candidates(natives, extra_info, self._kv.page_tokens, write=True)[0]
+            written, skipped = self._write(_KV, natives, first, pages)
+            self._learn(natives, first)
+            self._remember(extra_info, first, n, True)
+            self.counters_.add_many(set_pages=n, set_written=written, set_skipped=skipped)
+            self._record("backup", n, time.perf_counter() - started, self._kv.block_bytes)
+            return [True] * n
+
+        return self._guarded("batch_set_v1", lambda: [False] * len(keys), run)
+
+    # ---- generic (legacy) calls: pages are copied through a small shared-memory staging area ----
+
+    def _staging_area(self) -> torch.Tensor:
+        if self._staging is None:
+            kv = self._kv
+            staging = shm.empty((self._staging_pages, kv.block_bytes), "uint8", like="torch")
+            geometry = PoolGeometry("staging", kv.page_tokens, self._staging_pages, (staging,), kv.block_bytes,
+                                    kv.dtype, kv.state_layout, kv.detail, kv.is_mla)
+            # Same namespace as the host pool: the staged bytes are exactly SGLang's flat page, which is exactly
+            # what the zero-copy path stores (see _layout.py).
+            self._link.register(_STAGING, geometry, self._link.namespace(_KV))
+            self._staging = staging
+        return self._staging
+
+    def _flat_bytes(self, tensor) -> torch.Tensor:
+        flat = tensor.contiguous().reshape(-1)
+        raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+        if raw.numel() != self._kv.block_bytes:
+            raise ValueError(f"a page of {raw.numel()} bytes, the pool's pages are {self._kv.block_bytes}")
+        return raw
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        def run():
+            if self._kv is None:
+                raise ValueError("no host pool is registered")
+            results: List[Optional[torch.Tensor]] = [None] * len(keys)
+            natives = native_keys(keys)
+            with self._staging_lock:
+                staging = self._staging_area()
+                step = staging.shape[0]
+                for start in range(0, len(keys), step):
+                    chunk = natives[start:start + step]
+                    first = self._learned_or_zero(chunk)
+                    got = self._read(_STAGING, chunk, first, list(range(len(chunk))))
+                    for j in range(got):
+                        target = target_locations[start + j] if target_locations is not None else None
+                        if target is None:
+                            target = staging[j].clone()
+                        else:
+                            self._flat_bytes(target).copy_(staging[j])
+                        results[start + j] = target
+                    self.counters_.add("legacy_get_pages", len(chunk))
+                    self.counters_.add("legacy_get_hits", got)
+                    if got < len(chunk):
+                        break
+            return results
+
+        return self._guarded("batch_get", lambda: [None] * len(keys), run)
+
+    def get(self, key, target_location=None, target_sizes=None):
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        def run() -> bool:
+            if not self.is_writer or not keys:
+                return True
+            if self._kv is None:
+                raise ValueError("no host pool is registered")
+            if values is None or len(values) != len(keys):
+                raise ValueError("batch_set needs one value per key")
+            natives = native_keys(keys)
+            with self._staging_lock:
+                staging = self._staging_area()
+                step = staging.shape[0]
+                for start in range(0, len(keys), step):
+                    chunk = natives[start:start + step]
+                    for j, value in enumerate(values[start:start + step]):
+                        staging[j].copy_(self._flat_bytes(value))
+                    first = self._learned_or_zero(chunk)
+                    written, skipped = self._write(_STAGING, chunk, first, list(range(len(chunk))))
+                    self.counters_.add("legacy_set_pages", len(chunk))
+                    self.counters_.add("set_written", written)
+                    self.counters_.add("set_skipped", skipped)
+            return True
+
+        return self._guarded("batch_set", lambda: False, run)
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    # ---- hybrid models: side pools (Mamba, SWA, indexer...) ----
+
+    def _side(self, transfer):
+        name = pool_name_str(transfer.name)
+        label = "pool:" + name
+        if not self._link.has_pool(label):
+            raise ValueError(f"no host pool named {name!r} was registered")
+        return name, label, self._link.geometry(label)
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        def run():
+            natives = native_keys(keys)
+            if not natives:
+                return PoolTransferResult(0, {})
+            page = self._kv.page_tokens if self._kv is not None else None
+            first, kv = 0, len(keys)
+            if not self._anchor:
+                for first in self._candidates(natives, extra_info, page):
+                    kv = self._exists(_KV, natives, first)
+                    if kv:
+                        break
+                self._learn(natives, first)
+                self._remember(extra_info, first, len(natives), kv == len(natives))
+            hit_count = {_KV: kv} if kv else {}
+            final = kv
+            lengths = set(range(1, kv + 1))
+            for transfer in pool_transfers or []:
+                if final == 0:
+                    break
+                name, label, _ = self._side(transfer)
+                if getattr(transfer, "hit_policy", PoolHitPolicy.ALL_PAGES) == PoolHitPolicy.TRAILING_PAGES:
+                    trailing = max(1, len(transfer.keys or []))
+                    ok = set()
+                    for length in range(kv, 0, -1):
+                        start = max(0, length - trailing)
+                        window = natives[start:length]
+                        pos = first + start * self._link.span_tokens(label)
+                        if self._exists(label, window, pos) == len(window):
+                            ok.add(length)
+                    boundary = max(ok, default=0)
+                    lengths &= ok
+                else:
+                    boundary = self._exists(label, natives[:final], first)
+                    lengths = {n for n in lengths if n <= boundary}
+                if boundary:
+                    hit_count[name] = boundary
+                final = min(final, boundary)
+            result = PoolTransferResult(final, hit_count)
+            if hasattr(result, "restorable_prefix_pages"):
+                result.restorable_prefix_pages = sorted(n for n in lengths if n <= final)
+            self.counters_.add("exists_v2_calls")
+            return result
+
+        return self._guarded("batch_exists_v2", lambda: PoolTransferResult(0, {}), run)
+
+    def _side_first(self, natives: List[bytes], extra_info, label: str) -> int:
+        """A side pool's pages sit where their KV pages were used (learned), else where prefix_keys says."""
+        learned = self._memo.get(natives[0])
+        if learned is not None:
+            return learned
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        return len(prefix) * self._link.span_tokens(label) if prefix else 0
+
+    def batch_get_v2(self, transfers, extra_info=None):
+        def run():
+            results = {}
+            for transfer in transfers:
+                keys = transfer.keys or []
+                name = pool_name_str(transfer.name)
+                results[name] = [False] * len(keys)
+                if not keys:
+                    continue
+                try:
+                    _, label, geometry = self._side(transfer)
+                    pages = self._pages(transfer.host_indices, len(keys), geometry)
+                    natives = native_keys(keys)
+                    got = self._read(label, natives, self._side_first(natives, extra_info, label), pages)
+                except Exception as e:  # noqa: BLE001 -- one pool's failure must not hide the others' results
+                    self.counters_.add("batch_get_v2_errors")
+                    self._log.warning("batch_get_v2", "OrbitKV: batch_get_v2 of %s failed (%s)", name, e)
+                    continue
+                results[name] = [True] * got + [False] * (len(keys) - got)
+            return results
+
+        return self._guarded("batch_get_v2",
+                             lambda: {pool_name_str(t.name): [False] * len(t.keys or []) for t in transfers}, run)
+
+    def batch_set_v2(self, transfers, extra_info=None):
+        def run():
+            results = {}
+            for transfer in transfers:
+                keys = transfer.keys or []
+                name = pool_name_str(transfer.name)
+                if not keys or not self.is_writer:
+                    results[name] = [True] * len(keys)
+                    continue
+                results[name] = [False] * len(keys)
+                try:
+                    _, label, geometry = self._side(transfer)
+                    pages = self._pages(transfer.host_indices, len(keys), geometry)
+                    natives = native_keys(keys)
+                    self._write(label, natives, self._side_first(natives, extra_info, label), pages)
+                except Exception as e:  # noqa: BLE001
+                    self.counters_.add("batch_set_v2_errors")
+                    self._log.warning("batch_set_v2", "OrbitKV: batch_set_v2 of %s failed (%s)", name, e)
+                    continue
+                results[name] = [True] * len(keys)
+            return results
+
+        return self._guarded("batch_set_v2",
+                             lambda: {pool_name_str(t.name): [False] * len(t.keys or []) for t in transfers}, run)
+
+    # ---- control ----
+
+    def clear(self) -> bool:
+        """SGLang's /clear_hicache_storage_backend. The Manager owns eviction and has no call that drops a
+        namespace yet, so stored pages stay until evicted; this reports False and logs why."""
+        self.counters_.add("clear_unsupported")
+        logger.warning("OrbitKV: clear is not supported yet (the Manager evicts by LRU; restart it to empty it)")
+        return False
+
+    def get_stats(self):
+        """Pages and GB/s of every prefetch and backup call since the previous poll (SGLang's StorageMetrics)."""
+        with self._metrics_lock:
+            metrics, self._metrics = self._metrics, StorageMetrics()
+        return metrics
+
+    def counters(self) -> dict:
+        """OrbitKV's own counters: hits, pages, written/skipped, errors, reconnects."""
+        return self.counters_.snapshot()
+
+    def manager_stats(self) -> dict:
+        return self._link.manager_stats()
+
+    def close(self) -> None:
+        """Runtime detach or shutdown: unregisters this rank's pools. Later calls report misses."""
+        if self._closed:
+            return
+        self._closed = True
+        self._link.close()

@@ -1,0 +1,357 @@
+"""OrbitKVLinker: SGLang's UnifiedCacheLinker over the OrbitKV Manager (device pages to and from the Manager, no
+SGLang host tier).
+
+SGLang's ``UnifiedCacheLinkerWrapper`` drives it from the tree: ``lookup`` when a prefix is matched (every page
+it reports is leased in the Manager until loaded or released), ``load`` + ``start_layer_wise_loading`` when the
+tree inserts the hit (restores run on a worker thread; the model's layer waits go through
+``layer_done_counter``), ``offload`` when a node is backed up (saves on a second worker thread). It is selected by
+the ``orbitkv`` radix-cache backend that :mod:`orbitkv.sglang.plugin` registers.
+
+Today the device pool must be CPU tensors in OrbitKV shared memory (CPU engines and tests); CUDA pools need the
+OrbitKV GPU path and are refused with NotImplementedError at construction. SGLang gives the linker no token
+positions, so each page is its own query (see ``_session.py``, single mode).
+
+Thread contract: SGLang calls every method from the scheduler thread. Public methods never raise after
+construction; a failure is a shorter lookup, a False, or (for a load that was already promised to the tree) a
+failed layer wait, which is what SGLang's own linkers do.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+import orbitkv
+from orbitkv.sglang._compat import UnifiedCacheLinker, pool_name_str
+from orbitkv.sglang._layout import describe_device_pool
+from orbitkv.sglang._session import Counters, ManagerLink, RateLimitedLog, env_socket, native_key
+
+logger = logging.getLogger("orbitkv.sglang")
+
+__all__ = ["OrbitKVLinker", "LayerDoneCounter"]
+
+_DEVICE = "device"
+_SUPPORTED_COMPONENTS = {"FULL"}
+
+
+class LayerDoneCounter:
+    """The object SGLang's KV pool waits on before each layer: ``wait_until(layer)`` returns once the consumer's
+    load batch landed that layer (a CPU restore lands every layer at once), and raises if the batch failed."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.producer_index = -1
+        self.consumer_index = -1
+        self._lock = threading.Lock()
+        self._events: Dict[int, threading.Event] = {}
+        self._errors: Dict[int, BaseException] = {}
+
+    def update_producer(self) -> int:
+        with self._lock:
+            self.producer_index += 1
+            self._events[self.producer_index] = threading.Event()
+            return self.producer_index
+
+    def set_consumer(self, index: int) -> None:
+        self.consumer_index = index
+
+    def complete(self, index: int) -> None:
+        with self._lock:
+            event = self._events.get(index)
+        if event is not None:
+            event.set()
+
+    def fail(self, index: int, error: BaseException) -> None:
+        with self._lock:
+            self._errors[index] = error
+            event = self._events.get(index)
+        if event is not None:
+            event.set()
+
+    def wait_until(self, threshold: int) -> None:
+        index = self.consumer_index
+        with self._lock:
+            event = self._events.get(index)
+        if event is None:
+            return
+        event.wait()
+        with self._lock:
+            error = self._errors.get(index)
+            if threshold >= self.num_layers - 1:
+                self._events.pop(index, None)
+                self._errors.pop(index, None)
+        if error is not None:
+            raise RuntimeError("OrbitKV: restoring KV pages from the Manager failed") from error
+
+    def reset(self) -> None:
+        with self._lock:
+            self.producer_index = -1
+            self.consumer_index = -1
+            self._events.clear()
+            self._errors.clear()
+
+
+class _Leased:
+    """The pages ``lookup`` found for one request, each leased in the Manager until restored or released."""
+
+    def __init__(self, leases: List[Tuple[object, int, int]]):
+        self.leases = leases  # (client, instance, lease) per page, in order
+        self.created = time.monotonic()
+
+
+def _kv_transfer(transfers):
+    for transfer in transfers or []:
+        if pool_name_str(transfer.name) == "kv":
+            return transfer
+    raise ValueError("no KV transfer in the request")
+
+
+class OrbitKVLinker(UnifiedCacheLinker):
+    """UnifiedCacheLinker backed by the OrbitKV Manager (constructed by SGLang's linker factory or our plugin)."""
+
+    def __init__(self, server_args, params, *, components=None, extra_config: Optional[dict] = None):
+        extra = dict(extra_config or {})
+        names = {getattr(c, "name", str(c)) for c in (components or [])}
+        unsupported = sorted(names - _SUPPORTED_COMPONENTS)
+        if unsupported:
+            raise ValueError(f"OrbitKVLinker supports full-attention KV only; unsupported components: {unsupported}")
+        self.page_size = int(params.page_size)
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        self.is_mla = bool(extra.get("is_mla", not hasattr(kvcache, "v_buffer")))
+        tp_rank, tp_size = self._tp_shape(params, extra)
+        self.is_writer = not self.is_mla or tp_rank == 0
+        geometry = describe_device_pool(kvcache, self.page_size, is_mla=self.is_mla,
+                                        kv_cache_dtype=extra.get("kv_cache_dtype"))
+        model_id = (extra.get("model_id") or getattr(server_args, "served_model_name", None)
+                    or getattr(server_args, "model_path", None))
+        if not model_id:
+            raise ValueError("OrbitKVLinker: no model name; set \"model_id\" in the linker extra config")
+        if self.is_mla:
+            tp_rank, tp_size = 0, 1
+        namespace = orbitkv.derive_namespace(
+            str(model_id), str(extra.get("model_revision", "")), str(extra.get("tokenizer", model_id)), "sglang",
+            cache_scope=str(extra.get("cache_scope", "")), dtype=geometry.dtype, layout=geometry.state_layout,
+            layout_detail=geometry.detail, page_size_tokens=self.page_size, tp_size=tp_size, tp_rank=tp_rank,
+            pp_size=int(getattr(params, "pp_size", 1) or 1), pp_rank=int(getattr(params, "pp_rank", 0) or 0))
+        self.counters_ = Counters()
+        self._log = RateLimitedLog()
+        self._link = ManagerLink(extra.get("socket") or env_socket(), timeout_ms=int(extra.get("timeout_ms", 10000)),
+                                 loading_wait_s=int(extra.get("loading_wait_ms", 100)) / 1000.0,
+                                 reconnect_interval_s=1.0, counters=self.counters_, log=self._log)
+        self._link.register(_DEVICE, geometry, namespace)
+        self._lease_ttl_s = float(extra.get("lease_ttl_s", 30.0))
+        num_layers = len(geometry.buffers) if self.is_mla else len(geometry.buffers) // 2
+        self.layer_done_counter = LayerDoneCounter(num_layers)
+        self._leased: Dict[str, _Leased] = {}
+        self._pending: Dict[str, Tuple[_Leased, List[int]]] = {}
+        self._completed_loads: "queue.Queue[List[str]]" = queue.Queue()
+        self._completed_offloads: "queue.Queue[bool]" = queue.Queue()
+        self._load_queue: "queue.Queue" = queue.Queue()
+        self._offload_queue: "queue.Queue" = queue.Queue()
+        self._threads = [threading.Thread(target=self._load_loop, daemon=True, name=f"orbitkv-load-tp{tp_rank}"),
+                         threading.Thread(target=self._offload_loop, daemon=True, name=f"orbitkv-save-tp{tp_rank}")]
+        for thread in self._threads:
+            thread.start()
+        self._closed = False
+
+    @staticmethod
+    def _tp_shape(params, extra) -> Tuple[int, int]:
+        if "tp_rank" in extra and "tp_size" in extra:
+            return int(extra["tp_rank"]), int(extra["tp_size"])
+        try:
+            import torch.distributed as dist
+
+            group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+            if dist.is_available() and dist.is_initialized() and group is not None:
+                return dist.get_rank(group=group), dist.get_world_size(group=group)
+        except ImportError:
+            pass
+        return int(getattr(params, "tp_rank", 0) or 0), int(getattr(params, "tp_size", 1) or 1)
+
+    # ---- lookup and load ----
+
+    def _release(self, leased: Optional[_Leased]) -> None:
+        if leased is None:
+            return
+        for client, instance, lease in leased.leases:
+            self._link.release(client, instance, lease)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, leased in self._leased.items() if now - leased.created > self._lease_ttl_s]:
+            self._release(self._leased.pop(rid))
+            self.counters_.add("leases_expired")
+
+    def lookup(self, rid: str, transfers) -> list:
+        try:
+            self._expire()
+            self._release(self._leased.pop(rid, None))
+            kv = _kv_transfer(transfers)
+            leases = []
+            for key in kv.keys or []:
+                hits, lease, client, instance, _ = self._link.query(_DEVICE, [native_key(key)], 0)
+                if hits == 0:
+                    break
+                leases.append((client, instance, lease))
+            self.counters_.add("lookup_pages", len(kv.keys or []))
+            self.counters_.add("lookup_hits", len(leases))
+            if not leases:
+                return []
+            self._leased[rid] = _Leased(leases)
+            return list(range(1, len(leases) + 1))
+        except Exception as e:  # noqa: BLE001
+            self.counters_.add("lookup_errors")
+            self._log.warning("lookup", "OrbitKV: lookup failed (%s); SGLang sees a miss", e)
+            return []
+
+    def load(self, rid: str, transfers) -> bool:
+        leased = self._leased.pop(rid, None)
+        try:
+            if leased is None:
+                return False
+            kv = _kv_transfer(transfers)
+            count = len(kv.keys or [])
+            indices = kv.device_indices
+            if hasattr(indices, "device") and indices.device.type != "cpu":
+                indices = indices.cpu()
+            if count > len(leased.leases) or len(indices) != count * self.page_size:
+                raise ValueError(f"load of {count} pages into {len(indices)} slots after a lookup of "
+                                 f"{len(leased.leases)} pages")
+            pages = [slot // self.page_size for slot in indices[:: self.page_size].tolist()]
+            self._release(_Leased(leased.leases[count:]))
+            self._pending[rid] = (_Leased(leased.leases[:count]), pages)
+            return True
+        except Exception as e:  # noqa: BLE001
+            self._release(leased)
+            self.counters_.add("load_errors")
+            self._log.warning("load", "OrbitKV: load failed (%s)", e)
+            return False
+
+    def start_layer_wise_loading(self) -> int:
+        if not self._pending:
+            return -1
+        batch, self._pending = self._pending, {}
+        index = self.layer_done_counter.update_producer()
+        self._load_queue.put((index, batch))
+        return index
+
+    def _load_loop(self) -> None:
+        while True:
+            task = self._load_queue.get()
+            try:
+                if task is None:
+                    return
+                index, batch = task
+                error = None
+                for rid, (leased, pages) in batch.items():
+                    for (client, instance, lease), page in zip(leased.leases, pages):
+                        if error is not None:
+                            self._link.release(client, instance, lease)
+                            continue
+                        try:
+                            self._link.restore(client, instance, lease, [page])
+                        except Exception as e:  # noqa: BLE001
+                            error = e
+                if error is None:
+                    self.layer_done_counter.complete(index)
+                    self.counters_.add("loads", len(batch))
+                else:
+                    self.counters_.add("load_failures", len(batch))
+                    self.layer_done_counter.fail(index, error)
+                self._completed_loads.put(list(batch))
+            finally:
+                self._load_queue.task_done()
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return False
+        self._release(entry[0])
+        return True
+
+    def num_completed_loads(self) -> int:
+        return self._completed_loads.qsize()
+
+    def pop_completed_load(self) -> list:
+        try:
+            return self._completed_loads.get_nowait()
+        except queue.Empty:
+            return []
+
+    # ---- offload ----
+
+    def offload(self, transfers) -> bool:
+        try:
+            kv = _kv_transfer(transfers)
+            keys = list(kv.keys or [])
+            indices = kv.device_indices
+            if hasattr(indices, "device") and indices.device.type != "cpu":
+                indices = indices.cpu()
+            if len(indices) != len(keys) * self.page_size:
+                raise ValueError(f"offload of {len(keys)} pages from {len(indices)} slots")
+            pages = [slot // self.page_size for slot in indices[:: self.page_size].tolist()]
+            self._offload_queue.put(([native_key(k) for k in keys], pages))
+            return True
+        except Exception as e:  # noqa: BLE001
+            self.counters_.add("offload_errors")
+            self._log.warning("offload", "OrbitKV: offload failed (%s)", e)
+            return False
+
+    def _offload_loop(self) -> None:
+        while True:
+            task = self._offload_queue.get()
+            try:
+                if task is None:
+                    return
+                natives, pages = task
+                ok = True
+                if self.is_writer and natives:
+                    try:
+                        written, skipped = self._link.save(_DEVICE, natives, [0] * len(natives), pages)
+                        self.counters_.add("offload_written", written)
+                        self.counters_.add("offload_skipped", skipped)
+                    except Exception as e:  # noqa: BLE001
+                        ok = False
+                        self.counters_.add("offload_failures")
+                        self._log.warning("offload", "OrbitKV: saving %d pages failed (%s)", len(natives), e)
+                self._completed_offloads.put(ok)
+            finally:
+                self._offload_queue.task_done()
+
+    def num_completed_offloads(self) -> int:
+        return self._completed_offloads.qsize()
+
+    def pop_completed_offload(self) -> bool:
+        try:
+            return self._completed_offloads.get_nowait()
+        except queue.Empty:
+            return False
+
+    # ---- lifecycle ----
+
+    def reset(self) -> None:
+        """Waits for queued loads and saves, then releases every lease and forgets pending work."""
+        self._load_queue.join()
+        self._offload_queue.join()
+        for rid in list(self._pending):
+            self.cancel_queued_load(rid)
+        for rid in list(self._leased):
+            self._release(self._leased.pop(rid))
+        self.layer_done_counter.reset()
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self.reset()
+        self._closed = True
+        for q in (self._load_queue, self._offload_queue):
+            q.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._link.close()
+
+    def counters(self) -> dict:
+        return self.counters_.snapshot()

@@ -1,0 +1,57 @@
+"""Test-only: a real orbitkv-manager process on a private socket (started, killed or stopped by the test)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import orbitkv
+
+
+class ManagerProcess:
+    def __init__(self, build_dir, *, dram: str = "256MiB", slab: str = "16MiB", extra=()):
+        exe = pathlib.Path(build_dir) / "src" / "server" / "orbitkv-manager"
+        self._dir = tempfile.mkdtemp(prefix="orbitkv-sgl-")
+        self.socket = os.path.join(self._dir, "manager.sock")
+        self._args = [str(exe), "--socket", self.socket, "--dram", dram, "--slab", slab, "--log-level", "warn",
+                      *extra]
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self._args, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while True:  # ready means it answers (the socket file appears a moment before listen())
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"orbitkv-manager exited: {self.proc.stderr.read()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("orbitkv-manager did not start")
+            try:
+                orbitkv.CacheManagerClient(self.socket, timeout_ms=1000).ping()
+                return
+            except orbitkv.OrbitKVError:
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL, like a crash: no drain, sessions just end."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def stats(self) -> dict:
+        return orbitkv.CacheManagerClient(self.socket, timeout_ms=2000).stats()

@@ -1,0 +1,261 @@
+"""OrbitKVStorage driven the way SGLang's HiCache drives an L3 backend (sglang_harness): one server backs pages
+up, a later server prefetches them, under each prefetch policy and write policy, with TP ranks agreeing on the
+minimum hit and MLA models writing from rank 0 only. Every served page's bytes are checked."""
+
+import random
+
+import pytest
+
+from orbitkv.sglang import OrbitKVStorage
+from orbitkv.sglang._compat import HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang_harness.hashing import page_hashes
+from sglang_harness.manager import ManagerProcess
+from sglang_harness.world import World, extra_config
+
+P = 64
+
+
+@pytest.fixture(scope="module")
+def manager(build_dir):
+    m = ManagerProcess(build_dir, dram="256MiB")
+    yield m
+    m.stop()
+
+
+def tokens(seed, pages, extra=10):
+    rng = random.Random(seed)
+    return [rng.randrange(50000) for _ in range(pages * P + extra)]
+
+
+def writer_then_reader(socket, toks, *, reader_kwargs=None, on_step=None, **kwargs):
+    """A server that computes and backs up ``toks``, then a fresh server serving them again."""
+    writer = World(socket, **kwargs)
+    try:
+        first = writer.serve("w", toks)
+        assert all(r["cached"] == 0 for r in first)
+    finally:
+        writer.shutdown()
+    reader = World(socket, **{**kwargs, **(reader_kwargs or {})})
+    try:
+        return reader.serve("r", toks, on_step), reader
+    finally:
+        reader.shutdown()
+
+
+def backups(world):
+    return [e for e in world.caches[0].events if e.startswith("host-backup")]
+
+
+def assert_clean(world):
+    for cache in world.caches:
+        assert cache.controller.thread_errors == []
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_prefetch_restores_every_page_byte_exact(manager, layout, policy):
+    toks = tokens(f"{layout}-{policy}", 6)
+    results, reader = writer_then_reader(manager.socket, toks, tp=2, layout=layout, prefetch_policy=policy)
+    assert results == [{"cached": 6 * P, "wrong_pages": 0}] * 2
+    assert [c.events[0] for c in reader.caches] == ["prefetched:6"] * 2
+    assert [b.counters()["get_hits"] for b in reader.backends()] == [6, 6]
+    assert_clean(reader)
+
+
+def test_best_effort_stops_at_once_and_the_request_recomputes(manager):
+    """best_effort terminates at the first poll; with the IO thread held back, nothing is read and the whole
+    prompt is computed (and still right)."""
+    toks = tokens("best-effort", 4)
+    writer = World(manager.socket, tp=2)
+    writer.serve("w", toks)
+    writer.shutdown()
+    reader = World(manager.socket, tp=2, prefetch_policy="best_effort")
+    for cache in reader.caches:
+        cache.controller.io_gate.clear()
+
+    def release_io(cache):
+        operation = cache.ongoing_prefetch["r"][2]
+        if operation.is_terminated():
+            cache.controller.io_gate.set()
+
+    try:
+        results = reader.serve("r", toks, on_step=release_io)
+        assert results == [{"cached": 0, "wrong_pages": 0}] * 2
+        assert [c.events[0] for c in reader.caches] == ["prefetched:0"] * 2
+        assert all(b.counters()["exists_hits"] == 4 and "get_pages" not in b.counters() for b in reader.backends())
+        assert_clean(reader)
+    finally:
+        reader.shutdown()
+
+
+def test_timeout_policy_gives_up_on_a_slow_prefetch(manager):
+    toks = tokens("timeout", 4)
+    writer = World(manager.socket)
+    writer.serve("w", toks)
+    writer.shutdown()
+    reader = World(manager.socket, prefetch_policy="timeout", timeout_base=0.01)
+    reader.caches[0].controller.io_gate.clear()
+    polls = []
+
+    def hold_io_until_terminated(cache):
+        polls.append(1)
+        if cache.ongoing_prefetch["r"][2].is_terminated():
+            cache.controller.io_gate.set()
+
+    try:
+        assert reader.serve("r", toks, on_step=hold_io_until_terminated) == [{"cached": 0, "wrong_pages": 0}]
+        assert reader.caches[0].events[0] == "prefetched:0" and len(polls) > 1
+    finally:
+        reader.shutdown()
+
+
+def test_write_through_backs_up_on_the_first_hit(manager):
+    toks = tokens("wt", 3)
+    results, _ = writer_then_reader(manager.socket, toks, write_policy="write_through")
+    assert results == [{"cached": 3 * P, "wrong_pages": 0}]
+
+
+def test_write_through_selective_backs_up_on_the_second_hit(manager):
+    toks = tokens("wts", 3)
+    writer = World(manager.socket, write_policy="write_through_selective")
+    try:
+        writer.serve("w1", toks)
+        assert backups(writer) == []
+        probe = World(manager.socket)
+        assert probe.serve("p", toks)[0]["cached"] == 0  # nothing in L3 yet
+        probe.shutdown()
+        second = writer.serve("w2", toks)[0]
+        assert second["cached"] == 3 * P  # an L1 hit, which is the second hit of the node
+        assert backups(writer) == ["host-backup:3"]
+    finally:
+        writer.shutdown()
+    reader = World(manager.socket)
+    try:
+        assert reader.serve("r", toks) == [{"cached": 3 * P, "wrong_pages": 0}]
+    finally:
+        reader.shutdown()
+
+
+def test_write_back_backs_up_only_on_device_eviction(manager):
+    toks = tokens("wb", 3)
+    writer = World(manager.socket, write_policy="write_back")
+    try:
+        writer.serve("w", toks)
+        probe = World(manager.socket)
+        assert probe.serve("p", toks)[0]["cached"] == 0
+        probe.shutdown()
+        writer.run(lambda cache: cache.evict_all_device())
+        writer.run(lambda cache: cache.wait_backups())
+        assert backups(writer) == ["host-backup:3"]
+    finally:
+        writer.shutdown()
+    reader = World(manager.socket)
+    try:
+        assert reader.serve("r", toks) == [{"cached": 3 * P, "wrong_pages": 0}]
+    finally:
+        reader.shutdown()
+
+
+def test_tp_ranks_agree_on_the_minimum_hit(manager):
+    """Rank 0 holds 3 more pages in L3 than rank 1: both ranks load only what both have, and agree."""
+    toks = tokens("tp-min", 8)
+    writer = World(manager.socket, tp=2)
+    writer.serve("w", toks[: 5 * P + 1])
+    writer.shutdown()
+    # Rank 0 alone (a rank of a TP-2 server that got further) stores pages 5..7 of the longer prompt.
+    extra = World(manager.socket, tp=1)
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name="harness/model", extra_config=extra_config(manager.socket))
+    rank0 = OrbitKVStorage(config, {})
+    cache = extra.caches[0]
+    rank0.register_mem_pool_host(cache.host_pool)
+    from sglang_harness.world import page_content
+
+    hashes = page_hashes(toks, P)
+    host = cache.host_pool.alloc(3 * P)
+    for i in range(3):
+        data = page_content(hashes[5 + i], 0, (2, 2, P, 2, 16), cache.host_pool.dtype)
+        cache.host_pool.kv_buffer[:, host[i * P]:host[i * P] + P] = data.permute(0, 2, 1, 3, 4)
+    assert rank0.batch_set_v1(hashes[5:8], host, HiCacheStorageExtraInfo(prefix_keys=hashes[:5])) == [True] * 3
+    rank0.close()
+    extra.shutdown()
+    reader = World(manager.socket, tp=2)
+    try:
+        assert reader.serve("r", toks) == [{"cached": 5 * P, "wrong_pages": 0}] * 2
+        counters = [b.counters() for b in reader.backends()]
+        assert [c["exists_hits"] for c in counters] == [8, 5]
+        assert [c["get_hits"] for c in counters] == [5, 5]
+    finally:
+        reader.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mla_rank0_writes_and_every_rank_reads(manager, layout):
+    toks = tokens(f"mla-{layout}", 4)
+    before = manager.stats()["resident_blocks"]
+    writer = World(manager.socket, tp=2, is_mla=True, layout=layout)
+    try:
+        writer.serve("w", toks)
+        counters = [b.counters() for b in writer.backends()]
+        assert counters[0]["set_written"] == 4 and "set_pages" not in counters[1]
+        assert manager.stats()["resident_blocks"] == before + 4  # one copy for both ranks
+    finally:
+        writer.shutdown()
+    reader = World(manager.socket, tp=2, is_mla=True, layout=layout)
+    try:
+        assert reader.serve("r", toks) == [{"cached": 4 * P, "wrong_pages": 0}] * 2
+    finally:
+        reader.shutdown()
+
+
+def test_multi_turn_prefixes_past_one_batch_and_below_the_threshold(manager):
+    """A conversation grows: turn 2's backup starts below the root (its prefix keys give its position), a prompt
+    of more than 128 pages spans two storage batches, and a fresh server finds all of it."""
+    toks = tokens("turns", 131)
+    one_go = tokens("one-go", 130)  # one root node of 130 pages: backed up in two batches with no prefix keys
+    writer = World(manager.socket, host_pages=600, device_pages=600)
+    try:
+        writer.serve("t1", toks[: 3 * P + 5])
+        writer.serve("t2", toks)
+        writer.serve("g", one_go)
+    finally:
+        writer.shutdown()
+    reader = World(manager.socket, host_pages=600, device_pages=600)
+    try:
+        assert reader.serve("r", toks) == [{"cached": 131 * P, "wrong_pages": 0}]
+        assert reader.caches[0].controller.storage_backend.counters()["exists_calls"] == 2
+        assert reader.serve("g", one_go) == [{"cached": 130 * P, "wrong_pages": 0}]
+        # A prompt shorter than prefetch_threshold is not prefetched at all.
+        small = World(manager.socket, prefetch_threshold=4 * P)
+        assert small.serve("s", toks[: 3 * P + 5]) == [{"cached": 0, "wrong_pages": 0}]
+        assert "exists_calls" not in small.backends()[0].counters()
+        small.shutdown()
+    finally:
+        reader.shutdown()
+
+
+def test_without_prefix_keys_every_hit_is_still_right(manager):
+    """Without hicache_storage_pass_prefix_keys the backend only knows positions within a call: reuse is
+    smaller (turn 2's pages were stored relative to their own node), never wrong."""
+    toks = tokens("no-prefix-keys", 6)
+    writer = World(manager.socket, pass_prefix_keys=False)
+    try:
+        writer.serve("t1", toks[: 2 * P + 3])
+        writer.serve("t2", toks)
+    finally:
+        writer.shutdown()
+    reader = World(manager.socket, pass_prefix_keys=False)
+    try:
+        result = reader.serve("r", toks)[0]
+        assert result["wrong_pages"] == 0 and result["cached"] >= 2 * P
+    finally:
+        reader.shutdown()
+
+
+def test_generic_copy_path_serves_the_same_pages(manager):
+    toks = tokens("generic", 3)
+    config = extra_config(manager.socket, interface_v1=0)
+    results, reader = writer_then_reader(manager.socket, toks, extra=config)
+    assert results == [{"cached": 3 * P, "wrong_pages": 0}]
+    assert reader.backends()[0].counters()["legacy_get_hits"] == 3

@@ -1,0 +1,194 @@
+"""OrbitKVLinker (SGLang UnifiedRadixCache external linker) driven the way UnifiedCacheLinkerWrapper drives it:
+offload, lookup, load + layer-wise loading, cancel, reset; plus the plugin that registers the radix-cache
+backend. Device pools are CPU tensors in OrbitKV shared memory (GPU pools need the GPU path)."""
+
+import enum
+import hashlib
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from orbitkv.sglang import OrbitKVLinker
+from orbitkv.sglang import plugin
+from orbitkv.sglang._compat import PoolTransfer
+from sglang_harness.hashing import page_hashes
+from sglang_harness.manager import ManagerProcess
+from sglang_harness.pools import MHATokenToKVPool, MLATokenToKVPool
+
+P, LAYERS = 16, 2
+
+
+class ComponentType(enum.IntEnum):  # SGLang's unified-cache component names
+    FULL = 1
+    SWA = 2
+    MAMBA = 3
+
+
+FULL = ComponentType.FULL
+
+
+@pytest.fixture()
+def manager(build_dir):
+    m = ManagerProcess(build_dir)
+    yield m
+    m.stop()
+
+
+def device_pool(mla=False, shared=True):
+    if mla:
+        pool = MLATokenToKVPool(size=32 * P, page_size=P, layer_num=LAYERS, kv_cache_dim=24, shared=shared)
+        for t in pool.kv_buffer:
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+    else:
+        pool = MHATokenToKVPool(size=32 * P, page_size=P, layer_num=LAYERS, head_num=2, head_dim=8, shared=shared)
+        for t in pool.k_buffer + pool.v_buffer:
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+    return pool
+
+
+def make_linker(socket, pool, components=(FULL,), **extra):
+    params = types.SimpleNamespace(page_size=P, pp_rank=0, pp_size=1,
+                                   token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: pool))
+    server_args = types.SimpleNamespace(model_path="test/linker-model", served_model_name=None)
+    config = {"socket": socket, "model_revision": "r1", **extra}
+    return OrbitKVLinker(server_args, params, components=set(components), extra_config=config)
+
+
+def keys(tag, n):
+    return page_hashes(list(range(n * P)), P, hashlib.sha256(tag.encode()).hexdigest())
+
+
+def slots(first_page, n):
+    return torch.arange(first_page * P, (first_page + n) * P)
+
+
+def kv(keys_, device_indices=None):
+    return [PoolTransfer(name="kv", keys=keys_, device_indices=device_indices)]
+
+
+def wait_for(predicate):
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def same_pages(a, a_slots, b, b_slots):
+    layers_a = (a.kv_buffer if hasattr(a, "kv_buffer") else a.k_buffer + a.v_buffer)
+    layers_b = (b.kv_buffer if hasattr(b, "kv_buffer") else b.k_buffer + b.v_buffer)
+    return all(torch.equal(x[a_slots].view(torch.int16), y[b_slots].view(torch.int16))
+               for x, y in zip(layers_a, layers_b))
+
+
+def offload(linker, keys_, device_indices):
+    assert linker.offload(kv(keys_, device_indices)) is True
+    wait_for(lambda: linker.num_completed_offloads() == 1)
+    return linker.pop_completed_offload()
+
+
+def test_offload_lookup_load_round_trip(manager):
+    pool_a, pool_b = device_pool(), device_pool()
+    a, b = make_linker(manager.socket, pool_a), make_linker(manager.socket, pool_b)
+    k = keys("linker", 4)
+    assert offload(a, k, slots(3, 4)) is True
+    assert b.lookup("r1", kv(k + keys("absent", 2))) == [1, 2, 3, 4]
+    assert b.load("r1", kv(k, slots(10, 4))) is True
+    index = b.start_layer_wise_loading()
+    assert index >= 0 and b.start_layer_wise_loading() == -1  # nothing more queued
+    b.layer_done_counter.set_consumer(index)
+    for layer in range(LAYERS):
+        b.layer_done_counter.wait_until(layer)
+    wait_for(lambda: b.num_completed_loads() == 1)
+    assert b.pop_completed_load() == ["r1"]
+    assert same_pages(pool_a, slots(3, 4), pool_b, slots(10, 4))
+    assert manager.stats()["leases_active"] == 0
+    a.close()
+    b.close()
+
+
+def test_leases_are_released_when_fewer_pages_load_or_nothing_does(manager):
+    pool = device_pool()
+    linker = make_linker(manager.socket, pool)
+    k = keys("leases", 4)
+    offload(linker, k, slots(0, 4))
+    assert linker.lookup("short", kv(k)) == [1, 2, 3, 4]
+    assert manager.stats()["leases_active"] == 4
+    assert linker.load("short", kv(k[:2], slots(8, 2))) is True  # the ranks agreed on 2 pages
+    assert manager.stats()["leases_active"] == 2
+    assert linker.cancel_queued_load("short") is True and linker.cancel_queued_load("short") is False
+    assert linker.lookup("idle", kv(k)) == [1, 2, 3, 4]
+    assert linker.load("nobody-looked-up", kv(k, slots(8, 4))) is False
+    linker.reset()
+    assert manager.stats()["leases_active"] == 0
+    linker.close()
+
+
+def test_mla_rank1_does_not_write(manager):
+    pools = [device_pool(mla=True), device_pool(mla=True)]
+    ranks = [make_linker(manager.socket, pools[r], tp_rank=r, tp_size=2) for r in range(2)]
+    k = keys("mla-linker", 3)
+    before = manager.stats()["resident_blocks"]
+    assert offload(ranks[1], k, slots(0, 3)) is True
+    assert manager.stats()["resident_blocks"] == before
+    assert offload(ranks[0], k, slots(0, 3)) is True
+    assert manager.stats()["resident_blocks"] == before + 3
+    assert ranks[1].lookup("r", kv(k)) == [1, 2, 3]  # rank 1 reads rank 0's pages
+    for r in ranks:
+        r.close()
+
+
+def test_a_failed_restore_fails_the_layer_wait_and_lookups_then_miss(manager):
+    pool = device_pool()
+    linker = make_linker(manager.socket, pool)
+    k = keys("dies", 2)
+    offload(linker, k, slots(0, 2))
+    assert linker.lookup("r", kv(k)) == [1, 2]
+    assert linker.load("r", kv(k, slots(4, 2))) is True
+    manager.kill()
+    index = linker.start_layer_wise_loading()
+    linker.layer_done_counter.set_consumer(index)
+    with pytest.raises(RuntimeError, match="restoring KV pages"):
+        linker.layer_done_counter.wait_until(LAYERS - 1)
+    assert linker.lookup("again", kv(k)) == []
+    assert linker.offload(kv(k, slots(0, 2))) is True
+    wait_for(lambda: linker.num_completed_offloads() == 1)
+    assert linker.pop_completed_offload() is False
+    linker.close()
+
+
+def test_unsupported_pools_and_components_are_clear_errors(manager):
+    with pytest.raises(ValueError, match="full-attention KV only"):
+        make_linker(manager.socket, device_pool(), components=(FULL, ComponentType.SWA))
+    gpu_like = MHATokenToKVPool(size=4 * P, page_size=P, layer_num=1, head_num=1, head_dim=8)
+    gpu_like.k_buffer = [torch.empty(gpu_like.k_buffer[0].shape, device="meta")]
+    gpu_like.v_buffer = [torch.empty(gpu_like.v_buffer[0].shape, device="meta")]
+    with pytest.raises(NotImplementedError, match="GPU path"):
+        make_linker(manager.socket, gpu_like)
+    with pytest.raises(ValueError, match="not in shared memory"):
+        make_linker(manager.socket, device_pool(shared=False))
+
+
+def test_plugin_registers_the_radix_cache_backend(monkeypatch):
+    assert plugin.register() is False  # no SGLang here: a log line, no exception
+    registered = {}
+    registry = types.ModuleType("sglang.srt.mem_cache.registry")
+    registry.register_radix_cache_backend = registered.__setitem__
+    registry.registered_radix_cache_backends = lambda: list(registered)
+    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.registry", registry)
+    assert plugin.register() is True and plugin.register() is True
+    assert registered == {"orbitkv": plugin.create_cache}
+    ctx = types.SimpleNamespace(disable_radix_cache=False, enable_hierarchical_cache=True, is_hybrid_swa=False,
+                                is_hybrid_ssm=False, is_dsa=False)
+    with pytest.raises(ValueError, match="OrbitKVStorage"):
+        plugin.create_cache(ctx)
+    ctx.enable_hierarchical_cache, ctx.is_hybrid_swa = False, True
+    with pytest.raises(ValueError, match="full-attention"):
+        plugin.create_cache(ctx)
+    monkeypatch.setenv("ORBITKV_SGLANG_LINKER_CONFIG", "not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        plugin._linker_config(types.SimpleNamespace())

@@ -1,0 +1,384 @@
+"""OrbitKVStorage (SGLang HiCache L3 backend) against a real orbitkv-manager: loading through SGLang's dynamic
+factory, byte-exact zero-copy and generic round trips in every host layout, namespace isolation, MLA, hybrid
+(v2) pools, Loading answers and backpressure, and the rule that no I/O call ever raises."""
+
+import hashlib
+
+import pytest
+import torch
+
+import orbitkv
+from orbitkv import refengine
+from orbitkv.sglang import OrbitKVStorage
+from orbitkv.sglang._session import native_keys
+from orbitkv.sglang._compat import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    StorageMetrics,
+)
+from sglang_harness.hashing import page_hashes
+from sglang_harness.hicache import create_dynamic_backend
+from sglang_harness.manager import ManagerProcess
+from sglang_harness.pools import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+P = 16  # small pages keep these tests fast; the harness and gate tests use SGLang's 64
+
+
+@pytest.fixture(scope="module")
+def manager(build_dir):
+    m = ManagerProcess(build_dir)
+    yield m
+    m.stop()
+
+
+def config(socket, *, tp_rank=0, tp_size=1, mla=False, model="test/model", **extra):
+    extra_config = {"backend_name": "orbitkv", "module_path": "orbitkv.sglang", "class_name": "OrbitKVStorage",
+                    "interface_v1": 1, "socket": socket, "model_revision": "r1"}
+    extra_config.update(extra)
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
+                                is_page_first_layout=False, model_name=model, extra_config=extra_config)
+
+
+def mha_pool(layout="page_first", pages=16, dtype=torch.bfloat16, head_dim=8, shared=True):
+    pool = MHATokenToKVPoolHost(layer_num=3, head_num=2, head_dim=head_dim, page_size=P, page_num=pages,
+                                dtype=dtype, layout=layout, shared=shared)
+    if dtype.is_floating_point:
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(dtype))
+    else:
+        pool.kv_buffer.copy_(torch.randint(0, 255, pool.kv_buffer.shape, dtype=dtype))
+    return pool
+
+
+def backend(cfg, pool) -> OrbitKVStorage:
+    storage = OrbitKVStorage(cfg, {})
+    storage.register_mem_pool_host(pool)
+    return storage
+
+
+def keys(tag, n):
+    return page_hashes(list(range(n * P)), P, hashlib.sha256(tag.encode()).hexdigest())
+
+
+def slots(first_page, n):
+    return torch.arange(first_page * P, (first_page + n) * P)
+
+
+def same_page(pool_a, slot_a, pool_b, slot_b):
+    return torch.equal(pool_a.get_data_page(slot_a).view(torch.uint8), pool_b.get_data_page(slot_b).view(torch.uint8))
+
+
+def test_sglang_dynamic_factory_loads_the_backend(manager):
+    storage = create_dynamic_backend(config(manager.socket))
+    assert isinstance(storage, OrbitKVStorage) and isinstance(storage, HiCacheStorage)
+    storage.register_mem_pool_host(mha_pool())
+    assert storage.batch_exists(keys("factory", 2)) == 0
+    storage.close()
+
+
+def test_page_hashes_match_the_reference_engine():
+    tokens = list(range(3 * 64 + 5))
+    assert page_hashes(tokens, 64) == refengine.sglang_page_hashes(tokens, 64)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first", "page_head"])
+def test_zero_copy_round_trip_every_mha_layout(manager, layout):
+    writer_pool, reader_pool = mha_pool(layout), mha_pool(layout)
+    writer = backend(config(manager.socket), writer_pool)
+    reader = backend(config(manager.socket), reader_pool)
+    k = keys("rt-" + layout, 5)
+    assert writer.batch_set_v1(k, slots(2, 5)) == [True] * 5
+    assert reader.batch_exists(k + keys("absent", 1)) == 5
+    assert reader.batch_get_v1(k, slots(9, 5)) == [True] * 5
+    assert all(same_page(writer_pool, (2 + i) * P, reader_pool, (9 + i) * P) for i in range(5))
+    # A chain that misses from its third page restores only the first two, and says so.
+    assert reader.batch_get_v1(k[:2] + keys("gap", 3), slots(0, 5)) == [True, True, False, False, False]
+    assert writer.counters()["set_written"] == 5 and reader.counters()["get_hits"] == 7
+    writer.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_mla_ranks_share_pages_and_only_rank0_writes(manager, layout):
+    def pool():
+        p = MLATokenToKVPoolHost(layer_num=2, kv_lora_rank=24, qk_rope_head_dim=8, page_size=P, page_num=8,
+                                 layout=layout)
+        p.kv_buffer.copy_(torch.randn(p.kv_buffer.shape).to(torch.bfloat16))
+        return p
+
+    pools = [pool(), pool()]
+    ranks = [backend(config(manager.socket, tp_rank=r, tp_size=2, mla=True), pools[r]) for r in range(2)]
+    k = keys("mla-" + layout, 3)
+    before = manager.stats()["resident_blocks"]
+    assert ranks[1].batch_set_v1(k, slots(0, 3)) == [True] * 3  # a no-op on rank 1
+    assert manager.stats()["resident_blocks"] == before
+    assert ranks[0].batch_set_v1(k, slots(0, 3)) == [True] * 3
+    assert manager.stats()["resident_blocks"] == before + 3
+    assert ranks[1].batch_get_v1(k, slots(4, 3)) == [True] * 3
+    assert all(same_page(pools[0], i * P, pools[1], (4 + i) * P) for i in range(3))
+    for r in ranks:
+        r.close()
+
+
+def test_namespace_binds_model_dtype_layout_shard_and_scope(manager):
+    k = keys("ns", 2)
+    base = backend(config(manager.socket, tp_rank=0, tp_size=2), mha_pool())
+    assert base.batch_set_v1(k, slots(0, 2)) == [True, True]
+    same = backend(config(manager.socket, tp_rank=0, tp_size=2), mha_pool())
+    assert same.batch_exists(k) == 2
+    others = [
+        backend(config(manager.socket, tp_rank=0, tp_size=2, model="test/other"), mha_pool()),
+        backend(config(manager.socket, tp_rank=1, tp_size=2), mha_pool()),
+        backend(config(manager.socket, tp_rank=0, tp_size=2), mha_pool("page_first_direct")),
+        backend(config(manager.socket, tp_rank=0, tp_size=2), mha_pool(dtype=torch.float16)),
+        backend(config(manager.socket, tp_rank=0, tp_size=2), mha_pool(head_dim=16)),
+        backend(config(manager.socket, tp_rank=0, tp_size=2, cache_scope="tenant-b"), mha_pool()),
+        backend(config(manager.socket, tp_rank=0, tp_size=2, model_revision="r2"), mha_pool()),
+    ]
+    assert [o.batch_exists(k) for o in others] == [0] * len(others)
+    for s in [base, same, *others]:
+        s.close()
+
+
+def test_pools_outside_shared_memory_are_a_clear_error(manager):
+    storage = OrbitKVStorage(config(manager.socket), {})
+    with pytest.raises(ValueError, match="not in shared memory"):
+        storage.register_mem_pool_host(mha_pool(shared=False))
+    storage.close()
+
+
+def test_unsupported_layouts_are_a_clear_error(manager):
+    pool = mha_pool()
+    pool.layout = "page_first_kv_split"  # Ascend MLA's split K/V/indexer buffers
+    storage = OrbitKVStorage(config(manager.socket), {})
+    with pytest.raises(ValueError, match="page_first_kv_split"):
+        storage.register_mem_pool_host(pool)
+    storage.close()
+
+
+def test_fp8_pools_need_the_real_dtype(manager):
+    storage = OrbitKVStorage(config(manager.socket), {})
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        storage.register_mem_pool_host(mha_pool(dtype=torch.uint8))
+    storage.close()
+    k = keys("fp8", 2)
+    e4m3 = backend(config(manager.socket, kv_cache_dtype="fp8_e4m3"), mha_pool(dtype=torch.uint8))
+    e5m2 = backend(config(manager.socket, kv_cache_dtype="fp8_e5m2"), mha_pool(dtype=torch.uint8))
+    assert e4m3.batch_set_v1(k, slots(0, 2)) == [True, True]
+    assert e4m3.batch_exists(k) == 2 and e5m2.batch_exists(k) == 0
+    e4m3.close()
+    e5m2.close()
+
+
+def test_bad_configuration_is_a_clear_error(manager):
+    with pytest.raises(ValueError, match="timeout_ms"):
+        OrbitKVStorage(config(manager.socket, timeout_ms="soon"), {})
+    with pytest.raises(RuntimeError, match="no Manager answers"):
+        OrbitKVStorage(config(manager.socket + ".nobody"), {})
+
+
+def test_generic_copy_path_round_trips_and_shares_bytes_with_zero_copy(manager):
+    pool_a, pool_b = mha_pool("page_first"), mha_pool("page_first")
+    generic = backend(config(manager.socket, interface_v1=0), pool_a)
+    k = keys("generic", 3)
+    values = [pool_a.get_data_page(i * P) for i in range(3)]
+    assert generic.batch_set(k, values) is True
+    reader = backend(config(manager.socket, interface_v1=0), pool_b)
+    assert reader.batch_exists(k) == 3 and reader.exists(k[0])
+    got = reader.batch_get(k, [pool_b.get_dummy_flat_data_page() for _ in k])
+    assert all(torch.equal(g.view(torch.int16), v.view(torch.int16)) for g, v in zip(got, values))
+    assert reader.get(keys("nope", 1)[0], pool_b.get_dummy_flat_data_page()) is None
+    # In chain mode the legacy calls store the same bytes as batch_set_v1 (a flat page is the block).
+    chain = backend(config(manager.socket), mha_pool("page_first"))
+    k2 = keys("legacy-chain", 2)
+    assert chain.batch_set(k2, [pool_a.get_data_page(i * P) for i in range(2)]) is True
+    assert chain.batch_get_v1(k2, slots(5, 2)) == [True, True]
+    assert same_page(pool_a, 0, chain.mem_pool_host, 5 * P)
+    for s in (generic, reader, chain):
+        s.close()
+
+
+class StatePool:
+    """A hybrid side pool (one state slot per page, like a Mamba pool): kv_buffer (slots, layers, state)."""
+
+    def __init__(self, slots=16):
+        self.layout, self.page_size, self.page_num, self.size = "page_first_direct", 1, slots, slots
+        self.dtype = torch.float32
+        self.kv_buffer = orbitkv.shm.empty((slots, 2, 32), "float32", like="torch")
+        self.kv_buffer.copy_(torch.randn(self.kv_buffer.shape))
+
+    def get_hybrid_pool_buffer(self):
+        return [self.kv_buffer]
+
+
+def test_hybrid_side_pools_exist_get_and_set(manager):
+    def make():
+        kv, indexer, state = mha_pool(), mha_pool(head_dim=4), StatePool()
+        s = backend(config(manager.socket), kv)
+        s.register_mem_host_pool_v2(kv, "kv")
+        s.register_mem_host_pool_v2(indexer, "indexer")
+        s.register_mem_host_pool_v2(state, "mamba")
+        return s, indexer, state
+
+    writer, w_indexer, w_state = make()
+    k = keys("hybrid", 8)
+    assert writer.batch_set_v1(k, slots(0, 8)) == [True] * 8
+    assert writer.batch_set_v2([PoolTransfer(name="indexer", host_indices=slots(0, 8), keys=k)]) == {
+        "indexer": [True] * 8}
+    # Mamba state exists only at node boundaries: after page 4 and after page 8.
+    for boundary, slot in ((4, 3), (8, 7)):
+        result = writer.batch_set_v2([PoolTransfer(name="mamba", host_indices=torch.tensor([slot]),
+                                                   keys=[k[boundary - 1]],
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        assert result == {"mamba": [True]}
+
+    reader, r_indexer, r_state = make()
+    side = [PoolTransfer(name="indexer", keys=k, hit_policy=PoolHitPolicy.ALL_PAGES),
+            PoolTransfer(name="mamba", keys=[k[0]], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    full = reader.batch_exists_v2(k, side)
+    assert full.kv_hit_pages == 8 and full.extra_pool_hit_pages == {"kv": 8, "indexer": 8, "mamba": 8}
+    assert full.restorable_prefix_pages == [4, 8]
+    assert reader.batch_exists_v2(k[:6], side).kv_hit_pages == 4  # the last state before page 6 is at 4
+    got = reader.batch_get_v2([PoolTransfer(name="indexer", host_indices=slots(8, 8), keys=k),
+                               PoolTransfer(name="mamba", host_indices=torch.tensor([11]), keys=[k[7]])])
+    assert got == {"indexer": [True] * 8, "mamba": [True]}
+    assert all(same_page(w_indexer, i * P, r_indexer, (8 + i) * P) for i in range(8))
+    assert torch.equal(w_state.kv_buffer[7], r_state.kv_buffer[11])
+    assert reader.batch_get_v2([PoolTransfer(name="swa", host_indices=slots(0, 1), keys=k[:1])]) == {
+        "swa": [False]}
+    writer.close()
+    reader.close()
+
+
+def test_no_io_call_raises_and_the_manager_comes_back(build_dir):
+    m = ManagerProcess(build_dir)
+    try:
+        pool = mha_pool()
+        storage = backend(config(m.socket, reconnect_interval_ms=0), pool)
+        k = keys("faults", 4)
+        assert storage.batch_set_v1(k, slots(0, 4)) == [True] * 4
+        # Bad arguments: a False per page, never an exception.
+        assert storage.batch_get_v1(k, slots(0, 3)) == [False] * 4
+        assert storage.batch_get_v1(k[:1], torch.arange(3, 3 + P)) == [False]
+        assert storage.batch_set_v1(k[:1], torch.arange(1000 * P, 1001 * P)) == [False]
+        assert storage.counters()["batch_get_v1_errors"] == 2
+        m.kill()
+        side = [PoolTransfer(name="indexer", keys=k)]
+        assert storage.batch_exists(k) == 0
+        assert storage.batch_get_v1(k, slots(4, 4)) == [False] * 4
+        assert storage.batch_set_v1(keys("more", 2), slots(0, 2)) == [False, False]
+        assert storage.batch_get(k[:1]) == [None] and storage.batch_set(k[:1], [pool.get_data_page(0)]) is False
+        assert storage.batch_exists_v2(k, side).kv_hit_pages == 0
+        assert storage.exists(k[0]) is False and storage.clear() is False
+        assert isinstance(storage.get_stats(), StorageMetrics)
+        m.start()  # a new Manager on the same socket: the backend reconnects and re-registers its pool
+        assert storage.batch_exists(k) == 0  # the new Manager is empty
+        assert storage.batch_set_v1(k, slots(0, 4)) == [True] * 4
+        assert storage.batch_get_v1(k, slots(8, 4)) == [True] * 4
+        assert storage.counters()["reconnects"] == 1
+        storage.close()
+        assert storage.batch_exists(k) == 0 and storage.batch_get_v1(k, slots(8, 4)) == [False] * 4
+    finally:
+        m.stop()
+
+
+def test_get_stats_reports_each_call_since_the_last_poll(manager):
+    storage = backend(config(manager.socket), mha_pool())
+    k = keys("stats", 3)
+    storage.batch_set_v1(k, slots(0, 3))
+    storage.batch_get_v1(k, slots(4, 3))
+    stats = storage.get_stats()
+    assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+    assert stats.prefetch_bandwidth[0] > 0 and stats.backup_bandwidth[0] > 0
+    assert storage.get_stats().prefetch_pgs == []
+    storage.close()
+
+
+def test_positions_from_prefix_keys_and_learned_positions(manager):
+    """SGLang names a batch's position through prefix_keys; an empty list at the root is not grown between
+    batches, so a position learned from an earlier call is used instead."""
+    storage = backend(config(manager.socket), mha_pool(pages=16))
+    k = keys("chain", 6)
+    info = HiCacheStorageExtraInfo
+    assert storage.batch_set_v1(k[:3], slots(0, 3), info(prefix_keys=[])) == [True] * 3
+    assert storage.batch_set_v1(k[3:], slots(3, 3), info(prefix_keys=k[:3])) == [True] * 3
+    assert storage.batch_exists(k, info(prefix_keys=None)) == 6
+    assert storage.batch_exists(k[3:], info(prefix_keys=k[:3])) == 3
+    assert storage.batch_exists(k[3:], info(prefix_keys=[])) == 3  # learned from the second set
+    assert storage.batch_exists(k[3:], info(prefix_keys=k[:2])) == 0  # a wrong position is a miss, not a hit
+    storage.close()
+
+
+class LoadingClient:
+    """Fault injection at the client seam: the first ``loading`` queries answer Loading (blocks being staged)."""
+
+    def __init__(self, real, loading):
+        self._real, self.loading, self.cancelled = real, loading, []
+
+    def query_hashes(self, *args, **kwargs):
+        if self.loading > 0:
+            self.loading -= 1
+            return orbitkv.QueryLoading(num_hit_blocks=0, op=100 + self.loading)
+        return self._real.query_hashes(*args, **kwargs)
+
+    def cancel(self, instance, op):
+        self.cancelled.append(op)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_loading_answers_are_asked_again_then_count_as_a_miss(manager, monkeypatch):
+    if getattr(orbitkv, "QueryLoading", None) is None:
+        from typing import NamedTuple
+
+        class QueryLoading(NamedTuple):
+            num_hit_blocks: int = 0
+            op: int = 0
+
+        monkeypatch.setattr(orbitkv, "QueryLoading", QueryLoading, raising=False)
+    pool = mha_pool()
+    storage = backend(config(manager.socket, loading_wait_ms=2000), pool)
+    k = keys("loading", 2)
+    storage.batch_set_v1(k, slots(0, 2))
+    fake = LoadingClient(storage._link._client, loading=2)
+    storage._link._client = fake
+    assert storage.batch_get_v1(k, slots(4, 2)) == [True, True]
+    assert fake.cancelled == [101]  # a superseded op; the one that turned into the hit is complete
+    assert storage.counters()["query_loading"] == 2
+    impatient = backend(config(manager.socket, loading_wait_ms=0), mha_pool())
+    stuck = LoadingClient(impatient._link._client, loading=10)
+    impatient._link._client = stuck
+    assert impatient.batch_get_v1(k, slots(4, 2)) == [False, False]
+    assert stuck.cancelled == [109] and impatient.counters()["query_loading_timeouts"] == 1
+    storage._link._client = fake._real
+    impatient._link._client = stuck._real
+    storage.close()
+    impatient.close()
+
+
+def test_backpressure_probes_in_smaller_chunks(build_dir):
+    page = 2 * 3 * P * 2 * 8 * 2  # bytes of one page of mha_pool()
+    m = ManagerProcess(build_dir, extra=("--query-budget", f"{8 * page}"))
+    try:
+        pool = mha_pool(pages=64)
+        storage = backend(config(m.socket), pool)
+        k = keys("busy", 48)
+        assert all(storage.batch_set_v1(k[:24], slots(0, 24)))
+        assert all(storage.batch_set_v1(k[24:], slots(24, 24), HiCacheStorageExtraInfo(prefix_keys=k[:24])))
+        # 48 pages can never fit the budget of 8 (the Manager answers for the part that fits), so the backend
+        # walks the chain in smaller steps; a lease on 4 pages held meanwhile makes some of them wait (busy).
+        held = storage._link.query("kv", native_keys(k[:4]), 0)
+        assert held.hits == 4
+        assert storage.batch_exists(k) == 48
+        counters = storage.counters()
+        assert counters["query_busy"] > 0
+        storage._link.release(held.client, held.instance, held.lease)
+        assert storage.batch_get_v1(k[:24], slots(40, 24)) == [True] * 24
+        assert all(same_page(pool, i * P, pool, (40 + i) * P) for i in range(24))
+        storage.close()
+    finally:
+        m.stop()

@@ -1,0 +1,315 @@
+// The SSD tier through a real orbitkv-manager: blocks evicted from DRAM come back byte-exact from
+// SSD (query -> Loading -> Hit), survive a restart and a kill -9 in the middle of write-back, a
+// corrupted record is a miss and never data, and a full file system disables SSD admissions while
+// DRAM service continues.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <linux/falloc.h>
+#include <stdlib.h>
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "engine_kv.h"
+#include "manager_process.h"
+
+namespace orbitkv {
+namespace {
+
+using client::CacheClient;
+using client::QueryResult;
+using state::StateKey;
+using testing::Chain;
+using testing::Connect;
+using testing::EngineKv;
+using testing::EventuallyIdle;
+using testing::ManagerProcess;
+using testing::Register;
+using testing::SaveChain;
+using testing::StatField;
+
+// 16 MiB of DRAM holds 512 blocks of 32 KiB; the chains below are longer, so their heads go to SSD.
+constexpr uint32_t kPages = 1024;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = "/var/tmp/orbitkv_ssd_it.XXXXXX";
+    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::vector<std::string> SsdFlags(const std::string& dir, const std::string& capacity = "64MiB",
+                                  const std::string& policy = "write-back") {
+  return {"--dram",      "16MiB", "--ssd-path",          dir, "--ssd-capacity", capacity,
+          "--ssd-queue", "8MiB",  "--ssd-min-frequency", "1", "--ssd-policy",   policy};
+}
+
+// Waits until no block is pinned (the write-back queue drained).
+bool EventuallyUnpinned(CacheClient& client) {
+  for (int i = 0; i < 2000; ++i) {
+    if (StatField(client, "pinned_blocks") == 0) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+// Saves `keys` 128 at a time into pages [0, kPages), letting the SSD writers drain between parts so
+// that no write-back is dropped for a full queue.
+void SaveAll(CacheClient& client, uint64_t instance, EngineKv& kv,
+             const std::vector<StateKey>& keys) {
+  for (uint32_t start = 0; start < keys.size(); start += 128) {
+    std::vector<StateKey> part(keys.begin() + start, keys.begin() + start + 128);
+    ASSERT_TRUE(SaveChain(client, instance, kv, part, start % kPages).ok());
+    ASSERT_TRUE(EventuallyUnpinned(client));
+  }
+}
+
+// Queries `keys` until the answer is no longer Loading (the Manager reads SSD blocks into DRAM in
+// the background). Every Loading answer for the same chain names the same operation.
+QueryResult QueryThroughLoading(CacheClient& client, uint64_t instance,
+                                const std::vector<StateKey>& keys, int* loading_answers = nullptr) {
+  uint64_t op = 0;
+  for (int i = 0; i < 2000; ++i) {
+    auto result = client.Query(instance, 0, keys);
+    EXPECT_TRUE(result.ok()) << result.status();
+    if (!result.ok() || result->loading_op == 0) return result.ok() ? *result : QueryResult{};
+    if (op != 0) {
+      EXPECT_EQ(result->loading_op, op);
+    }
+    op = result->loading_op;
+    if (loading_answers != nullptr) ++*loading_answers;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ADD_FAILURE() << "still Loading after 10 s";
+  return QueryResult{};
+}
+
+// Waits until the Manager's SSD tier holds at least `records` records.
+bool EventuallyOnSsd(CacheClient& client, uint64_t records) {
+  for (int i = 0; i < 2000; ++i) {
+    if (StatField(client, "records") >= records) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+// Restores `keys` (a Hit of all of them) into poisoned pages and checks every byte.
+void ExpectRestoresByteExact(CacheClient& client, uint64_t instance, EngineKv& kv,
+                             const std::vector<StateKey>& keys, const QueryResult& hit) {
+  ASSERT_EQ(hit.hits, keys.size()) << client.Stats().value();
+  kv.Poison();
+  std::vector<uint32_t> pages(keys.size());
+  for (uint32_t i = 0; i < keys.size(); ++i) pages[i] = i;
+  ASSERT_TRUE(client.Restore(instance, 0, hit.lease, pages).ok());
+  for (uint32_t i = 0; i < keys.size(); ++i) ASSERT_TRUE(kv.Holds(i, keys[i])) << "block " << i;
+}
+
+TEST(SsdIntegrationTest, EvictedBlocksComeBackFromSsdAndAfterRestart) {
+  TempDir ssd;
+  const auto keys = Chain(1, kPages);
+  const std::vector<StateKey> head(keys.begin(), keys.begin() + 64);
+  {
+    // Write-through, so the blocks still in DRAM at shutdown are on SSD too.
+    ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
+    ASSERT_TRUE(manager.running());
+    auto client = Connect(manager);
+    ASSERT_NE(client, nullptr);
+    EngineKv kv(kPages);
+    Register(*client, 1, kv);
+    SaveAll(*client, 1, kv, keys);
+    ASSERT_TRUE(EventuallyOnSsd(*client, kPages)) << manager.LogText();
+    int loading = 0;
+    const QueryResult hit = QueryThroughLoading(*client, 1, head, &loading);
+    EXPECT_GT(loading, 0);  // the head had been evicted: it came from SSD
+    ExpectRestoresByteExact(*client, 1, kv, head, hit);
+    EXPECT_GE(StatField(*client, "reads"), 1u);
+    EXPECT_TRUE(EventuallyIdle(*client));
+    EXPECT_EQ(manager.Stop(SIGTERM), 0);
+  }
+  // A new Manager on the same files finds the blocks again.
+  ManagerProcess manager(SsdFlags(ssd.path()));
+  ASSERT_TRUE(manager.running());
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  EXPECT_GE(StatField(*client, "recovered_records"), 256u);
+  EngineKv kv(64);
+  Register(*client, 2, kv);
+  int loading = 0;
+  const QueryResult hit = QueryThroughLoading(*client, 2, head, &loading);
+  EXPECT_GT(loading, 0);
+  ExpectRestoresByteExact(*client, 2, kv, head, hit);
+  EXPECT_EQ(StatField(*client, "reads"), head.size());  // all of the head came from SSD
+
+  // Cancel: a Loading op can be cancelled once; unknown ids and other instances' ops are NotFound.
+  const std::vector<StateKey> rest(keys.begin() + 64, keys.end());
+  auto pending = client->Query(2, 0, rest);
+  ASSERT_TRUE(pending.ok());
+  ASSERT_NE(pending->loading_op, 0u);
+  ASSERT_TRUE(client->RegisterInstance(3, state::testing::SampleNamespace()).ok());
+  EXPECT_EQ(client->Cancel(3, pending->loading_op).code(), StatusCode::kNotFound);
+  const Status cancelled = client->Cancel(2, pending->loading_op);
+  EXPECT_TRUE(cancelled.ok() || cancelled.code() == StatusCode::kNotFound) << cancelled;
+  EXPECT_EQ(client->Cancel(2, pending->loading_op).code(), StatusCode::kNotFound);
+  EXPECT_EQ(client->Cancel(2, 999'999).code(), StatusCode::kNotFound);
+  // The reads drained anyway: asking again ends in a Hit of the whole rest.
+  const QueryResult rest_hit = QueryThroughLoading(*client, 2, rest);
+  EXPECT_GT(rest_hit.hits, 0u);
+  if (rest_hit.hits > 0) {
+    ASSERT_TRUE(client->Release(2, rest_hit.lease).ok());
+  }
+  EXPECT_TRUE(EventuallyIdle(*client));
+}
+
+TEST(SsdIntegrationTest, KillDuringWritebackNeverServesATornBlock) {
+  TempDir ssd;
+  const auto keys = Chain(2, 2 * kPages);
+  {
+    ManagerProcess manager(SsdFlags(ssd.path(), "128MiB"));
+    ASSERT_TRUE(manager.running());
+    auto client = Connect(manager);
+    ASSERT_NE(client, nullptr);
+    EngineKv kv(kPages);
+    Register(*client, 1, kv);
+    for (uint32_t start = 0; start < 2 * kPages; start += 128) {
+      std::vector<StateKey> part(keys.begin() + start, keys.begin() + start + 128);
+      ASSERT_TRUE(SaveChain(*client, 1, kv, part, start % kPages).ok());
+    }
+    // Kill it while the write-back queue is still draining.
+    manager.Stop(SIGKILL);
+  }
+  ManagerProcess manager(SsdFlags(ssd.path(), "128MiB"));
+  ASSERT_TRUE(manager.running());
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  EngineKv kv(64);
+  Register(*client, 2, kv);
+  // Every block the restarted Manager serves is byte-exact; the others are misses.
+  uint64_t served = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::vector<StateKey> one{keys[i]};
+    // Single-key queries: the key's own chain position does not matter for this check.
+    auto result = QueryThroughLoading(*client, 2, one);
+    if (result.hits == 0) continue;
+    kv.Poison();
+    const uint32_t page = 0;
+    ASSERT_TRUE(client->Restore(2, 0, result.lease, std::span(&page, 1)).ok());
+    ASSERT_TRUE(kv.Holds(0, keys[i])) << "block " << i << " restored with wrong bytes";
+    ++served;
+  }
+  EXPECT_GT(served, 0u);
+  EXPECT_TRUE(EventuallyIdle(*client));
+}
+
+// Flips one byte in every 4 KiB page past each record's header: every record on disk is corrupt.
+void CorruptEveryRecord(const std::string& dir) {
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    int fd = ::open(entry.path().c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const off_t size = lseek(fd, 0, SEEK_END);
+    for (off_t at = 2048; at < size; at += 4096) {
+      uint8_t byte = 0;
+      ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+      byte ^= 0x01;
+      ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+    }
+    ::close(fd);
+  }
+}
+
+TEST(SsdIntegrationTest, CorruptedRecordIsAMissNeverData) {
+  TempDir ssd;
+  const auto keys = Chain(3, kPages);
+  const std::vector<StateKey> head(keys.begin(), keys.begin() + 32);
+  {
+    ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
+    ASSERT_TRUE(manager.running());
+    auto client = Connect(manager);
+    ASSERT_NE(client, nullptr);
+    EngineKv kv(kPages);
+    Register(*client, 1, kv);
+    SaveAll(*client, 1, kv, keys);
+    ASSERT_TRUE(EventuallyOnSsd(*client, kPages));
+    EXPECT_EQ(manager.Stop(SIGTERM), 0);
+  }
+  CorruptEveryRecord(ssd.path());
+  ManagerProcess manager(SsdFlags(ssd.path()));
+  ASSERT_TRUE(manager.running());
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  EngineKv kv(64);
+  Register(*client, 2, kv);
+  const QueryResult result = QueryThroughLoading(*client, 2, head);
+  EXPECT_EQ(result.hits, 0u);
+  EXPECT_GE(StatField(*client, "verify_failures"), 1u);
+  // The bad records are gone: the next query is a plain miss.
+  auto again = client->Query(2, 0, head);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->hits, 0u);
+  EXPECT_EQ(again->loading_op, 0u);
+}
+
+TEST(SsdIntegrationTest, FullFileSystemDisablesSsdAdmissionsAndDramContinues) {
+  TempDir mount_point;
+  ASSERT_EQ(::mount("tmpfs", mount_point.path().c_str(), "tmpfs", 0, "size=24m"), 0)
+      << "mounting a tmpfs needs root (CI runs as root): " << std::strerror(errno);
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{mount_point.path()};
+  const std::string dir = mount_point.path() + "/ssd";
+  ManagerProcess manager(SsdFlags(dir, "8MiB"));
+  ASSERT_TRUE(manager.running());
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  // Take the preallocation away and fill the file system: the tier's next write gets ENOSPC.
+  {
+    int fd = ::open((dir + "/orbitkv-ssd-0.data").c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 8 << 20), 0);
+    ::close(fd);
+    int filler = ::open((mount_point.path() + "/filler").c_str(), O_CREAT | O_WRONLY, 0600);
+    ASSERT_GE(filler, 0);
+    std::vector<uint8_t> chunk(1 << 16, 1);
+    while (::write(filler, chunk.data(), chunk.size()) > 0) {
+    }
+    ::close(filler);
+  }
+  const auto keys = Chain(4, kPages);
+  EngineKv kv(kPages);
+  Register(*client, 1, kv);
+  for (uint32_t start = 0; start < kPages; start += 128) {
+    std::vector<StateKey> part(keys.begin() + start, keys.begin() + start + 128);
+    ASSERT_TRUE(SaveChain(*client, 1, kv, part, start).ok());
+  }
+  bool disabled = false;
+  for (int i = 0; i < 2000 && !disabled; ++i) {
+    auto json = client->Stats();
+    ASSERT_TRUE(json.ok());
+    disabled = json->find("\"admissions_enabled\": false") != std::string::npos;
+    if (!disabled) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(disabled) << manager.LogText();
+  EXPECT_GE(StatField(*client, "write_errors"), 1u);
+  EXPECT_NE(manager.LogText().find("admissions are disabled"), std::string::npos);
+  // DRAM service goes on: the chain's tail is still resident and restores byte-exact.
+  const std::vector<StateKey> tail(keys.end() - 64, keys.end());
+  auto hit = client->Query(1, 0, tail);
+  ASSERT_TRUE(hit.ok());
+  ExpectRestoresByteExact(*client, 1, kv, tail, *hit);
+  EXPECT_TRUE(EventuallyIdle(*client));
+}
+
+}  // namespace
+}  // namespace orbitkv
