@@ -286,6 +286,12 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
     inflight.erase(inflight.begin());
     Result<channel::InboundReply> reply =
         session->WaitReply(oldest.id, CallDeadline(), options_.spin_iterations);
+    // A save is never abandoned on a timeout: until its reply the Manager may still be reading the
+    // source pages, and an engine that reused them would have a torn block sealed. Only a session
+    // that is gone (the Manager died: Unavailable) ends the wait.
+    while (!reply.ok() && reply.status().code() == StatusCode::kDeadlineExceeded) {
+      reply = session->WaitReply(oldest.id, CallDeadline(), options_.spin_iterations);
+    }
     Status status = reply.ok() ? (reply->code() == StatusCode::kOk
                                       ? Status::Ok()
                                       : ErrorFromReply(*session, *reply, oldest.slot))

@@ -119,7 +119,9 @@ class CacheClient {
   Result<int> CompletionFd();
 
   // Copies the named pages into the cache and returns once the copied blocks are sealed and
-  // resident. Splits long lists into several requests.
+  // resident. Splits long lists into several requests. It does not time out while the Manager is
+  // alive: until the reply the source pages are in use, and returning early would let the engine
+  // overwrite pages being copied. A dead Manager ends it with Unavailable.
   Result<SaveResult> Save(uint64_t instance, uint32_t group, std::span<const SaveItem> items);
 
   Status Release(uint64_t instance, uint64_t lease);

@@ -1,0 +1,205 @@
+"""vLLM's connector base classes when vLLM is importable, otherwise same-named minimal stand-ins.
+
+The connector module must import cheaply and without side effects in every vLLM process (API server, EngineCore,
+workers), and also where vLLM is absent (CPU tests, the reference engine). Everything vLLM-specific the connector
+touches goes through the names exported here, imported from vLLM's real module paths
+(``vllm.distributed.kv_transfer.kv_connector.v1.base`` and ``.metrics``, ``vllm.distributed.kv_events``). The
+stand-ins reproduce only the parts of vLLM's contract the connector relies on; ``HAVE_VLLM`` says which is in use.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = [
+    "HAVE_VLLM",
+    "BlockStored",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorWorkerMetadata",
+    "SupportsHMA",
+    "parallel_ranks",
+]
+
+try:  # pragma: no cover - exercised only where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        SupportsHMA,
+    )
+
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+if HAVE_VLLM:  # pragma: no cover
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata  # type: ignore
+    except ImportError:  # vLLM before build_connector_worker_meta (2026-03)
+        class KVConnectorWorkerMetadata(ABC):  # type: ignore[no-redef]
+            @abstractmethod
+            def aggregate(self, other):
+                ...
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # type: ignore
+    except ImportError:
+        KVConnectorStats = None  # type: ignore[assignment,misc]
+    try:
+        from vllm.distributed.kv_events import BlockStored  # type: ignore
+    except ImportError:
+        BlockStored = None  # type: ignore[assignment,misc]
+else:
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata(ABC):  # type: ignore[no-redef]  # noqa: B024
+        """Scheduler -> worker plan of one step (must be picklable)."""
+
+    class KVConnectorWorkerMetadata(ABC):  # type: ignore[no-redef]
+        """Worker -> scheduler data of one step; vLLM merges the workers' objects with ``aggregate``."""
+
+        @abstractmethod
+        def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+            ...
+
+    class SupportsHMA(ABC):  # type: ignore[no-redef]
+        """Declares hybrid-allocator support: vLLM then calls request_finished_all_groups, one list per group."""
+
+        @abstractmethod
+        def request_finished_all_groups(self, request, block_ids):
+            ...
+
+    class KVConnectorBase_V1(ABC):  # type: ignore[no-redef]
+        """The subset of vLLM's KVConnectorBase_V1 that has behaviour; abstract methods as in vLLM."""
+
+        def __init__(self, vllm_config, role, kv_cache_config):
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            if getattr(vllm_config, "kv_transfer_config", None) is None:
+                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self):
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self):
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+        @abstractmethod
+        def start_load_kv(self, forward_context, **kwargs) -> None:
+            ...
+
+        @abstractmethod
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            ...
+
+        @abstractmethod
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+            ...
+
+        @abstractmethod
+        def wait_for_save(self):
+            ...
+
+        @abstractmethod
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            ...
+
+        @abstractmethod
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            ...
+
+        @abstractmethod
+        def build_connector_meta(self, scheduler_output):
+            ...
+
+    KVConnectorStats = None  # type: ignore[assignment,misc]
+    BlockStored = None  # type: ignore[assignment,misc]
+
+
+if KVConnectorStats is None:
+
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        """vLLM's stats container: a ``data`` dict the connector's subclass knows how to merge and reduce."""
+
+        data: dict = field(default_factory=dict)
+
+        def reset(self) -> None:
+            self.data = {}
+
+        def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
+            raise NotImplementedError
+
+        def reduce(self) -> dict:
+            raise NotImplementedError
+
+        def is_empty(self) -> bool:
+            return not self.data
+
+
+if BlockStored is None:
+
+    @dataclass
+    class BlockStored:  # type: ignore[no-redef]
+        """A KV event: these blocks were stored (vLLM publishes them to KV-aware routers)."""
+
+        block_hashes: list
+        parent_block_hash: Optional[bytes]
+        token_ids: list
+        block_size: int
+        lora_id: Optional[int] = None
+        medium: Optional[str] = None
+
+
+def parallel_ranks(vllm_config) -> tuple[int, int, int, int]:
+    """(tp_rank, tp_size, pp_rank, pp_size) of this process.
+
+    In a vLLM worker the ranks come from vLLM's initialized parallel groups; elsewhere (and in the scheduler, which
+    has no rank) from ``parallel_config.rank``, vLLM's global worker rank = pp_rank * tp_size + tp_rank.
+    """
+    parallel = vllm_config.parallel_config
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if HAVE_VLLM:  # pragma: no cover
+        try:
+            from vllm.distributed.parallel_state import (  # type: ignore
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
+
+            return get_tensor_model_parallel_rank(), tp_size, get_pp_group().rank_in_group, pp_size
+        except Exception:  # groups not initialized (scheduler process)
+            pass
+    rank = int(getattr(parallel, "rank", 0) or 0)
+    return rank % tp_size, tp_size, (rank // tp_size) % pp_size, pp_size
+
+
+def make_block_stored(block_hashes: list, block_size: int, medium: str) -> Any:
+    """A BlockStored event, or None when this vLLM's BlockStored takes fields we cannot fill."""
+    try:
+        return BlockStored(block_hashes=block_hashes, parent_block_hash=None, token_ids=[], block_size=block_size,
+                           lora_id=None, medium=medium)
+    except TypeError:  # pragma: no cover - a vLLM with a different event shape
+        return None

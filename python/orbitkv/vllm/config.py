@@ -1,0 +1,219 @@
+"""The connector's configuration: ``kv_connector_extra_config`` keys, the engine's identity and its KV groups.
+
+Everything here is derived from the vLLM config alone, so the scheduler process (which never sees a KV tensor) and
+every worker compute the same namespace, recovery contract and group list. Workers then check their real tensors
+against it in ``register_kv_caches``. docs/vllm.md documents every key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import orbitkv
+
+PREFIX = "orbitkv."
+
+# key -> (type, default). A None default means "derived" (see OrbitKVConfig.from_vllm).
+_KEYS: dict[str, tuple[type, Any]] = {
+    "socket_path": (str, None),
+    "timeout_ms": (int, 5000),
+    "spin_iterations": (int, 4096),
+    "mode": (str, None),
+    "instance_id": (int, None),
+    "model_id": (str, None),
+    "weights_revision": (str, None),
+    "tokenizer": (str, None),
+    "cache_scope": (str, None),
+    "model_fingerprint": (str, None),
+    "save_decode": (bool, True),
+    "save_mode": (str, "deferred"),
+    "require_manager": (bool, True),
+    "reconnect_interval_s": (float, 1.0),
+    "min_load_blocks": (int, 1),
+}
+_MODES = ("read_write", "save_only", "load_only")
+_SAVE_MODES = ("deferred", "sync")
+
+
+def _coerce(key: str, kind: type, value: Any) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"kv_connector_extra_config['{PREFIX}{key}'] must be true or false, got {value!r}")
+    if kind is int and isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config['{PREFIX}{key}'] must be an integer, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config['{PREFIX}{key}'] must be {kind.__name__}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One vLLM KV-cache group as OrbitKV stores it: group id = vLLM's group index."""
+
+    group: int
+    kind: str  # "prefix" (full attention, MLA) or "window" (sliding window)
+    window: int  # tokens; 0 for prefix groups
+    layer_names: tuple
+    page_bytes: int  # one block of one layer on one rank (vLLM's spec.page_size_bytes)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """OrbitKV's dtype name for a torch dtype or a vLLM cache_dtype string."""
+    text = str(dtype).replace("torch.", "").lower()
+    table = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+             "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+             "float8_e5m2": "fp8_e5m2", "int8": "int8", "uint8": "uint8", "bf16": "bf16", "fp16": "fp16",
+             "fp32": "fp32"}
+    if text not in table:
+        raise ValueError(f"OrbitKVConnector: unsupported KV cache dtype {dtype!r}")
+    return table[text]
+
+
+def kv_groups(kv_cache_config) -> list[GroupInfo]:
+    """The KV groups of ``kv_cache_config`` (vLLM's KVCacheConfig); NotImplementedError for state OrbitKV cannot
+    restore yet (Mamba/SSM, chunked-local attention)."""
+    groups = []
+    for index, spec_group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = spec_group.kv_cache_spec
+        name = type(spec).__name__
+        window = getattr(spec, "sliding_window", None)
+        if "Mamba" in name or "ChunkedLocal" in name:
+            raise NotImplementedError(
+                f"OrbitKVConnector: KV group {index} is {name}; only full, MLA and sliding-window attention groups "
+                "can be restored (disable the connector for this model)")
+        kind, window = ("window", int(window)) if window else ("prefix", 0)
+        page_bytes = int(getattr(spec, "page_size_padded", None) or spec.page_size_bytes)
+        groups.append(GroupInfo(index, kind, window, tuple(spec_group.layer_names), page_bytes))
+    if not groups:
+        raise ValueError("OrbitKVConnector: the KV cache config has no groups")
+    if not any(g.kind == "prefix" for g in groups):
+        raise NotImplementedError("OrbitKVConnector: a model with only sliding-window layers is not supported")
+    return groups
+
+
+@dataclass
+class OrbitKVConfig:
+    """The parsed ``kv_connector_extra_config`` plus the identity the namespace is derived from."""
+
+    socket_path: Optional[str]
+    timeout_ms: int
+    spin_iterations: int
+    load_enabled: bool
+    save_enabled: bool
+    instance_base: int
+    save_decode: bool
+    save_mode: str
+    require_manager: bool
+    reconnect_interval_s: float
+    min_load_blocks: int
+    block_size: int
+    hash_algo: str
+    groups: list
+    # namespace identity (derive_namespace arguments, minus the rank)
+    identity: dict
+
+    @classmethod
+    def from_vllm(cls, vllm_config, kv_cache_config) -> "OrbitKVConfig":
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+        values: dict[str, Any] = {}
+        for raw_key, value in extra.items():
+            if not raw_key.startswith(PREFIX):
+                continue  # other connectors' keys (MultiConnector passes its whole dict)
+            key = raw_key[len(PREFIX):]
+            if key not in _KEYS:
+                known = ", ".join(PREFIX + k for k in sorted(_KEYS))
+                raise ValueError(f"unknown kv_connector_extra_config key '{raw_key}' (known: {known})")
+            values[key] = _coerce(key, _KEYS[key][0], value)
+        get = lambda key: values.get(key, _KEYS[key][1])  # noqa: E731
+
+        role = getattr(transfer, "kv_role", "kv_both") or "kv_both"
+        mode = get("mode") or {"kv_producer": "save_only", "kv_consumer": "load_only"}.get(role, "read_write")
+        if mode not in _MODES:
+            raise ValueError(f"kv_connector_extra_config['{PREFIX}mode'] must be one of {_MODES}, got {mode!r}")
+        save_mode = get("save_mode")
+        if save_mode not in _SAVE_MODES:
+            raise ValueError(f"kv_connector_extra_config['{PREFIX}save_mode'] must be one of {_SAVE_MODES}, "
+                             f"got {save_mode!r}")
+        for key in ("timeout_ms", "reconnect_interval_s"):
+            if get(key) <= 0:
+                raise ValueError(f"kv_connector_extra_config['{PREFIX}{key}'] must be positive")
+        if get("min_load_blocks") < 1:
+            raise ValueError(f"kv_connector_extra_config['{PREFIX}min_load_blocks'] must be >= 1")
+
+        cache = vllm_config.cache_config
+        block_size = int(cache.block_size)
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        if dcp != 1:
+            raise NotImplementedError("OrbitKVConnector: decode context parallelism is not supported yet")
+        hash_algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256") or "sha256")
+        groups = kv_groups(kv_cache_config)
+
+        model = vllm_config.model_config
+        cache_dtype = getattr(cache, "cache_dtype", "auto") or "auto"
+        dtype = _dtype_name(model.dtype if cache_dtype == "auto" else cache_dtype)
+        model_id = get("model_id") or str(model.model)
+        revision = get("weights_revision") or str(getattr(model, "revision", None) or "")
+        tokenizer = get("tokenizer") or "{}@{}".format(getattr(model, "tokenizer", None) or model_id,
+                                                       getattr(model, "tokenizer_revision", None) or revision)
+        scope = get("cache_scope") or os.environ.get("ORBITKV_CACHE_SCOPE", "")
+        fingerprint = get("model_fingerprint") or os.environ.get("ORBITKV_MODEL_FINGERPRINT", "")
+        model_digest = b""
+        if fingerprint:
+            try:
+                model_digest = bytes.fromhex(fingerprint)
+            except ValueError:
+                model_digest = b""
+            if len(model_digest) != 32:
+                raise ValueError(f"{PREFIX}model_fingerprint must be 64 hex digits (a SHA-256), got {fingerprint!r}")
+        # The block hash algorithm and the group structure decide which bytes a key names: both are part of the
+        # stored representation, so they go into the namespace.
+        layout = os.environ.get("VLLM_KV_CACHE_LAYOUT", "NHD")
+        group_text = ";".join(f"{g.group}:{g.kind}:{g.window}:{len(g.layer_names)}x{g.page_bytes}" for g in groups)
+        detail = f"vllm-blocks;layout={layout};hash={hash_algo};groups={group_text}"
+        implementation = hashlib.sha256(f"orbitkv.vllm.v1;hash={hash_algo}".encode()).digest()
+        identity = dict(model_id=model_id, weights_revision=revision, tokenizer=tokenizer, engine_kind="vllm",
+                        cache_scope=scope, model_digest=model_digest, implementation_digest=implementation,
+                        dtype=dtype, layout="layer_first", layout_detail=detail, page_size_tokens=block_size)
+
+        # Instance ids: base | rank for workers, base | 0x8000 | rank for the scheduler's query instances.
+        instance = get("instance_id")
+        if instance is None:
+            engine_id = str(getattr(transfer, "engine_id", None) or "")
+            if not engine_id:
+                raise ValueError("OrbitKVConnector needs kv_transfer_config.engine_id or "
+                                 f"kv_connector_extra_config['{PREFIX}instance_id']")
+            base = int.from_bytes(hashlib.sha256(engine_id.encode()).digest()[:8], "little") & 0x7FFF_FFFF_FFFF_0000
+        elif not 0 <= instance < 1 << 47:
+            raise ValueError(f"kv_connector_extra_config['{PREFIX}instance_id'] must be in [0, 2^47)")
+        else:
+            base = instance << 16
+        socket_path = get("socket_path") or os.environ.get("ORBITKV_SOCKET") or None
+        return cls(socket_path=socket_path, timeout_ms=get("timeout_ms"), spin_iterations=get("spin_iterations"),
+                   load_enabled=mode != "save_only", save_enabled=mode != "load_only",
+                   instance_base=base, save_decode=get("save_decode"),
+                   save_mode=save_mode,
+                   require_manager=get("require_manager"), reconnect_interval_s=get("reconnect_interval_s"),
+                   min_load_blocks=get("min_load_blocks"), block_size=block_size, hash_algo=hash_algo,
+                   groups=groups, identity=identity)
+
+    def namespace(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> bytes:
+        return orbitkv.derive_namespace(**self.identity, tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size,
+                                        pp_rank=pp_rank)
+
+    def contract(self, namespace: bytes):
+        rules = [(g.group, g.kind, g.window) for g in self.groups]
+        return orbitkv.RecoveryContract(namespace, self.block_size, rules)
+
+    def worker_instance(self, tp_rank: int, tp_size: int, pp_rank: int) -> int:
+        return self.instance_base | (pp_rank * tp_size + tp_rank)
+
+    def scheduler_instance(self, rank: int) -> int:
+        return self.instance_base | 0x8000 | rank

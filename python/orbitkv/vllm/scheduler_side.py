@@ -1,0 +1,387 @@
+"""The scheduler half of OrbitKVConnector (vLLM's EngineCore process).
+
+Lookups. ``get_num_new_matched_tokens`` asks the Manager, for every rank's namespace, how many of the request's
+next blocks it holds. A hit is leased, so it cannot be evicted before the load. The answer and its leases live
+for one ``schedule()`` pass: asked again in the same pass, the connector repeats it; if vLLM did not allocate the
+request's blocks by ``build_connector_meta`` (no free blocks, or the request was skipped), the leases go back and
+the next pass asks the Manager afresh. While the Manager stages blocks from SSD or a peer it answers Loading, and
+the connector answers ``(None, False)``: vLLM skips the request this step and asks again (the pending question is
+kept across steps). Hits are loaded asynchronously (``(n, True)``); at most ``num_tokens - 1`` tokens are claimed
+so a step always computes one.
+
+Hybrid models follow the recovery contract: full-attention groups need every page from the local prefix to the
+boundary, sliding-window groups only the W-1 tokens before it. The boundary is the largest one every group of
+every rank covers.
+
+Instances belong to one Manager session, so the scheduler cannot hand its leases to a worker process: each worker
+re-queries its own instance for exactly the planned pages while the scheduler's leases keep them resident, and
+the scheduler releases its leases when every worker reported the load finished (or the request ended).
+
+Saves. ``build_connector_meta`` tells the workers, per group, which blocks the step completes (full blocks with a
+hash); workers save them after the forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import orbitkv
+from orbitkv import shm
+from orbitkv.vllm._compat import make_block_stored
+from orbitkv.vllm._query import PageRun
+from orbitkv.vllm.config import OrbitKVConfig
+from orbitkv.vllm.manager_link import ManagerLink
+from orbitkv.vllm.metadata import GroupLoad, LoadPlan, OrbitKVConnectorMetadata, OrbitKVConnectorStats
+
+log = logging.getLogger("orbitkv.vllm")
+
+
+@dataclass
+class _Lookup:
+    """The answer to one request's question (start_block, limit_block, last hash), with the leases behind it."""
+
+    key: tuple
+    start: int
+    limit: int
+    runs: dict = field(default_factory=dict)  # (rank, group, first_block, end_block) -> PageRun
+    boundary: Optional[int] = None  # resolved boundary in blocks (None: still asking)
+    needed: dict = field(default_factory=dict)  # group -> (first_block, end_block) to load
+
+    @property
+    def tokens(self) -> int:
+        return 0 if self.boundary is None else self.boundary - self.start
+
+
+@dataclass
+class _Tracked:
+    """A scheduled request, for save planning: its block table per group and how many blocks are planned."""
+
+    request: object
+    block_ids: list
+    planned: int
+
+
+def publishable_hashes(request) -> list:
+    """The request's block hashes a content-addressed cache may use (vLLM variants with EAGLE-aware hashing expose
+    ``num_publishable_block_hashes``; the hashes past it must not be stored or looked up)."""
+    hashes = request.block_hashes
+    limit = getattr(request, "num_publishable_block_hashes", None)
+    return hashes if limit is None else hashes[:limit]
+
+
+class SchedulerSide:
+    def __init__(self, cfg: OrbitKVConfig, vllm_config):
+        self.cfg = cfg
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        self.pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+        self.world = self.tp_size * self.pp_size
+        self.namespaces = [cfg.namespace(r % self.tp_size, self.tp_size, r // self.tp_size, self.pp_size)
+                           for r in range(self.world)]
+        self.contracts = [cfg.contract(ns) for ns in self.namespaces]
+        self.prefix_groups = [g for g in cfg.groups if g.kind == "prefix"]
+        self.window_groups = [g for g in cfg.groups if g.kind == "window"]
+        self._lookups: dict[str, _Lookup] = {}
+        self._inflight: dict[str, _Lookup] = {}  # loads planned, leases held until every worker finished
+        self._pending_loads: list[LoadPlan] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._requests: dict[str, object] = {}
+        self._events: list = []
+        self.stats = OrbitKVConnectorStats()
+        self._query_buffers = []
+        self._max_keys = 0
+        self.link: Optional[ManagerLink] = None
+        if cfg.load_enabled:
+            self.link = ManagerLink(cfg.socket_path, cfg.timeout_ms, cfg.spin_iterations,
+                                    require=cfg.require_manager, reconnect_interval_s=cfg.reconnect_interval_s,
+                                    on_connect=self._register)
+
+    # ---- Manager registration -------------------------------------------------------------------------------
+
+    def _register(self, client: orbitkv.CacheManagerClient) -> None:
+        """One query instance per rank namespace. A query needs a registered group (its block size sizes the
+        Manager's reservation), so each group gets a one-page buffer of the rank's block size; it is never
+        written, and a fresh memfd costs no memory until touched."""
+        self._leases_lost()
+        self._query_buffers = []
+        for rank, ns in enumerate(self.namespaces):
+            instance = self.cfg.scheduler_instance(rank)
+            client.register_instance(instance, ns)
+            for g in self.cfg.groups:
+                block_bytes = max(1, g.page_bytes * len(g.layer_names) // self.pp_size)
+                buffer = shm.empty((1, block_bytes), "uint8")
+                self._query_buffers.append(buffer)
+                client.register_group(instance, g.group, [buffer])
+        self._max_keys = client.max_query_keys(32)
+
+    def _leases_lost(self) -> None:
+        """A new session: leases of the old one died with it."""
+        for table in (self._lookups, self._inflight):
+            for lookup in table.values():
+                for run in lookup.runs.values():
+                    run.segments = []
+                    run.op = None
+        self._lookups.clear()
+
+    def _client(self):
+        return None if self.link is None else self.link.client()
+
+    # ---- lookups ---------------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        req_id = request.request_id
+        if self.link is None or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        bs = self.cfg.block_size
+        hashes = publishable_hashes(request)
+        start = num_computed_tokens // bs
+        limit = min(len(hashes), (request.num_tokens - 1) // bs)
+        if limit - start < self.cfg.min_load_blocks:
+            self._drop_lookup(req_id)
+            return 0, False
+        key = (start, limit, bytes(hashes[limit - 1]))
+        lookup = self._lookups.get(req_id)
+        if lookup is not None and lookup.key != key:
+            self._drop_lookup(req_id)
+            lookup = None
+        if lookup is None:
+            lookup = _Lookup(key, start, limit)
+            self._lookups[req_id] = lookup
+            self.stats.add("lookups")
+            self.stats.add("lookup_tokens", (limit - start) * bs)
+        elif lookup.boundary is not None:
+            return lookup.tokens * bs, lookup.tokens > 0
+        client = self._client()
+        if client is None:
+            self._drop_lookup(req_id)
+            return 0, False
+        try:
+            resolved = self._resolve(client, lookup, hashes)
+        except orbitkv.OrbitKVError as error:
+            log.warning("orbitkv: lookup for %s failed (%s); treating it as a miss", req_id, error)
+            self.stats.add("manager_errors")
+            self.link.failed(error)
+            self._drop_lookup(req_id)
+            return 0, False
+        if not resolved:
+            self.stats.add("loading_answers")
+            return None, False
+        self.stats.add("hit_tokens", lookup.tokens * bs)
+        if lookup.tokens == 0:
+            self._drop_lookup(req_id)
+            return 0, False
+        return lookup.tokens * bs, True
+
+    def _run(self, client, lookup: _Lookup, hashes, rank: int, group: int, first: int, end: int) -> PageRun:
+        key = (rank, group, first, end)
+        run = lookup.runs.get(key)
+        if run is None:
+            run = PageRun(self.cfg.scheduler_instance(rank), group, first, hashes[first:end])
+            lookup.runs[key] = run
+        if run.pending:
+            run.advance(client, self.cfg.block_size, self._max_keys)
+        return run
+
+    def _resolve(self, client, lookup: _Lookup, hashes) -> bool:
+        """Finds the largest boundary every group of every rank covers; False while an answer is Loading."""
+        bs = self.cfg.block_size
+        start, boundary = lookup.start, lookup.limit
+        pending = False
+        for rank in range(self.world):
+            for g in self.prefix_groups:
+                run = self._run(client, lookup, hashes, rank, g.group, start, lookup.limit)
+                pending |= run.pending
+                boundary = min(boundary, start + run.hits)
+        if pending:
+            return False
+        windows: dict = {}
+        retry = True
+        while retry and boundary > start:
+            retry = False
+            windows = {}
+            for rank in range(self.world):
+                demand = {g: (b // bs, e // bs) for g, b, e in
+                          self.contracts[rank].required_ranges(self.namespaces[rank], start * bs, boundary * bs)}
+                for g in self.window_groups:
+                    first, end = demand[g.group]
+                    windows[g.group] = (first, end)
+                    if end <= first:
+                        continue
+                    run = self._run(client, lookup, hashes, rank, g.group, first, end)
+                    if run.pending:
+                        return False
+                    if run.hits < end - first:
+                        # A shorter boundary is covered only when its window still starts at the local prefix.
+                        boundary = start + run.hits if first == start else start
+                        retry = True
+                        break
+                if retry:
+                    break
+        if boundary - start < self.cfg.min_load_blocks:
+            boundary = start
+        lookup.boundary = boundary
+        lookup.needed = {g.group: (start, boundary) for g in self.prefix_groups}
+        if boundary > start:
+            lookup.needed.update(windows)
+        # Leases of superseded questions go back now; the plan keeps the rest until the workers are done.
+        keep = {(rank, g, first, end) for rank in range(self.world) for g, (first, end) in lookup.needed.items()}
+        keep |= {(rank, g.group, start, lookup.limit) for rank in range(self.world) for g in self.prefix_groups}
+        for key in [k for k in lookup.runs if k not in keep or boundary == start]:
+            lookup.runs.pop(key).release(client)
+        return True
+
+    def _drop_lookup(self, req_id: str, *, inflight: bool = False) -> None:
+        """Releases the request's unplanned lookup (and, with ``inflight``, its planned load's leases)."""
+        for table in (self._lookups, self._inflight) if inflight else (self._lookups,):
+            lookup = table.pop(req_id, None)
+            if lookup is not None:
+                client = self._client()
+                for run in lookup.runs.values():
+                    run.release(client)
+
+    # ---- allocation and the step's plan ----------------------------------------------------------------------
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        self._requests[req_id] = request
+        lookup = self._lookups.pop(req_id, None)
+        if num_external_tokens == 0:
+            if lookup is not None:  # the hit is not used (a local hit covered it, or another connector won)
+                self._lookups[req_id] = lookup
+                self._drop_lookup(req_id)
+            return
+        block_ids = blocks.get_block_ids()
+        bs = self.cfg.block_size
+        if lookup is None or lookup.tokens * bs != num_external_tokens:
+            log.error("orbitkv: vLLM allocated %d external tokens for %s, which the connector did not promise; "
+                      "reporting the load as failed so vLLM recomputes", num_external_tokens, req_id)
+            if lookup is not None:
+                self._lookups[req_id] = lookup
+                self._drop_lookup(req_id)
+            ids = list(block_ids[self.prefix_groups[0].group])
+            self._pending_loads.append(LoadPlan(req_id, 0, len(ids) * bs,
+                                                [GroupLoad(self.prefix_groups[0].group, 0, [], ids)], fail=True))
+            return
+        groups = []
+        for group, (first, end) in sorted(lookup.needed.items()):
+            if end <= first:
+                continue
+            ids = list(block_ids[group][first:end])
+            if len(ids) != end - first:
+                log.error("orbitkv: %s has %d blocks in group %d, fewer than the load needs", req_id,
+                          len(block_ids[group]), group)
+                ids += [0] * (end - first - len(ids))
+            groups.append(GroupLoad(group, first, [bytes(h) for h in request.block_hashes[first:end]], ids))
+        self._pending_loads.append(LoadPlan(req_id, lookup.start * bs, lookup.boundary * bs, groups))
+        self._inflight[req_id] = lookup
+        self.stats.add("loads")
+
+    def build_connector_meta(self, scheduler_output) -> OrbitKVConnectorMetadata:
+        meta = OrbitKVConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        # Answers vLLM did not act on this pass (allocation failed, or the request was skipped): release their
+        # leases now; a pending Loading question stays to be asked again.
+        for req_id in [r for r, lookup in self._lookups.items() if lookup.boundary is not None]:
+            self._drop_lookup(req_id)
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            self._tracked.pop(req_id, None)
+            self._requests.pop(req_id, None)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", ()) or ():
+            self._tracked.pop(req_id, None)
+        if self.cfg.save_enabled:
+            self._plan_saves(scheduler_output, meta.saves)
+        return meta
+
+    def _plan_saves(self, out, saves: dict) -> None:
+        scheduled = out.num_scheduled_tokens
+        bs = self.cfg.block_size
+        steps = []
+        for new in out.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            if request is None:
+                continue
+            tracked = _Tracked(request, [list(ids) for ids in new.block_ids], new.num_computed_tokens // bs)
+            self._tracked[new.req_id] = tracked
+            steps.append((tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
+        cached = out.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        resumed_flags = getattr(cached, "resumed_from_preemption", None)
+        for i, req_id in enumerate(cached.req_ids):
+            computed = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i]
+            is_resumed = req_id in resumed or bool(resumed_flags and resumed_flags[i])
+            tracked = self._tracked.get(req_id)
+            if is_resumed or tracked is None:
+                request = self._requests.get(req_id)
+                if request is None or new_ids is None:
+                    continue
+                tracked = _Tracked(request, [list(ids) for ids in new_ids], computed // bs)
+                self._tracked[req_id] = tracked
+            elif new_ids is not None:
+                for group_ids, added in zip(tracked.block_ids, new_ids):
+                    group_ids.extend(added)
+            steps.append((tracked, computed + scheduled.get(req_id, 0)))
+        for tracked, tokens in steps:
+            request = tracked.request
+            hashes = publishable_hashes(request)
+            complete = min(tokens // bs, len(hashes))
+            if not self.cfg.save_decode:
+                complete = min(complete, request.num_prompt_tokens // bs)
+            for index in range(tracked.planned, complete):
+                block_hash = bytes(hashes[index])
+                for g in self.cfg.groups:
+                    ids = tracked.block_ids[g.group]
+                    if index < len(ids) and ids[index]:
+                        saves.setdefault(g.group, []).append((index, ids[index], block_hash))
+            tracked.planned = max(tracked.planned, complete)
+
+    # ---- worker reports --------------------------------------------------------------------------------------
+
+    def update_connector_output(self, connector_output) -> None:
+        client = self._client()
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            lookup = self._inflight.pop(req_id, None)
+            if lookup is not None:
+                for run in lookup.runs.values():
+                    run.release(client)
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        stored = getattr(worker_meta, "stored", None)
+        if stored:
+            full = [h for (group, h), count in stored.items()
+                    if group == self.prefix_groups[0].group and count >= self.world]
+            if full:
+                event = make_block_stored(full, self.cfg.block_size, "CPU")
+                if event is not None:
+                    self._events.append(event)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict]]:
+        self._drop_lookup(request.request_id, inflight=True)
+        self._tracked.pop(request.request_id, None)
+        return False, None
+
+    def take_events(self):
+        events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> Optional[OrbitKVConnectorStats]:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        for req_id in list(self._lookups) + list(self._inflight):
+            self._drop_lookup(req_id, inflight=True)
+        client = self._client()
+        if client is not None:
+            for rank in range(self.world):
+                try:
+                    client.unregister_instance(self.cfg.scheduler_instance(rank))
+                except orbitkv.OrbitKVError:
+                    pass
+        if self.link is not None:
+            self.link.close()
+
+    def held_leases(self) -> int:
+        """Leases this side holds now (tests use it to prove nothing leaks)."""
+        return sum(len(run.segments) for table in (self._lookups, self._inflight)
+                   for lookup in table.values() for run in lookup.runs.values())

@@ -1,0 +1,182 @@
+"""OrbitKVConnector's contract with vLLM that does not need an engine run: the class vLLM loads by module path,
+every abstract and optional method, configuration errors, and how vLLM's KV tensors become Manager pages."""
+
+import inspect
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import orbitkv
+from orbitkv import shm
+from orbitkv.vllm import _compat, layout
+from orbitkv.vllm.config import OrbitKVConfig
+from orbitkv.vllm.metadata import OrbitKVConnectorMetadata, OrbitKVConnectorStats, OrbitKVWorkerMetadata
+from vllm_harness.engine import vllm_config
+from vllm_harness.manager import ManagerProcess
+from vllm_harness.models import SyntheticModel
+from vllm_harness.scheduler import create_connector
+
+SCHEDULER, WORKER = _compat.KVConnectorRole.SCHEDULER, _compat.KVConnectorRole.WORKER
+
+
+@pytest.fixture()
+def manager(build_dir):
+    m = ManagerProcess(build_dir / "src" / "server" / "orbitkv-manager")
+    yield m
+    m.close()
+
+
+def test_loaded_by_module_path_with_every_method_vllm_calls():
+    import importlib
+
+    module = importlib.import_module("orbitkv.vllm")  # what kv_connector_module_path resolves
+    cls = getattr(module, "OrbitKVConnector")
+    assert issubclass(cls, _compat.KVConnectorBase_V1) and issubclass(cls, _compat.SupportsHMA)
+    assert not inspect.isabstract(cls), "an abstract method is left unimplemented"
+    assert list(inspect.signature(cls.__init__).parameters) == ["self", "vllm_config", "role", "kv_cache_config"]
+    for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                 "update_connector_output", "request_finished", "request_finished_all_groups", "take_events",
+                 "get_kv_connector_stats", "register_kv_caches", "handle_preemptions", "start_load_kv",
+                 "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+                 "get_block_ids_with_load_errors", "build_connector_worker_meta",
+                 "get_kv_connector_kv_cache_events", "bind_gpu_block_pool", "on_new_request",
+                 "has_pending_push_work", "reset_cache", "shutdown", "get_finished_count"):
+        assert callable(getattr(cls, name)), name
+    assert cls.get_required_kvcache_layout(None) is None
+    assert cls.requires_piecewise_for_cudagraph({}) is False
+    rebuilt = cls.build_kv_connector_stats({"hit_tokens": 32, "lookup_tokens": 64})
+    assert isinstance(rebuilt, OrbitKVConnectorStats) and rebuilt.reduce()["hit_rate"] == 0.5
+
+
+def test_both_roles_construct_against_a_manager_and_are_best_effort(manager):
+    model = SyntheticModel(2)
+    kv_config = model.kv_cache_config(32)
+    config = vllm_config(manager.socket)
+    sched = create_connector(config, SCHEDULER, kv_config)
+    worker = create_connector(config, WORKER, kv_config)
+    assert sched.requires_kv_delivery is False and sched.prefer_cross_layer_blocks is False
+    worker.register_kv_caches(model.bind(kv_config))
+    stats = manager.stats()
+    assert stats["leases_active"] == 0
+    # Metadata crosses process boundaries: it must survive pickle.
+    meta = pickle.loads(pickle.dumps(OrbitKVConnectorMetadata(saves={0: [(0, 3, b"h" * 32)]})))
+    assert meta.saves == {0: [(0, 3, b"h" * 32)]}
+    merged = OrbitKVWorkerMetadata()
+    merged.stored[(0, b"a")] += 1
+    other = OrbitKVWorkerMetadata()
+    other.stored[(0, b"a")] += 1
+    assert merged.aggregate(other).stored[(0, b"a")] == 2
+    sched.shutdown()
+    worker.shutdown()
+
+
+def test_configuration_errors_are_clear(manager, tmp_path):
+    kv_config = SyntheticModel(2).kv_cache_config(16)
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'orbitkv.sockt_path'"):
+        OrbitKVConfig.from_vllm(vllm_config(manager.socket, extra={"orbitkv.sockt_path": "x"}), kv_config)
+    with pytest.raises(ValueError, match="orbitkv.mode"):
+        OrbitKVConfig.from_vllm(vllm_config(manager.socket, extra={"orbitkv.mode": "sideways"}), kv_config)
+    with pytest.raises(ValueError, match="orbitkv.timeout_ms"):
+        OrbitKVConfig.from_vllm(vllm_config(manager.socket, extra={"orbitkv.timeout_ms": "soon"}), kv_config)
+    with pytest.raises(ValueError, match="model_fingerprint"):
+        OrbitKVConfig.from_vllm(vllm_config(manager.socket, extra={"orbitkv.model_fingerprint": "abc"}), kv_config)
+    # Keys of other connectors (MultiConnector passes one dict) are ignored.
+    cfg = OrbitKVConfig.from_vllm(vllm_config(manager.socket, extra={"lmcache.chunk": 256}), kv_config)
+    assert cfg.load_enabled and cfg.save_enabled
+    producer = OrbitKVConfig.from_vllm(vllm_config(manager.socket, role="kv_producer"), kv_config)
+    assert producer.save_enabled and not producer.load_enabled
+    missing = str(tmp_path / "nobody.sock")
+    with pytest.raises(orbitkv.ManagerUnavailable, match="orbitkv.socket_path"):
+        create_connector(vllm_config(missing), SCHEDULER, kv_config)
+    # Not required: the engine serves (no hits) until a Manager appears.
+    lenient = create_connector(vllm_config(missing, extra={"orbitkv.require_manager": "false"}), SCHEDULER,
+                               kv_config)
+
+    class R:
+        request_id, num_tokens, block_hashes = "r", 64, [bytes([i]) * 32 for i in range(4)]
+
+    assert lenient.get_num_new_matched_tokens(R(), 0) == (0, False)
+
+
+def test_namespace_binds_every_identity_field(manager):
+    kv_config = SyntheticModel(2).kv_cache_config(16)
+    base = OrbitKVConfig.from_vllm(vllm_config(manager.socket), kv_config)
+    ns = base.namespace(0, 1, 0, 1)
+    assert base.namespace(0, 2, 0, 1) != ns and base.namespace(1, 2, 0, 1) != base.namespace(0, 2, 0, 1)
+    for change in (dict(model="other/model"), dict(hash_algo="sha256_cbor"), dict(block_size=32),
+                   dict(dtype=torch.float16), dict(extra={"orbitkv.cache_scope": "tenant-a"})):
+        other_kv = SyntheticModel(2, block_size=change.get("block_size", 16)).kv_cache_config(16)
+        other = OrbitKVConfig.from_vllm(vllm_config(manager.socket, **change), other_kv)
+        assert other.namespace(0, 1, 0, 1) != ns, change
+    hybrid = OrbitKVConfig.from_vllm(vllm_config(manager.socket),
+                                     SyntheticModel(2, windows=[32, None]).kv_cache_config(16))
+    assert hybrid.namespace(0, 1, 0, 1) != ns
+    assert [(g.group, g.kind, g.window) for g in hybrid.groups] == [(0, "prefix", 0), (1, "window", 32)]
+
+
+def _filled(shape, dtype=torch.bfloat16):
+    t = shm.empty(shape, "bfloat16" if dtype == torch.bfloat16 else "float32", like="torch")
+    t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).copy_(
+        torch.arange(t.numel(), dtype=torch.int32).view(shape).to(
+            torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    return t
+
+
+@pytest.mark.parametrize("name", ["nhd", "hnd"])
+def test_page_views_of_vllm_packed_layouts(name):
+    nb, bs, heads, d2 = 6, 16, 2, 16
+    physical = _filled((nb, bs, heads, d2) if name == "nhd" else (nb, heads, bs, d2))
+    logical = physical.permute(0, 2, 1, 3) if name == "nhd" else physical  # vLLM's logical (nb, H, bs, 2D)
+    views = layout.page_views("l0", logical, nb)
+    assert len(views) == 1 and views[0].shape == (nb, bs * heads * d2 * 2)
+    for b in range(nb):
+        assert views[0][b].tobytes() == physical[b].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_page_views_of_split_planes_and_small_kernel_blocks():
+    nb = 5
+    split = _filled((2, nb, 16, 2, 8))  # K plane, V plane (vLLM before 2026-05)
+    views = layout.page_views("l0", split, nb)
+    assert len(views) == 2
+    assert views[1][3].tobytes() == split[1, 3].contiguous().view(torch.uint8).numpy().tobytes()
+    kernel = _filled((nb * 2, 8, 2, 16))  # kernel blocks of 8 tokens under 16-token scheduler blocks
+    merged = layout.page_views("l0", kernel, nb)
+    assert len(merged) == 1
+    assert merged[0][2].tobytes() == kernel[4:6].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_page_views_refuse_what_the_manager_cannot_map():
+    with pytest.raises(ValueError, match="not in OrbitKV shared memory.*orbitkv.shm.empty"):
+        layout.page_views("model.layers.0.self_attn.attn", torch.zeros(4, 16, 2, 16), 4)
+    with pytest.raises(NotImplementedError, match="CUDA IPC"):
+        layout.page_views("l0", torch.empty(4, 16, 2, 16, device="meta"), 4)
+    padded = shm.empty((4, 16, 2, 20), "bfloat16", like="torch")[..., :16]  # a page with holes
+    with pytest.raises(ValueError, match="not one contiguous run"):
+        layout.page_views("l0", padded, 4)
+
+
+def test_worker_rejects_tensors_outside_shared_memory(manager):
+    model = SyntheticModel(2)
+    kv_config = model.kv_cache_config(16)
+    worker = create_connector(vllm_config(manager.socket), WORKER, kv_config)
+    plain = {name: torch.zeros(16, 2, 16, 16, dtype=torch.bfloat16) for name in model.layer_names}
+    with pytest.raises(ValueError, match="orbitkv.shm"):
+        worker.register_kv_caches(plain)
+    wrong = {name: shm.empty((16, 2, 16, 8), "bfloat16", like="torch") for name in model.layer_names}
+    with pytest.raises(ValueError, match="bytes per block but its KV spec says"):
+        worker.register_kv_caches(wrong)
+    worker.shutdown()
+
+
+def test_stats_merge_and_reduce():
+    a = OrbitKVConnectorStats()
+    a.add("restored_bytes", 2_000_000_000)
+    a.add("restore_seconds", 1.0)
+    b = OrbitKVConnectorStats()
+    b.add("restored_bytes", 2_000_000_000)
+    b.add("restore_seconds", 1.0)
+    assert not a.is_empty() and OrbitKVConnectorStats().is_empty()
+    reduced = a.aggregate(b).reduce()
+    assert reduced["restored_bytes"] == 4_000_000_000 and np.isclose(reduced["restore_gb_per_s"], 2.0)

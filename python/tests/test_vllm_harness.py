@@ -1,0 +1,377 @@
+"""OrbitKVConnector driven the way vLLM drives it (tests/vllm_harness), against a real orbitkv-manager: async
+loads, Loading answers, preemption, aborts, TP workers, sliding-window groups and a Manager killed mid-restore.
+The synthetic model checks every K/V it attends to, so a wrong or missing restore cannot go unnoticed."""
+
+import random
+
+import pytest
+
+import orbitkv
+from vllm_harness.engine import Engine, vllm_config
+from vllm_harness.manager import ManagerProcess
+from vllm_harness.models import SyntheticModel
+from vllm_harness.request import RequestStatus
+
+BS = 16
+
+
+@pytest.fixture()
+def manager(build_dir):
+    m = ManagerProcess(build_dir / "src" / "server" / "orbitkv-manager")
+    yield m
+    m.close()
+
+
+def prompts(n, prefix_tokens, suffix_tokens, seed=0, vocab=900):
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(prefix_tokens)]
+    return [shared + [rng.randrange(vocab) for _ in range(suffix_tokens)] for _ in range(n)]
+
+
+def engine_for(socket, *, model=None, num_blocks=128, tp=1, **config):
+    model = model or (lambda rank: SyntheticModel(4, tp_rank=rank))
+    return Engine(vllm_config(socket, tp=tp, **config), model, num_blocks)
+
+
+def run(engine, batch, max_tokens=4):
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, max_tokens)
+    results = engine.run()
+    engine.drain(2)
+    return {k: v.tokens for k, v in results.items()}
+
+
+def bad_reads(engine):
+    return sum(w.model.bad_reads for w in engine.workers)
+
+
+def assert_nothing_held(engine, manager):
+    assert engine.connector._scheduler.held_leases() == 0
+    assert all(w.connector._worker.pending_loads() == 0 for w in engine.workers)
+    stats = manager.stats()
+    assert stats["leases_active"] == 0 and stats["operations_active"] == 0
+
+
+def test_second_engine_loads_the_prefix_asynchronously_in_vllm_call_order(manager):
+    batch = prompts(1, 64, 16)
+    baseline = run(engine_for(None, prefix_caching=False), batch)
+    first = engine_for(manager.socket)
+    assert run(first, batch) == baseline
+    saved = [e for e in first.scheduler.events]
+    assert saved and all(len(h) == 32 for e in saved for h in e.block_hashes)
+    first.shutdown()
+
+    second = engine_for(manager.socket)
+    assert run(second, batch) == baseline
+    assert bad_reads(second) == 0
+    # (80 - 1) // 16 = 4 blocks restored: 16 prompt tokens and 3 decode steps computed.
+    assert second.workers[0].model.tokens_computed == 16 + 3
+    assert second.worker_stats.data["restored_blocks"] == 4
+    admitted = [i for i, (out, _) in enumerate(second.outputs_log) if out.kv_connector_metadata.loads]
+    assert len(admitted) == 1
+    out, merged = second.outputs_log[admitted[0]]
+    # The load is asynchronous: the request is not scheduled in the step that admits it.
+    assert out.scheduled_new_reqs == [] and out.total_num_scheduled_tokens == 0
+    recv_step = next(i for i, (_, m) in enumerate(second.outputs_log)
+                     if m.kv_connector_output and m.kv_connector_output.finished_recving)
+    assert recv_step >= admitted[0]
+    first_compute = next(i for i, (o, _) in enumerate(second.outputs_log) if o.scheduled_new_reqs)
+    assert first_compute > recv_step
+    assert second.outputs_log[first_compute][0].scheduled_new_reqs[0].num_computed_tokens == 64
+    log = second.workers[0].call_log  # the last step (idle): no forward, no wait_for_save
+    assert log == ["handle_preemptions", "bind_connector_metadata", "start_load_kv", "get_finished",
+                   "get_block_ids_with_load_errors", "get_kv_connector_stats",
+                   "get_kv_connector_kv_cache_events", "build_connector_worker_meta", "clear_connector_metadata"]
+    assert_nothing_held(second, manager)
+    second.shutdown()
+
+
+def test_forward_steps_call_layer_hooks_then_wait_for_save(manager):
+    engine = engine_for(manager.socket, model=lambda r: SyntheticModel(3, tp_rank=r))
+    engine.add_request("a", prompts(1, 32, 8)[0], 2)
+    engine.step()
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    expected = ["handle_preemptions", "bind_connector_metadata", "start_load_kv"]
+    for name in names:
+        expected += ["wait_for_layer_load", "save_kv_layer"]
+    expected += ["wait_for_save", "get_finished", "get_block_ids_with_load_errors", "get_kv_connector_stats",
+                 "get_kv_connector_kv_cache_events", "build_connector_worker_meta", "clear_connector_metadata"]
+    assert engine.workers[0].call_log == expected
+    engine.run()
+    engine.shutdown()
+
+
+def _empty_output():
+    from vllm_harness.scheduler import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput([], CachedRequestData(), {}, 0, set(), set())
+
+
+def test_repeated_questions_reuse_one_lease_and_unused_hits_are_released(manager):
+    batch = prompts(1, 64, 8)
+    first = engine_for(manager.socket)
+    run(first, batch)
+    first.shutdown()
+    engine = engine_for(manager.socket)
+    request = engine.add_request("q", batch[0], 2)
+    sched = engine.connector
+    answers = [sched.get_num_new_matched_tokens(request, 0) for _ in range(3)]
+    assert answers == [(64, True)] * 3
+    assert manager.stats()["leases_active"] == 1
+    # vLLM found the prefix locally after all (or another connector won): no external tokens.
+    sched.update_state_after_alloc(request, engine.scheduler.kv_cache_manager.empty_kv_cache_blocks, 0)
+    assert manager.stats()["leases_active"] == 0
+    assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+    # A local hit that covers part of the prefix asks only for the rest.
+    assert sched.get_num_new_matched_tokens(request, 32) == (32, True)
+    assert manager.stats()["leases_active"] == 1
+    # The pass ends without vLLM allocating the request's blocks (no room): its leases go back.
+    sched.build_connector_meta(_empty_output())
+    assert manager.stats()["leases_active"] == 0
+    assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+    assert manager.stats()["leases_active"] == 1
+    sched.request_finished_all_groups(request, ([],))
+    assert manager.stats()["leases_active"] == 0
+    # A full-prompt hit still leaves the last token to compute.
+    whole = engine.add_request("w", batch[0][:64], 2)
+    assert sched.get_num_new_matched_tokens(whole, 0) == (48, True)
+    sched.request_finished_all_groups(whole, ([],))
+    engine.abort("q", "w")
+    engine.shutdown()
+    assert manager.stats()["leases_active"] == 0
+
+
+def test_loading_answers_defer_the_request_and_abort_cancels(manager, monkeypatch):
+    """Fault injection: Loading answers for as long as the test wants (the real path is the SSD test below)."""
+    loading = orbitkv.QueryLoading
+    batch = prompts(2, 48, 16, seed=3)
+    first = engine_for(manager.socket)
+    baseline = run(first, batch)
+    first.shutdown()
+
+    engine = engine_for(manager.socket)
+    client = engine.connector._scheduler.link.client()
+    real_query = client.query_hashes
+    staged = {"r0": 3, "r1": 10 ** 6}  # r0: three Loading answers, then ready; r1: Loading until aborted
+    current = {}
+    cancelled = []
+
+    def query_hashes(instance, hashes, **kw):
+        req = current["req"]
+        if staged.get(req, 0) > 0:
+            staged[req] -= 1
+            return loading(num_hit_blocks=0, op=100 + int(req[1:]))
+        return real_query(instance, hashes, **kw)
+
+    real_get = engine.connector.get_num_new_matched_tokens
+
+    def get_num_new_matched_tokens(request, n):
+        current["req"] = request.request_id
+        return real_get(request, n)
+
+    monkeypatch.setattr(client, "query_hashes", query_hashes)
+    monkeypatch.setattr(client, "cancel", lambda instance, op: cancelled.append(op))
+    monkeypatch.setattr(engine.connector, "get_num_new_matched_tokens", get_num_new_matched_tokens)
+    engine.add_request("r0", batch[0], 4)
+    engine.add_request("r1", batch[1], 4)
+    for _ in range(3):
+        out = engine.step()
+        assert out == {} and not engine.outputs_log[-1][0].kv_connector_metadata.loads
+        assert all(r.status == RequestStatus.WAITING for r in engine.scheduler.waiting)
+    engine.abort("r1")
+    assert cancelled == [101]
+    results = engine.run()
+    assert results["r0"].tokens == baseline["r0"] and results["r1"].reason == "abort"
+    assert engine.worker_stats.data["restored_blocks"] == 3
+    engine.drain(2)
+    assert bad_reads(engine) == 0
+    assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+def test_blocks_on_ssd_answer_loading_then_load(build_dir, tmp_path):
+    """The real Loading path: after a Manager restart the prefix is only on its SSD tier; the first lookups are
+    answered Loading ((None, False): vLLM skips the request), then the read finished and the load proceeds."""
+    ssd = ManagerProcess(build_dir / "src" / "server" / "orbitkv-manager",
+                         extra=("--ssd-path", str(tmp_path), "--ssd-capacity", "64MiB", "--ssd-policy",
+                                "write-through", "--ssd-min-frequency", "1", "--allow-unpinned"))
+    try:
+        batch = prompts(2, 64, 16, seed=4)
+        first = engine_for(ssd.socket)
+        baseline = run(first, batch)
+        first.shutdown()
+        ssd.stop()
+        ssd.start()
+        assert ssd.stats()["resident_blocks"] == 0
+        engine = engine_for(ssd.socket)
+        answers = []
+        real = engine.connector.get_num_new_matched_tokens
+        engine.connector.get_num_new_matched_tokens = lambda r, n: answers.append(real(r, n)) or answers[-1]
+        assert run(engine, batch) == baseline
+        assert answers[0] == (None, False) and answers[-1] == (64, True)
+        assert engine.worker_stats.data["restored_blocks"] == 8
+        assert ssd.stats()["ssd"]["reads"] > 0
+        assert_nothing_held(engine, ssd)
+        engine.shutdown()
+    finally:
+        ssd.close()
+
+
+def test_preemption_and_aborts_never_leak_leases(manager):
+    batch = prompts(6, 64, 8, seed=5)
+    baseline = run(engine_for(None, prefix_caching=False), batch, max_tokens=40)
+    warm = engine_for(manager.socket)
+    run(warm, batch[:2], max_tokens=6)
+    warm.shutdown()
+
+    # 20 blocks (one is vLLM's null block) cannot hold six requests decoding to 112 tokens (7 blocks each):
+    # running requests get preempted, and come back through the connector.
+    engine = engine_for(manager.socket, num_blocks=20, budget=256, threshold=64)
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, 40)
+    aborted = set()
+    while engine.has_unfinished():
+        engine.step()
+        for request in list(engine.scheduler.waiting):
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not aborted:
+                engine.abort(request.request_id)
+                aborted.add(request.request_id)
+    engine.drain(3)
+    assert aborted, "no request was ever waiting for its load"
+    assert any(out.preempted_req_ids for out, _ in engine.outputs_log), "nothing was preempted"
+    for req_id, result in engine.results.items():
+        if req_id not in aborted:
+            assert result.tokens == baseline[req_id], req_id
+    assert bad_reads(engine) == 0
+    assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+def test_tensor_parallel_workers_restore_their_own_rank_and_a_failing_rank_recomputes(manager, monkeypatch):
+    batch = prompts(2, 64, 20, seed=7)
+    baseline = run(engine_for(None, tp=2, prefix_caching=False), batch)
+    first = engine_for(manager.socket, tp=2)
+    assert run(first, batch) == baseline
+    first.shutdown()
+
+    engine = engine_for(manager.socket, tp=2)
+    namespaces = {w.connector._worker.namespace for w in engine.workers}
+    assert len(namespaces) == 2
+    # Rank 1's Manager answers lose the last block of r1's prefix (block 4, r1's own): its worker must report it
+    # and vLLM recomputes it.
+    rank1 = engine.workers[1].connector._worker
+    client = rank1.link.client()
+    real = client.query_hashes
+
+    def short(instance, hashes, **kw):
+        if hashes and hashes[-1] == engine.scheduler.requests["r1"].block_hashes[4]:
+            hashes = hashes[:-1]
+        return real(instance, hashes, **kw)
+
+    monkeypatch.setattr(client, "query_hashes", short)
+    assert run(engine, batch) == baseline
+    assert bad_reads(engine) == 0
+    recv = [m.kv_connector_output.finished_recving for _, m in engine.outputs_log
+            if m.kv_connector_output and m.kv_connector_output.finished_recving]
+    assert sorted(r for s in recv for r in s) == ["r0", "r1"]  # each once, after both ranks reported it
+    failed = [m.kv_connector_output.invalid_block_ids for _, m in engine.outputs_log
+              if m.kv_connector_output and m.kv_connector_output.invalid_block_ids]
+    assert len(failed) == 1 and len(failed[0]) == 1
+    assert engine.worker_stats.data["failed_loads"] == 1
+    assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+def test_sliding_window_group_restores_only_the_window(manager):
+    hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank)  # noqa: E731
+    batch = prompts(2, 112, 16, seed=9)
+    baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch)
+    first = engine_for(manager.socket, model=hybrid)
+    assert run(first, batch) == baseline
+    first.shutdown()
+    engine = engine_for(manager.socket, model=hybrid, prefix_caching=False)
+    assert run(engine, batch) == baseline
+    assert bad_reads(engine) == 0
+    # Per request: boundary (128 - 1) // 16 = 7 blocks; the full group loads 7, the window group only the blocks
+    # of the 31 tokens before token 112 (blocks 5 and 6).
+    loads = [plan for out, _ in engine.outputs_log for plan in out.kv_connector_metadata.loads]
+    assert [[(g.group, g.first_block, len(g.block_ids)) for g in p.groups] for p in loads] == \
+        [[(0, 0, 7), (1, 5, 2)]] * 2
+    assert engine.worker_stats.data["restored_blocks"] == 2 * (7 + 2)
+    assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+def test_manager_killed_during_a_restore_recomputes_then_reconnects(manager, monkeypatch):
+    hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank)  # noqa: E731
+    batch = prompts(1, 96, 20, seed=11)
+    baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch)
+    first = engine_for(manager.socket, model=hybrid)
+    run(first, batch)
+    first.shutdown()
+
+    engine = engine_for(manager.socket, model=hybrid, prefix_caching=False,
+                        extra={"orbitkv.reconnect_interval_s": 0.05})
+    worker = engine.workers[0].connector._worker
+    client = worker.link.client()
+    real = client.start_restore
+    calls = []
+
+    def restore_then_die(instance, lease, pages, group=0):
+        calls.append(group)
+        if len(calls) == 2:  # group 0's pages are restored; the Manager dies before group 1's
+            manager.kill()
+        return real(instance, lease, pages, group=group)
+
+    monkeypatch.setattr(client, "start_restore", restore_then_die)
+    assert run(engine, batch) == baseline
+    assert bad_reads(engine) == 0
+    assert calls == [0, 1]
+    assert engine.worker_stats.data["failed_loads"] == 1
+    # The whole prefix was recomputed: a full-attention prefix without its window is no restore at all.
+    assert engine.workers[0].model.tokens_computed == len(batch[0]) + 3
+
+    manager.start()  # a new, empty Manager: the connector reconnects, saves and serves again
+    import time
+
+    time.sleep(0.1)
+    more = prompts(1, 64, 8, seed=12)
+    assert run(engine, more) != {}
+    engine.results.clear()
+    engine.add_request("again", more[0], 2)
+    engine.run()
+    engine.drain(2)
+    assert engine.results["again"].tokens
+    assert engine.worker_stats.data["restored_blocks"] > 0
+    assert bad_reads(engine) == 0
+    assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+def test_a_window_the_manager_lacks_lowers_the_boundary_or_drops_the_hit(manager, monkeypatch):
+    hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank)  # noqa: E731
+    rng = random.Random(13)
+    long_prompt = [rng.randrange(900) for _ in range(128)]
+    short_prompt = [rng.randrange(900) for _ in range(40)]
+    batch = [long_prompt, short_prompt]
+    baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch)
+    first = engine_for(manager.socket, model=hybrid)
+    run(first, batch)
+    first.shutdown()
+    engine = engine_for(manager.socket, model=hybrid, prefix_caching=False)
+    client = engine.connector._scheduler.link.client()
+    real = client.query_hashes
+
+    def first_window_page_only(instance, hashes, group=0, **kw):
+        return real(instance, hashes[:1] if group == 1 else hashes, group=group, **kw)
+
+    monkeypatch.setattr(client, "query_hashes", first_window_page_only)
+    assert run(engine, batch) == baseline
+    assert bad_reads(engine) == 0
+    plans = {p.req_id: [(g.group, g.first_block, len(g.block_ids)) for g in p.groups]
+             for out, _ in engine.outputs_log for p in out.kv_connector_metadata.loads}
+    # r0: its window (blocks 5-6) is not all there and does not start at the prefix: no hit at all.
+    # r1: its window reaches back to token 0: the boundary drops to the one block both groups have.
+    assert plans == {"r1": [(0, 0, 1), (1, 0, 1)]}
+    assert_nothing_held(engine, manager)
+    engine.shutdown()

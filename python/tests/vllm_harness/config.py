@@ -1,0 +1,139 @@
+"""vLLM's configuration objects, reduced to the fields the scheduler, the model runner and a KV connector read.
+
+Field names and meanings follow ``vllm/config/*.py`` and ``vllm/v1/kv_cache_interface.py`` (see
+../shared/docs/reference/vllm_connector.md); anything a connector could read that vLLM sets is set here too.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    model: str = "orbitkv/ref-tiny"
+    tokenizer: Optional[str] = None
+    revision: Optional[str] = "r0"
+    tokenizer_revision: Optional[str] = None
+    dtype: torch.dtype = torch.bfloat16
+    max_model_len: int = 32768
+    is_encoder_decoder: bool = False
+
+    def __post_init__(self):
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    num_gpu_blocks: Optional[int] = None
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class KVTransferConfig:
+    kv_connector: Optional[str] = None
+    kv_connector_module_path: Optional[str] = None
+    kv_role: Optional[str] = None
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self):
+        if self.kv_connector is not None and self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError("kv_role must be set (kv_producer, kv_consumer or kv_both) with kv_connector")
+        if self.kv_connector_module_path == "":
+            raise ValueError("kv_connector_module_path must not be empty")
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ValueError("kv_load_failure_policy must be 'fail' or 'recompute'")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+
+@dataclass
+class VllmConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer_config: Optional[KVTransferConfig] = None
+
+
+# ---- KV cache interface (vllm/v1/kv_cache_interface.py) ---------------------------------------------------------
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        # K and V of block_size tokens: block_size x heads x 2 x head_size elements.
+        return self.block_size * self.num_kv_heads * 2 * self.head_size * _dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    sliding_window: int = 0
+
+
+@dataclass
+class KVCacheTensor:
+    size: int
+    shared_by: list
+
+
+@dataclass
+class KVCacheGroupSpec:
+    layer_names: list
+    kv_cache_spec: FullAttentionSpec
+
+
+@dataclass
+class KVCacheConfig:
+    num_blocks: int
+    kv_cache_tensors: list
+    kv_cache_groups: list

@@ -1,0 +1,149 @@
+"""vLLM's EngineCore loop over the harness scheduler and workers: add requests, step until done, abort.
+
+``step()`` = ``schedule()`` -> every worker's ``execute_model`` (each gets its own unpickled copy of the scheduler
+output) -> ``KVOutputAggregator`` -> ``update_from_output``. TP x PP workers each have a connector instance, a
+model (its rank's KV content) and KV caches; the sampled tokens come from rank 0, and the harness checks every
+rank sampled the same ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+from vllm_harness.request import Request, SamplingParams, block_hasher
+from vllm_harness.scheduler import Scheduler
+from vllm_harness.worker import KVOutputAggregator, Worker, roundtrip
+
+
+def _roles():
+    from orbitkv.vllm._compat import KVConnectorRole
+
+    return KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
+
+
+@dataclass
+class Finished:
+    tokens: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    reason: str = ""
+    ttft_s: float = 0.0
+    arrival: float = 0.0
+
+
+class Engine:
+    def __init__(self, vllm_config, model_factory, num_blocks: int, *, hash_seed: str = "0"):
+        """model_factory(rank) -> a model (models.py); num_blocks includes vLLM's null block 0."""
+        scheduler_role, worker_role = _roles()
+        world = vllm_config.parallel_config.world_size
+        models = [model_factory(rank) for rank in range(world)]
+        self.kv_cache_config = models[0].kv_cache_config(num_blocks)
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.vllm_config = vllm_config
+        self.workers = []
+        for rank, model in enumerate(models):
+            config = copy.deepcopy(vllm_config)
+            config.parallel_config.rank = rank
+            self.workers.append(Worker(config, self.kv_cache_config, model, worker_role))
+        self.scheduler = Scheduler(vllm_config, self.kv_cache_config, scheduler_role)
+        connector = self.scheduler.connector
+        count = connector.get_finished_count() if connector is not None else None
+        self.aggregator = KVOutputAggregator(count or world)
+        cache = vllm_config.cache_config
+        self.hasher = block_hasher(cache.block_size, cache.prefix_caching_hash_algo, hash_seed)
+        self.results: dict = {}
+        self.steps = 0
+        self.outputs_log: list = []
+        self.worker_stats = None  # every step's aggregated worker stats, merged
+        self.before_execute = None  # test hook: called with the scheduler output before the workers run
+
+    @property
+    def connector(self):
+        return self.scheduler.connector
+
+    def add_request(self, request_id: str, prompt_token_ids, max_tokens: int = 4, **kwargs) -> Request:
+        request = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens), self.hasher,
+                          **kwargs)
+        self.results[request_id] = Finished(arrival=time.perf_counter())
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, *request_ids: str) -> None:
+        from vllm_harness.request import RequestStatus
+
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> dict:
+        out = self.scheduler.schedule()
+        if self.before_execute is not None:
+            self.before_execute(out)
+        outputs = [roundtrip(worker.execute_model(roundtrip(out))) for worker in self.workers]
+        for other in outputs[1:]:
+            assert other.sampled_token_ids == outputs[0].sampled_token_ids, "ranks sampled different tokens"
+        merged = self.aggregator.aggregate(outputs)
+        kv = merged.kv_connector_output
+        if kv is not None and kv.kv_connector_stats is not None:
+            step_stats = copy.deepcopy(kv.kv_connector_stats)
+            self.worker_stats = step_stats if self.worker_stats is None else self.worker_stats.aggregate(step_stats)
+        now = time.perf_counter()
+        new_tokens = self.scheduler.update_from_output(out, merged)
+        for req_id, tokens in new_tokens.items():
+            result = self.results[req_id]
+            if not result.tokens:
+                result.ttft_s = now - result.arrival
+            result.tokens += tokens
+            result.logits.append(merged.logits[req_id])
+        for req_id, reason in self.scheduler.outputs.items():
+            self.results[req_id].reason = reason
+        self.scheduler.outputs.clear()
+        self.steps += 1
+        self.outputs_log.append((out, merged))
+        return new_tokens
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.get_num_unfinished_requests() > 0
+
+    def run(self, max_steps: int = 10_000) -> dict:
+        for _ in range(max_steps):
+            if not self.has_unfinished():
+                return self.results
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def drain(self, steps: int = 3) -> None:
+        """Idle steps, so finished ids reach the workers (get_finished) and async work settles."""
+        for _ in range(steps):
+            self.step()
+
+    def shutdown(self) -> None:
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+        for worker in self.workers:
+            if worker.connector is not None:
+                worker.connector.shutdown()
+
+
+def vllm_config(socket_path=None, *, tp: int = 1, block_size: int = 16, budget: int = 2048,
+                threshold: int = 0, prefix_caching: bool = True, max_num_seqs: int = 64, model: str = "test/model",
+                hash_algo: str = "sha256", extra=None, role: str = "kv_both", policy: str = "recompute",
+                dtype=None):
+    """A VllmConfig as ``vllm serve`` would build it; with ``socket_path`` the OrbitKV connector is configured
+    exactly as docs/vllm.md tells users to."""
+    import torch
+
+    from vllm_harness.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                                     VllmConfig)
+
+    transfer = None
+    if socket_path is not None:
+        transfer = KVTransferConfig(kv_connector="OrbitKVConnector", kv_connector_module_path="orbitkv.vllm",
+                                    kv_role=role, kv_load_failure_policy=policy,
+                                    kv_connector_extra_config={"orbitkv.socket_path": socket_path, **(extra or {})})
+    return VllmConfig(model_config=ModelConfig(model=model, dtype=dtype or torch.bfloat16),
+                      cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
+                                               prefix_caching_hash_algo=hash_algo),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                      scheduler_config=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                                       long_prefill_token_threshold=threshold),
+                      kv_transfer_config=transfer)

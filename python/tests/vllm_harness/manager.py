@@ -1,0 +1,56 @@
+"""A real orbitkv-manager process on a private socket, for the connector tests (start, kill -9, restart)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import orbitkv
+
+
+class ManagerProcess:
+    def __init__(self, binary, *, dram: str = "64MiB", slab: str = "4MiB", extra=()):
+        self.binary = str(binary)
+        self.dir = tempfile.mkdtemp(prefix="orbitkv-vllm-")
+        self.socket = os.path.join(self.dir, "manager.sock")
+        self.args = ["--socket", self.socket, "--dram", dram, "--slab", slab, "--log-level", "error", *extra]
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, *self.args], stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while True:  # ready means it answers (the socket file appears a moment before listen())
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            assert time.monotonic() < deadline, "the Manager did not start"
+            try:
+                orbitkv.CacheManagerClient(self.socket, timeout_ms=1000).ping()
+                return
+            except orbitkv.OrbitKVError:
+                time.sleep(0.02)
+
+    def client(self) -> orbitkv.CacheManagerClient:
+        return orbitkv.CacheManagerClient(self.socket)
+
+    def stats(self) -> dict:
+        return self.client().stats()
+
+    def kill(self) -> None:
+        """kill -9: no cleanup, every session dies with it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        """Stops the Manager and removes its directory."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
