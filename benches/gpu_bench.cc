@@ -1,0 +1,409 @@
+// CUDA copy engine save/restore GB/s, 4096 scattered pages of 16-256 KiB, vs pinned cudaMemcpy.
+//
+// Needs a CUDA device (run it on the GPU machine: tests/gpu/run_gate.sh). The pool is a real
+// PinnedPool whose arenas the HostMemoryRegistry registered with CUDA, on the NUMA node nearest the
+// GPU. For each fragment size, 4096 pool blocks are restored into 4096 engine pages scattered at
+// random over twice as many page slots of one device buffer (and saved from another 4096 scattered
+// pages into 4096 other blocks); the 4096 pages of one direction are one batch (one Submit, one
+// CopyDone), as one request's restore is. A timed pass repeats the batch until it moved at least
+// 512 MiB, and GB/s is bytes over the wall time from the first Submit to the last CopyDone (median
+// of 5 passes after a checked warm-up pass: every byte compared). The baselines, measured in the
+// same run on the same pinned arena: one 1 GiB cudaMemcpyAsync host-to-device (pinned_h2d_peak),
+// device-to-host (pinned_d2h_peak), and both at once on two streams (pinned_bidir_peak, bytes of
+// both over the wall time). save_restore_concurrent submits the 64 KiB save and restore batches
+// together. The metrics come from the engine's default settings (Method::kAuto); the same pages
+// through the kernel alone and through cudaMemcpyBatchAsync alone are reported in "env" for
+// comparison. ORBITKV_GPU_BENCH_SWEEP=1 also prints, on stderr, figures for smaller batches.
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "base/check.h"
+#include "base/clock.h"
+#include "bench_report.h"
+#include "core/slab_pool.h"
+#include "gpu/cuda_copy_engine.h"
+#include "gpu/cuda_util.h"
+
+namespace orbitkv::bench {
+namespace {
+
+using core::BufferId;
+using core::CopyBatch;
+using core::CopyDirection;
+using core::CopyFragment;
+using gpu::CudaCopyEngine;
+
+constexpr uint32_t kPages = 4096;
+// One restore (or save) of the 4096 pages is one batch with one completion, as a request's is.
+constexpr uint32_t kPagesPerBatch = 4096;
+constexpr uint64_t kMaxFragmentBytes = 256 << 10;
+constexpr uint64_t kMinPassBytes = uint64_t{512} << 20;
+constexpr uint64_t kPeakBytes = uint64_t{1} << 30;
+constexpr int kPasses = 5;
+
+#define CUDA_OK(expr)                                                 \
+  do {                                                                \
+    const cudaError_t orbitkv_error_ = (expr);                        \
+    ORBITKV_CHECK_MSG(orbitkv_error_ == cudaSuccess, "{}: {}", #expr, \
+                      cudaGetErrorString(orbitkv_error_));            \
+  } while (false)
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// Waits for a known number of CopyDone calls; CHECKs that each got OK.
+class Completions {
+ public:
+  core::CopyDone Callback() {
+    return [this](Status status) {
+      ORBITKV_CHECK_MSG(status.ok(), "copy batch failed: {}", status.ToString());
+      std::lock_guard lock(mu_);
+      ++done_;
+      cv_.notify_all();
+    };
+  }
+  void WaitFor(uint64_t count) {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return done_ >= count; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t done_ = 0;
+};
+
+void SubmitRetrying(CudaCopyEngine& engine, const CopyBatch& batch, Completions& completions) {
+  for (;;) {
+    const Status status = engine.Submit(batch, completions.Callback());
+    if (status.ok()) return;
+    ORBITKV_CHECK_MSG(status.code() == StatusCode::kResourceExhausted, "submit failed: {}",
+                      status.ToString());
+    std::this_thread::yield();
+  }
+}
+
+// Runs `rounds` x every batch of every list (lists interleaved batch by batch) and returns GB/s.
+double RunGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyBatch>*>& lists,
+               int rounds) {
+  Completions completions;
+  uint64_t batches = 0;
+  uint64_t bytes = 0;
+  Stopwatch watch;
+  for (int r = 0; r < rounds; ++r) {
+    const size_t longest = (*std::max_element(lists.begin(), lists.end(), [](auto* a, auto* b) {
+                             return a->size() < b->size();
+                           }))->size();
+    for (size_t i = 0; i < longest; ++i) {
+      for (const std::vector<CopyBatch>* list : lists) {
+        if (i >= list->size()) continue;
+        SubmitRetrying(engine, (*list)[i], completions);
+        ++batches;
+        for (const CopyFragment& f : (*list)[i].fragments) bytes += f.length;
+      }
+    }
+  }
+  completions.WaitFor(batches);
+  return static_cast<double>(bytes) / watch.ElapsedSeconds() / 1e9;
+}
+
+double MedianGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyBatch>*>& lists,
+                  int rounds) {
+  RunGbps(engine, lists, 1);  // Warm-up.
+  std::vector<double> passes;
+  for (int p = 0; p < kPasses; ++p) passes.push_back(RunGbps(engine, lists, rounds));
+  return Median(passes);
+}
+
+struct Peaks {
+  double h2d = 0, d2h = 0, bidir = 0;
+};
+
+// One large copy per direction between the pinned arena and device memory, and both at once.
+Peaks MeasurePeaks(uint8_t* pinned, uint8_t* device) {
+  gpu::CudaStream up = std::move(gpu::CudaStream::Create(0)).value();
+  gpu::CudaStream down = std::move(gpu::CudaStream::Create(0)).value();
+  uint8_t* const host_up = pinned;
+  uint8_t* const host_down = pinned + kPeakBytes;
+  uint8_t* const device_up = device;
+  uint8_t* const device_down = device + kPeakBytes;
+  auto timed = [&](bool h2d, bool d2h) {
+    std::vector<double> passes;
+    for (int p = 0; p < kPasses + 1; ++p) {
+      Stopwatch watch;
+      if (h2d) {
+        CUDA_OK(cudaMemcpyAsync(device_up, host_up, kPeakBytes, cudaMemcpyHostToDevice, up.get()));
+      }
+      if (d2h) {
+        CUDA_OK(cudaMemcpyAsync(host_down, device_down, kPeakBytes, cudaMemcpyDeviceToHost,
+                                down.get()));
+      }
+      CUDA_OK(cudaStreamSynchronize(up.get()));
+      CUDA_OK(cudaStreamSynchronize(down.get()));
+      const double seconds = watch.ElapsedSeconds();
+      if (p > 0) passes.push_back((h2d + d2h) * static_cast<double>(kPeakBytes) / seconds / 1e9);
+    }
+    return Median(passes);
+  };
+  return Peaks{timed(true, false), timed(false, true), timed(true, true)};
+}
+
+// The pages of one fragment size: 4096 restore blocks -> scattered device slots, and 4096 other
+// scattered device slots -> 4096 save blocks, as batches of kPagesPerBatch pages.
+struct PageSet {
+  uint64_t fragment_bytes = 0;
+  std::vector<core::PoolBlock> restore_blocks, save_blocks;
+  std::vector<uint32_t> restore_slots, save_slots;
+  std::vector<CopyBatch> restores, saves;
+};
+
+PageSet MakePageSet(core::PinnedPool& pool, BufferId buffer, uint64_t fragment_bytes,
+                    std::mt19937_64& rng, uint32_t pages_per_batch = kPagesPerBatch) {
+  PageSet set;
+  set.fragment_bytes = fragment_bytes;
+  std::vector<uint32_t> slots(2 * kPages);
+  for (uint32_t i = 0; i < slots.size(); ++i) slots[i] = i;
+  std::shuffle(slots.begin(), slots.end(), rng);
+  set.restore_slots.assign(slots.begin(), slots.begin() + kPages);
+  set.save_slots.assign(slots.begin() + kPages, slots.end());
+  for (uint32_t i = 0; i < 2 * kPages; ++i) {
+    auto block = pool.Allocate(fragment_bytes);
+    ORBITKV_CHECK_MSG(block.ok(), "pool allocation failed: {}", block.status().ToString());
+    (i < kPages ? set.restore_blocks : set.save_blocks).push_back(*block);
+  }
+  for (uint32_t first = 0; first < kPages; first += pages_per_batch) {
+    CopyBatch restore{CopyDirection::kRestore, {}};
+    CopyBatch save{CopyDirection::kSave, {}};
+    for (uint32_t i = first; i < first + pages_per_batch; ++i) {
+      restore.fragments.push_back(CopyFragment{buffer, set.restore_slots[i] * fragment_bytes,
+                                               set.restore_blocks[i].data, fragment_bytes});
+      save.fragments.push_back(CopyFragment{buffer, set.save_slots[i] * fragment_bytes,
+                                            set.save_blocks[i].data, fragment_bytes});
+    }
+    set.restores.push_back(std::move(restore));
+    set.saves.push_back(std::move(save));
+  }
+  return set;
+}
+
+void FreePageSet(core::PinnedPool& pool, PageSet& set) {
+  for (const core::PoolBlock& block : set.restore_blocks) pool.Free(block);
+  for (const core::PoolBlock& block : set.save_blocks) pool.Free(block);
+  set = PageSet{};
+}
+
+void FillRandom(uint8_t* data, uint64_t bytes, std::mt19937_64& rng) {
+  uint64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    const uint64_t word = rng();
+    std::memcpy(data + i, &word, 8);
+  }
+  for (; i < bytes; ++i) data[i] = static_cast<uint8_t>(rng());
+}
+
+// One checked pass of each direction: every restored page equals its block, every saved block
+// equals its page.
+void CheckBytes(CudaCopyEngine& engine, const PageSet& set, uint8_t* device, std::mt19937_64& rng) {
+  const uint64_t f = set.fragment_bytes;
+  const uint64_t device_bytes = 2 * kPages * f;
+  for (const core::PoolBlock& block : set.restore_blocks) FillRandom(block.data, f, rng);
+  std::vector<uint8_t> pages(device_bytes);
+  FillRandom(pages.data(), device_bytes, rng);
+  CUDA_OK(cudaMemcpy(device, pages.data(), device_bytes, cudaMemcpyHostToDevice));
+  for (const core::PoolBlock& block : set.save_blocks) std::memset(block.data, 0xA5, f);
+  RunGbps(engine, {&set.restores}, 1);
+  RunGbps(engine, {&set.saves}, 1);
+  std::vector<uint8_t> after(device_bytes);
+  CUDA_OK(cudaMemcpy(after.data(), device, device_bytes, cudaMemcpyDeviceToHost));
+  for (uint32_t i = 0; i < kPages; ++i) {
+    ORBITKV_CHECK_MSG(
+        std::memcmp(after.data() + set.restore_slots[i] * f, set.restore_blocks[i].data, f) == 0,
+        "restored page {} ({} KiB fragments) differs from its block", i, f >> 10);
+    ORBITKV_CHECK_MSG(
+        std::memcmp(set.save_blocks[i].data, pages.data() + set.save_slots[i] * f, f) == 0,
+        "saved block {} ({} KiB fragments) differs from its page", i, f >> 10);
+  }
+}
+
+int RoundsFor(uint64_t fragment_bytes) {
+  return static_cast<int>(std::max<uint64_t>(1, kMinPassBytes / (kPages * fragment_bytes)));
+}
+
+std::unique_ptr<CudaCopyEngine> MakeEngine(const gpu::HostMemoryRegistry& registry,
+                                           CudaCopyEngine::Options options) {
+  options.devices = {0};
+  auto engine = CudaCopyEngine::Create(options, &registry, nullptr);
+  ORBITKV_CHECK_MSG(engine.ok(), "copy engine: {}", engine.status().ToString());
+  return std::move(engine).value();
+}
+
+BufferId RegisterDevice(CudaCopyEngine& engine, uint8_t* device, uint64_t bytes) {
+  auto id = engine.RegisterDeviceBuffer(device, 0, bytes);
+  ORBITKV_CHECK_MSG(id.ok(), "register: {}", id.status().ToString());
+  return *id;
+}
+
+void SetBuffer(PageSet& set, BufferId id) {
+  for (std::vector<CopyBatch>* list : {&set.restores, &set.saves}) {
+    for (CopyBatch& batch : *list) {
+      for (CopyFragment& f : batch.fragments) f.buffer = id;
+    }
+  }
+}
+
+// GB/s of restore, save and both at once for other settings, on stderr (for tuning the defaults;
+// ORBITKV_GPU_BENCH_SWEEP=1): other batch sizes, grid sizes and chunk sizes for the kernel.
+void Sweep(gpu::HostMemoryRegistry& registry, core::PinnedPool& pool, uint8_t* device,
+           std::mt19937_64& rng) {
+  using Method = CudaCopyEngine::Method;
+  constexpr uint64_t k16 = 16 << 10, k64 = 64 << 10, k256 = 256 << 10;
+  struct Config {
+    const char* name;
+    uint64_t fragment;
+    uint32_t pages_per_batch;
+    CudaCopyEngine::Options options;
+  };
+  const std::vector<Config> configs = {
+      {"kernel", k16, 64, {.method = Method::kKernel}},
+      {"kernel", k16, 256, {.method = Method::kKernel}},
+      {"kernel", k16, 1024, {.method = Method::kKernel}},
+      {"kernel", k64, 4096, {.method = Method::kKernel}},
+      {"kernel", k256, 4096, {.method = Method::kKernel}},
+      {"copy engines", k64, 256, {.method = Method::kMemcpyBatch}},
+  };
+
+  for (const Config& config : configs) {
+    auto engine = MakeEngine(registry, config.options);
+    const BufferId id = RegisterDevice(*engine, device, 2 * kPages * kMaxFragmentBytes);
+    PageSet set = MakePageSet(pool, id, config.fragment, rng, config.pages_per_batch);
+    const int rounds = RoundsFor(config.fragment);
+    const double restore = MedianGbps(*engine, {&set.restores}, rounds);
+    const double save = MedianGbps(*engine, {&set.saves}, rounds);
+    const double both = MedianGbps(*engine, {&set.restores, &set.saves}, rounds);
+    fmt::print(stderr,
+               "sweep fragment={}KiB pages_per_batch={} {}: restore={:.1f} save={:.1f} "
+               "concurrent={:.1f} GB/s\n",
+               config.fragment >> 10, config.pages_per_batch, config.name, restore, save, both);
+    FreePageSet(pool, set);
+  }
+}
+
+}  // namespace
+}  // namespace orbitkv::bench
+
+int main(int argc, char** argv) {
+  using namespace orbitkv;
+  using namespace orbitkv::bench;
+  const bool json = ParseBenchArgs(
+      argc, argv,
+      "Save and restore GB/s through the CUDA copy engine for 4096 scattered pages of 16, 64 "
+      "and 256 KiB fragments, vs one large pinned cudaMemcpy per direction (needs a GPU).");
+  int devices = 0;
+  if (const cudaError_t error = cudaGetDeviceCount(&devices);
+      error != cudaSuccess || devices == 0) {
+    fmt::print(stderr, "gpu_bench: no CUDA device ({}); run it on the GPU machine\n",
+               cudaGetErrorString(error));
+    return 1;
+  }
+  BenchReport report("gpu");
+  AddStandardEnv(report);
+  cudaDeviceProp properties{};
+  CUDA_OK(cudaGetDeviceProperties(&properties, 0));
+  char pci[32] = {};
+  CUDA_OK(cudaDeviceGetPCIBusId(pci, sizeof(pci), 0));
+  int driver = 0;
+  CUDA_OK(cudaDriverGetVersion(&driver));
+  const Result<int> node = core::NumaNodeOfPciDevice(pci);
+  const int numa_node = node.ok() ? *node : -1;
+  report.AddEnv(
+      "gpu", fmt::format("{} ({}, {} SMs)", properties.name, pci, properties.multiProcessorCount));
+  report.AddEnv("cuda_driver", fmt::format("{}.{}", driver / 1000, (driver % 1000) / 10));
+  report.AddEnv("pool_numa_node", std::to_string(numa_node));
+
+  gpu::HostMemoryRegistry registry(0);
+  core::PoolOptions pool_options;
+  pool_options.capacity_bytes = 2 * kPages * kMaxFragmentBytes + (uint64_t{64} << 20);
+  pool_options.numa_nodes = {numa_node};
+  pool_options.pin_mode = core::PinMode::kAllowUnpinned;
+  pool_options.registrar = &registry;
+  auto pool_or = core::PinnedPool::Create(pool_options, nullptr);
+  ORBITKV_CHECK_MSG(pool_or.ok(), "pool: {}", pool_or.status().ToString());
+  core::PinnedPool& pool = **pool_or;
+  report.AddEnv("pool_locked", pool.arena(0).locked() ? "yes" : "no");
+  auto device_or = gpu::DeviceMemory::Allocate(0, 2 * kPages * kMaxFragmentBytes);
+  ORBITKV_CHECK_MSG(device_or.ok(), "device memory: {}", device_or.status().ToString());
+  uint8_t* const device = device_or->data();
+  std::mt19937_64 rng(2026);
+
+  // Baselines first, on the fresh arena (no block allocated yet, so its bytes are free to use).
+  const Peaks peaks = MeasurePeaks(pool.arena(0).data(), device);
+
+  // The default engine gives the metrics; the kernel alone and the copy engines alone run the same
+  // pages for comparison (in "env").
+  const CudaCopyEngine::Options defaults;
+  auto engine = MakeEngine(registry, defaults);
+  auto kernel = MakeEngine(registry, {.method = CudaCopyEngine::Method::kKernel});
+  auto batch_api = MakeEngine(registry, {.method = CudaCopyEngine::Method::kMemcpyBatch});
+  report.AddEnv("engine",
+                fmt::format("auto (copy engines from {} KiB fragments, else kernel), kernel chunk "
+                            "{} KiB, {} blocks/SM, {} streams per lane, {} pages per batch",
+                            defaults.dma_min_fragment_bytes >> 10, defaults.chunk_bytes >> 10,
+                            defaults.blocks_per_sm, defaults.streams_per_lane, kPagesPerBatch));
+  const uint64_t device_bytes = 2 * kPages * kMaxFragmentBytes;
+  const BufferId id = RegisterDevice(*engine, device, device_bytes);
+  const BufferId kernel_id = RegisterDevice(*kernel, device, device_bytes);
+  const BufferId batch_id = RegisterDevice(*batch_api, device, device_bytes);
+  for (const uint64_t fragment : {uint64_t{16} << 10, uint64_t{64} << 10, uint64_t{256} << 10}) {
+    const std::string size = fmt::format("{}k", fragment >> 10);
+    const int rounds = RoundsFor(fragment);
+    PageSet set = MakePageSet(pool, id, fragment, rng);
+    CheckBytes(*engine, set, device, rng);
+    report.Add({"restore_gpu_" + size, "GB/s", MedianGbps(*engine, {&set.restores}, rounds),
+                "pinned_h2d_peak", peaks.h2d});
+    report.Add({"save_gpu_" + size, "GB/s", MedianGbps(*engine, {&set.saves}, rounds),
+                "pinned_d2h_peak", peaks.d2h});
+    if (fragment == (uint64_t{64} << 10)) {
+      report.Add({"save_restore_concurrent", "GB/s",
+                  MedianGbps(*engine, {&set.restores, &set.saves}, rounds), "pinned_bidir_peak",
+                  peaks.bidir});
+    }
+    for (const auto& [name, other, other_id] :
+         {std::tuple{"kernel", kernel.get(), kernel_id},
+          std::tuple{"memcpy_batch", batch_api.get(), batch_id}}) {
+      SetBuffer(set, other_id);
+      CheckBytes(*other, set, device, rng);
+      report.AddEnv(fmt::format("{}_{}", name, size),
+                    fmt::format("restore {:.1f}, save {:.1f}, concurrent {:.1f} GB/s",
+                                MedianGbps(*other, {&set.restores}, rounds),
+                                MedianGbps(*other, {&set.saves}, rounds),
+                                MedianGbps(*other, {&set.restores, &set.saves}, rounds)));
+    }
+    FreePageSet(pool, set);
+  }
+  engine->Shutdown();
+  kernel->Shutdown();
+  batch_api->Shutdown();
+  report.Print(json);
+  std::fflush(stdout);
+  if (const char* sweep = std::getenv("ORBITKV_GPU_BENCH_SWEEP");
+      sweep != nullptr && std::string(sweep) == "1") {
+    Sweep(registry, pool, device, rng);
+  }
+  return 0;
+}

@@ -1,0 +1,234 @@
+// CudaCopyEngine: the CopyEngine that moves KV bytes between engine-owned GPU memory and the pinned
+// host pool, one batch at a time: small fragments through one gather/scatter kernel per batch,
+// large ones through the GPU's copy engines (cudaMemcpyBatchAsync), whichever measured faster.
+//
+// Engine buffers are GPU memory: imported from another process through a CUDA IPC memory handle
+// (RegisterIpcBuffer, the engine adapters' path; the mapping is opened once per registration) or,
+// in this process, named by a device pointer (RegisterDeviceBuffer, for tests and benchmarks). The
+// pool side of every fragment must lie in host memory registered with the HostMemoryRegistry given
+// at Create() (the pool's ArenaRegistrar), which maps the pool into the GPUs' address space: the
+// kernel reads (restore) or writes (save) the pool in place across the link, so each byte crosses
+// PCIe once and no staging copy or bounce buffer exists.
+//
+// Data path: Submit() validates and resolves the batch (every fragment names a live buffer of one
+// device; the pool range is registered), pins its buffers and hands it to the lane of its device
+// and direction. Each lane owns streams and two threads. The dispatcher issues each batch on the
+// lane's next stream, either as one kernel launch (it cuts the fragments into chunks of at most
+// `chunk_bytes`, smaller for a small batch so that every warp of the grid gets work, and writes the
+// chunk descriptors to mapped pinned staging memory that the kernel reads in place) or as
+// cudaMemcpyBatchAsync calls (Method, below), then records the batch's event. The completer waits
+// for the events in launch order and, on its own thread (never on a CUDA callback thread), calls
+// the batch's CopyDone, unpins the buffers and frees the in-flight slot. Saves and restores use
+// different lanes, so they overlap on the link's two directions.
+//
+// Invariants: a buffer is pinned once per fragment of every in-flight batch that names it, and a
+// pinned buffer stays registered and mapped (UnregisterBuffer waits), so the dispatcher uses the
+// addresses resolved at Submit without the registry lock. At most `max_inflight_batches` batches
+// are in flight (accepted, CopyDone not yet returned). A staging area (descriptor arrays and event)
+// belongs to one launched batch until the completer saw its event.
+//
+// Errors: a launch or device failure is reported to the batch's CopyDone (Internal, with CUDA's
+// error); a device fault is sticky in CUDA, so every later batch on that device fails too.
+//
+// Thread safety: every public method may be called from any thread. Submit() may also be called
+// from a CopyDone; UnregisterBuffer() and Shutdown() must not be (they wait for batches to
+// complete; a CHECK catches the call from a lane thread). Threads are created in Create() and
+// joined in Shutdown() or the destructor. Register*Buffer() and UnregisterBuffer() change the
+// calling thread's current device only for their own duration.
+#ifndef ORBITKV_GPU_CUDA_COPY_ENGINE_H_
+#define ORBITKV_GPU_CUDA_COPY_ENGINE_H_
+
+#include <cuda_runtime_api.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "base/metrics.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/status.h"
+#include "base/thread_annotations.h"
+#include "core/copy_engine.h"
+#include "gpu/copy_kernels.h"
+#include "gpu/host_memory_registry.h"
+
+namespace orbitkv::gpu {
+
+class CudaCopyEngine final : public core::CopyEngine {
+ public:
+  enum class Method : uint8_t {
+    // Per batch: cudaMemcpyBatchAsync when its fragments average at least
+    // `dma_min_fragment_bytes` (the copy engines reach the link's peak there, in both directions at
+    // once), else the kernel (2-10 times faster than the copy engines on small fragments). The
+    // kernel alone on a driver older than CUDA 12.8. See docs/gpu.md.
+    kAuto = 0,
+    // One gather/scatter kernel per batch over the chunk descriptors.
+    kKernel = 1,
+    // cudaMemcpyBatchAsync, one copy per fragment, in calls of up to 256 copies (CUDA 12.8 or
+    // later).
+    kMemcpyBatch = 2,
+  };
+
+  static constexpr uint64_t kMinChunkBytes = uint64_t{4} << 10;
+
+  struct Options {
+    // The devices this engine serves (buffers on other devices are refused); empty means every
+    // visible device.
+    std::vector<int> devices;
+    // Batches in flight before Submit() returns ResourceExhausted; at least 1.
+    uint32_t max_inflight_batches = 64;
+    // The most bytes one warp copies as one unit: a power of two in [kMinChunkBytes,
+    // kMaxChunkBytes]. Larger fragments are cut into chunks of this size; a batch smaller than
+    // chunk_bytes x warps of the grid gets smaller chunks (powers of two, at least kMinChunkBytes),
+    // so that every warp gets work and chunks stay aligned as the fragments are.
+    uint64_t chunk_bytes = uint64_t{64} << 10;
+    // Blocks of the copy kernel per multiprocessor, in [1, kMaxBlocksPerSm]; a batch with fewer
+    // chunks launches fewer blocks. Bounds the share of the GPU a copy takes from the model.
+    uint32_t blocks_per_sm = 2;
+    // Streams per device and direction, in [1, kMaxStreamsPerLane]. Consecutive batches take turns,
+    // so one batch's launch and tail overlap the next batch's copy.
+    uint32_t streams_per_lane = 2;
+    Method method = Method::kAuto;
+    // kAuto's threshold (average fragment bytes of a batch) for the copy engines; at least 1.
+    uint64_t dma_min_fragment_bytes = uint64_t{64} << 10;
+  };
+  static constexpr uint64_t kMaxChunkBytes = uint64_t{64} << 20;
+  static constexpr uint32_t kMaxBlocksPerSm = 8;
+  static constexpr uint32_t kMaxStreamsPerLane = 8;
+  // Size of a cudaIpcMemHandle_t as it travels between processes.
+  static constexpr size_t kIpcHandleBytes = 64;
+
+  // Starts two threads and creates 2 x streams_per_lane streams per device. `host_memory` (not
+  // owned) must outlive the engine. InvalidArgument for options out of range, a null registry or a
+  // device that does not exist; Unavailable when no CUDA device or driver is usable; Unimplemented
+  // for kMemcpyBatch on a driver older than CUDA 12.8. Metrics go to `metrics` (which must outlive
+  // the engine) or, when it is null, to a registry the engine owns:
+  //   orbitkv_copy_bytes_total{engine="cuda",direction="save|restore"}: bytes of completed batches
+  //   orbitkv_copy_batches_total{engine="cuda",direction="save|restore"}: completed batches
+  //   orbitkv_copy_failed_batches_total{engine="cuda"}: batches completed with an error
+  //   orbitkv_copy_inflight_batches{engine="cuda"}: batches accepted and not yet completed
+  //   orbitkv_copy_dma_batches_total{engine="cuda"}: batches issued as cudaMemcpyBatchAsync
+  static Result<std::unique_ptr<CudaCopyEngine>> Create(Options options,
+                                                        const HostMemoryRegistry* host_memory,
+                                                        MetricsRegistry* metrics);
+
+  CudaCopyEngine(const CudaCopyEngine&) = delete;
+  CudaCopyEngine& operator=(const CudaCopyEngine&) = delete;
+
+  // Shutdown(); then closes the IPC mappings of buffers still registered.
+  ~CudaCopyEngine() override;
+
+  // Imports the GPU allocation exported by another process as the kIpcHandleBytes raw bytes of a
+  // cudaIpcMemHandle_t, opened on `device` (cudaIpcOpenMemHandle, once per registration), and
+  // registers [offset, offset + bytes) of it (a tensor usually starts inside a larger allocation of
+  // the engine's caching allocator). InvalidArgument for a handle of the wrong size, zero bytes, a
+  // device this engine does not serve, a handle CUDA refuses, or a range beyond the allocation (the
+  // mapping is closed again); ResourceExhausted when 2^32 slots are in use.
+  Result<core::BufferId> RegisterIpcBuffer(std::span<const uint8_t> ipc_handle, int device,
+                                           uint64_t bytes, uint64_t offset = 0);
+
+  // Registers [device_ptr, device_ptr + bytes) of memory allocated on `device` in this process (not
+  // owned: the caller frees it after UnregisterBuffer()). InvalidArgument for a null pointer, zero
+  // bytes, a device this engine does not serve, or a range that is not inside one allocation of
+  // that device.
+  Result<core::BufferId> RegisterDeviceBuffer(void* device_ptr, int device, uint64_t bytes);
+
+  // Makes `id` unknown to new batches at once (they get NotFound), waits until every in-flight
+  // batch that names it has completed (its CopyDone returned), then closes its IPC mapping (if it
+  // has one) and retires the id: after OK the memory is no longer touched, and `id` stays NotFound
+  // forever. NotFound for an unknown, stale or already unregistering id.
+  Status UnregisterBuffer(core::BufferId id);
+
+  // CopyEngine. Submit() follows the contract in core/copy_engine.h, and also refuses
+  // (InvalidArgument) a batch whose fragments name buffers on different devices or whose pool
+  // range is not inside memory registered with the HostMemoryRegistry.
+  Status Submit(core::CopyBatch batch, core::CopyDone done) override;
+  void Shutdown() override;
+  std::string_view name() const override { return "cuda"; }
+
+  const Options& options() const { return options_; }
+
+ private:
+  struct Batch;    // An accepted batch.
+  struct Lane;     // One device and direction: a stream, a dispatcher and a completer thread.
+  struct Staging;  // Descriptor arrays and the completion event of one launched batch.
+
+  // A registered buffer. `pins` counts fragments of in-flight batches that name it.
+  struct Slot {
+    uint8_t* base = nullptr;  // Device address of the registered range.
+    uint64_t bytes = 0;
+    uint32_t device_index = 0;    // Index into options_.devices.
+    void* ipc_mapping = nullptr;  // What cudaIpcOpenMemHandle returned; null if not imported.
+    uint32_t generation = 1;
+    bool live = false;
+    uint64_t pins = 0;
+  };
+
+  CudaCopyEngine(Options options, const HostMemoryRegistry* host_memory, MetricsRegistry* metrics,
+                 bool dma_available);
+
+  // Starts the lanes of every device; on error the lanes started so far are stopped by the caller's
+  // destructor.
+  Status StartLanes();
+  // The index of `device` in options_.devices, or InvalidArgument.
+  Result<uint32_t> DeviceIndex(int device) const;
+  Result<core::BufferId> AddSlot(uint8_t* base, uint64_t bytes, uint32_t device_index,
+                                 void* ipc_mapping) EXCLUDES(registry_mu_);
+  Slot* FindLiveSlot(core::BufferId id) REQUIRES(registry_mu_);
+
+  Status ReserveInflight() EXCLUDES(inflight_mu_);
+  void ReleaseInflight() EXCLUDES(inflight_mu_);
+  // Resolves every fragment to device-visible source and destination addresses and the lane of
+  // the batch, and pins the buffers; or pins nothing and returns the first fragment's error.
+  Status ResolveAndPin(Batch* batch) EXCLUDES(registry_mu_);
+  void Unpin(const core::CopyBatch& batch) EXCLUDES(registry_mu_);
+
+  void DispatchLoop(Lane* lane);
+  void CompleteLoop(Lane* lane);
+  // Enqueues the batch's copies and its event on the lane's stream.
+  Status Launch(Lane* lane, Batch* batch);
+  Status LaunchKernel(Lane* lane, cudaStream_t stream, Batch* batch);
+  Status LaunchMemcpyBatch(cudaStream_t stream, Batch* batch);
+  // Runs on the completer: CopyDone, metrics, unpin, staging back to the lane, in-flight slot.
+  void Finish(Lane* lane, std::unique_ptr<Batch> batch, const Status& status);
+
+  // Immutable after construction.
+  const Options options_;
+  const HostMemoryRegistry* const host_memory_;
+  const std::unique_ptr<MetricsRegistry> owned_metrics_;  // Set only when Create() got no registry.
+  Counter* const bytes_total_[2];                         // Indexed by CopyDirection.
+  Counter* const batches_total_[2];
+  Counter* const failed_total_;
+  Counter* const dma_total_;
+  // Whether the driver has cudaMemcpyBatchAsync (CUDA 12.8).
+  const bool dma_available_;
+  Gauge* const inflight_gauge_;
+  // Two per device (index 2 * device_index + direction); created in StartLanes() before any
+  // Submit.
+  std::vector<std::unique_ptr<Lane>> lanes_;
+
+  // Serializes Shutdown(); true once the lane threads were joined.
+  Mutex shutdown_mu_;
+  bool shut_down_ GUARDED_BY(shutdown_mu_) = false;
+
+  // The buffer registry. Never held together with inflight_mu_ or a lane's mutex.
+  Mutex registry_mu_;
+  std::condition_variable_any unpinned_cv_;  // A retired slot dropped its last pin.
+  std::vector<Slot> slots_ GUARDED_BY(registry_mu_);
+  std::vector<uint32_t> free_slots_ GUARDED_BY(registry_mu_);
+
+  // Admission.
+  Mutex inflight_mu_;
+  std::condition_variable_any drained_cv_;  // inflight_ reached 0.
+  uint32_t inflight_ GUARDED_BY(inflight_mu_) = 0;
+  bool accepting_ GUARDED_BY(inflight_mu_) = true;  // False once Shutdown began.
+};
+
+}  // namespace orbitkv::gpu
+
+#endif  // ORBITKV_GPU_CUDA_COPY_ENGINE_H_

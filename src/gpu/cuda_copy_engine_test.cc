@@ -1,0 +1,870 @@
+// GPU unit tests of the CUDA copy engine and the host memory registry. They need a CUDA device: the
+// binary is built everywhere nvcc is found but is not registered with ctest; tests/gpu/run_gate.sh
+// runs it on the GPU machine. Without a device every test fails (none is skipped).
+//
+// The binary doubles as the exporting process of the IPC test: run with --ipc-exporter it
+// allocates device memory, fills it, prints the IPC handle and checks what the parent wrote.
+#include "gpu/cuda_copy_engine.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <latch>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/metrics.h"
+#include "base/mutex.h"
+#include "core/slab_pool.h"
+#include "gpu/cuda_util.h"
+
+extern char** environ;
+
+namespace orbitkv::gpu {
+namespace {
+
+using core::BufferId;
+using core::CopyBatch;
+using core::CopyDirection;
+using core::CopyDone;
+using core::CopyFragment;
+using Bytes = std::vector<uint8_t>;
+using Method = CudaCopyEngine::Method;
+
+constexpr uint8_t kPoison = 0xA5;
+
+// The byte at `index` of the pattern `seed` (both processes of the IPC test compute it).
+uint8_t PatternByte(uint64_t seed, uint64_t index) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + index;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<uint8_t>(x);
+}
+
+void FillPattern(uint8_t* data, uint64_t bytes, uint64_t seed) {
+  for (uint64_t i = 0; i < bytes; ++i) data[i] = PatternByte(seed, i);
+}
+
+// Host memory from mmap, registered with a HostMemoryRegistry for the object's lifetime.
+class RegisteredHostMemory {
+ public:
+  RegisteredHostMemory(HostMemoryRegistry& registry, uint64_t bytes)
+      : registry_(registry), bytes_(bytes) {
+    void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ORBITKV_CHECK(data != MAP_FAILED);
+    data_ = static_cast<uint8_t*>(data);
+    const Status status = registry_.Register(data_, bytes_, -1);
+    ORBITKV_CHECK_MSG(status.ok(), "{}", status.ToString());
+  }
+  ~RegisteredHostMemory() {
+    registry_.Unregister(data_);
+    munmap(data_, bytes_);
+  }
+  RegisteredHostMemory(const RegisteredHostMemory&) = delete;
+  RegisteredHostMemory& operator=(const RegisteredHostMemory&) = delete;
+
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return bytes_; }
+
+ private:
+  HostMemoryRegistry& registry_;
+  uint8_t* data_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+DeviceMemory MakeDeviceMemory(uint64_t bytes) {
+  auto memory = DeviceMemory::Allocate(0, bytes);
+  ORBITKV_CHECK_MSG(memory.ok(), "{}", memory.status().ToString());
+  return std::move(memory).value();
+}
+
+void Upload(const DeviceMemory& dst, const uint8_t* src, uint64_t bytes) {
+  ASSERT_EQ(cudaMemcpy(dst.data(), src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+Bytes Download(const DeviceMemory& src) {
+  Bytes out(src.size());
+  EXPECT_EQ(cudaMemcpy(out.data(), src.data(), src.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+void Poison(const DeviceMemory& memory) {
+  ASSERT_EQ(cudaMemset(memory.data(), kPoison, memory.size()), cudaSuccess);
+}
+
+std::unique_ptr<CudaCopyEngine> MakeEngine(const HostMemoryRegistry& registry,
+                                           CudaCopyEngine::Options options = {},
+                                           MetricsRegistry* metrics = nullptr) {
+  if (options.devices.empty()) options.devices = {0};
+  auto engine = CudaCopyEngine::Create(options, &registry, metrics);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+// Records the calls of one batch's CopyDone.
+class DoneProbe {
+ public:
+  CopyDone Callback() {
+    return [this](Status status) {
+      MutexLock lock(&mu_);
+      ++calls_;
+      status_ = std::move(status);
+      thread_ = std::this_thread::get_id();
+      cv_.notify_all();
+    };
+  }
+  Status Wait() {
+    MutexLock lock(&mu_);
+    while (calls_ == 0) cv_.wait(mu_);
+    return status_;
+  }
+  int calls() {
+    MutexLock lock(&mu_);
+    return calls_;
+  }
+  std::thread::id thread() {
+    MutexLock lock(&mu_);
+    return thread_;
+  }
+
+ private:
+  Mutex mu_;
+  std::condition_variable_any cv_;
+  int calls_ GUARDED_BY(mu_) = 0;
+  Status status_ GUARDED_BY(mu_);
+  std::thread::id thread_ GUARDED_BY(mu_);
+};
+
+Status RunBatch(CudaCopyEngine& engine, CopyBatch batch) {
+  DoneProbe probe;
+  ORBITKV_RETURN_IF_ERROR(engine.Submit(std::move(batch), probe.Callback()));
+  return probe.Wait();
+}
+
+// Fragments of many lengths at many alignments, laid out without overlap in an engine buffer of
+// `buffer_bytes` and a pool of `pool_bytes` (in a shuffled order on the pool side).
+std::vector<CopyFragment> MixedFragments(BufferId buffer, uint64_t buffer_bytes, uint8_t* pool,
+                                         uint64_t pool_bytes, std::mt19937_64& rng) {
+  const std::vector<uint64_t> lengths = {1,        2,
+                                         3,        7,
+                                         15,       16,
+                                         17,       31,
+                                         33,       255,
+                                         511,      4095,
+                                         4096,     4097,
+                                         16384,    16389,
+                                         65536,    65541,
+                                         262144,   262147,
+                                         1u << 20, (1u << 20) + 9,
+                                         4u << 20, 3 * (4u << 20) / 2};
+  std::vector<CopyFragment> fragments;
+  uint64_t engine_cursor = 0;
+  uint64_t pool_cursor = 0;
+  for (const uint64_t length : lengths) {
+    // A random misalignment on each side: 16-, 8-, 4-, 2- and 1-byte relative alignments all occur.
+    engine_cursor += rng() % 64;
+    pool_cursor += rng() % 64;
+    fragments.push_back(CopyFragment{buffer, engine_cursor, pool + pool_cursor, length});
+    engine_cursor += length;
+    pool_cursor += length;
+  }
+  ORBITKV_CHECK(engine_cursor <= buffer_bytes && pool_cursor <= pool_bytes);
+  std::shuffle(fragments.begin(), fragments.end(), rng);
+  return fragments;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(HostMemoryRegistryTest, RegistersAndTranslatesRanges) {
+  HostMemoryRegistry registry;
+  RegisteredHostMemory memory(registry, 1 << 20);
+  uint8_t* const base = memory.data();
+  uint8_t* const device = registry.Translate(base, 1);
+  ASSERT_NE(device, nullptr);
+  EXPECT_EQ(registry.Translate(base + 100, 50), device + 100);
+  EXPECT_EQ(registry.Translate(base, 1 << 20), device);
+  EXPECT_EQ(registry.Translate(base + (1 << 20) - 1, 1), device + (1 << 20) - 1);
+  EXPECT_EQ(registry.Translate(base + (1 << 20) - 1, 2), nullptr);  // Runs past the end.
+  EXPECT_EQ(registry.Translate(base - 1, 1), nullptr);
+  EXPECT_EQ(registry.Translate(base + (1 << 20), 1), nullptr);
+  EXPECT_EQ(registry.Translate(base + 8, UINT64_MAX), nullptr);
+  ASSERT_EQ(registry.Snapshot().size(), 1u);
+  // Overlapping, null, empty and wrapping ranges are refused.
+  EXPECT_EQ(registry.Register(base + 4096, 4096, -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register(nullptr, 4096, -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register(base, 0, -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register(base, UINT64_MAX, -1).code(), StatusCode::kInvalidArgument);
+  // The device can read the range: a copy through the mapped address sees the host bytes.
+  FillPattern(base, 4096, 7);
+  Bytes seen(4096);
+  ASSERT_EQ(cudaMemcpy(seen.data(), device, 4096, cudaMemcpyDefault), cudaSuccess);
+  EXPECT_TRUE(std::equal(seen.begin(), seen.end(), base));
+}
+
+TEST(HostMemoryRegistryTest, RegistersPoolArenasThroughTheArenaRegistrarSeam) {
+  HostMemoryRegistry registry;
+  core::PoolOptions options;
+  options.capacity_bytes = 8 << 20;
+  options.numa_nodes = {-1};
+  options.slab_bytes = 1 << 20;
+  options.pin_mode = core::PinMode::kAllowUnpinned;
+  options.registrar = &registry;
+  {
+    auto pool = core::PinnedPool::Create(options, nullptr);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    const core::PinnedArena& arena = (*pool)->arena(0);
+    ASSERT_EQ(registry.Snapshot().size(), 1u);
+    EXPECT_NE(registry.Translate(arena.data(), arena.size()), nullptr);
+  }
+  // The pool unregistered its arena when it was destroyed.
+  EXPECT_TRUE(registry.Snapshot().empty());
+}
+
+TEST(CudaCopyEngineTest, CreateRejectsOptionsOutOfRange) {
+  HostMemoryRegistry registry;
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  ASSERT_GE(devices, 1);
+  auto code = [&](CudaCopyEngine::Options options, const HostMemoryRegistry* r) {
+    return CudaCopyEngine::Create(std::move(options), r, nullptr).status().code();
+  };
+  EXPECT_EQ(code({}, nullptr), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.max_inflight_batches = 0}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.chunk_bytes = 0}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.chunk_bytes = 4095}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.chunk_bytes = 4096 + 16}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.chunk_bytes = CudaCopyEngine::kMaxChunkBytes * 2}, &registry),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.blocks_per_sm = 0}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.blocks_per_sm = CudaCopyEngine::kMaxBlocksPerSm + 1}, &registry),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.devices = {-1}}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.devices = {devices}}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.devices = {0, 0}}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.streams_per_lane = 0}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.streams_per_lane = CudaCopyEngine::kMaxStreamsPerLane + 1}, &registry),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.method = static_cast<Method>(7)}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.dma_min_fragment_bytes = 0}, &registry), StatusCode::kInvalidArgument);
+  auto engine = CudaCopyEngine::Create({}, &registry, nullptr);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->name(), "cuda");
+  EXPECT_EQ((*engine)->options().devices.size(), static_cast<size_t>(devices));
+}
+
+TEST(CudaCopyEngineTest, RegisterDeviceBufferValidatesAndIssuesDistinctIds) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry);
+  ASSERT_NE(engine, nullptr);
+  DeviceMemory a = MakeDeviceMemory(1 << 20);
+  Bytes host(4096);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(nullptr, 0, 64).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 0, 0).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 99, 64).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(host.data(), 0, 64).status().code(),
+            StatusCode::kInvalidArgument);
+  // Past the end of the allocation, from its start and from inside it.
+  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 0, (1 << 20) + 1).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data() + 4096, 0, 1 << 20).status().code(),
+            StatusCode::kInvalidArgument);
+  auto first = engine->RegisterDeviceBuffer(a.data(), 0, 1 << 20);
+  auto second = engine->RegisterDeviceBuffer(a.data() + 4096, 0, (1 << 20) - 4096);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(*first, *second);
+  EXPECT_NE(first->generation, 0u);
+  ASSERT_TRUE(engine->UnregisterBuffer(*first).ok());
+  EXPECT_EQ(engine->UnregisterBuffer(*first).code(), StatusCode::kNotFound);
+  // The slot is reused under a new generation; the old id stays unknown.
+  auto third = engine->RegisterDeviceBuffer(a.data(), 0, 4096);
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ(third->index, first->index);
+  EXPECT_NE(third->generation, first->generation);
+  EXPECT_EQ(engine->UnregisterBuffer(*first).code(), StatusCode::kNotFound);
+}
+
+TEST(CudaCopyEngineTest, RegisterIpcBufferRefusesBadHandles) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry);
+  ASSERT_NE(engine, nullptr);
+  Bytes short_handle(CudaCopyEngine::kIpcHandleBytes - 1, 0);
+  EXPECT_EQ(engine->RegisterIpcBuffer(short_handle, 0, 4096).status().code(),
+            StatusCode::kInvalidArgument);
+  Bytes garbage(CudaCopyEngine::kIpcHandleBytes);
+  FillPattern(garbage.data(), garbage.size(), 3);
+  EXPECT_EQ(engine->RegisterIpcBuffer(garbage, 0, 4096).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterIpcBuffer(garbage, 0, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterIpcBuffer(garbage, 99, 4096).status().code(),
+            StatusCode::kInvalidArgument);
+  // A handle of this process's own memory cannot be opened here.
+  DeviceMemory own = MakeDeviceMemory(1 << 20);
+  cudaIpcMemHandle_t handle;
+  ASSERT_EQ(cudaIpcGetMemHandle(&handle, own.data()), cudaSuccess);
+  EXPECT_EQ(
+      engine
+          ->RegisterIpcBuffer({reinterpret_cast<const uint8_t*>(&handle), sizeof(handle)}, 0, 4096)
+          .status()
+          .code(),
+      StatusCode::kInvalidArgument);
+}
+
+// Byte-exact restore and save of fragments of 1 byte to 6 MiB at every relative alignment: by the
+// kernel alone (at two chunk sizes: 4 KiB splits every large fragment into many warps' work), by
+// cudaMemcpyBatchAsync alone, and by kAuto's choice (the copy engines for these large fragments, or
+// the kernel when the threshold is raised).
+struct MethodCase {
+  const char* name;
+  CudaCopyEngine::Options options;
+};
+
+class CudaCopyEngineMethodTest : public ::testing::TestWithParam<MethodCase> {};
+
+std::string MethodCaseName(const ::testing::TestParamInfo<MethodCase>& info) {
+  return info.param.name;
+}
+
+TEST_P(CudaCopyEngineMethodTest, RestoreAndSaveAreByteExact) {
+  const CudaCopyEngine::Options& options = GetParam().options;
+  HostMemoryRegistry registry;
+  MetricsRegistry metrics;
+  auto engine = MakeEngine(registry, options, &metrics);
+  ASSERT_NE(engine, nullptr);
+  constexpr uint64_t kBytes = 24 << 20;
+  RegisteredHostMemory pool(registry, kBytes);
+  DeviceMemory device = MakeDeviceMemory(kBytes);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, kBytes);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::mt19937_64 rng(42 + static_cast<int>(options.method) + options.chunk_bytes +
+                      options.dma_min_fragment_bytes);
+  const std::vector<CopyFragment> fragments = MixedFragments(*id, kBytes, pool.data(), kBytes, rng);
+  uint64_t total = 0;
+  for (const CopyFragment& f : fragments) total += f.length;
+
+  // Restore: pool (random) -> device (poisoned).
+  FillPattern(pool.data(), kBytes, 1);
+  Poison(device);
+  ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kRestore, fragments}).ok());
+  Bytes expected(kBytes, kPoison);
+  for (const CopyFragment& f : fragments) {
+    std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
+  }
+  EXPECT_TRUE(Download(device) == expected) << "restored bytes differ";
+
+  // Save: device (random) -> pool (poisoned).
+  Bytes source(kBytes);
+  FillPattern(source.data(), kBytes, 2);
+  Upload(device, source.data(), kBytes);
+  std::memset(pool.data(), kPoison, kBytes);
+  ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kSave, fragments}).ok());
+  Bytes pool_expected(kBytes, kPoison);
+  for (const CopyFragment& f : fragments) {
+    std::memcpy(pool_expected.data() + (f.pool - pool.data()), source.data() + f.buffer_offset,
+                f.length);
+  }
+  EXPECT_TRUE(std::equal(pool_expected.begin(), pool_expected.end(), pool.data()))
+      << "saved bytes differ";
+
+  auto counter = [&](const char* direction) {
+    return metrics
+        .GetCounter("orbitkv_copy_bytes_total", "", {{"engine", "cuda"}, {"direction", direction}})
+        .Value();
+  };
+  EXPECT_EQ(counter("restore"), total);
+  EXPECT_EQ(counter("save"), total);
+  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cuda"}}).Value(),
+            0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Methods, CudaCopyEngineMethodTest,
+    ::testing::Values(
+        MethodCase{"Kernel", {.chunk_bytes = 64 << 10, .method = Method::kKernel}},
+        MethodCase{"KernelChunk4k", {.chunk_bytes = 4 << 10, .method = Method::kKernel}},
+        MethodCase{"MemcpyBatch", {.method = Method::kMemcpyBatch}},
+        MethodCase{"AutoCopyEngines", {.method = Method::kAuto}},
+        MethodCase{"AutoKernel", {.method = Method::kAuto, .dma_min_fragment_bytes = 64 << 20}}),
+    MethodCaseName);
+
+// kAuto sends batches of large fragments to the copy engines and small ones to the kernel; both
+// paths copy the same bytes, both ways.
+TEST(CudaCopyEngineTest, AutoChoosesThePathByFragmentSize) {
+  constexpr uint64_t kBytes = 8 << 20;
+  struct Case {
+    uint64_t fragment;
+    bool copy_engines;
+  };
+  for (const Case c : {Case{16 << 10, false}, Case{256 << 10, true}}) {
+    SCOPED_TRACE(fmt::format("fragment {}", c.fragment));
+    HostMemoryRegistry registry;
+    MetricsRegistry metrics;
+    auto engine = MakeEngine(registry, {.dma_min_fragment_bytes = 64 << 10}, &metrics);
+    ASSERT_NE(engine, nullptr);
+    Counter& dma = metrics.GetCounter("orbitkv_copy_dma_batches_total", "", {{"engine", "cuda"}});
+    RegisteredHostMemory pool(registry, kBytes);
+    DeviceMemory device = MakeDeviceMemory(kBytes);
+    auto id = engine->RegisterDeviceBuffer(device.data(), 0, kBytes);
+    ASSERT_TRUE(id.ok());
+    FillPattern(pool.data(), kBytes, c.fragment);
+    Poison(device);
+    CopyBatch batch{CopyDirection::kRestore, {}};
+    // Every other fragment slot, reversed, so the copies really scatter.
+    for (uint64_t o = 0; o + 2 * c.fragment <= kBytes; o += 2 * c.fragment) {
+      batch.fragments.push_back({*id, kBytes - 2 * c.fragment - o, pool.data() + o, c.fragment});
+    }
+    ASSERT_TRUE(RunBatch(*engine, batch).ok());
+    EXPECT_EQ(dma.Value(), c.copy_engines ? 1u : 0u);  // The save below is counted later.
+    const Bytes seen = Download(device);
+    Bytes expected(kBytes, kPoison);
+    for (const CopyFragment& f : batch.fragments) {
+      std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
+    }
+    EXPECT_TRUE(seen == expected);
+    // And back: save the restored pages into the poisoned pool.
+    std::memset(pool.data(), kPoison, kBytes);
+    ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kSave, batch.fragments}).ok());
+    for (const CopyFragment& f : batch.fragments) {
+      EXPECT_EQ(std::memcmp(f.pool, expected.data() + f.buffer_offset, f.length), 0);
+    }
+  }
+}
+
+// Engine KV layouts are fragment lists: vLLM-style split K/V (per layer, a K region and a V region
+// of `pages` pages each) and MLA (one latent region per layer). Pages are restored from pool
+// blocks into scattered pages across several registered buffers, saved back into fresh blocks, and
+// both directions are compared byte for byte.
+TEST(CudaCopyEngineTest, SplitKvAndMlaLayoutsRoundTrip) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry);
+  ASSERT_NE(engine, nullptr);
+  constexpr uint32_t kLayers = 4, kPages = 64, kRestored = 40;
+  constexpr uint64_t kPageBytes = 16 << 10;  // One layer's K (or V, or latent) of one page.
+  for (const int parts : {2, 1}) {           // 2: split K/V, 1: MLA.
+    SCOPED_TRACE(parts == 2 ? "split K/V" : "MLA");
+    const uint64_t layer_bytes = parts * kPages * kPageBytes;
+    const uint64_t block_bytes = kLayers * parts * kPageBytes;
+    std::vector<DeviceMemory> layers;
+    std::vector<BufferId> ids;
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      layers.push_back(MakeDeviceMemory(layer_bytes));
+      Poison(layers.back());
+      auto id = engine->RegisterDeviceBuffer(layers.back().data(), 0, layer_bytes);
+      ASSERT_TRUE(id.ok()) << id.status();
+      ids.push_back(*id);
+    }
+    RegisteredHostMemory pool(registry, 2 * kRestored * block_bytes);
+    FillPattern(pool.data(), kRestored * block_bytes, 10 + parts);
+    std::mt19937_64 rng(parts);
+    std::vector<uint32_t> pages(kPages);
+    for (uint32_t p = 0; p < kPages; ++p) pages[p] = p;
+    std::shuffle(pages.begin(), pages.end(), rng);
+    // The fragments of block b (pool block b <-> engine page pages[b]) in pool order: layer, part.
+    auto block_fragments = [&](uint32_t b, uint8_t* block) {
+      std::vector<CopyFragment> out;
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        for (int part = 0; part < parts; ++part) {
+          const uint64_t engine_offset = (part * kPages + pages[b]) * kPageBytes;
+          out.push_back(CopyFragment{ids[l], engine_offset, block + (l * parts + part) * kPageBytes,
+                                     kPageBytes});
+        }
+      }
+      return out;
+    };
+    CopyBatch restore{CopyDirection::kRestore, {}};
+    CopyBatch save{CopyDirection::kSave, {}};
+    for (uint32_t b = 0; b < kRestored; ++b) {
+      for (const CopyFragment& f : block_fragments(b, pool.data() + b * block_bytes)) {
+        restore.fragments.push_back(f);
+      }
+      uint8_t* fresh = pool.data() + (kRestored + b) * block_bytes;
+      for (const CopyFragment& f : block_fragments(b, fresh)) save.fragments.push_back(f);
+    }
+    ASSERT_TRUE(RunBatch(*engine, restore).ok());
+    // Every restored page holds its block's bytes; every other page is still poison.
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      const Bytes seen = Download(layers[l]);
+      Bytes expected(layer_bytes, kPoison);
+      for (const CopyFragment& f : restore.fragments) {
+        if (f.buffer == ids[l]) std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
+      }
+      EXPECT_TRUE(seen == expected) << "layer " << l;
+    }
+    std::memset(pool.data() + kRestored * block_bytes, kPoison, kRestored * block_bytes);
+    ASSERT_TRUE(RunBatch(*engine, save).ok());
+    EXPECT_EQ(
+        std::memcmp(pool.data(), pool.data() + kRestored * block_bytes, kRestored * block_bytes),
+        0);
+    for (const BufferId id : ids) ASSERT_TRUE(engine->UnregisterBuffer(id).ok());
+  }
+}
+
+TEST(CudaCopyEngineTest, InvalidBatchesAreRejectedWholeWithoutCopyingOrCallingDone) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry);
+  ASSERT_NE(engine, nullptr);
+  RegisteredHostMemory pool(registry, 1 << 20);
+  FillPattern(pool.data(), 1 << 20, 5);
+  DeviceMemory device = MakeDeviceMemory(1 << 20);
+  Poison(device);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, 1 << 20);
+  auto retired = engine->RegisterDeviceBuffer(device.data(), 0, 4096);
+  ASSERT_TRUE(id.ok() && retired.ok());
+  ASSERT_TRUE(engine->UnregisterBuffer(*retired).ok());
+  Bytes unregistered_host(4096);
+  const CopyFragment good{*id, 0, pool.data(), 4096};
+  auto with = [&](CopyFragment bad) { return CopyBatch{CopyDirection::kRestore, {good, bad}}; };
+  struct Case {
+    const char* name;
+    CopyBatch batch;
+    StatusCode code;
+  };
+  const std::vector<Case> cases = {
+      {"no fragments", CopyBatch{CopyDirection::kRestore, {}}, StatusCode::kInvalidArgument},
+      {"bad direction", CopyBatch{static_cast<CopyDirection>(5), {good}},
+       StatusCode::kInvalidArgument},
+      {"null pool", with({*id, 8192, nullptr, 16}), StatusCode::kInvalidArgument},
+      {"zero length", with({*id, 8192, pool.data() + 8192, 0}), StatusCode::kInvalidArgument},
+      {"unknown buffer", with({BufferId{77, 1}, 0, pool.data() + 8192, 16}), StatusCode::kNotFound},
+      {"stale buffer", with({*retired, 0, pool.data() + 8192, 16}), StatusCode::kNotFound},
+      {"default id", with({BufferId{}, 0, pool.data() + 8192, 16}), StatusCode::kNotFound},
+      {"past the buffer", with({*id, (1 << 20) - 8, pool.data() + 8192, 16}),
+       StatusCode::kInvalidArgument},
+      {"offset overflow", with({*id, UINT64_MAX, pool.data() + 8192, 16}),
+       StatusCode::kInvalidArgument},
+      {"pool not registered", with({*id, 8192, unregistered_host.data(), 16}),
+       StatusCode::kInvalidArgument},
+      {"pool runs past its range", with({*id, 8192, pool.data() + (1 << 20) - 8, 16}),
+       StatusCode::kInvalidArgument},
+  };
+  for (const Case& c : cases) {
+    DoneProbe probe;
+    EXPECT_EQ(engine->Submit(c.batch, probe.Callback()).code(), c.code) << c.name;
+    EXPECT_EQ(probe.calls(), 0) << c.name;
+  }
+  EXPECT_EQ(engine->Submit(CopyBatch{CopyDirection::kRestore, {good}}, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  // A valid batch after all of them still completes, and the device saw only its bytes.
+  ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kRestore, {good}}).ok());
+  const Bytes seen = Download(device);
+  EXPECT_TRUE(std::equal(seen.begin(), seen.begin() + 4096, pool.data()));
+  EXPECT_TRUE(std::all_of(seen.begin() + 4096, seen.end(), [](uint8_t b) { return b == kPoison; }));
+}
+
+TEST(CudaCopyEngineTest, MixedDevicesInOneBatchAreRejected) {
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry, {.devices = {}});
+  ASSERT_NE(engine, nullptr);
+  RegisteredHostMemory pool(registry, 1 << 20);
+  DeviceMemory zero = MakeDeviceMemory(1 << 20);
+  auto a = engine->RegisterDeviceBuffer(zero.data(), 0, 1 << 20);
+  ASSERT_TRUE(a.ok());
+  if (devices < 2) {
+    // One device: the engine serves exactly that one and refuses any other.
+    EXPECT_EQ(engine->RegisterDeviceBuffer(zero.data(), 1, 4096).status().code(),
+              StatusCode::kInvalidArgument);
+    return;
+  }
+  auto other = DeviceMemory::Allocate(1, 1 << 20);
+  ASSERT_TRUE(other.ok());
+  auto b = engine->RegisterDeviceBuffer(other->data(), 1, 1 << 20);
+  ASSERT_TRUE(b.ok()) << b.status();
+  DoneProbe probe;
+  EXPECT_EQ(engine
+                ->Submit(CopyBatch{CopyDirection::kRestore,
+                                   {{*a, 0, pool.data(), 4096}, {*b, 0, pool.data() + 4096, 4096}}},
+                         probe.Callback())
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(probe.calls(), 0);
+}
+
+// The held batch's CopyDone blocks on a latch, so it stays in flight (and so does every batch
+// behind it on the same lane) for as long as the test wants, with no timing involved.
+TEST(CudaCopyEngineTest, BackpressureBoundsBatchesInFlight) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry, {.max_inflight_batches = 2});
+  ASSERT_NE(engine, nullptr);
+  RegisteredHostMemory pool(registry, 1 << 20);
+  DeviceMemory device = MakeDeviceMemory(1 << 20);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, 1 << 20);
+  ASSERT_TRUE(id.ok());
+  const CopyBatch batch{CopyDirection::kRestore, {{*id, 0, pool.data(), 65536}}};
+  std::latch release(1);
+  std::atomic<int> completed{0};
+  ASSERT_TRUE(engine
+                  ->Submit(batch,
+                           [&](Status s) {
+                             EXPECT_TRUE(s.ok());
+                             release.wait();
+                             completed.fetch_add(1);
+                           })
+                  .ok());
+  ASSERT_TRUE(engine->Submit(batch, [&](Status) { completed.fetch_add(1); }).ok());
+  DoneProbe rejected;
+  EXPECT_EQ(engine->Submit(batch, rejected.Callback()).code(), StatusCode::kResourceExhausted);
+  // Validation comes before backpressure: an invalid batch is not told to retry.
+  EXPECT_EQ(engine->Submit(CopyBatch{CopyDirection::kRestore, {}}, rejected.Callback()).code(),
+            StatusCode::kInvalidArgument);
+  // A save goes to another lane but counts against the same bound.
+  EXPECT_EQ(
+      engine->Submit(CopyBatch{CopyDirection::kSave, batch.fragments}, rejected.Callback()).code(),
+      StatusCode::kResourceExhausted);
+  release.count_down();
+  engine->Shutdown();
+  EXPECT_EQ(completed.load(), 2);
+  EXPECT_EQ(rejected.calls(), 0);
+}
+
+TEST(CudaCopyEngineTest, UnregisterWaitsForBatchesInFlightThenRetiresTheId) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry);
+  ASSERT_NE(engine, nullptr);
+  RegisteredHostMemory pool(registry, 1 << 20);
+  FillPattern(pool.data(), 1 << 20, 9);
+  DeviceMemory device = MakeDeviceMemory(1 << 20);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, 1 << 20);
+  ASSERT_TRUE(id.ok());
+  const CopyBatch batch{CopyDirection::kRestore, {{*id, 0, pool.data(), 1 << 20}}};
+  std::latch entered(1), release(1);
+  ASSERT_TRUE(engine
+                  ->Submit(batch,
+                           [&](Status s) {
+                             EXPECT_TRUE(s.ok());
+                             entered.count_down();
+                             release.wait();
+                           })
+                  .ok());
+  entered.wait();
+  std::atomic<bool> unregistered{false};
+  Status unregister_status;
+  std::thread unregisterer([&] {
+    unregister_status = engine->UnregisterBuffer(*id);
+    unregistered.store(true);
+  });
+  // The id turns NotFound for new batches as soon as UnregisterBuffer started.
+  DoneProbe probe;
+  while (engine->Submit(batch, probe.Callback()).code() != StatusCode::kNotFound) {
+    // Accepted before the unregistering began: it completes after the held batch.
+    std::this_thread::yield();
+  }
+  EXPECT_FALSE(unregistered.load()) << "UnregisterBuffer returned while a batch was in flight";
+  release.count_down();
+  unregisterer.join();
+  EXPECT_TRUE(unregister_status.ok()) << unregister_status;
+  EXPECT_EQ(engine->UnregisterBuffer(*id).code(), StatusCode::kNotFound);
+  const Bytes seen = Download(device);
+  EXPECT_TRUE(std::equal(seen.begin(), seen.end(), pool.data()));
+}
+
+TEST(CudaCopyEngineTest, ShutdownDrainsAcceptedBatchesThenRefusesNewOnes) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry);
+  ASSERT_NE(engine, nullptr);
+  constexpr uint64_t kBatchBytes = 4 << 20;
+  constexpr int kBatches = 16;
+  RegisteredHostMemory pool(registry, kBatches * kBatchBytes);
+  FillPattern(pool.data(), pool.size(), 11);
+  DeviceMemory device = MakeDeviceMemory(kBatches * kBatchBytes);
+  Poison(device);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, device.size());
+  ASSERT_TRUE(id.ok());
+  std::vector<DoneProbe> probes(kBatches);
+  for (int i = 0; i < kBatches; ++i) {
+    const uint64_t offset = i * kBatchBytes;
+    // Fragments of 16 KiB each, so every batch is a real gather.
+    CopyBatch batch{CopyDirection::kRestore, {}};
+    for (uint64_t o = 0; o < kBatchBytes; o += 16384) {
+      batch.fragments.push_back({*id, offset + o, pool.data() + offset + o, 16384});
+    }
+    ASSERT_TRUE(engine->Submit(std::move(batch), probes[i].Callback()).ok());
+  }
+  engine->Shutdown();
+  for (DoneProbe& probe : probes) {
+    EXPECT_EQ(probe.calls(), 1);
+    EXPECT_TRUE(probe.Wait().ok());
+    EXPECT_NE(probe.thread(), std::this_thread::get_id());
+  }
+  const Bytes seen = Download(device);
+  EXPECT_TRUE(std::equal(seen.begin(), seen.end(), pool.data()));
+  DoneProbe late;
+  EXPECT_EQ(
+      engine
+          ->Submit(CopyBatch{CopyDirection::kRestore, {{*id, 0, pool.data(), 16}}}, late.Callback())
+          .code(),
+      StatusCode::kUnavailable);
+  engine->Shutdown();  // Idempotent.
+  EXPECT_EQ(late.calls(), 0);
+}
+
+TEST(CudaCopyEngineTest, CopyDoneMaySubmitAndSavesOverlapRestores) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry);
+  ASSERT_NE(engine, nullptr);
+  constexpr uint64_t kBytes = 8 << 20;
+  RegisteredHostMemory pool(registry, 2 * kBytes);
+  FillPattern(pool.data(), kBytes, 12);
+  DeviceMemory device = MakeDeviceMemory(2 * kBytes);
+  Bytes upper(kBytes);
+  FillPattern(upper.data(), kBytes, 13);
+  ASSERT_EQ(cudaMemcpy(device.data() + kBytes, upper.data(), kBytes, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, device.size());
+  ASSERT_TRUE(id.ok());
+  // A restore of the lower half whose CopyDone submits a save of the upper half.
+  DoneProbe save_probe;
+  DoneProbe restore_probe;
+  CopyDone chained = [&, inner = restore_probe.Callback()](Status s) {
+    const Status submitted = engine->Submit(
+        CopyBatch{CopyDirection::kSave, {{*id, kBytes, pool.data() + kBytes, kBytes}}},
+        save_probe.Callback());
+    EXPECT_TRUE(submitted.ok()) << submitted;
+    inner(std::move(s));
+  };
+  ASSERT_TRUE(
+      engine->Submit(CopyBatch{CopyDirection::kRestore, {{*id, 0, pool.data(), kBytes}}}, chained)
+          .ok());
+  EXPECT_TRUE(restore_probe.Wait().ok());
+  EXPECT_TRUE(save_probe.Wait().ok());
+  EXPECT_TRUE(std::equal(upper.begin(), upper.end(), pool.data() + kBytes));
+  Bytes lower(kBytes);
+  ASSERT_EQ(cudaMemcpy(lower.data(), device.data(), kBytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(std::equal(lower.begin(), lower.end(), pool.data()));
+}
+
+// --- The IPC test: a child process exports device memory; this process imports it. ---
+
+constexpr char kExporterFlag[] = "--ipc-exporter";
+constexpr uint64_t kIpcBytes = 8 << 20;
+constexpr uint64_t kIpcSeed = 21, kIpcRestoreSeed = 22;
+
+// The exporter: allocates kIpcBytes on device 0, fills them with pattern kIpcSeed, writes the
+// handle as hex on one line, then waits for a line on stdin and checks that the parent restored
+// pattern kIpcRestoreSeed into [kIpcBytes / 2, kIpcBytes). Exit 0 when it did.
+int RunIpcExporter() {
+  void* memory = nullptr;
+  if (cudaMalloc(&memory, kIpcBytes) != cudaSuccess) return 2;
+  Bytes bytes(kIpcBytes);
+  FillPattern(bytes.data(), kIpcBytes, kIpcSeed);
+  if (cudaMemcpy(memory, bytes.data(), kIpcBytes, cudaMemcpyHostToDevice) != cudaSuccess) return 3;
+  cudaIpcMemHandle_t handle;
+  if (cudaIpcGetMemHandle(&handle, memory) != cudaSuccess) return 4;
+  const auto* raw = reinterpret_cast<const uint8_t*>(&handle);
+  for (size_t i = 0; i < sizeof(handle); ++i) std::printf("%02x", raw[i]);
+  std::printf("\n");
+  std::fflush(stdout);
+  char line[16];
+  if (std::fgets(line, sizeof(line), stdin) == nullptr) return 5;
+  if (cudaMemcpy(bytes.data(), memory, kIpcBytes, cudaMemcpyDeviceToHost) != cudaSuccess) return 6;
+  for (uint64_t i = 0; i < kIpcBytes / 2; ++i) {
+    if (bytes[i] != PatternByte(kIpcSeed, i)) return 7;
+    if (bytes[kIpcBytes / 2 + i] != PatternByte(kIpcRestoreSeed, i)) return 8;
+  }
+  cudaFree(memory);
+  return 0;
+}
+
+TEST(CudaCopyEngineTest, ImportsAnotherProcessesBufferThroughIpc) {
+  int to_child[2], from_child[2];
+  ASSERT_EQ(pipe(to_child), 0);
+  ASSERT_EQ(pipe(from_child), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, to_child[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, from_child[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, to_child[1]);
+  posix_spawn_file_actions_addclose(&actions, from_child[0]);
+  std::string self = "/proc/self/exe";
+  std::string flag = kExporterFlag;
+  char* argv[] = {self.data(), flag.data(), nullptr};
+  pid_t child = -1;
+  ASSERT_EQ(posix_spawn(&child, self.c_str(), &actions, nullptr, argv, environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  close(to_child[0]);
+  close(from_child[1]);
+  FILE* child_out = fdopen(from_child[0], "r");
+  char hex[2 * CudaCopyEngine::kIpcHandleBytes + 2] = {};
+  ASSERT_NE(std::fgets(hex, sizeof(hex), child_out), nullptr);
+  Bytes handle(CudaCopyEngine::kIpcHandleBytes);
+  for (size_t i = 0; i < handle.size(); ++i) {
+    unsigned value = 0;
+    ASSERT_EQ(std::sscanf(hex + 2 * i, "%2x", &value), 1);
+    handle[i] = static_cast<uint8_t>(value);
+  }
+
+  {
+    HostMemoryRegistry registry;
+    auto engine = MakeEngine(registry);
+    ASSERT_NE(engine, nullptr);
+    RegisteredHostMemory pool(registry, kIpcBytes);
+    // A range past the exported allocation is refused (and its mapping closed again).
+    EXPECT_EQ(engine->RegisterIpcBuffer(handle, 0, kIpcBytes, 4096).status().code(),
+              StatusCode::kInvalidArgument);
+    // The lower half whole, and the upper half as a second registration at an offset.
+    auto lower = engine->RegisterIpcBuffer(handle, 0, kIpcBytes / 2, 0);
+    ASSERT_TRUE(lower.ok()) << lower.status();
+    std::memset(pool.data(), kPoison, kIpcBytes);
+    ASSERT_TRUE(RunBatch(*engine,
+                         CopyBatch{CopyDirection::kSave, {{*lower, 0, pool.data(), kIpcBytes / 2}}})
+                    .ok());
+    bool same = true;
+    for (uint64_t i = 0; i < kIpcBytes / 2 && same; ++i) {
+      same = pool.data()[i] == PatternByte(kIpcSeed, i);
+    }
+    EXPECT_TRUE(same) << "saved bytes differ from what the exporter wrote";
+    ASSERT_TRUE(engine->UnregisterBuffer(*lower).ok());
+    auto upper = engine->RegisterIpcBuffer(handle, 0, kIpcBytes / 2, kIpcBytes / 2);
+    ASSERT_TRUE(upper.ok()) << upper.status();
+    FillPattern(pool.data(), kIpcBytes / 2, kIpcRestoreSeed);
+    ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kRestore,
+                                            {{*upper, 0, pool.data(), kIpcBytes / 2}}})
+                    .ok());
+    ASSERT_TRUE(engine->UnregisterBuffer(*upper).ok());
+  }
+  // The exporter checks the restored half in its own memory.
+  ASSERT_EQ(write(to_child[1], "done\n", 5), 5);
+  close(to_child[1]);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  fclose(child_out);
+  ASSERT_TRUE(WIFEXITED(wstatus));
+  EXPECT_EQ(WEXITSTATUS(wstatus), 0) << "the exporter saw wrong bytes (see RunIpcExporter)";
+}
+
+}  // namespace
+}  // namespace orbitkv::gpu
+
+int main(int argc, char** argv) {
+  if (argc == 2 && std::strcmp(argv[1], orbitkv::gpu::kExporterFlag) == 0) {
+    return orbitkv::gpu::RunIpcExporter();
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  // Without a device every test would fail on its first CUDA call: say why once instead.
+  int devices = 0;
+  if (const cudaError_t error = cudaGetDeviceCount(&devices);
+      error != cudaSuccess || devices == 0) {
+    std::fprintf(stderr,
+                 "gpu_copy_engine_test: no usable CUDA device (%s); run it on a GPU machine\n",
+                 cudaGetErrorString(error));
+    return 1;
+  }
+  return RUN_ALL_TESTS();
+}
