@@ -74,9 +74,14 @@ class RestoreHandle:
         return self.done
 
 
-def _layout(tensor) -> tuple[int, int, int, int, int, int]:
-    """(fd, buffer_bytes, base_offset, page_stride, page_bytes, num_pages) of a [num_pages, ...] array/tensor."""
-    view = shm.buffer_of(tensor)
+def _layout(tensor) -> tuple[int, int, int, int, int, int, int]:
+    """(fd, buffer_bytes, base_offset, page_stride, page_bytes, address, num_pages) of a [num_pages, ...] array or
+    tensor. Shared memory (orbitkv.shm) is mapped by the Manager; any other CPU memory is registered as this
+    process's memory (fd -1, its address), which the Manager copies with process_vm_readv/writev."""
+    try:
+        view = shm.buffer_of(tensor)
+    except ValueError:
+        view = None
     try:  # torch
         num_pages = tensor.shape[0]
         itemsize = tensor.element_size()
@@ -90,7 +95,12 @@ def _layout(tensor) -> tuple[int, int, int, int, int, int]:
         page_bytes = tensor[0].nbytes
     if not contiguous_page:
         raise ValueError("each page (tensor[i]) must be contiguous")
-    return view.buffer.fd, view.buffer.nbytes, view.offset, stride, page_bytes, num_pages
+    if view is not None:
+        return view.buffer.fd, view.buffer.nbytes, view.offset, stride, page_bytes, 0, num_pages
+    address, nbytes = shm._address_and_nbytes(tensor)  # raises for GPU tensors
+    # The whole span the pages cover, from the first page's first byte.
+    span = (num_pages - 1) * stride + page_bytes if num_pages > 0 else nbytes
+    return -1, span, 0, stride, page_bytes, address, num_pages
 
 
 class CacheManagerClient:
@@ -110,12 +120,18 @@ class CacheManagerClient:
         self._native.register_instance(instance_id, namespace)
 
     def register_group(self, instance_id: int, group: int, tensors: Sequence) -> int:
-        """Registers KV buffers whose first dimension is the page index; returns the padded bytes per block."""
+        """Registers KV buffers whose first dimension is the page index; returns the padded bytes per block.
+
+        Buffers from ``orbitkv.shm`` are shared with the Manager; other CPU tensors or arrays (an engine's own
+        host pool) are registered as this process's memory and copied by the Manager with process_vm_readv/writev
+        (same uid)."""
         layouts = [_layout(t) for t in tensors]
-        pages = {layout[5] for layout in layouts}
+        pages = {layout[6] for layout in layouts}
         if len(pages) != 1:
             raise ValueError(f"all buffers of a group need the same number of pages, got {sorted(pages)}")
-        buffers = [layout[:5] for layout in layouts]
+        if len({layout[0] < 0 for layout in layouts}) != 1:
+            raise ValueError("the buffers of a group must all be in orbitkv.shm shared memory, or none of them")
+        buffers = [layout[:6] for layout in layouts]
         return self._native.register_group(instance_id, group, pages.pop(), buffers)
 
     def unregister_instance(self, instance_id: int) -> None:

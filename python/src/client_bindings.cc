@@ -67,17 +67,19 @@ void BindClient(py::module_& m) {
       .def(
           "register_group",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint32_t num_pages,
-             const std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t, uint64_t>>& buffers) {
+             const std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>>&
+                 buffers) {
             std::vector<client::BufferSpec> specs;
-            for (const auto& [fd, bytes, offset, stride, page] : buffers)
-              specs.push_back({fd, bytes, offset, stride, page});
+            for (const auto& [fd, bytes, offset, stride, page, address] : buffers)
+              specs.push_back({fd, bytes, offset, stride, page, address});
             py::gil_scoped_release release;
             return ValueOrThrow(c.RegisterGroup(instance, group, num_pages, specs));
           },
           py::arg("instance_id"), py::arg("group"), py::arg("num_pages"), py::arg("buffers"),
-          "buffers: [(fd, buffer_bytes, base_offset, page_stride, page_bytes)], one per KV buffer; "
-          "returns the "
-          "padded bytes of one block")
+          "buffers: [(fd, buffer_bytes, base_offset, page_stride, page_bytes, address)], one per "
+          "KV "
+          "buffer (fd -1: ordinary memory of this process at address); returns the padded bytes "
+          "of one block")
       .def(
           "unregister_instance",
           [](CacheClient& c, uint64_t instance) { ThrowIfError(c.UnregisterInstance(instance)); },

@@ -94,8 +94,8 @@ def test_numpy_buffers_and_clear_errors(manager):
     client = orbitkv.CacheManagerClient(sock, timeout_ms=5000)
     ns = namespace()
     client.register_instance(2, ns)
-    with pytest.raises(ValueError, match="not in OrbitKV shared memory"):
-        client.register_group(2, 0, [np.zeros((4, 4096), np.uint8)])
+    with pytest.raises(ValueError, match="all be in orbitkv.shm shared memory, or none"):
+        client.register_group(2, 0, [np.zeros((4, 4096), np.uint8), shm.empty((4, 4096), "uint8")])
     kv = shm.empty((PAGES, 4096), "uint8")
     client.register_group(2, 0, [kv])
     kv[:4] = np.arange(4, dtype=np.uint8)[:, None]
@@ -113,6 +113,31 @@ def test_numpy_buffers_and_clear_errors(manager):
     proc.wait()
     with pytest.raises(orbitkv.ManagerUnavailable):
         client.ping()
+
+
+def test_ordinary_process_memory_is_registered_and_copied(manager):
+    """An engine's own host pool (not orbitkv.shm): the Manager copies it with process_vm_readv/writev."""
+    _, sock = manager
+    client = orbitkv.CacheManagerClient(sock)
+    ns = namespace()
+    client.register_instance(4, ns)
+    k_cache = torch.zeros((PAGES, 2, 4096), dtype=torch.uint8)  # ordinary (non-shared) memory
+    v_cache = np.zeros((PAGES, 8192), np.uint8)
+    client.register_group(4, 0, [k_cache, v_cache])
+    gen = torch.Generator().manual_seed(4)
+    k_cache.copy_(torch.randint(0, 256, k_cache.shape, generator=gen, dtype=torch.uint8))
+    v_cache[:] = np.random.default_rng(4).integers(0, 256, v_cache.shape, dtype=np.uint8)
+    want_k, want_v = k_cache[:6].clone(), v_cache[:6].copy()
+    keys = keys_for(ns, 12, 6)
+    assert client.save(4, [(k, i) for i, k in enumerate(keys)]) == (6, 0)
+    k_cache.fill_(0xEE)
+    v_cache.fill(0xEE)
+    hit = client.query_prefetch(4, keys)
+    assert isinstance(hit, orbitkv.QueryHit) and hit.num_hit_blocks == 6
+    client.restore(4, hit.lease, range(10, 16))
+    assert torch.equal(k_cache[10:16], want_k)
+    assert np.array_equal(v_cache[10:16], want_v)
+    assert (v_cache[:10] == 0xEE).all()
 
 
 def test_missing_manager_is_a_clear_error(tmp_path):

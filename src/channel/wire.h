@@ -94,12 +94,23 @@ static_assert(sizeof(RegisterInstanceBody) == 40);
 // A group's KV lives in `buffer_count` buffers (one per layer, or per K and V, or one for
 // page-first layouts). Page p of the group is the concatenation, in buffer order, of buffer i's
 // bytes [base_offset_i + p * page_stride_i, +page_bytes_i).
+// What the buffers of a RegisterGroup are.
+enum class BufferKind : uint32_t {
+  // Shared-memory objects: one fd per buffer travels with the frame (SCM_RIGHTS); the Manager maps
+  // them.
+  kSharedMemory = 0,
+  // Ordinary memory of the engine process (same uid): no fds; after the descriptors, one uint64_t
+  // per buffer gives its address in the engine. The Manager copies with process_vm_readv/writev.
+  kProcessMemory = 1,
+};
+inline constexpr uint32_t kMaxBufferKind = 1;
+
 struct RegisterGroupHeader {
   uint64_t instance_id;
   uint32_t group;
-  uint32_t buffer_count;  // 1..kMaxFrameFds, one fd each in the same order
+  uint32_t buffer_count;  // 1..kMaxFrameFds (shared memory: one fd each, in the same order)
   uint32_t num_pages;
-  uint32_t reserved;
+  uint32_t buffer_kind;  // BufferKind
 };
 static_assert(sizeof(RegisterGroupHeader) == 24);
 

@@ -1,5 +1,7 @@
 #include "client/cache_client.h"
 
+#include <sys/prctl.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -103,15 +105,37 @@ Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, u
     return Status::InvalidArgument(
         fmt::format("a group needs 1-{} buffers", channel::kMaxFrameFds));
   }
+  const bool process_memory = buffers.front().fd < 0;
+  for (const BufferSpec& spec : buffers) {
+    if ((spec.fd < 0) != process_memory) {
+      return Status::InvalidArgument(
+          "the buffers of a group are either all shared memory (fds) or all process memory");
+    }
+    if (process_memory && spec.address == 0) {
+      return Status::InvalidArgument("a process-memory buffer needs its address");
+    }
+  }
+  const auto kind =
+      process_memory ? channel::BufferKind::kProcessMemory : channel::BufferKind::kSharedMemory;
   channel::RegisterGroupHeader header{instance, group, static_cast<uint32_t>(buffers.size()),
-                                      num_pages, 0};
+                                      num_pages, static_cast<uint32_t>(kind)};
   std::vector<uint8_t> body(BytesOf(header).begin(), BytesOf(header).end());
   std::vector<int> fds;
   for (const BufferSpec& spec : buffers) {
     const channel::BufferDescriptor layout{spec.buffer_bytes, spec.base_offset, spec.page_stride,
                                            spec.page_bytes};
     body.insert(body.end(), BytesOf(layout).begin(), BytesOf(layout).end());
-    fds.push_back(spec.fd);
+    if (!process_memory) fds.push_back(spec.fd);
+  }
+  if (process_memory) {
+    for (const BufferSpec& spec : buffers) {
+      body.insert(body.end(), BytesOf(spec.address).begin(), BytesOf(spec.address).end());
+    }
+#ifdef PR_SET_PTRACER
+    // Where Yama restricts ptrace to descendants, let the Manager read and write this process's
+    // buffers (no effect, and EINVAL, without Yama).
+    (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+#endif
   }
   MutexLock lock(&control_mu_);
   return control_->Lifecycle(channel::FrameType::kRegisterGroup, body, fds, CallDeadline());

@@ -45,13 +45,16 @@ struct ClientOptions {
   int spin_iterations = 4096;  // reply polls (~10 ns each) before sleeping on the doorbell
 };
 
-// One KV buffer of a group: a shared-memory object (memfd or /dev/shm file) the Manager maps.
+// One KV buffer of a group: a shared-memory object (memfd or /dev/shm file) the Manager maps, or
+// (fd = -1) ordinary memory of this process at `address`, which the Manager (same uid) copies with
+// process_vm_readv/writev. All buffers of a group are of one kind.
 struct BufferSpec {
   int fd = -1;                // not consumed: the caller keeps its fd
-  uint64_t buffer_bytes = 0;  // size of the object
+  uint64_t buffer_bytes = 0;  // size of the object (or of the memory at `address`)
   uint64_t base_offset = 0;
   uint64_t page_stride = 0;
   uint64_t page_bytes = 0;
+  uint64_t address = 0;  // fd = -1 only: where the buffer starts in this process
 };
 
 // A query's answer: Hit (hits > 0, lease), Loading (loading_op != 0: the prefix continues on SSD

@@ -1,6 +1,7 @@
 #include "core/cpu_copy_engine.h"
 
 #include <fmt/format.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <atomic>
@@ -13,6 +14,35 @@
 namespace orbitkv::core {
 
 namespace {
+
+// Moves `bytes` between this process's `pool` and address `remote` of process `pid`, looping over
+// partial transfers.
+Status CopyProcessMemory(pid_t pid, uint8_t* remote, uint8_t* pool, uint64_t bytes, bool save) {
+  uint64_t done = 0;
+  while (done < bytes) {
+    iovec local{pool + done, bytes - done};
+    iovec far{remote + done, bytes - done};
+    const ssize_t n = save ? process_vm_readv(pid, &local, 1, &far, 1, 0)
+                           : process_vm_writev(pid, &local, 1, &far, 1, 0);
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EFAULT;
+      if (err == EINTR) continue;
+      if (err == ESRCH) {
+        return Status::Unavailable(fmt::format("engine process {} is gone", pid));
+      }
+      if (err == EPERM) {
+        return Status::PermissionDenied(fmt::format(
+            "may not access the memory of engine process {} (another uid, or ptrace restricted)",
+            pid));
+      }
+      return Status::InvalidArgument(
+          fmt::format("{} of engine process {} at {} failed: {}", save ? "reading" : "writing", pid,
+                      static_cast<const void*>(remote + done), std::strerror(err)));
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return Status::Ok();
+}
 
 // The engine whose worker runs on this thread, if any: UnregisterBuffer() and Shutdown() CHECK
 // against being called from their own engine's CopyDone, which would wait for itself.
@@ -85,8 +115,14 @@ struct CpuCopyEngine::Batch {
   CopyBatch copy;
   CopyDone done;
   uint64_t total_bytes;
-  // Engine-buffer address of each fragment's first byte, resolved under registry_mu_ at Submit.
+  // Engine-buffer address of each fragment's first byte, resolved under registry_mu_ at Submit,
+  // and the process it lives in (0: mapped here).
   std::vector<uint8_t*> engine_addr;
+  std::vector<pid_t> engine_pid;
+
+  // The first failed process-memory transfer; read by the worker that finishes the batch.
+  Mutex error_mu;
+  Status error GUARDED_BY(error_mu);
 
   // Bytes not yet copied. Each worker subtracts what it copied with acq_rel: the release publishes
   // its copies, and the worker that reaches zero acquires every other worker's copies before it
@@ -160,9 +196,18 @@ Result<BufferId> CpuCopyEngine::RegisterBuffer(uint8_t* base, uint64_t bytes) {
   Slot& slot = slots_[index];
   ORBITKV_CHECK(!slot.live && slot.pins == 0);
   slot.base = base;
+  slot.pid = 0;
   slot.bytes = bytes;
   slot.live = true;
   return BufferId{index, slot.generation};
+}
+
+Result<BufferId> CpuCopyEngine::RegisterProcessBuffer(pid_t pid, uint64_t base, uint64_t bytes) {
+  if (pid <= 0) return Status::InvalidArgument("a process buffer needs a process id");
+  ORBITKV_ASSIGN_OR_RETURN(BufferId id, RegisterBuffer(reinterpret_cast<uint8_t*>(base), bytes));
+  MutexLock lock(&registry_mu_);
+  slots_[id.index].pid = pid;
+  return id;
 }
 
 Status CpuCopyEngine::UnregisterBuffer(BufferId id) {
@@ -246,6 +291,7 @@ void CpuCopyEngine::ReleaseInflight() {
 Status CpuCopyEngine::ResolveAndPin(Batch* batch) {
   const std::vector<CopyFragment>& fragments = batch->copy.fragments;
   batch->engine_addr.resize(fragments.size());
+  batch->engine_pid.resize(fragments.size());
   MutexLock lock(&registry_mu_);
   for (size_t i = 0; i < fragments.size(); ++i) {
     const CopyFragment& f = fragments[i];
@@ -261,6 +307,7 @@ Status CpuCopyEngine::ResolveAndPin(Batch* batch) {
                       f.buffer_offset, f.length, f.buffer.index, f.buffer.generation, slot->bytes));
     }
     batch->engine_addr[i] = slot->base + f.buffer_offset;
+    batch->engine_pid[i] = slot->pid;
   }
   for (const CopyFragment& f : fragments) ++slots_[f.buffer.index].pins;
   return Status::Ok();
@@ -338,7 +385,13 @@ void CpuCopyEngine::Copy(const Claim& claim) {
     const uint64_t n = std::min(f.length - offset, left);
     uint8_t* engine = batch.engine_addr[i] + offset;
     uint8_t* pool = f.pool + offset;
-    if (save) {
+    if (batch.engine_pid[i] != 0) {
+      Status moved = CopyProcessMemory(batch.engine_pid[i], engine, pool, n, save);
+      if (!moved.ok()) {
+        MutexLock lock(&claim.batch->error_mu);
+        if (claim.batch->error.ok()) claim.batch->error = moved;
+      }
+    } else if (save) {
       std::memcpy(pool, engine, n);
     } else {
       std::memcpy(engine, pool, n);
@@ -355,7 +408,12 @@ void CpuCopyEngine::Finish(Batch* raw) {
   const int direction = DirectionIndex(batch->copy.direction);
   bytes_total_[direction]->Increment(batch->total_bytes);
   batches_total_[direction]->Increment();
-  batch->done(Status::Ok());
+  Status status;
+  {
+    MutexLock lock(&batch->error_mu);
+    status = batch->error;
+  }
+  batch->done(status);
   // Only now is the batch no longer in flight: UnregisterBuffer() and Shutdown() wait for CopyDone
   // to return.
   Unpin(batch->copy);

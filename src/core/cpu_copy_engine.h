@@ -71,6 +71,11 @@ class CpuCopyEngine final : public CopyEngine {
   // with a new generation. InvalidArgument for a null base, zero bytes or a range that wraps the
   // address space; ResourceExhausted when 2^32 slots are in use.
   Result<BufferId> RegisterBuffer(uint8_t* base, uint64_t bytes);
+  // Records `bytes` bytes at address `base` of process `pid` (an engine's ordinary memory, same uid
+  // or CAP_SYS_PTRACE): its fragments are copied with process_vm_readv/writev. A batch touching it
+  // completes with the error of a failed transfer (Unavailable when the process is gone,
+  // InvalidArgument when the range is not mapped there), never with a partial copy reported OK.
+  Result<BufferId> RegisterProcessBuffer(pid_t pid, uint64_t base, uint64_t bytes);
 
   // Makes `id` unknown to new batches at once (they get NotFound), waits until every in-flight
   // batch that names it has completed (its CopyDone returned), then retires the id: after OK the
@@ -78,8 +83,8 @@ class CpuCopyEngine final : public CopyEngine {
   // an unknown, stale or already unregistering id.
   Status UnregisterBuffer(BufferId id);
 
-  // CopyEngine. Submit() follows the contract in copy_engine.h; the CPU engine's CopyDone always
-  // gets OK.
+  // CopyEngine. Submit() follows the contract in copy_engine.h; CopyDone gets OK unless a process
+  // buffer's transfer failed.
   Status Submit(CopyBatch batch, CopyDone done) override;
   void Shutdown() override;
   std::string_view name() const override { return "cpu"; }
@@ -90,6 +95,7 @@ class CpuCopyEngine final : public CopyEngine {
   // A registered buffer. `pins` counts fragments of in-flight batches that name it.
   struct Slot {
     uint8_t* base = nullptr;
+    pid_t pid = 0;  // non-zero: `base` is an address in that process
     uint64_t bytes = 0;
     uint32_t generation = 1;
     bool live = false;

@@ -1,6 +1,8 @@
 #include "core/cpu_copy_engine.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -163,6 +165,55 @@ TEST(CpuCopyEngineTest, ReusedSlotGetsANewGenerationAndTheOldIdStaysStale) {
   engine->Shutdown();
   EXPECT_EQ(pool, b);
   EXPECT_EQ(stale_probe.calls(), 0);
+}
+
+// A buffer of another process: copied with process_vm_readv/writev. This test's own process stands
+// in for the engine (the kernel takes the same path for any pid of the same uid), and a child that
+// exited stands for an engine that is gone.
+TEST(CpuCopyEngineTest, ProcessBuffersAreCopiedAndAGoneProcessFailsTheBatch) {
+  auto engine = MakeEngine({.threads = 2});
+  ASSERT_NE(engine, nullptr);
+  Bytes engine_memory(3 * 4096 + 100), pool(3 * 4096 + 100, 0);
+  for (size_t i = 0; i < engine_memory.size(); ++i) engine_memory[i] = static_cast<uint8_t>(i * 7);
+  auto id = engine->RegisterProcessBuffer(
+      getpid(), reinterpret_cast<uint64_t>(engine_memory.data()), engine_memory.size());
+  ASSERT_TRUE(id.ok()) << id.status();
+  DoneProbe saved;
+  ASSERT_TRUE(engine
+                  ->Submit({CopyDirection::kSave,
+                            {{*id, 0, pool.data(), 4096},
+                             {*id, 4096, pool.data() + 4096, engine_memory.size() - 4096}}},
+                           saved.Callback())
+                  .ok());
+  ASSERT_TRUE(saved.Wait().ok());
+  EXPECT_EQ(pool, engine_memory);
+  Bytes restored_into(engine_memory.size(), 0);
+  auto target = engine->RegisterProcessBuffer(
+      getpid(), reinterpret_cast<uint64_t>(restored_into.data()), restored_into.size());
+  ASSERT_TRUE(target.ok());
+  DoneProbe restored;
+  ASSERT_TRUE(engine
+                  ->Submit({CopyDirection::kRestore, {{*target, 0, pool.data(), pool.size()}}},
+                           restored.Callback())
+                  .ok());
+  ASSERT_TRUE(restored.Wait().ok());
+  EXPECT_EQ(restored_into, engine_memory);
+
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  auto gone = engine->RegisterProcessBuffer(child, reinterpret_cast<uint64_t>(restored_into.data()),
+                                            restored_into.size());
+  ASSERT_TRUE(gone.ok());
+  DoneProbe failed;
+  ASSERT_TRUE(
+      engine->Submit({CopyDirection::kRestore, {{*gone, 0, pool.data(), 4096}}}, failed.Callback())
+          .ok());
+  EXPECT_EQ(failed.Wait().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(failed.calls(), 1);
+  EXPECT_FALSE(engine->RegisterProcessBuffer(0, 4096, 4096).ok());
+  engine->Shutdown();
 }
 
 // One engine range and the pool range it pairs with.

@@ -1,6 +1,7 @@
 // Lifecycle frames: instance and group registration over the session socket.
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 
 #include <cstring>
 
@@ -86,18 +87,28 @@ Result<uint64_t> Manager::RegisterGroup(Session& session, channel::Frame& frame)
   ORBITKV_ASSIGN_OR_RETURN(
       channel::RegisterGroupHeader header,
       channel::BodyAs<channel::RegisterGroupHeader>(frame, /*allow_trailing=*/true));
-  if (header.buffer_count == 0 || header.buffer_count > channel::kMaxFrameFds ||
-      header.reserved != 0) {
+  if (header.buffer_count == 0 || header.buffer_count > channel::kMaxFrameFds) {
     return Status::InvalidArgument(fmt::format("a group needs 1-{} buffers, not {}",
                                                channel::kMaxFrameFds, header.buffer_count));
   }
+  if (header.buffer_kind > channel::kMaxBufferKind) {
+    return Status::InvalidArgument(fmt::format("unknown buffer kind {}", header.buffer_kind));
+  }
+  const bool process_memory =
+      header.buffer_kind == static_cast<uint32_t>(channel::BufferKind::kProcessMemory);
+  const size_t addresses_bytes = process_memory ? header.buffer_count * sizeof(uint64_t) : 0;
   if (frame.body.size() !=
-      sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor)) {
+      sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor) + addresses_bytes) {
     return Status::InvalidArgument("RegisterGroup body size does not match its buffer count");
   }
-  if (frame.fds.size() != header.buffer_count) {
+  const size_t expected_fds = process_memory ? 0 : header.buffer_count;
+  if (frame.fds.size() != expected_fds) {
     return Status::InvalidArgument(fmt::format("RegisterGroup names {} buffers but passed {} fds",
                                                header.buffer_count, frame.fds.size()));
+  }
+  const pid_t engine_pid = session.channel->peer().pid;
+  if (process_memory && engine_pid <= 0) {
+    return Status::FailedPrecondition("the engine's process id is unknown: use shared memory");
   }
   if (header.num_pages == 0) return Status::InvalidArgument("a group needs at least one page");
   ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<Instance> instance,
@@ -106,6 +117,7 @@ Result<uint64_t> Manager::RegisterGroup(Session& session, channel::Frame& frame)
   auto group = std::make_shared<Group>();
   group->group = header.group;
   group->num_pages = header.num_pages;
+  group->engine = copy_engine_.get();
   // On any failure, buffers already registered with the copy engine are unregistered (the Group
   // unmaps them).
   auto abandon = [&](Status status) {
@@ -122,6 +134,34 @@ Result<uint64_t> Manager::RegisterGroup(Session& session, channel::Frame& frame)
           "buffer {}: {} pages of {} bytes with stride {} from offset {} do not fit its {} bytes",
           i, header.num_pages, layout.page_bytes, layout.page_stride, layout.base_offset,
           layout.buffer_bytes)));
+    }
+    if (process_memory) {
+      uint64_t address;
+      std::memcpy(&address,
+                  frame.body.data() + sizeof(header) +
+                      header.buffer_count * sizeof(channel::BufferDescriptor) + i * sizeof(address),
+                  sizeof(address));
+      Group::Buffer buffer;
+      buffer.bytes = layout.buffer_bytes;
+      buffer.layout = layout;
+      group->buffers.push_back(buffer);
+      Result<core::BufferId> id =
+          copy_engine_->RegisterProcessBuffer(engine_pid, address, layout.buffer_bytes);
+      if (!id.ok()) return abandon(id.status());
+      group->buffers.back().id = *id;
+      group->block_bytes += layout.page_bytes;
+      // Probe the first byte now, so a buffer the Manager may not access fails here with its
+      // reason rather than at the first restore.
+      uint8_t probe;
+      iovec local{&probe, 1};
+      iovec remote{reinterpret_cast<void*>(address + layout.base_offset), 1};
+      if (process_vm_readv(engine_pid, &local, 1, &remote, 1, 0) != 1) {
+        return abandon(Status::PermissionDenied(fmt::format(
+            "buffer {}: cannot read engine process {} at {:#x}: {} (process memory needs the same "
+            "uid or CAP_SYS_PTRACE; allocate KV in shared memory with orbitkv.shm otherwise)",
+            i, engine_pid, address + layout.base_offset, std::strerror(errno))));
+      }
+      continue;
     }
     struct stat st {};
     if (fstat(frame.fds[i].get(), &st) != 0)

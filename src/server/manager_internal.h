@@ -38,6 +38,9 @@ struct Manager::Group {
 
   uint32_t group = 0;
   uint32_t num_pages = 0;
+  // The copy engine its buffers are registered with (CPU for shared and process memory; the CUDA
+  // engine for GPU buffers). Owned by the Manager, which outlives every group.
+  core::CopyEngine* engine = nullptr;
   uint64_t block_bytes = 0;  // sum of page_bytes over buffers: one block
   uint64_t padded_bytes =
       0;  // block_bytes rounded up to 4 KiB: what a query reservation charges per block

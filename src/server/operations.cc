@@ -289,8 +289,8 @@ Status Manager::HandleRestore(const std::shared_ptr<Session>& session,
   }
   std::shared_ptr<channel::ServerSession> channel = session->channel;
   std::shared_ptr<Group> keep_group = *group;
-  Status submitted = copy_engine_->Submit(std::move(batch), [this, channel, d, lease, keep_group,
-                                                             bytes](Status status) {
+  Status submitted = g.engine->Submit(std::move(batch), [this, channel, d, lease, keep_group,
+                                                         bytes](Status status) {
     lease->Reset();  // the copy drained: pins and reservation go back before the engine hears of it
     if (status.ok()) restored_bytes_->Increment(bytes);
     Status replied =
@@ -360,7 +360,7 @@ Status Manager::HandleSave(const std::shared_ptr<Session>& session,
   std::shared_ptr<channel::ServerSession> channel = session->channel;
   std::shared_ptr<Group> keep_group = *group;
   const uint64_t bytes = writers->size() * g.block_bytes;
-  Status submitted = copy_engine_->Submit(
+  Status submitted = g.engine->Submit(
       std::move(batch),
       [this, channel, d, writers, through_keys, keep_group, skipped, bytes](Status status) {
         uint64_t written = 0;
