@@ -179,13 +179,15 @@ void SsdTier::WriteOne(WriteJob& job, storage::AlignedBuffer* staging) {
   if (cache_->table().FindSsd(job.key).has_value()) return;
   SpendWriteBudget(job.pin.bytes());
   const std::span<const uint8_t> payload(job.pin.data(), job.pin.bytes());
-  Result<uint64_t> locator = store_->Write(job.key, payload, staging);
+  // Pool blocks are 4 KiB-aligned and their memory is rounded up to 4 KiB: written in place.
+  const uint64_t capacity = storage::PaddedPayloadBytes(payload.size());
+  Result<uint64_t> locator = store_->Write(job.key, payload, staging, capacity);
   // A full store makes room by evicting its oldest records, a few times at most.
   for (int attempt = 0;
        !locator.ok() && locator.status().code() == StatusCode::kResourceExhausted && attempt < 8;
        ++attempt) {
     if (!EvictOldest(storage::RecordBytes(payload.size()))) break;
-    locator = store_->Write(job.key, payload, staging);
+    locator = store_->Write(job.key, payload, staging, capacity);
   }
   if (!locator.ok()) {
     if (locator.status().code() != StatusCode::kResourceExhausted) {
@@ -312,25 +314,26 @@ void SsdTier::ReaderLoop() {
 Status SsdTier::ReadOne(const state::StateKey& key, storage::AlignedBuffer* staging) {
   std::optional<SsdResidence> residence = cache_->table().FindSsd(key);
   if (!residence.has_value()) return Status::NotFound("the block left the SSD tier");
-  Result<std::span<const uint8_t>> payload =
-      store_->Read(key, residence->locator, residence->bytes, staging);
-  if (!payload.ok()) {
-    if (payload.status().code() == StatusCode::kDataLoss) {
-      verify_failures_->Increment();
-      ORBITKV_LOG_WARN("ssd: {}; served as a miss and dropped", payload.status().message());
-      Forget(key, residence->generation, TransitionCause::kCleanup);
-    }
-    return payload.status();
-  }
-  reads_->Increment();
-  read_bytes_->Increment(payload->size());
-  Result<BlockWriter> writer = cache_->Prepare(key, payload->size());
+  // The DRAM block first, so the payload is read straight into it; an error aborts the writer.
+  Result<BlockWriter> writer = cache_->Prepare(key, residence->bytes);
   if (!writer.ok()) {
     // Already in DRAM (a save or another load won): the block is there, which is what was asked.
     if (writer.status().code() == StatusCode::kAlreadyExists) return Status::Ok();
     return writer.status();
   }
-  std::memcpy(writer->data(), payload->data(), payload->size());
+  const std::span<uint8_t> destination(writer->data(),
+                                       storage::PaddedPayloadBytes(residence->bytes));
+  Status read = store_->ReadInto(key, residence->locator, residence->bytes, staging, destination);
+  if (!read.ok()) {
+    if (read.code() == StatusCode::kDataLoss) {
+      verify_failures_->Increment();
+      ORBITKV_LOG_WARN("ssd: {}; served as a miss and dropped", read.message());
+      Forget(key, residence->generation, TransitionCause::kCleanup);
+    }
+    return read;  // the writer aborts: nothing of the bad read is ever published
+  }
+  reads_->Increment();
+  read_bytes_->Increment(residence->bytes);
   cache_->Seal(*writer, TransitionCause::kRestore);
   return Status::Ok();
 }

@@ -55,7 +55,7 @@ struct SsdTierOptions {
   uint32_t min_frequency = 2;
   uint64_t write_bytes_per_second = 0;  // 0: unlimited
   uint64_t queue_bytes = 256ull << 20;  // evicted bytes waiting for a writer, at most
-  uint32_t writer_threads = 2;
+  uint32_t writer_threads = 4;
   uint32_t reader_threads = 4;
 };
 

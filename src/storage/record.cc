@@ -67,10 +67,13 @@ uint64_t ComputeChecksum(std::span<const uint8_t> header, std::span<const uint8_
 
 }  // namespace
 
-uint64_t RecordBytes(uint64_t payload_bytes) {
+uint64_t PaddedPayloadBytes(uint64_t payload_bytes) {
   ORBITKV_CHECK_MSG(payload_bytes <= kMaxRecordPayloadBytes, "payload of {} bytes", payload_bytes);
-  const uint64_t raw = kRecordHeaderBytes + payload_bytes;
-  return (raw + kRecordAlignment - 1) / kRecordAlignment * kRecordAlignment;
+  return (payload_bytes + kRecordAlignment - 1) / kRecordAlignment * kRecordAlignment;
+}
+
+uint64_t RecordBytes(uint64_t payload_bytes) {
+  return kRecordPayloadOffset + PaddedPayloadBytes(payload_bytes);
 }
 
 Status EncodeRecordHeader(const RecordHeader& header, std::span<const uint8_t> payload,
@@ -107,9 +110,10 @@ Status EncodeRecord(const RecordHeader& header, std::span<const uint8_t> payload
         fmt::format("record needs {} bytes, buffer has {}", total, out.size()));
   }
   ORBITKV_RETURN_IF_ERROR(EncodeRecordHeader(header, payload, out.first<kRecordHeaderBytes>()));
+  std::memset(out.data() + kRecordHeaderBytes, 0, kRecordPayloadOffset - kRecordHeaderBytes);
   if (!payload.empty())
-    std::memcpy(out.data() + kRecordHeaderBytes, payload.data(), payload.size());
-  const size_t used = kRecordHeaderBytes + payload.size();
+    std::memcpy(out.data() + kRecordPayloadOffset, payload.data(), payload.size());
+  const size_t used = kRecordPayloadOffset + payload.size();
   std::memset(out.data() + used, 0, total - used);
   return Status::Ok();
 }
@@ -152,13 +156,24 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> bytes) {
 }
 
 Result<RecordHeader> VerifyRecord(std::span<const uint8_t> record) {
-  ORBITKV_ASSIGN_OR_RETURN(RecordHeader header, DecodeRecordHeader(record));
-  if (record.size() - kRecordHeaderBytes < header.payload_bytes) {
-    return Status::DataLoss(fmt::format("record of {} payload bytes is truncated to {}",
-                                        header.payload_bytes, record.size() - kRecordHeaderBytes));
+  if (record.size() < kRecordPayloadOffset) {
+    ORBITKV_RETURN_IF_ERROR(DecodeRecordHeader(record).status());
+    return Status::DataLoss(
+        fmt::format("record of {} bytes is shorter than its header page", record.size()));
   }
-  const uint64_t actual = ComputeChecksum(record.first(kRecordHeaderBytes),
-                                          record.subspan(kRecordHeaderBytes, header.payload_bytes));
+  return VerifyRecordParts(record.first(kRecordPayloadOffset),
+                           record.subspan(kRecordPayloadOffset));
+}
+
+Result<RecordHeader> VerifyRecordParts(std::span<const uint8_t> header_page,
+                                       std::span<const uint8_t> payload) {
+  ORBITKV_ASSIGN_OR_RETURN(RecordHeader header, DecodeRecordHeader(header_page));
+  if (payload.size() < header.payload_bytes) {
+    return Status::DataLoss(fmt::format("record of {} payload bytes is truncated to {}",
+                                        header.payload_bytes, payload.size()));
+  }
+  const uint64_t actual =
+      ComputeChecksum(header_page.first(kRecordHeaderBytes), payload.first(header.payload_bytes));
   if (actual != header.checksum) {
     return Status::DataLoss(
         fmt::format("record checksum mismatch for {}: stored {:#018x}, computed {:#018x}",

@@ -24,9 +24,12 @@
 namespace orbitkv::storage {
 
 inline constexpr uint32_t kRecordMagic = 0x52534B4F;  // "OKSR" in little-endian byte order.
-inline constexpr uint16_t kRecordFormatVersion = 1;
+inline constexpr uint16_t kRecordFormatVersion = 2;
 inline constexpr size_t kRecordHeaderBytes = 256;
 inline constexpr size_t kRecordAlignment = 4096;
+// The payload starts on the record's second page, so it is read and written straight from and into
+// 4 KiB-aligned memory (the DRAM pool's blocks) with O_DIRECT, without a staging copy.
+inline constexpr size_t kRecordPayloadOffset = kRecordAlignment;
 // Larger payloads are rejected on encode and treated as corruption on decode (records are 256 KiB -
 // 4 MiB).
 inline constexpr uint64_t kMaxRecordPayloadBytes = uint64_t{1} << 30;
@@ -43,9 +46,11 @@ struct RecordHeader {
   uint64_t checksum = 0;
 };
 
-// Header + payload rounded up to kRecordAlignment. `payload_bytes` must be <=
+// The header page plus the payload rounded up to kRecordAlignment. `payload_bytes` must be <=
 // kMaxRecordPayloadBytes.
 uint64_t RecordBytes(uint64_t payload_bytes);
+// The payload rounded up to kRecordAlignment (the bytes written or read at kRecordPayloadOffset).
+uint64_t PaddedPayloadBytes(uint64_t payload_bytes);
 
 // Writes the header for `header` and `payload` into `out`, computing the checksum. InvalidArgument
 // when payload.size() != header.payload_bytes or the payload exceeds kMaxRecordPayloadBytes; `out`
@@ -53,9 +58,9 @@ uint64_t RecordBytes(uint64_t payload_bytes);
 Status EncodeRecordHeader(const RecordHeader& header, std::span<const uint8_t> payload,
                           std::span<uint8_t, kRecordHeaderBytes> out);
 
-// Writes a whole record (header, payload, zero padding) into the first RecordBytes(payload.size())
-// bytes of `out`. InvalidArgument for the errors of EncodeRecordHeader() or when `out` is too
-// small.
+// Writes a whole record (header page, payload at kRecordPayloadOffset, zero padding) into the first
+// RecordBytes(payload.size()) bytes of `out`. InvalidArgument for the errors of
+// EncodeRecordHeader() or when `out` is too small.
 Status EncodeRecord(const RecordHeader& header, std::span<const uint8_t> payload,
                     std::span<uint8_t> out);
 
@@ -70,6 +75,11 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> bytes);
 // payload bytes (a truncated read) or the checksum does not match (a torn or corrupted record).
 // Returns the header on success.
 Result<RecordHeader> VerifyRecord(std::span<const uint8_t> record);
+
+// The same for a record read in two parts: its header page (at least kRecordHeaderBytes) and its
+// payload (at least the header's payload bytes; extra bytes are padding and ignored).
+Result<RecordHeader> VerifyRecordParts(std::span<const uint8_t> header,
+                                       std::span<const uint8_t> payload);
 
 }  // namespace orbitkv::storage
 

@@ -43,17 +43,20 @@ void Put64(std::vector<uint8_t>& b, size_t off, uint64_t v) {
   std::memcpy(b.data() + off, &v, sizeof(v));
 }
 
-TEST(RecordTest, RecordBytesRoundsHeaderPlusPayloadToFourKiB) {
+TEST(RecordTest, RecordBytesIsTheHeaderPagePlusThePayloadRoundedToFourKiB) {
   EXPECT_EQ(RecordBytes(0), 4096u);
-  EXPECT_EQ(RecordBytes(4096 - kRecordHeaderBytes), 4096u);
-  EXPECT_EQ(RecordBytes(4096 - kRecordHeaderBytes + 1), 8192u);
+  EXPECT_EQ(RecordBytes(1), 8192u);
+  EXPECT_EQ(RecordBytes(4096), 8192u);
+  EXPECT_EQ(RecordBytes(4097), 12288u);
   EXPECT_EQ(RecordBytes(1 << 20), (1u << 20) + 4096u);
+  EXPECT_EQ(PaddedPayloadBytes(100), 4096u);
+  EXPECT_EQ(kRecordPayloadOffset, 4096u);
 }
 
 TEST(RecordTest, RoundTripsEveryField) {
   const auto payload = Payload(10000, 3);
   const auto record = MakeRecord(payload);
-  ASSERT_EQ(record.size(), 12288u);
+  ASSERT_EQ(record.size(), 4096u + 12288u);
   auto verified = VerifyRecord(record);
   ASSERT_TRUE(verified.ok()) << verified.status();
   EXPECT_EQ(verified->key, SampleKey());
@@ -61,10 +64,21 @@ TEST(RecordTest, RoundTripsEveryField) {
   EXPECT_EQ(verified->residence_generation, 7u);
   EXPECT_EQ(verified->write_epoch, 9u);
   EXPECT_NE(verified->checksum, 0u);
-  EXPECT_EQ(std::memcmp(record.data() + kRecordHeaderBytes, payload.data(), payload.size()), 0);
-  // Padding is zeroed, whatever the buffer held before.
-  for (size_t i = kRecordHeaderBytes + payload.size(); i < record.size(); ++i)
+  EXPECT_EQ(std::memcmp(record.data() + kRecordPayloadOffset, payload.data(), payload.size()), 0);
+  // Padding (the header page's rest and after the payload) is zeroed, whatever the buffer held.
+  for (size_t i = kRecordHeaderBytes; i < kRecordPayloadOffset; ++i) ASSERT_EQ(record[i], 0) << i;
+  for (size_t i = kRecordPayloadOffset + payload.size(); i < record.size(); ++i)
     ASSERT_EQ(record[i], 0) << i;
+  // Verified in two parts (header page and payload read into different memory), the same.
+  auto parts = VerifyRecordParts(std::span(record).first(kRecordPayloadOffset),
+                                 std::span(record).subspan(kRecordPayloadOffset));
+  ASSERT_TRUE(parts.ok()) << parts.status();
+  EXPECT_EQ(parts->checksum, verified->checksum);
+  EXPECT_EQ(VerifyRecordParts(std::span(record).first(kRecordPayloadOffset),
+                              std::span(record).subspan(kRecordPayloadOffset, payload.size() - 1))
+                .status()
+                .code(),
+            StatusCode::kDataLoss);
   auto header = DecodeRecordHeader(record);
   ASSERT_TRUE(header.ok());
   EXPECT_EQ(header->checksum, verified->checksum);
@@ -119,7 +133,7 @@ TEST(RecordTest, RejectsBadMagic) {
 }
 
 TEST(RecordTest, OtherVersionIsFailedPrecondition) {
-  for (uint16_t version : {uint16_t{0}, uint16_t{2}, uint16_t{0xffff}}) {
+  for (uint16_t version : {uint16_t{0}, uint16_t{1}, uint16_t{3}, uint16_t{0xffff}}) {
     auto record = MakeRecord(Payload(10, 1));
     Put16(record, 4, version);
     auto decoded = DecodeRecordHeader(record);
@@ -160,7 +174,7 @@ TEST(RecordTest, RejectsBadKey) {
 TEST(RecordTest, AnyCorruptedPayloadByteIsDataLoss) {
   const auto payload = Payload(5000, 9);
   const auto clean = MakeRecord(payload);
-  for (size_t i = kRecordHeaderBytes; i < kRecordHeaderBytes + payload.size(); i += 97) {
+  for (size_t i = kRecordPayloadOffset; i < kRecordPayloadOffset + payload.size(); i += 97) {
     auto record = clean;
     record[i] ^= 0x40;
     EXPECT_EQ(VerifyRecord(record).status().code(), StatusCode::kDataLoss) << i;
@@ -202,7 +216,7 @@ TEST(RecordTest, TornRecordsFailVerification) {
   std::memcpy(torn.data() + 4096, new_record.data() + 4096, new_record.size() - 4096);
   EXPECT_EQ(VerifyRecord(torn).status().code(), StatusCode::kDataLoss);
   // Truncated read: fewer bytes than header + payload.
-  EXPECT_EQ(VerifyRecord(std::span(new_record).first(kRecordHeaderBytes + new_payload.size() - 1))
+  EXPECT_EQ(VerifyRecord(std::span(new_record).first(kRecordPayloadOffset + new_payload.size() - 1))
                 .status()
                 .code(),
             StatusCode::kDataLoss);

@@ -188,21 +188,44 @@ Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options,
 SsdStore::~SsdStore() = default;
 
 Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uint8_t> payload,
-                                 AlignedBuffer* staging) {
+                                 AlignedBuffer* staging, uint64_t payload_capacity) {
   if (payload.empty() || payload.size() > kMaxRecordPayloadBytes) {
     return Status::InvalidArgument(
         fmt::format("an SSD record holds 1 byte to 1 GiB, not {}", payload.size()));
   }
   const uint64_t record_bytes = RecordBytes(payload.size());
-  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, record_bytes));
+  const uint64_t padded = PaddedPayloadBytes(payload.size());
+  // Zero copy when the payload's pages can go to the device as they are: aligned, and readable up
+  // to the next 4 KiB boundary.
+  const bool direct = reinterpret_cast<uintptr_t>(payload.data()) % kRecordAlignment == 0 &&
+                      payload_capacity >= padded;
+  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, direct ? kRecordPayloadOffset : record_bytes));
   const uint64_t epoch = epoch_.fetch_add(1, std::memory_order_relaxed);
   const RecordHeader header{.key = key,
                             .payload_bytes = payload.size(),
                             .residence_generation = epoch,
                             .write_epoch = epoch};
-  ORBITKV_RETURN_IF_ERROR(EncodeRecord(header, payload, staging->span().first(record_bytes)));
+  if (direct) {
+    std::memset(staging->data(), 0, kRecordPayloadOffset);
+    ORBITKV_RETURN_IF_ERROR(
+        EncodeRecordHeader(header, payload, staging->span().first<kRecordHeaderBytes>()));
+  } else {
+    ORBITKV_RETURN_IF_ERROR(EncodeRecord(header, payload, staging->span().first(record_bytes)));
+  }
   ORBITKV_ASSIGN_OR_RETURN(Extent extent, allocator_->Allocate(record_bytes));
-  Status written = devices_[extent.file]->Write(extent.offset, staging->span().first(record_bytes));
+  Status written;
+  if (direct) {
+    // The device only reads write buffers.
+    const IoRequest requests[2] = {
+        {IoRequest::Op::kWrite, extent.offset, staging->span().first(kRecordPayloadOffset)},
+        {IoRequest::Op::kWrite, extent.offset + kRecordPayloadOffset,
+         std::span<uint8_t>(const_cast<uint8_t*>(payload.data()), padded)}};
+    for (const Status& status : devices_[extent.file]->Submit(requests)) {
+      if (!status.ok() && written.ok()) written = status;
+    }
+  } else {
+    written = devices_[extent.file]->Write(extent.offset, staging->span().first(record_bytes));
+  }
   if (!written.ok()) {
     allocator_->Release(extent);
     // Unavailable, not the device's code: a full file system (ENOSPC) must not read as "the store
@@ -212,6 +235,46 @@ Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uin
                                            written.ToString()));
   }
   return PackLocator(extent.file, extent.offset);
+}
+
+Status SsdStore::ReadInto(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes,
+                          AlignedBuffer* staging, std::span<uint8_t> destination) {
+  const uint32_t file = LocatorFile(locator);
+  if (file >= devices_.size() || payload_bytes == 0 || payload_bytes > kMaxRecordPayloadBytes) {
+    return Status::InvalidArgument("not a locator of this store");
+  }
+  const uint64_t padded = PaddedPayloadBytes(payload_bytes);
+  if (reinterpret_cast<uintptr_t>(destination.data()) % kRecordAlignment != 0 ||
+      destination.size() < padded) {
+    // Not page-aligned memory: read through the staging buffer and copy.
+    ORBITKV_ASSIGN_OR_RETURN(std::span<const uint8_t> payload,
+                             Read(key, locator, payload_bytes, staging));
+    if (destination.size() < payload_bytes) {
+      return Status::InvalidArgument("the destination is smaller than the payload");
+    }
+    std::memcpy(destination.data(), payload.data(), payload_bytes);
+    return Status::Ok();
+  }
+  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, kRecordPayloadOffset));
+  const uint64_t offset = LocatorOffset(locator);
+  const IoRequest requests[2] = {
+      {IoRequest::Op::kRead, offset, staging->span().first(kRecordPayloadOffset)},
+      {IoRequest::Op::kRead, offset + kRecordPayloadOffset, destination.first(padded)}};
+  for (const Status& status : devices_[file]->Submit(requests)) {
+    ORBITKV_RETURN_IF_ERROR(status);
+  }
+  Result<RecordHeader> header = VerifyRecordParts(staging->span().first(kRecordPayloadOffset),
+                                                  destination.first(payload_bytes));
+  if (!header.ok()) {
+    return Status::DataLoss(fmt::format("SSD record in file {} at {} is not intact: {}", file,
+                                        offset, header.status().message()));
+  }
+  if (header->key != key || header->payload_bytes != payload_bytes) {
+    return Status::DataLoss(
+        fmt::format("SSD record in file {} at {} belongs to another block (the extent was reused)",
+                    file, offset));
+  }
+  return Status::Ok();
 }
 
 Result<std::span<const uint8_t>> SsdStore::Read(const state::StateKey& key, uint64_t locator,
@@ -234,7 +297,7 @@ Result<std::span<const uint8_t>> SsdStore::Read(const state::StateKey& key, uint
         fmt::format("SSD record in file {} at {} belongs to another block (the extent was reused)",
                     file, LocatorOffset(locator)));
   }
-  return std::span<const uint8_t>(record.data() + kRecordHeaderBytes, payload_bytes);
+  return std::span<const uint8_t>(record.data() + kRecordPayloadOffset, payload_bytes);
 }
 
 void SsdStore::Release(uint64_t locator, uint64_t payload_bytes) {

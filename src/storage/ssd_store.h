@@ -85,8 +85,11 @@ class SsdStore {
   // ResourceExhausted when the store is full (the caller may free space and retry); Unavailable
   // when the device failed the write (EIO, ENOSPC of the file system), and the extent is released
   // again.
+  // When `payload` starts on a 4 KiB boundary and `payload_capacity` (the bytes readable there)
+  // covers it rounded up to 4 KiB, the payload goes to the device as it is (zero copy; the DRAM
+  // pool's blocks qualify) and `staging` holds only the header page.
   Result<uint64_t> Write(const state::StateKey& key, std::span<const uint8_t> payload,
-                         AlignedBuffer* staging);
+                         AlignedBuffer* staging, uint64_t payload_capacity = 0);
 
   // Reads the record at `locator` into `staging` and returns its payload (a view into `staging`,
   // valid until the next use of it). DataLoss when the bytes there are not an intact record of
@@ -94,6 +97,12 @@ class SsdStore {
   // error for a failed read.
   Result<std::span<const uint8_t>> Read(const state::StateKey& key, uint64_t locator,
                                         uint64_t payload_bytes, AlignedBuffer* staging);
+
+  // Reads the record's payload straight into `destination` (zero copy when it starts on a 4 KiB
+  // boundary and holds the payload rounded up to 4 KiB, else through `staging`) and verifies it.
+  // The errors of Read(); on an error `destination` holds unspecified bytes.
+  Status ReadInto(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes,
+                  AlignedBuffer* staging, std::span<uint8_t> destination);
 
   // Returns the extent of the record at `locator` (payload size as written).
   void Release(uint64_t locator, uint64_t payload_bytes);
