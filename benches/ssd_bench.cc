@@ -32,6 +32,7 @@ constexpr uint32_t kBlocks = 1024;  // 1 GiB
 constexpr uint32_t kChain = 64;
 constexpr int kWriters = 4;
 constexpr int kReaders = 4;
+constexpr int kReadBatch = 4;  // records each reader thread reads at once (SsdTier::kReadBatch)
 
 std::string Run(const std::string& command) {
   std::string out;
@@ -184,7 +185,7 @@ int main(int argc, char** argv) {
     const std::string fio_dir = dir + "/fio";
     std::filesystem::create_directories(fio_dir);
     fio_write.push_back(Fio(fio_dir, "write", kWriters));
-    fio_read.push_back(Fio(fio_dir, "read", kReaders));
+    fio_read.push_back(Fio(fio_dir, "read", kReaders * kReadBatch));
     std::filesystem::remove_all(fio_dir);
     const TierFigures tier = MeasureTier(dir + "/tier");
     tier_write.push_back(tier.write_gbps);
@@ -198,9 +199,11 @@ int main(int argc, char** argv) {
   report.Add({"ssd_read_1m", "GB/s", Median(tier_read), "fio_read_1m", Median(fio_read)});
   AddStandardEnv(report);
   report.AddEnv("fio", fmt::format("io_uring, O_DIRECT, 1 MiB, iodepth {} (write) / {} (read)",
-                                   kWriters, kReaders));
-  report.AddEnv("tier", fmt::format("{} writer and {} reader threads, 1 GiB of 1 MiB blocks",
-                                    kWriters, kReaders));
+                                   kWriters, kReaders * kReadBatch));
+  report.AddEnv("tier",
+                fmt::format("{} writer threads, {} reader threads reading {} records at once, "
+                            "1 GiB of 1 MiB blocks",
+                            kWriters, kReaders, kReadBatch));
   report.AddEnv("rounds",
                 fmt::format("{} (medians; fio write {:.2f}-{:.2f}, tier write {:.2f}-{:.2f} GB/s)",
                             kRounds, *std::min_element(fio_write.begin(), fio_write.end()),

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 #include "base/clock.h"
 #include "base/logging.h"
@@ -33,6 +34,14 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options, 
   storage::ScanReport report;
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<storage::SsdStore> store,
                            storage::SsdStore::Open(options.store, &recovered, &report));
+  // Payloads go straight between the pool's arenas and the device: register them (io_uring fixed
+  // buffers) so the kernel does not map their pages on every request.
+  std::vector<std::span<uint8_t>> arenas;
+  for (size_t i = 0; i < cache->pool().arena_count(); ++i) {
+    const PinnedArena& arena = cache->pool().arena(i);
+    arenas.emplace_back(arena.data(), arena.size());
+  }
+  ORBITKV_RETURN_IF_ERROR(store->RegisterMemory(arenas));
   std::unique_ptr<SsdTier> tier(new SsdTier(options, cache, metrics, std::move(store)));
   tier->scan_report_ = report;
   tier->Recover(std::move(recovered));
@@ -296,46 +305,73 @@ Status SsdTier::Load(std::vector<state::StateKey> keys, LoadDone done) {
 
 void SsdTier::ReaderLoop() {
   storage::AlignedBuffer staging;
+  std::vector<ReadTask> tasks;
   for (;;) {
-    std::optional<ReadTask> task;
+    tasks.clear();
     {
       MutexLock lock(&mu_);
       // Readers drain every queued read before exiting, so every Load's callback runs.
       while (read_queue_.empty() && !stopping_) read_cv_.wait(mu_);
       if (read_queue_.empty()) return;
-      task.emplace(std::move(read_queue_.front()));
-      read_queue_.pop_front();
+      // A few at once: their records are read as one batch per file, in offset order.
+      while (!read_queue_.empty() && tasks.size() < kReadBatch) {
+        tasks.push_back(std::move(read_queue_.front()));
+        read_queue_.pop_front();
+      }
     }
-    const Status status = ReadOne(task->key, &staging);
-    cache_->coalescer().Complete(task->key, status);
+    ReadMany(tasks, &staging);
   }
 }
 
-Status SsdTier::ReadOne(const state::StateKey& key, storage::AlignedBuffer* staging) {
-  std::optional<SsdResidence> residence = cache_->table().FindSsd(key);
-  if (!residence.has_value()) return Status::NotFound("the block left the SSD tier");
-  // The DRAM block first, so the payload is read straight into it; an error aborts the writer.
-  Result<BlockWriter> writer = cache_->Prepare(key, residence->bytes);
-  if (!writer.ok()) {
-    // Already in DRAM (a save or another load won): the block is there, which is what was asked.
-    if (writer.status().code() == StatusCode::kAlreadyExists) return Status::Ok();
-    return writer.status();
+void SsdTier::ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* staging) {
+  struct Pending {
+    size_t task;
+    SsdResidence residence;
+    BlockWriter writer;
+  };
+  std::vector<Pending> pending;
+  std::vector<storage::SsdStore::BatchRead> reads;
+  std::vector<Status> statuses(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const state::StateKey& key = tasks[t].key;
+    std::optional<SsdResidence> residence = cache_->table().FindSsd(key);
+    if (!residence.has_value()) {
+      statuses[t] = Status::NotFound("the block left the SSD tier");
+      continue;
+    }
+    // The DRAM block first, so the payload is read straight into it; an error aborts the writer.
+    Result<BlockWriter> writer = cache_->Prepare(key, residence->bytes);
+    if (!writer.ok()) {
+      // Already in DRAM (a save or another load won): the block is there, which is what was asked.
+      statuses[t] =
+          writer.status().code() == StatusCode::kAlreadyExists ? Status::Ok() : writer.status();
+      continue;
+    }
+    pending.push_back(Pending{t, *residence, std::move(*writer)});
   }
-  const std::span<uint8_t> destination(writer->data(),
-                                       storage::PaddedPayloadBytes(residence->bytes));
-  Status read = store_->ReadInto(key, residence->locator, residence->bytes, staging, destination);
-  if (!read.ok()) {
-    if (read.code() == StatusCode::kDataLoss) {
+  for (Pending& p : pending) {
+    reads.push_back(storage::SsdStore::BatchRead{
+        &tasks[p.task].key, p.residence.locator, p.residence.bytes,
+        std::span<uint8_t>(p.writer.data(), storage::PaddedPayloadBytes(p.residence.bytes)),
+        Status::Ok()});
+  }
+  store_->ReadBatch(reads, staging);
+  for (size_t i = 0; i < pending.size(); ++i) {
+    Pending& p = pending[i];
+    const Status& read = reads[i].status;
+    if (read.ok()) {
+      reads_->Increment();
+      read_bytes_->Increment(p.residence.bytes);
+      cache_->Seal(p.writer, TransitionCause::kRestore);
+    } else if (read.code() == StatusCode::kDataLoss) {
       verify_failures_->Increment();
       ORBITKV_LOG_WARN("ssd: {}; served as a miss and dropped", read.message());
-      Forget(key, residence->generation, TransitionCause::kCleanup);
+      Forget(tasks[p.task].key, p.residence.generation, TransitionCause::kCleanup);
     }
-    return read;  // the writer aborts: nothing of the bad read is ever published
+    statuses[p.task] = read;
   }
-  reads_->Increment();
-  read_bytes_->Increment(residence->bytes);
-  cache_->Seal(*writer, TransitionCause::kRestore);
-  return Status::Ok();
+  pending.clear();  // unsealed writers abort: nothing of a bad read is ever published
+  for (size_t t = 0; t < tasks.size(); ++t) cache_->coalescer().Complete(tasks[t].key, statuses[t]);
 }
 
 void SsdTier::Flush() {
@@ -382,6 +418,7 @@ SsdTierStats SsdTier::Stats() const {
   stats.filtered = filtered_->Value();
   stats.write_errors = write_errors_->Value();
   stats.admissions_enabled = admissions_enabled_.load(std::memory_order_acquire);
+  stats.registered_io = store_->registered_requests();
   return stats;
 }
 

@@ -73,6 +73,7 @@ struct SsdTierStats {
   uint64_t filtered = 0;
   uint64_t write_errors = 0;
   bool admissions_enabled = true;
+  uint64_t registered_io = 0;  // device requests on registered (fixed) pool memory
 };
 
 class SsdTier {
@@ -124,6 +125,7 @@ class SsdTier {
     state::StateKey key;
     uint64_t generation = 0;
   };
+  static constexpr size_t kReadBatch = 4;  // records a reader thread reads at once
   struct LoadJob;
   struct ReadTask {
     state::StateKey key;
@@ -136,7 +138,8 @@ class SsdTier {
   void WriterLoop();
   void ReaderLoop();
   void WriteOne(WriteJob& job, storage::AlignedBuffer* staging);
-  Status ReadOne(const state::StateKey& key, storage::AlignedBuffer* staging);
+  // Loads the tasks' blocks into DRAM (one batch of reads) and completes each in the coalescer.
+  void ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* staging);
   // Frees the oldest records until about `bytes` were released; false when nothing is left.
   bool EvictOldest(uint64_t bytes);
   // Forgets the record of `key` with `generation`: drops the residence and frees the extent.

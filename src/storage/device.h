@@ -58,6 +58,19 @@ class Device {
   // (ResourceExhausted for ENOSPC, DataLoss for EIO, ...) for a failed one.
   std::vector<Status> Submit(std::span<const IoRequest> requests);
 
+  // Registers long-lived memory that requests will use as buffers (the DRAM pool's arenas), so a
+  // backend that can (io_uring: fixed buffers) skips mapping the pages on every request. Requests
+  // whose buffer lies inside a registered region use it; others work as before. Replaces any
+  // earlier registration; the memory must stay valid until the device is destroyed or registers
+  // again. OK when the backend has nothing to register (psync) or registration was refused (logged
+  // once: requests then run unregistered).
+  virtual Status RegisterMemory(std::span<const std::span<uint8_t>> regions) {
+    (void)regions;
+    return Status::Ok();
+  }
+  // Requests that ran on registered memory so far (tests, metrics).
+  virtual uint64_t registered_requests() const { return 0; }
+
   // Single-request conveniences over Submit().
   Status Read(uint64_t offset, std::span<uint8_t> out);
   Status Write(uint64_t offset, std::span<const uint8_t> data);

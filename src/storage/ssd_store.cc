@@ -300,6 +300,84 @@ Result<std::span<const uint8_t>> SsdStore::Read(const state::StateKey& key, uint
   return std::span<const uint8_t>(record.data() + kRecordPayloadOffset, payload_bytes);
 }
 
+void SsdStore::ReadBatch(std::span<BatchRead> reads, AlignedBuffer* staging) {
+  if (reads.empty()) return;
+  Status grown = EnsureCapacity(staging, reads.size() * kRecordPayloadOffset);
+  std::vector<size_t> order;
+  for (size_t i = 0; i < reads.size(); ++i) {
+    BatchRead& read = reads[i];
+    const uint32_t file = LocatorFile(read.locator);
+    if (!grown.ok()) {
+      read.status = grown;
+    } else if (file >= devices_.size() || read.payload_bytes == 0 ||
+               read.payload_bytes > kMaxRecordPayloadBytes) {
+      read.status = Status::InvalidArgument("not a locator of this store");
+    } else if (reinterpret_cast<uintptr_t>(read.destination.data()) % kRecordAlignment != 0 ||
+               read.destination.size() < PaddedPayloadBytes(read.payload_bytes)) {
+      read.status = Status::InvalidArgument("a batch read needs page-aligned room for the payload");
+    } else {
+      read.status = Status::Ok();
+      order.push_back(i);
+    }
+  }
+  // By file, then offset.
+  std::sort(order.begin(), order.end(), [&reads](size_t a, size_t b) {
+    return std::pair(LocatorFile(reads[a].locator), LocatorOffset(reads[a].locator)) <
+           std::pair(LocatorFile(reads[b].locator), LocatorOffset(reads[b].locator));
+  });
+  std::vector<IoRequest> requests;
+  for (size_t begin = 0; begin < order.size();) {
+    const uint32_t file = LocatorFile(reads[order[begin]].locator);
+    size_t end = begin;
+    requests.clear();
+    while (end < order.size() && LocatorFile(reads[order[end]].locator) == file) {
+      BatchRead& read = reads[order[end]];
+      const uint64_t offset = LocatorOffset(read.locator);
+      requests.push_back(
+          {IoRequest::Op::kRead, offset,
+           staging->span().subspan(order[end] * kRecordPayloadOffset, kRecordPayloadOffset)});
+      requests.push_back({IoRequest::Op::kRead, offset + kRecordPayloadOffset,
+                          read.destination.first(PaddedPayloadBytes(read.payload_bytes))});
+      ++end;
+    }
+    const std::vector<Status> done = devices_[file]->Submit(requests);
+    for (size_t k = begin; k < end; ++k) {
+      BatchRead& read = reads[order[k]];
+      const size_t r = 2 * (k - begin);
+      if (!done[r].ok() || !done[r + 1].ok()) {
+        read.status = done[r].ok() ? done[r + 1] : done[r];
+        continue;
+      }
+      Result<RecordHeader> header = VerifyRecordParts(
+          staging->span().subspan(order[k] * kRecordPayloadOffset, kRecordPayloadOffset),
+          read.destination.first(read.payload_bytes));
+      const uint64_t offset = LocatorOffset(read.locator);
+      if (!header.ok()) {
+        read.status = Status::DataLoss(fmt::format("SSD record in file {} at {} is not intact: {}",
+                                                   file, offset, header.status().message()));
+      } else if (header->key != *read.key || header->payload_bytes != read.payload_bytes) {
+        read.status = Status::DataLoss(fmt::format(
+            "SSD record in file {} at {} belongs to another block (the extent was reused)", file,
+            offset));
+      }
+    }
+    begin = end;
+  }
+}
+
+Status SsdStore::RegisterMemory(std::span<const std::span<uint8_t>> regions) {
+  for (const std::unique_ptr<Device>& device : devices_) {
+    ORBITKV_RETURN_IF_ERROR(device->RegisterMemory(regions));
+  }
+  return Status::Ok();
+}
+
+uint64_t SsdStore::registered_requests() const {
+  uint64_t total = 0;
+  for (const std::unique_ptr<Device>& device : devices_) total += device->registered_requests();
+  return total;
+}
+
 void SsdStore::Release(uint64_t locator, uint64_t payload_bytes) {
   allocator_->Release(
       Extent{LocatorFile(locator), LocatorOffset(locator), RecordBytes(payload_bytes)});

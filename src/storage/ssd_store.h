@@ -104,6 +104,26 @@ class SsdStore {
   Status ReadInto(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes,
                   AlignedBuffer* staging, std::span<uint8_t> destination);
 
+  // One record to read by ReadBatch.
+  struct BatchRead {
+    const state::StateKey* key = nullptr;
+    uint64_t locator = 0;
+    uint64_t payload_bytes = 0;
+    std::span<uint8_t> destination;  // page-aligned, at least the payload rounded up to 4 KiB
+    Status status;                   // set by ReadBatch
+  };
+  // Reads several records at once, like ReadInto each: the reads of one file go to its device as
+  // one batch in offset order, so adjacent records are read back to back (and merged by the block
+  // layer) rather than one round trip each. Each read gets its own status; a destination that is
+  // not page-aligned or too small is InvalidArgument for that read alone.
+  void ReadBatch(std::span<BatchRead> reads, AlignedBuffer* staging);
+
+  // Registers memory that payloads are written from and read into (the DRAM pool's arenas) with
+  // every file's device (io_uring fixed buffers; see Device::RegisterMemory).
+  Status RegisterMemory(std::span<const std::span<uint8_t>> regions);
+  // Requests that ran on registered memory, over all files.
+  uint64_t registered_requests() const;
+
   // Returns the extent of the record at `locator` (payload size as written).
   void Release(uint64_t locator, uint64_t payload_bytes);
 

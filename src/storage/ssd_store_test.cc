@@ -130,6 +130,49 @@ TEST_P(SsdStoreTest, ZeroCopyWriteAndReadIntoPageAlignedMemory) {
             StatusCode::kDataLoss);
 }
 
+TEST_P(SsdStoreTest, BatchReadsAcrossFilesEachGetTheirOwnStatus) {
+  TempDir dir;
+  std::vector<RecoveredRecord> recovered;
+  ScanReport report;
+  auto store = SsdStore::Open(Options(dir.path(), 8 * kMiB, GetParam()), &recovered, &report);
+  ASSERT_TRUE(store.ok()) << store.status();
+  AlignedBuffer staging;
+  std::vector<uint64_t> locators;
+  std::vector<state::StateKey> keys;
+  for (uint64_t i = 0; i < 6; ++i) {
+    keys.push_back(Key(i));
+    auto locator = (*store)->Write(keys.back(), Payload(40'000, i), &staging);
+    ASSERT_TRUE(locator.ok());
+    locators.push_back(*locator);
+  }
+  const uint64_t room = PaddedPayloadBytes(40'000);
+  auto memory = AlignedBuffer::Create(7 * room, 4096);
+  ASSERT_TRUE(memory.ok());
+  std::vector<SsdStore::BatchRead> reads;
+  // In reverse order (the batch sorts by file and offset), one with the wrong key, one with a
+  // misaligned destination.
+  for (int i = 5; i >= 0; --i) {
+    reads.push_back({&keys[static_cast<size_t>(i)], locators[static_cast<size_t>(i)], 40'000,
+                     memory->span().subspan(static_cast<size_t>(i) * room, room), Status::Ok()});
+  }
+  const state::StateKey wrong = Key(99);
+  reads[1].key = &wrong;
+  reads.push_back({&keys[0], locators[0], 40'000, memory->span().subspan(6 * room + 8, room - 8),
+                   Status::Ok()});
+  (*store)->ReadBatch(reads, &staging);
+  for (int i = 5; i >= 0; --i) {
+    const SsdStore::BatchRead& read = reads[static_cast<size_t>(5 - i)];
+    if (i == 4) {
+      EXPECT_EQ(read.status.code(), StatusCode::kDataLoss);
+      continue;
+    }
+    ASSERT_TRUE(read.status.ok()) << i << ": " << read.status;
+    const auto payload = Payload(40'000, static_cast<uint64_t>(i));
+    EXPECT_EQ(std::memcmp(read.destination.data(), payload.data(), payload.size()), 0) << i;
+  }
+  EXPECT_EQ(reads.back().status.code(), StatusCode::kInvalidArgument);
+}
+
 TEST_P(SsdStoreTest, FullStoreIsResourceExhaustedAndReleaseFreesSpace) {
   TempDir dir;
   std::vector<RecoveredRecord> recovered;

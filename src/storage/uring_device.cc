@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 #include <liburing.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "base/check.h"
+#include "base/logging.h"
 #include "storage/aligned_buffer.h"
 #include "storage/device_file.h"
 
@@ -27,6 +29,9 @@ class UringRing {
     if (initialized_) io_uring_queue_exit(&ring_);
   }
   io_uring* get() { return &ring_; }
+  // The version of the device's registered memory this ring holds as fixed buffers (0: none).
+  uint64_t registered_version = 0;
+  bool has_fixed_buffers = false;
 
  private:
   UringRing() = default;
@@ -75,15 +80,85 @@ UringDevice::UringDevice(ScopedFd fd, uint64_t size, bool direct_io, uint32_t qu
 UringDevice::~UringDevice() = default;
 
 Result<std::unique_ptr<UringRing>> UringDevice::AcquireRing() {
+  std::unique_ptr<UringRing> ring;
+  std::shared_ptr<const std::vector<Chunk>> chunks;
+  uint64_t version = 0;
   {
     MutexLock lock(&mu_);
     if (!idle_rings_.empty()) {
-      auto ring = std::move(idle_rings_.back());
+      ring = std::move(idle_rings_.back());
       idle_rings_.pop_back();
-      return ring;
+    }
+    chunks = chunks_;
+    version = chunks_version_;
+  }
+  if (ring == nullptr) {
+    ORBITKV_ASSIGN_OR_RETURN(ring, UringRing::Create(queue_depth_));
+  }
+  if (ring->registered_version != version) {
+    if (ring->has_fixed_buffers) {
+      io_uring_unregister_buffers(ring->get());
+      ring->has_fixed_buffers = false;
+    }
+    if (chunks != nullptr && !chunks->empty()) {
+      std::vector<iovec> iovecs;
+      for (const Chunk& chunk : *chunks) {
+        iovecs.push_back(iovec{reinterpret_cast<void*>(chunk.begin), chunk.end - chunk.begin});
+      }
+      const int rc = io_uring_register_buffers(ring->get(), iovecs.data(),
+                                               static_cast<unsigned>(iovecs.size()));
+      if (rc == 0) {
+        ring->has_fixed_buffers = true;
+      } else {
+        MutexLock lock(&mu_);
+        if (!registration_refused_) {
+          registration_refused_ = true;
+          ORBITKV_LOG_WARN(
+              "io_uring: registering {} buffer(s) failed ({}); requests run "
+              "unregistered",
+              iovecs.size(), ErrnoStatus("io_uring_register_buffers", -rc).ToString());
+        }
+      }
+    }
+    ring->registered_version = version;
+  }
+  return ring;
+}
+
+Status UringDevice::RegisterMemory(std::span<const std::span<uint8_t>> regions) {
+  constexpr uintptr_t kMaxChunk = uintptr_t{1} << 30;
+  auto chunks = std::make_shared<std::vector<Chunk>>();
+  for (std::span<uint8_t> region : regions) {
+    uintptr_t begin = reinterpret_cast<uintptr_t>(region.data());
+    const uintptr_t end = begin + region.size();
+    while (begin < end) {
+      const uintptr_t chunk_end = std::min(end, begin + kMaxChunk);
+      chunks->push_back(Chunk{begin, chunk_end});
+      begin = chunk_end;
     }
   }
-  return UringRing::Create(queue_depth_);
+  std::sort(chunks->begin(), chunks->end(),
+            [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
+  if (chunks->size() > 16384) {
+    return Status::InvalidArgument(
+        fmt::format("{} fixed buffers exceed io_uring's 16384", chunks->size()));
+  }
+  MutexLock lock(&mu_);
+  chunks_ = std::move(chunks);
+  ++chunks_version_;
+  return Status::Ok();
+}
+
+int UringDevice::FixedIndex(const std::vector<Chunk>& chunks, const uint8_t* data,
+                            size_t bytes) const {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  auto it =
+      std::upper_bound(chunks.begin(), chunks.end(), begin,
+                       [](uintptr_t address, const Chunk& chunk) { return address < chunk.begin; });
+  if (it == chunks.begin()) return -1;
+  --it;
+  if (begin < it->begin || begin + bytes > it->end) return -1;
+  return static_cast<int>(it - chunks.begin());
 }
 
 void UringDevice::ReleaseRing(std::unique_ptr<UringRing> ring) {
@@ -106,6 +181,12 @@ void UringDevice::DoSubmit(std::span<const IoRequest> requests, std::span<const 
   }
   std::unique_ptr<UringRing> ring = std::move(acquired).value();
   io_uring* r = ring->get();
+  std::shared_ptr<const std::vector<Chunk>> chunks;
+  if (ring->has_fixed_buffers) {
+    MutexLock lock(&mu_);
+    chunks =
+        chunks_;  // the set this ring registered (a newer one re-registers on the next acquire)
+  }
   size_t next = 0;  // Next entry of `valid` to prepare.
   size_t outstanding =
       0;  // Prepared and not yet completed (queued in the SQ ring or in the kernel).
@@ -115,9 +196,23 @@ void UringDevice::DoSubmit(std::span<const IoRequest> requests, std::span<const 
       if (sqe == nullptr) break;  // SQ ring full of entries the kernel has not consumed yet.
       const size_t index = valid[next];
       const IoRequest& request = requests[index];
+      const int fixed = chunks != nullptr
+                            ? FixedIndex(*chunks, request.buffer.data(), request.buffer.size())
+                            : -1;
+      if (fixed >= 0) registered_requests_.fetch_add(1, std::memory_order_relaxed);
       if (request.op == IoRequest::Op::kWrite) {
-        io_uring_prep_write(sqe, fd_.get(), request.buffer.data(),
-                            static_cast<unsigned>(request.buffer.size()), request.offset);
+        if (fixed >= 0) {
+          io_uring_prep_write_fixed(sqe, fd_.get(), request.buffer.data(),
+                                    static_cast<unsigned>(request.buffer.size()), request.offset,
+                                    fixed);
+        } else {
+          io_uring_prep_write(sqe, fd_.get(), request.buffer.data(),
+                              static_cast<unsigned>(request.buffer.size()), request.offset);
+        }
+      } else if (fixed >= 0) {
+        io_uring_prep_read_fixed(sqe, fd_.get(), request.buffer.data(),
+                                 static_cast<unsigned>(request.buffer.size()), request.offset,
+                                 fixed);
       } else {
         io_uring_prep_read(sqe, fd_.get(), request.buffer.data(),
                            static_cast<unsigned>(request.buffer.size()), request.offset);

@@ -15,6 +15,7 @@
 #ifndef ORBITKV_STORAGE_URING_DEVICE_H_
 #define ORBITKV_STORAGE_URING_DEVICE_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,6 +47,14 @@ class UringDevice final : public Device {
   bool direct_io() const override { return direct_io_; }
   uint32_t queue_depth() const { return queue_depth_; }
 
+  // Fixed buffers: the regions are split into chunks of at most 1 GiB (io_uring's limit per
+  // buffer) and registered with every ring of this device (rings created or idle before are
+  // re-registered when next used).
+  Status RegisterMemory(std::span<const std::span<uint8_t>> regions) override;
+  uint64_t registered_requests() const override {
+    return registered_requests_.load(std::memory_order_relaxed);
+  }
+
  private:
   UringDevice(ScopedFd fd, uint64_t size, bool direct_io, uint32_t queue_depth);
   void DoSubmit(std::span<const IoRequest> requests, std::span<const size_t> valid,
@@ -58,9 +67,22 @@ class UringDevice final : public Device {
   const bool direct_io_;
   const uint32_t queue_depth_;
 
+  struct Chunk {
+    uintptr_t begin = 0;
+    uintptr_t end = 0;
+  };
+  // The fixed-buffer index of the registered chunk holding [data, data + bytes), or -1.
+  int FixedIndex(const std::vector<Chunk>& chunks, const uint8_t* data, size_t bytes) const;
+
   Mutex mu_;
-  // Guarded by mu_.
   std::vector<std::unique_ptr<UringRing>> idle_rings_ GUARDED_BY(mu_);
+  // Registered chunks (sorted by address) and their version; a ring registered at an older version
+  // registers again when acquired.
+  std::shared_ptr<const std::vector<Chunk>> chunks_ GUARDED_BY(mu_);
+  uint64_t chunks_version_ GUARDED_BY(mu_) = 0;
+  bool registration_refused_ GUARDED_BY(mu_) = false;
+  // Relaxed: a statistic.
+  std::atomic<uint64_t> registered_requests_{0};
 };
 
 }  // namespace orbitkv::storage
