@@ -2,7 +2,7 @@
 
     client = CacheManagerClient()                        # this host's Manager, default socket
     client.register_instance(7, namespace)               # namespace: orbitkv.derive_namespace(...)
-    client.register_group(7, 0, [k_cache, v_cache])      # tensors/arrays from orbitkv.shm, [num_pages, ...]
+    client.register_group(7, 0, [k_cache, v_cache])      # [num_pages, ...]: orbitkv.shm, host or CUDA tensors
     hit = client.query_prefetch(7, keys)                 # QueryHit(num_hit_blocks, lease), QueryLoading(op) or QueryMiss()
     client.start_restore(7, hit.lease, pages).wait()     # one completion after every copy drained
     client.save(7, [(key, page), ...])                   # returns once the blocks are resident
@@ -74,6 +74,45 @@ class RestoreHandle:
         return self.done
 
 
+_CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def _is_cuda(tensor) -> bool:
+    return bool(getattr(tensor, "is_cuda", False))
+
+
+def _cuda_ipc(tensor) -> tuple[bytes, int, str]:
+    """(handle, offset, pci_bus_id) of a torch CUDA tensor: the CUDA IPC handle of the allocation holding it, where
+    the tensor starts inside that allocation, and the GPU's PCI bus id (the Manager's CUDA ordinal for the GPU may
+    differ from this process's). The Manager opens the handle itself; nothing here needs the Manager's CUDA code."""
+    import torch
+
+    storage = tensor.untyped_storage()
+    # (device, handle, storage bytes, storage offset in the allocation, ref counter handle, ref counter offset,
+    # event handle, event sync required)
+    shared = storage._share_cuda_()
+    device, handle, offset_bytes = shared[0], bytes(shared[1]), shared[3]
+    # Older torch gives the raw cudaIpcMemHandle_t (64 bytes); newer torch (2.2+) prefixes a format version byte
+    # and a block type: b"c" for a cudaMalloc block (the raw handle follows), b"e" for an expandable segment
+    # (a different handle, which CUDA IPC cannot open).
+    if len(handle) == _CUDA_IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
+        handle = handle[2:]
+    elif len(handle) > 1 and handle[1:2] == b"e":
+        raise ValueError(
+            "this CUDA tensor lives in an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), "
+            "which cannot be exported as a cudaIpcMemHandle_t: turn expandable segments off for the KV cache")
+    if len(handle) != _CUDA_IPC_HANDLE_BYTES:
+        raise ValueError(f"torch exported a CUDA IPC handle of {len(handle)} bytes in a format this client does "
+                         "not know (a raw cudaIpcMemHandle_t is 64 bytes)")
+    offset = int(offset_bytes) + tensor.storage_offset() * tensor.element_size()
+    props = torch.cuda.get_device_properties(device)
+    try:
+        bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    except AttributeError as error:
+        raise ValueError(f"this torch ({torch.__version__}) does not report the GPU's PCI bus id") from error
+    return handle, offset, bus_id
+
+
 def _layout(tensor) -> tuple[int, int, int, int, int, int, int]:
     """(fd, buffer_bytes, base_offset, page_stride, page_bytes, address, num_pages) of a [num_pages, ...] array or
     tensor. Shared memory (orbitkv.shm) is mapped by the Manager; any other CPU memory is registered as this
@@ -97,7 +136,12 @@ def _layout(tensor) -> tuple[int, int, int, int, int, int, int]:
         raise ValueError("each page (tensor[i]) must be contiguous")
     if view is not None:
         return view.buffer.fd, view.buffer.nbytes, view.offset, stride, page_bytes, 0, num_pages
-    address, nbytes = shm._address_and_nbytes(tensor)  # raises for GPU tensors
+    if _is_cuda(tensor):
+        if stride <= 0 or num_pages == 0:
+            raise ValueError("a CUDA KV tensor needs at least one page and a positive page stride")
+        # The span the pages cover from the tensor's first byte (where _cuda_ipc's offset points).
+        return -1, (num_pages - 1) * stride + page_bytes, 0, stride, page_bytes, 0, num_pages
+    address, nbytes = shm._address_and_nbytes(tensor)
     # The whole span the pages cover, from the first page's first byte.
     span = (num_pages - 1) * stride + page_bytes if num_pages > 0 else nbytes
     return -1, span, 0, stride, page_bytes, address, num_pages
@@ -124,14 +168,23 @@ class CacheManagerClient:
 
         Buffers from ``orbitkv.shm`` are shared with the Manager; other CPU tensors or arrays (an engine's own
         host pool) are registered as this process's memory and copied by the Manager with process_vm_readv/writev
-        (same uid)."""
+        (same uid). torch CUDA tensors are exported with CUDA IPC (``untyped_storage()._share_cuda_()``) and the
+        Manager copies them with its GPU copy engine; it must run where that GPU is visible. A CUDA tensor's pages
+        must be written (stream synchronized) before ``save``, and are not read before a restore completed."""
+        tensors = list(tensors)
         layouts = [_layout(t) for t in tensors]
         pages = {layout[6] for layout in layouts}
         if len(pages) != 1:
             raise ValueError(f"all buffers of a group need the same number of pages, got {sorted(pages)}")
+        cuda = {_is_cuda(t) for t in tensors}
+        if len(cuda) != 1:
+            raise ValueError("the buffers of a group must all be CUDA tensors, or none of them")
+        buffers = [layout[:6] for layout in layouts]
+        if cuda.pop():
+            return self._native.register_group(instance_id, group, pages.pop(), buffers,
+                                               [_cuda_ipc(t) for t in tensors])
         if len({layout[0] < 0 for layout in layouts}) != 1:
             raise ValueError("the buffers of a group must all be in orbitkv.shm shared memory, or none of them")
-        buffers = [layout[:6] for layout in layouts]
         return self._native.register_group(instance_id, group, pages.pop(), buffers)
 
     def unregister_instance(self, instance_id: int) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SharedBuffer", "empty", "zeros", "buffer_of", "BufferView"]
+__all__ = ["SharedBuffer", "empty", "zeros", "buffer_of", "is_shared", "BufferView"]
 
 _PAGE = 4096
 _lock = threading.Lock()
@@ -114,3 +114,12 @@ def buffer_of(array) -> BufferView:
             if base <= address and address + nbytes <= base + buffer.nbytes:
                 return BufferView(buffer, address - base)
     raise ValueError("this array is not in OrbitKV shared memory; allocate it with orbitkv.shm.empty()")
+
+
+def is_shared(array) -> bool:
+    """Whether ``array`` (a numpy array or CPU tensor) lives in OrbitKV shared memory."""
+    try:
+        buffer_of(array)
+        return True
+    except (ValueError, TypeError):
+        return False

@@ -1,6 +1,7 @@
 // Python view of orbitkv::client::CacheClient. Every call that may block (anything that talks to
 // the Manager) releases the GIL; arguments are converted to C++ values before, so no Python object
 // is touched without it.
+#include <fmt/format.h>
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
@@ -68,18 +69,40 @@ void BindClient(py::module_& m) {
           "register_group",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint32_t num_pages,
              const std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>>&
-                 buffers) {
+                 buffers,
+             const std::optional<std::vector<std::tuple<py::bytes, uint64_t, std::string>>>&
+                 cuda_ipc) {
             std::vector<client::BufferSpec> specs;
             for (const auto& [fd, bytes, offset, stride, page, address] : buffers)
-              specs.push_back({fd, bytes, offset, stride, page, address});
+              specs.push_back({fd, bytes, offset, stride, page, address, std::nullopt});
+            if (cuda_ipc.has_value()) {
+              if (cuda_ipc->size() != specs.size()) {
+                throw StatusError(Status::InvalidArgument(
+                    "cuda_ipc needs one (handle, offset, pci_bus_id) per buffer"));
+              }
+              for (size_t i = 0; i < specs.size(); ++i) {
+                const auto& [handle, offset, bus_id] = (*cuda_ipc)[i];
+                const std::string raw = handle;
+                client::CudaIpcSpec spec;
+                if (raw.size() != spec.handle.size()) {
+                  throw StatusError(Status::InvalidArgument(fmt::format(
+                      "a CUDA IPC handle is {} bytes, not {}", spec.handle.size(), raw.size())));
+                }
+                std::copy(raw.begin(), raw.end(), spec.handle.begin());
+                spec.offset = offset;
+                spec.pci_bus_id = bus_id;
+                specs[i].cuda_ipc = std::move(spec);
+              }
+            }
             py::gil_scoped_release release;
             return ValueOrThrow(c.RegisterGroup(instance, group, num_pages, specs));
           },
           py::arg("instance_id"), py::arg("group"), py::arg("num_pages"), py::arg("buffers"),
+          py::arg("cuda_ipc") = py::none(),
           "buffers: [(fd, buffer_bytes, base_offset, page_stride, page_bytes, address)], one per "
-          "KV "
-          "buffer (fd -1: ordinary memory of this process at address); returns the padded bytes "
-          "of one block")
+          "KV buffer (fd -1: ordinary memory of this process at address); cuda_ipc: None, or "
+          "[(64-byte cudaIpcMemHandle_t, offset in the exported allocation, PCI bus id)], one per "
+          "buffer (fd -1, address 0): GPU buffers. Returns the padded bytes of one block")
       .def(
           "unregister_instance",
           [](CacheClient& c, uint64_t instance) { ThrowIfError(c.UnregisterInstance(instance)); },

@@ -1,13 +1,14 @@
 """Correctness gate: the reference engine served SGLang-style (radix tree, 64-token pages, SGLang page hashes,
-host pool in OrbitKV shared memory, OrbitKV as L3). Output with OrbitKV hits is bit-identical to recomputing,
-and a Manager that dies in the middle of a prefetch leaves the server recomputing with identical output."""
+OrbitKV as L3; the host pool in OrbitKV shared memory or in ordinary memory, as stock SGLang allocates it). Output
+with OrbitKV hits is bit-identical to recomputing, and a Manager that dies in the middle of a prefetch leaves the
+server recomputing with identical output."""
 
 import random
 
 import pytest
 import torch
 
-from orbitkv import refengine
+from orbitkv import refengine, shm
 from sglang_harness.engine_server import EngineServer
 from sglang_harness.hashing import page_hashes
 from sglang_harness.manager import ManagerProcess
@@ -34,21 +35,27 @@ def recompute(model, prompt):
     return engine.generate(engine.add_request(prompt), NEW_TOKENS)
 
 
+def in_shm(tensor) -> bool:
+    return shm.is_shared(tensor)
+
+
 def identical(a, b):
     return a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_hits_are_bit_identical_to_recompute(build_dir, model, layout):
+@pytest.mark.parametrize("layout,shared_host", [("page_first", True), ("page_first_direct", True),
+                                                ("page_first_direct", False)])  # False: stock SGLang's host pool
+def test_hits_are_bit_identical_to_recompute(build_dir, model, layout, shared_host):
     m = ManagerProcess(build_dir)
     try:
         first, second = prompts(layout)
-        writer = EngineServer(CONFIG, extra_config(m.socket), model=model, layout=layout)
+        writer = EngineServer(CONFIG, extra_config(m.socket), model=model, layout=layout, shared_host=shared_host)
         _, cached = writer.generate("a", first, NEW_TOKENS)
         writer.shutdown()
         assert cached == 0
-        reader = EngineServer(CONFIG, extra_config(m.socket), model=model, layout=layout)
+        reader = EngineServer(CONFIG, extra_config(m.socket), model=model, layout=layout, shared_host=shared_host)
         try:
+            assert in_shm(reader.host_pool.kv_buffer) == shared_host
             generation, cached = reader.generate("b", second, NEW_TOKENS)
             assert cached == 5 * 64  # the shared prefix, restored from OrbitKV
             assert reader.cache.events[0] == "prefetched:5"

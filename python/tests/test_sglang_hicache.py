@@ -1,11 +1,13 @@
 """OrbitKVStorage driven the way SGLang's HiCache drives an L3 backend (sglang_harness): one server backs pages
 up, a later server prefetches them, under each prefetch policy and write policy, with TP ranks agreeing on the
-minimum hit and MLA models writing from rank 0 only. Every served page's bytes are checked."""
+minimum hit and MLA models writing from rank 0 only. Every served page's bytes are checked. Host pools are OrbitKV
+shared memory unless a test says ``shared_host=False``: ordinary memory, as stock SGLang allocates its host pool."""
 
 import random
 
 import pytest
 
+from orbitkv import shm
 from orbitkv.sglang import OrbitKVStorage
 from orbitkv.sglang._compat import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang_harness.hashing import page_hashes
@@ -59,6 +61,36 @@ def test_prefetch_restores_every_page_byte_exact(manager, layout, policy):
     assert results == [{"cached": 6 * P, "wrong_pages": 0}] * 2
     assert [c.events[0] for c in reader.caches] == ["prefetched:6"] * 2
     assert [b.counters()["get_hits"] for b in reader.backends()] == [6, 6]
+    assert_clean(reader)
+
+
+def in_shm(tensor) -> bool:
+    return shm.is_shared(tensor)
+
+
+@pytest.mark.parametrize("layout,is_mla", [("page_first", False), ("page_first_direct", False),
+                                           ("layer_first", False), ("page_first_direct", True)])
+def test_ordinary_host_pools_as_stock_sglang_allocates_them(manager, layout, is_mla):
+    """SGLang's own host pool (not orbitkv.shm) is registered as process memory: backups and prefetches are
+    byte-exact in every layout, TP 2, and MHA or MLA."""
+    toks = tokens(f"ordinary-{layout}-{is_mla}", 4)
+    results, reader = writer_then_reader(manager.socket, toks, tp=2, layout=layout, is_mla=is_mla,
+                                         shared_host=False)
+    assert not any(in_shm(c.host_pool.kv_buffer) for c in reader.caches)
+    assert results == [{"cached": 4 * P, "wrong_pages": 0}] * 2
+    assert [b.counters()["get_hits"] for b in reader.backends()] == [4, 4]
+    assert_clean(reader)
+
+
+@pytest.mark.parametrize("writer_shared", [True, False])
+def test_pages_move_between_shared_and_ordinary_host_pools(manager, writer_shared):
+    """The memory kind is not part of the namespace: what a server with one kind backs up, a server with the other
+    prefetches, byte-exact."""
+    toks = tokens(f"mixed-{writer_shared}", 3)
+    results, reader = writer_then_reader(manager.socket, toks, shared_host=writer_shared,
+                                         reader_kwargs={"shared_host": not writer_shared})
+    assert in_shm(reader.caches[0].host_pool.kv_buffer) == (not writer_shared)
+    assert results == [{"cached": 3 * P, "wrong_pages": 0}]
     assert_clean(reader)
 
 

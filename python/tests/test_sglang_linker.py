@@ -1,6 +1,6 @@
 """OrbitKVLinker (SGLang UnifiedRadixCache external linker) driven the way UnifiedCacheLinkerWrapper drives it:
 offload, lookup, load + layer-wise loading, cancel, reset; plus the plugin that registers the radix-cache
-backend. Device pools are CPU tensors in OrbitKV shared memory (GPU pools need the GPU path)."""
+backend. Device pools are CPU tensors, in OrbitKV shared memory or ordinary memory (GPU pools need the GPU path)."""
 
 import enum
 import hashlib
@@ -90,7 +90,9 @@ def offload(linker, keys_, device_indices):
 
 
 def test_offload_lookup_load_round_trip(manager):
-    pool_a, pool_b = device_pool(), device_pool()
+    """Pool a is in OrbitKV shared memory, pool b in ordinary memory (registered as process memory): pages move
+    from each kind into the other."""
+    pool_a, pool_b = device_pool(shared=True), device_pool(shared=False)
     a, b = make_linker(manager.socket, pool_a), make_linker(manager.socket, pool_b)
     k = keys("linker", 4)
     assert offload(a, k, slots(3, 4)) is True
@@ -104,6 +106,16 @@ def test_offload_lookup_load_round_trip(manager):
     wait_for(lambda: b.num_completed_loads() == 1)
     assert b.pop_completed_load() == ["r1"]
     assert same_pages(pool_a, slots(3, 4), pool_b, slots(10, 4))
+    # Back the other way: b saves pages of its ordinary memory, a restores them into shared memory.
+    k2 = keys("linker-back", 2)
+    assert offload(b, k2, slots(20, 2)) is True
+    assert a.lookup("r2", kv(k2)) == [1, 2] and a.load("r2", kv(k2, slots(0, 2))) is True
+    a.layer_done_counter.set_consumer(a.start_layer_wise_loading())
+    a.layer_done_counter.wait_until(LAYERS - 1)
+    wait_for(lambda: a.num_completed_loads() == 1)
+    assert a.pop_completed_load() == ["r2"]
+    assert same_pages(pool_b, slots(20, 2), pool_a, slots(0, 2))
+    assert not same_pages(pool_b, slots(20, 2), pool_a, slots(3, 2))  # the pools' random content differs
     assert manager.stats()["leases_active"] == 0
     a.close()
     b.close()
@@ -165,10 +177,8 @@ def test_unsupported_pools_and_components_are_clear_errors(manager):
     gpu_like = MHATokenToKVPool(size=4 * P, page_size=P, layer_num=1, head_num=1, head_dim=8)
     gpu_like.k_buffer = [torch.empty(gpu_like.k_buffer[0].shape, device="meta")]
     gpu_like.v_buffer = [torch.empty(gpu_like.v_buffer[0].shape, device="meta")]
-    with pytest.raises(NotImplementedError, match="GPU path"):
+    with pytest.raises(NotImplementedError, match="device KV pool is on meta.*GPU path"):
         make_linker(manager.socket, gpu_like)
-    with pytest.raises(ValueError, match="not in shared memory"):
-        make_linker(manager.socket, device_pool(shared=False))
 
 
 def test_plugin_registers_the_radix_cache_backend(monkeypatch):
@@ -192,3 +202,18 @@ def test_plugin_registers_the_radix_cache_backend(monkeypatch):
     monkeypatch.setenv("ORBITKV_SGLANG_LINKER_CONFIG", "not json")
     with pytest.raises(ValueError, match="not JSON"):
         plugin._linker_config(types.SimpleNamespace())
+
+
+def test_gpu_pools_pass_through_once_the_client_registers_them(monkeypatch):
+    """With a client whose register_group takes a device's memory (the GPU path), the device pool's pages are
+    views of its own buffers on that device (a meta tensor stands in for a CUDA one)."""
+    from orbitkv import client
+    from orbitkv.sglang._layout import describe_device_pool
+
+    monkeypatch.setattr(client, "_layout", lambda view: (0,) * 7)
+    pool = types.SimpleNamespace(k_buffer=[torch.empty(4 * P + P, 2, 8, dtype=torch.bfloat16, device="meta")],
+                                 v_buffer=[torch.empty(4 * P + P, 2, 8, dtype=torch.bfloat16, device="meta")])
+    geometry = describe_device_pool(pool, P, is_mla=False)
+    assert geometry.num_pages == 5 and len(geometry.buffers) == 2
+    assert all(b.device.type == "meta" and tuple(b.shape) == (5, P * 2 * 8) for b in geometry.buffers)
+    assert geometry.block_bytes == 2 * P * 2 * 8 * 2

@@ -84,12 +84,15 @@ def test_page_hashes_match_the_reference_engine():
     assert page_hashes(tokens, 64) == refengine.sglang_page_hashes(tokens, 64)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shm", "ordinary"])
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first", "page_head"])
-def test_zero_copy_round_trip_every_mha_layout(manager, layout):
-    writer_pool, reader_pool = mha_pool(layout), mha_pool(layout)
+def test_zero_copy_round_trip_every_mha_layout(manager, layout, shared):
+    """Host pools in OrbitKV shared memory, or ordinary memory as stock SGLang allocates them (registered as
+    process memory): the same byte-exact round trip."""
+    writer_pool, reader_pool = mha_pool(layout, shared=shared), mha_pool(layout, shared=shared)
     writer = backend(config(manager.socket), writer_pool)
     reader = backend(config(manager.socket), reader_pool)
-    k = keys("rt-" + layout, 5)
+    k = keys(f"rt-{layout}-{shared}", 5)
     assert writer.batch_set_v1(k, slots(2, 5)) == [True] * 5
     assert reader.batch_exists(k + keys("absent", 1)) == 5
     assert reader.batch_get_v1(k, slots(9, 5)) == [True] * 5
@@ -143,10 +146,12 @@ def test_namespace_binds_model_dtype_layout_shard_and_scope(manager):
         s.close()
 
 
-def test_pools_outside_shared_memory_are_a_clear_error(manager):
+def test_host_pools_the_client_cannot_register_are_a_clear_error(manager):
+    pool = mha_pool(pages=2)
+    pool.kv_buffer = torch.empty(pool.kv_buffer.shape, dtype=pool.dtype, device="meta")  # not host memory
     storage = OrbitKVStorage(config(manager.socket), {})
-    with pytest.raises(ValueError, match="not in shared memory"):
-        storage.register_mem_pool_host(mha_pool(shared=False))
+    with pytest.raises(NotImplementedError, match="host KV pool is on meta.*GPU path.*ordinary"):
+        storage.register_mem_pool_host(pool)
     storage.close()
 
 
@@ -180,10 +185,11 @@ def test_bad_configuration_is_a_clear_error(manager):
         OrbitKVStorage(config(manager.socket + ".nobody"), {})
 
 
-def test_generic_copy_path_round_trips_and_shares_bytes_with_zero_copy(manager):
-    pool_a, pool_b = mha_pool("page_first"), mha_pool("page_first")
+@pytest.mark.parametrize("shared", [True, False], ids=["shm", "ordinary"])
+def test_generic_copy_path_round_trips_and_shares_bytes_with_zero_copy(manager, shared):
+    pool_a, pool_b = mha_pool("page_first", shared=shared), mha_pool("page_first", shared=shared)
     generic = backend(config(manager.socket, interface_v1=0), pool_a)
-    k = keys("generic", 3)
+    k = keys(f"generic-{shared}", 3)
     values = [pool_a.get_data_page(i * P) for i in range(3)]
     assert generic.batch_set(k, values) is True
     reader = backend(config(manager.socket, interface_v1=0), pool_b)
@@ -192,8 +198,8 @@ def test_generic_copy_path_round_trips_and_shares_bytes_with_zero_copy(manager):
     assert all(torch.equal(g.view(torch.int16), v.view(torch.int16)) for g, v in zip(got, values))
     assert reader.get(keys("nope", 1)[0], pool_b.get_dummy_flat_data_page()) is None
     # In chain mode the legacy calls store the same bytes as batch_set_v1 (a flat page is the block).
-    chain = backend(config(manager.socket), mha_pool("page_first"))
-    k2 = keys("legacy-chain", 2)
+    chain = backend(config(manager.socket), mha_pool("page_first", shared=shared))
+    k2 = keys(f"legacy-chain-{shared}", 2)
     assert chain.batch_set(k2, [pool_a.get_data_page(i * P) for i in range(2)]) is True
     assert chain.batch_get_v1(k2, slots(5, 2)) == [True, True]
     assert same_page(pool_a, 0, chain.mem_pool_host, 5 * P)

@@ -116,54 +116,87 @@ def test_namespace_binds_every_identity_field(manager):
     assert [(g.group, g.kind, g.window) for g in hybrid.groups] == [(0, "prefix", 0), (1, "window", 32)]
 
 
-def _filled(shape, dtype=torch.bfloat16):
-    t = shm.empty(shape, "bfloat16" if dtype == torch.bfloat16 else "float32", like="torch")
+def _filled(shape, dtype=torch.bfloat16, memory="shm"):
+    if memory == "shm":
+        t = shm.empty(shape, "bfloat16" if dtype == torch.bfloat16 else "float32", like="torch")
+    else:  # an ordinary tensor, as vLLM allocates its KV caches
+        t = torch.empty(shape, dtype=dtype)
     t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).copy_(
         torch.arange(t.numel(), dtype=torch.int32).view(shape).to(
             torch.int16 if dtype == torch.bfloat16 else torch.int32))
     return t
 
 
+def _in_shm(array) -> bool:
+    try:
+        shm.buffer_of(array)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("memory", ["shm", "ordinary"])
 @pytest.mark.parametrize("name", ["nhd", "hnd"])
-def test_page_views_of_vllm_packed_layouts(name):
+def test_page_views_of_vllm_packed_layouts(name, memory):
     nb, bs, heads, d2 = 6, 16, 2, 16
-    physical = _filled((nb, bs, heads, d2) if name == "nhd" else (nb, heads, bs, d2))
+    physical = _filled((nb, bs, heads, d2) if name == "nhd" else (nb, heads, bs, d2), memory=memory)
     logical = physical.permute(0, 2, 1, 3) if name == "nhd" else physical  # vLLM's logical (nb, H, bs, 2D)
     views = layout.page_views("l0", logical, nb)
     assert len(views) == 1 and views[0].shape == (nb, bs * heads * d2 * 2)
+    assert views[0].ctypes.data == physical.data_ptr()  # views of the layer's own memory, never copies
+    assert _in_shm(views[0]) == (memory == "shm")  # what register_group maps, or registers as process memory
     for b in range(nb):
         assert views[0][b].tobytes() == physical[b].contiguous().view(torch.uint8).numpy().tobytes()
+    later = layout.page_views("l0", logical[1:], nb - 1)[0]  # a view that starts inside its storage
+    assert later.ctypes.data == physical[1].data_ptr() and later.shape == (nb - 1, views[0].shape[1])
+    assert later[0].tobytes() == views[0][1].tobytes()
+    physical[nb - 1].zero_()
+    assert not views[0][nb - 1].any() and views[0][nb - 2].any()
 
 
-def test_page_views_of_split_planes_and_small_kernel_blocks():
+@pytest.mark.parametrize("memory", ["shm", "ordinary"])
+def test_page_views_of_split_planes_and_small_kernel_blocks(memory):
     nb = 5
-    split = _filled((2, nb, 16, 2, 8))  # K plane, V plane (vLLM before 2026-05)
+    split = _filled((2, nb, 16, 2, 8), memory=memory)  # K plane, V plane (vLLM before 2026-05)
     views = layout.page_views("l0", split, nb)
     assert len(views) == 2
     assert views[1][3].tobytes() == split[1, 3].contiguous().view(torch.uint8).numpy().tobytes()
-    kernel = _filled((nb * 2, 8, 2, 16))  # kernel blocks of 8 tokens under 16-token scheduler blocks
+    kernel = _filled((nb * 2, 8, 2, 16), memory=memory)  # kernel blocks of 8 tokens under 16-token scheduler blocks
     merged = layout.page_views("l0", kernel, nb)
     assert len(merged) == 1
     assert merged[0][2].tobytes() == kernel[4:6].contiguous().view(torch.uint8).numpy().tobytes()
+    gapped = _filled((nb * 2, 2, 8, 16), memory=memory)[:, 0]  # kernel blocks with gaps: one view per sub-block
+    apart = layout.page_views("l0", gapped, nb)
+    assert len(apart) == 2 and [v.shape for v in apart] == [(nb, 8 * 16 * 2)] * 2
+    assert apart[1][2].tobytes() == gapped[5].contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def test_page_views_refuse_what_the_manager_cannot_map():
-    with pytest.raises(ValueError, match="not in OrbitKV shared memory.*orbitkv.shm.empty"):
-        layout.page_views("model.layers.0.self_attn.attn", torch.zeros(4, 16, 2, 16), 4)
-    with pytest.raises(NotImplementedError, match="CUDA IPC"):
+    with pytest.raises(NotImplementedError, match="keeps its KV cache on meta.*GPU path"):
         layout.page_views("l0", torch.empty(4, 16, 2, 16, device="meta"), 4)
-    padded = shm.empty((4, 16, 2, 20), "bfloat16", like="torch")[..., :16]  # a page with holes
-    with pytest.raises(ValueError, match="not one contiguous run"):
-        layout.page_views("l0", padded, 4)
+    for memory in ("shm", "ordinary"):
+        padded = _filled((4, 16, 2, 20), memory=memory)[..., :16]  # a page with holes
+        with pytest.raises(ValueError, match="not one contiguous run"):
+            layout.page_views("l0", padded, 4)
+    with pytest.raises(ValueError, match="counts 5 blocks"):
+        layout.page_views("l0", torch.zeros(4, 16, 2, 16), 5)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        layout.page_views("l0", np.zeros((4, 16)), 4)
 
 
-def test_worker_rejects_tensors_outside_shared_memory(manager):
+def test_worker_registers_ordinary_tensors_and_refuses_mixed_or_wrong_ones(manager):
     model = SyntheticModel(2)
     kv_config = model.kv_cache_config(16)
     worker = create_connector(vllm_config(manager.socket), WORKER, kv_config)
     plain = {name: torch.zeros(16, 2, 16, 16, dtype=torch.bfloat16) for name in model.layer_names}
-    with pytest.raises(ValueError, match="orbitkv.shm"):
-        worker.register_kv_caches(plain)
+    worker.register_kv_caches(plain)  # vLLM's own CPU tensors: registered as this process's memory
+    assert worker._worker.block_bytes == {0: 2 * 2 * 16 * 16 * 2}
+    assert worker._worker.link.client() is not None  # connected, so register_group ran (and the Manager probed)
+    assert len(worker._worker.views[0]) == 2 and not any(_in_shm(v) for v in worker._worker.views[0])
+    mixed = dict(plain)
+    mixed[model.layer_names[1]] = shm.zeros((16, 2, 16, 16), "bfloat16", like="torch")
+    with pytest.raises(ValueError, match="all be in orbitkv.shm shared memory, or none"):
+        worker.register_kv_caches(mixed)
     wrong = {name: shm.empty((16, 2, 16, 8), "bfloat16", like="torch") for name in model.layer_names}
     with pytest.raises(ValueError, match="bytes per block but its KV spec says"):
         worker.register_kv_caches(wrong)
@@ -180,3 +213,39 @@ def test_stats_merge_and_reduce():
     assert not a.is_empty() and OrbitKVConnectorStats().is_empty()
     reduced = a.aggregate(b).reduce()
     assert reduced["restored_bytes"] == 4_000_000_000 and np.isclose(reduced["restore_gb_per_s"], 2.0)
+
+
+def test_a_manager_that_refuses_on_reconnect_is_a_warning_once(manager, caplog):
+    from orbitkv.vllm.manager_link import ManagerLink
+
+    refusals = []
+
+    def on_connect(client):
+        if refusals:
+            raise orbitkv.OrbitKVError(refusals[0])
+
+    link = ManagerLink(manager.socket, 2000, 16, require=True, reconnect_interval_s=0.0, on_connect=on_connect)
+    refusals.append("cannot read engine process 1 at 0x1000: Operation not permitted")
+    link.failed(orbitkv.ManagerUnavailable("gone"))
+    with caplog.at_level("DEBUG", logger="orbitkv.vllm"):
+        assert link.client() is None and link.client() is None
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "refused" in r.getMessage()]
+    assert len(warnings) == 1 and "Operation not permitted" in warnings[0].getMessage()
+    refusals.clear()
+    assert link.client() is not None
+    link.close()
+
+
+def test_page_views_pass_gpu_tensors_through_once_the_client_registers_them(monkeypatch):
+    """When register_group accepts a device's memory (the GPU path), the connector hands it torch views of the
+    layer's own memory on that device instead of refusing (a meta tensor stands in for a CUDA one here)."""
+    from orbitkv import client
+
+    seen = []
+    monkeypatch.setattr(client, "_layout", lambda view: seen.append(view) or (0,) * 7)
+    layer = torch.empty(4, 2, 16, 16, dtype=torch.bfloat16, device="meta").permute(0, 2, 1, 3)  # NHD strides
+    views = layout.page_views("l0", layer, 4)
+    assert len(views) == 1 and isinstance(views[0], torch.Tensor) and views[0].device.type == "meta"
+    assert views[0].dtype == torch.uint8 and tuple(views[0].shape) == (4, 2 * 16 * 16 * 2)
+    assert views[0].stride() == (2 * 16 * 16 * 2, 1) and seen == views
+    assert layout.view_key(views[0])[0] == "meta"

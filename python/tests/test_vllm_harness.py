@@ -1,6 +1,7 @@
 """OrbitKVConnector driven the way vLLM drives it (tests/vllm_harness), against a real orbitkv-manager: async
 loads, Loading answers, preemption, aborts, TP workers, sliding-window groups and a Manager killed mid-restore.
-The synthetic model checks every K/V it attends to, so a wrong or missing restore cannot go unnoticed."""
+The synthetic model checks every K/V it attends to, so a wrong or missing restore cannot go unnoticed. KV caches
+are OrbitKV shared memory, or (``memory="ordinary"``) ordinary tensors as vLLM allocates them."""
 
 import random
 
@@ -28,8 +29,11 @@ def prompts(n, prefix_tokens, suffix_tokens, seed=0, vocab=900):
     return [shared + [rng.randrange(vocab) for _ in range(suffix_tokens)] for _ in range(n)]
 
 
-def engine_for(socket, *, model=None, num_blocks=128, tp=1, **config):
-    model = model or (lambda rank: SyntheticModel(4, tp_rank=rank))
+MEMORY = pytest.mark.parametrize("memory", ["shm", "ordinary"])
+
+
+def engine_for(socket, *, model=None, num_blocks=128, tp=1, memory="shm", **config):
+    model = model or (lambda rank: SyntheticModel(4, tp_rank=rank, memory=memory))
     return Engine(vllm_config(socket, tp=tp, **config), model, num_blocks)
 
 
@@ -52,16 +56,17 @@ def assert_nothing_held(engine, manager):
     assert stats["leases_active"] == 0 and stats["operations_active"] == 0
 
 
-def test_second_engine_loads_the_prefix_asynchronously_in_vllm_call_order(manager):
+@MEMORY
+def test_second_engine_loads_the_prefix_asynchronously_in_vllm_call_order(manager, memory):
     batch = prompts(1, 64, 16)
-    baseline = run(engine_for(None, prefix_caching=False), batch)
-    first = engine_for(manager.socket)
+    baseline = run(engine_for(None, prefix_caching=False, memory=memory), batch)
+    first = engine_for(manager.socket, memory=memory)
     assert run(first, batch) == baseline
     saved = [e for e in first.scheduler.events]
     assert saved and all(len(h) == 32 for e in saved for h in e.block_hashes)
     first.shutdown()
 
-    second = engine_for(manager.socket)
+    second = engine_for(manager.socket, memory=memory)
     assert run(second, batch) == baseline
     assert bad_reads(second) == 0
     # (80 - 1) // 16 = 4 blocks restored: 16 prompt tokens and 3 decode steps computed.
@@ -247,14 +252,15 @@ def test_preemption_and_aborts_never_leak_leases(manager):
     engine.shutdown()
 
 
-def test_tensor_parallel_workers_restore_their_own_rank_and_a_failing_rank_recomputes(manager, monkeypatch):
+@MEMORY
+def test_tensor_parallel_workers_restore_their_own_rank_and_a_failing_rank_recomputes(manager, monkeypatch, memory):
     batch = prompts(2, 64, 20, seed=7)
-    baseline = run(engine_for(None, tp=2, prefix_caching=False), batch)
-    first = engine_for(manager.socket, tp=2)
+    baseline = run(engine_for(None, tp=2, prefix_caching=False, memory=memory), batch)
+    first = engine_for(manager.socket, tp=2, memory=memory)
     assert run(first, batch) == baseline
     first.shutdown()
 
-    engine = engine_for(manager.socket, tp=2)
+    engine = engine_for(manager.socket, tp=2, memory=memory)
     namespaces = {w.connector._worker.namespace for w in engine.workers}
     assert len(namespaces) == 2
     # Rank 1's Manager answers lose the last block of r1's prefix (block 4, r1's own): its worker must report it
@@ -302,8 +308,9 @@ def test_sliding_window_group_restores_only_the_window(manager):
     engine.shutdown()
 
 
-def test_manager_killed_during_a_restore_recomputes_then_reconnects(manager, monkeypatch):
-    hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank)  # noqa: E731
+@MEMORY
+def test_manager_killed_during_a_restore_recomputes_then_reconnects(manager, monkeypatch, memory):
+    hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank, memory=memory)  # noqa: E731
     batch = prompts(1, 96, 20, seed=11)
     baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch)
     first = engine_for(manager.socket, model=hybrid)

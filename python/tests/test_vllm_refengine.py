@@ -1,14 +1,16 @@
 """The correctness gate (issue 7): the reference engine (a real Llama-architecture transformer over vLLM-layout
 paged KV) runs a prompt set with shared prefixes through the vLLM harness twice, once computing everything and
 once with OrbitKVConnector restoring the prefixes from a real Manager; logits and sampled tokens must be
-bit-identical. Also for a sliding-window + full hybrid, and when the Manager dies in the middle of a restore."""
+bit-identical. Also for a sliding-window + full hybrid, and when the Manager dies in the middle of a restore. The
+engine's KV caches are OrbitKV shared memory or ordinary tensors (what vLLM allocates: the Manager copies them with
+process_vm_readv/writev); both kinds hold the same bytes, so a cache saved from one restores into the other."""
 
 import random
 
 import pytest
 import torch
 
-from orbitkv import refengine
+from orbitkv import refengine, shm
 from vllm_harness.engine import Engine, vllm_config
 from vllm_harness.manager import ManagerProcess
 from vllm_harness.models import RefEngineModel
@@ -34,8 +36,8 @@ def prompt_set(vocab, seed=0):
     return out
 
 
-def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engine=None):
-    model = RefEngineModel(config)
+def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engine=None, memory="shm"):
+    model = RefEngineModel(config, memory=memory)
     engine = Engine(vllm_config(socket, model=config.fingerprint(), dtype=config.torch_dtype, budget=4096,
                                 threshold=CHUNK, prefix_caching=prefix_caching,
                                 extra={"orbitkv.reconnect_interval_s": 0.05}),
@@ -50,6 +52,10 @@ def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engin
     return engine, results
 
 
+def in_shm(tensor) -> bool:
+    return shm.is_shared(tensor)
+
+
 def assert_identical(results, baseline):
     for req_id, want in baseline.items():
         got = results[req_id]
@@ -59,15 +65,24 @@ def assert_identical(results, baseline):
             assert torch.equal(a, b), f"{req_id}: logits differ (max {float((a - b).abs().max())})"
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_hybrid"])
-def test_restored_prefixes_give_bit_identical_logits(manager, name):
+@pytest.mark.parametrize("name,saver,loader", [
+    ("tiny", "shm", "shm"),
+    ("tiny_hybrid", "shm", "shm"),
+    ("tiny_hybrid", "ordinary", "ordinary"),  # vLLM's own KV tensors, every group
+    ("tiny", "ordinary", "shm"),
+    ("tiny", "shm", "ordinary"),
+])
+def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loader):
     config = refengine.preset(name)
     prompts = prompt_set(config.vocab_size)
     base_engine, baseline = run(config, None, prompts)
-    _, warm = run(config, manager.socket, prompts)  # computes and saves
+    _, warm = run(config, manager.socket, prompts, memory=saver)  # computes and saves
     assert_identical(warm, baseline)
-    engine, restored = run(config, manager.socket, prompts)
+    assert manager.stats()["resident_blocks"] > 0
+    engine, restored = run(config, manager.socket, prompts, memory=loader)
     assert_identical(restored, baseline)
+    worker = engine.workers[0]
+    assert in_shm(worker.kv_caches[worker.model.layer_names[0]]) == (loader == "shm")
     stats = engine.worker_stats.data
     assert stats["restored_blocks"] > 0 and stats["failed_loads"] == 0
     computed, full = engine.workers[0].model.tokens_computed, base_engine.workers[0].model.tokens_computed

@@ -102,8 +102,12 @@ enum class BufferKind : uint32_t {
   // Ordinary memory of the engine process (same uid): no fds; after the descriptors, one uint64_t
   // per buffer gives its address in the engine. The Manager copies with process_vm_readv/writev.
   kProcessMemory = 1,
+  // GPU memory exported with CUDA IPC: no fds; after the descriptors, one CudaIpcBuffer per buffer.
+  // The Manager opens each handle on the GPU its PCI bus id names (the engine's CUDA ordinal may
+  // differ from the Manager's) and copies with its CUDA copy engine.
+  kCudaIpc = 2,
 };
-inline constexpr uint32_t kMaxBufferKind = 1;
+inline constexpr uint32_t kMaxBufferKind = 2;
 
 struct RegisterGroupHeader {
   uint64_t instance_id;
@@ -121,6 +125,22 @@ struct BufferDescriptor {
   uint64_t page_bytes;
 };
 static_assert(sizeof(BufferDescriptor) == 32);
+
+inline constexpr size_t kCudaIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+inline constexpr size_t kPciBusIdBytes = 32;
+
+// The trailer of one kCudaIpc buffer. The buffer is bytes [offset, offset + buffer_bytes) of the
+// allocation the handle exports (a tensor usually starts inside a larger block of the engine's
+// caching allocator); base_offset, page_stride and page_bytes count from the buffer's start.
+struct CudaIpcBuffer {
+  uint8_t ipc_handle[kCudaIpcHandleBytes];  // the raw bytes of a cudaIpcMemHandle_t
+  uint64_t offset;
+  // The GPU holding the allocation, as cudaDeviceGetPCIBusId writes it ("0000:00:06.0"): ASCII,
+  // NUL-padded, at least one NUL.
+  char pci_bus_id[kPciBusIdBytes];
+};
+static_assert(sizeof(CudaIpcBuffer) == 104);
+static_assert(offsetof(CudaIpcBuffer, offset) == 64 && offsetof(CudaIpcBuffer, pci_bus_id) == 72);
 
 struct UnregisterInstanceBody {
   uint64_t instance_id;

@@ -105,18 +105,33 @@ Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, u
     return Status::InvalidArgument(
         fmt::format("a group needs 1-{} buffers", channel::kMaxFrameFds));
   }
-  const bool process_memory = buffers.front().fd < 0;
+  auto kind_of = [](const BufferSpec& spec) {
+    if (spec.cuda_ipc.has_value()) return channel::BufferKind::kCudaIpc;
+    return spec.fd < 0 ? channel::BufferKind::kProcessMemory : channel::BufferKind::kSharedMemory;
+  };
+  const channel::BufferKind kind = kind_of(buffers.front());
   for (const BufferSpec& spec : buffers) {
-    if ((spec.fd < 0) != process_memory) {
+    if (kind_of(spec) != kind) {
       return Status::InvalidArgument(
-          "the buffers of a group are either all shared memory (fds) or all process memory");
+          "the buffers of a group are all shared memory (fds), all process memory or all CUDA "
+          "IPC");
     }
-    if (process_memory && spec.address == 0) {
+    if (kind == channel::BufferKind::kProcessMemory && spec.address == 0) {
       return Status::InvalidArgument("a process-memory buffer needs its address");
     }
+    if (kind == channel::BufferKind::kCudaIpc) {
+      if (spec.fd >= 0 || spec.address != 0) {
+        return Status::InvalidArgument("a CUDA IPC buffer has no fd (-1) and no address (0)");
+      }
+      const std::string& bus_id = spec.cuda_ipc->pci_bus_id;
+      if (bus_id.empty() || bus_id.size() >= channel::kPciBusIdBytes ||
+          bus_id.find('\0') != std::string::npos) {
+        return Status::InvalidArgument(
+            fmt::format("'{}' is not a PCI bus id (like 0000:00:06.0, at most {} characters)",
+                        bus_id, channel::kPciBusIdBytes - 1));
+      }
+    }
   }
-  const auto kind =
-      process_memory ? channel::BufferKind::kProcessMemory : channel::BufferKind::kSharedMemory;
   channel::RegisterGroupHeader header{instance, group, static_cast<uint32_t>(buffers.size()),
                                       num_pages, static_cast<uint32_t>(kind)};
   std::vector<uint8_t> body(BytesOf(header).begin(), BytesOf(header).end());
@@ -125,9 +140,9 @@ Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, u
     const channel::BufferDescriptor layout{spec.buffer_bytes, spec.base_offset, spec.page_stride,
                                            spec.page_bytes};
     body.insert(body.end(), BytesOf(layout).begin(), BytesOf(layout).end());
-    if (!process_memory) fds.push_back(spec.fd);
+    if (kind == channel::BufferKind::kSharedMemory) fds.push_back(spec.fd);
   }
-  if (process_memory) {
+  if (kind == channel::BufferKind::kProcessMemory) {
     for (const BufferSpec& spec : buffers) {
       body.insert(body.end(), BytesOf(spec.address).begin(), BytesOf(spec.address).end());
     }
@@ -136,6 +151,20 @@ Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, u
     // buffers (no effect, and EINVAL, without Yama).
     (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
 #endif
+  }
+  if (kind == channel::BufferKind::kCudaIpc) {
+    for (const BufferSpec& spec : buffers) {
+      channel::CudaIpcBuffer cuda{};
+      std::memcpy(cuda.ipc_handle, spec.cuda_ipc->handle.data(), sizeof(cuda.ipc_handle));
+      cuda.offset = spec.cuda_ipc->offset;
+      std::memcpy(cuda.pci_bus_id, spec.cuda_ipc->pci_bus_id.data(),
+                  spec.cuda_ipc->pci_bus_id.size());
+      body.insert(body.end(), BytesOf(cuda).begin(), BytesOf(cuda).end());
+    }
+  }
+  if (body.size() > channel::kMaxFrameBytes - sizeof(channel::FrameHeader)) {
+    return Status::InvalidArgument(
+        fmt::format("{} buffers do not fit one RegisterGroup frame", buffers.size()));
   }
   MutexLock lock(&control_mu_);
   return control_->Lifecycle(channel::FrameType::kRegisterGroup, body, fds, CallDeadline());

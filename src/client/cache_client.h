@@ -3,9 +3,9 @@
 // §4).
 //
 //   RegisterInstance / RegisterGroup  bind the engine's namespace and its KV buffers (shared-memory
-//   fds) once; Query                             -> the longest resident prefix, leased (hits,
-//   lease) or a miss; StartRestore / WaitRestore        copy leased blocks into the engine's pages,
-//   one completion per restore; Save                              copy pages out and seal them,
+//   fds, process memory or CUDA IPC handles) once; Query                             -> the longest
+//   resident prefix, leased (hits, lease) or a miss; StartRestore / WaitRestore        copy leased
+//   blocks into the engine's pages, one completion per restore; Save copy pages out and seal them,
 //   replying once they are resident; Release                           give back a lease the engine
 //   will not restore from.
 //
@@ -20,6 +20,7 @@
 #ifndef ORBITKV_CLIENT_CACHE_CLIENT_H_
 #define ORBITKV_CLIENT_CACHE_CLIENT_H_
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -34,6 +35,7 @@
 #include "base/result.h"
 #include "base/thread_annotations.h"
 #include "channel/session.h"
+#include "channel/wire.h"
 #include "state/namespace.h"
 #include "state/state_key.h"
 
@@ -45,16 +47,29 @@ struct ClientOptions {
   int spin_iterations = 4096;  // reply polls (~10 ns each) before sleeping on the doorbell
 };
 
+// A GPU buffer exported with CUDA IPC: the engine calls cudaIpcGetMemHandle (torch:
+// untyped_storage()._share_cuda_()) and passes the handle's bytes; this library never calls CUDA.
+struct CudaIpcSpec {
+  std::array<uint8_t, channel::kCudaIpcHandleBytes> handle{};  // a cudaIpcMemHandle_t's bytes
+  uint64_t offset = 0;  // where the buffer starts inside the exported allocation
+  // The GPU's PCI bus id ("0000:00:06.0", cudaDeviceGetPCIBusId's form): the Manager's CUDA
+  // ordinal for the same GPU may differ from the engine's.
+  std::string pci_bus_id;
+};
+
 // One KV buffer of a group: a shared-memory object (memfd or /dev/shm file) the Manager maps, or
 // (fd = -1) ordinary memory of this process at `address`, which the Manager (same uid) copies with
-// process_vm_readv/writev. All buffers of a group are of one kind.
+// process_vm_readv/writev, or (cuda_ipc set, fd = -1) GPU memory the Manager imports and copies
+// with its GPU copy engine (a Manager without a usable GPU refuses it). All buffers of a group are
+// of one kind.
 struct BufferSpec {
   int fd = -1;                // not consumed: the caller keeps its fd
-  uint64_t buffer_bytes = 0;  // size of the object (or of the memory at `address`)
+  uint64_t buffer_bytes = 0;  // size of the object (or of the memory at `address` or `cuda_ipc`)
   uint64_t base_offset = 0;
   uint64_t page_stride = 0;
   uint64_t page_bytes = 0;
-  uint64_t address = 0;  // fd = -1 only: where the buffer starts in this process
+  uint64_t address = 0;  // process memory only: where the buffer starts in this process
+  std::optional<CudaIpcSpec> cuda_ipc;
 };
 
 // A query's answer: Hit (hits > 0, lease), Loading (loading_op != 0: the prefix continues on SSD

@@ -280,10 +280,7 @@ CudaCopyEngine::~CudaCopyEngine() {
   MutexLock lock(&registry_mu_);
   for (Slot& slot : slots_) {
     ORBITKV_CHECK(slot.pins == 0);
-    if (slot.live && slot.ipc_mapping != nullptr) {
-      ScopedDevice scope(options_.devices[slot.device_index]);
-      cudaIpcCloseMemHandle(slot.ipc_mapping);
-    }
+    if (slot.live && slot.ipc_mapping != nullptr) CloseIpcMapping(slot.ipc_mapping);
   }
 }
 
@@ -311,15 +308,7 @@ Result<BufferId> CudaCopyEngine::RegisterIpcBuffer(std::span<const uint8_t> ipc_
   std::memcpy(&handle, ipc_handle.data(), kIpcHandleBytes);
   ScopedDevice scope(device);
   ORBITKV_RETURN_IF_ERROR(scope.status());
-  void* mapping = nullptr;
-  if (cudaError_t error = cudaIpcOpenMemHandle(&mapping, handle, cudaIpcMemLazyEnablePeerAccess);
-      error != cudaSuccess) {
-    Status status = CudaStatus(error, fmt::format("cudaIpcOpenMemHandle on device {}", device));
-    // A handle CUDA refuses (garbage, a closed allocation, this process's own memory) is bad input.
-    return error == cudaErrorNoDevice || error == cudaErrorInsufficientDriver
-               ? status
-               : Status::InvalidArgument(status.message());
-  }
+  ORBITKV_ASSIGN_OR_RETURN(void* const mapping, OpenIpcMapping(handle, device_index));
   // The handle maps the whole exporting allocation: the registered range must lie inside it.
   Result<AllocationRange> range = DeviceAllocationRange(mapping);
   Status status = range.status();
@@ -331,8 +320,47 @@ Result<BufferId> CudaCopyEngine::RegisterIpcBuffer(std::span<const uint8_t> ipc_
   Result<BufferId> id =
       status.ok() ? AddSlot(static_cast<uint8_t*>(mapping) + offset, bytes, device_index, mapping)
                   : Result<BufferId>(status);
-  if (!id.ok()) cudaIpcCloseMemHandle(mapping);
+  if (!id.ok()) CloseIpcMapping(mapping);
   return id;
+}
+
+Result<void*> CudaCopyEngine::OpenIpcMapping(const cudaIpcMemHandle_t& handle,
+                                             uint32_t device_index) {
+  MutexLock lock(&ipc_mu_);
+  for (IpcMapping& open : ipc_mappings_) {
+    if (open.device_index == device_index &&
+        std::memcmp(&open.handle, &handle, sizeof(handle)) == 0) {
+      ++open.buffers;
+      return open.mapping;
+    }
+  }
+  const int device = options_.devices[device_index];
+  void* mapping = nullptr;
+  if (cudaError_t error = cudaIpcOpenMemHandle(&mapping, handle, cudaIpcMemLazyEnablePeerAccess);
+      error != cudaSuccess) {
+    Status status = CudaStatus(error, fmt::format("cudaIpcOpenMemHandle on device {}", device));
+    cudaGetLastError();
+    // A handle CUDA refuses (garbage, a closed allocation, this process's own memory) is bad input.
+    return error == cudaErrorNoDevice || error == cudaErrorInsufficientDriver
+               ? status
+               : Status::InvalidArgument(status.message());
+  }
+  ipc_mappings_.push_back(IpcMapping{device_index, handle, mapping, 1});
+  return mapping;
+}
+
+void CudaCopyEngine::CloseIpcMapping(void* mapping) {
+  MutexLock lock(&ipc_mu_);
+  for (auto it = ipc_mappings_.begin(); it != ipc_mappings_.end(); ++it) {
+    if (it->mapping != mapping) continue;
+    if (--it->buffers == 0) {
+      ScopedDevice scope(options_.devices[it->device_index]);
+      cudaIpcCloseMemHandle(mapping);
+      ipc_mappings_.erase(it);
+    }
+    return;
+  }
+  ORBITKV_CHECK_MSG(false, "closing an IPC mapping that is not open");
 }
 
 Result<BufferId> CudaCopyEngine::RegisterDeviceBuffer(void* device_ptr, int device,
@@ -386,7 +414,6 @@ Result<BufferId> CudaCopyEngine::AddSlot(uint8_t* base, uint64_t bytes, uint32_t
 Status CudaCopyEngine::UnregisterBuffer(BufferId id) {
   ORBITKV_CHECK_MSG(t_lane_of != this, "UnregisterBuffer() from a CopyDone of the same engine");
   void* mapping = nullptr;
-  int device = 0;
   {
     MutexLock lock(&registry_mu_);
     if (FindLiveSlot(id) == nullptr) {
@@ -397,13 +424,9 @@ Status CudaCopyEngine::UnregisterBuffer(BufferId id) {
     // Index, not a reference: AddSlot() may grow slots_ while this waits.
     while (slots_[id.index].pins > 0) unpinned_cv_.wait(registry_mu_);
     mapping = slots_[id.index].ipc_mapping;
-    device = options_.devices[slots_[id.index].device_index];
   }
-  // Nothing references the slot now (not live, no pins, not yet free): close outside the lock.
-  if (mapping != nullptr) {
-    ScopedDevice scope(device);
-    cudaIpcCloseMemHandle(mapping);
-  }
+  // Nothing references the slot now (not live, no pins, not yet free): release outside the lock.
+  if (mapping != nullptr) CloseIpcMapping(mapping);
   MutexLock lock(&registry_mu_);
   Slot& slot = slots_[id.index];
   slot = Slot{.generation = slot.generation};

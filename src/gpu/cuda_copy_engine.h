@@ -124,11 +124,14 @@ class CudaCopyEngine final : public core::CopyEngine {
   ~CudaCopyEngine() override;
 
   // Imports the GPU allocation exported by another process as the kIpcHandleBytes raw bytes of a
-  // cudaIpcMemHandle_t, opened on `device` (cudaIpcOpenMemHandle, once per registration), and
-  // registers [offset, offset + bytes) of it (a tensor usually starts inside a larger allocation of
-  // the engine's caching allocator). InvalidArgument for a handle of the wrong size, zero bytes, a
-  // device this engine does not serve, a handle CUDA refuses, or a range beyond the allocation (the
-  // mapping is closed again); ResourceExhausted when 2^32 slots are in use.
+  // cudaIpcMemHandle_t, opened on `device`, and registers [offset, offset + bytes) of it (a tensor
+  // usually starts inside a larger allocation of the engine's caching allocator, and several
+  // tensors, e.g. every layer's K and V, inside the same one). CUDA opens a handle once per
+  // process: buffers of the same handle and device share one mapping (cudaIpcOpenMemHandle at the
+  // first, cudaIpcCloseMemHandle when the last of them is unregistered). InvalidArgument for a
+  // handle of the wrong size, zero bytes, a device this engine does not serve, a handle CUDA
+  // refuses, or a range beyond the allocation (the mapping is closed again); ResourceExhausted when
+  // 2^32 slots are in use.
   Result<core::BufferId> RegisterIpcBuffer(std::span<const uint8_t> ipc_handle, int device,
                                            uint64_t bytes, uint64_t offset = 0);
 
@@ -139,9 +142,10 @@ class CudaCopyEngine final : public core::CopyEngine {
   Result<core::BufferId> RegisterDeviceBuffer(void* device_ptr, int device, uint64_t bytes);
 
   // Makes `id` unknown to new batches at once (they get NotFound), waits until every in-flight
-  // batch that names it has completed (its CopyDone returned), then closes its IPC mapping (if it
-  // has one) and retires the id: after OK the memory is no longer touched, and `id` stays NotFound
-  // forever. NotFound for an unknown, stale or already unregistering id.
+  // batch that names it has completed (its CopyDone returned), then releases its IPC mapping (if it
+  // has one; closed with its last buffer) and retires the id: after OK the memory is no longer
+  // touched, and `id` stays NotFound forever. NotFound for an unknown, stale or already
+  // unregistering id.
   Status UnregisterBuffer(core::BufferId id);
 
   // CopyEngine. Submit() follows the contract in core/copy_engine.h, and also refuses
@@ -169,8 +173,23 @@ class CudaCopyEngine final : public core::CopyEngine {
     uint64_t pins = 0;
   };
 
+  // An opened IPC handle, shared by the buffers registered from it.
+  struct IpcMapping {
+    uint32_t device_index = 0;
+    cudaIpcMemHandle_t handle{};
+    void* mapping = nullptr;
+    uint32_t buffers = 0;  // registered buffers using it
+  };
+
   CudaCopyEngine(Options options, const HostMemoryRegistry* host_memory, MetricsRegistry* metrics,
                  bool dma_available);
+
+  // The mapping of `handle` on the device, opened unless another buffer already did; each OK
+  // result is released once with CloseIpcMapping. Holds ipc_mu_ across cudaIpcOpenMemHandle (a
+  // registration, never a copy, waits on it) so that two registrations cannot open it twice.
+  Result<void*> OpenIpcMapping(const cudaIpcMemHandle_t& handle, uint32_t device_index)
+      EXCLUDES(ipc_mu_);
+  void CloseIpcMapping(void* mapping) EXCLUDES(ipc_mu_);
 
   // Starts the lanes of every device; on error the lanes started so far are stopped by the caller's
   // destructor.
@@ -221,6 +240,10 @@ class CudaCopyEngine final : public core::CopyEngine {
   std::condition_variable_any unpinned_cv_;  // A retired slot dropped its last pin.
   std::vector<Slot> slots_ GUARDED_BY(registry_mu_);
   std::vector<uint32_t> free_slots_ GUARDED_BY(registry_mu_);
+
+  // Opened IPC handles. Taken after registry_mu_ (the destructor), never before it.
+  Mutex ipc_mu_;
+  std::vector<IpcMapping> ipc_mappings_ GUARDED_BY(ipc_mu_);
 
   // Admission.
   Mutex inflight_mu_;

@@ -818,9 +818,12 @@ TEST(CudaCopyEngineTest, ImportsAnotherProcessesBufferThroughIpc) {
     // A range past the exported allocation is refused (and its mapping closed again).
     EXPECT_EQ(engine->RegisterIpcBuffer(handle, 0, kIpcBytes, 4096).status().code(),
               StatusCode::kInvalidArgument);
-    // The lower half whole, and the upper half as a second registration at an offset.
+    // The lower half, and the upper half as a second registration of the same handle at an
+    // offset while the first is live (CUDA opens a handle once per process: they share it).
     auto lower = engine->RegisterIpcBuffer(handle, 0, kIpcBytes / 2, 0);
     ASSERT_TRUE(lower.ok()) << lower.status();
+    auto upper = engine->RegisterIpcBuffer(handle, 0, kIpcBytes / 2, kIpcBytes / 2);
+    ASSERT_TRUE(upper.ok()) << upper.status();
     std::memset(pool.data(), kPoison, kIpcBytes);
     ASSERT_TRUE(RunBatch(*engine,
                          CopyBatch{CopyDirection::kSave, {{*lower, 0, pool.data(), kIpcBytes / 2}}})
@@ -830,9 +833,8 @@ TEST(CudaCopyEngineTest, ImportsAnotherProcessesBufferThroughIpc) {
       same = pool.data()[i] == PatternByte(kIpcSeed, i);
     }
     EXPECT_TRUE(same) << "saved bytes differ from what the exporter wrote";
+    // Unregistering the lower half leaves the shared mapping open for the upper one.
     ASSERT_TRUE(engine->UnregisterBuffer(*lower).ok());
-    auto upper = engine->RegisterIpcBuffer(handle, 0, kIpcBytes / 2, kIpcBytes / 2);
-    ASSERT_TRUE(upper.ok()) << upper.status();
     FillPattern(pool.data(), kIpcBytes / 2, kIpcRestoreSeed);
     ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kRestore,
                                             {{*upper, 0, pool.data(), kIpcBytes / 2}}})

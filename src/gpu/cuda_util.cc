@@ -24,6 +24,41 @@ Status CudaStatus(cudaError_t error, std::string_view what) {
   }
 }
 
+Result<int> UsableDeviceCount() {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error == cudaSuccess) return count;
+  Status status = CudaStatus(error, "cudaGetDeviceCount");
+  cudaGetLastError();  // not sticky: clear it so that later calls do not report it again
+  if (status.code() == StatusCode::kUnavailable) return 0;
+  return status;
+}
+
+Result<int> DeviceByPciBusId(std::string_view pci_bus_id) {
+  if (pci_bus_id.empty() || pci_bus_id.size() >= 64) {
+    return Status::InvalidArgument(
+        fmt::format("'{}' is not a PCI bus id (like 0000:00:06.0)", pci_bus_id));
+  }
+  const std::string text(pci_bus_id);
+  int device = -1;
+  const cudaError_t error = cudaDeviceGetByPCIBusId(&device, text.c_str());
+  if (error == cudaSuccess) return device;
+  cudaGetLastError();
+  if (error == cudaErrorInvalidDevice || error == cudaErrorInvalidValue) {
+    return Status::NotFound(fmt::format(
+        "no GPU visible to this process has PCI bus id {} ({}); is CUDA_VISIBLE_DEVICES hiding it?",
+        text, cudaGetErrorName(error)));
+  }
+  return CudaStatus(error, fmt::format("cudaDeviceGetByPCIBusId({})", text));
+}
+
+Result<std::string> PciBusIdOf(int device) {
+  char text[64] = {};
+  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetPCIBusId(text, sizeof(text), device),
+                                     fmt::format("cudaDeviceGetPCIBusId({})", device)));
+  return std::string(text);
+}
+
 ScopedDevice::ScopedDevice(int device) {
   if (cudaError_t error = cudaGetDevice(&previous_); error != cudaSuccess) {
     previous_ = -1;

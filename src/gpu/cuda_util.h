@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 #include "base/result.h"
@@ -25,6 +26,19 @@ namespace orbitkv::gpu {
 // cudaErrorInsufficientDriver, a missing driver library) so that callers can tell "no GPU here"
 // from a failing GPU, Internal otherwise.
 Status CudaStatus(cudaError_t error, std::string_view what);
+
+// How many CUDA devices this process can use: 0 (not an error) when there is no device or no
+// driver (CudaStatus would say Unavailable); another CUDA error as its Status.
+Result<int> UsableDeviceCount();
+
+// This process's ordinal of the device at PCI bus id `pci_bus_id` ("0000:00:06.0" or
+// "00000000:00:06.0", as cudaDeviceGetPCIBusId and nvidia-smi write it). The ordinal can differ
+// from the one another process uses for the same GPU (CUDA_VISIBLE_DEVICES), the bus id cannot.
+// InvalidArgument for empty or over-long text; NotFound when no device visible here has that id.
+Result<int> DeviceByPciBusId(std::string_view pci_bus_id);
+
+// The PCI bus id of `device` ("0000:00:06.0").
+Result<std::string> PciBusIdOf(int device);
 
 // Makes `device` current for the scope and restores the previous device after it. Check status()
 // before using the device.

@@ -17,6 +17,12 @@
 #include "base/logging.h"
 #include "server/manager_internal.h"
 
+#if ORBITKV_SERVER_HAS_GPU
+#include "gpu/cuda_copy_engine.h"
+#include "gpu/cuda_util.h"
+#include "gpu/host_memory_registry.h"
+#endif
+
 namespace orbitkv::server {
 namespace {
 
@@ -100,6 +106,36 @@ Manager::Group::~Group() {
   }
 }
 
+Manager::Manager(const ManagerConfig& config) : config_(config) {}
+
+void Manager::SetUpGpu(core::BlockCacheOptions* options) {
+#if ORBITKV_SERVER_HAS_GPU
+  Result<int> devices = gpu::UsableDeviceCount();
+  if (!devices.ok()) {
+    ORBITKV_LOG_WARN("manager: CUDA is not usable ({}); serving CPU engines only",
+                     devices.status().ToString());
+    return;
+  }
+  if (*devices == 0) {
+    ORBITKV_LOG_INFO("manager: no GPU found; serving CPU engines only");
+    return;
+  }
+  host_memory_ = std::make_unique<gpu::HostMemoryRegistry>();
+  options->pool.registrar = host_memory_.get();
+  ORBITKV_LOG_INFO("manager: {} GPU(s) usable: the pool is registered with CUDA", *devices);
+#else
+  (void)options;
+#endif
+}
+
+bool Manager::gpu_enabled() const {
+#if ORBITKV_SERVER_HAS_GPU
+  return host_memory_ != nullptr;
+#else
+  return false;
+#endif
+}
+
 Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
   std::unique_ptr<Manager> manager(new Manager(config));
   core::BlockCacheOptions options;
@@ -112,6 +148,7 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
   options.query_instance_budget_bytes = config.query_instance_budget_bytes;
   options.transfer_budget_bytes = config.transfer_budget_bytes;
   options.table.expected_blocks = std::max<uint64_t>(config.dram_bytes / (256 << 10), 1024);
+  manager->SetUpGpu(&options);  // before the pool: its arenas are registered as they are mapped
   Result<std::unique_ptr<core::BlockCache>> cache =
       core::BlockCache::Create(options, &manager->metrics_);
   if (!cache.ok()) return cache.status().WithContext("creating the DRAM pool");
@@ -187,6 +224,16 @@ Status Manager::Start() {
   engine_options.threads = static_cast<int>(config_.copy_threads);
   engine_options.max_inflight_batches = config_.max_operations;
   ORBITKV_ASSIGN_OR_RETURN(copy_engine_, core::CpuCopyEngine::Create(engine_options, &metrics_));
+#if ORBITKV_SERVER_HAS_GPU
+  if (host_memory_) {
+    gpu::CudaCopyEngine::Options gpu_options;
+    gpu_options.max_inflight_batches = std::max<uint32_t>(config_.max_operations, 1);
+    Result<std::unique_ptr<gpu::CudaCopyEngine>> cuda =
+        gpu::CudaCopyEngine::Create(gpu_options, host_memory_.get(), &metrics_);
+    if (!cuda.ok()) return cuda.status().WithContext("starting the CUDA copy engine");
+    cuda_engine_ = std::move(*cuda);
+  }
+#endif
   if (!config_.metrics_addr.empty()) {
     Result<std::unique_ptr<MetricsHttpServer>> http =
         MetricsHttpServer::Bind(config_.metrics_addr, &metrics_);
@@ -225,6 +272,9 @@ void Manager::Wait() {
   dispatcher_.join();
   // The dispatcher stopped accepting and closed every session; drain the copies they left running.
   copy_engine_->Shutdown();
+#if ORBITKV_SERVER_HAS_GPU
+  if (cuda_engine_) cuda_engine_->Shutdown();
+#endif
   // Then the SSD tier: queued write-backs are dropped, writes and reads in flight finish.
   if (ssd_) ssd_->Shutdown();
   {
@@ -251,6 +301,11 @@ Manager::~Manager() {
     instances_.clear();
   }
   copy_engine_.reset();
+#if ORBITKV_SERVER_HAS_GPU
+  // Closes the IPC mappings still open; the pool (cache_) and then host_memory_, which unregisters
+  // nothing the pool did not, go with the members.
+  cuda_engine_.reset();
+#endif
   ssd_.reset();  // before the cache it writes back from
   unlink(config_.socket_path.c_str());
 }
@@ -452,13 +507,22 @@ void Manager::RetireInstance(const std::shared_ptr<Instance>& instance) {
     }
     for (auto& [id, group] : groups) {
       for (Group::Buffer& buffer : group->buffers) {
-        Status unregistered = copy_engine_->UnregisterBuffer(buffer.id);
+        Status unregistered = UnregisterGroupBuffer(*group, buffer.id);
         if (!unregistered.ok())
           ORBITKV_LOG_WARN("manager: unregister buffer: {}", unregistered.ToString());
       }
     }
     // Mappings are released when the last in-flight operation drops its reference to the group.
   });
+}
+
+Status Manager::UnregisterGroupBuffer(const Group& group, core::BufferId id) {
+#if ORBITKV_SERVER_HAS_GPU
+  if (group.kind == channel::BufferKind::kCudaIpc) return cuda_engine_->UnregisterBuffer(id);
+#else
+  (void)group;  // every group is the CPU engine's
+#endif
+  return copy_engine_->UnregisterBuffer(id);
 }
 
 void Manager::PostCleanup(std::function<void()> task) {

@@ -1,13 +1,18 @@
 // Manager: the Cache Manager daemon's body, everything but flag parsing and signal handling.
 //
-// It owns the cache core (pinned pool, block table, leases, budgets), the CPU copy engine, the
-// engine-facing listener and every session, and the metrics endpoint. Threads are created in one
-// place, Start():
+// It owns the cache core (pinned pool, block table, leases, budgets), the copy engines, the
+// engine-facing listener and every session, and the metrics endpoint. Copy engines: the CPU one for
+// shared-memory and process-memory buffers, always; the CUDA one for engines' GPU buffers (CUDA
+// IPC), when the build has the gpu module and a GPU is usable at start. Only then is the pool
+// registered with CUDA (mapped, so the copy kernels read and write it in place); a Manager without
+// a GPU refuses CUDA groups with a clear error and otherwise serves as usual. Threads are created
+// in one place, Start():
 //   - the dispatcher: one epoll loop over the listener, each session's socket and request doorbell;
 //   it decodes
 //     and validates requests, answers queries and releases inline, and submits restores and saves
 //     to the copy engine;
-//   - the copy engine's workers, which complete restores and saves and post their replies;
+//   - the copy engines' workers (CPU threads; per GPU and direction a dispatcher and a completer),
+//     which complete restores and saves and post their replies;
 //   - the cleanup worker, which drains an instance's in-flight copies before unmapping its buffers;
 //   - the metrics HTTP server, when --metrics-addr is set.
 // A malformed request poisons only its session; a closed session (engine exit or kill -9) releases
@@ -17,6 +22,8 @@
 // the thread that created the Manager.
 #ifndef ORBITKV_SERVER_MANAGER_H_
 #define ORBITKV_SERVER_MANAGER_H_
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -35,6 +42,7 @@
 #include "base/scoped_fd.h"
 #include "base/thread_annotations.h"
 #include "channel/session.h"
+#include "channel/wire.h"
 #include "core/block_cache.h"
 #include "core/cpu_copy_engine.h"
 #include "core/ssd_tier.h"
@@ -44,6 +52,13 @@
 
 #if ORBITKV_SERVER_HAS_CLUSTER
 #include "cluster/membership.h"
+#endif
+
+#if ORBITKV_SERVER_HAS_GPU
+namespace orbitkv::gpu {
+class CudaCopyEngine;
+class HostMemoryRegistry;
+}  // namespace orbitkv::gpu
 #endif
 
 namespace orbitkv::server {
@@ -69,6 +84,9 @@ class Manager {
   core::BlockCache& cache() { return *cache_; }
   // The metrics endpoint's bound port (0 when off).
   uint16_t metrics_port() const;
+  // Whether engines may register GPU buffers (CUDA IPC): the gpu module is built and a GPU was
+  // usable at Create.
+  bool gpu_enabled() const;
 
   // Per-session, per-instance and per-group state; defined in manager_internal.h for the Manager's
   // own files.
@@ -77,7 +95,11 @@ class Manager {
   struct Session;
 
  private:
-  explicit Manager(const ManagerConfig& config) : config_(config) {}
+  explicit Manager(const ManagerConfig& config);
+
+  // When the build has the gpu module and a GPU is usable, creates host_memory_ and makes it the
+  // pool's registrar; otherwise leaves the Manager CPU-only (and says so in the log).
+  void SetUpGpu(core::BlockCacheOptions* options);
 
   void DispatchLoop();
   void AcceptSessions();
@@ -87,6 +109,17 @@ class Manager {
   Status HandleFrame(Session& session, channel::Frame& frame);
   Status RegisterInstance(Session& session, const channel::Frame& frame);
   Result<uint64_t> RegisterGroup(Session& session, channel::Frame& frame);
+  // RegisterGroup's per-buffer steps (lifecycle.cc): each registers buffer `index` of `group` with
+  // the group's copy engine and appends it to group->buffers, or returns why not.
+  Status AddSharedMemoryBuffer(Group* group, uint32_t index,
+                               const channel::BufferDescriptor& layout, int fd);
+  Status AddProcessBuffer(Group* group, uint32_t index, const channel::BufferDescriptor& layout,
+                          pid_t engine_pid, uint64_t address);
+  Status AddCudaIpcBuffer(Group* group, uint32_t index, const channel::BufferDescriptor& layout,
+                          const channel::CudaIpcBuffer& cuda);
+  // Unregisters one of `group`'s buffers from the engine it was registered with; waits for its
+  // in-flight copies (never on the dispatcher).
+  Status UnregisterGroupBuffer(const Group& group, core::BufferId id);
   Status UnregisterInstance(Session& session, uint64_t instance_id);
   void RetireInstance(const std::shared_ptr<Instance>& instance);
   Result<std::shared_ptr<Instance>> InstanceFor(const Session& session, uint64_t instance_id);
@@ -121,6 +154,12 @@ class Manager {
   // Immutable after Create.
   const ManagerConfig config_;
   MetricsRegistry metrics_;
+#if ORBITKV_SERVER_HAS_GPU
+  // Set in Create when a GPU is usable: the pool's arenas are registered through it. Declared
+  // before cache_ so that it is destroyed after the pool (and after cuda_engine_, reset in the
+  // destructor), as its contract asks.
+  std::unique_ptr<gpu::HostMemoryRegistry> host_memory_;
+#endif
   std::unique_ptr<core::BlockCache> cache_;
   ScopedFd listener_;
   ScopedFd wake_;  // eventfd: RequestStop rings it
@@ -132,6 +171,11 @@ class Manager {
 
   // Created by Start.
   std::unique_ptr<core::CpuCopyEngine> copy_engine_;
+#if ORBITKV_SERVER_HAS_GPU
+  // Created by Start when host_memory_ is set; shut down (drained) in Wait, destroyed (IPC mappings
+  // closed) in the destructor before the pool.
+  std::unique_ptr<gpu::CudaCopyEngine> cuda_engine_;
+#endif
   std::unique_ptr<MetricsHttpServer> http_;
 #if ORBITKV_SERVER_HAS_CLUSTER
   // Distributed mode only (--etcd-endpoints). Its own keepalive and view threads start in Join,

@@ -25,11 +25,13 @@ struct Manager::Session {
   uint64_t owner_id = 0;
 };
 
-// A registered KV group: where page p of each buffer lives, mapped from the engine's shared memory.
-// In-flight copies hold a reference, so the mappings outlive the instance until every copy drained.
+// A registered KV group: where page p of each buffer lives (mapped from the engine's shared memory,
+// in the engine process, or in its GPU). In-flight copies hold a reference, so the mappings outlive
+// the instance until every copy drained; a GPU buffer's IPC mapping is closed by its copy engine's
+// UnregisterBuffer, which the cleanup thread calls after the instance retired.
 struct Manager::Group {
   struct Buffer {
-    uint8_t* base = nullptr;
+    uint8_t* base = nullptr;  // shared memory only: the Manager's mapping (unmapped by ~Group)
     uint64_t bytes = 0;
     channel::BufferDescriptor layout{};
     core::BufferId id;
@@ -38,6 +40,7 @@ struct Manager::Group {
 
   uint32_t group = 0;
   uint32_t num_pages = 0;
+  channel::BufferKind kind = channel::BufferKind::kSharedMemory;
   // The copy engine its buffers are registered with (CPU for shared and process memory; the CUDA
   // engine for GPU buffers). Owned by the Manager, which outlives every group.
   core::CopyEngine* engine = nullptr;

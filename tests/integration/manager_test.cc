@@ -114,6 +114,35 @@ TEST(ManagerIntegrationTest, BadGeometryIsRefusedAtRegistration) {
             StatusCode::kAlreadyExists);
 }
 
+// The other buffer kinds, refused with a reason: process memory the Manager cannot read, and GPU
+// buffers on a Manager without a usable GPU (CUDA_VISIBLE_DEVICES="" hides any GPU of this host).
+TEST(ManagerIntegrationTest, UnusableBufferKindsAreRefusedWithAReason) {
+  ::setenv("CUDA_VISIBLE_DEVICES", "", 1);
+  ManagerProcess manager;
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->RegisterInstance(7, state::testing::SampleNamespace()).ok());
+  // An address nothing is mapped at in this process.
+  BufferSpec unmapped{-1, 1 << 20, 0, 64 << 10, 64 << 10, /*address=*/0x10000, std::nullopt};
+  auto refused = client->RegisterGroup(7, 0, 16, std::span(&unmapped, 1));
+  EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_NE(refused.status().message().find("cannot read engine process"), std::string::npos);
+  // Mixed kinds in one group.
+  EngineKv kv(4);
+  auto mixed = kv.Specs();
+  mixed[1].fd = -1;
+  mixed[1].address = reinterpret_cast<uint64_t>(kv.Page(1, 0));
+  EXPECT_EQ(client->RegisterGroup(7, 0, 4, mixed).status().code(), StatusCode::kInvalidArgument);
+  // A CUDA IPC buffer on a Manager without a GPU.
+  BufferSpec gpu{-1, 1 << 20, 0, 64 << 10, 64 << 10, 0, client::CudaIpcSpec{}};
+  gpu.cuda_ipc->pci_bus_id = "0000:00:06.0";
+  auto no_gpu = client->RegisterGroup(7, 0, 16, std::span(&gpu, 1));
+  EXPECT_EQ(no_gpu.status().code(), StatusCode::kFailedPrecondition) << no_gpu.status();
+  // The session is still good.
+  EXPECT_TRUE(client->RegisterGroup(7, 0, 4, kv.Specs()).ok());
+}
+
 TEST(ManagerIntegrationTest, ConcurrentSessionsAndPublishWhileRestoring) {
   ManagerProcess manager;
   const auto shared = Chain(10, 16);

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from orbitkv import client as _client
+
 __all__ = ["PoolGeometry", "describe_host_pool", "describe_device_pool", "dtype_name", "orbitkv_layout"]
 
 _DTYPES = {
@@ -102,26 +104,42 @@ def _shape_signature(tensor, paged_axis: int) -> str:
     return "x".join(dims)
 
 
+def _registrable(views: list, what: str) -> list:
+    """``views`` if ``CacheManagerClient.register_group`` can take their memory: any CPU memory (OrbitKV shared
+    memory, or ordinary memory registered as this process's); memory on another device only once the client
+    registers it (the GPU path). Otherwise a clear NotImplementedError."""
+    device = views[0].device.type if views else "cpu"
+    probe = getattr(_client, "_layout", None)  # what register_group runs on every buffer
+    if device == "cpu" or probe is None:
+        return views
+    try:
+        probe(views[0])
+    except Exception as error:  # noqa: BLE001 - any refusal means this device cannot be registered
+        raise NotImplementedError(
+            f"OrbitKV: the SGLang {what} is on {device}, which this OrbitKV client cannot register yet ({error}). "
+            "GPU pools need the OrbitKV GPU path (CUDA IPC registration); CPU pools work, in ordinary (pinned) "
+            "memory or in orbitkv.shm") from None
+    return views
+
+
 def _paged_views(tensor, layout: str, num_pages: int, page_tokens: int) -> list:
     """[num_pages, page_elements] views of one pool buffer, in block fragment order."""
-    if tensor.device.type != "cpu":
-        raise NotImplementedError("KV buffers on a GPU register through the OrbitKV GPU path, which this adapter "
-                                  "does not use yet; give it CPU tensors in OrbitKV shared memory")
     if not tensor.is_contiguous():
         raise ValueError(f"a {layout} KV buffer must be contiguous, got strides {tuple(tensor.stride())}")
     if layout in _PAGED_FIRST:
         if tensor.shape[0] < num_pages:
             raise ValueError(f"a {layout} buffer of {tensor.shape[0]} pages is smaller than the pool's {num_pages}")
-        return [tensor[:num_pages].view(num_pages, -1)]
+        return _registrable([tensor[:num_pages].view(num_pages, -1)], "host KV pool")
     tokens = num_pages * page_tokens
     if layout == "page_first":
         if tensor.shape[0] < tokens:
             raise ValueError(f"a page_first buffer of {tensor.shape[0]} tokens is smaller than the pool's {tokens}")
-        return [tensor[:tokens].view(num_pages, -1)]
+        return _registrable([tensor[:tokens].view(num_pages, -1)], "host KV pool")
     if layout == "layer_first":
         if tensor.dim() < 2 or tensor.shape[1] < tokens:
             raise ValueError(f"a layer_first buffer of shape {tuple(tensor.shape)} holds fewer than {tokens} tokens")
-        return [tensor[layer, :tokens].view(num_pages, -1) for layer in range(tensor.shape[0])]
+        return _registrable([tensor[layer, :tokens].view(num_pages, -1) for layer in range(tensor.shape[0])],
+                            "host KV pool")
     raise ValueError(f"OrbitKV does not support the SGLang host layout {layout!r}; use one of "
                      f"{', '.join(SUPPORTED_LAYOUTS)} (page_first_direct or page_first recommended)")
 
@@ -174,12 +192,9 @@ def describe_device_pool(kvcache, page_tokens: int, *, is_mla: bool,
         raise ValueError(f"the device KV pool holds fewer than one {page_tokens}-token page")
     buffers = []
     for tensor in layers:
-        if tensor.device.type != "cpu":
-            raise NotImplementedError("OrbitKVLinker moves GPU pages through the OrbitKV GPU path, which is not "
-                                      "available yet; only CPU device pools in OrbitKV shared memory work today")
         if not tensor.is_contiguous():
             raise ValueError("a device KV layer buffer must be contiguous")
-        buffers.append(tensor[: num_pages * page_tokens].view(num_pages, -1))
+        buffers.extend(_registrable([tensor[: num_pages * page_tokens].view(num_pages, -1)], "device KV pool"))
     block_bytes = sum(b[0].numel() * b.element_size() for b in buffers)
     shapes = "x".join(str(d) for d in layers[0].shape[1:])
     detail = f"sglang-device/{'mla' if is_mla else 'mha'}/{len(layers)}x[*x{shapes}]"

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import orbitkv
-from orbitkv import shm
 
 from orbitkv.sglang._layout import PoolGeometry
 
@@ -161,16 +160,10 @@ class ManagerLink:
     # ---- registration ----
 
     def register(self, label: str, geometry: PoolGeometry, namespace: bytes, span_tokens: Optional[int] = None) -> None:
-        """Registers a pool's buffers (they must be in OrbitKV shared memory) under a fresh instance. Keys of this
-        pool cover ``span_tokens`` tokens each (default: the pool's page)."""
-        for buffer in geometry.buffers:
-            try:
-                shm.buffer_of(buffer)
-            except ValueError as e:
-                raise ValueError(
-                    f"OrbitKV: the SGLang {label!r} pool is not in shared memory, so the Manager cannot copy its "
-                    "pages. Allocate the host KV pool with orbitkv.shm.empty(..., like='torch') (registration of "
-                    "ordinary process memory is not supported yet)") from e
+        """Registers a pool's buffers under a fresh instance: OrbitKV shared memory is mapped by the Manager, any
+        other CPU memory (SGLang's own pinned host pool) is registered as this process's memory, which the Manager
+        copies with process_vm_readv/writev. Keys of this pool cover ``span_tokens`` tokens each (default: the
+        pool's page)."""
         pool = _Pool(label, geometry, namespace, span_tokens or geometry.page_tokens)
         with self._lock:
             if label in self._pools:

@@ -7,10 +7,13 @@ Loaded by SGLang's dynamic backend factory:
     '{"backend_name":"orbitkv","module_path":"orbitkv.sglang","class_name":"OrbitKVStorage","interface_v1":1,
       "hicache_storage_pass_prefix_keys":true}'
 
-The host KV pool (L2) must be in OrbitKV shared memory; then ``batch_get_v1`` / ``batch_set_v1`` are zero copy:
-the Manager copies pages straight between its pool and the host pool's pages. Keys: SGLang's page hashes inside a
-namespace that binds model, dtype, layout, shapes and the TP/PP/CP shard (one namespace for all TP ranks of an MLA
-model, where only rank 0 writes). See docs/sglang.md.
+``batch_get_v1`` / ``batch_set_v1`` are zero copy: the Manager copies pages straight between its pool and the host
+KV pool's (L2) pages. SGLang's own (pinned) host pool is registered as this process's memory, which the Manager
+copies with process_vm_readv/writev (same uid, or a Manager with CAP_SYS_PTRACE); a host pool allocated in OrbitKV
+shared memory (``orbitkv.shm``) is mapped by the Manager instead, with no system call per copy.
+
+Keys: SGLang's page hashes inside a namespace that binds model, dtype, layout, shapes and the TP/PP/CP shard (one
+namespace for all TP ranks of an MLA model, where only rank 0 writes). See docs/sglang.md.
 
 Contract with SGLang's storage threads: no I/O method raises or returns None. A failure (Manager gone, bad
 arguments, a full pool) is a False per page or a shorter hit, logged at most every 10 s and counted

@@ -7,8 +7,9 @@ tree inserts the hit (restores run on a worker thread; the model's layer waits g
 ``layer_done_counter``), ``offload`` when a node is backed up (saves on a second worker thread). It is selected by
 the ``orbitkv`` radix-cache backend that :mod:`orbitkv.sglang.plugin` registers.
 
-Today the device pool must be CPU tensors in OrbitKV shared memory (CPU engines and tests); CUDA pools need the
-OrbitKV GPU path and are refused with NotImplementedError at construction. SGLang gives the linker no token
+Today the device pool must be CPU tensors (CPU engines and tests), in ordinary memory or in OrbitKV shared memory;
+CUDA pools need the OrbitKV GPU path and are refused with NotImplementedError at construction until the client
+registers GPU memory. SGLang gives the linker no token
 positions, so each page is its own query (see ``_session.py``, single mode).
 
 Thread contract: SGLang calls every method from the scheduler thread. Public methods never raise after

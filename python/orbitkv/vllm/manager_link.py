@@ -30,6 +30,7 @@ class ManagerLink:
         self._next_attempt = 0.0
         self._lock = threading.Lock()  # the worker's save thread uses the link too
         self.failures = 0
+        self._last_refusal = ""
         try:
             self._connect()
         except orbitkv.OrbitKVError as error:
@@ -56,7 +57,11 @@ class ManagerLink:
                     self._connect()
                     log.warning("orbitkv: reconnected to the Manager")
                 except orbitkv.OrbitKVError as error:
-                    log.debug("orbitkv: reconnect failed: %s", error)
+                    if isinstance(error, orbitkv.ManagerUnavailable) or str(error) == self._last_refusal:
+                        log.debug("orbitkv: reconnect failed: %s", error)
+                    else:  # a Manager that answers but refuses (e.g. may not access this process's KV memory)
+                        self._last_refusal = str(error)
+                        log.warning("orbitkv: the Manager refused this worker on reconnect: %s", error)
                     self._next_attempt = time.monotonic() + self._interval
             return self._client
 

@@ -1,8 +1,10 @@
 """The worker half of OrbitKVConnector (one per vLLM worker process, i.e. per TP x PP rank).
 
 Registration. ``register_kv_caches`` registers this rank's KV tensors with the Manager as one OrbitKV group per
-vLLM KV-cache group, page index = vLLM block id (layout.py finds the pages). CPU tensors must live in OrbitKV
-shared memory (``orbitkv.shm``); GPU tensors need CUDA IPC, not implemented yet (a clear NotImplementedError).
+vLLM KV-cache group, page index = vLLM block id (layout.py finds the pages). CPU tensors may be ordinary memory
+(vLLM's own allocation: the Manager copies it with process_vm_readv/writev, so it must run as the same uid or with
+CAP_SYS_PTRACE) or OrbitKV shared memory (``orbitkv.shm``, mapped by the Manager: no system call per copy). GPU
+tensors are refused with a clear NotImplementedError until the OrbitKV client registers GPU memory.
 
 Loads. For each planned load, ``start_load_kv`` asks this rank's instance for exactly the planned pages (the
 scheduler's leases keep them resident) and starts one asynchronous restore per leased segment; ``get_finished``

@@ -1,6 +1,7 @@
 """Test-only: the reference engine (orbitkv.refengine) served SGLang-style: 64-token pages, a HiRadixCache with a
-host tier in OrbitKV shared memory and OrbitKV as L3, TP 1. One EngineServer is one SGLang server process; two on
-one Manager are a server and a later one (or the same after a restart)."""
+host tier (OrbitKV shared memory, or with ``shared_host=False`` ordinary memory as stock SGLang allocates it) and
+OrbitKV as L3, TP 1. One EngineServer is one SGLang server process; two on one Manager are a server and a later one
+(or the same after a restart)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class EngineDevicePages:
 class EngineServer:
     def __init__(self, config, socket_extra: dict, *, model=None, layout: str = "page_first",
                  num_blocks: int = 96, host_pages: int = 96, prefetch_policy: str = "wait_complete",
-                 write_policy: str = "write_through"):
+                 write_policy: str = "write_through", shared_host: bool = True):
         self.engine = refengine.RefEngine(config, num_blocks, kv_layout="split", chunk_size=config.block_size,
                                           model=model)
         k_buffer, v_buffer = self.engine.cache.sglang_device_buffers()
@@ -49,7 +50,7 @@ class EngineServer:
         c = config
         self.host_pool = MHATokenToKVPoolHost(layer_num=c.num_layers, head_num=c.num_kv_heads, head_dim=c.head_dim,
                                               page_size=c.block_size, page_num=host_pages, dtype=c.torch_dtype,
-                                              layout=layout)
+                                              layout=layout, shared=shared_host)
         self.pages = EngineDevicePages(self.engine)
         self.cache = HiRadixCache(
             rank=0, tp_size=1, device_pool=self.device_pool, device_pages=self.pages, host_pool=self.host_pool,

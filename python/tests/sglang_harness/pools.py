@@ -1,8 +1,9 @@
 """Test-only KV pools shaped like SGLang's (sglang/srt/mem_cache/pool_host/{mha,mla}.py and memory_pool.py).
 
 Host pools (L2) keep SGLang's attribute names, buffer shapes per layout, flat-page methods and zero-copy pointer
-metadata, so OrbitKVStorage sees what it sees under SGLang. Their buffers come from ``orbitkv.shm`` (what an
-OrbitKV deployment must arrange) or, with ``shared=False``, from plain torch memory (to check the clear error).
+metadata, so OrbitKVStorage sees what it sees under SGLang. Their buffers come from ``orbitkv.shm`` (the Manager
+maps them: no system call per copy) or, with ``shared=False``, from ordinary torch memory, which is what stock SGLang
+allocates (pinned there; the Manager copies it with process_vm_readv/writev).
 The device pools (L1) hold per-layer ``[slots, heads, dim]`` buffers like SGLang's MHATokenToKVPool /
 MLATokenToKVPool; ``backup_from_device`` / ``load_to_device`` do what SGLang's transfer kernels do, per layout.
 """
@@ -20,7 +21,7 @@ from orbitkv import shm
 def _alloc(dims, dtype, shared: bool) -> torch.Tensor:
     if shared:
         return shm.empty(dims, dtype, like="torch")
-    return torch.zeros(dims, dtype=dtype)
+    return torch.zeros(dims, dtype=dtype)  # SGLang: torch.empty(dims, dtype=dtype, pin_memory=True)
 
 
 class _HostPoolBase:

@@ -1,8 +1,9 @@
 """Test-only: an SGLang server of ``tp`` ranks (threads) with HiCache and OrbitKV L3, and synthetic KV content.
 
-A World is one server process's worth of state: per rank a device pool, a host pool (OrbitKV shared memory), a
-HiRadixCache with its CacheController and its own OrbitKVStorage. Two Worlds on one Manager are two servers (or
-one server before and after a restart): what the first backs up, the second prefetches.
+A World is one server process's worth of state: per rank a device pool, a host pool (OrbitKV shared memory, or
+with ``shared_host=False`` ordinary memory as stock SGLang allocates it), a HiRadixCache with its CacheController
+and its own OrbitKVStorage. Two Worlds on one Manager are two servers (or one server before and after a restart):
+what the first backs up, the second prefetches.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class World:
                  host_pages: int = 64, device_pages: int = 64, is_mla: bool = False,
                  write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
                  extra: Dict = None, prefetch_threshold: int = 64, timeout_base: float = 2.0,
-                 pass_prefix_keys: bool = True):
+                 pass_prefix_keys: bool = True, shared_host: bool = True):
         self.tp, self.page_size, self.is_mla = tp, page_size, is_mla
         groups = {name: Collective(tp) for name in ("scheduler", "hits", "completion")}
         self.caches: List[HiRadixCache] = []
@@ -48,12 +49,14 @@ class World:
                 device = MLATokenToKVPool(size=device_pages * page_size, page_size=page_size, layer_num=LAYERS,
                                           kv_cache_dim=KV_LORA + ROPE)
                 host = MLATokenToKVPoolHost(layer_num=LAYERS, kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE,
-                                            page_size=page_size, page_num=host_pages, layout=layout)
+                                            page_size=page_size, page_num=host_pages, layout=layout,
+                                            shared=shared_host)
             else:
                 device = MHATokenToKVPool(size=device_pages * page_size, page_size=page_size, layer_num=LAYERS,
                                           head_num=HEADS, head_dim=HEAD_DIM)
                 host = MHATokenToKVPoolHost(layer_num=LAYERS, head_num=HEADS, head_dim=HEAD_DIM,
-                                            page_size=page_size, page_num=host_pages, layout=layout)
+                                            page_size=page_size, page_num=host_pages, layout=layout,
+                                            shared=shared_host)
             self.caches.append(HiRadixCache(
                 rank=rank, tp_size=tp, device_pool=device, device_pages=DevicePages(device_pages, page_size),
                 host_pool=host, page_size=page_size, write_policy=write_policy, prefetch_policy=prefetch_policy,

@@ -10,7 +10,8 @@ connector, so OrbitKVConnector can be tested the way vLLM will run it, without v
 - scheduler.py: ``schedule()`` / ``update_from_output()`` with every connector call in vLLM's order, the
   WAITING_FOR_REMOTE_KVS state, preemption, abort, invalid-block recovery.
 - worker.py: the model runner's connector sequence per step and the executor's KVOutputAggregator.
-- models.py: vLLM-layout KV caches in shared memory; a synthetic checking model and the reference engine.
+- models.py: vLLM-layout KV caches in ordinary memory (as vLLM allocates them) or OrbitKV shared memory; a
+  synthetic checking model and the reference engine.
 - engine.py: the EngineCore loop over one scheduler and TP x PP workers (pickled messages between them).
 Faithfulness notes (what is simplified) are in each module's docstring.
 """

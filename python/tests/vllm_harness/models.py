@@ -4,8 +4,9 @@ Both models keep one KV tensor per layer, allocated the way vLLM's ``initialize_
 buffer per ``KVCacheTensor`` (shared by one layer of each group under the hybrid allocator), viewed with the
 physical NHD shape ``[num_blocks, block_size, num_kv_heads, 2 * head_size]`` (K and V packed in the last dimension)
 and handed to the connector as the logical view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
-permuted back, exactly the strided view ``register_kv_caches`` gets from vLLM. The raw buffers live in OrbitKV
-shared memory, as a CPU engine must allocate them.
+permuted back, exactly the strided view ``register_kv_caches`` gets from vLLM. The raw buffers are ordinary
+``torch.zeros(size, dtype=torch.int8)`` tensors, as vLLM allocates them (``memory="ordinary"``: the Manager
+copies them with process_vm_readv/writev), or OrbitKV shared memory (``memory="shm"``, the zero-syscall path).
 
 ``SyntheticModel``: K/V of token p in layer l on rank r is a fixed function of (tokens[0..p], l, r); "attention"
 reads back every K/V the layer attends to (a sliding-window layer only its window) and compares it with what it
@@ -53,13 +54,21 @@ def kv_cache_config_for(num_layers: int, windows, num_kv_heads: int, head_size: 
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
+MEMORY_KINDS = ("shm", "ordinary")
+
+
 def allocate_kv_caches(kv_cache_config: KVCacheConfig, dtype: torch.dtype, block_size: int, num_kv_heads: int,
-                       head_size: int):
-    """-> ({layer name: logical strided view}, {layer name: physical NHD tensor}); raw buffers in shm."""
+                       head_size: int, memory: str = "shm"):
+    """-> ({layer name: logical strided view}, {layer name: physical NHD tensor}); raw buffers in ``memory``."""
+    if memory not in MEMORY_KINDS:
+        raise ValueError(f"memory must be one of {MEMORY_KINDS}, got {memory!r}")
     logical, physical = {}, {}
     nb = kv_cache_config.num_blocks
     for spec in kv_cache_config.kv_cache_tensors:
-        raw = shm.zeros((spec.size,), "uint8", like="torch")
+        if memory == "shm":
+            raw = shm.zeros((spec.size,), "uint8", like="torch")
+        else:  # vLLM's _allocate_kv_cache_tensors: one int8 tensor per KVCacheTensor
+            raw = torch.zeros(spec.size, dtype=torch.int8)
         for name in spec.shared_by:
             phys = raw.view(dtype).view(nb, block_size, num_kv_heads, 2 * head_size)
             physical[name] = phys
@@ -73,7 +82,9 @@ def _group_of(kv_cache_config: KVCacheConfig) -> dict:
 
 class SyntheticModel:
     def __init__(self, num_layers: int, *, windows=None, num_kv_heads: int = 2, head_size: int = 8,
-                 block_size: int = 16, tp_rank: int = 0, vocab_size: int = 997, dtype=torch.bfloat16):
+                 block_size: int = 16, tp_rank: int = 0, vocab_size: int = 997, dtype=torch.bfloat16,
+                 memory: str = "shm"):
+        self.memory = memory
         self.num_layers = num_layers
         self.windows = list(windows) if windows is not None else [None] * num_layers
         self.num_kv_heads, self.head_size, self.block_size = num_kv_heads, head_size, block_size
@@ -90,7 +101,7 @@ class SyntheticModel:
 
     def bind(self, kv_cache_config: KVCacheConfig) -> dict:
         logical, physical = allocate_kv_caches(kv_cache_config, self.dtype, self.block_size, self.num_kv_heads,
-                                               self.head_size)
+                                               self.head_size, self.memory)
         self.pages = {name: t.view(torch.int16).numpy() for name, t in physical.items()}
         self.group_of = _group_of(kv_cache_config)
         return logical
@@ -169,10 +180,11 @@ class _GroupTables:
 class RefEngineModel:
     """The reference engine's transformer on harness-allocated KV caches (CPU)."""
 
-    def __init__(self, config, *, device="cpu"):
+    def __init__(self, config, *, device="cpu", memory: str = "shm"):
         from orbitkv.refengine.model import Transformer
 
         self.config = config
+        self.memory = memory
         self.device = torch.device(device)
         self.block_size = config.block_size
         self.layer_names = [layer_name(i) for i in range(config.num_layers)]
@@ -190,7 +202,7 @@ class RefEngineModel:
 
         c = self.config
         logical, physical = allocate_kv_caches(kv_cache_config, c.torch_dtype, c.block_size, c.num_kv_heads,
-                                               c.head_dim)
+                                               c.head_dim, self.memory)
         cache = PagedKVCache(c, kv_cache_config.num_blocks, device=self.device,
                              tensors=[physical[name] for name in self.layer_names])
         groups = _group_of(kv_cache_config)
