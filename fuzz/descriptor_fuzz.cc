@@ -44,7 +44,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Check(again.arg0 == d.arg0 && again.arg1 == d.arg1);
       break;
     }
-    case Opcode::kRestore: {
+    case Opcode::kRestore:
+    case Opcode::kRestoreLayers: {
       auto restore = DecodeRestore(d, payload);
       if (!restore.ok()) return 0;
       auto bytes = EncodeRestore(*restore, &again, slot);

@@ -206,6 +206,23 @@ class CacheManagerClient:
     def start_restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> RestoreHandle:
         return RestoreHandle(self, self._native.start_restore(instance_id, group, lease, list(pages)))
 
+    def start_restore_layers(self, instance_id: int, lease: int, pages: Iterable[int], buffers: Sequence[range],
+                             group: int = 0) -> list[RestoreHandle]:
+        """Layer-wise restore: one restore per range of the group's buffers (in registration order, e.g. one
+        range per layer, or per layer group), each with its own completion, all in flight at once. The engine
+        waits for part i before computing the layers it covers; the last part consumes the lease."""
+        pages = list(pages)
+        parts = list(buffers)
+        if not parts:
+            raise ValueError("buffers: give at least one range of buffer indices")
+        handles = []
+        for i, part in enumerate(parts):
+            if part.step != 1 or len(part) == 0:
+                raise ValueError(f"buffers[{i}] must be a non-empty range with step 1, got {part}")
+            handles.append(RestoreHandle(self, self._native.start_restore_layers(
+                instance_id, group, lease, pages, part.start, len(part), i == len(parts) - 1)))
+        return handles
+
     def restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> None:
         self.start_restore(instance_id, lease, pages, group).wait()
 

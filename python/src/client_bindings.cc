@@ -175,6 +175,18 @@ void BindClient(py::module_& m) {
           GilRelease(), py::arg("instance_id"), py::arg("group"), py::arg("lease"),
           py::arg("pages"))
       .def(
+          "start_restore_layers",
+          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease,
+             const std::vector<uint32_t>& pages, uint32_t first_buffer, uint32_t buffer_count,
+             bool last) {
+            return ValueOrThrow(c.StartRestoreLayers(instance, group, lease, pages, first_buffer,
+                                                     buffer_count, last));
+          },
+          GilRelease(), py::arg("instance_id"), py::arg("group"), py::arg("lease"),
+          py::arg("pages"), py::arg("first_buffer"), py::arg("buffer_count"), py::arg("last"),
+          "copies buffers [first_buffer, +buffer_count) of every leased block; the lease stays "
+          "valid until the part with last=True")
+      .def(
           "wait_restore",
           [](CacheClient& c, uint64_t handle, std::optional<int> timeout_ms) {
             std::optional<std::chrono::milliseconds> timeout;

@@ -140,6 +140,32 @@ def test_ordinary_process_memory_is_registered_and_copied(manager):
     assert (v_cache[:10] == 0xEE).all()
 
 
+def test_layer_wise_restore_completes_per_part(manager):
+    _, sock = manager
+    client = orbitkv.CacheManagerClient(sock)
+    ns = namespace()
+    client.register_instance(5, ns)
+    layers = [shm.zeros((PAGES, 4096), "uint8") for _ in range(4)]
+    client.register_group(5, 0, layers)
+    for i, layer in enumerate(layers):
+        layer[:4] = np.arange(4, dtype=np.uint8)[:, None] + 16 * i + 1
+    keys = keys_for(ns, 14, 4)
+    assert client.save(5, [(k, i) for i, k in enumerate(keys)]) == (4, 0)
+    hit = client.query_prefetch(5, keys)
+    handles = client.start_restore_layers(5, hit.lease, range(8, 12), [range(0, 1), range(1, 3), range(3, 4)])
+    assert len(handles) == 3
+    handles[0].wait()
+    assert (layers[0][8:12] == layers[0][:4]).all()
+    for handle in handles[1:]:
+        handle.wait()
+    for layer in layers:
+        assert (layer[8:12] == layer[:4]).all()
+    with pytest.raises(orbitkv.OrbitKVError):
+        client.release(5, hit.lease)  # the last part consumed it
+    with pytest.raises(ValueError):
+        client.start_restore_layers(5, 0, [0], [range(0, 0)])
+
+
 def test_missing_manager_is_a_clear_error(tmp_path):
     with pytest.raises(orbitkv.ManagerUnavailable, match="orbitkv-manager"):
         orbitkv.CacheManagerClient(str(tmp_path / "nobody.sock"))

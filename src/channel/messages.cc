@@ -56,8 +56,10 @@ Result<QueryRequest> QueryRequest::FromKeys(uint64_t instance,
 }
 size_t MaxSaveItems(uint32_t slot_bytes) { return slot_bytes / sizeof(SaveEntry); }
 size_t MaxRestorePages(uint32_t slot_bytes) {
-  return slot_bytes < sizeof(RestoreBody) ? 0
-                                          : (slot_bytes - sizeof(RestoreBody)) / sizeof(uint32_t);
+  // The larger header (layer-wise restores), so the limit holds for both forms.
+  return slot_bytes < sizeof(RestoreLayersBody)
+             ? 0
+             : (slot_bytes - sizeof(RestoreLayersBody)) / sizeof(uint32_t);
 }
 
 Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot) {
@@ -82,16 +84,26 @@ Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::sp
 
 Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d,
                                std::span<uint8_t> slot) {
-  ORBITKV_ASSIGN_OR_RETURN(
-      uint32_t bytes,
-      Fits(sizeof(RestoreBody) + request.pages.size() * sizeof(uint32_t), slot, "restore"));
-  const RestoreBody body{request.group, static_cast<uint32_t>(request.pages.size())};
-  std::memcpy(slot.data(), &body, sizeof(body));
+  const size_t header = request.layers ? sizeof(RestoreLayersBody) : sizeof(RestoreBody);
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes,
+                           Fits(header + request.pages.size() * sizeof(uint32_t), slot, "restore"));
+  if (request.layers) {
+    const RestoreLayersBody body{request.group,
+                                 static_cast<uint32_t>(request.pages.size()),
+                                 request.first_buffer,
+                                 request.buffer_count,
+                                 request.consume_lease ? kRestoreConsumesLease : 0u,
+                                 0};
+    std::memcpy(slot.data(), &body, sizeof(body));
+  } else {
+    const RestoreBody body{request.group, static_cast<uint32_t>(request.pages.size())};
+    std::memcpy(slot.data(), &body, sizeof(body));
+  }
   if (!request.pages.empty()) {
-    std::memcpy(slot.data() + sizeof(body), request.pages.data(),
+    std::memcpy(slot.data() + header, request.pages.data(),
                 request.pages.size() * sizeof(uint32_t));
   }
-  d->opcode = static_cast<uint16_t>(Opcode::kRestore);
+  d->opcode = static_cast<uint16_t>(request.layers ? Opcode::kRestoreLayers : Opcode::kRestore);
   d->arg0 = request.instance;
   d->arg1 = request.lease;
   return bytes;
@@ -183,6 +195,37 @@ Result<QueryRequest> DecodeQuery(const Descriptor& d, std::span<const uint8_t> p
 }
 
 Result<RestoreRequest> DecodeRestore(const Descriptor& d, std::span<const uint8_t> payload) {
+  if (d.opcode == static_cast<uint16_t>(Opcode::kRestoreLayers)) {
+    if (payload.size() < sizeof(RestoreLayersBody)) {
+      return Status::InvalidArgument(
+          fmt::format("layer restore payload of {} bytes has no header", payload.size()));
+    }
+    RestoreLayersBody body;
+    std::memcpy(&body, payload.data(), sizeof(body));
+    if (uint64_t{body.page_count} * sizeof(uint32_t) != payload.size() - sizeof(body)) {
+      return Status::InvalidArgument(
+          fmt::format("layer restore names {} pages but carries {} payload bytes", body.page_count,
+                      payload.size()));
+    }
+    if (body.buffer_count == 0 || (body.flags & ~kRestoreConsumesLease) != 0 ||
+        body.reserved != 0) {
+      return Status::InvalidArgument("layer restore with no buffers or unknown flags");
+    }
+    RestoreRequest request;
+    request.instance = d.arg0;
+    request.lease = d.arg1;
+    request.group = body.group;
+    request.layers = true;
+    request.first_buffer = body.first_buffer;
+    request.buffer_count = body.buffer_count;
+    request.consume_lease = (body.flags & kRestoreConsumesLease) != 0;
+    request.pages.resize(body.page_count);
+    if (body.page_count != 0) {
+      std::memcpy(request.pages.data(), payload.data() + sizeof(body),
+                  body.page_count * sizeof(uint32_t));
+    }
+    return request;
+  }
   if (payload.size() < sizeof(RestoreBody)) {
     return Status::InvalidArgument(
         fmt::format("restore payload of {} bytes has no header", payload.size()));

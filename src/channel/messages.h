@@ -41,6 +41,12 @@ struct RestoreRequest {
   uint64_t lease = 0;  // core::LeaseId packed
   uint32_t group = 0;
   std::vector<uint32_t> pages;  // destination page per leased block, kSkipPage to leave one out
+  // Layer-wise (kRestoreLayers) when set: only these buffers of each block; the lease stays unless
+  // consume_lease.
+  bool layers = false;
+  uint32_t first_buffer = 0;
+  uint32_t buffer_count = 0;
+  bool consume_lease = true;
 };
 
 struct SaveItem {

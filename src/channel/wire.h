@@ -196,8 +196,12 @@ enum class Opcode : uint16_t {
   kRelease = 5,  // arg0 instance, arg1 lease
   kCancel = 6,   // arg0 instance, arg1 operation id
   kStats = 7,    // reply payload: UTF-8 JSON
+  // arg0 instance, arg1 lease; payload: RestoreLayersBody + page indices. Copies only buffers
+  // [first_buffer, first_buffer + buffer_count) of each leased block (a layer or a layer group),
+  // one completion per request; the lease stays valid unless kRestoreConsumesLease is set.
+  kRestoreLayers = 8,
 };
-inline constexpr uint16_t kMaxOpcode = 7;
+inline constexpr uint16_t kMaxOpcode = 8;
 
 enum class DescriptorFlags : uint16_t {
   kNone = 0,
@@ -251,6 +255,18 @@ struct RestoreBody {
 };
 static_assert(sizeof(RestoreBody) == 8);
 inline constexpr uint32_t kSkipPage = 0xffffffffu;
+
+struct RestoreLayersBody {
+  uint32_t group;
+  uint32_t page_count;  // followed by page_count u32 destination page indices (kSkipPage allowed)
+  uint32_t first_buffer;
+  uint32_t buffer_count;
+  uint32_t flags;  // RestoreLayersFlags
+  uint32_t reserved;
+};
+static_assert(sizeof(RestoreLayersBody) == 24);
+// The last part of a layer-wise restore: the lease ends with this copy (like kRestore).
+inline constexpr uint32_t kRestoreConsumesLease = 1;
 
 struct SaveEntry {
   uint8_t key[kKeyBytes];

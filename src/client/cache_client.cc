@@ -237,6 +237,27 @@ Result<uint64_t> CacheClient::StartRestore(uint64_t instance, uint32_t group, ui
   request.lease = lease;
   request.group = group;
   request.pages.assign(pages.begin(), pages.end());
+  return SubmitRestore(request);
+}
+
+Result<uint64_t> CacheClient::StartRestoreLayers(uint64_t instance, uint32_t group, uint64_t lease,
+                                                 std::span<const uint32_t> pages,
+                                                 uint32_t first_buffer, uint32_t buffer_count,
+                                                 bool last) {
+  if (buffer_count == 0) return Status::InvalidArgument("a layer restore needs buffers");
+  channel::RestoreRequest request;
+  request.instance = instance;
+  request.lease = lease;
+  request.group = group;
+  request.pages.assign(pages.begin(), pages.end());
+  request.layers = true;
+  request.first_buffer = first_buffer;
+  request.buffer_count = buffer_count;
+  request.consume_lease = last;
+  return SubmitRestore(request);
+}
+
+Result<uint64_t> CacheClient::SubmitRestore(const channel::RestoreRequest& request) {
   MutexLock lock(&control_mu_);
   ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, control_->AcquireSlot());
   Descriptor d{};

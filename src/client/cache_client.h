@@ -34,6 +34,7 @@
 #include "base/mutex.h"
 #include "base/result.h"
 #include "base/thread_annotations.h"
+#include "channel/messages.h"
 #include "channel/session.h"
 #include "channel/wire.h"
 #include "state/namespace.h"
@@ -127,6 +128,14 @@ class CacheClient {
   // pending), PollRestore does not block (nullopt: pending).
   Result<uint64_t> StartRestore(uint64_t instance, uint32_t group, uint64_t lease,
                                 std::span<const uint32_t> pages);
+  // Layer-wise restore: copies only buffers [first_buffer, first_buffer + buffer_count) of the
+  // group (a layer, or K and V of some layers) of each leased block, with its own completion, so
+  // the engine can start computing layer 0 while later layers still copy. The lease stays valid for
+  // the next part until `last`, which consumes it (or Release it to stop early). Parts may be in
+  // flight together.
+  Result<uint64_t> StartRestoreLayers(uint64_t instance, uint32_t group, uint64_t lease,
+                                      std::span<const uint32_t> pages, uint32_t first_buffer,
+                                      uint32_t buffer_count, bool last);
   Status WaitRestore(uint64_t handle,
                      std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   Result<std::optional<Status>> PollRestore(uint64_t handle);
@@ -167,6 +176,7 @@ class CacheClient {
         control_(std::move(control)) {}
 
   orbitkv::Deadline CallDeadline() const;
+  Result<uint64_t> SubmitRestore(const channel::RestoreRequest& request);
   // Fills the descriptor and writes the payload into the request slot; returns the payload bytes.
   using Encoder = std::function<Result<uint32_t>(channel::Descriptor*, std::span<uint8_t>)>;
   // One request on `session` (the caller holds that session's mutex): encode, submit, wait for the

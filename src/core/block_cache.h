@@ -84,6 +84,10 @@ class BlockCache {
   Status ReleaseLease(uint64_t instance, LeaseId lease) {
     return leases_->Release(lease, instance);
   }
+  // Pins of the lease's blocks for a partial restore; the lease stays (LeaseTable::Borrow).
+  Result<std::vector<BlockPin>> BorrowLease(uint64_t instance, LeaseId lease) const {
+    return leases_->Borrow(lease, instance);
+  }
   Result<LeaseUse> ConsumeLease(uint64_t instance, LeaseId lease) {
     return leases_->Consume(lease, instance);
   }

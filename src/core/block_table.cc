@@ -35,6 +35,11 @@ void BlockPin::Reset() {
   if (table_ != nullptr) std::exchange(table_, nullptr)->Unpin(ref_);
 }
 
+BlockPin BlockPin::Clone() const {
+  if (table_ == nullptr) return BlockPin();
+  return table_->PinAgain(ref_);
+}
+
 BlockWriter::BlockWriter(BlockWriter&& other) noexcept
     : table_(std::exchange(other.table_, nullptr)),
       ref_(other.ref_),
@@ -658,6 +663,16 @@ Result<BlockPin> BlockTable::PinRef(const BlockRef& ref) {
     return Status::Aborted(
         fmt::format("block ref slot {} generation {} is stale", ref.index, ref.generation));
   }
+  return PinOne(shard, ref.shard, ref.index);
+}
+
+BlockPin BlockTable::PinAgain(const BlockRef& ref) {
+  Shard& shard = *shards_[ref.shard];
+  MutexLock lock(&shard.mu);
+  const Block& block = shard.slots[ref.index];
+  ORBITKV_CHECK_MSG(block.slot_generation == ref.generation && block.pins > 0,
+                    "cloning a pin of block slot {} generation {} that holds none", ref.index,
+                    ref.generation);
   return PinOne(shard, ref.shard, ref.index);
 }
 

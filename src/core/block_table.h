@@ -83,6 +83,9 @@ class BlockPin {
   // Residence generation of the DRAM block (unique per publication, shared by every pin of it).
   uint64_t generation() const { return generation_; }
   void Reset();
+  // Another pin on the same block (published or not): it stays readable until both are gone. An
+  // empty pin clones to an empty pin.
+  BlockPin Clone() const;
   // Releases every pin in `pins` (taking each table shard's lock once) and clears the vector.
   static void ReleaseAll(std::vector<BlockPin>* pins);
 
@@ -197,6 +200,8 @@ class BlockTable {
   size_t PinPrefix(std::span<const state::StateKey> keys, std::vector<BlockPin>* pins);
   // NotFound when the key has no sealed DRAM residence.
   Result<BlockPin> Pin(const state::StateKey& key);
+  // Clone(): one more pin on the block `ref` names, which `existing` already pins (CHECK).
+  BlockPin PinAgain(const BlockRef& ref);
   // Re-pins a block named by a ref from another process. Aborted when the ref is stale (slot reused
   // or freed), InvalidArgument when it is out of range.
   Result<BlockPin> PinRef(const BlockRef& ref);
@@ -315,9 +320,9 @@ class BlockTable {
   Shard& ShardOf(uint64_t hash) { return *shards_[hash % shards_.size()]; }
   uint32_t ShardIndex(uint64_t hash) const { return static_cast<uint32_t>(hash % shards_.size()); }
 
-  // Visits the keys of a prefix lookup shard by shard (one lock per shard); `visit(shard, shard_index, i,
-  // entry or nullptr)` runs under the shard lock and returns whether key i extends the prefix. Returns the prefix
-  // length.
+  // Visits the keys of a prefix lookup shard by shard (one lock per shard); `visit(shard,
+  // shard_index, i, entry or nullptr)` runs under the shard lock and returns whether key i extends
+  // the prefix. Returns the prefix length.
   template <typename Visit>
   size_t ScanPrefix(std::span<const state::StateKey> keys, Visit&& visit);
 

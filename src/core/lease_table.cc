@@ -109,6 +109,15 @@ Result<LeaseUse> LeaseTable::Consume(LeaseId id, uint64_t owner) {
   return LeaseUse(std::move(taken.pins), std::move(taken.ticket), taken.owner);
 }
 
+Result<std::vector<BlockPin>> LeaseTable::Borrow(LeaseId id, uint64_t owner) const {
+  MutexLock lock(&mu_);
+  ORBITKV_RETURN_IF_ERROR(ValidateLocked(id, owner));
+  std::vector<BlockPin> pins;
+  pins.reserve(slots_[id.index].pins.size());
+  for (const BlockPin& pin : slots_[id.index].pins) pins.push_back(pin.Clone());
+  return pins;
+}
+
 Result<size_t> LeaseTable::BlockCount(LeaseId id, uint64_t owner) const {
   MutexLock lock(&mu_);
   ORBITKV_RETURN_IF_ERROR(ValidateLocked(id, owner));

@@ -97,6 +97,11 @@ class LeaseTable {
   // the copy completes. Same errors as Release.
   Result<LeaseUse> Consume(LeaseId id, uint64_t owner);
 
+  // Pins the lease's blocks once more without consuming it: a partial restore (some layers of every
+  // block) copies under these pins while the lease stays valid for the next part. The errors of
+  // Release.
+  Result<std::vector<BlockPin>> Borrow(LeaseId id, uint64_t owner) const;
+
   // Number of blocks the lease holds, or the Release errors.
   Result<size_t> BlockCount(LeaseId id, uint64_t owner) const;
 

@@ -32,16 +32,24 @@ Result<std::shared_ptr<Manager::Group>> FindGroup(Manager::Instance& instance, u
   return it->second;
 }
 
-// Appends the fragments of one block (page `page` of `group`) at `pool`, one per buffer.
-void AppendBlockFragments(const Manager::Group& group, uint32_t page, uint8_t* pool,
-                          std::vector<core::CopyFragment>* fragments) {
+// Appends the fragments of one block (page `page` of `group`) at `pool`, one per buffer in
+// [first_buffer, first_buffer + buffer_count); returns their bytes.
+uint64_t AppendBlockFragments(const Manager::Group& group, uint32_t page, uint8_t* pool,
+                              std::vector<core::CopyFragment>* fragments, size_t first_buffer = 0,
+                              size_t buffer_count = SIZE_MAX) {
   uint64_t offset = 0;
-  for (const Manager::Group::Buffer& buffer : group.buffers) {
-    fragments->push_back(
-        core::CopyFragment{buffer.id, buffer.layout.base_offset + page * buffer.layout.page_stride,
-                           pool + offset, buffer.layout.page_bytes});
+  uint64_t bytes = 0;
+  for (size_t b = 0; b < group.buffers.size(); ++b) {
+    const Manager::Group::Buffer& buffer = group.buffers[b];
+    if (b >= first_buffer && b - first_buffer < buffer_count) {
+      fragments->push_back(core::CopyFragment{
+          buffer.id, buffer.layout.base_offset + page * buffer.layout.page_stride, pool + offset,
+          buffer.layout.page_bytes});
+      bytes += buffer.layout.page_bytes;
+    }
     offset += buffer.layout.page_bytes;
   }
+  return bytes;
 }
 
 }  // namespace
@@ -70,6 +78,7 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
     case Opcode::kQuery:
       return HandleQuery(*session, request);
     case Opcode::kRestore:
+    case Opcode::kRestoreLayers:
       return HandleRestore(session, request);
     case Opcode::kSave:
       return HandleSave(session, request);
@@ -246,15 +255,37 @@ Status Manager::HandleRestore(const std::shared_ptr<Session>& session,
         d, Status::ResourceExhausted(
                "too many restores and saves in flight; retry (the lease is still valid)"));
   }
-  // From here the lease is consumed: its pins end with this operation, whatever happens.
-  Result<core::LeaseUse> use =
-      cache_->ConsumeLease(restore.instance, core::LeaseId::Unpack(restore.lease));
-  if (!use.ok()) {
-    EndOperation();
-    return session->channel->ReplyError(d, use.status());
-  }
-  auto lease = std::make_shared<core::LeaseUse>(std::move(*use));
   const Group& g = **group;
+  if (restore.layers && (restore.first_buffer >= g.buffers.size() ||
+                         restore.buffer_count > g.buffers.size() - restore.first_buffer)) {
+    EndOperation();
+    return session->channel->ReplyError(
+        d, Status::InvalidArgument(
+               fmt::format("layer restore of buffers [{}, +{}) but the group has {} buffers",
+                           restore.first_buffer, restore.buffer_count, g.buffers.size())));
+  }
+  // A whole restore (or the last part of a layer-wise one) consumes the lease: its pins end with
+  // this operation, whatever happens. An earlier part copies under pins of its own and leaves the
+  // lease for the next part.
+  std::shared_ptr<core::LeaseUse> lease;
+  if (restore.consume_lease) {
+    Result<core::LeaseUse> use =
+        cache_->ConsumeLease(restore.instance, core::LeaseId::Unpack(restore.lease));
+    if (!use.ok()) {
+      EndOperation();
+      return session->channel->ReplyError(d, use.status());
+    }
+    lease = std::make_shared<core::LeaseUse>(std::move(*use));
+  } else {
+    Result<std::vector<core::BlockPin>> pins =
+        cache_->BorrowLease(restore.instance, core::LeaseId::Unpack(restore.lease));
+    if (!pins.ok()) {
+      EndOperation();
+      return session->channel->ReplyError(d, pins.status());
+    }
+    lease =
+        std::make_shared<core::LeaseUse>(std::move(*pins), core::BudgetTicket(), restore.instance);
+  }
   Status invalid;
   if (restore.pages.size() > lease->pins().size()) {
     invalid =
@@ -279,8 +310,12 @@ Status Manager::HandleRestore(const std::shared_ptr<Session>& session,
       break;
     }
     // The copy engine only reads from the pool on restore.
-    AppendBlockFragments(g, restore.pages[i], const_cast<uint8_t*>(pin.data()), &batch.fragments);
-    bytes += pin.bytes();
+    bytes +=
+        restore.layers
+            ? AppendBlockFragments(g, restore.pages[i], const_cast<uint8_t*>(pin.data()),
+                                   &batch.fragments, restore.first_buffer, restore.buffer_count)
+            : AppendBlockFragments(g, restore.pages[i], const_cast<uint8_t*>(pin.data()),
+                                   &batch.fragments);
   }
   if (!invalid.ok() || batch.fragments.empty()) {
     EndOperation();

@@ -143,6 +143,46 @@ TEST(ManagerIntegrationTest, UnusableBufferKindsAreRefusedWithAReason) {
   EXPECT_TRUE(client->RegisterGroup(7, 0, 4, kv.Specs()).ok());
 }
 
+// Layer-wise restore: each part copies some buffers of every leased block with its own completion;
+// the lease outlives the earlier parts and ends with the last.
+TEST(ManagerIntegrationTest, LayerWiseRestoreCompletesPerLayer) {
+  ManagerProcess manager;
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  EngineKv kv(32);
+  Register(*client, 8, kv);
+  const auto keys = Chain(31, 8);
+  ASSERT_TRUE(SaveChain(*client, 8, kv, keys).ok());
+  kv.Poison();
+  auto hit = client->Query(8, 0, keys);
+  ASSERT_TRUE(hit.ok());
+  ASSERT_EQ(hit->hits, keys.size());
+  std::vector<uint32_t> pages(keys.size());
+  for (uint32_t i = 0; i < pages.size(); ++i) pages[i] = 16 + i;
+  // Out of range: refused, and the lease is still good.
+  auto bad = client->StartRestoreLayers(8, 0, hit->lease, pages, 1, 2, false);
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ(client->WaitRestore(*bad).code(), StatusCode::kInvalidArgument);
+  // Layer 0 first: only its buffer is restored.
+  auto first = client->StartRestoreLayers(8, 0, hit->lease, pages, 0, 1, false);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(client->WaitRestore(*first).ok());
+  std::vector<uint8_t> expected(kPageBytes);
+  for (uint32_t i = 0; i < keys.size(); ++i) {
+    EXPECT_FALSE(kv.Holds(16 + i, keys[i]));  // layer 1 still poisoned
+    EXPECT_NE(*kv.Page(0, 16 + i), 0xee);
+    EXPECT_EQ(*kv.Page(1, 16 + i), 0xee);
+  }
+  EXPECT_EQ(StatField(*client, "leases_active"), 1u);
+  // The last part consumes the lease.
+  auto last = client->StartRestoreLayers(8, 0, hit->lease, pages, 1, 1, true);
+  ASSERT_TRUE(last.ok());
+  ASSERT_TRUE(client->WaitRestore(*last).ok());
+  for (uint32_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(kv.Holds(16 + i, keys[i])) << i;
+  EXPECT_EQ(client->Release(8, hit->lease).code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(EventuallyIdle(*client));
+}
+
 TEST(ManagerIntegrationTest, ConcurrentSessionsAndPublishWhileRestoring) {
   ManagerProcess manager;
   const auto shared = Chain(10, 16);
