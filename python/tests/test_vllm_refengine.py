@@ -3,7 +3,10 @@ paged KV) runs a prompt set with shared prefixes through the vLLM harness twice,
 once with OrbitKVConnector restoring the prefixes from a real Manager; logits and sampled tokens must be
 bit-identical. Also for a sliding-window + full hybrid, and when the Manager dies in the middle of a restore. The
 engine's KV caches are OrbitKV shared memory or ordinary tensors (what vLLM allocates: the Manager copies them with
-process_vm_readv/writev); both kinds hold the same bytes, so a cache saved from one restores into the other."""
+process_vm_readv/writev); both kinds hold the same bytes, so a cache saved from one restores into the other.
+Where torch sees a GPU, the same gate also runs with the engine and its KV caches on CUDA (vLLM's int8 KV tensors
+allocated on the GPU, registered through CUDA IPC, copied by the Manager's GPU copy engine), against a baseline
+computed on the same GPU; the Manager must see that GPU."""
 
 import random
 
@@ -16,6 +19,21 @@ from vllm_harness.manager import ManagerProcess
 from vllm_harness.models import RefEngineModel
 
 CHUNK = 16  # long_prefill_token_threshold: chunk ends fall on the same absolute positions in every run
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="torch sees no CUDA device")
+
+
+class CudaRefEngineModel(RefEngineModel):
+    """The harness's reference-engine model on the GPU: weights, activations and vLLM's raw int8 KV tensors (one
+    per KVCacheTensor, as vLLM allocates them) all on CUDA."""
+
+    def __init__(self, config, *, memory: str = "cuda"):
+        assert memory == "cuda"
+        super().__init__(config, device="cuda", memory="ordinary")
+
+    def bind(self, kv_cache_config):
+        with torch.device(self.device):  # the harness's ordinary torch.zeros buffers, on the GPU
+            return super().bind(kv_cache_config)
 
 
 @pytest.fixture()
@@ -37,7 +55,7 @@ def prompt_set(vocab, seed=0):
 
 
 def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engine=None, memory="shm"):
-    model = RefEngineModel(config, memory=memory)
+    model = (CudaRefEngineModel if memory == "cuda" else RefEngineModel)(config, memory=memory)
     engine = Engine(vllm_config(socket, model=config.fingerprint(), dtype=config.torch_dtype, budget=4096,
                                 threshold=CHUNK, prefix_caching=prefix_caching,
                                 extra={"orbitkv.reconnect_interval_s": 0.05}),
@@ -71,11 +89,13 @@ def assert_identical(results, baseline):
     ("tiny_hybrid", "ordinary", "ordinary"),  # vLLM's own KV tensors, every group
     ("tiny", "ordinary", "shm"),
     ("tiny", "shm", "ordinary"),
+    pytest.param("tiny", "cuda", "cuda", marks=needs_cuda),  # GPU KV caches through CUDA IPC
+    pytest.param("tiny_hybrid", "cuda", "cuda", marks=needs_cuda),
 ])
 def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loader):
     config = refengine.preset(name)
     prompts = prompt_set(config.vocab_size)
-    base_engine, baseline = run(config, None, prompts)
+    base_engine, baseline = run(config, None, prompts, memory="cuda" if loader == "cuda" else "shm")
     _, warm = run(config, manager.socket, prompts, memory=saver)  # computes and saves
     assert_identical(warm, baseline)
     assert manager.stats()["resident_blocks"] > 0
@@ -83,6 +103,7 @@ def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loade
     assert_identical(restored, baseline)
     worker = engine.workers[0]
     assert in_shm(worker.kv_caches[worker.model.layer_names[0]]) == (loader == "shm")
+    assert worker.kv_caches[worker.model.layer_names[0]].is_cuda == (loader == "cuda")
     stats = engine.worker_stats.data
     assert stats["restored_blocks"] > 0 and stats["failed_loads"] == 0
     computed, full = engine.workers[0].model.tokens_computed, base_engine.workers[0].model.tokens_computed
@@ -96,11 +117,12 @@ def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loade
     assert manager.stats()["leases_active"] == 0
 
 
-def test_manager_killed_mid_restore_recomputes_bit_identically(manager, monkeypatch):
+@pytest.mark.parametrize("memory", ["shm", pytest.param("cuda", marks=needs_cuda)])
+def test_manager_killed_mid_restore_recomputes_bit_identically(manager, monkeypatch, memory):
     config = refengine.preset("tiny_hybrid")
     prompts = prompt_set(config.vocab_size, seed=1)
-    _, baseline = run(config, None, prompts)
-    run(config, manager.socket, prompts)
+    _, baseline = run(config, None, prompts, memory=memory)
+    run(config, manager.socket, prompts, memory=memory)
     calls = []
 
     def arm(engine):
@@ -115,7 +137,7 @@ def test_manager_killed_mid_restore_recomputes_bit_identically(manager, monkeypa
 
         monkeypatch.setattr(client, "start_restore", restore)
 
-    engine, results = run(config, manager.socket, prompts, on_engine=arm)
+    engine, results = run(config, manager.socket, prompts, on_engine=arm, memory=memory)
     assert_identical(results, baseline)
     assert calls[:4] == [0, 1, 0, 1]
     assert engine.worker_stats.data["failed_loads"] >= 1

@@ -10,6 +10,10 @@ and decode steps. Every step runs ``build_connector_meta`` on the scheduler side
 ``clear_connector_metadata``; the scheduler then gets ``update_connector_output``. A finished request goes through
 ``request_finished_all_groups`` and its id reaches the worker in the next step's ``finished_req_ids``.
 
+On CUDA (``device="cuda"``, or a model on a GPU) the KV caches are ordinary CUDA tensors, which the connector
+registers through CUDA IPC; each step's GPU work is waited for, so ``compute_s`` is the compute's real time.
+TTFT starts once the request is admitted (its block hashes computed, as vLLM does on arrival).
+
 The engine keeps no prefix cache of its own, so every turn of a conversation is a new request: what a vLLM
 instance sees when its GPU cache no longer holds the conversation, or when a router sends it elsewhere. The
 full vLLM scheduler (batching, preemption, aborts, TP) is reproduced by the test harness in python/tests.
@@ -120,6 +124,7 @@ class Result:
     ttft_s: float
     restored_tokens: int
     compute_s: float  # time in the model's forward passes until the first token
+    hash_s: float = 0.0  # admission (block hashes), before the TTFT clock starts
 
 
 @dataclass
@@ -136,12 +141,17 @@ class SequentialEngine:
     """The reference engine behind OrbitKVConnector (``socket_path``), or alone (``socket_path=None``)."""
 
     def __init__(self, config: refengine.ModelConfig, num_blocks: int, socket_path: Optional[str] = None, *,
-                 chunk_size: int = 256, extra: Optional[dict] = None, model=None):
+                 chunk_size: int = 256, extra: Optional[dict] = None, model=None, device=None):
         self.config = config
         self.chunk = chunk_size
-        allocator = functools.partial(shm.empty, like="torch") if socket_path else None
-        self.engine = refengine.RefEngine(config, num_blocks, kv_allocator=allocator, chunk_size=chunk_size,
-                                          model=model)
+        if device is None:
+            device = model.device if model is not None else "cpu"
+        self.device = torch.device(device)
+        # CPU: shared memory for the connector (the zero-syscall path); CUDA: the engine's own GPU tensors.
+        cpu = self.device.type == "cpu"
+        allocator = functools.partial(shm.empty, like="torch") if socket_path and cpu else None
+        self.engine = refengine.RefEngine(config, num_blocks, device=self.device, kv_allocator=allocator,
+                                          chunk_size=chunk_size, model=model)
         reserved = self.engine.blocks.allocate(1)  # block 0 is vLLM's null block: never a request's
         assert reserved == [0]
         self.groups = len(kv_cache_config(config, num_blocks).kv_cache_groups)
@@ -248,9 +258,15 @@ class SequentialEngine:
         self.scheduler.update_state_after_alloc(view, _Blocks(request.block_ids, self.groups), 0)
         return valid
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def generate(self, prompt_token_ids, max_new_tokens: int, request_id: Optional[str] = None) -> Result:
-        started = time.perf_counter()
+        admitted = time.perf_counter()
         request = self.engine.add_request(prompt_token_ids, request_id)
+        self._sync()
+        started = time.perf_counter()
         restored = self._load(request) if self.scheduler is not None else 0
         self.engine.allocate(request)
         request.num_computed_tokens = restored
@@ -261,6 +277,7 @@ class SequentialEngine:
             end = min(request.num_tokens, (pos // self.chunk + 1) * self.chunk)
             t = time.perf_counter()
             _, logits = self._step(request, end - pos, new=first)
+            self._sync()
             compute_s += time.perf_counter() - t
             first = False
         token = self.engine.sample(logits)
@@ -277,7 +294,7 @@ class SequentialEngine:
             self._finished.add(request.request_id)
         self._sent.pop(request.request_id, None)
         self.engine.free(request)
-        return Result(tokens, ttft, restored, compute_s)
+        return Result(tokens, ttft, restored, compute_s, started - admitted)
 
     def idle(self, steps: int = 1) -> None:
         """Engine steps with nothing scheduled (finished ids reach the worker, deferred saves complete)."""

@@ -3,8 +3,14 @@
 Registration. ``register_kv_caches`` registers this rank's KV tensors with the Manager as one OrbitKV group per
 vLLM KV-cache group, page index = vLLM block id (layout.py finds the pages). CPU tensors may be ordinary memory
 (vLLM's own allocation: the Manager copies it with process_vm_readv/writev, so it must run as the same uid or with
-CAP_SYS_PTRACE) or OrbitKV shared memory (``orbitkv.shm``, mapped by the Manager: no system call per copy). GPU
-tensors are refused with a clear NotImplementedError until the OrbitKV client registers GPU memory.
+CAP_SYS_PTRACE) or OrbitKV shared memory (``orbitkv.shm``, mapped by the Manager: no system call per copy). CUDA
+tensors are exported with CUDA IPC and copied by the Manager's GPU copy engine (the Manager must see the GPU).
+
+CUDA ordering. The Manager copies on its own streams, so the connector orders the engine's stream against them: a
+save records an event on the current stream after the step's forward pass and the save waits for it before the
+Manager reads the pages (they are complete on the GPU); a restore starts only after the current stream drained
+(no kernel of an earlier step still reads or writes its destination blocks), and the engine reads a restored
+page only after the restore reported completion.
 
 Loads. For each planned load, ``start_load_kv`` asks this rank's instance for exactly the planned pages (the
 scheduler's leases keep them resident) and starts one asynchronous restore per leased segment; ``get_finished``
@@ -76,6 +82,7 @@ class WorkerSide:
         self.stats = OrbitKVConnectorStats()
         self._lock = threading.RLock()  # stats and _stored, also updated by the save thread
         self._max_keys = 0
+        self._cuda = None  # the torch.device of CUDA KV caches, None for CPU memory
         self.link = ManagerLink(cfg.socket_path, cfg.timeout_ms, cfg.spin_iterations, require=cfg.require_manager,
                                 reconnect_interval_s=cfg.reconnect_interval_s, on_connect=self._register)
 
@@ -130,6 +137,7 @@ class WorkerSide:
 
     def _install(self, views: dict) -> None:
         self.views = views
+        self._cuda = next((v.device for vs in views.values() for v in vs if getattr(v, "is_cuda", False)), None)
         self.block_bytes = {g: sum(v.shape[1] for v in vs) for g, vs in views.items()}
         client = self.link.client()
         if client is None:
@@ -179,9 +187,19 @@ class WorkerSide:
                     gj.run.release(self.link.client())
                     self._settle_failed(gj)
 
+    def _drain_stream(self) -> None:
+        """CUDA: waits until the engine's current stream ran everything queued (no kernel still touches a block
+        a restore is about to write)."""
+        if self._cuda is not None:
+            import torch
+
+            torch.cuda.current_stream(self._cuda).synchronize()
+
     def _start_restores(self, client, gj: _GroupJob) -> None:
         gj.started = True
         load = gj.load
+        if gj.run.segments:
+            self._drain_stream()
         for lease, first, count in gj.run.segments:
             offset = first - load.first_block
             pages = [bid if bid else orbitkv.SKIP_PAGE for bid in load.block_ids[offset:offset + count]]
@@ -296,14 +314,22 @@ class WorkerSide:
             batches.append((group, keys))
         if not batches:
             return
+        pages_ready = None  # CUDA: an event after the kernels that wrote the pages; the save waits for it
+        if self._cuda is not None:
+            import torch
+
+            pages_ready = torch.cuda.Event()
+            pages_ready.record(torch.cuda.current_stream(self._cuda))
         if self.cfg.save_mode == "sync":
-            self._save(batches)
+            self._save(batches, pages_ready)
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbitkv-save")
-        self._saves.append(self._executor.submit(self._save, batches))
+        self._saves.append(self._executor.submit(self._save, batches, pages_ready))
 
-    def _save(self, batches) -> None:
+    def _save(self, batches, pages_ready=None) -> None:
+        if pages_ready is not None:
+            pages_ready.synchronize()  # the pages are complete on the GPU before the Manager copies them
         client = self.link.client()
         if client is None:
             with self._lock:
