@@ -1,14 +1,23 @@
 """Correctness gate: the reference engine served SGLang-style (radix tree, 64-token pages, SGLang page hashes,
 OrbitKV as L3; the host pool in OrbitKV shared memory or in ordinary memory, as stock SGLang allocates it). Output
 with OrbitKV hits is bit-identical to recomputing, and a Manager that dies in the middle of a prefetch leaves the
-server recomputing with identical output."""
+server recomputing with identical output.
+
+Where torch sees a GPU, the same gate also runs with the engine and its device KV pool on CUDA (SGLang's GPU pool;
+the tree backs pages up to the CPU host pool and loads them back, OrbitKV serves the host pool), against a
+recompute on the same GPU. The linker path (OrbitKVLinker: no host tier, the Manager copies device pages itself; on
+the GPU registered through CUDA IPC) runs the same comparison on the engine's own device KV pool."""
 
 import random
+import time
+import types
 
 import pytest
 import torch
 
 from orbitkv import refengine, shm
+from orbitkv.sglang import OrbitKVLinker
+from orbitkv.sglang._compat import PoolTransfer
 from sglang_harness.engine_server import EngineServer
 from sglang_harness.hashing import page_hashes
 from sglang_harness.manager import ManagerProcess
@@ -16,11 +25,26 @@ from sglang_harness.world import extra_config
 
 CONFIG = refengine.preset("tiny", block_size=64)
 NEW_TOKENS = 4
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="torch sees no CUDA device")
 
 
 @pytest.fixture(scope="module")
-def model():
-    return refengine.RefEngine(CONFIG, 1, kv_layout="split", chunk_size=64).model
+def models():
+    """One model per device (weights drawn on that device), built when a test first asks for it."""
+    built = {}
+
+    def get(device):
+        if device not in built:
+            built[device] = refengine.RefEngine(CONFIG, 1, device=device, kv_layout="split", chunk_size=64).model
+        return built[device]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models("cpu")
 
 
 def prompts(seed):
@@ -30,8 +54,8 @@ def prompts(seed):
             shared + [rng.randrange(CONFIG.vocab_size) for _ in range(100)])
 
 
-def recompute(model, prompt):
-    engine = refengine.RefEngine(CONFIG, 16, kv_layout="split", chunk_size=64, model=model)
+def recompute(model, prompt, device="cpu"):
+    engine = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
     return engine.generate(engine.add_request(prompt), NEW_TOKENS)
 
 
@@ -43,23 +67,30 @@ def identical(a, b):
     return a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
-@pytest.mark.parametrize("layout,shared_host", [("page_first", True), ("page_first_direct", True),
-                                                ("page_first_direct", False)])  # False: stock SGLang's host pool
-def test_hits_are_bit_identical_to_recompute(build_dir, model, layout, shared_host):
+@pytest.mark.parametrize("layout,shared_host,device", [
+    ("page_first", True, "cpu"), ("page_first_direct", True, "cpu"),
+    ("page_first_direct", False, "cpu"),  # False: stock SGLang's host pool
+    pytest.param("page_first", True, "cuda", marks=needs_cuda),  # the device KV pool on the GPU
+    pytest.param("page_first_direct", False, "cuda", marks=needs_cuda)])
+def test_hits_are_bit_identical_to_recompute(build_dir, models, layout, shared_host, device):
+    model = models(device)
     m = ManagerProcess(build_dir)
     try:
         first, second = prompts(layout)
-        writer = EngineServer(CONFIG, extra_config(m.socket), model=model, layout=layout, shared_host=shared_host)
+        server = dict(model=model, layout=layout, shared_host=shared_host, device=device)
+        writer = EngineServer(CONFIG, extra_config(m.socket), **server)
         _, cached = writer.generate("a", first, NEW_TOKENS)
         writer.shutdown()
         assert cached == 0
-        reader = EngineServer(CONFIG, extra_config(m.socket), model=model, layout=layout, shared_host=shared_host)
+        reader = EngineServer(CONFIG, extra_config(m.socket), **server)
         try:
             assert in_shm(reader.host_pool.kv_buffer) == shared_host
+            assert reader.device_pool.k_buffer[0].device.type == device
             generation, cached = reader.generate("b", second, NEW_TOKENS)
             assert cached == 5 * 64  # the shared prefix, restored from OrbitKV
             assert reader.cache.events[0] == "prefetched:5"
-            assert identical(generation, recompute(model, second))
+            assert generation.logits[0].device.type == device
+            assert identical(generation, recompute(model, second, device))
             # The engine's own SGLang keys of the request are the ones the tree stored and asked for.
             request = reader.engine.add_request(second)
             assert request.page_hashes(64) == page_hashes(second, 64)
@@ -69,14 +100,16 @@ def test_hits_are_bit_identical_to_recompute(build_dir, model, layout, shared_ho
         m.stop()
 
 
-def test_manager_death_mid_prefetch_falls_back_to_recompute(build_dir, model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_manager_death_mid_prefetch_falls_back_to_recompute(build_dir, models, device):
+    model = models(device)
     m = ManagerProcess(build_dir)
     try:
         first, second = prompts("death")
-        writer = EngineServer(CONFIG, extra_config(m.socket), model=model)
+        writer = EngineServer(CONFIG, extra_config(m.socket), model=model, device=device)
         writer.generate("a", first, NEW_TOKENS)
         writer.shutdown()
-        reader = EngineServer(CONFIG, extra_config(m.socket), model=model)
+        reader = EngineServer(CONFIG, extra_config(m.socket), model=model, device=device)
         reader.cache.controller.io_gate.clear()  # hold the prefetch IO until the Manager is gone
 
         def kill_after_hit_query():
@@ -88,7 +121,7 @@ def test_manager_death_mid_prefetch_falls_back_to_recompute(build_dir, model):
         try:
             generation, cached = reader.generate("b", second, NEW_TOKENS, on_step=kill_after_hit_query)
             assert cached == 0 and reader.cache.events[0] == "prefetched:0"
-            assert identical(generation, recompute(model, second))
+            assert identical(generation, recompute(model, second, device))
             backend = reader.cache.controller.storage_backend
             counters = backend.counters()
             assert counters["exists_hits"] == 5 and counters.get("get_hits", 0) == 0
@@ -96,5 +129,71 @@ def test_manager_death_mid_prefetch_falls_back_to_recompute(build_dir, model):
             assert reader.cache.controller.thread_errors == []
         finally:
             reader.shutdown()
+    finally:
+        m.stop()
+
+
+def engine_linker(engine, socket):
+    """OrbitKVLinker over the engine's device pool (SGLang's per-layer K/V token buffers), built as SGLang does."""
+    k_buffer, v_buffer = engine.cache.sglang_device_buffers()
+    pool = types.SimpleNamespace(k_buffer=k_buffer, v_buffer=v_buffer)
+    params = types.SimpleNamespace(page_size=64, pp_rank=0, pp_size=1,
+                                   token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: pool))
+    server_args = types.SimpleNamespace(model_path=f"refengine/{CONFIG.name}", served_model_name=None)
+    return OrbitKVLinker(server_args, params, extra_config={"socket": socket, "model_revision": "gate"})
+
+
+def wait_for(predicate):
+    deadline = time.monotonic() + 60
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def block_slots(blocks):
+    return torch.cat([torch.arange(b * 64, (b + 1) * 64) for b in blocks])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_linker_hits_are_bit_identical_to_recompute(build_dir, models, device):
+    model = models(device)
+    m = ManagerProcess(build_dir)
+    try:
+        first, second = prompts(f"linker-{device}")
+        writer = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
+        saver = engine_linker(writer, m.socket)
+        request = writer.add_request(first, "a")
+        writer.allocate(request)
+        writer.generate(request, NEW_TOKENS)
+        # The offload right after the forward pass: the linker orders the save after the kernels that wrote pages.
+        keys = page_hashes(first, 64)[:5]
+        assert saver.offload([PoolTransfer(name="kv", keys=keys, device_indices=block_slots(request.block_ids[:5]))])
+        wait_for(lambda: saver.num_completed_offloads() == 1)
+        assert saver.pop_completed_offload() is True
+        assert saver.counters()["offload_written"] == 5
+        saver.close()
+
+        reader = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
+        assert reader.cache.layers[0].device.type == device
+        loader = engine_linker(reader, m.socket)
+        try:
+            wanted = page_hashes(second, 64)
+            assert loader.lookup("b", [PoolTransfer(name="kv", keys=wanted)]) == [1, 2, 3, 4, 5]
+            blocks = reader.blocks.allocate(5)
+            assert loader.load("b", [PoolTransfer(name="kv", keys=wanted[:5], device_indices=block_slots(blocks))])
+            index = loader.start_layer_wise_loading()
+            loader.layer_done_counter.set_consumer(index)
+            loader.layer_done_counter.wait_until(CONFIG.num_layers - 1)
+            wait_for(lambda: loader.num_completed_loads() == 1)
+            assert loader.pop_completed_load() == ["b"]
+            request = reader.add_request(second, "b")
+            request.block_ids = list(blocks)
+            reader.allocate(request)
+            generation = reader.generate(request, NEW_TOKENS, start_token=5 * 64)
+            assert generation.logits[0].device.type == device
+            assert identical(generation, recompute(model, second, device))
+            assert m.stats()["leases_active"] == 0
+        finally:
+            loader.close()
     finally:
         m.stop()

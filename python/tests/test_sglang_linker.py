@@ -1,6 +1,7 @@
 """OrbitKVLinker (SGLang UnifiedRadixCache external linker) driven the way UnifiedCacheLinkerWrapper drives it:
 offload, lookup, load + layer-wise loading, cancel, reset; plus the plugin that registers the radix-cache
-backend. Device pools are CPU tensors, in OrbitKV shared memory or ordinary memory (GPU pools need the GPU path)."""
+backend. Device pools here are CPU tensors, in OrbitKV shared memory or ordinary memory; CUDA device pools are
+covered by the CUDA cases of test_sglang_gate.py, run on the GPU machine (tests/gpu/run_engines.sh)."""
 
 import enum
 import hashlib

@@ -7,10 +7,15 @@ tree inserts the hit (restores run on a worker thread; the model's layer waits g
 ``layer_done_counter``), ``offload`` when a node is backed up (saves on a second worker thread). It is selected by
 the ``orbitkv`` radix-cache backend that :mod:`orbitkv.sglang.plugin` registers.
 
-Today the device pool must be CPU tensors (CPU engines and tests), in ordinary memory or in OrbitKV shared memory;
-CUDA pools need the OrbitKV GPU path and are refused with NotImplementedError at construction until the client
-registers GPU memory. SGLang gives the linker no token
-positions, so each page is its own query (see ``_session.py``, single mode).
+The device pool may be CPU tensors (CPU engines and tests), in ordinary memory or in OrbitKV shared memory, or CUDA
+tensors, which the client registers as CUDA IPC buffers and the Manager copies with its own CUDA streams; a client
+that cannot register the pool's memory refuses it with NotImplementedError at construction. SGLang gives the linker
+no token positions, so each page is its own query (see ``_session.py``, single mode).
+
+CUDA ordering. The Manager copies on its own streams, so the linker orders the scheduler's current stream against
+them: ``offload`` records an event on that stream (after the kernels that wrote the pages) and the save thread waits
+for it before the Manager reads the pages; ``start_layer_wise_loading`` records one too and the load thread waits
+for it before the Manager writes the pages (no kernel queued before the load still reads the slots it reuses).
 
 Thread contract: SGLang calls every method from the scheduler thread. Public methods never raise after
 construction; a failure is a shorter lookup, a False, or (for a load that was already promised to the tree) a
@@ -143,6 +148,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
                                  loading_wait_s=int(extra.get("loading_wait_ms", 100)) / 1000.0,
                                  reconnect_interval_s=1.0, counters=self.counters_, log=self._log)
         self._link.register(_DEVICE, geometry, namespace)
+        first = geometry.buffers[0] if geometry.buffers else None
+        self._cuda = first.device if getattr(getattr(first, "device", None), "type", "cpu") == "cuda" else None
         self._lease_ttl_s = float(extra.get("lease_ttl_s", 30.0))
         num_layers = len(geometry.buffers) if self.is_mla else len(geometry.buffers) // 2
         self.layer_done_counter = LayerDoneCounter(num_layers)
@@ -236,8 +243,18 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return -1
         batch, self._pending = self._pending, {}
         index = self.layer_done_counter.update_producer()
-        self._load_queue.put((index, batch))
+        self._load_queue.put((index, batch, self._stream_mark()))
         return index
+
+    def _stream_mark(self):
+        """CUDA: an event after everything queued so far on the scheduler's current stream (None on the CPU)."""
+        if self._cuda is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._cuda))
+        return event
 
     def _load_loop(self) -> None:
         while True:
@@ -245,8 +262,13 @@ class OrbitKVLinker(UnifiedCacheLinker):
             try:
                 if task is None:
                     return
-                index, batch = task
+                index, batch, queued_before = task
                 error = None
+                if queued_before is not None:
+                    try:
+                        queued_before.synchronize()  # no earlier kernel still uses the slots the restores write
+                    except Exception as e:  # noqa: BLE001
+                        error = e
                 for rid, (leased, pages) in batch.items():
                     for (client, instance, lease), page in zip(leased.leases, pages):
                         if error is not None:
@@ -294,7 +316,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
             if len(indices) != len(keys) * self.page_size:
                 raise ValueError(f"offload of {len(keys)} pages from {len(indices)} slots")
             pages = [slot // self.page_size for slot in indices[:: self.page_size].tolist()]
-            self._offload_queue.put(([native_key(k) for k in keys], pages))
+            self._offload_queue.put(([native_key(k) for k in keys], pages, self._stream_mark()))
             return True
         except Exception as e:  # noqa: BLE001
             self.counters_.add("offload_errors")
@@ -307,10 +329,12 @@ class OrbitKVLinker(UnifiedCacheLinker):
             try:
                 if task is None:
                     return
-                natives, pages = task
+                natives, pages, pages_ready = task
                 ok = True
                 if self.is_writer and natives:
                     try:
+                        if pages_ready is not None:
+                            pages_ready.synchronize()  # the pages are complete on the GPU before the Manager copies
                         written, skipped = self._link.save(_DEVICE, natives, [0] * len(natives), pages)
                         self.counters_.add("offload_written", written)
                         self.counters_.add("offload_skipped", skipped)

@@ -1,6 +1,7 @@
 """Test-only: the reference engine (orbitkv.refengine) served SGLang-style: 64-token pages, a HiRadixCache with a
 host tier (OrbitKV shared memory, or with ``shared_host=False`` ordinary memory as stock SGLang allocates it) and
-OrbitKV as L3, TP 1. One EngineServer is one SGLang server process; two on one Manager are a server and a later one
+OrbitKV as L3, TP 1; the engine and its device KV pool on the CPU or (``device="cuda"``) on the GPU. One
+EngineServer is one SGLang server process; two on one Manager are a server and a later one
 (or the same after a restart)."""
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ class EngineDevicePages:
 class EngineServer:
     def __init__(self, config, socket_extra: dict, *, model=None, layout: str = "page_first",
                  num_blocks: int = 96, host_pages: int = 96, prefetch_policy: str = "wait_complete",
-                 write_policy: str = "write_through", shared_host: bool = True):
-        self.engine = refengine.RefEngine(config, num_blocks, kv_layout="split", chunk_size=config.block_size,
-                                          model=model)
+                 write_policy: str = "write_through", shared_host: bool = True, device: str = "cpu"):
+        # device: where the engine runs and its device KV pool lives ("cuda": SGLang's GPU pool; the host pool stays
+        # in CPU memory and the tree's backups / load-backs copy between the two, as SGLang's transfer kernels do).
+        self.engine = refengine.RefEngine(config, num_blocks, device=device, kv_layout="split",
+                                          chunk_size=config.block_size, model=model)
         k_buffer, v_buffer = self.engine.cache.sglang_device_buffers()
         self.device_pool = types.SimpleNamespace(k_buffer=k_buffer, v_buffer=v_buffer)
         c = config

@@ -145,13 +145,13 @@ class MHATokenToKVPoolHost(_HostPoolBase):
         for which, dev in ((0, device_pool.k_buffer), (1, device_pool.v_buffer)):
             view = self._token_view(which)
             for layer in range(self.layer_num):
-                _put(view, host_indices, layer, dev[layer][device_indices])
+                _put(view, host_indices, layer, _gather(dev[layer], device_indices))
 
     def load_to_device(self, device_pool, host_indices, device_indices) -> None:
         for which, dev in ((0, device_pool.k_buffer), (1, device_pool.v_buffer)):
             view = self._token_view(which)
             for layer in range(self.layer_num):
-                dev[layer][device_indices] = _take(view, host_indices, layer)
+                _scatter(dev[layer], device_indices, _take(view, host_indices, layer))
 
 
 class _PagedTokenView:
@@ -166,6 +166,18 @@ class _PagedTokenView:
 
     def take(self, slots, layer):
         return self.view[slots // self.page, slots % self.page, layer]
+
+
+def _gather(buffer, slots):
+    """Device pool rows to host memory (a GPU pool: gathered on the GPU, then one device-to-host copy, which waits
+    for the kernels queued before it on the current stream, i.e. the ones that wrote these rows)."""
+    return buffer[slots.to(buffer.device)].cpu()
+
+
+def _scatter(buffer, slots, values):
+    """Host rows into the device pool (a GPU pool: a host-to-device copy queued on the current stream, so it lands
+    after the kernels queued before it and before the ones that read the rows)."""
+    buffer[slots.to(buffer.device)] = values.to(buffer.device)
 
 
 def _put(view, slots, layer, values):
@@ -239,12 +251,12 @@ class MLATokenToKVPoolHost(_HostPoolBase):
     def backup_from_device(self, device_pool, host_indices, device_indices) -> None:
         view = self._token_view()
         for layer in range(self.layer_num):
-            _put(view, host_indices, layer, device_pool.kv_buffer[layer][device_indices])
+            _put(view, host_indices, layer, _gather(device_pool.kv_buffer[layer], device_indices))
 
     def load_to_device(self, device_pool, host_indices, device_indices) -> None:
         view = self._token_view()
         for layer in range(self.layer_num):
-            device_pool.kv_buffer[layer][device_indices] = _take(view, host_indices, layer)
+            _scatter(device_pool.kv_buffer[layer], device_indices, _take(view, host_indices, layer))
 
 
 class MHATokenToKVPool:
