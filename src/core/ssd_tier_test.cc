@@ -12,10 +12,13 @@
 #include <string>
 #include <vector>
 
+#include "base/temp_dir.h"
 #include "core/test_util.h"
 
 namespace orbitkv::core {
 namespace {
+
+using TempDir = ::orbitkv::testing::TempDir;
 
 using testing::Chain;
 using testing::CheckStamp;
@@ -24,22 +27,6 @@ using testing::Stamp;
 
 constexpr uint64_t kBlock = 256 * 1024;
 constexpr uint64_t kMiB = 1 << 20;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = "/var/tmp/orbitkv_ssd_tier_test.XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 class SsdTierTest : public ::testing::Test {
  protected:

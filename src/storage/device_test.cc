@@ -13,31 +13,16 @@
 #include "storage/aligned_buffer.h"
 #include "storage/psync_device.h"
 #ifdef ORBITKV_HAVE_IO_URING
+#include "base/temp_dir.h"
 #include "storage/uring_device.h"
 #endif
 
 namespace orbitkv::storage {
 namespace {
 
+using TempDir = ::orbitkv::testing::TempDir;
+
 constexpr uint64_t kDeviceBytes = 4 << 20;
-
-// A fresh directory under /var/tmp (a real disk file system that accepts O_DIRECT; /tmp may be
-// tmpfs), removed with everything in it when the test ends, whether it passed or not.
-class TempDir {
- public:
-  explicit TempDir(const std::string& parent = "/var/tmp") {
-    std::string pattern = parent + "/orbitkv_storage_test.XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 AlignedBuffer Buffer(size_t bytes) {
   auto buffer = AlignedBuffer::Create(bytes, 4096);

@@ -11,28 +11,15 @@
 #include <string>
 #include <vector>
 
+#include "base/temp_dir.h"
 #include "storage/record.h"
 
 namespace orbitkv::storage {
 namespace {
 
+using TempDir = ::orbitkv::testing::TempDir;
+
 constexpr uint64_t kMiB = uint64_t{1} << 20;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = "/var/tmp/orbitkv_ssd_store_test.XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 state::StateKey Key(uint64_t i) {
   state::StateNamespace ns(state::Sha256::Of(std::string_view("ssd store test")));

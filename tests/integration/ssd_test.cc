@@ -13,11 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "base/temp_dir.h"
 #include "engine_kv.h"
 #include "manager_process.h"
 
 namespace orbitkv {
 namespace {
+
+using TempDir = ::orbitkv::testing::TempDir;
 
 using client::CacheClient;
 using client::QueryResult;
@@ -33,22 +36,6 @@ using testing::StatField;
 
 // 16 MiB of DRAM holds 512 blocks of 32 KiB; the chains below are longer, so their heads go to SSD.
 constexpr uint32_t kPages = 1024;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = "/var/tmp/orbitkv_ssd_it.XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::vector<std::string> SsdFlags(const std::string& dir, const std::string& capacity = "64MiB",
                                   const std::string& policy = "write-back") {
