@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -25,19 +26,30 @@ std::string EtcdBinary() {
 #endif
 }
 
+// A free port BELOW the kernel's ephemeral range. A port from that range (what binding port 0
+// returns) can be handed to an outgoing connection while its etcd is stopped: a client retrying
+// 127.0.0.1:P may then be given local port P and connect to itself (TCP self-connect), so the
+// restarted etcd cannot bind P and the client talks to nobody. Ports outside the range are never
+// assigned to outgoing connections.
 Result<int> PickFreePort() {
-  ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd) return ErrnoStatus("socket", errno);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
-    return ErrnoStatus("bind", errno);
-  socklen_t len = sizeof(addr);
-  if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    return ErrnoStatus("getsockname", errno);
-  return static_cast<int>(ntohs(addr.sin_port));
+  int ephemeral_low = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) {
+    int low = 0, high = 0;
+    if (range >> low >> high && low > 2048) ephemeral_low = low;
+  }
+  constexpr int kLowest = 10000;
+  thread_local std::mt19937 rng(std::random_device{}());
+  for (int attempt = 0; attempt < 200 && ephemeral_low > kLowest + 1; ++attempt) {
+    const int port = std::uniform_int_distribution<int>(kLowest, ephemeral_low - 1)(rng);
+    ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd) return ErrnoStatus("socket", errno);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) return port;
+  }
+  return Status::Unavailable("no free port below the ephemeral range");
 }
 
 namespace {
@@ -141,7 +153,15 @@ Status EtcdProcess::WaitReady(Deadline deadline) {
     etcdserverpb::RangeRequest request;
     request.set_key("/orbitkv-test/ready");
     Result<etcdserverpb::RangeResponse> response = client->Range(request, deadline);
-    if (response.ok()) return Status::Ok();
+    if (response.ok() && process_.running()) {
+      const uint64_t cluster_id = response->header().cluster_id();
+      if (cluster_id_ == 0) cluster_id_ = cluster_id;
+      if (cluster_id == cluster_id_) return Status::Ok();
+      return Status::FailedPrecondition(
+          fmt::format("another etcd (cluster {:x}, not {:x}) answers on {}'s port; log tail:\n{}",
+                      cluster_id, cluster_id_, member_.name, LogTail()));
+    }
+    if (response.ok()) break;  // an answer, but this member's process is gone
     last = response.status();
     // Readiness has no notification; poll it.
     std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -63,6 +63,9 @@ class EtcdProcess {
   std::string token_;  // --initial-cluster-token, shared by the members of one cluster.
   std::string dir_;    // Temp dir holding data/ and etcd.log; removed by the destructor.
   bool launched_before_ = false;
+  // The cluster ID this member answered with when first ready: a relaunched member must answer with
+  // it too (anything else is another etcd on its port).
+  uint64_t cluster_id_ = 0;
   ChildProcess process_;
 };
 
