@@ -217,7 +217,10 @@ class Manager {
     friend auto operator<=>(const LoadingKey&, const LoadingKey&) = default;
   };
   Mutex loading_mu_;
-  std::unordered_map<uint64_t, LoadingOp> loading_ GUARDED_BY(loading_mu_);
+  using LoadingMap = std::unordered_map<uint64_t, LoadingOp>;
+  // Removes the op and its index, session count and gauge; returns the next entry.
+  LoadingMap::iterator ForgetLoadingLocked(LoadingMap::iterator it) REQUIRES(loading_mu_);
+  LoadingMap loading_ GUARDED_BY(loading_mu_);
   std::map<LoadingKey, uint64_t> loading_index_ GUARDED_BY(loading_mu_);
   std::unordered_map<uint64_t, uint32_t> loading_per_session_ GUARDED_BY(loading_mu_);
   uint64_t next_loading_id_ GUARDED_BY(loading_mu_) = 1;

@@ -171,38 +171,29 @@ Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance
     // op may already be gone (cancelled, its instance cleaned up): nothing to do then.
     MutexLock lock(&loading_mu_);
     auto it = loading_.find(id);
-    if (it == loading_.end()) return;
-    loading_index_.erase(LoadingKey{it->second.instance, it->second.group, it->second.chain});
-    if (--loading_per_session_[it->second.session] == 0) {
-      loading_per_session_.erase(it->second.session);
-    }
-    loading_.erase(it);
-    loading_active_->Add(-1);
+    if (it != loading_.end()) ForgetLoadingLocked(it);
   });
   if (!started.ok()) {
     MutexLock lock(&loading_mu_);
-    loading_.erase(id);
-    loading_index_.erase(index);
-    if (--loading_per_session_[session.owner_id] == 0) loading_per_session_.erase(session.owner_id);
-    loading_active_->Add(-1);
+    if (auto it = loading_.find(id); it != loading_.end()) ForgetLoadingLocked(it);
     return started;
   }
   return id;
 }
 
+Manager::LoadingMap::iterator Manager::ForgetLoadingLocked(LoadingMap::iterator it) {
+  loading_index_.erase(LoadingKey{it->second.instance, it->second.group, it->second.chain});
+  if (--loading_per_session_[it->second.session] == 0) {
+    loading_per_session_.erase(it->second.session);
+  }
+  loading_active_->Add(-1);
+  return loading_.erase(it);
+}
+
 void Manager::DropLoadingOf(uint64_t instance) {
   MutexLock lock(&loading_mu_);
   for (auto it = loading_.begin(); it != loading_.end();) {
-    if (it->second.instance != instance) {
-      ++it;
-      continue;
-    }
-    loading_index_.erase(LoadingKey{it->second.instance, it->second.group, it->second.chain});
-    if (--loading_per_session_[it->second.session] == 0) {
-      loading_per_session_.erase(it->second.session);
-    }
-    it = loading_.erase(it);
-    loading_active_->Add(-1);
+    it = it->second.instance == instance ? ForgetLoadingLocked(it) : std::next(it);
   }
 }
 
@@ -221,12 +212,7 @@ Status Manager::HandleCancel(Session& session, const channel::InboundRequest& re
                            "or was cancelled)"));
     }
     // The reads drain on their own; what they bring into DRAM stays cached for later queries.
-    loading_index_.erase(LoadingKey{it->second.instance, it->second.group, it->second.chain});
-    if (--loading_per_session_[it->second.session] == 0) {
-      loading_per_session_.erase(it->second.session);
-    }
-    loading_.erase(it);
-    loading_active_->Add(-1);
+    ForgetLoadingLocked(it);
   }
   return session.channel->Reply(request.descriptor, StatusCode::kOk, 0, 0);
 }
