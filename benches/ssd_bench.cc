@@ -8,7 +8,8 @@
 // read over the time until every chain was a Hit. The baselines run fio's io_uring engine with
 // O_DIRECT on the same file system, the same block size and the same queue depth as the tier's
 // writer and reader threads (each keeps one request in flight), sequential like the tier's
-// first-fit extents.
+// first-fit extents. fio runs before the first round and after each, so every round of the tier is
+// compared with the mean of the fio runs on either side of it.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -67,6 +68,17 @@ uint64_t Stat(client::CacheClient& client, const std::string& field) {
   return std::stoull(json->substr(at + field.size() + 4));
 }
 
+// A string field of the Manager's stats, e.g. "write_staging".
+std::string StatText(client::CacheClient& client, const std::string& field) {
+  auto json = client.Stats();
+  ORBITKV_CHECK(json.ok());
+  const std::string prefix = "\"" + field + "\": \"";
+  const size_t at = json->find(prefix);
+  ORBITKV_CHECK_MSG(at != std::string::npos, "no {} in stats", field);
+  const size_t begin = at + prefix.size();
+  return json->substr(begin, json->find('"', begin) - begin);
+}
+
 std::unique_ptr<client::CacheClient> Connect(const testing::ManagerProcess& manager) {
   client::ClientOptions options;
   options.socket_path = manager.socket();
@@ -84,6 +96,7 @@ std::vector<std::string> Flags(const std::string& dir) {
 struct TierFigures {
   double write_gbps = 0, read_gbps = 0;
   uint64_t read_bytes = 0;
+  std::string write_staging;
 };
 
 TierFigures MeasureTier(const std::string& tier_dir) {
@@ -112,6 +125,7 @@ TierFigures MeasureTier(const std::string& tier_dir) {
     ORBITKV_CHECK_MSG(written == kBlocks * kBlock, "only {} of {} bytes reached SSD", written,
                       kBlocks * kBlock);
     figures.write_gbps = static_cast<double>(written) / seconds / 1e9;
+    figures.write_staging = StatText(*client, "write_staging");
     manager->Stop(SIGTERM);
   }
 
@@ -161,9 +175,25 @@ TierFigures MeasureTier(const std::string& tier_dir) {
   return figures;
 }
 
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
+// One metric over the rounds: round i's tier figure against the mean of the fio runs just before
+// and just after it (brackets the disk's drift), and the round whose ratio is the median is
+// reported.
+struct Paired {
+  double value = 0, baseline = 0;
+  std::string detail;  // every round, for the env
+};
+
+Paired MedianRound(const std::vector<double>& tier, const std::vector<double>& fio) {
+  std::vector<std::pair<double, size_t>> ratios;
+  std::string detail;
+  for (size_t i = 0; i < tier.size(); ++i) {
+    const double baseline = (fio[i] + fio[i + 1]) / 2;
+    ratios.emplace_back(tier[i] / baseline, i);
+    detail += fmt::format("{}{:.2f}/{:.2f}", i == 0 ? "" : ", ", tier[i], baseline);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  const size_t median = ratios[ratios.size() / 2].second;
+  return Paired{tier[median], (fio[median] + fio[median + 1]) / 2, detail};
 }
 
 }  // namespace
@@ -176,40 +206,52 @@ int main(int argc, char** argv) {
   char pattern[] = "/var/tmp/orbitkv_ssd_bench.XXXXXX";
   ORBITKV_CHECK(mkdtemp(pattern) != nullptr);
   const std::string dir = pattern;
-  // Disk throughput on shared machines drifts: rounds alternate fio and the tier, and each figure
-  // is the median of its rounds.
-  constexpr int kRounds = 3;
+  // The throughput of shared and virtual disks drifts by tens of percent within a minute: fio runs
+  // before the first round and after every round, so each round of the tier has a baseline from
+  // either side of it.
+  constexpr int kRounds = 5;
   std::vector<double> fio_write, fio_read, tier_write, tier_read;
   uint64_t read_bytes = 0;
-  for (int round = 0; round < kRounds; ++round) {
+  std::string write_staging;
+  auto run_fio = [&] {
     const std::string fio_dir = dir + "/fio";
     std::filesystem::create_directories(fio_dir);
     fio_write.push_back(Fio(fio_dir, "write", kWriters));
     fio_read.push_back(Fio(fio_dir, "read", kReaders * kReadBatch));
     std::filesystem::remove_all(fio_dir);
+  };
+  run_fio();
+  for (int round = 0; round < kRounds; ++round) {
     const TierFigures tier = MeasureTier(dir + "/tier");
     tier_write.push_back(tier.write_gbps);
     tier_read.push_back(tier.read_gbps);
     read_bytes = tier.read_bytes;
+    write_staging = tier.write_staging;
+    run_fio();
+    fmt::print(stderr, "ssd bench: round {}/{}: write {:.2f} GB/s (fio {:.2f}), read {:.2f} GB/s (fio {:.2f})\n",
+               round + 1, kRounds, tier.write_gbps, fio_write.back(), tier.read_gbps,
+               fio_read.back());
   }
   std::filesystem::remove_all(dir);
 
+  const Paired write = MedianRound(tier_write, fio_write);
+  const Paired read = MedianRound(tier_read, fio_read);
   BenchReport report("ssd");
-  report.Add({"ssd_write_1m", "GB/s", Median(tier_write), "fio_write_1m", Median(fio_write)});
-  report.Add({"ssd_read_1m", "GB/s", Median(tier_read), "fio_read_1m", Median(fio_read)});
+  report.Add({"ssd_write_1m", "GB/s", write.value, "fio_write_1m", write.baseline});
+  report.Add({"ssd_read_1m", "GB/s", read.value, "fio_read_1m", read.baseline});
   AddStandardEnv(report);
   report.AddEnv("fio", fmt::format("io_uring, O_DIRECT, 1 MiB, iodepth {} (write) / {} (read)",
                                    kWriters, kReaders * kReadBatch));
   report.AddEnv("tier",
-                fmt::format("{} writer threads, {} reader threads reading {} records at once, "
-                            "1 GiB of 1 MiB blocks",
-                            kWriters, kReaders, kReadBatch));
+                fmt::format("{} writer threads ({} writes), {} reader threads reading {} records "
+                            "at once, 1 GiB of 1 MiB blocks",
+                            kWriters, write_staging, kReaders, kReadBatch));
   report.AddEnv("rounds",
-                fmt::format("{} (medians; fio write {:.2f}-{:.2f}, tier write {:.2f}-{:.2f} GB/s)",
-                            kRounds, *std::min_element(fio_write.begin(), fio_write.end()),
-                            *std::max_element(fio_write.begin(), fio_write.end()),
-                            *std::min_element(tier_write.begin(), tier_write.end()),
-                            *std::max_element(tier_write.begin(), tier_write.end())));
+                fmt::format("{}; each figure is the round with the median ratio, its baseline the "
+                            "mean of the fio runs just before and after it",
+                            kRounds));
+  report.AddEnv("write_rounds", "tier/fio GB/s: " + write.detail);
+  report.AddEnv("read_rounds", "tier/fio GB/s: " + read.detail);
   report.AddEnv("tier_read_bytes", std::to_string(read_bytes));
   report.Print(json);
   return 0;

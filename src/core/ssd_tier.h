@@ -109,6 +109,7 @@ class SsdTier {
   const storage::ScanReport& scan_report() const { return scan_report_; }
   std::string_view backend_name() const { return store_->backend_name(); }
   bool direct_io() const { return store_->direct_io(); }
+  storage::WriteStaging write_staging() const { return store_->write_staging(); }
   uint64_t capacity_bytes() const { return store_->capacity_bytes(); }
 
  private:

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "channel/uds.h"
+#include "storage/ssd_store.h"
 
 // toml++ header-only and without exceptions, in this translation unit only.
 #define TOML_HEADER_ONLY 1
@@ -175,6 +176,18 @@ const std::vector<Option>& Options() {
            return Status::InvalidArgument(fmt::format("'{}' is not auto, io_uring or psync", v));
          }
          c.ssd_backend = std::string(v);
+         return Status::Ok();
+       }},
+      {"ssd-write-staging", "auto|copy|zero-copy",
+       "how a block goes to SSD: copied into a huge-page buffer and written as one contiguous "
+       "segment, or written from its DRAM pages in place (one segment per 4 KiB page); auto copies "
+       "on virtio disks, which pay per segment, and writes in place elsewhere (default auto)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         if (!storage::ParseWriteStaging(v).has_value()) {
+           return Status::InvalidArgument(
+               fmt::format("'{}' is not auto, copy or zero-copy", v));
+         }
+         c.ssd_write_staging = std::string(v);
          return Status::Ok();
        }},
       {"ssd-recover", "BOOL",

@@ -46,6 +46,7 @@ struct ManagerConfig {
   std::string ssd_backend = "auto";  // auto | io_uring | psync
   bool ssd_recover = true;
   std::string ssd_verify = "lazy";        // lazy | eager
+  std::string ssd_write_staging = "auto";  // auto | copy | zero-copy
   std::string ssd_policy = "write-back";  // write-back | write-through
   uint32_t ssd_min_frequency = 2;
   uint64_t ssd_write_budget_bytes = 0;  // per second; 0: unlimited

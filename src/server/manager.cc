@@ -88,6 +88,7 @@ Result<core::SsdTierOptions> SsdOptionsFor(const ManagerConfig& config) {
   options.store.backend = *storage::ParseDeviceBackend(config.ssd_backend);
   options.store.recover = config.ssd_recover;
   options.store.verify_on_open = config.ssd_verify == "eager";
+  options.store.write_staging = *storage::ParseWriteStaging(config.ssd_write_staging);
   options.policy = config.ssd_policy == "write-through" ? core::SsdWritePolicy::kWriteThrough
                                                         : core::SsdWritePolicy::kWriteBack;
   options.min_frequency = config.ssd_min_frequency;
@@ -161,10 +162,11 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
     manager->ssd_ = std::move(*tier);
     const storage::ScanReport& scan = manager->ssd_->scan_report();
     ORBITKV_LOG_INFO(
-        "manager: SSD tier at {}: {} GiB in {} file(s), {} backend{}; recovered {} block(s) "
-        "({} MiB) in {:.2f} s{}",
+        "manager: SSD tier at {}: {} GiB in {} file(s), {} backend{}, {} writes; recovered {} "
+        "block(s) ({} MiB) in {:.2f} s{}",
         config.ssd_path, manager->ssd_->capacity_bytes() >> 30, ssd.store.file_count,
         manager->ssd_->backend_name(), manager->ssd_->direct_io() ? " with O_DIRECT" : "",
+        storage::WriteStagingName(manager->ssd_->write_staging()),
         scan.records, scan.payload_bytes >> 20, scan.seconds,
         scan.dropped_version + scan.dropped_corrupt + scan.dropped_overlap == 0
             ? std::string()

@@ -416,10 +416,11 @@ std::string Manager::SsdJson() const {
       "\"recovered_records\": {}, \"writes\": {}, \"written_bytes\": {}, \"reads\": {}, "
       "\"read_bytes\": {}, \"verify_failures\": {}, \"writeback_dropped\": {}, "
       "\"admission_filtered\": {}, \"write_errors\": {}, \"admissions_enabled\": {}, "
-      "\"registered_io\": {}}}",
+      "\"registered_io\": {}, \"write_staging\": \"{}\"}}",
       ssd.capacity_bytes, ssd.used_bytes, ssd.records, ssd.recovered_records, ssd.writes,
       ssd.written_bytes, ssd.reads, ssd.read_bytes, ssd.verify_failures, ssd.queue_drops,
-      ssd.filtered, ssd.write_errors, ssd.admissions_enabled ? "true" : "false", ssd.registered_io);
+      ssd.filtered, ssd.write_errors, ssd.admissions_enabled ? "true" : "false", ssd.registered_io,
+      storage::WriteStagingName(ssd_->write_staging()));
 }
 
 Status Manager::HandleStats(Session& session, const channel::InboundRequest& request) {

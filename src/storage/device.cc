@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 
 #include "base/logging.h"
 #include "storage/device_file.h"
@@ -115,6 +117,19 @@ Result<DeviceFile> OpenDeviceFile(const std::string& path, uint64_t bytes) {
     }
   }
   return file;
+}
+
+std::string BlockDeviceDriver(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) return "";
+  std::error_code error;
+  std::filesystem::path device = std::filesystem::canonical(
+      fmt::format("/sys/dev/block/{}:{}", major(st.st_dev), minor(st.st_dev)), error);
+  if (error) return "";
+  if (std::filesystem::exists(device / "partition", error)) device = device.parent_path();
+  const std::filesystem::path driver =
+      std::filesystem::read_symlink(device / "device" / "driver", error);
+  return error ? "" : driver.filename().string();
 }
 
 Result<std::unique_ptr<Device>> CreateDevice(const std::string& path, uint64_t bytes,

@@ -107,6 +107,11 @@ bool IoUringCompiledIn();
 Result<std::unique_ptr<Device>> CreateDevice(const std::string& path, uint64_t bytes,
                                              DeviceBackend backend);
 
+// The kernel driver of the block device holding `path` ("virtio_blk", "sd", ...; the whole disk's
+// when the file system sits on a partition), or "" where there is none to name: tmpfs, overlay,
+// device-mapper, or a layout sysfs does not show.
+std::string BlockDeviceDriver(const std::string& path);
+
 }  // namespace orbitkv::storage
 
 #endif  // ORBITKV_STORAGE_DEVICE_H_

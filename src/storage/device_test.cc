@@ -122,6 +122,39 @@ TEST_P(DeviceTest, RegisteredMemoryIsUsedForRequestsInsideIt) {
             GetParam() == DeviceBackend::kIoUring ? 1u : 0u);
 }
 
+#ifdef ORBITKV_HAVE_IO_URING
+// Devices that register the same memory (the files of one store, all given the DRAM pool) pin it
+// once, and each one's requests still run on it; other memory is a registration of its own.
+TEST(UringDeviceTest, DevicesShareARegistrationOfTheSameMemory) {
+  const TempDir dir;
+  auto first = UringDevice::Create(dir.path() + "/a", 1 << 20, 8);
+  auto second = UringDevice::Create(dir.path() + "/b", 1 << 20, 8);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto region = AlignedBuffer::Create(256 * 1024, 4096);
+  ASSERT_TRUE(region.ok());
+  const std::span<uint8_t> regions[] = {region->span()};
+  const uint64_t before = UringDevice::memory_registrations();
+  ASSERT_TRUE((*first)->RegisterMemory(regions).ok());
+  ASSERT_TRUE((*second)->RegisterMemory(regions).ok());
+  EXPECT_EQ(UringDevice::memory_registrations() - before, 1u);
+  std::memset(region->data(), 0x5a, 65536);
+  ASSERT_TRUE((*first)->Write(0, region->span().first(65536)).ok());
+  ASSERT_TRUE((*second)->Write(0, region->span().first(65536)).ok());
+  std::memset(region->data(), 0, 131072);
+  ASSERT_TRUE((*first)->Read(0, region->span().first(65536)).ok());
+  ASSERT_TRUE((*second)->Read(0, region->span().subspan(65536, 65536)).ok());
+  for (size_t i = 0; i < 131072; ++i) ASSERT_EQ(region->data()[i], 0x5a) << i;
+  EXPECT_EQ((*first)->registered_requests(), 2u);
+  EXPECT_EQ((*second)->registered_requests(), 2u);
+  auto other = AlignedBuffer::Create(65536, 4096);
+  ASSERT_TRUE(other.ok());
+  const std::span<uint8_t> others[] = {other->span()};
+  ASSERT_TRUE((*second)->RegisterMemory(others).ok());
+  EXPECT_EQ(UringDevice::memory_registrations() - before, 2u);
+}
+#endif  // ORBITKV_HAVE_IO_URING
+
 TEST_P(DeviceTest, DataSurvivesReopen) {
   AlignedBuffer out = Buffer(8192);
   Fill(out, 77);

@@ -109,13 +109,20 @@ Status EncodeRecord(const RecordHeader& header, std::span<const uint8_t> payload
     return Status::InvalidArgument(
         fmt::format("record needs {} bytes, buffer has {}", total, out.size()));
   }
-  ORBITKV_RETURN_IF_ERROR(EncodeRecordHeader(header, payload, out.first<kRecordHeaderBytes>()));
-  std::memset(out.data() + kRecordHeaderBytes, 0, kRecordPayloadOffset - kRecordHeaderBytes);
-  if (!payload.empty())
+  if (payload.size() != header.payload_bytes) {
+    return Status::InvalidArgument(fmt::format("record payload is {} bytes but the header says {}",
+                                               payload.size(), header.payload_bytes));
+  }
+  // Copied first and checksummed from the copy (still in cache), so the checksum covers exactly
+  // the bytes written even if the source changed meanwhile.
+  if (!payload.empty()) {
     std::memcpy(out.data() + kRecordPayloadOffset, payload.data(), payload.size());
+  }
   const size_t used = kRecordPayloadOffset + payload.size();
   std::memset(out.data() + used, 0, total - used);
-  return Status::Ok();
+  std::memset(out.data() + kRecordHeaderBytes, 0, kRecordPayloadOffset - kRecordHeaderBytes);
+  return EncodeRecordHeader(header, out.subspan(kRecordPayloadOffset, payload.size()),
+                            out.first<kRecordHeaderBytes>());
 }
 
 Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> bytes) {

@@ -21,12 +21,15 @@ constexpr uint64_t kGiB = uint64_t{1} << 30;
 constexpr uint64_t kMinFileBytes = uint64_t{1} << 20;
 constexpr uint64_t kScanWindowBytes = uint64_t{1} << 20;
 
-Status EnsureCapacity(AlignedBuffer* buffer, uint64_t bytes) {
-  if (buffer->size() >= bytes) return Status::Ok();
+// `huge`: the buffer must be huge-page backed (a heap buffer of enough bytes is replaced).
+Status EnsureCapacity(AlignedBuffer* buffer, uint64_t bytes, bool huge = false) {
+  if (buffer->size() >= bytes && (!huge || buffer->huge_page_backed())) return Status::Ok();
   // Grow in powers of two so a stream of slightly larger records does not reallocate each time.
   uint64_t size = std::max<uint64_t>(bytes, 64 * 1024);
   size = std::bit_ceil(size);
-  ORBITKV_ASSIGN_OR_RETURN(AlignedBuffer grown, AlignedBuffer::Create(size, kRecordAlignment));
+  ORBITKV_ASSIGN_OR_RETURN(AlignedBuffer grown, huge
+                                                    ? AlignedBuffer::CreateHugePageBacked(size)
+                                                    : AlignedBuffer::Create(size, kRecordAlignment));
   *buffer = std::move(grown);
   return Status::Ok();
 }
@@ -181,8 +184,37 @@ Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options,
     report->records = recovered->size();
   }
   report->seconds = watch.ElapsedSeconds();
+  WriteStaging staging = options.write_staging;
+  if (staging == WriteStaging::kAuto) {
+    // Zero copy hands the disk each 4 KiB page of a pool block as its own segment (the pool's pages
+    // are physically scattered). An NVMe drive walks such lists at full speed; a virtio disk's host
+    // pays per segment, and copying into huge pages wins there. Without O_DIRECT the page cache
+    // copies anyway.
+    staging = devices.front()->direct_io() && BlockDeviceDriver(options.directory) == "virtio_blk"
+                  ? WriteStaging::kCopy
+                  : WriteStaging::kZeroCopy;
+  }
   return std::unique_ptr<SsdStore>(
-      new SsdStore(std::move(devices), std::move(allocator), max_epoch + 1));
+      new SsdStore(std::move(devices), std::move(allocator), max_epoch + 1, staging));
+}
+
+std::string_view WriteStagingName(WriteStaging staging) {
+  switch (staging) {
+    case WriteStaging::kAuto:
+      return "auto";
+    case WriteStaging::kCopy:
+      return "copy";
+    case WriteStaging::kZeroCopy:
+      return "zero-copy";
+  }
+  return "?";
+}
+
+std::optional<WriteStaging> ParseWriteStaging(std::string_view text) {
+  for (WriteStaging staging : {WriteStaging::kAuto, WriteStaging::kCopy, WriteStaging::kZeroCopy}) {
+    if (text == WriteStagingName(staging)) return staging;
+  }
+  return std::nullopt;
 }
 
 SsdStore::~SsdStore() = default;
@@ -197,9 +229,11 @@ Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uin
   const uint64_t padded = PaddedPayloadBytes(payload.size());
   // Zero copy when the payload's pages can go to the device as they are: aligned, and readable up
   // to the next 4 KiB boundary.
-  const bool direct = reinterpret_cast<uintptr_t>(payload.data()) % kRecordAlignment == 0 &&
+  const bool direct = write_staging_ == WriteStaging::kZeroCopy &&
+                      reinterpret_cast<uintptr_t>(payload.data()) % kRecordAlignment == 0 &&
                       payload_capacity >= padded;
-  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, direct ? kRecordPayloadOffset : record_bytes));
+  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, direct ? kRecordPayloadOffset : record_bytes,
+                                         /*huge=*/write_staging_ == WriteStaging::kCopy));
   const uint64_t epoch = epoch_.fetch_add(1, std::memory_order_relaxed);
   const RecordHeader header{.key = key,
                             .payload_bytes = payload.size(),

@@ -3,8 +3,12 @@
 #include <fmt/format.h>
 #include <liburing.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <utility>
 
 #include "base/check.h"
 #include "base/logging.h"
@@ -29,9 +33,11 @@ class UringRing {
     if (initialized_) io_uring_queue_exit(&ring_);
   }
   io_uring* get() { return &ring_; }
+  int fd() const { return ring_.ring_fd; }
   // The version of the device's registered memory this ring holds as fixed buffers (0: none).
   uint64_t registered_version = 0;
-  bool has_fixed_buffers = false;
+  // The set registered as this ring's fixed buffers (null: none).
+  std::shared_ptr<const UringBufferSet> fixed;
 
  private:
   UringRing() = default;
@@ -39,7 +45,22 @@ class UringRing {
   bool initialized_ = false;
 };
 
+// Registered memory: the chunks (sorted by address; chunk i is fixed buffer i) and a ring kept only
+// to hold their registration, which the rings that run requests clone. Immutable once built.
+class UringBufferSet {
+ public:
+  std::vector<UringDevice::Chunk> chunks;
+  std::unique_ptr<UringRing> source;
+};
+
 namespace {
+
+// Registrations by every device of this process: the devices of one store register the same pool,
+// and pinning it once serves them all. Weak: a set lives as long as a device or ring uses it.
+Mutex g_sets_mu;
+std::vector<std::weak_ptr<const UringBufferSet>> g_sets GUARDED_BY(g_sets_mu);
+// Relaxed: a statistic.
+std::atomic<uint64_t> g_memory_registrations{0};
 
 Status CompletionStatus(const IoRequest& request, int res) {
   const bool write = request.op == IoRequest::Op::kWrite;
@@ -50,6 +71,42 @@ Status CompletionStatus(const IoRequest& request, int res) {
                                         request.buffer.size()));
   }
   return Status::Ok();
+}
+
+// IORING_REGISTER_CLONE_BUFFERS (Linux 6.12; liburing 2.8 wraps it, Debian 12 ships 2.3): gives a
+// ring the fixed buffers of another ring by reference, without pinning the pages again. All zero
+// after src_fd clones every buffer.
+constexpr unsigned kRegisterCloneBuffers = 30;
+struct CloneBuffersArg {
+  uint32_t src_fd = 0;
+  uint32_t flags = 0;
+  uint32_t src_off = 0;
+  uint32_t dst_off = 0;
+  uint32_t nr = 0;
+  uint32_t pad[3] = {};
+};
+
+int CloneBuffers(UringRing& destination, const UringRing& source) {
+  CloneBuffersArg arg;
+  arg.src_fd = static_cast<uint32_t>(source.fd());
+  const long rc = syscall(__NR_io_uring_register, destination.fd(), kRegisterCloneBuffers, &arg, 1);
+  return rc < 0 ? -errno : 0;
+}
+
+bool SameChunks(const std::vector<UringDevice::Chunk>& a, const std::vector<UringDevice::Chunk>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const UringDevice::Chunk& x, const UringDevice::Chunk& y) {
+                      return x.begin == y.begin && x.end == y.end;
+                    });
+}
+
+std::vector<iovec> ChunkIovecs(const std::vector<UringDevice::Chunk>& chunks) {
+  std::vector<iovec> iovecs;
+  iovecs.reserve(chunks.size());
+  for (const UringDevice::Chunk& chunk : chunks) {
+    iovecs.push_back(iovec{reinterpret_cast<void*>(chunk.begin), chunk.end - chunk.begin});
+  }
+  return iovecs;
 }
 
 }  // namespace
@@ -81,7 +138,7 @@ UringDevice::~UringDevice() = default;
 
 Result<std::unique_ptr<UringRing>> UringDevice::AcquireRing() {
   std::unique_ptr<UringRing> ring;
-  std::shared_ptr<const std::vector<Chunk>> chunks;
+  std::shared_ptr<const UringBufferSet> set;
   uint64_t version = 0;
   {
     MutexLock lock(&mu_);
@@ -89,35 +146,39 @@ Result<std::unique_ptr<UringRing>> UringDevice::AcquireRing() {
       ring = std::move(idle_rings_.back());
       idle_rings_.pop_back();
     }
-    chunks = chunks_;
-    version = chunks_version_;
+    set = buffers_;
+    version = buffers_version_;
   }
   if (ring == nullptr) {
     ORBITKV_ASSIGN_OR_RETURN(ring, UringRing::Create(queue_depth_));
   }
   if (ring->registered_version != version) {
-    if (ring->has_fixed_buffers) {
+    if (ring->fixed != nullptr) {
       io_uring_unregister_buffers(ring->get());
-      ring->has_fixed_buffers = false;
+      ring->fixed = nullptr;
     }
-    if (chunks != nullptr && !chunks->empty()) {
-      std::vector<iovec> iovecs;
-      for (const Chunk& chunk : *chunks) {
-        iovecs.push_back(iovec{reinterpret_cast<void*>(chunk.begin), chunk.end - chunk.begin});
-      }
-      const int rc = io_uring_register_buffers(ring->get(), iovecs.data(),
-                                               static_cast<unsigned>(iovecs.size()));
-      if (rc == 0) {
-        ring->has_fixed_buffers = true;
-      } else {
-        MutexLock lock(&mu_);
-        if (!registration_refused_) {
-          registration_refused_ = true;
-          ORBITKV_LOG_WARN(
-              "io_uring: registering {} buffer(s) failed ({}); requests run "
-              "unregistered",
-              iovecs.size(), ErrnoStatus("io_uring_register_buffers", -rc).ToString());
+    if (set != nullptr) {
+      // Cloning from the source ring costs microseconds; registering pins every page again (about
+      // 50 ms per GiB), which would stall the first request of every new ring.
+      int rc = -EINVAL;
+      if (clone_supported_.load(std::memory_order_relaxed)) {
+        rc = CloneBuffers(*ring, *set->source);
+        if (rc == -EINVAL || rc == -EOPNOTSUPP) {
+          clone_supported_.store(false, std::memory_order_relaxed);
+          ORBITKV_LOG_INFO(
+              "io_uring: this kernel cannot clone fixed buffers between rings; each ring registers "
+              "them itself");
         }
+      }
+      if (rc != 0) {
+        const std::vector<iovec> iovecs = ChunkIovecs(set->chunks);
+        rc = io_uring_register_buffers(ring->get(), iovecs.data(),
+                                       static_cast<unsigned>(iovecs.size()));
+      }
+      if (rc == 0) {
+        ring->fixed = set;
+      } else {
+        LogRegistrationRefused(set->chunks.size(), rc);
       }
     }
     ring->registered_version = version;
@@ -125,28 +186,74 @@ Result<std::unique_ptr<UringRing>> UringDevice::AcquireRing() {
   return ring;
 }
 
+uint64_t UringDevice::memory_registrations() {
+  return g_memory_registrations.load(std::memory_order_relaxed);
+}
+
+void UringDevice::LogRegistrationRefused(size_t buffers, int rc) {
+  MutexLock lock(&mu_);
+  if (registration_refused_) return;
+  registration_refused_ = true;
+  ORBITKV_LOG_WARN("io_uring: registering {} buffer(s) failed ({}); requests run unregistered",
+                   buffers, ErrnoStatus("io_uring_register_buffers", -rc).ToString());
+}
+
 Status UringDevice::RegisterMemory(std::span<const std::span<uint8_t>> regions) {
   constexpr uintptr_t kMaxChunk = uintptr_t{1} << 30;
-  auto chunks = std::make_shared<std::vector<Chunk>>();
+  std::vector<Chunk> chunks;
   for (std::span<uint8_t> region : regions) {
     uintptr_t begin = reinterpret_cast<uintptr_t>(region.data());
     const uintptr_t end = begin + region.size();
     while (begin < end) {
       const uintptr_t chunk_end = std::min(end, begin + kMaxChunk);
-      chunks->push_back(Chunk{begin, chunk_end});
+      chunks.push_back(Chunk{begin, chunk_end});
       begin = chunk_end;
     }
   }
-  std::sort(chunks->begin(), chunks->end(),
+  std::sort(chunks.begin(), chunks.end(),
             [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
-  if (chunks->size() > 16384) {
+  if (chunks.size() > 16384) {
     return Status::InvalidArgument(
-        fmt::format("{} fixed buffers exceed io_uring's 16384", chunks->size()));
+        fmt::format("{} fixed buffers exceed io_uring's 16384", chunks.size()));
   }
-  MutexLock lock(&mu_);
-  chunks_ = std::move(chunks);
-  ++chunks_version_;
-  return Status::Ok();
+  std::shared_ptr<const UringBufferSet> set;
+  if (!chunks.empty()) {
+    ORBITKV_ASSIGN_OR_RETURN(set, RegisterBufferSet(std::move(chunks)));
+  }
+  std::shared_ptr<const UringBufferSet> replaced;
+  {
+    MutexLock lock(&mu_);
+    replaced = std::exchange(buffers_, std::move(set));
+    ++buffers_version_;
+  }
+  return Status::Ok();  // the set `replaced` held is unpinned here (if unused), outside the lock
+}
+
+Result<std::shared_ptr<const UringBufferSet>> UringDevice::RegisterBufferSet(
+    std::vector<Chunk> chunks) {
+  // Held while registering, so devices registering the same memory at once pin it once.
+  MutexLock lock(&g_sets_mu);
+  std::erase_if(g_sets, [](const auto& weak) { return weak.expired(); });
+  for (const auto& weak : g_sets) {
+    std::shared_ptr<const UringBufferSet> live = weak.lock();
+    if (live != nullptr && SameChunks(live->chunks, chunks)) return live;
+  }
+  // The pages are pinned here, once, on a ring kept for that; the rings that run requests clone
+  // its buffers. A refusal (RLIMIT_MEMLOCK, a sandbox) leaves requests unregistered.
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<UringRing> ring, UringRing::Create(1));
+  const std::vector<iovec> iovecs = ChunkIovecs(chunks);
+  const int rc =
+      io_uring_register_buffers(ring->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
+  if (rc != 0) {
+    LogRegistrationRefused(chunks.size(), rc);
+    return std::shared_ptr<const UringBufferSet>();
+  }
+  g_memory_registrations.fetch_add(1, std::memory_order_relaxed);
+  auto set = std::make_shared<UringBufferSet>();
+  set->chunks = std::move(chunks);
+  set->source = std::move(ring);
+  g_sets.push_back(set);
+  return std::shared_ptr<const UringBufferSet>(std::move(set));
 }
 
 int UringDevice::FixedIndex(const std::vector<Chunk>& chunks, const uint8_t* data,
@@ -181,12 +288,9 @@ void UringDevice::DoSubmit(std::span<const IoRequest> requests, std::span<const 
   }
   std::unique_ptr<UringRing> ring = std::move(acquired).value();
   io_uring* r = ring->get();
-  std::shared_ptr<const std::vector<Chunk>> chunks;
-  if (ring->has_fixed_buffers) {
-    MutexLock lock(&mu_);
-    chunks =
-        chunks_;  // the set this ring registered (a newer one re-registers on the next acquire)
-  }
+  // The set this ring registered: a registration that replaced it meanwhile reaches this ring on
+  // its next acquire.
+  const std::vector<Chunk>* chunks = ring->fixed != nullptr ? &ring->fixed->chunks : nullptr;
   size_t next = 0;  // Next entry of `valid` to prepare.
   size_t outstanding =
       0;  // Prepared and not yet completed (queued in the SQ ring or in the kernel).

@@ -28,9 +28,16 @@
 namespace orbitkv::storage {
 
 class UringRing;
+class UringBufferSet;
 
 class UringDevice final : public Device {
  public:
+  // A registered memory range: one fixed buffer.
+  struct Chunk {
+    uintptr_t begin = 0;
+    uintptr_t end = 0;
+  };
+
   static constexpr uint32_t kDefaultQueueDepth = 64;
   static constexpr uint32_t kMaxQueueDepth = 4096;
   static constexpr size_t kMaxIdleRings = 8;
@@ -48,15 +55,25 @@ class UringDevice final : public Device {
   uint32_t queue_depth() const { return queue_depth_; }
 
   // Fixed buffers: the regions are split into chunks of at most 1 GiB (io_uring's limit per
-  // buffer) and registered with every ring of this device (rings created or idle before are
-  // re-registered when next used).
+  // buffer) and registered here, on a ring kept for that (pinning the pages takes about 50 ms per
+  // GiB); devices of this process that register the same regions share that registration. Every
+  // ring that runs requests clones its buffers when it is created or next used (microseconds; on a
+  // kernel before 6.12, which cannot clone, each ring registers them itself).
   Status RegisterMemory(std::span<const std::span<uint8_t>> regions) override;
   uint64_t registered_requests() const override {
     return registered_requests_.load(std::memory_order_relaxed);
   }
+  // Registrations that pinned memory, over every device of this process (tests: a registration
+  // shared between devices counts once).
+  static uint64_t memory_registrations();
 
  private:
   UringDevice(ScopedFd fd, uint64_t size, bool direct_io, uint32_t queue_depth);
+  // The registration of `chunks` (sorted), shared with any live one of the same chunks; null when
+  // the kernel refused it (logged).
+  Result<std::shared_ptr<const UringBufferSet>> RegisterBufferSet(std::vector<Chunk> chunks);
+  // Logs the first refused registration (RLIMIT_MEMLOCK, a sandbox); requests then run unregistered.
+  void LogRegistrationRefused(size_t buffers, int rc);
   void DoSubmit(std::span<const IoRequest> requests, std::span<const size_t> valid,
                 std::span<Status> statuses) override;
   Result<std::unique_ptr<UringRing>> AcquireRing();
@@ -67,19 +84,17 @@ class UringDevice final : public Device {
   const bool direct_io_;
   const uint32_t queue_depth_;
 
-  struct Chunk {
-    uintptr_t begin = 0;
-    uintptr_t end = 0;
-  };
   // The fixed-buffer index of the registered chunk holding [data, data + bytes), or -1.
   int FixedIndex(const std::vector<Chunk>& chunks, const uint8_t* data, size_t bytes) const;
 
   Mutex mu_;
   std::vector<std::unique_ptr<UringRing>> idle_rings_ GUARDED_BY(mu_);
-  // Registered chunks (sorted by address) and their version; a ring registered at an older version
-  // registers again when acquired.
-  std::shared_ptr<const std::vector<Chunk>> chunks_ GUARDED_BY(mu_);
-  uint64_t chunks_version_ GUARDED_BY(mu_) = 0;
+  // The registered memory (null: none) and its version; a ring holding an older version takes the
+  // current one when acquired.
+  std::shared_ptr<const UringBufferSet> buffers_ GUARDED_BY(mu_);
+  uint64_t buffers_version_ GUARDED_BY(mu_) = 0;
+  // Relaxed: once false (the kernel refused a clone), rings register the buffers themselves.
+  std::atomic<bool> clone_supported_{true};
   bool registration_refused_ GUARDED_BY(mu_) = false;
   // Relaxed: a statistic.
   std::atomic<uint64_t> registered_requests_{0};
