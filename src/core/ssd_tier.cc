@@ -27,8 +27,11 @@ struct SsdTier::LoadJob {
 
 Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options, BlockCache* cache,
                                                  MetricsRegistry* metrics) {
-  if (options.writer_threads == 0 || options.reader_threads == 0) {
-    return Status::InvalidArgument("the SSD tier needs at least one writer and one reader thread");
+  if (options.writer_threads == 0 || options.reader_threads == 0 ||
+      options.writes_in_flight < options.writer_threads) {
+    return Status::InvalidArgument(
+        "the SSD tier needs at least one writer and one reader thread, and a write in flight per "
+        "writer");
   }
   std::vector<storage::RecoveredRecord> recovered;
   storage::ScanReport report;
@@ -51,7 +54,10 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options, 
         [raw](const state::StateKey& key, BlockPin pin) { raw->Enqueue(key, std::move(pin)); });
   }
   for (uint32_t i = 0; i < options.writer_threads; ++i) {
-    tier->threads_.emplace_back([raw] { raw->WriterLoop(); });
+    // writes_in_flight spread over the writers (the first ones take the remainder).
+    const uint32_t depth = options.writes_in_flight / options.writer_threads +
+                           (i < options.writes_in_flight % options.writer_threads ? 1 : 0);
+    tier->threads_.emplace_back([raw, depth] { raw->WriterLoop(depth); });
   }
   for (uint32_t i = 0; i < options.reader_threads; ++i) {
     tier->threads_.emplace_back([raw] { raw->ReaderLoop(); });
@@ -140,26 +146,79 @@ void SsdTier::Enqueue(const state::StateKey& key, BlockPin pin) {
   write_cv_.notify_one();
 }
 
-void SsdTier::WriterLoop() {
-  storage::AlignedBuffer staging;
+std::optional<SsdTier::WriteJob> SsdTier::TakeJob(bool wait) {
+  std::optional<WriteJob> job;
+  MutexLock lock(&mu_);
+  while (wait && write_queue_.empty() && !stopping_) write_cv_.wait(mu_);
+  if (write_queue_.empty()) return job;
+  job.emplace(std::move(write_queue_.front()));
+  write_queue_.pop_front();
+  queued_bytes_ -= job->pin.bytes();
+  ++writes_in_flight_;
+  return job;
+}
+
+void SsdTier::EndJob(std::optional<WriteJob>& job) {
+  job.reset();  // the evicted DRAM block is freed here
+  {
+    MutexLock lock(&mu_);
+    --writes_in_flight_;
+  }
+  idle_cv_.notify_all();
+}
+
+void SsdTier::WriterLoop(uint32_t depth) {
+  Result<std::unique_ptr<storage::SsdStore::Writer>> created = store_->NewWriter(depth);
+  if (!created.ok()) {
+    // No way to write (the ring could not be set up): stop admissions and drop what is queued.
+    DisableAdmissions(created.status());
+    for (std::optional<WriteJob> job = TakeJob(true); job.has_value(); job = TakeJob(true)) {
+      EndJob(job);
+    }
+    return;
+  }
+  storage::SsdStore::Writer& writer = **created;
+  // Start() and Wait() fail only when called out of turn, which this loop never does.
+  const auto must = [](const Status& status) {
+    ORBITKV_CHECK_MSG(status.ok(), "SSD writer: {}", status.ToString());
+  };
+  // Jobs whose record is prepared or at the disk, by tag.
+  std::map<uint64_t, std::optional<WriteJob>> active;
+  uint64_t next_tag = 0;
+  std::optional<uint64_t> prepared;
   for (;;) {
-    std::optional<WriteJob> job;
-    {
-      MutexLock lock(&mu_);
-      while (write_queue_.empty() && !stopping_) write_cv_.wait(mu_);
-      if (write_queue_.empty()) return;
-      job.emplace(std::move(write_queue_.front()));
-      write_queue_.pop_front();
-      queued_bytes_ -= job->pin.bytes();
-      ++writes_in_flight_;
+    if (!prepared.has_value()) {
+      // Wait for work only when nothing is in flight; otherwise a completion is what to wait for.
+      std::optional<WriteJob> job = TakeJob(/*wait=*/writer.in_flight() == 0);
+      if (job.has_value()) {
+        const uint64_t tag = next_tag++;
+        if (PrepareJob(writer, *job, tag)) {
+          active.emplace(tag, std::move(job));
+          prepared = tag;
+        } else {
+          EndJob(job);
+        }
+        continue;
+      }
+      if (writer.in_flight() == 0) return;  // stopping, and everything is written
     }
-    WriteOne(*job, &staging);
-    job.reset();  // the evicted DRAM block is freed here
-    {
-      MutexLock lock(&mu_);
-      --writes_in_flight_;
+    if (prepared.has_value() && writer.in_flight() < writer.depth()) {
+      must(writer.Start());
+      prepared.reset();
+      continue;
     }
-    idle_cv_.notify_all();
+    Result<storage::SsdStore::Writer::Done> done = writer.Wait();
+    must(done.status());
+    // The prepared record takes the freed place at once, before this one is published.
+    if (prepared.has_value()) {
+      must(writer.Start());
+      prepared.reset();
+    }
+    auto it = active.find(done->tag);
+    ORBITKV_CHECK(it != active.end());
+    FinishJob(*it->second, done->locator);
+    EndJob(it->second);
+    active.erase(it);
   }
 }
 
@@ -183,32 +242,39 @@ void SsdTier::SpendWriteBudget(uint64_t bytes) {
   }
 }
 
-void SsdTier::WriteOne(WriteJob& job, storage::AlignedBuffer* staging) {
-  if (!admissions_enabled_.load(std::memory_order_acquire)) return;
-  if (cache_->table().FindSsd(job.key).has_value()) return;
+bool SsdTier::PrepareJob(storage::SsdStore::Writer& writer, WriteJob& job, uint64_t tag) {
+  if (!admissions_enabled_.load(std::memory_order_acquire)) return false;
+  if (cache_->table().FindSsd(job.key).has_value()) return false;
   SpendWriteBudget(job.pin.bytes());
   const std::span<const uint8_t> payload(job.pin.data(), job.pin.bytes());
   // Pool blocks are 4 KiB-aligned and their memory is rounded up to 4 KiB: written in place.
   const uint64_t capacity = storage::PaddedPayloadBytes(payload.size());
-  Result<uint64_t> locator = store_->Write(job.key, payload, staging, capacity);
+  Status prepared = writer.Prepare(job.key, payload, capacity, tag);
   // A full store makes room by evicting its oldest records, a few times at most.
-  for (int attempt = 0;
-       !locator.ok() && locator.status().code() == StatusCode::kResourceExhausted && attempt < 8;
+  for (int attempt = 0; prepared.code() == StatusCode::kResourceExhausted && attempt < 8;
        ++attempt) {
     if (!EvictOldest(storage::RecordBytes(payload.size()))) break;
-    locator = store_->Write(job.key, payload, staging, capacity);
+    prepared = writer.Prepare(job.key, payload, capacity, tag);
   }
+  if (prepared.ok()) return true;
+  if (prepared.code() != StatusCode::kResourceExhausted) {
+    write_errors_->Increment();
+    DisableAdmissions(prepared);
+  }
+  return false;
+}
+
+void SsdTier::FinishJob(WriteJob& job, const Result<uint64_t>& locator) {
   if (!locator.ok()) {
-    if (locator.status().code() != StatusCode::kResourceExhausted) {
-      write_errors_->Increment();
-      DisableAdmissions(locator.status());
-    }
+    write_errors_->Increment();
+    DisableAdmissions(locator.status());
     return;
   }
+  const uint64_t bytes = job.pin.bytes();
   writes_->Increment();
-  written_bytes_->Increment(payload.size());
+  written_bytes_->Increment(bytes);
   const uint64_t generation =
-      cache_->table().PublishSsd(job.key, *locator, payload.size(), TransitionCause::kAdmit);
+      cache_->table().PublishSsd(job.key, *locator, bytes, TransitionCause::kAdmit);
   MutexLock lock(&mu_);
   auto it = live_.find(job.key);
   if (it != live_.end()) {
@@ -216,7 +282,7 @@ void SsdTier::WriteOne(WriteJob& job, storage::AlignedBuffer* staging) {
     // extent is ours to free.
     store_->Release(it->second.locator, it->second.bytes);
   }
-  live_[job.key] = Live{generation, *locator, payload.size()};
+  live_[job.key] = Live{generation, *locator, bytes};
   fifo_.push_back(FifoEntry{job.key, generation});
   records_gauge_->Set(static_cast<double>(live_.size()));
   used_bytes_->Set(static_cast<double>(store_->allocated_bytes()));

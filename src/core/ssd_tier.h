@@ -31,7 +31,9 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -55,7 +57,11 @@ struct SsdTierOptions {
   uint32_t min_frequency = 2;
   uint64_t write_bytes_per_second = 0;  // 0: unlimited
   uint64_t queue_bytes = 256ull << 20;  // evicted bytes waiting for a writer, at most
-  uint32_t writer_threads = 4;
+  // Writer threads, each keeping writes_in_flight / writer_threads records at the disk and the next
+  // one assembled (copied, checksummed) meanwhile, so the disk never waits for the CPU.
+  // writes_in_flight is the tier's write queue depth.
+  uint32_t writer_threads = 2;
+  uint32_t writes_in_flight = 4;
   uint32_t reader_threads = 4;
 };
 
@@ -136,9 +142,18 @@ class SsdTier {
           std::unique_ptr<storage::SsdStore> store);
   void Recover(std::vector<storage::RecoveredRecord> records);
   void Enqueue(const state::StateKey& key, BlockPin pin);
-  void WriterLoop();
+  void WriterLoop(uint32_t depth);
   void ReaderLoop();
-  void WriteOne(WriteJob& job, storage::AlignedBuffer* staging);
+  // The next job from the write queue (waiting for one when `wait`), counted in flight; none when
+  // the queue is empty (and, waiting, the tier is stopping).
+  std::optional<WriteJob> TakeJob(bool wait);
+  // Prepares `job`'s record in `writer` under `tag`; false when it is not to be written (admissions
+  // off, already on SSD, a failure).
+  bool PrepareJob(storage::SsdStore::Writer& writer, WriteJob& job, uint64_t tag);
+  // Publishes a finished write of `job` (or counts its failure).
+  void FinishJob(WriteJob& job, const Result<uint64_t>& locator);
+  // A job taken by TakeJob() is over: its pin goes, and Flush() may return.
+  void EndJob(std::optional<WriteJob>& job);
   // Loads the tasks' blocks into DRAM (one batch of reads) and completes each in the coalescer.
   void ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* staging);
   // Frees the oldest records until about `bytes` were released; false when nothing is left.

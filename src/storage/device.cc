@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <deque>
 #include <filesystem>
 
 #include "base/logging.h"
@@ -41,6 +42,79 @@ Status Device::Write(uint64_t offset, std::span<const uint8_t> data) {
                           .offset = offset,
                           .buffer = {const_cast<uint8_t*>(data.data()), data.size()}};
   return std::move(Submit({&request, 1})[0]);
+}
+
+Status IoQueue::Start(size_t device, std::span<const IoRequest> requests, uint64_t tag) {
+  if (device >= devices_.size()) {
+    return Status::InvalidArgument(fmt::format("no device {} in this queue", device));
+  }
+  if (requests.empty() || requests.size() > max_group_requests_) {
+    return Status::InvalidArgument(fmt::format("a group of {} requests (1 to {})",
+                                               requests.size(), max_group_requests_));
+  }
+  for (const IoRequest& request : requests) {
+    ORBITKV_RETURN_IF_ERROR(devices_[device]->Validate(request));
+  }
+  if (in_flight_ >= depth_) {
+    return Status::FailedPrecondition(fmt::format("{} groups are in flight already", in_flight_));
+  }
+  DoStart(device, requests, tag);
+  ++in_flight_;
+  return Status::Ok();
+}
+
+Result<IoQueue::Completion> IoQueue::Wait() {
+  if (in_flight_ == 0) return Status::FailedPrecondition("no group is in flight");
+  Completion completion = DoWait();
+  --in_flight_;
+  return completion;
+}
+
+namespace {
+
+// Runs each group in Start() through Device::Submit (the psync backend, or devices of mixed
+// backends) and hands the outcomes back in order.
+class SyncIoQueue final : public IoQueue {
+ public:
+  SyncIoQueue(std::vector<Device*> devices, uint32_t depth, uint32_t max_group_requests)
+      : IoQueue(std::move(devices), depth, max_group_requests) {}
+
+ private:
+  void DoStart(size_t device, std::span<const IoRequest> requests, uint64_t tag) override {
+    Completion completion{.tag = tag, .status = Status::Ok()};
+    for (Status& status : devices_[device]->Submit(requests)) {
+      if (!status.ok() && completion.status.ok()) completion.status = std::move(status);
+    }
+    done_.push_back(std::move(completion));
+  }
+  Completion DoWait() override {
+    Completion completion = std::move(done_.front());
+    done_.pop_front();
+    return completion;
+  }
+
+  std::deque<Completion> done_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<IoQueue>> CreateIoQueue(std::vector<Device*> devices, uint32_t depth,
+                                               uint32_t max_group_requests) {
+  if (devices.empty() || depth == 0 || max_group_requests == 0) {
+    return Status::InvalidArgument("an I/O queue needs a device, a depth and a group size");
+  }
+#ifdef ORBITKV_HAVE_IO_URING
+  std::vector<UringDevice*> rings;
+  for (Device* device : devices) {
+    if (auto* uring = dynamic_cast<UringDevice*>(device)) rings.push_back(uring);
+  }
+  if (rings.size() == devices.size()) {
+    return UringDevice::CreateQueue(std::move(devices), std::move(rings), depth,
+                                    max_group_requests);
+  }
+#endif
+  return std::unique_ptr<IoQueue>(
+      new SyncIoQueue(std::move(devices), depth, max_group_requests));
 }
 
 Status Device::Validate(const IoRequest& request) const {

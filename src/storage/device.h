@@ -9,7 +9,8 @@
 // short transfer fails that request only.
 //
 // Backends: PsyncDevice (pread/pwrite on the caller's thread) and UringDevice (io_uring, bounded
-// queue depth). CreateDevice() preallocates the backing file and picks a backend.
+// queue depth). CreateDevice() preallocates the backing file and picks a backend. An IoQueue keeps
+// requests in flight asynchronously, for a caller that prepares its next request meanwhile.
 //
 // Thread safety: every method may be called from any number of threads at once. Requests that
 // overlap in the file and run concurrently have no defined order; the caller (the store's slot
@@ -75,6 +76,9 @@ class Device {
   Status Read(uint64_t offset, std::span<uint8_t> out);
   Status Write(uint64_t offset, std::span<const uint8_t> data);
 
+  // The check Submit() applies to each request (see there): OK, InvalidArgument or OutOfRange.
+  Status Validate(const IoRequest& request) const;
+
  protected:
   Device(uint64_t size, uint32_t io_alignment) : size_(size), io_alignment_(io_alignment) {}
 
@@ -84,12 +88,67 @@ class Device {
                         std::span<Status> statuses) = 0;
 
  private:
-  Status Validate(const IoRequest& request) const;
 
   // Immutable after construction.
   const uint64_t size_;
   const uint32_t io_alignment_;
 };
+
+// IoQueue: requests kept in flight from one thread, so its caller can prepare the next request while
+// earlier ones run (fio's model: the disk always has `depth` requests). Requests are started in
+// groups (a record's header page and payload) on any of the queue's devices; a group completes when
+// all its requests have, with the first failure as its status (as Device::Submit reports it).
+//
+// Over io_uring devices the queue is one ring of its own, using the devices' registered memory as
+// it was when the queue was created; otherwise Start() runs the group before returning.
+//
+// Thread safety: one thread at a time. The destructor waits for the groups still in flight (their
+// buffers are in use until then).
+class IoQueue {
+ public:
+  struct Completion {
+    uint64_t tag = 0;
+    Status status;
+  };
+  virtual ~IoQueue() = default;
+  IoQueue(const IoQueue&) = delete;
+  IoQueue& operator=(const IoQueue&) = delete;
+
+  uint32_t depth() const { return depth_; }
+  uint32_t max_group_requests() const { return max_group_requests_; }
+  size_t in_flight() const { return in_flight_; }
+
+  // Starts `requests` on devices[device] as one group carrying `tag`; their buffers must stay valid
+  // until Wait() returns the group. Nothing is started on an error: InvalidArgument or OutOfRange
+  // for a request Device::Validate refuses, an unknown device, or an empty or too large group;
+  // FailedPrecondition when depth() groups are in flight.
+  Status Start(size_t device, std::span<const IoRequest> requests, uint64_t tag);
+  // Blocks until a started group has completed and returns it (in completion order);
+  // FailedPrecondition when none is in flight.
+  Result<Completion> Wait();
+
+ protected:
+  IoQueue(std::vector<Device*> devices, uint32_t depth, uint32_t max_group_requests)
+      : devices_(std::move(devices)), depth_(depth), max_group_requests_(max_group_requests) {}
+  // `requests` are valid and fit; the group is not in flight yet.
+  virtual void DoStart(size_t device, std::span<const IoRequest> requests, uint64_t tag) = 0;
+  // Called only with a group in flight.
+  virtual Completion DoWait() = 0;
+
+  // Immutable after construction.
+  const std::vector<Device*> devices_;
+  const uint32_t depth_;
+  const uint32_t max_group_requests_;
+
+ private:
+  size_t in_flight_ = 0;
+};
+
+// A queue over `devices` (one store's files, all kept alive longer than the queue) for at most
+// `depth` groups of at most `max_group_requests` requests each. InvalidArgument for no devices or a
+// zero depth or group size; the ring's setup error.
+Result<std::unique_ptr<IoQueue>> CreateIoQueue(std::vector<Device*> devices, uint32_t depth,
+                                               uint32_t max_group_requests);
 
 enum class DeviceBackend : uint8_t { kAuto, kIoUring, kPsync };
 std::string_view DeviceBackendName(DeviceBackend backend);  // "auto", "io_uring", "psync"

@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -154,6 +156,79 @@ TEST(UringDeviceTest, DevicesShareARegistrationOfTheSameMemory) {
   EXPECT_EQ(UringDevice::memory_registrations() - before, 2u);
 }
 #endif  // ORBITKV_HAVE_IO_URING
+
+// An I/O queue over two devices keeps up to its depth of groups in flight, hands each group back
+// once, refuses what does not fit without starting anything, and the bytes land where they were
+// sent (read back through the queue itself).
+TEST_P(DeviceTest, IoQueueKeepsGroupsInFlightAcrossDevices) {
+  auto second = Open(dir_.path() + "/ssd1", GetParam(), kDeviceBytes);
+  ASSERT_TRUE(second.ok()) << second.status();
+  if (GetParam() == DeviceBackend::kIoUring) {
+    AlignedBuffer region = Buffer(1 << 20);
+    const std::span<uint8_t> regions[] = {region.span()};
+    ASSERT_TRUE(device_->RegisterMemory(regions).ok());
+  }
+  auto queue = CreateIoQueue({device_.get(), second->get()}, 3, 2);
+  ASSERT_TRUE(queue.ok()) << queue.status();
+  IoQueue& q = **queue;
+  EXPECT_EQ(q.Wait().status().code(), StatusCode::kFailedPrecondition);  // nothing in flight
+  std::vector<AlignedBuffer> out;
+  for (uint32_t i = 0; i < 6; ++i) {
+    out.push_back(Buffer(65536));
+    Fill(out.back(), 40 + i);
+  }
+  // Groups of two requests (like a header page and a payload) on alternating devices.
+  auto group = [&](uint32_t i, IoRequest::Op op, std::vector<AlignedBuffer>& buffers) {
+    return std::vector<IoRequest>{
+        {op, i * 131072, buffers[i].span().first(4096)},
+        {op, i * 131072 + 4096, buffers[i].span().subspan(4096)}};
+  };
+  std::set<uint64_t> finished;
+  for (uint32_t i = 0; i < 6; ++i) {
+    if (q.in_flight() == q.depth()) {
+      // A full queue refuses one more group and starts nothing.
+      const auto extra = group(i, IoRequest::Op::kWrite, out);
+      EXPECT_EQ(q.Start(i % 2, extra, 100).code(), StatusCode::kFailedPrecondition);
+      auto done = q.Wait();
+      ASSERT_TRUE(done.ok()) << done.status();
+      EXPECT_TRUE(done->status.ok()) << done->status;
+      EXPECT_TRUE(finished.insert(done->tag).second) << done->tag;
+    }
+    const auto requests = group(i, IoRequest::Op::kWrite, out);
+    ASSERT_TRUE(q.Start(i % 2, requests, i).ok());
+  }
+  // Refused without starting: a misaligned buffer, an unknown device, an oversized group.
+  const IoRequest bad[] = {{IoRequest::Op::kWrite, 1, out[0].span()}};
+  EXPECT_EQ(q.Start(0, bad, 200).code(), StatusCode::kInvalidArgument);
+  const auto fine = group(0, IoRequest::Op::kWrite, out);
+  EXPECT_EQ(q.Start(2, fine, 201).code(), StatusCode::kInvalidArgument);
+  const IoRequest three[] = {fine[0], fine[1], fine[0]};
+  EXPECT_EQ(q.Start(0, three, 202).code(), StatusCode::kInvalidArgument);
+  while (q.in_flight() > 0) {
+    auto done = q.Wait();
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_TRUE(done->status.ok()) << done->status;
+    EXPECT_TRUE(finished.insert(done->tag).second) << done->tag;
+  }
+  EXPECT_EQ(finished, (std::set<uint64_t>{0, 1, 2, 3, 4, 5}));
+  std::vector<AlignedBuffer> in;
+  for (uint32_t i = 0; i < 6; ++i) in.push_back(Buffer(65536));
+  for (uint32_t i = 0; i < 6; ++i) {
+    const auto reads = group(i, IoRequest::Op::kRead, in);
+    ASSERT_TRUE(q.Start(i % 2, reads, i).ok());
+    if (q.in_flight() == q.depth()) {
+      ASSERT_TRUE(q.Wait().ok());
+    }
+  }
+  while (q.in_flight() > 0) ASSERT_TRUE(q.Wait().ok());
+  for (uint32_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(std::memcmp(in[i].data(), out[i].data(), 65536), 0) << i;
+  }
+  // Device 1 holds only the odd groups: device 0's bytes there are still zero.
+  AlignedBuffer zero = Buffer(65536);
+  ASSERT_TRUE(device_->Read(131072, zero.span()).ok());
+  EXPECT_TRUE(std::all_of(zero.data(), zero.data() + zero.size(), [](uint8_t b) { return b == 0; }));
+}
 
 TEST_P(DeviceTest, DataSurvivesReopen) {
   AlignedBuffer out = Buffer(8192);

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "base/check.h"
 #include "base/clock.h"
 #include "base/logging.h"
 #include "storage/record.h"
@@ -219,56 +220,144 @@ std::optional<WriteStaging> ParseWriteStaging(std::string_view text) {
 
 SsdStore::~SsdStore() = default;
 
-Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uint8_t> payload,
-                                 AlignedBuffer* staging, uint64_t payload_capacity) {
+Result<SsdStore::Assembled> SsdStore::Assemble(const state::StateKey& key,
+                                               std::span<const uint8_t> payload,
+                                               AlignedBuffer* staging, uint64_t payload_capacity) {
   if (payload.empty() || payload.size() > kMaxRecordPayloadBytes) {
     return Status::InvalidArgument(
         fmt::format("an SSD record holds 1 byte to 1 GiB, not {}", payload.size()));
   }
-  const uint64_t record_bytes = RecordBytes(payload.size());
-  const uint64_t padded = PaddedPayloadBytes(payload.size());
-  // Zero copy when the payload's pages can go to the device as they are: aligned, and readable up
+  Assembled assembled;
+  assembled.record_bytes = RecordBytes(payload.size());
+  // In place when the payload's pages can go to the device as they are: aligned, and readable up
   // to the next 4 KiB boundary.
-  const bool direct = write_staging_ == WriteStaging::kZeroCopy &&
-                      reinterpret_cast<uintptr_t>(payload.data()) % kRecordAlignment == 0 &&
-                      payload_capacity >= padded;
-  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, direct ? kRecordPayloadOffset : record_bytes,
-                                         /*huge=*/write_staging_ == WriteStaging::kCopy));
+  assembled.in_place = write_staging_ == WriteStaging::kZeroCopy &&
+                       reinterpret_cast<uintptr_t>(payload.data()) % kRecordAlignment == 0 &&
+                       payload_capacity >= PaddedPayloadBytes(payload.size());
+  ORBITKV_RETURN_IF_ERROR(
+      EnsureCapacity(staging, assembled.in_place ? kRecordPayloadOffset : assembled.record_bytes,
+                     /*huge=*/write_staging_ == WriteStaging::kCopy));
   const uint64_t epoch = epoch_.fetch_add(1, std::memory_order_relaxed);
   const RecordHeader header{.key = key,
                             .payload_bytes = payload.size(),
                             .residence_generation = epoch,
                             .write_epoch = epoch};
-  if (direct) {
+  if (assembled.in_place) {
     std::memset(staging->data(), 0, kRecordPayloadOffset);
     ORBITKV_RETURN_IF_ERROR(
         EncodeRecordHeader(header, payload, staging->span().first<kRecordHeaderBytes>()));
   } else {
-    ORBITKV_RETURN_IF_ERROR(EncodeRecord(header, payload, staging->span().first(record_bytes)));
+    ORBITKV_RETURN_IF_ERROR(
+        EncodeRecord(header, payload, staging->span().first(assembled.record_bytes)));
   }
-  ORBITKV_ASSIGN_OR_RETURN(Extent extent, allocator_->Allocate(record_bytes));
+  return assembled;
+}
+
+size_t SsdStore::WriteRequests(const Assembled& assembled, const Extent& extent,
+                               std::span<const uint8_t> payload, AlignedBuffer* staging,
+                               IoRequest requests[2]) {
+  if (!assembled.in_place) {
+    requests[0] = {IoRequest::Op::kWrite, extent.offset,
+                   staging->span().first(assembled.record_bytes)};
+    return 1;
+  }
+  // The device only reads write buffers.
+  requests[0] = {IoRequest::Op::kWrite, extent.offset, staging->span().first(kRecordPayloadOffset)};
+  requests[1] = {IoRequest::Op::kWrite, extent.offset + kRecordPayloadOffset,
+                 std::span<uint8_t>(const_cast<uint8_t*>(payload.data()),
+                                    PaddedPayloadBytes(payload.size()))};
+  return 2;
+}
+
+Status SsdStore::WriteFailed(const Extent& extent, uint64_t record_bytes, const Status& status) {
+  // Unavailable, not the device's code: a full file system (ENOSPC) must not read as "the store is
+  // full, evict and retry".
+  return Status::Unavailable(fmt::format("SSD write of {} bytes to file {} at {} failed: {}",
+                                         record_bytes, extent.file, extent.offset,
+                                         status.ToString()));
+}
+
+Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uint8_t> payload,
+                                 AlignedBuffer* staging, uint64_t payload_capacity) {
+  ORBITKV_ASSIGN_OR_RETURN(const Assembled assembled,
+                           Assemble(key, payload, staging, payload_capacity));
+  ORBITKV_ASSIGN_OR_RETURN(Extent extent, allocator_->Allocate(assembled.record_bytes));
+  IoRequest requests[2];
+  const size_t count = WriteRequests(assembled, extent, payload, staging, requests);
   Status written;
-  if (direct) {
-    // The device only reads write buffers.
-    const IoRequest requests[2] = {
-        {IoRequest::Op::kWrite, extent.offset, staging->span().first(kRecordPayloadOffset)},
-        {IoRequest::Op::kWrite, extent.offset + kRecordPayloadOffset,
-         std::span<uint8_t>(const_cast<uint8_t*>(payload.data()), padded)}};
-    for (const Status& status : devices_[extent.file]->Submit(requests)) {
-      if (!status.ok() && written.ok()) written = status;
-    }
-  } else {
-    written = devices_[extent.file]->Write(extent.offset, staging->span().first(record_bytes));
+  for (Status& status : devices_[extent.file]->Submit({requests, count})) {
+    if (!status.ok() && written.ok()) written = std::move(status);
   }
   if (!written.ok()) {
     allocator_->Release(extent);
-    // Unavailable, not the device's code: a full file system (ENOSPC) must not read as "the store
-    // is full, evict and retry".
-    return Status::Unavailable(fmt::format("SSD write of {} bytes to file {} at {} failed: {}",
-                                           record_bytes, extent.file, extent.offset,
-                                           written.ToString()));
+    return WriteFailed(extent, assembled.record_bytes, written);
   }
   return PackLocator(extent.file, extent.offset);
+}
+
+Result<std::unique_ptr<SsdStore::Writer>> SsdStore::NewWriter(uint32_t depth) {
+  std::vector<Device*> devices;
+  for (const auto& device : devices_) devices.push_back(device.get());
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<IoQueue> queue,
+                           CreateIoQueue(std::move(devices), depth, /*max_group_requests=*/2));
+  return std::unique_ptr<Writer>(new Writer(this, std::move(queue), depth));
+}
+
+SsdStore::Writer::Writer(SsdStore* store, std::unique_ptr<IoQueue> queue, uint32_t depth)
+    : store_(store), queue_(std::move(queue)), staging_(depth + 1) {
+  for (size_t i = 0; i < staging_.size(); ++i) free_buffers_.push_back(i);
+}
+
+SsdStore::Writer::~Writer() {
+  while (queue_->in_flight() > 0) {
+    Result<Done> done = Wait();
+    // Written but never handed out: nobody will publish it.
+    if (done.ok() && done->locator.ok()) store_->Release(*done->locator, done->payload_bytes);
+  }
+  if (prepared_.has_value()) store_->allocator_->Release(prepared_->extent);
+}
+
+Status SsdStore::Writer::Prepare(const state::StateKey& key, std::span<const uint8_t> payload,
+                                 uint64_t payload_capacity, uint64_t tag) {
+  if (prepared_.has_value()) return Status::FailedPrecondition("a record is prepared already");
+  const size_t buffer = free_buffers_.back();
+  AlignedBuffer* staging = &staging_[buffer];
+  ORBITKV_ASSIGN_OR_RETURN(const Assembled assembled,
+                           store_->Assemble(key, payload, staging, payload_capacity));
+  ORBITKV_ASSIGN_OR_RETURN(Extent extent, store_->allocator_->Allocate(assembled.record_bytes));
+  free_buffers_.pop_back();
+  Record record{.tag = tag, .extent = extent, .payload_bytes = payload.size(), .buffer = buffer};
+  record.request_count = WriteRequests(assembled, extent, payload, staging, record.requests);
+  prepared_ = record;
+  return Status::Ok();
+}
+
+Status SsdStore::Writer::Start() {
+  if (!prepared_.has_value()) return Status::FailedPrecondition("no record is prepared");
+  ORBITKV_RETURN_IF_ERROR(queue_->Start(prepared_->extent.file,
+                                        {prepared_->requests, prepared_->request_count},
+                                        prepared_->tag));
+  started_.push_back(*prepared_);
+  prepared_.reset();
+  return Status::Ok();
+}
+
+Result<SsdStore::Writer::Done> SsdStore::Writer::Wait() {
+  ORBITKV_ASSIGN_OR_RETURN(const IoQueue::Completion completion, queue_->Wait());
+  auto it = std::find_if(started_.begin(), started_.end(),
+                         [&](const Record& record) { return record.tag == completion.tag; });
+  ORBITKV_CHECK_MSG(it != started_.end(), "completion of unknown record {}", completion.tag);
+  const Record record = *it;
+  started_.erase(it);
+  free_buffers_.push_back(record.buffer);
+  Done done{.tag = record.tag,
+            .payload_bytes = record.payload_bytes,
+            .locator = PackLocator(record.extent.file, record.extent.offset)};
+  if (!completion.status.ok()) {
+    store_->allocator_->Release(record.extent);
+    done.locator = WriteFailed(record.extent, RecordBytes(record.payload_bytes), completion.status);
+  }
+  return done;
 }
 
 Status SsdStore::ReadInto(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes,

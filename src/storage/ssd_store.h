@@ -106,6 +106,65 @@ class SsdStore {
   Result<uint64_t> Write(const state::StateKey& key, std::span<const uint8_t> payload,
                          AlignedBuffer* staging, uint64_t payload_capacity = 0);
 
+  // Writes records asynchronously for one thread: a record is prepared (its extent reserved, the
+  // record assembled and checksummed as Write() does, in one of the writer's own staging buffers),
+  // then started, and its locator comes back from Wait(). With a record prepared while `depth`
+  // others are at the disk, the disk never waits for the CPU (see Start()).
+  //
+  // Thread safety: one thread at a time; the store outlives its writers. Payloads written in place
+  // must stay valid until Wait() returns their record.
+  class Writer {
+   public:
+    struct Done {
+      uint64_t tag = 0;
+      uint64_t payload_bytes = 0;
+      // The locator, or Unavailable with the extent released again (as Write()).
+      Result<uint64_t> locator;
+    };
+    // Waits for the writes in flight and releases every extent not handed out by Wait().
+    ~Writer();
+    Writer(const Writer&) = delete;
+    Writer& operator=(const Writer&) = delete;
+
+    uint32_t depth() const { return queue_->depth(); }
+    size_t in_flight() const { return queue_->in_flight(); }
+    bool has_prepared() const { return prepared_.has_value(); }
+
+    // Prepares `payload`'s record under `tag`, which no other record of this writer in flight may
+    // carry (see Write() for `payload_capacity` and the errors
+    // before the device: InvalidArgument; ResourceExhausted when the store is full).
+    // FailedPrecondition when a record is prepared already.
+    Status Prepare(const state::StateKey& key, std::span<const uint8_t> payload,
+                   uint64_t payload_capacity, uint64_t tag);
+    // Starts the prepared record's write. FailedPrecondition without a prepared record or with
+    // depth() writes in flight.
+    Status Start();
+    // Blocks until a started write finished and returns it; FailedPrecondition when none is in
+    // flight.
+    Result<Done> Wait();
+
+   private:
+    friend class SsdStore;
+    struct Record {
+      uint64_t tag = 0;
+      Extent extent;
+      uint64_t payload_bytes = 0;
+      size_t buffer = 0;  // staging_ index
+      IoRequest requests[2];
+      size_t request_count = 0;
+    };
+    Writer(SsdStore* store, std::unique_ptr<IoQueue> queue, uint32_t depth);
+
+    SsdStore* const store_;
+    const std::unique_ptr<IoQueue> queue_;
+    std::vector<AlignedBuffer> staging_;  // depth + 1: one per write in flight and the prepared one
+    std::vector<size_t> free_buffers_;
+    std::optional<Record> prepared_;
+    std::vector<Record> started_;
+  };
+  // A writer keeping up to `depth` records at the disk. The io_uring ring's setup error.
+  Result<std::unique_ptr<Writer>> NewWriter(uint32_t depth);
+
   // Reads the record at `locator` into `staging` and returns its payload (a view into `staging`,
   // valid until the next use of it). DataLoss when the bytes there are not an intact record of
   // `key` with `payload_bytes` bytes (torn, corrupted, or the extent was reused); the device's
@@ -163,6 +222,20 @@ class SsdStore {
         allocator_(std::move(allocator)),
         write_staging_(write_staging),
         epoch_(first_epoch) {}
+
+  // A record assembled in `staging` for `payload`, and the requests that write it once an extent
+  // is reserved.
+  struct Assembled {
+    uint64_t record_bytes = 0;
+    bool in_place = false;  // the payload goes to the device from where it is
+  };
+  Result<Assembled> Assemble(const state::StateKey& key, std::span<const uint8_t> payload,
+                             AlignedBuffer* staging, uint64_t payload_capacity);
+  // Fills `requests` (two in place: header page, payload; else one) and returns how many.
+  static size_t WriteRequests(const Assembled& assembled, const Extent& extent,
+                              std::span<const uint8_t> payload, AlignedBuffer* staging,
+                              IoRequest requests[2]);
+  static Status WriteFailed(const Extent& extent, uint64_t record_bytes, const Status& status);
 
   // Immutable after Open.
   const std::vector<std::unique_ptr<Device>> devices_;

@@ -47,6 +47,13 @@ SsdStoreOptions Options(const std::string& dir, uint64_t capacity, DeviceBackend
   return options;
 }
 
+// Opens a store whose scan the test does not look at.
+Result<std::unique_ptr<SsdStore>> OpenStore(const SsdStoreOptions& options) {
+  std::vector<RecoveredRecord> recovered;
+  ScanReport report;
+  return SsdStore::Open(options, &recovered, &report);
+}
+
 class SsdStoreTest : public ::testing::TestWithParam<DeviceBackend> {};
 
 TEST_P(SsdStoreTest, WriteReadRoundTripsAcrossFiles) {
@@ -236,9 +243,7 @@ TEST_P(SsdStoreTest, BatchReadsAcrossFilesEachGetTheirOwnStatus) {
 
 TEST_P(SsdStoreTest, FullStoreIsResourceExhaustedAndReleaseFreesSpace) {
   TempDir dir;
-  std::vector<RecoveredRecord> recovered;
-  ScanReport report;
-  auto store = SsdStore::Open(Options(dir.path(), 2 * kMiB, GetParam(), 1), &recovered, &report);
+  auto store = OpenStore(Options(dir.path(), 2 * kMiB, GetParam(), 1));
   ASSERT_TRUE(store.ok()) << store.status();
   AlignedBuffer staging;
   auto payload = Payload(500'000, 1);
@@ -253,6 +258,104 @@ TEST_P(SsdStoreTest, FullStoreIsResourceExhaustedAndReleaseFreesSpace) {
   EXPECT_EQ(written.size(), 4u);  // 4 x (500,000 + header) rounded to 4 KiB fit in 2 MiB
   (*store)->Release(written[1], payload.size());
   EXPECT_TRUE((*store)->Write(Key(99), payload, &staging).ok());
+}
+
+// A writer keeps its depth of records at the disk with the next one prepared, in both staging
+// modes; every record it hands back reads back intact, and calls out of turn are refused.
+TEST_P(SsdStoreTest, WriterKeepsRecordsInFlightAndHandsBackLocators) {
+  for (WriteStaging staging : {WriteStaging::kZeroCopy, WriteStaging::kCopy}) {
+    TempDir dir;
+    SsdStoreOptions options = Options(dir.path(), 16 * kMiB, GetParam());
+    options.write_staging = staging;
+    auto store = OpenStore(options);
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto created = (*store)->NewWriter(2);
+    ASSERT_TRUE(created.ok()) << created.status();
+    SsdStore::Writer& writer = **created;
+    EXPECT_EQ(writer.depth(), 2u);
+    EXPECT_EQ(writer.Start().code(), StatusCode::kFailedPrecondition);  // nothing prepared
+    EXPECT_EQ(writer.Wait().status().code(), StatusCode::kFailedPrecondition);
+    // Pool-like blocks: page-aligned with readable padding, so zero copy writes them in place.
+    constexpr int kRecords = 7;
+    std::vector<AlignedBuffer> blocks;
+    std::vector<std::vector<uint8_t>> payloads;
+    for (int i = 0; i < kRecords; ++i) {
+      payloads.push_back(Payload(100'000 + i * 4099, 20 + i));
+      blocks.push_back(std::move(AlignedBuffer::Create(PaddedPayloadBytes(payloads[i].size()),
+                                                        4096))
+                           .value());
+      std::memcpy(blocks[i].data(), payloads[i].data(), payloads[i].size());
+    }
+    std::map<uint64_t, uint64_t> locators;  // tag -> locator
+    auto finish = [&] {
+      auto done = writer.Wait();
+      ASSERT_TRUE(done.ok()) << done.status();
+      ASSERT_TRUE(done->locator.ok()) << done->locator.status();
+      EXPECT_EQ(done->payload_bytes, payloads[done->tag].size());
+      EXPECT_TRUE(locators.emplace(done->tag, *done->locator).second);
+    };
+    for (int i = 0; i < kRecords; ++i) {
+      ASSERT_TRUE(writer
+                      .Prepare(Key(i), {blocks[i].data(), payloads[i].size()}, blocks[i].size(),
+                               static_cast<uint64_t>(i))
+                      .ok());
+      EXPECT_TRUE(writer.has_prepared());
+      EXPECT_EQ(writer.Prepare(Key(i), payloads[i], 0, 99).code(),
+                StatusCode::kFailedPrecondition);
+      if (writer.in_flight() == writer.depth()) {
+        EXPECT_EQ(writer.Start().code(), StatusCode::kFailedPrecondition);  // no room yet
+        finish();
+      }
+      ASSERT_TRUE(writer.Start().ok());
+      EXPECT_FALSE(writer.has_prepared());
+    }
+    while (writer.in_flight() > 0) finish();
+    ASSERT_EQ(locators.size(), static_cast<size_t>(kRecords));
+    AlignedBuffer read_staging;
+    for (const auto& [tag, locator] : locators) {
+      auto read = (*store)->Read(Key(tag), locator, payloads[tag].size(), &read_staging);
+      ASSERT_TRUE(read.ok()) << read.status();
+      EXPECT_TRUE(std::equal(read->begin(), read->end(), payloads[tag].begin(),
+                             payloads[tag].end()))
+          << tag;
+    }
+  }
+}
+
+// A writer destroyed with records at the disk and one prepared gives every extent back (nobody
+// will publish them), and a full store refuses to prepare.
+TEST_P(SsdStoreTest, WriterReleasesWhatItNeverHandedOut) {
+  TempDir dir;
+  auto store = OpenStore(Options(dir.path(), 2 * kMiB, GetParam(), 1));
+  ASSERT_TRUE(store.ok()) << store.status();
+  const auto payload = Payload(500'000, 3);
+  {
+    auto writer = (*store)->NewWriter(2);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    for (uint64_t tag = 0; tag < 2; ++tag) {
+      ASSERT_TRUE((*writer)->Prepare(Key(tag), payload, 0, tag).ok());
+      ASSERT_TRUE((*writer)->Start().ok());
+    }
+    ASSERT_TRUE((*writer)->Prepare(Key(2), payload, 0, 2).ok());
+    ASSERT_TRUE((*writer)->Start().code() == StatusCode::kFailedPrecondition);
+    EXPECT_GT((*store)->allocated_bytes(), 0u);
+  }
+  EXPECT_EQ((*store)->allocated_bytes(), 0u);
+  auto writer = (*store)->NewWriter(1);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  int written = 0;
+  Status prepared;
+  for (uint64_t tag = 0; prepared.ok(); ++tag) {
+    prepared = (*writer)->Prepare(Key(tag), payload, 0, tag);
+    if (!prepared.ok()) break;
+    ASSERT_TRUE((*writer)->Start().ok());
+    auto done = (*writer)->Wait();
+    ASSERT_TRUE(done.ok() && done->locator.ok());
+    ++written;
+  }
+  EXPECT_EQ(prepared.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(written, 4);  // as many as Write() fits (FullStoreIsResourceExhausted...)
+  EXPECT_FALSE((*writer)->has_prepared());
 }
 
 TEST_P(SsdStoreTest, RestartRecoversRecordsAndContinuesEpochs) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <deque>
 #include <utility>
 
 #include "base/check.h"
@@ -100,6 +101,34 @@ bool SameChunks(const std::vector<UringDevice::Chunk>& a, const std::vector<Urin
                     });
 }
 
+// The fixed-buffer index of the registered chunk holding [data, data + bytes), or -1.
+int FixedIndex(const std::vector<UringDevice::Chunk>& chunks, const uint8_t* data, size_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  auto it = std::upper_bound(
+      chunks.begin(), chunks.end(), begin,
+      [](uintptr_t address, const UringDevice::Chunk& chunk) { return address < chunk.begin; });
+  if (it == chunks.begin()) return -1;
+  --it;
+  if (begin < it->begin || begin + bytes > it->end) return -1;
+  return static_cast<int>(it - chunks.begin());
+}
+
+// Fills `sqe` with `request` on `fd`, from fixed buffer `fixed` when it is not -1.
+void PrepareSqe(io_uring_sqe* sqe, int fd, const IoRequest& request, int fixed) {
+  const auto bytes = static_cast<unsigned>(request.buffer.size());
+  if (request.op == IoRequest::Op::kWrite) {
+    if (fixed >= 0) {
+      io_uring_prep_write_fixed(sqe, fd, request.buffer.data(), bytes, request.offset, fixed);
+    } else {
+      io_uring_prep_write(sqe, fd, request.buffer.data(), bytes, request.offset);
+    }
+  } else if (fixed >= 0) {
+    io_uring_prep_read_fixed(sqe, fd, request.buffer.data(), bytes, request.offset, fixed);
+  } else {
+    io_uring_prep_read(sqe, fd, request.buffer.data(), bytes, request.offset);
+  }
+}
+
 std::vector<iovec> ChunkIovecs(const std::vector<UringDevice::Chunk>& chunks) {
   std::vector<iovec> iovecs;
   iovecs.reserve(chunks.size());
@@ -157,33 +186,171 @@ Result<std::unique_ptr<UringRing>> UringDevice::AcquireRing() {
       io_uring_unregister_buffers(ring->get());
       ring->fixed = nullptr;
     }
-    if (set != nullptr) {
-      // Cloning from the source ring costs microseconds; registering pins every page again (about
-      // 50 ms per GiB), which would stall the first request of every new ring.
-      int rc = -EINVAL;
-      if (clone_supported_.load(std::memory_order_relaxed)) {
-        rc = CloneBuffers(*ring, *set->source);
-        if (rc == -EINVAL || rc == -EOPNOTSUPP) {
-          clone_supported_.store(false, std::memory_order_relaxed);
-          ORBITKV_LOG_INFO(
-              "io_uring: this kernel cannot clone fixed buffers between rings; each ring registers "
-              "them itself");
-        }
-      }
-      if (rc != 0) {
-        const std::vector<iovec> iovecs = ChunkIovecs(set->chunks);
-        rc = io_uring_register_buffers(ring->get(), iovecs.data(),
-                                       static_cast<unsigned>(iovecs.size()));
-      }
-      if (rc == 0) {
-        ring->fixed = set;
-      } else {
-        LogRegistrationRefused(set->chunks.size(), rc);
-      }
-    }
+    AttachBuffers(ring.get(), set);
     ring->registered_version = version;
   }
   return ring;
+}
+
+void UringDevice::AttachBuffers(UringRing* ring, const std::shared_ptr<const UringBufferSet>& set) {
+  if (set == nullptr) return;
+  // Cloning from the source ring costs microseconds; registering pins every page again (about 50 ms
+  // per GiB), which would stall the first request of every new ring.
+  int rc = -EINVAL;
+  if (clone_supported_.load(std::memory_order_relaxed)) {
+    rc = CloneBuffers(*ring, *set->source);
+    if (rc == -EINVAL || rc == -EOPNOTSUPP) {
+      clone_supported_.store(false, std::memory_order_relaxed);
+      ORBITKV_LOG_INFO(
+          "io_uring: this kernel cannot clone fixed buffers between rings; each ring registers "
+          "them itself");
+    }
+  }
+  if (rc != 0) {
+    const std::vector<iovec> iovecs = ChunkIovecs(set->chunks);
+    rc = io_uring_register_buffers(ring->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
+  }
+  if (rc == 0) {
+    ring->fixed = set;
+  } else {
+    LogRegistrationRefused(set->chunks.size(), rc);
+  }
+}
+
+// One ring over several devices' files, kept by one thread with up to depth groups in flight. A
+// request's completion names its group's slot and its index in the group.
+class UringIoQueue final : public IoQueue {
+ public:
+  UringIoQueue(std::vector<Device*> devices, std::vector<UringDevice*> rings, uint32_t depth,
+               uint32_t max_group_requests, std::unique_ptr<UringRing> ring)
+      : IoQueue(std::move(devices), depth, max_group_requests),
+        rings_(std::move(rings)),
+        ring_(std::move(ring)),
+        groups_(depth) {}
+  ~UringIoQueue() override {
+    while (in_flight() > 0) (void)Wait();
+  }
+
+ private:
+  struct Group {
+    bool busy = false;
+    uint64_t tag = 0;
+    uint32_t remaining = 0;
+    Status status;
+    std::vector<IoRequest> requests;
+  };
+
+  void DoStart(size_t device, std::span<const IoRequest> requests, uint64_t tag) override;
+  Completion DoWait() override;
+  // Accounts one completed request; a group whose last request completed is done.
+  void Reap(const io_uring_cqe& cqe);
+  // Waits for at least one completion and reaps every one available.
+  void ReapSome();
+
+  const std::vector<UringDevice*> rings_;
+  const std::unique_ptr<UringRing> ring_;
+  std::vector<Group> groups_;  // one slot per group in flight
+  std::deque<Completion> done_;
+};
+
+void UringIoQueue::DoStart(size_t device, std::span<const IoRequest> requests, uint64_t tag) {
+  const auto slot = static_cast<size_t>(
+      std::find_if(groups_.begin(), groups_.end(), [](const Group& g) { return !g.busy; }) -
+      groups_.begin());
+  ORBITKV_CHECK_MSG(slot < groups_.size(), "no free group slot with {} in flight", in_flight());
+  Group& group = groups_[slot];
+  group.busy = true;
+  group.tag = tag;
+  group.remaining = static_cast<uint32_t>(requests.size());
+  group.status = Status::Ok();
+  group.requests.assign(requests.begin(), requests.end());
+  io_uring* r = ring_->get();
+  const std::vector<UringDevice::Chunk>* chunks =
+      ring_->fixed != nullptr ? &ring_->fixed->chunks : nullptr;
+  UringDevice& target = *rings_[device];
+  for (size_t i = 0; i < requests.size(); ++i) {
+    // The ring holds depth * max_group_requests entries and every earlier one was submitted.
+    io_uring_sqe* sqe = io_uring_get_sqe(r);
+    ORBITKV_CHECK_MSG(sqe != nullptr, "io_uring submission queue full");
+    const IoRequest& request = requests[i];
+    const int fixed =
+        chunks != nullptr ? FixedIndex(*chunks, request.buffer.data(), request.buffer.size()) : -1;
+    if (fixed >= 0) target.registered_requests_.fetch_add(1, std::memory_order_relaxed);
+    PrepareSqe(sqe, target.fd_.get(), request, fixed);
+    io_uring_sqe_set_data64(sqe, slot << 16 | i);
+  }
+  for (;;) {
+    const int rc = io_uring_submit(r);
+    if (rc >= 0) break;
+    if (rc == -EINTR) continue;
+    if ((rc == -EAGAIN || rc == -EBUSY) && in_flight() > 0) {
+      ReapSome();  // the kernel is short of room for completions or requests: make some
+      continue;
+    }
+    // The kernel may already own some of the buffers; returning would let the caller reuse them.
+    ORBITKV_CHECK_MSG(false, "io_uring_enter failed with {} groups in flight: {}", in_flight(),
+                      ErrnoStatus("io_uring_enter", -rc).ToString());
+  }
+}
+
+void UringIoQueue::Reap(const io_uring_cqe& cqe) {
+  const uint64_t data = io_uring_cqe_get_data64(&cqe);
+  const size_t slot = data >> 16;
+  const size_t index = data & 0xffff;
+  ORBITKV_CHECK_MSG(slot < groups_.size() && groups_[slot].busy &&
+                        index < groups_[slot].requests.size(),
+                    "completion for unknown request {:#x}", data);
+  Group& group = groups_[slot];
+  Status status = CompletionStatus(group.requests[index], cqe.res);
+  if (!status.ok() && group.status.ok()) group.status = std::move(status);
+  if (--group.remaining == 0) {
+    done_.push_back(Completion{.tag = group.tag, .status = std::move(group.status)});
+    group.busy = false;
+  }
+}
+
+void UringIoQueue::ReapSome() {
+  io_uring* r = ring_->get();
+  io_uring_cqe* cqe = nullptr;
+  int rc;
+  do {
+    rc = io_uring_wait_cqe(r, &cqe);
+  } while (rc == -EINTR);
+  ORBITKV_CHECK_MSG(rc == 0, "io_uring wait: {}", ErrnoStatus("io_uring_enter", -rc).ToString());
+  do {
+    Reap(*cqe);
+    io_uring_cqe_seen(r, cqe);
+  } while (io_uring_peek_cqe(r, &cqe) == 0 && cqe != nullptr);
+}
+
+IoQueue::Completion UringIoQueue::DoWait() {
+  while (done_.empty()) ReapSome();
+  Completion completion = std::move(done_.front());
+  done_.pop_front();
+  return completion;
+}
+
+Result<std::unique_ptr<IoQueue>> UringDevice::CreateQueue(std::vector<Device*> devices,
+                                                          std::vector<UringDevice*> rings,
+                                                          uint32_t depth,
+                                                          uint32_t max_group_requests) {
+  if (static_cast<uint64_t>(depth) * max_group_requests > kMaxQueueDepth || depth > 0xffff ||
+      max_group_requests > 0xffff) {
+    return Status::InvalidArgument(fmt::format(
+        "{} groups of {} requests exceed io_uring's queue depth of {}", depth, max_group_requests,
+        kMaxQueueDepth));
+  }
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<UringRing> ring,
+                           UringRing::Create(depth * max_group_requests));
+  // The files of one store share one registration (the same pool): the first one's serves all.
+  std::shared_ptr<const UringBufferSet> set;
+  {
+    MutexLock lock(&rings.front()->mu_);
+    set = rings.front()->buffers_;
+  }
+  rings.front()->AttachBuffers(ring.get(), set);
+  return std::unique_ptr<IoQueue>(new UringIoQueue(std::move(devices), std::move(rings), depth,
+                                                   max_group_requests, std::move(ring)));
 }
 
 uint64_t UringDevice::memory_registrations() {
@@ -256,17 +423,6 @@ Result<std::shared_ptr<const UringBufferSet>> UringDevice::RegisterBufferSet(
   return std::shared_ptr<const UringBufferSet>(std::move(set));
 }
 
-int UringDevice::FixedIndex(const std::vector<Chunk>& chunks, const uint8_t* data,
-                            size_t bytes) const {
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
-  auto it =
-      std::upper_bound(chunks.begin(), chunks.end(), begin,
-                       [](uintptr_t address, const Chunk& chunk) { return address < chunk.begin; });
-  if (it == chunks.begin()) return -1;
-  --it;
-  if (begin < it->begin || begin + bytes > it->end) return -1;
-  return static_cast<int>(it - chunks.begin());
-}
 
 void UringDevice::ReleaseRing(std::unique_ptr<UringRing> ring) {
   {
@@ -304,23 +460,7 @@ void UringDevice::DoSubmit(std::span<const IoRequest> requests, std::span<const 
                             ? FixedIndex(*chunks, request.buffer.data(), request.buffer.size())
                             : -1;
       if (fixed >= 0) registered_requests_.fetch_add(1, std::memory_order_relaxed);
-      if (request.op == IoRequest::Op::kWrite) {
-        if (fixed >= 0) {
-          io_uring_prep_write_fixed(sqe, fd_.get(), request.buffer.data(),
-                                    static_cast<unsigned>(request.buffer.size()), request.offset,
-                                    fixed);
-        } else {
-          io_uring_prep_write(sqe, fd_.get(), request.buffer.data(),
-                              static_cast<unsigned>(request.buffer.size()), request.offset);
-        }
-      } else if (fixed >= 0) {
-        io_uring_prep_read_fixed(sqe, fd_.get(), request.buffer.data(),
-                                 static_cast<unsigned>(request.buffer.size()), request.offset,
-                                 fixed);
-      } else {
-        io_uring_prep_read(sqe, fd_.get(), request.buffer.data(),
-                           static_cast<unsigned>(request.buffer.size()), request.offset);
-      }
+      PrepareSqe(sqe, fd_.get(), request, fixed);
       io_uring_sqe_set_data64(sqe, index);
       ++next;
       ++outstanding;

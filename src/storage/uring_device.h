@@ -31,6 +31,8 @@ class UringRing;
 class UringBufferSet;
 
 class UringDevice final : public Device {
+  friend class UringIoQueue;
+
  public:
   // A registered memory range: one fixed buffer.
   struct Chunk {
@@ -60,6 +62,11 @@ class UringDevice final : public Device {
   // ring that runs requests clones its buffers when it is created or next used (microseconds; on a
   // kernel before 6.12, which cannot clone, each ring registers them itself).
   Status RegisterMemory(std::span<const std::span<uint8_t>> regions) override;
+  // An IoQueue over `devices` (all io_uring: `rings` are the same devices), for CreateIoQueue().
+  static Result<std::unique_ptr<IoQueue>> CreateQueue(std::vector<Device*> devices,
+                                                      std::vector<UringDevice*> rings,
+                                                      uint32_t depth, uint32_t max_group_requests);
+
   uint64_t registered_requests() const override {
     return registered_requests_.load(std::memory_order_relaxed);
   }
@@ -72,6 +79,8 @@ class UringDevice final : public Device {
   // The registration of `chunks` (sorted), shared with any live one of the same chunks; null when
   // the kernel refused it (logged).
   Result<std::shared_ptr<const UringBufferSet>> RegisterBufferSet(std::vector<Chunk> chunks);
+  // Gives `ring` the buffers of `set` (null: none): cloned, or registered where cloning is refused.
+  void AttachBuffers(UringRing* ring, const std::shared_ptr<const UringBufferSet>& set);
   // Logs the first refused registration (RLIMIT_MEMLOCK, a sandbox); requests then run unregistered.
   void LogRegistrationRefused(size_t buffers, int rc);
   void DoSubmit(std::span<const IoRequest> requests, std::span<const size_t> valid,
@@ -84,8 +93,6 @@ class UringDevice final : public Device {
   const bool direct_io_;
   const uint32_t queue_depth_;
 
-  // The fixed-buffer index of the registered chunk holding [data, data + bytes), or -1.
-  int FixedIndex(const std::vector<Chunk>& chunks, const uint8_t* data, size_t bytes) const;
 
   Mutex mu_;
   std::vector<std::unique_ptr<UringRing>> idle_rings_ GUARDED_BY(mu_);
