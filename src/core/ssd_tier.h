@@ -5,8 +5,10 @@
 //   write-back  BlockTable's eviction listener hands over (key, pin) of each evicted block; the
 //               admission filter drops blocks the sketch saw fewer than `min_frequency` times
 //               (one-hit wonders), and a bounded queue (bytes) feeds writer threads that spend a
-//               bytes-per-second budget. The pin keeps the evicted bytes alive until the write is
-//               done; a full queue drops the write (counted) rather than holding DRAM hostage.
+//               bytes-per-second budget. Each writer keeps its share of writes_in_flight records at
+//               the disk (an SsdStore::Writer) and prepares the next meanwhile. The pin keeps the
+//               evicted bytes alive until the write is done; a full queue drops the write (counted)
+//               rather than holding DRAM hostage.
 //   residence   PublishSsd only after the record is on the device; the tier owns the map from key
 //               to extent and is the only one to free an extent (after DropSsd of that generation).
 //               A full store evicts its oldest records first (FIFO).
