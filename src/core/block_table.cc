@@ -747,6 +747,25 @@ uint32_t BlockTable::Frequency(const StateKey& key) {
   return shard.sketch.Estimate(hash);
 }
 
+std::vector<StateKey> BlockTable::DramOnlyKeys(uint32_t min_frequency) {
+  std::vector<std::pair<uint32_t, StateKey>> found;
+  for (auto& shard_ptr : shards_) {
+    Shard& shard = *shard_ptr;
+    MutexLock lock(&shard.mu);
+    for (const auto& [key, entry] : shard.entries) {
+      if (entry.dram == kNone || entry.ssd.has_value()) continue;
+      const uint32_t frequency = shard.sketch.Estimate(shard.slots[entry.dram].hash);
+      if (frequency >= min_frequency) found.emplace_back(frequency, key);
+    }
+  }
+  std::stable_sort(found.begin(), found.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<StateKey> keys;
+  keys.reserve(found.size());
+  for (auto& [frequency, key] : found) keys.push_back(std::move(key));
+  return keys;
+}
+
 Status BlockTable::DropSsd(const StateKey& key, uint64_t generation, TransitionCause cause) {
   Shard& shard = ShardOf(key.Hash64());
   MutexLock lock(&shard.mu);

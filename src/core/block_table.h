@@ -230,6 +230,9 @@ class BlockTable {
   // How often `key` was accessed recently (the W-TinyLFU sketch's estimate, 0..16); the SSD tier's
   // admission filter reads it for evicted blocks.
   uint32_t Frequency(const state::StateKey& key);
+  // Keys with a sealed DRAM residence and no SSD residence, accessed at least `min_frequency` times
+  // recently, most frequent first (the SSD tier writes them before the Manager exits).
+  std::vector<state::StateKey> DramOnlyKeys(uint32_t min_frequency);
 
   BlockTableStats Stats() const;
   uint32_t shard_count() const { return static_cast<uint32_t>(shards_.size()); }

@@ -440,6 +440,70 @@ void SsdTier::ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* sta
   for (size_t t = 0; t < tasks.size(); ++t) cache_->coalescer().Complete(tasks[t].key, statuses[t]);
 }
 
+SsdTier::PersistReport SsdTier::PersistDram(
+    MonoTime deadline, const std::function<void(const PersistReport&)>& progress) {
+  Stopwatch watch;
+  PersistReport report;
+  const uint64_t writes_before = writes_->Value();
+  const uint64_t bytes_before = written_bytes_->Value();
+  const auto update = [&] {
+    report.written = writes_->Value() - writes_before;
+    report.written_bytes = written_bytes_->Value() - bytes_before;
+    report.seconds = watch.ElapsedSeconds();
+  };
+  MonoTime next_progress = MonoNow() + std::chrono::seconds(2);
+  const auto maybe_progress = [&] {
+    if (!progress || MonoNow() < next_progress) return;
+    next_progress = MonoNow() + std::chrono::seconds(2);
+    update();
+    progress(report);
+  };
+  const uint32_t min_frequency =
+      options_.policy == SsdWritePolicy::kWriteBack ? options_.min_frequency : 0;
+  const std::vector<state::StateKey> keys = cache_->table().DramOnlyKeys(min_frequency);
+  report.candidates = keys.size();
+  bool stop = false;
+  for (size_t i = 0; i < keys.size() && !stop; ++i) {
+    if (!admissions_enabled_.load(std::memory_order_acquire)) break;
+    Result<BlockPin> pin = cache_->table().Pin(keys[i]);
+    if (!pin.ok()) continue;  // evicted meanwhile (and written back then, if admitted)
+    const uint64_t bytes = pin->bytes();
+    for (bool queued = false; !queued && !stop;) {
+      {
+        MutexLock lock(&mu_);
+        if (stopping_ || MonoNow() >= deadline) {
+          report.timed_out = !stopping_;
+          stop = true;
+        } else if (queued_bytes_ == 0 || queued_bytes_ + bytes <= options_.queue_bytes) {
+          // Unlike evictions, a full queue is waited for rather than dropped.
+          queued_bytes_ += bytes;
+          write_queue_.push_back(WriteJob{keys[i], std::move(*pin)});
+          ++report.queued;
+          queued = true;
+        } else {
+          idle_cv_.wait_for(mu_, std::chrono::milliseconds(10));
+        }
+      }
+      if (queued) write_cv_.notify_one();
+      maybe_progress();
+    }
+  }
+  for (bool drained = false; !drained;) {
+    {
+      MutexLock lock(&mu_);
+      drained = write_queue_.empty() && writes_in_flight_ == 0;
+      if (!drained && MonoNow() >= deadline) {
+        report.timed_out = true;
+        break;
+      }
+      if (!drained) idle_cv_.wait_for(mu_, std::chrono::milliseconds(10));
+    }
+    maybe_progress();
+  }
+  update();
+  return report;
+}
+
 void SsdTier::Flush() {
   MutexLock lock(&mu_);
   while (!write_queue_.empty() || writes_in_flight_ > 0) idle_cv_.wait(mu_);

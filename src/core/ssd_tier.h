@@ -20,8 +20,9 @@
 //   faults      A device write error (EIO, ENOSPC from a file system that ran out despite the
 //               preallocation) disables new admissions (log line, gauge
 //               orbitkv_ssd_admissions_enabled = 0); reads and DRAM service continue.
-//   restart     Create() rebuilds the SSD residences from the store's scan (newest write epoch
-//               wins for a key found twice).
+//   restart     PersistDram() writes the DRAM-only blocks before a graceful stop; Create()
+//               rebuilds the SSD residences from the store's scan (newest write epoch wins for a
+//               key found twice).
 //
 // Thread safety: all methods are safe from any thread. Threads (writers, readers) are created in
 // Create() and joined in Shutdown(); callbacks run on reader threads and must not call Shutdown().
@@ -112,6 +113,22 @@ class SsdTier {
 
   // Waits until the write-back queue is empty and no write is in flight (tests, benchmarks).
   void Flush();
+
+  // What PersistDram did.
+  struct PersistReport {
+    uint64_t candidates = 0;  // DRAM-only blocks the admission filter admits
+    uint64_t queued = 0;
+    uint64_t written = 0;     // new SSD records while it ran
+    uint64_t written_bytes = 0;
+    double seconds = 0;
+    bool timed_out = false;   // the deadline came first: the rest stays DRAM-only
+  };
+  // Writes the DRAM blocks that are not on SSD yet (the ones the admission filter admits, most
+  // frequent first) and waits for the writes, so a restarted Manager finds them: for a graceful
+  // stop, after the engines are gone and before Shutdown(). Stops queueing at `deadline`; writes
+  // in flight then finish. `progress` runs on the calling thread about every two seconds.
+  PersistReport PersistDram(MonoTime deadline,
+                            const std::function<void(const PersistReport&)>& progress = {});
 
   SsdTierStats Stats() const;
   const storage::ScanReport& scan_report() const { return scan_report_; }

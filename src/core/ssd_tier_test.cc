@@ -44,6 +44,7 @@ class SsdTierTest : public ::testing::Test {
     options.policy = policy_;
     options.queue_bytes = queue_bytes_;
     options.writer_threads = writer_threads_;
+    options.writes_in_flight = writes_in_flight_;
     return options;
   }
   void OpenAll() {
@@ -94,6 +95,7 @@ class SsdTierTest : public ::testing::Test {
   storage::DeviceBackend backend_ = storage::DeviceBackend::kPsync;
   storage::WriteStaging write_staging_ = storage::WriteStaging::kAuto;
   uint32_t writer_threads_ = SsdTierOptions{}.writer_threads;
+  uint32_t writes_in_flight_ = SsdTierOptions{}.writes_in_flight;
   MetricsRegistry metrics_;
   std::unique_ptr<BlockCache> cache_;
   std::unique_ptr<SsdTier> tier_;
@@ -198,9 +200,10 @@ TEST_F(SsdTierTest, CorruptRecordIsAMissAndIsDropped) {
 TEST_F(SsdTierTest, FullStoreEvictsItsOldestRecords) {
   CloseAll();
   ssd_bytes_ = 4 * kMiB;  // two files of 2 MiB: 6 records of 256 KiB + header each
-  // One writer, so records are published in eviction order and "newest" is well defined (with
-  // several, the final burst of evictions is written in any order).
+  // One write at a time, so records are published in eviction order and "newest" is well defined
+  // (with several in flight, the final burst of evictions completes in any order).
   writer_threads_ = 1;
+  writes_in_flight_ = 1;
   OpenAll();
   const auto keys = Chain(4, 40);
   for (size_t i = 0; i < keys.size(); ++i) Save(keys[i], i);
@@ -213,6 +216,43 @@ TEST_F(SsdTierTest, FullStoreEvictsItsOldestRecords) {
   EXPECT_TRUE(cache_->table().FindSsd(keys[39]).has_value());  // newest stayed
   EXPECT_EQ(LoadSync({keys[39]}), 1u);
   EXPECT_TRUE(InDramWithStamp(keys[39], 39));
+}
+
+// Before a graceful stop, the blocks only DRAM holds are written (the ones the admission filter
+// admits), so the restarted tier finds them; a deadline already passed writes nothing.
+TEST_F(SsdTierTest, PersistDramWritesDramOnlyBlocksForTheRestart) {
+  CloseAll();
+  min_frequency_ = 2;
+  queue_bytes_ = 1 * kMiB;  // smaller than the blocks to persist: PersistDram waits for room
+  OpenAll();
+  const auto hot = Chain(21, 10);
+  const auto cold = Chain(22, 3);
+  for (size_t i = 0; i < hot.size(); ++i) Save(hot[i], 500 + i);
+  for (size_t i = 0; i < cold.size(); ++i) Save(cold[i], 600 + i);
+  EXPECT_EQ(cache_->table().LookupPrefix(hot), hot.size());  // a second use: admitted
+  EXPECT_EQ(tier_->Stats().writes, 0u);                        // nothing was evicted
+
+  const SsdTier::PersistReport expired = tier_->PersistDram(MonoNow());
+  EXPECT_EQ(expired.candidates, hot.size());
+  EXPECT_EQ(expired.queued, 0u);
+  EXPECT_TRUE(expired.timed_out);
+
+  const SsdTier::PersistReport report = tier_->PersistDram(MonoNow() + std::chrono::seconds(60));
+  EXPECT_EQ(report.candidates, hot.size());
+  EXPECT_EQ(report.queued, hot.size());
+  EXPECT_EQ(report.written, hot.size());
+  EXPECT_EQ(report.written_bytes, hot.size() * kBlock);
+  EXPECT_FALSE(report.timed_out);
+  for (const auto& key : hot) EXPECT_TRUE(cache_->table().FindSsd(key).has_value());
+  for (const auto& key : cold) EXPECT_FALSE(cache_->table().FindSsd(key).has_value());
+  // Everything admitted is on SSD now: nothing left to do.
+  EXPECT_EQ(tier_->PersistDram(MonoNow() + std::chrono::seconds(60)).candidates, 0u);
+
+  CloseAll();
+  OpenAll();
+  EXPECT_EQ(tier_->Stats().recovered_records, hot.size());
+  EXPECT_EQ(LoadSync(hot), hot.size());
+  for (size_t i = 0; i < hot.size(); ++i) EXPECT_TRUE(InDramWithStamp(hot[i], 500 + i)) << i;
 }
 
 TEST_F(SsdTierTest, FullWriteBackQueueDropsInsteadOfHoldingDram) {

@@ -49,6 +49,7 @@ struct ManagerConfig {
   std::string ssd_write_staging = "auto";  // auto | copy | zero-copy
   std::string ssd_policy = "write-back";  // write-back | write-through
   uint32_t ssd_min_frequency = 2;
+  uint32_t ssd_persist_seconds = 30;  // on a graceful stop, DRAM-only blocks to SSD (0: off)
   uint64_t ssd_write_budget_bytes = 0;  // per second; 0: unlimited
   uint64_t ssd_queue_bytes = 0;         // 0: an eighth of the pool, at most 1 GiB
   uint32_t max_loading = 256;           // outstanding Loading operations per session

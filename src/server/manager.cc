@@ -277,7 +277,9 @@ void Manager::Wait() {
 #if ORBITKV_SERVER_HAS_GPU
   if (cuda_engine_) cuda_engine_->Shutdown();
 #endif
-  // Then the SSD tier: queued write-backs are dropped, writes and reads in flight finish.
+  // Then the SSD tier: DRAM-only blocks are written for the restart (no engine can touch them
+  // now), then the rest of the queue is dropped and writes and reads in flight finish.
+  if (ssd_ && config_.ssd_persist_seconds > 0) PersistDramForRestart();
   if (ssd_) ssd_->Shutdown();
   {
     MutexLock lock(&cleanup_mu_);
@@ -291,6 +293,22 @@ void Manager::Wait() {
 #endif
   if (http_) http_->Stop();
   ORBITKV_LOG_INFO("manager: stopped");
+}
+
+void Manager::PersistDramForRestart() {
+  const auto seconds = std::chrono::seconds(config_.ssd_persist_seconds);
+  const core::SsdTier::PersistReport report = ssd_->PersistDram(
+      MonoNow() + seconds, [](const core::SsdTier::PersistReport& progress) {
+        ORBITKV_LOG_INFO("manager: writing DRAM blocks to SSD before exit: {} of {} ({} MiB)",
+                         progress.written, progress.candidates, progress.written_bytes >> 20);
+      });
+  if (report.candidates == 0) return;
+  ORBITKV_LOG_INFO(
+      "manager: wrote {} of {} DRAM-only block(s) ({} MiB) to SSD in {:.1f} s for the restart{}",
+      report.written, report.candidates, report.written_bytes >> 20, report.seconds,
+      report.timed_out ? fmt::format("; --ssd-persist-on-exit {} s passed, the rest is dropped",
+                                     config_.ssd_persist_seconds)
+                       : std::string());
 }
 
 Manager::~Manager() {

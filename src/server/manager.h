@@ -100,6 +100,9 @@ class Manager {
   // When the build has the gpu module and a GPU is usable, creates host_memory_ and makes it the
   // pool's registrar; otherwise leaves the Manager CPU-only (and says so in the log).
   void SetUpGpu(core::BlockCacheOptions* options);
+  // On a graceful stop: writes the DRAM-only blocks to SSD (--ssd-persist-on-exit), with progress
+  // lines.
+  void PersistDramForRestart();
 
   void DispatchLoop();
   void AcceptSessions();

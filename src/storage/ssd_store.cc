@@ -320,6 +320,8 @@ SsdStore::Writer::~Writer() {
 Status SsdStore::Writer::Prepare(const state::StateKey& key, std::span<const uint8_t> payload,
                                  uint64_t payload_capacity, uint64_t tag) {
   if (prepared_.has_value()) return Status::FailedPrecondition("a record is prepared already");
+  // depth + 1 buffers: at most depth records in flight, and this one.
+  ORBITKV_CHECK(!free_buffers_.empty());
   const size_t buffer = free_buffers_.back();
   AlignedBuffer* staging = &staging_[buffer];
   ORBITKV_ASSIGN_OR_RETURN(const Assembled assembled,

@@ -281,8 +281,10 @@ void UringIoQueue::DoStart(size_t device, std::span<const IoRequest> requests, u
   }
   for (;;) {
     const int rc = io_uring_submit(r);
-    if (rc >= 0) break;
-    if (rc == -EINTR) continue;
+    // The kernel may take fewer entries than were prepared (short of memory): submit the rest, as
+    // nothing else would, and a Wait() would then wait for requests never started.
+    if (rc >= 0 && io_uring_sq_ready(r) == 0) break;
+    if (rc >= 0 || rc == -EINTR) continue;
     if ((rc == -EAGAIN || rc == -EBUSY) && in_flight() > 0) {
       ReapSome();  // the kernel is short of room for completions or requests: make some
       continue;

@@ -159,6 +159,46 @@ TEST(SsdIntegrationTest, EvictedBlocksComeBackFromSsdAndAfterRestart) {
   EXPECT_TRUE(EventuallyIdle(*client));
 }
 
+// Blocks that DRAM never evicted are written to SSD when the Manager is stopped with SIGTERM
+// (--ssd-persist-on-exit), so the restarted Manager serves them; with 0 it exits without writing.
+TEST(SsdIntegrationTest, GracefulStopPersistsDramOnlyBlocks) {
+  for (const bool persist : {true, false}) {
+    SCOPED_TRACE(persist ? "persist" : "no persist");
+    TempDir ssd;
+    const auto keys = Chain(7, 256);  // 8 MiB: DRAM keeps all of them
+    {
+      std::vector<std::string> flags = SsdFlags(ssd.path());
+      flags.insert(flags.end(), {"--ssd-persist-on-exit", persist ? "30" : "0"});
+      ManagerProcess manager(flags);
+      ASSERT_TRUE(manager.running());
+      auto client = Connect(manager);
+      ASSERT_NE(client, nullptr);
+      EngineKv kv(kPages);
+      Register(*client, 1, kv);
+      SaveAll(*client, 1, kv, keys);
+      EXPECT_EQ(StatField(*client, "records"), 0u);  // write-back: nothing was evicted
+      EXPECT_TRUE(EventuallyIdle(*client));
+      client.reset();
+      EXPECT_EQ(manager.Stop(SIGTERM), 0);
+      if (persist) {
+        EXPECT_NE(manager.LogText().find("wrote 256 of 256 DRAM-only block(s)"), std::string::npos)
+            << manager.LogText();
+      }
+    }
+    ManagerProcess manager(SsdFlags(ssd.path()));
+    ASSERT_TRUE(manager.running());
+    auto client = Connect(manager);
+    ASSERT_NE(client, nullptr);
+    EXPECT_EQ(StatField(*client, "recovered_records"), persist ? keys.size() : 0u);
+    if (!persist) continue;
+    EngineKv kv(static_cast<uint32_t>(keys.size()));
+    Register(*client, 2, kv);
+    const QueryResult hit = QueryThroughLoading(*client, 2, keys);
+    ExpectRestoresByteExact(*client, 2, kv, keys, hit);
+    EXPECT_EQ(StatField(*client, "reads"), keys.size());
+  }
+}
+
 TEST(SsdIntegrationTest, KillDuringWritebackNeverServesATornBlock) {
   TempDir ssd;
   const auto keys = Chain(2, 2 * kPages);
