@@ -326,7 +326,7 @@ TEST_F(SsdTierTest, ConcurrentLoadsOfTheSameKeysShareReads) {
 
 // A real ENOSPC: the store's file lives on a small tmpfs; part of it is punched out (a hole no
 // longer backed by the preallocation) and the file system is filled, so the next write there fails.
-TEST(SsdTierFaultTest, DeviceWriteErrorDisablesAdmissionsAndDramContinues) {
+void ExpectWriteErrorDisablesAdmissions(storage::DeviceBackend backend) {
   TempDir mount_point;
   ASSERT_EQ(::mount("tmpfs", mount_point.path().c_str(), "tmpfs", 0, "size=6m"), 0)
       << "mounting a tmpfs needs root (CI runs as root): " << std::strerror(errno);
@@ -341,7 +341,7 @@ TEST(SsdTierFaultTest, DeviceWriteErrorDisablesAdmissionsAndDramContinues) {
   options.store.directory = mount_point.path() + "/ssd";
   options.store.capacity_bytes = 4 * kMiB;
   options.store.file_count = 1;
-  options.store.backend = storage::DeviceBackend::kPsync;
+  options.store.backend = backend;
   options.min_frequency = 1;
   options.queue_bytes = 1 * kMiB;
   auto tier = SsdTier::Create(options, cache->get(), &metrics);
@@ -379,6 +379,18 @@ TEST(SsdTierFaultTest, DeviceWriteErrorDisablesAdmissionsAndDramContinues) {
   EXPECT_TRUE(CheckStamp((*cache)->table().Pin(keys[29]).value().data(), kBlock, 29));
   (*tier)->Shutdown();
 }
+
+TEST(SsdTierFaultTest, DeviceWriteErrorDisablesAdmissionsAndDramContinues) {
+  ExpectWriteErrorDisablesAdmissions(storage::DeviceBackend::kPsync);
+}
+
+#ifdef ORBITKV_HAVE_IO_URING
+// The same through io_uring: the failed completion reaches the writer's queue as the record's
+// error.
+TEST(SsdTierFaultTest, DeviceWriteErrorThroughIoUringDisablesAdmissions) {
+  ExpectWriteErrorDisablesAdmissions(storage::DeviceBackend::kIoUring);
+}
+#endif
 
 }  // namespace
 }  // namespace orbitkv::core
