@@ -92,6 +92,23 @@ bool EventuallyOnSsd(CacheClient& client, uint64_t records) {
   return false;
 }
 
+// Connects to `manager` and registers instance `instance` over `kv`'s pages; null (with a failure
+// recorded) when the Manager is not running or cannot be reached.
+std::unique_ptr<CacheClient> ConnectEngine(ManagerProcess& manager, uint64_t instance,
+                                           EngineKv& kv) {
+  if (!manager.running()) {
+    ADD_FAILURE() << "the Manager is not running:\n" << manager.LogText();
+    return nullptr;
+  }
+  auto client = Connect(manager);
+  if (client == nullptr) {
+    ADD_FAILURE() << "cannot connect to the Manager";
+    return nullptr;
+  }
+  Register(*client, instance, kv);
+  return client;
+}
+
 // Restores `keys` (a Hit of all of them) into poisoned pages and checks every byte.
 void ExpectRestoresByteExact(CacheClient& client, uint64_t instance, EngineKv& kv,
                              const std::vector<StateKey>& keys, const QueryResult& hit) {
@@ -110,11 +127,9 @@ TEST(SsdIntegrationTest, EvictedBlocksComeBackFromSsdAndAfterRestart) {
   {
     // Write-through, so the blocks still in DRAM at shutdown are on SSD too.
     ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
-    ASSERT_TRUE(manager.running());
-    auto client = Connect(manager);
-    ASSERT_NE(client, nullptr);
     EngineKv kv(kPages);
-    Register(*client, 1, kv);
+    auto client = ConnectEngine(manager, 1, kv);
+    ASSERT_NE(client, nullptr);
     SaveAll(*client, 1, kv, keys);
     ASSERT_TRUE(EventuallyOnSsd(*client, kPages)) << manager.LogText();
     int loading = 0;
@@ -127,12 +142,10 @@ TEST(SsdIntegrationTest, EvictedBlocksComeBackFromSsdAndAfterRestart) {
   }
   // A new Manager on the same files finds the blocks again.
   ManagerProcess manager(SsdFlags(ssd.path()));
-  ASSERT_TRUE(manager.running());
-  auto client = Connect(manager);
+  EngineKv kv(64);
+  auto client = ConnectEngine(manager, 2, kv);
   ASSERT_NE(client, nullptr);
   EXPECT_GE(StatField(*client, "recovered_records"), 256u);
-  EngineKv kv(64);
-  Register(*client, 2, kv);
   int loading = 0;
   const QueryResult hit = QueryThroughLoading(*client, 2, head, &loading);
   EXPECT_GT(loading, 0);
@@ -170,11 +183,9 @@ TEST(SsdIntegrationTest, GracefulStopPersistsDramOnlyBlocks) {
       std::vector<std::string> flags = SsdFlags(ssd.path());
       flags.insert(flags.end(), {"--ssd-persist-on-exit", persist ? "30" : "0"});
       ManagerProcess manager(flags);
-      ASSERT_TRUE(manager.running());
-      auto client = Connect(manager);
-      ASSERT_NE(client, nullptr);
       EngineKv kv(kPages);
-      Register(*client, 1, kv);
+      auto client = ConnectEngine(manager, 1, kv);
+      ASSERT_NE(client, nullptr);
       SaveAll(*client, 1, kv, keys);
       EXPECT_EQ(StatField(*client, "records"), 0u);  // write-back: nothing was evicted
       EXPECT_TRUE(EventuallyIdle(*client));
@@ -186,13 +197,11 @@ TEST(SsdIntegrationTest, GracefulStopPersistsDramOnlyBlocks) {
       }
     }
     ManagerProcess manager(SsdFlags(ssd.path()));
-    ASSERT_TRUE(manager.running());
-    auto client = Connect(manager);
+    EngineKv kv(static_cast<uint32_t>(keys.size()));
+    auto client = ConnectEngine(manager, 2, kv);
     ASSERT_NE(client, nullptr);
     EXPECT_EQ(StatField(*client, "recovered_records"), persist ? keys.size() : 0u);
     if (!persist) continue;
-    EngineKv kv(static_cast<uint32_t>(keys.size()));
-    Register(*client, 2, kv);
     const QueryResult hit = QueryThroughLoading(*client, 2, keys);
     ExpectRestoresByteExact(*client, 2, kv, keys, hit);
     EXPECT_EQ(StatField(*client, "reads"), keys.size());
@@ -204,11 +213,9 @@ TEST(SsdIntegrationTest, KillDuringWritebackNeverServesATornBlock) {
   const auto keys = Chain(2, 2 * kPages);
   {
     ManagerProcess manager(SsdFlags(ssd.path(), "128MiB"));
-    ASSERT_TRUE(manager.running());
-    auto client = Connect(manager);
-    ASSERT_NE(client, nullptr);
     EngineKv kv(kPages);
-    Register(*client, 1, kv);
+    auto client = ConnectEngine(manager, 1, kv);
+    ASSERT_NE(client, nullptr);
     for (uint32_t start = 0; start < 2 * kPages; start += 128) {
       std::vector<StateKey> part(keys.begin() + start, keys.begin() + start + 128);
       ASSERT_TRUE(SaveChain(*client, 1, kv, part, start % kPages).ok());
@@ -217,11 +224,9 @@ TEST(SsdIntegrationTest, KillDuringWritebackNeverServesATornBlock) {
     manager.Stop(SIGKILL);
   }
   ManagerProcess manager(SsdFlags(ssd.path(), "128MiB"));
-  ASSERT_TRUE(manager.running());
-  auto client = Connect(manager);
-  ASSERT_NE(client, nullptr);
   EngineKv kv(64);
-  Register(*client, 2, kv);
+  auto client = ConnectEngine(manager, 2, kv);
+  ASSERT_NE(client, nullptr);
   // Every block the restarted Manager serves is byte-exact; the others are misses.
   uint64_t served = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -261,22 +266,18 @@ TEST(SsdIntegrationTest, CorruptedRecordIsAMissNeverData) {
   const std::vector<StateKey> head(keys.begin(), keys.begin() + 32);
   {
     ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
-    ASSERT_TRUE(manager.running());
-    auto client = Connect(manager);
-    ASSERT_NE(client, nullptr);
     EngineKv kv(kPages);
-    Register(*client, 1, kv);
+    auto client = ConnectEngine(manager, 1, kv);
+    ASSERT_NE(client, nullptr);
     SaveAll(*client, 1, kv, keys);
     ASSERT_TRUE(EventuallyOnSsd(*client, kPages));
     EXPECT_EQ(manager.Stop(SIGTERM), 0);
   }
   CorruptEveryRecord(ssd.path());
   ManagerProcess manager(SsdFlags(ssd.path()));
-  ASSERT_TRUE(manager.running());
-  auto client = Connect(manager);
-  ASSERT_NE(client, nullptr);
   EngineKv kv(64);
-  Register(*client, 2, kv);
+  auto client = ConnectEngine(manager, 2, kv);
+  ASSERT_NE(client, nullptr);
   const QueryResult result = QueryThroughLoading(*client, 2, head);
   EXPECT_EQ(result.hits, 0u);
   EXPECT_GE(StatField(*client, "verify_failures"), 1u);
@@ -297,8 +298,8 @@ TEST(SsdIntegrationTest, FullFileSystemDisablesSsdAdmissionsAndDramContinues) {
   } unmount{mount_point.path()};
   const std::string dir = mount_point.path() + "/ssd";
   ManagerProcess manager(SsdFlags(dir, "8MiB"));
-  ASSERT_TRUE(manager.running());
-  auto client = Connect(manager);
+  EngineKv kv(kPages);
+  auto client = ConnectEngine(manager, 1, kv);
   ASSERT_NE(client, nullptr);
   // Take the preallocation away and fill the file system: the tier's next write gets ENOSPC.
   {
@@ -314,8 +315,6 @@ TEST(SsdIntegrationTest, FullFileSystemDisablesSsdAdmissionsAndDramContinues) {
     ::close(filler);
   }
   const auto keys = Chain(4, kPages);
-  EngineKv kv(kPages);
-  Register(*client, 1, kv);
   for (uint32_t start = 0; start < kPages; start += 128) {
     std::vector<StateKey> part(keys.begin() + start, keys.begin() + start + 128);
     ASSERT_TRUE(SaveChain(*client, 1, kv, part, start).ok());
