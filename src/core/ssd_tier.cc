@@ -13,15 +13,19 @@ namespace orbitkv::core {
 
 // One Load(): the keys it waits for and how each ended.
 struct SsdTier::LoadJob {
-  std::vector<Status> statuses;  // per key of the prefix; written by waiters before `remaining`
-  // Acq_rel: the waiter that brings it to zero sees every other waiter's status write.
+  // Per key of the prefix, a pin on its DRAM block once it is there; written by waiters before
+  // `remaining`.
+  std::vector<BlockPin> pins;
+  // Acq_rel: the waiter that brings it to zero sees every other waiter's pin.
   std::atomic<size_t> remaining{0};
   LoadDone done;
 
   void Finish() {
     size_t loaded = 0;
-    while (loaded < statuses.size() && statuses[loaded].ok()) ++loaded;
-    done(loaded);
+    while (loaded < pins.size() && pins[loaded].valid()) ++loaded;
+    // Pins past the first gap protect nothing the caller can use: they go with the job.
+    pins.resize(loaded);
+    done(std::move(pins));
   }
 };
 
@@ -340,11 +344,20 @@ Status SsdTier::Load(std::vector<state::StateKey> keys, LoadDone done) {
   std::vector<Residence> tiers;
   const size_t prefix = cache_->table().LookupPrefixTiers(keys, &tiers);
   auto job = std::make_shared<LoadJob>();
-  job->statuses.assign(prefix, Status::Ok());
+  job->pins.resize(prefix);
   job->done = std::move(done);
   std::vector<size_t> to_read;
   for (size_t i = 0; i < prefix; ++i) {
-    if (tiers[i] == Residence::kSsd) to_read.push_back(i);
+    if (tiers[i] == Residence::kDram) {
+      // Pinned now, so the reads of the others cannot evict it; gone meanwhile, it is read.
+      Result<BlockPin> pin = cache_->table().Pin(keys[i]);
+      if (pin.ok()) {
+        job->pins[i] = std::move(*pin);
+        continue;
+      }
+      if (!cache_->table().FindSsd(keys[i]).has_value()) break;  // a gap: the prefix ends here
+    }
+    to_read.push_back(i);
   }
   {
     MutexLock lock(&mu_);
@@ -354,10 +367,16 @@ Status SsdTier::Load(std::vector<state::StateKey> keys, LoadDone done) {
   job->remaining.store(to_read.size() + 1, std::memory_order_relaxed);
   size_t queued = 0;
   for (size_t i : to_read) {
-    const bool leader = cache_->coalescer().Join(keys[i], [job, i](const Status& status) {
-      job->statuses[i] = status;
-      if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job->Finish();
-    });
+    const bool leader =
+        cache_->coalescer().Join(keys[i], [this, job, i, key = keys[i]](const Status& status) {
+          // Pinned as the read completes (on the reader that sealed it, before any other of its
+          // reads): a block evicted in between is left out, and the prefix ends before it.
+          if (status.ok()) {
+            Result<BlockPin> pin = cache_->table().Pin(key);
+            if (pin.ok()) job->pins[i] = std::move(*pin);
+          }
+          if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job->Finish();
+        });
     if (leader) {
       MutexLock lock(&mu_);
       read_queue_.push_back(ReadTask{keys[i]});

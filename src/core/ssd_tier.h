@@ -87,8 +87,10 @@ struct SsdTierStats {
 
 class SsdTier {
  public:
-  // Loaded: how many leading keys of the Load are now resident in DRAM.
-  using LoadDone = std::function<void(size_t loaded)>;
+  // `pins`: one pin on each block of the leading keys of the Load that are in DRAM now (its size is
+  // that prefix's length). They keep the blocks resident (a later load, or any save, would
+  // otherwise evict what was just read) until the caller lets them go.
+  using LoadDone = std::function<void(std::vector<BlockPin> pins)>;
 
   // Opens the store (scanning it unless options.store.recover is false), republishes what it found,
   // installs the eviction listener on `cache`'s table and starts the threads. `cache` and `metrics`
@@ -103,8 +105,9 @@ class SsdTier {
   void OnSealed(const state::StateKey& key);
 
   // Loads the SSD-only blocks among `keys` (in order; keys already in DRAM are skipped) into DRAM
-  // and calls `done` once, on a reader thread, with the length of the prefix now DRAM-resident.
-  // Unavailable after Shutdown began (done is not called).
+  // and calls `done` once, on a reader thread (or this one, when nothing is to be read), with pins
+  // on the prefix now DRAM-resident. Each block is pinned as soon as it is in DRAM, so the blocks
+  // of one load never evict each other. Unavailable after Shutdown began (done is not called).
   Status Load(std::vector<state::StateKey> keys, LoadDone done);
 
   // Stops accepting work, drops queued write-backs (their DRAM pins go), finishes writes and reads

@@ -77,7 +77,8 @@ class SsdTierTest : public ::testing::Test {
   }
   size_t LoadSync(const std::vector<state::StateKey>& keys) {
     std::promise<size_t> loaded;
-    Status started = tier_->Load(keys, [&loaded](size_t n) { loaded.set_value(n); });
+    Status started = tier_->Load(
+        keys, [&loaded](std::vector<BlockPin> pins) { loaded.set_value(pins.size()); });
     EXPECT_TRUE(started.ok()) << started;
     return loaded.get_future().get();
   }
@@ -315,7 +316,11 @@ TEST_F(SsdTierTest, ConcurrentLoadsOfTheSameKeysShareReads) {
   tier_->Flush();
   std::vector<std::promise<size_t>> done(6);
   for (auto& promise : done) {
-    ASSERT_TRUE(tier_->Load(keys, [&promise](size_t n) { promise.set_value(n); }).ok());
+    ASSERT_TRUE(tier_
+                    ->Load(keys, [&promise](std::vector<BlockPin> pins) {
+                      promise.set_value(pins.size());
+                    })
+                    .ok());
   }
   for (auto& promise : done) EXPECT_EQ(promise.get_future().get(), keys.size());
   // Each key read at most a few times (reads that start after an earlier one finished find DRAM).

@@ -214,6 +214,9 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
       "orbitkv_loading_started_total", "Queries answered Loading (blocks read from SSD into DRAM)");
   manager->loading_active_ =
       &m.GetGauge("orbitkv_loading_active", "Loading operations not yet complete");
+  manager->loading_held_ = &m.GetGauge(
+      "orbitkv_loading_held_blocks",
+      "DRAM blocks that completed loads keep pinned until the engine's next query leases them");
   manager->query_latency_ =
       &m.GetHistogram("orbitkv_query_seconds", "Time to answer a query in the Manager",
                       Histogram::ExponentialBounds(1e-6, 2, 20));

@@ -36,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/clock.h"
 #include "base/metrics.h"
 #include "base/mutex.h"
 #include "base/result.h"
@@ -206,13 +207,20 @@ class Manager {
 
   // Loading operations: a query whose prefix continues on SSD starts one, and the engine asks again
   // (same instance, group and chain) until the blocks are in DRAM; cancel or cleanup forgets it.
-  // Each is bound to the control session that started it, its instance, group and chain.
+  // Each is bound to the control session that started it, its instance, group and chain. A
+  // completed op holds pins on the blocks it loaded until the engine's next query of the chain
+  // leases them (so other loads and saves cannot evict them first), a cancel or cleanup, or
+  // kLoadedHoldSeconds without that query.
   struct LoadingOp {
     uint64_t session = 0;
     uint64_t instance = 0;
     uint32_t group = 0;
     uint64_t chain = 0;  // the chain's identity: hash of its last key and length
+    bool completed = false;
+    MonoTime completed_at;
+    std::vector<core::BlockPin> held;  // the loaded prefix, once completed
   };
+  static constexpr int kLoadedHoldSeconds = 10;
   struct LoadingKey {
     uint64_t instance;
     uint32_t group;
@@ -221,8 +229,16 @@ class Manager {
   };
   Mutex loading_mu_;
   using LoadingMap = std::unordered_map<uint64_t, LoadingOp>;
-  // Removes the op and its index, session count and gauge; returns the next entry.
-  LoadingMap::iterator ForgetLoadingLocked(LoadingMap::iterator it) REQUIRES(loading_mu_);
+  // Removes the op and its index, session count and gauges; its held pins move to `released`, to be
+  // let go outside the lock. Returns the next entry.
+  LoadingMap::iterator ForgetLoadingLocked(LoadingMap::iterator it,
+                                           std::vector<core::BlockPin>* released)
+      REQUIRES(loading_mu_);
+  // After a query of the chain: forgets its completed op, handing its pins to `released`, and
+  // (at most once a second) the completed ops nobody asked for within kLoadedHoldSeconds.
+  void TakeLoadedLocked(const LoadingKey& index, std::vector<core::BlockPin>* released)
+      REQUIRES(loading_mu_);
+  MonoTime last_hold_sweep_ GUARDED_BY(loading_mu_);
   LoadingMap loading_ GUARDED_BY(loading_mu_);
   std::map<LoadingKey, uint64_t> loading_index_ GUARDED_BY(loading_mu_);
   std::unordered_map<uint64_t, uint32_t> loading_per_session_ GUARDED_BY(loading_mu_);
@@ -246,6 +262,7 @@ class Manager {
   Histogram* query_latency_ = nullptr;
   Counter* loading_started_ = nullptr;
   Gauge* loading_active_ = nullptr;
+  Gauge* loading_held_ = nullptr;
 };
 
 }  // namespace orbitkv::server

@@ -121,6 +121,12 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
                                   static_cast<uint64_t>(channel::QueryOutcome::kMiss) << 32, 0);
   }
   Result<core::QueryResult> result = cache_->Query(query.instance, keys, (*group)->padded_bytes);
+  std::vector<core::BlockPin> released;  // let go after the lock, once the lease pins the blocks
+  if (ssd_ != nullptr) {
+    MutexLock lock(&loading_mu_);
+    TakeLoadedLocked(LoadingKey{query.instance, query.group, keys.back().Hash64() ^ keys.size()},
+                     &released);
+  }
   if (result.ok() && ssd_ != nullptr && result->hits < keys.size() &&
       cache_->table().FindSsd(keys[result->hits]).has_value()) {
     // The prefix continues on SSD: load it into DRAM and let the engine ask again. The DRAM part's
@@ -149,6 +155,7 @@ Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance
                                        std::vector<state::StateKey> keys) {
   const LoadingKey index{instance, group, keys.back().Hash64() ^ keys.size()};
   uint64_t id = 0;
+  std::vector<core::BlockPin> released;
   {
     MutexLock lock(&loading_mu_);
     auto found = loading_index_.find(index);
@@ -166,34 +173,62 @@ Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance
   }
   loading_started_->Increment();
   loading_active_->Add(1);
-  Status started = ssd_->Load(std::move(keys), [this, id](size_t) {
-    // The blocks that could be loaded are in DRAM now: the engine's next query leases them. The
-    // op may already be gone (cancelled, its instance cleaned up): nothing to do then.
+  Status started = ssd_->Load(std::move(keys), [this, id](std::vector<core::BlockPin> pins) {
+    // The blocks that could be loaded are in DRAM now, pinned until the engine's next query
+    // leases them. The op may already be gone (cancelled, its instance cleaned up): the pins go.
+    std::vector<core::BlockPin> unused;
     MutexLock lock(&loading_mu_);
     auto it = loading_.find(id);
-    if (it != loading_.end()) ForgetLoadingLocked(it);
+    if (it == loading_.end()) {
+      unused = std::move(pins);
+      return;
+    }
+    loading_active_->Add(-1);
+    loading_held_->Add(static_cast<double>(pins.size()));
+    it->second.held = std::move(pins);
+    it->second.completed = true;
+    it->second.completed_at = MonoNow();
   });
   if (!started.ok()) {
     MutexLock lock(&loading_mu_);
-    if (auto it = loading_.find(id); it != loading_.end()) ForgetLoadingLocked(it);
+    if (auto it = loading_.find(id); it != loading_.end()) ForgetLoadingLocked(it, &released);
     return started;
   }
   return id;
 }
 
-Manager::LoadingMap::iterator Manager::ForgetLoadingLocked(LoadingMap::iterator it) {
+void Manager::TakeLoadedLocked(const LoadingKey& index, std::vector<core::BlockPin>* released) {
+  if (auto found = loading_index_.find(index); found != loading_index_.end()) {
+    auto it = loading_.find(found->second);
+    if (it != loading_.end() && it->second.completed) ForgetLoadingLocked(it, released);
+  }
+  const MonoTime now = MonoNow();
+  if (now - last_hold_sweep_ < std::chrono::seconds(1)) return;
+  last_hold_sweep_ = now;
+  for (auto it = loading_.begin(); it != loading_.end();) {
+    const bool expired = it->second.completed &&
+                         now - it->second.completed_at > std::chrono::seconds(kLoadedHoldSeconds);
+    it = expired ? ForgetLoadingLocked(it, released) : std::next(it);
+  }
+}
+
+Manager::LoadingMap::iterator Manager::ForgetLoadingLocked(LoadingMap::iterator it,
+                                                           std::vector<core::BlockPin>* released) {
+  loading_held_->Add(-static_cast<double>(it->second.held.size()));
+  for (core::BlockPin& pin : it->second.held) released->push_back(std::move(pin));
   loading_index_.erase(LoadingKey{it->second.instance, it->second.group, it->second.chain});
   if (--loading_per_session_[it->second.session] == 0) {
     loading_per_session_.erase(it->second.session);
   }
-  loading_active_->Add(-1);
+  if (!it->second.completed) loading_active_->Add(-1);
   return loading_.erase(it);
 }
 
 void Manager::DropLoadingOf(uint64_t instance) {
+  std::vector<core::BlockPin> released;
   MutexLock lock(&loading_mu_);
   for (auto it = loading_.begin(); it != loading_.end();) {
-    it = it->second.instance == instance ? ForgetLoadingLocked(it) : std::next(it);
+    it = it->second.instance == instance ? ForgetLoadingLocked(it, &released) : std::next(it);
   }
 }
 
@@ -202,6 +237,7 @@ Status Manager::HandleCancel(Session& session, const channel::InboundRequest& re
                            channel::DecodeRelease(request.descriptor, request.payload));
   Result<std::shared_ptr<Instance>> instance = InstanceFor(session, cancel.instance);
   if (!instance.ok()) return session.channel->ReplyError(request.descriptor, instance.status());
+  std::vector<core::BlockPin> released;
   {
     MutexLock lock(&loading_mu_);
     auto it = loading_.find(cancel.lease);
@@ -212,7 +248,7 @@ Status Manager::HandleCancel(Session& session, const channel::InboundRequest& re
                            "or was cancelled)"));
     }
     // The reads drain on their own; what they bring into DRAM stays cached for later queries.
-    ForgetLoadingLocked(it);
+    ForgetLoadingLocked(it, &released);
   }
   return session.channel->Reply(request.descriptor, StatusCode::kOk, 0, 0);
 }

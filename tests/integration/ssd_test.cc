@@ -43,10 +43,10 @@ std::vector<std::string> SsdFlags(const std::string& dir, const std::string& cap
           "--ssd-queue", "8MiB",  "--ssd-min-frequency", "1", "--ssd-policy",   policy};
 }
 
-// Waits until no block is pinned (the write-back queue drained).
-bool EventuallyUnpinned(CacheClient& client) {
+// Waits until the Manager's pinned_blocks stat is `count` (0: the write-back queue drained).
+bool EventuallyPinned(CacheClient& client, uint64_t count) {
   for (int i = 0; i < 2000; ++i) {
-    if (StatField(client, "pinned_blocks") == 0) return true;
+    if (StatField(client, "pinned_blocks") == count) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return false;
@@ -59,7 +59,7 @@ void SaveAll(CacheClient& client, uint64_t instance, EngineKv& kv,
   for (uint32_t start = 0; start < keys.size(); start += 128) {
     std::vector<StateKey> part(keys.begin() + start, keys.begin() + start + 128);
     ASSERT_TRUE(SaveChain(client, instance, kv, part, start % kPages).ok());
-    ASSERT_TRUE(EventuallyUnpinned(client));
+    ASSERT_TRUE(EventuallyPinned(client, 0));
   }
 }
 
@@ -109,6 +109,20 @@ std::unique_ptr<CacheClient> ConnectEngine(ManagerProcess& manager, uint64_t ins
   return client;
 }
 
+// Connects as instance 1, saves `keys` and waits until every one of them is on SSD (a write-through
+// Manager); null (with a failure recorded) when a step fails.
+std::unique_ptr<CacheClient> SaveOnSsd(ManagerProcess& manager, EngineKv& kv,
+                                       const std::vector<StateKey>& keys) {
+  auto client = ConnectEngine(manager, 1, kv);
+  if (client == nullptr) return nullptr;
+  SaveAll(*client, 1, kv, keys);
+  if (!EventuallyOnSsd(*client, keys.size())) {
+    ADD_FAILURE() << "the blocks did not all reach SSD:\n" << manager.LogText();
+    return nullptr;
+  }
+  return client;
+}
+
 // Restores `keys` (a Hit of all of them) into poisoned pages and checks every byte.
 void ExpectRestoresByteExact(CacheClient& client, uint64_t instance, EngineKv& kv,
                              const std::vector<StateKey>& keys, const QueryResult& hit) {
@@ -128,10 +142,8 @@ TEST(SsdIntegrationTest, EvictedBlocksComeBackFromSsdAndAfterRestart) {
     // Write-through, so the blocks still in DRAM at shutdown are on SSD too.
     ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
     EngineKv kv(kPages);
-    auto client = ConnectEngine(manager, 1, kv);
+    auto client = SaveOnSsd(manager, kv, keys);
     ASSERT_NE(client, nullptr);
-    SaveAll(*client, 1, kv, keys);
-    ASSERT_TRUE(EventuallyOnSsd(*client, kPages)) << manager.LogText();
     int loading = 0;
     const QueryResult hit = QueryThroughLoading(*client, 1, head, &loading);
     EXPECT_GT(loading, 0);  // the head had been evicted: it came from SSD
@@ -208,6 +220,48 @@ TEST(SsdIntegrationTest, GracefulStopPersistsDramOnlyBlocks) {
   }
 }
 
+// A completed Loading operation keeps the blocks it loaded pinned until the engine's next query of
+// the chain leases them, so other loads and saves cannot evict them first; a cancel or the
+// engine's disconnection lets them go.
+TEST(SsdIntegrationTest, LoadedBlocksAreHeldUntilTheEngineAsksAgain) {
+  TempDir ssd;
+  const auto keys = Chain(8, kPages);
+  ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
+  EngineKv kv(kPages);
+  auto client = SaveOnSsd(manager, kv, keys);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(EventuallyPinned(*client, 0));
+  // Three parts of the evicted head, 64 blocks each.
+  auto part = [&](uint32_t n) {
+    return std::vector<StateKey>(keys.begin() + n * 64, keys.begin() + (n + 1) * 64);
+  };
+  // Asked again: a Hit, leased; released, nothing stays pinned.
+  auto first = client->Query(1, 0, part(0));
+  ASSERT_TRUE(first.ok() && first->loading_op != 0);
+  ASSERT_TRUE(EventuallyPinned(*client, 64)) << client->Stats().value();
+  auto hit = client->Query(1, 0, part(0));
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(hit->loading_op, 0u);
+  EXPECT_EQ(hit->hits, 64u);
+  EXPECT_EQ(StatField(*client, "pinned_blocks"), 64u);  // by the lease now
+  ASSERT_TRUE(client->Release(1, hit->lease).ok());
+  EXPECT_TRUE(EventuallyPinned(*client, 0));
+  // Cancelled after it completed: the hold goes.
+  auto second = client->Query(1, 0, part(1));
+  ASSERT_TRUE(second.ok() && second->loading_op != 0);
+  ASSERT_TRUE(EventuallyPinned(*client, 64));
+  EXPECT_TRUE(client->Cancel(1, second->loading_op).ok());
+  EXPECT_TRUE(EventuallyPinned(*client, 0));
+  // The engine goes away: its instance's holds go with it.
+  auto third = client->Query(1, 0, part(2));
+  ASSERT_TRUE(third.ok() && third->loading_op != 0);
+  ASSERT_TRUE(EventuallyPinned(*client, 64));
+  client.reset();
+  auto observer = Connect(manager);
+  ASSERT_NE(observer, nullptr);
+  EXPECT_TRUE(EventuallyPinned(*observer, 0)) << observer->Stats().value();
+}
+
 TEST(SsdIntegrationTest, KillDuringWritebackNeverServesATornBlock) {
   TempDir ssd;
   const auto keys = Chain(2, 2 * kPages);
@@ -267,10 +321,7 @@ TEST(SsdIntegrationTest, CorruptedRecordIsAMissNeverData) {
   {
     ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
     EngineKv kv(kPages);
-    auto client = ConnectEngine(manager, 1, kv);
-    ASSERT_NE(client, nullptr);
-    SaveAll(*client, 1, kv, keys);
-    ASSERT_TRUE(EventuallyOnSsd(*client, kPages));
+    ASSERT_NE(SaveOnSsd(manager, kv, keys), nullptr);
     EXPECT_EQ(manager.Stop(SIGTERM), 0);
   }
   CorruptEveryRecord(ssd.path());
