@@ -234,9 +234,10 @@ class Manager {
   LoadingMap::iterator ForgetLoadingLocked(LoadingMap::iterator it,
                                            std::vector<core::BlockPin>* released)
       REQUIRES(loading_mu_);
-  // After a query of the chain: forgets its completed op, handing its pins to `released`, and
-  // (at most once a second) the completed ops nobody asked for within kLoadedHoldSeconds.
-  void TakeLoadedLocked(const LoadingKey& index, std::vector<core::BlockPin>* released)
+  // After a query of the chain: forgets its completed op, handing its pins to `released` (true when
+  // there was one), and (at most once a second) the completed ops nobody asked for within
+  // kLoadedHoldSeconds.
+  bool TakeLoadedLocked(const LoadingKey& index, std::vector<core::BlockPin>* released)
       REQUIRES(loading_mu_);
   MonoTime last_hold_sweep_ GUARDED_BY(loading_mu_);
   LoadingMap loading_ GUARDED_BY(loading_mu_);

@@ -122,12 +122,16 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
   }
   Result<core::QueryResult> result = cache_->Query(query.instance, keys, (*group)->padded_bytes);
   std::vector<core::BlockPin> released;  // let go after the lock, once the lease pins the blocks
+  bool loaded = false;
   if (ssd_ != nullptr) {
     MutexLock lock(&loading_mu_);
-    TakeLoadedLocked(LoadingKey{query.instance, query.group, keys.back().Hash64() ^ keys.size()},
-                     &released);
+    loaded = TakeLoadedLocked(
+        LoadingKey{query.instance, query.group, keys.back().Hash64() ^ keys.size()}, &released);
   }
-  if (result.ok() && ssd_ != nullptr && result->hits < keys.size() &&
+  // A chain whose load just completed is answered with what is in DRAM now, even when the load
+  // stopped short (DRAM full of pinned blocks, a bad record): loading again would stop at the
+  // same place, and the engine would hear Loading forever.
+  if (!loaded && result.ok() && ssd_ != nullptr && result->hits < keys.size() &&
       cache_->table().FindSsd(keys[result->hits]).has_value()) {
     // The prefix continues on SSD: load it into DRAM and let the engine ask again. The DRAM part's
     // lease goes back; the next query leases the whole prefix at once.
@@ -197,19 +201,24 @@ Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance
   return id;
 }
 
-void Manager::TakeLoadedLocked(const LoadingKey& index, std::vector<core::BlockPin>* released) {
+bool Manager::TakeLoadedLocked(const LoadingKey& index, std::vector<core::BlockPin>* released) {
+  bool taken = false;
   if (auto found = loading_index_.find(index); found != loading_index_.end()) {
     auto it = loading_.find(found->second);
-    if (it != loading_.end() && it->second.completed) ForgetLoadingLocked(it, released);
+    if (it != loading_.end() && it->second.completed) {
+      ForgetLoadingLocked(it, released);
+      taken = true;
+    }
   }
   const MonoTime now = MonoNow();
-  if (now - last_hold_sweep_ < std::chrono::seconds(1)) return;
+  if (now - last_hold_sweep_ < std::chrono::seconds(1)) return taken;
   last_hold_sweep_ = now;
   for (auto it = loading_.begin(); it != loading_.end();) {
     const bool expired = it->second.completed &&
                          now - it->second.completed_at > std::chrono::seconds(kLoadedHoldSeconds);
     it = expired ? ForgetLoadingLocked(it, released) : std::next(it);
   }
+  return taken;
 }
 
 Manager::LoadingMap::iterator Manager::ForgetLoadingLocked(LoadingMap::iterator it,
