@@ -67,8 +67,9 @@ class BlockCache {
   Result<BlockWriter> Prepare(const state::StateKey& key, uint64_t bytes) {
     return table_->Prepare(key, bytes);
   }
-  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit) {
-    return table_->Seal(writer, cause);
+  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit,
+                BlockPin* pin = nullptr) {
+    return table_->Seal(writer, cause, pin);
   }
 
   // Pins the longest DRAM-resident prefix of `keys` under a lease owned by `instance`, reserving

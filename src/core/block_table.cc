@@ -408,6 +408,10 @@ Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
 }
 
 uint64_t BlockTable::Seal(BlockWriter& writer, TransitionCause cause) {
+  return Seal(writer, cause, nullptr);
+}
+
+uint64_t BlockTable::Seal(BlockWriter& writer, TransitionCause cause, BlockPin* pin) {
   ORBITKV_CHECK_MSG(writer.table_ == this, "Seal of a writer that is not live for this table");
   const BlockRef ref = writer.ref_;
   writer.table_ = nullptr;
@@ -430,6 +434,7 @@ uint64_t BlockTable::Seal(BlockWriter& writer, TransitionCause cause) {
       PushFront(shard, oldest, Segment::kMain);
     }
   }
+  if (pin != nullptr) *pin = PinOne(shard, ref.shard, ref.index);
   return block.residence_generation;
 }
 

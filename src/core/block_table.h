@@ -187,6 +187,8 @@ class BlockTable {
   // when it was filled from another tier or a peer) and returns its residence generation. The
   // writer becomes invalid.
   uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit);
+  // The same, and `*pin` pins the block in the same step (nothing can evict it in between).
+  uint64_t Seal(BlockWriter& writer, TransitionCause cause, BlockPin* pin);
 
   // Length of the longest prefix of `keys` with sealed DRAM residences. Counts as an access to each
   // examined key.

@@ -415,6 +415,9 @@ void SsdTier::ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* sta
     BlockWriter writer;
   };
   std::vector<Pending> pending;
+  // Pins on the blocks sealed here, held until every waiter pinned its own (Complete): another
+  // reader's Prepare cannot evict a block between its seal and its waiters.
+  std::vector<BlockPin> sealed;
   std::vector<storage::SsdStore::BatchRead> reads;
   std::vector<Status> statuses(tasks.size());
   for (size_t t = 0; t < tasks.size(); ++t) {
@@ -447,7 +450,7 @@ void SsdTier::ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* sta
     if (read.ok()) {
       reads_->Increment();
       read_bytes_->Increment(p.residence.bytes);
-      cache_->Seal(p.writer, TransitionCause::kRestore);
+      cache_->Seal(p.writer, TransitionCause::kRestore, &sealed.emplace_back());
     } else if (read.code() == StatusCode::kDataLoss) {
       verify_failures_->Increment();
       ORBITKV_LOG_WARN("ssd: {}; served as a miss and dropped", read.message());
@@ -457,6 +460,7 @@ void SsdTier::ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* sta
   }
   pending.clear();  // unsealed writers abort: nothing of a bad read is ever published
   for (size_t t = 0; t < tasks.size(); ++t) cache_->coalescer().Complete(tasks[t].key, statuses[t]);
+  BlockPin::ReleaseAll(&sealed);
 }
 
 SsdTier::PersistReport SsdTier::PersistDram(

@@ -235,10 +235,11 @@ class Manager {
                                            std::vector<core::BlockPin>* released)
       REQUIRES(loading_mu_);
   // After a query of the chain: forgets its completed op, handing its pins to `released` (true when
-  // there was one), and (at most once a second) the completed ops nobody asked for within
-  // kLoadedHoldSeconds.
-  bool TakeLoadedLocked(const LoadingKey& index, std::vector<core::BlockPin>* released)
-      REQUIRES(loading_mu_);
+  // there was one), or its running op too when `forget_running` (the query is answered without
+  // Loading, so nobody would take what it loads); then, at most once a second, the completed ops
+  // nobody asked for within kLoadedHoldSeconds.
+  bool TakeLoadedLocked(const LoadingKey& index, bool forget_running,
+                        std::vector<core::BlockPin>* released) REQUIRES(loading_mu_);
   MonoTime last_hold_sweep_ GUARDED_BY(loading_mu_);
   LoadingMap loading_ GUARDED_BY(loading_mu_);
   std::map<LoadingKey, uint64_t> loading_index_ GUARDED_BY(loading_mu_);

@@ -121,18 +121,21 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
                                   static_cast<uint64_t>(channel::QueryOutcome::kMiss) << 32, 0);
   }
   Result<core::QueryResult> result = cache_->Query(query.instance, keys, (*group)->padded_bytes);
+  bool load = result.ok() && ssd_ != nullptr && result->hits < keys.size() &&
+              cache_->table().FindSsd(keys[result->hits]).has_value();
   std::vector<core::BlockPin> released;  // let go after the lock, once the lease pins the blocks
-  bool loaded = false;
   if (ssd_ != nullptr) {
     MutexLock lock(&loading_mu_);
-    loaded = TakeLoadedLocked(
-        LoadingKey{query.instance, query.group, keys.back().Hash64() ^ keys.size()}, &released);
+    // A chain whose load just completed is answered with what is in DRAM now, even when the load
+    // stopped short (DRAM full of pinned blocks, a bad record): loading again would stop at the
+    // same place, and the engine would hear Loading forever.
+    if (TakeLoadedLocked(
+            LoadingKey{query.instance, query.group, keys.back().Hash64() ^ keys.size()},
+            /*forget_running=*/!load, &released)) {
+      load = false;
+    }
   }
-  // A chain whose load just completed is answered with what is in DRAM now, even when the load
-  // stopped short (DRAM full of pinned blocks, a bad record): loading again would stop at the
-  // same place, and the engine would hear Loading forever.
-  if (!loaded && result.ok() && ssd_ != nullptr && result->hits < keys.size() &&
-      cache_->table().FindSsd(keys[result->hits]).has_value()) {
+  if (load) {
     // The prefix continues on SSD: load it into DRAM and let the engine ask again. The DRAM part's
     // lease goes back; the next query leases the whole prefix at once.
     if (result->lease.has_value()) {
@@ -201,13 +204,14 @@ Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance
   return id;
 }
 
-bool Manager::TakeLoadedLocked(const LoadingKey& index, std::vector<core::BlockPin>* released) {
+bool Manager::TakeLoadedLocked(const LoadingKey& index, bool forget_running,
+                               std::vector<core::BlockPin>* released) {
   bool taken = false;
   if (auto found = loading_index_.find(index); found != loading_index_.end()) {
     auto it = loading_.find(found->second);
-    if (it != loading_.end() && it->second.completed) {
+    if (it != loading_.end() && (it->second.completed || forget_running)) {
+      taken = it->second.completed;
       ForgetLoadingLocked(it, released);
-      taken = true;
     }
   }
   const MonoTime now = MonoNow();
