@@ -234,12 +234,13 @@ class Manager {
   LoadingMap::iterator ForgetLoadingLocked(LoadingMap::iterator it,
                                            std::vector<core::BlockPin>* released)
       REQUIRES(loading_mu_);
-  // After a query of the chain: forgets its completed op, handing its pins to `released` (true when
-  // there was one), or its running op too when `forget_running` (the query is answered without
-  // Loading, so nobody would take what it loads); then, at most once a second, the completed ops
-  // nobody asked for within kLoadedHoldSeconds.
-  bool TakeLoadedLocked(const LoadingKey& index, bool forget_running,
-                        std::vector<core::BlockPin>* released) REQUIRES(loading_mu_);
+  // Whether the chain has a completed op (its loaded blocks held).
+  bool LoadCompletedLocked(const LoadingKey& chain) REQUIRES(loading_mu_);
+  // Forgets the chain's op, running or completed, handing its pins to `released`.
+  void ForgetChainLocked(const LoadingKey& chain, std::vector<core::BlockPin>* released)
+      REQUIRES(loading_mu_);
+  // At most once a second: forgets the completed ops nobody asked for within kLoadedHoldSeconds.
+  void SweepHeldLocked(std::vector<core::BlockPin>* released) REQUIRES(loading_mu_);
   MonoTime last_hold_sweep_ GUARDED_BY(loading_mu_);
   LoadingMap loading_ GUARDED_BY(loading_mu_);
   std::map<LoadingKey, uint64_t> loading_index_ GUARDED_BY(loading_mu_);

@@ -120,20 +120,26 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
     return session.channel->Reply(d, StatusCode::kOk,
                                   static_cast<uint64_t>(channel::QueryOutcome::kMiss) << 32, 0);
   }
+  const LoadingKey chain{query.instance, query.group, keys.back().Hash64() ^ keys.size()};
+  // Whether this chain's load had completed before the lookup below: then its pins keep every
+  // block it loaded resident during the lookup. (One completing meanwhile counts as running.)
+  bool loaded = false;
+  if (ssd_ != nullptr) {
+    MutexLock lock(&loading_mu_);
+    loaded = LoadCompletedLocked(chain);
+  }
   Result<core::QueryResult> result = cache_->Query(query.instance, keys, (*group)->padded_bytes);
-  bool load = result.ok() && ssd_ != nullptr && result->hits < keys.size() &&
-              cache_->table().FindSsd(keys[result->hits]).has_value();
+  // A chain whose load had completed is answered with what is in DRAM, even when the load stopped
+  // short (DRAM full of pinned blocks, a bad record): loading again would stop at the same place,
+  // and the engine would hear Loading forever.
+  const bool load = !loaded && result.ok() && ssd_ != nullptr && result->hits < keys.size() &&
+                    cache_->table().FindSsd(keys[result->hits]).has_value();
   std::vector<core::BlockPin> released;  // let go after the lock, once the lease pins the blocks
   if (ssd_ != nullptr) {
     MutexLock lock(&loading_mu_);
-    // A chain whose load just completed is answered with what is in DRAM now, even when the load
-    // stopped short (DRAM full of pinned blocks, a bad record): loading again would stop at the
-    // same place, and the engine would hear Loading forever.
-    if (TakeLoadedLocked(
-            LoadingKey{query.instance, query.group, keys.back().Hash64() ^ keys.size()},
-            /*forget_running=*/!load, &released)) {
-      load = false;
-    }
+    // Answered without Loading: nobody will take what the chain's load holds or brings.
+    if (!load) ForgetChainLocked(chain, &released);
+    SweepHeldLocked(&released);
   }
   if (load) {
     // The prefix continues on SSD: load it into DRAM and let the engine ask again. The DRAM part's
@@ -204,25 +210,30 @@ Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance
   return id;
 }
 
-bool Manager::TakeLoadedLocked(const LoadingKey& index, bool forget_running,
-                               std::vector<core::BlockPin>* released) {
-  bool taken = false;
-  if (auto found = loading_index_.find(index); found != loading_index_.end()) {
-    auto it = loading_.find(found->second);
-    if (it != loading_.end() && (it->second.completed || forget_running)) {
-      taken = it->second.completed;
-      ForgetLoadingLocked(it, released);
-    }
+bool Manager::LoadCompletedLocked(const LoadingKey& chain) {
+  auto found = loading_index_.find(chain);
+  if (found == loading_index_.end()) return false;
+  auto it = loading_.find(found->second);
+  return it != loading_.end() && it->second.completed;
+}
+
+void Manager::ForgetChainLocked(const LoadingKey& chain, std::vector<core::BlockPin>* released) {
+  auto found = loading_index_.find(chain);
+  if (found == loading_index_.end()) return;
+  if (auto it = loading_.find(found->second); it != loading_.end()) {
+    ForgetLoadingLocked(it, released);
   }
+}
+
+void Manager::SweepHeldLocked(std::vector<core::BlockPin>* released) {
   const MonoTime now = MonoNow();
-  if (now - last_hold_sweep_ < std::chrono::seconds(1)) return taken;
+  if (now - last_hold_sweep_ < std::chrono::seconds(1)) return;
   last_hold_sweep_ = now;
   for (auto it = loading_.begin(); it != loading_.end();) {
     const bool expired = it->second.completed &&
                          now - it->second.completed_at > std::chrono::seconds(kLoadedHoldSeconds);
     it = expired ? ForgetLoadingLocked(it, released) : std::next(it);
   }
-  return taken;
 }
 
 Manager::LoadingMap::iterator Manager::ForgetLoadingLocked(LoadingMap::iterator it,
