@@ -236,6 +236,10 @@ const std::vector<Option>& Options() {
       {"max-loading", "N",
        "outstanding Loading operations (SSD reads for queries) per session (default 256)",
        Uint32Into(&ManagerConfig::max_loading, 1, 1 << 16)},
+      {"loading-hold", "SECONDS",
+       "how long the blocks a completed Loading operation read from SSD stay pinned for the "
+       "engine's next query of the chain, if it does not come (default 10)",
+       Uint32Into(&ManagerConfig::loading_hold_seconds, 1, 3600)},
       {"etcd-endpoints", "HOST:PORT[,...]",
        "join the cluster registered in this etcd (distributed mode; default off: a single host)",
        StringInto(&ManagerConfig::etcd_endpoints)},

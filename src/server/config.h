@@ -53,6 +53,7 @@ struct ManagerConfig {
   uint64_t ssd_write_budget_bytes = 0;  // per second; 0: unlimited
   uint64_t ssd_queue_bytes = 0;         // 0: an eighth of the pool, at most 1 GiB
   uint32_t max_loading = 256;           // outstanding Loading operations per session
+  uint32_t loading_hold_seconds = 10;   // a completed load's pins wait this long for the engine
 
   // Distributed mode (membership on etcd): off unless etcd_endpoints is set.
   std::string etcd_endpoints;  // host:port[,host:port...]

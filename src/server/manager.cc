@@ -561,12 +561,26 @@ void Manager::CleanupLoop() {
     std::function<void()> task;
     {
       MutexLock lock(&cleanup_mu_);
-      while (cleanup_tasks_.empty() && !cleanup_stop_) cleanup_cv_.wait(cleanup_mu_);
-      if (cleanup_tasks_.empty()) return;
-      task = std::move(cleanup_tasks_.front());
-      cleanup_tasks_.pop_front();
+      // Woken each second as well: completed loads nobody asked for are let go even on a Manager
+      // that gets no queries.
+      while (cleanup_tasks_.empty() && !cleanup_stop_) {
+        if (cleanup_cv_.wait_for(cleanup_mu_, std::chrono::seconds(1)) == std::cv_status::timeout) {
+          break;
+        }
+      }
+      if (cleanup_tasks_.empty() && cleanup_stop_) return;
+      if (!cleanup_tasks_.empty()) {
+        task = std::move(cleanup_tasks_.front());
+        cleanup_tasks_.pop_front();
+      }
     }
-    task();
+    if (task) {
+      task();
+      continue;
+    }
+    std::vector<core::BlockPin> released;  // let go after the lock
+    MutexLock lock(&loading_mu_);
+    SweepHeldLocked(&released);
   }
 }
 

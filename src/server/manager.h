@@ -210,7 +210,7 @@ class Manager {
   // Each is bound to the control session that started it, its instance, group and chain. A
   // completed op holds pins on the blocks it loaded until the engine's next query of the chain
   // leases them (so other loads and saves cannot evict them first), a cancel or cleanup, or
-  // kLoadedHoldSeconds without that query.
+  // --loading-hold seconds without that query.
   struct LoadingOp {
     uint64_t session = 0;
     uint64_t instance = 0;
@@ -220,7 +220,6 @@ class Manager {
     MonoTime completed_at;
     std::vector<core::BlockPin> held;  // the loaded prefix, once completed
   };
-  static constexpr int kLoadedHoldSeconds = 10;
   struct LoadingKey {
     uint64_t instance;
     uint32_t group;
@@ -239,7 +238,8 @@ class Manager {
   // Forgets the chain's op, running or completed, handing its pins to `released`.
   void ForgetChainLocked(const LoadingKey& chain, std::vector<core::BlockPin>* released)
       REQUIRES(loading_mu_);
-  // At most once a second: forgets the completed ops nobody asked for within kLoadedHoldSeconds.
+  // At most once a second (from queries and the cleaner thread): forgets the completed ops nobody
+  // asked for within --loading-hold.
   void SweepHeldLocked(std::vector<core::BlockPin>* released) REQUIRES(loading_mu_);
   MonoTime last_hold_sweep_ GUARDED_BY(loading_mu_);
   LoadingMap loading_ GUARDED_BY(loading_mu_);

@@ -231,7 +231,8 @@ void Manager::SweepHeldLocked(std::vector<core::BlockPin>* released) {
   last_hold_sweep_ = now;
   for (auto it = loading_.begin(); it != loading_.end();) {
     const bool expired = it->second.completed &&
-                         now - it->second.completed_at > std::chrono::seconds(kLoadedHoldSeconds);
+                         now - it->second.completed_at >
+                             std::chrono::seconds(config_.loading_hold_seconds);
     it = expired ? ForgetLoadingLocked(it, released) : std::next(it);
   }
 }

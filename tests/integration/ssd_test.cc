@@ -221,12 +221,14 @@ TEST(SsdIntegrationTest, GracefulStopPersistsDramOnlyBlocks) {
 }
 
 // A completed Loading operation keeps the blocks it loaded pinned until the engine's next query of
-// the chain leases them, so other loads and saves cannot evict them first; a cancel or the
-// engine's disconnection lets them go.
+// the chain leases them, so other loads and saves cannot evict them first; a cancel, the engine's
+// disconnection or --loading-hold seconds without that query let them go.
 TEST(SsdIntegrationTest, LoadedBlocksAreHeldUntilTheEngineAsksAgain) {
   TempDir ssd;
   const auto keys = Chain(8, kPages);
-  ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
+  std::vector<std::string> flags = SsdFlags(ssd.path(), "64MiB", "write-through");
+  flags.insert(flags.end(), {"--loading-hold", "2"});
+  ManagerProcess manager(flags);
   EngineKv kv(kPages);
   auto client = SaveOnSsd(manager, kv, keys);
   ASSERT_NE(client, nullptr);
@@ -252,6 +254,11 @@ TEST(SsdIntegrationTest, LoadedBlocksAreHeldUntilTheEngineAsksAgain) {
   ASSERT_TRUE(EventuallyPinned(*client, 64));
   EXPECT_TRUE(client->Cancel(1, second->loading_op).ok());
   EXPECT_TRUE(EventuallyPinned(*client, 0));
+  // Nobody asks: the hold ends after --loading-hold, on a Manager that gets no query meanwhile.
+  auto unasked = client->Query(1, 0, part(3));
+  ASSERT_TRUE(unasked.ok() && unasked->loading_op != 0);
+  ASSERT_TRUE(EventuallyPinned(*client, 64));
+  EXPECT_TRUE(EventuallyPinned(*client, 0)) << client->Stats().value();
   // The engine goes away: its instance's holds go with it.
   auto third = client->Query(1, 0, part(2));
   ASSERT_TRUE(third.ok() && third->loading_op != 0);
