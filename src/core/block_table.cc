@@ -407,12 +407,10 @@ Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
   return BlockWriter(this, BlockRef{shard_index, slot, slot_generation}, block.memory.data, bytes);
 }
 
-uint64_t BlockTable::Seal(BlockWriter& writer, TransitionCause cause) {
-  return Seal(writer, cause, nullptr);
-}
-
 uint64_t BlockTable::Seal(BlockWriter& writer, TransitionCause cause, BlockPin* pin) {
   ORBITKV_CHECK_MSG(writer.table_ == this, "Seal of a writer that is not live for this table");
+  // Assigning over a live pin would unpin under the shard lock taken below.
+  ORBITKV_CHECK(pin == nullptr || !pin->valid());
   const BlockRef ref = writer.ref_;
   writer.table_ = nullptr;
   Shard& shard = *shards_[ref.shard];

@@ -186,9 +186,10 @@ class BlockTable {
   // Publishes the written block as the key's DRAM residence (inventory cause kAdmit, or kRestore
   // when it was filled from another tier or a peer) and returns its residence generation. The
   // writer becomes invalid.
-  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit);
-  // The same, and `*pin` pins the block in the same step (nothing can evict it in between).
-  uint64_t Seal(BlockWriter& writer, TransitionCause cause, BlockPin* pin);
+  // With `pin` (an empty BlockPin), it also pins the block in the same step, so nothing can evict it
+  // in between.
+  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit,
+                BlockPin* pin = nullptr);
 
   // Length of the longest prefix of `keys` with sealed DRAM residences. Counts as an access to each
   // examined key.

@@ -222,9 +222,9 @@ const std::vector<Option>& Options() {
        "default 2, so one-hit blocks do not wear the SSD)",
        Uint32Into(&ManagerConfig::ssd_min_frequency, 1, 16)},
       {"ssd-persist-on-exit", "SECONDS",
-       "on SIGTERM or SIGINT, write the DRAM blocks not yet on SSD (those --ssd-min-frequency "
-       "admits, most used first) for up to SECONDS before exiting, so the restarted Manager finds "
-       "them (default 30; 0 exits at once)",
+       "when stopping gracefully (SIGTERM, SIGINT), write the DRAM blocks not yet on SSD (those "
+       "--ssd-min-frequency admits, most used first) for up to SECONDS before exiting, so the "
+       "restarted Manager finds them (default 30; 0 exits at once)",
        Uint32Into(&ManagerConfig::ssd_persist_seconds, 0, 86400)},
       {"ssd-write-budget", "SIZE",
        "SSD write bandwidth the tier may use per second, e.g. 1GiB (default unlimited)",

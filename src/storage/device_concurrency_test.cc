@@ -2,6 +2,7 @@
 // concurrent caller); every thread must read back exactly what it wrote to its own region.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>
@@ -64,9 +65,9 @@ TEST(DeviceConcurrencyTest, ConcurrentBatchesOnDisjointRegions) {
 }
 
 // Requests run from registered memory while another thread keeps replacing the registration with
-// the same regions in another order (so every fixed-buffer index changes) or with half of them: a
-// ring must address its requests with the indices of the set it registered, never a newer set's
-// (which points the kernel at another buffer: EFAULT or the wrong bytes).
+// sets whose fixed-buffer indices differ: a ring must address its requests with the indices of the
+// set it registered, never a newer set's (which points the kernel at another buffer: EFAULT or the
+// wrong bytes).
 TEST(DeviceConcurrencyTest, RegistrationReplacedWhileRequestsRun) {
   const testing::TempDir dir;
   constexpr size_t kThreads = 3;
@@ -82,15 +83,18 @@ TEST(DeviceConcurrencyTest, RegistrationReplacedWhileRequestsRun) {
     for (size_t t = 0; t < kThreads; ++t) {
       regions.push_back(std::move(AlignedBuffer::Create(2 * kRequests * kBytes, 4096)).value());
     }
-    std::vector<std::span<uint8_t>> forward, backward, half;
-    for (size_t t = 0; t < kThreads; ++t) forward.push_back(regions[t].span());
-    backward.assign(forward.rbegin(), forward.rend());
-    half.assign(forward.begin(), forward.begin() + kThreads / 2 + 1);
-    ASSERT_TRUE((*device)->RegisterMemory(forward).ok());
+    // Fixed buffers are indexed in address order: leaving out the lowest region moves every other
+    // one down an index, and leaving out the highest moves none.
+    std::vector<std::span<uint8_t>> all;
+    for (size_t t = 0; t < kThreads; ++t) all.push_back(regions[t].span());
+    std::sort(all.begin(), all.end(), [](auto a, auto b) { return a.data() < b.data(); });
+    const std::vector<std::span<uint8_t>> shifted(all.begin() + 1, all.end());
+    const std::vector<std::span<uint8_t>> kept(all.begin(), all.end() - 1);
+    ASSERT_TRUE((*device)->RegisterMemory(all).ok());
     std::atomic<bool> done{false};
     std::thread registrar([&] {
       for (size_t i = 0; !done.load(); ++i) {
-        const auto& set = i % 3 == 0 ? backward : i % 3 == 1 ? half : forward;
+        const auto& set = i % 3 == 0 ? shifted : i % 3 == 1 ? kept : all;
         EXPECT_TRUE((*device)->RegisterMemory(set).ok());
       }
     });
@@ -122,6 +126,7 @@ TEST(DeviceConcurrencyTest, RegistrationReplacedWhileRequestsRun) {
     for (auto& thread : threads) thread.join();
     done.store(true);
     registrar.join();
+    ASSERT_TRUE((*device)->RegisterMemory({}).ok());  // before the regions go
     for (size_t t = 0; t < kThreads; ++t) {
       EXPECT_EQ(failures[t], 0u) << DeviceBackendName(backend) << " " << t;
     }

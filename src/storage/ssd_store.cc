@@ -324,12 +324,21 @@ Status SsdStore::Writer::Prepare(const state::StateKey& key, std::span<const uin
   ORBITKV_CHECK(!free_buffers_.empty());
   const size_t buffer = free_buffers_.back();
   AlignedBuffer* staging = &staging_[buffer];
-  ORBITKV_ASSIGN_OR_RETURN(const Assembled assembled,
-                           store_->Assemble(key, payload, staging, payload_capacity));
-  ORBITKV_ASSIGN_OR_RETURN(Extent extent, store_->allocator_->Allocate(assembled.record_bytes));
+  // The extent first: a full store is refused before the record is copied and checksummed.
+  if (payload.empty() || payload.size() > kMaxRecordPayloadBytes) {
+    return Status::InvalidArgument(
+        fmt::format("an SSD record holds 1 byte to 1 GiB, not {}", payload.size()));
+  }
+  ORBITKV_ASSIGN_OR_RETURN(Extent extent,
+                           store_->allocator_->Allocate(RecordBytes(payload.size())));
+  Result<Assembled> assembled = store_->Assemble(key, payload, staging, payload_capacity);
+  if (!assembled.ok()) {
+    store_->allocator_->Release(extent);
+    return assembled.status();
+  }
   free_buffers_.pop_back();
   Record record{.tag = tag, .extent = extent, .payload_bytes = payload.size(), .buffer = buffer};
-  record.request_count = WriteRequests(assembled, extent, payload, staging, record.requests);
+  record.request_count = WriteRequests(*assembled, extent, payload, staging, record.requests);
   prepared_ = record;
   return Status::Ok();
 }

@@ -285,8 +285,14 @@ void UringIoQueue::DoStart(size_t device, std::span<const IoRequest> requests, u
     // nothing else would, and a Wait() would then wait for requests never started.
     if (rc >= 0 && io_uring_sq_ready(r) == 0) break;
     if (rc >= 0 || rc == -EINTR) continue;
-    if ((rc == -EAGAIN || rc == -EBUSY) && in_flight() > 0) {
-      ReapSome();  // the kernel is short of room for completions or requests: make some
+    // Short of memory or of room for completions: reap some (this group's own count too, when the
+    // kernel took part of it), or wait a moment when nothing is in flight at all.
+    if (rc == -EAGAIN || rc == -EBUSY) {
+      if (in_flight() > 0 || io_uring_sq_ready(r) < requests.size()) {
+        ReapSome();
+      } else {
+        usleep(100);
+      }
       continue;
     }
     // The kernel may already own some of the buffers; returning would let the caller reuse them.
