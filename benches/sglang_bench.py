@@ -68,17 +68,8 @@ def start_manager(build_dir: pathlib.Path, dram: str):
     exe = build_dir / "src" / "server" / "orbitkv-manager"
     proc = subprocess.Popen([str(exe), "--socket", sock, "--dram", dram, "--slab", "32MiB", "--copy-threads", "2",
                              "--log-level", "warn"], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"orbitkv-manager exited: {proc.stderr.read()}")
-        if time.monotonic() > deadline:
-            raise SystemExit("orbitkv-manager did not start")
-        try:
-            orbitkv.CacheManagerClient(sock, timeout_ms=1000).ping()
-            return proc, sock, workdir
-        except orbitkv.OrbitKVError:
-            time.sleep(0.05)
+    orbitkv.wait_for_manager(sock, timeout=120, process=proc)
+    return proc, sock, workdir
 
 
 def keys_for(tag: str, n: int) -> list:

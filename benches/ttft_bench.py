@@ -51,17 +51,7 @@ class Manager:
         self.proc = subprocess.Popen([str(binary), "--socket", self.socket, "--dram", f"{dram_mib}MiB", "--slab",
                                       f"{SLAB_MIB}MiB", "--log-level", "error", "--allow-unpinned"],
                                      stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"orbitkv-manager exited: {self.proc.stderr.read()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("orbitkv-manager did not start")
-            try:
-                orbitkv.CacheManagerClient(self.socket, timeout_ms=1000).ping()
-                return
-            except orbitkv.OrbitKVError:
-                time.sleep(0.02)
+        orbitkv.wait_for_manager(self.socket, process=self.proc)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

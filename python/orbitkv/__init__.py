@@ -22,6 +22,7 @@ from orbitkv.client import (  # noqa: F401
     QueryLoading,
     QueryMiss,
     RestoreHandle,
+    wait_for_manager,
 )
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "StateKey",
     "derive_namespace",
     "intersect_boundaries",
+    "wait_for_manager",
 ]

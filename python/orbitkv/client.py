@@ -13,11 +13,13 @@ Blocking calls release the GIL. Failures raise ``OrbitKVError`` (``ManagerUnavai
 
 from __future__ import annotations
 
+import time
 from typing import Iterable, NamedTuple, Optional, Sequence
 
 from orbitkv import _native, shm
 
-__all__ = ["CacheManagerClient", "QueryHit", "QueryLoading", "QueryMiss", "RestoreHandle", "SKIP_PAGE"]
+__all__ = ["CacheManagerClient", "QueryHit", "QueryLoading", "QueryMiss", "RestoreHandle", "SKIP_PAGE",
+           "wait_for_manager"]
 
 SKIP_PAGE = 0xFFFFFFFF
 
@@ -254,3 +256,24 @@ class CacheManagerClient:
 
     def ping(self) -> int:
         return self._native.ping()
+
+
+def wait_for_manager(socket_path: str, *, timeout: float = 60.0, process=None) -> None:
+    """Waits until the Manager at ``socket_path`` answers a ping, for whoever just started one.
+
+    The socket file appears a moment before the Manager listens, so its existence is not enough. With
+    ``process`` (the Manager's ``subprocess.Popen``), a Manager that exits fails at once: RuntimeError with
+    its stderr when that was captured. TimeoutError after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            stderr = process.stderr.read() if process.stderr is not None else ""
+            raise RuntimeError(f"orbitkv-manager exited with status {process.returncode}: {stderr}")
+        try:
+            CacheManagerClient(socket_path, timeout_ms=1000).ping()
+            return
+        except _native.OrbitKVError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Manager at {socket_path} did not answer within {timeout:g} s") from None
+            time.sleep(0.02)

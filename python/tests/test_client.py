@@ -24,16 +24,7 @@ def manager(build_dir):
     sock = os.path.join(tmp, "manager.sock")
     proc = subprocess.Popen([str(build_dir / "src" / "server" / "orbitkv-manager"), "--socket", sock, "--dram",
                              "64MiB", "--slab", "4MiB", "--log-level", "warn"], stderr=subprocess.PIPE, text=True)
-    # Ready means it answers: the socket file appears at bind(), a moment before listen() and the dispatcher.
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "the Manager did not start"
-        try:
-            orbitkv.CacheManagerClient(sock, timeout_ms=1000).ping()
-            break
-        except orbitkv.OrbitKVError:
-            time.sleep(0.02)
+    orbitkv.wait_for_manager(sock, process=proc)
     yield proc, sock
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -178,3 +169,16 @@ def test_workload_engine_runs_against_the_manager(manager):
 
     assert workload.main(["--socket", sock, "--documents", "2", "--prefix-pages", "3", "--tail-pages", "1",
                           "--requests", "4"]) == 0
+
+
+def test_wait_for_manager_fails_fast_on_an_exited_manager_and_times_out_on_silence(build_dir, tmp_path):
+    # A Manager that refuses its flags exits at once: its stderr comes back, not a timeout.
+    proc = subprocess.Popen([str(build_dir / "src" / "server" / "orbitkv-manager"), "--socket",
+                             str(tmp_path / "m.sock"), "--dram", "not-a-size"], stderr=subprocess.PIPE, text=True)
+    with pytest.raises(RuntimeError, match="dram"):
+        orbitkv.wait_for_manager(str(tmp_path / "m.sock"), timeout=30, process=proc)
+    # Nobody listening: TimeoutError after the timeout.
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        orbitkv.wait_for_manager(str(tmp_path / "nobody.sock"), timeout=0.2)
+    assert time.monotonic() - start < 10

@@ -139,9 +139,11 @@ class Manager {
   Status HandleRelease(Session& session, const channel::InboundRequest& request);
   Status HandleStats(Session& session, const channel::InboundRequest& request);
   Status HandleCancel(Session& session, const channel::InboundRequest& request);
-  // Starts (or finds) the Loading operation that brings `keys` from SSD into DRAM for `instance`;
-  // returns its id. ResourceExhausted when the session has --max-loading operations outstanding.
-  Result<uint64_t> StartLoading(const Session& session, uint64_t instance, uint32_t group,
+  struct LoadingKey;
+  // Starts (or finds) the Loading operation that brings `keys` (the chain `chain`) from SSD into
+  // DRAM; returns its id. ResourceExhausted when the session has --max-loading operations
+  // outstanding.
+  Result<uint64_t> StartLoading(const Session& session, const LoadingKey& chain,
                                 std::vector<state::StateKey> keys);
   // Forgets every Loading operation of `instance` (its reads still drain).
   void DropLoadingOf(uint64_t instance);

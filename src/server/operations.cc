@@ -147,7 +147,7 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
     if (result->lease.has_value()) {
       (void)cache_->ReleaseLease(query.instance, *result->lease);
     }
-    Result<uint64_t> op = StartLoading(session, query.instance, query.group, std::move(keys));
+    Result<uint64_t> op = StartLoading(session, chain, std::move(keys));
     query_latency_->Observe(watch.ElapsedSeconds());
     if (!op.ok()) return session.channel->ReplyError(d, op.status());
     return session.channel->Reply(
@@ -164,9 +164,8 @@ Status Manager::HandleQuery(Session& session, const channel::InboundRequest& req
       result->lease->Pack());
 }
 
-Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance, uint32_t group,
+Result<uint64_t> Manager::StartLoading(const Session& session, const LoadingKey& index,
                                        std::vector<state::StateKey> keys) {
-  const LoadingKey index{instance, group, keys.back().Hash64() ^ keys.size()};
   uint64_t id = 0;
   std::vector<core::BlockPin> released;
   {
@@ -181,7 +180,7 @@ Result<uint64_t> Manager::StartLoading(const Session& session, uint64_t instance
     }
     ++outstanding;
     id = next_loading_id_++;
-    loading_.emplace(id, LoadingOp{session.owner_id, instance, group, index.chain});
+    loading_.emplace(id, LoadingOp{session.owner_id, index.instance, index.group, index.chain});
     loading_index_.emplace(index, id);
   }
   loading_started_->Increment();

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 
 import orbitkv
 
@@ -25,17 +24,7 @@ class ManagerProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self._args, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while True:  # ready means it answers (the socket file appears a moment before listen())
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"orbitkv-manager exited: {self.proc.stderr.read()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("orbitkv-manager did not start")
-            try:
-                orbitkv.CacheManagerClient(self.socket, timeout_ms=1000).ping()
-                return
-            except orbitkv.OrbitKVError:
-                time.sleep(0.02)
+        orbitkv.wait_for_manager(self.socket, process=self.proc)
 
     def kill(self) -> None:
         """SIGKILL, like a crash: no drain, sessions just end."""

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 
 import orbitkv
 
@@ -23,15 +22,7 @@ class ManagerProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen([self.binary, *self.args], stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while True:  # ready means it answers (the socket file appears a moment before listen())
-            assert self.proc.poll() is None, self.proc.stderr.read()
-            assert time.monotonic() < deadline, "the Manager did not start"
-            try:
-                orbitkv.CacheManagerClient(self.socket, timeout_ms=1000).ping()
-                return
-            except orbitkv.OrbitKVError:
-                time.sleep(0.02)
+        orbitkv.wait_for_manager(self.socket, process=self.proc)
 
     def client(self) -> orbitkv.CacheManagerClient:
         return orbitkv.CacheManagerClient(self.socket)
