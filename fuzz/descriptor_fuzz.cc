@@ -68,6 +68,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Check(payload.empty() && release->lease == d.arg1);
       break;
     }
+    case Opcode::kCancel: {
+      auto cancel = DecodeCancel(d, payload);
+      if (!cancel.ok()) return 0;
+      EncodeCancel(*cancel, &again);
+      Check(payload.empty() && again.arg0 == d.arg0 && again.arg1 == d.arg1);
+      break;
+    }
+    case Opcode::kWaitLoading: {
+      auto wait = DecodeWaitLoading(d, payload);
+      if (!wait.ok()) return 0;
+      auto bytes = EncodeWaitLoading(*wait, &again, slot);
+      Check(bytes.ok() && *bytes == payload.size() &&
+            std::memcmp(slot.data(), payload.data(), *bytes) == 0);
+      Check(again.arg0 == d.arg0 && again.arg1 == d.arg1);
+      break;
+    }
     default:
       break;
   }

@@ -130,6 +130,27 @@ void EncodeRelease(const ReleaseRequest& request, Descriptor* d) {
   d->arg1 = request.lease;
 }
 
+void EncodeCancel(const CancelRequest& request, Descriptor* d) {
+  d->opcode = static_cast<uint16_t>(Opcode::kCancel);
+  d->arg0 = request.instance;
+  d->arg1 = request.op;
+}
+
+Result<uint32_t> EncodeWaitLoading(const WaitLoadingRequest& request, Descriptor* d,
+                                   std::span<uint8_t> slot) {
+  if (request.op == 0 || request.timeout_ms == 0 || request.timeout_ms > kMaxWaitLoadingMs) {
+    return Status::InvalidArgument(fmt::format(
+        "wait-loading needs an operation and a timeout of 1-{} ms", kMaxWaitLoadingMs));
+  }
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes, Fits(sizeof(WaitLoadingBody), slot, "wait-loading"));
+  const WaitLoadingBody body{request.timeout_ms, 0};
+  std::memcpy(slot.data(), &body, sizeof(body));
+  d->opcode = static_cast<uint16_t>(Opcode::kWaitLoading);
+  d->arg0 = request.instance;
+  d->arg1 = request.op;
+  return bytes;
+}
+
 Status ValidateRequestDescriptor(const Descriptor& d, uint32_t payload_slots, uint32_t slot_bytes) {
   if (d.magic != kMagic)
     return Status::InvalidArgument(fmt::format("descriptor magic {:#x} is wrong", d.magic));
@@ -273,6 +294,87 @@ Result<SaveRequest> DecodeSave(const Descriptor& d, std::span<const uint8_t> pay
 Result<ReleaseRequest> DecodeRelease(const Descriptor& d, std::span<const uint8_t> payload) {
   if (!payload.empty()) return Status::InvalidArgument("release carries no payload");
   return ReleaseRequest{d.arg0, d.arg1};
+}
+
+Result<CancelRequest> DecodeCancel(const Descriptor& d, std::span<const uint8_t> payload) {
+  if (!payload.empty()) return Status::InvalidArgument("cancel carries no payload");
+  if (d.arg1 == 0) return Status::InvalidArgument("cancel names no Loading operation (id 0)");
+  return CancelRequest{d.arg0, d.arg1};
+}
+
+Result<WaitLoadingRequest> DecodeWaitLoading(const Descriptor& d,
+                                             std::span<const uint8_t> payload) {
+  if (payload.size() != sizeof(WaitLoadingBody)) {
+    return Status::InvalidArgument(
+        fmt::format("wait-loading payload of {} bytes is not {}", payload.size(),
+                    sizeof(WaitLoadingBody)));
+  }
+  WaitLoadingBody body;
+  std::memcpy(&body, payload.data(), sizeof(body));
+  if (d.arg1 == 0) return Status::InvalidArgument("wait-loading names no operation (id 0)");
+  if (body.reserved != 0 || body.timeout_ms == 0 || body.timeout_ms > kMaxWaitLoadingMs) {
+    return Status::InvalidArgument(fmt::format(
+        "wait-loading timeout {} ms is outside 1-{} (or reserved bits are set)", body.timeout_ms,
+        kMaxWaitLoadingMs));
+  }
+  return WaitLoadingRequest{d.arg0, d.arg1, body.timeout_ms};
+}
+
+// arg0 = outcome << 32 | hits; arg1 = the lease (hit) or the Loading operation (loading).
+ReplyArgs EncodeQueryReply(const QueryReply& reply) {
+  switch (reply.outcome) {
+    case QueryOutcome::kHit:
+      return {Pack(static_cast<uint32_t>(QueryOutcome::kHit), reply.hits), reply.lease};
+    case QueryOutcome::kLoading:
+      return {Pack(static_cast<uint32_t>(QueryOutcome::kLoading), 0), reply.loading_op};
+    case QueryOutcome::kMiss:
+      break;
+  }
+  return {Pack(static_cast<uint32_t>(QueryOutcome::kMiss), 0), 0};
+}
+
+Result<QueryReply> DecodeQueryReply(const Descriptor& reply) {
+  const uint32_t outcome = static_cast<uint32_t>(reply.arg0 >> 32);
+  const auto hits = static_cast<uint32_t>(reply.arg0);
+  switch (outcome) {
+    case static_cast<uint32_t>(QueryOutcome::kMiss):
+      if (hits != 0 || reply.arg1 != 0)
+        return Status::InvalidArgument("a query miss reply names blocks or a lease");
+      return QueryReply::Miss();
+    case static_cast<uint32_t>(QueryOutcome::kHit):
+      if (hits == 0) return Status::InvalidArgument("a query hit reply names no blocks");
+      return QueryReply::Hit(hits, reply.arg1);
+    case static_cast<uint32_t>(QueryOutcome::kLoading):
+      if (hits != 0 || reply.arg1 == 0)
+        return Status::InvalidArgument("a Loading reply names blocks or no operation");
+      return QueryReply::Loading(reply.arg1);
+    default:
+      return Status::InvalidArgument(fmt::format("unknown query outcome {}", outcome));
+  }
+}
+
+ReplyArgs EncodeRestoreReply(const RestoreReply& reply) { return {reply.bytes, 0}; }
+ReplyArgs EncodeSaveReply(const SaveReply& reply) { return {reply.written, reply.skipped}; }
+ReplyArgs EncodeWaitLoadingReply(const WaitLoadingReply& reply) { return {reply.resident, 0}; }
+ReplyArgs EncodePingReply(const PingReply& reply) { return {reply.incarnation, 0}; }
+
+Result<RestoreReply> DecodeRestoreReply(const Descriptor& reply) {
+  if (reply.arg1 != 0) return Status::InvalidArgument("a restore reply has arg1 set");
+  return RestoreReply{reply.arg0};
+}
+
+Result<SaveReply> DecodeSaveReply(const Descriptor& reply) {
+  return SaveReply{reply.arg0, reply.arg1};
+}
+
+Result<WaitLoadingReply> DecodeWaitLoadingReply(const Descriptor& reply) {
+  if (reply.arg1 != 0) return Status::InvalidArgument("a wait-loading reply has arg1 set");
+  return WaitLoadingReply{reply.arg0};
+}
+
+Result<PingReply> DecodePingReply(const Descriptor& reply) {
+  if (reply.arg1 != 0) return Status::InvalidArgument("a ping reply has arg1 set");
+  return PingReply{reply.arg0};
 }
 
 }  // namespace orbitkv::channel

@@ -1,9 +1,11 @@
 // Typed hot-path messages and their encodings into descriptors + payload slots (wire.h).
 //
-// Encoders are used by the engine-side client; decoders by the Manager, on bytes it already copied
-// out of shared memory. Decoders validate everything (counts against payload size and limits,
-// StateKey encodings, reserved fields) and return InvalidArgument naming the problem; they never
-// trust a length field.
+// Every request and every reply has exactly one encoder and one decoder here, used by both sides:
+// requests are encoded by the engine-side client and decoded by the Manager, on bytes it already
+// copied out of shared memory; replies the other way round. Decoders validate everything (counts
+// against payload size and limits, StateKey encodings, known outcomes, reserved fields) and return
+// InvalidArgument naming the problem; they never trust a length field. The layouts are
+// docs/formats/channel.md.
 #ifndef ORBITKV_CHANNEL_MESSAGES_H_
 #define ORBITKV_CHANNEL_MESSAGES_H_
 
@@ -65,6 +67,64 @@ struct ReleaseRequest {
   uint64_t lease = 0;
 };
 
+// Forgets a Loading operation (kCancel).
+struct CancelRequest {
+  uint64_t instance = 0;
+  uint64_t op = 0;
+};
+
+// Asks to be answered when a Loading operation completes, or after `timeout_ms` (kWaitLoading).
+struct WaitLoadingRequest {
+  uint64_t instance = 0;
+  uint64_t op = 0;
+  uint32_t timeout_ms = 0;  // 1..kMaxWaitLoadingMs
+};
+
+// ---- Replies: what an OK reply's arg0/arg1 mean, per opcode ----
+
+// kQuery: a hit (hits > 0 blocks leased under `lease`), Loading (`loading_op` brings the rest of the
+// prefix into DRAM: wait for it or ask again) or a miss (nothing else set).
+struct QueryReply {
+  QueryOutcome outcome = QueryOutcome::kMiss;
+  uint32_t hits = 0;
+  uint64_t lease = 0;
+  uint64_t loading_op = 0;
+
+  static QueryReply Miss() { return {}; }
+  static QueryReply Hit(uint32_t hits, uint64_t lease) {
+    return {QueryOutcome::kHit, hits, lease, 0};
+  }
+  static QueryReply Loading(uint64_t op) { return {QueryOutcome::kLoading, 0, 0, op}; }
+  friend bool operator==(const QueryReply&, const QueryReply&) = default;
+};
+
+// kRestore / kRestoreLayers: the bytes copied into the engine's pages, after every copy drained.
+struct RestoreReply {
+  uint64_t bytes = 0;
+  friend bool operator==(const RestoreReply&, const RestoreReply&) = default;
+};
+
+// kSave: blocks copied and sealed, and blocks skipped (already resident, being written elsewhere, or
+// no room).
+struct SaveReply {
+  uint64_t written = 0;
+  uint64_t skipped = 0;
+  friend bool operator==(const SaveReply&, const SaveReply&) = default;
+};
+
+// kWaitLoading: the operation completed; `resident` blocks of its chain's prefix are in DRAM now
+// (held for the engine's next query of the chain).
+struct WaitLoadingReply {
+  uint64_t resident = 0;
+  friend bool operator==(const WaitLoadingReply&, const WaitLoadingReply&) = default;
+};
+
+// kPing: the Manager's incarnation.
+struct PingReply {
+  uint64_t incarnation = 0;
+  friend bool operator==(const PingReply&, const PingReply&) = default;
+};
+
 // The most keys (or pages) one request can carry in a slot of `slot_bytes`.
 size_t MaxQueryKeys(uint32_t slot_bytes, size_t native_bytes);
 size_t MaxSaveItems(uint32_t slot_bytes);
@@ -78,6 +138,9 @@ Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d,
                                std::span<uint8_t> slot);
 Result<uint32_t> EncodeSave(const SaveRequest& request, Descriptor* d, std::span<uint8_t> slot);
 void EncodeRelease(const ReleaseRequest& request, Descriptor* d);
+void EncodeCancel(const CancelRequest& request, Descriptor* d);
+Result<uint32_t> EncodeWaitLoading(const WaitLoadingRequest& request, Descriptor* d,
+                                   std::span<uint8_t> slot);
 
 // Decoders take the validated descriptor and the payload bytes it names (already copied to private
 // memory).
@@ -85,6 +148,24 @@ Result<QueryRequest> DecodeQuery(const Descriptor& d, std::span<const uint8_t> p
 Result<RestoreRequest> DecodeRestore(const Descriptor& d, std::span<const uint8_t> payload);
 Result<SaveRequest> DecodeSave(const Descriptor& d, std::span<const uint8_t> payload);
 Result<ReleaseRequest> DecodeRelease(const Descriptor& d, std::span<const uint8_t> payload);
+Result<CancelRequest> DecodeCancel(const Descriptor& d, std::span<const uint8_t> payload);
+Result<WaitLoadingRequest> DecodeWaitLoading(const Descriptor& d,
+                                             std::span<const uint8_t> payload);
+
+// Reply encoders give the args of an OK reply; decoders read them back from the reply descriptor
+// (its status already known to be OK). A reply that breaks its format (an unknown outcome, a hit
+// without blocks, a miss that names a lease) is InvalidArgument: the client treats it as a broken
+// Manager, never as a hit.
+ReplyArgs EncodeQueryReply(const QueryReply& reply);
+ReplyArgs EncodeRestoreReply(const RestoreReply& reply);
+ReplyArgs EncodeSaveReply(const SaveReply& reply);
+ReplyArgs EncodeWaitLoadingReply(const WaitLoadingReply& reply);
+ReplyArgs EncodePingReply(const PingReply& reply);
+Result<QueryReply> DecodeQueryReply(const Descriptor& reply);
+Result<RestoreReply> DecodeRestoreReply(const Descriptor& reply);
+Result<SaveReply> DecodeSaveReply(const Descriptor& reply);
+Result<WaitLoadingReply> DecodeWaitLoadingReply(const Descriptor& reply);
+Result<PingReply> DecodePingReply(const Descriptor& reply);
 
 // Checks the fields every request descriptor must satisfy, independent of session state: magic,
 // version, a known opcode, request flags, zero reserved fields, an odd generation, payload within

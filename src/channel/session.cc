@@ -231,7 +231,8 @@ ClientSession::ClientSession(ScopedFd socket, const WelcomeBody& welcome,
       replies_(arena_->reply_control(), arena_->reply_entries(), welcome.ring_entries),
       // The first request of a slot gets generation 1 (0xffffffff + 2).
       generation_(welcome.payload_slots, 0xffffffffu),
-      slot_request_(welcome.payload_slots, 0) {
+      slot_request_(welcome.payload_slots, 0),
+      abandoned_(welcome.payload_slots, false) {
   // Outstanding requests are bounded by both the slots and the ring.
   const uint32_t usable = std::min(welcome.payload_slots, welcome.ring_entries);
   for (uint32_t i = usable; i > 0; --i) free_slots_.push_back(i - 1);
@@ -294,6 +295,15 @@ void ClientSession::ReleaseSlot(uint32_t slot) {
   if (slot_request_[slot] == 0) free_slots_.push_back(slot);
 }
 
+void ClientSession::AbandonSlot(uint32_t slot) {
+  ORBITKV_CHECK(slot < welcome_.payload_slots);
+  if (slot_request_[slot] == 0) {
+    free_slots_.push_back(slot);
+  } else {
+    abandoned_[slot] = true;  // freed by PollReply when the reply comes
+  }
+}
+
 Result<uint64_t> ClientSession::Submit(Descriptor d, uint32_t slot, uint32_t payload_bytes) {
   ORBITKV_RETURN_IF_ERROR(dead_);
   ORBITKV_CHECK(slot < welcome_.payload_slots && slot_request_[slot] == 0);
@@ -338,6 +348,11 @@ Result<std::optional<InboundReply>> ClientSession::PollReply() {
         d.payload_bytes <= welcome_.slot_bytes;
     if (!current) continue;  // stale: a reply for a request this session no longer waits for
     slot_request_[d.payload_slot] = 0;
+    if (abandoned_[d.payload_slot]) {  // nobody waits for it: the slot is free now
+      abandoned_[d.payload_slot] = false;
+      free_slots_.push_back(d.payload_slot);
+      continue;
+    }
     return std::optional<InboundReply>(reply);
   }
 }
@@ -406,6 +421,20 @@ Result<InboundReply> ClientSession::WaitReply(uint64_t request_id, Deadline dead
           fmt::format("no reply to request {} before the deadline", request_id));
     }
   }
+}
+
+Result<bool> ClientSession::ArmReplyDoorbell() {
+  ORBITKV_RETURN_IF_ERROR(dead_);
+  ORBITKV_ASSIGN_OR_RETURN(bool arrived, replies_.PrepareToWait());
+  if (arrived && !always_wake_) replies_.ClearWaiting();
+  return arrived;
+}
+
+Status ClientSession::DisarmReplyDoorbell(short doorbell_revents, short socket_revents) {
+  if (!always_wake_) replies_.ClearWaiting();
+  if ((socket_revents & (POLLIN | POLLHUP | POLLERR)) != 0) ORBITKV_RETURN_IF_ERROR(SocketStatus());
+  if ((doorbell_revents & POLLIN) != 0) to_engine_.Drain();
+  return dead_;
 }
 
 Status ClientSession::EnableCompletionFd() {

@@ -84,6 +84,12 @@ class ServerSession {
                std::span<const uint8_t> payload = {}) EXCLUDES(reply_mu_);
   // Replies with an error status and its message as the payload.
   Status ReplyError(const Descriptor& request, const Status& status) EXCLUDES(reply_mu_);
+  // An OK reply with `args` (channel/messages.h's Encode*Reply), or the error reply of `reply`.
+  Status Answer(const Descriptor& request, const Result<ReplyArgs>& reply,
+                std::span<const uint8_t> payload = {}) EXCLUDES(reply_mu_) {
+    if (!reply.ok()) return ReplyError(request, reply.status());
+    return Reply(request, StatusCode::kOk, reply->arg0, reply->arg1, payload);
+  }
   // True once a Reply failed: the dispatcher must poison the session.
   bool broken() const { return broken_.load(std::memory_order_acquire); }
 
@@ -150,9 +156,13 @@ class ClientSession {
   Status EnableCompletionFd();
   int socket_fd() const { return socket_.get(); }
 
-  // Slot bookkeeping: the caller owns a slot from AcquireSlot until its reply arrived.
+  // Slot bookkeeping: the caller owns a slot from AcquireSlot until its reply arrived. The slot of a
+  // request still outstanding stays retired on ReleaseSlot (its late reply can still be waited for,
+  // and released then); AbandonSlot gives it up for good: the late reply is dropped when it comes,
+  // and only then is the slot free again (the Manager may write it until then).
   Result<uint32_t> AcquireSlot();
   void ReleaseSlot(uint32_t slot);
+  void AbandonSlot(uint32_t slot);
   std::span<uint8_t> slot(uint32_t index) const { return arena_->slot(index); }
 
   // Sends a request: fills magic, version, epoch, id and a fresh generation for `slot` into `d` and
@@ -161,6 +171,12 @@ class ClientSession {
   // Next reply if any (non-blocking). Replies with a stale generation are dropped. DataLoss on a
   // corrupt ring.
   Result<std::optional<InboundReply>> PollReply();
+  // For callers that wait on several threads (CacheClient): before sleeping on reply_doorbell_fd
+  // and socket_fd without holding the session, ArmReplyDoorbell (true: a reply is already there,
+  // poll instead); after waking, DisarmReplyDoorbell with what poll() returned for the two fds
+  // (drains the doorbell; reads the Manager's reason if the socket closed).
+  Result<bool> ArmReplyDoorbell();
+  Status DisarmReplyDoorbell(short doorbell_revents, short socket_revents);
   // Waits for the reply to `request_id`: spins `spin_iterations` polls, then sleeps on the
   // doorbell. Replies to other requests that arrive meanwhile are kept for later WaitReply calls.
   // DeadlineExceeded leaves the request outstanding (its slot stays owned); Unavailable/Aborted
@@ -188,6 +204,7 @@ class ClientSession {
   uint64_t next_request_id_ = 1;
   std::vector<uint32_t> generation_;    // per slot, the generation of its current request
   std::vector<uint64_t> slot_request_;  // per slot, the request id in flight (0: none)
+  std::vector<bool> abandoned_;          // per slot: released while in flight, free on its reply
   std::vector<uint32_t> free_slots_;
   std::vector<InboundReply> parked_;  // replies that arrived while waiting for another request
   Status dead_;                       // set once the session is known dead

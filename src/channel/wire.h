@@ -200,8 +200,12 @@ enum class Opcode : uint16_t {
   // [first_buffer, first_buffer + buffer_count) of each leased block (a layer or a layer group),
   // one completion per request; the lease stays valid unless kRestoreConsumesLease is set.
   kRestoreLayers = 8,
+  // arg0 instance, arg1 Loading operation id; payload: WaitLoadingBody. Answered when the operation
+  // completes (at once when it already has), or DEADLINE_EXCEEDED after its timeout: the engine's
+  // completion fd rings, and it asks its query again.
+  kWaitLoading = 9,
 };
-inline constexpr uint16_t kMaxOpcode = 8;
+inline constexpr uint16_t kMaxOpcode = 9;
 
 enum class DescriptorFlags : uint16_t {
   kNone = 0,
@@ -275,10 +279,22 @@ struct SaveEntry {
 };
 static_assert(sizeof(SaveEntry) == 136);
 
-// The reply of kQuery: arg0 = QueryOutcome << 32 | blocks hit; arg1 = the lease (kHit) or the
-// operation to poll (kLoading). Replies of kSave: arg0 = blocks written, arg1 = blocks skipped
-// (already resident or being written).
+struct WaitLoadingBody {
+  uint32_t timeout_ms;  // 1..kMaxWaitLoadingMs
+  uint32_t reserved;
+};
+static_assert(sizeof(WaitLoadingBody) == 8);
+inline constexpr uint32_t kMaxWaitLoadingMs = 600'000;
+
+// The two arguments of an OK reply; channel/messages.h encodes and decodes them per opcode.
+struct ReplyArgs {
+  uint64_t arg0 = 0;
+  uint64_t arg1 = 0;
+};
+
+// What a query found (its reply's encoding is channel/messages.h's QueryReply).
 enum class QueryOutcome : uint32_t { kMiss = 0, kHit = 1, kLoading = 2 };
+inline constexpr uint32_t kMaxQueryOutcome = 2;
 
 }  // namespace orbitkv::channel
 

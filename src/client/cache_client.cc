@@ -1,5 +1,7 @@
 #include "client/cache_client.h"
 
+#include <poll.h>
+#include <sched.h>
 #include <sys/prctl.h>
 
 #include <algorithm>
@@ -46,31 +48,95 @@ Status CacheClient::ErrorFromReply(channel::ClientSession& session,
                 std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
-Result<channel::InboundReply> CacheClient::RoundTrip(channel::ClientSession& session,
-                                                     const Encoder& encode,
+Result<bool> CacheClient::DrainControlReplies() {
+  bool any = false;
+  for (;;) {
+    ORBITKV_ASSIGN_OR_RETURN(std::optional<channel::InboundReply> reply, control_->PollReply());
+    if (!reply.has_value()) break;
+    arrived_.emplace(reply->descriptor.request_id, *reply);
+    any = true;
+  }
+  if (any) reply_cv_.notify_all();
+  return any;
+}
+
+Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
+                                                        orbitkv::Deadline deadline,
+                                                        int spin_iterations) {
+  for (int spin = 0;; ++spin) {
+    if (auto it = arrived_.find(request_id); it != arrived_.end()) {
+      channel::InboundReply reply = it->second;
+      arrived_.erase(it);
+      return reply;
+    }
+    ORBITKV_ASSIGN_OR_RETURN(bool any, DrainControlReplies());
+    if (any && arrived_.count(request_id) != 0) continue;
+    if (spin < spin_iterations) {
+      // Spin without the session: another thread's request goes out meanwhile.
+      control_mu_.Unlock();
+#if defined(__x86_64__)
+      __builtin_ia32_pause();  // be polite to the sibling hyperthread while spinning
+#endif
+      // On an oversubscribed machine the Manager may need this very core: let it run now and then.
+      if ((spin & 255) == 255) sched_yield();
+      control_mu_.Lock();
+      continue;
+    }
+    const auto expired = [&] {
+      return Status::DeadlineExceeded(
+          fmt::format("no reply to request {} before the deadline", request_id));
+    };
+    if (sleeper_) {
+      // Another waiter sleeps on the doorbell and hands over what it reads.
+      if (deadline.Expired()) return expired();
+      reply_cv_.wait_until(control_mu_, deadline.IsInfinite() ? MonoNow() + std::chrono::hours(1)
+                                                              : deadline.when());
+      continue;
+    }
+    ORBITKV_ASSIGN_OR_RETURN(bool arrived, control_->ArmReplyDoorbell());
+    if (arrived) continue;
+    // Sleep on the doorbell and the socket (even with the deadline passed: a poll of zero ms still
+    // tells whether the Manager closed the session).
+    sleeper_ = true;
+    pollfd fds[2] = {{control_->reply_doorbell_fd(), POLLIN, 0}, {control_->socket_fd(), POLLIN, 0}};
+    control_mu_.Unlock();
+    const int rc = poll(fds, 2, deadline.RemainingPollMs());
+    const int poll_errno = errno;
+    control_mu_.Lock();
+    sleeper_ = false;
+    reply_cv_.notify_all();  // a waiter still waiting takes over the doorbell
+    if (rc < 0 && poll_errno != EINTR) return ErrnoStatus("poll reply doorbell", poll_errno);
+    ORBITKV_RETURN_IF_ERROR(control_->DisarmReplyDoorbell(rc > 0 ? fds[0].revents : 0,
+                                                          rc > 0 ? fds[1].revents : 0));
+    ORBITKV_RETURN_IF_ERROR(DrainControlReplies().status());
+    if (arrived_.count(request_id) == 0 && deadline.Expired()) return expired();
+  }
+}
+
+Result<channel::InboundReply> CacheClient::RoundTrip(const Encoder& encode,
+                                                     orbitkv::Deadline deadline,
                                                      std::string* reply_payload) {
-  ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, session.AcquireSlot());
+  ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, control_->AcquireSlot());
   Descriptor d{};
-  Result<uint32_t> bytes = encode(&d, session.slot(slot));
+  Result<uint32_t> bytes = encode(&d, control_->slot(slot));
   Result<uint64_t> id =
-      bytes.ok() ? session.Submit(d, slot, *bytes) : Result<uint64_t>(bytes.status());
+      bytes.ok() ? control_->Submit(d, slot, *bytes) : Result<uint64_t>(bytes.status());
   if (!id.ok()) {
-    session.ReleaseSlot(slot);
+    control_->ReleaseSlot(slot);
     return id.status();
   }
-  Result<channel::InboundReply> reply =
-      session.WaitReply(*id, CallDeadline(), options_.spin_iterations);
+  Result<channel::InboundReply> reply = AwaitControl(*id, deadline, options_.spin_iterations);
   if (!reply.ok()) {
-    session.ReleaseSlot(slot);  // kept retired by the session while the request is outstanding
+    control_->AbandonSlot(slot);  // the slot is free again once its reply arrived
     return reply.status();
   }
   Status error =
-      reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(session, *reply, slot);
+      reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(*control_, *reply, slot);
   if (reply_payload != nullptr && error.ok()) {
-    const auto out = session.slot(slot).first(reply->descriptor.payload_bytes);
+    const auto out = control_->slot(slot).first(reply->descriptor.payload_bytes);
     reply_payload->assign(reinterpret_cast<const char*>(out.data()), out.size());
   }
-  session.ReleaseSlot(slot);
+  control_->ReleaseSlot(slot);
   if (!error.ok()) return error;
   return reply;
 }
@@ -78,7 +144,6 @@ Result<channel::InboundReply> CacheClient::RoundTrip(channel::ClientSession& ses
 Result<channel::InboundReply> CacheClient::Call(Descriptor d, std::span<const uint8_t> payload,
                                                 std::string* reply_payload) {
   return RoundTrip(
-      *control_,
       [&](Descriptor* out, std::span<uint8_t> slot) -> Result<uint32_t> {
         if (payload.size() > slot.size())
           return Status::InvalidArgument("request payload exceeds its slot");
@@ -86,7 +151,7 @@ Result<channel::InboundReply> CacheClient::Call(Descriptor d, std::span<const ui
         if (!payload.empty()) std::memcpy(slot.data(), payload.data(), payload.size());
         return static_cast<uint32_t>(payload.size());
       },
-      reply_payload);
+      CallDeadline(), reply_payload);
 }
 
 Status CacheClient::RegisterInstance(uint64_t instance, const state::StateNamespace& ns) {
@@ -182,9 +247,8 @@ size_t CacheClient::MaxQueryKeys(size_t native_bytes) const {
   return channel::MaxQueryKeys(control_slot_bytes_, native_bytes);
 }
 
-Result<QueryResult> CacheClient::Query(uint64_t instance, uint32_t group,
-                                       std::span<const state::StateKey> keys) {
-  if (keys.empty()) return QueryResult{};
+Result<channel::QueryRequest> CacheClient::ChainRequest(uint64_t instance, uint32_t group,
+                                                       std::span<const state::StateKey> keys) const {
   const size_t count = std::min(keys.size(), MaxQueryKeys(keys.front().native_key().size()));
   ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request,
                            channel::QueryRequest::FromKeys(instance, keys.first(count)));
@@ -192,6 +256,13 @@ Result<QueryResult> CacheClient::Query(uint64_t instance, uint32_t group,
     return Status::InvalidArgument(
         fmt::format("query keys belong to group {}, not {}", request.group, group));
   }
+  return request;
+}
+
+Result<QueryResult> CacheClient::Query(uint64_t instance, uint32_t group,
+                                       std::span<const state::StateKey> keys) {
+  if (keys.empty()) return QueryResult{};
+  ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request, ChainRequest(instance, group, keys));
   return QueryNative(instance, group, request.first_token, request.page_tokens,
                      request.native_bytes, request.natives, request.key_version);
 }
@@ -209,25 +280,81 @@ Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
   // Encoded straight into the request slot: no intermediate copy on the hot path.
   ORBITKV_ASSIGN_OR_RETURN(
       channel::InboundReply reply,
-      RoundTrip(*control_, [&](Descriptor* d, std::span<uint8_t> slot) -> Result<uint32_t> {
-        const channel::QueryKeysHeader header{first_token, page_tokens, key_version, native_bytes,
-                                              0};
-        std::memcpy(slot.data(), &header, sizeof(header));
-        std::memcpy(slot.data() + sizeof(header), natives.data(), count * native_bytes);
-        d->opcode = static_cast<uint16_t>(Opcode::kQuery);
-        d->arg0 = instance;
-        d->arg1 = static_cast<uint64_t>(group) << 32 | count;
-        return static_cast<uint32_t>(sizeof(header) + count * native_bytes);
-      }));
+      RoundTrip(
+          [&](Descriptor* d, std::span<uint8_t> slot) -> Result<uint32_t> {
+            const channel::QueryKeysHeader header{first_token, page_tokens, key_version,
+                                                  native_bytes, 0};
+            std::memcpy(slot.data(), &header, sizeof(header));
+            std::memcpy(slot.data() + sizeof(header), natives.data(), count * native_bytes);
+            d->opcode = static_cast<uint16_t>(Opcode::kQuery);
+            d->arg0 = instance;
+            d->arg1 = static_cast<uint64_t>(group) << 32 | count;
+            return static_cast<uint32_t>(sizeof(header) + count * native_bytes);
+          },
+          CallDeadline()));
+  Result<channel::QueryReply> decoded = channel::DecodeQueryReply(reply.descriptor);
+  if (!decoded.ok()) return decoded.status().WithContext("the Manager's query reply is malformed");
   QueryResult result;
-  const auto outcome = static_cast<channel::QueryOutcome>(reply.descriptor.arg0 >> 32);
-  if (outcome == channel::QueryOutcome::kHit) {
-    result.hits = static_cast<uint32_t>(reply.descriptor.arg0);
-    result.lease = reply.descriptor.arg1;
-  } else if (outcome == channel::QueryOutcome::kLoading) {
-    result.loading_op = reply.descriptor.arg1;
-  }
+  result.hits = decoded->hits;
+  result.lease = decoded->lease;
+  result.loading_op = decoded->loading_op;
   return result;
+}
+
+Result<QueryResult> CacheClient::QueryWait(uint64_t instance, uint32_t group,
+                                           std::span<const state::StateKey> keys,
+                                           std::chrono::milliseconds timeout) {
+  if (keys.empty()) return QueryResult{};
+  ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request, ChainRequest(instance, group, keys));
+  return QueryNativeWait(instance, group, request.first_token, request.page_tokens,
+                         request.native_bytes, request.natives, timeout, request.key_version);
+}
+
+Result<QueryResult> CacheClient::QueryNativeWait(uint64_t instance, uint32_t group,
+                                                 uint64_t first_token, uint32_t page_tokens,
+                                                 uint8_t native_bytes,
+                                                 std::span<const uint8_t> natives,
+                                                 std::chrono::milliseconds timeout,
+                                                 uint16_t key_version) {
+  const orbitkv::Deadline deadline = orbitkv::Deadline::After(timeout);
+  for (;;) {
+    ORBITKV_ASSIGN_OR_RETURN(QueryResult result,
+                             QueryNative(instance, group, first_token, page_tokens, native_bytes,
+                                         natives, key_version));
+    if (result.loading_op == 0) return result;
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline.Remaining());
+    if (left.count() <= 0) return result;
+    Result<uint64_t> waited = WaitLoading(instance, result.loading_op, left);
+    if (!waited.ok()) {
+      // Still running at the deadline: the caller hears Loading. Taken by another query, cancelled
+      // or expired: the query, asked again, says what is there now.
+      if (waited.status().code() == StatusCode::kDeadlineExceeded) return result;
+      if (waited.status().code() != StatusCode::kNotFound &&
+          waited.status().code() != StatusCode::kAborted) {
+        return waited.status();
+      }
+    }
+  }
+}
+
+Result<uint64_t> CacheClient::WaitLoading(uint64_t instance, uint64_t op,
+                                          std::chrono::milliseconds timeout) {
+  const auto clamped = std::clamp<int64_t>(timeout.count(), 1, channel::kMaxWaitLoadingMs);
+  const channel::WaitLoadingRequest request{instance, op, static_cast<uint32_t>(clamped)};
+  // The Manager answers by the timeout itself; the client waits a little longer for that answer
+  // (then the request is abandoned, its slot freed when the answer comes).
+  const orbitkv::Deadline deadline =
+      orbitkv::Deadline::After(std::chrono::milliseconds(clamped) + options_.timeout);
+  MutexLock lock(&control_mu_);
+  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply,
+                           RoundTrip(
+                               [&](Descriptor* d, std::span<uint8_t> slot) {
+                                 return channel::EncodeWaitLoading(request, d, slot);
+                               },
+                               deadline));
+  ORBITKV_ASSIGN_OR_RETURN(channel::WaitLoadingReply done,
+                           channel::DecodeWaitLoadingReply(reply.descriptor));
+  return done.resident;
 }
 
 Result<uint64_t> CacheClient::StartRestore(uint64_t instance, uint32_t group, uint64_t lease,
@@ -281,14 +408,13 @@ Result<std::optional<Status>> CacheClient::PollRestore(uint64_t handle) {
   auto it = restores_.find(handle);
   if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
   Result<channel::InboundReply> reply =
-      control_->WaitReply(it->second.request_id, orbitkv::Deadline::At(MonoNow()),
-                          /*spin_iterations=*/0);
+      AwaitControl(it->second.request_id, orbitkv::Deadline::At(MonoNow()), /*spin_iterations=*/0);
   if (!reply.ok()) {
     if (reply.status().code() == StatusCode::kDeadlineExceeded) return std::optional<Status>();
     return std::optional<Status>(reply.status());
   }
   Status status = reply->code() == StatusCode::kOk
-                      ? Status::Ok()
+                      ? channel::DecodeRestoreReply(reply->descriptor).status()
                       : ErrorFromReply(*control_, *reply, it->second.slot);
   control_->ReleaseSlot(it->second.slot);
   restores_.erase(it);
@@ -299,9 +425,11 @@ Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::mill
   MutexLock lock(&control_mu_);
   auto it = restores_.find(handle);
   if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
+  const PendingRestore pending = it->second;
   const orbitkv::Deadline deadline = orbitkv::Deadline::After(timeout.value_or(options_.timeout));
+  // control_mu_ is let go while this waits: other threads' queries and restores go on meanwhile.
   Result<channel::InboundReply> reply =
-      control_->WaitReply(it->second.request_id, deadline, options_.spin_iterations);
+      AwaitControl(pending.request_id, deadline, options_.spin_iterations);
   if (!reply.ok()) {
     if (reply.status().code() == StatusCode::kDeadlineExceeded) {
       return Status::DeadlineExceeded(
@@ -311,10 +439,10 @@ Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::mill
     return reply.status();  // the session is dead: nothing will write the pages any more
   }
   Status status = reply->code() == StatusCode::kOk
-                      ? Status::Ok()
-                      : ErrorFromReply(*control_, *reply, it->second.slot);
-  control_->ReleaseSlot(it->second.slot);
-  restores_.erase(it);
+                      ? channel::DecodeRestoreReply(reply->descriptor).status()
+                      : ErrorFromReply(*control_, *reply, pending.slot);
+  control_->ReleaseSlot(pending.slot);
+  restores_.erase(handle);
   return status;
 }
 
@@ -372,11 +500,13 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
                                : reply.status();
     session->ReleaseSlot(
         oldest.slot);  // kept retired by the session while the request is outstanding
-    if (status.ok()) {
-      total.written += reply->descriptor.arg0;
-      total.skipped += reply->descriptor.arg1;
+    Result<channel::SaveReply> counts =
+        status.ok() ? channel::DecodeSaveReply(reply->descriptor) : Result<channel::SaveReply>(status);
+    if (counts.ok()) {
+      total.written += counts->written;
+      total.skipped += counts->skipped;
     } else if (failed.ok()) {
-      failed = status;
+      failed = counts.status();
     }
   };
   for (size_t start = 0; start < items.size() && failed.ok(); start += per_request) {
@@ -419,8 +549,7 @@ Status CacheClient::Release(uint64_t instance, uint64_t lease) {
 
 Status CacheClient::Cancel(uint64_t instance, uint64_t op) {
   Descriptor d{};
-  channel::EncodeRelease(channel::ReleaseRequest{instance, op}, &d);
-  d.opcode = static_cast<uint16_t>(Opcode::kCancel);
+  channel::EncodeCancel(channel::CancelRequest{instance, op}, &d);
   MutexLock lock(&control_mu_);
   return Call(d, {}).status();
 }
@@ -439,7 +568,8 @@ Result<uint64_t> CacheClient::Ping() {
   d.opcode = static_cast<uint16_t>(Opcode::kPing);
   MutexLock lock(&control_mu_);
   ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, Call(d, {}));
-  return reply.descriptor.arg0;
+  ORBITKV_ASSIGN_OR_RETURN(channel::PingReply ping, channel::DecodePingReply(reply.descriptor));
+  return ping.incarnation;
 }
 
 }  // namespace orbitkv::client

@@ -2,26 +2,33 @@
 // and the state of every request it sends, and exposes the placement-neutral cache API (DESIGN.md
 // §4).
 //
-//   RegisterInstance / RegisterGroup  bind the engine's namespace and its KV buffers (shared-memory
-//   fds, process memory or CUDA IPC handles) once; Query                             -> the longest
-//   resident prefix, leased (hits, lease) or a miss; StartRestore / WaitRestore        copy leased
-//   blocks into the engine's pages, one completion per restore; Save copy pages out and seal them,
-//   replying once they are resident; Release                           give back a lease the engine
-//   will not restore from.
+//   RegisterInstance / RegisterGroup   bind the engine's namespace and its KV buffers (shared-memory
+//                                      fds, process memory or CUDA IPC handles) once;
+//   Query                              the longest resident prefix, leased (hits, lease), Loading
+//                                      (the rest is being brought into DRAM: ask again, or
+//                                      QueryWait / WaitLoading for its completion), or a miss;
+//   StartRestore / WaitRestore         copy leased blocks into the engine's pages, one completion
+//                                      per restore;
+//   Save                               copy pages out and seal them, replying once resident;
+//   Release / Cancel                   give back a lease the engine will not restore from, or a
+//                                      Loading operation it no longer wants.
 //
 // Saves travel on a second session opened on first use, so a long save never queues queries or
 // restores behind it. Timeouts never free memory the Manager may still use: a restore that timed
 // out stays pending (poll it again) and its request slot is not reused until its reply arrives. If
 // the Manager dies, every call fails with Unavailable within its timeout; a poisoned session
-// reports the Manager's reason.
+// reports the Manager's reason. Every request and reply goes through channel/messages' codecs.
 //
 // Links only base, state and channel (no gRPC, UCX, CUDA). Thread safety: all methods are safe from
-// any thread; control calls serialize on one mutex and saves on another.
+// any thread. Control calls share one session: a thread waiting for its reply (a restore, a Loading
+// wait, a query) does not hold the session while it sleeps, so other threads' queries and restores
+// proceed meanwhile; saves serialize on their own session.
 #ifndef ORBITKV_CLIENT_CACHE_CLIENT_H_
 #define ORBITKV_CLIENT_CACHE_CLIENT_H_
 
 #include <array>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -121,6 +128,22 @@ class CacheClient {
                                   uint32_t page_tokens, uint8_t native_bytes,
                                   std::span<const uint8_t> natives, uint16_t key_version = 1);
   size_t MaxQueryKeys(size_t native_bytes = 32) const;
+  // Like Query / QueryNative, but a Loading answer is waited for (on its operation's completion,
+  // with no polling) and asked again, until `timeout` passed: then the Loading result is returned
+  // (ask again later, or Cancel). For callers on threads of their own (SGLang's prefetch thread);
+  // a scheduler that must never block uses Query.
+  Result<QueryResult> QueryWait(uint64_t instance, uint32_t group,
+                                std::span<const state::StateKey> keys,
+                                std::chrono::milliseconds timeout);
+  Result<QueryResult> QueryNativeWait(uint64_t instance, uint32_t group, uint64_t first_token,
+                                      uint32_t page_tokens, uint8_t native_bytes,
+                                      std::span<const uint8_t> natives,
+                                      std::chrono::milliseconds timeout, uint16_t key_version = 1);
+  // Waits until Loading operation `op` completed: returns how many blocks of its chain are now in
+  // DRAM (the next query leases them). DeadlineExceeded when it still runs after `timeout`;
+  // NotFound when there is no such operation (a query took it: ask the query again); Aborted when
+  // it was cancelled or expired.
+  Result<uint64_t> WaitLoading(uint64_t instance, uint64_t op, std::chrono::milliseconds timeout);
 
   // Copies the leased blocks into `pages` (one destination page per leased block, in order;
   // kSkipPage leaves one out). The lease is consumed. StartRestore returns a handle; WaitRestore
@@ -176,16 +199,28 @@ class CacheClient {
         control_(std::move(control)) {}
 
   orbitkv::Deadline CallDeadline() const;
+  // The compact request for a chain of keys (at most MaxQueryKeys of them) of `group`.
+  Result<channel::QueryRequest> ChainRequest(uint64_t instance, uint32_t group,
+                                             std::span<const state::StateKey> keys) const;
   Result<uint64_t> SubmitRestore(const channel::RestoreRequest& request);
   // Fills the descriptor and writes the payload into the request slot; returns the payload bytes.
   using Encoder = std::function<Result<uint32_t>(channel::Descriptor*, std::span<uint8_t>)>;
-  // One request on `session` (the caller holds that session's mutex): encode, submit, wait for the
-  // reply; an error reply becomes its Status. A reply payload is copied to *reply_payload.
-  Result<channel::InboundReply> RoundTrip(channel::ClientSession& session, const Encoder& encode,
-                                          std::string* reply_payload = nullptr);
-  // RoundTrip on the control session with a prepared descriptor and payload.
+  // One request on the control session: encode, submit, wait for the reply until `deadline`; an
+  // error reply becomes its Status. A reply payload is copied to *reply_payload.
+  Result<channel::InboundReply> RoundTrip(const Encoder& encode, orbitkv::Deadline deadline,
+                                          std::string* reply_payload = nullptr)
+      REQUIRES(control_mu_);
+  // RoundTrip with a prepared descriptor and payload.
   Result<channel::InboundReply> Call(channel::Descriptor d, std::span<const uint8_t> payload,
                                      std::string* reply_payload = nullptr) REQUIRES(control_mu_);
+  // Waits for the reply to control request `request_id`. control_mu_ is held on entry and exit but
+  // released while spinning and sleeping: one waiter at a time sleeps on the reply doorbell, the
+  // others on reply_cv_, and every reply read off the ring is kept in arrived_ for its waiter.
+  // DeadlineExceeded leaves the request outstanding.
+  Result<channel::InboundReply> AwaitControl(uint64_t request_id, orbitkv::Deadline deadline,
+                                             int spin_iterations) REQUIRES(control_mu_);
+  // Moves every reply on the ring into arrived_; true when one came.
+  Result<bool> DrainControlReplies() REQUIRES(control_mu_);
   Status ErrorFromReply(channel::ClientSession& session, const channel::InboundReply& reply,
                         uint32_t slot);
   Result<channel::ClientSession*> PublishSession() REQUIRES(publish_mu_);
@@ -201,6 +236,9 @@ class CacheClient {
   std::unique_ptr<channel::ClientSession> control_ PT_GUARDED_BY(control_mu_);
   std::map<uint64_t, PendingRestore> restores_ GUARDED_BY(control_mu_);
   uint64_t next_handle_ GUARDED_BY(control_mu_) = 1;
+  std::map<uint64_t, channel::InboundReply> arrived_ GUARDED_BY(control_mu_);  // by request id
+  bool sleeper_ GUARDED_BY(control_mu_) = false;  // a waiter sleeps on the reply doorbell
+  std::condition_variable_any reply_cv_;          // arrived_ grew, or the sleeper woke
 
   Mutex publish_mu_;
   std::unique_ptr<channel::ClientSession> publish_ PT_GUARDED_BY(publish_mu_);

@@ -70,6 +70,15 @@ BlockCache::~BlockCache() {
   pool_.reset();
 }
 
+BlockCache::Stats BlockCache::GetStats() const {
+  Stats stats;
+  stats.pool = pool_->Stats();
+  stats.table = table_->Stats();
+  stats.leases_active = leases_->active();
+  stats.query_reserved_bytes = query_budget_->reserved_bytes();
+  return stats;
+}
+
 size_t BlockCache::MaxQueryBlocks(uint64_t padded_block_bytes) const {
   const Budget::Options& limits = query_budget_->options();
   uint64_t limit = UINT64_MAX;

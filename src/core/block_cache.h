@@ -85,10 +85,23 @@ class BlockCache {
   Status ReleaseLease(uint64_t instance, LeaseId lease) {
     return leases_->Release(lease, instance);
   }
-  // Pins of the lease's blocks for a partial restore; the lease stays (LeaseTable::Borrow).
-  Result<std::vector<BlockPin>> BorrowLease(uint64_t instance, LeaseId lease) const {
-    return leases_->Borrow(lease, instance);
+  // A use of the lease's blocks for a partial restore: pins of their own, no reservation (that
+  // stays with the lease, which stays valid; LeaseTable::Borrow).
+  Result<LeaseUse> BorrowLease(uint64_t instance, LeaseId lease) const {
+    ORBITKV_ASSIGN_OR_RETURN(std::vector<BlockPin> pins, leases_->Borrow(lease, instance));
+    return LeaseUse(std::move(pins), BudgetTicket(), instance);
   }
+  // Whether `key` has an SSD residence (a query's prefix continues there).
+  bool OnSsd(const state::StateKey& key) { return table_->FindSsd(key).has_value(); }
+
+  // The numbers `orbitkv stats` shows, in one snapshot.
+  struct Stats {
+    PoolStats pool;
+    BlockTableStats table;
+    size_t leases_active = 0;
+    uint64_t query_reserved_bytes = 0;
+  };
+  Stats GetStats() const;
   Result<LeaseUse> ConsumeLease(uint64_t instance, LeaseId lease) {
     return leases_->Consume(lease, instance);
   }

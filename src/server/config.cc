@@ -240,6 +240,10 @@ const std::vector<Option>& Options() {
        "how long the blocks a completed Loading operation read from SSD stay pinned for the "
        "engine's next query of the chain, if it does not come (default 10)",
        Uint32Into(&ManagerConfig::loading_hold_seconds, 1, 3600)},
+      {"ssd-load-deadline", "SECONDS",
+       "the longest a Loading operation waits for its SSD reads; it then completes with the "
+       "blocks that arrived and the engine gets the shorter hit (default 30)",
+       Uint32Into(&ManagerConfig::ssd_load_deadline_seconds, 1, 3600)},
       {"etcd-endpoints", "HOST:PORT[,...]",
        "join the cluster registered in this etcd (distributed mode; default off: a single host)",
        StringInto(&ManagerConfig::etcd_endpoints)},

@@ -54,6 +54,7 @@ struct ManagerConfig {
   uint64_t ssd_queue_bytes = 0;         // 0: an eighth of the pool, at most 1 GiB
   uint32_t max_loading = 256;           // outstanding Loading operations per session
   uint32_t loading_hold_seconds = 10;   // a completed load's pins wait this long for the engine
+  uint32_t ssd_load_deadline_seconds = 30;  // a Loading op's SSD stage completes with what arrived
 
   // Distributed mode (membership on etcd): off unless etcd_endpoints is set.
   std::string etcd_endpoints;  // host:port[,host:port...]

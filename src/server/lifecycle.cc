@@ -9,19 +9,12 @@
 
 #include "base/logging.h"
 #include "server/manager.h"
-#include "server/manager_internal.h"
-
-#if ORBITKV_SERVER_HAS_GPU
-#include "gpu/cuda_copy_engine.h"
-#include "gpu/cuda_util.h"
-#endif
 
 namespace orbitkv::server {
 namespace {
 
 constexpr uint64_t kPage = 4096;
 
-// page_bytes + (num_pages - 1) * stride + base_offset <= buffer_bytes, without overflow.
 const char* BufferKindName(channel::BufferKind kind) {
   switch (kind) {
     case channel::BufferKind::kSharedMemory:
@@ -34,6 +27,7 @@ const char* BufferKindName(channel::BufferKind kind) {
   return "unknown";
 }
 
+// page_bytes + (num_pages - 1) * stride + base_offset <= buffer_bytes, without overflow.
 bool PagesFit(const channel::BufferDescriptor& b, uint32_t num_pages) {
   if (b.page_bytes == 0 || b.page_bytes > b.buffer_bytes) return false;
   const uint64_t last = num_pages - 1;
@@ -41,6 +35,41 @@ bool PagesFit(const channel::BufferDescriptor& b, uint32_t num_pages) {
   const uint64_t span = last * b.page_stride + b.page_bytes;
   if (b.base_offset > UINT64_MAX - span) return false;
   return b.base_offset + span <= b.buffer_bytes;
+}
+
+// What follows a RegisterGroup's descriptors per buffer: nothing (shared memory), one address or
+// one CudaIpcBuffer.
+size_t TrailerBytes(channel::BufferKind kind) {
+  if (kind == channel::BufferKind::kProcessMemory) return sizeof(uint64_t);
+  if (kind == channel::BufferKind::kCudaIpc) return sizeof(channel::CudaIpcBuffer);
+  return 0;
+}
+
+// The header of a RegisterGroup frame, checked against the frame's size and fds.
+Result<channel::RegisterGroupHeader> GroupHeader(channel::Frame& frame) {
+  ORBITKV_ASSIGN_OR_RETURN(
+      channel::RegisterGroupHeader header,
+      channel::BodyAs<channel::RegisterGroupHeader>(frame, /*allow_trailing=*/true));
+  if (header.buffer_count == 0 || header.buffer_count > channel::kMaxFrameFds) {
+    return Status::InvalidArgument(fmt::format("a group needs 1-{} buffers, not {}",
+                                               channel::kMaxFrameFds, header.buffer_count));
+  }
+  if (header.buffer_kind > channel::kMaxBufferKind) {
+    return Status::InvalidArgument(fmt::format("unknown buffer kind {}", header.buffer_kind));
+  }
+  const auto kind = static_cast<channel::BufferKind>(header.buffer_kind);
+  const size_t descriptors_end =
+      sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor);
+  if (frame.body.size() != descriptors_end + header.buffer_count * TrailerBytes(kind)) {
+    return Status::InvalidArgument("RegisterGroup body size does not match its buffer count");
+  }
+  const size_t expected_fds = kind == channel::BufferKind::kSharedMemory ? header.buffer_count : 0;
+  if (frame.fds.size() != expected_fds) {
+    return Status::InvalidArgument(fmt::format("RegisterGroup names {} buffers but passed {} fds",
+                                               header.buffer_count, frame.fds.size()));
+  }
+  if (header.num_pages == 0) return Status::InvalidArgument("a group needs at least one page");
+  return header;
 }
 
 }  // namespace
@@ -76,92 +105,44 @@ Status Manager::RegisterInstance(Session& session, const channel::Frame& frame) 
   }
   ORBITKV_ASSIGN_OR_RETURN(channel::RegisterInstanceBody body,
                            channel::BodyAs<channel::RegisterInstanceBody>(frame));
-  MutexLock lock(&instances_mu_);
-  auto it = instances_.find(body.instance_id);
-  if (it != instances_.end()) {
-    if (it->second->owner_session != session.id) {
-      return Status::AlreadyExists(
-          fmt::format("instance {} is registered by another live session; pick another instance id "
-                      "or stop that "
-                      "engine first",
-                      body.instance_id));
-    }
-    if (std::memcmp(it->second->namespace_digest.data(), body.namespace_digest, 32) != 0) {
-      return Status::AlreadyExists(fmt::format(
-          "instance {} is already registered with another namespace", body.instance_id));
-    }
-    return Status::Ok();  // idempotent
+  state::Digest256 digest;
+  std::memcpy(digest.bytes.data(), body.namespace_digest, 32);
+  ORBITKV_ASSIGN_OR_RETURN(bool added,
+                           service_->instances().Register(session.id, body.instance_id,
+                                                          state::StateNamespace(digest)));
+  if (added) {
+    instances_active_->Add(1);
+    ORBITKV_LOG_INFO("manager: session {} registered instance {}", session.id, body.instance_id);
   }
-  auto instance = std::make_shared<Instance>();
-  instance->id = body.instance_id;
-  std::memcpy(instance->namespace_digest.data(), body.namespace_digest, 32);
-  instance->owner_session = session.id;
-  instances_.emplace(body.instance_id, std::move(instance));
-  instances_active_->Add(1);
-  ORBITKV_LOG_INFO("manager: session {} registered instance {}", session.id, body.instance_id);
   return Status::Ok();
 }
 
 Result<uint64_t> Manager::RegisterGroup(Session& session, channel::Frame& frame) {
-  ORBITKV_ASSIGN_OR_RETURN(
-      channel::RegisterGroupHeader header,
-      channel::BodyAs<channel::RegisterGroupHeader>(frame, /*allow_trailing=*/true));
-  if (header.buffer_count == 0 || header.buffer_count > channel::kMaxFrameFds) {
-    return Status::InvalidArgument(fmt::format("a group needs 1-{} buffers, not {}",
-                                               channel::kMaxFrameFds, header.buffer_count));
-  }
-  if (header.buffer_kind > channel::kMaxBufferKind) {
-    return Status::InvalidArgument(fmt::format("unknown buffer kind {}", header.buffer_kind));
-  }
+  ORBITKV_ASSIGN_OR_RETURN(channel::RegisterGroupHeader header, GroupHeader(frame));
   const auto kind = static_cast<channel::BufferKind>(header.buffer_kind);
-  // What follows the descriptors: nothing (shared memory), one address or one CudaIpcBuffer each.
-  size_t trailer_bytes = 0;
-  if (kind == channel::BufferKind::kProcessMemory) trailer_bytes = sizeof(uint64_t);
-  if (kind == channel::BufferKind::kCudaIpc) trailer_bytes = sizeof(channel::CudaIpcBuffer);
-  const size_t descriptors_end =
-      sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor);
-  if (frame.body.size() != descriptors_end + header.buffer_count * trailer_bytes) {
-    return Status::InvalidArgument("RegisterGroup body size does not match its buffer count");
-  }
-  const size_t expected_fds = kind == channel::BufferKind::kSharedMemory ? header.buffer_count : 0;
-  if (frame.fds.size() != expected_fds) {
-    return Status::InvalidArgument(fmt::format("RegisterGroup names {} buffers but passed {} fds",
-                                               header.buffer_count, frame.fds.size()));
-  }
   const pid_t engine_pid = session.channel->peer().pid;
   if (kind == channel::BufferKind::kProcessMemory && engine_pid <= 0) {
     return Status::FailedPrecondition("the engine's process id is unknown: use shared memory");
   }
-  if (kind == channel::BufferKind::kCudaIpc && !gpu_enabled()) {
-    return Status::FailedPrecondition(
-        ORBITKV_SERVER_HAS_GPU
-            ? "this Manager found no usable GPU when it started, so it cannot import CUDA IPC "
-              "buffers; start it where the engine's GPU is visible (check CUDA_VISIBLE_DEVICES and "
-              "the NVIDIA driver), or register host memory instead"
-            : "this Manager was built without CUDA (orbitkv::gpu), so it cannot import CUDA IPC "
-              "buffers; use a build configured with -DORBITKV_WITH_CUDA=ON, or register host "
-              "memory instead");
+  if (kind == channel::BufferKind::kCudaIpc && !engines_.gpu_enabled()) {
+    return engines_.GpuUnavailable();
   }
-  if (header.num_pages == 0) return Status::InvalidArgument("a group needs at least one page");
-  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<Instance> instance,
-                           InstanceFor(session, header.instance_id));
+  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<EngineInstance> instance,
+                           service_->instances().Find(session.owner_id, header.instance_id));
 
-  auto group = std::make_shared<Group>();
+  auto group = std::make_shared<KvGroup>();
   group->group = header.group;
   group->num_pages = header.num_pages;
   group->kind = kind;
-  group->engine = copy_engine_.get();
-#if ORBITKV_SERVER_HAS_GPU
-  if (kind == channel::BufferKind::kCudaIpc) group->engine = cuda_engine_.get();
-#endif
-  // On any failure, buffers already registered with the copy engine are unregistered (the Group
+  group->engine = engines_.Engine(kind);
+  // On any failure, buffers already registered with the copy engine are unregistered (the group
   // unmaps them).
   auto abandon = [&](Status status) {
-    for (Group::Buffer& b : group->buffers) {
-      if (b.id.generation != 0) (void)UnregisterGroupBuffer(*group, b.id);
-    }
+    UnregisterBuffers(*group);
     return status;
   };
+  const size_t descriptors_end =
+      sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor);
   for (uint32_t i = 0; i < header.buffer_count; ++i) {
     channel::BufferDescriptor layout;
     std::memcpy(&layout, frame.body.data() + sizeof(header) + i * sizeof(layout), sizeof(layout));
@@ -171,25 +152,8 @@ Result<uint64_t> Manager::RegisterGroup(Session& session, channel::Frame& frame)
           i, header.num_pages, layout.page_bytes, layout.page_stride, layout.base_offset,
           layout.buffer_bytes)));
     }
-    const uint8_t* trailer = frame.body.data() + descriptors_end + i * trailer_bytes;
-    Status added;
-    switch (kind) {
-      case channel::BufferKind::kSharedMemory:
-        added = AddSharedMemoryBuffer(group.get(), i, layout, frame.fds[i].get());
-        break;
-      case channel::BufferKind::kProcessMemory: {
-        uint64_t address;
-        std::memcpy(&address, trailer, sizeof(address));
-        added = AddProcessBuffer(group.get(), i, layout, engine_pid, address);
-        break;
-      }
-      case channel::BufferKind::kCudaIpc: {
-        channel::CudaIpcBuffer cuda;
-        std::memcpy(&cuda, trailer, sizeof(cuda));
-        added = AddCudaIpcBuffer(group.get(), i, layout, cuda);
-        break;
-      }
-    }
+    Status added = AddBuffer(group.get(), i, layout, frame,
+                             descriptors_end + i * TrailerBytes(kind), engine_pid);
     if (!added.ok()) return abandon(added);
     group->block_bytes += layout.page_bytes;
   }
@@ -200,19 +164,40 @@ Result<uint64_t> Manager::RegisterGroup(Session& session, channel::Frame& frame)
                     "the Manager with a larger --slab",
                     group->block_bytes, cache_->pool().slab_bytes())));
   }
-  MutexLock lock(&instance->mu);
-  if (instance->groups.count(header.group) != 0) {
-    return abandon(Status::AlreadyExists(fmt::format(
-        "group {} of instance {} is already registered", header.group, header.instance_id)));
-  }
-  instance->groups.emplace(header.group, group);
+  const uint64_t padded = group->padded_bytes;
+  const size_t buffers = group->buffers.size();
+  Status added = instance->AddGroup(group);
+  if (!added.ok()) return abandon(added);
   ORBITKV_LOG_INFO("manager: instance {} group {}: {} pages of {} bytes in {} {} buffer(s)",
                    header.instance_id, header.group, header.num_pages, group->block_bytes,
-                   group->buffers.size(), BufferKindName(kind));
-  return group->padded_bytes;
+                   buffers, BufferKindName(kind));
+  return padded;
 }
 
-Status Manager::AddSharedMemoryBuffer(Group* group, uint32_t index,
+Status Manager::AddBuffer(KvGroup* group, uint32_t index, const channel::BufferDescriptor& layout,
+                          const channel::Frame& frame, size_t trailer_offset, pid_t engine_pid) {
+  const uint8_t* trailer = frame.body.data() + trailer_offset;
+  switch (group->kind) {
+    case channel::BufferKind::kSharedMemory:
+      return AddSharedMemoryBuffer(group, index, layout, frame.fds[index].get());
+    case channel::BufferKind::kProcessMemory: {
+      uint64_t address;
+      std::memcpy(&address, trailer, sizeof(address));
+      return AddProcessBuffer(group, index, layout, engine_pid, address);
+    }
+    case channel::BufferKind::kCudaIpc: {
+      channel::CudaIpcBuffer cuda;
+      std::memcpy(&cuda, trailer, sizeof(cuda));
+      Result<core::BufferId> id = engines_.RegisterCudaIpc(cuda, layout.buffer_bytes);
+      if (!id.ok()) return id.status().WithContext(fmt::format("buffer {}", index));
+      group->buffers.push_back(KvGroup::Buffer{nullptr, layout.buffer_bytes, layout, *id});
+      return Status::Ok();
+    }
+  }
+  return Status::InvalidArgument("unknown buffer kind");
+}
+
+Status Manager::AddSharedMemoryBuffer(KvGroup* group, uint32_t index,
                                       const channel::BufferDescriptor& layout, int fd) {
   struct stat st {};
   if (fstat(fd, &st) != 0) return ErrnoStatus("fstat engine buffer", errno);
@@ -223,26 +208,22 @@ Status Manager::AddSharedMemoryBuffer(Group* group, uint32_t index,
   }
   void* mapped = mmap(nullptr, layout.buffer_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (mapped == MAP_FAILED) return ErrnoStatus(fmt::format("mmap engine buffer {}", index), errno);
-  Group::Buffer buffer;
+  KvGroup::Buffer buffer;
   buffer.base = static_cast<uint8_t*>(mapped);
   buffer.bytes = layout.buffer_bytes;
   buffer.layout = layout;
-  group->buffers.push_back(buffer);  // the Group unmaps it, whatever happens next
+  group->buffers.push_back(buffer);  // the group unmaps it, whatever happens next
   ORBITKV_ASSIGN_OR_RETURN(group->buffers.back().id,
-                           copy_engine_->RegisterBuffer(buffer.base, buffer.bytes));
+                           engines_.RegisterSharedMemory(buffer.base, buffer.bytes));
   return Status::Ok();
 }
 
-Status Manager::AddProcessBuffer(Group* group, uint32_t index,
+Status Manager::AddProcessBuffer(KvGroup* group, uint32_t index,
                                  const channel::BufferDescriptor& layout, pid_t engine_pid,
                                  uint64_t address) {
-  ORBITKV_ASSIGN_OR_RETURN(core::BufferId id, copy_engine_->RegisterProcessBuffer(
+  ORBITKV_ASSIGN_OR_RETURN(core::BufferId id, engines_.RegisterProcessMemory(
                                                   engine_pid, address, layout.buffer_bytes));
-  Group::Buffer buffer;
-  buffer.bytes = layout.buffer_bytes;
-  buffer.layout = layout;
-  buffer.id = id;
-  group->buffers.push_back(buffer);
+  group->buffers.push_back(KvGroup::Buffer{nullptr, layout.buffer_bytes, layout, id});
   // Probe the first byte now, so a buffer the Manager may not access fails here with its reason
   // rather than at the first restore.
   uint8_t probe;
@@ -257,47 +238,18 @@ Status Manager::AddProcessBuffer(Group* group, uint32_t index,
   return Status::Ok();
 }
 
-Status Manager::AddCudaIpcBuffer(Group* group, uint32_t index,
-                                 const channel::BufferDescriptor& layout,
-                                 const channel::CudaIpcBuffer& cuda) {
-#if ORBITKV_SERVER_HAS_GPU
-  const size_t bus_id_length = strnlen(cuda.pci_bus_id, sizeof(cuda.pci_bus_id));
-  if (bus_id_length == sizeof(cuda.pci_bus_id)) {
-    return Status::InvalidArgument(
-        fmt::format("buffer {}: its PCI bus id is not terminated", index));
+void Manager::UnregisterBuffers(KvGroup& group) {
+  for (KvGroup::Buffer& buffer : group.buffers) {
+    if (buffer.id.generation == 0) continue;  // never registered
+    Status unregistered = engines_.Unregister(group.kind, buffer.id);
+    if (!unregistered.ok())
+      ORBITKV_LOG_WARN("manager: unregister buffer: {}", unregistered.ToString());
   }
-  const std::string_view bus_id(cuda.pci_bus_id, bus_id_length);
-  Result<int> device = gpu::DeviceByPciBusId(bus_id);
-  if (!device.ok()) return device.status().WithContext(fmt::format("buffer {}", index));
-  Result<core::BufferId> id = cuda_engine_->RegisterIpcBuffer(
-      std::span<const uint8_t>(cuda.ipc_handle, sizeof(cuda.ipc_handle)), *device,
-      layout.buffer_bytes, cuda.offset);
-  if (!id.ok()) {
-    return id.status().WithContext(
-        fmt::format("buffer {}: importing {} bytes at offset {} of a CUDA IPC allocation on GPU {}",
-                    index, layout.buffer_bytes, cuda.offset, bus_id));
-  }
-  Group::Buffer buffer;
-  buffer.bytes = layout.buffer_bytes;
-  buffer.layout = layout;
-  buffer.id = *id;
-  group->buffers.push_back(buffer);
-  return Status::Ok();
-#else
-  (void)group;
-  (void)index;
-  (void)layout;
-  (void)cuda;
-  return Status::FailedPrecondition("this Manager was built without CUDA");
-#endif
 }
 
 Status Manager::UnregisterInstance(Session& session, uint64_t instance_id) {
-  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<Instance> instance, InstanceFor(session, instance_id));
-  {
-    MutexLock lock(&instances_mu_);
-    instances_.erase(instance_id);
-  }
+  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<EngineInstance> instance,
+                           service_->instances().Remove(session.owner_id, instance_id));
   RetireInstance(instance);
   return Status::Ok();
 }

@@ -2,26 +2,15 @@
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cstring>
-#include <filesystem>
 #include <random>
 
 #include "base/check.h"
 #include "base/logging.h"
-#include "server/manager_internal.h"
-
-#if ORBITKV_SERVER_HAS_GPU
-#include "gpu/cuda_copy_engine.h"
-#include "gpu/cuda_util.h"
-#include "gpu/host_memory_registry.h"
-#endif
+#include "server/options.h"
 
 namespace orbitkv::server {
 namespace {
@@ -30,126 +19,28 @@ namespace {
 enum EventKind : uint64_t { kListener = 0, kWake = 1, kSocket = 2, kDoorbell = 3 };
 uint64_t EventData(uint64_t session_id, EventKind kind) { return session_id << 2 | kind; }
 
-std::vector<int> ParseNumaNodes(const std::string& numa) {
-  if (numa == "auto") return {};
-  if (numa == "none") return {-1};
-  std::vector<int> nodes;
-  size_t start = 0;
-  while (start < numa.size()) {
-    const size_t comma = std::min(numa.find(',', start), numa.size());
-    nodes.push_back(std::stoi(numa.substr(start, comma - start)));
-    start = comma + 1;
-  }
-  return nodes;
-}
-
-// The SSD tier's options from the flags; the capacity defaults to 64 GiB and never exceeds 90% of
-// the free space of the file system holding --ssd-path (preallocation must not fill the disk).
-Result<core::SsdTierOptions> SsdOptionsFor(const ManagerConfig& config) {
-  core::SsdTierOptions options;
-  options.store.directory = config.ssd_path;
-  std::error_code error;
-  std::filesystem::create_directories(config.ssd_path, error);
-  if (error) {
-    return Status::InvalidArgument(
-        fmt::format("--ssd-path {}: cannot create it: {}", config.ssd_path, error.message()));
-  }
-  struct statvfs fs {};
-  if (statvfs(config.ssd_path.c_str(), &fs) != 0) {
-    return ErrnoStatus(fmt::format("--ssd-path {}: statvfs", config.ssd_path), errno);
-  }
-  // Space the tier's existing files already hold counts as available to it.
-  uint64_t existing = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(config.ssd_path, error)) {
-    if (entry.path().filename().string().starts_with("orbitkv-ssd-")) {
-      struct stat st {};
-      if (stat(entry.path().c_str(), &st) == 0)
-        existing += static_cast<uint64_t>(st.st_blocks) * 512;
-    }
-  }
-  const uint64_t available = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize + existing;
-  const uint64_t limit = available / 10 * 9;
-  uint64_t capacity = config.ssd_capacity_bytes != 0 ? config.ssd_capacity_bytes : (64ull << 30);
-  if (capacity > limit) {
-    if (config.ssd_capacity_bytes != 0) {
-      return Status::ResourceExhausted(fmt::format(
-          "--ssd-capacity {} MiB does not fit: the file system of {} has {} MiB available (the "
-          "tier takes at most 90% of it); give a smaller --ssd-capacity",
-          capacity >> 20, config.ssd_path, available >> 20));
-    }
-    capacity = limit;
-  }
-  options.store.capacity_bytes = capacity;
-  options.store.file_count = config.ssd_files;
-  if (options.store.file_count == 0) {
-    options.store.file_count =
-        static_cast<uint32_t>(std::clamp<uint64_t>(capacity / (64ull << 30), 1, 16));
-  }
-  options.store.backend = *storage::ParseDeviceBackend(config.ssd_backend);
-  options.store.recover = config.ssd_recover;
-  options.store.verify_on_open = config.ssd_verify == "eager";
-  options.store.write_staging = *storage::ParseWriteStaging(config.ssd_write_staging);
-  options.policy = config.ssd_policy == "write-through" ? core::SsdWritePolicy::kWriteThrough
-                                                        : core::SsdWritePolicy::kWriteBack;
-  options.min_frequency = config.ssd_min_frequency;
-  options.write_bytes_per_second = config.ssd_write_budget_bytes;
-  options.queue_bytes = config.ssd_queue_bytes != 0
-                            ? config.ssd_queue_bytes
-                            : std::min<uint64_t>(config.dram_bytes / 8, 1ull << 30);
-  return options;
+void LogSsdTier(const ManagerConfig& config, const core::SsdTier& ssd, uint32_t files) {
+  const storage::ScanReport& scan = ssd.scan_report();
+  ORBITKV_LOG_INFO(
+      "manager: SSD tier at {}: {} GiB in {} file(s), {} backend{}, {} writes; recovered {} "
+      "block(s) ({} MiB) in {:.2f} s{}",
+      config.ssd_path, ssd.capacity_bytes() >> 30, files, ssd.backend_name(),
+      ssd.direct_io() ? " with O_DIRECT" : "", storage::WriteStagingName(ssd.write_staging()),
+      scan.records, scan.payload_bytes >> 20, scan.seconds,
+      scan.dropped_version + scan.dropped_corrupt + scan.dropped_overlap == 0
+          ? std::string()
+          : fmt::format(" (dropped {} of another format version, {} corrupt, {} overlapping)",
+                        scan.dropped_version, scan.dropped_corrupt, scan.dropped_overlap));
 }
 
 }  // namespace
 
-Manager::Group::~Group() {
-  for (Buffer& buffer : buffers) {
-    if (buffer.base != nullptr) munmap(buffer.base, buffer.bytes);
-  }
-}
-
 Manager::Manager(const ManagerConfig& config) : config_(config) {}
-
-void Manager::SetUpGpu(core::BlockCacheOptions* options) {
-#if ORBITKV_SERVER_HAS_GPU
-  Result<int> devices = gpu::UsableDeviceCount();
-  if (!devices.ok()) {
-    ORBITKV_LOG_WARN("manager: CUDA is not usable ({}); serving CPU engines only",
-                     devices.status().ToString());
-    return;
-  }
-  if (*devices == 0) {
-    ORBITKV_LOG_INFO("manager: no GPU found; serving CPU engines only");
-    return;
-  }
-  host_memory_ = std::make_unique<gpu::HostMemoryRegistry>();
-  options->pool.registrar = host_memory_.get();
-  ORBITKV_LOG_INFO("manager: {} GPU(s) usable: the pool is registered with CUDA", *devices);
-#else
-  (void)options;
-#endif
-}
-
-bool Manager::gpu_enabled() const {
-#if ORBITKV_SERVER_HAS_GPU
-  return host_memory_ != nullptr;
-#else
-  return false;
-#endif
-}
 
 Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
   std::unique_ptr<Manager> manager(new Manager(config));
-  core::BlockCacheOptions options;
-  options.pool.capacity_bytes = config.dram_bytes;
-  options.pool.slab_bytes = config.slab_bytes;
-  options.pool.numa_nodes = ParseNumaNodes(config.numa);
-  options.pool.pin_mode =
-      config.allow_unpinned ? core::PinMode::kAllowUnpinned : core::PinMode::kRequireLocked;
-  options.query_budget_bytes = config.query_budget_bytes;
-  options.query_instance_budget_bytes = config.query_instance_budget_bytes;
-  options.transfer_budget_bytes = config.transfer_budget_bytes;
-  options.table.expected_blocks = std::max<uint64_t>(config.dram_bytes / (256 << 10), 1024);
-  manager->SetUpGpu(&options);  // before the pool: its arenas are registered as they are mapped
+  core::BlockCacheOptions options = CacheOptionsFor(config);
+  manager->engines_.PreparePool(&options);  // before the pool: its arenas are registered as mapped
   Result<std::unique_ptr<core::BlockCache>> cache =
       core::BlockCache::Create(options, &manager->metrics_);
   if (!cache.ok()) return cache.status().WithContext("creating the DRAM pool");
@@ -160,20 +51,17 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
         core::SsdTier::Create(ssd, manager->cache_.get(), &manager->metrics_);
     if (!tier.ok()) return tier.status().WithContext("opening the SSD tier (--ssd-path)");
     manager->ssd_ = std::move(*tier);
-    const storage::ScanReport& scan = manager->ssd_->scan_report();
-    ORBITKV_LOG_INFO(
-        "manager: SSD tier at {}: {} GiB in {} file(s), {} backend{}, {} writes; recovered {} "
-        "block(s) ({} MiB) in {:.2f} s{}",
-        config.ssd_path, manager->ssd_->capacity_bytes() >> 30, ssd.store.file_count,
-        manager->ssd_->backend_name(), manager->ssd_->direct_io() ? " with O_DIRECT" : "",
-        storage::WriteStagingName(manager->ssd_->write_staging()),
-        scan.records, scan.payload_bytes >> 20, scan.seconds,
-        scan.dropped_version + scan.dropped_corrupt + scan.dropped_overlap == 0
-            ? std::string()
-            : fmt::format(" (dropped {} of another format version, {} corrupt, {} overlapping)",
-                          scan.dropped_version, scan.dropped_corrupt, scan.dropped_overlap));
+    LogSsdTier(config, *manager->ssd_, ssd.store.file_count);
   }
   manager->incarnation_ = manager->cache_->incarnation();
+  CacheServiceOptions service = ServiceOptionsFor(config);
+  service.wake_sweeper = [m = manager.get()] {
+    MutexLock lock(&m->cleanup_mu_);
+    m->sweep_due_ = true;
+    m->cleanup_cv_.notify_one();
+  };
+  manager->service_ = std::make_unique<CacheService>(service, manager->cache_.get(),
+                                                     manager->ssd_.get(), &manager->metrics_);
 
   // Admitting other uids needs a socket they can connect to; SO_PEERCRED then decides who stays.
   Result<ScopedFd> listener =
@@ -184,61 +72,28 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
   manager->epoll_ = ScopedFd(epoll_create1(EPOLL_CLOEXEC));
   if (!manager->wake_.valid() || !manager->epoll_.valid())
     return ErrnoStatus("eventfd/epoll", errno);
-
-  MetricsRegistry& m = manager->metrics_;
-  manager->sessions_opened_ =
-      &m.GetCounter("orbitkv_sessions_opened_total", "Engine sessions accepted");
-  manager->sessions_poisoned_ = &m.GetCounter("orbitkv_sessions_poisoned_total",
-                                              "Sessions closed for a malformed or invalid request");
-  manager->sessions_active_ = &m.GetGauge("orbitkv_sessions_active", "Open engine sessions");
-  manager->instances_active_ =
-      &m.GetGauge("orbitkv_instances_active", "Registered engine instances");
-  manager->operations_active_ =
-      &m.GetGauge("orbitkv_operations_active", "Restores and saves in flight");
-  manager->requests_total_ =
-      &m.GetCounter("orbitkv_requests_total", "Requests received from engines");
-  manager->operation_rejections_ =
-      &m.GetCounter("orbitkv_operation_rejections_total",
-                    "Restores and saves refused because --max-operations were in flight");
-  manager->restored_bytes_ =
-      &m.GetCounter("orbitkv_restored_bytes_total", "Bytes copied into engine pages");
-  manager->saved_bytes_ =
-      &m.GetCounter("orbitkv_saved_bytes_total", "Bytes copied from engine pages and sealed");
-  manager->save_skipped_ = &m.GetCounter("orbitkv_save_skipped_blocks_total",
-                                         "Saved blocks skipped (already resident or in progress)");
-  manager->remote_work_enabled_ = &m.GetGauge("orbitkv_membership_remote_work_enabled",
-                                              "1 while membership is registered and the member "
-                                              "view complete (remote work allowed); 0 otherwise, "
-                                              "including single-host mode");
-  manager->loading_started_ = &m.GetCounter(
-      "orbitkv_loading_started_total", "Queries answered Loading (blocks read from SSD into DRAM)");
-  manager->loading_active_ =
-      &m.GetGauge("orbitkv_loading_active", "Loading operations not yet complete");
-  manager->loading_held_ = &m.GetGauge(
-      "orbitkv_loading_held_blocks",
-      "DRAM blocks that completed loads keep pinned until the engine's next query leases them");
-  manager->query_latency_ =
-      &m.GetHistogram("orbitkv_query_seconds", "Time to answer a query in the Manager",
-                      Histogram::ExponentialBounds(1e-6, 2, 20));
+  manager->RegisterMetrics();
   return manager;
+}
+
+void Manager::RegisterMetrics() {
+  MetricsRegistry& m = metrics_;
+  sessions_opened_ = &m.GetCounter("orbitkv_sessions_opened_total", "Engine sessions accepted");
+  sessions_poisoned_ = &m.GetCounter("orbitkv_sessions_poisoned_total",
+                                     "Sessions closed for a malformed or invalid request");
+  sessions_active_ = &m.GetGauge("orbitkv_sessions_active", "Open engine sessions");
+  instances_active_ = &m.GetGauge("orbitkv_instances_active", "Registered engine instances");
+  requests_total_ = &m.GetCounter("orbitkv_requests_total", "Requests received from engines");
+  remote_work_enabled_ = &m.GetGauge("orbitkv_membership_remote_work_enabled",
+                                     "1 while membership is registered and the member view "
+                                     "complete (remote work allowed); 0 otherwise, including "
+                                     "single-host mode");
 }
 
 Status Manager::Start() {
   ORBITKV_CHECK(!started_);
-  core::CpuCopyEngine::Options engine_options;
-  engine_options.threads = static_cast<int>(config_.copy_threads);
-  engine_options.max_inflight_batches = config_.max_operations;
-  ORBITKV_ASSIGN_OR_RETURN(copy_engine_, core::CpuCopyEngine::Create(engine_options, &metrics_));
-#if ORBITKV_SERVER_HAS_GPU
-  if (host_memory_) {
-    gpu::CudaCopyEngine::Options gpu_options;
-    gpu_options.max_inflight_batches = std::max<uint32_t>(config_.max_operations, 1);
-    Result<std::unique_ptr<gpu::CudaCopyEngine>> cuda =
-        gpu::CudaCopyEngine::Create(gpu_options, host_memory_.get(), &metrics_);
-    if (!cuda.ok()) return cuda.status().WithContext("starting the CUDA copy engine");
-    cuda_engine_ = std::move(*cuda);
-  }
-#endif
+  ORBITKV_RETURN_IF_ERROR(
+      engines_.Start(config_.copy_threads, config_.max_operations, &metrics_));
   if (!config_.metrics_addr.empty()) {
     Result<std::unique_ptr<MetricsHttpServer>> http =
         MetricsHttpServer::Bind(config_.metrics_addr, &metrics_);
@@ -252,7 +107,7 @@ Status Manager::Start() {
       epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &wake_event) != 0) {
     return ErrnoStatus("epoll_ctl", errno);
   }
-  ORBITKV_RETURN_IF_ERROR(StartMembership());
+  ORBITKV_ASSIGN_OR_RETURN(cluster_, ClusterLink::Start(config_, &metrics_));
   cleaner_ = std::thread([this] { CleanupLoop(); });
   dispatcher_ = std::thread([this] { DispatchLoop(); });
   started_ = true;
@@ -276,10 +131,7 @@ void Manager::Wait() {
   waited_ = true;
   dispatcher_.join();
   // The dispatcher stopped accepting and closed every session; drain the copies they left running.
-  copy_engine_->Shutdown();
-#if ORBITKV_SERVER_HAS_GPU
-  if (cuda_engine_) cuda_engine_->Shutdown();
-#endif
+  engines_.Shutdown();
   // Then the SSD tier: DRAM-only blocks are written for the restart (no engine can touch them
   // now), then the rest of the queue is dropped and writes and reads in flight finish.
   if (ssd_ && config_.ssd_persist_seconds > 0) PersistDramForRestart();
@@ -290,10 +142,7 @@ void Manager::Wait() {
   }
   cleanup_cv_.notify_all();
   cleaner_.join();
-#if ORBITKV_SERVER_HAS_CLUSTER
-  if (membership_)
-    membership_->Shutdown();  // revokes the lease: peers see this Manager leave at once
-#endif
+  if (cluster_) cluster_->Shutdown();  // revokes the lease: peers see this Manager leave at once
   if (http_) http_->Stop();
   ORBITKV_LOG_INFO("manager: stopped");
 }
@@ -319,17 +168,12 @@ Manager::~Manager() {
     RequestStop();
     Wait();
   }
-  {
-    MutexLock lock(&instances_mu_);
-    instances_.clear();
-  }
-  copy_engine_.reset();
-#if ORBITKV_SERVER_HAS_GPU
-  // Closes the IPC mappings still open; the pool (cache_) and then host_memory_, which unregisters
-  // nothing the pool did not, go with the members.
-  cuda_engine_.reset();
-#endif
-  ssd_.reset();  // before the cache it writes back from
+  if (ssd_) ssd_->Shutdown();  // its load callbacks reach the service
+  if (service_) service_->instances().Clear();
+  service_.reset();
+  engines_.Close();  // IPC mappings closed before the pool
+  ssd_.reset();      // before the cache it writes back from
+  cache_.reset();
   unlink(config_.socket_path.c_str());
 }
 
@@ -352,8 +196,8 @@ void Manager::DispatchLoop() {
       }
     }
     const int n = epoll_wait(epoll_.get(), events, 64, pending ? 0 : 1000);
-    if (!spinning) UpdateMembershipGauges();
     if (!spinning) {
+      remote_work_enabled_->Set(cluster_ && cluster_->CanDoRemoteWork() ? 1 : 0);
       for (auto& [id, session] : sessions_) session->channel->ClearWaiting();
     }
     if (n < 0 && errno != EINTR) {
@@ -369,24 +213,8 @@ void Manager::DispatchLoop() {
       if (it == sessions_.end()) continue;
       if (kind == kDoorbell) {
         it->second->channel->DrainDoorbell();
-        continue;
-      }
-      // Lifecycle frames, or the engine closing the session.
-      std::shared_ptr<Session> session = it->second;
-      for (;;) {
-        Result<std::optional<channel::Frame>> frame = session->channel->ReadFrame();
-        if (!frame.ok()) {
-          CloseSession(session->id, frame.status());
-          break;
-        }
-        if (!frame->has_value()) break;
-        Status handled = HandleFrame(*session, **frame);
-        if (!handled.ok()) {
-          sessions_poisoned_->Increment();
-          session->channel->Poison(handled);
-          CloseSession(session->id, handled);
-          break;
-        }
+      } else {
+        ServeFrames(it->second);
       }
     }
     // Serve every session's ring (cheap when empty): doorbells are only rung for sleeping
@@ -402,6 +230,40 @@ void Manager::DispatchLoop() {
   std::vector<uint64_t> ids;
   for (auto& [id, session] : sessions_) ids.push_back(id);
   for (uint64_t id : ids) CloseSession(id, Status::Unavailable("the Manager is shutting down"));
+}
+
+// Lifecycle frames, or the engine closing the session.
+void Manager::ServeFrames(const std::shared_ptr<Session>& session) {
+  for (;;) {
+    Result<std::optional<channel::Frame>> frame = session->channel->ReadFrame();
+    if (!frame.ok()) {
+      CloseSession(session->id, frame.status());
+      return;
+    }
+    if (!frame->has_value()) return;
+    Status handled = HandleFrame(*session, **frame);
+    if (!handled.ok()) {
+      PoisonSession(*session, handled);
+      return;
+    }
+  }
+}
+
+void Manager::PoisonSession(const Session& session, const Status& why) {
+  sessions_poisoned_->Increment();
+  session.channel->Poison(why);
+  CloseSession(session.id, why);
+}
+
+Status Manager::AdmitPublishSession(const Session& session) const {
+  auto control = sessions_.find(session.owner_id);
+  if (control == sessions_.end() ||
+      control->second->channel->role() != channel::SessionRole::kControl ||
+      control->second->channel->peer().pid != session.channel->peer().pid) {
+    return Status::PermissionDenied(
+        "a publish session must name a live control session of the same process");
+  }
+  return Status::Ok();
 }
 
 void Manager::AcceptSessions() {
@@ -427,16 +289,12 @@ void Manager::AcceptSessions() {
     auto session = std::make_shared<Session>();
     session->id = options.session_id;
     session->channel = std::shared_ptr<channel::ServerSession>(std::move(*accepted));
-    session->owner_id = session->channel->role() == channel::SessionRole::kPublish
-                            ? session->channel->control_session()
-                            : session->id;
-    if (session->channel->role() == channel::SessionRole::kPublish) {
-      auto control = sessions_.find(session->owner_id);
-      if (control == sessions_.end() ||
-          control->second->channel->role() != channel::SessionRole::kControl ||
-          control->second->channel->peer().pid != session->channel->peer().pid) {
-        session->channel->Poison(Status::PermissionDenied(
-            "a publish session must name a live control session of the same process"));
+    const bool publish = session->channel->role() == channel::SessionRole::kPublish;
+    session->owner_id = publish ? session->channel->control_session() : session->id;
+    if (publish) {
+      Status admitted = AdmitPublishSession(*session);
+      if (!admitted.ok()) {
+        session->channel->Poison(admitted);
         continue;
       }
     }
@@ -450,10 +308,9 @@ void Manager::AcceptSessions() {
     }
     sessions_opened_->Increment();
     sessions_active_->Add(1);
-    ORBITKV_LOG_INFO(
-        "manager: session {} ({}) opened by pid {} uid {}", session->id,
-        session->channel->role() == channel::SessionRole::kControl ? "control" : "publish",
-        session->channel->peer().pid, session->channel->peer().uid);
+    ORBITKV_LOG_INFO("manager: session {} ({}) opened by pid {} uid {}", session->id,
+                     publish ? "publish" : "control", session->channel->peer().pid,
+                     session->channel->peer().uid);
     sessions_.emplace(session->id, std::move(session));
   }
 }
@@ -463,11 +320,8 @@ int Manager::ServeSession(const std::shared_ptr<Session>& session) {
   int served = 0;
   for (; served < 64; ++served) {
     if (session->channel->broken()) {
-      const Status why =
-          Status::ResourceExhausted("the engine's reply ring overflowed or was corrupted");
-      sessions_poisoned_->Increment();
-      session->channel->Poison(why);
-      CloseSession(session->id, why);
+      PoisonSession(*session, Status::ResourceExhausted(
+                                  "the engine's reply ring overflowed or was corrupted"));
       return served;
     }
     Result<std::optional<channel::InboundRequest>> request = session->channel->NextRequest();
@@ -479,9 +333,7 @@ int Manager::ServeSession(const std::shared_ptr<Session>& session) {
     }
     if (!status.ok()) {
       ORBITKV_LOG_WARN("manager: poisoning session {}: {}", session->id, status.ToString());
-      sessions_poisoned_->Increment();
-      session->channel->Poison(status);
-      CloseSession(session->id, status);
+      PoisonSession(*session, status);
       return served;
     }
   }
@@ -497,55 +349,23 @@ void Manager::CloseSession(uint64_t session_id, const Status& why) {
   epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, session->channel->request_doorbell_fd(), nullptr);
   sessions_active_->Add(-1);
   // A control session's instances go with it; a superseded session cannot touch its replacement's.
-  std::vector<std::shared_ptr<Instance>> retired;
-  {
-    MutexLock lock(&instances_mu_);
-    for (auto inst = instances_.begin(); inst != instances_.end();) {
-      if (inst->second->owner_session == session->id) {
-        retired.push_back(inst->second);
-        inst = instances_.erase(inst);
-      } else {
-        ++inst;
-      }
-    }
-  }
+  std::vector<std::shared_ptr<EngineInstance>> retired =
+      service_->instances().RemoveOwner(session->id);
   for (const auto& instance : retired) RetireInstance(instance);
   ORBITKV_LOG_INFO("manager: session {} closed ({}); {} instance(s) cleaned up", session_id,
                    why.ToString(), retired.size());
 }
 
-void Manager::RetireInstance(const std::shared_ptr<Instance>& instance) {
-  instance->retired.store(true, std::memory_order_release);
+void Manager::RetireInstance(const std::shared_ptr<EngineInstance>& instance) {
   instances_active_->Add(-1);
-  DropLoadingOf(instance->id);
-  const size_t leases = cache_->CleanupInstance(instance->id);
+  const size_t leases = service_->RetireInstance(*instance);
   if (leases != 0)
     ORBITKV_LOG_INFO("manager: instance {}: released {} lease(s)", instance->id, leases);
   // Unregistering waits for in-flight copies into the instance's buffers: not on the dispatcher.
+  // Mappings are released when the last in-flight operation drops its reference to the group.
   PostCleanup([this, instance] {
-    std::map<uint32_t, std::shared_ptr<Group>> groups;
-    {
-      MutexLock lock(&instance->mu);
-      groups.swap(instance->groups);
-    }
-    for (auto& [id, group] : groups) {
-      for (Group::Buffer& buffer : group->buffers) {
-        Status unregistered = UnregisterGroupBuffer(*group, buffer.id);
-        if (!unregistered.ok())
-          ORBITKV_LOG_WARN("manager: unregister buffer: {}", unregistered.ToString());
-      }
-    }
-    // Mappings are released when the last in-flight operation drops its reference to the group.
+    for (auto& [id, group] : instance->TakeGroups()) UnregisterBuffers(*group);
   });
-}
-
-Status Manager::UnregisterGroupBuffer(const Group& group, core::BufferId id) {
-#if ORBITKV_SERVER_HAS_GPU
-  if (group.kind == channel::BufferKind::kCudaIpc) return cuda_engine_->UnregisterBuffer(id);
-#else
-  (void)group;  // every group is the CPU engine's
-#endif
-  return copy_engine_->UnregisterBuffer(id);
 }
 
 void Manager::PostCleanup(std::function<void()> task) {
@@ -557,17 +377,18 @@ void Manager::PostCleanup(std::function<void()> task) {
 }
 
 void Manager::CleanupLoop() {
+  MonoTime next_sweep = MonoNow();
   for (;;) {
     std::function<void()> task;
     {
       MutexLock lock(&cleanup_mu_);
-      // Woken each second as well: completed loads nobody asked for are let go even on a Manager
-      // that gets no queries.
-      while (cleanup_tasks_.empty() && !cleanup_stop_) {
-        if (cleanup_cv_.wait_for(cleanup_mu_, std::chrono::seconds(1)) == std::cv_status::timeout) {
-          break;
-        }
+      // Woken for Loading deadlines and held-block expiry too, even on a Manager that gets no
+      // queries.
+      while (cleanup_tasks_.empty() && !cleanup_stop_ && !sweep_due_ && MonoNow() < next_sweep) {
+        cleanup_cv_.wait_until(cleanup_mu_, next_sweep);
       }
+      if (sweep_due_) next_sweep = MonoNow();  // after the task, if there is one
+      sweep_due_ = false;
       if (cleanup_tasks_.empty() && cleanup_stop_) return;
       if (!cleanup_tasks_.empty()) {
         task = std::move(cleanup_tasks_.front());
@@ -578,75 +399,8 @@ void Manager::CleanupLoop() {
       task();
       continue;
     }
-    std::vector<core::BlockPin> released;  // let go after the lock
-    MutexLock lock(&loading_mu_);
-    SweepHeldLocked(&released);
+    next_sweep = std::min(service_->Sweep(), MonoNow() + std::chrono::seconds(1));
   }
-}
-
-Status Manager::StartMembership() {
-#if ORBITKV_SERVER_HAS_CLUSTER
-  if (config_.etcd_endpoints.empty()) return Status::Ok();
-  cluster::MembershipOptions options;
-  ORBITKV_ASSIGN_OR_RETURN(options.etcd_endpoints,
-                           cluster::SplitFlagList("--etcd-endpoints", config_.etcd_endpoints));
-  options.cluster_name = config_.cluster_name;
-  options.node_id = config_.node_id;
-  options.membership_ttl_secs = config_.membership_ttl_secs;
-  if (!config_.catalog_nodes.empty()) {
-    ORBITKV_ASSIGN_OR_RETURN(options.catalog_nodes,
-                             cluster::SplitFlagList("--catalog-nodes", config_.catalog_nodes));
-  }
-  options.peer_endpoint = config_.peer_endpoint;
-  ORBITKV_ASSIGN_OR_RETURN(membership_, cluster::Membership::Create(std::move(options), &metrics_));
-  Status joined = membership_->Join(Deadline::After(std::chrono::seconds(30)));
-  if (!joined.ok()) {
-    membership_.reset();
-    return joined.WithContext("joining the cluster");
-  }
-  ORBITKV_LOG_INFO("manager: joined cluster '{}' as node {}", config_.cluster_name,
-                   config_.node_id);
-#endif
-  return Status::Ok();
-}
-
-void Manager::UpdateMembershipGauges() {
-#if ORBITKV_SERVER_HAS_CLUSTER
-  if (membership_) {
-    remote_work_enabled_->Set(membership_->CanDoRemoteWork() ? 1 : 0);
-    return;
-  }
-#endif
-  remote_work_enabled_->Set(0);
-}
-
-std::string Manager::MembershipJson() const {
-#if ORBITKV_SERVER_HAS_CLUSTER
-  if (membership_) {
-    const cluster::MembershipStatus status = membership_->GetStatus();
-    return fmt::format(
-        ", \"membership\": \"{}\", \"membership_epoch\": {}, \"remote_work\": {}, "
-        "\"view_revision\": {}, "
-        "\"members\": {}",
-        cluster::MembershipStateName(status.state), status.self.epoch,
-        status.remote_work_allowed ? 1 : 0, status.view.revision, status.view.members.size());
-  }
-#endif
-  return ", \"membership\": \"single-host\"";
-}
-
-Result<std::shared_ptr<Manager::Instance>> Manager::InstanceFor(const Session& session,
-                                                                uint64_t instance_id) {
-  MutexLock lock(&instances_mu_);
-  auto it = instances_.find(instance_id);
-  if (it == instances_.end()) {
-    return Status::NotFound(fmt::format("instance {} is not registered", instance_id));
-  }
-  if (it->second->owner_session != session.owner_id) {
-    return Status::PermissionDenied(
-        fmt::format("instance {} belongs to another session", instance_id));
-  }
-  return it->second;
 }
 
 }  // namespace orbitkv::server

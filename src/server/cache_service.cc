@@ -1,0 +1,351 @@
+#include "server/cache_service.h"
+
+#include <fmt/format.h>
+
+#include "base/clock.h"
+#include "base/logging.h"
+
+namespace orbitkv::server {
+
+CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache* cache,
+                           core::SsdTier* ssd, MetricsRegistry* metrics)
+    : options_(options),
+      cache_(cache),
+      ssd_(ssd),
+      metrics_(metrics),
+      loading_(LoadingRegistry::Options{options.max_loading, options.loading_hold,
+                                        options.wake_sweeper},
+               metrics),
+      operations_active_(
+          &metrics->GetGauge("orbitkv_operations_active", "Restores and saves in flight")),
+      operation_rejections_(
+          &metrics->GetCounter("orbitkv_operation_rejections_total",
+                               "Restores and saves refused because --max-operations were in "
+                               "flight")),
+      restored_bytes_(
+          &metrics->GetCounter("orbitkv_restored_bytes_total", "Bytes copied into engine pages")),
+      saved_bytes_(&metrics->GetCounter("orbitkv_saved_bytes_total",
+                                        "Bytes copied from engine pages and sealed")),
+      save_skipped_(&metrics->GetCounter(
+          "orbitkv_save_skipped_blocks_total",
+          "Saved blocks skipped (already resident or in progress)")),
+      query_latency_(&metrics->GetHistogram("orbitkv_query_seconds",
+                                            "Time to answer a query in the Manager",
+                                            Histogram::ExponentialBounds(1e-6, 2, 20))),
+      hits_(&metrics->GetCounter("orbitkv_cache_hits_total", "")),
+      misses_(&metrics->GetCounter("orbitkv_cache_misses_total", "")),
+      evictions_(&metrics->GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}})) {}
+
+CacheService::~CacheService() = default;
+
+Result<CacheService::Target> CacheService::Resolve(uint64_t owner, uint64_t instance,
+                                                   uint32_t group) const {
+  Target target;
+  ORBITKV_ASSIGN_OR_RETURN(target.instance, instances_.Find(owner, instance));
+  ORBITKV_ASSIGN_OR_RETURN(target.group, target.instance->FindGroup(group));
+  return target;
+}
+
+bool CacheService::TryBeginOperation() {
+  if (operations_.fetch_add(1, std::memory_order_relaxed) >= options_.max_operations) {
+    operations_.fetch_sub(1, std::memory_order_relaxed);
+    operation_rejections_->Increment();
+    return false;
+  }
+  operations_active_->Add(1);
+  return true;
+}
+
+void CacheService::EndOperation() {
+  operations_.fetch_sub(1, std::memory_order_relaxed);
+  operations_active_->Add(-1);
+}
+
+std::vector<LoadingStage> CacheService::PlanLoading(const std::vector<state::StateKey>& keys,
+                                                    size_t hits) {
+  std::vector<LoadingStage> stages;
+  if (ssd_ == nullptr || !cache_->OnSsd(keys[hits])) return stages;
+  // The SSD stage covers the whole chain: the tier skips the keys already in DRAM and reports pins
+  // on the prefix resident once it is done.
+  LoadingStage ssd;
+  ssd.name = "ssd";
+  ssd.span = keys.size();
+  ssd.deadline = options_.ssd_load_deadline;
+  ssd.start = [tier = ssd_, keys](LoadingStage::Done done) mutable {
+    return tier->Load(std::move(keys), std::move(done));
+  };
+  stages.push_back(std::move(ssd));
+  return stages;
+}
+
+Result<channel::QueryReply> CacheService::Query(uint64_t owner,
+                                                const channel::QueryRequest& request) {
+  Stopwatch watch;
+  struct Observe {
+    Histogram* histogram;
+    Stopwatch& watch;
+    ~Observe() { histogram->Observe(watch.ElapsedSeconds()); }
+  } observe{query_latency_, watch};
+  ORBITKV_ASSIGN_OR_RETURN(Target target, Resolve(owner, request.instance, request.group));
+  // Keys are built in the instance's namespace: an engine can only ever ask for its own model's
+  // blocks.
+  std::vector<state::StateKey> keys;
+  ORBITKV_RETURN_IF_ERROR(state::StateKey::AppendChain(
+      target.instance->ns, request.group, request.first_token, request.page_tokens,
+      request.natives, request.native_bytes, request.key_version, &keys));
+  // Keys past what one lease can hold are never looked at (nor loaded).
+  const size_t max_blocks = cache_->MaxQueryBlocks(target.group->padded_bytes);
+  if (keys.size() > max_blocks)
+    keys.erase(keys.begin() + static_cast<ptrdiff_t>(max_blocks), keys.end());
+  if (keys.empty()) return channel::QueryReply::Miss();
+  const LoadingChain chain{request.instance, request.group, keys.back().Hash64() ^ keys.size()};
+  // Whether this chain's load had completed before the lookup: then its pins keep every block it
+  // loaded resident during the lookup. (One completing meanwhile counts as running.)
+  const bool loaded = ssd_ != nullptr && loading_.Completed(chain);
+  Result<core::QueryResult> result =
+      cache_->Query(request.instance, keys, target.group->padded_bytes);
+  // A chain whose load completed is answered with what is in DRAM, even when the load stopped
+  // short (DRAM full of pinned blocks, a bad record): loading again would stop at the same place,
+  // and the engine would hear Loading forever.
+  std::vector<LoadingStage> stages;
+  if (!loaded && result.ok() && result->hits < keys.size()) stages = PlanLoading(keys, result->hits);
+  if (stages.empty()) {
+    // Answered without Loading: nobody will take what the chain's load holds or brings (the lease
+    // pins it now).
+    loading_.Forget(chain);
+    loading_.Sweep();
+    if (!result.ok()) return result.status();
+    if (!result->lease.has_value()) return channel::QueryReply::Miss();
+    return channel::QueryReply::Hit(static_cast<uint32_t>(result->hits), result->lease->Pack());
+  }
+  // The prefix continues below DRAM: load it and let the engine ask again. The DRAM part's lease
+  // goes back; the next query leases the whole prefix at once.
+  if (result->lease.has_value()) (void)cache_->ReleaseLease(request.instance, *result->lease);
+  ORBITKV_ASSIGN_OR_RETURN(uint64_t op, loading_.Start(owner, chain, std::move(stages)));
+  return channel::QueryReply::Loading(op);
+}
+
+Result<uint64_t> CacheService::RestoreFragments(const channel::RestoreRequest& request,
+                                                const KvGroup& group, const core::LeaseUse& lease,
+                                                core::CopyBatch* batch) const {
+  if (request.pages.size() > lease.pins().size()) {
+    return Status::InvalidArgument(fmt::format("restore names {} pages but the lease holds {} blocks",
+                                               request.pages.size(), lease.pins().size()));
+  }
+  const size_t first = request.layers ? request.first_buffer : 0;
+  const size_t count = request.layers ? request.buffer_count : SIZE_MAX;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < request.pages.size(); ++i) {
+    if (request.pages[i] == channel::kSkipPage) continue;
+    if (request.pages[i] >= group.num_pages) {
+      return Status::InvalidArgument(fmt::format(
+          "destination page {} is beyond the group's {} pages", request.pages[i], group.num_pages));
+    }
+    const core::BlockPin& pin = lease.pins()[i];
+    if (pin.bytes() != group.block_bytes) {
+      return Status::FailedPrecondition(
+          fmt::format("leased block {} has {} bytes but the group's pages hold {}", i, pin.bytes(),
+                      group.block_bytes));
+    }
+    // The copy engine only reads from the pool on restore.
+    bytes += group.AppendFragments(request.pages[i], const_cast<uint8_t*>(pin.data()),
+                                   &batch->fragments, first, count);
+  }
+  return bytes;
+}
+
+void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& request,
+                           Done<channel::RestoreReply> done) {
+  Result<Target> target = Resolve(owner, request.instance, request.group);
+  if (!target.ok()) return done(target.status());
+  const KvGroup& group = *target->group;
+  if (request.layers && (request.first_buffer >= group.buffers.size() ||
+                         request.buffer_count > group.buffers.size() - request.first_buffer)) {
+    return done(Status::InvalidArgument(
+        fmt::format("layer restore of buffers [{}, +{}) but the group has {} buffers",
+                    request.first_buffer, request.buffer_count, group.buffers.size())));
+  }
+  if (!TryBeginOperation()) {
+    return done(Status::ResourceExhausted(
+        "too many restores and saves in flight; retry (the lease is still valid)"));
+  }
+  // A whole restore (or the last part of a layer-wise one) consumes the lease: its pins end with
+  // this operation, whatever happens. An earlier part copies under pins of its own and leaves the
+  // lease for the next part.
+  const core::LeaseId id = core::LeaseId::Unpack(request.lease);
+  Result<core::LeaseUse> use = request.consume_lease ? cache_->ConsumeLease(request.instance, id)
+                                                     : cache_->BorrowLease(request.instance, id);
+  if (!use.ok()) {
+    EndOperation();
+    return done(use.status());
+  }
+  auto lease = std::make_shared<core::LeaseUse>(std::move(*use));
+  core::CopyBatch batch;
+  batch.direction = core::CopyDirection::kRestore;
+  Result<uint64_t> bytes = RestoreFragments(request, group, *lease, &batch);
+  if (!bytes.ok() || batch.fragments.empty()) {
+    lease->Reset();
+    EndOperation();
+    if (!bytes.ok()) return done(bytes.status());
+    return done(channel::RestoreReply{0});
+  }
+  auto finish = std::make_shared<Done<channel::RestoreReply>>(std::move(done));
+  Status submitted = group.engine->Submit(
+      std::move(batch),
+      [this, lease, finish, keep = target->group, total = *bytes](Status status) {
+        lease->Reset();  // the copy drained: pins and reservation go back before the engine hears
+        if (status.ok()) restored_bytes_->Increment(total);
+        (*finish)(status.ok() ? Result<channel::RestoreReply>(channel::RestoreReply{total})
+                              : Result<channel::RestoreReply>(status));
+        EndOperation();
+      });
+  if (!submitted.ok()) {
+    lease->Reset();
+    EndOperation();
+    (*finish)(submitted);
+  }
+}
+
+void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
+                        Done<channel::SaveReply> done) {
+  Result<Target> target = Resolve(owner, request.instance, request.group);
+  if (!target.ok()) return done(target.status());
+  const KvGroup& group = *target->group;
+  for (const channel::SaveItem& item : request.items) {
+    if (!(item.key.ns() == target->instance->ns) || item.key.group() != request.group) {
+      return done(Status::InvalidArgument(
+          "a saved key belongs to another namespace or group than its instance"));
+    }
+    if (item.page >= group.num_pages) {
+      return done(Status::InvalidArgument(fmt::format(
+          "source page {} is beyond the group's {} pages", item.page, group.num_pages)));
+    }
+  }
+  if (!TryBeginOperation()) {
+    return done(Status::ResourceExhausted("too many restores and saves in flight; retry"));
+  }
+  struct Work {
+    std::vector<core::BlockWriter> writers;
+    // With write-through, the keys of the writers (in order) to queue for SSD once sealed.
+    std::vector<state::StateKey> through_keys;
+    Done<channel::SaveReply> done;
+  };
+  auto work = std::make_shared<Work>();
+  const bool write_through = ssd_ != nullptr && options_.ssd_write_through;
+  core::CopyBatch batch;
+  batch.direction = core::CopyDirection::kSave;
+  uint64_t skipped = 0;
+  work->writers.reserve(request.items.size());
+  batch.fragments.reserve(request.items.size() * group.buffers.size());
+  for (const channel::SaveItem& item : request.items) {
+    Result<core::BlockWriter> writer = cache_->Prepare(item.key, group.block_bytes);
+    if (!writer.ok()) {
+      // The save-skip rule: already resident or being written by someone else, nothing to copy; a
+      // full pool, skip: the engine keeps its pages and the cache misses this block later.
+      ++skipped;
+      continue;
+    }
+    group.AppendFragments(item.page, writer->data(), &batch.fragments);
+    work->writers.push_back(std::move(*writer));
+    if (write_through) work->through_keys.push_back(item.key);
+  }
+  save_skipped_->Increment(skipped);
+  if (work->writers.empty()) {
+    EndOperation();
+    return done(channel::SaveReply{0, skipped});
+  }
+  work->done = std::move(done);
+  const uint64_t bytes = work->writers.size() * group.block_bytes;
+  Status submitted = group.engine->Submit(
+      std::move(batch), [this, work, keep = target->group, skipped, bytes](Status status) {
+        uint64_t written = 0;
+        if (status.ok()) {
+          for (size_t i = 0; i < work->writers.size(); ++i) {
+            cache_->Seal(work->writers[i]);
+            if (!work->through_keys.empty()) ssd_->OnSealed(work->through_keys[i]);
+            ++written;
+          }
+          saved_bytes_->Increment(bytes);
+        }
+        work->writers.clear();  // unsealed writers abort and free their memory
+        work->done(status.ok() ? Result<channel::SaveReply>(channel::SaveReply{written, skipped})
+                               : Result<channel::SaveReply>(status));
+        EndOperation();
+      });
+  if (!submitted.ok()) {
+    work->writers.clear();
+    EndOperation();
+    work->done(submitted);
+  }
+}
+
+Status CacheService::Release(uint64_t owner, const channel::ReleaseRequest& request) {
+  ORBITKV_RETURN_IF_ERROR(instances_.Find(owner, request.instance).status());
+  return cache_->ReleaseLease(request.instance, core::LeaseId::Unpack(request.lease));
+}
+
+Status CacheService::Cancel(uint64_t owner, const channel::CancelRequest& request) {
+  ORBITKV_RETURN_IF_ERROR(instances_.Find(owner, request.instance).status());
+  // The reads drain on their own; what they bring into DRAM stays cached for later queries.
+  return loading_.Cancel(request.instance, request.op);
+}
+
+void CacheService::WaitLoading(uint64_t owner, const channel::WaitLoadingRequest& request,
+                               Done<channel::WaitLoadingReply> done) {
+  Status owned = instances_.Find(owner, request.instance).status();
+  if (!owned.ok()) return done(owned);
+  loading_.Wait(request.instance, request.op,
+                Deadline::After(std::chrono::milliseconds(request.timeout_ms)),
+                [done = std::move(done)](Result<uint64_t> resident) {
+                  if (!resident.ok()) return done(resident.status());
+                  done(channel::WaitLoadingReply{*resident});
+                });
+}
+
+size_t CacheService::RetireInstance(EngineInstance& instance) {
+  instance.retired.store(true, std::memory_order_release);
+  loading_.DropInstance(instance.id);
+  return cache_->CleanupInstance(instance.id);
+}
+
+CacheServiceStats CacheService::Stats() const {
+  CacheServiceStats stats;
+  stats.incarnation = cache_->incarnation();
+  stats.cache = cache_->GetStats();
+  stats.operations_active = operations_active();
+  stats.hits = hits_->Value();
+  stats.misses = misses_->Value();
+  stats.evictions = evictions_->Value();
+  if (ssd_ != nullptr) {
+    stats.ssd = ssd_->Stats();
+    stats.ssd_write_staging = ssd_->write_staging();
+  }
+  return stats;
+}
+
+std::string CacheServiceStats::ToJson(std::string_view extra) const {
+  std::string ssd_json = "null";
+  if (ssd.has_value()) {
+    ssd_json = fmt::format(
+        "{{\"capacity_bytes\": {}, \"used_bytes\": {}, \"records\": {}, "
+        "\"recovered_records\": {}, \"writes\": {}, \"written_bytes\": {}, \"reads\": {}, "
+        "\"read_bytes\": {}, \"verify_failures\": {}, \"writeback_dropped\": {}, "
+        "\"admission_filtered\": {}, \"write_errors\": {}, \"admissions_enabled\": {}, "
+        "\"registered_io\": {}, \"write_staging\": \"{}\"}}",
+        ssd->capacity_bytes, ssd->used_bytes, ssd->records, ssd->recovered_records, ssd->writes,
+        ssd->written_bytes, ssd->reads, ssd->read_bytes, ssd->verify_failures, ssd->queue_drops,
+        ssd->filtered, ssd->write_errors, ssd->admissions_enabled ? "true" : "false",
+        ssd->registered_io, storage::WriteStagingName(ssd_write_staging));
+  }
+  return fmt::format(
+      "{{\"incarnation\": {}, \"pool_capacity_bytes\": {}, \"pool_allocated_bytes\": {}, "
+      "\"resident_blocks\": {}, \"resident_bytes\": {}, \"pinned_blocks\": {}, "
+      "\"leases_active\": {}, \"query_reserved_bytes\": {}, \"operations_active\": {}, "
+      "\"hits\": {}, \"misses\": {}, \"evictions\": {}, \"ssd\": {}{}}}",
+      incarnation, cache.pool.capacity_bytes, cache.pool.allocated_bytes,
+      cache.table.resident_blocks, cache.table.resident_bytes, cache.table.pinned_blocks,
+      cache.leases_active, cache.query_reserved_bytes, operations_active, hits, misses, evictions,
+      ssd_json, extra);
+}
+
+}  // namespace orbitkv::server

@@ -1,0 +1,478 @@
+// CacheService and LoadingRegistry, driven directly: a real cache core, the CPU copy engine over
+// this process's memory, a real SSD tier in a temporary directory, and no channel or session.
+#include "server/cache_service.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <future>
+#include <thread>
+#include <vector>
+
+#include "base/temp_dir.h"
+#include "core/cpu_copy_engine.h"
+#include "core/test_util.h"
+#include "state/test_util.h"
+
+namespace orbitkv::server {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint64_t kBlock = 64 * 1024;
+constexpr uint32_t kPages = 32;
+constexpr uint64_t kOwner = 11;
+constexpr uint64_t kInstance = 5;
+
+template <typename T>
+struct Captured {
+  std::promise<Result<T>> promise;
+  std::future<Result<T>> future = promise.get_future();
+  CacheService::Done<T> Callback() {
+    return [this](Result<T> result) { promise.set_value(std::move(result)); };
+  }
+  Result<T> Get() {
+    EXPECT_EQ(future.wait_for(10s), std::future_status::ready);
+    return future.get();
+  }
+};
+
+class CacheServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Open(/*with_ssd=*/false); }
+  void TearDown() override { Close(); }
+
+  void Open(bool with_ssd, CacheServiceOptions options = {}) {
+    auto cache = core::BlockCache::Create(core::testing::SmallCacheOptions(4 << 20), &metrics_);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+    if (with_ssd) {
+      core::SsdTierOptions ssd;
+      ssd.store.directory = dir_.path();
+      ssd.store.capacity_bytes = 64 << 20;
+      ssd.store.file_count = 1;
+      ssd.store.backend = storage::DeviceBackend::kPsync;
+      ssd.min_frequency = 0;
+      auto tier = core::SsdTier::Create(ssd, cache_.get(), &metrics_);
+      ASSERT_TRUE(tier.ok()) << tier.status();
+      ssd_ = std::move(*tier);
+    }
+    auto engine = core::CpuCopyEngine::Create({}, &metrics_);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = std::move(*engine);
+    service_ = std::make_unique<CacheService>(options, cache_.get(), ssd_.get(), &metrics_);
+    // The engine's KV: one buffer of kPages pages in this process.
+    memory_.assign(kPages * kBlock, 0);
+    ASSERT_TRUE(service_->instances().Register(kOwner, kInstance, ns_).ok());
+    auto group = std::make_shared<KvGroup>();
+    group->num_pages = kPages;
+    group->engine = engine_.get();
+    group->block_bytes = kBlock;
+    group->padded_bytes = kBlock;
+    auto id = engine_->RegisterBuffer(memory_.data(), memory_.size());
+    ASSERT_TRUE(id.ok()) << id.status();
+    group->buffers.push_back(
+        KvGroup::Buffer{nullptr, memory_.size(), {memory_.size(), 0, kBlock, kBlock}, *id});
+    ASSERT_TRUE((*service_->instances().Find(kOwner, kInstance))->AddGroup(group).ok());
+  }
+  void Close() {
+    if (ssd_) ssd_->Shutdown();
+    if (engine_) engine_->Shutdown();
+    service_.reset();
+    engine_.reset();
+    ssd_.reset();
+    cache_.reset();
+  }
+
+  // Natives of chain `chain`, page i: 8 bytes of chain, 8 of i.
+  static std::vector<uint8_t> Natives(uint64_t chain, size_t n) {
+    std::vector<uint8_t> natives(n * 16);
+    for (uint64_t i = 0; i < n; ++i) {
+      std::memcpy(natives.data() + i * 16, &chain, 8);
+      std::memcpy(natives.data() + i * 16 + 8, &i, 8);
+    }
+    return natives;
+  }
+  channel::QueryRequest QueryOf(uint64_t chain, size_t n) const {
+    channel::QueryRequest query;
+    query.instance = kInstance;
+    query.page_tokens = 16;
+    query.native_bytes = 16;
+    query.natives = Natives(chain, n);
+    return query;
+  }
+  std::vector<state::StateKey> KeysOf(uint64_t chain, size_t n) const {
+    std::vector<state::StateKey> keys;
+    const std::vector<uint8_t> natives = Natives(chain, n);
+    EXPECT_TRUE(state::StateKey::AppendChain(ns_, 0, 0, 16, natives, 16, 1, &keys).ok());
+    return keys;
+  }
+  uint8_t* Page(uint32_t page) { return memory_.data() + page * kBlock; }
+  // Saves pages 0..n-1, stamped with their page number + seed, under chain `chain`.
+  channel::SaveReply SaveChain(uint64_t chain, size_t n, uint64_t seed = 0) {
+    channel::SaveRequest save;
+    save.instance = kInstance;
+    const auto keys = KeysOf(chain, n);
+    for (uint32_t i = 0; i < n; ++i) {
+      core::testing::Stamp(Page(i), kBlock, seed + i);
+      save.items.push_back(channel::SaveItem{keys[i], i});
+    }
+    Captured<channel::SaveReply> saved;
+    service_->Save(kOwner, save, saved.Callback());
+    Result<channel::SaveReply> reply = saved.Get();
+    EXPECT_TRUE(reply.ok()) << reply.status();
+    return reply.ok() ? *reply : channel::SaveReply{};
+  }
+  Result<channel::RestoreReply> RestoreTo(uint64_t lease, std::vector<uint32_t> pages) {
+    channel::RestoreRequest restore;
+    restore.instance = kInstance;
+    restore.lease = lease;
+    restore.pages = std::move(pages);
+    Captured<channel::RestoreReply> restored;
+    service_->Restore(kOwner, restore, restored.Callback());
+    return restored.Get();
+  }
+
+  testing::TempDir dir_;
+  MetricsRegistry metrics_;
+  const state::StateNamespace ns_ = state::testing::SampleNamespace();
+  std::unique_ptr<core::BlockCache> cache_;
+  std::unique_ptr<core::SsdTier> ssd_;
+  std::unique_ptr<core::CpuCopyEngine> engine_;
+  std::unique_ptr<CacheService> service_;
+  std::vector<uint8_t> memory_;
+};
+
+TEST_F(CacheServiceTest, SavedBlocksComeBackByteExact) {
+  EXPECT_EQ(SaveChain(1, 4, 100), (channel::SaveReply{4, 0}));
+  Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 6));
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->outcome, channel::QueryOutcome::kHit);
+  EXPECT_EQ(hit->hits, 4u);
+  std::memset(memory_.data(), 0, memory_.size());
+  Result<channel::RestoreReply> restored = RestoreTo(hit->lease, {10, 11, channel::kSkipPage, 13});
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->bytes, 3 * kBlock);
+  EXPECT_TRUE(core::testing::CheckStamp(Page(10), kBlock, 100));
+  EXPECT_TRUE(core::testing::CheckStamp(Page(11), kBlock, 101));
+  EXPECT_TRUE(core::testing::CheckStamp(Page(13), kBlock, 103));
+  // The restore consumed the lease: its pins and reservation are gone.
+  EXPECT_EQ(cache_->GetStats().leases_active, 0u);
+  EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
+  EXPECT_FALSE(RestoreTo(hit->lease, {0}).ok());  // a consumed lease is stale
+}
+
+TEST_F(CacheServiceTest, SaveSkipsBlocksAlreadyResidentAndRefusesForeignKeys) {
+  EXPECT_EQ(SaveChain(1, 3), (channel::SaveReply{3, 0}));
+  EXPECT_EQ(SaveChain(1, 5), (channel::SaveReply{2, 3}));  // the first three are resident
+  Captured<channel::SaveReply> refused;
+  std::vector<state::StateKey> keys;
+  const std::vector<uint8_t> natives = Natives(3, 1);
+  state::Digest256 digest;
+  digest.bytes[0] = 0xee;
+  ASSERT_TRUE(state::StateKey::AppendChain(state::StateNamespace(digest), 0, 0, 16, natives, 16, 1,
+                                           &keys)
+                  .ok());
+  channel::SaveRequest foreign;
+  foreign.instance = kInstance;
+  foreign.items.push_back(channel::SaveItem{keys[0], 0});
+  service_->Save(kOwner, foreign, refused.Callback());
+  EXPECT_EQ(refused.Get().status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(service_->operations_active(), 0u);
+}
+
+TEST_F(CacheServiceTest, OnlyTheOwnerUsesItsInstance) {
+  SaveChain(1, 2);
+  EXPECT_EQ(service_->Query(kOwner + 1, QueryOf(1, 2)).status().code(),
+            StatusCode::kPermissionDenied);
+  channel::QueryRequest other_group = QueryOf(1, 2);
+  other_group.group = 3;
+  EXPECT_EQ(service_->Query(kOwner, other_group).status().code(), StatusCode::kNotFound);
+  Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 2));
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(service_->Release(kOwner + 1, {kInstance, hit->lease}).code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_TRUE(service_->Release(kOwner, {kInstance, hit->lease}).ok());
+  EXPECT_EQ(service_->Query(kOwner, QueryOf(2, 2))->outcome, channel::QueryOutcome::kMiss);
+}
+
+TEST_F(CacheServiceTest, RestoreOutOfRangeIsRefusedAndTheLeaseEnds) {
+  SaveChain(1, 2);
+  Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 2));
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(RestoreTo(hit->lease, {0, kPages}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
+  EXPECT_EQ(service_->operations_active(), 0u);
+}
+
+TEST_F(CacheServiceTest, MaxOperationsBoundsCopiesInFlight) {
+  Close();
+  CacheServiceOptions options;
+  options.max_operations = 0;
+  Open(false, options);
+  channel::SaveRequest save;
+  save.instance = kInstance;
+  save.items.push_back(channel::SaveItem{KeysOf(1, 1)[0], 0});
+  Captured<channel::SaveReply> saved;
+  service_->Save(kOwner, save, saved.Callback());
+  EXPECT_EQ(saved.Get().status().code(), StatusCode::kResourceExhausted);
+}
+
+// The prefix continues on SSD: the query answers Loading, the op's completion is delivered to a
+// waiter, and the next query leases the whole prefix.
+TEST_F(CacheServiceTest, QueryLoadsFromSsdAndTheWaiterHearsWhenItIsDone) {
+  Close();
+  Open(/*with_ssd=*/true);
+  SaveChain(1, 6, 500);
+  cache_->table().EvictBytes(64 << 20);
+  ssd_->Flush();
+  Result<channel::QueryReply> loading = service_->Query(kOwner, QueryOf(1, 6));
+  ASSERT_TRUE(loading.ok()) << loading.status();
+  ASSERT_EQ(loading->outcome, channel::QueryOutcome::kLoading);
+  // Asking again names the same op.
+  EXPECT_EQ(service_->Query(kOwner, QueryOf(1, 6))->loading_op, loading->loading_op);
+  Captured<channel::WaitLoadingReply> waited;
+  service_->WaitLoading(kOwner, {kInstance, loading->loading_op, 5000}, waited.Callback());
+  Result<channel::WaitLoadingReply> done = waited.Get();
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->resident, 6u);
+  EXPECT_EQ(service_->loading().held_blocks(), 6u);
+  Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 6));
+  ASSERT_TRUE(hit.ok());
+  ASSERT_EQ(hit->outcome, channel::QueryOutcome::kHit);
+  EXPECT_EQ(hit->hits, 6u);
+  EXPECT_EQ(service_->loading().held_blocks(), 0u);  // the lease holds them now
+  std::memset(memory_.data(), 0, memory_.size());
+  ASSERT_TRUE(RestoreTo(hit->lease, {0, 1, 2, 3, 4, 5}).ok());
+  for (uint32_t i = 0; i < 6; ++i) EXPECT_TRUE(core::testing::CheckStamp(Page(i), kBlock, 500 + i));
+  // A waiter on an op that is gone hears NotFound (ask the query again).
+  Captured<channel::WaitLoadingReply> gone;
+  service_->WaitLoading(kOwner, {kInstance, loading->loading_op, 100}, gone.Callback());
+  EXPECT_EQ(gone.Get().status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(CacheServiceTest, CancelForgetsTheOpAndItsWaitersHearIt) {
+  Close();
+  Open(/*with_ssd=*/true);
+  SaveChain(1, 4);
+  cache_->table().EvictBytes(64 << 20);
+  ssd_->Flush();
+  Result<channel::QueryReply> loading = service_->Query(kOwner, QueryOf(1, 4));
+  ASSERT_EQ(loading->outcome, channel::QueryOutcome::kLoading);
+  EXPECT_TRUE(service_->Cancel(kOwner, {kInstance, loading->loading_op}).ok());
+  EXPECT_EQ(service_->Cancel(kOwner, {kInstance, loading->loading_op}).code(),
+            StatusCode::kNotFound);
+  // What the reads brought stays cached; nothing is left pinned.
+  ssd_->Flush();
+  EXPECT_EQ(service_->loading().held_blocks(), 0u);
+}
+
+// ---- LoadingRegistry on its own: stages, deadlines, races, hold ----
+
+class LoadingRegistryTest : public ::testing::Test {
+ protected:
+  LoadingRegistryTest() {
+    auto cache = core::BlockCache::Create(core::testing::SmallCacheOptions(), &metrics_);
+    EXPECT_TRUE(cache.ok());
+    cache_ = std::move(*cache);
+  }
+  // A resident block pinned: what a stage reports.
+  core::BlockPin Pinned(uint64_t i) {
+    auto writer = cache_->Prepare(core::testing::ChainKey(77, i), 4096);
+    EXPECT_TRUE(writer.ok()) << writer.status();
+    core::BlockPin pin;
+    cache_->Seal(*writer, core::TransitionCause::kAdmit, &pin);
+    return pin;
+  }
+  std::vector<core::BlockPin> Pins(uint64_t first, size_t n) {
+    std::vector<core::BlockPin> pins;
+    for (size_t i = 0; i < n; ++i) pins.push_back(Pinned(first + i));
+    return pins;
+  }
+  // A stage that hands its completion to the test.
+  LoadingStage Manual(size_t span, std::chrono::milliseconds deadline,
+                      std::vector<LoadingStage::Done>* started) {
+    LoadingStage stage;
+    stage.name = "manual";
+    stage.span = span;
+    stage.deadline = deadline;
+    stage.start = [started](LoadingStage::Done done) {
+      started->push_back(std::move(done));
+      return Status::Ok();
+    };
+    return stage;
+  }
+  uint64_t pinned() { return cache_->GetStats().table.pinned_blocks; }
+
+  MetricsRegistry metrics_;
+  std::unique_ptr<core::BlockCache> cache_;
+  const LoadingChain chain_{1, 0, 99};
+};
+
+TEST_F(LoadingRegistryTest, StagesRunInOrderAndTheOpCompletesAfterTheLast) {
+  LoadingRegistry registry({}, &metrics_);
+  std::vector<LoadingStage::Done> first, second;
+  std::vector<LoadingStage> stages;
+  stages.push_back(Manual(2, 10s, &first));
+  stages.push_back(Manual(3, 10s, &second));
+  Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
+  ASSERT_TRUE(op.ok());
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_TRUE(second.empty());  // not before the first stage completed
+  Result<uint64_t> resident = Status::Unknown("not answered");
+  registry.Wait(chain_.instance, *op, Deadline::After(10s),
+                [&](Result<uint64_t> r) { resident = std::move(r); });
+  first[0](Pins(0, 2));
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_FALSE(registry.Completed(chain_));
+  EXPECT_EQ(resident.status().code(), StatusCode::kUnknown);
+  second[0](Pins(2, 3));
+  EXPECT_TRUE(registry.Completed(chain_));
+  ASSERT_TRUE(resident.ok());
+  EXPECT_EQ(*resident, 5u);
+  EXPECT_EQ(registry.held_blocks(), 5u);
+  EXPECT_EQ(pinned(), 5u);
+  registry.Forget(chain_);
+  EXPECT_EQ(pinned(), 0u);
+  EXPECT_EQ(registry.running(), 0u);
+}
+
+TEST_F(LoadingRegistryTest, AShortStageStopsThePrefixThere) {
+  LoadingRegistry registry({}, &metrics_);
+  std::vector<LoadingStage::Done> first, second;
+  std::vector<LoadingStage> stages;
+  stages.push_back(Manual(4, 10s, &first));
+  stages.push_back(Manual(3, 10s, &second));
+  ASSERT_TRUE(registry.Start(kOwner, chain_, std::move(stages)).ok());
+  first[0](Pins(0, 2));  // two of four
+  EXPECT_TRUE(second.empty());
+  EXPECT_TRUE(registry.Completed(chain_));
+  EXPECT_EQ(registry.held_blocks(), 2u);
+}
+
+TEST_F(LoadingRegistryTest, AStagePastItsDeadlineCompletesTheOpWithWhatArrived) {
+  LoadingRegistry registry({}, &metrics_);
+  std::vector<LoadingStage::Done> first, second;
+  std::vector<LoadingStage> stages;
+  stages.push_back(Manual(2, 10s, &first));
+  stages.push_back(Manual(3, 1ms, &second));
+  Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
+  first[0](Pins(0, 2));
+  ASSERT_EQ(second.size(), 1u);
+  std::this_thread::sleep_for(5ms);
+  registry.Sweep();
+  EXPECT_TRUE(registry.Completed(chain_));
+  EXPECT_EQ(registry.held_blocks(), 2u);
+  // The late stage's pins are let go when they come.
+  second[0](Pins(2, 3));
+  EXPECT_EQ(registry.held_blocks(), 2u);
+  EXPECT_EQ(pinned(), 2u);
+}
+
+TEST_F(LoadingRegistryTest, CancelWhileAStageRunsReleasesItsLatePinsAndAbortsWaiters) {
+  LoadingRegistry registry({}, &metrics_);
+  std::vector<LoadingStage::Done> first;
+  std::vector<LoadingStage> stages;
+  stages.push_back(Manual(3, 10s, &first));
+  Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
+  ASSERT_TRUE(op.ok());
+  Result<uint64_t> heard = Status::Unknown("");
+  registry.Wait(chain_.instance, *op, Deadline::After(10s),
+                [&](Result<uint64_t> r) { heard = std::move(r); });
+  EXPECT_EQ(registry.Cancel(chain_.instance + 1, *op).code(), StatusCode::kNotFound);
+  EXPECT_TRUE(registry.Cancel(chain_.instance, *op).ok());
+  EXPECT_EQ(heard.status().code(), StatusCode::kAborted);
+  first[0](Pins(0, 3));  // the reads drained after the cancel
+  EXPECT_EQ(pinned(), 0u);
+  EXPECT_EQ(registry.held_blocks(), 0u);
+  // The same chain starts a fresh op.
+  std::vector<LoadingStage> again;
+  again.push_back(Manual(3, 10s, &first));
+  Result<uint64_t> next = registry.Start(kOwner, chain_, std::move(again));
+  ASSERT_TRUE(next.ok());
+  EXPECT_NE(*next, *op);
+}
+
+TEST_F(LoadingRegistryTest, CancelRacingTheStageCompletionLeavesNothingPinned) {
+  for (int round = 0; round < 50; ++round) {
+    LoadingRegistry registry({}, &metrics_);
+    std::vector<LoadingStage::Done> first;
+    std::vector<LoadingStage> stages;
+    stages.push_back(Manual(2, 10s, &first));
+    Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
+    ASSERT_TRUE(op.ok());
+    std::vector<core::BlockPin> pins = Pins(round * 2, 2);
+    std::thread completer([&] { first[0](std::move(pins)); });
+    (void)registry.Cancel(chain_.instance, *op);
+    completer.join();
+    EXPECT_EQ(registry.held_blocks(), 0u);
+    registry.Forget(chain_);
+    EXPECT_EQ(pinned(), 0u) << "round " << round;
+  }
+}
+
+TEST_F(LoadingRegistryTest, HeldBlocksExpireAfterTheHold) {
+  LoadingRegistry::Options options;
+  options.hold = 10ms;
+  LoadingRegistry registry(options, &metrics_);
+  std::vector<LoadingStage::Done> first;
+  std::vector<LoadingStage> stages;
+  stages.push_back(Manual(2, 10s, &first));
+  ASSERT_TRUE(registry.Start(kOwner, chain_, std::move(stages)).ok());
+  first[0](Pins(0, 2));
+  EXPECT_EQ(pinned(), 2u);
+  std::this_thread::sleep_for(20ms);
+  registry.Sweep();
+  EXPECT_EQ(pinned(), 0u);
+  EXPECT_FALSE(registry.Completed(chain_));
+}
+
+TEST_F(LoadingRegistryTest, AWaiterPastItsDeadlineHearsDeadlineExceededAndTheSweeperIsWoken) {
+  int wakes = 0;
+  LoadingRegistry::Options options;
+  options.wake_sweeper = [&] { ++wakes; };
+  LoadingRegistry registry(options, &metrics_);
+  std::vector<LoadingStage::Done> first;
+  std::vector<LoadingStage> stages;
+  stages.push_back(Manual(2, 10s, &first));
+  Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
+  const int after_start = wakes;
+  EXPECT_GE(after_start, 1);  // the stage deadline is new work for the sweeper
+  Result<uint64_t> heard = Status::Unknown("");
+  registry.Wait(chain_.instance, *op, Deadline::After(1ms),
+                [&](Result<uint64_t> r) { heard = std::move(r); });
+  EXPECT_GT(wakes, after_start);  // an earlier deadline than the stage's
+  std::this_thread::sleep_for(5ms);
+  registry.Sweep();
+  EXPECT_EQ(heard.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(registry.Completed(chain_));  // the op itself runs on
+  first[0](Pins(0, 2));
+  EXPECT_TRUE(registry.Completed(chain_));
+}
+
+TEST_F(LoadingRegistryTest, MaxPerOwnerAndAFailedFirstStage) {
+  LoadingRegistry::Options options;
+  options.max_per_owner = 1;
+  LoadingRegistry registry(options, &metrics_);
+  std::vector<LoadingStage::Done> first;
+  std::vector<LoadingStage> stages;
+  stages.push_back(Manual(1, 10s, &first));
+  ASSERT_TRUE(registry.Start(kOwner, chain_, std::move(stages)).ok());
+  std::vector<LoadingStage> more;
+  more.push_back(Manual(1, 10s, &first));
+  EXPECT_EQ(registry.Start(kOwner, {1, 0, 100}, std::move(more)).status().code(),
+            StatusCode::kResourceExhausted);
+  registry.Forget(chain_);
+  LoadingStage failing;
+  failing.span = 1;
+  failing.start = [](LoadingStage::Done) { return Status::Unavailable("the tier is stopping"); };
+  std::vector<LoadingStage> bad;
+  bad.push_back(std::move(failing));
+  EXPECT_EQ(registry.Start(kOwner, chain_, std::move(bad)).status().code(),
+            StatusCode::kUnavailable);
+  EXPECT_EQ(registry.running(), 0u);
+  EXPECT_EQ(metrics_.GetGauge("orbitkv_loading_active", "").Value(), 0);
+}
+
+}  // namespace
+}  // namespace orbitkv::server

@@ -1,0 +1,75 @@
+#include "server/cluster_link.h"
+
+#include "base/clock.h"
+#include "base/logging.h"
+
+#if ORBITKV_SERVER_HAS_CLUSTER
+#include "cluster/membership.h"
+#endif
+
+namespace orbitkv::server {
+
+#if ORBITKV_SERVER_HAS_CLUSTER
+namespace {
+
+class MembershipLink final : public ClusterLink {
+ public:
+  explicit MembershipLink(std::unique_ptr<cluster::Membership> membership)
+      : membership_(std::move(membership)) {}
+  ~MembershipLink() override { Shutdown(); }
+
+  bool CanDoRemoteWork() const override { return membership_->CanDoRemoteWork(); }
+
+  std::string StatusJson() const override {
+    const cluster::MembershipStatus status = membership_->GetStatus();
+    return fmt::format(
+        ", \"membership\": \"{}\", \"membership_epoch\": {}, \"remote_work\": {}, "
+        "\"view_revision\": {}, \"members\": {}",
+        cluster::MembershipStateName(status.state), status.self.epoch,
+        status.remote_work_allowed ? 1 : 0, status.view.revision, status.view.members.size());
+  }
+
+  void Shutdown() override { membership_->Shutdown(); }
+
+ private:
+  std::unique_ptr<cluster::Membership> membership_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
+                                                        MetricsRegistry* metrics) {
+  if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
+  cluster::MembershipOptions options;
+  ORBITKV_ASSIGN_OR_RETURN(options.etcd_endpoints,
+                           cluster::SplitFlagList("--etcd-endpoints", config.etcd_endpoints));
+  options.cluster_name = config.cluster_name;
+  options.node_id = config.node_id;
+  options.membership_ttl_secs = config.membership_ttl_secs;
+  if (!config.catalog_nodes.empty()) {
+    ORBITKV_ASSIGN_OR_RETURN(options.catalog_nodes,
+                             cluster::SplitFlagList("--catalog-nodes", config.catalog_nodes));
+  }
+  options.peer_endpoint = config.peer_endpoint;
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<cluster::Membership> membership,
+                           cluster::Membership::Create(std::move(options), metrics));
+  Status joined = membership->Join(Deadline::After(std::chrono::seconds(30)));
+  if (!joined.ok()) return joined.WithContext("joining the cluster");
+  ORBITKV_LOG_INFO("manager: joined cluster '{}' as node {}", config.cluster_name, config.node_id);
+  return std::unique_ptr<ClusterLink>(new MembershipLink(std::move(membership)));
+}
+
+#else
+
+Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
+                                                        MetricsRegistry* metrics) {
+  (void)metrics;
+  if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
+  return Status::FailedPrecondition(
+      "--etcd-endpoints needs the cluster module, which this build lacks (configure with "
+      "-DORBITKV_WITH_ETCD=ON and gRPC installed)");
+}
+
+#endif
+
+}  // namespace orbitkv::server

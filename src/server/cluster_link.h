@@ -1,0 +1,40 @@
+// ClusterLink: the Manager's optional distributed-mode component, the one seam for the cluster
+// module.
+//
+// In distributed mode (--etcd-endpoints) the Manager joins the cluster in etcd (leased membership,
+// member view, catalog placement; docs/cluster.md); cache operations read the link without any etcd
+// call. Start returns null in single-host mode. Later parts (the peer listener, the catalog, remote
+// Loading stages) attach here. Every `#if` on the cluster module is in cluster_link.cc.
+//
+// Thread safety: every method is safe from any thread.
+#ifndef ORBITKV_SERVER_CLUSTER_LINK_H_
+#define ORBITKV_SERVER_CLUSTER_LINK_H_
+
+#include <memory>
+#include <string>
+
+#include "base/metrics.h"
+#include "base/result.h"
+#include "server/config.h"
+
+namespace orbitkv::server {
+
+class ClusterLink {
+ public:
+  // Joins the cluster the config names (within 30 s); null without --etcd-endpoints.
+  // FailedPrecondition when the build has no cluster module but --etcd-endpoints is set.
+  static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config,
+                                                    MetricsRegistry* metrics);
+  virtual ~ClusterLink() = default;
+
+  // Whether remote work is allowed now (registered, member view complete).
+  virtual bool CanDoRemoteWork() const = 0;
+  // ", \"membership\": ..." fields for `orbitkv stats`.
+  virtual std::string StatusJson() const = 0;
+  // Leaves the cluster (revokes the lease: peers see this Manager leave at once).
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace orbitkv::server
+
+#endif  // ORBITKV_SERVER_CLUSTER_LINK_H_

@@ -1,0 +1,105 @@
+// Ring requests: each is decoded (channel/messages), handed to the CacheService, and its result
+// encoded as the reply.
+//
+// Queries, releases and cancels are answered inline on the dispatcher. Restores and saves become
+// one copy batch each, and a Loading wait is answered when its operation completes: the thread that
+// finishes the work posts the reply, so the dispatcher never waits on bytes. A request that is
+// malformed (undecodable payload) poisons the session; a well-formed request that cannot be served
+// (unknown instance, stale lease, full budget, page out of range) gets an error reply and the
+// session continues.
+#include <memory>
+
+#include "base/logging.h"
+#include "channel/messages.h"
+#include "server/manager.h"
+
+namespace orbitkv::server {
+namespace {
+
+using channel::Opcode;
+
+template <typename T, typename Encode>
+Result<channel::ReplyArgs> ArgsOf(const Result<T>& result, Encode encode) {
+  if (!result.ok()) return result.status();
+  return encode(*result);
+}
+
+Result<channel::ReplyArgs> ArgsOf(const Status& status) {
+  if (!status.ok()) return status;
+  return channel::ReplyArgs{};
+}
+
+// The completion of an operation that replies later: the reply goes to the session's channel,
+// which outlives the session's close (the engine then never reads it).
+template <typename T, typename Encode>
+std::function<void(Result<T>)> ReplyLater(std::shared_ptr<channel::ServerSession> channel,
+                                          const channel::Descriptor& d, Encode encode) {
+  return [channel = std::move(channel), d, encode](Result<T> result) {
+    Status replied = channel->Answer(d, ArgsOf(result, encode));
+    if (!replied.ok()) ORBITKV_LOG_DEBUG("manager: reply not delivered: {}", replied.ToString());
+  };
+}
+
+}  // namespace
+
+Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
+                              channel::InboundRequest& request) {
+  const channel::Descriptor& d = request.descriptor;
+  channel::ServerSession& channel = *session->channel;
+  const uint64_t owner = session->owner_id;
+  switch (request.opcode()) {
+    case Opcode::kPing:
+      return channel.Answer(d, channel::EncodePingReply({incarnation_}));
+    case Opcode::kQuery: {
+      ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest query,
+                               channel::DecodeQuery(d, request.payload));
+      return channel.Answer(d, ArgsOf(service_->Query(owner, query), channel::EncodeQueryReply));
+    }
+    case Opcode::kRestore:
+    case Opcode::kRestoreLayers: {
+      ORBITKV_ASSIGN_OR_RETURN(channel::RestoreRequest restore,
+                               channel::DecodeRestore(d, request.payload));
+      service_->Restore(owner, restore,
+                        ReplyLater<channel::RestoreReply>(session->channel, d,
+                                                          channel::EncodeRestoreReply));
+      return Status::Ok();
+    }
+    case Opcode::kSave: {
+      ORBITKV_ASSIGN_OR_RETURN(channel::SaveRequest save, channel::DecodeSave(d, request.payload));
+      service_->Save(owner, save,
+                     ReplyLater<channel::SaveReply>(session->channel, d, channel::EncodeSaveReply));
+      return Status::Ok();
+    }
+    case Opcode::kRelease: {
+      ORBITKV_ASSIGN_OR_RETURN(channel::ReleaseRequest release,
+                               channel::DecodeRelease(d, request.payload));
+      return channel.Answer(d, ArgsOf(service_->Release(owner, release)));
+    }
+    case Opcode::kCancel: {
+      ORBITKV_ASSIGN_OR_RETURN(channel::CancelRequest cancel,
+                               channel::DecodeCancel(d, request.payload));
+      return channel.Answer(d, ArgsOf(service_->Cancel(owner, cancel)));
+    }
+    case Opcode::kWaitLoading: {
+      ORBITKV_ASSIGN_OR_RETURN(channel::WaitLoadingRequest wait,
+                               channel::DecodeWaitLoading(d, request.payload));
+      service_->WaitLoading(owner, wait,
+                            ReplyLater<channel::WaitLoadingReply>(
+                                session->channel, d, channel::EncodeWaitLoadingReply));
+      return Status::Ok();
+    }
+    case Opcode::kStats:
+      return HandleStats(*session, request);
+  }
+  return Status::InvalidArgument(fmt::format("unknown opcode {}", d.opcode));
+}
+
+Status Manager::HandleStats(Session& session, const channel::InboundRequest& request) {
+  const std::string json = service_->Stats().ToJson(
+      cluster_ ? cluster_->StatusJson() : std::string(", \"membership\": \"single-host\""));
+  return session.channel->Reply(
+      request.descriptor, StatusCode::kOk, 0, 0,
+      std::span(reinterpret_cast<const uint8_t*>(json.data()), json.size()));
+}
+
+}  // namespace orbitkv::server
