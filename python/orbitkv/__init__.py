@@ -24,10 +24,12 @@ from orbitkv.client import (  # noqa: F401
     RestoreHandle,
     wait_for_manager,
 )
+from orbitkv.link import ManagerNotRunning  # noqa: F401  (after the client: it uses the package's names)
 
 __all__ = [
     "SKIP_PAGE",
     "CacheManagerClient",
+    "ManagerNotRunning",
     "ManagerUnavailable",
     "OrbitKVBusy",
     "OrbitKVError",

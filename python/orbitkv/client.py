@@ -47,6 +47,12 @@ class QueryLoading(NamedTuple):
 _MISS = QueryMiss()
 
 
+def _wait_ms(seconds: float) -> int:
+    if seconds < 0:
+        raise ValueError(f"wait must be >= 0 seconds, got {seconds}")
+    return min(int(seconds * 1000 + 0.999), 600_000)
+
+
 def _answer(hits: int, lease: int, loading_op: int):
     if hits > 0:
         return QueryHit(hits, lease)
@@ -192,18 +198,34 @@ class CacheManagerClient:
     def unregister_instance(self, instance_id: int) -> None:
         self._native.unregister_instance(instance_id)
 
-    def query_prefetch(self, instance_id: int, keys: Sequence, group: int = 0):
-        """Keys: a chain of StateKeys (consecutive pages of one group)."""
-        return _answer(*self._native.query(instance_id, group, list(keys)))
+    def query_prefetch(self, instance_id: int, keys: Sequence, group: int = 0, *, wait: float = 0.0):
+        """Keys: a chain of StateKeys (consecutive pages of one group). ``wait`` > 0 (seconds): a Loading answer is
+        waited for (on the completion of its operation, no polling) and asked again until then; the result is
+        still QueryLoading if it did not complete in time. Only for callers on threads of their own."""
+        return _answer(*self._native.query(instance_id, group, list(keys), _wait_ms(wait)))
 
     def query_hashes(self, instance_id: int, block_hashes: Sequence[bytes], *, first_token: int = 0,
-                     page_tokens: int, group: int = 0, key_version: int = 1):
+                     page_tokens: int, group: int = 0, key_version: int = 1, wait: float = 0.0):
         """The fast path: the chain named by the engine's block hashes (all the same length); page i covers tokens
-        [first_token + i * page_tokens, + page_tokens) of this instance's namespace."""
+        [first_token + i * page_tokens, + page_tokens) of this instance's namespace. ``wait`` as in
+        ``query_prefetch``."""
         if not isinstance(block_hashes, (list, tuple)):
             block_hashes = list(block_hashes)
         return _answer(*self._native.query_native(instance_id, group, first_token, page_tokens, block_hashes,
-                                                  key_version))
+                                                  key_version, _wait_ms(wait)))
+
+    def wait_loading(self, instance_id: int, op: int, timeout: float) -> Optional[int]:
+        """Waits (up to ``timeout`` seconds, without polling) until Loading operation ``op`` completed, and returns
+        how many blocks of its chain are in DRAM now (query again to lease them). None when it still runs at the
+        timeout, or is gone (a query took it, or it was cancelled or expired): query again either way."""
+        try:
+            return self._native.wait_loading(instance_id, op, max(1, _wait_ms(timeout)))
+        except _native.OrbitKVTimeout:
+            return None
+        except _native.OrbitKVError as error:
+            if getattr(error, "code", "") in ("NOT_FOUND", "ABORTED"):
+                return None
+            raise
 
     def start_restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> RestoreHandle:
         return RestoreHandle(self, self._native.start_restore(instance_id, group, lease, list(pages)))

@@ -110,20 +110,35 @@ void BindClient(py::module_& m) {
       .def(
           "query",
           [](CacheClient& c, uint64_t instance, uint32_t group,
-             const std::vector<state::StateKey>& keys) {
+             const std::vector<state::StateKey>& keys, uint32_t wait_ms) {
             client::QueryResult result = [&] {
               py::gil_scoped_release release;
-              return ValueOrThrow(c.Query(instance, group, keys));
+              return ValueOrThrow(
+                  wait_ms == 0 ? c.Query(instance, group, keys)
+                               : c.QueryWait(instance, group, keys,
+                                             std::chrono::milliseconds(wait_ms)));
             }();
             return py::make_tuple(result.hits, result.lease, result.loading_op);
           },
-          py::arg("instance_id"), py::arg("group"), py::arg("keys"),
+          py::arg("instance_id"), py::arg("group"), py::arg("keys"), py::arg("wait_ms") = 0,
           "-> (hits, lease, loading_op): the longest resident prefix, leased when hits > 0; "
-          "loading_op != 0 when the prefix continues on SSD and is being loaded (ask again)")
+          "loading_op != 0 when the prefix continues on SSD and is being loaded (ask again). "
+          "wait_ms > 0 waits that long for a Loading answer to complete (no polling)")
+      .def(
+          "wait_loading",
+          [](CacheClient& c, uint64_t instance, uint64_t op, uint32_t timeout_ms) {
+            return ValueOrThrow(
+                c.WaitLoading(instance, op, std::chrono::milliseconds(timeout_ms)));
+          },
+          GilRelease(), py::arg("instance_id"), py::arg("op"), py::arg("timeout_ms"),
+          "waits until Loading operation `op` completed; returns the blocks of its chain now in "
+          "DRAM. OrbitKVTimeout while it still runs; OrbitKVError (code NOT_FOUND or ABORTED) "
+          "when a query took it or it was cancelled")
       .def(
           "query_native",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t first_token,
-             uint32_t page_tokens, const py::object& hashes, uint16_t key_version) {
+             uint32_t page_tokens, const py::object& hashes, uint16_t key_version,
+             uint32_t wait_ms) {
             // Flatten the native keys while holding the GIL (straight from the bytes objects, no
             // per-item conversion), then talk to the Manager without it. `hashes` is a list of
             // equal-length bytes, or one bytes object of count x native_bytes with native_bytes
@@ -155,17 +170,22 @@ void BindClient(py::module_& m) {
             client::QueryResult result;
             if (!flat.empty()) {
               py::gil_scoped_release release;
-              result = ValueOrThrow(c.QueryNative(
-                  instance, group, first_token, page_tokens, static_cast<uint8_t>(native_bytes),
-                  std::span(reinterpret_cast<const uint8_t*>(flat.data()), flat.size()),
-                  key_version));
+              const std::span natives(reinterpret_cast<const uint8_t*>(flat.data()), flat.size());
+              const auto bytes = static_cast<uint8_t>(native_bytes);
+              result = ValueOrThrow(
+                  wait_ms == 0
+                      ? c.QueryNative(instance, group, first_token, page_tokens, bytes, natives,
+                                      key_version)
+                      : c.QueryNativeWait(instance, group, first_token, page_tokens, bytes,
+                                          natives, std::chrono::milliseconds(wait_ms),
+                                          key_version));
             }
             return py::make_tuple(result.hits, result.lease, result.loading_op);
           },
           py::arg("instance_id"), py::arg("group"), py::arg("first_token"), py::arg("page_tokens"),
-          py::arg("block_hashes"), py::arg("key_version") = 1,
+          py::arg("block_hashes"), py::arg("key_version") = 1, py::arg("wait_ms") = 0,
           "-> (hits, lease, loading_op) for the chain of pages whose native keys (block hashes) "
-          "are given")
+          "are given; wait_ms > 0 waits that long for a Loading answer to complete")
       .def(
           "start_restore",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease,

@@ -182,3 +182,68 @@ def test_wait_for_manager_fails_fast_on_an_exited_manager_and_times_out_on_silen
     with pytest.raises(TimeoutError):
         orbitkv.wait_for_manager(str(tmp_path / "nobody.sock"), timeout=0.2)
     assert time.monotonic() - start < 10
+
+
+def test_loading_is_waited_for_on_its_completion_not_polled(build_dir, tmp_path):
+    """After a restart the prefix is only on SSD: the single-shot query answers Loading, ``wait_loading`` returns
+    when the Manager says the op completed, and ``query_prefetch(wait=...)`` goes from Loading to the hit."""
+    args = [str(build_dir / "src" / "server" / "orbitkv-manager"), "--socket", str(tmp_path / "m.sock"),
+            "--dram", "64MiB", "--slab", "4MiB", "--log-level", "warn", "--allow-unpinned",
+            "--ssd-path", str(tmp_path / "ssd"), "--ssd-capacity", "64MiB", "--ssd-policy", "write-through",
+            "--ssd-min-frequency", "1"]
+    sock = str(tmp_path / "m.sock")
+    ns = namespace()
+    caches = kv_tensors()
+    for i, cache in enumerate(caches):
+        cache.fill_(float(i + 1))
+    keys = keys_for(ns, 9, 8)
+    procs = []
+    try:
+        for run in range(2):
+            proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+            procs.append(proc)
+            orbitkv.wait_for_manager(sock, process=proc)
+            client = orbitkv.CacheManagerClient(sock)
+            client.register_instance(1, ns)
+            client.register_group(1, 0, caches)
+            if run == 0:
+                assert client.save(1, [(k, i) for i, k in enumerate(keys)]) == (8, 0)
+                deadline = time.monotonic() + 30
+                while client.stats()["ssd"]["records"] < 8:
+                    assert time.monotonic() < deadline, "the blocks never reached SSD"
+                    time.sleep(0.01)
+                del client
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=30)
+                continue
+            first = client.query_prefetch(1, keys)
+            assert isinstance(first, orbitkv.QueryLoading), first
+            assert client.wait_loading(1, first.op, timeout=10.0) == 8
+            hit = client.query_prefetch(1, keys, wait=10.0)
+            assert isinstance(hit, orbitkv.QueryHit) and hit.num_hit_blocks == 8
+            assert client.wait_loading(1, first.op, timeout=0.1) is None  # taken by the query
+            for cache in caches:
+                cache.fill_(float("nan"))
+            client.restore(1, hit.lease, range(8))
+            for i, cache in enumerate(caches):
+                assert torch.equal(cache[:8].float(), torch.full_like(cache[:8].float(), float(i + 1)))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_both_adapters_fail_the_same_way_without_a_manager(tmp_path):
+    from orbitkv.link import ManagerLink
+
+    missing = str(tmp_path / "nobody.sock")
+    with pytest.raises(orbitkv.ManagerNotRunning, match="no Manager answers") as raised:
+        ManagerLink(missing, 200, require=True, reconnect_interval_s=0.0, on_connect=lambda c: None,
+                    adapter="Test", fix="point the test at its socket")
+    # One type for both adapters: a ManagerUnavailable (the vLLM connector's contract) and a RuntimeError
+    # (SGLang's storage-backend contract), naming the fix.
+    assert isinstance(raised.value, orbitkv.ManagerUnavailable) and isinstance(raised.value, RuntimeError)
+    assert "point the test at its socket" in str(raised.value)
+    lenient = ManagerLink(missing, 200, require=False, reconnect_interval_s=0.0, on_connect=lambda c: None)
+    assert lenient.client() is None and lenient.reconnect_failures == 1

@@ -350,18 +350,18 @@ def test_loading_answers_are_asked_again_then_count_as_a_miss(manager, monkeypat
     storage = backend(config(manager.socket, loading_wait_ms=2000), pool)
     k = keys("loading", 2)
     storage.batch_set_v1(k, slots(0, 2))
-    fake = LoadingClient(storage._link._client, loading=2)
-    storage._link._client = fake
+    fake = LoadingClient(storage._link._link._client, loading=2)
+    storage._link._link._client = fake
     assert storage.batch_get_v1(k, slots(4, 2)) == [True, True]
     assert fake.cancelled == [101]  # a superseded op; the one that turned into the hit is complete
     assert storage.counters()["query_loading"] == 2
     impatient = backend(config(manager.socket, loading_wait_ms=0), mha_pool())
-    stuck = LoadingClient(impatient._link._client, loading=10)
-    impatient._link._client = stuck
+    stuck = LoadingClient(impatient._link._link._client, loading=10)
+    impatient._link._link._client = stuck
     assert impatient.batch_get_v1(k, slots(4, 2)) == [False, False]
     assert stuck.cancelled == [109] and impatient.counters()["query_loading_timeouts"] == 1
-    storage._link._client = fake._real
-    impatient._link._client = stuck._real
+    storage._link._link._client = fake._real
+    impatient._link._link._client = stuck._real
     storage.close()
     impatient.close()
 

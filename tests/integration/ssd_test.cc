@@ -134,6 +134,40 @@ void ExpectRestoresByteExact(CacheClient& client, uint64_t instance, EngineKv& k
   for (uint32_t i = 0; i < keys.size(); ++i) ASSERT_TRUE(kv.Holds(i, keys[i])) << "block " << i;
 }
 
+// The engine need not poll: the Manager answers a Loading wait when the op completes, on the
+// client's completion fd, and QueryWait then leases the whole prefix.
+TEST(SsdIntegrationTest, LoadingCompletionIsDeliveredAndQueryWaitLeasesThePrefix) {
+  TempDir ssd;
+  const auto keys = Chain(7, kPages);
+  const std::vector<StateKey> head(keys.begin(), keys.begin() + 64);
+  ManagerProcess manager(SsdFlags(ssd.path(), "64MiB", "write-through"));
+  EngineKv kv(kPages);
+  auto client = SaveOnSsd(manager, kv, keys);
+  ASSERT_NE(client, nullptr);
+  auto loading = client->Query(1, 0, head);
+  ASSERT_TRUE(loading.ok()) << loading.status();
+  ASSERT_NE(loading->loading_op, 0u) << "the head should have been evicted to SSD";
+  Result<uint64_t> resident = client->WaitLoading(1, loading->loading_op, std::chrono::seconds(10));
+  ASSERT_TRUE(resident.ok()) << resident.status();
+  EXPECT_EQ(*resident, head.size());
+  // Completed: the wait answers at once, and the next query is the hit.
+  EXPECT_EQ(client->WaitLoading(1, loading->loading_op, std::chrono::seconds(1)).value_or(0),
+            head.size());
+  auto hit = client->QueryWait(1, 0, head, std::chrono::seconds(10));
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  ExpectRestoresByteExact(*client, 1, kv, head, *hit);
+  // Taken by that query: a wait on the op now hears NotFound (ask the query again).
+  EXPECT_EQ(client->WaitLoading(1, loading->loading_op, std::chrono::seconds(1)).status().code(),
+            StatusCode::kNotFound);
+  // QueryWait from Loading straight to the hit, for a part of the chain still on SSD.
+  const std::vector<StateKey> middle(keys.begin() + 64, keys.begin() + 128);
+  auto waited = client->QueryWait(1, 0, middle, std::chrono::seconds(10));
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->loading_op, 0u);
+  ExpectRestoresByteExact(*client, 1, kv, middle, *waited);
+  EXPECT_TRUE(EventuallyIdle(*client));
+}
+
 TEST(SsdIntegrationTest, EvictedBlocksComeBackFromSsdAndAfterRestart) {
   TempDir ssd;
   const auto keys = Chain(1, kPages);

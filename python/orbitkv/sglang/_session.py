@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import orbitkv
+from orbitkv.link import ManagerLink as SharedLink
 
 from orbitkv.sglang._layout import PoolGeometry
 
@@ -135,27 +136,32 @@ class _Pool:
 
 
 class ManagerLink:
-    """One SGLang rank's view of the Manager: a client, the pools registered through it, and reconnection."""
+    """One SGLang rank's view of the Manager: the pools registered through the shared link (``orbitkv.link``: one
+    failure policy with the vLLM connector), and their registrations replayed when it reconnects."""
 
     def __init__(self, socket_path: Optional[str], *, timeout_ms: int, loading_wait_s: float,
                  reconnect_interval_s: float, counters: Counters, log: RateLimitedLog):
-        self._socket = socket_path
-        self._timeout_ms = timeout_ms
         self._loading_wait_s = loading_wait_s
-        self._reconnect_interval_s = reconnect_interval_s
         self._counters = counters
         self._log = log
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the pools; taken inside the link's lock (replay), never around it
         self._pools: Dict[str, _Pool] = {}
-        self._closed = False
-        self._last_attempt = 0.0
-        try:
-            self._client: Optional[orbitkv.CacheManagerClient] = orbitkv.CacheManagerClient(
-                socket_path, timeout_ms=timeout_ms)
-        except orbitkv.OrbitKVError as e:
-            where = socket_path or "the default socket (see orbitkv-manager --help)"
-            raise RuntimeError(f"OrbitKV: no Manager answers at {where}: {e}. Start orbitkv-manager on this host, "
-                               "or set \"socket\" in --hicache-storage-backend-extra-config") from e
+        self._connected_once = False
+        self._link = SharedLink(socket_path, timeout_ms, require=True, reconnect_interval_s=reconnect_interval_s,
+                                on_connect=self._replay, adapter="OrbitKV",
+                                fix='or set "socket" in --hicache-storage-backend-extra-config', log=logger)
+
+    def _replay(self, client: orbitkv.CacheManagerClient) -> None:
+        """Registers every pool on a new client (the link adopts the client only if this succeeds)."""
+        with self._lock:
+            for p in self._pools.values():
+                p.instance_id = 0
+            for p in self._pools.values():
+                self._register_on(client, p)
+        if self._connected_once:
+            self._counters.add("reconnects")
+            logger.info("OrbitKV: reconnected to the Manager at %s", client.socket_path)
+        self._connected_once = True
 
     # ---- registration ----
 
@@ -165,10 +171,10 @@ class ManagerLink:
         copies with process_vm_readv/writev. Keys of this pool cover ``span_tokens`` tokens each (default: the
         pool's page)."""
         pool = _Pool(label, geometry, namespace, span_tokens or geometry.page_tokens)
+        client = self._link.client()
         with self._lock:
             if label in self._pools:
                 raise ValueError(f"OrbitKV: a pool named {label!r} is already registered")
-            client = self._client
             if client is None:
                 raise orbitkv.ManagerUnavailable("the OrbitKV Manager is not connected")
             self._register_on(client, pool)
@@ -203,49 +209,27 @@ class ManagerLink:
     # ---- connection ----
 
     def _current(self, label: str) -> Tuple[orbitkv.CacheManagerClient, int]:
-        """The live client and the pool's instance on it; reconnects (at most once per interval) after a loss."""
-        client = self._client
+        """The live client and the pool's instance on it; the link reconnects (at most once per interval) after a
+        loss, replaying the registrations."""
         pool = self._pools[label]
-        if client is not None and pool.instance_id:
-            return client, pool.instance_id
-        with self._lock:
-            if self._closed:
-                raise orbitkv.ManagerUnavailable("the OrbitKV storage backend is closed")
-            if self._client is None:
-                now = time.monotonic()
-                if now - self._last_attempt < self._reconnect_interval_s:
-                    raise orbitkv.ManagerUnavailable("the OrbitKV Manager is gone; waiting to reconnect")
-                self._last_attempt = now
-                try:
-                    client = orbitkv.CacheManagerClient(self._socket, timeout_ms=self._timeout_ms)
-                    for p in self._pools.values():
-                        p.instance_id = 0
-                    for p in self._pools.values():
-                        self._register_on(client, p)
-                except orbitkv.OrbitKVError:
-                    self._counters.add("reconnect_failures")
-                    raise
-                self._client = client
-                self._counters.add("reconnects")
-                logger.info("OrbitKV: reconnected to the Manager at %s", client.socket_path)
-            return self._client, self._pools[label].instance_id
+        failures = self._link.reconnect_failures
+        client = self._link.client()
+        if self._link.reconnect_failures != failures:
+            self._counters.add("reconnect_failures")
+        if client is None:
+            raise orbitkv.ManagerUnavailable("the OrbitKV Manager is gone (or the backend closed); waiting to "
+                                             "reconnect")
+        return client, pool.instance_id
 
     def _lost(self, client, error: BaseException) -> None:
         """Drops the client after the Manager went away, so the next call reconnects."""
-        if isinstance(error, orbitkv.ManagerUnavailable):
-            with self._lock:
-                if self._client is client:
-                    self._client = None
-                    self._last_attempt = time.monotonic()
-                    self._log.warning("lost", "OrbitKV: the Manager is unavailable (%s); treating every page as a "
-                                      "miss until it is back", error)
+        if self._link.failed(error, client):
+            self._log.warning("lost", "OrbitKV: the Manager is unavailable (%s); treating every page as a miss "
+                              "until it is back", error)
 
     def close(self) -> None:
+        client = self._link.close()
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            client, self._client = self._client, None
             pools = list(self._pools.values())
         if client is None:
             return
@@ -261,25 +245,23 @@ class ManagerLink:
 
     def query(self, label: str, natives: List[bytes], first: int, *, wait_loading: bool = True) -> Answer:
         """The chain ``natives`` starting at token ``first``. A Loading answer (blocks being read from SSD into
-        DRAM) is asked again with the same keys until ``loading_wait`` passes; then the op is cancelled (its reads
+        DRAM) is waited for on the completion of its operation (the Manager answers when it completes; no sleeping
+        or polling here) and asked again, until ``loading_wait`` passes; then the op is cancelled (its reads
         finish anyway, nothing stays leased) and the answer counts as a miss."""
         client, instance = self._current(label)
         page = self._pools[label].span_tokens
-        loading_type = getattr(orbitkv, "QueryLoading", None)
         deadline = None
         pending_op = None
-        delay = 0.0002
         try:
             while True:
                 answer = client.query_hashes(instance, natives, first_token=first, page_tokens=page)
-                if loading_type is None or not isinstance(answer, loading_type):
+                if not isinstance(answer, orbitkv.QueryLoading):
                     # A Loading op that turned into this answer has completed: nothing to cancel.
                     return Answer(answer.num_hit_blocks, getattr(answer, "lease", 0), client, instance)
                 self._counters.add("query_loading")
-                op = getattr(answer, "op", None)
-                if pending_op is not None and op != pending_op:
+                if pending_op is not None and answer.op != pending_op:
                     self._cancel(client, instance, pending_op)
-                pending_op = op
+                pending_op = answer.op
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + (self._loading_wait_s if wait_loading else 0.0)
@@ -287,8 +269,7 @@ class ManagerLink:
                     self._cancel(client, instance, pending_op)
                     self._counters.add("query_loading_timeouts")
                     return Answer(0, 0, client, instance, True)
-                time.sleep(delay)
-                delay = min(delay * 2, 0.005)
+                client.wait_loading(instance, pending_op, deadline - now)
         except orbitkv.OrbitKVError as e:
             self._lost(client, e)
             raise
@@ -319,17 +300,14 @@ class ManagerLink:
         except orbitkv.OrbitKVError:
             self.release(client, instance, lease)
             raise
-        started = time.monotonic()
         while True:
             try:
-                # Short slices: the client holds its control lock while waiting, and the prefetch thread's
-                # queries must not queue behind a long restore.
-                handle.wait(timeout=0.002)
+                # The wait does not hold the client's session: the prefetch thread's queries go on meanwhile.
+                handle.wait(timeout=10.0)
                 return
             except orbitkv.OrbitKVTimeout:
-                if time.monotonic() - started > 10.0:
-                    self._log.warning("slow-restore", "OrbitKV: a restore of %d pages has run for over 10 s",
-                                      len(pages))
+                self._log.warning("slow-restore", "OrbitKV: a restore of %d pages has run for over 10 s",
+                                  len(pages))
             except orbitkv.OrbitKVError as e:
                 self._lost(client, e)
                 raise
@@ -350,7 +328,7 @@ class ManagerLink:
             raise
 
     def manager_stats(self) -> dict:
-        client = self._client
+        client = self._link.current
         if client is None:
             return {}
         try:

@@ -1,0 +1,110 @@
+"""The connection from an engine adapter to its host's Manager, shared by the vLLM connector and the SGLang backend.
+
+One failure policy for both:
+- At start, a Manager that does not answer is ``ManagerNotRunning`` (a ``ManagerUnavailable``) naming the fix, when
+  the adapter requires one; otherwise the adapter serves without it (every lookup a miss) until it appears.
+- While running, every call goes through ``client()``, which returns None while the Manager is unreachable. A call
+  that fails with ``ManagerUnavailable`` reports it with ``failed()``: the link goes down, and the next ``client()``
+  after ``reconnect_interval_s`` connects again and replays the adapter's registrations (``on_connect``), so the
+  engine keeps serving (recomputing) meanwhile. Other errors are the call's own and leave the link up.
+- A Manager that answers but refuses the replay (it may not read this process's memory, say) is logged once per
+  distinct reason, not on every attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import orbitkv
+
+__all__ = ["ManagerLink", "ManagerNotRunning"]
+
+
+class ManagerNotRunning(orbitkv.ManagerUnavailable, RuntimeError):
+    """No OrbitKV Manager answers at the adapter's socket (raised at start when the adapter requires one)."""
+
+
+class ManagerLink:
+    def __init__(self, socket_path: Optional[str], timeout_ms: int, spin_iterations: int = 4096, *, require: bool,
+                 reconnect_interval_s: float, on_connect: Callable[[orbitkv.CacheManagerClient], None],
+                 adapter: str = "OrbitKV", fix: str = "", log: Optional[logging.Logger] = None):
+        self._socket_path = socket_path
+        self._timeout_ms = timeout_ms
+        self._spin = spin_iterations
+        self._interval = reconnect_interval_s
+        self._on_connect = on_connect
+        self._log = log or logging.getLogger("orbitkv")
+        self._client: Optional[orbitkv.CacheManagerClient] = None
+        self._next_attempt = 0.0
+        self._lock = threading.Lock()  # worker threads (saves, prefetch) use the link too
+        self._closed = False
+        self.failures = 0
+        self.reconnects = 0
+        self.reconnect_failures = 0
+        self._last_refusal = ""
+        try:
+            self._connect()
+        except orbitkv.OrbitKVError as error:
+            if require:
+                where = socket_path or "its default socket (see orbitkv-manager --help)"
+                raise ManagerNotRunning(
+                    f"{adapter}: no Manager answers at {where} ({error}). Start orbitkv-manager on this "
+                    f"host{', ' + fix if fix else ''}.") from error
+            self._log.warning("orbitkv: Manager unreachable (%s); serving without it until it appears", error)
+            self._next_attempt = time.monotonic() + self._interval
+
+    def _connect(self) -> None:
+        client = orbitkv.CacheManagerClient(self._socket_path, timeout_ms=self._timeout_ms,
+                                            spin_iterations=self._spin)
+        self._on_connect(client)
+        self._client = client
+
+    @property
+    def current(self) -> Optional[orbitkv.CacheManagerClient]:
+        """The client if connected now (no reconnect attempt)."""
+        return self._client
+
+    def client(self) -> Optional[orbitkv.CacheManagerClient]:
+        """The live client, or None while the Manager is unreachable (or the link is closed)."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:
+            if self._client is None and not self._closed and time.monotonic() >= self._next_attempt:
+                try:
+                    self._connect()
+                    self.reconnects += 1
+                    self._log.warning("orbitkv: reconnected to the Manager")
+                except orbitkv.OrbitKVError as error:
+                    self.reconnect_failures += 1
+                    if isinstance(error, orbitkv.ManagerUnavailable) or str(error) == self._last_refusal:
+                        self._log.debug("orbitkv: reconnect failed: %s", error)
+                    else:  # a Manager that answers but refuses (e.g. may not access this process's KV memory)
+                        self._last_refusal = str(error)
+                        self._log.warning("orbitkv: the Manager refused this engine on reconnect: %s", error)
+                    self._next_attempt = time.monotonic() + self._interval
+            return self._client
+
+    def failed(self, error: BaseException, client: Optional[orbitkv.CacheManagerClient] = None) -> bool:
+        """Reports a failed call (made on ``client``, default the current one). A Manager that is gone takes the
+        link down (True); other errors are the call's own."""
+        with self._lock:
+            self.failures += 1
+            if not isinstance(error, orbitkv.ManagerUnavailable) or self._client is None:
+                return False
+            if client is not None and client is not self._client:
+                return False  # an older client's failure: the link already reconnected
+            self._log.warning("orbitkv: lost the Manager (%s); recomputing until it is back", error)
+            self._client = None
+            self._next_attempt = time.monotonic() + self._interval
+            return True
+
+    def close(self) -> Optional[orbitkv.CacheManagerClient]:
+        """Closes the link; returns the client it had (to unregister with), if any."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+            return client

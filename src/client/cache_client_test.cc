@@ -1,0 +1,198 @@
+// CacheClient against a scripted Manager end: a real channel (socket, arena, rings, doorbells) whose
+// server side answers like the Manager, except that it holds chosen replies back until the test
+// lets them go. That is the fault the real Manager cannot produce on demand (a restore or a Loading
+// operation that takes as long as the test wants), and it makes the waits deterministic.
+#include "client/cache_client.h"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "channel/messages.h"
+#include "channel/uds.h"
+#include "state/test_util.h"
+
+namespace orbitkv::client {
+namespace {
+
+using namespace std::chrono_literals;
+using channel::Descriptor;
+using channel::Opcode;
+
+// Serves one session on its own thread. Queries of a chain are answered Loading (op 7) until
+// `loaded`, then Hit(count, lease 42); WaitLoading and restore replies wait for the test.
+class ScriptedManager {
+ public:
+  explicit ScriptedManager(const std::string& path) : path_(path) {
+    auto listener = channel::ListenUnix(path_);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    listener_ = std::move(*listener);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~ScriptedManager() {
+    stop_ = true;
+    thread_.join();
+    std::filesystem::remove_all(std::filesystem::path(path_).parent_path());
+  }
+
+  std::atomic<bool> loaded{false};
+  std::atomic<int> queries{0};
+  std::atomic<bool> release_restores{false};
+  std::atomic<bool> release_waits{false};
+
+ private:
+  void Serve() {
+    ScopedFd conn;
+    while (!stop_ && !conn.valid()) {
+      conn = ScopedFd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!conn.valid()) std::this_thread::sleep_for(1ms);
+    }
+    if (stop_) return;
+    channel::AcceptOptions options;
+    options.session_id = 1;
+    options.session_epoch = 77;
+    options.manager_incarnation = 5;
+    options.default_layout = *channel::ArenaLayout::Compute(16, 8, 4096);
+    options.deadline = Deadline::After(10s);
+    auto session = channel::ServerSession::Accept(std::move(conn), options);
+    ASSERT_TRUE(session.ok()) << session.status();
+    std::vector<Descriptor> held_restores, held_waits;
+    while (!stop_) {
+      auto request = (*session)->NextRequest();
+      ASSERT_TRUE(request.ok()) << request.status();
+      if (release_restores) {
+        for (const Descriptor& d : held_restores)
+          (void)(*session)->Answer(d, channel::EncodeRestoreReply({4096}));
+        held_restores.clear();
+      }
+      if (release_waits) {
+        for (const Descriptor& d : held_waits)
+          (void)(*session)->Answer(d, channel::EncodeWaitLoadingReply({3}));
+        held_waits.clear();
+      }
+      if (!request->has_value()) {
+        std::this_thread::sleep_for(100us);
+        continue;
+      }
+      const Descriptor& d = (*request)->descriptor;
+      switch ((*request)->opcode()) {
+        case Opcode::kQuery: {
+          ++queries;
+          const auto count = static_cast<uint32_t>(d.arg1);
+          (void)(*session)->Answer(d, channel::EncodeQueryReply(
+                                          loaded ? channel::QueryReply::Hit(count, 42)
+                                                 : channel::QueryReply::Loading(7)));
+          break;
+        }
+        case Opcode::kRestore:
+          held_restores.push_back(d);
+          break;
+        case Opcode::kWaitLoading:
+          held_waits.push_back(d);
+          break;
+        default:
+          (void)(*session)->Answer(d, channel::ReplyArgs{});
+      }
+    }
+  }
+
+  const std::string path_;
+  ScopedFd listener_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+class CacheClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = fmt::format("/tmp/orbitkv-client-test-{}/{}.sock", getpid(),
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    manager_ = std::make_unique<ScriptedManager>(path_);
+    ClientOptions options;
+    options.socket_path = path_;
+    options.timeout = 500ms;
+    auto client = CacheClient::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+  }
+  std::vector<uint8_t> Natives(size_t n) const { return std::vector<uint8_t>(n * 16, 0xab); }
+  Result<QueryResult> Query(size_t n) {
+    const std::vector<uint8_t> natives = Natives(n);
+    return client_->QueryNative(1, 0, 0, 16, 16, natives);
+  }
+
+  std::string path_;
+  std::unique_ptr<ScriptedManager> manager_;
+  std::unique_ptr<CacheClient> client_;
+};
+
+TEST_F(CacheClientTest, AWaitingRestoreDoesNotBlockOtherThreadsQueries) {
+  manager_->loaded = true;
+  const uint32_t pages[] = {0};
+  Result<uint64_t> handle = client_->StartRestore(1, 0, 42, pages);
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  std::atomic<bool> restored{false};
+  std::thread waiter([&] {
+    EXPECT_TRUE(client_->WaitRestore(*handle, 10s).ok());
+    restored = true;
+  });
+  // While the restore waits (the Manager holds its reply), another thread's queries are answered.
+  for (int i = 0; i < 20; ++i) {
+    Result<QueryResult> hit = Query(3);
+    ASSERT_TRUE(hit.ok()) << hit.status();
+    EXPECT_EQ(hit->hits, 3u);
+    EXPECT_EQ(hit->lease, 42u);
+  }
+  EXPECT_FALSE(restored.load());
+  manager_->release_restores = true;
+  waiter.join();
+  EXPECT_TRUE(restored.load());
+}
+
+TEST_F(CacheClientTest, QueryWaitSleepsUntilTheLoadingCompletionThenAsksAgain) {
+  auto waited = std::async(std::launch::async, [&] {
+    const std::vector<uint8_t> natives = Natives(3);
+    return client_->QueryNativeWait(1, 0, 0, 16, 16, natives, 10s);
+  });
+  // The first query was answered Loading and the client now waits for the op's completion: it does
+  // not ask again (no polling) until the Manager says the op completed.
+  while (manager_->queries.load() == 0) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(manager_->queries.load(), 1);
+  EXPECT_EQ(waited.wait_for(0s), std::future_status::timeout);
+  manager_->loaded = true;
+  manager_->release_waits = true;
+  Result<QueryResult> hit = waited.get();
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->hits, 3u);
+  EXPECT_EQ(manager_->queries.load(), 2);
+}
+
+TEST_F(CacheClientTest, QueryWaitReturnsLoadingAtItsTimeoutAndTheLateAnswerHarmsNothing) {
+  const std::vector<uint8_t> natives = Natives(2);
+  // The Manager never answers the wait in time: the client gives up after the wait's own timeout
+  // plus its call timeout, and the query result is still Loading.
+  Result<uint64_t> wait = client_->WaitLoading(1, 7, 20ms);
+  EXPECT_EQ(wait.status().code(), StatusCode::kDeadlineExceeded) << wait.status();
+  Result<QueryResult> loading = client_->QueryNativeWait(1, 0, 0, 16, 16, natives, 1ms);
+  ASSERT_TRUE(loading.ok()) << loading.status();
+  EXPECT_EQ(loading->loading_op, 7u);
+  // The late answers arrive; the session keeps working and its abandoned slots come back.
+  manager_->release_waits = true;
+  manager_->loaded = true;
+  for (int i = 0; i < 40; ++i) {
+    Result<QueryResult> hit = Query(2);
+    ASSERT_TRUE(hit.ok()) << hit.status();
+    EXPECT_EQ(hit->hits, 2u);
+  }
+}
+
+}  // namespace
+}  // namespace orbitkv::client
