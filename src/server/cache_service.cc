@@ -12,7 +12,6 @@ CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache*
     : options_(options),
       cache_(cache),
       ssd_(ssd),
-      metrics_(metrics),
       loading_(LoadingRegistry::Options{options.max_loading, options.loading_hold,
                                         options.wake_sweeper},
                metrics),

@@ -129,7 +129,6 @@ class CacheService {
   const CacheServiceOptions options_;
   core::BlockCache* const cache_;
   core::SsdTier* const ssd_;
-  MetricsRegistry* const metrics_;
 
   InstanceTable instances_;
   LoadingRegistry loading_;
