@@ -192,11 +192,13 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
   Status submitted = group.engine->Submit(
       std::move(batch),
       [this, lease, finish, keep = target->group, total = *bytes](Status status) {
-        lease->Reset();  // the copy drained: pins and reservation go back before the engine hears
+        // The copy drained: pins, reservation and the operation's slot go back before the engine
+        // hears of it (its next request must find them free).
+        lease->Reset();
         if (status.ok()) restored_bytes_->Increment(total);
+        EndOperation();
         (*finish)(status.ok() ? Result<channel::RestoreReply>(channel::RestoreReply{total})
                               : Result<channel::RestoreReply>(status));
-        EndOperation();
       });
   if (!submitted.ok()) {
     lease->Reset();
@@ -267,9 +269,9 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
           saved_bytes_->Increment(bytes);
         }
         work->writers.clear();  // unsealed writers abort and free their memory
+        EndOperation();
         work->done(status.ok() ? Result<channel::SaveReply>(channel::SaveReply{written, skipped})
                                : Result<channel::SaveReply>(status));
-        EndOperation();
       });
   if (!submitted.ok()) {
     work->writers.clear();
