@@ -483,16 +483,18 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
   std::vector<InFlight> inflight;
   SaveResult total;
   Status failed;
+  // A save's reply comes after its copy, never within a spin's time: spinning long would only take
+  // a core from the Manager's copy workers (on a small host that costs throughput).
+  const int spins = std::min(options_.spin_iterations, 256);
   auto wait_oldest = [&]() {
     const InFlight oldest = inflight.front();
     inflight.erase(inflight.begin());
-    Result<channel::InboundReply> reply =
-        session->WaitReply(oldest.id, CallDeadline(), options_.spin_iterations);
+    Result<channel::InboundReply> reply = session->WaitReply(oldest.id, CallDeadline(), spins);
     // A save is never abandoned on a timeout: until its reply the Manager may still be reading the
     // source pages, and an engine that reused them would have a torn block sealed. Only a session
     // that is gone (the Manager died: Unavailable) ends the wait.
     while (!reply.ok() && reply.status().code() == StatusCode::kDeadlineExceeded) {
-      reply = session->WaitReply(oldest.id, CallDeadline(), options_.spin_iterations);
+      reply = session->WaitReply(oldest.id, CallDeadline(), spins);
     }
     Status status = reply.ok() ? (reply->code() == StatusCode::kOk
                                       ? Status::Ok()
@@ -509,12 +511,14 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
       failed = counts.status();
     }
   };
+  channel::SaveRequest request;  // reused for every chunk: no allocation per request
+  request.instance = instance;
+  request.group = group;
+  request.items.reserve(std::min(items.size(), per_request));
   for (size_t start = 0; start < items.size() && failed.ok(); start += per_request) {
     if (inflight.size() == kPipeline) wait_oldest();
-    channel::SaveRequest request;
-    request.instance = instance;
-    request.group = group;
     const size_t end = std::min(items.size(), start + per_request);
+    request.items.clear();
     for (size_t i = start; i < end; ++i)
       request.items.push_back(channel::SaveItem{items[i].key, items[i].page});
     Result<uint32_t> slot = session->AcquireSlot();
