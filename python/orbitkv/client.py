@@ -211,6 +211,9 @@ class CacheManagerClient:
         ``query_prefetch``."""
         if not isinstance(block_hashes, (list, tuple)):
             block_hashes = list(block_hashes)
+        if not wait:  # the hot path: no conversion, no extra argument
+            return _answer(*self._native.query_native(instance_id, group, first_token, page_tokens, block_hashes,
+                                                      key_version))
         return _answer(*self._native.query_native(instance_id, group, first_token, page_tokens, block_hashes,
                                                   key_version, _wait_ms(wait)))
 
