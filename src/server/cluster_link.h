@@ -4,7 +4,8 @@
 // In distributed mode (--etcd-endpoints) the Manager joins the cluster in etcd (leased membership,
 // member view, catalog placement; docs/cluster.md); cache operations read the link without any etcd
 // call. Start returns null in single-host mode. Later parts (the peer listener, the catalog, remote
-// Loading stages) attach here. Every `#if` on the cluster module is in cluster_link.cc.
+// Loading stages) attach here. cluster_link_etcd.cc implements it when the module is built,
+// cluster_link_none.cc when it is not: no source holds an `#if` on it.
 //
 // Thread safety: every method is safe from any thread.
 #ifndef ORBITKV_SERVER_CLUSTER_LINK_H_

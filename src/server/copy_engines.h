@@ -4,8 +4,8 @@
 // buffers imported with CUDA IPC) exists when the build has the gpu module and a GPU was usable at
 // start. Only then is the pool registered with CUDA (mapped, so the copy kernels read and write it
 // in place): PreparePool must run before the pool is created. A Manager without a GPU refuses CUDA
-// groups with an error naming why and otherwise serves as usual. Every `#if` on the gpu module is
-// in copy_engines.cc.
+// groups with an error naming why and otherwise serves as usual. The gpu module is reached only
+// through GpuSupport (gpu_support.h).
 //
 // Lifetime: PreparePool, then (once the pool exists) Start, Shutdown (drains), Close (destroys the
 // engines, closing IPC mappings) before the pool goes; the object itself (the CUDA host registry)
@@ -26,6 +26,7 @@
 #include "core/block_cache.h"
 #include "core/copy_engine.h"
 #include "core/cpu_copy_engine.h"
+#include "server/gpu_support.h"
 
 namespace orbitkv::server {
 
@@ -62,8 +63,9 @@ class CopyEngines {
   Status Unregister(channel::BufferKind kind, core::BufferId id);
 
  private:
-  struct Gpu;  // the gpu module's parts (copy_engines.cc)
-  std::unique_ptr<Gpu> gpu_;
+  // Declared first: destroyed after the CPU engine; its host registry goes with the Manager's
+  // CopyEngines, after the pool.
+  std::unique_ptr<GpuSupport> gpu_;
   std::unique_ptr<core::CpuCopyEngine> cpu_;
 };
 

@@ -1,15 +1,10 @@
-#include "server/cluster_link.h"
-
+// ClusterLink in a build with the cluster module: leased membership in etcd.
 #include "base/clock.h"
 #include "base/logging.h"
-
-#if ORBITKV_SERVER_HAS_CLUSTER
 #include "cluster/membership.h"
-#endif
+#include "server/cluster_link.h"
 
 namespace orbitkv::server {
-
-#if ORBITKV_SERVER_HAS_CLUSTER
 namespace {
 
 class MembershipLink final : public ClusterLink {
@@ -58,18 +53,5 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   ORBITKV_LOG_INFO("manager: joined cluster '{}' as node {}", config.cluster_name, config.node_id);
   return std::unique_ptr<ClusterLink>(new MembershipLink(std::move(membership)));
 }
-
-#else
-
-Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
-                                                        MetricsRegistry* metrics) {
-  (void)metrics;
-  if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
-  return Status::FailedPrecondition(
-      "--etcd-endpoints needs the cluster module, which this build lacks (configure with "
-      "-DORBITKV_WITH_ETCD=ON and gRPC installed)");
-}
-
-#endif
 
 }  // namespace orbitkv::server

@@ -1,0 +1,16 @@
+// ClusterLink in a build without the cluster module: single-host only, and --etcd-endpoints is a
+// clear error naming the build option.
+#include "server/cluster_link.h"
+
+namespace orbitkv::server {
+
+Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
+                                                        MetricsRegistry* metrics) {
+  (void)metrics;
+  if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
+  return Status::FailedPrecondition(
+      "--etcd-endpoints needs the cluster module, which this build lacks (configure with "
+      "-DORBITKV_WITH_ETCD=ON and gRPC installed)");
+}
+
+}  // namespace orbitkv::server

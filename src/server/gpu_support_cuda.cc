@@ -1,0 +1,94 @@
+// GpuSupport with the gpu module: the CUDA host registry for the pool and the CUDA copy engine.
+#include <cstring>
+#include <span>
+#include <string_view>
+
+#include "base/logging.h"
+#include "gpu/cuda_copy_engine.h"
+#include "gpu/cuda_util.h"
+#include "gpu/host_memory_registry.h"
+#include "server/gpu_support.h"
+
+namespace orbitkv::server {
+namespace {
+
+class CudaSupport final : public GpuSupport {
+ public:
+  CudaSupport() : host_memory_(std::make_unique<gpu::HostMemoryRegistry>()) {}
+  gpu::HostMemoryRegistry* registry() { return host_memory_.get(); }
+
+  Status Start(uint32_t max_inflight, MetricsRegistry* metrics) override {
+    gpu::CudaCopyEngine::Options options;
+    options.max_inflight_batches = std::max<uint32_t>(max_inflight, 1);
+    Result<std::unique_ptr<gpu::CudaCopyEngine>> cuda =
+        gpu::CudaCopyEngine::Create(options, host_memory_.get(), metrics);
+    if (!cuda.ok()) return cuda.status().WithContext("starting the CUDA copy engine");
+    engine_ = std::move(*cuda);
+    return Status::Ok();
+  }
+  core::CopyEngine* engine() override { return engine_.get(); }
+
+  Result<core::BufferId> RegisterCudaIpc(const channel::CudaIpcBuffer& cuda,
+                                         uint64_t bytes) override {
+    if (engine_ == nullptr) return Status::FailedPrecondition("the CUDA copy engine is not running");
+    const size_t bus_id_length = strnlen(cuda.pci_bus_id, sizeof(cuda.pci_bus_id));
+    if (bus_id_length == sizeof(cuda.pci_bus_id)) {
+      return Status::InvalidArgument("its PCI bus id is not terminated");
+    }
+    const std::string_view bus_id(cuda.pci_bus_id, bus_id_length);
+    ORBITKV_ASSIGN_OR_RETURN(int device, gpu::DeviceByPciBusId(bus_id));
+    Result<core::BufferId> id = engine_->RegisterIpcBuffer(
+        std::span<const uint8_t>(cuda.ipc_handle, sizeof(cuda.ipc_handle)), device, bytes,
+        cuda.offset);
+    if (!id.ok()) {
+      return id.status().WithContext(
+          fmt::format("importing {} bytes at offset {} of a CUDA IPC allocation on GPU {}", bytes,
+                      cuda.offset, bus_id));
+    }
+    return id;
+  }
+
+  Status Unregister(core::BufferId id) override {
+    if (engine_ == nullptr) return Status::NotFound("the CUDA copy engine is not running");
+    return engine_->UnregisterBuffer(id);
+  }
+  void Shutdown() override {
+    if (engine_) engine_->Shutdown();
+  }
+  // Closes the IPC mappings still open; the host registry, which unregisters nothing the pool did
+  // not, goes with this object, after the pool.
+  void CloseEngine() override { engine_.reset(); }
+
+ private:
+  // Declared first: destroyed after the engine.
+  std::unique_ptr<gpu::HostMemoryRegistry> host_memory_;
+  std::unique_ptr<gpu::CudaCopyEngine> engine_;
+};
+
+}  // namespace
+
+std::unique_ptr<GpuSupport> GpuSupport::Detect(core::BlockCacheOptions* options) {
+  Result<int> devices = gpu::UsableDeviceCount();
+  if (!devices.ok()) {
+    ORBITKV_LOG_WARN("manager: CUDA is not usable ({}); serving CPU engines only",
+                     devices.status().ToString());
+    return nullptr;
+  }
+  if (*devices == 0) {
+    ORBITKV_LOG_INFO("manager: no GPU found; serving CPU engines only");
+    return nullptr;
+  }
+  auto support = std::make_unique<CudaSupport>();
+  options->pool.registrar = support->registry();
+  ORBITKV_LOG_INFO("manager: {} GPU(s) usable: the pool is registered with CUDA", *devices);
+  return support;
+}
+
+Status GpuSupport::Unavailable() {
+  return Status::FailedPrecondition(
+      "this Manager found no usable GPU when it started, so it cannot import CUDA IPC buffers; "
+      "start it where the engine's GPU is visible (check CUDA_VISIBLE_DEVICES and the NVIDIA "
+      "driver), or register host memory instead");
+}
+
+}  // namespace orbitkv::server
