@@ -62,25 +62,34 @@ size_t MaxRestorePages(uint32_t slot_bytes) {
              : (slot_bytes - sizeof(RestoreLayersBody)) / sizeof(uint32_t);
 }
 
-Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot) {
-  if (request.native_bytes == 0 || request.native_bytes > state::kMaxNativeKeyBytes ||
-      request.natives.size() % request.native_bytes != 0 || request.page_tokens == 0) {
+Result<uint32_t> EncodeQueryChain(uint64_t instance, uint32_t group, uint64_t first_token,
+                                  uint32_t page_tokens, uint16_t key_version, uint8_t native_bytes,
+                                  std::span<const uint8_t> natives, Descriptor* d,
+                                  std::span<uint8_t> slot) {
+  if (native_bytes == 0 || native_bytes > state::kMaxNativeKeyBytes ||
+      natives.size() % native_bytes != 0 || page_tokens == 0) {
     return Status::InvalidArgument(
         "a query needs 1-64-byte native keys of one length and a page size");
   }
   ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes,
-                           Fits(sizeof(QueryKeysHeader) + request.natives.size(), slot, "query"));
-  const QueryKeysHeader header{request.first_token, request.page_tokens, request.key_version,
-                               request.native_bytes, 0};
+                           Fits(sizeof(QueryKeysHeader) + natives.size(), slot, "query"));
+  const QueryKeysHeader header{first_token, page_tokens, key_version, native_bytes, 0};
   std::memcpy(slot.data(), &header, sizeof(header));
-  if (!request.natives.empty()) {
-    std::memcpy(slot.data() + sizeof(header), request.natives.data(), request.natives.size());
-  }
+  if (!natives.empty()) std::memcpy(slot.data() + sizeof(header), natives.data(), natives.size());
   d->opcode = static_cast<uint16_t>(Opcode::kQuery);
-  d->arg0 = request.instance;
-  d->arg1 = Pack(request.group, static_cast<uint32_t>(request.count()));
+  d->arg0 = instance;
+  d->arg1 = Pack(group, static_cast<uint32_t>(natives.size() / native_bytes));
   return bytes;
 }
+
+Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot) {
+  return EncodeQueryChain(request.instance, request.group, request.first_token,
+                          request.page_tokens, request.key_version, request.native_bytes,
+                          request.natives, d, slot);
+}
+
+void EncodePing(Descriptor* d) { d->opcode = static_cast<uint16_t>(Opcode::kPing); }
+void EncodeStats(Descriptor* d) { d->opcode = static_cast<uint16_t>(Opcode::kStats); }
 
 Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d,
                                std::span<uint8_t> slot) {

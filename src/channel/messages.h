@@ -134,6 +134,14 @@ size_t MaxRestorePages(uint32_t slot_bytes);
 // bytes used; InvalidArgument when the message does not fit the slot (callers split requests by the
 // Max* limits).
 Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot);
+// The same from the chain's parts, written straight into the slot (the client's hot path: no
+// intermediate QueryRequest). `natives` holds count x native_bytes bytes.
+Result<uint32_t> EncodeQueryChain(uint64_t instance, uint32_t group, uint64_t first_token,
+                                  uint32_t page_tokens, uint16_t key_version, uint8_t native_bytes,
+                                  std::span<const uint8_t> natives, Descriptor* d,
+                                  std::span<uint8_t> slot);
+void EncodePing(Descriptor* d);
+void EncodeStats(Descriptor* d);
 Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d,
                                std::span<uint8_t> slot);
 Result<uint32_t> EncodeSave(const SaveRequest& request, Descriptor* d, std::span<uint8_t> slot);

@@ -14,7 +14,6 @@ namespace orbitkv::client {
 namespace {
 
 using channel::Descriptor;
-using channel::Opcode;
 
 template <typename T>
 std::span<const uint8_t> BytesOf(const T& value) {
@@ -281,15 +280,10 @@ Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
   ORBITKV_ASSIGN_OR_RETURN(
       channel::InboundReply reply,
       RoundTrip(
-          [&](Descriptor* d, std::span<uint8_t> slot) -> Result<uint32_t> {
-            const channel::QueryKeysHeader header{first_token, page_tokens, key_version,
-                                                  native_bytes, 0};
-            std::memcpy(slot.data(), &header, sizeof(header));
-            std::memcpy(slot.data() + sizeof(header), natives.data(), count * native_bytes);
-            d->opcode = static_cast<uint16_t>(Opcode::kQuery);
-            d->arg0 = instance;
-            d->arg1 = static_cast<uint64_t>(group) << 32 | count;
-            return static_cast<uint32_t>(sizeof(header) + count * native_bytes);
+          [&](Descriptor* d, std::span<uint8_t> slot) {
+            return channel::EncodeQueryChain(instance, group, first_token, page_tokens,
+                                             key_version, native_bytes,
+                                             natives.first(count * native_bytes), d, slot);
           },
           CallDeadline()));
   Result<channel::QueryReply> decoded = channel::DecodeQueryReply(reply.descriptor);
@@ -560,7 +554,7 @@ Status CacheClient::Cancel(uint64_t instance, uint64_t op) {
 
 Result<std::string> CacheClient::Stats() {
   Descriptor d{};
-  d.opcode = static_cast<uint16_t>(Opcode::kStats);
+  channel::EncodeStats(&d);
   std::string json;
   MutexLock lock(&control_mu_);
   ORBITKV_RETURN_IF_ERROR(Call(d, {}, &json).status());
@@ -569,7 +563,7 @@ Result<std::string> CacheClient::Stats() {
 
 Result<uint64_t> CacheClient::Ping() {
   Descriptor d{};
-  d.opcode = static_cast<uint16_t>(Opcode::kPing);
+  channel::EncodePing(&d);
   MutexLock lock(&control_mu_);
   ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, Call(d, {}));
   ORBITKV_ASSIGN_OR_RETURN(channel::PingReply ping, channel::DecodePingReply(reply.descriptor));

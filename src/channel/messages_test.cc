@@ -1,0 +1,89 @@
+// The codecs of channel/messages: every reply and the new requests round-trip, and malformed ones are
+// refused (the fuzzers check the same property over arbitrary bytes).
+#include "channel/messages.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace orbitkv::channel {
+namespace {
+
+Descriptor ReplyWith(ReplyArgs args) {
+  Descriptor d{};
+  d.arg0 = args.arg0;
+  d.arg1 = args.arg1;
+  return d;
+}
+
+TEST(MessagesTest, QueryRepliesRoundTripAndMalformedOnesAreRefused) {
+  for (const QueryReply& reply :
+       {QueryReply::Miss(), QueryReply::Hit(7, 0x500000003ull), QueryReply::Loading(42)}) {
+    Result<QueryReply> decoded = DecodeQueryReply(ReplyWith(EncodeQueryReply(reply)));
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(*decoded, reply);
+  }
+  // A hit without blocks, a miss naming a lease, Loading without an operation, an unknown outcome.
+  for (const ReplyArgs& bad : {ReplyArgs{1ull << 32, 5}, ReplyArgs{0, 9}, ReplyArgs{2ull << 32, 0},
+                               ReplyArgs{(2ull << 32) | 3, 8}, ReplyArgs{7ull << 32, 1}}) {
+    EXPECT_EQ(DecodeQueryReply(ReplyWith(bad)).status().code(), StatusCode::kInvalidArgument)
+        << bad.arg0 << " " << bad.arg1;
+  }
+}
+
+TEST(MessagesTest, OtherRepliesRoundTrip) {
+  EXPECT_EQ(*DecodeSaveReply(ReplyWith(EncodeSaveReply({5, 2}))), (SaveReply{5, 2}));
+  EXPECT_EQ(*DecodeRestoreReply(ReplyWith(EncodeRestoreReply({4096}))), (RestoreReply{4096}));
+  EXPECT_EQ(*DecodeWaitLoadingReply(ReplyWith(EncodeWaitLoadingReply({12}))),
+            (WaitLoadingReply{12}));
+  EXPECT_EQ(*DecodePingReply(ReplyWith(EncodePingReply({99}))), (PingReply{99}));
+  EXPECT_FALSE(DecodeRestoreReply(ReplyWith({1, 1})).ok());
+}
+
+TEST(MessagesTest, CancelAndWaitLoadingHaveTheirOwnOpcodesAndCheckTheirFields) {
+  Descriptor d{};
+  EncodeCancel({3, 11}, &d);
+  EXPECT_EQ(d.opcode, static_cast<uint16_t>(Opcode::kCancel));
+  Result<CancelRequest> cancel = DecodeCancel(d, {});
+  ASSERT_TRUE(cancel.ok());
+  EXPECT_EQ(cancel->instance, 3u);
+  EXPECT_EQ(cancel->op, 11u);
+  d.arg1 = 0;
+  EXPECT_FALSE(DecodeCancel(d, {}).ok());
+
+  std::vector<uint8_t> slot(64);
+  Descriptor w{};
+  Result<uint32_t> bytes = EncodeWaitLoading({3, 11, 250}, &w, slot);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_EQ(w.opcode, static_cast<uint16_t>(Opcode::kWaitLoading));
+  Result<WaitLoadingRequest> wait = DecodeWaitLoading(w, std::span(slot).first(*bytes));
+  ASSERT_TRUE(wait.ok()) << wait.status();
+  EXPECT_EQ(wait->timeout_ms, 250u);
+  EXPECT_FALSE(EncodeWaitLoading({3, 11, 0}, &w, slot).ok());
+  EXPECT_FALSE(EncodeWaitLoading({3, 11, kMaxWaitLoadingMs + 1}, &w, slot).ok());
+  EXPECT_FALSE(DecodeWaitLoading(w, {}).ok());  // no body
+}
+
+TEST(MessagesTest, TheClientsChainEncodingIsTheQueryEncoding) {
+  QueryRequest query;
+  query.instance = 4;
+  query.group = 2;
+  query.first_token = 32;
+  query.page_tokens = 16;
+  query.native_bytes = 8;
+  query.natives.assign(24, 0x5c);
+  std::vector<uint8_t> a(256), b(256);
+  Descriptor da{}, db{};
+  ASSERT_EQ(*EncodeQuery(query, &da, a),
+            *EncodeQueryChain(4, 2, 32, 16, 1, 8, query.natives, &db, b));
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(da.arg0, db.arg0);
+  EXPECT_EQ(da.arg1, db.arg1);
+  Result<QueryRequest> decoded = DecodeQuery(da, std::span(a).first(16 + 24));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->count(), 3u);
+  EXPECT_EQ(decoded->group, 2u);
+}
+
+}  // namespace
+}  // namespace orbitkv::channel
