@@ -47,16 +47,21 @@ Status CacheClient::ErrorFromReply(channel::ClientSession& session,
                 std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
-Result<bool> CacheClient::DrainControlReplies() {
-  bool any = false;
+Result<bool> CacheClient::DrainControlReplies(uint64_t wanted,
+                                              std::optional<channel::InboundReply>* mine) {
+  bool others = false;
   for (;;) {
     ORBITKV_ASSIGN_OR_RETURN(std::optional<channel::InboundReply> reply, control_->PollReply());
     if (!reply.has_value()) break;
+    if (mine != nullptr && reply->descriptor.request_id == wanted) {
+      *mine = reply;  // the caller's own: no detour through arrived_
+      continue;
+    }
     arrived_.emplace(reply->descriptor.request_id, *reply);
-    any = true;
+    others = true;
   }
-  if (any) reply_cv_.notify_all();
-  return any;
+  if (others) reply_cv_.notify_all();
+  return others;
 }
 
 Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
@@ -68,8 +73,9 @@ Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
       arrived_.erase(it);
       return reply;
     }
-    ORBITKV_ASSIGN_OR_RETURN(bool any, DrainControlReplies());
-    if (any && arrived_.count(request_id) != 0) continue;
+    std::optional<channel::InboundReply> mine;
+    ORBITKV_RETURN_IF_ERROR(DrainControlReplies(request_id, &mine).status());
+    if (mine.has_value()) return *mine;
     if (spin < spin_iterations) {
       // Spin without the session: another thread's request goes out meanwhile.
       control_mu_.Unlock();
@@ -107,7 +113,9 @@ Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
     if (rc < 0 && poll_errno != EINTR) return ErrnoStatus("poll reply doorbell", poll_errno);
     ORBITKV_RETURN_IF_ERROR(control_->DisarmReplyDoorbell(rc > 0 ? fds[0].revents : 0,
                                                           rc > 0 ? fds[1].revents : 0));
-    ORBITKV_RETURN_IF_ERROR(DrainControlReplies().status());
+    std::optional<channel::InboundReply> woken;
+    ORBITKV_RETURN_IF_ERROR(DrainControlReplies(request_id, &woken).status());
+    if (woken.has_value()) return *woken;
     if (arrived_.count(request_id) == 0 && deadline.Expired()) return expired();
   }
 }

@@ -219,8 +219,10 @@ class CacheClient {
   // DeadlineExceeded leaves the request outstanding.
   Result<channel::InboundReply> AwaitControl(uint64_t request_id, orbitkv::Deadline deadline,
                                              int spin_iterations) REQUIRES(control_mu_);
-  // Moves every reply on the ring into arrived_; true when one came.
-  Result<bool> DrainControlReplies() REQUIRES(control_mu_);
+  // Reads every reply on the ring: the one for `wanted` into *mine, the others into arrived_ (true
+  // when there were any: their waiters are woken).
+  Result<bool> DrainControlReplies(uint64_t wanted, std::optional<channel::InboundReply>* mine)
+      REQUIRES(control_mu_);
   Status ErrorFromReply(channel::ClientSession& session, const channel::InboundReply& reply,
                         uint32_t slot);
   Result<channel::ClientSession*> PublishSession() REQUIRES(publish_mu_);

@@ -111,8 +111,7 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
   if (stages.empty()) {
     // Answered without Loading: nobody will take what the chain's load holds or brings (the lease
     // pins it now).
-    loading_.Forget(chain);
-    loading_.Sweep();
+    if (ssd_ != nullptr) loading_.Forget(chain);
     if (!result.ok()) return result.status();
     if (!result->lease.has_value()) return channel::QueryReply::Miss();
     return channel::QueryReply::Hit(static_cast<uint32_t>(result->hits), result->lease->Pack());
