@@ -87,11 +87,12 @@ int main(int argc, char** argv) {
   if (command == "status") {
     std::string membership = f["membership"];
     membership.erase(std::remove(membership.begin(), membership.end(), '"'), membership.end());
+    std::string runtime = f["runtime_uuid"];
+    runtime.erase(std::remove(runtime.begin(), runtime.end(), '"'), runtime.end());
     fmt::print(
-        "Manager on {}: up (incarnation {}), {} of {} pool in use, {} blocks resident, {} leases, "
-        "{} copies "
-        "in flight\n",
-        (*client)->socket_path(), f["incarnation"], Mib(f["pool_allocated_bytes"]),
+        "Manager on {}: up (runtime {}, incarnation {}), {} of {} pool in use, {} blocks resident, "
+        "{} leases, {} copies in flight\n",
+        (*client)->socket_path(), runtime, f["incarnation"], Mib(f["pool_allocated_bytes"]),
         Mib(f["pool_capacity_bytes"]), f["resident_blocks"], f["leases_active"],
         f["operations_active"]);
     return 0;

@@ -1,12 +1,11 @@
 #include "cluster/member_record.h"
 
 #include <fmt/format.h>
-#include <sys/random.h>
 
 #include <array>
-#include <cerrno>
 
 #include "base/check.h"
+#include "base/runtime_id.h"
 #include "cluster/cluster_keys.h"
 #include "cluster/flat_json.h"
 
@@ -57,23 +56,7 @@ bool IsRuntimeUuid(std::string_view text) {
   return true;
 }
 
-std::string NewRuntimeUuid() {
-  std::array<uint8_t, 16> b{};
-  size_t filled = 0;
-  while (filled < b.size()) {
-    const ssize_t n = getrandom(b.data() + filled, b.size() - filled, 0);
-    if (n < 0 && errno == EINTR) continue;
-    ORBITKV_CHECK_MSG(n > 0, "getrandom failed: errno {}", errno);
-    filled += static_cast<size_t>(n);
-  }
-  b[6] = static_cast<uint8_t>((b[6] & 0x0f) | 0x40);  // Version 4.
-  b[8] = static_cast<uint8_t>((b[8] & 0x3f) | 0x80);  // RFC 4122 variant.
-  return fmt::format(
-      "{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:"
-      "02x}{:02x}",
-      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
-      b[15]);
-}
+std::string NewRuntimeUuid() { return RuntimeId::New().ToString(); }
 
 Status ValidateMemberRecord(const MemberRecord& record) {
   ORBITKV_RETURN_IF_ERROR(ValidateName("member record cluster", record.cluster));

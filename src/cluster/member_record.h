@@ -60,7 +60,7 @@ Status ValidateMemberRecord(const MemberRecord& record);
 // flag.
 Status ValidateEndpoint(std::string_view what, std::string_view endpoint);
 
-// A random RFC 4122 version-4 UUID, lower-case ("8-4-4-4-12"), from getrandom(2).
+// A random RFC 4122 version-4 UUID, lower-case ("8-4-4-4-12"): RuntimeId::New() as text.
 std::string NewRuntimeUuid();
 bool IsRuntimeUuid(std::string_view text);
 

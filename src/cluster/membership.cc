@@ -88,6 +88,10 @@ Status ValidateMembershipOptions(const MembershipOptions& options) {
   }
   ORBITKV_RETURN_IF_ERROR(Placement::Create(options.catalog_nodes).status());
   ORBITKV_RETURN_IF_ERROR(ValidateEndpoint("peer endpoint", options.peer_endpoint));
+  if (!options.runtime_uuid.empty() && !IsRuntimeUuid(options.runtime_uuid)) {
+    return Status::InvalidArgument(
+        fmt::format("runtime UUID '{}' is not a lower-case UUID", options.runtime_uuid));
+  }
   if (options.etcd_call_timeout <= std::chrono::milliseconds::zero()) {
     return Status::InvalidArgument("etcd call timeout must be positive");
   }
@@ -122,7 +126,8 @@ Membership::Membership(MembershipOptions options, MetricsRegistry* metrics,
   self_.record.cluster = options_.cluster_name;
   self_.record.node_id = options_.node_id;
   self_.record.endpoint = options_.peer_endpoint;
-  self_.record.runtime_uuid = NewRuntimeUuid();
+  self_.record.runtime_uuid =
+      options_.runtime_uuid.empty() ? NewRuntimeUuid() : options_.runtime_uuid;
 }
 
 Membership::~Membership() { Shutdown(); }

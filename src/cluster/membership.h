@@ -56,6 +56,8 @@ struct MembershipOptions {
   int64_t membership_ttl_secs = 10;         // --membership-ttl-secs
   std::vector<std::string> catalog_nodes;   // --catalog-nodes id[,id...] (1..16)
   std::string peer_endpoint;                // host:port peers dial (the Manager's peer listener)
+  // The Manager's RuntimeId (base/runtime_id.h), written into the member record; empty: a new one.
+  std::string runtime_uuid;
   std::chrono::milliseconds etcd_call_timeout{5000};
   // Called on the view thread after every snapshot install, before its Watch opens (view_sync.h).
   // Optional.

@@ -16,6 +16,7 @@
 
 #include "base/metrics.h"
 #include "base/result.h"
+#include "base/runtime_id.h"
 #include "server/config.h"
 
 namespace orbitkv::server {
@@ -24,7 +25,9 @@ class ClusterLink {
  public:
   // Joins the cluster the config names (within 30 s); null without --etcd-endpoints.
   // FailedPrecondition when the build has no cluster module but --etcd-endpoints is set.
+  // `runtime` is the Manager's identity, written into its member record.
   static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config,
+                                                    const RuntimeId& runtime,
                                                     MetricsRegistry* metrics);
   virtual ~ClusterLink() = default;
 

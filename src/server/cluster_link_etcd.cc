@@ -33,6 +33,7 @@ class MembershipLink final : public ClusterLink {
 }  // namespace
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
+                                                        const RuntimeId& runtime,
                                                         MetricsRegistry* metrics) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
   cluster::MembershipOptions options;
@@ -46,6 +47,7 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
                              cluster::SplitFlagList("--catalog-nodes", config.catalog_nodes));
   }
   options.peer_endpoint = config.peer_endpoint;
+  options.runtime_uuid = runtime.ToString();
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<cluster::Membership> membership,
                            cluster::Membership::Create(std::move(options), metrics));
   Status joined = membership->Join(Deadline::After(std::chrono::seconds(30)));

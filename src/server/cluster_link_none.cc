@@ -5,8 +5,8 @@
 namespace orbitkv::server {
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
-                                                        MetricsRegistry* metrics) {
-  (void)metrics;
+                                                        const RuntimeId& /*runtime*/,
+                                                        MetricsRegistry* /*metrics*/) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
   return Status::FailedPrecondition(
       "--etcd-endpoints needs the cluster module, which this build lacks (configure with "

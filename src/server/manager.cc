@@ -40,6 +40,7 @@ Manager::Manager(const ManagerConfig& config) : config_(config) {}
 Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
   std::unique_ptr<Manager> manager(new Manager(config));
   core::BlockCacheOptions options = CacheOptionsFor(config);
+  options.incarnation = manager->runtime_id_.incarnation();  // one identity for the whole run
   manager->engines_.PreparePool(&options);  // before the pool: its arenas are registered as mapped
   Result<std::unique_ptr<core::BlockCache>> cache =
       core::BlockCache::Create(options, &manager->metrics_);
@@ -84,6 +85,11 @@ void Manager::RegisterMetrics() {
   sessions_active_ = &m.GetGauge("orbitkv_sessions_active", "Open engine sessions");
   instances_active_ = &m.GetGauge("orbitkv_instances_active", "Registered engine instances");
   requests_total_ = &m.GetCounter("orbitkv_requests_total", "Requests received from engines");
+  m.GetGauge("orbitkv_runtime_info",
+             "1, labelled with this run's identity (new at every start: a peer or a dashboard "
+             "that sees it change knows the Manager restarted)",
+             {{"runtime_uuid", runtime_id_.ToString()}})
+      .Set(1);
   remote_work_enabled_ = &m.GetGauge("orbitkv_membership_remote_work_enabled",
                                      "1 while membership is registered and the member view "
                                      "complete (remote work allowed); 0 otherwise, including "
@@ -107,13 +113,13 @@ Status Manager::Start() {
       epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &wake_event) != 0) {
     return ErrnoStatus("epoll_ctl", errno);
   }
-  ORBITKV_ASSIGN_OR_RETURN(cluster_, ClusterLink::Start(config_, &metrics_));
+  ORBITKV_ASSIGN_OR_RETURN(cluster_, ClusterLink::Start(config_, runtime_id_, &metrics_));
   cleaner_ = std::thread([this] { CleanupLoop(); });
   dispatcher_ = std::thread([this] { DispatchLoop(); });
   started_ = true;
-  ORBITKV_LOG_INFO("manager: serving engines on {} ({} MiB DRAM pool, {} copy threads{})",
+  ORBITKV_LOG_INFO("manager: serving engines on {} ({} MiB DRAM pool, {} copy threads, runtime {}{})",
                    config_.socket_path, cache_->pool().Stats().capacity_bytes >> 20,
-                   config_.copy_threads,
+                   config_.copy_threads, runtime_id_.ToString(),
                    http_ ? fmt::format(", metrics on port {}", http_->port()) : std::string());
   return Status::Ok();
 }

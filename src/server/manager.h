@@ -38,6 +38,7 @@
 #include "base/metrics.h"
 #include "base/mutex.h"
 #include "base/result.h"
+#include "base/runtime_id.h"
 #include "base/scoped_fd.h"
 #include "base/thread_annotations.h"
 #include "channel/session.h"
@@ -74,6 +75,8 @@ class Manager {
   CacheService& service() { return *service_; }
   // The metrics endpoint's bound port (0 when off).
   uint16_t metrics_port() const;
+  // This run's identity: the inventory's incarnation, the membership record's runtime UUID.
+  const RuntimeId& runtime_id() const { return runtime_id_; }
 
  private:
   // An engine's connection: its channel and the control session it acts for.
@@ -127,6 +130,7 @@ class Manager {
 
   // Immutable after Create.
   const ManagerConfig config_;
+  const RuntimeId runtime_id_ = RuntimeId::New();
   MetricsRegistry metrics_;
   // Declared before cache_: the CUDA host registry it may hold goes after the pool (its engines
   // are closed in the destructor, before the pool).

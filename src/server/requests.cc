@@ -96,7 +96,8 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
 
 Status Manager::HandleStats(Session& session, const channel::InboundRequest& request) {
   const std::string json = service_->Stats().ToJson(
-      cluster_ ? cluster_->StatusJson() : std::string(", \"membership\": \"single-host\""));
+      fmt::format(", \"runtime_uuid\": \"{}\"", runtime_id_.ToString()) +
+      (cluster_ ? cluster_->StatusJson() : std::string(", \"membership\": \"single-host\"")));
   return session.channel->Reply(
       request.descriptor, StatusCode::kOk, 0, 0,
       std::span(reinterpret_cast<const uint8_t*>(json.data()), json.size()));

@@ -1,13 +1,22 @@
 // A real orbitkv-manager joining a cluster registered in a real etcd: membership state, epoch, view
 // and the remote-work gate reach `orbitkv status`, and a duplicate Node ID refuses to start.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <regex>
 #include <string>
 #include <thread>
 
+#include "base/runtime_id.h"
 #include "client/cache_client.h"
+#include "cluster/cluster_keys.h"
+#include "cluster/etcd_client.h"
+#include "cluster/member_record.h"
 #include "cluster/testing/etcd_process.h"
 #include "manager_process.h"
 
@@ -25,6 +34,99 @@ std::string StatsOf(const ManagerProcess& manager) {
   auto stats = (*client)->Stats();
   EXPECT_TRUE(stats.ok()) << stats.status();
   return stats.ok() ? *stats : "";
+}
+
+// The value of a string field of the stats JSON ("" when absent).
+std::string StringField(const std::string& stats, const std::string& name) {
+  std::smatch match;
+  const std::regex field("\"" + name + "\": \"([^\"]*)\"");
+  return std::regex_search(stats, match, field) ? match[1].str() : std::string();
+}
+
+// GET /metrics from the Manager's metrics endpoint on 127.0.0.1:`port`.
+std::string MetricsText(uint16_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string text;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    (void)!write(fd, request.data(), request.size());
+    char buf[4096];
+    for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) text.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return text;
+}
+
+// The runtime UUID in the member record etcd holds for `node`.
+std::string RecordedRuntimeUuid(const std::string& endpoint, const std::string& node) {
+  cluster::EtcdClientOptions options;
+  options.endpoints = {endpoint};
+  auto etcd = cluster::EtcdClient::Create(options);
+  EXPECT_TRUE(etcd.ok()) << etcd.status();
+  if (!etcd.ok()) return "";
+  etcdserverpb::RangeRequest request;
+  request.set_key(cluster::MemberKey("it", node));
+  auto range = (*etcd)->Range(request, Deadline::After(std::chrono::seconds(10)));
+  EXPECT_TRUE(range.ok() && range->kvs_size() == 1) << range.status();
+  if (!range.ok() || range->kvs_size() != 1) return "";
+  auto record = cluster::DecodeMemberRecord("it", node, range->kvs(0).value());
+  EXPECT_TRUE(record.ok()) << record.status();
+  return record.ok() ? record->runtime_uuid : "";
+}
+
+// A TCP port free on 127.0.0.1 right now (bound to 0, read back, released).
+uint16_t FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(addr);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length), 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// One runtime identity per start: the stats, /metrics, the inventory's incarnation and the member
+// record in etcd all carry it, and a restarted Manager has a new one.
+TEST(DistributedManagerTest, OneRuntimeIdentityEverywhereAndANewOneAfterARestart) {
+  auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::vector<std::string> flags = {
+      "--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it",
+      "--node-id",        "node-r",            "--catalog-nodes", "node-r",
+      "--peer-endpoint",  "127.0.0.1:7011"};
+  std::string first_uuid;
+  for (int run = 0; run < 2; ++run) {
+    const uint16_t metrics_port = FreePort();
+    std::vector<std::string> run_flags = flags;
+    run_flags.push_back("--metrics-addr");
+    run_flags.push_back(fmt::format("127.0.0.1:{}", metrics_port));
+    ManagerProcess manager(run_flags, run == 0 ? "rid-a" : "rid-b");
+    ASSERT_TRUE(manager.running()) << manager.LogText();
+    const std::string stats = StatsOf(manager);
+    const std::string uuid = StringField(stats, "runtime_uuid");
+    Result<RuntimeId> id = RuntimeId::Parse(uuid);
+    ASSERT_TRUE(id.ok()) << id.status() << "\n" << stats;
+    EXPECT_NE(stats.find(fmt::format("\"incarnation\": {},", id->incarnation())),
+              std::string::npos)
+        << stats;
+    EXPECT_EQ(RecordedRuntimeUuid((*etcd)->endpoint(), "node-r"), uuid);
+    const std::string metrics = MetricsText(metrics_port);
+    EXPECT_NE(metrics.find(fmt::format("orbitkv_runtime_info{{runtime_uuid=\"{}\"}} 1", uuid)),
+              std::string::npos)
+        << metrics;
+    if (run == 0) {
+      first_uuid = uuid;
+      EXPECT_EQ(manager.Stop(SIGTERM), 0);
+    } else {
+      EXPECT_NE(uuid, first_uuid);
+    }
+  }
 }
 
 TEST(DistributedManagerTest, JoinsTheClusterAndReportsMembership) {
