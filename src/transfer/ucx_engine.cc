@@ -115,7 +115,7 @@ UcxTransferEngine::Counters::Counters(MetricsRegistry* registry) {
 
 UcxTransferEngine::UcxTransferEngine(const UcxEngineOptions& options)
     : options_(options),
-      engine_id_(RandomEngineId()),
+      engine_id_(options.engine_id != 0 ? options.engine_id : RandomEngineId()),
       counters_(std::make_unique<Counters>(options.metrics)) {}
 
 Result<std::unique_ptr<UcxTransferEngine>> UcxTransferEngine::Create(

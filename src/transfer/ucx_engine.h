@@ -68,6 +68,9 @@ struct UcxEngineOptions {
   std::chrono::milliseconds serve_deadline_slack{5000};
   // Optional; counters are registered under transfer_* names. Must outlive the engine.
   MetricsRegistry* metrics = nullptr;
+  // The id descriptors of this engine carry: a Manager passes its RuntimeId's incarnation, so a
+  // descriptor of an earlier run of it is refused. 0: a random one.
+  uint64_t engine_id = 0;
 };
 
 class UcxTransferEngine final : public TransferEngine {

@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "base/runtime_id.h"
 #include "base/scoped_fd.h"
 #include "transfer/test_util.h"
 
@@ -378,6 +379,20 @@ TEST_F(UcxEngineTest, RegionTableFillsUp) {
   EXPECT_EQ(reused.index, second.index);
   EXPECT_NE(reused.generation, second.generation);
   EXPECT_EQ(engine->Stats().registered_regions, 2u);
+}
+
+TEST(UcxEngineCreateTest, DescriptorsCarryTheEngineIdTheManagerGives) {
+  const RuntimeId runtime = RuntimeId::New();
+  UcxEngineOptions options;
+  options.transports = "tcp";
+  options.engine_id = runtime.incarnation();
+  auto engine = UcxTransferEngine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  TestBuffer buffer(4096);
+  RegionHandle region = *(*engine)->RegisterRegion(buffer.data(), 4096);
+  Result<RegionDescriptor> exported = (*engine)->ExportRegion(region);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_EQ(exported->engine_id, runtime.incarnation());
 }
 
 TEST(UcxEngineCreateTest, BadOptionsFailClearly) {
