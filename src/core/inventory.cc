@@ -55,7 +55,8 @@ ResidencyInventory::ResidencyInventory(const Options& options, MetricsRegistry* 
                                         "Residency transitions recorded in the inventory journal");
   resync_total_ = &metrics->GetCounter(
       "orbitkv_inventory_resync_total",
-      "Times a journal shard dropped unacknowledged records and set its resync flag");
+      "Times a subscriber of a journal shard had a record it had not acknowledged dropped, and "
+      "must resync");
   journal_records_ = &metrics->GetGauge("orbitkv_inventory_journal_records",
                                         "Records retained in the inventory journals");
 }
@@ -83,22 +84,40 @@ uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& 
   }
   int64_t retained_delta = 1;
   if (shard.journal.size() >= journal_records_per_shard_) {
-    if (shard.journal.front().sequence > shard.acked_sequence && !shard.resync) {
-      shard.resync = true;
-      resync_total_->Increment();
-      ORBITKV_LOG_WARN("inventory shard {}: journal full ({} records), subscriber must resync",
-                       shard_index, shard.journal.size());
-    }
-    shard.journal.pop_front();
+    DropOldestLocked(shard_index, shard);
     retained_delta = 0;
   }
-  shard.journal.push_back(ResidencyRecord{sequence, key, tier, present, cause, generation, bytes});
+  shard.journal.push_back(
+      ResidencyRecord{sequence, key, tier, present, cause, generation, bytes, MonoNow()});
   records_total_->Increment();
   if (retained_delta != 0) journal_records_->Add(static_cast<double>(retained_delta));
+  if (shard.waiters > 0) shard.changed.notify_all();
   return sequence;
 }
 
+void ResidencyInventory::DropOldestLocked(uint32_t shard_index, Shard& shard) {
+  const uint64_t dropped = shard.journal.front().sequence;
+  for (auto& [id, subscription] : shard.subscribers) {
+    if (subscription.acked_sequence >= dropped || subscription.resync) continue;
+    // This subscriber never saw the record: only a snapshot can tell it what the journal lost.
+    subscription.resync = true;
+    resync_total_->Increment();
+    ORBITKV_LOG_WARN(
+        "inventory shard {}: journal full ({} records), subscriber {} (acknowledged {}) must "
+        "resync",
+        shard_index, shard.journal.size(), id, subscription.acked_sequence);
+  }
+  shard.journal.pop_front();
+}
+
 Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index, uint64_t after_sequence,
+                                                    size_t max_records) const {
+  return ReadJournal(shard_index, 0, after_sequence, max_records);
+}
+
+Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index,
+                                                    InventorySubscriber subscriber,
+                                                    uint64_t after_sequence,
                                                     size_t max_records) const {
   if (shard_index >= shards_.size()) {
     return Status::InvalidArgument(fmt::format("inventory shard {} out of range", shard_index));
@@ -112,7 +131,14 @@ Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index, uint64
   }
   JournalRead read;
   read.watermark = shard.last_sequence;
-  read.resync_required = shard.resync;
+  if (subscriber != 0) {
+    auto it = shard.subscribers.find(subscriber);
+    if (it == shard.subscribers.end()) {
+      return Status::NotFound(fmt::format("inventory shard {}: no subscriber {}", shard_index,
+                                          subscriber));
+    }
+    read.resync_required = it->second.resync;
+  }
   if (after_sequence == shard.last_sequence) return read;
   // Records are contiguous in sequence, so the first wanted one is at a computable index.
   const uint64_t oldest =
@@ -129,25 +155,92 @@ Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index, uint64
   return read;
 }
 
-void ResidencyInventory::Acknowledge(uint32_t shard_index, uint64_t sequence) {
+Result<InventorySubscriber> ResidencyInventory::Subscribe(uint32_t shard_index) {
+  if (shard_index >= shards_.size()) {
+    return Status::InvalidArgument(fmt::format("inventory shard {} out of range", shard_index));
+  }
+  Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  const InventorySubscriber id = shard.next_subscriber++;
+  shard.subscribers.emplace(id, Subscription{});
+  return id;
+}
+
+void ResidencyInventory::Unsubscribe(uint32_t shard_index, InventorySubscriber subscriber) {
   ORBITKV_CHECK(shard_index < shards_.size());
   Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
-  shard.acked_sequence = std::max(shard.acked_sequence, std::min(sequence, shard.last_sequence));
+  shard.subscribers.erase(subscriber);
 }
 
-bool ResidencyInventory::resync_required(uint32_t shard_index) const {
+void ResidencyInventory::Acknowledge(uint32_t shard_index, InventorySubscriber subscriber,
+                                     uint64_t sequence) {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  auto it = shard.subscribers.find(subscriber);
+  if (it == shard.subscribers.end()) return;
+  it->second.acked_sequence =
+      std::max(it->second.acked_sequence, std::min(sequence, shard.last_sequence));
+}
+
+bool ResidencyInventory::resync_required(uint32_t shard_index,
+                                         InventorySubscriber subscriber) const {
   ORBITKV_CHECK(shard_index < shards_.size());
   const Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
-  return shard.resync;
+  auto it = shard.subscribers.find(subscriber);
+  return it == shard.subscribers.end() || it->second.resync;
 }
 
-void ResidencyInventory::ClearResync(uint32_t shard_index) {
-  ORBITKV_CHECK(shard_index < shards_.size());
+Status ResidencyInventory::CommitSnapshot(uint32_t shard_index, InventorySubscriber subscriber,
+                                          uint64_t end_watermark) {
+  if (shard_index >= shards_.size()) {
+    return Status::InvalidArgument(fmt::format("inventory shard {} out of range", shard_index));
+  }
   Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
-  shard.resync = false;
+  auto it = shard.subscribers.find(subscriber);
+  if (it == shard.subscribers.end()) {
+    return Status::NotFound(
+        fmt::format("inventory shard {}: no subscriber {}", shard_index, subscriber));
+  }
+  if (end_watermark > shard.last_sequence) {
+    return Status::InvalidArgument(fmt::format(
+        "inventory shard {}: snapshot end {} is beyond the watermark {}", shard_index,
+        end_watermark, shard.last_sequence));
+  }
+  const uint64_t oldest =
+      shard.journal.empty() ? shard.last_sequence + 1 : shard.journal.front().sequence;
+  if (oldest > end_watermark + 1) {
+    // A record after the cut is gone: committing would hide it from this subscriber for good.
+    it->second.resync = true;
+    return Status::Aborted(fmt::format(
+        "inventory shard {}: records after the snapshot's end {} were dropped (oldest retained "
+        "{}); take the snapshot again",
+        shard_index, end_watermark, oldest));
+  }
+  it->second.acked_sequence = end_watermark;
+  it->second.resync = false;
+  return Status::Ok();
+}
+
+bool ResidencyInventory::WaitForChange(uint32_t shard_index, uint64_t after_sequence,
+                                       Deadline deadline) const {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  const Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  while (shard.last_sequence <= after_sequence) {
+    if (deadline.Expired()) return false;
+    ++shard.waiters;
+    if (deadline.IsInfinite()) {
+      shard.changed.wait(shard.mu);
+    } else {
+      shard.changed.wait_until(shard.mu, deadline.when());
+    }
+    --shard.waiters;
+  }
+  return true;
 }
 
 InventoryPage ResidencyInventory::Scan(uint32_t shard_index, const InventoryCursor* after,
@@ -175,6 +268,13 @@ uint64_t ResidencyInventory::Watermark(uint32_t shard_index) const {
   const Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
   return shard.last_sequence;
+}
+
+size_t ResidencyInventory::Size(uint32_t shard_index) const {
+  ORBITKV_CHECK(shard_index < shards_.size());
+  const Shard& shard = *shards_[shard_index];
+  MutexLock lock(&shard.mu);
+  return shard.view.size();
 }
 
 uint64_t ResidencyInventory::ReplicaCount(Tier tier) const {

@@ -3,19 +3,23 @@
 //
 // Every residency transition of the block table (admission, replacement, eviction, restore,
 // cleanup) calls Apply() in the same step that changes the table, with the table shard's lock held,
-// so the journal and the table never disagree. The distributed catalog later replays this: an owner
-// streams each logical shard's journal to the shard's catalog host, and rebuilds a lost view with
+// so the journal and the table never disagree. The distributed catalog replays this: an owner
+// streams each logical shard's journal to the shard's catalog hosts, and rebuilds a lost view with
 // the snapshot cut of seed 000:
 //   1. w0 = Watermark(shard); 2. Scan() pages with a stable key cursor; 3. w1 = Watermark(shard)
 //   and ReadJournal(shard, w0, ...) through w1; the receiver applies records by record version (=
-//   sequence).
+//   sequence); 4. CommitSnapshot(shard, subscriber, w1).
 //
-// Sequences are per (runtime incarnation, logical shard), start at 1 and have no gaps. The journal
-// is bounded (16 MiB by default over all shards): when a record that a subscriber has not
-// acknowledged must be dropped to make room, the shard's resync flag is set and stays set until
-// ClearResync(); a reader asking for dropped history gets OutOfRange and must snapshot. Records
-// hold keys and sizes, never payload references, so they never keep a block alive or delay an
-// eviction.
+// Sequences are per (runtime incarnation, logical shard), start at 1 and have no gaps; each record
+// also carries the monotonic time it was applied, so a receiver can measure its lag. The journal
+// is bounded (16 MiB by default over all shards). A shard may have several subscribers (one per
+// catalog host that receives it), each with its own acknowledged sequence and resync flag. When
+// the journal is full its oldest record is dropped; every live subscriber that had not yet
+// acknowledged it must resync (its flag is set and stays set until a CommitSnapshot), and the
+// others never notice: a slow subscriber resyncs alone, and nothing ever waits for a subscriber
+// (Apply never blocks on one). A reader asking for dropped history gets OutOfRange and must
+// snapshot. Records hold keys and sizes, never payload references, so they never keep a block
+// alive or delay an eviction. WaitForChange lets a streamer sleep until its shard moves.
 //
 // Thread safety: all methods are safe from any thread. Each logical shard has its own mutex, taken
 // after (inside) a block-table shard lock and never the other way round; Scan() takes only the
@@ -23,6 +27,7 @@
 #ifndef ORBITKV_CORE_INVENTORY_H_
 #define ORBITKV_CORE_INVENTORY_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -30,6 +35,7 @@
 #include <optional>
 #include <vector>
 
+#include "base/clock.h"
 #include "base/metrics.h"
 #include "base/mutex.h"
 #include "base/result.h"
@@ -61,6 +67,7 @@ struct ResidencyRecord {
   TransitionCause cause = TransitionCause::kAdmit;
   uint64_t generation = 0;  // the residence's generation
   uint64_t bytes = 0;
+  MonoTime applied_at;  // when Apply recorded it (monotonic): update lag is now - applied_at
 };
 
 // One current replica in the enumerable view.
@@ -87,8 +94,11 @@ struct InventoryPage {
 struct JournalRead {
   std::vector<ResidencyRecord> records;  // in sequence order, all > after_sequence
   uint64_t watermark = 0;                // last sequence of the shard at read time
-  bool resync_required = false;
+  bool resync_required = false;          // for the subscriber the read was for
 };
+
+// A receiver of one shard's journal (ResidencyInventory::Subscribe).
+using InventorySubscriber = uint32_t;
 
 class ResidencyInventory {
  public:
@@ -122,22 +132,37 @@ class ResidencyInventory {
 
   // Records after `after_sequence`, at most `max_records`. OutOfRange when records after it were
   // already dropped (the reader must snapshot); InvalidArgument for a bad shard or a sequence
-  // beyond the watermark.
+  // beyond the watermark. With a subscriber, resync_required is that subscriber's.
   Result<JournalRead> ReadJournal(uint32_t shard, uint64_t after_sequence,
                                   size_t max_records) const;
+  Result<JournalRead> ReadJournal(uint32_t shard, InventorySubscriber subscriber,
+                                  uint64_t after_sequence, size_t max_records) const;
 
-  // A subscriber processed everything up to `sequence`; older records may be dropped without
-  // setting resync.
-  void Acknowledge(uint32_t shard, uint64_t sequence);
-  bool resync_required(uint32_t shard) const;
-  // After a completed snapshot the subscriber clears the flag.
-  void ClearResync(uint32_t shard);
+  // A new receiver of `shard`. It starts with resync set: it snapshots first (and commits).
+  Result<InventorySubscriber> Subscribe(uint32_t shard);
+  // Forgets the subscriber (a catalog host went away): retention no longer considers it.
+  void Unsubscribe(uint32_t shard, InventorySubscriber subscriber);
+  // The subscriber processed everything up to `sequence`; a record it acknowledged may be dropped
+  // without setting its resync flag.
+  void Acknowledge(uint32_t shard, InventorySubscriber subscriber, uint64_t sequence);
+  bool resync_required(uint32_t shard, InventorySubscriber subscriber) const;
+  // Ends a snapshot cut at `end_watermark` (what the subscriber read the interval through): its
+  // acknowledged sequence becomes end_watermark and its resync flag clears, atomically, only if
+  // every record after end_watermark is still retained. Aborted when one was dropped after the
+  // cut (the flag stays set: snapshot again); InvalidArgument for a watermark beyond the shard's,
+  // NotFound for an unknown subscriber.
+  Status CommitSnapshot(uint32_t shard, InventorySubscriber subscriber, uint64_t end_watermark);
+  // Blocks until the shard's watermark passes `after_sequence` (true) or `deadline` (false): a
+  // streamer never polls.
+  bool WaitForChange(uint32_t shard, uint64_t after_sequence, Deadline deadline) const;
 
   // Current replicas of `shard` in (key, tier) order strictly after `after` (from the start when
   // null), at most `max_records` (>= 1).
   InventoryPage Scan(uint32_t shard, const InventoryCursor* after, size_t max_records) const;
 
   uint64_t Watermark(uint32_t shard) const;
+  // Replicas currently in the shard's view (O(1)).
+  size_t Size(uint32_t shard) const;
   // Replicas currently recorded for `tier` over all shards.
   uint64_t ReplicaCount(Tier tier) const;
 
@@ -152,14 +177,22 @@ class ResidencyInventory {
     uint64_t bytes;
     uint64_t version;
   };
+  struct Subscription {
+    uint64_t acked_sequence = 0;
+    bool resync = true;
+  };
   struct Shard {
     mutable Mutex mu;
+    mutable std::condition_variable_any changed;  // the watermark moved
     uint64_t last_sequence GUARDED_BY(mu) = 0;
-    uint64_t acked_sequence GUARDED_BY(mu) = 0;
-    bool resync GUARDED_BY(mu) = false;
     std::deque<ResidencyRecord> journal GUARDED_BY(mu);
     std::map<ViewKey, ViewValue> view GUARDED_BY(mu);
+    std::map<InventorySubscriber, Subscription> subscribers GUARDED_BY(mu);
+    InventorySubscriber next_subscriber GUARDED_BY(mu) = 1;
+    mutable uint32_t waiters GUARDED_BY(mu) = 0;  // in WaitForChange
   };
+  // Drops the oldest record, flagging every subscriber that had not acknowledged it.
+  void DropOldestLocked(uint32_t shard_index, Shard& shard) REQUIRES(shard.mu);
 
   ResidencyInventory(const Options& options, MetricsRegistry* metrics);
 

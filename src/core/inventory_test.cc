@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
+#include <thread>
 
 #include "core/test_util.h"
 
@@ -79,28 +81,135 @@ TEST(InventoryTest, OverflowOfUnacknowledgedRecordsSetsResyncAndReadersMustSnaps
   MetricsRegistry metrics;
   const uint64_t capacity_records = 8;
   auto inventory = MakeInventory(&metrics, 1, capacity_records * ResidencyInventory::kRecordCharge);
+  const InventorySubscriber subscriber = *inventory->Subscribe(0);
+  ASSERT_TRUE(inventory->CommitSnapshot(0, subscriber, 0).ok());  // an empty shard's snapshot
   for (uint64_t i = 0; i < capacity_records; ++i) {
     inventory->Apply(0, ChainKey(3, i), Tier::kDram, true, TransitionCause::kAdmit, i + 1, 1);
   }
-  EXPECT_FALSE(inventory->resync_required(0));
+  EXPECT_FALSE(inventory->resync_required(0, subscriber));
   // Acknowledged records are dropped silently...
-  inventory->Acknowledge(0, 2);
+  inventory->Acknowledge(0, subscriber, 2);
   inventory->Apply(0, ChainKey(3, 100), Tier::kDram, true, TransitionCause::kAdmit, 100, 1);
   inventory->Apply(0, ChainKey(3, 101), Tier::kDram, true, TransitionCause::kAdmit, 101, 1);
-  EXPECT_FALSE(inventory->resync_required(0));
+  EXPECT_FALSE(inventory->resync_required(0, subscriber));
   // ...an unacknowledged one is not.
   inventory->Apply(0, ChainKey(3, 102), Tier::kDram, true, TransitionCause::kAdmit, 102, 1);
-  EXPECT_TRUE(inventory->resync_required(0));
+  EXPECT_TRUE(inventory->resync_required(0, subscriber));
   EXPECT_EQ(inventory->ReadJournal(0, 0, 100).status().code(), StatusCode::kOutOfRange);
-  auto read = inventory->ReadJournal(0, 3, 100);
+  auto read = inventory->ReadJournal(0, subscriber, 3, 100);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_TRUE(read->resync_required);
   EXPECT_EQ(read->records.size(), capacity_records);
   EXPECT_EQ(metrics.GetCounter("orbitkv_inventory_resync_total", "").Value(), 1u);
-  inventory->ClearResync(0);
-  EXPECT_FALSE(inventory->resync_required(0));
+  // A snapshot cut at the current watermark clears it.
+  ASSERT_TRUE(inventory->CommitSnapshot(0, subscriber, inventory->Watermark(0)).ok());
+  EXPECT_FALSE(inventory->resync_required(0, subscriber));
   // The view still holds every replica although the journal forgot the early records.
   EXPECT_EQ(inventory->ReplicaCount(Tier::kDram), capacity_records + 3);
+  EXPECT_EQ(inventory->Size(0), capacity_records + 3);
+}
+
+TEST(InventoryTest, ASlowSubscriberResyncsAloneAndNeverStallsApply) {
+  MetricsRegistry metrics;
+  const uint64_t capacity_records = 8;
+  auto inventory = MakeInventory(&metrics, 1, capacity_records * ResidencyInventory::kRecordCharge);
+  const InventorySubscriber fast = *inventory->Subscribe(0);
+  const InventorySubscriber slow = *inventory->Subscribe(0);
+  EXPECT_NE(fast, slow);
+  ASSERT_TRUE(inventory->CommitSnapshot(0, fast, 0).ok());
+  ASSERT_TRUE(inventory->CommitSnapshot(0, slow, 0).ok());
+  for (uint64_t i = 0; i < 40; ++i) {
+    inventory->Apply(0, ChainKey(6, i), Tier::kDram, true, TransitionCause::kAdmit, i + 1, 1);
+    inventory->Acknowledge(0, fast, i + 1);  // keeps up
+  }
+  EXPECT_FALSE(inventory->resync_required(0, fast));
+  EXPECT_TRUE(inventory->resync_required(0, slow));
+  EXPECT_EQ(metrics.GetCounter("orbitkv_inventory_resync_total", "").Value(), 1u);
+  auto tail = inventory->ReadJournal(0, fast, 38, 100);
+  ASSERT_TRUE(tail.ok()) << tail.status();
+  EXPECT_FALSE(tail->resync_required);
+  EXPECT_EQ(tail->records.size(), 2u);
+  // A subscriber that went away no longer counts; an unknown one is refused.
+  inventory->Unsubscribe(0, slow);
+  EXPECT_EQ(inventory->CommitSnapshot(0, slow, 0).code(), StatusCode::kNotFound);
+  EXPECT_EQ(inventory->ReadJournal(0, slow, 0, 1).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(inventory->CommitSnapshot(0, fast, inventory->Watermark(0) + 1).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(InventoryTest, ACommitCannotHideARecordDroppedAfterItsCut) {
+  MetricsRegistry metrics;
+  const uint64_t capacity_records = 8;
+  auto inventory = MakeInventory(&metrics, 1, capacity_records * ResidencyInventory::kRecordCharge);
+  const InventorySubscriber subscriber = *inventory->Subscribe(0);
+  EXPECT_TRUE(inventory->resync_required(0, subscriber));  // new subscribers snapshot first
+  const uint64_t cut = inventory->Watermark(0);
+  // While the subscriber scans, more than the journal holds happens after the cut.
+  for (uint64_t i = 0; i < capacity_records + 2; ++i) {
+    inventory->Apply(0, ChainKey(7, i), Tier::kDram, true, TransitionCause::kAdmit, i + 1, 1);
+  }
+  EXPECT_EQ(inventory->CommitSnapshot(0, subscriber, cut).code(), StatusCode::kAborted);
+  EXPECT_TRUE(inventory->resync_required(0, subscriber));
+  // Cut again at the present: that commit holds.
+  ASSERT_TRUE(inventory->CommitSnapshot(0, subscriber, inventory->Watermark(0)).ok());
+  EXPECT_FALSE(inventory->resync_required(0, subscriber));
+}
+
+TEST(InventoryTest, CommitSnapshotRacingApplyNeverHidesARecord) {
+  MetricsRegistry metrics;
+  const uint64_t capacity_records = 16;
+  auto inventory = MakeInventory(&metrics, 1, capacity_records * ResidencyInventory::kRecordCharge);
+  const InventorySubscriber subscriber = *inventory->Subscribe(0);
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (uint64_t i = 0; !stop.load(std::memory_order_relaxed); ++i) {
+      inventory->Apply(0, ChainKey(8, i), Tier::kDram, true, TransitionCause::kAdmit, i + 1, 1);
+    }
+  });
+  int committed = 0;
+  for (int round = 0; round < 2000; ++round) {
+    const uint64_t cut = inventory->Watermark(0);
+    Status status = inventory->CommitSnapshot(0, subscriber, cut);
+    if (!status.ok()) {
+      EXPECT_EQ(status.code(), StatusCode::kAborted) << status;
+      EXPECT_TRUE(inventory->resync_required(0, subscriber));
+      continue;
+    }
+    ++committed;
+    // A successful commit at `cut`: every record after it is still there to be read, or it has
+    // since been dropped and the subscriber is flagged.
+    Result<JournalRead> after = inventory->ReadJournal(0, subscriber, cut, 1 << 20);
+    if (after.ok()) {
+      if (!after->records.empty()) {
+        EXPECT_EQ(after->records.front().sequence, cut + 1);
+      }
+    } else {
+      EXPECT_EQ(after.status().code(), StatusCode::kOutOfRange);
+      EXPECT_TRUE(inventory->resync_required(0, subscriber));
+    }
+  }
+  stop = true;
+  writer.join();
+  EXPECT_GT(committed, 0);
+}
+
+TEST(InventoryTest, WaitForChangeWakesOnApplyAndRecordsCarryTheirTime) {
+  MetricsRegistry metrics;
+  auto inventory = MakeInventory(&metrics, 1, 1 << 20);
+  EXPECT_FALSE(inventory->WaitForChange(0, 0, Deadline::After(std::chrono::milliseconds(5))));
+  const MonoTime before = MonoNow();
+  std::thread writer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    inventory->Apply(0, ChainKey(9, 0), Tier::kDram, true, TransitionCause::kAdmit, 1, 1);
+  });
+  EXPECT_TRUE(inventory->WaitForChange(0, 0, Deadline::After(std::chrono::seconds(30))));
+  writer.join();
+  auto read = inventory->ReadJournal(0, 0, 10);
+  ASSERT_TRUE(read.ok());
+  ASSERT_EQ(read->records.size(), 1u);
+  EXPECT_GE(read->records[0].applied_at, before);
+  EXPECT_LE(read->records[0].applied_at, MonoNow());
+  EXPECT_TRUE(inventory->WaitForChange(0, 0, Deadline::After(std::chrono::milliseconds(1))));
 }
 
 TEST(InventoryTest, PagedScanWithTheSnapshotCutRebuildsTheViewDespiteConcurrentChanges) {

@@ -828,7 +828,6 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     std::map<int, Replica> dram;
     std::map<int, Replica> ssd;
     for (uint32_t shard = 0; shard < cache_->inventory().shard_count(); ++shard) {
-      ASSERT_FALSE(cache_->inventory().resync_required(shard));
       Result<JournalRead> read =
           cache_->inventory().ReadJournal(shard, 0, std::numeric_limits<size_t>::max());
       ASSERT_TRUE(read.ok()) << read.status();

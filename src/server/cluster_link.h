@@ -25,9 +25,12 @@ class ClusterLink {
  public:
   // Joins the cluster the config names (within 30 s); null without --etcd-endpoints.
   // FailedPrecondition when the build has no cluster module but --etcd-endpoints is set.
-  // `runtime` is the Manager's identity, written into its member record.
+  // `runtime` is the Manager's identity, written into its member record; `inventory_shards` the
+  // residency inventory's shard count, which must be the placement's (FailedPrecondition
+  // otherwise: catalog shards and inventory shards are the same thing).
   static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config,
                                                     const RuntimeId& runtime,
+                                                    uint32_t inventory_shards,
                                                     MetricsRegistry* metrics);
   virtual ~ClusterLink() = default;
 

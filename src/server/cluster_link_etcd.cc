@@ -2,6 +2,7 @@
 #include "base/clock.h"
 #include "base/logging.h"
 #include "cluster/membership.h"
+#include "cluster/placement.h"
 #include "server/cluster_link.h"
 
 namespace orbitkv::server {
@@ -34,8 +35,14 @@ class MembershipLink final : public ClusterLink {
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& runtime,
+                                                        uint32_t inventory_shards,
                                                         MetricsRegistry* metrics) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
+  if (inventory_shards != cluster::kNumShards) {
+    return Status::FailedPrecondition(fmt::format(
+        "distributed mode needs the residency inventory in the placement's {} shards, not {}",
+        cluster::kNumShards, inventory_shards));
+  }
   cluster::MembershipOptions options;
   ORBITKV_ASSIGN_OR_RETURN(options.etcd_endpoints,
                            cluster::SplitFlagList("--etcd-endpoints", config.etcd_endpoints));

@@ -6,6 +6,7 @@ namespace orbitkv::server {
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& /*runtime*/,
+                                                        uint32_t /*inventory_shards*/,
                                                         MetricsRegistry* /*metrics*/) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
   return Status::FailedPrecondition(
