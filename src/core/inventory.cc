@@ -182,6 +182,17 @@ void ResidencyInventory::Acknowledge(uint32_t shard_index, InventorySubscriber s
   if (it == shard.subscribers.end()) return;
   it->second.acked_sequence =
       std::max(it->second.acked_sequence, std::min(sequence, shard.last_sequence));
+  // Retention follows the slowest live subscriber: what every one of them acknowledged goes.
+  uint64_t slowest = UINT64_MAX;
+  for (const auto& [id, subscription] : shard.subscribers) {
+    slowest = std::min(slowest, subscription.acked_sequence);
+  }
+  size_t trimmed = 0;
+  while (!shard.journal.empty() && shard.journal.front().sequence <= slowest) {
+    shard.journal.pop_front();
+    ++trimmed;
+  }
+  if (trimmed != 0) journal_records_->Add(-static_cast<double>(trimmed));
 }
 
 bool ResidencyInventory::resync_required(uint32_t shard_index,

@@ -143,7 +143,8 @@ class ResidencyInventory {
   // Forgets the subscriber (a catalog host went away): retention no longer considers it.
   void Unsubscribe(uint32_t shard, InventorySubscriber subscriber);
   // The subscriber processed everything up to `sequence`; a record it acknowledged may be dropped
-  // without setting its resync flag.
+  // without setting its resync flag, and records every live subscriber acknowledged are let go
+  // (retention follows the slowest live subscriber, within the journal's bound).
   void Acknowledge(uint32_t shard, InventorySubscriber subscriber, uint64_t sequence);
   bool resync_required(uint32_t shard, InventorySubscriber subscriber) const;
   // Ends a snapshot cut at `end_watermark` (what the subscriber read the interval through): its

@@ -129,6 +129,15 @@ TEST(InventoryTest, ASlowSubscriberResyncsAloneAndNeverStallsApply) {
   ASSERT_TRUE(tail.ok()) << tail.status();
   EXPECT_FALSE(tail->resync_required);
   EXPECT_EQ(tail->records.size(), 2u);
+  // The slow one holds retention at its acknowledgement; once it catches up (snapshot, then
+  // acknowledges), what both acknowledged is let go.
+  EXPECT_EQ(metrics.GetGauge("orbitkv_inventory_journal_records", "").Value(), capacity_records);
+  ASSERT_TRUE(inventory->CommitSnapshot(0, slow, inventory->Watermark(0)).ok());
+  inventory->Acknowledge(0, slow, inventory->Watermark(0));
+  EXPECT_EQ(metrics.GetGauge("orbitkv_inventory_journal_records", "").Value(), 0);
+  EXPECT_EQ(inventory->ReadJournal(0, fast, 40, 100)->records.size(), 0u);
+  inventory->Apply(0, ChainKey(6, 99), Tier::kDram, true, TransitionCause::kAdmit, 99, 1);
+  EXPECT_EQ(inventory->ReadJournal(0, slow, 40, 100)->records.size(), 1u);
   // A subscriber that went away no longer counts; an unknown one is refused.
   inventory->Unsubscribe(0, slow);
   EXPECT_EQ(inventory->CommitSnapshot(0, slow, 0).code(), StatusCode::kNotFound);
