@@ -17,7 +17,10 @@ BlockPin::BlockPin(BlockPin&& other) noexcept
       ref_(other.ref_),
       data_(other.data_),
       bytes_(other.bytes_),
-      generation_(other.generation_) {}
+      generation_(other.generation_),
+      sequence_(other.sequence_),
+      arena_(other.arena_),
+      arena_offset_(other.arena_offset_) {}
 
 BlockPin& BlockPin::operator=(BlockPin&& other) noexcept {
   if (this != &other) {
@@ -27,6 +30,9 @@ BlockPin& BlockPin::operator=(BlockPin&& other) noexcept {
     data_ = other.data_;
     bytes_ = other.bytes_;
     generation_ = other.generation_;
+    sequence_ = other.sequence_;
+    arena_ = other.arena_;
+    arena_offset_ = other.arena_offset_;
   }
   return *this;
 }
@@ -241,8 +247,9 @@ void BlockTable::TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool 
     resident_bytes_dram_->Add(-static_cast<double>(bytes));
     resident_blocks_dram_->Add(-1);
   }
-  inventory_->Apply(block.inventory_shard, *block.key, Tier::kDram, present, cause,
-                    block.residence_generation, bytes);
+  const uint64_t sequence = inventory_->Apply(block.inventory_shard, *block.key, Tier::kDram,
+                                              present, cause, block.residence_generation, bytes);
+  if (present) block.residence_sequence = sequence;
 }
 
 uint64_t BlockTable::TransitionSsd(Shard& shard, Entry& entry, const StateKey& key,
@@ -278,8 +285,11 @@ BlockPin BlockTable::PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot
     ++*newly_pinned;
   }
   ++block.pins;
+  const uint8_t* arena_base = pool_->arena(block.memory.arena).data();
   return BlockPin(this, BlockRef{shard_index, slot, block.slot_generation}, block.memory.data,
-                  block.memory.requested_bytes, block.residence_generation);
+                  block.memory.requested_bytes, block.residence_generation,
+                  block.residence_sequence, block.memory.arena,
+                  static_cast<uint64_t>(block.memory.data - arena_base));
 }
 
 BlockPin BlockTable::PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) {
@@ -612,6 +622,17 @@ size_t BlockTable::LookupPrefixTiers(std::span<const StateKey> keys,
   return prefix;
 }
 
+void BlockTable::KeepPinnedPrefix(size_t base, size_t prefix, std::vector<BlockPin>* pins) {
+  if (base + prefix == pins->size()) return;
+  // Pins found past the end of the prefix are released now, outside every lock.
+  std::vector<BlockPin> beyond;
+  for (size_t i = base + prefix; i < pins->size(); ++i) {
+    if ((*pins)[i].valid()) beyond.push_back(std::move((*pins)[i]));
+  }
+  pins->resize(base + prefix);
+  BlockPin::ReleaseAll(&beyond);
+}
+
 size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPin>* pins) {
   const size_t base = pins->size();
   pins->resize(base + keys.size());
@@ -624,18 +645,58 @@ size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPi
         return true;
       });
   if (newly_pinned != 0) pinned_blocks_->Add(static_cast<double>(newly_pinned));
-  if (prefix < keys.size()) {
-    // Pins found past the first miss are released now, outside every lock.
-    std::vector<BlockPin> beyond;
-    for (size_t i = prefix; i < keys.size(); ++i) {
-      if ((*pins)[base + i].valid()) beyond.push_back(std::move((*pins)[base + i]));
-    }
-    pins->resize(base + prefix);
-    BlockPin::ReleaseAll(&beyond);
-  }
+  KeepPinnedPrefix(base, prefix, pins);
   hits_->Increment(prefix);
   misses_->Increment(keys.size() - prefix);
   return prefix;
+}
+
+const char* ExactStopName(ExactStop stop) {
+  switch (stop) {
+    case ExactStop::kNone:
+      return "none";
+    case ExactStop::kAbsent:
+      return "absent (evicted or never held)";
+    case ExactStop::kNotDram:
+      return "not in DRAM";
+    case ExactStop::kReplaced:
+      return "replaced by another version";
+  }
+  return "unknown";
+}
+
+ExactPins BlockTable::PinExact(std::span<const StateKey> keys,
+                               std::span<const uint64_t> generations,
+                               std::span<const uint64_t> sequences, std::vector<BlockPin>* pins) {
+  ORBITKV_CHECK(keys.size() == generations.size() && keys.size() == sequences.size());
+  const size_t base = pins->size();
+  pins->resize(base + keys.size());
+  int64_t newly_pinned = 0;
+  // Why each key was refused; the prefix ends at the first refusal, whose reason is the answer.
+  std::vector<ExactStop> refused(keys.size(), ExactStop::kNone);
+  const size_t prefix = ScanPrefix(
+      keys, [&](Shard& shard, uint32_t shard_index, size_t i, Entry* entry)
+                NO_THREAD_SAFETY_ANALYSIS {
+        if (entry == nullptr || (entry->dram == kNone && !entry->ssd.has_value())) {
+          refused[i] = ExactStop::kAbsent;
+          return false;
+        }
+        if (entry->dram == kNone) {
+          refused[i] = ExactStop::kNotDram;
+          return false;
+        }
+        const Block& block = shard.slots[entry->dram];
+        if (block.residence_generation != generations[i] ||
+            block.residence_sequence != sequences[i]) {
+          refused[i] = ExactStop::kReplaced;
+          return false;
+        }
+        (*pins)[base + i] = PinLocked(shard, shard_index, entry->dram, &newly_pinned);
+        return true;
+      });
+  if (newly_pinned != 0) pinned_blocks_->Add(static_cast<double>(newly_pinned));
+  KeepPinnedPrefix(base, prefix, pins);
+  return ExactPins{prefix, prefix < keys.size() ? refused[prefix] : ExactStop::kNone};
 }
 
 Result<BlockPin> BlockTable::Pin(const StateKey& key) {

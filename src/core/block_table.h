@@ -82,6 +82,12 @@ class BlockPin {
   uint64_t bytes() const { return bytes_; }
   // Residence generation of the DRAM block (unique per publication, shared by every pin of it).
   uint64_t generation() const { return generation_; }
+  // The inventory sequence of the record that published this residence: with the generation, the
+  // exact version a peer was told about (PinExact).
+  uint64_t sequence() const { return sequence_; }
+  // Where the bytes are in the pool, for a transfer grant: arena index and offset inside it.
+  uint32_t arena() const { return arena_; }
+  uint64_t arena_offset() const { return arena_offset_; }
   void Reset();
   // Another pin on the same block (published or not): it stays readable until both are gone. An
   // empty pin clones to an empty pin.
@@ -92,14 +98,39 @@ class BlockPin {
  private:
   friend class BlockTable;
   BlockPin(BlockTable* table, BlockRef ref, const uint8_t* data, uint64_t bytes,
-           uint64_t generation)
-      : table_(table), ref_(ref), data_(data), bytes_(bytes), generation_(generation) {}
+           uint64_t generation, uint64_t sequence = 0, uint32_t arena = 0,
+           uint64_t arena_offset = 0)
+      : table_(table),
+        ref_(ref),
+        data_(data),
+        bytes_(bytes),
+        generation_(generation),
+        sequence_(sequence),
+        arena_(arena),
+        arena_offset_(arena_offset) {}
 
   BlockTable* table_ = nullptr;
   BlockRef ref_;
   const uint8_t* data_ = nullptr;
   uint64_t bytes_ = 0;
   uint64_t generation_ = 0;
+  uint64_t sequence_ = 0;
+  uint32_t arena_ = 0;
+  uint64_t arena_offset_ = 0;
+};
+
+// Why PinExact stopped before the end of its keys.
+enum class ExactStop : uint8_t {
+  kNone = 0,       // every key pinned
+  kAbsent = 1,     // no residence at all: evicted from every tier, or never held
+  kNotDram = 2,    // resident, but not in DRAM (on SSD only)
+  kReplaced = 3,   // in DRAM with another version (generation or sequence) than asked for
+};
+const char* ExactStopName(ExactStop stop);
+
+struct ExactPins {
+  size_t pinned = 0;  // the prefix pinned (one pin per key appended to the caller's vector)
+  ExactStop stop = ExactStop::kNone;  // why key `pinned` was not
 };
 
 // Exclusive write access to a preparing block. Seal() publishes it; dropping it unsealed aborts the
@@ -201,6 +232,13 @@ class BlockTable {
   // Pins the longest DRAM-resident prefix of `keys`, appending one pin per key to `pins`; returns
   // its length.
   size_t PinPrefix(std::span<const state::StateKey> keys, std::vector<BlockPin>* pins);
+  // Pins the longest prefix of `keys` whose DRAM residences are exactly the versions named (key i
+  // with residence generation generations[i] and inventory sequence sequences[i]), appending one
+  // pin per key to `pins`, and says why it stopped. A source serves a peer only what it announced:
+  // a replaced or re-admitted block is never handed out under an old version. The spans must have
+  // equal lengths (CHECK).
+  ExactPins PinExact(std::span<const state::StateKey> keys, std::span<const uint64_t> generations,
+                     std::span<const uint64_t> sequences, std::vector<BlockPin>* pins);
   // NotFound when the key has no sealed DRAM residence.
   Result<BlockPin> Pin(const state::StateKey& key);
   // Clone(): one more pin on the block `ref` names, which `existing` already pins (CHECK).
@@ -254,6 +292,7 @@ class BlockTable {
     uint64_t hash = 0;
     PoolBlock memory;
     uint64_t residence_generation = 0;
+    uint64_t residence_sequence = 0;  // the inventory record that published it (sealed blocks)
     uint32_t slot_generation = 1;
     uint32_t pins = 0;  // live BlockPins; a sealed block is also referenced by the table itself
     uint32_t inventory_shard = 0;
@@ -355,6 +394,9 @@ class BlockTable {
   BlockPin PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot, int64_t* newly_pinned)
       REQUIRES(shard.mu);
   BlockPin PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) REQUIRES(shard.mu);
+  // Keeps the first `prefix` of the pins appended after `base` and releases the rest (no lock
+  // held).
+  void KeepPinnedPrefix(size_t base, size_t prefix, std::vector<BlockPin>* pins);
   // Drops one pin; true when it was the block's last.
   bool UnpinLocked(Shard& shard, const BlockRef& ref) REQUIRES(shard.mu);
   void UnpinMany(std::vector<BlockRef>* refs);

@@ -102,6 +102,55 @@ TEST_F(BlockTableTest, PrefixLookupStopsAtTheFirstGap) {
   EXPECT_EQ(table_->LookupPrefix(std::span(keys).subspan(3)), 0u);
 }
 
+TEST_F(BlockTableTest, PinExactPinsOnlyTheAnnouncedVersionsAndSaysWhyItStopped) {
+  const auto keys = Chain(21, 5);
+  for (size_t i = 0; i < 4; ++i) Publish(keys[i], i);
+  // What a peer was told: each key's residence generation and inventory sequence.
+  std::vector<uint64_t> generations, sequences;
+  for (size_t i = 0; i < 4; ++i) {
+    auto pin = table_->Pin(keys[i]);
+    ASSERT_TRUE(pin.ok());
+    EXPECT_NE(pin->sequence(), 0u);
+    EXPECT_EQ(pin->arena_offset() % 4096, 0u);
+    generations.push_back(pin->generation());
+    sequences.push_back(pin->sequence());
+  }
+  std::vector<BlockPin> pins;
+  ExactPins all = table_->PinExact(std::span(keys).first(4), generations, sequences, &pins);
+  EXPECT_EQ(all.pinned, 4u);
+  EXPECT_EQ(all.stop, ExactStop::kNone);
+  ASSERT_EQ(pins.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(testing::CheckStamp(pins[i].data(), kBlock, i));
+    EXPECT_EQ(pins[i].sequence(), sequences[i]);
+  }
+  BlockPin::ReleaseAll(&pins);
+  // Key 1 replaced by a new publication (removed and sealed again): a new version, refused.
+  ASSERT_TRUE(table_->Remove(keys[1], Tier::kDram).ok());
+  Publish(keys[1], 100);
+  ExactPins replaced = table_->PinExact(std::span(keys).first(4), generations, sequences, &pins);
+  EXPECT_EQ(replaced.pinned, 1u);
+  EXPECT_EQ(replaced.stop, ExactStop::kReplaced);
+  EXPECT_EQ(pins.size(), 1u);
+  BlockPin::ReleaseAll(&pins);
+  // Key 2 gone from DRAM but on SSD; key 3 gone everywhere.
+  table_->PublishSsd(keys[2], 5, kBlock);
+  ASSERT_TRUE(table_->Remove(keys[2], Tier::kDram).ok());
+  ASSERT_TRUE(table_->Remove(keys[3], Tier::kDram).ok());
+  std::vector<StateKey> tail = {keys[2]};
+  EXPECT_EQ(table_->PinExact(tail, std::span(generations).subspan(2, 1),
+                             std::span(sequences).subspan(2, 1), &pins)
+                .stop,
+            ExactStop::kNotDram);
+  tail = {keys[3]};
+  EXPECT_EQ(table_->PinExact(tail, std::span(generations).subspan(3, 1),
+                             std::span(sequences).subspan(3, 1), &pins)
+                .stop,
+            ExactStop::kAbsent);
+  EXPECT_TRUE(pins.empty());
+  EXPECT_EQ(table_->Stats().pinned_blocks, 0u);
+}
+
 TEST_F(BlockTableTest, PinnedBlocksAreNeverEvictedAndFullPinnedPoolIsBackpressure) {
   const auto keys = Chain(3, 16);
   std::vector<BlockPin> pins;
