@@ -388,3 +388,47 @@ def test_backpressure_probes_in_smaller_chunks(build_dir):
         storage.close()
     finally:
         m.stop()
+
+
+def test_concurrent_exists_get_and_set_threads_on_one_backend_see_every_page(manager):
+    """SGLang runs its prefetch (batch_exists), IO (batch_get_v1) and backup (batch_set_v1) threads at once on one
+    backend: every one of them must see the pages that are there, whatever the others do meanwhile."""
+    import threading
+
+    pool = mha_pool(pages=64)
+    storage = backend(config(manager.socket), pool)
+    k = keys("concurrent", 16)
+    info = HiCacheStorageExtraInfo
+    assert storage.batch_set_v1(k, slots(0, 16), info(prefix_keys=[])) == [True] * 16
+    errors = []
+    stop = threading.Event()
+
+    def exists():
+        while not stop.is_set():
+            found = storage.batch_exists(k, info(prefix_keys=[]))
+            if found != 16:
+                errors.append(f"exists found {found} of 16")
+
+    def get():
+        while not stop.is_set():
+            got = storage.batch_get_v1(k, slots(16, 16), info(prefix_keys=[]))
+            if got != [True] * 16:
+                errors.append(f"get found {sum(got)} of 16")
+
+    def backup():
+        i = 0
+        while not stop.is_set():
+            other = keys(f"other-{i % 8}", 16)
+            storage.batch_set_v1(other, slots(32, 16), info(prefix_keys=[]))
+            i += 1
+
+    threads = [threading.Thread(target=f) for f in (exists, get, backup)]
+    for t in threads:
+        t.start()
+    import time as _time
+    _time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    storage.close()
+    assert not errors, errors[:5]
