@@ -14,6 +14,7 @@
 
 #include "base/check.h"
 #include "client/cache_client.h"
+#include "client/kv_memory.h"
 #include "manager_process.h"
 #include "state/namespace.h"
 #include "state/state_key.h"
@@ -36,8 +37,9 @@ struct EngineBuffer {
   EngineBuffer(client::CacheClient& client, uint64_t instance, uint32_t num_pages,
                uint64_t bytes_per_page)
       : pages(num_pages), page_bytes(bytes_per_page), bytes(num_pages * bytes_per_page) {
-    fd = memfd_create("bench-engine", MFD_CLOEXEC);
-    ORBITKV_CHECK(fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0);
+    Result<ScopedFd> memory = client::CreateKvMemory("bench-engine", bytes);
+    ORBITKV_CHECK_MSG(memory.ok(), "{}", memory.status().ToString());
+    fd = memory->Release();
     base = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
     ORBITKV_CHECK(base != MAP_FAILED);
     std::memset(base, 0x5a, bytes);

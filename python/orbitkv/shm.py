@@ -7,6 +7,7 @@ array or tensor view allocated here, which is what ``CacheManagerClient.register
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import threading
@@ -28,8 +29,11 @@ class SharedBuffer:
         if nbytes <= 0:
             raise ValueError("a shared buffer needs a positive size")
         self.nbytes = (nbytes + _PAGE - 1) // _PAGE * _PAGE
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, self.nbytes)
+        # The Manager maps this file and copies on its own threads: sealed against resizing, nothing
+        # this process does can make those copies fault (the Manager refuses an unsealed buffer).
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         self._map = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.address = self.array.ctypes.data

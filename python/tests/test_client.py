@@ -247,3 +247,25 @@ def test_both_adapters_fail_the_same_way_without_a_manager(tmp_path):
     assert "point the test at its socket" in str(raised.value)
     lenient = ManagerLink(missing, 200, require=False, reconnect_interval_s=0.0, on_connect=lambda c: None)
     assert lenient.client() is None and lenient.reconnect_failures == 1
+
+
+def test_kv_memory_is_sealed_and_unsealed_memory_is_refused(manager):
+    import fcntl
+
+    _, sock = manager
+    client = orbitkv.CacheManagerClient(sock)
+    client.register_instance(1, namespace())
+    cache = shm.empty((PAGES, PAGE_TOKENS, KV_HEADS, HEAD_DIM), "bfloat16", like="torch")
+    fd = shm.buffer_of(cache).buffer.fd
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 4096)  # this process cannot pull the pages from under the Manager's copies
+    # A memfd of its own, unsealed: the Manager says what to do instead.
+    raw = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(raw, 1 << 20)
+        with pytest.raises(orbitkv.OrbitKVError, match="orbitkv.shm"):
+            client._native.register_group(1, 0, PAGES, [(raw, 1 << 20, 0, 1 << 15, 1 << 15, 0)])
+    finally:
+        os.close(raw)

@@ -65,7 +65,7 @@ struct CudaIpcSpec {
   std::string pci_bus_id;
 };
 
-// One KV buffer of a group: a shared-memory object (memfd or /dev/shm file) the Manager maps, or
+// One KV buffer of a group: a memfd sealed against resizing (client/kv_memory.h) the Manager maps, or
 // (fd = -1) ordinary memory of this process at `address`, which the Manager (same uid) copies with
 // process_vm_readv/writev, or (cuda_ipc set, fd = -1) GPU memory the Manager imports and copies
 // with its GPU copy engine (a Manager without a usable GPU refuses it). All buffers of a group are

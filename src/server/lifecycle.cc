@@ -1,4 +1,5 @@
 // Lifecycle frames: instance and group registration over the session socket.
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -199,6 +200,17 @@ Status Manager::AddBuffer(KvGroup* group, uint32_t index, const channel::BufferD
 
 Status Manager::AddSharedMemoryBuffer(KvGroup* group, uint32_t index,
                                       const channel::BufferDescriptor& layout, int fd) {
+  // An engine that shrank a buffer the Manager copies from would make the Manager fault (SIGBUS)
+  // and take every engine's cache down with it: only memfds sealed against resizing are mapped.
+  const int seals = fcntl(fd, F_GET_SEALS);
+  constexpr int kNeeded = F_SEAL_SHRINK | F_SEAL_GROW;
+  if (seals < 0 || (seals & kNeeded) != kNeeded) {
+    return Status::FailedPrecondition(fmt::format(
+        "buffer {} is {}: the engine could resize it while the Manager copies; allocate KV with "
+        "orbitkv.shm (Python) or orbitkv::client::CreateKvMemory (C++), or create the memfd with "
+        "MFD_ALLOW_SEALING and seal it with fcntl(F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)",
+        index, seals < 0 ? "not a sealable memfd" : "a memfd not sealed against shrinking and growing"));
+  }
   struct stat st {};
   if (fstat(fd, &st) != 0) return ErrnoStatus("fstat engine buffer", errno);
   if (static_cast<uint64_t>(st.st_size) < layout.buffer_bytes) {

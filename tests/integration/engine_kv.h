@@ -16,6 +16,7 @@
 
 #include "base/scoped_fd.h"
 #include "client/cache_client.h"
+#include "client/kv_memory.h"
 #include "manager_process.h"
 #include "state/test_util.h"
 
@@ -39,8 +40,9 @@ class EngineKv {
     stride_ = kPageBytes + 4096;
     bytes_ = stride_ * pages + 4096;
     for (uint32_t l = 0; l < kLayers; ++l) {
-      fds_[l] = ScopedFd(memfd_create("engine-kv", MFD_CLOEXEC));
-      EXPECT_EQ(ftruncate(fds_[l].get(), static_cast<off_t>(bytes_)), 0);
+      Result<ScopedFd> fd = client::CreateKvMemory("engine-kv", bytes_);
+      EXPECT_TRUE(fd.ok()) << fd.status();
+      if (fd.ok()) fds_[l] = std::move(*fd);
       base_[l] = static_cast<uint8_t*>(
           mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds_[l].get(), 0));
     }

@@ -13,6 +13,7 @@
 #include "channel/messages.h"
 #include "channel/session.h"
 #include "client/cache_client.h"
+#include "client/kv_memory.h"
 #include "engine_kv.h"
 #include "manager_process.h"
 #include "state/test_util.h"
@@ -141,6 +142,38 @@ TEST(ManagerIntegrationTest, UnusableBufferKindsAreRefusedWithAReason) {
   EXPECT_EQ(no_gpu.status().code(), StatusCode::kFailedPrecondition) << no_gpu.status();
   // The session is still good.
   EXPECT_TRUE(client->RegisterGroup(7, 0, 4, kv.Specs()).ok());
+}
+
+// An engine cannot make the Manager fault by resizing the memory it registered: unsealed memfds and
+// plain shared-memory files are refused with the fix named, and a sealed buffer cannot be shrunk.
+TEST(ManagerIntegrationTest, OnlyMemfdsSealedAgainstResizingAreMapped) {
+  ManagerProcess manager;
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->RegisterInstance(9, state::testing::SampleNamespace()).ok());
+  constexpr uint64_t kBytes = 16 * kPageBytes;
+  ScopedFd unsealed(memfd_create("unsealed-kv", MFD_CLOEXEC));
+  ASSERT_EQ(ftruncate(unsealed.get(), kBytes), 0);
+  char shm_path[] = "/dev/shm/orbitkv-kv-XXXXXX";
+  ScopedFd plain(mkstemp(shm_path));
+  ASSERT_TRUE(plain.valid());
+  unlink(shm_path);
+  ASSERT_EQ(ftruncate(plain.get(), kBytes), 0);
+  for (int fd : {unsealed.get(), plain.get()}) {
+    BufferSpec spec{fd, kBytes, 0, kPageBytes, kPageBytes};
+    auto refused = client->RegisterGroup(9, 0, 16, std::span(&spec, 1));
+    EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_NE(refused.status().message().find("F_SEAL_SHRINK"), std::string::npos)
+        << refused.status();
+  }
+  Result<ScopedFd> sealed = client::CreateKvMemory("sealed-kv", kBytes);
+  ASSERT_TRUE(sealed.ok()) << sealed.status();
+  BufferSpec spec{sealed->get(), kBytes, 0, kPageBytes, kPageBytes};
+  ASSERT_TRUE(client->RegisterGroup(9, 0, 16, std::span(&spec, 1)).ok());
+  // The engine's attempt to shrink it under the Manager fails; the Manager is unharmed.
+  EXPECT_NE(ftruncate(sealed->get(), kPageBytes), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_TRUE(client->Ping().ok());
 }
 
 // Layer-wise restore: each part copies some buffers of every leased block with its own completion;
