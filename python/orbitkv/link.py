@@ -20,7 +20,35 @@ from typing import Callable, Optional
 
 import orbitkv
 
-__all__ = ["ManagerLink", "ManagerNotRunning"]
+__all__ = ["ManagerLink", "ManagerNotRunning", "canonical_options"]
+
+
+# The options both adapters take, one spelling each (the documented one); the other adapter's historical spelling
+# is accepted too. canonical -> (alias, factor from the alias's unit to the canonical one).
+_SHARED_ALIASES = {
+    "socket_path": ("socket", None),
+    "weights_revision": ("model_revision", None),
+    "reconnect_interval_s": ("reconnect_interval_ms", 0.001),
+}
+
+
+def canonical_options(extra: dict, prefix: str = "") -> dict:
+    """``extra`` with the shared options under their canonical names (``prefix`` + name: ``"orbitkv."`` for vLLM's
+    kv_connector_extra_config, ``""`` for SGLang's extra config). Giving both spellings is a ValueError."""
+    out = dict(extra)
+    for canonical, (alias, factor) in _SHARED_ALIASES.items():
+        alias_key, canonical_key = prefix + alias, prefix + canonical
+        if alias_key not in out:
+            continue
+        if canonical_key in out:
+            raise ValueError(f"OrbitKV: give either {canonical_key!r} or {alias_key!r} (the same option), not both")
+        value = out.pop(alias_key)
+        if factor is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"OrbitKV: option {alias_key!r} must be a number >= 0, got {value!r}")
+            value = value * factor
+        out[canonical_key] = value
+    return out
 
 
 class ManagerNotRunning(orbitkv.ManagerUnavailable, RuntimeError):

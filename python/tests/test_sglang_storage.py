@@ -432,3 +432,21 @@ def test_concurrent_exists_get_and_set_threads_on_one_backend_see_every_page(man
         t.join()
     storage.close()
     assert not errors, errors[:5]
+
+
+def test_shared_options_have_one_name_in_both_adapters(manager):
+    """The documented spellings (shared with the vLLM connector) work, the older ones too, both at once do not."""
+    cfg = config(manager.socket)
+    extra = dict(cfg.extra_config)
+    for old, new in (("socket", "socket_path"), ("model_revision", "weights_revision")):
+        extra[new] = extra.pop(old)
+    extra["reconnect_interval_s"] = 0.5
+    cfg.extra_config = extra
+    storage = backend(cfg, mha_pool())
+    k = keys("spelling", 2)
+    assert storage.batch_set_v1(k, slots(0, 2)) == [True, True]
+    assert storage.model_revision == "r1"
+    storage.close()
+    both = config(manager.socket, socket_path=manager.socket)
+    with pytest.raises(ValueError, match="not both"):
+        OrbitKVStorage(both, {})

@@ -72,6 +72,23 @@ def test_both_roles_construct_against_a_manager_and_are_best_effort(manager):
     worker.shutdown()
 
 
+def test_shared_options_have_one_name_in_both_adapters(manager):
+    """The options the SGLang backend also takes are accepted in its spelling too; both at once is an error."""
+    kv_config = SyntheticModel(2).kv_cache_config(16)
+    aliased = vllm_config(None)
+    from vllm_harness.config import KVTransferConfig
+    aliased.kv_transfer_config = KVTransferConfig(
+        kv_connector="OrbitKVConnector", kv_connector_module_path="orbitkv.vllm", kv_role="kv_both",
+        kv_connector_extra_config={"orbitkv.socket": manager.socket, "orbitkv.model_revision": "r7",
+                                   "orbitkv.reconnect_interval_ms": 250})
+    cfg = OrbitKVConfig.from_vllm(aliased, kv_config)
+    assert cfg.socket_path == manager.socket
+    assert cfg.identity["weights_revision"] == "r7"
+    assert cfg.reconnect_interval_s == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="not both"):
+        OrbitKVConfig.from_vllm(vllm_config(manager.socket, extra={"orbitkv.socket": manager.socket}), kv_config)
+
+
 def test_configuration_errors_are_clear(manager, tmp_path):
     kv_config = SyntheticModel(2).kv_cache_config(16)
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'orbitkv.sockt_path'"):

@@ -149,7 +149,7 @@ class ManagerLink:
         self._connected_once = False
         self._link = SharedLink(socket_path, timeout_ms, require=True, reconnect_interval_s=reconnect_interval_s,
                                 on_connect=self._replay, adapter="OrbitKV",
-                                fix='or set "socket" in --hicache-storage-backend-extra-config', log=logger)
+                                fix='or set "socket_path" in --hicache-storage-backend-extra-config', log=logger)
 
     def _replay(self, client: orbitkv.CacheManagerClient) -> None:
         """Registers every pool on a new client (the link adopts the client only if this succeeds)."""

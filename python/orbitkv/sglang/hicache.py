@@ -32,6 +32,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 import orbitkv
+from orbitkv.link import canonical_options
 from orbitkv import shm
 from orbitkv.sglang._compat import (
     STORAGE_BATCH_SIZE,
@@ -59,7 +60,7 @@ __all__ = ["OrbitKVStorage", "model_fingerprint"]
 def model_fingerprint(model_id: str) -> str:
     """A weights revision for the namespace when the extra config names none: for a local model directory, a digest
     of its config and the names and sizes of its weight files; otherwise a marker that keys bind the model name
-    only (set "model_revision" to the hub commit then)."""
+    only (set "weights_revision" to the hub commit then)."""
     path = os.path.expanduser(model_id)
     if os.path.isdir(path):
         digest = hashlib.sha256()
@@ -73,14 +74,14 @@ def model_fingerprint(model_id: str) -> str:
             elif name.endswith((".safetensors", ".bin", ".pt", ".gguf")):
                 digest.update(f"{name}:{os.path.getsize(full)}".encode())
         return "dir-sha256:" + digest.hexdigest()[:32]
-    logger.warning("OrbitKV: %r is not a local directory and no \"model_revision\" is set: stored pages are bound "
-                   "to the model name only; set model_revision to the weights' commit", model_id)
+    logger.warning("OrbitKV: %r is not a local directory and no \"weights_revision\" is set: stored pages are "
+                   "bound to the model name only; set weights_revision to the weights' commit", model_id)
     return "unpinned"
 
 # Keys SGLang itself leaves in the extra config, and ours (docs/sglang.md lists what each does).
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
-_OUR_KEYS = {"socket", "timeout_ms", "loading_wait_ms", "reconnect_interval_ms", "cache_scope", "model_id",
-             "model_revision", "tokenizer", "kv_cache_dtype", "legacy_staging_pages"}
+_OUR_KEYS = {"socket_path", "timeout_ms", "loading_wait_ms", "reconnect_interval_s", "cache_scope", "model_id",
+             "weights_revision", "tokenizer", "kv_cache_dtype", "legacy_staging_pages"}
 _KV = "kv"
 _STAGING = "kv-staging"
 
@@ -105,7 +106,8 @@ class OrbitKVStorage(HiCacheStorage):
     def __init__(self, storage_config=None, factory_kwargs: Optional[dict] = None):
         if storage_config is None:
             raise ValueError("OrbitKVStorage needs the HiCacheStorageConfig SGLang's backend factory passes")
-        extra = dict(storage_config.extra_config or {})
+        # One spelling for the options the vLLM connector shares ("socket" and "model_revision" still work).
+        extra = canonical_options(dict(storage_config.extra_config or {}))
         unknown = sorted(set(extra) - _SGLANG_KEYS - _OUR_KEYS)
         if unknown:
             logger.warning("OrbitKV: ignoring unknown extra-config keys %s", unknown)
@@ -114,13 +116,16 @@ class OrbitKVStorage(HiCacheStorage):
         if not self.model_id:
             raise ValueError("OrbitKV: the served model name is empty; set \"model_id\" in the extra config so keys "
                              "are bound to the model")
-        self.model_revision = _str_option(extra, "model_revision", None) or model_fingerprint(self.model_id)
+        self.model_revision = _str_option(extra, "weights_revision", None) or model_fingerprint(self.model_id)
         self.tokenizer = _str_option(extra, "tokenizer", None) or self.model_id
         self.cache_scope = _str_option(extra, "cache_scope", "")
         self.kv_cache_dtype = _str_option(extra, "kv_cache_dtype", None)
         timeout_ms = _int_option(extra, "timeout_ms", 10000, 1)
         loading_wait_ms = _int_option(extra, "loading_wait_ms", 100, 0)
-        reconnect_ms = _int_option(extra, "reconnect_interval_ms", 1000, 0)
+        reconnect_s = extra.get("reconnect_interval_s", 1.0)
+        if isinstance(reconnect_s, bool) or not isinstance(reconnect_s, (int, float)) or reconnect_s < 0:
+            raise ValueError(f"OrbitKV: extra-config key 'reconnect_interval_s' must be a number >= 0, got "
+                             f"{reconnect_s!r}")
         self._staging_pages = _int_option(extra, "legacy_staging_pages", 8, 1)
         # Only the zero-copy calls carry positions (prefix_keys); the generic ones never do, so without
         # interface_v1 every page is keyed on its own (see orbitkv/sglang/_session.py).
@@ -135,8 +140,8 @@ class OrbitKVStorage(HiCacheStorage):
         self._log = RateLimitedLog()
         self._memo = PositionMemo()
         self._calls = threading.local()
-        self._link = ManagerLink(_str_option(extra, "socket", None) or env_socket(), timeout_ms=timeout_ms,
-                                 loading_wait_s=loading_wait_ms / 1000.0, reconnect_interval_s=reconnect_ms / 1000.0,
+        self._link = ManagerLink(_str_option(extra, "socket_path", None) or env_socket(), timeout_ms=timeout_ms,
+                                 loading_wait_s=loading_wait_ms / 1000.0, reconnect_interval_s=float(reconnect_s),
                                  counters=self.counters_, log=self._log)
         self._anchor = False  # a KV pool without a buffer (DeepSeek-V4 logical anchor): v2 pools carry the data
         self._kv: Optional[PoolGeometry] = None

@@ -31,6 +31,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import orbitkv
+from orbitkv.link import canonical_options
 from orbitkv.sglang._compat import UnifiedCacheLinker, pool_name_str
 from orbitkv.sglang._layout import describe_device_pool
 from orbitkv.sglang._session import Counters, ManagerLink, RateLimitedLog, env_socket, native_key
@@ -119,7 +120,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
     """UnifiedCacheLinker backed by the OrbitKV Manager (constructed by SGLang's linker factory or our plugin)."""
 
     def __init__(self, server_args, params, *, components=None, extra_config: Optional[dict] = None):
-        extra = dict(extra_config or {})
+        extra = canonical_options(dict(extra_config or {}))
         names = {getattr(c, "name", str(c)) for c in (components or [])}
         unsupported = sorted(names - _SUPPORTED_COMPONENTS)
         if unsupported:
@@ -138,15 +139,16 @@ class OrbitKVLinker(UnifiedCacheLinker):
         if self.is_mla:
             tp_rank, tp_size = 0, 1
         namespace = orbitkv.derive_namespace(
-            str(model_id), str(extra.get("model_revision", "")), str(extra.get("tokenizer", model_id)), "sglang",
+            str(model_id), str(extra.get("weights_revision", "")), str(extra.get("tokenizer", model_id)), "sglang",
             cache_scope=str(extra.get("cache_scope", "")), dtype=geometry.dtype, layout=geometry.state_layout,
             layout_detail=geometry.detail, page_size_tokens=self.page_size, tp_size=tp_size, tp_rank=tp_rank,
             pp_size=int(getattr(params, "pp_size", 1) or 1), pp_rank=int(getattr(params, "pp_rank", 0) or 0))
         self.counters_ = Counters()
         self._log = RateLimitedLog()
-        self._link = ManagerLink(extra.get("socket") or env_socket(), timeout_ms=int(extra.get("timeout_ms", 10000)),
+        self._link = ManagerLink(extra.get("socket_path") or env_socket(), timeout_ms=int(extra.get("timeout_ms", 10000)),
                                  loading_wait_s=int(extra.get("loading_wait_ms", 100)) / 1000.0,
-                                 reconnect_interval_s=1.0, counters=self.counters_, log=self._log)
+                                 reconnect_interval_s=float(extra.get("reconnect_interval_s", 1.0)),
+                                 counters=self.counters_, log=self._log)
         self._link.register(_DEVICE, geometry, namespace)
         first = geometry.buffers[0] if geometry.buffers else None
         self._cuda = first.device if getattr(getattr(first, "device", None), "type", "cpu") == "cuda" else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import orbitkv
+from orbitkv.link import canonical_options
 
 PREFIX = "orbitkv."
 
@@ -122,7 +123,7 @@ class OrbitKVConfig:
     @classmethod
     def from_vllm(cls, vllm_config, kv_cache_config) -> "OrbitKVConfig":
         transfer = vllm_config.kv_transfer_config
-        extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+        extra = canonical_options(dict(getattr(transfer, "kv_connector_extra_config", None) or {}), PREFIX)
         values: dict[str, Any] = {}
         for raw_key, value in extra.items():
             if not raw_key.startswith(PREFIX):
