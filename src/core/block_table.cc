@@ -19,8 +19,7 @@ BlockPin::BlockPin(BlockPin&& other) noexcept
       bytes_(other.bytes_),
       generation_(other.generation_),
       sequence_(other.sequence_),
-      arena_(other.arena_),
-      arena_offset_(other.arena_offset_) {}
+      arena_(other.arena_) {}
 
 BlockPin& BlockPin::operator=(BlockPin&& other) noexcept {
   if (this != &other) {
@@ -32,13 +31,19 @@ BlockPin& BlockPin::operator=(BlockPin&& other) noexcept {
     generation_ = other.generation_;
     sequence_ = other.sequence_;
     arena_ = other.arena_;
-    arena_offset_ = other.arena_offset_;
   }
   return *this;
 }
 
 void BlockPin::Reset() {
   if (table_ != nullptr) std::exchange(table_, nullptr)->Unpin(ref_);
+}
+
+uint64_t BlockPin::arena_offset() const {
+  // Computed on demand: pins are taken by the hundred per query, transfers ask for this rarely.
+  return table_ == nullptr
+             ? 0
+             : static_cast<uint64_t>(data_ - table_->pool_->arena(arena_).data());
 }
 
 BlockPin BlockPin::Clone() const {
@@ -285,11 +290,9 @@ BlockPin BlockTable::PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot
     ++*newly_pinned;
   }
   ++block.pins;
-  const uint8_t* arena_base = pool_->arena(block.memory.arena).data();
   return BlockPin(this, BlockRef{shard_index, slot, block.slot_generation}, block.memory.data,
                   block.memory.requested_bytes, block.residence_generation,
-                  block.residence_sequence, block.memory.arena,
-                  static_cast<uint64_t>(block.memory.data - arena_base));
+                  block.residence_sequence, block.memory.arena);
 }
 
 BlockPin BlockTable::PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) {

@@ -87,7 +87,7 @@ class BlockPin {
   uint64_t sequence() const { return sequence_; }
   // Where the bytes are in the pool, for a transfer grant: arena index and offset inside it.
   uint32_t arena() const { return arena_; }
-  uint64_t arena_offset() const { return arena_offset_; }
+  uint64_t arena_offset() const;
   void Reset();
   // Another pin on the same block (published or not): it stays readable until both are gone. An
   // empty pin clones to an empty pin.
@@ -98,16 +98,14 @@ class BlockPin {
  private:
   friend class BlockTable;
   BlockPin(BlockTable* table, BlockRef ref, const uint8_t* data, uint64_t bytes,
-           uint64_t generation, uint64_t sequence = 0, uint32_t arena = 0,
-           uint64_t arena_offset = 0)
+           uint64_t generation, uint64_t sequence = 0, uint32_t arena = 0)
       : table_(table),
         ref_(ref),
         data_(data),
         bytes_(bytes),
         generation_(generation),
         sequence_(sequence),
-        arena_(arena),
-        arena_offset_(arena_offset) {}
+        arena_(arena) {}
 
   BlockTable* table_ = nullptr;
   BlockRef ref_;
@@ -116,7 +114,6 @@ class BlockPin {
   uint64_t generation_ = 0;
   uint64_t sequence_ = 0;
   uint32_t arena_ = 0;
-  uint64_t arena_offset_ = 0;
 };
 
 // Why PinExact stopped before the end of its keys.
