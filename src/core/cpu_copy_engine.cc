@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "base/check.h"
+#include "base/fault_guard.h"
 
 namespace orbitkv::core {
 
@@ -141,6 +142,7 @@ Result<std::unique_ptr<CpuCopyEngine>> CpuCopyEngine::Create(Options options,
     return Status::InvalidArgument(
         fmt::format("threads must be in [1, {}], not {}", kMaxThreads, options.threads));
   }
+  FaultGuard::Install();  // a copy that faults on engine memory fails its batch, not the process
   if (options.max_inflight_batches == 0) {
     return Status::InvalidArgument("max_inflight_batches must be at least 1");
   }
@@ -391,10 +393,20 @@ void CpuCopyEngine::Copy(const Claim& claim) {
         MutexLock lock(&claim.batch->error_mu);
         if (claim.batch->error.ok()) claim.batch->error = moved;
       }
-    } else if (save) {
-      std::memcpy(pool, engine, n);
     } else {
-      std::memcpy(engine, pool, n);
+      // Engine memory may vanish under the copy (base/fault_guard.h): that fails this batch only.
+      const bool copied = save ? FaultGuard::GuardedCopy(pool, engine, n, engine, n)
+                               : FaultGuard::GuardedCopy(engine, pool, n, engine, n);
+      if (!copied) {
+        MutexLock lock(&claim.batch->error_mu);
+        if (claim.batch->error.ok()) {
+          claim.batch->error = Status::DataLoss(fmt::format(
+              "the engine's memory at {} vanished during a {} (SIGBUS): it was shrunk, punched or "
+              "unmapped while the Manager copied; the operation failed and nothing it copied is "
+              "used",
+              static_cast<const void*>(engine), save ? "save" : "restore"));
+        }
+      }
     }
     left -= n;
     offset = 0;

@@ -1,6 +1,7 @@
 #include "core/cpu_copy_engine.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,8 +18,10 @@
 #include <thread>
 #include <vector>
 
+#include "base/fault_guard.h"
 #include "base/metrics.h"
 #include "base/mutex.h"
+#include "base/scoped_fd.h"
 
 namespace orbitkv::core {
 namespace {
@@ -106,6 +109,51 @@ TEST(CopyDirectionTest, NamesAreTheMetricLabels) {
   EXPECT_EQ(CopyDirectionName(CopyDirection::kSave), "save");
   EXPECT_EQ(CopyDirectionName(CopyDirection::kRestore), "restore");
   EXPECT_EQ(CopyDirectionName(static_cast<CopyDirection>(9)), "invalid");
+}
+
+// Engine memory that vanishes under a copy (a file truncated after it was mapped: the Manager only
+// maps sealed memfds, so this is the fault injected directly) fails that batch with a clear error,
+// in either direction; the process and the engine go on, and other buffers copy as before.
+TEST(CpuCopyEngineTest, EngineMemoryThatVanishesFailsOnlyItsBatch) {
+  auto engine = MakeEngine({});
+  ASSERT_NE(engine, nullptr);
+  constexpr size_t kBytes = 4 * 4096;
+  ScopedFd fd(memfd_create("vanishing", MFD_CLOEXEC));
+  ASSERT_TRUE(fd.valid());
+  ASSERT_EQ(ftruncate(fd.get(), kBytes), 0);
+  auto* mapped = static_cast<uint8_t*>(
+      mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  ASSERT_NE(mapped, MAP_FAILED);
+  std::memset(mapped, 0x3c, kBytes);
+  auto vanishing = engine->RegisterBuffer(mapped, kBytes);
+  ASSERT_TRUE(vanishing.ok()) << vanishing.status();
+  ASSERT_EQ(ftruncate(fd.get(), 0), 0);  // every page of the mapping is gone now
+  std::mt19937_64 rng(5);
+  Bytes pool = RandomBytes(kBytes, rng);
+  const uint64_t recovered_before = FaultGuard::recovered();
+  for (CopyDirection direction : {CopyDirection::kSave, CopyDirection::kRestore}) {
+    CopyBatch batch;
+    batch.direction = direction;
+    batch.fragments.push_back(CopyFragment{*vanishing, 4096, pool.data(), 8192});
+    DoneProbe done;
+    ASSERT_TRUE(engine->Submit(batch, done.Callback()).ok());
+    const Status status = done.Wait();
+    EXPECT_EQ(status.code(), StatusCode::kDataLoss) << status;
+    EXPECT_NE(status.message().find("vanished"), std::string_view::npos) << status;
+  }
+  EXPECT_EQ(FaultGuard::recovered(), recovered_before + 2);
+  // A healthy buffer still copies, on the same workers.
+  Bytes engine_side = RandomBytes(kBytes, rng);
+  const BufferId healthy = Register(*engine, engine_side);
+  CopyBatch batch;
+  batch.direction = CopyDirection::kSave;
+  batch.fragments.push_back(CopyFragment{healthy, 0, pool.data(), kBytes});
+  DoneProbe done;
+  ASSERT_TRUE(engine->Submit(batch, done.Callback()).ok());
+  EXPECT_TRUE(done.Wait().ok());
+  EXPECT_EQ(pool, engine_side);
+  engine->Shutdown();
+  munmap(mapped, kBytes);
 }
 
 TEST(CpuCopyEngineTest, CreateRejectsOptionsOutOfRange) {

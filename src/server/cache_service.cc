@@ -190,7 +190,8 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
   auto finish = std::make_shared<Done<channel::RestoreReply>>(std::move(done));
   Status submitted = group.engine->Submit(
       std::move(batch),
-      [this, lease, finish, keep = target->group, total = *bytes](Status status) {
+      [this, owner, lease, finish, keep = target->group, total = *bytes](Status status) {
+        CheckFault(owner, status);
         // The copy drained: pins, reservation and the operation's slot go back before the engine
         // hears of it (its next request must find them free).
         lease->Reset();
@@ -257,7 +258,8 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
   work->done = std::move(done);
   const uint64_t bytes = work->writers.size() * group.block_bytes;
   Status submitted = group.engine->Submit(
-      std::move(batch), [this, work, keep = target->group, skipped, bytes](Status status) {
+      std::move(batch), [this, owner, work, keep = target->group, skipped, bytes](Status status) {
+        CheckFault(owner, status);
         uint64_t written = 0;
         if (status.ok()) {
           for (size_t i = 0; i < work->writers.size(); ++i) {
@@ -276,6 +278,13 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
     work->writers.clear();
     EndOperation();
     work->done(submitted);
+  }
+}
+
+void CacheService::CheckFault(uint64_t owner, const Status& status) const {
+  // The copy engines report engine memory that vanished under a copy as DATA_LOSS, and nothing else.
+  if (status.code() == StatusCode::kDataLoss && options_.on_engine_fault) {
+    options_.on_engine_fault(owner, status);
   }
 }
 

@@ -52,6 +52,9 @@ struct CacheServiceOptions {
   bool ssd_write_through = false;  // queue every sealed block for SSD
   // Wakes the thread that calls Sweep (LoadingRegistry::Options::wake_sweeper).
   std::function<void()> wake_sweeper;
+  // Called (on a copy worker) when an owner's engine memory faulted under a copy (DATA_LOSS: it
+  // vanished): the operation has failed; the Manager poisons that owner's sessions.
+  std::function<void(uint64_t owner, const Status& why)> on_engine_fault;
 };
 
 // What `orbitkv stats` shows of the cache.
@@ -120,6 +123,8 @@ class CacheService {
   // The stages that bring `keys` (from hits on) into DRAM, or none when nothing below DRAM has the
   // next block.
   std::vector<LoadingStage> PlanLoading(const std::vector<state::StateKey>& keys, size_t hits);
+  // Reports a copy that faulted on `owner`'s engine memory (on_engine_fault).
+  void CheckFault(uint64_t owner, const Status& status) const;
   // The fragments of a restore into `group`; InvalidArgument/FailedPrecondition for pages or blocks
   // that do not fit the group.
   Result<uint64_t> RestoreFragments(const channel::RestoreRequest& request, const KvGroup& group,

@@ -4,11 +4,16 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "base/scoped_fd.h"
 #include "base/temp_dir.h"
 #include "core/cpu_copy_engine.h"
 #include "core/test_util.h"
@@ -265,6 +270,60 @@ TEST_F(CacheServiceTest, CancelForgetsTheOpAndItsWaitersHearIt) {
   // What the reads brought stays cached; nothing is left pinned.
   ssd_->Flush();
   EXPECT_EQ(service_->loading().held_blocks(), 0u);
+}
+
+// Engine memory that vanishes under a save fails that save, seals nothing, and reports the owner
+// so the Manager can poison its sessions; the service goes on serving.
+TEST_F(CacheServiceTest, EngineMemoryThatVanishesFailsTheSaveAndReportsTheOwner) {
+  Close();
+  std::vector<std::pair<uint64_t, Status>> faults;
+  std::mutex faults_mu;
+  CacheServiceOptions options;
+  options.on_engine_fault = [&](uint64_t owner, const Status& why) {
+    std::lock_guard<std::mutex> lock(faults_mu);
+    faults.emplace_back(owner, why);
+  };
+  Open(false, options);
+  // A second group over a mapping whose file is then truncated (the fault injected directly: the
+  // Manager itself only maps sealed memfds).
+  constexpr uint64_t kBytes = 4 * kBlock;
+  ScopedFd fd(memfd_create("vanishing", MFD_CLOEXEC));
+  ASSERT_EQ(ftruncate(fd.get(), kBytes), 0);
+  auto* mapped = static_cast<uint8_t*>(
+      mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto group = std::make_shared<KvGroup>();
+  group->group = 1;
+  group->num_pages = 4;
+  group->engine = engine_.get();
+  group->block_bytes = kBlock;
+  group->padded_bytes = kBlock;
+  auto id = engine_->RegisterBuffer(mapped, kBytes);
+  ASSERT_TRUE(id.ok());
+  group->buffers.push_back(KvGroup::Buffer{nullptr, kBytes, {kBytes, 0, kBlock, kBlock}, *id});
+  ASSERT_TRUE((*service_->instances().Find(kOwner, kInstance))->AddGroup(group).ok());
+  ASSERT_EQ(ftruncate(fd.get(), 0), 0);
+  std::vector<state::StateKey> keys;
+  const std::vector<uint8_t> natives = Natives(40, 2);
+  ASSERT_TRUE(state::StateKey::AppendChain(ns_, 1, 0, 16, natives, 16, 1, &keys).ok());
+  channel::SaveRequest save;
+  save.instance = kInstance;
+  save.group = 1;
+  save.items = {{keys[0], 0}, {keys[1], 1}};
+  Captured<channel::SaveReply> saved;
+  service_->Save(kOwner, save, saved.Callback());
+  EXPECT_EQ(saved.Get().status().code(), StatusCode::kDataLoss);
+  {
+    std::lock_guard<std::mutex> lock(faults_mu);
+    ASSERT_EQ(faults.size(), 1u);
+    EXPECT_EQ(faults[0].first, kOwner);
+  }
+  channel::QueryRequest query = QueryOf(40, 2);
+  query.group = 1;
+  EXPECT_EQ(service_->Query(kOwner, query)->outcome, channel::QueryOutcome::kMiss);  // not sealed
+  EXPECT_EQ(SaveChain(1, 2), (channel::SaveReply{2, 0}));  // the healthy group still works
+  engine_->Shutdown();
+  munmap(mapped, kBytes);
 }
 
 // ---- LoadingRegistry on its own: stages, deadlines, races, hold ----

@@ -61,6 +61,14 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
     m->sweep_due_ = true;
     m->cleanup_cv_.notify_one();
   };
+  service.on_engine_fault = [m = manager.get()](uint64_t owner, const Status& why) {
+    {
+      MutexLock lock(&m->faulted_mu_);
+      m->faulted_owners_.emplace_back(owner, why);
+    }
+    const uint64_t one = 1;
+    (void)!write(m->wake_.get(), &one, sizeof(one));  // the dispatcher poisons the sessions
+  };
   manager->service_ = std::make_unique<CacheService>(service, manager->cache_.get(),
                                                      manager->ssd_.get(), &manager->metrics_);
 
@@ -219,6 +227,10 @@ void Manager::DispatchLoop() {
       const uint64_t data = events[i].data.u64;
       const auto kind = static_cast<EventKind>(data & 3);
       if (kind == kListener) AcceptSessions();
+      if (kind == kWake) {
+        uint64_t rings = 0;
+        (void)!read(wake_.get(), &rings, sizeof(rings));  // a stop, or faulted owners to poison
+      }
       if (kind != kSocket && kind != kDoorbell) continue;
       auto it = sessions_.find(data >> 2);
       if (it == sessions_.end()) continue;
@@ -236,11 +248,33 @@ void Manager::DispatchLoop() {
     int served = 0;
     for (const auto& session : live) served += ServeSession(session);
     if (served > 0) last_work = MonoNow();
+    PoisonFaultedOwners();
   }
   // Shutdown: refuse new sessions, close the existing ones (their copies drain in Wait).
   std::vector<uint64_t> ids;
   for (auto& [id, session] : sessions_) ids.push_back(id);
   for (uint64_t id : ids) CloseSession(id, Status::Unavailable("the Manager is shutting down"));
+}
+
+void Manager::PoisonFaultedOwners() {
+  std::vector<std::pair<uint64_t, Status>> faulted;
+  {
+    MutexLock lock(&faulted_mu_);
+    if (faulted_owners_.empty()) return;
+    faulted.swap(faulted_owners_);
+  }
+  for (const auto& [owner, why] : faulted) {
+    std::vector<uint64_t> ids;  // the owner's control session and its publish sessions
+    for (const auto& [id, session] : sessions_) {
+      if (session->owner_id == owner) ids.push_back(id);
+    }
+    for (uint64_t id : ids) {
+      auto it = sessions_.find(id);
+      if (it == sessions_.end()) continue;
+      ORBITKV_LOG_WARN("manager: poisoning session {}: {}", id, why.ToString());
+      PoisonSession(*it->second, why);
+    }
+  }
 }
 
 // Lifecycle frames, or the engine closing the session.

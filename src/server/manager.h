@@ -159,6 +159,12 @@ class Manager {
   // Release/acquire: RequestStop's store is seen by the dispatcher after its wakeup.
   std::atomic<bool> stopping_{false};
 
+  // Owners whose engine memory faulted under a copy (any thread adds; the dispatcher poisons their
+  // sessions).
+  Mutex faulted_mu_;
+  std::vector<std::pair<uint64_t, Status>> faulted_owners_ GUARDED_BY(faulted_mu_);
+  void PoisonFaultedOwners();
+
   Mutex cleanup_mu_;
   std::condition_variable_any cleanup_cv_;
   std::deque<std::function<void()>> cleanup_tasks_ GUARDED_BY(cleanup_mu_);
