@@ -1,12 +1,15 @@
 // A real orbitkv-manager process and real client processes: save, query, restore byte for byte;
 // concurrency; and the faults an operator meets (engine killed mid-restore or mid-save, Manager
 // killed, foreign uid, malformed descriptors).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/falloc.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -174,6 +177,93 @@ TEST(ManagerIntegrationTest, OnlyMemfdsSealedAgainstResizingAreMapped) {
   EXPECT_NE(ftruncate(sealed->get(), kPageBytes), 0);
   EXPECT_EQ(errno, EPERM);
   EXPECT_TRUE(client->Ping().ok());
+}
+
+// Sets /proc/sys/vm/nr_hugepages for the scope (root only); restores the old value after.
+class HugePages {
+ public:
+  explicit HugePages(int count) {
+    std::FILE* f = std::fopen("/proc/sys/vm/nr_hugepages", "r");
+    if (f == nullptr) return;
+    if (std::fscanf(f, "%d", &previous_) != 1) previous_ = -1;
+    std::fclose(f);
+    ok_ = previous_ >= 0 && Write(count) && Read() == count;
+  }
+  ~HugePages() {
+    if (previous_ >= 0) Write(previous_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  static bool Write(int count) {
+    std::FILE* f = std::fopen("/proc/sys/vm/nr_hugepages", "w");
+    if (f == nullptr) return false;
+    const bool written = std::fprintf(f, "%d", count) > 0;
+    return std::fclose(f) == 0 && written;
+  }
+  static int Read() {
+    int count = -1;
+    std::FILE* f = std::fopen("/proc/sys/vm/nr_hugepages", "r");
+    if (f == nullptr) return -1;
+    if (std::fscanf(f, "%d", &count) != 1) count = -1;
+    std::fclose(f);
+    return count;
+  }
+  int previous_ = -1;
+  bool ok_ = false;
+};
+
+// Sealing does not cover everything: an engine can punch a hole in a sealed hugetlb memfd, and when no
+// huge page is left to fault back in, the Manager's next copy from it raises SIGBUS. That copy fails,
+// the engine's sessions are poisoned, and the Manager serves every other engine on.
+TEST(ManagerIntegrationTest, AFaultOnAnEnginesSealedMemoryCostsOnlyThatEngine) {
+  HugePages huge(1);
+  if (!huge.ok()) GTEST_SKIP() << "needs root to reserve one huge page (/proc/sys/vm/nr_hugepages)";
+  ManagerProcess manager;
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->RegisterInstance(11, state::testing::SampleNamespace()).ok());
+  constexpr uint64_t kHuge = 2 << 20;
+  constexpr uint64_t kPage = 64 << 10;
+  ScopedFd fd(memfd_create("huge-kv", MFD_CLOEXEC | MFD_HUGETLB | MFD_ALLOW_SEALING));
+  ASSERT_TRUE(fd.valid()) << std::strerror(errno);
+  ASSERT_EQ(ftruncate(fd.get(), kHuge), 0);
+  ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  auto* kv = static_cast<uint8_t*>(
+      mmap(nullptr, kHuge, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  ASSERT_NE(kv, MAP_FAILED);
+  std::memset(kv, 0x6b, kHuge);
+  BufferSpec spec{fd.get(), kHuge, 0, kPage, kPage};
+  ASSERT_TRUE(client->RegisterGroup(11, 0, kHuge / kPage, std::span(&spec, 1)).ok());
+  const auto keys = Chain(91, 8);
+  std::vector<SaveItem> first, second;
+  for (uint32_t i = 0; i < 4; ++i) first.push_back({keys[i], i});
+  for (uint32_t i = 4; i < 8; ++i) second.push_back({keys[i], i});
+  ASSERT_TRUE(client->Save(11, 0, first).ok());
+  // The engine punches its memory out and the only huge page goes elsewhere.
+  munmap(kv, kHuge);
+  ASSERT_EQ(fallocate(fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, kHuge), 0);
+  void* taken = mmap(nullptr, kHuge, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+  ASSERT_NE(taken, MAP_FAILED) << std::strerror(errno);
+  std::memset(taken, 1, kHuge);
+  // The Manager's copy from it faults: this save fails, and then the engine's sessions are closed.
+  EXPECT_FALSE(client->Save(11, 0, second).ok());
+  bool poisoned = false;
+  for (int i = 0; i < 200 && !poisoned; ++i) {
+    poisoned = !client->Ping().ok();
+    if (!poisoned) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(poisoned);
+  // The Manager lives, and serves another engine as before.
+  ASSERT_TRUE(manager.running()) << manager.LogText();
+  auto other = Connect(manager);
+  ASSERT_NE(other, nullptr);
+  EngineKv healthy(4);
+  Register(*other, 12, healthy);
+  EXPECT_TRUE(SaveChain(*other, 12, healthy, Chain(92, 4), 0).ok());
+  EXPECT_NE(manager.LogText().find("vanished"), std::string::npos);
+  munmap(taken, kHuge);
 }
 
 // Layer-wise restore: each part copies some buffers of every leased block with its own completion;
