@@ -1,7 +1,10 @@
 #include "core/cpu_copy_engine.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,32 +19,52 @@ namespace orbitkv::core {
 
 namespace {
 
-// Moves `bytes` between this process's `pool` and address `remote` of process `pid`, looping over
-// partial transfers.
-Status CopyProcessMemory(pid_t pid, uint8_t* remote, uint8_t* pool, uint64_t bytes, bool save) {
+// Whether `pidfd`'s process has not been reaped: while it has not, its pid cannot name another
+// process.
+bool StillThere(int pidfd) {
+  return syscall(SYS_pidfd_send_signal, pidfd, 0, nullptr, 0) == 0;
+}
+
+Status ProcessError(pid_t pid, int err, bool save, const uint8_t* at) {
+  if (err == ESRCH || err == EIO || err == 0) {
+    return Status::Unavailable(fmt::format("engine process {} is gone", pid));
+  }
+  if (err == EPERM || err == EACCES) {
+    return Status::PermissionDenied(fmt::format(
+        "may not access the memory of engine process {} (another uid, or ptrace restricted)", pid));
+  }
+  return Status::InvalidArgument(fmt::format("{} of engine process {} at {} failed: {}",
+                                             save ? "reading" : "writing", pid,
+                                             static_cast<const void*>(at), std::strerror(err)));
+}
+
+// Moves `bytes` between this process's `pool` and address `remote` of the engine `process`,
+// looping over partial transfers. Reads use process_vm_readv (one copy) and then check that the
+// process is still the one registered: if it was not reaped by then, the pid named it throughout,
+// so the bytes are its. Writes go through its /proc/PID/mem, bound to its memory: they can never
+// land in a process that reused the pid.
+template <typename Process>
+Status CopyProcessMemory(const Process& process, uint8_t* remote, uint8_t* pool, uint64_t bytes,
+                         bool save) {
   uint64_t done = 0;
   while (done < bytes) {
-    iovec local{pool + done, bytes - done};
-    iovec far{remote + done, bytes - done};
-    const ssize_t n = save ? process_vm_readv(pid, &local, 1, &far, 1, 0)
-                           : process_vm_writev(pid, &local, 1, &far, 1, 0);
+    ssize_t n;
+    if (save) {
+      iovec local{pool + done, bytes - done};
+      iovec far{remote + done, bytes - done};
+      n = process_vm_readv(process.pid, &local, 1, &far, 1, 0);
+    } else {
+      n = pwrite(process.mem.get(), pool + done, bytes - done,
+                 static_cast<off_t>(reinterpret_cast<uintptr_t>(remote + done)));
+    }
     if (n <= 0) {
-      const int err = n < 0 ? errno : EFAULT;
+      const int err = n < 0 ? errno : 0;
       if (err == EINTR) continue;
-      if (err == ESRCH) {
-        return Status::Unavailable(fmt::format("engine process {} is gone", pid));
-      }
-      if (err == EPERM) {
-        return Status::PermissionDenied(fmt::format(
-            "may not access the memory of engine process {} (another uid, or ptrace restricted)",
-            pid));
-      }
-      return Status::InvalidArgument(
-          fmt::format("{} of engine process {} at {} failed: {}", save ? "reading" : "writing", pid,
-                      static_cast<const void*>(remote + done), std::strerror(err)));
+      return ProcessError(process.pid, err, save, remote + done);
     }
     done += static_cast<uint64_t>(n);
   }
+  if (save && !StillThere(process.pidfd.get())) return ProcessError(process.pid, ESRCH, save, remote);
   return Status::Ok();
 }
 
@@ -120,6 +143,7 @@ struct CpuCopyEngine::Batch {
   // and the process it lives in (0: mapped here).
   std::vector<uint8_t*> engine_addr;
   std::vector<pid_t> engine_pid;
+  std::vector<std::shared_ptr<const Process>> engine_process;  // with engine_pid
 
   // The first failed process-memory transfer; read by the worker that finishes the batch.
   Mutex error_mu;
@@ -206,9 +230,29 @@ Result<BufferId> CpuCopyEngine::RegisterBuffer(uint8_t* base, uint64_t bytes) {
 
 Result<BufferId> CpuCopyEngine::RegisterProcessBuffer(pid_t pid, uint64_t base, uint64_t bytes) {
   if (pid <= 0) return Status::InvalidArgument("a process buffer needs a process id");
+  auto process = std::make_shared<Process>();
+  process->pid = pid;
+  process->pidfd = ScopedFd(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
+  if (!process->pidfd.valid()) {
+    return ErrnoStatus(fmt::format("pidfd_open of engine process {}", pid), errno);
+  }
+  process->mem = ScopedFd(open(fmt::format("/proc/{}/mem", pid).c_str(), O_RDWR | O_CLOEXEC));
+  if (!process->mem.valid()) {
+    const int err = errno;
+    return Status::PermissionDenied(fmt::format(
+        "cannot open the memory of engine process {}: {} (process memory needs the same uid or "
+        "CAP_SYS_PTRACE; allocate KV in shared memory with orbitkv.shm otherwise)",
+        pid, std::strerror(err)));
+  }
+  // The pidfd was taken after the pid was looked up: make sure both name the process that was
+  // asked for (it may have been replaced in between).
+  if (!StillThere(process->pidfd.get())) {
+    return Status::Unavailable(fmt::format("engine process {} is gone", pid));
+  }
   ORBITKV_ASSIGN_OR_RETURN(BufferId id, RegisterBuffer(reinterpret_cast<uint8_t*>(base), bytes));
   MutexLock lock(&registry_mu_);
   slots_[id.index].pid = pid;
+  slots_[id.index].process = std::move(process);
   return id;
 }
 
@@ -224,6 +268,8 @@ Status CpuCopyEngine::UnregisterBuffer(BufferId id) {
   Slot& slot = slots_[id.index];
   slot.base = nullptr;
   slot.bytes = 0;
+  slot.pid = 0;
+  slot.process.reset();
   // A slot whose generation would wrap is never reused, so no id is ever issued twice.
   if (slot.generation < std::numeric_limits<uint32_t>::max()) {
     ++slot.generation;
@@ -294,6 +340,7 @@ Status CpuCopyEngine::ResolveAndPin(Batch* batch) {
   const std::vector<CopyFragment>& fragments = batch->copy.fragments;
   batch->engine_addr.resize(fragments.size());
   batch->engine_pid.resize(fragments.size());
+  batch->engine_process.resize(fragments.size());
   MutexLock lock(&registry_mu_);
   for (size_t i = 0; i < fragments.size(); ++i) {
     const CopyFragment& f = fragments[i];
@@ -310,6 +357,7 @@ Status CpuCopyEngine::ResolveAndPin(Batch* batch) {
     }
     batch->engine_addr[i] = slot->base + f.buffer_offset;
     batch->engine_pid[i] = slot->pid;
+    batch->engine_process[i] = slot->process;
   }
   for (const CopyFragment& f : fragments) ++slots_[f.buffer.index].pins;
   return Status::Ok();
@@ -388,7 +436,7 @@ void CpuCopyEngine::Copy(const Claim& claim) {
     uint8_t* engine = batch.engine_addr[i] + offset;
     uint8_t* pool = f.pool + offset;
     if (batch.engine_pid[i] != 0) {
-      Status moved = CopyProcessMemory(batch.engine_pid[i], engine, pool, n, save);
+      Status moved = CopyProcessMemory(*batch.engine_process[i], engine, pool, n, save);
       if (!moved.ok()) {
         MutexLock lock(&claim.batch->error_mu);
         if (claim.batch->error.ok()) claim.batch->error = moved;

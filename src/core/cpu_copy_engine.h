@@ -33,6 +33,7 @@
 
 #include "base/metrics.h"
 #include "base/mutex.h"
+#include "base/scoped_fd.h"
 #include "base/result.h"
 #include "base/status.h"
 #include "base/thread_annotations.h"
@@ -92,10 +93,19 @@ class CpuCopyEngine final : public CopyEngine {
  private:
   struct Batch;  // An accepted batch: defined in the .cc.
 
+  // The process a process-memory buffer lives in, bound at registration: a pidfd (to tell that it
+  // is still the same process) and its /proc/PID/mem (writes go through it, so they reach that
+  // process's memory or nothing, never a later process that was given the same pid).
+  struct Process {
+    pid_t pid = 0;
+    ScopedFd pidfd;
+    ScopedFd mem;
+  };
   // A registered buffer. `pins` counts fragments of in-flight batches that name it.
   struct Slot {
     uint8_t* base = nullptr;
     pid_t pid = 0;  // non-zero: `base` is an address in that process
+    std::shared_ptr<const Process> process;  // with pid
     uint64_t bytes = 0;
     uint32_t generation = 1;
     bool live = false;

@@ -247,19 +247,34 @@ TEST(CpuCopyEngineTest, ProcessBuffersAreCopiedAndAGoneProcessFailsTheBatch) {
   ASSERT_TRUE(restored.Wait().ok());
   EXPECT_EQ(restored_into, engine_memory);
 
+  // A process that goes away after its buffer was registered: the batches fail, in both
+  // directions, and nothing ever reaches a process that was given its pid later (writes go through
+  // the memory the registration bound; reads are checked against the process it bound).
+  int hold[2];
+  ASSERT_EQ(pipe(hold), 0);
   const pid_t child = fork();
-  if (child == 0) _exit(0);
+  if (child == 0) {
+    char byte;
+    close(hold[1]);
+    (void)!read(hold[0], &byte, 1);  // until the parent lets go
+    _exit(0);
+  }
   ASSERT_GT(child, 0);
-  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  close(hold[0]);
   auto gone = engine->RegisterProcessBuffer(child, reinterpret_cast<uint64_t>(restored_into.data()),
                                             restored_into.size());
-  ASSERT_TRUE(gone.ok());
-  DoneProbe failed;
-  ASSERT_TRUE(
-      engine->Submit({CopyDirection::kRestore, {{*gone, 0, pool.data(), 4096}}}, failed.Callback())
-          .ok());
-  EXPECT_EQ(failed.Wait().code(), StatusCode::kUnavailable);
-  EXPECT_EQ(failed.calls(), 1);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  close(hold[1]);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  for (CopyDirection direction : {CopyDirection::kRestore, CopyDirection::kSave}) {
+    DoneProbe failed;
+    ASSERT_TRUE(engine->Submit({direction, {{*gone, 0, pool.data(), 4096}}}, failed.Callback()).ok());
+    EXPECT_EQ(failed.Wait().code(), StatusCode::kUnavailable);
+    EXPECT_EQ(failed.calls(), 1);
+  }
+  // A process already gone cannot be registered at all.
+  EXPECT_EQ(engine->RegisterProcessBuffer(child, 4096, 4096).status().code() == StatusCode::kOk,
+            false);
   EXPECT_FALSE(engine->RegisterProcessBuffer(0, 4096, 4096).ok());
   engine->Shutdown();
 }
