@@ -88,8 +88,15 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
 void Manager::RegisterMetrics() {
   MetricsRegistry& m = metrics_;
   sessions_opened_ = &m.GetCounter("orbitkv_sessions_opened_total", "Engine sessions accepted");
-  sessions_poisoned_ = &m.GetCounter("orbitkv_sessions_poisoned_total",
-                                     "Sessions closed for a malformed or invalid request");
+  const char* reasons[] = {"malformed_request", "bad_frame", "reply_ring", "engine_memory"};
+  for (int i = 0; i < 4; ++i) {
+    sessions_poisoned_[i] =
+        &m.GetCounter("orbitkv_sessions_poisoned_total",
+                      "Sessions closed by the Manager, by reason: a malformed request or lifecycle "
+                      "frame, a reply ring the engine overflowed or corrupted, engine memory that "
+                      "faulted under a copy",
+                      {{"reason", reasons[i]}});
+  }
   sessions_active_ = &m.GetGauge("orbitkv_sessions_active", "Open engine sessions");
   instances_active_ = &m.GetGauge("orbitkv_instances_active", "Registered engine instances");
   requests_total_ = &m.GetCounter("orbitkv_requests_total", "Requests received from engines");
@@ -272,7 +279,7 @@ void Manager::PoisonFaultedOwners() {
       auto it = sessions_.find(id);
       if (it == sessions_.end()) continue;
       ORBITKV_LOG_WARN("manager: poisoning session {}: {}", id, why.ToString());
-      PoisonSession(*it->second, why);
+      PoisonSession(*it->second, why, PoisonReason::kEngineMemory);
     }
   }
 }
@@ -288,14 +295,14 @@ void Manager::ServeFrames(const std::shared_ptr<Session>& session) {
     if (!frame->has_value()) return;
     Status handled = HandleFrame(*session, **frame);
     if (!handled.ok()) {
-      PoisonSession(*session, handled);
+      PoisonSession(*session, handled, PoisonReason::kBadFrame);
       return;
     }
   }
 }
 
-void Manager::PoisonSession(const Session& session, const Status& why) {
-  sessions_poisoned_->Increment();
+void Manager::PoisonSession(const Session& session, const Status& why, PoisonReason reason) {
+  sessions_poisoned_[static_cast<int>(reason)]->Increment();
   session.channel->Poison(why);
   CloseSession(session.id, why);
 }
@@ -365,8 +372,9 @@ int Manager::ServeSession(const std::shared_ptr<Session>& session) {
   int served = 0;
   for (; served < 64; ++served) {
     if (session->channel->broken()) {
-      PoisonSession(*session, Status::ResourceExhausted(
-                                  "the engine's reply ring overflowed or was corrupted"));
+      PoisonSession(*session,
+                    Status::ResourceExhausted("the engine's reply ring overflowed or was corrupted"),
+                    PoisonReason::kReplyRing);
       return served;
     }
     Result<std::optional<channel::InboundRequest>> request = session->channel->NextRequest();
@@ -378,7 +386,7 @@ int Manager::ServeSession(const std::shared_ptr<Session>& session) {
     }
     if (!status.ok()) {
       ORBITKV_LOG_WARN("manager: poisoning session {}: {}", session->id, status.ToString());
-      PoisonSession(*session, status);
+      PoisonSession(*session, status, PoisonReason::kMalformedRequest);
       return served;
     }
   }

@@ -102,7 +102,9 @@ class Manager {
   // Serves up to 64 queued requests of `session`; returns how many.
   int ServeSession(const std::shared_ptr<Session>& session);
   void ServeFrames(const std::shared_ptr<Session>& session);
-  void PoisonSession(const Session& session, const Status& why);
+  // Why a session was poisoned: the label of orbitkv_sessions_poisoned_total.
+  enum class PoisonReason { kMalformedRequest, kBadFrame, kReplyRing, kEngineMemory };
+  void PoisonSession(const Session& session, const Status& why, PoisonReason reason);
   void CloseSession(uint64_t session_id, const Status& why);
   // Requests (requests.cc): decode, call the service, encode the reply. A returned error poisons
   // the session; per-request failures are error replies.
@@ -172,7 +174,7 @@ class Manager {
   bool sweep_due_ GUARDED_BY(cleanup_mu_) = false;  // a Loading deadline moved earlier
 
   Counter* sessions_opened_ = nullptr;
-  Counter* sessions_poisoned_ = nullptr;
+  Counter* sessions_poisoned_[4] = {};  // by PoisonReason
   Gauge* sessions_active_ = nullptr;
   Gauge* instances_active_ = nullptr;
   Counter* requests_total_ = nullptr;

@@ -1,11 +1,7 @@
 // A real orbitkv-manager joining a cluster registered in a real etcd: membership state, epoch, view
 // and the remote-work gate reach `orbitkv status`, and a duplicate Node ID refuses to start.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <regex>
@@ -43,24 +39,6 @@ std::string StringField(const std::string& stats, const std::string& name) {
   return std::regex_search(stats, match, field) ? match[1].str() : std::string();
 }
 
-// GET /metrics from the Manager's metrics endpoint on 127.0.0.1:`port`.
-std::string MetricsText(uint16_t port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string text;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
-    (void)!write(fd, request.data(), request.size());
-    char buf[4096];
-    for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) text.append(buf, static_cast<size_t>(n));
-  }
-  close(fd);
-  return text;
-}
-
 // The runtime UUID in the member record etcd holds for `node`.
 std::string RecordedRuntimeUuid(const std::string& endpoint, const std::string& node) {
   cluster::EtcdClientOptions options;
@@ -78,19 +56,6 @@ std::string RecordedRuntimeUuid(const std::string& endpoint, const std::string& 
   return record.ok() ? record->runtime_uuid : "";
 }
 
-// A TCP port free on 127.0.0.1 right now (bound to 0, read back, released).
-uint16_t FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(addr);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length), 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // One runtime identity per start: the stats, /metrics, the inventory's incarnation and the member
 // record in etcd all carry it, and a restarted Manager has a new one.
 TEST(DistributedManagerTest, OneRuntimeIdentityEverywhereAndANewOneAfterARestart) {
@@ -102,7 +67,7 @@ TEST(DistributedManagerTest, OneRuntimeIdentityEverywhereAndANewOneAfterARestart
       "--peer-endpoint",  "127.0.0.1:7011"};
   std::string first_uuid;
   for (int run = 0; run < 2; ++run) {
-    const uint16_t metrics_port = FreePort();
+    const uint16_t metrics_port = testing::FreeLoopbackPort();
     std::vector<std::string> run_flags = flags;
     run_flags.push_back("--metrics-addr");
     run_flags.push_back(fmt::format("127.0.0.1:{}", metrics_port));
@@ -116,7 +81,7 @@ TEST(DistributedManagerTest, OneRuntimeIdentityEverywhereAndANewOneAfterARestart
               std::string::npos)
         << stats;
     EXPECT_EQ(RecordedRuntimeUuid((*etcd)->endpoint(), "node-r"), uuid);
-    const std::string metrics = MetricsText(metrics_port);
+    const std::string metrics = testing::MetricsText(metrics_port);
     EXPECT_NE(metrics.find(fmt::format("orbitkv_runtime_info{{runtime_uuid=\"{}\"}} 1", uuid)),
               std::string::npos)
         << metrics;

@@ -2,8 +2,11 @@
 #ifndef ORBITKV_TESTS_INTEGRATION_MANAGER_PROCESS_H_
 #define ORBITKV_TESTS_INTEGRATION_MANAGER_PROCESS_H_
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -87,6 +90,37 @@ class ManagerProcess {
   std::string dir_, socket_, log_;
   pid_t pid_ = -1;
 };
+
+// A TCP port free on 127.0.0.1 right now (bound to 0, read back, released): for --metrics-addr.
+inline uint16_t FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(addr);
+  const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                     getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) == 0;
+  close(fd);
+  return bound ? ntohs(addr.sin_port) : 0;
+}
+
+// GET /metrics from a Manager's metrics endpoint on 127.0.0.1:`port` ("" when it does not answer).
+inline std::string MetricsText(uint16_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string text;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    (void)!write(fd, request.data(), request.size());
+    char buf[4096];
+    for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) text.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return text;
+}
 
 }  // namespace orbitkv::testing
 

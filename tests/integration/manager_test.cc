@@ -219,7 +219,8 @@ class HugePages {
 TEST(ManagerIntegrationTest, AFaultOnAnEnginesSealedMemoryCostsOnlyThatEngine) {
   HugePages huge(1);
   if (!huge.ok()) GTEST_SKIP() << "needs root to reserve one huge page (/proc/sys/vm/nr_hugepages)";
-  ManagerProcess manager;
+  const uint16_t metrics_port = testing::FreeLoopbackPort();
+  ManagerProcess manager({"--metrics-addr", fmt::format("127.0.0.1:{}", metrics_port)});
   auto client = Connect(manager);
   ASSERT_NE(client, nullptr);
   ASSERT_TRUE(client->RegisterInstance(11, state::testing::SampleNamespace()).ok());
@@ -263,6 +264,10 @@ TEST(ManagerIntegrationTest, AFaultOnAnEnginesSealedMemoryCostsOnlyThatEngine) {
   Register(*other, 12, healthy);
   EXPECT_TRUE(SaveChain(*other, 12, healthy, Chain(92, 4), 0).ok());
   EXPECT_NE(manager.LogText().find("vanished"), std::string::npos);
+  const std::string metrics = testing::MetricsText(metrics_port);
+  EXPECT_NE(metrics.find("orbitkv_sessions_poisoned_total{reason=\"engine_memory\"} 2"),
+            std::string::npos)  // the engine's control and publish sessions
+      << metrics;
   munmap(taken, kHuge);
 }
 
