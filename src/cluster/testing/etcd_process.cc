@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -60,13 +61,21 @@ Result<std::string> MakeTempDir() {
   return pattern;
 }
 
-Result<EtcdProcess::Member> NewMember(std::string name) {
+// A port free now and not in `taken` (the ports already given to members of the same cluster:
+// nothing holds a picked port until its etcd binds it, so the picker could repeat one), added to it.
+Result<int> PickPortNotIn(std::set<int>* taken) {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    ORBITKV_ASSIGN_OR_RETURN(int port, PickFreePort());
+    if (taken->insert(port).second) return port;
+  }
+  return Status::Unavailable("the port picker kept returning ports already taken");
+}
+
+Result<EtcdProcess::Member> NewMember(std::string name, std::set<int>* taken) {
   EtcdProcess::Member member;
   member.name = std::move(name);
-  ORBITKV_ASSIGN_OR_RETURN(member.client_port, PickFreePort());
-  ORBITKV_ASSIGN_OR_RETURN(member.peer_port, PickFreePort());
-  if (member.peer_port == member.client_port)
-    return Status::Unavailable("port picker returned one port twice");
+  ORBITKV_ASSIGN_OR_RETURN(member.client_port, PickPortNotIn(taken));
+  ORBITKV_ASSIGN_OR_RETURN(member.peer_port, PickPortNotIn(taken));
   return member;
 }
 
@@ -174,7 +183,8 @@ Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline)
   Status last;
   // A port picked free can be taken before etcd binds it; try a few fresh pairs.
   for (int attempt = 0; attempt < 3; ++attempt) {
-    ORBITKV_ASSIGN_OR_RETURN(Member member, NewMember("orbitkv-test"));
+    std::set<int> taken;
+    ORBITKV_ASSIGN_OR_RETURN(Member member, NewMember("orbitkv-test", &taken));
     ORBITKV_ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
     const std::string initial = fmt::format("{}={}", member.name, PeerUrl(member));
     std::unique_ptr<EtcdProcess> etcd(
@@ -190,8 +200,10 @@ Result<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, Deadline de
   auto cluster = std::make_unique<EtcdCluster>();
   std::vector<EtcdProcess::Member> specs;
   std::string initial;
+  std::set<int> taken;
   for (int i = 0; i < members; ++i) {
-    ORBITKV_ASSIGN_OR_RETURN(EtcdProcess::Member m, NewMember(fmt::format("orbitkv-test-{}", i)));
+    ORBITKV_ASSIGN_OR_RETURN(EtcdProcess::Member m,
+                             NewMember(fmt::format("orbitkv-test-{}", i), &taken));
     if (!initial.empty()) initial += ",";
     initial += fmt::format("{}={}", m.name, PeerUrl(m));
     specs.push_back(std::move(m));
