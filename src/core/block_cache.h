@@ -71,6 +71,9 @@ class BlockCache {
                 BlockPin* pin = nullptr) {
     return table_->Seal(writer, cause, pin);
   }
+  void SealAll(std::span<BlockWriter> writers, TransitionCause cause = TransitionCause::kAdmit) {
+    table_->SealAll(writers, cause);
+  }
 
   // Pins the longest DRAM-resident prefix of `keys` under a lease owned by `instance`, reserving
   // hits * padded_block_bytes of the query budget. A miss (hits == 0) takes no lease. Errors:

@@ -218,6 +218,8 @@ class BlockTable {
   // in between.
   uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit,
                 BlockPin* pin = nullptr);
+  // Seals every writer (as Seal, without pins), taking each table shard's lock once.
+  void SealAll(std::span<BlockWriter> writers, TransitionCause cause = TransitionCause::kAdmit);
 
   // Length of the longest prefix of `keys` with sealed DRAM residences. Counts as an access to each
   // examined key.
@@ -391,6 +393,8 @@ class BlockTable {
   BlockPin PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot, int64_t* newly_pinned)
       REQUIRES(shard.mu);
   BlockPin PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) REQUIRES(shard.mu);
+  // Seal's step under the shard's lock; returns the residence generation.
+  uint64_t SealLocked(Shard& shard, const BlockRef& ref, TransitionCause cause) REQUIRES(shard.mu);
   // Keeps the first `prefix` of the pins appended after `base` and releases the rest (no lock
   // held).
   void KeepPinnedPrefix(size_t base, size_t prefix, std::vector<BlockPin>* pins);

@@ -2,10 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
 #include <vector>
 
 #include "core/test_util.h"
@@ -100,6 +103,31 @@ TEST_F(BlockTableTest, PrefixLookupStopsAtTheFirstGap) {
   for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(testing::CheckStamp(pins[i].data(), kBlock, i));
   EXPECT_EQ(table_->LookupPrefix(std::span(keys).subspan(4)), 2u);
   EXPECT_EQ(table_->LookupPrefix(std::span(keys).subspan(3)), 0u);
+}
+
+TEST_F(BlockTableTest, SealAllPublishesEveryWriterAsSealWould) {
+  const auto keys = Chain(31, 8);
+  std::vector<BlockWriter> writers;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto writer = table_->Prepare(keys[i], kBlock);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    testing::Stamp(writer->data(), kBlock, 300 + i);
+    writers.push_back(std::move(*writer));
+  }
+  EXPECT_EQ(table_->LookupPrefix(keys), 0u);  // preparing blocks are invisible
+  table_->SealAll(writers);
+  EXPECT_EQ(table_->LookupPrefix(keys), keys.size());
+  std::vector<BlockPin> pins;
+  ASSERT_EQ(table_->PinPrefix(keys, &pins), keys.size());
+  std::set<uint64_t> generations;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_TRUE(testing::CheckStamp(pins[i].data(), kBlock, 300 + i));
+    EXPECT_NE(pins[i].sequence(), 0u);
+    generations.insert(pins[i].generation());
+  }
+  EXPECT_EQ(generations.size(), keys.size());  // each publication its own generation
+  BlockPin::ReleaseAll(&pins);
+  EXPECT_EQ(table_->Stats().resident_blocks, keys.size());
 }
 
 TEST_F(BlockTableTest, PinExactPinsOnlyTheAnnouncedVersionsAndSaysWhyItStopped) {

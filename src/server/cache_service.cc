@@ -262,11 +262,9 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
         CheckFault(owner, status);
         uint64_t written = 0;
         if (status.ok()) {
-          for (size_t i = 0; i < work->writers.size(); ++i) {
-            cache_->Seal(work->writers[i]);
-            if (!work->through_keys.empty()) ssd_->OnSealed(work->through_keys[i]);
-            ++written;
-          }
+          cache_->SealAll(work->writers);  // one lock per table shard for the whole save
+          for (const state::StateKey& key : work->through_keys) ssd_->OnSealed(key);
+          written = work->writers.size();
           saved_bytes_->Increment(bytes);
         }
         work->writers.clear();  // unsealed writers abort and free their memory
