@@ -194,5 +194,26 @@ TEST_F(CacheClientTest, QueryWaitReturnsLoadingAtItsTimeoutAndTheLateAnswerHarms
   }
 }
 
+// Many threads on one client at once: every call gets its own reply, whoever reads it off the ring
+// (one waiter sleeps on the doorbell, the others are handed their replies).
+TEST_F(CacheClientTest, ConcurrentCallersEachGetTheirOwnReply) {
+  manager_->loaded = true;
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        const size_t n = 1 + static_cast<size_t>((t * 7 + i) % 9);
+        Result<QueryResult> hit = Query(n);
+        if (!hit.ok() || hit->hits != n) ++wrong;
+        if (i % 50 == 0 && !client_->Ping().ok()) ++wrong;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(manager_->queries.load(), 800);
+}
+
 }  // namespace
 }  // namespace orbitkv::client
