@@ -91,10 +91,10 @@ int main(int argc, char** argv) {
     runtime.erase(std::remove(runtime.begin(), runtime.end(), '"'), runtime.end());
     fmt::print(
         "Manager on {}: up (runtime {}, incarnation {}), {} of {} pool in use, {} blocks resident, "
-        "{} leases, {} copies in flight\n",
+        "{} leases, {} copies in flight; membership {}\n",
         (*client)->socket_path(), runtime, f["incarnation"], Mib(f["pool_allocated_bytes"]),
         Mib(f["pool_capacity_bytes"]), f["resident_blocks"], f["leases_active"],
-        f["operations_active"]);
+        f["operations_active"], membership.empty() ? "unknown" : membership);
     return 0;
   }
   fmt::print("{:<24} {:>20}\n", "metric", "value");

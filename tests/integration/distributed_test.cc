@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <cstdio>
 #include <regex>
 #include <string>
 #include <thread>
@@ -37,6 +38,19 @@ std::string StringField(const std::string& stats, const std::string& name) {
   std::smatch match;
   const std::regex field("\"" + name + "\": \"([^\"]*)\"");
   return std::regex_search(stats, match, field) ? match[1].str() : std::string();
+}
+
+// What `orbitkv ARGS...` prints on stdout.
+std::string CliOutput(const std::vector<std::string>& args) {
+  std::string command = ORBITKV_CLI_BIN;
+  for (const std::string& arg : args) command += " '" + arg + "'";
+  std::string out;
+  if (std::FILE* pipe = popen(command.c_str(), "r"); pipe != nullptr) {
+    char buf[512];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), pipe)) > 0;) out.append(buf, n);
+    pclose(pipe);
+  }
+  return out;
 }
 
 // The runtime UUID in the member record etcd holds for `node`.
@@ -81,6 +95,10 @@ TEST(DistributedManagerTest, OneRuntimeIdentityEverywhereAndANewOneAfterARestart
               std::string::npos)
         << stats;
     EXPECT_EQ(RecordedRuntimeUuid((*etcd)->endpoint(), "node-r"), uuid);
+    // `orbitkv status` tells an operator the same.
+    const std::string status = CliOutput({"status", "--socket", manager.socket()});
+    EXPECT_NE(status.find("runtime " + uuid), std::string::npos) << status;
+    EXPECT_NE(status.find("membership registered"), std::string::npos) << status;
     const std::string metrics = testing::MetricsText(metrics_port);
     EXPECT_NE(metrics.find(fmt::format("orbitkv_runtime_info{{runtime_uuid=\"{}\"}} 1", uuid)),
               std::string::npos)
