@@ -403,19 +403,15 @@ Result<InboundReply> ClientSession::WaitReply(uint64_t request_id, Deadline dead
       if (reply->descriptor.request_id == request_id) return *reply;
       parked_.push_back(*reply);
     }
-    ORBITKV_ASSIGN_OR_RETURN(bool arrived, replies_.PrepareToWait());
-    if (arrived) {
-      if (!always_wake_) replies_.ClearWaiting();
-      continue;
-    }
+    ORBITKV_ASSIGN_OR_RETURN(bool arrived, ArmReplyDoorbell());
+    if (arrived) continue;
     pollfd fds[2] = {{to_engine_.fd().get(), POLLIN, 0}, {socket_.get(), POLLIN, 0}};
     const int rc = poll(fds, 2, deadline.RemainingPollMs());
-    if (!always_wake_) replies_.ClearWaiting();
-    if (rc < 0 && errno != EINTR) return ErrnoStatus("poll reply doorbell", errno);
-    if (rc > 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
-      ORBITKV_RETURN_IF_ERROR(SocketStatus());
-    }
-    if (rc > 0 && (fds[0].revents & POLLIN) != 0) to_engine_.Drain();
+    const int poll_errno = errno;
+    const Status disarmed =
+        DisarmReplyDoorbell(rc > 0 ? fds[0].revents : 0, rc > 0 ? fds[1].revents : 0);
+    if (rc < 0 && poll_errno != EINTR) return ErrnoStatus("poll reply doorbell", poll_errno);
+    ORBITKV_RETURN_IF_ERROR(disarmed);
     if (rc == 0 && deadline.Expired()) {
       return Status::DeadlineExceeded(
           fmt::format("no reply to request {} before the deadline", request_id));
