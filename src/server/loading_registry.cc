@@ -170,14 +170,6 @@ LoadingRegistry::OpMap::iterator LoadingRegistry::ForgetLocked(OpMap::iterator i
   return ops_.erase(it);
 }
 
-void LoadingRegistry::ForgetChainLocked(const LoadingChain& chain, Aftermath* after) {
-  auto found = by_chain_.find(chain);
-  if (found == by_chain_.end()) return;
-  if (auto it = ops_.find(found->second); it != ops_.end()) {
-    ForgetLocked(it, "taken by a query answered without Loading", after);
-  }
-}
-
 bool LoadingRegistry::Completed(const LoadingChain& chain) {
   MutexLock lock(&mu_);
   auto found = by_chain_.find(chain);
@@ -190,8 +182,11 @@ void LoadingRegistry::Forget(const LoadingChain& chain) {
   Aftermath after;
   {
     MutexLock lock(&mu_);
-    if (by_chain_.empty()) return;
-    ForgetChainLocked(chain, &after);
+    auto found = by_chain_.find(chain);
+    if (found == by_chain_.end()) return;
+    if (auto it = ops_.find(found->second); it != ops_.end()) {
+      ForgetLocked(it, "taken by a query answered without Loading", &after);
+    }
   }
   after.Run(this);
 }

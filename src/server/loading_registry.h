@@ -139,7 +139,6 @@ class LoadingRegistry {
   // Removes the op; held pins and waiters go to `after`. Returns the next entry.
   OpMap::iterator ForgetLocked(OpMap::iterator it, const char* why, Aftermath* after)
       REQUIRES(mu_);
-  void ForgetChainLocked(const LoadingChain& chain, Aftermath* after) REQUIRES(mu_);
   // Sweep must run by `when`.
   void DueByLocked(MonoTime when, Aftermath* after) REQUIRES(mu_);
 
