@@ -683,20 +683,6 @@ size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPi
   return prefix;
 }
 
-const char* ExactStopName(ExactStop stop) {
-  switch (stop) {
-    case ExactStop::kNone:
-      return "none";
-    case ExactStop::kAbsent:
-      return "absent (evicted or never held)";
-    case ExactStop::kNotDram:
-      return "not in DRAM";
-    case ExactStop::kReplaced:
-      return "replaced by another version";
-  }
-  return "unknown";
-}
-
 ExactPins BlockTable::PinExact(std::span<const StateKey> keys,
                                std::span<const uint64_t> generations,
                                std::span<const uint64_t> sequences, std::vector<BlockPin>* pins) {

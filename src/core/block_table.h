@@ -123,7 +123,6 @@ enum class ExactStop : uint8_t {
   kNotDram = 2,    // resident, but not in DRAM (on SSD only)
   kReplaced = 3,   // in DRAM with another version (generation or sequence) than asked for
 };
-const char* ExactStopName(ExactStop stop);
 
 struct ExactPins {
   size_t pinned = 0;  // the prefix pinned (one pin per key appended to the caller's vector)
