@@ -181,6 +181,8 @@ def test_fp8_pools_need_the_real_dtype(manager):
 def test_bad_configuration_is_a_clear_error(manager):
     with pytest.raises(ValueError, match="timeout_ms"):
         OrbitKVStorage(config(manager.socket, timeout_ms="soon"), {})
+    with pytest.raises(ValueError, match="'reconnect_interval_s' must be a number >= 0"):
+        OrbitKVStorage(config(manager.socket, reconnect_interval_s=-1), {})
     with pytest.raises(RuntimeError, match="no Manager answers"):
         OrbitKVStorage(config(manager.socket + ".nobody"), {})
 

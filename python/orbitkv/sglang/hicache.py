@@ -86,11 +86,19 @@ _KV = "kv"
 _STAGING = "kv-staging"
 
 
-def _int_option(extra: dict, key: str, default: int, minimum: int) -> int:
+def _bounded_option(extra: dict, key: str, default, minimum, kinds: tuple, what: str):
     value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"OrbitKV: extra-config key {key!r} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+        raise ValueError(f"OrbitKV: extra-config key {key!r} must be {what} >= {minimum}, got {value!r}")
     return value
+
+
+def _int_option(extra: dict, key: str, default: int, minimum: int) -> int:
+    return _bounded_option(extra, key, default, minimum, (int,), "an integer")
+
+
+def _number_option(extra: dict, key: str, default: float, minimum: float) -> float:
+    return float(_bounded_option(extra, key, default, minimum, (int, float), "a number"))
 
 
 def _str_option(extra: dict, key: str, default: Optional[str]) -> Optional[str]:
@@ -122,10 +130,7 @@ class OrbitKVStorage(HiCacheStorage):
         self.kv_cache_dtype = _str_option(extra, "kv_cache_dtype", None)
         timeout_ms = _int_option(extra, "timeout_ms", 10000, 1)
         loading_wait_ms = _int_option(extra, "loading_wait_ms", 100, 0)
-        reconnect_s = extra.get("reconnect_interval_s", 1.0)
-        if isinstance(reconnect_s, bool) or not isinstance(reconnect_s, (int, float)) or reconnect_s < 0:
-            raise ValueError(f"OrbitKV: extra-config key 'reconnect_interval_s' must be a number >= 0, got "
-                             f"{reconnect_s!r}")
+        reconnect_s = _number_option(extra, "reconnect_interval_s", 1.0, 0)
         self._staging_pages = _int_option(extra, "legacy_staging_pages", 8, 1)
         # Only the zero-copy calls carry positions (prefix_keys); the generic ones never do, so without
         # interface_v1 every page is keyed on its own (see orbitkv/sglang/_session.py).
@@ -141,7 +146,7 @@ class OrbitKVStorage(HiCacheStorage):
         self._memo = PositionMemo()
         self._calls = threading.local()
         self._link = ManagerLink(_str_option(extra, "socket_path", None) or env_socket(), timeout_ms=timeout_ms,
-                                 loading_wait_s=loading_wait_ms / 1000.0, reconnect_interval_s=float(reconnect_s),
+                                 loading_wait_s=loading_wait_ms / 1000.0, reconnect_interval_s=reconnect_s,
                                  counters=self.counters_, log=self._log)
         self._anchor = False  # a KV pool without a buffer (DeepSeek-V4 logical anchor): v2 pools carry the data
         self._kv: Optional[PoolGeometry] = None
