@@ -3,6 +3,8 @@
 #ifndef ORBITKV_BASE_MUTEX_H_
 #define ORBITKV_BASE_MUTEX_H_
 
+#include <sched.h>
+
 #include <mutex>
 
 #include "base/thread_annotations.h"
@@ -36,6 +38,15 @@ class SCOPED_CAPABILITY MutexLock {
  private:
   Mutex* const mu_;
 };
+
+// One iteration of a spin-wait: a pause that is polite to the sibling hyperthread and, every 256th,
+// a yield (on an oversubscribed machine the thread being waited for may need this very core).
+inline void SpinPause(int iteration) {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+  if ((iteration & 255) == 255) sched_yield();
+}
 
 }  // namespace orbitkv
 

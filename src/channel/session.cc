@@ -1,7 +1,6 @@
 #include "channel/session.h"
 
 #include <poll.h>
-#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -392,12 +391,7 @@ Result<InboundReply> ClientSession::WaitReply(uint64_t request_id, Deadline dead
     for (int spin = 0; spin <= spin_iterations; ++spin) {
       ORBITKV_ASSIGN_OR_RETURN(std::optional<InboundReply> reply, PollReply());
       if (!reply.has_value()) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();  // be polite to the sibling hyperthread while spinning
-#endif
-        // On an oversubscribed machine the Manager may need this very core: let it run now and
-        // then.
-        if ((spin & 255) == 255) sched_yield();
+        SpinPause(spin);
         continue;
       }
       if (reply->descriptor.request_id == request_id) return *reply;

@@ -1,7 +1,6 @@
 #include "client/cache_client.h"
 
 #include <poll.h>
-#include <sched.h>
 #include <sys/prctl.h>
 
 #include <algorithm>
@@ -79,11 +78,7 @@ Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
     if (spin < spin_iterations) {
       // Spin without the session: another thread's request goes out meanwhile.
       control_mu_.Unlock();
-#if defined(__x86_64__)
-      __builtin_ia32_pause();  // be polite to the sibling hyperthread while spinning
-#endif
-      // On an oversubscribed machine the Manager may need this very core: let it run now and then.
-      if ((spin & 255) == 255) sched_yield();
+      SpinPause(spin);
       control_mu_.Lock();
       continue;
     }
