@@ -3,11 +3,30 @@
 import os
 import pathlib
 import sys
+import tempfile
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
+
+# The harnesses "download" models into a Hugging Face hub cache as vLLM does; the connector caches weight
+# digests under XDG_CACHE_HOME. Both live in a private directory, never the user's own caches.
+_CACHES = tempfile.mkdtemp(prefix="orbitkv-test-caches-")
+os.environ["HF_HUB_CACHE"] = os.path.join(_CACHES, "hub")
+os.environ["XDG_CACHE_HOME"] = os.path.join(_CACHES, "xdg")
+os.environ.pop("HF_HOME", None)
+
+
+@pytest.fixture(autouse=True)
+def _vllm_scheduler_detection():
+    """Each test starts with the connector's own detection of the vLLM scheduler (a harness may override it)."""
+    yield
+    try:
+        from orbitkv.vllm import _compat
+    except ImportError:
+        return
+    _compat.set_scheduler_recovers_hybrid(None)
 
 
 @pytest.fixture(scope="session")

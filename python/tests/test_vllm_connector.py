@@ -113,6 +113,7 @@ def test_configuration_errors_are_clear(manager, tmp_path):
 
     class R:
         request_id, num_tokens, block_hashes = "r", 64, [bytes([i]) * 32 for i in range(4)]
+        all_token_ids = list(range(64))
 
     assert lenient.get_num_new_matched_tokens(R(), 0) == (0, False)
 
@@ -122,11 +123,14 @@ def test_namespace_binds_every_identity_field(manager):
     base = OrbitKVConfig.from_vllm(vllm_config(manager.socket), kv_config)
     ns = base.namespace(0, 1, 0, 1)
     assert base.namespace(0, 2, 0, 1) != ns and base.namespace(1, 2, 0, 1) != base.namespace(0, 2, 0, 1)
-    for change in (dict(model="other/model"), dict(hash_algo="sha256_cbor"), dict(block_size=32),
+    for change in (dict(model="other/model"), dict(revision="v2"), dict(block_size=32),
                    dict(dtype=torch.float16), dict(extra={"orbitkv.cache_scope": "tenant-a"})):
         other_kv = SyntheticModel(2, block_size=change.get("block_size", 16)).kv_cache_config(16)
         other = OrbitKVConfig.from_vllm(vllm_config(manager.socket, **change), other_kv)
         assert other.namespace(0, 1, 0, 1) != ns, change
+    # Keys are OrbitKV's own chain over the token ids: vLLM's hash algorithm does not change what they name.
+    cbor = OrbitKVConfig.from_vllm(vllm_config(manager.socket, hash_algo="sha256_cbor"), kv_config)
+    assert cbor.namespace(0, 1, 0, 1) == ns
     hybrid = OrbitKVConfig.from_vllm(vllm_config(manager.socket),
                                      SyntheticModel(2, windows=[32, None]).kv_cache_config(16))
     assert hybrid.namespace(0, 1, 0, 1) != ns

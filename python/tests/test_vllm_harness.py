@@ -11,7 +11,7 @@ import orbitkv
 from vllm_harness.engine import Engine, vllm_config
 from vllm_harness.manager import ManagerProcess
 from vllm_harness.models import SyntheticModel
-from vllm_harness.request import RequestStatus
+from vllm_harness.request import Request, RequestStatus, SamplingParams
 
 BS = 16
 
@@ -32,9 +32,14 @@ def prompts(n, prefix_tokens, suffix_tokens, seed=0, vocab=900):
 MEMORY = pytest.mark.parametrize("memory", ["shm", "ordinary"])
 
 
-def engine_for(socket, *, model=None, num_blocks=128, tp=1, memory="shm", **config):
+def engine_for(socket, *, model=None, num_blocks=128, tp=1, memory="shm", recovery=None, **config):
     model = model or (lambda rank: SyntheticModel(4, tp_rank=rank, memory=memory))
-    return Engine(vllm_config(socket, tp=tp, **config), model, num_blocks)
+    return Engine(vllm_config(socket, tp=tp, **config), model, num_blocks, recovery=recovery)
+
+
+def key_of(engine, req_id, index):
+    """OrbitKV's key of a request's block (what the workers ask the Manager for)."""
+    return engine.connector._scheduler._keys.keys(engine.scheduler.requests[req_id])[index]
 
 
 def run(engine, batch, max_tokens=4):
@@ -60,10 +65,19 @@ def assert_nothing_held(engine, manager):
 def test_second_engine_loads_the_prefix_asynchronously_in_vllm_call_order(manager, memory):
     batch = prompts(1, 64, 16)
     baseline = run(engine_for(None, prefix_caching=False, memory=memory), batch)
-    first = engine_for(manager.socket, memory=memory)
+    first = engine_for(manager.socket, memory=memory, kv_events=True)
     assert run(first, batch) == baseline
+    # Every saved block is announced as vLLM's KV events announce it: vLLM's own hash (as an int, vLLM's default
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), its parent, its tokens, its group.
     saved = [e for e in first.scheduler.events]
-    assert saved and all(len(h) == 32 for e in saved for h in e.block_hashes)
+    assert len(saved) == 80 // BS
+    request = Request("again", batch[0], SamplingParams(), first.hasher)  # the same tokens: vLLM's hashes
+    as_int = lambda h: int.from_bytes(h, "big") & (2 ** 64 - 1)  # noqa: E731
+    assert [e.block_hashes for e in saved] == [[as_int(h)] for h in request.block_hashes[:5]]
+    assert [e.parent_block_hash for e in saved] == [None] + [as_int(h) for h in request.block_hashes[:4]]
+    assert [e.token_ids for e in saved] == [batch[0][i * BS:(i + 1) * BS] for i in range(5)]
+    assert all(e.block_size == BS and e.group_idx == 0 and e.medium == "CPU" and e.lora_name is None
+               for e in saved)
     first.shutdown()
 
     second = engine_for(manager.socket, memory=memory)
@@ -260,7 +274,7 @@ def test_tensor_parallel_workers_restore_their_own_rank_and_a_failing_rank_recom
     assert run(first, batch) == baseline
     first.shutdown()
 
-    engine = engine_for(manager.socket, tp=2, memory=memory)
+    engine = engine_for(manager.socket, tp=2, memory=memory, policy="recompute")
     namespaces = {w.connector._worker.namespace for w in engine.workers}
     assert len(namespaces) == 2
     # Rank 1's Manager answers lose the last block of r1's prefix (block 4, r1's own): its worker must report it
@@ -270,7 +284,7 @@ def test_tensor_parallel_workers_restore_their_own_rank_and_a_failing_rank_recom
     real = client.query_hashes
 
     def short(instance, hashes, **kw):
-        if hashes and hashes[-1] == engine.scheduler.requests["r1"].block_hashes[4]:
+        if hashes and hashes[-1] == key_of(engine, "r1", 4):
             hashes = hashes[:-1]
         return real(instance, hashes, **kw)
 
@@ -291,11 +305,11 @@ def test_tensor_parallel_workers_restore_their_own_rank_and_a_failing_rank_recom
 def test_sliding_window_group_restores_only_the_window(manager):
     hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank)  # noqa: E731
     batch = prompts(2, 112, 16, seed=9)
-    baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch)
-    first = engine_for(manager.socket, model=hybrid)
+    baseline = run(engine_for(None, model=hybrid, recovery="hybrid_full", prefix_caching=False), batch)
+    first = engine_for(manager.socket, model=hybrid, recovery="hybrid_full")
     assert run(first, batch) == baseline
     first.shutdown()
-    engine = engine_for(manager.socket, model=hybrid, prefix_caching=False)
+    engine = engine_for(manager.socket, model=hybrid, recovery="hybrid_full", prefix_caching=False)
     assert run(engine, batch) == baseline
     assert bad_reads(engine) == 0
     # Per request: boundary (128 - 1) // 16 = 7 blocks; the full group loads 7, the window group only the blocks
@@ -312,25 +326,14 @@ def test_sliding_window_group_restores_only_the_window(manager):
 def test_manager_killed_during_a_restore_recomputes_then_reconnects(manager, monkeypatch, memory):
     hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank, memory=memory)  # noqa: E731
     batch = prompts(1, 96, 20, seed=11)
-    baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch)
-    first = engine_for(manager.socket, model=hybrid)
+    baseline = run(engine_for(None, model=hybrid, recovery="hybrid_full", prefix_caching=False), batch)
+    first = engine_for(manager.socket, model=hybrid, recovery="hybrid_full")
     run(first, batch)
     first.shutdown()
 
-    engine = engine_for(manager.socket, model=hybrid, prefix_caching=False,
-                        extra={"orbitkv.reconnect_interval_s": 0.05})
-    worker = engine.workers[0].connector._worker
-    client = worker.link.client()
-    real = client.start_restore
-    calls = []
-
-    def restore_then_die(instance, lease, pages, group=0):
-        calls.append(group)
-        if len(calls) == 2:  # group 0's pages are restored; the Manager dies before group 1's
-            manager.kill()
-        return real(instance, lease, pages, group=group)
-
-    monkeypatch.setattr(client, "start_restore", restore_then_die)
+    engine = engine_for(manager.socket, model=hybrid, recovery="hybrid_full", prefix_caching=False,
+                        policy="recompute", extra={"orbitkv.reconnect_interval_s": 0.05})
+    calls = _kill_during_first_restore(engine, manager, monkeypatch)
     assert run(engine, batch) == baseline
     assert bad_reads(engine) == 0
     assert calls == [0, 1]
@@ -361,11 +364,11 @@ def test_a_window_the_manager_lacks_lowers_the_boundary_or_drops_the_hit(manager
     long_prompt = [rng.randrange(900) for _ in range(128)]
     short_prompt = [rng.randrange(900) for _ in range(40)]
     batch = [long_prompt, short_prompt]
-    baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch)
-    first = engine_for(manager.socket, model=hybrid)
+    baseline = run(engine_for(None, model=hybrid, recovery="hybrid_full", prefix_caching=False), batch)
+    first = engine_for(manager.socket, model=hybrid, recovery="hybrid_full")
     run(first, batch)
     first.shutdown()
-    engine = engine_for(manager.socket, model=hybrid, prefix_caching=False)
+    engine = engine_for(manager.socket, model=hybrid, recovery="hybrid_full", prefix_caching=False)
     client = engine.connector._scheduler.link.client()
     real = client.query_hashes
 
@@ -381,4 +384,74 @@ def test_a_window_the_manager_lacks_lowers_the_boundary_or_drops_the_hit(manager
     # r1: its window reaches back to token 0: the boundary drops to the one block both groups have.
     assert plans == {"r1": [(0, 0, 1), (1, 0, 1)]}
     assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+def _kill_during_first_restore(engine, manager, monkeypatch):
+    client = engine.workers[0].connector._worker.link.client()
+    real = client.start_restore
+    calls = []
+
+    def restore_then_die(instance, lease, pages, group=0):
+        calls.append(group)
+        if len(calls) == 2:  # group 0's pages are restored; the Manager dies before group 1's
+            manager.kill()
+        return real(instance, lease, pages, group=group)
+
+    monkeypatch.setattr(client, "start_restore", restore_then_die)
+    return calls
+
+
+def test_a_failed_load_on_a_hybrid_model_never_kills_a_single_group_scheduler(manager, monkeypatch, caplog):
+    """vLLM up to 0.27 unpacks one group's block ids when a load fails: on a hybrid model that is a ValueError in
+    EngineCore. The harness reproduces it; the connector keeps loads off for hybrids on such a scheduler."""
+    hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank)  # noqa: E731
+    batch = prompts(1, 96, 20, seed=11)
+    baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch)
+    run(engine_for(manager.socket, model=hybrid, recovery="hybrid_full"), batch)
+
+    # What the connector used to do: loads on (it believed the scheduler recovers), and the first failed load
+    # kills the engine.
+    unsafe = engine_for(manager.socket, model=hybrid, prefix_caching=False, recovery="hybrid_full",
+                        policy="recompute", extra={"orbitkv.reconnect_interval_s": 0.05})
+    unsafe.scheduler.recovery = "single_group"
+    _kill_during_first_restore(unsafe, manager, monkeypatch)
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        run(unsafe, batch)
+    unsafe.shutdown()
+    manager.start()
+    run(engine_for(manager.socket, model=hybrid, recovery="hybrid_full"), batch)
+
+    from orbitkv.vllm import config as connector_config
+
+    connector_config._warned.discard("hybrid")  # warned once per process: this test wants to see it
+    caplog.set_level("WARNING", "orbitkv.vllm")
+    engine = engine_for(manager.socket, model=hybrid, prefix_caching=False, recovery="single_group",
+                        policy="recompute")
+    assert "loads are off for this model" in caplog.text and "PR #50388" in caplog.text
+    calls = _kill_during_first_restore(engine, manager, monkeypatch)
+    assert run(engine, batch) == baseline  # served, by recompute
+    assert calls == [] and not engine.worker_stats.data.get("restored_blocks")
+    assert not [p for out, _ in engine.outputs_log for p in out.kv_connector_metadata.loads]
+    engine.shutdown()
+
+
+def test_a_failed_load_with_vllms_default_policy_fails_only_that_request(manager, monkeypatch):
+    """kv_load_failure_policy="fail" (vLLM's default) on a scheduler that recovers hybrids: the request whose load
+    failed finishes with an error; the engine keeps serving the others."""
+    hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank)  # noqa: E731
+    batch = prompts(1, 96, 20, seed=11)
+    other = prompts(1, 40, 8, seed=21)
+    baseline = run(engine_for(None, model=hybrid, prefix_caching=False), batch + other)
+    run(engine_for(manager.socket, model=hybrid, recovery="hybrid_full"), batch)
+    engine = engine_for(manager.socket, model=hybrid, prefix_caching=False, recovery="hybrid_full",
+                        extra={"orbitkv.reconnect_interval_s": 0.05})
+    calls = _kill_during_first_restore(engine, manager, monkeypatch)
+    engine.add_request("r0", batch[0], 4)
+    engine.add_request("r1", other[0], 4)
+    results = engine.run()
+    assert calls == [0, 1]
+    assert results["r0"].reason == "error" and results["r0"].tokens == []
+    assert results["r1"].tokens == baseline["r1"] and results["r1"].reason == "length"
+    assert bad_reads(engine) == 0
     engine.shutdown()

@@ -54,12 +54,15 @@ def prompt_set(vocab, seed=0):
     return out
 
 
-def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engine=None, memory="shm"):
+def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engine=None, memory="shm",
+        policy="fail", recovery="hybrid_full"):
+    """One harness engine over the reference model; by default a vLLM whose scheduler recovers from load errors on
+    hybrid models (PR #50388), with vLLM's default kv_load_failure_policy."""
     model = (CudaRefEngineModel if memory == "cuda" else RefEngineModel)(config, memory=memory)
     engine = Engine(vllm_config(socket, model=config.fingerprint(), dtype=config.torch_dtype, budget=4096,
-                                threshold=CHUNK, prefix_caching=prefix_caching,
+                                threshold=CHUNK, prefix_caching=prefix_caching, policy=policy,
                                 extra={"orbitkv.reconnect_interval_s": 0.05}),
-                    lambda rank: model, num_blocks=96)
+                    lambda rank: model, num_blocks=96, recovery=recovery)
     if on_engine is not None:
         on_engine(engine)
     for i, p in enumerate(prompts):
@@ -137,7 +140,7 @@ def test_manager_killed_mid_restore_recomputes_bit_identically(manager, monkeypa
 
         monkeypatch.setattr(client, "start_restore", restore)
 
-    engine, results = run(config, manager.socket, prompts, on_engine=arm, memory=memory)
+    engine, results = run(config, manager.socket, prompts, on_engine=arm, memory=memory, policy="recompute")
     assert_identical(results, baseline)
     assert calls[:4] == [0, 1, 0, 1]
     assert engine.worker_stats.data["failed_loads"] >= 1

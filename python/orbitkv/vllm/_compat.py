@@ -10,6 +10,7 @@ stand-ins reproduce only the parts of vLLM's contract the connector relies on; `
 from __future__ import annotations
 
 import enum
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -54,6 +55,10 @@ if HAVE_VLLM:  # pragma: no cover
         from vllm.distributed.kv_events import BlockStored  # type: ignore
     except ImportError:
         BlockStored = None  # type: ignore[assignment,misc]
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as _convert_block_hash  # type: ignore
+    except ImportError:
+        _convert_block_hash = None
 else:
 
     class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
@@ -136,6 +141,7 @@ else:
 
     KVConnectorStats = None  # type: ignore[assignment,misc]
     BlockStored = None  # type: ignore[assignment,misc]
+    _convert_block_hash = None
 
 
 if KVConnectorStats is None:
@@ -163,14 +169,20 @@ if BlockStored is None:
 
     @dataclass
     class BlockStored:  # type: ignore[no-redef]
-        """A KV event: these blocks were stored (vLLM publishes them to KV-aware routers)."""
+        """A KV event: these blocks were stored (vLLM publishes them to KV-aware routers). The fields of
+        ``vllm/distributed/kv_events.py``: the first seven have no defaults there either."""
 
         block_hashes: list
-        parent_block_hash: Optional[bytes]
+        parent_block_hash: Optional[Any]
         token_ids: list
         block_size: int
-        lora_id: Optional[int] = None
-        medium: Optional[str] = None
+        lora_id: Optional[int]
+        medium: Optional[str]
+        lora_name: Optional[str]
+        extra_keys: Optional[list] = None
+        group_idx: Optional[int] = None
+        kv_cache_spec_kind: Optional[str] = None
+        kv_cache_spec_sliding_window: Optional[int] = None
 
 
 def parallel_ranks(vllm_config) -> tuple[int, int, int, int]:
@@ -196,10 +208,91 @@ def parallel_ranks(vllm_config) -> tuple[int, int, int, int]:
     return rank % tp_size, tp_size, (rank // tp_size) % pp_size, pp_size
 
 
-def make_block_stored(block_hashes: list, block_size: int, medium: str) -> Any:
-    """A BlockStored event, or None when this vLLM's BlockStored takes fields we cannot fill."""
+def convert_block_hash(block_hash: bytes) -> Any:
+    """A block hash as vLLM's KV events carry it (``maybe_convert_block_hash``): the low 64 bits of its big-endian
+    value unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is 0, then the bytes."""
+    if _convert_block_hash is not None:  # pragma: no cover - vLLM installed
+        return _convert_block_hash(block_hash)
+    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip().lower() in ("0", "false", "no", "off"):
+        return bytes(block_hash)
+    return int.from_bytes(bytes(block_hash), "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _event_fields(cls) -> Optional[set]:
+    fields = getattr(cls, "__struct_fields__", None)  # msgspec.Struct (vLLM)
+    if fields is None:
+        fields = getattr(cls, "__dataclass_fields__", None)
+    return None if fields is None else set(fields)
+
+
+_warned_events = False
+
+
+def make_block_stored(block_hashes: list, parent: Any, token_ids: list, block_size: int, lora_request, *, group,
+                      medium: str) -> Any:
+    """A BlockStored event as the in-tree connectors build them, with only the fields this vLLM's struct has
+    (always by keyword: the field order moves between versions); None, with one warning, when it cannot be
+    built."""
+    global _warned_events
+    values = dict(block_hashes=block_hashes, parent_block_hash=parent, token_ids=token_ids, block_size=block_size,
+                  lora_id=getattr(lora_request, "lora_int_id", None) if lora_request is not None else None,
+                  medium=medium,
+                  lora_name=getattr(lora_request, "lora_name", None) if lora_request is not None else None,
+                  group_idx=group.group,
+                  kv_cache_spec_kind="sliding_window" if group.kind == "window" else "full_attention",
+                  kv_cache_spec_sliding_window=group.window or None)
+    known = _event_fields(BlockStored)
+    if known is not None:
+        values = {k: v for k, v in values.items() if k in known}
     try:
-        return BlockStored(block_hashes=block_hashes, parent_block_hash=None, token_ids=[], block_size=block_size,
-                           lora_id=None, medium=medium)
-    except TypeError:  # pragma: no cover - a vLLM with a different event shape
+        return BlockStored(**values)
+    except TypeError as error:  # pragma: no cover - a vLLM with a different event shape
+        if not _warned_events:
+            _warned_events = True
+            import logging
+
+            logging.getLogger("orbitkv.vllm").warning("orbitkv: this vLLM's BlockStored cannot be built (%s); KV "
+                                                      "events are not published", error)
         return None
+
+
+# ---- how the running vLLM recovers from load errors -----------------------------------------------------------
+
+_hybrid_recovery: Optional[bool] = None
+
+
+def set_scheduler_recovers_hybrid(value: Optional[bool]) -> None:
+    """Overrides the detection below (the test harnesses say which vLLM scheduler they model; None re-detects)."""
+    global _hybrid_recovery
+    _hybrid_recovery = value
+
+
+def scheduler_recovers_hybrid() -> bool:
+    """Whether this vLLM's scheduler survives load errors reported for a model with several KV-cache groups.
+
+    vLLM up to 0.27 (and main at 6adad087) unpacks exactly one group's block ids for every request it scans
+    (``(req_block_ids,) = self.kv_cache_manager.get_block_ids(req_id)`` in ``_update_requests_with_invalid_blocks``),
+    so any reported block on a hybrid model raises ValueError and EngineCore exits; PR #50388 made such requests
+    recompute in full. The answer is read from the scheduler's own source; where that cannot be read, the safe
+    answer is no.
+    """
+    global _hybrid_recovery
+    if _hybrid_recovery is not None:
+        return _hybrid_recovery
+    _hybrid_recovery = False
+    if HAVE_VLLM:  # pragma: no cover - vLLM installed
+        import inspect
+
+        try:
+            from vllm.v1.core.sched import scheduler as sched  # type: ignore
+
+            source = ""
+            for owner in [sched.Scheduler, *sched.Scheduler.__mro__]:
+                fn = owner.__dict__.get("_update_requests_with_invalid_blocks")
+                if fn is not None:
+                    source = inspect.getsource(fn)
+                    break
+            _hybrid_recovery = bool(source) and "(req_block_ids,)=" not in source.replace(" ", "")
+        except Exception:
+            _hybrid_recovery = False
+    return _hybrid_recovery

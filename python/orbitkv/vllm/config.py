@@ -8,12 +8,18 @@ against it in ``register_kv_caches``. docs/vllm.md documents every key.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import orbitkv
 from orbitkv.link import canonical_options
+from orbitkv.vllm._compat import scheduler_recovers_hybrid
+from orbitkv.vllm.identity import WeightsIdentity, hub_cache_dirs, resolve_weights, tokenizer_identity
+from orbitkv.vllm.keys import KEY_SCHEME
+
+log = logging.getLogger("orbitkv.vllm")
 
 PREFIX = "orbitkv."
 
@@ -63,6 +69,7 @@ class GroupInfo:
     window: int  # tokens; 0 for prefix groups
     layer_names: tuple
     page_bytes: int  # one block of one layer on one rank (vLLM's spec.page_size_bytes)
+    block_size: int = 0  # tokens per block of this group (spec.block_size)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -90,13 +97,52 @@ def kv_groups(kv_cache_config) -> list[GroupInfo]:
                 f"OrbitKVConnector: KV group {index} is {name}; only full, MLA and sliding-window attention groups "
                 "can be restored (disable the connector for this model)")
         kind, window = ("window", int(window)) if window else ("prefix", 0)
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        if per_layer:  # UniformTypeKVCacheSpecs (worker configs only): the scheduler sees its first layer's spec
+            spec = per_layer[spec_group.layer_names[0]] if spec_group.layer_names[0] in per_layer else \
+                next(iter(per_layer.values()))
         page_bytes = int(getattr(spec, "page_size_padded", None) or spec.page_size_bytes)
-        groups.append(GroupInfo(index, kind, window, tuple(spec_group.layer_names), page_bytes))
+        groups.append(GroupInfo(index, kind, window, tuple(spec_group.layer_names), page_bytes,
+                                int(getattr(spec, "block_size", 0) or 0)))
     if not groups:
         raise ValueError("OrbitKVConnector: the KV cache config has no groups")
+    sizes = sorted({g.block_size for g in groups if g.block_size})
+    if len(sizes) > 1:
+        raise NotImplementedError(
+            f"OrbitKVConnector: the KV cache groups have different block sizes {sizes}; a key names one block of "
+            "every group, so all groups must share one block size (disable the connector for this model)")
     if not any(g.kind == "prefix" for g in groups):
         raise NotImplementedError("OrbitKVConnector: a model with only sliding-window layers is not supported")
     return groups
+
+
+_warned: set = set()
+
+
+def _warn_once(what: str, message: str, *args) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning(message, *args)
+
+
+def _weights_identity(vllm_config, model_id: Optional[str], revision: Optional[str]) -> WeightsIdentity:
+    """The weights' identity: explicit keys override, else what vLLM loaded (orbitkv.vllm.identity)."""
+    model = vllm_config.model_config
+    name = str(model.model)
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    if model_id and revision:
+        return WeightsIdentity(model_id, revision, "kv_connector_extra_config")
+    found = resolve_weights(name, getattr(model, "revision", None), download_dir)
+    if revision:
+        return WeightsIdentity(model_id or (found.model_id if found else name), revision,
+                               "kv_connector_extra_config")
+    if found is None:
+        raise ValueError(
+            f"OrbitKVConnector cannot tell which weights {name!r} are: it is neither a local path nor found in "
+            f"the Hugging Face cache ({', '.join(hub_cache_dirs(download_dir))}). Set "
+            f"kv_connector_extra_config['{PREFIX}weights_revision'] to the weights' commit or checksum (the "
+            "model name alone would let different weights share KV)")
+    return WeightsIdentity(model_id or found.model_id, found.revision, found.source)
 
 
 @dataclass
@@ -116,9 +162,11 @@ class OrbitKVConfig:
     min_load_blocks: int
     block_size: int
     hash_algo: str
+    hash_block_size: int
     groups: list
     # namespace identity (derive_namespace arguments, minus the rank)
     identity: dict
+    weights: Optional[WeightsIdentity] = None
 
     @classmethod
     def from_vllm(cls, vllm_config, kv_cache_config) -> "OrbitKVConfig":
@@ -150,20 +198,31 @@ class OrbitKVConfig:
             raise ValueError(f"kv_connector_extra_config['{PREFIX}min_load_blocks'] must be >= 1")
 
         cache = vllm_config.cache_config
-        block_size = int(cache.block_size)
+        groups = kv_groups(kv_cache_config)
+        block_size = next((g.block_size for g in groups if g.block_size), 0) or int(cache.block_size)
         dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
         if dcp != 1:
             raise NotImplementedError("OrbitKVConnector: decode context parallelism is not supported yet")
         hash_algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256") or "sha256")
-        groups = kv_groups(kv_cache_config)
+        # vLLM hashes blocks of hash_block_size tokens (resolve_kv_cache_block_sizes): the group block size with one
+        # group, prefix_match_unit (else the gcd of the group sizes, here the one size) with several.
+        hash_block_size = block_size
+        if len(groups) > 1:
+            hash_block_size = int(getattr(cache, "prefix_match_unit", None) or getattr(cache, "hash_block_size", None)
+                                  or block_size)
+        if hash_block_size <= 0 or block_size % hash_block_size:
+            raise NotImplementedError(f"OrbitKVConnector: vLLM's hash block size {hash_block_size} does not divide "
+                                      f"the KV block size {block_size}")
 
         model = vllm_config.model_config
         cache_dtype = getattr(cache, "cache_dtype", "auto") or "auto"
         dtype = _dtype_name(model.dtype if cache_dtype == "auto" else cache_dtype)
-        model_id = get("model_id") or str(model.model)
-        revision = get("weights_revision") or str(getattr(model, "revision", None) or "")
-        tokenizer = get("tokenizer") or "{}@{}".format(getattr(model, "tokenizer", None) or model_id,
-                                                       getattr(model, "tokenizer_revision", None) or revision)
+        weights = _weights_identity(vllm_config, get("model_id"), get("weights_revision"))
+        model_id, revision = weights.model_id, weights.revision
+        download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+        tokenizer = get("tokenizer") or tokenizer_identity(
+            getattr(model, "tokenizer", None), getattr(model, "tokenizer_revision", None), str(model.model), weights,
+            download_dir)
         scope = get("cache_scope") or os.environ.get("ORBITKV_CACHE_SCOPE", "")
         fingerprint = get("model_fingerprint") or os.environ.get("ORBITKV_MODEL_FINGERPRINT", "")
         model_digest = b""
@@ -176,10 +235,12 @@ class OrbitKVConfig:
                 raise ValueError(f"{PREFIX}model_fingerprint must be 64 hex digits (a SHA-256), got {fingerprint!r}")
         # The block hash algorithm and the group structure decide which bytes a key names: both are part of the
         # stored representation, so they go into the namespace.
+        # Keys are OrbitKV's own chain over token ids (orbitkv.vllm.keys), not vLLM's block hashes, whose root is
+        # random per process unless PYTHONHASHSEED is set: the algorithm of vLLM's hashes is not part of it.
         layout = os.environ.get("VLLM_KV_CACHE_LAYOUT", "NHD")
         group_text = ";".join(f"{g.group}:{g.kind}:{g.window}:{len(g.layer_names)}x{g.page_bytes}" for g in groups)
-        detail = f"vllm-blocks;layout={layout};hash={hash_algo};groups={group_text}"
-        implementation = hashlib.sha256(f"orbitkv.vllm.v1;hash={hash_algo}".encode()).digest()
+        detail = f"vllm-blocks;layout={layout};keys={KEY_SCHEME};groups={group_text}"
+        implementation = hashlib.sha256(f"orbitkv.vllm.v2;keys={KEY_SCHEME}".encode()).digest()
         identity = dict(model_id=model_id, weights_revision=revision, tokenizer=tokenizer, engine_kind="vllm",
                         cache_scope=scope, model_digest=model_digest, implementation_digest=implementation,
                         dtype=dtype, layout="layer_first", layout_detail=detail, page_size_tokens=block_size)
@@ -197,13 +258,28 @@ class OrbitKVConfig:
         else:
             base = instance << 16
         socket_path = get("socket_path") or os.environ.get("ORBITKV_SOCKET") or None
+        log.info("orbitkv: weights %s, tokenizer %s", weights, tokenizer)
+        load_enabled = mode != "save_only"
+        if load_enabled and len(groups) > 1 and not scheduler_recovers_hybrid():
+            _warn_once("hybrid", "orbitkv: loads are off for this model: it has %d KV-cache groups and this vLLM's "
+                       "scheduler cannot recover from a failed load on such a model (it unpacks one group and "
+                       "EngineCore exits; fixed by vLLM PR #50388). Saves continue; upgrade vLLM to load.",
+                       len(groups))
+            load_enabled = False
+        policy = getattr(transfer, "kv_load_failure_policy", None) or "fail"
+        if load_enabled and policy == "fail":
+            _warn_once("policy", "orbitkv: kv_load_failure_policy is 'fail' (vLLM's default): a load OrbitKV cannot "
+                       "complete (a restarted or stopped Manager, an evicted block) fails that request instead of "
+                       "recomputing it. Set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config to "
+                       "recompute instead.")
         return cls(socket_path=socket_path, timeout_ms=get("timeout_ms"), spin_iterations=get("spin_iterations"),
-                   load_enabled=mode != "save_only", save_enabled=mode != "load_only",
+                   load_enabled=load_enabled, save_enabled=mode != "load_only",
                    instance_base=base, save_decode=get("save_decode"),
                    save_mode=save_mode,
                    require_manager=get("require_manager"), reconnect_interval_s=get("reconnect_interval_s"),
                    min_load_blocks=get("min_load_blocks"), block_size=block_size, hash_algo=hash_algo,
-                   groups=groups, identity=identity)
+                   hash_block_size=hash_block_size,
+                   groups=groups, identity=identity, weights=weights)
 
     def namespace(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> bytes:
         return orbitkv.derive_namespace(**self.identity, tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size,

@@ -24,14 +24,16 @@ hash); workers save them after the forward pass.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
 import orbitkv
 from orbitkv import shm
-from orbitkv.vllm._compat import make_block_stored
+from orbitkv.vllm._compat import convert_block_hash, make_block_stored
 from orbitkv.vllm._query import PageRun
 from orbitkv.vllm.config import OrbitKVConfig
+from orbitkv.vllm.keys import KeyCache
 from orbitkv.vllm.manager_link import ManagerLink
 from orbitkv.vllm.metadata import GroupLoad, LoadPlan, OrbitKVConnectorMetadata, OrbitKVConnectorStats
 
@@ -63,12 +65,7 @@ class _Tracked:
     planned: int
 
 
-def publishable_hashes(request) -> list:
-    """The request's block hashes a content-addressed cache may use (vLLM variants with EAGLE-aware hashing expose
-    ``num_publishable_block_hashes``; the hashes past it must not be stored or looked up)."""
-    hashes = request.block_hashes
-    limit = getattr(request, "num_publishable_block_hashes", None)
-    return hashes if limit is None else hashes[:limit]
+_EVENT_INFO_LIMIT = 65536
 
 
 class SchedulerSide:
@@ -89,6 +86,11 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._requests: dict[str, object] = {}
         self._events: list = []
+        self._keys = KeyCache(cfg.block_size, cfg.hash_block_size)
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._events_enabled = bool(getattr(events, "enable_kv_cache_events", False))
+        # key -> (vLLM block hashes, parent hash, token ids, lora) of saved blocks, until workers report them
+        self._event_info: OrderedDict = OrderedDict()
         self.stats = OrbitKVConnectorStats()
         self._query_buffers = []
         self._max_keys = 0
@@ -135,7 +137,7 @@ class SchedulerSide:
         if self.link is None or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         bs = self.cfg.block_size
-        hashes = publishable_hashes(request)
+        hashes = self._keys.keys(request)
         start = num_computed_tokens // bs
         limit = min(len(hashes), (request.num_tokens - 1) // bs)
         if limit - start < self.cfg.min_load_blocks:
@@ -273,7 +275,7 @@ class SchedulerSide:
                 log.error("orbitkv: %s has %d blocks in group %d, fewer than the load needs", req_id,
                           len(block_ids[group]), group)
                 ids += [0] * (end - first - len(ids))
-            groups.append(GroupLoad(group, first, [bytes(h) for h in request.block_hashes[first:end]], ids))
+            groups.append(GroupLoad(group, first, list(self._keys.keys(request)[first:end]), ids))
         self._pending_loads.append(LoadPlan(req_id, lookup.start * bs, lookup.boundary * bs, groups))
         self._inflight[req_id] = lookup
         self.stats.add("loads")
@@ -288,6 +290,7 @@ class SchedulerSide:
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self._tracked.pop(req_id, None)
             self._requests.pop(req_id, None)
+            self._keys.forget(req_id)
         for req_id in getattr(scheduler_output, "preempted_req_ids", ()) or ():
             self._tracked.pop(req_id, None)
         if self.cfg.save_enabled:
@@ -325,12 +328,14 @@ class SchedulerSide:
             steps.append((tracked, computed + scheduled.get(req_id, 0)))
         for tracked, tokens in steps:
             request = tracked.request
-            hashes = publishable_hashes(request)
+            hashes = self._keys.keys(request)
             complete = min(tokens // bs, len(hashes))
             if not self.cfg.save_decode:
                 complete = min(complete, request.num_prompt_tokens // bs)
             for index in range(tracked.planned, complete):
-                block_hash = bytes(hashes[index])
+                block_hash = hashes[index]
+                if self._events_enabled:
+                    self._remember_event(request, index, block_hash)
                 for g in self.cfg.groups:
                     ids = tracked.block_ids[g.group]
                     if index < len(ids) and ids[index]:
@@ -348,17 +353,40 @@ class SchedulerSide:
                     run.release(client)
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         stored = getattr(worker_meta, "stored", None)
-        if stored:
-            full = [h for (group, h), count in stored.items()
-                    if group == self.prefix_groups[0].group and count >= self.world]
-            if full:
-                event = make_block_stored(full, self.cfg.block_size, "CPU")
+        if stored and self._events_enabled:
+            kinds = {g.group: g for g in self.cfg.groups}
+            for (group, key), count in sorted(stored.items(), key=lambda item: item[0][0]):
+                info = self._event_info.get(key)
+                if count < self.world or info is None or group not in kinds:
+                    continue  # a rank failed to store it, or it was saved before the events were known
+                event = make_block_stored(*info, group=kinds[group], medium="CPU")
                 if event is not None:
                     self._events.append(event)
+            for _, key in stored:
+                self._event_info.pop(key, None)
+
+    def _remember_event(self, request, index: int, key: bytes) -> None:
+        """What a BlockStored event for block ``index`` says, in vLLM's terms (its block hashes, which KV-aware
+        routers compute too, not OrbitKV's keys)."""
+        scale = self.cfg.block_size // self.cfg.hash_block_size
+        hashes = request.block_hashes
+        if len(hashes) < (index + 1) * scale:
+            return
+        first = index * scale
+        parent = convert_block_hash(hashes[first - 1]) if first else None
+        bs = self.cfg.block_size
+        tokens = list(request.all_token_ids[index * bs:(index + 1) * bs])
+        lora = getattr(request, "lora_request", None)
+        self._event_info[key] = ([convert_block_hash(h) for h in hashes[first:first + scale]], parent, tokens,
+                                 self.cfg.hash_block_size, lora)
+        self._event_info.move_to_end(key)
+        while len(self._event_info) > _EVENT_INFO_LIMIT:
+            self._event_info.popitem(last=False)
 
     def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict]]:
         self._drop_lookup(request.request_id, inflight=True)
         self._tracked.pop(request.request_id, None)
+        self._keys.forget(request.request_id)
         return False, None
 
     def take_events(self):

@@ -160,8 +160,11 @@ class SequentialEngine:
         self._finished: set = set()
         self._sent: dict = {}  # request id -> blocks of its table the scheduler side has seen
         if socket_path:
-            from orbitkv.vllm import OrbitKVConnector
+            from orbitkv.vllm import OrbitKVConnector, _compat
 
+            # This engine truncates a load at the first failed block of any group, so it recovers from load
+            # errors on hybrid models (the connector would otherwise keep loads off for them, see _compat).
+            _compat.set_scheduler_recovers_hybrid(True)
             vc = vllm_config(config, socket_path, extra)
             kv = kv_cache_config(config, num_blocks)
             self.scheduler = OrbitKVConnector(vc, KVConnectorRole.SCHEDULER, kv)

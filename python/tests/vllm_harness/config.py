@@ -6,6 +6,8 @@ Field names and meanings follow ``vllm/config/*.py`` and ``vllm/v1/kv_cache_inte
 
 from __future__ import annotations
 
+import hashlib
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -13,19 +15,70 @@ from typing import Any, Optional
 import torch
 
 
+def hub_cache() -> str:
+    """huggingface_hub's cache directory (HF_HUB_CACHE, else $HF_HOME/hub)."""
+    env = os.environ.get("HF_HUB_CACHE")
+    if env:
+        return env
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def hub_fetch(repo: str, revision: Optional[str], commit: Optional[str] = None) -> str:
+    """What ``get_config`` leaves in the hub cache when vLLM resolves ``repo``: refs/<revision or main> naming a
+    commit and that snapshot's config.json. The commit is derived from the repository name unless given (a
+    published repository has one commit per revision). Returns the snapshot directory."""
+    ref = revision or "main"
+    commit = commit or hashlib.sha1(f"{repo}@{ref}".encode()).hexdigest()
+    base = os.path.join(hub_cache(), "models--" + repo.replace("/", "--"))
+    snapshot = os.path.join(base, "snapshots", commit)
+    os.makedirs(snapshot, exist_ok=True)
+    os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+    if len(ref) != 40:
+        with open(os.path.join(base, "refs", ref), "w") as f:
+            f.write(commit)
+    config = os.path.join(snapshot, "config.json")
+    if not os.path.exists(config):
+        with open(config, "w") as f:
+            f.write('{"architectures": ["OrbitKVTestModel"]}')
+    return snapshot
+
+
 @dataclass
 class ModelConfig:
+    """``vllm/config/model.py``: ``model`` is a repository id or a local path; ``revision`` is None unless the user
+    passes ``--revision``; ``tokenizer_revision`` defaults to ``revision``. Constructing it fetches the model's
+    config from the hub into the local hub cache (a repository id) as vLLM's ``get_config`` does."""
+
     model: str = "orbitkv/ref-tiny"
     tokenizer: Optional[str] = None
-    revision: Optional[str] = "r0"
+    revision: Optional[str] = None
     tokenizer_revision: Optional[str] = None
     dtype: torch.dtype = torch.bfloat16
     max_model_len: int = 32768
     is_encoder_decoder: bool = False
+    served_model_name: Optional[str] = None
 
     def __post_init__(self):
         if self.tokenizer is None:
             self.tokenizer = self.model
+        if self.tokenizer_revision is None:
+            self.tokenizer_revision = self.revision
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+        if not os.path.exists(self.model):
+            hub_fetch(self.model, self.revision)
+
+
+@dataclass
+class LoadConfig:
+    download_dir: Optional[str] = None
+
+
+@dataclass
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
 
 
 @dataclass
@@ -64,7 +117,7 @@ class KVTransferConfig:
     kv_role: Optional[str] = None
     kv_connector_extra_config: dict = field(default_factory=dict)
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    kv_load_failure_policy: str = "recompute"
+    kv_load_failure_policy: str = "fail"  # vLLM's default ("recompute" must be asked for)
 
     def __post_init__(self):
         if self.kv_connector is not None and self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
@@ -93,6 +146,8 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer_config: Optional[KVTransferConfig] = None
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    kv_events_config: Optional[KVEventsConfig] = None
 
 
 # ---- KV cache interface (vllm/v1/kv_cache_interface.py) ---------------------------------------------------------

@@ -33,9 +33,14 @@ class Finished:
 
 
 class Engine:
-    def __init__(self, vllm_config, model_factory, num_blocks: int, *, hash_seed: str = "0"):
-        """model_factory(rank) -> a model (models.py); num_blocks includes vLLM's null block 0."""
+    def __init__(self, vllm_config, model_factory, num_blocks: int, *, hash_seed=None, recovery=None):
+        """model_factory(rank) -> a model (models.py); num_blocks includes vLLM's null block 0. ``hash_seed`` is
+        PYTHONHASHSEED: unset (None, vLLM's default) the block-hash root is random per process."""
         scheduler_role, worker_role = _roles()
+        from orbitkv.vllm import _compat
+
+        recovery = recovery or Scheduler.recovery
+        _compat.set_scheduler_recovers_hybrid(recovery == "hybrid_full")  # what the connector reads off vLLM
         world = vllm_config.parallel_config.world_size
         models = [model_factory(rank) for rank in range(world)]
         self.kv_cache_config = models[0].kv_cache_config(num_blocks)
@@ -46,7 +51,7 @@ class Engine:
             config = copy.deepcopy(vllm_config)
             config.parallel_config.rank = rank
             self.workers.append(Worker(config, self.kv_cache_config, model, worker_role))
-        self.scheduler = Scheduler(vllm_config, self.kv_cache_config, scheduler_role)
+        self.scheduler = Scheduler(vllm_config, self.kv_cache_config, scheduler_role, recovery=recovery)
         connector = self.scheduler.connector
         count = connector.get_finished_count() if connector is not None else None
         self.aggregator = KVOutputAggregator(count or world)
@@ -126,24 +131,25 @@ class Engine:
 
 def vllm_config(socket_path=None, *, tp: int = 1, block_size: int = 16, budget: int = 2048,
                 threshold: int = 0, prefix_caching: bool = True, max_num_seqs: int = 64, model: str = "test/model",
-                hash_algo: str = "sha256", extra=None, role: str = "kv_both", policy: str = "recompute",
-                dtype=None):
+                hash_algo: str = "sha256", extra=None, role: str = "kv_both", policy: str = "fail",
+                dtype=None, revision=None, kv_events: bool = False):
     """A VllmConfig as ``vllm serve`` would build it; with ``socket_path`` the OrbitKV connector is configured
     exactly as docs/vllm.md tells users to."""
     import torch
 
-    from vllm_harness.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                                     VllmConfig)
+    from vllm_harness.config import (CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                                     SchedulerConfig, VllmConfig)
 
     transfer = None
     if socket_path is not None:
         transfer = KVTransferConfig(kv_connector="OrbitKVConnector", kv_connector_module_path="orbitkv.vllm",
                                     kv_role=role, kv_load_failure_policy=policy,
                                     kv_connector_extra_config={"orbitkv.socket_path": socket_path, **(extra or {})})
-    return VllmConfig(model_config=ModelConfig(model=model, dtype=dtype or torch.bfloat16),
+    return VllmConfig(model_config=ModelConfig(model=model, dtype=dtype or torch.bfloat16, revision=revision),
                       cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
                                                prefix_caching_hash_algo=hash_algo),
                       parallel_config=ParallelConfig(tensor_parallel_size=tp),
                       scheduler_config=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                                        long_prefill_token_threshold=threshold),
-                      kv_transfer_config=transfer)
+                      kv_transfer_config=transfer,
+                      kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if kv_events else None)

@@ -65,8 +65,25 @@ def create_connector(vllm_config, role, kv_cache_config):
     return cls(vllm_config, role, kv_cache_config)
 
 
+# How the scheduler recovers from invalid (failed-load) blocks, by vLLM version:
+# - "single_group": vLLM up to 0.27 and main at 6adad087 unpack exactly one group's block ids for every request it
+#   scans, so any reported block on a model with several KV groups raises ValueError and kills EngineCore;
+# - "hybrid_full": vLLM with PR #50388 (merged 2026-07-30): a request with several groups that owns a reported block
+#   (the null block excluded) recomputes in full; single-group requests keep per-block truncation.
+RECOVERY_MODES = ("single_group", "hybrid_full")
+
+
 class Scheduler:
-    def __init__(self, vllm_config, kv_cache_config, role_scheduler):
+    recovery = "single_group"
+
+    def __init__(self, vllm_config, kv_cache_config, role_scheduler, *, recovery: str = None):
+        if recovery is not None:
+            assert recovery in RECOVERY_MODES, recovery
+            self.recovery = recovery
+        # What the connector detects in a real vLLM by reading its scheduler (orbitkv.vllm._compat).
+        from orbitkv.vllm import _compat
+
+        _compat.set_scheduler_recovers_hybrid(self.recovery == "hybrid_full")
         self.vllm_config = vllm_config
         self.scheduler_config = vllm_config.scheduler_config
         self.kv_cache_config = kv_cache_config
@@ -368,22 +385,27 @@ class Scheduler:
         self.finished_recving_kv_req_ids.remove(req_id)
         return True
 
-    def _recovery_group(self) -> int:
-        """The group whose block table recovery scans: vLLM scans its only group; hybrid-capable forks scan the
-        first full-attention group."""
-        for g, spec in enumerate(self.kv_cache_config.kv_cache_groups):
-            if not getattr(spec.kv_cache_spec, "sliding_window", 0):
-                return g
-        return 0
-
     def _update_requests_with_invalid_blocks(self, requests, invalid: set, evict_blocks: bool):
         affected, to_evict = set(), set()
         marked: set = set()
-        group = self._recovery_group()
         bs = self.block_size
         for request in requests:
             req_id = request.request_id
-            block_ids = self.kv_cache_manager.get_block_ids(req_id)[group]
+            groups = self.kv_cache_manager.get_block_ids(req_id)
+            if self.recovery == "single_group":
+                (block_ids,) = groups  # ValueError with several groups, as in vLLM
+            elif len(groups) > 1:
+                owned = {b for ids in groups for b in ids if b} & invalid
+                if owned:
+                    marked |= owned
+                    affected.add(req_id)
+                    request.num_external_computed_tokens = 0
+                    request.num_computed_tokens = 0
+                    if evict_blocks:
+                        to_evict.update(b for ids in groups for b in ids if b)
+                continue
+            else:
+                (block_ids,) = groups
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 computed = request.num_computed_tokens
             else:
