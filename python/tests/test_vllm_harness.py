@@ -455,3 +455,60 @@ def test_a_failed_load_with_vllms_default_policy_fails_only_that_request(manager
     assert results["r1"].tokens == baseline["r1"] and results["r1"].reason == "length"
     assert bad_reads(engine) == 0
     engine.shutdown()
+
+
+def restored(engine) -> int:
+    return (engine.worker_stats.data.get("restored_blocks", 0) if engine.worker_stats else 0)
+
+
+def test_reset_cache_starts_a_new_weights_epoch_for_this_engine_only(manager):
+    """RL weight sync: pause_generation(clear_cache=True) resets the prefix caches, the connector's included. The
+    weights' path (hence their derived identity) has not changed, so the reset itself must stop this engine from
+    hitting KV of the old weights; an engine that did not reset keeps its hits."""
+    batch = prompts(2, 64, 16, seed=31)
+    baseline = run(engine_for(None, prefix_caching=False), batch)
+    a = engine_for(manager.socket)
+    b = engine_for(manager.socket)
+    assert run(a, batch) == baseline
+    assert a.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    before = restored(a)
+    assert run(a, batch) == baseline
+    assert restored(a) == before  # nothing of the old epoch
+    assert run(b, batch) == baseline and restored(b) > 0  # b did not reset: the old blocks are still its own
+
+    # Engines given one epoch that reset in lockstep (DP replicas of one RL job) share again.
+    c = engine_for(manager.socket, extra={"orbitkv.weights_epoch": "step-0"})
+    d = engine_for(manager.socket, extra={"orbitkv.weights_epoch": "step-0"})
+    for engine in (c, d):
+        assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    assert run(c, batch) == baseline and restored(c) == 0
+    assert run(d, batch) == baseline and restored(d) > 0
+    assert bad_reads(c) == bad_reads(d) == 0
+    for engine in (a, b, c, d):
+        assert_nothing_held(engine, manager)
+        engine.shutdown()
+
+
+def test_connector_counters_appear_in_vllms_prometheus_metrics(manager):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_harness.metrics import connector_prometheus
+
+    batch = prompts(2, 64, 16, seed=41)
+    run(engine_for(manager.socket), batch)
+    engine = engine_for(manager.socket)
+    registry = CollectorRegistry()
+    prom = connector_prometheus(engine.vllm_config, registry)
+    assert prom is not None  # before: the base class's None, nothing in /metrics
+    run(engine, batch)
+    stats = engine.scheduler.kv_stats.data
+    prom.observe(stats, 0)
+    text = generate_latest(registry).decode()
+    labels = '{engine="0",model_name="test/model"}'
+    assert f"vllm:orbitkv_restored_blocks_total{labels} {float(stats['restored_blocks'])}" in text
+    assert f"vllm:orbitkv_hit_tokens_total{labels} {float(stats['hit_tokens'])}" in text
+    assert stats["restored_blocks"] > 0 and stats["hit_tokens"] > 0
+    prom.observe(stats, 0)  # counters accumulate across intervals
+    assert f"vllm:orbitkv_restored_blocks_total{labels} {2.0 * stats['restored_blocks']}" in generate_latest(
+        registry).decode()
+    engine.shutdown()

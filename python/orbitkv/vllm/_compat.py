@@ -52,6 +52,10 @@ if HAVE_VLLM:  # pragma: no cover
     except ImportError:
         KVConnectorStats = None  # type: ignore[assignment,misc]
     try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics  # type: ignore
+    except ImportError:  # vLLM before connector Prometheus metrics
+        KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
+    try:
         from vllm.distributed.kv_events import BlockStored  # type: ignore
     except ImportError:
         BlockStored = None  # type: ignore[assignment,misc]
@@ -140,6 +144,7 @@ else:
             ...
 
     KVConnectorStats = None  # type: ignore[assignment,misc]
+    KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
     BlockStored = None  # type: ignore[assignment,misc]
     _convert_block_hash = None
 
@@ -163,6 +168,30 @@ if KVConnectorStats is None:
 
         def is_empty(self) -> bool:
             return not self.data
+
+
+if KVConnectorPromMetrics is None:
+
+    class KVConnectorPromMetrics:  # type: ignore[no-redef]
+        """vLLM's base for a connector's Prometheus metrics (``v1/metrics.py``): ``metric_types`` maps
+        prometheus_client's Gauge/Counter/Histogram to the classes vLLM wants built; ``observe`` gets one interval's
+        ``KVConnectorStats.data`` of engine ``engine_idx``."""
+
+        def __init__(self, vllm_config, metric_types: dict, labelnames: list, per_engine_labelvalues: dict):
+            from prometheus_client import Counter, Gauge, Histogram
+
+            self._kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+            self._gauge_cls = metric_types[Gauge]
+            self._counter_cls = metric_types[Counter]
+            self._histogram_cls = metric_types[Histogram]
+            self._labelnames = labelnames
+            self._per_engine_labelvalues = per_engine_labelvalues
+
+        def make_per_engine(self, metric) -> dict:
+            return {idx: metric.labels(*values) for idx, values in self._per_engine_labelvalues.items()}
+
+        def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
+            raise NotImplementedError
 
 
 if BlockStored is None:

@@ -40,6 +40,7 @@ _KEYS: dict[str, tuple[type, Any]] = {
     "require_manager": (bool, True),
     "reconnect_interval_s": (float, 1.0),
     "min_load_blocks": (int, 1),
+    "weights_epoch": (str, ""),
 }
 _MODES = ("read_write", "save_only", "load_only")
 _SAVE_MODES = ("deferred", "sync")
@@ -167,6 +168,7 @@ class OrbitKVConfig:
     # namespace identity (derive_namespace arguments, minus the rank)
     identity: dict
     weights: Optional[WeightsIdentity] = None
+    weights_epoch: str = ""
 
     @classmethod
     def from_vllm(cls, vllm_config, kv_cache_config) -> "OrbitKVConfig":
@@ -279,7 +281,7 @@ class OrbitKVConfig:
                    require_manager=get("require_manager"), reconnect_interval_s=get("reconnect_interval_s"),
                    min_load_blocks=get("min_load_blocks"), block_size=block_size, hash_algo=hash_algo,
                    hash_block_size=hash_block_size,
-                   groups=groups, identity=identity, weights=weights)
+                   groups=groups, identity=identity, weights=weights, weights_epoch=get("weights_epoch"))
 
     def namespace(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> bytes:
         return orbitkv.derive_namespace(**self.identity, tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size,

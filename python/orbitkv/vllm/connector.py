@@ -74,6 +74,12 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: Optional[dict] = None) -> OrbitKVConnectorStats:
         return OrbitKVConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from orbitkv.vllm.metadata import OrbitKVPromMetrics
+
+        return OrbitKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---- scheduler side ----------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -110,9 +116,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # every worker reports its own restores
 
     def reset_cache(self) -> Optional[bool]:
-        log.warning("orbitkv: the Manager's cache is shared by every engine on this host and is not reset by "
-                    "/reset_prefix_cache")
-        return False
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
 
     # ---- worker side -------------------------------------------------------------------------------------------
 

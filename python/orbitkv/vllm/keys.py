@@ -7,13 +7,19 @@ so one engine process would never find what another saved. The connector therefo
 chain, computed in the scheduler process from what vLLM's hash covers:
 
     key[i] = SHA-256(key[i-1] | "T" u32 count, the block's token ids as u32 LE | extra keys)
-    key[-1] = SHA-256("orbitkv.vllm.block-keys.v1")
+    key[-1] = SHA-256("orbitkv.vllm.block-keys.v1" | epoch)
 
 The extra keys are those vLLM mixes into its hash (``generate_block_hash_extra_keys``): the LoRA adapter's name,
 each multimodal item overlapping the block (its identifier and offset from the block start) and the cache salt on
 the first block, each tagged and length-prefixed. Requests whose hash depends on something the connector cannot
 name exactly (prompt embeddings, an unknown multimodal input shape) get no keys: they are neither looked up nor
 saved. The namespace adds everything else (model, weights, layout, rank).
+
+The epoch is the weights epoch (``orbitkv.weights_epoch``, empty by default), which ``reset_cache`` advances: KV
+saved before a reset (RL weight sync keeps the weights' path, hence their derived identity) is never hit again by
+this engine, while engines that did not reset keep their keys. With a configured epoch, each reset chains it
+deterministically (engines that start from one epoch and reset in lockstep share again); without one, a reset
+draws a random epoch, shared with nobody.
 """
 
 from __future__ import annotations
@@ -23,7 +29,19 @@ import struct
 from typing import Optional
 
 KEY_SCHEME = "sha256-u32-v1"
-_ROOT = hashlib.sha256(b"orbitkv.vllm.block-keys.v1").digest()
+
+
+def key_root(epoch: bytes = b"") -> bytes:
+    return hashlib.sha256(b"orbitkv.vllm.block-keys.v1" + epoch).digest()
+
+
+def next_epoch(epoch: bytes, configured: bool) -> bytes:
+    """The epoch after a reset: chained from the configured one, else random."""
+    import os
+
+    if configured:
+        return hashlib.sha256(b"orbitkv.vllm.epoch-reset" + epoch).digest()
+    return os.urandom(32)
 
 
 def _text(tag: bytes, value: str) -> bytes:
@@ -56,10 +74,11 @@ def cacheable(request) -> bool:
 class RequestKeys:
     """The keys of one request's full blocks, extended as its tokens grow (tokens are append-only in vLLM)."""
 
-    __slots__ = ("keys", "_lora", "_salt", "_mm", "ok")
+    __slots__ = ("keys", "_root", "_lora", "_salt", "_mm", "ok")
 
-    def __init__(self, request):
+    def __init__(self, request, root: bytes):
         self.keys: list = []
+        self._root = root
         lora = getattr(request, "lora_request", None)
         name = getattr(lora, "lora_name", None) if lora is not None else None
         self._lora = _text(b"L", str(name)) if name else b""
@@ -74,7 +93,7 @@ class RequestKeys:
         full = len(tokens) // block_size
         if full <= len(self.keys):
             return self.keys
-        parent = self.keys[-1] if self.keys else _ROOT
+        parent = self.keys[-1] if self.keys else self._root
         header = b"T" + struct.pack("<I", block_size)
         for index in range(len(self.keys), full):
             start = index * block_size
@@ -97,17 +116,23 @@ class RequestKeys:
 class KeyCache:
     """Per-request keys, kept while the scheduler tracks the request."""
 
-    def __init__(self, block_size: int, hash_block_size: int):
+    def __init__(self, block_size: int, hash_block_size: int, epoch: bytes = b""):
         self.block_size = block_size
         self.hash_block_size = hash_block_size  # tokens per vLLM block hash
+        self.root = key_root(epoch)
         self._requests: dict[str, RequestKeys] = {}
+
+    def new_epoch(self, epoch: bytes) -> None:
+        """Every key from now on chains from ``epoch``; keys computed before are forgotten."""
+        self.root = key_root(epoch)
+        self._requests.clear()
 
     def keys(self, request) -> list:
         """The keys of the request's full blocks that may be stored or looked up (``num_publishable_block_hashes``,
         where vLLM has it, in vLLM's hash blocks, limits them)."""
         entry = self._requests.get(request.request_id)
         if entry is None:
-            entry = self._requests[request.request_id] = RequestKeys(request)
+            entry = self._requests[request.request_id] = RequestKeys(request, self.root)
         keys = entry.extend(request.all_token_ids, self.block_size)
         limit = getattr(request, "num_publishable_block_hashes", None)
         if limit is not None:

@@ -10,7 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
-from orbitkv.vllm._compat import KVConnectorMetadata, KVConnectorStats, KVConnectorWorkerMetadata
+from orbitkv.vllm._compat import (KVConnectorMetadata, KVConnectorPromMetrics, KVConnectorStats,
+                                  KVConnectorWorkerMetadata)
 
 
 @dataclass
@@ -62,7 +63,41 @@ class OrbitKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 _SUMMED = ("lookups", "lookup_tokens", "hit_tokens", "loading_answers", "loads", "failed_loads",
            "restored_blocks", "restored_bytes", "restore_seconds", "failed_blocks", "saved_blocks",
-           "skipped_blocks", "save_seconds", "save_failures", "manager_errors")
+           "skipped_blocks", "save_seconds", "save_failures", "manager_errors", "cache_resets")
+
+# Counter name (vLLM's "vllm:" prefix; prometheus_client adds "_total") -> (stats key, help)
+PROM_COUNTERS = {
+    "vllm:orbitkv_lookup_tokens": ("lookup_tokens", "Prompt tokens the connector looked up in OrbitKV"),
+    "vllm:orbitkv_hit_tokens": ("hit_tokens", "Tokens OrbitKV had and the connector offered vLLM"),
+    "vllm:orbitkv_loading_answers": ("loading_answers", "Lookups answered 'still loading' (SSD or a peer)"),
+    "vllm:orbitkv_loads": ("loads", "Asynchronous loads started"),
+    "vllm:orbitkv_failed_loads": ("failed_loads", "Loads that fell short and were reported to vLLM"),
+    "vllm:orbitkv_restored_blocks": ("restored_blocks", "KV pages restored into vLLM's blocks"),
+    "vllm:orbitkv_restored_bytes": ("restored_bytes", "Bytes restored into vLLM's KV cache"),
+    "vllm:orbitkv_restore_seconds": ("restore_seconds", "Seconds from load start to completion"),
+    "vllm:orbitkv_saved_blocks": ("saved_blocks", "KV pages saved to OrbitKV"),
+    "vllm:orbitkv_save_seconds": ("save_seconds", "Seconds spent waiting for saves"),
+    "vllm:orbitkv_save_failures": ("save_failures", "KV pages whose save failed (a future miss)"),
+    "vllm:orbitkv_manager_errors": ("manager_errors", "Manager calls that failed (the engine served without it)"),
+    "vllm:orbitkv_cache_resets": ("cache_resets", "reset_cache calls (a new weights epoch)"),
+}
+
+
+class OrbitKVPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters in vLLM's /metrics, one child per engine, fed from each interval's stats."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name, (key, documentation) in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=name, documentation=documentation, labelnames=labelnames)
+            self._counters[key] = self.make_per_engine(counter)
+
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
+        for key, children in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value and engine_idx in children:
+                children[engine_idx].inc(value)
 
 
 @dataclass

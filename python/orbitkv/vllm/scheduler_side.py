@@ -33,7 +33,7 @@ from orbitkv import shm
 from orbitkv.vllm._compat import convert_block_hash, make_block_stored
 from orbitkv.vllm._query import PageRun
 from orbitkv.vllm.config import OrbitKVConfig
-from orbitkv.vllm.keys import KeyCache
+from orbitkv.vllm.keys import KeyCache, next_epoch
 from orbitkv.vllm.manager_link import ManagerLink
 from orbitkv.vllm.metadata import GroupLoad, LoadPlan, OrbitKVConnectorMetadata, OrbitKVConnectorStats
 
@@ -86,7 +86,9 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._requests: dict[str, object] = {}
         self._events: list = []
-        self._keys = KeyCache(cfg.block_size, cfg.hash_block_size)
+        self._epoch = cfg.weights_epoch.encode()
+        self._keys = KeyCache(cfg.block_size, cfg.hash_block_size, self._epoch)
+        self._stale: set = set()  # requests whose KV predates a reset: never saved again
         events = getattr(vllm_config, "kv_events_config", None)
         self._events_enabled = bool(getattr(events, "enable_kv_cache_events", False))
         # key -> (vLLM block hashes, parent hash, token ids, lora) of saved blocks, until workers report them
@@ -291,6 +293,7 @@ class SchedulerSide:
             self._tracked.pop(req_id, None)
             self._requests.pop(req_id, None)
             self._keys.forget(req_id)
+            self._stale.discard(req_id)
         for req_id in getattr(scheduler_output, "preempted_req_ids", ()) or ():
             self._tracked.pop(req_id, None)
         if self.cfg.save_enabled:
@@ -316,6 +319,8 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             is_resumed = req_id in resumed or bool(resumed_flags and resumed_flags[i])
             tracked = self._tracked.get(req_id)
+            if is_resumed:
+                self._stale.discard(req_id)  # recomputed since the reset (vLLM preempts running requests)
             if is_resumed or tracked is None:
                 request = self._requests.get(req_id)
                 if request is None or new_ids is None:
@@ -328,6 +333,8 @@ class SchedulerSide:
             steps.append((tracked, computed + scheduled.get(req_id, 0)))
         for tracked, tokens in steps:
             request = tracked.request
+            if request.request_id in self._stale:
+                continue
             hashes = self._keys.keys(request)
             complete = min(tokens // bs, len(hashes))
             if not self.cfg.save_decode:
@@ -388,6 +395,20 @@ class SchedulerSide:
         self._tracked.pop(request.request_id, None)
         self._keys.forget(request.request_id)
         return False, None
+
+    def reset_cache(self) -> bool:
+        """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, RL weight sync): a new weights
+        epoch, so this engine never again hits KV saved before it; other engines keep theirs. Requests already
+        known keep their KV in vLLM's pages but are never saved again (their KV may predate new weights)."""
+        self._epoch = next_epoch(self._epoch, bool(self.cfg.weights_epoch))
+        self._keys.new_epoch(self._epoch)
+        self._stale.update(self._tracked)
+        self._stale.update(self._requests)
+        for req_id in list(self._lookups):
+            self._drop_lookup(req_id)
+        self.stats.add("cache_resets")
+        log.info("orbitkv: cache reset: a new weights epoch; KV saved before it is no longer found by this engine")
+        return True
 
     def take_events(self):
         events, self._events = self._events, []

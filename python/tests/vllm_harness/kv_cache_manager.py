@@ -211,6 +211,15 @@ class KVCacheManager:
     def evict_blocks(self, block_ids) -> None:
         self.pool.evict(block_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """``BlockPool.reset_prefix_cache``: refused (False) while any block but the null block is in use."""
+        if any(b.ref_cnt > 0 for b in self.pool.blocks[1:]):
+            return False
+        for block in self.pool.blocks:
+            block.block_hash = None
+        self.pool.cached.clear()
+        return True
+
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         tables = self.req_to_blocks.get(request_id)
         if tables is None:

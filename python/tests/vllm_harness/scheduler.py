@@ -167,6 +167,20 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------------------------------
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """``Scheduler.reset_prefix_cache``: optionally preempts every running request (RL weight sync:
+        ``pause_generation(clear_cache=True)``), resets the local prefix cache and, with ``reset_connector``, the
+        connector's (``reset_connector_cache``: False without a connector or when ``reset_cache()`` returns
+        False; None counts as success)."""
+        if reset_running_requests:
+            for request in reversed(self.running):
+                self._preempt_request(request)
+            self.running = []
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_connector:
+            ok = (self.connector is not None and self.connector.reset_cache() is not False) and ok
+        return ok
+
     def _preempt_request(self, request) -> None:
         assert request.status == RequestStatus.RUNNING
         self.kv_cache_manager.free(request)
