@@ -270,3 +270,37 @@ def test_page_views_pass_gpu_tensors_through_once_the_client_registers_them(monk
     assert views[0].dtype == torch.uint8 and tuple(views[0].shape) == (4, 2 * 16 * 16 * 2)
     assert views[0].stride() == (2 * 16 * 16 * 2, 1) and seen == views
     assert layout.view_key(views[0])[0] == "meta"
+
+
+def test_block_sizes_and_per_layer_specs_name_exactly_the_pages(manager):
+    from vllm_harness.config import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+                                     SlidingWindowSpec, UniformTypeKVCacheSpecs)
+    from vllm_harness.models import layer_name
+
+    names = [layer_name(0), layer_name(1)]
+    small, large = FullAttentionSpec(16, 2, 8, torch.bfloat16), FullAttentionSpec(16, 4, 8, torch.bfloat16)
+    tensors = [KVCacheTensor(small.page_size_bytes * 8, [names[0]]), KVCacheTensor(large.page_size_bytes * 8,
+                                                                                     [names[1]])]
+    worker_kv = KVCacheConfig(8, tensors, [KVCacheGroupSpec(names, UniformTypeKVCacheSpecs(
+        16, {names[0]: small, names[1]: large}))])
+    scheduler_kv = KVCacheConfig(8, tensors, [KVCacheGroupSpec(names, small)])  # the first layer's spec
+    worker_cfg = OrbitKVConfig.from_vllm(vllm_config(manager.socket), worker_kv)
+    scheduler_cfg = OrbitKVConfig.from_vllm(vllm_config(manager.socket), scheduler_kv)
+    assert worker_cfg.namespace(0, 1, 0, 1) == scheduler_cfg.namespace(0, 1, 0, 1)
+    # The worker checks each layer against its own spec (before: both against the summed page size).
+    worker = create_connector(vllm_config(manager.socket), _compat.KVConnectorRole.WORKER, worker_kv)
+    caches = {names[0]: torch.zeros(8, 16, 2, 16, dtype=torch.bfloat16),
+              names[1]: torch.zeros(8, 16, 4, 16, dtype=torch.bfloat16)}
+    worker.register_kv_caches(caches)
+    assert worker._worker.block_bytes == {0: small.page_size_bytes + large.page_size_bytes}
+    worker.shutdown()
+    with pytest.raises(ValueError, match="bytes per block"):
+        wrong = create_connector(vllm_config(manager.socket), _compat.KVConnectorRole.WORKER, worker_kv)
+        wrong.register_kv_caches({names[0]: caches[names[1]], names[1]: caches[names[0]]})
+
+    # Groups on different block sizes cannot share one key per block: refused, saying why.
+    mixed = KVCacheConfig(8, tensors, [KVCacheGroupSpec([names[0]], FullAttentionSpec(16, 2, 8, torch.bfloat16)),
+                                       KVCacheGroupSpec([names[1]], SlidingWindowSpec(32, 2, 8, torch.bfloat16,
+                                                                                      sliding_window=64))])
+    with pytest.raises(NotImplementedError, match="different block sizes"):
+        OrbitKVConfig.from_vllm(vllm_config(manager.socket), mixed)

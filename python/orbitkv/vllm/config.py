@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import orbitkv
@@ -71,6 +71,10 @@ class GroupInfo:
     layer_names: tuple
     page_bytes: int  # one block of one layer on one rank (vLLM's spec.page_size_bytes)
     block_size: int = 0  # tokens per block of this group (spec.block_size)
+    layer_bytes: dict = field(default_factory=dict, hash=False)  # layer -> page bytes where they differ (workers)
+
+    def bytes_of(self, layer: str) -> int:
+        return self.layer_bytes.get(layer, self.page_bytes)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -83,6 +87,10 @@ def _dtype_name(dtype: Any) -> str:
     if text not in table:
         raise ValueError(f"OrbitKVConnector: unsupported KV cache dtype {dtype!r}")
     return table[text]
+
+
+def _page_bytes(spec) -> int:
+    return int(getattr(spec, "page_size_padded", None) or spec.page_size_bytes)
 
 
 def kv_groups(kv_cache_config) -> list[GroupInfo]:
@@ -98,13 +106,15 @@ def kv_groups(kv_cache_config) -> list[GroupInfo]:
                 f"OrbitKVConnector: KV group {index} is {name}; only full, MLA and sliding-window attention groups "
                 "can be restored (disable the connector for this model)")
         kind, window = ("window", int(window)) if window else ("prefix", 0)
-        per_layer = getattr(spec, "kv_cache_specs", None)
-        if per_layer:  # UniformTypeKVCacheSpecs (worker configs only): the scheduler sees its first layer's spec
-            spec = per_layer[spec_group.layer_names[0]] if spec_group.layer_names[0] in per_layer else \
-                next(iter(per_layer.values()))
-        page_bytes = int(getattr(spec, "page_size_padded", None) or spec.page_size_bytes)
-        groups.append(GroupInfo(index, kind, window, tuple(spec_group.layer_names), page_bytes,
-                                int(getattr(spec, "block_size", 0) or 0)))
+        # UniformTypeKVCacheSpecs (worker configs only; its page_size_bytes sums every layer): layers of one kind
+        # whose pages differ in size. The scheduler's config carries the first layer's spec instead, so the
+        # namespace is built from that one on both sides and workers check each layer against its own spec.
+        per_layer = getattr(spec, "kv_cache_specs", None) or {}
+        layer_bytes = {name: _page_bytes(s) for name, s in per_layer.items()}
+        if per_layer:
+            spec = per_layer.get(spec_group.layer_names[0]) or next(iter(per_layer.values()))
+        groups.append(GroupInfo(index, kind, window, tuple(spec_group.layer_names), _page_bytes(spec),
+                                int(getattr(spec, "block_size", 0) or 0), layer_bytes))
     if not groups:
         raise ValueError("OrbitKVConnector: the KV cache config has no groups")
     sizes = sorted({g.block_size for g in groups if g.block_size})

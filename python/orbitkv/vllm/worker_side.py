@@ -109,9 +109,9 @@ class WorkerSide:
                     continue  # another pipeline stage's layer
                 layer_views = layout.page_views(name, tensor, self.num_blocks)
                 page_bytes = sum(v.shape[1] for v in layer_views)
-                if page_bytes != g.page_bytes:
+                if page_bytes != g.bytes_of(name):
                     raise ValueError(f"OrbitKVConnector: layer {name!r} holds {page_bytes} bytes per block but its "
-                                     f"KV spec says {g.page_bytes}")
+                                     f"KV spec says {g.bytes_of(name)}")
                 for view in layer_views:
                     key = layout.view_key(view)
                     if key not in seen:  # layers sharing one KV buffer register it once

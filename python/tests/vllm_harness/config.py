@@ -192,3 +192,16 @@ class KVCacheConfig:
     num_blocks: int
     kv_cache_tensors: list
     kv_cache_groups: list
+
+
+@dataclass(frozen=True)
+class UniformTypeKVCacheSpecs:
+    """One group of layers of one attention type whose pages differ in size (``kv_cache_interface.py``): worker
+    configs carry it; ``generate_scheduler_kv_cache_config`` gives the scheduler the first layer's spec instead."""
+
+    block_size: int
+    kv_cache_specs: dict  # layer name -> spec
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
