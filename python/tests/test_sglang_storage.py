@@ -452,3 +452,82 @@ def test_shared_options_have_one_name_in_both_adapters(manager):
     both = config(manager.socket, socket_path=manager.socket)
     with pytest.raises(ValueError, match="not both"):
         OrbitKVStorage(both, {})
+
+
+def test_a_host_pool_group_attaches_on_both_sglang_paths(manager):
+    """UnifiedRadixCache (hybrid models, SGLANG_ENABLE_UNIFIED_RADIX_TREE=1): older SGLang passes the HostPoolGroup
+    to register_mem_pool_host (no get_hybrid_pool_buffer; kv_buffer is the anchor's stacked (2, ...) MHA tensor),
+    newer passes the anchor's host pool and then every entry through register_mem_host_pool_v2."""
+    from sglang_harness.pools import HostPoolGroup, PoolEntry
+
+    k = keys("group", 4)
+
+    def group():
+        kv, state = mha_pool(), StatePool()
+        return HostPoolGroup([PoolEntry("kv", kv, is_primary_index_anchor=True), PoolEntry("mamba", state)])
+
+    older = group()
+    writer = backend(config(manager.socket), older)  # before: ValueError from the layout code, server exits
+    assert writer.batch_set_v1(k, slots(0, 4)) == [True] * 4
+    assert writer.batch_set_v2([PoolTransfer(name="mamba", host_indices=torch.tensor([3]), keys=[k[3]],
+                                             hit_policy=PoolHitPolicy.TRAILING_PAGES)]) == {"mamba": [True]}
+
+    newer = group()
+    reader = OrbitKVStorage(config(manager.socket), {})
+    reader.register_mem_pool_host(newer.anchor_entry.host_pool)
+    for entry in newer.entries:
+        reader.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    assert reader.batch_get_v1(k, slots(4, 4)) == [True] * 4
+    assert all(same_page(older.get_pool("kv"), i * P, newer.get_pool("kv"), (4 + i) * P) for i in range(4))
+    assert reader.batch_get_v2([PoolTransfer(name="mamba", host_indices=torch.tensor([9]), keys=[k[3]])]) == {
+        "mamba": [True]}
+    assert torch.equal(older.get_pool("mamba").kv_buffer[3], newer.get_pool("mamba").kv_buffer[9])
+    for s in (writer, reader):
+        s.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
+def test_a_stacked_kv_buffer_without_the_hybrid_accessor_is_k_then_v(manager, layout):
+    class Stacked:  # a host pool exposing only SGLang's stacked (2, ...) kv_buffer
+        def __init__(self, inner):
+            self.layout, self.page_size, self.page_num, self.size = inner.layout, P, inner.page_num, inner.size
+            self.kv_buffer = inner.kv_buffer
+
+    pool = mha_pool(layout)
+    k = keys("stacked" + layout, 3)
+    writer = backend(config(manager.socket), Stacked(pool))
+    assert writer.batch_set_v1(k, slots(0, 3)) == [True] * 3
+    reader = backend(config(manager.socket), mha_pool(layout))  # the accessor's K, V order: same namespace
+    assert reader.batch_get_v1(k, slots(5, 3)) == [True] * 3
+    assert all(same_page(pool, i * P, reader.mem_pool_host, (5 + i) * P) for i in range(3))
+    for s in (writer, reader):
+        s.close()
+
+
+def test_mla_kv_is_shared_but_tp_sharded_side_pools_keep_their_rank(manager):
+    """An MLA model with TP-sharded Mamba/KDA state: the KV pool is replicated (rank 0 writes, every rank reads
+    it), each rank's state shard is its own (before: every rank read rank 0's shard, and only rank 0 wrote)."""
+    def rank(r):
+        kv = MLATokenToKVPoolHost(layer_num=2, kv_lora_rank=24, qk_rope_head_dim=8, page_size=P, page_num=8)
+        kv.kv_buffer.copy_(torch.randn(kv.kv_buffer.shape).to(torch.bfloat16))
+        state = StatePool()
+        s = backend(config(manager.socket, tp_rank=r, tp_size=2, mla=True), kv)
+        s.register_mem_host_pool_v2(state, "mamba")
+        return s, kv, state
+
+    writers = [rank(r) for r in range(2)]
+    k = keys("mla-state", 2)
+    for s, _, state in writers:
+        assert s.batch_set_v1(k, slots(0, 2)) == [True] * 2
+        assert s.batch_set_v2([PoolTransfer(name="mamba", host_indices=torch.tensor([1]), keys=[k[1]],
+                                            hit_policy=PoolHitPolicy.TRAILING_PAGES)]) == {"mamba": [True]}
+    readers = [rank(r) for r in range(2)]
+    for r, (s, kv, state) in enumerate(readers):
+        assert s.batch_get_v1(k, slots(4, 2)) == [True] * 2  # rank 0's KV pages, on either rank
+        assert same_page(kv, 4 * P, writers[0][1], 0) and same_page(kv, 5 * P, writers[0][1], P)
+        assert s.batch_get_v2([PoolTransfer(name="mamba", host_indices=torch.tensor([5]), keys=[k[1]])]) == {
+            "mamba": [True]}
+        assert torch.equal(state.kv_buffer[5], writers[r][2].kv_buffer[1]), f"rank {r} read another shard"
+    assert not torch.equal(writers[0][2].kv_buffer[1], writers[1][2].kv_buffer[1])
+    for s, *_ in writers + readers:
+        s.close()

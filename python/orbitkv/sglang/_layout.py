@@ -144,18 +144,45 @@ def _paged_views(tensor, layout: str, num_pages: int, page_tokens: int) -> list:
                      f"{', '.join(SUPPORTED_LAYOUTS)} (page_first_direct or page_first recommended)")
 
 
+def host_pool_group_anchor(pool):
+    """The anchor entry's host pool when ``pool`` is a ``HostPoolGroup`` (hybrid models on the UnifiedRadixCache
+    path), else None."""
+    anchor = getattr(pool, "anchor_entry", None)
+    if anchor is None and getattr(pool, "entries", None) is not None and hasattr(pool, "get_pool"):
+        entries = list(pool.entries)
+        anchor = next((e for e in entries if getattr(e, "is_primary_index_anchor", False)), entries[0] if entries
+                      else None)
+    return getattr(anchor, "host_pool", None) if anchor is not None else None
+
+
+# Dimensions of one K (or V) buffer per layout; MHA host pools keep K and V stacked in one (2, ...) kv_buffer.
+_HALF_DIMS = {"page_first": 4, "layer_first": 4, "page_first_direct": 5, "page_head": 5}
+
+
+def _pool_tensors(pool, layout: str, is_mla: bool) -> Optional[list]:
+    """The pool's buffers in block fragment order: K then V for MHA, the one latent buffer for MLA."""
+    if hasattr(pool, "get_hybrid_pool_buffer"):
+        return list(pool.get_hybrid_pool_buffer() or [])
+    kv = getattr(pool, "kv_buffer", None)
+    if kv is None:
+        return None
+    if not is_mla and kv.dim() == _HALF_DIMS.get(layout, -1) + 1 and kv.shape[0] == 2:
+        return [kv[0], kv[1]]  # the stacked MHA buffer: K half, V half
+    return [kv]
+
+
 def describe_host_pool(pool, *, is_mla: bool, kv_cache_dtype: Optional[str] = None,
                        label: str = "kv") -> Optional[PoolGeometry]:
     """The geometry of an SGLang host pool (``HostKVCache``), or None for a logical anchor with no buffer."""
+    anchor = host_pool_group_anchor(pool)
+    if anchor is not None:
+        pool = anchor
     layout = getattr(pool, "layout", "layer_first")
     page_tokens = int(getattr(pool, "page_size", 1) or 1)
     if page_tokens <= 0:
         raise ValueError(f"page_size must be positive, got {page_tokens}")
     num_pages = int(getattr(pool, "page_num", 0) or pool.size // page_tokens)
-    if hasattr(pool, "get_hybrid_pool_buffer"):
-        tensors = pool.get_hybrid_pool_buffer()
-    else:
-        tensors = [getattr(pool, "kv_buffer", None)]
+    tensors = _pool_tensors(pool, layout, is_mla and label == "kv")
     if tensors is None or len(tensors) == 0 or any(t is None for t in tensors):
         return None
     tensors = list(tensors)

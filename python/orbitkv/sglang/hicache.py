@@ -42,7 +42,7 @@ from orbitkv.sglang._compat import (
     StorageMetrics,
     pool_name_str,
 )
-from orbitkv.sglang._layout import PoolGeometry, describe_host_pool
+from orbitkv.sglang._layout import PoolGeometry, describe_host_pool, host_pool_group_anchor
 from orbitkv.sglang._session import (
     Counters,
     ManagerLink,
@@ -149,6 +149,8 @@ class OrbitKVStorage(HiCacheStorage):
                                  loading_wait_s=loading_wait_ms / 1000.0, reconnect_interval_s=reconnect_s,
                                  counters=self.counters_, log=self._log)
         self._anchor = False  # a KV pool without a buffer (DeepSeek-V4 logical anchor): v2 pools carry the data
+        self._kv_pool = None  # the host pool holding KV pages (a HostPoolGroup's anchor)
+        self._side_pools: dict = {}
         self._kv: Optional[PoolGeometry] = None
         self._staging_lock = threading.Lock()
         self._staging: Optional[torch.Tensor] = None
@@ -160,6 +162,11 @@ class OrbitKVStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        # Hybrid models on the UnifiedRadixCache path: older SGLang passes the HostPoolGroup itself (the anchor
+        # holds the KV pages, the other entries arrive through register_mem_host_pool_v2 or are taken from it).
+        anchor = host_pool_group_anchor(mem_pool_host)
+        group, mem_pool_host = (mem_pool_host, anchor) if anchor is not None else (None, mem_pool_host)
+        self._kv_pool = mem_pool_host
         geometry = describe_host_pool(mem_pool_host, is_mla=self.is_mla, kv_cache_dtype=self.kv_cache_dtype)
         if geometry is None:
             self._anchor = True
@@ -169,22 +176,34 @@ class OrbitKVStorage(HiCacheStorage):
         self._kv = geometry
         logger.info("OrbitKV: registered the %s host pool (%d pages of %d bytes) with the Manager",
                     geometry.layout, geometry.num_pages, geometry.block_bytes)
+        for entry in getattr(group, "entries", None) or ():
+            if entry.host_pool is not anchor:
+                self.register_mem_host_pool_v2(entry.host_pool, entry.name)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = pool_name_str(host_pool_name)
-        if name == _KV or host_pool is getattr(self, "mem_pool_host", None):
+        if name == _KV or host_pool is getattr(self, "mem_pool_host", None) or host_pool is self._kv_pool:
             return
+        if self._link.has_pool("pool:" + name):
+            if self._side_pools.get(name) is host_pool:
+                return  # the group's entry, registered with the group already
+            raise ValueError(f"OrbitKV: a second host pool named {name!r}")
+        self._side_pools[name] = host_pool
         geometry = describe_host_pool(host_pool, is_mla=self.is_mla, label=name)
         if geometry is None:
             raise ValueError(f"OrbitKV: the {name!r} host pool has no buffer to register")
         # A side page belongs to a KV page: its key spans that KV page's tokens.
         span = self._kv.page_tokens if self._kv is not None else None
-        self._link.register("pool:" + name, geometry, self._namespace(geometry), span)
+        self._link.register("pool:" + name, geometry, self._namespace(geometry, replicated=False), span)
 
-    def _namespace(self, geometry: PoolGeometry) -> bytes:
+    def _namespace(self, geometry: PoolGeometry, *, replicated: Optional[bool] = None) -> bytes:
+        """The pool's namespace. Only a rank-replicated pool (MLA's KV pool: every TP rank holds the same bytes)
+        drops the TP rank; side pools (Mamba/KDA state, sharded by head across TP) keep it, MLA or not."""
         cfg = self.config
-        tp_size, tp_rank = (1, 0) if self.is_mla else (cfg.tp_size, cfg.tp_rank)
+        if replicated is None:
+            replicated = self.is_mla
+        tp_size, tp_rank = (1, 0) if replicated else (cfg.tp_size, cfg.tp_rank)
         detail = geometry.detail
         cp_size = getattr(cfg, "attn_cp_size", 1) or 1
         if cp_size > 1:  # each context-parallel rank holds a disjoint slice of every page
@@ -339,12 +358,17 @@ class OrbitKVStorage(HiCacheStorage):
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> List[bool]:
         def run() -> List[bool]:
             n = len(keys)
-            if n == 0 or self._anchor or not self.is_writer:
+            if n == 0 or self._anchor:
+                return [True] * n
+            natives = native_keys(keys)
+            first = self._candidates(natives, extra_info, self._kv.page_tokens, write=True)[0]
+            if not self.is_writer:
+                # Replicated KV: rank 0 stores it. The positions are still learned, for this rank's side pools.
+                self._learn(natives, first)
+                self._remember(extra_info, first, n, True)
                 return [True] * n
             started = time.perf_counter()
             pages = self._pages(host_indices, n, self._kv)
-            natives = native_keys(keys)
-            first = self._candidates(natives, extra_info, self._kv.page_tokens, write=True)[0]
             written, skipped = self._write(_KV, natives, first, pages)
             self._learn(natives, first)
             self._remember(extra_info, first, n, True)
@@ -527,8 +551,8 @@ class OrbitKVStorage(HiCacheStorage):
             for transfer in transfers:
                 keys = transfer.keys or []
                 name = pool_name_str(transfer.name)
-                if not keys or not self.is_writer:
-                    results[name] = [True] * len(keys)
+                if not keys:  # every rank writes its side pools: they are sharded even where the KV is not
+                    results[name] = []
                     continue
                 results[name] = [False] * len(keys)
                 try:

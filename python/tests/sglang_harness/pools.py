@@ -286,3 +286,50 @@ class MLATokenToKVPool:
 
     def register_layer_transfer_counter(self, counter) -> None:
         self.layer_transfer_counter = counter
+
+
+class PoolEntry:
+    """One pool of a hybrid model's host pool group (``mem_cache/pool_host/group.py``)."""
+
+    def __init__(self, name: str, host_pool, device_pool=None, *, is_primary_index_anchor: bool = False):
+        self.name = name
+        self.host_pool = host_pool
+        self.device_pool = device_pool
+        self.is_primary_index_anchor = is_primary_index_anchor
+
+
+class HostPoolGroup:
+    """SGLang's ``HostPoolGroup`` (UnifiedRadixCache path, hybrid models): the anchor entry's attributes are the
+    group's (``layout``, ``page_size``, ``size``), ``kv_buffer`` delegates to the anchor's stacked ``(2, ...)`` MHA
+    buffer, and there is no ``get_hybrid_pool_buffer``. Older SGLang hands the group itself to
+    ``register_mem_pool_host``; newer hands the anchor's host pool and then every entry through
+    ``register_mem_host_pool_v2`` (``hybrid_cache_controller.py``)."""
+
+    def __init__(self, entries):
+        self._entries = list(entries)
+        anchor = self.anchor_entry.host_pool
+        self.layout, self.page_size, self.size = anchor.layout, anchor.page_size, anchor.size
+        self.device = "cpu"
+
+    @property
+    def entries(self):
+        return self._entries
+
+    @property
+    def entry_map(self):
+        return {e.name: e for e in self._entries}
+
+    @property
+    def anchor_entry(self):
+        return next((e for e in self._entries if e.is_primary_index_anchor), self._entries[0])
+
+    def get_pool(self, name: str):
+        return self.entry_map[name].host_pool
+
+    @property
+    def kv_buffer(self):
+        return self.anchor_entry.host_pool.kv_buffer
+
+    @property
+    def size_per_token(self):
+        return self.anchor_entry.host_pool.get_size_per_token()
