@@ -280,7 +280,8 @@ def test_no_io_call_raises_and_the_manager_comes_back(build_dir):
         assert storage.batch_set_v1(keys("more", 2), slots(0, 2)) == [False, False]
         assert storage.batch_get(k[:1]) == [None] and storage.batch_set(k[:1], [pool.get_data_page(0)]) is False
         assert storage.batch_exists_v2(k, side).kv_hit_pages == 0
-        assert storage.exists(k[0]) is False and storage.clear() is False
+        assert storage.exists(k[0]) is False
+        assert storage.clear() is True  # a new epoch: the pools register under it when the Manager is back
         assert isinstance(storage.get_stats(), StorageMetrics)
         m.start()  # a new Manager on the same socket: the backend reconnects and re-registers its pool
         assert storage.batch_exists(k) == 0  # the new Manager is empty
@@ -530,4 +531,28 @@ def test_mla_kv_is_shared_but_tp_sharded_side_pools_keep_their_rank(manager):
         assert torch.equal(state.kv_buffer[5], writers[r][2].kv_buffer[1]), f"rank {r} read another shard"
     assert not torch.equal(writers[0][2].kv_buffer[1], writers[1][2].kv_buffer[1])
     for s, *_ in writers + readers:
+        s.close()
+
+
+def test_clear_starts_a_new_epoch_for_this_instance_only(manager):
+    """/clear_hicache_storage_backend: afterwards this instance never sees pages saved before (before: clear did
+    nothing, returned False, and exists still found them); another instance keeps seeing them."""
+    k = keys("clear", 4)
+    a, b = backend(config(manager.socket), mha_pool()), backend(config(manager.socket), mha_pool())
+    assert a.batch_set_v1(k, slots(0, 4)) == [True] * 4
+    assert a.batch_exists(k) == 4
+    assert a.clear() is True
+    assert a.batch_exists(k) == 0 and a.batch_get_v1(k, slots(4, 4)) == [False] * 4
+    assert a.batch_get(k[:1]) == [None]  # the generic path too
+    assert b.batch_exists(k) == 4  # b did not clear
+    assert a.batch_set_v1(k, slots(0, 4)) == [True] * 4 and a.batch_get_v1(k, slots(4, 4)) == [True] * 4
+    # Instances configured with one epoch that clear in lockstep (every rank, every replica) share again.
+    c, d = (backend(config(manager.socket, weights_epoch="w0"), mha_pool()) for _ in range(2))
+    for s in (c, d):
+        assert s.clear() is True
+    assert c.batch_exists(k) == 0
+    assert c.batch_set_v1(k, slots(0, 4)) == [True] * 4
+    assert d.batch_get_v1(k, slots(4, 4)) == [True] * 4
+    assert all(same_page(c.mem_pool_host, i * P, d.mem_pool_host, (4 + i) * P) for i in range(4))
+    for s in (a, b, c, d):
         s.close()

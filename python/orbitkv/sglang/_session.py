@@ -194,6 +194,31 @@ class ManagerLink:
             return
         raise RuntimeError("OrbitKV: could not find a free instance id")
 
+    def renamespace(self, namespaces: Dict[str, bytes]) -> None:
+        """Moves pools to new namespaces (``clear``): each gets a fresh instance under its new namespace before the
+        old one is unregistered, so a call that starts after this returns never reads the old namespace's pages."""
+        client = self._link.client()
+        with self._lock:
+            old = []
+            for label, namespace in namespaces.items():
+                pool = self._pools[label]
+                old.append(pool.instance_id)
+                pool.namespace = namespace
+                pool.instance_id = 0
+                if client is not None:
+                    self._register_on(client, pool)
+        if client is None:
+            return  # the next connection registers every pool under its new namespace
+        for instance in old:
+            if instance:
+                try:
+                    client.unregister_instance(instance)
+                except orbitkv.OrbitKVError:
+                    pass
+
+    def labels(self) -> List[str]:
+        return list(self._pools)
+
     def has_pool(self, label: str) -> bool:
         return label in self._pools
 

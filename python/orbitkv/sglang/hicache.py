@@ -81,7 +81,7 @@ def model_fingerprint(model_id: str) -> str:
 # Keys SGLang itself leaves in the extra config, and ours (docs/sglang.md lists what each does).
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
 _OUR_KEYS = {"socket_path", "timeout_ms", "loading_wait_ms", "reconnect_interval_s", "cache_scope", "model_id",
-             "weights_revision", "tokenizer", "kv_cache_dtype", "legacy_staging_pages"}
+             "weights_revision", "tokenizer", "kv_cache_dtype", "legacy_staging_pages", "weights_epoch"}
 _KV = "kv"
 _STAGING = "kv-staging"
 
@@ -128,6 +128,9 @@ class OrbitKVStorage(HiCacheStorage):
         self.tokenizer = _str_option(extra, "tokenizer", None) or self.model_id
         self.cache_scope = _str_option(extra, "cache_scope", "")
         self.kv_cache_dtype = _str_option(extra, "kv_cache_dtype", None)
+        # The weights epoch (clear() advances it): chained from the configured one, random without one.
+        self._epoch_configured = bool(_str_option(extra, "weights_epoch", ""))
+        self._epoch = (_str_option(extra, "weights_epoch", "") or "").encode()
         timeout_ms = _int_option(extra, "timeout_ms", 10000, 1)
         loading_wait_ms = _int_option(extra, "loading_wait_ms", 100, 0)
         reconnect_s = _number_option(extra, "reconnect_interval_s", 1.0, 0)
@@ -197,7 +200,8 @@ class OrbitKVStorage(HiCacheStorage):
         span = self._kv.page_tokens if self._kv is not None else None
         self._link.register("pool:" + name, geometry, self._namespace(geometry, replicated=False), span)
 
-    def _namespace(self, geometry: PoolGeometry, *, replicated: Optional[bool] = None) -> bytes:
+    def _namespace(self, geometry: PoolGeometry, *, replicated: Optional[bool] = None,
+                   epoch: Optional[bytes] = None) -> bytes:
         """The pool's namespace. Only a rank-replicated pool (MLA's KV pool: every TP rank holds the same bytes)
         drops the TP rank; side pools (Mamba/KDA state, sharded by head across TP) keep it, MLA or not."""
         cfg = self.config
@@ -205,6 +209,9 @@ class OrbitKVStorage(HiCacheStorage):
             replicated = self.is_mla
         tp_size, tp_rank = (1, 0) if replicated else (cfg.tp_size, cfg.tp_rank)
         detail = geometry.detail
+        epoch = self._epoch if epoch is None else epoch
+        if epoch:
+            detail += "/epoch:" + hashlib.sha256(epoch).hexdigest()[:32]
         cp_size = getattr(cfg, "attn_cp_size", 1) or 1
         if cp_size > 1:  # each context-parallel rank holds a disjoint slice of every page
             detail += f"/cp{cfg.attn_cp_rank}of{cp_size}"
@@ -573,11 +580,32 @@ class OrbitKVStorage(HiCacheStorage):
     # ---- control ----
 
     def clear(self) -> bool:
-        """SGLang's /clear_hicache_storage_backend. The Manager owns eviction and has no call that drops a
-        namespace yet, so stored pages stay until evicted; this reports False and logs why."""
-        self.counters_.add("clear_unsupported")
-        logger.warning("OrbitKV: clear is not supported yet (the Manager evicts by LRU; restart it to empty it)")
-        return False
+        """SGLang's /clear_hicache_storage_backend (and RL weight updates that flush the cache): a new weights
+        epoch, so this instance never again sees a page saved before it; other instances (engines that did not
+        clear) keep theirs. Pools move to namespaces of the new epoch; the old pages age out of the Manager by
+        LRU. With "weights_epoch" configured, each clear chains it, so ranks and replicas that clear in lockstep
+        share again; without it, a clear draws a random epoch."""
+        def run() -> bool:
+            if self._epoch_configured:
+                epoch = hashlib.sha256(b"orbitkv.sglang.epoch-reset" + self._epoch).digest()
+            else:
+                epoch = os.urandom(32)
+            namespaces = {}
+            for label in self._link.labels():
+                if label == _STAGING:
+                    continue
+                replicated = None if label == _KV else False
+                namespaces[label] = self._namespace(self._link.geometry(label), replicated=replicated, epoch=epoch)
+            if self._link.has_pool(_STAGING):
+                namespaces[_STAGING] = namespaces[_KV]
+            self._link.renamespace(namespaces)
+            self._epoch = epoch
+            self._memo = PositionMemo()
+            self.counters_.add("clears")
+            logger.info("OrbitKV: cleared: a new weights epoch; pages saved before are no longer found here")
+            return True
+
+        return self._guarded("clear", lambda: False, run)
 
     def get_stats(self):
         """Pages and GB/s of every prefetch and backup call since the previous poll (SGLang's StorageMetrics)."""
