@@ -556,3 +556,52 @@ def test_clear_starts_a_new_epoch_for_this_instance_only(manager):
     assert all(same_page(c.mem_pool_host, i * P, d.mem_pool_host, (4 + i) * P) for i in range(4))
     for s in (a, b, c, d):
         s.close()
+
+
+OLD_SGLANG = {
+    "sglang/__init__.py": "__version__ = '0.5.2'\n",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/mem_cache/__init__.py": "",
+    # SGLang before the hybrid-pool (v2) interface: no PoolTransfer, PoolName or HiCacheStorageExtraInfo.
+    "sglang/srt/mem_cache/hicache_storage.py": (
+        "import abc\nfrom dataclasses import dataclass\n"
+        "@dataclass\nclass HiCacheStorageConfig:\n    tp_rank: int\n    tp_size: int\n    is_mla_model: bool\n"
+        "    is_page_first_layout: bool\n    model_name: str\n    extra_config: dict = None\n"
+        "class HiCacheStorage(abc.ABC):\n"
+        "    def register_mem_pool_host(self, pool):\n        self.mem_pool_host = pool\n"
+        "    @abc.abstractmethod\n    def get(self, key, target_location=None, target_sizes=None): ...\n"
+        "    @abc.abstractmethod\n    def batch_get(self, keys, target_locations=None, target_sizes=None): ...\n"
+        "    @abc.abstractmethod\n    def set(self, key, value=None, target_location=None, target_sizes=None): ...\n"
+        "    @abc.abstractmethod\n    def batch_set(self, keys, values=None, target_locations=None, "
+        "target_sizes=None): ...\n"
+        "    @abc.abstractmethod\n    def exists(self, key): ...\n"),
+    # The linker base at its first module path.
+    "sglang/srt/mem_cache/unified_cache_linker.py": "import abc\nclass UnifiedCacheLinker(abc.ABC):\n    pass\n",
+}
+
+CHECK_OLD = """
+import sys, logging
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.unified_cache_linker import UnifiedCacheLinker
+from orbitkv.sglang import OrbitKVStorage, _compat
+from orbitkv.sglang.linker import OrbitKVLinker
+assert issubclass(OrbitKVStorage, HiCacheStorage), "the dynamic factory would reject the backend"
+assert issubclass(OrbitKVLinker, UnifiedCacheLinker)
+assert _compat.HAVE_SGLANG and not _compat.HAVE_SGLANG_V2
+print(_compat.sglang_version())
+"""
+
+
+def test_an_older_sglang_still_gets_the_real_base_classes(tmp_path, root):
+    import subprocess
+    import sys
+
+    for name, text in OLD_SGLANG.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    env = dict(__import__("os").environ, PYTHONPATH=f"{tmp_path}:{root / 'python'}")
+    out = subprocess.run([sys.executable, "-c", CHECK_OLD], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "SGLang 0.5.2: hybrid (v2) pools no, unified-cache linker yes" in out.stdout

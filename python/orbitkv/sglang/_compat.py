@@ -26,49 +26,58 @@ __all__ = [
     "PoolTransferResult",
     "StorageMetrics",
     "UnifiedCacheLinker",
+    "sglang_version",
 ]
 
-try:  # SGLang installed: subclass its real base so the dynamic-backend factory's issubclass() check passes.
-    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
-        HiCacheStorage,
-        HiCacheStorageConfig,
-        HiCacheStorageExtraInfo,
-        PoolTransfer,
-        PoolTransferResult,
-    )
+import importlib
+import logging
 
+_log = logging.getLogger("orbitkv.sglang")
+
+
+def _attr(module: str, name: str):
+    """``module.name`` when SGLang has it, else None (older SGLang lacks the newer types)."""
     try:
-        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName  # type: ignore
-    except ImportError:  # SGLang before the v2 (hybrid pool) interface
-        PoolHitPolicy = PoolName = None  # type: ignore[assignment]
-    try:
-        from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE  # type: ignore
+        return getattr(importlib.import_module(module), name, None)
     except ImportError:
-        STORAGE_BATCH_SIZE = 128
-    HAVE_SGLANG = True
-except ImportError:
-    HAVE_SGLANG = False
+        return None
 
-try:
-    from sglang.srt.observability.metrics_collector import StorageMetrics  # type: ignore[import-not-found]
-except ImportError:
-    try:
-        from sglang.srt.metrics.collector import StorageMetrics  # type: ignore[import-not-found]
-    except ImportError:
-        StorageMetrics = None  # type: ignore[assignment]
 
-try:
-    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # type: ignore[import-not-found]
-        UnifiedCacheLinker,
-    )
+_STORAGE = "sglang.srt.mem_cache.hicache_storage"
+# SGLang installed: subclass its real base so the dynamic-backend factory's issubclass() check passes. Only the
+# base and its config are required; every newer type (extra info, v2 pools) is taken when present and a stand-in
+# otherwise, so an SGLang from before the hybrid-pool interface still gets the real base class.
+HiCacheStorage = _attr(_STORAGE, "HiCacheStorage")
+HiCacheStorageConfig = _attr(_STORAGE, "HiCacheStorageConfig")
+HAVE_SGLANG = HiCacheStorage is not None and HiCacheStorageConfig is not None
+_real = {name: _attr(_STORAGE, name) if HAVE_SGLANG else None
+         for name in ("HiCacheStorageExtraInfo", "PoolTransfer", "PoolTransferResult", "PoolHitPolicy", "PoolName",
+                      "STORAGE_BATCH_SIZE")}
+HAVE_SGLANG_V2 = HAVE_SGLANG and _real["PoolTransfer"] is not None
 
-    HAVE_SGLANG_LINKER = True
-except ImportError:
-    HAVE_SGLANG_LINKER = False
+StorageMetrics = (_attr("sglang.srt.observability.metrics_collector", "StorageMetrics")
+                  or _attr("sglang.srt.metrics.collector", "StorageMetrics"))
 
+# The linker base moved: mem_cache/unified_cache_linker.py first, then mem_cache/unified_cache/.
+LINKER_MODULES = ("sglang.srt.mem_cache.unified_cache.unified_cache_linker",
+                  "sglang.srt.mem_cache.unified_cache_linker")
+UnifiedCacheLinker = next((c for c in (_attr(m, "UnifiedCacheLinker") for m in LINKER_MODULES) if c is not None),
+                          None)
+HAVE_SGLANG_LINKER = UnifiedCacheLinker is not None
+
+
+def sglang_version() -> str:
+    """What the adapters found: SGLang's version and which interfaces it has (logged at load time)."""
+    if not HAVE_SGLANG:
+        return "no SGLang (stand-in interfaces)"
+    version = getattr(importlib.import_module("sglang"), "__version__", "unknown")
+    return (f"SGLang {version}: hybrid (v2) pools {'yes' if HAVE_SGLANG_V2 else 'no'}, unified-cache linker "
+            f"{'yes' if HAVE_SGLANG_LINKER else 'no'}")
+
+
+STORAGE_BATCH_SIZE = _real["STORAGE_BATCH_SIZE"] or 128
 
 if not HAVE_SGLANG:
-    STORAGE_BATCH_SIZE = 128
 
     @dataclass
     class HiCacheStorageConfig:  # type: ignore[no-redef]
@@ -88,10 +97,16 @@ if not HAVE_SGLANG:
         should_split_heads: bool = False
         extra_config: Optional[dict] = None
 
+HiCacheStorageExtraInfo = _real["HiCacheStorageExtraInfo"]
+if HiCacheStorageExtraInfo is None:
+
     @dataclass
     class HiCacheStorageExtraInfo:  # type: ignore[no-redef]
         prefix_keys: Optional[List[str]] = None
         extra_info: Optional[dict] = None
+
+PoolName, PoolHitPolicy = _real["PoolName"], _real["PoolHitPolicy"]
+if PoolName is None:
 
     class PoolName(str, enum.Enum):  # type: ignore[no-redef]
         KV = "kv"
@@ -103,9 +118,14 @@ if not HAVE_SGLANG:
         def __str__(self) -> str:
             return self.value
 
+if PoolHitPolicy is None:
+
     class PoolHitPolicy(str, enum.Enum):  # type: ignore[no-redef]
         ALL_PAGES = "all_pages"
         TRAILING_PAGES = "trailing_pages"
+
+PoolTransfer, PoolTransferResult = _real["PoolTransfer"], _real["PoolTransferResult"]
+if PoolTransfer is None:
 
     @dataclass
     class PoolTransfer:  # type: ignore[no-redef]
@@ -117,11 +137,15 @@ if not HAVE_SGLANG:
         nodes_to_load: Optional[List[Any]] = None
         indices_from_pool: Any = None
 
+if PoolTransferResult is None:
+
     @dataclass
     class PoolTransferResult:  # type: ignore[no-redef]
         kv_hit_pages: int
         extra_pool_hit_pages: dict
         restorable_prefix_pages: Optional[List[int]] = None
+
+if not HAVE_SGLANG:
 
     class HiCacheStorage(abc.ABC):  # type: ignore[no-redef]
         """Stand-in for SGLang's storage-backend base class (same abstract methods and defaults)."""

@@ -41,6 +41,7 @@ from orbitkv.sglang._compat import (
     PoolTransferResult,
     StorageMetrics,
     pool_name_str,
+    sglang_version,
 )
 from orbitkv.sglang._layout import PoolGeometry, describe_host_pool, host_pool_group_anchor
 from orbitkv.sglang._session import (
@@ -120,6 +121,7 @@ class OrbitKVStorage(HiCacheStorage):
         if unknown:
             logger.warning("OrbitKV: ignoring unknown extra-config keys %s", unknown)
         self.config = storage_config
+        logger.info("OrbitKV: HiCache storage backend on %s", sglang_version())
         self.model_id = _str_option(extra, "model_id", None) or storage_config.model_name
         if not self.model_id:
             raise ValueError("OrbitKV: the served model name is empty; set \"model_id\" in the extra config so keys "
