@@ -20,13 +20,17 @@ os.environ.pop("HF_HOME", None)
 
 @pytest.fixture(autouse=True)
 def _vllm_scheduler_detection():
-    """Each test starts with the connector's own detection of the vLLM scheduler (a harness may override it)."""
+    """Each test starts with the adapters' own detection of the engine (vLLM's scheduler, SGLang's server args),
+    which a harness may override."""
     yield
     try:
         from orbitkv.vllm import _compat
     except ImportError:
         return
     _compat.set_scheduler_recovers_hybrid(None)
+    from orbitkv.sglang import _compat as sglang_compat
+
+    sglang_compat.set_server_args(None)  # SGLang's global server args, which a harness may have installed
 
 
 @pytest.fixture(scope="session")

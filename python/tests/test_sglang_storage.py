@@ -605,3 +605,45 @@ def test_an_older_sglang_still_gets_the_real_base_classes(tmp_path, root):
     out = subprocess.run([sys.executable, "-c", CHECK_OLD], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "SGLang 0.5.2: hybrid (v2) pools no, unified-cache linker yes" in out.stdout
+
+
+def test_fp8_dtype_comes_from_the_servers_kv_cache_dtype(manager):
+    """--kv-cache-dtype fp8_e5m2 with no kv_cache_dtype in the extra config (before: refused to attach)."""
+    from sglang_harness.hicache import ServerArgs
+
+    k = keys("fp8-server", 2)
+    ServerArgs(kv_cache_dtype="fp8_e5m2").install()
+    e5m2 = backend(config(manager.socket), mha_pool(dtype=torch.uint8))
+    assert e5m2.batch_set_v1(k, slots(0, 2)) == [True, True]
+    ServerArgs(kv_cache_dtype="fp8_e4m3").install()
+    e4m3 = backend(config(manager.socket), mha_pool(dtype=torch.uint8))
+    assert e4m3.batch_exists(k) == 0  # the other fp8: never each other's bytes
+    ServerArgs(kv_cache_dtype="auto").install()  # truly unknown: refused, naming both fixes
+    storage = OrbitKVStorage(config(manager.socket), {})
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        storage.register_mem_pool_host(mha_pool(dtype=torch.uint8))
+    for s in (e5m2, e4m3, storage):
+        s.close()
+
+
+def test_the_loading_wait_follows_sglangs_prefetch_policy_and_timeout():
+    """Pages still loading (SSD, later a peer) are waited for as long as SGLang's own prefetch would wait for them,
+    not a constant 100 ms: the prefetch_timeout_* keys SGLang pops from the extra config are read from the server
+    arguments."""
+    import json
+
+    from orbitkv.sglang.hicache import PrefetchWait
+    from sglang_harness.hicache import ServerArgs, backend_extra_config
+
+    raw = json.dumps({"backend_name": "orbitkv", "prefetch_timeout_base": 3, "prefetch_timeout_per_ki_token": 0.5,
+                      "prefetch_timeout_max": 10})
+    assert "prefetch_timeout_base" not in backend_extra_config(raw)  # what the backend itself receives
+    timeout = PrefetchWait.from_server(ServerArgs(hicache_storage_backend_extra_config=raw), None)
+    assert timeout(2048) == pytest.approx(4.0) and timeout(100_000) == pytest.approx(10.0)
+    defaults = PrefetchWait.from_server(ServerArgs(), None)  # SGLang's defaults: 2 s + 0.1 s per 1024, max 30
+    assert defaults(10240) == pytest.approx(3.0)
+    assert PrefetchWait.from_server(ServerArgs(hicache_storage_prefetch_policy="best_effort"), None)(4096) == 0
+    assert PrefetchWait.from_server(ServerArgs(hicache_storage_prefetch_policy="wait_complete",
+                                               hicache_storage_backend_extra_config=raw), None)(64) == 10
+    assert PrefetchWait.from_server(ServerArgs(), 250)(1 << 20) == pytest.approx(0.25)  # explicit override
+    assert PrefetchWait.from_server(None, None)(4096) == pytest.approx(0.1)  # no server args (older SGLang)

@@ -273,3 +273,53 @@ if not HAVE_SGLANG_LINKER:
 def pool_name_str(name) -> str:
     """A pool name (PoolName member or plain string) as its string value."""
     return name.value if isinstance(name, enum.Enum) else str(name)
+
+
+# ---- the server's arguments -----------------------------------------------------------------------------------
+
+_server_args_override: Any = None
+
+
+def set_server_args(args: Any) -> None:
+    """Sets what ``server_args()`` returns (test harnesses model SGLang's global server args with it)."""
+    global _server_args_override
+    _server_args_override = args
+
+
+def server_args() -> Any:
+    """SGLang's ServerArgs of this process (``sglang.srt.server_args.get_global_server_args``), or None where it
+    cannot be had (SGLang absent, too old, or not set yet)."""
+    if _server_args_override is not None:
+        return _server_args_override
+    getter = _attr("sglang.srt.server_args", "get_global_server_args") if HAVE_SGLANG else None
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except Exception:  # noqa: BLE001 - not initialised in this process
+        return None
+
+
+def raw_storage_extra_config(args: Any) -> dict:
+    """``--hicache-storage-backend-extra-config`` as the user gave it (JSON, or @file in JSON or TOML), before
+    SGLang pops its own prefetch keys out of the copy the backend receives."""
+    raw = getattr(args, "hicache_storage_backend_extra_config", None) if args is not None else None
+    if isinstance(raw, dict):
+        return dict(raw)
+    if not raw:
+        return {}
+    import json
+
+    try:
+        if str(raw).startswith("@"):
+            path = str(raw)[1:]
+            with open(path, "rb") as f:
+                data = f.read()
+            if path.endswith(".toml"):
+                import tomllib
+
+                return dict(tomllib.loads(data.decode()))
+            return dict(json.loads(data))
+        return dict(json.loads(raw))
+    except (OSError, ValueError, TypeError):
+        return {}

@@ -86,8 +86,10 @@ def _resolve_dtype(tensors: Sequence, kv_cache_dtype: Optional[str], require_rea
         if pool_dtype == "uint8" and require_real:
             # SGLang keeps an fp8 KV cache in uint8 storage: without the real dtype, e4m3 and e5m2 runs would share
             # keys and read each other's bytes (sgl-project/sglang#33268).
-            raise ValueError("the host KV pool stores uint8 (SGLang's storage for fp8 KV caches): set "
-                             "\"kv_cache_dtype\" (fp8_e4m3 or fp8_e5m2) in --hicache-storage-backend-extra-config")
+            raise ValueError("the host KV pool stores uint8 (SGLang's storage for fp8 KV caches) and the server's "
+                             "--kv-cache-dtype does not say which fp8 (it is auto, or unreadable here): pass "
+                             "--kv-cache-dtype fp8_e4m3 or fp8_e5m2, or set \"kv_cache_dtype\" in "
+                             "--hicache-storage-backend-extra-config")
         return pool_dtype
     wanted = _KV_CACHE_DTYPES.get(str(kv_cache_dtype).lower())
     if wanted is None:

@@ -139,9 +139,11 @@ class ManagerLink:
     """One SGLang rank's view of the Manager: the pools registered through the shared link (``orbitkv.link``: one
     failure policy with the vLLM connector), and their registrations replayed when it reconnects."""
 
-    def __init__(self, socket_path: Optional[str], *, timeout_ms: int, loading_wait_s: float,
+    def __init__(self, socket_path: Optional[str], *, timeout_ms: int, loading_wait_s,
                  reconnect_interval_s: float, counters: Counters, log: RateLimitedLog):
-        self._loading_wait_s = loading_wait_s
+        # Seconds a Loading answer is waited for: a constant, or a function of the tokens asked about (SGLang's
+        # prefetch timeout, see PrefetchWait).
+        self._loading_wait = loading_wait_s if callable(loading_wait_s) else (lambda tokens: loading_wait_s)
         self._counters = counters
         self._log = log
         self._lock = threading.Lock()  # the pools; taken inside the link's lock (replay), never around it
@@ -289,7 +291,7 @@ class ManagerLink:
                 pending_op = answer.op
                 now = time.monotonic()
                 if deadline is None:
-                    deadline = now + (self._loading_wait_s if wait_loading else 0.0)
+                    deadline = now + (self._loading_wait(len(natives) * page) if wait_loading else 0.0)
                 if now >= deadline:
                     self._cancel(client, instance, pending_op)
                     self._counters.add("query_loading_timeouts")

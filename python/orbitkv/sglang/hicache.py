@@ -41,6 +41,8 @@ from orbitkv.sglang._compat import (
     PoolTransferResult,
     StorageMetrics,
     pool_name_str,
+    raw_storage_extra_config,
+    server_args,
     sglang_version,
 )
 from orbitkv.sglang._layout import PoolGeometry, describe_host_pool, host_pool_group_anchor
@@ -109,6 +111,58 @@ def _str_option(extra: dict, key: str, default: Optional[str]) -> Optional[str]:
     return value
 
 
+def _server_kv_cache_dtype() -> Optional[str]:
+    dtype = getattr(server_args(), "kv_cache_dtype", None)
+    return None if dtype in (None, "", "auto") else str(dtype)
+
+
+class PrefetchWait:
+    """How long a lookup waits for pages still loading (from SSD, later from a peer): SGLang's own prefetch policy
+    and timeout (``--hicache-storage-prefetch-policy``; ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token``
+    and ``prefetch_timeout_max`` in the backend extra config, which SGLang pops before the backend sees it, so they
+    are read from the server's arguments). ``best_effort`` may end the prefetch at any moment: no wait.
+    ``timeout``: ``min(max, base + per_ki_token * tokens / 1024)``, SGLang's own bound. ``wait_complete``: up to
+    ``max``. An explicit ``loading_wait_ms`` overrides all of it; without server arguments (older SGLang) the wait
+    is 100 ms."""
+
+    def __init__(self, policy: str, base: float, per_ki_token: float, maximum: float,
+                 fixed: Optional[float] = None):
+        self.policy, self.base, self.per_ki_token, self.maximum, self.fixed = policy, base, per_ki_token, maximum, fixed
+
+    @classmethod
+    def from_server(cls, args, loading_wait_ms: Optional[int]) -> "PrefetchWait":
+        if loading_wait_ms is not None and loading_wait_ms >= 0:
+            return cls("explicit", 0.0, 0.0, 0.0, loading_wait_ms / 1000.0)
+        if args is None:
+            return cls("default", 0.0, 0.0, 0.0, 0.1)
+        raw = raw_storage_extra_config(args)
+        policy = str(getattr(args, "hicache_storage_prefetch_policy", None) or "best_effort")
+
+        def number(key, default):
+            try:
+                return float(raw.get(key, default))
+            except (TypeError, ValueError):
+                return default
+
+        return cls(policy, number("prefetch_timeout_base", 2.0), number("prefetch_timeout_per_ki_token", 0.1),
+                   number("prefetch_timeout_max", 30.0))
+
+    def __call__(self, tokens: int) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        if self.policy == "best_effort":
+            return 0.0
+        if self.policy == "wait_complete":
+            return self.maximum
+        return min(self.maximum, self.base + self.per_ki_token * tokens / 1024)
+
+    def __repr__(self) -> str:
+        if self.fixed is not None:
+            return f"{self.fixed * 1000:.0f} ms ({self.policy})"
+        return (f"SGLang's {self.policy} policy (base {self.base} s, {self.per_ki_token} s per 1024 tokens, "
+                f"max {self.maximum} s)")
+
+
 class OrbitKVStorage(HiCacheStorage):
     """SGLang HiCacheStorage backed by the OrbitKV Manager. One instance per SGLang rank (scheduler process)."""
 
@@ -129,12 +183,14 @@ class OrbitKVStorage(HiCacheStorage):
         self.model_revision = _str_option(extra, "weights_revision", None) or model_fingerprint(self.model_id)
         self.tokenizer = _str_option(extra, "tokenizer", None) or self.model_id
         self.cache_scope = _str_option(extra, "cache_scope", "")
-        self.kv_cache_dtype = _str_option(extra, "kv_cache_dtype", None)
+        # An fp8 KV cache sits in uint8 host storage; its real dtype is the server's --kv-cache-dtype.
+        self.kv_cache_dtype = _str_option(extra, "kv_cache_dtype", None) or _server_kv_cache_dtype()
         # The weights epoch (clear() advances it): chained from the configured one, random without one.
         self._epoch_configured = bool(_str_option(extra, "weights_epoch", ""))
         self._epoch = (_str_option(extra, "weights_epoch", "") or "").encode()
         timeout_ms = _int_option(extra, "timeout_ms", 10000, 1)
-        loading_wait_ms = _int_option(extra, "loading_wait_ms", 100, 0)
+        loading_wait_ms = _int_option(extra, "loading_wait_ms", -1, -1) if "loading_wait_ms" in extra else None
+        self.prefetch_wait = PrefetchWait.from_server(server_args(), loading_wait_ms)
         reconnect_s = _number_option(extra, "reconnect_interval_s", 1.0, 0)
         self._staging_pages = _int_option(extra, "legacy_staging_pages", 8, 1)
         # Only the zero-copy calls carry positions (prefix_keys); the generic ones never do, so without
@@ -150,8 +206,9 @@ class OrbitKVStorage(HiCacheStorage):
         self._log = RateLimitedLog()
         self._memo = PositionMemo()
         self._calls = threading.local()
+        logger.info("OrbitKV: pages still loading are waited for per %r", self.prefetch_wait)
         self._link = ManagerLink(_str_option(extra, "socket_path", None) or env_socket(), timeout_ms=timeout_ms,
-                                 loading_wait_s=loading_wait_ms / 1000.0, reconnect_interval_s=reconnect_s,
+                                 loading_wait_s=self.prefetch_wait, reconnect_interval_s=reconnect_s,
                                  counters=self.counters_, log=self._log)
         self._anchor = False  # a KV pool without a buffer (DeepSeek-V4 logical anchor): v2 pools carry the data
         self._kv_pool = None  # the host pool holding KV pages (a HostPoolGroup's anchor)

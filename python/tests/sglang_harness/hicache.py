@@ -717,3 +717,38 @@ def serve_prefix(cache: HiRadixCache, req_id: str, tokens: List[int], on_step: C
             on_step()
         time.sleep(0.0005)
     return len(cache.load_back(tokens[:limit]).device_indices)
+
+
+@dataclass
+class ServerArgs:
+    """The fields of SGLang's ServerArgs the storage path reads (``server_args.py``), with SGLang's defaults:
+    ``hicache_storage_backend_extra_config`` is the user's JSON string, from which the cache controller pops
+    ``prefetch_threshold`` and the ``prefetch_timeout_*`` keys before the backend gets the rest."""
+
+    kv_cache_dtype: str = "auto"
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_storage_backend: str = "dynamic"
+    hicache_storage_backend_extra_config: Optional[str] = None
+    served_model_name: Optional[str] = None
+
+    def install(self) -> "ServerArgs":
+        """What SGLang's set_global_server_args_for_scheduler does: the backend reads them through
+        get_global_server_args()."""
+        from orbitkv.sglang import _compat
+
+        _compat.set_server_args(self)
+        return self
+
+
+SGLANG_POPPED_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                      "prefetch_timeout_max", "hicache_storage_pass_prefix_keys")
+
+
+def backend_extra_config(raw_json: str) -> dict:
+    """The extra config the backend receives: the user's, minus the keys the controller pops."""
+    import json
+
+    extra = json.loads(raw_json)
+    for key in SGLANG_POPPED_KEYS:
+        extra.pop(key, None)
+    return extra
