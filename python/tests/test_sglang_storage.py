@@ -647,3 +647,23 @@ def test_the_loading_wait_follows_sglangs_prefetch_policy_and_timeout():
                                                hicache_storage_backend_extra_config=raw), None)(64) == 10
     assert PrefetchWait.from_server(ServerArgs(), 250)(1 << 20) == pytest.approx(0.25)  # explicit override
     assert PrefetchWait.from_server(None, None)(4096) == pytest.approx(0.1)  # no server args (older SGLang)
+
+
+def test_draft_kv_of_speculative_decoding_round_trips_in_its_own_namespace(manager):
+    """SGLang stores the draft model's KV through the generic calls as "{hash}.draft" with draft-pool-sized pages
+    (before: refused, the page size did not match the KV pool's)."""
+    storage = backend(config(manager.socket), mha_pool())
+    k = keys("draft", 3)
+    assert storage.batch_set_v1(k, slots(0, 3)) == [True] * 3  # the target model's KV (positions learned)
+    draft = [torch.randn(2, 1, P, 2, 4).to(torch.bfloat16).flatten() for _ in k]  # a smaller draft pool's pages
+    assert storage.batch_set([f"{h}.draft" for h in k], draft) is True
+    other = backend(config(manager.socket), mha_pool())
+    dummy = [torch.zeros_like(d) for d in draft]
+    got = other.batch_get([f"{h}.draft" for h in k], dummy)
+    assert all(g is not None and torch.equal(g, d) for g, d in zip(got, draft))
+    # A draft page is not the target's page of the same hash, nor another drafter's.
+    assert other.batch_get([f"{h}.draft-eagle3" for h in k], dummy) == [None] * 3
+    assert other.batch_get_v1(k, slots(4, 3)) == [True] * 3
+    assert all(same_page(storage.mem_pool_host, i * P, other.mem_pool_host, (4 + i) * P) for i in range(3))
+    for s in (storage, other):
+        s.close()

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -109,6 +109,14 @@ def _str_option(extra: dict, key: str, default: Optional[str]) -> Optional[str]:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"OrbitKV: extra-config key {key!r} must be a string, got {value!r}")
     return value
+
+
+def _draft_model() -> str:
+    """The draft model of speculative decoding, as the server names it (its pages are its own KV)."""
+    args = server_args()
+    path = getattr(args, "speculative_draft_model_path", None) if args is not None else None
+    revision = getattr(args, "speculative_draft_model_revision", None) if args is not None else None
+    return f"{path or 'draft'}@{revision or ''}"
 
 
 def _server_kv_cache_dtype() -> Optional[str]:
@@ -215,7 +223,7 @@ class OrbitKVStorage(HiCacheStorage):
         self._side_pools: dict = {}
         self._kv: Optional[PoolGeometry] = None
         self._staging_lock = threading.Lock()
-        self._staging: Optional[torch.Tensor] = None
+        self._staging: Dict[str, torch.Tensor] = {}
         self._metrics_lock = threading.Lock()
         self._metrics = StorageMetrics()
         self._closed = False
@@ -446,52 +454,92 @@ class OrbitKVStorage(HiCacheStorage):
 
     # ---- generic (legacy) calls: pages are copied through a small shared-memory staging area ----
 
-    def _staging_area(self) -> torch.Tensor:
-        if self._staging is None:
+    def _staging_area(self, label: str = _STAGING, block_bytes: Optional[int] = None) -> torch.Tensor:
+        """The shared-memory staging pages of the generic calls: ``kv-staging`` for KV pages (the KV pool's
+        namespace: the staged bytes are exactly SGLang's flat page, which is what the zero-copy path stores, see
+        _layout.py), one ``draft:SUFFIX`` area per draft model for speculative decoding's draft KV."""
+        staging = self._staging.get(label)
+        if staging is None:
             kv = self._kv
-            staging = shm.empty((self._staging_pages, kv.block_bytes), "uint8", like="torch")
-            geometry = PoolGeometry("staging", kv.page_tokens, self._staging_pages, (staging,), kv.block_bytes,
-                                    kv.dtype, kv.state_layout, kv.detail, kv.is_mla)
-            # Same namespace as the host pool: the staged bytes are exactly SGLang's flat page, which is exactly
-            # what the zero-copy path stores (see _layout.py).
-            self._link.register(_STAGING, geometry, self._link.namespace(_KV))
-            self._staging = staging
-        return self._staging
+            size = block_bytes or kv.block_bytes
+            staging = shm.empty((self._staging_pages, size), "uint8", like="torch")
+            if label == _STAGING:
+                geometry = PoolGeometry("staging", kv.page_tokens, self._staging_pages, (staging,), size, kv.dtype,
+                                        kv.state_layout, kv.detail, kv.is_mla)
+                namespace = self._link.namespace(_KV)
+            else:
+                geometry = PoolGeometry("staging", kv.page_tokens, self._staging_pages, (staging,), size, "uint8",
+                                        "layer_first", f"{kv.detail}/{label}/{size}B/{_draft_model()}", kv.is_mla)
+                namespace = self._namespace(geometry)
+            self._link.register(label, geometry, namespace)
+            self._staging[label] = staging
+        return staging
 
-    def _flat_bytes(self, tensor) -> torch.Tensor:
+    def _flat_bytes(self, tensor, size: int) -> torch.Tensor:
         flat = tensor.contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-        if raw.numel() != self._kv.block_bytes:
-            raise ValueError(f"a page of {raw.numel()} bytes, the pool's pages are {self._kv.block_bytes}")
+        if raw.numel() != size:
+            raise ValueError(f"a page of {raw.numel()} bytes, the pool's pages are {size}")
         return raw
+
+    @staticmethod
+    def _split_draft(keys) -> List[tuple]:
+        """[(staging label, [(index, base key)])] by kind of key: SGLang stores speculative decoding's draft KV
+        through the generic calls as ``"{hash}.draft"`` (or ``"{hash}.draft-NAME"``), pages of the draft pool's
+        size; each draft kind gets its own namespace, keyed by the page's own hash."""
+        groups: Dict[str, list] = {}
+        for i, key in enumerate(keys):
+            label, base = _STAGING, key
+            if isinstance(key, str):
+                head, dot, suffix = key.rpartition(".")
+                if dot and head and (suffix == "draft" or suffix.startswith("draft-")):
+                    label, base = "draft:" + suffix, head
+            groups.setdefault(label, []).append((i, base))
+        return list(groups.items())
+
+    def _page_bytes(self, label: str, sample) -> int:
+        if label == _STAGING:
+            return self._kv.block_bytes
+        if sample is None:
+            raise ValueError("draft pages need target locations (their size is the draft pool's)")
+        return sample.numel() * sample.element_size()
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
         def run():
             if self._kv is None:
                 raise ValueError("no host pool is registered")
             results: List[Optional[torch.Tensor]] = [None] * len(keys)
-            natives = native_keys(keys)
-            with self._staging_lock:
-                staging = self._staging_area()
-                step = staging.shape[0]
-                for start in range(0, len(keys), step):
-                    chunk = natives[start:start + step]
-                    first = self._learned_or_zero(chunk)
-                    got = self._read(_STAGING, chunk, first, list(range(len(chunk))))
-                    for j in range(got):
-                        target = target_locations[start + j] if target_locations is not None else None
-                        if target is None:
-                            target = staging[j].clone()
-                        else:
-                            self._flat_bytes(target).copy_(staging[j])
-                        results[start + j] = target
-                    self.counters_.add("legacy_get_pages", len(chunk))
-                    self.counters_.add("legacy_get_hits", got)
-                    if got < len(chunk):
-                        break
+            for label, items in self._split_draft(keys):
+                targets = [target_locations[i] if target_locations is not None else None for i, _ in items]
+                for i, value in zip((i for i, _ in items), self._generic_get(label, [k for _, k in items], targets)):
+                    results[i] = value
             return results
 
         return self._guarded("batch_get", lambda: [None] * len(keys), run)
+
+    def _generic_get(self, label: str, keys, targets) -> list:
+        natives = native_keys(keys)
+        size = self._page_bytes(label, targets[0] if targets else None)
+        results: list = [None] * len(keys)
+        with self._staging_lock:
+            staging = self._staging_area(label, size)
+            step = staging.shape[0]
+            for start in range(0, len(keys), step):
+                chunk = natives[start:start + step]
+                first = self._learned_or_zero(chunk)
+                got = self._read(label, chunk, first, list(range(len(chunk))))
+                for j in range(got):
+                    target = targets[start + j]
+                    if target is None:
+                        target = staging[j].clone()
+                    else:
+                        self._flat_bytes(target, size).copy_(staging[j])
+                    results[start + j] = target
+                self.counters_.add("legacy_get_pages", len(chunk))
+                self.counters_.add("legacy_get_hits", got)
+                if got < len(chunk):
+                    break
+        return results
 
     def get(self, key, target_location=None, target_sizes=None):
         return self.batch_get([key], None if target_location is None else [target_location])[0]
@@ -504,22 +552,27 @@ class OrbitKVStorage(HiCacheStorage):
                 raise ValueError("no host pool is registered")
             if values is None or len(values) != len(keys):
                 raise ValueError("batch_set needs one value per key")
-            natives = native_keys(keys)
-            with self._staging_lock:
-                staging = self._staging_area()
-                step = staging.shape[0]
-                for start in range(0, len(keys), step):
-                    chunk = natives[start:start + step]
-                    for j, value in enumerate(values[start:start + step]):
-                        staging[j].copy_(self._flat_bytes(value))
-                    first = self._learned_or_zero(chunk)
-                    written, skipped = self._write(_STAGING, chunk, first, list(range(len(chunk))))
-                    self.counters_.add("legacy_set_pages", len(chunk))
-                    self.counters_.add("set_written", written)
-                    self.counters_.add("set_skipped", skipped)
+            for label, items in self._split_draft(keys):
+                self._generic_set(label, [k for _, k in items], [values[i] for i, _ in items])
             return True
 
         return self._guarded("batch_set", lambda: False, run)
+
+    def _generic_set(self, label: str, keys, values) -> None:
+        natives = native_keys(keys)
+        size = self._page_bytes(label, values[0])
+        with self._staging_lock:
+            staging = self._staging_area(label, size)
+            step = staging.shape[0]
+            for start in range(0, len(keys), step):
+                chunk = natives[start:start + step]
+                for j, value in enumerate(values[start:start + step]):
+                    staging[j].copy_(self._flat_bytes(value, size))
+                first = self._learned_or_zero(chunk)
+                written, skipped = self._write(label, chunk, first, list(range(len(chunk))))
+                self.counters_.add("legacy_set_pages", len(chunk))
+                self.counters_.add("set_written", written)
+                self.counters_.add("set_skipped", skipped)
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
@@ -653,7 +706,7 @@ class OrbitKVStorage(HiCacheStorage):
             for label in self._link.labels():
                 if label == _STAGING:
                     continue
-                replicated = None if label == _KV else False
+                replicated = False if label.startswith("pool:") else None  # side pools keep their TP rank
                 namespaces[label] = self._namespace(self._link.geometry(label), replicated=replicated, epoch=epoch)
             if self._link.has_pool(_STAGING):
                 namespaces[_STAGING] = namespaces[_KV]
