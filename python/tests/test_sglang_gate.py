@@ -185,7 +185,7 @@ def test_linker_hits_are_bit_identical_to_recompute(build_dir, models, device):
             loader.layer_done_counter.set_consumer(index)
             loader.layer_done_counter.wait_until(CONFIG.num_layers - 1)
             wait_for(lambda: loader.num_completed_loads() == 1)
-            assert loader.pop_completed_load() == ["b"]
+            assert loader.pop_completed_load() == (["b"], True)
             request = reader.add_request(second, "b")
             request.block_ids = list(blocks)
             reader.allocate(request)

@@ -105,7 +105,7 @@ def test_offload_lookup_load_round_trip(manager):
     for layer in range(LAYERS):
         b.layer_done_counter.wait_until(layer)
     wait_for(lambda: b.num_completed_loads() == 1)
-    assert b.pop_completed_load() == ["r1"]
+    assert b.pop_completed_load() == (["r1"], True)  # SGLang's (rids, success)
     assert same_pages(pool_a, slots(3, 4), pool_b, slots(10, 4))
     # Back the other way: b saves pages of its ordinary memory, a restores them into shared memory.
     k2 = keys("linker-back", 2)
@@ -114,7 +114,7 @@ def test_offload_lookup_load_round_trip(manager):
     a.layer_done_counter.set_consumer(a.start_layer_wise_loading())
     a.layer_done_counter.wait_until(LAYERS - 1)
     wait_for(lambda: a.num_completed_loads() == 1)
-    assert a.pop_completed_load() == ["r2"]
+    assert a.pop_completed_load() == (["r2"], True)
     assert same_pages(pool_b, slots(20, 2), pool_a, slots(0, 2))
     assert not same_pages(pool_b, slots(20, 2), pool_a, slots(3, 2))  # the pools' random content differs
     assert manager.stats()["leases_active"] == 0
@@ -139,6 +139,56 @@ def test_leases_are_released_when_fewer_pages_load_or_nothing_does(manager):
     linker.close()
 
 
+def test_loads_pair_pages_by_key_when_the_tree_adopts_a_later_subset(manager):
+    """UnifiedCacheLinkerWrapper.load_back narrows the transfer to the ranges the tree adopted
+    (_update_load / _select_adopted_pages): another request may have inserted the leading pages meanwhile, so
+    the load can name pages 2 and 3 of a 4-page lookup. Before: leases were paired with slots by position, so
+    pages 0 and 1 landed in the slots of 2 and 3."""
+    writer, reader_pool = device_pool(), device_pool()
+    a, b = make_linker(manager.socket, writer), make_linker(manager.socket, reader_pool)
+    k = keys("adopted", 4)
+    offload(a, k, slots(0, 4))
+    assert b.lookup("r", kv(k)) == [1, 2, 3, 4]
+    assert manager.stats()["leases_active"] == 4
+    assert b.load("r", kv(k[2:], slots(20, 2))) is True  # only the adopted pages 2..3
+    assert manager.stats()["leases_active"] == 2  # pages 0 and 1 reach no load: released at once
+    b.layer_done_counter.set_consumer(b.start_layer_wise_loading())
+    b.layer_done_counter.wait_until(LAYERS - 1)
+    wait_for(lambda: b.num_completed_loads() == 1)
+    assert b.pop_completed_load() == (["r"], True)
+    assert same_pages(writer, slots(2, 2), reader_pool, slots(20, 2))
+    # A lookup no load takes in its step holds nothing once the step's loading starts.
+    assert b.lookup("skipped", kv(k)) == [1, 2, 3, 4]
+    assert b.start_layer_wise_loading() == -1
+    assert manager.stats()["leases_active"] == 0
+    # A page the lookup did not find cannot be loaded (and nothing stays leased).
+    assert b.lookup("r2", kv(k[:2])) == [1, 2]
+    assert b.load("r2", kv(k[1:3], slots(20, 2))) is False
+    assert manager.stats()["leases_active"] == 0
+    for linker in (a, b):
+        linker.close()
+
+
+def test_attention_cp_ranks_have_their_own_pages(manager):
+    pools = [device_pool(), device_pool()]
+
+    def cp_linker(rank):
+        params = types.SimpleNamespace(page_size=P, pp_rank=0, pp_size=1, attn_cp_rank=rank, attn_cp_size=2,
+                                       token_to_kv_pool_allocator=types.SimpleNamespace(
+                                           get_kvcache=lambda: pools[rank]))
+        server_args = types.SimpleNamespace(model_path="test/linker-model", served_model_name=None)
+        return OrbitKVLinker(server_args, params, components={FULL},
+                             extra_config={"socket": manager.socket, "model_revision": "r1"})
+
+    ranks = [cp_linker(r) for r in range(2)]
+    k = keys("cp", 2)
+    offload(ranks[0], k, slots(0, 2))
+    assert ranks[1].lookup("r", kv(k)) == []  # rank 1's slice of the pages is not rank 0's
+    assert ranks[0].lookup("r", kv(k)) == [1, 2]
+    for linker in ranks:
+        linker.close()
+
+
 def test_mla_rank1_does_not_write(manager):
     pools = [device_pool(mla=True), device_pool(mla=True)]
     ranks = [make_linker(manager.socket, pools[r], tp_rank=r, tp_size=2) for r in range(2)]
@@ -153,7 +203,10 @@ def test_mla_rank1_does_not_write(manager):
         r.close()
 
 
-def test_a_failed_restore_fails_the_layer_wait_and_lookups_then_miss(manager):
+def test_a_failed_restore_is_reported_after_the_forward_pass_not_raised_in_it(manager):
+    """Before: wait_until raised mid-forward (a scheduler crash at TP=1, the other ranks stuck in a collective at
+    TP>1). Now the layer waits return and the batch's verdict comes through pop_completed_load, which SGLang
+    MIN-reduces across the TP/CP group after the forward pass to abort only those requests."""
     pool = device_pool()
     linker = make_linker(manager.socket, pool)
     k = keys("dies", 2)
@@ -163,8 +216,10 @@ def test_a_failed_restore_fails_the_layer_wait_and_lookups_then_miss(manager):
     manager.kill()
     index = linker.start_layer_wise_loading()
     linker.layer_done_counter.set_consumer(index)
-    with pytest.raises(RuntimeError, match="restoring KV pages"):
-        linker.layer_done_counter.wait_until(LAYERS - 1)
+    for layer in range(LAYERS):  # the forward pass goes on
+        linker.layer_done_counter.wait_until(layer)
+    wait_for(lambda: linker.num_completed_loads() == 1)
+    assert linker.pop_completed_load() == (["r"], False)
     assert linker.lookup("again", kv(k)) == []
     assert linker.offload(kv(k, slots(0, 2))) is True
     wait_for(lambda: linker.num_completed_offloads() == 1)

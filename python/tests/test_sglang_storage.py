@@ -589,6 +589,7 @@ from orbitkv.sglang.linker import OrbitKVLinker
 assert issubclass(OrbitKVStorage, HiCacheStorage), "the dynamic factory would reject the backend"
 assert issubclass(OrbitKVLinker, UnifiedCacheLinker)
 assert _compat.HAVE_SGLANG and not _compat.HAVE_SGLANG_V2
+assert not _compat.linker_reports_success()  # no (rids, success) verdicts: a failed load raises in the layer wait
 print(_compat.sglang_version())
 """
 

@@ -246,7 +246,9 @@ if not HAVE_SGLANG_LINKER:
             ...
 
         @abc.abstractmethod
-        def pop_completed_load(self) -> list:
+        def pop_completed_load(self) -> tuple:
+            """(rids, success) of the next completed load batch: a failed batch is reported here, never raised
+            into the forward pass (the scheduler agrees on it across ranks and aborts those requests)."""
             ...
 
         @abc.abstractmethod
@@ -268,6 +270,17 @@ if not HAVE_SGLANG_LINKER:
         @abc.abstractmethod
         def close(self) -> None:
             ...
+
+
+def linker_reports_success() -> bool:
+    """Whether this SGLang's linker interface takes load failures as ``pop_completed_load() -> (rids, success)``
+    (then the scheduler MIN-reduces the verdicts across the TP/CP group after the forward pass and aborts only
+    those requests); older ones take a list of rids and learn of a failure only from ``wait_until`` raising."""
+    fn = getattr(UnifiedCacheLinker, "pop_completed_load", None)
+    if fn is None:
+        return False
+    annotation = str(getattr(fn, "__annotations__", {}).get("return", "")).lower()
+    return "tuple" in annotation or "success" in (fn.__doc__ or "").lower()
 
 
 def pool_name_str(name) -> str:

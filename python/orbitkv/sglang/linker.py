@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import orbitkv
 from orbitkv.link import canonical_options
-from orbitkv.sglang._compat import UnifiedCacheLinker, pool_name_str
+from orbitkv.sglang._compat import UnifiedCacheLinker, linker_reports_success, pool_name_str, sglang_version
 from orbitkv.sglang._layout import describe_device_pool
 from orbitkv.sglang._session import Counters, ManagerLink, RateLimitedLog, env_socket, native_key
 
@@ -46,10 +46,14 @@ _SUPPORTED_COMPONENTS = {"FULL"}
 
 class LayerDoneCounter:
     """The object SGLang's KV pool waits on before each layer: ``wait_until(layer)`` returns once the consumer's
-    load batch landed that layer (a CPU restore lands every layer at once), and raises if the batch failed."""
+    load batch landed that layer (a CPU restore lands every layer at once). A failed batch is reported through
+    ``pop_completed_load`` where SGLang takes verdicts (``raise_on_failure`` False): raising mid-forward would crash
+    the scheduler at TP=1 and leave the other ranks hanging in a collective at TP>1. Older SGLang has no verdict,
+    so there the wait raises (the scheduler stops rather than serve pages that never arrived)."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, raise_on_failure: bool = False):
         self.num_layers = num_layers
+        self.raise_on_failure = raise_on_failure
         self.producer_index = -1
         self.consumer_index = -1
         self._lock = threading.Lock()
@@ -90,7 +94,7 @@ class LayerDoneCounter:
             if threshold >= self.num_layers - 1:
                 self._events.pop(index, None)
                 self._errors.pop(index, None)
-        if error is not None:
+        if error is not None and self.raise_on_failure:
             raise RuntimeError("OrbitKV: restoring KV pages from the Manager failed") from error
 
     def reset(self) -> None:
@@ -102,10 +106,11 @@ class LayerDoneCounter:
 
 
 class _Leased:
-    """The pages ``lookup`` found for one request, each leased in the Manager until restored or released."""
+    """The pages ``lookup`` found for one request, each leased in the Manager until restored or released, by the
+    page's key: SGLang's tree may load any subset of them (only the ranges it adopted)."""
 
-    def __init__(self, leases: List[Tuple[object, int, int]]):
-        self.leases = leases  # (client, instance, lease) per page, in order
+    def __init__(self, leases: Dict[bytes, Tuple[object, int, int]]):
+        self.leases = leases  # page key -> (client, instance, lease), in lookup order
         self.created = time.monotonic()
 
 
@@ -138,10 +143,14 @@ class OrbitKVLinker(UnifiedCacheLinker):
             raise ValueError("OrbitKVLinker: no model name; set \"model_id\" in the linker extra config")
         if self.is_mla:
             tp_rank, tp_size = 0, 1
+        detail = geometry.detail
+        cp_size = int(getattr(params, "attn_cp_size", 1) or 1)
+        if cp_size > 1:  # each attention context-parallel rank holds a disjoint slice of every page
+            detail += f"/cp{int(getattr(params, 'attn_cp_rank', 0) or 0)}of{cp_size}"
         namespace = orbitkv.derive_namespace(
             str(model_id), str(extra.get("weights_revision", "")), str(extra.get("tokenizer", model_id)), "sglang",
             cache_scope=str(extra.get("cache_scope", "")), dtype=geometry.dtype, layout=geometry.state_layout,
-            layout_detail=geometry.detail, page_size_tokens=self.page_size, tp_size=tp_size, tp_rank=tp_rank,
+            layout_detail=detail, page_size_tokens=self.page_size, tp_size=tp_size, tp_rank=tp_rank,
             pp_size=int(getattr(params, "pp_size", 1) or 1), pp_rank=int(getattr(params, "pp_rank", 0) or 0))
         self.counters_ = Counters()
         self._log = RateLimitedLog()
@@ -154,10 +163,14 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._cuda = first.device if getattr(getattr(first, "device", None), "type", "cpu") == "cuda" else None
         self._lease_ttl_s = float(extra.get("lease_ttl_s", 30.0))
         num_layers = len(geometry.buffers) if self.is_mla else len(geometry.buffers) // 2
-        self.layer_done_counter = LayerDoneCounter(num_layers)
+        self._verdicts = linker_reports_success()
+        self.layer_done_counter = LayerDoneCounter(num_layers, raise_on_failure=not self._verdicts)
+        logger.info("OrbitKV: linker on %s; load failures are %s", sglang_version(),
+                    "reported to the scheduler after the forward pass" if self._verdicts else
+                    "raised from the layer wait (this SGLang takes no verdicts)")
         self._leased: Dict[str, _Leased] = {}
         self._pending: Dict[str, Tuple[_Leased, List[int]]] = {}
-        self._completed_loads: "queue.Queue[List[str]]" = queue.Queue()
+        self._completed_loads: "queue.Queue[Tuple[List[str], bool]]" = queue.Queue()
         self._completed_offloads: "queue.Queue[bool]" = queue.Queue()
         self._load_queue: "queue.Queue" = queue.Queue()
         self._offload_queue: "queue.Queue" = queue.Queue()
@@ -186,7 +199,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
     def _release(self, leased: Optional[_Leased]) -> None:
         if leased is None:
             return
-        for client, instance, lease in leased.leases:
+        for client, instance, lease in leased.leases.values():
             self._link.release(client, instance, lease)
 
     def _expire(self) -> None:
@@ -200,12 +213,16 @@ class OrbitKVLinker(UnifiedCacheLinker):
             self._expire()
             self._release(self._leased.pop(rid, None))
             kv = _kv_transfer(transfers)
-            leases = []
+            leases: Dict[bytes, Tuple[object, int, int]] = {}
             for key in kv.keys or []:
-                hits, lease, client, instance, _ = self._link.query(_DEVICE, [native_key(key)], 0)
+                native = native_key(key)
+                hits, lease, client, instance, _ = self._link.query(_DEVICE, [native], 0)
                 if hits == 0:
                     break
-                leases.append((client, instance, lease))
+                if native in leases:  # the same page twice: one lease is enough
+                    self._link.release(client, instance, lease)
+                    continue
+                leases[native] = (client, instance, lease)
             self.counters_.add("lookup_pages", len(kv.keys or []))
             self.counters_.add("lookup_hits", len(leases))
             if not leases:
@@ -223,16 +240,20 @@ class OrbitKVLinker(UnifiedCacheLinker):
             if leased is None:
                 return False
             kv = _kv_transfer(transfers)
-            count = len(kv.keys or [])
+            keys = [native_key(k) for k in kv.keys or []]
             indices = kv.device_indices
             if hasattr(indices, "device") and indices.device.type != "cpu":
                 indices = indices.cpu()
-            if count > len(leased.leases) or len(indices) != count * self.page_size:
-                raise ValueError(f"load of {count} pages into {len(indices)} slots after a lookup of "
-                                 f"{len(leased.leases)} pages")
+            if len(indices) != len(keys) * self.page_size:
+                raise ValueError(f"load of {len(keys)} pages into {len(indices)} slots")
+            missing = [k for k in keys if k not in leased.leases]
+            if missing:
+                raise ValueError(f"load of {len(missing)} pages the lookup did not find")
+            # Pair by key: the tree loads only the ranges it adopted (load_back), not always a leading prefix.
             pages = [slot // self.page_size for slot in indices[:: self.page_size].tolist()]
-            self._release(_Leased(leased.leases[count:]))
-            self._pending[rid] = (_Leased(leased.leases[:count]), pages)
+            chosen = {k: leased.leases.pop(k) for k in keys}
+            self._release(leased)  # hits that reach no load: released now, not after lease_ttl_s
+            self._pending[rid] = (_Leased(chosen), pages)
             return True
         except Exception as e:  # noqa: BLE001
             self._release(leased)
@@ -241,6 +262,11 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return False
 
     def start_layer_wise_loading(self) -> int:
+        # Lookups of this step that no load took (the ranks agreed on fewer pages, or the request was not
+        # scheduled) hold leases nobody will restore: release them now.
+        for rid in list(self._leased):
+            self._release(self._leased.pop(rid))
+            self.counters_.add("lookups_unloaded")
         if not self._pending:
             return -1
         batch, self._pending = self._pending, {}
@@ -271,8 +297,10 @@ class OrbitKVLinker(UnifiedCacheLinker):
                         queued_before.synchronize()  # no earlier kernel still uses the slots the restores write
                     except Exception as e:  # noqa: BLE001
                         error = e
+                failed = []
                 for rid, (leased, pages) in batch.items():
-                    for (client, instance, lease), page in zip(leased.leases, pages):
+                    ok = error is None
+                    for (client, instance, lease), page in zip(leased.leases.values(), pages):
                         if error is not None:
                             self._link.release(client, instance, lease)
                             continue
@@ -280,13 +308,18 @@ class OrbitKVLinker(UnifiedCacheLinker):
                             self._link.restore(client, instance, lease, [page])
                         except Exception as e:  # noqa: BLE001
                             error = e
+                            ok = False
+                    if not ok:
+                        failed.append(rid)
                 if error is None:
                     self.layer_done_counter.complete(index)
                     self.counters_.add("loads", len(batch))
                 else:
                     self.counters_.add("load_failures", len(batch))
+                    self._log.warning("load", "OrbitKV: restoring a load batch of %d requests failed (%s); "
+                                      "SGLang aborts them after the forward pass", len(batch), error)
                     self.layer_done_counter.fail(index, error)
-                self._completed_loads.put(list(batch))
+                self._completed_loads.put((list(batch), error is None))
             finally:
                 self._load_queue.task_done()
 
@@ -297,14 +330,22 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._release(entry[0])
         return True
 
+    def cancel_request(self, rid: str) -> bool:
+        """Newer SGLang's release of everything a request holds (a zero common hit, a refused load...)."""
+        leased = self._leased.pop(rid, None)
+        self._release(leased)
+        return self.cancel_queued_load(rid) or leased is not None
+
     def num_completed_loads(self) -> int:
         return self._completed_loads.qsize()
 
-    def pop_completed_load(self) -> list:
+    def pop_completed_load(self):
+        """The next completed batch: ``(rids, success)`` where SGLang takes verdicts, else its rids."""
         try:
-            return self._completed_loads.get_nowait()
+            rids, ok = self._completed_loads.get_nowait()
         except queue.Empty:
-            return []
+            rids, ok = [], True
+        return (rids, ok) if self._verdicts else rids
 
     # ---- offload ----
 
