@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "client/cache_client.h"
 
@@ -37,6 +39,28 @@ std::map<std::string, std::string> ParseFlatJson(const std::string& json) {
     at = value_end;
   }
   return fields;
+}
+
+// The "identity" strings of the stats' "instances" array, with their instance ids.
+std::vector<std::pair<std::string, std::string>> Instances(const std::string& json) {
+  std::vector<std::pair<std::string, std::string>> out;
+  size_t at = json.find("\"instances\": [");
+  while (at != std::string::npos) {
+    const size_t id = json.find("{\"instance\": ", at);
+    if (id == std::string::npos) break;
+    const size_t id_end = json.find(',', id);
+    const size_t label = json.find("\"identity\": \"", id);
+    if (id_end == std::string::npos || label == std::string::npos) break;
+    std::string text;
+    size_t i = label + 13;
+    for (; i < json.size() && json[i] != '"'; ++i) {
+      if (json[i] == '\\' && i + 1 < json.size()) ++i;
+      text += json[i];
+    }
+    out.emplace_back(json.substr(id + 13, id_end - id - 13), text);
+    at = i;
+  }
+  return out;
 }
 
 std::string Mib(const std::string& bytes) {
@@ -95,6 +119,11 @@ int main(int argc, char** argv) {
         (*client)->socket_path(), runtime, f["incarnation"], Mib(f["pool_allocated_bytes"]),
         Mib(f["pool_capacity_bytes"]), f["resident_blocks"], f["leases_active"],
         f["operations_active"], membership.empty() ? "unknown" : membership);
+    const auto instances = Instances(*stats);
+    fmt::print("{} engine instance{} registered\n", instances.size(), instances.size() == 1 ? "" : "s");
+    for (const auto& [id, identity] : instances) {
+      fmt::print("  instance {}: {}\n", id, identity.empty() ? "(no identity given)" : identity);
+    }
     return 0;
   }
   fmt::print("{:<24} {:>20}\n", "metric", "value");

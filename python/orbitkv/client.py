@@ -168,8 +168,12 @@ class CacheManagerClient:
     def max_query_keys(self, native_bytes: int = 32) -> int:
         return self._native.max_query_keys(native_bytes)
 
-    def register_instance(self, instance_id: int, namespace: bytes) -> None:
-        self._native.register_instance(instance_id, namespace)
+    def register_instance(self, instance_id: int, namespace: bytes, label: str = "") -> None:
+        """Binds ``instance_id`` to ``namespace``. ``label`` says what the engine is (model, weights, rank) for
+        ``orbitkv status``; control characters are replaced and it is cut at 512 bytes."""
+        clean = "".join(c if c.isprintable() else "?" for c in label)
+        data = clean.encode()[:512].decode(errors="ignore")
+        self._native.register_instance(instance_id, namespace, data)
 
     def register_group(self, instance_id: int, group: int, tensors: Sequence) -> int:
         """Registers KV buffers whose first dimension is the page index; returns the padded bytes per block.

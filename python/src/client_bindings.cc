@@ -59,12 +59,12 @@ void BindClient(py::module_& m) {
           py::arg("native_bytes") = 32)
       .def(
           "register_instance",
-          [](CacheClient& c, uint64_t instance, const py::bytes& ns) {
+          [](CacheClient& c, uint64_t instance, const py::bytes& ns, const std::string& label) {
             const state::StateNamespace parsed = NamespaceFromBytes(ns);
             py::gil_scoped_release release;
-            ThrowIfError(c.RegisterInstance(instance, parsed));
+            ThrowIfError(c.RegisterInstance(instance, parsed, label));
           },
-          py::arg("instance_id"), py::arg("namespace"))
+          py::arg("instance_id"), py::arg("namespace"), py::arg("label") = "")
       .def(
           "register_group",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint32_t num_pages,

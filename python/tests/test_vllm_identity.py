@@ -154,3 +154,25 @@ def test_a_prefix_saved_by_another_engine_process_is_restored(build_dir, root):
         engine.shutdown()
     finally:
         manager.close()
+
+
+def test_orbitkv_status_shows_each_instances_identity(build_dir):
+    from vllm_harness.engine import Engine
+    from vllm_harness.manager import ManagerProcess
+
+    manager = ManagerProcess(build_dir / "src" / "server" / "orbitkv-manager")
+    try:
+        engine = Engine(vllm_config(manager.socket, tp=2, model="org/status-model"), lambda rank: SyntheticModel(
+            2, tp_rank=rank), 32)
+        commit = os.path.basename(hub_fetch("org/status-model", None))
+        out = subprocess.run([str(build_dir / "tools" / "orbitkv"), "status", "--socket", manager.socket],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "4 engine instances registered" in out.stdout  # two workers, two scheduler query instances
+        for role, rank in (("worker", 0), ("worker", 1), ("scheduler", 0), ("scheduler", 1)):
+            assert (f"vLLM {role} org/status-model@{commit} (hub cache, revision main), bf16, tp {rank}/2, pp 0/1"
+                    in out.stdout), out.stdout
+        assert len(manager.stats()["instances"]) == 4
+        engine.shutdown()
+    finally:
+        manager.close()

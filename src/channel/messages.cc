@@ -386,4 +386,27 @@ Result<PingReply> DecodePingReply(const Descriptor& reply) {
   return PingReply{reply.arg0};
 }
 
+std::vector<uint8_t> EncodeRegisterInstance(const RegisterInstanceBody& body,
+                                            std::string_view label) {
+  std::vector<uint8_t> out(sizeof(body) + label.size());
+  std::memcpy(out.data(), &body, sizeof(body));
+  std::memcpy(out.data() + sizeof(body), label.data(), label.size());
+  return out;
+}
+
+Result<std::string> InstanceLabel(std::span<const uint8_t> body) {
+  if (body.size() <= sizeof(RegisterInstanceBody)) return std::string();
+  const auto label = body.subspan(sizeof(RegisterInstanceBody));
+  if (label.size() > kMaxInstanceLabel) {
+    return Status::InvalidArgument(fmt::format(
+        "an instance label of {} bytes (at most {})", label.size(), kMaxInstanceLabel));
+  }
+  for (uint8_t c : label) {
+    if (c < 0x20 || c == 0x7f) {
+      return Status::InvalidArgument("an instance label holds a control character");
+    }
+  }
+  return std::string(reinterpret_cast<const char*>(label.data()), label.size());
+}
+
 }  // namespace orbitkv::channel

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/result.h"
@@ -174,6 +176,14 @@ Result<RestoreReply> DecodeRestoreReply(const Descriptor& reply);
 Result<SaveReply> DecodeSaveReply(const Descriptor& reply);
 Result<WaitLoadingReply> DecodeWaitLoadingReply(const Descriptor& reply);
 Result<PingReply> DecodePingReply(const Descriptor& reply);
+
+// RegisterInstance frames: the 40-byte RegisterInstanceBody, then optionally the engine's identity
+// label (UTF-8, at most kMaxInstanceLabel bytes, no control characters) that `orbitkv status` shows.
+inline constexpr size_t kMaxInstanceLabel = 512;
+std::vector<uint8_t> EncodeRegisterInstance(const RegisterInstanceBody& body, std::string_view label);
+// The label of a RegisterInstance frame body (empty when there is none); InvalidArgument when it is
+// too long or holds control characters.
+Result<std::string> InstanceLabel(std::span<const uint8_t> body);
 
 // Checks the fields every request descriptor must satisfy, independent of session state: magic,
 // version, a known opcode, request flags, zero reserved fields, an odd generation, payload within

@@ -85,5 +85,22 @@ TEST(MessagesTest, TheClientsChainEncodingIsTheQueryEncoding) {
   EXPECT_EQ(decoded->group, 2u);
 }
 
+TEST(MessagesTest, InstanceLabelsTravelAfterTheRegisterBodyAndBadOnesAreRefused) {
+  RegisterInstanceBody body{};
+  body.instance_id = 9;
+  const std::vector<uint8_t> frame = EncodeRegisterInstance(body, "vLLM worker org/m@abc, tp 0/2");
+  ASSERT_EQ(frame.size(), sizeof(body) + 29);
+  auto label = InstanceLabel(frame);
+  ASSERT_TRUE(label.ok()) << label.status();
+  EXPECT_EQ(*label, "vLLM worker org/m@abc, tp 0/2");
+  // An older client sends the bare body: no label.
+  auto none = InstanceLabel(EncodeRegisterInstance(body, ""));
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+  EXPECT_FALSE(InstanceLabel(EncodeRegisterInstance(body, "two\nlines")).ok());
+  EXPECT_FALSE(InstanceLabel(EncodeRegisterInstance(body, std::string(kMaxInstanceLabel + 1, 'x'))).ok());
+  EXPECT_TRUE(InstanceLabel(EncodeRegisterInstance(body, std::string(kMaxInstanceLabel, 'x'))).ok());
+}
+
 }  // namespace
 }  // namespace orbitkv::channel

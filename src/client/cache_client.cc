@@ -156,13 +156,15 @@ Result<channel::InboundReply> CacheClient::Call(Descriptor d, std::span<const ui
       CallDeadline(), reply_payload);
 }
 
-Status CacheClient::RegisterInstance(uint64_t instance, const state::StateNamespace& ns) {
+Status CacheClient::RegisterInstance(uint64_t instance, const state::StateNamespace& ns,
+                                     std::string_view label) {
   channel::RegisterInstanceBody body{};
   body.instance_id = instance;
   std::memcpy(body.namespace_digest, ns.digest().bytes.data(), 32);
+  if (label.size() > channel::kMaxInstanceLabel) label = label.substr(0, channel::kMaxInstanceLabel);
+  const std::vector<uint8_t> frame = channel::EncodeRegisterInstance(body, label);
   MutexLock lock(&control_mu_);
-  return control_
-      ->Lifecycle(channel::FrameType::kRegisterInstance, BytesOf(body), {}, CallDeadline())
+  return control_->Lifecycle(channel::FrameType::kRegisterInstance, frame, {}, CallDeadline())
       .status();
 }
 

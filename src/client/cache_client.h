@@ -110,7 +110,10 @@ class CacheClient {
   uint64_t session_id() const { return session_id_; }
   uint64_t manager_incarnation() const { return manager_incarnation_; }
 
-  Status RegisterInstance(uint64_t instance, const state::StateNamespace& ns);
+  // `label` says what the engine is (model, weights, rank) for `orbitkv status`: printable UTF-8,
+  // cut at channel::kMaxInstanceLabel bytes.
+  Status RegisterInstance(uint64_t instance, const state::StateNamespace& ns,
+                          std::string_view label = {});
   // Returns the padded bytes of one block (what a query charges per block).
   Result<uint64_t> RegisterGroup(uint64_t instance, uint32_t group, uint32_t num_pages,
                                  std::span<const BufferSpec> buffers);

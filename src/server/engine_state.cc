@@ -57,8 +57,8 @@ std::map<uint32_t, std::shared_ptr<KvGroup>> EngineInstance::TakeGroups() {
   return groups;
 }
 
-Result<bool> InstanceTable::Register(uint64_t owner, uint64_t id,
-                                     const state::StateNamespace& ns) {
+Result<bool> InstanceTable::Register(uint64_t owner, uint64_t id, const state::StateNamespace& ns,
+                                     std::string label) {
   MutexLock lock(&mu_);
   auto it = instances_.find(id);
   if (it != instances_.end()) {
@@ -74,8 +74,20 @@ Result<bool> InstanceTable::Register(uint64_t owner, uint64_t id,
     }
     return false;  // idempotent
   }
-  instances_.emplace(id, std::make_shared<EngineInstance>(id, ns, owner));
+  instances_.emplace(id, std::make_shared<EngineInstance>(id, ns, owner, std::move(label)));
   return true;
+}
+
+std::vector<InstanceTable::Description> InstanceTable::Describe() const {
+  std::vector<Description> out;
+  {
+    MutexLock lock(&mu_);
+    out.reserve(instances_.size());
+    for (const auto& [id, instance] : instances_) out.push_back({id, instance->owner, instance->label});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const Description& a, const Description& b) { return a.id < b.id; });
+  return out;
 }
 
 Status InstanceTable::CheckOwnerLocked(uint64_t owner, uint64_t id, Map::const_iterator it) const {

@@ -58,8 +58,8 @@ struct KvGroup {
 
 struct EngineInstance {
   EngineInstance(uint64_t instance_id, const state::StateNamespace& instance_ns,
-                 uint64_t owner_id)
-      : id(instance_id), ns(instance_ns), owner(owner_id) {}
+                 uint64_t owner_id, std::string identity_label = {})
+      : id(instance_id), ns(instance_ns), owner(owner_id), label(std::move(identity_label)) {}
 
   // The group, or NotFound naming it.
   Result<std::shared_ptr<const KvGroup>> FindGroup(uint32_t group) const EXCLUDES(mu);
@@ -71,6 +71,8 @@ struct EngineInstance {
   const uint64_t id;
   const state::StateNamespace ns;  // keys of this instance are built in it
   const uint64_t owner;
+  // What the engine says it is (model, weights, rank), for `orbitkv status`; empty when it said nothing.
+  const std::string label;
   // Release/acquire: set before cleanup starts; operations started later see it and refuse.
   std::atomic<bool> retired{false};
 
@@ -83,8 +85,15 @@ class InstanceTable {
  public:
   // Registers `id` for `owner`; registering the same id again with the same namespace is a no-op.
   // AlreadyExists when another owner has it or the namespace differs.
-  Result<bool> Register(uint64_t owner, uint64_t id, const state::StateNamespace& ns)
-      EXCLUDES(mu_);
+  Result<bool> Register(uint64_t owner, uint64_t id, const state::StateNamespace& ns,
+                        std::string label = {}) EXCLUDES(mu_);
+  struct Description {
+    uint64_t id;
+    uint64_t owner;
+    std::string label;
+  };
+  // Every registered instance, ordered by id.
+  std::vector<Description> Describe() const EXCLUDES(mu_);
   // The instance if `owner` registered it: NotFound, or PermissionDenied for another owner's.
   Result<std::shared_ptr<EngineInstance>> Find(uint64_t owner, uint64_t id) const EXCLUDES(mu_);
   // Removes and returns the instance (the same errors as Find).

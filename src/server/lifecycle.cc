@@ -104,16 +104,19 @@ Status Manager::RegisterInstance(Session& session, const channel::Frame& frame) 
   if (session.channel->role() != channel::SessionRole::kControl) {
     return Status::FailedPrecondition("instances are registered on the control session");
   }
-  ORBITKV_ASSIGN_OR_RETURN(channel::RegisterInstanceBody body,
-                           channel::BodyAs<channel::RegisterInstanceBody>(frame));
+  ORBITKV_ASSIGN_OR_RETURN(
+      channel::RegisterInstanceBody body,
+      channel::BodyAs<channel::RegisterInstanceBody>(frame, /*allow_trailing=*/true));
+  ORBITKV_ASSIGN_OR_RETURN(std::string label, channel::InstanceLabel(frame.body));
   state::Digest256 digest;
   std::memcpy(digest.bytes.data(), body.namespace_digest, 32);
   ORBITKV_ASSIGN_OR_RETURN(bool added,
                            service_->instances().Register(session.id, body.instance_id,
-                                                          state::StateNamespace(digest)));
+                                                          state::StateNamespace(digest), label));
   if (added) {
     instances_active_->Add(1);
-    ORBITKV_LOG_INFO("manager: session {} registered instance {}", session.id, body.instance_id);
+    ORBITKV_LOG_INFO("manager: session {} registered instance {}{}{}", session.id,
+                     body.instance_id, label.empty() ? "" : ": ", label);
   }
   return Status::Ok();
 }

@@ -94,10 +94,37 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
   return Status::InvalidArgument(fmt::format("unknown opcode {}", d.opcode));
 }
 
+namespace {
+
+// A JSON string literal of a label (the Manager accepted it without control characters).
+std::string JsonString(std::string_view text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+// `, "instances": [{"instance": ID, "session": OWNER, "identity": "LABEL"}, ...]`.
+std::string InstancesJson(const InstanceTable& table) {
+  std::string out = ", \"instances\": [";
+  bool first = true;
+  for (const auto& d : table.Describe()) {
+    out += fmt::format("{}{{\"instance\": {}, \"session\": {}, \"identity\": {}}}", first ? "" : ", ",
+                       d.id, d.owner, JsonString(d.label));
+    first = false;
+  }
+  return out + "]";
+}
+
+}  // namespace
+
 Status Manager::HandleStats(Session& session, const channel::InboundRequest& request) {
   const std::string json = service_->Stats().ToJson(
       fmt::format(", \"runtime_uuid\": \"{}\"", runtime_id_.ToString()) +
-      (cluster_ ? cluster_->StatusJson() : std::string(", \"membership\": \"single-host\"")));
+      (cluster_ ? cluster_->StatusJson() : std::string(", \"membership\": \"single-host\"")) +
+      InstancesJson(service_->instances()));
   return session.channel->Reply(
       request.descriptor, StatusCode::kOk, 0, 0,
       std::span(reinterpret_cast<const uint8_t*>(json.data()), json.size()));

@@ -140,7 +140,8 @@ class ManagerLink:
     failure policy with the vLLM connector), and their registrations replayed when it reconnects."""
 
     def __init__(self, socket_path: Optional[str], *, timeout_ms: int, loading_wait_s,
-                 reconnect_interval_s: float, counters: Counters, log: RateLimitedLog):
+                 reconnect_interval_s: float, counters: Counters, log: RateLimitedLog, identity: str = ""):
+        self.identity = identity  # what `orbitkv status` shows for this rank's instances
         # Seconds a Loading answer is waited for: a constant, or a function of the tokens asked about (SGLang's
         # prefetch timeout, see PrefetchWait).
         self._loading_wait = loading_wait_s if callable(loading_wait_s) else (lambda tokens: loading_wait_s)
@@ -186,7 +187,7 @@ class ManagerLink:
         for _ in range(8):
             instance = secrets.randbits(62) + 1
             try:
-                client.register_instance(instance, pool.namespace)
+                client.register_instance(instance, pool.namespace, f"{self.identity}, pool {pool.label}".strip(", "))
             except orbitkv.OrbitKVError as e:
                 if getattr(e, "code", "") == "ALREADY_EXISTS":
                     continue

@@ -217,6 +217,8 @@ class OrbitKVStorage(HiCacheStorage):
         logger.info("OrbitKV: pages still loading are waited for per %r", self.prefetch_wait)
         self._link = ManagerLink(_str_option(extra, "socket_path", None) or env_socket(), timeout_ms=timeout_ms,
                                  loading_wait_s=self.prefetch_wait, reconnect_interval_s=reconnect_s,
+                                 identity=f"SGLang HiCache {self.model_id}@{self.model_revision}, tp "
+                                          f"{storage_config.tp_rank}/{storage_config.tp_size}",
                                  counters=self.counters_, log=self._log)
         self._anchor = False  # a KV pool without a buffer (DeepSeek-V4 logical anchor): v2 pools carry the data
         self._kv_pool = None  # the host pool holding KV pages (a HostPoolGroup's anchor)

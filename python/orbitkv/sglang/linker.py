@@ -157,6 +157,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._link = ManagerLink(extra.get("socket_path") or env_socket(), timeout_ms=int(extra.get("timeout_ms", 10000)),
                                  loading_wait_s=int(extra.get("loading_wait_ms", 100)) / 1000.0,
                                  reconnect_interval_s=float(extra.get("reconnect_interval_s", 1.0)),
+                                 identity=f"SGLang linker {model_id}@{extra.get('weights_revision', '')}, tp "
+                                          f"{tp_rank}/{tp_size}",
                                  counters=self.counters_, log=self._log)
         self._link.register(_DEVICE, geometry, namespace)
         first = geometry.buffers[0] if geometry.buffers else None

@@ -301,6 +301,15 @@ class OrbitKVConfig:
         rules = [(g.group, g.kind, g.window) for g in self.groups]
         return orbitkv.RecoveryContract(namespace, self.block_size, rules)
 
+    def label(self, role: str, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> str:
+        """What ``orbitkv status`` shows for an instance: the engine, its weights and how they were found, its
+        rank."""
+        w = self.weights
+        source = f" ({w.source})" if w is not None else ""
+        epoch = f", epoch {self.weights_epoch}" if self.weights_epoch else ""
+        return (f"vLLM {role} {self.identity['model_id']}@{self.identity['weights_revision']}{source}{epoch}, "
+                f"{self.identity['dtype']}, tp {tp_rank}/{tp_size}, pp {pp_rank}/{pp_size}")
+
     def worker_instance(self, tp_rank: int, tp_size: int, pp_rank: int) -> int:
         return self.instance_base | (pp_rank * tp_size + tp_rank)
 

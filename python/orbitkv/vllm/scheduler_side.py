@@ -112,7 +112,8 @@ class SchedulerSide:
         self._query_buffers = []
         for rank, ns in enumerate(self.namespaces):
             instance = self.cfg.scheduler_instance(rank)
-            client.register_instance(instance, ns)
+            client.register_instance(instance, ns, self.cfg.label("scheduler", rank % self.tp_size, self.tp_size,
+                                                                  rank // self.tp_size, self.pp_size))
             for g in self.cfg.groups:
                 block_bytes = max(1, g.page_bytes * len(g.layer_names) // self.pp_size)
                 buffer = shm.empty((1, block_bytes), "uint8")

@@ -93,7 +93,8 @@ class WorkerSide:
     # ---- registration ------------------------------------------------------------------------------------------
 
     def _register(self, client: orbitkv.CacheManagerClient) -> None:
-        client.register_instance(self.instance, self.namespace)
+        client.register_instance(self.instance, self.namespace,
+                                 self.cfg.label("worker", self.tp_rank, self.tp_size, self.pp_rank, self.pp_size))
         for group, views in self.views.items():
             client.register_group(self.instance, group, views)
         self._max_keys = client.max_query_keys(32)
