@@ -285,6 +285,18 @@ def make_block_stored(block_hashes: list, parent: Any, token_ids: list, block_si
         return None
 
 
+def vllm_version() -> str:
+    """What the connector found, for its start-up log: vLLM's version and the behaviour it adapts to."""
+    if not HAVE_VLLM:
+        return "no vLLM (stand-in interfaces)"
+    import vllm  # type: ignore  # pragma: no cover
+
+    return (f"vLLM {getattr(vllm, '__version__', 'unknown')}: hybrid load-error recovery "
+            f"{'yes' if scheduler_recovers_hybrid() else 'no'}, worker metadata "
+            f"{'yes' if 'build_connector_worker_meta' in dir(KVConnectorBase_V1) else 'no'}, connector Prometheus "
+            f"metrics {'yes' if KVConnectorPromMetrics.__module__.startswith('vllm') else 'no'}")
+
+
 # ---- how the running vLLM recovers from load errors -----------------------------------------------------------
 
 _hybrid_recovery: Optional[bool] = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from orbitkv.vllm._compat import KVConnectorBase_V1, SupportsHMA
+from orbitkv.vllm._compat import KVConnectorBase_V1, SupportsHMA, vllm_version
 from orbitkv.vllm.config import OrbitKVConfig
 from orbitkv.vllm.metadata import OrbitKVConnectorMetadata, OrbitKVConnectorStats
 
@@ -36,6 +36,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("OrbitKVConnector needs the kv_cache_config argument (vLLM >= 2025-11)")
+        log.info("orbitkv: OrbitKVConnector (%s) on %s", getattr(role, "name", role), vllm_version())
         self._cfg = OrbitKVConfig.from_vllm(vllm_config, kv_cache_config)
         self._scheduler = None
         self._worker = None
