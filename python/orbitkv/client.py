@@ -68,6 +68,7 @@ class RestoreHandle:
         self._client = client
         self._handle = handle
         self.done = False
+        self.abandoned = False
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every copy drained; raises OrbitKVTimeout (still pending) or the restore's error."""
@@ -80,6 +81,19 @@ class RestoreHandle:
         if not self.done:
             self.done = self._client._native.poll_restore(self._handle)
         return self.done
+
+    def abandon(self) -> bool:
+        """Gives up on the restore (its caller's wait ran out). True: the Manager had not claimed it, so it never
+        writes the pages, which are the engine's again (release the lease: it was not consumed). False: the Manager
+        claimed it and may be writing them; they stay reserved until ``wait``/``poll`` report it done (or the
+        Manager is gone)."""
+        if self.done:
+            return False
+        abandoned = self._client._native.abandon_restore(self._handle)
+        if abandoned:
+            self.done = True
+            self.abandoned = True
+        return abandoned
 
 
 _CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)

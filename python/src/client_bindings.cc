@@ -225,6 +225,12 @@ void BindClient(py::module_& m) {
           GilRelease(), py::arg("handle"),
           "True when the restore completed (raises if it failed); False if pending")
       .def(
+          "abandon_restore",
+          [](CacheClient& c, uint64_t handle) { return ValueOrThrow(c.AbandonRestore(handle)); },
+          GilRelease(), py::arg("handle"),
+          "True: the Manager had not claimed the restore, its pages were never written and are free "
+          "again; False: it claimed it, the pages stay reserved until it completes")
+      .def(
           "completion_fd", [](CacheClient& c) { return ValueOrThrow(c.CompletionFd()); },
           "an fd that turns readable when a reply arrives (poll it, then poll_restore)")
       .def(

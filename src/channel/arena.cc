@@ -47,7 +47,8 @@ Result<ArenaLayout> ArenaLayout::Compute(uint32_t ring_entries, uint32_t payload
   layout.request_ring_offset = 256;  // after the header, cache-line aligned
   layout.reply_ring_offset = RoundUp(layout.request_ring_offset + ring_bytes, 256);
   layout.slots_offset = RoundUp(layout.reply_ring_offset + ring_bytes, kPage);
-  layout.arena_bytes = layout.slots_offset + uint64_t{payload_slots} * slot_bytes;
+  layout.claims_offset = layout.slots_offset + uint64_t{payload_slots} * slot_bytes;
+  layout.arena_bytes = RoundUp(layout.claims_offset + uint64_t{payload_slots} * sizeof(uint64_t), kPage);
   return layout;
 }
 
@@ -137,6 +138,11 @@ Descriptor* DescriptorArena::reply_entries() const {
 std::span<uint8_t> DescriptorArena::slot(uint32_t index) const {
   ORBITKV_CHECK(index < layout_.payload_slots);
   return {base_ + layout_.slots_offset + uint64_t{index} * layout_.slot_bytes, layout_.slot_bytes};
+}
+
+uint64_t* DescriptorArena::claim_word(uint32_t index) const {
+  ORBITKV_CHECK(index < layout_.payload_slots);
+  return reinterpret_cast<uint64_t*>(base_ + layout_.claims_offset) + index;
 }
 
 Status RingProducer::TryPush(const Descriptor& d) {

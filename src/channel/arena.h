@@ -37,6 +37,7 @@ struct ArenaLayout {
   uint64_t request_ring_offset = 0;
   uint64_t reply_ring_offset = 0;
   uint64_t slots_offset = 0;
+  uint64_t claims_offset = 0;  // one claim word (u64) per payload slot, after the slots (claims.h)
   uint64_t arena_bytes = 0;
 
   // Validates the three sizes (ring_entries a power of two in [16, 4096], payload_slots in [1,
@@ -68,6 +69,8 @@ class DescriptorArena {
   Descriptor* reply_entries() const;
   // The payload slot `index` (< payload_slots), slot_bytes long.
   std::span<uint8_t> slot(uint32_t index) const;
+  // The claim word of payload slot `index`: shared by both processes, used through claims.h only.
+  uint64_t* claim_word(uint32_t index) const;
 
  private:
   DescriptorArena(ScopedFd fd, uint8_t* base, const ArenaLayout& layout, uint64_t session_epoch)

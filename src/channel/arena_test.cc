@@ -35,7 +35,9 @@ TEST(ArenaLayoutTest, ValidatesEveryField) {
   EXPECT_EQ(layout.slots_offset % 4096, 0u);
   EXPECT_GE(layout.reply_ring_offset,
             layout.request_ring_offset + sizeof(RingControl) + 16 * sizeof(Descriptor));
-  EXPECT_EQ(layout.arena_bytes, layout.slots_offset + 2 * 4096);
+  // One claim word per slot after the slots, the arena rounded up to a page.
+  EXPECT_EQ(layout.claims_offset, layout.slots_offset + 2 * 4096);
+  EXPECT_EQ(layout.arena_bytes, layout.claims_offset + 4096);
 }
 
 TEST(ArenaTest, AttachSeesTheSameMemoryAndChecksTheHeader) {

@@ -303,6 +303,18 @@ void ClientSession::AbandonSlot(uint32_t slot) {
   }
 }
 
+uint32_t ClientSession::ArmClaim(uint32_t slot) {
+  ORBITKV_CHECK(slot < welcome_.payload_slots && slot_request_[slot] == 0);
+  const uint32_t generation = generation_[slot] + 2;  // what Submit gives the slot's next request
+  channel::ArmClaim(arena_->claim_word(slot), generation);
+  return generation;
+}
+
+ClaimState ClientSession::AbandonClaim(uint32_t slot, uint32_t generation) {
+  ORBITKV_CHECK(slot < welcome_.payload_slots);
+  return channel::Abandon(arena_->claim_word(slot), generation);
+}
+
 Result<uint64_t> ClientSession::Submit(Descriptor d, uint32_t slot, uint32_t payload_bytes) {
   ORBITKV_RETURN_IF_ERROR(dead_);
   ORBITKV_CHECK(slot < welcome_.payload_slots && slot_request_[slot] == 0);

@@ -29,6 +29,7 @@
 #include "base/result.h"
 #include "base/scoped_fd.h"
 #include "channel/arena.h"
+#include "channel/claims.h"
 #include "channel/uds.h"
 #include "channel/wire.h"
 
@@ -164,6 +165,12 @@ class ClientSession {
   void ReleaseSlot(uint32_t slot);
   void AbandonSlot(uint32_t slot);
   std::span<uint8_t> slot(uint32_t index) const { return arena_->slot(index); }
+
+  // Claims (channel/claims.h) of saves and restores: ArmClaim before Submit (it names the
+  // generation Submit will give the slot's next request, returned), AbandonClaim when the wait ran
+  // out.
+  uint32_t ArmClaim(uint32_t slot);
+  ClaimState AbandonClaim(uint32_t slot, uint32_t generation);
 
   // Sends a request: fills magic, version, epoch, id and a fresh generation for `slot` into `d` and
   // pushes it. Returns the request id. ResourceExhausted when the ring is full.

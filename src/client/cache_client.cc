@@ -392,14 +392,28 @@ Result<uint64_t> CacheClient::SubmitRestore(const channel::RestoreRequest& reque
     control_->ReleaseSlot(slot);
     return bytes.status();
   }
+  const uint32_t generation = control_->ArmClaim(slot);
   Result<uint64_t> id = control_->Submit(d, slot, *bytes);
   if (!id.ok()) {
     control_->ReleaseSlot(slot);
     return id.status();
   }
   const uint64_t handle = next_handle_++;
-  restores_.emplace(handle, PendingRestore{*id, slot});
+  restores_.emplace(handle, PendingRestore{*id, slot, generation});
   return handle;
+}
+
+Result<bool> CacheClient::AbandonRestore(uint64_t handle) {
+  MutexLock lock(&control_mu_);
+  auto it = restores_.find(handle);
+  if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
+  if (control_->AbandonClaim(it->second.slot, it->second.generation) ==
+      channel::ClaimState::kClaimed) {
+    return false;  // the Manager owns it: its pages stay reserved until it completes
+  }
+  control_->AbandonSlot(it->second.slot);
+  restores_.erase(it);
+  return true;
 }
 
 Result<std::optional<Status>> CacheClient::PollRestore(uint64_t handle) {
@@ -478,6 +492,8 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
   struct InFlight {
     uint64_t id;
     uint32_t slot;
+    uint32_t generation;  // of its claim word
+    size_t items;
   };
   std::vector<InFlight> inflight;
   SaveResult total;
@@ -488,12 +504,29 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
   auto wait_oldest = [&]() {
     const InFlight oldest = inflight.front();
     inflight.erase(inflight.begin());
-    Result<channel::InboundReply> reply = session->WaitReply(oldest.id, CallDeadline(), spins);
-    // A save is never abandoned on a timeout: until its reply the Manager may still be reading the
-    // source pages, and an engine that reused them would have a torn block sealed. Only a session
-    // that is gone (the Manager died: Unavailable) ends the wait.
-    while (!reply.ok() && reply.status().code() == StatusCode::kDeadlineExceeded) {
-      reply = session->WaitReply(oldest.id, CallDeadline(), spins);
+    // After one request timed out the Manager is not answering: the rest are decided at once.
+    const orbitkv::Deadline deadline =
+        total.abandoned_requests + total.unconfirmed > 0 ? orbitkv::Deadline::At(MonoNow())
+                                                         : CallDeadline();
+    Result<channel::InboundReply> reply = session->WaitReply(oldest.id, deadline, spins);
+    // Until its reply the Manager may still be reading the source pages. At the timeout one
+    // compare-and-swap decides: abandoned first, the Manager will never seal what it read (the pages
+    // are free); claimed first, its copy is over (the pages are free too).
+    if (!reply.ok() && reply.status().code() == StatusCode::kDeadlineExceeded) {
+      const channel::ClaimState state = session->AbandonClaim(oldest.slot, oldest.generation);
+      session->AbandonSlot(oldest.slot);  // its late reply is dropped when it comes
+      if (state == channel::ClaimState::kClaimed) {
+        total.unconfirmed += oldest.items;
+      } else {
+        ++total.abandoned_requests;
+        if (failed.ok()) {
+          failed = Status::DeadlineExceeded(fmt::format(
+              "the Manager did not take a save of {} blocks within {} ms (stopped or overloaded); "
+              "it was abandoned and none of it will be sealed",
+              oldest.items, options_.timeout.count()));
+        }
+      }
+      return;
     }
     Status status = reply.ok() ? (reply->code() == StatusCode::kOk
                                       ? Status::Ok()
@@ -527,6 +560,7 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
     }
     Descriptor d{};
     Result<uint32_t> bytes = channel::EncodeSave(request, &d, session->slot(*slot));
+    const uint32_t generation = session->ArmClaim(*slot);
     Result<uint64_t> id =
         bytes.ok() ? session->Submit(d, *slot, *bytes) : Result<uint64_t>(bytes.status());
     if (!id.ok()) {
@@ -534,7 +568,7 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
       failed = id.status();
       break;
     }
-    inflight.push_back(InFlight{*id, *slot});
+    inflight.push_back(InFlight{*id, *slot, generation, end - start});
   }
   // Every submitted chunk is waited for, even after a failure: its source pages stay in use until
   // then.

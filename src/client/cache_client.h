@@ -97,6 +97,11 @@ struct SaveItem {
 struct SaveResult {
   uint64_t written = 0;  // blocks copied and sealed
   uint64_t skipped = 0;  // already resident, being written elsewhere, or no room
+  // Blocks of requests the Manager claimed (their copy is over, the pages are free again) but did
+  // not confirm within the timeout: sealed unless the Manager fails before it seals them.
+  uint64_t unconfirmed = 0;
+  // Requests abandoned at the timeout before the Manager claimed them (never sealed).
+  uint64_t abandoned_requests = 0;
 };
 
 class CacheClient {
@@ -165,6 +170,11 @@ class CacheClient {
   Status WaitRestore(uint64_t handle,
                      std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   Result<std::optional<Status>> PollRestore(uint64_t handle);
+  // Gives up on a pending restore (channel/claims.h). True: the Manager had not claimed it, so it
+  // never writes its pages, which are the engine's again (the handle is gone; the lease is not
+  // consumed: Release it). False: the Manager claimed it, its copies may be writing the pages, which
+  // stay reserved until WaitRestore/PollRestore report it done (or the Manager is gone).
+  Result<bool> AbandonRestore(uint64_t handle);
   Status Restore(uint64_t instance, uint32_t group, uint64_t lease,
                  std::span<const uint32_t> pages);
   // An fd that becomes readable when a reply (e.g. a restore completion) arrives: poll it, then
@@ -172,9 +182,11 @@ class CacheClient {
   Result<int> CompletionFd();
 
   // Copies the named pages into the cache and returns once the copied blocks are sealed and
-  // resident. Splits long lists into several requests. It does not time out while the Manager is
-  // alive: until the reply the source pages are in use, and returning early would let the engine
-  // overwrite pages being copied. A dead Manager ends it with Unavailable.
+  // resident. Splits long lists into several requests. Bounded by the timeout: a request whose
+  // reply has not come by then is abandoned if the Manager has not claimed it (channel/claims.h:
+  // it is then never sealed) and DeadlineExceeded is returned; a request it claimed has finished
+  // copying and counts as unconfirmed. Either way the pages may be reused when Save returns. A dead
+  // Manager ends it with Unavailable.
   Result<SaveResult> Save(uint64_t instance, uint32_t group, std::span<const SaveItem> items);
 
   Status Release(uint64_t instance, uint64_t lease);
@@ -190,6 +202,7 @@ class CacheClient {
   struct PendingRestore {
     uint64_t request_id;
     uint32_t slot;
+    uint32_t generation;  // of its claim word
   };
 
   CacheClient(ClientOptions options, std::string socket_path,

@@ -28,6 +28,14 @@ CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache*
       save_skipped_(&metrics->GetCounter(
           "orbitkv_save_skipped_blocks_total",
           "Saved blocks skipped (already resident or in progress)")),
+      saves_abandoned_(&metrics->GetCounter(
+          "orbitkv_saves_abandoned_total",
+          "Saves the engine abandoned (its wait ran out) before the Manager claimed them: never "
+          "sealed")),
+      restores_abandoned_(&metrics->GetCounter(
+          "orbitkv_restores_abandoned_total",
+          "Restores the engine abandoned before the Manager claimed them: its pages never "
+          "written")),
       query_latency_(&metrics->GetHistogram("orbitkv_query_seconds",
                                             "Time to answer a query in the Manager",
                                             Histogram::ExponentialBounds(1e-6, 2, 20))),
@@ -153,7 +161,7 @@ Result<uint64_t> CacheService::RestoreFragments(const channel::RestoreRequest& r
 }
 
 void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& request,
-                           Done<channel::RestoreReply> done) {
+                           Done<channel::RestoreReply> done, ClaimFn claim) {
   Result<Target> target = Resolve(owner, request.instance, request.group);
   if (!target.ok()) return done(target.status());
   const KvGroup& group = *target->group;
@@ -187,6 +195,14 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
     if (!bytes.ok()) return done(bytes.status());
     return done(channel::RestoreReply{0});
   }
+  // The last moment before the engine's pages are written: the engine may have abandoned it.
+  if (claim && !claim()) {
+    lease->Reset();
+    EndOperation();
+    restores_abandoned_->Increment();
+    return done(Status::Aborted("the engine abandoned this restore before it started; nothing was "
+                                "written"));
+  }
   auto finish = std::make_shared<Done<channel::RestoreReply>>(std::move(done));
   Status submitted = group.engine->Submit(
       std::move(batch),
@@ -208,7 +224,7 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
 }
 
 void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
-                        Done<channel::SaveReply> done) {
+                        Done<channel::SaveReply> done, ClaimFn claim) {
   Result<Target> target = Resolve(owner, request.instance, request.group);
   if (!target.ok()) return done(target.status());
   const KvGroup& group = *target->group;
@@ -258,8 +274,16 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
   work->done = std::move(done);
   const uint64_t bytes = work->writers.size() * group.block_bytes;
   Status submitted = group.engine->Submit(
-      std::move(batch), [this, owner, work, keep = target->group, skipped, bytes](Status status) {
+      std::move(batch), [this, owner, work, keep = target->group, skipped, bytes,
+                         claim = std::move(claim)](Status status) {
         CheckFault(owner, status);
+        // The copy is over; the engine may have given up on it meanwhile and reused its pages, so
+        // what was read is sealed only if the Manager claims the save now.
+        if (status.ok() && claim && !claim()) {
+          saves_abandoned_->Increment();
+          status = Status::Aborted("the engine abandoned this save (its wait ran out); nothing of "
+                                   "it is sealed");
+        }
         uint64_t written = 0;
         if (status.ok()) {
           cache_->SealAll(work->writers);  // one lock per table shard for the whole save

@@ -90,9 +90,17 @@ class CacheService {
   // Errors: the instance's or group's (NotFound, PermissionDenied), a chain that cannot be built
   // (InvalidArgument), ResourceExhausted when the query budget or --max-loading is full (retry).
   Result<channel::QueryReply> Query(uint64_t owner, const channel::QueryRequest& request);
+  // The claim/abandon decision of a save or restore (channel/claims.h): true when the Manager now
+  // owns the operation, false when the engine abandoned it first. Empty: always the Manager's.
+  using ClaimFn = std::function<bool()>;
+  // A restore is claimed before its first write into the engine's pages; an abandoned one is never
+  // started (Aborted, the lease's pins go back).
   void Restore(uint64_t owner, const channel::RestoreRequest& request,
-               Done<channel::RestoreReply> done);
-  void Save(uint64_t owner, const channel::SaveRequest& request, Done<channel::SaveReply> done);
+               Done<channel::RestoreReply> done, ClaimFn claim = {});
+  // A save is claimed after its copy finished and before it is sealed; an abandoned one is never
+  // sealed (Aborted), whatever bytes the copy read.
+  void Save(uint64_t owner, const channel::SaveRequest& request, Done<channel::SaveReply> done,
+            ClaimFn claim = {});
   Status Release(uint64_t owner, const channel::ReleaseRequest& request);
   // NotFound when the op completed and was taken by a query, or was cancelled.
   Status Cancel(uint64_t owner, const channel::CancelRequest& request);
@@ -145,6 +153,8 @@ class CacheService {
   Counter* restored_bytes_;
   Counter* saved_bytes_;
   Counter* save_skipped_;
+  Counter* saves_abandoned_;
+  Counter* restores_abandoned_;
   Histogram* query_latency_;
   Counter* hits_;
   Counter* misses_;

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "base/logging.h"
+#include "channel/claims.h"
 #include "channel/messages.h"
 #include "server/manager.h"
 
@@ -40,6 +41,15 @@ std::function<void(Result<T>)> ReplyLater(std::shared_ptr<channel::ServerSession
   };
 }
 
+// The claim word of request `d` (channel/claims.h), in the session's arena, which the channel keeps
+// mapped for as long as the closure lives.
+CacheService::ClaimFn ClaimOf(std::shared_ptr<channel::ServerSession> channel,
+                              const channel::Descriptor& d) {
+  return [channel = std::move(channel), slot = d.payload_slot, generation = d.payload_generation] {
+    return channel::Claim(channel->arena().claim_word(slot), generation);
+  };
+}
+
 }  // namespace
 
 Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
@@ -61,13 +71,15 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
                                channel::DecodeRestore(d, request.payload));
       service_->Restore(owner, restore,
                         ReplyLater<channel::RestoreReply>(session->channel, d,
-                                                          channel::EncodeRestoreReply));
+                                                          channel::EncodeRestoreReply),
+                        ClaimOf(session->channel, d));
       return Status::Ok();
     }
     case Opcode::kSave: {
       ORBITKV_ASSIGN_OR_RETURN(channel::SaveRequest save, channel::DecodeSave(d, request.payload));
       service_->Save(owner, save,
-                     ReplyLater<channel::SaveReply>(session->channel, d, channel::EncodeSaveReply));
+                     ReplyLater<channel::SaveReply>(session->channel, d, channel::EncodeSaveReply),
+                     ClaimOf(session->channel, d));
       return Status::Ok();
     }
     case Opcode::kRelease: {
