@@ -84,9 +84,9 @@ class RestoreHandle:
 
     def abandon(self) -> bool:
         """Gives up on the restore (its caller's wait ran out). True: the Manager had not claimed it, so it never
-        writes the pages, which are the engine's again (release the lease: it was not consumed). False: the Manager
-        claimed it and may be writing them; they stay reserved until ``wait``/``poll`` report it done (or the
-        Manager is gone)."""
+        writes the pages, which are the engine's again; the Manager releases the lease when it reaches the request
+        (or with the session). False: the Manager claimed it and may be writing them; they stay reserved until
+        ``wait``/``poll`` report it done (or the Manager is gone)."""
         if self.done:
             return False
         abandoned = self._client._native.abandon_restore(self._handle)

@@ -269,3 +269,82 @@ def test_kv_memory_is_sealed_and_unsealed_memory_is_refused(manager):
             client._native.register_group(1, 0, PAGES, [(raw, 1 << 20, 0, 1 << 15, 1 << 15, 0)])
     finally:
         os.close(raw)
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP, then wait until every thread of the process is really stopped (signal delivery is not instant)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.001)
+
+
+def test_a_stopped_manager_bounds_every_call_and_never_seals_or_writes_what_was_abandoned(manager):
+    """kill -STOP (an overloaded, swapping or debugged Manager): every call returns within its timeout. An
+    abandoned save is never sealed and an abandoned restore never writes its pages, even after kill -CONT; then
+    the same client works again."""
+    proc, sock = manager
+    timeout_ms = 300
+    client = orbitkv.CacheManagerClient(sock, timeout_ms=timeout_ms)
+    ns = namespace()
+    client.register_instance(1, ns)
+    caches = kv_tensors()
+    client.register_group(1, 0, caches)
+    for cache in caches:
+        cache.fill_(1.0)
+    saved = keys_for(ns, 1, 4)
+    assert client.save(1, [(k, i) for i, k in enumerate(saved)]) == (4, 0)
+    hit = client.query_prefetch(1, saved)  # leased before the stop
+    assert hit.num_hit_blocks == 4
+    limit = timeout_ms / 1000 + 1.0  # the call's timeout plus scheduling slack on a loaded CI machine
+
+    def bounded(call):
+        started = time.monotonic()
+        try:
+            call()
+        except orbitkv.OrbitKVTimeout as error:
+            return time.monotonic() - started, error
+        raise AssertionError("the call returned normally while the Manager was stopped")
+
+    stop_process(proc.pid)
+    try:
+        restore = client.start_restore(1, hit.lease, range(20, 24))  # submitted into the ring
+        elapsed, _ = bounded(lambda: restore.wait(timeout=timeout_ms / 1000))
+        assert elapsed < limit
+        assert restore.abandon() is True  # not claimed: the Manager never writes pages 20..23
+        for cache in caches:
+            cache[20:24].fill_(7.0)  # the engine reuses them at once
+        abandoned = keys_for(ns, 2, 4)
+        for cache in caches:
+            cache[:4].fill_(2.0)
+        elapsed, error = bounded(lambda: client.save(1, [(k, i) for i, k in enumerate(abandoned)]))
+        assert elapsed < limit and "abandoned" in str(error)
+        for cache in caches:
+            cache[:4].fill_(3.0)  # reuse: had the save been sealed later, it would hold torn or new bytes
+        elapsed, _ = bounded(lambda: client.query_prefetch(1, saved))
+        assert elapsed < limit
+        elapsed, _ = bounded(client.stats)
+        assert elapsed < limit
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    time.sleep(0.5)  # the Manager works through what was queued: the abandoned restore and save
+    assert all(torch.equal(cache[20:24], torch.full_like(cache[20:24], 7.0)) for cache in caches)
+    assert isinstance(client.query_prefetch(1, abandoned), orbitkv.QueryMiss)  # never sealed
+    again = client.query_prefetch(1, saved)
+    assert again.num_hit_blocks == 4
+    client.release(1, again.lease)
+    # The abandoned restore's lease went back when the Manager reached it (nothing stays pinned).
+    more = keys_for(ns, 3, 2)
+    assert client.save(1, [(k, i) for i, k in enumerate(more)]) == (2, 0)
+    stats = client.stats()
+    assert (stats["leases_active"], stats["operations_active"]) == (0, 0), stats

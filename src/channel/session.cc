@@ -362,6 +362,7 @@ Result<std::optional<InboundReply>> ClientSession::PollReply() {
     if (abandoned_[d.payload_slot]) {  // nobody waits for it: the slot is free now
       abandoned_[d.payload_slot] = false;
       free_slots_.push_back(d.payload_slot);
+      if (abandoned_reply_handler_) abandoned_reply_handler_(reply);
       continue;
     }
     return std::optional<InboundReply>(reply);

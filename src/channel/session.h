@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -164,6 +165,11 @@ class ClientSession {
   Result<uint32_t> AcquireSlot();
   void ReleaseSlot(uint32_t slot);
   void AbandonSlot(uint32_t slot);
+  // Called (from PollReply, on the thread reading replies) with each late reply of an abandoned
+  // slot before it is dropped: a query answered after its caller gave up may carry a lease.
+  void SetAbandonedReplyHandler(std::function<void(const InboundReply&)> handler) {
+    abandoned_reply_handler_ = std::move(handler);
+  }
   std::span<uint8_t> slot(uint32_t index) const { return arena_->slot(index); }
 
   // Claims (channel/claims.h) of saves and restores: ArmClaim before Submit (it names the
@@ -211,6 +217,7 @@ class ClientSession {
   uint64_t next_request_id_ = 1;
   std::vector<uint32_t> generation_;    // per slot, the generation of its current request
   std::vector<uint64_t> slot_request_;  // per slot, the request id in flight (0: none)
+  std::function<void(const InboundReply&)> abandoned_reply_handler_;
   std::vector<bool> abandoned_;          // per slot: released while in flight, free on its reply
   std::vector<uint32_t> free_slots_;
   std::vector<InboundReply> parked_;  // replies that arrived while waiting for another request

@@ -115,9 +115,41 @@ Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
   }
 }
 
+void CacheClient::OnAbandonedReply(const channel::InboundReply& reply) {
+  // Runs inside PollReply, which the control session's reader calls with control_mu_ held.
+  auto it = abandoned_queries_.find(reply.descriptor.request_id);
+  if (it == abandoned_queries_.end()) return;
+  const uint64_t instance = it->second;
+  abandoned_queries_.erase(it);
+  if (reply.code() != StatusCode::kOk) return;
+  Result<channel::QueryReply> answer = channel::DecodeQueryReply(reply.descriptor);
+  if (answer.ok() && answer->outcome == channel::QueryOutcome::kHit && answer->lease != 0) {
+    late_leases_.emplace_back(instance, answer->lease);
+  }
+}
+
+void CacheClient::FlushLateReleases() {
+  while (!late_leases_.empty()) {
+    Result<uint32_t> slot = control_->AcquireSlot();
+    if (!slot.ok()) return;  // all in flight: the next request tries again
+    const auto [instance, lease] = late_leases_.back();
+    Descriptor d{};
+    channel::EncodeRelease(channel::ReleaseRequest{instance, lease}, &d);
+    Result<uint64_t> id = control_->Submit(d, *slot, 0);
+    if (!id.ok()) {
+      control_->ReleaseSlot(*slot);
+      return;
+    }
+    control_->AbandonSlot(*slot);  // nobody waits for its reply
+    late_leases_.pop_back();
+  }
+}
+
 Result<channel::InboundReply> CacheClient::RoundTrip(const Encoder& encode,
                                                      orbitkv::Deadline deadline,
-                                                     std::string* reply_payload) {
+                                                     std::string* reply_payload,
+                                                     uint64_t query_instance) {
+  FlushLateReleases();
   ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, control_->AcquireSlot());
   Descriptor d{};
   Result<uint32_t> bytes = encode(&d, control_->slot(slot));
@@ -129,6 +161,7 @@ Result<channel::InboundReply> CacheClient::RoundTrip(const Encoder& encode,
   }
   Result<channel::InboundReply> reply = AwaitControl(*id, deadline, options_.spin_iterations);
   if (!reply.ok()) {
+    if (query_instance != 0) abandoned_queries_[*id] = query_instance;
     control_->AbandonSlot(slot);  // the slot is free again once its reply arrived
     return reply.status();
   }
@@ -290,7 +323,7 @@ Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
                                              key_version, native_bytes,
                                              natives.first(count * native_bytes), d, slot);
           },
-          CallDeadline()));
+          CallDeadline(), nullptr, instance));
   Result<channel::QueryReply> decoded = channel::DecodeQueryReply(reply.descriptor);
   if (!decoded.ok()) return decoded.status().WithContext("the Manager's query reply is malformed");
   QueryResult result;

@@ -171,9 +171,10 @@ class CacheClient {
                      std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   Result<std::optional<Status>> PollRestore(uint64_t handle);
   // Gives up on a pending restore (channel/claims.h). True: the Manager had not claimed it, so it
-  // never writes its pages, which are the engine's again (the handle is gone; the lease is not
-  // consumed: Release it). False: the Manager claimed it, its copies may be writing the pages, which
-  // stay reserved until WaitRestore/PollRestore report it done (or the Manager is gone).
+  // never writes its pages, which are the engine's again (the handle is gone; the Manager releases
+  // the lease when it reaches the request, or with the session). False: the Manager claimed it, its
+  // copies may be writing the pages, which stay reserved until WaitRestore/PollRestore report it
+  // done (or the Manager is gone).
   Result<bool> AbandonRestore(uint64_t handle);
   Status Restore(uint64_t instance, uint32_t group, uint64_t lease,
                  std::span<const uint32_t> pages);
@@ -212,7 +213,15 @@ class CacheClient {
         session_id_(control->session_id()),
         manager_incarnation_(control->welcome().manager_incarnation),
         control_slot_bytes_(control->slot_bytes()),
-        control_(std::move(control)) {}
+        control_(std::move(control)) {
+    control_->SetAbandonedReplyHandler(
+        [this](const channel::InboundReply& reply) { OnAbandonedReply(reply); });
+  }
+  // A late reply to a query whose caller timed out: its lease (if any) is released with the next
+  // control request, so a stopped Manager that wakes up leaks no pins.
+  void OnAbandonedReply(const channel::InboundReply& reply) NO_THREAD_SAFETY_ANALYSIS;
+  // Sends the releases of those leases (fire and forget: their replies are dropped).
+  void FlushLateReleases() REQUIRES(control_mu_);
 
   orbitkv::Deadline CallDeadline() const;
   // The compact request for a chain of keys (at most MaxQueryKeys of them) of `group`.
@@ -223,9 +232,11 @@ class CacheClient {
   using Encoder = std::function<Result<uint32_t>(channel::Descriptor*, std::span<uint8_t>)>;
   // One request on the control session: encode, submit, wait for the reply until `deadline`; an
   // error reply becomes its Status. A reply payload is copied to *reply_payload.
+  // `query_instance`: the instance of a query, whose late reply's lease is released if the wait is
+  // abandoned (0: not a query).
   Result<channel::InboundReply> RoundTrip(const Encoder& encode, orbitkv::Deadline deadline,
-                                          std::string* reply_payload = nullptr)
-      REQUIRES(control_mu_);
+                                          std::string* reply_payload = nullptr,
+                                          uint64_t query_instance = 0) REQUIRES(control_mu_);
   // RoundTrip with a prepared descriptor and payload.
   Result<channel::InboundReply> Call(channel::Descriptor d, std::span<const uint8_t> payload,
                                      std::string* reply_payload = nullptr) REQUIRES(control_mu_);
@@ -255,6 +266,9 @@ class CacheClient {
   std::map<uint64_t, PendingRestore> restores_ GUARDED_BY(control_mu_);
   uint64_t next_handle_ GUARDED_BY(control_mu_) = 1;
   std::map<uint64_t, channel::InboundReply> arrived_ GUARDED_BY(control_mu_);  // by request id
+  // Queries given up on (request id -> instance), and the leases their late replies carried.
+  std::map<uint64_t, uint64_t> abandoned_queries_ GUARDED_BY(control_mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> late_leases_ GUARDED_BY(control_mu_);
   bool sleeper_ GUARDED_BY(control_mu_) = false;  // a waiter sleeps on the reply doorbell
   std::condition_variable_any reply_cv_;          // arrived_ grew, or the sleeper woke
 
