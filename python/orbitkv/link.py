@@ -7,6 +7,10 @@ One failure policy for both:
   that fails with ``ManagerUnavailable`` reports it with ``failed()``: the link goes down, and the next ``client()``
   after ``reconnect_interval_s`` connects again and replays the adapter's registrations (``on_connect``), so the
   engine keeps serving (recomputing) meanwhile. Other errors are the call's own and leave the link up.
+- A Manager that stops answering (``kill -STOP``, swapping, a debugger: a call times out) stalls the link: ``client()``
+  returns None at once, so the engine loop never waits on it again, while a background probe pings it every
+  ``reconnect_interval_s``; when it answers, the same client (its registrations intact) serves again; when its
+  session is found gone, the link reconnects as above.
 - A Manager that answers but refuses the replay (it may not read this process's memory, say) is logged once per
   distinct reason, not on every attempt.
 """
@@ -70,6 +74,8 @@ class ManagerLink:
         self._lock = threading.Lock()  # worker threads (saves, prefetch) use the link too
         self._closed = False
         self.failures = 0
+        self.stalls = 0
+        self._stalled: Optional[orbitkv.CacheManagerClient] = None  # the client of a Manager that stopped answering
         self.reconnects = 0
         self.reconnect_failures = 0
         self._last_refusal = ""
@@ -96,10 +102,12 @@ class ManagerLink:
         return self._client
 
     def client(self) -> Optional[orbitkv.CacheManagerClient]:
-        """The live client, or None while the Manager is unreachable (or the link is closed)."""
+        """The live client, or None while the Manager is unreachable or stalled (or the link is closed)."""
         client = self._client
-        if client is not None:
+        if client is not None and self._stalled is None:
             return client
+        if self._stalled is not None:
+            return None
         with self._lock:
             if self._client is None and not self._closed and time.monotonic() >= self._next_attempt:
                 try:
@@ -121,6 +129,12 @@ class ManagerLink:
         link down (True); other errors are the call's own."""
         with self._lock:
             self.failures += 1
+            if self._stalled is not None:
+                return False  # a consequence of the stall: the probe decides whether the session is gone
+            if isinstance(error, orbitkv.OrbitKVTimeout) and self._client is not None and self._stalled is None \
+                    and (client is None or client is self._client):
+                self._stall()
+                return True
             if not isinstance(error, orbitkv.ManagerUnavailable) or self._client is None:
                 return False
             if client is not None and client is not self._client:
@@ -129,6 +143,43 @@ class ManagerLink:
             self._client = None
             self._next_attempt = time.monotonic() + self._interval
             return True
+
+    def _stall(self) -> None:
+        """The Manager did not answer in time: calls stop until a probe gets an answer (or finds it gone)."""
+        self._stalled = self._client
+        self.stalls += 1
+        self._log.warning("orbitkv: the Manager did not answer within %d ms (stopped, swapping or overloaded); "
+                          "serving without it (recomputing) until it answers again", self._timeout_ms)
+        threading.Thread(target=self._probe, args=(self._client,), daemon=True, name="orbitkv-probe").start()
+
+    def _probe(self, client: orbitkv.CacheManagerClient) -> None:
+        while True:
+            time.sleep(self._interval)
+            with self._lock:
+                if self._closed or self._stalled is not client:
+                    return
+            try:
+                client.ping()
+            except orbitkv.OrbitKVTimeout:
+                continue
+            except orbitkv.OrbitKVError as error:  # the session is gone: reconnect through client()
+                with self._lock:
+                    if self._stalled is client:
+                        self._stalled = None
+                        if self._client is client:
+                            self._client = None
+                            self._next_attempt = 0.0
+                self._log.warning("orbitkv: the stalled Manager is gone (%s); reconnecting", error)
+                return
+            with self._lock:
+                if self._stalled is client:
+                    self._stalled = None
+            self._log.warning("orbitkv: the Manager answers again; serving from it")
+            return
+
+    @property
+    def stalled(self) -> bool:
+        return self._stalled is not None
 
     def close(self) -> Optional[orbitkv.CacheManagerClient]:
         """Closes the link; returns the client it had (to unregister with), if any."""

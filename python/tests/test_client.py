@@ -14,6 +14,7 @@ import torch
 
 import orbitkv
 from orbitkv import shm
+from procs import stop_process
 
 LAYERS, PAGES, PAGE_TOKENS, KV_HEADS, HEAD_DIM = 4, 32, 16, 2, 64
 
@@ -269,24 +270,6 @@ def test_kv_memory_is_sealed_and_unsealed_memory_is_refused(manager):
             client._native.register_group(1, 0, PAGES, [(raw, 1 << 20, 0, 1 << 15, 1 << 15, 0)])
     finally:
         os.close(raw)
-
-
-def stop_process(pid: int) -> None:
-    """SIGSTOP, then wait until every thread of the process is really stopped (signal delivery is not instant)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass
-        if states and all(s in ("T", "t") for s in states):
-            return
-        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
-        time.sleep(0.001)
 
 
 def test_a_stopped_manager_bounds_every_call_and_never_seals_or_writes_what_was_abandoned(manager):

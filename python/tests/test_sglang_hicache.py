@@ -291,3 +291,34 @@ def test_generic_copy_path_serves_the_same_pages(manager):
     results, reader = writer_then_reader(manager.socket, toks, extra=config)
     assert results == [{"cached": 3 * P, "wrong_pages": 0}]
     assert reader.backends()[0].counters()["legacy_get_hits"] == 3
+
+
+def test_a_stopped_manager_never_stalls_the_server(manager):
+    """kill -STOP: the prefetch and backup threads' calls return within timeout_ms, the request is computed (and
+    right), nothing raises into SGLang's threads; after kill -CONT the same server prefetches again."""
+    import time
+
+    toks = tokens("stopped", 4)
+    writer = World(manager.socket)
+    writer.serve("w", toks)
+    writer.shutdown()
+    config = extra_config(manager.socket, timeout_ms=300, reconnect_interval_s=0.05)
+    reader = World(manager.socket, extra=config, prefetch_policy="timeout", timeout_base=0.05)
+    try:
+        manager.pause()
+        try:
+            started = time.monotonic()
+            assert reader.serve("r", toks) == [{"cached": 0, "wrong_pages": 0}]
+            assert time.monotonic() - started < 5.0  # bounded: a few timeouts at most, never the Manager's pace
+        finally:
+            manager.resume()
+        backend = reader.backends()[0]
+        deadline = time.monotonic() + 10
+        while backend._link._link.stalled:
+            assert time.monotonic() < deadline, "the backend never noticed the Manager was back"
+            time.sleep(0.05)
+        again = reader.serve("r2", toks)
+        assert again[0]["cached"] > 0 and again[0]["wrong_pages"] == 0
+        assert_clean(reader)
+    finally:
+        reader.shutdown()

@@ -4,6 +4,7 @@ The synthetic model checks every K/V it attends to, so a wrong or missing restor
 are OrbitKV shared memory, or (``memory="ordinary"``) ordinary tensors as vLLM allocates them."""
 
 import random
+import time
 
 import pytest
 
@@ -342,11 +343,15 @@ def test_manager_killed_during_a_restore_recomputes_then_reconnects(manager, mon
     assert engine.workers[0].model.tokens_computed == len(batch[0]) + 3
 
     manager.start()  # a new, empty Manager: the connector reconnects, saves and serves again
-    import time
-
     time.sleep(0.1)
     more = prompts(1, 64, 8, seed=12)
     assert run(engine, more) != {}
+    # The scheduler learns of the restart on its first lookup after it (a miss), and reconnects on the next
+    # client() after reconnect_interval_s.
+    deadline = time.monotonic() + 10
+    while engine.connector._scheduler.link.client() is None:
+        assert time.monotonic() < deadline, "the scheduler never reconnected"
+        time.sleep(0.01)
     engine.results.clear()
     engine.add_request("again", more[0], 2)
     engine.run()
@@ -511,4 +516,64 @@ def test_connector_counters_appear_in_vllms_prometheus_metrics(manager):
     prom.observe(stats, 0)  # counters accumulate across intervals
     assert f"vllm:orbitkv_restored_blocks_total{labels} {2.0 * stats['restored_blocks']}" in generate_latest(
         registry).decode()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_stopped_manager_never_stalls_the_engine(manager, policy, monkeypatch):
+    """kill -STOP during a load (the scheduler promised the hit, the worker's restores are in the ring): every
+    connector call returns within orbitkv.timeout_ms and the engine keeps stepping. With "recompute" the affected
+    request recomputes to the same output; with "fail" (vLLM's default) exactly that request fails and the others
+    are served. After kill -CONT the same engine hits again."""
+    batch = prompts(1, 64, 16, seed=51)
+    other = prompts(1, 48, 8, seed=52)
+    baseline = run(engine_for(None, prefix_caching=False), batch + other)
+    run(engine_for(manager.socket), batch)  # warm the Manager
+    extra = {"orbitkv.timeout_ms": 300, "orbitkv.reconnect_interval_s": 0.05}
+    engine = engine_for(manager.socket, prefix_caching=False, policy=policy, extra=extra)
+    stopped = []
+    client = engine.workers[0].connector._worker.link.client()
+    real = client.start_restore
+
+    def stop_then_restore(*args, **kwargs):
+        if not stopped:
+            manager.pause()
+            stopped.append(time.monotonic())
+        return real(*args, **kwargs)  # into the ring of a stopped Manager: never claimed
+
+    monkeypatch.setattr(client, "start_restore", stop_then_restore)
+    engine.add_request("r0", batch[0], 4)
+    engine.add_request("r1", other[0], 4)
+    step_times = []
+    try:
+        while engine.has_unfinished():
+            started = time.monotonic()
+            engine.step()
+            step_times.append(time.monotonic() - started)
+            assert len(step_times) < 200, "the engine stopped making progress"
+    finally:
+        manager.resume()
+    assert stopped, "the worker never started a restore"
+    assert max(step_times) < 0.3 + 1.0  # one call's timeout at most, never a wait for the Manager
+    results = engine.results
+    assert results["r1"].tokens == baseline["r1"]  # served
+    if policy == "recompute":
+        assert results["r0"].tokens == baseline["r0"]
+    else:
+        assert results["r0"].reason == "error" and results["r0"].tokens == []
+    assert bad_reads(engine) == 0
+    assert engine.worker_stats.data.get("restores_abandoned", 0) >= 1
+    # kill -CONT: the probe finds the Manager again and the same engine instances hit.
+    deadline = time.monotonic() + 10
+    while engine.connector._scheduler.link.stalled or engine.workers[0].connector._worker.link.stalled:
+        assert time.monotonic() < deadline, "the connector never noticed the Manager was back"
+        time.sleep(0.05)
+    before = engine.worker_stats.data.get("restored_blocks", 0)
+    engine.results.clear()
+    engine.add_request("again", batch[0], 4)
+    engine.run()
+    engine.drain(2)
+    assert engine.results["again"].tokens == baseline["r0"]
+    assert engine.worker_stats.data["restored_blocks"] > before
+    assert_nothing_held(engine, manager)
     engine.shutdown()

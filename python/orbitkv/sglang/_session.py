@@ -147,6 +147,7 @@ class ManagerLink:
         self._loading_wait = loading_wait_s if callable(loading_wait_s) else (lambda tokens: loading_wait_s)
         self._counters = counters
         self._log = log
+        self._timeout_s = timeout_ms / 1000.0
         self._lock = threading.Lock()  # the pools; taken inside the link's lock (replay), never around it
         self._pools: Dict[str, _Pool] = {}
         self._connected_once = False
@@ -319,7 +320,9 @@ class ManagerLink:
 
     def restore(self, client, instance: int, lease: int, pages: List[int]) -> None:
         """Copies the leased blocks into ``pages`` and returns once every copy drained. It never returns while the
-        Manager may still write those pages (a slow restore keeps waiting; a dead Manager writes nothing)."""
+        Manager may still write those pages: a restore the Manager has not claimed by the timeout is abandoned
+        (it never writes them; OrbitKVTimeout, so SGLang sees the pages failed), one it claimed is waited for (a
+        dead Manager writes nothing)."""
         try:
             handle = client.start_restore(instance, lease, pages)
         except orbitkv.ManagerUnavailable as e:
@@ -328,14 +331,21 @@ class ManagerLink:
         except orbitkv.OrbitKVError:
             self.release(client, instance, lease)
             raise
+        wait_s = self._timeout_s
         while True:
             try:
                 # The wait does not hold the client's session: the prefetch thread's queries go on meanwhile.
-                handle.wait(timeout=10.0)
+                handle.wait(timeout=wait_s)
                 return
-            except orbitkv.OrbitKVTimeout:
-                self._log.warning("slow-restore", "OrbitKV: a restore of %d pages has run for over 10 s",
-                                  len(pages))
+            except orbitkv.OrbitKVTimeout as timeout:
+                if handle.abandon():
+                    self._counters.add("restores_abandoned")
+                    self._lost(client, timeout)
+                    raise orbitkv.OrbitKVTimeout(f"the Manager did not start a restore of {len(pages)} pages "
+                                                 f"within {wait_s:.1f} s; abandoned, the pages were not written")
+                self._log.warning("slow-restore", "OrbitKV: a restore of %d pages the Manager started is still "
+                                  "running; its pages stay reserved until it completes", len(pages))
+                wait_s = 10.0
             except orbitkv.OrbitKVError as e:
                 self._lost(client, e)
                 raise

@@ -63,7 +63,8 @@ class OrbitKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 _SUMMED = ("lookups", "lookup_tokens", "hit_tokens", "loading_answers", "loads", "failed_loads",
            "restored_blocks", "restored_bytes", "restore_seconds", "failed_blocks", "saved_blocks",
-           "skipped_blocks", "save_seconds", "save_failures", "manager_errors", "cache_resets")
+           "skipped_blocks", "save_seconds", "save_failures", "manager_errors", "cache_resets",
+           "restores_abandoned", "saves_abandoned")
 
 # Counter name (vLLM's "vllm:" prefix; prometheus_client adds "_total") -> (stats key, help)
 PROM_COUNTERS = {
@@ -80,6 +81,10 @@ PROM_COUNTERS = {
     "vllm:orbitkv_save_failures": ("save_failures", "KV pages whose save failed (a future miss)"),
     "vllm:orbitkv_manager_errors": ("manager_errors", "Manager calls that failed (the engine served without it)"),
     "vllm:orbitkv_cache_resets": ("cache_resets", "reset_cache calls (a new weights epoch)"),
+    "vllm:orbitkv_restores_abandoned": ("restores_abandoned", "Restores given up before the Manager claimed "
+                                        "them (a stopped or overloaded Manager): their requests recompute"),
+    "vllm:orbitkv_saves_abandoned": ("saves_abandoned", "Saves given up before the Manager claimed them: "
+                                     "never sealed, a future miss"),
 }
 
 

@@ -91,6 +91,10 @@ class SchedulerSide:
         self._stale: set = set()  # requests whose KV predates a reset: never saved again
         events = getattr(vllm_config, "kv_events_config", None)
         self._events_enabled = bool(getattr(events, "enable_kv_cache_events", False))
+        # Requests whose load failed: vLLM recomputes what failed and then asks again; offering the same hit
+        # again would fail the same way (a stalled Manager, a worker that lost it), so they get no more loads.
+        self._no_load: set = set()
+        self._planned_blocks: dict = {}  # req_id -> block ids of its planned load
         # key -> (vLLM block hashes, parent hash, token ids, lora) of saved blocks, until workers report them
         self._event_info: OrderedDict = OrderedDict()
         self.stats = OrbitKVConnectorStats()
@@ -137,7 +141,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         req_id = request.request_id
-        if self.link is None or getattr(request, "skip_reading_prefix_cache", False):
+        if self.link is None or getattr(request, "skip_reading_prefix_cache", False) or req_id in self._no_load:
             return 0, False
         bs = self.cfg.block_size
         hashes = self._keys.keys(request)
@@ -280,6 +284,7 @@ class SchedulerSide:
                 ids += [0] * (end - first - len(ids))
             groups.append(GroupLoad(group, first, list(self._keys.keys(request)[first:end]), ids))
         self._pending_loads.append(LoadPlan(req_id, lookup.start * bs, lookup.boundary * bs, groups))
+        self._planned_blocks[req_id] = {b for g in groups for b in g.block_ids if b}
         self._inflight[req_id] = lookup
         self.stats.add("loads")
 
@@ -353,6 +358,13 @@ class SchedulerSide:
     # ---- worker reports --------------------------------------------------------------------------------------
 
     def update_connector_output(self, connector_output) -> None:
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if invalid:
+            for req_id, blocks in self._planned_blocks.items():
+                if blocks & invalid:
+                    self._no_load.add(req_id)
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._planned_blocks.pop(req_id, None)
         client = self._client()
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             lookup = self._inflight.pop(req_id, None)
@@ -392,6 +404,8 @@ class SchedulerSide:
             self._event_info.popitem(last=False)
 
     def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict]]:
+        self._no_load.discard(request.request_id)
+        self._planned_blocks.pop(request.request_id, None)
         self._drop_lookup(request.request_id, inflight=True)
         self._tracked.pop(request.request_id, None)
         self._keys.forget(request.request_id)

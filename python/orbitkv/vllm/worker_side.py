@@ -55,6 +55,7 @@ class _GroupJob:
     restored: int = 0  # pages restored, contiguous from load.first_block
     started: bool = False
     done: bool = False
+    failed: bool = False  # a Manager call of this group failed (reported once)
 
 
 @dataclass
@@ -180,12 +181,15 @@ class WorkerSide:
                         if gj.run.pending:
                             continue
                         self._start_restores(client, gj)
-                    self._poll(gj)
+                    self._poll(gj, job.started_at)
                 except orbitkv.OrbitKVError as error:
-                    log.warning("orbitkv: load of %s (group %d) failed: %s", job.plan.req_id, gj.load.group, error)
-                    self._count("manager_errors")
-                    self.link.failed(error)
-                    gj.run.release(self.link.client())
+                    if not gj.failed:  # once per load: a stopped Manager must not flood the log every step
+                        log.warning("orbitkv: load of %s (group %d) failed: %s", job.plan.req_id, gj.load.group,
+                                    error)
+                        self._count("manager_errors")
+                        self.link.failed(error)
+                        gj.run.release(self.link.client())
+                    gj.failed = True
                     self._settle_failed(gj)
 
     def _drain_stream(self) -> None:
@@ -213,7 +217,20 @@ class WorkerSide:
             gj.handles.append([handle, first, count])
         gj.run.segments = []
 
-    def _poll(self, gj: _GroupJob) -> None:
+    def _abandon(self, entry) -> None:
+        """Gives up on a pending restore (its wait ran out, or the Manager stopped answering): one the Manager has
+        not claimed never writes its pages, so they are vLLM's again and the load reports them failed; a claimed
+        one may be writing them, so the request keeps waiting for it (vLLM keeps it in WAITING_FOR_REMOTE_KVS and
+        its blocks allocated: get_finished does not report it) while the engine serves the others."""
+        try:
+            if entry[0].abandon():
+                entry[0] = None
+                self._count("restores_abandoned")
+        except orbitkv.OrbitKVError:
+            entry[0] = None  # the session is gone: nothing writes the pages any more
+
+    def _poll(self, gj: _GroupJob, started_at: Optional[float] = None) -> None:
+        overdue = started_at is not None and time.monotonic() - started_at > self.cfg.timeout_ms / 1000
         for entry in gj.handles:
             handle = entry[0]
             if handle is None or handle is True:
@@ -221,6 +238,8 @@ class WorkerSide:
             try:
                 if handle.poll():
                     entry[0] = True
+                elif overdue:
+                    self._abandon(entry)
             except orbitkv.OrbitKVError as error:
                 log.warning("orbitkv: restore of group %d failed: %s", gj.load.group, error)
                 self.link.failed(error)
@@ -235,17 +254,21 @@ class WorkerSide:
             gj.done = True
 
     def _settle_failed(self, gj: _GroupJob) -> None:
-        """A group whose Manager calls failed: wait for nothing more, count what already drained."""
+        """A group whose Manager calls failed: count what already drained, give up on what the Manager has not
+        claimed, and keep waiting only for restores it claimed (their pages may still be written)."""
         for entry in gj.handles:
             handle = entry[0]
             if handle is not None and handle is not True:
                 try:
-                    entry[0] = True if handle.poll() else None
+                    if handle.poll():
+                        entry[0] = True
+                    else:
+                        self._abandon(entry)
                 except orbitkv.OrbitKVError:
                     entry[0] = None
         gj.started = True
         self._poll(gj)
-        gj.done = True
+        gj.done = all(entry[0] is True or entry[0] is None for entry in gj.handles)
 
     def _finish(self, job: _LoadJob) -> None:
         """Reports the blocks past the largest boundary the restored pages cover."""

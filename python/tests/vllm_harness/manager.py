@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 
 import orbitkv
+from procs import stop_process
 
 
 class ManagerProcess:
@@ -35,6 +36,14 @@ class ManagerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def pause(self) -> None:
+        """kill -STOP: the Manager stops answering but its sessions stay open (an overloaded, swapping or debugged
+        daemon)."""
+        stop_process(self.proc.pid)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
