@@ -76,6 +76,7 @@ class ManagerLink:
         self.failures = 0
         self.stalls = 0
         self._stalled: Optional[orbitkv.CacheManagerClient] = None  # the client of a Manager that stopped answering
+        self._deferred: list = []  # (instance, lease) to release once the stalled Manager answers
         self.reconnects = 0
         self.reconnect_failures = 0
         self._last_refusal = ""
@@ -164,6 +165,7 @@ class ManagerLink:
                 continue
             except orbitkv.OrbitKVError as error:  # the session is gone: reconnect through client()
                 with self._lock:
+                    self._deferred = []  # its leases died with it
                     if self._stalled is client:
                         self._stalled = None
                         if self._client is client:
@@ -171,6 +173,13 @@ class ManagerLink:
                             self._next_attempt = 0.0
                 self._log.warning("orbitkv: the stalled Manager is gone (%s); reconnecting", error)
                 return
+            with self._lock:
+                deferred, self._deferred = self._deferred, []
+            for instance, lease in deferred:  # leases given up while it was stopped: its session kept them
+                try:
+                    client.release(instance, lease)
+                except orbitkv.OrbitKVError as error:
+                    self._log.debug("orbitkv: releasing lease %d after the stall: %s", lease, error)
             with self._lock:
                 if self._stalled is client:
                     self._stalled = None
@@ -181,9 +190,21 @@ class ManagerLink:
     def stalled(self) -> bool:
         return self._stalled is not None
 
+    def release_later(self, instance: int, lease: int) -> None:
+        """A lease to give back once the stalled Manager answers (its session, hence the lease, is still alive)."""
+        with self._lock:
+            if self._stalled is not None:
+                self._deferred.append((instance, lease))
+
     def close(self) -> Optional[orbitkv.CacheManagerClient]:
-        """Closes the link; returns the client it had (to unregister with), if any."""
+        """Closes the link; returns the client it had (to unregister with), if any: None while stalled (a call
+        would wait on a stopped Manager); the stalled client is let go, and its session with it, which gives its
+        instances and leases back when the Manager runs again."""
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
+            if self._stalled is not None:
+                client = None
+            self._stalled = None
+            self._deferred = []
             return client

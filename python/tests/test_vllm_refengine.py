@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+import orbitkv
 from orbitkv import refengine, shm
 from vllm_harness.engine import Engine, vllm_config
 from vllm_harness.manager import ManagerProcess
@@ -55,13 +56,13 @@ def prompt_set(vocab, seed=0):
 
 
 def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engine=None, memory="shm",
-        policy="fail", recovery="hybrid_full"):
+        policy="fail", recovery="hybrid_full", extra=None):
     """One harness engine over the reference model; by default a vLLM whose scheduler recovers from load errors on
     hybrid models (PR #50388), with vLLM's default kv_load_failure_policy."""
     model = (CudaRefEngineModel if memory == "cuda" else RefEngineModel)(config, memory=memory)
     engine = Engine(vllm_config(socket, model=config.fingerprint(), dtype=config.torch_dtype, budget=4096,
                                 threshold=CHUNK, prefix_caching=prefix_caching, policy=policy,
-                                extra={"orbitkv.reconnect_interval_s": 0.05}),
+                                extra={"orbitkv.reconnect_interval_s": 0.05, **(extra or {})}),
                     lambda rank: model, num_blocks=96, recovery=recovery)
     if on_engine is not None:
         on_engine(engine)
@@ -144,3 +145,70 @@ def test_manager_killed_mid_restore_recomputes_bit_identically(manager, monkeypa
     assert_identical(results, baseline)
     assert calls[:4] == [0, 1, 0, 1]
     assert engine.worker_stats.data["failed_loads"] >= 1
+
+
+@pytest.mark.parametrize("memory", ["shm", pytest.param("cuda", marks=needs_cuda)])
+def test_manager_stopped_mid_restore_recomputes_bit_identically(manager, monkeypatch, memory):
+    """kill -STOP just before a restore (CUDA IPC on the GPU): the worker abandons the restore the Manager never
+    claimed once orbitkv.timeout_ms passes (its pages were never written), vLLM recomputes them, and the engine
+    kept stepping meanwhile; after kill -CONT the same engine restores again."""
+    import threading
+    import time
+
+    config = refengine.preset("tiny")
+    prompts = prompt_set(config.vocab_size, seed=2)
+    _, baseline = run(config, None, prompts, memory=memory)
+    run(config, manager.socket, prompts, memory=memory)
+    calls = []
+    abandoned = threading.Event()
+    real_abandon = orbitkv.RestoreHandle.abandon
+
+    def abandon(handle):
+        gave_up = real_abandon(handle)
+        if gave_up:
+            abandoned.set()
+        return gave_up
+
+    monkeypatch.setattr(orbitkv.RestoreHandle, "abandon", abandon)
+
+    def resume_after_an_abandon():
+        abandoned.wait(timeout=10)
+        manager.resume()
+
+    def arm(engine):
+        client = engine.workers[0].connector._worker.link.client()
+        real = client.start_restore
+
+        def restore(instance, lease, pages, group=0):
+            calls.append(group)
+            if len(calls) == 2:  # the Manager stops before the second restore, until the worker gave it up: a
+                manager.pause()  # restore it claimed is waited for, one it never saw is abandoned
+                threading.Thread(target=resume_after_an_abandon, daemon=True).start()
+            return real(instance, lease, pages, group=group)
+
+        monkeypatch.setattr(client, "start_restore", restore)
+
+    try:
+        engine, results = run(config, manager.socket, prompts, on_engine=arm, memory=memory, policy="recompute",
+                              extra={"orbitkv.timeout_ms": 300})
+    finally:
+        manager.resume()
+    assert_identical(results, baseline)
+    assert len(calls) >= 2
+    assert engine.worker_stats.data["restores_abandoned"] >= 1
+    assert engine.worker_stats.data["failed_loads"] >= 1
+    # Nothing stays pinned once the engine is gone: its sessions close and the Manager, running again, takes
+    # their instances and leases back.
+    import gc
+
+    monkeypatch.undo()  # it holds the patched client, and so does arm's closure
+    del engine, arm
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while manager.stats()["leases_active"]:
+        assert time.monotonic() < deadline, "leases of the stalled engine were never released"
+        time.sleep(0.05)
+    engine, again = run(config, manager.socket, prompts, memory=memory)
+    assert_identical(again, baseline)
+    assert engine.worker_stats.data["restored_blocks"] > 0
+    assert manager.stats()["leases_active"] == 0

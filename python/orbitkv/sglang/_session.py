@@ -362,6 +362,8 @@ class ManagerLink:
         try:
             return client.save(instance, items)
         except orbitkv.OrbitKVError as e:
+            if isinstance(e, orbitkv.OrbitKVTimeout):  # abandoned: never sealed, the host pages are free again
+                self._counters.add("saves_abandoned")
             self._lost(client, e)
             raise
 

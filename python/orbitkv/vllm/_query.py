@@ -64,16 +64,25 @@ class PageRun:
             if count < len(chunk) or self.hits >= len(self.hashes):
                 self.done = True
 
-    def release(self, client) -> None:
-        """Gives back every lease and cancels a pending operation (best effort: the Manager may be gone)."""
-        if client is not None:
-            for lease, _, _ in self.segments:
-                try:
-                    client.release(self.instance, lease)
-                except orbitkv.OrbitKVError as error:
-                    log.debug("orbitkv: releasing lease %d: %s", lease, error)
-            if self.op is not None:
-                self._cancel(client, self.op)
+    def release(self, client, link=None) -> None:
+        """Gives back every lease and cancels a pending operation (best effort: the Manager may be gone). While
+        ``link`` is stalled (the Manager stopped answering, its session and so the leases alive), or once a release
+        times out (which stalls it), the leases go to the link, which releases them when the Manager answers."""
+        for lease, _, _ in self.segments:
+            if client is None or (link is not None and link.stalled):
+                if link is not None:
+                    link.release_later(self.instance, lease)
+                continue
+            try:
+                client.release(self.instance, lease)
+            except orbitkv.OrbitKVTimeout as error:
+                if link is not None:
+                    link.failed(error, client)
+                    link.release_later(self.instance, lease)
+            except orbitkv.OrbitKVError as error:
+                log.debug("orbitkv: releasing lease %d: %s", lease, error)
+        if client is not None and self.op is not None and not (link is not None and link.stalled):
+            self._cancel(client, self.op)
         self.segments = []
         self.op = None
 

@@ -238,7 +238,7 @@ class SchedulerSide:
         keep = {(rank, g, first, end) for rank in range(self.world) for g, (first, end) in lookup.needed.items()}
         keep |= {(rank, g.group, start, lookup.limit) for rank in range(self.world) for g in self.prefix_groups}
         for key in [k for k in lookup.runs if k not in keep or boundary == start]:
-            lookup.runs.pop(key).release(client)
+            lookup.runs.pop(key).release(client, self.link)
         return True
 
     def _drop_lookup(self, req_id: str, *, inflight: bool = False) -> None:
@@ -248,7 +248,7 @@ class SchedulerSide:
             if lookup is not None:
                 client = self._client()
                 for run in lookup.runs.values():
-                    run.release(client)
+                    run.release(client, self.link)
 
     # ---- allocation and the step's plan ----------------------------------------------------------------------
 
@@ -370,7 +370,7 @@ class SchedulerSide:
             lookup = self._inflight.pop(req_id, None)
             if lookup is not None:
                 for run in lookup.runs.values():
-                    run.release(client)
+                    run.release(client, self.link)
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         stored = getattr(worker_meta, "stored", None)
         if stored and self._events_enabled:

@@ -188,7 +188,7 @@ class WorkerSide:
                                     error)
                         self._count("manager_errors")
                         self.link.failed(error)
-                        gj.run.release(self.link.client())
+                        gj.run.release(self.link.client(), self.link)
                     gj.failed = True
                     self._settle_failed(gj)
 
@@ -367,6 +367,8 @@ class WorkerSide:
                 log.warning("orbitkv: save of %d blocks (group %d) failed: %s", len(keys), group, error)
                 with self._lock:
                     self._count("save_failures", len(keys))
+                    if isinstance(error, orbitkv.OrbitKVTimeout):  # abandoned: never sealed, the pages are free
+                        self._count("saves_abandoned")
                 self.link.failed(error)
                 continue
             with self._lock:
