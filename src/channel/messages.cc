@@ -390,7 +390,7 @@ std::vector<uint8_t> EncodeRegisterInstance(const RegisterInstanceBody& body,
                                             std::string_view label) {
   std::vector<uint8_t> out(sizeof(body) + label.size());
   std::memcpy(out.data(), &body, sizeof(body));
-  std::memcpy(out.data() + sizeof(body), label.data(), label.size());
+  if (!label.empty()) std::memcpy(out.data() + sizeof(body), label.data(), label.size());
   return out;
 }
 
