@@ -577,3 +577,42 @@ def test_a_stopped_manager_never_stalls_the_engine(manager, policy, monkeypatch)
     assert engine.worker_stats.data["restored_blocks"] > before
     assert_nothing_held(engine, manager)
     engine.shutdown()
+
+
+def test_a_manager_killed_and_restarted_mid_save_is_reconnected_and_saves_again(manager, monkeypatch):
+    """kill -9 while the worker's save is on its way: the save fails (a future miss), the engine goes on; a new
+    Manager on the same socket: the same engine instances reconnect, re-register and save, and a second engine
+    restores what they saved."""
+    batch = prompts(1, 64, 16, seed=61)
+    baseline = run(engine_for(None, prefix_caching=False), batch)
+    # No local prefix cache: its second run computes (and saves) the prompt again rather than hitting vLLM's own
+    # GPU cache, whose blocks are not saved twice.
+    engine = engine_for(manager.socket, prefix_caching=False, extra={"orbitkv.reconnect_interval_s": 0.05})
+    worker = engine.workers[0].connector._worker
+    client = worker.link.client()
+    real = client.save
+    killed = []
+
+    def kill_then_save(*args, **kwargs):
+        if not killed:
+            manager.kill()
+            killed.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client, "save", kill_then_save)
+    assert run(engine, batch) == baseline
+    assert killed and engine.worker_stats.data["save_failures"] > 0
+    manager.start()
+    deadline = time.monotonic() + 10
+    while worker.link.client() is None or engine.connector._scheduler.link.client() is None:
+        assert time.monotonic() < deadline, "the engine never reconnected"
+        time.sleep(0.02)
+    engine.results.clear()
+    assert run(engine, batch) == baseline  # computed again (the new Manager is empty) and saved this time
+    assert manager.stats()["resident_blocks"] > 0
+    second = engine_for(manager.socket)
+    assert run(second, batch) == baseline
+    assert second.worker_stats.data["restored_blocks"] > 0 and bad_reads(second) == 0
+    for e in (engine, second):
+        assert_nothing_held(e, manager)
+        e.shutdown()
