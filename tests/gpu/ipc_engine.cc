@@ -76,7 +76,30 @@ struct Args {
   uint64_t seed = 1;
   uint32_t pages = 512;
   uint32_t layers = 8;
+  pid_t manager_pid = 0;  // stopped mode
 };
+
+// kill -STOP, then wait until every thread of `pid` is stopped (delivery is not instant).
+Status StopProcess(pid_t pid) {
+  if (kill(pid, SIGSTOP) != 0) return Status::Internal(fmt::format("cannot stop process {}", pid));
+  for (int i = 0; i < 10000; ++i) {
+    bool all = true, any = false;
+    std::FILE* tasks = popen(fmt::format("cat /proc/{}/task/*/stat 2>/dev/null", pid).c_str(), "r");
+    if (tasks == nullptr) return Status::Internal("cannot read the Manager's threads");
+    char line[1024];
+    while (std::fgets(line, sizeof(line), tasks) != nullptr) {
+      const char* paren = std::strrchr(line, ')');
+      if (paren == nullptr || paren[1] == 0) continue;
+      any = true;
+      const char state = paren[2];
+      if (state != 'T' && state != 't') all = false;
+    }
+    pclose(tasks);
+    if (any && all) return Status::Ok();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return Status::DeadlineExceeded(fmt::format("process {} did not stop", pid));
+}
 
 // One engine buffer: [pages, page_bytes] at `offset` of allocation `allocation`.
 struct Buffer {
@@ -311,6 +334,47 @@ class Engine {
     return Status::Ok();
   }
 
+  // kill -STOP between the query (the lease is held) and the restore: the restore sits in the ring of
+  // a stopped Manager, the engine's wait runs out (bounded), it abandons the unclaimed restore, and
+  // after kill -CONT the Manager never writes those GPU pages (they keep the poison); then a normal
+  // restore is byte exact.
+  Status Stopped() {
+    const uint32_t count = args_.pages / 2;
+    ORBITKV_RETURN_IF_ERROR(Fill(count));
+    ORBITKV_ASSIGN_OR_RETURN(client::SaveResult saved, Save(count));
+    if (saved.written != count) return Status::Internal("stopped: the save did not write every block");
+    ORBITKV_RETURN_IF_ERROR(Poison());
+    std::vector<StateKey> keys = Keys(count);
+    ORBITKV_ASSIGN_OR_RETURN(client::QueryResult hit, client_->Query(args_.instance, 0, keys));
+    if (hit.hits == 0) return Status::NotFound("stopped: the saved blocks missed");
+    const std::vector<uint32_t> dst = ShuffledPages(count);
+    const std::vector<uint32_t> first(dst.begin(), dst.begin() + std::min(hit.hits, count));
+    ORBITKV_RETURN_IF_ERROR(StopProcess(args_.manager_pid));
+    ORBITKV_ASSIGN_OR_RETURN(uint64_t handle,
+                             client_->StartRestore(args_.instance, 0, hit.lease, first));
+    const auto t0 = std::chrono::steady_clock::now();
+    Status waited = client_->WaitRestore(handle, std::chrono::milliseconds(300));
+    const double wait_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    Result<bool> abandoned = client_->AbandonRestore(handle);
+    kill(args_.manager_pid, SIGCONT);
+    if (waited.code() != StatusCode::kDeadlineExceeded) {
+      return Status::Internal("stopped: the restore wait did not time out: " + waited.ToString());
+    }
+    if (!abandoned.ok() || !*abandoned) return Status::Internal("stopped: the restore was not abandoned");
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the Manager reaches the restore
+    ORBITKV_ASSIGN_OR_RETURN(uint64_t untouched, Compare(0, dst));  // every page still the poison
+    ORBITKV_ASSIGN_OR_RETURN(uint32_t restored, Restore(count, dst, true));
+    ORBITKV_ASSIGN_OR_RETURN(uint64_t compared, Compare(restored, dst));
+    fmt::print(
+        "{{\"layout\": \"{}\", \"mode\": \"stopped\", \"wait_ms\": {:.1f}, \"abandoned\": true, "
+        "\"untouched_bytes\": {}, \"restored_after\": {}, \"bytes_compared\": {}, "
+        "\"mismatches\": 0}}\n",
+        args_.layout, wait_ms, untouched, restored, compared);
+    std::fflush(stdout);
+    return Status::Ok();
+  }
+
   Status Die() {
     const uint32_t count = args_.pages / 2;
     ORBITKV_RETURN_IF_ERROR(Fill(count));
@@ -461,6 +525,10 @@ Status Run(const Args& args) {
   ORBITKV_RETURN_IF_ERROR(engine.Allocate());
   ORBITKV_RETURN_IF_ERROR(engine.Register());
   if (args.mode == "die") return engine.Die();
+  if (args.mode == "stopped") {
+    ORBITKV_RETURN_IF_ERROR(engine.Stopped());
+    return engine.client().UnregisterInstance(args.instance);
+  }
   ORBITKV_RETURN_IF_ERROR(engine.Cycle(/*resident=*/args.mode == "after-death"));
   return engine.client().UnregisterInstance(args.instance);
 }
@@ -493,6 +561,8 @@ int main(int argc, char** argv) {
       args.pci_bus_id = value;
     } else if (flag == "--page-bytes") {
       args.page_bytes = std::stoull(value);
+    } else if (flag == "--manager-pid") {
+      args.manager_pid = static_cast<pid_t>(std::stoll(value));
     } else if (flag == "--layers") {
       args.layers = static_cast<uint32_t>(std::stoul(value));
     } else {
@@ -504,7 +574,8 @@ int main(int argc, char** argv) {
       args.layers == 0) {
     std::fprintf(stderr,
                  "usage: gpu_ipc_engine --socket PATH --layout kv|mla "
-                 "--mode cycle|die|after-death|no-gpu|external [--instance N] [--seed N] "
+                 "--mode cycle|die|after-death|stopped|no-gpu|external [--manager-pid PID] "
+                 "[--instance N] [--seed N] "
                  "[--pages N>=2] [--layers N>=1] [--ipc-handle HEX --ipc-offset N --pci-bus-id ID "
                  "--page-bytes N]\n");
     return 2;

@@ -2,7 +2,9 @@
 # The GPU gate (issue 6): the CUDA copy engine's unit tests, the process-level gate and the gpu benchmark. The process
 # gate runs a real orbitkv-manager and separate engine processes that register bf16 KV tensors in their GPU memory
 # through CUDA IPC: save, poison, restore through the Manager, compare every byte; an engine killed mid-restore while
-# the Manager cleans up alone (stats back to 0, a new engine works); split K/V and MLA layouts; a torch tensor
+# the Manager cleans up alone (stats back to 0, a new engine works); the Manager stopped (kill -STOP) during a CUDA
+# IPC restore (the engine's wait returns at its timeout, the unclaimed restore is abandoned and never writes the GPU
+# pages, a restore after kill -CONT is exact); split K/V and MLA layouts; a torch tensor
 # exported as orbitkv.client exports it; a Manager that sees no GPU refusing CUDA buffers with a clear error.
 #
 # Usage, from anywhere in the repository:
@@ -173,6 +175,10 @@ process_gate() {
     # 137: killed by its own SIGKILL while the restore is in flight.
     engine_step 137 --layout "$layout" --mode die --instance $((base + 2)) --seed $((base + 2)) || failed=1
     engine_step 0 --layout "$layout" --mode after-death --instance $((base + 3)) --seed $((base + 2)) || failed=1
+    # The Manager stopped (kill -STOP) during a CUDA IPC restore: the engine's wait returns at its timeout, the
+    # unclaimed restore is abandoned and never writes the GPU pages, and after kill -CONT a restore is exact.
+    engine_step 0 --layout "$layout" --mode stopped --manager-pid "$manager_pid" --instance $((base + 4)) \
+      --seed $((base + 4)) || failed=1
   done
   # torch in its own environment (the bundle's libraries are for the bundle's binaries only).
   if env -u LD_LIBRARY_PATH ORBITKV_GATE_LIBRARY_PATH="$LD_LIBRARY_PATH" \
