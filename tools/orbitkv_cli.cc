@@ -107,7 +107,12 @@ int main(int argc, char** argv) {
     fmt::print("{}\n", *stats);
     return 0;
   }
-  auto f = ParseFlatJson(*stats);
+  // The instances array (the last field) is listed on its own; the flat fields are everything before it.
+  std::string flat = *stats;
+  if (const size_t cut = flat.find(", \"instances\": ["); cut != std::string::npos) {
+    flat = flat.substr(0, cut) + "}";
+  }
+  auto f = ParseFlatJson(flat);
   if (command == "status") {
     std::string membership = f["membership"];
     membership.erase(std::remove(membership.begin(), membership.end(), '"'), membership.end());
@@ -128,5 +133,8 @@ int main(int argc, char** argv) {
   }
   fmt::print("{:<24} {:>20}\n", "metric", "value");
   for (const auto& [name, value] : f) fmt::print("{:<24} {:>20}\n", name, value);
+  for (const auto& [id, identity] : Instances(*stats)) {
+    fmt::print("instance {}: {}\n", id, identity.empty() ? "(no identity given)" : identity);
+  }
   return 0;
 }

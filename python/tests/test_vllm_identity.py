@@ -173,6 +173,9 @@ def test_orbitkv_status_shows_each_instances_identity(build_dir):
             assert (f"vLLM {role} org/status-model@{commit} (hub cache, revision main), bf16, tp {rank}/2, pp 0/1"
                     in out.stdout), out.stdout
         assert len(manager.stats()["instances"]) == 4
+        table = subprocess.run([str(build_dir / "tools" / "orbitkv"), "stats", "--socket", manager.socket],
+                               capture_output=True, text=True, timeout=30).stdout
+        assert table.count(": vLLM worker org/status-model@") == 2 and "\nidentity " not in table, table
         engine.shutdown()
     finally:
         manager.close()
