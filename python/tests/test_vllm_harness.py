@@ -616,3 +616,27 @@ def test_a_manager_killed_and_restarted_mid_save_is_reconnected_and_saves_again(
     for e in (engine, second):
         assert_nothing_held(e, manager)
         e.shutdown()
+
+
+def test_kv_events_carry_vllms_finer_hashes_when_hash_blocks_are_smaller(manager):
+    """Several groups with prefix_match_unit 8 and 16-token blocks: vLLM hashes 8-token blocks, so each saved
+    16-token block is announced with its two hashes, hash block size 8 and the previous fine hash as parent."""
+    hybrid = lambda rank: SyntheticModel(4, windows=[32, None, 32, None], tp_rank=rank)  # noqa: E731
+    batch = prompts(1, 64, 16, seed=71)
+    config = vllm_config(manager.socket, kv_events=True, prefix_caching=False, policy="recompute")
+    config.cache_config.prefix_match_unit = 8
+    engine = Engine(config, hybrid, 128, recovery="hybrid_full")
+    run(engine, batch)
+    request = Request("again", batch[0], SamplingParams(), engine.hasher)
+    as_int = lambda h: int.from_bytes(h, "big") & (2 ** 64 - 1)  # noqa: E731
+    full = [e for e in engine.scheduler.events if e.group_idx == 0]
+    assert len(full) == 80 // BS and len(request.block_hashes) == 80 // 8
+    for i, event in enumerate(full):
+        assert event.block_size == 8
+        assert event.block_hashes == [as_int(h) for h in request.block_hashes[2 * i:2 * i + 2]]
+        assert event.parent_block_hash == (as_int(request.block_hashes[2 * i - 1]) if i else None)
+        assert event.token_ids == batch[0][i * BS:(i + 1) * BS]
+    windows = [e for e in engine.scheduler.events if e.group_idx == 1]
+    assert windows and all(e.kv_cache_spec_kind == "sliding_window" and e.kv_cache_spec_sliding_window == 32
+                           for e in windows)
+    engine.shutdown()

@@ -88,6 +88,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     num_gpu_blocks: Optional[int] = None
+    # With several KV groups vLLM hashes blocks of prefix_match_unit tokens when it is set
+    # (resolve_kv_cache_block_sizes), else of the groups' gcd block size.
+    prefix_match_unit: Optional[int] = None
 
 
 @dataclass

@@ -56,7 +56,10 @@ class Engine:
         count = connector.get_finished_count() if connector is not None else None
         self.aggregator = KVOutputAggregator(count or world)
         cache = vllm_config.cache_config
-        self.hasher = block_hasher(cache.block_size, cache.prefix_caching_hash_algo, hash_seed)
+        hash_block_size = cache.block_size
+        if len(self.kv_cache_config.kv_cache_groups) > 1 and cache.prefix_match_unit:
+            hash_block_size = cache.prefix_match_unit  # Request.block_hashes are at hash_block_size
+        self.hasher = block_hasher(hash_block_size, cache.prefix_caching_hash_algo, hash_seed)
         self.results: dict = {}
         self.steps = 0
         self.outputs_log: list = []
