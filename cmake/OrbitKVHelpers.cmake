@@ -48,3 +48,39 @@ function(orbitkv_add_executable)
   target_link_libraries(${ARG_NAME} PRIVATE ${ARG_DEPS})
   orbitkv_target_defaults(${ARG_NAME})
 endfunction()
+
+# orbitkv_add_grpc_proto(NAME target PROTOS dir/a.proto dir/b.proto [SERVICES dir/b.proto])
+#   Generates C++ for the protos (paths relative to src/) and, for SERVICES, their gRPC stubs, into a static library
+#   `target` whose include root is the generated tree (as system headers: generated code is not ours to warn
+#   about). PkgConfig::GRPCPP and PkgConfig::PROTOBUF must be found in the calling directory.
+function(orbitkv_add_grpc_proto)
+  cmake_parse_arguments(ARG "" "NAME" "PROTOS;SERVICES" ${ARGN})
+  set(out ${CMAKE_CURRENT_BINARY_DIR}/gen)
+  set(sources "")
+  set(headers "")
+  set(depends "")
+  foreach(proto ${ARG_PROTOS})
+    string(REGEX REPLACE "\\.proto$" "" stem ${proto})
+    list(APPEND sources ${out}/${stem}.pb.cc)
+    list(APPEND headers ${out}/${stem}.pb.h)
+    list(APPEND depends ${PROJECT_SOURCE_DIR}/src/${proto})
+  endforeach()
+  foreach(proto ${ARG_SERVICES})
+    string(REGEX REPLACE "\\.proto$" "" stem ${proto})
+    list(APPEND sources ${out}/${stem}.grpc.pb.cc)
+    list(APPEND headers ${out}/${stem}.grpc.pb.h)
+  endforeach()
+  add_custom_command(
+    OUTPUT ${sources} ${headers}
+    COMMAND ${CMAKE_COMMAND} -E make_directory ${out}
+    COMMAND ${ORBITKV_PROTOC} -I${PROJECT_SOURCE_DIR}/src --cpp_out=${out} --grpc_out=${out}
+            --plugin=protoc-gen-grpc=${ORBITKV_GRPC_CPP_PLUGIN} ${ARG_PROTOS}
+    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}/src
+    DEPENDS ${depends}
+    COMMENT "Generating ${ARG_NAME} (protoc + grpc_cpp_plugin)"
+    VERBATIM)
+  add_library(${ARG_NAME} STATIC ${sources})
+  target_include_directories(${ARG_NAME} SYSTEM PUBLIC ${out})
+  target_link_libraries(${ARG_NAME} PUBLIC PkgConfig::GRPCPP PkgConfig::PROTOBUF)
+endfunction()
+

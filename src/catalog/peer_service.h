@@ -1,0 +1,45 @@
+// PeerService: the receiving half of orbitkv.peer.v1 in a distributed Manager. Every method checks the route
+// header first (CheckRoute) and answers a refusal with the gRPC status of the same meaning; version 1 serves
+// Health (who this start is: node, runtime UUID, epoch, incarnation, UCX worker address, capabilities).
+#ifndef ORBITKV_CATALOG_PEER_SERVICE_H_
+#define ORBITKV_CATALOG_PEER_SERVICE_H_
+
+#include <atomic>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "catalog/peer_grpc.h"
+#include "catalog/route.h"
+
+namespace orbitkv::catalog {
+
+// The gRPC status of an OrbitKV status (same code, same message).
+grpc::Status ToGrpc(const Status& status);
+Status FromGrpc(const grpc::Status& status);
+
+class PeerService final : public peer::v1::Peer::Service {
+ public:
+  struct Options {
+    PeerIdentity self;
+    uint64_t incarnation = 0;
+    std::string ucx_worker_address;  // empty: no UCX engine
+    std::vector<std::string> capabilities;
+  };
+  PeerService(Options options, const cluster::MemberView* members);
+
+  grpc::Status Health(grpc::ServerContext* context, const peer::v1::HealthRequest* request,
+                      peer::v1::HealthResponse* response) override;
+
+  // Requests refused by the route check, for status and metrics.
+  uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
+
+ private:
+  const Options options_;
+  const cluster::MemberView* const members_;
+  std::atomic<uint64_t> refused_{0};
+};
+
+}  // namespace orbitkv::catalog
+
+#endif  // ORBITKV_CATALOG_PEER_SERVICE_H_

@@ -1,0 +1,91 @@
+// PeerService over a real gRPC server on loopback: Health answers who this start is, and the route check
+// refuses before the handler does anything, with the status code and reason on the wire.
+#include "catalog/peer_service.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+
+namespace orbitkv::catalog {
+namespace {
+
+class PeerServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::map<std::string, cluster::Member> members;
+    for (auto [node, uuid] : {std::pair{"a", "uuid-a"}, std::pair{"b", "uuid-b"}}) {
+      cluster::Member m;
+      m.record = cluster::MemberRecord{"c1", node, 1, std::string(node) + ":7100", uuid};
+      members.emplace(node, m);
+    }
+    view_.Install(std::move(members), 5);
+    PeerService::Options options;
+    options.self = PeerIdentity{"c1", "b", "uuid-b", 1, "fp"};
+    options.incarnation = 42;
+    options.ucx_worker_address = std::string("\x01\x02", 2);
+    options.capabilities = {"health"};
+    service_ = std::make_unique<PeerService>(options, &view_);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
+    builder.SetMaxSendMessageSize(kMaxPeerMessageBytes);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    stub_ = peer::v1::Peer::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+  grpc::Status Health(const peer::v1::RouteHeader& route, peer::v1::HealthResponse* response) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    peer::v1::HealthRequest request;
+    *request.mutable_route() = route;
+    return stub_->Health(&context, request, response);
+  }
+  peer::v1::RouteHeader FromA() const {
+    return MakeRoute(PeerIdentity{"c1", "a", "uuid-a", 1, "fp"},
+                     cluster::MemberRecord{"c1", "b", 1, "b:7100", "uuid-b"});
+  }
+
+  cluster::MemberView view_;
+  std::unique_ptr<PeerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<peer::v1::Peer::Stub> stub_;
+};
+
+TEST_F(PeerServiceTest, HealthNamesThisStart) {
+  peer::v1::HealthResponse response;
+  grpc::Status status = Health(FromA(), &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.protocol_version(), kPeerProtocolVersion);
+  EXPECT_EQ(response.node_id(), "b");
+  EXPECT_EQ(response.runtime_uuid(), "uuid-b");
+  EXPECT_EQ(response.epoch(), 1);
+  EXPECT_EQ(response.incarnation(), 42u);
+  EXPECT_EQ(response.ucx_worker_address(), std::string("\x01\x02", 2));
+  ASSERT_EQ(response.capabilities_size(), 1);
+  EXPECT_EQ(service_->refused(), 0u);
+}
+
+TEST_F(PeerServiceTest, ARefusedRouteCarriesItsCodeAndReasonOverTheWire) {
+  peer::v1::RouteHeader stale = FromA();
+  stale.set_destination_runtime_uuid("uuid-b-before-restart");
+  peer::v1::HealthResponse response;
+  Status status = FromGrpc(Health(stale, &response));
+  EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(status.message().find("stale incarnation"), std::string::npos) << status;
+  EXPECT_TRUE(response.runtime_uuid().empty());  // the handler did nothing
+  peer::v1::RouteHeader stranger = FromA();
+  stranger.set_source_node_id("mallory");
+  EXPECT_EQ(FromGrpc(Health(stranger, &response)).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(service_->refused(), 2u);
+}
+
+}  // namespace
+}  // namespace orbitkv::catalog

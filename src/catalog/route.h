@@ -1,0 +1,45 @@
+// The route header of every orbitkv.peer.v1 request (proto/peer.proto, docs/formats/peer.md): who sends it, to
+// which Manager start, for which cluster and placement. CheckRoute is the receiver's gate, run before any handler
+// does work: a request that is not for this start, or not from a registered member's current start, is refused
+// with a status that says which and why.
+#ifndef ORBITKV_CATALOG_ROUTE_H_
+#define ORBITKV_CATALOG_ROUTE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "base/status.h"
+#include "catalog/proto/peer.pb.h"
+#include "cluster/member_view.h"
+
+namespace orbitkv::catalog {
+
+inline constexpr uint32_t kPeerProtocolVersion = 1;
+// The largest message either side sends or accepts (gRPC's limits are set to it).
+inline constexpr int kMaxPeerMessageBytes = 4 << 20;
+
+// This Manager as its peers address it.
+struct PeerIdentity {
+  std::string cluster;
+  std::string node_id;
+  std::string runtime_uuid;
+  int64_t epoch = 0;
+  std::string placement_fingerprint;
+};
+
+// The header a request from `self` to `destination` carries.
+peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberRecord& destination);
+
+// OK, or why the request must be refused:
+//   FAILED_PRECONDITION  another protocol version (the sender turns remote work with this peer off), another
+//                        placement, or a destination that is not this node or not this start (a stale
+//                        incarnation: the Manager restarted since the sender looked);
+//   PERMISSION_DENIED    another cluster, or a source that is not a registered member with that runtime UUID and
+//                        epoch (unregistered, or an older start of it);
+//   UNAVAILABLE          the member view is incomplete (etcd unreachable): retry later.
+Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
+                  const cluster::MemberView& members);
+
+}  // namespace orbitkv::catalog
+
+#endif  // ORBITKV_CATALOG_ROUTE_H_
