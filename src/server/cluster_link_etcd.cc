@@ -1,4 +1,7 @@
-// ClusterLink in a build with the cluster module: leased membership in etcd.
+// ClusterLink in a build with the cluster module: leased membership in etcd, and with --peer-endpoint the peer
+// listener (orbitkv.peer.v1 over gRPC: the Manager's only gRPC listener; standalone Managers open none).
+#include "catalog/peer_service.h"  // first: it brings gRPC in (see cluster/grpc.h)
+
 #include "base/clock.h"
 #include "base/logging.h"
 #include "cluster/membership.h"
@@ -8,10 +11,46 @@
 namespace orbitkv::server {
 namespace {
 
+// The peer listener: one gRPC server serving PeerService on --peer-listen (default --peer-endpoint).
+struct PeerListener {
+  std::string address;
+  std::unique_ptr<catalog::PeerService> service;
+  std::unique_ptr<grpc::Server> server;
+};
+
+Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& config, const RuntimeId& runtime,
+                                                        const cluster::Membership& membership) {
+  auto listener = std::make_unique<PeerListener>();
+  listener->address = config.peer_listen.empty() ? config.peer_endpoint : config.peer_listen;
+  catalog::PeerService::Options options;
+  options.self = catalog::PeerIdentity{config.cluster_name, config.node_id, runtime.ToString(),
+                                       membership.GetStatus().self.epoch, membership.placement().fingerprint()};
+  options.incarnation = runtime.incarnation();
+  options.capabilities = {"health"};
+  listener->service = std::make_unique<catalog::PeerService>(std::move(options), &membership.view());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listener->address, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
+  builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
+  builder.RegisterService(listener->service.get());
+  listener->server = builder.BuildAndStart();
+  if (listener->server == nullptr || port == 0) {
+    return Status::Unavailable(fmt::format("cannot listen for peers on {} (--peer-listen / --peer-endpoint): "
+                                           "the address is in use or not this host's",
+                                           listener->address));
+  }
+  ORBITKV_LOG_WARN(
+      "manager: peer listener on {} serves orbitkv.peer.v1 without TLS: peers are not authenticated beyond "
+      "the route check against the member view (mutual TLS is not implemented yet)",
+      listener->address);
+  return listener;
+}
+
 class MembershipLink final : public ClusterLink {
  public:
-  explicit MembershipLink(std::unique_ptr<cluster::Membership> membership)
-      : membership_(std::move(membership)) {}
+  MembershipLink(std::unique_ptr<cluster::Membership> membership, std::unique_ptr<PeerListener> peers)
+      : membership_(std::move(membership)), peers_(std::move(peers)) {}
   ~MembershipLink() override { Shutdown(); }
 
   bool CanDoRemoteWork() const override { return membership_->CanDoRemoteWork(); }
@@ -22,13 +61,22 @@ class MembershipLink final : public ClusterLink {
         ", \"membership\": \"{}\", \"membership_epoch\": {}, \"remote_work\": {}, "
         "\"view_revision\": {}, \"members\": {}",
         cluster::MembershipStateName(status.state), status.self.epoch,
-        status.remote_work_allowed ? 1 : 0, status.view.revision, status.view.members.size());
+        status.remote_work_allowed ? 1 : 0, status.view.revision, status.view.members.size()) +
+           fmt::format(", \"placement_fingerprint\": \"{}\", \"peer_listen\": \"{}\", \"peer_refused\": {}",
+                       membership_->placement().fingerprint(), peers_ ? peers_->address : "",
+                       peers_ ? peers_->service->refused() : 0);
   }
 
-  void Shutdown() override { membership_->Shutdown(); }
+  void Shutdown() override {
+    if (peers_ != nullptr && peers_->server != nullptr) {
+      peers_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    }
+    membership_->Shutdown();
+  }
 
  private:
   std::unique_ptr<cluster::Membership> membership_;
+  std::unique_ptr<PeerListener> peers_;
 };
 
 }  // namespace
@@ -60,7 +108,16 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   Status joined = membership->Join(Deadline::After(std::chrono::seconds(30)));
   if (!joined.ok()) return joined.WithContext("joining the cluster");
   ORBITKV_LOG_INFO("manager: joined cluster '{}' as node {}", config.cluster_name, config.node_id);
-  return std::unique_ptr<ClusterLink>(new MembershipLink(std::move(membership)));
+  std::unique_ptr<PeerListener> peers;
+  if (!config.peer_endpoint.empty()) {
+    Result<std::unique_ptr<PeerListener>> started = StartPeerListener(config, runtime, *membership);
+    if (!started.ok()) {
+      membership->Shutdown();
+      return started.status();
+    }
+    peers = std::move(*started);
+  }
+  return std::unique_ptr<ClusterLink>(new MembershipLink(std::move(membership), std::move(peers)));
 }
 
 }  // namespace orbitkv::server

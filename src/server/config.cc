@@ -258,8 +258,12 @@ const std::vector<Option>& Options() {
        "the 1-16 Node IDs that host catalog shards (the same on every Manager)",
        StringInto(&ManagerConfig::catalog_nodes)},
       {"peer-endpoint", "HOST:PORT",
-       "where other Managers reach this one (advertised in its member record)",
+       "where other Managers reach this one (advertised in its member record); starts the peer "
+       "listener (orbitkv.peer.v1 over gRPC)",
        StringInto(&ManagerConfig::peer_endpoint)},
+      {"peer-listen", "HOST:PORT",
+       "where the peer listener binds (default: the --peer-endpoint)",
+       StringInto(&ManagerConfig::peer_listen)},
   };
   return options;
 }

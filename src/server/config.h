@@ -64,6 +64,7 @@ struct ManagerConfig {
   std::string catalog_nodes;  // id[,id...]
   std::string
       peer_endpoint;  // host:port peers reach this Manager at (advertised in its member record)
+  std::string peer_listen;  // host:port the peer listener binds; empty: peer_endpoint
 };
 
 // `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when XDG_RUNTIME_DIR is set, else

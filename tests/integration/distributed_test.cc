@@ -9,6 +9,8 @@
 #include <string>
 #include <thread>
 
+#include "catalog/peer_service.h"  // first of the gRPC users (cluster/grpc.h)
+
 #include "base/runtime_id.h"
 #include "client/cache_client.h"
 #include "cluster/cluster_keys.h"
@@ -40,6 +42,9 @@ std::string StringField(const std::string& stats, const std::string& name) {
   return std::regex_search(stats, match, field) ? match[1].str() : std::string();
 }
 
+// A free loopback HOST:PORT for a peer listener.
+std::string Loopback() { return fmt::format("127.0.0.1:{}", testing::FreeLoopbackPort()); }
+
 // What `orbitkv ARGS...` prints on stdout.
 std::string CliOutput(const std::vector<std::string>& args) {
   std::string command = ORBITKV_CLI_BIN;
@@ -53,21 +58,26 @@ std::string CliOutput(const std::vector<std::string>& args) {
   return out;
 }
 
-// The runtime UUID in the member record etcd holds for `node`.
-std::string RecordedRuntimeUuid(const std::string& endpoint, const std::string& node) {
+// The member record etcd holds for `node`.
+cluster::MemberRecord RecordOf(const std::string& endpoint, const std::string& node) {
   cluster::EtcdClientOptions options;
   options.endpoints = {endpoint};
   auto etcd = cluster::EtcdClient::Create(options);
   EXPECT_TRUE(etcd.ok()) << etcd.status();
-  if (!etcd.ok()) return "";
+  if (!etcd.ok()) return {};
   etcdserverpb::RangeRequest request;
   request.set_key(cluster::MemberKey("it", node));
   auto range = (*etcd)->Range(request, Deadline::After(std::chrono::seconds(10)));
-  EXPECT_TRUE(range.ok() && range->kvs_size() == 1) << range.status();
-  if (!range.ok() || range->kvs_size() != 1) return "";
+  if (!range.ok() || range->kvs_size() != 1) return {};
   auto record = cluster::DecodeMemberRecord("it", node, range->kvs(0).value());
-  EXPECT_TRUE(record.ok()) << record.status();
-  return record.ok() ? record->runtime_uuid : "";
+  return record.ok() ? *record : cluster::MemberRecord{};
+}
+
+// The runtime UUID in the member record etcd holds for `node`.
+std::string RecordedRuntimeUuid(const std::string& endpoint, const std::string& node) {
+  const std::string uuid = RecordOf(endpoint, node).runtime_uuid;
+  EXPECT_FALSE(uuid.empty()) << "no member record of " << node;
+  return uuid;
 }
 
 // One runtime identity per start: the stats, /metrics, the inventory's incarnation and the member
@@ -78,7 +88,7 @@ TEST(DistributedManagerTest, OneRuntimeIdentityEverywhereAndANewOneAfterARestart
   const std::vector<std::string> flags = {
       "--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it",
       "--node-id",        "node-r",            "--catalog-nodes", "node-r",
-      "--peer-endpoint",  "127.0.0.1:7011"};
+      "--peer-endpoint",  fmt::format("127.0.0.1:{}", testing::FreeLoopbackPort())};
   std::string first_uuid;
   for (int run = 0; run < 2; ++run) {
     const uint16_t metrics_port = testing::FreeLoopbackPort();
@@ -117,7 +127,7 @@ TEST(DistributedManagerTest, JoinsTheClusterAndReportsMembership) {
   ASSERT_TRUE(etcd.ok()) << etcd.status();
   const std::string endpoints = (*etcd)->endpoint();
   ManagerProcess first({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id",
-                        "node-a", "--catalog-nodes", "node-a", "--peer-endpoint", "127.0.0.1:7001"},
+                        "node-a", "--catalog-nodes", "node-a", "--peer-endpoint", Loopback()},
                        "dist-a");
   ASSERT_TRUE(first.running()) << first.LogText();
   // The view completes asynchronously after the join.
@@ -135,17 +145,93 @@ TEST(DistributedManagerTest, JoinsTheClusterAndReportsMembership) {
   // The same Node ID while the first is live: the second Manager refuses to start.
   ManagerProcess duplicate(
       {"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", "node-a",
-       "--catalog-nodes", "node-a", "--peer-endpoint", "127.0.0.1:7002"},
+       "--catalog-nodes", "node-a", "--peer-endpoint", Loopback()},
       "dist-dup");
   EXPECT_FALSE(duplicate.running());
 
   // A graceful stop revokes the lease: the Node ID is free again at once, with a new epoch.
   EXPECT_EQ(first.Stop(SIGTERM), 0);
   ManagerProcess again({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id",
-                        "node-a", "--catalog-nodes", "node-a", "--peer-endpoint", "127.0.0.1:7001"},
+                        "node-a", "--catalog-nodes", "node-a", "--peer-endpoint", Loopback()},
                        "dist-again");
   ASSERT_TRUE(again.running()) << again.LogText();
   EXPECT_NE(StatsOf(again).find("\"membership_epoch\": 2"), std::string::npos);
+}
+
+grpc::Status Health(const std::string& endpoint, const peer::v1::RouteHeader& route,
+                    peer::v1::HealthResponse* response) {
+  auto stub = peer::v1::Peer::NewStub(
+      grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  peer::v1::HealthRequest request;
+  *request.mutable_route() = route;
+  return stub->Health(&context, request, response);
+}
+
+// Two Managers with peer listeners: Health answers a member's well-routed request with the runtime
+// UUID etcd holds; a stale destination, a stranger and a restarted source's old identity are refused.
+TEST(DistributedManagerTest, PeerListenersAnswerHealthAndRefuseBadRoutes) {
+  auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::string endpoints = (*etcd)->endpoint();
+  const std::string peer_a = Loopback(), peer_b = Loopback();
+  auto flags = [&](const std::string& node, const std::string& peer) {
+    return std::vector<std::string>{"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", node,
+                                    "--catalog-nodes", "node-a,node-b", "--peer-endpoint", peer};
+  };
+  ManagerProcess a(flags("node-a", peer_a), "peer-a");
+  ManagerProcess b(flags("node-b", peer_b), "peer-b");
+  ASSERT_TRUE(a.running() && b.running()) << a.LogText() << b.LogText();
+  std::string stats_b;
+  for (int i = 0; i < 500; ++i) {  // the views complete asynchronously after the joins
+    stats_b = StatsOf(b);
+    if (stats_b.find("\"members\": 2") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_NE(stats_b.find("\"members\": 2"), std::string::npos) << stats_b;
+  EXPECT_NE(stats_b.find("\"peer_listen\": \"" + peer_b + "\""), std::string::npos) << stats_b;
+  const std::string placement = StringField(stats_b, "placement_fingerprint");
+  ASSERT_FALSE(placement.empty()) << stats_b;
+  const cluster::MemberRecord record_a = RecordOf(endpoints, "node-a");
+  const cluster::MemberRecord record_b = RecordOf(endpoints, "node-b");
+  const catalog::PeerIdentity as_a{"it", "node-a", record_a.runtime_uuid, record_a.epoch, placement};
+
+  peer::v1::HealthResponse health;
+  grpc::Status ok = Health(peer_b, catalog::MakeRoute(as_a, record_b), &health);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(health.node_id(), "node-b");
+  EXPECT_EQ(health.runtime_uuid(), record_b.runtime_uuid);
+  EXPECT_EQ(health.runtime_uuid(), StringField(stats_b, "runtime_uuid"));
+  EXPECT_EQ(health.epoch(), record_b.epoch);
+
+  peer::v1::RouteHeader stale = catalog::MakeRoute(as_a, record_b);
+  stale.set_destination_runtime_uuid(record_a.runtime_uuid);
+  EXPECT_EQ(Health(peer_b, stale, &health).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  catalog::PeerIdentity stranger = as_a;
+  stranger.node_id = "node-x";
+  EXPECT_EQ(Health(peer_b, catalog::MakeRoute(stranger, record_b), &health).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+
+  // node-a restarts: a new runtime UUID; its old identity is refused by its peer.
+  EXPECT_EQ(a.Stop(SIGTERM), 0);
+  ManagerProcess a2(flags("node-a", Loopback()), "peer-a2");
+  ASSERT_TRUE(a2.running()) << a2.LogText();
+  for (int i = 0; i < 500 && RecordOf(endpoints, "node-a").runtime_uuid == record_a.runtime_uuid; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const cluster::MemberRecord record_a2 = RecordOf(endpoints, "node-a");
+  ASSERT_NE(record_a2.runtime_uuid, record_a.runtime_uuid);
+  grpc::Status old = grpc::Status::OK;
+  for (int i = 0; i < 500; ++i) {  // until b's view has the new record
+    old = Health(peer_b, catalog::MakeRoute(as_a, record_b), &health);
+    if (old.error_code() == grpc::StatusCode::PERMISSION_DENIED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(old.error_code(), grpc::StatusCode::PERMISSION_DENIED) << old.error_message();
+  const catalog::PeerIdentity as_a2{"it", "node-a", record_a2.runtime_uuid, record_a2.epoch, placement};
+  EXPECT_TRUE(Health(peer_b, catalog::MakeRoute(as_a2, record_b), &health).ok());
+  EXPECT_NE(StatsOf(b).find("\"peer_refused\": "), std::string::npos);
 }
 
 TEST(DistributedManagerTest, SingleHostModeSaysSo) {
