@@ -2,6 +2,9 @@
 // listener (orbitkv.peer.v1 over gRPC: the Manager's only gRPC listener; standalone Managers open none).
 #include "catalog/peer_service.h"  // first: it brings gRPC in (see cluster/grpc.h)
 
+#include <fstream>
+#include <sstream>
+
 #include "base/clock.h"
 #include "base/logging.h"
 #include "cluster/membership.h"
@@ -18,8 +21,37 @@ struct PeerListener {
   std::unique_ptr<grpc::Server> server;
 };
 
+Result<std::string> ReadPem(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::NotFound(fmt::format("{} {}: cannot read the file", flag, path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN") == std::string::npos) {
+    return Status::InvalidArgument(fmt::format("{} {}: not a PEM file", flag, path));
+  }
+  return text.str();
+}
+
+// Mutual TLS from --peer-tls-cert/key/ca (all three), or null for an unauthenticated listener (none).
+Result<std::shared_ptr<grpc::ServerCredentials>> PeerCredentials(const ManagerConfig& config) {
+  const int given = !config.peer_tls_cert.empty() + !config.peer_tls_key.empty() + !config.peer_tls_ca.empty();
+  if (given == 0) return std::shared_ptr<grpc::ServerCredentials>();
+  if (given != 3) {
+    return Status::InvalidArgument(
+        "mutual TLS between peers needs all of --peer-tls-cert, --peer-tls-key and --peer-tls-ca");
+  }
+  grpc::SslServerCredentialsOptions options(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ORBITKV_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem("--peer-tls-ca", config.peer_tls_ca));
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  ORBITKV_ASSIGN_OR_RETURN(pair.private_key, ReadPem("--peer-tls-key", config.peer_tls_key));
+  ORBITKV_ASSIGN_OR_RETURN(pair.cert_chain, ReadPem("--peer-tls-cert", config.peer_tls_cert));
+  options.pem_key_cert_pairs.push_back(std::move(pair));
+  return grpc::SslServerCredentials(options);
+}
+
 Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& config, const RuntimeId& runtime,
                                                         const cluster::Membership& membership) {
+  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tls, PeerCredentials(config));
   auto listener = std::make_unique<PeerListener>();
   listener->address = config.peer_listen.empty() ? config.peer_endpoint : config.peer_listen;
   catalog::PeerService::Options options;
@@ -30,7 +62,7 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   listener->service = std::make_unique<catalog::PeerService>(std::move(options), &membership.view());
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listener->address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listener->address, tls ? tls : grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
   builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
   builder.RegisterService(listener->service.get());
@@ -40,10 +72,15 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
                                            "the address is in use or not this host's",
                                            listener->address));
   }
-  ORBITKV_LOG_WARN(
-      "manager: peer listener on {} serves orbitkv.peer.v1 without TLS: peers are not authenticated beyond "
-      "the route check against the member view (mutual TLS is not implemented yet)",
-      listener->address);
+  if (tls) {
+    ORBITKV_LOG_INFO("manager: peer listener on {} (mutual TLS: peers need a certificate from {})",
+                     listener->address, config.peer_tls_ca);
+  } else {
+    ORBITKV_LOG_WARN(
+        "manager: peer listener on {} serves orbitkv.peer.v1 without TLS: peers are not authenticated beyond "
+        "the route check against the member view (give --peer-tls-cert, --peer-tls-key and --peer-tls-ca)",
+        listener->address);
+  }
   return listener;
 }
 

@@ -264,6 +264,16 @@ const std::vector<Option>& Options() {
       {"peer-listen", "HOST:PORT",
        "where the peer listener binds (default: the --peer-endpoint)",
        StringInto(&ManagerConfig::peer_listen)},
+      {"peer-tls-cert", "PATH",
+       "PEM certificate of this Manager for mutual TLS between peers (with --peer-tls-key and "
+       "--peer-tls-ca)",
+       StringInto(&ManagerConfig::peer_tls_cert)},
+      {"peer-tls-key", "PATH", "PEM private key of --peer-tls-cert",
+       StringInto(&ManagerConfig::peer_tls_key)},
+      {"peer-tls-ca", "PATH",
+       "PEM CA certificates peers' certificates must chain to (a peer without one is refused "
+       "before any request is read)",
+       StringInto(&ManagerConfig::peer_tls_ca)},
   };
   return options;
 }

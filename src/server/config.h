@@ -65,6 +65,10 @@ struct ManagerConfig {
   std::string
       peer_endpoint;  // host:port peers reach this Manager at (advertised in its member record)
   std::string peer_listen;  // host:port the peer listener binds; empty: peer_endpoint
+  // Mutual TLS between peers: all three PEM files, or none (peers then unauthenticated).
+  std::string peer_tls_cert;
+  std::string peer_tls_key;
+  std::string peer_tls_ca;
 };
 
 // `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when XDG_RUNTIME_DIR is set, else

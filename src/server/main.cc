@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (Status started = (*manager)->Start(); !started.ok()) {
+    ORBITKV_LOG_ERROR("cannot start: {}", started.ToString());
     fmt::print(stderr, "orbitkv-manager: cannot start: {}\n", started.message());
     return 1;
   }

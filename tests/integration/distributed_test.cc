@@ -1,6 +1,7 @@
 // A real orbitkv-manager joining a cluster registered in a real etcd: membership state, epoch, view
 // and the remote-work gate reach `orbitkv status`, and a duplicate Node ID refuses to start.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -232,6 +233,91 @@ TEST(DistributedManagerTest, PeerListenersAnswerHealthAndRefuseBadRoutes) {
   const catalog::PeerIdentity as_a2{"it", "node-a", record_a2.runtime_uuid, record_a2.epoch, placement};
   EXPECT_TRUE(Health(peer_b, catalog::MakeRoute(as_a2, record_b), &health).ok());
   EXPECT_NE(StatsOf(b).find("\"peer_refused\": "), std::string::npos);
+}
+
+// A CA, a server certificate for 127.0.0.1 and a client certificate it signed, and a client certificate of
+// another CA, as PEM files in `dir` (openssl CLI).
+bool MakeCertificates(const std::string& dir) {
+  const std::string script = fmt::format(
+      "set -e; cd '{0}';"
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=orbitkv-test-ca -keyout ca.key -out ca.pem;"
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=rogue-ca -keyout rogue-ca.key "
+      "  -out rogue-ca.pem;"
+      "printf 'subjectAltName=IP:127.0.0.1\n' > san.ext;"
+      "for who in server client; do"
+      "  openssl req -newkey rsa:2048 -nodes -subj /CN=$who -keyout $who.key -out $who.csr;"
+      "  openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile san.ext "
+      "    -out $who.pem;"
+      "done;"
+      "openssl req -newkey rsa:2048 -nodes -subj /CN=rogue -keyout rogue.key -out rogue.csr;"
+      "openssl x509 -req -in rogue.csr -CA rogue-ca.pem -CAkey rogue-ca.key -CAcreateserial -days 2 "
+      "  -out rogue.pem",
+      dir);
+  return std::system(("(" + script + ") >/dev/null 2>&1").c_str()) == 0;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::string out;
+  if (std::FILE* f = std::fopen(path.c_str(), "rb"); f != nullptr) {
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) out.append(buf, n);
+    std::fclose(f);
+  }
+  return out;
+}
+
+// Mutual TLS between peers: a peer with a certificate from the cluster's CA is served; one without a
+// certificate, or with one from another CA, is refused in the handshake, before any handler runs.
+TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate) {
+  char dir_template[] = "/tmp/orbitkv-tls-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  ASSERT_TRUE(MakeCertificates(dir)) << "openssl failed";
+  auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::string peer = Loopback();
+  ManagerProcess manager({"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id",
+                          "node-t", "--catalog-nodes", "node-t", "--peer-endpoint", peer, "--peer-tls-cert",
+                          dir + "/server.pem", "--peer-tls-key", dir + "/server.key", "--peer-tls-ca",
+                          dir + "/ca.pem"},
+                         "tls");
+  ASSERT_TRUE(manager.running()) << manager.LogText();
+  const cluster::MemberRecord self = RecordOf((*etcd)->endpoint(), "node-t");
+  const std::string placement = StringField(StatsOf(manager), "placement_fingerprint");
+  // The Manager itself is the one registered member: a well-routed request as node-t.
+  const peer::v1::RouteHeader route =
+      catalog::MakeRoute(catalog::PeerIdentity{"it", "node-t", self.runtime_uuid, self.epoch, placement}, self);
+  auto call = [&](std::shared_ptr<grpc::ChannelCredentials> credentials) {
+    auto stub = peer::v1::Peer::NewStub(grpc::CreateChannel(peer, credentials));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    peer::v1::HealthRequest request;
+    *request.mutable_route() = route;
+    peer::v1::HealthResponse response;
+    return stub->Health(&context, request, &response);
+  };
+  auto tls = [&](const std::string& who) {
+    grpc::SslCredentialsOptions options;
+    options.pem_root_certs = ReadFile(dir + "/ca.pem");
+    if (!who.empty()) {
+      options.pem_private_key = ReadFile(dir + "/" + who + ".key");
+      options.pem_cert_chain = ReadFile(dir + "/" + who + ".pem");
+    }
+    return grpc::SslCredentials(options);
+  };
+  grpc::Status ok = call(tls("client"));
+  EXPECT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(call(tls("")).error_code(), grpc::StatusCode::UNAVAILABLE);       // no client certificate
+  EXPECT_EQ(call(tls("rogue")).error_code(), grpc::StatusCode::UNAVAILABLE);  // another CA's
+  EXPECT_EQ(call(grpc::InsecureChannelCredentials()).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // Half a TLS configuration is refused at start, naming what is missing.
+  ManagerProcess half({"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", "node-h",
+                       "--catalog-nodes", "node-t", "--peer-endpoint", Loopback(), "--peer-tls-cert",
+                       dir + "/server.pem"},
+                      "tls-half");
+  EXPECT_FALSE(half.running());
+  EXPECT_NE(half.LogText().find("--peer-tls-key"), std::string::npos) << half.LogText();
+  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 TEST(DistributedManagerTest, SingleHostModeSaysSo) {
