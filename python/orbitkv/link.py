@@ -161,7 +161,7 @@ class ManagerLink:
                     return
             try:
                 client.ping()
-            except orbitkv.OrbitKVTimeout:
+            except (orbitkv.OrbitKVTimeout, orbitkv.OrbitKVBusy):  # still not answering (or all slots retired)
                 continue
             except orbitkv.OrbitKVError as error:  # the session is gone: reconnect through client()
                 with self._lock:
@@ -173,16 +173,18 @@ class ManagerLink:
                             self._next_attempt = 0.0
                 self._log.warning("orbitkv: the stalled Manager is gone (%s); reconnecting", error)
                 return
-            with self._lock:
-                deferred, self._deferred = self._deferred, []
-            for instance, lease in deferred:  # leases given up while it was stopped: its session kept them
-                try:
-                    client.release(instance, lease)
-                except orbitkv.OrbitKVError as error:
-                    self._log.debug("orbitkv: releasing lease %d after the stall: %s", lease, error)
-            with self._lock:
-                if self._stalled is client:
-                    self._stalled = None
+            while True:  # leases given up while it was stopped: its session kept them
+                with self._lock:
+                    deferred, self._deferred = self._deferred, []
+                    if not deferred:
+                        if self._stalled is client:
+                            self._stalled = None  # with the list empty: no release_later can be stranded
+                        break
+                for instance, lease in deferred:
+                    try:
+                        client.release(instance, lease)
+                    except orbitkv.OrbitKVError as error:
+                        self._log.debug("orbitkv: releasing lease %d after the stall: %s", lease, error)
             self._log.warning("orbitkv: the Manager answers again; serving from it")
             return
 
@@ -191,10 +193,18 @@ class ManagerLink:
         return self._stalled is not None
 
     def release_later(self, instance: int, lease: int) -> None:
-        """A lease to give back once the stalled Manager answers (its session, hence the lease, is still alive)."""
+        """A lease to give back once the stalled Manager answers (its session, hence the lease, is still alive);
+        released at once if the stall ended meanwhile."""
         with self._lock:
             if self._stalled is not None:
                 self._deferred.append((instance, lease))
+                return
+            client = self._client
+        if client is not None:
+            try:
+                client.release(instance, lease)
+            except orbitkv.OrbitKVError as error:
+                self._log.debug("orbitkv: releasing lease %d: %s", lease, error)
 
     def close(self) -> Optional[orbitkv.CacheManagerClient]:
         """Closes the link; returns the client it had (to unregister with), if any: None while stalled (a call

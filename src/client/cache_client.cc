@@ -457,6 +457,8 @@ Result<std::optional<Status>> CacheClient::PollRestore(uint64_t handle) {
       AwaitControl(it->second.request_id, orbitkv::Deadline::At(MonoNow()), /*spin_iterations=*/0);
   if (!reply.ok()) {
     if (reply.status().code() == StatusCode::kDeadlineExceeded) return std::optional<Status>();
+    // The session is gone: a restore the Manager never claimed is taken back so it never starts.
+    (void)control_->AbandonClaim(it->second.slot, it->second.generation);
     return std::optional<Status>(reply.status());
   }
   Status status = reply->code() == StatusCode::kOk
@@ -482,7 +484,9 @@ Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::mill
           "the restore is still running; its destination pages stay owned by it (wait or poll "
           "again)");
     }
-    return reply.status();  // the session is dead: nothing will write the pages any more
+    // The session is dead: a restore the Manager never claimed is taken back so it never starts.
+    (void)control_->AbandonClaim(pending.slot, pending.generation);
+    return reply.status();
   }
   Status status = reply->code() == StatusCode::kOk
                       ? channel::DecodeRestoreReply(reply->descriptor).status()
@@ -560,6 +564,11 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
         }
       }
       return;
+    }
+    if (!reply.ok()) {
+      // The session is gone or poisoned: make sure the Manager, if it still runs this save, never
+      // seals it (either way its copy no longer reads the pages once this returns).
+      (void)session->AbandonClaim(oldest.slot, oldest.generation);
     }
     Status status = reply.ok() ? (reply->code() == StatusCode::kOk
                                       ? Status::Ok()

@@ -165,20 +165,25 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
   Result<Target> target = Resolve(owner, request.instance, request.group);
   if (!target.ok()) return done(target.status());
   const KvGroup& group = *target->group;
+  // A whole restore (or the last part of a layer-wise one) consumes the lease: its pins end with
+  // this operation, whatever happens, also when it cannot start (the engine, which may have given up
+  // on it, never has to release it). An earlier part copies under pins of its own and leaves the
+  // lease for the next part.
+  const core::LeaseId id = core::LeaseId::Unpack(request.lease);
+  auto refuse = [&](Status status) {
+    if (request.consume_lease) (void)cache_->ReleaseLease(request.instance, id);
+    done(std::move(status));
+  };
   if (request.layers && (request.first_buffer >= group.buffers.size() ||
                          request.buffer_count > group.buffers.size() - request.first_buffer)) {
-    return done(Status::InvalidArgument(
+    return refuse(Status::InvalidArgument(
         fmt::format("layer restore of buffers [{}, +{}) but the group has {} buffers",
                     request.first_buffer, request.buffer_count, group.buffers.size())));
   }
   if (!TryBeginOperation()) {
-    return done(Status::ResourceExhausted(
-        "too many restores and saves in flight; retry (the lease is still valid)"));
+    return refuse(Status::ResourceExhausted(
+        "too many restores and saves in flight; the lease was released: query again"));
   }
-  // A whole restore (or the last part of a layer-wise one) consumes the lease: its pins end with
-  // this operation, whatever happens. An earlier part copies under pins of its own and leaves the
-  // lease for the next part.
-  const core::LeaseId id = core::LeaseId::Unpack(request.lease);
   Result<core::LeaseUse> use = request.consume_lease ? cache_->ConsumeLease(request.instance, id)
                                                      : cache_->BorrowLease(request.instance, id);
   if (!use.ok()) {

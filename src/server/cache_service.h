@@ -20,7 +20,7 @@
 //                seals them; replies after they are resident.
 //   Release, Cancel, WaitLoading, Stats  as named.
 // Restores and saves in flight are bounded by max_operations over all owners (ResourceExhausted
-// beyond, with the lease still valid).
+// beyond; a whole restore's lease is released then, as on any failure: query again).
 //
 // Thread safety: every method is safe from any thread. Done callbacks run exactly once: inline for
 // an error found before any copy, otherwise on a copy engine's thread.

@@ -223,6 +223,30 @@ TEST_F(CacheServiceTest, MaxOperationsBoundsCopiesInFlight) {
   EXPECT_EQ(saved.Get().status().code(), StatusCode::kResourceExhausted);
 }
 
+// A restore refused because too many copies are in flight releases its lease: an engine that gave up
+// on it (a stopped Manager's backlog after kill -CONT) never leaves blocks pinned.
+TEST_F(CacheServiceTest, ARestoreThatCannotStartReleasesItsLease) {
+  Close();
+  CacheServiceOptions options;
+  options.max_operations = 0;
+  Open(false, options);
+  {  // blocks put into the cache directly (saves are refused too at max_operations 0)
+    std::vector<core::BlockWriter> writers;
+    for (const state::StateKey& key : KeysOf(1, 2)) {
+      Result<core::BlockWriter> writer = cache_->Prepare(key, kBlock);
+      ASSERT_TRUE(writer.ok()) << writer.status();
+      writers.push_back(std::move(*writer));
+    }
+    cache_->SealAll(writers);
+  }
+  Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 2));
+  ASSERT_TRUE(hit.ok() && hit->hits == 2) << hit.status();
+  EXPECT_EQ(cache_->GetStats().leases_active, 1u);
+  EXPECT_EQ(RestoreTo(hit->lease, {0, 1}).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache_->GetStats().leases_active, 0u);
+  EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
+}
+
 // The prefix continues on SSD: the query answers Loading, the op's completion is delivered to a
 // waiter, and the next query leases the whole prefix.
 TEST_F(CacheServiceTest, QueryLoadsFromSsdAndTheWaiterHearsWhenItIsDone) {

@@ -313,10 +313,17 @@ class ManagerLink:
             pass
 
     def release(self, client, instance: int, lease: int) -> None:
+        """Gives a lease back; while the Manager is stalled (or once this release times out, which stalls it) the
+        link keeps it and releases it when the Manager answers, so no call waits on a stopped Manager."""
+        if self._link.stalled:
+            self._link.release_later(instance, lease)
+            return
         try:
             client.release(instance, lease)
         except orbitkv.OrbitKVError as e:
             self._lost(client, e)
+            if isinstance(e, orbitkv.OrbitKVTimeout):
+                self._link.release_later(instance, lease)
 
     def restore(self, client, instance: int, lease: int, pages: List[int]) -> None:
         """Copies the leased blocks into ``pages`` and returns once every copy drained. It never returns while the
