@@ -25,7 +25,10 @@
 
 namespace orbitkv::channel {
 
-enum class ClaimState : uint64_t { kPending = 0, kClaimed = 1, kAbandoned = 2 };
+// kDone: the Manager finished a claimed operation (a restore's copies drained, a save sealed or
+// dropped), so the engine's pages are its own again even if the reply never arrives (a session the
+// Manager poisoned or closed while its copies still ran).
+enum class ClaimState : uint64_t { kPending = 0, kClaimed = 1, kAbandoned = 2, kDone = 3 };
 
 constexpr uint64_t ClaimWord(uint32_t generation, ClaimState state) {
   return (uint64_t{generation} << 2) | static_cast<uint64_t>(state);
@@ -47,6 +50,19 @@ inline bool Claim(uint64_t* word, uint32_t generation) {
     return true;
   }
   return expected != ClaimWord(generation, ClaimState::kAbandoned);
+}
+
+// Manager: the claimed operation is over.
+inline void Finish(uint64_t* word, uint32_t generation) {
+  uint64_t expected = ClaimWord(generation, ClaimState::kClaimed);
+  std::atomic_ref<uint64_t>(*word).compare_exchange_strong(
+      expected, ClaimWord(generation, ClaimState::kDone), std::memory_order_seq_cst);
+}
+
+// Engine: whether the Manager finished the claimed operation of `generation`.
+inline bool Finished(uint64_t* word, uint32_t generation) {
+  return std::atomic_ref<uint64_t>(*word).load(std::memory_order_seq_cst) ==
+         ClaimWord(generation, ClaimState::kDone);
 }
 
 // Engine, when its wait ran out: kAbandoned when it took the operation back (the Manager will never

@@ -211,6 +211,18 @@ TEST(ClaimsTest, AStaleOrUnarmedWordDecidesNothingWrong) {
   ArmClaim(&word, 7);                                    // the slot's next request
   EXPECT_TRUE(Claim(&word, 7));
   EXPECT_EQ(Abandon(&word, 7), ClaimState::kClaimed);
+  // The Manager marks a claimed operation done; the engine then knows its pages are free even when no
+  // reply comes (a session closed while the copies ran). Done is never mistaken for abandoned.
+  EXPECT_FALSE(Finished(&word, 7));
+  Finish(&word, 7);
+  EXPECT_TRUE(Finished(&word, 7));
+  EXPECT_EQ(Abandon(&word, 7), ClaimState::kClaimed);
+  EXPECT_FALSE(Finished(&word, 9));  // another generation's word says nothing
+  uint64_t abandoned = 0;
+  ArmClaim(&abandoned, 11);
+  ASSERT_EQ(Abandon(&abandoned, 11), ClaimState::kAbandoned);
+  Finish(&abandoned, 11);  // only a claimed operation can be finished
+  EXPECT_FALSE(Finished(&abandoned, 11));
   // A client that never arms words (older): the Manager owns the operation, as that client expects.
   uint64_t unarmed = ClaimWord(3, ClaimState::kClaimed);
   EXPECT_TRUE(Claim(&unarmed, 9));

@@ -1,6 +1,8 @@
 #include "channel/session.h"
 
 #include <poll.h>
+#include <errno.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -313,6 +315,16 @@ uint32_t ClientSession::ArmClaim(uint32_t slot) {
 ClaimState ClientSession::AbandonClaim(uint32_t slot, uint32_t generation) {
   ORBITKV_CHECK(slot < welcome_.payload_slots);
   return channel::Abandon(arena_->claim_word(slot), generation);
+}
+
+bool ClientSession::ClaimStillRunning(uint32_t slot, uint32_t generation) {
+  ORBITKV_CHECK(slot < welcome_.payload_slots);
+  if (channel::Finished(arena_->claim_word(slot), generation)) return false;
+  // The Manager's process, from the socket's peer credentials: once it is gone its copies are.
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(socket_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) return false;
+  return kill(cred.pid, 0) == 0 || errno == EPERM;
 }
 
 Result<uint64_t> ClientSession::Submit(Descriptor d, uint32_t slot, uint32_t payload_bytes) {

@@ -177,6 +177,9 @@ class ClientSession {
   // out.
   uint32_t ArmClaim(uint32_t slot);
   ClaimState AbandonClaim(uint32_t slot, uint32_t generation);
+  // After the session died: whether a claimed operation may still be running (the Manager process
+  // lives and has not marked it done), so its pages must stay reserved.
+  bool ClaimStillRunning(uint32_t slot, uint32_t generation);
 
   // Sends a request: fills magic, version, epoch, id and a fresh generation for `slot` into `d` and
   // pushes it. Returns the request id. ResourceExhausted when the ring is full.

@@ -457,8 +457,12 @@ Result<std::optional<Status>> CacheClient::PollRestore(uint64_t handle) {
       AwaitControl(it->second.request_id, orbitkv::Deadline::At(MonoNow()), /*spin_iterations=*/0);
   if (!reply.ok()) {
     if (reply.status().code() == StatusCode::kDeadlineExceeded) return std::optional<Status>();
-    // The session is gone: a restore the Manager never claimed is taken back so it never starts.
-    (void)control_->AbandonClaim(it->second.slot, it->second.generation);
+    // The session is gone: a restore the Manager never claimed is taken back so it never starts; one
+    // it claimed stays pending (its pages reserved) until the Manager marks it done or is gone.
+    if (control_->AbandonClaim(it->second.slot, it->second.generation) == channel::ClaimState::kClaimed &&
+        control_->ClaimStillRunning(it->second.slot, it->second.generation)) {
+      return std::optional<Status>();
+    }
     return std::optional<Status>(reply.status());
   }
   Status status = reply->code() == StatusCode::kOk
@@ -484,8 +488,14 @@ Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::mill
           "the restore is still running; its destination pages stay owned by it (wait or poll "
           "again)");
     }
-    // The session is dead: a restore the Manager never claimed is taken back so it never starts.
-    (void)control_->AbandonClaim(pending.slot, pending.generation);
+    // The session is dead: a restore the Manager never claimed is taken back so it never starts; one it
+    // claimed may still write its pages until the Manager marks it done or is gone.
+    if (control_->AbandonClaim(pending.slot, pending.generation) == channel::ClaimState::kClaimed &&
+        control_->ClaimStillRunning(pending.slot, pending.generation)) {
+      return Status::DeadlineExceeded(
+          "the session is gone but the Manager claimed this restore and may still be writing its pages; "
+          "they stay owned by it (wait or poll again)");
+    }
     return reply.status();
   }
   Status status = reply->code() == StatusCode::kOk

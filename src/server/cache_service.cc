@@ -201,7 +201,7 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
     return done(channel::RestoreReply{0});
   }
   // The last moment before the engine's pages are written: the engine may have abandoned it.
-  if (claim && !claim()) {
+  if (claim.claim && !claim.claim()) {
     lease->Reset();
     EndOperation();
     restores_abandoned_->Increment();
@@ -211,10 +211,12 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
   auto finish = std::make_shared<Done<channel::RestoreReply>>(std::move(done));
   Status submitted = group.engine->Submit(
       std::move(batch),
-      [this, owner, lease, finish, keep = target->group, total = *bytes](Status status) {
+      [this, owner, lease, finish, keep = target->group, total = *bytes,
+       claimed = claim.finish](Status status) {
         CheckFault(owner, status);
         // The copy drained: pins, reservation and the operation's slot go back before the engine
         // hears of it (its next request must find them free).
+        if (claimed) claimed();
         lease->Reset();
         if (status.ok()) restored_bytes_->Increment(total);
         EndOperation();
@@ -222,6 +224,7 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
                               : Result<channel::RestoreReply>(status));
       });
   if (!submitted.ok()) {
+    if (claim.finish) claim.finish();  // claimed, but nothing was written
     lease->Reset();
     EndOperation();
     (*finish)(submitted);
@@ -284,7 +287,7 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
         CheckFault(owner, status);
         // The copy is over; the engine may have given up on it meanwhile and reused its pages, so
         // what was read is sealed only if the Manager claims the save now.
-        if (status.ok() && claim && !claim()) {
+        if (status.ok() && claim.claim && !claim.claim()) {
           saves_abandoned_->Increment();
           status = Status::Aborted("the engine abandoned this save (its wait ran out); nothing of "
                                    "it is sealed");
@@ -297,6 +300,7 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
           saved_bytes_->Increment(bytes);
         }
         work->writers.clear();  // unsealed writers abort and free their memory
+        if (claim.finish) claim.finish();
         EndOperation();
         work->done(status.ok() ? Result<channel::SaveReply>(channel::SaveReply{written, skipped})
                                : Result<channel::SaveReply>(status));

@@ -90,9 +90,13 @@ class CacheService {
   // Errors: the instance's or group's (NotFound, PermissionDenied), a chain that cannot be built
   // (InvalidArgument), ResourceExhausted when the query budget or --max-loading is full (retry).
   Result<channel::QueryReply> Query(uint64_t owner, const channel::QueryRequest& request);
-  // The claim/abandon decision of a save or restore (channel/claims.h): true when the Manager now
-  // owns the operation, false when the engine abandoned it first. Empty: always the Manager's.
-  using ClaimFn = std::function<bool()>;
+  // The claim/abandon decision of a save or restore (channel/claims.h): `claim` returns true when the
+  // Manager now owns the operation, false when the engine abandoned it first (empty: always the
+  // Manager's); `finish` says a claimed operation is over (its copies drained).
+  struct ClaimFn {
+    std::function<bool()> claim;
+    std::function<void()> finish;
+  };
   // A restore is claimed before its first write into the engine's pages; an abandoned one is never
   // started (Aborted, the lease's pins go back).
   void Restore(uint64_t owner, const channel::RestoreRequest& request,

@@ -45,9 +45,15 @@ std::function<void(Result<T>)> ReplyLater(std::shared_ptr<channel::ServerSession
 // mapped for as long as the closure lives.
 CacheService::ClaimFn ClaimOf(std::shared_ptr<channel::ServerSession> channel,
                               const channel::Descriptor& d) {
-  return [channel = std::move(channel), slot = d.payload_slot, generation = d.payload_generation] {
+  const uint32_t slot = d.payload_slot, generation = d.payload_generation;
+  CacheService::ClaimFn fn;
+  fn.claim = [channel, slot, generation] {
     return channel::Claim(channel->arena().claim_word(slot), generation);
   };
+  fn.finish = [channel = std::move(channel), slot, generation] {
+    channel::Finish(channel->arena().claim_word(slot), generation);
+  };
+  return fn;
 }
 
 }  // namespace
