@@ -40,6 +40,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <random>
 #include <string>
@@ -82,19 +84,18 @@ struct Args {
 // kill -STOP, then wait until every thread of `pid` is stopped (delivery is not instant).
 Status StopProcess(pid_t pid) {
   if (kill(pid, SIGSTOP) != 0) return Status::Internal(fmt::format("cannot stop process {}", pid));
+  const std::filesystem::path tasks = fmt::format("/proc/{}/task", pid);
   for (int i = 0; i < 10000; ++i) {
     bool all = true, any = false;
-    std::FILE* tasks = popen(fmt::format("cat /proc/{}/task/*/stat 2>/dev/null", pid).c_str(), "r");
-    if (tasks == nullptr) return Status::Internal("cannot read the Manager's threads");
-    char line[1024];
-    while (std::fgets(line, sizeof(line), tasks) != nullptr) {
-      const char* paren = std::strrchr(line, ')');
-      if (paren == nullptr || paren[1] == 0) continue;
+    std::error_code error;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, error)) {
+      std::ifstream stat(task.path() / "stat");
+      const std::string line((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+      const size_t paren = line.rfind(')');
+      if (paren == std::string::npos || paren + 2 >= line.size()) continue;
       any = true;
-      const char state = paren[2];
-      if (state != 'T' && state != 't') all = false;
+      if (line[paren + 2] != 'T' && line[paren + 2] != 't') all = false;
     }
-    pclose(tasks);
     if (any && all) return Status::Ok();
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -338,12 +339,17 @@ class Engine {
   // a stopped Manager, the engine's wait runs out (bounded), it abandons the unclaimed restore, and
   // after kill -CONT the Manager never writes those GPU pages (they keep the poison); then a normal
   // restore is byte exact.
-  Status Stopped() {
-    const uint32_t count = args_.pages / 2;
+  // Fills `count` pages, saves them all, then poisons the engine's memory (before a restore).
+  Status SaveAndPoison(uint32_t count) {
     ORBITKV_RETURN_IF_ERROR(Fill(count));
     ORBITKV_ASSIGN_OR_RETURN(client::SaveResult saved, Save(count));
-    if (saved.written != count) return Status::Internal("stopped: the save did not write every block");
-    ORBITKV_RETURN_IF_ERROR(Poison());
+    if (saved.written != count) return Status::Internal(args_.mode + ": the save did not write every block");
+    return Poison();
+  }
+
+  Status Stopped() {
+    const uint32_t count = args_.pages / 2;
+    ORBITKV_RETURN_IF_ERROR(SaveAndPoison(count));
     std::vector<StateKey> keys = Keys(count);
     ORBITKV_ASSIGN_OR_RETURN(client::QueryResult hit, client_->Query(args_.instance, 0, keys));
     if (hit.hits == 0) return Status::NotFound("stopped: the saved blocks missed");
@@ -377,10 +383,7 @@ class Engine {
 
   Status Die() {
     const uint32_t count = args_.pages / 2;
-    ORBITKV_RETURN_IF_ERROR(Fill(count));
-    ORBITKV_ASSIGN_OR_RETURN(client::SaveResult saved, Save(count));
-    if (saved.written != count) return Status::Internal("die: the save did not write every block");
-    ORBITKV_RETURN_IF_ERROR(Poison());
+    ORBITKV_RETURN_IF_ERROR(SaveAndPoison(count));
     ORBITKV_ASSIGN_OR_RETURN(uint32_t started, Restore(count, ShuffledPages(count), false));
     fmt::print(stderr, "gpu_ipc_engine: restore of {} blocks started; killing myself\n", started);
     kill(getpid(), SIGKILL);

@@ -139,7 +139,7 @@ class PrefetchWait:
 
     @classmethod
     def from_server(cls, args, loading_wait_ms: Optional[int]) -> "PrefetchWait":
-        if loading_wait_ms is not None and loading_wait_ms >= 0:
+        if loading_wait_ms is not None:
             return cls("explicit", 0.0, 0.0, 0.0, loading_wait_ms / 1000.0)
         if args is None:
             return cls("default", 0.0, 0.0, 0.0, 0.1)
@@ -197,7 +197,7 @@ class OrbitKVStorage(HiCacheStorage):
         self._epoch_configured = bool(_str_option(extra, "weights_epoch", ""))
         self._epoch = (_str_option(extra, "weights_epoch", "") or "").encode()
         timeout_ms = _int_option(extra, "timeout_ms", 10000, 1)
-        loading_wait_ms = _int_option(extra, "loading_wait_ms", -1, -1) if "loading_wait_ms" in extra else None
+        loading_wait_ms = _int_option(extra, "loading_wait_ms", 0, 0) if "loading_wait_ms" in extra else None
         self.prefetch_wait = PrefetchWait.from_server(server_args(), loading_wait_ms)
         reconnect_s = _number_option(extra, "reconnect_interval_s", 1.0, 0)
         self._staging_pages = _int_option(extra, "legacy_staging_pages", 8, 1)

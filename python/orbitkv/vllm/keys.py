@@ -67,10 +67,6 @@ def _multimodal(request) -> Optional[list]:
     return []
 
 
-def cacheable(request) -> bool:
-    return getattr(request, "prompt_embeds", None) is None and _multimodal(request) is not None
-
-
 class RequestKeys:
     """The keys of one request's full blocks, extended as its tokens grow (tokens are append-only in vLLM)."""
 
@@ -84,8 +80,9 @@ class RequestKeys:
         self._lora = _text(b"L", str(name)) if name else b""
         salt = getattr(request, "cache_salt", None)
         self._salt = _text(b"S", str(salt)) if salt else b""
-        self.ok = cacheable(request)
-        self._mm = _multimodal(request) or []
+        mm = _multimodal(request)
+        self.ok = mm is not None and getattr(request, "prompt_embeds", None) is None
+        self._mm = mm or []
 
     def extend(self, tokens, block_size: int) -> list:
         if not self.ok:
