@@ -125,21 +125,22 @@ class ManagerLink:
                     self._next_attempt = time.monotonic() + self._interval
             return self._client
 
-    def failed(self, error: BaseException, client: Optional[orbitkv.CacheManagerClient] = None) -> bool:
-        """Reports a failed call (made on ``client``, default the current one). A Manager that is gone takes the
-        link down (True); other errors are the call's own."""
+    def failed(self, error: BaseException, client: Optional[orbitkv.CacheManagerClient]) -> bool:
+        """Reports a failed call made on ``client`` (the one ``client()`` returned for it; None when no call was
+        made). A Manager that is gone takes the link down (True); other errors are the call's own. A failure of an
+        older client (one the link replaced since) is that client's: it never takes down the link that replaced
+        it, so the caller must name the client it used."""
         with self._lock:
             self.failures += 1
+            if client is None or client is not self._client:
+                return False  # no call was made, or an older client's failure: the link already reconnected
             if self._stalled is not None:
                 return False  # a consequence of the stall: the probe decides whether the session is gone
-            if isinstance(error, orbitkv.OrbitKVTimeout) and self._client is not None and self._stalled is None \
-                    and (client is None or client is self._client):
+            if isinstance(error, orbitkv.OrbitKVTimeout):
                 self._stall()
                 return True
-            if not isinstance(error, orbitkv.ManagerUnavailable) or self._client is None:
+            if not isinstance(error, orbitkv.ManagerUnavailable):
                 return False
-            if client is not None and client is not self._client:
-                return False  # an older client's failure: the link already reconnected
             self._log.warning("orbitkv: lost the Manager (%s); recomputing until it is back", error)
             self._client = None
             self._next_attempt = time.monotonic() + self._interval

@@ -250,6 +250,27 @@ def test_both_adapters_fail_the_same_way_without_a_manager(tmp_path):
     assert lenient.client() is None and lenient.reconnect_failures == 1
 
 
+def test_a_failure_of_a_replaced_client_leaves_the_link_that_replaced_it_up(manager):
+    """A call that ran on the client of a lost session and fails after the link reconnected (a worker thread's
+    save, a restore handle of the old session) is that old client's failure: it must not take the new link down
+    or stall it."""
+    from orbitkv.link import ManagerLink
+
+    _, sock = manager
+    link = ManagerLink(sock, 300, require=True, reconnect_interval_s=0.0, on_connect=lambda c: None)
+    old = link.client()
+    assert old is not None
+    assert link.failed(orbitkv.ManagerUnavailable("lost"), old) is True  # the session is gone: the link goes down
+    new = link.client()
+    assert new is not None and new is not old and link.reconnects == 1
+    assert link.failed(orbitkv.ManagerUnavailable("late failure of the old session"), old) is False
+    assert link.failed(orbitkv.OrbitKVTimeout("late timeout of the old session"), old) is False
+    assert link.failed(orbitkv.ManagerUnavailable("no call was made"), None) is False
+    assert link.client() is new and not link.stalled
+    assert link.failed(orbitkv.ManagerUnavailable("lost again"), new) is True
+    link.close()
+
+
 def test_kv_memory_is_sealed_and_unsealed_memory_is_refused(manager):
     import fcntl
 

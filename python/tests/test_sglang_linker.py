@@ -139,6 +139,35 @@ def test_leases_are_released_when_fewer_pages_load_or_nothing_does(manager):
     linker.close()
 
 
+def test_a_lookup_that_fails_part_way_gives_back_the_pages_it_leased(manager):
+    """A query that raises after earlier pages of the same lookup were found (the Manager errs or stops answering
+    mid-lookup): SGLang sees a miss, and the pages leased before the error are released, not pinned for the
+    session's life."""
+    import orbitkv
+
+    pool = device_pool()
+    linker = make_linker(manager.socket, pool)
+    k = keys("partial", 4)
+    offload(linker, k, slots(0, 4))
+    real_query, calls = linker._link.query, []
+
+    def flaky_query(*args, **kwargs):  # fault injection: the third page's query fails
+        calls.append(1)
+        if len(calls) == 3:
+            raise orbitkv.OrbitKVError("injected: the Manager failed this query")
+        return real_query(*args, **kwargs)
+
+    linker._link.query = flaky_query
+    assert linker.lookup("r", kv(k)) == []
+    assert len(calls) == 3 and linker.counters()["lookup_errors"] == 1
+    assert manager.stats()["leases_active"] == 0
+    linker._link.query = real_query
+    assert linker.lookup("r", kv(k)) == [1, 2, 3, 4]  # and the pages are still there
+    linker.reset()
+    assert manager.stats()["leases_active"] == 0
+    linker.close()
+
+
 def test_loads_pair_pages_by_key_when_the_tree_adopts_a_later_subset(manager):
     """UnifiedCacheLinkerWrapper.load_back narrows the transfer to the ranges the tree adopted
     (_update_load / _select_adopted_pages): another request may have inserted the leading pages meanwhile, so

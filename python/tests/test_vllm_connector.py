@@ -247,7 +247,7 @@ def test_a_manager_that_refuses_on_reconnect_is_a_warning_once(manager, caplog):
 
     link = ManagerLink(manager.socket, 2000, 16, require=True, reconnect_interval_s=0.0, on_connect=on_connect)
     refusals.append("cannot read engine process 1 at 0x1000: Operation not permitted")
-    link.failed(orbitkv.ManagerUnavailable("gone"))
+    link.failed(orbitkv.ManagerUnavailable("gone"), link.current)
     with caplog.at_level("DEBUG", logger="orbitkv.vllm"):
         assert link.client() is None and link.client() is None
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "refused" in r.getMessage()]

@@ -347,8 +347,19 @@ Result<uint64_t> ClientSession::Submit(Descriptor d, uint32_t slot, uint32_t pay
   }
   generation_[slot] = generation;
   slot_request_[slot] = next_request_id_;
-  if (requests_.ConsumerWaiting()) ORBITKV_RETURN_IF_ERROR(to_manager_.Ring());
-  return next_request_id_++;
+  const uint64_t id = next_request_id_++;
+  // Once pushed the request is sent: the Manager may read it whether or not the doorbell rings, so
+  // a doorbell that fails must not make it look unsent (its slot freed, a claimed restore's pages
+  // reused). The session is dead instead: the caller's wait fails, and treats it as the sent
+  // request it is (an unclaimed save or restore is abandoned, a claimed one waited for).
+  if (requests_.ConsumerWaiting()) {
+    Status rang = to_manager_.Ring();
+    if (!rang.ok()) {
+      dead_ = Status::Unavailable(
+          fmt::format("cannot wake the Manager for request {} ({}); reconnect", id, rang.message()));
+    }
+  }
+  return id;
 }
 
 Result<std::optional<InboundReply>> ClientSession::PollReply() {

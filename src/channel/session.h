@@ -153,6 +153,7 @@ class ClientSession {
   uint32_t payload_slots() const { return welcome_.payload_slots; }
   uint32_t slot_bytes() const { return welcome_.slot_bytes; }
   int reply_doorbell_fd() const { return to_engine_.fd().get(); }
+  int request_doorbell_fd() const { return to_manager_.fd().get(); }
   // Makes the Manager ring reply_doorbell_fd for every reply (not only while this side sleeps), so
   // a caller can poll/epoll that fd for completions. Costs one eventfd write per reply.
   Status EnableCompletionFd();
@@ -182,7 +183,9 @@ class ClientSession {
   bool ClaimStillRunning(uint32_t slot, uint32_t generation);
 
   // Sends a request: fills magic, version, epoch, id and a fresh generation for `slot` into `d` and
-  // pushes it. Returns the request id. ResourceExhausted when the ring is full.
+  // pushes it. Returns the request id. ResourceExhausted when the ring is full (nothing sent).
+  // A request pushed is sent even when the doorbell then fails: that kills the session (the wait
+  // fails), never returns an error that would make the request look unsent.
   Result<uint64_t> Submit(Descriptor d, uint32_t slot, uint32_t payload_bytes);
   // Next reply if any (non-blocking). Replies with a stale generation are dropped. DataLoss on a
   // corrupt ring.

@@ -1,6 +1,7 @@
 #include "channel/session.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -136,6 +137,39 @@ TEST_F(SessionTest, TimeoutKeepsTheSlotOwnedAndLateRepliesAreStillMatched) {
   auto request = *(*server)->NextRequest();
   ASSERT_TRUE((*server)->Reply(request->descriptor, StatusCode::kOk, 1, 2).ok());
   EXPECT_TRUE((*client)->WaitReply(id, Deadline::After(seconds(5))).ok());
+}
+
+TEST_F(SessionTest, ARequestPushedIsSentEvenWhenItsDoorbellFails) {
+  auto opened = Open();
+  auto& server = opened.first;
+  auto& client = opened.second;
+  ASSERT_TRUE(server.ok() && client.ok());
+  ASSERT_FALSE(*(*server)->PrepareToWait());  // the Manager sleeps: the next Submit rings
+  // Fault injection: the doorbell's fd now refuses writes (EBADF), which the real eventfd cannot
+  // be made to do on demand.
+  ScopedFd read_only(open("/dev/null", O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(read_only.valid());
+  ASSERT_GE(dup2(read_only.get(), (*client)->request_doorbell_fd()), 0);
+  uint32_t slot = *(*client)->AcquireSlot();
+  Descriptor d{};
+  d.opcode = static_cast<uint16_t>(Opcode::kPing);
+  auto id = (*client)->Submit(d, slot, 0);
+  ASSERT_TRUE(id.ok()) << "a pushed request must not look unsent: " << id.status();
+  // It is in the Manager's ring (it would serve it once awake) ...
+  (*server)->ClearWaiting();
+  auto request = (*server)->NextRequest();
+  ASSERT_TRUE(request.ok() && request->has_value());
+  EXPECT_EQ((*request)->descriptor.request_id, *id);
+  // ... and the session is dead for the client, which neither reuses the slot nor the id.
+  auto reply = (*client)->WaitReply(*id, Deadline::After(seconds(5)));
+  EXPECT_EQ(reply.status().code(), StatusCode::kUnavailable) << reply.status();
+  EXPECT_NE(reply.status().message().find("reconnect"), std::string::npos) << reply.status();
+  (*client)->ReleaseSlot(slot);
+  auto again = (*client)->AcquireSlot();
+  if (again.ok()) {
+    EXPECT_NE(*again, slot);  // still retired: the request is outstanding
+  }
+  EXPECT_FALSE((*client)->Submit(d, again.ok() ? *again : 0, 0).ok());
 }
 
 TEST_F(SessionTest, ReplayedAndStaleDescriptorsAreRejected) {

@@ -10,7 +10,10 @@
 
 #include <atomic>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <optional>
 #include <thread>
 
 #include "channel/messages.h"
@@ -421,6 +424,119 @@ TEST(ManagerIntegrationTest, EngineKilledMidRestoreOrMidSaveIsCleanedUp) {
   for (uint32_t i = 0; i < 32; ++i) pages.push_back(i);
   ASSERT_TRUE(observer->Restore(9, 0, hit->lease, pages).ok());
   for (uint32_t i = 0; i < 32; ++i) EXPECT_TRUE(kv.Holds(i, keys[i])) << i;
+}
+
+// The start addresses of this process's channel arenas (memfd "orbitkv-channel").
+std::vector<uintptr_t> ChannelArenas() {
+  std::ifstream maps("/proc/self/maps");
+  std::vector<uintptr_t> arenas;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("orbitkv-channel") != std::string::npos) {
+      arenas.push_back(std::stoull(line.substr(0, line.find('-')), nullptr, 16));
+    }
+  }
+  return arenas;
+}
+
+// An engine whose session dies (here: the Manager poisons it) while a restore the Manager claimed
+// still writes its pages: the client reports the restore still running until the Manager marks the
+// claim done (its copies drained), never "over" while a copy may still land, and nothing writes the
+// pages after it said over. The Manager is stopped just after it claimed the restore (so the copy
+// is mid-way), the engine's request rings are corrupted (an engine that scribbles on its own
+// channel: a fault the client cannot be made to produce), and SIGCONT lets the dispatcher poison
+// the sessions while the copy resumes.
+TEST(ManagerIntegrationTest, ASessionPoisonedDuringAClaimedRestoreKeepsItsPagesUntilTheCopyIsDone) {
+  constexpr uint64_t kPage = 1 << 20;  // one buffer of 1 MiB pages: a 256 MiB restore takes a while
+  constexpr uint32_t kPages = 256;
+  const uint16_t metrics_port = testing::FreeLoopbackPort();
+  ManagerProcess manager({"--dram", "512MiB", "--copy-threads", "1", "--metrics-addr",
+                          fmt::format("127.0.0.1:{}", metrics_port)});
+  ASSERT_TRUE(manager.running());
+  auto observer = Connect(manager);
+  ASSERT_NE(observer, nullptr);
+  bool observed_window = false;
+  for (int round = 0; round < 4 && !observed_window; ++round) {
+    const std::vector<uintptr_t> before = ChannelArenas();
+    auto client = Connect(manager);
+    ASSERT_NE(client, nullptr);
+    const uint64_t instance = 40 + round;
+    ASSERT_TRUE(client->RegisterInstance(instance, state::testing::SampleNamespace()).ok());
+    ScopedFd fd(memfd_create("kv", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    ASSERT_EQ(ftruncate(fd.get(), kPage * kPages), 0);
+    ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    auto* kv = static_cast<uint8_t*>(
+        mmap(nullptr, kPage * kPages, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+    ASSERT_NE(kv, MAP_FAILED);
+    BufferSpec spec{fd.get(), kPage * kPages, 0, kPage, kPage};
+    ASSERT_TRUE(client->RegisterGroup(instance, 0, kPages, std::span(&spec, 1)).ok());
+    const auto keys = Chain(100 + round, kPages / 2);
+    std::vector<SaveItem> items;
+    for (uint32_t i = 0; i < kPages / 2; ++i) {
+      std::memset(kv + i * kPage, 1 + i % 250, kPage);
+      items.push_back({keys[i], i});
+    }
+    ASSERT_TRUE(client->Save(instance, 0, items).ok());
+    std::memset(kv + (kPages / 2) * kPage, 0xee, (kPages / 2) * kPage);
+    auto hit = client->Query(instance, 0, keys);
+    ASSERT_TRUE(hit.ok() && hit->hits == kPages / 2) << hit.status();
+    std::vector<uint32_t> pages;
+    for (uint32_t i = 0; i < kPages / 2; ++i) pages.push_back(kPages / 2 + i);
+    auto handle = client->StartRestore(instance, 0, hit->lease, pages);
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    ASSERT_EQ(kill(manager.pid(), SIGSTOP), 0);
+    auto abandoned = client->AbandonRestore(*handle);
+    ASSERT_TRUE(abandoned.ok()) << abandoned.status();
+    if (!*abandoned) {  // claimed: the copy runs (or ran) and may write the pages
+      for (uintptr_t arena : ChannelArenas()) {
+        if (std::find(before.begin(), before.end(), arena) != before.end()) continue;
+        const auto* header = reinterpret_cast<const channel::ArenaHeader*>(arena);
+        auto* ring = reinterpret_cast<channel::RingControl*>(arena + header->request_ring_offset);
+        __atomic_store_n(&ring->head, __atomic_load_n(&ring->tail, __ATOMIC_ACQUIRE) + (1u << 20),
+                         __ATOMIC_SEQ_CST);
+      }
+    }
+    ASSERT_EQ(kill(manager.pid(), SIGCONT), 0);
+    if (*abandoned) {  // unclaimed when stopped: its pages were never written; try again
+      EXPECT_EQ(std::memcmp(kv + (kPages / 2) * kPage, std::vector<uint8_t>(kPage, 0xee).data(), kPage), 0);
+      munmap(kv, kPage * kPages);
+      EXPECT_TRUE(EventuallyIdle(*observer));
+      continue;
+    }
+    ASSERT_TRUE(observer->Ping().ok());  // wakes the dispatcher, which finds the corrupt rings
+    std::optional<Status> outcome;
+    for (int i = 0; i < 10000 && !outcome.has_value(); ++i) {
+      auto polled = client->PollRestore(*handle);
+      ASSERT_TRUE(polled.ok()) << polled.status();
+      outcome = *polled;
+      if (!outcome.has_value() && !observed_window) {
+        const std::string metrics = testing::MetricsText(metrics_port);
+        observed_window =
+            metrics.find("orbitkv_sessions_poisoned_total{reason=\"malformed_request\"} 0") ==
+                std::string::npos &&
+            metrics.find("orbitkv_sessions_poisoned_total{reason=\"malformed_request\"}") !=
+                std::string::npos;
+      }
+      if (!outcome.has_value()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(outcome.has_value()) << "a restore whose Manager lives must end";
+    // Whether or not the copy beat the poison, nothing writes the pages once the client said over.
+    std::vector<uint8_t> snapshot(kv + (kPages / 2) * kPage, kv + kPages * kPage);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_EQ(std::memcmp(snapshot.data(), kv + (kPages / 2) * kPage, snapshot.size()), 0)
+        << "a page was written after the client reported the restore over";
+    if (observed_window) {
+      // Poisoned first: the restore's reply never came, so it ends as an error, after its copy.
+      EXPECT_FALSE(outcome->ok());
+      EXPECT_FALSE(client->Ping().ok());
+    }
+    munmap(kv, kPage * kPages);
+    EXPECT_TRUE(EventuallyIdle(*observer));  // the lease and its pins went with the session
+  }
+  EXPECT_TRUE(observed_window)
+      << "in no round was the session poisoned while its claimed restore was still copying";
+  ASSERT_TRUE(manager.running()) << manager.LogText();
+  EXPECT_TRUE(observer->Ping().ok());
 }
 
 TEST(ManagerIntegrationTest, KilledManagerIsUnavailableNotAHang) {

@@ -211,11 +211,11 @@ class OrbitKVLinker(UnifiedCacheLinker):
             self.counters_.add("leases_expired")
 
     def lookup(self, rid: str, transfers) -> list:
+        leases: Dict[bytes, Tuple[object, int, int]] = {}
         try:
             self._expire()
             self._release(self._leased.pop(rid, None))
             kv = _kv_transfer(transfers)
-            leases: Dict[bytes, Tuple[object, int, int]] = {}
             for key in kv.keys or []:
                 native = native_key(key)
                 hits, lease, client, instance, _ = self._link.query(_DEVICE, [native], 0)
@@ -232,6 +232,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
             self._leased[rid] = _Leased(leases)
             return list(range(1, len(leases) + 1))
         except Exception as e:  # noqa: BLE001
+            # The pages found before the failure are leased: give them back (SGLang sees a miss, so no load will).
+            self._release(_Leased(leases))
             self.counters_.add("lookup_errors")
             self._log.warning("lookup", "OrbitKV: lookup failed (%s); SGLang sees a miss", e)
             return []

@@ -171,7 +171,7 @@ class SchedulerSide:
         except orbitkv.OrbitKVError as error:
             log.warning("orbitkv: lookup for %s failed (%s); treating it as a miss", req_id, error)
             self.stats.add("manager_errors")
-            self.link.failed(error)
+            self.link.failed(error, client)
             self._drop_lookup(req_id)
             return 0, False
         if not resolved:

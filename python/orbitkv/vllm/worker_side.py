@@ -52,6 +52,7 @@ class _GroupJob:
     load: object  # GroupLoad
     run: PageRun
     handles: list = field(default_factory=list)  # [RestoreHandle | None (failed to start), first_block, count]
+    client: object = None  # the client the restores were started on (their failures are that client's)
     restored: int = 0  # pages restored, contiguous from load.first_block
     started: bool = False
     done: bool = False
@@ -148,7 +149,7 @@ class WorkerSide:
             for group, group_views in views.items():
                 client.register_group(self.instance, group, group_views)
         except orbitkv.ManagerUnavailable as error:
-            self.link.failed(error)
+            self.link.failed(error, client)
 
     # ---- loads -------------------------------------------------------------------------------------------------
 
@@ -187,7 +188,7 @@ class WorkerSide:
                         log.warning("orbitkv: load of %s (group %d) failed: %s", job.plan.req_id, gj.load.group,
                                     error)
                         self._count("manager_errors")
-                        self.link.failed(error)
+                        self.link.failed(error, gj.client if gj.started else client)
                         gj.run.release(self.link.client(), self.link)
                     gj.failed = True
                     self._settle_failed(gj)
@@ -202,6 +203,7 @@ class WorkerSide:
 
     def _start_restores(self, client, gj: _GroupJob) -> None:
         gj.started = True
+        gj.client = client
         load = gj.load
         if gj.run.segments:
             self._drain_stream()
@@ -212,7 +214,7 @@ class WorkerSide:
                 handle = client.start_restore(self.instance, lease, pages, group=load.group)
             except orbitkv.OrbitKVError as error:  # the lease is consumed either way
                 log.warning("orbitkv: restore of group %d failed to start: %s", load.group, error)
-                self.link.failed(error)
+                self.link.failed(error, client)
                 handle = None
             gj.handles.append([handle, first, count])
         gj.run.segments = []
@@ -242,7 +244,7 @@ class WorkerSide:
                     self._abandon(entry)
             except orbitkv.OrbitKVError as error:
                 log.warning("orbitkv: restore of group %d failed: %s", gj.load.group, error)
-                self.link.failed(error)
+                self.link.failed(error, gj.client)
                 entry[0] = None
         if all(entry[0] is True or entry[0] is None for entry in gj.handles):
             restored = 0
@@ -369,7 +371,7 @@ class WorkerSide:
                     self._count("save_failures", len(keys))
                     if isinstance(error, orbitkv.OrbitKVTimeout):  # abandoned: never sealed, the pages are free
                         self._count("saves_abandoned")
-                self.link.failed(error)
+                self.link.failed(error, client)
                 continue
             with self._lock:
                 self._count("saved_blocks", written)
