@@ -55,6 +55,15 @@ class FaultInjectingEngine final : public TransferEngine {
   }
   Result<uint64_t> ReadBatch(ReadBatchRequest request, BatchCallback done) override EXCLUDES(mu_);
   Status Cancel(uint64_t batch_id) override EXCLUDES(mu_);
+  Result<uint64_t> CreateGrant(GrantRequest request) override {
+    return inner_->CreateGrant(std::move(request));
+  }
+  Status RevokeGrant(uint64_t grant, DrainedCallback drained) override {
+    return inner_->RevokeGrant(grant, std::move(drained));
+  }
+  Status RevokePeer(const std::string& peer, DrainedCallback drained) override {
+    return inner_->RevokePeer(peer, std::move(drained));
+  }
   std::string ListenAddress() const override { return inner_->ListenAddress(); }
   Capabilities GetCapabilities() const override { return inner_->GetCapabilities(); }
   EngineStats Stats() const override;

@@ -79,6 +79,9 @@ struct Fragment {
 struct ReadBatchRequest {
   // The peer's address as its engine reports it (ListenAddress()).
   std::string peer;
+  // The grant the source issued for these bytes (CreateGrant on the source, handed over by the
+  // catalog's source authorization). 0: none, which a source that requires grants refuses.
+  uint64_t grant = 0;
   // Decoded descriptors of the peer's regions this batch reads from.
   std::vector<RegionDescriptor> remotes;
   std::vector<Fragment> fragments;
@@ -105,11 +108,29 @@ struct BatchResult {
 
 using BatchCallback = std::function<void(const BatchResult&)>;
 
+// Source side: the only bytes a peer may read. A source created with grants required serves a read
+// request only when it names a live grant and every fragment lies inside one of the grant's ranges
+// (same region index and generation, byte range included), checked per fragment.
+struct GrantRange {
+  RegionHandle region;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+struct GrantRequest {
+  // Whom it is for (the requester's node id or runtime UUID): RevokePeer revokes by this name.
+  std::string peer;
+  std::vector<GrantRange> ranges;
+};
+// Runs once, on the engine's thread, when nothing of a revoked grant is in flight any more.
+using DrainedCallback = std::function<void()>;
+
 struct Capabilities {
   // The transports UCX was allowed to use (UCX_TLS), as configured; empty means UCX's default.
   std::string transports;
   PullMode default_mode = PullMode::kAuto;
   bool checksum = true;
+  // Reads are served only inside grants; RMA is then off (descriptors carry no rkey).
+  bool grants_required = false;
   size_t max_fragments_per_batch = 0;
   uint64_t max_fragment_bytes = 0;
 };
@@ -121,6 +142,7 @@ struct EngineStats {
   uint64_t registered_regions = 0;
   uint64_t pinned_regions = 0;  // Regions with a non-zero pin count (either side).
   uint64_t peer_endpoints = 0;  // Pooled outgoing endpoints.
+  uint64_t live_grants = 0;     // Issued and not yet drained after their revocation.
 };
 
 class TransferEngine {
@@ -148,6 +170,20 @@ class TransferEngine {
   // Asks a live batch to stop; its completion still runs (Cancelled, or its earlier outcome).
   // NotFound when the batch already completed.
   virtual Status Cancel(uint64_t batch_id) = 0;
+
+  // Issues a grant (a random 64-bit id, never 0, the requester's capability: hand it over only on
+  // an authenticated channel). Its ranges pin their regions (UnregisterRegion fails) until it is
+  // revoked and drained. InvalidArgument for an empty or malformed range list, NotFound for a
+  // stale region, OutOfRange for a range outside its region.
+  virtual Result<uint64_t> CreateGrant(GrantRequest request) = 0;
+  // Revokes a grant: from now on no request or unsent fragment under it is served; `drained` runs
+  // once its sends in flight are terminal (nothing is reclaimed on a timer alone). NotFound for an
+  // unknown or already revoked grant.
+  virtual Status RevokeGrant(uint64_t grant, DrainedCallback drained) = 0;
+  // Revokes every grant issued for `peer` and force-closes the endpoints their requests came in on
+  // (which fails the fragments in flight at once); `drained` runs when all of them drained (at once,
+  // on the engine's thread, when the peer has none).
+  virtual Status RevokePeer(const std::string& peer, DrainedCallback drained) = 0;
 
   // "ip:port" peers connect to.
   virtual std::string ListenAddress() const = 0;

@@ -92,7 +92,7 @@ Result<sockaddr_in> ParseInetAddress(std::string_view address) { return ParseAdd
 
 UcxTransferEngine::Counters::Counters(MetricsRegistry* registry) {
   Counter** slots[] = {&bytes_read,        &bytes_served,    &batches_ok, &batches_failed,
-                       &checksum_failures, &protocol_errors, &revocations};
+                       &checksum_failures, &protocol_errors, &revocations, &grant_refusals};
   if (registry == nullptr) {
     for (size_t i = 0; i < std::size(slots); ++i) *slots[i] = &own[i];
     return;
@@ -110,7 +110,11 @@ UcxTransferEngine::Counters::Counters(MetricsRegistry* registry) {
   protocol_errors = &registry->GetCounter("transfer_protocol_errors_total",
                                           "Malformed or unexpected messages dropped");
   revocations = &registry->GetCounter("transfer_endpoint_revocations_total",
-                                      "Endpoints closed to revoke transfers of expired operations");
+                                      "Endpoints closed to revoke transfers of expired operations or "
+                                      "revoked grants");
+  grant_refusals = &registry->GetCounter(
+      "transfer_grant_refusals_total",
+      "Read requests refused because they named no live grant or read outside it");
 }
 
 UcxTransferEngine::UcxTransferEngine(const UcxEngineOptions& options)
@@ -245,6 +249,7 @@ UcxTransferEngine::~UcxTransferEngine() {
   // dependency order.
   {
     MutexLock lock(&regions_mu_);
+    grants_.clear();  // nothing is in flight any more: the loop drained every serve op
     regions_.clear();
   }
   listener_.reset();
@@ -336,7 +341,7 @@ Result<RegionDescriptor> UcxTransferEngine::ExportRegion(RegionHandle handle) {
   d.generation = r.generation;
   d.base_address = reinterpret_cast<uintptr_t>(r.base);
   d.length = r.length;
-  d.rkey = r.rkey;
+  if (!options_.require_grants) d.rkey = r.rkey;  // with grants, RMA is off: no rkey leaves
   return d;
 }
 
@@ -469,6 +474,7 @@ Capabilities UcxTransferEngine::GetCapabilities() const {
   caps.transports = options_.transports;
   caps.default_mode = options_.default_mode;
   caps.checksum = true;
+  caps.grants_required = options_.require_grants;
   caps.max_fragments_per_batch = wire::kMaxFragmentsPerBatch;
   caps.max_fragment_bytes = UINT64_MAX;
   return caps;
@@ -487,6 +493,10 @@ EngineStats UcxTransferEngine::Stats() const {
       stats.registered_regions += 1;
       if (r.pins > 0) stats.pinned_regions += 1;
     }
+  }
+  {
+    MutexLock lock(&regions_mu_);
+    stats.live_grants = grants_.size();
   }
   stats.serving_requests = serving_count_.load(std::memory_order_relaxed);
   stats.peer_endpoints = peer_count_.load(std::memory_order_relaxed);
@@ -541,6 +551,9 @@ bool UcxTransferEngine::DrainCommands() {
         break;
       case Command::Kind::kStop:
         BeginShutdown();
+        break;
+      case Command::Kind::kRevoke:
+        HandleRevoke(c.grants, c.close, std::move(c.drained));
         break;
     }
   }

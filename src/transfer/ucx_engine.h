@@ -68,6 +68,10 @@ struct UcxEngineOptions {
   std::chrono::milliseconds serve_deadline_slack{5000};
   // Optional; counters are registered under transfer_* names. Must outlive the engine.
   MetricsRegistry* metrics = nullptr;
+  // Serve reads only inside grants (CreateGrant). RMA is then off: an arena-wide rkey would let a
+  // peer read any offset without this engine seeing it, so descriptors carry no rkey and requesters
+  // pull by active messages, each request checked against its grant (docs/transfer.md).
+  bool require_grants = false;
   // The id descriptors of this engine carry: a Manager passes its RuntimeId's incarnation, so a
   // descriptor of an earlier run of it is refused. 0: a random one.
   uint64_t engine_id = 0;
@@ -89,12 +93,18 @@ class UcxTransferEngine final : public TransferEngine {
   Result<uint64_t> ReadBatch(ReadBatchRequest request, BatchCallback done) override
       EXCLUDES(regions_mu_, queue_mu_);
   Status Cancel(uint64_t batch_id) override EXCLUDES(queue_mu_);
+  Result<uint64_t> CreateGrant(GrantRequest request) override EXCLUDES(regions_mu_);
+  Status RevokeGrant(uint64_t grant, DrainedCallback drained) override
+      EXCLUDES(regions_mu_, queue_mu_);
+  Status RevokePeer(const std::string& peer, DrainedCallback drained) override
+      EXCLUDES(regions_mu_, queue_mu_);
   std::string ListenAddress() const override { return listen_address_; }
   Capabilities GetCapabilities() const override;
   EngineStats Stats() const override EXCLUDES(regions_mu_, queue_mu_);
 
  private:
   struct Region;
+  struct Grant;
   struct Peer;
   struct ServerEp;
   struct Batch;
@@ -167,6 +177,17 @@ class UcxTransferEngine final : public TransferEngine {
   void SendDone(ServeOp& op, const Status& status, bool has_checksum, uint64_t checksum);
   void FailServerEp(ServerEp& server_ep, Status status);
   void SweepServerEps();
+  // Checks a request's fragments against its grant (regions_mu_ held): the grant is live and every
+  // fragment lies inside one of its ranges.
+  Status CheckGrant(uint64_t grant_id, const std::vector<wire::WireFragment>& fragments)
+      REQUIRES(regions_mu_);
+  // Progress thread: stops the serve ops of `grants` (closing their endpoints when `close`), then
+  // runs the drained callbacks of those that have nothing in flight.
+  void HandleRevoke(const std::vector<uint64_t>& grants, bool close, DrainedCallback drained)
+      EXCLUDES(regions_mu_);
+  // A serve op of `grant` ended: a revoked grant with nothing in flight is drained.
+  void GrantOpEnded(uint64_t grant) EXCLUDES(regions_mu_);
+  void MaybeDrainGrants(const std::vector<uint64_t>& grants) EXCLUDES(regions_mu_);
 
   // Immutable after construction / Init().
   const UcxEngineOptions options_;
@@ -182,6 +203,7 @@ class UcxTransferEngine final : public TransferEngine {
 
   mutable Mutex regions_mu_;
   std::vector<Region> regions_ GUARDED_BY(regions_mu_);
+  std::unordered_map<uint64_t, Grant> grants_ GUARDED_BY(regions_mu_);
 
   mutable Mutex queue_mu_;
   std::deque<Command> commands_ GUARDED_BY(queue_mu_);

@@ -36,6 +36,22 @@ struct UcxTransferEngine::Region {
   std::vector<uint8_t> rkey;
 };
 
+// Someone waiting for revoked grants to drain: `remaining` grants still have sends in flight.
+// Touched only on the progress thread.
+struct DrainWaiter {
+  size_t remaining = 0;
+  DrainedCallback callback;
+};
+
+// An issued grant (guarded by regions_mu_). Its ranges pin their regions until it drained.
+struct UcxTransferEngine::Grant {
+  std::string peer;
+  std::vector<GrantRange> ranges;  // Sorted by (region index, offset).
+  bool revoked = false;
+  uint32_t serving = 0;  // Serve ops under it that have not ended.
+  std::vector<std::shared_ptr<DrainWaiter>> waiters;
+};
+
 // One UCX operation in flight; deleted when dispatched.
 struct UcxTransferEngine::Op {
   enum class Kind : uint8_t {
@@ -76,6 +92,7 @@ struct UcxTransferEngine::ServerEp {
   bool close_done = false;
   std::map<uint64_t, uint64_t> serve_by_batch;  // Requester's batch id -> serve op id.
   std::deque<uint64_t> early_cancels;           // Cancels that overtook their request.
+  std::set<uint64_t> grants;                    // Grants requests on it were served under.
 };
 inline constexpr size_t kMaxEarlyCancels = 1024;
 
@@ -123,6 +140,7 @@ struct UcxTransferEngine::ServeOp {
   uint64_t server_ep_id = 0;
   ucp_ep_h ep = nullptr;
   uint64_t batch_id = 0;  // The requester's.
+  uint64_t grant = 0;     // The grant it is served under (0: none).
   uint16_t flags = 0;
   MonoTime deadline;
   std::vector<const uint8_t*> src;
@@ -164,10 +182,14 @@ struct UcxTransferEngine::Event {
 };
 
 struct UcxTransferEngine::Command {
-  enum class Kind : uint8_t { kStart, kCancel, kStop };
+  enum class Kind : uint8_t { kStart, kCancel, kStop, kRevoke };
   Kind kind = Kind::kStart;
   std::unique_ptr<Batch> batch;
   uint64_t batch_id = 0;
+  // kRevoke: the grants (already marked revoked), whether to close their endpoints, the waiter.
+  std::vector<uint64_t> grants;
+  bool close = false;
+  DrainedCallback drained;
 };
 
 struct UcxTransferEngine::Counters {
@@ -179,8 +201,9 @@ struct UcxTransferEngine::Counters {
   Counter* checksum_failures = nullptr;
   Counter* protocol_errors = nullptr;
   Counter* revocations = nullptr;
+  Counter* grant_refusals = nullptr;
   // Fallbacks when no registry is given.
-  Counter own[7];
+  Counter own[8];
 };
 
 }  // namespace orbitkv::transfer

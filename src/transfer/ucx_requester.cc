@@ -28,9 +28,21 @@ void UcxTransferEngine::StartBatch(std::unique_ptr<Batch> owned) {
   p.batches.insert(id);
 
   PullMode mode = b.request.mode != PullMode::kAuto ? b.request.mode : options_.default_mode;
-  if (mode == PullMode::kAuto)
-    mode = p.native_rma.value_or(false) ? PullMode::kRma : PullMode::kActiveMessage;
+  // A source that serves only inside grants exports no rkeys: its regions are read by requests it
+  // checks, never by one-sided gets.
+  const bool rkeys = std::all_of(b.request.remotes.begin(), b.request.remotes.end(),
+                                 [](const RegionDescriptor& r) { return !r.rkey.empty(); });
+  if (mode == PullMode::kAuto) {
+    mode = p.native_rma.value_or(false) && rkeys ? PullMode::kRma : PullMode::kActiveMessage;
+  }
   b.mode = mode;
+  if (mode == PullMode::kRma && !rkeys) {
+    FailBatch(b, Status::InvalidArgument(
+                     "RMA read of regions exported without an rkey (the source serves reads "
+                     "only inside grants; use active messages)"));
+    MaybeFinish(b);
+    return;
+  }
 
   if (mode == PullMode::kActiveMessage) {
     SendReadRequest(b, b.request.verify_checksum ? wire::kFlagChecksum : 0);
@@ -94,7 +106,8 @@ void UcxTransferEngine::SendReadRequest(Batch& b, uint16_t flags) {
                         b.id,
                         b.request.remotes[0].engine_id,
                         static_cast<uint32_t>(std::clamp<int64_t>(remaining, 1, UINT32_MAX)),
-                        0};
+                        0,
+                        b.request.grant};
   b.wire_fragments.resize(n);
   for (size_t i = 0; i < n; ++i) {
     const Fragment& f = b.request.fragments[i];

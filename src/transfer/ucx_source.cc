@@ -1,7 +1,10 @@
 // UcxTransferEngine, serving side: validating read requests against the region table, pinning
 // source bytes, pushing fragments, answering with a done message, and releasing pins only once
 // every send is terminal.
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "base/check.h"
@@ -9,6 +12,23 @@
 #include "transfer/ucx_engine_internal.h"
 
 namespace orbitkv::transfer {
+namespace {
+
+// A grant id is a capability: unguessable, from the kernel's generator.
+uint64_t SecureRandomU64() {
+  uint64_t value = 0;
+  auto* bytes = reinterpret_cast<uint8_t*>(&value);
+  size_t filled = 0;
+  while (filled < sizeof(value)) {
+    const ssize_t n = getrandom(bytes + filled, sizeof(value) - filled, 0);
+    if (n < 0 && errno == EINTR) continue;
+    ORBITKV_CHECK_MSG(n > 0, "getrandom failed: errno {}", errno);
+    filled += static_cast<size_t>(n);
+  }
+  return value;
+}
+
+}  // namespace
 
 ucs_status_t UcxTransferEngine::OnAmReadRequest(void* arg, const void* header, size_t header_length,
                                                 void* data, size_t length,
@@ -95,6 +115,10 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
     std::vector<wire::WireFragment> fragments(n);
     std::memcpy(fragments.data(), e.data.data(), e.data.size());
     MutexLock lock(&regions_mu_);
+    if (Status granted = CheckGrant(h.grant_id, fragments); !granted.ok()) {
+      counters_->grant_refusals->Increment();
+      op->failure = granted;
+    }
     for (size_t i = 0; i < n && !op->failure; ++i) {
       const wire::WireFragment& f = fragments[i];
       if (f.region_index >= regions_.size() || !regions_[f.region_index].live ||
@@ -117,6 +141,10 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
       op->pinned.clear();
       op->src.clear();
       op->lengths.clear();
+    } else if (h.grant_id != 0) {
+      grants_.at(h.grant_id).serving += 1;
+      op->grant = h.grant_id;
+      sep.grants.insert(h.grant_id);
     }
   }
   op->headers.resize(op->src.size());
@@ -181,7 +209,210 @@ void UcxTransferEngine::MaybeFinishServe(ServeOp& s) {
     it->second->serve_by_batch.erase(s.batch_id);
   }
   serving_count_.fetch_sub(1, std::memory_order_relaxed);
+  const uint64_t grant = s.grant;
   serve_ops_.erase(s.id);  // Destroys `s`.
+  if (grant != 0) GrantOpEnded(grant);
+}
+
+// ---- Grants
+// ------------------------------------------------------------------------------------------------
+
+Status UcxTransferEngine::CheckGrant(uint64_t grant_id,
+                                     const std::vector<wire::WireFragment>& fragments) {
+  if (grant_id == 0) {
+    if (!options_.require_grants) return Status::Ok();
+    return Status::PermissionDenied(
+        "this source serves reads only inside a grant (the request names none)");
+  }
+  auto it = grants_.find(grant_id);
+  if (it == grants_.end() || it->second.revoked) {
+    return Status::PermissionDenied(
+        fmt::format("grant {:016x} is not live here (revoked, drained or never issued)", grant_id));
+  }
+  const std::vector<GrantRange>& ranges = it->second.ranges;
+  for (size_t i = 0; i < fragments.size(); ++i) {
+    const wire::WireFragment& f = fragments[i];
+    // The last range starting at or before the fragment, in (region, offset) order.
+    auto after = std::upper_bound(ranges.begin(), ranges.end(), f, [](const wire::WireFragment& x,
+                                                                      const GrantRange& r) {
+      return std::make_pair(x.region_index, x.offset) < std::make_pair(r.region.index, r.offset);
+    });
+    const GrantRange* r = after == ranges.begin() ? nullptr : &*std::prev(after);
+    if (r == nullptr || r->region.index != f.region_index ||
+        r->region.generation != f.generation || f.length == 0 ||
+        f.offset - r->offset > r->length || f.length > r->length - (f.offset - r->offset)) {
+      return Status::PermissionDenied(
+          fmt::format("fragment {}: region {}/{} [{}, +{}) is outside grant {:016x}", i,
+                      f.region_index, f.generation, f.offset, f.length, grant_id));
+    }
+  }
+  return Status::Ok();
+}
+
+Result<uint64_t> UcxTransferEngine::CreateGrant(GrantRequest request) {
+  if (request.ranges.empty()) return Status::InvalidArgument("CreateGrant: no ranges");
+  std::sort(request.ranges.begin(), request.ranges.end(),
+            [](const GrantRange& a, const GrantRange& b) {
+              return std::make_pair(a.region.index, a.offset) <
+                     std::make_pair(b.region.index, b.offset);
+            });
+  MutexLock lock(&regions_mu_);
+  for (size_t i = 0; i < request.ranges.size(); ++i) {
+    const GrantRange& g = request.ranges[i];
+    if (g.region.index >= regions_.size() || !regions_[g.region.index].live ||
+        regions_[g.region.index].generation != g.region.generation) {
+      return Status::NotFound(fmt::format("CreateGrant: range {}: region {}/{} is not registered",
+                                          i, g.region.index, g.region.generation));
+    }
+    const Region& r = regions_[g.region.index];
+    if (g.length == 0 || g.offset > r.length || g.length > r.length - g.offset) {
+      return Status::OutOfRange(fmt::format("CreateGrant: range {}: [{}, +{}) outside region of {} bytes",
+                                            i, g.offset, g.length, r.length));
+    }
+    if (i > 0 && request.ranges[i - 1].region.index == g.region.index &&
+        request.ranges[i - 1].offset + request.ranges[i - 1].length > g.offset) {
+      return Status::InvalidArgument(fmt::format("CreateGrant: range {} overlaps the one before", i));
+    }
+  }
+  uint64_t id = 0;
+  while (id == 0 || grants_.count(id) != 0) id = SecureRandomU64();
+  for (const GrantRange& g : request.ranges) regions_[g.region.index].pins += 1;
+  Grant& grant = grants_[id];
+  grant.peer = std::move(request.peer);
+  grant.ranges = std::move(request.ranges);
+  return id;
+}
+
+Status UcxTransferEngine::RevokeGrant(uint64_t grant, DrainedCallback drained) {
+  {
+    MutexLock lock(&regions_mu_);
+    auto it = grants_.find(grant);
+    if (it == grants_.end() || it->second.revoked) {
+      return Status::NotFound(fmt::format("grant {:016x} is not live", grant));
+    }
+    it->second.revoked = true;  // From here on nothing new is served under it.
+  }
+  Command command;
+  command.kind = Command::Kind::kRevoke;
+  command.grants = {grant};
+  command.drained = std::move(drained);
+  {
+    MutexLock lock(&queue_mu_);
+    commands_.push_back(std::move(command));
+  }
+  uint64_t one = 1;
+  (void)!write(wakeup_fd_.get(), &one, sizeof(one));
+  return Status::Ok();
+}
+
+Status UcxTransferEngine::RevokePeer(const std::string& peer, DrainedCallback drained) {
+  Command command;
+  command.kind = Command::Kind::kRevoke;
+  command.close = true;
+  command.drained = std::move(drained);
+  {
+    MutexLock lock(&regions_mu_);
+    for (auto& [id, grant] : grants_) {
+      if (grant.peer != peer || grant.revoked) continue;
+      grant.revoked = true;
+      command.grants.push_back(id);
+    }
+  }
+  {
+    MutexLock lock(&queue_mu_);
+    commands_.push_back(std::move(command));
+  }
+  uint64_t one = 1;
+  (void)!write(wakeup_fd_.get(), &one, sizeof(one));
+  return Status::Ok();
+}
+
+void UcxTransferEngine::HandleRevoke(const std::vector<uint64_t>& grants, bool close,
+                                     DrainedCallback drained) {
+  auto waiter = std::make_shared<DrainWaiter>();
+  waiter->callback = std::move(drained);
+  {
+    MutexLock lock(&regions_mu_);
+    for (uint64_t id : grants) {
+      if (auto it = grants_.find(id); it != grants_.end()) {
+        it->second.waiters.push_back(waiter);
+        waiter->remaining += 1;
+      }
+    }
+  }
+  const std::set<uint64_t> revoked(grants.begin(), grants.end());
+  if (close) {
+    counters_->revocations->Increment();
+    std::vector<uint64_t> eps;
+    for (const auto& [id, sep] : server_eps_) {
+      if (sep->failed) continue;
+      for (uint64_t g : sep->grants) {
+        if (revoked.count(g) != 0) {
+          eps.push_back(id);
+          break;
+        }
+      }
+    }
+    for (uint64_t id : eps) {
+      FailServerEp(*server_eps_.at(id),
+                   Status::PermissionDenied("the source revoked this peer's grants"));
+    }
+  }
+  std::vector<uint64_t> stopped;
+  for (const auto& [id, op] : serve_ops_) {
+    if (op->grant != 0 && revoked.count(op->grant) != 0) stopped.push_back(id);
+  }
+  for (uint64_t id : stopped) {
+    auto it = serve_ops_.find(id);
+    if (it == serve_ops_.end()) continue;
+    ServeOp& s = *it->second;
+    if (!s.cancelled && !s.failure) {
+      s.failure = Status::PermissionDenied(fmt::format("grant {:016x} was revoked", s.grant));
+    }
+    s.cancelled = true;
+    MaybeFinishServe(s);
+  }
+  if (waiter->remaining == 0) {
+    if (waiter->callback) waiter->callback();
+    return;
+  }
+  MaybeDrainGrants(grants);
+}
+
+void UcxTransferEngine::GrantOpEnded(uint64_t grant) {
+  {
+    MutexLock lock(&regions_mu_);
+    auto it = grants_.find(grant);
+    if (it == grants_.end()) return;
+    it->second.serving -= 1;
+    if (!it->second.revoked || it->second.serving != 0) return;
+  }
+  MaybeDrainGrants({grant});
+}
+
+void UcxTransferEngine::MaybeDrainGrants(const std::vector<uint64_t>& grants) {
+  std::vector<std::shared_ptr<DrainWaiter>> waiters;
+  {
+    MutexLock lock(&regions_mu_);
+    for (uint64_t id : grants) {
+      auto it = grants_.find(id);
+      // Drained once revoked with nothing in flight, and only once its revocation was handled
+      // (waiters attached): a revoke racing the last op's end drains here or in HandleRevoke.
+      if (it == grants_.end() || !it->second.revoked || it->second.serving != 0 ||
+          it->second.waiters.empty()) {
+        continue;
+      }
+      for (const GrantRange& g : it->second.ranges) {
+        ORBITKV_CHECK(regions_[g.region.index].pins > 0);
+        regions_[g.region.index].pins -= 1;
+      }
+      for (auto& w : it->second.waiters) waiters.push_back(std::move(w));
+      grants_.erase(it);
+    }
+  }
+  for (auto& w : waiters) {
+    if (--w->remaining == 0 && w->callback) w->callback();
+  }
 }
 
 void UcxTransferEngine::SendDone(ServeOp& s, const Status& status, bool has_checksum,

@@ -46,7 +46,8 @@ enum AmId : unsigned {
   kAmCancel = 4,  // requester -> source: header CancelHeader, no data.
 };
 
-inline constexpr uint16_t kProtocolVersion = 1;
+// 2: ReadRequest carries a grant id.
+inline constexpr uint16_t kProtocolVersion = 2;
 
 // ReadRequest flags.
 inline constexpr uint16_t kFlagChecksum = 1 << 0;
@@ -65,8 +66,10 @@ struct ReadRequest {
   // (plus slack).
   uint32_t deadline_ms;
   uint32_t reserved;
+  // The source's grant these fragments are read under (0: none).
+  uint64_t grant_id;
 };
-static_assert(sizeof(ReadRequest) == 32 && alignof(ReadRequest) == 8);
+static_assert(sizeof(ReadRequest) == 40 && alignof(ReadRequest) == 8);
 
 struct WireFragment {
   uint32_t region_index;
