@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "base/metrics.h"
 #include "base/result.h"
@@ -28,9 +29,17 @@ class ClusterLink {
   // `runtime` is the Manager's identity, written into its member record; `inventory_shards` the
   // residency inventory's shard count, which must be the placement's (FailedPrecondition
   // otherwise: catalog shards and inventory shards are the same thing).
+  // `pool_arenas` are the DRAM pool's arenas (base, bytes): with --peer-endpoint the link starts
+  // the UCX transfer engine and registers them, so peers can read blocks inside grants. They must
+  // outlive the link.
+  struct Arena {
+    uint8_t* base = nullptr;
+    uint64_t bytes = 0;
+  };
   static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config,
                                                     const RuntimeId& runtime,
                                                     uint32_t inventory_shards,
+                                                    const std::vector<Arena>& pool_arenas,
                                                     MetricsRegistry* metrics);
   virtual ~ClusterLink() = default;
 

@@ -10,6 +10,7 @@
 #include "cluster/membership.h"
 #include "cluster/placement.h"
 #include "server/cluster_link.h"
+#include "transfer/ucx_engine.h"
 
 namespace orbitkv::server {
 namespace {
@@ -49,8 +50,76 @@ Result<std::shared_ptr<grpc::ServerCredentials>> PeerCredentials(const ManagerCo
   return grpc::SslServerCredentials(options);
 }
 
+// --transfer-listen HOST[:PORT[-PORT]] (default: the --peer-endpoint's host, any port) -> host, first and last port.
+struct TransferListen {
+  std::string host;
+  uint32_t first_port = 0;
+  uint32_t last_port = 0;
+};
+
+Result<TransferListen> ParseTransferListen(const ManagerConfig& config) {
+  std::string spec = config.transfer_listen;
+  if (spec.empty()) spec = config.peer_endpoint.substr(0, config.peer_endpoint.rfind(':'));
+  TransferListen out;
+  const size_t colon = spec.rfind(':');
+  out.host = spec.substr(0, colon);
+  const auto bad = [&](std::string_view why) {
+    return Status::InvalidArgument(fmt::format(
+        "--transfer-listen '{}': {} (give HOST, HOST:PORT or HOST:FIRST-LAST, e.g. 10.0.0.5:7400-7409)", spec, why));
+  };
+  if (out.host.empty()) return bad("no host");
+  if (colon == std::string::npos) return out;
+  const std::string ports = spec.substr(colon + 1);
+  const size_t dash = ports.find('-');
+  const auto port = [&](const std::string& text, uint32_t* value) {
+    if (text.empty() || text.size() > 5 || text.find_first_not_of("0123456789") != std::string::npos) return false;
+    *value = static_cast<uint32_t>(std::stoul(text));
+    return *value <= 65535;
+  };
+  if (!port(ports.substr(0, dash), &out.first_port)) return bad("not a port");
+  out.last_port = out.first_port;
+  if (dash != std::string::npos && !port(ports.substr(dash + 1), &out.last_port)) return bad("not a port range");
+  if (out.last_port < out.first_port || (out.first_port == 0 && out.last_port != 0)) return bad("an empty range");
+  return out;
+}
+
+// The UCX transfer engine: serves the pool's arenas to peers, only inside grants (docs/transfer.md), with
+// descriptors that name this start (the runtime incarnation).
+Result<std::unique_ptr<transfer::UcxTransferEngine>> StartTransfer(const ManagerConfig& config, const RuntimeId& runtime,
+                                                                   const std::vector<ClusterLink::Arena>& arenas,
+                                                                   MetricsRegistry* metrics) {
+  ORBITKV_ASSIGN_OR_RETURN(TransferListen listen, ParseTransferListen(config));
+  transfer::UcxEngineOptions options;
+  options.transports = config.ucx_tls;
+  options.net_devices = config.ucx_net_devices;
+  options.require_grants = true;
+  options.engine_id = runtime.incarnation();
+  options.metrics = metrics;
+  Status last;
+  for (uint32_t port = listen.first_port; port <= listen.last_port; ++port) {
+    options.listen_address = fmt::format("{}:{}", listen.host, port);
+    Result<std::unique_ptr<transfer::UcxTransferEngine>> engine = transfer::UcxTransferEngine::Create(options);
+    if (!engine.ok()) {
+      last = engine.status();
+      if (last.code() == StatusCode::kUnavailable) continue;  // that port is taken: the next one
+      return last.WithContext("starting the UCX transfer engine (--transfer-listen, --ucx-tls, --ucx-net-devices)");
+    }
+    for (const ClusterLink::Arena& arena : arenas) {
+      Result<transfer::RegionHandle> region = (*engine)->RegisterRegion(arena.base, arena.bytes);
+      if (!region.ok()) return region.status().WithContext("registering the DRAM pool with UCX");
+    }
+    ORBITKV_LOG_INFO("manager: UCX transfer engine on {} (transports '{}', devices '{}'; reads only inside grants)",
+                     (*engine)->ListenAddress(), config.ucx_tls.empty() ? "UCX default" : config.ucx_tls,
+                     config.ucx_net_devices.empty() ? "all" : config.ucx_net_devices);
+    return engine;
+  }
+  return Status::Unavailable(fmt::format("no port of --transfer-listen {}:{}-{} is free ({})", listen.host,
+                                         listen.first_port, listen.last_port, last.ToString()));
+}
+
 Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& config, const RuntimeId& runtime,
-                                                        const cluster::Membership& membership) {
+                                                        const cluster::Membership& membership,
+                                                        const transfer::TransferEngine& transfer) {
   ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tls, PeerCredentials(config));
   auto listener = std::make_unique<PeerListener>();
   listener->address = config.peer_listen.empty() ? config.peer_endpoint : config.peer_listen;
@@ -58,7 +127,8 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   options.self = catalog::PeerIdentity{config.cluster_name, config.node_id, runtime.ToString(),
                                        membership.GetStatus().self.epoch, membership.placement().fingerprint()};
   options.incarnation = runtime.incarnation();
-  options.capabilities = {"health"};
+  options.ucx_worker_address = transfer.ListenAddress();
+  options.capabilities = {"health", "transfer.am", "transfer.grants"};
   listener->service = std::make_unique<catalog::PeerService>(std::move(options), &membership.view());
   grpc::ServerBuilder builder;
   int port = 0;
@@ -86,8 +156,9 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
 
 class MembershipLink final : public ClusterLink {
  public:
-  MembershipLink(std::unique_ptr<cluster::Membership> membership, std::unique_ptr<PeerListener> peers)
-      : membership_(std::move(membership)), peers_(std::move(peers)) {}
+  MembershipLink(std::unique_ptr<cluster::Membership> membership,
+                 std::unique_ptr<transfer::UcxTransferEngine> transfer, std::unique_ptr<PeerListener> peers)
+      : membership_(std::move(membership)), transfer_(std::move(transfer)), peers_(std::move(peers)) {}
   ~MembershipLink() override { Shutdown(); }
 
   bool CanDoRemoteWork() const override { return membership_->CanDoRemoteWork(); }
@@ -101,7 +172,10 @@ class MembershipLink final : public ClusterLink {
         status.remote_work_allowed ? 1 : 0, status.view.revision, status.view.members.size()) +
            fmt::format(", \"placement_fingerprint\": \"{}\", \"peer_listen\": \"{}\", \"peer_refused\": {}",
                        membership_->placement().fingerprint(), peers_ ? peers_->address : "",
-                       peers_ ? peers_->service->refused() : 0);
+                       peers_ ? peers_->service->refused() : 0) +
+           (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}",
+                                    transfer_->ListenAddress(), transfer_->Stats().live_grants)
+                      : std::string(", \"transfer_listen\": \"\""));
   }
 
   void Shutdown() override {
@@ -113,6 +187,7 @@ class MembershipLink final : public ClusterLink {
 
  private:
   std::unique_ptr<cluster::Membership> membership_;
+  std::unique_ptr<transfer::UcxTransferEngine> transfer_;  // with the peer listener; before it in destruction
   std::unique_ptr<PeerListener> peers_;
 };
 
@@ -121,6 +196,7 @@ class MembershipLink final : public ClusterLink {
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& runtime,
                                                         uint32_t inventory_shards,
+                                                        const std::vector<Arena>& pool_arenas,
                                                         MetricsRegistry* metrics) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
   if (inventory_shards != cluster::kNumShards) {
@@ -146,15 +222,24 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   if (!joined.ok()) return joined.WithContext("joining the cluster");
   ORBITKV_LOG_INFO("manager: joined cluster '{}' as node {}", config.cluster_name, config.node_id);
   std::unique_ptr<PeerListener> peers;
+  std::unique_ptr<transfer::UcxTransferEngine> transfer;
   if (!config.peer_endpoint.empty()) {
-    Result<std::unique_ptr<PeerListener>> started = StartPeerListener(config, runtime, *membership);
+    Result<std::unique_ptr<transfer::UcxTransferEngine>> engine =
+        StartTransfer(config, runtime, pool_arenas, metrics);
+    if (!engine.ok()) {
+      membership->Shutdown();
+      return engine.status();
+    }
+    transfer = std::move(*engine);
+    Result<std::unique_ptr<PeerListener>> started = StartPeerListener(config, runtime, *membership, *transfer);
     if (!started.ok()) {
       membership->Shutdown();
       return started.status();
     }
     peers = std::move(*started);
   }
-  return std::unique_ptr<ClusterLink>(new MembershipLink(std::move(membership), std::move(peers)));
+  return std::unique_ptr<ClusterLink>(
+      new MembershipLink(std::move(membership), std::move(transfer), std::move(peers)));
 }
 
 }  // namespace orbitkv::server

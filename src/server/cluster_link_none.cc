@@ -7,11 +7,12 @@ namespace orbitkv::server {
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& /*runtime*/,
                                                         uint32_t /*inventory_shards*/,
+                                                        const std::vector<Arena>& /*pool_arenas*/,
                                                         MetricsRegistry* /*metrics*/) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
   return Status::FailedPrecondition(
-      "--etcd-endpoints needs the cluster module, which this build lacks (configure with "
-      "-DORBITKV_WITH_ETCD=ON and gRPC installed)");
+      "--etcd-endpoints needs the cluster and transfer modules, which this build lacks (configure "
+      "with -DORBITKV_WITH_ETCD=ON and -DORBITKV_WITH_UCX=ON, gRPC and UCX installed)");
 }
 
 }  // namespace orbitkv::server

@@ -274,6 +274,19 @@ const std::vector<Option>& Options() {
        "PEM CA certificates peers' certificates must chain to (a peer without one is refused "
        "before any request is read)",
        StringInto(&ManagerConfig::peer_tls_ca)},
+      {"transfer-listen", "HOST[:PORT[-PORT]]",
+       "where the UCX transfer engine listens for peers' block reads (started with "
+       "--peer-endpoint): a host, optionally a port or a port range to pick from (give one to "
+       "open in a firewall; default: the --peer-endpoint's host, any free port)",
+       StringInto(&ManagerConfig::transfer_listen)},
+      {"ucx-tls", "LIST",
+       "UCX transports for peer transfers (UCX_TLS), e.g. tcp, or rc,tcp on RDMA hosts (default: "
+       "UCX's choice)",
+       StringInto(&ManagerConfig::ucx_tls)},
+      {"ucx-net-devices", "LIST",
+       "network devices UCX may use for peer transfers (UCX_NET_DEVICES), e.g. eth1 or mlx5_0:1 "
+       "(default: all)",
+       StringInto(&ManagerConfig::ucx_net_devices)},
   };
   return options;
 }

@@ -69,6 +69,11 @@ struct ManagerConfig {
   std::string peer_tls_cert;
   std::string peer_tls_key;
   std::string peer_tls_ca;
+  // The UCX transfer engine (started with the peer listener): where it listens (host from
+  // transfer_listen or the peer endpoint, a port from the range), UCX_TLS and UCX_NET_DEVICES.
+  std::string transfer_listen;  // HOST[:PORT[-PORT]]; empty: the peer endpoint's host, any port
+  std::string ucx_tls;
+  std::string ucx_net_devices;
 };
 
 // `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when XDG_RUNTIME_DIR is set, else

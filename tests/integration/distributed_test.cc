@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <regex>
@@ -19,6 +20,8 @@
 #include "cluster/member_record.h"
 #include "cluster/testing/etcd_process.h"
 #include "manager_process.h"
+#include "transfer/test_util.h"
+#include "transfer/ucx_engine.h"
 
 namespace orbitkv {
 namespace {
@@ -205,6 +208,44 @@ TEST(DistributedManagerTest, PeerListenersAnswerHealthAndRefuseBadRoutes) {
   EXPECT_EQ(health.runtime_uuid(), record_b.runtime_uuid);
   EXPECT_EQ(health.runtime_uuid(), StringField(stats_b, "runtime_uuid"));
   EXPECT_EQ(health.epoch(), record_b.epoch);
+  // The UCX transfer engine of this start: its address in Health and status, its engine id the runtime
+  // incarnation, and it serves nothing outside a grant (no request without one, RMA off).
+  const std::string transfer_b = StringField(stats_b, "transfer_listen");
+  ASSERT_FALSE(transfer_b.empty()) << stats_b;
+  EXPECT_EQ(health.ucx_worker_address(), transfer_b);
+  EXPECT_EQ(transfer_b.substr(0, transfer_b.rfind(':')), "127.0.0.1");
+  EXPECT_NE(std::find(health.capabilities().begin(), health.capabilities().end(), "transfer.grants"),
+            health.capabilities().end());
+  {
+    transfer::UcxEngineOptions options;
+    options.transports = "tcp";
+    auto requester = transfer::UcxTransferEngine::Create(options);
+    ASSERT_TRUE(requester.ok()) << requester.status();
+    std::vector<uint8_t> landing(1 << 20);
+    auto local = (*requester)->RegisterRegion(landing.data(), landing.size());
+    ASSERT_TRUE(local.ok());
+    transfer::ReadBatchRequest read;
+    read.peer = transfer_b;
+    transfer::RegionDescriptor pool;  // what a peer that guessed the pool's first region would hold
+    pool.engine_id = health.incarnation();
+    pool.region_index = 0;
+    pool.generation = 1;
+    pool.length = 64ull << 20;
+    read.remotes = {pool};
+    read.fragments = {transfer::Fragment{0, 0, *local, 0, 4096}};
+    read.deadline = Deadline::After(std::chrono::seconds(20));
+    transfer::testing::BatchWaiter waiter;
+    ASSERT_TRUE((*requester)->ReadBatch(read, waiter.Callback()).ok());
+    auto refused = waiter.Wait(Deadline::After(std::chrono::seconds(40)));
+    ASSERT_TRUE(refused.has_value());
+    EXPECT_EQ(refused->status.code(), StatusCode::kPermissionDenied) << refused->status;
+    read.grant = 0x1234567890abcdefull;  // a grant never issued
+    transfer::testing::BatchWaiter again;
+    ASSERT_TRUE((*requester)->ReadBatch(read, again.Callback()).ok());
+    refused = again.Wait(Deadline::After(std::chrono::seconds(40)));
+    ASSERT_TRUE(refused.has_value());
+    EXPECT_EQ(refused->status.code(), StatusCode::kPermissionDenied) << refused->status;
+  }
 
   peer::v1::RouteHeader stale = catalog::MakeRoute(as_a, record_b);
   stale.set_destination_runtime_uuid(record_a.runtime_uuid);
