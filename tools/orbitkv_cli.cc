@@ -124,6 +124,22 @@ int main(int argc, char** argv) {
         (*client)->socket_path(), runtime, f["incarnation"], Mib(f["pool_allocated_bytes"]),
         Mib(f["pool_capacity_bytes"]), f["resident_blocks"], f["leases_active"],
         f["operations_active"], membership.empty() ? "unknown" : membership);
+    if (!membership.empty() && membership != "single-host") {
+      auto text = [&](const std::string& key) {
+        std::string v = f[key];
+        v.erase(std::remove(v.begin(), v.end(), '"'), v.end());
+        return v;
+      };
+      const std::string reason = text("remote_work_off_reason");
+      fmt::print("remote work {}; peers: {} healthy, {} unreachable, {} incompatible; transfers on {}\n",
+                 f["remote_work"] == "1" ? std::string("on")
+                 : reason.empty()        ? std::string("off (membership not registered or view incomplete)")
+                                         : "off: " + reason,
+                 f["peers_healthy"].empty() ? "0" : f["peers_healthy"],
+                 f["peers_unreachable"].empty() ? "0" : f["peers_unreachable"],
+                 f["peers_incompatible"].empty() ? "0" : f["peers_incompatible"],
+                 text("transfer_listen").empty() ? std::string("(none)") : text("transfer_listen"));
+    }
     const auto instances = Instances(*stats);
     fmt::print("{} engine instance{} registered\n", instances.size(), instances.size() == 1 ? "" : "s");
     for (const auto& [id, identity] : instances) {

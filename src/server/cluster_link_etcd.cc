@@ -2,6 +2,8 @@
 // listener (orbitkv.peer.v1 over gRPC: the Manager's only gRPC listener; standalone Managers open none).
 #include "catalog/peer_service.h"  // first: it brings gRPC in (see cluster/grpc.h)
 
+#include "catalog/peer_directory.h"
+
 #include <fstream>
 #include <sstream>
 
@@ -20,6 +22,8 @@ struct PeerListener {
   std::string address;
   std::unique_ptr<catalog::PeerService> service;
   std::unique_ptr<grpc::Server> server;
+  // The sending side: channels to the members and their Health (peer_directory.h).
+  std::unique_ptr<catalog::PeerDirectory> directory;
 };
 
 Result<std::string> ReadPem(const std::string& flag, const std::string& path) {
@@ -117,6 +121,18 @@ Result<std::unique_ptr<transfer::UcxTransferEngine>> StartTransfer(const Manager
                                          listen.first_port, listen.last_port, last.ToString()));
 }
 
+// This Manager's client side of mutual TLS (the same three files), or insecure channels (null) without them.
+Result<std::shared_ptr<grpc::ChannelCredentials>> PeerClientCredentials(const ManagerConfig& config) {
+  if (config.peer_tls_cert.empty() && config.peer_tls_key.empty() && config.peer_tls_ca.empty()) {
+    return std::shared_ptr<grpc::ChannelCredentials>();
+  }
+  grpc::SslCredentialsOptions options;
+  ORBITKV_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem("--peer-tls-ca", config.peer_tls_ca));
+  ORBITKV_ASSIGN_OR_RETURN(options.pem_private_key, ReadPem("--peer-tls-key", config.peer_tls_key));
+  ORBITKV_ASSIGN_OR_RETURN(options.pem_cert_chain, ReadPem("--peer-tls-cert", config.peer_tls_cert));
+  return grpc::SslCredentials(options);
+}
+
 Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& config, const RuntimeId& runtime,
                                                         const cluster::Membership& membership,
                                                         const transfer::TransferEngine& transfer) {
@@ -129,6 +145,10 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   options.incarnation = runtime.incarnation();
   options.ucx_worker_address = transfer.ListenAddress();
   options.capabilities = {"health", "transfer.am", "transfer.grants"};
+  catalog::PeerDirectory::Options directory;
+  directory.self = options.self;
+  ORBITKV_ASSIGN_OR_RETURN(directory.credentials, PeerClientCredentials(config));
+  listener->directory = std::make_unique<catalog::PeerDirectory>(std::move(directory), &membership.view());
   listener->service = std::make_unique<catalog::PeerService>(std::move(options), &membership.view());
   grpc::ServerBuilder builder;
   int port = 0;
@@ -151,6 +171,7 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
         "the route check against the member view (give --peer-tls-cert, --peer-tls-key and --peer-tls-ca)",
         listener->address);
   }
+  listener->directory->Start();
   return listener;
 }
 
@@ -161,7 +182,10 @@ class MembershipLink final : public ClusterLink {
       : membership_(std::move(membership)), transfer_(std::move(transfer)), peers_(std::move(peers)) {}
   ~MembershipLink() override { Shutdown(); }
 
-  bool CanDoRemoteWork() const override { return membership_->CanDoRemoteWork(); }
+  // A peer that speaks another protocol version turns remote work off (local service continues).
+  bool CanDoRemoteWork() const override {
+    return membership_->CanDoRemoteWork() && (peers_ == nullptr || peers_->directory->incompatibility().empty());
+  }
 
   std::string StatusJson() const override {
     const cluster::MembershipStatus status = membership_->GetStatus();
@@ -169,16 +193,18 @@ class MembershipLink final : public ClusterLink {
         ", \"membership\": \"{}\", \"membership_epoch\": {}, \"remote_work\": {}, "
         "\"view_revision\": {}, \"members\": {}",
         cluster::MembershipStateName(status.state), status.self.epoch,
-        status.remote_work_allowed ? 1 : 0, status.view.revision, status.view.members.size()) +
+        CanDoRemoteWork() ? 1 : 0, status.view.revision, status.view.members.size()) +
            fmt::format(", \"placement_fingerprint\": \"{}\", \"peer_listen\": \"{}\", \"peer_refused\": {}",
                        membership_->placement().fingerprint(), peers_ ? peers_->address : "",
                        peers_ ? peers_->service->refused() : 0) +
+           (peers_ ? peers_->directory->StatusJson() : std::string()) +
            (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}",
                                     transfer_->ListenAddress(), transfer_->Stats().live_grants)
                       : std::string(", \"transfer_listen\": \"\""));
   }
 
   void Shutdown() override {
+    if (peers_ != nullptr) peers_->directory->Stop();  // stops probing before the member view goes
     if (peers_ != nullptr && peers_->server != nullptr) {
       peers_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     }

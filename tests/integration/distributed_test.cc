@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <regex>
@@ -18,6 +19,7 @@
 #include "cluster/cluster_keys.h"
 #include "cluster/etcd_client.h"
 #include "cluster/member_record.h"
+#include "cluster/membership.h"
 #include "cluster/testing/etcd_process.h"
 #include "manager_process.h"
 #include "transfer/test_util.h"
@@ -276,6 +278,104 @@ TEST(DistributedManagerTest, PeerListenersAnswerHealthAndRefuseBadRoutes) {
   EXPECT_NE(StatsOf(b).find("\"peer_refused\": "), std::string::npos);
 }
 
+// A peer of another OrbitKV version: a registered member whose Health answers (or refuses) with
+// another protocol version. The real Manager cannot be made to speak another version, so the test
+// plays that member: it joins the cluster through the real membership code and serves Health.
+class OtherVersionPeer final : public peer::v1::Peer::Service {
+ public:
+  enum class Mode { kAnswersV2, kRefusesV1, kSpeaksV1 };
+  std::atomic<Mode> mode{Mode::kAnswersV2};
+  std::string node_id, runtime_uuid;
+  grpc::Status Health(grpc::ServerContext*, const peer::v1::HealthRequest* request,
+                      peer::v1::HealthResponse* response) override {
+    if (mode == Mode::kRefusesV1) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          fmt::format("peer protocol version {} from node '{}', this Manager speaks 2",
+                                      request->route().protocol_version(), request->route().source_node_id()));
+    }
+    response->set_protocol_version(mode == Mode::kAnswersV2 ? 2 : 1);
+    response->set_node_id(node_id);
+    response->set_runtime_uuid(runtime_uuid);
+    return grpc::Status::OK;
+  }
+};
+
+TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndLocalServiceGoesOn) {
+  auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::string endpoints = (*etcd)->endpoint();
+  const uint16_t metrics_port = testing::FreeLoopbackPort();
+  ManagerProcess a({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", "node-a",
+                    "--catalog-nodes", "node-a,node-x", "--peer-endpoint", Loopback(), "--metrics-addr",
+                    fmt::format("127.0.0.1:{}", metrics_port)},
+                   "ver-a");
+  ASSERT_TRUE(a.running()) << a.LogText();
+
+  OtherVersionPeer other;
+  const std::string other_endpoint = Loopback();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(other_endpoint, grpc::InsecureServerCredentials());
+  builder.RegisterService(&other);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  MetricsRegistry registry;
+  cluster::MembershipOptions options;
+  options.etcd_endpoints = {endpoints};
+  options.cluster_name = "it";
+  options.node_id = "node-x";
+  options.catalog_nodes = {"node-a", "node-x"};
+  options.peer_endpoint = other_endpoint;
+  options.runtime_uuid = RuntimeId::New().ToString();
+  other.node_id = "node-x";
+  other.runtime_uuid = options.runtime_uuid;
+  auto membership = cluster::Membership::Create(options, &registry);
+  ASSERT_TRUE(membership.ok()) << membership.status();
+  ASSERT_TRUE((*membership)->Join(Deadline::After(std::chrono::seconds(30))).ok());
+
+  auto await = [&](const std::string& needle) {
+    std::string stats;
+    for (int i = 0; i < 750; ++i) {  // the view, then the next probe (every 2 s)
+      stats = StatsOf(a);
+      if (stats.find(needle) != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return stats;
+  };
+  std::string stats = await("\"peers_incompatible\": 1");
+  EXPECT_NE(stats.find("\"peers_incompatible\": 1"), std::string::npos) << stats;
+  EXPECT_NE(stats.find("\"remote_work\": 0"), std::string::npos) << stats;
+  EXPECT_NE(StringField(stats, "remote_work_off_reason").find("speaks orbitkv.peer v2"), std::string::npos)
+      << stats;
+  EXPECT_NE(testing::MetricsText(metrics_port).find("orbitkv_membership_remote_work_enabled 0"),
+            std::string::npos);
+  EXPECT_NE(CliOutput({"status", "--socket", a.socket()}).find("remote work off: node 'node-x' speaks"),
+            std::string::npos)
+      << CliOutput({"status", "--socket", a.socket()});
+  // Local service continues.
+  {
+    client::ClientOptions client_options;
+    client_options.socket_path = a.socket();
+    auto client = client::CacheClient::Connect(client_options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    EXPECT_TRUE((*client)->Ping().ok());
+  }
+  // A peer that refuses this Manager's version is incompatible the same way.
+  other.mode = OtherVersionPeer::Mode::kRefusesV1;
+  stats = await("refuses this Manager");
+  EXPECT_NE(StringField(stats, "remote_work_off_reason").find("refuses this Manager's orbitkv.peer v1"),
+            std::string::npos)
+      << stats;
+  EXPECT_NE(stats.find("\"remote_work\": 0"), std::string::npos) << stats;
+  // Upgraded to this version: remote work is on again.
+  other.mode = OtherVersionPeer::Mode::kSpeaksV1;
+  stats = await("\"peers_healthy\": 1");
+  EXPECT_NE(stats.find("\"peers_incompatible\": 0"), std::string::npos) << stats;
+  EXPECT_NE(stats.find("\"remote_work\": 1"), std::string::npos) << stats;
+  EXPECT_EQ(StringField(stats, "remote_work_off_reason"), "");
+  (*membership)->Shutdown();
+  server->Shutdown();
+}
+
 // A CA, a server certificate for 127.0.0.1 and a client certificate it signed, and a client certificate of
 // another CA, as PEM files in `dir` (openssl CLI).
 bool MakeCertificates(const std::string& dir) {
@@ -351,6 +451,33 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
   EXPECT_EQ(call(tls("")).error_code(), grpc::StatusCode::UNAVAILABLE);       // no client certificate
   EXPECT_EQ(call(tls("rogue")).error_code(), grpc::StatusCode::UNAVAILABLE);  // another CA's
   EXPECT_EQ(call(grpc::InsecureChannelCredentials()).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // Managers probe each other with their own certificates: a second one of the cluster's CA is healthy to
+  // node-t (and node-t to it); one with another CA's certificate reaches nobody, and nobody reaches it.
+  auto tls_manager = [&](const std::string& node, const std::string& who, const std::string& ca) {
+    return std::make_unique<ManagerProcess>(
+        std::vector<std::string>{"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", node,
+                                 "--catalog-nodes", "node-t", "--peer-endpoint", Loopback(), "--peer-tls-cert",
+                                 dir + "/" + who + ".pem", "--peer-tls-key", dir + "/" + who + ".key",
+                                 "--peer-tls-ca", dir + "/" + ca + ".pem"},
+        "tls-" + node);
+  };
+  auto second = tls_manager("node-u", "client", "ca");
+  auto rogue = tls_manager("node-r", "rogue", "rogue-ca");
+  ASSERT_TRUE(second->running() && rogue->running()) << second->LogText() << rogue->LogText();
+  std::string second_stats, rogue_stats;
+  for (int i = 0; i < 750; ++i) {
+    second_stats = StatsOf(*second);
+    rogue_stats = StatsOf(*rogue);
+    if (second_stats.find("\"peers_healthy\": 1, \"peers_unreachable\": 1") != std::string::npos &&
+        rogue_stats.find("\"peers_healthy\": 0, \"peers_unreachable\": 2") != std::string::npos) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_NE(second_stats.find("\"peers_healthy\": 1, \"peers_unreachable\": 1"), std::string::npos)
+      << second_stats;
+  EXPECT_NE(rogue_stats.find("\"peers_healthy\": 0, \"peers_unreachable\": 2"), std::string::npos)
+      << rogue_stats;
   // Half a TLS configuration is refused at start, naming what is missing.
   ManagerProcess half({"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", "node-h",
                        "--catalog-nodes", "node-t", "--peer-endpoint", Loopback(), "--peer-tls-cert",

@@ -1,0 +1,190 @@
+#include "catalog/peer_directory.h"
+
+#include <utility>
+
+#include "base/logging.h"
+#include "catalog/peer_service.h"
+
+namespace orbitkv::catalog {
+
+std::string_view PeerHealthName(PeerDirectory::Health health) {
+  switch (health) {
+    case PeerDirectory::Health::kUnknown:
+      return "unknown";
+    case PeerDirectory::Health::kHealthy:
+      return "healthy";
+    case PeerDirectory::Health::kUnreachable:
+      return "unreachable";
+    case PeerDirectory::Health::kIncompatible:
+      return "incompatible";
+  }
+  return "unknown";
+}
+
+PeerDirectory::PeerDirectory(Options options, const cluster::MemberView* members)
+    : options_(std::move(options)), members_(members) {}
+
+PeerDirectory::~PeerDirectory() { Stop(); }
+
+void PeerDirectory::Stop() {
+  std::thread thread;
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    thread.swap(thread_);
+  }
+  wake_.notify_all();
+  if (thread.joinable()) thread.join();
+}
+
+void PeerDirectory::Start() {
+  MutexLock lock(&mu_);
+  if (thread_.joinable() || stopping_) return;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+std::shared_ptr<peer::v1::Peer::Stub> PeerDirectory::StubFor(const std::string& endpoint) {
+  MutexLock lock(&mu_);
+  auto& stub = stubs_[endpoint];
+  if (stub == nullptr) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
+    args.SetMaxSendMessageSize(kMaxPeerMessageBytes);
+    stub = std::shared_ptr<peer::v1::Peer::Stub>(peer::v1::Peer::NewStub(grpc::CreateCustomChannel(
+        endpoint, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(), args)));
+  }
+  return stub;  // shared: a probe in flight keeps its stub when ProbeAll drops a departed member's
+}
+
+PeerDirectory::Peer PeerDirectory::Probe(const cluster::Member& member) {
+  Peer peer;
+  peer.node_id = member.record.node_id;
+  peer.runtime_uuid = member.record.runtime_uuid;
+  peer.endpoint = member.record.endpoint;
+  if (peer.endpoint.empty()) {
+    peer.health = Health::kUnreachable;
+    peer.reason = "its member record names no peer endpoint (started without --peer-endpoint)";
+    return peer;
+  }
+  peer::v1::HealthRequest request;
+  *request.mutable_route() = MakeRoute(options_.self, member.record);
+  request.mutable_route()->set_protocol_version(options_.protocol_version);
+  peer::v1::HealthResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.rpc_timeout);
+  const grpc::Status status = StubFor(peer.endpoint)->Health(&context, request, &response);
+  if (status.ok() && response.protocol_version() != options_.protocol_version) {
+    peer.health = Health::kIncompatible;
+    peer.reason = fmt::format("node '{}' speaks orbitkv.peer v{}, this Manager v{}", peer.node_id,
+                              response.protocol_version(), options_.protocol_version);
+  } else if (status.ok() && response.runtime_uuid() != member.record.runtime_uuid) {
+    peer.health = Health::kUnreachable;
+    peer.reason = fmt::format("{} answers as runtime {}, not the registered {}", peer.endpoint,
+                              response.runtime_uuid(), member.record.runtime_uuid);
+  } else if (status.ok()) {
+    peer.health = Health::kHealthy;
+    peer.transfer_address = response.ucx_worker_address();
+    peer.capabilities.assign(response.capabilities().begin(), response.capabilities().end());
+  } else if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
+             status.error_message().find("protocol version") != std::string::npos) {
+    peer.health = Health::kIncompatible;
+    peer.reason = fmt::format("node '{}' refuses this Manager's orbitkv.peer v{}: {}", peer.node_id,
+                              options_.protocol_version, status.error_message());
+  } else {
+    peer.health = Health::kUnreachable;
+    peer.reason = FromGrpc(status).ToString();
+  }
+  return peer;
+}
+
+void PeerDirectory::ProbeAll() {
+  const cluster::MemberView::Snapshot view = members_->Read();
+  if (!view.complete) return;  // keep what we knew; the view is refreshed first
+  std::map<std::string, Peer> probed;
+  for (const cluster::Member& member : view.members) {
+    if (member.record.node_id == options_.self.node_id) continue;
+    probed.emplace(member.record.node_id, Probe(member));
+  }
+  MutexLock lock(&mu_);
+  for (const auto& [node, peer] : probed) {
+    auto before = peers_.find(node);
+    const bool changed = before == peers_.end() || before->second.health != peer.health ||
+                         before->second.runtime_uuid != peer.runtime_uuid;
+    if (changed && peer.health == Health::kIncompatible) {
+      ORBITKV_LOG_WARN("manager: remote work is off: {} (local service continues; run one OrbitKV version "
+                       "across the cluster)",
+                       peer.reason);
+    } else if (changed && before != peers_.end() && before->second.health == Health::kIncompatible) {
+      ORBITKV_LOG_INFO("manager: node '{}' speaks this protocol version again", node);
+    }
+  }
+  peers_ = std::move(probed);
+  // Channels of members that left are closed; at most one per member remains.
+  for (auto it = stubs_.begin(); it != stubs_.end();) {
+    bool used = false;
+    for (const auto& [node, peer] : peers_) used = used || peer.endpoint == it->first;
+    it = used ? std::next(it) : stubs_.erase(it);
+  }
+}
+
+void PeerDirectory::Loop() {
+  uint64_t generation = 0;
+  auto last = std::chrono::steady_clock::now() - options_.probe_interval;
+  for (;;) {
+    {
+      MutexLock lock(&mu_);
+      if (stopping_) return;
+    }
+    const uint64_t now_generation = members_->Read().generation;
+    const auto now = std::chrono::steady_clock::now();
+    if (now_generation != generation || now - last >= options_.probe_interval) {
+      generation = now_generation;
+      last = now;
+      ProbeAll();
+    }
+    MutexLock lock(&mu_);
+    if (stopping_) return;
+    wake_.wait_for(mu_, std::min<std::chrono::milliseconds>(options_.probe_interval, std::chrono::milliseconds(200)));
+  }
+}
+
+std::string PeerDirectory::incompatibility() const {
+  MutexLock lock(&mu_);
+  for (const auto& [node, peer] : peers_) {
+    if (peer.health == Health::kIncompatible) return peer.reason;
+  }
+  return "";
+}
+
+std::vector<PeerDirectory::Peer> PeerDirectory::Peers() const {
+  MutexLock lock(&mu_);
+  std::vector<Peer> out;
+  for (const auto& [node, peer] : peers_) out.push_back(peer);
+  return out;
+}
+
+std::string PeerDirectory::StatusJson() const {
+  size_t counts[4] = {};
+  std::string reason;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [node, peer] : peers_) counts[static_cast<int>(peer.health)] += 1;
+    for (const auto& [node, peer] : peers_) {
+      if (peer.health == Health::kIncompatible) {
+        reason = peer.reason;
+        break;
+      }
+    }
+  }
+  std::string escaped;
+  for (char c : reason) {
+    if (c == '"' || c == '\\') escaped += '\\';
+    escaped += (c == '\n' ? ' ' : c);
+  }
+  return fmt::format(", \"peers_healthy\": {}, \"peers_unreachable\": {}, \"peers_incompatible\": {}, "
+                     "\"remote_work_off_reason\": \"{}\"",
+                     counts[static_cast<int>(Health::kHealthy)], counts[static_cast<int>(Health::kUnreachable)],
+                     counts[static_cast<int>(Health::kIncompatible)], escaped);
+}
+
+}  // namespace orbitkv::catalog

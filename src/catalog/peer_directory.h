@@ -1,0 +1,91 @@
+// PeerDirectory: the sending half of orbitkv.peer.v1 in a distributed Manager. It keeps one gRPC
+// channel per member of the cluster (with this Manager's client certificate under mutual TLS) and
+// probes each member's current start with Health, on its own thread, every probe interval and
+// whenever the member view changes. What it learns (per peer: healthy, unreachable or incompatible,
+// its transfer address and capabilities) is what later callers (discovery, remote fetch) route by.
+//
+// A peer that speaks another protocol version (its Health answers another version, or it refuses
+// this one with FAILED_PRECONDITION) turns remote work off: incompatibility() says which peer and
+// why, the Manager shows it in `orbitkv status`, and local service continues. It clears when that
+// member's start speaks this version again or leaves the cluster. An unreachable peer is only that
+// peer's state: it does not stop remote work with the others.
+//
+// Thread safety: every method is safe from any thread.
+#ifndef ORBITKV_CATALOG_PEER_DIRECTORY_H_
+#define ORBITKV_CATALOG_PEER_DIRECTORY_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
+#include "catalog/peer_grpc.h"
+#include "catalog/route.h"
+
+namespace orbitkv::catalog {
+
+class PeerDirectory {
+ public:
+  struct Options {
+    PeerIdentity self;
+    // Client credentials for peers (mutual TLS); null: insecure channels.
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
+    std::chrono::milliseconds probe_interval{2000};
+    std::chrono::milliseconds rpc_timeout{1000};
+    // The protocol version this Manager speaks (a test may pretend another).
+    uint32_t protocol_version = kPeerProtocolVersion;
+  };
+  enum class Health { kUnknown, kHealthy, kUnreachable, kIncompatible };
+  struct Peer {
+    std::string node_id;
+    std::string runtime_uuid;
+    std::string endpoint;
+    Health health = Health::kUnknown;
+    std::string transfer_address;  // its UCX engine (Health's ucx_worker_address)
+    std::vector<std::string> capabilities;
+    std::string reason;  // why it is unreachable or incompatible
+  };
+
+  PeerDirectory(Options options, const cluster::MemberView* members);
+  ~PeerDirectory();
+  PeerDirectory(const PeerDirectory&) = delete;
+  PeerDirectory& operator=(const PeerDirectory&) = delete;
+
+  // Starts the probing thread (probes at once, then every interval and on view changes).
+  void Start() EXCLUDES(mu_);
+  // Stops probing (what it learnt stays readable). Idempotent.
+  void Stop() EXCLUDES(mu_);
+  // Probes every member once, now, on the calling thread.
+  void ProbeAll() EXCLUDES(mu_);
+
+  // Empty while no peer is incompatible; else which peer speaks what, and that remote work is off.
+  std::string incompatibility() const EXCLUDES(mu_);
+  std::vector<Peer> Peers() const EXCLUDES(mu_);
+  // ", \"peers_healthy\": ..." fields for `orbitkv stats`.
+  std::string StatusJson() const EXCLUDES(mu_);
+
+ private:
+  Peer Probe(const cluster::Member& member) EXCLUDES(mu_);
+  std::shared_ptr<peer::v1::Peer::Stub> StubFor(const std::string& endpoint) EXCLUDES(mu_);
+  void Loop() EXCLUDES(mu_);
+
+  const Options options_;
+  const cluster::MemberView* const members_;
+  mutable Mutex mu_;
+  std::condition_variable_any wake_;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::map<std::string, Peer> peers_ GUARDED_BY(mu_);  // by node id: the members of the last probe
+  std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ GUARDED_BY(mu_);  // by endpoint
+  std::thread thread_;
+};
+
+std::string_view PeerHealthName(PeerDirectory::Health health);
+
+}  // namespace orbitkv::catalog
+
+#endif  // ORBITKV_CATALOG_PEER_DIRECTORY_H_
