@@ -38,8 +38,13 @@ function(orbitkv_add_test)
   add_executable(${ARG_NAME} ${ARG_SOURCES})
   target_link_libraries(${ARG_NAME} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest_main)
   orbitkv_target_defaults(${ARG_NAME})
-  # PRE_TEST discovery keeps the build fast and works under sanitizers.
-  gtest_discover_tests(${ARG_NAME} DISCOVERY_MODE PRE_TEST PROPERTIES LABELS "${ARG_LABELS}")
+  # PRE_TEST discovery keeps the build fast and works under sanitizers. The `distributed` suites build network
+  # namespaces with fixed addresses: they run one at a time.
+  set(serial FALSE)
+  if(ARG_LABELS STREQUAL "distributed")
+    set(serial TRUE)
+  endif()
+  gtest_discover_tests(${ARG_NAME} DISCOVERY_MODE PRE_TEST PROPERTIES LABELS "${ARG_LABELS}" RUN_SERIAL ${serial})
 endfunction()
 
 function(orbitkv_add_executable)

@@ -21,6 +21,7 @@
 #include "cluster/member_record.h"
 #include "cluster/membership.h"
 #include "cluster/testing/etcd_process.h"
+#include "distributed_util.h"
 #include "manager_process.h"
 #include "transfer/test_util.h"
 #include "transfer/ucx_engine.h"
@@ -28,63 +29,14 @@
 namespace orbitkv {
 namespace {
 
+using testing::CliOutput;
+using testing::Health;
+using testing::Loopback;
 using testing::ManagerProcess;
-
-std::string StatsOf(const ManagerProcess& manager) {
-  client::ClientOptions options;
-  options.socket_path = manager.socket();
-  auto client = client::CacheClient::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  if (!client.ok()) return "";
-  auto stats = (*client)->Stats();
-  EXPECT_TRUE(stats.ok()) << stats.status();
-  return stats.ok() ? *stats : "";
-}
-
-// The value of a string field of the stats JSON ("" when absent).
-std::string StringField(const std::string& stats, const std::string& name) {
-  std::smatch match;
-  const std::regex field("\"" + name + "\": \"([^\"]*)\"");
-  return std::regex_search(stats, match, field) ? match[1].str() : std::string();
-}
-
-// A free loopback HOST:PORT for a peer listener.
-std::string Loopback() { return fmt::format("127.0.0.1:{}", testing::FreeLoopbackPort()); }
-
-// What `orbitkv ARGS...` prints on stdout.
-std::string CliOutput(const std::vector<std::string>& args) {
-  std::string command = ORBITKV_CLI_BIN;
-  for (const std::string& arg : args) command += " '" + arg + "'";
-  std::string out;
-  if (std::FILE* pipe = popen(command.c_str(), "r"); pipe != nullptr) {
-    char buf[512];
-    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), pipe)) > 0;) out.append(buf, n);
-    pclose(pipe);
-  }
-  return out;
-}
-
-// The member record etcd holds for `node`.
-cluster::MemberRecord RecordOf(const std::string& endpoint, const std::string& node) {
-  cluster::EtcdClientOptions options;
-  options.endpoints = {endpoint};
-  auto etcd = cluster::EtcdClient::Create(options);
-  EXPECT_TRUE(etcd.ok()) << etcd.status();
-  if (!etcd.ok()) return {};
-  etcdserverpb::RangeRequest request;
-  request.set_key(cluster::MemberKey("it", node));
-  auto range = (*etcd)->Range(request, Deadline::After(std::chrono::seconds(10)));
-  if (!range.ok() || range->kvs_size() != 1) return {};
-  auto record = cluster::DecodeMemberRecord("it", node, range->kvs(0).value());
-  return record.ok() ? *record : cluster::MemberRecord{};
-}
-
-// The runtime UUID in the member record etcd holds for `node`.
-std::string RecordedRuntimeUuid(const std::string& endpoint, const std::string& node) {
-  const std::string uuid = RecordOf(endpoint, node).runtime_uuid;
-  EXPECT_FALSE(uuid.empty()) << "no member record of " << node;
-  return uuid;
-}
+using testing::RecordedRuntimeUuid;
+using testing::RecordOf;
+using testing::StatsOf;
+using testing::StringField;
 
 // One runtime identity per start: the stats, /metrics, the inventory's incarnation and the member
 // record in etcd all carry it, and a restarted Manager has a new one.
@@ -164,16 +116,6 @@ TEST(DistributedManagerTest, JoinsTheClusterAndReportsMembership) {
   EXPECT_NE(StatsOf(again).find("\"membership_epoch\": 2"), std::string::npos);
 }
 
-grpc::Status Health(const std::string& endpoint, const peer::v1::RouteHeader& route,
-                    peer::v1::HealthResponse* response) {
-  auto stub = peer::v1::Peer::NewStub(
-      grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  peer::v1::HealthRequest request;
-  *request.mutable_route() = route;
-  return stub->Health(&context, request, response);
-}
 
 // Two Managers with peer listeners: Health answers a member's well-routed request with the runtime
 // UUID etcd holds; a stale destination, a stranger and a restarted source's old identity are refused.
@@ -218,36 +160,9 @@ TEST(DistributedManagerTest, PeerListenersAnswerHealthAndRefuseBadRoutes) {
   EXPECT_EQ(transfer_b.substr(0, transfer_b.rfind(':')), "127.0.0.1");
   EXPECT_NE(std::find(health.capabilities().begin(), health.capabilities().end(), "transfer.grants"),
             health.capabilities().end());
-  {
-    transfer::UcxEngineOptions options;
-    options.transports = "tcp";
-    auto requester = transfer::UcxTransferEngine::Create(options);
-    ASSERT_TRUE(requester.ok()) << requester.status();
-    std::vector<uint8_t> landing(1 << 20);
-    auto local = (*requester)->RegisterRegion(landing.data(), landing.size());
-    ASSERT_TRUE(local.ok());
-    transfer::ReadBatchRequest read;
-    read.peer = transfer_b;
-    transfer::RegionDescriptor pool;  // what a peer that guessed the pool's first region would hold
-    pool.engine_id = health.incarnation();
-    pool.region_index = 0;
-    pool.generation = 1;
-    pool.length = 64ull << 20;
-    read.remotes = {pool};
-    read.fragments = {transfer::Fragment{0, 0, *local, 0, 4096}};
-    read.deadline = Deadline::After(std::chrono::seconds(20));
-    transfer::testing::BatchWaiter waiter;
-    ASSERT_TRUE((*requester)->ReadBatch(read, waiter.Callback()).ok());
-    auto refused = waiter.Wait(Deadline::After(std::chrono::seconds(40)));
-    ASSERT_TRUE(refused.has_value());
-    EXPECT_EQ(refused->status.code(), StatusCode::kPermissionDenied) << refused->status;
-    read.grant = 0x1234567890abcdefull;  // a grant never issued
-    transfer::testing::BatchWaiter again;
-    ASSERT_TRUE((*requester)->ReadBatch(read, again.Callback()).ok());
-    refused = again.Wait(Deadline::After(std::chrono::seconds(40)));
-    ASSERT_TRUE(refused.has_value());
-    EXPECT_EQ(refused->status.code(), StatusCode::kPermissionDenied) << refused->status;
-  }
+  EXPECT_EQ(testing::ReadManagersPool(transfer_b, health.incarnation(), 0).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(testing::ReadManagersPool(transfer_b, health.incarnation(), 0x1234567890abcdefull).code(),
+            StatusCode::kPermissionDenied);  // a grant never issued
 
   peer::v1::RouteHeader stale = catalog::MakeRoute(as_a, record_b);
   stale.set_destination_runtime_uuid(record_a.runtime_uuid);

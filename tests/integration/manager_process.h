@@ -27,7 +27,10 @@ namespace orbitkv::testing {
 class ManagerProcess {
  public:
   // Starts the Manager with `extra` flags on a fresh socket; waits until it accepts connections.
-  explicit ManagerProcess(std::vector<std::string> extra = {}, std::string tag = "m") {
+  // `launcher` prefixes the command line (e.g. `ip netns exec NS`: the Manager in a network
+  // namespace; its socket is a path, reachable from every namespace).
+  explicit ManagerProcess(std::vector<std::string> extra = {}, std::string tag = "m",
+                          std::vector<std::string> launcher = {}) {
     dir_ = fmt::format("/tmp/orbitkv-it-{}-{}-{}", getpid(), tag, counter_++);
     std::filesystem::create_directories(dir_);
     socket_ = dir_ + "/manager.sock";
@@ -36,13 +39,14 @@ class ManagerProcess {
         ORBITKV_MANAGER_BIN, "--socket", socket_,       "--dram", "64MiB", "--slab", "4MiB",
         "--log-file",        log_,       "--log-level", "debug"};
     args.insert(args.end(), extra.begin(), extra.end());
+    args.insert(args.begin(), launcher.begin(), launcher.end());
     pid_ = fork();
     if (pid_ == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive a crashed parent
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
-      execv(argv[0], argv.data());
+      execvp(argv[0], argv.data());
       _exit(127);
     }
     // Ready means a session was welcomed: the socket exists from Create on, but only a started

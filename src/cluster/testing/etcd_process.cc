@@ -102,11 +102,16 @@ std::string EtcdProcess::endpoint() const {
   return fmt::format("127.0.0.1:{}", member_.client_port);
 }
 
+std::string EtcdProcess::endpoint_on(const std::string& host) const {
+  return fmt::format("{}:{}", host, member_.client_port);
+}
+
 Status EtcdProcess::Launch() {
   if (EtcdBinary().empty())
     return Status::FailedPrecondition("no etcd binary was found at configure time");
   if (process_.running()) return Status::FailedPrecondition("etcd is already running");
-  const std::string client_url = fmt::format("http://127.0.0.1:{}", member_.client_port);
+  std::string client_url = fmt::format("http://127.0.0.1:{}", member_.client_port);
+  if (!also_on_.empty()) client_url += fmt::format(",http://{}:{}", also_on_, member_.client_port);
   ChildProcess::Options options;
   options.argv = {EtcdBinary(),
                   "--name",
@@ -179,7 +184,7 @@ Status EtcdProcess::WaitReady(Deadline deadline) {
                                          member_.name, last.ToString(), LogTail()));
 }
 
-Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline) {
+Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline, std::string also_on) {
   Status last;
   // A port picked free can be taken before etcd binds it; try a few fresh pairs.
   for (int attempt = 0; attempt < 3; ++attempt) {
@@ -189,6 +194,7 @@ Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline)
     const std::string initial = fmt::format("{}={}", member.name, PeerUrl(member));
     std::unique_ptr<EtcdProcess> etcd(
         new EtcdProcess(member, initial, fmt::format("orbitkv-{}", member.peer_port), dir));
+    etcd->also_on_ = also_on;
     ORBITKV_RETURN_IF_ERROR(etcd->Launch());
     last = etcd->WaitReady(deadline);
     if (last.ok()) return etcd;

@@ -31,14 +31,16 @@ class EtcdProcess {
     int peer_port = 0;
   };
 
-  // Starts a single-member etcd and waits until it serves requests.
-  static Result<std::unique_ptr<EtcdProcess>> StartSingle(Deadline deadline);
+  // Starts a single-member etcd and waits until it serves requests; with `also_on` (an address of
+  // this host, e.g. on a test bridge) it serves clients there too, on the same port.
+  static Result<std::unique_ptr<EtcdProcess>> StartSingle(Deadline deadline, std::string also_on = "");
 
   ~EtcdProcess();
   EtcdProcess(const EtcdProcess&) = delete;
   EtcdProcess& operator=(const EtcdProcess&) = delete;
 
   std::string endpoint() const;  // "127.0.0.1:<client port>"
+  std::string endpoint_on(const std::string& host) const;  // "<host>:<client port>"
   const Member& member() const { return member_; }
   bool running() const { return process_.running(); }
 
@@ -62,6 +64,7 @@ class EtcdProcess {
   std::string initial_cluster_;
   std::string token_;  // --initial-cluster-token, shared by the members of one cluster.
   std::string dir_;    // Temp dir holding data/ and etcd.log; removed by the destructor.
+  std::string also_on_;  // A second client address (StartSingle's also_on).
   bool launched_before_ = false;
   // The cluster ID this member answered with when first ready: a relaunched member must answer with
   // it too (anything else is another etcd on its port).

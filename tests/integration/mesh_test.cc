@@ -1,0 +1,138 @@
+// Several hosts on one machine: Managers in network namespaces on one bridge (NetnsMesh), a real etcd
+// on the bridge, engines in the root namespace over the Managers' Unix sockets, UCX on the veths.
+// Label `distributed` (serial: the mesh's addresses are fixed).
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+#include <thread>
+
+#include "catalog/peer_service.h"  // first of the gRPC users (cluster/grpc.h)
+
+#include "cluster/testing/etcd_process.h"
+#include "distributed_util.h"
+#include "netns_mesh.h"
+#include "transfer/test_util.h"
+#include "transfer/ucx_engine.h"
+
+namespace orbitkv {
+namespace {
+
+using testing::Health;
+using testing::ManagerProcess;
+using testing::NetnsMesh;
+using testing::RecordOf;
+using testing::StatsOf;
+using testing::StringField;
+
+constexpr int kHosts = 3;
+
+class MeshTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto mesh = NetnsMesh::Create(kHosts);
+    if (!mesh.ok() && mesh.status().code() == StatusCode::kFailedPrecondition) {
+      GTEST_SKIP() << mesh.status() << " (CI runs this as root)";
+    }
+    ASSERT_TRUE(mesh.ok()) << mesh.status();
+    mesh_ = std::move(*mesh);
+    auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)),
+                                                           NetnsMesh::kRootAddress);
+    ASSERT_TRUE(etcd.ok()) << etcd.status();
+    etcd_ = std::move(*etcd);
+  }
+
+  std::string Node(int i) const { return fmt::format("node-{}", i); }
+  std::string PeerEndpoint(int i) const { return mesh_->address(i) + ":7070"; }
+
+  // Manager i on host i: pool sized for the test, one copy thread, short membership TTL, UCX on the veth.
+  std::unique_ptr<ManagerProcess> StartManager(int i, const std::string& tag) {
+    std::vector<std::string> flags = {"--etcd-endpoints", etcd_->endpoint_on(NetnsMesh::kRootAddress),
+                                      "--cluster-name", "mesh", "--node-id", Node(i), "--catalog-nodes",
+                                      "node-0,node-1,node-2", "--membership-ttl-secs", "3",
+                                      "--peer-endpoint", PeerEndpoint(i), "--dram", "256MiB",
+                                      "--copy-threads", "1"};
+    for (const std::string& f : mesh_->TransferFlags(i)) flags.push_back(f);
+    return std::make_unique<ManagerProcess>(flags, tag, mesh_->launcher(i));
+  }
+
+  // Stats of `manager` once `needle` shows in them (or the last ones after about 15 s).
+  static std::string StatsWhen(const ManagerProcess& manager, const std::string& needle) {
+    std::string stats;
+    for (int i = 0; i < 750; ++i) {
+      stats = StatsOf(manager);
+      if (stats.find(needle) != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return stats;
+  }
+
+  std::unique_ptr<NetnsMesh> mesh_;
+  std::unique_ptr<cluster::testing::EtcdProcess> etcd_;
+};
+
+// Three hosts report one runtime UUID each, the same in `orbitkv stats`, in etcd and in Health (asked
+// across the bridge), and see each other healthy; a restarted Manager gets a new UUID and a request
+// naming its old start is refused by its peers.
+TEST_F(MeshTest, ThreeManagersOneRuntimeIdentityEachAndARestartIsRefused) {
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("mesh-{}", i)));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  std::set<std::string> uuids;
+  std::string placement;
+  for (int i = 0; i < kHosts; ++i) {
+    const std::string stats = StatsWhen(*managers[i], "\"peers_healthy\": 2");
+    ASSERT_NE(stats.find("\"members\": 3"), std::string::npos) << stats;
+    ASSERT_NE(stats.find("\"peers_healthy\": 2"), std::string::npos) << stats << managers[i]->LogText();
+    EXPECT_NE(stats.find("\"remote_work\": 1"), std::string::npos) << stats;
+    const std::string uuid = StringField(stats, "runtime_uuid");
+    EXPECT_EQ(RecordOf(etcd_->endpoint(), Node(i), "mesh").runtime_uuid, uuid);
+    EXPECT_EQ(RecordOf(etcd_->endpoint(), Node(i), "mesh").endpoint, PeerEndpoint(i));
+    EXPECT_EQ(StringField(stats, "transfer_listen").rfind(mesh_->address(i) + ":", 0), 0u) << stats;
+    uuids.insert(uuid);
+    placement = StringField(stats, "placement_fingerprint");
+  }
+  EXPECT_EQ(uuids.size(), 3u);
+
+  // Health from the root namespace, routed as node-0, to node-1: its UUID, its UCX engine on its veth.
+  const cluster::MemberRecord r0 = RecordOf(etcd_->endpoint(), Node(0), "mesh");
+  const cluster::MemberRecord r1 = RecordOf(etcd_->endpoint(), Node(1), "mesh");
+  const catalog::PeerIdentity as0{"mesh", Node(0), r0.runtime_uuid, r0.epoch, placement};
+  peer::v1::HealthResponse health;
+  grpc::Status answered = Health(PeerEndpoint(1), catalog::MakeRoute(as0, r1), &health);
+  ASSERT_TRUE(answered.ok()) << answered.error_message();
+  EXPECT_EQ(health.runtime_uuid(), r1.runtime_uuid);
+  EXPECT_EQ(health.ucx_worker_address(), StringField(StatsOf(*managers[1]), "transfer_listen"));
+
+  // UCX across the bridge: a reader in the root namespace reaches node-1's engine, which refuses a read
+  // outside any grant.
+  const Status refused = testing::ReadManagersPool(health.ucx_worker_address(), health.incarnation(), 0,
+                                                   std::string(NetnsMesh::kRootAddress) + ":0", mesh_->root_veth());
+  EXPECT_EQ(refused.code(), StatusCode::kPermissionDenied) << refused;
+
+  // node-1 restarts: a new UUID everywhere; its old start is refused as a destination and as a source.
+  ASSERT_EQ(managers[1]->Stop(SIGTERM), 0);
+  managers[1] = StartManager(1, "mesh-1b");
+  ASSERT_TRUE(managers[1]->running()) << managers[1]->LogText();
+  const std::string restarted = StatsWhen(*managers[1], "\"peers_healthy\": 2");
+  const std::string new_uuid = StringField(restarted, "runtime_uuid");
+  EXPECT_EQ(uuids.count(new_uuid), 0u);
+  EXPECT_EQ(RecordOf(etcd_->endpoint(), Node(1), "mesh").runtime_uuid, new_uuid);
+  EXPECT_EQ(Health(PeerEndpoint(1), catalog::MakeRoute(as0, r1), &health).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);  // names node-1's old start
+  const catalog::PeerIdentity old1{"mesh", Node(1), r1.runtime_uuid, r1.epoch, placement};
+  grpc::Status stale = grpc::Status::OK;
+  for (int i = 0; i < 500; ++i) {  // until node-0's view holds node-1's new record
+    stale = Health(PeerEndpoint(0), catalog::MakeRoute(old1, r0), &health);
+    if (stale.error_code() == grpc::StatusCode::PERMISSION_DENIED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::PERMISSION_DENIED) << stale.error_message();
+  // The others see the new start healthy.
+  EXPECT_NE(StatsWhen(*managers[0], "\"peers_healthy\": 2").find("\"peers_healthy\": 2"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace orbitkv
