@@ -62,16 +62,23 @@ double Iperf3GBps(NetnsPair& netns) {
 struct PeerInfo {
   std::string address;
   std::vector<transfer::RegionDescriptor> regions;
+  uint64_t grant = 0;  // the peer serves only inside it, as a distributed Manager does
 };
 
 PeerInfo ReadReady(ChildProcess& peer) {
+  uint64_t grant = 0;
   for (;;) {
     auto line = peer.ReadLine(Deadline::After(std::chrono::seconds(60)));
     ORBITKV_CHECK_MSG(line.ok(), "transfer peer: {}", line.status().ToString());
+    if (line->rfind("GRANT ", 0) == 0) {
+      grant = std::stoull(line->substr(6), nullptr, 16);
+      continue;
+    }
     if (line->rfind("READY ", 0) != 0) continue;  // UCX writes its warnings to stdout too.
     std::istringstream words(*line);
     std::string ready;
     PeerInfo info;
+    info.grant = grant;
     words >> ready >> info.address;
     for (std::string hex; words >> hex;) {
       info.regions.push_back(*transfer::DecodeDescriptor(*transfer::FromHex(hex)));
@@ -88,6 +95,7 @@ double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
   std::mt19937_64 rng(fragment);
   transfer::ReadBatchRequest request;
   request.peer = peer.address;
+  request.grant = peer.grant;
   request.remotes = peer.regions;
   request.mode = mode;
   request.verify_checksum = checksum;
@@ -146,12 +154,23 @@ int main(int argc, char** argv) {
 
   const double iperf = Iperf3GBps(**netns);
 
-  auto peer = ChildProcess::Spawn((*netns)->InB(
-      {ORBITKV_TRANSFER_PEER_BIN, "--listen", std::string(NetnsPair::kAddressB) + ":0", "--bytes",
-       std::to_string(kRegionBytes), "--regions", "2", "--transports", "tcp", "--devices",
-       (*netns)->veth_b()}));
-  ORBITKV_CHECK_MSG(peer.ok(), "{}", peer.status().ToString());
-  PeerInfo info = ReadReady(**peer);
+  // The peer serves as a distributed Manager does: only inside a grant, each fragment checked
+  // against it. UCX's RMA needs rkeys, which a source requiring grants never exports: a second
+  // peer without grants serves the RMA case.
+  auto spawn_peer = [&](bool grants) {
+    auto peer = ChildProcess::Spawn((*netns)->InB(
+        {ORBITKV_TRANSFER_PEER_BIN, "--listen", std::string(NetnsPair::kAddressB) + ":0", "--bytes",
+         std::to_string(kRegionBytes), "--regions", "2", "--transports", "tcp", "--devices",
+         (*netns)->veth_b(), "--grants", grants ? "1" : "0"}));
+    ORBITKV_CHECK_MSG(peer.ok(), "{}", peer.status().ToString());
+    return std::move(*peer);
+  };
+  auto peer = spawn_peer(true);
+  PeerInfo info = ReadReady(*peer);
+  ORBITKV_CHECK_MSG(info.grant != 0, "the transfer peer announced no grant");
+  auto rma_peer = spawn_peer(false);
+  PeerInfo rma_info = ReadReady(*rma_peer);
+  report.AddEnv("grants", "required (the AM cases read inside one grant, as from a Manager)");
 
   transfer::UcxEngineOptions options;
   options.listen_address = std::string(NetnsPair::kAddressA) + ":0";
@@ -183,12 +202,13 @@ int main(int argc, char** argv) {
       {"transfer_read_4m_rma", 4 << 20, PullMode::kRma, true, 16 << 20, 1},
   };
   for (const Case& c : cases) {
-    double gbps = ReadGBps(**engine, info, local, c.fragment, c.mode, c.checksum, c.batch_bytes,
-                           c.batches, 3);
+    double gbps = ReadGBps(**engine, c.mode == PullMode::kRma ? rma_info : info, local, c.fragment,
+                           c.mode, c.checksum, c.batch_bytes, c.batches, 3);
     report.Add({c.metric, "GB/s", gbps, "iperf3_veth", iperf});
   }
   engine->reset();
-  (void)(*peer)->WriteLine("quit");
+  (void)peer->WriteLine("quit");
+  (void)rma_peer->WriteLine("quit");
   report.Print(json);
   return 0;
 }

@@ -3,7 +3,9 @@
 //
 //   transfer_test_peer --listen IP:PORT --bytes N [--regions K] [--seed S] [--transports TLS]
 //   [--inflight B]
-//                      [--devices UCX_NET_DEVICES]
+//                      [--devices UCX_NET_DEVICES] [--grants 1]
+// With --grants 1 it serves only inside one grant over all its regions, printed as "GRANT <hex>"
+// before READY (as a distributed Manager serves).
 //
 // Registers K regions of N bytes, region k filled with PatternByte(S + k, offset), and prints one
 // line
@@ -48,6 +50,8 @@ int Main(int argc, char** argv) {
       options.net_devices = value;
     } else if (flag == "--transports") {
       options.transports = value;
+    } else if (flag == "--grants") {
+      options.require_grants = value == "1";
     } else {
       std::fprintf(stderr, "transfer_test_peer: unknown flag %s\n", flag.c_str());
       return 2;
@@ -75,6 +79,16 @@ int Main(int argc, char** argv) {
     }
     handles.push_back(*handle);
     ready += fmt::format(" {}", ToHex(EncodeDescriptor(*(*engine)->ExportRegion(*handle))));
+  }
+  if (options.require_grants) {  // one grant over every region, announced before READY
+    GrantRequest request{"reader", {}};
+    for (RegionHandle h : handles) request.ranges.push_back({h, 0, bytes});
+    auto grant = (*engine)->CreateGrant(std::move(request));
+    if (!grant.ok()) {
+      std::fprintf(stderr, "transfer_test_peer: %s\n", grant.status().ToString().c_str());
+      return 1;
+    }
+    std::cout << fmt::format("GRANT {:016x}", *grant) << std::endl;
   }
   std::cout << ready << std::endl;
 

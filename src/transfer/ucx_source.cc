@@ -340,6 +340,10 @@ void UcxTransferEngine::HandleRevoke(const std::vector<uint64_t>& grants, bool c
       }
     }
   }
+  if (waiter->remaining == 0) {  // nothing of these grants is left (or there were none): drained now
+    if (waiter->callback) waiter->callback();
+    return;
+  }
   const std::set<uint64_t> revoked(grants.begin(), grants.end());
   if (close) {
     counters_->revocations->Increment();
@@ -372,10 +376,8 @@ void UcxTransferEngine::HandleRevoke(const std::vector<uint64_t>& grants, bool c
     s.cancelled = true;
     MaybeFinishServe(s);
   }
-  if (waiter->remaining == 0) {
-    if (waiter->callback) waiter->callback();
-    return;
-  }
+  // Those with nothing in flight drain now; the others when their last serve op ends (GrantOpEnded).
+  // The waiter fires exactly once, when its last grant drained, wherever that happens.
   MaybeDrainGrants(grants);
 }
 
