@@ -1,0 +1,300 @@
+#include "catalog/catalog_store.h"
+
+#include <algorithm>
+
+#include "fmt/format.h"
+
+namespace orbitkv::catalog {
+
+std::string_view CatalogReplyName(CatalogReply::Kind kind) {
+  switch (kind) {
+    case CatalogReply::Kind::kAck:
+      return "ack";
+    case CatalogReply::Kind::kGap:
+      return "gap";
+    case CatalogReply::Kind::kResync:
+      return "resync";
+    case CatalogReply::Kind::kRetryLater:
+      return "retry_later";
+    case CatalogReply::Kind::kRefused:
+      return "refused";
+  }
+  return "unknown";
+}
+
+uint64_t CatalogStore::EntryCharge() {
+  return sizeof(EntryKey) + sizeof(Entry) + 48;  // the map node: three pointers, color, padding
+}
+
+CatalogStore::CatalogStore(Options options) : options_(std::move(options)) {}
+
+CatalogReply CatalogStore::Reply(CatalogReply::Kind kind, uint64_t applied, std::string reason) const {
+  CatalogReply reply;
+  reply.kind = kind;
+  reply.applied_sequence = applied;
+  reply.catalog_incarnation = options_.incarnation;
+  reply.reason = std::move(reason);
+  return reply;
+}
+
+std::optional<CatalogReply> CatalogStore::Admit(const StreamId& stream) const {
+  if (options_.owner_live && !options_.owner_live(stream.owner_node, stream.owner_runtime)) {
+    return Reply(CatalogReply::Kind::kRefused, 0,
+                 fmt::format("owner '{}' runtime {} is not a live member (fenced, expired or an older start)",
+                             stream.owner_node, stream.owner_runtime));
+  }
+  if (stream.catalog_incarnation != 0 && stream.catalog_incarnation != options_.incarnation) {
+    return Reply(CatalogReply::Kind::kResync, 0,
+                 fmt::format("this catalog host restarted (incarnation {:016x}, the stream names {:016x}): "
+                             "a new baseline is needed",
+                             options_.incarnation, stream.catalog_incarnation));
+  }
+  return std::nullopt;
+}
+
+bool CatalogStore::ApplyByVersion(View& view, const CatalogRecord& record) {
+  const EntryKey key{record.key, record.tier};
+  const Entry entry{record.present, record.version, record.generation, record.bytes};
+  auto [it, inserted] = view.try_emplace(key, entry);
+  if (inserted) return true;
+  Entry& old = it->second;
+  if (old.version > record.version) return true;  // older evidence: the newer one stands
+  if (old.version == record.version) {
+    return old.present == entry.present && old.generation == entry.generation && old.bytes == entry.bytes;
+  }
+  old = entry;
+  return true;
+}
+
+uint64_t CatalogStore::BuildingCharge(const Building& building) const {
+  return std::max<uint64_t>(building.reserved, building.view.size() * EntryCharge());
+}
+
+void CatalogStore::AbortBuilding(Slice& slice) {
+  if (!slice.building) return;
+  used_ -= BuildingCharge(*slice.building);
+  slice.building.reset();
+}
+
+void CatalogStore::DropView(Slice& slice) {
+  used_ -= slice.view.size() * EntryCharge();
+  slice.view.clear();
+  slice.baseline = false;
+}
+
+CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
+  MutexLock lock(&mu_);
+  if (auto refused = Admit(batch.stream)) return *refused;
+  auto it = slices_.find({batch.stream.shard, batch.stream.owner_node});
+  if (it == slices_.end() || !it->second.baseline || it->second.owner_runtime != batch.stream.owner_runtime) {
+    return Reply(CatalogReply::Kind::kResync, 0, "no baseline for this stream here: send a snapshot");
+  }
+  Slice& slice = it->second;
+  for (size_t i = 0; i < batch.records.size(); ++i) {
+    if (batch.records[i].version != batch.first_sequence + i) {
+      DropView(slice);
+      return Reply(CatalogReply::Kind::kResync, 0, "a delta batch with non-contiguous sequences");
+    }
+  }
+  const uint64_t last = batch.first_sequence + batch.records.size() - 1;
+  if (batch.records.empty() || last <= slice.applied) {
+    return Reply(CatalogReply::Kind::kAck, slice.applied, "");  // a duplicate: applied already
+  }
+  if (batch.first_sequence > slice.applied + 1) {
+    return Reply(CatalogReply::Kind::kGap, slice.applied,
+                 fmt::format("expected sequence {}, got {}", slice.applied + 1, batch.first_sequence));
+  }
+  // Only what follows the applied sequence (an overlapping resend is deduplicated).
+  for (size_t i = slice.applied + 1 - batch.first_sequence; i < batch.records.size(); ++i) {
+    const CatalogRecord& r = batch.records[i];
+    const EntryKey key{r.key, r.tier};
+    auto entry = slice.view.find(key);
+    if (!r.present) {
+      if (entry == slice.view.end()) {  // removing what this view never held: the views disagree
+        DropView(slice);
+        return Reply(CatalogReply::Kind::kResync, 0,
+                     fmt::format("sequence {} removes a residence this view does not hold", r.version));
+      }
+      slice.view.erase(entry);
+      used_ -= EntryCharge();
+    } else if (entry != slice.view.end()) {
+      entry->second = Entry{true, r.version, r.generation, r.bytes};
+    } else {
+      if (used_ + EntryCharge() > options_.budget_bytes) {
+        DropView(slice);
+        return Reply(CatalogReply::Kind::kRetryLater, 0,
+                     fmt::format("the catalog budget ({} bytes) is full: this slice is incomplete until a "
+                                 "snapshot fits",
+                                 options_.budget_bytes));
+      }
+      slice.view.emplace(key, Entry{true, r.version, r.generation, r.bytes});
+      used_ += EntryCharge();
+    }
+    slice.applied = r.version;
+  }
+  return Reply(CatalogReply::Kind::kAck, slice.applied, "");
+}
+
+CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
+  MutexLock lock(&mu_);
+  if (auto refused = Admit(begin.stream)) return *refused;
+  Slice& slice = slices_[{begin.stream.shard, begin.stream.owner_node}];
+  if (slice.owner_runtime != begin.stream.owner_runtime) {  // a new start of that owner: its old view is void
+    AbortBuilding(slice);
+    DropView(slice);
+    slice.applied = 0;
+    slice.owner_runtime = begin.stream.owner_runtime;
+  }
+  AbortBuilding(slice);
+  const uint64_t reserve = begin.expected_records * EntryCharge();
+  if (used_ + reserve > options_.budget_bytes) {
+    return Reply(CatalogReply::Kind::kRetryLater, slice.applied,
+                 fmt::format("a snapshot of {} records does not fit the catalog budget ({} of {} bytes used)",
+                             begin.expected_records, used_, options_.budget_bytes));
+  }
+  Building building;
+  building.id = begin.snapshot_id;
+  building.start = begin.start_watermark;
+  building.reserved = reserve;
+  used_ += reserve;
+  slice.building = std::move(building);
+  return Reply(CatalogReply::Kind::kAck, slice.applied, "");
+}
+
+CatalogReply CatalogStore::Page(const SnapshotPage& page) {
+  MutexLock lock(&mu_);
+  if (auto refused = Admit(page.stream)) return *refused;
+  auto it = slices_.find({page.stream.shard, page.stream.owner_node});
+  if (it == slices_.end() || !it->second.building || it->second.building->id != page.snapshot_id ||
+      it->second.owner_runtime != page.stream.owner_runtime) {
+    return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
+  }
+  Slice& slice = it->second;
+  Building& building = *slice.building;
+  const uint64_t before = BuildingCharge(building);
+  const uint64_t worst = std::max<uint64_t>(building.reserved,
+                                            (building.view.size() + page.records.size()) * EntryCharge());
+  if (used_ - before + worst > options_.budget_bytes) {
+    AbortBuilding(slice);
+    return Reply(CatalogReply::Kind::kRetryLater, slice.applied,
+                 "the snapshot outgrew its reservation and the catalog budget is full");
+  }
+  for (const CatalogRecord& r : page.records) {
+    if (!ApplyByVersion(building.view, r)) {
+      AbortBuilding(slice);
+      return Reply(CatalogReply::Kind::kResync, slice.applied,
+                   fmt::format("conflicting records of version {}: a new baseline is needed", r.version));
+    }
+  }
+  used_ += BuildingCharge(building) - before;
+  return Reply(CatalogReply::Kind::kAck, slice.applied, "");
+}
+
+CatalogReply CatalogStore::End(const SnapshotEnd& end) {
+  MutexLock lock(&mu_);
+  if (auto refused = Admit(end.stream)) return *refused;
+  auto it = slices_.find({end.stream.shard, end.stream.owner_node});
+  if (it == slices_.end() || !it->second.building || it->second.building->id != end.snapshot_id ||
+      it->second.owner_runtime != end.stream.owner_runtime) {
+    return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
+  }
+  Slice& slice = it->second;
+  Building& building = *slice.building;
+  // The interval must be exactly (start, end]: anything less would install a view that misses a change.
+  const bool complete = end.end_watermark >= building.start &&
+                        end.interval.size() == end.end_watermark - building.start;
+  for (size_t i = 0; complete && i < end.interval.size(); ++i) {
+    if (end.interval[i].version != building.start + 1 + i) {
+      AbortBuilding(slice);
+      return Reply(CatalogReply::Kind::kResync, slice.applied, "the snapshot's interval is out of order");
+    }
+  }
+  if (!complete) {
+    AbortBuilding(slice);
+    return Reply(CatalogReply::Kind::kResync, slice.applied,
+                 fmt::format("the snapshot's interval holds {} records, not the {} of ({}, {}]", end.interval.size(),
+                             end.end_watermark - std::min(end.end_watermark, building.start), building.start,
+                             end.end_watermark));
+  }
+  const uint64_t before = BuildingCharge(building);
+  const uint64_t worst = std::max<uint64_t>(building.reserved,
+                                            (building.view.size() + end.interval.size()) * EntryCharge());
+  if (used_ - before + worst > options_.budget_bytes) {
+    AbortBuilding(slice);
+    return Reply(CatalogReply::Kind::kRetryLater, slice.applied, "the snapshot does not fit the catalog budget");
+  }
+  for (const CatalogRecord& r : end.interval) {
+    if (!ApplyByVersion(building.view, r)) {
+      AbortBuilding(slice);
+      return Reply(CatalogReply::Kind::kResync, slice.applied,
+                   fmt::format("conflicting records of version {}: a new baseline is needed", r.version));
+    }
+  }
+  used_ += BuildingCharge(building) - before;
+  // Install: the deletion evidence has done its work (the applied sequence now rejects anything older).
+  View installed;
+  for (auto& [key, entry] : building.view) {
+    if (entry.present) installed.emplace(key, entry);
+  }
+  used_ -= BuildingCharge(building);
+  DropView(slice);
+  slice.view = std::move(installed);
+  used_ += slice.view.size() * EntryCharge();
+  slice.applied = end.end_watermark;
+  slice.baseline = true;
+  slice.building.reset();
+  return Reply(CatalogReply::Kind::kAck, slice.applied, "");
+}
+
+size_t CatalogStore::DropDeadOwners() {
+  if (!options_.owner_live) return 0;
+  MutexLock lock(&mu_);
+  size_t dropped = 0;
+  for (auto it = slices_.begin(); it != slices_.end();) {
+    if (options_.owner_live(it->first.second, it->second.owner_runtime)) {
+      ++it;
+      continue;
+    }
+    AbortBuilding(it->second);
+    DropView(it->second);
+    it = slices_.erase(it);
+    ++dropped;
+  }
+  return dropped;
+}
+
+std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
+  MutexLock lock(&mu_);
+  std::map<uint32_t, ShardStatus> shards;
+  for (const auto& [key, slice] : slices_) {
+    ShardStatus& s = shards[key.first];
+    s.shard = key.first;
+    if (slice.baseline) {
+      s.owners += 1;
+      s.records += slice.view.size();
+    }
+    s.bytes += slice.view.size() * EntryCharge() + (slice.building ? BuildingCharge(*slice.building) : 0);
+    s.complete = s.complete && slice.baseline && !slice.building;
+  }
+  std::vector<ShardStatus> out;
+  for (auto& [shard, s] : shards) out.push_back(s);
+  return out;
+}
+
+std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string& owner_node) const {
+  MutexLock lock(&mu_);
+  std::vector<CatalogRecord> out;
+  auto it = slices_.find({shard, owner_node});
+  if (it == slices_.end() || !it->second.baseline) return out;
+  for (const auto& [key, entry] : it->second.view) {
+    out.push_back(CatalogRecord{key.key, key.tier, true, entry.version, entry.generation, entry.bytes});
+  }
+  return out;
+}
+
+uint64_t CatalogStore::used_bytes() const {
+  MutexLock lock(&mu_);
+  return used_;
+}
+
+}  // namespace orbitkv::catalog

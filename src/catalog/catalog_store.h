@@ -1,0 +1,115 @@
+// CatalogStore: the evidence a catalog host keeps for the logical shards placed on it, per (owner
+// start, shard) slice, built only from what owners stream (catalog_messages.h). Seed 000,
+// "Inventory, replication and recovery":
+//  - Deltas apply in the owner's sequence order: a batch whose records were applied already is
+//    deduplicated, one that does not follow the applied sequence answers GAP, one for a stream
+//    without a baseline here (unknown, or a new start of this host) answers RESYNC.
+//  - A snapshot is built privately (its pages and its interval applied by record version, removals
+//    kept as deletion evidence so a delayed addition never resurrects an evicted residency) and
+//    installed only when its interval is complete; until then readers see the old view.
+//  - Equal versions with different contents are a conflict: the slice loses its baseline (RESYNC).
+//  - Owners that are not live members (fenced, expired, an older start) are refused, and their
+//    slices dropped when the member view drops them.
+//  - Every entry of the live views, of the views being built and of reservations is charged to one
+//    byte budget, never exceeded: a snapshot that cannot fit answers RETRY_LATER and leaves the
+//    slice incomplete; a delta that cannot fit drops that slice's derived view (incomplete).
+//
+// Thread safety: every method is safe from any thread (one mutex; each call is short and bounded by
+// its message).
+#ifndef ORBITKV_CATALOG_CATALOG_STORE_H_
+#define ORBITKV_CATALOG_CATALOG_STORE_H_
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
+#include "catalog/catalog_messages.h"
+
+namespace orbitkv::catalog {
+
+class CatalogStore {
+ public:
+  static constexpr uint64_t kDefaultBudgetBytes = 256ull << 20;
+  struct Options {
+    uint64_t incarnation = 0;  // this host's start: owners must address it
+    uint64_t budget_bytes = kDefaultBudgetBytes;
+    // Whether `runtime` is the live, registered start of `node` (the member view). Null: everyone.
+    std::function<bool(const std::string& node, const std::string& runtime)> owner_live;
+  };
+  // What one entry costs the budget (key, value and the map's node).
+  static uint64_t EntryCharge();
+
+  explicit CatalogStore(Options options);
+
+  CatalogReply Apply(const DeltaBatch& batch) EXCLUDES(mu_);
+  CatalogReply Begin(const SnapshotBegin& begin) EXCLUDES(mu_);
+  CatalogReply Page(const SnapshotPage& page) EXCLUDES(mu_);
+  CatalogReply End(const SnapshotEnd& end) EXCLUDES(mu_);
+
+  // Drops the slices of owners that are no longer live; returns how many.
+  size_t DropDeadOwners() EXCLUDES(mu_);
+
+  struct ShardStatus {
+    uint32_t shard = 0;
+    size_t owners = 0;     // slices with an installed baseline
+    size_t records = 0;    // present residences over those slices
+    uint64_t bytes = 0;    // charged for the shard (views, views being built, reservations)
+    bool complete = true;  // every known slice has a baseline and nothing pending
+  };
+  std::vector<ShardStatus> Status() const EXCLUDES(mu_);
+  // One owner's current evidence for `shard`, in (key, tier) order.
+  std::vector<CatalogRecord> Dump(uint32_t shard, const std::string& owner_node) const EXCLUDES(mu_);
+  uint64_t used_bytes() const EXCLUDES(mu_);
+  uint64_t incarnation() const { return options_.incarnation; }
+
+ private:
+  struct EntryKey {
+    state::StateKey key;
+    uint8_t tier;
+    friend auto operator<=>(const EntryKey&, const EntryKey&) = default;
+  };
+  struct Entry {
+    bool present = true;
+    uint64_t version = 0;
+    uint64_t generation = 0;
+    uint64_t bytes = 0;
+  };
+  using View = std::map<EntryKey, Entry>;
+  struct Building {
+    uint64_t id = 0;
+    uint64_t start = 0;
+    uint64_t reserved = 0;  // bytes reserved at Begin
+    View view;              // with deletion evidence (present == false)
+  };
+  struct Slice {
+    std::string owner_runtime;
+    uint64_t applied = 0;
+    bool baseline = false;
+    View view;  // present entries only: the applied sequence makes older events rejectable
+    std::optional<Building> building;
+  };
+  using SliceKey = std::pair<uint32_t, std::string>;  // (shard, owner node)
+
+  // Common checks; a reply when the message must be answered without applying it.
+  std::optional<CatalogReply> Admit(const StreamId& stream) const REQUIRES(mu_);
+  CatalogReply Reply(CatalogReply::Kind kind, uint64_t applied, std::string reason) const;
+  // Applies `record` to a view with deletion evidence by version; false on an equal-version conflict.
+  static bool ApplyByVersion(View& view, const CatalogRecord& record);
+  uint64_t BuildingCharge(const Building& building) const;
+  void AbortBuilding(Slice& slice) REQUIRES(mu_);
+  void DropView(Slice& slice) REQUIRES(mu_);
+
+  const Options options_;
+  mutable Mutex mu_;
+  std::map<SliceKey, Slice> slices_ GUARDED_BY(mu_);
+  uint64_t used_ GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace orbitkv::catalog
+
+#endif  // ORBITKV_CATALOG_CATALOG_STORE_H_

@@ -1,0 +1,178 @@
+// CatalogStore alone: what it installs from deltas and snapshots, and what it refuses.
+#include "catalog/catalog_store.h"
+
+#include <gtest/gtest.h>
+
+#include "core/test_util.h"
+
+namespace orbitkv::catalog {
+namespace {
+
+using Kind = CatalogReply::Kind;
+
+constexpr uint64_t kIncarnation = 0xc0ffee;
+
+StreamId Stream(const std::string& node = "node-a", const std::string& runtime = "run-1") {
+  return StreamId{node, runtime, 3, kIncarnation};
+}
+
+CatalogRecord Add(uint64_t i, uint64_t version, uint64_t generation = 1) {
+  return CatalogRecord{core::testing::ChainKey(7, i), 1, true, version, generation, 4096};
+}
+CatalogRecord Remove(uint64_t i, uint64_t version, uint64_t generation = 1) {
+  return CatalogRecord{core::testing::ChainKey(7, i), 1, false, version, generation, 4096};
+}
+
+// A baseline at watermark `w` holding keys [0, n) (versions 1..n).
+void Baseline(CatalogStore& store, uint64_t n, const StreamId& stream = Stream()) {
+  ASSERT_EQ(store.Begin({stream, 1, 0, n}).kind, Kind::kAck);
+  SnapshotEnd end{stream, 1, n, {}};
+  for (uint64_t i = 0; i < n; ++i) end.interval.push_back(Add(i, i + 1));
+  ASSERT_EQ(store.End(end).kind, Kind::kAck);
+}
+
+TEST(CatalogStoreTest, DeltasApplyInOrderAndDuplicatesAreDeduplicated) {
+  CatalogStore store({kIncarnation});
+  EXPECT_EQ(store.Apply({Stream(), 1, {Add(0, 1)}}).kind, Kind::kResync);  // no baseline yet
+  Baseline(store, 4);
+  CatalogReply reply = store.Apply({Stream(), 5, {Add(9, 5), Remove(0, 6)}});
+  EXPECT_EQ(reply.kind, Kind::kAck);
+  EXPECT_EQ(reply.applied_sequence, 6u);
+  // The same batch again, and one overlapping it: nothing applies twice.
+  EXPECT_EQ(store.Apply({Stream(), 5, {Add(9, 5), Remove(0, 6)}}).applied_sequence, 6u);
+  reply = store.Apply({Stream(), 6, {Remove(0, 6), Add(10, 7)}});
+  EXPECT_EQ(reply.kind, Kind::kAck);
+  EXPECT_EQ(reply.applied_sequence, 7u);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 5u);  // 1, 2, 3, 9, 10
+  EXPECT_EQ(store.used_bytes(), 5 * CatalogStore::EntryCharge());
+}
+
+TEST(CatalogStoreTest, ABatchThatDoesNotFollowAnswersGapAndOutOfOrderBatchesRecover) {
+  CatalogStore store({kIncarnation});
+  Baseline(store, 2);
+  const DeltaBatch first{Stream(), 3, {Add(5, 3), Add(6, 4)}};
+  const DeltaBatch second{Stream(), 5, {Add(7, 5)}};
+  CatalogReply reply = store.Apply(second);  // overtook the first
+  EXPECT_EQ(reply.kind, Kind::kGap);
+  EXPECT_EQ(reply.applied_sequence, 2u);
+  EXPECT_EQ(store.Apply(first).applied_sequence, 4u);
+  EXPECT_EQ(store.Apply(second).applied_sequence, 5u);
+  EXPECT_EQ(store.Apply(first).kind, Kind::kAck);  // a late duplicate
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 5u);
+}
+
+TEST(CatalogStoreTest, ASnapshotIsInstalledOnlyWhenItsIntervalIsComplete) {
+  CatalogStore store({kIncarnation});
+  Baseline(store, 3);
+  ASSERT_EQ(store.Begin({Stream(), 2, 3, 2}).kind, Kind::kAck);
+  ASSERT_EQ(store.Page({Stream(), 2, {Add(20, 2), Add(21, 3)}}).kind, Kind::kAck);
+  // Readers still see the old view while the new one is built.
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 3u);
+  EXPECT_FALSE(store.Status()[0].complete);
+  // An interval (3, 6] with one record missing: refused, the old view stays.
+  CatalogReply reply = store.End({Stream(), 2, 6, {Add(22, 4), Add(23, 6)}});
+  EXPECT_EQ(reply.kind, Kind::kResync);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 3u);
+  EXPECT_EQ(store.Page({Stream(), 2, {Add(24, 5)}}).kind, Kind::kResync);  // that snapshot is gone
+  // A complete one installs.
+  ASSERT_EQ(store.Begin({Stream(), 3, 3, 2}).kind, Kind::kAck);
+  ASSERT_EQ(store.Page({Stream(), 3, {Add(20, 2), Add(21, 3)}}).kind, Kind::kAck);
+  reply = store.End({Stream(), 3, 5, {Add(22, 4), Add(23, 5)}});
+  ASSERT_EQ(reply.kind, Kind::kAck);
+  EXPECT_EQ(reply.applied_sequence, 5u);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 4u);
+  EXPECT_TRUE(store.Status()[0].complete);
+  EXPECT_EQ(store.used_bytes(), 4 * CatalogStore::EntryCharge());
+}
+
+// Deletion evidence: a residence added and then evicted never comes back from older evidence that
+// arrives late: a page scanned before the eviction (its add is older than the interval's removal), a
+// delayed duplicate of the delta that added it, or a page of a snapshot that is no longer being built.
+TEST(CatalogStoreTest, ADelayedAdditionNeverResurrectsAnEvictedResidence) {
+  CatalogStore store({kIncarnation});
+  ASSERT_EQ(store.Begin({Stream(), 1, 10, 2}).kind, Kind::kAck);
+  // Pages taken during the cut: key 2 added at 8 (scanned before its eviction at 11), key 1 at 4.
+  ASSERT_EQ(store.Page({Stream(), 1, {Add(1, 4), Add(2, 8)}}).kind, Kind::kAck);
+  // Interval (10, 12]: key 2 evicted at 11, key 3 added at 12.
+  ASSERT_EQ(store.End({Stream(), 1, 12, {Remove(2, 11), Add(3, 12)}}).kind, Kind::kAck);
+  auto dump = store.Dump(3, "node-a");
+  ASSERT_EQ(dump.size(), 2u);
+  EXPECT_EQ(dump[0].key, core::testing::ChainKey(7, 1));
+  EXPECT_EQ(dump[1].key, core::testing::ChainKey(7, 3));
+  // Deltas: key 5 added at 13, evicted at 14; then the add is delivered again, late.
+  ASSERT_EQ(store.Apply({Stream(), 13, {Add(5, 13)}}).kind, Kind::kAck);
+  ASSERT_EQ(store.Apply({Stream(), 14, {Remove(5, 14)}}).kind, Kind::kAck);
+  EXPECT_EQ(store.Apply({Stream(), 13, {Add(5, 13)}}).applied_sequence, 14u);
+  // A page of the finished snapshot, replayed: refused, nothing applied.
+  EXPECT_EQ(store.Page({Stream(), 1, {Add(2, 8)}}).kind, Kind::kResync);
+  dump = store.Dump(3, "node-a");
+  ASSERT_EQ(dump.size(), 2u);
+  EXPECT_EQ(dump[1].key, core::testing::ChainKey(7, 3));
+}
+
+TEST(CatalogStoreTest, EqualVersionsWithDifferentContentsForceANewBaseline) {
+  CatalogStore store({kIncarnation});
+  Baseline(store, 2);
+  ASSERT_EQ(store.Begin({Stream(), 2, 2, 2}).kind, Kind::kAck);
+  ASSERT_EQ(store.Page({Stream(), 2, {Add(0, 1)}}).kind, Kind::kAck);
+  EXPECT_EQ(store.Page({Stream(), 2, {Add(0, 1, /*generation=*/9)}}).kind, Kind::kResync);
+  EXPECT_EQ(store.End({Stream(), 2, 2, {}}).kind, Kind::kResync);  // aborted
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 2u);                   // the old baseline stands
+  // A delta that removes what the view never held: the views disagree, the baseline goes.
+  EXPECT_EQ(store.Apply({Stream(), 3, {Remove(50, 3)}}).kind, Kind::kResync);
+  EXPECT_EQ(store.Apply({Stream(), 4, {Add(51, 4)}}).kind, Kind::kResync);
+  EXPECT_EQ(store.used_bytes(), 0u);
+}
+
+TEST(CatalogStoreTest, TheBudgetIsNeverExceededAndWhatDoesNotFitIsIncomplete) {
+  const uint64_t budget = 10 * CatalogStore::EntryCharge();
+  CatalogStore store({kIncarnation, budget});
+  Baseline(store, 6);
+  // A second owner's snapshot of 8 records does not fit next to the first's 6.
+  CatalogReply reply = store.Begin({Stream("node-b", "run-9"), 1, 0, 8});
+  EXPECT_EQ(reply.kind, Kind::kRetryLater);
+  EXPECT_LE(store.used_bytes(), budget);
+  // One that claims 2 but sends 6: it outgrows its reservation and is aborted, never installed.
+  ASSERT_EQ(store.Begin({Stream("node-b", "run-9"), 2, 0, 2}).kind, Kind::kAck);
+  SnapshotPage page{Stream("node-b", "run-9"), 2, {}};
+  for (uint64_t i = 0; i < 6; ++i) page.records.push_back(Add(100 + i, i + 1));
+  EXPECT_EQ(store.Page(page).kind, Kind::kRetryLater);
+  EXPECT_LE(store.used_bytes(), budget);
+  EXPECT_TRUE(store.Dump(3, "node-b").empty());
+  // Deltas beyond the budget drop that slice's derived view: incomplete, never over budget.
+  DeltaBatch grow{Stream(), 7, {}};
+  for (uint64_t i = 0; i < 6; ++i) grow.records.push_back(Add(200 + i, 7 + i));
+  EXPECT_EQ(store.Apply(grow).kind, Kind::kRetryLater);
+  EXPECT_LE(store.used_bytes(), budget);
+  EXPECT_TRUE(store.Dump(3, "node-a").empty());
+  EXPECT_FALSE(store.Status()[0].complete);
+  EXPECT_EQ(store.Apply({Stream(), 13, {Add(300, 13)}}).kind, Kind::kResync);
+}
+
+TEST(CatalogStoreTest, ANewCatalogStartAndDeadOwnersAreRefused) {
+  bool a_live = true;
+  CatalogStore::Options options{kIncarnation};
+  options.owner_live = [&](const std::string& node, const std::string& runtime) {
+    return node == "node-a" ? a_live && runtime == "run-1" : true;
+  };
+  CatalogStore store(options);
+  Baseline(store, 2);
+  StreamId old_catalog = Stream();
+  old_catalog.catalog_incarnation = kIncarnation + 1;  // the owner streamed to an earlier start of this host
+  CatalogReply reply = store.Apply({old_catalog, 3, {Add(3, 3)}});
+  EXPECT_EQ(reply.kind, Kind::kResync);
+  EXPECT_EQ(reply.catalog_incarnation, kIncarnation);
+  // An older start of node-a replaying its RPCs is refused.
+  EXPECT_EQ(store.Apply({Stream("node-a", "run-0"), 3, {Add(3, 3)}}).kind, Kind::kRefused);
+  EXPECT_EQ(store.Begin({Stream("node-a", "run-0"), 5, 0, 1}).kind, Kind::kRefused);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 2u);
+  // node-a fenced: its slice goes, and its late RPCs are refused.
+  a_live = false;
+  EXPECT_EQ(store.DropDeadOwners(), 1u);
+  EXPECT_TRUE(store.Dump(3, "node-a").empty());
+  EXPECT_EQ(store.used_bytes(), 0u);
+  EXPECT_EQ(store.Apply({Stream(), 3, {Add(3, 3)}}).kind, Kind::kRefused);
+}
+
+}  // namespace
+}  // namespace orbitkv::catalog
