@@ -161,25 +161,26 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
   return Reply(CatalogReply::Kind::kAck, slice.applied, "");
 }
 
-CatalogReply CatalogStore::Page(const SnapshotPage& page) {
-  MutexLock lock(&mu_);
-  if (auto refused = Admit(page.stream)) return *refused;
-  auto it = slices_.find({page.stream.shard, page.stream.owner_node});
-  if (it == slices_.end() || !it->second.building || it->second.building->id != page.snapshot_id ||
-      it->second.owner_runtime != page.stream.owner_runtime) {
-    return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
+CatalogStore::Slice* CatalogStore::FindBuilding(const StreamId& stream, uint64_t snapshot_id) {
+  auto it = slices_.find({stream.shard, stream.owner_node});
+  if (it == slices_.end() || !it->second.building || it->second.building->id != snapshot_id ||
+      it->second.owner_runtime != stream.owner_runtime) {
+    return nullptr;
   }
-  Slice& slice = it->second;
+  return &it->second;
+}
+
+std::optional<CatalogReply> CatalogStore::AddToBuilding(Slice& slice, const std::vector<CatalogRecord>& records) {
   Building& building = *slice.building;
   const uint64_t before = BuildingCharge(building);
-  const uint64_t worst = std::max<uint64_t>(building.reserved,
-                                            (building.view.size() + page.records.size()) * EntryCharge());
+  const uint64_t worst =
+      std::max<uint64_t>(building.reserved, (building.view.size() + records.size()) * EntryCharge());
   if (used_ - before + worst > options_.budget_bytes) {
     AbortBuilding(slice);
     return Reply(CatalogReply::Kind::kRetryLater, slice.applied,
                  "the snapshot outgrew its reservation and the catalog budget is full");
   }
-  for (const CatalogRecord& r : page.records) {
+  for (const CatalogRecord& r : records) {
     if (!ApplyByVersion(building.view, r)) {
       AbortBuilding(slice);
       return Reply(CatalogReply::Kind::kResync, slice.applied,
@@ -187,18 +188,24 @@ CatalogReply CatalogStore::Page(const SnapshotPage& page) {
     }
   }
   used_ += BuildingCharge(building) - before;
-  return Reply(CatalogReply::Kind::kAck, slice.applied, "");
+  return std::nullopt;
+}
+
+CatalogReply CatalogStore::Page(const SnapshotPage& page) {
+  MutexLock lock(&mu_);
+  if (auto refused = Admit(page.stream)) return *refused;
+  Slice* slice = FindBuilding(page.stream, page.snapshot_id);
+  if (slice == nullptr) return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
+  if (auto trouble = AddToBuilding(*slice, page.records)) return *trouble;
+  return Reply(CatalogReply::Kind::kAck, slice->applied, "");
 }
 
 CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   MutexLock lock(&mu_);
   if (auto refused = Admit(end.stream)) return *refused;
-  auto it = slices_.find({end.stream.shard, end.stream.owner_node});
-  if (it == slices_.end() || !it->second.building || it->second.building->id != end.snapshot_id ||
-      it->second.owner_runtime != end.stream.owner_runtime) {
-    return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
-  }
-  Slice& slice = it->second;
+  Slice* found = FindBuilding(end.stream, end.snapshot_id);
+  if (found == nullptr) return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
+  Slice& slice = *found;
   Building& building = *slice.building;
   // The interval must be exactly (start, end]: anything less would install a view that misses a change.
   const bool complete = end.end_watermark >= building.start &&
@@ -216,21 +223,7 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
                              end.end_watermark - std::min(end.end_watermark, building.start), building.start,
                              end.end_watermark));
   }
-  const uint64_t before = BuildingCharge(building);
-  const uint64_t worst = std::max<uint64_t>(building.reserved,
-                                            (building.view.size() + end.interval.size()) * EntryCharge());
-  if (used_ - before + worst > options_.budget_bytes) {
-    AbortBuilding(slice);
-    return Reply(CatalogReply::Kind::kRetryLater, slice.applied, "the snapshot does not fit the catalog budget");
-  }
-  for (const CatalogRecord& r : end.interval) {
-    if (!ApplyByVersion(building.view, r)) {
-      AbortBuilding(slice);
-      return Reply(CatalogReply::Kind::kResync, slice.applied,
-                   fmt::format("conflicting records of version {}: a new baseline is needed", r.version));
-    }
-  }
-  used_ += BuildingCharge(building) - before;
+  if (auto trouble = AddToBuilding(slice, end.interval)) return *trouble;
   // Install: the deletion evidence has done its work (the applied sequence now rejects anything older).
   View installed;
   for (auto& [key, entry] : building.view) {

@@ -101,6 +101,11 @@ class CatalogStore {
   // Applies `record` to a view with deletion evidence by version; false on an equal-version conflict.
   static bool ApplyByVersion(View& view, const CatalogRecord& record);
   uint64_t BuildingCharge(const Building& building) const;
+  // The slice whose snapshot `snapshot_id` of `stream` is being built, or null.
+  Slice* FindBuilding(const StreamId& stream, uint64_t snapshot_id) REQUIRES(mu_);
+  // Applies snapshot records to the slice's private view within the budget; a reply when it aborted.
+  std::optional<CatalogReply> AddToBuilding(Slice& slice, const std::vector<CatalogRecord>& records)
+      REQUIRES(mu_);
   void AbortBuilding(Slice& slice) REQUIRES(mu_);
   void DropView(Slice& slice) REQUIRES(mu_);
 
