@@ -6,8 +6,10 @@
 // A stream is one (owner runtime incarnation, shard) to one catalog host start. Deltas carry the
 // owner's journal records in sequence order, contiguously from the receiver's applied sequence + 1;
 // a snapshot is Begin (start watermark and the expected record count, so the receiver can reserve
-// its budget), pages of current replicas with their versions, then End (end watermark and every
-// journal record after the start watermark through it); the receiver installs the view only then.
+// its budget), pages of current replicas with their versions, then every journal record after the
+// start watermark through the end watermark (in interval pages, the last ones in End); the receiver
+// installs the view only then. A delta batch without records is a heartbeat: first_sequence - 1 is
+// the owner's watermark, so an idle owner learns that a catalog restarted or fell behind.
 #ifndef ORBITKV_CATALOG_CATALOG_MESSAGES_H_
 #define ORBITKV_CATALOG_CATALOG_MESSAGES_H_
 
@@ -57,13 +59,16 @@ struct SnapshotPage {
   StreamId stream;
   uint64_t snapshot_id = 0;
   std::vector<CatalogRecord> records;  // current replicas, each with its version
+  // Instead: the next records of the interval (w0, w1], in sequence order (a long interval travels in
+  // several pages, each within the message limit).
+  bool interval = false;
 };
 
 struct SnapshotEnd {
   StreamId stream;
   uint64_t snapshot_id = 0;
   uint64_t end_watermark = 0;           // w1
-  std::vector<CatalogRecord> interval;  // every journal record with w0 < version <= w1, in order
+  std::vector<CatalogRecord> interval;  // the interval's records not sent in interval pages, in order
 };
 
 // The receiver's answer to any of them.

@@ -96,8 +96,15 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
       return Reply(CatalogReply::Kind::kResync, 0, "a delta batch with non-contiguous sequences");
     }
   }
+  if (batch.records.empty()) {  // a heartbeat: the owner is at first_sequence - 1
+    if (batch.first_sequence > slice.applied + 1) {
+      return Reply(CatalogReply::Kind::kGap, slice.applied,
+                   fmt::format("the owner is at {}, this slice at {}", batch.first_sequence - 1, slice.applied));
+    }
+    return Reply(CatalogReply::Kind::kAck, slice.applied, "");
+  }
   const uint64_t last = batch.first_sequence + batch.records.size() - 1;
-  if (batch.records.empty() || last <= slice.applied) {
+  if (last <= slice.applied) {
     return Reply(CatalogReply::Kind::kAck, slice.applied, "");  // a duplicate: applied already
   }
   if (batch.first_sequence > slice.applied + 1) {
@@ -156,9 +163,17 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
   building.id = begin.snapshot_id;
   building.start = begin.start_watermark;
   building.reserved = reserve;
+  building.interval_next = begin.start_watermark + 1;
   used_ += reserve;
   slice.building = std::move(building);
   return Reply(CatalogReply::Kind::kAck, slice.applied, "");
+}
+
+bool CatalogStore::IntervalFollows(const Building& building, const std::vector<CatalogRecord>& records) {
+  for (size_t i = 0; i < records.size(); ++i) {
+    if (records[i].version != building.interval_next + i) return false;
+  }
+  return true;
 }
 
 CatalogStore::Slice* CatalogStore::FindBuilding(const StreamId& stream, uint64_t snapshot_id) {
@@ -196,7 +211,12 @@ CatalogReply CatalogStore::Page(const SnapshotPage& page) {
   if (auto refused = Admit(page.stream)) return *refused;
   Slice* slice = FindBuilding(page.stream, page.snapshot_id);
   if (slice == nullptr) return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
+  if (page.interval && !IntervalFollows(*slice->building, page.records)) {
+    AbortBuilding(*slice);
+    return Reply(CatalogReply::Kind::kResync, slice->applied, "the snapshot's interval is out of order");
+  }
   if (auto trouble = AddToBuilding(*slice, page.records)) return *trouble;
+  if (page.interval) slice->building->interval_next += page.records.size();
   return Reply(CatalogReply::Kind::kAck, slice->applied, "");
 }
 
@@ -208,20 +228,16 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   Slice& slice = *found;
   Building& building = *slice.building;
   // The interval must be exactly (start, end]: anything less would install a view that misses a change.
-  const bool complete = end.end_watermark >= building.start &&
-                        end.interval.size() == end.end_watermark - building.start;
-  for (size_t i = 0; complete && i < end.interval.size(); ++i) {
-    if (end.interval[i].version != building.start + 1 + i) {
-      AbortBuilding(slice);
-      return Reply(CatalogReply::Kind::kResync, slice.applied, "the snapshot's interval is out of order");
-    }
+  if (!IntervalFollows(building, end.interval)) {
+    AbortBuilding(slice);
+    return Reply(CatalogReply::Kind::kResync, slice.applied, "the snapshot's interval is out of order");
   }
-  if (!complete) {
+  const uint64_t through = building.interval_next + end.interval.size() - 1;
+  if (end.end_watermark < building.start || through != end.end_watermark) {
     AbortBuilding(slice);
     return Reply(CatalogReply::Kind::kResync, slice.applied,
-                 fmt::format("the snapshot's interval holds {} records, not the {} of ({}, {}]", end.interval.size(),
-                             end.end_watermark - std::min(end.end_watermark, building.start), building.start,
-                             end.end_watermark));
+                 fmt::format("the snapshot's interval ends at {}, not at its end watermark {} (it began after {})",
+                             through, end.end_watermark, building.start));
   }
   if (auto trouble = AddToBuilding(slice, end.interval)) return *trouble;
   // Install: the deletion evidence has done its work (the applied sequence now rejects anything older).

@@ -84,6 +84,7 @@ class CatalogStore {
     uint64_t id = 0;
     uint64_t start = 0;
     uint64_t reserved = 0;  // bytes reserved at Begin
+    uint64_t interval_next = 0;  // the next interval sequence expected (start + 1 at Begin)
     View view;              // with deletion evidence (present == false)
   };
   struct Slice {
@@ -101,6 +102,8 @@ class CatalogStore {
   // Applies `record` to a view with deletion evidence by version; false on an equal-version conflict.
   static bool ApplyByVersion(View& view, const CatalogRecord& record);
   uint64_t BuildingCharge(const Building& building) const;
+  // Whether `records` continue the building's interval contiguously.
+  static bool IntervalFollows(const Building& building, const std::vector<CatalogRecord>& records);
   // The slice whose snapshot `snapshot_id` of `stream` is being built, or null.
   Slice* FindBuilding(const StreamId& stream, uint64_t snapshot_id) REQUIRES(mu_);
   // Applies snapshot records to the slice's private view within the budget; a reply when it aborted.

@@ -176,6 +176,15 @@ bool OwnerStreamer::Snapshot() {
       after = r.sequence;
     }
     if (read->records.empty()) break;
+    if (end.interval.size() >= options_.max_batch_records && after < w1) {  // a long interval: in pages
+      SnapshotPage chunk{Stream(), id, std::move(end.interval), /*interval=*/true};
+      end.interval.clear();
+      reply = transport_->Deliver(options_.catalog_node, chunk);
+      if (!reply.ok() || reply->kind != CatalogReply::Kind::kAck) {
+        OnTrouble(reply, true);
+        return true;
+      }
+    }
   }
   reply = transport_->Deliver(options_.catalog_node, end);
   if (!reply.ok() || reply->kind != CatalogReply::Kind::kAck) {
@@ -197,9 +206,29 @@ bool OwnerStreamer::Snapshot() {
   return true;
 }
 
+bool OwnerStreamer::Heartbeat() {
+  if (state() != State::kStreaming) return false;
+  DeltaBatch beat;
+  beat.stream = Stream();
+  beat.first_sequence = acked_.load(std::memory_order_relaxed) + 1;
+  Result<CatalogReply> reply = transport_->Deliver(options_.catalog_node, beat);
+  if (reply.ok() && reply->kind == CatalogReply::Kind::kAck) return true;
+  OnTrouble(reply, /*in_snapshot=*/false);
+  return true;
+}
+
 void OwnerStreamer::Run(const std::atomic<bool>& stop) {
+  MonoTime last_sent = MonoNow();
   while (!stop.load(std::memory_order_acquire)) {
-    if (Step()) continue;
+    if (Step()) {
+      last_sent = MonoNow();
+      continue;
+    }
+    if (MonoNow() - last_sent >= options_.heartbeat_interval) {  // idle: tell the catalog where we are
+      Heartbeat();
+      last_sent = MonoNow();
+      continue;
+    }
     if (state() == State::kStopped) return;
     if (state() == State::kBackoff) {
       std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(backoff_, std::chrono::milliseconds(100)));

@@ -58,6 +58,9 @@ class OwnerStreamer {
     std::chrono::milliseconds backoff_min{10};
     std::chrono::milliseconds backoff_max{2000};
     int snapshot_attempts = 8;  // failed snapshots in a row before the stream says it does not converge
+    // An idle stream sends a heartbeat (an empty delta naming its acknowledged sequence) this often, so a
+    // catalog host that restarted or fell behind is repaired without new writes.
+    std::chrono::milliseconds heartbeat_interval{1000};
   };
   enum class State { kSnapshot, kStreaming, kBackoff, kStopped };
 
@@ -69,6 +72,8 @@ class OwnerStreamer {
 
   // One unit of work; true when it did something (a caller loops until false to drain).
   bool Step();
+  // Sends a heartbeat now (while streaming); true when it sent one.
+  bool Heartbeat();
   // Streams until `stop` is set (checked at least every 100 ms).
   void Run(const std::atomic<bool>& stop);
 

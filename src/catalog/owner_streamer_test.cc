@@ -193,6 +193,14 @@ TEST(OwnerStreamerTest, ARestartedCatalogHostIsRepairedFromTheOwner) {
   Drain(*streamer);
   EXPECT_EQ(store->Dump(kShard, "node-a"), OwnerView(*inventory));
   EXPECT_EQ(streamer->snapshots(), 2u);
+  // And once more with no change at all: the heartbeat finds the new start, and the owner repairs it.
+  store = std::make_unique<CatalogStore>(CatalogStore::Options{0xca9});
+  transport.set_store(store.get());
+  EXPECT_FALSE(streamer->Step());  // nothing to send...
+  EXPECT_TRUE(streamer->Heartbeat());
+  Drain(*streamer);
+  EXPECT_EQ(store->Dump(kShard, "node-a"), OwnerView(*inventory));
+  EXPECT_EQ(streamer->snapshots(), 3u);
   // Unreachable for a while: the owner backs off, Publish goes on, then it converges.
   transport.unavailable = true;
   churn.Run(200);
@@ -225,6 +233,24 @@ TEST(OwnerStreamerTest, AJournalThatLostHistoryForcesSnapshotsAndAnOverflowingIn
   EXPECT_EQ(store.Dump(kShard, "node-a"), OwnerView(*inventory));
   EXPECT_TRUE(streamer->converged());
   EXPECT_FALSE(inventory->resync_required(kShard, 1));
+}
+
+// An interval longer than a batch travels in interval pages before End (each message stays bounded).
+TEST(OwnerStreamerTest, ALongIntervalTravelsInPages) {
+  auto inventory = Inventory();
+  CatalogStore store({0xca7});
+  InProcessTransport transport(&store);
+  Churn churn(inventory.get(), 8);
+  churn.Run(200);
+  auto streamer = *OwnerStreamer::Create(StreamerOptions(), inventory.get(), &transport);
+  int pages = 0;
+  transport.on_page = [&] {
+    if (++pages == 1) churn.Run(500);  // 500 changes inside the cut: an interval of about 8 batches
+  };
+  Drain(*streamer);
+  EXPECT_EQ(store.Dump(kShard, "node-a"), OwnerView(*inventory));
+  EXPECT_EQ(streamer->snapshots(), 1u);
+  EXPECT_GT(pages, 8);
 }
 
 TEST(OwnerStreamerTest, ARefusedOwnerStops) {
