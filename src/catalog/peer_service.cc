@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "catalog/catalog_grpc.h"
+
 namespace orbitkv::catalog {
 
 grpc::Status ToGrpc(const Status& status) {
@@ -31,6 +33,23 @@ grpc::Status PeerService::Health(grpc::ServerContext* /*context*/, const peer::v
   response->set_incarnation(options_.incarnation);
   response->set_ucx_worker_address(options_.ucx_worker_address);
   for (const std::string& c : options_.capabilities) response->add_capabilities(c);
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Catalog(grpc::ServerContext* /*context*/, const peer::v1::CatalogRequest* request,
+                                  peer::v1::CatalogResponse* response) {
+  Status routed = CheckRoute(request->route(), options_.self, *members_);
+  if (!routed.ok()) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    return ToGrpc(routed);
+  }
+  if (options_.catalog == nullptr || !options_.hosts_shard || !options_.hosts_shard(request->shard())) {
+    return ToGrpc(Status::FailedPrecondition(
+        fmt::format("catalog shard {} is not placed on node '{}'", request->shard(), options_.self.node_id)));
+  }
+  Result<CatalogMessage> message = FromRequest(*request);
+  if (!message.ok()) return ToGrpc(message.status());
+  *response = ToResponse(DeliverTo(*options_.catalog, *message));
   return grpc::Status::OK;
 }
 

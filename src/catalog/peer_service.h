@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "catalog/catalog_store.h"
 #include "catalog/peer_grpc.h"
 #include "catalog/route.h"
 
@@ -25,11 +26,17 @@ class PeerService final : public peer::v1::Peer::Service {
     uint64_t incarnation = 0;
     std::string ucx_worker_address;  // empty: no UCX engine
     std::vector<std::string> capabilities;
+    // The catalog shards placed on this Manager are kept here (null: it hosts none).
+    CatalogStore* catalog = nullptr;
+    std::function<bool(uint32_t shard)> hosts_shard;
   };
   PeerService(Options options, const cluster::MemberView* members);
 
   grpc::Status Health(grpc::ServerContext* context, const peer::v1::HealthRequest* request,
                       peer::v1::HealthResponse* response) override;
+  // One message of an owner's stream for a shard placed here (FAILED_PRECONDITION for another shard).
+  grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest* request,
+                       peer::v1::CatalogResponse* response) override;
 
   // Requests refused by the route check, for status and metrics.
   uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }

@@ -18,6 +18,7 @@
 #include "base/metrics.h"
 #include "base/result.h"
 #include "base/runtime_id.h"
+#include "core/inventory.h"
 #include "server/config.h"
 
 namespace orbitkv::server {
@@ -27,8 +28,8 @@ class ClusterLink {
   // Joins the cluster the config names (within 30 s); null without --etcd-endpoints.
   // FailedPrecondition when the build has no cluster module but --etcd-endpoints is set.
   // `runtime` is the Manager's identity, written into its member record; `inventory_shards` the
-  // residency inventory's shard count, which must be the placement's (FailedPrecondition
-  // otherwise: catalog shards and inventory shards are the same thing).
+  // residency inventory's shard count must be the placement's (FailedPrecondition otherwise:
+  // catalog shards and inventory shards are the same thing).
   // `pool_arenas` are the DRAM pool's arenas (base, bytes): with --peer-endpoint the link starts
   // the UCX transfer engine and registers them, so peers can read blocks inside grants. They must
   // outlive the link.
@@ -36,9 +37,10 @@ class ClusterLink {
     uint8_t* base = nullptr;
     uint64_t bytes = 0;
   };
+  // `inventory` is the residency inventory the owner streams replay (it must outlive the link).
   static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config,
                                                     const RuntimeId& runtime,
-                                                    uint32_t inventory_shards,
+                                                    core::ResidencyInventory* inventory,
                                                     const std::vector<Arena>& pool_arenas,
                                                     MetricsRegistry* metrics);
   virtual ~ClusterLink() = default;

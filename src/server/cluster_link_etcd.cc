@@ -2,9 +2,14 @@
 // listener (orbitkv.peer.v1 over gRPC: the Manager's only gRPC listener; standalone Managers open none).
 #include "catalog/peer_service.h"  // first: it brings gRPC in (see cluster/grpc.h)
 
+#include "catalog/catalog_grpc.h"
+#include "catalog/catalog_store.h"
+#include "catalog/owner_streamer.h"
 #include "catalog/peer_directory.h"
 
+#include <atomic>
 #include <fstream>
+#include <thread>
 #include <sstream>
 
 #include "base/clock.h"
@@ -135,7 +140,8 @@ Result<std::shared_ptr<grpc::ChannelCredentials>> PeerClientCredentials(const Ma
 
 Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& config, const RuntimeId& runtime,
                                                         const cluster::Membership& membership,
-                                                        const transfer::TransferEngine& transfer) {
+                                                        const transfer::TransferEngine& transfer,
+                                                        catalog::CatalogStore* catalog) {
   ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tls, PeerCredentials(config));
   auto listener = std::make_unique<PeerListener>();
   listener->address = config.peer_listen.empty() ? config.peer_endpoint : config.peer_listen;
@@ -144,7 +150,11 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
                                        membership.GetStatus().self.epoch, membership.placement().fingerprint()};
   options.incarnation = runtime.incarnation();
   options.ucx_worker_address = transfer.ListenAddress();
-  options.capabilities = {"health", "transfer.am", "transfer.grants"};
+  options.capabilities = {"health", "transfer.am", "transfer.grants", "catalog.stream"};
+  options.catalog = catalog;
+  options.hosts_shard = [&membership, node = config.node_id](uint32_t shard) {
+    return shard < cluster::kNumShards && membership.placement().OwnerOf(shard) == node;
+  };
   catalog::PeerDirectory::Options directory;
   directory.self = options.self;
   ORBITKV_ASSIGN_OR_RETURN(directory.credentials, PeerClientCredentials(config));
@@ -175,11 +185,149 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   return listener;
 }
 
+// The catalog in this Manager (docs/catalog.md): the store for the shards placed here, one owner stream per
+// shard to its catalog host (this Manager's own store directly, others over orbitkv.peer.v1), and a maintenance
+// thread that drops the slices of owners the member view no longer holds and refreshes the metrics.
+class CatalogNode {
+ public:
+  CatalogNode(const ManagerConfig& config, const RuntimeId& runtime, cluster::Membership& membership,
+              core::ResidencyInventory* inventory, MetricsRegistry* metrics)
+      : membership_(membership), inventory_(inventory), node_(config.node_id) {
+    for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+      hosted_ += membership.placement().OwnerOf(shard) == node_ ? 1 : 0;
+    }
+    if (hosted_ > 0) {
+      catalog::CatalogStore::Options options;
+      options.incarnation = runtime.incarnation();
+      options.budget_bytes = config.catalog_budget_bytes;
+      const cluster::MemberView* view = &membership.view();
+      options.owner_live = [view](const std::string& node, const std::string& owner_runtime) {
+        Result<cluster::Member> member = view->Find(node);
+        if (member.status().code() == StatusCode::kUnavailable) return true;  // view incomplete: keep, decide later
+        return member.ok() && member->record.runtime_uuid == owner_runtime;
+      };
+      store_ = std::make_unique<catalog::CatalogStore>(std::move(options));
+    }
+    records_ = &metrics->GetGauge("orbitkv_catalog_records", "Residences this catalog host holds as evidence");
+    bytes_ = &metrics->GetGauge("orbitkv_catalog_bytes", "Bytes charged to --catalog-budget on this catalog host");
+    incomplete_ = &metrics->GetGauge("orbitkv_catalog_incomplete_shards",
+                                     "Shards placed here whose evidence is incomplete (rebuilding or over budget)");
+    streams_converged_ = &metrics->GetGauge(
+        "orbitkv_catalog_streams_converged", "This Manager's owner streams that converge (of 16, one per shard)");
+    snapshots_ = &metrics->GetGauge("orbitkv_catalog_stream_snapshots",
+                                    "Snapshots this Manager's owner streams sent (since start)");
+  }
+
+  catalog::CatalogStore* store() const { return store_.get(); }
+
+  Status StartStreams(const ManagerConfig& config, const RuntimeId& runtime) {
+    catalog::PeerIdentity self{config.cluster_name, config.node_id, runtime.ToString(), membership_.self().epoch,
+                               membership_.placement().fingerprint()};
+    ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, PeerClientCredentials(config));
+    transport_ = std::make_unique<catalog::GrpcCatalogTransport>(self, &membership_.view(), std::move(credentials),
+                                                                 store_.get());
+    for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+      catalog::OwnerStreamer::Options options;
+      options.owner_node = config.node_id;
+      options.owner_runtime = runtime.ToString();
+      options.shard = shard;
+      options.catalog_node = membership_.placement().OwnerOf(shard);
+      ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<catalog::OwnerStreamer> streamer,
+                               catalog::OwnerStreamer::Create(options, inventory_, transport_.get()));
+      streamers_.push_back(std::move(streamer));
+    }
+    for (auto& streamer : streamers_) {
+      threads_.emplace_back([this, s = streamer.get()] { s->Run(stop_); });
+    }
+    maintenance_ = std::thread([this] { Maintain(); });
+    return Status::Ok();
+  }
+
+  void Stop() {
+    stop_.store(true, std::memory_order_release);
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+    if (maintenance_.joinable()) maintenance_.join();
+  }
+  ~CatalogNode() { Stop(); }
+
+  std::string StatusJson() const {
+    size_t records = 0, incomplete = 0, converged = 0, streaming = 0;
+    uint64_t bytes = 0, snapshots = 0;
+    if (store_) {
+      for (const auto& shard : store_->Status()) {
+        records += shard.records;
+        incomplete += shard.complete ? 0 : 1;
+      }
+      bytes = store_->used_bytes();
+    }
+    size_t inventory = 0;
+    for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) inventory += inventory_->Size(shard);
+    for (const auto& s : streamers_) {
+      converged += s->converged() ? 1 : 0;
+      streaming += s->state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
+      snapshots += s->snapshots();
+    }
+    return fmt::format(", \"catalog_shards_hosted\": {}, \"catalog_records\": {}, \"catalog_bytes\": {}, "
+                       "\"catalog_incomplete_shards\": {}, \"catalog_streams\": {}, \"catalog_streams_streaming\": {}, "
+                       "\"catalog_streams_converged\": {}, \"catalog_stream_snapshots\": {}, \"inventory_records\": {}",
+                       hosted_, records, bytes, incomplete, streamers_.size(), streaming, converged, snapshots,
+                       inventory);
+  }
+
+ private:
+  void Maintain() {
+    while (!stop_.load(std::memory_order_acquire)) {
+      size_t records = 0, incomplete = 0, converged = 0;
+      uint64_t snapshots = 0;
+      if (store_) {
+        store_->DropDeadOwners();
+        for (const auto& shard : store_->Status()) {
+          records += shard.records;
+          incomplete += shard.complete ? 0 : 1;
+        }
+        bytes_->Set(static_cast<int64_t>(store_->used_bytes()));
+      }
+      for (const auto& s : streamers_) {
+        converged += s->converged() ? 1 : 0;
+        snapshots += s->snapshots();
+      }
+      records_->Set(static_cast<int64_t>(records));
+      incomplete_->Set(static_cast<int64_t>(incomplete));
+      streams_converged_->Set(static_cast<int64_t>(converged));
+      snapshots_->Set(static_cast<int64_t>(snapshots));
+      for (int i = 0; i < 5 && !stop_.load(std::memory_order_acquire); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  }
+
+  cluster::Membership& membership_;
+  core::ResidencyInventory* const inventory_;
+  const std::string node_;
+  size_t hosted_ = 0;
+  std::unique_ptr<catalog::CatalogStore> store_;
+  std::unique_ptr<catalog::GrpcCatalogTransport> transport_;
+  std::vector<std::unique_ptr<catalog::OwnerStreamer>> streamers_;
+  std::vector<std::thread> threads_;
+  std::thread maintenance_;
+  std::atomic<bool> stop_{false};
+  Gauge* records_;
+  Gauge* bytes_;
+  Gauge* incomplete_;
+  Gauge* streams_converged_;
+  Gauge* snapshots_;
+};
+
 class MembershipLink final : public ClusterLink {
  public:
-  MembershipLink(std::unique_ptr<cluster::Membership> membership,
+  MembershipLink(std::unique_ptr<cluster::Membership> membership, std::unique_ptr<CatalogNode> catalog,
                  std::unique_ptr<transfer::UcxTransferEngine> transfer, std::unique_ptr<PeerListener> peers)
-      : membership_(std::move(membership)), transfer_(std::move(transfer)), peers_(std::move(peers)) {}
+      : membership_(std::move(membership)),
+        catalog_(std::move(catalog)),
+        transfer_(std::move(transfer)),
+        peers_(std::move(peers)) {}
   ~MembershipLink() override { Shutdown(); }
 
   // A peer that speaks another protocol version turns remote work off (local service continues).
@@ -198,12 +346,14 @@ class MembershipLink final : public ClusterLink {
                        membership_->placement().fingerprint(), peers_ ? peers_->address : "",
                        peers_ ? peers_->service->refused() : 0) +
            (peers_ ? peers_->directory->StatusJson() : std::string()) +
+           (catalog_ ? catalog_->StatusJson() : std::string()) +
            (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}",
                                     transfer_->ListenAddress(), transfer_->Stats().live_grants)
                       : std::string(", \"transfer_listen\": \"\""));
   }
 
   void Shutdown() override {
+    if (catalog_ != nullptr) catalog_->Stop();  // the owner streams end before the channels and the view
     if (peers_ != nullptr) peers_->directory->Stop();  // stops probing before the member view goes
     if (peers_ != nullptr && peers_->server != nullptr) {
       peers_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -213,6 +363,7 @@ class MembershipLink final : public ClusterLink {
 
  private:
   std::unique_ptr<cluster::Membership> membership_;
+  std::unique_ptr<CatalogNode> catalog_;  // with the peer listener; after it in destruction (the service uses it)
   std::unique_ptr<transfer::UcxTransferEngine> transfer_;  // with the peer listener; before it in destruction
   std::unique_ptr<PeerListener> peers_;
 };
@@ -221,10 +372,11 @@ class MembershipLink final : public ClusterLink {
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& runtime,
-                                                        uint32_t inventory_shards,
+                                                        core::ResidencyInventory* inventory,
                                                         const std::vector<Arena>& pool_arenas,
                                                         MetricsRegistry* metrics) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
+  const uint32_t inventory_shards = inventory->shard_count();
   if (inventory_shards != cluster::kNumShards) {
     return Status::FailedPrecondition(fmt::format(
         "distributed mode needs the residency inventory in the placement's {} shards, not {}",
@@ -249,7 +401,9 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   ORBITKV_LOG_INFO("manager: joined cluster '{}' as node {}", config.cluster_name, config.node_id);
   std::unique_ptr<PeerListener> peers;
   std::unique_ptr<transfer::UcxTransferEngine> transfer;
+  std::unique_ptr<CatalogNode> catalog;
   if (!config.peer_endpoint.empty()) {
+    catalog = std::make_unique<CatalogNode>(config, runtime, *membership, inventory, metrics);
     Result<std::unique_ptr<transfer::UcxTransferEngine>> engine =
         StartTransfer(config, runtime, pool_arenas, metrics);
     if (!engine.ok()) {
@@ -257,15 +411,22 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
       return engine.status();
     }
     transfer = std::move(*engine);
-    Result<std::unique_ptr<PeerListener>> started = StartPeerListener(config, runtime, *membership, *transfer);
+    Result<std::unique_ptr<PeerListener>> started =
+        StartPeerListener(config, runtime, *membership, *transfer, catalog->store());
     if (!started.ok()) {
       membership->Shutdown();
       return started.status();
     }
     peers = std::move(*started);
+    if (Status streams = catalog->StartStreams(config, runtime); !streams.ok()) {
+      catalog->Stop();
+      peers->server->Shutdown();
+      membership->Shutdown();
+      return streams.WithContext("starting the catalog streams");
+    }
   }
   return std::unique_ptr<ClusterLink>(
-      new MembershipLink(std::move(membership), std::move(transfer), std::move(peers)));
+      new MembershipLink(std::move(membership), std::move(catalog), std::move(transfer), std::move(peers)));
 }
 
 }  // namespace orbitkv::server

@@ -6,7 +6,7 @@ namespace orbitkv::server {
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& /*runtime*/,
-                                                        uint32_t /*inventory_shards*/,
+                                                        core::ResidencyInventory* /*inventory*/,
                                                         const std::vector<Arena>& /*pool_arenas*/,
                                                         MetricsRegistry* /*metrics*/) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();

@@ -279,6 +279,15 @@ const std::vector<Option>& Options() {
        "--peer-endpoint): a host, optionally a port or a port range to pick from (give one to "
        "open in a firewall; default: the --peer-endpoint's host, any free port)",
        StringInto(&ManagerConfig::transfer_listen)},
+      {"catalog-budget", "SIZE",
+       "bytes this Manager may hold as a catalog host for the shards placed on it: owners' "
+       "evidence, snapshots being built and their reservations (default 256MiB); what does not fit "
+       "is reported incomplete, never over budget",
+       SizeInto(&ManagerConfig::catalog_budget_bytes)},
+      {"inventory-journal-bytes", "SIZE",
+       "the residency journal owner streams replay from, over all shards (default 16MiB): a catalog "
+       "host that falls further behind resyncs with a snapshot",
+       SizeInto(&ManagerConfig::inventory_journal_bytes)},
       {"ucx-tls", "LIST",
        "UCX transports for peer transfers (UCX_TLS), e.g. tcp, or rc,tcp on RDMA hosts (default: "
        "UCX's choice)",

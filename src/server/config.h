@@ -74,6 +74,10 @@ struct ManagerConfig {
   std::string transfer_listen;  // HOST[:PORT[-PORT]]; empty: the peer endpoint's host, any port
   std::string ucx_tls;
   std::string ucx_net_devices;
+  // The catalog (distributed mode): bytes a catalog host may hold for the shards placed on it, and
+  // the residency inventory's journal (over all shards) that owner streams replay from.
+  uint64_t catalog_budget_bytes = 256ull << 20;
+  uint64_t inventory_journal_bytes = 16ull << 20;
 };
 
 // `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when XDG_RUNTIME_DIR is set, else

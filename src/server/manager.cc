@@ -133,7 +133,7 @@ Status Manager::Start() {
     arenas.push_back({cache_->pool().arena(i).data(), cache_->pool().arena(i).size()});
   }
   ORBITKV_ASSIGN_OR_RETURN(cluster_, ClusterLink::Start(config_, runtime_id_,
-                                                        cache_->inventory().shard_count(), arenas,
+                                                        &cache_->inventory(), arenas,
                                                         &metrics_));
   cleaner_ = std::thread([this] { CleanupLoop(); });
   dispatcher_ = std::thread([this] { DispatchLoop(); });
@@ -195,6 +195,9 @@ Manager::~Manager() {
     RequestStop();
     Wait();
   }
+  // The cluster link goes first: its owner streams read the inventory and its UCX engine has the
+  // pool's arenas registered.
+  cluster_.reset();
   if (ssd_) ssd_->Shutdown();  // its load callbacks reach the service
   if (service_) service_->instances().Clear();
   service_.reset();

@@ -9,8 +9,12 @@
 
 #include "catalog/peer_service.h"  // first of the gRPC users (cluster/grpc.h)
 
+#include <fcntl.h>
+#include <sys/mman.h>
+
 #include "cluster/testing/etcd_process.h"
 #include "distributed_util.h"
+#include "engine_kv.h"
 #include "netns_mesh.h"
 #include "transfer/test_util.h"
 #include "transfer/ucx_engine.h"
@@ -49,7 +53,7 @@ class MeshTest : public ::testing::Test {
   std::unique_ptr<ManagerProcess> StartManager(int i, const std::string& tag) {
     std::vector<std::string> flags = {"--etcd-endpoints", etcd_->endpoint_on(NetnsMesh::kRootAddress),
                                       "--cluster-name", "mesh", "--node-id", Node(i), "--catalog-nodes",
-                                      "node-0,node-1,node-2", "--membership-ttl-secs", "3",
+                                      catalog_nodes_, "--membership-ttl-secs", "3",
                                       "--peer-endpoint", PeerEndpoint(i), "--dram", "256MiB",
                                       "--copy-threads", "1"};
     for (const std::string& f : mesh_->TransferFlags(i)) flags.push_back(f);
@@ -69,6 +73,7 @@ class MeshTest : public ::testing::Test {
 
   std::unique_ptr<NetnsMesh> mesh_;
   std::unique_ptr<cluster::testing::EtcdProcess> etcd_;
+  std::string catalog_nodes_ = "node-0,node-1,node-2";
 };
 
 // Three hosts report one runtime UUID each, the same in `orbitkv stats`, in etcd and in Health (asked
@@ -132,6 +137,125 @@ TEST_F(MeshTest, ThreeManagersOneRuntimeIdentityEachAndARestartIsRefused) {
   EXPECT_EQ(stale.error_code(), grpc::StatusCode::PERMISSION_DENIED) << stale.error_message();
   // The others see the new start healthy.
   EXPECT_NE(StatsWhen(*managers[0], "\"peers_healthy\": 2").find("\"peers_healthy\": 2"), std::string::npos);
+}
+
+// An engine on the root namespace saving `count` blocks of 4 KiB into one Manager.
+class BlockWriter {
+ public:
+  BlockWriter(const ManagerProcess& manager, uint64_t instance, size_t count) : count_(count) {
+    client::ClientOptions options;
+    options.socket_path = manager.socket();
+    auto client = client::CacheClient::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    fd_ = ScopedFd(memfd_create("kv", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    EXPECT_EQ(ftruncate(fd_.get(), static_cast<off_t>(count * kPage)), 0);
+    EXPECT_EQ(fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    memory_ = static_cast<uint8_t*>(mmap(nullptr, count * kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0));
+    EXPECT_TRUE(client_->RegisterInstance(instance, state::testing::SampleNamespace()).ok());
+    client::BufferSpec spec{fd_.get(), count * kPage, 0, kPage, kPage};
+    EXPECT_TRUE(client_->RegisterGroup(instance, 0, static_cast<uint32_t>(count), std::span(&spec, 1)).ok());
+    instance_ = instance;
+  }
+  ~BlockWriter() { munmap(memory_, count_ * kPage); }
+  // Saves blocks [first, first + n) of chain `chain`; returns how many the Manager wrote.
+  uint64_t Save(uint64_t chain, size_t first, size_t n) {
+    const auto keys = testing::Chain(chain, first + n);
+    uint64_t written = 0;
+    for (size_t at = first; at < first + n; at += 500) {
+      std::vector<client::SaveItem> items;
+      for (size_t i = at; i < std::min(first + n, at + 500); ++i) {
+        std::memset(memory_ + (i % count_) * kPage, static_cast<int>(i), kPage);
+        items.push_back({keys[i], static_cast<uint32_t>(i % count_)});
+      }
+      auto saved = client_->Save(instance_, 0, items);
+      EXPECT_TRUE(saved.ok()) << saved.status();
+      written += saved.ok() ? saved->written : 0;
+    }
+    return written;
+  }
+
+ private:
+  static constexpr uint64_t kPage = 4096;
+  size_t count_;
+  uint64_t instance_ = 0;
+  std::unique_ptr<client::CacheClient> client_;
+  ScopedFd fd_;
+  uint8_t* memory_ = nullptr;
+};
+
+uint64_t Field(const std::string& stats, const std::string& name) {
+  const size_t at = stats.find("\"" + name + "\": ");
+  return at == std::string::npos ? 0 : std::stoull(stats.substr(at + name.size() + 4));
+}
+
+// Every shard's catalog holds what its owners hold: the records over all catalog hosts equal the records of
+// all live owners' inventories, and every owner stream follows with deltas. Within `tries` x 20 ms.
+::testing::AssertionResult CatalogsEqualInventories(const std::vector<const ManagerProcess*>& managers,
+                                                    int tries = 1500) {
+  std::string last;
+  for (int i = 0; i < tries; ++i) {
+    uint64_t catalog = 0, inventory = 0, streaming = 0, incomplete = 0;
+    last.clear();
+    for (const ManagerProcess* m : managers) {
+      const std::string stats = StatsOf(*m);
+      catalog += Field(stats, "catalog_records");
+      inventory += Field(stats, "inventory_records");
+      streaming += Field(stats, "catalog_streams_streaming");
+      incomplete += Field(stats, "catalog_incomplete_shards");
+      last += fmt::format("[records {} of inventory {}, streaming {}, incomplete {}] ",
+                          Field(stats, "catalog_records"), Field(stats, "inventory_records"),
+                          Field(stats, "catalog_streams_streaming"), Field(stats, "catalog_incomplete_shards"));
+    }
+    if (catalog == inventory && streaming == 16 * managers.size() && incomplete == 0 && inventory > 0) {
+      return ::testing::AssertionSuccess() << last;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return ::testing::AssertionFailure() << "catalogs never equalled the inventories: " << last;
+}
+
+// Three Managers with 10,000 blocks each, two of them catalog hosts: the catalogs equal their owners'
+// inventories; a catalog host killed and restarted is repaired from the surviving owners; an owner killed
+// disappears from every catalog once the member view drops it.
+TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners) {
+  catalog_nodes_ = "node-0,node-2";  // node-1 only owns: killing it loses an owner, not a catalog host
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("cat-{}", i)));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  {
+    std::vector<std::unique_ptr<BlockWriter>> writers;
+    for (int i = 0; i < kHosts; ++i) {
+      writers.push_back(std::make_unique<BlockWriter>(*managers[i], 10 + i, 10000));
+      EXPECT_EQ(writers.back()->Save(500 + i, 0, 10000), 10000u);
+    }
+  }
+  auto all = [&] {
+    std::vector<const ManagerProcess*> out;
+    for (auto& m : managers) out.push_back(m.get());
+    return out;
+  };
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+
+  // kill -9 the catalog host node-2 and start it again (empty: a new start): the owners resync it.
+  managers[2]->Stop(SIGKILL);
+  for (int attempt = 0; attempt < 20; ++attempt) {  // its Node ID is held until its lease expires (3 s)
+    managers[2] = StartManager(2, fmt::format("cat-2b{}", attempt));
+    if (managers[2]->running()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  ASSERT_TRUE(managers[2]->running()) << managers[2]->LogText();
+  EXPECT_TRUE(CatalogsEqualInventories(all()));
+  const std::string restarted = StatsOf(*managers[2]);
+  EXPECT_GT(Field(restarted, "catalog_records"), 0u) << restarted;
+  EXPECT_EQ(Field(restarted, "inventory_records"), 0u) << restarted;
+
+  // kill -9 the owner node-1: once the member view drops it (TTL 3 s), its slices go from every catalog.
+  managers[1]->Stop(SIGKILL);
+  managers.erase(managers.begin() + 1);
+  EXPECT_TRUE(CatalogsEqualInventories(all()));
 }
 
 }  // namespace

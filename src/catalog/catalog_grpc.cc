@@ -1,0 +1,166 @@
+#include "catalog/catalog_grpc.h"
+
+#include <chrono>
+#include <utility>
+
+#include "catalog/peer_service.h"
+
+namespace orbitkv::catalog {
+namespace {
+
+void ToProto(const CatalogRecord& r, peer::v1::CatalogRecord* out) {
+  const auto key = r.key.Encode();
+  out->set_key(key.data(), key.size());
+  out->set_tier(r.tier);
+  out->set_present(r.present);
+  out->set_version(r.version);
+  out->set_generation(r.generation);
+  out->set_bytes(r.bytes);
+}
+
+template <typename Repeated>
+Result<std::vector<CatalogRecord>> FromProto(const Repeated& records) {
+  std::vector<CatalogRecord> out;
+  out.reserve(records.size());
+  for (const peer::v1::CatalogRecord& r : records) {
+    Result<state::StateKey> key = state::StateKey::Decode(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(r.key().data()), r.key().size()));
+    if (!key.ok()) return key.status().WithContext("a catalog record's key");
+    if (r.tier() == 0 || r.tier() > 255) return Status::InvalidArgument("a catalog record's tier is out of range");
+    out.push_back(CatalogRecord{*key, static_cast<uint8_t>(r.tier()), r.present(), r.version(), r.generation(),
+                                r.bytes()});
+  }
+  return out;
+}
+
+}  // namespace
+
+peer::v1::CatalogRequest ToRequest(const CatalogMessage& message) {
+  peer::v1::CatalogRequest request;
+  std::visit(
+      [&](const auto& m) {
+        using T = std::decay_t<decltype(m)>;
+        request.set_shard(m.stream.shard);
+        if constexpr (std::is_same_v<T, DeltaBatch>) {
+          auto* d = request.mutable_delta();
+          d->set_first_sequence(m.first_sequence);
+          for (const CatalogRecord& r : m.records) ToProto(r, d->add_records());
+        } else if constexpr (std::is_same_v<T, SnapshotBegin>) {
+          auto* b = request.mutable_begin();
+          b->set_snapshot_id(m.snapshot_id);
+          b->set_start_watermark(m.start_watermark);
+          b->set_expected_records(m.expected_records);
+        } else if constexpr (std::is_same_v<T, SnapshotPage>) {
+          auto* p = request.mutable_page();
+          p->set_snapshot_id(m.snapshot_id);
+          p->set_interval(m.interval);
+          for (const CatalogRecord& r : m.records) ToProto(r, p->add_records());
+        } else {
+          auto* e = request.mutable_end();
+          e->set_snapshot_id(m.snapshot_id);
+          e->set_end_watermark(m.end_watermark);
+          for (const CatalogRecord& r : m.interval) ToProto(r, e->add_interval());
+        }
+      },
+      message);
+  return request;
+}
+
+Result<CatalogMessage> FromRequest(const peer::v1::CatalogRequest& request) {
+  // The owner is the route's source (CheckRoute proved it a registered member's current start); the catalog
+  // start it addresses is this one (CheckRoute proved that too).
+  StreamId stream{request.route().source_node_id(), request.route().source_runtime_uuid(), request.shard(), 0};
+  switch (request.body_case()) {
+    case peer::v1::CatalogRequest::kDelta: {
+      ORBITKV_ASSIGN_OR_RETURN(std::vector<CatalogRecord> records, FromProto(request.delta().records()));
+      return CatalogMessage(DeltaBatch{stream, request.delta().first_sequence(), std::move(records)});
+    }
+    case peer::v1::CatalogRequest::kBegin:
+      return CatalogMessage(SnapshotBegin{stream, request.begin().snapshot_id(), request.begin().start_watermark(),
+                                          request.begin().expected_records()});
+    case peer::v1::CatalogRequest::kPage: {
+      ORBITKV_ASSIGN_OR_RETURN(std::vector<CatalogRecord> records, FromProto(request.page().records()));
+      return CatalogMessage(
+          SnapshotPage{stream, request.page().snapshot_id(), std::move(records), request.page().interval()});
+    }
+    case peer::v1::CatalogRequest::kEnd: {
+      ORBITKV_ASSIGN_OR_RETURN(std::vector<CatalogRecord> records, FromProto(request.end().interval()));
+      return CatalogMessage(
+          SnapshotEnd{stream, request.end().snapshot_id(), request.end().end_watermark(), std::move(records)});
+    }
+    case peer::v1::CatalogRequest::BODY_NOT_SET:
+      break;
+  }
+  return Status::InvalidArgument("a catalog request without a body");
+}
+
+peer::v1::CatalogResponse ToResponse(const CatalogReply& reply) {
+  peer::v1::CatalogResponse response;
+  response.set_kind(static_cast<peer::v1::CatalogResponse::Kind>(static_cast<int>(reply.kind)));
+  response.set_applied_sequence(reply.applied_sequence);
+  response.set_catalog_incarnation(reply.catalog_incarnation);
+  response.set_reason(reply.reason);
+  return response;
+}
+
+CatalogReply FromResponse(const peer::v1::CatalogResponse& response) {
+  CatalogReply reply;
+  const int kind = static_cast<int>(response.kind());
+  reply.kind = kind >= 0 && kind <= static_cast<int>(CatalogReply::Kind::kRefused)
+                   ? static_cast<CatalogReply::Kind>(kind)
+                   : CatalogReply::Kind::kResync;  // an answer this version does not know: start over
+  reply.applied_sequence = response.applied_sequence();
+  reply.catalog_incarnation = response.catalog_incarnation();
+  reply.reason = response.reason();
+  return reply;
+}
+
+CatalogReply DeliverTo(CatalogStore& store, const CatalogMessage& message) {
+  return std::visit(
+      [&](const auto& m) -> CatalogReply {
+        using T = std::decay_t<decltype(m)>;
+        if constexpr (std::is_same_v<T, DeltaBatch>) return store.Apply(m);
+        if constexpr (std::is_same_v<T, SnapshotBegin>) return store.Begin(m);
+        if constexpr (std::is_same_v<T, SnapshotPage>) return store.Page(m);
+        if constexpr (std::is_same_v<T, SnapshotEnd>) return store.End(m);
+      },
+      message);
+}
+
+GrpcCatalogTransport::GrpcCatalogTransport(PeerIdentity self, const cluster::MemberView* members,
+                                           std::shared_ptr<grpc::ChannelCredentials> credentials, CatalogStore* local)
+    : self_(std::move(self)), members_(members), credentials_(std::move(credentials)), local_(local) {}
+
+std::shared_ptr<peer::v1::Peer::Stub> GrpcCatalogTransport::StubFor(const std::string& endpoint) {
+  MutexLock lock(&mu_);
+  auto& stub = stubs_[endpoint];
+  if (stub == nullptr) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
+    args.SetMaxSendMessageSize(kMaxPeerMessageBytes);
+    stub = std::shared_ptr<peer::v1::Peer::Stub>(peer::v1::Peer::NewStub(grpc::CreateCustomChannel(
+        endpoint, credentials_ ? credentials_ : grpc::InsecureChannelCredentials(), args)));
+  }
+  return stub;
+}
+
+Result<CatalogReply> GrpcCatalogTransport::Deliver(const std::string& catalog_node, const CatalogMessage& message) {
+  if (catalog_node == self_.node_id && local_ != nullptr) {
+    CatalogMessage own = message;  // this Manager's start addresses itself: the incarnation check still holds
+    return DeliverTo(*local_, own);
+  }
+  ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members_->Find(catalog_node));
+  if (member.record.endpoint.empty()) {
+    return Status::Unavailable(fmt::format("catalog host '{}' has no peer endpoint", catalog_node));
+  }
+  peer::v1::CatalogRequest request = ToRequest(message);
+  *request.mutable_route() = MakeRoute(self_, member.record);
+  peer::v1::CatalogResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const grpc::Status status = StubFor(member.record.endpoint)->Catalog(&context, request, &response);
+  if (!status.ok()) return FromGrpc(status);
+  return FromResponse(response);
+}
+
+}  // namespace orbitkv::catalog

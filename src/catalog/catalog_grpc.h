@@ -1,0 +1,54 @@
+// The catalog stream over orbitkv.peer.v1 (`Peer.Catalog`): the conversions between the logic's messages
+// (catalog_messages.h) and the protocol's, and GrpcCatalogTransport, the CatalogTransport a distributed Manager's
+// owner streamers use: to another Manager through its peer endpoint (routed by the member view, over the peer
+// credentials), to this Manager's own CatalogStore directly.
+//
+// Thread safety: GrpcCatalogTransport::Deliver is safe from any thread.
+#ifndef ORBITKV_CATALOG_CATALOG_GRPC_H_
+#define ORBITKV_CATALOG_CATALOG_GRPC_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
+#include "catalog/catalog_store.h"
+#include "catalog/owner_streamer.h"
+#include "catalog/peer_grpc.h"
+#include "catalog/route.h"
+
+namespace orbitkv::catalog {
+
+// The request for `message` (its stream's shard; the route is the caller's).
+peer::v1::CatalogRequest ToRequest(const CatalogMessage& message);
+// The message a request carries, with the owner taken from the route's source; InvalidArgument for a
+// request without a body or with a key that does not decode.
+Result<CatalogMessage> FromRequest(const peer::v1::CatalogRequest& request);
+peer::v1::CatalogResponse ToResponse(const CatalogReply& reply);
+CatalogReply FromResponse(const peer::v1::CatalogResponse& response);
+// Hands `message` to `store`.
+CatalogReply DeliverTo(CatalogStore& store, const CatalogMessage& message);
+
+class GrpcCatalogTransport final : public CatalogTransport {
+ public:
+  // `local` (may be null) is this Manager's store, for the shards it hosts itself.
+  GrpcCatalogTransport(PeerIdentity self, const cluster::MemberView* members,
+                       std::shared_ptr<grpc::ChannelCredentials> credentials, CatalogStore* local);
+  Result<CatalogReply> Deliver(const std::string& catalog_node, const CatalogMessage& message) override
+      EXCLUDES(mu_);
+
+ private:
+  std::shared_ptr<peer::v1::Peer::Stub> StubFor(const std::string& endpoint) EXCLUDES(mu_);
+
+  const PeerIdentity self_;
+  const cluster::MemberView* const members_;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  CatalogStore* const local_;
+  Mutex mu_;
+  std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ GUARDED_BY(mu_);
+};
+
+}  // namespace orbitkv::catalog
+
+#endif  // ORBITKV_CATALOG_CATALOG_GRPC_H_
