@@ -134,13 +134,7 @@ GrpcCatalogTransport::GrpcCatalogTransport(PeerIdentity self, const cluster::Mem
 std::shared_ptr<peer::v1::Peer::Stub> GrpcCatalogTransport::StubFor(const std::string& endpoint) {
   MutexLock lock(&mu_);
   auto& stub = stubs_[endpoint];
-  if (stub == nullptr) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
-    args.SetMaxSendMessageSize(kMaxPeerMessageBytes);
-    stub = std::shared_ptr<peer::v1::Peer::Stub>(peer::v1::Peer::NewStub(grpc::CreateCustomChannel(
-        endpoint, credentials_ ? credentials_ : grpc::InsecureChannelCredentials(), args)));
-  }
+  if (stub == nullptr) stub = NewPeerStub(endpoint, credentials_);
   return stub;
 }
 

@@ -46,13 +46,7 @@ void PeerDirectory::Start() {
 std::shared_ptr<peer::v1::Peer::Stub> PeerDirectory::StubFor(const std::string& endpoint) {
   MutexLock lock(&mu_);
   auto& stub = stubs_[endpoint];
-  if (stub == nullptr) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
-    args.SetMaxSendMessageSize(kMaxPeerMessageBytes);
-    stub = std::shared_ptr<peer::v1::Peer::Stub>(peer::v1::Peer::NewStub(grpc::CreateCustomChannel(
-        endpoint, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(), args)));
-  }
+  if (stub == nullptr) stub = NewPeerStub(endpoint, options_.credentials);
   return stub;  // shared: a probe in flight keeps its stub when ProbeAll drops a departed member's
 }
 

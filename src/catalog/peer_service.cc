@@ -16,6 +16,15 @@ Status FromGrpc(const grpc::Status& status) {
   return Status(static_cast<StatusCode>(static_cast<int>(status.error_code())), status.error_message());
 }
 
+std::shared_ptr<peer::v1::Peer::Stub> NewPeerStub(const std::string& endpoint,
+                                                  const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
+  args.SetMaxSendMessageSize(kMaxPeerMessageBytes);
+  return std::shared_ptr<peer::v1::Peer::Stub>(peer::v1::Peer::NewStub(
+      grpc::CreateCustomChannel(endpoint, credentials ? credentials : grpc::InsecureChannelCredentials(), args)));
+}
+
 PeerService::PeerService(Options options, const cluster::MemberView* members)
     : options_(std::move(options)), members_(members) {}
 

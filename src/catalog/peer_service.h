@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,9 @@ namespace orbitkv::catalog {
 // The gRPC status of an OrbitKV status (same code, same message).
 grpc::Status ToGrpc(const Status& status);
 Status FromGrpc(const grpc::Status& status);
+// A stub for the peer at `endpoint` with the protocol's message limits (insecure when `credentials` is null).
+std::shared_ptr<peer::v1::Peer::Stub> NewPeerStub(const std::string& endpoint,
+                                                  const std::shared_ptr<grpc::ChannelCredentials>& credentials);
 
 class PeerService final : public peer::v1::Peer::Service {
  public:
