@@ -90,6 +90,25 @@ class NetnsMesh {
   std::string root_veth() const { return fmt::format("okvr{}", getpid()); }
   // The command prefix that runs a process on host i.
   std::vector<std::string> launcher(int i) const { return {"ip", "netns", "exec", host(i)}; }
+  // Drops `percent` % of host i's packets each way (nftables in its namespace; the table goes with it).
+  Status Loss(int i, int percent) const {
+    const std::string command = fmt::format(
+        "ip netns exec {} nft -f - >/dev/null 2>&1 <<'EOF'\n"
+        "table inet okv_loss {{\n"
+        "  chain in {{ type filter hook input priority 0; numgen random mod 100 < {} drop; }}\n"
+        "  chain out {{ type filter hook output priority 0; numgen random mod 100 < {} drop; }}\n"
+        "}}\nEOF",
+        host(i), percent, percent);
+    if (std::system(command.c_str()) != 0) return Status::Internal("nft could not add the loss rules");
+    return Status::Ok();
+  }
+  Status NoLoss(int i) const {
+    if (std::system(fmt::format("ip netns exec {} nft delete table inet okv_loss >/dev/null 2>&1", host(i)).c_str()) !=
+        0) {
+      return Status::Internal("nft could not delete the loss rules");
+    }
+    return Status::Ok();
+  }
   // The transfer flags that keep UCX on host i's veth.
   std::vector<std::string> TransferFlags(int i) const {
     return {"--transfer-listen", address(i), "--ucx-tls", "tcp", "--ucx-net-devices", device(i)};
