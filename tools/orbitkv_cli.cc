@@ -1,12 +1,16 @@
 // orbitkv: the operator's command line for a host's Cache Manager.
 //   orbitkv status [--socket PATH]          is the Manager up, and how full is it
 //   orbitkv stats [--socket PATH] [--json]  its counters, as a table or as JSON
+//   orbitkv catalog status [--socket PATH]  the catalog shards placed on it (distributed mode)
+//   orbitkv catalog dump --shard N          the evidence it holds for shard N, one record a line
+//   orbitkv inventory dump --shard N        its own replicas of shard N, one record a line
 // Exit status: 0 when the Manager answered, 1 when it did not (the message says why), 2 for bad
 // usage.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <utility>
@@ -19,6 +23,12 @@ namespace {
 constexpr const char* kUsage =
     "usage: orbitkv status [--socket PATH]\n"
     "       orbitkv stats [--socket PATH] [--json]\n"
+    "       orbitkv catalog status [--socket PATH]\n"
+    "       orbitkv catalog dump --shard N [--socket PATH]\n"
+    "       orbitkv inventory dump --shard N [--socket PATH]\n"
+    "Dumps print one record a line: [OWNER] KEY(hex of its 128-byte encoding) TIER VERSION GENERATION BYTES\n"
+    "(a catalog's lines start with the owner's node id), so a catalog can be compared with its owners'\n"
+    "inventories with sort and diff.\n"
     "Talks to the OrbitKV Manager on this host (default socket: the Manager's default; see "
     "orbitkv-manager "
     "--help).\n";
@@ -74,29 +84,65 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
-  const std::string command = argv[1];
+  std::string command = argv[1];
+  int first_flag = 2;
+  if ((command == "catalog" || command == "inventory") && argc > 2) {
+    command += std::string(" ") + argv[2];  // "catalog status", "catalog dump", "inventory dump"
+    first_flag = 3;
+  }
   orbitkv::client::ClientOptions options;
   options.timeout = std::chrono::milliseconds(3000);
   bool json = false;
-  for (int i = 2; i < argc; ++i) {
+  long shard = -1;
+  for (int i = first_flag; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--json") {
       json = true;
     } else if (arg == "--socket" && i + 1 < argc) {
       options.socket_path = argv[++i];
+    } else if (arg == "--shard" && i + 1 < argc) {
+      char* end = nullptr;
+      shard = std::strtol(argv[++i], &end, 10);
+      if (*end != '\0' || shard < 0 || shard > 65535) {
+        fmt::print(stderr, "orbitkv: --shard takes a shard number (0-15 in distributed mode)\n");
+        return 2;
+      }
     } else {
       fmt::print(stderr, "orbitkv: unexpected argument '{}'\n{}", arg, kUsage);
       return 2;
     }
   }
-  if (command != "status" && command != "stats") {
+  const bool dump = command == "catalog dump" || command == "inventory dump";
+  if (command != "status" && command != "stats" && command != "catalog status" && !dump) {
     fmt::print(stderr, "orbitkv: unknown command '{}'\n{}", command, kUsage);
+    return 2;
+  }
+  if (dump && shard < 0) {
+    fmt::print(stderr, "orbitkv: {} needs --shard N\n", command);
     return 2;
   }
   auto client = orbitkv::client::CacheClient::Connect(options);
   if (!client.ok()) {
     fmt::print(stderr, "orbitkv: {}\n", client.status().message());
     return 1;
+  }
+  if (dump || command == "catalog status") {
+    using orbitkv::channel::DumpKind;
+    const DumpKind kind = command == "inventory dump" ? DumpKind::kInventory
+                          : command == "catalog dump" ? DumpKind::kCatalog
+                                                      : DumpKind::kCatalogStatus;
+    if (kind == DumpKind::kCatalogStatus) fmt::print("shard owners records bytes coverage\n");
+    uint64_t first = 0;
+    do {  // page by page: a reply slot holds 64 KiB
+      auto page = (*client)->Dump(kind, static_cast<uint32_t>(std::max(shard, 0L)), first);
+      if (!page.ok()) {
+        fmt::print(stderr, "orbitkv: {}\n", page.status().message());
+        return 1;
+      }
+      std::fputs(page->text.c_str(), stdout);
+      first = page->next;
+    } while (first != 0);
+    return 0;
   }
   auto stats = (*client)->Stats();
   if (!stats.ok()) {

@@ -301,6 +301,15 @@ std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string&
   return out;
 }
 
+std::vector<std::string> CatalogStore::Owners(uint32_t shard) const {
+  MutexLock lock(&mu_);
+  std::vector<std::string> owners;
+  for (const auto& [key, slice] : slices_) {
+    if (key.first == shard && slice.baseline) owners.push_back(key.second);
+  }
+  return owners;
+}
+
 uint64_t CatalogStore::used_bytes() const {
   MutexLock lock(&mu_);
   return used_;

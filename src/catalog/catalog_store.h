@@ -62,6 +62,8 @@ class CatalogStore {
     bool complete = true;  // every known slice has a baseline and nothing pending
   };
   std::vector<ShardStatus> Status() const EXCLUDES(mu_);
+  // The owners with an installed baseline for `shard`, in order.
+  std::vector<std::string> Owners(uint32_t shard) const EXCLUDES(mu_);
   // One owner's current evidence for `shard`, in (key, tier) order.
   std::vector<CatalogRecord> Dump(uint32_t shard, const std::string& owner_node) const EXCLUDES(mu_);
   uint64_t used_bytes() const EXCLUDES(mu_);

@@ -204,8 +204,19 @@ enum class Opcode : uint16_t {
   // completes (at once when it already has), or DEADLINE_EXCEEDED after its timeout: the engine's
   // completion fd rings, and it asks its query again.
   kWaitLoading = 9,
+  // arg0 what (DumpKind), arg1 shard << 32 | first record; reply payload: UTF-8 lines, one record each
+  // (docs/formats/channel.md "Dumps"); reply arg0 the records in the listing, arg1 the next first record
+  // (0: the listing ended).
+  kDump = 10,
 };
-inline constexpr uint16_t kMaxOpcode = 9;
+inline constexpr uint16_t kMaxOpcode = 10;
+
+// What kDump lists.
+enum class DumpKind : uint64_t {
+  kInventory = 1,      // this Manager's residency inventory of one shard
+  kCatalog = 2,        // the catalog evidence this Manager holds for one shard (every owner)
+  kCatalogStatus = 3,  // one line per shard placed here (the shard argument is ignored)
+};
 
 enum class DescriptorFlags : uint16_t {
   kNone = 0,

@@ -652,6 +652,20 @@ Result<std::string> CacheClient::Stats() {
   return json;
 }
 
+Result<CacheClient::DumpPage> CacheClient::Dump(channel::DumpKind kind, uint32_t shard, uint64_t first) {
+  if (first > 0xffffffffu) return Status::InvalidArgument("a dump page starts below 2^32 records");
+  Descriptor d{};
+  d.opcode = static_cast<uint16_t>(channel::Opcode::kDump);
+  d.arg0 = static_cast<uint64_t>(kind);
+  d.arg1 = (static_cast<uint64_t>(shard) << 32) | first;
+  DumpPage page;
+  MutexLock lock(&control_mu_);
+  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, Call(d, {}, &page.text));
+  page.total = reply.descriptor.arg0;
+  page.next = reply.descriptor.arg1;
+  return page;
+}
+
 Result<uint64_t> CacheClient::Ping() {
   Descriptor d{};
   channel::EncodePing(&d);

@@ -196,6 +196,14 @@ class CacheClient {
   Status Cancel(uint64_t instance, uint64_t op);
   // The Manager's counters as JSON.
   Result<std::string> Stats();
+  // One page of a listing (channel::DumpKind): the lines from `first`, how many the listing holds, and
+  // where the next page starts (0: this was the last).
+  struct DumpPage {
+    std::string text;
+    uint64_t total = 0;
+    uint64_t next = 0;
+  };
+  Result<DumpPage> Dump(channel::DumpKind kind, uint32_t shard, uint64_t first);
   // Round trip with no work; returns the Manager's incarnation.
   Result<uint64_t> Ping();
 

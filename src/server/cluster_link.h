@@ -49,6 +49,11 @@ class ClusterLink {
   virtual bool CanDoRemoteWork() const = 0;
   // ", \"membership\": ..." fields for `orbitkv stats`.
   virtual std::string StatusJson() const = 0;
+  // The catalog evidence held here for `shard`, one line per record ("OWNER KEYHEX TIER VERSION
+  // GENERATION BYTES", by owner then key), and one line per shard placed here ("SHARD OWNERS
+  // RECORDS BYTES complete|incomplete"); empty when this Manager hosts none.
+  virtual std::vector<std::string> CatalogLines(uint32_t shard) const = 0;
+  virtual std::vector<std::string> CatalogStatusLines() const = 0;
   // Leaves the cluster (revokes the lease: peers see this Manager leave at once).
   virtual void Shutdown() = 0;
 };

@@ -8,11 +8,13 @@
 #include "catalog/peer_directory.h"
 
 #include <atomic>
+#include <map>
 #include <fstream>
 #include <thread>
 #include <sstream>
 
 #include "base/clock.h"
+#include "fmt/ranges.h"
 #include "base/logging.h"
 #include "cluster/membership.h"
 #include "cluster/placement.h"
@@ -252,6 +254,34 @@ class CatalogNode {
   }
   ~CatalogNode() { Stop(); }
 
+  std::vector<std::string> CatalogLines(uint32_t shard) const {
+    std::vector<std::string> lines;
+    if (!store_) return lines;
+    for (const std::string& owner : store_->Owners(shard)) {
+      for (const catalog::CatalogRecord& r : store_->Dump(shard, owner)) {
+        const auto key = r.key.Encode();
+        lines.push_back(fmt::format("{} {:02x} {} {} {} {}", owner, fmt::join(key, ""), r.tier, r.version,
+                                    r.generation, r.bytes));
+      }
+    }
+    return lines;
+  }
+
+  std::vector<std::string> CatalogStatusLines() const {
+    std::vector<std::string> lines;
+    if (!store_) return lines;
+    std::map<uint32_t, catalog::CatalogStore::ShardStatus> known;
+    for (const auto& s : store_->Status()) known[s.shard] = s;
+    for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+      if (membership_.placement().OwnerOf(shard) != node_) continue;
+      const auto it = known.find(shard);
+      const catalog::CatalogStore::ShardStatus s = it == known.end() ? catalog::CatalogStore::ShardStatus{} : it->second;
+      lines.push_back(fmt::format("{} {} {} {} {}", shard, s.owners, s.records, s.bytes,
+                                  it == known.end() || s.complete ? "complete" : "incomplete"));
+    }
+    return lines;
+  }
+
   std::string StatusJson() const {
     size_t records = 0, incomplete = 0, converged = 0, streaming = 0;
     uint64_t bytes = 0, snapshots = 0;
@@ -350,6 +380,13 @@ class MembershipLink final : public ClusterLink {
            (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}",
                                     transfer_->ListenAddress(), transfer_->Stats().live_grants)
                       : std::string(", \"transfer_listen\": \"\""));
+  }
+
+  std::vector<std::string> CatalogLines(uint32_t shard) const override {
+    return catalog_ ? catalog_->CatalogLines(shard) : std::vector<std::string>();
+  }
+  std::vector<std::string> CatalogStatusLines() const override {
+    return catalog_ ? catalog_->CatalogStatusLines() : std::vector<std::string>();
   }
 
   void Shutdown() override {

@@ -110,6 +110,7 @@ class Manager {
   // the session; per-request failures are error replies.
   Status HandleRequest(const std::shared_ptr<Session>& session, channel::InboundRequest& request);
   Status HandleStats(Session& session, const channel::InboundRequest& request);
+  Status HandleDump(Session& session, const channel::InboundRequest& request);
 
   // Lifecycle frames (lifecycle.cc).
   Status HandleFrame(Session& session, channel::Frame& frame);

@@ -14,6 +14,8 @@
 #include "channel/messages.h"
 #include "server/manager.h"
 
+#include "fmt/ranges.h"
+
 namespace orbitkv::server {
 namespace {
 
@@ -108,6 +110,8 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
     }
     case Opcode::kStats:
       return HandleStats(*session, request);
+    case Opcode::kDump:
+      return HandleDump(*session, request);
   }
   return Status::InvalidArgument(fmt::format("unknown opcode {}", d.opcode));
 }
@@ -146,6 +150,51 @@ Status Manager::HandleStats(Session& session, const channel::InboundRequest& req
   return session.channel->Reply(
       request.descriptor, StatusCode::kOk, 0, 0,
       std::span(reinterpret_cast<const uint8_t*>(json.data()), json.size()));
+}
+
+// A page of a listing: the lines from `first` that fit the reply slot; arg0 the listing's size, arg1 the next
+// first line (0: done). Offsets, not cursors: a listing of a shard that changes meanwhile may repeat or skip a
+// record at a page boundary (a dump is a diagnostic, not a snapshot).
+Status Manager::HandleDump(Session& session, const channel::InboundRequest& request) {
+  const channel::Descriptor& d = request.descriptor;
+  const auto kind = static_cast<channel::DumpKind>(d.arg0);
+  const uint32_t shard = static_cast<uint32_t>(d.arg1 >> 32);
+  const uint64_t first = d.arg1 & 0xffffffffu;
+  std::vector<std::string> lines;
+  if (kind == channel::DumpKind::kInventory) {
+    if (shard >= cache_->inventory().shard_count()) {
+      return session.channel->ReplyError(
+          d, Status::InvalidArgument(fmt::format("shard {} of {}", shard, cache_->inventory().shard_count())));
+    }
+    std::optional<core::InventoryCursor> cursor;
+    for (;;) {
+      core::InventoryPage page = cache_->inventory().Scan(shard, cursor ? &*cursor : nullptr, 1024);
+      for (const core::InventoryRecord& r : page.records) {
+        const auto key = r.key.Encode();
+        lines.push_back(fmt::format("{:02x} {} {} {} {}", fmt::join(key, ""), static_cast<int>(r.tier), r.version,
+                                    r.generation, r.bytes));
+      }
+      if (!page.next) break;
+      cursor = page.next;
+    }
+  } else if (kind == channel::DumpKind::kCatalog || kind == channel::DumpKind::kCatalogStatus) {
+    if (!cluster_) {
+      return session.channel->ReplyError(
+          d, Status::FailedPrecondition("a single-host Manager keeps no catalog (distributed mode only)"));
+    }
+    lines = kind == channel::DumpKind::kCatalog ? cluster_->CatalogLines(shard) : cluster_->CatalogStatusLines();
+  } else {
+    return session.channel->ReplyError(d, Status::InvalidArgument(fmt::format("unknown dump kind {}", d.arg0)));
+  }
+  const size_t limit = session.channel->arena().layout().slot_bytes;
+  std::string text;
+  uint64_t next = first;
+  for (; next < lines.size() && text.size() + lines[next].size() + 1 <= limit; ++next) {
+    text += lines[next];
+    text += '\n';
+  }
+  return session.channel->Reply(d, StatusCode::kOk, lines.size(), next < lines.size() ? next : 0,
+                                std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
 }
 
 }  // namespace orbitkv::server

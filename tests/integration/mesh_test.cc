@@ -3,6 +3,7 @@
 // Label `distributed` (serial: the mesh's addresses are fixed).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 #include <thread>
@@ -218,12 +219,52 @@ uint64_t Field(const std::string& stats, const std::string& name) {
   return ::testing::AssertionFailure() << "catalogs never equalled the inventories: " << last;
 }
 
+// All lines of a listing of `manager` (channel::DumpKind), page by page as `orbitkv ... dump` reads them.
+std::vector<std::string> DumpLines(const ManagerProcess& manager, channel::DumpKind kind, uint32_t shard) {
+  client::ClientOptions options;
+  options.socket_path = manager.socket();
+  auto client = client::CacheClient::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  std::vector<std::string> lines;
+  uint64_t first = 0;
+  do {
+    auto page = (*client)->Dump(kind, shard, first);
+    if (!page.ok()) return lines;  // not a catalog host
+    for (size_t at = 0; at < page->text.size();) {
+      const size_t end = page->text.find('\n', at);
+      lines.push_back(page->text.substr(at, end - at));
+      at = end + 1;
+    }
+    first = page->next;
+  } while (first != 0);
+  return lines;
+}
+
+// Record for record: for every shard, the evidence all catalog hosts hold equals the union of the live
+// owners' inventories (each line prefixed with its owner's node id), as the dumps show them.
+void ExpectDumpsEqual(const std::vector<std::pair<std::string, const ManagerProcess*>>& managers) {
+  size_t records = 0;
+  for (uint32_t shard = 0; shard < 16; ++shard) {
+    std::multiset<std::string> catalog, inventories;
+    for (const auto& [node, m] : managers) {
+      for (std::string& line : DumpLines(*m, channel::DumpKind::kCatalog, shard)) catalog.insert(std::move(line));
+      for (const std::string& line : DumpLines(*m, channel::DumpKind::kInventory, shard)) {
+        inventories.insert(node + " " + line);
+      }
+    }
+    EXPECT_EQ(catalog, inventories) << "shard " << shard;
+    records += inventories.size();
+  }
+  EXPECT_GT(records, 0u);
+}
+
 // Three Managers with 10,000 blocks each, two of them catalog hosts: the catalogs equal their owners'
 // inventories; a catalog host killed and restarted is repaired from the surviving owners; an owner killed
 // disappears from every catalog once the member view drops it.
 TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners) {
   catalog_nodes_ = "node-0,node-2";  // node-1 only owns: killing it loses an owner, not a catalog host
   std::vector<std::unique_ptr<ManagerProcess>> managers;
+  std::vector<std::string> nodes = {Node(0), Node(1), Node(2)};
   for (int i = 0; i < kHosts; ++i) {
     managers.push_back(StartManager(i, fmt::format("cat-{}", i)));
     ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
@@ -241,6 +282,22 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
     return out;
   };
   ASSERT_TRUE(CatalogsEqualInventories(all()));
+  auto named = [&] {
+    std::vector<std::pair<std::string, const ManagerProcess*>> out;
+    for (size_t i = 0; i < managers.size(); ++i) out.emplace_back(nodes[i], managers[i].get());
+    return out;
+  };
+  ExpectDumpsEqual(named());
+  // The operator's view of the same: one "complete" line per shard placed on node-0, and the dumps as lines.
+  const std::string status0 = testing::CliOutput({"catalog", "status", "--socket", managers[0]->socket()});
+  size_t complete = 0;
+  for (size_t at = 0; (at = status0.find(" complete\n", at)) != std::string::npos; ++at) ++complete;
+  EXPECT_EQ(complete, Field(StatsOf(*managers[0]), "catalog_shards_hosted")) << status0;
+  EXPECT_GT(complete, 0u);
+  const std::string inventory_dump =
+      testing::CliOutput({"inventory", "dump", "--shard", "5", "--socket", managers[1]->socket()});
+  EXPECT_EQ(static_cast<size_t>(std::count(inventory_dump.begin(), inventory_dump.end(), '\n')),
+            DumpLines(*managers[1], channel::DumpKind::kInventory, 5).size());
 
   // kill -9 the catalog host node-2 and start it again (empty: a new start): the owners resync it.
   managers[2]->Stop(SIGKILL);
@@ -254,11 +311,14 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
   const std::string restarted = StatsOf(*managers[2]);
   EXPECT_GT(Field(restarted, "catalog_records"), 0u) << restarted;
   EXPECT_EQ(Field(restarted, "inventory_records"), 0u) << restarted;
+  ExpectDumpsEqual(named());
 
   // kill -9 the owner node-1: once the member view drops it (TTL 3 s), its slices go from every catalog.
   managers[1]->Stop(SIGKILL);
   managers.erase(managers.begin() + 1);
+  nodes.erase(nodes.begin() + 1);
   EXPECT_TRUE(CatalogsEqualInventories(all()));
+  ExpectDumpsEqual(named());
 }
 
 // node-0 hosts every shard; the owners' journals hold 64 KiB. node-0 stopped with SIGSTOP while the owners
