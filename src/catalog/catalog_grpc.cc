@@ -149,6 +149,7 @@ Result<CatalogReply> GrpcCatalogTransport::Deliver(const std::string& catalog_no
   }
   peer::v1::CatalogRequest request = ToRequest(message);
   *request.mutable_route() = MakeRoute(self_, member.record);
+  bytes_sent_.fetch_add(request.ByteSizeLong(), std::memory_order_relaxed);
   peer::v1::CatalogResponse response;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));

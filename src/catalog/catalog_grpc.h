@@ -7,6 +7,7 @@
 #ifndef ORBITKV_CATALOG_CATALOG_GRPC_H_
 #define ORBITKV_CATALOG_CATALOG_GRPC_H_
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -37,6 +38,8 @@ class GrpcCatalogTransport final : public CatalogTransport {
                        std::shared_ptr<grpc::ChannelCredentials> credentials, CatalogStore* local);
   Result<CatalogReply> Deliver(const std::string& catalog_node, const CatalogMessage& message) override
       EXCLUDES(mu_);
+  // Bytes of the requests sent to other Managers so far (the catalog's metadata traffic).
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
 
  private:
   std::shared_ptr<peer::v1::Peer::Stub> StubFor(const std::string& endpoint) EXCLUDES(mu_);
@@ -47,6 +50,7 @@ class GrpcCatalogTransport final : public CatalogTransport {
   CatalogStore* const local_;
   Mutex mu_;
   std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ GUARDED_BY(mu_);
+  std::atomic<uint64_t> bytes_sent_{0};
 };
 
 }  // namespace orbitkv::catalog

@@ -139,6 +139,7 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
     }
     slice.applied = r.version;
   }
+  if (options_.on_visible) options_.on_visible(batch.stream, batch.first_sequence - 1, slice.applied);
   return Reply(CatalogReply::Kind::kAck, slice.applied, "");
 }
 
@@ -252,6 +253,7 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   slice.applied = end.end_watermark;
   slice.baseline = true;
   slice.building.reset();
+  if (options_.on_visible) options_.on_visible(end.stream, 0, slice.applied);
   return Reply(CatalogReply::Kind::kAck, slice.applied, "");
 }
 

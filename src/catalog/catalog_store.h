@@ -40,6 +40,9 @@ class CatalogStore {
     uint64_t budget_bytes = kDefaultBudgetBytes;
     // Whether `runtime` is the live, registered start of `node` (the member view). Null: everyone.
     std::function<bool(const std::string& node, const std::string& runtime)> owner_live;
+    // Called (under the store's lock: keep it short) when a stream's evidence became visible through
+    // sequence `through` (from `from` + 1): a delta applied or a snapshot installed. For lag measurements.
+    std::function<void(const StreamId& stream, uint64_t from, uint64_t through)> on_visible;
   };
   // What one entry costs the budget (key, value and the map's node).
   static uint64_t EntryCharge();

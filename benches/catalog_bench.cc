@@ -1,0 +1,380 @@
+// The embedded catalog: 16 owners streaming 16 shards each to one catalog host over real gRPC, under churn.
+//
+// One catalog host (a CatalogStore behind the real PeerService on a loopback gRPC server) and 16 owners, each
+// a real ResidencyInventory of 16 shards with one OwnerStreamer per shard over GrpcCatalogTransport (256
+// streams), all in this process with a member view installed by hand (the route check runs on every request).
+// 30,000 residences are loaded, then a driver changes residences at a fixed rate for a few seconds; the update
+// lag of each change is the time from the inventory's Apply to the catalog making it visible. Then the catalog
+// host "restarts" (a new start with an empty store): replay is the time until it covers every owner's records
+// again. Baselines measured in the same run: the p50 of one etcd Put on a real etcd, and the p50 of the loopback
+// gRPC unary round trip (Health, route check included) to the same server.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "catalog/peer_service.h"  // first of the gRPC users (cluster/grpc.h)
+
+#include "base/logging.h"
+#include "base/runtime_id.h"
+#include "bench_report.h"
+#include "catalog/catalog_grpc.h"
+#include "catalog/catalog_store.h"
+#include "catalog/owner_streamer.h"
+#include "cluster/etcd_client.h"
+#include "cluster/testing/etcd_process.h"
+#include "core/inventory.h"
+#include "state/namespace.h"
+
+namespace orbitkv::bench {
+namespace {
+
+constexpr int kOwners = 16;
+constexpr uint32_t kShards = 16;
+constexpr int kRecords = 30000;          // loaded before the churn, and what the replay must cover
+constexpr double kChangesPerSecond = 4500;
+constexpr double kChurnSeconds = 5;
+constexpr char kPlacement[] = "bench-placement";
+
+double Ms(MonoClock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
+}
+
+void Check(const Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "catalog_bench: %s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+state::StateNamespace BenchNamespace() {
+  state::NamespaceIdentity id;
+  id.model_id = "bench/catalog-model";
+  id.weights_revision = "0123456789abcdef0123456789abcdef01234567";
+  id.tokenizer = "bench/catalog-model";
+  id.engine_kind = "vllm";
+  id.format.model_digest = state::Sha256::Of(std::string_view("bench model"));
+  id.format.implementation_digest = state::Sha256::Of(std::string_view("bench kernels"));
+  id.format.dtype = state::DType::kBFloat16;
+  id.format.layout = state::KvLayout::kLayerFirst;
+  id.format.layout_detail = "NHD";
+  id.format.page_size_tokens = 16;
+  auto ns = state::DeriveNamespace(id);
+  Check(ns.status(), "namespace");
+  return *ns;
+}
+
+state::StateKey Key(int owner, uint64_t i) {
+  static const state::StateNamespace ns = BenchNamespace();
+  uint64_t native[2] = {static_cast<uint64_t>(owner), i};
+  return *state::StateKey::Create(ns, 0, {i * 16, i * 16 + 16},
+                                  std::span<const uint8_t>(reinterpret_cast<uint8_t*>(native), 16));
+}
+
+// When each (owner, shard, sequence) was applied at its owner, for the lag of its visibility at the catalog.
+class ApplyTimes {
+ public:
+  void Record(int owner, uint32_t shard, uint64_t sequence, MonoTime at) {
+    MutexLock lock(&mu_);
+    auto& v = times_[{owner, shard}];
+    if (v.size() < sequence + 1) v.resize(sequence + 1);
+    v[sequence] = at;
+  }
+  // Lag samples of sequences (from, through] of a stream, taken now (only those recorded while measuring).
+  void Visible(int owner, uint32_t shard, uint64_t from, uint64_t through) {
+    const MonoTime now = MonoNow();
+    MutexLock lock(&mu_);
+    if (!measuring_) return;
+    auto it = times_.find({owner, shard});
+    if (it == times_.end()) return;
+    for (uint64_t s = from + 1; s <= through && s < it->second.size(); ++s) {
+      if (it->second[s] >= since_) lags_.push_back(Ms(now - it->second[s]));
+      it->second[s] = MonoTime{};  // counted once
+    }
+  }
+  void Start() {
+    MutexLock lock(&mu_);
+    measuring_ = true;
+    since_ = MonoNow();
+  }
+  std::vector<double> Stop() {
+    MutexLock lock(&mu_);
+    measuring_ = false;
+    return lags_;
+  }
+
+ private:
+  Mutex mu_;
+  std::map<std::pair<int, uint32_t>, std::vector<MonoTime>> times_ GUARDED_BY(mu_);
+  std::vector<double> lags_ GUARDED_BY(mu_);
+  bool measuring_ GUARDED_BY(mu_) = false;
+  MonoTime since_ GUARDED_BY(mu_){};
+};
+
+cluster::Member MemberOf(const std::string& node, const std::string& uuid, const std::string& endpoint) {
+  cluster::Member m;
+  m.record.cluster = "bench";
+  m.record.node_id = node;
+  m.record.epoch = 1;
+  m.record.endpoint = endpoint;
+  m.record.runtime_uuid = uuid;
+  m.create_revision = m.mod_revision = 1;
+  return m;
+}
+
+// The catalog host: a store behind the real PeerService on a loopback gRPC server.
+struct CatalogHost {
+  std::unique_ptr<catalog::CatalogStore> store;
+  std::unique_ptr<catalog::PeerService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::string endpoint;
+  std::string uuid;
+
+  static std::unique_ptr<CatalogHost> Start(const cluster::MemberView& view, ApplyTimes& times) {
+    auto host = std::make_unique<CatalogHost>();
+    const RuntimeId runtime = RuntimeId::New();
+    host->uuid = runtime.ToString();
+    catalog::CatalogStore::Options options;
+    options.incarnation = runtime.incarnation();
+    options.on_visible = [&times](const catalog::StreamId& s, uint64_t from, uint64_t through) {
+      times.Visible(std::stoi(s.owner_node.substr(6)), s.shard, from, through);
+    };
+    host->store = std::make_unique<catalog::CatalogStore>(std::move(options));
+    catalog::PeerService::Options service;
+    service.self = catalog::PeerIdentity{"bench", "catalog", host->uuid, 1, kPlacement};
+    service.incarnation = runtime.incarnation();
+    service.catalog = host->store.get();
+    service.hosts_shard = [](uint32_t shard) { return shard < kShards; };
+    host->service = std::make_unique<catalog::PeerService>(std::move(service), &view);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
+    builder.RegisterService(host->service.get());
+    host->server = builder.BuildAndStart();
+    if (host->server == nullptr || port == 0) Check(Status::Unavailable("no loopback port"), "catalog server");
+    host->endpoint = fmt::format("127.0.0.1:{}", port);
+    return host;
+  }
+};
+
+void InstallView(cluster::MemberView& view, const CatalogHost& host, const std::vector<std::string>& owners,
+                 int64_t revision) {
+  std::map<std::string, cluster::Member> members;
+  members.emplace("catalog", MemberOf("catalog", host.uuid, host.endpoint));
+  for (int i = 0; i < kOwners; ++i) {
+    const std::string node = fmt::format("owner-{}", i);
+    members.emplace(node, MemberOf(node, owners[i], ""));
+  }
+  view.Install(std::move(members), revision);
+}
+
+}  // namespace
+}  // namespace orbitkv::bench
+
+int main(int argc, char** argv) {
+  using namespace orbitkv;
+  using namespace orbitkv::bench;
+  const bool json = ParseBenchArgs(
+      argc, argv,
+      "The embedded catalog: update lag p50/p99 of 16 owners x 16 shards streaming to one catalog host over "
+      "loopback gRPC at 4,500 changes/s, metadata bytes, index bytes, replay after a catalog restart, resyncs; "
+      "against the etcd Put and gRPC unary round trips.");
+  log::SetLevel(log::Level::kWarn);
+  BenchReport report("catalog");
+  AddStandardEnv(report);
+
+  // Baseline 1: one etcd Put round trip on a real etcd.
+  auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
+  Check(etcd.status(), "starting etcd");
+  cluster::EtcdClientOptions etcd_options;
+  etcd_options.endpoints = {(*etcd)->endpoint()};
+  auto etcd_client = cluster::EtcdClient::Create(etcd_options);
+  Check(etcd_client.status(), "etcd client");
+  std::vector<double> put_ms;
+  for (int i = 0; i < 200; ++i) {
+    etcdserverpb::PutRequest put;
+    put.set_key("/bench/catalog-baseline");
+    put.set_value(std::to_string(i));
+    const MonoTime t0 = MonoNow();
+    Check((*etcd_client)->Put(put, Deadline::After(std::chrono::seconds(10))).status(), "etcd put");
+    put_ms.push_back(Ms(MonoNow() - t0));
+  }
+  const double put_p50 = Percentile(put_ms, 0.5);
+
+  ApplyTimes times;
+  cluster::MemberView view;
+  std::vector<std::string> owner_uuids;
+  for (int i = 0; i < kOwners; ++i) owner_uuids.push_back(RuntimeId::New().ToString());
+  std::unique_ptr<CatalogHost> host = CatalogHost::Start(view, times);
+  InstallView(view, *host, owner_uuids, 1);
+
+  // Baseline 2: the loopback gRPC unary round trip to the same server (Health, route check included).
+  std::vector<double> rtt_ms;
+  {
+    auto stub = catalog::NewPeerStub(host->endpoint, nullptr);
+    const catalog::PeerIdentity as0{"bench", "owner-0", owner_uuids[0], 1, kPlacement};
+    cluster::MemberRecord to = MemberOf("catalog", host->uuid, host->endpoint).record;
+    for (int i = 0; i < 500; ++i) {
+      peer::v1::HealthRequest request;
+      *request.mutable_route() = catalog::MakeRoute(as0, to);
+      peer::v1::HealthResponse response;
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      const MonoTime t0 = MonoNow();
+      const grpc::Status s = stub->Health(&context, request, &response);
+      if (!s.ok()) Check(catalog::FromGrpc(s), "loopback Health");
+      if (i >= 20) rtt_ms.push_back(Ms(MonoNow() - t0));  // after warm-up
+    }
+  }
+  const double rtt_p50 = Percentile(rtt_ms, 0.5);
+
+  // 16 owners, 16 streams each.
+  MetricsRegistry metrics;
+  std::vector<std::unique_ptr<core::ResidencyInventory>> inventories;
+  std::vector<std::unique_ptr<catalog::GrpcCatalogTransport>> transports;
+  std::vector<std::unique_ptr<catalog::OwnerStreamer>> streamers;
+  for (int i = 0; i < kOwners; ++i) {
+    core::ResidencyInventory::Options options;
+    options.incarnation = static_cast<uint64_t>(i + 1);
+    options.shards = kShards;
+    auto inventory = core::ResidencyInventory::Create(options, &metrics);
+    Check(inventory.status(), "inventory");
+    inventories.push_back(std::move(*inventory));
+    const catalog::PeerIdentity self{"bench", fmt::format("owner-{}", i), owner_uuids[i], 1, kPlacement};
+    transports.push_back(std::make_unique<catalog::GrpcCatalogTransport>(self, &view, nullptr, nullptr));
+    for (uint32_t shard = 0; shard < kShards; ++shard) {
+      catalog::OwnerStreamer::Options options_s;
+      options_s.owner_node = self.node_id;
+      options_s.owner_runtime = self.runtime_uuid;
+      options_s.shard = shard;
+      options_s.catalog_node = "catalog";
+      options_s.backoff_max = std::chrono::milliseconds(200);
+      auto streamer = catalog::OwnerStreamer::Create(options_s, inventories.back().get(), transports.back().get());
+      Check(streamer.status(), "streamer");
+      streamers.push_back(std::move(*streamer));
+    }
+  }
+  // Load: 30,000 residences before the streams start.
+  std::vector<std::set<uint64_t>> present(kOwners);
+  std::mt19937_64 rng(7);
+  uint64_t generation = 1;
+  auto apply = [&](int owner, uint64_t k, bool add) {
+    const state::StateKey key = Key(owner, k);
+    auto& inventory = *inventories[owner];
+    const uint32_t shard = inventory.ShardFor(key);
+    const uint64_t seq = inventory.Apply(shard, key, core::Tier::kDram, add,
+                                         add ? core::TransitionCause::kAdmit : core::TransitionCause::kEvict,
+                                         ++generation, 65536);
+    times.Record(owner, shard, seq, MonoNow());
+    if (add) {
+      present[owner].insert(k);
+    } else {
+      present[owner].erase(k);
+    }
+  };
+  for (int i = 0; i < kRecords; ++i) apply(i % kOwners, static_cast<uint64_t>(i / kOwners), true);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> threads;
+  for (auto& s : streamers) threads.emplace_back([&stop, s = s.get()] { s->Run(stop); });
+  auto covered = [&] {
+    size_t records = 0;
+    for (const auto& shard : host->store->Status()) records += shard.records;
+    size_t streaming = 0;
+    for (const auto& s : streamers) streaming += s->state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
+    size_t live = 0;
+    for (const auto& p : present) live += p.size();
+    return records == live && streaming == streamers.size();
+  };
+  for (int i = 0; i < 6000 && !covered(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (!covered()) Check(Status::DeadlineExceeded("the catalog never covered the load"), "load");
+  uint64_t snapshots_after_load = 0;
+  for (const auto& s : streamers) snapshots_after_load += s->snapshots();
+  uint64_t bytes_before = 0;
+  for (const auto& t : transports) bytes_before += t->bytes_sent();
+
+  // Churn: each change evicts one residence of an owner and admits another (the size stays 30,000).
+  times.Start();
+  const MonoTime churn_start = MonoNow();
+  uint64_t changes = 0;
+  uint64_t next_key = kRecords;
+  while (MonoNow() - churn_start < std::chrono::duration<double>(kChurnSeconds)) {
+    const auto due = churn_start + std::chrono::duration_cast<MonoClock::duration>(
+                                       std::chrono::duration<double>(changes / kChangesPerSecond));
+    if (MonoNow() < due) {
+      std::this_thread::sleep_until(due);
+      continue;
+    }
+    const int owner = static_cast<int>(rng() % kOwners);
+    if (changes % 2 == 0) {
+      auto it = present[owner].begin();
+      std::advance(it, static_cast<long>(rng() % present[owner].size()));
+      apply(owner, *it, false);
+    } else {
+      apply(owner, next_key++, true);
+    }
+    ++changes;
+  }
+  const double churn_s = std::chrono::duration<double>(MonoNow() - churn_start).count();
+  size_t live = 0;
+  for (const auto& p : present) live += p.size();
+  for (int i = 0; i < 2000; ++i) {  // drain: every change visible
+    size_t records = 0;
+    for (const auto& shard : host->store->Status()) records += shard.records;
+    bool acked = true;
+    for (size_t s = 0; s < streamers.size() && acked; ++s) {
+      acked = streamers[s]->acknowledged() ==
+              inventories[s / kShards]->Watermark(static_cast<uint32_t>(s % kShards));
+    }
+    if (acked && records == live) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const std::vector<double> lags = times.Stop();
+  uint64_t bytes_after = 0;
+  for (const auto& t : transports) bytes_after += t->bytes_sent();
+  uint64_t snapshots_after_churn = 0;
+  for (const auto& s : streamers) snapshots_after_churn += s->snapshots();
+  const uint64_t index_bytes = host->store->used_bytes();
+
+  // The catalog host restarts empty: a new start at a new endpoint; the owners find it in the view.
+  const MonoTime restart = MonoNow();
+  std::unique_ptr<CatalogHost> old = std::move(host);
+  host = CatalogHost::Start(view, times);
+  InstallView(view, *host, owner_uuids, 2);
+  old->server->Shutdown(std::chrono::system_clock::now());
+  for (int i = 0; i < 12000 && !covered(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const double replay_s = std::chrono::duration<double>(MonoNow() - restart).count();
+  if (!covered()) Check(Status::DeadlineExceeded("no full replay within 12 s"), "replay");
+
+  stop = true;
+  for (auto& t : threads) t.join();
+  streamers.clear();
+  host->server->Shutdown(std::chrono::system_clock::now());
+
+  report.AddEnv("owners", std::to_string(kOwners));
+  report.AddEnv("streams", std::to_string(kOwners * kShards));
+  report.AddEnv("records", std::to_string(kRecords));
+  report.AddEnv("changes_per_s", fmt::format("{:.0f}", static_cast<double>(changes) / churn_s));
+  report.AddEnv("transport", "loopback gRPC (insecure), route check on every request, one process");
+  report.AddEnv("lag_samples", std::to_string(lags.size()));
+  report.Add({"catalog_update_lag_p50", "ms", Percentile(lags, 0.5), "grpc_unary_rtt_p50", rtt_p50});
+  report.Add({"catalog_update_lag_p99", "ms", Percentile(lags, 0.99), "grpc_unary_rtt_p50", rtt_p50});
+  report.Add({"catalog_metadata_bytes_per_s", "B/s", static_cast<double>(bytes_after - bytes_before) / churn_s,
+              "changes_per_s", static_cast<double>(changes) / churn_s});
+  report.Add({"catalog_replay_s", "s", replay_s, "etcd_put_rtt_p50", put_p50 / 1000});
+  report.Add({"catalog_index_bytes_per_host", "B", static_cast<double>(index_bytes), "records",
+              static_cast<double>(kRecords)});
+  report.Add({"catalog_resyncs", "snapshots", static_cast<double>(snapshots_after_churn - snapshots_after_load),
+              "streams", static_cast<double>(kOwners * kShards)});
+  report.Add({"etcd_put_rtt_p50", "ms", put_p50, "", 0});
+  report.Add({"grpc_unary_rtt_p50", "ms", rtt_p50, "", 0});
+  report.Print(json);
+  return 0;
+}
