@@ -7,6 +7,7 @@
 #ifndef ORBITKV_BENCHES_BENCH_REPORT_H_
 #define ORBITKV_BENCHES_BENCH_REPORT_H_
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <string_view>
@@ -52,6 +53,14 @@ void AddStandardEnv(BenchReport& report);
 // tenant of a 2-core machine).
 template <typename Body>
 double BestRate(Body&& body, double min_seconds = 0.2, int repeats = 5);
+
+// The p-quantile (0 <= p <= 1) of `samples` by nearest rank; 0 for none.
+inline double Percentile(std::vector<double> samples, double p) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  const auto last = static_cast<double>(samples.size() - 1);
+  return samples[std::min(samples.size() - 1, static_cast<size_t>(p * last + 0.5))];
+}
 
 }  // namespace orbitkv::bench
 

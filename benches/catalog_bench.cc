@@ -41,11 +41,6 @@ constexpr char kPlacement[] = "bench-placement";
 
 double Ms(MonoClock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
-}
 
 void Check(const Status& s, const char* what) {
   if (!s.ok()) {

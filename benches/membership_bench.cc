@@ -36,12 +36,6 @@ constexpr int kWatchSamples = 300;
 
 double Ms(MonoClock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const size_t i =
-      std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5));
-  return v[i];
-}
 
 std::string Record(const std::string& node, int64_t epoch) {
   MemberRecord r;
