@@ -131,7 +131,9 @@ int main(int argc, char** argv) {
     const DumpKind kind = command == "inventory dump" ? DumpKind::kInventory
                           : command == "catalog dump" ? DumpKind::kCatalog
                                                       : DumpKind::kCatalogStatus;
-    if (kind == DumpKind::kCatalogStatus) fmt::print("shard owners records bytes coverage\n");
+    if (kind == DumpKind::kCatalogStatus) {
+      fmt::print("shard owners records bytes coverage lag_ms last_repair_s_ago\n");
+    }
     uint64_t first = 0;
     do {  // page by page: a reply slot holds 64 KiB
       auto page = (*client)->Dump(kind, static_cast<uint32_t>(std::max(shard, 0L)), first);

@@ -44,6 +44,7 @@ peer::v1::CatalogRequest ToRequest(const CatalogMessage& message) {
         if constexpr (std::is_same_v<T, DeltaBatch>) {
           auto* d = request.mutable_delta();
           d->set_first_sequence(m.first_sequence);
+          d->set_oldest_age_us(m.oldest_age_us);
           for (const CatalogRecord& r : m.records) ToProto(r, d->add_records());
         } else if constexpr (std::is_same_v<T, SnapshotBegin>) {
           auto* b = request.mutable_begin();
@@ -73,7 +74,8 @@ Result<CatalogMessage> FromRequest(const peer::v1::CatalogRequest& request) {
   switch (request.body_case()) {
     case peer::v1::CatalogRequest::kDelta: {
       ORBITKV_ASSIGN_OR_RETURN(std::vector<CatalogRecord> records, FromProto(request.delta().records()));
-      return CatalogMessage(DeltaBatch{stream, request.delta().first_sequence(), std::move(records)});
+      return CatalogMessage(
+          DeltaBatch{stream, request.delta().first_sequence(), std::move(records), request.delta().oldest_age_us()});
     }
     case peer::v1::CatalogRequest::kBegin:
       return CatalogMessage(SnapshotBegin{stream, request.begin().snapshot_id(), request.begin().start_watermark(),

@@ -46,6 +46,8 @@ struct DeltaBatch {
   StreamId stream;
   uint64_t first_sequence = 0;  // == records.front().version
   std::vector<CatalogRecord> records;  // contiguous sequences
+  // How long before sending the owner applied the oldest record (its update lag so far, on its own clock).
+  uint64_t oldest_age_us = 0;
 };
 
 struct SnapshotBegin {

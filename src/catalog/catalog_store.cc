@@ -140,6 +140,7 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
     slice.applied = r.version;
   }
   if (options_.on_visible) options_.on_visible(batch.stream, batch.first_sequence - 1, slice.applied);
+  slice.lag_ms = static_cast<double>(batch.oldest_age_us) / 1000;  // plus transit, not measurable across clocks
   return Reply(CatalogReply::Kind::kAck, slice.applied, "");
 }
 
@@ -253,6 +254,7 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   slice.applied = end.end_watermark;
   slice.baseline = true;
   slice.building.reset();
+  slice.installed_at = MonoNow();
   if (options_.on_visible) options_.on_visible(end.stream, 0, slice.applied);
   return Reply(CatalogReply::Kind::kAck, slice.applied, "");
 }
@@ -286,6 +288,11 @@ std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
     }
     s.bytes += slice.view.size() * EntryCharge() + (slice.building ? BuildingCharge(*slice.building) : 0);
     s.complete = s.complete && slice.baseline && !slice.building;
+    s.lag_ms = std::max(s.lag_ms, slice.lag_ms);
+    if (slice.installed_at != MonoTime{}) {
+      const double ago = std::chrono::duration<double>(MonoNow() - slice.installed_at).count();
+      s.last_repair_s = s.last_repair_s < 0 ? ago : std::min(s.last_repair_s, ago);
+    }
   }
   std::vector<ShardStatus> out;
   for (auto& [shard, s] : shards) out.push_back(s);

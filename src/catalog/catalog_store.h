@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/clock.h"
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 #include "catalog/catalog_messages.h"
@@ -63,6 +64,11 @@ class CatalogStore {
     size_t records = 0;    // present residences over those slices
     uint64_t bytes = 0;    // charged for the shard (views, views being built, reservations)
     bool complete = true;  // every known slice has a baseline and nothing pending
+    // The largest update lag over its slices' last deltas: the owner's age of the oldest record at send time
+    // plus the time until it applied here (ms).
+    double lag_ms = 0;
+    // Seconds since the last snapshot of any of its slices was installed (-1: none yet).
+    double last_repair_s = -1;
   };
   std::vector<ShardStatus> Status() const EXCLUDES(mu_);
   // The owners with an installed baseline for `shard`, in order.
@@ -98,6 +104,8 @@ class CatalogStore {
     bool baseline = false;
     View view;  // present entries only: the applied sequence makes older events rejectable
     std::optional<Building> building;
+    double lag_ms = 0;        // of the last delta applied
+    MonoTime installed_at{};  // of the last snapshot installed
   };
   using SliceKey = std::pair<uint32_t, std::string>;  // (shard, owner node)
 

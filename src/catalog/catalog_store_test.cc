@@ -45,6 +45,15 @@ TEST(CatalogStoreTest, DeltasApplyInOrderAndDuplicatesAreDeduplicated) {
   EXPECT_EQ(reply.applied_sequence, 7u);
   EXPECT_EQ(store.Dump(3, "node-a").size(), 5u);  // 1, 2, 3, 9, 10
   EXPECT_EQ(store.used_bytes(), 5 * CatalogStore::EntryCharge());
+  // What `orbitkv catalog status` shows: the owner's lag of its last delta, the age of the last repair.
+  DeltaBatch late{Stream(), 8, {Add(11, 8)}};
+  late.oldest_age_us = 7500;
+  ASSERT_EQ(store.Apply(late).kind, Kind::kAck);
+  const auto status = store.Status();
+  ASSERT_EQ(status.size(), 1u);
+  EXPECT_DOUBLE_EQ(status[0].lag_ms, 7.5);
+  EXPECT_GE(status[0].last_repair_s, 0);
+  EXPECT_LT(status[0].last_repair_s, 60);
 }
 
 TEST(CatalogStoreTest, ABatchThatDoesNotFollowAnswersGapAndOutOfOrderBatchesRecover) {

@@ -106,6 +106,8 @@ bool OwnerStreamer::Stream(uint64_t after) {
   DeltaBatch batch;
   batch.stream = Stream();
   batch.first_sequence = read->records.front().sequence;
+  batch.oldest_age_us = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(MonoNow() - read->records.front().applied_at).count());
   batch.records.reserve(read->records.size());
   for (const core::ResidencyRecord& r : read->records) batch.records.push_back(ToCatalogRecord(r));
   Result<CatalogReply> reply = transport_->Deliver(options_.catalog_node, batch);

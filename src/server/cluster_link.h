@@ -51,7 +51,7 @@ class ClusterLink {
   virtual std::string StatusJson() const = 0;
   // The catalog evidence held here for `shard`, one line per record ("OWNER KEYHEX TIER VERSION
   // GENERATION BYTES", by owner then key), and one line per shard placed here ("SHARD OWNERS
-  // RECORDS BYTES complete|incomplete"); empty when this Manager hosts none.
+  // RECORDS BYTES complete|incomplete LAG_MS LAST_REPAIR_S"); empty when this Manager hosts none.
   virtual std::vector<std::string> CatalogLines(uint32_t shard) const = 0;
   virtual std::vector<std::string> CatalogStatusLines() const = 0;
   // Leaves the cluster (revokes the lease: peers see this Manager leave at once).

@@ -276,8 +276,9 @@ class CatalogNode {
       if (membership_.placement().OwnerOf(shard) != node_) continue;
       const auto it = known.find(shard);
       const catalog::CatalogStore::ShardStatus s = it == known.end() ? catalog::CatalogStore::ShardStatus{} : it->second;
-      lines.push_back(fmt::format("{} {} {} {} {}", shard, s.owners, s.records, s.bytes,
-                                  it == known.end() || s.complete ? "complete" : "incomplete"));
+      lines.push_back(fmt::format("{} {} {} {} {} {:.1f} {}", shard, s.owners, s.records, s.bytes,
+                                  it == known.end() || s.complete ? "complete" : "incomplete", s.lag_ms,
+                                  s.last_repair_s < 0 ? std::string("never") : fmt::format("{:.1f}", s.last_repair_s)));
     }
     return lines;
   }
