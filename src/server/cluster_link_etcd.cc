@@ -218,6 +218,11 @@ class CatalogNode {
         "orbitkv_catalog_streams_converged", "This Manager's owner streams that converge (of 16, one per shard)");
     snapshots_ = &metrics->GetGauge("orbitkv_catalog_stream_snapshots",
                                     "Snapshots this Manager's owner streams sent (since start)");
+    lag_ms_ = &metrics->GetGauge("orbitkv_catalog_update_lag_ms",
+                                 "Largest update lag of the owners' last deltas over the shards placed here (ms, "
+                                 "owner side: the oldest record's age when sent)");
+    stale_repair_s_ = &metrics->GetGauge("orbitkv_catalog_seconds_since_repair",
+                                         "Seconds since the most recent snapshot installed on this catalog host");
   }
 
   catalog::CatalogStore* store() const { return store_.get(); }
@@ -314,11 +319,16 @@ class CatalogNode {
       uint64_t snapshots = 0;
       if (store_) {
         store_->DropDeadOwners();
+        double lag = 0, repair = -1;
         for (const auto& shard : store_->Status()) {
           records += shard.records;
           incomplete += shard.complete ? 0 : 1;
+          lag = std::max(lag, shard.lag_ms);
+          if (shard.last_repair_s >= 0) repair = repair < 0 ? shard.last_repair_s : std::min(repair, shard.last_repair_s);
         }
         bytes_->Set(static_cast<int64_t>(store_->used_bytes()));
+        lag_ms_->Set(static_cast<int64_t>(lag));
+        stale_repair_s_->Set(static_cast<int64_t>(repair));
       }
       for (const auto& s : streamers_) {
         converged += s->converged() ? 1 : 0;
@@ -349,6 +359,8 @@ class CatalogNode {
   Gauge* incomplete_;
   Gauge* streams_converged_;
   Gauge* snapshots_;
+  Gauge* lag_ms_;
+  Gauge* stale_repair_s_;
 };
 
 class MembershipLink final : public ClusterLink {
