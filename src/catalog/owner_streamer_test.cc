@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <deque>
+#include <tuple>
 #include <random>
 #include <set>
 #include <thread>
@@ -113,9 +115,14 @@ std::vector<CatalogRecord> OwnerView(const core::ResidencyInventory& inventory) 
     for (const auto& r : page.records) {
       out.push_back(CatalogRecord{r.key, static_cast<uint8_t>(r.tier), true, r.version, r.generation, r.bytes});
     }
-    if (!page.next) return out;
+    if (!page.next) break;
     cursor = page.next;
   }
+  // In the catalog's dump order (key, tier); the inventory scans in hash order.
+  std::sort(out.begin(), out.end(), [](const CatalogRecord& a, const CatalogRecord& b) {
+    return std::tie(a.key, a.tier) < std::tie(b.key, b.tier);
+  });
+  return out;
 }
 
 OwnerStreamer::Options StreamerOptions() {

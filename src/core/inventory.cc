@@ -259,18 +259,49 @@ InventoryPage ResidencyInventory::Scan(uint32_t shard_index, const InventoryCurs
   ORBITKV_CHECK(shard_index < shards_.size());
   ORBITKV_CHECK(max_records >= 1);
   const Shard& shard = *shards_[shard_index];
+  // The scan order: (hash, key, tier).
+  struct Position {
+    uint64_t hash;
+    const state::StateKey* key;
+    Tier tier;
+  };
+  const auto before = [](const Position& a, const Position& b) {
+    if (a.hash != b.hash) return a.hash < b.hash;
+    if (auto c = *a.key <=> *b.key; c != 0) return c < 0;
+    return a.tier < b.tier;
+  };
   InventoryPage page;
-  page.records.reserve(max_records);
   MutexLock lock(&shard.mu);
   page.watermark = shard.last_sequence;
-  auto it = after == nullptr ? shard.view.begin()
-                             : shard.view.upper_bound(ViewKey{after->key, after->tier});
-  for (; it != shard.view.end() && page.records.size() < max_records; ++it) {
-    page.records.push_back(InventoryRecord{it->first.key, it->first.tier, it->second.generation,
-                                           it->second.bytes, it->second.version});
+  std::optional<Position> cursor;
+  if (after != nullptr) cursor = Position{ViewKeyHash{}(ViewKey{after->key, after->tier}), &after->key, after->tier};
+  // The max_records smallest positions after the cursor, as a max-heap; one more tells whether the scan goes on.
+  std::vector<std::pair<Position, const std::pair<const ViewKey, ViewValue>*>> heap;
+  heap.reserve(std::min(max_records, shard.view.size()) + 1);
+  const auto heap_less = [&](const auto& a, const auto& b) { return before(a.first, b.first); };
+  bool more = false;
+  for (const auto& entry : shard.view) {
+    const Position p{ViewKeyHash{}(entry.first), &entry.first.key, entry.first.tier};
+    if (cursor && !before(*cursor, p)) continue;
+    if (heap.size() < max_records) {
+      heap.emplace_back(p, &entry);
+      std::push_heap(heap.begin(), heap.end(), heap_less);
+    } else {
+      more = true;
+      if (before(p, heap.front().first)) {
+        std::pop_heap(heap.begin(), heap.end(), heap_less);
+        heap.back() = {p, &entry};
+        std::push_heap(heap.begin(), heap.end(), heap_less);
+      }
+    }
   }
-  if (it != shard.view.end())
-    page.next = InventoryCursor{page.records.back().key, page.records.back().tier};
+  std::sort_heap(heap.begin(), heap.end(), heap_less);
+  page.records.reserve(heap.size());
+  for (const auto& [position, entry] : heap) {
+    page.records.push_back(InventoryRecord{entry->first.key, entry->first.tier, entry->second.generation,
+                                           entry->second.bytes, entry->second.version});
+  }
+  if (more) page.next = InventoryCursor{page.records.back().key, page.records.back().tier};
   return page;
 }
 
