@@ -310,6 +310,27 @@ std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string&
   return out;
 }
 
+std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const state::StateKey& key,
+                                                      bool* complete) const {
+  MutexLock lock(&mu_);
+  std::vector<Holder> holders;
+  bool all = true;
+  for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard;
+       ++it) {
+    const Slice& slice = it->second;
+    all = all && slice.baseline && !slice.building;
+    if (!slice.baseline) continue;
+    for (auto entry = slice.view.lower_bound(EntryKey{key, 0});
+         entry != slice.view.end() && entry->first.key == key; ++entry) {
+      holders.push_back(Holder{it->first.second, slice.owner_runtime,
+                               CatalogRecord{key, entry->first.tier, true, entry->second.version,
+                                             entry->second.generation, entry->second.bytes}});
+    }
+  }
+  if (complete != nullptr) *complete = all;
+  return holders;
+}
+
 std::vector<std::string> CatalogStore::Owners(uint32_t shard) const {
   MutexLock lock(&mu_);
   std::vector<std::string> owners;

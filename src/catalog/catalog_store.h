@@ -71,6 +71,15 @@ class CatalogStore {
     double last_repair_s = -1;
   };
   std::vector<ShardStatus> Status() const EXCLUDES(mu_);
+  // Who holds `key` (in `shard`): every owner slice with a baseline whose view has it, each as (owner node,
+  // owner runtime, its record). `complete` says whether the shard's evidence here is complete (an empty answer
+  // from an incomplete shard says nothing; even a complete one only says what the owners reported).
+  struct Holder {
+    std::string owner_node;
+    std::string owner_runtime;
+    CatalogRecord record;
+  };
+  std::vector<Holder> Lookup(uint32_t shard, const state::StateKey& key, bool* complete) const EXCLUDES(mu_);
   // The owners with an installed baseline for `shard`, in order.
   std::vector<std::string> Owners(uint32_t shard) const EXCLUDES(mu_);
   // One owner's current evidence for `shard`, in (key, tier) order.

@@ -161,6 +161,30 @@ TEST(CatalogStoreTest, TheBudgetIsNeverExceededAndWhatDoesNotFitIsIncomplete) {
   EXPECT_EQ(store.Apply({Stream(), 13, {Add(300, 13)}}).kind, Kind::kResync);
 }
 
+TEST(CatalogStoreTest, LookupNamesEveryOwnerHoldingAKeyInEachTier) {
+  CatalogStore store({kIncarnation});
+  Baseline(store, 3, Stream("node-a", "run-1"));
+  Baseline(store, 2, Stream("node-b", "run-2"));
+  ASSERT_EQ(store.Apply({Stream("node-b", "run-2"), 3, {CatalogRecord{core::testing::ChainKey(7, 0), 2, true, 3, 5, 4096}}})
+                .kind,
+            Kind::kAck);  // node-b also holds key 0 on SSD
+  bool complete = false;
+  auto holders = store.Lookup(3, core::testing::ChainKey(7, 0), &complete);
+  EXPECT_TRUE(complete);
+  ASSERT_EQ(holders.size(), 3u);  // node-a DRAM, node-b DRAM and SSD
+  EXPECT_EQ(holders[0].owner_node, "node-a");
+  EXPECT_EQ(holders[0].owner_runtime, "run-1");
+  EXPECT_EQ(holders[2].record.tier, 2);
+  EXPECT_EQ(holders[2].record.generation, 5u);
+  EXPECT_EQ(store.Lookup(3, core::testing::ChainKey(7, 2), &complete).size(), 1u);  // only node-a has key 2
+  EXPECT_TRUE(store.Lookup(3, core::testing::ChainKey(7, 9), &complete).empty());
+  EXPECT_TRUE(store.Lookup(4, core::testing::ChainKey(7, 0), &complete).empty());  // another shard
+  // A slice being rebuilt makes the shard's answer incomplete.
+  ASSERT_EQ(store.Begin({Stream("node-c", "run-3"), 1, 0, 1}).kind, Kind::kAck);
+  EXPECT_EQ(store.Lookup(3, core::testing::ChainKey(7, 0), &complete).size(), 3u);
+  EXPECT_FALSE(complete);
+}
+
 TEST(CatalogStoreTest, ANewCatalogStartAndDeadOwnersAreRefused) {
   bool a_live = true;
   CatalogStore::Options options{kIncarnation};

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "catalog/catalog_grpc.h"
+#include "cluster/placement.h"
 
 namespace orbitkv::catalog {
 
@@ -59,6 +60,44 @@ grpc::Status PeerService::Catalog(grpc::ServerContext* /*context*/, const peer::
   Result<CatalogMessage> message = FromRequest(*request);
   if (!message.ok()) return ToGrpc(message.status());
   *response = ToResponse(DeliverTo(*options_.catalog, *message));
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v1::LookupRequest* request,
+                                 peer::v1::LookupResponse* response) {
+  Status routed = CheckRoute(request->route(), options_.self, *members_);
+  if (!routed.ok()) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    return ToGrpc(routed);
+  }
+  size_t key_bytes = 0;
+  for (const std::string& key : request->keys()) key_bytes += key.size();
+  if (request->keys_size() > kMaxLookupKeys || key_bytes > kMaxLookupKeyBytes) {
+    return ToGrpc(Status::InvalidArgument(fmt::format(
+        "a lookup of {} keys in {} bytes (at most {} keys and {} bytes a request)", request->keys_size(), key_bytes,
+        kMaxLookupKeys, kMaxLookupKeyBytes)));
+  }
+  for (const std::string& bytes : request->keys()) {
+    Result<state::StateKey> key = state::StateKey::Decode(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+    if (!key.ok()) return ToGrpc(key.status().WithContext("a lookup key"));
+    peer::v1::LookupRow* row = response->add_rows();
+    const uint32_t shard = state::ShardOf(*key, cluster::kNumShards);
+    const bool here = options_.catalog != nullptr && options_.hosts_shard && options_.hosts_shard(shard);
+    row->set_placed_here(here);
+    if (!here) continue;
+    bool complete = false;
+    for (const CatalogStore::Holder& h : options_.catalog->Lookup(shard, *key, &complete)) {
+      peer::v1::LookupCandidate* c = row->add_candidates();
+      c->set_owner_node(h.owner_node);
+      c->set_owner_runtime_uuid(h.owner_runtime);
+      c->set_tier(h.record.tier);
+      c->set_generation(h.record.generation);
+      c->set_sequence(h.record.version);
+      c->set_bytes(h.record.bytes);
+    }
+    row->set_complete(complete);
+  }
   return grpc::Status::OK;
 }
 

@@ -38,6 +38,10 @@ class PeerService final : public peer::v1::Peer::Service {
 
   grpc::Status Health(grpc::ServerContext* context, const peer::v1::HealthRequest* request,
                       peer::v1::HealthResponse* response) override;
+  // Who holds the request's keys, row by row (INVALID_ARGUMENT past kMaxLookupKeys or kMaxLookupKeyBytes, or
+  // for a key that does not decode).
+  grpc::Status Lookup(grpc::ServerContext* context, const peer::v1::LookupRequest* request,
+                      peer::v1::LookupResponse* response) override;
   // One message of an owner's stream for a shard placed here (FAILED_PRECONDITION for another shard).
   grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest* request,
                        peer::v1::CatalogResponse* response) override;

@@ -17,6 +17,9 @@ namespace orbitkv::catalog {
 inline constexpr uint32_t kPeerProtocolVersion = 1;
 // The largest message either side sends or accepts (gRPC's limits are set to it).
 inline constexpr int kMaxPeerMessageBytes = 4 << 20;
+// A Lookup names at most this many keys and this many key bytes.
+inline constexpr int kMaxLookupKeys = 128;
+inline constexpr size_t kMaxLookupKeyBytes = 64 << 10;
 
 // This Manager as its peers address it.
 struct PeerIdentity {

@@ -152,7 +152,7 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
                                        membership.GetStatus().self.epoch, membership.placement().fingerprint()};
   options.incarnation = runtime.incarnation();
   options.ucx_worker_address = transfer.ListenAddress();
-  options.capabilities = {"health", "transfer.am", "transfer.grants", "catalog.stream"};
+  options.capabilities = {"health", "transfer.am", "transfer.grants", "catalog.stream", "catalog.lookup"};
   options.catalog = catalog;
   options.hosts_shard = [&membership, node = config.node_id](uint32_t shard) {
     return shard < cluster::kNumShards && membership.placement().OwnerOf(shard) == node;

@@ -299,6 +299,51 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
   EXPECT_EQ(static_cast<size_t>(std::count(inventory_dump.begin(), inventory_dump.end(), '\n')),
             DumpLines(*managers[1], channel::DumpKind::kInventory, 5).size());
 
+  // Lookup from the root namespace, routed as node-0: for keys node-1 saved, the host each key's shard is placed
+  // on names node-1's current start (DRAM, with the sequence its inventory has), the other says not placed here.
+  {
+    const std::string placement = StringField(StatsOf(*managers[0]), "placement_fingerprint");
+    const cluster::MemberRecord r0 = RecordOf(etcd_->endpoint(), Node(0), "mesh");
+    const cluster::MemberRecord r1 = RecordOf(etcd_->endpoint(), Node(1), "mesh");
+    const catalog::PeerIdentity as0{"mesh", Node(0), r0.runtime_uuid, r0.epoch, placement};
+    const auto keys = testing::Chain(501, 100);
+    size_t answered = 0;
+    for (int host : {0, 2}) {
+      const cluster::MemberRecord to = RecordOf(etcd_->endpoint(), Node(host), "mesh");
+      peer::v1::LookupRequest request;
+      *request.mutable_route() = catalog::MakeRoute(as0, to);
+      for (const auto& key : keys) {
+        const auto bytes = key.Encode();
+        request.add_keys(bytes.data(), bytes.size());
+      }
+      peer::v1::LookupResponse response;
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      const grpc::Status status = catalog::NewPeerStub(to.endpoint, nullptr)->Lookup(&context, request, &response);
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      ASSERT_EQ(response.rows_size(), 100);
+      for (const auto& row : response.rows()) {
+        if (!row.placed_here()) {
+          EXPECT_EQ(row.candidates_size(), 0);
+          continue;
+        }
+        EXPECT_TRUE(row.complete());
+        ASSERT_EQ(row.candidates_size(), 1);
+        EXPECT_EQ(row.candidates(0).owner_node(), Node(1));
+        EXPECT_EQ(row.candidates(0).owner_runtime_uuid(), r1.runtime_uuid);
+        EXPECT_EQ(row.candidates(0).tier(), 1u);
+        ++answered;
+      }
+      // More than 128 keys in one request is refused.
+      for (int i = 0; i < 29; ++i) request.add_keys(request.keys(0));
+      grpc::ClientContext again;
+      again.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      EXPECT_EQ(catalog::NewPeerStub(to.endpoint, nullptr)->Lookup(&again, request, &response).error_code(),
+                grpc::StatusCode::INVALID_ARGUMENT);
+    }
+    EXPECT_EQ(answered, 100u);  // every key answered by exactly its host
+  }
+
   // kill -9 the catalog host node-2 and start it again (empty: a new start): the owners resync it.
   managers[2]->Stop(SIGKILL);
   for (int attempt = 0; attempt < 20; ++attempt) {  // its Node ID is held until its lease expires (3 s)
