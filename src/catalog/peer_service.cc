@@ -29,13 +29,15 @@ std::shared_ptr<peer::v1::Peer::Stub> NewPeerStub(const std::string& endpoint,
 PeerService::PeerService(Options options, const cluster::MemberView* members)
     : options_(std::move(options)), members_(members) {}
 
+Status PeerService::Admit(const peer::v1::RouteHeader& route) {
+  Status routed = CheckRoute(route, options_.self, *members_);
+  if (!routed.ok()) refused_.fetch_add(1, std::memory_order_relaxed);
+  return routed;
+}
+
 grpc::Status PeerService::Health(grpc::ServerContext* /*context*/, const peer::v1::HealthRequest* request,
                                  peer::v1::HealthResponse* response) {
-  Status routed = CheckRoute(request->route(), options_.self, *members_);
-  if (!routed.ok()) {
-    refused_.fetch_add(1, std::memory_order_relaxed);
-    return ToGrpc(routed);
-  }
+  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
   response->set_protocol_version(kPeerProtocolVersion);
   response->set_node_id(options_.self.node_id);
   response->set_runtime_uuid(options_.self.runtime_uuid);
@@ -48,11 +50,7 @@ grpc::Status PeerService::Health(grpc::ServerContext* /*context*/, const peer::v
 
 grpc::Status PeerService::Catalog(grpc::ServerContext* /*context*/, const peer::v1::CatalogRequest* request,
                                   peer::v1::CatalogResponse* response) {
-  Status routed = CheckRoute(request->route(), options_.self, *members_);
-  if (!routed.ok()) {
-    refused_.fetch_add(1, std::memory_order_relaxed);
-    return ToGrpc(routed);
-  }
+  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
   if (options_.catalog == nullptr || !options_.hosts_shard || !options_.hosts_shard(request->shard())) {
     return ToGrpc(Status::FailedPrecondition(
         fmt::format("catalog shard {} is not placed on node '{}'", request->shard(), options_.self.node_id)));
@@ -65,11 +63,7 @@ grpc::Status PeerService::Catalog(grpc::ServerContext* /*context*/, const peer::
 
 grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v1::LookupRequest* request,
                                  peer::v1::LookupResponse* response) {
-  Status routed = CheckRoute(request->route(), options_.self, *members_);
-  if (!routed.ok()) {
-    refused_.fetch_add(1, std::memory_order_relaxed);
-    return ToGrpc(routed);
-  }
+  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
   size_t key_bytes = 0;
   for (const std::string& key : request->keys()) key_bytes += key.size();
   if (request->keys_size() > kMaxLookupKeys || key_bytes > kMaxLookupKeyBytes) {

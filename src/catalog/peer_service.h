@@ -50,6 +50,9 @@ class PeerService final : public peer::v1::Peer::Service {
   uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
 
  private:
+  // The route check every method runs first; a refusal is counted.
+  Status Admit(const peer::v1::RouteHeader& route);
+
   const Options options_;
   const cluster::MemberView* const members_;
   std::atomic<uint64_t> refused_{0};
