@@ -258,15 +258,25 @@ TEST_F(CacheServiceTest, QueryLoadsFromSsdAndTheWaiterHearsWhenItIsDone) {
   Result<channel::QueryReply> loading = service_->Query(kOwner, QueryOf(1, 6));
   ASSERT_TRUE(loading.ok()) << loading.status();
   ASSERT_EQ(loading->outcome, channel::QueryOutcome::kLoading);
-  // Asking again names the same op.
-  EXPECT_EQ(service_->Query(kOwner, QueryOf(1, 6))->loading_op, loading->loading_op);
+  // The waiter registers before any query can take the op (it is answered at once if the op already ended).
   Captured<channel::WaitLoadingReply> waited;
   service_->WaitLoading(kOwner, {kInstance, loading->loading_op, 5000}, waited.Callback());
+  // Asking again while it runs names the same op; the SSD reads may also have finished by now (they run on
+  // the tier's own threads), and then the query leases the whole prefix at once.
+  Result<channel::QueryReply> again = service_->Query(kOwner, QueryOf(1, 6));
+  ASSERT_TRUE(again.ok()) << again.status();
+  const bool still_loading = again->outcome == channel::QueryOutcome::kLoading;
+  if (still_loading) {
+    EXPECT_EQ(again->loading_op, loading->loading_op);
+  }
   Result<channel::WaitLoadingReply> done = waited.Get();
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(done->resident, 6u);
-  EXPECT_EQ(service_->loading().held_blocks(), 6u);
-  Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 6));
+  Result<channel::QueryReply> hit = again;
+  if (still_loading) {
+    EXPECT_EQ(service_->loading().held_blocks(), 6u);  // held for the engine's next query
+    hit = service_->Query(kOwner, QueryOf(1, 6));
+  }
   ASSERT_TRUE(hit.ok());
   ASSERT_EQ(hit->outcome, channel::QueryOutcome::kHit);
   EXPECT_EQ(hit->hits, 6u);
