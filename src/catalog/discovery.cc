@@ -1,0 +1,84 @@
+#include "catalog/discovery.h"
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+namespace orbitkv::catalog {
+
+Discovery::Discovery(Options options, CandidateIndex* index, LookupTransport* transport)
+    : options_(std::move(options)), index_(index), transport_(transport) {}
+
+bool Discovery::BreakerOpen(const std::string& host, MonoTime now) {
+  MutexLock lock(&mu_);
+  auto it = open_until_.find(host);
+  return it != open_until_.end() && now < it->second;
+}
+
+void Discovery::Trip(const std::string& host, MonoTime now) {
+  MutexLock lock(&mu_);
+  open_until_[host] = now + options_.breaker_open;
+}
+
+Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
+  Outcome outcome;
+  const size_t known = index_->KnownPrefix(keys);
+  if (known == keys.size()) {  // warm: nothing to ask
+    outcome.known_prefix = known;
+    return outcome;
+  }
+  const MonoTime start = options_.now();
+  const Deadline deadline = Deadline::After(options_.budget);
+  // The unknown keys from the first unknown one on, grouped by catalog host (order kept within a host).
+  std::map<std::string, std::vector<state::StateKey>> by_host;
+  for (size_t i = known; i < keys.size(); ++i) {
+    if (!index_->Find(keys[i]).empty()) continue;
+    by_host[options_.host_of(keys[i])].push_back(keys[i]);
+  }
+  std::vector<std::string> hosts;
+  for (const auto& [host, host_keys] : by_host) {
+    if (BreakerOpen(host, start)) {
+      outcome.skipped_hosts.push_back(host);
+    } else {
+      hosts.push_back(host);
+    }
+  }
+  // At most max_hosts hosts in flight: each worker takes the next host and sends its batches in order.
+  std::atomic<size_t> next_host{0};
+  std::atomic<size_t> rpcs{0};
+  Mutex failed_mu;
+  std::vector<std::string> failed;
+  auto work = [&] {
+    for (size_t h = next_host.fetch_add(1); h < hosts.size(); h = next_host.fetch_add(1)) {
+      const std::vector<state::StateKey>& host_keys = by_host.at(hosts[h]);
+      for (size_t at = 0; at < host_keys.size(); at += options_.max_keys_per_rpc) {
+        if (deadline.Expired()) break;
+        const size_t n = std::min(options_.max_keys_per_rpc, host_keys.size() - at);
+        const std::span<const state::StateKey> batch(host_keys.data() + at, n);
+        rpcs.fetch_add(1, std::memory_order_relaxed);
+        Result<std::vector<LookupRow>> rows = transport_->Lookup(hosts[h], batch, deadline);
+        if (!rows.ok() || rows->size() != n) {  // down, too slow or malformed: skip it for a while
+          Trip(hosts[h], options_.now());
+          MutexLock lock(&failed_mu);
+          failed.push_back(hosts[h]);
+          break;
+        }
+        for (size_t i = 0; i < n; ++i) index_->Insert(batch[i], (*rows)[i].candidates);
+      }
+    }
+  };
+  const size_t workers = std::min(options_.max_hosts, hosts.size());
+  std::vector<std::thread> threads;
+  for (size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+  if (workers > 0) work();
+  for (std::thread& t : threads) t.join();
+  outcome.rpcs = rpcs.load();
+  {
+    MutexLock lock(&failed_mu);
+    outcome.failed_hosts = std::move(failed);
+  }
+  outcome.known_prefix = index_->KnownPrefix(keys);
+  return outcome;
+}
+
+}  // namespace orbitkv::catalog

@@ -1,0 +1,79 @@
+// Discovery: a requesting Manager's bounded lookup of who holds the blocks it misses (seed 000, "Implemented
+// discovery behavior"; issue 21, item 2, requester side). Keys the candidate index already knows cost nothing
+// (a warm query makes no RPC); the unknown ones are grouped by the catalog host their shard is placed on, sent in
+// batches of at most `max_keys_per_rpc`, with at most `max_hosts` hosts in flight at once and one total time
+// budget. A host that fails or times out opens its breaker: later discoveries skip it at once (for
+// `breaker_open`) instead of each waiting out the budget. Rows with candidates are learnt by the index; empty rows
+// prove nothing and are not cached. Never one RPC per block, never a broadcast.
+//
+// Thread safety: Discover may be called from any thread (the breakers are shared under a mutex).
+#ifndef ORBITKV_CATALOG_DISCOVERY_H_
+#define ORBITKV_CATALOG_DISCOVERY_H_
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/clock.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/thread_annotations.h"
+#include "catalog/candidate_index.h"
+
+namespace orbitkv::catalog {
+
+struct LookupRow {
+  std::vector<Candidate> candidates;
+  bool placed_here = false;
+  bool complete = false;
+};
+
+// How the requester reaches catalog hosts (Peer.Lookup in a Manager; in process in the unit tests). Rows align
+// with `keys`.
+class LookupTransport {
+ public:
+  virtual ~LookupTransport() = default;
+  virtual Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
+                                                Deadline deadline) = 0;
+};
+
+class Discovery {
+ public:
+  struct Options {
+    size_t max_keys_per_rpc = 128;
+    size_t max_hosts = 4;  // --discovery-max-hosts
+    std::chrono::milliseconds budget{3000};
+    std::chrono::milliseconds breaker_open{5000};
+    // The catalog host a key's shard is placed on.
+    std::function<std::string(const state::StateKey&)> host_of;
+    std::function<MonoTime()> now = [] { return MonoNow(); };
+  };
+  struct Outcome {
+    size_t rpcs = 0;           // Lookup RPCs sent
+    size_t known_prefix = 0;   // keys, from the first, with candidates now
+    std::vector<std::string> skipped_hosts;  // breakers open: not asked
+    std::vector<std::string> failed_hosts;   // asked, failed or too slow: breakers opened
+  };
+
+  Discovery(Options options, CandidateIndex* index, LookupTransport* transport);
+
+  // Looks up the keys of `keys` the index does not know (from the first unknown one on), within the budget.
+  Outcome Discover(std::span<const state::StateKey> keys) EXCLUDES(mu_);
+
+ private:
+  bool BreakerOpen(const std::string& host, MonoTime now) EXCLUDES(mu_);
+  void Trip(const std::string& host, MonoTime now) EXCLUDES(mu_);
+
+  const Options options_;
+  CandidateIndex* const index_;
+  LookupTransport* const transport_;
+  Mutex mu_;
+  std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
+};
+
+}  // namespace orbitkv::catalog
+
+#endif  // ORBITKV_CATALOG_DISCOVERY_H_

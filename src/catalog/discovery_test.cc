@@ -1,0 +1,152 @@
+// Discovery over an in-process transport (catalog hosts played by the test: the fault it needs, a host that is
+// down or too slow, the real gRPC cannot produce on demand): warm queries make no RPC, cold ones batch per host,
+// the host cap holds, a failing host's breaker makes later queries skip it, empty rows are asked again.
+#include "catalog/discovery.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "core/test_util.h"
+
+namespace orbitkv::catalog {
+namespace {
+
+using std::chrono::milliseconds;
+
+class FakeHosts final : public LookupTransport {
+ public:
+  std::set<std::string> down, slow, empty;
+  std::atomic<int> rpcs{0}, in_flight{0}, max_in_flight{0};
+  std::atomic<size_t> largest_batch{0};
+
+  Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
+                                        Deadline deadline) override {
+    rpcs.fetch_add(1);
+    const int now = in_flight.fetch_add(1) + 1;
+    for (int seen = max_in_flight.load(); now > seen && !max_in_flight.compare_exchange_weak(seen, now);) {
+    }
+    size_t batch = largest_batch.load();
+    while (keys.size() > batch && !largest_batch.compare_exchange_weak(batch, keys.size())) {
+    }
+    std::this_thread::sleep_for(milliseconds(2));  // let hosts overlap
+    Result<std::vector<LookupRow>> out = Answer(host, keys, deadline);
+    in_flight.fetch_sub(1);
+    return out;
+  }
+
+ private:
+  Result<std::vector<LookupRow>> Answer(const std::string& host, std::span<const state::StateKey> keys,
+                                        Deadline deadline) {
+    if (down.count(host) != 0) return Status::Unavailable(host + " is down");
+    if (slow.count(host) != 0) {
+      while (!deadline.Expired()) std::this_thread::sleep_for(milliseconds(1));
+      return Status::DeadlineExceeded(host + " did not answer in time");
+    }
+    std::vector<LookupRow> rows(keys.size());
+    if (empty.count(host) != 0) return rows;
+    for (LookupRow& row : rows) {
+      row.placed_here = row.complete = true;
+      row.candidates.push_back(Candidate{"owner-" + host, "uuid", 1, 1, 1, 4096});
+    }
+    return rows;
+  }
+};
+
+std::vector<state::StateKey> Keys(uint64_t chain, size_t n) { return core::testing::Chain(chain, n); }
+
+Discovery::Options Options(size_t max_hosts = 4) {
+  Discovery::Options options;
+  options.max_hosts = max_hosts;
+  options.budget = milliseconds(3000);
+  options.host_of = [](const state::StateKey& key) {
+    return "host-" + std::to_string(state::ShardOf(key, 16) % 3);
+  };
+  return options;
+}
+
+TEST(DiscoveryTest, ColdQueriesBatchPerHostAndWarmOnesAskNothing) {
+  CandidateIndex index({64ull << 20, milliseconds(600000)});  // a TTL sanitizer slowness cannot expire
+  FakeHosts hosts;
+  Discovery discovery(Options(), &index, &hosts);
+  const auto keys = Keys(1, 1024);
+  Discovery::Outcome cold = discovery.Discover(keys);
+  EXPECT_EQ(cold.known_prefix, 1024u);
+  EXPECT_LE(cold.rpcs, 1024u / 128 + 2);  // never one per block: batches of 128 per host
+  EXPECT_LE(hosts.largest_batch.load(), 128u);
+  EXPECT_TRUE(cold.failed_hosts.empty() && cold.skipped_hosts.empty());
+  const int after_cold = hosts.rpcs.load();
+  for (int i = 0; i < 2000; ++i) {
+    Discovery::Outcome warm = discovery.Discover(std::span(keys).subspan(static_cast<size_t>(i) % 512, 128));
+    ASSERT_EQ(warm.rpcs, 0u) << i;
+    ASSERT_EQ(warm.known_prefix, 128u) << i;
+  }
+  EXPECT_EQ(hosts.rpcs.load(), after_cold);
+}
+
+TEST(DiscoveryTest, NoMoreHostsInFlightThanAllowed) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  Discovery discovery(Options(/*max_hosts=*/2), &index, &hosts);
+  EXPECT_EQ(discovery.Discover(Keys(2, 1024)).known_prefix, 1024u);
+  EXPECT_LE(hosts.max_in_flight.load(), 2);
+  EXPECT_GE(hosts.max_in_flight.load(), 1);
+}
+
+TEST(DiscoveryTest, AFailingHostIsSkippedUntilItsBreakerCloses) {
+  MonoTime now = MonoNow();
+  CandidateIndex index({});
+  FakeHosts hosts;
+  hosts.down = {"host-1"};
+  Discovery::Options options = Options();
+  options.breaker_open = milliseconds(5000);
+  options.now = [&] { return now; };
+  Discovery discovery(options, &index, &hosts);
+  const auto keys = Keys(3, 300);
+  Discovery::Outcome first = discovery.Discover(keys);
+  EXPECT_EQ(first.failed_hosts, std::vector<std::string>{"host-1"});
+  EXPECT_LT(first.known_prefix, 300u);  // the prefix stops at host-1's first key
+  // The other hosts' keys were learnt; the next query asks only... nobody: host-1 is skipped at once.
+  const int before = hosts.rpcs.load();
+  Discovery::Outcome second = discovery.Discover(keys);
+  EXPECT_EQ(second.skipped_hosts, std::vector<std::string>{"host-1"});
+  EXPECT_EQ(second.rpcs, 0u);
+  EXPECT_EQ(hosts.rpcs.load(), before);
+  // Once the breaker closes (and the host is back), it is asked again.
+  hosts.down.clear();
+  now += milliseconds(5001);
+  Discovery::Outcome third = discovery.Discover(keys);
+  EXPECT_GT(third.rpcs, 0u);
+  EXPECT_EQ(third.known_prefix, 300u);
+}
+
+TEST(DiscoveryTest, ASlowHostCostsOneBudgetThenIsSkipped) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  hosts.slow = {"host-2"};
+  Discovery::Options options = Options();
+  options.budget = milliseconds(200);
+  Discovery discovery(options, &index, &hosts);
+  const auto keys = Keys(4, 200);
+  Discovery::Outcome first = discovery.Discover(keys);
+  EXPECT_EQ(first.failed_hosts, std::vector<std::string>{"host-2"});
+  Discovery::Outcome second = discovery.Discover(keys);
+  EXPECT_EQ(second.skipped_hosts, std::vector<std::string>{"host-2"});
+  EXPECT_EQ(second.rpcs, 0u);  // no second wait for it
+}
+
+TEST(DiscoveryTest, EmptyRowsProveNothingAndAreAskedAgain) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  hosts.empty = {"host-0", "host-1", "host-2"};
+  Discovery discovery(Options(), &index, &hosts);
+  const auto keys = Keys(5, 64);
+  EXPECT_EQ(discovery.Discover(keys).known_prefix, 0u);
+  EXPECT_EQ(index.GetStats().entries, 0u);
+  EXPECT_GT(discovery.Discover(keys).rpcs, 0u);  // not cached as absent
+}
+
+}  // namespace
+}  // namespace orbitkv::catalog
