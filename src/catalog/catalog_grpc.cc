@@ -160,4 +160,55 @@ Result<CatalogReply> GrpcCatalogTransport::Deliver(const std::string& catalog_no
   return FromResponse(response);
 }
 
+GrpcLookupTransport::GrpcLookupTransport(PeerIdentity self, const cluster::MemberView* members,
+                                         std::shared_ptr<grpc::ChannelCredentials> credentials)
+    : self_(std::move(self)), members_(members), credentials_(std::move(credentials)) {}
+
+std::shared_ptr<peer::v1::Peer::Stub> GrpcLookupTransport::StubFor(const std::string& endpoint) {
+  MutexLock lock(&mu_);
+  for (auto it = stubs_.begin(); it != stubs_.end(); ++it) {
+    if (it->first == endpoint) {
+      stubs_.splice(stubs_.begin(), stubs_, it);
+      return stubs_.front().second;
+    }
+  }
+  stubs_.emplace_front(endpoint, NewPeerStub(endpoint, credentials_));
+  if (stubs_.size() > kMaxChannels) stubs_.pop_back();
+  return stubs_.front().second;
+}
+
+Result<std::vector<LookupRow>> GrpcLookupTransport::Lookup(const std::string& host,
+                                                           std::span<const state::StateKey> keys, Deadline deadline) {
+  ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members_->Find(host));
+  if (member.record.endpoint.empty()) {
+    return Status::Unavailable(fmt::format("catalog host '{}' has no peer endpoint", host));
+  }
+  peer::v1::LookupRequest request;
+  *request.mutable_route() = MakeRoute(self_, member.record);
+  for (const state::StateKey& key : keys) {
+    const auto bytes = key.Encode();
+    request.add_keys(bytes.data(), bytes.size());
+  }
+  peer::v1::LookupResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline.Remaining()));
+  const grpc::Status status = StubFor(member.record.endpoint)->Lookup(&context, request, &response);
+  if (!status.ok()) return FromGrpc(status);
+  std::vector<LookupRow> rows;
+  rows.reserve(static_cast<size_t>(response.rows_size()));
+  for (const peer::v1::LookupRow& r : response.rows()) {
+    LookupRow row;
+    row.placed_here = r.placed_here();
+    row.complete = r.complete();
+    for (const peer::v1::LookupCandidate& c : r.candidates()) {
+      if (c.tier() == 0 || c.tier() > 255) continue;  // a tier this version does not know: not a candidate
+      row.candidates.push_back(Candidate{c.owner_node(), c.owner_runtime_uuid(), static_cast<uint8_t>(c.tier()),
+                                         c.generation(), c.sequence(), c.bytes()});
+    }
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
 }  // namespace orbitkv::catalog

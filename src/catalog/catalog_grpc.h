@@ -8,6 +8,7 @@
 #define ORBITKV_CATALOG_CATALOG_GRPC_H_
 
 #include <atomic>
+#include <list>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,6 +16,7 @@
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 #include "catalog/catalog_store.h"
+#include "catalog/discovery.h"
 #include "catalog/owner_streamer.h"
 #include "catalog/peer_grpc.h"
 #include "catalog/route.h"
@@ -51,6 +53,26 @@ class GrpcCatalogTransport final : public CatalogTransport {
   Mutex mu_;
   std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ GUARDED_BY(mu_);
   std::atomic<uint64_t> bytes_sent_{0};
+};
+
+// Discovery's LookupTransport over Peer.Lookup: to the catalog host's current start as the member view names it.
+class GrpcLookupTransport final : public LookupTransport {
+ public:
+  GrpcLookupTransport(PeerIdentity self, const cluster::MemberView* members,
+                      std::shared_ptr<grpc::ChannelCredentials> credentials);
+  Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
+                                        Deadline deadline) override;
+
+ private:
+  std::shared_ptr<peer::v1::Peer::Stub> StubFor(const std::string& endpoint) EXCLUDES(mu_);
+
+  const PeerIdentity self_;
+  const cluster::MemberView* const members_;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  Mutex mu_;
+  // Peer channels, at most kMaxChannels (the least recently used one goes first).
+  static constexpr size_t kMaxChannels = 64;
+  std::list<std::pair<std::string, std::shared_ptr<peer::v1::Peer::Stub>>> stubs_ GUARDED_BY(mu_);
 };
 
 }  // namespace orbitkv::catalog

@@ -11,6 +11,9 @@
 #include "catalog/peer_service.h"  // first of the gRPC users (cluster/grpc.h)
 
 #include "catalog/catalog_grpc.h"
+#include "catalog/candidate_index.h"
+#include "catalog/discovery.h"
+#include "cluster/placement.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -342,6 +345,34 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
                 grpc::StatusCode::INVALID_ARGUMENT);
     }
     EXPECT_EQ(answered, 100u);  // every key answered by exactly its host
+
+    // The same through Discovery over Peer.Lookup: 1,000 of node-1's keys are learnt in batches per catalog host
+    // (at most ceil(1000/128) + 1 RPCs for two hosts), then a warm repeat asks nobody.
+    cluster::MemberView view;
+    std::map<std::string, cluster::Member> members;
+    for (int i = 0; i < kHosts; ++i) {
+      cluster::Member m;
+      m.record = RecordOf(etcd_->endpoint(), Node(i), "mesh");
+      members.emplace(Node(i), m);
+    }
+    view.Install(std::move(members), 1);
+    auto placement_record = cluster::Placement::Create({"node-0", "node-2"});
+    ASSERT_TRUE(placement_record.ok());
+    catalog::GrpcLookupTransport transport(as0, &view, nullptr);
+    catalog::CandidateIndex index({});
+    catalog::Discovery::Options options;
+    options.host_of = [&](const state::StateKey& key) {
+      return placement_record->OwnerOf(cluster::Placement::ShardOf(key));
+    };
+    catalog::Discovery discovery(options, &index, &transport);
+    const auto many = testing::Chain(501, 1000);
+    catalog::Discovery::Outcome cold = discovery.Discover(many);
+    EXPECT_EQ(cold.known_prefix, 1000u);
+    EXPECT_LE(cold.rpcs, 1000u / 128 + 2);
+    EXPECT_TRUE(cold.failed_hosts.empty());
+    ASSERT_EQ(index.Find(many[0]).size(), 1u);
+    EXPECT_EQ(index.Find(many[0])[0].owner_node, Node(1));
+    EXPECT_EQ(discovery.Discover(many).rpcs, 0u);
   }
 
   // kill -9 the catalog host node-2 and start it again (empty: a new start): the owners resync it.
