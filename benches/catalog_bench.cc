@@ -52,18 +52,10 @@ void Check(const Status& s, const char* what) {
 state::StateNamespace BenchNamespace() {
   state::NamespaceIdentity id;
   id.model_id = "bench/catalog-model";
-  id.weights_revision = "0123456789abcdef0123456789abcdef01234567";
-  id.tokenizer = "bench/catalog-model";
+  id.weights_revision = "r1";
+  id.tokenizer = "bench/tok";
   id.engine_kind = "vllm";
-  id.format.model_digest = state::Sha256::Of(std::string_view("bench model"));
-  id.format.implementation_digest = state::Sha256::Of(std::string_view("bench kernels"));
-  id.format.dtype = state::DType::kBFloat16;
-  id.format.layout = state::KvLayout::kLayerFirst;
-  id.format.layout_detail = "NHD";
-  id.format.page_size_tokens = 16;
-  auto ns = state::DeriveNamespace(id);
-  Check(ns.status(), "namespace");
-  return *ns;
+  return *state::DeriveNamespace(id);
 }
 
 state::StateKey Key(int owner, uint64_t i) {

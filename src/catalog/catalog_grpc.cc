@@ -117,18 +117,6 @@ CatalogReply FromResponse(const peer::v1::CatalogResponse& response) {
   return reply;
 }
 
-CatalogReply DeliverTo(CatalogStore& store, const CatalogMessage& message) {
-  return std::visit(
-      [&](const auto& m) -> CatalogReply {
-        using T = std::decay_t<decltype(m)>;
-        if constexpr (std::is_same_v<T, DeltaBatch>) return store.Apply(m);
-        if constexpr (std::is_same_v<T, SnapshotBegin>) return store.Begin(m);
-        if constexpr (std::is_same_v<T, SnapshotPage>) return store.Page(m);
-        if constexpr (std::is_same_v<T, SnapshotEnd>) return store.End(m);
-      },
-      message);
-}
-
 GrpcCatalogTransport::GrpcCatalogTransport(PeerIdentity self, const cluster::MemberView* members,
                                            std::shared_ptr<grpc::ChannelCredentials> credentials, CatalogStore* local)
     : self_(std::move(self)), members_(members), credentials_(std::move(credentials)), local_(local) {}
@@ -141,10 +129,7 @@ std::shared_ptr<peer::v1::Peer::Stub> GrpcCatalogTransport::StubFor(const std::s
 }
 
 Result<CatalogReply> GrpcCatalogTransport::Deliver(const std::string& catalog_node, const CatalogMessage& message) {
-  if (catalog_node == self_.node_id && local_ != nullptr) {
-    CatalogMessage own = message;  // this Manager's start addresses itself: the incarnation check still holds
-    return DeliverTo(*local_, own);
-  }
+  if (catalog_node == self_.node_id && local_ != nullptr) return local_->Handle(message);  // its own shards
   ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members_->Find(catalog_node));
   if (member.record.endpoint.empty()) {
     return Status::Unavailable(fmt::format("catalog host '{}' has no peer endpoint", catalog_node));

@@ -30,8 +30,6 @@ peer::v1::CatalogRequest ToRequest(const CatalogMessage& message);
 Result<CatalogMessage> FromRequest(const peer::v1::CatalogRequest& request);
 peer::v1::CatalogResponse ToResponse(const CatalogReply& reply);
 CatalogReply FromResponse(const peer::v1::CatalogResponse& response);
-// Hands `message` to `store`.
-CatalogReply DeliverTo(CatalogStore& store, const CatalogMessage& message);
 
 class GrpcCatalogTransport final : public CatalogTransport {
  public:

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "state/state_key.h"
@@ -90,6 +91,9 @@ struct CatalogReply {
 };
 
 std::string_view CatalogReplyName(CatalogReply::Kind kind);
+
+// Any message of a stream.
+using CatalogMessage = std::variant<DeltaBatch, SnapshotBegin, SnapshotPage, SnapshotEnd>;
 
 }  // namespace orbitkv::catalog
 

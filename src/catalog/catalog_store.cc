@@ -259,6 +259,18 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   return Reply(CatalogReply::Kind::kAck, slice.applied, "");
 }
 
+CatalogReply CatalogStore::Handle(const CatalogMessage& message) {
+  return std::visit(
+      [this](const auto& m) -> CatalogReply {
+        using T = std::decay_t<decltype(m)>;
+        if constexpr (std::is_same_v<T, DeltaBatch>) return Apply(m);
+        if constexpr (std::is_same_v<T, SnapshotBegin>) return Begin(m);
+        if constexpr (std::is_same_v<T, SnapshotPage>) return Page(m);
+        if constexpr (std::is_same_v<T, SnapshotEnd>) return End(m);
+      },
+      message);
+}
+
 size_t CatalogStore::DropDeadOwners() {
   if (!options_.owner_live) return 0;
   MutexLock lock(&mu_);

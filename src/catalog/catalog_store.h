@@ -54,6 +54,8 @@ class CatalogStore {
   CatalogReply Begin(const SnapshotBegin& begin) EXCLUDES(mu_);
   CatalogReply Page(const SnapshotPage& page) EXCLUDES(mu_);
   CatalogReply End(const SnapshotEnd& end) EXCLUDES(mu_);
+  // Whichever of the four `message` is.
+  CatalogReply Handle(const CatalogMessage& message) EXCLUDES(mu_);
 
   // Drops the slices of owners that are no longer live; returns how many.
   size_t DropDeadOwners() EXCLUDES(mu_);

@@ -27,7 +27,7 @@ OwnerStreamer::OwnerStreamer(Options options, core::ResidencyInventory* inventor
 
 OwnerStreamer::~OwnerStreamer() { inventory_->Unsubscribe(options_.shard, subscriber_); }
 
-StreamId OwnerStreamer::Stream() const {
+StreamId OwnerStreamer::Id() const {
   return StreamId{options_.owner_node, options_.owner_runtime, options_.shard, catalog_incarnation_};
 }
 
@@ -104,7 +104,7 @@ bool OwnerStreamer::Stream(uint64_t after) {
   }
   if (read->records.empty()) return false;
   DeltaBatch batch;
-  batch.stream = Stream();
+  batch.stream = Id();
   batch.first_sequence = read->records.front().sequence;
   batch.oldest_age_us = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(MonoNow() - read->records.front().applied_at).count());
@@ -127,11 +127,11 @@ bool OwnerStreamer::Snapshot() {
   const uint64_t id = next_snapshot_id_++;
   // 1. The start of the cut.
   const uint64_t w0 = inventory_->Watermark(options_.shard);
-  SnapshotBegin begin{Stream(), id, w0, inventory_->Size(options_.shard)};
+  SnapshotBegin begin{Id(), id, w0, inventory_->Size(options_.shard)};
   Result<CatalogReply> reply = transport_->Deliver(options_.catalog_node, begin);
   if (reply.ok() && reply->kind == CatalogReply::Kind::kResync && reply->catalog_incarnation != catalog_incarnation_) {
     catalog_incarnation_ = reply->catalog_incarnation;  // a new catalog start: address it and begin again
-    begin.stream = Stream();
+    begin.stream = Id();
     reply = transport_->Deliver(options_.catalog_node, begin);
   }
   if (!reply.ok() || reply->kind != CatalogReply::Kind::kAck) {
@@ -144,7 +144,7 @@ bool OwnerStreamer::Snapshot() {
   for (;;) {
     core::InventoryPage page =
         inventory_->Scan(options_.shard, cursor ? &*cursor : nullptr, options_.page_records);
-    SnapshotPage message{Stream(), id, {}};
+    SnapshotPage message{Id(), id, {}};
     message.records.reserve(page.records.size());
     for (const core::InventoryRecord& r : page.records) {
       message.records.push_back(
@@ -162,7 +162,7 @@ bool OwnerStreamer::Snapshot() {
   }
   // 3. The end of the cut and every change in (w0, w1].
   const uint64_t w1 = inventory_->Watermark(options_.shard);
-  SnapshotEnd end{Stream(), id, w1, {}};
+  SnapshotEnd end{Id(), id, w1, {}};
   for (uint64_t after = w0; after < w1;) {
     Result<core::JournalRead> read = inventory_->ReadJournal(options_.shard, subscriber_, after,
                                                              std::max<size_t>(options_.max_batch_records, 1));
@@ -179,7 +179,7 @@ bool OwnerStreamer::Snapshot() {
     }
     if (read->records.empty()) break;
     if (end.interval.size() >= options_.max_batch_records && after < w1) {  // a long interval: in pages
-      SnapshotPage chunk{Stream(), id, std::move(end.interval), /*interval=*/true};
+      SnapshotPage chunk{Id(), id, std::move(end.interval), /*interval=*/true};
       end.interval.clear();
       reply = transport_->Deliver(options_.catalog_node, chunk);
       if (!reply.ok() || reply->kind != CatalogReply::Kind::kAck) {
@@ -211,7 +211,7 @@ bool OwnerStreamer::Snapshot() {
 bool OwnerStreamer::Heartbeat() {
   if (state() != State::kStreaming) return false;
   DeltaBatch beat;
-  beat.stream = Stream();
+  beat.stream = Id();
   beat.first_sequence = acked_.load(std::memory_order_relaxed) + 1;
   Result<CatalogReply> reply = transport_->Deliver(options_.catalog_node, beat);
   if (reply.ok() && reply->kind == CatalogReply::Kind::kAck) return true;

@@ -25,7 +25,6 @@
 #include <atomic>
 #include <chrono>
 #include <string>
-#include <variant>
 
 #include "base/clock.h"
 #include "base/result.h"
@@ -33,8 +32,6 @@
 #include "core/inventory.h"
 
 namespace orbitkv::catalog {
-
-using CatalogMessage = std::variant<DeltaBatch, SnapshotBegin, SnapshotPage, SnapshotEnd>;
 
 // How owners reach catalog hosts: the peer gRPC service in a Manager, a CatalogStore directly in the
 // unit tests. An error status means the message may or may not have arrived (resending is safe:
@@ -88,7 +85,7 @@ class OwnerStreamer {
  private:
   OwnerStreamer(Options options, core::ResidencyInventory* inventory, CatalogTransport* transport,
                 core::InventorySubscriber subscriber);
-  StreamId Stream() const;
+  StreamId Id() const;  // the stream this streamer feeds, as its messages name it
   bool Snapshot();
   bool Stream(uint64_t after);
   // Handles a reply that is not an ACK; returns false when the caller must stop this unit of work.

@@ -52,15 +52,7 @@ class InProcessTransport final : public CatalogTransport {
  private:
   CatalogReply Send(const CatalogMessage& message) {
     ++delivered;
-    return std::visit(
-        [&](const auto& m) -> CatalogReply {
-          using T = std::decay_t<decltype(m)>;
-          if constexpr (std::is_same_v<T, DeltaBatch>) return store_->Apply(m);
-          if constexpr (std::is_same_v<T, SnapshotBegin>) return store_->Begin(m);
-          if constexpr (std::is_same_v<T, SnapshotPage>) return store_->Page(m);
-          if constexpr (std::is_same_v<T, SnapshotEnd>) return store_->End(m);
-        },
-        message);
+    return store_->Handle(message);
   }
   CatalogStore* store_;
   std::mt19937_64 rng_{7};

@@ -57,7 +57,7 @@ grpc::Status PeerService::Catalog(grpc::ServerContext* /*context*/, const peer::
   }
   Result<CatalogMessage> message = FromRequest(*request);
   if (!message.ok()) return ToGrpc(message.status());
-  *response = ToResponse(DeliverTo(*options_.catalog, *message));
+  *response = ToResponse(options_.catalog->Handle(*message));
   return grpc::Status::OK;
 }
 

@@ -289,55 +289,55 @@ class CatalogNode {
   }
 
   std::string StatusJson() const {
-    size_t records = 0, incomplete = 0, converged = 0, streaming = 0;
-    uint64_t bytes = 0, snapshots = 0;
-    if (store_) {
-      for (const auto& shard : store_->Status()) {
-        records += shard.records;
-        incomplete += shard.complete ? 0 : 1;
-      }
-      bytes = store_->used_bytes();
-    }
+    const Summary s = Summarize();
     size_t inventory = 0;
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) inventory += inventory_->Size(shard);
-    for (const auto& s : streamers_) {
-      converged += s->converged() ? 1 : 0;
-      streaming += s->state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
-      snapshots += s->snapshots();
-    }
     return fmt::format(", \"catalog_shards_hosted\": {}, \"catalog_records\": {}, \"catalog_bytes\": {}, "
                        "\"catalog_incomplete_shards\": {}, \"catalog_streams\": {}, \"catalog_streams_streaming\": {}, "
                        "\"catalog_streams_converged\": {}, \"catalog_stream_snapshots\": {}, \"inventory_records\": {}",
-                       hosted_, records, bytes, incomplete, streamers_.size(), streaming, converged, snapshots,
-                       inventory);
+                       hosted_, s.records, s.bytes, s.incomplete, streamers_.size(), s.streaming, s.converged,
+                       s.snapshots, inventory);
   }
 
  private:
+  // The figures status and metrics show, over the shards placed here and this Manager's own streams.
+  struct Summary {
+    size_t records = 0, incomplete = 0, converged = 0, streaming = 0;
+    uint64_t bytes = 0, snapshots = 0;
+    double lag_ms = 0, last_repair_s = -1;
+  };
+  Summary Summarize() const {
+    Summary sum;
+    if (store_) {
+      for (const auto& shard : store_->Status()) {
+        sum.records += shard.records;
+        sum.incomplete += shard.complete ? 0 : 1;
+        sum.lag_ms = std::max(sum.lag_ms, shard.lag_ms);
+        if (shard.last_repair_s >= 0) {
+          sum.last_repair_s = sum.last_repair_s < 0 ? shard.last_repair_s : std::min(sum.last_repair_s, shard.last_repair_s);
+        }
+      }
+      sum.bytes = store_->used_bytes();
+    }
+    for (const auto& s : streamers_) {
+      sum.converged += s->converged() ? 1 : 0;
+      sum.streaming += s->state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
+      sum.snapshots += s->snapshots();
+    }
+    return sum;
+  }
+
   void Maintain() {
     while (!stop_.load(std::memory_order_acquire)) {
-      size_t records = 0, incomplete = 0, converged = 0;
-      uint64_t snapshots = 0;
-      if (store_) {
-        store_->DropDeadOwners();
-        double lag = 0, repair = -1;
-        for (const auto& shard : store_->Status()) {
-          records += shard.records;
-          incomplete += shard.complete ? 0 : 1;
-          lag = std::max(lag, shard.lag_ms);
-          if (shard.last_repair_s >= 0) repair = repair < 0 ? shard.last_repair_s : std::min(repair, shard.last_repair_s);
-        }
-        bytes_->Set(static_cast<int64_t>(store_->used_bytes()));
-        lag_ms_->Set(static_cast<int64_t>(lag));
-        stale_repair_s_->Set(static_cast<int64_t>(repair));
-      }
-      for (const auto& s : streamers_) {
-        converged += s->converged() ? 1 : 0;
-        snapshots += s->snapshots();
-      }
-      records_->Set(static_cast<int64_t>(records));
-      incomplete_->Set(static_cast<int64_t>(incomplete));
-      streams_converged_->Set(static_cast<int64_t>(converged));
-      snapshots_->Set(static_cast<int64_t>(snapshots));
+      if (store_) store_->DropDeadOwners();
+      const Summary s = Summarize();
+      records_->Set(static_cast<int64_t>(s.records));
+      bytes_->Set(static_cast<int64_t>(s.bytes));
+      incomplete_->Set(static_cast<int64_t>(s.incomplete));
+      streams_converged_->Set(static_cast<int64_t>(s.converged));
+      snapshots_->Set(static_cast<int64_t>(s.snapshots));
+      lag_ms_->Set(static_cast<int64_t>(s.lag_ms));
+      stale_repair_s_->Set(static_cast<int64_t>(s.last_repair_s));
       for (int i = 0; i < 5 && !stop_.load(std::memory_order_acquire); ++i) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }

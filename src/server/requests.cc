@@ -166,16 +166,20 @@ Status Manager::HandleDump(Session& session, const channel::InboundRequest& requ
       return session.channel->ReplyError(
           d, Status::InvalidArgument(fmt::format("shard {} of {}", shard, cache_->inventory().shard_count())));
     }
-    std::optional<core::InventoryCursor> cursor;
-    for (;;) {
-      core::InventoryPage page = cache_->inventory().Scan(shard, cursor ? &*cursor : nullptr, 1024);
-      for (const core::InventoryRecord& r : page.records) {
-        const auto key = r.key.Encode();
-        lines.push_back(fmt::format("{:02x} {} {} {} {}", fmt::join(key, ""), static_cast<int>(r.tier), r.version,
-                                    r.generation, r.bytes));
-      }
-      if (!page.next) break;
-      cursor = page.next;
+    // One scan of the whole shard (a paged scan orders the shard again for every page); only the lines from
+    // `first` that can fit are formatted: up to and including the one that overflows the slot, which is where the
+    // page below stops.
+    const core::InventoryPage all =
+        cache_->inventory().Scan(shard, nullptr, cache_->inventory().Size(shard) + 1);
+    lines.resize(all.records.size());
+    const size_t limit = session.channel->arena().layout().slot_bytes;
+    size_t bytes = 0;
+    for (size_t i = first; i < all.records.size() && bytes < limit; ++i) {
+      const core::InventoryRecord& r = all.records[i];
+      const auto key = r.key.Encode();
+      lines[i] = fmt::format("{:02x} {} {} {} {}", fmt::join(key, ""), static_cast<int>(r.tier), r.version,
+                             r.generation, r.bytes);
+      bytes += lines[i].size() + 1;
     }
   } else if (kind == channel::DumpKind::kCatalog || kind == channel::DumpKind::kCatalogStatus) {
     if (!cluster_) {
