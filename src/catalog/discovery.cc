@@ -22,13 +22,46 @@ void Discovery::Trip(const std::string& host, MonoTime now) {
 
 Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   Outcome outcome;
-  const size_t known = index_->KnownPrefix(keys);
+  size_t known = index_->KnownPrefix(keys);
   if (known == keys.size()) {  // warm: nothing to ask
     outcome.known_prefix = known;
     return outcome;
   }
-  const MonoTime start = options_.now();
   const Deadline deadline = Deadline::After(options_.budget);
+  // Concurrent misses of the same prefix (the same first unknown key) share one lookup: a later one waits for it
+  // (within its own budget) and checks the index again. When that found nothing new for it, it looks up itself
+  // (an empty result proves nothing).
+  std::shared_ptr<Flight> flight = std::make_shared<Flight>();
+  mu_.Lock();
+  auto it = flights_.find(keys[known]);
+  if (it != flights_.end()) {
+    std::shared_ptr<Flight> first = it->second;
+    while (!first->done && !deadline.Expired()) first->cv.wait_until(mu_, deadline.when());
+    mu_.Unlock();
+    const size_t now_known = index_->KnownPrefix(keys);
+    if (now_known > known || deadline.Expired()) {
+      outcome.coalesced = true;
+      outcome.known_prefix = now_known;
+      return outcome;
+    }
+    known = now_known;
+    mu_.Lock();
+  }
+  flights_[keys[known]] = flight;  // the newest lookup of this prefix is the one later misses wait for
+  mu_.Unlock();
+  struct Land {
+    Discovery* self;
+    const state::StateKey& key;
+    std::shared_ptr<Flight> flight;
+    ~Land() {
+      MutexLock lock(&self->mu_);
+      flight->done = true;
+      auto it = self->flights_.find(key);
+      if (it != self->flights_.end() && it->second == flight) self->flights_.erase(it);
+      flight->cv.notify_all();
+    }
+  } land{this, keys[known], flight};
+  const MonoTime start = options_.now();
   // The unknown keys from the first unknown one on, grouped by catalog host (order kept within a host).
   std::map<std::string, std::vector<state::StateKey>> by_host;
   for (size_t i = known; i < keys.size(); ++i) {

@@ -6,12 +6,19 @@
 // `breaker_open`) instead of each waiting out the budget. Rows with candidates are learnt by the index; empty rows
 // prove nothing and are not cached. Never one RPC per block, never a broadcast.
 //
-// Thread safety: Discover may be called from any thread (the breakers are shared under a mutex).
+// Concurrent misses of the same prefix share one lookup: a caller whose first unknown key is being looked up waits
+// for that lookup (within its own budget) and reads the index again; when it brought nothing new, it looks up
+// itself (empty rows prove nothing: there is no negative-result coalescing).
+//
+// Thread safety: Discover may be called from any thread (breakers and lookups in flight are shared under a mutex).
 #ifndef ORBITKV_CATALOG_DISCOVERY_H_
 #define ORBITKV_CATALOG_DISCOVERY_H_
 
 #include <chrono>
+#include <condition_variable>
 #include <functional>
+#include <memory>
+#include <unordered_map>
 #include <map>
 #include <span>
 #include <string>
@@ -56,6 +63,7 @@ class Discovery {
     size_t known_prefix = 0;   // keys, from the first, with candidates now
     std::vector<std::string> skipped_hosts;  // breakers open: not asked
     std::vector<std::string> failed_hosts;   // asked, failed or too slow: breakers opened
+    bool coalesced = false;  // answered by another caller's lookup of the same prefix
   };
 
   Discovery(Options options, CandidateIndex* index, LookupTransport* transport);
@@ -70,8 +78,14 @@ class Discovery {
   const Options options_;
   CandidateIndex* const index_;
   LookupTransport* const transport_;
+  struct Flight {
+    bool done = false;  // guarded by mu_
+    std::condition_variable_any cv;
+  };
   Mutex mu_;
   std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
+  // Lookups in flight, by the first key they look up.
+  std::unordered_map<state::StateKey, std::shared_ptr<Flight>, state::StateKeyHash> flights_ GUARDED_BY(mu_);
 };
 
 }  // namespace orbitkv::catalog

@@ -21,6 +21,7 @@ class FakeHosts final : public LookupTransport {
   std::set<std::string> down, slow, empty;
   std::atomic<int> rpcs{0}, in_flight{0}, max_in_flight{0};
   std::atomic<size_t> largest_batch{0};
+  int slow_ms = 2;
 
   Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
                                         Deadline deadline) override {
@@ -31,7 +32,7 @@ class FakeHosts final : public LookupTransport {
     size_t batch = largest_batch.load();
     while (keys.size() > batch && !largest_batch.compare_exchange_weak(batch, keys.size())) {
     }
-    std::this_thread::sleep_for(milliseconds(2));  // let hosts overlap
+    std::this_thread::sleep_for(milliseconds(slow_ms));  // let hosts (and callers) overlap
     Result<std::vector<LookupRow>> out = Answer(host, keys, deadline);
     in_flight.fetch_sub(1);
     return out;
@@ -146,6 +147,38 @@ TEST(DiscoveryTest, EmptyRowsProveNothingAndAreAskedAgain) {
   EXPECT_EQ(discovery.Discover(keys).known_prefix, 0u);
   EXPECT_EQ(index.GetStats().entries, 0u);
   EXPECT_GT(discovery.Discover(keys).rpcs, 0u);  // not cached as absent
+}
+
+TEST(DiscoveryTest, ConcurrentMissesOfOnePrefixShareOneLookupAndEmptyResultsAreAskedAgain) {
+  FakeHosts hosts;
+  hosts.slow_ms = 200;  // long enough for the other callers to find the lookup in flight
+  CandidateIndex index({});
+  Discovery discovery(Options(), &index, &hosts);
+  const auto keys = Keys(70, 100);
+  std::vector<std::thread> callers;
+  std::atomic<int> coalesced{0}, complete{0};
+  for (int i = 0; i < 4; ++i) {
+    callers.emplace_back([&] {
+      const Discovery::Outcome outcome = discovery.Discover(keys);
+      coalesced.fetch_add(outcome.coalesced ? 1 : 0);
+      complete.fetch_add(outcome.known_prefix == keys.size() ? 1 : 0);
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(complete.load(), 4);
+  // One caller's lookup: one RPC per host (100 keys over 3 hosts), whichever caller sent it.
+  EXPECT_EQ(hosts.rpcs.load(), 3);
+  EXPECT_EQ(coalesced.load(), 3);
+  // Empty answers are not shared as proof: each waiter asks again.
+  FakeHosts empty;
+  empty.slow_ms = 50;
+  for (int h = 0; h < 3; ++h) empty.empty.insert("host-" + std::to_string(h));
+  CandidateIndex index2({});
+  Discovery discovery2(Options(), &index2, &empty);
+  callers.clear();
+  for (int i = 0; i < 2; ++i) callers.emplace_back([&] { (void)discovery2.Discover(keys); });
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(empty.rpcs.load(), 6);
 }
 
 }  // namespace

@@ -1,0 +1,106 @@
+#include "catalog/remote_plan.h"
+
+#include <algorithm>
+#include <map>
+
+#include "fmt/format.h"
+
+namespace orbitkv::catalog {
+namespace {
+
+constexpr uint8_t kDramTier = 1;  // core::Tier::kDram
+
+using Source = std::pair<std::string, std::string>;  // (node, runtime)
+
+}  // namespace
+
+std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, CandidateIndex& index,
+                                    const std::string& self_node, const std::set<Source>& excluded) {
+  if (keys.empty()) return std::nullopt;
+  // Sources still covering every key so far, with their versions; a source drops out at its first gap.
+  std::map<Source, std::vector<SourceBlockVersion>> running;
+  std::map<Source, std::vector<SourceBlockVersion>> finished;
+  const size_t n = std::min(keys.size(), SourceHolds::kMaxBlocks);  // what one authorization may name
+  for (size_t i = 0; i < n; ++i) {
+    // Find returns copies: `found` keeps them alive for this step.
+    std::vector<Candidate> found = index.Find(keys[i]);
+    std::map<Source, const Candidate*> here;
+    for (const Candidate& c : found) {
+      if (c.tier != kDramTier || c.owner_node == self_node) continue;
+      Source source{c.owner_node, c.runtime_uuid};
+      if (excluded.count(source) == 0) here.emplace(std::move(source), &c);
+    }
+    if (i == 0) {
+      for (const auto& [source, c] : here) running[source];
+    }
+    for (auto it = running.begin(); it != running.end();) {
+      auto at = here.find(it->first);
+      if (at == here.end()) {
+        finished.insert(*it);
+        it = running.erase(it);
+      } else {
+        it->second.push_back({keys[i], at->second->generation, at->second->sequence});
+        ++it;
+      }
+    }
+    if (running.empty()) break;
+  }
+  for (auto& entry : running) finished.insert(std::move(entry));
+  // The longest span; std::map order makes the smallest (node, runtime) win a tie.
+  const std::pair<const Source, std::vector<SourceBlockVersion>>* best = nullptr;
+  for (const auto& entry : finished) {
+    if (entry.second.empty()) continue;
+    if (best == nullptr || entry.second.size() > best->second.size()) best = &entry;
+  }
+  if (best == nullptr) return std::nullopt;
+  return PlannedSpan{best->first.first, best->first.second, best->second};
+}
+
+AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateIndex& index,
+                               SourceTransport& transport, const AuthorizeOptions& options) {
+  AuthorizeOutcome outcome;
+  std::set<Source> excluded;
+  for (size_t attempt = 0; attempt <= options.max_alternatives; ++attempt) {
+    if (options.deadline.Expired()) {
+      outcome.last_error = Status::DeadlineExceeded("no source granted the blocks within the fetch's deadline");
+      break;
+    }
+    std::optional<PlannedSpan> span = PlanSpan(keys, index, options.self_node, excluded);
+    if (!span.has_value()) break;
+    ++outcome.attempts;
+    const Source source{span->node, span->runtime};
+    Result<SourceReply> reply = transport.Authorize(span->node, span->runtime, options.request_id, span->versions,
+                                                    options.byte_limit, options.lifetime, options.deadline);
+    if (!reply.ok()) {
+      ++outcome.failures;
+      outcome.last_error = reply.status().WithContext(fmt::format("authorizing at {}", span->node));
+      excluded.insert(source);
+      // A source that is gone or refuses the request outright: its versions in this span are not to be tried
+      // again from this index. A busy one (ResourceExhausted) keeps them: it may have room next time.
+      if (reply.status().code() != StatusCode::kResourceExhausted) {
+        for (const SourceBlockVersion& v : span->versions) {
+          index.Remove(v.key, span->node, span->runtime, v.generation, v.sequence);
+        }
+      }
+      continue;
+    }
+    const SourceGrant& grant = reply->grant;
+    if (grant.outcome != SourceOutcome::kGranted || grant.granted == 0) {
+      ++outcome.rejections;
+      excluded.insert(source);
+      const SourceBlockVersion& refused = span->versions[0];
+      index.Remove(refused.key, span->node, span->runtime, refused.generation, refused.sequence);
+      continue;
+    }
+    if (grant.granted < span->versions.size() && grant.stop != SourceOutcome::kGranted) {
+      // The source holds the block after the granted prefix in another version (or not in DRAM): forget it.
+      const SourceBlockVersion& refused = span->versions[grant.granted];
+      index.Remove(refused.key, span->node, span->runtime, refused.generation, refused.sequence);
+    }
+    outcome.authorized = Authorized{std::move(*span), std::move(*reply)};
+    break;
+  }
+  return outcome;
+}
+
+}  // namespace orbitkv::catalog

@@ -1,0 +1,84 @@
+// Remote planning in the requesting Manager (seed 000, "Query path", step 4; issue 21, item 3): from the candidate
+// index, the source whose DRAM replicas cover the longest contiguous span of the blocks a query misses (ties go to
+// the smaller node id, then runtime UUID), authorized through SourceTransport. A source's rejection removes only
+// the candidate versions it refused from the index, and at most `max_alternatives` other sources are tried per
+// fetch, with no new directory RPC (another query refreshes the evidence). No candidate, or no source granting,
+// means the local answer stands.
+//
+// Thread safety: AuthorizeBest may be called from any thread (the index is thread-safe; the transport must be).
+#ifndef ORBITKV_CATALOG_REMOTE_PLAN_H_
+#define ORBITKV_CATALOG_REMOTE_PLAN_H_
+
+#include <chrono>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/clock.h"
+#include "base/result.h"
+#include "catalog/candidate_index.h"
+#include "catalog/source_holds.h"
+
+namespace orbitkv::catalog {
+
+// A source's answer to Authorize, as the requester sees it.
+struct SourceReply {
+  SourceGrant grant;
+  std::string ucx_address;
+};
+
+// How the requester reaches sources (Peer.Authorize/Release in a Manager).
+class SourceTransport {
+ public:
+  virtual ~SourceTransport() = default;
+  virtual Result<SourceReply> Authorize(const std::string& node, const std::string& runtime, uint64_t request_id,
+                                        std::span<const SourceBlockVersion> blocks, uint64_t byte_limit,
+                                        std::chrono::milliseconds lifetime, Deadline deadline) = 0;
+  // True when the source held something under the id.
+  virtual Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id,
+                               Deadline deadline) = 0;
+};
+
+struct PlannedSpan {
+  std::string node;
+  std::string runtime;
+  std::vector<SourceBlockVersion> versions;  // the span, from the first key
+};
+
+// The best span over `keys` from the index's DRAM candidates, leaving out `self_node` and the sources in
+// `excluded`; none when no candidate holds keys[0].
+std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, CandidateIndex& index,
+                                    const std::string& self_node,
+                                    const std::set<std::pair<std::string, std::string>>& excluded);
+
+struct AuthorizeOptions {
+  std::string self_node;
+  uint64_t request_id = 0;
+  uint64_t byte_limit = 0;
+  std::chrono::milliseconds lifetime{10000};
+  Deadline deadline = Deadline::After(std::chrono::seconds(3));
+  size_t max_alternatives = 2;
+};
+
+struct Authorized {
+  PlannedSpan span;    // as planned (the grant may cover a prefix of it: reply.grant.granted)
+  SourceReply reply;
+};
+
+struct AuthorizeOutcome {
+  std::optional<Authorized> authorized;  // none: no source granted anything (the local answer stands)
+  size_t attempts = 0;                   // Authorize RPCs sent
+  size_t rejections = 0;                 // stale or not-in-DRAM answers
+  size_t failures = 0;                   // RPCs that failed (source gone, busy, too slow)
+  Status last_error;                     // the last failure, for logs
+};
+
+// Plans and authorizes, trying at most options.max_alternatives other sources after the first.
+AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateIndex& index,
+                               SourceTransport& transport, const AuthorizeOptions& options);
+
+}  // namespace orbitkv::catalog
+
+#endif  // ORBITKV_CATALOG_REMOTE_PLAN_H_

@@ -1,0 +1,174 @@
+// SourceHolds: the source side of a remote fetch (seed 000, "Transfer lifetime and resource control"; issue 21,
+// item 4). A requesting Manager names the exact replica versions a lookup told it about; the source pins those
+// versions and nothing else (BlockTable::PinExact checks every generation and insertion sequence under the
+// table's shard locks before pinning), charges the whole allocations to the transfer budget (global, per peer, at
+// most 1024 sessions) and issues a transfer grant over exactly the pinned bytes. A rejection pins nothing, grants
+// nothing and creates no session.
+//
+// A hold ends only through the transport: Release, the grant's deadline, or the requester leaving the member view
+// revoke the grant (the requester's endpoints are force-closed when it left), and the pins and the charge go only
+// once the transfer engine says nothing of the grant is in flight any more (drained). Until then a hold whose
+// deadline passed or whose requester vanished is *quarantined*: still pinned and charged, and counted apart.
+// There is no timeout-only reclamation. Duplicate Authorize (same requester start and request id) returns the
+// same grant; Release is idempotent.
+//
+// Thread safety: every method is safe from any thread. Authorizations run one at a time; the issuer is never called
+// under the holds' lock (its drained callbacks may run on any thread, also inline).
+#ifndef ORBITKV_CATALOG_SOURCE_HOLDS_H_
+#define ORBITKV_CATALOG_SOURCE_HOLDS_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "base/clock.h"
+#include "base/metrics.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "base/thread_annotations.h"
+#include "core/block_table.h"
+#include "core/budget.h"
+#include "core/slab_pool.h"
+#include "state/state_key.h"
+
+namespace orbitkv::catalog {
+
+// The transfer engine as the source sees it (UcxTransferEngine in a Manager; a recording fake in unit tests).
+class GrantIssuer {
+ public:
+  struct Range {
+    uint32_t arena = 0;  // index of the pool arena (registered as a transfer region)
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+  virtual ~GrantIssuer() = default;
+  // A grant for `peer` (the requester's runtime UUID) over `ranges`.
+  virtual Result<uint64_t> Grant(const std::string& peer, const std::vector<Range>& ranges) = 0;
+  // Revokes one grant; `drained` runs once nothing under it is in flight (maybe inline).
+  virtual Status Revoke(uint64_t grant, std::function<void()> drained) = 0;
+  // Revokes every grant of `peer` and force-closes its endpoints; `drained` as above.
+  virtual Status RevokePeer(const std::string& peer, std::function<void()> drained) = 0;
+  // The encoded region descriptor of pool arena `arena` (what the requester reads through).
+  virtual Result<std::vector<uint8_t>> Describe(uint32_t arena) = 0;
+};
+
+enum class SourceOutcome : uint8_t {
+  kGranted = 0,
+  kStale = 1,      // absent, or held in another version than asked for
+  kNotInDram = 2,  // held on SSD only (version 1 grants DRAM replicas only)
+};
+std::string_view SourceOutcomeName(SourceOutcome outcome);
+
+struct SourceBlockVersion {
+  state::StateKey key;
+  uint64_t generation = 0;
+  uint64_t sequence = 0;
+};
+
+struct AuthorizeArgs {
+  std::string peer_node;
+  std::string peer_runtime;
+  uint64_t request_id = 0;
+  std::vector<SourceBlockVersion> blocks;
+  uint64_t byte_limit = 0;  // 0: no limit beyond the budgets
+  std::chrono::milliseconds lifetime{10000};
+};
+
+struct SourceGrant {
+  SourceOutcome outcome = SourceOutcome::kGranted;
+  size_t granted = 0;                           // blocks pinned, from the first
+  SourceOutcome stop = SourceOutcome::kGranted;  // why block `granted` was not pinned
+  uint64_t grant_id = 0;
+  std::vector<std::vector<uint8_t>> regions;  // encoded descriptors; blocks index into it
+  struct Block {
+    uint32_t region = 0;
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+  std::vector<Block> blocks;
+  std::chrono::milliseconds lifetime{0};
+};
+
+class SourceHolds {
+ public:
+  static constexpr size_t kMaxBlocks = 1024;
+  struct Options {
+    std::chrono::milliseconds max_lifetime{30000};  // a grant's deadline is capped at this
+    std::function<MonoTime()> now = [] { return MonoNow(); };
+  };
+  struct Stats {
+    uint64_t sessions = 0;           // holds alive (pinned), quarantined or not
+    uint64_t pinned_bytes = 0;       // bytes of pinned blocks (allocations) over every hold
+    uint64_t quarantined = 0;        // holds whose deadline passed or requester vanished, not yet drained
+    uint64_t quarantined_bytes = 0;
+    uint64_t granted = 0;            // Authorize calls that granted (duplicates not counted)
+    uint64_t released = 0;           // holds freed after draining
+  };
+
+  // `table`, `pool`, `budget`, `issuer` and `metrics` (may be null) must outlive the holds.
+  SourceHolds(Options options, core::BlockTable* table, core::PinnedPool* pool, core::Budget* budget,
+              GrantIssuer* issuer, MetricsRegistry* metrics);
+  // Revokes what is still held and waits for nothing: remaining pins go with the holds (the transfer engine must
+  // be stopped first, so nothing reads them any more).
+  ~SourceHolds();
+
+  // Pins the longest prefix of `args.blocks` held in exactly the named versions (within the byte limit) and grants
+  // reads of it. kStale/kNotInDram with nothing pinned when the first block is not held so (counted as a
+  // rejection). ResourceExhausted (nothing pinned) past the transfer budget, the peer's budget or the session
+  // limit; InvalidArgument for no blocks or more than kMaxBlocks; the issuer's error otherwise.
+  Result<SourceGrant> Authorize(const AuthorizeArgs& args) EXCLUDES(authorize_mu_, mu_);
+  // Ends the hold `request_id` of `peer_runtime`: revoke, drain, free. False when there is none (already released
+  // or never granted).
+  bool Release(const std::string& peer_runtime, uint64_t request_id) EXCLUDES(mu_);
+  // Quarantines and revokes holds past their deadline. Returns how many it revoked.
+  size_t ExpireDue() EXCLUDES(mu_);
+  // Quarantines and revokes every hold of requesters `alive` says are gone (it gets node and runtime); their
+  // endpoints are force-closed (GrantIssuer::RevokePeer). Returns how many requesters.
+  size_t DropVanished(const std::function<bool(const std::string& node, const std::string& runtime)>& alive)
+      EXCLUDES(mu_);
+  Stats GetStats() const EXCLUDES(mu_);
+
+ private:
+  struct Hold {
+    std::string peer_node;
+    SourceGrant grant;
+    std::vector<core::BlockPin> pins;
+    core::BudgetTicket ticket;
+    uint64_t bytes = 0;  // allocation bytes pinned
+    MonoTime deadline;
+    bool revoking = false;
+    bool quarantined = false;
+    bool peer_revoked = false;  // its requester vanished: its transport was revoked
+  };
+  using HoldKey = std::pair<std::string, uint64_t>;  // (requester runtime, request id)
+
+  // The issuer said the grant drained: free the hold.
+  void Drained(const HoldKey& key) EXCLUDES(mu_);
+  void Revoke(const HoldKey& key, uint64_t grant);
+  void Reject(SourceOutcome why);
+  void UpdateGauges() REQUIRES(mu_);
+
+  const Options options_;
+  core::BlockTable* const table_;
+  core::PinnedPool* const pool_;
+  core::Budget* const budget_;
+  GrantIssuer* const issuer_;
+  Gauge* sessions_gauge_ = nullptr;
+  Gauge* pinned_gauge_ = nullptr;
+  Gauge* quarantined_gauge_ = nullptr;
+  Counter* stale_ = nullptr;
+  Counter* not_dram_ = nullptr;
+  Counter* exhausted_ = nullptr;
+
+  Mutex authorize_mu_;  // before mu_
+  mutable Mutex mu_;
+  std::map<HoldKey, Hold> holds_ GUARDED_BY(mu_);
+  Stats stats_ GUARDED_BY(mu_);
+};
+
+}  // namespace orbitkv::catalog
+
+#endif  // ORBITKV_CATALOG_SOURCE_HOLDS_H_

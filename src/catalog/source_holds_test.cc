@@ -1,0 +1,290 @@
+#include "catalog/source_holds.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "core/test_util.h"
+
+namespace orbitkv::catalog {
+namespace {
+
+using core::testing::Chain;
+
+// Records grants; revocations drain only when the test says (a transfer still in flight).
+class RecordingIssuer final : public GrantIssuer {
+ public:
+  Result<uint64_t> Grant(const std::string& peer, const std::vector<Range>& ranges) override {
+    MutexLock lock(&mu_);
+    grants[next_] = {peer, ranges};
+    return next_++;
+  }
+  Status Revoke(uint64_t grant, std::function<void()> drained) override {
+    MutexLock lock(&mu_);
+    if (grants.erase(grant) == 0) return Status::NotFound("no such grant");
+    ++revokes;
+    pending.push_back(std::move(drained));
+    return Status::Ok();
+  }
+  Status RevokePeer(const std::string& peer, std::function<void()> drained) override {
+    MutexLock lock(&mu_);
+    for (auto it = grants.begin(); it != grants.end();) {
+      it = it->second.first == peer ? grants.erase(it) : std::next(it);
+    }
+    peers_revoked.push_back(peer);
+    pending.push_back(std::move(drained));
+    return Status::Ok();
+  }
+  Result<std::vector<uint8_t>> Describe(uint32_t arena) override {
+    return std::vector<uint8_t>{static_cast<uint8_t>(arena), 0xd5};
+  }
+  // The transfers in flight finish: every revoked grant drains.
+  void DrainAll() {
+    std::vector<std::function<void()>> run;
+    {
+      MutexLock lock(&mu_);
+      run.swap(pending);
+    }
+    for (auto& f : run) f();
+  }
+  size_t live() {
+    MutexLock lock(&mu_);
+    return grants.size();
+  }
+
+  Mutex mu_;
+  uint64_t next_ = 100;
+  std::map<uint64_t, std::pair<std::string, std::vector<Range>>> grants;
+  std::vector<std::function<void()>> pending;
+  std::vector<std::string> peers_revoked;
+  int revokes = 0;
+};
+
+class SourceHoldsTest : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kBlock = 64 << 10;
+  void SetUp() override {
+    auto options = core::testing::SmallCacheOptions(8ull << 20);
+    options.transfer_budget_bytes = 1ull << 20;  // 16 blocks
+    options.max_transfer_sessions = 3;
+    auto cache = core::BlockCache::Create(options, &metrics_);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+    SourceHolds::Options o;
+    o.now = [this] { return now_; };
+    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
+                                           &issuer_, &metrics_);
+  }
+  void TearDown() override {
+    holds_.reset();
+    cache_.reset();
+  }
+  // Publishes `keys` and returns the versions a lookup would name.
+  std::vector<SourceBlockVersion> Publish(const std::vector<state::StateKey>& keys) {
+    std::vector<SourceBlockVersion> versions;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto writer = cache_->Prepare(keys[i], kBlock);
+      EXPECT_TRUE(writer.ok()) << writer.status();
+      core::testing::Stamp(writer->data(), kBlock, i);
+      const uint64_t generation = cache_->Seal(*writer);
+      auto pin = cache_->table().Pin(keys[i]);
+      EXPECT_TRUE(pin.ok());
+      versions.push_back({keys[i], generation, pin->sequence()});
+    }
+    return versions;
+  }
+  AuthorizeArgs Args(std::vector<SourceBlockVersion> blocks, uint64_t request = 1, std::string peer = "rt-b") {
+    AuthorizeArgs args;
+    args.peer_node = "node-b";
+    args.peer_runtime = std::move(peer);
+    args.request_id = request;
+    args.blocks = std::move(blocks);
+    return args;
+  }
+  double Metric(std::string_view name, MetricLabels labels = {}) {
+    return metrics_.GetGauge(name, "", std::move(labels)).Value();
+  }
+
+  MetricsRegistry metrics_;
+  std::unique_ptr<core::BlockCache> cache_;
+  RecordingIssuer issuer_;
+  MonoTime now_ = MonoNow();
+  std::unique_ptr<SourceHolds> holds_;
+};
+
+TEST_F(SourceHoldsTest, GrantsExactlyThePinnedBlocksAndFreesThemOnlyAfterTheReleaseDrained) {
+  const auto versions = Publish(Chain(1, 4));
+  auto grant = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  EXPECT_EQ(grant->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(grant->granted, 4u);
+  ASSERT_EQ(grant->blocks.size(), 4u);
+  ASSERT_EQ(issuer_.grants.count(grant->grant_id), 1u);
+  const auto& ranges = issuer_.grants[grant->grant_id].second;
+  ASSERT_EQ(ranges.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(ranges[i].bytes, kBlock);
+    EXPECT_EQ(grant->blocks[i].offset, ranges[i].offset);
+    EXPECT_LT(grant->blocks[i].region, grant->regions.size());
+  }
+  EXPECT_EQ(issuer_.grants[grant->grant_id].first, "rt-b");
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);
+  EXPECT_EQ(holds_->GetStats().pinned_bytes, 4 * kBlock);
+  EXPECT_EQ(cache_->transfer_budget().reserved_bytes(), 4 * kBlock);
+  // The pins keep the blocks: eviction cannot take them.
+  EXPECT_EQ(cache_->table().EvictBytes(4 * kBlock), 0u);
+  // A duplicate Authorize is the same grant, no second session.
+  auto again = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->grant_id, grant->grant_id);
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);
+  // Release revokes; the pins stay until the transport drained.
+  EXPECT_TRUE(holds_->Release("rt-b", 1));
+  EXPECT_TRUE(holds_->Release("rt-b", 1));  // idempotent
+  EXPECT_EQ(issuer_.revokes, 1);
+  EXPECT_EQ(holds_->GetStats().pinned_bytes, 4 * kBlock);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 4u);
+  issuer_.DrainAll();
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(holds_->GetStats().pinned_bytes, 0u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+  EXPECT_EQ(cache_->transfer_budget().reserved_bytes(), 0u);
+  EXPECT_FALSE(holds_->Release("rt-b", 1));  // gone
+  EXPECT_EQ(Metric("orbitkv_source_sessions"), 0);
+}
+
+TEST_F(SourceHoldsTest, AReplacedOrEvictedBlockIsRefusedWithNothingPinned) {
+  const auto keys = Chain(2, 3);
+  auto versions = Publish(keys);
+  // Key 0 replaced after the lookup (removed and saved again: a new version).
+  ASSERT_TRUE(cache_->table().Remove(keys[0], core::Tier::kDram).ok());
+  Publish({keys[0]});
+  auto stale = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(stale.ok());
+  EXPECT_EQ(stale->outcome, SourceOutcome::kStale);
+  EXPECT_EQ(stale->granted, 0u);
+  EXPECT_EQ(stale->grant_id, 0u);
+  EXPECT_TRUE(stale->blocks.empty());
+  EXPECT_TRUE(issuer_.grants.empty());
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+  // Key 2 evicted to SSD only: the prefix before it is granted, the stop says why.
+  cache_->table().PublishSsd(keys[2], 9, kBlock);
+  ASSERT_TRUE(cache_->table().Remove(keys[2], core::Tier::kDram).ok());
+  std::vector<SourceBlockVersion> tail(versions.begin() + 1, versions.end());
+  auto partial = holds_->Authorize(Args(tail, 2));
+  ASSERT_TRUE(partial.ok());
+  EXPECT_EQ(partial->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(partial->granted, 1u);
+  EXPECT_EQ(partial->stop, SourceOutcome::kNotInDram);
+  auto ssd_only = holds_->Authorize(Args({versions[2]}, 3));
+  ASSERT_TRUE(ssd_only.ok());
+  EXPECT_EQ(ssd_only->outcome, SourceOutcome::kNotInDram);
+  EXPECT_EQ(metrics_.GetCounter("orbitkv_source_rejections_total", "", {{"reason", "stale"}}).Value(), 1u);
+  EXPECT_EQ(metrics_.GetCounter("orbitkv_source_rejections_total", "", {{"reason", "not_in_dram"}}).Value(), 1u);
+  EXPECT_TRUE(holds_->Release("rt-b", 2));
+  issuer_.DrainAll();
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+}
+
+TEST_F(SourceHoldsTest, TheSessionLimitAndTheBudgetRefuseWithResourceExhaustedAndPinNothing) {
+  const auto versions = Publish(Chain(3, 8));
+  for (uint64_t r = 1; r <= 3; ++r) {
+    ASSERT_TRUE(holds_->Authorize(Args({versions[r]}, r)).ok());
+  }
+  auto fourth = holds_->Authorize(Args({versions[5]}, 4));
+  EXPECT_EQ(fourth.status().code(), StatusCode::kResourceExhausted) << fourth.status();
+  EXPECT_NE(fourth.status().message().find("--transfer-budget"), std::string::npos);
+  EXPECT_EQ(holds_->GetStats().sessions, 3u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 3u);
+  for (uint64_t r = 1; r <= 3; ++r) EXPECT_TRUE(holds_->Release("rt-b", r));
+  issuer_.DrainAll();
+  // Past the byte budget (16 blocks of 64 KiB): refused, nothing held.
+  auto big = Publish(Chain(4, 20));
+  auto over = holds_->Authorize(Args(big, 9));
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+  // The requester's byte limit trims the grant instead.
+  auto args = Args(big, 10);
+  args.byte_limit = 5 * kBlock;
+  auto trimmed = holds_->Authorize(args);
+  ASSERT_TRUE(trimmed.ok()) << trimmed.status();
+  EXPECT_EQ(trimmed->granted, 5u);
+  EXPECT_TRUE(holds_->Release("rt-b", 10));
+  issuer_.DrainAll();
+  EXPECT_EQ(cache_->transfer_budget().reserved_bytes(), 0u);
+}
+
+TEST_F(SourceHoldsTest, AnExpiredGrantIsQuarantinedUntilItDrainedNeverFreedOnTheTimerAlone) {
+  const auto versions = Publish(Chain(5, 2));
+  auto args = Args(versions);
+  args.lifetime = std::chrono::milliseconds(500);
+  ASSERT_TRUE(holds_->Authorize(args).ok());
+  EXPECT_EQ(holds_->ExpireDue(), 0u);
+  now_ += std::chrono::seconds(1);
+  EXPECT_EQ(holds_->ExpireDue(), 1u);
+  EXPECT_EQ(holds_->ExpireDue(), 0u);  // already revoking
+  EXPECT_EQ(issuer_.live(), 0u);
+  // Past the deadline, revoked, but a transfer may still touch the bytes: pinned and charged.
+  EXPECT_EQ(holds_->GetStats().quarantined, 1u);
+  EXPECT_EQ(holds_->GetStats().quarantined_bytes, 2 * kBlock);
+  EXPECT_EQ(Metric("orbitkv_source_quarantined_bytes"), 2.0 * kBlock);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 2u);
+  EXPECT_TRUE(holds_->Release("rt-b", 1));  // a late Release changes nothing
+  issuer_.DrainAll();
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(Metric("orbitkv_source_quarantined_bytes"), 0);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+}
+
+TEST_F(SourceHoldsTest, AVanishedRequestersGrantsAreRevokedThroughItsTransportThenFreed) {
+  const auto versions = Publish(Chain(6, 3));
+  ASSERT_TRUE(holds_->Authorize(Args({versions[0]}, 1, "rt-gone")).ok());
+  ASSERT_TRUE(holds_->Authorize(Args({versions[1]}, 2, "rt-gone")).ok());
+  ASSERT_TRUE(holds_->Authorize(Args({versions[2]}, 3, "rt-alive")).ok());
+  const auto alive = [](const std::string&, const std::string& runtime) { return runtime == "rt-alive"; };
+  EXPECT_EQ(holds_->DropVanished(alive), 1u);
+  EXPECT_EQ(holds_->DropVanished(alive), 0u);  // its transport is already being revoked
+  ASSERT_EQ(issuer_.peers_revoked.size(), 1u);
+  EXPECT_EQ(issuer_.peers_revoked[0], "rt-gone");
+  EXPECT_EQ(holds_->GetStats().quarantined, 2u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 3u);
+  issuer_.DrainAll();
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);
+  EXPECT_TRUE(holds_->Release("rt-alive", 3));
+  issuer_.DrainAll();
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(cache_->transfer_budget().reserved_bytes(), 0u);
+}
+
+TEST_F(SourceHoldsTest, ConcurrentDuplicateAuthorizesMakeOneSession) {
+  const auto versions = Publish(Chain(7, 2));
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  std::mutex ids_mu;
+  std::set<uint64_t> ids;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      auto grant = holds_->Authorize(Args(versions, 42));
+      if (!grant.ok()) return;
+      ok.fetch_add(1);
+      std::lock_guard<std::mutex> lock(ids_mu);
+      ids.insert(grant->grant_id);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 4);
+  EXPECT_EQ(ids.size(), 1u);
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);
+  EXPECT_EQ(issuer_.live(), 1u);
+  EXPECT_TRUE(holds_->Release("rt-b", 42));
+  issuer_.DrainAll();
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+}
+
+}  // namespace
+}  // namespace orbitkv::catalog
