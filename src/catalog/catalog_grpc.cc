@@ -145,11 +145,11 @@ Result<CatalogReply> GrpcCatalogTransport::Deliver(const std::string& catalog_no
   return FromResponse(response);
 }
 
-GrpcLookupTransport::GrpcLookupTransport(PeerIdentity self, const cluster::MemberView* members,
-                                         std::shared_ptr<grpc::ChannelCredentials> credentials)
+GrpcRequesterTransport::GrpcRequesterTransport(PeerIdentity self, const cluster::MemberView* members,
+                                               std::shared_ptr<grpc::ChannelCredentials> credentials)
     : self_(std::move(self)), members_(members), credentials_(std::move(credentials)) {}
 
-std::shared_ptr<peer::v1::Peer::Stub> GrpcLookupTransport::StubFor(const std::string& endpoint) {
+std::shared_ptr<peer::v1::Peer::Stub> GrpcRequesterTransport::StubFor(const std::string& endpoint) {
   MutexLock lock(&mu_);
   for (auto it = stubs_.begin(); it != stubs_.end(); ++it) {
     if (it->first == endpoint) {
@@ -162,7 +162,7 @@ std::shared_ptr<peer::v1::Peer::Stub> GrpcLookupTransport::StubFor(const std::st
   return stubs_.front().second;
 }
 
-Result<std::vector<LookupRow>> GrpcLookupTransport::Lookup(const std::string& host,
+Result<std::vector<LookupRow>> GrpcRequesterTransport::Lookup(const std::string& host,
                                                            std::span<const state::StateKey> keys, Deadline deadline) {
   ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members_->Find(host));
   if (member.record.endpoint.empty()) {
@@ -178,6 +178,7 @@ Result<std::vector<LookupRow>> GrpcLookupTransport::Lookup(const std::string& ho
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline.Remaining()));
+  lookups_.fetch_add(1, std::memory_order_relaxed);
   const grpc::Status status = StubFor(member.record.endpoint)->Lookup(&context, request, &response);
   if (!status.ok()) return FromGrpc(status);
   std::vector<LookupRow> rows;
@@ -194,6 +195,116 @@ Result<std::vector<LookupRow>> GrpcLookupTransport::Lookup(const std::string& ho
     rows.push_back(std::move(row));
   }
   return rows;
+}
+
+peer::v1::AuthorizeResponse ToResponse(const SourceGrant& grant, const std::string& ucx_address) {
+  peer::v1::AuthorizeResponse response;
+  response.set_outcome(static_cast<peer::v1::AuthorizeResponse::Outcome>(grant.outcome));
+  response.set_granted(static_cast<uint32_t>(grant.granted));
+  response.set_stop(static_cast<peer::v1::AuthorizeResponse::Outcome>(grant.stop));
+  response.set_grant_id(grant.grant_id);
+  for (const auto& region : grant.regions) response.add_regions(region.data(), region.size());
+  for (const SourceGrant::Block& b : grant.blocks) {
+    peer::v1::GrantedBlock* block = response.add_blocks();
+    block->set_region(b.region);
+    block->set_offset(b.offset);
+    block->set_bytes(b.bytes);
+  }
+  if (grant.outcome == SourceOutcome::kGranted) response.set_ucx_address(ucx_address);
+  response.set_deadline_ms(static_cast<uint32_t>(grant.lifetime.count()));
+  return response;
+}
+
+Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response) {
+  SourceReply reply;
+  SourceGrant& grant = reply.grant;
+  const auto outcome = [](int value) -> Result<SourceOutcome> {
+    if (value < 0 || value > static_cast<int>(SourceOutcome::kNotInDram)) {
+      return Status::InvalidArgument(fmt::format("an authorization outcome {} this version does not know", value));
+    }
+    return static_cast<SourceOutcome>(value);
+  };
+  ORBITKV_ASSIGN_OR_RETURN(grant.outcome, outcome(response.outcome()));
+  ORBITKV_ASSIGN_OR_RETURN(grant.stop, outcome(response.stop()));
+  grant.granted = response.granted();
+  grant.grant_id = response.grant_id();
+  grant.lifetime = std::chrono::milliseconds(response.deadline_ms());
+  for (const std::string& region : response.regions()) grant.regions.emplace_back(region.begin(), region.end());
+  for (const peer::v1::GrantedBlock& b : response.blocks()) {
+    if (b.region() >= grant.regions.size()) {
+      return Status::InvalidArgument("a granted block names a region the grant does not carry");
+    }
+    grant.blocks.push_back({b.region(), b.offset(), b.bytes()});
+  }
+  if (grant.outcome == SourceOutcome::kGranted && (grant.blocks.size() != grant.granted || grant.granted == 0 ||
+                                                   grant.grant_id == 0)) {
+    return Status::InvalidArgument(fmt::format("a grant of {} blocks carries {} ranges (grant id {:x})",
+                                               grant.granted, grant.blocks.size(), grant.grant_id));
+  }
+  reply.ucx_address = response.ucx_address();
+  return reply;
+}
+
+namespace {
+
+grpc::ClientContext* WithDeadline(grpc::ClientContext* context, Deadline deadline) {
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline.Remaining()));
+  return context;
+}
+
+// The source's member record, when it is still the start the lookup named.
+Result<cluster::Member> CurrentStart(const cluster::MemberView& members, const std::string& node,
+                                     const std::string& runtime) {
+  ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members.Find(node));
+  if (member.record.runtime_uuid != runtime) {
+    return Status::NotFound(fmt::format("source '{}' restarted since the lookup (runtime {} now, {} then)", node,
+                                        member.record.runtime_uuid, runtime));
+  }
+  if (member.record.endpoint.empty()) return Status::Unavailable(fmt::format("source '{}' has no peer endpoint", node));
+  return member;
+}
+
+}  // namespace
+
+Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, const std::string& runtime,
+                                                      uint64_t request_id, std::span<const SourceBlockVersion> blocks,
+                                                      uint64_t byte_limit, std::chrono::milliseconds lifetime,
+                                                      Deadline deadline) {
+  ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, CurrentStart(*members_, node, runtime));
+  peer::v1::AuthorizeRequest request;
+  *request.mutable_route() = MakeRoute(self_, member.record);
+  request.set_request_id(request_id);
+  request.set_byte_limit(byte_limit);
+  request.set_deadline_ms(static_cast<uint32_t>(lifetime.count()));
+  for (const SourceBlockVersion& v : blocks) {
+    peer::v1::AuthorizeBlock* block = request.add_blocks();
+    const auto bytes = v.key.Encode();
+    block->set_key(bytes.data(), bytes.size());
+    block->set_generation(v.generation);
+    block->set_sequence(v.sequence);
+  }
+  peer::v1::AuthorizeResponse response;
+  grpc::ClientContext context;
+  authorizations_.fetch_add(1, std::memory_order_relaxed);
+  const grpc::Status status =
+      StubFor(member.record.endpoint)->Authorize(WithDeadline(&context, deadline), request, &response);
+  if (!status.ok()) return FromGrpc(status);
+  return FromResponse(response);
+}
+
+Result<bool> GrpcRequesterTransport::Release(const std::string& node, const std::string& runtime,
+                                             uint64_t request_id, Deadline deadline) {
+  ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, CurrentStart(*members_, node, runtime));
+  peer::v1::ReleaseRequest request;
+  *request.mutable_route() = MakeRoute(self_, member.record);
+  request.set_request_id(request_id);
+  peer::v1::ReleaseResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status =
+      StubFor(member.record.endpoint)->Release(WithDeadline(&context, deadline), request, &response);
+  if (!status.ok()) return FromGrpc(status);
+  return response.released();
 }
 
 }  // namespace orbitkv::catalog

@@ -18,6 +18,7 @@
 #include "catalog/catalog_store.h"
 #include "catalog/discovery.h"
 #include "catalog/owner_streamer.h"
+#include "catalog/remote_plan.h"
 #include "catalog/peer_grpc.h"
 #include "catalog/route.h"
 
@@ -53,13 +54,24 @@ class GrpcCatalogTransport final : public CatalogTransport {
   std::atomic<uint64_t> bytes_sent_{0};
 };
 
-// Discovery's LookupTransport over Peer.Lookup: to the catalog host's current start as the member view names it.
-class GrpcLookupTransport final : public LookupTransport {
+// The requester's side of orbitkv.peer.v1: Discovery's LookupTransport over Peer.Lookup (to the catalog host's
+// current start as the member view names it) and the planner's SourceTransport over Peer.Authorize/Release (to
+// the candidate's start: a source that restarted since the lookup is refused here, NotFound, without an RPC).
+// Peer channels are shared, in an LRU of at most 64.
+class GrpcRequesterTransport final : public LookupTransport, public SourceTransport {
  public:
-  GrpcLookupTransport(PeerIdentity self, const cluster::MemberView* members,
-                      std::shared_ptr<grpc::ChannelCredentials> credentials);
+  GrpcRequesterTransport(PeerIdentity self, const cluster::MemberView* members,
+                         std::shared_ptr<grpc::ChannelCredentials> credentials);
   Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
                                         Deadline deadline) override;
+  Result<SourceReply> Authorize(const std::string& node, const std::string& runtime, uint64_t request_id,
+                                std::span<const SourceBlockVersion> blocks, uint64_t byte_limit,
+                                std::chrono::milliseconds lifetime, Deadline deadline) override;
+  Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id,
+                       Deadline deadline) override;
+  // RPCs sent, by method, for the discovery counters.
+  uint64_t lookups() const { return lookups_.load(std::memory_order_relaxed); }
+  uint64_t authorizations() const { return authorizations_.load(std::memory_order_relaxed); }
 
  private:
   std::shared_ptr<peer::v1::Peer::Stub> StubFor(const std::string& endpoint) EXCLUDES(mu_);
@@ -71,7 +83,13 @@ class GrpcLookupTransport final : public LookupTransport {
   // Peer channels, at most kMaxChannels (the least recently used one goes first).
   static constexpr size_t kMaxChannels = 64;
   std::list<std::pair<std::string, std::shared_ptr<peer::v1::Peer::Stub>>> stubs_ GUARDED_BY(mu_);
+  std::atomic<uint64_t> lookups_{0};
+  std::atomic<uint64_t> authorizations_{0};
 };
+
+// The wire forms of an authorization.
+peer::v1::AuthorizeResponse ToResponse(const SourceGrant& grant, const std::string& ucx_address);
+Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response);
 
 }  // namespace orbitkv::catalog
 

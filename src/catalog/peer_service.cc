@@ -95,4 +95,48 @@ grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v
   return grpc::Status::OK;
 }
 
+grpc::Status PeerService::Authorize(grpc::ServerContext* /*context*/, const peer::v1::AuthorizeRequest* request,
+                                    peer::v1::AuthorizeResponse* response) {
+  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
+  if (options_.source == nullptr) {
+    return ToGrpc(Status::FailedPrecondition(
+        fmt::format("node '{}' serves no transfers (no UCX engine)", options_.self.node_id)));
+  }
+  if (options_.remote_off) {
+    if (std::string why = options_.remote_off(); !why.empty()) {
+      return ToGrpc(Status::FailedPrecondition(
+          fmt::format("remote work is off on node '{}' ({}): no new grants", options_.self.node_id, why)));
+    }
+  }
+  if (request->blocks_size() == 0 || static_cast<size_t>(request->blocks_size()) > SourceHolds::kMaxBlocks) {
+    return ToGrpc(Status::InvalidArgument(fmt::format("an authorization of {} blocks (1 to {} allowed)",
+                                                      request->blocks_size(), SourceHolds::kMaxBlocks)));
+  }
+  AuthorizeArgs args;
+  args.peer_node = request->route().source_node_id();
+  args.peer_runtime = request->route().source_runtime_uuid();
+  args.request_id = request->request_id();
+  args.byte_limit = request->byte_limit();
+  args.lifetime = std::chrono::milliseconds(request->deadline_ms() == 0 ? 10000 : request->deadline_ms());
+  args.blocks.reserve(static_cast<size_t>(request->blocks_size()));
+  for (const peer::v1::AuthorizeBlock& block : request->blocks()) {
+    Result<state::StateKey> key = state::StateKey::Decode(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(block.key().data()), block.key().size()));
+    if (!key.ok()) return ToGrpc(key.status().WithContext("an authorization's key"));
+    args.blocks.push_back({*key, block.generation(), block.sequence()});
+  }
+  Result<SourceGrant> grant = options_.source->Authorize(args);
+  if (!grant.ok()) return ToGrpc(grant.status());
+  *response = ToResponse(*grant, options_.ucx_worker_address);
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Release(grpc::ServerContext* /*context*/, const peer::v1::ReleaseRequest* request,
+                                  peer::v1::ReleaseResponse* response) {
+  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
+  response->set_released(options_.source != nullptr &&
+                         options_.source->Release(request->route().source_runtime_uuid(), request->request_id()));
+  return grpc::Status::OK;
+}
+
 }  // namespace orbitkv::catalog

@@ -1,6 +1,7 @@
 // PeerService: the receiving half of orbitkv.peer.v1 in a distributed Manager. Every method checks the route
-// header first (CheckRoute) and answers a refusal with the gRPC status of the same meaning; version 1 serves
-// Health (who this start is: node, runtime UUID, epoch, incarnation, UCX worker address, capabilities).
+// header first (CheckRoute) and answers a refusal with the gRPC status of the same meaning: Health (who this start
+// is: node, runtime UUID, epoch, incarnation, UCX worker address, capabilities), the catalog stream and Lookup on
+// catalog hosts, and Authorize/Release on every source (SourceHolds).
 #ifndef ORBITKV_CATALOG_PEER_SERVICE_H_
 #define ORBITKV_CATALOG_PEER_SERVICE_H_
 
@@ -13,6 +14,7 @@
 #include "catalog/catalog_store.h"
 #include "catalog/peer_grpc.h"
 #include "catalog/route.h"
+#include "catalog/source_holds.h"
 
 namespace orbitkv::catalog {
 
@@ -33,6 +35,10 @@ class PeerService final : public peer::v1::Peer::Service {
     // The catalog shards placed on this Manager are kept here (null: it hosts none).
     CatalogStore* catalog = nullptr;
     std::function<bool(uint32_t shard)> hosts_shard;
+    // The source side of remote fetches (null: this Manager grants nothing).
+    SourceHolds* source = nullptr;
+    // Why remote work is off here now (empty: it is on). New grants are refused while it is off; releases are not.
+    std::function<std::string()> remote_off;
   };
   PeerService(Options options, const cluster::MemberView* members);
 
@@ -42,6 +48,14 @@ class PeerService final : public peer::v1::Peer::Service {
   // for a key that does not decode).
   grpc::Status Lookup(grpc::ServerContext* context, const peer::v1::LookupRequest* request,
                       peer::v1::LookupResponse* response) override;
+  // Pins the exact versions named and grants reads of them (the requester is the route's source).
+  // FAILED_PRECONDITION while remote work is off here, RESOURCE_EXHAUSTED past the budgets, INVALID_ARGUMENT for a
+  // malformed request.
+  grpc::Status Authorize(grpc::ServerContext* context, const peer::v1::AuthorizeRequest* request,
+                         peer::v1::AuthorizeResponse* response) override;
+  // Ends a grant of the route's source (idempotent).
+  grpc::Status Release(grpc::ServerContext* context, const peer::v1::ReleaseRequest* request,
+                       peer::v1::ReleaseResponse* response) override;
   // One message of an owner's stream for a shard placed here (FAILED_PRECONDITION for another shard).
   grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest* request,
                        peer::v1::CatalogResponse* response) override;

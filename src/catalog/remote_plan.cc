@@ -69,8 +69,9 @@ AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateI
     if (!span.has_value()) break;
     ++outcome.attempts;
     const Source source{span->node, span->runtime};
+    const Deadline rpc = Deadline::At(std::min(options.deadline.when(), Deadline::After(options.rpc_timeout).when()));
     Result<SourceReply> reply = transport.Authorize(span->node, span->runtime, options.request_id, span->versions,
-                                                    options.byte_limit, options.lifetime, options.deadline);
+                                                    options.byte_limit, options.lifetime, rpc);
     if (!reply.ok()) {
       ++outcome.failures;
       outcome.last_error = reply.status().WithContext(fmt::format("authorizing at {}", span->node));

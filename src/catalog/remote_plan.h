@@ -59,6 +59,8 @@ struct AuthorizeOptions {
   uint64_t byte_limit = 0;
   std::chrono::milliseconds lifetime{10000};
   Deadline deadline = Deadline::After(std::chrono::seconds(3));
+  // One Authorize RPC's bound (within the deadline): a stopped source costs this, then the next one is asked.
+  std::chrono::milliseconds rpc_timeout{1500};
   size_t max_alternatives = 2;
 };
 

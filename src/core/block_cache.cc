@@ -46,6 +46,7 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(const BlockCacheOptions& 
   transfer.global_bytes =
       options.transfer_budget_bytes != 0 ? options.transfer_budget_bytes : capacity / 2;
   transfer.max_tickets = options.max_transfer_sessions;
+  transfer.per_owner_bytes = options.transfer_peer_budget_bytes;
   cache->transfer_budget_ = std::make_unique<Budget>(std::move(transfer), metrics);
 
   cache->coalescer_ = std::make_unique<ReadCoalescer>(metrics);

@@ -41,6 +41,7 @@ struct BlockCacheOptions {
   uint64_t query_budget_bytes = 0;           // 0: 75% of the pool
   uint64_t query_instance_budget_bytes = 0;  // 0: the global query budget
   uint64_t transfer_budget_bytes = 0;        // 0: half the pool
+  uint64_t transfer_peer_budget_bytes = 0;   // 0: the transfer budget
   uint32_t max_transfer_sessions = 1024;
   uint32_t max_leases = 1u << 16;
 };

@@ -71,17 +71,31 @@ void CacheService::EndOperation() {
 std::vector<LoadingStage> CacheService::PlanLoading(const std::vector<state::StateKey>& keys,
                                                     size_t hits) {
   std::vector<LoadingStage> stages;
-  if (ssd_ == nullptr || !cache_->OnSsd(keys[hits])) return stages;
-  // The SSD stage covers the whole chain: the tier skips the keys already in DRAM and reports pins
-  // on the prefix resident once it is done.
-  LoadingStage ssd;
-  ssd.name = "ssd";
-  ssd.span = keys.size();
-  ssd.deadline = options_.ssd_load_deadline;
-  ssd.start = [tier = ssd_, keys](LoadingStage::Done done) mutable {
-    return tier->Load(std::move(keys), std::move(done));
-  };
-  stages.push_back(std::move(ssd));
+  size_t local_end = 0;  // where the local stages stop and a remote one would start
+  if (ssd_ != nullptr && cache_->OnSsd(keys[hits])) {
+    // The SSD stage covers the chain up to the end of its SSD run (all of it in single-host mode): the tier skips
+    // the keys already in DRAM and reports pins on the prefix resident once it is done.
+    local_end = keys.size();
+    if (remote_stage_) {
+      local_end = hits;
+      while (local_end < keys.size() && cache_->OnSsd(keys[local_end])) ++local_end;
+    }
+    LoadingStage ssd;
+    ssd.name = "ssd";
+    ssd.span = local_end;
+    ssd.deadline = options_.ssd_load_deadline;
+    ssd.start = [tier = ssd_, keys = std::vector<state::StateKey>(
+                                  keys.begin(), keys.begin() + static_cast<ptrdiff_t>(local_end))](
+                    LoadingStage::Done done) mutable { return tier->Load(std::move(keys), std::move(done)); };
+    stages.push_back(std::move(ssd));
+  }
+  // The rest may be on a peer (distributed mode): the remote stage pins what is resident at its front and fetches
+  // the blocks after it.
+  if (remote_stage_ && local_end < keys.size()) {
+    std::optional<LoadingStage> remote =
+        remote_stage_(std::vector<state::StateKey>(keys.begin() + static_cast<ptrdiff_t>(local_end), keys.end()));
+    if (remote.has_value()) stages.push_back(std::move(*remote));
+  }
   return stages;
 }
 
@@ -108,7 +122,7 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
   const LoadingChain chain{request.instance, request.group, keys.back().Hash64() ^ keys.size()};
   // Whether this chain's load had completed before the lookup: then its pins keep every block it
   // loaded resident during the lookup. (One completing meanwhile counts as running.)
-  const bool loaded = ssd_ != nullptr && loading_.Completed(chain);
+  const bool loaded = (ssd_ != nullptr || remote_stage_) && loading_.Completed(chain);
   Result<core::QueryResult> result =
       cache_->Query(request.instance, keys, target.group->padded_bytes);
   // A chain whose load completed is answered with what is in DRAM, even when the load stopped
@@ -119,7 +133,7 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
   if (stages.empty()) {
     // Answered without Loading: nobody will take what the chain's load holds or brings (the lease
     // pins it now).
-    if (ssd_ != nullptr) loading_.Forget(chain);
+    if (ssd_ != nullptr || remote_stage_) loading_.Forget(chain);
     if (!result.ok()) return result.status();
     if (!result->lease.has_value()) return channel::QueryReply::Miss();
     return channel::QueryReply::Hit(static_cast<uint32_t>(result->hits), result->lease->Pack());

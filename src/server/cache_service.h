@@ -120,6 +120,10 @@ class CacheService {
   // Stage deadlines and held-block expiry (LoadingRegistry::Sweep); returns when to call it again.
   MonoTime Sweep() { return loading_.Sweep(); }
   LoadingRegistry& loading() { return loading_; }
+  // Distributed mode: the stage that brings a chain's keys (from where the local tiers stop) in from peers, or none
+  // while remote work is off. Set before the service is used (the Manager sets it once its cluster link is up).
+  using RemoteStageFn = std::function<std::optional<LoadingStage>(std::vector<state::StateKey> keys)>;
+  void SetRemoteStage(RemoteStageFn remote) { remote_stage_ = std::move(remote); }
   uint32_t operations_active() const { return operations_.load(std::memory_order_relaxed); }
 
  private:
@@ -146,6 +150,8 @@ class CacheService {
   const CacheServiceOptions options_;
   core::BlockCache* const cache_;
   core::SsdTier* const ssd_;
+
+  RemoteStageFn remote_stage_;  // set once, before use
 
   InstanceTable instances_;
   LoadingRegistry loading_;

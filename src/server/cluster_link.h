@@ -12,13 +12,15 @@
 #define ORBITKV_SERVER_CLUSTER_LINK_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "base/metrics.h"
 #include "base/result.h"
 #include "base/runtime_id.h"
-#include "core/inventory.h"
+#include "core/block_cache.h"
+#include "server/loading_registry.h"
 #include "server/config.h"
 
 namespace orbitkv::server {
@@ -30,18 +32,13 @@ class ClusterLink {
   // `runtime` is the Manager's identity, written into its member record; `inventory_shards` the
   // residency inventory's shard count must be the placement's (FailedPrecondition otherwise:
   // catalog shards and inventory shards are the same thing).
-  // `pool_arenas` are the DRAM pool's arenas (base, bytes): with --peer-endpoint the link starts
-  // the UCX transfer engine and registers them, so peers can read blocks inside grants. They must
-  // outlive the link.
-  struct Arena {
-    uint8_t* base = nullptr;
-    uint64_t bytes = 0;
-  };
-  // `inventory` is the residency inventory the owner streams replay (it must outlive the link).
+  // `cache` (it must outlive the link): its residency inventory is what the owner streams replay;
+  // with --peer-endpoint the link starts the UCX transfer engine and registers the pool's arenas,
+  // so peers can read blocks inside grants (the source side pins them under the transfer budget),
+  // and fetches remote blocks into the pool (RemoteStage).
   static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config,
                                                     const RuntimeId& runtime,
-                                                    core::ResidencyInventory* inventory,
-                                                    const std::vector<Arena>& pool_arenas,
+                                                    core::BlockCache* cache,
                                                     MetricsRegistry* metrics);
   virtual ~ClusterLink() = default;
 
@@ -54,6 +51,9 @@ class ClusterLink {
   // RECORDS BYTES complete|incomplete LAG_MS LAST_REPAIR_S"); empty when this Manager hosts none.
   virtual std::vector<std::string> CatalogLines(uint32_t shard) const = 0;
   virtual std::vector<std::string> CatalogStatusLines() const = 0;
+  // The remote stage of a Loading operation for `keys` (a chain's keys from where the local tiers
+  // stop): none while remote work is off, or without a peer endpoint.
+  virtual std::optional<LoadingStage> RemoteStage(std::vector<state::StateKey> keys) = 0;
   // Leaves the cluster (revokes the lease: peers see this Manager leave at once).
   virtual void Shutdown() = 0;
 };

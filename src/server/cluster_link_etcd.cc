@@ -6,6 +6,7 @@
 #include "catalog/catalog_store.h"
 #include "catalog/owner_streamer.h"
 #include "catalog/peer_directory.h"
+#include "catalog/source_holds.h"
 
 #include <atomic>
 #include <map>
@@ -19,6 +20,8 @@
 #include "cluster/membership.h"
 #include "cluster/placement.h"
 #include "server/cluster_link.h"
+#include "server/remote_fetch.h"
+#include "transfer/descriptor.h"
 #include "transfer/ucx_engine.h"
 
 namespace orbitkv::server {
@@ -95,9 +98,10 @@ Result<TransferListen> ParseTransferListen(const ManagerConfig& config) {
 }
 
 // The UCX transfer engine: serves the pool's arenas to peers, only inside grants (docs/transfer.md), with
-// descriptors that name this start (the runtime incarnation).
+// descriptors that name this start (the runtime incarnation); `regions` gets the transfer region of each arena.
 Result<std::unique_ptr<transfer::UcxTransferEngine>> StartTransfer(const ManagerConfig& config, const RuntimeId& runtime,
-                                                                   const std::vector<ClusterLink::Arena>& arenas,
+                                                                   core::PinnedPool& pool,
+                                                                   std::vector<transfer::RegionHandle>* regions,
                                                                    MetricsRegistry* metrics) {
   ORBITKV_ASSIGN_OR_RETURN(TransferListen listen, ParseTransferListen(config));
   transfer::UcxEngineOptions options;
@@ -115,9 +119,12 @@ Result<std::unique_ptr<transfer::UcxTransferEngine>> StartTransfer(const Manager
       if (last.code() == StatusCode::kUnavailable) continue;  // that port is taken: the next one
       return last.WithContext("starting the UCX transfer engine (--transfer-listen, --ucx-tls, --ucx-net-devices)");
     }
-    for (const ClusterLink::Arena& arena : arenas) {
-      Result<transfer::RegionHandle> region = (*engine)->RegisterRegion(arena.base, arena.bytes);
+    regions->clear();
+    for (size_t i = 0; i < pool.arena_count(); ++i) {
+      Result<transfer::RegionHandle> region =
+          (*engine)->RegisterRegion(pool.arena(i).data(), pool.arena(i).size());
       if (!region.ok()) return region.status().WithContext("registering the DRAM pool with UCX");
+      regions->push_back(*region);
     }
     ORBITKV_LOG_INFO("manager: UCX transfer engine on {} (transports '{}', devices '{}'; reads only inside grants)",
                      (*engine)->ListenAddress(), config.ucx_tls.empty() ? "UCX default" : config.ucx_tls,
@@ -130,8 +137,11 @@ Result<std::unique_ptr<transfer::UcxTransferEngine>> StartTransfer(const Manager
 
 // This Manager's client side of mutual TLS (the same three files), or insecure channels (null) without them.
 Result<std::shared_ptr<grpc::ChannelCredentials>> PeerClientCredentials(const ManagerConfig& config) {
-  if (config.peer_tls_cert.empty() && config.peer_tls_key.empty() && config.peer_tls_ca.empty()) {
-    return std::shared_ptr<grpc::ChannelCredentials>();
+  const int given = !config.peer_tls_cert.empty() + !config.peer_tls_key.empty() + !config.peer_tls_ca.empty();
+  if (given == 0) return std::shared_ptr<grpc::ChannelCredentials>();
+  if (given != 3) {
+    return Status::InvalidArgument(
+        "mutual TLS between peers needs all of --peer-tls-cert, --peer-tls-key and --peer-tls-ca");
   }
   grpc::SslCredentialsOptions options;
   ORBITKV_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem("--peer-tls-ca", config.peer_tls_ca));
@@ -143,7 +153,9 @@ Result<std::shared_ptr<grpc::ChannelCredentials>> PeerClientCredentials(const Ma
 Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& config, const RuntimeId& runtime,
                                                         const cluster::Membership& membership,
                                                         const transfer::TransferEngine& transfer,
-                                                        catalog::CatalogStore* catalog) {
+                                                        catalog::CatalogStore* catalog,
+                                                        catalog::SourceHolds* source,
+                                                        std::function<std::string()> remote_off) {
   ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tls, PeerCredentials(config));
   auto listener = std::make_unique<PeerListener>();
   listener->address = config.peer_listen.empty() ? config.peer_endpoint : config.peer_listen;
@@ -152,8 +164,11 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
                                        membership.GetStatus().self.epoch, membership.placement().fingerprint()};
   options.incarnation = runtime.incarnation();
   options.ucx_worker_address = transfer.ListenAddress();
-  options.capabilities = {"health", "transfer.am", "transfer.grants", "catalog.stream", "catalog.lookup"};
+  options.capabilities = {"health", "transfer.am", "transfer.grants", "catalog.stream", "catalog.lookup",
+                          "source.authorize"};
   options.catalog = catalog;
+  options.source = source;
+  options.remote_off = std::move(remote_off);
   options.hosts_shard = [&membership, node = config.node_id](uint32_t shard) {
     return shard < cluster::kNumShards && membership.placement().OwnerOf(shard) == node;
   };
@@ -363,12 +378,151 @@ class CatalogNode {
   Gauge* stale_repair_s_;
 };
 
+// The source side's view of the UCX engine: grants over pool arenas, revocations, region descriptors.
+class UcxGrantIssuer final : public catalog::GrantIssuer {
+ public:
+  UcxGrantIssuer(transfer::TransferEngine* engine, std::vector<transfer::RegionHandle> arenas)
+      : engine_(engine), arenas_(std::move(arenas)) {}
+  Result<uint64_t> Grant(const std::string& peer, const std::vector<Range>& ranges) override {
+    transfer::GrantRequest request;
+    request.peer = peer;
+    for (const Range& r : ranges) {
+      if (r.arena >= arenas_.size()) return Status::Internal("a pinned block outside the registered pool");
+      request.ranges.push_back({arenas_[r.arena], r.offset, r.bytes});
+    }
+    return engine_->CreateGrant(std::move(request));
+  }
+  Status Revoke(uint64_t grant, std::function<void()> drained) override {
+    return engine_->RevokeGrant(grant, std::move(drained));
+  }
+  Status RevokePeer(const std::string& peer, std::function<void()> drained) override {
+    return engine_->RevokePeer(peer, std::move(drained));
+  }
+  Result<std::vector<uint8_t>> Describe(uint32_t arena) override {
+    if (arena >= arenas_.size()) return Status::Internal("a pinned block outside the registered pool");
+    ORBITKV_ASSIGN_OR_RETURN(transfer::RegionDescriptor descriptor, engine_->ExportRegion(arenas_[arena]));
+    return transfer::EncodeDescriptor(descriptor);
+  }
+
+ private:
+  transfer::TransferEngine* const engine_;
+  const std::vector<transfer::RegionHandle> arenas_;
+};
+
+// Remote work in this Manager (issues 21-22): the requester's candidate index, discovery and fetches, and the
+// source's holds, with a maintenance thread that expires grants, revokes those of requesters that left the member
+// view, and refreshes the gauges.
+class RemoteNode {
+ public:
+  RemoteNode(const ManagerConfig& config, const RuntimeId& runtime, cluster::Membership& membership,
+             core::BlockCache* cache, transfer::TransferEngine* engine, std::vector<transfer::RegionHandle> arenas,
+             std::shared_ptr<grpc::ChannelCredentials> credentials, MetricsRegistry* metrics)
+      : membership_(membership),
+        index_(catalog::CandidateIndex::Options{
+            .budget_bytes = 16ull << 20, .ttl = std::chrono::milliseconds(config.candidate_ttl_ms)}),
+        requester_(catalog::PeerIdentity{config.cluster_name, config.node_id, runtime.ToString(),
+                                         membership.self().epoch, membership.placement().fingerprint()},
+                   &membership.view(), std::move(credentials)),
+        issuer_(engine, arenas) {
+    catalog::Discovery::Options discovery;
+    discovery.max_hosts = config.discovery_max_hosts;
+    discovery.host_of = [&membership](const state::StateKey& key) {
+      return membership.placement().OwnerOf(state::ShardOf(key, cluster::kNumShards));
+    };
+    discovery_ = std::make_unique<catalog::Discovery>(std::move(discovery), &index_, &requester_);
+    holds_ = std::make_unique<catalog::SourceHolds>(catalog::SourceHolds::Options{}, &cache->table(), &cache->pool(),
+                                                    &cache->transfer_budget(), &issuer_, metrics);
+    RemoteFetcher::Options fetch;
+    fetch.self_node = config.node_id;
+    fetch.deadline = std::chrono::milliseconds(config.remote_fetch_deadline_ms);
+    fetch.staging_budget_bytes = config.remote_staging_budget_bytes;
+    fetch.can_work = [&membership] { return membership.CanDoRemoteWork(); };
+    fetcher_ = std::make_unique<RemoteFetcher>(std::move(fetch), cache, &index_, discovery_.get(), &requester_,
+                                               engine, std::move(arenas), metrics);
+    index_entries_ = &metrics->GetGauge("orbitkv_candidate_index_entries", "Blocks the candidate index knows holders of");
+    index_bytes_ = &metrics->GetGauge("orbitkv_candidate_index_bytes",
+                                      "Logical bytes of the candidate index (of its 16 MiB budget)");
+    index_hits_ = &metrics->GetGauge("orbitkv_candidate_index_hits",
+                                     "Candidate index reads that found a fresh holder (since start)");
+    index_misses_ = &metrics->GetGauge("orbitkv_candidate_index_misses",
+                                       "Candidate index reads that found none, or only expired ones (since start)");
+    staging_bytes_ = &metrics->GetGauge("orbitkv_remote_staging_bytes",
+                                        "Pool bytes of blocks being fetched from peers, not sealed yet");
+    maintenance_ = std::thread([this] { Maintain(); });
+  }
+  ~RemoteNode() { Stop(); }
+
+  // Stops fetching (running fetches finish within their deadlines) and the maintenance thread. The holds stay
+  // until the node goes (after the transfer engine stopped).
+  void Stop() {
+    fetcher_->Stop();
+    stop_.store(true, std::memory_order_release);
+    if (maintenance_.joinable()) maintenance_.join();
+  }
+
+  catalog::SourceHolds* holds() { return holds_.get(); }
+  std::optional<LoadingStage> Stage(std::vector<state::StateKey> keys) { return fetcher_->Stage(std::move(keys)); }
+
+  std::string StatusJson() const {
+    const RemoteFetcher::Stats f = fetcher_->GetStats();
+    const catalog::SourceHolds::Stats h = holds_->GetStats();
+    const catalog::CandidateIndex::Stats i = index_.GetStats();
+    return fmt::format(", \"remote_fetches\": {}, \"remote_fetched_blocks\": {}, \"remote_fetched_bytes\": {}, "
+                       "\"remote_no_source\": {}, \"remote_fetch_failures\": {}, \"remote_staging_bytes\": {}, "
+                       "\"discovery_rpcs\": {}, \"source_authorizations\": {}, \"candidate_rejections\": {}, "
+                       "\"candidate_index_entries\": {}, \"candidate_index_bytes\": {}, \"candidate_index_hits\": {}, "
+                       "\"candidate_index_misses\": {}, \"source_sessions\": {}, \"source_pinned_bytes\": {}, "
+                       "\"source_quarantined_bytes\": {}, \"source_grants\": {}",
+                       f.fetches, f.fetched_blocks, f.fetched_bytes, f.no_source, f.failed, f.staging_bytes,
+                       f.discovery_rpcs, f.authorizations, f.rejections, i.entries, i.bytes, i.hits, i.misses,
+                       h.sessions, h.pinned_bytes, h.quarantined_bytes, h.granted);
+  }
+
+ private:
+  void Maintain() {
+    const cluster::MemberView* view = &membership_.view();
+    const auto alive = [view](const std::string& node, const std::string& runtime) {
+      Result<cluster::Member> member = view->Find(node);
+      if (member.status().code() == StatusCode::kUnavailable) return true;  // view incomplete: decide later
+      return member.ok() && member->record.runtime_uuid == runtime;
+    };
+    while (!stop_.load(std::memory_order_acquire)) {
+      holds_->ExpireDue();
+      holds_->DropVanished(alive);
+      const catalog::CandidateIndex::Stats i = index_.GetStats();
+      index_entries_->Set(static_cast<int64_t>(i.entries));
+      index_bytes_->Set(static_cast<int64_t>(i.bytes));
+      index_hits_->Set(static_cast<int64_t>(i.hits));
+      index_misses_->Set(static_cast<int64_t>(i.misses));
+      staging_bytes_->Set(static_cast<int64_t>(fetcher_->GetStats().staging_bytes));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+
+  cluster::Membership& membership_;
+  catalog::CandidateIndex index_;
+  catalog::GrpcRequesterTransport requester_;
+  UcxGrantIssuer issuer_;
+  std::unique_ptr<catalog::Discovery> discovery_;
+  std::unique_ptr<catalog::SourceHolds> holds_;
+  std::unique_ptr<RemoteFetcher> fetcher_;
+  Gauge* index_entries_;
+  Gauge* index_bytes_;
+  Gauge* index_hits_;
+  Gauge* index_misses_;
+  Gauge* staging_bytes_;
+  std::atomic<bool> stop_{false};
+  std::thread maintenance_;
+};
+
 class MembershipLink final : public ClusterLink {
  public:
   MembershipLink(std::unique_ptr<cluster::Membership> membership, std::unique_ptr<CatalogNode> catalog,
-                 std::unique_ptr<transfer::UcxTransferEngine> transfer, std::unique_ptr<PeerListener> peers)
+                 std::unique_ptr<RemoteNode> remote, std::unique_ptr<transfer::UcxTransferEngine> transfer,
+                 std::unique_ptr<PeerListener> peers)
       : membership_(std::move(membership)),
         catalog_(std::move(catalog)),
+        remote_(std::move(remote)),
         transfer_(std::move(transfer)),
         peers_(std::move(peers)) {}
   ~MembershipLink() override { Shutdown(); }
@@ -390,6 +544,7 @@ class MembershipLink final : public ClusterLink {
                        peers_ ? peers_->service->refused() : 0) +
            (peers_ ? peers_->directory->StatusJson() : std::string()) +
            (catalog_ ? catalog_->StatusJson() : std::string()) +
+           (remote_ ? remote_->StatusJson() : std::string()) +
            (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}",
                                     transfer_->ListenAddress(), transfer_->Stats().live_grants)
                       : std::string(", \"transfer_listen\": \"\""));
@@ -402,7 +557,13 @@ class MembershipLink final : public ClusterLink {
     return catalog_ ? catalog_->CatalogStatusLines() : std::vector<std::string>();
   }
 
+  std::optional<LoadingStage> RemoteStage(std::vector<state::StateKey> keys) override {
+    if (remote_ == nullptr || !CanDoRemoteWork()) return std::nullopt;
+    return remote_->Stage(std::move(keys));
+  }
+
   void Shutdown() override {
+    if (remote_ != nullptr) remote_->Stop();  // fetches end before the engine, the channels and the view
     if (catalog_ != nullptr) catalog_->Stop();  // the owner streams end before the channels and the view
     if (peers_ != nullptr) peers_->directory->Stop();  // stops probing before the member view goes
     if (peers_ != nullptr && peers_->server != nullptr) {
@@ -414,6 +575,9 @@ class MembershipLink final : public ClusterLink {
  private:
   std::unique_ptr<cluster::Membership> membership_;
   std::unique_ptr<CatalogNode> catalog_;  // with the peer listener; after it in destruction (the service uses it)
+  // With the peer listener: its holds go after the transfer engine (nothing reads their pins any more) and the
+  // service (which uses them).
+  std::unique_ptr<RemoteNode> remote_;
   std::unique_ptr<transfer::UcxTransferEngine> transfer_;  // with the peer listener; before it in destruction
   std::unique_ptr<PeerListener> peers_;
 };
@@ -422,10 +586,10 @@ class MembershipLink final : public ClusterLink {
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& runtime,
-                                                        core::ResidencyInventory* inventory,
-                                                        const std::vector<Arena>& pool_arenas,
+                                                        core::BlockCache* cache,
                                                         MetricsRegistry* metrics) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
+  core::ResidencyInventory* inventory = &cache->inventory();
   const uint32_t inventory_shards = inventory->shard_count();
   if (inventory_shards != cluster::kNumShards) {
     return Status::FailedPrecondition(fmt::format(
@@ -452,23 +616,37 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   std::unique_ptr<PeerListener> peers;
   std::unique_ptr<transfer::UcxTransferEngine> transfer;
   std::unique_ptr<CatalogNode> catalog;
+  std::unique_ptr<RemoteNode> remote;
   if (!config.peer_endpoint.empty()) {
     catalog = std::make_unique<CatalogNode>(config, runtime, *membership, inventory, metrics);
+    std::vector<transfer::RegionHandle> arenas;
     Result<std::unique_ptr<transfer::UcxTransferEngine>> engine =
-        StartTransfer(config, runtime, pool_arenas, metrics);
+        StartTransfer(config, runtime, cache->pool(), &arenas, metrics);
     if (!engine.ok()) {
       membership->Shutdown();
       return engine.status();
     }
     transfer = std::move(*engine);
-    Result<std::unique_ptr<PeerListener>> started =
-        StartPeerListener(config, runtime, *membership, *transfer, catalog->store());
+    Result<std::shared_ptr<grpc::ChannelCredentials>> credentials = PeerClientCredentials(config);
+    if (!credentials.ok()) {
+      membership->Shutdown();
+      return credentials.status();
+    }
+    remote = std::make_unique<RemoteNode>(config, runtime, *membership, cache, transfer.get(), std::move(arenas),
+                                          std::move(*credentials), metrics);
+    cluster::Membership* m = membership.get();
+    Result<std::unique_ptr<PeerListener>> started = StartPeerListener(
+        config, runtime, *membership, *transfer, catalog->store(), remote->holds(), [m]() -> std::string {
+          return m->CanDoRemoteWork() ? std::string() : "its registration expired or its member view is incomplete";
+        });
     if (!started.ok()) {
+      remote->Stop();
       membership->Shutdown();
       return started.status();
     }
     peers = std::move(*started);
     if (Status streams = catalog->StartStreams(config, runtime); !streams.ok()) {
+      remote->Stop();
       catalog->Stop();
       peers->server->Shutdown();
       membership->Shutdown();
@@ -476,7 +654,8 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
     }
   }
   return std::unique_ptr<ClusterLink>(
-      new MembershipLink(std::move(membership), std::move(catalog), std::move(transfer), std::move(peers)));
+      new MembershipLink(std::move(membership), std::move(catalog), std::move(remote), std::move(transfer),
+                         std::move(peers)));
 }
 
 }  // namespace orbitkv::server

@@ -6,8 +6,7 @@ namespace orbitkv::server {
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& /*runtime*/,
-                                                        core::ResidencyInventory* /*inventory*/,
-                                                        const std::vector<Arena>& /*pool_arenas*/,
+                                                        core::BlockCache* /*cache*/,
                                                         MetricsRegistry* /*metrics*/) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
   return Status::FailedPrecondition(

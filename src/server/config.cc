@@ -296,6 +296,24 @@ const std::vector<Option>& Options() {
        "network devices UCX may use for peer transfers (UCX_NET_DEVICES), e.g. eth1 or mlx5_0:1 "
        "(default: all)",
        StringInto(&ManagerConfig::ucx_net_devices)},
+      {"discovery-max-hosts", "N",
+       "catalog hosts one cold query asks at once when it looks up who holds its blocks (default 4)",
+       Uint32Into(&ManagerConfig::discovery_max_hosts, 1, 16)},
+      {"candidate-ttl-ms", "MS",
+       "how long a learnt candidate (who holds a block) is trusted without asking the catalog again; reads do "
+       "not extend it (default 5000)",
+       Uint32Into(&ManagerConfig::candidate_ttl_ms, 1, 3600000)},
+      {"remote-fetch-deadline-ms", "MS",
+       "a Loading operation's remote stage completes with what arrived by then, and the engine recomputes the "
+       "rest (default 10000)",
+       Uint32Into(&ManagerConfig::remote_fetch_deadline_ms, 100, 600000)},
+      {"remote-staging-budget", "SIZE",
+       "pool bytes blocks being fetched from peers may hold before they are sealed (default a quarter of the "
+       "pool)",
+       SizeInto(&ManagerConfig::remote_staging_budget_bytes)},
+      {"transfer-peer-budget", "SIZE",
+       "bytes one requesting peer may keep pinned here as a source (default: all of --transfer-budget)",
+       SizeInto(&ManagerConfig::transfer_peer_budget_bytes)},
   };
   return options;
 }

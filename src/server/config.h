@@ -78,6 +78,13 @@ struct ManagerConfig {
   // the residency inventory's journal (over all shards) that owner streams replay from.
   uint64_t catalog_budget_bytes = 256ull << 20;
   uint64_t inventory_journal_bytes = 16ull << 20;
+  // Remote fetches (distributed mode): the requester's discovery fan-out and candidate index TTL, the remote
+  // stage's deadline and staging budget, and the source's per-peer pin limit.
+  uint32_t discovery_max_hosts = 4;
+  uint32_t candidate_ttl_ms = 5000;
+  uint32_t remote_fetch_deadline_ms = 10000;
+  uint64_t remote_staging_budget_bytes = 0;  // 0: a quarter of the pool
+  uint64_t transfer_peer_budget_bytes = 0;   // 0: the transfer budget
 };
 
 // `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when XDG_RUNTIME_DIR is set, else

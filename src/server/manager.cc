@@ -128,13 +128,12 @@ Status Manager::Start() {
       epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &wake_event) != 0) {
     return ErrnoStatus("epoll_ctl", errno);
   }
-  std::vector<ClusterLink::Arena> arenas;
-  for (size_t i = 0; i < cache_->pool().arena_count(); ++i) {
-    arenas.push_back({cache_->pool().arena(i).data(), cache_->pool().arena(i).size()});
+  ORBITKV_ASSIGN_OR_RETURN(cluster_, ClusterLink::Start(config_, runtime_id_, cache_.get(), &metrics_));
+  if (cluster_) {
+    service_->SetRemoteStage([link = cluster_.get()](std::vector<state::StateKey> keys) {
+      return link->RemoteStage(std::move(keys));
+    });
   }
-  ORBITKV_ASSIGN_OR_RETURN(cluster_, ClusterLink::Start(config_, runtime_id_,
-                                                        &cache_->inventory(), arenas,
-                                                        &metrics_));
   cleaner_ = std::thread([this] { CleanupLoop(); });
   dispatcher_ = std::thread([this] { DispatchLoop(); });
   started_ = true;

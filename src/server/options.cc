@@ -57,6 +57,7 @@ core::BlockCacheOptions CacheOptionsFor(const ManagerConfig& config) {
   options.query_budget_bytes = config.query_budget_bytes;
   options.query_instance_budget_bytes = config.query_instance_budget_bytes;
   options.transfer_budget_bytes = config.transfer_budget_bytes;
+  options.transfer_peer_budget_bytes = config.transfer_peer_budget_bytes;
   options.journal_bytes = config.inventory_journal_bytes;
   options.table.expected_blocks = std::max<uint64_t>(config.dram_bytes / (256 << 10), 1024);
   return options;

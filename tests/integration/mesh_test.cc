@@ -358,7 +358,7 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
     view.Install(std::move(members), 1);
     auto placement_record = cluster::Placement::Create({"node-0", "node-2"});
     ASSERT_TRUE(placement_record.ok());
-    catalog::GrpcLookupTransport transport(as0, &view, nullptr);
+    catalog::GrpcRequesterTransport transport(as0, &view, nullptr);
     catalog::CandidateIndex index({});
     catalog::Discovery::Options options;
     options.host_of = [&](const state::StateKey& key) {
@@ -458,6 +458,102 @@ TEST_F(MeshTest, AStoppedCatalogHostAndASmallJournalStillConverge) {
   EXPECT_TRUE(catalog_call(as1, r0).ok());
   EXPECT_EQ(catalog_call(as1, RecordOf(etcd_->endpoint(), Node(2), "mesh")).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);  // node-2 hosts no shard
+}
+
+// An engine on one Manager: KV memory of `pages` pages (EngineKv) registered as group 0 of `instance`, in the
+// sample namespace every engine of the tests shares (the same model on every host).
+struct MeshEngine {
+  MeshEngine(const ManagerProcess& manager, uint64_t id, uint32_t pages) : kv(pages), instance(id) {
+    client = testing::Connect(manager);
+    EXPECT_TRUE(client->RegisterInstance(instance, state::testing::SampleNamespace()).ok());
+    EXPECT_TRUE(client->RegisterGroup(instance, 0, pages, kv.Specs()).ok());
+  }
+  // Queries `keys` (waiting out Loading) and restores the hit into poisoned pages 0..; returns the hits, and how
+  // many of them hold exactly their key's bytes.
+  std::pair<size_t, size_t> QueryAndRestore(const std::vector<state::StateKey>& keys) {
+    kv.Poison();
+    auto hit = client->QueryWait(instance, 0, keys, std::chrono::seconds(20));
+    EXPECT_TRUE(hit.ok()) << hit.status();
+    if (!hit.ok() || hit->hits == 0) return {0, 0};
+    std::vector<uint32_t> pages(hit->hits);
+    for (uint32_t i = 0; i < pages.size(); ++i) pages[i] = i;
+    EXPECT_TRUE(client->Restore(instance, 0, hit->lease, pages).ok());
+    size_t exact = 0;
+    for (uint32_t i = 0; i < pages.size(); ++i) exact += kv.Holds(i, keys[i]) ? 1 : 0;
+    return {hit->hits, exact};
+  }
+  std::unique_ptr<client::CacheClient> client;
+  testing::EngineKv kv;
+  uint64_t instance;
+};
+
+// Until `field` of `manager`'s stats is `value` (about 15 s at most); returns the last value seen.
+uint64_t FieldWhen(const ManagerProcess& manager, const std::string& field, uint64_t value) {
+  uint64_t seen = 0;
+  for (int i = 0; i < 750; ++i) {
+    seen = Field(StatsOf(manager), field);
+    if (seen == value) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return seen;
+}
+
+// The issue-22 path end to end, through the ordinary engine calls: a 64-block prefix saved by an engine on node-0
+// is queried by an engine on node-1 (Loading, then a hit: discovered, authorized, read over UCX, sealed) and
+// restored byte-exact into poisoned pages; the fetched copy is advertised, so with node-0 stopped an engine on
+// node-2 gets it from node-1. Sources hold nothing afterwards, and the cold query stayed within the RPC bound.
+TEST_F(MeshTest, APrefixSavedOnOneHostIsRestoredOnAnotherAndItsCopyServesAThird) {
+  catalog_nodes_ = "node-1,node-2";  // node-0 is only a source: stopping it leaves the catalog whole
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("fetch-{}", i), {"--candidate-ttl-ms", "600000"}));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  auto all = [&] {
+    std::vector<const ManagerProcess*> out;
+    for (auto& m : managers) out.push_back(m.get());
+    return out;
+  };
+  constexpr uint32_t kBlocks = 64;
+  const auto keys = testing::Chain(4242, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, keys).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+
+  MeshEngine b(*managers[1], 2, kBlocks);
+  const auto [hits_b, exact_b] = b.QueryAndRestore(keys);
+  EXPECT_EQ(hits_b, kBlocks);
+  EXPECT_EQ(exact_b, kBlocks);
+  const std::string stats_b = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats_b, "remote_fetched_blocks"), kBlocks) << stats_b;
+  EXPECT_EQ(Field(stats_b, "remote_fetch_failures"), 0u);
+  // One cold query of 64 keys over three catalog hosts: at most ceil(64 / 128) + 2 Lookup RPCs.
+  EXPECT_GE(Field(stats_b, "discovery_rpcs"), 1u);
+  EXPECT_LE(Field(stats_b, "discovery_rpcs"), 3u);
+  // The source gave everything back once the requester released.
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_pinned_bytes"), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_grants"), 1u);
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_staging_bytes", 0), 0u);
+
+  // node-1's copy is a resident like any other: streamed to the catalog, found by node-2 with node-0 stopped.
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+  ASSERT_EQ(kill(managers[0]->pid(), SIGSTOP), 0);
+  MeshEngine c(*managers[2], 3, kBlocks);
+  const auto [hits_c, exact_c] = c.QueryAndRestore(keys);
+  ASSERT_EQ(kill(managers[0]->pid(), SIGCONT), 0);
+  EXPECT_EQ(hits_c, kBlocks) << StatsOf(*managers[2]);
+  EXPECT_EQ(exact_c, kBlocks);
+  EXPECT_EQ(Field(StatsOf(*managers[1]), "source_grants"), 1u);  // node-1 served it
+  // node-0 (the tie's winner) was asked first and did not answer in time; node-1 was the one alternative.
+  EXPECT_EQ(Field(StatsOf(*managers[2]), "source_authorizations"), 2u);
+  EXPECT_EQ(Field(StatsOf(*managers[2]), "remote_fetched_blocks"), kBlocks);
+  for (int i = 0; i < kHosts; ++i) {
+    EXPECT_EQ(FieldWhen(*managers[i], "source_sessions", 0), 0u) << Node(i);
+    EXPECT_EQ(FieldWhen(*managers[i], "source_pinned_bytes", 0), 0u) << Node(i);
+  }
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+  EXPECT_TRUE(testing::EventuallyIdle(*c.client));
 }
 
 }  // namespace

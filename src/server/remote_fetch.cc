@@ -1,0 +1,317 @@
+#include "server/remote_fetch.h"
+
+#include <future>
+#include <random>
+
+#include "base/logging.h"
+#include "transfer/descriptor.h"
+
+namespace orbitkv::server {
+namespace {
+
+uint64_t RandomBase() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32 | device()) & ~0xffffffull;
+}
+
+}  // namespace
+
+RemoteFetcher::RemoteFetcher(Options options, core::BlockCache* cache, catalog::CandidateIndex* index,
+                             catalog::Discovery* discovery, catalog::SourceTransport* sources,
+                             transfer::TransferEngine* engine, std::vector<transfer::RegionHandle> arenas,
+                             MetricsRegistry* metrics)
+    : options_(std::move(options)),
+      cache_(cache),
+      index_(index),
+      discovery_(discovery),
+      sources_(sources),
+      engine_(engine),
+      arenas_(std::move(arenas)),
+      next_request_(RandomBase()) {
+  core::Budget::Options staging;
+  staging.name = "remote_staging";
+  staging.global_bytes = options_.staging_budget_bytes != 0 ? options_.staging_budget_bytes
+                                                            : cache_->pool().Stats().capacity_bytes / 4;
+  staging_ = std::make_unique<core::Budget>(std::move(staging), metrics);
+  discovery_rpcs_ = &metrics->GetCounter("orbitkv_discovery_rpcs_total",
+                                         "Catalog Lookup RPCs this Manager sent to learn who holds missed blocks");
+  fetches_ = &metrics->GetCounter("orbitkv_remote_fetches_total", "Remote stages of Loading operations run");
+  fetched_bytes_ = &metrics->GetCounter("orbitkv_remote_fetched_bytes_total",
+                                        "Bytes read from peers into DRAM blocks (verified and sealed)");
+  no_source_ = &metrics->GetCounter("orbitkv_remote_no_source_total",
+                                    "Remote stages that found no peer granting the next block (a local answer)");
+  failed_ = &metrics->GetCounter("orbitkv_remote_fetch_failures_total",
+                                 "Remote stages whose transfer failed part-way (the prefix stopped there)");
+  authorizations_ = &metrics->GetCounter("orbitkv_source_authorizations_total",
+                                         "Authorize RPCs this Manager sent to sources");
+  rejections_ = &metrics->GetCounter("orbitkv_candidate_rejections_total",
+                                     "Authorizations a source refused (stale or not in DRAM): stale candidates");
+  for (size_t i = 0; i < options_.threads; ++i) threads_.emplace_back([this] { Work(); });
+}
+
+RemoteFetcher::~RemoteFetcher() { Stop(); }
+
+void RemoteFetcher::Stop() {
+  std::deque<Job> left;
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+    left.swap(queue_);
+  }
+  wake_.notify_all();
+  for (std::thread& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+  for (Job& job : left) job.done({});
+}
+
+std::optional<LoadingStage> RemoteFetcher::Stage(std::vector<state::StateKey> keys) {
+  if (keys.empty() || (options_.can_work && !options_.can_work())) return std::nullopt;
+  LoadingStage stage;
+  stage.name = "remote";
+  stage.span = keys.size();
+  stage.deadline = options_.deadline;
+  stage.start = [this, keys = std::move(keys)](LoadingStage::Done done) mutable -> Status {
+    MutexLock lock(&mu_);
+    if (stop_) return Status::Unavailable("the Manager is stopping");
+    if (queue_.size() >= options_.max_queued) {
+      return Status::ResourceExhausted(
+          fmt::format("{} remote fetches are waiting already: retry the query", queue_.size()));
+    }
+    queue_.push_back(Job{std::move(keys), Deadline::After(options_.deadline), std::move(done)});
+    wake_.notify_one();
+    return Status::Ok();
+  };
+  return stage;
+}
+
+void RemoteFetcher::Work() {
+  for (;;) {
+    Job job;
+    {
+      MutexLock lock(&mu_);
+      while (!stop_ && queue_.empty()) wake_.wait(mu_);
+      if (stop_ && queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::vector<core::BlockPin> pins = Fetch(job);
+    job.done(std::move(pins));
+  }
+}
+
+std::pair<uint32_t, uint64_t> RemoteFetcher::Locate(const uint8_t* data) const {
+  core::PinnedPool& pool = cache_->pool();
+  for (uint32_t i = 0; i < pool.arena_count(); ++i) {
+    const uint8_t* base = pool.arena(i).data();
+    if (data >= base && data < base + pool.arena(i).size()) return {i, static_cast<uint64_t>(data - base)};
+  }
+  ORBITKV_CHECK(false && "a pool block outside the pool's arenas");
+  return {0, 0};
+}
+
+std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job) {
+  fetches_->Increment();
+  {
+    MutexLock lock(&mu_);
+    ++stats_.fetches;
+  }
+  std::vector<core::BlockPin> pins;
+  // What is resident at the front needs no fetch.
+  const size_t local = cache_->table().PinPrefix(job.keys, &pins);
+  if (local == job.keys.size() || job.deadline.Expired()) return pins;
+  const std::span<const state::StateKey> rest(job.keys.data() + local, job.keys.size() - local);
+  const catalog::Discovery::Outcome learnt = discovery_->Discover(rest);
+  discovery_rpcs_->Increment(learnt.rpcs);
+  catalog::AuthorizeOptions authorize;
+  authorize.self_node = options_.self_node;
+  authorize.request_id = next_request_.fetch_add(1, std::memory_order_relaxed);
+  authorize.lifetime = std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline.Remaining()) +
+                       std::chrono::milliseconds(1000);
+  authorize.deadline = job.deadline;
+  catalog::AuthorizeOutcome outcome = catalog::AuthorizeBest(rest, *index_, *sources_, authorize);
+  authorizations_->Increment(outcome.attempts);
+  rejections_->Increment(outcome.rejections);
+  {
+    MutexLock lock(&mu_);
+    stats_.discovery_rpcs += learnt.rpcs;
+    stats_.authorizations += outcome.attempts;
+    stats_.rejections += outcome.rejections;
+  }
+  if (!outcome.authorized.has_value()) {
+    no_source_->Increment();
+    MutexLock lock(&mu_);
+    ++stats_.no_source;
+    if (!outcome.last_error.ok()) {
+      ORBITKV_LOG_DEBUG("remote: no source for {} blocks: {}", rest.size(), outcome.last_error.ToString());
+    }
+    return pins;
+  }
+  ORBITKV_LOG_DEBUG("remote: {} of {} blocks granted by {} ({} planned after {} local; {} discovery RPCs, {} "
+                    "authorizations, {} rejected)",
+                    outcome.authorized->reply.grant.granted, rest.size(), outcome.authorized->span.node,
+                    outcome.authorized->span.versions.size(), local, learnt.rpcs, outcome.attempts,
+                    outcome.rejections);
+  ReadGranted(*outcome.authorized, job.deadline, &pins);
+  ReleaseGrant(*outcome.authorized, authorize.request_id);
+  return pins;
+}
+
+void RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline deadline,
+                                std::vector<core::BlockPin>* pins) {
+  const catalog::SourceGrant& grant = authorized.reply.grant;
+  std::vector<transfer::RegionDescriptor> remotes;
+  for (const auto& bytes : grant.regions) {
+    Result<transfer::RegionDescriptor> descriptor = transfer::DecodeDescriptor(bytes);
+    if (!descriptor.ok()) {
+      ORBITKV_LOG_WARN("remote: {} sent a bad region descriptor: {}", authorized.span.node,
+                       descriptor.status().ToString());
+      failed_->Increment();
+      return;
+    }
+    remotes.push_back(std::move(*descriptor));
+  }
+  const transfer::Capabilities caps = engine_->GetCapabilities();
+  const uint64_t max_fragment = caps.max_fragment_bytes != 0 ? caps.max_fragment_bytes : UINT64_MAX;
+  const size_t max_fragments = caps.max_fragments_per_batch != 0 ? caps.max_fragments_per_batch : SIZE_MAX;
+
+  // One batch: consecutive blocks, their writers and the staging charge; it completes through `result`.
+  struct Batch {
+    std::vector<core::BlockWriter> writers;
+    std::vector<core::BudgetTicket> staging;  // one per prepared block, until sealed or aborted
+    std::promise<transfer::BatchResult> result;
+    std::future<transfer::BatchResult> done;
+    uint64_t bytes = 0;
+    bool started = false;
+  };
+  std::deque<std::unique_ptr<Batch>> in_flight;
+  size_t next = 0;           // next granted block to prepare
+  bool stopped = false;      // no more batches start (nothing left, no room, or a failure)
+  bool failure = false;      // a batch failed: it and every later one are dropped
+  const size_t granted = std::min(grant.granted, authorized.span.versions.size());
+  uint64_t fetched_blocks = 0, fetched_bytes = 0;
+
+  // Prepares and starts the next batch; false when there is nothing more to start.
+  const auto start_next = [&]() -> bool {
+    if (stopped || next >= granted || deadline.Expired()) return false;
+    auto batch = std::make_unique<Batch>();
+    transfer::ReadBatchRequest request;
+    request.peer = authorized.reply.ucx_address;
+    request.grant = grant.grant_id;
+    request.remotes = remotes;
+    request.deadline = deadline;
+    request.verify_checksum = true;
+    while (next < granted) {
+      const catalog::SourceGrant::Block& block = grant.blocks[next];
+      const size_t pieces = static_cast<size_t>((block.bytes + max_fragment - 1) / max_fragment);
+      if (!batch->writers.empty() && (batch->bytes + block.bytes > options_.max_batch_bytes ||
+                                      request.fragments.size() + pieces > max_fragments)) {
+        break;
+      }
+      const uint64_t class_bytes = cache_->pool().ClassBytes(block.bytes);
+      Result<core::BudgetTicket> ticket = staging_->TryReserve(0, class_bytes);
+      if (!ticket.ok()) {
+        if (batch->writers.empty()) stopped = true;  // no staging room at all: stop the prefix here
+        break;
+      }
+      Result<core::BlockWriter> writer = cache_->Prepare(authorized.span.versions[next].key, block.bytes);
+      if (!writer.ok()) {
+        // Already resident (another fetch or a save won), being written, or no room: the prefix stops here
+        // (a later query finds what the other writer sealed).
+        stopped = true;
+        break;
+      }
+      batch->staging.push_back(std::move(*ticket));
+      const auto [arena, offset] = Locate(writer->data());
+      for (uint64_t at = 0; at < block.bytes; at += max_fragment) {
+        transfer::Fragment fragment;
+        fragment.remote = block.region;
+        fragment.remote_offset = block.offset + at;
+        fragment.local = arenas_[arena];
+        fragment.local_offset = offset + at;
+        fragment.length = std::min(max_fragment, block.bytes - at);
+        request.fragments.push_back(fragment);
+      }
+      batch->bytes += block.bytes;
+      batch->writers.push_back(std::move(*writer));
+      ++next;
+    }
+    if (batch->writers.empty()) {
+      stopped = true;
+      return false;
+    }
+    batch->done = batch->result.get_future();
+    Batch* raw = batch.get();
+    Result<uint64_t> id =
+        engine_->ReadBatch(std::move(request), [raw](const transfer::BatchResult& r) { raw->result.set_value(r); });
+    if (!id.ok()) {
+      ORBITKV_LOG_WARN("remote: reading from {}: {}", authorized.span.node, id.status().ToString());
+      stopped = failure = true;
+      return false;  // `batch` (its writers abort, its charge returns) goes here: nothing was sent
+    }
+    batch->started = true;
+    in_flight.push_back(std::move(batch));
+    return true;
+  };
+
+  while (in_flight.size() < options_.batches_in_flight && start_next()) {
+  }
+  while (!in_flight.empty()) {
+    std::unique_ptr<Batch> batch = std::move(in_flight.front());
+    in_flight.pop_front();
+    // The engine always completes a started batch (its deadline is finite): wait for it, whatever happened.
+    const transfer::BatchResult result = batch->done.get();
+    if (!failure && result.status.ok() && result.bytes == batch->bytes) {
+      for (core::BlockWriter& writer : batch->writers) {
+        core::BlockPin pin;
+        cache_->Seal(writer, core::TransitionCause::kRestore, &pin);
+        pins->push_back(std::move(pin));
+      }
+      fetched_blocks += batch->writers.size();
+      fetched_bytes += batch->bytes;
+      while (in_flight.size() < options_.batches_in_flight && start_next()) {
+      }
+    } else {
+      if (!failure) {
+        ORBITKV_LOG_WARN("remote: a batch of {} blocks from {} failed: {} ({} of {} bytes)", batch->writers.size(),
+                         authorized.span.node, result.status.ToString(), result.bytes, batch->bytes);
+      }
+      stopped = failure = true;  // the prefix stops here; later batches are drained and dropped
+    }
+    // `batch` goes: unsealed writers abort, the staging charge returns (sealed ones were charged until now).
+  }
+  fetched_bytes_->Increment(fetched_bytes);
+  if (failure) failed_->Increment();
+  MutexLock lock(&mu_);
+  stats_.fetched_blocks += fetched_blocks;
+  stats_.fetched_bytes += fetched_bytes;
+  stats_.failed += failure ? 1 : 0;
+}
+
+void RemoteFetcher::ReleaseGrant(const catalog::Authorized& authorized, uint64_t request_id) {
+  // Bounded, idempotent retries: a source that never hears it revokes at the grant's deadline, or when this
+  // Manager leaves the member view.
+  std::chrono::milliseconds backoff(50);
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    Result<bool> released = sources_->Release(authorized.span.node, authorized.span.runtime, request_id,
+                                              Deadline::After(std::chrono::seconds(2)));
+    if (released.ok()) return;
+    if (released.status().code() == StatusCode::kNotFound) return;  // the source restarted: nothing held there
+    if (attempt == 3) {
+      ORBITKV_LOG_WARN("remote: releasing grant {:x} at {}: {} (it expires there)", request_id, authorized.span.node,
+                       released.status().ToString());
+      return;
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff *= 2;
+  }
+}
+
+RemoteFetcher::Stats RemoteFetcher::GetStats() const {
+  MutexLock lock(&mu_);
+  Stats stats = stats_;
+  stats.staging_bytes = staging_->reserved_bytes();
+  return stats;
+}
+
+}  // namespace orbitkv::server
