@@ -27,19 +27,21 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
     outcome.known_prefix = known;
     return outcome;
   }
-  const Deadline deadline = Deadline::After(options_.budget);
   // Concurrent misses of the same prefix (the same first unknown key) share one lookup: a later one waits for it
-  // (within its own budget) and checks the index again. When that found nothing new for it, it looks up itself
+  // (at most one budget) and checks the index again. When that left keys unknown for it, it looks them up itself
   // (an empty result proves nothing).
   std::shared_ptr<Flight> flight = std::make_shared<Flight>();
   mu_.Lock();
   auto it = flights_.find(keys[known]);
   if (it != flights_.end()) {
     std::shared_ptr<Flight> first = it->second;
-    while (!first->done && !deadline.Expired()) first->cv.wait_until(mu_, deadline.when());
+    const Deadline wait = Deadline::After(options_.budget);
+    while (!first->done && !wait.Expired()) first->cv.wait_until(mu_, wait.when());
     mu_.Unlock();
     const size_t now_known = index_->KnownPrefix(keys);
-    if (now_known > known || deadline.Expired()) {
+    if (now_known == keys.size()) {
+      MutexLock lock(&mu_);
+      ++stats_.coalesced;
       outcome.coalesced = true;
       outcome.known_prefix = now_known;
       return outcome;
@@ -49,6 +51,8 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   }
   flights_[keys[known]] = flight;  // the newest lookup of this prefix is the one later misses wait for
   mu_.Unlock();
+  // The budget of this lookup, counted after coalescing.
+  const Deadline deadline = Deadline::After(options_.budget);
   struct Land {
     Discovery* self;
     const state::StateKey& key;
@@ -79,11 +83,16 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   // At most max_hosts hosts in flight: each worker takes the next host and sends its batches in order.
   std::atomic<size_t> next_host{0};
   std::atomic<size_t> rpcs{0};
+  std::atomic<size_t> in_flight{0}, max_in_flight{0};
   Mutex failed_mu;
   std::vector<std::string> failed;
   auto work = [&] {
     for (size_t h = next_host.fetch_add(1); h < hosts.size(); h = next_host.fetch_add(1)) {
       const std::vector<state::StateKey>& host_keys = by_host.at(hosts[h]);
+      const size_t now_in_flight = in_flight.fetch_add(1) + 1;
+      for (size_t seen = max_in_flight.load(); now_in_flight > seen &&
+                                               !max_in_flight.compare_exchange_weak(seen, now_in_flight);) {
+      }
       for (size_t at = 0; at < host_keys.size(); at += options_.max_keys_per_rpc) {
         if (deadline.Expired()) break;
         const size_t n = std::min(options_.max_keys_per_rpc, host_keys.size() - at);
@@ -98,6 +107,7 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
         }
         for (size_t i = 0; i < n; ++i) index_->Insert(batch[i], (*rows)[i].candidates);
       }
+      in_flight.fetch_sub(1);
     }
   };
   const size_t workers = std::min(options_.max_hosts, hosts.size());
@@ -111,7 +121,19 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
     outcome.failed_hosts = std::move(failed);
   }
   outcome.known_prefix = index_->KnownPrefix(keys);
+  {
+    MutexLock lock(&mu_);
+    stats_.rpcs += outcome.rpcs;
+    stats_.skipped_hosts += outcome.skipped_hosts.size();
+    stats_.failed_hosts += outcome.failed_hosts.size();
+    stats_.max_hosts_in_flight = std::max<uint64_t>(stats_.max_hosts_in_flight, max_in_flight.load());
+  }
   return outcome;
+}
+
+Discovery::Stats Discovery::GetStats() const {
+  MutexLock lock(&mu_);
+  return stats_;
 }
 
 }  // namespace orbitkv::catalog

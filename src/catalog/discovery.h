@@ -66,10 +66,20 @@ class Discovery {
     bool coalesced = false;  // answered by another caller's lookup of the same prefix
   };
 
+  // Totals since construction, for status and metrics.
+  struct Stats {
+    uint64_t rpcs = 0;
+    uint64_t skipped_hosts = 0;  // hosts not asked because their breaker was open
+    uint64_t failed_hosts = 0;   // hosts that failed or were too slow (breaker opened)
+    uint64_t coalesced = 0;      // discoveries answered by another caller's lookup
+    uint64_t max_hosts_in_flight = 0;  // the most hosts one discovery asked at once
+  };
+
   Discovery(Options options, CandidateIndex* index, LookupTransport* transport);
 
   // Looks up the keys of `keys` the index does not know (from the first unknown one on), within the budget.
   Outcome Discover(std::span<const state::StateKey> keys) EXCLUDES(mu_);
+  Stats GetStats() const EXCLUDES(mu_);
 
  private:
   bool BreakerOpen(const std::string& host, MonoTime now) EXCLUDES(mu_);
@@ -82,8 +92,9 @@ class Discovery {
     bool done = false;  // guarded by mu_
     std::condition_variable_any cv;
   };
-  Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
+  Stats stats_ GUARDED_BY(mu_);
   // Lookups in flight, by the first key they look up.
   std::unordered_map<state::StateKey, std::shared_ptr<Flight>, state::StateKeyHash> flights_ GUARDED_BY(mu_);
 };

@@ -94,6 +94,10 @@ TEST(DiscoveryTest, NoMoreHostsInFlightThanAllowed) {
   EXPECT_EQ(discovery.Discover(Keys(2, 1024)).known_prefix, 1024u);
   EXPECT_LE(hosts.max_in_flight.load(), 2);
   EXPECT_GE(hosts.max_in_flight.load(), 1);
+  // What the Manager reports as discovery_max_hosts_in_flight: never more than the hosts really in flight.
+  EXPECT_LE(discovery.GetStats().max_hosts_in_flight, 2u);
+  EXPECT_GE(discovery.GetStats().max_hosts_in_flight, 1u);
+  EXPECT_EQ(discovery.GetStats().rpcs, static_cast<uint64_t>(hosts.rpcs.load()));
 }
 
 TEST(DiscoveryTest, AFailingHostIsSkippedUntilItsBreakerCloses) {

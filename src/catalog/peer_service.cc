@@ -95,7 +95,7 @@ grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Authorize(grpc::ServerContext* /*context*/, const peer::v1::AuthorizeRequest* request,
+grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1::AuthorizeRequest* request,
                                     peer::v1::AuthorizeResponse* response) {
   if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
   if (options_.source == nullptr) {
@@ -127,6 +127,11 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* /*context*/, const peer
   }
   Result<SourceGrant> grant = options_.source->Authorize(args);
   if (!grant.ok()) return ToGrpc(grant.status());
+  if (grant->outcome == SourceOutcome::kGranted && context->IsCancelled()) {
+    // The requester gave up before it could hear of the grant: it never reads under it.
+    options_.source->Release(args.peer_runtime, args.request_id);
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the requester cancelled the authorization");
+  }
   *response = ToResponse(*grant, options_.ucx_worker_address);
   return grpc::Status::OK;
 }

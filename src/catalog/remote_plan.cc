@@ -18,8 +18,12 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
                                     const std::string& self_node, const std::set<Source>& excluded) {
   if (keys.empty()) return std::nullopt;
   // Sources still covering every key so far, with their versions; a source drops out at its first gap.
-  std::map<Source, std::vector<SourceBlockVersion>> running;
-  std::map<Source, std::vector<SourceBlockVersion>> finished;
+  struct Run {
+    std::vector<SourceBlockVersion> versions;
+    std::vector<uint64_t> bytes;
+  };
+  std::map<Source, Run> running;
+  std::map<Source, Run> finished;
   const size_t n = std::min(keys.size(), SourceHolds::kMaxBlocks);  // what one authorization may name
   for (size_t i = 0; i < n; ++i) {
     // Find returns copies: `found` keeps them alive for this step.
@@ -39,7 +43,8 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
         finished.insert(*it);
         it = running.erase(it);
       } else {
-        it->second.push_back({keys[i], at->second->generation, at->second->sequence});
+        it->second.versions.push_back({keys[i], at->second->generation, at->second->sequence});
+        it->second.bytes.push_back(at->second->bytes);
         ++it;
       }
     }
@@ -47,13 +52,13 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
   }
   for (auto& entry : running) finished.insert(std::move(entry));
   // The longest span; std::map order makes the smallest (node, runtime) win a tie.
-  const std::pair<const Source, std::vector<SourceBlockVersion>>* best = nullptr;
+  const std::pair<const Source, Run>* best = nullptr;
   for (const auto& entry : finished) {
-    if (entry.second.empty()) continue;
-    if (best == nullptr || entry.second.size() > best->second.size()) best = &entry;
+    if (entry.second.versions.empty()) continue;
+    if (best == nullptr || entry.second.versions.size() > best->second.versions.size()) best = &entry;
   }
   if (best == nullptr) return std::nullopt;
-  return PlannedSpan{best->first.first, best->first.second, best->second};
+  return PlannedSpan{best->first.first, best->first.second, best->second.versions, best->second.bytes};
 }
 
 AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateIndex& index,
@@ -82,6 +87,13 @@ AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateI
         for (const SourceBlockVersion& v : span->versions) {
           index.Remove(v.key, span->node, span->runtime, v.generation, v.sequence);
         }
+      }
+      // The source may have granted after this side gave up (too slow, connection lost): tell it, best effort,
+      // so the hold does not wait out its deadline there.
+      if (reply.status().code() == StatusCode::kDeadlineExceeded ||
+          reply.status().code() == StatusCode::kUnavailable || reply.status().code() == StatusCode::kCancelled) {
+        (void)transport.Release(span->node, span->runtime, options.request_id,
+                                Deadline::After(std::chrono::milliseconds(200)));
       }
       continue;
     }

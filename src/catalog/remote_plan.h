@@ -45,6 +45,7 @@ struct PlannedSpan {
   std::string node;
   std::string runtime;
   std::vector<SourceBlockVersion> versions;  // the span, from the first key
+  std::vector<uint64_t> bytes;               // each block's size as the lookup named it
 };
 
 // The best span over `keys` from the index's DRAM candidates, leaving out `self_node` and the sources in

@@ -59,6 +59,8 @@ SourceHolds::~SourceHolds() {
 void SourceHolds::Reject(SourceOutcome why) {
   Counter* counter = why == SourceOutcome::kNotInDram ? not_dram_ : why == SourceOutcome::kStale ? stale_ : exhausted_;
   if (counter != nullptr) counter->Increment();
+  MutexLock lock(&mu_);
+  ++stats_.rejected;
 }
 
 void SourceHolds::UpdateGauges() {
@@ -233,7 +235,13 @@ size_t SourceHolds::ExpireDue() {
 
 size_t SourceHolds::DropVanished(
     const std::function<bool(const std::string& node, const std::string& runtime)>& alive) {
-  std::map<std::string, std::vector<HoldKey>> gone;  // runtime -> its holds
+  // Serialized with Authorize: no hold of a requester found gone is inserted between this scan and the revocation.
+  MutexLock serial(&authorize_mu_);
+  struct Gone {
+    std::vector<HoldKey> free;  // holds this revocation frees once drained
+    size_t holds = 0;
+  };
+  std::map<std::string, Gone> gone;  // runtime -> its holds
   {
     MutexLock lock(&mu_);
     std::set<std::string> checked_alive;
@@ -243,17 +251,22 @@ size_t SourceHolds::DropVanished(
         checked_alive.insert(key.first);
         continue;
       }
-      gone[key.first].push_back(key);
+      Gone& g = gone[key.first];
+      ++g.holds;
+      // A hold being revoked already (released or expired) is freed by its own revocation once it drained; the
+      // peer's revocation still force-closes the endpoints its sends go out on.
+      if (!hold.revoking) g.free.push_back(key);
       hold.peer_revoked = true;
       hold.revoking = true;
       hold.quarantined = true;
     }
     if (!gone.empty()) UpdateGauges();
   }
-  for (const auto& [runtime, keys] : gone) {
+  for (auto& [runtime, g] : gone) {
     ORBITKV_LOG_WARN("source: requester {} left the cluster holding {} grants: revoking its transport (the pins "
                      "stay until it drained)",
-                     runtime, keys.size());
+                     runtime, g.holds);
+    std::vector<HoldKey> keys = std::move(g.free);
     Status revoked = issuer_->RevokePeer(runtime, [this, keys] {
       for (const HoldKey& key : keys) Drained(key);
     });

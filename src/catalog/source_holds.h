@@ -106,6 +106,7 @@ class SourceHolds {
     uint64_t quarantined_bytes = 0;
     uint64_t granted = 0;            // Authorize calls that granted (duplicates not counted)
     uint64_t released = 0;           // holds freed after draining
+    uint64_t rejected = 0;           // authorizations refused (stale, not in DRAM, no room)
   };
 
   // `table`, `pool`, `budget`, `issuer` and `metrics` (may be null) must outlive the holds.
@@ -128,7 +129,7 @@ class SourceHolds {
   // Quarantines and revokes every hold of requesters `alive` says are gone (it gets node and runtime); their
   // endpoints are force-closed (GrantIssuer::RevokePeer). Returns how many requesters.
   size_t DropVanished(const std::function<bool(const std::string& node, const std::string& runtime)>& alive)
-      EXCLUDES(mu_);
+      EXCLUDES(authorize_mu_, mu_);
   Stats GetStats() const EXCLUDES(mu_);
 
  private:

@@ -41,6 +41,16 @@ class RecordingIssuer final : public GrantIssuer {
   Result<std::vector<uint8_t>> Describe(uint32_t arena) override {
     return std::vector<uint8_t>{static_cast<uint8_t>(arena), 0xd5};
   }
+  // The revocation `i` (in the order they were made) drains.
+  void DrainOne(size_t i) {
+    std::function<void()> run;
+    {
+      MutexLock lock(&mu_);
+      run = std::move(pending.at(i));
+      pending.at(i) = [] {};
+    }
+    run();
+  }
   // The transfers in flight finish: every revoked grant drains.
   void DrainAll() {
     std::vector<std::function<void()>> run;
@@ -259,6 +269,23 @@ TEST_F(SourceHoldsTest, AVanishedRequestersGrantsAreRevokedThroughItsTransportTh
   issuer_.DrainAll();
   EXPECT_EQ(holds_->GetStats().sessions, 0u);
   EXPECT_EQ(cache_->transfer_budget().reserved_bytes(), 0u);
+}
+
+TEST_F(SourceHoldsTest, AHoldBeingReleasedWhenItsRequesterVanishesIsFreedOnlyByItsOwnDrain) {
+  const auto versions = Publish(Chain(8, 2));
+  ASSERT_TRUE(holds_->Authorize(Args({versions[0]}, 1, "rt-gone")).ok());
+  ASSERT_TRUE(holds_->Authorize(Args({versions[1]}, 2, "rt-gone")).ok());
+  EXPECT_TRUE(holds_->Release("rt-gone", 1));  // revocation 0: its sends may still be in flight
+  EXPECT_EQ(holds_->DropVanished([](const std::string&, const std::string&) { return false; }), 1u);
+  ASSERT_EQ(issuer_.pending.size(), 2u);
+  // The peer's revocation drained (its endpoints closed): only the hold it revoked goes; the released one waits
+  // for its own grant to drain.
+  issuer_.DrainOne(1);
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);
+  issuer_.DrainOne(0);
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
 }
 
 TEST_F(SourceHoldsTest, ConcurrentDuplicateAuthorizesMakeOneSession) {

@@ -467,15 +467,19 @@ class RemoteNode {
     const RemoteFetcher::Stats f = fetcher_->GetStats();
     const catalog::SourceHolds::Stats h = holds_->GetStats();
     const catalog::CandidateIndex::Stats i = index_.GetStats();
+    const catalog::Discovery::Stats d = discovery_->GetStats();
     return fmt::format(", \"remote_fetches\": {}, \"remote_fetched_blocks\": {}, \"remote_fetched_bytes\": {}, "
                        "\"remote_no_source\": {}, \"remote_fetch_failures\": {}, \"remote_staging_bytes\": {}, "
                        "\"discovery_rpcs\": {}, \"source_authorizations\": {}, \"candidate_rejections\": {}, "
                        "\"candidate_index_entries\": {}, \"candidate_index_bytes\": {}, \"candidate_index_hits\": {}, "
                        "\"candidate_index_misses\": {}, \"source_sessions\": {}, \"source_pinned_bytes\": {}, "
-                       "\"source_quarantined_bytes\": {}, \"source_grants\": {}",
+                       "\"source_quarantined_bytes\": {}, \"source_grants\": {}, \"source_rejections\": {}",
                        f.fetches, f.fetched_blocks, f.fetched_bytes, f.no_source, f.failed, f.staging_bytes,
                        f.discovery_rpcs, f.authorizations, f.rejections, i.entries, i.bytes, i.hits, i.misses,
-                       h.sessions, h.pinned_bytes, h.quarantined_bytes, h.granted);
+                       h.sessions, h.pinned_bytes, h.quarantined_bytes, h.granted, h.rejected) +
+           fmt::format(", \"discovery_skipped_hosts\": {}, \"discovery_failed_hosts\": {}, "
+                       "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}",
+                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight);
   }
 
  private:
@@ -613,10 +617,11 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   Status joined = membership->Join(Deadline::After(std::chrono::seconds(30)));
   if (!joined.ok()) return joined.WithContext("joining the cluster");
   ORBITKV_LOG_INFO("manager: joined cluster '{}' as node {}", config.cluster_name, config.node_id);
-  std::unique_ptr<PeerListener> peers;
-  std::unique_ptr<transfer::UcxTransferEngine> transfer;
+  // Destroyed in reverse: the listener (its service uses the holds), the engine, then the holds and the catalog.
   std::unique_ptr<CatalogNode> catalog;
   std::unique_ptr<RemoteNode> remote;
+  std::unique_ptr<transfer::UcxTransferEngine> transfer;
+  std::unique_ptr<PeerListener> peers;
   if (!config.peer_endpoint.empty()) {
     catalog = std::make_unique<CatalogNode>(config, runtime, *membership, inventory, metrics);
     std::vector<transfer::RegionHandle> arenas;

@@ -72,14 +72,16 @@ std::optional<LoadingStage> RemoteFetcher::Stage(std::vector<state::StateKey> ke
   stage.span = keys.size();
   stage.deadline = options_.deadline;
   stage.start = [this, keys = std::move(keys)](LoadingStage::Done done) mutable -> Status {
-    MutexLock lock(&mu_);
-    if (stop_) return Status::Unavailable("the Manager is stopping");
-    if (queue_.size() >= options_.max_queued) {
-      return Status::ResourceExhausted(
-          fmt::format("{} remote fetches are waiting already: retry the query", queue_.size()));
+    {
+      MutexLock lock(&mu_);
+      if (!stop_ && queue_.size() < options_.max_queued) {
+        queue_.push_back(Job{std::move(keys), Deadline::After(options_.deadline), std::move(done)});
+        wake_.notify_one();
+        return Status::Ok();
+      }
     }
-    queue_.push_back(Job{std::move(keys), Deadline::After(options_.deadline), std::move(done)});
-    wake_.notify_one();
+    // Stopping, or too many fetches waiting: this one completes at once with nothing fetched (the local answer).
+    done({});
     return Status::Ok();
   };
   return stage;
@@ -95,8 +97,10 @@ void RemoteFetcher::Work() {
       job = std::move(queue_.front());
       queue_.pop_front();
     }
-    std::vector<core::BlockPin> pins = Fetch(job);
-    job.done(std::move(pins));
+    std::optional<Fetched> fetched;
+    std::vector<core::BlockPin> pins = Fetch(job, &fetched);
+    job.done(std::move(pins));  // the engine's op completes first; the source's release follows
+    if (fetched.has_value()) ReleaseGrant(fetched->authorized, fetched->request_id);
   }
 }
 
@@ -110,7 +114,7 @@ std::pair<uint32_t, uint64_t> RemoteFetcher::Locate(const uint8_t* data) const {
   return {0, 0};
 }
 
-std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job) {
+std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<Fetched>* fetched) {
   fetches_->Increment();
   {
     MutexLock lock(&mu_);
@@ -152,8 +156,12 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job) {
                     outcome.authorized->reply.grant.granted, rest.size(), outcome.authorized->span.node,
                     outcome.authorized->span.versions.size(), local, learnt.rpcs, outcome.attempts,
                     outcome.rejections);
-  ReadGranted(*outcome.authorized, job.deadline, &pins);
-  ReleaseGrant(*outcome.authorized, authorize.request_id);
+  // The reads end a little before the stage's deadline, so what arrived is reported while the op still waits.
+  const Deadline reads = job.deadline.Remaining() > std::chrono::milliseconds(500)
+                             ? Deadline::At(job.deadline.when() - std::chrono::milliseconds(250))
+                             : job.deadline;
+  ReadGranted(*outcome.authorized, reads, &pins);
+  *fetched = Fetched{std::move(*outcome.authorized), authorize.request_id};
   return pins;
 }
 
@@ -179,7 +187,8 @@ void RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
   struct Batch {
     std::vector<core::BlockWriter> writers;
     std::vector<core::BudgetTicket> staging;  // one per prepared block, until sealed or aborted
-    std::promise<transfer::BatchResult> result;
+    // Shared with the engine's callback: set_value may still be returning there when the worker's get() returns.
+    std::shared_ptr<std::promise<transfer::BatchResult>> result = std::make_shared<std::promise<transfer::BatchResult>>();
     std::future<transfer::BatchResult> done;
     uint64_t bytes = 0;
     bool started = false;
@@ -203,7 +212,14 @@ void RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
     request.verify_checksum = true;
     while (next < granted) {
       const catalog::SourceGrant::Block& block = grant.blocks[next];
-      const size_t pieces = static_cast<size_t>((block.bytes + max_fragment - 1) / max_fragment);
+      if (block.bytes == 0 || (next < authorized.span.bytes.size() && block.bytes != authorized.span.bytes[next])) {
+        ORBITKV_LOG_WARN("remote: {} granted block {} with {} bytes, the lookup said {}: not fetched",
+                         authorized.span.node, next, block.bytes,
+                         next < authorized.span.bytes.size() ? authorized.span.bytes[next] : 0);
+        stopped = true;
+        break;
+      }
+      const size_t pieces = static_cast<size_t>(1 + (block.bytes - 1) / max_fragment);
       if (!batch->writers.empty() && (batch->bytes + block.bytes > options_.max_batch_bytes ||
                                       request.fragments.size() + pieces > max_fragments)) {
         break;
@@ -240,10 +256,9 @@ void RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
       stopped = true;
       return false;
     }
-    batch->done = batch->result.get_future();
-    Batch* raw = batch.get();
-    Result<uint64_t> id =
-        engine_->ReadBatch(std::move(request), [raw](const transfer::BatchResult& r) { raw->result.set_value(r); });
+    batch->done = batch->result->get_future();
+    Result<uint64_t> id = engine_->ReadBatch(
+        std::move(request), [result = batch->result](const transfer::BatchResult& r) { result->set_value(r); });
     if (!id.ok()) {
       ORBITKV_LOG_WARN("remote: reading from {}: {}", authorized.span.node, id.status().ToString());
       stopped = failure = true;

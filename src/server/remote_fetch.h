@@ -81,9 +81,14 @@ class RemoteFetcher {
     Deadline deadline = Deadline::Infinite();
     LoadingStage::Done done;
   };
+  // A fetch whose grant is still to be released.
+  struct Fetched {
+    catalog::Authorized authorized;
+    uint64_t request_id = 0;
+  };
   void Work();
-  // The whole fetch of one stage; returns the pins of the resident prefix.
-  std::vector<core::BlockPin> Fetch(const Job& job);
+  // The whole fetch of one stage but the source's release (`fetched`); returns the pins of the resident prefix.
+  std::vector<core::BlockPin> Fetch(const Job& job, std::optional<Fetched>* fetched);
   // Reads the granted blocks into new DRAM blocks, sealing the prefix that arrived intact.
   void ReadGranted(const catalog::Authorized& authorized, Deadline deadline, std::vector<core::BlockPin>* pins);
   void ReleaseGrant(const catalog::Authorized& authorized, uint64_t request_id);

@@ -108,13 +108,14 @@ inline uint16_t FreeLoopbackPort() {
   return bound ? ntohs(addr.sin_port) : 0;
 }
 
-// GET /metrics from a Manager's metrics endpoint on 127.0.0.1:`port` ("" when it does not answer).
-inline std::string MetricsText(uint16_t port) {
+// GET /metrics from a Manager's metrics endpoint on `host`:`port` (127.0.0.1 by default; "" when it does not
+// answer).
+inline std::string MetricsText(uint16_t port, const char* host = "127.0.0.1") {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  inet_pton(AF_INET, host, &addr.sin_addr);
   std::string text;
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
     const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";

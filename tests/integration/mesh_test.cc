@@ -556,5 +556,190 @@ TEST_F(MeshTest, APrefixSavedOnOneHostIsRestoredOnAnotherAndItsCopyServesAThird)
   EXPECT_TRUE(testing::EventuallyIdle(*c.client));
 }
 
+// The sum of orbitkv_etcd_calls_total over the unary methods (Watch and LeaseKeepAlive count stream opens: the
+// membership's streams are counted apart) in a /metrics text.
+uint64_t EtcdUnaryCalls(const std::string& metrics) {
+  uint64_t total = 0;
+  const std::regex line(R"re(orbitkv_etcd_calls_total\{method="([A-Za-z]+)"\} ([0-9]+))re");
+  for (auto it = std::sregex_iterator(metrics.begin(), metrics.end(), line); it != std::sregex_iterator(); ++it) {
+    const std::string method = (*it)[1].str();
+    if (method != "Watch" && method != "LeaseKeepAlive") total += std::stoull((*it)[2].str());
+  }
+  return total;
+}
+
+// Issue 21's design goals in counters, not timing. node-0 holds the blocks but pins nothing for anyone (a 4 KiB
+// transfer budget: every authorization is refused as busy, which keeps the candidates), so every query node-1's
+// engine makes plans again from its candidate index. A cold 1,024-key query over three catalog hosts makes at most
+// ceil(1024/128) + 2 Lookup RPCs, never more than --discovery-max-hosts 2 hosts at once; then 2,000 plans whose
+// candidates are cached make no Lookup RPC and no etcd unary call (each still authorizes: they are plans).
+TEST_F(MeshTest, WarmPlansAskNobodyAndAColdQueryIsBatchedPerCatalogHost) {
+  const std::string metrics1 = mesh_->address(1);
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  managers.push_back(StartManager(0, "warm-0", {"--transfer-budget", "4KiB"}));
+  managers.push_back(StartManager(1, "warm-1", {"--candidate-ttl-ms", "600000", "--discovery-max-hosts", "2",
+                                                "--metrics-addr", metrics1 + ":9100"}));
+  managers.push_back(StartManager(2, "warm-2"));
+  for (auto& m : managers) ASSERT_TRUE(m->running()) << m->LogText();
+  auto all = [&] {
+    std::vector<const ManagerProcess*> out;
+    for (auto& m : managers) out.push_back(m.get());
+    return out;
+  };
+  const auto long_chain = testing::Chain(8800, 1024);
+  const auto short_chain = testing::Chain(8801, 8);
+  {
+    MeshEngine a(*managers[0], 1, 1024);
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, long_chain).ok());
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, short_chain).ok());
+  }
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+  MeshEngine b(*managers[1], 2, 8);
+
+  auto hit = b.client->QueryWait(2, 0, long_chain, std::chrono::seconds(20));
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->hits, 0u);  // the only source refused: the engine recomputes
+  std::string stats = StatsOf(*managers[1]);
+  EXPECT_GE(Field(stats, "discovery_rpcs"), 3u) << stats;  // each of the three hosts holds some shards
+  EXPECT_LE(Field(stats, "discovery_rpcs"), 1024u / 128 + 2) << stats;
+  EXPECT_LE(Field(stats, "discovery_max_hosts_in_flight"), 2u) << stats;
+  EXPECT_GE(Field(stats, "discovery_max_hosts_in_flight"), 1u) << stats;
+  EXPECT_EQ(Field(stats, "candidate_index_entries"), 1024u) << stats;
+  EXPECT_EQ(Field(stats, "source_authorizations"), 1u) << stats;
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_rejections"), 1u);
+
+  // The short chain once (cold), then 2,000 warm plans.
+  hit = b.client->QueryWait(2, 0, short_chain, std::chrono::seconds(20));
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  stats = StatsOf(*managers[1]);
+  const uint64_t rpcs = Field(stats, "discovery_rpcs");
+  const uint64_t authorizations = Field(stats, "source_authorizations");
+  const std::string metrics_before = testing::MetricsText(9100, metrics1.c_str());
+  const uint64_t etcd_before = EtcdUnaryCalls(metrics_before);
+  ASSERT_NE(metrics_before.find("orbitkv_etcd_calls_total"), std::string::npos) << metrics_before;
+  for (int i = 0; i < 2000; ++i) {
+    hit = b.client->QueryWait(2, 0, short_chain, std::chrono::seconds(20));
+    ASSERT_TRUE(hit.ok()) << hit.status();
+    ASSERT_EQ(hit->hits, 0u);
+  }
+  stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "discovery_rpcs"), rpcs) << stats;
+  EXPECT_EQ(Field(stats, "source_authorizations"), authorizations + 2000) << stats;
+  EXPECT_EQ(EtcdUnaryCalls(testing::MetricsText(9100, metrics1.c_str())), etcd_before);
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
+// The requester's half played by the test under node-1's identity (route source node-1's current start), against
+// real sources: node-0 and node-2 hold the same chain. A grant covers exactly the versions held and is released
+// once (a second Release finds nothing); versions the sources no longer hold (what the index names after a
+// replacement) are refused by both, pin nothing, leave no session, and are removed from the index with no new
+// Lookup; the 1,025th session is ResourceExhausted; and when node-1 dies holding 1,024 grants, node-0 revokes its
+// transport once the member view drops it and frees everything.
+TEST_F(MeshTest, SourcesGrantOnlyTheVersionsTheyHoldAndFreeAVanishedRequestersHolds) {
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("auth-{}", i)));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  auto all = [&] {
+    std::vector<const ManagerProcess*> out;
+    for (auto& m : managers) out.push_back(m.get());
+    return out;
+  };
+  const auto keys = testing::Chain(9100, 4);
+  MeshEngine a(*managers[0], 1, 4), c(*managers[2], 3, 4);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, keys).ok());
+  ASSERT_TRUE(testing::SaveChain(*c.client, 3, c.kv, keys).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+
+  cluster::MemberView view;
+  std::map<std::string, cluster::Member> members;
+  for (int i = 0; i < kHosts; ++i) {
+    cluster::Member m;
+    m.record = RecordOf(etcd_->endpoint(), Node(i), "mesh");
+    members.emplace(Node(i), m);
+  }
+  view.Install(std::move(members), 1);
+  const cluster::MemberRecord r1 = view.Find(Node(1))->record;
+  const std::string placement = StringField(StatsOf(*managers[0]), "placement_fingerprint");
+  const catalog::PeerIdentity as1{"mesh", Node(1), r1.runtime_uuid, r1.epoch, placement};
+  auto placed = cluster::Placement::Create({"node-0", "node-1", "node-2"});
+  ASSERT_TRUE(placed.ok());
+  catalog::GrpcRequesterTransport transport(as1, &view, nullptr);
+  catalog::CandidateIndex index({});
+  catalog::Discovery::Options options;
+  options.host_of = [&](const state::StateKey& key) { return placed->OwnerOf(cluster::Placement::ShardOf(key)); };
+  catalog::Discovery discovery(options, &index, &transport);
+  ASSERT_EQ(discovery.Discover(keys).known_prefix, keys.size());
+  ASSERT_EQ(index.Find(keys[0]).size(), 2u);
+
+  catalog::AuthorizeOptions authorize;
+  authorize.self_node = Node(1);
+  authorize.request_id = 1;
+  catalog::AuthorizeOutcome granted = catalog::AuthorizeBest(keys, index, transport, authorize);
+  ASSERT_TRUE(granted.authorized.has_value()) << granted.last_error;
+  EXPECT_EQ(granted.authorized->span.node, Node(0));  // a tie: the smaller node id
+  EXPECT_EQ(granted.authorized->reply.grant.granted, keys.size());
+  EXPECT_NE(granted.authorized->reply.grant.grant_id, 0u);
+  EXPECT_FALSE(granted.authorized->reply.ucx_address.empty());
+  const std::vector<catalog::SourceBlockVersion> versions = granted.authorized->span.versions;
+  const std::string rt0 = granted.authorized->span.runtime;
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_sessions"), 1u);
+  EXPECT_GE(Field(StatsOf(*managers[0]), "source_pinned_bytes"), keys.size() * testing::kBlockBytes);
+  auto released = transport.Release(Node(0), rt0, 1, Deadline::After(std::chrono::seconds(5)));
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_TRUE(*released);
+  released = transport.Release(Node(0), rt0, 1, Deadline::After(std::chrono::seconds(5)));
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_FALSE(*released);  // a duplicate Release: nothing held any more, no error
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_pinned_bytes"), 0u);
+
+  // Stale versions: both sources refuse, nothing is pinned, the refused versions leave the index.
+  for (const catalog::Candidate& held : index.Find(keys[0])) {
+    catalog::Candidate newer = held;
+    newer.generation += 1000;  // another publication than the sources hold
+    index.Insert(keys[0], {newer});
+  }
+  const uint64_t lookups = transport.lookups();
+  authorize.request_id = 2;
+  catalog::AuthorizeOutcome stale = catalog::AuthorizeBest(keys, index, transport, authorize);
+  EXPECT_FALSE(stale.authorized.has_value());
+  EXPECT_EQ(stale.attempts, 2u);
+  EXPECT_EQ(stale.rejections, 2u);
+  EXPECT_TRUE(index.Find(keys[0]).empty());
+  EXPECT_EQ(index.Find(keys[1]).size(), 2u);  // only the refused versions went
+  EXPECT_EQ(transport.lookups(), lookups);     // and no directory RPC was made for an alternative
+  for (int i : {0, 2}) {
+    const std::string source = StatsOf(*managers[i]);
+    EXPECT_EQ(Field(source, "source_sessions"), 0u) << source;
+    EXPECT_EQ(Field(source, "source_rejections"), 1u) << source;
+    EXPECT_EQ(Field(source, "source_pinned_bytes"), 0u) << source;
+  }
+
+  // 1,024 sessions at most: the next is ResourceExhausted (pinning nothing more).
+  const std::span<const catalog::SourceBlockVersion> one(versions.data(), 1);
+  for (uint64_t r = 0; r < 1024; ++r) {
+    auto grant = transport.Authorize(Node(0), rt0, 100 + r, one, 0, std::chrono::seconds(30),
+                                     Deadline::After(std::chrono::seconds(10)));
+    ASSERT_TRUE(grant.ok()) << r << ": " << grant.status();
+    ASSERT_EQ(grant->grant.granted, 1u);
+  }
+  auto over = transport.Authorize(Node(0), rt0, 5000, one, 0, std::chrono::seconds(30),
+                                  Deadline::After(std::chrono::seconds(10)));
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
+  std::string source = StatsOf(*managers[0]);
+  EXPECT_EQ(Field(source, "source_sessions"), 1024u) << source;
+
+  // node-1 dies holding them: its lease expires (3 s), node-0 revokes its transport, drains and frees.
+  managers[1]->Stop(SIGKILL);
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  source = StatsOf(*managers[0]);
+  EXPECT_EQ(Field(source, "source_pinned_bytes"), 0u) << source;
+  EXPECT_EQ(Field(source, "source_quarantined_bytes"), 0u) << source;
+  EXPECT_EQ(Field(source, "transfer_grants"), 0u) << source;
+}
+
 }  // namespace
 }  // namespace orbitkv
