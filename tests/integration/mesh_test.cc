@@ -78,6 +78,17 @@ class MeshTest : public ::testing::Test {
     return stats;
   }
 
+  // The member view a requester played by the test routes by: the hosts' records as etcd holds them now.
+  void InstallMembers(cluster::MemberView* view) const {
+    std::map<std::string, cluster::Member> members;
+    for (int i = 0; i < kHosts; ++i) {
+      cluster::Member m;
+      m.record = RecordOf(etcd_->endpoint(), Node(i), "mesh");
+      members.emplace(Node(i), m);
+    }
+    view->Install(std::move(members), 1);
+  }
+
   std::unique_ptr<NetnsMesh> mesh_;
   std::unique_ptr<cluster::testing::EtcdProcess> etcd_;
   std::string catalog_nodes_ = "node-0,node-1,node-2";
@@ -349,13 +360,7 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
     // The same through Discovery over Peer.Lookup: 1,000 of node-1's keys are learnt in batches per catalog host
     // (at most ceil(1000/128) + 1 RPCs for two hosts), then a warm repeat asks nobody.
     cluster::MemberView view;
-    std::map<std::string, cluster::Member> members;
-    for (int i = 0; i < kHosts; ++i) {
-      cluster::Member m;
-      m.record = RecordOf(etcd_->endpoint(), Node(i), "mesh");
-      members.emplace(Node(i), m);
-    }
-    view.Install(std::move(members), 1);
+    InstallMembers(&view);
     auto placement_record = cluster::Placement::Create({"node-0", "node-2"});
     ASSERT_TRUE(placement_record.ok());
     catalog::GrpcRequesterTransport transport(as0, &view, nullptr);
@@ -654,13 +659,7 @@ TEST_F(MeshTest, SourcesGrantOnlyTheVersionsTheyHoldAndFreeAVanishedRequestersHo
   ASSERT_TRUE(CatalogsEqualInventories(all()));
 
   cluster::MemberView view;
-  std::map<std::string, cluster::Member> members;
-  for (int i = 0; i < kHosts; ++i) {
-    cluster::Member m;
-    m.record = RecordOf(etcd_->endpoint(), Node(i), "mesh");
-    members.emplace(Node(i), m);
-  }
-  view.Install(std::move(members), 1);
+  InstallMembers(&view);
   const cluster::MemberRecord r1 = view.Find(Node(1))->record;
   const std::string placement = StringField(StatsOf(*managers[0]), "placement_fingerprint");
   const catalog::PeerIdentity as1{"mesh", Node(1), r1.runtime_uuid, r1.epoch, placement};
@@ -739,6 +738,124 @@ TEST_F(MeshTest, SourcesGrantOnlyTheVersionsTheyHoldAndFreeAVanishedRequestersHo
   EXPECT_EQ(Field(source, "source_pinned_bytes"), 0u) << source;
   EXPECT_EQ(Field(source, "source_quarantined_bytes"), 0u) << source;
   EXPECT_EQ(Field(source, "transfer_grants"), 0u) << source;
+}
+
+// How many of `keys`, from the first, have their catalog shard on a host other than `down` (the prefix a requester
+// can learn while `down` does not answer).
+size_t PrefixAvoiding(const std::vector<state::StateKey>& keys, const std::string& down,
+                      const std::vector<std::string>& catalog_nodes) {
+  auto placement = cluster::Placement::Create(catalog_nodes);
+  EXPECT_TRUE(placement.ok());
+  size_t n = 0;
+  while (n < keys.size() && placement->OwnerOf(cluster::Placement::ShardOf(keys[n])) != down) ++n;
+  return n;
+}
+
+// Faults between discovery and transfer, each bounded and none wrong: a source that dies after the lookup costs one
+// failed Authorize and the alternative serves; a dead catalog host cuts the learnt prefix exactly at its first
+// shard, and later cold queries skip it at once (breaker) while local service goes on; a catalog host and source
+// stopped with SIGSTOP cost one budget, and after SIGCONT it serves again. Every gauge returns to 0.
+TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  for (int i = 0; i < kHosts; ++i) {
+    // A 10 s lease: node-0 stopped for one discovery budget and one Authorize bound is still a member after SIGCONT.
+    managers.push_back(StartManager(i, fmt::format("fault-{}", i), {"--membership-ttl-secs", "10"}));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  auto all = [&] {
+    std::vector<const ManagerProcess*> out;
+    for (auto& m : managers) out.push_back(m.get());
+    return out;
+  };
+  constexpr uint32_t kBlocks = 32;
+  const auto x = testing::Chain(9300, kBlocks), y = testing::Chain(9301, kBlocks), z = testing::Chain(9302, kBlocks),
+             q = testing::Chain(9303, kBlocks), w = testing::Chain(9304, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks), c(*managers[2], 3, kBlocks);
+  // node-2 holds all of x, node-0 its first half (node-2's span is the longest); node-0 holds y, z and q.
+  ASSERT_TRUE(testing::SaveChain(*c.client, 3, c.kv, x).ok());
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, std::vector<state::StateKey>(x.begin(), x.begin() + 16)).ok());
+  for (const auto* chain : {&y, &z, &q}) ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, *chain).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+
+  // The source dies between Lookup and Authorize (the requester played by the test, as node-1).
+  {
+    cluster::MemberView view;
+    InstallMembers(&view);
+    const cluster::MemberRecord r1 = view.Find(Node(1))->record;
+    const catalog::PeerIdentity as1{"mesh", Node(1), r1.runtime_uuid, r1.epoch,
+                                    StringField(StatsOf(*managers[0]), "placement_fingerprint")};
+    auto placed = cluster::Placement::Create({"node-0", "node-1", "node-2"});
+    ASSERT_TRUE(placed.ok());
+    catalog::GrpcRequesterTransport transport(as1, &view, nullptr);
+    catalog::CandidateIndex index({});
+    catalog::Discovery::Options options;
+    options.host_of = [&](const state::StateKey& key) { return placed->OwnerOf(cluster::Placement::ShardOf(key)); };
+    catalog::Discovery discovery(options, &index, &transport);
+    ASSERT_EQ(discovery.Discover(x).known_prefix, x.size());
+    managers[2]->Stop(SIGKILL);  // node-2: the longest span's source, and a catalog host
+    catalog::AuthorizeOptions authorize;
+    authorize.self_node = Node(1);
+    authorize.request_id = 77;
+    catalog::AuthorizeOutcome outcome = catalog::AuthorizeBest(x, index, transport, authorize);
+    ASSERT_TRUE(outcome.authorized.has_value()) << outcome.last_error;
+    EXPECT_EQ(outcome.attempts, 2u);
+    EXPECT_EQ(outcome.failures, 1u);
+    EXPECT_EQ(outcome.authorized->span.node, Node(0));
+    EXPECT_EQ(outcome.authorized->reply.grant.granted, 16u);
+    auto released = transport.Release(Node(0), outcome.authorized->span.runtime, 77,
+                                      Deadline::After(std::chrono::seconds(5)));
+    ASSERT_TRUE(released.ok() && *released) << released.status();
+  }
+
+  // node-2 (a catalog host) is gone: node-1's engine learns y only up to the first key of node-2's shards, and
+  // fetches exactly that prefix; a later cold query (z) skips node-2 at once.
+  const std::vector<std::string> catalogs = {"node-0", "node-1", "node-2"};
+  for (const auto* chain : {&y, &z, &q}) {  // the chains are chosen so that each case has something to fetch
+    ASSERT_GT(PrefixAvoiding(*chain, Node(2), catalogs), 0u);
+    ASSERT_LT(PrefixAvoiding(*chain, Node(2), catalogs), kBlocks);
+  }
+  MeshEngine b(*managers[1], 2, kBlocks);
+  auto [hits_y, exact_y] = b.QueryAndRestore(y);
+  EXPECT_EQ(hits_y, PrefixAvoiding(y, Node(2), catalogs));
+  EXPECT_EQ(exact_y, hits_y);
+  std::string stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "discovery_failed_hosts"), 1u) << stats;
+  const uint64_t skipped = Field(stats, "discovery_skipped_hosts");
+  auto [hits_z, exact_z] = b.QueryAndRestore(z);
+  EXPECT_EQ(hits_z, PrefixAvoiding(z, Node(2), catalogs));
+  EXPECT_EQ(exact_z, hits_z);
+  stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "discovery_failed_hosts"), 1u) << stats;  // not asked again: skipped
+  EXPECT_GT(Field(stats, "discovery_skipped_hosts"), skipped) << stats;
+  // Local service is untouched: node-1's own chain saves and hits whole.
+  ASSERT_TRUE(testing::SaveChain(*b.client, 2, b.kv, w).ok());
+  auto [hits_w, exact_w] = b.QueryAndRestore(w);
+  EXPECT_EQ(hits_w, kBlocks);
+  EXPECT_EQ(exact_w, kBlocks);
+
+  // node-0 (catalog host and the only source of q) stopped: the query ends within its stage's bounds with what is
+  // local (nothing); after SIGCONT, once node-0's breaker closed, q is fetched up to node-2's first shard again.
+  ASSERT_EQ(kill(managers[0]->pid(), SIGSTOP), 0);
+  auto stopped = b.client->QueryWait(2, 0, q, std::chrono::seconds(20));
+  ASSERT_EQ(kill(managers[0]->pid(), SIGCONT), 0);
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_EQ(stopped->hits, 0u);
+  EXPECT_EQ(stopped->loading_op, 0u);  // answered, not still loading
+  if (stopped->lease != 0) {
+    EXPECT_TRUE(b.client->Release(2, stopped->lease).ok());
+  }
+  size_t hits_q = 0, exact_q = 0;
+  for (int attempt = 0; attempt < 40 && hits_q < PrefixAvoiding(q, Node(2), catalogs); ++attempt) {
+    std::tie(hits_q, exact_q) = b.QueryAndRestore(q);
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  EXPECT_EQ(hits_q, PrefixAvoiding(q, Node(2), catalogs));
+  EXPECT_EQ(exact_q, hits_q);
+
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_EQ(FieldWhen(*managers[0], "source_pinned_bytes", 0), 0u);
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_staging_bytes", 0), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
 }
 
 }  // namespace
