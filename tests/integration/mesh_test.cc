@@ -858,5 +858,45 @@ TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
 }
 
+// etcd stopped: a Manager's registration stops being valid after half its lease TTL, and remote work goes off with
+// it (a query is answered from what is local, no remote stage), while local saves and hits go on; once etcd is back
+// (the lease survived: etcd keeps it across its restart) remote work comes back on and the same query is fetched.
+TEST_F(MeshTest, RemoteWorkStopsWhileEtcdIsDownAndComesBackWithIt) {
+  catalog_nodes_ = "node-0,node-1";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  for (int i = 0; i < 2; ++i) {
+    managers.push_back(StartManager(i, fmt::format("etcd-{}", i), {"--membership-ttl-secs", "10"}));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  constexpr uint32_t kBlocks = 16;
+  const auto x = testing::Chain(9400, kBlocks), w = testing::Chain(9401, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
+  ASSERT_TRUE(CatalogsEqualInventories({managers[0].get(), managers[1].get()}));
+  MeshEngine b(*managers[1], 2, kBlocks);
+
+  ASSERT_TRUE(etcd_->Stop().ok());
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_work", 0), 0u) << StatsOf(*managers[1]);
+  const uint64_t fetches = Field(StatsOf(*managers[1]), "remote_fetches");
+  auto offline = b.client->QueryWait(2, 0, x, std::chrono::seconds(20));
+  ASSERT_TRUE(offline.ok()) << offline.status();
+  EXPECT_EQ(offline->hits, 0u);
+  EXPECT_EQ(offline->loading_op, 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[1]), "remote_fetches"), fetches);  // no remote stage was started
+  ASSERT_TRUE(testing::SaveChain(*b.client, 2, b.kv, w).ok());
+  auto [hits_w, exact_w] = b.QueryAndRestore(w);
+  EXPECT_EQ(hits_w, kBlocks);
+  EXPECT_EQ(exact_w, kBlocks);
+
+  ASSERT_TRUE(etcd_->Launch().ok());
+  ASSERT_TRUE(etcd_->WaitReady(Deadline::After(std::chrono::seconds(30))).ok()) << etcd_->LogTail();
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_work", 1), 1u) << StatsOf(*managers[1]);
+  auto [hits_x, exact_x] = b.QueryAndRestore(x);
+  EXPECT_EQ(hits_x, kBlocks);
+  EXPECT_EQ(exact_x, kBlocks);
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
 }  // namespace
 }  // namespace orbitkv
