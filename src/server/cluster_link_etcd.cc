@@ -7,6 +7,7 @@
 #include "catalog/owner_streamer.h"
 #include "catalog/peer_directory.h"
 #include "catalog/source_holds.h"
+#include "catalog/transfer_grants.h"
 
 #include <atomic>
 #include <map>
@@ -378,37 +379,6 @@ class CatalogNode {
   Gauge* stale_repair_s_;
 };
 
-// The source side's view of the UCX engine: grants over pool arenas, revocations, region descriptors.
-class UcxGrantIssuer final : public catalog::GrantIssuer {
- public:
-  UcxGrantIssuer(transfer::TransferEngine* engine, std::vector<transfer::RegionHandle> arenas)
-      : engine_(engine), arenas_(std::move(arenas)) {}
-  Result<uint64_t> Grant(const std::string& peer, const std::vector<Range>& ranges) override {
-    transfer::GrantRequest request;
-    request.peer = peer;
-    for (const Range& r : ranges) {
-      if (r.arena >= arenas_.size()) return Status::Internal("a pinned block outside the registered pool");
-      request.ranges.push_back({arenas_[r.arena], r.offset, r.bytes});
-    }
-    return engine_->CreateGrant(std::move(request));
-  }
-  Status Revoke(uint64_t grant, std::function<void()> drained) override {
-    return engine_->RevokeGrant(grant, std::move(drained));
-  }
-  Status RevokePeer(const std::string& peer, std::function<void()> drained) override {
-    return engine_->RevokePeer(peer, std::move(drained));
-  }
-  Result<std::vector<uint8_t>> Describe(uint32_t arena) override {
-    if (arena >= arenas_.size()) return Status::Internal("a pinned block outside the registered pool");
-    ORBITKV_ASSIGN_OR_RETURN(transfer::RegionDescriptor descriptor, engine_->ExportRegion(arenas_[arena]));
-    return transfer::EncodeDescriptor(descriptor);
-  }
-
- private:
-  transfer::TransferEngine* const engine_;
-  const std::vector<transfer::RegionHandle> arenas_;
-};
-
 // Remote work in this Manager (issues 21-22): the requester's candidate index, discovery and fetches, and the
 // source's holds, with a maintenance thread that expires grants, revokes those of requesters that left the member
 // view, and refreshes the gauges.
@@ -506,7 +476,7 @@ class RemoteNode {
   cluster::Membership& membership_;
   catalog::CandidateIndex index_;
   catalog::GrpcRequesterTransport requester_;
-  UcxGrantIssuer issuer_;
+  catalog::TransferGrantIssuer issuer_;
   std::unique_ptr<catalog::Discovery> discovery_;
   std::unique_ptr<catalog::SourceHolds> holds_;
   std::unique_ptr<RemoteFetcher> fetcher_;
