@@ -21,6 +21,7 @@
 #include "base/logging.h"
 #include "base/runtime_id.h"
 #include "bench_report.h"
+#include "peer_bench.h"
 #include "catalog/catalog_grpc.h"
 #include "catalog/catalog_store.h"
 #include "catalog/owner_streamer.h"
@@ -105,17 +106,6 @@ class ApplyTimes {
   MonoTime since_ GUARDED_BY(mu_){};
 };
 
-cluster::Member MemberOf(const std::string& node, const std::string& uuid, const std::string& endpoint) {
-  cluster::Member m;
-  m.record.cluster = "bench";
-  m.record.node_id = node;
-  m.record.epoch = 1;
-  m.record.endpoint = endpoint;
-  m.record.runtime_uuid = uuid;
-  m.create_revision = m.mod_revision = 1;
-  return m;
-}
-
 // The catalog host: a store behind the real PeerService on a loopback gRPC server.
 struct CatalogHost {
   std::unique_ptr<catalog::CatalogStore> store;
@@ -140,14 +130,7 @@ struct CatalogHost {
     service.catalog = host->store.get();
     service.hosts_shard = [](uint32_t shard) { return shard < kShards; };
     host->service = std::make_unique<catalog::PeerService>(std::move(service), &view);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
-    builder.RegisterService(host->service.get());
-    host->server = builder.BuildAndStart();
-    if (host->server == nullptr || port == 0) Check(Status::Unavailable("no loopback port"), "catalog server");
-    host->endpoint = fmt::format("127.0.0.1:{}", port);
+    host->server = ListenLoopback(host->service.get(), &host->endpoint);
     return host;
   }
 };

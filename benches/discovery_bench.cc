@@ -23,6 +23,7 @@
 #include "base/logging.h"
 #include "base/runtime_id.h"
 #include "bench_report.h"
+#include "peer_bench.h"
 #include "catalog/catalog_grpc.h"
 #include "catalog/catalog_store.h"
 #include "catalog/owner_streamer.h"
@@ -70,34 +71,13 @@ std::vector<state::StateKey> Chain(int chain) {
   return keys;
 }
 
-cluster::Member MemberOf(const std::string& node, const std::string& uuid, const std::string& endpoint) {
-  cluster::Member m;
-  m.record.cluster = "bench";
-  m.record.node_id = node;
-  m.record.epoch = 1;
-  m.record.endpoint = endpoint;
-  m.record.runtime_uuid = uuid;
-  m.create_revision = m.mod_revision = 1;
-  return m;
-}
-
 // A PeerService on a loopback gRPC server.
 struct Server {
   std::unique_ptr<catalog::CatalogStore> store;  // catalog hosts only
   std::unique_ptr<catalog::PeerService> service;
   std::unique_ptr<grpc::Server> server;
   std::string endpoint;
-  void Listen() {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
-    builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
-    builder.RegisterService(service.get());
-    server = builder.BuildAndStart();
-    if (server == nullptr || port == 0) Check(Status::Unavailable("no loopback port"), "peer server");
-    endpoint = fmt::format("127.0.0.1:{}", port);
-  }
+  void Listen() { server = ListenLoopback(service.get(), &endpoint); }
 };
 
 }  // namespace
