@@ -640,3 +640,49 @@ def test_kv_events_carry_vllms_finer_hashes_when_hash_blocks_are_smaller(manager
     assert windows and all(e.kv_cache_spec_kind == "sliding_window" and e.kv_cache_spec_sliding_window == 32
                            for e in windows)
     engine.shutdown()
+
+
+def test_a_prefix_saved_through_one_manager_is_restored_through_another(build_dir):
+    """Distributed mode through the unchanged connector: an engine on Manager a saves a prefix; an engine on
+    Manager b (another host, here another Manager on loopback with its own peer endpoint and UCX port) asks for
+    the same prompt: its first lookups are answered Loading ((None, False), vLLM skips the request) while b fetches
+    the blocks from a, then the load proceeds and the outputs equal the baseline's."""
+    from cluster_procs import EtcdProcess, cluster_flags, wait_for
+
+    binary = build_dir / "src" / "server" / "orbitkv-manager"
+    etcd = EtcdProcess()
+    managers = []
+    try:
+        for node in ("a", "b"):
+            managers.append(ManagerProcess(binary, extra=cluster_flags(etcd, node, ["a", "b"])))
+        a, b = managers
+        batch = prompts(1, 64, 16, seed=11)
+        baseline = run(engine_for(None, prefix_caching=False), batch)
+        first = engine_for(a.socket)
+        assert run(first, batch) == baseline
+        first.shutdown()
+
+        def converged():
+            stats = [m.stats() for m in managers]
+            return (sum(s["catalog_records"] for s in stats) == sum(s["inventory_records"] for s in stats) > 0
+                    and all(s["catalog_streams_streaming"] == 16 for s in stats))
+        wait_for(converged, what="the catalogs to hold a's blocks")
+
+        second = engine_for(b.socket)
+        answers = []
+        real = second.connector.get_num_new_matched_tokens
+        second.connector.get_num_new_matched_tokens = lambda r, n: answers.append(real(r, n)) or answers[-1]
+        assert run(second, batch) == baseline
+        assert bad_reads(second) == 0
+        assert answers[0] == (None, False) and answers[-1] == (64, True)
+        assert second.worker_stats.data["restored_blocks"] == 4
+        stats = b.stats()
+        assert stats["remote_fetched_blocks"] == 4 and stats["remote_fetch_failures"] == 0
+        assert a.stats()["source_grants"] == 1
+        wait_for(lambda: a.stats()["source_sessions"] == 0, what="a to release the grant")
+        assert_nothing_held(second, b)
+        second.shutdown()
+    finally:
+        for m in managers:
+            m.close()
+        etcd.close()

@@ -30,14 +30,7 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   // Concurrent misses of the same prefix (the same first unknown key) share one lookup: a later one waits for it
   // (at most one budget) and checks the index again. When that left keys unknown for it, it looks them up itself
   // (an empty result proves nothing).
-  std::shared_ptr<Flight> flight = std::make_shared<Flight>();
-  mu_.Lock();
-  auto it = flights_.find(keys[known]);
-  if (it != flights_.end()) {
-    std::shared_ptr<Flight> first = it->second;
-    const Deadline wait = Deadline::After(options_.budget);
-    while (!first->done && !wait.Expired()) first->cv.wait_until(mu_, wait.when());
-    mu_.Unlock();
+  if (flights_.WaitFor(keys[known], Deadline::After(options_.budget))) {
     const size_t now_known = index_->KnownPrefix(keys);
     if (now_known == keys.size()) {
       MutexLock lock(&mu_);
@@ -47,24 +40,10 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
       return outcome;
     }
     known = now_known;
-    mu_.Lock();
   }
-  flights_[keys[known]] = flight;  // the newest lookup of this prefix is the one later misses wait for
-  mu_.Unlock();
+  const Flights<state::StateKey, state::StateKeyHash>::Ticket flight = flights_.Start(keys[known]);
   // The budget of this lookup, counted after coalescing.
   const Deadline deadline = Deadline::After(options_.budget);
-  struct Land {
-    Discovery* self;
-    const state::StateKey& key;
-    std::shared_ptr<Flight> flight;
-    ~Land() {
-      MutexLock lock(&self->mu_);
-      flight->done = true;
-      auto it = self->flights_.find(key);
-      if (it != self->flights_.end() && it->second == flight) self->flights_.erase(it);
-      flight->cv.notify_all();
-    }
-  } land{this, keys[known], flight};
   const MonoTime start = options_.now();
   // The unknown keys from the first unknown one on, grouped by catalog host (order kept within a host).
   std::map<std::string, std::vector<state::StateKey>> by_host;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "base/flights.h"
 #include "base/mutex.h"
 #include "base/result.h"
 #include "base/thread_annotations.h"
@@ -88,15 +89,11 @@ class Discovery {
   const Options options_;
   CandidateIndex* const index_;
   LookupTransport* const transport_;
-  struct Flight {
-    bool done = false;  // guarded by mu_
-    std::condition_variable_any cv;
-  };
   mutable Mutex mu_;
   std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
   Stats stats_ GUARDED_BY(mu_);
   // Lookups in flight, by the first key they look up.
-  std::unordered_map<state::StateKey, std::shared_ptr<Flight>, state::StateKeyHash> flights_ GUARDED_BY(mu_);
+  Flights<state::StateKey, state::StateKeyHash> flights_;
 };
 
 }  // namespace orbitkv::catalog

@@ -448,8 +448,10 @@ class RemoteNode {
                        f.discovery_rpcs, f.authorizations, f.rejections, i.entries, i.bytes, i.hits, i.misses,
                        h.sessions, h.pinned_bytes, h.quarantined_bytes, h.granted, h.rejected) +
            fmt::format(", \"discovery_skipped_hosts\": {}, \"discovery_failed_hosts\": {}, "
-                       "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}",
-                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight);
+                       "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}, "
+                       "\"remote_fetches_shared\": {}, \"remote_fetch_seconds\": {:.6f}",
+                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, f.shared,
+                       f.fetch_seconds);
   }
 
  private:

@@ -122,8 +122,18 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   }
   std::vector<core::BlockPin> pins;
   // What is resident at the front needs no fetch.
-  const size_t local = cache_->table().PinPrefix(job.keys, &pins);
+  size_t local = cache_->table().PinPrefix(job.keys, &pins);
   if (local == job.keys.size() || job.deadline.Expired()) return pins;
+  // Another stage fetching from the same first key: wait for it, then take what it brought.
+  if (flights_.WaitFor(job.keys[local], job.deadline)) {
+    {
+      MutexLock lock(&mu_);
+      ++stats_.shared;
+    }
+    local += cache_->table().PinPrefix(std::span(job.keys).subspan(local), &pins);
+    if (local == job.keys.size() || job.deadline.Expired()) return pins;
+  }
+  const Flights<state::StateKey, state::StateKeyHash>::Ticket flight = flights_.Start(job.keys[local]);
   const std::span<const state::StateKey> rest(job.keys.data() + local, job.keys.size() - local);
   const catalog::Discovery::Outcome learnt = discovery_->Discover(rest);
   discovery_rpcs_->Increment(learnt.rpcs);
@@ -160,7 +170,13 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   const Deadline reads = job.deadline.Remaining() > std::chrono::milliseconds(500)
                              ? Deadline::At(job.deadline.when() - std::chrono::milliseconds(250))
                              : job.deadline;
+  const MonoTime started = MonoNow();
+  const size_t before = pins.size();
   ReadGranted(*outcome.authorized, reads, &pins);
+  if (pins.size() > before) {
+    MutexLock lock(&mu_);
+    stats_.fetch_seconds += std::chrono::duration<double>(MonoNow() - started).count();
+  }
   *fetched = Fetched{std::move(*outcome.authorized), authorize.request_id};
   return pins;
 }

@@ -7,7 +7,9 @@
 //   4. reads the granted blocks with ReadBatch straight into new DRAM blocks (Prepare -> read -> checksum and byte
 //      count verified -> Seal as kRestore, so they are advertised like any resident), in batches of at most
 //      16 MiB with two in flight, the prepared bytes charged to the staging budget until sealed or aborted,
-//   5. releases the grant (bounded retries), and reports the pins of the prefix now resident.
+//   5. reports the pins of the prefix now resident, then releases the grant (bounded retries).
+// Two stages missing the same prefix (two engines, or two requests) share one fetch: the later one waits for the
+// fetch in flight from the same first key (within its deadline), pins what it brought and goes on from there.
 // Any failure stops the prefix there (the engine recomputes the rest); the stage's deadline bounds the whole fetch,
 // and a fetch owns its writers and its grant until the transport completed, whatever the engine does meanwhile.
 //
@@ -24,8 +26,10 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
+#include "base/flights.h"
 #include "base/metrics.h"
 #include "base/mutex.h"
 #include "catalog/candidate_index.h"
@@ -60,6 +64,8 @@ class RemoteFetcher {
     uint64_t rejections = 0;       // stale / not-in-DRAM answers
     uint64_t staging_bytes = 0;    // now
     uint64_t discovery_rpcs = 0;   // Lookup RPCs sent by discovery
+    uint64_t shared = 0;           // stages that waited for another stage fetching the same prefix
+    double fetch_seconds = 0;      // wall time of the transfers that brought blocks (authorized to sealed)
   };
 
   // Everything passed must outlive the fetcher. `arenas[i]` is the transfer region of pool arena i.
@@ -102,6 +108,8 @@ class RemoteFetcher {
   catalog::SourceTransport* const sources_;
   transfer::TransferEngine* const engine_;
   const std::vector<transfer::RegionHandle> arenas_;
+  // Fetches in flight, by the first key they fetch: a stage missing the same prefix waits for it.
+  Flights<state::StateKey, state::StateKeyHash> flights_;
   std::unique_ptr<core::Budget> staging_;
   std::atomic<uint64_t> next_request_;
 

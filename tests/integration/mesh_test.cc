@@ -553,6 +553,22 @@ TEST_F(MeshTest, APrefixSavedOnOneHostIsRestoredOnAnotherAndItsCopyServesAThird)
   // node-0 (the tie's winner) was asked first and did not answer in time; node-1 was the one alternative.
   EXPECT_EQ(Field(StatsOf(*managers[2]), "source_authorizations"), 2u);
   EXPECT_EQ(Field(StatsOf(*managers[2]), "remote_fetched_blocks"), kBlocks);
+
+  // Two engines on node-1 asking for another missing prefix (saved on node-2: node-0's registration lapsed while it
+  // was stopped) at once share one fetch: both get all of it, and it crosses the bridge once.
+  const auto keys2 = testing::Chain(4243, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*c.client, 3, c.kv, keys2).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+  const uint64_t fetched_before = Field(StatsOf(*managers[1]), "remote_fetched_blocks");
+  MeshEngine b2(*managers[1], 4, kBlocks);
+  std::pair<size_t, size_t> first, second;
+  std::thread other([&] { second = b2.QueryAndRestore(keys2); });
+  first = b.QueryAndRestore(keys2);
+  other.join();
+  EXPECT_EQ(first, std::make_pair(size_t{kBlocks}, size_t{kBlocks}));
+  EXPECT_EQ(second, std::make_pair(size_t{kBlocks}, size_t{kBlocks}));
+  EXPECT_EQ(Field(StatsOf(*managers[1]), "remote_fetched_blocks"), fetched_before + kBlocks);
+
   for (int i = 0; i < kHosts; ++i) {
     EXPECT_EQ(FieldWhen(*managers[i], "source_sessions", 0), 0u) << Node(i);
     EXPECT_EQ(FieldWhen(*managers[i], "source_pinned_bytes", 0), 0u) << Node(i);

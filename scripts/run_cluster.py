@@ -1,0 +1,212 @@
+"""The distributed main job (scripts/run --cluster): a real etcd and three orbitkv-managers as three hosts (network
+namespaces on one bridge when run as root, else three Managers on loopback), the multi-turn chat saved through
+host 0's Manager and then served on hosts 1 and 2, whose Managers fetch the shared prefixes from their peers. Prints
+each chat's TTFT with and without OrbitKV, then per host: prompt tokens restored, by tier (DRAM, SSD, remote), and
+the remote fetch's GB/s. Exits 0 when every chat's replies were identical and every host served remote hits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HOSTS = 3
+BRIDGE = "10.79.0"  # hosts at .1-.3, this namespace (etcd) at .254
+
+
+def log(message: str) -> None:
+    print(f"scripts/run --cluster: {message}", file=sys.stderr, flush=True)
+
+
+def sh(command: str) -> None:
+    subprocess.run(command, shell=True, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+class Mesh:
+    """Three network namespaces on a bridge in a hub namespace, this namespace on the bridge too (as root)."""
+
+    def __init__(self) -> None:
+        self.prefix = f"okvrun{os.getpid()}"
+        self.root_veth = f"okvq{os.getpid()}"
+        hub = f"{self.prefix}-hub"
+        self.cleanup()
+        sh(f"ip netns add {hub}")
+        sh(f"ip -n {hub} link add br0 type bridge && ip -n {hub} link set br0 up && ip -n {hub} link set lo up")
+        sh(f"ip link add {self.root_veth} type veth peer name root netns {hub}")
+        sh(f"ip -n {hub} link set root master br0 up")
+        sh(f"ip addr add {BRIDGE}.254/24 dev {self.root_veth} && ip link set {self.root_veth} up")
+        for i in range(HOSTS):
+            ns = self.host(i)
+            sh(f"ip netns add {ns} && ip -n {ns} link set lo up")
+            sh(f"ip -n {ns} link add veth{i} type veth peer name h{i} netns {hub}")
+            sh(f"ip -n {hub} link set h{i} master br0 up")
+            sh(f"ip -n {ns} addr add {self.address(i)}/24 dev veth{i} && ip -n {ns} link set veth{i} up")
+
+    def host(self, i: int) -> str:
+        return f"{self.prefix}-{i}"
+
+    @staticmethod
+    def address(i: int) -> str:
+        return f"{BRIDGE}.{i + 1}"
+
+    def launcher(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.host(i)]
+
+    def device(self, i: int) -> str:
+        return f"veth{i}"
+
+    def cleanup(self) -> None:
+        subprocess.run(f"ip link delete {self.root_veth}", shell=True, stderr=subprocess.DEVNULL)
+        for name in [f"{self.prefix}-{i}" for i in range(HOSTS)] + [f"{self.prefix}-hub"]:
+            subprocess.run(f"ip netns delete {name}", shell=True, stderr=subprocess.DEVNULL)
+
+
+class Loopback:
+    """Three Managers on this host's loopback (not root: no namespaces)."""
+
+    @staticmethod
+    def address(i: int) -> str:
+        return "127.0.0.1"
+
+    def launcher(self, i: int) -> list[str]:
+        return []
+
+    def device(self, i: int) -> str:
+        return "lo"
+
+    def cleanup(self) -> None:
+        pass
+
+
+def free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="scripts/run --cluster", description=__doc__)
+    parser.add_argument("--build-dir", default=os.environ.get("ORBITKV_BUILD_DIR", "build"))
+    parser.add_argument("--dram", default="1GiB", help="each Manager's pool (default 1GiB)")
+    parser.add_argument("--turns", default="3")
+    parser.add_argument("--conversations", default="2")
+    args, chat_args = parser.parse_known_args()
+    build = os.path.abspath(args.build_dir)
+    manager_bin = os.path.join(build, "src", "server", "orbitkv-manager")
+    cli = os.path.join(build, "tools", "orbitkv")
+    etcd_bin = shutil.which("etcd") or "/usr/bin/etcd"
+    work = tempfile.mkdtemp(prefix="orbitkv-cluster-")
+    net = Mesh() if os.geteuid() == 0 else Loopback()
+    if isinstance(net, Loopback):
+        log("not root: three Managers on loopback instead of three network namespaces")
+    etcd_host = f"{BRIDGE}.254" if isinstance(net, Mesh) else "127.0.0.1"
+    procs: list[subprocess.Popen] = []
+    status = 0
+    try:
+        client_port, peer_port = free_port(etcd_host), free_port(etcd_host)
+        etcd_endpoint = f"{etcd_host}:{client_port}"
+        procs.append(subprocess.Popen(
+            [etcd_bin, "--name", "run", "--data-dir", f"{work}/etcd", "--listen-client-urls",
+             f"http://{etcd_endpoint}", "--advertise-client-urls", f"http://{etcd_endpoint}",
+             "--listen-peer-urls", f"http://{etcd_host}:{peer_port}", "--initial-advertise-peer-urls",
+             f"http://{etcd_host}:{peer_port}", "--initial-cluster", f"run=http://{etcd_host}:{peer_port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{etcd_endpoint}/health", timeout=1) as r:
+                    if json.loads(r.read()).get("health") == "true":
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("etcd did not start")
+            time.sleep(0.1)
+        log(f"etcd on {etcd_endpoint}")
+        nodes = [f"host-{i}" for i in range(HOSTS)]
+        sockets = []
+        for i, node in enumerate(nodes):
+            sock = f"{work}/{node}.sock"
+            sockets.append(sock)
+            peer = f"{net.address(i)}:{7070 if isinstance(net, Mesh) else free_port('127.0.0.1')}"
+            flags = ["--socket", sock, "--dram", args.dram, "--log-level", "warn", "--log-file", f"{work}/{node}.log",
+                     "--etcd-endpoints", etcd_endpoint, "--cluster-name", "run", "--node-id", node,
+                     "--catalog-nodes", ",".join(nodes), "--peer-endpoint", peer,
+                     "--transfer-listen", net.address(i), "--ucx-tls", "tcp", "--ucx-net-devices", net.device(i)]
+            if os.geteuid() != 0:
+                flags.append("--allow-unpinned")
+            procs.append(subprocess.Popen(net.launcher(i) + [manager_bin, *flags]))
+        for i, sock in enumerate(sockets):
+            deadline = time.monotonic() + 120
+            while subprocess.run([cli, "status", "--socket", sock], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL).returncode != 0:
+                if procs[i + 1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{nodes[i]}'s Manager did not start (log: {work}/{nodes[i]}.log)")
+                time.sleep(0.2)
+        log(f"{HOSTS} Managers up ({'network namespaces' if isinstance(net, Mesh) else 'loopback'}): "
+            + ", ".join(nodes))
+
+        def stats(i: int) -> dict:
+            out = subprocess.run([cli, "stats", "--json", "--socket", sockets[i]], capture_output=True, text=True,
+                                 check=True)
+            return json.loads(out.stdout)
+
+        chat = [sys.executable, "-m", "orbitkv.vllm.chat", "--turns", args.turns, "--conversations",
+                args.conversations, *chat_args]
+        env = {**os.environ, "PYTHONPATH": os.path.join(os.getcwd(), "python")}
+        log("host-0: the chat computes and saves its prefixes")
+        status |= subprocess.run(chat + ["--socket", sockets[0]], env=env).returncode
+        deadline = time.monotonic() + 60
+        while True:
+            s = [stats(i) for i in range(HOSTS)]
+            if sum(x["catalog_records"] for x in s) == sum(x["inventory_records"] for x in s) > 0:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the catalogs never caught up with host-0's blocks")
+            time.sleep(0.1)
+        for i in range(1, HOSTS):
+            log(f"host-{i}: the same chat; its Manager fetches the prefixes from its peers")
+            status |= subprocess.run(chat + ["--socket", sockets[i]], env=env).returncode
+        print()
+        print(f"{'host':<8} {'blocks hit':>10} {'SSD reads':>10} {'remote blocks':>14} {'remote MiB':>11} "
+              f"{'remote GB/s':>12} {'served to peers':>16}")
+        remote_total = 0
+        for i in range(HOSTS):
+            s = stats(i)
+            fetched = s.get("remote_fetched_bytes", 0)
+            seconds = s.get("remote_fetch_seconds", 0) or 0
+            gbps = f"{fetched / seconds / 1e9:.2f}" if seconds > 0 else "-"
+            ssd = s.get("ssd", {}).get("reads", 0) if isinstance(s.get("ssd"), dict) else 0
+            print(f"{nodes[i]:<8} {s['hits']:>10} {ssd:>10} {s.get('remote_fetched_blocks', 0):>14} "
+                  f"{fetched / 2**20:>11.1f} {gbps:>12} {s.get('source_grants', 0):>16}")
+            if i > 0:
+                remote_total += s.get("remote_fetched_blocks", 0)
+        if remote_total == 0:
+            log("hosts 1 and 2 fetched nothing from their peers")
+            status |= 1
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        net.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"done; exit status {status}")
+    return 0 if status == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
