@@ -64,7 +64,7 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
 AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateIndex& index,
                                SourceTransport& transport, const AuthorizeOptions& options) {
   AuthorizeOutcome outcome;
-  std::set<Source> excluded;
+  std::set<Source> excluded = options.excluded;
   for (size_t attempt = 0; attempt <= options.max_alternatives; ++attempt) {
     if (options.deadline.Expired()) {
       outcome.last_error = Status::DeadlineExceeded("no source granted the blocks within the fetch's deadline");

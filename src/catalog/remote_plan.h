@@ -63,6 +63,8 @@ struct AuthorizeOptions {
   // One Authorize RPC's bound (within the deadline): a stopped source costs this, then the next one is asked.
   std::chrono::milliseconds rpc_timeout{1500};
   size_t max_alternatives = 2;
+  // Sources not to ask at all (node, runtime): e.g. whose transfers failed a moment ago.
+  std::set<std::pair<std::string, std::string>> excluded;
 };
 
 struct Authorized {

@@ -449,9 +449,10 @@ class RemoteNode {
                        h.sessions, h.pinned_bytes, h.quarantined_bytes, h.granted, h.rejected) +
            fmt::format(", \"discovery_skipped_hosts\": {}, \"discovery_failed_hosts\": {}, "
                        "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}, "
-                       "\"remote_fetches_shared\": {}, \"remote_fetch_seconds\": {:.6f}",
+                       "\"remote_fetches_shared\": {}, \"remote_fetch_seconds\": {:.6f}, "
+                       "\"remote_sources_skipped\": {}",
                        d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, f.shared,
-                       f.fetch_seconds);
+                       f.fetch_seconds, f.sources_skipped);
   }
 
  private:

@@ -143,6 +143,19 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   authorize.lifetime = std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline.Remaining()) +
                        std::chrono::milliseconds(1000);
   authorize.deadline = job.deadline;
+  {
+    MutexLock lock(&mu_);
+    const MonoTime now = MonoNow();
+    for (auto it = source_open_until_.begin(); it != source_open_until_.end();) {
+      if (it->second <= now) {
+        it = source_open_until_.erase(it);
+      } else {
+        authorize.excluded.insert(it->first);
+        ++stats_.sources_skipped;
+        ++it;
+      }
+    }
+  }
   catalog::AuthorizeOutcome outcome = catalog::AuthorizeBest(rest, *index_, *sources_, authorize);
   authorizations_->Increment(outcome.attempts);
   rejections_->Increment(outcome.rejections);
@@ -172,16 +185,20 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
                              : job.deadline;
   const MonoTime started = MonoNow();
   const size_t before = pins.size();
-  ReadGranted(*outcome.authorized, reads, &pins);
-  if (pins.size() > before) {
+  const bool transferred = ReadGranted(*outcome.authorized, reads, &pins);
+  {
     MutexLock lock(&mu_);
-    stats_.fetch_seconds += std::chrono::duration<double>(MonoNow() - started).count();
+    if (pins.size() > before) stats_.fetch_seconds += std::chrono::duration<double>(MonoNow() - started).count();
+    if (!transferred) {
+      source_open_until_[{outcome.authorized->span.node, outcome.authorized->span.runtime}] =
+          MonoNow() + options_.source_breaker;
+    }
   }
   *fetched = Fetched{std::move(*outcome.authorized), authorize.request_id};
   return pins;
 }
 
-void RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline deadline,
+bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline deadline,
                                 std::vector<core::BlockPin>* pins) {
   const catalog::SourceGrant& grant = authorized.reply.grant;
   std::vector<transfer::RegionDescriptor> remotes;
@@ -191,7 +208,7 @@ void RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
       ORBITKV_LOG_WARN("remote: {} sent a bad region descriptor: {}", authorized.span.node,
                        descriptor.status().ToString());
       failed_->Increment();
-      return;
+      return false;
     }
     remotes.push_back(std::move(*descriptor));
   }
@@ -317,6 +334,7 @@ void RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
   stats_.fetched_blocks += fetched_blocks;
   stats_.fetched_bytes += fetched_bytes;
   stats_.failed += failure ? 1 : 0;
+  return !failure;
 }
 
 void RemoteFetcher::ReleaseGrant(const catalog::Authorized& authorized, uint64_t request_id) {

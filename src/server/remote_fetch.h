@@ -22,6 +22,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,6 +52,9 @@ class RemoteFetcher {
     uint64_t max_batch_bytes = 16ull << 20;
     size_t batches_in_flight = 2;
     size_t max_queued = 1024;  // fetches waiting for a thread; more complete at once with what is local
+    // A source whose transfer failed (unreachable UCX port, lost mid-batch) is not planned for this long: later
+    // queries go elsewhere or answer locally at once instead of each waiting out a transfer deadline.
+    std::chrono::milliseconds source_breaker{5000};
     // Whether remote work is allowed now (registered, complete member view).
     std::function<bool()> can_work;
   };
@@ -65,6 +69,7 @@ class RemoteFetcher {
     uint64_t staging_bytes = 0;    // now
     uint64_t discovery_rpcs = 0;   // Lookup RPCs sent by discovery
     uint64_t shared = 0;           // stages that waited for another stage fetching the same prefix
+    uint64_t sources_skipped = 0;  // sources left out of a plan because a transfer from them failed just before
     double fetch_seconds = 0;      // wall time of the transfers that brought blocks (authorized to sealed)
   };
 
@@ -95,8 +100,9 @@ class RemoteFetcher {
   void Work();
   // The whole fetch of one stage but the source's release (`fetched`); returns the pins of the resident prefix.
   std::vector<core::BlockPin> Fetch(const Job& job, std::optional<Fetched>* fetched);
-  // Reads the granted blocks into new DRAM blocks, sealing the prefix that arrived intact.
-  void ReadGranted(const catalog::Authorized& authorized, Deadline deadline, std::vector<core::BlockPin>* pins);
+  // Reads the granted blocks into new DRAM blocks, sealing the prefix that arrived intact; false when a transfer
+  // failed.
+  bool ReadGranted(const catalog::Authorized& authorized, Deadline deadline, std::vector<core::BlockPin>* pins);
   void ReleaseGrant(const catalog::Authorized& authorized, uint64_t request_id);
   // The arena and offset of pool memory at `data`.
   std::pair<uint32_t, uint64_t> Locate(const uint8_t* data) const;
@@ -124,6 +130,7 @@ class RemoteFetcher {
   mutable Mutex mu_;
   std::condition_variable_any wake_;
   std::deque<Job> queue_ GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, MonoTime> source_open_until_ GUARDED_BY(mu_);
   bool stop_ GUARDED_BY(mu_) = false;
   Stats stats_ GUARDED_BY(mu_);
   std::vector<std::thread> threads_;

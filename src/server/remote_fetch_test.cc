@@ -118,8 +118,10 @@ class RemoteFetchTest : public ::testing::Test {
 
   // The fetcher, with `max_batch_bytes` per batch and `deadline` per stage.
   void MakeFetcher(uint64_t max_batch_bytes = 16ull << 20,
-                   std::chrono::milliseconds deadline = std::chrono::milliseconds(10000)) {
+                   std::chrono::milliseconds deadline = std::chrono::milliseconds(10000),
+                   std::chrono::milliseconds breaker = std::chrono::milliseconds(0)) {
     RemoteFetcher::Options options;
+    options.source_breaker = breaker;
     options.self_node = "requester";
     options.threads = 2;
     options.deadline = deadline;
@@ -258,6 +260,20 @@ TEST_F(RemoteFetchTest, ALostBatchEndsTheStageByItsDeadlineWithWhatArrived) {
   EXPECT_TRUE(pins.empty());
   EXPECT_EQ(Resident(keys), 0u);
   EXPECT_EQ(fetcher_->GetStats().staging_bytes, 0u);
+  EXPECT_TRUE(SourceIdle());
+}
+
+TEST_F(RemoteFetchTest, ASourceWhoseTransferFailedIsSkippedUntilItsBreakerCloses) {
+  MakeFetcher(/*max_batch_bytes=*/1 << 20, std::chrono::milliseconds(10000), /*breaker=*/std::chrono::hours(1));
+  const auto keys = SaveOnSource(6, 8);
+  faults_->FailAfter(0);  // the source's transfers fail from the first batch
+  EXPECT_TRUE(RunStage(keys).empty());
+  const uint64_t authorizations = fetcher_->GetStats().authorizations;
+  EXPECT_EQ(authorizations, 1u);
+  // The next stages do not ask that source again (no retry storm): the local answer at once.
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(RunStage(keys).empty());
+  EXPECT_EQ(fetcher_->GetStats().authorizations, authorizations);
+  EXPECT_EQ(fetcher_->GetStats().sources_skipped, 3u);
   EXPECT_TRUE(SourceIdle());
 }
 

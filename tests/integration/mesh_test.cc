@@ -914,5 +914,130 @@ TEST_F(MeshTest, RemoteWorkStopsWhileEtcdIsDownAndComesBackWithIt) {
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
 }
 
+// Issue 22's network faults, each ending with 0 wrong bytes and the gauges at 0: node-0's UCX port blocked while
+// gRPC still reaches it (the grant is released, the stage ends by its deadline, and the next query skips node-0 at
+// once instead of waiting again); a partition between a requester and node-0 (the query ends within its bounds, and
+// once healed the next query fetches); 3 % loss on node-0's veth (TCP retransmits, the bytes are exact); and an
+// engine that leaves mid-fetch (the fetch completes on its own and the next engine gets a local hit).
+TEST_F(MeshTest, BlockedTransfersPartitionsLossAndAnEngineLeavingMidFetchLoseNothing) {
+  catalog_nodes_ = "node-2";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  const std::vector<std::vector<std::string>> extra = {
+      {"--transfer-listen", mesh_->address(0) + ":7400", "--membership-ttl-secs", "10"},
+      {"--remote-fetch-deadline-ms", "3000", "--membership-ttl-secs", "10"},
+      {"--membership-ttl-secs", "10"}};
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("net-{}", i), extra[i]));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  auto all = [&] {
+    std::vector<const ManagerProcess*> out;
+    for (auto& m : managers) out.push_back(m.get());
+    return out;
+  };
+  constexpr uint32_t kBlocks = 64;
+  std::vector<std::vector<state::StateKey>> chains;
+  MeshEngine a(*managers[0], 1, kBlocks);
+  for (uint64_t c = 0; c < 5; ++c) {
+    chains.push_back(testing::Chain(9500 + c, kBlocks));
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, chains.back()).ok());
+  }
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+  MeshEngine b(*managers[1], 2, kBlocks), c(*managers[2], 3, kBlocks);
+
+  // node-0's UCX port blocked, gRPC open: authorized, the reads never land, released, skipped afterwards.
+  ASSERT_TRUE(mesh_->BlockPort(0, 7400).ok());
+  auto [hits, exact] = b.QueryAndRestore(chains[0]);
+  const MonoTime failed_at = MonoNow();  // node-1's breaker for node-0 opened (for 5 s) by now
+  EXPECT_EQ(hits, 0u);
+  EXPECT_EQ(exact, hits);
+  std::string stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_fetch_failures"), 1u) << stats;
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  const uint64_t authorizations = Field(stats, "source_authorizations");
+  std::tie(hits, exact) = b.QueryAndRestore(chains[1]);
+  EXPECT_EQ(hits, 0u);
+  stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "source_authorizations"), authorizations) << stats;  // node-0 not asked again
+  EXPECT_GE(Field(stats, "remote_sources_skipped"), 1u) << stats;
+  ASSERT_TRUE(mesh_->Unblock(0).ok());
+
+  // node-2 partitioned from node-0: the authorization times out, nothing is fetched; healed, it fetches.
+  ASSERT_TRUE(mesh_->Partition(2, 0).ok());
+  std::tie(hits, exact) = c.QueryAndRestore(chains[2]);
+  EXPECT_EQ(hits, 0u);
+  ASSERT_TRUE(mesh_->Unblock(2).ok());
+  std::tie(hits, exact) = c.QueryAndRestore(chains[2]);
+  EXPECT_EQ(hits, kBlocks);
+  EXPECT_EQ(exact, kBlocks);
+
+  // 3 % loss each way on node-0's veth: slower, exact.
+  ASSERT_TRUE(mesh_->Loss(0, 3).ok());
+  std::tie(hits, exact) = c.QueryAndRestore(chains[3]);
+  ASSERT_TRUE(mesh_->NoLoss(0).ok());
+  EXPECT_EQ(hits, kBlocks);
+  EXPECT_EQ(exact, kBlocks);
+
+  // node-1's engine asks for a prefix and leaves while it is being fetched (node-1's breaker for node-0 closed
+  // first: 5 s after the blocked transfer failed).
+  std::this_thread::sleep_until(failed_at + std::chrono::seconds(6));
+  const uint64_t fetched = Field(StatsOf(*managers[1]), "remote_fetched_blocks");
+  {
+    MeshEngine leaving(*managers[1], 4, kBlocks);
+    auto loading = leaving.client->Query(4, 0, chains[4]);
+    ASSERT_TRUE(loading.ok()) << loading.status();
+    EXPECT_NE(loading->loading_op, 0u);
+  }  // its session closes here, mid-fetch
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_fetched_blocks", fetched + kBlocks), fetched + kBlocks);
+  std::tie(hits, exact) = b.QueryAndRestore(chains[4]);
+  EXPECT_EQ(hits, kBlocks);
+  EXPECT_EQ(exact, kBlocks);
+  EXPECT_EQ(Field(StatsOf(*managers[1]), "remote_fetched_blocks"), fetched + kBlocks);  // a local hit
+
+  for (int i = 0; i < kHosts; ++i) {
+    EXPECT_EQ(FieldWhen(*managers[i], "source_sessions", 0), 0u) << Node(i);
+    EXPECT_EQ(FieldWhen(*managers[i], "remote_staging_bytes", 0), 0u) << Node(i);
+  }
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+  EXPECT_TRUE(testing::EventuallyIdle(*c.client));
+}
+
+// The source killed -9 while a fetch from it runs (at whatever point the kill lands: before the authorization,
+// between batches or mid-batch): the query ends within its bounds, every block it reports is exact, nothing
+// unverified is left staged, and a later query does not wait for the dead source.
+TEST_F(MeshTest, ASourceKilledDuringAFetchCostsTheRestOfThePrefixOnly) {
+  catalog_nodes_ = "node-2";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("kill-{}", i), {"--membership-ttl-secs", "10"}));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  constexpr uint32_t kBlocks = 512;  // 16 MiB: several batches
+  const auto keys = testing::Chain(9600, kBlocks), more = testing::Chain(9601, 64);
+  {
+    MeshEngine a(*managers[0], 1, kBlocks);
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, keys).ok());
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, more).ok());
+  }
+  ASSERT_TRUE(CatalogsEqualInventories({managers[0].get(), managers[1].get(), managers[2].get()}));
+  MeshEngine b(*managers[1], 2, kBlocks);
+  std::pair<size_t, size_t> result;
+  std::thread query([&] { result = b.QueryAndRestore(keys); });
+  // Kill it once node-1 is fetching (or as soon as possible after).
+  for (int i = 0; i < 2000 && Field(StatsOf(*managers[1]), "remote_fetches") == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+  managers[0]->Stop(SIGKILL);
+  query.join();
+  EXPECT_EQ(result.second, result.first);  // every block reported is exact
+  EXPECT_LE(result.first, kBlocks);
+  auto [hits, exact] = b.QueryAndRestore(more);
+  EXPECT_EQ(hits, 0u);
+  EXPECT_EQ(exact, 0u);
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_staging_bytes", 0), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+  RecordProperty("blocks_fetched_before_the_kill", std::to_string(result.first));
+}
+
 }  // namespace
 }  // namespace orbitkv
