@@ -78,6 +78,13 @@ class MeshTest : public ::testing::Test {
     return stats;
   }
 
+  // The Managers a check looks at.
+  static std::vector<const ManagerProcess*> All(const std::vector<std::unique_ptr<ManagerProcess>>& managers) {
+    std::vector<const ManagerProcess*> out;
+    for (const auto& m : managers) out.push_back(m.get());
+    return out;
+  }
+
   // The member view a requester played by the test routes by: the hosts' records as etcd holds them now.
   void InstallMembers(cluster::MemberView* view) const {
     std::map<std::string, cluster::Member> members;
@@ -290,11 +297,7 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
       EXPECT_EQ(writers.back()->Save(500 + i, 0, 10000), 10000u);
     }
   }
-  auto all = [&] {
-    std::vector<const ManagerProcess*> out;
-    for (auto& m : managers) out.push_back(m.get());
-    return out;
-  };
+  auto all = [&] { return All(managers); };
   ASSERT_TRUE(CatalogsEqualInventories(all()));
   auto named = [&] {
     std::vector<std::pair<std::string, const ManagerProcess*>> out;
@@ -419,11 +422,7 @@ TEST_F(MeshTest, AStoppedCatalogHostAndASmallJournalStillConverge) {
     writers.push_back(std::make_unique<BlockWriter>(*managers[i], 20 + i, 4000));
     EXPECT_EQ(writers.back()->Save(700 + i, 0, 2000), 2000u);
   }
-  auto all = [&] {
-    std::vector<const ManagerProcess*> out;
-    for (auto& m : managers) out.push_back(m.get());
-    return out;
-  };
+  auto all = [&] { return All(managers); };
   ASSERT_TRUE(CatalogsEqualInventories(all()));
   const uint64_t snapshots_before = Field(StatsOf(*managers[1]), "catalog_stream_snapshots");
 
@@ -514,11 +513,7 @@ TEST_F(MeshTest, APrefixSavedOnOneHostIsRestoredOnAnotherAndItsCopyServesAThird)
     managers.push_back(StartManager(i, fmt::format("fetch-{}", i), {"--candidate-ttl-ms", "600000"}));
     ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
   }
-  auto all = [&] {
-    std::vector<const ManagerProcess*> out;
-    for (auto& m : managers) out.push_back(m.get());
-    return out;
-  };
+  auto all = [&] { return All(managers); };
   constexpr uint32_t kBlocks = 64;
   const auto keys = testing::Chain(4242, kBlocks);
   MeshEngine a(*managers[0], 1, kBlocks);
@@ -602,11 +597,7 @@ TEST_F(MeshTest, WarmPlansAskNobodyAndAColdQueryIsBatchedPerCatalogHost) {
                                                 "--metrics-addr", metrics1 + ":9100"}));
   managers.push_back(StartManager(2, "warm-2"));
   for (auto& m : managers) ASSERT_TRUE(m->running()) << m->LogText();
-  auto all = [&] {
-    std::vector<const ManagerProcess*> out;
-    for (auto& m : managers) out.push_back(m.get());
-    return out;
-  };
+  auto all = [&] { return All(managers); };
   const auto long_chain = testing::Chain(8800, 1024);
   const auto short_chain = testing::Chain(8801, 8);
   {
@@ -663,11 +654,7 @@ TEST_F(MeshTest, SourcesGrantOnlyTheVersionsTheyHoldAndFreeAVanishedRequestersHo
     managers.push_back(StartManager(i, fmt::format("auth-{}", i)));
     ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
   }
-  auto all = [&] {
-    std::vector<const ManagerProcess*> out;
-    for (auto& m : managers) out.push_back(m.get());
-    return out;
-  };
+  auto all = [&] { return All(managers); };
   const auto keys = testing::Chain(9100, 4);
   MeshEngine a(*managers[0], 1, 4), c(*managers[2], 3, 4);
   ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, keys).ok());
@@ -778,11 +765,7 @@ TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
     managers.push_back(StartManager(i, fmt::format("fault-{}", i), {"--membership-ttl-secs", "10"}));
     ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
   }
-  auto all = [&] {
-    std::vector<const ManagerProcess*> out;
-    for (auto& m : managers) out.push_back(m.get());
-    return out;
-  };
+  auto all = [&] { return All(managers); };
   constexpr uint32_t kBlocks = 32;
   const auto x = testing::Chain(9300, kBlocks), y = testing::Chain(9301, kBlocks), z = testing::Chain(9302, kBlocks),
              q = testing::Chain(9303, kBlocks), w = testing::Chain(9304, kBlocks);
@@ -930,11 +913,7 @@ TEST_F(MeshTest, BlockedTransfersPartitionsLossAndAnEngineLeavingMidFetchLoseNot
     managers.push_back(StartManager(i, fmt::format("net-{}", i), extra[i]));
     ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
   }
-  auto all = [&] {
-    std::vector<const ManagerProcess*> out;
-    for (auto& m : managers) out.push_back(m.get());
-    return out;
-  };
+  auto all = [&] { return All(managers); };
   constexpr uint32_t kBlocks = 64;
   std::vector<std::vector<state::StateKey>> chains;
   MeshEngine a(*managers[0], 1, kBlocks);
