@@ -93,6 +93,68 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def start_etcd(host: str, work: str, procs: list) -> str:
+    """A single-member etcd on `host` with its data under `work` (appended to `procs`); returns its endpoint."""
+    etcd_bin = shutil.which("etcd") or "/usr/bin/etcd"
+    client_port, peer_port = free_port(host), free_port(host)
+    endpoint = f"{host}:{client_port}"
+    procs.append(subprocess.Popen(
+        [etcd_bin, "--name", "run", "--data-dir", f"{work}/etcd", "--listen-client-urls", f"http://{endpoint}",
+         "--advertise-client-urls", f"http://{endpoint}", "--listen-peer-urls", f"http://{host}:{peer_port}",
+         "--initial-advertise-peer-urls", f"http://{host}:{peer_port}", "--initial-cluster",
+         f"run=http://{host}:{peer_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{endpoint}/health", timeout=1) as r:
+                if json.loads(r.read()).get("health") == "true":
+                    return endpoint
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("etcd did not start")
+        time.sleep(0.1)
+
+
+def start_managers(net, nodes: list[str], etcd_endpoint: str, work: str, procs: list, manager_bin: str, cli: str,
+                   extra: list[str]) -> list[str]:
+    """One distributed Manager per node (host i of `net`), every node a catalog host; waits until each answers.
+    Returns their sockets."""
+    sockets = []
+    first = len(procs)
+    for i, node in enumerate(nodes):
+        sock = f"{work}/{node}.sock"
+        sockets.append(sock)
+        peer = f"{net.address(i)}:{7070 if isinstance(net, Mesh) else free_port('127.0.0.1')}"
+        flags = ["--socket", sock, "--log-level", "warn", "--log-file", f"{work}/{node}.log",
+                 "--etcd-endpoints", etcd_endpoint, "--cluster-name", "run", "--node-id", node,
+                 "--catalog-nodes", ",".join(nodes), "--peer-endpoint", peer,
+                 "--transfer-listen", net.address(i), "--ucx-tls", "tcp", "--ucx-net-devices", net.device(i), *extra]
+        if os.geteuid() != 0:
+            flags.append("--allow-unpinned")
+        procs.append(subprocess.Popen(net.launcher(i) + [manager_bin, *flags]))
+    for i, sock in enumerate(sockets):
+        deadline = time.monotonic() + 120
+        while subprocess.run([cli, "status", "--socket", sock], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL).returncode != 0:
+            if procs[first + i].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{nodes[i]}'s Manager did not start (log: {work}/{nodes[i]}.log)")
+            time.sleep(0.2)
+    return sockets
+
+
+def stop_all(procs: list) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="scripts/run --cluster", description=__doc__)
     parser.add_argument("--build-dir", default=os.environ.get("ORBITKV_BUILD_DIR", "build"))
@@ -103,55 +165,18 @@ def main() -> int:
     build = os.path.abspath(args.build_dir)
     manager_bin = os.path.join(build, "src", "server", "orbitkv-manager")
     cli = os.path.join(build, "tools", "orbitkv")
-    etcd_bin = shutil.which("etcd") or "/usr/bin/etcd"
     work = tempfile.mkdtemp(prefix="orbitkv-cluster-")
-    net = Mesh() if os.geteuid() == 0 else Loopback()
+    net = Mesh() if os.geteuid() == 0 and not os.environ.get("ORBITKV_CLUSTER_LOOPBACK") else Loopback()
     if isinstance(net, Loopback):
-        log("not root: three Managers on loopback instead of three network namespaces")
+        log("three Managers on loopback (not root, or ORBITKV_CLUSTER_LOOPBACK set) instead of network namespaces")
     etcd_host = f"{BRIDGE}.254" if isinstance(net, Mesh) else "127.0.0.1"
     procs: list[subprocess.Popen] = []
     status = 0
     try:
-        client_port, peer_port = free_port(etcd_host), free_port(etcd_host)
-        etcd_endpoint = f"{etcd_host}:{client_port}"
-        procs.append(subprocess.Popen(
-            [etcd_bin, "--name", "run", "--data-dir", f"{work}/etcd", "--listen-client-urls",
-             f"http://{etcd_endpoint}", "--advertise-client-urls", f"http://{etcd_endpoint}",
-             "--listen-peer-urls", f"http://{etcd_host}:{peer_port}", "--initial-advertise-peer-urls",
-             f"http://{etcd_host}:{peer_port}", "--initial-cluster", f"run=http://{etcd_host}:{peer_port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://{etcd_endpoint}/health", timeout=1) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("etcd did not start")
-            time.sleep(0.1)
+        etcd_endpoint = start_etcd(etcd_host, work, procs)
         log(f"etcd on {etcd_endpoint}")
         nodes = [f"host-{i}" for i in range(HOSTS)]
-        sockets = []
-        for i, node in enumerate(nodes):
-            sock = f"{work}/{node}.sock"
-            sockets.append(sock)
-            peer = f"{net.address(i)}:{7070 if isinstance(net, Mesh) else free_port('127.0.0.1')}"
-            flags = ["--socket", sock, "--dram", args.dram, "--log-level", "warn", "--log-file", f"{work}/{node}.log",
-                     "--etcd-endpoints", etcd_endpoint, "--cluster-name", "run", "--node-id", node,
-                     "--catalog-nodes", ",".join(nodes), "--peer-endpoint", peer,
-                     "--transfer-listen", net.address(i), "--ucx-tls", "tcp", "--ucx-net-devices", net.device(i)]
-            if os.geteuid() != 0:
-                flags.append("--allow-unpinned")
-            procs.append(subprocess.Popen(net.launcher(i) + [manager_bin, *flags]))
-        for i, sock in enumerate(sockets):
-            deadline = time.monotonic() + 120
-            while subprocess.run([cli, "status", "--socket", sock], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL).returncode != 0:
-                if procs[i + 1].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{nodes[i]}'s Manager did not start (log: {work}/{nodes[i]}.log)")
-                time.sleep(0.2)
+        sockets = start_managers(net, nodes, etcd_endpoint, work, procs, manager_bin, cli, ["--dram", args.dram])
         log(f"{HOSTS} Managers up ({'network namespaces' if isinstance(net, Mesh) else 'loopback'}): "
             + ", ".join(nodes))
 
@@ -194,14 +219,7 @@ def main() -> int:
             log("hosts 1 and 2 fetched nothing from their peers")
             status |= 1
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         net.cleanup()
         shutil.rmtree(work, ignore_errors=True)
     log(f"done; exit status {status}")
