@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <set>
 #include <string>
 #include <thread>
@@ -1016,6 +1017,50 @@ TEST_F(MeshTest, ASourceKilledDuringAFetchCostsTheRestOfThePrefixOnly) {
   EXPECT_EQ(FieldWhen(*managers[1], "remote_staging_bytes", 0), 0u);
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
   RecordProperty("blocks_fetched_before_the_kill", std::to_string(result.first));
+}
+
+// One Loading operation over three tiers: node-1 holds the first 16 blocks of a prefix in DRAM, the next 16 on its
+// SSD only (written through, then node-1 restarted: its SSD is found again, its DRAM is empty), and node-0 holds all
+// 48; node-1's engine gets the whole prefix in one query ([ssd span][remote span] after the DRAM hit), byte-exact.
+TEST_F(MeshTest, APrefixContinuesFromDramToSsdToAPeer) {
+  catalog_nodes_ = "node-0";
+  const std::string ssd = fmt::format("/tmp/orbitkv-mesh-ssd-{}", getpid());
+  std::filesystem::remove_all(ssd);
+  std::filesystem::create_directories(ssd);
+  const std::vector<std::string> ssd_flags = {"--ssd-path", ssd, "--ssd-capacity", "256MiB", "--ssd-policy",
+                                              "write-through", "--ssd-min-frequency", "1"};
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  managers.push_back(StartManager(0, "tier-0"));
+  managers.push_back(StartManager(1, "tier-1", ssd_flags));
+  for (auto& m : managers) ASSERT_TRUE(m->running()) << m->LogText();
+  constexpr uint32_t kBlocks = 48;
+  const auto keys = testing::Chain(9700, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, keys).ok());
+  {
+    MeshEngine b(*managers[1], 2, kBlocks);
+    ASSERT_TRUE(testing::SaveChain(*b.client, 2, b.kv, std::vector<state::StateKey>(keys.begin(), keys.begin() + 32))
+                    .ok());
+    // Written through to the SSD before the stop.
+    EXPECT_EQ(FieldWhen(*managers[1], "writes", 32), 32u) << StatsOf(*managers[1]);
+  }
+  managers[1]->Stop(SIGTERM);
+  managers[1] = StartManager(1, "tier-1b", ssd_flags);
+  ASSERT_TRUE(managers[1]->running()) << managers[1]->LogText();
+  EXPECT_EQ(Field(StatsOf(*managers[1]), "resident_blocks"), 0u);
+  MeshEngine b(*managers[1], 2, kBlocks);
+  auto [hits, exact] = b.QueryAndRestore(std::vector<state::StateKey>(keys.begin(), keys.begin() + 16));
+  ASSERT_EQ(hits, 16u);  // from its SSD into DRAM
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  const uint64_t reads = Field(StatsOf(*managers[1]), "reads");
+  std::tie(hits, exact) = b.QueryAndRestore(keys);
+  EXPECT_EQ(hits, kBlocks);
+  EXPECT_EQ(exact, kBlocks);
+  const std::string stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_fetched_blocks"), 16u) << stats;  // only the tail came from node-0
+  EXPECT_EQ(Field(stats, "reads"), reads + 16) << stats;           // the middle from the SSD
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+  std::filesystem::remove_all(ssd);
 }
 
 }  // namespace
