@@ -1,8 +1,8 @@
 // Flights: work in flight by key, so that a later caller asking for the same key waits for the one in flight and
 // then reads its result (from wherever that work leaves it) instead of doing the same work again.
 //
-//   if (flights.WaitFor(key, deadline)) { ...read what it brought; maybe go on... }
-//   Flights<K>::Ticket ticket = flights.Start(key);  // later callers of `key` wait for this one
+//   std::optional<Flights<K>::Ticket> ticket = flights.WaitOrStart(key, deadline);
+//   if (!ticket) { ...read what the other flight brought; if more is needed: ticket.emplace(flights.Start(key)); }
 //   ...do the work...                                // the flight lands when `ticket` goes
 //
 // Thread safety: every method is safe from any thread.
@@ -12,6 +12,8 @@
 #include <condition_variable>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <unordered_map>
 
 #include "base/clock.h"
@@ -33,9 +35,15 @@ class Flights {
    public:
     Ticket(Flights* flights, Key key, std::shared_ptr<Flight> flight)
         : flights_(flights), key_(std::move(key)), flight_(std::move(flight)) {}
+    Ticket(Ticket&& other) noexcept
+        : flights_(std::exchange(other.flights_, nullptr)), key_(std::move(other.key_)),
+          flight_(std::move(other.flight_)) {}
     Ticket(const Ticket&) = delete;
     Ticket& operator=(const Ticket&) = delete;
-    ~Ticket() { flights_->Land(key_, flight_); }
+    Ticket& operator=(Ticket&&) = delete;
+    ~Ticket() {
+      if (flights_ != nullptr) flights_->Land(key_, flight_);
+    }
 
    private:
     Flights* flights_;
@@ -43,14 +51,19 @@ class Flights {
     std::shared_ptr<Flight> flight_;
   };
 
-  // Whether a flight of `key` was in flight; if so, returns once it landed or `deadline` passed.
-  bool WaitFor(const Key& key, Deadline deadline) EXCLUDES(mu_) {
+  // When a flight of `key` is in flight, waits until it landed or `deadline` passed and returns none (the caller
+  // reads what it brought); otherwise starts one in the same step (no second caller can start one meanwhile).
+  std::optional<Ticket> WaitOrStart(const Key& key, Deadline deadline) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     auto it = flights_.find(key);
-    if (it == flights_.end()) return false;
+    if (it == flights_.end()) {
+      auto flight = std::make_shared<Flight>();
+      flights_.emplace(key, flight);
+      return std::optional<Ticket>(std::in_place, this, key, std::move(flight));
+    }
     std::shared_ptr<Flight> flight = it->second;
     while (!flight->landed && !deadline.Expired()) flight->cv.wait_until(mu_, deadline.when());
-    return true;
+    return std::nullopt;
   }
   // A flight of `key`: from now on, the one callers of `key` wait for.
   [[nodiscard]] Ticket Start(const Key& key) EXCLUDES(mu_) {

@@ -30,7 +30,9 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   // Concurrent misses of the same prefix (the same first unknown key) share one lookup: a later one waits for it
   // (at most one budget) and checks the index again. When that left keys unknown for it, it looks them up itself
   // (an empty result proves nothing).
-  if (flights_.WaitFor(keys[known], Deadline::After(options_.budget))) {
+  std::optional<Flights<state::StateKey, state::StateKeyHash>::Ticket> flight =
+      flights_.WaitOrStart(keys[known], Deadline::After(options_.budget));
+  if (!flight.has_value()) {
     const size_t now_known = index_->KnownPrefix(keys);
     if (now_known == keys.size()) {
       MutexLock lock(&mu_);
@@ -40,8 +42,8 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
       return outcome;
     }
     known = now_known;
+    flight.emplace(flights_.Start(keys[known]));
   }
-  const Flights<state::StateKey, state::StateKeyHash>::Ticket flight = flights_.Start(keys[known]);
   // The budget of this lookup, counted after coalescing.
   const Deadline deadline = Deadline::After(options_.budget);
   const MonoTime start = options_.now();

@@ -125,15 +125,17 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   size_t local = cache_->table().PinPrefix(job.keys, &pins);
   if (local == job.keys.size() || job.deadline.Expired()) return pins;
   // Another stage fetching from the same first key: wait for it, then take what it brought.
-  if (flights_.WaitFor(job.keys[local], job.deadline)) {
+  std::optional<Flights<state::StateKey, state::StateKeyHash>::Ticket> flight =
+      flights_.WaitOrStart(job.keys[local], job.deadline);
+  if (!flight.has_value()) {
     {
       MutexLock lock(&mu_);
       ++stats_.shared;
     }
     local += cache_->table().PinPrefix(std::span(job.keys).subspan(local), &pins);
     if (local == job.keys.size() || job.deadline.Expired()) return pins;
+    flight.emplace(flights_.Start(job.keys[local]));
   }
-  const Flights<state::StateKey, state::StateKeyHash>::Ticket flight = flights_.Start(job.keys[local]);
   const std::span<const state::StateKey> rest(job.keys.data() + local, job.keys.size() - local);
   const catalog::Discovery::Outcome learnt = discovery_->Discover(rest);
   discovery_rpcs_->Increment(learnt.rpcs);

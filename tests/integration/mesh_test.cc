@@ -762,8 +762,9 @@ size_t PrefixAvoiding(const std::vector<state::StateKey>& keys, const std::strin
 TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
   std::vector<std::unique_ptr<ManagerProcess>> managers;
   for (int i = 0; i < kHosts; ++i) {
-    // A 10 s lease: node-0 stopped for one discovery budget and one Authorize bound is still a member after SIGCONT.
-    managers.push_back(StartManager(i, fmt::format("fault-{}", i), {"--membership-ttl-secs", "10"}));
+    // A 30 s lease (keepalives every 10 s, each valid for 15 s): node-0 stopped for one discovery budget and one
+    // Authorize bound is still registered after SIGCONT.
+    managers.push_back(StartManager(i, fmt::format("fault-{}", i), {"--membership-ttl-secs", "30"}));
     ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
   }
   auto all = [&] { return All(managers); };
@@ -1061,6 +1062,76 @@ TEST_F(MeshTest, APrefixContinuesFromDramToSsdToAPeer) {
   EXPECT_EQ(Field(stats, "reads"), reads + 16) << stats;           // the middle from the SSD
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
   std::filesystem::remove_all(ssd);
+}
+
+// The source stopped with SIGSTOP while a fetch from it runs, then etcd stopped while another fetch runs: each query
+// ends within its bounds with an exact prefix, nothing stays staged or pinned, and once the source (or etcd) is back
+// the next query gets the whole prefix.
+TEST_F(MeshTest, ASourceStoppedMidFetchAndEtcdStoppedMidFetchAreBounded) {
+  catalog_nodes_ = "node-1";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  // 30 s leases: a registration stays valid through a few seconds of SIGSTOP or of etcd being down (its keepalives
+  // every 10 s, valid for 15 s from each), so both Managers serve again afterwards.
+  managers.push_back(StartManager(0, "stop-src-0", {"--membership-ttl-secs", "30"}));
+  managers.push_back(StartManager(1, "stop-src-1", {"--membership-ttl-secs", "30", "--remote-fetch-deadline-ms",
+                                                    "3000"}));
+  for (auto& m : managers) ASSERT_TRUE(m->running()) << m->LogText();
+  constexpr uint32_t kBlocks = 512;
+  const auto first = testing::Chain(9800, kBlocks), second = testing::Chain(9801, kBlocks);
+  {
+    MeshEngine a(*managers[0], 1, kBlocks);
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, first).ok());
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, second).ok());
+  }
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  MeshEngine b(*managers[1], 2, kBlocks);
+  const auto once_fetching = [&](uint64_t fetches) {
+    for (int i = 0; i < 4000 && Field(StatsOf(*managers[1]), "remote_fetches") <= fetches; ++i) {
+      std::this_thread::sleep_for(std::chrono::microseconds(250));
+    }
+  };
+
+  // The source stopped mid-fetch (or just before or after: wherever the stop lands) until the query ended.
+  std::pair<size_t, size_t> result;
+  uint64_t fetches = Field(StatsOf(*managers[1]), "remote_fetches");
+  std::thread query([&] { result = b.QueryAndRestore(first); });
+  once_fetching(fetches);
+  ASSERT_EQ(kill(managers[0]->pid(), SIGSTOP), 0);
+  query.join();  // bounded by the remote stage's deadline (3 s), with the source still stopped
+  ASSERT_EQ(kill(managers[0]->pid(), SIGCONT), 0);
+  EXPECT_EQ(result.second, result.first);
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_staging_bytes", 0), 0u);
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  size_t hits = 0, exact = 0;
+  for (int attempt = 0; attempt < 40 && hits < kBlocks; ++attempt) {  // node-0 skipped while its breaker is open
+    std::tie(hits, exact) = b.QueryAndRestore(first);
+    if (hits < kBlocks) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  EXPECT_EQ(hits, kBlocks);
+  EXPECT_EQ(exact, kBlocks);
+
+  // etcd stopped while a fetch runs: the fetch already granted goes on or stops, never wrong; back with etcd.
+  fetches = Field(StatsOf(*managers[1]), "remote_fetches");
+  std::thread query2([&] { result = b.QueryAndRestore(second); });
+  once_fetching(fetches);
+  ASSERT_TRUE(etcd_->Stop().ok());
+  query2.join();
+  EXPECT_EQ(result.second, result.first);
+  ASSERT_TRUE(etcd_->Launch().ok());
+  ASSERT_TRUE(etcd_->WaitReady(Deadline::After(std::chrono::seconds(30))).ok()) << etcd_->LogTail();
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_work", 1), 1u);
+  hits = 0;
+  for (int attempt = 0; attempt < 40 && hits < kBlocks; ++attempt) {
+    std::tie(hits, exact) = b.QueryAndRestore(second);
+    if (hits < kBlocks) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  EXPECT_EQ(hits, kBlocks);
+  EXPECT_EQ(exact, kBlocks);
+  for (auto& m : managers) {
+    EXPECT_EQ(FieldWhen(*m, "source_sessions", 0), 0u);
+    EXPECT_EQ(FieldWhen(*m, "remote_staging_bytes", 0), 0u);
+  }
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
 }
 
 }  // namespace
