@@ -6,7 +6,8 @@ pages: 2.25 MiB a block); host 1's engine asks for each (Loading while its Manag
 blocks from host 0 over UCX, then a hit) and restores it: remote_fetch_gbps is the prefix's bytes over the time from
 the query to the last page restored in the engine, against the UCX read and iperf3 measured on a veth in the same run
 (transfer bench). Then host 2 does the same with two Managers holding each prefix. TTFT on the reference engine (CPU,
-"tiny" preset, a 4,096-token prompt): recompute, a local DRAM hit on host 0, and a remote hit on host 1.
+"tiny" preset, a 4,096-token prompt): recompute, a local DRAM hit on host 0, a remote hit on host 1, and a remote hit
+on host 1 while one of the three catalog hosts is down (the blocks of its shards are not found: a shorter hit).
 
     sudo ORBITKV_BUILD_DIR=build-bench PYTHONPATH=python python3 benches/distributed_bench.py [--json]
 """
@@ -100,21 +101,31 @@ def fetch_round(engine: KvEngine, client, prefixes) -> dict:
     return dict(gbps=gbps, ms=ms, hits=hits, asked=len(prefixes) * PREFIX_PAGES, bad=bad)
 
 
-def ttft(config, sockets, chunk: int = 512, length: int = 4096, seed: int = 3) -> dict:
+def ttft(config, sockets, lose_catalog_host, chunk: int = 512, length: int = 4096, seed: int = 3) -> dict:
+    """TTFT of one prompt: recomputed, restored from host 0's DRAM, and restored on host 1 from host 0; then another
+    prompt restored on host 1 while one of the three catalog hosts (host 2, killed by `lose_catalog_host`) is down."""
     rng = random.Random(seed)
-    prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(length)] for _ in range(2)]
     blocks = -(-length // config.block_size) + 4
     model = refengine.RefEngine(config, 1, device="cpu", chunk_size=chunk).model
     runs = {}
-    for name, socket in (("recompute", None), ("save", sockets[0]), ("local", sockets[0]), ("remote", sockets[1])):
+
+    def run(name, socket, prompt):
         engine = SequentialEngine(config, blocks, socket, chunk_size=chunk, model=model)
-        result = engine.generate(prompt, 1)
+        runs[name] = engine.generate(prompt, 1)
         if socket is not None:
             engine.close()
-        runs[name] = result
+
+    for name, socket in (("recompute", None), ("save", sockets[0]), ("local", sockets[0]), ("remote", sockets[1])):
+        run(name, socket, prompts[0])
+    run("save2", sockets[0], prompts[1])
+    time.sleep(1.0)  # the catalog hears of the second prompt's blocks (update lag: milliseconds)
+    lose_catalog_host()
+    run("degraded", sockets[1], prompts[1])
     same = runs["remote"].tokens == runs["recompute"].tokens == runs["local"].tokens
     return dict(recompute=runs["recompute"].ttft_s, local=runs["local"].ttft_s, remote=runs["remote"].ttft_s,
-                remote_tokens=runs["remote"].restored_tokens, same=same)
+                remote_tokens=runs["remote"].restored_tokens, degraded=runs["degraded"].ttft_s,
+                degraded_tokens=runs["degraded"].restored_tokens, same=same)
 
 
 def main(argv=None) -> int:
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
         after = clients[1].stats()
         etcd_calls = etcd_unary_calls(net.address(1), 9100) - etcd_before
         three = fetch_round(engines[2], clients[2], documents)
-        times = ttft(refengine.preset("tiny"), sockets)
+        times = ttft(refengine.preset("tiny"), sockets, lambda: procs[3].kill())  # procs: etcd, host-0, -1, -2
         fallbacks = after["remote_no_source"] - before["remote_no_source"] + \
             after["remote_fetch_failures"] - before["remote_fetch_failures"]
     finally:
@@ -195,6 +206,8 @@ def main(argv=None) -> int:
     add("ttft_remote_hit_ms", "ms", times["remote"] * 1e3, "ttft_recompute_ms", times["recompute"] * 1e3)
     add("ttft_local_dram_ms", "ms", times["local"] * 1e3, "ttft_recompute_ms", times["recompute"] * 1e3)
     add("ttft_recompute_ms", "ms", times["recompute"] * 1e3)
+    add("ttft_remote_hit_one_catalog_host_down_ms", "ms", times["degraded"] * 1e3, "ttft_recompute_ms",
+        times["recompute"] * 1e3)
     add("discovery_rpcs_per_query", "RPCs", (after["discovery_rpcs"] - before["discovery_rpcs"]) / PREFIXES,
         "catalog_hosts", 3.0)
     add("etcd_calls_per_query", "calls", etcd_calls / PREFIXES)
@@ -207,6 +220,7 @@ def main(argv=None) -> int:
                block_bytes=str(engines[1].page_bytes), prefix_blocks=str(PREFIX_PAGES), prefixes=str(PREFIXES),
                wrong_pages=str(two["bad"] + three["bad"]), ttft_outputs_identical=str(times["same"]),
                ttft_prompt_tokens="4096", ttft_remote_restored_tokens=str(times["remote_tokens"]),
+               ttft_one_catalog_host_down_restored_tokens=str(times["degraded_tokens"]),
                transport="UCX tcp on veths; gRPC peers without TLS")
     report = dict(bench="distributed", results=results, env=env)
     if args.json:
