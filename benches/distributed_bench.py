@@ -83,6 +83,7 @@ def etcd_unary_calls(host: str, port: int) -> int:
 def fetch_round(engine: KvEngine, client, prefixes) -> dict:
     """Each prefix queried (waiting out Loading) and restored into poisoned pages: per-prefix times and checks."""
     gbps, ms, hits, bad = [], [], 0, 0
+    query_ms, restore_ms = [], []
     for document in prefixes:
         keys = engine.keys(document, PREFIX_PAGES, 0, 0)
         for view in engine.views:
@@ -90,15 +91,19 @@ def fetch_round(engine: KvEngine, client, prefixes) -> dict:
         t0 = time.perf_counter()
         result = client.query_prefetch(engine.instance, keys, wait=30.0)
         n = getattr(result, "num_hit_blocks", 0)
+        t1 = time.perf_counter()
         if n:
             client.restore(engine.instance, result.lease, range(n))
         elapsed = time.perf_counter() - t0
+        query_ms.append((t1 - t0) * 1e3)
+        restore_ms.append((time.perf_counter() - t1) * 1e3)
         hits += n
         if n:
             gbps.append(n * engine.page_bytes / elapsed / 1e9)
             ms.append(elapsed * 1e3)
         bad += sum(0 if engine.check(keys[p], p) else 1 for p in range(n))
-    return dict(gbps=gbps, ms=ms, hits=hits, asked=len(prefixes) * PREFIX_PAGES, bad=bad)
+    return dict(gbps=gbps, ms=ms, hits=hits, asked=len(prefixes) * PREFIX_PAGES, bad=bad,
+                query_ms=percentile(query_ms, 0.5), restore_ms=percentile(restore_ms, 0.5))
 
 
 def ttft(config, sockets, lose_catalog_host, chunk: int = 512, length: int = 4096, seed: int = 3) -> dict:
@@ -221,7 +226,9 @@ def main(argv=None) -> int:
                wrong_pages=str(two["bad"] + three["bad"]), ttft_outputs_identical=str(times["same"]),
                ttft_prompt_tokens="4096", ttft_remote_restored_tokens=str(times["remote_tokens"]),
                ttft_one_catalog_host_down_restored_tokens=str(times["degraded_tokens"]),
-               transport="UCX tcp on veths; gRPC peers without TLS")
+               transport="UCX tcp on veths; gRPC peers without TLS",
+               query_to_hit_ms_p50=f"{two['query_ms']:.1f}", restore_into_engine_ms_p50=f"{two['restore_ms']:.1f}",
+               transfer_seconds_total=f"{after.get('remote_fetch_seconds', 0) - before.get('remote_fetch_seconds', 0):.3f}")
     report = dict(bench="distributed", results=results, env=env)
     if args.json:
         print(json.dumps(report))

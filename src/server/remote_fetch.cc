@@ -215,7 +215,10 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
     remotes.push_back(std::move(*descriptor));
   }
   const transfer::Capabilities caps = engine_->GetCapabilities();
-  const uint64_t max_fragment = caps.max_fragment_bytes != 0 ? caps.max_fragment_bytes : UINT64_MAX;
+  // Fragments of at most 1 MiB: the source checksums and sends one while the next is read (a 2.25 MiB block in
+  // one fragment serializes both).
+  const uint64_t max_fragment =
+      std::min<uint64_t>(options_.max_fragment_bytes, caps.max_fragment_bytes != 0 ? caps.max_fragment_bytes : UINT64_MAX);
   const size_t max_fragments = caps.max_fragments_per_batch != 0 ? caps.max_fragments_per_batch : SIZE_MAX;
 
   // One batch: consecutive blocks, their writers and the staging charge; it completes through `result`.

@@ -50,6 +50,7 @@ class RemoteFetcher {
     std::chrono::milliseconds deadline{10000};  // the remote stage's, from its start
     uint64_t staging_budget_bytes = 0;          // 0: a quarter of the pool
     uint64_t max_batch_bytes = 16ull << 20;
+    uint64_t max_fragment_bytes = 1ull << 20;
     size_t batches_in_flight = 2;
     size_t max_queued = 1024;  // fetches waiting for a thread; more complete at once with what is local
     // A source whose transfer failed (unreachable UCX port, lost mid-batch) is not planned for this long: later

@@ -1134,5 +1134,41 @@ TEST_F(MeshTest, ASourceStoppedMidFetchAndEtcdStoppedMidFetchAreBounded) {
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
 }
 
+// A catalog host killed -9 while a query's discovery may be asking it: the query ends within its bounds with an exact
+// prefix, and the next query of another prefix gets exactly what the surviving catalog host's shards lead to.
+TEST_F(MeshTest, ACatalogHostKilledDuringAQueryCostsItsShardsOnly) {
+  catalog_nodes_ = "node-0,node-2";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("catkill-{}", i), {"--membership-ttl-secs", "30"}));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  constexpr uint32_t kBlocks = 256;
+  const auto keys = testing::Chain(9900, kBlocks), next = testing::Chain(9901, 64);
+  {
+    MeshEngine a(*managers[0], 1, kBlocks);
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, keys).ok());
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, next).ok());
+  }
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  const std::vector<std::string> catalogs = {"node-0", "node-2"};
+  ASSERT_GT(PrefixAvoiding(next, Node(2), catalogs), 0u);
+  MeshEngine b(*managers[1], 2, kBlocks);
+  std::pair<size_t, size_t> result;
+  std::thread query([&] { result = b.QueryAndRestore(keys); });
+  for (int i = 0; i < 4000 && Field(StatsOf(*managers[1]), "remote_fetches") == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(250));
+  }
+  managers[2]->Stop(SIGKILL);
+  query.join();
+  EXPECT_EQ(result.second, result.first);
+  auto [hits, exact] = b.QueryAndRestore(next);
+  EXPECT_EQ(hits, PrefixAvoiding(next, Node(2), catalogs));
+  EXPECT_EQ(exact, hits);
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_staging_bytes", 0), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
 }  // namespace
 }  // namespace orbitkv
