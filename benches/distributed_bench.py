@@ -171,6 +171,9 @@ def main(argv=None) -> int:
                 raise RuntimeError("the catalogs never caught up with host 0's blocks")
             time.sleep(0.05)
 
+        if os.environ.get("ORBITKV_DBENCH_PAUSE"):  # for a profiler: a marker, then a pause before the fetches
+            print("distributed_bench: fetching next", file=sys.stderr, flush=True)
+            time.sleep(float(os.environ["ORBITKV_DBENCH_PAUSE"]))
         before = clients[1].stats()
         etcd_before = etcd_unary_calls(net.address(1), 9100)
         pinned, staged = Sampler([clients[0]], "source_pinned_bytes"), Sampler([clients[1]], "remote_staging_bytes")
