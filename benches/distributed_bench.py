@@ -153,8 +153,10 @@ def main(argv=None) -> int:
     try:
         etcd = start_etcd(f"{BRIDGE}.254", work, procs)
         nodes = ["host-0", "host-1", "host-2"]
-        sockets = start_managers(net, nodes, etcd, work, procs, manager_bin, str(cli_bin),
-                                 ["--dram", "2GiB", "--metrics-addr", "0.0.0.0:9100"])
+        extra = ["--dram", "2GiB", "--metrics-addr", "0.0.0.0:9100"]
+        if os.environ.get("ORBITKV_DBENCH_PAUSE"):  # profiling: the Managers' debug logs, kept in /tmp/dbench-logs
+            extra += ["--log-level", "debug"]
+        sockets = start_managers(net, nodes, etcd, work, procs, manager_bin, str(cli_bin), extra)
         clients = [orbitkv.CacheManagerClient(s, timeout_ms=30000) for s in sockets]
         engines = [KvEngine(c, 10 + i, PREFIX_PAGES) for i, c in enumerate(clients)]
         documents = list(range(1, PREFIXES + 1))
@@ -194,6 +196,8 @@ def main(argv=None) -> int:
     finally:
         stop_all(procs)
         net.cleanup()
+        if os.environ.get("ORBITKV_DBENCH_PAUSE"):
+            subprocess.run(f"mkdir -p /tmp/dbench-logs && cp {work}/*.log /tmp/dbench-logs/", shell=True)
         subprocess.run(["rm", "-rf", work])
 
     read_1m, iperf = baselines["transfer_read_1m"], baselines["iperf3_veth"]

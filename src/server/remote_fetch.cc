@@ -225,6 +225,7 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
   struct Batch {
     std::vector<core::BlockWriter> writers;
     std::vector<core::BudgetTicket> staging;  // one per prepared block, until sealed or aborted
+    MonoTime submitted;
     // Shared with the engine's callback: set_value may still be returning there when the worker's get() returns.
     std::shared_ptr<std::promise<transfer::BatchResult>> result = std::make_shared<std::promise<transfer::BatchResult>>();
     std::future<transfer::BatchResult> done;
@@ -303,6 +304,7 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
       return false;  // `batch` (its writers abort, its charge returns) goes here: nothing was sent
     }
     batch->started = true;
+    batch->submitted = MonoNow();
     in_flight.push_back(std::move(batch));
     return true;
   };
@@ -314,6 +316,10 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
     in_flight.pop_front();
     // The engine always completes a started batch (its deadline is finite): wait for it, whatever happened.
     const transfer::BatchResult result = batch->done.get();
+    ORBITKV_LOG_DEBUG("remote: batch of {} blocks ({} bytes) from {} done in {:.2f} ms: {}", batch->writers.size(),
+                      batch->bytes, authorized.span.node,
+                      std::chrono::duration<double, std::milli>(MonoNow() - batch->submitted).count(),
+                      result.status.ToString());
     if (!failure && result.status.ok() && result.bytes == batch->bytes) {
       for (core::BlockWriter& writer : batch->writers) {
         core::BlockPin pin;
