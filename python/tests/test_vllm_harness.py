@@ -686,3 +686,59 @@ def test_a_prefix_saved_through_one_manager_is_restored_through_another(build_di
         for m in managers:
             m.close()
         etcd.close()
+
+
+def test_a_weights_reset_while_a_remote_fetch_runs_never_serves_the_old_epoch(build_dir):
+    """RL weight sync on a distributed engine: its first lookup of a prefix another host saved is answered Loading
+    (its Manager starts fetching the old epoch's blocks from the peer), then the engine resets its caches (a new
+    weights epoch) before the fetch is used. The request recomputes under the new epoch, with outputs equal to the
+    baseline and no old-epoch KV read; the fetch completes on its own, and an engine that did not reset gets the
+    fetched blocks as local hits."""
+    from cluster_procs import EtcdProcess, cluster_flags, wait_for
+
+    binary = build_dir / "src" / "server" / "orbitkv-manager"
+    etcd = EtcdProcess()
+    managers = []
+    try:
+        for node in ("a", "b"):
+            managers.append(ManagerProcess(binary, extra=cluster_flags(etcd, node, ["a", "b"])))
+        a, b = managers
+        batch = prompts(1, 64, 16, seed=37)
+        baseline = run(engine_for(None, prefix_caching=False), batch)
+        first = engine_for(a.socket)
+        assert run(first, batch) == baseline
+        first.shutdown()
+
+        def converged():
+            stats = [m.stats() for m in managers]
+            return (sum(s["catalog_records"] for s in stats) == sum(s["inventory_records"] for s in stats) > 0
+                    and all(s["catalog_streams_streaming"] == 16 for s in stats))
+        wait_for(converged, what="the catalogs to hold a's blocks")
+
+        resetting = engine_for(b.socket)
+        answers = []
+        real = resetting.connector.get_num_new_matched_tokens
+        resetting.connector.get_num_new_matched_tokens = lambda r, n: answers.append(real(r, n)) or answers[-1]
+        resetting.add_request("r0", batch[0], 4)
+        resetting.step()
+        assert answers and answers[0] == (None, False)  # Loading: b fetches from a
+        assert resetting.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+        results = resetting.run()
+        resetting.drain(2)
+        assert {k: v.tokens for k, v in results.items()} == {"r0": baseline["r0"]}
+        assert bad_reads(resetting) == 0
+        assert resetting.worker_stats.data.get("restored_blocks", 0) == 0  # nothing of the old epoch
+        wait_for(lambda: b.stats()["remote_fetched_blocks"] == 4, what="b's fetch to complete on its own")
+        assert_nothing_held(resetting, b)
+        resetting.shutdown()
+
+        other = engine_for(b.socket)
+        assert run(other, batch) == baseline
+        assert other.worker_stats.data["restored_blocks"] == 4 and bad_reads(other) == 0
+        assert b.stats()["remote_fetched_blocks"] == 4  # local hits now: nothing fetched again
+        assert_nothing_held(other, b)
+        other.shutdown()
+    finally:
+        for m in managers:
+            m.close()
+        etcd.close()
