@@ -88,6 +88,8 @@ def fetch_round(engine: KvEngine, client, prefixes) -> dict:
         keys = engine.keys(document, PREFIX_PAGES, 0, 0)
         for view in engine.views:
             view[:PREFIX_PAGES] = 0xFFFF
+        import resource
+        c0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         result = client.query_prefetch(engine.instance, keys, wait=30.0)
         n = getattr(result, "num_hit_blocks", 0)
@@ -96,6 +98,11 @@ def fetch_round(engine: KvEngine, client, prefixes) -> dict:
             client.restore(engine.instance, result.lease, range(n))
         elapsed = time.perf_counter() - t0
         query_ms.append((t1 - t0) * 1e3)
+        if os.environ.get("ORBITKV_DBENCH_PAUSE"):
+            c1 = resource.getrusage(resource.RUSAGE_SELF)
+            print(f"distributed_bench: prefix {document}: query {1e3 * (t1 - t0):.1f} ms, engine CPU during query "
+                  f"{1e3 * (c1.ru_utime - c0.ru_utime):.1f} ms user {1e3 * (c1.ru_stime - c0.ru_stime):.1f} ms "
+                  f"system", file=sys.stderr, flush=True)
         restore_ms.append((time.perf_counter() - t1) * 1e3)
         hits += n
         if n:
@@ -182,7 +189,14 @@ def main(argv=None) -> int:
         pinned, staged = Sampler([clients[0]], "source_pinned_bytes"), Sampler([clients[1]], "remote_staging_bytes")
         pinned.start()
         staged.start()
+        import resource
+        cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         two = fetch_round(engines[1], clients[1], documents)
+        cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        if os.environ.get("ORBITKV_DBENCH_PAUSE"):
+            print(f"distributed_bench: fetch round {wall1 - wall0:.3f} s wall, engine process CPU "
+                  f"{cpu1.ru_utime - cpu0.ru_utime:.3f} s user {cpu1.ru_stime - cpu0.ru_stime:.3f} s system",
+                  file=sys.stderr, flush=True)
         pinned.stop.set()
         staged.stop.set()
         pinned.join()
