@@ -5,7 +5,8 @@ Host 0's engine saves 64-block prefixes of Qwen3-8B-shaped pages (36 layers x 8 
 pages: 2.25 MiB a block); host 1's engine asks for each (Loading while its Manager discovers, authorizes and reads the
 blocks from host 0 over UCX, then a hit) and restores it: remote_fetch_gbps is the prefix's bytes over the time from
 the query to the last page restored in the engine, against the UCX read and iperf3 measured on a veth in the same run
-(transfer bench). Then host 2 does the same with two Managers holding each prefix. TTFT on the reference engine (CPU,
+(transfer bench: a direct veth pair) and against iperf3 across the mesh's bridge between host 0 and host 1 (the
+fetch's own path), all in the same run. Then host 2 does the same with two Managers holding each prefix. TTFT on the reference engine (CPU,
 "tiny" preset, a 4,096-token prompt): recompute, a local DRAM hit on host 0, a remote hit on host 1, and a remote hit
 on host 1 while one of the three catalog hosts is down (the blocks of its shards are not found: a shorter hit).
 
@@ -78,6 +79,24 @@ def etcd_unary_calls(host: str, port: int) -> int:
         if line.startswith("orbitkv_etcd_calls_total{") and "Watch" not in line and "LeaseKeepAlive" not in line:
             total += int(float(line.rsplit(" ", 1)[1]))
     return total
+
+
+def iperf3_mesh(net, server: int, client: int, seconds: int = 3) -> float:
+    """iperf3 (one TCP stream) from host `client` to host `server` across the mesh's bridge: the path the fetch
+    takes, measured in this run (GB/s)."""
+    server_proc = subprocess.Popen(net.launcher(server) + ["iperf3", "-s", "-1", "-B", net.address(server)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(50):
+            out = subprocess.run(net.launcher(client) + ["iperf3", "-c", net.address(server), "-t", str(seconds),
+                                                         "-J"], capture_output=True, text=True)
+            if out.returncode == 0:
+                return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8e9
+            time.sleep(0.1)  # the server is not listening yet
+        raise RuntimeError(f"iperf3 across the mesh failed: {out.stderr.strip()}")
+    finally:
+        server_proc.kill()
+        server_proc.wait()
 
 
 def fetch_round(engine: KvEngine, client, prefixes) -> dict:
@@ -172,6 +191,7 @@ def main(argv=None) -> int:
             for p, key in enumerate(keys):
                 engines[0].compute(key, p)
             clients[0].save(engines[0].instance, [(k, p) for p, k in enumerate(keys)])
+        mesh_iperf = iperf3_mesh(net, 0, 1)  # host 0 sends to host 1, as the fetch does
         deadline = time.monotonic() + 60
         while True:
             s = [c.stats() for c in clients]
@@ -224,6 +244,7 @@ def main(argv=None) -> int:
     p50_2 = percentile(two["gbps"], 0.5)
     add("remote_fetch_gbps", "GB/s", p50_2, "transfer_read_1m", read_1m)
     add("remote_fetch_gbps_vs_iperf3", "GB/s", p50_2, "iperf3_veth", iperf)
+    add("remote_fetch_gbps_vs_iperf3_mesh", "GB/s", p50_2, "iperf3_mesh", mesh_iperf)
     add("remote_fetch_gbps_3_managers", "GB/s", percentile(three["gbps"], 0.5), "transfer_read_1m", read_1m)
     add("remote_hit_rate", "fraction", two["hits"] / two["asked"], "blocks_saved_on_host_0", 1.0)
     add("remote_restore_ms_p50", "ms", percentile(two["ms"], 0.5), "transfer_read_1m_ms_for_prefix",
@@ -243,6 +264,7 @@ def main(argv=None) -> int:
     add("recompute_fallbacks", "stages", float(fallbacks), "queries", float(PREFIXES))
     add("transfer_read_1m", "GB/s", read_1m)
     add("iperf3_veth", "GB/s", iperf)
+    add("iperf3_mesh", "GB/s", mesh_iperf)
     env = dict(host=platform.node(), cpus=str(os.cpu_count()), managers="3 (network namespaces, one bridge)",
                block_bytes=str(engines[1].page_bytes), prefix_blocks=str(PREFIX_PAGES), prefixes=str(PREFIXES),
                wrong_pages=str(two["bad"] + three["bad"]), ttft_outputs_identical=str(times["same"]),
