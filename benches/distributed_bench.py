@@ -82,18 +82,20 @@ def etcd_unary_calls(host: str, port: int) -> int:
 
 
 def iperf3_mesh(net, server: int, client: int, seconds: int = 3) -> float:
-    """iperf3 (one TCP stream) from host `client` to host `server` across the mesh's bridge: the path the fetch
+    """iperf3 (one TCP stream) from host `server` to host `client` across the mesh's bridge: the path the fetch
     takes, measured in this run (GB/s)."""
     server_proc = subprocess.Popen(net.launcher(server) + ["iperf3", "-s", "-1", "-B", net.address(server)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(50):
+            # -R: the server (host `server`) sends, as the source does.
             out = subprocess.run(net.launcher(client) + ["iperf3", "-c", net.address(server), "-t", str(seconds),
-                                                         "-J"], capture_output=True, text=True)
-            if out.returncode == 0:
+                                                         "-R", "-J"], capture_output=True, text=True)
+            try:
                 return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8e9
-            time.sleep(0.1)  # the server is not listening yet
-        raise RuntimeError(f"iperf3 across the mesh failed: {out.stderr.strip()}")
+            except (ValueError, KeyError):
+                time.sleep(0.1)  # the server is not listening yet (iperf3 says so in its JSON)
+        raise RuntimeError(f"iperf3 across the mesh failed: {out.stdout.strip()[-300:]} {out.stderr.strip()}")
     finally:
         server_proc.kill()
         server_proc.wait()
