@@ -187,24 +187,8 @@ int main(int argc, char** argv) {
   InstallView(view, *host, owner_uuids, 1);
 
   // Baseline 2: the loopback gRPC unary round trip to the same server (Health, route check included).
-  std::vector<double> rtt_ms;
-  {
-    auto stub = catalog::NewPeerStub(host->endpoint, nullptr);
-    const catalog::PeerIdentity as0{"bench", "owner-0", owner_uuids[0], 1, kPlacement};
-    cluster::MemberRecord to = MemberOf("catalog", host->uuid, host->endpoint).record;
-    for (int i = 0; i < 500; ++i) {
-      peer::v1::HealthRequest request;
-      *request.mutable_route() = catalog::MakeRoute(as0, to);
-      peer::v1::HealthResponse response;
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      const MonoTime t0 = MonoNow();
-      const grpc::Status s = stub->Health(&context, request, &response);
-      if (!s.ok()) Check(catalog::FromGrpc(s), "loopback Health");
-      if (i >= 20) rtt_ms.push_back(Ms(MonoNow() - t0));  // after warm-up
-    }
-  }
-  const double rtt_p50 = Percentile(rtt_ms, 0.5);
+  const double rtt_p50 = HealthRoundTripP50Ms(host->endpoint, {"bench", "owner-0", owner_uuids[0], 1, kPlacement},
+                                              MemberOf("catalog", host->uuid, host->endpoint).record);
 
   // 16 owners, 16 streams each.
   MetricsRegistry metrics;

@@ -166,23 +166,8 @@ int main(int argc, char** argv) {
   }
 
   // Baseline: the loopback gRPC unary round trip (Health, route check included).
-  std::vector<double> rtt_ms;
-  {
-    auto stub = catalog::NewPeerStub(catalogs[0]->endpoint, nullptr);
-    const cluster::MemberRecord to = view.Find("cat-0")->record;
-    for (int i = 0; i < 520; ++i) {
-      peer::v1::HealthRequest request;
-      *request.mutable_route() = catalog::MakeRoute(identity("requester"), to);
-      peer::v1::HealthResponse response;
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      const MonoTime t0 = MonoNow();
-      const grpc::Status s = stub->Health(&context, request, &response);
-      if (!s.ok()) Check(catalog::FromGrpc(s), "loopback Health");
-      if (i >= 20) rtt_ms.push_back(Ms(MonoNow() - t0));
-    }
-  }
-  const double rtt_p50 = Percentile(rtt_ms, 0.5);
+  const double rtt_p50 =
+      HealthRoundTripP50Ms(catalogs[0]->endpoint, identity("requester"), view.Find("cat-0")->record);
 
   // The source's blocks, streamed to the catalog hosts.
   std::vector<std::vector<state::StateKey>> chains;

@@ -9,7 +9,11 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "base/clock.h"
+#include "bench_report.h"
+#include "catalog/route.h"
 #include "cluster/member_view.h"
 
 namespace orbitkv::bench {
@@ -41,6 +45,29 @@ inline std::unique_ptr<grpc::Server> ListenLoopback(grpc::Service* service, std:
   }
   *endpoint = "127.0.0.1:" + std::to_string(port);
   return server;
+}
+
+// The p50 of the loopback gRPC unary round trip (Health, route check included) from `as` to `to` at `endpoint`:
+// `rounds` calls after 20 of warm-up. Exits the benchmark when a call fails.
+inline double HealthRoundTripP50Ms(const std::string& endpoint, const catalog::PeerIdentity& as,
+                                   const cluster::MemberRecord& to, int rounds = 500) {
+  auto stub = catalog::NewPeerStub(endpoint, nullptr);
+  std::vector<double> ms;
+  for (int i = 0; i < rounds + 20; ++i) {
+    peer::v1::HealthRequest request;
+    *request.mutable_route() = catalog::MakeRoute(as, to);
+    peer::v1::HealthResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    const MonoTime t0 = MonoNow();
+    const grpc::Status s = stub->Health(&context, request, &response);
+    if (!s.ok()) {
+      std::fprintf(stderr, "bench: loopback Health: %s\n", s.error_message().c_str());
+      std::exit(1);
+    }
+    if (i >= 20) ms.push_back(std::chrono::duration<double, std::milli>(MonoNow() - t0).count());
+  }
+  return Percentile(ms, 0.5);
 }
 
 }  // namespace orbitkv::bench

@@ -3,6 +3,7 @@ its own peer endpoint and UCX port), for the adapters' remote-hit scenarios."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -69,3 +70,28 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def distributed_managers(start, nodes=("a", "b")):
+    """A real etcd and one distributed Manager per node, `start(flags)` starting each (the harness's
+    ManagerProcess with `extra=flags`); everything is stopped afterwards."""
+    etcd = EtcdProcess()
+    managers = []
+    try:
+        for node in nodes:
+            managers.append(start(cluster_flags(etcd, node, list(nodes))))
+        yield managers
+    finally:
+        for m in managers:
+            (getattr(m, "close", None) or m.stop)()
+        etcd.close()
+
+
+def wait_catalogs_hold_every_block(managers) -> None:
+    """Until the catalog hosts' evidence equals every Manager's inventory and every owner stream streams."""
+    def converged():
+        stats = [m.stats() for m in managers]
+        return (sum(s["catalog_records"] for s in stats) == sum(s["inventory_records"] for s in stats) > 0
+                and all(s["catalog_streams_streaming"] == 16 for s in stats))
+    wait_for(converged, what="the catalogs to hold every Manager's blocks")

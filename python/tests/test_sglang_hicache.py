@@ -328,26 +328,16 @@ def test_pages_backed_up_through_one_manager_are_prefetched_through_another(buil
     """Distributed mode through the unchanged backend: a server on Manager a backs pages up; a server on Manager b
     (another host: another Manager on loopback with its own peer endpoint and UCX port) prefetches the same prefix,
     which b fetches from a; every page served is byte-exact."""
-    from cluster_procs import EtcdProcess, cluster_flags, wait_for
+    from cluster_procs import distributed_managers, wait_catalogs_hold_every_block, wait_for
 
-    etcd = EtcdProcess()
-    managers = []
-    try:
-        for node in ("a", "b"):
-            managers.append(ManagerProcess(build_dir, extra=cluster_flags(etcd, node, ["a", "b"])))
-        a, b = managers
+    with distributed_managers(lambda flags: ManagerProcess(build_dir, extra=flags)) as (a, b):
         toks = tokens("two-managers", 6)
         writer = World(a.socket, tp=1)
         try:
             assert all(r["cached"] == 0 for r in writer.serve("w", toks))
         finally:
             writer.shutdown()
-
-        def converged():
-            stats = [m.stats() for m in managers]
-            return (sum(s["catalog_records"] for s in stats) == sum(s["inventory_records"] for s in stats) > 0
-                    and all(s["catalog_streams_streaming"] == 16 for s in stats))
-        wait_for(converged, what="the catalogs to hold a's pages")
+        wait_catalogs_hold_every_block([a, b])
         reader = World(b.socket, tp=1)
         try:
             results = reader.serve("r", toks)
@@ -357,7 +347,3 @@ def test_pages_backed_up_through_one_manager_are_prefetched_through_another(buil
         assert b.stats()["remote_fetched_blocks"] == 6
         assert_clean(reader)
         wait_for(lambda: a.stats()["source_sessions"] == 0, what="a to release the grant")
-    finally:
-        for m in managers:
-            m.stop()
-        etcd.close()

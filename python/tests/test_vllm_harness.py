@@ -3,6 +3,7 @@ loads, Loading answers, preemption, aborts, TP workers, sliding-window groups an
 The synthetic model checks every K/V it attends to, so a wrong or missing restore cannot go unnoticed. KV caches
 are OrbitKV shared memory, or (``memory="ordinary"``) ordinary tensors as vLLM allocates them."""
 
+import contextlib
 import random
 import time
 
@@ -642,32 +643,35 @@ def test_kv_events_carry_vllms_finer_hashes_when_hash_blocks_are_smaller(manager
     engine.shutdown()
 
 
+def saved_through_a(build_dir, seed):
+    """Two distributed Managers a and b (a context), a prompt whose blocks an engine on a saved and whose catalog
+    evidence reached the catalog hosts, and the outputs without OrbitKV."""
+    from cluster_procs import distributed_managers, wait_catalogs_hold_every_block
+
+    binary = build_dir / "src" / "server" / "orbitkv-manager"
+    batch = prompts(1, 64, 16, seed=seed)
+    baseline = run(engine_for(None, prefix_caching=False), batch)
+
+    @contextlib.contextmanager
+    def managers():
+        with distributed_managers(lambda flags: ManagerProcess(binary, extra=flags)) as (a, b):
+            first = engine_for(a.socket)
+            assert run(first, batch) == baseline
+            first.shutdown()
+            wait_catalogs_hold_every_block([a, b])
+            yield a, b
+    return managers(), batch, baseline
+
+
 def test_a_prefix_saved_through_one_manager_is_restored_through_another(build_dir):
     """Distributed mode through the unchanged connector: an engine on Manager a saves a prefix; an engine on
     Manager b (another host, here another Manager on loopback with its own peer endpoint and UCX port) asks for
     the same prompt: its first lookups are answered Loading ((None, False), vLLM skips the request) while b fetches
     the blocks from a, then the load proceeds and the outputs equal the baseline's."""
-    from cluster_procs import EtcdProcess, cluster_flags, wait_for
+    from cluster_procs import wait_for
 
-    binary = build_dir / "src" / "server" / "orbitkv-manager"
-    etcd = EtcdProcess()
-    managers = []
-    try:
-        for node in ("a", "b"):
-            managers.append(ManagerProcess(binary, extra=cluster_flags(etcd, node, ["a", "b"])))
-        a, b = managers
-        batch = prompts(1, 64, 16, seed=11)
-        baseline = run(engine_for(None, prefix_caching=False), batch)
-        first = engine_for(a.socket)
-        assert run(first, batch) == baseline
-        first.shutdown()
-
-        def converged():
-            stats = [m.stats() for m in managers]
-            return (sum(s["catalog_records"] for s in stats) == sum(s["inventory_records"] for s in stats) > 0
-                    and all(s["catalog_streams_streaming"] == 16 for s in stats))
-        wait_for(converged, what="the catalogs to hold a's blocks")
-
+    managers, batch, baseline = saved_through_a(build_dir, seed=11)
+    with managers as (a, b):
         second = engine_for(b.socket)
         answers = []
         real = second.connector.get_num_new_matched_tokens
@@ -682,10 +686,6 @@ def test_a_prefix_saved_through_one_manager_is_restored_through_another(build_di
         wait_for(lambda: a.stats()["source_sessions"] == 0, what="a to release the grant")
         assert_nothing_held(second, b)
         second.shutdown()
-    finally:
-        for m in managers:
-            m.close()
-        etcd.close()
 
 
 def test_a_weights_reset_while_a_remote_fetch_runs_never_serves_the_old_epoch(build_dir):
@@ -694,27 +694,10 @@ def test_a_weights_reset_while_a_remote_fetch_runs_never_serves_the_old_epoch(bu
     weights epoch) before the fetch is used. The request recomputes under the new epoch, with outputs equal to the
     baseline and no old-epoch KV read; the fetch completes on its own, and an engine that did not reset gets the
     fetched blocks as local hits."""
-    from cluster_procs import EtcdProcess, cluster_flags, wait_for
+    from cluster_procs import wait_for
 
-    binary = build_dir / "src" / "server" / "orbitkv-manager"
-    etcd = EtcdProcess()
-    managers = []
-    try:
-        for node in ("a", "b"):
-            managers.append(ManagerProcess(binary, extra=cluster_flags(etcd, node, ["a", "b"])))
-        a, b = managers
-        batch = prompts(1, 64, 16, seed=37)
-        baseline = run(engine_for(None, prefix_caching=False), batch)
-        first = engine_for(a.socket)
-        assert run(first, batch) == baseline
-        first.shutdown()
-
-        def converged():
-            stats = [m.stats() for m in managers]
-            return (sum(s["catalog_records"] for s in stats) == sum(s["inventory_records"] for s in stats) > 0
-                    and all(s["catalog_streams_streaming"] == 16 for s in stats))
-        wait_for(converged, what="the catalogs to hold a's blocks")
-
+    managers, batch, baseline = saved_through_a(build_dir, seed=37)
+    with managers as (a, b):
         resetting = engine_for(b.socket)
         answers = []
         real = resetting.connector.get_num_new_matched_tokens
@@ -738,7 +721,3 @@ def test_a_weights_reset_while_a_remote_fetch_runs_never_serves_the_old_epoch(bu
         assert b.stats()["remote_fetched_blocks"] == 4  # local hits now: nothing fetched again
         assert_nothing_held(other, b)
         other.shutdown()
-    finally:
-        for m in managers:
-            m.close()
-        etcd.close()

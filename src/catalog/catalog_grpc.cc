@@ -286,7 +286,6 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
   }
   peer::v1::AuthorizeResponse response;
   grpc::ClientContext context;
-  authorizations_.fetch_add(1, std::memory_order_relaxed);
   const grpc::Status status =
       StubFor(member.record.endpoint)->Authorize(WithDeadline(&context, deadline), request, &response);
   if (!status.ok()) return FromGrpc(status);

@@ -69,9 +69,8 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
                                 std::chrono::milliseconds lifetime, Deadline deadline) override;
   Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id,
                        Deadline deadline) override;
-  // RPCs sent, by method, for the discovery counters.
+  // Lookup RPCs sent.
   uint64_t lookups() const { return lookups_.load(std::memory_order_relaxed); }
-  uint64_t authorizations() const { return authorizations_.load(std::memory_order_relaxed); }
 
  private:
   std::shared_ptr<peer::v1::Peer::Stub> StubFor(const std::string& endpoint) EXCLUDES(mu_);
@@ -84,7 +83,6 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
   static constexpr size_t kMaxChannels = 64;
   std::list<std::pair<std::string, std::shared_ptr<peer::v1::Peer::Stub>>> stubs_ GUARDED_BY(mu_);
   std::atomic<uint64_t> lookups_{0};
-  std::atomic<uint64_t> authorizations_{0};
 };
 
 // The wire forms of an authorization.

@@ -108,10 +108,6 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1
           fmt::format("remote work is off on node '{}' ({}): no new grants", options_.self.node_id, why)));
     }
   }
-  if (request->blocks_size() == 0 || static_cast<size_t>(request->blocks_size()) > SourceHolds::kMaxBlocks) {
-    return ToGrpc(Status::InvalidArgument(fmt::format("an authorization of {} blocks (1 to {} allowed)",
-                                                      request->blocks_size(), SourceHolds::kMaxBlocks)));
-  }
   AuthorizeArgs args;
   args.peer_node = request->route().source_node_id();
   args.peer_runtime = request->route().source_runtime_uuid();

@@ -27,12 +27,7 @@ constexpr uint64_t kBlock = 256 << 10;
 
 cluster::Member MemberOf(const std::string& node, const std::string& uuid, const std::string& endpoint) {
   cluster::Member m;
-  m.record.cluster = "t";
-  m.record.node_id = node;
-  m.record.epoch = 1;
-  m.record.endpoint = endpoint;
-  m.record.runtime_uuid = uuid;
-  m.create_revision = m.mod_revision = 1;
+  m.record = cluster::MemberRecord{"t", node, 1, endpoint, uuid};
   return m;
 }
 
@@ -280,14 +275,13 @@ TEST_F(RemoteFetchTest, ASourceWhoseTransferFailedIsSkippedUntilItsBreakerCloses
 TEST_F(RemoteFetchTest, ConcurrentStagesOfOnePrefixShareOneFetch) {
   MakeFetcher(/*max_batch_bytes=*/1 << 20);
   const auto keys = SaveOnSource(5, 16);
-  faults_->Delay(1, std::chrono::milliseconds(1000));  // the first fetch is slow: the second finds it in flight
+  faults_->Delay(1, std::chrono::seconds(2));  // the first fetch's reads wait: it stays in flight
   std::vector<core::BlockPin> first, second;
-  std::thread other([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    second = RunStage(keys);
-  });
-  first = RunStage(keys);
-  other.join();
+  std::thread one([&] { first = RunStage(keys); });
+  // The first stage authorized (its fetch is registered before that) and is reading: start the second.
+  while (fetcher_->GetStats().authorizations == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  second = RunStage(keys);
+  one.join();
   EXPECT_EQ(first.size(), keys.size());
   EXPECT_EQ(second.size(), keys.size());
   core::BlockPin::ReleaseAll(&first);

@@ -79,6 +79,20 @@ class MeshTest : public ::testing::Test {
     return stats;
   }
 
+  // Managers 0..n-1 on hosts 0..n-1 (StartManager with `extra`, tags TAG-i) into `managers`; fails with the log of
+  // the first that does not run.
+  ::testing::AssertionResult StartManagers(int n, const std::string& tag,
+                                           std::vector<std::unique_ptr<ManagerProcess>>* managers,
+                                           const std::vector<std::string>& extra = {}) {
+    for (int i = 0; i < n; ++i) {
+      managers->push_back(StartManager(i, fmt::format("{}-{}", tag, i), extra));
+      if (!managers->back()->running()) {
+        return ::testing::AssertionFailure() << Node(i) << " did not start: " << managers->back()->LogText();
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+
   // The Managers a check looks at.
   static std::vector<const ManagerProcess*> All(const std::vector<std::unique_ptr<ManagerProcess>>& managers) {
     std::vector<const ManagerProcess*> out;
@@ -107,10 +121,7 @@ class MeshTest : public ::testing::Test {
 // naming its old start is refused by its peers.
 TEST_F(MeshTest, ThreeManagersOneRuntimeIdentityEachAndARestartIsRefused) {
   std::vector<std::unique_ptr<ManagerProcess>> managers;
-  for (int i = 0; i < kHosts; ++i) {
-    managers.push_back(StartManager(i, fmt::format("mesh-{}", i)));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  ASSERT_TRUE(StartManagers(kHosts, "mesh", &managers));
   std::set<std::string> uuids;
   std::string placement;
   for (int i = 0; i < kHosts; ++i) {
@@ -287,10 +298,7 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
   catalog_nodes_ = "node-0,node-2";  // node-1 only owns: killing it loses an owner, not a catalog host
   std::vector<std::unique_ptr<ManagerProcess>> managers;
   std::vector<std::string> nodes = {Node(0), Node(1), Node(2)};
-  for (int i = 0; i < kHosts; ++i) {
-    managers.push_back(StartManager(i, fmt::format("cat-{}", i)));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  ASSERT_TRUE(StartManagers(kHosts, "cat", &managers));
   {
     std::vector<std::unique_ptr<BlockWriter>> writers;
     for (int i = 0; i < kHosts; ++i) {
@@ -414,10 +422,7 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
 TEST_F(MeshTest, AStoppedCatalogHostAndASmallJournalStillConverge) {
   catalog_nodes_ = "node-0";
   std::vector<std::unique_ptr<ManagerProcess>> managers;
-  for (int i = 0; i < kHosts; ++i) {
-    managers.push_back(StartManager(i, fmt::format("stop-{}", i), {"--inventory-journal-bytes", "64KiB"}));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  ASSERT_TRUE(StartManagers(kHosts, "stop", &managers, {"--inventory-journal-bytes", "64KiB"}));
   std::vector<std::unique_ptr<BlockWriter>> writers;
   for (int i = 0; i < kHosts; ++i) {
     writers.push_back(std::make_unique<BlockWriter>(*managers[i], 20 + i, 4000));
@@ -503,6 +508,16 @@ uint64_t FieldWhen(const ManagerProcess& manager, const std::string& field, uint
   return seen;
 }
 
+// Every Manager gives back what remote work held: the source's sessions and pins, the requester's staging.
+void ExpectNothingHeld(const std::vector<std::unique_ptr<ManagerProcess>>& managers) {
+  for (size_t i = 0; i < managers.size(); ++i) {
+    if (!managers[i]->running()) continue;
+    EXPECT_EQ(FieldWhen(*managers[i], "source_sessions", 0), 0u) << "node-" << i;
+    EXPECT_EQ(FieldWhen(*managers[i], "source_pinned_bytes", 0), 0u) << "node-" << i;
+    EXPECT_EQ(FieldWhen(*managers[i], "remote_staging_bytes", 0), 0u) << "node-" << i;
+  }
+}
+
 // The issue-22 path end to end, through the ordinary engine calls: a 64-block prefix saved by an engine on node-0
 // is queried by an engine on node-1 (Loading, then a hit: discovered, authorized, read over UCX, sealed) and
 // restored byte-exact into poisoned pages; the fetched copy is advertised, so with node-0 stopped an engine on
@@ -510,10 +525,7 @@ uint64_t FieldWhen(const ManagerProcess& manager, const std::string& field, uint
 TEST_F(MeshTest, APrefixSavedOnOneHostIsRestoredOnAnotherAndItsCopyServesAThird) {
   catalog_nodes_ = "node-1,node-2";  // node-0 is only a source: stopping it leaves the catalog whole
   std::vector<std::unique_ptr<ManagerProcess>> managers;
-  for (int i = 0; i < kHosts; ++i) {
-    managers.push_back(StartManager(i, fmt::format("fetch-{}", i), {"--candidate-ttl-ms", "600000"}));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  ASSERT_TRUE(StartManagers(kHosts, "fetch", &managers, {"--candidate-ttl-ms", "600000"}));
   auto all = [&] { return All(managers); };
   constexpr uint32_t kBlocks = 64;
   const auto keys = testing::Chain(4242, kBlocks);
@@ -565,10 +577,7 @@ TEST_F(MeshTest, APrefixSavedOnOneHostIsRestoredOnAnotherAndItsCopyServesAThird)
   EXPECT_EQ(second, std::make_pair(size_t{kBlocks}, size_t{kBlocks}));
   EXPECT_EQ(Field(StatsOf(*managers[1]), "remote_fetched_blocks"), fetched_before + kBlocks);
 
-  for (int i = 0; i < kHosts; ++i) {
-    EXPECT_EQ(FieldWhen(*managers[i], "source_sessions", 0), 0u) << Node(i);
-    EXPECT_EQ(FieldWhen(*managers[i], "source_pinned_bytes", 0), 0u) << Node(i);
-  }
+  ExpectNothingHeld(managers);
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
   EXPECT_TRUE(testing::EventuallyIdle(*c.client));
 }
@@ -651,10 +660,7 @@ TEST_F(MeshTest, WarmPlansAskNobodyAndAColdQueryIsBatchedPerCatalogHost) {
 // transport once the member view drops it and frees everything.
 TEST_F(MeshTest, SourcesGrantOnlyTheVersionsTheyHoldAndFreeAVanishedRequestersHolds) {
   std::vector<std::unique_ptr<ManagerProcess>> managers;
-  for (int i = 0; i < kHosts; ++i) {
-    managers.push_back(StartManager(i, fmt::format("auth-{}", i)));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  ASSERT_TRUE(StartManagers(kHosts, "auth", &managers));
   auto all = [&] { return All(managers); };
   const auto keys = testing::Chain(9100, 4);
   MeshEngine a(*managers[0], 1, 4), c(*managers[2], 3, 4);
@@ -761,12 +767,9 @@ size_t PrefixAvoiding(const std::vector<state::StateKey>& keys, const std::strin
 // stopped with SIGSTOP cost one budget, and after SIGCONT it serves again. Every gauge returns to 0.
 TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
   std::vector<std::unique_ptr<ManagerProcess>> managers;
-  for (int i = 0; i < kHosts; ++i) {
-    // A 30 s lease (keepalives every 10 s, each valid for 15 s): node-0 stopped for one discovery budget and one
-    // Authorize bound is still registered after SIGCONT.
-    managers.push_back(StartManager(i, fmt::format("fault-{}", i), {"--membership-ttl-secs", "30"}));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  // A 30 s lease (keepalives every 10 s, each valid for 15 s): node-0 stopped for one discovery budget and one
+  // Authorize bound is still registered after SIGCONT.
+  ASSERT_TRUE(StartManagers(kHosts, "fault", &managers, {"--membership-ttl-secs", "30"}));
   auto all = [&] { return All(managers); };
   constexpr uint32_t kBlocks = 32;
   const auto x = testing::Chain(9300, kBlocks), y = testing::Chain(9301, kBlocks), z = testing::Chain(9302, kBlocks),
@@ -865,10 +868,7 @@ TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
 TEST_F(MeshTest, RemoteWorkStopsWhileEtcdIsDownAndComesBackWithIt) {
   catalog_nodes_ = "node-0,node-1";
   std::vector<std::unique_ptr<ManagerProcess>> managers;
-  for (int i = 0; i < 2; ++i) {
-    managers.push_back(StartManager(i, fmt::format("etcd-{}", i), {"--membership-ttl-secs", "10"}));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  ASSERT_TRUE(StartManagers(2, "etcd", &managers, {"--membership-ttl-secs", "10"}));
   constexpr uint32_t kBlocks = 16;
   const auto x = testing::Chain(9400, kBlocks), w = testing::Chain(9401, kBlocks);
   MeshEngine a(*managers[0], 1, kBlocks);
@@ -975,10 +975,7 @@ TEST_F(MeshTest, BlockedTransfersPartitionsLossAndAnEngineLeavingMidFetchLoseNot
   EXPECT_EQ(exact, kBlocks);
   EXPECT_EQ(Field(StatsOf(*managers[1]), "remote_fetched_blocks"), fetched + kBlocks);  // a local hit
 
-  for (int i = 0; i < kHosts; ++i) {
-    EXPECT_EQ(FieldWhen(*managers[i], "source_sessions", 0), 0u) << Node(i);
-    EXPECT_EQ(FieldWhen(*managers[i], "remote_staging_bytes", 0), 0u) << Node(i);
-  }
+  ExpectNothingHeld(managers);
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
   EXPECT_TRUE(testing::EventuallyIdle(*c.client));
 }
@@ -989,10 +986,7 @@ TEST_F(MeshTest, BlockedTransfersPartitionsLossAndAnEngineLeavingMidFetchLoseNot
 TEST_F(MeshTest, ASourceKilledDuringAFetchCostsTheRestOfThePrefixOnly) {
   catalog_nodes_ = "node-2";
   std::vector<std::unique_ptr<ManagerProcess>> managers;
-  for (int i = 0; i < kHosts; ++i) {
-    managers.push_back(StartManager(i, fmt::format("kill-{}", i), {"--membership-ttl-secs", "10"}));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  ASSERT_TRUE(StartManagers(kHosts, "kill", &managers, {"--membership-ttl-secs", "10"}));
   constexpr uint32_t kBlocks = 512;  // 16 MiB: several batches
   const auto keys = testing::Chain(9600, kBlocks), more = testing::Chain(9601, 64);
   {
@@ -1127,10 +1121,7 @@ TEST_F(MeshTest, ASourceStoppedMidFetchAndEtcdStoppedMidFetchAreBounded) {
   }
   EXPECT_EQ(hits, kBlocks);
   EXPECT_EQ(exact, kBlocks);
-  for (auto& m : managers) {
-    EXPECT_EQ(FieldWhen(*m, "source_sessions", 0), 0u);
-    EXPECT_EQ(FieldWhen(*m, "remote_staging_bytes", 0), 0u);
-  }
+  ExpectNothingHeld(managers);
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
 }
 
@@ -1139,10 +1130,7 @@ TEST_F(MeshTest, ASourceStoppedMidFetchAndEtcdStoppedMidFetchAreBounded) {
 TEST_F(MeshTest, ACatalogHostKilledDuringAQueryCostsItsShardsOnly) {
   catalog_nodes_ = "node-0,node-2";
   std::vector<std::unique_ptr<ManagerProcess>> managers;
-  for (int i = 0; i < kHosts; ++i) {
-    managers.push_back(StartManager(i, fmt::format("catkill-{}", i), {"--membership-ttl-secs", "30"}));
-    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
-  }
+  ASSERT_TRUE(StartManagers(kHosts, "catkill", &managers, {"--membership-ttl-secs", "30"}));
   constexpr uint32_t kBlocks = 256;
   const auto keys = testing::Chain(9900, kBlocks), next = testing::Chain(9901, 64);
   {
