@@ -42,6 +42,8 @@ Status WaitFor(int fd, short events, Deadline deadline) {
 }  // namespace
 
 std::string DefaultManagerSocketPath() {
+  const char* explicit_path = std::getenv("ORBITKV_SOCKET");
+  if (explicit_path != nullptr && explicit_path[0] != '\0') return explicit_path;
   const char* runtime = std::getenv("XDG_RUNTIME_DIR");
   if (runtime != nullptr && runtime[0] != '\0')
     return fmt::format("{}/orbitkv/manager.sock", runtime);

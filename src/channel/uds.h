@@ -37,9 +37,10 @@ struct PeerCredentials {
   gid_t gid = 0;
 };
 
-// Where a Manager listens unless told otherwise: `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when
-// XDG_RUNTIME_DIR is set, else `/tmp/orbitkv-<uid>/manager.sock`. Engines and the Manager agree on
-// it without configuration.
+// Where a Manager listens unless told otherwise: `$ORBITKV_SOCKET` when set (a system service's
+// /run/orbitkv/manager.sock: set it for the service's engines), else
+// `$XDG_RUNTIME_DIR/orbitkv/manager.sock` when XDG_RUNTIME_DIR is set, else
+// `/tmp/orbitkv-<uid>/manager.sock`. Engines and the Manager agree on it without configuration.
 std::string DefaultManagerSocketPath();
 
 // Binds and listens on `path` with `mode` (0600: only this uid; 0666 when other uids are admitted

@@ -12,9 +12,9 @@ CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache*
     : options_(options),
       cache_(cache),
       ssd_(ssd),
-      loading_(LoadingRegistry::Options{options.max_loading, options.loading_hold,
-                                        options.wake_sweeper},
-               metrics),
+      loading_(
+          LoadingRegistry::Options{options.max_loading, options.loading_hold, options.wake_sweeper},
+          metrics),
       operations_active_(
           &metrics->GetGauge("orbitkv_operations_active", "Restores and saves in flight")),
       operation_rejections_(
@@ -25,9 +25,8 @@ CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache*
           &metrics->GetCounter("orbitkv_restored_bytes_total", "Bytes copied into engine pages")),
       saved_bytes_(&metrics->GetCounter("orbitkv_saved_bytes_total",
                                         "Bytes copied from engine pages and sealed")),
-      save_skipped_(&metrics->GetCounter(
-          "orbitkv_save_skipped_blocks_total",
-          "Saved blocks skipped (already resident or in progress)")),
+      save_skipped_(&metrics->GetCounter("orbitkv_save_skipped_blocks_total",
+                                         "Saved blocks skipped (already resident or in progress)")),
       saves_abandoned_(&metrics->GetCounter(
           "orbitkv_saves_abandoned_total",
           "Saves the engine abandoned (its wait ran out) before the Manager claimed them: never "
@@ -39,6 +38,25 @@ CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache*
       query_latency_(&metrics->GetHistogram("orbitkv_query_seconds",
                                             "Time to answer a query in the Manager",
                                             Histogram::ExponentialBounds(1e-6, 2, 20))),
+      restore_latency_(&metrics->GetHistogram(
+          "orbitkv_restore_seconds",
+          "Time from a restore request to its copy into the engine's pages completing",
+          Histogram::ExponentialBounds(1e-5, 2, 20))),
+      save_latency_(&metrics->GetHistogram(
+          "orbitkv_save_seconds", "Time from a save request to its blocks being copied and sealed",
+          Histogram::ExponentialBounds(1e-5, 2, 20))),
+      hit_blocks_dram_(&metrics->GetCounter("orbitkv_query_hit_blocks_total",
+                                            "Blocks of answered queries by the tier that served "
+                                            "them (a Loading op's blocks count once, at the "
+                                            "answer after it)",
+                                            {{"tier", "dram"}})),
+      hit_blocks_ssd_(
+          &metrics->GetCounter("orbitkv_query_hit_blocks_total", "", {{"tier", "ssd"}})),
+      hit_blocks_remote_(
+          &metrics->GetCounter("orbitkv_query_hit_blocks_total", "", {{"tier", "remote"}})),
+      missed_blocks_(&metrics->GetCounter(
+          "orbitkv_query_missed_blocks_total",
+          "Blocks of answered queries found nowhere: the engine recomputes them")),
       hits_(&metrics->GetCounter("orbitkv_cache_hits_total", "")),
       misses_(&metrics->GetCounter("orbitkv_cache_misses_total", "")),
       evictions_(&metrics->GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}})) {}
@@ -73,8 +91,9 @@ std::vector<LoadingStage> CacheService::PlanLoading(const std::vector<state::Sta
   std::vector<LoadingStage> stages;
   size_t local_end = 0;  // where the local stages stop and a remote one would start
   if (ssd_ != nullptr && cache_->OnSsd(keys[hits])) {
-    // The SSD stage covers the chain up to the end of its SSD run (all of it in single-host mode): the tier skips
-    // the keys already in DRAM and reports pins on the prefix resident once it is done.
+    // The SSD stage covers the chain up to the end of its SSD run (all of it in single-host mode):
+    // the tier skips the keys already in DRAM and reports pins on the prefix resident once it is
+    // done.
     local_end = keys.size();
     if (remote_stage_) {
       local_end = hits;
@@ -86,14 +105,16 @@ std::vector<LoadingStage> CacheService::PlanLoading(const std::vector<state::Sta
     ssd.deadline = options_.ssd_load_deadline;
     ssd.start = [tier = ssd_, keys = std::vector<state::StateKey>(
                                   keys.begin(), keys.begin() + static_cast<ptrdiff_t>(local_end))](
-                    LoadingStage::Done done) mutable { return tier->Load(std::move(keys), std::move(done)); };
+                    LoadingStage::Done done) mutable {
+      return tier->Load(std::move(keys), std::move(done));
+    };
     stages.push_back(std::move(ssd));
   }
-  // The rest may be on a peer (distributed mode): the remote stage pins what is resident at its front and fetches
-  // the blocks after it.
+  // The rest may be on a peer (distributed mode): the remote stage pins what is resident at its
+  // front and fetches the blocks after it.
   if (remote_stage_ && local_end < keys.size()) {
-    std::optional<LoadingStage> remote =
-        remote_stage_(std::vector<state::StateKey>(keys.begin() + static_cast<ptrdiff_t>(local_end), keys.end()));
+    std::optional<LoadingStage> remote = remote_stage_(
+        std::vector<state::StateKey>(keys.begin() + static_cast<ptrdiff_t>(local_end), keys.end()));
     if (remote.has_value()) stages.push_back(std::move(*remote));
   }
   return stages;
@@ -112,8 +133,8 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
   // blocks.
   std::vector<state::StateKey> keys;
   ORBITKV_RETURN_IF_ERROR(state::StateKey::AppendChain(
-      target.instance->ns, request.group, request.first_token, request.page_tokens,
-      request.natives, request.native_bytes, request.key_version, &keys));
+      target.instance->ns, request.group, request.first_token, request.page_tokens, request.natives,
+      request.native_bytes, request.key_version, &keys));
   // Keys past what one lease can hold are never looked at (nor loaded).
   const size_t max_blocks = cache_->MaxQueryBlocks(target.group->padded_bytes);
   if (keys.size() > max_blocks)
@@ -122,35 +143,60 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
   const LoadingChain chain{request.instance, request.group, keys.back().Hash64() ^ keys.size()};
   // Whether this chain's load had completed before the lookup: then its pins keep every block it
   // loaded resident during the lookup. (One completing meanwhile counts as running.)
-  const bool loaded = (ssd_ != nullptr || remote_stage_) && loading_.Completed(chain);
+  const std::optional<LoadingRegistry::Origin> origin =
+      (ssd_ != nullptr || remote_stage_) ? loading_.CompletedOrigin(chain) : std::nullopt;
+  const bool loaded = origin.has_value();
   Result<core::QueryResult> result =
       cache_->Query(request.instance, keys, target.group->padded_bytes);
   // A chain whose load completed is answered with what is in DRAM, even when the load stopped
   // short (DRAM full of pinned blocks, a bad record): loading again would stop at the same place,
   // and the engine would hear Loading forever.
   std::vector<LoadingStage> stages;
-  if (!loaded && result.ok() && result->hits < keys.size()) stages = PlanLoading(keys, result->hits);
+  if (!loaded && result.ok() && result->hits < keys.size())
+    stages = PlanLoading(keys, result->hits);
   if (stages.empty()) {
     // Answered without Loading: nobody will take what the chain's load holds or brings (the lease
     // pins it now).
     if (ssd_ != nullptr || remote_stage_) loading_.Forget(chain);
     if (!result.ok()) return result.status();
+    CountAnswer(keys.size(), result->lease.has_value() ? result->hits : 0, origin);
     if (!result->lease.has_value()) return channel::QueryReply::Miss();
     return channel::QueryReply::Hit(static_cast<uint32_t>(result->hits), result->lease->Pack());
   }
   // The prefix continues below DRAM: load it and let the engine ask again. The DRAM part's lease
   // goes back; the next query leases the whole prefix at once.
   if (result->lease.has_value()) (void)cache_->ReleaseLease(request.instance, *result->lease);
-  ORBITKV_ASSIGN_OR_RETURN(uint64_t op, loading_.Start(owner, chain, std::move(stages)));
+  ORBITKV_ASSIGN_OR_RETURN(uint64_t op,
+                           loading_.Start(owner, chain, std::move(stages), result->hits));
   return channel::QueryReply::Loading(op);
+}
+
+void CacheService::CountAnswer(size_t blocks, size_t hits,
+                               const std::optional<LoadingRegistry::Origin>& origin) {
+  missed_blocks_->Increment(blocks - hits);
+  if (!origin.has_value()) {
+    hit_blocks_dram_->Increment(hits);
+    return;
+  }
+  for (size_t i = 0; i < hits; ++i) {
+    const std::string& tier = origin->TierOf(i);
+    if (tier == "ssd") {
+      hit_blocks_ssd_->Increment();
+    } else if (tier == "remote") {
+      hit_blocks_remote_->Increment();
+    } else {
+      hit_blocks_dram_->Increment();
+    }
+  }
 }
 
 Result<uint64_t> CacheService::RestoreFragments(const channel::RestoreRequest& request,
                                                 const KvGroup& group, const core::LeaseUse& lease,
                                                 core::CopyBatch* batch) const {
   if (request.pages.size() > lease.pins().size()) {
-    return Status::InvalidArgument(fmt::format("restore names {} pages but the lease holds {} blocks",
-                                               request.pages.size(), lease.pins().size()));
+    return Status::InvalidArgument(
+        fmt::format("restore names {} pages but the lease holds {} blocks", request.pages.size(),
+                    lease.pins().size()));
   }
   const size_t first = request.layers ? request.first_buffer : 0;
   const size_t count = request.layers ? request.buffer_count : SIZE_MAX;
@@ -176,12 +222,13 @@ Result<uint64_t> CacheService::RestoreFragments(const channel::RestoreRequest& r
 
 void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& request,
                            Done<channel::RestoreReply> done, ClaimFn claim) {
+  const Stopwatch watch;
   Result<Target> target = Resolve(owner, request.instance, request.group);
   if (!target.ok()) return done(target.status());
   const KvGroup& group = *target->group;
   // A whole restore (or the last part of a layer-wise one) consumes the lease: its pins end with
-  // this operation, whatever happens, also when it cannot start (the engine, which may have given up
-  // on it, never has to release it). An earlier part copies under pins of its own and leaves the
+  // this operation, whatever happens, also when it cannot start (the engine, which may have given
+  // up on it, never has to release it). An earlier part copies under pins of its own and leaves the
   // lease for the next part.
   const core::LeaseId id = core::LeaseId::Unpack(request.lease);
   auto refuse = [&](Status status) {
@@ -219,20 +266,23 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
     lease->Reset();
     EndOperation();
     restores_abandoned_->Increment();
-    return done(Status::Aborted("the engine abandoned this restore before it started; nothing was "
-                                "written"));
+    return done(
+        Status::Aborted("the engine abandoned this restore before it started; nothing was "
+                        "written"));
   }
   auto finish = std::make_shared<Done<channel::RestoreReply>>(std::move(done));
   Status submitted = group.engine->Submit(
-      std::move(batch),
-      [this, owner, lease, finish, keep = target->group, total = *bytes,
-       claimed = claim.finish](Status status) {
+      std::move(batch), [this, owner, lease, finish, keep = target->group, total = *bytes, watch,
+                         claimed = claim.finish](Status status) {
         CheckFault(owner, status);
         // The copy drained: pins, reservation and the operation's slot go back before the engine
         // hears of it (its next request must find them free).
         if (claimed) claimed();
         lease->Reset();
-        if (status.ok()) restored_bytes_->Increment(total);
+        if (status.ok()) {
+          restored_bytes_->Increment(total);
+          restore_latency_->Observe(watch.ElapsedSeconds());
+        }
         EndOperation();
         (*finish)(status.ok() ? Result<channel::RestoreReply>(channel::RestoreReply{total})
                               : Result<channel::RestoreReply>(status));
@@ -247,6 +297,7 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
 
 void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
                         Done<channel::SaveReply> done, ClaimFn claim) {
+  const Stopwatch watch;
   Result<Target> target = Resolve(owner, request.instance, request.group);
   if (!target.ok()) return done(target.status());
   const KvGroup& group = *target->group;
@@ -296,15 +347,16 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
   work->done = std::move(done);
   const uint64_t bytes = work->writers.size() * group.block_bytes;
   Status submitted = group.engine->Submit(
-      std::move(batch), [this, owner, work, keep = target->group, skipped, bytes,
+      std::move(batch), [this, owner, work, keep = target->group, skipped, bytes, watch,
                          claim = std::move(claim)](Status status) {
         CheckFault(owner, status);
         // The copy is over; the engine may have given up on it meanwhile and reused its pages, so
         // what was read is sealed only if the Manager claims the save now.
         if (status.ok() && claim.claim && !claim.claim()) {
           saves_abandoned_->Increment();
-          status = Status::Aborted("the engine abandoned this save (its wait ran out); nothing of "
-                                   "it is sealed");
+          status = Status::Aborted(
+              "the engine abandoned this save (its wait ran out); nothing of "
+              "it is sealed");
         }
         uint64_t written = 0;
         if (status.ok()) {
@@ -312,6 +364,7 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
           for (const state::StateKey& key : work->through_keys) ssd_->OnSealed(key);
           written = work->writers.size();
           saved_bytes_->Increment(bytes);
+          save_latency_->Observe(watch.ElapsedSeconds());
         }
         work->writers.clear();  // unsealed writers abort and free their memory
         if (claim.finish) claim.finish();
@@ -327,7 +380,8 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
 }
 
 void CacheService::CheckFault(uint64_t owner, const Status& status) const {
-  // The copy engines report engine memory that vanished under a copy as DATA_LOSS, and nothing else.
+  // The copy engines report engine memory that vanished under a copy as DATA_LOSS, and nothing
+  // else.
   if (status.code() == StatusCode::kDataLoss && options_.on_engine_fault) {
     options_.on_engine_fault(owner, status);
   }

@@ -90,8 +90,8 @@ class CacheService {
   // Errors: the instance's or group's (NotFound, PermissionDenied), a chain that cannot be built
   // (InvalidArgument), ResourceExhausted when the query budget or --max-loading is full (retry).
   Result<channel::QueryReply> Query(uint64_t owner, const channel::QueryRequest& request);
-  // The claim/abandon decision of a save or restore (channel/claims.h): `claim` returns true when the
-  // Manager now owns the operation, false when the engine abandoned it first (empty: always the
+  // The claim/abandon decision of a save or restore (channel/claims.h): `claim` returns true when
+  // the Manager now owns the operation, false when the engine abandoned it first (empty: always the
   // Manager's); `finish` says a claimed operation is over (its copies drained).
   struct ClaimFn {
     std::function<bool()> claim;
@@ -108,8 +108,8 @@ class CacheService {
   Status Release(uint64_t owner, const channel::ReleaseRequest& request);
   // NotFound when the op completed and was taken by a query, or was cancelled.
   Status Cancel(uint64_t owner, const channel::CancelRequest& request);
-  // Answered when the op completes (at once if it has): the blocks now resident. NotFound when there
-  // is no such op (ask the query again), Aborted when it was cancelled or expired first.
+  // Answered when the op completes (at once if it has): the blocks now resident. NotFound when
+  // there is no such op (ask the query again), Aborted when it was cancelled or expired first.
   void WaitLoading(uint64_t owner, const channel::WaitLoadingRequest& request,
                    Done<channel::WaitLoadingReply> done);
   CacheServiceStats Stats() const;
@@ -120,9 +120,11 @@ class CacheService {
   // Stage deadlines and held-block expiry (LoadingRegistry::Sweep); returns when to call it again.
   MonoTime Sweep() { return loading_.Sweep(); }
   LoadingRegistry& loading() { return loading_; }
-  // Distributed mode: the stage that brings a chain's keys (from where the local tiers stop) in from peers, or none
-  // while remote work is off. Set before the service is used (the Manager sets it once its cluster link is up).
-  using RemoteStageFn = std::function<std::optional<LoadingStage>(std::vector<state::StateKey> keys)>;
+  // Distributed mode: the stage that brings a chain's keys (from where the local tiers stop) in
+  // from peers, or none while remote work is off. Set before the service is used (the Manager sets
+  // it once its cluster link is up).
+  using RemoteStageFn =
+      std::function<std::optional<LoadingStage>(std::vector<state::StateKey> keys)>;
   void SetRemoteStage(RemoteStageFn remote) { remote_stage_ = std::move(remote); }
   uint32_t operations_active() const { return operations_.load(std::memory_order_relaxed); }
 
@@ -136,6 +138,9 @@ class CacheService {
   // One of max_operations; false (counted) when they are all in flight.
   bool TryBeginOperation();
   void EndOperation();
+  // Counts an answered query's blocks by tier (`origin`: its chain's completed Loading op, if any).
+  void CountAnswer(size_t blocks, size_t hits,
+                   const std::optional<LoadingRegistry::Origin>& origin);
   // The stages that bring `keys` (from hits on) into DRAM, or none when nothing below DRAM has the
   // next block.
   std::vector<LoadingStage> PlanLoading(const std::vector<state::StateKey>& keys, size_t hits);
@@ -166,6 +171,13 @@ class CacheService {
   Counter* saves_abandoned_;
   Counter* restores_abandoned_;
   Histogram* query_latency_;
+  Histogram* restore_latency_;
+  Histogram* save_latency_;
+  // Blocks of answered queries by the tier that served them (dram, ssd, remote), and those missed.
+  Counter* hit_blocks_dram_;
+  Counter* hit_blocks_ssd_;
+  Counter* hit_blocks_remote_;
+  Counter* missed_blocks_;
   Counter* hits_;
   Counter* misses_;
   Counter* evictions_;

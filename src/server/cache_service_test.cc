@@ -3,7 +3,6 @@
 #include "server/cache_service.h"
 
 #include <gtest/gtest.h>
-
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -175,9 +174,9 @@ TEST_F(CacheServiceTest, SaveSkipsBlocksAlreadyResidentAndRefusesForeignKeys) {
   const std::vector<uint8_t> natives = Natives(3, 1);
   state::Digest256 digest;
   digest.bytes[0] = 0xee;
-  ASSERT_TRUE(state::StateKey::AppendChain(state::StateNamespace(digest), 0, 0, 16, natives, 16, 1,
-                                           &keys)
-                  .ok());
+  ASSERT_TRUE(
+      state::StateKey::AppendChain(state::StateNamespace(digest), 0, 0, 16, natives, 16, 1, &keys)
+          .ok());
   channel::SaveRequest foreign;
   foreign.instance = kInstance;
   foreign.items.push_back(channel::SaveItem{keys[0], 0});
@@ -223,8 +222,8 @@ TEST_F(CacheServiceTest, MaxOperationsBoundsCopiesInFlight) {
   EXPECT_EQ(saved.Get().status().code(), StatusCode::kResourceExhausted);
 }
 
-// A restore refused because too many copies are in flight releases its lease: an engine that gave up
-// on it (a stopped Manager's backlog after kill -CONT) never leaves blocks pinned.
+// A restore refused because too many copies are in flight releases its lease: an engine that gave
+// up on it (a stopped Manager's backlog after kill -CONT) never leaves blocks pinned.
 TEST_F(CacheServiceTest, ARestoreThatCannotStartReleasesItsLease) {
   Close();
   CacheServiceOptions options;
@@ -258,11 +257,12 @@ TEST_F(CacheServiceTest, QueryLoadsFromSsdAndTheWaiterHearsWhenItIsDone) {
   Result<channel::QueryReply> loading = service_->Query(kOwner, QueryOf(1, 6));
   ASSERT_TRUE(loading.ok()) << loading.status();
   ASSERT_EQ(loading->outcome, channel::QueryOutcome::kLoading);
-  // The waiter registers before any query can take the op (it is answered at once if the op already ended).
+  // The waiter registers before any query can take the op (it is answered at once if the op already
+  // ended).
   Captured<channel::WaitLoadingReply> waited;
   service_->WaitLoading(kOwner, {kInstance, loading->loading_op, 5000}, waited.Callback());
-  // Asking again while it runs names the same op; the SSD reads may also have finished by now (they run on
-  // the tier's own threads), and then the query leases the whole prefix at once.
+  // Asking again while it runs names the same op; the SSD reads may also have finished by now (they
+  // run on the tier's own threads), and then the query leases the whole prefix at once.
   Result<channel::QueryReply> again = service_->Query(kOwner, QueryOf(1, 6));
   ASSERT_TRUE(again.ok()) << again.status();
   const bool still_loading = again->outcome == channel::QueryOutcome::kLoading;
@@ -288,6 +288,60 @@ TEST_F(CacheServiceTest, QueryLoadsFromSsdAndTheWaiterHearsWhenItIsDone) {
   Captured<channel::WaitLoadingReply> gone;
   service_->WaitLoading(kOwner, {kInstance, loading->loading_op, 100}, gone.Callback());
   EXPECT_EQ(gone.Get().status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(CacheServiceTest, AnsweredQueriesCountTheirBlocksByTheTierThatServedThem) {
+  Close();
+  Open(/*with_ssd=*/true);
+  auto counted = [&](const char* tier) {
+    return metrics_.GetCounter("orbitkv_query_hit_blocks_total", "", {{"tier", tier}}).Value();
+  };
+  auto missed = [&] {
+    return metrics_.GetCounter("orbitkv_query_missed_blocks_total", "").Value();
+  };
+  SaveChain(1, 6, 700);
+  cache_->table().EvictBytes(64 << 20);
+  ssd_->Flush();
+  SaveChain(1, 2, 700);  // the first two are back in DRAM; the next four are only on SSD
+  // Eight asked: two in DRAM, four on SSD, two nowhere.
+  Result<channel::QueryReply> loading = service_->Query(kOwner, QueryOf(1, 8));
+  ASSERT_TRUE(loading.ok()) << loading.status();
+  ASSERT_EQ(loading->outcome, channel::QueryOutcome::kLoading);
+  EXPECT_EQ(counted("dram") + counted("ssd") + missed(),
+            0u);  // a Loading answer counts nothing yet
+  Captured<channel::WaitLoadingReply> waited;
+  service_->WaitLoading(kOwner, {kInstance, loading->loading_op, 5000}, waited.Callback());
+  ASSERT_TRUE(waited.Get().ok());
+  Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 8));
+  ASSERT_TRUE(hit.ok());
+  ASSERT_EQ(hit->outcome, channel::QueryOutcome::kHit);
+  ASSERT_EQ(hit->hits, 6u);
+  EXPECT_EQ(counted("dram"), 2u);
+  EXPECT_EQ(counted("ssd"), 4u);
+  EXPECT_EQ(counted("remote"), 0u);
+  EXPECT_EQ(missed(), 2u);
+  const uint64_t restores =
+      metrics_
+          .GetHistogram("orbitkv_restore_seconds", "", Histogram::ExponentialBounds(1e-5, 2, 20))
+          .Count();
+  ASSERT_TRUE(RestoreTo(hit->lease, {0, 1, 2, 3, 4, 5}).ok());
+  EXPECT_EQ(
+      metrics_
+          .GetHistogram("orbitkv_restore_seconds", "", Histogram::ExponentialBounds(1e-5, 2, 20))
+          .Count(),
+      restores + 1);
+  EXPECT_GE(
+      metrics_.GetHistogram("orbitkv_save_seconds", "", Histogram::ExponentialBounds(1e-5, 2, 20))
+          .Count(),
+      2u);
+  // Asked again, the whole prefix is in DRAM now.
+  Result<channel::QueryReply> warm = service_->Query(kOwner, QueryOf(1, 8));
+  ASSERT_TRUE(warm.ok());
+  ASSERT_EQ(warm->outcome, channel::QueryOutcome::kHit);
+  EXPECT_EQ(counted("dram"), 8u);
+  EXPECT_EQ(counted("ssd"), 4u);
+  EXPECT_EQ(missed(), 4u);
+  ASSERT_TRUE(service_->Release(kOwner, {kInstance, warm->lease}).ok());
 }
 
 TEST_F(CacheServiceTest, CancelForgetsTheOpAndItsWaitersHearIt) {
@@ -323,8 +377,8 @@ TEST_F(CacheServiceTest, EngineMemoryThatVanishesFailsTheSaveAndReportsTheOwner)
   constexpr uint64_t kBytes = 4 * kBlock;
   ScopedFd fd(memfd_create("vanishing", MFD_CLOEXEC));
   ASSERT_EQ(ftruncate(fd.get(), kBytes), 0);
-  auto* mapped = static_cast<uint8_t*>(
-      mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  auto* mapped =
+      static_cast<uint8_t*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
   ASSERT_NE(mapped, MAP_FAILED);
   auto group = std::make_shared<KvGroup>();
   group->group = 1;

@@ -73,8 +73,8 @@ Apply StringInto(std::string ManagerConfig::*field) {
 const std::vector<Option>& Options() {
   static const std::vector<Option> options = {
       {"socket", "PATH",
-       "Unix socket engines connect to (default $XDG_RUNTIME_DIR/orbitkv/manager.sock, else "
-       "/tmp/orbitkv-<uid>/manager.sock)",
+       "Unix socket engines connect to (default $ORBITKV_SOCKET, else "
+       "$XDG_RUNTIME_DIR/orbitkv/manager.sock, else /tmp/orbitkv-<uid>/manager.sock)",
        StringInto(&ManagerConfig::socket_path)},
       {"dram", "SIZE",
        "pinned DRAM pool size, e.g. 64GiB (default: a quarter of available memory, 256 MiB to "
@@ -184,8 +184,7 @@ const std::vector<Option>& Options() {
        "on virtio disks, which pay per segment, and writes in place elsewhere (default auto)",
        [](ManagerConfig& c, std::string_view v) -> Status {
          if (!storage::ParseWriteStaging(v).has_value()) {
-           return Status::InvalidArgument(
-               fmt::format("'{}' is not auto, copy or zero-copy", v));
+           return Status::InvalidArgument(fmt::format("'{}' is not auto, copy or zero-copy", v));
          }
          c.ssd_write_staging = std::string(v);
          return Status::Ok();
@@ -261,8 +260,7 @@ const std::vector<Option>& Options() {
        "where other Managers reach this one (advertised in its member record); starts the peer "
        "listener (orbitkv.peer.v1 over gRPC)",
        StringInto(&ManagerConfig::peer_endpoint)},
-      {"peer-listen", "HOST:PORT",
-       "where the peer listener binds (default: the --peer-endpoint)",
+      {"peer-listen", "HOST:PORT", "where the peer listener binds (default: the --peer-endpoint)",
        StringInto(&ManagerConfig::peer_listen)},
       {"peer-tls-cert", "PATH",
        "PEM certificate of this Manager for mutual TLS between peers (with --peer-tls-key and "
@@ -285,7 +283,8 @@ const std::vector<Option>& Options() {
        "is reported incomplete, never over budget",
        SizeInto(&ManagerConfig::catalog_budget_bytes)},
       {"inventory-journal-bytes", "SIZE",
-       "the residency journal owner streams replay from, over all shards (default 16MiB): a catalog "
+       "the residency journal owner streams replay from, over all shards (default 16MiB): a "
+       "catalog "
        "host that falls further behind resyncs with a snapshot",
        SizeInto(&ManagerConfig::inventory_journal_bytes)},
       {"ucx-tls", "LIST",
@@ -297,22 +296,27 @@ const std::vector<Option>& Options() {
        "(default: all)",
        StringInto(&ManagerConfig::ucx_net_devices)},
       {"discovery-max-hosts", "N",
-       "catalog hosts one cold query asks at once when it looks up who holds its blocks (default 4)",
+       "catalog hosts one cold query asks at once when it looks up who holds its blocks (default "
+       "4)",
        Uint32Into(&ManagerConfig::discovery_max_hosts, 1, 16)},
       {"candidate-ttl-ms", "MS",
-       "how long a learnt candidate (who holds a block) is trusted without asking the catalog again; reads do "
+       "how long a learnt candidate (who holds a block) is trusted without asking the catalog "
+       "again; reads do "
        "not extend it (default 5000)",
        Uint32Into(&ManagerConfig::candidate_ttl_ms, 1, 3600000)},
       {"remote-fetch-deadline-ms", "MS",
-       "a Loading operation's remote stage completes with what arrived by then, and the engine recomputes the "
+       "a Loading operation's remote stage completes with what arrived by then, and the engine "
+       "recomputes the "
        "rest (default 10000)",
        Uint32Into(&ManagerConfig::remote_fetch_deadline_ms, 100, 600000)},
       {"remote-staging-budget", "SIZE",
-       "pool bytes blocks being fetched from peers may hold before they are sealed (default a quarter of the "
+       "pool bytes blocks being fetched from peers may hold before they are sealed (default a "
+       "quarter of the "
        "pool)",
        SizeInto(&ManagerConfig::remote_staging_budget_bytes)},
       {"transfer-peer-budget", "SIZE",
-       "bytes one requesting peer may keep pinned here as a source (default: all of --transfer-budget)",
+       "bytes one requesting peer may keep pinned here as a source (default: all of "
+       "--transfer-budget)",
        SizeInto(&ManagerConfig::transfer_peer_budget_bytes)},
   };
   return options;
@@ -434,6 +438,10 @@ Result<ParsedArgs> ParseManagerArgs(int argc, const char* const* argv) {
       parsed.version = true;
       return parsed;
     }
+    if (arg == "--check-config") {
+      parsed.check_config = true;
+      continue;
+    }
     if (arg.substr(0, 2) != "--") {
       return Status::InvalidArgument(fmt::format("unexpected argument '{}' (see --help)", arg));
     }
@@ -495,6 +503,9 @@ std::string ManagerHelp() {
                                  : fmt::format("--{} {}", option.name, option.value_name);
     out += fmt::format("  {:<34} {}\n", left, option.help);
   }
+  out += fmt::format(
+      "  {:<34} {}\n", "--check-config",
+      "check the flags and the --config file, print the main settings and exit (0: valid)");
   out += fmt::format("  {:<34} {}\n", "--version", "print the version and exit");
   out += fmt::format("  {:<34} {}\n", "--help", "this text");
   out +=

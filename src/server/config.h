@@ -101,6 +101,7 @@ struct ParsedArgs {
   ManagerConfig config;
   bool help = false;
   bool version = false;
+  bool check_config = false;  // --check-config: validate the settings, print them, exit
 };
 
 // Applies defaults, then --config's file, then the flags.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -37,6 +38,33 @@ TEST(ConfigTest, EmbeddedDefaultsServeOneHost) {
   EXPECT_EQ(c.numa, "auto");
   EXPECT_FALSE(c.allow_unpinned);
   EXPECT_TRUE(c.metrics_addr.empty());
+}
+
+TEST(ConfigTest, OrbitkvSocketNamesTheDefaultSocketOfManagerAndEngines) {
+  const char* before = std::getenv("ORBITKV_SOCKET");
+  const std::string saved = before == nullptr ? "" : before;
+  ASSERT_EQ(setenv("ORBITKV_SOCKET", "/run/orbitkv/manager.sock", 1), 0);
+  auto parsed = Parse({});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->config.socket_path, "/run/orbitkv/manager.sock");
+  EXPECT_EQ(Parse({"--socket", "/tmp/flag.sock"})->config.socket_path,
+            "/tmp/flag.sock");                    // a flag wins
+  ASSERT_EQ(setenv("ORBITKV_SOCKET", "", 1), 0);  // empty: as if unset
+  EXPECT_NE(Parse({})->config.socket_path, "");
+  EXPECT_NE(Parse({})->config.socket_path, "/run/orbitkv/manager.sock");
+  if (before == nullptr) {
+    unsetenv("ORBITKV_SOCKET");
+  } else {
+    setenv("ORBITKV_SOCKET", saved.c_str(), 1);
+  }
+}
+
+TEST(ConfigTest, CheckConfigValidatesWithoutStopping) {
+  auto parsed = Parse({"--check-config", "--dram", "1GiB"});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_TRUE(parsed->check_config);
+  EXPECT_EQ(parsed->config.dram_bytes, 1ull << 30);
+  EXPECT_FALSE(Parse({"--check-config", "--dram", "lots"}).ok());  // a bad value is still an error
 }
 
 TEST(ConfigTest, FlagsInBothSpellings) {

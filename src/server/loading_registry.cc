@@ -41,7 +41,7 @@ void LoadingRegistry::Aftermath::Run(LoadingRegistry* registry) {
 }
 
 Result<uint64_t> LoadingRegistry::Start(uint64_t owner, const LoadingChain& chain,
-                                        std::vector<LoadingStage> stages) {
+                                        std::vector<LoadingStage> stages, size_t resident) {
   Aftermath after;
   uint64_t id = 0;
   {
@@ -59,6 +59,9 @@ Result<uint64_t> LoadingRegistry::Start(uint64_t owner, const LoadingChain& chai
     op.owner = owner;
     op.chain = chain;
     op.stages = std::move(stages);
+    op.origin.resident = resident;
+    for (const LoadingStage& stage : op.stages)
+      op.origin.stages.emplace_back(stage.name, stage.span);
     by_chain_.emplace(chain, id);
     started_->Increment();
     active_->Add(1);
@@ -151,8 +154,7 @@ void LoadingRegistry::CompleteLocked(Op& op, Aftermath* after) {
   op.waiters.clear();
 }
 
-LoadingRegistry::OpMap::iterator LoadingRegistry::ForgetLocked(OpMap::iterator it,
-                                                               const char* why,
+LoadingRegistry::OpMap::iterator LoadingRegistry::ForgetLocked(OpMap::iterator it, const char* why,
                                                                Aftermath* after) {
   Op& op = it->second;
   held_blocks_ -= op.held.size();
@@ -176,6 +178,26 @@ bool LoadingRegistry::Completed(const LoadingChain& chain) {
   if (found == by_chain_.end()) return false;
   auto it = ops_.find(found->second);
   return it != ops_.end() && it->second.completed;
+}
+
+std::optional<LoadingRegistry::Origin> LoadingRegistry::CompletedOrigin(const LoadingChain& chain) {
+  MutexLock lock(&mu_);
+  auto found = by_chain_.find(chain);
+  if (found == by_chain_.end()) return std::nullopt;
+  auto it = ops_.find(found->second);
+  if (it == ops_.end() || !it->second.completed) return std::nullopt;
+  return it->second.origin;
+}
+
+const std::string& LoadingRegistry::Origin::TierOf(size_t index) const {
+  static const std::string kDram = "dram";
+  if (index < resident) return kDram;
+  size_t end = 0;
+  for (const auto& [name, span] : stages) {
+    end += span;
+    if (index < end) return name;
+  }
+  return kDram;
 }
 
 void LoadingRegistry::Forget(const LoadingChain& chain) {
@@ -257,7 +279,8 @@ MonoTime LoadingRegistry::Sweep() {
     for (auto it = ops_.begin(); it != ops_.end();) {
       Op& op = it->second;
       if (!op.completed && now >= op.stage_deadline) {
-        // The running stage is late: complete with what arrived; its pins are let go when they come.
+        // The running stage is late: complete with what arrived; its pins are let go when they
+        // come.
         CompleteLocked(op, &after);
       }
       if (!op.completed) {
@@ -265,9 +288,9 @@ MonoTime LoadingRegistry::Sweep() {
         auto late = std::partition(op.waiters.begin(), op.waiters.end(),
                                    [now](const Op::Waiter& w) { return now < w.deadline; });
         for (auto w = late; w != op.waiters.end(); ++w) {
-          after.answers.emplace_back(std::move(w->done),
-                                     Status::DeadlineExceeded(
-                                         "the Loading operation is still running; ask again"));
+          after.answers.emplace_back(
+              std::move(w->done),
+              Status::DeadlineExceeded("the Loading operation is still running; ask again"));
         }
         op.waiters.erase(late, op.waiters.end());
         for (const Op::Waiter& w : op.waiters) next = std::min(next, w.deadline);

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -78,10 +79,23 @@ class LoadingRegistry {
   // The chain's op (the engine asked again), or a new one running `stages` in order; returns its
   // id. ResourceExhausted when `owner` has max_per_owner ops outstanding; the first stage's start
   // error otherwise (the op is forgotten).
+  // `resident` is how many leading blocks of the chain were in DRAM when the op started (for the
+  // per-tier hit counts of Origin).
   Result<uint64_t> Start(uint64_t owner, const LoadingChain& chain,
-                         std::vector<LoadingStage> stages) EXCLUDES(mu_);
+                         std::vector<LoadingStage> stages, size_t resident = 0) EXCLUDES(mu_);
   // Whether the chain has an op that completed (its blocks are held resident).
   bool Completed(const LoadingChain& chain) EXCLUDES(mu_);
+  // Where a completed op's blocks came from: the chain's first `resident` blocks were in DRAM, and
+  // each stage covered the next `span` blocks (stages cover the chain from its start, in order).
+  struct Origin {
+    size_t resident = 0;
+    std::vector<std::pair<std::string, size_t>> stages;  // (name, span)
+    // The tier that served block `index` of the chain: "dram" before `resident`, else the name of
+    // the stage whose span holds it ("dram" past every span).
+    const std::string& TierOf(size_t index) const;
+  };
+  // The chain's completed op's Origin; nullopt when it has none.
+  std::optional<Origin> CompletedOrigin(const LoadingChain& chain) EXCLUDES(mu_);
   // Forgets the chain's op, running or completed; its held pins go (after the caller's lease took
   // its own, the blocks stay resident).
   void Forget(const LoadingChain& chain) EXCLUDES(mu_);
@@ -106,9 +120,10 @@ class LoadingRegistry {
     uint64_t owner = 0;
     LoadingChain chain;
     std::vector<LoadingStage> stages;
-    size_t stage = 0;          // the running stage (stages.size() once completed)
-    MonoTime stage_deadline;   // of the running stage
+    size_t stage = 0;         // the running stage (stages.size() once completed)
+    MonoTime stage_deadline;  // of the running stage
     bool completed = false;
+    Origin origin;  // for CompletedOrigin (the stages themselves go when the op completes)
     MonoTime completed_at;
     std::vector<core::BlockPin> held;  // the prefix loaded so far
     struct Waiter {
@@ -122,7 +137,7 @@ class LoadingRegistry {
   struct Aftermath {
     std::vector<core::BlockPin> released;
     std::vector<std::pair<WaitDone, Result<uint64_t>>> answers;
-    LoadingStage::Done next_done;      // the next stage to start, with its completion
+    LoadingStage::Done next_done;  // the next stage to start, with its completion
     std::function<Status(LoadingStage::Done)> next_start;
     uint64_t next_op = 0;
     size_t next_stage = 0;
@@ -137,8 +152,7 @@ class LoadingRegistry {
   // Prepares the start of the op's current stage (run by Aftermath).
   void ArmStageLocked(uint64_t id, Op& op, Aftermath* after) REQUIRES(mu_);
   // Removes the op; held pins and waiters go to `after`. Returns the next entry.
-  OpMap::iterator ForgetLocked(OpMap::iterator it, const char* why, Aftermath* after)
-      REQUIRES(mu_);
+  OpMap::iterator ForgetLocked(OpMap::iterator it, const char* why, Aftermath* after) REQUIRES(mu_);
   // Sweep must run by `when`.
   void DueByLocked(MonoTime when, Aftermath* after) REQUIRES(mu_);
 
