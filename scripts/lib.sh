@@ -12,6 +12,9 @@ orbitkv_bootstrap() {
   export ORBITKV_PYTHON
 }
 
+# The flags of the main tree (`build`): scripts/test builds it with these, and the wheel (setup.py) reuses that tree.
+ORBITKV_MAIN_BUILD_ARGS=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DORBITKV_WERROR=ON -DORBITKV_BUILD_PYTHON=ON)
+
 # orbitkv_build DIR [cmake args...]: configure (first time or when args change) and build with Ninja.
 # ORBITKV_BUILD_TARGETS (space-separated) builds only those targets instead of everything.
 orbitkv_build() {

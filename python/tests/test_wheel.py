@@ -1,0 +1,115 @@
+"""The wheel as a user installs it: built from this tree (pip wheel --no-build-isolation), installed into a fresh venv
+with Debian's torch and numpy (--system-site-packages), the Manager started from its console script, and a
+save/query/restore through orbitkv.CacheManagerClient from that venv, byte-exact, none of it from the source tree."""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SYSTEM = re.compile(r"^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+\.|libgcc_s\.)")
+
+CLIENT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import orbitkv
+    from orbitkv import shm
+    assert orbitkv.__file__.startswith(sys.prefix), orbitkv.__file__  # the installed package, not the tree's
+    sock = sys.argv[1]
+    orbitkv.wait_for_manager(sock, timeout=60)
+    client = orbitkv.CacheManagerClient(sock)
+    ns = orbitkv.derive_namespace("wheel/model", "main", "wheel/tok", "cpu", dtype="bf16", page_size_tokens=16)
+    client.register_instance(1, ns)
+    caches = [shm.empty((16, 16, 2, 64), "uint16") for _ in range(4)]
+    client.register_group(1, 0, caches)
+    rng = np.random.default_rng(7)
+    for cache in caches:
+        cache[...] = rng.integers(0, 65535, cache.shape, dtype=np.uint16)
+    expected = [cache[:6].copy() for cache in caches]
+    keys = [orbitkv.StateKey(ns, 0, i * 16, i * 16 + 16, i.to_bytes(16, "little")) for i in range(8)]
+    assert client.save(1, [(k, i) for i, k in enumerate(keys[:6])]) == (6, 0)
+    for cache in caches:
+        cache[...] = 0xDEAD  # poison
+    hit = client.query_prefetch(1, keys)
+    assert isinstance(hit, orbitkv.QueryHit) and hit.num_hit_blocks == 6, hit
+    client.restore(1, hit.lease, range(6))
+    for cache, want in zip(caches, expected):
+        assert np.array_equal(cache[:6], want)
+    print("round trip byte-exact from", orbitkv.__file__)
+""")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory, build_dir):
+    out = tmp_path_factory.mktemp("wheel")
+    env = dict(os.environ, ORBITKV_BUILD_DIR=str(build_dir))
+    env.pop("ORBITKV_WHEEL_PYTHON", None)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-q",
+                    "-w", str(out), str(ROOT)], check=True, cwd=ROOT, env=env)
+    wheels = list(out.glob("orbitkv-*.whl"))
+    assert len(wheels) == 1, wheels
+    tag = "cp%d%d" % sys.version_info[:2]
+    assert wheels[0].name.endswith(f"-{tag}-{tag}-linux_x86_64.whl"), wheels[0].name
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory, wheel):
+    home = tmp_path_factory.mktemp("venv") / "env"
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", str(home)], check=True)
+    subprocess.run([str(home / "bin" / "pip"), "install", "-q", "--no-index", "--no-deps", str(wheel)], check=True)
+    return home
+
+
+def clean_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_LIBRARY_PATH", "ORBITKV_SOCKET")}
+    return env
+
+
+def test_the_installed_programs_load_their_libraries_from_the_wheel(venv):
+    site = next((venv / "lib").glob("python3.*/site-packages/orbitkv"))
+    elves = [site / "_bin" / "orbitkv-manager", site / "_bin" / "orbitkv", *site.glob("_native*.so"),
+             *(site / "_libs" / "ucx").glob("*.so.0")]
+    assert len(elves) >= 4
+    for elf in elves:
+        for line in subprocess.run(["ldd", str(elf)], check=True, text=True, capture_output=True,
+                                   env=clean_env()).stdout.splitlines():
+            parts = line.split()
+            if "=>" not in parts or SYSTEM.match(parts[0]):
+                continue
+            assert parts[2] != "not", f"{elf.name}: {line.strip()}"
+            if elf.parent.name == "ucx" and parts[0].startswith(("libibverbs", "librdmacm", "libmlx", "libnl-")):
+                continue  # the RDMA stack is the host's
+            assert parts[2].startswith(str(site)), f"{elf.name} loads {parts[0]} from outside the wheel: {parts[2]}"
+    assert (site / "_build_info.txt").read_text().startswith("commit: ")
+
+
+def test_console_scripts_and_a_byte_exact_round_trip_from_the_venv(venv, tmp_path):
+    env = clean_env()
+    help_text = subprocess.run([str(venv / "bin" / "orbitkv-manager"), "--help"], check=True, text=True,
+                               capture_output=True, env=env, cwd=tmp_path).stdout
+    assert "--check-config" in help_text and "--etcd-endpoints" in help_text
+    sock = tmp_path / "manager.sock"
+    manager = subprocess.Popen([str(venv / "bin" / "orbitkv-manager"), "--socket", str(sock), "--dram", "64MiB",
+                                "--slab", "4MiB", "--log-level", "warn"], env=env, cwd=tmp_path,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        (tmp_path / "client.py").write_text(CLIENT)
+        ran = subprocess.run([str(venv / "bin" / "python"), "client.py", str(sock)], env=env, cwd=tmp_path,
+                             text=True, capture_output=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        assert "round trip byte-exact from " + str(venv) in ran.stdout
+        stats = subprocess.run([str(venv / "bin" / "orbitkv"), "stats", "--socket", str(sock), "--json"],
+                               env=env, cwd=tmp_path, text=True, capture_output=True, timeout=30)
+        assert stats.returncode == 0, stats.stderr
+        assert json.loads(stats.stdout)["resident_blocks"] == 6  # the CLI from the wheel reads the same Manager
+    finally:
+        manager.send_signal(signal.SIGTERM)
+        assert manager.wait(timeout=60) == 0, manager.stderr.read()
