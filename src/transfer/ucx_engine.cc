@@ -98,22 +98,22 @@ UcxTransferEngine::Counters::Counters(MetricsRegistry* registry) {
     return;
   }
   bytes_read =
-      &registry->GetCounter("transfer_bytes_read_total", "Bytes landed by completed read batches");
+      &registry->GetCounter("orbitkv_transfer_bytes_read_total", "Bytes landed by completed read batches");
   bytes_served =
-      &registry->GetCounter("transfer_bytes_served_total", "Bytes sent to peers' read batches");
-  batches_ok = &registry->GetCounter("transfer_batches_total", "Read batches by outcome",
+      &registry->GetCounter("orbitkv_transfer_bytes_served_total", "Bytes sent to peers' read batches");
+  batches_ok = &registry->GetCounter("orbitkv_transfer_batches_total", "Read batches by outcome",
                                      {{"result", "ok"}});
-  batches_failed = &registry->GetCounter("transfer_batches_total", "Read batches by outcome",
+  batches_failed = &registry->GetCounter("orbitkv_transfer_batches_total", "Read batches by outcome",
                                          {{"result", "failed"}});
-  checksum_failures = &registry->GetCounter("transfer_checksum_failures_total",
+  checksum_failures = &registry->GetCounter("orbitkv_transfer_checksum_failures_total",
                                             "Batches whose fragments failed their checksum");
-  protocol_errors = &registry->GetCounter("transfer_protocol_errors_total",
+  protocol_errors = &registry->GetCounter("orbitkv_transfer_protocol_errors_total",
                                           "Malformed or unexpected messages dropped");
-  revocations = &registry->GetCounter("transfer_endpoint_revocations_total",
+  revocations = &registry->GetCounter("orbitkv_transfer_endpoint_revocations_total",
                                       "Endpoints closed to revoke transfers of expired operations or "
                                       "revoked grants");
   grant_refusals = &registry->GetCounter(
-      "transfer_grant_refusals_total",
+      "orbitkv_transfer_grant_refusals_total",
       "Read requests refused because they named no live grant or read outside it");
 }
 
