@@ -7,8 +7,10 @@ blocks from host 0 over UCX, then a hit) and restores it: remote_fetch_gbps is t
 the query to the last page restored in the engine, against the UCX read and iperf3 measured on a veth in the same run
 (transfer bench: a direct veth pair) and against iperf3 across the mesh's bridge between host 0 and host 1 (the
 fetch's own path), all in the same run. Then host 2 does the same with two Managers holding each prefix. TTFT on the reference engine (CPU,
-"tiny" preset, a 4,096-token prompt): recompute, a local DRAM hit on host 0, a remote hit on host 1, and a remote hit
-on host 1 while one of the three catalog hosts is down (the blocks of its shards are not found: a shorter hit).
+"tiny" preset, a 4,096-token prompt): recompute, a local DRAM hit on host 0, a remote hit on host 1, a remote hit
+on host 1 while one of the three catalog hosts is down (the blocks of its shards are not found: a shorter hit), and a
+local SSD hit (a standalone Manager restarted on its SSD files); a PNG of TTFT by tier is written next to the build's
+benches (distributed_ttft.png).
 
     sudo ORBITKV_BUILD_DIR=build-bench PYTHONPATH=python python3 benches/distributed_bench.py [--json]
 """
@@ -157,9 +159,59 @@ def ttft(config, sockets, lose_catalog_host, chunk: int = 512, length: int = 409
     lose_catalog_host()
     run("degraded", sockets[1], prompts[1])
     same = runs["remote"].tokens == runs["recompute"].tokens == runs["local"].tokens
-    return dict(recompute=runs["recompute"].ttft_s, local=runs["local"].ttft_s, remote=runs["remote"].ttft_s,
+    return dict(tokens=runs["recompute"].tokens, recompute=runs["recompute"].ttft_s, local=runs["local"].ttft_s, remote=runs["remote"].ttft_s,
                 remote_tokens=runs["remote"].restored_tokens, degraded=runs["degraded"].ttft_s,
                 degraded_tokens=runs["degraded"].restored_tokens, same=same)
+
+
+def ttft_from_ssd(config, manager_bin: str, work: str, chunk: int = 512, length: int = 4096, seed: int = 3) -> dict:
+    """TTFT of the same 4,096-token prompt restored from a Manager's SSD tier: saved on a standalone Manager, which is
+    stopped gracefully (its DRAM blocks go to SSD) and started again on the same SSD files; the restarted Manager
+    answers Loading, reads the prefix from SSD, and the engine restores it."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
+    blocks = -(-length // config.block_size) + 4
+    model = refengine.RefEngine(config, 1, device="cpu", chunk_size=chunk).model
+    socket = os.path.join(work, "ssd-manager.sock")
+    args = [manager_bin, "--socket", socket, "--dram", "1GiB", "--ssd-path", os.path.join(work, "ssd"),
+            "--ssd-capacity", "1GiB", "--ssd-min-frequency", "1", "--log-level", "warn"]
+    runs = {}
+    for name in ("save", "ssd"):
+        proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+        try:
+            orbitkv.wait_for_manager(socket, process=proc)
+            engine = SequentialEngine(config, blocks, socket, chunk_size=chunk, model=model)
+            runs[name] = engine.generate(prompt, 1)
+            engine.close()
+        finally:
+            proc.terminate()  # graceful: the DRAM blocks are written to SSD before it exits
+            proc.wait(timeout=60)
+    return dict(ssd=runs["ssd"].ttft_s, ssd_tokens=runs["ssd"].restored_tokens, tokens=runs["ssd"].tokens)
+
+
+def plot_ttft_by_tier(times: dict, path: pathlib.Path) -> str:
+    """A bar per tier (log scale): where the prefix came from and how long the first token took."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: matplotlib is not importable"
+    tiers = [("local DRAM", times["local"]), ("local SSD", times["ssd"]), ("remote\n(peer DRAM)", times["remote"]),
+             ("recompute", times["recompute"])]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bars = ax.bar([t for t, _ in tiers], [v * 1e3 for _, v in tiers],
+                  color=["tab:green", "tab:olive", "tab:blue", "tab:red"])
+    for bar, (_, v) in zip(bars, tiers):
+        ax.annotate(f"{v * 1e3:.0f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom", fontsize=9)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("TTFT of a 4,096-token prompt by where its prefix came from\n(reference engine 'tiny' on CPU)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return str(path)
 
 
 def main(argv=None) -> int:
@@ -227,6 +279,9 @@ def main(argv=None) -> int:
         etcd_calls = etcd_unary_calls(net.address(1), 9100) - etcd_before
         three = fetch_round(engines[2], clients[2], documents)
         times = ttft(refengine.preset("tiny"), sockets, lambda: procs[3].kill())  # procs: etcd, host-0, -1, -2
+        from_ssd = ttft_from_ssd(refengine.preset("tiny"), manager_bin, work)
+        times.update(ssd=from_ssd["ssd"], ssd_tokens=from_ssd["ssd_tokens"])
+        times["same"] = times["same"] and from_ssd["tokens"] == times["tokens"]
         fallbacks = after["remote_no_source"] - before["remote_no_source"] + \
             after["remote_fetch_failures"] - before["remote_fetch_failures"]
     finally:
@@ -255,6 +310,7 @@ def main(argv=None) -> int:
         PREFIX_PAGES * engines[1].page_bytes / (read_1m * 1e9) * 1e3)
     add("ttft_remote_hit_ms", "ms", times["remote"] * 1e3, "ttft_recompute_ms", times["recompute"] * 1e3)
     add("ttft_local_dram_ms", "ms", times["local"] * 1e3, "ttft_recompute_ms", times["recompute"] * 1e3)
+    add("ttft_ssd_hit_ms", "ms", times["ssd"] * 1e3, "ttft_recompute_ms", times["recompute"] * 1e3)
     add("ttft_recompute_ms", "ms", times["recompute"] * 1e3)
     add("ttft_remote_hit_one_catalog_host_down_ms", "ms", times["degraded"] * 1e3, "ttft_recompute_ms",
         times["recompute"] * 1e3)
@@ -275,6 +331,8 @@ def main(argv=None) -> int:
                transport="UCX tcp on veths; gRPC peers without TLS",
                query_to_hit_ms_p50=f"{two['query_ms']:.1f}", restore_into_engine_ms_p50=f"{two['restore_ms']:.1f}",
                transfer_seconds_total=f"{after.get('remote_fetch_seconds', 0) - before.get('remote_fetch_seconds', 0):.3f}")
+    env["ttft_ssd_restored_tokens"] = str(times["ssd_tokens"])
+    env["plot"] = plot_ttft_by_tier(times, build / "benches" / "distributed_ttft.png")
     report = dict(bench="distributed", results=results, env=env)
     if args.json:
         print(json.dumps(report))

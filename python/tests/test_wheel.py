@@ -1,6 +1,7 @@
 """The wheel as a user installs it: built from this tree (pip wheel --no-build-isolation), installed into a fresh venv
 with Debian's torch and numpy (--system-site-packages), the Manager started from its console script, and a
-save/query/restore through orbitkv.CacheManagerClient from that venv, byte-exact, none of it from the source tree."""
+save/query/restore through orbitkv.CacheManagerClient from that venv (python -m orbitkv.selftest), byte-exact, none of
+it from the source tree."""
 
 import json
 import os
@@ -9,41 +10,12 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SYSTEM = re.compile(r"^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+\.|libgcc_s\.)")
 
-CLIENT = textwrap.dedent("""
-    import sys
-    import numpy as np
-    import orbitkv
-    from orbitkv import shm
-    assert orbitkv.__file__.startswith(sys.prefix), orbitkv.__file__  # the installed package, not the tree's
-    sock = sys.argv[1]
-    orbitkv.wait_for_manager(sock, timeout=60)
-    client = orbitkv.CacheManagerClient(sock)
-    ns = orbitkv.derive_namespace("wheel/model", "main", "wheel/tok", "cpu", dtype="bf16", page_size_tokens=16)
-    client.register_instance(1, ns)
-    caches = [shm.empty((16, 16, 2, 64), "uint16") for _ in range(4)]
-    client.register_group(1, 0, caches)
-    rng = np.random.default_rng(7)
-    for cache in caches:
-        cache[...] = rng.integers(0, 65535, cache.shape, dtype=np.uint16)
-    expected = [cache[:6].copy() for cache in caches]
-    keys = [orbitkv.StateKey(ns, 0, i * 16, i * 16 + 16, i.to_bytes(16, "little")) for i in range(8)]
-    assert client.save(1, [(k, i) for i, k in enumerate(keys[:6])]) == (6, 0)
-    for cache in caches:
-        cache[...] = 0xDEAD  # poison
-    hit = client.query_prefetch(1, keys)
-    assert isinstance(hit, orbitkv.QueryHit) and hit.num_hit_blocks == 6, hit
-    client.restore(1, hit.lease, range(6))
-    for cache, want in zip(caches, expected):
-        assert np.array_equal(cache[:6], want)
-    print("round trip byte-exact from", orbitkv.__file__)
-""")
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +73,16 @@ def test_console_scripts_and_a_byte_exact_round_trip_from_the_venv(venv, tmp_pat
                                 "--slab", "4MiB", "--log-level", "warn"], env=env, cwd=tmp_path,
                                stderr=subprocess.PIPE, text=True)
     try:
-        (tmp_path / "client.py").write_text(CLIENT)
-        ran = subprocess.run([str(venv / "bin" / "python"), "client.py", str(sock)], env=env, cwd=tmp_path,
-                             text=True, capture_output=True, timeout=120)
-        assert ran.returncode == 0, ran.stderr
-        assert "round trip byte-exact from " + str(venv) in ran.stdout
+        # orbitkv.selftest (the installed one): saves, poisons, queries and restores shared-memory pages, byte-exact.
+        ran = subprocess.run([str(venv / "bin" / "python"), "-m", "orbitkv.selftest", "--socket", str(sock),
+                              "--device", "cpu"], env=env, cwd=tmp_path, text=True, capture_output=True, timeout=120)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert f"selftest: orbitkv from {venv}" in ran.stdout  # the installed package, not the tree's
+        assert "selftest: shared memory: 8 pages byte-exact" in ran.stdout
         stats = subprocess.run([str(venv / "bin" / "orbitkv"), "stats", "--socket", str(sock), "--json"],
                                env=env, cwd=tmp_path, text=True, capture_output=True, timeout=30)
         assert stats.returncode == 0, stats.stderr
-        assert json.loads(stats.stdout)["resident_blocks"] == 6  # the CLI from the wheel reads the same Manager
+        assert json.loads(stats.stdout)["resident_blocks"] == 8  # the CLI from the wheel reads the same Manager
     finally:
         manager.send_signal(signal.SIGTERM)
         assert manager.wait(timeout=60) == 0, manager.stderr.read()
