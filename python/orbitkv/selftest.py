@@ -101,10 +101,10 @@ def main(argv=None) -> int:
     manager, workdir = None, None
     socket = args.socket
     if socket is None:
-        from orbitkv import _launch
+        import orbitkv_console
 
         try:
-            binary = str(_launch.binary("orbitkv-manager"))
+            binary = str(orbitkv_console.binary("orbitkv-manager"))
         except SystemExit:
             binary = shutil.which("orbitkv-manager")
             if binary is None:

@@ -63,6 +63,19 @@ def test_the_installed_programs_load_their_libraries_from_the_wheel(venv):
     assert (site / "_build_info.txt").read_text().startswith("commit: ")
 
 
+def test_the_daemon_starts_from_an_environment_without_numpy(wheel, tmp_path):
+    """A service environment has no engine in it: the console script runs the bundled Manager without importing the
+    package (numpy, the native module)."""
+    bare = tmp_path / "bare"
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(bare)], check=True)
+    assert subprocess.run([str(bare / "bin" / "python"), "-c", "import numpy"], capture_output=True).returncode != 0
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(bare / "bin" / "python"), "install", "-q",
+                    "--no-index", "--no-deps", str(wheel)], check=True)
+    version = subprocess.run([str(bare / "bin" / "orbitkv-manager"), "--version"], capture_output=True, text=True,
+                             env=clean_env(), cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.startswith("orbitkv-manager "), version.stderr
+
+
 def test_console_scripts_and_a_byte_exact_round_trip_from_the_venv(venv, tmp_path):
     env = clean_env()
     help_text = subprocess.run([str(venv / "bin" / "orbitkv-manager"), "--help"], check=True, text=True,
