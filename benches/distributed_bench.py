@@ -13,6 +13,9 @@ local SSD hit (a standalone Manager restarted on its SSD files); a PNG of TTFT b
 benches (distributed_ttft.png).
 
     sudo ORBITKV_BUILD_DIR=build-bench PYTHONPATH=python python3 benches/distributed_bench.py [--json]
+
+ORBITKV_DBENCH_VERBOSE=1 prints each prefix's query time and the engine's CPU during it (stderr);
+ORBITKV_DBENCH_PAUSE=SECONDS also keeps the Managers' debug logs and pauses before the fetches, for a profiler.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ def fetch_round(engine: KvEngine, client, prefixes) -> dict:
             client.restore(engine.instance, result.lease, range(n))
         elapsed = time.perf_counter() - t0
         query_ms.append((t1 - t0) * 1e3)
-        if os.environ.get("ORBITKV_DBENCH_PAUSE"):
+        if os.environ.get("ORBITKV_DBENCH_PAUSE") or os.environ.get("ORBITKV_DBENCH_VERBOSE"):
             c1 = resource.getrusage(resource.RUSAGE_SELF)
             print(f"distributed_bench: prefix {document}: query {1e3 * (t1 - t0):.1f} ms, engine CPU during query "
                   f"{1e3 * (c1.ru_utime - c0.ru_utime):.1f} ms user {1e3 * (c1.ru_stime - c0.ru_stime):.1f} ms "
