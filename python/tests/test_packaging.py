@@ -227,3 +227,11 @@ def test_every_series_the_dashboard_queries_exists_on_the_manager_it_belongs_to(
         if match:
             values[match.group(1)] = int(match.group(2))
     assert values.get("remote") == 8, values  # the hit-rate panel's remote tier counts the fetched prefix
+
+
+def test_a_gpu_list_naming_a_missing_gpu_stops_the_manager_with_the_fix(manager_binary, tmp_path):
+    # GPU 99 exists nowhere: without a GPU the Manager says none is usable, with GPUs how many are visible.
+    started = subprocess.run([manager_binary, "--socket", str(tmp_path / "m.sock"), "--dram", "64MiB", "--gpus",
+                              "99"], capture_output=True, text=True, timeout=60)
+    assert started.returncode == 1
+    assert "--gpus names GPU" in started.stderr and ("--gpus none" in started.stderr or "visible" in started.stderr)

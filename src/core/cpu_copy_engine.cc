@@ -86,13 +86,13 @@ MetricsRegistry& PickRegistry(MetricsRegistry* given,
 Counter& BytesCounter(MetricsRegistry& registry, CopyDirection direction) {
   return registry.GetCounter(
       "orbitkv_copy_bytes_total", "Bytes copied by completed copy batches.",
-      {{"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}});
+      {{"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}, {"device", "host"}});
 }
 
 Counter& BatchesCounter(MetricsRegistry& registry, CopyDirection direction) {
   return registry.GetCounter(
       "orbitkv_copy_batches_total", "Copy batches completed.",
-      {{"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}});
+      {{"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}, {"device", "host"}});
 }
 
 // The checks that need no registry, with InvalidArgument naming the first bad fragment; on OK,

@@ -467,7 +467,8 @@ TEST(CpuCopyEngineTest, InvalidFragmentsRejectTheWholeBatch) {
   EXPECT_TRUE(pool == pool_before);
   for (CopyDirection direction : {CopyDirection::kSave, CopyDirection::kRestore}) {
     const MetricLabels labels = {{"engine", "cpu"},
-                                 {"direction", std::string(CopyDirectionName(direction))}};
+                                 {"direction", std::string(CopyDirectionName(direction))},
+                                 {"device", "host"}};
     EXPECT_EQ(metrics.GetCounter("orbitkv_copy_batches_total", "", labels).Value(), 0u);
   }
   EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(),
@@ -518,7 +519,9 @@ TEST(CpuCopyEngineTest, MetricsCountCompletedBatchesByDirection) {
                   .ok());
   base.Shutdown();
   auto counter = [&metrics](std::string_view name, std::string_view direction) {
-    return metrics.GetCounter(name, "", {{"engine", "cpu"}, {"direction", std::string(direction)}})
+    return metrics
+        .GetCounter(name, "",
+                    {{"engine", "cpu"}, {"direction", std::string(direction)}, {"device", "host"}})
         .Value();
   };
   EXPECT_EQ(counter("orbitkv_copy_bytes_total", "save"), 1000u);
@@ -763,7 +766,8 @@ TEST(CpuCopyEngineConcurrencyTest, SubmittersAndRegistrationChurn) {
             0.0);
   EXPECT_EQ(
       metrics
-          .GetCounter("orbitkv_copy_bytes_total", "", {{"engine", "cpu"}, {"direction", "restore"}})
+          .GetCounter("orbitkv_copy_bytes_total", "",
+                      {{"engine", "cpu"}, {"direction", "restore"}, {"device", "host"}})
           .Value(),
       uint64_t{kSubmitters} * (kRounds / 2) * kBytes);
 }

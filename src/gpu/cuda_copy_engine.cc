@@ -43,16 +43,19 @@ MetricsRegistry& PickRegistry(MetricsRegistry* given,
   return given != nullptr ? *given : *owned;
 }
 
-Counter& BytesCounter(MetricsRegistry& registry, CopyDirection direction) {
-  return registry.GetCounter(
-      "orbitkv_copy_bytes_total", "Bytes copied by completed copy batches.",
-      {{"engine", "cuda"}, {"direction", std::string(CopyDirectionName(direction))}});
+// Per device (its CUDA ordinal) and direction: an operator sees each GPU's restore and save traffic.
+Counter& BytesCounter(MetricsRegistry& registry, CopyDirection direction, int device) {
+  return registry.GetCounter("orbitkv_copy_bytes_total", "Bytes copied by completed copy batches.",
+                             {{"engine", "cuda"},
+                              {"direction", std::string(CopyDirectionName(direction))},
+                              {"device", std::to_string(device)}});
 }
 
-Counter& BatchesCounter(MetricsRegistry& registry, CopyDirection direction) {
-  return registry.GetCounter(
-      "orbitkv_copy_batches_total", "Copy batches completed.",
-      {{"engine", "cuda"}, {"direction", std::string(CopyDirectionName(direction))}});
+Counter& BatchesCounter(MetricsRegistry& registry, CopyDirection direction, int device) {
+  return registry.GetCounter("orbitkv_copy_batches_total", "Copy batches completed.",
+                             {{"engine", "cuda"},
+                              {"direction", std::string(CopyDirectionName(direction))},
+                              {"device", std::to_string(device)}});
 }
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
@@ -150,6 +153,8 @@ struct CudaCopyEngine::Lane {
   int device = 0;
   CopyDirection direction = CopyDirection::kRestore;
   uint32_t max_blocks = 1;  // Multiprocessors x blocks_per_sm.
+  Counter* bytes_total = nullptr;  // of this device and direction
+  Counter* batches_total = nullptr;
   std::vector<CudaStream> streams;
   // The dispatcher's turn among `streams`; only the dispatcher touches it.
   size_t next_stream = 0;
@@ -230,11 +235,7 @@ CudaCopyEngine::CudaCopyEngine(Options options, const HostMemoryRegistry* host_m
     : options_(std::move(options)),
       host_memory_(host_memory),
       owned_metrics_(metrics == nullptr ? std::make_unique<MetricsRegistry>() : nullptr),
-      bytes_total_{&BytesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kSave),
-                   &BytesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kRestore)},
-      batches_total_{
-          &BatchesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kSave),
-          &BatchesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kRestore)},
+      metrics_(&PickRegistry(metrics, owned_metrics_)),
       failed_total_(&PickRegistry(metrics, owned_metrics_)
                          .GetCounter("orbitkv_copy_failed_batches_total",
                                      "Copy batches completed with a device error.",
@@ -260,6 +261,8 @@ Status CudaCopyEngine::StartLanes() {
       lane->device = device;
       lane->direction = direction;
       lane->max_blocks = static_cast<uint32_t>(multiprocessors) * options_.blocks_per_sm;
+      lane->bytes_total = &BytesCounter(*metrics_, direction, device);
+      lane->batches_total = &BatchesCounter(*metrics_, direction, device);
       for (uint32_t i = 0; i < options_.streams_per_lane; ++i) {
         ORBITKV_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(device));
         lane->streams.push_back(std::move(stream));
@@ -703,10 +706,9 @@ void CudaCopyEngine::CompleteLoop(Lane* lane) {
 }
 
 void CudaCopyEngine::Finish(Lane* lane, std::unique_ptr<Batch> batch, const Status& status) {
-  const int direction = DirectionIndex(batch->copy.direction);
   if (status.ok()) {
-    bytes_total_[direction]->Increment(batch->total_bytes);
-    batches_total_[direction]->Increment();
+    lane->bytes_total->Increment(batch->total_bytes);
+    lane->batches_total->Increment();
   } else {
     failed_total_->Increment();
   }

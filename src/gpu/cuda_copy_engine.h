@@ -220,8 +220,7 @@ class CudaCopyEngine final : public core::CopyEngine {
   const Options options_;
   const HostMemoryRegistry* const host_memory_;
   const std::unique_ptr<MetricsRegistry> owned_metrics_;  // Set only when Create() got no registry.
-  Counter* const bytes_total_[2];                         // Indexed by CopyDirection.
-  Counter* const batches_total_[2];
+  MetricsRegistry* const metrics_;                        // The given registry, or owned_metrics_.
   Counter* const failed_total_;
   Counter* const dma_total_;
   // Whether the driver has cudaMemcpyBatchAsync (CUDA 12.8).

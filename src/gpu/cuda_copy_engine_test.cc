@@ -384,7 +384,8 @@ TEST_P(CudaCopyEngineMethodTest, RestoreAndSaveAreByteExact) {
 
   auto counter = [&](const char* direction) {
     return metrics
-        .GetCounter("orbitkv_copy_bytes_total", "", {{"engine", "cuda"}, {"direction", direction}})
+        .GetCounter("orbitkv_copy_bytes_total", "",
+                    {{"engine", "cuda"}, {"direction", direction}, {"device", "0"}})
         .Value();
   };
   EXPECT_EQ(counter("restore"), total);

@@ -112,6 +112,13 @@ const std::vector<Option>& Options() {
        SizeInto(&ManagerConfig::transfer_budget_bytes)},
       {"copy-threads", "N", "threads of the CPU copy engine (default 2)",
        Uint32Into(&ManagerConfig::copy_threads, 1, 256)},
+      {"gpus", "all|none|LIST",
+       "the GPUs whose engines this Manager serves, as CUDA ordinals after CUDA_VISIBLE_DEVICES (e.g. 0,1): "
+       "all (default: every visible GPU) or none (CPU engines only); each gets its own copy lanes",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         ORBITKV_ASSIGN_OR_RETURN(c.gpus, ParseGpus(v));
+         return Status::Ok();
+       }},
       {"max-operations", "N",
        "outstanding restores and saves over all sessions; more get backpressure (default "
        "1024)",
@@ -422,6 +429,29 @@ Result<uint64_t> ParseSize(std::string_view text) {
     return Status::InvalidArgument(fmt::format("'{}' is too large", text));
   }
   return value << shift;
+}
+
+Result<std::optional<std::vector<int>>> ParseGpus(std::string_view text) {
+  if (text == "all") return std::optional<std::vector<int>>();
+  if (text == "none") return std::optional<std::vector<int>>(std::vector<int>());
+  std::vector<int> devices;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string_view item = text.substr(start, comma - start);
+    int device = -1;
+    const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), device);
+    if (item.empty() || error != std::errc() || end != item.data() + item.size() || device < 0) {
+      return Status::InvalidArgument(fmt::format(
+          "'{}' is not a GPU list: give all, none, or CUDA ordinals like 0,1", text));
+    }
+    if (std::find(devices.begin(), devices.end(), device) != devices.end()) {
+      return Status::InvalidArgument(fmt::format("GPU {} is named twice in '{}'", device, text));
+    }
+    devices.push_back(device);
+    start = comma + 1;
+  }
+  return std::optional<std::vector<int>>(std::move(devices));
 }
 
 Result<ParsedArgs> ParseManagerArgs(int argc, const char* const* argv) {

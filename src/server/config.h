@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,9 @@ struct ManagerConfig {
   uint64_t query_instance_budget_bytes = 0;  // 0: the global query budget
   uint64_t transfer_budget_bytes = 0;        // 0: half the pool
   uint32_t copy_threads = 2;
+  // --gpus: the GPUs (CUDA ordinals, as CUDA_VISIBLE_DEVICES numbers them) whose engines' buffers this
+  // Manager copies. nullopt: every visible GPU; empty: none (CPU engines only).
+  std::optional<std::vector<int>> gpus;
   uint32_t max_operations = 1024;  // outstanding restores and saves over all sessions
   std::string metrics_addr;        // "" (off) or HOST:PORT, e.g. 127.0.0.1:9091
   log::Level log_level = log::Level::kInfo;
@@ -103,6 +107,9 @@ struct ParsedArgs {
   bool version = false;
   bool check_config = false;  // --check-config: validate the settings, print them, exit
 };
+
+// "all" (nullopt), "none" (empty) or CUDA ordinals like "0,1" (InvalidArgument naming the value).
+Result<std::optional<std::vector<int>>> ParseGpus(std::string_view text);
 
 // Applies defaults, then --config's file, then the flags.
 Result<ParsedArgs> ParseManagerArgs(int argc, const char* const* argv);

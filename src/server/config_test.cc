@@ -59,6 +59,23 @@ TEST(ConfigTest, OrbitkvSocketNamesTheDefaultSocketOfManagerAndEngines) {
   }
 }
 
+TEST(ConfigTest, GpusNamesAllNoneOrCudaOrdinals) {
+  EXPECT_FALSE(Parse({})->config.gpus.has_value());  // default: every visible GPU
+  EXPECT_FALSE(Parse({"--gpus", "all"})->config.gpus.has_value());
+  auto none = Parse({"--gpus", "none"});
+  ASSERT_TRUE(none.ok()) << none.status();
+  ASSERT_TRUE(none->config.gpus.has_value());
+  EXPECT_TRUE(none->config.gpus->empty());
+  auto two = Parse({"--gpus=1,0"});
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(*two->config.gpus, (std::vector<int>{1, 0}));
+  for (const char* bad : {"", "0,", "-1", "0,0", "gpu0", "1.5"}) {
+    auto parsed = Parse({"--gpus", bad});
+    ASSERT_FALSE(parsed.ok()) << bad;
+    EXPECT_NE(parsed.status().message().find("--gpus"), std::string::npos) << parsed.status();
+  }
+}
+
 TEST(ConfigTest, CheckConfigValidatesWithoutStopping) {
   auto parsed = Parse({"--check-config", "--dram", "1GiB"});
   ASSERT_TRUE(parsed.ok()) << parsed.status();

@@ -5,8 +5,10 @@ namespace orbitkv::server {
 CopyEngines::CopyEngines() = default;
 CopyEngines::~CopyEngines() { Close(); }
 
-void CopyEngines::PreparePool(core::BlockCacheOptions* options) {
-  gpu_ = GpuSupport::Detect(options);
+Status CopyEngines::PreparePool(core::BlockCacheOptions* options,
+                                const std::optional<std::vector<int>>& gpus) {
+  ORBITKV_ASSIGN_OR_RETURN(gpu_, GpuSupport::Detect(options, gpus));
+  return Status::Ok();
 }
 
 Status CopyEngines::Start(uint32_t copy_threads, uint32_t max_inflight, MetricsRegistry* metrics) {

@@ -38,8 +38,9 @@ class CopyEngines {
   CopyEngines& operator=(const CopyEngines&) = delete;
 
   // When the build has the gpu module and a GPU is usable, makes the CUDA host registry the pool's
-  // registrar; otherwise leaves the Manager CPU-only (and says so in the log).
-  void PreparePool(core::BlockCacheOptions* options);
+  // registrar; otherwise leaves the Manager CPU-only (and says so in the log). `gpus` (--gpus):
+  // nullopt every visible GPU, empty none, else those ordinals (an error when one is missing).
+  Status PreparePool(core::BlockCacheOptions* options, const std::optional<std::vector<int>>& gpus);
   // Creates the CPU engine (`copy_threads` workers) and, when PreparePool found a GPU, the CUDA one;
   // each admits `max_inflight` batches.
   Status Start(uint32_t copy_threads, uint32_t max_inflight, MetricsRegistry* metrics);

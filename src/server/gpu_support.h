@@ -12,6 +12,8 @@
 #define ORBITKV_SERVER_GPU_SUPPORT_H_
 
 #include <memory>
+#include <optional>
+#include <vector>
 
 #include "base/metrics.h"
 #include "base/result.h"
@@ -23,7 +25,10 @@ namespace orbitkv::server {
 
 class GpuSupport {
  public:
-  static std::unique_ptr<GpuSupport> Detect(core::BlockCacheOptions* options);
+  // `gpus`: nullopt for every visible GPU, empty for none (null: CPU engines only), or CUDA
+  // ordinals. Null when no GPU is usable; an error when `gpus` names one this host or build lacks.
+  static Result<std::unique_ptr<GpuSupport>> Detect(core::BlockCacheOptions* options,
+                                                    const std::optional<std::vector<int>>& gpus);
   // Why CUDA IPC buffers cannot be registered without it (FailedPrecondition naming the fix).
   static Status Unavailable();
   virtual ~GpuSupport() = default;

@@ -1,4 +1,7 @@
 // GpuSupport with the gpu module: the CUDA host registry for the pool and the CUDA copy engine.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <cstring>
 #include <span>
 #include <string_view>
@@ -14,11 +17,13 @@ namespace {
 
 class CudaSupport final : public GpuSupport {
  public:
-  CudaSupport() : host_memory_(std::make_unique<gpu::HostMemoryRegistry>()) {}
+  explicit CudaSupport(std::vector<int> devices)
+      : host_memory_(std::make_unique<gpu::HostMemoryRegistry>()), devices_(std::move(devices)) {}
   gpu::HostMemoryRegistry* registry() { return host_memory_.get(); }
 
   Status Start(uint32_t max_inflight, MetricsRegistry* metrics) override {
     gpu::CudaCopyEngine::Options options;
+    options.devices = devices_;  // empty: every visible GPU
     options.max_inflight_batches = std::max<uint32_t>(max_inflight, 1);
     Result<std::unique_ptr<gpu::CudaCopyEngine>> cuda =
         gpu::CudaCopyEngine::Create(options, host_memory_.get(), metrics);
@@ -62,26 +67,47 @@ class CudaSupport final : public GpuSupport {
  private:
   // Declared first: destroyed after the engine.
   std::unique_ptr<gpu::HostMemoryRegistry> host_memory_;
+  const std::vector<int> devices_;
   std::unique_ptr<gpu::CudaCopyEngine> engine_;
 };
 
 }  // namespace
 
-std::unique_ptr<GpuSupport> GpuSupport::Detect(core::BlockCacheOptions* options) {
+Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(core::BlockCacheOptions* options,
+                                                       const std::optional<std::vector<int>>& gpus) {
+  if (gpus.has_value() && gpus->empty()) {
+    ORBITKV_LOG_INFO("manager: --gpus none: serving CPU engines only");
+    return std::unique_ptr<GpuSupport>();
+  }
   Result<int> devices = gpu::UsableDeviceCount();
-  if (!devices.ok()) {
-    ORBITKV_LOG_WARN("manager: CUDA is not usable ({}); serving CPU engines only",
-                     devices.status().ToString());
-    return nullptr;
+  if (!devices.ok() || *devices == 0) {
+    if (gpus.has_value()) {
+      return Status::FailedPrecondition(fmt::format(
+          "--gpus names GPUs but none is usable here ({}); check CUDA_VISIBLE_DEVICES and the NVIDIA "
+          "driver, or pass --gpus none",
+          devices.ok() ? "no GPU found" : devices.status().ToString()));
+    }
+    if (!devices.ok()) {
+      ORBITKV_LOG_WARN("manager: CUDA is not usable ({}); serving CPU engines only",
+                       devices.status().ToString());
+    } else {
+      ORBITKV_LOG_INFO("manager: no GPU found; serving CPU engines only");
+    }
+    return std::unique_ptr<GpuSupport>();
   }
-  if (*devices == 0) {
-    ORBITKV_LOG_INFO("manager: no GPU found; serving CPU engines only");
-    return nullptr;
+  std::vector<int> chosen = gpus.value_or(std::vector<int>());
+  for (const int device : chosen) {
+    if (device >= *devices) {
+      return Status::InvalidArgument(fmt::format(
+          "--gpus names GPU {} but {} GPU(s) are visible (ordinals 0-{}, after CUDA_VISIBLE_DEVICES)",
+          device, *devices, *devices - 1));
+    }
   }
-  auto support = std::make_unique<CudaSupport>();
+  auto support = std::make_unique<CudaSupport>(chosen);
   options->pool.registrar = support->registry();
-  ORBITKV_LOG_INFO("manager: {} GPU(s) usable: the pool is registered with CUDA", *devices);
-  return support;
+  ORBITKV_LOG_INFO("manager: {} GPU(s) usable, serving {}: the pool is registered with CUDA", *devices,
+                   chosen.empty() ? std::string("all") : fmt::format("{}", fmt::join(chosen, ",")));
+  return std::unique_ptr<GpuSupport>(std::move(support));
 }
 
 Status GpuSupport::Unavailable() {

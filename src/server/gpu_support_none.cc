@@ -3,8 +3,14 @@
 
 namespace orbitkv::server {
 
-std::unique_ptr<GpuSupport> GpuSupport::Detect(core::BlockCacheOptions* /*options*/) {
-  return nullptr;
+Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(core::BlockCacheOptions* /*options*/,
+                                                       const std::optional<std::vector<int>>& gpus) {
+  if (gpus.has_value() && !gpus->empty()) {
+    return Status::FailedPrecondition(
+        "--gpus names GPUs but this Manager was built without CUDA (orbitkv::gpu); use a build "
+        "configured with -DORBITKV_WITH_CUDA=ON, or --gpus none");
+  }
+  return std::unique_ptr<GpuSupport>();
 }
 
 Status GpuSupport::Unavailable() {

@@ -41,7 +41,8 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
   std::unique_ptr<Manager> manager(new Manager(config));
   core::BlockCacheOptions options = CacheOptionsFor(config);
   options.incarnation = manager->runtime_id_.incarnation();  // one identity for the whole run
-  manager->engines_.PreparePool(&options);  // before the pool: its arenas are registered as mapped
+  // Before the pool: its arenas are registered as mapped.
+  ORBITKV_RETURN_IF_ERROR(manager->engines_.PreparePool(&options, config.gpus));
   Result<std::unique_ptr<core::BlockCache>> cache =
       core::BlockCache::Create(options, &manager->metrics_);
   if (!cache.ok()) return cache.status().WithContext("creating the DRAM pool");
