@@ -26,8 +26,10 @@ constexpr const char* kUsage =
     "       orbitkv catalog status [--socket PATH]\n"
     "       orbitkv catalog dump --shard N [--socket PATH]\n"
     "       orbitkv inventory dump --shard N [--socket PATH]\n"
-    "Dumps print one record a line: [OWNER] KEY(hex of its 128-byte encoding) TIER VERSION GENERATION BYTES\n"
-    "(a catalog's lines start with the owner's node id), so a catalog can be compared with its owners'\n"
+    "Dumps print one record a line: [OWNER] KEY(hex of its 128-byte encoding) TIER VERSION "
+    "GENERATION BYTES\n"
+    "(a catalog's lines start with the owner's node id), so a catalog can be compared with its "
+    "owners'\n"
     "inventories with sort and diff.\n"
     "Talks to the OrbitKV Manager on this host (default socket: the Manager's default; see "
     "orbitkv-manager "
@@ -40,9 +42,18 @@ std::map<std::string, std::string> ParseFlatJson(const std::string& json) {
   while ((at = json.find('"', at)) != std::string::npos) {
     const size_t end = json.find('"', at + 1);
     const size_t colon = json.find(':', end);
+    if (end == std::string::npos || colon == std::string::npos) break;
+    // A quoted value ends at its closing quote (it may hold commas); others at the next , or }.
+    const size_t first = json.find_first_not_of(' ', colon + 1);
     size_t value_end = json.find_first_of(",}", colon);
-    if (end == std::string::npos || colon == std::string::npos || value_end == std::string::npos)
-      break;
+    if (first != std::string::npos && json[first] == '"') {
+      value_end = first + 1;
+      while (value_end < json.size() && json[value_end] != '"')
+        value_end += json[value_end] == '\\' ? 2 : 1;
+      if (value_end >= json.size()) value_end = std::string::npos;
+    }
+    if (value_end == std::string::npos) break;
+    if (json[value_end] == '"') ++value_end;
     std::string value = json.substr(colon + 1, value_end - colon - 1);
     value.erase(0, value.find_first_not_of(' '));
     fields[json.substr(at + 1, end - at - 1)] = value;
@@ -155,7 +166,8 @@ int main(int argc, char** argv) {
     fmt::print("{}\n", *stats);
     return 0;
   }
-  // The instances array (the last field) is listed on its own; the flat fields are everything before it.
+  // The instances array (the last field) is listed on its own; the flat fields are everything
+  // before it.
   std::string flat = *stats;
   if (const size_t cut = flat.find(", \"instances\": ["); cut != std::string::npos) {
     flat = flat.substr(0, cut) + "}";
@@ -172,6 +184,17 @@ int main(int argc, char** argv) {
         (*client)->socket_path(), runtime, f["incarnation"], Mib(f["pool_allocated_bytes"]),
         Mib(f["pool_capacity_bytes"]), f["resident_blocks"], f["leases_active"],
         f["operations_active"], membership.empty() ? "unknown" : membership);
+    auto unquoted = [&](const std::string& key) {
+      std::string v = f[key];
+      v.erase(std::remove(v.begin(), v.end(), '"'), v.end());
+      return v;
+    };
+    if (!unquoted("pool_numa_nodes").empty()) {
+      const std::string nodes = unquoted("pool_numa_nodes");
+      fmt::print("pool arenas on NUMA node(s) {}; GPUs served: {}\n",
+                 nodes == "-1" ? "(unbound)" : nodes,
+                 unquoted("gpus").empty() ? "none" : unquoted("gpus"));
+    }
     if (!membership.empty() && membership != "single-host") {
       auto text = [&](const std::string& key) {
         std::string v = f[key];
@@ -179,17 +202,19 @@ int main(int argc, char** argv) {
         return v;
       };
       const std::string reason = text("remote_work_off_reason");
-      fmt::print("remote work {}; peers: {} healthy, {} unreachable, {} incompatible; transfers on {}\n",
-                 f["remote_work"] == "1" ? std::string("on")
-                 : reason.empty()        ? std::string("off (membership not registered or view incomplete)")
-                                         : "off: " + reason,
-                 f["peers_healthy"].empty() ? "0" : f["peers_healthy"],
-                 f["peers_unreachable"].empty() ? "0" : f["peers_unreachable"],
-                 f["peers_incompatible"].empty() ? "0" : f["peers_incompatible"],
-                 text("transfer_listen").empty() ? std::string("(none)") : text("transfer_listen"));
+      fmt::print(
+          "remote work {}; peers: {} healthy, {} unreachable, {} incompatible; transfers on {}\n",
+          f["remote_work"] == "1" ? std::string("on")
+          : reason.empty() ? std::string("off (membership not registered or view incomplete)")
+                           : "off: " + reason,
+          f["peers_healthy"].empty() ? "0" : f["peers_healthy"],
+          f["peers_unreachable"].empty() ? "0" : f["peers_unreachable"],
+          f["peers_incompatible"].empty() ? "0" : f["peers_incompatible"],
+          text("transfer_listen").empty() ? std::string("(none)") : text("transfer_listen"));
     }
     const auto instances = Instances(*stats);
-    fmt::print("{} engine instance{} registered\n", instances.size(), instances.size() == 1 ? "" : "s");
+    fmt::print("{} engine instance{} registered\n", instances.size(),
+               instances.size() == 1 ? "" : "s");
     for (const auto& [id, identity] : instances) {
       fmt::print("  instance {}: {}\n", id, identity.empty() ? "(no identity given)" : identity);
     }

@@ -96,6 +96,10 @@ def test_console_scripts_and_a_byte_exact_round_trip_from_the_venv(venv, tmp_pat
                                env=env, cwd=tmp_path, text=True, capture_output=True, timeout=30)
         assert stats.returncode == 0, stats.stderr
         assert json.loads(stats.stdout)["resident_blocks"] == 8  # the CLI from the wheel reads the same Manager
+        status = subprocess.run([str(venv / "bin" / "orbitkv"), "status", "--socket", str(sock)], env=env,
+                                cwd=tmp_path, text=True, capture_output=True, timeout=30)
+        assert status.returncode == 0, status.stderr
+        assert "pool arenas on NUMA node(s) " in status.stdout and "GPUs served: " in status.stdout, status.stdout
     finally:
         manager.send_signal(signal.SIGTERM)
         assert manager.wait(timeout=60) == 0, manager.stderr.read()

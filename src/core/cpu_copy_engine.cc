@@ -21,9 +21,7 @@ namespace {
 
 // Whether `pidfd`'s process has not been reaped: while it has not, its pid cannot name another
 // process.
-bool StillThere(int pidfd) {
-  return syscall(SYS_pidfd_send_signal, pidfd, 0, nullptr, 0) == 0;
-}
+bool StillThere(int pidfd) { return syscall(SYS_pidfd_send_signal, pidfd, 0, nullptr, 0) == 0; }
 
 Status ProcessError(pid_t pid, int err, bool save, const uint8_t* at) {
   if (err == ESRCH || err == EIO || err == 0) {
@@ -64,7 +62,8 @@ Status CopyProcessMemory(const Process& process, uint8_t* remote, uint8_t* pool,
     }
     done += static_cast<uint64_t>(n);
   }
-  if (save && !StillThere(process.pidfd.get())) return ProcessError(process.pid, ESRCH, save, remote);
+  if (save && !StillThere(process.pidfd.get()))
+    return ProcessError(process.pid, ESRCH, save, remote);
   return Status::Ok();
 }
 
@@ -84,15 +83,17 @@ MetricsRegistry& PickRegistry(MetricsRegistry* given,
 }
 
 Counter& BytesCounter(MetricsRegistry& registry, CopyDirection direction) {
-  return registry.GetCounter(
-      "orbitkv_copy_bytes_total", "Bytes copied by completed copy batches.",
-      {{"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}, {"device", "host"}});
+  return registry.GetCounter("orbitkv_copy_bytes_total", "Bytes copied by completed copy batches.",
+                             {{"engine", "cpu"},
+                              {"direction", std::string(CopyDirectionName(direction))},
+                              {"device", "host"}});
 }
 
 Counter& BatchesCounter(MetricsRegistry& registry, CopyDirection direction) {
-  return registry.GetCounter(
-      "orbitkv_copy_batches_total", "Copy batches completed.",
-      {{"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}, {"device", "host"}});
+  return registry.GetCounter("orbitkv_copy_batches_total", "Copy batches completed.",
+                             {{"engine", "cpu"},
+                              {"direction", std::string(CopyDirectionName(direction))},
+                              {"device", "host"}});
 }
 
 // The checks that need no registry, with InvalidArgument naming the first bad fragment; on OK,

@@ -121,8 +121,8 @@ TEST(CpuCopyEngineTest, EngineMemoryThatVanishesFailsOnlyItsBatch) {
   ScopedFd fd(memfd_create("vanishing", MFD_CLOEXEC));
   ASSERT_TRUE(fd.valid());
   ASSERT_EQ(ftruncate(fd.get(), kBytes), 0);
-  auto* mapped = static_cast<uint8_t*>(
-      mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  auto* mapped =
+      static_cast<uint8_t*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
   ASSERT_NE(mapped, MAP_FAILED);
   std::memset(mapped, 0x3c, kBytes);
   auto vanishing = engine->RegisterBuffer(mapped, kBytes);
@@ -268,7 +268,8 @@ TEST(CpuCopyEngineTest, ProcessBuffersAreCopiedAndAGoneProcessFailsTheBatch) {
   ASSERT_EQ(waitpid(child, nullptr, 0), child);
   for (CopyDirection direction : {CopyDirection::kRestore, CopyDirection::kSave}) {
     DoneProbe failed;
-    ASSERT_TRUE(engine->Submit({direction, {{*gone, 0, pool.data(), 4096}}}, failed.Callback()).ok());
+    ASSERT_TRUE(
+        engine->Submit({direction, {{*gone, 0, pool.data(), 4096}}}, failed.Callback()).ok());
     EXPECT_EQ(failed.Wait().code(), StatusCode::kUnavailable);
     EXPECT_EQ(failed.calls(), 1);
   }
@@ -764,12 +765,11 @@ TEST(CpuCopyEngineConcurrencyTest, SubmittersAndRegistrationChurn) {
   engine->Shutdown();
   EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(),
             0.0);
-  EXPECT_EQ(
-      metrics
-          .GetCounter("orbitkv_copy_bytes_total", "",
-                      {{"engine", "cpu"}, {"direction", "restore"}, {"device", "host"}})
-          .Value(),
-      uint64_t{kSubmitters} * (kRounds / 2) * kBytes);
+  EXPECT_EQ(metrics
+                .GetCounter("orbitkv_copy_bytes_total", "",
+                            {{"engine", "cpu"}, {"direction", "restore"}, {"device", "host"}})
+                .Value(),
+            uint64_t{kSubmitters} * (kRounds / 2) * kBytes);
 }
 
 }  // namespace

@@ -43,7 +43,8 @@ MetricsRegistry& PickRegistry(MetricsRegistry* given,
   return given != nullptr ? *given : *owned;
 }
 
-// Per device (its CUDA ordinal) and direction: an operator sees each GPU's restore and save traffic.
+// Per device (its CUDA ordinal) and direction: an operator sees each GPU's restore and save
+// traffic.
 Counter& BytesCounter(MetricsRegistry& registry, CopyDirection direction, int device) {
   return registry.GetCounter("orbitkv_copy_bytes_total", "Bytes copied by completed copy batches.",
                              {{"engine", "cuda"},
@@ -152,7 +153,7 @@ struct CudaCopyEngine::Lane {
   // Immutable after StartLanes().
   int device = 0;
   CopyDirection direction = CopyDirection::kRestore;
-  uint32_t max_blocks = 1;  // Multiprocessors x blocks_per_sm.
+  uint32_t max_blocks = 1;         // Multiprocessors x blocks_per_sm.
   Counter* bytes_total = nullptr;  // of this device and direction
   Counter* batches_total = nullptr;
   std::vector<CudaStream> streams;

@@ -113,7 +113,8 @@ const std::vector<Option>& Options() {
       {"copy-threads", "N", "threads of the CPU copy engine (default 2)",
        Uint32Into(&ManagerConfig::copy_threads, 1, 256)},
       {"gpus", "all|none|LIST",
-       "the GPUs whose engines this Manager serves, as CUDA ordinals after CUDA_VISIBLE_DEVICES (e.g. 0,1): "
+       "the GPUs whose engines this Manager serves, as CUDA ordinals after CUDA_VISIBLE_DEVICES "
+       "(e.g. 0,1): "
        "all (default: every visible GPU) or none (CPU engines only); each gets its own copy lanes",
        [](ManagerConfig& c, std::string_view v) -> Status {
          ORBITKV_ASSIGN_OR_RETURN(c.gpus, ParseGpus(v));
@@ -442,8 +443,8 @@ Result<std::optional<std::vector<int>>> ParseGpus(std::string_view text) {
     int device = -1;
     const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), device);
     if (item.empty() || error != std::errc() || end != item.data() + item.size() || device < 0) {
-      return Status::InvalidArgument(fmt::format(
-          "'{}' is not a GPU list: give all, none, or CUDA ordinals like 0,1", text));
+      return Status::InvalidArgument(
+          fmt::format("'{}' is not a GPU list: give all, none, or CUDA ordinals like 0,1", text));
     }
     if (std::find(devices.begin(), devices.end(), device) != devices.end()) {
       return Status::InvalidArgument(fmt::format("GPU {} is named twice in '{}'", device, text));

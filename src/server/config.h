@@ -31,8 +31,8 @@ struct ManagerConfig {
   uint64_t query_instance_budget_bytes = 0;  // 0: the global query budget
   uint64_t transfer_budget_bytes = 0;        // 0: half the pool
   uint32_t copy_threads = 2;
-  // --gpus: the GPUs (CUDA ordinals, as CUDA_VISIBLE_DEVICES numbers them) whose engines' buffers this
-  // Manager copies. nullopt: every visible GPU; empty: none (CPU engines only).
+  // --gpus: the GPUs (CUDA ordinals, as CUDA_VISIBLE_DEVICES numbers them) whose engines' buffers
+  // this Manager copies. nullopt: every visible GPU; empty: none (CPU engines only).
   std::optional<std::vector<int>> gpus;
   uint32_t max_operations = 1024;  // outstanding restores and saves over all sessions
   std::string metrics_addr;        // "" (off) or HOST:PORT, e.g. 127.0.0.1:9091
@@ -49,15 +49,15 @@ struct ManagerConfig {
   uint32_t ssd_files = 0;            // 0: one per 64 GiB (1..16)
   std::string ssd_backend = "auto";  // auto | io_uring | psync
   bool ssd_recover = true;
-  std::string ssd_verify = "lazy";        // lazy | eager
+  std::string ssd_verify = "lazy";         // lazy | eager
   std::string ssd_write_staging = "auto";  // auto | copy | zero-copy
-  std::string ssd_policy = "write-back";  // write-back | write-through
+  std::string ssd_policy = "write-back";   // write-back | write-through
   uint32_t ssd_min_frequency = 2;
-  uint32_t ssd_persist_seconds = 30;  // on a graceful stop, DRAM-only blocks to SSD (0: off)
-  uint64_t ssd_write_budget_bytes = 0;  // per second; 0: unlimited
-  uint64_t ssd_queue_bytes = 0;         // 0: an eighth of the pool, at most 1 GiB
-  uint32_t max_loading = 256;           // outstanding Loading operations per session
-  uint32_t loading_hold_seconds = 10;   // a completed load's pins wait this long for the engine
+  uint32_t ssd_persist_seconds = 30;        // on a graceful stop, DRAM-only blocks to SSD (0: off)
+  uint64_t ssd_write_budget_bytes = 0;      // per second; 0: unlimited
+  uint64_t ssd_queue_bytes = 0;             // 0: an eighth of the pool, at most 1 GiB
+  uint32_t max_loading = 256;               // outstanding Loading operations per session
+  uint32_t loading_hold_seconds = 10;       // a completed load's pins wait this long for the engine
   uint32_t ssd_load_deadline_seconds = 30;  // a Loading op's SSD stage completes with what arrived
 
   // Distributed mode (membership on etcd): off unless etcd_endpoints is set.
@@ -82,8 +82,8 @@ struct ManagerConfig {
   // the residency inventory's journal (over all shards) that owner streams replay from.
   uint64_t catalog_budget_bytes = 256ull << 20;
   uint64_t inventory_journal_bytes = 16ull << 20;
-  // Remote fetches (distributed mode): the requester's discovery fan-out and candidate index TTL, the remote
-  // stage's deadline and staging budget, and the source's per-peer pin limit.
+  // Remote fetches (distributed mode): the requester's discovery fan-out and candidate index TTL,
+  // the remote stage's deadline and staging budget, and the source's per-peer pin limit.
   uint32_t discovery_max_hosts = 4;
   uint32_t candidate_ttl_ms = 5000;
   uint32_t remote_fetch_deadline_ms = 10000;

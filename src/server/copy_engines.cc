@@ -32,6 +32,10 @@ void CopyEngines::Close() {
 
 bool CopyEngines::gpu_enabled() const { return gpu_ != nullptr; }
 
+std::string CopyEngines::DescribeGpus() const {
+  return gpu_ ? gpu_->Describe() : std::string("none");
+}
+
 Status CopyEngines::GpuUnavailable() const {
   return gpu_enabled() ? Status::Ok() : GpuSupport::Unavailable();
 }

@@ -41,14 +41,16 @@ class CopyEngines {
   // registrar; otherwise leaves the Manager CPU-only (and says so in the log). `gpus` (--gpus):
   // nullopt every visible GPU, empty none, else those ordinals (an error when one is missing).
   Status PreparePool(core::BlockCacheOptions* options, const std::optional<std::vector<int>>& gpus);
-  // Creates the CPU engine (`copy_threads` workers) and, when PreparePool found a GPU, the CUDA one;
-  // each admits `max_inflight` batches.
+  // Creates the CPU engine (`copy_threads` workers) and, when PreparePool found a GPU, the CUDA
+  // one; each admits `max_inflight` batches.
   Status Start(uint32_t copy_threads, uint32_t max_inflight, MetricsRegistry* metrics);
   void Shutdown();
   void Close();
 
   // Whether engines may register GPU buffers (CUDA IPC).
   bool gpu_enabled() const;
+  // The GPUs served ("none" without).
+  std::string DescribeGpus() const;
   // Why not (FailedPrecondition naming the fix); OK when they may.
   Status GpuUnavailable() const;
   // The engine that copies buffers of `kind` (null for CUDA IPC without a GPU).

@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "base/metrics.h"
@@ -41,6 +42,8 @@ class GpuSupport {
   virtual Status Unregister(core::BufferId id) = 0;
   virtual void Shutdown() = 0;
   virtual void CloseEngine() = 0;
+  // The GPUs served, for `orbitkv status`: "0 (0000:00:06.0, NUMA node 0), 1 (...)".
+  virtual std::string Describe() const = 0;
 };
 
 }  // namespace orbitkv::server

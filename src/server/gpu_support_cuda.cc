@@ -2,11 +2,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstring>
 #include <span>
 #include <string_view>
 
 #include "base/logging.h"
+#include "core/pinned_arena.h"
 #include "gpu/cuda_copy_engine.h"
 #include "gpu/cuda_util.h"
 #include "gpu/host_memory_registry.h"
@@ -17,8 +19,11 @@ namespace {
 
 class CudaSupport final : public GpuSupport {
  public:
-  explicit CudaSupport(std::vector<int> devices)
-      : host_memory_(std::make_unique<gpu::HostMemoryRegistry>()), devices_(std::move(devices)) {}
+  CudaSupport(std::vector<int> devices, std::string description)
+      : host_memory_(std::make_unique<gpu::HostMemoryRegistry>()),
+        devices_(std::move(devices)),
+        description_(std::move(description)) {}
+  std::string Describe() const override { return description_; }
   gpu::HostMemoryRegistry* registry() { return host_memory_.get(); }
 
   Status Start(uint32_t max_inflight, MetricsRegistry* metrics) override {
@@ -35,7 +40,8 @@ class CudaSupport final : public GpuSupport {
 
   Result<core::BufferId> RegisterCudaIpc(const channel::CudaIpcBuffer& cuda,
                                          uint64_t bytes) override {
-    if (engine_ == nullptr) return Status::FailedPrecondition("the CUDA copy engine is not running");
+    if (engine_ == nullptr)
+      return Status::FailedPrecondition("the CUDA copy engine is not running");
     const size_t bus_id_length = strnlen(cuda.pci_bus_id, sizeof(cuda.pci_bus_id));
     if (bus_id_length == sizeof(cuda.pci_bus_id)) {
       return Status::InvalidArgument("its PCI bus id is not terminated");
@@ -68,13 +74,14 @@ class CudaSupport final : public GpuSupport {
   // Declared first: destroyed after the engine.
   std::unique_ptr<gpu::HostMemoryRegistry> host_memory_;
   const std::vector<int> devices_;
+  const std::string description_;
   std::unique_ptr<gpu::CudaCopyEngine> engine_;
 };
 
 }  // namespace
 
-Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(core::BlockCacheOptions* options,
-                                                       const std::optional<std::vector<int>>& gpus) {
+Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(
+    core::BlockCacheOptions* options, const std::optional<std::vector<int>>& gpus) {
   if (gpus.has_value() && gpus->empty()) {
     ORBITKV_LOG_INFO("manager: --gpus none: serving CPU engines only");
     return std::unique_ptr<GpuSupport>();
@@ -82,10 +89,11 @@ Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(core::BlockCacheOptions* 
   Result<int> devices = gpu::UsableDeviceCount();
   if (!devices.ok() || *devices == 0) {
     if (gpus.has_value()) {
-      return Status::FailedPrecondition(fmt::format(
-          "--gpus names GPUs but none is usable here ({}); check CUDA_VISIBLE_DEVICES and the NVIDIA "
-          "driver, or pass --gpus none",
-          devices.ok() ? "no GPU found" : devices.status().ToString()));
+      return Status::FailedPrecondition(
+          fmt::format("--gpus names GPUs but none is usable here ({}); check CUDA_VISIBLE_DEVICES "
+                      "and the NVIDIA "
+                      "driver, or pass --gpus none",
+                      devices.ok() ? "no GPU found" : devices.status().ToString()));
     }
     if (!devices.ok()) {
       ORBITKV_LOG_WARN("manager: CUDA is not usable ({}); serving CPU engines only",
@@ -98,14 +106,52 @@ Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(core::BlockCacheOptions* 
   std::vector<int> chosen = gpus.value_or(std::vector<int>());
   for (const int device : chosen) {
     if (device >= *devices) {
-      return Status::InvalidArgument(fmt::format(
-          "--gpus names GPU {} but {} GPU(s) are visible (ordinals 0-{}, after CUDA_VISIBLE_DEVICES)",
-          device, *devices, *devices - 1));
+      return Status::InvalidArgument(
+          fmt::format("--gpus names GPU {} but {} GPU(s) are visible (ordinals 0-{}, after "
+                      "CUDA_VISIBLE_DEVICES)",
+                      device, *devices, *devices - 1));
     }
   }
-  auto support = std::make_unique<CudaSupport>(chosen);
+  // Where each served GPU sits: with --numa auto the pool's arenas go to those nodes (one per node
+  // when the GPUs sit on several), so restores and saves cross no socket link.
+  std::vector<int> served = chosen;
+  if (served.empty()) {
+    for (int d = 0; d < *devices; ++d) served.push_back(d);
+  }
+  std::vector<int> near;
+  std::string description;
+  bool all_placed = true;
+  for (const int device : served) {
+    Result<std::string> bus = gpu::PciBusIdOf(device);
+    Result<int> node = bus.ok() ? core::NumaNodeOfPciDevice(*bus) : Result<int>(-1);
+    const int numa = node.ok() ? *node : -1;
+    if (numa < 0) all_placed = false;
+    near.push_back(numa);
+    description += fmt::format("{}{} ({}, NUMA node {})", description.empty() ? "" : ", ", device,
+                               bus.ok() ? *bus : std::string("?"),
+                               numa < 0 ? std::string("unknown") : std::to_string(numa));
+  }
+  if (options->pool.numa_nodes.empty() && all_placed) {
+    std::sort(near.begin(), near.end());
+    near.erase(std::unique(near.begin(), near.end()), near.end());
+    Result<std::vector<int>> with_memory = core::MemoryNumaNodes();
+    std::vector<int> usable;
+    for (const int node : near) {
+      if (with_memory.ok() &&
+          std::find(with_memory->begin(), with_memory->end(), node) != with_memory->end())
+        usable.push_back(node);
+    }
+    if (usable.size() == near.size()) {
+      options->pool.numa_nodes = usable;
+      ORBITKV_LOG_INFO(
+          "manager: the pool goes to NUMA node(s) {}, where its GPUs are (--numa auto)",
+          fmt::join(usable, ","));
+    }
+  }
+  auto support = std::make_unique<CudaSupport>(chosen, description);
   options->pool.registrar = support->registry();
-  ORBITKV_LOG_INFO("manager: {} GPU(s) usable, serving {}: the pool is registered with CUDA", *devices,
+  ORBITKV_LOG_INFO("manager: {} GPU(s) usable, serving {}: the pool is registered with CUDA",
+                   *devices,
                    chosen.empty() ? std::string("all") : fmt::format("{}", fmt::join(chosen, ",")));
   return std::unique_ptr<GpuSupport>(std::move(support));
 }

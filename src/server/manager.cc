@@ -114,8 +114,7 @@ void Manager::RegisterMetrics() {
 
 Status Manager::Start() {
   ORBITKV_CHECK(!started_);
-  ORBITKV_RETURN_IF_ERROR(
-      engines_.Start(config_.copy_threads, config_.max_operations, &metrics_));
+  ORBITKV_RETURN_IF_ERROR(engines_.Start(config_.copy_threads, config_.max_operations, &metrics_));
   if (!config_.metrics_addr.empty()) {
     Result<std::unique_ptr<MetricsHttpServer>> http =
         MetricsHttpServer::Bind(config_.metrics_addr, &metrics_);
@@ -129,7 +128,8 @@ Status Manager::Start() {
       epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &wake_event) != 0) {
     return ErrnoStatus("epoll_ctl", errno);
   }
-  ORBITKV_ASSIGN_OR_RETURN(cluster_, ClusterLink::Start(config_, runtime_id_, cache_.get(), &metrics_));
+  ORBITKV_ASSIGN_OR_RETURN(cluster_,
+                           ClusterLink::Start(config_, runtime_id_, cache_.get(), &metrics_));
   if (cluster_) {
     service_->SetRemoteStage([link = cluster_.get()](std::vector<state::StateKey> keys) {
       return link->RemoteStage(std::move(keys));
@@ -138,10 +138,11 @@ Status Manager::Start() {
   cleaner_ = std::thread([this] { CleanupLoop(); });
   dispatcher_ = std::thread([this] { DispatchLoop(); });
   started_ = true;
-  ORBITKV_LOG_INFO("manager: serving engines on {} ({} MiB DRAM pool, {} copy threads, runtime {}{})",
-                   config_.socket_path, cache_->pool().Stats().capacity_bytes >> 20,
-                   config_.copy_threads, runtime_id_.ToString(),
-                   http_ ? fmt::format(", metrics on port {}", http_->port()) : std::string());
+  ORBITKV_LOG_INFO(
+      "manager: serving engines on {} ({} MiB DRAM pool, {} copy threads, runtime {}{})",
+      config_.socket_path, cache_->pool().Stats().capacity_bytes >> 20, config_.copy_threads,
+      runtime_id_.ToString(),
+      http_ ? fmt::format(", metrics on port {}", http_->port()) : std::string());
   return Status::Ok();
 }
 
@@ -176,8 +177,8 @@ void Manager::Wait() {
 
 void Manager::PersistDramForRestart() {
   const auto seconds = std::chrono::seconds(config_.ssd_persist_seconds);
-  const core::SsdTier::PersistReport report = ssd_->PersistDram(
-      MonoNow() + seconds, [](const core::SsdTier::PersistReport& progress) {
+  const core::SsdTier::PersistReport report =
+      ssd_->PersistDram(MonoNow() + seconds, [](const core::SsdTier::PersistReport& progress) {
         ORBITKV_LOG_INFO("manager: writing DRAM blocks to SSD before exit: {} of {} ({} MiB)",
                          progress.written, progress.candidates, progress.written_bytes >> 20);
       });
@@ -379,9 +380,10 @@ int Manager::ServeSession(const std::shared_ptr<Session>& session) {
   int served = 0;
   for (; served < 64; ++served) {
     if (session->channel->broken()) {
-      PoisonSession(*session,
-                    Status::ResourceExhausted("the engine's reply ring overflowed or was corrupted"),
-                    PoisonReason::kReplyRing);
+      PoisonSession(
+          *session,
+          Status::ResourceExhausted("the engine's reply ring overflowed or was corrupted"),
+          PoisonReason::kReplyRing);
       return served;
     }
     Result<std::optional<channel::InboundRequest>> request = session->channel->NextRequest();

@@ -12,9 +12,8 @@
 #include "base/logging.h"
 #include "channel/claims.h"
 #include "channel/messages.h"
-#include "server/manager.h"
-
 #include "fmt/ranges.h"
+#include "server/manager.h"
 
 namespace orbitkv::server {
 namespace {
@@ -77,10 +76,10 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
     case Opcode::kRestoreLayers: {
       ORBITKV_ASSIGN_OR_RETURN(channel::RestoreRequest restore,
                                channel::DecodeRestore(d, request.payload));
-      service_->Restore(owner, restore,
-                        ReplyLater<channel::RestoreReply>(session->channel, d,
-                                                          channel::EncodeRestoreReply),
-                        ClaimOf(session->channel, d));
+      service_->Restore(
+          owner, restore,
+          ReplyLater<channel::RestoreReply>(session->channel, d, channel::EncodeRestoreReply),
+          ClaimOf(session->channel, d));
       return Status::Ok();
     }
     case Opcode::kSave: {
@@ -104,8 +103,8 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
       ORBITKV_ASSIGN_OR_RETURN(channel::WaitLoadingRequest wait,
                                channel::DecodeWaitLoading(d, request.payload));
       service_->WaitLoading(owner, wait,
-                            ReplyLater<channel::WaitLoadingReply>(
-                                session->channel, d, channel::EncodeWaitLoadingReply));
+                            ReplyLater<channel::WaitLoadingReply>(session->channel, d,
+                                                                  channel::EncodeWaitLoadingReply));
       return Status::Ok();
     }
     case Opcode::kStats:
@@ -133,8 +132,8 @@ std::string InstancesJson(const InstanceTable& table) {
   std::string out = ", \"instances\": [";
   bool first = true;
   for (const auto& d : table.Describe()) {
-    out += fmt::format("{}{{\"instance\": {}, \"session\": {}, \"identity\": {}}}", first ? "" : ", ",
-                       d.id, d.owner, JsonString(d.label));
+    out += fmt::format("{}{{\"instance\": {}, \"session\": {}, \"identity\": {}}}",
+                       first ? "" : ", ", d.id, d.owner, JsonString(d.label));
     first = false;
   }
   return out + "]";
@@ -143,8 +142,12 @@ std::string InstancesJson(const InstanceTable& table) {
 }  // namespace
 
 Status Manager::HandleStats(Session& session, const channel::InboundRequest& request) {
+  std::vector<int> nodes;
+  for (size_t i = 0; i < cache_->pool().arena_count(); ++i)
+    nodes.push_back(cache_->pool().arena(i).numa_node());
   const std::string json = service_->Stats().ToJson(
-      fmt::format(", \"runtime_uuid\": \"{}\"", runtime_id_.ToString()) +
+      fmt::format(", \"runtime_uuid\": \"{}\", \"pool_numa_nodes\": \"{}\", \"gpus\": \"{}\"",
+                  runtime_id_.ToString(), fmt::join(nodes, ","), engines_.DescribeGpus()) +
       (cluster_ ? cluster_->StatusJson() : std::string(", \"membership\": \"single-host\"")) +
       InstancesJson(service_->instances()));
   return session.channel->Reply(
@@ -152,9 +155,10 @@ Status Manager::HandleStats(Session& session, const channel::InboundRequest& req
       std::span(reinterpret_cast<const uint8_t*>(json.data()), json.size()));
 }
 
-// A page of a listing: the lines from `first` that fit the reply slot; arg0 the listing's size, arg1 the next
-// first line (0: done). Offsets, not cursors: a listing of a shard that changes meanwhile may repeat or skip a
-// record at a page boundary (a dump is a diagnostic, not a snapshot).
+// A page of a listing: the lines from `first` that fit the reply slot; arg0 the listing's size,
+// arg1 the next first line (0: done). Offsets, not cursors: a listing of a shard that changes
+// meanwhile may repeat or skip a record at a page boundary (a dump is a diagnostic, not a
+// snapshot).
 Status Manager::HandleDump(Session& session, const channel::InboundRequest& request) {
   const channel::Descriptor& d = request.descriptor;
   const auto kind = static_cast<channel::DumpKind>(d.arg0);
@@ -164,11 +168,12 @@ Status Manager::HandleDump(Session& session, const channel::InboundRequest& requ
   if (kind == channel::DumpKind::kInventory) {
     if (shard >= cache_->inventory().shard_count()) {
       return session.channel->ReplyError(
-          d, Status::InvalidArgument(fmt::format("shard {} of {}", shard, cache_->inventory().shard_count())));
+          d, Status::InvalidArgument(
+                 fmt::format("shard {} of {}", shard, cache_->inventory().shard_count())));
     }
-    // One scan of the whole shard (a paged scan orders the shard again for every page); only the lines from
-    // `first` that can fit are formatted: up to and including the one that overflows the slot, which is where the
-    // page below stops.
+    // One scan of the whole shard (a paged scan orders the shard again for every page); only the
+    // lines from `first` that can fit are formatted: up to and including the one that overflows the
+    // slot, which is where the page below stops.
     const core::InventoryPage all =
         cache_->inventory().Scan(shard, nullptr, cache_->inventory().Size(shard) + 1);
     lines.resize(all.records.size());
@@ -177,18 +182,21 @@ Status Manager::HandleDump(Session& session, const channel::InboundRequest& requ
     for (size_t i = first; i < all.records.size() && bytes < limit; ++i) {
       const core::InventoryRecord& r = all.records[i];
       const auto key = r.key.Encode();
-      lines[i] = fmt::format("{:02x} {} {} {} {}", fmt::join(key, ""), static_cast<int>(r.tier), r.version,
-                             r.generation, r.bytes);
+      lines[i] = fmt::format("{:02x} {} {} {} {}", fmt::join(key, ""), static_cast<int>(r.tier),
+                             r.version, r.generation, r.bytes);
       bytes += lines[i].size() + 1;
     }
   } else if (kind == channel::DumpKind::kCatalog || kind == channel::DumpKind::kCatalogStatus) {
     if (!cluster_) {
       return session.channel->ReplyError(
-          d, Status::FailedPrecondition("a single-host Manager keeps no catalog (distributed mode only)"));
+          d, Status::FailedPrecondition(
+                 "a single-host Manager keeps no catalog (distributed mode only)"));
     }
-    lines = kind == channel::DumpKind::kCatalog ? cluster_->CatalogLines(shard) : cluster_->CatalogStatusLines();
+    lines = kind == channel::DumpKind::kCatalog ? cluster_->CatalogLines(shard)
+                                                : cluster_->CatalogStatusLines();
   } else {
-    return session.channel->ReplyError(d, Status::InvalidArgument(fmt::format("unknown dump kind {}", d.arg0)));
+    return session.channel->ReplyError(
+        d, Status::InvalidArgument(fmt::format("unknown dump kind {}", d.arg0)));
   }
   const size_t limit = session.channel->arena().layout().slot_bytes;
   std::string text;
@@ -197,8 +205,9 @@ Status Manager::HandleDump(Session& session, const channel::InboundRequest& requ
     text += lines[next];
     text += '\n';
   }
-  return session.channel->Reply(d, StatusCode::kOk, lines.size(), next < lines.size() ? next : 0,
-                                std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  return session.channel->Reply(
+      d, StatusCode::kOk, lines.size(), next < lines.size() ? next : 0,
+      std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
 }
 
 }  // namespace orbitkv::server
