@@ -6,7 +6,9 @@ pages: 2.25 MiB a block); host 1's engine asks for each (Loading while its Manag
 blocks from host 0 over UCX, then a hit) and restores it: remote_fetch_gbps is the prefix's bytes over the time from
 the query to the last page restored in the engine, against the UCX read and iperf3 measured on a veth in the same run
 (transfer bench: a direct veth pair) and against iperf3 across the mesh's bridge between host 0 and host 1 (the
-fetch's own path), all in the same run. Then host 2 does the same with two Managers holding each prefix. TTFT on the reference engine (CPU,
+fetch's own path), all in the same run, and against transfer_read_1m measured between host 0 and host 1 themselves (transfer_read_1m_mesh: a
+transfer_test_peer in host 0's namespace read by `transfer_bench --mesh-read` in host 1's). Then host 2 does the same
+with two Managers holding each prefix. TTFT on the reference engine (CPU,
 "tiny" preset, a 4,096-token prompt): recompute, a local DRAM hit on host 0, a remote hit on host 1, a remote hit
 on host 1 while one of the three catalog hosts is down (the blocks of its shards are not found: a shorter hit), and a
 local SSD hit (a standalone Manager restarted on its SSD files); a PNG of TTFT by tier is written next to the build's
@@ -84,6 +86,37 @@ def etcd_unary_calls(host: str, port: int) -> int:
         if line.startswith("orbitkv_etcd_calls_total{") and "Watch" not in line and "LeaseKeepAlive" not in line:
             total += int(float(line.rsplit(" ", 1)[1]))
     return total
+
+
+def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int) -> float:
+    """transfer_read_1m between two mesh hosts: a transfer_test_peer serving in `source`'s namespace (grants
+    required, as a Manager serves) read by the transfer bench in `reader`'s, over the fetch's own veths and bridge."""
+    peer = subprocess.Popen(net.launcher(source) + [
+        str(build / "src" / "transfer" / "transfer_test_peer"), "--listen", f"{net.address(source)}:0", "--bytes",
+        str(64 << 20), "--regions", "2", "--transports", "tcp", "--devices", net.device(source), "--grants", "1"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while True:
+            line = peer.stdout.readline()
+            if not line:
+                raise RuntimeError("transfer_test_peer exited before it was ready")
+            if line.startswith(("GRANT ", "READY ")):
+                lines.append(line)
+            if line.startswith("READY "):
+                break
+        out = subprocess.run(net.launcher(reader) + [str(build / "benches" / "transfer_bench"), "--mesh-read",
+                                                     net.address(reader), net.device(reader)],
+                             input="".join(lines), capture_output=True, text=True, check=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1])["transfer_read_1m"]
+    finally:
+        try:
+            peer.stdin.write("quit\n")
+            peer.stdin.flush()
+            peer.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            peer.kill()
+            peer.wait()
 
 
 def iperf3_mesh(net, server: int, client: int, seconds: int = 3) -> float:
@@ -249,6 +282,7 @@ def main(argv=None) -> int:
                 engines[0].compute(key, p)
             clients[0].save(engines[0].instance, [(k, p) for p, k in enumerate(keys)])
         mesh_iperf = iperf3_mesh(net, 0, 1)  # host 0 sends to host 1, as the fetch does
+        mesh_read = transfer_read_mesh(build, net, 0, 1)  # host 1 reads from host 0, as the fetch does
         deadline = time.monotonic() + 60
         while True:
             s = [c.stats() for c in clients]
@@ -305,6 +339,7 @@ def main(argv=None) -> int:
     add("remote_fetch_gbps", "GB/s", p50_2, "transfer_read_1m", read_1m)
     add("remote_fetch_gbps_vs_iperf3", "GB/s", p50_2, "iperf3_veth", iperf)
     add("remote_fetch_gbps_vs_iperf3_mesh", "GB/s", p50_2, "iperf3_mesh", mesh_iperf)
+    add("remote_fetch_gbps_vs_transfer_read_1m_mesh", "GB/s", p50_2, "transfer_read_1m_mesh", mesh_read)
     add("remote_fetch_gbps_3_managers", "GB/s", percentile(three["gbps"], 0.5), "transfer_read_1m", read_1m)
     add("remote_hit_rate", "fraction", two["hits"] / two["asked"], "blocks_saved_on_host_0", 1.0)
     add("remote_restore_ms_p50", "ms", percentile(two["ms"], 0.5), "transfer_read_1m_ms_for_prefix",
@@ -326,6 +361,7 @@ def main(argv=None) -> int:
     add("transfer_read_1m", "GB/s", read_1m)
     add("iperf3_veth", "GB/s", iperf)
     add("iperf3_mesh", "GB/s", mesh_iperf)
+    add("transfer_read_1m_mesh", "GB/s", mesh_read)
     env = dict(host=platform.node(), cpus=str(os.cpu_count()), managers="3 (network namespaces, one bridge)",
                block_bytes=str(engines[1].page_bytes), prefix_blocks=str(PREFIX_PAGES), prefixes=str(PREFIXES),
                wrong_pages=str(two["bad"] + three["bad"]), ttft_outputs_identical=str(times["same"]),

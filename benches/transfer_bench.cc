@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -65,10 +66,13 @@ struct PeerInfo {
   uint64_t grant = 0;  // the peer serves only inside it, as a distributed Manager does
 };
 
-PeerInfo ReadReady(ChildProcess& peer) {
+// The peer's GRANT and READY lines, from `next_line` (the peer's stdout, or this process's stdin in
+// the mesh mode).
+template <typename NextLine>
+PeerInfo ParseReady(NextLine next_line) {
   uint64_t grant = 0;
   for (;;) {
-    auto line = peer.ReadLine(Deadline::After(std::chrono::seconds(60)));
+    Result<std::string> line = next_line();
     ORBITKV_CHECK_MSG(line.ok(), "transfer peer: {}", line.status().ToString());
     if (line->rfind("GRANT ", 0) == 0) {
       grant = std::stoull(line->substr(6), nullptr, 16);
@@ -85,6 +89,10 @@ PeerInfo ReadReady(ChildProcess& peer) {
     }
     return info;
   }
+}
+
+PeerInfo ReadReady(ChildProcess& peer) {
+  return ParseReady([&] { return peer.ReadLine(Deadline::After(std::chrono::seconds(60))); });
 }
 
 // GB/s of back-to-back batches of kBatchBytes in `fragment` pieces from random offsets of both
@@ -126,12 +134,45 @@ double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
   return best;
 }
 
+// The mesh mode (`--mesh-read LISTEN_ADDRESS DEVICE`, run inside one mesh host's namespace by the
+// distributed bench): reads from a transfer_test_peer whose GRANT and READY lines arrive on stdin
+// (it runs in another host's namespace), the transfer_read_1m case only, and prints
+// {"transfer_read_1m": GB/s}. The same path as a remote fetch between those hosts, so its baseline
+// is measured on the fetch's own veths and bridge.
+int MeshRead(const std::string& listen, const std::string& device) {
+  log::Options log_options;
+  log_options.level = log::Level::kWarn;
+  ORBITKV_CHECK(log::Init(log_options).ok());
+  const PeerInfo info = ParseReady([]() -> Result<std::string> {
+    std::string line;
+    if (!std::getline(std::cin, line))
+      return Status::Unavailable("stdin ended before the peer's READY line");
+    return line;
+  });
+  transfer::UcxEngineOptions options;
+  options.listen_address = listen + ":0";
+  options.transports = "tcp";
+  options.net_devices = device;
+  auto engine = transfer::UcxTransferEngine::Create(options);
+  ORBITKV_CHECK_MSG(engine.ok(), "{}", engine.status().ToString());
+  TestBuffer dest(kBatchBytes);
+  transfer::RegionHandle local = *(*engine)->RegisterRegion(dest.data(), dest.size());
+  ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage, true, kBatchBytes, 1,
+           1);
+  const double gbps = ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage,
+                               true, kBatchBytes, 4, 3);
+  engine->reset();
+  fmt::print("{{\"transfer_read_1m\": {}}}\n", gbps);
+  return 0;
+}
+
 }  // namespace
 }  // namespace orbitkv::bench
 
 int main(int argc, char** argv) {
   using namespace orbitkv;
   using namespace orbitkv::bench;
+  if (argc == 4 && std::string_view(argv[1]) == "--mesh-read") return MeshRead(argv[2], argv[3]);
   const bool json =
       ParseBenchArgs(argc, argv,
                      "Peer transfer: batch reads of 64 KiB - 4 MiB fragments between two network "
