@@ -14,6 +14,7 @@ The Python sources are copied as usual; then, for the interpreter running the bu
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -36,12 +37,17 @@ SYSTEM_LIB = re.compile(r"^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|li
 TARGET_PYTHON = os.environ.get("ORBITKV_WHEEL_PYTHON") or sys.executable
 
 
-def target_facts() -> tuple[str, str]:
-    """(cpXY tag, extension suffix) of TARGET_PYTHON."""
-    out = subprocess.run([TARGET_PYTHON, "-c", "import sys, sysconfig; print('cp%d%d' % sys.version_info[:2]); "
+@functools.lru_cache(maxsize=None)
+def python_facts(python: str) -> tuple[str, str]:
+    """(cpXY tag, extension suffix) of the interpreter `python` (asked once)."""
+    out = subprocess.run([python, "-c", "import sys, sysconfig; print('cp%d%d' % sys.version_info[:2]); "
                           "print(sysconfig.get_config_var('EXT_SUFFIX'))"], check=True, text=True,
                          stdout=subprocess.PIPE).stdout.split()
     return out[0], out[1]
+
+
+def target_facts() -> tuple[str, str]:
+    return python_facts(TARGET_PYTHON)
 
 
 def say(message: str) -> None:
@@ -60,11 +66,6 @@ def bootstrap_python() -> str:
             if line.startswith("ORBITKV_PYTHON="):
                 return line.split("=", 1)[1]
     return "/usr/bin/python3"
-
-
-def same_python(a: str, b: str) -> bool:
-    version = "import sys; print(sys.version_info[:2])"
-    return run([a, "-c", version]) == run([b, "-c", version])
 
 
 def build_main_tree(build_dir: str, with_module: bool) -> None:
@@ -189,7 +190,7 @@ class BuildPyWithNative(build_py):
         build_dir = pathlib.Path(os.environ.get("ORBITKV_BUILD_DIR", "build"))
         if not build_dir.is_absolute():
             build_dir = ROOT / build_dir
-        in_main_tree = same_python(bootstrap_python(), TARGET_PYTHON)
+        in_main_tree = python_facts(bootstrap_python())[0] == target_facts()[0]
         build_main_tree(str(build_dir), with_module=in_main_tree)
         if not in_main_tree:
             build_module_tree(TARGET_PYTHON)

@@ -663,6 +663,14 @@ def saved_through_a(build_dir, seed):
     return managers(), batch, baseline
 
 
+def record_lookups(engine) -> list:
+    """Every answer the engine's connector gives to the scheduler's get_num_new_matched_tokens, in order."""
+    answers = []
+    real = engine.connector.get_num_new_matched_tokens
+    engine.connector.get_num_new_matched_tokens = lambda r, n: answers.append(real(r, n)) or answers[-1]
+    return answers
+
+
 def test_a_prefix_saved_through_one_manager_is_restored_through_another(build_dir):
     """Distributed mode through the unchanged connector: an engine on Manager a saves a prefix; an engine on
     Manager b (another host, here another Manager on loopback with its own peer endpoint and UCX port) asks for
@@ -673,9 +681,7 @@ def test_a_prefix_saved_through_one_manager_is_restored_through_another(build_di
     managers, batch, baseline = saved_through_a(build_dir, seed=11)
     with managers as (a, b):
         second = engine_for(b.socket)
-        answers = []
-        real = second.connector.get_num_new_matched_tokens
-        second.connector.get_num_new_matched_tokens = lambda r, n: answers.append(real(r, n)) or answers[-1]
+        answers = record_lookups(second)
         assert run(second, batch) == baseline
         assert bad_reads(second) == 0
         assert answers[0] == (None, False) and answers[-1] == (64, True)
@@ -699,9 +705,7 @@ def test_a_weights_reset_while_a_remote_fetch_runs_never_serves_the_old_epoch(bu
     managers, batch, baseline = saved_through_a(build_dir, seed=37)
     with managers as (a, b):
         resetting = engine_for(b.socket)
-        answers = []
-        real = resetting.connector.get_num_new_matched_tokens
-        resetting.connector.get_num_new_matched_tokens = lambda r, n: answers.append(real(r, n)) or answers[-1]
+        answers = record_lookups(resetting)
         resetting.add_request("r0", batch[0], 4)
         resetting.step()
         assert answers and answers[0] == (None, False)  # Loading: b fetches from a

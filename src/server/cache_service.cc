@@ -178,16 +178,22 @@ void CacheService::CountAnswer(size_t blocks, size_t hits,
     hit_blocks_dram_->Increment(hits);
     return;
   }
-  for (size_t i = 0; i < hits; ++i) {
-    const std::string& tier = origin->TierOf(i);
-    if (tier == "ssd") {
-      hit_blocks_ssd_->Increment();
-    } else if (tier == "remote") {
-      hit_blocks_remote_->Increment();
-    } else {
-      hit_blocks_dram_->Increment();
-    }
+  // The hits DRAM held when the op started, then each stage's share of the rest (its span, in
+  // order from the chain's start); hits past every span were in DRAM too.
+  size_t counted = std::min(hits, origin->resident);
+  hit_blocks_dram_->Increment(counted);
+  size_t stage_end = 0;
+  for (const auto& [name, span] : origin->stages) {
+    stage_end += span;
+    const size_t upto = std::min(hits, stage_end);
+    if (upto <= counted) continue;
+    Counter* tier = name == "ssd"      ? hit_blocks_ssd_
+                    : name == "remote" ? hit_blocks_remote_
+                                       : hit_blocks_dram_;
+    tier->Increment(upto - counted);
+    counted = upto;
   }
+  hit_blocks_dram_->Increment(hits - counted);
 }
 
 Result<uint64_t> CacheService::RestoreFragments(const channel::RestoreRequest& request,

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <sstream>
 
 #include "channel/uds.h"
@@ -28,6 +29,19 @@ Result<uint64_t> ParseUint(std::string_view text) {
     return Status::InvalidArgument(fmt::format("'{}' is not a non-negative integer", text));
   }
   return value;
+}
+
+// "N[,N...]": each a ParseUint.
+Result<std::vector<uint64_t>> ParseUintList(std::string_view text) {
+  std::vector<uint64_t> values;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    ORBITKV_ASSIGN_OR_RETURN(uint64_t value, ParseUint(text.substr(start, comma - start)));
+    values.push_back(value);
+    start = comma + 1;
+  }
+  return values;
 }
 
 Result<bool> ParseBool(std::string_view text) {
@@ -141,13 +155,8 @@ const std::vector<Option>& Options() {
       {"allow-uid", "UID[,UID...]",
        "also admit engines running as these uids (the Manager's own uid always may)",
        [](ManagerConfig& c, std::string_view v) -> Status {
-         size_t start = 0;
-         while (start <= v.size()) {
-           const size_t comma = std::min(v.find(',', start), v.size());
-           ORBITKV_ASSIGN_OR_RETURN(uint64_t uid, ParseUint(v.substr(start, comma - start)));
-           c.allowed_uids.push_back(static_cast<uid_t>(uid));
-           start = comma + 1;
-         }
+         ORBITKV_ASSIGN_OR_RETURN(std::vector<uint64_t> uids, ParseUintList(v));
+         for (const uint64_t uid : uids) c.allowed_uids.push_back(static_cast<uid_t>(uid));
          return Status::Ok();
        }},
       {"ring-entries", "N",
@@ -435,22 +444,19 @@ Result<uint64_t> ParseSize(std::string_view text) {
 Result<std::optional<std::vector<int>>> ParseGpus(std::string_view text) {
   if (text == "all") return std::optional<std::vector<int>>();
   if (text == "none") return std::optional<std::vector<int>>(std::vector<int>());
+  Result<std::vector<uint64_t>> ordinals = ParseUintList(text);
+  if (!ordinals.ok()) {
+    return Status::InvalidArgument(
+        fmt::format("'{}' is not a GPU list: give all, none, or CUDA ordinals like 0,1", text));
+  }
   std::vector<int> devices;
-  size_t start = 0;
-  while (start <= text.size()) {
-    const size_t comma = std::min(text.find(',', start), text.size());
-    const std::string_view item = text.substr(start, comma - start);
-    int device = -1;
-    const auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), device);
-    if (item.empty() || error != std::errc() || end != item.data() + item.size() || device < 0) {
-      return Status::InvalidArgument(
-          fmt::format("'{}' is not a GPU list: give all, none, or CUDA ordinals like 0,1", text));
-    }
+  for (const uint64_t ordinal : *ordinals) {
+    const int device =
+        static_cast<int>(std::min<uint64_t>(ordinal, std::numeric_limits<int>::max()));
     if (std::find(devices.begin(), devices.end(), device) != devices.end()) {
       return Status::InvalidArgument(fmt::format("GPU {} is named twice in '{}'", device, text));
     }
     devices.push_back(device);
-    start = comma + 1;
   }
   return std::optional<std::vector<int>>(std::move(devices));
 }

@@ -78,6 +78,36 @@ class CudaSupport final : public GpuSupport {
   std::unique_ptr<gpu::CudaCopyEngine> engine_;
 };
 
+// Describes the served GPUs ("0 (0000:00:06.0, NUMA node 0), ...") and, with --numa auto (no nodes
+// given), puts the pool's arenas on their NUMA nodes (one per node when the GPUs sit on several),
+// so restores and saves cross no socket link; a GPU whose node is unknown or has no memory leaves
+// the default (every node with memory).
+std::string PlacePoolNearGpus(const std::vector<int>& served, core::PoolOptions* pool) {
+  std::vector<int> near;
+  std::string description;
+  for (const int device : served) {
+    Result<std::string> bus = gpu::PciBusIdOf(device);
+    Result<int> node = bus.ok() ? core::NumaNodeOfPciDevice(*bus) : Result<int>(-1);
+    const int numa = node.ok() ? *node : -1;
+    near.push_back(numa);
+    description += fmt::format("{}{} ({}, NUMA node {})", description.empty() ? "" : ", ", device,
+                               bus.ok() ? *bus : std::string("?"),
+                               numa < 0 ? std::string("unknown") : std::to_string(numa));
+  }
+  std::sort(near.begin(), near.end());
+  near.erase(std::unique(near.begin(), near.end()), near.end());
+  if (!pool->numa_nodes.empty() || near.empty() || near.front() < 0) return description;
+  Result<std::vector<int>> with_memory = core::MemoryNumaNodes();  // ascending
+  if (!with_memory.ok() ||
+      !std::includes(with_memory->begin(), with_memory->end(), near.begin(), near.end())) {
+    return description;
+  }
+  pool->numa_nodes = near;
+  ORBITKV_LOG_INFO("manager: the pool goes to NUMA node(s) {}, where its GPUs are (--numa auto)",
+                   fmt::join(near, ","));
+  return description;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(
@@ -90,9 +120,8 @@ Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(
   if (!devices.ok() || *devices == 0) {
     if (gpus.has_value()) {
       return Status::FailedPrecondition(
-          fmt::format("--gpus names GPUs but none is usable here ({}); check CUDA_VISIBLE_DEVICES "
-                      "and the NVIDIA "
-                      "driver, or pass --gpus none",
+          fmt::format("--gpus names GPUs but none is usable here ({}); check "
+                      "CUDA_VISIBLE_DEVICES and the NVIDIA driver, or pass --gpus none",
                       devices.ok() ? "no GPU found" : devices.status().ToString()));
     }
     if (!devices.ok()) {
@@ -112,42 +141,11 @@ Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(
                       device, *devices, *devices - 1));
     }
   }
-  // Where each served GPU sits: with --numa auto the pool's arenas go to those nodes (one per node
-  // when the GPUs sit on several), so restores and saves cross no socket link.
   std::vector<int> served = chosen;
   if (served.empty()) {
     for (int d = 0; d < *devices; ++d) served.push_back(d);
   }
-  std::vector<int> near;
-  std::string description;
-  bool all_placed = true;
-  for (const int device : served) {
-    Result<std::string> bus = gpu::PciBusIdOf(device);
-    Result<int> node = bus.ok() ? core::NumaNodeOfPciDevice(*bus) : Result<int>(-1);
-    const int numa = node.ok() ? *node : -1;
-    if (numa < 0) all_placed = false;
-    near.push_back(numa);
-    description += fmt::format("{}{} ({}, NUMA node {})", description.empty() ? "" : ", ", device,
-                               bus.ok() ? *bus : std::string("?"),
-                               numa < 0 ? std::string("unknown") : std::to_string(numa));
-  }
-  if (options->pool.numa_nodes.empty() && all_placed) {
-    std::sort(near.begin(), near.end());
-    near.erase(std::unique(near.begin(), near.end()), near.end());
-    Result<std::vector<int>> with_memory = core::MemoryNumaNodes();
-    std::vector<int> usable;
-    for (const int node : near) {
-      if (with_memory.ok() &&
-          std::find(with_memory->begin(), with_memory->end(), node) != with_memory->end())
-        usable.push_back(node);
-    }
-    if (usable.size() == near.size()) {
-      options->pool.numa_nodes = usable;
-      ORBITKV_LOG_INFO(
-          "manager: the pool goes to NUMA node(s) {}, where its GPUs are (--numa auto)",
-          fmt::join(usable, ","));
-    }
-  }
+  const std::string description = PlacePoolNearGpus(served, &options->pool);
   auto support = std::make_unique<CudaSupport>(chosen, description);
   options->pool.registrar = support->registry();
   ORBITKV_LOG_INFO("manager: {} GPU(s) usable, serving {}: the pool is registered with CUDA",

@@ -189,17 +189,6 @@ std::optional<LoadingRegistry::Origin> LoadingRegistry::CompletedOrigin(const Lo
   return it->second.origin;
 }
 
-const std::string& LoadingRegistry::Origin::TierOf(size_t index) const {
-  static const std::string kDram = "dram";
-  if (index < resident) return kDram;
-  size_t end = 0;
-  for (const auto& [name, span] : stages) {
-    end += span;
-    if (index < end) return name;
-  }
-  return kDram;
-}
-
 void LoadingRegistry::Forget(const LoadingChain& chain) {
   Aftermath after;
   {

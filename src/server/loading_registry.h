@@ -90,9 +90,6 @@ class LoadingRegistry {
   struct Origin {
     size_t resident = 0;
     std::vector<std::pair<std::string, size_t>> stages;  // (name, span)
-    // The tier that served block `index` of the chain: "dram" before `resident`, else the name of
-    // the stage whose span holds it ("dram" past every span).
-    const std::string& TierOf(size_t index) const;
   };
   // The chain's completed op's Origin; nullopt when it has none.
   std::optional<Origin> CompletedOrigin(const LoadingChain& chain) EXCLUDES(mu_);

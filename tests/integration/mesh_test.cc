@@ -226,6 +226,13 @@ uint64_t Field(const std::string& stats, const std::string& name) {
   return at == std::string::npos ? 0 : std::stoull(stats.substr(at + name.size() + 4));
 }
 
+// Returns once `manager` started a remote stage (or after about a second): a fault injected next lands mid-fetch.
+void AwaitRemoteFetch(const ManagerProcess& manager) {
+  for (int i = 0; i < 4000 && Field(StatsOf(manager), "remote_fetches") == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(250));
+  }
+}
+
 // Every shard's catalog holds what its owners hold: the records over all catalog hosts equal the records of
 // all live owners' inventories, and every owner stream follows with deltas. Within `tries` x 20 ms.
 ::testing::AssertionResult CatalogsEqualInventories(const std::vector<const ManagerProcess*>& managers,
@@ -998,10 +1005,7 @@ TEST_F(MeshTest, ASourceKilledDuringAFetchCostsTheRestOfThePrefixOnly) {
   MeshEngine b(*managers[1], 2, kBlocks);
   std::pair<size_t, size_t> result;
   std::thread query([&] { result = b.QueryAndRestore(keys); });
-  // Kill it once node-1 is fetching (or as soon as possible after).
-  for (int i = 0; i < 2000 && Field(StatsOf(*managers[1]), "remote_fetches") == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::microseconds(500));
-  }
+  AwaitRemoteFetch(*managers[1]);  // kill it once node-1 is fetching (or as soon as possible after)
   managers[0]->Stop(SIGKILL);
   query.join();
   EXPECT_EQ(result.second, result.first);  // every block reported is exact
@@ -1144,9 +1148,7 @@ TEST_F(MeshTest, ACatalogHostKilledDuringAQueryCostsItsShardsOnly) {
   MeshEngine b(*managers[1], 2, kBlocks);
   std::pair<size_t, size_t> result;
   std::thread query([&] { result = b.QueryAndRestore(keys); });
-  for (int i = 0; i < 4000 && Field(StatsOf(*managers[1]), "remote_fetches") == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::microseconds(250));
-  }
+  AwaitRemoteFetch(*managers[1]);
   managers[2]->Stop(SIGKILL);
   query.join();
   EXPECT_EQ(result.second, result.first);
