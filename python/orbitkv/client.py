@@ -69,17 +69,25 @@ class RestoreHandle:
         self._handle = handle
         self.done = False
         self.abandoned = False
+        # time.monotonic() seconds at which the Manager saw the copies drain (the host's one CLOCK_MONOTONIC),
+        # however late this process polled; None until done, or when the Manager did not say.
+        self.drained_at: Optional[float] = None
+
+    def _completed(self) -> None:
+        self.done = True
+        ns = self._client._native.take_restore_drained_ns(self._handle)
+        self.drained_at = None if ns is None else ns / 1e9
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until every copy drained; raises OrbitKVTimeout (still pending) or the restore's error."""
         if self.done:
             return
         self._client._native.wait_restore(self._handle, None if timeout is None else int(timeout * 1000))
-        self.done = True
+        self._completed()
 
     def poll(self) -> bool:
-        if not self.done:
-            self.done = self._client._native.poll_restore(self._handle)
+        if not self.done and self._client._native.poll_restore(self._handle):
+            self._completed()
         return self.done
 
     def abandon(self) -> bool:
@@ -267,6 +275,16 @@ class CacheManagerClient:
             handles.append(RestoreHandle(self, self._native.start_restore_layers(
                 instance_id, group, lease, pages, part.start, len(part), i == len(parts) - 1)))
         return handles
+
+    def start_restore_part(self, instance_id: int, lease: int, pages: Iterable[int], buffers: range, *,
+                           group: int = 0, consume_lease: bool = False) -> RestoreHandle:
+        """One part of a layer-wise restore: only ``buffers`` (a range of the group's buffer indices) of each
+        page. Parts of one lease may be started in any order and interleaved with other leases' parts; the lease
+        stays until a part with ``consume_lease`` (the last one started)."""
+        if not isinstance(buffers, range) or buffers.step != 1 or len(buffers) == 0:
+            raise ValueError(f"buffers must be a non-empty range with step 1, got {buffers!r}")
+        return RestoreHandle(self, self._native.start_restore_layers(
+            instance_id, group, lease, list(pages), buffers.start, len(buffers), consume_lease))
 
     def restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> None:
         self.start_restore(instance_id, lease, pages, group).wait()

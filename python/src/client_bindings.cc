@@ -224,6 +224,8 @@ void BindClient(py::module_& m) {
           },
           GilRelease(), py::arg("handle"),
           "True when the restore completed (raises if it failed); False if pending")
+      .def("take_restore_drained_ns", &CacheClient::TakeRestoreDrainedNanos, py::arg("handle"),
+           "CLOCK_MONOTONIC ns when a completed restore's copies drained (once per handle), or None")
       .def(
           "abandon_restore",
           [](CacheClient& c, uint64_t handle) { return ValueOrThrow(c.AbandonRestore(handle)); },

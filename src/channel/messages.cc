@@ -362,14 +362,15 @@ Result<QueryReply> DecodeQueryReply(const Descriptor& reply) {
   }
 }
 
-ReplyArgs EncodeRestoreReply(const RestoreReply& reply) { return {reply.bytes, 0}; }
+ReplyArgs EncodeRestoreReply(const RestoreReply& reply) {
+  return {reply.bytes, reply.drained_ns};
+}
 ReplyArgs EncodeSaveReply(const SaveReply& reply) { return {reply.written, reply.skipped}; }
 ReplyArgs EncodeWaitLoadingReply(const WaitLoadingReply& reply) { return {reply.resident, 0}; }
 ReplyArgs EncodePingReply(const PingReply& reply) { return {reply.incarnation, 0}; }
 
 Result<RestoreReply> DecodeRestoreReply(const Descriptor& reply) {
-  if (reply.arg1 != 0) return Status::InvalidArgument("a restore reply has arg1 set");
-  return RestoreReply{reply.arg0};
+  return RestoreReply{reply.arg0, reply.arg1};
 }
 
 Result<SaveReply> DecodeSaveReply(const Descriptor& reply) {

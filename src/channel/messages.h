@@ -100,9 +100,12 @@ struct QueryReply {
   friend bool operator==(const QueryReply&, const QueryReply&) = default;
 };
 
-// kRestore / kRestoreLayers: the bytes copied into the engine's pages, after every copy drained.
+// kRestore / kRestoreLayers: the bytes copied into the engine's pages, after every copy drained,
+// and when they drained (CLOCK_MONOTONIC nanoseconds, the clock every process of the host shares; 0
+// when not known): the engine's measure of how long its restore took, however late it polls.
 struct RestoreReply {
   uint64_t bytes = 0;
+  uint64_t drained_ns = 0;
   friend bool operator==(const RestoreReply&, const RestoreReply&) = default;
 };
 

@@ -34,10 +34,12 @@ TEST(MessagesTest, QueryRepliesRoundTripAndMalformedOnesAreRefused) {
 TEST(MessagesTest, OtherRepliesRoundTrip) {
   EXPECT_EQ(*DecodeSaveReply(ReplyWith(EncodeSaveReply({5, 2}))), (SaveReply{5, 2}));
   EXPECT_EQ(*DecodeRestoreReply(ReplyWith(EncodeRestoreReply({4096}))), (RestoreReply{4096}));
+  EXPECT_EQ(*DecodeRestoreReply(ReplyWith(EncodeRestoreReply({4096, 123456789}))),
+            (RestoreReply{4096, 123456789}));
   EXPECT_EQ(*DecodeWaitLoadingReply(ReplyWith(EncodeWaitLoadingReply({12}))),
             (WaitLoadingReply{12}));
   EXPECT_EQ(*DecodePingReply(ReplyWith(EncodePingReply({99}))), (PingReply{99}));
-  EXPECT_FALSE(DecodeRestoreReply(ReplyWith({1, 1})).ok());
+  EXPECT_FALSE(DecodePingReply(ReplyWith({1, 1})).ok());  // arg1 is the restore's drain time only
 }
 
 TEST(MessagesTest, CancelAndWaitLoadingHaveTheirOwnOpcodesAndCheckTheirFields) {

@@ -449,6 +449,25 @@ Result<bool> CacheClient::AbandonRestore(uint64_t handle) {
   return true;
 }
 
+Status CacheClient::RecordDrain(uint64_t handle, const channel::Descriptor& reply) {
+  Result<channel::RestoreReply> decoded = channel::DecodeRestoreReply(reply);
+  if (!decoded.ok()) return decoded.status();
+  if (decoded->drained_ns != 0) {
+    drained_ns_[handle] = static_cast<int64_t>(decoded->drained_ns);
+    if (drained_ns_.size() > 1024) drained_ns_.erase(drained_ns_.begin());  // never taken
+  }
+  return Status::Ok();
+}
+
+std::optional<int64_t> CacheClient::TakeRestoreDrainedNanos(uint64_t handle) {
+  MutexLock lock(&control_mu_);
+  auto it = drained_ns_.find(handle);
+  if (it == drained_ns_.end()) return std::nullopt;
+  const int64_t ns = it->second;
+  drained_ns_.erase(it);
+  return ns;
+}
+
 Result<std::optional<Status>> CacheClient::PollRestore(uint64_t handle) {
   MutexLock lock(&control_mu_);
   auto it = restores_.find(handle);
@@ -465,9 +484,8 @@ Result<std::optional<Status>> CacheClient::PollRestore(uint64_t handle) {
     }
     return std::optional<Status>(reply.status());
   }
-  Status status = reply->code() == StatusCode::kOk
-                      ? channel::DecodeRestoreReply(reply->descriptor).status()
-                      : ErrorFromReply(*control_, *reply, it->second.slot);
+  Status status = reply->code() == StatusCode::kOk ? RecordDrain(handle, reply->descriptor)
+                                                   : ErrorFromReply(*control_, *reply, it->second.slot);
   control_->ReleaseSlot(it->second.slot);
   restores_.erase(it);
   return std::optional<Status>(status);
@@ -498,9 +516,8 @@ Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::mill
     }
     return reply.status();
   }
-  Status status = reply->code() == StatusCode::kOk
-                      ? channel::DecodeRestoreReply(reply->descriptor).status()
-                      : ErrorFromReply(*control_, *reply, pending.slot);
+  Status status = reply->code() == StatusCode::kOk ? RecordDrain(handle, reply->descriptor)
+                                                   : ErrorFromReply(*control_, *reply, pending.slot);
   control_->ReleaseSlot(pending.slot);
   restores_.erase(handle);
   return status;

@@ -170,6 +170,10 @@ class CacheClient {
   Status WaitRestore(uint64_t handle,
                      std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   Result<std::optional<Status>> PollRestore(uint64_t handle);
+  // When the copies of a restore that WaitRestore/PollRestore reported complete drained, in the
+  // Manager's CLOCK_MONOTONIC nanoseconds (one clock for the host), once per handle; nullopt when
+  // unknown (a failed restore, an older Manager, or already taken). The last 1024 are kept.
+  std::optional<int64_t> TakeRestoreDrainedNanos(uint64_t handle);
   // Gives up on a pending restore (channel/claims.h). True: the Manager had not claimed it, so it
   // never writes its pages, which are the engine's again (the handle is gone; the Manager releases
   // the lease when it reaches the request, or with the session). False: the Manager claimed it, its
@@ -208,6 +212,9 @@ class CacheClient {
   Result<uint64_t> Ping();
 
  private:
+  // Decodes a successful restore reply and keeps its drain time for TakeRestoreDrainedNanos.
+  Status RecordDrain(uint64_t handle, const channel::Descriptor& reply) REQUIRES(control_mu_);
+
   struct PendingRestore {
     uint64_t request_id;
     uint32_t slot;
@@ -272,6 +279,7 @@ class CacheClient {
   mutable Mutex control_mu_;
   std::unique_ptr<channel::ClientSession> control_ PT_GUARDED_BY(control_mu_);
   std::map<uint64_t, PendingRestore> restores_ GUARDED_BY(control_mu_);
+  std::map<uint64_t, int64_t> drained_ns_ GUARDED_BY(control_mu_);  // handle -> drain time
   uint64_t next_handle_ GUARDED_BY(control_mu_) = 1;
   std::map<uint64_t, channel::InboundReply> arrived_ GUARDED_BY(control_mu_);  // by request id
   // Queries given up on (request id -> instance), and the leases their late replies carried.

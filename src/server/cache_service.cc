@@ -290,7 +290,8 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
           restore_latency_->Observe(watch.ElapsedSeconds());
         }
         EndOperation();
-        (*finish)(status.ok() ? Result<channel::RestoreReply>(channel::RestoreReply{total})
+        (*finish)(status.ok() ? Result<channel::RestoreReply>(channel::RestoreReply{
+                                    total, static_cast<uint64_t>(MonoNanos())})
                               : Result<channel::RestoreReply>(status));
       });
   if (!submitted.ok()) {

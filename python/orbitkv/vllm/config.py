@@ -41,9 +41,20 @@ _KEYS: dict[str, tuple[type, Any]] = {
     "reconnect_interval_s": (float, 1.0),
     "min_load_blocks": (int, 1),
     "weights_epoch": (str, ""),
+    "load_mode": (str, "auto"),
+    "decline_slow_hits": (bool, True),
+    "prefill_tokens_per_s": (float, 0.0),
 }
 _MODES = ("read_write", "save_only", "load_only")
 _SAVE_MODES = ("deferred", "sync")
+_LOAD_MODES = ("auto", "async", "layerwise")
+
+
+def _device_type(vllm_config) -> str:
+    """vLLM's device type ("cuda", "cpu", ...): DeviceConfig.device_type, else its torch.device; "" if unknown."""
+    device = getattr(vllm_config, "device_config", None)
+    kind = getattr(device, "device_type", None) or getattr(getattr(device, "device", None), "type", None)
+    return str(kind or "")
 
 
 def _coerce(key: str, kind: type, value: Any) -> Any:
@@ -179,6 +190,9 @@ class OrbitKVConfig:
     identity: dict
     weights: Optional[WeightsIdentity] = None
     weights_epoch: str = ""
+    load_mode: str = "async"  # "async" (between steps) or "layerwise" (inside the step, layer by layer)
+    decline_slow_hits: bool = True
+    prefill_tokens_per_s: float = 0.0  # 0: measured from the engine's steps
 
     @classmethod
     def from_vllm(cls, vllm_config, kv_cache_config) -> "OrbitKVConfig":
@@ -206,6 +220,14 @@ class OrbitKVConfig:
         for key in ("timeout_ms", "reconnect_interval_s"):
             if get(key) <= 0:
                 raise ValueError(f"kv_connector_extra_config['{PREFIX}{key}'] must be positive")
+        load_mode = get("load_mode")
+        if load_mode not in _LOAD_MODES:
+            raise ValueError(f"kv_connector_extra_config['{PREFIX}load_mode'] must be one of {_LOAD_MODES}, "
+                             f"got {load_mode!r}")
+        if load_mode == "auto":  # on a GPU the restore overlaps the layers' compute; elsewhere between steps
+            load_mode = "layerwise" if _device_type(vllm_config) == "cuda" else "async"
+        if get("prefill_tokens_per_s") < 0:
+            raise ValueError(f"kv_connector_extra_config['{PREFIX}prefill_tokens_per_s'] must be >= 0")
         if get("min_load_blocks") < 1:
             raise ValueError(f"kv_connector_extra_config['{PREFIX}min_load_blocks'] must be >= 1")
 
@@ -291,7 +313,9 @@ class OrbitKVConfig:
                    require_manager=get("require_manager"), reconnect_interval_s=get("reconnect_interval_s"),
                    min_load_blocks=get("min_load_blocks"), block_size=block_size, hash_algo=hash_algo,
                    hash_block_size=hash_block_size,
-                   groups=groups, identity=identity, weights=weights, weights_epoch=get("weights_epoch"))
+                   groups=groups, identity=identity, weights=weights, weights_epoch=get("weights_epoch"),
+                   load_mode=load_mode, decline_slow_hits=get("decline_slow_hits"),
+                   prefill_tokens_per_s=get("prefill_tokens_per_s"))
 
     def namespace(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> bytes:
         return orbitkv.derive_namespace(**self.identity, tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size,

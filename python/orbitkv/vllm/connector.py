@@ -5,7 +5,9 @@
 
 vLLM builds one instance per process and role: the scheduler's (SchedulerSide: lookups, load plans, save plans) and
 one per worker (WorkerSide: registration, restores, saves). The class is importable without vLLM (the base
-classes then come from ``orbitkv.vllm._compat``). Loads are asynchronous and reported through ``get_finished``;
+classes then come from ``orbitkv.vllm._compat``). Loads run layer by layer inside the step on a GPU
+(``wait_for_layer_load`` waits for each layer's pages while earlier layers compute) and asynchronously elsewhere
+(reported through ``get_finished``), per ``orbitkv.load_mode``;
 failed pages come back through ``get_block_ids_with_load_errors`` so vLLM recomputes; the connector is a
 best-effort cache (``requires_kv_delivery`` is False) and never delays freeing blocks. docs/vllm.md has the
 configuration keys and the call sequence.
@@ -69,7 +71,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return False  # the layer hooks do nothing
+        # Full CUDA graphs stay on (decode speed): a layer-wise load in a batch that replays one (its hooks do not
+        # run) waits for every layer in start_load_kv, which reads the forward context's cudagraph_runtime_mode.
+        return False
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict] = None) -> OrbitKVConnectorStats:
@@ -134,10 +138,10 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_saves()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self._worker.start_load_kv(self._connector_metadata)
+        self._worker.start_load_kv(self._connector_metadata, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads finish between steps
+        self._worker.wait_for_layer_load(layer_name)  # layer-wise loads only; asynchronous ones end between steps
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return None  # saves run from the step's plan in wait_for_save (CUDA-graph replay skips layer hooks)

@@ -26,10 +26,13 @@ class GroupLoad:
 
 @dataclass
 class LoadPlan:
-    """One request's asynchronous load: after it, tokens [0, end) are valid (tokens [0, origin) already were).
+    """One request's load: after it, tokens [0, end) are valid (tokens [0, origin) already were).
 
     ``fail`` marks a load the scheduler could not plan (vLLM asked for tokens the connector did not promise); the
-    workers then report every destination block as failed so vLLM recomputes.
+    workers then report every destination block as failed so vLLM recomputes. ``layerwise``: a load inside this
+    step (vLLM scheduled the request with the tokens already counted): each layer's pages are restored in layer
+    order and ``wait_for_layer_load`` waits for its own; otherwise the load runs between steps and ends in
+    ``finished_recving``.
     """
 
     req_id: str
@@ -37,6 +40,7 @@ class LoadPlan:
     end: int
     groups: list
     fail: bool = False
+    layerwise: bool = False
 
 
 @dataclass
@@ -50,28 +54,40 @@ class OrbitKVConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class OrbitKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Blocks each worker stored since its last report: (group, block hash) -> number of workers."""
+    """Since each worker's last report: blocks it stored ((group, block hash) -> number of workers), layer-wise
+    loads it finished (request id -> number of workers), and the bytes and seconds of its finished loads (the
+    scheduler's estimate of what a restore costs)."""
 
     stored: Counter = field(default_factory=Counter)
+    loaded: Counter = field(default_factory=Counter)
+    restored_bytes: int = 0
+    restore_seconds: float = 0.0
 
     def aggregate(self, other: "OrbitKVWorkerMetadata") -> "OrbitKVWorkerMetadata":
-        merged = Counter(self.stored)
+        merged = OrbitKVWorkerMetadata(Counter(self.stored), Counter(self.loaded), self.restored_bytes,
+                                       self.restore_seconds)
         if other is not None:
-            merged.update(other.stored)
-        return OrbitKVWorkerMetadata(merged)
+            merged.stored.update(other.stored)
+            merged.loaded.update(getattr(other, "loaded", None) or {})
+            merged.restored_bytes += getattr(other, "restored_bytes", 0)
+            merged.restore_seconds += getattr(other, "restore_seconds", 0.0)
+        return merged
 
 
 _SUMMED = ("lookups", "lookup_tokens", "hit_tokens", "loading_answers", "loads", "failed_loads",
            "restored_blocks", "restored_bytes", "restore_seconds", "failed_blocks", "saved_blocks",
            "skipped_blocks", "save_seconds", "save_failures", "manager_errors", "cache_resets",
-           "restores_abandoned", "saves_abandoned")
+           "restores_abandoned", "saves_abandoned", "layerwise_loads", "hits_declined")
 
 # Counter name (vLLM's "vllm:" prefix; prometheus_client adds "_total") -> (stats key, help)
 PROM_COUNTERS = {
     "vllm:orbitkv_lookup_tokens": ("lookup_tokens", "Prompt tokens the connector looked up in OrbitKV"),
     "vllm:orbitkv_hit_tokens": ("hit_tokens", "Tokens OrbitKV had and the connector offered vLLM"),
     "vllm:orbitkv_loading_answers": ("loading_answers", "Lookups answered 'still loading' (SSD or a peer)"),
-    "vllm:orbitkv_loads": ("loads", "Asynchronous loads started"),
+    "vllm:orbitkv_loads": ("loads", "Loads planned (asynchronous and layer-wise)"),
+    "vllm:orbitkv_layerwise_loads": ("layerwise_loads", "Loads restored layer by layer inside the step"),
+    "vllm:orbitkv_hits_declined": ("hits_declined", "Hits declined because restoring them would take longer "
+                                   "than recomputing them"),
     "vllm:orbitkv_failed_loads": ("failed_loads", "Loads that fell short and were reported to vLLM"),
     "vllm:orbitkv_restored_blocks": ("restored_blocks", "KV pages restored into vLLM's blocks"),
     "vllm:orbitkv_restored_bytes": ("restored_bytes", "Bytes restored into vLLM's KV cache"),

@@ -6,8 +6,10 @@ for one ``schedule()`` pass: asked again in the same pass, the connector repeats
 request's blocks by ``build_connector_meta`` (no free blocks, or the request was skipped), the leases go back and
 the next pass asks the Manager afresh. While the Manager stages blocks from SSD or a peer it answers Loading, and
 the connector answers ``(None, False)``: vLLM skips the request this step and asks again (the pending question is
-kept across steps). Hits are loaded asynchronously (``(n, True)``); at most ``num_tokens - 1`` tokens are claimed
-so a step always computes one.
+kept across steps). Hits are loaded asynchronously (``(n, True)``: the workers restore them between steps) or, in
+``layerwise`` mode, inside the step that computes the rest (``(n, False)``); at most ``num_tokens - 1`` tokens are
+claimed so a step always computes one. A hit whose restore would take longer than recomputing it is declined
+(``costs.HitCosts``, from the restore rate the workers report and the prefill rate of the engine's steps).
 
 Hybrid models follow the recovery contract: full-attention groups need every page from the local prefix to the
 boundary, sliding-window groups only the W-1 tokens before it. The boundary is the largest one every group of
@@ -24,7 +26,7 @@ hash); workers save them after the forward pass.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,6 +35,7 @@ from orbitkv import shm
 from orbitkv.vllm._compat import convert_block_hash, make_block_stored
 from orbitkv.vllm._query import PageRun
 from orbitkv.vllm.config import OrbitKVConfig
+from orbitkv.vllm.costs import HitCosts
 from orbitkv.vllm.keys import KeyCache, next_epoch
 from orbitkv.vllm.manager_link import ManagerLink
 from orbitkv.vllm.metadata import GroupLoad, LoadPlan, OrbitKVConnectorMetadata, OrbitKVConnectorStats
@@ -98,6 +101,9 @@ class SchedulerSide:
         # key -> (vLLM block hashes, parent hash, token ids, lora) of saved blocks, until workers report them
         self._event_info: OrderedDict = OrderedDict()
         self.stats = OrbitKVConnectorStats()
+        self.layerwise = cfg.load_mode == "layerwise"
+        self.costs = HitCosts(cfg.prefill_tokens_per_s)
+        self._loaded: Counter = Counter()  # layer-wise loads: workers that reported them done
         self._query_buffers = []
         self._max_keys = 0
         self.link: Optional[ManagerLink] = None
@@ -160,8 +166,8 @@ class SchedulerSide:
             self._lookups[req_id] = lookup
             self.stats.add("lookups")
             self.stats.add("lookup_tokens", (limit - start) * bs)
-        elif lookup.boundary is not None:
-            return lookup.tokens * bs, lookup.tokens > 0
+        elif lookup.boundary is not None:  # asked again in the same pass: the same answer
+            return lookup.tokens * bs, lookup.tokens > 0 and not self.layerwise
         client = self._client()
         if client is None:
             self._drop_lookup(req_id)
@@ -181,7 +187,19 @@ class SchedulerSide:
         if lookup.tokens == 0:
             self._drop_lookup(req_id)
             return 0, False
-        return lookup.tokens * bs, True
+        if self.cfg.decline_slow_hits and self.costs.decline(
+                self._hit_bytes(lookup), lookup.tokens * bs,
+                request.num_tokens - num_computed_tokens - lookup.tokens * bs, self.layerwise):
+            self.stats.add("hits_declined")
+            self._drop_lookup(req_id)
+            return 0, False
+        return lookup.tokens * bs, not self.layerwise
+
+    def _hit_bytes(self, lookup: _Lookup) -> int:
+        """Bytes one rank restores for the lookup's planned pages."""
+        sizes = {g.group: g.page_bytes * len(g.layer_names) for g in self.cfg.groups}
+        return sum((end - first) * sizes.get(group, 0) for group, (first, end) in lookup.needed.items()
+                   if end > first) // self.pp_size
 
     def _run(self, client, lookup: _Lookup, hashes, rank: int, group: int, first: int, end: int) -> PageRun:
         key = (rank, group, first, end)
@@ -271,7 +289,8 @@ class SchedulerSide:
                 self._drop_lookup(req_id)
             ids = list(block_ids[self.prefix_groups[0].group])
             self._pending_loads.append(LoadPlan(req_id, 0, len(ids) * bs,
-                                                [GroupLoad(self.prefix_groups[0].group, 0, [], ids)], fail=True))
+                                                [GroupLoad(self.prefix_groups[0].group, 0, [], ids)], fail=True,
+                                                layerwise=self.layerwise))
             return
         groups = []
         for group, (first, end) in sorted(lookup.needed.items()):
@@ -283,14 +302,19 @@ class SchedulerSide:
                           len(block_ids[group]), group)
                 ids += [0] * (end - first - len(ids))
             groups.append(GroupLoad(group, first, list(self._keys.keys(request)[first:end]), ids))
-        self._pending_loads.append(LoadPlan(req_id, lookup.start * bs, lookup.boundary * bs, groups))
+        self._pending_loads.append(LoadPlan(req_id, lookup.start * bs, lookup.boundary * bs, groups,
+                                            layerwise=self.layerwise))
         self._planned_blocks[req_id] = {b for g in groups for b in g.block_ids if b}
         self._inflight[req_id] = lookup
         self.stats.add("loads")
+        if self.layerwise:
+            self.stats.add("layerwise_loads")
 
     def build_connector_meta(self, scheduler_output) -> OrbitKVConnectorMetadata:
         meta = OrbitKVConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self.costs.step_built(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+                              bool(meta.loads))
         # Answers vLLM did not act on this pass (allocation failed, or the request was skipped): release their
         # leases now; a pending Loading question stays to be asked again.
         for req_id in [r for r, lookup in self._lookups.items() if lookup.boundary is not None]:
@@ -358,20 +382,29 @@ class SchedulerSide:
     # ---- worker reports --------------------------------------------------------------------------------------
 
     def update_connector_output(self, connector_output) -> None:
+        self.costs.step_done()
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self.costs.restored(getattr(worker_meta, "restored_bytes", 0), getattr(worker_meta, "restore_seconds", 0.0))
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if invalid:
             for req_id, blocks in self._planned_blocks.items():
                 if blocks & invalid:
                     self._no_load.add(req_id)
-        for req_id in getattr(connector_output, "finished_recving", None) or ():
-            self._planned_blocks.pop(req_id, None)
+        # A load is over once every worker reported it: asynchronous ones through finished_recving (vLLM's
+        # aggregator counts the workers), layer-wise ones through the workers' metadata.
+        done = set(getattr(connector_output, "finished_recving", None) or ())
+        for req_id, count in (getattr(worker_meta, "loaded", None) or {}).items():
+            self._loaded[req_id] += count
+            if self._loaded[req_id] >= self.world:
+                del self._loaded[req_id]
+                done.add(req_id)
         client = self._client()
-        for req_id in getattr(connector_output, "finished_recving", None) or ():
+        for req_id in done:
+            self._planned_blocks.pop(req_id, None)
             lookup = self._inflight.pop(req_id, None)
             if lookup is not None:
                 for run in lookup.runs.values():
                     run.release(client, self.link)
-        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         stored = getattr(worker_meta, "stored", None)
         if stored and self._events_enabled:
             kinds = {g.group: g for g in self.cfg.groups}
@@ -405,6 +438,7 @@ class SchedulerSide:
 
     def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict]]:
         self._no_load.discard(request.request_id)
+        self._loaded.pop(request.request_id, None)
         self._planned_blocks.pop(request.request_id, None)
         self._drop_lookup(request.request_id, inflight=True)
         self._tracked.pop(request.request_id, None)

@@ -3,9 +3,12 @@ through OrbitKVConnector, with the connector called in vLLM's order (see docs/vl
 
 Each request: ``get_num_new_matched_tokens`` until it answers (a None answer costs an idle step), block allocation,
 ``update_state_after_alloc``; an asynchronous load runs over idle engine steps until every worker listed the
-request in ``finished_recving`` (failed blocks truncate the restored prefix, as vLLM does); then chunked prefill
-and decode steps. Every step runs ``build_connector_meta`` on the scheduler side and, on the worker side,
-``handle_preemptions``, ``bind_connector_metadata``, ``start_load_kv``, the forward pass (with the layer hooks),
+request in ``finished_recving`` (failed blocks truncate the restored prefix, as vLLM does), a layer-wise one inside
+the first prefill step (failed blocks reported after it truncate the prefix and that step's token is discarded, as
+vLLM does for a synchronous load); then chunked prefill and decode steps. Every step runs ``build_connector_meta``
+on the scheduler side and, on the worker side, ``handle_preemptions``, ``bind_connector_metadata``,
+``start_load_kv`` (with a forward context: no CUDA graph), the forward pass (``wait_for_layer_load(layer)`` as the
+layer's attention begins, before it writes or reads the layer's KV; ``save_kv_layer`` after it),
 ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``, stats, events, worker metadata and
 ``clear_connector_metadata``; the scheduler then gets ``update_connector_output``. A finished request goes through
 ``request_finished_all_groups`` and its id reaches the worker in the next step's ``finished_req_ids``.
@@ -68,9 +71,11 @@ def kv_cache_config(config: refengine.ModelConfig, num_blocks: int):
     return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def vllm_config(config: refengine.ModelConfig, socket_path: Optional[str], extra: Optional[dict] = None):
+def vllm_config(config: refengine.ModelConfig, socket_path: Optional[str], extra: Optional[dict] = None,
+                device_type: str = "cpu"):
     """What ``vllm serve --kv-transfer-config ...`` would build for this model (the fields the connector reads)."""
     return SimpleNamespace(
+        device_config=SimpleNamespace(device_type=device_type),
         model_config=SimpleNamespace(model=config.fingerprint(), revision="random-weights", tokenizer=None,
                                      tokenizer_revision=None, dtype=config.torch_dtype),
         cache_config=SimpleNamespace(block_size=config.block_size, cache_dtype="auto",
@@ -81,6 +86,10 @@ def vllm_config(config: refengine.ModelConfig, socket_path: Optional[str], extra
             kv_connector="OrbitKVConnector", kv_connector_module_path="orbitkv.vllm", kv_role="kv_both",
             engine_id=str(uuid.uuid4()), kv_load_failure_policy="recompute",
             kv_connector_extra_config={"orbitkv.socket_path": socket_path, **(extra or {})}))
+
+
+# What vLLM's model runner passes start_load_kv: a forward context (this engine never replays a CUDA graph).
+_FORWARD_CONTEXT = SimpleNamespace(cudagraph_runtime_mode=SimpleNamespace(name="NONE"), attn_metadata={})
 
 
 class _RequestView:
@@ -125,6 +134,34 @@ class Result:
     restored_tokens: int
     compute_s: float  # time in the model's forward passes until the first token
     hash_s: float = 0.0  # admission (block hashes), before the TTFT clock starts
+    tpot_s: float = 0.0  # mean time per output token after the first (decode steps)
+    layerwise: bool = False  # the prefix was restored layer by layer inside the first prefill step
+
+
+class _LayerHooks:
+    """The KV cache as the model sees it, calling ``wait_for_layer_load`` when a layer's attention first touches
+    it in a forward pass (vLLM's attention op waits on entry, before it writes the new tokens' KV)."""
+
+    def __init__(self, cache, hook):
+        self._cache = cache
+        self._hook = hook
+        self._waited = -1
+        self.layers = cache.layers
+
+    def begin(self) -> None:
+        self._waited = -1
+
+    def write_tokens(self, layer, table, positions, k, v):
+        if layer > self._waited:
+            self._waited = layer
+            self._hook(layer_name(layer))
+        self._cache.write_tokens(layer, table, positions, k, v)
+
+    def read_tokens(self, layer, table, positions):
+        if layer > self._waited:
+            self._waited = layer
+            self._hook(layer_name(layer))
+        return self._cache.read_tokens(layer, table, positions)
 
 
 @dataclass
@@ -165,11 +202,12 @@ class SequentialEngine:
             # This engine truncates a load at the first failed block of any group, so it recovers from load
             # errors on hybrid models (the connector would otherwise keep loads off for them, see _compat).
             _compat.set_scheduler_recovers_hybrid(True)
-            vc = vllm_config(config, socket_path, extra)
+            vc = vllm_config(config, socket_path, extra, self.device.type)
             kv = kv_cache_config(config, num_blocks)
             self.scheduler = OrbitKVConnector(vc, KVConnectorRole.SCHEDULER, kv)
             self.worker = OrbitKVConnector(vc, KVConnectorRole.WORKER, kv)
             self.worker.register_kv_caches({layer_name(i): t for i, t in enumerate(self.engine.cache.layers)})
+            self._hooked = _LayerHooks(self.engine.cache, self.worker.wait_for_layer_load)
 
     # ---- one engine step ---------------------------------------------------------------------------------------
 
@@ -200,14 +238,11 @@ class SequentialEngine:
         w = self.worker
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
+        w.start_load_kv(_FORWARD_CONTEXT)
         if num_tokens:
-            names = [layer_name(i) for i in range(self.config.num_layers)]
-            for name in names:
-                w.wait_for_layer_load(name)
-            logits = self.engine.forward(request, num_tokens)
-            for i, name in enumerate(names):
-                w.save_kv_layer(name, self.engine.cache.layers[i], None)
+            logits = self._forward(request, num_tokens)
+            for i in range(self.config.num_layers):
+                w.save_kv_layer(layer_name(i), self.engine.cache.layers[i], None)
             w.wait_for_save()
         sending, recving = w.get_finished(finished)
         invalid = w.get_block_ids_with_load_errors()
@@ -224,6 +259,20 @@ class SequentialEngine:
         self.totals.add(self.scheduler.get_kv_connector_stats())
         return kv_out, logits
 
+    def _forward(self, request, num_tokens: int):
+        """RefEngine.forward with the layer hooks: the model reads and writes the KV through _LayerHooks."""
+        engine = self.engine
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        engine.allocate(request, end)
+        device = engine.device
+        tokens = torch.tensor(request.all_token_ids[start:end], dtype=torch.long, device=device)
+        table = torch.tensor(request.block_ids, dtype=torch.long, device=device)
+        self._hooked.begin()
+        logits = engine.model.forward(tokens, start, self._hooked, table)
+        request.num_computed_tokens = end
+        return logits
+
     def _new_blocks(self, request) -> list:
         """Blocks allocated since the scheduler last told the connector about this request's table."""
         known = self._sent.get(request.request_id, 0)
@@ -232,8 +281,9 @@ class SequentialEngine:
 
     # ---- one request -------------------------------------------------------------------------------------------
 
-    def _load(self, request) -> int:
-        """Lookup and asynchronous load; returns the tokens whose KV is now in the request's blocks."""
+    def _load(self, request) -> tuple[int, bool]:
+        """Lookup and, for an asynchronous hit, the load; returns (tokens whose KV is in the request's blocks, or
+        will be once the first step's layer-wise load ran; whether that load is layer-wise)."""
         view = _RequestView(request)
         while True:
             n, load_async = self.scheduler.get_num_new_matched_tokens(view, 0)
@@ -244,7 +294,9 @@ class SequentialEngine:
         self._sent[request.request_id] = len(request.block_ids)
         self.scheduler.update_state_after_alloc(view, _Blocks(request.block_ids, self.groups), n)
         if not n:
-            return 0
+            return 0, False
+        if not load_async:
+            return n, True
         valid = n
         bs = self.config.block_size
         while True:
@@ -259,7 +311,7 @@ class SequentialEngine:
             valid -= 1
         # Re-admission after the load: vLLM calls update_state_after_alloc again with no external tokens.
         self.scheduler.update_state_after_alloc(view, _Blocks(request.block_ids, self.groups), 0)
-        return valid
+        return valid, False
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -270,34 +322,42 @@ class SequentialEngine:
         request = self.engine.add_request(prompt_token_ids, request_id)
         self._sync()
         started = time.perf_counter()
-        restored = self._load(request) if self.scheduler is not None else 0
+        restored, layerwise = self._load(request) if self.scheduler is not None else (0, False)
         self.engine.allocate(request)
         request.num_computed_tokens = restored
         compute_s = 0.0
         logits, first = None, True
+        bs = self.config.block_size
         while request.num_computed_tokens < request.num_tokens:
             pos = request.num_computed_tokens
             end = min(request.num_tokens, (pos // self.chunk + 1) * self.chunk)
             t = time.perf_counter()
-            _, logits = self._step(request, end - pos, new=first)
+            kv_out, logits = self._step(request, end - pos, new=first)
             self._sync()
             compute_s += time.perf_counter() - t
             first = False
+            bad = [request.block_ids.index(b) * bs for b in (kv_out.invalid_block_ids if kv_out else ())
+                   if b in request.block_ids]
+            if bad and min(bad) < end:  # vLLM: the valid prefix stays, the rest (and this step's token) is redone
+                request.num_computed_tokens = restored = min(restored, min(bad))
+                logits = None
         token = self.engine.sample(logits)
         ttft = time.perf_counter() - started
         tokens = [token]
+        decode_started = time.perf_counter()
         while len(tokens) < max_new_tokens:
             self.engine.append_token(request, token)
             _, logits = self._step(request, 1)
             token = self.engine.sample(logits)
             tokens.append(token)
+        tpot = (time.perf_counter() - decode_started) / (len(tokens) - 1) if len(tokens) > 1 else 0.0
         if self.scheduler is not None:
             self.scheduler.request_finished_all_groups(_RequestView(request),
                                                        _Blocks(request.block_ids, self.groups).get_block_ids())
             self._finished.add(request.request_id)
         self._sent.pop(request.request_id, None)
         self.engine.free(request)
-        return Result(tokens, ttft, restored, compute_s, started - admitted)
+        return Result(tokens, ttft, restored, compute_s, started - admitted, tpot, layerwise)
 
     def idle(self, steps: int = 1) -> None:
         """Engine steps with nothing scheduled (finished ids reach the worker, deferred saves complete)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import select
 import threading
 import time
@@ -46,6 +47,8 @@ from orbitkv.vllm.metadata import LoadPlan, OrbitKVConnectorStats, OrbitKVWorker
 
 log = logging.getLogger("orbitkv.vllm")
 
+_LAYER_NUMBER = re.compile(r"\.(\d+)\.")
+
 
 @dataclass
 class _GroupJob:
@@ -57,6 +60,10 @@ class _GroupJob:
     started: bool = False
     done: bool = False
     failed: bool = False  # a Manager call of this group failed (reported once)
+    drained_at: float = 0.0  # the latest time.monotonic() at which the Manager saw one of its restores drain
+
+    def completed(self, handle) -> None:
+        self.drained_at = max(self.drained_at, getattr(handle, "drained_at", None) or time.monotonic())
 
 
 @dataclass
@@ -64,6 +71,46 @@ class _LoadJob:
     plan: LoadPlan
     groups: list
     started_at: float
+    waited: set = field(default_factory=set)  # layer-wise: layers the engine waited for (its hook, or all at once)
+    unhooked: bool = False  # layer-wise: a part's layer was never waited for, so the forward may have read early
+
+
+_QUEUED = object()  # a layer-wise part waiting for a request slot
+
+
+def _layer_index(name: str, fallback: int) -> int:
+    """The model position of a vLLM layer name ("model.layers.7.self_attn.attn" -> 7), else ``fallback``."""
+    match = _LAYER_NUMBER.search(name)
+    return int(match.group(1)) if match else fallback
+
+
+def _wait_readable(fd: int, timeout_s: float) -> None:
+    """Sleeps until ``fd`` is readable or ``timeout_s`` passed (poll, not select: an engine may hold more than
+    FD_SETSIZE descriptors)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(max(0, int(timeout_s * 1000)))
+
+
+def _hooks_skipped(forward_context) -> bool:
+    """Whether this forward pass replays a full CUDA graph, which runs attention without the layer hooks (vLLM's
+    ForwardContext.cudagraph_runtime_mode; FULL_AND_PIECEWISE uses FULL only for uniform decode batches)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return mode is not None and str(getattr(mode, "name", mode)).upper() == "FULL"
+
+
+def _restored(gj: "_GroupJob") -> int:
+    """Pages restored contiguously from the load's first block: the leading segments all of whose restores (one,
+    or one per layer) succeeded."""
+    ok: dict = {}
+    for entry in gj.handles:
+        ok[(entry[1], entry[2])] = ok.get((entry[1], entry[2]), True) and entry[0] is True
+    restored = 0
+    for (_, count), good in sorted(ok.items()):
+        if not good:
+            break
+        restored += count
+    return restored
 
 
 class WorkerSide:
@@ -76,7 +123,16 @@ class WorkerSide:
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.views: dict[int, list] = {}  # group -> page views registered with the Manager
         self.block_bytes: dict[int, int] = {}
-        self._jobs: dict[str, _LoadJob] = {}
+        self._jobs: dict[str, _LoadJob] = {}  # asynchronous loads, reported through finished_recving
+        self._layer_jobs: dict[str, _LoadJob] = {}  # layer-wise loads of the current step
+        # Layer-wise restores: per group, the buffer range (into its registered views) each layer owns, in the
+        # order the engine computes the layers; per layer name, the (group, owner layer) parts it reads (a layer
+        # sharing another's KV buffer reads that layer's part).
+        self._layer_parts: dict[int, list] = {}
+        self._layer_needs: dict[str, list] = {}
+        self._part_queue: list = []  # layer-wise parts not started yet (request slots all in flight), in order
+        self._loaded: Counter = Counter()
+        self._observed = [0, 0.0]  # bytes and seconds of finished loads since the last report
         self._invalid: set[int] = set()
         self._stored: Counter = Counter()
         self._saves: list[concurrent.futures.Future] = []
@@ -103,28 +159,40 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         views: dict[int, list] = {}
+        parts: dict[int, list] = {}
+        needs: dict[str, list] = {}
         for g in self.cfg.groups:
-            seen = set()
+            owner_of = {}  # view key -> the layer that registered it
             group_views = []
-            for name in g.layer_names:
-                tensor = kv_caches.get(name)
-                if tensor is None:
+            group_parts = []
+            for name in g.layer_names:  # vLLM lists a group's layers in model order
+                if name not in kv_caches:
                     continue  # another pipeline stage's layer
-                layer_views = layout.page_views(name, tensor, self.num_blocks)
+                layer_views = layout.page_views(name, kv_caches[name], self.num_blocks)
                 page_bytes = sum(v.shape[1] for v in layer_views)
                 if page_bytes != g.bytes_of(name):
                     raise ValueError(f"OrbitKVConnector: layer {name!r} holds {page_bytes} bytes per block but its "
                                      f"KV spec says {g.bytes_of(name)}")
+                first = len(group_views)
+                owners = []
                 for view in layer_views:
                     key = layout.view_key(view)
-                    if key not in seen:  # layers sharing one KV buffer register it once
-                        seen.add(key)
+                    if key not in owner_of:  # layers sharing one KV buffer register it once
+                        owner_of[key] = name
                         group_views.append(view)
+                    elif owner_of[key] not in owners:
+                        owners.append(owner_of[key])
+                if len(group_views) > first:
+                    group_parts.append((name, range(first, len(group_views))))
+                    owners.append(name)
+                needs.setdefault(name, []).extend((g.group, owner) for owner in owners)
             if group_views:
                 views[g.group] = group_views
+                parts[g.group] = group_parts
         if not views:
             raise ValueError("OrbitKVConnector: register_kv_caches got none of the layers in the KV cache config "
                              f"(got {sorted(kv_caches)[:4]}...)")
+        self._layer_parts, self._layer_needs = parts, needs
         self._install(views)
 
     def register_cross_layers_kv_cache(self, kv_cache, attn_backend=None) -> None:
@@ -136,6 +204,9 @@ class WorkerSide:
         if sum(v.shape[1] for v in group_views) != expected:
             raise ValueError(f"OrbitKVConnector: the cross-layer KV tensor holds "
                              f"{sum(v.shape[1] for v in group_views)} bytes per block, expected {expected}")
+        # Every layer's bytes are in each buffer: one part, which the first layer's wait covers for all.
+        self._layer_parts = {g.group: [("cross-layer", range(0, len(group_views)))]}
+        self._layer_needs = {name: [(g.group, "cross-layer")] for name in g.layer_names}
         self._install({g.group: group_views})
 
     def _install(self, views: dict) -> None:
@@ -153,10 +224,11 @@ class WorkerSide:
 
     # ---- loads -------------------------------------------------------------------------------------------------
 
-    def start_load_kv(self, meta) -> None:
+    def start_load_kv(self, meta, forward_context=None) -> None:
         self.wait_for_saves()
         if meta is None:
             return
+        parts = []
         for plan in meta.loads:
             groups = [_GroupJob(load, PageRun(self.instance, load.group, load.first_block, load.block_hashes))
                       for load in plan.groups if load.group in self.views]
@@ -164,8 +236,187 @@ class WorkerSide:
             if plan.fail:
                 for gj in groups:
                     gj.done = True
-            self._jobs[plan.req_id] = job
+            if plan.layerwise:
+                self._layer_jobs[plan.req_id] = job
+                if not plan.fail:
+                    parts += self._lease_layerwise(job, len(self._layer_jobs))
+            else:
+                self._jobs[plan.req_id] = job
+        if parts:
+            self._drain_stream()
+            # Layer 0 of every load first, then layer 1...: the copies land in the order the forward reads them.
+            parts.sort(key=lambda p: p[:3])
+            self._part_queue += [p[3] for p in parts]
+            self._pump()
+        if self._layer_jobs and _hooks_skipped(forward_context):
+            # A full CUDA graph replays attention without the layer hooks: every layer's pages land first.
+            for name in list(self._layer_needs):
+                self.wait_for_layer_load(name)
         self._progress()
+
+    # ---- layer-wise loads ----------------------------------------------------------------------------------------
+
+    def _lease_layerwise(self, job: _LoadJob, order: int) -> list:
+        """Leases the planned pages on this rank's instance; returns the load's parts, one restore per (layer,
+        leased segment), as (layer position, load order, group, entry) for the start queue."""
+        client = self.link.client()
+        parts = []
+        for gj in job.groups:
+            gj.started = True
+            gj.client = client
+            try:
+                if client is None:
+                    raise orbitkv.ManagerUnavailable("the Manager is unreachable")
+                gj.run.advance(client, self.cfg.block_size, self._max_keys or 1024)
+                if gj.run.pending:  # Loading: the scheduler's leases keep the pages resident, so this is a loss
+                    gj.run.release(client, self.link)
+            except orbitkv.OrbitKVError as error:
+                log.warning("orbitkv: layer-wise load of %s (group %d) failed: %s", job.plan.req_id,
+                            gj.load.group, error)
+                self._count("manager_errors")
+                self.link.failed(error, client)
+                gj.run.release(self.link.client(), self.link)
+                gj.failed = True
+                continue
+            group_parts = self._layer_parts.get(gj.load.group, [])
+            load = gj.load
+            for index, (name, buffers) in enumerate(group_parts):
+                for lease, first, count in gj.run.segments:
+                    offset = first - load.first_block
+                    pages = [bid if bid else orbitkv.SKIP_PAGE for bid in load.block_ids[offset:offset + count]]
+                    entry = [_QUEUED, first, count, name, (job, lease, pages, buffers, index == len(group_parts) - 1),
+                             gj]
+                    gj.handles.append(entry)
+                    parts.append((_layer_index(name, index), order, load.group, entry))
+            gj.run.segments = []  # the queued parts own the leases now (the last part of each consumes it)
+        return parts
+
+    def _pump(self, give_up: bool = False) -> None:
+        """Starts queued parts in order while the session has request slots (a slot is free again once its
+        part's completion was seen); a part that cannot start fails, and its lease is released with its last
+        part. ``give_up``: a load ran out of time, its queued parts fail."""
+        if not self._part_queue:
+            return
+        for job in self._layer_jobs.values():  # completions seen free their request slots
+            for gj in job.groups:
+                for entry in gj.handles:
+                    handle = entry[0]
+                    if handle is not None and handle is not True and handle is not _QUEUED:
+                        try:
+                            if handle.poll():
+                                gj.completed(handle)
+                                entry[0] = True
+                        except orbitkv.OrbitKVError:
+                            entry[0] = None
+        while self._part_queue:
+            entry = self._part_queue[0]
+            job, lease, pages, buffers, last = entry[4]
+            gj = entry[5]
+            client = gj.client
+            overdue = give_up and time.monotonic() > job.started_at + self.cfg.timeout_ms / 1000
+            try:
+                if gj.failed or client is None or overdue:
+                    raise orbitkv.ManagerUnavailable("an earlier call of this load failed, or it ran out of time "
+                                                     "waiting for a request slot")
+                entry[0] = client.start_restore_part(self.instance, lease, pages, buffers, group=gj.load.group,
+                                                     consume_lease=last)
+            except orbitkv.OrbitKVError as error:
+                if getattr(error, "code", "") == "RESOURCE_EXHAUSTED" and not gj.failed and not overdue:
+                    return  # every request slot is in flight: started when a part completes
+                if not gj.failed:
+                    log.warning("orbitkv: layer-wise restore of %s (group %d) failed to start: %s",
+                                job.plan.req_id, gj.load.group, error)
+                    self.link.failed(error, client)
+                    gj.failed = True
+                entry[0] = None
+                if last:  # the lease of a part that never started goes back with its last part
+                    self._release_lease(client, lease)
+            self._part_queue.pop(0)
+            entry[4] = None
+
+    def _release_lease(self, client, lease: int) -> None:
+        if client is None or self.link.stalled:
+            self.link.release_later(self.instance, lease)
+            return
+        try:
+            client.release(self.instance, lease)
+        except orbitkv.OrbitKVError as error:
+            log.debug("orbitkv: releasing lease %d: %s", lease, error)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Blocks until the pages of ``layer_name`` (and of any layer whose KV buffer it shares) landed, for every
+        layer-wise load of this step. A restore the Manager has not claimed when the connector's timeout runs out
+        is abandoned (its request's blocks are reported failed); one it claimed is waited for, since it writes
+        the engine's pages."""
+        if not self._layer_jobs:
+            return
+        needs = self._layer_needs.get(layer_name)
+        if not needs:
+            return
+        for job in self._layer_jobs.values():
+            job.waited.update(owner for _, owner in needs)
+            entries = [entry for gj in job.groups for entry in gj.handles
+                       if (gj.load.group, entry[3]) in needs]
+            self._wait_entries(job, entries)
+
+    def _wait_entries(self, job: _LoadJob, entries: list) -> None:
+        deadline = job.started_at + self.cfg.timeout_ms / 1000
+        warned = False
+        while True:
+            pending = False
+            self._pump(give_up=time.monotonic() > deadline)
+            for entry in entries:
+                handle = entry[0]
+                if handle is None or handle is True:
+                    continue
+                if handle is _QUEUED:
+                    pending = True
+                    continue
+                try:
+                    if handle.poll():
+                        entry[5].completed(handle)
+                        entry[0] = True
+                        continue
+                except orbitkv.OrbitKVError as error:
+                    log.warning("orbitkv: layer-wise restore of %s failed: %s", job.plan.req_id, error)
+                    self.link.failed(error, job.groups[0].client if job.groups else None)
+                    entry[0] = None
+                    continue
+                if time.monotonic() > deadline:
+                    self._abandon(entry)
+                    if entry[0] is not None and not warned:
+                        warned = True
+                        log.warning("orbitkv: a layer-wise restore of %s ran past %d ms and the Manager is writing "
+                                    "its pages: waiting for it", job.plan.req_id, self.cfg.timeout_ms)
+                pending |= entry[0] is not None and entry[0] is not True
+            if not pending:
+                return
+            client = self.link.client()
+            try:
+                fd = client.completion_fd() if client is not None else None
+            except orbitkv.OrbitKVError:
+                fd = None
+            if fd is None:
+                time.sleep(0.0005)
+            else:
+                _wait_readable(fd, 0.005)
+
+    def _finish_layerwise(self) -> None:
+        """After the forward pass: every part drained (parts of layers the engine never waited for are waited for
+        now, and their load fails: the forward may have read those pages early); failed pages are reported."""
+        for req_id, job in list(self._layer_jobs.items()):
+            rest = [entry for gj in job.groups for entry in gj.handles]
+            job.unhooked = any(entry[3] not in job.waited for entry in rest)
+            self._wait_entries(job, rest)
+            if job.unhooked:
+                log.warning("orbitkv: the engine ran %s's forward pass without waiting for every layer's load "
+                            "(wait_for_layer_load): its loaded blocks are reported failed and recomputed", req_id)
+            for gj in job.groups:
+                gj.restored = 0 if job.unhooked else _restored(gj)
+                gj.done = True
+            self._finish(job)
+            self._loaded[req_id] += 1
+            del self._layer_jobs[req_id]
 
     def _progress(self) -> None:
         client = self.link.client()
@@ -239,6 +490,7 @@ class WorkerSide:
                 continue
             try:
                 if handle.poll():
+                    gj.completed(handle)
                     entry[0] = True
                 elif overdue:
                     self._abandon(entry)
@@ -247,12 +499,7 @@ class WorkerSide:
                 self.link.failed(error, gj.client)
                 entry[0] = None
         if all(entry[0] is True or entry[0] is None for entry in gj.handles):
-            restored = 0
-            for handle, _, count in gj.handles:  # segments are consecutive: count the leading successes
-                if handle is not True:
-                    break
-                restored += count
-            gj.restored = restored
+            gj.restored = _restored(gj)
             gj.done = True
 
     def _settle_failed(self, gj: _GroupJob) -> None:
@@ -263,6 +510,7 @@ class WorkerSide:
             if handle is not None and handle is not True:
                 try:
                     if handle.poll():
+                        gj.completed(handle)
                         entry[0] = True
                     else:
                         self._abandon(entry)
@@ -272,7 +520,7 @@ class WorkerSide:
         self._poll(gj)
         gj.done = all(entry[0] is True or entry[0] is None for entry in gj.handles)
 
-    def _finish(self, job: _LoadJob) -> None:
+    def _finish(self, job: _LoadJob, seconds: Optional[float] = None) -> None:
         """Reports the blocks past the largest boundary the restored pages cover."""
         plan = job.plan
         bs = self.cfg.block_size
@@ -290,9 +538,16 @@ class WorkerSide:
                 boundary = legal[-1] if legal else plan.origin
         restored_blocks = sum(gj.restored for gj in job.groups)
         restored_bytes = sum(gj.restored * self.block_bytes.get(gj.load.group, 0) for gj in job.groups)
+        if seconds is None:  # from the load's start to its last copy's drain (as the Manager saw it)
+            seconds = max((gj.drained_at for gj in job.groups), default=0.0) or time.monotonic()
+            seconds -= job.started_at
         self._count("restored_blocks", restored_blocks)
         self._count("restored_bytes", restored_bytes)
-        self._count("restore_seconds", time.monotonic() - job.started_at)
+        self._count("restore_seconds", seconds)
+        if restored_bytes:
+            with self._lock:
+                self._observed[0] += restored_bytes
+                self._observed[1] += seconds
         if boundary < plan.end:
             self._count("failed_loads")
             for gj in job.groups:
@@ -302,6 +557,8 @@ class WorkerSide:
                         self._count("failed_blocks")
 
     def get_finished(self, finished_req_ids) -> tuple[Optional[set], Optional[set]]:
+        if self._layer_jobs:
+            self._finish_layerwise()
         if self._jobs:
             self._progress()
         done = {req_id for req_id, job in self._jobs.items() if all(gj.done for gj in job.groups)}
@@ -319,7 +576,7 @@ class WorkerSide:
             fd = client.completion_fd()
         except orbitkv.OrbitKVError:
             return
-        select.select([fd], [], [], timeout_s)
+        _wait_readable(fd, timeout_s)
 
     def get_block_ids_with_load_errors(self) -> set:
         invalid, self._invalid = self._invalid, set()
@@ -389,20 +646,24 @@ class WorkerSide:
 
     def build_worker_meta(self) -> Optional[OrbitKVWorkerMetadata]:
         with self._lock:
-            if not self._stored:
+            if not self._stored and not self._loaded and not self._observed[0]:
                 return None
             stored, self._stored = self._stored, Counter()
-        return OrbitKVWorkerMetadata(stored)
+            loaded, self._loaded = self._loaded, Counter()
+            (observed_bytes, observed_s), self._observed = self._observed, [0, 0.0]
+        return OrbitKVWorkerMetadata(stored, loaded, observed_bytes, observed_s)
 
     def get_stats(self) -> Optional[OrbitKVConnectorStats]:
         with self._lock:
             return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def pending_loads(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._layer_jobs)
 
     def shutdown(self) -> None:
         self.wait_for_saves()
+        if self._layer_jobs:
+            self._finish_layerwise()
         deadline = time.monotonic() + self.cfg.timeout_ms / 1000
         while self._jobs and time.monotonic() < deadline:  # restores write into engine pages: let them drain
             self.get_finished(set())

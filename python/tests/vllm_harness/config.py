@@ -143,8 +143,26 @@ class KVTransferConfig:
 
 
 @dataclass
+class DeviceConfig:
+    """vllm/config/device.py: ``device="auto"`` resolves to the platform's device type ("cuda" on a GPU)."""
+
+    device_type: str = "cpu"
+
+
+@dataclass
+class CompilationConfig:
+    """vllm/config/compilation.py: the CUDA-graph mode. FULL_AND_PIECEWISE (the GPU default) replays a full graph,
+    without the attention layers' connector hooks, for uniform decode batches and piecewise graphs (attention
+    eager, hooks called) for the rest; NONE (enforce_eager, and CPU) never replays one."""
+
+    cudagraph_mode: str = "NONE"
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)

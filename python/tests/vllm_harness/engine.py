@@ -135,13 +135,14 @@ class Engine:
 def vllm_config(socket_path=None, *, tp: int = 1, block_size: int = 16, budget: int = 2048,
                 threshold: int = 0, prefix_caching: bool = True, max_num_seqs: int = 64, model: str = "test/model",
                 hash_algo: str = "sha256", extra=None, role: str = "kv_both", policy: str = "fail",
-                dtype=None, revision=None, kv_events: bool = False):
+                dtype=None, revision=None, kv_events: bool = False, device_type: str = "cpu",
+                cudagraph_mode: str = "NONE"):
     """A VllmConfig as ``vllm serve`` would build it; with ``socket_path`` the OrbitKV connector is configured
     exactly as docs/vllm.md tells users to."""
     import torch
 
-    from vllm_harness.config import (CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                                     SchedulerConfig, VllmConfig)
+    from vllm_harness.config import (CacheConfig, CompilationConfig, DeviceConfig, KVEventsConfig, KVTransferConfig,
+                                     ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
 
     transfer = None
     if socket_path is not None:
@@ -149,6 +150,8 @@ def vllm_config(socket_path=None, *, tp: int = 1, block_size: int = 16, budget: 
                                     kv_role=role, kv_load_failure_policy=policy,
                                     kv_connector_extra_config={"orbitkv.socket_path": socket_path, **(extra or {})})
     return VllmConfig(model_config=ModelConfig(model=model, dtype=dtype or torch.bfloat16, revision=revision),
+                      device_config=DeviceConfig(device_type=device_type),
+                      compilation_config=CompilationConfig(cudagraph_mode=cudagraph_mode),
                       cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
                                                prefix_caching_hash_algo=hash_algo),
                       parallel_config=ParallelConfig(tensor_parallel_size=tp),

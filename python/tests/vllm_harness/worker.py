@@ -17,6 +17,7 @@ import copy
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional
 
 from vllm_harness.scheduler import create_connector
@@ -47,6 +48,7 @@ class _CachedRequestState:
     token_ids: list
     block_ids: list  # one list per group
     num_computed_tokens: int
+    num_prompt_tokens: int = 0
 
 
 class _Hooks:
@@ -93,7 +95,7 @@ class Worker:
         for new in out.scheduled_new_reqs:
             self.requests[new.req_id] = _CachedRequestState(list(new.prompt_token_ids),
                                                             [list(ids) for ids in new.block_ids],
-                                                            new.num_computed_tokens)
+                                                            new.num_computed_tokens, len(new.prompt_token_ids))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
@@ -105,6 +107,11 @@ class Worker:
             else:
                 if req_id in cached.all_token_ids:
                     state.token_ids = list(cached.all_token_ids[req_id])
+                elif i < len(cached.num_output_tokens) and state.num_prompt_tokens and \
+                        cached.num_output_tokens[i] < len(state.token_ids) - state.num_prompt_tokens:
+                    # gpu_model_runner: "Some output tokens were discarded due to a sync-KV-load failure. Align
+                    # the cached state."
+                    del state.token_ids[state.num_prompt_tokens + cached.num_output_tokens[i]:]
                 if new_ids is not None:
                     for table, added in zip(state.block_ids, new_ids):
                         table.extend(added)
@@ -137,17 +144,24 @@ class Worker:
             self.call_log.append("handle_preemptions")
             c.handle_preemptions(meta)
         self._update_states(out)
+        # The CUDA-graph dispatcher: under FULL_AND_PIECEWISE a uniform decode batch (one token per request)
+        # replays a full graph, whose attention runs without the connector hooks.
+        full = (self.vllm_config.compilation_config.cudagraph_mode == "FULL_AND_PIECEWISE"
+                and out.total_num_scheduled_tokens > 0 and all(n == 1 for n in out.num_scheduled_tokens.values()))
+        mode = "FULL" if full else ("NONE" if self.vllm_config.compilation_config.cudagraph_mode == "NONE"
+                                    else "PIECEWISE")
+        forward_context = SimpleNamespace(cudagraph_runtime_mode=SimpleNamespace(name=mode), attn_metadata={})
         if c is not None and meta is not None:
             self.call_log += ["bind_connector_metadata", "start_load_kv"]
             c.bind_connector_metadata(meta)
-            c.start_load_kv(None)
+            c.start_load_kv(forward_context)
         logits: dict = {}
         if out.total_num_scheduled_tokens > 0:
             batch = []
             for req_id, n in out.num_scheduled_tokens.items():
                 state = self.requests[req_id]
                 batch.append((req_id, state.token_ids, state.num_computed_tokens, n, state.block_ids))
-            hooks = _Hooks(c if meta is not None else None, self.kv_caches)
+            hooks = _Hooks(c if meta is not None and not full else None, self.kv_caches)
             logits = self.model.execute(batch, hooks)
             self.call_log += [name for name, _ in hooks.calls]
             if c is not None and meta is not None:
