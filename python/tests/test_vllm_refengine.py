@@ -56,13 +56,16 @@ def prompt_set(vocab, seed=0):
 
 
 def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engine=None, memory="shm",
-        policy="fail", recovery="hybrid_full", extra=None):
+        policy="fail", recovery="hybrid_full", extra=None, load_mode="auto"):
     """One harness engine over the reference model; by default a vLLM whose scheduler recovers from load errors on
     hybrid models (PR #50388), with vLLM's default kv_load_failure_policy."""
     model = (CudaRefEngineModel if memory == "cuda" else RefEngineModel)(config, memory=memory)
+    # vLLM's device config: "cuda" where the KV caches are (so the connector's default load mode is layer-wise).
     engine = Engine(vllm_config(socket, model=config.fingerprint(), dtype=config.torch_dtype, budget=4096,
                                 threshold=CHUNK, prefix_caching=prefix_caching, policy=policy,
-                                extra={"orbitkv.reconnect_interval_s": 0.05, **(extra or {})}),
+                                device_type="cuda" if memory == "cuda" else "cpu",
+                                extra={"orbitkv.reconnect_interval_s": 0.05, "orbitkv.load_mode": load_mode,
+                                       **(extra or {})}),
                     lambda rank: model, num_blocks=96, recovery=recovery)
     if on_engine is not None:
         on_engine(engine)
@@ -87,24 +90,30 @@ def assert_identical(results, baseline):
             assert torch.equal(a, b), f"{req_id}: logits differ (max {float((a - b).abs().max())})"
 
 
-@pytest.mark.parametrize("name,saver,loader", [
-    ("tiny", "shm", "shm"),
-    ("tiny_hybrid", "shm", "shm"),
-    ("tiny_hybrid", "ordinary", "ordinary"),  # vLLM's own KV tensors, every group
-    ("tiny", "ordinary", "shm"),
-    ("tiny", "shm", "ordinary"),
-    pytest.param("tiny", "cuda", "cuda", marks=needs_cuda),  # GPU KV caches through CUDA IPC
-    pytest.param("tiny_hybrid", "cuda", "cuda", marks=needs_cuda),
+@pytest.mark.parametrize("name,saver,loader,mode", [
+    ("tiny", "shm", "shm", "auto"),
+    ("tiny_hybrid", "shm", "shm", "auto"),
+    ("tiny_hybrid", "shm", "shm", "layerwise"),  # restored layer by layer inside the step
+    ("tiny_hybrid", "ordinary", "ordinary", "auto"),  # vLLM's own KV tensors, every group
+    ("tiny", "ordinary", "shm", "auto"),
+    ("tiny", "shm", "ordinary", "layerwise"),
+    # GPU KV caches through CUDA IPC: layer-wise (the default on a GPU) and asynchronous
+    pytest.param("tiny", "cuda", "cuda", "auto", marks=needs_cuda),
+    pytest.param("tiny_hybrid", "cuda", "cuda", "auto", marks=needs_cuda),
+    pytest.param("tiny_hybrid", "cuda", "cuda", "async", marks=needs_cuda),
 ])
-def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loader):
+def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loader, mode):
     config = refengine.preset(name)
     prompts = prompt_set(config.vocab_size)
     base_engine, baseline = run(config, None, prompts, memory="cuda" if loader == "cuda" else "shm")
     _, warm = run(config, manager.socket, prompts, memory=saver)  # computes and saves
     assert_identical(warm, baseline)
     assert manager.stats()["resident_blocks"] > 0
-    engine, restored = run(config, manager.socket, prompts, memory=loader)
+    engine, restored = run(config, manager.socket, prompts, memory=loader, load_mode=mode)
     assert_identical(restored, baseline)
+    layerwise = mode == "layerwise" or (mode == "auto" and loader == "cuda")
+    loads = [plan for out, _ in engine.outputs_log for plan in out.kv_connector_metadata.loads]
+    assert loads and all(plan.layerwise == layerwise for plan in loads)
     worker = engine.workers[0]
     assert in_shm(worker.kv_caches[worker.model.layer_names[0]]) == (loader == "shm")
     assert worker.kv_caches[worker.model.layer_names[0]].is_cuda == (loader == "cuda")
@@ -141,7 +150,9 @@ def test_manager_killed_mid_restore_recomputes_bit_identically(manager, monkeypa
 
         monkeypatch.setattr(client, "start_restore", restore)
 
-    engine, results = run(config, manager.socket, prompts, on_engine=arm, memory=memory, policy="recompute")
+    # The asynchronous restore path (test_vllm_layerwise.py kills the Manager during a layer-wise load).
+    engine, results = run(config, manager.socket, prompts, on_engine=arm, memory=memory, policy="recompute",
+                          load_mode="async")
     assert_identical(results, baseline)
     assert calls[:4] == [0, 1, 0, 1]
     assert engine.worker_stats.data["failed_loads"] >= 1
@@ -190,6 +201,7 @@ def test_manager_stopped_mid_restore_recomputes_bit_identically(manager, monkeyp
 
     try:
         engine, results = run(config, manager.socket, prompts, on_engine=arm, memory=memory, policy="recompute",
+                              load_mode="async",
                               extra={"orbitkv.timeout_ms": 300})
     finally:
         manager.resume()

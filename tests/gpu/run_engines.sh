@@ -5,8 +5,9 @@
 # the SGLang gate (python/tests/test_sglang_gate.py: the reference engine served SGLang-style with its device KV pool
 # on CUDA, through the CPU host pool + OrbitKV L3 and through OrbitKVLinker with the pool registered by CUDA IPC;
 # tokens and logits bit-identical to a recompute on the same GPU), and the TTFT benchmark
-# (benches/ttft_bench.py on the Qwen3-8B-shaped model, targets of issue 7: ttft_8k_cached within 1.15x of
-# ttft_8k_ideal, ttft_8k_recompute at least 10x ttft_8k_cached).
+# (benches/ttft_bench.py on the Qwen3-8B-shaped model, medians of 5 runs, both load modes; targets of issue 23:
+# ttft_8k_cached (layer-wise) at most 0.9x the serial ttft_8k_ideal, ttft_8k_recompute at least 10x
+# ttft_8k_cached, and at every length ttft_*_cached_vs_recompute at most 1.02).
 #
 # Usage, from anywhere in the repository:
 #   tests/gpu/run_engines.sh pack   On a CPU machine: runs `tests/gpu/run_gate.sh pack` (orbitkv-manager and its
@@ -119,7 +120,9 @@ ttft_summary() {
   python3 - "$out/ttft.json" <<'EOF'
 import json, sys
 report = json.load(open(sys.argv[1]))
-targets = {"ttft_8k_cached": ("<=", 1.15), "ttft_8k_recompute": (">=", 10.0)}
+# Issue 23: the layer-wise restore beats the serial ideal; a cached request is never slower than recompute.
+targets = {"ttft_8k_cached": ("<=", 0.9), "ttft_8k_recompute": (">=", 10.0),
+           **{f"ttft_{k}_cached_vs_recompute": ("<=", 1.02) for k in ("1k", "4k", "8k", "16k")}}
 missed = 0
 for r in report["results"]:
     op, bound = targets.get(r["metric"], (None, None))
@@ -128,7 +131,7 @@ for r in report["results"]:
         ok = r["ratio"] <= bound if op == "<=" else r["ratio"] >= bound
         missed += not ok
         verdict = f"target ratio {op} {bound}: {'met' if ok else 'MISSED'}"
-    print(f"  {r['metric']:24} {r['value']:10.2f} {r['unit']:4} {r['baseline_metric']:>22} {r['baseline']:10.2f}"
+    print(f"  {r['metric']:30} {r['value']:10.2f} {r['unit']:4} {r['baseline_metric']:>22} {r['baseline']:10.2f}"
           f"  ratio {r['ratio']:7.3f}  {verdict}")
 env = report["env"]
 print("  " + ", ".join(f"{k}={env[k]}" for k in ("device", "model", "chunk", "pinned_h2d_peak_gbps") if k in env))
@@ -164,7 +167,7 @@ run() {
     exit 0
   fi
   echo "== TTFT bench (benches/ttft_bench.py --json)"
-  timeout 360 python3 benches/ttft_bench.py --json --plot "$out/ttft.png" \
+  timeout 480 python3 benches/ttft_bench.py --json --plot "$out/ttft.png" \
     --lengths "${ORBITKV_TTFT_LENGTHS:-1024,4096,8192,16384}" >"$out/ttft.json" 2>"$out/ttft.err"
   local bench=$? summary=3
   tail -5 "$out/ttft.err"
