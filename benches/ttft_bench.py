@@ -301,8 +301,10 @@ def main(argv=None) -> int:
         print(f"{peak_name[:-5]} {peak:.2f} GB/s; plot: {env['plot']}")
     # A cached run must have restored its prefix and sampled the recompute's token.
     # A cached run must have restored its prefix (in both modes, the layer-wise one inside its first step) and
-    # produced the recompute's tokens.
-    return 0 if all(r["same_first_token"] and r["same_tokens"] and r["async_restored_tokens"] > 0
+    # sampled the recompute's first token. (Later tokens may differ: the suffix's own KV is computed in a smaller
+    # batch than the recompute's chunk, and bf16 matmuls round by batch shape; test_vllm_refengine.py is the
+    # bit-exact gate, with one chunking for both.)
+    return 0 if all(r["same_first_token"] and r["async_restored_tokens"] > 0
                     and r["layerwise_restored_tokens"] > 0 and r["layerwise_layerwise"] for r in rows) else 1
 
 
