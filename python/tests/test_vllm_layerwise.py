@@ -284,3 +284,53 @@ def test_load_mode_defaults_to_layerwise_on_a_gpu_and_rejects_unknown_modes():
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         OrbitKVConfig.from_vllm(vllm_config("/x.sock", extra={"orbitkv.prefill_tokens_per_s": -1}), kv)
     assert orbitkv.vllm.OrbitKVConnector.requires_piecewise_for_cudagraph({}) is False
+
+
+def test_a_manager_stopped_before_a_layerwise_restore_never_holds_the_step(manager, monkeypatch):
+    """kill -STOP as the first part goes into the ring: no part is ever claimed, so each is abandoned once
+    orbitkv.timeout_ms passed; the step returns, vLLM recomputes the request, and after kill -CONT it hits again."""
+    batch = prompts(1, 64, 16, seed=51)
+    extra = {**LAYERWISE, "orbitkv.timeout_ms": 300, "orbitkv.reconnect_interval_s": 0.05}
+    baseline, engine = _cached_engine(manager, batch, extra=extra, policy="recompute")
+    client = engine.workers[0].connector._worker.link.client()
+    real = client.start_restore_part
+    stopped = []
+
+    def stop_then_start(*args, **kwargs):
+        if not stopped:
+            manager.pause()
+            stopped.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client, "start_restore_part", stop_then_start)
+    engine.add_request("r0", batch[0], 4)
+    step_times = []
+    unreported = 0  # wrong K/V read in a step that did not report its load failed
+    try:
+        while engine.has_unfinished():
+            started, before = time.monotonic(), bad_reads(engine)
+            engine.step()
+            step_times.append(time.monotonic() - started)
+            kv = engine.outputs_log[-1][1].kv_connector_output
+            if not (kv and kv.invalid_block_ids):
+                unreported += bad_reads(engine) - before
+            assert len(step_times) < 200, "the engine stopped making progress"
+    finally:
+        manager.resume()
+    assert stopped
+    assert max(step_times) < 0.3 + 1.0  # the load's timeout at most
+    assert engine.results["r0"].tokens == baseline["r0"]
+    # The failed step's forward read pages that never landed; it reported them, so its token was discarded.
+    assert unreported == 0
+    assert engine.worker_stats.data["restores_abandoned"] >= 1
+    assert engine.worker_stats.data["failed_loads"] == 1
+    deadline = time.monotonic() + 10
+    while engine.connector._scheduler.link.stalled or engine.workers[0].connector._worker.link.stalled:
+        assert time.monotonic() < deadline, "the connector never noticed the Manager was back"
+        time.sleep(0.05)
+    monkeypatch.setattr(client, "start_restore_part", real)
+    engine.results.clear()
+    assert run(engine, batch) == baseline
+    assert engine.worker_stats.data["restored_blocks"] >= 4
+    assert_nothing_held(engine, manager)
+    engine.shutdown()
