@@ -84,7 +84,7 @@ def main(argv=None) -> int:
             for name in ("handle_preemptions", "start_load_kv", "wait_for_save", "get_finished",
                          "get_block_ids_with_load_errors", "build_connector_worker_meta"):
                 wrap(engine.worker, name, f"worker.{name}")
-            wrap(engine, "_forward", "forward")
+            wrap(engine.engine, "forward", "forward")
             result = engine.generate(prompt, 1)
             cached.append(result.ttft_s)
             engine.close()

@@ -60,7 +60,7 @@ def test_a_layerwise_hit_is_scheduled_at_once_and_each_layer_waits_only_for_its_
     def wait(name):
         real_wait(name)
         for job in worker._layer_jobs.values():  # this layer's parts are done when its hook returns
-            mine = [e[0] for gj in job.groups for e in gj.handles if e[3] == name]
+            mine = [p.handle for gj in job.groups for p in gj.handles if p.layer == name]
             landed.append((name, all(h is True for h in mine), len(mine)))
 
     monkeypatch.setattr(worker, "wait_for_layer_load", wait)

@@ -126,9 +126,11 @@ class RefEngine:
         self.allocate(request)
 
     # ---- compute -----------------------------------------------------------------------------------------------
-    def forward(self, request: Request, num_tokens: int) -> torch.Tensor:
+    def forward(self, request: Request, num_tokens: int, cache=None) -> torch.Tensor:
         """Computes tokens [num_computed_tokens, +num_tokens) (allocating blocks if needed); returns the float32
-        logits of the last one. The KV of every earlier token must already be in the request's blocks."""
+        logits of the last one. The KV of every earlier token must already be in the request's blocks. ``cache``:
+        what the model reads and writes the KV through (default the engine's PagedKVCache; a wrapper with the same
+        read_tokens/write_tokens may hook each layer's access)."""
         start = request.num_computed_tokens
         end = start + num_tokens
         if num_tokens <= 0 or end > request.num_tokens:
@@ -137,7 +139,7 @@ class RefEngine:
         self.allocate(request, end)
         tokens = torch.tensor(request.all_token_ids[start:end], dtype=torch.long, device=self.device)
         table = torch.tensor(request.block_ids, dtype=torch.long, device=self.device)
-        logits = self.model.forward(tokens, start, self.cache, table)
+        logits = self.model.forward(tokens, start, self.cache if cache is None else cache, table)
         request.num_computed_tokens = end
         return logits
 

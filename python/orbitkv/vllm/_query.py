@@ -22,6 +22,23 @@ def loading_type():
     return getattr(orbitkv, "QueryLoading", None)
 
 
+def release_lease(client, link, instance: int, lease: int) -> None:
+    """Gives back one lease (best effort). While ``link`` is stalled, or once the release times out (which stalls
+    it), the lease goes to the link, which releases it when the Manager answers."""
+    if client is None or (link is not None and link.stalled):
+        if link is not None:
+            link.release_later(instance, lease)
+        return
+    try:
+        client.release(instance, lease)
+    except orbitkv.OrbitKVTimeout as error:
+        if link is not None:
+            link.failed(error, client)
+            link.release_later(instance, lease)
+    except orbitkv.OrbitKVError as error:
+        log.debug("orbitkv: releasing lease %d: %s", lease, error)
+
+
 class PageRun:
     """Pages [first_block, first_block + len(hashes)) of ``group``, leased segment by segment."""
 
@@ -69,18 +86,7 @@ class PageRun:
         ``link`` is stalled (the Manager stopped answering, its session and so the leases alive), or once a release
         times out (which stalls it), the leases go to the link, which releases them when the Manager answers."""
         for lease, _, _ in self.segments:
-            if client is None or (link is not None and link.stalled):
-                if link is not None:
-                    link.release_later(self.instance, lease)
-                continue
-            try:
-                client.release(self.instance, lease)
-            except orbitkv.OrbitKVTimeout as error:
-                if link is not None:
-                    link.failed(error, client)
-                    link.release_later(self.instance, lease)
-            except orbitkv.OrbitKVError as error:
-                log.debug("orbitkv: releasing lease %d: %s", lease, error)
+            release_lease(client, link, self.instance, lease)
         if client is not None and self.op is not None and not (link is not None and link.stalled):
             self._cancel(client, self.op)
         self.segments = []

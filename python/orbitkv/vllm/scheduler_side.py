@@ -103,6 +103,7 @@ class SchedulerSide:
         self.stats = OrbitKVConnectorStats()
         self.layerwise = cfg.load_mode == "layerwise"
         self.costs = HitCosts(cfg.prefill_tokens_per_s)
+        self._block_bytes = {g.group: g.page_bytes * len(g.layer_names) for g in cfg.groups}  # every layer, one rank
         self._loaded: Counter = Counter()  # layer-wise loads: workers that reported them done
         self._query_buffers = []
         self._max_keys = 0
@@ -197,8 +198,7 @@ class SchedulerSide:
 
     def _hit_bytes(self, lookup: _Lookup) -> int:
         """Bytes one rank restores for the lookup's planned pages."""
-        sizes = {g.group: g.page_bytes * len(g.layer_names) for g in self.cfg.groups}
-        return sum((end - first) * sizes.get(group, 0) for group, (first, end) in lookup.needed.items()
+        return sum((end - first) * self._block_bytes.get(group, 0) for group, (first, end) in lookup.needed.items()
                    if end > first) // self.pp_size
 
     def _run(self, client, lookup: _Lookup, hashes, rank: int, group: int, first: int, end: int) -> PageRun:

@@ -151,16 +151,17 @@ class _LayerHooks:
     def begin(self) -> None:
         self._waited = -1
 
-    def write_tokens(self, layer, table, positions, k, v):
+    def _enter(self, layer: int) -> None:
         if layer > self._waited:
             self._waited = layer
             self._hook(layer_name(layer))
+
+    def write_tokens(self, layer, table, positions, k, v):
+        self._enter(layer)
         self._cache.write_tokens(layer, table, positions, k, v)
 
     def read_tokens(self, layer, table, positions):
-        if layer > self._waited:
-            self._waited = layer
-            self._hook(layer_name(layer))
+        self._enter(layer)
         return self._cache.read_tokens(layer, table, positions)
 
 
@@ -240,7 +241,8 @@ class SequentialEngine:
         w.bind_connector_metadata(meta)
         w.start_load_kv(_FORWARD_CONTEXT)
         if num_tokens:
-            logits = self._forward(request, num_tokens)
+            self._hooked.begin()
+            logits = self.engine.forward(request, num_tokens, cache=self._hooked)
             for i in range(self.config.num_layers):
                 w.save_kv_layer(layer_name(i), self.engine.cache.layers[i], None)
             w.wait_for_save()
@@ -258,20 +260,6 @@ class SequentialEngine:
         self.totals.add(stats)
         self.totals.add(self.scheduler.get_kv_connector_stats())
         return kv_out, logits
-
-    def _forward(self, request, num_tokens: int):
-        """RefEngine.forward with the layer hooks: the model reads and writes the KV through _LayerHooks."""
-        engine = self.engine
-        start = request.num_computed_tokens
-        end = start + num_tokens
-        engine.allocate(request, end)
-        device = engine.device
-        tokens = torch.tensor(request.all_token_ids[start:end], dtype=torch.long, device=device)
-        table = torch.tensor(request.block_ids, dtype=torch.long, device=device)
-        self._hooked.begin()
-        logits = engine.model.forward(tokens, start, self._hooked, table)
-        request.num_computed_tokens = end
-        return logits
 
     def _new_blocks(self, request) -> list:
         """Blocks allocated since the scheduler last told the connector about this request's table."""

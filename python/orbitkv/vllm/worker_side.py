@@ -40,7 +40,7 @@ from typing import Optional
 import orbitkv
 from orbitkv.vllm import layout
 from orbitkv.vllm._compat import parallel_ranks
-from orbitkv.vllm._query import PageRun
+from orbitkv.vllm._query import PageRun, release_lease
 from orbitkv.vllm.config import OrbitKVConfig
 from orbitkv.vllm.manager_link import ManagerLink
 from orbitkv.vllm.metadata import LoadPlan, OrbitKVConnectorStats, OrbitKVWorkerMetadata
@@ -50,11 +50,31 @@ log = logging.getLogger("orbitkv.vllm")
 _LAYER_NUMBER = re.compile(r"\.(\d+)\.")
 
 
+_QUEUED = object()  # a layer-wise part waiting for a request slot
+
+
+@dataclass
+class _Restore:
+    """One restore of a load: the leased segment [first, first + count) (layer-wise: only ``layer``'s buffers).
+    ``handle``: the RestoreHandle in flight, True once it drained, None when it failed or was abandoned, or _QUEUED
+    (layer-wise, not started yet; ``start`` then holds (job, group job, lease, pages, buffers, consume_lease))."""
+
+    handle: object
+    first: int
+    count: int
+    layer: Optional[str] = None
+    start: Optional[tuple] = None
+
+    @property
+    def settled(self) -> bool:
+        return self.handle is True or self.handle is None
+
+
 @dataclass
 class _GroupJob:
     load: object  # GroupLoad
     run: PageRun
-    handles: list = field(default_factory=list)  # [RestoreHandle | None (failed to start), first_block, count]
+    handles: list = field(default_factory=list)  # _Restore, in start order
     client: object = None  # the client the restores were started on (their failures are that client's)
     restored: int = 0  # pages restored, contiguous from load.first_block
     started: bool = False
@@ -62,8 +82,15 @@ class _GroupJob:
     failed: bool = False  # a Manager call of this group failed (reported once)
     drained_at: float = 0.0  # the latest time.monotonic() at which the Manager saw one of its restores drain
 
-    def completed(self, handle) -> None:
-        self.drained_at = max(self.drained_at, getattr(handle, "drained_at", None) or time.monotonic())
+    def poll(self, part: _Restore) -> bool:
+        """Polls a started restore; True once it drained (its drain time counts toward the load's). Raises the
+        restore's error."""
+        handle = part.handle
+        if not handle.poll():
+            return False
+        self.drained_at = max(self.drained_at, handle.drained_at or time.monotonic())
+        part.handle = True
+        return True
 
 
 @dataclass
@@ -72,10 +99,6 @@ class _LoadJob:
     groups: list
     started_at: float
     waited: set = field(default_factory=set)  # layer-wise: layers the engine waited for (its hook, or all at once)
-    unhooked: bool = False  # layer-wise: a part's layer was never waited for, so the forward may have read early
-
-
-_QUEUED = object()  # a layer-wise part waiting for a request slot
 
 
 def _layer_index(name: str, fallback: int) -> int:
@@ -103,8 +126,8 @@ def _restored(gj: "_GroupJob") -> int:
     """Pages restored contiguously from the load's first block: the leading segments all of whose restores (one,
     or one per layer) succeeded."""
     ok: dict = {}
-    for entry in gj.handles:
-        ok[(entry[1], entry[2])] = ok.get((entry[1], entry[2]), True) and entry[0] is True
+    for part in gj.handles:
+        ok[(part.first, part.count)] = ok.get((part.first, part.count), True) and part.handle is True
     restored = 0
     for (_, count), good in sorted(ok.items()):
         if not good:
@@ -258,7 +281,7 @@ class WorkerSide:
 
     def _lease_layerwise(self, job: _LoadJob, order: int) -> list:
         """Leases the planned pages on this rank's instance; returns the load's parts, one restore per (layer,
-        leased segment), as (layer position, load order, group, entry) for the start queue."""
+        leased segment), as (layer position, load order, group, _Restore) for the start queue."""
         client = self.link.client()
         parts = []
         for gj in job.groups:
@@ -284,10 +307,10 @@ class WorkerSide:
                 for lease, first, count in gj.run.segments:
                     offset = first - load.first_block
                     pages = [bid if bid else orbitkv.SKIP_PAGE for bid in load.block_ids[offset:offset + count]]
-                    entry = [_QUEUED, first, count, name, (job, lease, pages, buffers, index == len(group_parts) - 1),
-                             gj]
-                    gj.handles.append(entry)
-                    parts.append((_layer_index(name, index), order, load.group, entry))
+                    part = _Restore(_QUEUED, first, count, name,
+                                    (job, gj, lease, pages, buffers, index == len(group_parts) - 1))
+                    gj.handles.append(part)
+                    parts.append((_layer_index(name, index), order, load.group, part))
             gj.run.segments = []  # the queued parts own the leases now (the last part of each consumes it)
         return parts
 
@@ -299,27 +322,23 @@ class WorkerSide:
             return
         for job in self._layer_jobs.values():  # completions seen free their request slots
             for gj in job.groups:
-                for entry in gj.handles:
-                    handle = entry[0]
-                    if handle is not None and handle is not True and handle is not _QUEUED:
+                for part in gj.handles:
+                    if not part.settled and part.handle is not _QUEUED:
                         try:
-                            if handle.poll():
-                                gj.completed(handle)
-                                entry[0] = True
+                            gj.poll(part)
                         except orbitkv.OrbitKVError:
-                            entry[0] = None
+                            part.handle = None
         while self._part_queue:
-            entry = self._part_queue[0]
-            job, lease, pages, buffers, last = entry[4]
-            gj = entry[5]
+            part = self._part_queue[0]
+            job, gj, lease, pages, buffers, last = part.start
             client = gj.client
             overdue = give_up and time.monotonic() > job.started_at + self.cfg.timeout_ms / 1000
             try:
                 if gj.failed or client is None or overdue:
                     raise orbitkv.ManagerUnavailable("an earlier call of this load failed, or it ran out of time "
                                                      "waiting for a request slot")
-                entry[0] = client.start_restore_part(self.instance, lease, pages, buffers, group=gj.load.group,
-                                                     consume_lease=last)
+                part.handle = client.start_restore_part(self.instance, lease, pages, buffers, group=gj.load.group,
+                                                        consume_lease=last)
             except orbitkv.OrbitKVError as error:
                 if getattr(error, "code", "") == "RESOURCE_EXHAUSTED" and not gj.failed and not overdue:
                     return  # every request slot is in flight: started when a part completes
@@ -328,20 +347,11 @@ class WorkerSide:
                                 job.plan.req_id, gj.load.group, error)
                     self.link.failed(error, client)
                     gj.failed = True
-                entry[0] = None
+                part.handle = None
                 if last:  # the lease of a part that never started goes back with its last part
-                    self._release_lease(client, lease)
+                    release_lease(client, self.link, self.instance, lease)
             self._part_queue.pop(0)
-            entry[4] = None
-
-    def _release_lease(self, client, lease: int) -> None:
-        if client is None or self.link.stalled:
-            self.link.release_later(self.instance, lease)
-            return
-        try:
-            client.release(self.instance, lease)
-        except orbitkv.OrbitKVError as error:
-            log.debug("orbitkv: releasing lease %d: %s", lease, error)
+            part.start = None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until the pages of ``layer_name`` (and of any layer whose KV buffer it shares) landed, for every
@@ -355,40 +365,37 @@ class WorkerSide:
             return
         for job in self._layer_jobs.values():
             job.waited.update(owner for _, owner in needs)
-            entries = [entry for gj in job.groups for entry in gj.handles
-                       if (gj.load.group, entry[3]) in needs]
-            self._wait_entries(job, entries)
+            self._wait_parts(job, [(gj, part) for gj in job.groups for part in gj.handles
+                                   if (gj.load.group, part.layer) in needs])
 
-    def _wait_entries(self, job: _LoadJob, entries: list) -> None:
+    def _wait_parts(self, job: _LoadJob, parts: list) -> None:
+        """Waits until every (group job, _Restore) of ``parts`` settled (see wait_for_layer_load)."""
         deadline = job.started_at + self.cfg.timeout_ms / 1000
         warned = False
         while True:
             pending = False
             self._pump(give_up=time.monotonic() > deadline)
-            for entry in entries:
-                handle = entry[0]
-                if handle is None or handle is True:
+            for gj, part in parts:
+                if part.settled:
                     continue
-                if handle is _QUEUED:
+                if part.handle is _QUEUED:
                     pending = True
                     continue
                 try:
-                    if handle.poll():
-                        entry[5].completed(handle)
-                        entry[0] = True
+                    if gj.poll(part):
                         continue
                 except orbitkv.OrbitKVError as error:
                     log.warning("orbitkv: layer-wise restore of %s failed: %s", job.plan.req_id, error)
-                    self.link.failed(error, job.groups[0].client if job.groups else None)
-                    entry[0] = None
+                    self.link.failed(error, gj.client)
+                    part.handle = None
                     continue
                 if time.monotonic() > deadline:
-                    self._abandon(entry)
-                    if entry[0] is not None and not warned:
+                    self._abandon(part)
+                    if not part.settled and not warned:
                         warned = True
                         log.warning("orbitkv: a layer-wise restore of %s ran past %d ms and the Manager is writing "
                                     "its pages: waiting for it", job.plan.req_id, self.cfg.timeout_ms)
-                pending |= entry[0] is not None and entry[0] is not True
+                pending |= not part.settled
             if not pending:
                 return
             client = self.link.client()
@@ -405,14 +412,14 @@ class WorkerSide:
         """After the forward pass: every part drained (parts of layers the engine never waited for are waited for
         now, and their load fails: the forward may have read those pages early); failed pages are reported."""
         for req_id, job in list(self._layer_jobs.items()):
-            rest = [entry for gj in job.groups for entry in gj.handles]
-            job.unhooked = any(entry[3] not in job.waited for entry in rest)
-            self._wait_entries(job, rest)
-            if job.unhooked:
+            rest = [(gj, part) for gj in job.groups for part in gj.handles]
+            unhooked = any(part.layer not in job.waited for _, part in rest)
+            self._wait_parts(job, rest)
+            if unhooked:
                 log.warning("orbitkv: the engine ran %s's forward pass without waiting for every layer's load "
                             "(wait_for_layer_load): its loaded blocks are reported failed and recomputed", req_id)
             for gj in job.groups:
-                gj.restored = 0 if job.unhooked else _restored(gj)
+                gj.restored = 0 if unhooked else _restored(gj)
                 gj.done = True
             self._finish(job)
             self._loaded[req_id] += 1
@@ -467,60 +474,52 @@ class WorkerSide:
                 log.warning("orbitkv: restore of group %d failed to start: %s", load.group, error)
                 self.link.failed(error, client)
                 handle = None
-            gj.handles.append([handle, first, count])
+            gj.handles.append(_Restore(handle, first, count))
         gj.run.segments = []
 
-    def _abandon(self, entry) -> None:
+    def _abandon(self, part: _Restore) -> None:
         """Gives up on a pending restore (its wait ran out, or the Manager stopped answering): one the Manager has
         not claimed never writes its pages, so they are vLLM's again and the load reports them failed; a claimed
         one may be writing them, so the request keeps waiting for it (vLLM keeps it in WAITING_FOR_REMOTE_KVS and
         its blocks allocated: get_finished does not report it) while the engine serves the others."""
         try:
-            if entry[0].abandon():
-                entry[0] = None
+            if part.handle.abandon():
+                part.handle = None
                 self._count("restores_abandoned")
         except orbitkv.OrbitKVError:
-            entry[0] = None  # the session is gone: nothing writes the pages any more
+            part.handle = None  # the session is gone: nothing writes the pages any more
 
     def _poll(self, gj: _GroupJob, started_at: Optional[float] = None) -> None:
         overdue = started_at is not None and time.monotonic() - started_at > self.cfg.timeout_ms / 1000
-        for entry in gj.handles:
-            handle = entry[0]
-            if handle is None or handle is True:
+        for part in gj.handles:
+            if part.settled:
                 continue
             try:
-                if handle.poll():
-                    gj.completed(handle)
-                    entry[0] = True
-                elif overdue:
-                    self._abandon(entry)
+                if not gj.poll(part) and overdue:
+                    self._abandon(part)
             except orbitkv.OrbitKVError as error:
                 log.warning("orbitkv: restore of group %d failed: %s", gj.load.group, error)
                 self.link.failed(error, gj.client)
-                entry[0] = None
-        if all(entry[0] is True or entry[0] is None for entry in gj.handles):
+                part.handle = None
+        if all(part.settled for part in gj.handles):
             gj.restored = _restored(gj)
             gj.done = True
 
     def _settle_failed(self, gj: _GroupJob) -> None:
         """A group whose Manager calls failed: count what already drained, give up on what the Manager has not
         claimed, and keep waiting only for restores it claimed (their pages may still be written)."""
-        for entry in gj.handles:
-            handle = entry[0]
-            if handle is not None and handle is not True:
+        for part in gj.handles:
+            if not part.settled:
                 try:
-                    if handle.poll():
-                        gj.completed(handle)
-                        entry[0] = True
-                    else:
-                        self._abandon(entry)
+                    if not gj.poll(part):
+                        self._abandon(part)
                 except orbitkv.OrbitKVError:
-                    entry[0] = None
+                    part.handle = None
         gj.started = True
         self._poll(gj)
-        gj.done = all(entry[0] is True or entry[0] is None for entry in gj.handles)
+        gj.done = all(part.settled for part in gj.handles)
 
-    def _finish(self, job: _LoadJob, seconds: Optional[float] = None) -> None:
+    def _finish(self, job: _LoadJob) -> None:
         """Reports the blocks past the largest boundary the restored pages cover."""
         plan = job.plan
         bs = self.cfg.block_size
@@ -538,9 +537,8 @@ class WorkerSide:
                 boundary = legal[-1] if legal else plan.origin
         restored_blocks = sum(gj.restored for gj in job.groups)
         restored_bytes = sum(gj.restored * self.block_bytes.get(gj.load.group, 0) for gj in job.groups)
-        if seconds is None:  # from the load's start to its last copy's drain (as the Manager saw it)
-            seconds = max((gj.drained_at for gj in job.groups), default=0.0) or time.monotonic()
-            seconds -= job.started_at
+        # From the load's start to its last copy's drain (as the Manager saw it).
+        seconds = (max((gj.drained_at for gj in job.groups), default=0.0) or time.monotonic()) - job.started_at
         self._count("restored_blocks", restored_blocks)
         self._count("restored_bytes", restored_bytes)
         self._count("restore_seconds", seconds)

@@ -107,7 +107,7 @@ class Worker:
             else:
                 if req_id in cached.all_token_ids:
                     state.token_ids = list(cached.all_token_ids[req_id])
-                elif i < len(cached.num_output_tokens) and state.num_prompt_tokens and \
+                elif state.num_prompt_tokens and \
                         cached.num_output_tokens[i] < len(state.token_ids) - state.num_prompt_tokens:
                     # gpu_model_runner: "Some output tokens were discarded due to a sync-KV-load failure. Align
                     # the cached state."
