@@ -90,6 +90,32 @@ class RestoreHandle:
             self._completed()
         return self.done
 
+    def signal(self) -> Optional[tuple[int, int]]:
+        """(offset, value) while pending: the restore's claim word, ``offset`` bytes into the client's
+        ``claim_region()``, reaches at least ``value`` once the Manager is through with the pages (its copies
+        drained, or it refused without writing; also once this side settled it: a reply polled, an abandon, a dead
+        Manager). A GPU stream can wait on it (``orbitkv.cuda_wait``) instead of the CPU on the reply. None once
+        done (the word has passed ``value``)."""
+        if self.done:
+            return None
+        try:
+            return tuple(self._client._native.restore_signal(self._handle))
+        except _native.OrbitKVError:  # completed meanwhile (polled through another path)
+            return None
+
+    def guard(self, seconds: float) -> bool:
+        """Abandons the restore ``seconds`` from now, on the client's own thread, if the Manager has not claimed it
+        by then (its pages are then never written and its ``signal`` word passes), so a GPU stream waiting on the
+        word goes on even while this process's threads are blocked on that stream. The handle stays pending:
+        ``abandon`` then returns True. False when it already completed."""
+        if self.done:
+            return False
+        try:
+            self._client._native.guard_restore(self._handle, int(seconds * 1000))
+            return True
+        except _native.OrbitKVError:
+            return False
+
     def abandon(self) -> bool:
         """Gives up on the restore (its caller's wait ran out). True: the Manager had not claimed it, so it never
         writes the pages, which are the engine's again; the Manager releases the lease when it reaches the request
@@ -288,6 +314,11 @@ class CacheManagerClient:
 
     def restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> None:
         self.start_restore(instance_id, lease, pages, group).wait()
+
+    def claim_region(self) -> tuple[int, int]:
+        """(address, bytes) of this session's claim words: page-aligned whole pages, mapped while the client
+        lives (RestoreHandle.signal gives a restore's word in it)."""
+        return tuple(self._native.claim_region())
 
     def completion_fd(self) -> int:
         """An fd that turns readable when a restore (or any reply) completes; poll it, then RestoreHandle.poll()."""

@@ -233,6 +233,33 @@ void BindClient(py::module_& m) {
           "True: the Manager had not claimed the restore, its pages were never written and are free "
           "again; False: it claimed it, the pages stay reserved until it completes")
       .def(
+          "restore_signal",
+          [](CacheClient& c, uint64_t handle) {
+            CacheClient::RestoreSignal signal = ValueOrThrow(c.RestoreSignalOf(handle));
+            return py::make_tuple(signal.offset, signal.value);
+          },
+          py::arg("handle"),
+          "-> (offset, value): the pending restore's u64 claim word, offset bytes into "
+          "claim_region(), reaches at least value once the Manager is through with its pages "
+          "(a GPU stream may wait on it: cuStreamWaitValue64, GEQ)")
+      .def(
+          "guard_restore",
+          [](CacheClient& c, uint64_t handle, int64_t after_ms) {
+            ThrowIfError(c.GuardRestore(handle, std::chrono::milliseconds(std::max<int64_t>(0, after_ms))));
+          },
+          py::arg("handle"), py::arg("after_ms"),
+          "abandons the restore after_ms from now on the client's own thread if the Manager has not "
+          "claimed it by then (a GPU stream waiting on its word goes on while the engine's threads are "
+          "blocked on that stream)")
+      .def(
+          "claim_region",
+          [](const CacheClient& c) {
+            std::span<uint8_t> region = c.claim_region();
+            return py::make_tuple(reinterpret_cast<uintptr_t>(region.data()), region.size());
+          },
+          "-> (address, bytes): this session's claim words, page-aligned whole pages mapped for "
+          "the client's lifetime")
+      .def(
           "completion_fd", [](CacheClient& c) { return ValueOrThrow(c.CompletionFd()); },
           "an fd that turns readable when a reply arrives (poll it, then poll_restore)")
       .def(

@@ -7,6 +7,7 @@ replays a full CUDA graph (no layer hooks) waits for every layer in ``start_load
 a layer's hook has its load reported failed, so vLLM recomputes rather than use pages read before they landed.
 The synthetic model checks every K/V it attends to, right after the layer's hook returned."""
 
+import ctypes
 import time
 
 import pytest
@@ -333,4 +334,106 @@ def test_a_manager_stopped_before_a_layerwise_restore_never_holds_the_step(manag
     assert run(engine, batch) == baseline
     assert engine.worker_stats.data["restored_blocks"] >= 4
     assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+class _StreamStandIn:
+    """Stands in for the GPU stream of orbitkv.cuda_wait.StreamWaits on a CPU engine, which has none: ``wait`` does
+    what cuStreamWaitValue64(GEQ) makes the stream do, at once (the CPU engine runs its "kernels" as it launches
+    them): it returns when the restore's claim word, in the arena the real Manager writes, passed the value, and
+    never polls the restore's reply."""
+
+    def __init__(self):
+        self.waits = 0
+        self.regions = set()
+
+    def wait(self, client, handle):
+        signal = handle.signal()
+        if signal is None:
+            return False
+        address, size = client.claim_region()
+        offset, value = signal
+        assert address % 4096 == 0 and size % 4096 == 0 and 0 <= offset <= size - 8
+        self.regions.add(address)
+        word = ctypes.c_uint64.from_address(address + offset)
+        deadline = time.monotonic() + 10
+        while (word.value - value) % (1 << 64) >= 1 << 63:  # (int64_t)(*addr - value) < 0: not yet
+            assert time.monotonic() < deadline, "the claim word never passed its value"
+            time.sleep(0)
+        self.waits += 1
+        return True
+
+    def retire(self, keep=()):
+        pass
+
+
+def _stream_waits(engine):
+    worker = engine.workers[0].connector._worker
+    stand_in = _StreamStandIn()
+    worker._stream_waits, worker._gpu_wait = stand_in, True
+    return worker, stand_in
+
+
+def test_layer_waits_on_the_stream_read_only_pages_that_landed(manager, monkeypatch):
+    """orbitkv.layer_wait gpu: each layer's hook makes the stream wait on its parts' claim words instead of the CPU
+    polling their replies; every K/V the model reads after the wait is the restored one."""
+    batch = prompts(2, 64, 16, seed=61)
+    baseline, engine = _cached_engine(manager, batch, extra=LAYERWISE)
+    worker, stand_in = _stream_waits(engine)
+    polled_in_hooks, in_hook = [], []
+    real_wait = worker.wait_for_layer_load
+    real_poll = orbitkv.RestoreHandle.poll
+
+    def hook(name):
+        in_hook.append(name)
+        try:
+            real_wait(name)
+        finally:
+            in_hook.pop()
+
+    def poll(handle):
+        if in_hook:
+            polled_in_hooks.append(in_hook[-1])
+        return real_poll(handle)
+
+    monkeypatch.setattr(worker, "wait_for_layer_load", hook)
+    monkeypatch.setattr(orbitkv.RestoreHandle, "poll", poll)
+    assert run(engine, batch) == baseline
+    assert bad_reads(engine) == 0
+    assert stand_in.waits == 2 * 4  # one per (request, layer)
+    assert engine.worker_stats.data["stream_waits"] == stand_in.waits
+    assert engine.worker_stats.data["restored_blocks"] == 2 * 4
+    assert polled_in_hooks == [], "a layer's hook polled a reply: the CPU waited"
+    assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+def test_stream_waits_for_more_parts_than_request_slots(manager):
+    """160 parts over 64 slots: a hook whose parts are still queued waits on the CPU only until they started."""
+    deep = lambda rank: SyntheticModel(80, tp_rank=rank)  # noqa: E731
+    batch = prompts(2, 64, 8, seed=67)
+    baseline, engine = _cached_engine(manager, batch, model=deep, extra=LAYERWISE)
+    _, stand_in = _stream_waits(engine)
+    assert run(engine, batch) == baseline
+    assert bad_reads(engine) == 0
+    assert 0 < stand_in.waits <= 160
+    assert engine.worker_stats.data["restored_blocks"] == 2 * 4
+    assert engine.worker_stats.data.get("failed_loads", 0) == 0
+    assert_nothing_held(engine, manager)
+    engine.shutdown()
+
+
+def test_layer_wait_setting_is_checked_and_cpu_engines_wait_on_the_cpu(manager):
+    from orbitkv.vllm.config import OrbitKVConfig
+
+    kv = SyntheticModel(2).kv_cache_config(16)
+    assert OrbitKVConfig.from_vllm(vllm_config("/x.sock", device_type="cuda"), kv).layer_wait == "auto"
+    with pytest.raises(ValueError, match="layer_wait'] must be one of"):
+        OrbitKVConfig.from_vllm(vllm_config("/x.sock", extra={"orbitkv.layer_wait": "sometimes"}), kv)
+    batch = prompts(1, 64, 16, seed=71)
+    baseline, engine = _cached_engine(manager, batch, extra={**LAYERWISE, "orbitkv.layer_wait": "gpu"})
+    worker = engine.workers[0].connector._worker
+    assert not worker._gpu_wait  # CPU KV caches: nothing for a stream to wait on
+    assert run(engine, batch) == baseline
+    assert engine.worker_stats.data.get("stream_waits", 0) == 0
     engine.shutdown()

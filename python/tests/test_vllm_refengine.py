@@ -77,6 +77,23 @@ def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engin
     return engine, results
 
 
+def _signal_abandons(monkeypatch):
+    """An Event set once the worker abandoned a restore the Manager never claimed."""
+    import threading
+
+    abandoned = threading.Event()
+    real_abandon = orbitkv.RestoreHandle.abandon
+
+    def abandon(handle):
+        gave_up = real_abandon(handle)
+        if gave_up:
+            abandoned.set()
+        return gave_up
+
+    monkeypatch.setattr(orbitkv.RestoreHandle, "abandon", abandon)
+    return abandoned
+
+
 def in_shm(tensor) -> bool:
     return shm.is_shared(tensor)
 
@@ -101,6 +118,8 @@ def assert_identical(results, baseline):
     pytest.param("tiny", "cuda", "cuda", "auto", marks=needs_cuda),
     pytest.param("tiny_hybrid", "cuda", "cuda", "auto", marks=needs_cuda),
     pytest.param("tiny_hybrid", "cuda", "cuda", "async", marks=needs_cuda),
+    # layer-wise with the CPU waiting for each layer's restore instead of the GPU stream (orbitkv.layer_wait)
+    pytest.param("tiny_hybrid", "cuda", "cuda", "layerwise-cpu-wait", marks=needs_cuda),
 ])
 def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loader, mode):
     config = refengine.preset(name)
@@ -109,9 +128,15 @@ def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loade
     _, warm = run(config, manager.socket, prompts, memory=saver)  # computes and saves
     assert_identical(warm, baseline)
     assert manager.stats()["resident_blocks"] > 0
-    engine, restored = run(config, manager.socket, prompts, memory=loader, load_mode=mode)
+    cpu_wait = mode == "layerwise-cpu-wait"
+    mode = "layerwise" if cpu_wait else mode
+    engine, restored = run(config, manager.socket, prompts, memory=loader, load_mode=mode,
+                           extra={"orbitkv.layer_wait": "cpu"} if cpu_wait else None)
     assert_identical(restored, baseline)
     layerwise = mode == "layerwise" or (mode == "auto" and loader == "cuda")
+    # On a GPU the engine's stream waits for each layer's restore (orbitkv.cuda_wait), unless told the CPU should.
+    stream_waits = engine.worker_stats.data.get("stream_waits", 0)
+    assert (stream_waits > 0) == (layerwise and loader == "cuda" and not cpu_wait), stream_waits
     loads = [plan for out, _ in engine.outputs_log for plan in out.kv_connector_metadata.loads]
     assert loads and all(plan.layerwise == layerwise for plan in loads)
     worker = engine.workers[0]
@@ -171,16 +196,7 @@ def test_manager_stopped_mid_restore_recomputes_bit_identically(manager, monkeyp
     _, baseline = run(config, None, prompts, memory=memory)
     run(config, manager.socket, prompts, memory=memory)
     calls = []
-    abandoned = threading.Event()
-    real_abandon = orbitkv.RestoreHandle.abandon
-
-    def abandon(handle):
-        gave_up = real_abandon(handle)
-        if gave_up:
-            abandoned.set()
-        return gave_up
-
-    monkeypatch.setattr(orbitkv.RestoreHandle, "abandon", abandon)
+    abandoned = _signal_abandons(monkeypatch)
 
     def resume_after_an_abandon():
         abandoned.wait(timeout=10)
@@ -224,3 +240,41 @@ def test_manager_stopped_mid_restore_recomputes_bit_identically(manager, monkeyp
     assert_identical(again, baseline)
     assert engine.worker_stats.data["restored_blocks"] > 0
     assert manager.stats()["leases_active"] == 0
+
+
+@needs_cuda
+def test_a_manager_stopped_under_gpu_stream_waits_never_hangs_the_stream(manager, monkeypatch):
+    """Layer-wise on the GPU, the stream waiting on the claim words: kill -STOP as the first part goes out. No part
+    is claimed, the worker abandons them at orbitkv.timeout_ms (which lifts their words, so the stream goes on with
+    pages that are reported failed), vLLM recomputes bit-identically, and after kill -CONT the engine hits again."""
+    import threading
+
+    config = refengine.preset("tiny")
+    prompts = prompt_set(config.vocab_size, seed=4)
+    _, baseline = run(config, None, prompts, memory="cuda")
+    run(config, manager.socket, prompts, memory="cuda")
+    abandoned = _signal_abandons(monkeypatch)
+    paused = []
+
+    def arm(engine):
+        client = engine.workers[0].connector._worker.link.client()
+        real = client.start_restore_part
+
+        def part(*args, **kwargs):
+            if not paused:
+                paused.append(1)
+                manager.pause()
+                threading.Thread(target=lambda: (abandoned.wait(timeout=20), manager.resume()), daemon=True).start()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(client, "start_restore_part", part)
+
+    try:
+        engine, results = run(config, manager.socket, prompts, on_engine=arm, memory="cuda", policy="recompute",
+                              load_mode="layerwise", extra={"orbitkv.timeout_ms": 300, "orbitkv.layer_wait": "gpu"})
+    finally:
+        manager.resume()
+    assert_identical(results, baseline)
+    stats = engine.worker_stats.data
+    assert paused and stats["stream_waits"] > 0
+    assert stats["restores_abandoned"] >= 1 and stats["failed_loads"] >= 1

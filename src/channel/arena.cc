@@ -145,6 +145,10 @@ uint64_t* DescriptorArena::claim_word(uint32_t index) const {
   return reinterpret_cast<uint64_t*>(base_ + layout_.claims_offset) + index;
 }
 
+std::span<uint8_t> DescriptorArena::claim_region() const {
+  return {base_ + layout_.claims_offset, layout_.arena_bytes - layout_.claims_offset};
+}
+
 Status RingProducer::TryPush(const Descriptor& d) {
   // Acquire pairs with the consumer's release of tail: its copy-out of the entry we would overwrite
   // is done.

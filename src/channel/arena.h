@@ -71,6 +71,8 @@ class DescriptorArena {
   std::span<uint8_t> slot(uint32_t index) const;
   // The claim word of payload slot `index`: shared by both processes, used through claims.h only.
   uint64_t* claim_word(uint32_t index) const;
+  // Every claim word, through the arena's end (page-aligned and whole pages: see ArenaLayout).
+  std::span<uint8_t> claim_region() const;
 
  private:
   DescriptorArena(ScopedFd fd, uint8_t* base, const ArenaLayout& layout, uint64_t session_epoch)

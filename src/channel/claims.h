@@ -65,6 +65,33 @@ inline bool Finished(uint64_t* word, uint32_t generation) {
          ClaimWord(generation, ClaimState::kDone);
 }
 
+// The least word at which the operation of `generation` no longer writes or reads the engine's
+// pages: kAbandoned or kDone of that generation, or any word of a later one (a slot's words only
+// grow: states advance pending -> claimed -> done or pending -> abandoned, and each use of a slot
+// has a greater generation). A GPU stream that must not read a restore's pages early waits for the
+// word to reach it (cuStreamWaitValue64, GEQ) instead of for the reply.
+constexpr uint64_t SettledWord(uint32_t generation) {
+  return ClaimWord(generation, ClaimState::kAbandoned);
+}
+
+// Engine: the operation of `generation` is over (its reply came, or the session died and the
+// Manager can no longer be writing, ClientSession::ClaimStillRunning): lifts the word to at least
+// SettledWord, so a stream waiting on it goes on. Pending (the Manager answered without claiming)
+// becomes kAbandoned, which no later Claim can take; claimed becomes kDone. Words of another
+// generation are left alone.
+inline void Settle(uint64_t* word, uint32_t generation) {
+  std::atomic_ref<uint64_t> ref(*word);
+  uint64_t expected = ClaimWord(generation, ClaimState::kPending);
+  if (ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kAbandoned),
+                                  std::memory_order_seq_cst)) {
+    return;
+  }
+  if (expected == ClaimWord(generation, ClaimState::kClaimed)) {
+    ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kDone),
+                                std::memory_order_seq_cst);
+  }
+}
+
 // Engine, when its wait ran out: kAbandoned when it took the operation back (the Manager will never
 // seal it, or never write its pages), kClaimed when the Manager had claimed it first.
 inline ClaimState Abandon(uint64_t* word, uint32_t generation) {

@@ -228,5 +228,55 @@ TEST(ClaimsTest, AStaleOrUnarmedWordDecidesNothingWrong) {
   EXPECT_TRUE(Claim(&unarmed, 9));
 }
 
+// What a GPU stream waiting with GEQ on SettledWord sees: the word passes it exactly when the operation no
+// longer touches the pages (abandoned or done), and never falls back below it, through every later use
+// of the slot.
+TEST(ClaimsTest, AWordPassesItsSettledValueOnlyOnceThePagesAreFreeAndNeverFallsBack) {
+  auto passed = [](uint64_t word, uint32_t generation) {
+    return static_cast<int64_t>(word - SettledWord(generation)) >= 0;  // CU_STREAM_WAIT_VALUE_GEQ
+  };
+  uint64_t word = 0;
+  uint64_t last = 0;
+  auto grows = [&] {
+    EXPECT_GE(word, last);
+    last = word;
+  };
+  ArmClaim(&word, 5);
+  grows();
+  EXPECT_FALSE(passed(word, 5));  // pending: the Manager may still claim it
+  ASSERT_TRUE(Claim(&word, 5));
+  grows();
+  EXPECT_FALSE(passed(word, 5));  // claimed: the copies write the pages
+  Finish(&word, 5);
+  grows();
+  EXPECT_TRUE(passed(word, 5));
+  Settle(&word, 5);  // the engine polls the reply: nothing changes
+  EXPECT_EQ(word, ClaimWord(5, ClaimState::kDone));
+
+  ArmClaim(&word, 7);
+  grows();
+  EXPECT_TRUE(passed(word, 5));  // the earlier use stays passed
+  EXPECT_FALSE(passed(word, 7));
+  Settle(&word, 7);  // the Manager answered without claiming (a refused restore): abandoned, for good
+  grows();
+  EXPECT_TRUE(passed(word, 7));
+  EXPECT_FALSE(Claim(&word, 7));
+  EXPECT_EQ(word, ClaimWord(7, ClaimState::kAbandoned));
+
+  ArmClaim(&word, 9);
+  ASSERT_TRUE(Claim(&word, 9));
+  Settle(&word, 9);  // the Manager died while it held the claim: the engine finishes it itself
+  grows();
+  EXPECT_TRUE(passed(word, 9));
+  EXPECT_TRUE(Finished(&word, 9));
+
+  ArmClaim(&word, 11);
+  ASSERT_EQ(Abandon(&word, 11), ClaimState::kAbandoned);
+  grows();
+  EXPECT_TRUE(passed(word, 11));
+  Settle(&word, 9);  // a stale generation's settle leaves the word alone
+  EXPECT_EQ(word, ClaimWord(11, ClaimState::kAbandoned));
+}
+
 }  // namespace
 }  // namespace orbitkv::channel

@@ -317,6 +317,11 @@ ClaimState ClientSession::AbandonClaim(uint32_t slot, uint32_t generation) {
   return channel::Abandon(arena_->claim_word(slot), generation);
 }
 
+void ClientSession::SettleClaim(uint32_t slot, uint32_t generation) {
+  ORBITKV_CHECK(slot < welcome_.payload_slots);
+  channel::Settle(arena_->claim_word(slot), generation);
+}
+
 bool ClientSession::ClaimStillRunning(uint32_t slot, uint32_t generation) {
   ORBITKV_CHECK(slot < welcome_.payload_slots);
   if (channel::Finished(arena_->claim_word(slot), generation)) return false;

@@ -181,6 +181,12 @@ class ClientSession {
   // After the session died: whether a claimed operation may still be running (the Manager process
   // lives and has not marked it done), so its pages must stay reserved.
   bool ClaimStillRunning(uint32_t slot, uint32_t generation);
+  // The operation is over for the engine (channel::Settle): a GPU stream waiting on its word goes on.
+  void SettleClaim(uint32_t slot, uint32_t generation);
+  // The claim words, one u64 per payload slot from the span's start (slot i at byte 8 * i), in the
+  // arena's last page(s): page-aligned and a whole number of pages, so an engine can register them
+  // with CUDA and let its streams wait on a word (channel::SettledWord).
+  std::span<uint8_t> claim_region() const { return arena_->claim_region(); }
 
   // Sends a request: fills magic, version, epoch, id and a fresh generation for `slot` into `d` and
   // pushes it. Returns the request id. ResourceExhausted when the ring is full (nothing sent).

@@ -33,7 +33,57 @@ Result<std::unique_ptr<CacheClient>> CacheClient::Connect(const ClientOptions& o
       new CacheClient(options, std::move(path), std::move(control)));
 }
 
-CacheClient::~CacheClient() = default;
+CacheClient::~CacheClient() {
+  std::thread guards;
+  {
+    MutexLock lock(&guard_mu_);
+    guards_stop_ = true;
+    guards = std::move(guard_thread_);
+  }
+  guard_cv_.notify_all();
+  if (guards.joinable()) guards.join();
+}
+
+Status CacheClient::GuardRestore(uint64_t handle, std::chrono::milliseconds after) {
+  Guard guard;
+  {
+    MutexLock lock(&control_mu_);
+    auto it = restores_.find(handle);
+    if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
+    guard.word = reinterpret_cast<uint64_t*>(control_->claim_region().data()) + it->second.slot;
+    guard.generation = it->second.generation;
+  }
+  guard.at = std::chrono::steady_clock::now() + after;
+  {
+    MutexLock lock(&guard_mu_);
+    guards_.push_back(guard);
+    if (!guard_thread_.joinable()) guard_thread_ = std::thread([this] { RunGuards(); });
+  }
+  guard_cv_.notify_all();
+  return Status::Ok();
+}
+
+void CacheClient::RunGuards() {
+  MutexLock lock(&guard_mu_);
+  while (!guards_stop_) {
+    const auto now = std::chrono::steady_clock::now();
+    auto next = std::chrono::steady_clock::time_point::max();
+    std::erase_if(guards_, [&](const Guard& g) {
+      if (g.at > now) {
+        next = std::min(next, g.at);
+        return false;
+      }
+      // Takes a word still pending of this generation back; a claimed or later word is left alone.
+      channel::Abandon(g.word, g.generation);
+      return true;
+    });
+    if (next == std::chrono::steady_clock::time_point::max()) {
+      guard_cv_.wait(guard_mu_);
+    } else {
+      guard_cv_.wait_until(guard_mu_, next);
+    }
+  }
+}
 
 orbitkv::Deadline CacheClient::CallDeadline() const {
   return orbitkv::Deadline::After(options_.timeout);
@@ -449,6 +499,14 @@ Result<bool> CacheClient::AbandonRestore(uint64_t handle) {
   return true;
 }
 
+Result<CacheClient::RestoreSignal> CacheClient::RestoreSignalOf(uint64_t handle) {
+  MutexLock lock(&control_mu_);
+  auto it = restores_.find(handle);
+  if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
+  return RestoreSignal{uint64_t{it->second.slot} * sizeof(uint64_t),
+                       channel::SettledWord(it->second.generation)};
+}
+
 Status CacheClient::RecordDrain(uint64_t handle, const channel::Descriptor& reply) {
   Result<channel::RestoreReply> decoded = channel::DecodeRestoreReply(reply);
   if (!decoded.ok()) return decoded.status();
@@ -482,10 +540,12 @@ Result<std::optional<Status>> CacheClient::PollRestore(uint64_t handle) {
         control_->ClaimStillRunning(it->second.slot, it->second.generation)) {
       return std::optional<Status>();
     }
+    control_->SettleClaim(it->second.slot, it->second.generation);
     return std::optional<Status>(reply.status());
   }
   Status status = reply->code() == StatusCode::kOk ? RecordDrain(handle, reply->descriptor)
                                                    : ErrorFromReply(*control_, *reply, it->second.slot);
+  control_->SettleClaim(it->second.slot, it->second.generation);
   control_->ReleaseSlot(it->second.slot);
   restores_.erase(it);
   return std::optional<Status>(status);
@@ -514,10 +574,12 @@ Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::mill
           "the session is gone but the Manager claimed this restore and may still be writing its pages; "
           "they stay owned by it (wait or poll again)");
     }
+    control_->SettleClaim(pending.slot, pending.generation);
     return reply.status();
   }
   Status status = reply->code() == StatusCode::kOk ? RecordDrain(handle, reply->descriptor)
                                                    : ErrorFromReply(*control_, *reply, pending.slot);
+  control_->SettleClaim(pending.slot, pending.generation);
   control_->ReleaseSlot(pending.slot);
   restores_.erase(handle);
   return status;

@@ -36,6 +36,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/mutex.h"
@@ -180,6 +181,28 @@ class CacheClient {
   // copies may be writing the pages, which stay reserved until WaitRestore/PollRestore report it
   // done (or the Manager is gone).
   Result<bool> AbandonRestore(uint64_t handle);
+  // Where a GPU stream can wait for a pending restore instead of for its reply: the restore's claim
+  // word, `offset` bytes into claim_region(), reaches at least `value` (cuStreamWaitValue64 with
+  // CU_STREAM_WAIT_VALUE_GEQ) once the Manager is through with the engine's pages: its copies
+  // drained, or it refused the restore without writing. Also when the engine settles it: a reply
+  // that WaitRestore/PollRestore reports, an abandon, or a dead Manager lift the word, so a stream
+  // never waits past what the engine itself waits for. NotFound once the handle completed (its
+  // word has passed `value` by then).
+  struct RestoreSignal {
+    uint64_t offset = 0;
+    uint64_t value = 0;
+  };
+  Result<RestoreSignal> RestoreSignalOf(uint64_t handle);
+  // Abandons the pending restore `after` from now on a thread of the client's own, if the Manager has
+  // not claimed it by then (channel/claims.h: it then never writes the pages, and the word passes
+  // RestoreSignalOf's value), so a GPU stream waiting on the word goes on even while every engine
+  // thread is blocked on that stream (a host sync inside the forward pass). Nothing else changes:
+  // the handle stays pending, AbandonRestore then returns true, PollRestore reports what the Manager
+  // answered. A restore the Manager claimed is left to finish. NotFound once it completed.
+  Status GuardRestore(uint64_t handle, std::chrono::milliseconds after);
+  // The control session's claim words (ClientSession::claim_region), mapped for this client's
+  // lifetime: whole pages, page-aligned.
+  std::span<uint8_t> claim_region() const { return control_->claim_region(); }
   Status Restore(uint64_t instance, uint32_t group, uint64_t lease,
                  std::span<const uint32_t> pages);
   // An fd that becomes readable when a reply (e.g. a restore completion) arrives: poll it, then
@@ -290,6 +313,19 @@ class CacheClient {
 
   Mutex publish_mu_;
   std::unique_ptr<channel::ClientSession> publish_ PT_GUARDED_BY(publish_mu_);
+  // GuardRestore's deadlines, served by guard_thread_ (started by the first one, joined by the
+  // destructor, before the arena the words live in goes away).
+  struct Guard {
+    std::chrono::steady_clock::time_point at;
+    uint64_t* word;  // the claim word, in the control session's arena
+    uint32_t generation;
+  };
+  void RunGuards();
+  Mutex guard_mu_;
+  std::condition_variable_any guard_cv_;
+  std::vector<Guard> guards_ GUARDED_BY(guard_mu_);
+  bool guards_stop_ GUARDED_BY(guard_mu_) = false;
+  std::thread guard_thread_ GUARDED_BY(guard_mu_);
 };
 
 }  // namespace orbitkv::client

@@ -314,6 +314,109 @@ TEST(ManagerIntegrationTest, LayerWiseRestoreCompletesPerLayer) {
   EXPECT_TRUE(EventuallyIdle(*client));
 }
 
+// The claim word a GPU stream waits on (CacheClient::RestoreSignalOf, cuStreamWaitValue64 GEQ) passes its
+// value only once the pages are written, without the engine polling anything; a refused, abandoned or
+// orphaned restore passes it once the engine settled it, so a waiting stream never outlives the engine's
+// own wait.
+TEST(ManagerIntegrationTest, ARestoresSignalPassesOnlyOnceItsPagesAreTheEnginesAgain) {
+  ManagerProcess manager;
+  auto client = Connect(manager);
+  ASSERT_NE(client, nullptr);
+  EngineKv kv(32);
+  Register(*client, 8, kv);
+  const auto keys = Chain(41, 8);
+  ASSERT_TRUE(SaveChain(*client, 8, kv, keys).ok());
+  kv.Poison();
+  std::vector<uint32_t> pages(keys.size());
+  for (uint32_t i = 0; i < pages.size(); ++i) pages[i] = 16 + i;
+  const std::span<uint8_t> region = client->claim_region();
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(region.data()) % 4096, 0u);
+  ASSERT_TRUE(!region.empty() && region.size() % 4096 == 0);
+  auto word = [&](const CacheClient::RestoreSignal& s) {
+    return __atomic_load_n(reinterpret_cast<const uint64_t*>(region.data() + s.offset), __ATOMIC_ACQUIRE);
+  };
+  auto passed = [&](const CacheClient::RestoreSignal& s) {
+    return static_cast<int64_t>(word(s) - s.value) >= 0;
+  };
+  auto hit = client->Query(8, 0, keys);
+  ASSERT_TRUE(hit.ok() && hit->hits == keys.size()) << hit.status();
+
+  // A restore the Manager runs: the word passes while nobody polls, and by then the pages hold the data.
+  ASSERT_EQ(kill(manager.pid(), SIGSTOP), 0);
+  auto first = client->StartRestoreLayers(8, 0, hit->lease, pages, 0, 1, false);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto signal = client->RestoreSignalOf(*first);
+  ASSERT_TRUE(signal.ok()) << signal.status();
+  ASSERT_LT(signal->offset + 8, region.size() + 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(passed(*signal)) << "the word passed before the stopped Manager copied anything";
+  ASSERT_EQ(kill(manager.pid(), SIGCONT), 0);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!passed(*signal) && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+  ASSERT_TRUE(passed(*signal));
+  for (uint32_t i = 0; i < keys.size(); ++i) EXPECT_NE(*kv.Page(0, 16 + i), 0xee) << i;
+  ASSERT_TRUE(client->WaitRestore(*first).ok());
+  EXPECT_EQ(client->RestoreSignalOf(*first).status().code(), StatusCode::kNotFound);
+
+  // Refused (buffers out of range): nothing is written; the word passes once the engine has the reply.
+  auto bad = client->StartRestoreLayers(8, 0, hit->lease, pages, 1, 2, false);
+  ASSERT_TRUE(bad.ok());
+  auto bad_signal = client->RestoreSignalOf(*bad);
+  ASSERT_TRUE(bad_signal.ok());
+  EXPECT_EQ(client->WaitRestore(*bad).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(passed(*bad_signal));
+  EXPECT_TRUE(passed(*signal));  // a slot's later uses never take an earlier word back
+
+  // Abandoned before the Manager saw it: passes at once, and the pages stay untouched.
+  ASSERT_EQ(kill(manager.pid(), SIGSTOP), 0);
+  auto abandoned = client->StartRestoreLayers(8, 0, hit->lease, pages, 1, 1, false);
+  ASSERT_TRUE(abandoned.ok());
+  auto abandoned_signal = client->RestoreSignalOf(*abandoned);
+  ASSERT_TRUE(abandoned_signal.ok());
+  EXPECT_FALSE(passed(*abandoned_signal));
+  auto gave_up = client->AbandonRestore(*abandoned);
+  ASSERT_TRUE(gave_up.ok() && *gave_up);
+  EXPECT_TRUE(passed(*abandoned_signal));
+
+  // Guarded: the client's own thread abandons it at the deadline while no engine thread calls anything
+  // (they may all be blocked on the GPU stream that waits on the word).
+  auto guarded = client->StartRestoreLayers(8, 0, hit->lease, pages, 1, 1, false);
+  ASSERT_TRUE(guarded.ok());
+  auto guarded_signal = client->RestoreSignalOf(*guarded);
+  ASSERT_TRUE(guarded_signal.ok());
+  ASSERT_TRUE(client->GuardRestore(*guarded, std::chrono::milliseconds(30)).ok());
+  EXPECT_FALSE(passed(*guarded_signal));
+  const auto guard_give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!passed(*guarded_signal) && std::chrono::steady_clock::now() < guard_give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(passed(*guarded_signal)) << "the guard never abandoned the unclaimed restore";
+  auto guarded_abandon = client->AbandonRestore(*guarded);
+  ASSERT_TRUE(guarded_abandon.ok());
+  EXPECT_TRUE(*guarded_abandon);  // the engine's own abandon agrees: never claimed, never written
+  EXPECT_EQ(client->GuardRestore(*guarded, std::chrono::milliseconds(1)).code(), StatusCode::kNotFound);
+
+  // Orphaned: started while the Manager is stopped, then the Manager dies. The engine's poll ends it,
+  // and lifts the word.
+  auto orphan = client->StartRestoreLayers(8, 0, hit->lease, pages, 1, 1, true);
+  ASSERT_TRUE(orphan.ok());
+  auto orphan_signal = client->RestoreSignalOf(*orphan);
+  ASSERT_TRUE(orphan_signal.ok());
+  manager.Stop(SIGKILL);
+  EXPECT_FALSE(passed(*orphan_signal));
+  std::optional<Status> outcome;
+  for (int i = 0; i < 2000 && !outcome.has_value(); ++i) {
+    auto polled = client->PollRestore(*orphan);
+    ASSERT_TRUE(polled.ok()) << polled.status();
+    outcome = *polled;
+    if (!outcome.has_value()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(outcome.has_value());
+  EXPECT_FALSE(outcome->ok());
+  EXPECT_TRUE(passed(*orphan_signal));
+  for (uint32_t i = 0; i < keys.size(); ++i) EXPECT_EQ(*kv.Page(1, 16 + i), 0xee) << i;
+}
+
 TEST(ManagerIntegrationTest, ConcurrentSessionsAndPublishWhileRestoring) {
   ManagerProcess manager;
   const auto shared = Chain(10, 16);

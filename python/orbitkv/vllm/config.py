@@ -42,12 +42,14 @@ _KEYS: dict[str, tuple[type, Any]] = {
     "min_load_blocks": (int, 1),
     "weights_epoch": (str, ""),
     "load_mode": (str, "auto"),
+    "layer_wait": (str, "auto"),
     "decline_slow_hits": (bool, True),
     "prefill_tokens_per_s": (float, 0.0),
 }
 _MODES = ("read_write", "save_only", "load_only")
 _SAVE_MODES = ("deferred", "sync")
 _LOAD_MODES = ("auto", "async", "layerwise")
+_LAYER_WAITS = ("auto", "gpu", "cpu")
 
 
 def _device_type(vllm_config) -> str:
@@ -191,6 +193,9 @@ class OrbitKVConfig:
     weights: Optional[WeightsIdentity] = None
     weights_epoch: str = ""
     load_mode: str = "async"  # "async" (between steps) or "layerwise" (inside the step, layer by layer)
+    # Layer-wise loads on a GPU: "gpu" makes the engine's stream wait for each layer's pages (the CPU never waits
+    # per layer), "cpu" waits on the CPU for the restore's reply; "auto": gpu where the driver can, else cpu.
+    layer_wait: str = "auto"
     decline_slow_hits: bool = True
     prefill_tokens_per_s: float = 0.0  # 0: measured from the engine's steps
 
@@ -224,6 +229,10 @@ class OrbitKVConfig:
         if load_mode not in _LOAD_MODES:
             raise ValueError(f"kv_connector_extra_config['{PREFIX}load_mode'] must be one of {_LOAD_MODES}, "
                              f"got {load_mode!r}")
+        layer_wait = get("layer_wait")
+        if layer_wait not in _LAYER_WAITS:
+            raise ValueError(f"kv_connector_extra_config['{PREFIX}layer_wait'] must be one of {_LAYER_WAITS}, "
+                             f"got {layer_wait!r}")
         if load_mode == "auto":  # on a GPU the restore overlaps the layers' compute; elsewhere between steps
             load_mode = "layerwise" if _device_type(vllm_config) == "cuda" else "async"
         if get("prefill_tokens_per_s") < 0:
@@ -314,7 +323,7 @@ class OrbitKVConfig:
                    min_load_blocks=get("min_load_blocks"), block_size=block_size, hash_algo=hash_algo,
                    hash_block_size=hash_block_size,
                    groups=groups, identity=identity, weights=weights, weights_epoch=get("weights_epoch"),
-                   load_mode=load_mode, decline_slow_hits=get("decline_slow_hits"),
+                   load_mode=load_mode, layer_wait=layer_wait, decline_slow_hits=get("decline_slow_hits"),
                    prefill_tokens_per_s=get("prefill_tokens_per_s"))
 
     def namespace(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> bytes:

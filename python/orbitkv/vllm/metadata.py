@@ -77,7 +77,7 @@ class OrbitKVWorkerMetadata(KVConnectorWorkerMetadata):
 _SUMMED = ("lookups", "lookup_tokens", "hit_tokens", "loading_answers", "loads", "failed_loads",
            "restored_blocks", "restored_bytes", "restore_seconds", "failed_blocks", "saved_blocks",
            "skipped_blocks", "save_seconds", "save_failures", "manager_errors", "cache_resets",
-           "restores_abandoned", "saves_abandoned", "layerwise_loads", "hits_declined")
+           "restores_abandoned", "saves_abandoned", "layerwise_loads", "hits_declined", "stream_waits")
 
 # Counter name (vLLM's "vllm:" prefix; prometheus_client adds "_total") -> (stats key, help)
 PROM_COUNTERS = {
@@ -86,6 +86,8 @@ PROM_COUNTERS = {
     "vllm:orbitkv_loading_answers": ("loading_answers", "Lookups answered 'still loading' (SSD or a peer)"),
     "vllm:orbitkv_loads": ("loads", "Loads planned (asynchronous and layer-wise)"),
     "vllm:orbitkv_layerwise_loads": ("layerwise_loads", "Loads restored layer by layer inside the step"),
+    "vllm:orbitkv_stream_waits": ("stream_waits", "Layer-wise restores the engine's GPU stream waited for "
+                                  "(orbitkv.layer_wait gpu) instead of its CPU"),
     "vllm:orbitkv_hits_declined": ("hits_declined", "Hits declined because restoring them would take longer "
                                    "than recomputing them"),
     "vllm:orbitkv_failed_loads": ("failed_loads", "Loads that fell short and were reported to vLLM"),

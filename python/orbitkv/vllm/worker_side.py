@@ -164,6 +164,10 @@ class WorkerSide:
         self._lock = threading.RLock()  # stats and _stored, also updated by the save thread
         self._max_keys = 0
         self._cuda = None  # the torch.device of CUDA KV caches, None for CPU memory
+        # Layer-wise loads on a GPU: the engine's stream waits for each layer's restores (orbitkv.cuda_wait);
+        # _gpu_wait False (or no StreamWaits): the CPU waits for their replies.
+        self._stream_waits = None
+        self._gpu_wait = False
         self.link = ManagerLink(cfg.socket_path, cfg.timeout_ms, cfg.spin_iterations, require=cfg.require_manager,
                                 reconnect_interval_s=cfg.reconnect_interval_s, on_connect=self._register)
 
@@ -236,6 +240,7 @@ class WorkerSide:
         self.views = views
         self._cuda = next((v.device for vs in views.values() for v in vs if getattr(v, "is_cuda", False)), None)
         self.block_bytes = {g: sum(v.shape[1] for v in vs) for g, vs in views.items()}
+        self._open_stream_waits()
         client = self.link.client()
         if client is None:
             return  # registered by the reconnect
@@ -244,6 +249,25 @@ class WorkerSide:
                 client.register_group(self.instance, group, group_views)
         except orbitkv.ManagerUnavailable as error:
             self.link.failed(error, client)
+
+    def _open_stream_waits(self) -> None:
+        if self._stream_waits is not None or self._cuda is None or self.cfg.load_mode != "layerwise" \
+                or self.cfg.layer_wait == "cpu":
+            return
+        from orbitkv import cuda_wait
+
+        self._stream_waits, why = cuda_wait.StreamWaits.open(self._cuda)
+        if self._stream_waits is None:
+            if self.cfg.layer_wait == "gpu":
+                raise ValueError(f"OrbitKVConnector: orbitkv.layer_wait is 'gpu' but {why}; set it to 'auto' or "
+                                 "'cpu' (the CPU then waits for each layer's restore)")
+            log.info("orbitkv: layer-wise loads wait on the CPU: %s", why)
+        self._gpu_wait = self._stream_waits is not None
+
+    def _retire_stream_waits(self, keep_current: bool = True) -> None:
+        """After the engine's stream was synchronized: claim words of clients no longer in use are unregistered."""
+        if self._stream_waits is not None:
+            self._stream_waits.retire([self.link.current] if keep_current else [])
 
     # ---- loads -------------------------------------------------------------------------------------------------
 
@@ -365,11 +389,39 @@ class WorkerSide:
             return
         for job in self._layer_jobs.values():
             job.waited.update(owner for _, owner in needs)
-            self._wait_parts(job, [(gj, part) for gj in job.groups for part in gj.handles
-                                   if (gj.load.group, part.layer) in needs])
+            parts = [(gj, part) for gj in job.groups for part in gj.handles if (gj.load.group, part.layer) in needs]
+            if not self._gpu_wait:
+                self._wait_parts(job, parts)
+            else:
+                self._stream_wait(job, parts)
 
-    def _wait_parts(self, job: _LoadJob, parts: list) -> None:
-        """Waits until every (group job, _Restore) of ``parts`` settled (see wait_for_layer_load)."""
+    def _stream_wait(self, job: _LoadJob, parts: list) -> None:
+        """GPU waits: the engine's current stream waits for each part's claim word; the CPU only waits for parts
+        not started yet (every request slot in flight) to start. A part that failed or was abandoned needs no
+        wait: its load is reported failed and recomputed (its pages were never written, or no longer are)."""
+        if any(part.handle is _QUEUED for _, part in parts):
+            self._wait_parts(job, parts, until_started=True)
+        waited = 0
+        for gj, part in parts:
+            if part.settled or part.handle is _QUEUED:
+                continue
+            try:
+                if self._stream_waits.wait(gj.client, part.handle):
+                    waited += 1
+                    # The stream must not outwait the load's timeout even if this thread blocks on the stream
+                    # (a host sync in the forward pass) before it could abandon the part itself.
+                    part.handle.guard(job.started_at + self.cfg.timeout_ms / 1000 - time.monotonic())
+            except Exception as error:  # the driver refused: this step's waits fall back to the CPU
+                log.warning("orbitkv: a GPU stream wait failed (%s); waiting on the CPU from now on", error)
+                self._gpu_wait = False
+                self._wait_parts(job, parts)
+                return
+        if waited:
+            self._count("stream_waits", waited)
+
+    def _wait_parts(self, job: _LoadJob, parts: list, until_started: bool = False) -> None:
+        """Waits until every (group job, _Restore) of ``parts`` settled (see wait_for_layer_load); with
+        ``until_started``, only until each was started (or failed to)."""
         deadline = job.started_at + self.cfg.timeout_ms / 1000
         warned = False
         while True:
@@ -380,6 +432,8 @@ class WorkerSide:
                     continue
                 if part.handle is _QUEUED:
                     pending = True
+                    continue
+                if until_started:
                     continue
                 try:
                     if gj.poll(part):
@@ -458,6 +512,7 @@ class WorkerSide:
             import torch
 
             torch.cuda.current_stream(self._cuda).synchronize()
+            self._retire_stream_waits()
 
     def _start_restores(self, client, gj: _GroupJob) -> None:
         gj.started = True
@@ -668,6 +723,12 @@ class WorkerSide:
             time.sleep(0.001)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._stream_waits is not None:  # no stream may still wait on a claim word the client unmaps
+            if self._cuda is not None:
+                import torch
+
+                torch.cuda.synchronize(self._cuda)
+            self._retire_stream_waits(keep_current=False)
         client = self.link.client()
         if client is not None:
             try:
