@@ -236,39 +236,51 @@ def test_hit_costs_estimate_from_the_engines_own_steps_and_restores():
     clock = _Clock()
     costs = HitCosts(clock=clock)
     assert not costs.decline(10 << 20, 1024, 16, layerwise=False)  # nothing known: never declines
-    # Two prefill steps of 2048 tokens in 0.1 s (the first overlapped by the next one's scheduling), a decode
-    # step and a step carrying a load, which are not prefill samples.
-    costs.step_built(2048, False)
-    clock.now += 0.05
-    costs.step_built(2048, False)
-    clock.now += 0.05
+
+    def step(tokens, seconds, load_bytes=None):
+        costs.step_built(tokens, load_bytes is not None, load_bytes or 0, layerwise=True)
+        clock.now += seconds
+        costs.step_done()
+
+    # An engine whose every step pays 47 ms (launches, sampling) and 7.8 us per token computed: a decode step
+    # and two prefill chunks pin both.
+    step(1, 0.047 + 7.8125e-6)
+    step(1024, 0.047 + 0.008)
+    costs.step_built(2048, False)  # async scheduling: built before the previous output, timed from it
+    clock.now += 0.047 + 0.016
     costs.step_done()
-    clock.now += 0.1
-    costs.step_done()
-    costs.step_built(1, False)
-    clock.now += 0.5
-    costs.step_done()
-    costs.step_built(4096, True)
-    clock.now += 5
-    costs.step_done()
-    assert costs.prefill_rate == pytest.approx(2048 / 0.1)
-    costs.restored(1 << 30, 0.5)  # 2 GiB/s per rank
-    restore_s, hit_s, rest_s = costs.estimate(1 << 30, 2048, 1024)
-    assert (restore_s, hit_s, rest_s) == pytest.approx((0.5, 0.1, 0.05))
-    # Asynchronous: the restore (0.5 s) is slower than computing the hit (0.1 s); layer-wise it overlaps the rest
-    # of the step but still outlasts it (0.15 s).
-    assert costs.decline(1 << 30, 2048, 1024, layerwise=False)
-    assert costs.decline(1 << 30, 2048, 1024, layerwise=True)
-    assert not costs.decline(1 << 20, 2048, 1024, layerwise=False)  # 1 MiB: 0.5 ms
-    # A hit is taken after EXPLORE_EVERY declines in a row, so the restore rate is measured again.
-    verdicts = [costs.decline(1 << 30, 2048, 1024, layerwise=False) for _ in range(EXPLORE_EVERY + 1)]
+    a, b = costs.step_model()
+    assert (a, b) == (pytest.approx(0.047), pytest.approx(7.8125e-6))
+    assert costs.prefill_rate == pytest.approx(128000)
+    assert not costs.decline(64 << 20, 1024, 16, layerwise=False)  # the restore rate is not known yet
+    costs.restored(1 << 30, 0.05)  # 21.5 GB/s per rank
+    # Asynchronous: a 64 MiB hit restores in 3.1 ms and saves 8 ms of compute; 512 MiB (25 ms) does not pay.
+    assert costs.estimate(64 << 20, 1024, 16, layerwise=False) == (pytest.approx(0.003125), pytest.approx(0.008))
+    assert not costs.decline(64 << 20, 1024, 16, layerwise=False)
+    assert costs.decline(512 << 20, 1024, 16, layerwise=False)
+    # Layer-wise the restore hides behind the step's 47 ms until a load showed what it adds: here 12 ms.
+    assert not costs.decline(64 << 20, 1024, 16, layerwise=True)
+    step(16, 0.047 + 16 * 7.8125e-6 + 0.012, load_bytes=64 << 20)
+    assert costs.load_overhead == pytest.approx(0.012)
+    assert costs.decline(64 << 20, 1024, 16, layerwise=True)  # 12 ms to save 8 ms
+    assert not costs.decline(256 << 20, 4096, 16, layerwise=True)  # 12 ms to save 32 ms
+    # What the step's compute cannot hide counts too: 2 GiB restore in 100 ms against a 47 ms step.
+    assert costs.estimate(2 << 30, 16384, 16, layerwise=True)[0] == pytest.approx(0.012 + 0.1 - 0.047 - 16 * b)
+    # A hit is taken after EXPLORE_EVERY declines in a row, so the restore and its overhead are measured again.
+    verdicts = [costs.decline(64 << 20, 1024, 16, layerwise=True) for _ in range(EXPLORE_EVERY + 1)]
     assert verdicts.count(False) == 1 and verdicts[-1] is False
-    # A configured prefill rate wins over the measured one.
+    # Steps of one size only: proportional. A configured prefill rate wins over the measured one.
+    same = HitCosts(clock=clock)
+    for _ in range(3):
+        same.step_built(512, False)
+        clock.now += 0.01
+        same.step_done()
+    assert same.step_model() == (0.0, pytest.approx(0.01 / 512))
     fixed = HitCosts(5000.0, clock=clock)
     fixed.step_built(4096, False)
     clock.now += 0.01
     fixed.step_done()
-    assert fixed.prefill_rate == 5000.0
+    assert fixed.prefill_rate == 5000.0 and fixed.step_model() == (0.0, 1 / 5000)
 
 
 def test_load_mode_defaults_to_layerwise_on_a_gpu_and_rejects_unknown_modes():

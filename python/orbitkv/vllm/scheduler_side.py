@@ -313,8 +313,10 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output) -> OrbitKVConnectorMetadata:
         meta = OrbitKVConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        inside = [self._inflight[plan.req_id] for plan in meta.loads
+                  if plan.layerwise and plan.req_id in self._inflight]
         self.costs.step_built(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
-                              bool(meta.loads))
+                              bool(meta.loads), sum(self._hit_bytes(lookup) for lookup in inside), self.layerwise)
         # Answers vLLM did not act on this pass (allocation failed, or the request was skipped): release their
         # leases now; a pending Loading question stays to be asked again.
         for req_id in [r for r, lookup in self._lookups.items() if lookup.boundary is not None]:
