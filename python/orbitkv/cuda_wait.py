@@ -101,6 +101,10 @@ class StreamWaits:
         self._regions[id(client)] = (client, address, device.value)
         return device.value
 
+    def prepare(self, client) -> None:
+        """Registers ``client``'s claim words now (the first wait would otherwise)."""
+        self._region(client)
+
     def wait(self, client, handle) -> bool:
         """Makes the device's current stream wait until ``handle``'s restore (started on ``client``) is through
         with its pages. False when there is nothing to wait for (the restore already completed)."""

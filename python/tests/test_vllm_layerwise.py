@@ -242,45 +242,43 @@ def test_hit_costs_estimate_from_the_engines_own_steps_and_restores():
         clock.now += seconds
         costs.step_done()
 
-    # An engine whose every step pays 47 ms (launches, sampling) and 7.8 us per token computed: a decode step
-    # and two prefill chunks pin both.
-    step(1, 0.047 + 7.8125e-6)
-    step(1024, 0.047 + 0.008)
+    # An engine whose steps cost 43 ms for one token, 60 ms for 1024 and 80 ms for 2048 (every step pays launches
+    # and sampling; a small batch leaves the GPU idle).
+    step(1, 0.043)
+    assert costs.step_time(1024) is None  # one size says nothing about another
+    step(1024, 0.060)
     costs.step_built(2048, False)  # async scheduling: built before the previous output, timed from it
-    clock.now += 0.047 + 0.016
+    clock.now += 0.080
     costs.step_done()
-    a, b = costs.step_model()
-    assert (a, b) == (pytest.approx(0.047), pytest.approx(7.8125e-6))
-    assert costs.prefill_rate == pytest.approx(128000)
+    t16 = 0.043 + 0.017 * 15 / 1023
+    assert costs.step_time(16) == pytest.approx(t16)
+    assert costs.step_time(1) == costs.step_time(0) == pytest.approx(0.043)
+    assert costs.step_time(4096) == pytest.approx(0.120)  # the last slope beyond the largest size
+    assert costs.prefill_rate == pytest.approx(2048 / 0.080)
     assert not costs.decline(64 << 20, 1024, 16, layerwise=False)  # the restore rate is not known yet
     costs.restored(1 << 30, 0.05)  # 21.5 GB/s per rank
-    # Asynchronous: a 64 MiB hit restores in 3.1 ms and saves 8 ms of compute; 512 MiB (25 ms) does not pay.
-    assert costs.estimate(64 << 20, 1024, 16, layerwise=False) == (pytest.approx(0.003125), pytest.approx(0.008))
+    # Asynchronous: 64 MiB restores in 3.1 ms and saves T(1040) - T(16) = 17 ms; 512 MiB (25 ms) does not pay.
+    saved = 0.060 + 0.020 * 16 / 1024 - t16
+    assert costs.estimate(64 << 20, 1024, 16, layerwise=False) == (pytest.approx(0.003125), pytest.approx(saved))
     assert not costs.decline(64 << 20, 1024, 16, layerwise=False)
     assert costs.decline(512 << 20, 1024, 16, layerwise=False)
-    # Layer-wise the restore hides behind the step's 47 ms until a load showed what it adds: here 12 ms.
+    # Layer-wise the restore hides behind the step until a load showed what it adds: here 20 ms.
     assert not costs.decline(64 << 20, 1024, 16, layerwise=True)
-    step(16, 0.047 + 16 * 7.8125e-6 + 0.012, load_bytes=64 << 20)
-    assert costs.load_overhead == pytest.approx(0.012)
-    assert costs.decline(64 << 20, 1024, 16, layerwise=True)  # 12 ms to save 8 ms
-    assert not costs.decline(256 << 20, 4096, 16, layerwise=True)  # 12 ms to save 32 ms
-    # What the step's compute cannot hide counts too: 2 GiB restore in 100 ms against a 47 ms step.
-    assert costs.estimate(2 << 30, 16384, 16, layerwise=True)[0] == pytest.approx(0.012 + 0.1 - 0.047 - 16 * b)
+    step(16, t16 + 0.020, load_bytes=64 << 20)
+    assert costs.load_overhead == pytest.approx(0.020)
+    assert costs.decline(64 << 20, 1024, 16, layerwise=True)  # 20 ms to save 17 ms
+    assert not costs.decline(256 << 20, 4096, 16, layerwise=True)  # 20 ms to save 77 ms
+    # What the step's compute cannot hide counts too: a 2 GiB restore takes 100 ms, the 16-token step 43 ms.
+    assert costs.estimate(2 << 30, 16384, 16, layerwise=True)[0] == pytest.approx(0.020 + 0.100 - t16)
     # A hit is taken after EXPLORE_EVERY declines in a row, so the restore and its overhead are measured again.
     verdicts = [costs.decline(64 << 20, 1024, 16, layerwise=True) for _ in range(EXPLORE_EVERY + 1)]
     assert verdicts.count(False) == 1 and verdicts[-1] is False
-    # Steps of one size only: proportional. A configured prefill rate wins over the measured one.
-    same = HitCosts(clock=clock)
-    for _ in range(3):
-        same.step_built(512, False)
-        clock.now += 0.01
-        same.step_done()
-    assert same.step_model() == (0.0, pytest.approx(0.01 / 512))
+    # A configured prefill rate wins over the measured steps.
     fixed = HitCosts(5000.0, clock=clock)
     fixed.step_built(4096, False)
     clock.now += 0.01
     fixed.step_done()
-    assert fixed.prefill_rate == 5000.0 and fixed.step_model() == (0.0, 1 / 5000)
+    assert fixed.prefill_rate == 5000.0 and fixed.step_time(1000) == pytest.approx(0.2)
 
 
 def test_load_mode_defaults_to_layerwise_on_a_gpu_and_rejects_unknown_modes():

@@ -79,6 +79,29 @@ class ManagerProcess {
   }
   pid_t pid() const { return pid_; }
 
+  // kill -STOP, returning once every thread of the Manager is stopped (the signal is asynchronous: a thread
+  // may go on with a request for a moment after kill returns). False if that never happened.
+  bool Pause() const {
+    if (pid_ <= 0 || kill(pid_, SIGSTOP) != 0) return false;
+    for (int attempt = 0; attempt < 5000; ++attempt) {
+      bool stopped = true;
+      std::error_code error;
+      for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid_), error)) {
+        std::ifstream in(task.path() / "stat");
+        std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        const size_t paren = stat.rfind(')');  // the state follows the command name, which may hold spaces
+        if (paren == std::string::npos || paren + 2 >= stat.size() ||
+            (stat[paren + 2] != 'T' && stat[paren + 2] != 't')) {
+          stopped = false;
+          break;
+        }
+      }
+      if (stopped && !error) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  }
+
   // Sends `signal` and reaps the process; returns its wait status (-1 if it was not running).
   int Stop(int signal = SIGTERM) {
     if (pid_ <= 0) return -1;

@@ -342,7 +342,7 @@ TEST(ManagerIntegrationTest, ARestoresSignalPassesOnlyOnceItsPagesAreTheEnginesA
   ASSERT_TRUE(hit.ok() && hit->hits == keys.size()) << hit.status();
 
   // A restore the Manager runs: the word passes while nobody polls, and by then the pages hold the data.
-  ASSERT_EQ(kill(manager.pid(), SIGSTOP), 0);
+  ASSERT_TRUE(manager.Pause());
   auto first = client->StartRestoreLayers(8, 0, hit->lease, pages, 0, 1, false);
   ASSERT_TRUE(first.ok()) << first.status();
   auto signal = client->RestoreSignalOf(*first);
@@ -368,7 +368,7 @@ TEST(ManagerIntegrationTest, ARestoresSignalPassesOnlyOnceItsPagesAreTheEnginesA
   EXPECT_TRUE(passed(*signal));  // a slot's later uses never take an earlier word back
 
   // Abandoned before the Manager saw it: passes at once, and the pages stay untouched.
-  ASSERT_EQ(kill(manager.pid(), SIGSTOP), 0);
+  ASSERT_TRUE(manager.Pause());
   auto abandoned = client->StartRestoreLayers(8, 0, hit->lease, pages, 1, 1, false);
   ASSERT_TRUE(abandoned.ok());
   auto abandoned_signal = client->RestoreSignalOf(*abandoned);

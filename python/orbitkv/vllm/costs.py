@@ -1,21 +1,22 @@
 """Cost-aware hits: whether restoring a hit is slower than recomputing it.
 
 The scheduler-side connector estimates both costs from what this engine just did:
-- the step model: a step that computes n tokens takes about ``a + b * n`` seconds (``a``: what every step pays,
-  launches, sampling, scheduling; ``b``: the compute per token), fitted by least squares over the engine's recent
-  steps that carried no load (from ``build_connector_meta`` to its ``update_connector_output``), decode steps
-  included: they pin ``a``. Unless the configuration gives a prefill rate (``orbitkv.prefill_tokens_per_s``), which
-  makes it ``a = 0, b = 1 / rate``;
+- step times: how long a step computing n tokens takes, from the engine's recent steps that carried no load
+  (``build_connector_meta`` to its ``update_connector_output``; decode steps included), kept per power-of-two
+  size and interpolated between sizes (a step's time is far from proportional to its tokens: every step pays
+  launches, sampling and scheduling, and a small batch leaves the GPU idle), or from the configuration's prefill
+  rate (``orbitkv.prefill_tokens_per_s``: n / rate);
 - the restore rate, bytes per second per rank, from the loads the workers finished (their metadata carries the bytes
   and the seconds, from the load's start to its last page);
-- a layer-wise load's overhead: how much longer than the step model its step ran, less the part of its restore the
-  step's compute could not hide (the connector's calls, the per-layer waits, first-use costs).
+- a layer-wise load's overhead: how much longer than the step time of its tokens its step ran, less the part of its
+  restore that step's compute could not hide (the connector's calls, per-layer waits, attention over the restored
+  context).
 
-Recomputing a hit of h tokens costs ``b * h`` (the step runs anyway). Restoring it costs its restore
-(``bytes / rate``) when asynchronous, and when layer-wise the overhead plus the part of the restore that outlasts
-the step's own compute (``a + b * rest``). A hit is declined when restoring it costs more. Nothing is declined until
-the step model and the restore rate are known, and after ``EXPLORE_EVERY`` declines in a row one hit is taken
-anyway, so the restore rate and the overhead are measured again.
+Recomputing a hit of h tokens before the request's other r costs ``T(h + r) - T(r)``. Restoring it costs its restore
+(``bytes / rate``) when asynchronous, and when layer-wise the overhead plus the part of the restore that outlasts the
+step's own compute ``T(r)``. A hit is declined when restoring it costs more. Nothing is declined until step times of
+two sizes and the restore rate are known, and after ``EXPLORE_EVERY`` declines in a row one hit is taken anyway, so
+the restore rate and the overhead are measured again.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from collections import deque
 from typing import Optional
 
 EXPLORE_EVERY = 32
-MIN_SAMPLES = 3  # steps without a load before the step model is trusted
-WINDOW = 64  # the latest steps without a load the model is fitted to
 _WEIGHT = 0.3  # of a new sample in the moving averages
 
 
@@ -36,7 +35,7 @@ class HitCosts:
         self._clock = clock
         self.restore_rate: Optional[float] = None  # bytes/s per rank
         self.load_overhead: Optional[float] = None  # seconds a layer-wise load adds beyond its exposed restore
-        self._samples: deque = deque(maxlen=WINDOW)  # (tokens, seconds) of steps without a load
+        self._sizes: dict[int, list] = {}  # tokens.bit_length() -> [mean tokens, mean seconds] of steps without loads
         self._steps: deque = deque()  # (built at, tokens, load bytes or None, layer-wise) awaiting their output
         self._last_done: Optional[float] = None
         self._declined_in_a_row = 0
@@ -45,29 +44,35 @@ class HitCosts:
     def _mix(old: Optional[float], sample: float) -> float:
         return sample if old is None else (1 - _WEIGHT) * old + _WEIGHT * sample
 
-    def step_model(self) -> Optional[tuple[float, float]]:
-        """(a, b): a step computing n tokens takes about a + b * n seconds; None until enough steps were seen."""
+    def step_time(self, tokens: int) -> Optional[float]:
+        """Seconds a step computing ``tokens`` takes: interpolated between the sizes seen (non-decreasing in the
+        tokens; flat below the smallest, the last slope beyond the largest); None before two sizes were seen."""
         if self._fixed_rate:
-            return 0.0, 1.0 / self._fixed_rate
-        if len(self._samples) < MIN_SAMPLES:
+            return tokens / self._fixed_rate
+        points = sorted(tuple(v) for v in self._sizes.values())
+        if len(points) < 2:
             return None
-        n = len(self._samples)
-        mean_x = sum(x for x, _ in self._samples) / n
-        mean_y = sum(y for _, y in self._samples) / n
-        var = sum((x - mean_x) ** 2 for x, _ in self._samples)
-        if var > 0:
-            b = sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var
-            a = mean_y - b * mean_x
-            if b > 0 and a >= 0:
-                return a, b
-        # One step size only, or a fit without meaning (noise): proportional, through the origin.
-        return 0.0, mean_y / mean_x
+        monotone, high = [], 0.0
+        for x, y in points:
+            high = max(high, y)
+            monotone.append((x, high))
+        if tokens <= monotone[0][0]:
+            return monotone[0][1]
+        for (x0, y0), (x1, y1) in zip(monotone, monotone[1:]):
+            if tokens <= x1:
+                return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = monotone[-2], monotone[-1]
+        return y1 + (y1 - y0) / (x1 - x0) * (tokens - x1)
 
     @property
     def prefill_rate(self) -> Optional[float]:
-        """Tokens per second of compute (1 / b), None while unknown."""
-        model = self.step_model()
-        return None if model is None else 1.0 / model[1]
+        """Tokens per second of the largest steps seen (or the configured rate), None while unknown."""
+        if self._fixed_rate:
+            return self._fixed_rate
+        if not self._sizes:
+            return None
+        x, y = max(tuple(v) for v in self._sizes.values())
+        return x / y
 
     def step_built(self, tokens: int, carries_load: bool, load_bytes: int = 0, layerwise: bool = False) -> None:
         """A step was scheduled: ``tokens`` to compute; ``load_bytes`` of layer-wise loads inside it."""
@@ -84,16 +89,16 @@ class HitCosts:
             elapsed = now - start
             if elapsed > 0 and tokens > 0:
                 if load_bytes is None:
-                    self._samples.append((tokens, elapsed))
+                    size = self._sizes.setdefault(tokens.bit_length(), [float(tokens), elapsed])
+                    size[0], size[1] = self._mix(size[0], tokens), self._mix(size[1], elapsed)
                 elif layerwise:
                     self._measure_overhead(tokens, load_bytes, elapsed)
         self._last_done = now
 
     def _measure_overhead(self, tokens: int, load_bytes: int, elapsed: float) -> None:
-        model = self.step_model()
-        if model is None:
+        compute = self.step_time(tokens)
+        if compute is None:
             return
-        compute = model[0] + model[1] * tokens
         exposed = max(0.0, load_bytes / self.restore_rate - compute) if self.restore_rate and load_bytes else 0.0
         self.load_overhead = self._mix(self.load_overhead, max(0.0, elapsed - compute - exposed))
 
@@ -104,16 +109,16 @@ class HitCosts:
     def estimate(self, hit_bytes: int, hit_tokens: int, rest_tokens: int,
                  layerwise: bool) -> Optional[tuple[float, float]]:
         """(seconds restoring the hit adds, seconds recomputing it adds), or None while unknown."""
-        model = self.step_model()
-        if model is None or not self.restore_rate:
+        rest = max(1, rest_tokens)
+        rest_s, whole_s = self.step_time(rest), self.step_time(rest + hit_tokens)
+        if rest_s is None or not self.restore_rate:
             return None
-        a, b = model
         restore_s = hit_bytes / self.restore_rate
         if layerwise:
-            cost = (self.load_overhead or 0.0) + max(0.0, restore_s - (a + b * max(0, rest_tokens)))
+            cost = (self.load_overhead or 0.0) + max(0.0, restore_s - rest_s)
         else:
             cost = restore_s
-        return cost, b * hit_tokens
+        return cost, whole_s - rest_s
 
     def decline(self, hit_bytes: int, hit_tokens: int, rest_tokens: int, layerwise: bool) -> bool:
         estimate = self.estimate(hit_bytes, hit_tokens, rest_tokens, layerwise)

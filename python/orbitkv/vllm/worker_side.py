@@ -183,6 +183,21 @@ class WorkerSide:
         for group, views in self.views.items():
             client.register_group(self.instance, group, views)
         self._max_keys = client.max_query_keys(32)
+        self._prepare_loads(client)
+
+    def _prepare_loads(self, client: orbitkv.CacheManagerClient) -> None:
+        """One-time setup of a session's loads, here rather than in a request's first step: the completion fd the
+        waits sleep on, and (GPU stream waits) the claim words registered with CUDA."""
+        if not self.cfg.load_enabled:
+            return
+        client.completion_fd()
+        if self._gpu_wait:
+            try:
+                self._stream_waits.prepare(client)
+            except Exception as error:
+                log.warning("orbitkv: cannot let the GPU stream wait on this session's restores (%s); waiting on "
+                            "the CPU", error)
+                self._gpu_wait = False
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         views: dict[int, list] = {}
@@ -244,6 +259,7 @@ class WorkerSide:
         client = self.link.client()
         if client is None:
             return  # registered by the reconnect
+        self._prepare_loads(client)
         try:
             for group, group_views in views.items():
                 client.register_group(self.instance, group, group_views)
