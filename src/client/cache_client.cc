@@ -499,6 +499,11 @@ Result<bool> CacheClient::AbandonRestore(uint64_t handle) {
   return true;
 }
 
+std::span<uint8_t> CacheClient::claim_region() const {
+  MutexLock lock(&control_mu_);
+  return control_->claim_region();
+}
+
 Result<CacheClient::RestoreSignal> CacheClient::RestoreSignalOf(uint64_t handle) {
   MutexLock lock(&control_mu_);
   auto it = restores_.find(handle);

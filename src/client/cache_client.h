@@ -202,7 +202,7 @@ class CacheClient {
   Status GuardRestore(uint64_t handle, std::chrono::milliseconds after);
   // The control session's claim words (ClientSession::claim_region), mapped for this client's
   // lifetime: whole pages, page-aligned.
-  std::span<uint8_t> claim_region() const { return control_->claim_region(); }
+  std::span<uint8_t> claim_region() const;
   Status Restore(uint64_t instance, uint32_t group, uint64_t lease,
                  std::span<const uint32_t> pages);
   // An fd that becomes readable when a reply (e.g. a restore completion) arrives: poll it, then

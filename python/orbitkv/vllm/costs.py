@@ -10,7 +10,7 @@ The scheduler-side connector estimates both costs from what this engine just did
   and the seconds, from the load's start to its last page);
 - a layer-wise load's overhead: how much longer than the step time of its tokens its step ran, less the part of its
   restore that step's compute could not hide (the connector's calls, per-layer waits, attention over the restored
-  context).
+  context); the least of the latest ``OVERHEAD_SAMPLES`` loads, from the second (the first pays one-time costs).
 
 Recomputing a hit of h tokens before the request's other r costs ``T(h + r) - T(r)``. Restoring it costs its restore
 (``bytes / rate``) when asynchronous, and when layer-wise the overhead plus the part of the restore that outlasts the
@@ -26,6 +26,9 @@ from collections import deque
 from typing import Optional
 
 EXPLORE_EVERY = 32
+# A layer-wise load's overhead is the least of its latest few samples, and trusted from the second one: a load's
+# first steps pay one-time costs (first kernels of a shape, first copies into new pages) that later ones do not.
+OVERHEAD_SAMPLES = 4
 _WEIGHT = 0.3  # of a new sample in the moving averages
 
 
@@ -34,7 +37,7 @@ class HitCosts:
         self._fixed_rate = float(prefill_tokens_per_s or 0.0)
         self._clock = clock
         self.restore_rate: Optional[float] = None  # bytes/s per rank
-        self.load_overhead: Optional[float] = None  # seconds a layer-wise load adds beyond its exposed restore
+        self._overheads: deque = deque(maxlen=OVERHEAD_SAMPLES)  # seconds layer-wise loads added to their steps
         self._sizes: dict[int, list] = {}  # tokens.bit_length() -> [mean tokens, mean seconds] of steps without loads
         self._steps: deque = deque()  # (built at, tokens, load bytes or None, layer-wise) awaiting their output
         self._last_done: Optional[float] = None
@@ -63,6 +66,11 @@ class HitCosts:
                 return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
         (x0, y0), (x1, y1) = monotone[-2], monotone[-1]
         return y1 + (y1 - y0) / (x1 - x0) * (tokens - x1)
+
+    @property
+    def load_overhead(self) -> Optional[float]:
+        """Seconds a layer-wise load adds to its step beyond its exposed restore; None before two loads were seen."""
+        return min(self._overheads) if len(self._overheads) >= 2 else None
 
     @property
     def prefill_rate(self) -> Optional[float]:
@@ -100,7 +108,7 @@ class HitCosts:
         if compute is None:
             return
         exposed = max(0.0, load_bytes / self.restore_rate - compute) if self.restore_rate and load_bytes else 0.0
-        self.load_overhead = self._mix(self.load_overhead, max(0.0, elapsed - compute - exposed))
+        self._overheads.append(max(0.0, elapsed - compute - exposed))
 
     def restored(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
