@@ -10,7 +10,10 @@ CUDA ordering. The Manager copies on its own streams, so the connector orders th
 save records an event on the current stream after the step's forward pass and the save waits for it before the
 Manager reads the pages (they are complete on the GPU); a restore starts only after the current stream drained
 (no kernel of an earlier step still reads or writes its destination blocks), and the engine reads a restored
-page only after the restore reported completion.
+page only after the restore completed: async loads report it through ``finished_recving``; a layer-wise load makes
+the current stream wait for each layer's restores on their claim words (``orbitkv.cuda_wait``, ``layer_wait``
+gpu), so the kernels after the wait run once the Manager is through with those pages while the CPU goes on, or
+(``layer_wait`` cpu, or no stream memory operations) waits on the CPU for their replies.
 
 Loads. For each planned load, ``start_load_kv`` asks this rank's instance for exactly the planned pages (the
 scheduler's leases keep them resident) and starts one asynchronous restore per leased segment; ``get_finished``
@@ -394,8 +397,9 @@ class WorkerSide:
             part.start = None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Blocks until the pages of ``layer_name`` (and of any layer whose KV buffer it shares) landed, for every
-        layer-wise load of this step. A restore the Manager has not claimed when the connector's timeout runs out
+        """Until the pages of ``layer_name`` (and of any layer whose KV buffer it shares) landed, for every
+        layer-wise load of this step, nothing that reads them runs: the GPU stream waits for them (GPU stream
+        waits), or this call blocks (CPU waits). A restore the Manager has not claimed when the connector's timeout runs out
         is abandoned (its request's blocks are reported failed); one it claimed is waited for, since it writes
         the engine's pages."""
         if not self._layer_jobs:
