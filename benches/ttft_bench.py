@@ -27,6 +27,7 @@ first sampled token.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -139,28 +140,33 @@ def _timed(engine, prompt):
 
 
 def measure(config, socket, length: int, chunk: int, model, seed: int, repeats: int) -> dict:
-    """Recompute, first sight (saves), then the cached runs (CACHED_RUNS), each ``repeats`` times on one warm engine
-    per kind (medians); the kinds alternate so that drift hits them alike."""
+    """First sight (saves), then recompute and the cached runs (CACHED_RUNS), each ``repeats`` times (three times as
+    often up to 2K tokens) on one warm engine per kind (medians), in turn so that drift hits them alike."""
     rng = random.Random(seed + length)
     prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
     miss = [rng.randrange(config.vocab_size) for _ in range(length)]
     blocks = -(-length // config.block_size) + 4 + TPOT_TOKENS // config.block_size + 1
-    plain = SequentialEngine(config, blocks, None, chunk_size=chunk, model=model)
-    plain.generate(miss, 1 + TPOT_TOKENS)  # a warm engine whose own cache does not have the prompt
-    recompute = [plain.generate(prompt, 1 + TPOT_TOKENS) for _ in range(repeats)]
-    del plain
     first = SequentialEngine(config, blocks, socket, chunk_size=chunk, model=model)
     saved = first.generate(prompt, 1)
     first.close()
+    # The recompute engine (no connector) is warmed by the miss, so its own cache does not have the prompt.
+    plain = SequentialEngine(config, blocks, None, chunk_size=chunk, model=model)
+    plain.generate(miss, 1 + TPOT_TOKENS)
     engines = {}
     for kind, extra in CACHED_RUNS.items():
         engines[kind] = SequentialEngine(config, blocks, socket, chunk_size=chunk, model=model, extra=extra)
         for warm in ([miss, prompt] if kind == "served" else [prompt]):
             _timed(engines[kind], warm)
-    runs = {kind: [] for kind in CACHED_RUNS}
-    for _ in range(repeats):
+    # Short prompts run more often: their TTFT is a few engine steps, whose times drift the most.
+    repeats *= max(1, 3 * 2048 // max(length, 2048))
+    recompute, runs = [], {kind: [] for kind in CACHED_RUNS}
+    for _ in range(repeats):  # every engine in turn, so drift (clocks, the host) hits them alike
+        gc.collect()
+        recompute.append(plain.generate(prompt, 1 + TPOT_TOKENS))
         for kind, engine in engines.items():
+            gc.collect()
             runs[kind].append(_timed(engine, prompt))
+    del plain
     for engine in engines.values():
         engine.close()
     row = dict(length=length, recompute_s=_median([r.ttft_s for r in recompute]), first_with_save_s=saved.ttft_s,
@@ -196,7 +202,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: 2048 on a GPU, 512 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per length and engine, medians reported (default: 5 on a GPU, 1 on CPU)")
+                        help="timed runs per length and engine, medians reported (default: 5 on a GPU, 1 on CPU; "
+                             "three times as many up to 2K tokens)")
     parser.add_argument("--plot", default=None, help="PNG path (default: $ORBITKV_BUILD_DIR/benches/ttft.png)")
     args = parser.parse_args(argv)
     try:

@@ -399,9 +399,9 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Until the pages of ``layer_name`` (and of any layer whose KV buffer it shares) landed, for every
         layer-wise load of this step, nothing that reads them runs: the GPU stream waits for them (GPU stream
-        waits), or this call blocks (CPU waits). A restore the Manager has not claimed when the connector's timeout runs out
-        is abandoned (its request's blocks are reported failed); one it claimed is waited for, since it writes
-        the engine's pages."""
+        waits), or this call blocks (CPU waits). A restore the Manager has not claimed when the connector's
+        timeout runs out is abandoned (its request's blocks are reported failed); one it claimed is waited for,
+        since it writes the engine's pages."""
         if not self._layer_jobs:
             return
         needs = self._layer_needs.get(layer_name)
