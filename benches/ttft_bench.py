@@ -114,6 +114,7 @@ def manager_dram_mib(config, lengths) -> int:
 
 
 TPOT_TOKENS = 8  # decode steps after the first token, for the time per output token
+SHORT_PROMPT = 2048  # prompts up to this long run three times as many timed repeats
 
 
 # The cached runs: each on its own long-lived engine, as a server is, which has served the listed prompts before the
@@ -158,7 +159,7 @@ def measure(config, socket, length: int, chunk: int, model, seed: int, repeats: 
         for warm in ([miss, prompt] if kind == "served" else [prompt]):
             _timed(engines[kind], warm)
     # Short prompts run more often: their TTFT is a few engine steps, whose times drift the most.
-    repeats *= max(1, 3 * 2048 // max(length, 2048))
+    repeats *= 3 if length <= SHORT_PROMPT else 1
     recompute, runs = [], {kind: [] for kind in CACHED_RUNS}
     for _ in range(repeats):  # every engine in turn, so drift (clocks, the host) hits them alike
         gc.collect()
@@ -287,10 +288,10 @@ def main(argv=None) -> int:
                model_fingerprint=config.fingerprint(), dtype=config.dtype,
                layers=config.num_layers, kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                block_size=config.block_size, page_bytes=config.page_bytes, chunk=args.chunk,
-               repeats=args.repeats,
+               repeats=args.repeats, short_prompt_repeats=3 * args.repeats,
                cached_mode="the connector's defaults (load_mode auto: layer-wise on a GPU; cost-aware hits)",
                tpot_tokens=TPOT_TOKENS,
-               **{peak_name: peak}, manager_dram_mib=manager_dram_mib(config, lengths),
+               **{peak_name: peak}, manager_dram_mib=manager_dram_mib(config, lengths * 2),
                kv_memory="CUDA tensors, registered through CUDA IPC" if gpu else "orbitkv.shm shared memory",
                rows=[{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
     plot = pathlib.Path(args.plot) if args.plot else build / "benches" / "ttft.png"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from typing import Optional
 
 log = logging.getLogger("orbitkv")
@@ -51,6 +52,8 @@ class StreamWaits:
         self._lib = lib
         self._device = device
         self._regions: dict[int, tuple] = {}  # id(client) -> (client, host address, device address)
+        self._lock = threading.Lock()  # _regions: a reconnect may run on another thread (the save thread)
+        self._owner = threading.get_ident()  # the thread whose CUDA context registers (the forward's)
         self.waits = 0
 
     @classmethod
@@ -86,9 +89,13 @@ class StreamWaits:
 
     def _region(self, client) -> int:
         """The device address of ``client``'s claim words, registering them on first use."""
-        entry = self._regions.get(id(client))
-        if entry is not None and entry[0] is client:
-            return entry[2]
+        with self._lock:
+            entry = self._regions.get(id(client))
+            if entry is not None and entry[0] is client:
+                return entry[2]
+            return self._register(client)
+
+    def _register(self, client) -> int:
         address, size = client.claim_region()
         self._check(self._lib.cuMemHostRegister_v2(ctypes.c_void_p(address), size,
                                                    _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP),
@@ -102,8 +109,10 @@ class StreamWaits:
         return device.value
 
     def prepare(self, client) -> None:
-        """Registers ``client``'s claim words now (the first wait would otherwise)."""
-        self._region(client)
+        """Registers ``client``'s claim words now (the first wait would otherwise), on the thread that opened
+        this (its CUDA context); from another thread (a reconnect on the save thread) the first wait does."""
+        if threading.get_ident() == self._owner:
+            self._region(client)
 
     def wait(self, client, handle) -> bool:
         """Makes the device's current stream wait until ``handle``'s restore (started on ``client``) is through
@@ -125,11 +134,13 @@ class StreamWaits:
         """Unregisters the claim words of every client not in ``keep`` and lets those clients go. Only once the
         streams that waited on them were synchronized (a pending wait would read unmapped memory)."""
         kept = {id(c) for c in keep if c is not None}
-        for key in [k for k in self._regions if k not in kept]:
-            _, address, _ = self._regions.pop(key)
+        with self._lock:
+            retired = [self._regions.pop(k) for k in [k for k in self._regions if k not in kept]]
+        for client, address, _ in retired:  # the client (its mapping) lives until its words are unregistered
             rc = self._lib.cuMemHostUnregister(ctypes.c_void_p(address))
             if rc != 0:
                 log.debug("orbitkv: cuMemHostUnregister of a retired session's claim words: %d", rc)
+            del client
 
     def close(self) -> None:
         self.retire()

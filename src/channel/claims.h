@@ -74,11 +74,10 @@ constexpr uint64_t SettledWord(uint32_t generation) {
   return ClaimWord(generation, ClaimState::kAbandoned);
 }
 
-// Engine: the operation of `generation` is over (its reply came, or the session died and the
-// Manager can no longer be writing, ClientSession::ClaimStillRunning): lifts the word to at least
-// SettledWord, so a stream waiting on it goes on. Pending (the Manager answered without claiming)
-// becomes kAbandoned, which no later Claim can take; claimed becomes kDone. Words of another
-// generation are left alone.
+// The operation of `generation` is over: the Manager answers it, or the engine got its reply or
+// found the Manager gone (ClientSession::ClaimStillRunning). Lifts the word to at least SettledWord,
+// so a stream waiting on it goes on. Pending (answered without a claim) becomes kAbandoned, which
+// no later Claim can take; claimed becomes kDone. Words of another generation are left alone.
 inline void Settle(uint64_t* word, uint32_t generation) {
   std::atomic_ref<uint64_t> ref(*word);
   uint64_t expected = ClaimWord(generation, ClaimState::kPending);
@@ -90,6 +89,12 @@ inline void Settle(uint64_t* word, uint32_t generation) {
     ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kDone),
                                 std::memory_order_seq_cst);
   }
+}
+
+// Whether the word says the Manager holds the claim of `generation` now (not finished, not settled).
+inline bool HeldClaim(uint64_t* word, uint32_t generation) {
+  return std::atomic_ref<uint64_t>(*word).load(std::memory_order_seq_cst) ==
+         ClaimWord(generation, ClaimState::kClaimed);
 }
 
 // Engine, when its wait ran out: kAbandoned when it took the operation back (the Manager will never

@@ -1,9 +1,12 @@
 #include "client/cache_client.h"
 
 #include <poll.h>
+#include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "channel/messages.h"
@@ -52,14 +55,21 @@ Status CacheClient::GuardRestore(uint64_t handle, std::chrono::milliseconds afte
     if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
     guard.word = reinterpret_cast<uint64_t*>(control_->claim_region().data()) + it->second.slot;
     guard.generation = it->second.generation;
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    guard.manager =
+        getsockopt(control_->socket_fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 ? cred.pid : 0;
   }
   guard.at = std::chrono::steady_clock::now() + after;
+  bool earliest = false;
   {
     MutexLock lock(&guard_mu_);
-    guards_.push_back(guard);
+    earliest = guards_.empty() || guard.at < guards_.top().at;
+    guards_.push(guard);
     if (!guard_thread_.joinable()) guard_thread_ = std::thread([this] { RunGuards(); });
   }
-  guard_cv_.notify_all();
+  // Deadlines mostly come in order: the thread is woken only when this one is due before all others.
+  if (earliest) guard_cv_.notify_all();
   return Status::Ok();
 }
 
@@ -67,20 +77,27 @@ void CacheClient::RunGuards() {
   MutexLock lock(&guard_mu_);
   while (!guards_stop_) {
     const auto now = std::chrono::steady_clock::now();
-    auto next = std::chrono::steady_clock::time_point::max();
-    std::erase_if(guards_, [&](const Guard& g) {
-      if (g.at > now) {
-        next = std::min(next, g.at);
-        return false;
+    while (!guards_.empty() && guards_.top().at <= now) {
+      Guard guard = guards_.top();
+      guards_.pop();
+      // A word still pending of this generation is taken back; a settled or later one (the restore
+      // completed, the slot moved on) needs nothing.
+      if (channel::Abandon(guard.word, guard.generation) == channel::ClaimState::kAbandoned ||
+          !channel::HeldClaim(guard.word, guard.generation)) {
+        continue;
       }
-      // Takes a word still pending of this generation back; a claimed or later word is left alone.
-      channel::Abandon(g.word, g.generation);
-      return true;
-    });
-    if (next == std::chrono::steady_clock::time_point::max()) {
+      // The Manager holds the claim: its copies finish the word, unless its process is gone.
+      if (guard.manager > 0 && kill(guard.manager, 0) != 0 && errno == ESRCH) {
+        channel::Settle(guard.word, guard.generation);
+        continue;
+      }
+      guard.at = now + std::chrono::milliseconds(20);
+      guards_.push(guard);
+    }
+    if (guards_.empty()) {
       guard_cv_.wait(guard_mu_);
     } else {
-      guard_cv_.wait_until(guard_mu_, next);
+      guard_cv_.wait_until(guard_mu_, guards_.top().at);
     }
   }
 }

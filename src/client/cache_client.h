@@ -26,6 +26,8 @@
 #ifndef ORBITKV_CLIENT_CACHE_CLIENT_H_
 #define ORBITKV_CLIENT_CACHE_CLIENT_H_
 
+#include <sys/types.h>
+
 #include <array>
 #include <chrono>
 #include <condition_variable>
@@ -34,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <queue>
 #include <span>
 #include <string>
 #include <thread>
@@ -198,7 +201,9 @@ class CacheClient {
   // RestoreSignalOf's value), so a GPU stream waiting on the word goes on even while every engine
   // thread is blocked on that stream (a host sync inside the forward pass). Nothing else changes:
   // the handle stays pending, AbandonRestore then returns true, PollRestore reports what the Manager
-  // answered. A restore the Manager claimed is left to finish. NotFound once it completed.
+  // answered. A restore the Manager claimed is left to finish, but watched: if the Manager's
+  // process dies holding the claim, the word is settled (its copies died with it). NotFound once it
+  // completed. Destroy a client only once no stream waits on its words any more.
   Status GuardRestore(uint64_t handle, std::chrono::milliseconds after);
   // The control session's claim words (ClientSession::claim_region), mapped for this client's
   // lifetime: whole pages, page-aligned.
@@ -319,11 +324,14 @@ class CacheClient {
     std::chrono::steady_clock::time_point at;
     uint64_t* word;  // the claim word, in the control session's arena
     uint32_t generation;
+    pid_t manager;  // the Manager's process (socket peer credentials), 0 if unknown
+    bool operator>(const Guard& other) const { return at > other.at; }
   };
   void RunGuards();
   Mutex guard_mu_;
   std::condition_variable_any guard_cv_;
-  std::vector<Guard> guards_ GUARDED_BY(guard_mu_);
+  std::priority_queue<Guard, std::vector<Guard>, std::greater<Guard>> guards_  // earliest on top
+      GUARDED_BY(guard_mu_);
   bool guards_stop_ GUARDED_BY(guard_mu_) = false;
   std::thread guard_thread_ GUARDED_BY(guard_mu_);
 };

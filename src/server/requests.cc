@@ -42,6 +42,20 @@ std::function<void(Result<T>)> ReplyLater(std::shared_ptr<channel::ServerSession
   };
 }
 
+// A restore's reply, its claim word settled first (channel::Settle: one refused before any claim
+// becomes abandoned, which no claim takes later), so a GPU stream waiting on the word goes on at the
+// reply, not only once the engine polled it (an engine blocked on that stream would never poll).
+std::function<void(Result<channel::RestoreReply>)> RestoreReplyLater(
+    std::shared_ptr<channel::ServerSession> channel, const channel::Descriptor& d) {
+  const uint32_t slot = d.payload_slot, generation = d.payload_generation;
+  auto reply = ReplyLater<channel::RestoreReply>(channel, d, channel::EncodeRestoreReply);
+  return [channel = std::move(channel), slot, generation,
+          reply = std::move(reply)](Result<channel::RestoreReply> result) {
+    channel::Settle(channel->arena().claim_word(slot), generation);
+    reply(std::move(result));
+  };
+}
+
 // The claim word of request `d` (channel/claims.h), in the session's arena, which the channel keeps
 // mapped for as long as the closure lives.
 CacheService::ClaimFn ClaimOf(std::shared_ptr<channel::ServerSession> channel,
@@ -76,10 +90,8 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
     case Opcode::kRestoreLayers: {
       ORBITKV_ASSIGN_OR_RETURN(channel::RestoreRequest restore,
                                channel::DecodeRestore(d, request.payload));
-      service_->Restore(
-          owner, restore,
-          ReplyLater<channel::RestoreReply>(session->channel, d, channel::EncodeRestoreReply),
-          ClaimOf(session->channel, d));
+      service_->Restore(owner, restore, RestoreReplyLater(session->channel, d),
+                        ClaimOf(session->channel, d));
       return Status::Ok();
     }
     case Opcode::kSave: {

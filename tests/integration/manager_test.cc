@@ -16,6 +16,7 @@
 #include <optional>
 #include <thread>
 
+#include "channel/claims.h"
 #include "channel/messages.h"
 #include "channel/session.h"
 #include "client/cache_client.h"
@@ -363,8 +364,10 @@ TEST(ManagerIntegrationTest, ARestoresSignalPassesOnlyOnceItsPagesAreTheEnginesA
   ASSERT_TRUE(bad.ok());
   auto bad_signal = client->RestoreSignalOf(*bad);
   ASSERT_TRUE(bad_signal.ok());
+  const auto refused_give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!passed(*bad_signal) && std::chrono::steady_clock::now() < refused_give_up) std::this_thread::yield();
+  EXPECT_TRUE(passed(*bad_signal)) << "the Manager refused the restore without settling its word";
   EXPECT_EQ(client->WaitRestore(*bad).code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(passed(*bad_signal));
   EXPECT_TRUE(passed(*signal));  // a slot's later uses never take an earlier word back
 
   // Abandoned before the Manager saw it: passes at once, and the pages stay untouched.
@@ -415,6 +418,62 @@ TEST(ManagerIntegrationTest, ARestoresSignalPassesOnlyOnceItsPagesAreTheEnginesA
   EXPECT_FALSE(outcome->ok());
   EXPECT_TRUE(passed(*orphan_signal));
   for (uint32_t i = 0; i < keys.size(); ++i) EXPECT_EQ(*kv.Page(1, 16 + i), 0xee) << i;
+}
+
+// A restore the Manager claimed and then died in (SIGSTOP to hold the claim, then SIGKILL): the guard
+// thread settles its word once the process is gone, with no engine thread calling anything, so a GPU
+// stream waiting on it goes on; while the Manager lives, the claimed word is left alone.
+TEST(ManagerIntegrationTest, AGuardSettlesAClaimItsDeadManagerHeld) {
+  constexpr uint64_t kPage = 1 << 20;
+  constexpr uint32_t kPages = 256;
+  bool held = false;
+  for (int round = 0; round < 8 && !held; ++round) {
+    ManagerProcess manager({"--dram", "512MiB", "--copy-threads", "1"});
+    ASSERT_TRUE(manager.running());
+    auto client = Connect(manager);
+    ASSERT_NE(client, nullptr);
+    ASSERT_TRUE(client->RegisterInstance(50, state::testing::SampleNamespace()).ok());
+    ScopedFd fd(memfd_create("kv", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    ASSERT_EQ(ftruncate(fd.get(), kPage * kPages), 0);
+    ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    BufferSpec spec{fd.get(), kPage * kPages, 0, kPage, kPage};
+    ASSERT_TRUE(client->RegisterGroup(50, 0, kPages, std::span(&spec, 1)).ok());
+    const auto keys = Chain(300 + round, kPages / 2);
+    std::vector<SaveItem> items;
+    for (uint32_t i = 0; i < kPages / 2; ++i) items.push_back({keys[i], i});
+    ASSERT_TRUE(client->Save(50, 0, items).ok());
+    auto hit = client->Query(50, 0, keys);
+    ASSERT_TRUE(hit.ok() && hit->hits == kPages / 2) << hit.status();
+    std::vector<uint32_t> pages;
+    for (uint32_t i = 0; i < kPages / 2; ++i) pages.push_back(kPages / 2 + i);
+    auto handle = client->StartRestore(50, 0, hit->lease, pages);
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    auto signal = client->RestoreSignalOf(*handle);
+    ASSERT_TRUE(signal.ok());
+    auto* word = reinterpret_cast<uint64_t*>(client->claim_region().data() + signal->offset);
+    const uint32_t generation = static_cast<uint32_t>(signal->value >> 2);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!channel::HeldClaim(word, generation) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::yield();
+    }
+    ASSERT_TRUE(manager.Pause());
+    held = channel::HeldClaim(word, generation);
+    if (!held) {  // the copy finished before the stop landed: try again with a fresh Manager
+      kill(manager.pid(), SIGCONT);
+      continue;
+    }
+    ASSERT_TRUE(client->GuardRestore(*handle, std::chrono::milliseconds(10)).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    EXPECT_TRUE(channel::HeldClaim(word, generation)) << "a claim the live Manager holds was taken";
+    manager.Stop(SIGKILL);
+    const auto settle_by = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (static_cast<int64_t>(__atomic_load_n(word, __ATOMIC_SEQ_CST) - signal->value) < 0 &&
+           std::chrono::steady_clock::now() < settle_by) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_TRUE(channel::Finished(word, generation)) << "the dead Manager's claim was never settled";
+  }
+  EXPECT_TRUE(held) << "in no round did the Manager hold the claim when it stopped";
 }
 
 TEST(ManagerIntegrationTest, ConcurrentSessionsAndPublishWhileRestoring) {

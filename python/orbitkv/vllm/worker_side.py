@@ -658,6 +658,11 @@ class WorkerSide:
     # ---- saves -------------------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta) -> None:
+        if self._layer_jobs and self._gpu_wait:
+            # vLLM calls this after the forward pass, before get_finished: the layer-wise parts are settled here
+            # first (abandoned at the timeout if unclaimed), because a save below may sync on the stream that
+            # waits on their words, and only this thread's abandon or the guards would lift them.
+            self._finish_layerwise()
         if meta is None or not meta.saves or not self.cfg.save_enabled:
             return
         bs = self.cfg.block_size
