@@ -54,7 +54,6 @@ class StreamWaits:
         self._regions: dict[int, tuple] = {}  # id(client) -> (client, host address, device address)
         self._lock = threading.Lock()  # _regions: a reconnect may run on another thread (the save thread)
         self._owner = threading.get_ident()  # the thread whose CUDA context registers (the forward's)
-        self.waits = 0
 
     @classmethod
     def open(cls, device) -> tuple[Optional["StreamWaits"], str]:
@@ -127,7 +126,6 @@ class StreamWaits:
         stream = torch.cuda.current_stream(self._device).cuda_stream
         self._check(self._lib.cuStreamWaitValue64_v2(ctypes.c_void_p(stream), base + offset, value,
                                                      _CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue64")
-        self.waits += 1
         return True
 
     def retire(self, keep=()) -> None:
@@ -141,6 +139,3 @@ class StreamWaits:
             if rc != 0:
                 log.debug("orbitkv: cuMemHostUnregister of a retired session's claim words: %d", rc)
             del client
-
-    def close(self) -> None:
-        self.retire()

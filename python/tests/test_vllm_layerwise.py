@@ -163,13 +163,18 @@ def test_a_forward_that_skips_a_layer_hook_gets_its_load_reported_failed(manager
     engine.shutdown()
 
 
-def test_more_layer_parts_than_request_slots_start_as_slots_free(manager):
-    """80 layers x 2 requests in one step = 160 parts, beyond the session's 64 request slots."""
+@pytest.mark.parametrize("stream", [False, True], ids=["cpu_wait", "stream_wait"])
+def test_more_layer_parts_than_request_slots_start_as_slots_free(manager, stream):
+    """80 layers x 2 requests in one step = 160 parts, beyond the session's 64 request slots. With stream waits a
+    hook whose parts are still queued waits on the CPU only until they started."""
     deep = lambda rank: SyntheticModel(80, tp_rank=rank)  # noqa: E731
-    batch = prompts(2, 64, 8, seed=31)
+    batch = prompts(2, 64, 8, seed=67 if stream else 31)
     baseline, engine = _cached_engine(manager, batch, model=deep, extra=LAYERWISE)
+    stand_in = _stream_waits(engine)[1] if stream else None
     assert run(engine, batch) == baseline
     assert bad_reads(engine) == 0
+    if stream:
+        assert 0 < stand_in.waits <= 160
     assert engine.worker_stats.data["restored_blocks"] == 2 * 4
     assert engine.worker_stats.data.get("failed_loads", 0) == 0
     assert_nothing_held(engine, manager)
@@ -417,21 +422,6 @@ def test_layer_waits_on_the_stream_read_only_pages_that_landed(manager, monkeypa
     assert engine.worker_stats.data["stream_waits"] == stand_in.waits
     assert engine.worker_stats.data["restored_blocks"] == 2 * 4
     assert polled_in_hooks == [], "a layer's hook polled a reply: the CPU waited"
-    assert_nothing_held(engine, manager)
-    engine.shutdown()
-
-
-def test_stream_waits_for_more_parts_than_request_slots(manager):
-    """160 parts over 64 slots: a hook whose parts are still queued waits on the CPU only until they started."""
-    deep = lambda rank: SyntheticModel(80, tp_rank=rank)  # noqa: E731
-    batch = prompts(2, 64, 8, seed=67)
-    baseline, engine = _cached_engine(manager, batch, model=deep, extra=LAYERWISE)
-    _, stand_in = _stream_waits(engine)
-    assert run(engine, batch) == baseline
-    assert bad_reads(engine) == 0
-    assert 0 < stand_in.waits <= 160
-    assert engine.worker_stats.data["restored_blocks"] == 2 * 4
-    assert engine.worker_stats.data.get("failed_loads", 0) == 0
     assert_nothing_held(engine, manager)
     engine.shutdown()
 

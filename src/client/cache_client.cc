@@ -55,10 +55,6 @@ Status CacheClient::GuardRestore(uint64_t handle, std::chrono::milliseconds afte
     if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
     guard.word = reinterpret_cast<uint64_t*>(control_->claim_region().data()) + it->second.slot;
     guard.generation = it->second.generation;
-    ucred cred{};
-    socklen_t len = sizeof(cred);
-    guard.manager =
-        getsockopt(control_->socket_fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 ? cred.pid : 0;
   }
   guard.at = std::chrono::steady_clock::now() + after;
   bool earliest = false;
@@ -71,6 +67,12 @@ Status CacheClient::GuardRestore(uint64_t handle, std::chrono::milliseconds afte
   // Deadlines mostly come in order: the thread is woken only when this one is due before all others.
   if (earliest) guard_cv_.notify_all();
   return Status::Ok();
+}
+
+pid_t CacheClient::PeerPid(int socket_fd) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  return getsockopt(socket_fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 ? cred.pid : 0;
 }
 
 void CacheClient::RunGuards() {
@@ -87,7 +89,7 @@ void CacheClient::RunGuards() {
         continue;
       }
       // The Manager holds the claim: its copies finish the word, unless its process is gone.
-      if (guard.manager > 0 && kill(guard.manager, 0) != 0 && errno == ESRCH) {
+      if (manager_pid_ > 0 && kill(manager_pid_, 0) != 0 && errno == ESRCH) {
         channel::Settle(guard.word, guard.generation);
         continue;
       }

@@ -256,6 +256,7 @@ class CacheClient {
         session_id_(control->session_id()),
         manager_incarnation_(control->welcome().manager_incarnation),
         control_slot_bytes_(control->slot_bytes()),
+        manager_pid_(PeerPid(control->socket_fd())),
         control_(std::move(control)) {
     control_->SetAbandonedReplyHandler(
         [this](const channel::InboundReply& reply) { OnAbandonedReply(reply); });
@@ -303,6 +304,7 @@ class CacheClient {
   const uint64_t session_id_;
   const uint64_t manager_incarnation_;
   const uint32_t control_slot_bytes_;
+  const pid_t manager_pid_;  // from the socket's peer credentials at connect, 0 if unknown (GuardRestore)
 
   mutable Mutex control_mu_;
   std::unique_ptr<channel::ClientSession> control_ PT_GUARDED_BY(control_mu_);
@@ -324,10 +326,10 @@ class CacheClient {
     std::chrono::steady_clock::time_point at;
     uint64_t* word;  // the claim word, in the control session's arena
     uint32_t generation;
-    pid_t manager;  // the Manager's process (socket peer credentials), 0 if unknown
     bool operator>(const Guard& other) const { return at > other.at; }
   };
   void RunGuards();
+  static pid_t PeerPid(int socket_fd);
   Mutex guard_mu_;
   std::condition_variable_any guard_cv_;
   std::priority_queue<Guard, std::vector<Guard>, std::greater<Guard>> guards_  // earliest on top

@@ -316,9 +316,9 @@ TEST(ManagerIntegrationTest, LayerWiseRestoreCompletesPerLayer) {
 }
 
 // The claim word a GPU stream waits on (CacheClient::RestoreSignalOf, cuStreamWaitValue64 GEQ) passes its
-// value only once the pages are written, without the engine polling anything; a refused, abandoned or
-// orphaned restore passes it once the engine settled it, so a waiting stream never outlives the engine's
-// own wait.
+// value only once the pages are written, without the engine polling anything; a refused restore passes
+// it at the Manager's reply, an abandoned, guarded or orphaned one once the client settled it, so a
+// waiting stream never outlives the engine's own wait.
 TEST(ManagerIntegrationTest, ARestoresSignalPassesOnlyOnceItsPagesAreTheEnginesAgain) {
   ManagerProcess manager;
   auto client = Connect(manager);
