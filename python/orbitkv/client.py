@@ -315,6 +315,15 @@ class CacheManagerClient:
     def restore(self, instance_id: int, lease: int, pages: Iterable[int], group: int = 0) -> None:
         self.start_restore(instance_id, lease, pages, group).wait()
 
+    def query_restore(self, instance_id: int, keys: Sequence, pages: Sequence[int], group: int = 0, *,
+                      wait: float = 0.0) -> int:
+        """Query and restore in one, for callers on threads of their own that hold destination pages for the
+        whole chain (SGLang's prefetch into its host pool): block i goes to ``pages[i]``. While a Loading operation
+        brings the rest of the chain in (from a peer), each part that arrives is restored at once, so the copies
+        overlap the fetch; ``wait`` (seconds) bounds the wait for Loading. Returns how many leading blocks are in
+        ``pages`` once every copy drained (0: nothing; the engine computes the rest)."""
+        return self._native.query_restore(instance_id, group, list(keys), [int(p) for p in pages], _wait_ms(wait))
+
     def claim_region(self) -> tuple[int, int]:
         """(address, bytes) of this session's claim words: page-aligned whole pages, mapped while the client
         lives (RestoreHandle.signal gives a restore's word in it)."""

@@ -125,6 +125,20 @@ void BindClient(py::module_& m) {
           "loading_op != 0 when the prefix continues on SSD and is being loaded (ask again). "
           "wait_ms > 0 waits that long for a Loading answer to complete (no polling)")
       .def(
+          "query_restore",
+          [](CacheClient& c, uint64_t instance, uint32_t group,
+             const std::vector<state::StateKey>& keys, const std::vector<uint32_t>& pages,
+             uint32_t wait_ms) {
+            py::gil_scoped_release release;
+            return ValueOrThrow(c.QueryRestore(instance, group, keys, pages,
+                                               std::chrono::milliseconds(wait_ms)));
+          },
+          py::arg("instance_id"), py::arg("group"), py::arg("keys"), py::arg("pages"),
+          py::arg("wait_ms"),
+          "-> blocks restored: the chain's resident prefix restored into pages (pages[i] for "
+          "block i), and while a Loading operation brings the rest (up to wait_ms), each part as "
+          "it arrives; returns once every copy drained")
+      .def(
           "wait_loading",
           [](CacheClient& c, uint64_t instance, uint64_t op, uint32_t timeout_ms) {
             return ValueOrThrow(

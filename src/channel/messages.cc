@@ -65,15 +65,15 @@ size_t MaxRestorePages(uint32_t slot_bytes) {
 Result<uint32_t> EncodeQueryChain(uint64_t instance, uint32_t group, uint64_t first_token,
                                   uint32_t page_tokens, uint16_t key_version, uint8_t native_bytes,
                                   std::span<const uint8_t> natives, Descriptor* d,
-                                  std::span<uint8_t> slot) {
+                                  std::span<uint8_t> slot, uint8_t flags) {
   if (native_bytes == 0 || native_bytes > state::kMaxNativeKeyBytes ||
-      natives.size() % native_bytes != 0 || page_tokens == 0) {
+      natives.size() % native_bytes != 0 || page_tokens == 0 || (flags & ~kKnownQueryFlags) != 0) {
     return Status::InvalidArgument(
-        "a query needs 1-64-byte native keys of one length and a page size");
+        "a query needs 1-64-byte native keys of one length, a page size and known flags");
   }
   ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes,
                            Fits(sizeof(QueryKeysHeader) + natives.size(), slot, "query"));
-  const QueryKeysHeader header{first_token, page_tokens, key_version, native_bytes, 0};
+  const QueryKeysHeader header{first_token, page_tokens, key_version, native_bytes, flags};
   std::memcpy(slot.data(), &header, sizeof(header));
   if (!natives.empty()) std::memcpy(slot.data() + sizeof(header), natives.data(), natives.size());
   d->opcode = static_cast<uint16_t>(Opcode::kQuery);
@@ -85,7 +85,7 @@ Result<uint32_t> EncodeQueryChain(uint64_t instance, uint32_t group, uint64_t fi
 Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot) {
   return EncodeQueryChain(request.instance, request.group, request.first_token,
                           request.page_tokens, request.key_version, request.native_bytes,
-                          request.natives, d, slot);
+                          request.natives, d, slot, request.flags);
 }
 
 void EncodePing(Descriptor* d) { d->opcode = static_cast<uint16_t>(Opcode::kPing); }
@@ -152,7 +152,7 @@ Result<uint32_t> EncodeWaitLoading(const WaitLoadingRequest& request, Descriptor
         "wait-loading needs an operation and a timeout of 1-{} ms", kMaxWaitLoadingMs));
   }
   ORBITKV_ASSIGN_OR_RETURN(uint32_t bytes, Fits(sizeof(WaitLoadingBody), slot, "wait-loading"));
-  const WaitLoadingBody body{request.timeout_ms, 0};
+  const WaitLoadingBody body{request.timeout_ms, request.min_resident};
   std::memcpy(slot.data(), &body, sizeof(body));
   d->opcode = static_cast<uint16_t>(Opcode::kWaitLoading);
   d->arg0 = request.instance;
@@ -200,10 +200,12 @@ Result<QueryRequest> DecodeQuery(const Descriptor& d, std::span<const uint8_t> p
   request.instance = d.arg0;
   request.group = static_cast<uint32_t>(d.arg1 >> 32);
   const uint64_t count = static_cast<uint32_t>(d.arg1);
-  if (header.native_bytes == 0 || header.native_bytes > state::kMaxNativeKeyBytes ||
-      header.reserved != 0) {
+  if (header.native_bytes == 0 || header.native_bytes > state::kMaxNativeKeyBytes) {
     return Status::InvalidArgument(
         fmt::format("query native keys of {} bytes (1-64 allowed)", header.native_bytes));
+  }
+  if ((header.flags & ~kKnownQueryFlags) != 0) {
+    return Status::InvalidArgument(fmt::format("query flags {:#x} are unknown", header.flags));
   }
   if (header.page_tokens == 0 || header.key_version == 0) {
     return Status::InvalidArgument("query pages need a token count and a key version");
@@ -220,6 +222,7 @@ Result<QueryRequest> DecodeQuery(const Descriptor& d, std::span<const uint8_t> p
   request.page_tokens = header.page_tokens;
   request.key_version = header.key_version;
   request.native_bytes = header.native_bytes;
+  request.flags = header.flags;
   request.natives.assign(payload.begin() + sizeof(header), payload.end());
   return request;
 }
@@ -321,19 +324,19 @@ Result<WaitLoadingRequest> DecodeWaitLoading(const Descriptor& d,
   WaitLoadingBody body;
   std::memcpy(&body, payload.data(), sizeof(body));
   if (d.arg1 == 0) return Status::InvalidArgument("wait-loading names no operation (id 0)");
-  if (body.reserved != 0 || body.timeout_ms == 0 || body.timeout_ms > kMaxWaitLoadingMs) {
-    return Status::InvalidArgument(fmt::format(
-        "wait-loading timeout {} ms is outside 1-{} (or reserved bits are set)", body.timeout_ms,
-        kMaxWaitLoadingMs));
+  if (body.timeout_ms == 0 || body.timeout_ms > kMaxWaitLoadingMs) {
+    return Status::InvalidArgument(fmt::format("wait-loading timeout {} ms is outside 1-{}",
+                                               body.timeout_ms, kMaxWaitLoadingMs));
   }
-  return WaitLoadingRequest{d.arg0, d.arg1, body.timeout_ms};
+  return WaitLoadingRequest{d.arg0, d.arg1, body.timeout_ms, body.min_resident};
 }
 
 // arg0 = outcome << 32 | hits; arg1 = the lease (hit) or the Loading operation (loading).
 ReplyArgs EncodeQueryReply(const QueryReply& reply) {
   switch (reply.outcome) {
     case QueryOutcome::kHit:
-      return {Pack(static_cast<uint32_t>(QueryOutcome::kHit), reply.hits), reply.lease};
+    case QueryOutcome::kPartial:
+      return {Pack(static_cast<uint32_t>(reply.outcome), reply.hits), reply.lease};
     case QueryOutcome::kLoading:
       return {Pack(static_cast<uint32_t>(QueryOutcome::kLoading), 0), reply.loading_op};
     case QueryOutcome::kMiss:
@@ -353,6 +356,9 @@ Result<QueryReply> DecodeQueryReply(const Descriptor& reply) {
     case static_cast<uint32_t>(QueryOutcome::kHit):
       if (hits == 0) return Status::InvalidArgument("a query hit reply names no blocks");
       return QueryReply::Hit(hits, reply.arg1);
+    case static_cast<uint32_t>(QueryOutcome::kPartial):
+      if (hits == 0) return Status::InvalidArgument("a partial query hit reply names no blocks");
+      return QueryReply::Partial(hits, reply.arg1);
     case static_cast<uint32_t>(QueryOutcome::kLoading):
       if (hits != 0 || reply.arg1 == 0)
         return Status::InvalidArgument("a Loading reply names blocks or no operation");
@@ -366,7 +372,9 @@ ReplyArgs EncodeRestoreReply(const RestoreReply& reply) {
   return {reply.bytes, reply.drained_ns};
 }
 ReplyArgs EncodeSaveReply(const SaveReply& reply) { return {reply.written, reply.skipped}; }
-ReplyArgs EncodeWaitLoadingReply(const WaitLoadingReply& reply) { return {reply.resident, 0}; }
+ReplyArgs EncodeWaitLoadingReply(const WaitLoadingReply& reply) {
+  return {reply.resident, reply.completed ? 1u : 0u};
+}
 ReplyArgs EncodePingReply(const PingReply& reply) { return {reply.incarnation, 0}; }
 
 Result<RestoreReply> DecodeRestoreReply(const Descriptor& reply) {
@@ -378,8 +386,8 @@ Result<SaveReply> DecodeSaveReply(const Descriptor& reply) {
 }
 
 Result<WaitLoadingReply> DecodeWaitLoadingReply(const Descriptor& reply) {
-  if (reply.arg1 != 0) return Status::InvalidArgument("a wait-loading reply has arg1 set");
-  return WaitLoadingReply{reply.arg0};
+  if (reply.arg1 > 1) return Status::InvalidArgument("a wait-loading reply's arg1 is not 0 or 1");
+  return WaitLoadingReply{reply.arg0, reply.arg1 == 1};
 }
 
 Result<PingReply> DecodePingReply(const Descriptor& reply) {

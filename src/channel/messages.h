@@ -29,6 +29,7 @@ struct QueryRequest {
   uint32_t page_tokens = 0;
   uint16_t key_version = 1;
   uint8_t native_bytes = 0;
+  uint8_t flags = 0;             // QueryFlags (kQueryPartial)
   std::vector<uint8_t> natives;  // count x native_bytes
 
   size_t count() const { return native_bytes == 0 ? 0 : natives.size() / native_bytes; }
@@ -79,13 +80,15 @@ struct CancelRequest {
 struct WaitLoadingRequest {
   uint64_t instance = 0;
   uint64_t op = 0;
-  uint32_t timeout_ms = 0;  // 1..kMaxWaitLoadingMs
+  uint32_t timeout_ms = 0;    // 1..kMaxWaitLoadingMs
+  uint32_t min_resident = 0;  // > 0: also answered once that many blocks are in DRAM
 };
 
 // ---- Replies: what an OK reply's arg0/arg1 mean, per opcode ----
 
 // kQuery: a hit (hits > 0 blocks leased under `lease`), Loading (`loading_op` brings the rest of the
-// prefix into DRAM: wait for it or ask again) or a miss (nothing else set).
+// prefix into DRAM: wait for it or ask again), a miss (nothing else set), or, to a kQueryPartial
+// query, a partial hit (leased like a hit; the chain's operation still runs).
 struct QueryReply {
   QueryOutcome outcome = QueryOutcome::kMiss;
   uint32_t hits = 0;
@@ -97,6 +100,10 @@ struct QueryReply {
     return {QueryOutcome::kHit, hits, lease, 0};
   }
   static QueryReply Loading(uint64_t op) { return {QueryOutcome::kLoading, 0, 0, op}; }
+  static QueryReply Partial(uint32_t hits, uint64_t lease) {
+    return {QueryOutcome::kPartial, hits, lease, 0};
+  }
+  bool leased() const { return outcome == QueryOutcome::kHit || outcome == QueryOutcome::kPartial; }
   friend bool operator==(const QueryReply&, const QueryReply&) = default;
 };
 
@@ -119,8 +126,11 @@ struct SaveReply {
 
 // kWaitLoading: the operation completed; `resident` blocks of its chain's prefix are in DRAM now
 // (held for the engine's next query of the chain).
+// kWaitLoading: the chain's leading blocks in DRAM, and whether the operation completed (false:
+// answered early, min_resident reached).
 struct WaitLoadingReply {
   uint64_t resident = 0;
+  bool completed = true;
   friend bool operator==(const WaitLoadingReply&, const WaitLoadingReply&) = default;
 };
 
@@ -144,7 +154,7 @@ Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::sp
 Result<uint32_t> EncodeQueryChain(uint64_t instance, uint32_t group, uint64_t first_token,
                                   uint32_t page_tokens, uint16_t key_version, uint8_t native_bytes,
                                   std::span<const uint8_t> natives, Descriptor* d,
-                                  std::span<uint8_t> slot);
+                                  std::span<uint8_t> slot, uint8_t flags = 0);
 void EncodePing(Descriptor* d);
 void EncodeStats(Descriptor* d);
 Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d,

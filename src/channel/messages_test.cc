@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstddef>
+
 #include <vector>
 
 namespace orbitkv::channel {
@@ -18,14 +20,16 @@ Descriptor ReplyWith(ReplyArgs args) {
 
 TEST(MessagesTest, QueryRepliesRoundTripAndMalformedOnesAreRefused) {
   for (const QueryReply& reply :
-       {QueryReply::Miss(), QueryReply::Hit(7, 0x500000003ull), QueryReply::Loading(42)}) {
+       {QueryReply::Miss(), QueryReply::Hit(7, 0x500000003ull), QueryReply::Loading(42),
+        QueryReply::Partial(3, 0x700000001ull)}) {
     Result<QueryReply> decoded = DecodeQueryReply(ReplyWith(EncodeQueryReply(reply)));
     ASSERT_TRUE(decoded.ok()) << decoded.status();
     EXPECT_EQ(*decoded, reply);
   }
   // A hit without blocks, a miss naming a lease, Loading without an operation, an unknown outcome.
   for (const ReplyArgs& bad : {ReplyArgs{1ull << 32, 5}, ReplyArgs{0, 9}, ReplyArgs{2ull << 32, 0},
-                               ReplyArgs{(2ull << 32) | 3, 8}, ReplyArgs{7ull << 32, 1}}) {
+                               ReplyArgs{(2ull << 32) | 3, 8}, ReplyArgs{7ull << 32, 1},
+                               ReplyArgs{3ull << 32, 4}}) {
     EXPECT_EQ(DecodeQueryReply(ReplyWith(bad)).status().code(), StatusCode::kInvalidArgument)
         << bad.arg0 << " " << bad.arg1;
   }
@@ -37,7 +41,11 @@ TEST(MessagesTest, OtherRepliesRoundTrip) {
   EXPECT_EQ(*DecodeRestoreReply(ReplyWith(EncodeRestoreReply({4096, 123456789}))),
             (RestoreReply{4096, 123456789}));
   EXPECT_EQ(*DecodeWaitLoadingReply(ReplyWith(EncodeWaitLoadingReply({12}))),
-            (WaitLoadingReply{12}));
+            (WaitLoadingReply{12, true}));
+  // Answered early (min_resident reached while the operation runs): not completed.
+  EXPECT_EQ(*DecodeWaitLoadingReply(ReplyWith(EncodeWaitLoadingReply({5, false}))),
+            (WaitLoadingReply{5, false}));
+  EXPECT_FALSE(DecodeWaitLoadingReply(ReplyWith({5, 2})).ok());
   EXPECT_EQ(*DecodePingReply(ReplyWith(EncodePingReply({99}))), (PingReply{99}));
   EXPECT_FALSE(DecodePingReply(ReplyWith({1, 1})).ok());  // arg1 is the restore's drain time only
 }
@@ -61,9 +69,32 @@ TEST(MessagesTest, CancelAndWaitLoadingHaveTheirOwnOpcodesAndCheckTheirFields) {
   Result<WaitLoadingRequest> wait = DecodeWaitLoading(w, std::span(slot).first(*bytes));
   ASSERT_TRUE(wait.ok()) << wait.status();
   EXPECT_EQ(wait->timeout_ms, 250u);
+  EXPECT_EQ(wait->min_resident, 0u);
+  ASSERT_TRUE(EncodeWaitLoading({3, 11, 250, 17}, &w, slot).ok());
+  wait = DecodeWaitLoading(w, std::span(slot).first(*bytes));
+  ASSERT_TRUE(wait.ok()) << wait.status();
+  EXPECT_EQ(wait->min_resident, 17u);
   EXPECT_FALSE(EncodeWaitLoading({3, 11, 0}, &w, slot).ok());
   EXPECT_FALSE(EncodeWaitLoading({3, 11, kMaxWaitLoadingMs + 1}, &w, slot).ok());
   EXPECT_FALSE(DecodeWaitLoading(w, {}).ok());  // no body
+}
+
+TEST(MessagesTest, APartialQueryCarriesItsFlagAndUnknownFlagsAreRefused) {
+  std::vector<uint8_t> slot(256);
+  const std::vector<uint8_t> natives(16, 0x33);
+  Descriptor d{};
+  Result<uint32_t> bytes = EncodeQueryChain(4, 0, 0, 16, 1, 8, natives, &d, slot, kQueryPartial);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  Result<QueryRequest> decoded = DecodeQuery(d, std::span(slot).first(*bytes));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->flags, kQueryPartial);
+  EXPECT_EQ(decoded->count(), 2u);
+  ASSERT_TRUE(EncodeQueryChain(4, 0, 0, 16, 1, 8, natives, &d, slot).ok());
+  EXPECT_EQ(DecodeQuery(d, std::span(slot).first(*bytes))->flags, 0);
+  EXPECT_FALSE(EncodeQueryChain(4, 0, 0, 16, 1, 8, natives, &d, slot, 0x80).ok());
+  slot[offsetof(QueryKeysHeader, flags)] = 0x82;  // a flag this Manager does not know
+  EXPECT_EQ(DecodeQuery(d, std::span(slot).first(*bytes)).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(MessagesTest, TheClientsChainEncodingIsTheQueryEncoding) {

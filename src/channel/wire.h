@@ -201,8 +201,9 @@ enum class Opcode : uint16_t {
   // one completion per request; the lease stays valid unless kRestoreConsumesLease is set.
   kRestoreLayers = 8,
   // arg0 instance, arg1 Loading operation id; payload: WaitLoadingBody. Answered when the operation
-  // completes (at once when it already has), or DEADLINE_EXCEEDED after its timeout: the engine's
-  // completion fd rings, and it asks its query again.
+  // completes (at once when it already has), when min_resident blocks are in DRAM, or
+  // DEADLINE_EXCEEDED after its timeout: the engine's completion fd rings, and it asks its query
+  // again. Reply arg0 the chain's blocks in DRAM, arg1 1 when the operation completed.
   kWaitLoading = 9,
   // arg0 what (DumpKind), arg1 shard << 32 | first record; reply payload: UTF-8 lines, one record each
   // (docs/formats/channel.md "Dumps"); reply arg0 the records in the listing, arg1 the next first record
@@ -258,10 +259,19 @@ struct QueryKeysHeader {
   uint32_t page_tokens;
   uint16_t key_version;
   uint8_t native_bytes;  // 1..64, the same for every key of the query
-  uint8_t reserved;
+  uint8_t flags;         // QueryFlags
   // followed by key count x native_bytes
 };
 static_assert(sizeof(QueryKeysHeader) == 16);
+
+// QueryKeysHeader.flags.
+enum QueryFlags : uint8_t {
+  // While the chain's Loading operation runs, answer a hit on the prefix already in DRAM (leased as
+  // any hit) instead of Loading, so that a waiting engine restores it while the rest arrives. The
+  // operation goes on; without an operation this is an ordinary query.
+  kQueryPartial = 1,
+};
+inline constexpr uint8_t kKnownQueryFlags = kQueryPartial;
 
 struct RestoreBody {
   uint32_t group;
@@ -291,8 +301,10 @@ struct SaveEntry {
 static_assert(sizeof(SaveEntry) == 136);
 
 struct WaitLoadingBody {
-  uint32_t timeout_ms;  // 1..kMaxWaitLoadingMs
-  uint32_t reserved;
+  uint32_t timeout_ms;    // 1..kMaxWaitLoadingMs
+  // 0: answered when the operation completes. N > 0: also answered (not completed) as soon as N
+  // leading blocks of its chain are in DRAM while it runs (a remote stage seals a batch).
+  uint32_t min_resident;
 };
 static_assert(sizeof(WaitLoadingBody) == 8);
 inline constexpr uint32_t kMaxWaitLoadingMs = 600'000;
@@ -304,8 +316,10 @@ struct ReplyArgs {
 };
 
 // What a query found (its reply's encoding is channel/messages.h's QueryReply).
-enum class QueryOutcome : uint32_t { kMiss = 0, kHit = 1, kLoading = 2 };
-inline constexpr uint32_t kMaxQueryOutcome = 2;
+// kPartial answers only a kQueryPartial query: the prefix in DRAM, leased, while the chain's Loading
+// operation still runs (wait for it with min_resident, then ask again).
+enum class QueryOutcome : uint32_t { kMiss = 0, kHit = 1, kLoading = 2, kPartial = 3 };
+inline constexpr uint32_t kMaxQueryOutcome = 3;
 
 }  // namespace orbitkv::channel
 

@@ -192,7 +192,7 @@ void CacheClient::OnAbandonedReply(const channel::InboundReply& reply) {
   abandoned_queries_.erase(it);
   if (reply.code() != StatusCode::kOk) return;
   Result<channel::QueryReply> answer = channel::DecodeQueryReply(reply.descriptor);
-  if (answer.ok() && answer->outcome == channel::QueryOutcome::kHit && answer->lease != 0) {
+  if (answer.ok() && answer->leased() && answer->lease != 0) {
     late_leases_.emplace_back(instance, answer->lease);
   }
 }
@@ -376,7 +376,7 @@ Result<QueryResult> CacheClient::Query(uint64_t instance, uint32_t group,
 Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
                                              uint64_t first_token, uint32_t page_tokens,
                                              uint8_t native_bytes, std::span<const uint8_t> natives,
-                                             uint16_t key_version) {
+                                             uint16_t key_version, uint8_t flags) {
   if (native_bytes == 0 || natives.size() % native_bytes != 0) {
     return Status::InvalidArgument("native keys must all have native_bytes bytes");
   }
@@ -390,7 +390,7 @@ Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
           [&](Descriptor* d, std::span<uint8_t> slot) {
             return channel::EncodeQueryChain(instance, group, first_token, page_tokens,
                                              key_version, native_bytes,
-                                             natives.first(count * native_bytes), d, slot);
+                                             natives.first(count * native_bytes), d, slot, flags);
           },
           CallDeadline(), nullptr, instance));
   Result<channel::QueryReply> decoded = channel::DecodeQueryReply(reply.descriptor);
@@ -399,6 +399,7 @@ Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
   result.hits = decoded->hits;
   result.lease = decoded->lease;
   result.loading_op = decoded->loading_op;
+  result.partial = decoded->outcome == channel::QueryOutcome::kPartial;
   return result;
 }
 
@@ -440,8 +441,16 @@ Result<QueryResult> CacheClient::QueryNativeWait(uint64_t instance, uint32_t gro
 
 Result<uint64_t> CacheClient::WaitLoading(uint64_t instance, uint64_t op,
                                           std::chrono::milliseconds timeout) {
+  ORBITKV_ASSIGN_OR_RETURN(LoadingProgress done, WaitLoadingProgress(instance, op, 0, timeout));
+  return done.resident;
+}
+
+Result<LoadingProgress> CacheClient::WaitLoadingProgress(uint64_t instance, uint64_t op,
+                                                         uint32_t min_resident,
+                                                         std::chrono::milliseconds timeout) {
   const auto clamped = std::clamp<int64_t>(timeout.count(), 1, channel::kMaxWaitLoadingMs);
-  const channel::WaitLoadingRequest request{instance, op, static_cast<uint32_t>(clamped)};
+  const channel::WaitLoadingRequest request{instance, op, static_cast<uint32_t>(clamped),
+                                            min_resident};
   // The Manager answers by the timeout itself; the client waits a little longer for that answer
   // (then the request is abandoned, its slot freed when the answer comes).
   const orbitkv::Deadline deadline =
@@ -455,7 +464,99 @@ Result<uint64_t> CacheClient::WaitLoading(uint64_t instance, uint64_t op,
                                deadline));
   ORBITKV_ASSIGN_OR_RETURN(channel::WaitLoadingReply done,
                            channel::DecodeWaitLoadingReply(reply.descriptor));
-  return done.resident;
+  return LoadingProgress{done.resident, done.completed};
+}
+
+Result<uint32_t> CacheClient::QueryRestore(uint64_t instance, uint32_t group,
+                                           std::span<const state::StateKey> keys,
+                                           std::span<const uint32_t> pages,
+                                           std::chrono::milliseconds timeout) {
+  if (keys.empty() || pages.empty()) return 0u;
+  ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request, ChainRequest(instance, group, keys));
+  return QueryRestoreNative(instance, group, request.first_token, request.page_tokens,
+                            request.native_bytes, request.natives, pages, timeout,
+                            request.key_version);
+}
+
+Result<uint32_t> CacheClient::QueryRestoreNative(uint64_t instance, uint32_t group,
+                                                 uint64_t first_token, uint32_t page_tokens,
+                                                 uint8_t native_bytes,
+                                                 std::span<const uint8_t> natives,
+                                                 std::span<const uint32_t> pages,
+                                                 std::chrono::milliseconds timeout,
+                                                 uint16_t key_version) {
+  if (native_bytes == 0 || natives.size() % native_bytes != 0) {
+    return Status::InvalidArgument("native keys must all have native_bytes bytes");
+  }
+  const size_t wanted = std::min(natives.size() / native_bytes, pages.size());
+  if (wanted == 0) return 0u;
+  natives = natives.first(wanted * native_bytes);
+  const orbitkv::Deadline deadline = orbitkv::Deadline::After(timeout);
+  // Restores started, in chain order: (first block, handle).
+  std::vector<std::pair<uint32_t, uint64_t>> parts;
+  uint32_t restored = 0;  // blocks [0, restored) have a restore started
+  Status failure = Status::Ok();
+  // Restores the part of a leased answer not restored yet (the rest of the lease is left out).
+  const auto restore_new = [&](const QueryResult& answer) -> bool {
+    const uint32_t upto = std::min<uint32_t>(answer.hits, static_cast<uint32_t>(wanted));
+    if (upto <= restored) {
+      (void)Release(instance, answer.lease);
+      return true;
+    }
+    std::vector<uint32_t> part(upto, channel::kSkipPage);
+    for (uint32_t i = restored; i < upto; ++i) part[i] = pages[i];
+    Result<uint64_t> handle = StartRestore(instance, group, answer.lease, part);
+    if (!handle.ok()) {
+      failure = handle.status();
+      return false;
+    }
+    parts.emplace_back(restored, *handle);
+    restored = upto;
+    return true;
+  };
+  Result<QueryResult> answer =
+      QueryNative(instance, group, first_token, page_tokens, native_bytes, natives, key_version);
+  uint32_t want = 1;  // the next wait's min_resident: past what the last partial answer leased
+  uint64_t op = 0;    // the chain's Loading operation
+  while (answer.ok() && failure.ok()) {
+    if (answer->hits > 0 && !restore_new(*answer)) break;
+    if (answer->loading_op == 0 && !answer->partial) break;  // the chain's final answer
+    if (answer->loading_op != 0) op = answer->loading_op;
+    if (op == 0) break;  // a partial answer comes only after a Loading one
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline.Remaining());
+    if (left.count() <= 0) break;  // what arrived in time is restored; the op runs on
+    want = std::max(want, restored + 1);
+    Result<LoadingProgress> waited =
+        WaitLoadingProgress(instance, op, want, left);
+    if (!waited.ok()) {
+      if (waited.status().code() == StatusCode::kDeadlineExceeded) break;
+      if (waited.status().code() != StatusCode::kNotFound &&
+          waited.status().code() != StatusCode::kAborted) {
+        failure = waited.status();
+        break;
+      }
+      // Taken by another query, cancelled or expired: the plain query says what is there now.
+      answer = QueryNative(instance, group, first_token, page_tokens, native_bytes, natives,
+                           key_version);
+      continue;
+    }
+    want = static_cast<uint32_t>(std::max<uint64_t>(want, waited->resident + 1));
+    answer = QueryNative(instance, group, first_token, page_tokens, native_bytes, natives,
+                         key_version, waited->completed ? 0 : channel::kQueryPartial);
+  }
+  if (!answer.ok() && failure.ok()) failure = answer.status();
+  // Every started copy drains before the pages are reported; the restored prefix ends at the first
+  // part that failed.
+  uint32_t intact = restored;
+  for (const auto& [first, handle] : parts) {
+    Status done = WaitRestore(handle);
+    if (!done.ok() && first < intact) {
+      intact = first;
+      if (failure.ok()) failure = done;
+    }
+  }
+  if (intact == 0 && !failure.ok()) return failure;
+  return intact;
 }
 
 Result<uint64_t> CacheClient::StartRestore(uint64_t instance, uint32_t group, uint64_t lease,

@@ -91,6 +91,13 @@ struct QueryResult {
   uint32_t hits = 0;        // blocks of the asked prefix resident and leased
   uint64_t lease = 0;       // valid when hits > 0
   uint64_t loading_op = 0;  // non-zero: Loading
+  bool partial = false;     // a partial hit (asked with kQueryPartial): the chain's Loading runs on
+};
+
+// What a Loading wait heard: the chain's leading blocks in DRAM, and whether the op completed.
+struct LoadingProgress {
+  uint64_t resident = 0;
+  bool completed = true;
 };
 
 struct SaveItem {
@@ -136,9 +143,11 @@ class CacheClient {
                             std::span<const state::StateKey> keys);
   // The same with the chain given directly: `natives` holds count x native_bytes bytes; page i
   // covers tokens [first_token + i * page_tokens, + page_tokens).
+  // `flags`: channel::QueryFlags (kQueryPartial: a partial hit while the chain's Loading runs).
   Result<QueryResult> QueryNative(uint64_t instance, uint32_t group, uint64_t first_token,
                                   uint32_t page_tokens, uint8_t native_bytes,
-                                  std::span<const uint8_t> natives, uint16_t key_version = 1);
+                                  std::span<const uint8_t> natives, uint16_t key_version = 1,
+                                  uint8_t flags = 0);
   size_t MaxQueryKeys(size_t native_bytes = 32) const;
   // Like Query / QueryNative, but a Loading answer is waited for (on its operation's completion,
   // with no polling) and asked again, until `timeout` passed: then the Loading result is returned
@@ -151,11 +160,29 @@ class CacheClient {
                                       uint32_t page_tokens, uint8_t native_bytes,
                                       std::span<const uint8_t> natives,
                                       std::chrono::milliseconds timeout, uint16_t key_version = 1);
+  Result<uint32_t> QueryRestore(uint64_t instance, uint32_t group,
+                                std::span<const state::StateKey> keys,
+                                std::span<const uint32_t> pages, std::chrono::milliseconds timeout);
   // Waits until Loading operation `op` completed: returns how many blocks of its chain are now in
   // DRAM (the next query leases them). DeadlineExceeded when it still runs after `timeout`;
   // NotFound when there is no such operation (a query took it: ask the query again); Aborted when
   // it was cancelled or expired.
   Result<uint64_t> WaitLoading(uint64_t instance, uint64_t op, std::chrono::milliseconds timeout);
+  // The same, also answered (completed = false) as soon as `min_resident` > 0 leading blocks of the
+  // chain are in DRAM while the op runs (a remote stage sealed a batch).
+  Result<LoadingProgress> WaitLoadingProgress(uint64_t instance, uint64_t op, uint32_t min_resident,
+                                              std::chrono::milliseconds timeout);
+  // Query and restore in one, for callers on threads of their own that hold destination pages for
+  // the whole chain (SGLang's prefetch into its host pool): the chain's resident prefix is restored
+  // into `pages` (pages[i] for block i; at most pages.size() blocks) and, while a Loading operation
+  // brings the rest, each part is restored as it arrives (partial queries on the op's progress), so
+  // the copies overlap the remote fetch. Returns how many leading blocks are now in `pages` once
+  // every copy drained; `timeout` bounds the wait for Loading (what arrived by then is restored).
+  Result<uint32_t> QueryRestoreNative(uint64_t instance, uint32_t group, uint64_t first_token,
+                                      uint32_t page_tokens, uint8_t native_bytes,
+                                      std::span<const uint8_t> natives,
+                                      std::span<const uint32_t> pages,
+                                      std::chrono::milliseconds timeout, uint16_t key_version = 1);
 
   // Copies the leased blocks into `pages` (one destination page per leased block, in order;
   // kSkipPage leaves one out). The lease is consumed. StartRestore returns a handle; WaitRestore

@@ -54,6 +54,10 @@ CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache*
           &metrics->GetCounter("orbitkv_query_hit_blocks_total", "", {{"tier", "ssd"}})),
       hit_blocks_remote_(
           &metrics->GetCounter("orbitkv_query_hit_blocks_total", "", {{"tier", "remote"}})),
+      partial_answers_(&metrics->GetCounter(
+          "orbitkv_query_partial_answers_total",
+          "Partial hits: the prefix already in DRAM leased to a waiting engine while its chain's "
+          "Loading operation runs on (restored while the rest arrives)")),
       missed_blocks_(&metrics->GetCounter(
           "orbitkv_query_missed_blocks_total",
           "Blocks of answered queries found nowhere: the engine recomputes them")),
@@ -105,7 +109,7 @@ std::vector<LoadingStage> CacheService::PlanLoading(const std::vector<state::Sta
     ssd.deadline = options_.ssd_load_deadline;
     ssd.start = [tier = ssd_, keys = std::vector<state::StateKey>(
                                   keys.begin(), keys.begin() + static_cast<ptrdiff_t>(local_end))](
-                    LoadingStage::Done done) mutable {
+                    LoadingStage::Done done, LoadingStage::Progress) mutable {
       return tier->Load(std::move(keys), std::move(done));
     };
     stages.push_back(std::move(ssd));
@@ -151,6 +155,14 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
   // A chain whose load completed is answered with what is in DRAM, even when the load stopped
   // short (DRAM full of pinned blocks, a bad record): loading again would stop at the same place,
   // and the engine would hear Loading forever.
+  // A partial query while the chain's op runs: the prefix in DRAM now, leased, and the op goes on
+  // (the engine restores this part while the rest arrives, then asks again). Counted once, by the
+  // chain's final answer.
+  if ((request.flags & channel::kQueryPartial) != 0 && !loaded && result.ok() &&
+      result->lease.has_value() && result->hits < keys.size() && loading_.Running(chain)) {
+    partial_answers_->Increment();
+    return channel::QueryReply::Partial(static_cast<uint32_t>(result->hits), result->lease->Pack());
+  }
   std::vector<LoadingStage> stages;
   if (!loaded && result.ok() && result->hits < keys.size())
     stages = PlanLoading(keys, result->hits);
@@ -411,10 +423,11 @@ void CacheService::WaitLoading(uint64_t owner, const channel::WaitLoadingRequest
   if (!owned.ok()) return done(owned);
   loading_.Wait(request.instance, request.op,
                 Deadline::After(std::chrono::milliseconds(request.timeout_ms)),
-                [done = std::move(done)](Result<uint64_t> resident) {
-                  if (!resident.ok()) return done(resident.status());
-                  done(channel::WaitLoadingReply{*resident});
-                });
+                [done = std::move(done)](Result<LoadingState> state) {
+                  if (!state.ok()) return done(state.status());
+                  done(channel::WaitLoadingReply{state->resident, state->completed});
+                },
+                request.min_resident);
 }
 
 size_t CacheService::RetireInstance(EngineInstance& instance) {
@@ -431,6 +444,7 @@ CacheServiceStats CacheService::Stats() const {
   stats.hits = hits_->Value();
   stats.misses = misses_->Value();
   stats.evictions = evictions_->Value();
+  stats.partial_answers = partial_answers_->Value();
   if (ssd_ != nullptr) {
     stats.ssd = ssd_->Stats();
     stats.ssd_write_staging = ssd_->write_staging();
@@ -456,11 +470,12 @@ std::string CacheServiceStats::ToJson(std::string_view extra) const {
       "{{\"incarnation\": {}, \"pool_capacity_bytes\": {}, \"pool_allocated_bytes\": {}, "
       "\"resident_blocks\": {}, \"resident_bytes\": {}, \"pinned_blocks\": {}, "
       "\"leases_active\": {}, \"query_reserved_bytes\": {}, \"operations_active\": {}, "
-      "\"hits\": {}, \"misses\": {}, \"evictions\": {}, \"ssd\": {}{}}}",
+      "\"hits\": {}, \"misses\": {}, \"evictions\": {}, \"query_partial_answers\": {}, "
+      "\"ssd\": {}{}}}",
       incarnation, cache.pool.capacity_bytes, cache.pool.allocated_bytes,
       cache.table.resident_blocks, cache.table.resident_bytes, cache.table.pinned_blocks,
       cache.leases_active, cache.query_reserved_bytes, operations_active, hits, misses, evictions,
-      ssd_json, extra);
+      partial_answers, ssd_json, extra);
 }
 
 }  // namespace orbitkv::server

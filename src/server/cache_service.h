@@ -65,6 +65,7 @@ struct CacheServiceStats {
   uint64_t hits = 0;
   uint64_t misses = 0;
   uint64_t evictions = 0;
+  uint64_t partial_answers = 0;  // partial hits leased while a Loading op ran
   std::optional<core::SsdTierStats> ssd;
   storage::WriteStaging ssd_write_staging{};
   // The JSON object `orbitkv stats` prints; `extra` (", \"key\": value" pairs) is appended.
@@ -177,6 +178,7 @@ class CacheService {
   Counter* hit_blocks_dram_;
   Counter* hit_blocks_ssd_;
   Counter* hit_blocks_remote_;
+  Counter* partial_answers_;
   Counter* missed_blocks_;
   Counter* hits_;
   Counter* misses_;

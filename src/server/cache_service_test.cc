@@ -344,6 +344,86 @@ TEST_F(CacheServiceTest, AnsweredQueriesCountTheirBlocksByTheTierThatServedThem)
   ASSERT_TRUE(service_->Release(kOwner, {kInstance, warm->lease}).ok());
 }
 
+// A waiting engine restores a remote stage's blocks while the rest arrive: a partial query leases
+// the prefix in DRAM while the op runs, a progress waiter hears of each batch, and the chain's final
+// answer (the only one counted) leases it all.
+TEST_F(CacheServiceTest, PartialQueriesLeaseWhatArrivedWhileTheRemoteStageRuns) {
+  std::vector<LoadingStage::Done> done;
+  std::vector<LoadingStage::Progress> progress;
+  std::vector<size_t> spans;
+  service_->SetRemoteStage([&](std::vector<state::StateKey> keys) -> std::optional<LoadingStage> {
+    LoadingStage stage;
+    stage.name = "remote";
+    stage.span = keys.size();
+    spans.push_back(keys.size());
+    stage.start = [&](LoadingStage::Done d, LoadingStage::Progress p) {
+      done.push_back(std::move(d));
+      progress.push_back(std::move(p));
+      return Status::Ok();
+    };
+    return stage;
+  });
+  auto counted = [&](const char* tier) {
+    return metrics_.GetCounter("orbitkv_query_hit_blocks_total", "", {{"tier", tier}}).Value();
+  };
+  SaveChain(1, 2, 900);  // two in DRAM; the next four "on a peer"
+  Result<channel::QueryReply> loading = service_->Query(kOwner, QueryOf(1, 6));
+  ASSERT_TRUE(loading.ok()) << loading.status();
+  ASSERT_EQ(loading->outcome, channel::QueryOutcome::kLoading);
+  ASSERT_EQ(spans, std::vector<size_t>{6});  // the remote stage pins the resident front itself
+  channel::QueryRequest partial = QueryOf(1, 6);
+  partial.flags = channel::kQueryPartial;
+  Result<channel::QueryReply> first = service_->Query(kOwner, partial);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->outcome, channel::QueryOutcome::kPartial);
+  EXPECT_EQ(first->hits, 2u);
+  std::memset(memory_.data(), 0, memory_.size());
+  ASSERT_TRUE(RestoreTo(first->lease, {0, 1}).ok());
+  // A batch of two arrives: a waiter for three hears four (not completed).
+  Captured<channel::WaitLoadingReply> three;
+  service_->WaitLoading(kOwner, {kInstance, loading->loading_op, 5000, 3}, three.Callback());
+  SaveChain(1, 4, 900);  // what the stage's batch sealed
+  ASSERT_EQ(progress.size(), 1u);
+  progress[0](4);  // the stage's front two and its first batch
+  Result<channel::WaitLoadingReply> heard = three.Get();
+  ASSERT_TRUE(heard.ok()) << heard.status();
+  EXPECT_EQ(heard->resident, 4u);
+  EXPECT_FALSE(heard->completed);
+  Result<channel::QueryReply> second = service_->Query(kOwner, partial);
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->outcome, channel::QueryOutcome::kPartial);
+  EXPECT_EQ(second->hits, 4u);
+  ASSERT_TRUE(RestoreTo(second->lease, {channel::kSkipPage, channel::kSkipPage, 2, 3}).ok());
+  // An ordinary query still hears Loading (the vLLM connector's single shot).
+  Result<channel::QueryReply> plain = service_->Query(kOwner, QueryOf(1, 6));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->outcome, channel::QueryOutcome::kLoading);
+  EXPECT_EQ(plain->loading_op, loading->loading_op);
+  EXPECT_EQ(counted("dram") + counted("remote"), 0u);  // partial answers count nothing
+  // The stage completes: the final answer leases all six and counts them by tier.
+  SaveChain(1, 6, 900);
+  std::vector<core::BlockPin> pins;
+  const std::vector<state::StateKey> keys = KeysOf(1, 6);
+  ASSERT_EQ(cache_->table().PinPrefix(keys, &pins), 6u);
+  Captured<channel::WaitLoadingReply> completed;
+  service_->WaitLoading(kOwner, {kInstance, loading->loading_op, 5000, 5}, completed.Callback());
+  done[0](std::move(pins));
+  ASSERT_TRUE(completed.Get()->completed);
+  Result<channel::QueryReply> last = service_->Query(kOwner, partial);
+  ASSERT_TRUE(last.ok());
+  ASSERT_EQ(last->outcome, channel::QueryOutcome::kHit);
+  EXPECT_EQ(last->hits, 6u);
+  ASSERT_TRUE(RestoreTo(last->lease, {channel::kSkipPage, channel::kSkipPage, channel::kSkipPage,
+                                      channel::kSkipPage, 4, 5})
+                  .ok());
+  for (uint32_t i = 0; i < 6; ++i) EXPECT_TRUE(core::testing::CheckStamp(Page(i), kBlock, 900 + i));
+  EXPECT_EQ(counted("dram"), 2u);
+  EXPECT_EQ(counted("remote"), 4u);
+  EXPECT_EQ(service_->Stats().partial_answers, 2u);
+  EXPECT_EQ(service_->loading().held_blocks(), 0u);
+  EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
+}
+
 TEST_F(CacheServiceTest, CancelForgetsTheOpAndItsWaitersHearIt) {
   Close();
   Open(/*with_ssd=*/true);
@@ -437,14 +517,17 @@ class LoadingRegistryTest : public ::testing::Test {
     return pins;
   }
   // A stage that hands its completion to the test.
+  // `progress`, when given, receives the stage's progress reporter.
   LoadingStage Manual(size_t span, std::chrono::milliseconds deadline,
-                      std::vector<LoadingStage::Done>* started) {
+                      std::vector<LoadingStage::Done>* started,
+                      std::vector<LoadingStage::Progress>* progress = nullptr) {
     LoadingStage stage;
     stage.name = "manual";
     stage.span = span;
     stage.deadline = deadline;
-    stage.start = [started](LoadingStage::Done done) {
+    stage.start = [started, progress](LoadingStage::Done done, LoadingStage::Progress report) {
       started->push_back(std::move(done));
+      if (progress != nullptr) progress->push_back(std::move(report));
       return Status::Ok();
     };
     return stage;
@@ -466,9 +549,9 @@ TEST_F(LoadingRegistryTest, StagesRunInOrderAndTheOpCompletesAfterTheLast) {
   ASSERT_TRUE(op.ok());
   ASSERT_EQ(first.size(), 1u);
   EXPECT_TRUE(second.empty());  // not before the first stage completed
-  Result<uint64_t> resident = Status::Unknown("not answered");
+  Result<LoadingState> resident = Status::Unknown("not answered");
   registry.Wait(chain_.instance, *op, Deadline::After(10s),
-                [&](Result<uint64_t> r) { resident = std::move(r); });
+                [&](Result<LoadingState> r) { resident = std::move(r); });
   first[0](Pins(0, 2));
   ASSERT_EQ(second.size(), 1u);
   EXPECT_FALSE(registry.Completed(chain_));
@@ -476,12 +559,63 @@ TEST_F(LoadingRegistryTest, StagesRunInOrderAndTheOpCompletesAfterTheLast) {
   second[0](Pins(2, 3));
   EXPECT_TRUE(registry.Completed(chain_));
   ASSERT_TRUE(resident.ok());
-  EXPECT_EQ(*resident, 5u);
+  EXPECT_EQ(resident->resident, 5u);
+  EXPECT_TRUE(resident->completed);
   EXPECT_EQ(registry.held_blocks(), 5u);
   EXPECT_EQ(pinned(), 5u);
   registry.Forget(chain_);
   EXPECT_EQ(pinned(), 0u);
   EXPECT_EQ(registry.running(), 0u);
+}
+
+TEST_F(LoadingRegistryTest, AProgressWaiterHearsOfTheRunningStagesBlocksAndACompletionWaiterDoesNot) {
+  LoadingRegistry registry({}, &metrics_);
+  std::vector<LoadingStage::Done> first, second;
+  std::vector<LoadingStage::Progress> progress;
+  std::vector<LoadingStage> stages;
+  stages.push_back(Manual(2, 10s, &first));
+  stages.push_back(Manual(6, 10s, &second, &progress));
+  Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
+  ASSERT_TRUE(op.ok());
+  Result<LoadingState> at_three = Status::Unknown(""), at_eight = Status::Unknown(""),
+                       done = Status::Unknown("");
+  registry.Wait(chain_.instance, *op, Deadline::After(10s),
+                [&](Result<LoadingState> r) { at_three = std::move(r); }, 3);
+  registry.Wait(chain_.instance, *op, Deadline::After(10s),
+                [&](Result<LoadingState> r) { at_eight = std::move(r); }, 8);
+  registry.Wait(chain_.instance, *op, Deadline::After(10s),
+                [&](Result<LoadingState> r) { done = std::move(r); });
+  first[0](Pins(0, 2));
+  EXPECT_EQ(at_three.status().code(), StatusCode::kUnknown);  // 2 of the chain so far
+  ASSERT_EQ(progress.size(), 1u);
+  progress[0](1);  // the second stage's first block: 3 of the chain
+  ASSERT_TRUE(at_three.ok()) << at_three.status();
+  EXPECT_EQ(at_three->resident, 3u);
+  EXPECT_FALSE(at_three->completed);
+  EXPECT_EQ(at_eight.status().code(), StatusCode::kUnknown);
+  EXPECT_EQ(done.status().code(), StatusCode::kUnknown);
+  EXPECT_TRUE(registry.Running(chain_));
+  progress[0](0);   // never backwards
+  progress[0](40);  // never past the span
+  ASSERT_TRUE(at_eight.ok());
+  EXPECT_EQ(at_eight->resident, 8u);
+  EXPECT_FALSE(at_eight->completed);
+  // A waiter asking for what is already there hears at once; a completion waiter still waits.
+  Result<LoadingState> now = Status::Unknown("");
+  registry.Wait(chain_.instance, *op, Deadline::After(10s),
+                [&](Result<LoadingState> r) { now = std::move(r); }, 5);
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->resident, 8u);
+  EXPECT_EQ(done.status().code(), StatusCode::kUnknown);
+  second[0](Pins(2, 6));
+  ASSERT_TRUE(done.ok());
+  EXPECT_EQ(done->resident, 8u);
+  EXPECT_TRUE(done->completed);
+  EXPECT_FALSE(registry.Running(chain_));
+  progress[0](6);  // a report after the stage completed changes nothing
+  EXPECT_EQ(registry.held_blocks(), 8u);
+  registry.Forget(chain_);
+  EXPECT_EQ(pinned(), 0u);
 }
 
 TEST_F(LoadingRegistryTest, AShortStageStopsThePrefixThere) {
@@ -523,9 +657,9 @@ TEST_F(LoadingRegistryTest, CancelWhileAStageRunsReleasesItsLatePinsAndAbortsWai
   stages.push_back(Manual(3, 10s, &first));
   Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
   ASSERT_TRUE(op.ok());
-  Result<uint64_t> heard = Status::Unknown("");
+  Result<LoadingState> heard = Status::Unknown("");
   registry.Wait(chain_.instance, *op, Deadline::After(10s),
-                [&](Result<uint64_t> r) { heard = std::move(r); });
+                [&](Result<LoadingState> r) { heard = std::move(r); });
   EXPECT_EQ(registry.Cancel(chain_.instance + 1, *op).code(), StatusCode::kNotFound);
   EXPECT_TRUE(registry.Cancel(chain_.instance, *op).ok());
   EXPECT_EQ(heard.status().code(), StatusCode::kAborted);
@@ -585,9 +719,9 @@ TEST_F(LoadingRegistryTest, AWaiterPastItsDeadlineHearsDeadlineExceededAndTheSwe
   Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
   const int after_start = wakes;
   EXPECT_GE(after_start, 1);  // the stage deadline is new work for the sweeper
-  Result<uint64_t> heard = Status::Unknown("");
+  Result<LoadingState> heard = Status::Unknown("");
   registry.Wait(chain_.instance, *op, Deadline::After(1ms),
-                [&](Result<uint64_t> r) { heard = std::move(r); });
+                [&](Result<LoadingState> r) { heard = std::move(r); });
   EXPECT_GT(wakes, after_start);  // an earlier deadline than the stage's
   std::this_thread::sleep_for(5ms);
   registry.Sweep();
@@ -612,7 +746,9 @@ TEST_F(LoadingRegistryTest, MaxPerOwnerAndAFailedFirstStage) {
   registry.Forget(chain_);
   LoadingStage failing;
   failing.span = 1;
-  failing.start = [](LoadingStage::Done) { return Status::Unavailable("the tier is stopping"); };
+  failing.start = [](LoadingStage::Done, LoadingStage::Progress) {
+    return Status::Unavailable("the tier is stopping");
+  };
   std::vector<LoadingStage> bad;
   bad.push_back(std::move(failing));
   EXPECT_EQ(registry.Start(kOwner, chain_, std::move(bad)).status().code(),

@@ -34,7 +34,7 @@ void LoadingRegistry::Aftermath::Run(LoadingRegistry* registry) {
   for (auto& [done, result] : answers) done(std::move(result));
   answers.clear();
   if (next_start) {
-    Status started = next_start(std::move(next_done));
+    Status started = next_start(std::move(next_done), std::move(next_progress));
     // A stage that cannot start brings nothing: the op completes with the prefix it has.
     if (!started.ok()) registry->StageDone(next_op, next_stage, {});
   }
@@ -72,9 +72,10 @@ Result<uint64_t> LoadingRegistry::Start(uint64_t owner, const LoadingChain& chai
     }
   }
   if (after.next_start) {
-    std::function<Status(LoadingStage::Done)> start = std::move(after.next_start);
+    std::function<Status(LoadingStage::Done, LoadingStage::Progress)> start =
+        std::move(after.next_start);
     after.next_start = nullptr;
-    Status started = start(std::move(after.next_done));
+    Status started = start(std::move(after.next_done), std::move(after.next_progress));
     if (!started.ok()) {
       {
         MutexLock lock(&mu_);
@@ -100,6 +101,31 @@ void LoadingRegistry::ArmStageLocked(uint64_t id, Op& op, Aftermath* after) {
   after->next_done = [this, id, index = op.stage](std::vector<core::BlockPin> pins) {
     StageDone(id, index, std::move(pins));
   };
+  after->next_progress = [this, id, index = op.stage](size_t resident) {
+    StageProgress(id, index, resident);
+  };
+}
+
+void LoadingRegistry::StageProgress(uint64_t id, size_t stage, size_t resident) {
+  Aftermath after;
+  {
+    MutexLock lock(&mu_);
+    auto it = ops_.find(id);
+    if (it == ops_.end() || it->second.completed || it->second.stage != stage) return;
+    Op& op = it->second;
+    const size_t progress = std::min(resident, op.stages[stage].span);
+    if (progress <= op.progress) return;
+    op.progress = progress;
+    const size_t now = op.resident();
+    auto reached = std::partition(op.waiters.begin(), op.waiters.end(), [now](const Op::Waiter& w) {
+      return w.min_resident == 0 || w.min_resident > now;
+    });
+    for (auto w = reached; w != op.waiters.end(); ++w) {
+      after.answers.emplace_back(std::move(w->done), Result<LoadingState>(LoadingState{now, false}));
+    }
+    op.waiters.erase(reached, op.waiters.end());
+  }
+  after.Run(this);
 }
 
 void LoadingRegistry::DueByLocked(MonoTime when, Aftermath* after) {
@@ -129,6 +155,7 @@ void LoadingRegistry::StageDone(uint64_t id, size_t stage, std::vector<core::Blo
         }
       }
       const size_t added = std::min(pins.size(), span);
+      op.progress = 0;  // the stage's blocks are in `held` now
       held_blocks_ += added;
       held_gauge_->Add(static_cast<double>(added));
       ++op.stage;
@@ -149,7 +176,8 @@ void LoadingRegistry::CompleteLocked(Op& op, Aftermath* after) {
   op.stages.clear();  // their keys are not needed any more
   active_->Add(-1);
   for (Op::Waiter& waiter : op.waiters) {
-    after->answers.emplace_back(std::move(waiter.done), Result<uint64_t>(op.held.size()));
+    after->answers.emplace_back(std::move(waiter.done),
+                                Result<LoadingState>(LoadingState{op.held.size(), true}));
   }
   op.waiters.clear();
 }
@@ -178,6 +206,14 @@ bool LoadingRegistry::Completed(const LoadingChain& chain) {
   if (found == by_chain_.end()) return false;
   auto it = ops_.find(found->second);
   return it != ops_.end() && it->second.completed;
+}
+
+bool LoadingRegistry::Running(const LoadingChain& chain) {
+  MutexLock lock(&mu_);
+  auto found = by_chain_.find(chain);
+  if (found == by_chain_.end()) return false;
+  auto it = ops_.find(found->second);
+  return it != ops_.end() && !it->second.completed;
 }
 
 std::optional<LoadingRegistry::Origin> LoadingRegistry::CompletedOrigin(const LoadingChain& chain) {
@@ -217,8 +253,9 @@ Status LoadingRegistry::Cancel(uint64_t instance, uint64_t id) {
   return Status::Ok();
 }
 
-void LoadingRegistry::Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done) {
-  Result<uint64_t> now = Status::NotFound(
+void LoadingRegistry::Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done,
+                           size_t min_resident) {
+  Result<LoadingState> now = Status::NotFound(
       "no Loading operation with that id for this instance (it was taken by a query, cancelled or "
       "expired): ask the query again");
   Aftermath after;
@@ -226,12 +263,15 @@ void LoadingRegistry::Wait(uint64_t instance, uint64_t id, Deadline deadline, Wa
     MutexLock lock(&mu_);
     auto it = ops_.find(id);
     if (it != ops_.end() && it->second.chain.instance == instance) {
-      if (!it->second.completed) {
-        it->second.waiters.push_back(Op::Waiter{deadline.when(), std::move(done)});
+      const Op& op = it->second;
+      if (op.completed) {
+        now = LoadingState{op.held.size(), true};
+      } else if (min_resident > 0 && op.resident() >= min_resident) {
+        now = LoadingState{op.resident(), false};
+      } else {
+        it->second.waiters.push_back(Op::Waiter{deadline.when(), std::move(done), min_resident});
         DueByLocked(deadline.when(), &after);
         done = nullptr;
-      } else {
-        now = it->second.held.size();
       }
     }
   }

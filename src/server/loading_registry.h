@@ -51,11 +51,20 @@ struct LoadingStage {
   // Called with pins on the leading blocks of the stage's span now resident in DRAM (as many as it
   // brought, in order; fewer than `span` stops the op there).
   using Done = std::function<void(std::vector<core::BlockPin> pins)>;
+  // Optional, any number of times before `done`: the leading `resident` blocks of the stage's span
+  // are in DRAM now (pinned by the stage until `done`), so waiters asking for progress hear of it.
+  using Progress = std::function<void(size_t resident)>;
   std::string name;  // "ssd", in logs and errors
   size_t span = 0;   // blocks of the chain this stage covers, after the previous stages' spans
   std::chrono::milliseconds deadline{30000};  // from the stage's start
   // Starts the stage; it calls `done` exactly once unless it returns an error.
-  std::function<Status(Done done)> start;
+  std::function<Status(Done done, Progress progress)> start;
+};
+
+// What a waiter hears: the chain's leading blocks in DRAM, and whether the op completed.
+struct LoadingState {
+  uint64_t resident = 0;
+  bool completed = true;
 };
 
 class LoadingRegistry {
@@ -67,8 +76,9 @@ class LoadingRegistry {
     // returned: a new stage or waiter deadline. The Manager wakes its cleaner thread.
     std::function<void()> wake_sweeper;
   };
-  // Answered once: the resident count of a completed op, or the reason it was forgotten.
-  using WaitDone = std::function<void(Result<uint64_t> resident)>;
+  // Answered once: the resident count of a completed op (or of a running one that reached the
+  // waiter's min_resident), or the reason it was forgotten.
+  using WaitDone = std::function<void(Result<LoadingState> state)>;
 
   LoadingRegistry(const Options& options, MetricsRegistry* metrics);
   // Forgets every op (waiters hear Aborted); stage callbacks arriving later find nothing.
@@ -85,6 +95,8 @@ class LoadingRegistry {
                          std::vector<LoadingStage> stages, size_t resident = 0) EXCLUDES(mu_);
   // Whether the chain has an op that completed (its blocks are held resident).
   bool Completed(const LoadingChain& chain) EXCLUDES(mu_);
+  // Whether the chain has an op still running.
+  bool Running(const LoadingChain& chain) EXCLUDES(mu_);
   // Where a completed op's blocks came from: the chain's first `resident` blocks were in DRAM, and
   // each stage covered the next `span` blocks (stages cover the chain from its start, in order).
   struct Origin {
@@ -99,9 +111,11 @@ class LoadingRegistry {
   // Forgets op `id` of `instance`: NotFound when there is none (it completed and was taken, or was
   // cancelled). Its reads drain on their own; what they bring stays cached.
   Status Cancel(uint64_t instance, uint64_t id) EXCLUDES(mu_);
-  // Calls `done` when op `id` of `instance` completes (now, if it has), or DeadlineExceeded once
-  // `deadline` passed (at the next Sweep); NotFound (inline) when there is no such op.
-  void Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done) EXCLUDES(mu_);
+  // Calls `done` when op `id` of `instance` completes (now, if it has), when `min_resident` > 0
+  // leading blocks of its chain are in DRAM while it runs (now, if they are), or DeadlineExceeded
+  // once `deadline` passed (at the next Sweep); NotFound (inline) when there is no such op.
+  void Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done,
+            size_t min_resident = 0) EXCLUDES(mu_);
   // Forgets every op of `instance`.
   void DropInstance(uint64_t instance) EXCLUDES(mu_);
   // Completes ops whose current stage passed its deadline, answers waiters whose deadline passed
@@ -123,9 +137,12 @@ class LoadingRegistry {
     Origin origin;  // for CompletedOrigin (the stages themselves go when the op completes)
     MonoTime completed_at;
     std::vector<core::BlockPin> held;  // the prefix loaded so far
+    size_t progress = 0;  // leading blocks of the running stage's span in DRAM (its own pins)
+    size_t resident() const { return held.size() + progress; }
     struct Waiter {
       MonoTime deadline;
       WaitDone done;
+      size_t min_resident = 0;  // 0: only completion answers it
     };
     std::vector<Waiter> waiters;
   };
@@ -133,9 +150,10 @@ class LoadingRegistry {
   // What to do outside the lock once the lock is dropped.
   struct Aftermath {
     std::vector<core::BlockPin> released;
-    std::vector<std::pair<WaitDone, Result<uint64_t>>> answers;
-    LoadingStage::Done next_done;  // the next stage to start, with its completion
-    std::function<Status(LoadingStage::Done)> next_start;
+    std::vector<std::pair<WaitDone, Result<LoadingState>>> answers;
+    LoadingStage::Done next_done;  // the next stage to start, with its completion and progress
+    LoadingStage::Progress next_progress;
+    std::function<Status(LoadingStage::Done, LoadingStage::Progress)> next_start;
     uint64_t next_op = 0;
     size_t next_stage = 0;
     bool wake_sweeper = false;
@@ -144,6 +162,8 @@ class LoadingRegistry {
 
   // The stage `stage` of op `id` reported `pins`.
   void StageDone(uint64_t id, size_t stage, std::vector<core::BlockPin> pins) EXCLUDES(mu_);
+  // The stage `stage` of op `id` has `resident` leading blocks of its span in DRAM.
+  void StageProgress(uint64_t id, size_t stage, size_t resident) EXCLUDES(mu_);
   // Completes the op: its waiters are answered.
   void CompleteLocked(Op& op, Aftermath* after) REQUIRES(mu_);
   // Prepares the start of the op's current stage (run by Aftermath).

@@ -71,11 +71,13 @@ std::optional<LoadingStage> RemoteFetcher::Stage(std::vector<state::StateKey> ke
   stage.name = "remote";
   stage.span = keys.size();
   stage.deadline = options_.deadline;
-  stage.start = [this, keys = std::move(keys)](LoadingStage::Done done) mutable -> Status {
+  stage.start = [this, keys = std::move(keys)](LoadingStage::Done done,
+                                                LoadingStage::Progress progress) mutable -> Status {
     {
       MutexLock lock(&mu_);
       if (!stop_ && queue_.size() < options_.max_queued) {
-        queue_.push_back(Job{std::move(keys), Deadline::After(options_.deadline), std::move(done)});
+        queue_.push_back(Job{std::move(keys), Deadline::After(options_.deadline), std::move(done),
+                             std::move(progress)});
         wake_.notify_one();
         return Status::Ok();
       }
@@ -187,7 +189,7 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
                              : job.deadline;
   const MonoTime started = MonoNow();
   const size_t before = pins.size();
-  const bool transferred = ReadGranted(*outcome.authorized, reads, &pins);
+  const bool transferred = ReadGranted(*outcome.authorized, reads, &pins, job.progress);
   {
     MutexLock lock(&mu_);
     if (pins.size() > before) stats_.fetch_seconds += std::chrono::duration<double>(MonoNow() - started).count();
@@ -201,7 +203,8 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
 }
 
 bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline deadline,
-                                std::vector<core::BlockPin>* pins) {
+                                std::vector<core::BlockPin>* pins,
+                                const LoadingStage::Progress& progress) {
   const catalog::SourceGrant& grant = authorized.reply.grant;
   std::vector<transfer::RegionDescriptor> remotes;
   for (const auto& bytes : grant.regions) {
@@ -330,6 +333,8 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
       fetched_bytes += batch->bytes;
       while (in_flight.size() < options_.batches_in_flight && start_next()) {
       }
+      // After the next batch started: a waiting engine restores this one while that one moves.
+      if (progress) progress(pins->size());
     } else {
       if (!failure) {
         ORBITKV_LOG_WARN("remote: a batch of {} blocks from {} failed: {} ({} of {} bytes)", batch->writers.size(),

@@ -8,6 +8,8 @@
 //      count verified -> Seal as kRestore, so they are advertised like any resident), in batches of at most
 //      16 MiB with two in flight, the prepared bytes charged to the staging budget until sealed or aborted,
 //   5. reports the pins of the prefix now resident, then releases the grant (bounded retries).
+// After each sealed batch it reports progress (the stage's leading blocks resident), so an engine waiting with a
+// partial query restores what arrived while the next batch moves.
 // Two stages missing the same prefix (two engines, or two requests) share one fetch: the later one waits for the
 // fetch in flight from the same first key (within its deadline), pins what it brought and goes on from there.
 // Any failure stops the prefix there (the engine recomputes the rest); the stage's deadline bounds the whole fetch,
@@ -92,6 +94,7 @@ class RemoteFetcher {
     std::vector<state::StateKey> keys;
     Deadline deadline = Deadline::Infinite();
     LoadingStage::Done done;
+    LoadingStage::Progress progress;  // after each sealed batch
   };
   // A fetch whose grant is still to be released.
   struct Fetched {
@@ -101,9 +104,10 @@ class RemoteFetcher {
   void Work();
   // The whole fetch of one stage but the source's release (`fetched`); returns the pins of the resident prefix.
   std::vector<core::BlockPin> Fetch(const Job& job, std::optional<Fetched>* fetched);
-  // Reads the granted blocks into new DRAM blocks, sealing the prefix that arrived intact; false when a transfer
-  // failed.
-  bool ReadGranted(const catalog::Authorized& authorized, Deadline deadline, std::vector<core::BlockPin>* pins);
+  // Reads the granted blocks into new DRAM blocks, sealing the prefix that arrived intact and reporting
+  // `progress` (the stage's leading blocks resident) after each batch; false when a transfer failed.
+  bool ReadGranted(const catalog::Authorized& authorized, Deadline deadline, std::vector<core::BlockPin>* pins,
+                   const LoadingStage::Progress& progress);
   void ReleaseGrant(const catalog::Authorized& authorized, uint64_t request_id);
   // The arena and offset of pool memory at `data`.
   std::pair<uint32_t, uint64_t> Locate(const uint8_t* data) const;

@@ -140,13 +140,24 @@ class RemoteFetchTest : public ::testing::Test {
     return keys;
   }
 
-  // Runs the remote stage for `keys` and returns the pins it reported.
-  std::vector<core::BlockPin> RunStage(const std::vector<state::StateKey>& keys) {
+  // Runs the remote stage for `keys` and returns the pins it reported; `progress` (when given) gets each progress
+  // report, with how many of the reported blocks were resident byte-exact when it came.
+  std::vector<core::BlockPin> RunStage(const std::vector<state::StateKey>& keys,
+                                       std::vector<std::pair<size_t, size_t>>* progress = nullptr,
+                                       uint64_t chain = 0) {
     std::optional<LoadingStage> stage = fetcher_->Stage(keys);
     EXPECT_TRUE(stage.has_value());
     if (!stage.has_value()) return {};
     std::promise<std::vector<core::BlockPin>> done;
-    EXPECT_TRUE(stage->start([&done](std::vector<core::BlockPin> pins) { done.set_value(std::move(pins)); }).ok());
+    LoadingStage::Progress report;
+    if (progress != nullptr) {
+      report = [&, progress, chain](size_t n) {
+        progress->emplace_back(n, ResidentExact(std::vector<state::StateKey>(keys.begin(), keys.begin() + n), chain));
+      };
+    }
+    EXPECT_TRUE(stage->start([&done](std::vector<core::BlockPin> pins) { done.set_value(std::move(pins)); },
+                             std::move(report))
+                    .ok());
     return done.get_future().get();
   }
 
@@ -194,8 +205,15 @@ class RemoteFetchTest : public ::testing::Test {
 TEST_F(RemoteFetchTest, FetchesTheSpanIntoSealedBlocksInPipelinedBatchesAndReleasesTheSource) {
   MakeFetcher(/*max_batch_bytes=*/1 << 20);  // 4 blocks a batch: 4 batches, two in flight
   const auto keys = SaveOnSource(1, 16);
-  std::vector<core::BlockPin> pins = RunStage(keys);
+  std::vector<std::pair<size_t, size_t>> progress;
+  std::vector<core::BlockPin> pins = RunStage(keys, &progress, 1);
   ASSERT_EQ(pins.size(), keys.size());
+  // A progress report after each sealed batch, each naming blocks already resident with the source's bytes.
+  ASSERT_EQ(progress.size(), 4u);
+  for (size_t b = 0; b < progress.size(); ++b) {
+    EXPECT_EQ(progress[b].first, 4 * (b + 1));
+    EXPECT_EQ(progress[b].second, progress[b].first);
+  }
   for (size_t i = 0; i < pins.size(); ++i) {
     EXPECT_TRUE(core::testing::CheckStamp(pins[i].data(), kBlock, 1000 + i)) << i;
   }
