@@ -146,6 +146,7 @@ void BlockTable::ReleaseSlot(Shard& shard, uint32_t slot) {
   Block& block = shard.slots[slot];
   block.memory = PoolBlock{};
   block.key.reset();
+  block.entry = nullptr;
   block.state = BlockState::kFree;
   block.segment = Segment::kNone;
   block.residence_generation = 0;
@@ -224,9 +225,12 @@ uint32_t BlockTable::SettledTail(Shard& shard, Segment segment) {
   return kNone;
 }
 
-void BlockTable::EraseEntryIfEmpty(Shard& shard, const StateKey& key, const Entry& entry) {
-  if (entry.dram == kNone && entry.preparing == kNone && !entry.ssd.has_value())
-    shard.entries.erase(key);
+void BlockTable::EraseEntryIfEmpty(Shard& shard, const StateKey& key, uint64_t hash,
+                                   const Entry& entry) {
+  if (entry.dram != kNone || entry.preparing != kNone || entry.ssd.has_value()) return;
+  auto it = shard.entries.find(HashedKey{&key, hash});
+  ORBITKV_CHECK(it != shard.entries.end() && &it->second == &entry);
+  shard.entries.erase(it);
 }
 
 void BlockTable::TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool present,
@@ -245,6 +249,7 @@ void BlockTable::TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool 
     ORBITKV_CHECK(entry.dram == slot && block.state == BlockState::kSealed);
     Unlink(shard, slot);
     block.state = BlockState::kUnpublished;
+    block.entry = nullptr;
     ++shard.unpublished_blocks;
     entry.dram = kNone;
     --shard.resident_blocks;
@@ -384,6 +389,7 @@ Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
     block.key = key;
     block.hash = hash;
     block.inventory_shard = inventory_shard;
+    block.entry = &entry;
     block.state = BlockState::kPreparing;
     slot_generation = block.slot_generation;
     entry.preparing = slot;
@@ -403,11 +409,11 @@ Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
   MutexLock lock(&shard.mu);
   Block& block = shard.slots[slot];
   if (!memory.ok()) {
-    Entry& entry = shard.entries.at(key);
+    Entry& entry = *block.entry;
     entry.preparing = kNone;
     --shard.preparing_blocks;
     ReleaseSlot(shard, slot);
-    EraseEntryIfEmpty(shard, key, entry);
+    EraseEntryIfEmpty(shard, key, hash, entry);
     if (memory.status().code() != StatusCode::kResourceExhausted) return memory.status();
     prepare_exhausted_->Increment();
     return Status::ResourceExhausted(fmt::format(
@@ -460,7 +466,7 @@ void BlockTable::SealAll(std::span<BlockWriter> writers, TransitionCause cause) 
 uint64_t BlockTable::SealLocked(Shard& shard, const BlockRef& ref, TransitionCause cause) {
   Block& block = shard.slots[ref.index];
   ORBITKV_CHECK(block.slot_generation == ref.generation && block.state == BlockState::kPreparing);
-  Entry& entry = shard.entries.at(*block.key);
+  Entry& entry = *block.entry;
   ORBITKV_CHECK(entry.preparing == ref.index);
   entry.preparing = kNone;
   --shard.preparing_blocks;
@@ -484,12 +490,14 @@ void BlockTable::AbortWrite(const BlockRef& ref) {
   Block& block = shard.slots[ref.index];
   ORBITKV_CHECK(block.slot_generation == ref.generation && block.state == BlockState::kPreparing);
   const StateKey key = *block.key;
-  Entry& entry = shard.entries.at(key);
+  const uint64_t hash = block.hash;
+  Entry& entry = *block.entry;
+  ORBITKV_CHECK(entry.preparing == ref.index);
   entry.preparing = kNone;
   --shard.preparing_blocks;
   pool_->Free(block.memory);
   ReleaseSlot(shard, ref.index);
-  EraseEntryIfEmpty(shard, key, entry);
+  EraseEntryIfEmpty(shard, key, hash, entry);
 }
 
 bool BlockTable::EvictOneLocked(Shard& shard, uint32_t shard_index, std::vector<Evicted>* out) {
@@ -516,12 +524,13 @@ bool BlockTable::EvictOneLocked(Shard& shard, uint32_t shard_index, std::vector<
   }
   Block& block = shard.slots[target];
   const StateKey key = *block.key;
-  Entry& entry = shard.entries.at(key);
+  const uint64_t hash = block.hash;
+  Entry& entry = *block.entry;
   TransitionDram(shard, entry, target, /*present=*/false, TransitionCause::kEvict);
   evictions_dram_->Increment();
   // The table's reference becomes the pin handed to the listener; the block is freed when it drops.
   out->push_back(Evicted{key, PinOne(shard, shard_index, target)});
-  EraseEntryIfEmpty(shard, key, entry);
+  EraseEntryIfEmpty(shard, key, hash, entry);
   return true;
 }
 
@@ -774,7 +783,7 @@ Status BlockTable::Remove(const StateKey& key, Tier tier, TransitionCause cause)
       return Status::NotFound("no SSD residence");
     TransitionSsd(shard, it->second, key, std::nullopt, cause);
   }
-  EraseEntryIfEmpty(shard, key, it->second);
+  EraseEntryIfEmpty(shard, key, hash, it->second);
   return Status::Ok();
 }
 
@@ -849,7 +858,8 @@ std::vector<StateKey> BlockTable::DramOnlyKeys(uint32_t min_frequency) {
 }
 
 Status BlockTable::DropSsd(const StateKey& key, uint64_t generation, TransitionCause cause) {
-  Shard& shard = ShardOf(key.Hash64());
+  const uint64_t hash = key.Hash64();
+  Shard& shard = ShardOf(hash);
   MutexLock lock(&shard.mu);
   auto it = shard.entries.find(key);
   if (it == shard.entries.end() || !it->second.ssd.has_value())
@@ -859,7 +869,7 @@ Status BlockTable::DropSsd(const StateKey& key, uint64_t generation, TransitionC
                                        it->second.ssd->generation, generation));
   }
   TransitionSsd(shard, it->second, key, std::nullopt, cause);
-  EraseEntryIfEmpty(shard, key, it->second);
+  EraseEntryIfEmpty(shard, key, hash, it->second);
   return Status::Ok();
 }
 

@@ -285,6 +285,7 @@ class BlockTable {
   enum class BlockState : uint8_t { kFree, kPreparing, kSealed, kUnpublished };
   enum class Segment : uint8_t { kNone, kWindow, kMain };
 
+  struct Entry;
   struct Block {
     std::optional<state::StateKey> key;
     uint64_t hash = 0;
@@ -301,6 +302,10 @@ class BlockTable {
     bool referenced = false;      // accessed since it was last placed at the front of its list
     uint32_t prev = kNone;
     uint32_t next = kNone;
+    // Its table entry while it is being written or published (entry->preparing or entry->dram
+    // names this slot), so Seal, Abort and eviction need no second lookup of the 128-byte key;
+    // the entries map's nodes never move. Null once unpublished or free.
+    Entry* entry = nullptr;
   };
 
   struct Entry {
@@ -412,7 +417,7 @@ class BlockTable {
   uint32_t SettledTail(Shard& shard, Segment segment) REQUIRES(shard.mu);
   void PushFront(Shard& shard, uint32_t slot, Segment segment) REQUIRES(shard.mu);
   void Unlink(Shard& shard, uint32_t slot) REQUIRES(shard.mu);
-  void EraseEntryIfEmpty(Shard& shard, const state::StateKey& key, const Entry& entry)
+  void EraseEntryIfEmpty(Shard& shard, const state::StateKey& key, uint64_t hash, const Entry& entry)
       REQUIRES(shard.mu);
 
   // Immutable after construction.
