@@ -4,6 +4,8 @@ find_package(Threads REQUIRED)
 find_package(fmt REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(OpenSSL REQUIRED COMPONENTS Crypto)
+# Abseil's SwissTables for the block table and the inventory view (libabsl-dev; gRPC needs it too).
+find_package(absl REQUIRED CONFIG)
 # The core pool binds arenas to NUMA nodes (libnuma) and finds the nodes near each device (hwloc).
 pkg_check_modules(NUMA REQUIRED IMPORTED_TARGET numa)
 pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)

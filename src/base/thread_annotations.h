@@ -9,6 +9,12 @@
 #define ORBITKV_THREAD_ANNOTATION_(x)
 #endif
 
+// Abseil's legacy header (absl/base/internal/thread_annotations.h, pulled in by its containers)
+// defines three of these names too, to the same attributes: ours replace them whichever comes first.
+#undef GUARDED_BY
+#undef PT_GUARDED_BY
+#undef NO_THREAD_SAFETY_ANALYSIS
+
 #define CAPABILITY(x) ORBITKV_THREAD_ANNOTATION_(capability(x))
 #define SCOPED_CAPABILITY ORBITKV_THREAD_ANNOTATION_(scoped_lockable)
 #define GUARDED_BY(x) ORBITKV_THREAD_ANNOTATION_(guarded_by(x))

@@ -801,7 +801,7 @@ size_t BlockTable::RemoveAllDram() {
         ++removed;
       }
       if (entry.dram == kNone && entry.preparing == kNone && !entry.ssd.has_value()) {
-        it = shard.entries.erase(it);
+        shard.entries.erase(it++);
       } else {
         ++it;
       }

@@ -33,9 +33,9 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "base/clock.h"
 #include "base/metrics.h"
 #include "base/mutex.h"
@@ -197,7 +197,7 @@ class ResidencyInventory {
     mutable std::condition_variable_any changed;  // the watermark moved
     uint64_t last_sequence GUARDED_BY(mu) = 0;
     std::deque<ResidencyRecord> journal GUARDED_BY(mu);
-    std::unordered_map<ViewKey, ViewValue, ViewKeyHash> view GUARDED_BY(mu);
+    absl::flat_hash_map<ViewKey, ViewValue, ViewKeyHash> view GUARDED_BY(mu);  // one probe per Apply
     std::map<InventorySubscriber, Subscription> subscribers GUARDED_BY(mu);
     InventorySubscriber next_subscriber GUARDED_BY(mu) = 1;
     mutable uint32_t waiters GUARDED_BY(mu) = 0;  // in WaitForChange
