@@ -124,10 +124,9 @@ struct SaveReply {
   friend bool operator==(const SaveReply&, const SaveReply&) = default;
 };
 
-// kWaitLoading: the operation completed; `resident` blocks of its chain's prefix are in DRAM now
-// (held for the engine's next query of the chain).
-// kWaitLoading: the chain's leading blocks in DRAM, and whether the operation completed (false:
-// answered early, min_resident reached).
+// kWaitLoading: `resident` blocks of the chain's prefix are in DRAM now (held for the engine's next
+// query of the chain once the operation completed), and whether it completed (false: answered
+// early, min_resident reached while it runs).
 struct WaitLoadingReply {
   uint64_t resident = 0;
   bool completed = true;

@@ -152,9 +152,6 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
   const bool loaded = origin.has_value();
   Result<core::QueryResult> result =
       cache_->Query(request.instance, keys, target.group->padded_bytes);
-  // A chain whose load completed is answered with what is in DRAM, even when the load stopped
-  // short (DRAM full of pinned blocks, a bad record): loading again would stop at the same place,
-  // and the engine would hear Loading forever.
   // A partial query while the chain's op runs: the prefix in DRAM now, leased, and the op goes on
   // (the engine restores this part while the rest arrives, then asks again). Counted once, by the
   // chain's final answer.
@@ -163,6 +160,9 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
     partial_answers_->Increment();
     return channel::QueryReply::Partial(static_cast<uint32_t>(result->hits), result->lease->Pack());
   }
+  // A chain whose load completed is answered with what is in DRAM, even when the load stopped
+  // short (DRAM full of pinned blocks, a bad record): loading again would stop at the same place,
+  // and the engine would hear Loading forever.
   std::vector<LoadingStage> stages;
   if (!loaded && result.ok() && result->hits < keys.size())
     stages = PlanLoading(keys, result->hits);

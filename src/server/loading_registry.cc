@@ -5,6 +5,15 @@
 #include <algorithm>
 
 namespace orbitkv::server {
+namespace {
+
+// Whether a waiter for `min_resident` leading blocks is answered by `resident` while the op runs (0
+// waits for completion only).
+bool AnsweredEarly(size_t min_resident, size_t resident) {
+  return min_resident > 0 && resident >= min_resident;
+}
+
+}  // namespace
 
 LoadingRegistry::LoadingRegistry(const Options& options, MetricsRegistry* metrics)
     : options_(options),
@@ -117,9 +126,8 @@ void LoadingRegistry::StageProgress(uint64_t id, size_t stage, size_t resident) 
     if (progress <= op.progress) return;
     op.progress = progress;
     const size_t now = op.resident();
-    auto reached = std::partition(op.waiters.begin(), op.waiters.end(), [now](const Op::Waiter& w) {
-      return w.min_resident == 0 || w.min_resident > now;
-    });
+    auto reached = std::partition(op.waiters.begin(), op.waiters.end(),
+                                  [now](const Op::Waiter& w) { return !AnsweredEarly(w.min_resident, now); });
     for (auto w = reached; w != op.waiters.end(); ++w) {
       after.answers.emplace_back(std::move(w->done), Result<LoadingState>(LoadingState{now, false}));
     }
@@ -200,29 +208,30 @@ LoadingRegistry::OpMap::iterator LoadingRegistry::ForgetLocked(OpMap::iterator i
   return ops_.erase(it);
 }
 
+const LoadingRegistry::Op* LoadingRegistry::OpOfLocked(const LoadingChain& chain) const {
+  auto found = by_chain_.find(chain);
+  if (found == by_chain_.end()) return nullptr;
+  auto it = ops_.find(found->second);
+  return it == ops_.end() ? nullptr : &it->second;
+}
+
 bool LoadingRegistry::Completed(const LoadingChain& chain) {
   MutexLock lock(&mu_);
-  auto found = by_chain_.find(chain);
-  if (found == by_chain_.end()) return false;
-  auto it = ops_.find(found->second);
-  return it != ops_.end() && it->second.completed;
+  const Op* op = OpOfLocked(chain);
+  return op != nullptr && op->completed;
 }
 
 bool LoadingRegistry::Running(const LoadingChain& chain) {
   MutexLock lock(&mu_);
-  auto found = by_chain_.find(chain);
-  if (found == by_chain_.end()) return false;
-  auto it = ops_.find(found->second);
-  return it != ops_.end() && !it->second.completed;
+  const Op* op = OpOfLocked(chain);
+  return op != nullptr && !op->completed;
 }
 
 std::optional<LoadingRegistry::Origin> LoadingRegistry::CompletedOrigin(const LoadingChain& chain) {
   MutexLock lock(&mu_);
-  auto found = by_chain_.find(chain);
-  if (found == by_chain_.end()) return std::nullopt;
-  auto it = ops_.find(found->second);
-  if (it == ops_.end() || !it->second.completed) return std::nullopt;
-  return it->second.origin;
+  const Op* op = OpOfLocked(chain);
+  if (op == nullptr || !op->completed) return std::nullopt;
+  return op->origin;
 }
 
 void LoadingRegistry::Forget(const LoadingChain& chain) {
@@ -266,7 +275,7 @@ void LoadingRegistry::Wait(uint64_t instance, uint64_t id, Deadline deadline, Wa
       const Op& op = it->second;
       if (op.completed) {
         now = LoadingState{op.held.size(), true};
-      } else if (min_resident > 0 && op.resident() >= min_resident) {
+      } else if (AnsweredEarly(min_resident, op.resident())) {
         now = LoadingState{op.resident(), false};
       } else {
         it->second.waiters.push_back(Op::Waiter{deadline.when(), std::move(done), min_resident});

@@ -160,6 +160,8 @@ class LoadingRegistry {
     void Run(LoadingRegistry* registry);
   };
 
+  // The chain's op, or null.
+  const Op* OpOfLocked(const LoadingChain& chain) const REQUIRES(mu_);
   // The stage `stage` of op `id` reported `pins`.
   void StageDone(uint64_t id, size_t stage, std::vector<core::BlockPin> pins) EXCLUDES(mu_);
   // The stage `stage` of op `id` has `resident` leading blocks of its span in DRAM.
