@@ -52,7 +52,7 @@ void FaultGuard::Install() {
 }
 
 bool FaultGuard::GuardedCopy(void* dst, const void* src, size_t n, const void* foreign,
-                             size_t foreign_bytes) {
+                             size_t foreign_bytes, CopyStores stores) {
   sigjmp_buf jump;
   // savemask 0: no sigprocmask call on the fast path; the rare recovery unblocks SIGBUS itself.
   if (sigsetjmp(jump, 0) != 0) {
@@ -60,6 +60,7 @@ bool FaultGuard::GuardedCopy(void* dst, const void* src, size_t n, const void* f
     sigemptyset(&bus);
     sigaddset(&bus, SIGBUS);
     pthread_sigmask(SIG_UNBLOCK, &bus, nullptr);
+    StreamCopyFence();  // what was streamed before the fault is ordered before the caller's next step
     g_recovered.fetch_add(1, std::memory_order_relaxed);
     return false;
   }
@@ -70,7 +71,7 @@ bool FaultGuard::GuardedCopy(void* dst, const void* src, size_t n, const void* f
   std::atomic_signal_fence(std::memory_order_seq_cst);
   armed.jump = &jump;
   std::atomic_signal_fence(std::memory_order_seq_cst);
-  std::memcpy(dst, src, n);
+  CopyBytes(dst, src, n, stores);
   std::atomic_signal_fence(std::memory_order_seq_cst);
   armed.jump = nullptr;
   return true;

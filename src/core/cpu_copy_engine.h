@@ -1,4 +1,5 @@
-// CpuCopyEngine: the CopyEngine that copies with memcpy on a small pool of threads it owns.
+// CpuCopyEngine: the CopyEngine that copies with memcpy on a small pool of threads it owns (saves,
+// and restores of more than 8 MiB, with non-temporal stores: base/stream_copy.h).
 //
 // Engine buffers are host memory the engine process shares with the manager (a shared-memory
 // mapping of the engine's KV cache, mapped here); RegisterBuffer() records one and names it with a

@@ -391,7 +391,11 @@ INSTANTIATE_TEST_SUITE_P(
             .threads = 3, .chunk_bytes = 4096, .max_piece = 50000, .buffer_scale = 100000},
         // A chunk smaller than most pieces, not a power of two: almost every piece is split
         // unevenly.
-        RoundTripParam{.threads = 2, .chunk_bytes = 7, .max_piece = 300, .buffer_scale = 4000}),
+        RoundTripParam{.threads = 2, .chunk_bytes = 7, .max_piece = 300, .buffer_scale = 4000},
+        // About 24 MiB each way, pieces up to 96 KiB at every alignment: the restore, larger than
+        // the caches, streams its stores like the save (base/stream_copy.h).
+        RoundTripParam{
+            .threads = 2, .chunk_bytes = 1 << 20, .max_piece = 96 << 10, .buffer_scale = 3 << 20}),
     [](const ::testing::TestParamInfo<RoundTripParam>& test) {
       return "Threads" + std::to_string(test.param.threads) + "Chunk" +
              std::to_string(test.param.chunk_bytes);
