@@ -145,7 +145,7 @@ uint32_t BlockTable::AllocateSlot(Shard& shard) {
 void BlockTable::ReleaseSlot(Shard& shard, uint32_t slot) {
   Block& block = shard.slots[slot];
   block.memory = PoolBlock{};
-  block.key.reset();
+  block.key = nullptr;
   block.entry = nullptr;
   block.state = BlockState::kFree;
   block.segment = Segment::kNone;
@@ -386,7 +386,7 @@ Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
       return Status::Aborted("block is being written by another publisher");
     slot = AllocateSlot(shard);
     Block& block = shard.slots[slot];
-    block.key = key;
+    block.key = &it->first;
     block.hash = hash;
     block.inventory_shard = inventory_shard;
     block.entry = &entry;

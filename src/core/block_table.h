@@ -288,7 +288,10 @@ class BlockTable {
 
   struct Entry;
   struct Block {
-    std::optional<state::StateKey> key;
+    // The key of its entry (the entries map's node holds the one copy, and nodes never move): set by
+    // Prepare, read only while that entry exists (Seal, Abort, eviction, the transition that
+    // unpublishes it), cleared when the slot is freed.
+    const state::StateKey* key = nullptr;
     uint64_t hash = 0;
     PoolBlock memory;
     uint64_t residence_generation = 0;
