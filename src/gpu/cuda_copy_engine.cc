@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "base/check.h"
+#include "base/logging.h"
 #include "gpu/copy_kernels.h"
 #include "gpu/cuda_util.h"
 
@@ -137,6 +138,8 @@ struct CudaCopyEngine::Batch {
   uint32_t lane = 0;
   // Issued to the copy engines (cudaMemcpyBatchAsync) rather than as a kernel.
   bool use_dma = false;
+  // A restore through the lane's staging ring (copy engines into the ring, the kernel out of it).
+  bool staged = false;
   // Kernel batches: the chunk size for this batch and the number of chunks it makes.
   uint64_t chunk_bytes = 0;
   uint64_t chunks = 0;
@@ -159,6 +162,14 @@ struct CudaCopyEngine::Lane {
   std::vector<CudaStream> streams;
   // The dispatcher's turn among `streams`; only the dispatcher touches it.
   size_t next_stream = 0;
+  // Restore lanes with a staging ring (slot_bytes > 0), used by the dispatcher only: kStagingSlots
+  // slots of slot_bytes; a slot's H2D copies run on copy_stream and record slot_filled, its scatter
+  // waits for that and records slot_free, which the slot's next copies wait for.
+  DeviceMemory ring;
+  uint64_t slot_bytes = 0;
+  CudaStream copy_stream;
+  std::vector<CudaEvent> slot_filled, slot_free;
+  size_t next_slot = 0;
   std::thread dispatcher;
   std::thread completer;
 
@@ -199,6 +210,15 @@ Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
   }
   if (options.dma_min_fragment_bytes == 0) {
     return Status::InvalidArgument("dma_min_fragment_bytes must be at least 1");
+  }
+  if (options.restore_staging_bytes % (uint64_t{kStagingSlots} * 4096) != 0) {
+    return Status::InvalidArgument(
+        fmt::format("restore_staging_bytes must be a multiple of {} (its {} slots of 4 KiB pages), "
+                    "not {}",
+                    kStagingSlots * 4096, kStagingSlots, options.restore_staging_bytes));
+  }
+  if (options.staged_min_run_bytes == 0) {
+    return Status::InvalidArgument("staged_min_run_bytes must be at least 1");
   }
   int device_count = 0;
   ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount"));
@@ -245,11 +265,40 @@ CudaCopyEngine::CudaCopyEngine(Options options, const HostMemoryRegistry* host_m
                       .GetCounter("orbitkv_copy_dma_batches_total",
                                   "Copy batches issued to the copy engines (cudaMemcpyBatchAsync).",
                                   {{"engine", "cuda"}})),
+      staged_total_(&PickRegistry(metrics, owned_metrics_)
+                         .GetCounter("orbitkv_copy_staged_batches_total",
+                                     "Restores staged through the device ring (copy engines in, "
+                                     "the kernel out).",
+                                     {{"engine", "cuda"}})),
       dma_available_(dma_available),
       inflight_gauge_(&PickRegistry(metrics, owned_metrics_)
                            .GetGauge("orbitkv_copy_inflight_batches",
                                      "Copy batches accepted and not yet completed.",
                                      {{"engine", "cuda"}})) {}
+
+// The ring's memory, stream and events. A device without room for the ring keeps its lane
+// without one (restores go through the kernel) and says so.
+Status CudaCopyEngine::StartStagingRing(Lane& lane, uint64_t bytes) {
+  Result<DeviceMemory> ring = DeviceMemory::Allocate(lane.device, bytes);
+  if (!ring.ok()) {
+    cudaGetLastError();  // out of memory is not sticky: later calls on this thread must not see it
+    ORBITKV_LOG_WARN(
+        "GPU {}: no room for the {} MiB restore staging ring ({}); restores of small pages go "
+        "through the copy kernel alone",
+        lane.device, bytes >> 20, ring.status().ToString());
+    return Status::Ok();
+  }
+  ORBITKV_ASSIGN_OR_RETURN(lane.copy_stream, CudaStream::Create(lane.device));
+  for (uint32_t i = 0; i < kStagingSlots; ++i) {
+    ORBITKV_ASSIGN_OR_RETURN(CudaEvent filled, CudaEvent::Create(lane.device, false));
+    ORBITKV_ASSIGN_OR_RETURN(CudaEvent free, CudaEvent::Create(lane.device, false));
+    lane.slot_filled.push_back(std::move(filled));
+    lane.slot_free.push_back(std::move(free));
+  }
+  lane.ring = std::move(ring).value();
+  lane.slot_bytes = bytes / kStagingSlots;
+  return Status::Ok();
+}
 
 Status CudaCopyEngine::StartLanes() {
   for (const int device : options_.devices) {
@@ -267,6 +316,9 @@ Status CudaCopyEngine::StartLanes() {
       for (uint32_t i = 0; i < options_.streams_per_lane; ++i) {
         ORBITKV_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(device));
         lane->streams.push_back(std::move(stream));
+      }
+      if (direction == CopyDirection::kRestore && options_.restore_staging_bytes > 0) {
+        ORBITKV_RETURN_IF_ERROR(StartStagingRing(*lane, options_.restore_staging_bytes));
       }
       lanes_.push_back(std::move(lane));
     }
@@ -459,6 +511,7 @@ Status CudaCopyEngine::Submit(CopyBatch batch, CopyDone done) {
   accepted->use_dma = options_.method == Method::kMemcpyBatch ||
                       (options_.method == Method::kAuto && dma_available_ &&
                        average_fragment >= options_.dma_min_fragment_bytes);
+  accepted->staged = !accepted->use_dma && ShouldStage(*lane, *accepted);
   accepted->chunk_bytes = ChunkBytesFor(
       total_bytes, uint64_t{lane->max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
   for (const CopyFragment& f : accepted->copy.fragments) {
@@ -606,20 +659,34 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
   t_lane_of = nullptr;
 }
 
+bool CudaCopyEngine::ShouldStage(const Lane& lane, const Batch& batch) const {
+  if (options_.method != Method::kAuto || lane.slot_bytes == 0) return false;
+  const std::vector<CopyFragment>& fragments = batch.copy.fragments;
+  uint64_t runs = 1;
+  for (size_t i = 1; i < fragments.size(); ++i) {
+    if (fragments[i].pool != fragments[i - 1].pool + fragments[i - 1].length) ++runs;
+  }
+  return batch.total_bytes / runs >= options_.staged_min_run_bytes;
+}
+
 Status CudaCopyEngine::Launch(Lane* lane, Batch* batch) {
   cudaStream_t stream = lane->streams[lane->next_stream].get();
   lane->next_stream = (lane->next_stream + 1) % lane->streams.size();
-  Status status =
-      batch->use_dma ? LaunchMemcpyBatch(stream, batch) : LaunchKernel(lane, stream, batch);
+  Status status = batch->use_dma  ? LaunchMemcpyBatch(stream, batch)
+                  : batch->staged ? LaunchStaged(lane, stream, batch)
+                                  : LaunchKernel(lane, stream, batch);
   if (status.ok()) {
     status =
         CudaStatus(cudaEventRecord(batch->staging->done_event.get(), stream), "cudaEventRecord");
   }
   if (!status.ok()) {
     // Part of the batch may be queued: let it drain before its staging area is reused.
+    if (batch->staged) cudaStreamSynchronize(lane->copy_stream.get());
     cudaStreamSynchronize(stream);
   } else if (batch->use_dma) {
     dma_total_->Increment();
+  } else if (batch->staged) {
+    staged_total_->Increment();
   }
   return status;
 }
@@ -646,6 +713,80 @@ Status CudaCopyEngine::LaunchKernel(Lane* lane, cudaStream_t stream, Batch* batc
       LaunchCopyChunks(reinterpret_cast<const CopyChunk*>(staging.chunks.device_data()),
                        static_cast<uint32_t>(n), static_cast<uint32_t>(blocks), stream),
       "launch of the copy kernel");
+}
+
+Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batch) {
+  Staging& staging = *batch->staging;
+  const std::vector<CopyFragment>& fragments = batch->copy.fragments;
+  const uint64_t slot_bytes = lane->slot_bytes;
+  const uint64_t chunk_bytes = batch->chunk_bytes;
+  // A fragment cut by a slot's end makes one chunk more, at most once per slot.
+  ORBITKV_RETURN_IF_ERROR(staging.Reserve(
+      lane->device, batch->chunks + CeilDiv(batch->total_bytes, slot_bytes) + 1));
+  auto* chunks = reinterpret_cast<CopyChunk*>(staging.chunks.data());
+  const auto* device_chunks = reinterpret_cast<const CopyChunk*>(staging.chunks.device_data());
+  cudaStream_t copies = lane->copy_stream.get();
+  size_t i = 0;         // the next byte to stage: fragment i,
+  uint64_t offset = 0;  // `offset` bytes into it
+  uint64_t n = 0;       // chunks written
+  while (i < fragments.size()) {
+    const size_t k = lane->next_slot;
+    lane->next_slot = (lane->next_slot + 1) % kStagingSlots;
+    uint8_t* slot = lane->ring.data() + k * slot_bytes;
+    // The slot's previous scatter (any batch's) reads it until its free event.
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(copies, lane->slot_free[k].get(), 0),
+                                       "cudaStreamWaitEvent (staging slot free)"));
+    const uint64_t first_chunk = n;
+    uint64_t filled = 0;
+    // The pool run being gathered into the slot: adjacent fragments make one copy.
+    const uint8_t* run = nullptr;
+    uint64_t run_at = 0, run_bytes = 0;
+    const auto copy_run = [&]() -> Status {
+      if (run_bytes == 0) return Status::Ok();
+      return CudaStatus(cudaMemcpyAsync(slot + run_at, run, run_bytes, cudaMemcpyHostToDevice,
+                                        copies),
+                        "cudaMemcpyAsync into the staging ring");
+    };
+    while (i < fragments.size() && filled < slot_bytes) {
+      const CopyFragment& f = fragments[i];
+      const uint64_t take = std::min(f.length - offset, slot_bytes - filled);
+      const uint8_t* from = f.pool + offset;
+      if (run_bytes > 0 && run + run_bytes == from) {
+        run_bytes += take;
+      } else {
+        ORBITKV_RETURN_IF_ERROR(copy_run());
+        run = from;
+        run_at = filled;
+        run_bytes = take;
+      }
+      for (uint64_t at = 0; at < take; at += chunk_bytes) {
+        chunks[n++] = CopyChunk{reinterpret_cast<uintptr_t>(slot) + filled + at,
+                                batch->dst[i] + offset + at, std::min(chunk_bytes, take - at), 0};
+      }
+      filled += take;
+      offset += take;
+      if (offset == f.length) {
+        ++i;
+        offset = 0;
+      }
+    }
+    ORBITKV_RETURN_IF_ERROR(copy_run());
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_filled[k].get(), copies),
+                                       "cudaEventRecord (staging slot filled)"));
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, lane->slot_filled[k].get(), 0),
+                                       "cudaStreamWaitEvent (staging slot filled)"));
+    const uint64_t count = n - first_chunk;
+    const uint64_t blocks =
+        std::min<uint64_t>(CeilDiv(count, kCopyWarpsPerBlock), lane->max_blocks);
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(
+        LaunchCopyChunks(device_chunks + first_chunk, static_cast<uint32_t>(count),
+                         static_cast<uint32_t>(blocks), stream),
+        "launch of the copy kernel (staged scatter)"));
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_free[k].get(), stream),
+                                       "cudaEventRecord (staging slot free)"));
+  }
+  ORBITKV_CHECK(n <= staging.capacity);
+  return Status::Ok();
 }
 
 Status CudaCopyEngine::LaunchMemcpyBatch(cudaStream_t stream, Batch* batch) {

@@ -1,6 +1,7 @@
 // CudaCopyEngine: the CopyEngine that moves KV bytes between engine-owned GPU memory and the pinned
 // host pool, one batch at a time: small fragments through one gather/scatter kernel per batch,
-// large ones through the GPU's copy engines (cudaMemcpyBatchAsync), whichever measured faster.
+// large ones through the GPU's copy engines (cudaMemcpyBatchAsync), whichever measured faster;
+// restores of small fragments from long runs of pool memory through a device staging ring.
 //
 // Engine buffers are GPU memory: imported from another process through a CUDA IPC memory handle
 // (RegisterIpcBuffer, the engine adapters' path; the mapping is opened once per registration) or,
@@ -8,7 +9,7 @@
 // pool side of every fragment must lie in host memory registered with the HostMemoryRegistry given
 // at Create() (the pool's ArenaRegistrar), which maps the pool into the GPUs' address space: the
 // kernel reads (restore) or writes (save) the pool in place across the link, so each byte crosses
-// PCIe once and no staging copy or bounce buffer exists.
+// PCIe once. A staged restore also crosses the link once: into the ring, then device to device.
 //
 // Data path: Submit() validates and resolves the batch (every fragment names a live buffer of one
 // device; the pool range is registered), pins its buffers and hands it to the lane of its device
@@ -96,7 +97,18 @@ class CudaCopyEngine final : public core::CopyEngine {
     Method method = Method::kAuto;
     // kAuto's threshold (average fragment bytes of a batch) for the copy engines; at least 1.
     uint64_t dma_min_fragment_bytes = uint64_t{64} << 10;
+    // kAuto's staged restores: a restore of small fragments whose pool side comes in long runs of
+    // adjacent memory (a block holds every layer's pages back to back) goes through a ring of device
+    // memory: the copy engines move the runs into the ring at the link's peak, and the kernel
+    // scatters them from there into the pages, device to device. The ring's bytes per device
+    // (kStagingSlots slots; a multiple of kStagingSlots x 4 KiB; 0: no ring), allocated on the GPU
+    // at Create (a device without room for it restores through the kernel alone, with a warning).
+    uint64_t restore_staging_bytes = uint64_t{256} << 20;
+    // The average run of adjacent pool bytes from which a restore is staged; at least 1.
+    uint64_t staged_min_run_bytes = uint64_t{1} << 20;
   };
+  // Slots of the staging ring: one filling while another is scattered, two more queued.
+  static constexpr uint32_t kStagingSlots = 4;
   static constexpr uint64_t kMaxChunkBytes = uint64_t{64} << 20;
   static constexpr uint32_t kMaxBlocksPerSm = 8;
   static constexpr uint32_t kMaxStreamsPerLane = 8;
@@ -113,6 +125,7 @@ class CudaCopyEngine final : public core::CopyEngine {
   //   orbitkv_copy_failed_batches_total{engine="cuda"}: batches completed with an error
   //   orbitkv_copy_inflight_batches{engine="cuda"}: batches accepted and not yet completed
   //   orbitkv_copy_dma_batches_total{engine="cuda"}: batches issued as cudaMemcpyBatchAsync
+  //   orbitkv_copy_staged_batches_total{engine="cuda"}: restores staged through the device ring
   static Result<std::unique_ptr<CudaCopyEngine>> Create(Options options,
                                                         const HostMemoryRegistry* host_memory,
                                                         MetricsRegistry* metrics);
@@ -194,6 +207,9 @@ class CudaCopyEngine final : public core::CopyEngine {
   // Starts the lanes of every device; on error the lanes started so far are stopped by the caller's
   // destructor.
   Status StartLanes();
+  // Gives a restore lane its staging ring (memory, copy stream, slot events); a device without room
+  // for the ring keeps the lane without one and logs why.
+  static Status StartStagingRing(Lane& lane, uint64_t bytes);
   // The index of `device` in options_.devices, or InvalidArgument.
   Result<uint32_t> DeviceIndex(int device) const;
   Result<core::BufferId> AddSlot(uint8_t* base, uint64_t bytes, uint32_t device_index,
@@ -213,6 +229,11 @@ class CudaCopyEngine final : public core::CopyEngine {
   Status Launch(Lane* lane, Batch* batch);
   Status LaunchKernel(Lane* lane, cudaStream_t stream, Batch* batch);
   Status LaunchMemcpyBatch(cudaStream_t stream, Batch* batch);
+  // A staged restore: per ring slot, the copy engines fill it from the pool runs (the lane's copy
+  // stream) and the kernel scatters it into the pages (`stream`).
+  Status LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batch);
+  // Whether kAuto stages this restore on its lane (the lane has a ring; long pool runs).
+  bool ShouldStage(const Lane& lane, const Batch& batch) const;
   // Runs on the completer: CopyDone, metrics, unpin, staging back to the lane, in-flight slot.
   void Finish(Lane* lane, std::unique_ptr<Batch> batch, const Status& status);
 
@@ -223,6 +244,7 @@ class CudaCopyEngine final : public core::CopyEngine {
   MetricsRegistry* const metrics_;                        // The given registry, or owned_metrics_.
   Counter* const failed_total_;
   Counter* const dma_total_;
+  Counter* const staged_total_;
   // Whether the driver has cudaMemcpyBatchAsync (CUDA 12.8).
   const bool dma_available_;
   Gauge* const inflight_gauge_;

@@ -259,6 +259,8 @@ TEST(CudaCopyEngineTest, CreateRejectsOptionsOutOfRange) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.method = static_cast<Method>(7)}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.dma_min_fragment_bytes = 0}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.restore_staging_bytes = 4096}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.staged_min_run_bytes = 0}, &registry), StatusCode::kInvalidArgument);
   auto engine = CudaCopyEngine::Create({}, &registry, nullptr);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->name(), "cuda");
@@ -445,6 +447,80 @@ TEST(CudaCopyEngineTest, AutoChoosesThePathByFragmentSize) {
       EXPECT_EQ(std::memcmp(f.pool, expected.data() + f.buffer_offset, f.length), 0);
     }
   }
+}
+
+// A restore whose pool side is one long run (as a block's pages are) goes through the staging ring:
+// fragments of many sizes, some larger than a slot and most cut by a slot's end, land byte-exact
+// in shuffled pages; two such batches in a row share the ring's slots; a batch whose pool side is
+// scattered is not staged and lands byte-exact too.
+TEST(CudaCopyEngineTest, RestoresOfLongPoolRunsAreStagedThroughTheRing) {
+  constexpr uint64_t kSlot = 64 << 10;
+  HostMemoryRegistry registry;
+  MetricsRegistry metrics;
+  auto engine = MakeEngine(
+      registry, {.restore_staging_bytes = CudaCopyEngine::kStagingSlots * kSlot,
+                 .staged_min_run_bytes = 4096},
+      &metrics);
+  ASSERT_NE(engine, nullptr);
+  Counter& staged =
+      metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
+  constexpr uint64_t kBytes = 4 << 20;
+  RegisteredHostMemory pool(registry, kBytes);
+  DeviceMemory device = MakeDeviceMemory(kBytes);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, kBytes);
+  ASSERT_TRUE(id.ok()) << id.status();
+  FillPattern(pool.data(), kBytes, 7);
+  Poison(device);
+
+  // Fragments back to back in the pool (one run), each given its own page of kPage bytes on the
+  // device, pages in a shuffled order.
+  const std::vector<uint64_t> lengths = {16384, 5000, 3 * kSlot / 2, 4097, 1, 16384, kSlot, 777};
+  constexpr uint64_t kPage = 128 << 10;
+  std::mt19937_64 rng(11);
+  std::vector<uint64_t> pages(kBytes / kPage);
+  for (uint64_t p = 0; p < pages.size(); ++p) pages[p] = p;
+  std::shuffle(pages.begin(), pages.end(), rng);
+  auto make_batch = [&](uint64_t pool_at, size_t first_page, size_t count, uint64_t gap,
+                        uint64_t fixed_length = 0) {
+    CopyBatch batch{CopyDirection::kRestore, {}};
+    for (size_t j = 0; j < count; ++j) {
+      const uint64_t length = fixed_length != 0 ? fixed_length : lengths[j % lengths.size()];
+      batch.fragments.push_back({*id, pages[first_page + j] * kPage, pool.data() + pool_at, length});
+      pool_at += length + gap;
+    }
+    ORBITKV_CHECK(pool_at <= kBytes);
+    return batch;
+  };
+  const CopyBatch first = make_batch(0, 0, 12, 0);
+  const CopyBatch second = make_batch(1 << 20, 12, 9, 0);
+  DoneProbe a, b;
+  ASSERT_TRUE(engine->Submit(first, a.Callback()).ok());
+  ASSERT_TRUE(engine->Submit(second, b.Callback()).ok());
+  ASSERT_TRUE(a.Wait().ok());
+  ASSERT_TRUE(b.Wait().ok());
+  EXPECT_EQ(staged.Value(), 2u);
+  Bytes expected(kBytes, kPoison);
+  for (const CopyBatch* batch : {&first, &second}) {
+    for (const CopyFragment& f : batch->fragments) {
+      std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
+    }
+  }
+  EXPECT_TRUE(Download(device) == expected) << "staged restores differ";
+
+  // 1000-byte fragments: with a gap after each, every run is one fragment, below
+  // staged_min_run_bytes (the kernel copies them); back to back, one run (staged).
+  const CopyBatch scattered = make_batch(2 << 20, 21, 6, 24, 1000);
+  ASSERT_TRUE(RunBatch(*engine, scattered).ok());
+  EXPECT_EQ(staged.Value(), 2u);
+  const CopyBatch adjacent = make_batch(3 << 20, 27, 5, 0, 1000);
+  ASSERT_TRUE(RunBatch(*engine, adjacent).ok());
+  EXPECT_EQ(staged.Value(), 3u);
+  for (const CopyBatch* batch : {&scattered, &adjacent}) {
+    for (const CopyFragment& f : batch->fragments) {
+      std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
+    }
+  }
+  EXPECT_TRUE(Download(device) == expected) << "restores of 1000-byte fragments differ";
 }
 
 // Engine KV layouts are fragment lists: vLLM-style split K/V (per layer, a K region and a V region
