@@ -362,16 +362,15 @@ int main(int argc, char** argv) {
   auto kernel = MakeEngine(registry, {.method = CudaCopyEngine::Method::kKernel});
   auto batch_api = MakeEngine(registry, {.method = CudaCopyEngine::Method::kMemcpyBatch});
   // Every restore of small fragments through the staging ring, whatever its pool runs (the default
-  // stages only runs averaging 1 MiB or more); the copy engines only for fragments of 1 MiB. The
-  // ring's size: ORBITKV_GPU_BENCH_STAGING_MIB (default: the engine's).
+  // stages only runs averaging 1 MiB or more, and has no ring unless given one); the copy engines
+  // only for fragments of 1 MiB. The ring's size: ORBITKV_GPU_BENCH_STAGING_MIB (default 256).
   MetricsRegistry staged_metrics;
   const char* staging_mib = std::getenv("ORBITKV_GPU_BENCH_STAGING_MIB");
   auto staged = MakeEngine(
       registry,
       {.dma_min_fragment_bytes = uint64_t{1} << 20,
        .restore_staging_bytes =
-           staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) << 20
-                                  : CudaCopyEngine::Options{}.restore_staging_bytes,
+           (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256) << 20,
        .staged_min_run_bytes = 1},
       &staged_metrics);
   report.AddEnv("engine",

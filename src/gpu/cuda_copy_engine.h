@@ -1,7 +1,7 @@
 // CudaCopyEngine: the CopyEngine that moves KV bytes between engine-owned GPU memory and the pinned
 // host pool, one batch at a time: small fragments through one gather/scatter kernel per batch,
 // large ones through the GPU's copy engines (cudaMemcpyBatchAsync), whichever measured faster;
-// restores of small fragments from long runs of pool memory through a device staging ring.
+// optionally, restores of small fragments from long runs of pool memory through a device ring.
 //
 // Engine buffers are GPU memory: imported from another process through a CUDA IPC memory handle
 // (RegisterIpcBuffer, the engine adapters' path; the mapping is opened once per registration) or,
@@ -103,7 +103,8 @@ class CudaCopyEngine final : public core::CopyEngine {
     // scatters them from there into the pages, device to device. The ring's bytes per device
     // (kStagingSlots slots; a multiple of kStagingSlots x 4 KiB; 0: no ring), allocated on the GPU
     // at Create (a device without room for it restores through the kernel alone, with a warning).
-    uint64_t restore_staging_bytes = uint64_t{256} << 20;
+    // Off by default: on the H200 it measured no clear gain over the kernel (docs/gpu.md).
+    uint64_t restore_staging_bytes = 0;
     // The average run of adjacent pool bytes from which a restore is staged; at least 1.
     uint64_t staged_min_run_bytes = uint64_t{1} << 20;
   };
