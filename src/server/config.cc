@@ -126,6 +126,20 @@ const std::vector<Option>& Options() {
        SizeInto(&ManagerConfig::transfer_budget_bytes)},
       {"copy-threads", "N", "threads of the CPU copy engine (default 2)",
        Uint32Into(&ManagerConfig::copy_threads, 1, 256)},
+      {"gpu-restore-staging", "SIZE",
+       "device memory per GPU for staging restores of whole blocks (copy engines into it, the copy "
+       "kernel out to the pages; a multiple of 16KiB; default 0: off, the kernel copies; "
+       "docs/gpu.md)",
+       [](ManagerConfig& c, std::string_view v) -> Status {
+         ORBITKV_ASSIGN_OR_RETURN(const uint64_t bytes, ParseSize(v));
+         if (bytes % (16 << 10) != 0) {
+           return Status::InvalidArgument(fmt::format(
+               "--gpu-restore-staging must be a multiple of 16KiB (4 slots of 4 KiB pages), not {}",
+               v));
+         }
+         c.gpu_restore_staging_bytes = bytes;
+         return Status::Ok();
+       }},
       {"gpus", "all|none|LIST",
        "the GPUs whose engines this Manager serves, as CUDA ordinals after CUDA_VISIBLE_DEVICES "
        "(e.g. 0,1): "

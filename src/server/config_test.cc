@@ -110,6 +110,13 @@ TEST(ConfigTest, ErrorsNameTheFlag) {
   EXPECT_FALSE(Parse({"--numa", "north"}).ok());
   EXPECT_FALSE(Parse({"--slot-bytes", "5000"}).ok());
   EXPECT_FALSE(Parse({"positional"}).ok());
+  auto staging = Parse({"--gpu-restore-staging", "20KiB"});
+  ASSERT_FALSE(staging.ok());
+  EXPECT_NE(staging.status().ToString().find("multiple of 16KiB"), std::string::npos);
+  auto ring = Parse({"--gpu-restore-staging", "256MiB"});
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  EXPECT_EQ(ring->config.gpu_restore_staging_bytes, uint64_t{256} << 20);
+  EXPECT_EQ(Parse({})->config.gpu_restore_staging_bytes, 0u);
   EXPECT_TRUE(Parse({"--help"})->help);
 }
 
@@ -150,7 +157,7 @@ TEST(ConfigTest, HelpDocumentsEveryFlag) {
   for (const char* flag :
        {"--socket", "--dram", "--numa", "--allow-unpinned", "--query-budget",
         "--query-instance-budget", "--transfer-budget", "--metrics-addr", "--log-level", "--config",
-        "--allow-uid", "--copy-threads", "--max-operations"}) {
+        "--allow-uid", "--copy-threads", "--max-operations", "--gpu-restore-staging"}) {
     EXPECT_NE(help.find(flag), std::string::npos) << flag;
   }
 }

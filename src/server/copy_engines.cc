@@ -11,12 +11,13 @@ Status CopyEngines::PreparePool(core::BlockCacheOptions* options,
   return Status::Ok();
 }
 
-Status CopyEngines::Start(uint32_t copy_threads, uint32_t max_inflight, MetricsRegistry* metrics) {
+Status CopyEngines::Start(uint32_t copy_threads, uint32_t max_inflight,
+                          uint64_t gpu_restore_staging_bytes, MetricsRegistry* metrics) {
   core::CpuCopyEngine::Options options;
   options.threads = static_cast<int>(copy_threads);
   options.max_inflight_batches = max_inflight;
   ORBITKV_ASSIGN_OR_RETURN(cpu_, core::CpuCopyEngine::Create(options, metrics));
-  if (gpu_) ORBITKV_RETURN_IF_ERROR(gpu_->Start(max_inflight, metrics));
+  if (gpu_) ORBITKV_RETURN_IF_ERROR(gpu_->Start(max_inflight, gpu_restore_staging_bytes, metrics));
   return Status::Ok();
 }
 

@@ -43,7 +43,8 @@ class CopyEngines {
   Status PreparePool(core::BlockCacheOptions* options, const std::optional<std::vector<int>>& gpus);
   // Creates the CPU engine (`copy_threads` workers) and, when PreparePool found a GPU, the CUDA
   // one; each admits `max_inflight` batches.
-  Status Start(uint32_t copy_threads, uint32_t max_inflight, MetricsRegistry* metrics);
+  Status Start(uint32_t copy_threads, uint32_t max_inflight, uint64_t gpu_restore_staging_bytes,
+               MetricsRegistry* metrics);
   void Shutdown();
   void Close();
 

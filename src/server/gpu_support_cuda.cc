@@ -26,10 +26,12 @@ class CudaSupport final : public GpuSupport {
   std::string Describe() const override { return description_; }
   gpu::HostMemoryRegistry* registry() { return host_memory_.get(); }
 
-  Status Start(uint32_t max_inflight, MetricsRegistry* metrics) override {
+  Status Start(uint32_t max_inflight, uint64_t restore_staging_bytes,
+               MetricsRegistry* metrics) override {
     gpu::CudaCopyEngine::Options options;
     options.devices = devices_;  // empty: every visible GPU
     options.max_inflight_batches = std::max<uint32_t>(max_inflight, 1);
+    options.restore_staging_bytes = restore_staging_bytes;
     Result<std::unique_ptr<gpu::CudaCopyEngine>> cuda =
         gpu::CudaCopyEngine::Create(options, host_memory_.get(), metrics);
     if (!cuda.ok()) return cuda.status().WithContext("starting the CUDA copy engine");
