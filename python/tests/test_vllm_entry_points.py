@@ -21,8 +21,10 @@ def manager(build_dir):
 
 
 def test_chat_workload_restores_history_and_matches_recompute(manager, capsys):
+    # Every hit taken: whether the cost model declines a short history as slower than recomputing it depends on the
+    # machine's timing (the cost model has its own tests in test_vllm_layerwise.py); this test is about restoring.
     assert chat.main(["--socket", manager.socket, "--conversations", "2", "--turns", "3", "--system-tokens", "96",
-                      "--user-tokens", "24", "--reply-tokens", "6"]) == 0
+                      "--user-tokens", "24", "--reply-tokens", "6", "--take-every-hit"]) == 0
     out = capsys.readouterr().out
     assert "replies identical with and without OrbitKV: 6/6; Manager leases held: 0" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]

@@ -41,6 +41,10 @@ def parse_args(argv):
     p.add_argument("--user-tokens", type=_positive, default=96)
     p.add_argument("--reply-tokens", type=_positive, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--take-every-hit", action="store_true",
+                   help="restore every hit, also one the connector would decline as slower than recomputing it "
+                        "(orbitkv.decline_slow_hits false; by default a short history on a fast engine may be "
+                        "recomputed)")
     return p.parse_args(argv)
 
 
@@ -82,7 +86,9 @@ def main(argv=None) -> int:
     # Same chunking both ways: chunks end on block boundaries, where a restore can end too.
     plain = SequentialEngine(config, blocks, None, chunk_size=config.block_size)
     base_replies, base = play(plain, scripts, args.turns, args.reply_tokens, quiet)
-    orbit = SequentialEngine(config, blocks, args.socket, chunk_size=config.block_size, model=plain.engine.model)
+    extra = {"orbitkv.decline_slow_hits": False} if args.take_every_hit else None
+    orbit = SequentialEngine(config, blocks, args.socket, chunk_size=config.block_size, model=plain.engine.model,
+                             extra=extra)
     started = time.perf_counter()
     replies, cached = play(orbit, scripts, args.turns, args.reply_tokens, quiet)
     elapsed = time.perf_counter() - started
@@ -108,7 +114,8 @@ def main(argv=None) -> int:
     gbps = stats["restored_bytes"] / stats["restore_seconds"] / 1e9 if stats.get("restore_seconds") else 0.0
     print(f"hit rate: {restored / prompt_tokens:.1%} of prompt tokens restored ({hit}/{asked} tokens looked up); "
           f"restored {stats.get('restored_bytes', 0) / 1e6:.1f} MB at {gbps:.2f} GB/s; saved "
-          f"{stats.get('saved_blocks', 0)} blocks; run with OrbitKV took {elapsed:.1f} s")
+          f"{stats.get('saved_blocks', 0)} blocks; {stats.get('hits_declined', 0)} hits declined as slower than "
+          f"recomputing; run with OrbitKV took {elapsed:.1f} s")
     same = sum(replies[k] == base_replies[k] for k in replies)
     leases = client.stats()["leases_active"]
     print(f"replies identical with and without OrbitKV: {same}/{len(replies)}; Manager leases held: {leases}")
