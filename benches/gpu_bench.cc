@@ -398,13 +398,8 @@ int main(int argc, char** argv) {
                   peaks.bidir});
     }
     // How much of the restore's pool side is adjacent (the staged path's condition).
-    uint64_t runs = 1;
-    for (size_t i = 1; i < set.restores[0].fragments.size(); ++i) {
-      const CopyFragment& a = set.restores[0].fragments[i - 1];
-      runs += set.restores[0].fragments[i].pool != a.pool + a.length ? 1 : 0;
-    }
     report.AddEnv(fmt::format("restore_pool_runs_{}", size),
-                  fmt::format("{} runs in a batch of {} fragments", runs,
+                  fmt::format("{} runs in a batch of {} fragments", core::PoolRuns(set.restores[0]),
                               set.restores[0].fragments.size()));
     for (const auto& [name, other, other_id] :
          {std::tuple{"kernel", kernel.get(), kernel_id},

@@ -9,10 +9,10 @@
 // VM, 16 KiB fragments scattered over 128 MiB copy at 4.3 GB/s with memcpy and 7.9 GB/s streamed.
 //
 // On x86-64 the body goes through SSE2 non-temporal stores (part of the x86-64 baseline) after an
-// ordinary copy of the head up to 16-byte alignment; the tail and copies under kMinBytes use
-// memcpy. An sfence at the end makes the streamed stores globally visible before the caller
-// publishes the copy (a release store or a lock that another thread acquires). Elsewhere StreamCopy
-// is memcpy.
+// ordinary copy of the head up to 16-byte alignment; the tail and copies under kStreamCopyMinBytes
+// use memcpy. An sfence at the end makes the streamed stores globally visible before the caller
+// publishes the copy (a release store or a lock that another thread acquires). Elsewhere
+// StreamCopy is memcpy.
 //
 // Thread safety: none needed (a function of its arguments).
 #ifndef ORBITKV_BASE_STREAM_COPY_H_

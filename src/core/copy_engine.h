@@ -96,6 +96,17 @@ struct CopyBatch {
   std::vector<CopyFragment> fragments;
 };
 
+// Runs of adjacent pool memory in the batch's fragment order (a fragment whose pool side starts
+// where the previous one's ends continues its run); 0 for no fragments.
+inline uint64_t PoolRuns(const CopyBatch& batch) {
+  uint64_t runs = batch.fragments.empty() ? 0 : 1;
+  for (size_t i = 1; i < batch.fragments.size(); ++i) {
+    const CopyFragment& previous = batch.fragments[i - 1];
+    if (batch.fragments[i].pool != previous.pool + previous.length) ++runs;
+  }
+  return runs;
+}
+
 // Called exactly once per accepted batch, from an engine thread. It should be short (it holds an
 // engine thread) and must not call Shutdown() or wait for batches of the same engine to complete.
 using CopyDone = std::function<void(Status)>;

@@ -669,12 +669,7 @@ bool CudaCopyEngine::ShouldStage(const Lane& lane, const Batch& batch) const {
   // The device's save lane (the other of its pair): with saves in flight the kernel restores (on
   // the H200, staged restores beside kernel saves moved 56 GB/s together, the kernel both ways 75).
   if (lanes_[batch.lane ^ 1]->busy.load(std::memory_order_relaxed) != 0) return false;
-  const std::vector<CopyFragment>& fragments = batch.copy.fragments;
-  uint64_t runs = 1;
-  for (size_t i = 1; i < fragments.size(); ++i) {
-    if (fragments[i].pool != fragments[i - 1].pool + fragments[i - 1].length) ++runs;
-  }
-  return batch.total_bytes / runs >= options_.staged_min_run_bytes;
+  return batch.total_bytes / core::PoolRuns(batch.copy) >= options_.staged_min_run_bytes;
 }
 
 Status CudaCopyEngine::Launch(Lane* lane, Batch* batch) {
