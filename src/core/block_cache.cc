@@ -24,6 +24,7 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(const BlockCacheOptions& 
   }
   inventory_options.shards = options.inventory_shards;
   inventory_options.journal_bytes = options.journal_bytes;
+  inventory_options.record = options.record_inventory;
   ORBITKV_ASSIGN_OR_RETURN(cache->inventory_,
                            ResidencyInventory::Create(inventory_options, metrics));
 

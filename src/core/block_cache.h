@@ -38,6 +38,9 @@ struct BlockCacheOptions {
   uint64_t incarnation = 0;  // 0: a random one is drawn
   uint64_t journal_bytes = ResidencyInventory::kDefaultJournalBytes;
   uint32_t inventory_shards = ResidencyInventory::kDefaultShards;
+  // False where no catalog will ever read the residency inventory (a single-host Manager): see
+  // ResidencyInventory::Options::record.
+  bool record_inventory = true;
   uint64_t query_budget_bytes = 0;           // 0: 75% of the pool
   uint64_t query_instance_budget_bytes = 0;  // 0: the global query budget
   uint64_t transfer_budget_bytes = 0;        // 0: half the pool

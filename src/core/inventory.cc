@@ -7,6 +7,15 @@
 #include "base/logging.h"
 
 namespace orbitkv::core {
+namespace {
+
+Status NotRecording() {
+  return Status::FailedPrecondition(
+      "this residency inventory keeps no journal: it belongs to a Manager without a catalog "
+      "(single-host; distributed mode records it)");
+}
+
+}  // namespace
 
 const char* TierName(Tier tier) {
   switch (tier) {
@@ -48,6 +57,7 @@ Result<std::unique_ptr<ResidencyInventory>> ResidencyInventory::Create(const Opt
 
 ResidencyInventory::ResidencyInventory(const Options& options, MetricsRegistry* metrics)
     : incarnation_(options.incarnation),
+      record_(options.record),
       journal_records_per_shard_(options.journal_bytes / options.shards / kRecordCharge) {
   shards_.reserve(options.shards);
   for (uint32_t i = 0; i < options.shards; ++i) shards_.push_back(std::make_unique<Shard>());
@@ -62,7 +72,7 @@ ResidencyInventory::ResidencyInventory(const Options& options, MetricsRegistry* 
 }
 
 uint32_t ResidencyInventory::ShardFor(const state::StateKey& key) const {
-  return state::ShardOf(key, shard_count());
+  return record_ ? state::ShardOf(key, shard_count()) : 0;
 }
 
 uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& key, Tier tier,
@@ -72,6 +82,10 @@ uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& 
   Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
   const uint64_t sequence = ++shard.last_sequence;
+  if (!record_) {
+    if (shard.waiters > 0) shard.changed.notify_all();
+    return sequence;
+  }
   ViewKey view_key{key, tier};
   if (present) {
     shard.view.insert_or_assign(view_key, ViewValue{generation, bytes, sequence});
@@ -122,6 +136,7 @@ Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index,
   if (shard_index >= shards_.size()) {
     return Status::InvalidArgument(fmt::format("inventory shard {} out of range", shard_index));
   }
+  if (!record_) return NotRecording();
   const Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
   if (after_sequence > shard.last_sequence) {
@@ -159,6 +174,7 @@ Result<InventorySubscriber> ResidencyInventory::Subscribe(uint32_t shard_index) 
   if (shard_index >= shards_.size()) {
     return Status::InvalidArgument(fmt::format("inventory shard {} out of range", shard_index));
   }
+  if (!record_) return NotRecording();
   Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
   const InventorySubscriber id = shard.next_subscriber++;

@@ -221,6 +221,46 @@ TEST(InventoryTest, WaitForChangeWakesOnApplyAndRecordsCarryTheirTime) {
   EXPECT_TRUE(inventory->WaitForChange(0, 0, Deadline::After(std::chrono::milliseconds(1))));
 }
 
+TEST(InventoryTest, AnInventoryThatDoesNotRecordOnlyNumbersTransitions) {
+  MetricsRegistry metrics;
+  ResidencyInventory::Options options;
+  options.shards = 16;
+  options.record = false;
+  auto created = ResidencyInventory::Create(options, &metrics);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ResidencyInventory& inventory = **created;
+  EXPECT_FALSE(inventory.recording());
+  std::thread writer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    // Every key is placed in shard 0 (no SHA-256: placement only matters to a catalog).
+    const StateKey key = ChainKey(12, 0);
+    ASSERT_EQ(inventory.ShardFor(key), 0u);
+    inventory.Apply(0, key, Tier::kDram, true, TransitionCause::kAdmit, 1, 4096);
+  });
+  EXPECT_TRUE(inventory.WaitForChange(0, 0, Deadline::After(std::chrono::seconds(30))));
+  writer.join();
+  for (uint64_t i = 1; i < 64; ++i) {
+    const StateKey key = ChainKey(12, i);
+    EXPECT_EQ(inventory.ShardFor(key), 0u);
+    EXPECT_EQ(inventory.Apply(0, key, i % 2 == 0 ? Tier::kDram : Tier::kSsd, true,
+                              TransitionCause::kAdmit, i + 1, 4096),
+              i + 1);
+  }
+  // Removing what was never kept is not an error here: nothing is kept.
+  EXPECT_EQ(inventory.Apply(0, ChainKey(12, 5), Tier::kSsd, false, TransitionCause::kEvict, 6,
+                            4096),
+            65u);
+  EXPECT_EQ(inventory.Watermark(0), 65u);
+  EXPECT_EQ(inventory.Size(0), 0u);
+  EXPECT_EQ(inventory.ReplicaCount(Tier::kDram), 0u);
+  EXPECT_TRUE(inventory.Scan(0, nullptr, 100).records.empty());
+  EXPECT_EQ(inventory.Subscribe(0).status().code(), StatusCode::kFailedPrecondition);
+  const auto read = inventory.ReadJournal(0, 0, 100);
+  EXPECT_EQ(read.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(read.status().message().find("single-host"), std::string::npos) << read.status();
+  EXPECT_EQ(metrics.GetCounter("orbitkv_inventory_records_total", "").Value(), 0u);
+}
+
 TEST(InventoryTest, PagedScanWithTheSnapshotCutRebuildsTheViewDespiteConcurrentChanges) {
   MetricsRegistry metrics;
   auto inventory = MakeInventory(&metrics, 1, 1 << 20);

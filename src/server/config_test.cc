@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "server/options.h"
+
 namespace orbitkv::server {
 namespace {
 
@@ -38,6 +40,16 @@ TEST(ConfigTest, EmbeddedDefaultsServeOneHost) {
   EXPECT_EQ(c.numa, "auto");
   EXPECT_FALSE(c.allow_unpinned);
   EXPECT_TRUE(c.metrics_addr.empty());
+}
+
+TEST(ConfigTest, OnlyADistributedManagerRecordsItsResidencyInventory) {
+  // Nothing reads the inventory of a single-host Manager, so its saves skip that bookkeeping.
+  auto single = Parse({});
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_FALSE(CacheOptionsFor(single->config).record_inventory);
+  auto distributed = Parse({"--etcd-endpoints", "127.0.0.1:2379"});
+  ASSERT_TRUE(distributed.ok()) << distributed.status();
+  EXPECT_TRUE(CacheOptionsFor(distributed->config).record_inventory);
 }
 
 TEST(ConfigTest, OrbitkvSocketNamesTheDefaultSocketOfManagerAndEngines) {

@@ -59,6 +59,8 @@ core::BlockCacheOptions CacheOptionsFor(const ManagerConfig& config) {
   options.transfer_budget_bytes = config.transfer_budget_bytes;
   options.transfer_peer_budget_bytes = config.transfer_peer_budget_bytes;
   options.journal_bytes = config.inventory_journal_bytes;
+  // Only distributed mode streams the inventory to a catalog; a single-host Manager keeps none.
+  options.record_inventory = !config.etcd_endpoints.empty();
   options.table.expected_blocks = std::max<uint64_t>(config.dram_bytes / (256 << 10), 1024);
   return options;
 }

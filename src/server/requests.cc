@@ -178,6 +178,12 @@ Status Manager::HandleDump(Session& session, const channel::InboundRequest& requ
   const uint64_t first = d.arg1 & 0xffffffffu;
   std::vector<std::string> lines;
   if (kind == channel::DumpKind::kInventory) {
+    if (!cache_->inventory().recording()) {
+      return session.channel->ReplyError(
+          d, Status::FailedPrecondition(
+                 "this Manager keeps no residency inventory: it runs single-host (start it with "
+                 "--etcd-endpoints to join a cluster, whose catalog the inventory feeds)"));
+    }
     if (shard >= cache_->inventory().shard_count()) {
       return session.channel->ReplyError(
           d, Status::InvalidArgument(

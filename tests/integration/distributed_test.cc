@@ -408,6 +408,10 @@ TEST(DistributedManagerTest, SingleHostModeSaysSo) {
   ASSERT_TRUE(manager.running());
   const std::string stats = StatsOf(manager);
   EXPECT_NE(stats.find("\"membership\": \"single-host\""), std::string::npos) << stats;
+  // It keeps no residency inventory (no catalog reads one), and a dump says why.
+  const std::string dump =
+      CliOutput({"inventory", "dump", "--shard", "0", "--socket", manager.socket()}, true);
+  EXPECT_NE(dump.find("runs single-host"), std::string::npos) << dump;
 }
 
 }  // namespace

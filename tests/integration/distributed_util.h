@@ -44,10 +44,11 @@ inline std::string StringField(const std::string& stats, const std::string& name
 // A free loopback HOST:PORT for a peer listener.
 inline std::string Loopback() { return fmt::format("127.0.0.1:{}", FreeLoopbackPort()); }
 
-// What `orbitkv ARGS...` prints on stdout.
-inline std::string CliOutput(const std::vector<std::string>& args) {
+// What `orbitkv ARGS...` prints on stdout (and stderr, with_errors).
+inline std::string CliOutput(const std::vector<std::string>& args, bool with_errors = false) {
   std::string command = ORBITKV_CLI_BIN;
   for (const std::string& arg : args) command += " '" + arg + "'";
+  if (with_errors) command += " 2>&1";
   std::string out;
   if (std::FILE* pipe = popen(command.c_str(), "r"); pipe != nullptr) {
     char buf[512];
