@@ -6,6 +6,25 @@
 #include "base/logging.h"
 
 namespace orbitkv::server {
+namespace {
+
+// A save's items all belong to the instance's namespace and group and name pages the group has.
+Status CheckSaveItems(const channel::SaveRequest& request, const state::StateNamespace& ns,
+                      uint32_t num_pages) {
+  for (const channel::SaveItem& item : request.items) {
+    if (!(item.key.ns() == ns) || item.key.group() != request.group) {
+      return Status::InvalidArgument(
+          "a saved key belongs to another namespace or group than its instance");
+    }
+    if (item.page >= num_pages) {
+      return Status::InvalidArgument(fmt::format(
+          "source page {} is beyond the group's {} pages", item.page, num_pages));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache* cache,
                            core::SsdTier* ssd, MetricsRegistry* metrics)
@@ -320,15 +339,8 @@ void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
   Result<Target> target = Resolve(owner, request.instance, request.group);
   if (!target.ok()) return done(target.status());
   const KvGroup& group = *target->group;
-  for (const channel::SaveItem& item : request.items) {
-    if (!(item.key.ns() == target->instance->ns) || item.key.group() != request.group) {
-      return done(Status::InvalidArgument(
-          "a saved key belongs to another namespace or group than its instance"));
-    }
-    if (item.page >= group.num_pages) {
-      return done(Status::InvalidArgument(fmt::format(
-          "source page {} is beyond the group's {} pages", item.page, group.num_pages)));
-    }
+  if (Status valid = CheckSaveItems(request, target->instance->ns, group.num_pages); !valid.ok()) {
+    return done(valid);
   }
   if (!TryBeginOperation()) {
     return done(Status::ResourceExhausted("too many restores and saves in flight; retry"));

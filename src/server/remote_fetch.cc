@@ -147,19 +147,7 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   authorize.lifetime = std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline.Remaining()) +
                        std::chrono::milliseconds(1000);
   authorize.deadline = job.deadline;
-  {
-    MutexLock lock(&mu_);
-    const MonoTime now = MonoNow();
-    for (auto it = source_open_until_.begin(); it != source_open_until_.end();) {
-      if (it->second <= now) {
-        it = source_open_until_.erase(it);
-      } else {
-        authorize.excluded.insert(it->first);
-        ++stats_.sources_skipped;
-        ++it;
-      }
-    }
-  }
+  ExcludeOpenSources(&authorize);
   catalog::AuthorizeOutcome outcome = catalog::AuthorizeBest(rest, *index_, *sources_, authorize);
   authorizations_->Increment(outcome.attempts);
   rejections_->Increment(outcome.rejections);
@@ -202,28 +190,21 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   return pins;
 }
 
-bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline deadline,
-                                std::vector<core::BlockPin>* pins,
-                                const LoadingStage::Progress& progress) {
-  const catalog::SourceGrant& grant = authorized.reply.grant;
-  std::vector<transfer::RegionDescriptor> remotes;
-  for (const auto& bytes : grant.regions) {
-    Result<transfer::RegionDescriptor> descriptor = transfer::DecodeDescriptor(bytes);
-    if (!descriptor.ok()) {
-      ORBITKV_LOG_WARN("remote: {} sent a bad region descriptor: {}", authorized.span.node,
-                       descriptor.status().ToString());
-      failed_->Increment();
-      return false;
+void RemoteFetcher::ExcludeOpenSources(catalog::AuthorizeOptions* authorize) {
+  MutexLock lock(&mu_);
+  const MonoTime now = MonoNow();
+  for (auto it = source_open_until_.begin(); it != source_open_until_.end();) {
+    if (it->second <= now) {
+      it = source_open_until_.erase(it);
+    } else {
+      authorize->excluded.insert(it->first);
+      ++stats_.sources_skipped;
+      ++it;
     }
-    remotes.push_back(std::move(*descriptor));
   }
-  const transfer::Capabilities caps = engine_->GetCapabilities();
-  // Fragments of at most 1 MiB: the source checksums and sends one while the next is read (a 2.25 MiB block in
-  // one fragment serializes both).
-  const uint64_t max_fragment =
-      std::min<uint64_t>(options_.max_fragment_bytes, caps.max_fragment_bytes != 0 ? caps.max_fragment_bytes : UINT64_MAX);
-  const size_t max_fragments = caps.max_fragments_per_batch != 0 ? caps.max_fragments_per_batch : SIZE_MAX;
+}
 
+struct RemoteFetcher::GrantedRead {
   // One batch: consecutive blocks, their writers and the staging charge; it completes through `result`.
   struct Batch {
     std::vector<core::BlockWriter> writers;
@@ -235,95 +216,126 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
     uint64_t bytes = 0;
     bool started = false;
   };
+  const catalog::Authorized& authorized;
+  Deadline deadline;
+  std::vector<transfer::RegionDescriptor> remotes;
+  uint64_t max_fragment = 0;
+  size_t max_fragments = 0;
+  size_t granted = 0;
   std::deque<std::unique_ptr<Batch>> in_flight;
-  size_t next = 0;           // next granted block to prepare
-  bool stopped = false;      // no more batches start (nothing left, no room, or a failure)
-  bool failure = false;      // a batch failed: it and every later one are dropped
-  const size_t granted = std::min(grant.granted, authorized.span.versions.size());
-  uint64_t fetched_blocks = 0, fetched_bytes = 0;
+  size_t next = 0;       // next granted block to prepare
+  bool stopped = false;  // no more batches start (nothing left, no room, or a failure)
+  bool failure = false;  // a batch failed: it and every later one are dropped
+};
 
-  // Prepares and starts the next batch; false when there is nothing more to start.
-  const auto start_next = [&]() -> bool {
-    if (stopped || next >= granted || deadline.Expired()) return false;
-    auto batch = std::make_unique<Batch>();
-    transfer::ReadBatchRequest request;
-    request.peer = authorized.reply.ucx_address;
-    request.grant = grant.grant_id;
-    request.remotes = remotes;
-    request.deadline = deadline;
-    request.verify_checksum = true;
-    while (next < granted) {
-      const catalog::SourceGrant::Block& block = grant.blocks[next];
-      if (block.bytes == 0 || (next < authorized.span.bytes.size() && block.bytes != authorized.span.bytes[next])) {
-        ORBITKV_LOG_WARN("remote: {} granted block {} with {} bytes, the lookup said {}: not fetched",
-                         authorized.span.node, next, block.bytes,
-                         next < authorized.span.bytes.size() ? authorized.span.bytes[next] : 0);
-        stopped = true;
-        break;
-      }
-      const size_t pieces = static_cast<size_t>(1 + (block.bytes - 1) / max_fragment);
-      if (!batch->writers.empty() && (batch->bytes + block.bytes > options_.max_batch_bytes ||
-                                      request.fragments.size() + pieces > max_fragments)) {
-        break;
-      }
-      const uint64_t class_bytes = cache_->pool().ClassBytes(block.bytes);
-      Result<core::BudgetTicket> ticket = staging_->TryReserve(0, class_bytes);
-      if (!ticket.ok()) {
-        if (batch->writers.empty()) stopped = true;  // no staging room at all: stop the prefix here
-        break;
-      }
-      Result<core::BlockWriter> writer = cache_->Prepare(authorized.span.versions[next].key, block.bytes);
-      if (!writer.ok()) {
-        // Already resident (another fetch or a save won), being written, or no room: the prefix stops here
-        // (a later query finds what the other writer sealed).
-        stopped = true;
-        break;
-      }
-      batch->staging.push_back(std::move(*ticket));
-      const auto [arena, offset] = Locate(writer->data());
-      for (uint64_t at = 0; at < block.bytes; at += max_fragment) {
-        transfer::Fragment fragment;
-        fragment.remote = block.region;
-        fragment.remote_offset = block.offset + at;
-        fragment.local = arenas_[arena];
-        fragment.local_offset = offset + at;
-        fragment.length = std::min(max_fragment, block.bytes - at);
-        request.fragments.push_back(fragment);
-      }
-      batch->bytes += block.bytes;
-      batch->writers.push_back(std::move(*writer));
-      ++next;
+bool RemoteFetcher::StartBatch(GrantedRead& read) {
+  const catalog::SourceGrant& grant = read.authorized.reply.grant;
+  const catalog::Authorized& authorized = read.authorized;
+  if (read.stopped || read.next >= read.granted || read.deadline.Expired()) return false;
+  auto batch = std::make_unique<GrantedRead::Batch>();
+  transfer::ReadBatchRequest request;
+  request.peer = authorized.reply.ucx_address;
+  request.grant = grant.grant_id;
+  request.remotes = read.remotes;
+  request.deadline = read.deadline;
+  request.verify_checksum = true;
+  while (read.next < read.granted) {
+    const size_t next = read.next;
+    const catalog::SourceGrant::Block& block = grant.blocks[next];
+    if (block.bytes == 0 || (next < authorized.span.bytes.size() && block.bytes != authorized.span.bytes[next])) {
+      ORBITKV_LOG_WARN("remote: {} granted block {} with {} bytes, the lookup said {}: not fetched",
+                       authorized.span.node, next, block.bytes,
+                       next < authorized.span.bytes.size() ? authorized.span.bytes[next] : 0);
+      read.stopped = true;
+      break;
     }
-    if (batch->writers.empty()) {
-      stopped = true;
+    const size_t pieces = static_cast<size_t>(1 + (block.bytes - 1) / read.max_fragment);
+    if (!batch->writers.empty() && (batch->bytes + block.bytes > options_.max_batch_bytes ||
+                                    request.fragments.size() + pieces > read.max_fragments)) {
+      break;
+    }
+    const uint64_t class_bytes = cache_->pool().ClassBytes(block.bytes);
+    Result<core::BudgetTicket> ticket = staging_->TryReserve(0, class_bytes);
+    if (!ticket.ok()) {
+      if (batch->writers.empty()) read.stopped = true;  // no staging room at all: stop the prefix here
+      break;
+    }
+    Result<core::BlockWriter> writer = cache_->Prepare(authorized.span.versions[next].key, block.bytes);
+    if (!writer.ok()) {
+      // Already resident (another fetch or a save won), being written, or no room: the prefix stops here
+      // (a later query finds what the other writer sealed).
+      read.stopped = true;
+      break;
+    }
+    batch->staging.push_back(std::move(*ticket));
+    const auto [arena, offset] = Locate(writer->data());
+    for (uint64_t at = 0; at < block.bytes; at += read.max_fragment) {
+      transfer::Fragment fragment;
+      fragment.remote = block.region;
+      fragment.remote_offset = block.offset + at;
+      fragment.local = arenas_[arena];
+      fragment.local_offset = offset + at;
+      fragment.length = std::min(read.max_fragment, block.bytes - at);
+      request.fragments.push_back(fragment);
+    }
+    batch->bytes += block.bytes;
+    batch->writers.push_back(std::move(*writer));
+    ++read.next;
+  }
+  if (batch->writers.empty()) {
+    read.stopped = true;
+    return false;
+  }
+  batch->done = batch->result->get_future();
+  Result<uint64_t> id = engine_->ReadBatch(
+      std::move(request), [result = batch->result](const transfer::BatchResult& r) { result->set_value(r); });
+  if (!id.ok()) {
+    ORBITKV_LOG_WARN("remote: reading from {}: {}", authorized.span.node, id.status().ToString());
+    read.stopped = read.failure = true;
+    return false;  // `batch` (its writers abort, its charge returns) goes here: nothing was sent
+  }
+  batch->started = true;
+  batch->submitted = MonoNow();
+  read.in_flight.push_back(std::move(batch));
+  return true;
+}
+
+bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline deadline,
+                                std::vector<core::BlockPin>* pins,
+                                const LoadingStage::Progress& progress) {
+  const catalog::SourceGrant& grant = authorized.reply.grant;
+  GrantedRead read{authorized, deadline};
+  for (const auto& bytes : grant.regions) {
+    Result<transfer::RegionDescriptor> descriptor = transfer::DecodeDescriptor(bytes);
+    if (!descriptor.ok()) {
+      ORBITKV_LOG_WARN("remote: {} sent a bad region descriptor: {}", authorized.span.node,
+                       descriptor.status().ToString());
+      failed_->Increment();
       return false;
     }
-    batch->done = batch->result->get_future();
-    Result<uint64_t> id = engine_->ReadBatch(
-        std::move(request), [result = batch->result](const transfer::BatchResult& r) { result->set_value(r); });
-    if (!id.ok()) {
-      ORBITKV_LOG_WARN("remote: reading from {}: {}", authorized.span.node, id.status().ToString());
-      stopped = failure = true;
-      return false;  // `batch` (its writers abort, its charge returns) goes here: nothing was sent
-    }
-    batch->started = true;
-    batch->submitted = MonoNow();
-    in_flight.push_back(std::move(batch));
-    return true;
-  };
-
-  while (in_flight.size() < options_.batches_in_flight && start_next()) {
+    read.remotes.push_back(std::move(*descriptor));
   }
-  while (!in_flight.empty()) {
-    std::unique_ptr<Batch> batch = std::move(in_flight.front());
-    in_flight.pop_front();
+  const transfer::Capabilities caps = engine_->GetCapabilities();
+  // Fragments of at most 1 MiB: the source checksums and sends one while the next is read (a 2.25 MiB block in
+  // one fragment serializes both).
+  read.max_fragment =
+      std::min<uint64_t>(options_.max_fragment_bytes, caps.max_fragment_bytes != 0 ? caps.max_fragment_bytes : UINT64_MAX);
+  read.max_fragments = caps.max_fragments_per_batch != 0 ? caps.max_fragments_per_batch : SIZE_MAX;
+  read.granted = std::min(grant.granted, authorized.span.versions.size());
+  uint64_t fetched_blocks = 0, fetched_bytes = 0;
+
+  while (read.in_flight.size() < options_.batches_in_flight && StartBatch(read)) {
+  }
+  while (!read.in_flight.empty()) {
+    std::unique_ptr<GrantedRead::Batch> batch = std::move(read.in_flight.front());
+    read.in_flight.pop_front();
     // The engine always completes a started batch (its deadline is finite): wait for it, whatever happened.
     const transfer::BatchResult result = batch->done.get();
     ORBITKV_LOG_DEBUG("remote: batch of {} blocks ({} bytes) from {} done in {:.2f} ms: {}", batch->writers.size(),
                       batch->bytes, authorized.span.node,
                       std::chrono::duration<double, std::milli>(MonoNow() - batch->submitted).count(),
                       result.status.ToString());
-    if (!failure && result.status.ok() && result.bytes == batch->bytes) {
+    if (!read.failure && result.status.ok() && result.bytes == batch->bytes) {
       for (core::BlockWriter& writer : batch->writers) {
         core::BlockPin pin;
         cache_->Seal(writer, core::TransitionCause::kRestore, &pin);
@@ -331,26 +343,26 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
       }
       fetched_blocks += batch->writers.size();
       fetched_bytes += batch->bytes;
-      while (in_flight.size() < options_.batches_in_flight && start_next()) {
+      while (read.in_flight.size() < options_.batches_in_flight && StartBatch(read)) {
       }
       // After the next batch started: a waiting engine restores this one while that one moves.
       if (progress) progress(pins->size());
     } else {
-      if (!failure) {
+      if (!read.failure) {
         ORBITKV_LOG_WARN("remote: a batch of {} blocks from {} failed: {} ({} of {} bytes)", batch->writers.size(),
                          authorized.span.node, result.status.ToString(), result.bytes, batch->bytes);
       }
-      stopped = failure = true;  // the prefix stops here; later batches are drained and dropped
+      read.stopped = read.failure = true;  // the prefix stops here; later batches are drained and dropped
     }
     // `batch` goes: unsealed writers abort, the staging charge returns (sealed ones were charged until now).
   }
   fetched_bytes_->Increment(fetched_bytes);
-  if (failure) failed_->Increment();
+  if (read.failure) failed_->Increment();
   MutexLock lock(&mu_);
   stats_.fetched_blocks += fetched_blocks;
   stats_.fetched_bytes += fetched_bytes;
-  stats_.failed += failure ? 1 : 0;
-  return !failure;
+  stats_.failed += read.failure ? 1 : 0;
+  return !read.failure;
 }
 
 void RemoteFetcher::ReleaseGrant(const catalog::Authorized& authorized, uint64_t request_id) {

@@ -108,6 +108,12 @@ class RemoteFetcher {
   // `progress` (the stage's leading blocks resident) after each batch; false when a transfer failed.
   bool ReadGranted(const catalog::Authorized& authorized, Deadline deadline, std::vector<core::BlockPin>* pins,
                    const LoadingStage::Progress& progress);
+  // One ReadGranted's state: the grant, its batches in flight and where the prefix stands.
+  struct GrantedRead;
+  // Prepares and starts the read's next batch; false when there is nothing more to start.
+  bool StartBatch(GrantedRead& read);
+  // Adds the sources whose breaker is open (a transfer from them failed lately) to `authorize`'s exclusions.
+  void ExcludeOpenSources(catalog::AuthorizeOptions* authorize);
   void ReleaseGrant(const catalog::Authorized& authorized, uint64_t request_id);
   // The arena and offset of pool memory at `data`.
   std::pair<uint32_t, uint64_t> Locate(const uint8_t* data) const;
