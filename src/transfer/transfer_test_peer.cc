@@ -46,6 +46,7 @@ int Main(int argc, char** argv) {
       seed = std::stoull(value);
     } else if (flag == "--inflight") {
       options.max_inflight_bytes = std::stoull(value);
+      options.max_served_inflight_bytes = options.max_inflight_bytes;
     } else if (flag == "--devices") {
       options.net_devices = value;
     } else if (flag == "--transports") {

@@ -35,6 +35,7 @@ std::unique_ptr<UcxTransferEngine> MakeEngine(PullMode mode = PullMode::kAuto,
   options.transports = "tcp";
   options.default_mode = mode;
   options.max_inflight_bytes = inflight;
+  options.max_served_inflight_bytes = inflight;
   auto engine = UcxTransferEngine::Create(options);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return std::move(engine).value();
@@ -213,6 +214,43 @@ TEST_F(UcxEngineTest, ConcurrentBatchesFromSeveralThreads) {
   }
   EXPECT_EQ(requester->Stats().live_batches, 0u);
   EXPECT_EQ(requester->Stats().pinned_regions, 0u);
+}
+
+TEST_F(UcxEngineTest, ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt) {
+  // A source with the default window posts a served request a few fragments at a time, so a later request's
+  // fragments and its done message queue behind that window of the large batch's data, not all of it (UCX
+  // interleaves everything posted: with the whole 64 MiB posted, every fragment of both batches ended together).
+  auto source = MakeEngine(PullMode::kAuto, UcxEngineOptions{}.max_served_inflight_bytes);
+  auto requester = MakeEngine();
+  TestBuffer source_buffer(kSourceBytes);
+  testing::FillPattern(source_buffer.data(), kSourceBytes, kSeed);
+  const RegionHandle region = *source->RegisterRegion(source_buffer.data(), kSourceBytes);
+  TestBuffer large_dest(64ull << 20);
+  TestBuffer small_dest(1ull << 20);
+  RegionHandle large_local = *requester->RegisterRegion(large_dest.data(), large_dest.size());
+  RegionHandle small_local = *requester->RegisterRegion(small_dest.data(), small_dest.size());
+  const Plan large = RandomPlan(64, 1 << 20, 1 << 20, kSourceBytes, large_local, 41);
+  const Plan small = RandomPlan(4, 16 << 10, 64 << 10, kSourceBytes, small_local, 42);
+  auto request = [&](const Plan& plan) {
+    ReadBatchRequest r = Request(plan, PullMode::kActiveMessage);
+    r.peer = source->ListenAddress();
+    r.remotes = {*source->ExportRegion(region)};
+    return r;
+  };
+  BatchWaiter large_waiter, small_waiter;
+  ASSERT_TRUE(requester->ReadBatch(request(large), large_waiter.Callback()).ok());
+  ASSERT_TRUE(requester->ReadBatch(request(small), small_waiter.Callback()).ok());
+  std::optional<BatchResult> small_result = small_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  const bool large_done_first = large_waiter.done();
+  std::optional<BatchResult> large_result = large_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  ASSERT_TRUE(small_result.has_value() && large_result.has_value());
+  ASSERT_TRUE(small_result->status.ok()) << small_result->status;
+  ASSERT_TRUE(large_result->status.ok()) << large_result->status;
+  EXPECT_FALSE(large_done_first) << "the small batch waited for the 64 MiB one ahead of it";
+  ExpectLanded(small, small_dest);
+  ExpectLanded(large, large_dest);
+  EXPECT_TRUE(requester->UnregisterRegion(small_local).ok());
+  EXPECT_TRUE(requester->UnregisterRegion(large_local).ok());
 }
 
 TEST_F(UcxEngineTest, CancelStopsTheSourceAndDrainsBeforeReleasing) {

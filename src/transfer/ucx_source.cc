@@ -167,7 +167,7 @@ void UcxTransferEngine::PumpServe(ServeOp& s) {
   if (s.cancelled || s.failure || s.ep_failed || s.expired) return;
   const uint32_t n = static_cast<uint32_t>(s.src.size());
   const bool checksum = (s.flags & wire::kFlagChecksum) != 0;
-  while (s.next < n && s.inflight_bytes < options_.max_inflight_bytes) {
+  while (s.next < n && s.inflight_bytes < options_.max_served_inflight_bytes) {
     const uint32_t i = s.next++;
     s.headers[i] = wire::DataHeader{s.batch_id, i, 0};
     s.outstanding += 1;
