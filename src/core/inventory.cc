@@ -72,7 +72,9 @@ ResidencyInventory::ResidencyInventory(const Options& options, MetricsRegistry* 
 }
 
 uint32_t ResidencyInventory::ShardFor(const state::StateKey& key) const {
-  return record_ ? state::ShardOf(key, shard_count()) : 0;
+  // Without a catalog the placement need not match other hosts': the in-process hash spreads the shard mutexes
+  // as well, without the SHA-256.
+  return record_ ? state::ShardOf(key, shard_count()) : static_cast<uint32_t>(key.Hash64() % shard_count());
 }
 
 uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& key, Tier tier,

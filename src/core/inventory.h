@@ -114,8 +114,8 @@ class ResidencyInventory {
     uint64_t journal_bytes = kDefaultJournalBytes;  // over all shards
     // False for a Manager with no catalog to stream to (single-host): nothing ever reads the
     // journal or the view, so Apply keeps neither and only numbers the transition (sequences stay
-    // per shard, contiguous and increasing), and ShardFor places every key in shard 0 without its
-    // SHA-256 (placement only matters to a catalog). Saves then skip the bookkeeping, a third of a
+    // per shard, contiguous and increasing), and ShardFor places keys by the in-process hash instead of
+    // the SHA-256 (placement only matters to a catalog). Saves then skip the bookkeeping, a third of a
     // 16 KiB block's save time. Subscribe, ReadJournal and Scan of such an inventory refuse
     // (FailedPrecondition) or come back empty; Size and ReplicaCount are 0.
     bool record = true;

@@ -230,30 +230,36 @@ TEST(InventoryTest, AnInventoryThatDoesNotRecordOnlyNumbersTransitions) {
   ASSERT_TRUE(created.ok()) << created.status();
   ResidencyInventory& inventory = **created;
   EXPECT_FALSE(inventory.recording());
+  const StateKey first = ChainKey(12, 0);
+  const uint32_t first_shard = inventory.ShardFor(first);
   std::thread writer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    // Every key is placed in shard 0 (no SHA-256: placement only matters to a catalog).
-    const StateKey key = ChainKey(12, 0);
-    ASSERT_EQ(inventory.ShardFor(key), 0u);
-    inventory.Apply(0, key, Tier::kDram, true, TransitionCause::kAdmit, 1, 4096);
+    inventory.Apply(first_shard, first, Tier::kDram, true, TransitionCause::kAdmit, 1, 4096);
   });
-  EXPECT_TRUE(inventory.WaitForChange(0, 0, Deadline::After(std::chrono::seconds(30))));
+  EXPECT_TRUE(inventory.WaitForChange(first_shard, 0, Deadline::After(std::chrono::seconds(30))));
   writer.join();
+  // Keys still spread over the shards (one mutex each), and each shard numbers its transitions 1, 2, ...
+  std::map<uint32_t, uint64_t> next{{first_shard, 1}};
   for (uint64_t i = 1; i < 64; ++i) {
     const StateKey key = ChainKey(12, i);
-    EXPECT_EQ(inventory.ShardFor(key), 0u);
-    EXPECT_EQ(inventory.Apply(0, key, i % 2 == 0 ? Tier::kDram : Tier::kSsd, true,
+    const uint32_t shard = inventory.ShardFor(key);
+    ASSERT_LT(shard, 16u);
+    EXPECT_EQ(inventory.Apply(shard, key, i % 2 == 0 ? Tier::kDram : Tier::kSsd, true,
                               TransitionCause::kAdmit, i + 1, 4096),
-              i + 1);
+              ++next[shard]);
   }
+  EXPECT_GT(next.size(), 4u);
   // Removing what was never kept is not an error here: nothing is kept.
-  EXPECT_EQ(inventory.Apply(0, ChainKey(12, 5), Tier::kSsd, false, TransitionCause::kEvict, 6,
-                            4096),
-            65u);
-  EXPECT_EQ(inventory.Watermark(0), 65u);
-  EXPECT_EQ(inventory.Size(0), 0u);
+  const StateKey removed = ChainKey(12, 5);
+  const uint32_t removed_shard = inventory.ShardFor(removed);
+  EXPECT_EQ(inventory.Apply(removed_shard, removed, Tier::kSsd, false, TransitionCause::kEvict, 6, 4096),
+            ++next[removed_shard]);
+  for (const auto& [shard, last] : next) {
+    EXPECT_EQ(inventory.Watermark(shard), last);
+    EXPECT_EQ(inventory.Size(shard), 0u);
+    EXPECT_TRUE(inventory.Scan(shard, nullptr, 100).records.empty());
+  }
   EXPECT_EQ(inventory.ReplicaCount(Tier::kDram), 0u);
-  EXPECT_TRUE(inventory.Scan(0, nullptr, 100).records.empty());
   EXPECT_EQ(inventory.Subscribe(0).status().code(), StatusCode::kFailedPrecondition);
   const auto read = inventory.ReadJournal(0, 0, 100);
   EXPECT_EQ(read.status().code(), StatusCode::kFailedPrecondition);

@@ -567,6 +567,11 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
                                                         MetricsRegistry* metrics) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
   core::ResidencyInventory* inventory = &cache->inventory();
+  if (!inventory->recording()) {
+    return Status::FailedPrecondition(
+        "distributed mode needs a recording residency inventory (its catalog replays it); this cache was "
+        "created for a single-host Manager");
+  }
   const uint32_t inventory_shards = inventory->shard_count();
   if (inventory_shards != cluster::kNumShards) {
     return Status::FailedPrecondition(fmt::format(

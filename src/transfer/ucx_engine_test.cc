@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -26,16 +27,19 @@ constexpr uint64_t kSeed = 42;
 // Generous: a loaded 2-core CI machine; a hang is what these bounds detect, not slowness.
 constexpr auto kWait = std::chrono::seconds(60);
 
+// `inflight` bounds both windows (the requester's RMA gets and what a served request posts); `served`, when
+// given, sets the served one alone.
 std::unique_ptr<UcxTransferEngine> MakeEngine(PullMode mode = PullMode::kAuto,
                                               uint64_t inflight = 64ull << 20,
-                                              bool require_grants = false) {
+                                              bool require_grants = false,
+                                              std::optional<uint64_t> served = std::nullopt) {
   UcxEngineOptions options;
   options.require_grants = require_grants;
   options.listen_address = "127.0.0.1:0";
   options.transports = "tcp";
   options.default_mode = mode;
   options.max_inflight_bytes = inflight;
-  options.max_served_inflight_bytes = inflight;
+  options.max_served_inflight_bytes = served.value_or(inflight);
   auto engine = UcxTransferEngine::Create(options);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return std::move(engine).value();
@@ -217,10 +221,12 @@ TEST_F(UcxEngineTest, ConcurrentBatchesFromSeveralThreads) {
 }
 
 TEST_F(UcxEngineTest, ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt) {
-  // A source with the default window posts a served request a few fragments at a time, so a later request's
+  // A source with the default served window posts a served request a few fragments at a time, so a later request's
   // fragments and its done message queue behind that window of the large batch's data, not all of it (UCX
   // interleaves everything posted: with the whole 64 MiB posted, every fragment of both batches ended together).
-  auto source = MakeEngine(PullMode::kAuto, UcxEngineOptions{}.max_served_inflight_bytes);
+  // The windows production runs with: the requester's default 64 MiB, the served default.
+  auto source = MakeEngine(PullMode::kAuto, UcxEngineOptions{}.max_inflight_bytes, false,
+                           UcxEngineOptions{}.max_served_inflight_bytes);
   auto requester = MakeEngine();
   TestBuffer source_buffer(kSourceBytes);
   testing::FillPattern(source_buffer.data(), kSourceBytes, kSeed);
@@ -229,6 +235,8 @@ TEST_F(UcxEngineTest, ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt) {
   TestBuffer small_dest(1ull << 20);
   RegionHandle large_local = *requester->RegisterRegion(large_dest.data(), large_dest.size());
   RegionHandle small_local = *requester->RegisterRegion(small_dest.data(), small_dest.size());
+  // 64 MiB: 16 times the served window (and all of the requester's, so a source that served with that one
+  // posts the whole batch at once and fails here); the small request arrives while it streams.
   const Plan large = RandomPlan(64, 1 << 20, 1 << 20, kSourceBytes, large_local, 41);
   const Plan small = RandomPlan(4, 16 << 10, 64 << 10, kSourceBytes, small_local, 42);
   auto request = [&](const Plan& plan) {
