@@ -111,9 +111,10 @@ int main(int argc, char** argv) {
       argc, argv,
       "Restore and save GB/s through a real Manager into engine shared memory with 16 "
       "and 64 KiB blocks, vs single-thread memcpy of the same bytes.");
-  // Profiling aid: ORBITKV_SAVE_PROFILE_ROUNDS=N only saves 16 KiB blocks, N rounds of fresh keys, so a profiler
-  // attached to the Manager (perf record -p) sees the save path alone. Prints each round's GB/s.
-  // ORBITKV_SAVE_PROFILE_DRAM sizes the pool (default 6GiB; a smaller one reaches eviction sooner).
+  // Profiling aid: ORBITKV_SAVE_PROFILE_ROUNDS=N only saves 16 KiB blocks, N rounds of fresh keys,
+  // so a profiler attached to the Manager (perf record -p) sees the save path alone. Prints each
+  // round's GB/s. ORBITKV_SAVE_PROFILE_DRAM sizes the pool (default 6GiB; a smaller one reaches
+  // eviction sooner).
   if (const char* rounds = std::getenv("ORBITKV_SAVE_PROFILE_ROUNDS"); rounds != nullptr) {
     const char* dram = std::getenv("ORBITKV_SAVE_PROFILE_DRAM");
     const auto manager = StartManager(dram != nullptr ? dram : "6GiB", {"--slab", "4MiB"});

@@ -72,9 +72,10 @@ ResidencyInventory::ResidencyInventory(const Options& options, MetricsRegistry* 
 }
 
 uint32_t ResidencyInventory::ShardFor(const state::StateKey& key) const {
-  // Without a catalog the placement need not match other hosts': the in-process hash spreads the shard mutexes
-  // as well, without the SHA-256.
-  return record_ ? state::ShardOf(key, shard_count()) : static_cast<uint32_t>(key.Hash64() % shard_count());
+  // Without a catalog the placement need not match other hosts': the in-process hash spreads the
+  // shard mutexes as well, without the SHA-256.
+  return record_ ? state::ShardOf(key, shard_count())
+                 : static_cast<uint32_t>(key.Hash64() % shard_count());
 }
 
 uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& key, Tier tier,
@@ -84,10 +85,15 @@ uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& 
   Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
   const uint64_t sequence = ++shard.last_sequence;
-  if (!record_) {
-    if (shard.waiters > 0) shard.changed.notify_all();
-    return sequence;
-  }
+  if (record_)
+    RecordLocked(shard_index, shard, sequence, key, tier, present, cause, generation, bytes);
+  if (shard.waiters > 0) shard.changed.notify_all();
+  return sequence;
+}
+
+void ResidencyInventory::RecordLocked(uint32_t shard_index, Shard& shard, uint64_t sequence,
+                                      const state::StateKey& key, Tier tier, bool present,
+                                      TransitionCause cause, uint64_t generation, uint64_t bytes) {
   ViewKey view_key{key, tier};
   if (present) {
     shard.view.insert_or_assign(view_key, ViewValue{generation, bytes, sequence});
@@ -107,8 +113,6 @@ uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& 
       ResidencyRecord{sequence, key, tier, present, cause, generation, bytes, MonoNow()});
   records_total_->Increment();
   if (retained_delta != 0) journal_records_->Add(static_cast<double>(retained_delta));
-  if (shard.waiters > 0) shard.changed.notify_all();
-  return sequence;
 }
 
 void ResidencyInventory::DropOldestLocked(uint32_t shard_index, Shard& shard) {

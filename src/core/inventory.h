@@ -114,10 +114,10 @@ class ResidencyInventory {
     uint64_t journal_bytes = kDefaultJournalBytes;  // over all shards
     // False for a Manager with no catalog to stream to (single-host): nothing ever reads the
     // journal or the view, so Apply keeps neither and only numbers the transition (sequences stay
-    // per shard, contiguous and increasing), and ShardFor places keys by the in-process hash instead of
-    // the SHA-256 (placement only matters to a catalog). Saves then skip the bookkeeping, a third of a
-    // 16 KiB block's save time. Subscribe, ReadJournal and Scan of such an inventory refuse
-    // (FailedPrecondition) or come back empty; Size and ReplicaCount are 0.
+    // per shard, contiguous and increasing), and ShardFor places keys by the in-process hash
+    // instead of the SHA-256 (placement only matters to a catalog). Saves then skip the
+    // bookkeeping, a third of a 16 KiB block's save time. Subscribe, ReadJournal and Scan of such
+    // an inventory refuse (FailedPrecondition) or come back empty; Size and ReplicaCount are 0.
     bool record = true;
   };
 
@@ -210,6 +210,10 @@ class ResidencyInventory {
     InventorySubscriber next_subscriber GUARDED_BY(mu) = 1;
     mutable uint32_t waiters GUARDED_BY(mu) = 0;  // in WaitForChange
   };
+  // The view and journal side of Apply (a recording inventory only).
+  void RecordLocked(uint32_t shard_index, Shard& shard, uint64_t sequence,
+                    const state::StateKey& key, Tier tier, bool present, TransitionCause cause,
+                    uint64_t generation, uint64_t bytes) REQUIRES(shard.mu);
   // Drops the oldest record, flagging every subscriber that had not acknowledged it.
   void DropOldestLocked(uint32_t shard_index, Shard& shard) REQUIRES(shard.mu);
 

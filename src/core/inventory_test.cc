@@ -238,7 +238,7 @@ TEST(InventoryTest, AnInventoryThatDoesNotRecordOnlyNumbersTransitions) {
   });
   EXPECT_TRUE(inventory.WaitForChange(first_shard, 0, Deadline::After(std::chrono::seconds(30))));
   writer.join();
-  // Keys still spread over the shards (one mutex each), and each shard numbers its transitions 1, 2, ...
+  // Keys still spread over the shards (one mutex each); each shard numbers its transitions 1, 2...
   std::map<uint32_t, uint64_t> next{{first_shard, 1}};
   for (uint64_t i = 1; i < 64; ++i) {
     const StateKey key = ChainKey(12, i);
@@ -252,8 +252,9 @@ TEST(InventoryTest, AnInventoryThatDoesNotRecordOnlyNumbersTransitions) {
   // Removing what was never kept is not an error here: nothing is kept.
   const StateKey removed = ChainKey(12, 5);
   const uint32_t removed_shard = inventory.ShardFor(removed);
-  EXPECT_EQ(inventory.Apply(removed_shard, removed, Tier::kSsd, false, TransitionCause::kEvict, 6, 4096),
-            ++next[removed_shard]);
+  EXPECT_EQ(
+      inventory.Apply(removed_shard, removed, Tier::kSsd, false, TransitionCause::kEvict, 6, 4096),
+      ++next[removed_shard]);
   for (const auto& [shard, last] : next) {
     EXPECT_EQ(inventory.Watermark(shard), last);
     EXPECT_EQ(inventory.Size(shard), 0u);

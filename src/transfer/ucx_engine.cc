@@ -124,9 +124,11 @@ UcxTransferEngine::UcxTransferEngine(const UcxEngineOptions& options)
 
 Result<std::unique_ptr<UcxTransferEngine>> UcxTransferEngine::Create(
     const UcxEngineOptions& options) {
-  if (options.max_regions == 0 || options.max_inflight_bytes == 0 || options.max_served_inflight_bytes == 0) {
+  if (options.max_regions == 0 || options.max_inflight_bytes == 0 ||
+      options.max_served_inflight_bytes == 0) {
     return Status::InvalidArgument(
-        "transfer engine: max_regions, max_inflight_bytes and max_served_inflight_bytes must be positive");
+        "transfer engine: max_regions, max_inflight_bytes and max_served_inflight_bytes must be "
+        "positive");
   }
   std::unique_ptr<UcxTransferEngine> engine(new UcxTransferEngine(options));
   ORBITKV_RETURN_IF_ERROR(engine->Init());
@@ -509,8 +511,8 @@ EngineStats UcxTransferEngine::Stats() const {
 void UcxTransferEngine::ProgressLoop() {
   for (;;) {
     bool busy = DrainCommands();
-    // A bounded burst, then the queues: progressing until UCX went quiet left a new read request and the
-    // completions of finished sends and receives waiting for as long as data streamed.
+    // A bounded burst, then the queues: progressing until UCX went quiet left a new read request
+    // and the completions of finished sends and receives waiting for as long as data streamed.
     unsigned progressed = 0;
     for (int i = 0; i < kProgressBurst; ++i) {
       const unsigned k = ucp_worker_progress(worker_.get());

@@ -63,10 +63,11 @@ struct UcxEngineOptions {
   uint32_t max_regions = 1024;
   // Bytes one batch keeps in flight at once (requester, RMA gets).
   uint64_t max_inflight_bytes = 64ull << 20;
-  // Bytes of one served request (source, active messages) posted to UCX at once. UCX interleaves everything
-  // posted on a connection, so with a whole 16 MiB batch posted the requester's two batches in flight ended
-  // together and a done message queued behind all of the other batch's data; a few fragments at a time keep
-  // them a window apart (UcxEngineTest.ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt).
+  // Bytes of one served request (source, active messages) posted to UCX at once. UCX interleaves
+  // everything posted on a connection, so with a whole 16 MiB batch posted the requester's two
+  // batches in flight ended together and a done message queued behind all of the other batch's
+  // data; a few fragments at a time keep them a window apart
+  // (UcxEngineTest.ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt).
   uint64_t max_served_inflight_bytes = 4ull << 20;
   // The source gives up on a request this long after the requester's deadline passed (the requester
   // revoked it by then; this only frees the source from a requester that stopped responding).
@@ -129,8 +130,8 @@ class UcxTransferEngine final : public TransferEngine {
 
   // Progress thread: the loop and its plumbing (ucx_engine.cc).
   void ProgressLoop();
-  // ucp_worker_progress calls per turn of the progress loop before it drains its commands, events and
-  // completions again.
+  // ucp_worker_progress calls per turn of the progress loop before it drains its commands, events
+  // and completions again.
   static constexpr int kProgressBurst = 4;
   bool DrainCommands() EXCLUDES(queue_mu_);
   bool DrainCompletions();

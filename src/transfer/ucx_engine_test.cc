@@ -27,8 +27,8 @@ constexpr uint64_t kSeed = 42;
 // Generous: a loaded 2-core CI machine; a hang is what these bounds detect, not slowness.
 constexpr auto kWait = std::chrono::seconds(60);
 
-// `inflight` bounds both windows (the requester's RMA gets and what a served request posts); `served`, when
-// given, sets the served one alone.
+// `inflight` bounds both windows (the requester's RMA gets and what a served request posts);
+// `served`, when given, sets the served one alone.
 std::unique_ptr<UcxTransferEngine> MakeEngine(PullMode mode = PullMode::kAuto,
                                               uint64_t inflight = 64ull << 20,
                                               bool require_grants = false,
@@ -221,10 +221,11 @@ TEST_F(UcxEngineTest, ConcurrentBatchesFromSeveralThreads) {
 }
 
 TEST_F(UcxEngineTest, ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt) {
-  // A source with the default served window posts a served request a few fragments at a time, so a later request's
-  // fragments and its done message queue behind that window of the large batch's data, not all of it (UCX
-  // interleaves everything posted: with the whole 64 MiB posted, every fragment of both batches ended together).
-  // The windows production runs with: the requester's default 64 MiB, the served default.
+  // A source with the default served window posts a served request a few fragments at a time, so a
+  // later request's fragments and its done message queue behind that window of the large batch's
+  // data, not all of it (UCX interleaves everything posted: with the whole 64 MiB posted, every
+  // fragment of both batches ended together). The windows production runs with: the requester's
+  // default 64 MiB, the served default.
   auto source = MakeEngine(PullMode::kAuto, UcxEngineOptions{}.max_inflight_bytes, false,
                            UcxEngineOptions{}.max_served_inflight_bytes);
   auto requester = MakeEngine();
@@ -235,8 +236,9 @@ TEST_F(UcxEngineTest, ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt) {
   TestBuffer small_dest(1ull << 20);
   RegionHandle large_local = *requester->RegisterRegion(large_dest.data(), large_dest.size());
   RegionHandle small_local = *requester->RegisterRegion(small_dest.data(), small_dest.size());
-  // 64 MiB: 16 times the served window (and all of the requester's, so a source that served with that one
-  // posts the whole batch at once and fails here); the small request arrives while it streams.
+  // 64 MiB: 16 times the served window (and all of the requester's, so a source that served with
+  // that one posts the whole batch at once and fails here); the small request arrives while it
+  // streams.
   const Plan large = RandomPlan(64, 1 << 20, 1 << 20, kSourceBytes, large_local, 41);
   const Plan small = RandomPlan(4, 16 << 10, 64 << 10, kSourceBytes, small_local, 42);
   auto request = [&](const Plan& plan) {
@@ -248,9 +250,11 @@ TEST_F(UcxEngineTest, ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt) {
   BatchWaiter large_waiter, small_waiter;
   ASSERT_TRUE(requester->ReadBatch(request(large), large_waiter.Callback()).ok());
   ASSERT_TRUE(requester->ReadBatch(request(small), small_waiter.Callback()).ok());
-  std::optional<BatchResult> small_result = small_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  std::optional<BatchResult> small_result =
+      small_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
   const bool large_done_first = large_waiter.done();
-  std::optional<BatchResult> large_result = large_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  std::optional<BatchResult> large_result =
+      large_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
   ASSERT_TRUE(small_result.has_value() && large_result.has_value());
   ASSERT_TRUE(small_result->status.ok()) << small_result->status;
   ASSERT_TRUE(large_result->status.ok()) << large_result->status;
