@@ -96,9 +96,17 @@ def etcd_unary_calls(host: str, port: int) -> int:
     return total
 
 
-def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process `pid` (every thread) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int) -> dict:
     """transfer_read_1m between two mesh hosts: a transfer_test_peer serving in `source`'s namespace (grants
-    required, as a Manager serves) read by the transfer bench in `reader`'s, over the fetch's own veths and bridge."""
+    required, as a Manager serves) read by the transfer bench in `reader`'s, over the fetch's own veths and bridge;
+    with the CPU seconds per GB of the reader and of the source."""
     peer = subprocess.Popen(net.launcher(source) + [
         str(build / "src" / "transfer" / "transfer_test_peer"), "--listen", f"{net.address(source)}:0", "--bytes",
         str(64 << 20), "--regions", "2", "--transports", "tcp", "--devices", net.device(source), "--grants", "1"],
@@ -113,10 +121,13 @@ def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int) -> fl
                 lines.append(line)
             if line.startswith("READY "):
                 break
+        source_cpu = cpu_seconds(peer.pid)  # `ip netns exec` execs the peer: the same pid
         out = subprocess.run(net.launcher(reader) + [str(build / "benches" / "transfer_bench"), "--mesh-read",
                                                      net.address(reader), net.device(reader)],
                              input="".join(lines), capture_output=True, text=True, check=True, timeout=300)
-        return json.loads(out.stdout.strip().splitlines()[-1])["transfer_read_1m"]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result["source_cpu_s_per_gb"] = (cpu_seconds(peer.pid) - source_cpu) / (result["bytes_read"] / 1e9)
+        return result
     finally:
         try:
             peer.stdin.write("quit\n")
@@ -285,7 +296,8 @@ def main(argv=None) -> int:
                 engines[0].compute(key, p)
             clients[0].save(engines[0].instance, [(k, p) for p, k in enumerate(keys)])
         mesh_iperf = iperf3_mesh(net, 0, 1)  # host 0 sends to host 1, as the fetch does
-        mesh_read = transfer_read_mesh(build, net, 0, 1)  # host 1 reads from host 0, as the fetch does
+        mesh = transfer_read_mesh(build, net, 0, 1)  # host 1 reads from host 0, as the fetch does
+        mesh_read = mesh["transfer_read_1m"]
         deadline = time.monotonic() + 60
         while True:
             s = [c.stats() for c in clients]
@@ -305,9 +317,12 @@ def main(argv=None) -> int:
         pinned.start()
         staged.start()
         import resource
+        managers_cpu0 = [cpu_seconds(p.pid) for p in procs[1:3]]  # procs: etcd, host-0, host-1, host-2
         cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         two = fetch_round(engines[1], clients[1], documents)
         cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        source_cpu, dest_cpu = (cpu_seconds(p.pid) - c for p, c in zip(procs[1:3], managers_cpu0))
+        fetched_gb = two["hits"] * engines[1].page_bytes / 1e9
         if os.environ.get("ORBITKV_DBENCH_PAUSE"):
             print(f"distributed_bench: fetch round {wall1 - wall0:.3f} s wall, engine process CPU "
                   f"{cpu1.ru_utime - cpu0.ru_utime:.3f} s user {cpu1.ru_stime - cpu0.ru_stime:.3f} s system",
@@ -346,6 +361,13 @@ def main(argv=None) -> int:
     add("remote_fetch_gbps_vs_iperf3_mesh", "GB/s", p50_2, "iperf3_mesh", mesh_iperf)
     add("remote_fetch_gbps_vs_transfer_read_1m_mesh", "GB/s", p50_2, "transfer_read_1m_mesh", mesh_read)
     add("remote_fetch_gbps_3_managers", "GB/s", percentile(three["gbps"], 0.5), "transfer_read_1m", read_1m)
+    # Where a 2-core machine's CPU goes: each side's CPU seconds per GB fetched (the whole Manager, every thread)
+    # against the raw read's reader and source processes on the same path in this run.
+    per_gb = (lambda seconds: seconds / fetched_gb) if fetched_gb else (lambda seconds: 0.0)
+    add("remote_fetch_dest_cpu_s_per_gb", "s/GB", per_gb(dest_cpu), "transfer_read_1m_mesh_reader_cpu_s_per_gb",
+        mesh["reader_cpu_s_per_gb"])
+    add("remote_fetch_source_cpu_s_per_gb", "s/GB", per_gb(source_cpu),
+        "transfer_read_1m_mesh_source_cpu_s_per_gb", mesh["source_cpu_s_per_gb"])
     add("remote_hit_rate", "fraction", two["hits"] / two["asked"], "blocks_saved_on_host_0", 1.0)
     add("remote_restore_ms_p50", "ms", percentile(two["ms"], 0.5), "transfer_read_1m_ms_for_prefix",
         PREFIX_PAGES * engines[1].page_bytes / (read_1m * 1e9) * 1e3)

@@ -6,6 +6,7 @@
 // transfer_test_peer serving two 64 MiB regions in namespace "b"; the baseline is one iperf3 TCP
 // stream over the same veth, measured in the same run. Each figure is the best of several repeats
 // (the other tenant of a 2-core machine adds noise).
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -134,11 +135,20 @@ double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
   return best;
 }
 
+// User and system CPU seconds of this process so far (every thread).
+double ProcessCpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+}
+
 // The mesh mode (`--mesh-read LISTEN_ADDRESS DEVICE`, run inside one mesh host's namespace by the
 // distributed bench): reads from a transfer_test_peer whose GRANT and READY lines arrive on stdin
 // (it runs in another host's namespace), the transfer_read_1m case only, and prints
-// {"transfer_read_1m": GB/s}. The same path as a remote fetch between those hosts, so its baseline
-// is measured on the fetch's own veths and bridge.
+// {"transfer_read_1m": GB/s, "reader_cpu_s_per_gb", "bytes_read"} (bytes_read: every batch,
+// warm-up included, for the source's CPU per GB). The same path as a remote fetch between those
+// hosts, so its baseline is measured on the fetch's own veths and bridge.
 int MeshRead(const std::string& listen, const std::string& device) {
   log::Options log_options;
   log_options.level = log::Level::kWarn;
@@ -159,10 +169,15 @@ int MeshRead(const std::string& listen, const std::string& device) {
   transfer::RegionHandle local = *(*engine)->RegisterRegion(dest.data(), dest.size());
   ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage, true, kBatchBytes, 1,
            1);
+  const double cpu_before = ProcessCpuSeconds();
   const double gbps = ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage,
                                true, kBatchBytes, 4, 3);
+  const double reader_cpu = ProcessCpuSeconds() - cpu_before;
   engine->reset();
-  fmt::print("{{\"transfer_read_1m\": {}}}\n", gbps);
+  // The reader's CPU per GB read (its UCX thread: the receive copy and the verify), for the
+  // distributed bench's CPU comparison with a fetching Manager.
+  fmt::print("{{\"transfer_read_1m\": {}, \"reader_cpu_s_per_gb\": {}, \"bytes_read\": {}}}\n", gbps,
+             reader_cpu / (3.0 * 4 * kBatchBytes / 1e9), (1 + 3 * 4) * kBatchBytes);
   return 0;
 }
 
