@@ -512,11 +512,12 @@ void UcxTransferEngine::ProgressLoop() {
   for (;;) {
     bool busy = DrainCommands();
     // A bounded burst, then the queues: progressing until UCX went quiet left a new read request
-    // and the completions of finished sends and receives waiting for as long as data streamed.
+    // and the completions of finished sends and receives waiting for as long as data streamed. A
+    // message (a request, a DONE) ends the burst at once.
     unsigned progressed = 0;
     for (int i = 0; i < kProgressBurst; ++i) {
       const unsigned k = ucp_worker_progress(worker_.get());
-      if (k == 0) break;
+      if (k == 0 || !events_.empty()) break;
       progressed += k;
     }
     busy |= progressed > 0;

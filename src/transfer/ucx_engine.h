@@ -182,6 +182,11 @@ class UcxTransferEngine final : public TransferEngine {
   void HandleReadRequest(const Event& event) EXCLUDES(regions_mu_);
   void HandleCancel(const Event& event);
   void PumpServe(ServeOp& op);
+  // The serve ops of `op`'s grant on its endpoint not yet sent, oldest first (none: no grant).
+  std::deque<uint64_t>* PostingOrder(const ServeOp& op);
+  // Ends `op`'s turn in its grant's order (all sent and DONE posted, or stopped) and lets the next
+  // one post.
+  void EndPostingTurn(ServeOp& op);
   void MaybeFinishServe(ServeOp& op) EXCLUDES(regions_mu_);
   void SendDone(ServeOp& op, const Status& status, bool has_checksum, uint64_t checksum);
   void FailServerEp(ServerEp& server_ep, Status status);

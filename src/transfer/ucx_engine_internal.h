@@ -93,6 +93,11 @@ struct UcxTransferEngine::ServerEp {
   std::map<uint64_t, uint64_t> serve_by_batch;  // Requester's batch id -> serve op id.
   std::deque<uint64_t> early_cancels;           // Cancels that overtook their request.
   std::set<uint64_t> grants;                    // Grants requests on it were served under.
+  // Per grant, its serve ops not yet sent, oldest first: only the first posts, and the next starts
+  // once every fragment of it was sent and its DONE posted. The batches of one grant are one
+  // fetch's pipelined batches of a prefix, needed in order; served side by side they ended
+  // together.
+  std::map<uint64_t, std::deque<uint64_t>> posting_by_grant;
 };
 inline constexpr size_t kMaxEarlyCancels = 1024;
 

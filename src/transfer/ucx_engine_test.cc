@@ -80,6 +80,22 @@ void ExpectLanded(const Plan& plan, const TestBuffer& dest) {
   }
 }
 
+// A source with the windows production runs with (the requester's default 64 MiB, the served
+// default) serving kSourceBytes of the test pattern from one region.
+struct ProductionSource {
+  static constexpr uint64_t kBytes = 16ull << 20;
+  explicit ProductionSource(bool require_grants)
+      : buffer(kBytes),
+        engine(MakeEngine(PullMode::kAuto, UcxEngineOptions{}.max_inflight_bytes, require_grants,
+                          UcxEngineOptions{}.max_served_inflight_bytes)) {
+    testing::FillPattern(buffer.data(), kBytes, kSeed);
+    region = *engine->RegisterRegion(buffer.data(), kBytes);
+  }
+  TestBuffer buffer;  // outlives the engine
+  std::unique_ptr<UcxTransferEngine> engine;
+  RegionHandle region;
+};
+
 class UcxEngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -226,12 +242,10 @@ TEST_F(UcxEngineTest, ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt) {
   // data, not all of it (UCX interleaves everything posted: with the whole 64 MiB posted, every
   // fragment of both batches ended together). The windows production runs with: the requester's
   // default 64 MiB, the served default.
-  auto source = MakeEngine(PullMode::kAuto, UcxEngineOptions{}.max_inflight_bytes, false,
-                           UcxEngineOptions{}.max_served_inflight_bytes);
+  ProductionSource served(/*require_grants=*/false);
+  UcxTransferEngine* source = served.engine.get();
+  const RegionHandle region = served.region;
   auto requester = MakeEngine();
-  TestBuffer source_buffer(kSourceBytes);
-  testing::FillPattern(source_buffer.data(), kSourceBytes, kSeed);
-  const RegionHandle region = *source->RegisterRegion(source_buffer.data(), kSourceBytes);
   TestBuffer large_dest(64ull << 20);
   TestBuffer small_dest(1ull << 20);
   RegionHandle large_local = *requester->RegisterRegion(large_dest.data(), large_dest.size());
@@ -391,6 +405,93 @@ TEST_F(UcxEngineTest, AGrantBoundsEveryFragmentItServes) {
   EXPECT_EQ(source_->Stats().live_grants, 0u);
   EXPECT_TRUE(source_->UnregisterRegion(region).ok());
   EXPECT_EQ(requester->Stats().pinned_regions, 0u);
+}
+
+TEST_F(UcxEngineTest, TheBatchesOfOneGrantAreServedInOrder) {
+  // One fetch's pipelined batches (one grant) are posted one request after the other: the first
+  // ends while the second still streams, instead of both ending together. A request whose turn
+  // comes while the one ahead of it is cancelled goes on at once.
+  static_assert(ProductionSource::kBytes == kSourceBytes);
+  ProductionSource served(/*require_grants=*/true);
+  UcxTransferEngine* source = served.engine.get();
+  const RegionHandle region = served.region;
+  auto requester = MakeEngine();
+  auto grant = source->CreateGrant(GrantRequest{"node-b", {{region, 0, kSourceBytes}}});
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  TestBuffer dest(48ull << 20);
+  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
+  auto request = [&](const Plan& plan) {
+    ReadBatchRequest r = Request(plan, PullMode::kActiveMessage);
+    r.peer = source->ListenAddress();
+    r.remotes = {*source->ExportRegion(region)};
+    r.grant = *grant;
+    return r;
+  };
+  // 16 MiB each, four times the served window, packed one after the other in `dest`.
+  Plan first = RandomPlan(16, 1 << 20, 1 << 20, kSourceBytes, local, 51);
+  Plan second = RandomPlan(16, 1 << 20, 1 << 20, kSourceBytes, local, 52);
+  for (Fragment& f : second.fragments) f.local_offset += first.bytes;
+  std::memset(dest.data(), 0, dest.size());
+  // Counted in whichever completion comes first, on the engine's thread, which is also the one
+  // landing data: how many fragments of the other batch had landed by then. Served side by side,
+  // all or nearly all of them; in order, about one served window (4 of 16). Which request the
+  // source takes first is the order they arrive in, which on a new endpoint may not be the order
+  // they were sent in.
+  auto landed = [&](const Plan& plan) {
+    size_t count = 0;
+    for (const Fragment& f : plan.fragments) {
+      if (FindPatternMismatch(dest.data() + f.local_offset, f.length, kSeed, f.remote_offset) == -1)
+        ++count;
+    }
+    return count;
+  };
+  std::optional<size_t> other_landed_at_first_done;
+  auto counting = [&](const Plan& other, BatchCallback forward) -> BatchCallback {
+    return [&, forward = std::move(forward)](const BatchResult& result) {
+      if (!other_landed_at_first_done.has_value()) other_landed_at_first_done = landed(other);
+      forward(result);
+    };
+  };
+  BatchWaiter first_waiter, second_waiter;
+  ASSERT_TRUE(requester->ReadBatch(request(first), counting(second, first_waiter.Callback())).ok());
+  ASSERT_TRUE(
+      requester->ReadBatch(request(second), counting(first, second_waiter.Callback())).ok());
+  std::optional<BatchResult> first_result =
+      first_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  std::optional<BatchResult> second_result =
+      second_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  ASSERT_TRUE(first_result.has_value() && second_result.has_value());
+  ASSERT_TRUE(first_result->status.ok()) << first_result->status;
+  ASSERT_TRUE(second_result->status.ok()) << second_result->status;
+  ASSERT_TRUE(other_landed_at_first_done.has_value());
+  EXPECT_LT(*other_landed_at_first_done, second.fragments.size() / 2)
+      << "the two batches of the grant streamed side by side instead of one after the other ("
+      << *other_landed_at_first_done << " of the other's 16 fragments had landed when one ended)";
+  ExpectLanded(first, dest);
+  ExpectLanded(second, dest);
+
+  // A 32 MiB batch cancelled at once: the small one queued behind it in the grant is served.
+  Plan large = RandomPlan(32, 1 << 20, 1 << 20, kSourceBytes, local, 53);
+  Plan small = RandomPlan(4, 16 << 10, 64 << 10, kSourceBytes, local, 54);
+  for (Fragment& f : small.fragments) f.local_offset += large.bytes;
+  BatchWaiter large_waiter, small_waiter;
+  Result<uint64_t> large_id = requester->ReadBatch(request(large), large_waiter.Callback());
+  ASSERT_TRUE(large_id.ok());
+  ASSERT_TRUE(requester->ReadBatch(request(small), small_waiter.Callback()).ok());
+  ASSERT_TRUE(requester->Cancel(*large_id).ok());
+  std::optional<BatchResult> small_result =
+      small_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  ASSERT_TRUE(small_result.has_value());
+  ASSERT_TRUE(small_result->status.ok()) << small_result->status;
+  ExpectLanded(small, dest);
+  ASSERT_TRUE(large_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30))).has_value());
+
+  DrainFlag drained;
+  ASSERT_TRUE(source->RevokeGrant(*grant, drained.Callback()).ok());
+  EXPECT_TRUE(drained.Wait());
+  EXPECT_EQ(source->Stats().live_grants, 0u);
+  EXPECT_TRUE(source->UnregisterRegion(region).ok());
+  EXPECT_TRUE(requester->UnregisterRegion(local).ok());
 }
 
 TEST_F(UcxEngineTest, GrantsAreCheckedAgainstTheirRegionsWhenIssued) {

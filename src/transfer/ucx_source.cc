@@ -145,6 +145,7 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
       grants_.at(h.grant_id).serving += 1;
       op->grant = h.grant_id;
       sep.grants.insert(h.grant_id);
+      sep.posting_by_grant[h.grant_id].push_back(op->id);
     }
   }
   op->headers.resize(op->src.size());
@@ -163,8 +164,39 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
   MaybeFinishServe(s);
 }
 
+std::deque<uint64_t>* UcxTransferEngine::PostingOrder(const ServeOp& s) {
+  if (s.grant == 0) return nullptr;
+  auto sep = server_eps_.find(s.server_ep_id);
+  if (sep == server_eps_.end()) return nullptr;
+  auto order = sep->second->posting_by_grant.find(s.grant);
+  return order == sep->second->posting_by_grant.end() ? nullptr : &order->second;
+}
+
+void UcxTransferEngine::EndPostingTurn(ServeOp& s) {
+  std::deque<uint64_t>* order = PostingOrder(s);
+  if (order == nullptr) return;
+  auto at = std::find(order->begin(), order->end(), s.id);
+  if (at == order->end()) return;
+  const bool was_first = at == order->begin();
+  order->erase(at);
+  if (order->empty()) {
+    server_eps_.at(s.server_ep_id)->posting_by_grant.erase(s.grant);  // `order` goes
+    return;
+  }
+  if (!was_first) return;
+  if (auto next = serve_ops_.find(order->front()); next != serve_ops_.end())
+    PumpServe(*next->second);
+}
+
 void UcxTransferEngine::PumpServe(ServeOp& s) {
-  if (s.cancelled || s.failure || s.ep_failed || s.expired) return;
+  if (s.cancelled || s.failure || s.ep_failed || s.expired) {
+    EndPostingTurn(s);
+    return;
+  }
+  // An earlier request of the same grant is still being sent: this one waits for its turn.
+  if (const std::deque<uint64_t>* order = PostingOrder(s);
+      order != nullptr && order->front() != s.id)
+    return;
   const uint32_t n = static_cast<uint32_t>(s.src.size());
   const bool checksum = (s.flags & wire::kFlagChecksum) != 0;
   while (s.next < n && s.inflight_bytes < options_.max_served_inflight_bytes) {
@@ -198,6 +230,8 @@ void UcxTransferEngine::MaybeFinishServe(ServeOp& s) {
                           : Status::Ok();
       const bool with_checksum = status.ok() && (s.flags & wire::kFlagChecksum) != 0;
       SendDone(s, status, with_checksum, with_checksum ? s.hashes.Finish() : 0);
+      // Every fragment is sent and DONE is posted ahead of the grant's next request.
+      EndPostingTurn(s);
       if (s.outstanding > 0) return;
     }
   }
@@ -209,6 +243,7 @@ void UcxTransferEngine::MaybeFinishServe(ServeOp& s) {
     it->second->serve_by_batch.erase(s.batch_id);
   }
   serving_count_.fetch_sub(1, std::memory_order_relaxed);
+  EndPostingTurn(s);
   const uint64_t grant = s.grant;
   serve_ops_.erase(s.id);  // Destroys `s`.
   if (grant != 0) GrantOpEnded(grant);
