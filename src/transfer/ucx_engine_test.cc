@@ -447,8 +447,8 @@ TEST_F(UcxEngineTest, TheBatchesOfOneGrantAreServedInOrder) {
   };
   std::optional<size_t> other_landed_at_first_done;
   auto counting = [&](const Plan& other, BatchCallback forward) -> BatchCallback {
-    return [&, forward = std::move(forward)](const BatchResult& result) {
-      if (!other_landed_at_first_done.has_value()) other_landed_at_first_done = landed(other);
+    return [&, other = &other, forward = std::move(forward)](const BatchResult& result) {
+      if (!other_landed_at_first_done.has_value()) other_landed_at_first_done = landed(*other);
       forward(result);
     };
   };
