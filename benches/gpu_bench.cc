@@ -35,6 +35,7 @@
 #include "base/clock.h"
 #include "bench_report.h"
 #include "core/slab_pool.h"
+#include "gpu/copy_kernels.h"
 #include "gpu/cuda_copy_engine.h"
 #include "gpu/cuda_util.h"
 
@@ -134,6 +135,41 @@ double MedianGbps(CudaCopyEngine& engine, const std::vector<const std::vector<Co
 struct Peaks {
   double h2d = 0, d2h = 0, bidir = 0;
 };
+
+// The copy kernel alone on one contiguous kPeakBytes range between the pinned arena and device
+// memory, in `chunk`-byte pieces (2 blocks per SM, the engine's default grid): what the SMs'
+// reads and writes of host memory reach with no scatter at all, against the copy engines' peak.
+std::pair<double, double> MeasureKernelContiguous(uint8_t* pinned, uint8_t* device, uint64_t chunk,
+                                                  int sms) {
+  void* mapped = nullptr;
+  CUDA_OK(cudaHostGetDevicePointer(&mapped, pinned, 0));
+  gpu::CudaStream stream = std::move(gpu::CudaStream::Create(0)).value();
+  const uint64_t count = kPeakBytes / chunk;
+  auto descriptors = gpu::DeviceMemory::Allocate(0, count * sizeof(gpu::CopyChunk));
+  ORBITKV_CHECK_MSG(descriptors.ok(), "{}", descriptors.status().ToString());
+  auto timed = [&](bool h2d) {
+    std::vector<gpu::CopyChunk> chunks(count);
+    for (uint64_t i = 0; i < count; ++i) {
+      const uint64_t host = reinterpret_cast<uint64_t>(mapped) + i * chunk;
+      const uint64_t dev = reinterpret_cast<uint64_t>(device) + i * chunk;
+      chunks[i] = gpu::CopyChunk{h2d ? host : dev, h2d ? dev : host, chunk, 0};
+    }
+    CUDA_OK(cudaMemcpy(descriptors->data(), chunks.data(), count * sizeof(gpu::CopyChunk),
+                       cudaMemcpyHostToDevice));
+    std::vector<double> passes;
+    for (int p = 0; p < kPasses + 1; ++p) {
+      Stopwatch watch;
+      CUDA_OK(gpu::LaunchCopyChunks(reinterpret_cast<const gpu::CopyChunk*>(descriptors->data()),
+                                    static_cast<uint32_t>(count), static_cast<uint32_t>(2 * sms),
+                                    stream.get()));
+      CUDA_OK(cudaStreamSynchronize(stream.get()));
+      const double seconds = watch.ElapsedSeconds();
+      if (p > 0) passes.push_back(static_cast<double>(kPeakBytes) / seconds / 1e9);
+    }
+    return Median(passes);
+  };
+  return {timed(true), timed(false)};
+}
 
 // One large copy per direction between the pinned arena and device memory, and both at once.
 Peaks MeasurePeaks(uint8_t* pinned, uint8_t* device) {
@@ -354,6 +390,13 @@ int main(int argc, char** argv) {
 
   // Baselines first, on the fresh arena (no block allocated yet, so its bytes are free to use).
   const Peaks peaks = MeasurePeaks(pool.arena(0).data(), device);
+  for (uint64_t chunk : {uint64_t{16} << 10, uint64_t{64} << 10}) {
+    const auto [restore, save] = MeasureKernelContiguous(pool.arena(0).data(), device, chunk,
+                                                         properties.multiProcessorCount);
+    report.AddEnv(fmt::format("kernel_contiguous_{}k", chunk >> 10),
+                  fmt::format("restore {:.1f} ({:.3f} of the peak), save {:.1f} ({:.3f}) GB/s",
+                              restore, restore / peaks.h2d, save, save / peaks.d2h));
+  }
 
   // The default engine gives the metrics; the kernel alone and the copy engines alone run the same
   // pages for comparison (in "env").
