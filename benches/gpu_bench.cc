@@ -171,6 +171,26 @@ std::pair<double, double> MeasureKernelContiguous(uint8_t* pinned, uint8_t* devi
   return {timed(true), timed(false)};
 }
 
+// Host-to-device copies of kPeakBytes in total as back-to-back `piece`-byte cudaMemcpyAsync calls,
+// alternating over `streams` streams: what one copy's start and drain cost the copy engines (the
+// staging ring copies a slot per call).
+double MeasureCopyPieces(uint8_t* pinned, uint8_t* device, uint64_t piece, int streams) {
+  std::vector<gpu::CudaStream> lanes;
+  for (int i = 0; i < streams; ++i) lanes.push_back(std::move(gpu::CudaStream::Create(0)).value());
+  std::vector<double> passes;
+  for (int p = 0; p < kPasses + 1; ++p) {
+    Stopwatch watch;
+    for (uint64_t at = 0, i = 0; at < kPeakBytes; at += piece, ++i) {
+      CUDA_OK(cudaMemcpyAsync(device + at, pinned + at, piece, cudaMemcpyHostToDevice,
+                              lanes[i % lanes.size()].get()));
+    }
+    for (gpu::CudaStream& lane : lanes) CUDA_OK(cudaStreamSynchronize(lane.get()));
+    const double seconds = watch.ElapsedSeconds();
+    if (p > 0) passes.push_back(static_cast<double>(kPeakBytes) / seconds / 1e9);
+  }
+  return Median(passes);
+}
+
 // One large copy per direction between the pinned arena and device memory, and both at once.
 Peaks MeasurePeaks(uint8_t* pinned, uint8_t* device) {
   gpu::CudaStream up = std::move(gpu::CudaStream::Create(0)).value();
@@ -396,6 +416,13 @@ int main(int argc, char** argv) {
     report.AddEnv(fmt::format("kernel_contiguous_{}k", chunk >> 10),
                   fmt::format("restore {:.1f} ({:.3f} of the peak), save {:.1f} ({:.3f}) GB/s",
                               restore, restore / peaks.h2d, save, save / peaks.d2h));
+  }
+  for (uint64_t piece_mib : {64, 16, 4, 1}) {
+    const double one = MeasureCopyPieces(pool.arena(0).data(), device, piece_mib << 20, 1);
+    const double two = MeasureCopyPieces(pool.arena(0).data(), device, piece_mib << 20, 2);
+    report.AddEnv(fmt::format("h2d_copies_of_{}m", piece_mib),
+                  fmt::format("one stream {:.1f} ({:.3f} of the peak), two {:.1f} ({:.3f}) GB/s",
+                              one, one / peaks.h2d, two, two / peaks.h2d));
   }
 
   // The default engine gives the metrics; the kernel alone and the copy engines alone run the same
