@@ -191,6 +191,63 @@ double MeasureCopyPieces(uint8_t* pinned, uint8_t* device, uint64_t piece, int s
   return Median(passes);
 }
 
+// A model of the staging ring outside the engine: kPeakBytes of pinned memory restored into
+// `page`-byte pages scattered over device memory, through `slots` device slots of `slot_bytes`:
+// one copy-engine copy per slot on one stream, the kernel's device-side scatter of it on another,
+// events between them, nothing else. What the ring's pipeline can reach on this GPU.
+double MeasureRingModel(uint8_t* pinned, uint8_t* device, uint64_t page, uint64_t slot_bytes,
+                        int slots, std::mt19937_64& rng, int sms) {
+  uint8_t* const pages = device;
+  uint8_t* const ring = device + kPeakBytes;
+  const uint64_t page_count = kPeakBytes / page;
+  const uint64_t per_slot = slot_bytes / page;
+  std::vector<uint64_t> order(page_count);
+  for (uint64_t i = 0; i < page_count; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<gpu::CopyChunk> chunks(page_count);
+  for (uint64_t i = 0; i < page_count; ++i) {
+    const uint64_t slot = (i / per_slot) % static_cast<uint64_t>(slots);
+    chunks[i] =
+        gpu::CopyChunk{reinterpret_cast<uint64_t>(ring + slot * slot_bytes + (i % per_slot) * page),
+                       reinterpret_cast<uint64_t>(pages + order[i] * page), page, 0};
+  }
+  auto descriptors = gpu::DeviceMemory::Allocate(0, chunks.size() * sizeof(gpu::CopyChunk));
+  ORBITKV_CHECK_MSG(descriptors.ok(), "{}", descriptors.status().ToString());
+  CUDA_OK(cudaMemcpy(descriptors->data(), chunks.data(), chunks.size() * sizeof(gpu::CopyChunk),
+                     cudaMemcpyHostToDevice));
+  const auto* device_chunks = reinterpret_cast<const gpu::CopyChunk*>(descriptors->data());
+  gpu::CudaStream copy = std::move(gpu::CudaStream::Create(0)).value();
+  gpu::CudaStream scatter = std::move(gpu::CudaStream::Create(0)).value();
+  std::vector<gpu::CudaEvent> filled, freed;
+  for (int i = 0; i < slots; ++i) {
+    filled.push_back(std::move(gpu::CudaEvent::Create(0, false)).value());
+    freed.push_back(std::move(gpu::CudaEvent::Create(0, false)).value());
+  }
+  std::vector<double> passes;
+  for (int p = 0; p < kPasses + 1; ++p) {
+    Stopwatch watch;
+    for (uint64_t piece = 0; piece * slot_bytes < kPeakBytes; ++piece) {
+      const int slot = static_cast<int>(piece % static_cast<uint64_t>(slots));
+      if (piece >= static_cast<uint64_t>(slots)) {
+        CUDA_OK(cudaStreamWaitEvent(copy.get(), freed[slot].get(), 0));
+      }
+      CUDA_OK(cudaMemcpyAsync(ring + slot * slot_bytes, pinned + piece * slot_bytes, slot_bytes,
+                              cudaMemcpyHostToDevice, copy.get()));
+      CUDA_OK(cudaEventRecord(filled[slot].get(), copy.get()));
+      CUDA_OK(cudaStreamWaitEvent(scatter.get(), filled[slot].get(), 0));
+      CUDA_OK(gpu::LaunchCopyChunks(device_chunks + piece * per_slot,
+                                    static_cast<uint32_t>(per_slot), static_cast<uint32_t>(2 * sms),
+                                    scatter.get()));
+      CUDA_OK(cudaEventRecord(freed[slot].get(), scatter.get()));
+    }
+    CUDA_OK(cudaStreamSynchronize(copy.get()));
+    CUDA_OK(cudaStreamSynchronize(scatter.get()));
+    const double seconds = watch.ElapsedSeconds();
+    if (p > 0) passes.push_back(static_cast<double>(kPeakBytes) / seconds / 1e9);
+  }
+  return Median(passes);
+}
+
 // One large copy per direction between the pinned arena and device memory, and both at once.
 Peaks MeasurePeaks(uint8_t* pinned, uint8_t* device) {
   gpu::CudaStream up = std::move(gpu::CudaStream::Create(0)).value();
@@ -416,6 +473,13 @@ int main(int argc, char** argv) {
     report.AddEnv(fmt::format("kernel_contiguous_{}k", chunk >> 10),
                   fmt::format("restore {:.1f} ({:.3f} of the peak), save {:.1f} ({:.3f}) GB/s",
                               restore, restore / peaks.h2d, save, save / peaks.d2h));
+  }
+  std::mt19937_64 ring_rng(7);  // its own: the pages below keep their placement
+  for (uint64_t slot_mib : {64, 16}) {
+    const double ring = MeasureRingModel(pool.arena(0).data(), device, 16 << 10, slot_mib << 20, 4,
+                                         ring_rng, properties.multiProcessorCount);
+    report.AddEnv(fmt::format("ring_model_16k_{}m_slots", slot_mib),
+                  fmt::format("restore {:.1f} ({:.3f} of the peak) GB/s", ring, ring / peaks.h2d));
   }
   for (uint64_t piece_mib : {64, 16, 4, 1}) {
     const double one = MeasureCopyPieces(pool.arena(0).data(), device, piece_mib << 20, 1);
