@@ -29,6 +29,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "base/check.h"
@@ -193,55 +194,122 @@ double MeasureCopyPieces(uint8_t* pinned, uint8_t* device, uint64_t piece, int s
 
 // A model of the staging ring outside the engine: kPeakBytes of pinned memory restored into
 // `page`-byte pages scattered over device memory, through `slots` device slots of `slot_bytes`:
-// one copy-engine copy per slot on one stream, the kernel's device-side scatter of it on another,
-// events between them, nothing else. What the ring's pipeline can reach on this GPU.
-double MeasureRingModel(uint8_t* pinned, uint8_t* device, uint64_t page, uint64_t slot_bytes,
-                        int slots, std::mt19937_64& rng, int sms) {
+// each slot filled by copy-engine copies on one stream, the kernel's device-side scatter of it on
+// another, events between them, nothing else. What the ring's pipeline can reach on this GPU. The
+// variants take one step toward what the engine does at a time.
+struct RingModel {
+  uint64_t page = 16 << 10;
+  uint64_t slot_bytes = 64 << 20;
+  int slots = 4;
+  // 0: the source is one contiguous range (one copy per slot). Else runs of run_bytes every
+  // run_stride bytes of the arena (a block's pages back to back in its slab), a run cut where a
+  // slot ends.
+  uint64_t run_bytes = 0;
+  uint64_t run_stride = 0;
+  bool batch_api = false;         // a slot's runs in cudaMemcpyBatchAsync calls, not one call each
+  bool host_descriptors = false;  // the scatter reads its descriptors from mapped pinned memory
+  int scatter_streams = 1;        // scatters alternate over this many streams
+};
+
+double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model,
+                        std::mt19937_64& rng, int sms) {
   uint8_t* const pages = device;
   uint8_t* const ring = device + kPeakBytes;
-  const uint64_t page_count = kPeakBytes / page;
-  const uint64_t per_slot = slot_bytes / page;
+  const uint64_t page_count = kPeakBytes / model.page;
+  const uint64_t per_slot = model.slot_bytes / model.page;
+  const uint64_t pieces = kPeakBytes / model.slot_bytes;
   std::vector<uint64_t> order(page_count);
   for (uint64_t i = 0; i < page_count; ++i) order[i] = i;
   std::shuffle(order.begin(), order.end(), rng);
   std::vector<gpu::CopyChunk> chunks(page_count);
   for (uint64_t i = 0; i < page_count; ++i) {
-    const uint64_t slot = (i / per_slot) % static_cast<uint64_t>(slots);
-    chunks[i] =
-        gpu::CopyChunk{reinterpret_cast<uint64_t>(ring + slot * slot_bytes + (i % per_slot) * page),
-                       reinterpret_cast<uint64_t>(pages + order[i] * page), page, 0};
+    const uint64_t slot = (i / per_slot) % static_cast<uint64_t>(model.slots);
+    chunks[i] = gpu::CopyChunk{
+        reinterpret_cast<uint64_t>(ring + slot * model.slot_bytes + (i % per_slot) * model.page),
+        reinterpret_cast<uint64_t>(pages + order[i] * model.page), model.page, 0};
+  }
+  // Each piece's copies into its slot: (source, offset in the slot, bytes).
+  struct Copy {
+    const uint8_t* from;
+    uint64_t at;
+    uint64_t bytes;
+  };
+  std::vector<std::vector<Copy>> copies(pieces);
+  for (uint64_t piece = 0; piece < pieces; ++piece) {
+    if (model.run_bytes == 0) {
+      copies[piece].push_back({pinned + piece * model.slot_bytes, 0, model.slot_bytes});
+      continue;
+    }
+    for (uint64_t at = 0; at < model.slot_bytes;) {
+      const uint64_t data = piece * model.slot_bytes + at;  // offset in the concatenated runs
+      const uint64_t run = data / model.run_bytes, into = data % model.run_bytes;
+      const uint64_t take = std::min(model.run_bytes - into, model.slot_bytes - at);
+      copies[piece].push_back({pinned + run * model.run_stride + into, at, take});
+      at += take;
+    }
   }
   auto descriptors = gpu::DeviceMemory::Allocate(0, chunks.size() * sizeof(gpu::CopyChunk));
   ORBITKV_CHECK_MSG(descriptors.ok(), "{}", descriptors.status().ToString());
   CUDA_OK(cudaMemcpy(descriptors->data(), chunks.data(), chunks.size() * sizeof(gpu::CopyChunk),
                      cudaMemcpyHostToDevice));
-  const auto* device_chunks = reinterpret_cast<const gpu::CopyChunk*>(descriptors->data());
+  auto mapped = gpu::PinnedHostMemory::Allocate(0, chunks.size() * sizeof(gpu::CopyChunk));
+  ORBITKV_CHECK_MSG(mapped.ok(), "{}", mapped.status().ToString());
+  std::memcpy(mapped->data(), chunks.data(), chunks.size() * sizeof(gpu::CopyChunk));
+  const auto* device_chunks = reinterpret_cast<const gpu::CopyChunk*>(
+      model.host_descriptors ? mapped->device_data() : descriptors->data());
   gpu::CudaStream copy = std::move(gpu::CudaStream::Create(0)).value();
-  gpu::CudaStream scatter = std::move(gpu::CudaStream::Create(0)).value();
+  std::vector<gpu::CudaStream> scatters;
+  for (int i = 0; i < model.scatter_streams; ++i) {
+    scatters.push_back(std::move(gpu::CudaStream::Create(0)).value());
+  }
   std::vector<gpu::CudaEvent> filled, freed;
-  for (int i = 0; i < slots; ++i) {
+  for (int i = 0; i < model.slots; ++i) {
     filled.push_back(std::move(gpu::CudaEvent::Create(0, false)).value());
     freed.push_back(std::move(gpu::CudaEvent::Create(0, false)).value());
   }
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
   std::vector<double> passes;
   for (int p = 0; p < kPasses + 1; ++p) {
     Stopwatch watch;
-    for (uint64_t piece = 0; piece * slot_bytes < kPeakBytes; ++piece) {
-      const int slot = static_cast<int>(piece % static_cast<uint64_t>(slots));
-      if (piece >= static_cast<uint64_t>(slots)) {
+    for (uint64_t piece = 0; piece < pieces; ++piece) {
+      const int slot = static_cast<int>(piece % static_cast<uint64_t>(model.slots));
+      uint8_t* const slot_at = ring + slot * model.slot_bytes;
+      cudaStream_t scatter = scatters[piece % scatters.size()].get();
+      if (piece >= static_cast<uint64_t>(model.slots)) {
         CUDA_OK(cudaStreamWaitEvent(copy.get(), freed[slot].get(), 0));
       }
-      CUDA_OK(cudaMemcpyAsync(ring + slot * slot_bytes, pinned + piece * slot_bytes, slot_bytes,
-                              cudaMemcpyHostToDevice, copy.get()));
+      if (model.batch_api) {
+        dsts.clear();
+        srcs.clear();
+        sizes.clear();
+        for (const Copy& c : copies[piece]) {
+          dsts.push_back(slot_at + c.at);
+          srcs.push_back(c.from);
+          sizes.push_back(c.bytes);
+        }
+        size_t first = 0;
+        CUDA_OK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
+                                     &attributes, &first, 1, copy.get()));
+      } else {
+        for (const Copy& c : copies[piece]) {
+          CUDA_OK(
+              cudaMemcpyAsync(slot_at + c.at, c.from, c.bytes, cudaMemcpyHostToDevice, copy.get()));
+        }
+      }
       CUDA_OK(cudaEventRecord(filled[slot].get(), copy.get()));
-      CUDA_OK(cudaStreamWaitEvent(scatter.get(), filled[slot].get(), 0));
+      CUDA_OK(cudaStreamWaitEvent(scatter, filled[slot].get(), 0));
       CUDA_OK(gpu::LaunchCopyChunks(device_chunks + piece * per_slot,
                                     static_cast<uint32_t>(per_slot), static_cast<uint32_t>(2 * sms),
-                                    scatter.get()));
-      CUDA_OK(cudaEventRecord(freed[slot].get(), scatter.get()));
+                                    scatter));
+      CUDA_OK(cudaEventRecord(freed[slot].get(), scatter));
     }
     CUDA_OK(cudaStreamSynchronize(copy.get()));
-    CUDA_OK(cudaStreamSynchronize(scatter.get()));
+    for (gpu::CudaStream& s : scatters) CUDA_OK(cudaStreamSynchronize(s.get()));
     const double seconds = watch.ElapsedSeconds();
     if (p > 0) passes.push_back(static_cast<double>(kPeakBytes) / seconds / 1e9);
   }
@@ -475,10 +543,29 @@ int main(int argc, char** argv) {
                               restore, restore / peaks.h2d, save, save / peaks.d2h));
   }
   std::mt19937_64 ring_rng(7);  // its own: the pages below keep their placement
-  for (uint64_t slot_mib : {64, 16}) {
-    const double ring = MeasureRingModel(pool.arena(0).data(), device, 16 << 10, slot_mib << 20, 4,
-                                         ring_rng, properties.multiProcessorCount);
-    report.AddEnv(fmt::format("ring_model_16k_{}m_slots", slot_mib),
+  const uint64_t mib = 1 << 20;
+  const std::vector<std::pair<std::string, RingModel>> ring_models = {
+      {"16k_64m_slots", {}},
+      {"16k_16m_slots", {.slot_bytes = 16 * mib}},
+      {"16k_64m_host_descriptors", {.host_descriptors = true}},
+      {"16k_64m_two_scatter_streams", {.scatter_streams = 2}},
+      // Qwen3-8B blocks: 2.25 MiB of 64 KiB pages in 4 MiB slabs.
+      {"64k_blocks_16m_slots",
+       {.page = 64 << 10, .slot_bytes = 16 * mib, .run_bytes = 2304 << 10, .run_stride = 4 * mib}},
+      {"64k_blocks_16m_slots_batch_api",
+       {.page = 64 << 10,
+        .slot_bytes = 16 * mib,
+        .run_bytes = 2304 << 10,
+        .run_stride = 4 * mib,
+        .batch_api = true}},
+      {"64k_blocks_64m_slots", {.page = 64 << 10, .run_bytes = 2304 << 10, .run_stride = 4 * mib}},
+      {"64k_blocks_64m_slots_batch_api",
+       {.page = 64 << 10, .run_bytes = 2304 << 10, .run_stride = 4 * mib, .batch_api = true}},
+  };
+  for (const auto& [name, model] : ring_models) {
+    const double ring = MeasureRingModel(pool.arena(0).data(), device, model, ring_rng,
+                                         properties.multiProcessorCount);
+    report.AddEnv("ring_model_" + name,
                   fmt::format("restore {:.1f} ({:.3f} of the peak) GB/s", ring, ring / peaks.h2d));
   }
   for (uint64_t piece_mib : {64, 16, 4, 1}) {
@@ -546,6 +633,50 @@ int main(int argc, char** argv) {
                                 MedianGbps(*other, {&set.restores}, rounds),
                                 MedianGbps(*other, {&set.saves}, rounds),
                                 MedianGbps(*other, {&set.restores, &set.saves}, rounds)));
+    }
+    if (fragment == (uint64_t{16} << 10)) {
+      // Passes four times as long: how much of the gap is the pipeline's start and drain per pass.
+      SetBuffer(set, staged_id);
+      report.AddEnv(
+          "staged_16k_long_passes",
+          fmt::format("restore {:.1f} GB/s", MedianGbps(*staged, {&set.restores}, 4 * rounds)));
+      // The same pass as one batch (the pages `rounds` times over): what the engine loses from
+      // batch to batch, against what it loses inside one.
+      std::vector<CopyBatch> one{CopyBatch{CopyDirection::kRestore, {}}};
+      for (int r = 0; r < rounds; ++r) {
+        for (const CopyBatch& b : set.restores) {
+          one[0].fragments.insert(one[0].fragments.end(), b.fragments.begin(), b.fragments.end());
+        }
+      }
+      report.AddEnv("staged_16k_one_batch",
+                    fmt::format("restore {:.1f} GB/s", MedianGbps(*staged, {&one}, 1)));
+      for (CopyFragment& f : one[0].fragments) f.buffer = kernel_id;
+      report.AddEnv("kernel_16k_one_batch",
+                    fmt::format("restore {:.1f} GB/s", MedianGbps(*kernel, {&one}, 1)));
+      // The same pages read from the arena's first 64 MiB, where the peak and the ring model
+      // read: whether where the pool's bytes sit costs the copy engines.
+      std::vector<CopyBatch> front = set.restores;
+      for (CopyBatch& b : front) {
+        for (size_t j = 0; j < b.fragments.size(); ++j) {
+          b.fragments[j].pool = pool.arena(0).data() + j * fragment;
+          b.fragments[j].buffer = staged_id;
+        }
+      }
+      report.AddEnv("staged_16k_arena_front",
+                    fmt::format("restore {:.1f} GB/s", MedianGbps(*staged, {&front}, rounds)));
+      // The caller's share of it: Submit() alone (checks, translation, pins; a copy of the batch).
+      std::vector<double> submits;
+      for (int p = 0; p < kPasses; ++p) {
+        Completions completions;
+        Stopwatch watch;
+        SubmitRetrying(*kernel, one[0], completions);
+        submits.push_back(watch.ElapsedSeconds() * 1e9 /
+                          static_cast<double>(one[0].fragments.size()));
+        completions.WaitFor(1);
+      }
+      report.AddEnv(
+          "submit_ns_per_fragment",
+          fmt::format("{:.1f} ns ({} fragments)", Median(submits), one[0].fragments.size()));
     }
     FreePageSet(pool, set);
   }

@@ -741,14 +741,19 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
                                        "cudaStreamWaitEvent (staging slot free)"));
     const uint64_t first_chunk = n;
     uint64_t filled = 0;
-    // The pool run being gathered into the slot: adjacent fragments make one copy.
+    // The pool run being gathered into the slot: adjacent fragments make one copy. The slot's
+    // copies go out together (FillSlot) once its runs are known.
     const uint8_t* run = nullptr;
     uint64_t run_at = 0, run_bytes = 0;
+    staging.dsts.clear();
+    staging.srcs.clear();
+    staging.sizes.clear();
     const auto copy_run = [&]() -> Status {
       if (run_bytes == 0) return Status::Ok();
-      return CudaStatus(cudaMemcpyAsync(slot + run_at, run, run_bytes, cudaMemcpyHostToDevice,
-                                        copies),
-                        "cudaMemcpyAsync into the staging ring");
+      staging.dsts.push_back(slot + run_at);
+      staging.srcs.push_back(run);
+      staging.sizes.push_back(run_bytes);
+      return Status::Ok();
     };
     while (i < fragments.size() && filled < slot_bytes) {
       const CopyFragment& f = fragments[i];
@@ -774,6 +779,7 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
       }
     }
     ORBITKV_RETURN_IF_ERROR(copy_run());
+    ORBITKV_RETURN_IF_ERROR(FillSlot(copies, &staging));
     ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_filled[k].get(), copies),
                                        "cudaEventRecord (staging slot filled)"));
     ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, lane->slot_filled[k].get(), 0),
@@ -792,6 +798,43 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
   return Status::Ok();
 }
 
+// staging's copies (dsts, srcs, sizes) as cudaMemcpyBatchAsync calls of at most
+// kCopiesPerMemcpyBatch copies, back to back on the stream: one call of 4096 64 KiB copies measured
+// 0.70 of the link's peak, 256 per call 0.95 (docs/gpu.md).
+Status CudaCopyEngine::IssueMemcpyBatches(Staging* staging, cudaStream_t stream, const char* what) {
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t first_copy = 0;
+  const size_t n = staging->dsts.size();
+  for (size_t begin = 0; begin < n; begin += kCopiesPerMemcpyBatch) {
+    const size_t count = std::min(kCopiesPerMemcpyBatch, n - begin);
+    ORBITKV_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyBatchAsync(staging->dsts.data() + begin, staging->srcs.data() + begin,
+                                        staging->sizes.data() + begin, count, &attributes,
+                                        &first_copy, 1, stream),
+                   what));
+  }
+  return Status::Ok();
+}
+
+Status CudaCopyEngine::FillSlot(cudaStream_t copies, Staging* staging) const {
+  const size_t n = staging->dsts.size();
+  if (!dma_available_) {
+    for (size_t i = 0; i < n; ++i) {
+      ORBITKV_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(staging->dsts[i], staging->srcs[i], staging->sizes[i],
+                                     cudaMemcpyHostToDevice, copies),
+                     "cudaMemcpyAsync into the staging ring"));
+    }
+    return Status::Ok();
+  }
+  // One call for the slot's runs rather than one cudaMemcpyAsync each: a 16 MiB slot of 2.25 MiB
+  // block runs filled at 0.99 of the link's peak this way and at 0.94 run by run (ring_model_* in
+  // gpu_bench, docs/gpu.md).
+  return IssueMemcpyBatches(staging, copies, "cudaMemcpyBatchAsync into the staging ring");
+}
+
 Status CudaCopyEngine::LaunchMemcpyBatch(cudaStream_t stream, Batch* batch) {
   Staging& staging = *batch->staging;
   const std::vector<CopyFragment>& fragments = batch->copy.fragments;
@@ -804,21 +847,7 @@ Status CudaCopyEngine::LaunchMemcpyBatch(cudaStream_t stream, Batch* batch) {
     staging.srcs[i] = reinterpret_cast<const void*>(batch->src[i]);
     staging.sizes[i] = fragments[i].length;
   }
-  cudaMemcpyAttributes attributes{};
-  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  size_t first_copy = 0;
-  // Calls of at most kCopiesPerMemcpyBatch copies, back to back on the stream: one call of 4096
-  // 64 KiB copies measured 0.70 of the link's peak, 256 per call 0.95 (docs/gpu.md).
-  for (size_t begin = 0; begin < n; begin += kCopiesPerMemcpyBatch) {
-    const size_t count = std::min(kCopiesPerMemcpyBatch, n - begin);
-    ORBITKV_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyBatchAsync(staging.dsts.data() + begin, staging.srcs.data() + begin,
-                                        staging.sizes.data() + begin, count, &attributes,
-                                        &first_copy, 1, stream),
-                   "cudaMemcpyBatchAsync"));
-  }
-  return Status::Ok();
+  return IssueMemcpyBatches(&staging, stream, "cudaMemcpyBatchAsync");
 }
 
 void CudaCopyEngine::CompleteLoop(Lane* lane) {

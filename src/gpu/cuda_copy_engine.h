@@ -98,13 +98,15 @@ class CudaCopyEngine final : public core::CopyEngine {
     // kAuto's threshold (average fragment bytes of a batch) for the copy engines; at least 1.
     uint64_t dma_min_fragment_bytes = uint64_t{64} << 10;
     // kAuto's staged restores: a restore of small fragments whose pool side comes in long runs of
-    // adjacent memory (a block holds every layer's pages back to back) goes through a ring of device
-    // memory: the copy engines move the runs into the ring at the link's peak, and the kernel
-    // scatters them from there into the pages, device to device. The ring's bytes per device
+    // adjacent memory (a block holds every layer's pages back to back) goes through a ring of
+    // device memory: the copy engines move the runs into the ring at the link's peak, and the
+    // kernel scatters them from there into the pages, device to device. The ring's bytes per device
     // (kStagingSlots slots; a multiple of kStagingSlots x 4 KiB; 0: no ring), allocated on the GPU
     // at Create (a device without room for it restores through the kernel alone, with a warning).
-    // Off by default: on the H200 it measured no clear gain over the kernel (docs/gpu.md).
-    uint64_t restore_staging_bytes = 0;
+    // Each slot's runs go to the copy engines in one cudaMemcpyBatchAsync call (CUDA 12.8; else
+    // one cudaMemcpyAsync per run). 64 MiB: 16 MiB slots, where a ring restores whole blocks at
+    // 0.99 of the link's peak on the H200 and the kernel stops at 0.93 (docs/gpu.md).
+    uint64_t restore_staging_bytes = uint64_t{64} << 20;
     // The average run of adjacent pool bytes from which a restore is staged; at least 1.
     uint64_t staged_min_run_bytes = uint64_t{1} << 20;
   };
@@ -233,6 +235,11 @@ class CudaCopyEngine final : public core::CopyEngine {
   // A staged restore: per ring slot, the copy engines fill it from the pool runs (the lane's copy
   // stream) and the kernel scatters it into the pages (`stream`).
   Status LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batch);
+  // Queues the copies of one staging slot (staging->dsts/srcs/sizes) on `copies`.
+  Status FillSlot(cudaStream_t copies, Staging* staging) const;
+  // staging->dsts/srcs/sizes as cudaMemcpyBatchAsync calls on `stream`; `what` names them in
+  // errors.
+  static Status IssueMemcpyBatches(Staging* staging, cudaStream_t stream, const char* what);
   // Whether kAuto stages this restore on its lane (the lane has a ring; long pool runs).
   bool ShouldStage(const Lane& lane, const Batch& batch) const;
   // Runs on the completer: CopyDone, metrics, unpin, staging back to the lane, in-flight slot.

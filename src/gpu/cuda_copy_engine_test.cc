@@ -523,6 +523,55 @@ TEST(CudaCopyEngineTest, RestoresOfLongPoolRunsAreStagedThroughTheRing) {
   EXPECT_TRUE(Download(device) == expected) << "restores of 1000-byte fragments differ";
 }
 
+// Block runs with gaps between them (a slab's blocks, each holding its pages back to back): a slot
+// gathers many runs, more than one cudaMemcpyBatchAsync call takes (256), some runs cut by a slot's
+// end; every byte lands in its shuffled page and nothing outside the pages is written.
+TEST(CudaCopyEngineTest, StagedSlotsGatherManyRunsEach) {
+  constexpr uint64_t kSlot = 2 << 20;
+  HostMemoryRegistry registry;
+  MetricsRegistry metrics;
+  auto engine = MakeEngine(registry,
+                           {.restore_staging_bytes = CudaCopyEngine::kStagingSlots * kSlot,
+                            .staged_min_run_bytes = 4000},  // the runs average 4093.5 bytes
+                           &metrics);
+  ASSERT_NE(engine, nullptr);
+  Counter& staged =
+      metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
+  constexpr uint64_t kBytes = 8 << 20;
+  constexpr uint64_t kDeviceBytes = 16 << 20;  // a page of kPage for each of the 2401 fragments
+  constexpr uint64_t kPage = 4096;
+  RegisteredHostMemory pool(registry, kBytes);
+  DeviceMemory device = MakeDeviceMemory(kDeviceBytes);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, kDeviceBytes);
+  ASSERT_TRUE(id.ok()) << id.status();
+  FillPattern(pool.data(), kBytes, 13);
+  Poison(device);
+  std::mt19937_64 rng(5);
+  std::vector<uint64_t> pages(kDeviceBytes / kPage);
+  for (uint64_t p = 0; p < pages.size(); ++p) pages[p] = p;
+  std::shuffle(pages.begin(), pages.end(), rng);
+  // A 1000-byte run first, so that later runs straddle the slots' ends; then runs of two adjacent
+  // fragments (3000 + 1096 bytes) with 2 KiB gaps between them.
+  CopyBatch batch{CopyDirection::kRestore, {}};
+  size_t page = 0;
+  batch.fragments.push_back({*id, pages[page++] * kPage, pool.data(), 1000});
+  uint64_t pool_at = 1000 + 2048;
+  for (int run = 0; run < 1200; ++run) {
+    batch.fragments.push_back({*id, pages[page++] * kPage, pool.data() + pool_at, 3000});
+    batch.fragments.push_back({*id, pages[page++] * kPage, pool.data() + pool_at + 3000, 1096});
+    pool_at += 4096 + 2048;
+  }
+  ASSERT_LE(pool_at, kBytes);
+  const Status status = RunBatch(*engine, batch);
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(staged.Value(), 1u);
+  Bytes expected(kDeviceBytes, kPoison);
+  for (const CopyFragment& f : batch.fragments) {
+    std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
+  }
+  EXPECT_TRUE(Download(device) == expected) << "staged restores of block runs differ";
+}
+
 // Engine KV layouts are fragment lists: vLLM-style split K/V (per layer, a K region and a V region
 // of `pages` pages each) and MLA (one latent region per layer). Pages are restored from pool
 // blocks into scattered pages across several registered buffers, saved back into fresh blocks, and

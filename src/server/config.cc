@@ -128,8 +128,8 @@ const std::vector<Option>& Options() {
        Uint32Into(&ManagerConfig::copy_threads, 1, 256)},
       {"gpu-restore-staging", "SIZE",
        "device memory per GPU for staging restores of whole blocks (copy engines into it, the copy "
-       "kernel out to the pages; a multiple of 16KiB; default 0: off, the kernel copies; "
-       "docs/gpu.md)",
+       "kernel out to the pages; a multiple of 16KiB; default 64MiB; 0: off, the kernel copies "
+       "everything; docs/gpu.md)",
        [](ManagerConfig& c, std::string_view v) -> Status {
          ORBITKV_ASSIGN_OR_RETURN(const uint64_t bytes, ParseSize(v));
          if (bytes % (16 << 10) != 0) {

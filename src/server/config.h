@@ -32,7 +32,7 @@ struct ManagerConfig {
   uint64_t transfer_budget_bytes = 0;        // 0: half the pool
   uint32_t copy_threads = 2;
   // The CUDA copy engine's restore staging ring per GPU; 0: none (docs/gpu.md).
-  uint64_t gpu_restore_staging_bytes = 0;
+  uint64_t gpu_restore_staging_bytes = uint64_t{64} << 20;
   // --gpus: the GPUs (CUDA ordinals, as CUDA_VISIBLE_DEVICES numbers them) whose engines' buffers
   // this Manager copies. nullopt: every visible GPU; empty: none (CPU engines only).
   std::optional<std::vector<int>> gpus;

@@ -128,7 +128,8 @@ TEST(ConfigTest, ErrorsNameTheFlag) {
   auto ring = Parse({"--gpu-restore-staging", "256MiB"});
   ASSERT_TRUE(ring.ok()) << ring.status();
   EXPECT_EQ(ring->config.gpu_restore_staging_bytes, uint64_t{256} << 20);
-  EXPECT_EQ(Parse({})->config.gpu_restore_staging_bytes, 0u);
+  EXPECT_EQ(Parse({})->config.gpu_restore_staging_bytes, uint64_t{64} << 20);
+  EXPECT_EQ(Parse({"--gpu-restore-staging", "0"})->config.gpu_restore_staging_bytes, 0u);
   EXPECT_TRUE(Parse({"--help"})->help);
 }
 
