@@ -472,3 +472,61 @@ def test_bad_input_is_rejected_clearly():
         e.append_token(r, -1)
     with pytest.raises(ValueError, match="kv_layout"):
         make(kv_layout="page_first")
+
+
+def _tp_generate(config, prompt, tp, *, fail_rank=None):
+    """Every rank of a TP=tp RefEngine generates the prompt at once, one thread per rank."""
+    import threading
+
+    group = rf.ThreadTPGroup(tp, timeout_s=30)
+    out, errors = [None] * tp, []
+
+    def rank(r):
+        try:
+            model = rf.Transformer(config, tp_rank=r, tp_size=tp, all_reduce=group.reducer(r))
+            engine = rf.RefEngine(config, 16, model=model)
+            assert engine.cache.layers[0].shape[-2] == config.num_kv_heads // tp  # nhd: the rank's KV heads
+            if r == fail_rank:
+                raise RuntimeError("rank failed")
+            out[r] = engine.generate(engine.add_request(prompt), 3)
+        except BaseException as e:  # noqa: B902 - reported to the test
+            errors.append(e)
+            group.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out, errors
+
+
+def test_tensor_parallel_ranks_compute_the_same_model():
+    config = rf.preset("small")
+    prompt = list(range(3, 70))
+    whole = rf.RefEngine(config, 16)
+    want = whole.generate(whole.add_request(prompt), 3)
+    got, errors = _tp_generate(config, prompt, 2)
+    assert not errors
+    assert got[0].tokens == got[1].tokens == want.tokens
+    for a, b, w in zip(got[0].logits, got[1].logits, want.logits):
+        assert torch.equal(a, b)  # every rank holds the same all-reduced result
+        assert torch.allclose(a, w, atol=1e-4, rtol=1e-4)  # the same model as one rank, up to rounding
+    again, _ = _tp_generate(config, prompt, 2)
+    assert all(torch.equal(a, b) for a, b in zip(again[0].logits, got[0].logits))  # deterministic
+
+
+def test_tensor_parallel_shape_errors_and_a_failed_rank_breaks_the_group():
+    config = rf.preset("small")  # 8 heads, 2 KV heads
+    with pytest.raises(ValueError, match="num_kv_heads .* multiple of tp_size"):
+        rf.Transformer(config, tp_rank=0, tp_size=4, all_reduce=lambda t: t)
+    with pytest.raises(ValueError, match="needs an all_reduce"):
+        rf.Transformer(config, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="tp_rank"):
+        rf.Transformer(config, tp_rank=2, tp_size=2, all_reduce=lambda t: t)
+    _, errors = _tp_generate(config, list(range(40)), 2, fail_rank=1)
+    import threading
+
+    assert any(isinstance(e, RuntimeError) and str(e) == "rank failed" for e in errors)
+    assert any(isinstance(e, threading.BrokenBarrierError) for e in errors)  # rank 0 stopped waiting

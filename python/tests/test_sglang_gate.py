@@ -133,11 +133,11 @@ def test_manager_death_mid_prefetch_falls_back_to_recompute(build_dir, models, d
         m.stop()
 
 
-def engine_linker(engine, socket):
+def engine_linker(engine, socket, tp_rank=0, tp_size=1):
     """OrbitKVLinker over the engine's device pool (SGLang's per-layer K/V token buffers), built as SGLang does."""
     k_buffer, v_buffer = engine.cache.sglang_device_buffers()
     pool = types.SimpleNamespace(k_buffer=k_buffer, v_buffer=v_buffer)
-    params = types.SimpleNamespace(page_size=64, pp_rank=0, pp_size=1,
+    params = types.SimpleNamespace(page_size=64, pp_rank=0, pp_size=1, tp_rank=tp_rank, tp_size=tp_size,
                                    token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: pool))
     server_args = types.SimpleNamespace(model_path=f"refengine/{CONFIG.name}", served_model_name=None)
     return OrbitKVLinker(server_args, params, extra_config={"socket": socket, "model_revision": "gate"})
@@ -152,6 +152,24 @@ def wait_for(predicate):
 
 def block_slots(blocks):
     return torch.cat([torch.arange(b * 64, (b + 1) * 64) for b in blocks])
+
+
+def load_and_generate(engine, loader, prompt):
+    """The linker's SGLang-side sequence for a request whose first 5 pages are in OrbitKV: lookup, load into fresh
+    blocks, layer-wise completion, then the engine computes from page 5 on."""
+    wanted = page_hashes(prompt, 64)
+    assert loader.lookup("b", [PoolTransfer(name="kv", keys=wanted)]) == [1, 2, 3, 4, 5]
+    blocks = engine.blocks.allocate(5)
+    assert loader.load("b", [PoolTransfer(name="kv", keys=wanted[:5], device_indices=block_slots(blocks))])
+    index = loader.start_layer_wise_loading()
+    loader.layer_done_counter.set_consumer(index)
+    loader.layer_done_counter.wait_until(CONFIG.num_layers - 1)
+    wait_for(lambda: loader.num_completed_loads() == 1)
+    assert loader.pop_completed_load() == (["b"], True)
+    request = engine.add_request(prompt, "b")
+    request.block_ids = list(blocks)
+    engine.allocate(request)
+    return engine.generate(request, NEW_TOKENS, start_token=5 * 64)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
@@ -177,23 +195,106 @@ def test_linker_hits_are_bit_identical_to_recompute(build_dir, models, device):
         assert reader.cache.layers[0].device.type == device
         loader = engine_linker(reader, m.socket)
         try:
-            wanted = page_hashes(second, 64)
-            assert loader.lookup("b", [PoolTransfer(name="kv", keys=wanted)]) == [1, 2, 3, 4, 5]
-            blocks = reader.blocks.allocate(5)
-            assert loader.load("b", [PoolTransfer(name="kv", keys=wanted[:5], device_indices=block_slots(blocks))])
-            index = loader.start_layer_wise_loading()
-            loader.layer_done_counter.set_consumer(index)
-            loader.layer_done_counter.wait_until(CONFIG.num_layers - 1)
-            wait_for(lambda: loader.num_completed_loads() == 1)
-            assert loader.pop_completed_load() == (["b"], True)
-            request = reader.add_request(second, "b")
-            request.block_ids = list(blocks)
-            reader.allocate(request)
-            generation = reader.generate(request, NEW_TOKENS, start_token=5 * 64)
+            generation = load_and_generate(reader, loader, second)
             assert generation.logits[0].device.type == device
             assert identical(generation, recompute(model, second, device))
             assert m.stats()["leases_active"] == 0
         finally:
             loader.close()
+    finally:
+        m.stop()
+
+
+def tp_models(device, tp=2):
+    """TP rank models of CONFIG (one per GPU where there are enough, else side by side on one GPU) and their group."""
+    group = refengine.ThreadTPGroup(tp)
+    devices = [f"cuda:{r % torch.cuda.device_count()}" if device == "cuda" else "cpu" for r in range(tp)]
+    models = [refengine.Transformer(CONFIG, d, tp_rank=r, tp_size=tp, all_reduce=group.reducer(r))
+              for r, d in enumerate(devices)]
+    for model in models:
+        model.tp_group = group
+    return models
+
+
+def on_ranks(fn, ranks):
+    """fn(rank, item) for every rank at once, one thread each (SGLang's TP workers meet in the all-reduces)."""
+    import threading
+
+    out, errors = [None] * len(ranks), []
+
+    def run(r):
+        try:
+            device = ranks[r].device
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    out[r] = fn(r, ranks[r])
+            else:
+                out[r] = fn(r, ranks[r])
+        except BaseException as e:  # noqa: B902 - re-raised in the test's thread
+            errors.append(e)
+            ranks[r].tp_group.abort()  # the other ranks stop waiting in an all-reduce
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_tensor_parallel_linker_hits_are_bit_identical_to_recompute(build_dir, device):
+    """The SGLang TP=2 gate: two ranks, each with half the KV heads in its own device pool and its own linker,
+    offload their shards of a prefix; two fresh ranks load them layer-wise and generate: tokens and logits equal a
+    TP=2 recompute, and each rank's shard stays its own (the two ranks' keys never meet)."""
+    models = tp_models(device)
+    m = ManagerProcess(build_dir)
+    try:
+        first, second = prompts(f"linker-tp-{device}")
+        keys = page_hashes(first, 64)[:5]
+
+        def save(rank, model):
+            engine = refengine.RefEngine(CONFIG, 16, device=model.device, kv_layout="split", chunk_size=64,
+                                         model=model)
+            saver = engine_linker(engine, m.socket, rank, 2)
+            request = engine.add_request(first, "a")
+            engine.allocate(request)
+            engine.generate(request, NEW_TOKENS)
+            assert saver.offload([PoolTransfer(name="kv", keys=keys,
+                                               device_indices=block_slots(request.block_ids[:5]))])
+            wait_for(lambda: saver.num_completed_offloads() == 1)
+            assert saver.pop_completed_offload() is True
+            written = saver.counters()["offload_written"]
+            saver.close()
+            return written
+
+        assert on_ranks(save, models) == [5, 5]
+        assert m.stats()["resident_blocks"] == 10  # each rank's shard under its own namespace
+
+        def baseline(rank, model):
+            engine = refengine.RefEngine(CONFIG, 16, device=model.device, kv_layout="split", chunk_size=64,
+                                         model=model)
+            return engine.generate(engine.add_request(second), NEW_TOKENS)
+
+        want = on_ranks(baseline, models)
+
+        def load(rank, model):
+            engine = refengine.RefEngine(CONFIG, 16, device=model.device, kv_layout="split", chunk_size=64,
+                                         model=model)
+            assert engine.cache.layers[0].shape[-2] == CONFIG.num_kv_heads // 2  # the rank's KV heads only
+            loader = engine_linker(engine, m.socket, rank, 2)
+            try:
+                return load_and_generate(engine, loader, second)
+            finally:
+                loader.close()
+
+        got = on_ranks(load, models)
+        for g, w in zip(got, want):
+            assert g.logits[0].device.type == device
+            assert identical(g, w)
+        assert got[0].tokens == got[1].tokens
+        assert m.stats()["leases_active"] == 0
     finally:
         m.stop()

@@ -28,13 +28,19 @@ class CudaRefEngineModel(RefEngineModel):
     """The harness's reference-engine model on the GPU: weights, activations and vLLM's raw int8 KV tensors (one
     per KVCacheTensor, as vLLM allocates them) all on CUDA."""
 
-    def __init__(self, config, *, memory: str = "cuda"):
+    def __init__(self, config, *, memory: str = "cuda", tp_rank: int = 0, group=None):
         assert memory == "cuda"
-        super().__init__(config, device="cuda", memory="ordinary")
+        # TP ranks one per GPU where there are enough, else side by side on the same GPU (two "ranks" on one H200).
+        device = f"cuda:{tp_rank % torch.cuda.device_count()}" if group is not None else "cuda"
+        super().__init__(config, device=device, memory="ordinary", tp_rank=tp_rank, group=group)
 
     def bind(self, kv_cache_config):
         with torch.device(self.device):  # the harness's ordinary torch.zeros buffers, on the GPU
             return super().bind(kv_cache_config)
+
+    def execute(self, batch, hooks):
+        with torch.cuda.device(self.device):  # a vLLM worker's current device is its rank's GPU
+            return super().execute(batch, hooks)
 
 
 @pytest.fixture()
@@ -56,17 +62,23 @@ def prompt_set(vocab, seed=0):
 
 
 def run(config, socket, prompts, *, max_tokens=4, prefix_caching=False, on_engine=None, memory="shm",
-        policy="fail", recovery="hybrid_full", extra=None, load_mode="auto"):
+        policy="fail", recovery="hybrid_full", extra=None, load_mode="auto", tp=1):
     """One harness engine over the reference model; by default a vLLM whose scheduler recovers from load errors on
-    hybrid models (PR #50388), with vLLM's default kv_load_failure_policy."""
-    model = (CudaRefEngineModel if memory == "cuda" else RefEngineModel)(config, memory=memory)
+    hybrid models (PR #50388), with vLLM's default kv_load_failure_policy. ``tp`` > 1: that many TP workers, each
+    with its rank's shard of the model and its own KV caches and connector, run at once."""
+    kind = CudaRefEngineModel if memory == "cuda" else RefEngineModel
+    if tp > 1:
+        group = refengine.ThreadTPGroup(tp)
+        models = [kind(config, memory=memory, tp_rank=r, group=group) for r in range(tp)]
+    else:
+        models = [kind(config, memory=memory)]
     # vLLM's device config: "cuda" where the KV caches are (so the connector's default load mode is layer-wise).
     engine = Engine(vllm_config(socket, model=config.fingerprint(), dtype=config.torch_dtype, budget=4096,
                                 threshold=CHUNK, prefix_caching=prefix_caching, policy=policy,
                                 device_type="cuda" if memory == "cuda" else "cpu",
                                 extra={"orbitkv.reconnect_interval_s": 0.05, "orbitkv.load_mode": load_mode,
-                                       **(extra or {})}),
-                    lambda rank: model, num_blocks=96, recovery=recovery)
+                                       **(extra or {})}, tp=tp),
+                    lambda rank: models[rank], num_blocks=96, recovery=recovery)
     if on_engine is not None:
         on_engine(engine)
     for i, p in enumerate(prompts):
@@ -152,6 +164,42 @@ def test_restored_prefixes_give_bit_identical_logits(manager, name, saver, loade
         for plan in loads:  # the window group restores only the pages before the boundary that SWA reads
             window = [g for g in plan.groups if g.group == 1][0]
             assert len(window.block_ids) == len(config.needed_block_range(0, plan.end))
+    assert manager.stats()["leases_active"] == 0
+
+
+@pytest.mark.parametrize("name,memory,mode", [
+    ("tiny", "shm", "auto"),
+    ("tiny_hybrid", "ordinary", "layerwise"),
+    # On the GPU machine: one rank per GPU where there are two, else both ranks on the same GPU.
+    pytest.param("tiny", "cuda", "auto", marks=needs_cuda),
+    pytest.param("tiny_hybrid", "cuda", "async", marks=needs_cuda),
+])
+def test_tensor_parallel_ranks_restore_their_own_shards_bit_identically(manager, name, memory, mode):
+    """The TP=2 gate: two workers, each with half the heads and its own KV caches and connector, meeting in the
+    model's all-reduces; with OrbitKV restoring each rank's shard, logits and tokens equal a TP=2 recompute."""
+    config = refengine.preset(name)
+    prompts = prompt_set(config.vocab_size)
+    base_engine, baseline = run(config, None, prompts, memory=memory, tp=2)
+    _, warm = run(config, manager.socket, prompts, memory=memory, tp=2)  # computes and saves, per rank
+    assert_identical(warm, baseline)
+    saved = manager.stats()["resident_blocks"]
+    assert saved > 0
+    engine, restored = run(config, manager.socket, prompts, memory=memory, tp=2, load_mode=mode)
+    assert_identical(restored, baseline)
+    assert manager.stats()["resident_blocks"] == saved  # nothing saved twice
+    ranks = [w.connector._worker for w in engine.workers]
+    assert len({r.namespace for r in ranks}) == 2 and [r.tp_rank for r in ranks] == [0, 1]
+    for worker in engine.workers:  # each rank's caches hold its own KV heads only
+        kv = worker.kv_caches[worker.model.layer_names[0]]
+        assert worker.model.shard.num_kv_heads == config.num_kv_heads // 2
+        assert kv.is_cuda == (memory == "cuda")
+        if memory == "cuda":
+            assert kv.device == torch.device(worker.model.device)
+    stats = engine.worker_stats.data
+    assert stats["restored_blocks"] > 0 and stats["failed_loads"] == 0
+    for worker, base in zip(engine.workers, base_engine.workers):
+        assert worker.model.tokens_computed <= sum((len(p) - 1) % 16 + 1 for p in prompts) + 3 * len(prompts)
+        assert worker.model.tokens_computed < base.model.tokens_computed
     assert manager.stats()["leases_active"] == 0
 
 

@@ -23,6 +23,8 @@
 #   run(command="tests/gpu/run_engines.sh run", carry=["BUILD-gpu-gate", "BUILD-engines-carry"])
 # Every step runs under `timeout`, so a hang costs at most its limit (about 9 minutes in all, 2-4 normally).
 #
+# The gates include the TP=2 ones (two ranks, each its shard of the heads, its own KV caches and connector or
+# linker, meeting in the model's all-reduces): one rank per GPU where the machine has two, else both on one GPU.
 # Environment: OUT: folder for the logs, ttft.json and ttft.png (the device tool sets it); ORBITKV_TTFT_LENGTHS:
 # the bench's prompt lengths (default 1024,4096,8192,16384); ORBITKV_ENGINES_GATES: the gate files (default the
 # vLLM refengine, SGLang and vLLM connector gates); ORBITKV_ENGINES_SKIP_GATES=1 / ORBITKV_ENGINES_SKIP_BENCH=1:
@@ -146,6 +148,16 @@ run() {
   echo "== GPU machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
   python3 -c "import sys, torch; print('  python', sys.version.split()[0], '| torch', torch.__version__, \
 '| cuda', torch.cuda.is_available())"
+  # The TP=2 gates (vLLM and SGLang, *tensor_parallel*) put rank r on GPU r % count: one GPU per rank on a
+  # two-GPU machine, both ranks side by side on one GPU otherwise.
+  local gpus
+  gpus="$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)"
+  if [[ "$gpus" -ge 2 ]]; then
+    echo "  $gpus GPUs: the TP=2 gates run one rank per GPU (cuda:0, cuda:1)"
+    nvidia-smi topo -m 2>&1 | sed 's/^/  /' | tee "$out/topo.txt" | head -12
+  else
+    echo "  $gpus GPU: the TP=2 gates run both ranks on cuda:0 (two ranks on one device)"
+  fi
   native || exit 1
   manager || exit 5
   export ORBITKV_BUILD_DIR="$build_dir" PYTHONUNBUFFERED=1 PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -184,5 +196,5 @@ run() {
 case "${1:-}" in
   pack) pack ;;
   run) run ;;
-  *) sed -n '2,32s/^# \{0,1\}//p' "$0"; exit 2 ;;
+  *) sed -n '2,34s/^# \{0,1\}//p' "$0"; exit 2 ;;
 esac

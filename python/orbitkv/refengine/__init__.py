@@ -113,6 +113,13 @@ Timing (``time_to_first_token``, ``prefix_kv_bytes``)
     ``request.block_ids``) when ``cached_tokens > 0``, prefills the rest and samples; CUDA is synchronized before
     each clock read. ``prefix_kv_bytes(config, n_tokens)``: KV bytes a restore of n_tokens moves (all layers).
 
+Tensor parallelism (``Transformer(..., tp_rank, tp_size, all_reduce)``, ``ThreadTPGroup``)
+    A Transformer built with ``tp_size`` > 1 is one TP rank of the model, sharded as vLLM shards Llama (its query
+    and KV heads, O's input columns, the MLP's intermediate slice; ``shard_config`` is the rank's KV cache shape);
+    ``all_reduce`` sums the ranks' partial outputs. ``ThreadTPGroup(tp_size).reducer(rank)`` is that all-reduce
+    for ranks run as threads of one process, deterministic (summed in rank order). The ranks of one TP shape
+    compute bit-identically run after run; a different TP shape computes the same model up to rounding.
+
 SGLang host pool (``HostKVPool``)
     ``HostKVPool(config, num_pages, layout="page_first", allocator=None)``: SGLang's MHA host pool for one rank,
     ``kv_buffer`` shaped (2, size, L, H, D) for "page_first" or (2, num_pages, L, page, H, D) for
@@ -137,6 +144,7 @@ from orbitkv.refengine.hashing import (  # noqa: F401
 )
 from orbitkv.refengine.host_pool import HostKVPool  # noqa: F401
 from orbitkv.refengine.kvcache import KV_LAYOUTS, BlockAllocator, OutOfBlocks, PagedKVCache  # noqa: F401
+from orbitkv.refengine.model import ThreadTPGroup, Transformer  # noqa: F401
 from orbitkv.refengine.timing import TTFT, prefix_kv_bytes, time_to_first_token  # noqa: F401
 
 __all__ = [
@@ -151,6 +159,8 @@ __all__ = [
     "PagedKVCache",
     "RefEngine",
     "Request",
+    "ThreadTPGroup",
+    "Transformer",
     "cbor_encode",
     "none_hash",
     "prefix_kv_bytes",

@@ -65,7 +65,8 @@ class RefEngine:
             self.model = model
         else:
             self.model = Transformer(config, self.device, attn_impl)
-        self.cache = PagedKVCache(config, num_blocks, device=self.device, kv_layout=kv_layout,
+        # A TP rank's model (Transformer(..., tp_size > 1)) keeps its KV heads only: the cache has that shape.
+        self.cache = PagedKVCache(self.model.shard_config, num_blocks, device=self.device, kv_layout=kv_layout,
                                   allocator=kv_allocator, tensors=kv_tensors)
         self.blocks = BlockAllocator(num_blocks, block_order)
         self.none_hash = hashing.none_hash(hash_seed)

@@ -4,11 +4,19 @@ Every weight tensor is drawn from its own generator seeded by (config.seed, laye
 so weights are reproducible per device and large models need no host round trip. Attention never uses the K/V it
 just computed directly: it writes them into the paged cache and reads the whole attended range back through the
 block table, so a prefix computed here and a prefix restored from bytes are read by identical operations.
+
+Tensor parallelism as vLLM shards a Llama model: with ``tp_size`` > 1 a rank keeps its share of the query and KV
+heads (QKVParallelLinear), of the O projection's input columns and of the MLP's intermediate size
+(column-parallel gate/up, row-parallel down), and ``all_reduce`` sums the ranks' partial outputs after O and down;
+embedding, norms and the LM head stay whole. The weights are the full model's, drawn as for one rank and sliced, so
+every TP shape computes the same model; its KV cache holds the rank's KV heads only (``shard_config``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +69,16 @@ class LayerWeights:
 class Transformer:
     """Weights plus the forward pass of one request's chunk of consecutive tokens."""
 
-    def __init__(self, config: ModelConfig, device="cpu", attn_impl: str = "eager"):
+    def __init__(self, config: ModelConfig, device="cpu", attn_impl: str = "eager", *, tp_rank: int = 0,
+                 tp_size: int = 1, all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+        if tp_size > 1:
+            for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+                if getattr(config, name) % tp_size:
+                    raise ValueError(f"{name} ({getattr(config, name)}) must be a multiple of tp_size ({tp_size})")
+            if all_reduce is None:
+                raise ValueError("tp_size > 1 needs an all_reduce that sums the ranks' partial outputs")
         if attn_impl not in ("eager", "sdpa"):
             raise ValueError(f"attn_impl must be 'eager' or 'sdpa', got {attn_impl!r}")
         if attn_impl == "sdpa" and not hasattr(F, "scaled_dot_product_attention"):
@@ -69,15 +86,39 @@ class Transformer:
         self.config = config
         self.device = torch.device(device)
         self.attn_impl = attn_impl
+        self.tp_rank, self.tp_size, self.all_reduce = tp_rank, tp_size, all_reduce
+        self.shard_config = config if tp_size == 1 else dataclasses.replace(
+            config, num_heads=config.num_heads // tp_size, num_kv_heads=config.num_kv_heads // tp_size,
+            intermediate_size=config.intermediate_size // tp_size)
         c, dt, dev = config, config.torch_dtype, self.device
         with torch.no_grad():
             self.embed = _normal((c.vocab_size, c.hidden_size), 1.0, _generator(dev, c, _EMBED, 0), dev, dt)
-            self.layers = [LayerWeights(c, i, dev) for i in range(c.num_layers)]
+            self.layers = [self._shard(LayerWeights(c, i, dev)) for i in range(c.num_layers)]
             self.final_norm = _norm_weight(c.hidden_size, _generator(dev, c, _FINAL, 0), dev, dt)
             self.lm_head = _normal((c.vocab_size, c.hidden_size), 1.0 / math.sqrt(c.hidden_size),
                                    _generator(dev, c, _LM_HEAD, 0), dev, dt)
             half = torch.arange(0, c.head_dim, 2, device=dev, dtype=torch.float32) / c.head_dim
             self.inv_freq = 1.0 / (c.rope_theta ** half)
+
+    def _shard(self, w: LayerWeights) -> LayerWeights:
+        """This rank's slices of one layer's weights (contiguous copies; the full tensors are dropped)."""
+        if self.tp_size == 1:
+            return w
+        c, s, r, hd = self.config, self.shard_config, self.tp_rank, self.config.head_dim
+        n_q, n_kv = c.num_heads * hd, c.num_kv_heads * hd
+        q_rows = slice(r * s.num_heads * hd, (r + 1) * s.num_heads * hd)
+        kv_rows = slice(r * s.num_kv_heads * hd, (r + 1) * s.num_kv_heads * hd)
+        qkv = w.qkv
+        w.qkv = torch.cat([qkv[:n_q][q_rows], qkv[n_q:n_q + n_kv][kv_rows], qkv[n_q + n_kv:][kv_rows]]).contiguous()
+        w.o = w.o[:, q_rows].contiguous()
+        inter = slice(r * s.intermediate_size, (r + 1) * s.intermediate_size)
+        gate, up = w.gate_up.chunk(2, dim=0)
+        w.gate_up = torch.cat([gate[inter], up[inter]]).contiguous()
+        w.down = w.down[:, inter].contiguous()
+        return w
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.tp_size == 1 else self.all_reduce(partial)
 
     # ---- building blocks ---------------------------------------------------------------------------------------
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,8 +138,9 @@ class Transformer:
 
     def _attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, start: int, end: int,
                    cache: PagedKVCache, block_table: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D] of positions [start, end) -> [T, H*D], attending through the paged cache."""
-        c = self.config
+        """q [T, H, D] of positions [start, end) -> [T, H*D], attending through the paged cache (H, Hkv: this
+        rank's heads)."""
+        c = self.shard_config
         window = c.window(layer)
         lo = 0 if window is None else max(0, start - window + 1)
         key_positions = torch.arange(lo, end, device=q.device)
@@ -128,7 +170,7 @@ class Transformer:
                 block_table: torch.Tensor) -> torch.Tensor:
         """Computes tokens at positions [start, start + T) of one request whose earlier tokens' KV is in the
         cache under ``block_table``; writes their KV; returns float32 logits [vocab] of the last position."""
-        c = self.config
+        c = self.shard_config
         t = token_ids.numel()
         end = start + t
         positions = torch.arange(start, end, device=self.device)
@@ -146,8 +188,40 @@ class Transformer:
             q = self._rope(q, positions)
             k = self._rope(k, positions)
             cache.write_tokens(i, block_table, positions, k, v)
-            x = x + F.linear(self._attention(i, q, positions, start, end, cache, block_table), w.o)
+            x = x + self._reduce(F.linear(self._attention(i, q, positions, start, end, cache, block_table), w.o))
             gate, up = F.linear(self._rms_norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            x = x + self._reduce(F.linear(F.silu(gate) * up, w.down))
         last = self._rms_norm(x[-1:], self.final_norm)
         return F.linear(last, self.lm_head)[0].float()
+
+
+class ThreadTPGroup:
+    """The all-reduce of ``tp_size`` ranks run as threads of one process (on one device or several): each rank
+    hands in its partial sum; every rank gets the same total, summed in rank order on its own device, so the result
+    is deterministic. A rank that fails or stops arriving breaks the group after ``timeout_s``: the others raise
+    ``threading.BrokenBarrierError`` instead of waiting for ever."""
+
+    def __init__(self, tp_size: int, timeout_s: float = 120.0):
+        import threading
+
+        if tp_size < 2:
+            raise ValueError(f"a TP group needs at least 2 ranks, got {tp_size}")
+        self.tp_size = tp_size
+        self._parts: list = [None] * tp_size
+        self._barrier = threading.Barrier(tp_size, timeout=timeout_s)
+
+    def reducer(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def all_reduce(partial: torch.Tensor) -> torch.Tensor:
+            self._parts[rank] = partial
+            self._barrier.wait()  # every partial is in
+            total = self._parts[0].to(partial.device)
+            for other in self._parts[1:]:
+                total = total + other.to(partial.device)
+            self._barrier.wait()  # every rank has read them: the slots may be reused
+            return total
+
+        return all_reduce
+
+    def abort(self) -> None:
+        """Breaks the group: ranks waiting in an all-reduce raise at once (call when a rank failed)."""
+        self._barrier.abort()

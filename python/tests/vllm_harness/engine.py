@@ -86,7 +86,10 @@ class Engine:
         out = self.scheduler.schedule()
         if self.before_execute is not None:
             self.before_execute(out)
-        outputs = [roundtrip(worker.execute_model(roundtrip(out))) for worker in self.workers]
+        if getattr(self.workers[0].model, "concurrent_ranks", False):
+            outputs = self._execute_concurrently(out)
+        else:
+            outputs = [roundtrip(worker.execute_model(roundtrip(out))) for worker in self.workers]
         for other in outputs[1:]:
             assert other.sampled_token_ids == outputs[0].sampled_token_ids, "ranks sampled different tokens"
         merged = self.aggregator.aggregate(outputs)
@@ -108,6 +111,30 @@ class Engine:
         self.steps += 1
         self.outputs_log.append((out, merged))
         return new_tokens
+
+    def _execute_concurrently(self, out) -> list:
+        """Every worker's execute_model at once, one thread per rank (vLLM's workers are processes that meet in
+        the model's all-reduces); a rank's failure breaks the group so the others fail too instead of hanging."""
+        import threading
+
+        outputs, errors = [None] * len(self.workers), []
+
+        def run(rank, worker):
+            try:
+                outputs[rank] = roundtrip(worker.execute_model(roundtrip(out)))
+            except BaseException as e:  # noqa: B902 - re-raised below, in the engine's thread
+                errors.append(e)
+                worker.model.group.abort()
+
+        threads = [threading.Thread(target=run, args=(r, w), name=f"harness-rank{r}")
+                   for r, w in enumerate(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.get_num_unfinished_requests() > 0

@@ -178,9 +178,11 @@ class _GroupTables:
 
 
 class RefEngineModel:
-    """The reference engine's transformer on harness-allocated KV caches (CPU)."""
+    """The reference engine's transformer on harness-allocated KV caches (CPU). With ``group`` (a ThreadTPGroup)
+    it is TP rank ``tp_rank`` of ``group.tp_size``: its share of the heads and its KV heads' caches, summing partial
+    outputs with the other ranks; those run as threads (``concurrent_ranks``), as vLLM's workers run at once."""
 
-    def __init__(self, config, *, device="cpu", memory: str = "shm"):
+    def __init__(self, config, *, device="cpu", memory: str = "shm", tp_rank: int = 0, group=None):
         from orbitkv.refengine.model import Transformer
 
         self.config = config
@@ -188,19 +190,26 @@ class RefEngineModel:
         self.device = torch.device(device)
         self.block_size = config.block_size
         self.layer_names = [layer_name(i) for i in range(config.num_layers)]
-        self.transformer = Transformer(config, self.device)
+        self.group = group
+        self.concurrent_ranks = group is not None
+        if group is None:
+            self.transformer = Transformer(config, self.device)
+        else:
+            self.transformer = Transformer(config, self.device, tp_rank=tp_rank, tp_size=group.tp_size,
+                                           all_reduce=group.reducer(tp_rank))
+        self.shard = self.transformer.shard_config
         self.tokens_computed = 0
         self.bad_reads = 0
 
     def kv_cache_config(self, num_blocks: int) -> KVCacheConfig:
-        c = self.config
+        c = self.shard  # vLLM's KV cache spec is per worker: this rank's KV heads
         return kv_cache_config_for(c.num_layers, c.sliding_window, c.num_kv_heads, c.head_dim, c.block_size,
                                    c.torch_dtype, num_blocks)
 
     def bind(self, kv_cache_config: KVCacheConfig) -> dict:
         from orbitkv.refengine.kvcache import PagedKVCache
 
-        c = self.config
+        c = self.shard
         logical, physical = allocate_kv_caches(kv_cache_config, c.torch_dtype, c.block_size, c.num_kv_heads,
                                                c.head_dim, self.memory)
         cache = PagedKVCache(c, kv_cache_config.num_blocks, device=self.device,
