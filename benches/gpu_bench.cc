@@ -13,7 +13,10 @@
 // both over the wall time). save_restore_concurrent submits the 64 KiB save and restore batches
 // together. The metrics come from the engine's default settings (Method::kAuto); the same pages
 // through the kernel alone and through cudaMemcpyBatchAsync alone are reported in "env" for
-// comparison. ORBITKV_GPU_BENCH_SWEEP=1 also prints, on stderr, figures for smaller batches.
+// comparison. restore_gpu_64k_all (a metric with two or more GPUs, in env with one): every visible
+// GPU restoring its own 4096 scattered 64 KiB pages at once through one engine, against one pinned
+// copy per GPU at once (pinned_h2d_peak_all). ORBITKV_GPU_BENCH_SWEEP=1 also prints, on stderr,
+// figures for smaller batches.
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
@@ -449,6 +452,92 @@ void SetBuffer(PageSet& set, BufferId id) {
   }
 }
 
+// Every visible GPU restoring at once (restore_gpu_64k_all): one engine with a lane per device,
+// 4096 scattered 64 KiB pages per device, one batch per device per round, submitted device by
+// device; checked byte for byte first. The baseline (pinned_h2d_peak_all): one pinned
+// cudaMemcpyAsync per device from its own slice of the arena, all at once, bytes of all over the
+// wall time. On one GPU both reduce to the single-device figures.
+struct AllDevices {
+  double restore = 0, peak = 0;
+};
+
+AllDevices MeasureAllDevices(gpu::HostMemoryRegistry& registry, core::PinnedPool& pool, int devices,
+                             std::mt19937_64& rng) {
+  constexpr uint64_t kFragment = 64 << 10;
+  const uint64_t device_bytes = 2 * kPages * kFragment;
+  std::vector<gpu::DeviceMemory> memory;
+  std::vector<gpu::CudaStream> streams;
+  for (int d = 0; d < devices; ++d) {
+    auto m = gpu::DeviceMemory::Allocate(d, std::max(device_bytes, kPeakBytes));
+    ORBITKV_CHECK_MSG(m.ok(), "device {} memory: {}", d, m.status().ToString());
+    memory.push_back(std::move(m).value());
+    streams.push_back(std::move(gpu::CudaStream::Create(d)).value());
+  }
+  AllDevices out;
+  {
+    // The arena's bytes are free: no block is allocated while this runs.
+    const uint64_t slice =
+        std::min<uint64_t>(kPeakBytes, pool.arena(0).size() / static_cast<uint64_t>(devices)) &
+        ~uint64_t{4095};
+    std::vector<double> passes;
+    for (int p = 0; p < kPasses + 1; ++p) {
+      Stopwatch watch;
+      for (int d = 0; d < devices; ++d) {
+        CUDA_OK(cudaMemcpyAsync(memory[d].data(), pool.arena(0).data() + d * slice, slice,
+                                cudaMemcpyHostToDevice, streams[d].get()));
+      }
+      for (int d = 0; d < devices; ++d) CUDA_OK(cudaStreamSynchronize(streams[d].get()));
+      const double seconds = watch.ElapsedSeconds();
+      if (p > 0) passes.push_back(static_cast<double>(devices * slice) / seconds / 1e9);
+    }
+    out.peak = Median(passes);
+  }
+  CudaCopyEngine::Options options;
+  for (int d = 0; d < devices; ++d) options.devices.push_back(d);
+  auto created = CudaCopyEngine::Create(options, &registry, nullptr);
+  ORBITKV_CHECK_MSG(created.ok(), "copy engine on {} devices: {}", devices,
+                    created.status().ToString());
+  CudaCopyEngine& engine = **created;
+  std::vector<std::vector<CopyBatch>> lists(devices);
+  std::vector<std::vector<core::PoolBlock>> blocks(devices);
+  std::vector<std::vector<uint32_t>> slots(devices);
+  for (int d = 0; d < devices; ++d) {
+    auto id = engine.RegisterDeviceBuffer(memory[d].data(), d, device_bytes);
+    ORBITKV_CHECK_MSG(id.ok(), "register device {}: {}", d, id.status().ToString());
+    std::vector<uint32_t> all(2 * kPages);
+    for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
+    std::shuffle(all.begin(), all.end(), rng);
+    slots[d].assign(all.begin(), all.begin() + kPages);
+    CopyBatch batch{CopyDirection::kRestore, {}};
+    for (uint32_t i = 0; i < kPages; ++i) {
+      auto block = pool.Allocate(kFragment);
+      ORBITKV_CHECK_MSG(block.ok(), "pool allocation failed: {}", block.status().ToString());
+      FillRandom(block->data, kFragment, rng);
+      blocks[d].push_back(*block);
+      batch.fragments.push_back(CopyFragment{*id, slots[d][i] * kFragment, block->data, kFragment});
+    }
+    lists[d].push_back(std::move(batch));
+  }
+  std::vector<const std::vector<CopyBatch>*> all_lists;
+  for (const auto& list : lists) all_lists.push_back(&list);
+  RunGbps(engine, all_lists, 1);
+  std::vector<uint8_t> after(device_bytes);
+  for (int d = 0; d < devices; ++d) {
+    CUDA_OK(cudaMemcpy(after.data(), memory[d].data(), device_bytes, cudaMemcpyDeviceToHost));
+    for (uint32_t i = 0; i < kPages; ++i) {
+      ORBITKV_CHECK_MSG(
+          std::memcmp(after.data() + slots[d][i] * kFragment, blocks[d][i].data, kFragment) == 0,
+          "device {}: restored page {} differs from its block", d, i);
+    }
+  }
+  out.restore = MedianGbps(engine, all_lists, RoundsFor(kFragment));
+  engine.Shutdown();
+  for (const auto& list : blocks) {
+    for (const core::PoolBlock& block : list) pool.Free(block);
+  }
+  return out;
+}
+
 // GB/s of restore, save and both at once for other settings, on stderr (for tuning the defaults;
 // ORBITKV_GPU_BENCH_SWEEP=1): other batch sizes, grid sizes and chunk sizes for the kernel.
 void Sweep(gpu::HostMemoryRegistry& registry, core::PinnedPool& pool, uint8_t* device,
@@ -680,6 +769,17 @@ int main(int argc, char** argv) {
     }
     FreePageSet(pool, set);
   }
+  // Every GPU at once (issue 24's restore_gpu_64k_all): a metric where there are several, in env
+  // on one (where it is restore_gpu_64k again, through the multi-device code path).
+  const AllDevices all = MeasureAllDevices(registry, pool, devices, rng);
+  if (devices > 1) {
+    report.Add({"restore_gpu_64k_all", "GB/s", all.restore, "pinned_h2d_peak_all", all.peak});
+  } else {
+    report.AddEnv("restore_gpu_64k_all",
+                  fmt::format("1 device: restore {:.1f} GB/s against {:.1f} ({:.3f})", all.restore,
+                              all.peak, all.restore / all.peak));
+  }
+  report.AddEnv("devices", std::to_string(devices));
   report.AddEnv("staged_restores",
                 fmt::format("{} batches through the ring",
                             staged_metrics

@@ -72,6 +72,10 @@ pack() {
 probe() {
   echo "== GPU machine"
   nvidia-smi --query-gpu=name,pci.bus_id,driver_version,memory.total --format=csv,noheader 2>&1 || true
+  # Several GPUs: how they connect (the bench's restore_gpu_64k_all restores on all of them at once).
+  if [[ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]]; then
+    nvidia-smi topo -m 2>&1 | tee "$out/topo.txt" | sed 's/^/  /' || true
+  fi
   echo "$(. /etc/os-release && echo "$PRETTY_NAME"), kernel $(uname -r), $(ldd --version | head -1), $(nproc) cores"
   local tool
   for tool in cmake ninja g++ nvcc python3; do
