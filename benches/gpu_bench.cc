@@ -212,6 +212,11 @@ struct RingModel {
   bool batch_api = false;         // a slot's runs in cudaMemcpyBatchAsync calls, not one call each
   bool host_descriptors = false;  // the scatter reads its descriptors from mapped pinned memory
   int scatter_streams = 1;        // scatters alternate over this many streams
+  // > 0: the pieces go in batches of this many slots as the engine's batches do: a batch's
+  // scatters on one of two streams in turn, a blocking-sync event after its last scatter, and a
+  // completer thread that waits for each event in order (the engine's completion path).
+  int slots_per_batch = 0;
+  uint64_t pass_bytes = kPeakBytes;  // bytes per timed pass (the engine bench's passes: 512 MiB)
 };
 
 double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model,
@@ -220,7 +225,7 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
   uint8_t* const ring = device + kPeakBytes;
   const uint64_t page_count = kPeakBytes / model.page;
   const uint64_t per_slot = model.slot_bytes / model.page;
-  const uint64_t pieces = kPeakBytes / model.slot_bytes;
+  const uint64_t pieces = model.pass_bytes / model.slot_bytes;
   std::vector<uint64_t> order(page_count);
   for (uint64_t i = 0; i < page_count; ++i) order[i] = i;
   std::shuffle(order.begin(), order.end(), rng);
@@ -262,8 +267,42 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
       model.host_descriptors ? mapped->device_data() : descriptors->data());
   gpu::CudaStream copy = std::move(gpu::CudaStream::Create(0)).value();
   std::vector<gpu::CudaStream> scatters;
-  for (int i = 0; i < model.scatter_streams; ++i) {
+  const int scatter_streams = model.slots_per_batch > 0 ? 2 : model.scatter_streams;
+  for (int i = 0; i < scatter_streams; ++i) {
     scatters.push_back(std::move(gpu::CudaStream::Create(0)).value());
+  }
+  // The engine-like completion path (slots_per_batch > 0).
+  const uint64_t batches =
+      model.slots_per_batch > 0
+          ? (pieces + static_cast<uint64_t>(model.slots_per_batch) - 1) / model.slots_per_batch
+          : 0;
+  std::vector<gpu::CudaEvent> done;
+  for (uint64_t b = 0; b < batches; ++b) {
+    done.push_back(std::move(gpu::CudaEvent::Create(0, /*blocking_sync=*/true)).value());
+  }
+  std::mutex completer_mu;
+  std::condition_variable completer_cv;
+  uint64_t recorded = 0, completed = 0;
+  bool stop = false;
+  std::thread completer;
+  if (batches > 0) {
+    completer = std::thread([&] {
+      for (;;) {
+        uint64_t next;
+        {
+          std::unique_lock lock(completer_mu);
+          completer_cv.wait(lock, [&] { return stop || completed < recorded; });
+          if (completed >= recorded) return;
+          next = completed;
+        }
+        CUDA_OK(cudaEventSynchronize(done[next % batches].get()));
+        {
+          std::lock_guard lock(completer_mu);
+          ++completed;
+        }
+        completer_cv.notify_all();
+      }
+    });
   }
   std::vector<gpu::CudaEvent> filled, freed;
   for (int i = 0; i < model.slots; ++i) {
@@ -282,7 +321,10 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
     for (uint64_t piece = 0; piece < pieces; ++piece) {
       const int slot = static_cast<int>(piece % static_cast<uint64_t>(model.slots));
       uint8_t* const slot_at = ring + slot * model.slot_bytes;
-      cudaStream_t scatter = scatters[piece % scatters.size()].get();
+      cudaStream_t scatter =
+          model.slots_per_batch > 0
+              ? scatters[(piece / static_cast<uint64_t>(model.slots_per_batch)) % 2].get()
+              : scatters[piece % scatters.size()].get();
       if (piece >= static_cast<uint64_t>(model.slots)) {
         CUDA_OK(cudaStreamWaitEvent(copy.get(), freed[slot].get(), 0));
       }
@@ -310,11 +352,38 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
                                     static_cast<uint32_t>(per_slot), static_cast<uint32_t>(2 * sms),
                                     scatter));
       CUDA_OK(cudaEventRecord(freed[slot].get(), scatter));
+      if (model.slots_per_batch > 0 &&
+          ((piece + 1) % static_cast<uint64_t>(model.slots_per_batch) == 0 ||
+           piece + 1 == pieces)) {
+        const uint64_t b = piece / static_cast<uint64_t>(model.slots_per_batch);
+        CUDA_OK(cudaEventRecord(done[b].get(), scatter));
+        {
+          std::lock_guard lock(completer_mu);
+          ++recorded;
+        }
+        completer_cv.notify_all();
+      }
+    }
+    if (batches > 0) {  // the pass ends when the completer saw every batch's event
+      std::unique_lock lock(completer_mu);
+      completer_cv.wait(lock, [&] { return completed == recorded; });
     }
     CUDA_OK(cudaStreamSynchronize(copy.get()));
     for (gpu::CudaStream& s : scatters) CUDA_OK(cudaStreamSynchronize(s.get()));
     const double seconds = watch.ElapsedSeconds();
-    if (p > 0) passes.push_back(static_cast<double>(kPeakBytes) / seconds / 1e9);
+    if (p > 0) passes.push_back(static_cast<double>(pieces * model.slot_bytes) / seconds / 1e9);
+    if (batches > 0) {
+      std::lock_guard lock(completer_mu);
+      recorded = completed = 0;  // the next pass reuses the events from the first
+    }
+  }
+  if (batches > 0) {
+    {
+      std::lock_guard lock(completer_mu);
+      stop = true;
+    }
+    completer_cv.notify_all();
+    completer.join();
   }
   return Median(passes);
 }
@@ -650,6 +719,16 @@ int main(int argc, char** argv) {
       {"64k_blocks_64m_slots", {.page = 64 << 10, .run_bytes = 2304 << 10, .run_stride = 4 * mib}},
       {"64k_blocks_64m_slots_batch_api",
        {.page = 64 << 10, .run_bytes = 2304 << 10, .run_stride = 4 * mib, .batch_api = true}},
+      // One step at a time toward the engine's restore_gpu_16k (16 MiB slots, batches of 4,
+      // descriptors in mapped memory, 512 MiB passes).
+      {"16k_16m_slots_half_passes", {.slot_bytes = 16 * mib, .pass_bytes = 512 * mib}},
+      {"16k_16m_slots_batches_of_4",
+       {.slot_bytes = 16 * mib, .slots_per_batch = 4, .pass_bytes = 512 * mib}},
+      {"16k_16m_slots_batches_of_4_host_descriptors",
+       {.slot_bytes = 16 * mib,
+        .host_descriptors = true,
+        .slots_per_batch = 4,
+        .pass_bytes = 512 * mib}},
   };
   for (const auto& [name, model] : ring_models) {
     const double ring = MeasureRingModel(pool.arena(0).data(), device, model, ring_rng,
