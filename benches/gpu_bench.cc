@@ -821,6 +821,27 @@ int main(int argc, char** argv) {
       for (CopyFragment& f : one[0].fragments) f.buffer = kernel_id;
       report.AddEnv("kernel_16k_one_batch",
                     fmt::format("restore {:.1f} GB/s", MedianGbps(*kernel, {&one}, 1)));
+      // The same batch queued in parts (Options::split_min_fragments): the GPU starts after the
+      // first part's Submit work, not the whole batch's.
+      for (const auto& [name, base] :
+           {std::pair{"staged",
+                      CudaCopyEngine::Options{
+                          .dma_min_fragment_bytes = uint64_t{1} << 20,
+  .restore_staging_bytes = (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256)
+                           << 20,
+  .staged_min_run_bytes = 1}},
+            std::pair{"kernel",
+                      CudaCopyEngine::Options{.method = CudaCopyEngine::Method::kKernel}}}) {
+        CudaCopyEngine::Options split = base;
+        split.split_min_fragments = 8192;
+        auto parts = MakeEngine(registry, split);
+        const BufferId parts_id = RegisterDevice(*parts, device, device_bytes);
+        std::vector<CopyBatch> in_parts = one;
+        for (CopyFragment& f : in_parts[0].fragments) f.buffer = parts_id;
+        report.AddEnv(fmt::format("{}_16k_one_batch_in_parts", name),
+                      fmt::format("restore {:.1f} GB/s", MedianGbps(*parts, {&in_parts}, 1)));
+        parts->Shutdown();
+      }
       // The same pages read from the arena's first 64 MiB, where the peak and the ring model
       // read: whether where the pool's bytes sit costs the copy engines.
       std::vector<CopyBatch> front = set.restores;

@@ -127,6 +127,24 @@ struct CudaCopyEngine::Staging {
   }
 };
 
+// The parts of one batch (Options::split_min_fragments): the caller's CopyDone runs once, after
+// every queued part finished, with the first error; the batch holds one in-flight slot throughout.
+struct CudaCopyEngine::Joint {
+  explicit Joint(CopyDone d) : done(std::move(d)) {}
+  // Records one part's end; true for the last.
+  bool PartDone(const Status& status) EXCLUDES(mu) {
+    MutexLock lock(&mu);
+    if (!status.ok() && first_error.ok()) first_error = status;
+    return --remaining == 0;
+  }
+  CopyDone done;
+  Mutex mu;
+  // Parts not yet finished: all of them from the start, less those a rejected part stops.
+  size_t remaining GUARDED_BY(mu) = 0;
+  // Read by the last part's completer only, once no part can write it.
+  Status first_error;
+};
+
 // An accepted batch. Created by Submit(), deleted by Finish() on its lane's completer.
 struct CudaCopyEngine::Batch {
   Batch(CopyBatch b, CopyDone d, uint64_t total)
@@ -147,6 +165,12 @@ struct CudaCopyEngine::Batch {
   // Device-visible address of each fragment's first source and destination byte.
   std::vector<uint64_t> src;
   std::vector<uint64_t> dst;
+
+  // A part of a split batch: `done` is empty and the joint completes the caller's.
+  std::shared_ptr<Joint> joint;
+  // A part that failed its checks after earlier parts were queued: never launched, nothing pinned
+  // (its fragments cleared); it ends the joint with this error once the parts ahead of it finished.
+  Status rejected;
 
   // Set by the dispatcher before it hands the batch to the completer.
   std::unique_ptr<Staging> staging;
@@ -507,37 +531,121 @@ CudaCopyEngine::Slot* CudaCopyEngine::FindLiveSlot(BufferId id) {
 Status CudaCopyEngine::Submit(CopyBatch batch, CopyDone done) {
   uint64_t total_bytes = 0;
   ORBITKV_RETURN_IF_ERROR(CheckShape(batch, done, &total_bytes));
+  if (options_.split_min_fragments > 0 && batch.fragments.size() >= options_.split_min_fragments &&
+      batch.fragments.size() > kFirstPartFragments) {
+    return SubmitInParts(std::move(batch), std::move(done));
+  }
   auto accepted = std::make_unique<Batch>(std::move(batch), std::move(done), total_bytes);
   // Validation before backpressure, so that an invalid batch is never answered "retry later".
   ORBITKV_RETURN_IF_ERROR(ResolveAndPin(accepted.get()));
-  Lane* lane = lanes_[accepted->lane].get();
-  const uint64_t average_fragment = total_bytes / accepted->copy.fragments.size();
-  accepted->use_dma = options_.method == Method::kMemcpyBatch ||
-                      (options_.method == Method::kAuto && dma_available_ &&
-                       average_fragment >= options_.dma_min_fragment_bytes);
-  accepted->staged = !accepted->use_dma && ShouldStage(*lane, *accepted);
-  accepted->chunk_bytes = ChunkBytesFor(
-      total_bytes, uint64_t{lane->max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
-  for (const CopyFragment& f : accepted->copy.fragments) {
-    accepted->chunks += CeilDiv(f.length, accepted->chunk_bytes);
-  }
-  if (!accepted->use_dma && accepted->chunks > std::numeric_limits<uint32_t>::max()) {
-    Unpin(accepted->copy);
-    return Status::InvalidArgument(
-        fmt::format("copy batch makes {} chunks of {} bytes, more than one launch takes; split it",
-                    accepted->chunks, accepted->chunk_bytes));
-  }
+  ORBITKV_RETURN_IF_ERROR(Plan(accepted.get()));
   if (Status status = ReserveInflight(); !status.ok()) {
     Unpin(accepted->copy);
     return status;
   }
   inflight_gauge_->Add(1);
+  Enqueue(std::move(accepted));
+  return Status::Ok();
+}
+
+Status CudaCopyEngine::Plan(Batch* batch) {
+  const Lane& lane = *lanes_[batch->lane];
+  const uint64_t average_fragment = batch->total_bytes / batch->copy.fragments.size();
+  batch->use_dma = options_.method == Method::kMemcpyBatch ||
+                   (options_.method == Method::kAuto && dma_available_ &&
+                    average_fragment >= options_.dma_min_fragment_bytes);
+  batch->staged = !batch->use_dma && ShouldStage(lane, *batch);
+  batch->chunk_bytes = ChunkBytesFor(
+      batch->total_bytes, uint64_t{lane.max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
+  for (const CopyFragment& f : batch->copy.fragments) {
+    batch->chunks += CeilDiv(f.length, batch->chunk_bytes);
+  }
+  if (!batch->use_dma && batch->chunks > std::numeric_limits<uint32_t>::max()) {
+    Unpin(batch->copy);
+    return Status::InvalidArgument(
+        fmt::format("copy batch makes {} chunks of {} bytes, more than one launch takes; split it",
+                    batch->chunks, batch->chunk_bytes));
+  }
+  return Status::Ok();
+}
+
+void CudaCopyEngine::Enqueue(std::unique_ptr<Batch> batch) {
+  Lane* lane = lanes_[batch->lane].get();
   lane->busy.fetch_add(1, std::memory_order_relaxed);
   {
     MutexLock lock(&lane->mu);
-    lane->pending.push_back(std::move(accepted));
+    lane->pending.push_back(std::move(batch));
   }
   lane->pending_cv.notify_one();
+}
+
+Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done) {
+  const std::vector<CopyFragment>& all = batch.fragments;
+  const size_t n = all.size();
+  // Part boundaries: a short first part, then even parts of at least kPartFragments.
+  std::vector<size_t> ends{kFirstPartFragments};
+  const size_t rest = n - kFirstPartFragments;
+  const size_t later = std::clamp<size_t>(rest / kPartFragments, 1, kMaxParts - 1);
+  for (size_t k = 1; k <= later; ++k) ends.push_back(kFirstPartFragments + rest * k / later);
+  auto joint = std::make_shared<Joint>(std::move(done));
+  const auto make_part = [&](size_t begin, size_t end) {
+    CopyBatch copy{batch.direction,
+                   {all.begin() + static_cast<std::ptrdiff_t>(begin),
+                    all.begin() + static_cast<std::ptrdiff_t>(end)}};
+    uint64_t bytes = 0;
+    for (const CopyFragment& f : copy.fragments) bytes += f.length;
+    auto part = std::make_unique<Batch>(std::move(copy), CopyDone{}, bytes);
+    part->joint = joint;
+    return part;
+  };
+  // The first part as a whole batch would be: its errors are Submit's, and nothing is queued.
+  std::unique_ptr<Batch> first = make_part(0, ends[0]);
+  ORBITKV_RETURN_IF_ERROR(ResolveAndPin(first.get()));
+  ORBITKV_RETURN_IF_ERROR(Plan(first.get()));
+  if (Status status = ReserveInflight(); !status.ok()) {
+    Unpin(first->copy);
+    return status;
+  }
+  inflight_gauge_->Add(1);
+  const uint32_t lane = first->lane;
+  // Every part counts from the start, so the last PartDone is always a completer's, never this
+  // thread's (a rejected part takes off those after it before it is queued).
+  {
+    MutexLock lock(&joint->mu);
+    joint->remaining = ends.size();
+  }
+  Enqueue(std::move(first));
+  // Each later part is resolved while the lane copies the ones ahead. One that fails its checks
+  // ends the batch with that error (CopyDone, after the queued parts drain); the rest never run.
+  for (size_t k = 1; k < ends.size(); ++k) {
+    std::unique_ptr<Batch> part = make_part(ends[k - 1], ends[k]);
+    Status status = ResolveAndPin(part.get());
+    if (status.ok() && part->lane != lane) {
+      Unpin(part->copy);
+      status = Status::InvalidArgument(fmt::format(
+          "fragment {}: a batch copies to or from one device in one direction; this fragment's "
+          "buffer is on another device than fragment 0's",
+          ends[k - 1]));
+    } else if (status.ok()) {
+      status = Plan(part.get());  // unpins on error
+    } else {
+      // ResolveAndPin names the fragment by its index in the part.
+      status = Status(status.code(),
+                      fmt::format("{} (part from fragment {})", status.message(), ends[k - 1]));
+    }
+    if (!status.ok()) {
+      {
+        MutexLock lock(&joint->mu);
+        joint->remaining -= ends.size() - k - 1;  // the parts after this one never run
+      }
+      part->rejected = status;
+      part->copy.fragments.clear();
+      part->lane = lane;
+      Enqueue(std::move(part));
+      break;
+    }
+    Enqueue(std::move(part));
+  }
   return Status::Ok();
 }
 
@@ -641,7 +749,11 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
         lane->free_staging.pop_back();
       }
     }
-    batch->launch_status = scope.status();
+    batch->launch_status = batch->rejected.ok() ? scope.status() : batch->rejected;
+    if (!batch->rejected.ok() && staging != nullptr) {
+      MutexLock lock(&lane->mu);  // a rejected part launches nothing
+      lane->free_staging.push_back(std::move(staging));
+    }
     if (staging == nullptr && batch->launch_status.ok()) {
       // At most max_inflight_batches staging areas ever exist, one per batch in flight.
       staging = std::make_unique<Staging>();
@@ -880,13 +992,19 @@ void CudaCopyEngine::CompleteLoop(Lane* lane) {
 }
 
 void CudaCopyEngine::Finish(Lane* lane, std::unique_ptr<Batch> batch, const Status& status) {
-  if (status.ok()) {
-    lane->bytes_total->Increment(batch->total_bytes);
-    lane->batches_total->Increment();
-  } else {
-    failed_total_->Increment();
+  // A part counts in the metrics as the caller's batch does: bytes per part, the batch (or its
+  // failure) once, at its last part.
+  const bool last = batch->joint == nullptr || batch->joint->PartDone(status);
+  if (status.ok()) lane->bytes_total->Increment(batch->total_bytes);
+  if (last) {
+    const Status& outcome = batch->joint == nullptr ? status : batch->joint->first_error;
+    if (outcome.ok()) {
+      lane->batches_total->Increment();
+    } else {
+      failed_total_->Increment();
+    }
+    (batch->joint == nullptr ? batch->done : batch->joint->done)(outcome);
   }
-  batch->done(status);
   lane->busy.fetch_sub(1, std::memory_order_relaxed);
   // Only now is the batch no longer in flight: UnregisterBuffer() and Shutdown() wait for CopyDone
   // to return.
@@ -896,8 +1014,10 @@ void CudaCopyEngine::Finish(Lane* lane, std::unique_ptr<Batch> batch, const Stat
     lane->free_staging.push_back(std::move(batch->staging));
   }
   batch.reset();
-  inflight_gauge_->Add(-1);
-  ReleaseInflight();
+  if (last) {
+    inflight_gauge_->Add(-1);
+    ReleaseInflight();
+  }
 }
 
 void CudaCopyEngine::Shutdown() {

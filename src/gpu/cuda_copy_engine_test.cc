@@ -693,6 +693,89 @@ TEST(CudaCopyEngineTest, InvalidBatchesAreRejectedWholeWithoutCopyingOrCallingDo
   EXPECT_TRUE(std::all_of(seen.begin() + 4096, seen.end(), [](uint8_t b) { return b == kPoison; }));
 }
 
+// A batch of split_min_fragments or more goes to the lane in parts, each checked while the ones
+// ahead copy: still one CopyDone and one batch in the metrics, byte-exact both ways. A bad fragment
+// in the first part is Submit's error (nothing copied, no CopyDone); one in a later part is the
+// batch's CopyDone error, once, after the parts ahead drained; the parts after it never run; no
+// pin is left (the buffer unregisters).
+TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
+  constexpr uint64_t kFragment = 1024;
+  constexpr size_t kFragments = 12000;
+  constexpr uint64_t kDeviceBytes = 16 << 20;  // 16384 slots of kFragment
+  constexpr uint64_t kPoolBytes = 2 * kFragments * kFragment;
+  HostMemoryRegistry registry;
+  MetricsRegistry metrics;
+  auto engine = MakeEngine(registry, {.split_min_fragments = 8192}, &metrics);
+  ASSERT_NE(engine, nullptr);
+  Counter& restores =
+      metrics.GetCounter("orbitkv_copy_batches_total", "",
+                         {{"engine", "cuda"}, {"direction", "restore"}, {"device", "0"}});
+  Counter& saves = metrics.GetCounter("orbitkv_copy_batches_total", "",
+                                      {{"engine", "cuda"}, {"direction", "save"}, {"device", "0"}});
+  Counter& failed =
+      metrics.GetCounter("orbitkv_copy_failed_batches_total", "", {{"engine", "cuda"}});
+  RegisteredHostMemory pool(registry, kPoolBytes);
+  FillPattern(pool.data(), kFragments * kFragment, 21);
+  std::memset(pool.data() + kFragments * kFragment, 0, kFragments * kFragment);
+  DeviceMemory device = MakeDeviceMemory(kDeviceBytes);
+  Poison(device);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, kDeviceBytes);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<uint64_t> slots(kDeviceBytes / kFragment);
+  for (uint64_t i = 0; i < slots.size(); ++i) slots[i] = i;
+  std::shuffle(slots.begin(), slots.end(), std::mt19937_64(9));
+  CopyBatch restore{CopyDirection::kRestore, {}};
+  CopyBatch save{CopyDirection::kSave, {}};
+  for (size_t i = 0; i < kFragments; ++i) {
+    restore.fragments.push_back(
+        {*id, slots[i] * kFragment, pool.data() + i * kFragment, kFragment});
+    save.fragments.push_back(
+        {*id, slots[i] * kFragment, pool.data() + (kFragments + i) * kFragment, kFragment});
+  }
+  DoneProbe restored;
+  ASSERT_TRUE(engine->Submit(restore, restored.Callback()).ok());
+  ASSERT_TRUE(restored.Wait().ok()) << restored.Wait();
+  ASSERT_TRUE(RunBatch(*engine, save).ok());
+  EXPECT_EQ(restored.calls(), 1);
+  EXPECT_EQ(restores.Value(), 1u);
+  EXPECT_EQ(saves.Value(), 1u);
+  Bytes expected(kDeviceBytes, kPoison);
+  for (const CopyFragment& f : restore.fragments) {
+    std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
+  }
+  EXPECT_TRUE(Download(device) == expected) << "a restore in parts differs";
+  EXPECT_EQ(std::memcmp(pool.data(), pool.data() + kFragments * kFragment, kFragments * kFragment),
+            0)
+      << "a save in parts differs";
+
+  // A bad buffer in the first part: refused whole, as a small batch is.
+  CopyBatch early = restore;
+  early.fragments[10].buffer = BufferId{77, 1};
+  DoneProbe never;
+  EXPECT_EQ(engine->Submit(early, never.Callback()).code(), StatusCode::kNotFound);
+  EXPECT_EQ(never.calls(), 0);
+  // A bad buffer in a later part: the batch fails through its CopyDone; the last part never runs.
+  Poison(device);
+  CopyBatch late = restore;
+  late.fragments[9000].buffer = BufferId{77, 1};
+  DoneProbe failing;
+  ASSERT_TRUE(engine->Submit(late, failing.Callback()).ok());
+  const Status status = failing.Wait();
+  EXPECT_EQ(status.code(), StatusCode::kNotFound) << status;
+  EXPECT_NE(status.message().find("part from fragment"), std::string_view::npos) << status;
+  EXPECT_EQ(failing.calls(), 1);
+  EXPECT_EQ(failed.Value(), 1u);
+  EXPECT_EQ(restores.Value(), 1u);
+  const Bytes after = Download(device);
+  for (size_t i = 9000; i < kFragments; ++i) {  // the failing part from here on, and any after it
+    const uint64_t at = late.fragments[i].buffer_offset;
+    ASSERT_TRUE(std::all_of(after.begin() + at, after.begin() + at + kFragment,
+                            [](uint8_t b) { return b == kPoison; }))
+        << "fragment " << i << " was copied after its batch failed";
+  }
+  EXPECT_TRUE(engine->UnregisterBuffer(*id).ok());  // every part's pins are gone
+}
+
 TEST(CudaCopyEngineTest, MixedDevicesInOneBatchAreRejected) {
   int devices = 0;
   ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
