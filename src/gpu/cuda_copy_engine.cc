@@ -131,18 +131,25 @@ struct CudaCopyEngine::Staging {
 // every queued part finished, with the first error; the batch holds one in-flight slot throughout.
 struct CudaCopyEngine::Joint {
   explicit Joint(CopyDone d) : done(std::move(d)) {}
-  // Records one part's end; true for the last.
-  bool PartDone(const Status& status) EXCLUDES(mu) {
+  // Records one part's end (its fragments stay pinned, in `finished`, until the batch's CopyDone
+  // returned, as a whole batch's do); true for the last part, which unpins them all.
+  bool PartDone(const Status& status, uint64_t bytes, CopyBatch* copy) EXCLUDES(mu) {
     MutexLock lock(&mu);
     if (!status.ok() && first_error.ok()) first_error = status;
-    return --remaining == 0;
+    if (status.ok()) copied_bytes += bytes;
+    if (--remaining == 0) return true;
+    finished.push_back(std::move(*copy));
+    copy->fragments.clear();
+    return false;
   }
   CopyDone done;
   Mutex mu;
   // Parts not yet finished: all of them from the start, less those a rejected part stops.
   size_t remaining GUARDED_BY(mu) = 0;
-  // Read by the last part's completer only, once no part can write it.
+  // Read by the last part's completer only, once no part can write them.
   Status first_error;
+  uint64_t copied_bytes = 0;
+  std::vector<CopyBatch> finished;
 };
 
 // An accepted batch. Created by Submit(), deleted by Finish() on its lane's completer.
@@ -168,6 +175,7 @@ struct CudaCopyEngine::Batch {
 
   // A part of a split batch: `done` is empty and the joint completes the caller's.
   std::shared_ptr<Joint> joint;
+  bool first_part = true;  // false for a split batch's later parts
   // A part that failed its checks after earlier parts were queued: never launched, nothing pinned
   // (its fragments cleared); it ends the joint with this error once the parts ahead of it finished.
   Status rejected;
@@ -287,7 +295,8 @@ CudaCopyEngine::CudaCopyEngine(Options options, const HostMemoryRegistry* host_m
       metrics_(&PickRegistry(metrics, owned_metrics_)),
       failed_total_(&PickRegistry(metrics, owned_metrics_)
                          .GetCounter("orbitkv_copy_failed_batches_total",
-                                     "Copy batches completed with a device error.",
+                                     "Copy batches completed with an error (a device error, or "
+                                     "a bad fragment past the first part of a split batch).",
                                      {{"engine", "cuda"}})),
       dma_total_(&PickRegistry(metrics, owned_metrics_)
                       .GetCounter("orbitkv_copy_dma_batches_total",
@@ -596,6 +605,7 @@ Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done) {
     for (const CopyFragment& f : copy.fragments) bytes += f.length;
     auto part = std::make_unique<Batch>(std::move(copy), CopyDone{}, bytes);
     part->joint = joint;
+    part->first_part = begin == 0;
     return part;
   };
   // The first part as a whole batch would be: its errors are Submit's, and nothing is queued.
@@ -755,7 +765,8 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
       lane->free_staging.push_back(std::move(staging));
     }
     if (staging == nullptr && batch->launch_status.ok()) {
-      // At most max_inflight_batches staging areas ever exist, one per batch in flight.
+      // At most max_inflight_batches x kMaxParts staging areas ever exist: one per batch in
+      // flight, or per part of a split one.
       staging = std::make_unique<Staging>();
       Result<CudaEvent> event = CudaEvent::Create(lane->device, /*blocking_sync=*/true);
       if (event.ok()) {
@@ -798,9 +809,9 @@ Status CudaCopyEngine::Launch(Lane* lane, Batch* batch) {
     // Part of the batch may be queued: let it drain before its staging area is reused.
     if (batch->staged) cudaStreamSynchronize(lane->copy_stream.get());
     cudaStreamSynchronize(stream);
-  } else if (batch->use_dma) {
+  } else if (batch->first_part && batch->use_dma) {  // a split batch counts once
     dma_total_->Increment();
-  } else if (batch->staged) {
+  } else if (batch->first_part && batch->staged) {
     staged_total_->Increment();
   }
   return status;
@@ -992,22 +1003,26 @@ void CudaCopyEngine::CompleteLoop(Lane* lane) {
 }
 
 void CudaCopyEngine::Finish(Lane* lane, std::unique_ptr<Batch> batch, const Status& status) {
-  // A part counts in the metrics as the caller's batch does: bytes per part, the batch (or its
+  // A split batch counts in the metrics as a whole one does: its bytes and the batch (or its
   // failure) once, at its last part.
-  const bool last = batch->joint == nullptr || batch->joint->PartDone(status);
-  if (status.ok()) lane->bytes_total->Increment(batch->total_bytes);
+  Joint* const joint = batch->joint.get();
+  const bool last = joint == nullptr || joint->PartDone(status, batch->total_bytes, &batch->copy);
   if (last) {
-    const Status& outcome = batch->joint == nullptr ? status : batch->joint->first_error;
+    const Status& outcome = joint == nullptr ? status : joint->first_error;
     if (outcome.ok()) {
+      lane->bytes_total->Increment(joint == nullptr ? batch->total_bytes : joint->copied_bytes);
       lane->batches_total->Increment();
     } else {
       failed_total_->Increment();
     }
-    (batch->joint == nullptr ? batch->done : batch->joint->done)(outcome);
+    (joint == nullptr ? batch->done : joint->done)(outcome);
   }
   lane->busy.fetch_sub(1, std::memory_order_relaxed);
   // Only now is the batch no longer in flight: UnregisterBuffer() and Shutdown() wait for CopyDone
-  // to return.
+  // to return. (A split batch's earlier parts handed their fragments to the joint: still pinned.)
+  if (last && joint != nullptr) {
+    for (const CopyBatch& part : joint->finished) Unpin(part);
+  }
   Unpin(batch->copy);
   if (batch->staging != nullptr) {
     MutexLock lock(&lane->mu);

@@ -714,6 +714,11 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
                                       {{"engine", "cuda"}, {"direction", "save"}, {"device", "0"}});
   Counter& failed =
       metrics.GetCounter("orbitkv_copy_failed_batches_total", "", {{"engine", "cuda"}});
+  Counter& staged =
+      metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
+  Counter& restored_bytes =
+      metrics.GetCounter("orbitkv_copy_bytes_total", "",
+                         {{"engine", "cuda"}, {"direction", "restore"}, {"device", "0"}});
   RegisteredHostMemory pool(registry, kPoolBytes);
   FillPattern(pool.data(), kFragments * kFragment, 21);
   std::memset(pool.data() + kFragments * kFragment, 0, kFragments * kFragment);
@@ -739,6 +744,8 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
   EXPECT_EQ(restored.calls(), 1);
   EXPECT_EQ(restores.Value(), 1u);
   EXPECT_EQ(saves.Value(), 1u);
+  EXPECT_EQ(staged.Value(), 1u);  // its parts went through the ring; the batch counts once
+  EXPECT_EQ(restored_bytes.Value(), kFragments * kFragment);
   Bytes expected(kDeviceBytes, kPoison);
   for (const CopyFragment& f : restore.fragments) {
     std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
@@ -754,24 +761,31 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
   DoneProbe never;
   EXPECT_EQ(engine->Submit(early, never.Callback()).code(), StatusCode::kNotFound);
   EXPECT_EQ(never.calls(), 0);
-  // A bad buffer in a later part: the batch fails through its CopyDone; the last part never runs.
+  // A bad buffer in the second part (fragments 2048 on): the batch fails through its CopyDone,
+  // the first part was copied, and nothing from the second part on ran.
   Poison(device);
   CopyBatch late = restore;
-  late.fragments[9000].buffer = BufferId{77, 1};
+  late.fragments[3000].buffer = BufferId{77, 1};
   DoneProbe failing;
   ASSERT_TRUE(engine->Submit(late, failing.Callback()).ok());
   const Status status = failing.Wait();
   EXPECT_EQ(status.code(), StatusCode::kNotFound) << status;
-  EXPECT_NE(status.message().find("part from fragment"), std::string_view::npos) << status;
+  EXPECT_NE(status.message().find("part from fragment 2048"), std::string_view::npos) << status;
   EXPECT_EQ(failing.calls(), 1);
   EXPECT_EQ(failed.Value(), 1u);
   EXPECT_EQ(restores.Value(), 1u);
+  EXPECT_EQ(restored_bytes.Value(), kFragments * kFragment);  // a failed batch counts no bytes
   const Bytes after = Download(device);
-  for (size_t i = 9000; i < kFragments; ++i) {  // the failing part from here on, and any after it
-    const uint64_t at = late.fragments[i].buffer_offset;
-    ASSERT_TRUE(std::all_of(after.begin() + at, after.begin() + at + kFragment,
-                            [](uint8_t b) { return b == kPoison; }))
-        << "fragment " << i << " was copied after its batch failed";
+  for (size_t i = 0; i < kFragments; ++i) {
+    const CopyFragment& f = late.fragments[i];
+    const bool copied = std::equal(after.begin() + f.buffer_offset,
+                                   after.begin() + f.buffer_offset + kFragment, f.pool);
+    const bool poisoned =
+        std::all_of(after.begin() + f.buffer_offset, after.begin() + f.buffer_offset + kFragment,
+                    [](uint8_t b) { return b == kPoison; });
+    ASSERT_TRUE(i < CudaCopyEngine::kFirstPartFragments ? copied : poisoned)
+        << "fragment " << i
+        << (i < CudaCopyEngine::kFirstPartFragments ? " was not copied" : " was copied");
   }
   EXPECT_TRUE(engine->UnregisterBuffer(*id).ok());  // every part's pins are gone
 }
