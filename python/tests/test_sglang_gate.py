@@ -234,11 +234,14 @@ def on_ranks(fn, ranks):
             errors.append(e)
             ranks[r].tp_group.abort()  # the other ranks stop waiting in an all-reduce
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(ranks))]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(ranks))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
+    if any(t.is_alive() for t in threads):
+        ranks[0].tp_group.abort()
+        raise AssertionError("a TP rank ran past 300 s")
     if errors:
         raise errors[0]
     return out

@@ -38,9 +38,6 @@ class CudaRefEngineModel(RefEngineModel):
         with torch.device(self.device):  # the harness's ordinary torch.zeros buffers, on the GPU
             return super().bind(kv_cache_config)
 
-    def execute(self, batch, hooks):
-        with torch.cuda.device(self.device):  # a vLLM worker's current device is its rank's GPU
-            return super().execute(batch, hooks)
 
 
 @pytest.fixture()
@@ -190,8 +187,9 @@ def test_tensor_parallel_ranks_restore_their_own_shards_bit_identically(manager,
     ranks = [w.connector._worker for w in engine.workers]
     assert len({r.namespace for r in ranks}) == 2 and [r.tp_rank for r in ranks] == [0, 1]
     for worker in engine.workers:  # each rank's caches hold its own KV heads only
-        kv = worker.kv_caches[worker.model.layer_names[0]]
+        kv = worker.kv_caches[worker.model.layer_names[0]]  # logical (blocks, heads, block_size, 2 x head_dim)
         assert worker.model.shard.num_kv_heads == config.num_kv_heads // 2
+        assert kv.shape[1] == config.num_kv_heads // 2
         assert kv.is_cuda == (memory == "cuda")
         if memory == "cuda":
             assert kv.device == torch.device(worker.model.device)

@@ -17,6 +17,21 @@ from vllm_harness.scheduler import Scheduler
 from vllm_harness.worker import KVOutputAggregator, Worker, roundtrip
 
 
+STEP_TIMEOUT_S = 300  # one step of concurrent TP workers, at most
+
+
+def _on_device(model):
+    """The model's CUDA device as the current device (a vLLM worker keeps its GPU current), or nothing."""
+    import contextlib
+
+    device = getattr(model, "device", None)
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def _roles():
     from orbitkv.vllm._compat import KVConnectorRole
 
@@ -50,7 +65,8 @@ class Engine:
         for rank, model in enumerate(models):
             config = copy.deepcopy(vllm_config)
             config.parallel_config.rank = rank
-            self.workers.append(Worker(config, self.kv_cache_config, model, worker_role))
+            with _on_device(model):
+                self.workers.append(Worker(config, self.kv_cache_config, model, worker_role))
         self.scheduler = Scheduler(vllm_config, self.kv_cache_config, scheduler_role, recovery=recovery)
         connector = self.scheduler.connector
         count = connector.get_finished_count() if connector is not None else None
@@ -121,17 +137,22 @@ class Engine:
 
         def run(rank, worker):
             try:
-                outputs[rank] = roundtrip(worker.execute_model(roundtrip(out)))
+                with _on_device(worker.model):  # a vLLM worker's current device is its rank's GPU
+                    outputs[rank] = roundtrip(worker.execute_model(roundtrip(out)))
             except BaseException as e:  # noqa: B902 - re-raised below, in the engine's thread
                 errors.append(e)
                 worker.model.group.abort()
 
-        threads = [threading.Thread(target=run, args=(r, w), name=f"harness-rank{r}")
+        threads = [threading.Thread(target=run, args=(r, w), name=f"harness-rank{r}", daemon=True)
                    for r, w in enumerate(self.workers)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(timeout=STEP_TIMEOUT_S)
+        if any(t.is_alive() for t in threads):
+            self.workers[0].model.group.abort()
+            raise AssertionError(f"a TP rank's execute_model ran past {STEP_TIMEOUT_S} s (hung outside the "
+                                 "model's all-reduces?)")
         if errors:
             raise errors[0]
         return outputs
