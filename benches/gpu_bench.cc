@@ -748,20 +748,20 @@ int main(int argc, char** argv) {
   // pages for comparison (in "env").
   const CudaCopyEngine::Options defaults;
   auto engine = MakeEngine(registry, defaults);
-  auto kernel = MakeEngine(registry, {.method = CudaCopyEngine::Method::kKernel});
+  const CudaCopyEngine::Options kernel_options{.method = CudaCopyEngine::Method::kKernel};
+  auto kernel = MakeEngine(registry, kernel_options);
   auto batch_api = MakeEngine(registry, {.method = CudaCopyEngine::Method::kMemcpyBatch});
   // Every restore of small fragments through the staging ring, whatever its pool runs (the default
   // stages only runs averaging 1 MiB or more, and has no ring unless given one); the copy engines
   // only for fragments of 1 MiB. The ring's size: ORBITKV_GPU_BENCH_STAGING_MIB (default 256).
   MetricsRegistry staged_metrics;
   const char* staging_mib = std::getenv("ORBITKV_GPU_BENCH_STAGING_MIB");
-  auto staged = MakeEngine(
-      registry,
-      {.dma_min_fragment_bytes = uint64_t{1} << 20,
-       .restore_staging_bytes =
-           (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256) << 20,
-       .staged_min_run_bytes = 1},
-      &staged_metrics);
+  const CudaCopyEngine::Options staged_options{
+      .dma_min_fragment_bytes = uint64_t{1} << 20,
+      .restore_staging_bytes =
+          (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256) << 20,
+      .staged_min_run_bytes = 1};
+  auto staged = MakeEngine(registry, staged_options, &staged_metrics);
   report.AddEnv("engine",
                 fmt::format("auto (copy engines from {} KiB fragments, else kernel), kernel chunk "
                             "{} KiB, {} blocks/SM, {} streams per lane, {} pages per batch",
@@ -824,14 +824,7 @@ int main(int argc, char** argv) {
       // The same batch queued in parts (Options::split_min_fragments): the GPU starts after the
       // first part's Submit work, not the whole batch's.
       for (const auto& [name, base] :
-           {std::pair{"staged",
-                      CudaCopyEngine::Options{
-                          .dma_min_fragment_bytes = uint64_t{1} << 20,
-  .restore_staging_bytes = (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256)
-                           << 20,
-  .staged_min_run_bytes = 1}},
-            std::pair{"kernel",
-                      CudaCopyEngine::Options{.method = CudaCopyEngine::Method::kKernel}}}) {
+           {std::pair{"staged", staged_options}, std::pair{"kernel", kernel_options}}) {
         CudaCopyEngine::Options split = base;
         split.split_min_fragments = 8192;
         auto parts = MakeEngine(registry, split);

@@ -545,15 +545,20 @@ Status CudaCopyEngine::Submit(CopyBatch batch, CopyDone done) {
     return SubmitInParts(std::move(batch), std::move(done));
   }
   auto accepted = std::make_unique<Batch>(std::move(batch), std::move(done), total_bytes);
+  ORBITKV_RETURN_IF_ERROR(Admit(accepted.get()));
+  Enqueue(std::move(accepted));
+  return Status::Ok();
+}
+
+Status CudaCopyEngine::Admit(Batch* batch) {
   // Validation before backpressure, so that an invalid batch is never answered "retry later".
-  ORBITKV_RETURN_IF_ERROR(ResolveAndPin(accepted.get()));
-  ORBITKV_RETURN_IF_ERROR(Plan(accepted.get()));
+  ORBITKV_RETURN_IF_ERROR(ResolveAndPin(batch));
+  ORBITKV_RETURN_IF_ERROR(Plan(batch));
   if (Status status = ReserveInflight(); !status.ok()) {
-    Unpin(accepted->copy);
+    Unpin(batch->copy);
     return status;
   }
   inflight_gauge_->Add(1);
-  Enqueue(std::move(accepted));
   return Status::Ok();
 }
 
@@ -610,13 +615,7 @@ Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done) {
   };
   // The first part as a whole batch would be: its errors are Submit's, and nothing is queued.
   std::unique_ptr<Batch> first = make_part(0, ends[0]);
-  ORBITKV_RETURN_IF_ERROR(ResolveAndPin(first.get()));
-  ORBITKV_RETURN_IF_ERROR(Plan(first.get()));
-  if (Status status = ReserveInflight(); !status.ok()) {
-    Unpin(first->copy);
-    return status;
-  }
-  inflight_gauge_->Add(1);
+  ORBITKV_RETURN_IF_ERROR(Admit(first.get()));
   const uint32_t lane = first->lane;
   // Every part counts from the start, so the last PartDone is always a completer's, never this
   // thread's (a rejected part takes off those after it before it is queued).

@@ -237,6 +237,9 @@ class CudaCopyEngine final : public core::CopyEngine {
   // Submit returns, each later one while the lane copies those ahead.
   Status SubmitInParts(core::CopyBatch batch, core::CopyDone done)
       EXCLUDES(registry_mu_, inflight_mu_);
+  // Resolves, plans and pins a batch and takes its in-flight slot; or leaves nothing pinned or
+  // taken and returns why (Submit's errors).
+  Status Admit(Batch* batch) EXCLUDES(registry_mu_, inflight_mu_);
   // The copy method, chunking and staging of a resolved batch; unpins it on error.
   Status Plan(Batch* batch) EXCLUDES(registry_mu_);
   // Hands an accepted, planned batch to its lane's dispatcher.
