@@ -474,32 +474,17 @@ def test_bad_input_is_rejected_clearly():
         make(kv_layout="page_first")
 
 
-def _tp_generate(config, prompt, tp, *, fail_rank=None):
-    """Every rank of a TP=tp RefEngine generates the prompt at once, one thread per rank."""
-    import threading
-
+def _tp_generate(config, prompt, tp):
+    """Every rank of a TP=tp RefEngine generates the prompt at once, one thread per rank; -> (outputs, group)."""
     group = rf.ThreadTPGroup(tp, timeout_s=30)
-    out, errors = [None] * tp, []
 
     def rank(r):
-        try:
-            model = rf.Transformer(config, tp_rank=r, tp_size=tp, all_reduce=group.reducer(r))
-            engine = rf.RefEngine(config, 16, model=model)
-            assert engine.cache.layers[0].shape[-2] == config.num_kv_heads // tp  # nhd: the rank's KV heads
-            if r == fail_rank:
-                raise RuntimeError("rank failed")
-            out[r] = engine.generate(engine.add_request(prompt), 3)
-        except BaseException as e:  # noqa: B902 - reported to the test
-            errors.append(e)
-            group.abort()
+        model = rf.Transformer(config, tp_rank=r, tp_size=tp, all_reduce=group.reducer(r))
+        engine = rf.RefEngine(config, 16, model=model)
+        assert engine.cache.layers[0].shape[-2] == config.num_kv_heads // tp  # nhd: the rank's KV heads
+        return engine.generate(engine.add_request(prompt), 3)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out, errors
+    return group.run(rank, timeout_s=60), group
 
 
 def test_tensor_parallel_ranks_compute_the_same_model():
@@ -507,8 +492,7 @@ def test_tensor_parallel_ranks_compute_the_same_model():
     prompt = list(range(3, 70))
     whole = rf.RefEngine(config, 16)
     want = whole.generate(whole.add_request(prompt), 3)
-    got, errors = _tp_generate(config, prompt, 2)
-    assert not errors
+    got, _ = _tp_generate(config, prompt, 2)
     assert got[0].tokens == got[1].tokens == want.tokens
     for a, b, w in zip(got[0].logits, got[1].logits, want.logits):
         assert torch.equal(a, b)  # every rank holds the same all-reduced result
@@ -525,8 +509,17 @@ def test_tensor_parallel_shape_errors_and_a_failed_rank_breaks_the_group():
         rf.Transformer(config, tp_rank=0, tp_size=2)
     with pytest.raises(ValueError, match="tp_rank"):
         rf.Transformer(config, tp_rank=2, tp_size=2, all_reduce=lambda t: t)
-    _, errors = _tp_generate(config, list(range(40)), 2, fail_rank=1)
+    group = rf.ThreadTPGroup(2, timeout_s=30)
+
+    def rank(r):
+        model = rf.Transformer(config, tp_rank=r, tp_size=2, all_reduce=group.reducer(r))
+        engine = rf.RefEngine(config, 16, model=model)
+        if r == 1:
+            raise RuntimeError("rank failed")
+        return engine.generate(engine.add_request(list(range(40))), 3)
+
+    with pytest.raises(RuntimeError, match="rank failed"):
+        group.run(rank, timeout_s=60)
     import threading
 
-    assert any(isinstance(e, RuntimeError) and str(e) == "rank failed" for e in errors)
-    assert any(isinstance(e, threading.BrokenBarrierError) for e in errors)  # rank 0 stopped waiting
+    assert any(isinstance(e, threading.BrokenBarrierError) for e in group.errors)  # rank 0 stopped waiting

@@ -39,7 +39,6 @@ class CudaRefEngineModel(RefEngineModel):
             return super().bind(kv_cache_config)
 
 
-
 @pytest.fixture()
 def manager(build_dir):
     m = ManagerProcess(build_dir / "src" / "server" / "orbitkv-manager")

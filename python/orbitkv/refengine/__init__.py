@@ -117,7 +117,8 @@ Tensor parallelism (``Transformer(..., tp_rank, tp_size, all_reduce)``, ``Thread
     A Transformer built with ``tp_size`` > 1 is one TP rank of the model, sharded as vLLM shards Llama (its query
     and KV heads, O's input columns, the MLP's intermediate slice; ``shard_config`` is the rank's KV cache shape);
     ``all_reduce`` sums the ranks' partial outputs. ``ThreadTPGroup(tp_size).reducer(rank)`` is that all-reduce
-    for ranks run as threads of one process, deterministic (summed in rank order). The ranks of one TP shape
+    for ranks run as threads of one process, deterministic (summed in rank order); ``run(fn)`` runs ``fn(rank)``
+    for every rank at once and breaks the group when one fails. The ranks of one TP shape
     compute bit-identically run after run; a different TP shape computes the same model up to rounding.
 
 SGLang host pool (``HostKVPool``)

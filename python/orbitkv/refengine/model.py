@@ -207,6 +207,7 @@ class ThreadTPGroup:
         if tp_size < 2:
             raise ValueError(f"a TP group needs at least 2 ranks, got {tp_size}")
         self.tp_size = tp_size
+        self.errors: list = []  # the ranks' exceptions in the last run()
         self._parts: list = [None] * tp_size
         self._barrier = threading.Barrier(tp_size, timeout=timeout_s)
 
@@ -225,3 +226,33 @@ class ThreadTPGroup:
     def abort(self) -> None:
         """Breaks the group: ranks waiting in an all-reduce raise at once (call when a rank failed)."""
         self._barrier.abort()
+
+    def run(self, fn: Callable[[int], object], timeout_s: float = 300.0) -> list:
+        """``[fn(0), ..., fn(tp_size - 1)]``, each rank on a thread of its own, all at once (as TP workers run,
+        meeting in the all-reduces). A rank that raises breaks the group, so the others stop waiting; then the
+        first error is raised here and every rank's is in ``errors``. A rank still running after ``timeout_s``
+        breaks the group and raises TimeoutError."""
+        import threading
+
+        results: list = [None] * self.tp_size
+        self.errors = []
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:  # noqa: B902 - re-raised in the caller's thread
+                self.errors.append(e)
+                self.abort()
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"tp-rank{r}", daemon=True)
+                   for r in range(self.tp_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=timeout_s)
+        if any(t.is_alive() for t in threads):
+            self.abort()
+            raise TimeoutError(f"a TP rank ran past {timeout_s} s")
+        if self.errors:
+            raise self.errors[0]
+        return results

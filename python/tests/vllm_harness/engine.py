@@ -131,31 +131,13 @@ class Engine:
     def _execute_concurrently(self, out) -> list:
         """Every worker's execute_model at once, one thread per rank (vLLM's workers are processes that meet in
         the model's all-reduces); a rank's failure breaks the group so the others fail too instead of hanging."""
-        import threading
 
-        outputs, errors = [None] * len(self.workers), []
+        def run(rank):
+            worker = self.workers[rank]
+            with _on_device(worker.model):  # a vLLM worker's current device is its rank's GPU
+                return roundtrip(worker.execute_model(roundtrip(out)))
 
-        def run(rank, worker):
-            try:
-                with _on_device(worker.model):  # a vLLM worker's current device is its rank's GPU
-                    outputs[rank] = roundtrip(worker.execute_model(roundtrip(out)))
-            except BaseException as e:  # noqa: B902 - re-raised below, in the engine's thread
-                errors.append(e)
-                worker.model.group.abort()
-
-        threads = [threading.Thread(target=run, args=(r, w), name=f"harness-rank{r}", daemon=True)
-                   for r, w in enumerate(self.workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=STEP_TIMEOUT_S)
-        if any(t.is_alive() for t in threads):
-            self.workers[0].model.group.abort()
-            raise AssertionError(f"a TP rank's execute_model ran past {STEP_TIMEOUT_S} s (hung outside the "
-                                 "model's all-reduces?)")
-        if errors:
-            raise errors[0]
-        return outputs
+        return self.workers[0].model.group.run(run, timeout_s=STEP_TIMEOUT_S)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.get_num_unfinished_requests() > 0
