@@ -7,7 +7,9 @@ blocks from host 0 over UCX, then a hit) and restores it: remote_fetch_gbps is t
 the query to the last page restored in the engine, against the UCX read and iperf3 measured on a veth in the same run
 (transfer bench: a direct veth pair) and against iperf3 across the mesh's bridge between host 0 and host 1 (the
 fetch's own path), all in the same run, and against transfer_read_1m measured between host 0 and host 1 themselves (transfer_read_1m_mesh: a
-transfer_test_peer in host 0's namespace read by `transfer_bench --mesh-read` in host 1's). Then host 2 does the same
+transfer_test_peer in host 0's namespace read by `transfer_bench --mesh-read` in host 1's), and against that read
+plus the one copy a fetch must also make, each batch into an engine's pages while the next arrives
+(transfer_read_1m_mesh_with_copy: what this machine's cores allow a fetch). Then host 2 does the same
 with two Managers holding each prefix. TTFT on the reference engine (CPU,
 "tiny" preset, a 4,096-token prompt): recompute, a local DRAM hit on host 0, a remote hit on host 1, a remote hit
 on host 1 while one of the three catalog hosts is down (the blocks of its shards are not found: a shorter hit), and a
@@ -103,10 +105,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int) -> dict:
+def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int, with_copy: bool = False) -> dict:
     """transfer_read_1m between two mesh hosts: a transfer_test_peer serving in `source`'s namespace (grants
     required, as a Manager serves) read by the transfer bench in `reader`'s, over the fetch's own veths and bridge;
-    with the CPU seconds per GB of the reader and of the source."""
+    with the CPU seconds per GB of the reader and of the source. `with_copy`: the reader also copies each batch
+    once more while it reads the next (the restore into the engine a fetch must make: `--with-copy`)."""
     peer = subprocess.Popen(net.launcher(source) + [
         str(build / "src" / "transfer" / "transfer_test_peer"), "--listen", f"{net.address(source)}:0", "--bytes",
         str(64 << 20), "--regions", "2", "--transports", "tcp", "--devices", net.device(source), "--grants", "1"],
@@ -123,7 +126,8 @@ def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int) -> di
                 break
         source_cpu = cpu_seconds(peer.pid)  # `ip netns exec` execs the peer: the same pid
         out = subprocess.run(net.launcher(reader) + [str(build / "benches" / "transfer_bench"), "--mesh-read",
-                                                     net.address(reader), net.device(reader)],
+                                                     net.address(reader), net.device(reader)] +
+                             (["--with-copy"] if with_copy else []),
                              input="".join(lines), capture_output=True, text=True, check=True, timeout=300)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         result["source_cpu_s_per_gb"] = (cpu_seconds(peer.pid) - source_cpu) / (result["bytes_read"] / 1e9)
@@ -298,6 +302,7 @@ def main(argv=None) -> int:
         mesh_iperf = iperf3_mesh(net, 0, 1)  # host 0 sends to host 1, as the fetch does
         mesh = transfer_read_mesh(build, net, 0, 1)  # host 1 reads from host 0, as the fetch does
         mesh_read = mesh["transfer_read_1m"]
+        mesh_copy = transfer_read_mesh(build, net, 0, 1, with_copy=True)["transfer_read_1m"]
         deadline = time.monotonic() + 60
         while True:
             s = [c.stats() for c in clients]
@@ -360,6 +365,10 @@ def main(argv=None) -> int:
     add("remote_fetch_gbps_vs_iperf3", "GB/s", p50_2, "iperf3_veth", iperf)
     add("remote_fetch_gbps_vs_iperf3_mesh", "GB/s", p50_2, "iperf3_mesh", mesh_iperf)
     add("remote_fetch_gbps_vs_transfer_read_1m_mesh", "GB/s", p50_2, "transfer_read_1m_mesh", mesh_read)
+    # The same read plus the one copy the fetch must also make (each batch into the engine's pages while the next
+    # arrives): the most a fetch can reach on this machine when the read alone takes its cores.
+    add("remote_fetch_gbps_vs_transfer_read_1m_mesh_with_copy", "GB/s", p50_2, "transfer_read_1m_mesh_with_copy",
+        mesh_copy)
     add("remote_fetch_gbps_3_managers", "GB/s", percentile(three["gbps"], 0.5), "transfer_read_1m", read_1m)
     # Where a 2-core machine's CPU goes: each side's CPU seconds per GB fetched (the whole Manager, every thread)
     # against the raw read's reader and source processes on the same path in this run.
@@ -389,6 +398,7 @@ def main(argv=None) -> int:
     add("iperf3_veth", "GB/s", iperf)
     add("iperf3_mesh", "GB/s", mesh_iperf)
     add("transfer_read_1m_mesh", "GB/s", mesh_read)
+    add("transfer_read_1m_mesh_with_copy", "GB/s", mesh_copy, "transfer_read_1m_mesh", mesh_read)
     env = dict(host=platform.node(), cpus=str(os.cpu_count()), managers="3 (network namespaces, one bridge)",
                block_bytes=str(engines[1].page_bytes), prefix_blocks=str(PREFIX_PAGES), prefixes=str(PREFIXES),
                wrong_pages=str(two["bad"] + three["bad"]), ttft_outputs_identical=str(times["same"]),

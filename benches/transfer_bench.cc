@@ -11,10 +11,12 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "base/check.h"
 #include "base/logging.h"
@@ -96,11 +98,25 @@ PeerInfo ReadReady(ChildProcess& peer) {
   return ParseReady([&] { return peer.ReadLine(Deadline::After(std::chrono::seconds(60))); });
 }
 
+// Where ReadGBps lands its batches. By default every batch goes to offset 0 of `local`; with
+// `bytes` above a batch they go to successive batch-sized slices of it, wrapping (fresh memory for
+// each, as a fetch lands in a pool's free blocks), and with `copy_to` each completed batch is also
+// copied there (batch_bytes) by a second thread while the next one is read, as a Manager restores
+// into an engine while it fetches. `base` is the local region's first byte.
+struct ReadTarget {
+  uint64_t bytes = 0;
+  const uint8_t* base = nullptr;
+  uint8_t* copy_to = nullptr;
+};
+
 // GB/s of back-to-back batches of kBatchBytes in `fragment` pieces from random offsets of both
-// regions.
+// regions (with a copy, up to the last batch copied).
 double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
                 transfer::RegionHandle local, uint64_t fragment, transfer::PullMode mode,
-                bool checksum, uint64_t batch_bytes, int batches, int repeats) {
+                bool checksum, uint64_t batch_bytes, int batches, int repeats,
+                const ReadTarget& target = {}) {
+  const uint64_t slices = std::max<uint64_t>(1, target.bytes / batch_bytes);
+  uint64_t slice = 0;
   std::mt19937_64 rng(fragment);
   transfer::ReadBatchRequest request;
   request.peer = peer.address;
@@ -120,15 +136,26 @@ double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
   double best = 0;
   for (int r = 0; r < repeats; ++r) {
     Stopwatch watch;
+    std::thread copier;
     for (int b = 0; b < batches; ++b) {
       request.deadline = Deadline::After(std::chrono::seconds(120));
+      const uint64_t at = (slice++ % slices) * batch_bytes;
+      for (size_t i = 0; i < request.fragments.size(); ++i)
+        request.fragments[i].local_offset = at + i * fragment;
       BatchWaiter waiter;
       auto id = engine.ReadBatch(request, waiter.Callback());
       ORBITKV_CHECK_MSG(id.ok(), "ReadBatch: {}", id.status().ToString());
       auto result = waiter.Wait(Deadline::After(std::chrono::seconds(180)));
       ORBITKV_CHECK_MSG(result && result->status.ok(), "batch failed: {}",
                         result ? result->status.ToString() : "no completion");
+      if (target.copy_to != nullptr) {
+        if (copier.joinable()) copier.join();
+        copier = std::thread([from = target.base + at, to = target.copy_to, batch_bytes] {
+          std::memcpy(to, from, batch_bytes);
+        });
+      }
     }
+    if (copier.joinable()) copier.join();
     best =
         std::max(best, static_cast<double>(batch_bytes) * batches / watch.ElapsedSeconds() / 1e9);
   }
@@ -143,13 +170,16 @@ double ProcessCpuSeconds() {
          1e-6 * static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
 }
 
-// The mesh mode (`--mesh-read LISTEN_ADDRESS DEVICE`, run inside one mesh host's namespace by the
-// distributed bench): reads from a transfer_test_peer whose GRANT and READY lines arrive on stdin
-// (it runs in another host's namespace), the transfer_read_1m case only, and prints
+// The mesh mode (`--mesh-read LISTEN_ADDRESS DEVICE [--with-copy]`, run inside one mesh host's
+// namespace by the distributed bench): reads from a transfer_test_peer whose GRANT and READY lines
+// arrive on stdin (it runs in another host's namespace), the transfer_read_1m case only, and prints
 // {"transfer_read_1m": GB/s, "reader_cpu_s_per_gb", "bytes_read"} (bytes_read: every batch,
 // warm-up included, for the source's CPU per GB). The same path as a remote fetch between those
-// hosts, so its baseline is measured on the fetch's own veths and bridge.
-int MeshRead(const std::string& listen, const std::string& device) {
+// hosts, so its baseline is measured on the fetch's own veths and bridge. --with-copy adds the one
+// copy a fetch must also make, the restore into the engine: the batches land in fresh slices of a
+// 1 GiB region (a pool's free blocks) and each is copied into a 64 MiB buffer (the engine's pages)
+// while the next is read. It is what the machine allows a fetch that does no other work.
+int MeshRead(const std::string& listen, const std::string& device, bool with_copy) {
   log::Options log_options;
   log_options.level = log::Level::kWarn;
   ORBITKV_CHECK(log::Init(log_options).ok());
@@ -165,13 +195,20 @@ int MeshRead(const std::string& listen, const std::string& device) {
   options.net_devices = device;
   auto engine = transfer::UcxTransferEngine::Create(options);
   ORBITKV_CHECK_MSG(engine.ok(), "{}", engine.status().ToString());
-  TestBuffer dest(kBatchBytes);
+  TestBuffer dest(with_copy ? 16 * kBatchBytes : kBatchBytes);  // faulted in (MAP_POPULATE)
+  TestBuffer engine_pages(with_copy ? kBatchBytes : 1);
+  ReadTarget target;
+  if (with_copy) {
+    target.bytes = dest.size();
+    target.base = dest.data();
+    target.copy_to = engine_pages.data();
+  }
   transfer::RegionHandle local = *(*engine)->RegisterRegion(dest.data(), dest.size());
   ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage, true, kBatchBytes, 1,
-           1);
+           1, target);
   const double cpu_before = ProcessCpuSeconds();
   const double gbps = ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage,
-                               true, kBatchBytes, 4, 3);
+                               true, kBatchBytes, 4, 3, target);
   const double reader_cpu = ProcessCpuSeconds() - cpu_before;
   engine->reset();
   // The reader's CPU per GB read (its UCX thread: the receive copy and the verify), for the
@@ -187,7 +224,9 @@ int MeshRead(const std::string& listen, const std::string& device) {
 int main(int argc, char** argv) {
   using namespace orbitkv;
   using namespace orbitkv::bench;
-  if (argc == 4 && std::string_view(argv[1]) == "--mesh-read") return MeshRead(argv[2], argv[3]);
+  if ((argc == 4 || (argc == 5 && std::string_view(argv[4]) == "--with-copy")) &&
+      std::string_view(argv[1]) == "--mesh-read")
+    return MeshRead(argv[2], argv[3], argc == 5);
   const bool json =
       ParseBenchArgs(argc, argv,
                      "Peer transfer: batch reads of 64 KiB - 4 MiB fragments between two network "
