@@ -3,11 +3,12 @@
 // For a stack-allocated XXH3_state_t (its layout is stable for the libxxhash this links).
 #define XXH_STATIC_LINKING_ONLY
 #include <fmt/format.h>
-#include <xxhash.h>
 
 #include <array>
 #include <bit>
 #include <cstring>
+
+#include "base/xxh3.h"
 
 namespace orbitkv::storage {
 namespace {
@@ -60,8 +61,8 @@ uint64_t ComputeChecksum(std::span<const uint8_t> header, std::span<const uint8_
   XXH3_state_t state;
   XXH3_INITSTATE(&state);
   XXH3_64bits_reset(&state);
-  XXH3_64bits_update(&state, copy.data(), copy.size());
-  XXH3_64bits_update(&state, payload.data(), payload.size());
+  Xxh3Update(&state, copy.data(), copy.size());
+  Xxh3Update(&state, payload.data(), payload.size());
   return XXH3_64bits_digest(&state);
 }
 
