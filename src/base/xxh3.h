@@ -32,10 +32,11 @@ namespace xxh3_internal {
 inline void ChooseOnce() {
   static const bool chosen = [] {
     (void)XXH3_64bits_dispatch("", 0);
-    XXH3_state_t* state = XXH3_createState();
-    XXH3_64bits_reset(state);
-    XXH3_64bits_update_dispatch(state, "", 0);
-    XXH3_freeState(state);
+    if (XXH3_state_t* state = XXH3_createState(); state != nullptr) {  // the update's table too
+      XXH3_64bits_reset(state);
+      XXH3_64bits_update_dispatch(state, "", 0);
+      XXH3_freeState(state);
+    }
     return true;
   }();
   (void)chosen;
