@@ -9,6 +9,19 @@ find_package(absl REQUIRED CONFIG)
 # The core pool binds arenas to NUMA nodes (libnuma) and finds the nodes near each device (hwloc).
 pkg_check_modules(NUMA REQUIRED IMPORTED_TARGET numa)
 pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
+if(ORBITKV_BUILD_BENCHMARKS)
+  find_package(benchmark REQUIRED)
+endif()
+if(ORBITKV_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+  include(GoogleTest)
+endif()
+
+set(ORBITKV_SUMMARY "")
+macro(orbitkv_summary_line text)
+  list(APPEND ORBITKV_SUMMARY "${text}")
+endmacro()
+
 # xxh3 checksums (transfer fragments, SSD records) through orbitkv::xxh3 (src/base/xxh3.h): libxxhash's
 # runtime-dispatched entry points where it has them (AVX2 or AVX-512 when the CPU has them: about twice as fast as
 # its SSE2 default on the 2-core VM), the plain ones otherwise. The same hash either way.
@@ -26,19 +39,10 @@ add_library(orbitkv::xxh3 ALIAS orbitkv_xxh3)
 target_link_libraries(orbitkv_xxh3 INTERFACE PkgConfig::XXHASH)
 if(ORBITKV_HAVE_XXH3_DISPATCH)
   target_compile_definitions(orbitkv_xxh3 INTERFACE ORBITKV_XXH3_DISPATCH=1)
+  orbitkv_summary_line("xxh3: libxxhash ${XXHASH_VERSION}, dispatched to the CPU's widest vectors")
+else()
+  orbitkv_summary_line("xxh3: libxxhash ${XXHASH_VERSION}, its default (no runtime dispatch in this build)")
 endif()
-if(ORBITKV_BUILD_BENCHMARKS)
-  find_package(benchmark REQUIRED)
-endif()
-if(ORBITKV_BUILD_TESTS)
-  find_package(GTest REQUIRED)
-  include(GoogleTest)
-endif()
-
-set(ORBITKV_SUMMARY "")
-macro(orbitkv_summary_line text)
-  list(APPEND ORBITKV_SUMMARY "${text}")
-endmacro()
 
 # orbitkv_optional_dependency(NAME FOUND_VAR DETAIL): applies the AUTO|ON|OFF rule for ORBITKV_WITH_<NAME>
 # and sets ORBITKV_HAVE_<NAME>.
@@ -113,11 +117,6 @@ function(orbitkv_print_summary)
   message(STATUS "  sanitizer: ${ORBITKV_SANITIZER}  werror: ${ORBITKV_WERROR}")
   message(STATUS "  tests: ${ORBITKV_BUILD_TESTS}  benchmarks: ${ORBITKV_BUILD_BENCHMARKS}  "
                  "fuzzers: ${ORBITKV_BUILD_FUZZERS}  python: ${ORBITKV_BUILD_PYTHON}")
-  if(ORBITKV_HAVE_XXH3_DISPATCH)
-    message(STATUS "  xxh3: libxxhash ${XXHASH_VERSION}, dispatched to the CPU's widest vectors")
-  else()
-    message(STATUS "  xxh3: libxxhash ${XXHASH_VERSION}, its default (no runtime dispatch in this build)")
-  endif()
   foreach(line IN LISTS ORBITKV_SUMMARY)
     message(STATUS "  ${line}")
   endforeach()
