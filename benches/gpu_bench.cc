@@ -521,6 +521,114 @@ void SetBuffer(PageSet& set, BufferId id) {
   }
 }
 
+// How late a thread learns of things on this machine (microseconds, medians): a 16 MiB pinned
+// copy waited for by a blocking-sync event against the same copy waited for by polling
+// (cudaEventQuery and yield), the difference being the wake-up's cost; a condition variable's
+// one-way wake between two threads; and how long sleep_for(50us) sleeps.
+std::string WakeLatencies(uint8_t* pinned, uint8_t* device) {
+  constexpr uint64_t kBytes = 16 << 20;
+  constexpr int kRounds = 60;
+  gpu::CudaStream stream = std::move(gpu::CudaStream::Create(0)).value();
+  gpu::CudaEvent blocking = std::move(gpu::CudaEvent::Create(0, /*blocking_sync=*/true)).value();
+  gpu::CudaEvent polled = std::move(gpu::CudaEvent::Create(0, /*blocking_sync=*/false)).value();
+  auto copy_then = [&](bool poll) {
+    std::vector<double> us;
+    for (int i = 0; i < kRounds; ++i) {
+      Stopwatch watch;
+      CUDA_OK(cudaMemcpyAsync(device, pinned, kBytes, cudaMemcpyHostToDevice, stream.get()));
+      CUDA_OK(cudaEventRecord(poll ? polled.get() : blocking.get(), stream.get()));
+      if (poll) {
+        while (cudaEventQuery(polled.get()) == cudaErrorNotReady) std::this_thread::yield();
+      } else {
+        CUDA_OK(cudaEventSynchronize(blocking.get()));
+      }
+      us.push_back(watch.ElapsedSeconds() * 1e6);
+    }
+    return Median(us);
+  };
+  copy_then(true);  // warm-up
+  const double blocked = copy_then(false), polled_us = copy_then(true);
+  std::mutex mu;
+  std::condition_variable cv;
+  int turn = 0;  // even: the main thread's, odd: the other's
+  std::vector<double> one_way;
+  int64_t sent_at = 0;
+  std::thread other([&] {
+    for (int i = 0; i < kRounds; ++i) {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return turn % 2 == 1; });
+      one_way.push_back(static_cast<double>(MonoNanos() - sent_at) / 1e3);
+      ++turn;
+      cv.notify_all();
+    }
+  });
+  for (int i = 0; i < kRounds; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));  // let the other thread sleep
+    std::unique_lock lock(mu);
+    sent_at = MonoNanos();
+    ++turn;
+    cv.notify_all();
+    cv.wait(lock, [&] { return turn % 2 == 0; });
+  }
+  other.join();
+  std::vector<double> slept;
+  for (int i = 0; i < kRounds; ++i) {
+    Stopwatch watch;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    slept.push_back(watch.ElapsedSeconds() * 1e6);
+  }
+  return fmt::format(
+      "16 MiB copy waited by a blocking-sync event {:.1f} us, polled {:.1f} us (wake-up {:.1f} "
+      "us); condition variable one way {:.1f} us; sleep_for(50us) {:.1f} us",
+      blocked, polled_us, blocked - polled_us, Median(one_way), Median(slept));
+}
+
+// Where a staged restore's time goes, on the GPU's own clock (Options::ring_timeline_slots): one
+// pass of `lists` through an engine with `options` and a timeline, after a warm-up pass. Fill GB/s
+// is the slots' bytes over their copies' time alone; busy is the share of the copy stream's span
+// (first fill's start to last fill's end) spent copying; span GB/s counts from the first fill's
+// start to the last scatter's end; wall GB/s is the same pass timed by the caller, Submit to the
+// last CopyDone (the difference: the pass's start and end on the CPU).
+std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* device,
+                         uint64_t device_bytes, CudaCopyEngine::Options options, PageSet& set,
+                         int rounds) {
+  options.ring_timeline_slots = 4096;
+  auto engine = MakeEngine(registry, options);
+  SetBuffer(set, RegisterDevice(*engine, device, device_bytes));
+  RunGbps(*engine, {&set.restores}, rounds);  // warm-up: staging areas, first touches
+  ORBITKV_CHECK(engine->TakeRingTimeline(0).ok());
+  const double wall = RunGbps(*engine, {&set.restores}, rounds);
+  auto timeline = engine->TakeRingTimeline(0);
+  ORBITKV_CHECK_MSG(timeline.ok(), "timeline: {}", timeline.status().ToString());
+  engine->Shutdown();
+  if (timeline->empty()) return fmt::format("no staged slot (wall {:.1f} GB/s)", wall);
+  const std::vector<CudaCopyEngine::RingSlotTiming>& t = *timeline;
+  uint64_t bytes = 0, runs = 0;
+  double filling = 0, scatter = 0, largest_gap = 0, gaps = 0;
+  for (size_t i = 0; i < t.size(); ++i) {
+    bytes += t[i].bytes;
+    runs += t[i].runs;
+    filling += t[i].fill_end_ms - t[i].fill_start_ms;
+    scatter += t[i].scatter_end_ms - t[i].fill_end_ms;
+    if (i > 0) {
+      const double gap = t[i].fill_start_ms - t[i - 1].fill_end_ms;
+      gaps += gap;
+      largest_gap = std::max(largest_gap, gap);
+    }
+  }
+  const double gb = static_cast<double>(bytes) / 1e9;
+  const double copy_span = t.back().fill_end_ms - t.front().fill_start_ms;
+  double last_scatter = 0;
+  for (const auto& slot : t) last_scatter = std::max(last_scatter, slot.scatter_end_ms);
+  return fmt::format(
+      "{} slots, {:.1f} runs each: fill {:.1f} GB/s, copy stream busy {:.3f} (gaps {:.3f} ms in "
+      "all, largest {:.3f}), fill to scatter end {:.3f} ms a slot, span {:.1f} GB/s, wall {:.1f} "
+      "GB/s",
+      t.size(), static_cast<double>(runs) / static_cast<double>(t.size()), gb / (filling / 1e3),
+      filling / copy_span, gaps, largest_gap, scatter / static_cast<double>(t.size()),
+      gb / (last_scatter / 1e3), wall);
+}
+
 // Every visible GPU restoring at once (restore_gpu_64k_all): one engine with a lane per device,
 // 4096 scattered 64 KiB pages per device, one batch per device per round, submitted device by
 // device; checked byte for byte first. The baseline (pinned_h2d_peak_all): one pinned
@@ -700,6 +808,7 @@ int main(int argc, char** argv) {
                   fmt::format("restore {:.1f} ({:.3f} of the peak), save {:.1f} ({:.3f}) GB/s",
                               restore, restore / peaks.h2d, save, save / peaks.d2h));
   }
+  report.AddEnv("wake_latency", WakeLatencies(pool.arena(0).data(), device));
   std::mt19937_64 ring_rng(7);  // its own: the pages below keep their placement
   const uint64_t mib = 1 << 20;
   const std::vector<std::pair<std::string, RingModel>> ring_models = {
@@ -729,6 +838,13 @@ int main(int argc, char** argv) {
         .host_descriptors = true,
         .slots_per_batch = 4,
         .pass_bytes = 512 * mib}},
+      // ... and each slot's one run through cudaMemcpyBatchAsync, as the engine fills it.
+      {"16k_16m_slots_batches_of_4_host_descriptors_batch_api",
+       {.slot_bytes = 16 * mib,
+        .batch_api = true,
+        .host_descriptors = true,
+        .slots_per_batch = 4,
+        .pass_bytes = 512 * mib}},
   };
   for (const auto& [name, model] : ring_models) {
     const double ring = MeasureRingModel(pool.arena(0).data(), device, model, ring_rng,
@@ -748,7 +864,10 @@ int main(int argc, char** argv) {
   // pages for comparison (in "env").
   const CudaCopyEngine::Options defaults;
   auto engine = MakeEngine(registry, defaults);
-  const CudaCopyEngine::Options kernel_options{.method = CudaCopyEngine::Method::kKernel};
+  // Batches go whole in these (the default queues batches of 8192 fragments or more in parts; the
+  // one-batch figures below compare the two).
+  const CudaCopyEngine::Options kernel_options{.method = CudaCopyEngine::Method::kKernel,
+                                               .split_min_fragments = 0};
   auto kernel = MakeEngine(registry, kernel_options);
   auto batch_api = MakeEngine(registry, {.method = CudaCopyEngine::Method::kMemcpyBatch});
   // Every restore of small fragments through the staging ring, whatever its pool runs (the default
@@ -760,7 +879,9 @@ int main(int argc, char** argv) {
       .dma_min_fragment_bytes = uint64_t{1} << 20,
       .restore_staging_bytes =
           (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256) << 20,
-      .staged_min_run_bytes = 1};
+      .staged_min_run_bytes = 1,
+      .staged_max_fragment_bytes = uint64_t{1} << 20,
+      .split_min_fragments = 0};
   auto staged = MakeEngine(registry, staged_options, &staged_metrics);
   report.AddEnv("engine",
                 fmt::format("auto (copy engines from {} KiB fragments, else kernel), kernel chunk "
@@ -859,6 +980,30 @@ int main(int argc, char** argv) {
       report.AddEnv(
           "submit_ns_per_fragment",
           fmt::format("{:.1f} ns ({} fragments)", Median(submits), one[0].fragments.size()));
+    }
+    // Where the default engine's staged restores spend their time, on the GPU's clock.
+    report.AddEnv(fmt::format("timeline_{}", size),
+                  RingTimeline(registry, device, device_bytes, defaults, set, rounds));
+    // The default with its completer blocking in cudaEventSynchronize instead of polling near
+    // each batch's end, in turn with the default itself (drift hits both alike).
+    {
+      auto blocking = MakeEngine(registry, {.completion_poll_us = 0});
+      auto polling = MakeEngine(registry, defaults);
+      const BufferId blocking_id = RegisterDevice(*blocking, device, device_bytes);
+      const BufferId polling_id = RegisterDevice(*polling, device, device_bytes);
+      std::vector<double> blocked, polled;
+      for (int turn = 0; turn < 3; ++turn) {
+        SetBuffer(set, blocking_id);
+        blocked.push_back(MedianGbps(*blocking, {&set.restores}, rounds));
+        SetBuffer(set, polling_id);
+        polled.push_back(MedianGbps(*polling, {&set.restores}, rounds));
+      }
+      report.AddEnv(fmt::format("completion_{}", size),
+                    fmt::format("restore with a blocking completer {:.1f}, polling (the default) "
+                                "{:.1f} GB/s",
+                                Median(blocked), Median(polled)));
+      blocking->Shutdown();
+      polling->Shutdown();
     }
     FreePageSet(pool, set);
   }

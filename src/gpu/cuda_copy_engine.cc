@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -13,6 +14,7 @@
 #include <utility>
 
 #include "base/check.h"
+#include "base/clock.h"
 #include "base/logging.h"
 #include "gpu/copy_kernels.h"
 #include "gpu/cuda_util.h"
@@ -183,6 +185,7 @@ struct CudaCopyEngine::Batch {
   // Set by the dispatcher before it hands the batch to the completer.
   std::unique_ptr<Staging> staging;
   Status launch_status;
+  int64_t launched_ns = 0;  // MonoNanos() once its copies were queued
 };
 
 struct CudaCopyEngine::Lane {
@@ -203,6 +206,19 @@ struct CudaCopyEngine::Lane {
   CudaStream copy_stream;
   std::vector<CudaEvent> slot_filled, slot_free;
   size_t next_slot = 0;
+  // Options::ring_timeline_slots: timing events per recorded slot use; `timeline_used` of them
+  // recorded by the dispatcher since the last TakeRingTimeline (which runs while the lane is idle).
+  struct SlotMarks {
+    CudaEvent fill_start, fill_end, scatter_end;
+    uint64_t bytes = 0;
+    uint32_t runs = 0;
+  };
+  std::vector<SlotMarks> timeline;
+  size_t timeline_used = 0;
+  // The completer's own (Options::completion_poll_us): when its last batch ended, and the fastest
+  // rate a batch ran at, from when it could start (its launch, or the end of the batch before it).
+  int64_t last_done_ns = 0;
+  double fastest_bytes_per_ns = 0;
   // Batches accepted for this lane and not yet finished (the restore lane stages only while its
   // device's save lane has none: copy-engine reads beside the save kernel's writes slow both).
   std::atomic<uint32_t> busy{0};
@@ -255,6 +271,9 @@ Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
   }
   if (options.staged_min_run_bytes == 0) {
     return Status::InvalidArgument("staged_min_run_bytes must be at least 1");
+  }
+  if (options.staged_max_fragment_bytes == 0) {
+    return Status::InvalidArgument("staged_max_fragment_bytes must be at least 1");
   }
   int device_count = 0;
   ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount"));
@@ -337,6 +356,44 @@ Status CudaCopyEngine::StartStagingRing(Lane& lane, uint64_t bytes) {
   return Status::Ok();
 }
 
+Status CudaCopyEngine::StartRingTimeline(Lane& lane, uint32_t slots) {
+  for (uint32_t i = 0; i < slots; ++i) {
+    Lane::SlotMarks marks;
+    for (CudaEvent* event : {&marks.fill_start, &marks.fill_end, &marks.scatter_end}) {
+      ORBITKV_ASSIGN_OR_RETURN(*event, CudaEvent::Create(lane.device, false, /*timing=*/true));
+    }
+    lane.timeline.push_back(std::move(marks));
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<CudaCopyEngine::RingSlotTiming>> CudaCopyEngine::TakeRingTimeline(int device) {
+  ORBITKV_ASSIGN_OR_RETURN(const uint32_t index, DeviceIndex(device));
+  Lane& lane = *lanes_[2 * index + DirectionIndex(CopyDirection::kRestore)];
+  if (lane.timeline.empty()) {
+    return Status::FailedPrecondition(
+        fmt::format("device {} records no ring timeline (ring_timeline_slots {}, ring {} bytes)",
+                    device, options_.ring_timeline_slots, lane.ring.size()));
+  }
+  std::vector<RingSlotTiming> out;
+  const size_t used = std::exchange(lane.timeline_used, 0);
+  for (size_t i = 0; i < used; ++i) {
+    const Lane::SlotMarks& marks = lane.timeline[i];
+    ORBITKV_RETURN_IF_ERROR(
+        CudaStatus(cudaEventSynchronize(marks.scatter_end.get()), "timeline event"));
+    float start = 0, filled = 0, scattered = 0;
+    const cudaEvent_t origin = lane.timeline[0].fill_start.get();
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(
+        cudaEventElapsedTime(&start, origin, marks.fill_start.get()), "cudaEventElapsedTime"));
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(
+        cudaEventElapsedTime(&filled, origin, marks.fill_end.get()), "cudaEventElapsedTime"));
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(
+        cudaEventElapsedTime(&scattered, origin, marks.scatter_end.get()), "cudaEventElapsedTime"));
+    out.push_back({start, filled, scattered, marks.bytes, marks.runs});
+  }
+  return out;
+}
+
 Status CudaCopyEngine::StartLanes() {
   for (const int device : options_.devices) {
     int multiprocessors = 0;
@@ -356,6 +413,9 @@ Status CudaCopyEngine::StartLanes() {
       }
       if (direction == CopyDirection::kRestore && options_.restore_staging_bytes > 0) {
         ORBITKV_RETURN_IF_ERROR(StartStagingRing(*lane, options_.restore_staging_bytes));
+        if (lane->slot_bytes > 0) {
+          ORBITKV_RETURN_IF_ERROR(StartRingTimeline(*lane, options_.ring_timeline_slots));
+        }
       }
       lanes_.push_back(std::move(lane));
     }
@@ -565,10 +625,12 @@ Status CudaCopyEngine::Admit(Batch* batch) {
 Status CudaCopyEngine::Plan(Batch* batch) {
   const Lane& lane = *lanes_[batch->lane];
   const uint64_t average_fragment = batch->total_bytes / batch->copy.fragments.size();
-  batch->use_dma = options_.method == Method::kMemcpyBatch ||
-                   (options_.method == Method::kAuto && dma_available_ &&
-                    average_fragment >= options_.dma_min_fragment_bytes);
-  batch->staged = !batch->use_dma && ShouldStage(lane, *batch);
+  // Staging first: a restore of fragments below staged_max_fragment_bytes from long pool runs
+  // crosses the link in a few slot-sized copies instead of one copy (or kernel chunk) per fragment.
+  batch->staged = average_fragment < options_.staged_max_fragment_bytes && ShouldStage(lane, *batch);
+  batch->use_dma = !batch->staged && (options_.method == Method::kMemcpyBatch ||
+                                      (options_.method == Method::kAuto && dma_available_ &&
+                                       average_fragment >= options_.dma_min_fragment_bytes));
   batch->chunk_bytes = ChunkBytesFor(
       batch->total_bytes, uint64_t{lane.max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
   for (const CopyFragment& f : batch->copy.fragments) {
@@ -777,6 +839,7 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
     }
     batch->staging = std::move(staging);
     if (batch->launch_status.ok()) batch->launch_status = Launch(lane, batch.get());
+    batch->launched_ns = MonoNanos();
     {
       MutexLock lock(&lane->mu);
       lane->launched.push_back(std::move(batch));
@@ -901,7 +964,20 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
       }
     }
     ORBITKV_RETURN_IF_ERROR(copy_run());
+    Lane::SlotMarks* marks = lane->timeline_used < lane->timeline.size()
+                                 ? &lane->timeline[lane->timeline_used++]
+                                 : nullptr;
+    if (marks != nullptr) {
+      marks->bytes = filled;
+      marks->runs = static_cast<uint32_t>(staging.dsts.size());
+      ORBITKV_RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(marks->fill_start.get(), copies), "cudaEventRecord (timeline)"));
+    }
     ORBITKV_RETURN_IF_ERROR(FillSlot(copies, &staging));
+    if (marks != nullptr) {
+      ORBITKV_RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(marks->fill_end.get(), copies), "cudaEventRecord (timeline)"));
+    }
     ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_filled[k].get(), copies),
                                        "cudaEventRecord (staging slot filled)"));
     ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, lane->slot_filled[k].get(), 0),
@@ -915,6 +991,10 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
         "launch of the copy kernel (staged scatter)"));
     ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_free[k].get(), stream),
                                        "cudaEventRecord (staging slot free)"));
+    if (marks != nullptr) {
+      ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(marks->scatter_end.get(), stream),
+                                         "cudaEventRecord (timeline)"));
+    }
   }
   ORBITKV_CHECK(n <= staging.capacity);
   return Status::Ok();
@@ -985,11 +1065,7 @@ void CudaCopyEngine::CompleteLoop(Lane* lane) {
       head = lane->launched.front().get();
     }
     Status status = head->launch_status;
-    if (status.ok()) {
-      status = CudaStatus(
-          cudaEventSynchronize(head->staging->done_event.get()),
-          fmt::format("{} on device {}", CopyDirectionName(lane->direction), lane->device));
-    }
+    if (status.ok()) status = WaitForBatch(lane, *head);
     std::unique_ptr<Batch> batch;
     {
       MutexLock lock(&lane->mu);
@@ -999,6 +1075,60 @@ void CudaCopyEngine::CompleteLoop(Lane* lane) {
     Finish(lane, std::move(batch), status);
   }
   t_lane_of = nullptr;
+}
+
+Status CudaCopyEngine::WaitForBatch(Lane* lane, const Batch& batch) const {
+  const cudaEvent_t event = batch.staging->done_event.get();
+  const auto failed = [&](cudaError_t error) {
+    return CudaStatus(error, fmt::format("{} on device {}", CopyDirectionName(lane->direction),
+                                         lane->device));
+  };
+  if (options_.completion_poll_us == 0) return failed(cudaEventSynchronize(event));
+  constexpr int64_t kMaxSleepNs = 1'000'000;
+  constexpr int64_t kMinPollBudgetNs = 2'000'000;
+  // Batches this large, launched on an idle lane, measure the lane's rate (their launch is a small
+  // part of their time).
+  constexpr uint64_t kRateSampleBytes = uint64_t{8} << 20;
+  const int64_t poll_ns = int64_t{options_.completion_poll_us} * 1000;
+  // It cannot start before its launch nor (in order on the lane) before the batch ahead ended, and
+  // takes its bytes at the lane's rate or, with a margin, up to 10% faster.
+  const bool from_idle = batch.launched_ns >= lane->last_done_ns;
+  const int64_t start = std::max(batch.launched_ns, lane->last_done_ns);
+  const int64_t expected =
+      lane->fastest_bytes_per_ns > 0
+          ? static_cast<int64_t>(static_cast<double>(batch.total_bytes) /
+                                 lane->fastest_bytes_per_ns)
+          : 0;
+  const int64_t poll_from = start + expected * 9 / 10 - poll_ns;
+  const int64_t poll_budget = std::max(kMinPollBudgetNs, expected / 4);
+  int64_t polling_since = 0;
+  Status status;
+  for (;;) {
+    const cudaError_t query = cudaEventQuery(event);
+    if (query != cudaErrorNotReady) {
+      status = failed(query);
+      break;
+    }
+    const int64_t now = MonoNanos();
+    if (now < poll_from) {
+      std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(poll_from - now, kMaxSleepNs)));
+      continue;
+    }
+    if (polling_since == 0) polling_since = now;
+    if (now - polling_since > poll_budget) {  // longer than it should be: stop burning the core
+      status = failed(cudaEventSynchronize(event));
+      break;
+    }
+    std::this_thread::yield();
+  }
+  const int64_t done = MonoNanos();
+  if (status.ok() && from_idle && batch.total_bytes >= kRateSampleBytes && done > start) {
+    lane->fastest_bytes_per_ns =
+        std::max(lane->fastest_bytes_per_ns,
+                 static_cast<double>(batch.total_bytes) / static_cast<double>(done - start));
+  }
+  lane->last_done_ns = done;
+  return status;
 }
 
 void CudaCopyEngine::Finish(Lane* lane, std::unique_ptr<Batch> batch, const Status& status) {

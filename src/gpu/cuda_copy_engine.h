@@ -109,6 +109,13 @@ class CudaCopyEngine final : public core::CopyEngine {
     uint64_t restore_staging_bytes = uint64_t{64} << 20;
     // The average run of adjacent pool bytes from which a restore is staged; at least 1.
     uint64_t staged_min_run_bytes = uint64_t{1} << 20;
+    // Restores whose fragments average less than this are staged (when their pool runs qualify)
+    // even where dma_min_fragment_bytes would give them to the copy engines fragment by fragment:
+    // whole blocks of 64 KiB pages (an async restore of a Qwen3-8B-shaped model: 2.25 MiB runs)
+    // fill a 16 MiB slot in one call at 0.99 of the link in the ring model, against 0.92-0.93 for
+    // 64 KiB copies 256 to a call; from 256 KiB the copy engines reach 0.95-0.96 copy by copy
+    // (docs/gpu.md). At least 1.
+    uint64_t staged_max_fragment_bytes = uint64_t{256} << 10;
     // A batch of at least this many fragments (and more than kFirstPartFragments) goes to its lane
     // in parts (a first part of kFirstPartFragments, the rest in up to kMaxParts - 1 even parts,
     // of at least kPartFragments each when there are that many), each
@@ -116,9 +123,30 @@ class CudaCopyEngine final : public core::CopyEngine {
     // part's Submit work rather than the whole batch's (25-32 ns a fragment on the H200: 0.55 ms
     // for an 8K-token Qwen3-8B restore of 18432 fragments). One CopyDone and one batch in the
     // metrics still; a bad fragment past the first part fails the batch through its CopyDone (after
-    // the parts ahead drained) instead of Submit. 0: batches go whole (the default until it is
-    // measured on a GPU).
-    uint64_t split_min_fragments = 0;
+    // the parts ahead drained) instead of Submit. 0: batches go whole. On the H200 a 32768-fragment
+    // restore moved 52.0 GB/s in parts against 48.0 whole (docs/gpu.md).
+    uint64_t split_min_fragments = uint64_t{8192};
+    // How the completer waits for a batch's end. 0: it blocks in cudaEventSynchronize (an
+    // interrupt, then a thread wake-up). Else it sleeps until this many microseconds before the
+    // earliest the batch should end (its bytes at up to 10% above the fastest rate large batches
+    // ran at on the lane, from when it could start), then polls the event, yielding, and blocks
+    // after polling for 2 ms or a quarter of its expected time. On the H200's VMs a 512 MiB pass of
+    // restores ended 0.4 ms after its copies (4% of its time), end and start together (docs/gpu.md).
+    uint32_t completion_poll_us = 200;
+    // Diagnostics (gpu_bench): a restore lane with a ring records CUDA timing events around the
+    // fills and scatters of its next this-many slots, read back by TakeRingTimeline(). 0: none.
+    uint32_t ring_timeline_slots = 0;
+  };
+
+  // One staging slot's use, from the timeline (Options::ring_timeline_slots): milliseconds since
+  // the first recorded fill began. fill_start is when the copy stream reached the slot's copies
+  // (its previous scatter done, the copies ahead of it done, the dispatcher had queued them).
+  struct RingSlotTiming {
+    double fill_start_ms = 0;
+    double fill_end_ms = 0;
+    double scatter_end_ms = 0;
+    uint64_t bytes = 0;
+    uint32_t runs = 0;  // pool runs copied into the slot
   };
   static constexpr size_t kFirstPartFragments = 2048;
   static constexpr size_t kPartFragments = 4096;
@@ -186,6 +214,11 @@ class CudaCopyEngine final : public core::CopyEngine {
 
   const Options& options() const { return options_; }
 
+  // The timeline recorded since the last call on `device`'s restore lane, oldest first, and starts
+  // a new one. Call only while that lane is idle (no restore in flight): it waits for the events.
+  // FailedPrecondition without Options::ring_timeline_slots or a ring on that device.
+  Result<std::vector<RingSlotTiming>> TakeRingTimeline(int device);
+
  private:
   struct Batch;    // An accepted batch.
   struct Joint;    // The parts of a batch queued in parts.
@@ -227,6 +260,8 @@ class CudaCopyEngine final : public core::CopyEngine {
   // Gives a restore lane its staging ring (memory, copy stream, slot events); a device without room
   // for the ring keeps the lane without one and logs why.
   static Status StartStagingRing(Lane& lane, uint64_t bytes);
+  // The timing events of Options::ring_timeline_slots on a lane with a ring.
+  static Status StartRingTimeline(Lane& lane, uint32_t slots);
   // The index of `device` in options_.devices, or InvalidArgument.
   Result<uint32_t> DeviceIndex(int device) const;
   Result<core::BufferId> AddSlot(uint8_t* base, uint64_t bytes, uint32_t device_index,
@@ -267,6 +302,8 @@ class CudaCopyEngine final : public core::CopyEngine {
   static Status IssueMemcpyBatches(Staging* staging, cudaStream_t stream, const char* what);
   // Whether kAuto stages this restore on its lane (the lane has a ring; long pool runs).
   bool ShouldStage(const Lane& lane, const Batch& batch) const;
+  // Waits on the completer until the lane's oldest launched batch ended (completion_poll_us).
+  Status WaitForBatch(Lane* lane, const Batch& batch) const;
   // Runs on the completer: CopyDone, metrics, unpin, staging back to the lane, in-flight slot.
   void Finish(Lane* lane, std::unique_ptr<Batch> batch, const Status& status);
 

@@ -202,11 +202,12 @@ void CudaStream::Release() {
 
 // --- CudaEvent ---
 
-Result<CudaEvent> CudaEvent::Create(int device, bool blocking_sync) {
+Result<CudaEvent> CudaEvent::Create(int device, bool blocking_sync, bool timing) {
   ScopedDevice scope(device);
   ORBITKV_RETURN_IF_ERROR(scope.status());
   cudaEvent_t event = nullptr;
-  const unsigned flags = cudaEventDisableTiming | (blocking_sync ? cudaEventBlockingSync : 0u);
+  const unsigned flags =
+      (timing ? 0u : cudaEventDisableTiming) | (blocking_sync ? cudaEventBlockingSync : 0u);
   ORBITKV_RETURN_IF_ERROR(
       CudaStatus(cudaEventCreateWithFlags(&event, flags), "cudaEventCreateWithFlags"));
   CudaEvent owned;

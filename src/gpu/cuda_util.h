@@ -127,7 +127,8 @@ class CudaStream {
 class CudaEvent {
  public:
   CudaEvent() = default;
-  static Result<CudaEvent> Create(int device, bool blocking_sync);
+  // `timing`: the event keeps a timestamp (cudaEventElapsedTime); off for the copy path's events.
+  static Result<CudaEvent> Create(int device, bool blocking_sync, bool timing = false);
   CudaEvent(CudaEvent&& other) noexcept;
   CudaEvent& operator=(CudaEvent&& other) noexcept;
   CudaEvent(const CudaEvent&) = delete;
