@@ -132,7 +132,8 @@ class CudaCopyEngine final : public core::CopyEngine {
     // ran at on the lane, from when it could start), then polls the event, yielding, and blocks
     // after polling for 2 ms or a quarter of its expected time. On the H200's VMs a 512 MiB pass of
     // restores ended 0.4 ms after its copies (4% of its time), end and start together (docs/gpu.md).
-    uint32_t completion_poll_us = 200;
+    // 0 (blocking) by default until polling has run on a GPU (gpu_bench's completion_*).
+    uint32_t completion_poll_us = 0;
     // Diagnostics (gpu_bench): a restore lane with a ring records CUDA timing events around the
     // fills and scatters of its next this-many slots, read back by TakeRingTimeline(). 0: none.
     uint32_t ring_timeline_slots = 0;

@@ -405,10 +405,10 @@ INSTANTIATE_TEST_SUITE_P(
         MethodCase{"MemcpyBatch", {.method = Method::kMemcpyBatch}},
         MethodCase{"AutoCopyEngines", {.method = Method::kAuto}},
         MethodCase{"AutoKernel", {.method = Method::kAuto, .dma_min_fragment_bytes = 64 << 20}},
-        // The completer blocking in cudaEventSynchronize instead of polling near each batch's end.
-        MethodCase{"AutoBlockingCompletion", {.method = Method::kAuto, .completion_poll_us = 0}},
-        MethodCase{"KernelBlockingCompletion",
-                   {.method = Method::kKernel, .completion_poll_us = 0}}),
+        // The completer polling near each batch's end instead of blocking in cudaEventSynchronize.
+        MethodCase{"AutoPollingCompletion", {.method = Method::kAuto, .completion_poll_us = 200}},
+        MethodCase{"KernelPollingCompletion",
+                   {.method = Method::kKernel, .completion_poll_us = 200}}),
     MethodCaseName);
 
 // kAuto sends batches of large fragments to the copy engines and small ones to the kernel; both
