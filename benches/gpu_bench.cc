@@ -596,7 +596,10 @@ std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* devic
   auto engine = MakeEngine(registry, options);
   SetBuffer(set, RegisterDevice(*engine, device, device_bytes));
   RunGbps(*engine, {&set.restores}, rounds);  // warm-up: staging areas, first touches
-  ORBITKV_CHECK(engine->TakeRingTimeline(0).ok());
+  if (auto first = engine->TakeRingTimeline(0); !first.ok()) {
+    engine->Shutdown();
+    return fmt::format("no timeline: {}", first.status().ToString());  // e.g. no room for a ring
+  }
   const double wall = RunGbps(*engine, {&set.restores}, rounds);
   auto timeline = engine->TakeRingTimeline(0);
   ORBITKV_CHECK_MSG(timeline.ok(), "timeline: {}", timeline.status().ToString());
@@ -880,7 +883,6 @@ int main(int argc, char** argv) {
       .restore_staging_bytes =
           (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256) << 20,
       .staged_min_run_bytes = 1,
-      .staged_max_fragment_bytes = uint64_t{1} << 20,
       .split_min_fragments = 0};
   auto staged = MakeEngine(registry, staged_options, &staged_metrics);
   report.AddEnv("engine",

@@ -20,7 +20,7 @@
 //     (never from inside Submit), after every fragment has been copied; the copied bytes are
 //     visible to whoever `done` signals. The Status passed to `done` is OK unless the device failed
 //     mid-copy (the CPU engine never fails), or, in a CUDA engine that queues large batches in
-//     parts (CudaCopyEngine::Options::split_min_fragments, off by default), a fragment past the
+//     parts (CudaCopyEngine::Options::split_min_fragments: 8192 by default), a fragment past the
 //     first part failed its checks: then `done` gets that check's error once the parts ahead
 //     drained, and the fragments from that part on are never copied.
 //   - Backpressure: each engine bounds the batches in flight (accepted, `done` not yet returned).

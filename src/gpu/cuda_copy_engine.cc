@@ -275,6 +275,10 @@ Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
   if (options.staged_max_fragment_bytes == 0) {
     return Status::InvalidArgument("staged_max_fragment_bytes must be at least 1");
   }
+  if (options.ring_timeline_slots > kMaxRingTimelineSlots) {
+    return Status::InvalidArgument(fmt::format("ring_timeline_slots must be at most {}, not {}",
+                                               kMaxRingTimelineSlots, options.ring_timeline_slots));
+  }
   int device_count = 0;
   ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount"));
   if (device_count == 0) return Status::Unavailable("no CUDA device is visible");
@@ -625,12 +629,15 @@ Status CudaCopyEngine::Admit(Batch* batch) {
 Status CudaCopyEngine::Plan(Batch* batch) {
   const Lane& lane = *lanes_[batch->lane];
   const uint64_t average_fragment = batch->total_bytes / batch->copy.fragments.size();
-  // Staging first: a restore of fragments below staged_max_fragment_bytes from long pool runs
-  // crosses the link in a few slot-sized copies instead of one copy (or kernel chunk) per fragment.
-  batch->staged = average_fragment < options_.staged_max_fragment_bytes && ShouldStage(lane, *batch);
-  batch->use_dma = !batch->staged && (options_.method == Method::kMemcpyBatch ||
-                                      (options_.method == Method::kAuto && dma_available_ &&
-                                       average_fragment >= options_.dma_min_fragment_bytes));
+  const bool dma = options_.method == Method::kMemcpyBatch ||
+                  (options_.method == Method::kAuto && dma_available_ &&
+                   average_fragment >= options_.dma_min_fragment_bytes);
+  // A restore from long pool runs is staged where the kernel would copy it, and also where the copy
+  // engines would but its fragments average below staged_max_fragment_bytes: it crosses the link in
+  // a few slot-sized copies instead of one copy per fragment.
+  batch->staged = (!dma || average_fragment < options_.staged_max_fragment_bytes) &&
+                  ShouldStage(lane, *batch);
+  batch->use_dma = dma && !batch->staged;
   batch->chunk_bytes = ChunkBytesFor(
       batch->total_bytes, uint64_t{lane.max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
   for (const CopyFragment& f : batch->copy.fragments) {
@@ -838,8 +845,9 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
       }
     }
     batch->staging = std::move(staging);
-    if (batch->launch_status.ok()) batch->launch_status = Launch(lane, batch.get());
+    // Before its first copy is queued: the GPU may start on it while the rest is being queued.
     batch->launched_ns = MonoNanos();
+    if (batch->launch_status.ok()) batch->launch_status = Launch(lane, batch.get());
     {
       MutexLock lock(&lane->mu);
       lane->launched.push_back(std::move(batch));
@@ -964,8 +972,9 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
       }
     }
     ORBITKV_RETURN_IF_ERROR(copy_run());
+    // Counted once its last mark is recorded: a slot whose copies failed to queue is left out.
     Lane::SlotMarks* marks = lane->timeline_used < lane->timeline.size()
-                                 ? &lane->timeline[lane->timeline_used++]
+                                 ? &lane->timeline[lane->timeline_used]
                                  : nullptr;
     if (marks != nullptr) {
       marks->bytes = filled;
@@ -994,6 +1003,7 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
     if (marks != nullptr) {
       ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(marks->scatter_end.get(), stream),
                                          "cudaEventRecord (timeline)"));
+      ++lane->timeline_used;
     }
   }
   ORBITKV_CHECK(n <= staging.capacity);
@@ -1083,46 +1093,49 @@ Status CudaCopyEngine::WaitForBatch(Lane* lane, const Batch& batch) const {
     return CudaStatus(error, fmt::format("{} on device {}", CopyDirectionName(lane->direction),
                                          lane->device));
   };
-  if (options_.completion_poll_us == 0) return failed(cudaEventSynchronize(event));
-  constexpr int64_t kMaxSleepNs = 1'000'000;
-  constexpr int64_t kMinPollBudgetNs = 2'000'000;
   // Batches this large, launched on an idle lane, measure the lane's rate (their launch is a small
   // part of their time).
   constexpr uint64_t kRateSampleBytes = uint64_t{8} << 20;
-  const int64_t poll_ns = int64_t{options_.completion_poll_us} * 1000;
-  // It cannot start before its launch nor (in order on the lane) before the batch ahead ended, and
-  // takes its bytes at the lane's rate or, with a margin, up to 10% faster.
+  constexpr double kMaxExpectedNs = 10e9;
+  constexpr int64_t kMinPollBudgetNs = 2'000'000;
   const bool from_idle = batch.launched_ns >= lane->last_done_ns;
   const int64_t start = std::max(batch.launched_ns, lane->last_done_ns);
-  const int64_t expected =
-      lane->fastest_bytes_per_ns > 0
-          ? static_cast<int64_t>(static_cast<double>(batch.total_bytes) /
-                                 lane->fastest_bytes_per_ns)
-          : 0;
-  const int64_t poll_from = start + expected * 9 / 10 - poll_ns;
-  const int64_t poll_budget = std::max(kMinPollBudgetNs, expected / 4);
-  int64_t polling_since = 0;
   Status status;
-  for (;;) {
-    const cudaError_t query = cudaEventQuery(event);
-    if (query != cudaErrorNotReady) {
-      status = failed(query);
-      break;
+  if (options_.completion_poll_us == 0 || lane->fastest_bytes_per_ns <= 0) {
+    // Blocking: the default, and until a large batch has shown the lane's rate.
+    status = failed(cudaEventSynchronize(event));
+  } else {
+    const int64_t poll_ns = int64_t{options_.completion_poll_us} * 1000;
+    // It starts no earlier than its launch and, in order on the lane, mostly after the batch ahead
+    // ended, and takes its bytes at the lane's rate or, with a margin, up to 10% faster. A batch
+    // that overlapped the one ahead (another stream) can end sooner: the sleeps are short.
+    const int64_t expected = static_cast<int64_t>(std::min(
+        kMaxExpectedNs, static_cast<double>(batch.total_bytes) / lane->fastest_bytes_per_ns));
+    const int64_t poll_from = start + expected * 9 / 10 - poll_ns;
+    const int64_t poll_budget = std::max(kMinPollBudgetNs, expected / 4);
+    int64_t polling_since = 0;
+    for (;;) {
+      const cudaError_t query = cudaEventQuery(event);
+      if (query != cudaErrorNotReady) {
+        status = failed(query);
+        break;
+      }
+      const int64_t now = MonoNanos();
+      if (now < poll_from) {
+        std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(poll_from - now, poll_ns)));
+        continue;
+      }
+      if (polling_since == 0) polling_since = now;
+      if (now - polling_since > poll_budget) {  // longer than it should be: stop burning the core
+        status = failed(cudaEventSynchronize(event));
+        break;
+      }
+      std::this_thread::yield();
     }
-    const int64_t now = MonoNanos();
-    if (now < poll_from) {
-      std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(poll_from - now, kMaxSleepNs)));
-      continue;
-    }
-    if (polling_since == 0) polling_since = now;
-    if (now - polling_since > poll_budget) {  // longer than it should be: stop burning the core
-      status = failed(cudaEventSynchronize(event));
-      break;
-    }
-    std::this_thread::yield();
   }
   const int64_t done = MonoNanos();
-  if (status.ok() && from_idle && batch.total_bytes >= kRateSampleBytes && done > start) {
+  if (options_.completion_poll_us > 0 && status.ok() && from_idle &&
+      batch.total_bytes >= kRateSampleBytes && done > start) {
     lane->fastest_bytes_per_ns =
         std::max(lane->fastest_bytes_per_ns,
                  static_cast<double>(batch.total_bytes) / static_cast<double>(done - start));

@@ -110,7 +110,8 @@ class CudaCopyEngine final : public core::CopyEngine {
     // The average run of adjacent pool bytes from which a restore is staged; at least 1.
     uint64_t staged_min_run_bytes = uint64_t{1} << 20;
     // Restores whose fragments average less than this are staged (when their pool runs qualify)
-    // even where dma_min_fragment_bytes would give them to the copy engines fragment by fragment:
+    // also where dma_min_fragment_bytes would give them to the copy engines fragment by fragment
+    // (where the kernel would copy them, they are staged whatever their size):
     // whole blocks of 64 KiB pages (an async restore of a Qwen3-8B-shaped model: 2.25 MiB runs)
     // fill a 16 MiB slot in one call at 0.99 of the link in the ring model, against 0.92-0.93 for
     // 64 KiB copies 256 to a call; from 256 KiB the copy engines reach 0.95-0.96 copy by copy
@@ -127,15 +128,17 @@ class CudaCopyEngine final : public core::CopyEngine {
     // restore moved 52.0 GB/s in parts against 48.0 whole (docs/gpu.md).
     uint64_t split_min_fragments = uint64_t{8192};
     // How the completer waits for a batch's end. 0: it blocks in cudaEventSynchronize (an
-    // interrupt, then a thread wake-up). Else it sleeps until this many microseconds before the
-    // earliest the batch should end (its bytes at up to 10% above the fastest rate large batches
-    // ran at on the lane, from when it could start), then polls the event, yielding, and blocks
-    // after polling for 2 ms or a quarter of its expected time. On the H200's VMs a 512 MiB pass of
+    // interrupt, then a thread wake-up). Else, once a batch of 8 MiB or more launched on the idle
+    // lane showed the lane's rate (until then it blocks), it sleeps in steps of at most this many
+    // microseconds until this long before the earliest the batch should end (its bytes at up to
+    // 10% above the fastest rate such batches ran at, from when it could start), then polls the
+    // event, yielding, and blocks after polling for 2 ms or a quarter of its expected time. On the H200's VMs a 512 MiB pass of
     // restores ended 0.4 ms after its copies (4% of its time), end and start together (docs/gpu.md).
     // 0 (blocking) by default until polling has run on a GPU (gpu_bench's completion_*).
     uint32_t completion_poll_us = 0;
     // Diagnostics (gpu_bench): a restore lane with a ring records CUDA timing events around the
-    // fills and scatters of its next this-many slots, read back by TakeRingTimeline(). 0: none.
+    // fills and scatters of its next this-many slots, read back by TakeRingTimeline(). 0: none; at
+    // most kMaxRingTimelineSlots.
     uint32_t ring_timeline_slots = 0;
   };
 
@@ -157,6 +160,7 @@ class CudaCopyEngine final : public core::CopyEngine {
   static constexpr uint64_t kMaxChunkBytes = uint64_t{64} << 20;
   static constexpr uint32_t kMaxBlocksPerSm = 8;
   static constexpr uint32_t kMaxStreamsPerLane = 8;
+  static constexpr uint32_t kMaxRingTimelineSlots = 1 << 16;
   // Size of a cudaIpcMemHandle_t as it travels between processes.
   static constexpr size_t kIpcHandleBytes = 64;
 

@@ -262,6 +262,8 @@ TEST(CudaCopyEngineTest, CreateRejectsOptionsOutOfRange) {
   EXPECT_EQ(code({.restore_staging_bytes = 4096}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.staged_min_run_bytes = 0}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.staged_max_fragment_bytes = 0}, &registry), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.ring_timeline_slots = CudaCopyEngine::kMaxRingTimelineSlots + 1}, &registry),
+            StatusCode::kInvalidArgument);
   auto engine = CudaCopyEngine::Create({}, &registry, nullptr);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->name(), "cuda");
