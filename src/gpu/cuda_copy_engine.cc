@@ -17,6 +17,7 @@
 #include "base/clock.h"
 #include "base/logging.h"
 #include "gpu/copy_kernels.h"
+#include "gpu/cuda_copy_engine_internal.h"
 #include "gpu/cuda_util.h"
 
 namespace orbitkv::gpu {
@@ -27,20 +28,14 @@ using core::CopyDirection;
 using core::CopyDirectionName;
 using core::CopyDone;
 using core::CopyFragment;
+using internal::CeilDiv;
+using internal::DirectionIndex;
 
 namespace {
 
 // The engine whose lane thread runs on this thread, if any: UnregisterBuffer() and Shutdown()
 // CHECK against being called from their own engine's CopyDone, which would wait for itself.
 thread_local const CudaCopyEngine* t_lane_of = nullptr;
-
-// Descriptor capacity a staging area starts with; it grows by powers of two.
-constexpr uint64_t kInitialStagingChunks = 4096;
-
-// The most copies one cudaMemcpyBatchAsync call carries.
-constexpr size_t kCopiesPerMemcpyBatch = 256;
-
-constexpr int DirectionIndex(CopyDirection direction) { return static_cast<int>(direction); }
 
 MetricsRegistry& PickRegistry(MetricsRegistry* given,
                               const std::unique_ptr<MetricsRegistry>& owned) {
@@ -62,8 +57,6 @@ Counter& BatchesCounter(MetricsRegistry& registry, CopyDirection direction, int 
                               {"direction", std::string(CopyDirectionName(direction))},
                               {"device", std::to_string(device)}});
 }
-
-uint64_t CeilDiv(uint64_t a, uint64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 // The checks that need no registry, with InvalidArgument naming the first bad fragment; on OK,
 // `*total_bytes` is the sum of the fragment lengths.
@@ -105,30 +98,6 @@ uint64_t ChunkBytesFor(uint64_t total_bytes, uint64_t warps, uint64_t max_chunk_
 
 }  // namespace
 
-// Descriptor arrays and the completion event of one launched batch. Reused by later batches of the
-// same lane once the completer saw the event.
-struct CudaCopyEngine::Staging {
-  CudaEvent done_event;
-  // Kernel batches: chunk descriptors in mapped pinned memory, written by the dispatcher and read
-  // by the kernel in place (no upload copy queued ahead of each launch).
-  PinnedHostMemory chunks;
-  uint64_t capacity = 0;  // CopyChunks that `chunks` holds.
-  // Copy-engine batches: the per-copy arrays cudaMemcpyBatchAsync reads at the call.
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-
-  // Grows the descriptor array to hold `count` chunks. The staging area is idle (its last batch
-  // completed), so the old array may be freed.
-  Status Reserve(int device, uint64_t count) {
-    if (count <= capacity) return Status::Ok();
-    const uint64_t grown = std::bit_ceil(std::max(count, kInitialStagingChunks));
-    ORBITKV_ASSIGN_OR_RETURN(chunks, PinnedHostMemory::Allocate(device, grown * sizeof(CopyChunk)));
-    capacity = grown;
-    return Status::Ok();
-  }
-};
-
 // The parts of one batch (Options::split_min_fragments): the caller's CopyDone runs once, after
 // every queued part finished, with the first error; the batch holds one in-flight slot throughout.
 struct CudaCopyEngine::Joint {
@@ -152,87 +121,6 @@ struct CudaCopyEngine::Joint {
   Status first_error;
   uint64_t copied_bytes = 0;
   std::vector<CopyBatch> finished;
-};
-
-// An accepted batch. Created by Submit(), deleted by Finish() on its lane's completer.
-struct CudaCopyEngine::Batch {
-  Batch(CopyBatch b, CopyDone d, uint64_t total)
-      : copy(std::move(b)), done(std::move(d)), total_bytes(total) {}
-
-  // Immutable once queued (published to the lane threads by the lane's mutex).
-  CopyBatch copy;
-  CopyDone done;
-  uint64_t total_bytes;
-  uint32_t lane = 0;
-  // Issued to the copy engines (cudaMemcpyBatchAsync) rather than as a kernel.
-  bool use_dma = false;
-  // A restore through the lane's staging ring (copy engines into the ring, the kernel out of it).
-  bool staged = false;
-  // Kernel batches: the chunk size for this batch and the number of chunks it makes.
-  uint64_t chunk_bytes = 0;
-  uint64_t chunks = 0;
-  // Device-visible address of each fragment's first source and destination byte.
-  std::vector<uint64_t> src;
-  std::vector<uint64_t> dst;
-
-  // A part of a split batch: `done` is empty and the joint completes the caller's.
-  std::shared_ptr<Joint> joint;
-  bool first_part = true;  // false for a split batch's later parts
-  // A part that failed its checks after earlier parts were queued: never launched, nothing pinned
-  // (its fragments cleared); it ends the joint with this error once the parts ahead of it finished.
-  Status rejected;
-
-  // Set by the dispatcher before it hands the batch to the completer.
-  std::unique_ptr<Staging> staging;
-  Status launch_status;
-  int64_t launched_ns = 0;  // MonoNanos() once its copies were queued
-};
-
-struct CudaCopyEngine::Lane {
-  // Immutable after StartLanes().
-  int device = 0;
-  CopyDirection direction = CopyDirection::kRestore;
-  uint32_t max_blocks = 1;         // Multiprocessors x blocks_per_sm.
-  Counter* bytes_total = nullptr;  // of this device and direction
-  Counter* batches_total = nullptr;
-  std::vector<CudaStream> streams;
-  // The dispatcher's turn among `streams`; only the dispatcher touches it.
-  size_t next_stream = 0;
-  // Restore lanes with a staging ring (slot_bytes > 0), used by the dispatcher only: kStagingSlots
-  // slots of slot_bytes; a slot's H2D copies run on copy_stream and record slot_filled, its scatter
-  // waits for that and records slot_free, which the slot's next copies wait for.
-  DeviceMemory ring;
-  uint64_t slot_bytes = 0;
-  CudaStream copy_stream;
-  std::vector<CudaEvent> slot_filled, slot_free;
-  size_t next_slot = 0;
-  // Options::ring_timeline_slots: timing events per recorded slot use; `timeline_used` of them
-  // recorded by the dispatcher since the last TakeRingTimeline (which runs while the lane is idle).
-  struct SlotMarks {
-    CudaEvent fill_start, fill_end, scatter_end;
-    uint64_t bytes = 0;
-    uint32_t runs = 0;
-  };
-  std::vector<SlotMarks> timeline;
-  size_t timeline_used = 0;
-  // The completer's own (Options::completion_poll_us): when its last batch ended, and the fastest
-  // rate a batch ran at, from when it could start (its launch, or the end of the batch before it).
-  int64_t last_done_ns = 0;
-  double fastest_bytes_per_ns = 0;
-  // Batches accepted for this lane and not yet finished (the restore lane stages only while its
-  // device's save lane has none: copy-engine reads beside the save kernel's writes slow both).
-  std::atomic<uint32_t> busy{0};
-  std::thread dispatcher;
-  std::thread completer;
-
-  Mutex mu;
-  std::condition_variable_any pending_cv;   // The dispatcher waits: a batch was queued, or stop.
-  std::condition_variable_any launched_cv;  // The completer waits: a batch was launched, or stop.
-  std::deque<std::unique_ptr<Batch>> pending GUARDED_BY(mu);
-  std::deque<std::unique_ptr<Batch>> launched GUARDED_BY(mu);
-  std::vector<std::unique_ptr<Staging>> free_staging GUARDED_BY(mu);
-  // Set once nothing is in flight after Shutdown began: both threads exit.
-  bool stop GUARDED_BY(mu) = false;
 };
 
 Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
@@ -336,68 +224,6 @@ CudaCopyEngine::CudaCopyEngine(Options options, const HostMemoryRegistry* host_m
                                      "Copy batches accepted and not yet completed.",
                                      {{"engine", "cuda"}})) {}
 
-// The ring's memory, stream and events. A device without room for the ring keeps its lane
-// without one (restores go through the kernel) and says so.
-Status CudaCopyEngine::StartStagingRing(Lane& lane, uint64_t bytes) {
-  Result<DeviceMemory> ring = DeviceMemory::Allocate(lane.device, bytes);
-  if (!ring.ok()) {
-    cudaGetLastError();  // out of memory is not sticky: later calls on this thread must not see it
-    ORBITKV_LOG_WARN(
-        "GPU {}: no room for the {} MiB restore staging ring ({}); restores of small pages go "
-        "through the copy kernel alone",
-        lane.device, bytes >> 20, ring.status().ToString());
-    return Status::Ok();
-  }
-  ORBITKV_ASSIGN_OR_RETURN(lane.copy_stream, CudaStream::Create(lane.device));
-  for (uint32_t i = 0; i < kStagingSlots; ++i) {
-    ORBITKV_ASSIGN_OR_RETURN(CudaEvent filled, CudaEvent::Create(lane.device, false));
-    ORBITKV_ASSIGN_OR_RETURN(CudaEvent free, CudaEvent::Create(lane.device, false));
-    lane.slot_filled.push_back(std::move(filled));
-    lane.slot_free.push_back(std::move(free));
-  }
-  lane.ring = std::move(ring).value();
-  lane.slot_bytes = bytes / kStagingSlots;
-  return Status::Ok();
-}
-
-Status CudaCopyEngine::StartRingTimeline(Lane& lane, uint32_t slots) {
-  for (uint32_t i = 0; i < slots; ++i) {
-    Lane::SlotMarks marks;
-    for (CudaEvent* event : {&marks.fill_start, &marks.fill_end, &marks.scatter_end}) {
-      ORBITKV_ASSIGN_OR_RETURN(*event, CudaEvent::Create(lane.device, false, /*timing=*/true));
-    }
-    lane.timeline.push_back(std::move(marks));
-  }
-  return Status::Ok();
-}
-
-Result<std::vector<CudaCopyEngine::RingSlotTiming>> CudaCopyEngine::TakeRingTimeline(int device) {
-  ORBITKV_ASSIGN_OR_RETURN(const uint32_t index, DeviceIndex(device));
-  Lane& lane = *lanes_[2 * index + DirectionIndex(CopyDirection::kRestore)];
-  if (lane.timeline.empty()) {
-    return Status::FailedPrecondition(
-        fmt::format("device {} records no ring timeline (ring_timeline_slots {}, ring {} bytes)",
-                    device, options_.ring_timeline_slots, lane.ring.size()));
-  }
-  std::vector<RingSlotTiming> out;
-  const size_t used = std::exchange(lane.timeline_used, 0);
-  for (size_t i = 0; i < used; ++i) {
-    const Lane::SlotMarks& marks = lane.timeline[i];
-    ORBITKV_RETURN_IF_ERROR(
-        CudaStatus(cudaEventSynchronize(marks.scatter_end.get()), "timeline event"));
-    float start = 0, filled = 0, scattered = 0;
-    const cudaEvent_t origin = lane.timeline[0].fill_start.get();
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(
-        cudaEventElapsedTime(&start, origin, marks.fill_start.get()), "cudaEventElapsedTime"));
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(
-        cudaEventElapsedTime(&filled, origin, marks.fill_end.get()), "cudaEventElapsedTime"));
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(
-        cudaEventElapsedTime(&scattered, origin, marks.scatter_end.get()), "cudaEventElapsedTime"));
-    out.push_back({start, filled, scattered, marks.bytes, marks.runs});
-  }
-  return out;
-}
-
 Status CudaCopyEngine::StartLanes() {
   for (const int device : options_.devices) {
     int multiprocessors = 0;
@@ -416,10 +242,8 @@ Status CudaCopyEngine::StartLanes() {
         lane->streams.push_back(std::move(stream));
       }
       if (direction == CopyDirection::kRestore && options_.restore_staging_bytes > 0) {
-        ORBITKV_RETURN_IF_ERROR(StartStagingRing(*lane, options_.restore_staging_bytes));
-        if (lane->slot_bytes > 0) {
-          ORBITKV_RETURN_IF_ERROR(StartRingTimeline(*lane, options_.ring_timeline_slots));
-        }
+        ORBITKV_RETURN_IF_ERROR(
+            StartStagingRing(*lane, options_.restore_staging_bytes, options_.ring_timeline_slots));
       }
       lanes_.push_back(std::move(lane));
     }
@@ -630,13 +454,13 @@ Status CudaCopyEngine::Plan(Batch* batch) {
   const Lane& lane = *lanes_[batch->lane];
   const uint64_t average_fragment = batch->total_bytes / batch->copy.fragments.size();
   const bool dma = options_.method == Method::kMemcpyBatch ||
-                  (options_.method == Method::kAuto && dma_available_ &&
-                   average_fragment >= options_.dma_min_fragment_bytes);
+                   (options_.method == Method::kAuto && dma_available_ &&
+                    average_fragment >= options_.dma_min_fragment_bytes);
   // A restore from long pool runs is staged where the kernel would copy it, and also where the copy
   // engines would but its fragments average below staged_max_fragment_bytes: it crosses the link in
   // a few slot-sized copies instead of one copy per fragment.
-  batch->staged = (!dma || average_fragment < options_.staged_max_fragment_bytes) &&
-                  ShouldStage(lane, *batch);
+  batch->staged =
+      (!dma || average_fragment < options_.staged_max_fragment_bytes) && ShouldStage(lane, *batch);
   batch->use_dma = dma && !batch->staged;
   batch->chunk_bytes = ChunkBytesFor(
       batch->total_bytes, uint64_t{lane.max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
@@ -846,7 +670,7 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
     }
     batch->staging = std::move(staging);
     // Before its first copy is queued: the GPU may start on it while the rest is being queued.
-    batch->launched_ns = MonoNanos();
+    if (options_.completion_poll_us > 0) batch->launched_ns = MonoNanos();
     if (batch->launch_status.ok()) batch->launch_status = Launch(lane, batch.get());
     {
       MutexLock lock(&lane->mu);
@@ -863,203 +687,6 @@ bool CudaCopyEngine::ShouldStage(const Lane& lane, const Batch& batch) const {
   // the H200, staged restores beside kernel saves moved 56 GB/s together, the kernel both ways 75).
   if (lanes_[batch.lane ^ 1]->busy.load(std::memory_order_relaxed) != 0) return false;
   return batch.total_bytes / core::PoolRuns(batch.copy) >= options_.staged_min_run_bytes;
-}
-
-Status CudaCopyEngine::Launch(Lane* lane, Batch* batch) {
-  cudaStream_t stream = lane->streams[lane->next_stream].get();
-  lane->next_stream = (lane->next_stream + 1) % lane->streams.size();
-  Status status = batch->use_dma  ? LaunchMemcpyBatch(stream, batch)
-                  : batch->staged ? LaunchStaged(lane, stream, batch)
-                                  : LaunchKernel(lane, stream, batch);
-  if (status.ok()) {
-    status =
-        CudaStatus(cudaEventRecord(batch->staging->done_event.get(), stream), "cudaEventRecord");
-  }
-  if (!status.ok()) {
-    // Part of the batch may be queued: let it drain before its staging area is reused.
-    if (batch->staged) cudaStreamSynchronize(lane->copy_stream.get());
-    cudaStreamSynchronize(stream);
-  } else if (batch->first_part && batch->use_dma) {  // a split batch counts once
-    dma_total_->Increment();
-  } else if (batch->first_part && batch->staged) {
-    staged_total_->Increment();
-  }
-  return status;
-}
-
-Status CudaCopyEngine::LaunchKernel(Lane* lane, cudaStream_t stream, Batch* batch) {
-  Staging& staging = *batch->staging;
-  const std::vector<CopyFragment>& fragments = batch->copy.fragments;
-  ORBITKV_RETURN_IF_ERROR(staging.Reserve(lane->device, batch->chunks));
-  auto* chunks = reinterpret_cast<CopyChunk*>(staging.chunks.data());
-  const uint64_t chunk_bytes = batch->chunk_bytes;
-  uint64_t n = 0;
-  for (size_t i = 0; i < fragments.size(); ++i) {
-    const uint64_t length = fragments[i].length;
-    for (uint64_t offset = 0; offset < length; offset += chunk_bytes) {
-      chunks[n++] = CopyChunk{batch->src[i] + offset, batch->dst[i] + offset,
-                              std::min(chunk_bytes, length - offset), 0};
-    }
-  }
-  ORBITKV_CHECK(n == batch->chunks);
-  const uint64_t blocks = std::min<uint64_t>(CeilDiv(n, kCopyWarpsPerBlock), lane->max_blocks);
-  // The kernel reads the descriptors in place: uploading them first (a copy queued ahead of every
-  // launch) measured 3-5% slower.
-  return CudaStatus(
-      LaunchCopyChunks(reinterpret_cast<const CopyChunk*>(staging.chunks.device_data()),
-                       static_cast<uint32_t>(n), static_cast<uint32_t>(blocks), stream),
-      "launch of the copy kernel");
-}
-
-Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batch) {
-  Staging& staging = *batch->staging;
-  const std::vector<CopyFragment>& fragments = batch->copy.fragments;
-  const uint64_t slot_bytes = lane->slot_bytes;
-  const uint64_t chunk_bytes = batch->chunk_bytes;
-  // A fragment cut by a slot's end makes one chunk more, at most once per slot.
-  ORBITKV_RETURN_IF_ERROR(staging.Reserve(
-      lane->device, batch->chunks + CeilDiv(batch->total_bytes, slot_bytes) + 1));
-  auto* chunks = reinterpret_cast<CopyChunk*>(staging.chunks.data());
-  const auto* device_chunks = reinterpret_cast<const CopyChunk*>(staging.chunks.device_data());
-  cudaStream_t copies = lane->copy_stream.get();
-  size_t i = 0;         // the next byte to stage: fragment i,
-  uint64_t offset = 0;  // `offset` bytes into it
-  uint64_t n = 0;       // chunks written
-  while (i < fragments.size()) {
-    const size_t k = lane->next_slot;
-    lane->next_slot = (lane->next_slot + 1) % kStagingSlots;
-    uint8_t* slot = lane->ring.data() + k * slot_bytes;
-    // The slot's previous scatter (any batch's) reads it until its free event.
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(copies, lane->slot_free[k].get(), 0),
-                                       "cudaStreamWaitEvent (staging slot free)"));
-    const uint64_t first_chunk = n;
-    uint64_t filled = 0;
-    // The pool run being gathered into the slot: adjacent fragments make one copy. The slot's
-    // copies go out together (FillSlot) once its runs are known.
-    const uint8_t* run = nullptr;
-    uint64_t run_at = 0, run_bytes = 0;
-    staging.dsts.clear();
-    staging.srcs.clear();
-    staging.sizes.clear();
-    const auto copy_run = [&]() -> Status {
-      if (run_bytes == 0) return Status::Ok();
-      staging.dsts.push_back(slot + run_at);
-      staging.srcs.push_back(run);
-      staging.sizes.push_back(run_bytes);
-      return Status::Ok();
-    };
-    while (i < fragments.size() && filled < slot_bytes) {
-      const CopyFragment& f = fragments[i];
-      const uint64_t take = std::min(f.length - offset, slot_bytes - filled);
-      const uint8_t* from = f.pool + offset;
-      if (run_bytes > 0 && run + run_bytes == from) {
-        run_bytes += take;
-      } else {
-        ORBITKV_RETURN_IF_ERROR(copy_run());
-        run = from;
-        run_at = filled;
-        run_bytes = take;
-      }
-      for (uint64_t at = 0; at < take; at += chunk_bytes) {
-        chunks[n++] = CopyChunk{reinterpret_cast<uintptr_t>(slot) + filled + at,
-                                batch->dst[i] + offset + at, std::min(chunk_bytes, take - at), 0};
-      }
-      filled += take;
-      offset += take;
-      if (offset == f.length) {
-        ++i;
-        offset = 0;
-      }
-    }
-    ORBITKV_RETURN_IF_ERROR(copy_run());
-    // Counted once its last mark is recorded: a slot whose copies failed to queue is left out.
-    Lane::SlotMarks* marks = lane->timeline_used < lane->timeline.size()
-                                 ? &lane->timeline[lane->timeline_used]
-                                 : nullptr;
-    if (marks != nullptr) {
-      marks->bytes = filled;
-      marks->runs = static_cast<uint32_t>(staging.dsts.size());
-      ORBITKV_RETURN_IF_ERROR(
-          CudaStatus(cudaEventRecord(marks->fill_start.get(), copies), "cudaEventRecord (timeline)"));
-    }
-    ORBITKV_RETURN_IF_ERROR(FillSlot(copies, &staging));
-    if (marks != nullptr) {
-      ORBITKV_RETURN_IF_ERROR(
-          CudaStatus(cudaEventRecord(marks->fill_end.get(), copies), "cudaEventRecord (timeline)"));
-    }
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_filled[k].get(), copies),
-                                       "cudaEventRecord (staging slot filled)"));
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, lane->slot_filled[k].get(), 0),
-                                       "cudaStreamWaitEvent (staging slot filled)"));
-    const uint64_t count = n - first_chunk;
-    const uint64_t blocks =
-        std::min<uint64_t>(CeilDiv(count, kCopyWarpsPerBlock), lane->max_blocks);
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(
-        LaunchCopyChunks(device_chunks + first_chunk, static_cast<uint32_t>(count),
-                         static_cast<uint32_t>(blocks), stream),
-        "launch of the copy kernel (staged scatter)"));
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_free[k].get(), stream),
-                                       "cudaEventRecord (staging slot free)"));
-    if (marks != nullptr) {
-      ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(marks->scatter_end.get(), stream),
-                                         "cudaEventRecord (timeline)"));
-      ++lane->timeline_used;
-    }
-  }
-  ORBITKV_CHECK(n <= staging.capacity);
-  return Status::Ok();
-}
-
-// staging's copies (dsts, srcs, sizes) as cudaMemcpyBatchAsync calls of at most
-// kCopiesPerMemcpyBatch copies, back to back on the stream: one call of 4096 64 KiB copies measured
-// 0.70 of the link's peak, 256 per call 0.95 (docs/gpu.md).
-Status CudaCopyEngine::IssueMemcpyBatches(Staging* staging, cudaStream_t stream, const char* what) {
-  cudaMemcpyAttributes attributes{};
-  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  size_t first_copy = 0;
-  const size_t n = staging->dsts.size();
-  for (size_t begin = 0; begin < n; begin += kCopiesPerMemcpyBatch) {
-    const size_t count = std::min(kCopiesPerMemcpyBatch, n - begin);
-    ORBITKV_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyBatchAsync(staging->dsts.data() + begin, staging->srcs.data() + begin,
-                                        staging->sizes.data() + begin, count, &attributes,
-                                        &first_copy, 1, stream),
-                   what));
-  }
-  return Status::Ok();
-}
-
-Status CudaCopyEngine::FillSlot(cudaStream_t copies, Staging* staging) const {
-  const size_t n = staging->dsts.size();
-  if (!dma_available_) {
-    for (size_t i = 0; i < n; ++i) {
-      ORBITKV_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(staging->dsts[i], staging->srcs[i], staging->sizes[i],
-                                     cudaMemcpyHostToDevice, copies),
-                     "cudaMemcpyAsync into the staging ring"));
-    }
-    return Status::Ok();
-  }
-  // One call for the slot's runs rather than one cudaMemcpyAsync each: a 16 MiB slot of 2.25 MiB
-  // block runs filled at 0.99 of the link's peak this way and at 0.94 run by run (ring_model_* in
-  // gpu_bench, docs/gpu.md).
-  return IssueMemcpyBatches(staging, copies, "cudaMemcpyBatchAsync into the staging ring");
-}
-
-Status CudaCopyEngine::LaunchMemcpyBatch(cudaStream_t stream, Batch* batch) {
-  Staging& staging = *batch->staging;
-  const std::vector<CopyFragment>& fragments = batch->copy.fragments;
-  const size_t n = fragments.size();
-  staging.dsts.resize(n);
-  staging.srcs.resize(n);
-  staging.sizes.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    staging.dsts[i] = reinterpret_cast<void*>(batch->dst[i]);
-    staging.srcs[i] = reinterpret_cast<const void*>(batch->src[i]);
-    staging.sizes[i] = fragments[i].length;
-  }
-  return IssueMemcpyBatches(&staging, stream, "cudaMemcpyBatchAsync");
 }
 
 void CudaCopyEngine::CompleteLoop(Lane* lane) {
@@ -1090,19 +717,20 @@ void CudaCopyEngine::CompleteLoop(Lane* lane) {
 Status CudaCopyEngine::WaitForBatch(Lane* lane, const Batch& batch) const {
   const cudaEvent_t event = batch.staging->done_event.get();
   const auto failed = [&](cudaError_t error) {
-    return CudaStatus(error, fmt::format("{} on device {}", CopyDirectionName(lane->direction),
-                                         lane->device));
+    return CudaStatus(
+        error, fmt::format("{} on device {}", CopyDirectionName(lane->direction), lane->device));
   };
   // Batches this large, launched on an idle lane, measure the lane's rate (their launch is a small
   // part of their time).
   constexpr uint64_t kRateSampleBytes = uint64_t{8} << 20;
   constexpr double kMaxExpectedNs = 10e9;
   constexpr int64_t kMinPollBudgetNs = 2'000'000;
+  if (options_.completion_poll_us == 0) return failed(cudaEventSynchronize(event));  // the default
   const bool from_idle = batch.launched_ns >= lane->last_done_ns;
   const int64_t start = std::max(batch.launched_ns, lane->last_done_ns);
   Status status;
-  if (options_.completion_poll_us == 0 || lane->fastest_bytes_per_ns <= 0) {
-    // Blocking: the default, and until a large batch has shown the lane's rate.
+  if (lane->fastest_bytes_per_ns <= 0) {
+    // Blocking until a large batch has shown the lane's rate.
     status = failed(cudaEventSynchronize(event));
   } else {
     const int64_t poll_ns = int64_t{options_.completion_poll_us} * 1000;
@@ -1134,8 +762,7 @@ Status CudaCopyEngine::WaitForBatch(Lane* lane, const Batch& batch) const {
     }
   }
   const int64_t done = MonoNanos();
-  if (options_.completion_poll_us > 0 && status.ok() && from_idle &&
-      batch.total_bytes >= kRateSampleBytes && done > start) {
+  if (status.ok() && from_idle && batch.total_bytes >= kRateSampleBytes && done > start) {
     lane->fastest_bytes_per_ns =
         std::max(lane->fastest_bytes_per_ns,
                  static_cast<double>(batch.total_bytes) / static_cast<double>(done - start));

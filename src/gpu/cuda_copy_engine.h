@@ -132,9 +132,10 @@ class CudaCopyEngine final : public core::CopyEngine {
     // lane showed the lane's rate (until then it blocks), it sleeps in steps of at most this many
     // microseconds until this long before the earliest the batch should end (its bytes at up to
     // 10% above the fastest rate such batches ran at, from when it could start), then polls the
-    // event, yielding, and blocks after polling for 2 ms or a quarter of its expected time. On the H200's VMs a 512 MiB pass of
-    // restores ended 0.4 ms after its copies (4% of its time), end and start together (docs/gpu.md).
-    // 0 (blocking) by default until polling has run on a GPU (gpu_bench's completion_*).
+    // event, yielding, and blocks after polling for 2 ms or a quarter of its expected time. On the
+    // H200's VMs a 512 MiB pass of restores ended 0.4 ms after its copies (4% of its time), end and
+    // start together (docs/gpu.md). 0 (blocking) by default until polling has run on a GPU
+    // (gpu_bench's completion_*).
     uint32_t completion_poll_us = 0;
     // Diagnostics (gpu_bench): a restore lane with a ring records CUDA timing events around the
     // fills and scatters of its next this-many slots, read back by TakeRingTimeline(). 0: none; at
@@ -264,9 +265,8 @@ class CudaCopyEngine final : public core::CopyEngine {
   Status StartLanes();
   // Gives a restore lane its staging ring (memory, copy stream, slot events); a device without room
   // for the ring keeps the lane without one and logs why.
-  static Status StartStagingRing(Lane& lane, uint64_t bytes);
-  // The timing events of Options::ring_timeline_slots on a lane with a ring.
-  static Status StartRingTimeline(Lane& lane, uint32_t slots);
+  // Gives it `timeline_slots` timeline marks too (Options::ring_timeline_slots).
+  static Status StartStagingRing(Lane& lane, uint64_t bytes, uint32_t timeline_slots);
   // The index of `device` in options_.devices, or InvalidArgument.
   Result<uint32_t> DeviceIndex(int device) const;
   Result<core::BufferId> AddSlot(uint8_t* base, uint64_t bytes, uint32_t device_index,
