@@ -80,8 +80,14 @@ class Completions {
       ORBITKV_CHECK_MSG(status.ok(), "copy batch failed: {}", status.ToString());
       std::lock_guard lock(mu_);
       ++done_;
+      last_done_ns_ = MonoNanos();
       cv_.notify_all();
     };
+  }
+  // When the latest CopyDone ran (MonoNanos).
+  int64_t last_done_ns() {
+    std::lock_guard lock(mu_);
+    return last_done_ns_;
   }
   void WaitFor(uint64_t count) {
     std::unique_lock lock(mu_);
@@ -92,6 +98,7 @@ class Completions {
   std::mutex mu_;
   std::condition_variable cv_;
   uint64_t done_ = 0;
+  int64_t last_done_ns_ = 0;
 };
 
 void SubmitRetrying(CudaCopyEngine& engine, const CopyBatch& batch, Completions& completions) {
@@ -655,7 +662,10 @@ std::string BlockRestores(const gpu::HostMemoryRegistry& registry, uint8_t* pinn
 // is the slots' bytes over their copies' time alone; busy is the share of the copy stream's span
 // (first fill's start to last fill's end) spent copying; span GB/s counts from the first fill's
 // start to the last scatter's end; wall GB/s is the same pass timed by the caller, Submit to the
-// last CopyDone (the difference: the pass's start and end on the CPU).
+// last CopyDone's waiter waking. The wall's rest, split: start (a mark recorded on an idle stream
+// of the caller's just before the first Submit, to the first fill's start, on the GPU's clock; of
+// it, the first Submit call on the CPU), end (the last scatter's end to the last CopyDone, the CPU
+// clock less the GPU's start and span) and hand-off (that CopyDone to its waiter awake).
 std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* device,
                          uint64_t device_bytes, CudaCopyEngine::Options options, PageSet& set,
                          int rounds) {
@@ -667,16 +677,33 @@ std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* devic
     engine->Shutdown();
     return fmt::format("no timeline: {}", first.status().ToString());  // e.g. no room for a ring
   }
-  const double wall = RunGbps(*engine, {&set.restores}, rounds);
-  auto timeline = engine->TakeRingTimeline(0);
+  gpu::CudaStream side = std::move(gpu::CudaStream::Create(0)).value();
+  gpu::CudaEvent origin = std::move(gpu::CudaEvent::Create(0, false, /*timing=*/true)).value();
+  Completions completions;
+  uint64_t bytes = 0, batches = 0;
+  int64_t first_submitted_ns = 0;
+  const int64_t start_ns = MonoNanos();
+  CUDA_OK(cudaEventRecord(origin.get(), side.get()));
+  for (int r = 0; r < rounds; ++r) {
+    for (const CopyBatch& batch : set.restores) {
+      SubmitRetrying(*engine, batch, completions);
+      if (batches++ == 0) first_submitted_ns = MonoNanos();
+      for (const CopyFragment& f : batch.fragments) bytes += f.length;
+    }
+  }
+  completions.WaitFor(batches);
+  const int64_t woke_ns = MonoNanos();
+  const double wall = static_cast<double>(bytes) / (static_cast<double>(woke_ns - start_ns) / 1e9) / 1e9;
+  CUDA_OK(cudaEventSynchronize(origin.get()));
+  auto timeline = engine->TakeRingTimeline(0, origin.get());
   ORBITKV_CHECK_MSG(timeline.ok(), "timeline: {}", timeline.status().ToString());
   engine->Shutdown();
   if (timeline->empty()) return fmt::format("no staged slot (wall {:.1f} GB/s)", wall);
   const std::vector<CudaCopyEngine::RingSlotTiming>& t = *timeline;
-  uint64_t bytes = 0, runs = 0;
+  uint64_t slot_bytes = 0, runs = 0;
   double filling = 0, scatter = 0, largest_gap = 0, gaps = 0;
   for (size_t i = 0; i < t.size(); ++i) {
-    bytes += t[i].bytes;
+    slot_bytes += t[i].bytes;
     runs += t[i].runs;
     filling += t[i].fill_end_ms - t[i].fill_start_ms;
     scatter += t[i].scatter_end_ms - t[i].fill_end_ms;
@@ -686,17 +713,22 @@ std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* devic
       largest_gap = std::max(largest_gap, gap);
     }
   }
-  const double gb = static_cast<double>(bytes) / 1e9;
+  const double gb = static_cast<double>(slot_bytes) / 1e9;
   const double copy_span = t.back().fill_end_ms - t.front().fill_start_ms;
   double last_scatter = 0;
   for (const auto& slot : t) last_scatter = std::max(last_scatter, slot.scatter_end_ms);
+  const double start_ms = t.front().fill_start_ms;
+  const double span_ms = last_scatter - start_ms;
+  const auto ms_since_start = [&](int64_t ns) { return static_cast<double>(ns - start_ns) / 1e6; };
   return fmt::format(
       "{} slots, {:.1f} runs each: fill {:.1f} GB/s, copy stream busy {:.3f} (gaps {:.3f} ms in "
       "all, largest {:.3f}), fill to scatter end {:.3f} ms a slot, span {:.1f} GB/s, wall {:.1f} "
-      "GB/s",
+      "GB/s; start {:.3f} ms (first Submit {:.3f}), end {:.3f} ms, hand-off {:.3f} ms",
       t.size(), static_cast<double>(runs) / static_cast<double>(t.size()), gb / (filling / 1e3),
       filling / copy_span, gaps, largest_gap, scatter / static_cast<double>(t.size()),
-      gb / (last_scatter / 1e3), wall);
+      gb / (span_ms / 1e3), wall, start_ms, ms_since_start(first_submitted_ns),
+      ms_since_start(completions.last_done_ns()) - last_scatter,
+      static_cast<double>(woke_ns - completions.last_done_ns()) / 1e6);
 }
 
 // Every visible GPU restoring at once (restore_gpu_64k_all): one engine with a lane per device,
@@ -1050,32 +1082,45 @@ int main(int argc, char** argv) {
           "submit_ns_per_fragment",
           fmt::format("{:.1f} ns ({} fragments)", Median(submits), one[0].fragments.size()));
     }
-    // Where the default engine's staged restores spend their time, on the GPU's clock.
+    // Where the default engine's staged restores spend their time, on the GPU's clock, and the same
+    // with the polling completer and 4096-page batches in parts (the pass's start and end).
+    CudaCopyEngine::Options polling_options = defaults, parts_options = defaults;
+    polling_options.completion_poll_us = 200;
+    parts_options.split_min_fragments = kPagesPerBatch;
+    CudaCopyEngine::Options both_options = parts_options;
+    both_options.completion_poll_us = 200;
     report.AddEnv(fmt::format("timeline_{}", size),
                   RingTimeline(registry, device, device_bytes, defaults, set, rounds));
-    // The default engine with its completer blocking in cudaEventSynchronize and polling near each
-    // batch's end (completion_poll_us 200), in turn (drift hits both alike).
+    report.AddEnv(fmt::format("timeline_{}_polling_parts", size),
+                  RingTimeline(registry, device, device_bytes, both_options, set, rounds));
+    // The default engine (its completer blocking in cudaEventSynchronize, 4096-page batches whole)
+    // against polling near each batch's end (completion_poll_us 200), batches in parts from 4096
+    // fragments, and both, in turn (drift hits them alike).
     {
-      CudaCopyEngine::Options blocking_options = defaults, polling_options = defaults;
-      blocking_options.completion_poll_us = 0;
-      polling_options.completion_poll_us = 200;
-      auto blocking = MakeEngine(registry, blocking_options);
-      auto polling = MakeEngine(registry, polling_options);
-      const BufferId blocking_id = RegisterDevice(*blocking, device, device_bytes);
-      const BufferId polling_id = RegisterDevice(*polling, device, device_bytes);
-      std::vector<double> blocked, polled;
-      for (int turn = 0; turn < 3; ++turn) {
-        SetBuffer(set, blocking_id);
-        blocked.push_back(MedianGbps(*blocking, {&set.restores}, rounds));
-        SetBuffer(set, polling_id);
-        polled.push_back(MedianGbps(*polling, {&set.restores}, rounds));
+      const std::vector<std::pair<const char*, CudaCopyEngine::Options>> variants = {
+          {"blocking", defaults},
+          {"polling (200 us)", polling_options},
+          {"parts", parts_options},
+          {"polling and parts", both_options}};
+      std::vector<std::unique_ptr<CudaCopyEngine>> engines;
+      std::vector<BufferId> ids;
+      for (const auto& [name, options] : variants) {
+        engines.push_back(MakeEngine(registry, options));
+        ids.push_back(RegisterDevice(*engines.back(), device, device_bytes));
       }
-      report.AddEnv(fmt::format("completion_{}", size),
-                    fmt::format("restore with a blocking completer {:.1f}, polling (200 us) "
-                                "{:.1f} GB/s",
-                                Median(blocked), Median(polled)));
-      blocking->Shutdown();
-      polling->Shutdown();
+      std::vector<std::vector<double>> gbps(variants.size());
+      for (int turn = 0; turn < 3; ++turn) {
+        for (size_t v = 0; v < variants.size(); ++v) {
+          SetBuffer(set, ids[v]);
+          gbps[v].push_back(MedianGbps(*engines[v], {&set.restores}, rounds));
+        }
+      }
+      std::string line = "restore";
+      for (size_t v = 0; v < variants.size(); ++v) {
+        line += fmt::format("{} {} {:.1f}", v == 0 ? "" : ",", variants[v].first, Median(gbps[v]));
+        engines[v]->Shutdown();
+      }
+      report.AddEnv(fmt::format("completion_{}", size), line + " GB/s");
     }
     FreePageSet(pool, set);
   }

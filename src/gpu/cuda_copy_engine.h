@@ -144,7 +144,7 @@ class CudaCopyEngine final : public core::CopyEngine {
   };
 
   // One staging slot's use, from the timeline (Options::ring_timeline_slots): milliseconds since
-  // the first recorded fill began. fill_start is when the copy stream reached the slot's copies
+  // the first recorded fill began (or since TakeRingTimeline's origin event). fill_start is when the copy stream reached the slot's copies
   // (its previous scatter done, the copies ahead of it done, the dispatcher had queued them).
   struct RingSlotTiming {
     double fill_start_ms = 0;
@@ -222,8 +222,10 @@ class CudaCopyEngine final : public core::CopyEngine {
 
   // The timeline recorded since the last call on `device`'s restore lane, oldest first, and starts
   // a new one. Call only while that lane is idle (no restore in flight): it waits for the events.
-  // FailedPrecondition without Options::ring_timeline_slots or a ring on that device.
-  Result<std::vector<RingSlotTiming>> TakeRingTimeline(int device);
+  // FailedPrecondition without Options::ring_timeline_slots or a ring on that device. `origin`: a
+  // completed timing event of that device to count from instead of the first fill's start (a
+  // caller's mark on its own stream before its first Submit gives the pass's start on the GPU).
+  Result<std::vector<RingSlotTiming>> TakeRingTimeline(int device, cudaEvent_t origin = nullptr);
 
  private:
   struct Batch;    // An accepted batch.

@@ -60,7 +60,8 @@ Status CudaCopyEngine::StartStagingRing(Lane& lane, uint64_t bytes, uint32_t tim
   return Status::Ok();
 }
 
-Result<std::vector<CudaCopyEngine::RingSlotTiming>> CudaCopyEngine::TakeRingTimeline(int device) {
+Result<std::vector<CudaCopyEngine::RingSlotTiming>> CudaCopyEngine::TakeRingTimeline(
+    int device, cudaEvent_t origin_event) {
   ORBITKV_ASSIGN_OR_RETURN(const uint32_t index, DeviceIndex(device));
   Lane& lane = *lanes_[2 * index + DirectionIndex(CopyDirection::kRestore)];
   if (lane.timeline.empty()) {
@@ -68,8 +69,9 @@ Result<std::vector<CudaCopyEngine::RingSlotTiming>> CudaCopyEngine::TakeRingTime
         fmt::format("device {} records no ring timeline (ring_timeline_slots {}, ring {} bytes)",
                     device, options_.ring_timeline_slots, lane.ring.size()));
   }
-  // Milliseconds from the first recorded fill's start to `event`.
-  const cudaEvent_t origin = lane.timeline[0].fill_start.get();
+  // Milliseconds from the origin (the first recorded fill's start unless given) to `event`.
+  const cudaEvent_t origin =
+      origin_event != nullptr ? origin_event : lane.timeline[0].fill_start.get();
   const auto since_origin = [origin](const CudaEvent& event) -> Result<double> {
     float ms = 0;
     ORBITKV_RETURN_IF_ERROR(
