@@ -7,7 +7,8 @@ its GPU cache lost the prefix), first sight with OrbitKV (computes and saves), a
 two restore paths with every hit taken (layer-wise, overlapped with the layers' compute; async, restore then
 compute: the connector restores every whole block but the last token's, the engine computes the rest), and the
 connector's default configuration ("served": load mode auto, cost-aware hits, so it may decline a hit that would
-not pay), which ``ttft_*_cached`` reports. The ideal cached TTFT is the restored KV bytes at the copy peak measured
+not pay), which ``ttft_*_cached`` reports. Up to 2K tokens a second recompute engine (``ttft_*_recompute_control``)
+shows how far two identical engines drift apart, the noise floor of ``ttft_*_cached_vs_recompute``. The ideal cached TTFT is the restored KV bytes at the copy peak measured
 in this run plus the measured compute of the uncached suffix: on CPU the single-thread memcpy peak (the CPU "H2D"),
 on a GPU the pinned host-to-device peak (one 1 GiB cudaMemcpyAsync from pinned memory, best of 5).
 
@@ -158,16 +159,26 @@ def measure(config, socket, length: int, chunk: int, model, seed: int, repeats: 
         engines[kind] = SequentialEngine(config, blocks, socket, chunk_size=chunk, model=model, extra=extra)
         for warm in ([miss, prompt] if kind == "served" else [prompt]):
             _timed(engines[kind], warm)
-    # Short prompts run more often: their TTFT is a few engine steps, whose times drift the most.
-    repeats *= 3 if length <= SHORT_PROMPT else 1
-    recompute, runs = [], {kind: [] for kind in CACHED_RUNS}
+    # Short prompts run more often: their TTFT is a few engine steps, whose times drift the most. There a second
+    # recompute engine, last in each turn, measures how far two identical engines drift apart (the noise floor of
+    # ttft_*_cached_vs_recompute).
+    short = length <= SHORT_PROMPT
+    repeats *= 3 if short else 1
+    control = None
+    if short:
+        control = SequentialEngine(config, blocks, None, chunk_size=chunk, model=model)
+        control.generate(miss, 1 + TPOT_TOKENS)
+    recompute, controls, runs = [], [], {kind: [] for kind in CACHED_RUNS}
     for _ in range(repeats):  # every engine in turn, so drift (clocks, the host) hits them alike
         gc.collect()
         recompute.append(plain.generate(prompt, 1 + TPOT_TOKENS))
         for kind, engine in engines.items():
             gc.collect()
             runs[kind].append(_timed(engine, prompt))
-    del plain
+        if control is not None:
+            gc.collect()
+            controls.append(control.generate(prompt, 1 + TPOT_TOKENS))
+    del plain, control
     for engine in engines.values():
         engine.close()
     row = dict(length=length, recompute_s=_median([r.ttft_s for r in recompute]), first_with_save_s=saved.ttft_s,
@@ -176,11 +187,14 @@ def measure(config, socket, length: int, chunk: int, model, seed: int, repeats: 
                                     for rs in runs.values() for r, _ in rs),
                same_tokens=all(r.tokens == recompute[0].tokens for rs in runs.values() for r, _ in rs),
                hash_s=runs["async"][0][0].hash_s,
+               recompute_compute_s=_median([r.compute_s for r in recompute]),
+               recompute_control_s=_median([r.ttft_s for r in controls]) if controls else None,
                served_declined=sum(st.get("hits_declined", 0) for _, st in runs["served"]))
     for kind, rs in runs.items():
         restored = min(r.restored_tokens for r, _ in rs)
         row.update({f"{kind}_s": _median([r.ttft_s for r, _ in rs]),
                     f"{kind}_tpot_s": _median([r.tpot_s for r, _ in rs]),
+                    f"{kind}_compute_s": _median([r.compute_s for r, _ in rs]),
                     f"{kind}_restored_tokens": restored,
                     f"{kind}_layerwise": all(r.layerwise for r, _ in rs),
                     f"{kind}_restore_gbps": _median([st.get("restored_bytes", 0) / st["restore_seconds"] / 1e9
@@ -262,6 +276,11 @@ def main(argv=None) -> int:
         results.append(dict(metric=f"ttft_{k}_cached_vs_recompute", unit="ms", value=cached_ms,
                             baseline_metric=f"ttft_{k}_recompute", baseline=recompute_ms,
                             ratio=cached_ms / recompute_ms))
+        if row["recompute_control_s"]:  # two identical recompute engines: how far apart engines drift
+            control_ms = row["recompute_control_s"] * 1e3
+            results.append(dict(metric=f"ttft_{k}_recompute_control", unit="ms", value=control_ms,
+                                baseline_metric=f"ttft_{k}_recompute", baseline=recompute_ms,
+                                ratio=control_ms / recompute_ms))
         for kind in ("layerwise", "async"):  # the two restore paths, every hit taken
             kind_ms = row[f"{kind}_s"] * 1e3
             results.append(dict(metric=f"ttft_{k}_cached_{kind}", unit="ms", value=kind_ms,
