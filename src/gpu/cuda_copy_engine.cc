@@ -464,8 +464,13 @@ Status CudaCopyEngine::Plan(Batch* batch) {
   batch->use_dma = dma && !batch->staged;
   batch->chunk_bytes = ChunkBytesFor(
       batch->total_bytes, uint64_t{lane.max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
-  for (const CopyFragment& f : batch->copy.fragments) {
-    batch->chunks += CeilDiv(f.length, batch->chunk_bytes);
+  if (!batch->use_dma) {  // only the kernel's launches count chunks
+    // chunk_bytes is a power of two: a shift, not a division per fragment.
+    const int shift = std::countr_zero(batch->chunk_bytes);
+    const uint64_t mask = batch->chunk_bytes - 1;
+    for (const CopyFragment& f : batch->copy.fragments) {
+      batch->chunks += (f.length >> shift) + ((f.length & mask) != 0 ? 1 : 0);
+    }
   }
   if (!batch->use_dma && batch->chunks > std::numeric_limits<uint32_t>::max()) {
     Unpin(batch->copy);

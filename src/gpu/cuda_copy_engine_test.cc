@@ -407,10 +407,14 @@ INSTANTIATE_TEST_SUITE_P(
         MethodCase{"MemcpyBatch", {.method = Method::kMemcpyBatch}},
         MethodCase{"AutoCopyEngines", {.method = Method::kAuto}},
         MethodCase{"AutoKernel", {.method = Method::kAuto, .dma_min_fragment_bytes = 64 << 20}},
-        // The completer polling near each batch's end instead of blocking in cudaEventSynchronize.
+        // The completer polling near each batch's end (the default), and blocking in
+        // cudaEventSynchronize instead.
         MethodCase{"AutoPollingCompletion", {.method = Method::kAuto, .completion_poll_us = 200}},
         MethodCase{"KernelPollingCompletion",
-                   {.method = Method::kKernel, .completion_poll_us = 200}}),
+                   {.method = Method::kKernel, .completion_poll_us = 200}},
+        MethodCase{"AutoBlockingCompletion", {.method = Method::kAuto, .completion_poll_us = 0}},
+        MethodCase{"KernelBlockingCompletion",
+                   {.method = Method::kKernel, .completion_poll_us = 0}}),
     MethodCaseName);
 
 // kAuto sends batches of large fragments to the copy engines and small ones to the kernel; both
