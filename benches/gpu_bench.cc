@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -111,13 +112,22 @@ void SubmitRetrying(CudaCopyEngine& engine, const CopyBatch& batch, Completions&
   }
 }
 
+// When a pass's steps happened (MonoNanos): its start, the first Submit's return, the last
+// CopyDone, and its waiter awake.
+struct PassTimes {
+  int64_t start_ns = 0, first_submitted_ns = 0, last_done_ns = 0, woke_ns = 0;
+};
+
 // Runs `rounds` x every batch of every list (lists interleaved batch by batch) and returns GB/s.
+// `at_start` runs just before the first Submit; `times`, if given, gets the pass's steps.
 double RunGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyBatch>*>& lists,
-               int rounds) {
+               int rounds, PassTimes* times = nullptr, const std::function<void()>& at_start = {}) {
   Completions completions;
   uint64_t batches = 0;
   uint64_t bytes = 0;
-  Stopwatch watch;
+  PassTimes pass;
+  pass.start_ns = MonoNanos();
+  if (at_start) at_start();
   for (int r = 0; r < rounds; ++r) {
     const size_t longest = (*std::max_element(lists.begin(), lists.end(), [](auto* a, auto* b) {
                              return a->size() < b->size();
@@ -126,13 +136,17 @@ double RunGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyB
       for (const std::vector<CopyBatch>* list : lists) {
         if (i >= list->size()) continue;
         SubmitRetrying(engine, (*list)[i], completions);
-        ++batches;
+        if (batches++ == 0) pass.first_submitted_ns = MonoNanos();
         for (const CopyFragment& f : (*list)[i].fragments) bytes += f.length;
       }
     }
   }
   completions.WaitFor(batches);
-  return static_cast<double>(bytes) / watch.ElapsedSeconds() / 1e9;
+  pass.woke_ns = MonoNanos();
+  pass.last_done_ns = completions.last_done_ns();
+  if (times != nullptr) *times = pass;
+  return static_cast<double>(bytes) / (static_cast<double>(pass.woke_ns - pass.start_ns) / 1e9) /
+         1e9;
 }
 
 double MedianGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyBatch>*>& lists,
@@ -679,21 +693,9 @@ std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* devic
   }
   gpu::CudaStream side = std::move(gpu::CudaStream::Create(0)).value();
   gpu::CudaEvent origin = std::move(gpu::CudaEvent::Create(0, false, /*timing=*/true)).value();
-  Completions completions;
-  uint64_t bytes = 0, batches = 0;
-  int64_t first_submitted_ns = 0;
-  const int64_t start_ns = MonoNanos();
-  CUDA_OK(cudaEventRecord(origin.get(), side.get()));
-  for (int r = 0; r < rounds; ++r) {
-    for (const CopyBatch& batch : set.restores) {
-      SubmitRetrying(*engine, batch, completions);
-      if (batches++ == 0) first_submitted_ns = MonoNanos();
-      for (const CopyFragment& f : batch.fragments) bytes += f.length;
-    }
-  }
-  completions.WaitFor(batches);
-  const int64_t woke_ns = MonoNanos();
-  const double wall = static_cast<double>(bytes) / (static_cast<double>(woke_ns - start_ns) / 1e9) / 1e9;
+  PassTimes pass;
+  const double wall = RunGbps(*engine, {&set.restores}, rounds, &pass,
+                              [&] { CUDA_OK(cudaEventRecord(origin.get(), side.get())); });
   CUDA_OK(cudaEventSynchronize(origin.get()));
   auto timeline = engine->TakeRingTimeline(0, origin.get());
   ORBITKV_CHECK_MSG(timeline.ok(), "timeline: {}", timeline.status().ToString());
@@ -719,16 +721,18 @@ std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* devic
   for (const auto& slot : t) last_scatter = std::max(last_scatter, slot.scatter_end_ms);
   const double start_ms = t.front().fill_start_ms;
   const double span_ms = last_scatter - start_ms;
-  const auto ms_since_start = [&](int64_t ns) { return static_cast<double>(ns - start_ns) / 1e6; };
+  const auto ms_since_start = [&](int64_t ns) {
+    return static_cast<double>(ns - pass.start_ns) / 1e6;
+  };
   return fmt::format(
       "{} slots, {:.1f} runs each: fill {:.1f} GB/s, copy stream busy {:.3f} (gaps {:.3f} ms in "
       "all, largest {:.3f}), fill to scatter end {:.3f} ms a slot, span {:.1f} GB/s, wall {:.1f} "
       "GB/s; start {:.3f} ms (first Submit {:.3f}), end {:.3f} ms, hand-off {:.3f} ms",
       t.size(), static_cast<double>(runs) / static_cast<double>(t.size()), gb / (filling / 1e3),
       filling / copy_span, gaps, largest_gap, scatter / static_cast<double>(t.size()),
-      gb / (span_ms / 1e3), wall, start_ms, ms_since_start(first_submitted_ns),
-      ms_since_start(completions.last_done_ns()) - last_scatter,
-      static_cast<double>(woke_ns - completions.last_done_ns()) / 1e6);
+      gb / (span_ms / 1e3), wall, start_ms, ms_since_start(pass.first_submitted_ns),
+      ms_since_start(pass.last_done_ns) - last_scatter,
+      static_cast<double>(pass.woke_ns - pass.last_done_ns) / 1e6);
 }
 
 // Every visible GPU restoring at once (restore_gpu_64k_all): one engine with a lane per device,
@@ -1125,16 +1129,16 @@ int main(int argc, char** argv) {
     }
     FreePageSet(pool, set);
   }
-  // Every GPU at once (issue 24's restore_gpu_64k_all): a metric where there are several, in env
-  // on one (where it is restore_gpu_64k again, through the multi-device code path).
   // The shape of the vLLM connector's async restores of 4K and 8K tokens (restore_8k_gbps in the
-  // TTFT bench): default (staged, in parts), whole, copy engines, polling completer.
+  // TTFT bench): default (staged, in parts, polling), whole, copy engines, blocking completer.
   // (The arena's bytes are free to use raw here: every page set was freed.)
   for (const uint64_t blocks : {uint64_t{256}, uint64_t{512}}) {
     report.AddEnv(fmt::format("blocks_64k_{}", blocks),
                   BlockRestores(registry, pool.arena(0).data(), pool.arena(0).size(), device,
                                 device_bytes, blocks, rng));
   }
+  // Every GPU at once (issue 24's restore_gpu_64k_all): a metric where there are several, in env
+  // on one (where it is restore_gpu_64k again, through the multi-device code path).
   const AllDevices all = MeasureAllDevices(registry, pool, devices, rng);
   if (devices > 1) {
     report.Add({"restore_gpu_64k_all", "GB/s", all.restore, "pinned_h2d_peak_all", all.peak});

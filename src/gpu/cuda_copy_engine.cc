@@ -730,7 +730,7 @@ Status CudaCopyEngine::WaitForBatch(Lane* lane, const Batch& batch) const {
   constexpr uint64_t kRateSampleBytes = uint64_t{8} << 20;
   constexpr double kMaxExpectedNs = 10e9;
   constexpr int64_t kMinPollBudgetNs = 2'000'000;
-  if (options_.completion_poll_us == 0) return failed(cudaEventSynchronize(event));  // the default
+  if (options_.completion_poll_us == 0) return failed(cudaEventSynchronize(event));
   const bool from_idle = batch.launched_ns >= lane->last_done_ns;
   const int64_t start = std::max(batch.launched_ns, lane->last_done_ns);
   Status status;
