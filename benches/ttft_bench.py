@@ -34,12 +34,15 @@ import os
 import pathlib
 import platform
 import random
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 import torch
@@ -53,10 +56,21 @@ class Manager:
     def __init__(self, binary: pathlib.Path, dram_mib: int):
         self.dir = tempfile.mkdtemp(prefix="orbitkv-ttft-")
         self.socket = os.path.join(self.dir, "manager.sock")
+        with socket.socket() as probe:  # a free port for its metrics
+            probe.bind(("127.0.0.1", 0))
+            self.metrics = f"127.0.0.1:{probe.getsockname()[1]}"
         self.proc = subprocess.Popen([str(binary), "--socket", self.socket, "--dram", f"{dram_mib}MiB", "--slab",
-                                      f"{SLAB_MIB}MiB", "--log-level", "error", "--allow-unpinned"],
-                                     stderr=subprocess.PIPE, text=True)
+                                      f"{SLAB_MIB}MiB", "--log-level", "error", "--allow-unpinned",
+                                      "--metrics-addr", self.metrics], stderr=subprocess.PIPE, text=True)
         orbitkv.wait_for_manager(self.socket, process=self.proc)
+
+    def restore_seconds(self) -> tuple:
+        """(sum, count) of the Manager's orbitkv_restore_seconds: each restore request from its arrival to its
+        copy's drain."""
+        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        found = dict(re.findall(r"^orbitkv_restore_seconds_(sum|count) (\S+)$", text, re.M))
+        return float(found.get("sum", 0.0)), int(float(found.get("count", 0)))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -133,22 +147,28 @@ def _median(values):
     return float(np.median(values))
 
 
-def _timed(engine, prompt):
-    """(Result, the connector's counters during this run) of one request on a long-lived engine."""
+def _timed(engine, prompt, manager=None):
+    """(Result, the connector's counters during this run) of one request on a long-lived engine; with
+    ``manager``, the counters add its restores' time in the Manager ("manager_restore_seconds") and their number."""
     before = dict(engine.totals.stats)
+    started = manager.restore_seconds() if manager else None
     result = engine.generate(prompt, 1 + TPOT_TOKENS)
     engine.idle(2)  # its finished id reaches the worker and its saves complete, outside the next timed run
-    return result, {k: v - before.get(k, 0) for k, v in engine.totals.stats.items()}
+    stats = {k: v - before.get(k, 0) for k, v in engine.totals.stats.items()}
+    if manager:
+        ended = manager.restore_seconds()
+        stats.update(manager_restore_seconds=ended[0] - started[0], manager_restores=ended[1] - started[1])
+    return result, stats
 
 
-def measure(config, socket, length: int, chunk: int, model, seed: int, repeats: int) -> dict:
+def measure(config, manager, length: int, chunk: int, model, seed: int, repeats: int) -> dict:
     """First sight (saves), then recompute and the cached runs (CACHED_RUNS), each ``repeats`` times (three times as
     often up to 2K tokens) on one warm engine per kind (medians), in turn so that drift hits them alike."""
     rng = random.Random(seed + length)
     prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
     miss = [rng.randrange(config.vocab_size) for _ in range(length)]
     blocks = -(-length // config.block_size) + 4 + TPOT_TOKENS // config.block_size + 1
-    first = SequentialEngine(config, blocks, socket, chunk_size=chunk, model=model)
+    first = SequentialEngine(config, blocks, manager.socket, chunk_size=chunk, model=model)
     saved = first.generate(prompt, 1)
     first.close()
     # The recompute engine (no connector) is warmed by the miss, so its own cache does not have the prompt.
@@ -156,7 +176,7 @@ def measure(config, socket, length: int, chunk: int, model, seed: int, repeats: 
     plain.generate(miss, 1 + TPOT_TOKENS)
     engines = {}
     for kind, extra in CACHED_RUNS.items():
-        engines[kind] = SequentialEngine(config, blocks, socket, chunk_size=chunk, model=model, extra=extra)
+        engines[kind] = SequentialEngine(config, blocks, manager.socket, chunk_size=chunk, model=model, extra=extra)
         for warm in ([miss, prompt] if kind == "served" else [prompt]):
             _timed(engines[kind], warm)
     # Short prompts run more often: their TTFT is a few engine steps, whose times drift the most. There a second
@@ -174,7 +194,7 @@ def measure(config, socket, length: int, chunk: int, model, seed: int, repeats: 
         recompute.append(plain.generate(prompt, 1 + TPOT_TOKENS))
         for kind, engine in engines.items():
             gc.collect()
-            runs[kind].append(_timed(engine, prompt))
+            runs[kind].append(_timed(engine, prompt, manager))
         if control is not None:
             gc.collect()
             controls.append(control.generate(prompt, 1 + TPOT_TOKENS))
@@ -198,7 +218,14 @@ def measure(config, socket, length: int, chunk: int, model, seed: int, repeats: 
                     f"{kind}_restored_tokens": restored,
                     f"{kind}_layerwise": all(r.layerwise for r, _ in rs),
                     f"{kind}_restore_gbps": _median([st.get("restored_bytes", 0) / st["restore_seconds"] / 1e9
-                                                     for _, st in rs if st.get("restore_seconds")] or [0.0])})
+                                                     for _, st in rs if st.get("restore_seconds")] or [0.0]),
+                    # Where a load's time goes: the connector before its first request (leases, the stream
+                    # drain), and (async: one request a load) the Manager from that request's arrival to its drain.
+                    f"{kind}_restore_ms": _median([st.get("restore_seconds", 0.0) * 1e3 for _, st in rs]),
+                    f"{kind}_restore_start_ms": _median([st.get("restore_start_seconds", 0.0) * 1e3
+                                                         for _, st in rs]),
+                    f"{kind}_manager_restore_ms": _median([st["manager_restore_seconds"] * 1e3 for _, st in rs
+                                                           if st.get("manager_restores") == 1] or [0.0])})
     # The serial ideal: the prefix's bytes at the copy peak plus the suffix's compute, measured in the async runs
     # (their forward passes compute only the suffix; the restore ran before them).
     row["restored_tokens"] = row["async_restored_tokens"]
@@ -256,7 +283,7 @@ def main(argv=None) -> int:
             SequentialEngine(config, 8, None, chunk_size=config.block_size, model=model).generate(
                 warm[:4 * config.block_size], 2)
         for length in lengths:
-            rows.append(measure(config, manager.socket, length, args.chunk, model, args.seed, args.repeats))
+            rows.append(measure(config, manager, length, args.chunk, model, args.seed, args.repeats))
     finally:
         manager.stop()
 

@@ -58,6 +58,11 @@ def test_ttft_bench_json_contract(root, build_dir):
         assert r["value"] > 0 and r["baseline"] > 0
         assert math.isclose(r["ratio"], r["value"] / r["baseline"], rel_tol=1e-9)
     assert all(row["same_first_token"] and row["restored_tokens"] > 0 for row in report["env"]["rows"])
+    # A load's time split: the connector before its first request, then the Manager (one request a load in async
+    # mode), each a part of the whole.
+    for row in report["env"]["rows"]:
+        assert 0 < row["async_restore_start_ms"] < row["async_restore_ms"]
+        assert 0 < row["async_manager_restore_ms"] < row["async_restore_ms"]
     assert "plot" in report["env"]
     first_line = (root / "benches" / "ttft_bench.py").read_text().splitlines()[0]
     assert first_line.startswith("# TTFT")

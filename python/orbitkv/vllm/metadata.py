@@ -75,8 +75,8 @@ class OrbitKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 _SUMMED = ("lookups", "lookup_tokens", "hit_tokens", "loading_answers", "loads", "failed_loads",
-           "restored_blocks", "restored_bytes", "restore_seconds", "failed_blocks", "saved_blocks",
-           "skipped_blocks", "save_seconds", "save_failures", "manager_errors", "cache_resets",
+           "restored_blocks", "restored_bytes", "restore_seconds", "restore_start_seconds", "failed_blocks",
+           "saved_blocks", "skipped_blocks", "save_seconds", "save_failures", "manager_errors", "cache_resets",
            "restores_abandoned", "saves_abandoned", "layerwise_loads", "hits_declined", "stream_waits")
 
 # Counter name (vLLM's "vllm:" prefix; prometheus_client adds "_total") -> (stats key, help)
@@ -94,6 +94,8 @@ PROM_COUNTERS = {
     "vllm:orbitkv_restored_blocks": ("restored_blocks", "KV pages restored into vLLM's blocks"),
     "vllm:orbitkv_restored_bytes": ("restored_bytes", "Bytes restored into vLLM's KV cache"),
     "vllm:orbitkv_restore_seconds": ("restore_seconds", "Seconds from load start to completion"),
+    "vllm:orbitkv_restore_start_seconds": ("restore_start_seconds", "Seconds from load start to its first "
+                                           "restore request (leases, the engine's stream drained)"),
     "vllm:orbitkv_saved_blocks": ("saved_blocks", "KV pages saved to OrbitKV"),
     "vllm:orbitkv_save_seconds": ("save_seconds", "Seconds spent waiting for saves"),
     "vllm:orbitkv_save_failures": ("save_failures", "KV pages whose save failed (a future miss)"),

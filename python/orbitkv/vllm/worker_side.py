@@ -84,6 +84,7 @@ class _GroupJob:
     done: bool = False
     failed: bool = False  # a Manager call of this group failed (reported once)
     drained_at: float = 0.0  # the latest time.monotonic() at which the Manager saw one of its restores drain
+    sent_at: float = 0.0  # time.monotonic() just before its first restore request went to the Manager
 
     def poll(self, part: _Restore) -> bool:
         """Polls a started restore; True once it drained (its drain time counts toward the load's). Raises the
@@ -380,6 +381,7 @@ class WorkerSide:
                 if gj.failed or client is None or overdue:
                     raise orbitkv.ManagerUnavailable("an earlier call of this load failed, or it ran out of time "
                                                      "waiting for a request slot")
+                gj.sent_at = gj.sent_at or time.monotonic()
                 part.handle = client.start_restore_part(self.instance, lease, pages, buffers, group=gj.load.group,
                                                         consume_lease=last)
             except orbitkv.OrbitKVError as error:
@@ -540,6 +542,7 @@ class WorkerSide:
         load = gj.load
         if gj.run.segments:
             self._drain_stream()
+            gj.sent_at = time.monotonic()
         for lease, first, count in gj.run.segments:
             offset = first - load.first_block
             pages = [bid if bid else orbitkv.SKIP_PAGE for bid in load.block_ids[offset:offset + count]]
@@ -617,6 +620,9 @@ class WorkerSide:
         self._count("restored_blocks", restored_blocks)
         self._count("restored_bytes", restored_bytes)
         self._count("restore_seconds", seconds)
+        sent = [gj.sent_at for gj in job.groups if gj.sent_at]
+        if sent:  # the connector's own share: leases and the stream drain, before the Manager heard of it
+            self._count("restore_start_seconds", min(sent) - job.started_at)
         if restored_bytes:
             with self._lock:
                 self._observed[0] += restored_bytes
