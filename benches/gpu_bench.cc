@@ -637,6 +637,7 @@ std::string BlockRestores(const gpu::HostMemoryRegistry& registry, uint8_t* pinn
       {"whole", {.split_min_fragments = 0}},
       {"copy_engines", {.staged_max_fragment_bytes = 1}},
       {"blocking", {.completion_poll_us = 0}},
+      {"no_wake_ahead", {.wake_ahead_us = 0}},
   };
   std::vector<std::unique_ptr<CudaCopyEngine>> engines;
   std::vector<std::vector<CopyBatch>> lists;
@@ -1087,26 +1088,25 @@ int main(int argc, char** argv) {
           fmt::format("{:.1f} ns ({} fragments)", Median(submits), one[0].fragments.size()));
     }
     // Where the default engine's staged restores spend their time, on the GPU's clock, and the same
-    // with the completer blocking in cudaEventSynchronize (the pass's end).
-    CudaCopyEngine::Options blocking_options = defaults, polling_options = defaults;
+    // with the dispatcher woken only when each batch is queued (the pass's start).
+    CudaCopyEngine::Options blocking_options = defaults, late_wake_options = defaults;
     blocking_options.completion_poll_us = 0;
-    polling_options.completion_poll_us = 200;
-    CudaCopyEngine::Options parts_options = blocking_options, both_options = polling_options;
+    late_wake_options.wake_ahead_us = 0;
+    CudaCopyEngine::Options parts_options = defaults;
     parts_options.split_min_fragments = kPagesPerBatch;
-    both_options.split_min_fragments = kPagesPerBatch;
     report.AddEnv(fmt::format("timeline_{}", size),
                   RingTimeline(registry, device, device_bytes, defaults, set, rounds));
-    report.AddEnv(fmt::format("timeline_{}_blocking", size),
-                  RingTimeline(registry, device, device_bytes, blocking_options, set, rounds));
-    // The completer blocking in cudaEventSynchronize against polling near each batch's end
-    // (completion_poll_us 200, the default), each with 4096-page batches whole and in parts, in
-    // turn (drift hits them alike).
+    report.AddEnv(fmt::format("timeline_{}_no_wake_ahead", size),
+                  RingTimeline(registry, device, device_bytes, late_wake_options, set, rounds));
+    // The defaults (the completer polling near each batch's end, the dispatcher woken as Submit
+    // begins) against the completer blocking in cudaEventSynchronize, the dispatcher woken when
+    // the batch is queued, and 4096-page batches in parts, in turn (drift hits them alike).
     {
       const std::vector<std::pair<const char*, CudaCopyEngine::Options>> variants = {
+          {"default", defaults},
           {"blocking", blocking_options},
-          {"polling (200 us)", polling_options},
-          {"parts", parts_options},
-          {"polling and parts", both_options}};
+          {"no wake-ahead", late_wake_options},
+          {"parts", parts_options}};
       std::vector<std::unique_ptr<CudaCopyEngine>> engines;
       std::vector<BufferId> ids;
       for (const auto& [name, options] : variants) {

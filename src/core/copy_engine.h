@@ -124,6 +124,11 @@ class CopyEngine {
   // ResourceExhausted submits copies (or rebuilds the batch).
   virtual Status Submit(CopyBatch batch, CopyDone done) = 0;
 
+  // A hint before a Submit: a batch whose fragments name `buffer` and copy in `direction` is being
+  // built. An engine whose worker sleeps may wake it now, so that the batch's first copy does not
+  // wait for a wake-up after Submit. Reserves nothing; the default ignores it.
+  virtual void Expect(BufferId /*buffer*/, CopyDirection /*direction*/) {}
+
   // Stops accepting batches, waits for every accepted batch to complete and joins the engine's
   // threads.
   virtual void Shutdown() = 0;

@@ -425,7 +425,27 @@ CudaCopyEngine::Slot* CudaCopyEngine::FindLiveSlot(BufferId id) {
   return slot.live && slot.generation == id.generation ? &slot : nullptr;
 }
 
+void CudaCopyEngine::Expect(BufferId buffer, CopyDirection direction) {
+  if (options_.wake_ahead_us == 0) return;
+  uint32_t device_index;
+  {
+    MutexLock lock(&registry_mu_);
+    const Slot* slot = FindLiveSlot(buffer);
+    if (slot == nullptr) return;  // Submit will say why
+    device_index = slot->device_index;
+  }
+  Lane* lane = lanes_[2 * device_index + static_cast<uint32_t>(DirectionIndex(direction))].get();
+  {
+    MutexLock lock(&lane->mu);
+    if (!lane->pending.empty() || lane->stop) return;  // awake already, or gone
+    lane->woken_ahead = true;
+  }
+  lane->pending_cv.notify_one();
+}
+
 Status CudaCopyEngine::Submit(CopyBatch batch, CopyDone done) {
+  // The dispatcher's wake-up overlaps the checks below.
+  if (!batch.fragments.empty()) Expect(batch.fragments[0].buffer, batch.direction);
   uint64_t total_bytes = 0;
   ORBITKV_RETURN_IF_ERROR(CheckShape(batch, done, &total_bytes));
   if (options_.split_min_fragments > 0 && batch.fragments.size() >= options_.split_min_fragments &&
@@ -487,6 +507,7 @@ void CudaCopyEngine::Enqueue(std::unique_ptr<Batch> batch) {
   {
     MutexLock lock(&lane->mu);
     lane->pending.push_back(std::move(batch));
+    lane->queued.fetch_add(1, std::memory_order_release);
   }
   lane->pending_cv.notify_one();
 }
@@ -645,16 +666,36 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
   for (;;) {
     std::unique_ptr<Batch> batch;
     std::unique_ptr<Staging> staging;
+    bool woken_ahead = false;
+    uint64_t queued = 0;
     {
       MutexLock lock(&lane->mu);
-      while (lane->pending.empty() && !lane->stop) lane->pending_cv.wait(lane->mu);
-      if (lane->pending.empty()) break;  // stop is set only once nothing is in flight.
-      batch = std::move(lane->pending.front());
-      lane->pending.pop_front();
-      if (!lane->free_staging.empty()) {
-        staging = std::move(lane->free_staging.back());
-        lane->free_staging.pop_back();
+      while (lane->pending.empty() && !lane->stop && !lane->woken_ahead) {
+        lane->pending_cv.wait(lane->mu);
       }
+      woken_ahead = lane->pending.empty() && !lane->stop;
+      lane->woken_ahead = false;
+      queued = lane->queued.load(std::memory_order_relaxed);
+      if (!woken_ahead) {
+        if (lane->pending.empty()) break;  // stop is set only once nothing is in flight.
+        batch = std::move(lane->pending.front());
+        lane->pending.pop_front();
+        if (!lane->free_staging.empty()) {
+          staging = std::move(lane->free_staging.back());
+          lane->free_staging.pop_back();
+        }
+      }
+    }
+    if (woken_ahead) {
+      // A batch is being built for this lane (Expect): poll for it rather than sleep again, then
+      // take it (or, past wake_ahead_us, sleep as usual).
+      const int64_t deadline = MonoNanos() + int64_t{options_.wake_ahead_us} * 1000;
+      for (int spin = 0; lane->queued.load(std::memory_order_acquire) == queued &&
+                         MonoNanos() < deadline;
+           ++spin) {
+        SpinPause(spin);
+      }
+      continue;
     }
     batch->launch_status = batch->rejected.ok() ? scope.status() : batch->rejected;
     if (!batch->rejected.ok() && staging != nullptr) {

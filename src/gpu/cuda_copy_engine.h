@@ -136,6 +136,11 @@ class CudaCopyEngine final : public core::CopyEngine {
     // H100 (2026-12-05, gpu_bench) a 512 MiB pass of restores ended 0.16-0.17 ms after its last
     // copy when blocking and 0.02 ms when polling (restores 53.0 against 51.8 GB/s at 16 KiB).
     uint32_t completion_poll_us = 200;
+    // A dispatcher woken ahead of a batch (Expect(), or Submit before it checks the batch) polls
+    // for it this many microseconds before it sleeps again, so that the batch's first launch does
+    // not wait for a thread wake-up (70-120 us on the GPU hosts' VMs, docs/gpu.md). 0: no early
+    // wake; the dispatcher wakes when the batch is queued.
+    uint32_t wake_ahead_us = 1000;
     // Diagnostics (gpu_bench): a restore lane with a ring records CUDA timing events around the
     // fills and scatters of its next this-many slots, read back by TakeRingTimeline(). 0: none; at
     // most kMaxRingTimelineSlots.
@@ -214,6 +219,9 @@ class CudaCopyEngine final : public core::CopyEngine {
   // (InvalidArgument) a batch whose fragments name buffers on different devices or whose pool
   // range is not inside memory registered with the HostMemoryRegistry.
   Status Submit(core::CopyBatch batch, core::CopyDone done) override;
+  // Wakes the lane of `buffer`'s device and `direction` when its dispatcher sleeps with nothing
+  // queued (Options::wake_ahead_us); Submit does the same for its own batch before checking it.
+  void Expect(core::BufferId buffer, core::CopyDirection direction) override;
   void Shutdown() override;
   std::string_view name() const override { return "cuda"; }
 

@@ -138,6 +138,9 @@ struct CudaCopyEngine::Lane {
   std::vector<std::unique_ptr<Staging>> free_staging GUARDED_BY(mu);
   // Set once nothing is in flight after Shutdown began: both threads exit.
   bool stop GUARDED_BY(mu) = false;
+  // Expect(): a batch is coming; the dispatcher polls `queued` (batches ever queued here) for it.
+  bool woken_ahead GUARDED_BY(mu) = false;
+  std::atomic<uint64_t> queued{0};
 };
 
 }  // namespace orbitkv::gpu

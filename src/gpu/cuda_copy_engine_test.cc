@@ -414,7 +414,9 @@ INSTANTIATE_TEST_SUITE_P(
                    {.method = Method::kKernel, .completion_poll_us = 200}},
         MethodCase{"AutoBlockingCompletion", {.method = Method::kAuto, .completion_poll_us = 0}},
         MethodCase{"KernelBlockingCompletion",
-                   {.method = Method::kKernel, .completion_poll_us = 0}}),
+                   {.method = Method::kKernel, .completion_poll_us = 0}},
+        // The dispatcher woken only when a batch is queued, not ahead of it.
+        MethodCase{"AutoNoWakeAhead", {.method = Method::kAuto, .wake_ahead_us = 0}}),
     MethodCaseName);
 
 // kAuto sends batches of large fragments to the copy engines and small ones to the kernel; both
@@ -990,6 +992,46 @@ TEST(CudaCopyEngineTest, UnregisterWaitsForBatchesInFlightThenRetiresTheId) {
   EXPECT_EQ(engine->UnregisterBuffer(*id).code(), StatusCode::kNotFound);
   const Bytes seen = Download(device);
   EXPECT_TRUE(std::equal(seen.begin(), seen.end(), pool.data()));
+}
+
+// Expect() wakes a lane ahead of its batch: whether the batch comes while the dispatcher polls for
+// it, after it went back to sleep, or never (Shutdown then still returns), every batch is copied
+// once; a hint naming no registered buffer is ignored.
+TEST(CudaCopyEngineTest, ExpectWakesTheLaneAheadOfItsBatch) {
+  HostMemoryRegistry registry;
+  auto engine = MakeEngine(registry, {.wake_ahead_us = 2000});
+  ASSERT_NE(engine, nullptr);
+  constexpr uint64_t kBatchBytes = 1 << 20;
+  constexpr int kBatches = 3;
+  RegisteredHostMemory pool(registry, kBatches * kBatchBytes);
+  FillPattern(pool.data(), pool.size(), 12);
+  DeviceMemory device = MakeDeviceMemory(kBatches * kBatchBytes);
+  Poison(device);
+  auto id = engine->RegisterDeviceBuffer(device.data(), 0, device.size());
+  ASSERT_TRUE(id.ok());
+  engine->Expect(BufferId{id->index + 7, 1}, CopyDirection::kRestore);  // no such buffer
+  engine->Expect(BufferId{id->index, id->generation + 1}, CopyDirection::kSave);
+  const auto batch = [&](int i) {
+    CopyBatch b{CopyDirection::kRestore, {}};
+    for (uint64_t o = 0; o < kBatchBytes; o += 16384) {
+      b.fragments.push_back({*id, i * kBatchBytes + o, pool.data() + i * kBatchBytes + o, 16384});
+    }
+    return b;
+  };
+  for (int i = 0; i < kBatches; ++i) {
+    engine->Expect(*id, CopyDirection::kRestore);
+    // 0: the batch comes at once; 1: while the dispatcher polls; 2: after it slept again.
+    std::this_thread::sleep_for(std::chrono::microseconds(i == 0 ? 0 : i == 1 ? 300 : 5000));
+    EXPECT_TRUE(RunBatch(*engine, batch(i)).ok()) << "batch " << i;
+  }
+  const Bytes seen = Download(device);
+  EXPECT_TRUE(std::equal(seen.begin(), seen.end(), pool.data()));
+  engine->Expect(*id, CopyDirection::kRestore);  // a batch that never comes
+  engine->Expect(*id, CopyDirection::kSave);
+  engine->Shutdown();
+  DoneProbe late;
+  EXPECT_EQ(engine->Submit(batch(0), late.Callback()).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(late.calls(), 0);
 }
 
 TEST(CudaCopyEngineTest, ShutdownDrainsAcceptedBatchesThenRefusesNewOnes) {

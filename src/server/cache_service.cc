@@ -289,6 +289,11 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
     return done(use.status());
   }
   auto lease = std::make_shared<core::LeaseUse>(std::move(*use));
+  // The copy engine's worker wakes while the fragments are built.
+  const size_t expected_buffer = request.layers ? request.first_buffer : 0;
+  if (expected_buffer < group.buffers.size()) {
+    group.engine->Expect(group.buffers[expected_buffer].id, core::CopyDirection::kRestore);
+  }
   core::CopyBatch batch;
   batch.direction = core::CopyDirection::kRestore;
   Result<uint64_t> bytes = RestoreFragments(request, group, *lease, &batch);
