@@ -1092,21 +1092,22 @@ int main(int argc, char** argv) {
     CudaCopyEngine::Options blocking_options = defaults, late_wake_options = defaults;
     blocking_options.completion_poll_us = 0;
     late_wake_options.wake_ahead_us = 0;
-    CudaCopyEngine::Options parts_options = defaults;
-    parts_options.split_min_fragments = kPagesPerBatch;
+    CudaCopyEngine::Options whole_options = defaults;
+    whole_options.split_min_fragments = 0;
     report.AddEnv(fmt::format("timeline_{}", size),
                   RingTimeline(registry, device, device_bytes, defaults, set, rounds));
     report.AddEnv(fmt::format("timeline_{}_no_wake_ahead", size),
                   RingTimeline(registry, device, device_bytes, late_wake_options, set, rounds));
     // The defaults (the completer polling near each batch's end, the dispatcher woken as Submit
-    // begins) against the completer blocking in cudaEventSynchronize, the dispatcher woken when
-    // the batch is queued, and 4096-page batches in parts, in turn (drift hits them alike).
+    // begins, 4096-page batches in parts) against the completer blocking in cudaEventSynchronize,
+    // the dispatcher woken when the batch is queued, and the batches whole, in turn (drift hits
+    // them alike).
     {
       const std::vector<std::pair<const char*, CudaCopyEngine::Options>> variants = {
           {"default", defaults},
           {"blocking", blocking_options},
           {"no wake-ahead", late_wake_options},
-          {"parts", parts_options}};
+          {"whole", whole_options}};
       std::vector<std::unique_ptr<CudaCopyEngine>> engines;
       std::vector<BufferId> ids;
       for (const auto& [name, options] : variants) {

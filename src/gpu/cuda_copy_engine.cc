@@ -60,16 +60,22 @@ Counter& BatchesCounter(MetricsRegistry& registry, CopyDirection direction, int 
 
 // The checks that need no registry, with InvalidArgument naming the first bad fragment; on OK,
 // `*total_bytes` is the sum of the fragment lengths.
-Status CheckShape(const CopyBatch& batch, const CopyDone& done, uint64_t* total_bytes) {
+Status CheckShape(const CopyBatch& batch, const CopyDone& done) {
   if (!done) return Status::InvalidArgument("copy batch has no done callback");
   if (batch.direction != CopyDirection::kSave && batch.direction != CopyDirection::kRestore) {
     return Status::InvalidArgument(
         fmt::format("copy direction {} is not save or restore", static_cast<int>(batch.direction)));
   }
   if (batch.fragments.empty()) return Status::InvalidArgument("copy batch has no fragments");
+  return Status::Ok();
+}
+
+// Checks fragments [begin, end) of `fragments` and sums their bytes into *total_bytes.
+Status CheckFragments(const std::vector<CopyFragment>& fragments, size_t begin, size_t end,
+                      uint64_t* total_bytes) {
   uint64_t total = 0;
-  for (size_t i = 0; i < batch.fragments.size(); ++i) {
-    const CopyFragment& f = batch.fragments[i];
+  for (size_t i = begin; i < end; ++i) {
+    const CopyFragment& f = fragments[i];
     if (f.pool == nullptr) {
       return Status::InvalidArgument(fmt::format("fragment {}: null pool address", i));
     }
@@ -446,12 +452,15 @@ void CudaCopyEngine::Expect(BufferId buffer, CopyDirection direction) {
 Status CudaCopyEngine::Submit(CopyBatch batch, CopyDone done) {
   // The dispatcher's wake-up overlaps the checks below.
   if (!batch.fragments.empty()) Expect(batch.fragments[0].buffer, batch.direction);
+  ORBITKV_RETURN_IF_ERROR(CheckShape(batch, done));
+  const size_t n = batch.fragments.size();
+  const bool parts =
+      options_.split_min_fragments > 0 && n >= options_.split_min_fragments && n > kFirstPartFragments;
+  // In parts, only the first part is checked here: each later one while the parts ahead copy.
   uint64_t total_bytes = 0;
-  ORBITKV_RETURN_IF_ERROR(CheckShape(batch, done, &total_bytes));
-  if (options_.split_min_fragments > 0 && batch.fragments.size() >= options_.split_min_fragments &&
-      batch.fragments.size() > kFirstPartFragments) {
-    return SubmitInParts(std::move(batch), std::move(done));
-  }
+  ORBITKV_RETURN_IF_ERROR(
+      CheckFragments(batch.fragments, 0, parts ? kFirstPartFragments : n, &total_bytes));
+  if (parts) return SubmitInParts(std::move(batch), std::move(done), total_bytes);
   auto accepted = std::make_unique<Batch>(std::move(batch), std::move(done), total_bytes);
   ORBITKV_RETURN_IF_ERROR(Admit(accepted.get()));
   Enqueue(std::move(accepted));
@@ -512,28 +521,29 @@ void CudaCopyEngine::Enqueue(std::unique_ptr<Batch> batch) {
   lane->pending_cv.notify_one();
 }
 
-Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done) {
+Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done, uint64_t first_part_bytes) {
   const std::vector<CopyFragment>& all = batch.fragments;
   const size_t n = all.size();
-  // Part boundaries: a short first part, then even parts of at least kPartFragments.
+  // Part boundaries: a short first part (the GPU's start waits for its checks), a second three
+  // times as long (checked while the first copies), then even parts of at least kPartFragments.
   std::vector<size_t> ends{kFirstPartFragments};
-  const size_t rest = n - kFirstPartFragments;
-  const size_t later = std::clamp<size_t>(rest / kPartFragments, 1, kMaxParts - 1);
-  for (size_t k = 1; k <= later; ++k) ends.push_back(kFirstPartFragments + rest * k / later);
+  if (n > kSecondPartEnd) ends.push_back(kSecondPartEnd);
+  const size_t from = ends.back();
+  const size_t rest = n - from;
+  const size_t later = std::clamp<size_t>(rest / kPartFragments, 1, kMaxParts - ends.size());
+  for (size_t k = 1; k <= later; ++k) ends.push_back(from + rest * k / later);
   auto joint = std::make_shared<Joint>(std::move(done));
-  const auto make_part = [&](size_t begin, size_t end) {
+  const auto make_part = [&](size_t begin, size_t end, uint64_t bytes) {
     CopyBatch copy{batch.direction,
                    {all.begin() + static_cast<std::ptrdiff_t>(begin),
                     all.begin() + static_cast<std::ptrdiff_t>(end)}};
-    uint64_t bytes = 0;
-    for (const CopyFragment& f : copy.fragments) bytes += f.length;
     auto part = std::make_unique<Batch>(std::move(copy), CopyDone{}, bytes);
     part->joint = joint;
     part->first_part = begin == 0;
     return part;
   };
   // The first part as a whole batch would be: its errors are Submit's, and nothing is queued.
-  std::unique_ptr<Batch> first = make_part(0, ends[0]);
+  std::unique_ptr<Batch> first = make_part(0, ends[0], first_part_bytes);
   ORBITKV_RETURN_IF_ERROR(Admit(first.get()));
   const uint32_t lane = first->lane;
   // Every part counts from the start, so the last PartDone is always a completer's, never this
@@ -546,9 +556,14 @@ Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done) {
   // Each later part is resolved while the lane copies the ones ahead. One that fails its checks
   // ends the batch with that error (CopyDone, after the queued parts drain); the rest never run.
   for (size_t k = 1; k < ends.size(); ++k) {
-    std::unique_ptr<Batch> part = make_part(ends[k - 1], ends[k]);
-    Status status = ResolveAndPin(part.get());
-    if (status.ok() && part->lane != lane) {
+    uint64_t bytes = 0;
+    Status status = CheckFragments(all, ends[k - 1], ends[k], &bytes);
+    std::unique_ptr<Batch> part = make_part(ends[k - 1], ends[k], bytes);
+    if (!status.ok()) {
+      // CheckFragments names the fragment by its index in the batch.
+      status = Status(status.code(),
+                      fmt::format("{} (part from fragment {})", status.message(), ends[k - 1]));
+    } else if (status = ResolveAndPin(part.get()); status.ok() && part->lane != lane) {
       Unpin(part->copy);
       status = Status::InvalidArgument(fmt::format(
           "fragment {}: a batch copies to or from one device in one direction; this fragment's "

@@ -118,15 +118,16 @@ class CudaCopyEngine final : public core::CopyEngine {
     // (docs/gpu.md). At least 1.
     uint64_t staged_max_fragment_bytes = uint64_t{256} << 10;
     // A batch of at least this many fragments (and more than kFirstPartFragments) goes to its lane
-    // in parts (a first part of kFirstPartFragments, the rest in up to kMaxParts - 1 even parts,
-    // of at least kPartFragments each when there are that many), each
-    // resolved and queued while the lane copies the ones ahead, so the GPU starts after the first
-    // part's Submit work rather than the whole batch's (25-32 ns a fragment on the H200: 0.55 ms
-    // for an 8K-token Qwen3-8B restore of 18432 fragments). One CopyDone and one batch in the
-    // metrics still; a bad fragment past the first part fails the batch through its CopyDone (after
-    // the parts ahead drained) instead of Submit. 0: batches go whole. On the H200 a 32768-fragment
+    // in parts (kFirstPartFragments, then up to kSecondPartEnd, the rest in even parts of at least
+    // kPartFragments each when there are that many, kMaxParts in all), each resolved and queued
+    // while the lane copies the ones ahead, so the GPU starts after the first part's Submit work
+    // rather than the whole batch's (25-49 ns a fragment on the GPU hosts: 0.1-0.2 ms for 4096,
+    // 0.55 ms for an 8K-token Qwen3-8B restore of 18432 fragments); each part is resolved in less
+    // time than the parts ahead of it take to copy. One CopyDone and one batch in the metrics
+    // still; a bad fragment past the first part fails the batch through its CopyDone (after the
+    // parts ahead drained) instead of Submit. 0: batches go whole. On the H200 a 32768-fragment
     // restore moved 52.0 GB/s in parts against 48.0 whole (docs/gpu.md).
-    uint64_t split_min_fragments = uint64_t{8192};
+    uint64_t split_min_fragments = uint64_t{4096};
     // How the completer waits for a batch's end. 0: it blocks in cudaEventSynchronize (an
     // interrupt, then a thread wake-up). Else, once a batch of 8 MiB or more launched on the idle
     // lane showed the lane's rate (until then it blocks), it sleeps in steps of at most this many
@@ -157,7 +158,8 @@ class CudaCopyEngine final : public core::CopyEngine {
     uint64_t bytes = 0;
     uint32_t runs = 0;  // pool runs copied into the slot
   };
-  static constexpr size_t kFirstPartFragments = 2048;
+  static constexpr size_t kFirstPartFragments = 512;
+  static constexpr size_t kSecondPartEnd = 2048;
   static constexpr size_t kPartFragments = 4096;
   static constexpr size_t kMaxParts = 8;
   // Slots of the staging ring: one filling while another is scattered, two more queued.
@@ -283,8 +285,9 @@ class CudaCopyEngine final : public core::CopyEngine {
   Slot* FindLiveSlot(core::BufferId id) REQUIRES(registry_mu_);
 
   // A batch of Options::split_min_fragments or more: queued in parts, the first checked before
-  // Submit returns, each later one while the lane copies those ahead.
-  Status SubmitInParts(core::CopyBatch batch, core::CopyDone done)
+  // Submit returns (its fragments' shape checked by Submit: `first_part_bytes`), each later one
+  // while the lane copies those ahead.
+  Status SubmitInParts(core::CopyBatch batch, core::CopyDone done, uint64_t first_part_bytes)
       EXCLUDES(registry_mu_, inflight_mu_);
   // Resolves, plans and pins a batch and takes its in-flight slot; or leaves nothing pinned or
   // taken and returns why (Submit's errors).

@@ -23,6 +23,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "base/metrics.h"
@@ -857,31 +858,46 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
   DoneProbe never;
   EXPECT_EQ(engine->Submit(early, never.Callback()).code(), StatusCode::kNotFound);
   EXPECT_EQ(never.calls(), 0);
-  // A bad buffer in the second part (fragments 2048 on): the batch fails through its CopyDone,
-  // the first part was copied, and nothing from the second part on ran.
-  Poison(device);
-  CopyBatch late = restore;
-  late.fragments[3000].buffer = BufferId{77, 1};
-  DoneProbe failing;
-  ASSERT_TRUE(engine->Submit(late, failing.Callback()).ok());
-  const Status status = failing.Wait();
-  EXPECT_EQ(status.code(), StatusCode::kNotFound) << status;
-  EXPECT_NE(status.message().find("part from fragment 2048"), std::string_view::npos) << status;
-  EXPECT_EQ(failing.calls(), 1);
-  EXPECT_EQ(failed.Value(), 1u);
-  EXPECT_EQ(restores.Value(), 1u);
-  EXPECT_EQ(restored_bytes.Value(), kFragments * kFragment);  // a failed batch counts no bytes
-  const Bytes after = Download(device);
-  for (size_t i = 0; i < kFragments; ++i) {
-    const CopyFragment& f = late.fragments[i];
-    const bool copied = std::equal(after.begin() + f.buffer_offset,
-                                   after.begin() + f.buffer_offset + kFragment, f.pool);
-    const bool poisoned =
-        std::all_of(after.begin() + f.buffer_offset, after.begin() + f.buffer_offset + kFragment,
-                    [](uint8_t b) { return b == kPoison; });
-    ASSERT_TRUE(i < CudaCopyEngine::kFirstPartFragments ? copied : poisoned)
-        << "fragment " << i
-        << (i < CudaCopyEngine::kFirstPartFragments ? " was not copied" : " was copied");
+  // A bad buffer in the second part (fragments 512 to 2048) or the third (2048 on), or a fragment
+  // of zero bytes there: the batch fails through its CopyDone, the parts ahead were copied, and
+  // nothing from the bad part on ran.
+  uint64_t failures = 0;
+  for (const auto& [bad, part_start, zero_length] :
+       {std::tuple<size_t, size_t, bool>{1000, CudaCopyEngine::kFirstPartFragments, false},
+        std::tuple<size_t, size_t, bool>{3000, CudaCopyEngine::kSecondPartEnd, false},
+        std::tuple<size_t, size_t, bool>{5000, CudaCopyEngine::kSecondPartEnd, true}}) {
+    Poison(device);
+    CopyBatch late = restore;
+    if (zero_length) {
+      late.fragments[bad].length = 0;
+    } else {
+      late.fragments[bad].buffer = BufferId{77, 1};
+    }
+    DoneProbe failing;
+    ASSERT_TRUE(engine->Submit(late, failing.Callback()).ok());
+    const Status status = failing.Wait();
+    EXPECT_EQ(status.code(), zero_length ? StatusCode::kInvalidArgument : StatusCode::kNotFound)
+        << status;
+    EXPECT_NE(status.message().find(fmt::format("part from fragment {}", part_start)),
+              std::string_view::npos)
+        << status;
+    EXPECT_EQ(failing.calls(), 1);
+    EXPECT_EQ(failed.Value(), ++failures);
+    EXPECT_EQ(restores.Value(), 1u);
+    EXPECT_EQ(restored_bytes.Value(), kFragments * kFragment);  // a failed batch counts no bytes
+    const Bytes after = Download(device);
+    for (size_t i = 0; i < kFragments; ++i) {
+      const CopyFragment& f = late.fragments[i];
+      const bool copied = std::equal(after.begin() + f.buffer_offset,
+                                     after.begin() + f.buffer_offset + kFragment,
+                                     restore.fragments[i].pool);
+      const bool poisoned =
+          std::all_of(after.begin() + f.buffer_offset, after.begin() + f.buffer_offset + kFragment,
+                      [](uint8_t b) { return b == kPoison; });
+      ASSERT_TRUE(i < part_start ? copied : poisoned)
+          << "bad fragment " << bad << ": fragment " << i
+          << (i < part_start ? " was not copied" : " was copied");
+    }
   }
   EXPECT_TRUE(engine->UnregisterBuffer(*id).ok());  // every part's pins are gone
 }
