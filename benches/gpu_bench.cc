@@ -971,7 +971,7 @@ int main(int argc, char** argv) {
   // pages for comparison (in "env").
   const CudaCopyEngine::Options defaults;
   auto engine = MakeEngine(registry, defaults);
-  // Batches go whole in these (the default queues batches of 8192 fragments or more in parts; the
+  // Batches go whole in these (the default queues batches of 4096 fragments or more in parts; the
   // one-batch figures below compare the two).
   const CudaCopyEngine::Options kernel_options{.method = CudaCopyEngine::Method::kKernel,
                                                .split_min_fragments = 0};
@@ -1131,7 +1131,8 @@ int main(int argc, char** argv) {
     FreePageSet(pool, set);
   }
   // The shape of the vLLM connector's async restores of 4K and 8K tokens (restore_8k_gbps in the
-  // TTFT bench): default (staged, in parts, polling), whole, copy engines, blocking completer.
+  // TTFT bench): default (staged, in parts, polling), whole, copy engines, blocking completer,
+  // the dispatcher woken late.
   // (The arena's bytes are free to use raw here: every page set was freed.)
   for (const uint64_t blocks : {uint64_t{256}, uint64_t{512}}) {
     report.AddEnv(fmt::format("blocks_64k_{}", blocks),

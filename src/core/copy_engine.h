@@ -15,12 +15,12 @@
 //     a non-null pool address and a non-zero length; the batch must have at least one fragment and
 //     a non-null `done`. A batch that fails any check is rejected whole: Submit returns
 //     InvalidArgument (NotFound for an unknown or stale buffer), copies no byte and never calls
-//     `done`.
+//     `done` (except past the first part of a batch queued in parts, below).
 //   - An accepted batch (Submit returned OK) calls `done` exactly once, from an engine thread
 //     (never from inside Submit), after every fragment has been copied; the copied bytes are
 //     visible to whoever `done` signals. The Status passed to `done` is OK unless the device failed
 //     mid-copy (the CPU engine never fails), or, in a CUDA engine that queues large batches in
-//     parts (CudaCopyEngine::Options::split_min_fragments: 8192 by default), a fragment past the
+//     parts (CudaCopyEngine::Options::split_min_fragments: 4096 by default), a fragment past the
 //     first part failed its checks: then `done` gets that check's error once the parts ahead
 //     drained, and the fragments from that part on are never copied.
 //   - Backpressure: each engine bounds the batches in flight (accepted, `done` not yet returned).

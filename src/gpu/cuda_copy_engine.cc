@@ -58,8 +58,7 @@ Counter& BatchesCounter(MetricsRegistry& registry, CopyDirection direction, int 
                               {"device", std::to_string(device)}});
 }
 
-// The checks that need no registry, with InvalidArgument naming the first bad fragment; on OK,
-// `*total_bytes` is the sum of the fragment lengths.
+// The batch's checks that need no fragment: a `done`, a direction, a fragment at least.
 Status CheckShape(const CopyBatch& batch, const CopyDone& done) {
   if (!done) return Status::InvalidArgument("copy batch has no done callback");
   if (batch.direction != CopyDirection::kSave && batch.direction != CopyDirection::kRestore) {
@@ -70,7 +69,8 @@ Status CheckShape(const CopyBatch& batch, const CopyDone& done) {
   return Status::Ok();
 }
 
-// Checks fragments [begin, end) of `fragments` and sums their bytes into *total_bytes.
+// The checks of fragments [begin, end) that need no registry, with InvalidArgument naming the
+// first bad one; on OK, `*total_bytes` is the sum of their lengths.
 Status CheckFragments(const std::vector<CopyFragment>& fragments, size_t begin, size_t end,
                       uint64_t* total_bytes) {
   uint64_t total = 0;
@@ -169,6 +169,10 @@ Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
   if (options.staged_max_fragment_bytes == 0) {
     return Status::InvalidArgument("staged_max_fragment_bytes must be at least 1");
   }
+  if (options.wake_ahead_us > kMaxWakeAheadUs) {
+    return Status::InvalidArgument(fmt::format("wake_ahead_us must be at most {}, not {}",
+                                               kMaxWakeAheadUs, options.wake_ahead_us));
+  }
   if (options.ring_timeline_slots > kMaxRingTimelineSlots) {
     return Status::InvalidArgument(fmt::format("ring_timeline_slots must be at most {}, not {}",
                                                kMaxRingTimelineSlots, options.ring_timeline_slots));
@@ -224,6 +228,11 @@ CudaCopyEngine::CudaCopyEngine(Options options, const HostMemoryRegistry* host_m
                                      "Restores staged through the device ring (copy engines in, "
                                      "the kernel out).",
                                      {{"engine", "cuda"}})),
+      wakeups_ahead_total_(&PickRegistry(metrics, owned_metrics_)
+                                .GetCounter("orbitkv_copy_wakeups_ahead_total",
+                                            "Dispatcher wake-ups ahead of a batch (a restore "
+                                            "or save about to be submitted).",
+                                            {{"engine", "cuda"}})),
       dma_available_(dma_available),
       inflight_gauge_(&PickRegistry(metrics, owned_metrics_)
                            .GetGauge("orbitkv_copy_inflight_batches",
@@ -433,6 +442,7 @@ CudaCopyEngine::Slot* CudaCopyEngine::FindLiveSlot(BufferId id) {
 
 void CudaCopyEngine::Expect(BufferId buffer, CopyDirection direction) {
   if (options_.wake_ahead_us == 0) return;
+  if (direction != CopyDirection::kSave && direction != CopyDirection::kRestore) return;
   uint32_t device_index;
   {
     MutexLock lock(&registry_mu_);
@@ -450,9 +460,9 @@ void CudaCopyEngine::Expect(BufferId buffer, CopyDirection direction) {
 }
 
 Status CudaCopyEngine::Submit(CopyBatch batch, CopyDone done) {
-  // The dispatcher's wake-up overlaps the checks below.
-  if (!batch.fragments.empty()) Expect(batch.fragments[0].buffer, batch.direction);
   ORBITKV_RETURN_IF_ERROR(CheckShape(batch, done));
+  // The dispatcher's wake-up overlaps the checks below.
+  Expect(batch.fragments[0].buffer, batch.direction);
   const size_t n = batch.fragments.size();
   const bool parts =
       options_.split_min_fragments > 0 && n >= options_.split_min_fragments && n > kFirstPartFragments;
@@ -521,17 +531,23 @@ void CudaCopyEngine::Enqueue(std::unique_ptr<Batch> batch) {
   lane->pending_cv.notify_one();
 }
 
-Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done, uint64_t first_part_bytes) {
-  const std::vector<CopyFragment>& all = batch.fragments;
-  const size_t n = all.size();
-  // Part boundaries: a short first part (the GPU's start waits for its checks), a second three
-  // times as long (checked while the first copies), then even parts of at least kPartFragments.
+std::vector<size_t> CudaCopyEngine::PartEnds(size_t n) {
+  // A short first part (the GPU's start waits for its checks), a second three times as long
+  // (checked while the first copies) unless the rest would be shorter than the first, then even
+  // parts of at least kPartFragments where there are that many.
   std::vector<size_t> ends{kFirstPartFragments};
-  if (n > kSecondPartEnd) ends.push_back(kSecondPartEnd);
+  if (n >= kSecondPartEnd + kFirstPartFragments) ends.push_back(kSecondPartEnd);
   const size_t from = ends.back();
   const size_t rest = n - from;
   const size_t later = std::clamp<size_t>(rest / kPartFragments, 1, kMaxParts - ends.size());
   for (size_t k = 1; k <= later; ++k) ends.push_back(from + rest * k / later);
+  return ends;
+}
+
+Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done, uint64_t first_part_bytes) {
+  const std::vector<CopyFragment>& all = batch.fragments;
+  const size_t n = all.size();
+  const std::vector<size_t> ends = PartEnds(n);
   auto joint = std::make_shared<Joint>(std::move(done));
   const auto make_part = [&](size_t begin, size_t end, uint64_t bytes) {
     CopyBatch copy{batch.direction,
@@ -702,6 +718,7 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
       }
     }
     if (woken_ahead) {
+      wakeups_ahead_total_->Increment();
       // A batch is being built for this lane (Expect): poll for it rather than sleep again, then
       // take it (or, past wake_ahead_us, sleep as usual).
       const int64_t deadline = MonoNanos() + int64_t{options_.wake_ahead_us} * 1000;

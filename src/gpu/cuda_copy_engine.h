@@ -118,8 +118,8 @@ class CudaCopyEngine final : public core::CopyEngine {
     // (docs/gpu.md). At least 1.
     uint64_t staged_max_fragment_bytes = uint64_t{256} << 10;
     // A batch of at least this many fragments (and more than kFirstPartFragments) goes to its lane
-    // in parts (kFirstPartFragments, then up to kSecondPartEnd, the rest in even parts of at least
-    // kPartFragments each when there are that many, kMaxParts in all), each resolved and queued
+    // in parts (kFirstPartFragments, then up to kSecondPartEnd, the rest in even parts, of at
+    // least kPartFragments each when there are that many, kMaxParts in all), each resolved and queued
     // while the lane copies the ones ahead, so the GPU starts after the first part's Submit work
     // rather than the whole batch's (25-49 ns a fragment on the GPU hosts: 0.1-0.2 ms for 4096,
     // 0.55 ms for an 8K-token Qwen3-8B restore of 18432 fragments); each part is resolved in less
@@ -140,7 +140,7 @@ class CudaCopyEngine final : public core::CopyEngine {
     // A dispatcher woken ahead of a batch (Expect(), or Submit before it checks the batch) polls
     // for it this many microseconds before it sleeps again, so that the batch's first launch does
     // not wait for a thread wake-up (70-120 us on the GPU hosts' VMs, docs/gpu.md). 0: no early
-    // wake; the dispatcher wakes when the batch is queued.
+    // wake; the dispatcher wakes when the batch is queued. At most kMaxWakeAheadUs.
     uint32_t wake_ahead_us = 1000;
     // Diagnostics (gpu_bench): a restore lane with a ring records CUDA timing events around the
     // fills and scatters of its next this-many slots, read back by TakeRingTimeline(). 0: none; at
@@ -162,12 +162,17 @@ class CudaCopyEngine final : public core::CopyEngine {
   static constexpr size_t kSecondPartEnd = 2048;
   static constexpr size_t kPartFragments = 4096;
   static constexpr size_t kMaxParts = 8;
+  static_assert(kMaxParts >= 3 && kFirstPartFragments < kSecondPartEnd);
+  // Where the parts of a batch of `n` fragments end (n > kFirstPartFragments; see
+  // Options::split_min_fragments): ascending, the last n, at most kMaxParts of them.
+  static std::vector<size_t> PartEnds(size_t n);
   // Slots of the staging ring: one filling while another is scattered, two more queued.
   static constexpr uint32_t kStagingSlots = 4;
   static constexpr uint64_t kMaxChunkBytes = uint64_t{64} << 20;
   static constexpr uint32_t kMaxBlocksPerSm = 8;
   static constexpr uint32_t kMaxStreamsPerLane = 8;
   static constexpr uint32_t kMaxRingTimelineSlots = 1 << 16;
+  static constexpr uint32_t kMaxWakeAheadUs = 100000;
   // Size of a cudaIpcMemHandle_t as it travels between processes.
   static constexpr size_t kIpcHandleBytes = 64;
 
@@ -182,6 +187,8 @@ class CudaCopyEngine final : public core::CopyEngine {
   //   orbitkv_copy_inflight_batches{engine="cuda"}: batches accepted and not yet completed
   //   orbitkv_copy_dma_batches_total{engine="cuda"}: batches issued as cudaMemcpyBatchAsync
   //   orbitkv_copy_staged_batches_total{engine="cuda"}: restores staged through the device ring
+  //   orbitkv_copy_wakeups_ahead_total{engine="cuda"}: dispatcher wake-ups ahead of a batch
+  //     (Expect; Options::wake_ahead_us)
   static Result<std::unique_ptr<CudaCopyEngine>> Create(Options options,
                                                         const HostMemoryRegistry* host_memory,
                                                         MetricsRegistry* metrics);
@@ -223,7 +230,8 @@ class CudaCopyEngine final : public core::CopyEngine {
   Status Submit(core::CopyBatch batch, core::CopyDone done) override;
   // Wakes the lane of `buffer`'s device and `direction` when its dispatcher sleeps with nothing
   // queued (Options::wake_ahead_us); Submit does the same for its own batch before checking it.
-  void Expect(core::BufferId buffer, core::CopyDirection direction) override;
+  void Expect(core::BufferId buffer, core::CopyDirection direction) override
+      EXCLUDES(registry_mu_);
   void Shutdown() override;
   std::string_view name() const override { return "cuda"; }
 
@@ -332,6 +340,7 @@ class CudaCopyEngine final : public core::CopyEngine {
   Counter* const failed_total_;
   Counter* const dma_total_;
   Counter* const staged_total_;
+  Counter* const wakeups_ahead_total_;
   // Whether the driver has cudaMemcpyBatchAsync (CUDA 12.8).
   const bool dma_available_;
   Gauge* const inflight_gauge_;

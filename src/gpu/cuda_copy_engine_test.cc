@@ -265,6 +265,8 @@ TEST(CudaCopyEngineTest, CreateRejectsOptionsOutOfRange) {
   EXPECT_EQ(code({.staged_max_fragment_bytes = 0}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.ring_timeline_slots = CudaCopyEngine::kMaxRingTimelineSlots + 1}, &registry),
             StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.wake_ahead_us = CudaCopyEngine::kMaxWakeAheadUs + 1}, &registry),
+            StatusCode::kInvalidArgument);
   auto engine = CudaCopyEngine::Create({}, &registry, nullptr);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->name(), "cuda");
@@ -1010,13 +1012,21 @@ TEST(CudaCopyEngineTest, UnregisterWaitsForBatchesInFlightThenRetiresTheId) {
   EXPECT_TRUE(std::equal(seen.begin(), seen.end(), pool.data()));
 }
 
-// Expect() wakes a lane ahead of its batch: whether the batch comes while the dispatcher polls for
-// it, after it went back to sleep, or never (Shutdown then still returns), every batch is copied
-// once; a hint naming no registered buffer is ignored.
+// Expect() wakes a lane ahead of its batch: the dispatcher wakes without a batch queued (counted),
+// and whether the batch comes while it polls for it, after it went back to sleep, or never
+// (Shutdown then still returns), every batch is copied once. A hint naming no registered buffer or
+// no direction is ignored, and with wake_ahead_us 0 nothing wakes ahead.
 TEST(CudaCopyEngineTest, ExpectWakesTheLaneAheadOfItsBatch) {
   HostMemoryRegistry registry;
-  auto engine = MakeEngine(registry, {.wake_ahead_us = 2000});
+  MetricsRegistry metrics, late_metrics;
+  auto engine = MakeEngine(registry, {.wake_ahead_us = 2000}, &metrics);
+  auto late_engine = MakeEngine(registry, {.wake_ahead_us = 0}, &late_metrics);
   ASSERT_NE(engine, nullptr);
+  ASSERT_NE(late_engine, nullptr);
+  const Counter& wakeups =
+      metrics.GetCounter("orbitkv_copy_wakeups_ahead_total", "", {{"engine", "cuda"}});
+  const Counter& late_wakeups =
+      late_metrics.GetCounter("orbitkv_copy_wakeups_ahead_total", "", {{"engine", "cuda"}});
   constexpr uint64_t kBatchBytes = 1 << 20;
   constexpr int kBatches = 3;
   RegisteredHostMemory pool(registry, kBatches * kBatchBytes);
@@ -1024,30 +1034,76 @@ TEST(CudaCopyEngineTest, ExpectWakesTheLaneAheadOfItsBatch) {
   DeviceMemory device = MakeDeviceMemory(kBatches * kBatchBytes);
   Poison(device);
   auto id = engine->RegisterDeviceBuffer(device.data(), 0, device.size());
-  ASSERT_TRUE(id.ok());
+  auto late_id = late_engine->RegisterDeviceBuffer(device.data(), 0, device.size());
+  ASSERT_TRUE(id.ok() && late_id.ok());
   engine->Expect(BufferId{id->index + 7, 1}, CopyDirection::kRestore);  // no such buffer
   engine->Expect(BufferId{id->index, id->generation + 1}, CopyDirection::kSave);
-  const auto batch = [&](int i) {
+  engine->Expect(*id, static_cast<CopyDirection>(5));  // no such direction (or lane)
+  const auto batch = [&](BufferId buffer, int i) {
     CopyBatch b{CopyDirection::kRestore, {}};
     for (uint64_t o = 0; o < kBatchBytes; o += 16384) {
-      b.fragments.push_back({*id, i * kBatchBytes + o, pool.data() + i * kBatchBytes + o, 16384});
+      b.fragments.push_back({buffer, i * kBatchBytes + o, pool.data() + i * kBatchBytes + o, 16384});
     }
     return b;
   };
+  // Until the dispatcher has woken for `count` hints in all (a hang guard, not a timing check).
+  const auto await_wakeups = [&](uint64_t count) {
+    for (int i = 0; i < 10000 && wakeups.Value() < count; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return wakeups.Value() >= count;
+  };
   for (int i = 0; i < kBatches; ++i) {
+    const uint64_t before = wakeups.Value();
     engine->Expect(*id, CopyDirection::kRestore);
-    // 0: the batch comes at once; 1: while the dispatcher polls; 2: after it slept again.
-    std::this_thread::sleep_for(std::chrono::microseconds(i == 0 ? 0 : i == 1 ? 300 : 5000));
-    EXPECT_TRUE(RunBatch(*engine, batch(i)).ok()) << "batch " << i;
+    // 0: the batch comes at once; 1: once the dispatcher woke for it; 2: after it slept again.
+    if (i >= 1) {
+      ASSERT_TRUE(await_wakeups(before + 1)) << "the dispatcher never woke ahead of batch " << i;
+    }
+    if (i == 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_TRUE(RunBatch(*engine, batch(*id, i)).ok()) << "batch " << i;
   }
   const Bytes seen = Download(device);
   EXPECT_TRUE(std::equal(seen.begin(), seen.end(), pool.data()));
+  // Without the wake-ahead, neither Expect nor Submit wakes the dispatcher before a batch.
+  Poison(device);
+  late_engine->Expect(*late_id, CopyDirection::kRestore);
+  EXPECT_TRUE(RunBatch(*late_engine, batch(*late_id, 0)).ok());
+  EXPECT_EQ(late_wakeups.Value(), 0u);
+  const Bytes late_seen = Download(device);
+  EXPECT_TRUE(std::equal(late_seen.begin(), late_seen.begin() + kBatchBytes, pool.data()));
   engine->Expect(*id, CopyDirection::kRestore);  // a batch that never comes
   engine->Expect(*id, CopyDirection::kSave);
   engine->Shutdown();
   DoneProbe late;
-  EXPECT_EQ(engine->Submit(batch(0), late.Callback()).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(engine->Submit(batch(*id, 0), late.Callback()).code(), StatusCode::kUnavailable);
   EXPECT_EQ(late.calls(), 0);
+}
+
+// Where a batch's parts end: a first of kFirstPartFragments, a second to kSecondPartEnd unless
+// the rest would be shorter than the first, then even parts of at least kPartFragments where
+// there are that many, kMaxParts at most, the last ending at the batch's end.
+TEST(CudaCopyEngineTest, PartEndsCoverTheBatchInAscendingParts) {
+  using E = CudaCopyEngine;
+  EXPECT_EQ(E::PartEnds(513), (std::vector<size_t>{512, 513}));
+  EXPECT_EQ(E::PartEnds(2048), (std::vector<size_t>{512, 2048}));
+  EXPECT_EQ(E::PartEnds(2559), (std::vector<size_t>{512, 2559}));
+  EXPECT_EQ(E::PartEnds(2560), (std::vector<size_t>{512, 2048, 2560}));
+  EXPECT_EQ(E::PartEnds(4096), (std::vector<size_t>{512, 2048, 4096}));
+  EXPECT_EQ(E::PartEnds(12000), (std::vector<size_t>{512, 2048, 7024, 12000}));
+  for (const size_t n : {size_t{513}, size_t{4097}, size_t{18432}, size_t{36864}, size_t{30720},
+                         size_t{1} << 20}) {
+    const std::vector<size_t> ends = E::PartEnds(n);
+    ASSERT_GE(ends.size(), 2u) << n;
+    EXPECT_LE(ends.size(), E::kMaxParts) << n;
+    EXPECT_EQ(ends.front(), E::kFirstPartFragments) << n;
+    EXPECT_EQ(ends.back(), n);
+    for (size_t k = 1; k < ends.size(); ++k) EXPECT_LT(ends[k - 1], ends[k]) << n;
+    for (size_t k = 3; k < ends.size(); ++k) {  // the even parts
+      EXPECT_GE(ends[k] - ends[k - 1], E::kPartFragments) << n;
+    }
+  }
+  EXPECT_EQ(E::PartEnds(size_t{1} << 20).size(), E::kMaxParts);
 }
 
 TEST(CudaCopyEngineTest, ShutdownDrainsAcceptedBatchesThenRefusesNewOnes) {
