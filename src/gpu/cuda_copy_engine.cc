@@ -127,7 +127,20 @@ struct CudaCopyEngine::Joint {
   Status first_error;
   uint64_t copied_bytes = 0;
   std::vector<CopyBatch> finished;
+  // Whether a part went to the copy engines / was staged (the batch counts once in each metric);
+  // the lane's dispatcher launches every part, and alone touches them.
+  bool counted_dma = false;
+  bool counted_staged = false;
 };
+
+void CudaCopyEngine::CountLaunch(const Batch& batch) {
+  if (batch.use_dma && (batch.joint == nullptr || !std::exchange(batch.joint->counted_dma, true))) {
+    dma_total_->Increment();
+  } else if (batch.staged &&
+             (batch.joint == nullptr || !std::exchange(batch.joint->counted_staged, true))) {
+    staged_total_->Increment();
+  }
+}
 
 Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
     Options options, const HostMemoryRegistry* host_memory, MetricsRegistry* metrics) {
@@ -555,7 +568,6 @@ Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done, uint64_t fi
                     all.begin() + static_cast<std::ptrdiff_t>(end)}};
     auto part = std::make_unique<Batch>(std::move(copy), CopyDone{}, bytes);
     part->joint = joint;
-    part->first_part = begin == 0;
     return part;
   };
   // The first part as a whole batch would be: its errors are Submit's, and nothing is queued.

@@ -315,6 +315,9 @@ class CudaCopyEngine final : public core::CopyEngine {
   void CompleteLoop(Lane* lane);
   // Enqueues the batch's copies and its event on the lane's stream.
   Status Launch(Lane* lane, Batch* batch);
+  // A launched batch in orbitkv_copy_dma_batches_total or _staged_batches_total: a batch queued
+  // in parts counts once in each, with its first part that went that way.
+  void CountLaunch(const Batch& batch);
   Status LaunchKernel(Lane* lane, cudaStream_t stream, Batch* batch);
   Status LaunchMemcpyBatch(cudaStream_t stream, Batch* batch);
   // A staged restore: per ring slot, the copy engines fill it from the pool runs (the lane's copy

@@ -82,7 +82,6 @@ struct CudaCopyEngine::Batch {
 
   // A part of a split batch: `done` is empty and the joint completes the caller's.
   std::shared_ptr<Joint> joint;
-  bool first_part = true;  // false for a split batch's later parts
   // A part that failed its checks after earlier parts were queued: never launched, nothing pinned
   // (its fragments cleared); it ends the joint with this error once the parts ahead of it finished.
   Status rejected;

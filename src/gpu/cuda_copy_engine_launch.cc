@@ -108,10 +108,8 @@ Status CudaCopyEngine::Launch(Lane* lane, Batch* batch) {
     // Part of the batch may be queued: let it drain before its staging area is reused.
     if (batch->staged) cudaStreamSynchronize(lane->copy_stream.get());
     cudaStreamSynchronize(stream);
-  } else if (batch->first_part && batch->use_dma) {  // a split batch counts once
-    dma_total_->Increment();
-  } else if (batch->first_part && batch->staged) {
-    staged_total_->Increment();
+  } else {
+    CountLaunch(*batch);
   }
   return status;
 }
