@@ -1128,6 +1128,11 @@ int main(int argc, char** argv) {
       }
       report.AddEnv(fmt::format("completion_{}", size), line + " GB/s");
     }
+    // The metric's engine and pages once more, after everything above: whether the metric's first
+    // passes over these pages ran slower than later ones (docs/gpu.md, H100 2026-12-05).
+    SetBuffer(set, id);
+    report.AddEnv(fmt::format("restore_gpu_{}_again", size),
+                  fmt::format("{:.1f} GB/s", MedianGbps(*engine, {&set.restores}, rounds)));
     FreePageSet(pool, set);
   }
   // The shape of the vLLM connector's async restores of 4K and 8K tokens (restore_8k_gbps in the
