@@ -65,12 +65,15 @@ class Manager:
         orbitkv.wait_for_manager(self.socket, process=self.proc)
 
     def restore_seconds(self) -> tuple:
-        """(sum, count) of the Manager's orbitkv_restore_seconds: each restore request from its arrival to its
-        copy's drain."""
+        """(sum, count) of the Manager's orbitkv_restore_seconds (each restore request from its arrival to its
+        copy's drain), and the sum of orbitkv_restore_submit_seconds (the same requests to their hand-over to the
+        copy engine)."""
         with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
             text = reply.read().decode()
         found = dict(re.findall(r"^orbitkv_restore_seconds_(sum|count) (\S+)$", text, re.M))
-        return float(found.get("sum", 0.0)), int(float(found.get("count", 0)))
+        submit = re.search(r"^orbitkv_restore_submit_seconds_sum (\S+)$", text, re.M)
+        return (float(found.get("sum", 0.0)), int(float(found.get("count", 0))),
+                float(submit.group(1)) if submit else 0.0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -157,7 +160,8 @@ def _timed(engine, prompt, manager=None):
     stats = {k: v - before.get(k, 0) for k, v in engine.totals.stats.items()}
     if manager:
         ended = manager.restore_seconds()
-        stats.update(manager_restore_seconds=ended[0] - started[0], manager_restores=ended[1] - started[1])
+        stats.update(manager_restore_seconds=ended[0] - started[0], manager_restores=ended[1] - started[1],
+                     manager_submit_seconds=ended[2] - started[2])
     return result, stats
 
 
@@ -225,7 +229,15 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
                     f"{kind}_restore_start_ms": _median([st.get("restore_start_seconds", 0.0) * 1e3
                                                          for _, st in rs]),
                     f"{kind}_manager_restore_ms": _median([st["manager_restore_seconds"] * 1e3 for _, st in rs
-                                                           if st.get("manager_restores") == 1] or [0.0])})
+                                                           if st.get("manager_restores") == 1] or [0.0]),
+                    # Of which, before the copy engine has the batch (the lease, the fragments' build).
+                    f"{kind}_manager_submit_ms": _median([st["manager_submit_seconds"] * 1e3 for _, st in rs
+                                                          if st.get("manager_restores") == 1] or [0.0]),
+                    # The spread of the loads' rates, since a target near the link needs more than the median.
+                    f"{kind}_restore_gbps_min": min([st.get("restored_bytes", 0) / st["restore_seconds"] / 1e9
+                                                     for _, st in rs if st.get("restore_seconds")] or [0.0]),
+                    f"{kind}_restore_gbps_max": max([st.get("restored_bytes", 0) / st["restore_seconds"] / 1e9
+                                                     for _, st in rs if st.get("restore_seconds")] or [0.0])})
     # The serial ideal: the prefix's bytes at the copy peak plus the suffix's compute, measured in the async runs
     # (their forward passes compute only the suffix; the restore ran before them).
     row["restored_tokens"] = row["async_restored_tokens"]

@@ -63,6 +63,8 @@ def test_ttft_bench_json_contract(root, build_dir):
     for row in report["env"]["rows"]:
         assert 0 < row["async_restore_start_ms"] < row["async_restore_ms"]
         assert 0 < row["async_manager_restore_ms"] < row["async_restore_ms"]
+        assert 0 < row["async_manager_submit_ms"] < row["async_manager_restore_ms"]
+        assert 0 < row["async_restore_gbps_min"] <= row["async_restore_gbps"] <= row["async_restore_gbps_max"]
     assert "plot" in report["env"]
     first_line = (root / "benches" / "ttft_bench.py").read_text().splitlines()[0]
     assert first_line.startswith("# TTFT")

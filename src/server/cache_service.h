@@ -173,6 +173,7 @@ class CacheService {
   Counter* restores_abandoned_;
   Histogram* query_latency_;
   Histogram* restore_latency_;
+  Histogram* restore_submit_latency_;
   Histogram* save_latency_;
   // Blocks of answered queries by the tier that served them (dram, ssd, remote), and those missed.
   Counter* hit_blocks_dram_;
