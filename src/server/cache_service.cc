@@ -64,7 +64,8 @@ CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache*
       restore_submit_latency_(&metrics->GetHistogram(
           "orbitkv_restore_submit_seconds",
           "Time from a restore request to its copy batch being handed to the copy engine (the "
-          "lease taken, the fragments built): the start of orbitkv_restore_seconds",
+          "lease taken, the fragments built), for the restores orbitkv_restore_seconds counts: "
+          "the start of that time",
           Histogram::ExponentialBounds(1e-6, 2, 20))),
       save_latency_(&metrics->GetHistogram(
           "orbitkv_save_seconds", "Time from a save request to its blocks being copied and sealed",
@@ -318,11 +319,11 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
                         "written"));
   }
   auto finish = std::make_shared<Done<channel::RestoreReply>>(std::move(done));
-  // Read before Submit: its copy may drain (and observe the whole) before Submit returns.
+  // Observed with the whole when the copy drained (it may drain before Submit returns).
   const double handed_over = watch.ElapsedSeconds();
   Status submitted = group.engine->Submit(
       std::move(batch), [this, owner, lease, finish, keep = target->group, total = *bytes, watch,
-                         claimed = claim.finish](Status status) {
+                         handed_over, claimed = claim.finish](Status status) {
         CheckFault(owner, status);
         // The copy drained: pins, reservation and the operation's slot go back before the engine
         // hears of it (its next request must find them free).
@@ -330,6 +331,7 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
         lease->Reset();
         if (status.ok()) {
           restored_bytes_->Increment(total);
+          restore_submit_latency_->Observe(handed_over);
           restore_latency_->Observe(watch.ElapsedSeconds());
         }
         EndOperation();
@@ -337,9 +339,7 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
                                     total, static_cast<uint64_t>(MonoNanos())})
                               : Result<channel::RestoreReply>(status));
       });
-  if (submitted.ok()) {
-    restore_submit_latency_->Observe(handed_over);
-  } else {
+  if (!submitted.ok()) {
     if (claim.finish) claim.finish();  // claimed, but nothing was written
     lease->Reset();
     EndOperation();
