@@ -216,28 +216,28 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
                served_declined=sum(st.get("hits_declined", 0) for _, st in runs["served"]))
     for kind, rs in runs.items():
         restored = min(r.restored_tokens for r, _ in rs)
+        rates = [st.get("restored_bytes", 0) / st["restore_seconds"] / 1e9 for _, st in rs
+                 if st.get("restore_seconds")] or [0.0]
+        one_request = [st for _, st in rs if st.get("manager_restores") == 1]  # async: one request a load
         row.update({f"{kind}_s": _median([r.ttft_s for r, _ in rs]),
                     f"{kind}_tpot_s": _median([r.tpot_s for r, _ in rs]),
                     f"{kind}_compute_s": _median([r.compute_s for r, _ in rs]),
                     f"{kind}_restored_tokens": restored,
                     f"{kind}_layerwise": all(r.layerwise for r, _ in rs),
-                    f"{kind}_restore_gbps": _median([st.get("restored_bytes", 0) / st["restore_seconds"] / 1e9
-                                                     for _, st in rs if st.get("restore_seconds")] or [0.0]),
+                    f"{kind}_restore_gbps": _median(rates),
                     # Where a load's time goes: the connector before its first request (leases, the stream
                     # drain), and (async: one request a load) the Manager from that request's arrival to its drain.
                     f"{kind}_restore_ms": _median([st.get("restore_seconds", 0.0) * 1e3 for _, st in rs]),
                     f"{kind}_restore_start_ms": _median([st.get("restore_start_seconds", 0.0) * 1e3
                                                          for _, st in rs]),
-                    f"{kind}_manager_restore_ms": _median([st["manager_restore_seconds"] * 1e3 for _, st in rs
-                                                           if st.get("manager_restores") == 1] or [0.0]),
+                    f"{kind}_manager_restore_ms": _median([st["manager_restore_seconds"] * 1e3
+                                                           for st in one_request] or [0.0]),
                     # Of which, before the copy engine has the batch (the lease, the fragments' build).
-                    f"{kind}_manager_submit_ms": _median([st["manager_submit_seconds"] * 1e3 for _, st in rs
-                                                          if st.get("manager_restores") == 1] or [0.0]),
+                    f"{kind}_manager_submit_ms": _median([st["manager_submit_seconds"] * 1e3
+                                                          for st in one_request] or [0.0]),
                     # The spread of the loads' rates, since a target near the link needs more than the median.
-                    f"{kind}_restore_gbps_min": min([st.get("restored_bytes", 0) / st["restore_seconds"] / 1e9
-                                                     for _, st in rs if st.get("restore_seconds")] or [0.0]),
-                    f"{kind}_restore_gbps_max": max([st.get("restored_bytes", 0) / st["restore_seconds"] / 1e9
-                                                     for _, st in rs if st.get("restore_seconds")] or [0.0])})
+                    f"{kind}_restore_gbps_min": min(rates),
+                    f"{kind}_restore_gbps_max": max(rates)})
     # The serial ideal: the prefix's bytes at the copy peak plus the suffix's compute, measured in the async runs
     # (their forward passes compute only the suffix; the restore ran before them).
     row["restored_tokens"] = row["async_restored_tokens"]

@@ -22,11 +22,13 @@
 #include "base/metrics.h"
 #include "base/mutex.h"
 #include "base/scoped_fd.h"
+#include "core/copy_engine_test_util.h"
 
 namespace orbitkv::core {
 namespace {
 
 using Bytes = std::vector<uint8_t>;
+using testing::DoneProbe;
 
 Bytes RandomBytes(size_t size, std::mt19937_64& rng) {
   Bytes bytes(size);
@@ -46,44 +48,6 @@ BufferId Register(CpuCopyEngine& engine, Bytes& buffer) {
   EXPECT_TRUE(id.ok()) << id.status();
   return id.value_or(BufferId{});
 }
-
-// Records the calls of one batch's CopyDone. Outlives the engine's threads in every test (tests
-// shut the engine down, or wait for the call, before a probe goes out of scope).
-class DoneProbe {
- public:
-  CopyDone Callback() {
-    return [this](Status status) {
-      MutexLock lock(&mu_);
-      ++calls_;
-      status_ = std::move(status);
-      thread_ = std::this_thread::get_id();
-      cv_.notify_all();
-    };
-  }
-
-  Status Wait() {
-    MutexLock lock(&mu_);
-    while (calls_ == 0) cv_.wait(mu_);
-    return status_;
-  }
-
-  int calls() {
-    MutexLock lock(&mu_);
-    return calls_;
-  }
-
-  std::thread::id thread() {
-    MutexLock lock(&mu_);
-    return thread_;
-  }
-
- private:
-  Mutex mu_;
-  std::condition_variable_any cv_;
-  int calls_ GUARDED_BY(mu_) = 0;
-  Status status_ GUARDED_BY(mu_);
-  std::thread::id thread_ GUARDED_BY(mu_);
-};
 
 // Submits until the engine has room (the caller side of backpressure); returns the first other
 // status.

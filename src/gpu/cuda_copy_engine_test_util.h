@@ -17,6 +17,7 @@
 
 #include "base/metrics.h"
 #include "base/mutex.h"
+#include "core/copy_engine_test_util.h"
 #include "gpu/cuda_copy_engine.h"
 #include "gpu/cuda_util.h"
 #include "gpu/host_memory_registry.h"
@@ -28,6 +29,7 @@ using core::CopyBatch;
 using core::CopyDirection;
 using core::CopyDone;
 using core::CopyFragment;
+using core::testing::DoneProbe;
 using Bytes = std::vector<uint8_t>;
 using Method = CudaCopyEngine::Method;
 
@@ -101,40 +103,6 @@ inline std::unique_ptr<CudaCopyEngine> MakeEngine(const HostMemoryRegistry& regi
   EXPECT_TRUE(engine.ok()) << engine.status();
   return engine.ok() ? std::move(engine).value() : nullptr;
 }
-
-// Records the calls of one batch's CopyDone.
-class DoneProbe {
- public:
-  CopyDone Callback() {
-    return [this](Status status) {
-      MutexLock lock(&mu_);
-      ++calls_;
-      status_ = std::move(status);
-      thread_ = std::this_thread::get_id();
-      cv_.notify_all();
-    };
-  }
-  Status Wait() {
-    MutexLock lock(&mu_);
-    while (calls_ == 0) cv_.wait(mu_);
-    return status_;
-  }
-  int calls() {
-    MutexLock lock(&mu_);
-    return calls_;
-  }
-  std::thread::id thread() {
-    MutexLock lock(&mu_);
-    return thread_;
-  }
-
- private:
-  Mutex mu_;
-  std::condition_variable_any cv_;
-  int calls_ GUARDED_BY(mu_) = 0;
-  Status status_ GUARDED_BY(mu_);
-  std::thread::id thread_ GUARDED_BY(mu_);
-};
 
 inline Status RunBatch(CudaCopyEngine& engine, CopyBatch batch) {
   DoneProbe probe;
