@@ -72,8 +72,12 @@ class Manager:
             text = reply.read().decode()
         found = dict(re.findall(r"^orbitkv_restore_seconds_(sum|count) (\S+)$", text, re.M))
         submit = re.search(r"^orbitkv_restore_submit_seconds_sum (\S+)$", text, re.M)
+        # The CUDA copy engine's restores, and those of them staged through its device ring (none on CPU).
+        restores = sum(float(v) for v in re.findall(
+            r'^orbitkv_copy_batches_total\{[^}]*direction="restore"[^}]*\} (\S+)$', text, re.M))
+        staged = re.search(r"^orbitkv_copy_staged_batches_total\{[^}]*\} (\S+)$", text, re.M)
         return (float(found.get("sum", 0.0)), int(float(found.get("count", 0))),
-                float(submit.group(1)) if submit else 0.0)
+                float(submit.group(1)) if submit else 0.0, restores, float(staged.group(1)) if staged else 0.0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -161,7 +165,8 @@ def _timed(engine, prompt, manager=None):
     if manager:
         ended = manager.restore_seconds()
         stats.update(manager_restore_seconds=ended[0] - started[0], manager_restores=ended[1] - started[1],
-                     manager_submit_seconds=ended[2] - started[2])
+                     manager_submit_seconds=ended[2] - started[2], copy_restores=ended[3] - started[3],
+                     copy_staged=ended[4] - started[4])
     return result, stats
 
 
@@ -237,7 +242,11 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
                                                           for st in one_request] or [0.0]),
                     # The spread of the loads' rates, since a target near the link needs more than the median.
                     f"{kind}_restore_gbps_min": min(rates),
-                    f"{kind}_restore_gbps_max": max(rates)})
+                    f"{kind}_restore_gbps_max": max(rates),
+                    # The share of the copy engine's restore batches staged through its ring (the faster path
+                    # for these runs; the kernel copies when a save is in flight or runs are short).
+                    f"{kind}_staged_share": (sum(st.get("copy_staged", 0) for _, st in rs)
+                                             / max(1.0, sum(st.get("copy_restores", 0) for _, st in rs)))})
     # The serial ideal: the prefix's bytes at the copy peak plus the suffix's compute, measured in the async runs
     # (their forward passes compute only the suffix; the restore ran before them).
     row["restored_tokens"] = row["async_restored_tokens"]
