@@ -2,8 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "base/clock.h"
 #include "base/logging.h"
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 
 namespace orbitkv::server {
 namespace {
@@ -17,8 +21,8 @@ Status CheckSaveItems(const channel::SaveRequest& request, const state::StateNam
           "a saved key belongs to another namespace or group than its instance");
     }
     if (item.page >= num_pages) {
-      return Status::InvalidArgument(fmt::format(
-          "source page {} is beyond the group's {} pages", item.page, num_pages));
+      return Status::InvalidArgument(
+          fmt::format("source page {} is beyond the group's {} pages", item.page, num_pages));
     }
   }
   return Status::Ok();
@@ -63,9 +67,9 @@ CacheService::CacheService(const CacheServiceOptions& options, core::BlockCache*
           Histogram::ExponentialBounds(1e-5, 2, 20))),
       restore_submit_latency_(&metrics->GetHistogram(
           "orbitkv_restore_submit_seconds",
-          "Time from a restore request to its copy batch being handed to the copy engine (the "
-          "lease taken, the fragments built), for the restores orbitkv_restore_seconds counts: "
-          "the start of that time",
+          "Time from a restore request to its (first) copy batch being handed to the copy "
+          "engine (the lease taken, the fragments built), for the restores "
+          "orbitkv_restore_seconds counts: the start of that time",
           Histogram::ExponentialBounds(1e-6, 2, 20))),
       save_latency_(&metrics->GetHistogram(
           "orbitkv_save_seconds", "Time from a save request to its blocks being copied and sealed",
@@ -233,35 +237,63 @@ void CacheService::CountAnswer(size_t blocks, size_t hits,
   hit_blocks_dram_->Increment(hits - counted);
 }
 
-Result<uint64_t> CacheService::RestoreFragments(const channel::RestoreRequest& request,
-                                                const KvGroup& group, const core::LeaseUse& lease,
-                                                core::CopyBatch* batch) const {
+Status CacheService::CheckRestore(const channel::RestoreRequest& request, const KvGroup& group,
+                                  const core::LeaseUse& lease) {
   if (request.pages.size() > lease.pins().size()) {
     return Status::InvalidArgument(
         fmt::format("restore names {} pages but the lease holds {} blocks", request.pages.size(),
                     lease.pins().size()));
   }
-  const size_t first = request.layers ? request.first_buffer : 0;
-  const size_t count = request.layers ? request.buffer_count : SIZE_MAX;
-  uint64_t bytes = 0;
   for (size_t i = 0; i < request.pages.size(); ++i) {
     if (request.pages[i] == channel::kSkipPage) continue;
     if (request.pages[i] >= group.num_pages) {
       return Status::InvalidArgument(fmt::format(
           "destination page {} is beyond the group's {} pages", request.pages[i], group.num_pages));
     }
-    const core::BlockPin& pin = lease.pins()[i];
-    if (pin.bytes() != group.block_bytes) {
+    if (lease.pins()[i].bytes() != group.block_bytes) {
       return Status::FailedPrecondition(
-          fmt::format("leased block {} has {} bytes but the group's pages hold {}", i, pin.bytes(),
-                      group.block_bytes));
+          fmt::format("leased block {} has {} bytes but the group's pages hold {}", i,
+                      lease.pins()[i].bytes(), group.block_bytes));
     }
+  }
+  return Status::Ok();
+}
+
+uint64_t CacheService::RestoreFragments(const channel::RestoreRequest& request,
+                                        const KvGroup& group, const core::LeaseUse& lease,
+                                        size_t begin, size_t end, core::CopyBatch* batch) {
+  const size_t first = request.layers ? request.first_buffer : 0;
+  const size_t count = request.layers ? request.buffer_count : group.buffers.size();
+  batch->fragments.reserve(batch->fragments.size() + (end - begin) * count);
+  uint64_t bytes = 0;
+  for (size_t i = begin; i < end; ++i) {
+    if (request.pages[i] == channel::kSkipPage) continue;
     // The copy engine only reads from the pool on restore.
-    bytes += group.AppendFragments(request.pages[i], const_cast<uint8_t*>(pin.data()),
+    bytes += group.AppendFragments(request.pages[i], const_cast<uint8_t*>(lease.pins()[i].data()),
                                    &batch->fragments, first, count);
   }
   return bytes;
 }
+
+namespace {
+
+// The batches of one restore: the last to drain finishes it, with the first error.
+struct RestoreJoint {
+  explicit RestoreJoint(int parts) : remaining(parts) {}
+  // True for the caller that ended the last part; `*outcome` is then the restore's status.
+  bool PartDone(const Status& status, Status* outcome) {
+    MutexLock lock(&mu);
+    if (!status.ok() && error.ok()) error = status;
+    if (--remaining > 0) return false;
+    *outcome = error;
+    return true;
+  }
+  Mutex mu;
+  int remaining GUARDED_BY(mu);
+  Status error GUARDED_BY(mu);
+};
+
+}  // namespace
 
 void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& request,
                            Done<channel::RestoreReply> done, ClaimFn claim) {
@@ -300,13 +332,26 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
   if (expected_buffer < group.buffers.size()) {
     group.engine->Expect(group.buffers[expected_buffer].id, core::CopyDirection::kRestore);
   }
-  core::CopyBatch batch;
-  batch.direction = core::CopyDirection::kRestore;
-  Result<uint64_t> bytes = RestoreFragments(request, group, *lease, &batch);
-  if (!bytes.ok() || batch.fragments.empty()) {
+  if (Status valid = CheckRestore(request, group, *lease); !valid.ok()) {
     lease->Reset();
     EndOperation();
-    if (!bytes.ok()) return done(bytes.status());
+    return done(valid);
+  }
+  const size_t pages = request.pages.size();
+  // CacheServiceOptions::restore_lead_pages: a long whole restore is two batches.
+  const size_t lead_pages = options_.restore_lead_pages;
+  const size_t lead =
+      !request.layers && lead_pages > 0 && pages > 4 * lead_pages ? lead_pages : pages;
+  core::CopyBatch batch;
+  batch.direction = core::CopyDirection::kRestore;
+  uint64_t total = RestoreFragments(request, group, *lease, 0, lead, &batch);
+  // Pages past the lead that are all skipped make no second batch.
+  const bool split =
+      lead < pages && std::any_of(request.pages.begin() + lead, request.pages.end(),
+                                  [](uint32_t p) { return p != channel::kSkipPage; });
+  if (batch.fragments.empty() && !split) {
+    lease->Reset();
+    EndOperation();
     return done(channel::RestoreReply{0});
   }
   // The last moment before the engine's pages are written: the engine may have abandoned it.
@@ -318,33 +363,66 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
         Status::Aborted("the engine abandoned this restore before it started; nothing was "
                         "written"));
   }
-  auto finish = std::make_shared<Done<channel::RestoreReply>>(std::move(done));
-  // Observed with the whole when the copy drained (it may drain before Submit returns).
-  const double handed_over = watch.ElapsedSeconds();
-  Status submitted = group.engine->Submit(
-      std::move(batch), [this, owner, lease, finish, keep = target->group, total = *bytes, watch,
-                         handed_over, claimed = claim.finish](Status status) {
-        CheckFault(owner, status);
-        // The copy drained: pins, reservation and the operation's slot go back before the engine
-        // hears of it (its next request must find them free).
-        if (claimed) claimed();
-        lease->Reset();
-        if (status.ok()) {
-          restored_bytes_->Increment(total);
-          restore_submit_latency_->Observe(handed_over);
-          restore_latency_->Observe(watch.ElapsedSeconds());
-        }
-        EndOperation();
-        (*finish)(status.ok() ? Result<channel::RestoreReply>(channel::RestoreReply{
-                                    total, static_cast<uint64_t>(MonoNanos())})
-                              : Result<channel::RestoreReply>(status));
-      });
-  if (!submitted.ok()) {
-    if (claim.finish) claim.finish();  // claimed, but nothing was written
+  struct Finish {
+    Done<channel::RestoreReply> done;
+    std::function<void()> claimed;
+    uint64_t total = 0;      // set before the last batch is submitted
+    double handed_over = 0;  // arrival to the first batch's hand-over
+  };
+  auto finish = std::make_shared<Finish>();
+  finish->done = std::move(done);
+  finish->claimed = claim.finish;
+  const int parts = batch.fragments.empty() ? 1 : split ? 2 : 1;
+  auto joint = std::make_shared<RestoreJoint>(parts);
+  auto part_done = [this, owner, lease, finish, joint, keep = target->group, watch](Status status) {
+    CheckFault(owner, status);
+    Status outcome;
+    if (!joint->PartDone(status, &outcome)) return;
+    // The copy drained: pins, reservation and the operation's slot go back before the engine
+    // hears of it (its next request must find them free).
+    if (finish->claimed) finish->claimed();
     lease->Reset();
+    if (outcome.ok()) {
+      restored_bytes_->Increment(finish->total);
+      restore_submit_latency_->Observe(finish->handed_over);
+      restore_latency_->Observe(watch.ElapsedSeconds());
+    }
     EndOperation();
-    (*finish)(submitted);
+    finish->done(outcome.ok() ? Result<channel::RestoreReply>(channel::RestoreReply{
+                                    finish->total, static_cast<uint64_t>(MonoNanos())})
+                              : Result<channel::RestoreReply>(outcome));
+  };
+  // A batch the copy engine refused ends its part with that error (nothing of it was written); the
+  // restore still finishes only once every batch it accepted drained.
+  const auto submit = [&](core::CopyBatch copy) {
+    if (Status submitted = group.engine->Submit(std::move(copy), part_done); !submitted.ok()) {
+      part_done(std::move(submitted));
+      return false;
+    }
+    return true;
+  };
+  if (!split) {
+    finish->total = total;
+    finish->handed_over = watch.ElapsedSeconds();
+    submit(std::move(batch));
+    return;
   }
+  bool lead_accepted = true;
+  if (!batch.fragments.empty()) {
+    // Read in the callbacks only after the last part's submit: set before that.
+    finish->handed_over = watch.ElapsedSeconds();
+    lead_accepted = submit(std::move(batch));
+  }
+  core::CopyBatch rest;
+  rest.direction = core::CopyDirection::kRestore;
+  if (lead_accepted) {
+    total += RestoreFragments(request, group, *lease, lead, pages, &rest);
+  }
+  if (parts == 1) finish->handed_over = watch.ElapsedSeconds();
+  finish->total = total;
+  if (!lead_accepted)
+    return part_done(Status::Aborted("not submitted: the first batch was refused"));
+  submit(std::move(rest));
 }
 
 void CacheService::Save(uint64_t owner, const channel::SaveRequest& request,
@@ -447,13 +525,13 @@ void CacheService::WaitLoading(uint64_t owner, const channel::WaitLoadingRequest
                                Done<channel::WaitLoadingReply> done) {
   Status owned = instances_.Find(owner, request.instance).status();
   if (!owned.ok()) return done(owned);
-  loading_.Wait(request.instance, request.op,
-                Deadline::After(std::chrono::milliseconds(request.timeout_ms)),
-                [done = std::move(done)](Result<LoadingState> state) {
-                  if (!state.ok()) return done(state.status());
-                  done(channel::WaitLoadingReply{state->resident, state->completed});
-                },
-                request.min_resident);
+  loading_.Wait(
+      request.instance, request.op, Deadline::After(std::chrono::milliseconds(request.timeout_ms)),
+      [done = std::move(done)](Result<LoadingState> state) {
+        if (!state.ok()) return done(state.status());
+        done(channel::WaitLoadingReply{state->resident, state->completed});
+      },
+      request.min_resident);
 }
 
 size_t CacheService::RetireInstance(EngineInstance& instance) {

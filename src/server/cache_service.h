@@ -50,6 +50,11 @@ struct CacheServiceOptions {
   std::chrono::milliseconds loading_hold{10000};
   std::chrono::milliseconds ssd_load_deadline{30000};
   bool ssd_write_through = false;  // queue every sealed block for SSD
+  // A whole restore of more than 4x this many pages goes to the copy engine as two batches: these
+  // first pages at once, the rest once their fragments are built, so the copy starts while most of
+  // them are still being built (at 8K tokens of a 36-layer model, 18396 fragments took about 0.3 ms
+  // on an H100 host before anything moved). 0: always one batch.
+  uint32_t restore_lead_pages = 16;
   // Wakes the thread that calls Sweep (LoadingRegistry::Options::wake_sweeper).
   std::function<void()> wake_sweeper;
   // Called (on a copy worker) when an owner's engine memory faulted under a copy (DATA_LOSS: it
@@ -147,10 +152,14 @@ class CacheService {
   std::vector<LoadingStage> PlanLoading(const std::vector<state::StateKey>& keys, size_t hits);
   // Reports a copy that faulted on `owner`'s engine memory (on_engine_fault).
   void CheckFault(uint64_t owner, const Status& status) const;
-  // The fragments of a restore into `group`; InvalidArgument/FailedPrecondition for pages or blocks
-  // that do not fit the group.
-  Result<uint64_t> RestoreFragments(const channel::RestoreRequest& request, const KvGroup& group,
-                                    const core::LeaseUse& lease, core::CopyBatch* batch) const;
+  // InvalidArgument/FailedPrecondition when a restore's pages or blocks do not fit `group` (checked
+  // whole, before anything is copied).
+  static Status CheckRestore(const channel::RestoreRequest& request, const KvGroup& group,
+                             const core::LeaseUse& lease);
+  // Appends the fragments of the restore's pages [begin, end) (checked) to `batch`; their bytes.
+  static uint64_t RestoreFragments(const channel::RestoreRequest& request, const KvGroup& group,
+                                   const core::LeaseUse& lease, size_t begin, size_t end,
+                                   core::CopyBatch* batch);
 
   // Immutable after construction.
   const CacheServiceOptions options_;

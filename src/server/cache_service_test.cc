@@ -6,6 +6,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <future>
 #include <mutex>
@@ -41,6 +43,31 @@ struct Captured {
   }
 };
 
+// The CPU copy engine, but its Submit number `refuse_at` (counted from 1; 0: none) is refused with
+// ResourceExhausted, as an engine with every batch slot taken refuses one; counts the batches it
+// accepted that finished.
+class RefusingEngine : public core::CopyEngine {
+ public:
+  Status Submit(core::CopyBatch batch, core::CopyDone done) override {
+    if (++submits == refuse_at.load())
+      return Status::ResourceExhausted("every batch slot is taken");
+    return inner->Submit(std::move(batch), [this, done = std::move(done)](Status status) {
+      finished.fetch_add(1);
+      done(std::move(status));
+    });
+  }
+  void Expect(core::BufferId buffer, core::CopyDirection direction) override {
+    inner->Expect(buffer, direction);
+  }
+  void Shutdown() override {}
+  std::string_view name() const override { return inner->name(); }
+
+  std::atomic<int> refuse_at{0};
+  std::atomic<int> submits{0};
+  std::atomic<int> finished{0};
+  core::CopyEngine* inner = nullptr;  // the fixture's engine (set by Open)
+};
+
 class CacheServiceTest : public ::testing::Test {
  protected:
   void SetUp() override { Open(/*with_ssd=*/false); }
@@ -71,6 +98,10 @@ class CacheServiceTest : public ::testing::Test {
     auto group = std::make_shared<KvGroup>();
     group->num_pages = kPages;
     group->engine = engine_.get();
+    if (refusing_ != nullptr) {
+      refusing_->inner = engine_.get();
+      group->engine = refusing_;
+    }
     group->block_bytes = kBlock;
     group->padded_bytes = kBlock;
     auto id = engine_->RegisterBuffer(memory_.data(), memory_.size());
@@ -145,6 +176,8 @@ class CacheServiceTest : public ::testing::Test {
   std::unique_ptr<core::CpuCopyEngine> engine_;
   std::unique_ptr<CacheService> service_;
   std::vector<uint8_t> memory_;
+  // When set before Open: the group's copy engine, a fault injector around engine_.
+  RefusingEngine* refusing_ = nullptr;
 };
 
 TEST_F(CacheServiceTest, SavedBlocksComeBackByteExact) {
@@ -164,6 +197,98 @@ TEST_F(CacheServiceTest, SavedBlocksComeBackByteExact) {
   EXPECT_EQ(cache_->GetStats().leases_active, 0u);
   EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
   EXPECT_FALSE(RestoreTo(hit->lease, {0}).ok());  // a consumed lease is stale
+}
+
+// More than 4x restore_lead_pages pages: the first restore_lead_pages go to the copy engine at
+// once, the rest as a second batch; the reply comes once both drained, every page byte-exact.
+TEST_F(CacheServiceTest, ALongRestoreIsTwoBatchesAndComesBackByteExact) {
+  Close();
+  CacheServiceOptions options;
+  options.restore_lead_pages = 2;
+  Open(false, options);
+  Counter& batches =
+      metrics_.GetCounter("orbitkv_copy_batches_total", "",
+                          {{"engine", "cpu"}, {"direction", "restore"}, {"device", "host"}});
+  constexpr size_t kBlocks = 12;
+  ASSERT_EQ(SaveChain(1, kBlocks, 300).written, kBlocks);
+  Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, kBlocks));
+  ASSERT_TRUE(hit.ok() && hit->hits == kBlocks) << hit.status();
+  std::memset(memory_.data(), 0, memory_.size());
+  std::vector<uint32_t> pages;
+  for (uint32_t i = 0; i < kBlocks; ++i) pages.push_back(i == 5 ? channel::kSkipPage : 16 + i);
+  const uint64_t before = batches.Value();
+  Result<channel::RestoreReply> restored = RestoreTo(hit->lease, pages);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(batches.Value(), before + 2);
+  EXPECT_EQ(restored->bytes, (kBlocks - 1) * kBlock);
+  for (uint32_t i = 0; i < kBlocks; ++i) {
+    if (i == 5) {
+      EXPECT_TRUE(std::all_of(Page(16 + i), Page(17 + i), [](uint8_t b) { return b == 0; }));
+    } else {
+      EXPECT_TRUE(core::testing::CheckStamp(Page(16 + i), kBlock, 300 + i)) << "page " << 16 + i;
+    }
+  }
+  EXPECT_EQ(cache_->GetStats().leases_active, 0u);
+  EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
+  EXPECT_EQ(service_->operations_active(), 0u);
+
+  // 4x restore_lead_pages pages or fewer, or a rest that is all skipped: one batch.
+  hit = service_->Query(kOwner, QueryOf(1, 8));
+  ASSERT_TRUE(hit.ok() && hit->hits == 8) << hit.status();
+  const uint64_t short_before = batches.Value();
+  ASSERT_TRUE(RestoreTo(hit->lease, {0, 1, 2, 3, 4, 5, 6, 7}).ok());
+  EXPECT_EQ(batches.Value(), short_before + 1);
+  hit = service_->Query(kOwner, QueryOf(1, 10));
+  ASSERT_TRUE(hit.ok() && hit->hits == 10) << hit.status();
+  std::vector<uint32_t> skipped_rest(10, channel::kSkipPage);
+  skipped_rest[0] = 0;
+  skipped_rest[1] = 1;
+  Result<channel::RestoreReply> lead_only = RestoreTo(hit->lease, skipped_rest);
+  ASSERT_TRUE(lead_only.ok()) << lead_only.status();
+  EXPECT_EQ(lead_only->bytes, 2 * kBlock);
+  EXPECT_EQ(batches.Value(), short_before + 2);
+  EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
+}
+
+// The copy engine refuses a long restore's second batch: the restore fails with that error, and
+// only once its first batch drained (its pins cover that copy); the lease and the operation's slot
+// go back. Refused at the first batch, the second is never built or submitted.
+TEST_F(CacheServiceTest, ALongRestoreWhoseSecondBatchIsRefusedFailsAfterTheFirstDrained) {
+  for (const int refuse_at : {2, 1}) {
+    SCOPED_TRACE(refuse_at);
+    Close();
+    RefusingEngine refusing;
+    refusing_ = &refusing;
+    CacheServiceOptions options;
+    options.restore_lead_pages = 2;
+    Open(false, options);
+    ASSERT_EQ(SaveChain(1, 12).written, 12u);
+    Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 12));
+    ASSERT_TRUE(hit.ok() && hit->hits == 12) << hit.status();
+    const int submits = refusing.submits.load();  // the save's
+    refusing.refuse_at = submits + refuse_at;
+    channel::RestoreRequest restore;
+    restore.instance = kInstance;
+    restore.lease = hit->lease;
+    for (uint32_t i = 0; i < 12; ++i) restore.pages.push_back(16 + i);
+    std::promise<std::pair<Status, int>> replied;
+    service_->Restore(kOwner, restore, [&](Result<channel::RestoreReply> reply) {
+      replied.set_value({reply.status(), refusing.finished.load()});
+    });
+    auto reply = replied.get_future();
+    ASSERT_EQ(reply.wait_for(10s), std::future_status::ready);
+    const auto [status, finished_at_reply] = reply.get();
+    EXPECT_EQ(status.code(), StatusCode::kResourceExhausted) << status;
+    EXPECT_EQ(refusing.submits.load() - submits, refuse_at);
+    // Every batch it accepted (the save's, and the lead when the rest was refused) had drained.
+    EXPECT_EQ(finished_at_reply, refusing.submits.load() - 1);
+    EXPECT_EQ(cache_->GetStats().leases_active, 0u);
+    EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
+    EXPECT_EQ(service_->operations_active(), 0u);
+    Close();
+    refusing_ = nullptr;
+  }
+  Open(false);
 }
 
 TEST_F(CacheServiceTest, SaveSkipsBlocksAlreadyResidentAndRefusesForeignKeys) {
@@ -320,8 +445,8 @@ TEST_F(CacheServiceTest, AnsweredQueriesCountTheirBlocksByTheTierThatServedThem)
   EXPECT_EQ(counted("ssd"), 4u);
   EXPECT_EQ(counted("remote"), 0u);
   EXPECT_EQ(missed(), 2u);
-  Histogram& restore_seconds =
-      metrics_.GetHistogram("orbitkv_restore_seconds", "", Histogram::ExponentialBounds(1e-5, 2, 20));
+  Histogram& restore_seconds = metrics_.GetHistogram("orbitkv_restore_seconds", "",
+                                                     Histogram::ExponentialBounds(1e-5, 2, 20));
   Histogram& submit_seconds = metrics_.GetHistogram("orbitkv_restore_submit_seconds", "",
                                                     Histogram::ExponentialBounds(1e-6, 2, 20));
   const uint64_t restores = restore_seconds.Count();
@@ -347,8 +472,8 @@ TEST_F(CacheServiceTest, AnsweredQueriesCountTheirBlocksByTheTierThatServedThem)
 }
 
 // A waiting engine restores a remote stage's blocks while the rest arrive: a partial query leases
-// the prefix in DRAM while the op runs, a progress waiter hears of each batch, and the chain's final
-// answer (the only one counted) leases it all.
+// the prefix in DRAM while the op runs, a progress waiter hears of each batch, and the chain's
+// final answer (the only one counted) leases it all.
 TEST_F(CacheServiceTest, PartialQueriesLeaseWhatArrivedWhileTheRemoteStageRuns) {
   std::vector<LoadingStage::Done> done;
   std::vector<LoadingStage::Progress> progress;
@@ -570,7 +695,8 @@ TEST_F(LoadingRegistryTest, StagesRunInOrderAndTheOpCompletesAfterTheLast) {
   EXPECT_EQ(registry.running(), 0u);
 }
 
-TEST_F(LoadingRegistryTest, AProgressWaiterHearsOfTheRunningStagesBlocksAndACompletionWaiterDoesNot) {
+TEST_F(LoadingRegistryTest,
+       AProgressWaiterHearsOfTheRunningStagesBlocksAndACompletionWaiterDoesNot) {
   LoadingRegistry registry({}, &metrics_);
   std::vector<LoadingStage::Done> first, second;
   std::vector<LoadingStage::Progress> progress;
@@ -581,10 +707,12 @@ TEST_F(LoadingRegistryTest, AProgressWaiterHearsOfTheRunningStagesBlocksAndAComp
   ASSERT_TRUE(op.ok());
   Result<LoadingState> at_three = Status::Unknown(""), at_eight = Status::Unknown(""),
                        done = Status::Unknown("");
-  registry.Wait(chain_.instance, *op, Deadline::After(10s),
-                [&](Result<LoadingState> r) { at_three = std::move(r); }, 3);
-  registry.Wait(chain_.instance, *op, Deadline::After(10s),
-                [&](Result<LoadingState> r) { at_eight = std::move(r); }, 8);
+  registry.Wait(
+      chain_.instance, *op, Deadline::After(10s),
+      [&](Result<LoadingState> r) { at_three = std::move(r); }, 3);
+  registry.Wait(
+      chain_.instance, *op, Deadline::After(10s),
+      [&](Result<LoadingState> r) { at_eight = std::move(r); }, 8);
   registry.Wait(chain_.instance, *op, Deadline::After(10s),
                 [&](Result<LoadingState> r) { done = std::move(r); });
   first[0](Pins(0, 2));
@@ -604,8 +732,9 @@ TEST_F(LoadingRegistryTest, AProgressWaiterHearsOfTheRunningStagesBlocksAndAComp
   EXPECT_FALSE(at_eight->completed);
   // A waiter asking for what is already there hears at once; a completion waiter still waits.
   Result<LoadingState> now = Status::Unknown("");
-  registry.Wait(chain_.instance, *op, Deadline::After(10s),
-                [&](Result<LoadingState> r) { now = std::move(r); }, 5);
+  registry.Wait(
+      chain_.instance, *op, Deadline::After(10s),
+      [&](Result<LoadingState> r) { now = std::move(r); }, 5);
   ASSERT_TRUE(now.ok());
   EXPECT_EQ(now->resident, 8u);
   EXPECT_EQ(done.status().code(), StatusCode::kUnknown);

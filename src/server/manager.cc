@@ -114,7 +114,8 @@ void Manager::RegisterMetrics() {
 
 Status Manager::Start() {
   ORBITKV_CHECK(!started_);
-  ORBITKV_RETURN_IF_ERROR(engines_.Start(config_.copy_threads, config_.max_operations,
+  // A whole restore of many pages goes to the copy engine as two batches (CacheService::Restore).
+  ORBITKV_RETURN_IF_ERROR(engines_.Start(config_.copy_threads, 2 * config_.max_operations,
                                          config_.gpu_restore_staging_bytes, &metrics_));
   if (!config_.metrics_addr.empty()) {
     Result<std::unique_ptr<MetricsHttpServer>> http =
