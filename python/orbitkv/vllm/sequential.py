@@ -255,6 +255,11 @@ class SequentialEngine:
         kv_out = SimpleNamespace(finished_sending=sending, finished_recving=recving, kv_connector_stats=stats,
                                  kv_cache_events=events, kv_connector_worker_meta=worker_meta,
                                  invalid_block_ids=set(invalid or ()), expected_finished_count=1)
+        if num_tokens:
+            # vLLM's scheduler sees a step's output (update_from_output, and through it update_connector_output)
+            # only once its sampled tokens reached the host, after the step's GPU work: the connector's step
+            # times (its cost-aware hits) are GPU times, not the launch of the forward.
+            self._sync()
         self.scheduler.update_connector_output(kv_out)
         self.scheduler.take_events()
         self.totals.add(stats)
