@@ -142,12 +142,17 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.get_num_unfinished_requests() > 0
 
-    def run(self, max_steps: int = 10_000) -> dict:
-        for _ in range(max_steps):
-            if not self.has_unfinished():
-                return self.results
+    def run(self, timeout_s: float = 60.0) -> dict:
+        """Steps until every request finished. vLLM's engine core steps on, with nothing to schedule, while a
+        request waits for its external KV (the connector answered Loading: a Manager's remote lookup, which on a
+        cluster that just started can take a second); so the bound is time, not a number of steps (10000 empty steps
+        took 1-3 s here)."""
+        deadline = time.monotonic() + timeout_s
+        while self.has_unfinished():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests still unfinished after {timeout_s} s ({self.steps} steps)")
             self.step()
-        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+        return self.results
 
     def drain(self, steps: int = 3) -> None:
         """Idle steps, so finished ids reach the workers (get_finished) and async work settles."""
