@@ -225,6 +225,8 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
                  if st.get("restore_seconds")] or [0.0]
         one_request = [st for _, st in rs if st.get("manager_restores") == 1]  # async: one request a load
         row.update({f"{kind}_s": _median([r.ttft_s for r, _ in rs]),
+                    # Each run's TTFT, in order: whether a median hides two kinds of run (hits taken and declined).
+                    f"{kind}_ttfts_ms": [round(r.ttft_s * 1e3, 2) for r, _ in rs],
                     f"{kind}_tpot_s": _median([r.tpot_s for r, _ in rs]),
                     f"{kind}_compute_s": _median([r.compute_s for r, _ in rs]),
                     f"{kind}_restored_tokens": restored,
