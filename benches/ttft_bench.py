@@ -64,20 +64,22 @@ class Manager:
                                       "--metrics-addr", self.metrics], stderr=subprocess.PIPE, text=True)
         orbitkv.wait_for_manager(self.socket, process=self.proc)
 
-    def restore_seconds(self) -> tuple:
-        """(sum, count) of the Manager's orbitkv_restore_seconds (each restore request from its arrival to its
-        copy's drain), and the sum of orbitkv_restore_submit_seconds (the same requests to their hand-over to the
-        copy engine)."""
+    def counters(self) -> dict:
+        """The Manager's restore counters: the sum and count of orbitkv_restore_seconds (each restore request from
+        its arrival to its copy's drain), the sum of orbitkv_restore_submit_seconds (the same requests to their
+        hand-over to the copy engine), and the CUDA copy engine's restore batches and those of them staged through
+        its device ring (none on CPU)."""
         with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10) as reply:
             text = reply.read().decode()
-        found = dict(re.findall(r"^orbitkv_restore_seconds_(sum|count) (\S+)$", text, re.M))
-        submit = re.search(r"^orbitkv_restore_submit_seconds_sum (\S+)$", text, re.M)
-        # The CUDA copy engine's restores, and those of them staged through its device ring (none on CPU).
-        restores = sum(float(v) for v in re.findall(
-            r'^orbitkv_copy_batches_total\{[^}]*direction="restore"[^}]*\} (\S+)$', text, re.M))
-        staged = re.search(r"^orbitkv_copy_staged_batches_total\{[^}]*\} (\S+)$", text, re.M)
-        return (float(found.get("sum", 0.0)), int(float(found.get("count", 0))),
-                float(submit.group(1)) if submit else 0.0, restores, float(staged.group(1)) if staged else 0.0)
+
+        def value(pattern: str) -> float:
+            return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+        return dict(restore_seconds=value(r"^orbitkv_restore_seconds_sum (\S+)$"),
+                    restores=value(r"^orbitkv_restore_seconds_count (\S+)$"),
+                    submit_seconds=value(r"^orbitkv_restore_submit_seconds_sum (\S+)$"),
+                    copy_restores=value(r'^orbitkv_copy_batches_total\{[^}]*direction="restore"[^}]*\} (\S+)$'),
+                    copy_staged=value(r"^orbitkv_copy_staged_batches_total\{[^}]*\} (\S+)$"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -158,15 +160,13 @@ def _timed(engine, prompt, manager=None):
     """(Result, the connector's counters during this run) of one request on a long-lived engine; with
     ``manager``, the counters add its restores' time in the Manager ("manager_restore_seconds") and their number."""
     before = dict(engine.totals.stats)
-    started = manager.restore_seconds() if manager else None
+    started = manager.counters() if manager else None
     result = engine.generate(prompt, 1 + TPOT_TOKENS)
     engine.idle(2)  # its finished id reaches the worker and its saves complete, outside the next timed run
     stats = {k: v - before.get(k, 0) for k, v in engine.totals.stats.items()}
     if manager:
-        ended = manager.restore_seconds()
-        stats.update(manager_restore_seconds=ended[0] - started[0], manager_restores=ended[1] - started[1],
-                     manager_submit_seconds=ended[2] - started[2], copy_restores=ended[3] - started[3],
-                     copy_staged=ended[4] - started[4])
+        ended = manager.counters()
+        stats.update({f"manager_{k}": ended[k] - started[k] for k in ended})
     return result, stats
 
 
@@ -247,8 +247,8 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
                     f"{kind}_restore_gbps_max": max(rates),
                     # The share of the copy engine's restore batches staged through its ring (the faster path
                     # for these runs; the kernel copies when a save is in flight or runs are short).
-                    f"{kind}_staged_share": (sum(st.get("copy_staged", 0) for _, st in rs)
-                                             / max(1.0, sum(st.get("copy_restores", 0) for _, st in rs)))})
+                    f"{kind}_staged_share": (sum(st.get("manager_copy_staged", 0) for _, st in rs)
+                                             / max(1.0, sum(st.get("manager_copy_restores", 0) for _, st in rs)))})
     # The serial ideal: the prefix's bytes at the copy peak plus the suffix's compute, measured in the async runs
     # (their forward passes compute only the suffix; the restore ran before them).
     row["restored_tokens"] = row["async_restored_tokens"]

@@ -20,13 +20,9 @@ Status FromGrpc(const grpc::Status& status) {
 std::shared_ptr<peer::v1::Peer::Stub> NewPeerStub(const std::string& endpoint,
                                                   const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
   grpc::ChannelArguments args;
-  // gRPC's defaults wait 1 s before retrying a refused connection and back off to 120 s: a peer
-  // that started a moment after this stub was made, or restarted, would be unreachable that long.
-  // Retry within 100 ms, backing off to 1 s at most, and give an attempt 2 s to connect (gRPC reads
-  // the "min reconnect backoff" as that timeout), as the etcd client does.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1'000);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2'000);
+  // A peer that started a moment after this stub was made, or restarted, is reachable within a
+  // second (gRPC's defaults: 1 s, then up to 2 minutes).
+  cluster::SetReconnectPolicy(&args);
   args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
   args.SetMaxSendMessageSize(kMaxPeerMessageBytes);
   return std::shared_ptr<peer::v1::Peer::Stub>(peer::v1::Peer::NewStub(

@@ -15,14 +15,6 @@ namespace {
 // call.
 constexpr int kKeepaliveTimeMs = 10'000;
 constexpr int kKeepaliveTimeoutMs = 5'000;
-// A restarted etcd must be found within about a second, not after gRPC's default 2-minute backoff
-// ceiling.
-constexpr int kReconnectBackoffMinMs = 100;
-constexpr int kReconnectBackoffMaxMs = 1'000;
-// gRPC's connect timeout (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS; 20 s by default). A connection
-// accepted by a stopping etcd's backlog never gets HTTP/2 settings, and the default would keep the
-// channel on it for 20 s.
-constexpr int kConnectTimeoutMs = 2'000;
 // Snapshots are paged (128 records of at most 1 KiB), so 16 MiB is only a guard.
 constexpr int kMaxReceiveBytes = 16 << 20;
 
@@ -101,9 +93,7 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectBackoffMinMs);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectBackoffMaxMs);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kConnectTimeoutMs);
+    SetReconnectPolicy(&args);  // a restarted etcd is found within about a second
     args.SetMaxReceiveMessageSize(kMaxReceiveBytes);
     // Each endpoint gets its own connection even when two clients in one process name the same
     // etcd.

@@ -346,10 +346,13 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
   batch.direction = core::CopyDirection::kRestore;
   uint64_t total = RestoreFragments(request, group, *lease, 0, lead, &batch);
   // Pages past the lead that are all skipped make no second batch.
-  const bool split =
-      lead < pages && std::any_of(request.pages.begin() + lead, request.pages.end(),
-                                  [](uint32_t p) { return p != channel::kSkipPage; });
-  if (batch.fragments.empty() && !split) {
+  bool split = lead < pages && std::any_of(request.pages.begin() + lead, request.pages.end(),
+                                           [](uint32_t p) { return p != channel::kSkipPage; });
+  if (split && batch.fragments.empty()) {  // nothing to send ahead: one batch of the rest
+    total += RestoreFragments(request, group, *lease, lead, pages, &batch);
+    split = false;
+  }
+  if (batch.fragments.empty()) {
     lease->Reset();
     EndOperation();
     return done(channel::RestoreReply{0});
@@ -366,14 +369,13 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
   struct Finish {
     Done<channel::RestoreReply> done;
     std::function<void()> claimed;
-    uint64_t total = 0;      // set before the last batch is submitted
+    uint64_t total = 0;      // whole before the last batch is submitted (read by the last to drain)
     double handed_over = 0;  // arrival to the first batch's hand-over
   };
   auto finish = std::make_shared<Finish>();
   finish->done = std::move(done);
   finish->claimed = claim.finish;
-  const int parts = batch.fragments.empty() ? 1 : split ? 2 : 1;
-  auto joint = std::make_shared<RestoreJoint>(parts);
+  auto joint = std::make_shared<RestoreJoint>(split ? 2 : 1);
   auto part_done = [this, owner, lease, finish, joint, keep = target->group, watch](Status status) {
     CheckFault(owner, status);
     Status outcome;
@@ -401,27 +403,16 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
     }
     return true;
   };
-  if (!split) {
-    finish->total = total;
-    finish->handed_over = watch.ElapsedSeconds();
-    submit(std::move(batch));
-    return;
-  }
-  bool lead_accepted = true;
-  if (!batch.fragments.empty()) {
-    // Read in the callbacks only after the last part's submit: set before that.
-    finish->handed_over = watch.ElapsedSeconds();
-    lead_accepted = submit(std::move(batch));
-  }
+  finish->handed_over = watch.ElapsedSeconds();
+  finish->total = total;
+  const bool lead_accepted = submit(std::move(batch));
+  if (!split) return;
+  // A refused lead ended the first part with its error; the rest, never built, ends the second.
+  if (!lead_accepted) return part_done(Status::Ok());
+  // The rest, built while the copy engine moves the lead.
   core::CopyBatch rest;
   rest.direction = core::CopyDirection::kRestore;
-  if (lead_accepted) {
-    total += RestoreFragments(request, group, *lease, lead, pages, &rest);
-  }
-  if (parts == 1) finish->handed_over = watch.ElapsedSeconds();
-  finish->total = total;
-  if (!lead_accepted)
-    return part_done(Status::Aborted("not submitted: the first batch was refused"));
+  finish->total += RestoreFragments(request, group, *lease, lead, pages, &rest);
   submit(std::move(rest));
 }
 

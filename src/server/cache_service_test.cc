@@ -247,6 +247,15 @@ TEST_F(CacheServiceTest, ALongRestoreIsTwoBatchesAndComesBackByteExact) {
   ASSERT_TRUE(lead_only.ok()) << lead_only.status();
   EXPECT_EQ(lead_only->bytes, 2 * kBlock);
   EXPECT_EQ(batches.Value(), short_before + 2);
+  // A lead that is all skipped: nothing to send ahead, the rest is one batch.
+  hit = service_->Query(kOwner, QueryOf(1, 10));
+  ASSERT_TRUE(hit.ok() && hit->hits == 10) << hit.status();
+  std::vector<uint32_t> skipped_lead = {channel::kSkipPage, channel::kSkipPage};
+  for (uint32_t i = 2; i < 10; ++i) skipped_lead.push_back(i);
+  Result<channel::RestoreReply> rest_only = RestoreTo(hit->lease, skipped_lead);
+  ASSERT_TRUE(rest_only.ok()) << rest_only.status();
+  EXPECT_EQ(rest_only->bytes, 8 * kBlock);
+  EXPECT_EQ(batches.Value(), short_before + 3);
   EXPECT_EQ(cache_->GetStats().table.pinned_blocks, 0u);
 }
 
