@@ -172,7 +172,8 @@ def _timed(engine, prompt, manager=None):
 
 def measure(config, manager, length: int, chunk: int, model, seed: int, repeats: int) -> dict:
     """First sight (saves), then recompute and the cached runs (CACHED_RUNS), each ``repeats`` times (three times as
-    often up to 2K tokens) on one warm engine per kind (medians), in turn so that drift hits them alike."""
+    often up to 2K tokens) on one warm engine per kind (medians), in turn so that drift hits them alike, each turn
+    starting one engine later than the one before."""
     rng = random.Random(seed + length)
     prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
     miss = [rng.randrange(config.vocab_size) for _ in range(length)]
@@ -189,7 +190,7 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
         for warm in ([miss, prompt] if kind == "served" else [prompt]):
             _timed(engines[kind], warm)
     # Short prompts run more often: their TTFT is a few engine steps, whose times drift the most. There a second
-    # recompute engine, last in each turn, measures how far two identical engines drift apart (the noise floor of
+    # recompute engine, one more in each turn, measures how far two identical engines drift apart (the noise floor of
     # ttft_*_cached_vs_recompute).
     short = length <= SHORT_PROMPT
     repeats *= 3 if short else 1
@@ -198,15 +199,22 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
         control = SequentialEngine(config, blocks, None, chunk_size=chunk, model=model)
         control.generate(miss, 1 + TPOT_TOKENS)
     recompute, controls, runs = [], [], {kind: [] for kind in CACHED_RUNS}
-    for _ in range(repeats):  # every engine in turn, so drift (clocks, the host) hits them alike
+
+    def run(who: str) -> None:
         gc.collect()
-        recompute.append(plain.generate(prompt, 1 + TPOT_TOKENS))
-        for kind, engine in engines.items():
-            gc.collect()
-            runs[kind].append(_timed(engine, prompt, manager))
-        if control is not None:
-            gc.collect()
+        if who == "recompute":
+            recompute.append(plain.generate(prompt, 1 + TPOT_TOKENS))
+        elif who == "control":
             controls.append(control.generate(prompt, 1 + TPOT_TOKENS))
+        else:
+            runs[who].append(_timed(engines[who], prompt, manager))
+
+    # Every engine in turn, so drift (clocks, the host) hits them alike, and each turn starts one engine later, so
+    # no engine always runs right after the same other one (a restore after a recompute, or after another restore).
+    order = ["recompute", *engines, *(["control"] if control is not None else [])]
+    for i in range(repeats):
+        for who in order[i % len(order):] + order[:i % len(order)]:
+            run(who)
     del plain, control
     for engine in engines.values():
         engine.close()
@@ -217,6 +225,7 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
                same_tokens=all(r.tokens == recompute[0].tokens for rs in runs.values() for r, _ in rs),
                hash_s=runs["async"][0][0].hash_s,
                recompute_compute_s=_median([r.compute_s for r in recompute]),
+               recompute_gpu_wait_ms=_median([r.gpu_wait_s * 1e3 for r in recompute]),
                recompute_control_s=_median([r.ttft_s for r in controls]) if controls else None,
                served_declined=sum(st.get("hits_declined", 0) for _, st in runs["served"]))
     for kind, rs in runs.items():
@@ -229,6 +238,9 @@ def measure(config, manager, length: int, chunk: int, model, seed: int, repeats:
                     f"{kind}_ttfts_ms": [round(r.ttft_s * 1e3, 2) for r, _ in rs],
                     f"{kind}_tpot_s": _median([r.tpot_s for r, _ in rs]),
                     f"{kind}_compute_s": _median([r.compute_s for r, _ in rs]),
+                    # Of which the CPU waited for the GPU at the steps' ends (the rest: launches and the
+                    # connector, what a launch-bound engine's TTFT is made of).
+                    f"{kind}_gpu_wait_ms": _median([r.gpu_wait_s * 1e3 for r, _ in rs]),
                     f"{kind}_restored_tokens": restored,
                     f"{kind}_layerwise": all(r.layerwise for r, _ in rs),
                     f"{kind}_restore_gbps": _median(rates),

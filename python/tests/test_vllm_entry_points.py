@@ -65,6 +65,10 @@ def test_ttft_bench_json_contract(root, build_dir):
         assert 0 < row["async_manager_restore_ms"] < row["async_restore_ms"]
         assert 0 < row["async_manager_submit_ms"] < row["async_manager_restore_ms"]
         assert 0 < row["async_restore_gbps_min"] <= row["async_restore_gbps"] <= row["async_restore_gbps_max"]
+        # The steps' wait for the device is a part of their compute (on CPU, next to nothing).
+        for kind in ("recompute", "layerwise", "async", "served"):
+            assert 0 <= row[f"{kind}_gpu_wait_ms"] <= row[f"{kind}_compute_s"] * 1e3
+        assert len(row["served_ttfts_ms"]) == report["env"]["short_prompt_repeats"]
     assert "plot" in report["env"]
     first_line = (root / "benches" / "ttft_bench.py").read_text().splitlines()[0]
     assert first_line.startswith("# TTFT")

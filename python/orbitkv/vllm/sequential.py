@@ -133,6 +133,9 @@ class Result:
     ttft_s: float
     restored_tokens: int
     compute_s: float  # time in the model's forward passes until the first token
+    # Of compute_s, the time the CPU waited at the steps' ends for their GPU work (CUDA only): the GPU's lag behind
+    # the launches; the rest is the CPU's (launches, the connector's calls), which bounds a launch-bound engine.
+    gpu_wait_s: float = 0.0
     hash_s: float = 0.0  # admission (block hashes), before the TTFT clock starts
     tpot_s: float = 0.0  # mean time per output token after the first (decode steps)
     layerwise: bool = False  # the prefix was restored layer by layer inside the first prefill step
@@ -196,6 +199,7 @@ class SequentialEngine:
         self.totals = _Totals()
         self.scheduler = self.worker = None
         self._finished: set = set()
+        self._gpu_wait_s = 0.0  # summed over the steps that computed tokens (see Result.gpu_wait_s)
         self._sent: dict = {}  # request id -> blocks of its table the scheduler side has seen
         if socket_path:
             from orbitkv.vllm import OrbitKVConnector, _compat
@@ -259,7 +263,9 @@ class SequentialEngine:
             # vLLM's scheduler sees a step's output (update_from_output, and through it update_connector_output)
             # only once its sampled tokens reached the host, after the step's GPU work: the connector's step
             # times (its cost-aware hits) are GPU times, not the launch of the forward.
+            waited = time.perf_counter()
             self._sync()
+            self._gpu_wait_s += time.perf_counter() - waited
         self.scheduler.update_connector_output(kv_out)
         self.scheduler.take_events()
         self.totals.add(stats)
@@ -319,6 +325,7 @@ class SequentialEngine:
         self.engine.allocate(request)
         request.num_computed_tokens = restored
         compute_s = 0.0
+        self._gpu_wait_s = 0.0
         logits, first = None, True
         bs = self.config.block_size
         while request.num_computed_tokens < request.num_tokens:
@@ -336,6 +343,7 @@ class SequentialEngine:
                 logits = None
         token = self.engine.sample(logits)
         ttft = time.perf_counter() - started
+        gpu_wait_s = self._gpu_wait_s
         tokens = [token]
         decode_started = time.perf_counter()
         while len(tokens) < max_new_tokens:
@@ -350,7 +358,7 @@ class SequentialEngine:
             self._finished.add(request.request_id)
         self._sent.pop(request.request_id, None)
         self.engine.free(request)
-        return Result(tokens, ttft, restored, compute_s, started - admitted, tpot, layerwise)
+        return Result(tokens, ttft, restored, compute_s, gpu_wait_s, started - admitted, tpot, layerwise)
 
     def idle(self, steps: int = 1) -> None:
         """Engine steps with nothing scheduled (finished ids reach the worker, deferred saves complete)."""
