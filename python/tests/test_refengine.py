@@ -70,6 +70,26 @@ def test_layouts_place_tokens_where_vllm_does(layout, shape):
     assert torch.count_nonzero(e.cache.read_tokens(0, torch.tensor(r.block_ids), torch.arange(40, 48))[0]) == 0
 
 
+def test_token_reads_follow_a_block_table_changed_in_place():
+    """A forward pass's slots are kept per (table, positions) tensor; a table or positions tensor changed in place
+    is a new key, so a read never uses slots of the tensor's old contents."""
+    e = make()
+    r = e.add_request(PROMPT[:40])
+    e.prefill(r)
+    table, positions = torch.tensor(r.block_ids), torch.arange(0, 16)
+    first_block = e.cache.read_tokens(1, table, positions)[0].clone()
+    assert torch.equal(e.cache.read_tokens(1, table, positions)[0], first_block)  # the kept answer
+    table[0] = r.block_ids[1]  # the same tensor object now maps positions 0-15 to the second block
+    second_block = e.cache.read_tokens(1, torch.tensor(r.block_ids), torch.arange(16, 32))[0]
+    assert not torch.equal(second_block, first_block)
+    assert torch.equal(e.cache.read_tokens(1, table, positions)[0], second_block)
+    positions += 16  # the same positions tensor now names block 1's tokens through table[1]
+    table[0] = r.block_ids[0]
+    assert torch.equal(e.cache.read_tokens(1, table, positions)[0], second_block)
+    with torch.inference_mode():  # no version counters: computed each time
+        assert torch.equal(e.cache.read_tokens(1, torch.tensor(r.block_ids), torch.arange(0, 16))[0], first_block)
+
+
 def test_layouts_compute_the_same_values():
     base = make()
     runs = {}

@@ -103,6 +103,9 @@ class PagedKVCache:
             if not t.is_contiguous():
                 raise ValueError(f"KV tensor of layer {i} must be contiguous")
         self.layers = tensors
+        # (table, positions, their versions, slots) of the latest _slots answers: a forward pass's writes and reads
+        # (per window) under one table, or two tables (a hybrid's groups).
+        self._slot_memo: collections.deque = collections.deque(maxlen=4)
 
     # ---- geometry ----------------------------------------------------------------------------------------------
     @property
@@ -137,6 +140,20 @@ class PagedKVCache:
 
     # ---- token access (the only way attention touches the cache) ------------------------------------------------
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor):
+        """(block ids, offsets) of ``positions``. A forward pass asks for the same (table, positions) in every
+        layer, so the latest few answers are kept, keyed by the tensors themselves and their version counters (an
+        in-place change of either makes a new key); inference-mode tensors, which have no counter, are not kept."""
+        if block_table.is_inference() or positions.is_inference():
+            return self._compute_slots(block_table, positions)
+        versions = (block_table._version, positions._version)
+        for table, pos, seen, slots in tuple(self._slot_memo):  # a snapshot: another thread may append
+            if table is block_table and pos is positions and seen == versions:
+                return slots
+        slots = self._compute_slots(block_table, positions)
+        self._slot_memo.append((block_table, positions, versions, slots))
+        return slots
+
+    def _compute_slots(self, block_table: torch.Tensor, positions: torch.Tensor):
         bs = self.config.block_size
         return block_table[torch.div(positions, bs, rounding_mode="floor")], positions % bs
 

@@ -126,28 +126,39 @@ class Transformer:
         xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.config.rms_norm_eps)
         return xf.to(x.dtype) * weight
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE in fp32 on x [T, heads, D]; angles depend only on the absolute position."""
+    def _rope_tables(self, positions: torch.Tensor) -> tuple:
+        """(cos, sin), each [T, 1, D] fp32, of rotate-half RoPE at ``positions``: computed once per forward pass,
+        since they depend only on the absolute positions (the same for every layer)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]
         sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
+        return cos, sin
+
+    @staticmethod
+    def _rope(x: torch.Tensor, tables: tuple) -> torch.Tensor:
+        """Rotate-half RoPE in fp32 on x [T, heads, D] with ``_rope_tables`` of its positions."""
+        cos, sin = tables
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
         return (xf * cos + rotated * sin).to(x.dtype)
 
     def _attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, start: int, end: int,
-                   cache: PagedKVCache, block_table: torch.Tensor) -> torch.Tensor:
+                   cache: PagedKVCache, block_table: torch.Tensor, masks: dict) -> torch.Tensor:
         """q [T, H, D] of positions [start, end) -> [T, H*D], attending through the paged cache (H, Hkv: this
-        rank's heads)."""
+        rank's heads). ``masks``: the forward pass's (key positions, allowed, not allowed) per window, filled on first
+        use."""
         c = self.shard_config
         window = c.window(layer)
-        lo = 0 if window is None else max(0, start - window + 1)
-        key_positions = torch.arange(lo, end, device=q.device)
+        if window not in masks:  # the same for every layer of one window: built once per forward pass
+            lo = 0 if window is None else max(0, start - window + 1)
+            key_positions = torch.arange(lo, end, device=q.device)
+            allowed = key_positions[None, :] <= positions[:, None]
+            if window is not None:
+                allowed &= key_positions[None, :] > positions[:, None] - window
+            masks[window] = key_positions, allowed, ~allowed
+        key_positions, allowed, blocked = masks[window]
         k, v = cache.read_tokens(layer, block_table, key_positions)  # [S, Hkv, D] each
-        allowed = key_positions[None, :] <= positions[:, None]
-        if window is not None:
-            allowed &= key_positions[None, :] > positions[:, None] - window
         t, s, g, d = q.shape[0], key_positions.numel(), c.q_per_kv, c.head_dim
         scale = 1.0 / math.sqrt(d)
         if self.attn_impl == "sdpa":
@@ -159,7 +170,7 @@ class Transformer:
         # Query head h uses KV head h // g: group the g query heads of each KV head into one batched matmul.
         qh = q.view(t, c.num_kv_heads, g, d).permute(1, 2, 0, 3).reshape(c.num_kv_heads, g * t, d)
         scores = torch.bmm(qh, k.permute(1, 2, 0)).view(c.num_kv_heads, g, t, s).float() * scale
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(c.num_kv_heads, g * t, s)
         out = torch.bmm(probs, v.permute(1, 0, 2))  # [Hkv, g*T, D]
         return out.view(c.num_kv_heads, g, t, d).permute(2, 0, 1, 3).reshape(t, c.num_heads * d)
@@ -176,6 +187,7 @@ class Transformer:
         positions = torch.arange(start, end, device=self.device)
         x = self.embed[token_ids]
         n_q, n_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        rope, masks = self._rope_tables(positions), {}
         for i, w in enumerate(self.layers):
             h = self._rms_norm(x, w.input_norm)
             qkv = F.linear(h, w.qkv)
@@ -185,10 +197,10 @@ class Transformer:
             if c.qk_norm:
                 q = self._rms_norm(q, w.q_norm)
                 k = self._rms_norm(k, w.k_norm)
-            q = self._rope(q, positions)
-            k = self._rope(k, positions)
+            q = self._rope(q, rope)
+            k = self._rope(k, rope)
             cache.write_tokens(i, block_table, positions, k, v)
-            x = x + self._reduce(F.linear(self._attention(i, q, positions, start, end, cache, block_table), w.o))
+            x = x + self._reduce(F.linear(self._attention(i, q, positions, start, end, cache, block_table, masks), w.o))
             gate, up = F.linear(self._rms_norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
             x = x + self._reduce(F.linear(F.silu(gate) * up, w.down))
         last = self._rms_norm(x[-1:], self.final_norm)
