@@ -23,7 +23,8 @@
 // beyond; a whole restore's lease is released then, as on any failure: query again).
 //
 // Thread safety: every method is safe from any thread. Done callbacks run exactly once: inline for
-// an error found before any copy, otherwise on a copy engine's thread.
+// an error found before any copy (or for a long restore's second batch refused after its first
+// drained), otherwise on a copy engine's thread.
 #ifndef ORBITKV_SERVER_CACHE_SERVICE_H_
 #define ORBITKV_SERVER_CACHE_SERVICE_H_
 

@@ -2,11 +2,11 @@
 // encoded as the reply.
 //
 // Queries, releases and cancels are answered inline on the dispatcher. Restores and saves become
-// one copy batch each, and a Loading wait is answered when its operation completes: the thread that
-// finishes the work posts the reply, so the dispatcher never waits on bytes. A request that is
-// malformed (undecodable payload) poisons the session; a well-formed request that cannot be served
-// (unknown instance, stale lease, full budget, page out of range) gets an error reply and the
-// session continues.
+// copy batches (one each, or two for a long whole restore), and a Loading wait is answered when its
+// operation completes: the thread that finishes the work posts the reply, so the dispatcher never
+// waits on bytes. A request that is malformed (undecodable payload) poisons the session; a
+// well-formed request that cannot be served (unknown instance, stale lease, full budget, page out
+// of range) gets an error reply and the session continues.
 #include <memory>
 
 #include "base/logging.h"
