@@ -214,10 +214,15 @@ def test_a_hit_slower_to_restore_than_to_recompute_is_declined(manager):
     assert engine.worker_stats.data["restored_blocks"] == 4
     assert engine.connector._scheduler.costs.restore_rate > 0
     engine.results.clear()
+    saves_before = {k: engine.worker_stats.data.get(k, 0) for k in ("saved_blocks", "skipped_blocks")}
     assert run(engine, batch) == baseline
     stats = engine.scheduler.kv_stats.data
     assert stats["hits_declined"] == 1 and stats["loads"] == 1
     assert engine.workers[0].model.tokens_computed == (16 + 3) + (80 + 3)
+    # The declined prefix (4 blocks) was in the Manager: not saved again. The block after it (tokens 64-79, the
+    # one a hit never covers) is offered as before, and skipped there.
+    assert engine.worker_stats.data.get("saved_blocks", 0) == saves_before["saved_blocks"]
+    assert engine.worker_stats.data.get("skipped_blocks", 0) - saves_before["skipped_blocks"] == 1
     assert_nothing_held(engine, manager)
     engine.shutdown()
     # The same with declines off: taken again.

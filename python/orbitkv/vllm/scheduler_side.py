@@ -98,6 +98,9 @@ class SchedulerSide:
         # again would fail the same way (a stalled Manager, a worker that lost it), so they get no more loads.
         self._no_load: set = set()
         self._planned_blocks: dict = {}  # req_id -> block ids of its planned load
+        # req_id -> (first, end) blocks of a declined hit: resident in the Manager when asked, so the request's
+        # first step does not save them again (a save the Manager would skip, after the step's pages are done).
+        self._declined: dict = {}
         # key -> (vLLM block hashes, parent hash, token ids, lora) of saved blocks, until workers report them
         self._event_info: OrderedDict = OrderedDict()
         self.stats = OrbitKVConnectorStats()
@@ -148,6 +151,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         req_id = request.request_id
+        self._declined.pop(req_id, None)  # only this answer's decline counts
         if self.link is None or getattr(request, "skip_reading_prefix_cache", False) or req_id in self._no_load:
             return 0, False
         bs = self.cfg.block_size
@@ -192,6 +196,8 @@ class SchedulerSide:
                 self._hit_bytes(lookup), lookup.tokens * bs,
                 request.num_tokens - num_computed_tokens - lookup.tokens * bs, self.layerwise):
             self.stats.add("hits_declined")
+            if not self.window_groups:  # a hybrid's window groups hold only their window's blocks
+                self._declined[req_id] = (lookup.start, lookup.boundary)
             self._drop_lookup(req_id)
             return 0, False
         return lookup.tokens * bs, not self.layerwise
@@ -323,6 +329,7 @@ class SchedulerSide:
             self._drop_lookup(req_id)
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self._tracked.pop(req_id, None)
+            self._declined.pop(req_id, None)
             self._requests.pop(req_id, None)
             self._keys.forget(req_id)
             self._stale.discard(req_id)
@@ -341,6 +348,9 @@ class SchedulerSide:
             if request is None:
                 continue
             tracked = _Tracked(request, [list(ids) for ids in new.block_ids], new.num_computed_tokens // bs)
+            first, end = self._declined.pop(new.req_id, (0, 0))
+            if first <= tracked.planned:  # the blocks of a hit it declined are in the Manager already
+                tracked.planned = max(tracked.planned, end)
             self._tracked[new.req_id] = tracked
             steps.append((tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
         cached = out.scheduled_cached_reqs
@@ -442,6 +452,7 @@ class SchedulerSide:
         self._no_load.discard(request.request_id)
         self._loaded.pop(request.request_id, None)
         self._planned_blocks.pop(request.request_id, None)
+        self._declined.pop(request.request_id, None)
         self._drop_lookup(request.request_id, inflight=True)
         self._tracked.pop(request.request_id, None)
         self._keys.forget(request.request_id)
@@ -455,6 +466,7 @@ class SchedulerSide:
         self._keys.new_epoch(self._epoch)
         self._stale.update(self._tracked)
         self._stale.update(self._requests)
+        self._declined.clear()
         for req_id in list(self._lookups):
             self._drop_lookup(req_id)
         self.stats.add("cache_resets")
