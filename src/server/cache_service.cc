@@ -277,9 +277,12 @@ uint64_t CacheService::RestoreFragments(const channel::RestoreRequest& request,
 
 namespace {
 
-// The batches of one restore: the last to drain finishes it, with the first error.
+// One restore in flight: its reply, claim and totals, and its batches (one or two), the last of
+// which to drain finishes it with the first error.
 struct RestoreJoint {
-  explicit RestoreJoint(int parts) : remaining(parts) {}
+  RestoreJoint(int parts, CacheService::Done<channel::RestoreReply> reply,
+               std::function<void()> claim_finish)
+      : done(std::move(reply)), claimed(std::move(claim_finish)), remaining(parts) {}
   // True for the caller that ended the last part; `*outcome` is then the restore's status.
   bool PartDone(const Status& status, Status* outcome) {
     MutexLock lock(&mu);
@@ -288,6 +291,10 @@ struct RestoreJoint {
     *outcome = error;
     return true;
   }
+  CacheService::Done<channel::RestoreReply> done;
+  std::function<void()> claimed;
+  uint64_t total = 0;      // whole before the last batch is submitted (read by the last to drain)
+  double handed_over = 0;  // arrival to the first batch's hand-over
   Mutex mu;
   int remaining GUARDED_BY(mu);
   Status error GUARDED_BY(mu);
@@ -366,20 +373,11 @@ void CacheService::Restore(uint64_t owner, const channel::RestoreRequest& reques
         Status::Aborted("the engine abandoned this restore before it started; nothing was "
                         "written"));
   }
-  struct Finish {
-    Done<channel::RestoreReply> done;
-    std::function<void()> claimed;
-    uint64_t total = 0;      // whole before the last batch is submitted (read by the last to drain)
-    double handed_over = 0;  // arrival to the first batch's hand-over
-  };
-  auto finish = std::make_shared<Finish>();
-  finish->done = std::move(done);
-  finish->claimed = claim.finish;
-  auto joint = std::make_shared<RestoreJoint>(split ? 2 : 1);
-  auto part_done = [this, owner, lease, finish, joint, keep = target->group, watch](Status status) {
+  auto finish = std::make_shared<RestoreJoint>(split ? 2 : 1, std::move(done), claim.finish);
+  auto part_done = [this, owner, lease, finish, keep = target->group, watch](Status status) {
     CheckFault(owner, status);
     Status outcome;
-    if (!joint->PartDone(status, &outcome)) return;
+    if (!finish->PartDone(status, &outcome)) return;
     // The copy drained: pins, reservation and the operation's slot go back before the engine
     // hears of it (its next request must find them free).
     if (finish->claimed) finish->claimed();

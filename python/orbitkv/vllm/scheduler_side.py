@@ -329,7 +329,6 @@ class SchedulerSide:
             self._drop_lookup(req_id)
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self._tracked.pop(req_id, None)
-            self._declined.pop(req_id, None)
             self._requests.pop(req_id, None)
             self._keys.forget(req_id)
             self._stale.discard(req_id)
