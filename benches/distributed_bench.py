@@ -268,17 +268,43 @@ def plot_ttft_by_tier(times: dict, path: pathlib.Path) -> str:
     return str(path)
 
 
+def emit(report: dict, as_json: bool) -> None:
+    """The report as one JSON object, or as a table and the environment's lines."""
+    if as_json:
+        print(json.dumps(report))
+        return
+    for r in report["results"]:
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
+        print(f"{r['metric']:<52} {r['value']:>14.4f} {r['unit']:<9} {r['baseline_metric']:<40} "
+              f"{r['baseline']:>12.4f} {ratio}")
+    for k, v in report["env"].items():
+        print(f"  {k}: {v}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--loopback", action="store_true",
+                        help="three Managers on this host's loopback (distinct ports, UCX tcp on lo) instead of "
+                             "network namespaces: the GPU machine's mode (tests/gpu/run_cluster.sh); no root needed")
+    parser.add_argument("--fetch-workers", default="4",
+                        help="--loopback: the Managers' --remote-fetch-workers, one cluster each (e.g. 2,4,8)")
+    parser.add_argument("--gpu-ttft", default="",
+                        help="--loopback: prompt lengths (e.g. 4096,8192) whose TTFT is measured on the GPU with "
+                             "the Qwen3-8B-shaped model (the CPU 'tiny' model at 4096 when empty or no GPU)")
+    parser.add_argument("--plot", default="", help="--loopback: where the TTFT plot goes")
     args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        parser.error("needs root (network namespaces, as CI runs it)")
     build = pathlib.Path(os.environ.get("ORBITKV_BUILD_DIR", "build")).resolve()
-    manager_bin = str(build / "src" / "server" / "orbitkv-manager")
     cli_bin = build / "tools" / "orbitkv"
     if not cli_bin.exists():
         subprocess.run(["cmake", "--build", str(build), "--target", "orbitkv"], check=True, stdout=sys.stderr)
+    if args.loopback:
+        from distributed_loopback import loopback_main
+
+        return loopback_main(args, build)
+    if os.geteuid() != 0:
+        parser.error("needs root (network namespaces, as CI runs it); --loopback runs without")
+    manager_bin = str(build / "src" / "server" / "orbitkv-manager")
     baselines = transfer_baselines(build)
 
     work = tempfile.mkdtemp(prefix="orbitkv-dbench-")
@@ -410,16 +436,7 @@ def main(argv=None) -> int:
                transfer_seconds_total=f"{after.get('remote_fetch_seconds', 0) - before.get('remote_fetch_seconds', 0):.3f}")
     env["ttft_ssd_restored_tokens"] = str(times["ssd_tokens"])
     env["plot"] = plot_ttft_by_tier(times, build / "benches" / "distributed_ttft.png")
-    report = dict(bench="distributed", results=results, env=env)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for r in results:
-            ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
-            print(f"{r['metric']:<32} {r['value']:>14.4f} {r['unit']:<9} {r['baseline_metric']:<32} "
-                  f"{r['baseline']:>12.4f} {ratio}")
-        for k, v in env.items():
-            print(f"  {k}: {v}")
+    emit(dict(bench="distributed", results=results, env=env), args.json)
     return 0 if two["bad"] + three["bad"] == 0 and times["same"] else 1
 
 

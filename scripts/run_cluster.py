@@ -118,9 +118,9 @@ def start_etcd(host: str, work: str, procs: list) -> str:
 
 
 def start_managers(net, nodes: list[str], etcd_endpoint: str, work: str, procs: list, manager_bin: str, cli: str,
-                   extra: list[str]) -> list[str]:
+                   extra: list[str], per_node=None) -> list[str]:
     """One distributed Manager per node (host i of `net`), every node a catalog host; waits until each answers.
-    Returns their sockets."""
+    `per_node(i)`: flags of host i's alone (on loopback, its own metrics port). Returns their sockets."""
     sockets = []
     first = len(procs)
     for i, node in enumerate(nodes):
@@ -130,7 +130,8 @@ def start_managers(net, nodes: list[str], etcd_endpoint: str, work: str, procs: 
         flags = ["--socket", sock, "--log-level", "warn", "--log-file", f"{work}/{node}.log",
                  "--etcd-endpoints", etcd_endpoint, "--cluster-name", "run", "--node-id", node,
                  "--catalog-nodes", ",".join(nodes), "--peer-endpoint", peer,
-                 "--transfer-listen", net.address(i), "--ucx-tls", "tcp", "--ucx-net-devices", net.device(i), *extra]
+                 "--transfer-listen", net.address(i), "--ucx-tls", "tcp", "--ucx-net-devices", net.device(i), *extra,
+                 *(per_node(i) if per_node else [])]
         if os.geteuid() != 0:
             flags.append("--allow-unpinned")
         procs.append(subprocess.Popen(net.launcher(i) + [manager_bin, *flags]))

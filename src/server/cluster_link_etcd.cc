@@ -405,6 +405,7 @@ class RemoteNode {
     RemoteFetcher::Options fetch;
     fetch.self_node = config.node_id;
     fetch.deadline = std::chrono::milliseconds(config.remote_fetch_deadline_ms);
+    fetch.threads = fetch_workers_ = config.remote_fetch_workers;
     fetch.staging_budget_bytes = config.remote_staging_budget_bytes;
     fetch.can_work = [&membership] { return membership.CanDoRemoteWork(); };
     fetcher_ = std::make_unique<RemoteFetcher>(std::move(fetch), cache, &index_, discovery_.get(), &requester_,
@@ -450,9 +451,9 @@ class RemoteNode {
            fmt::format(", \"discovery_skipped_hosts\": {}, \"discovery_failed_hosts\": {}, "
                        "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}, "
                        "\"remote_fetches_shared\": {}, \"remote_fetch_seconds\": {:.6f}, "
-                       "\"remote_sources_skipped\": {}",
+                       "\"remote_sources_skipped\": {}, \"remote_fetch_workers\": {}",
                        d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, f.shared,
-                       f.fetch_seconds, f.sources_skipped);
+                       f.fetch_seconds, f.sources_skipped, fetch_workers_);
   }
 
  private:
@@ -483,6 +484,7 @@ class RemoteNode {
   std::unique_ptr<catalog::Discovery> discovery_;
   std::unique_ptr<catalog::SourceHolds> holds_;
   std::unique_ptr<RemoteFetcher> fetcher_;
+  size_t fetch_workers_ = 0;  // --remote-fetch-workers, reported in stats
   Gauge* index_entries_;
   Gauge* index_bytes_;
   Gauge* index_hits_;

@@ -340,6 +340,10 @@ const std::vector<Option>& Options() {
        "recomputes the "
        "rest (default 10000)",
        Uint32Into(&ManagerConfig::remote_fetch_deadline_ms, 100, 600000)},
+      {"remote-fetch-workers", "N",
+       "remote stages (fetches of different prefixes from peers) run at once, one thread each; "
+       "more help where cores and the network have room (default 4)",
+       Uint32Into(&ManagerConfig::remote_fetch_workers, 1, 64)},
       {"remote-staging-budget", "SIZE",
        "pool bytes blocks being fetched from peers may hold before they are sealed (default a "
        "quarter of the "

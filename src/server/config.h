@@ -89,6 +89,7 @@ struct ManagerConfig {
   uint32_t discovery_max_hosts = 4;
   uint32_t candidate_ttl_ms = 5000;
   uint32_t remote_fetch_deadline_ms = 10000;
+  uint32_t remote_fetch_workers = 4;  // threads running remote stages (fetches) at once
   uint64_t remote_staging_budget_bytes = 0;  // 0: a quarter of the pool
   uint64_t transfer_peer_budget_bytes = 0;   // 0: the transfer budget
 };

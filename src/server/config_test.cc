@@ -131,6 +131,12 @@ TEST(ConfigTest, ErrorsNameTheFlag) {
   EXPECT_EQ(Parse({})->config.gpu_restore_staging_bytes, uint64_t{64} << 20);
   EXPECT_EQ(Parse({"--gpu-restore-staging", "0"})->config.gpu_restore_staging_bytes, 0u);
   EXPECT_TRUE(Parse({"--help"})->help);
+  EXPECT_EQ(Parse({})->config.remote_fetch_workers, 4u);
+  EXPECT_EQ(Parse({"--remote-fetch-workers", "8"})->config.remote_fetch_workers, 8u);
+  auto workers = Parse({"--remote-fetch-workers", "0"});
+  ASSERT_FALSE(workers.ok());
+  EXPECT_NE(workers.status().ToString().find("--remote-fetch-workers"), std::string::npos);
+  EXPECT_FALSE(Parse({"--remote-fetch-workers", "65"}).ok());
 }
 
 TEST(ConfigTest, TomlFileUsesTheFlagNamesAndFlagsWin) {
