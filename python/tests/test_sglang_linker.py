@@ -6,6 +6,7 @@ covered by the CUDA cases of test_sglang_gate.py, run on the GPU machine (tests/
 import enum
 import hashlib
 import sys
+import threading
 import time
 import types
 
@@ -14,8 +15,10 @@ import torch
 
 from orbitkv.sglang import OrbitKVLinker
 from orbitkv.sglang import plugin
-from orbitkv.sglang._compat import PoolTransfer
+from orbitkv.sglang import _compat
+from orbitkv.sglang._compat import LinkerCancelOutcome, PoolTransfer
 from sglang_harness.hashing import page_hashes
+from sglang_harness.linker_wrapper import PINNED, VERDICTS, Wrapper
 from sglang_harness.manager import ManagerProcess
 from sglang_harness.pools import MHATokenToKVPool, MLATokenToKVPool
 
@@ -36,6 +39,27 @@ def manager(build_dir):
     m = ManagerProcess(build_dir)
     yield m
     m.stop()
+
+
+@pytest.fixture(params=["pinned", "verdicts"], autouse=True)
+def interface(request):
+    """Every test runs against the pinned wrapper's interface and the older verdict-carrying one
+    (sglang_harness/linker_wrapper.py), as the linker detects them from SGLang's classes."""
+    chosen = {"pinned": PINNED, "verdicts": VERDICTS}[request.param]
+    _compat.set_linker_interface(chosen)
+    yield chosen
+    _compat.set_linker_interface(None)
+
+
+def pop_load(linker, interface):
+    """The next completed load batch's rids; where the interface carries verdicts, the batch must have succeeded."""
+    popped = linker.pop_completed_load()
+    if interface.verdicts:
+        rids, ok = popped
+        assert ok is True
+        return rids
+    assert isinstance(popped, list)
+    return popped
 
 
 def device_pool(mla=False, shared=True):
@@ -90,7 +114,7 @@ def offload(linker, keys_, device_indices):
     return linker.pop_completed_offload()
 
 
-def test_offload_lookup_load_round_trip(manager):
+def test_offload_lookup_load_round_trip(manager, interface):
     """Pool a is in OrbitKV shared memory, pool b in ordinary memory (registered as process memory): pages move
     from each kind into the other."""
     pool_a, pool_b = device_pool(shared=True), device_pool(shared=False)
@@ -105,7 +129,7 @@ def test_offload_lookup_load_round_trip(manager):
     for layer in range(LAYERS):
         b.layer_done_counter.wait_until(layer)
     wait_for(lambda: b.num_completed_loads() == 1)
-    assert b.pop_completed_load() == (["r1"], True)  # SGLang's (rids, success)
+    assert pop_load(b, interface) == ["r1"]
     assert same_pages(pool_a, slots(3, 4), pool_b, slots(10, 4))
     # Back the other way: b saves pages of its ordinary memory, a restores them into shared memory.
     k2 = keys("linker-back", 2)
@@ -114,7 +138,7 @@ def test_offload_lookup_load_round_trip(manager):
     a.layer_done_counter.set_consumer(a.start_layer_wise_loading())
     a.layer_done_counter.wait_until(LAYERS - 1)
     wait_for(lambda: a.num_completed_loads() == 1)
-    assert a.pop_completed_load() == (["r2"], True)
+    assert pop_load(a, interface) == ["r2"]
     assert same_pages(pool_b, slots(20, 2), pool_a, slots(0, 2))
     assert not same_pages(pool_b, slots(20, 2), pool_a, slots(3, 2))  # the pools' random content differs
     assert manager.stats()["leases_active"] == 0
@@ -122,7 +146,7 @@ def test_offload_lookup_load_round_trip(manager):
     b.close()
 
 
-def test_leases_are_released_when_fewer_pages_load_or_nothing_does(manager):
+def test_leases_are_released_when_fewer_pages_load_or_nothing_does(manager, interface):
     pool = device_pool()
     linker = make_linker(manager.socket, pool)
     k = keys("leases", 4)
@@ -131,7 +155,12 @@ def test_leases_are_released_when_fewer_pages_load_or_nothing_does(manager):
     assert manager.stats()["leases_active"] == 4
     assert linker.load("short", kv(k[:2], slots(8, 2))) is True  # the ranks agreed on 2 pages
     assert manager.stats()["leases_active"] == 2
-    assert linker.cancel_queued_load("short") is True and linker.cancel_queued_load("short") is False
+    if interface.cancel_outcomes:  # the wrapper rolls back what it inserted: the queued load goes
+        assert linker.cancel_queued_load("short") is True and linker.cancel_queued_load("short") is False
+        assert manager.stats()["leases_active"] == 0
+    else:  # no rollback there: the load is kept (its pages are in SGLang's tree) and lands
+        assert linker.cancel_queued_load("short") is False
+        assert manager.stats()["leases_active"] == 2
     assert linker.lookup("idle", kv(k)) == [1, 2, 3, 4]
     assert linker.load("nobody-looked-up", kv(k, slots(8, 4))) is False
     linker.reset()
@@ -168,7 +197,7 @@ def test_a_lookup_that_fails_part_way_gives_back_the_pages_it_leased(manager):
     linker.close()
 
 
-def test_loads_pair_pages_by_key_when_the_tree_adopts_a_later_subset(manager):
+def test_loads_pair_pages_by_key_when_the_tree_adopts_a_later_subset(manager, interface):
     """UnifiedCacheLinkerWrapper.load_back narrows the transfer to the ranges the tree adopted
     (_update_load / _select_adopted_pages): another request may have inserted the leading pages meanwhile, so
     the load can name pages 2 and 3 of a 4-page lookup. Before: leases were paired with slots by position, so
@@ -184,15 +213,29 @@ def test_loads_pair_pages_by_key_when_the_tree_adopts_a_later_subset(manager):
     b.layer_done_counter.set_consumer(b.start_layer_wise_loading())
     b.layer_done_counter.wait_until(LAYERS - 1)
     wait_for(lambda: b.num_completed_loads() == 1)
-    assert b.pop_completed_load() == (["r"], True)
+    assert pop_load(b, interface) == ["r"]
     assert same_pages(writer, slots(2, 2), reader_pool, slots(20, 2))
-    # A lookup no load takes in its step holds nothing once the step's loading starts.
+    # A lookup no load takes in its step: older wrappers never load it later (released when the step's loading
+    # starts); the pinned one keeps its hit across passes until load_back or cancel_request.
     assert b.lookup("skipped", kv(k)) == [1, 2, 3, 4]
     assert b.start_layer_wise_loading() == -1
+    if interface.cancel_outcomes:
+        assert manager.stats()["leases_active"] == 4
+        assert b.cancel_request("skipped") is LinkerCancelOutcome.LOOKUP_RELEASED
     assert manager.stats()["leases_active"] == 0
-    # A page the lookup did not find cannot be loaded (and nothing stays leased).
+    # A page the lookup did not find: the lookup promised the others, so the load is accepted (SGLang's wrapper
+    # treats a refused load as fatal) and fails once submitted; nothing stays leased.
     assert b.lookup("r2", kv(k[:2])) == [1, 2]
-    assert b.load("r2", kv(k[1:3], slots(20, 2))) is False
+    assert b.load("r2", kv(k[1:3], slots(20, 2))) is True
+    b.layer_done_counter.set_consumer(b.start_layer_wise_loading())
+    assert b.counters()["load_errors"] == 1
+    if interface.verdicts:
+        b.layer_done_counter.wait_until(LAYERS - 1)
+        wait_for(lambda: b.num_completed_loads() == 1)
+        assert b.pop_completed_load() == (["r2"], False)
+    else:
+        with pytest.raises(RuntimeError, match="failed on this rank"):
+            b.layer_done_counter.wait_until(0)
     assert manager.stats()["leases_active"] == 0
     for linker in (a, b):
         linker.close()
@@ -232,10 +275,11 @@ def test_mla_rank1_does_not_write(manager):
         r.close()
 
 
-def test_a_failed_restore_is_reported_after_the_forward_pass_not_raised_in_it(manager):
-    """Before: wait_until raised mid-forward (a scheduler crash at TP=1, the other ranks stuck in a collective at
-    TP>1). Now the layer waits return and the batch's verdict comes through pop_completed_load, which SGLang
-    MIN-reduces across the TP/CP group after the forward pass to abort only those requests."""
+def test_a_failed_restore_is_reported_after_the_forward_pass_or_raised_in_it(manager, interface):
+    """Verdicts: the layer waits return and the batch's verdict comes through pop_completed_load, which SGLang
+    MIN-reduces across the TP/CP group after the forward pass to abort only those requests. The pinned wrapper
+    takes no verdict (pop_completed_load -> list[str]) and its tree already holds the pages: the layer wait raises
+    (every rank alike: test_a_failed_restore_raises_on_every_tp_rank), never a silent completion."""
     pool = device_pool()
     linker = make_linker(manager.socket, pool)
     k = keys("dies", 2)
@@ -245,10 +289,17 @@ def test_a_failed_restore_is_reported_after_the_forward_pass_not_raised_in_it(ma
     manager.kill()
     index = linker.start_layer_wise_loading()
     linker.layer_done_counter.set_consumer(index)
-    for layer in range(LAYERS):  # the forward pass goes on
-        linker.layer_done_counter.wait_until(layer)
-    wait_for(lambda: linker.num_completed_loads() == 1)
-    assert linker.pop_completed_load() == (["r"], False)
+    if interface.verdicts:
+        for layer in range(LAYERS):  # the forward pass goes on
+            linker.layer_done_counter.wait_until(layer)
+        wait_for(lambda: linker.num_completed_loads() == 1)
+        assert linker.pop_completed_load() == (["r"], False)
+    else:
+        for layer in range(LAYERS):  # every wait of the batch raises, never a silent return
+            with pytest.raises(RuntimeError, match="restoring KV pages from the Manager failed"):
+                linker.layer_done_counter.wait_until(layer)
+        wait_for(lambda: linker.num_completed_loads() == 1)
+        assert linker.pop_completed_load() == ["r"]
     assert linker.lookup("again", kv(k)) == []
     assert linker.offload(kv(k, slots(0, 2))) is True
     wait_for(lambda: linker.num_completed_offloads() == 1)
@@ -302,3 +353,213 @@ def test_gpu_pools_pass_through_once_the_client_registers_them(monkeypatch):
     assert geometry.num_pages == 5 and len(geometry.buffers) == 2
     assert all(b.device.type == "meta" and tuple(b.shape) == (5, P * 2 * 8) for b in geometry.buffers)
     assert geometry.block_bytes == 2 * P * 2 * 8 * 2
+
+
+# ---- the pinned wrapper's flow (sglang_harness/linker_wrapper.py) ----
+
+def run_loads(wrapper):
+    """One forward pass over the queued loads, then the scheduler's drain."""
+    index = wrapper.start_layer_wise_loading()
+    assert index >= 0
+    wrapper.forward(index, LAYERS)
+    wait_for(lambda: wrapper.linker.num_completed_loads() >= 1)
+    return wrapper.drain_loads()
+
+
+def test_a_hit_held_across_passes_and_past_the_lease_ttl_is_loaded(manager, interface):
+    """The pinned wrapper keeps a lookup's hit marker across scheduling passes (a waiting request probed for
+    priority, admitted later): load() must take it however long that was. Before: the linker released the lookup's
+    leases when the next pass started and after lease_ttl_s, load() returned False, and the wrapper raised
+    RuntimeError from load_back (a scheduler crash)."""
+    writer_pool, reader_pool = device_pool(), device_pool()
+    writer = make_linker(manager.socket, writer_pool)
+    k = keys("held", 4)
+    offload(writer, k, slots(0, 4))
+    reader = make_linker(manager.socket, reader_pool, lease_ttl_s=0.05)
+    wrapper = Wrapper(reader, interface, page_size=P)
+    assert wrapper.match("r", k) == 4
+    if not interface.cancel_outcomes:  # older wrappers load in the same pass: nothing to hold across passes
+        assert wrapper.load_back("r", 10) == [10, 11, 12, 13]
+    else:
+        assert wrapper.start_layer_wise_loading() == -1  # a pass in which the request was not admitted
+        time.sleep(0.1)  # past lease_ttl_s
+        assert wrapper.match("other", keys("absent", 2)) == 0  # another lookup (it used to expire old ones)
+        assert manager.stats()["leases_active"] == 4
+        assert wrapper.load_back("r", 10) == [10, 11, 12, 13]
+    assert run_loads(wrapper) == ["r"]
+    assert same_pages(writer_pool, slots(0, 4), reader_pool, slots(10, 4))
+    assert manager.stats()["leases_active"] == 0
+    for linker in (writer, reader):
+        linker.close()
+
+
+def test_a_request_released_before_submission_never_leaves_unloaded_pages_in_the_tree(manager, interface):
+    """A request whose load is queued (its pages already in SGLang's tree) is released before the loads start;
+    then a request sharing the prefix arrives. Pinned wrapper: cancel_request answers QUEUED_LOAD_CANCELLED, the
+    wrapper rolls the insert back, and the second request loads the pages itself. Older wrappers roll nothing
+    back: cancel_queued_load answers False, the load is kept and lands, and the second request's device hit reads
+    it. Either way every page the second request reads is the saved one. Before: cancel_request answered True
+    (which the pinned wrapper's outcome checks ignore) and cancel_queued_load True for a load it dropped, so the
+    tree kept slots that were never loaded."""
+    writer_pool, reader_pool = device_pool(), device_pool()
+    writer = make_linker(manager.socket, writer_pool)
+    k = keys("released", 4)
+    offload(writer, k, slots(0, 4))
+    reader = make_linker(manager.socket, reader_pool)
+    wrapper = Wrapper(reader, interface, page_size=P)
+    assert wrapper.match("a", k) == 4
+    assert wrapper.load_back("a", 10) == [10, 11, 12, 13]
+    wrapper.release_request("a")  # aborted before the step's loads start
+    if interface.cancel_outcomes:
+        assert wrapper.tree == {} and wrapper.pending_loads == {}
+        assert manager.stats()["leases_active"] == 0
+        assert wrapper.match("b", k) == 4  # not in the tree: b asks the store
+        assert wrapper.load_back("b", 20) == [20, 21, 22, 23]
+        assert run_loads(wrapper) == ["b"]
+    else:
+        assert "a" in wrapper.pending_loads  # kept: it lands with the next loads
+        assert wrapper.match("b", k) == 0  # a device hit on a's pages
+        assert run_loads(wrapper) == ["a"]
+    read = [wrapper.tree[h] for h in k]
+    assert same_pages(writer_pool, slots(0, 4), reader_pool, torch.cat([slots(p, 1) for p in read]))
+    assert manager.stats()["leases_active"] == 0
+    for linker in (writer, reader):
+        linker.close()
+
+
+def test_cancel_request_names_what_it_released(manager, interface):
+    """The pinned wrapper's cancel_request outcomes: a lookup ticket, a queued load, a submitted load (retained
+    until it completes; the wrapper drains it as usual), nothing; and an empty rank intersection releases the
+    lookup (the wrapper's match calls cancel_request)."""
+    if not interface.cancel_outcomes:
+        return cancel_request_is_a_bool(manager)
+    pool = device_pool()
+    linker = make_linker(manager.socket, pool)
+    k = keys("outcomes", 2)
+    offload(linker, k, slots(0, 2))
+    assert linker.lookup("t", kv(k)) == [1, 2]
+    assert linker.cancel_request("t") is LinkerCancelOutcome.LOOKUP_RELEASED
+    assert linker.cancel_request("t") is LinkerCancelOutcome.NOT_FOUND
+    assert linker.lookup("q", kv(k)) == [1, 2] and linker.load("q", kv(k, slots(4, 2))) is True
+    assert linker.cancel_request("q") is LinkerCancelOutcome.QUEUED_LOAD_CANCELLED
+    assert manager.stats()["leases_active"] == 0
+    wrapper = Wrapper(linker, interface, page_size=P)
+    assert wrapper.match("s", k) == 2 and wrapper.load_back("s", 8) == [8, 9]
+    real_restore, gate = linker._link.restore, threading.Event()
+
+    def held_restore(*args, **kwargs):  # the restore is under way until the test lets it finish
+        gate.wait(30)
+        return real_restore(*args, **kwargs)
+
+    linker._link.restore = held_restore
+    index = wrapper.start_layer_wise_loading()
+    wrapper.release_request("s")  # SUBMITTED_LOAD_RETAINED: the wrapper keeps its pending load
+    assert wrapper.pending_loads["s"].phase == "submitted"
+    assert linker.cancel_request("s") is LinkerCancelOutcome.SUBMITTED_LOAD_RETAINED
+    gate.set()
+    wrapper.forward(index, LAYERS)
+    wait_for(lambda: linker.num_completed_loads() == 1)
+    assert wrapper.drain_loads() == ["s"] and wrapper.pending_loads == {}
+    assert same_pages(pool, slots(0, 2), pool, slots(8, 2))
+    # The ranks share no prefix length: the wrapper's match releases the lookup at once.
+    empty = Wrapper(linker, interface, page_size=P, intersect=lambda mask: mask.zero_())
+    assert empty.match("none", k) == 0 and empty.hit_markers == {}
+    assert manager.stats()["leases_active"] == 0
+    linker.close()
+
+
+def cancel_request_is_a_bool(manager):
+    """Where the wrapper takes no outcome, cancel_request answers a bool, True only for a lookup it released
+    with no load of the request kept."""
+    pool = device_pool()
+    linker = make_linker(manager.socket, pool)
+    k = keys("bools", 2)
+    offload(linker, k, slots(0, 2))
+    assert linker.lookup("t", kv(k)) == [1, 2]
+    assert linker.cancel_request("t") is True and linker.cancel_request("t") is False
+    assert linker.lookup("q", kv(k)) == [1, 2] and linker.load("q", kv(k, slots(4, 2))) is True
+    assert linker.cancel_request("q") is False  # the load is kept (no rollback there) and lands
+    linker.reset()
+    assert manager.stats()["leases_active"] == 0
+    linker.close()
+
+
+def test_reset_forgets_completed_loads_and_offloads(manager, interface):
+    """A reset with a completed load and a completed offload not consumed yet: the wrapper forgets its pending
+    work on reset, so a completion surviving it would reach drain_loads with a rid it no longer knows (a KeyError
+    in the scheduler) or be taken as the next offload's verdict."""
+    pool = device_pool()
+    linker = make_linker(manager.socket, pool)
+    wrapper = Wrapper(linker, interface, page_size=P)
+    k = keys("reset", 2)
+    offload(linker, k, slots(0, 2))
+    assert wrapper.match("r", k) == 2 and wrapper.load_back("r", 8) == [8, 9]
+    wrapper.forward(wrapper.start_layer_wise_loading(), LAYERS)
+    assert linker.offload(kv(keys("reset-more", 1), slots(3, 1))) is True
+    wait_for(lambda: linker.num_completed_loads() == 1 and linker.num_completed_offloads() == 1)
+    wrapper.reset()
+    assert linker.num_completed_loads() == 0 and linker.num_completed_offloads() == 0
+    assert wrapper.drain_loads() == []
+    assert manager.stats()["leases_active"] == 0
+    # And the linker works on after it.
+    assert wrapper.match("again", k) == 2 and wrapper.load_back("again", 12) == [12, 13]
+    assert run_loads(wrapper) == ["again"]
+    linker.close()
+
+
+def test_a_linker_configured_with_only_the_socket_starts_and_round_trips(manager, interface):
+    """SGLang launched with the linker and only the socket configured: the weights identity is derived as the
+    HiCache backend derives it (hicache.weights_revision), not refused ("weights_revision is empty")."""
+    pool = device_pool()
+    params = types.SimpleNamespace(page_size=P, pp_rank=0, pp_size=1,
+                                   token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: pool))
+    server_args = types.SimpleNamespace(model_path="test/linker-model", served_model_name=None)
+    linker = OrbitKVLinker(server_args, params, components={FULL}, extra_config={"socket": manager.socket})
+    wrapper = Wrapper(linker, interface, page_size=P)
+    k = keys("defaults", 2)
+    offload(linker, k, slots(0, 2))
+    assert wrapper.match("r", k) == 2 and wrapper.load_back("r", 6) == [6, 7]
+    assert run_loads(wrapper) == ["r"]
+    assert same_pages(pool, slots(0, 2), pool, slots(6, 2))
+    linker.close()
+
+
+def run_tp_ranks(manager, fail_rank, interface):
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_harness", "linker_tp_rank.py")
+    mode = "verdicts" if interface.verdicts else "pinned"
+    ranks = [subprocess.Popen([sys.executable, script, str(r), "2", str(port), manager.socket, str(fail_rank), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = []
+    for proc in ranks:
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in ranks:
+                p.kill()
+            raise AssertionError("a TP rank hung (one raised while the other waited in a collective?)")
+        assert proc.returncode == 0, err[-2000:]
+        outputs.append(out.strip().splitlines()[-1])
+    return outputs
+
+
+def test_a_failed_restore_raises_on_every_tp_rank(manager, interface):
+    """TP=2 under the pinned wrapper's list[str] interface, two processes with a real gloo group: rank 0's restore
+    fails, rank 1's succeeds. Both ranks' layer waits raise (they MIN-reduce the batch's outcome over the TP cache
+    group at its first wait), so no rank serves the pages and none is left in a collective. Before: rank 1
+    completed silently. With verdicts (the older interface) SGLang reduces them itself after the forward pass."""
+    if interface.verdicts:  # the waits return; each rank reports its own verdict, which SGLang MIN-reduces
+        assert run_tp_ranks(manager, 0, interface) == ["COMPLETED False", "COMPLETED True"]
+        assert run_tp_ranks(manager, -1, interface) == ["COMPLETED True", "COMPLETED True"]
+    else:
+        outputs = run_tp_ranks(manager, 0, interface)
+        assert outputs[0].startswith("RAISED") and "on this rank" in outputs[0], outputs
+        assert outputs[1].startswith("RAISED") and "on another TP rank" in outputs[1], outputs
+        assert run_tp_ranks(manager, -1, interface) == ["COMPLETED", "COMPLETED"]
+    assert manager.stats()["leases_active"] == 0

@@ -26,6 +26,9 @@ __all__ = [
     "PoolTransferResult",
     "StorageMetrics",
     "UnifiedCacheLinker",
+    "LinkerCancelOutcome",
+    "linker_interface",
+    "set_linker_interface",
     "sglang_version",
 ]
 
@@ -64,6 +67,11 @@ LINKER_MODULES = ("sglang.srt.mem_cache.unified_cache.unified_cache_linker",
 UnifiedCacheLinker = next((c for c in (_attr(m, "UnifiedCacheLinker") for m in LINKER_MODULES) if c is not None),
                           None)
 HAVE_SGLANG_LINKER = UnifiedCacheLinker is not None
+# Newer wrappers release a request's linker work through cancel_request and read its outcome (then roll back what
+# the tree inserted for a cancelled queued load); older ones call cancel_queued_load and roll back nothing.
+LinkerCancelOutcome = next((c for c in (_attr(m, "LinkerCancelOutcome") for m in LINKER_MODULES) if c is not None),
+                           None)
+_WRAPPER = next((c for c in (_attr(m, "UnifiedCacheLinkerWrapper") for m in LINKER_MODULES) if c is not None), None)
 
 
 def sglang_version() -> str:
@@ -245,10 +253,18 @@ if not HAVE_SGLANG_LINKER:
         def num_completed_loads(self) -> int:
             ...
 
+        def cancel_request(self, rid: str):
+            """Release lookup/queued state while retaining submitted loads (the pinned wrapper's default)."""
+            if self.cancel_queued_load(rid):
+                return LinkerCancelOutcome.QUEUED_LOAD_CANCELLED
+            return LinkerCancelOutcome.NOT_FOUND
+
+        def has_pending_operations(self) -> bool:
+            return False
+
         @abc.abstractmethod
-        def pop_completed_load(self) -> tuple:
-            """(rids, success) of the next completed load batch: a failed batch is reported here, never raised
-            into the forward pass (the scheduler agrees on it across ranks and aborts those requests)."""
+        def pop_completed_load(self) -> list:
+            """Consume the oldest completed load batch and return its request IDs."""
             ...
 
         @abc.abstractmethod
@@ -272,15 +288,59 @@ if not HAVE_SGLANG_LINKER:
             ...
 
 
-def linker_reports_success() -> bool:
-    """Whether this SGLang's linker interface takes load failures as ``pop_completed_load() -> (rids, success)``
-    (then the scheduler MIN-reduces the verdicts across the TP/CP group after the forward pass and aborts only
-    those requests); older ones take a list of rids and learn of a failure only from ``wait_until`` raising."""
+if LinkerCancelOutcome is None:
+
+    class LinkerCancelOutcome(str, enum.Enum):  # type: ignore[no-redef]
+        """Stand-in for the terminal state a newer wrapper reads from ``cancel_request``."""
+
+        LOOKUP_RELEASED = "lookup_released"
+        QUEUED_LOAD_CANCELLED = "queued_load_cancelled"
+        SUBMITTED_LOAD_RETAINED = "submitted_load_retained"
+        NOT_FOUND = "not_found"
+
+
+@dataclass(frozen=True)
+class LinkerInterface:
+    """How the running SGLang's ``UnifiedCacheLinkerWrapper`` drives a linker.
+
+    ``verdicts``: ``pop_completed_load() -> (rids, success)`` (2c62dc66, 63308e79): a failed batch is reported
+    there and the scheduler MIN-reduces it across ranks; otherwise (the pinned wrapper, and 03205d15) it returns the
+    rids alone and a failed restore must fail in the layer wait, on every rank alike.
+    ``cancel_outcomes``: the wrapper releases a request through ``cancel_request`` and reads a
+    ``LinkerCancelOutcome``; it rolls back what the tree inserted for a cancelled queued load, keeps a submitted
+    one, and holds a lookup's hit across scheduling passes until ``load_back`` or ``release_request``. Otherwise it
+    calls ``cancel_queued_load`` and rolls back nothing (a True there leaves slots that were never loaded in the
+    tree), and a lookup is loaded in the same pass or never."""
+
+    verdicts: bool
+    cancel_outcomes: bool
+
+
+_interface_override: Optional[LinkerInterface] = None
+
+
+def set_linker_interface(interface: Optional[LinkerInterface]) -> None:
+    """Sets what ``linker_interface()`` returns (the linker harness models one wrapper version); None: detect."""
+    global _interface_override
+    _interface_override = interface
+
+
+def linker_interface() -> LinkerInterface:
+    """The interface of this SGLang's wrapper (detected from its classes), or the harness's choice. Without SGLang:
+    the pinned wrapper's (the stand-ins above)."""
+    if _interface_override is not None:
+        return _interface_override
     fn = getattr(UnifiedCacheLinker, "pop_completed_load", None)
-    if fn is None:
-        return False
-    annotation = str(getattr(fn, "__annotations__", {}).get("return", "")).lower()
-    return "tuple" in annotation or "success" in (fn.__doc__ or "").lower()
+    annotation = str(getattr(fn, "__annotations__", {}).get("return", "")).lower() if fn else ""
+    verdicts = "tuple" in annotation or "success" in ((fn.__doc__ if fn else "") or "").lower()
+    outcomes = (HAVE_SGLANG_LINKER and _attr(UnifiedCacheLinker.__module__, "LinkerCancelOutcome") is not None
+                and (_WRAPPER is None or hasattr(_WRAPPER, "_rollback_pending_load")))
+    return LinkerInterface(verdicts=verdicts, cancel_outcomes=outcomes or not HAVE_SGLANG_LINKER)
+
+
+def linker_reports_success() -> bool:
+    """Whether load failures are reported as ``pop_completed_load() -> (rids, success)`` (see LinkerInterface)."""
+    return linker_interface().verdicts
 
 
 def pool_name_str(name) -> str:

@@ -57,7 +57,7 @@ from orbitkv.sglang._session import (
 
 logger = logging.getLogger("orbitkv.sglang")
 
-__all__ = ["OrbitKVStorage", "model_fingerprint"]
+__all__ = ["OrbitKVStorage", "model_fingerprint", "weights_revision"]
 
 
 def model_fingerprint(model_id: str) -> str:
@@ -109,6 +109,13 @@ def _str_option(extra: dict, key: str, default: Optional[str]) -> Optional[str]:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"OrbitKV: extra-config key {key!r} must be a string, got {value!r}")
     return value
+
+
+def weights_revision(extra: dict, model_id: str) -> str:
+    """The weights identity stored pages are bound to, for the HiCache backend and the linker alike: the extra
+    config's "weights_revision", else ``model_fingerprint(model_id)`` (SGLang launched with only the socket
+    configured just works)."""
+    return _str_option(extra, "weights_revision", None) or model_fingerprint(model_id)
 
 
 def _draft_model() -> str:
@@ -188,7 +195,7 @@ class OrbitKVStorage(HiCacheStorage):
         if not self.model_id:
             raise ValueError("OrbitKV: the served model name is empty; set \"model_id\" in the extra config so keys "
                              "are bound to the model")
-        self.model_revision = _str_option(extra, "weights_revision", None) or model_fingerprint(self.model_id)
+        self.model_revision = weights_revision(extra, self.model_id)
         self.tokenizer = _str_option(extra, "tokenizer", None) or self.model_id
         self.cache_scope = _str_option(extra, "cache_scope", "")
         # An fp8 KV cache sits in uint8 host storage; its real dtype is the server's --kv-cache-dtype.

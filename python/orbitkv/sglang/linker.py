@@ -28,13 +28,15 @@ import logging
 import queue
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import orbitkv
 from orbitkv.link import canonical_options
-from orbitkv.sglang._compat import UnifiedCacheLinker, linker_reports_success, pool_name_str, sglang_version
+from orbitkv.sglang._compat import (LinkerCancelOutcome, UnifiedCacheLinker, linker_interface, pool_name_str,
+                                    sglang_version)
 from orbitkv.sglang._layout import describe_device_pool
 from orbitkv.sglang._session import Counters, ManagerLink, RateLimitedLog, env_socket, native_key
+from orbitkv.sglang.hicache import weights_revision
 
 logger = logging.getLogger("orbitkv.sglang")
 
@@ -48,17 +50,23 @@ class LayerDoneCounter:
     """The object SGLang's KV pool waits on before each layer: ``wait_until(layer)`` returns once the consumer's
     load batch landed that layer (a CPU restore lands every layer at once). A failed batch is reported through
     ``pop_completed_load`` where SGLang takes verdicts (``raise_on_failure`` False): raising mid-forward would crash
-    the scheduler at TP=1 and leave the other ranks hanging in a collective at TP>1. Older SGLang has no verdict,
-    so there the wait raises (the scheduler stops rather than serve pages that never arrived)."""
+    the scheduler at TP=1 and leave the other ranks hanging in a collective at TP>1. Where SGLang takes no verdict
+    (the pinned wrapper: ``pop_completed_load() -> list[str]``), the tree has already inserted the pages, so a
+    silent completion would serve whatever the GPU slots held: the wait raises instead, and ``agree`` (a MIN over
+    the TP group, once per batch at its first wait) makes every rank raise alike, so none is left in a collective
+    the others never reach."""
 
-    def __init__(self, num_layers: int, raise_on_failure: bool = False):
+    def __init__(self, num_layers: int, raise_on_failure: bool = False,
+                 agree: Optional[Callable[[bool], bool]] = None):
         self.num_layers = num_layers
         self.raise_on_failure = raise_on_failure
         self.producer_index = -1
         self.consumer_index = -1
+        self._agree = agree
         self._lock = threading.Lock()
         self._events: Dict[int, threading.Event] = {}
         self._errors: Dict[int, BaseException] = {}
+        self._agreed: Dict[int, bool] = {}  # batch -> whether every rank's restore of it succeeded
 
     def update_producer(self) -> int:
         with self._lock:
@@ -91,11 +99,22 @@ class LayerDoneCounter:
         event.wait()
         with self._lock:
             error = self._errors.get(index)
-            if threshold >= self.num_layers - 1:
+            agreed = self._agreed.get(index)
+        if self.raise_on_failure and agreed is None:
+            agreed = error is None
+            if self._agree is not None:
+                agreed = self._agree(agreed)  # every rank reaches its first wait of this batch
+            with self._lock:
+                self._agreed[index] = agreed
+        if threshold >= self.num_layers - 1:  # a failed batch stays: each later wait raises again
+            with self._lock:
                 self._events.pop(index, None)
                 self._errors.pop(index, None)
-        if error is not None and self.raise_on_failure:
-            raise RuntimeError("OrbitKV: restoring KV pages from the Manager failed") from error
+                self._agreed.pop(index, None)
+        if self.raise_on_failure and not agreed:
+            where = "on this rank" if error is not None else "on another TP rank"
+            raise RuntimeError(f"OrbitKV: restoring KV pages from the Manager failed {where}; the pages SGLang "
+                               "inserted for this batch were never written") from error
 
     def reset(self) -> None:
         with self._lock:
@@ -103,6 +122,7 @@ class LayerDoneCounter:
             self.consumer_index = -1
             self._events.clear()
             self._errors.clear()
+            self._agreed.clear()
 
 
 class _Leased:
@@ -121,6 +141,28 @@ def _kv_transfer(transfers):
     raise ValueError("no KV transfer in the request")
 
 
+def _rank_agreement(params, ranks: int) -> Optional[Callable[[bool], bool]]:
+    """A MIN over the TP cache group of whether a batch's restore succeeded (the group SGLang gives the cache for
+    its own CPU all-reduces), or None at one rank or without an initialized group."""
+    if ranks <= 1:
+        return None
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return agree
+
+
 class OrbitKVLinker(UnifiedCacheLinker):
     """UnifiedCacheLinker backed by the OrbitKV Manager (constructed by SGLang's linker factory or our plugin)."""
 
@@ -134,6 +176,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.is_mla = bool(extra.get("is_mla", not hasattr(kvcache, "v_buffer")))
         tp_rank, tp_size = self._tp_shape(params, extra)
+        ranks = tp_size  # the ranks that load each batch (an MLA model's replicas too)
         self.is_writer = not self.is_mla or tp_rank == 0
         geometry = describe_device_pool(kvcache, self.page_size, is_mla=self.is_mla,
                                         kv_cache_dtype=extra.get("kv_cache_dtype"))
@@ -147,8 +190,9 @@ class OrbitKVLinker(UnifiedCacheLinker):
         cp_size = int(getattr(params, "attn_cp_size", 1) or 1)
         if cp_size > 1:  # each attention context-parallel rank holds a disjoint slice of every page
             detail += f"/cp{int(getattr(params, 'attn_cp_rank', 0) or 0)}of{cp_size}"
+        revision = weights_revision(extra, str(model_id))
         namespace = orbitkv.derive_namespace(
-            str(model_id), str(extra.get("weights_revision", "")), str(extra.get("tokenizer", model_id)), "sglang",
+            str(model_id), revision, str(extra.get("tokenizer", model_id)), "sglang",
             cache_scope=str(extra.get("cache_scope", "")), dtype=geometry.dtype, layout=geometry.state_layout,
             layout_detail=detail, page_size_tokens=self.page_size, tp_size=tp_size, tp_rank=tp_rank,
             pp_size=int(getattr(params, "pp_size", 1) or 1), pp_rank=int(getattr(params, "pp_rank", 0) or 0))
@@ -157,7 +201,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._link = ManagerLink(extra.get("socket_path") or env_socket(), timeout_ms=int(extra.get("timeout_ms", 10000)),
                                  loading_wait_s=int(extra.get("loading_wait_ms", 100)) / 1000.0,
                                  reconnect_interval_s=float(extra.get("reconnect_interval_s", 1.0)),
-                                 identity=f"SGLang linker {model_id}@{extra.get('weights_revision', '')}, tp "
+                                 identity=f"SGLang linker {model_id}@{revision}, tp "
                                           f"{tp_rank}/{tp_size}",
                                  counters=self.counters_, log=self._log)
         self._link.register(_DEVICE, geometry, namespace)
@@ -165,13 +209,24 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._cuda = first.device if getattr(getattr(first, "device", None), "type", "cpu") == "cuda" else None
         self._lease_ttl_s = float(extra.get("lease_ttl_s", 30.0))
         num_layers = len(geometry.buffers) if self.is_mla else len(geometry.buffers) // 2
-        self._verdicts = linker_reports_success()
-        self.layer_done_counter = LayerDoneCounter(num_layers, raise_on_failure=not self._verdicts)
-        logger.info("OrbitKV: linker on %s; load failures are %s", sglang_version(),
+        interface = linker_interface()
+        self._verdicts, self._outcomes = interface.verdicts, interface.cancel_outcomes
+        agree = _rank_agreement(params, ranks) if not self._verdicts else None
+        if not self._verdicts and ranks > 1 and agree is None:
+            logger.warning("OrbitKV: %d TP ranks but no initialized TP cache group to agree on load failures: a "
+                           "rank whose restore fails raises in its layer wait alone", ranks)
+        self.layer_done_counter = LayerDoneCounter(num_layers, raise_on_failure=not self._verdicts, agree=agree)
+        logger.info("OrbitKV: linker on %s; load failures are %s; a request is released through %s",
+                    sglang_version(),
                     "reported to the scheduler after the forward pass" if self._verdicts else
-                    "raised from the layer wait (this SGLang takes no verdicts)")
-        self._leased: Dict[str, _Leased] = {}
-        self._pending: Dict[str, Tuple[_Leased, List[int]]] = {}
+                    "raised from the layer wait on every rank (this SGLang takes no verdicts)",
+                    "cancel_request (outcomes, rollback)" if self._outcomes else
+                    "cancel_queued_load (no rollback: a queued load is kept and lands)")
+        self._leased: Dict[str, _Leased] = {}  # lookup tickets: pages leased until loaded or released
+        # Loads queued for the next start_layer_wise_loading: (leases, device pages, why it must fail or None).
+        self._pending: Dict[str, Tuple[_Leased, List[int], Optional[BaseException]]] = {}
+        self._submitted_lock = threading.Lock()
+        self._submitted: Set[str] = set()  # loads handed to the load thread and not completed yet
         self._completed_loads: "queue.Queue[Tuple[List[str], bool]]" = queue.Queue()
         self._completed_offloads: "queue.Queue[bool]" = queue.Queue()
         self._load_queue: "queue.Queue" = queue.Queue()
@@ -213,11 +268,14 @@ class OrbitKVLinker(UnifiedCacheLinker):
     def lookup(self, rid: str, transfers) -> list:
         leases: Dict[bytes, Tuple[object, int, int]] = {}
         try:
-            self._expire()
+            if not self._outcomes:
+                self._expire()  # older wrappers load a lookup in the same pass or never
             self._release(self._leased.pop(rid, None))
             kv = _kv_transfer(transfers)
-            for key in kv.keys or []:
-                native = native_key(key)
+            # Every key is checked here, where a refusal is still a clean miss: once pages are reported, the tree
+            # inserts them and load() must take them.
+            natives = [native_key(key) for key in kv.keys or []]
+            for native in natives:
                 hits, lease, client, instance, _ = self._link.query(_DEVICE, [native], 0)
                 if hits == 0:
                     break
@@ -225,7 +283,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
                     self._link.release(client, instance, lease)
                     continue
                 leases[native] = (client, instance, lease)
-            self.counters_.add("lookup_pages", len(kv.keys or []))
+            self.counters_.add("lookup_pages", len(natives))
             self.counters_.add("lookup_hits", len(leases))
             if not leases:
                 return []
@@ -239,10 +297,15 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return []
 
     def load(self, rid: str, transfers) -> bool:
+        """Queues the load of pages ``lookup`` reported. It never refuses them (SGLang's wrapper treats a False as
+        fatal, and the tree already holds the pages): a load that cannot be carried out is accepted and fails
+        after submission, loudly and on every rank. Only a load no lookup announced is refused."""
         leased = self._leased.pop(rid, None)
+        if leased is None:
+            self.counters_.add("load_errors")
+            self._log.warning("load", "OrbitKV: load of request %r, which no lookup reported", rid)
+            return False
         try:
-            if leased is None:
-                return False
             kv = _kv_transfer(transfers)
             keys = [native_key(k) for k in kv.keys or []]
             indices = kv.device_indices
@@ -256,24 +319,28 @@ class OrbitKVLinker(UnifiedCacheLinker):
             # Pair by key: the tree loads only the ranges it adopted (load_back), not always a leading prefix.
             pages = [slot // self.page_size for slot in indices[:: self.page_size].tolist()]
             chosen = {k: leased.leases.pop(k) for k in keys}
-            self._release(leased)  # hits that reach no load: released now, not after lease_ttl_s
-            self._pending[rid] = (_Leased(chosen), pages)
-            return True
+            self._release(leased)  # hits that reach no load: released now
+            self._pending[rid] = (_Leased(chosen), pages, None)
         except Exception as e:  # noqa: BLE001
-            self._release(leased)
             self.counters_.add("load_errors")
-            self._log.warning("load", "OrbitKV: load failed (%s)", e)
-            return False
+            self._log.warning("load", "OrbitKV: load of request %r cannot be carried out (%s); it fails once "
+                              "submitted", rid, e)
+            self._pending[rid] = (leased, [], e)
+        return True
 
     def start_layer_wise_loading(self) -> int:
-        # Lookups of this step that no load took (the ranks agreed on fewer pages, or the request was not
-        # scheduled) hold leases nobody will restore: release them now.
-        for rid in list(self._leased):
-            self._release(self._leased.pop(rid))
-            self.counters_.add("lookups_unloaded")
+        if not self._outcomes:
+            # Older wrappers: lookups of this step that no load took (the ranks agreed on fewer pages, or the
+            # request was not scheduled) hold leases nobody will restore. Newer ones hold a hit across passes and
+            # release it through cancel_request.
+            for rid in list(self._leased):
+                self._release(self._leased.pop(rid))
+                self.counters_.add("lookups_unloaded")
         if not self._pending:
             return -1
         batch, self._pending = self._pending, {}
+        with self._submitted_lock:
+            self._submitted.update(batch)
         index = self.layer_done_counter.update_producer()
         self._load_queue.put((index, batch, self._stream_mark()))
         return index
@@ -301,10 +368,10 @@ class OrbitKVLinker(UnifiedCacheLinker):
                         queued_before.synchronize()  # no earlier kernel still uses the slots the restores write
                     except Exception as e:  # noqa: BLE001
                         error = e
-                failed = []
-                for rid, (leased, pages) in batch.items():
-                    ok = error is None
-                    for (client, instance, lease), page in zip(leased.leases.values(), pages):
+                for rid, (leased, pages, doomed) in batch.items():
+                    error = error or doomed
+                    for (client, instance, lease), page in zip(leased.leases.values(), pages or [None] * len(
+                            leased.leases)):
                         if error is not None:
                             self._link.release(client, instance, lease)
                             continue
@@ -312,33 +379,57 @@ class OrbitKVLinker(UnifiedCacheLinker):
                             self._link.restore(client, instance, lease, [page])
                         except Exception as e:  # noqa: BLE001
                             error = e
-                            ok = False
-                    if not ok:
-                        failed.append(rid)
                 if error is None:
                     self.layer_done_counter.complete(index)
                     self.counters_.add("loads", len(batch))
                 else:
                     self.counters_.add("load_failures", len(batch))
-                    self._log.warning("load", "OrbitKV: restoring a load batch of %d requests failed (%s); "
-                                      "SGLang aborts them after the forward pass", len(batch), error)
+                    self._log.warning("load", "OrbitKV: restoring a load batch of %d requests failed (%s); %s",
+                                      len(batch), error, "SGLang aborts them after the forward pass"
+                                      if self._verdicts else "the layer wait raises on every rank")
                     self.layer_done_counter.fail(index, error)
+                with self._submitted_lock:
+                    self._submitted.difference_update(batch)
                 self._completed_loads.put((list(batch), error is None))
             finally:
                 self._load_queue.task_done()
 
     def cancel_queued_load(self, rid: str) -> bool:
+        """An older wrapper's release of a request: it rolls back nothing it inserted, so a queued load is kept
+        (False) and lands; a wrapper that rolls back (cancel outcomes) gets it cancelled (True)."""
+        if not self._outcomes:
+            if rid in self._pending:
+                self.counters_.add("cancels_kept_load")
+            return False
         entry = self._pending.pop(rid, None)
         if entry is None:
             return False
         self._release(entry[0])
         return True
 
-    def cancel_request(self, rid: str) -> bool:
-        """Newer SGLang's release of everything a request holds (a zero common hit, a refused load...)."""
-        leased = self._leased.pop(rid, None)
-        self._release(leased)
-        return self.cancel_queued_load(rid) or leased is not None
+    def cancel_request(self, rid: str):
+        """The pinned wrapper's release of everything a request holds: a lookup ticket is released, a queued load
+        cancelled (the wrapper then rolls back what the tree inserted), a submitted load retained until it
+        completes. Returns its LinkerCancelOutcome (a bool where the wrapper takes none)."""
+        ticket = self._leased.pop(rid, None)
+        self._release(ticket)
+        entry = self._pending.pop(rid, None) if self._outcomes else None
+        with self._submitted_lock:
+            submitted = rid in self._submitted
+        if entry is not None:
+            self._release(entry[0])
+            outcome = LinkerCancelOutcome.QUEUED_LOAD_CANCELLED
+        elif submitted:
+            outcome = LinkerCancelOutcome.SUBMITTED_LOAD_RETAINED
+        elif ticket is not None:
+            outcome = LinkerCancelOutcome.LOOKUP_RELEASED
+        else:
+            outcome = LinkerCancelOutcome.NOT_FOUND
+        self.counters_.add(f"cancel_{outcome.value}")
+        if self._outcomes:
+            return outcome
+        # A wrapper that takes a bool rolls back nothing: "released" only where no load of the request is kept.
+        return outcome is LinkerCancelOutcome.LOOKUP_RELEASED and rid not in self._pending
 
     def num_completed_loads(self) -> int:
         return self._completed_loads.qsize()
@@ -405,13 +496,23 @@ class OrbitKVLinker(UnifiedCacheLinker):
     # ---- lifecycle ----
 
     def reset(self) -> None:
-        """Waits for queued loads and saves, then releases every lease and forgets pending work."""
+        """Waits for submitted loads and queued saves, then releases every lease and forgets all work, completed
+        loads and saves included (the wrapper forgets its side too: nothing from before reaches drain_loads)."""
         self._load_queue.join()
         self._offload_queue.join()
-        for rid in list(self._pending):
-            self.cancel_queued_load(rid)
+        pending, self._pending = self._pending, {}
+        for leased, _, _ in pending.values():
+            self._release(leased)
         for rid in list(self._leased):
             self._release(self._leased.pop(rid))
+        with self._submitted_lock:
+            self._submitted.clear()
+        for completed in (self._completed_loads, self._completed_offloads):
+            while True:
+                try:
+                    completed.get_nowait()
+                except queue.Empty:
+                    break
         self.layer_done_counter.reset()
 
     def close(self) -> None:
