@@ -26,6 +26,7 @@
 #include "catalog/catalog_store.h"
 #include "catalog/owner_streamer.h"
 #include "cluster/etcd_client.h"
+#include "cluster/placement.h"
 #include "cluster/testing/etcd_process.h"
 #include "core/inventory.h"
 #include "state/namespace.h"
@@ -144,6 +145,74 @@ void InstallView(cluster::MemberView& view, const CatalogHost& host, const std::
     members.emplace(node, MemberOf(node, owners[i], ""));
   }
   view.Install(std::move(members), revision);
+}
+
+// Bounded Lookup rows (issue 50): kHotHolders owners hold the same 128 keys (a hot prefix every host fetched and
+// re-advertised), each key in its own shard's slice; one Lookup RPC of those keys from one requester to the real
+// PeerService over loopback. Returns the reply's bytes; exits when the RPC fails or a row names more than the
+// bound.
+constexpr int kHotHolders = 200;
+constexpr int kHotKeys = 128;
+
+double HotPrefixLookupReplyBytes() {
+  cluster::MemberView view;
+  const RuntimeId catalog_runtime = RuntimeId::New();
+  catalog::CatalogStore store({.incarnation = catalog_runtime.incarnation()});
+  catalog::PeerService::Options options;
+  options.self = catalog::PeerIdentity{"bench", "catalog", catalog_runtime.ToString(), 1, kPlacement};
+  options.incarnation = catalog_runtime.incarnation();
+  options.catalog = &store;
+  options.hosts_shard = [](uint32_t) { return true; };
+  catalog::PeerService service(std::move(options), &view);
+  std::string endpoint;
+  std::unique_ptr<grpc::Server> server = ListenLoopback(&service, &endpoint);
+  std::map<std::string, cluster::Member> members;
+  const cluster::Member catalog_member = MemberOf("catalog", catalog_runtime.ToString(), endpoint);
+  members.emplace("catalog", catalog_member);
+  const std::string requester_uuid = RuntimeId::New().ToString();
+  members.emplace("requester", MemberOf("requester", requester_uuid, ""));
+  std::map<uint32_t, std::vector<catalog::CatalogRecord>> by_shard;
+  std::vector<state::StateKey> keys;
+  for (int k = 0; k < kHotKeys; ++k) {
+    keys.push_back(Key(0, static_cast<uint64_t>(k)));
+    auto& records = by_shard[state::ShardOf(keys.back(), cluster::kNumShards)];
+    // Each stream's interval is its owner's contiguous sequence: versions 1..n per shard.
+    records.push_back(catalog::CatalogRecord{keys.back(), 1, true, records.size() + 1, 1, 2359296});
+  }
+  for (int o = 0; o < kHotHolders; ++o) {
+    const std::string node = fmt::format("holder-{}", o);
+    const std::string uuid = RuntimeId::New().ToString();
+    members.emplace(node, MemberOf(node, uuid, ""));
+    for (const auto& [shard, records] : by_shard) {
+      const catalog::StreamId stream{node, uuid, shard, catalog_runtime.incarnation()};
+      const uint64_t last = records.size();
+      if (store.Begin({stream, 1, 0, last}).kind != catalog::CatalogReply::Kind::kAck ||
+          store.End({stream, 1, last, records}).kind != catalog::CatalogReply::Kind::kAck) {
+        Check(Status::Internal("a holder's snapshot was not installed"), "hot prefix");
+      }
+    }
+  }
+  view.Install(std::move(members), 1);
+  auto stub = catalog::NewPeerStub(endpoint, nullptr);
+  peer::v1::LookupRequest request;
+  *request.mutable_route() =
+      catalog::MakeRoute({"bench", "requester", requester_uuid, 1, kPlacement}, catalog_member.record);
+  for (const state::StateKey& key : keys) {
+    const auto encoded = key.Encode();
+    request.add_keys(std::string(reinterpret_cast<const char*>(encoded.data()), encoded.size()));
+  }
+  peer::v1::LookupResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  const grpc::Status status = stub->Lookup(&context, request, &response);
+  if (!status.ok()) Check(Status::Internal(status.error_message()), "hot-prefix Lookup");
+  for (const peer::v1::LookupRow& row : response.rows()) {
+    if (row.candidates_size() > static_cast<int>(catalog::CatalogStore::kMaxHoldersPerKey)) {
+      Check(Status::Internal(fmt::format("a row of {} candidates", row.candidates_size())), "hot-prefix Lookup");
+    }
+  }
+  server->Shutdown(std::chrono::system_clock::now());
+  return static_cast<double>(response.ByteSizeLong());
 }
 
 }  // namespace
@@ -327,6 +396,10 @@ int main(int argc, char** argv) {
               static_cast<double>(kRecords)});
   report.Add({"catalog_resyncs", "snapshots", static_cast<double>(snapshots_after_churn - snapshots_after_load),
               "streams", static_cast<double>(kOwners * kShards)});
+  report.Add({"lookup_reply_bytes_max", "B", HotPrefixLookupReplyBytes(), "peer_message_limit_bytes",
+              static_cast<double>(catalog::kMaxPeerMessageBytes)});
+  report.AddEnv("lookup_hot_prefix", fmt::format("{} holders of the same {} keys, one Lookup of them", kHotHolders,
+                                                 kHotKeys));
   report.Add({"etcd_put_rtt_p50", "ms", put_p50, "", 0});
   report.Add({"grpc_unary_rtt_p50", "ms", rtt_p50, "", 0});
   report.Print(json);

@@ -36,10 +36,15 @@ void CandidateIndex::Insert(const state::StateKey& key, const std::vector<Candid
     Erase(it->second);
   }
   for (const Candidate& c : candidates) {
-    // The same owner start and tier: the newer row replaces the older.
-    std::erase_if(merged, [&](const Candidate& old) {
+    // The same owner start and tier: the newer evidence (the owner's greater insertion sequence) wins, whichever
+    // answer arrived last (a slow lookup's older row must not replace a newer one).
+    auto same = std::find_if(merged.begin(), merged.end(), [&](const Candidate& old) {
       return old.owner_node == c.owner_node && old.runtime_uuid == c.runtime_uuid && old.tier == c.tier;
     });
+    if (same != merged.end()) {
+      if (same->sequence > c.sequence) continue;
+      merged.erase(same);
+    }
     merged.push_back(c);
   }
   if (merged.size() > kMaxCandidatesPerKey) {  // keep the most recently learnt

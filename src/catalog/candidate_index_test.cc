@@ -71,6 +71,22 @@ TEST(CandidateIndexTest, AtMostFourCandidatesTheNewestOfEachOwnerStart) {
   EXPECT_EQ(index.Find(Key(3)).size(), 2u);
 }
 
+TEST(CandidateIndexTest, ASlowerAnswerWithOlderEvidenceNeverReplacesNewerEvidence) {
+  // Two lookups of one key answered out of order: the owner's greater insertion sequence wins, not the answer
+  // that arrived last.
+  CandidateIndex index({});
+  index.Insert(Key(4), {At("a", 3, 9)});
+  index.Insert(Key(4), {At("a", 2, 5)});  // the older lookup's answer, arriving late
+  auto found = index.Find(Key(4));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].sequence, 9u);
+  EXPECT_EQ(found[0].generation, 3u);
+  index.Insert(Key(4), {At("a", 4, 12)});  // newer evidence does replace it
+  found = index.Find(Key(4));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].sequence, 12u);
+}
+
 TEST(CandidateIndexTest, TheByteBudgetEvictsTheLeastRecentlyUsed) {
   const uint64_t one = CandidateIndex::Charge({At("node-a", 1)});
   CandidateIndex index({3 * one, milliseconds(5000)});

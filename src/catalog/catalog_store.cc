@@ -322,10 +322,17 @@ std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string&
   return out;
 }
 
-std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const state::StateKey& key,
-                                                      bool* complete) const {
+std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const state::StateKey& key, bool* complete,
+                                                      std::string_view requester, size_t max_holders) const {
+  // Every holder, by tier, each tier in owner-node order (the slices' order); only the chosen ones are copied.
+  struct Found {
+    const std::string* node;
+    const Slice* slice;
+    uint8_t tier;
+    const Entry* entry;
+  };
   MutexLock lock(&mu_);
-  std::vector<Holder> holders;
+  std::vector<Found> found;
   bool all = true;
   for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard;
        ++it) {
@@ -334,12 +341,32 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
     if (!slice.baseline) continue;
     for (auto entry = slice.view.lower_bound(EntryKey{key, 0});
          entry != slice.view.end() && entry->first.key == key; ++entry) {
-      holders.push_back(Holder{it->first.second, slice.owner_runtime,
-                               CatalogRecord{key, entry->first.tier, true, entry->second.version,
-                                             entry->second.generation, entry->second.bytes}});
+      found.push_back(Found{&it->first.second, &slice, entry->first.tier, &entry->second});
     }
   }
   if (complete != nullptr) *complete = all;
+  // DRAM (the lower tier number) first; the sort is stable, so each tier stays in node order.
+  std::stable_sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.tier < b.tier; });
+  // FNV-1a of the requester's node id: the same start on every catalog host and every run (none: the first).
+  size_t start = 0;
+  if (!requester.empty()) {
+    uint64_t h = 14695981039346656037ull;
+    for (const char c : requester) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+    start = static_cast<size_t>(h);
+  }
+  std::vector<Holder> holders;
+  for (size_t first = 0; first < found.size() && holders.size() < max_holders;) {
+    size_t end = first;
+    while (end < found.size() && found[end].tier == found[first].tier) ++end;
+    const size_t count = end - first;
+    for (size_t i = 0; i < count && holders.size() < max_holders; ++i) {
+      const Found& f = found[first + (start + i) % count];
+      holders.push_back(Holder{*f.node, f.slice->owner_runtime,
+                               CatalogRecord{key, f.tier, true, f.entry->version, f.entry->generation,
+                                             f.entry->bytes}});
+    }
+    first = end;
+  }
   return holders;
 }
 

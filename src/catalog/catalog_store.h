@@ -23,6 +23,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -73,15 +74,22 @@ class CatalogStore {
     double last_repair_s = -1;
   };
   std::vector<ShardStatus> Status() const EXCLUDES(mu_);
-  // Who holds `key` (in `shard`): every owner slice with a baseline whose view has it, each as (owner node,
-  // owner runtime, its record). `complete` says whether the shard's evidence here is complete (an empty answer
-  // from an incomplete shard says nothing; even a complete one only says what the owners reported).
+  // Who holds `key` (in `shard`): at most `max_holders` of the owner slices with a baseline whose view has it,
+  // each as (owner node, owner runtime, its record); a slice holds one record per (key, tier), the newest its
+  // owner streamed. DRAM holders come before SSD ones; within a tier the owners are taken in node order from a
+  // point that `requester` (the asking node) chooses, so each requester is steered to the same holders across
+  // the keys of a prefix (long spans from one source) while different requesters spread over a hot prefix's
+  // holders. `complete` says whether the shard's evidence here is complete (an empty answer from an incomplete
+  // shard says nothing; even a complete one only says what the owners reported).
+  static constexpr size_t kMaxHoldersPerKey = 4;  // seed 000: at most 4 candidates per key
   struct Holder {
     std::string owner_node;
     std::string owner_runtime;
     CatalogRecord record;
   };
-  std::vector<Holder> Lookup(uint32_t shard, const state::StateKey& key, bool* complete) const EXCLUDES(mu_);
+  std::vector<Holder> Lookup(uint32_t shard, const state::StateKey& key, bool* complete,
+                             std::string_view requester = {}, size_t max_holders = kMaxHoldersPerKey) const
+      EXCLUDES(mu_);
   // The owners with an installed baseline for `shard`, in order.
   std::vector<std::string> Owners(uint32_t shard) const EXCLUDES(mu_);
   // One owner's current evidence for `shard`, in (key, tier) order.

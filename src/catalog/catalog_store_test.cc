@@ -1,6 +1,7 @@
 // CatalogStore alone: what it installs from deltas and snapshots, and what it refuses.
 #include "catalog/catalog_store.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <set>
@@ -183,6 +184,51 @@ TEST(CatalogStoreTest, LookupNamesEveryOwnerHoldingAKeyInEachTier) {
   ASSERT_EQ(store.Begin({Stream("node-c", "run-3"), 1, 0, 1}).kind, Kind::kAck);
   EXPECT_EQ(store.Lookup(3, core::testing::ChainKey(7, 0), &complete).size(), 3u);
   EXPECT_FALSE(complete);
+}
+
+TEST(CatalogStoreTest, LookupRowsAreBoundedDramFirstAndSpreadOverTheHoldersByRequester) {
+  // 200 owners hold the same 128 keys in DRAM, two more only on SSD: a row names at most four, all DRAM; one
+  // requester gets the same holders for every key of the prefix (long spans from one source), and requesters
+  // together spread over the holders.
+  CatalogStore store({kIncarnation});
+  for (int o = 0; o < 200; ++o) Baseline(store, 128, Stream(fmt::format("owner-{:03}", o), "run"));
+  for (int o = 0; o < 2; ++o) {
+    const StreamId ssd = Stream(fmt::format("ssd-{}", o), "run");
+    ASSERT_EQ(store.Begin({ssd, 1, 0, 1}).kind, Kind::kAck);
+    ASSERT_EQ(store.End({ssd, 1, 1, {CatalogRecord{core::testing::ChainKey(7, 0), 2, true, 1, 1, 4096}}}).kind,
+              Kind::kAck);
+  }
+  std::set<std::string> chosen;
+  for (int r = 0; r < 50; ++r) {
+    const std::string requester = fmt::format("requester-{}", r);
+    bool complete = false;
+    const auto first = store.Lookup(3, core::testing::ChainKey(7, 0), &complete, requester);
+    EXPECT_TRUE(complete);
+    ASSERT_EQ(first.size(), CatalogStore::kMaxHoldersPerKey);
+    for (const auto& h : first) {
+      EXPECT_EQ(h.record.tier, 1) << h.owner_node;  // DRAM before SSD
+      chosen.insert(h.owner_node);
+    }
+    const auto later = store.Lookup(3, core::testing::ChainKey(7, 127), &complete, requester);
+    ASSERT_EQ(later.size(), first.size());
+    for (size_t i = 0; i < first.size(); ++i) EXPECT_EQ(later[i].owner_node, first[i].owner_node);
+  }
+  EXPECT_GE(chosen.size(), 40u) << "50 requesters should be spread over the 200 holders";
+  // Fewer DRAM holders than the bound: the SSD ones fill the row after them.
+  CatalogStore small({kIncarnation});
+  Baseline(small, 1, Stream("dram-a", "run"));
+  for (const char* node : {"ssd-a", "ssd-b", "ssd-c", "ssd-d"}) {
+    ASSERT_EQ(small.Begin({Stream(node, "run"), 1, 0, 1}).kind, Kind::kAck);
+    ASSERT_EQ(
+        small.End({Stream(node, "run"), 1, 1, {CatalogRecord{core::testing::ChainKey(7, 0), 2, true, 1, 1, 4096}}})
+            .kind,
+        Kind::kAck);
+  }
+  bool complete = false;
+  const auto row = small.Lookup(3, core::testing::ChainKey(7, 0), &complete, "requester-1");
+  ASSERT_EQ(row.size(), 4u);
+  EXPECT_EQ(row[0].owner_node, "dram-a");
+  EXPECT_EQ(row[1].record.tier, 2);
 }
 
 TEST(CatalogStoreTest, ANewCatalogStartAndDeadOwnersAreRefused) {

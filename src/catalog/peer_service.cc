@@ -84,7 +84,8 @@ grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v
     row->set_placed_here(here);
     if (!here) continue;
     bool complete = false;
-    for (const CatalogStore::Holder& h : options_.catalog->Lookup(shard, *key, &complete)) {
+    for (const CatalogStore::Holder& h :
+         options_.catalog->Lookup(shard, *key, &complete, request->route().source_node_id())) {
       peer::v1::LookupCandidate* c = row->add_candidates();
       c->set_owner_node(h.owner_node);
       c->set_owner_runtime_uuid(h.owner_runtime);
