@@ -156,9 +156,15 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
   }
   AbortBuilding(slice);
   const uint64_t reserve = begin.expected_records * EntryCharge();
+  if (used_ + reserve > options_.budget_bytes && slice.baseline) {
+    // The old view and the new one cannot both fit: the old one goes (the slice reads incomplete, never a frozen
+    // view called complete), which may make room for the new one.
+    DropView(slice);
+  }
   if (used_ + reserve > options_.budget_bytes) {
     return Reply(CatalogReply::Kind::kRetryLater, slice.applied,
-                 fmt::format("a snapshot of {} records does not fit the catalog budget ({} of {} bytes used)",
+                 fmt::format("a snapshot of {} records does not fit the catalog budget ({} of {} bytes used): the "
+                             "slice is incomplete until one fits",
                              begin.expected_records, used_, options_.budget_bytes));
   }
   Building building;
@@ -288,9 +294,33 @@ size_t CatalogStore::DropDeadOwners() {
   return dropped;
 }
 
+CatalogStore::LiveOwners CatalogStore::ReadLiveOwners() const {
+  if (!options_.live_owners) return std::vector<std::pair<std::string, std::string>>{};
+  return options_.live_owners();
+}
+
+bool CatalogStore::ShardComplete(uint32_t shard, const LiveOwners& live) const {
+  if (!options_.live_owners) {
+    for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard;
+         ++it) {
+      if (!it->second.baseline || it->second.building) return false;
+    }
+    return true;
+  }
+  if (!live) return false;  // the member view is incomplete: nobody knows who must have reported
+  for (const auto& [node, runtime] : *live) {
+    auto it = slices_.find({shard, node});
+    if (it == slices_.end() || it->second.owner_runtime != runtime || !it->second.baseline || it->second.building) {
+      return false;
+    }
+  }
+  return true;
+}
+
 std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
   MutexLock lock(&mu_);
   std::map<uint32_t, ShardStatus> shards;
+  for (uint32_t shard : options_.shards) shards[shard].shard = shard;
   for (const auto& [key, slice] : slices_) {
     ShardStatus& s = shards[key.first];
     s.shard = key.first;
@@ -299,15 +329,18 @@ std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
       s.records += slice.view.size();
     }
     s.bytes += slice.view.size() * EntryCharge() + (slice.building ? BuildingCharge(*slice.building) : 0);
-    s.complete = s.complete && slice.baseline && !slice.building;
     s.lag_ms = std::max(s.lag_ms, slice.lag_ms);
     if (slice.installed_at != MonoTime{}) {
       const double ago = std::chrono::duration<double>(MonoNow() - slice.installed_at).count();
       s.last_repair_s = s.last_repair_s < 0 ? ago : std::min(s.last_repair_s, ago);
     }
   }
+  const LiveOwners live = ReadLiveOwners();
   std::vector<ShardStatus> out;
-  for (auto& [shard, s] : shards) out.push_back(s);
+  for (auto& [shard, s] : shards) {
+    s.complete = ShardComplete(shard, live);
+    out.push_back(s);
+  }
   return out;
 }
 
@@ -333,18 +366,16 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
   };
   MutexLock lock(&mu_);
   std::vector<Found> found;
-  bool all = true;
+  if (complete != nullptr) *complete = ShardComplete(shard, ReadLiveOwners());
   for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard;
        ++it) {
     const Slice& slice = it->second;
-    all = all && slice.baseline && !slice.building;
     if (!slice.baseline) continue;
     for (auto entry = slice.view.lower_bound(EntryKey{key, 0});
          entry != slice.view.end() && entry->first.key == key; ++entry) {
       found.push_back(Found{&it->first.second, &slice, entry->first.tier, &entry->second});
     }
   }
-  if (complete != nullptr) *complete = all;
   // DRAM (the lower tier number) first; the sort is stable, so each tier stays in node order.
   std::stable_sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.tier < b.tier; });
   // FNV-1a of the requester's node id: the same start on every catalog host and every run (none: the first).

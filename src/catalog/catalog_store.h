@@ -42,6 +42,14 @@ class CatalogStore {
     uint64_t budget_bytes = kDefaultBudgetBytes;
     // Whether `runtime` is the live, registered start of `node` (the member view). Null: everyone.
     std::function<bool(const std::string& node, const std::string& runtime)> owner_live;
+    // The live members, as (node, runtime UUID), each of whose owner streams must have a baseline in a shard
+    // for the shard to be complete (so a restarted catalog host reads incomplete until every owner
+    // re-baselined); nullopt while the member view is incomplete (every shard then reads incomplete). Null:
+    // the slices known here alone decide. Called under the store's lock.
+    std::function<std::optional<std::vector<std::pair<std::string, std::string>>>()> live_owners;
+    // The shards placed on this host: Status reports each of them, those without any slice too. Empty: the
+    // shards that have slices.
+    std::vector<uint32_t> shards;
     // Called (under the store's lock: keep it short) when a stream's evidence became visible through
     // sequence `through` (from `from` + 1): a delta applied or a snapshot installed. For lag measurements.
     std::function<void(const StreamId& stream, uint64_t from, uint64_t through)> on_visible;
@@ -66,7 +74,9 @@ class CatalogStore {
     size_t owners = 0;     // slices with an installed baseline
     size_t records = 0;    // present residences over those slices
     uint64_t bytes = 0;    // charged for the shard (views, views being built, reservations)
-    bool complete = true;  // every known slice has a baseline and nothing pending
+    // Every live owner's stream (options.live_owners; without it every known slice) has a baseline here and
+    // no snapshot pending: only then is a miss in this shard an answer.
+    bool complete = true;
     // The largest update lag over its slices' last deltas: the owner's age of the oldest record at send time
     // plus the time until it applied here (ms).
     double lag_ms = 0;
@@ -128,6 +138,10 @@ class CatalogStore {
   };
   using SliceKey = std::pair<uint32_t, std::string>;  // (shard, owner node)
 
+  using LiveOwners = std::optional<std::vector<std::pair<std::string, std::string>>>;
+  LiveOwners ReadLiveOwners() const REQUIRES(mu_);
+  // Whether `shard`'s evidence is complete (see ShardStatus::complete), given ReadLiveOwners().
+  bool ShardComplete(uint32_t shard, const LiveOwners& live) const REQUIRES(mu_);
   // Common checks; a reply when the message must be answered without applying it.
   std::optional<CatalogReply> Admit(const StreamId& stream) const REQUIRES(mu_);
   CatalogReply Reply(CatalogReply::Kind kind, uint64_t applied, std::string reason) const;

@@ -162,6 +162,80 @@ TEST(CatalogStoreTest, TheBudgetIsNeverExceededAndWhatDoesNotFitIsIncomplete) {
   EXPECT_EQ(store.Apply({Stream(), 13, {Add(300, 13)}}).kind, Kind::kResync);
 }
 
+TEST(CatalogStoreTest, AResyncThatCannotFitBesideTheOldViewDropsItAndNeverReportsTheFrozenViewComplete) {
+  // Review point 1: a snapshot refused for budget used to keep the old baseline (Status and Lookup called a
+  // frozen view complete), and a resync after a journal overflow could be refused for ever because the old view
+  // stayed charged.
+  const uint64_t budget = 10 * CatalogStore::EntryCharge();
+  CatalogStore store({kIncarnation, budget});
+  Baseline(store, 6);
+  bool complete = false;
+  EXPECT_EQ(store.Lookup(3, core::testing::ChainKey(7, 0), &complete).size(), 1u);
+  EXPECT_TRUE(complete);
+  // The owner resyncs with 8 records: old (6) and new (8) cannot both fit, so the old view goes and the snapshot
+  // is admitted; until it is installed the shard reads incomplete.
+  ASSERT_EQ(store.Begin({Stream(), 2, 6, 8}).kind, Kind::kAck);
+  EXPECT_LE(store.used_bytes(), budget);
+  EXPECT_TRUE(store.Lookup(3, core::testing::ChainKey(7, 0), &complete).empty());
+  EXPECT_FALSE(complete);
+  EXPECT_FALSE(store.Status()[0].complete);
+  SnapshotPage page{Stream(), 2, {}};
+  for (uint64_t i = 0; i < 8; ++i) page.records.push_back(Add(i, i + 1));
+  ASSERT_EQ(store.Page(page).kind, Kind::kAck);
+  ASSERT_EQ(store.End({Stream(), 2, 6, {}}).kind, Kind::kAck);
+  EXPECT_TRUE(store.Status()[0].complete);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 8u);
+  // A resync that cannot fit even alone: refused, and the slice reads incomplete (no frozen view) until one fits.
+  EXPECT_EQ(store.Begin({Stream(), 3, 8, 12}).kind, Kind::kRetryLater);
+  EXPECT_LE(store.used_bytes(), budget);
+  EXPECT_FALSE(store.Status()[0].complete);
+  EXPECT_TRUE(store.Lookup(3, core::testing::ChainKey(7, 0), &complete).empty());
+  EXPECT_FALSE(complete);
+  ASSERT_EQ(store.Begin({Stream(), 4, 8, 3}).kind, Kind::kAck);  // the owner's view shrank: it fits
+  SnapshotEnd end{Stream(), 4, 8, {}};
+  page = SnapshotPage{Stream(), 4, {Add(0, 1), Add(1, 2), Add(2, 3)}};
+  ASSERT_EQ(store.Page(page).kind, Kind::kAck);
+  ASSERT_EQ(store.End(end).kind, Kind::kAck);
+  EXPECT_TRUE(store.Status()[0].complete);
+}
+
+TEST(CatalogStoreTest, AShardIsCompleteOnlyWhenEveryLiveOwnerHasABaselineThere) {
+  // After a catalog restart (an empty store) a shard has no slice at all: it used to read complete. Now every
+  // live member's owner stream must have re-baselined first, and an incomplete member view makes it incomplete.
+  std::optional<std::vector<std::pair<std::string, std::string>>> live =
+      std::vector<std::pair<std::string, std::string>>{{"node-a", "run-1"}, {"node-b", "run-2"}};
+  CatalogStore::Options options{kIncarnation};
+  options.live_owners = [&live] { return live; };
+  options.shards = {3, 5};
+  CatalogStore store(std::move(options));
+  auto shard = [&](uint32_t n) {
+    for (const auto& s : store.Status()) {
+      if (s.shard == n) return s;
+    }
+    ADD_FAILURE() << "no status for shard " << n;
+    return CatalogStore::ShardStatus{};
+  };
+  EXPECT_EQ(store.Status().size(), 2u);  // both shards placed here, with no slice yet
+  EXPECT_FALSE(shard(3).complete);
+  EXPECT_FALSE(shard(5).complete);
+  Baseline(store, 2, Stream("node-a", "run-1"));
+  EXPECT_FALSE(shard(3).complete);  // node-b has not re-baselined
+  bool complete = true;
+  EXPECT_EQ(store.Lookup(3, core::testing::ChainKey(7, 0), &complete).size(), 1u);
+  EXPECT_FALSE(complete);  // node-a's answer, but a miss here would say nothing
+  Baseline(store, 1, Stream("node-b", "run-2"));
+  EXPECT_TRUE(shard(3).complete);
+  EXPECT_FALSE(shard(5).complete);
+  store.Lookup(3, core::testing::ChainKey(7, 0), &complete);
+  EXPECT_TRUE(complete);
+  live = std::nullopt;  // the member view is incomplete: nobody knows who must have reported
+  EXPECT_FALSE(shard(3).complete);
+  live = std::vector<std::pair<std::string, std::string>>{{"node-a", "run-1"}, {"node-b", "run-3"}};
+  EXPECT_FALSE(shard(3).complete);  // node-b restarted: its new start must baseline
+  Baseline(store, 1, Stream("node-b", "run-3"));
+  EXPECT_TRUE(shard(3).complete);
+}
+
 TEST(CatalogStoreTest, LookupNamesEveryOwnerHoldingAKeyInEachTier) {
   CatalogStore store({kIncarnation});
   Baseline(store, 3, Stream("node-a", "run-1"));

@@ -224,12 +224,27 @@ class CatalogNode {
         if (member.status().code() == StatusCode::kUnavailable) return true;  // view incomplete: keep, decide later
         return member.ok() && member->record.runtime_uuid == owner_runtime;
       };
+      // A shard is complete only when every live member's owner stream has a baseline in it.
+      options.live_owners = [view]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
+        const cluster::MemberView::Snapshot snapshot = view->Read();
+        if (!snapshot.complete) return std::nullopt;
+        std::vector<std::pair<std::string, std::string>> live;
+        for (const cluster::Member& m : snapshot.members) live.emplace_back(m.record.node_id, m.record.runtime_uuid);
+        return live;
+      };
+      for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+        if (membership.placement().OwnerOf(shard) == node_) options.shards.push_back(shard);
+      }
       store_ = std::make_unique<catalog::CatalogStore>(std::move(options));
     }
     records_ = &metrics->GetGauge("orbitkv_catalog_records", "Residences this catalog host holds as evidence");
     bytes_ = &metrics->GetGauge("orbitkv_catalog_bytes", "Bytes charged to --catalog-budget on this catalog host");
     incomplete_ = &metrics->GetGauge("orbitkv_catalog_incomplete_shards",
-                                     "Shards placed here whose evidence is incomplete (rebuilding or over budget)");
+                                     "Shards placed here whose evidence is incomplete (a live owner without a "
+                                     "baseline: rebuilding, over budget, or after this catalog host restarted)");
+    incomplete_seconds_ = &metrics->GetGauge(
+        "orbitkv_catalog_incomplete_seconds_total",
+        "Shard-seconds the shards placed here were incomplete (only grows; their misses are not authoritative)");
     streams_converged_ = &metrics->GetGauge(
         "orbitkv_catalog_streams_converged", "This Manager's owner streams that converge (of 16, one per shard)");
     snapshots_ = &metrics->GetGauge("orbitkv_catalog_stream_snapshots",
@@ -296,9 +311,10 @@ class CatalogNode {
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
       if (membership_.placement().OwnerOf(shard) != node_) continue;
       const auto it = known.find(shard);
-      const catalog::CatalogStore::ShardStatus s = it == known.end() ? catalog::CatalogStore::ShardStatus{} : it->second;
+      catalog::CatalogStore::ShardStatus s = it == known.end() ? catalog::CatalogStore::ShardStatus{} : it->second;
+      if (it == known.end()) s.complete = false;  // Status names every shard placed here: not one of them
       lines.push_back(fmt::format("{} {} {} {} {} {:.1f} {}", shard, s.owners, s.records, s.bytes,
-                                  it == known.end() || s.complete ? "complete" : "incomplete", s.lag_ms,
+                                  s.complete ? "complete" : "incomplete", s.lag_ms,
                                   s.last_repair_s < 0 ? std::string("never") : fmt::format("{:.1f}", s.last_repair_s)));
     }
     return lines;
@@ -309,10 +325,11 @@ class CatalogNode {
     size_t inventory = 0;
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) inventory += inventory_->Size(shard);
     return fmt::format(", \"catalog_shards_hosted\": {}, \"catalog_records\": {}, \"catalog_bytes\": {}, "
-                       "\"catalog_incomplete_shards\": {}, \"catalog_streams\": {}, \"catalog_streams_streaming\": {}, "
-                       "\"catalog_streams_converged\": {}, \"catalog_stream_snapshots\": {}, \"inventory_records\": {}",
-                       hosted_, s.records, s.bytes, s.incomplete, streamers_.size(), s.streaming, s.converged,
-                       s.snapshots, inventory);
+                       "\"catalog_incomplete_shards\": {}, \"catalog_incomplete_shard_ms\": {}, \"catalog_streams\": {}, "
+                       "\"catalog_streams_streaming\": {}, \"catalog_streams_converged\": {}, "
+                       "\"catalog_stream_snapshots\": {}, \"inventory_records\": {}",
+                       hosted_, s.records, s.bytes, s.incomplete, incomplete_ms_.load(std::memory_order_relaxed),
+                       streamers_.size(), s.streaming, s.converged, s.snapshots, inventory);
   }
 
  private:
@@ -344,9 +361,17 @@ class CatalogNode {
   }
 
   void Maintain() {
+    MonoTime last = MonoNow();
+    size_t incomplete = 0;  // as of the last round: the state the time since then is charged to
     while (!stop_.load(std::memory_order_acquire)) {
       if (store_) store_->DropDeadOwners();
       const Summary s = Summarize();
+      const MonoTime now = MonoNow();
+      const double seconds = std::chrono::duration<double>(now - last).count() * static_cast<double>(incomplete);
+      incomplete_ms_.fetch_add(static_cast<uint64_t>(seconds * 1000), std::memory_order_relaxed);
+      last = now;
+      incomplete = s.incomplete;
+      incomplete_seconds_->Set(static_cast<double>(incomplete_ms_.load(std::memory_order_relaxed)) / 1000);
       records_->Set(static_cast<int64_t>(s.records));
       bytes_->Set(static_cast<int64_t>(s.bytes));
       incomplete_->Set(static_cast<int64_t>(s.incomplete));
@@ -373,6 +398,8 @@ class CatalogNode {
   Gauge* records_;
   Gauge* bytes_;
   Gauge* incomplete_;
+  Gauge* incomplete_seconds_;
+  std::atomic<uint64_t> incomplete_ms_{0};  // shard-milliseconds incomplete, as orbitkv_catalog_incomplete_seconds_total
   Gauge* streams_converged_;
   Gauge* snapshots_;
   Gauge* lag_ms_;

@@ -410,6 +410,10 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
   EXPECT_TRUE(CatalogsEqualInventories(all()));
   const std::string restarted = StatsOf(*managers[2]);
   EXPECT_GT(Field(restarted, "catalog_records"), 0u) << restarted;
+  // The restarted catalog host read incomplete until every live owner had re-baselined its shards (an empty store
+  // used to read complete), and is complete now.
+  EXPECT_GT(Field(restarted, "catalog_incomplete_shard_ms"), 0u) << restarted;
+  EXPECT_EQ(Field(restarted, "catalog_incomplete_shards"), 0u) << restarted;
   EXPECT_EQ(Field(restarted, "inventory_records"), 0u) << restarted;
   ExpectDumpsEqual(named());
 
