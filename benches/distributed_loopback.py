@@ -149,7 +149,11 @@ def ttft_by_tier(cluster: Cluster, lengths: list, gpu: bool, repeats: int, seed:
             engine.generate([rng.randrange(config.vocab_size) for _ in range(length)], 1)
         times = {"recompute": [], "local": [], "remote": []}
         restored = {"local": [], "remote": []}
-        same = True
+        # The remote hit restores the same bytes as the local one and computes the same suffix: its tokens must be
+        # the local hit's exactly. Against recompute only the first token is compared, and only reported: the
+        # cached runs compute the suffix as a chunk of its own, the recompute inside a 2,048-token chunk, and bf16
+        # matmuls round by batch shape (the gates compare with one chunking: python/tests/cluster_gate.py).
+        same, first_matches = True, 0
         for r in range(repeats):
             prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
             first = SequentialEngine(config, blocks, cluster.sockets[0], chunk_size=chunk, model=model)
@@ -159,17 +163,20 @@ def ttft_by_tier(cluster: Cluster, lengths: list, gpu: bool, repeats: int, seed:
             order = [("recompute", plain), ("local", local), ("remote", remote)]
             if r % 2:  # the remote hit first in every other repeat: no tier always runs right after another
                 order = order[::-1]
+            results = {}
             for name, engine in order:
-                result = engine.generate(prompt, 1)
-                times[name].append(result.ttft_s)
+                results[name] = engine.generate(prompt, 1)
+                times[name].append(results[name].ttft_s)
                 if name in restored:
-                    restored[name].append(result.restored_tokens)
-                same = same and result.tokens == saved.tokens
+                    restored[name].append(results[name].restored_tokens)
+            same = same and results["remote"].tokens == results["local"].tokens
+            first_matches += results["recompute"].tokens[:1] == results["local"].tokens[:1] == saved.tokens[:1]
         for engine in (local, remote):
             engine.close()
         rows[length] = dict({k: percentile(v, 0.5) for k, v in times.items()},
                             local_restored=min(restored["local"]), remote_restored=min(restored["remote"]),
-                            same=same, remote_runs_ms=[round(t * 1e3, 1) for t in times["remote"]])
+                            same=same, remote_runs_ms=[round(t * 1e3, 1) for t in times["remote"]],
+                            first_token_as_recompute=f"{first_matches} of {repeats}")
         del plain
     return dict(rows=rows, model=config.name if hasattr(config, "name") else str(config),
                 device=torch.cuda.get_device_name(device) if gpu else "cpu")
@@ -293,7 +300,7 @@ def loopback_main(args, build: pathlib.Path) -> int:
                block_bytes=str(36 * 2 * 16 * 8 * 128 * 2), prefix_blocks=str(PREFIX_PAGES),
                sequential_prefixes=str(SEQUENTIAL_PREFIXES), concurrent_prefixes=str(CONCURRENT_PREFIXES),
                fetch_workers=",".join(map(str, sorted(per_workers))), wrong_pages=str(bad),
-               ttft_device=ttft["device"], ttft_model=ttft["model"], ttft_outputs_identical=str(same),
+               ttft_device=ttft["device"], ttft_model=ttft["model"], ttft_remote_tokens_equal_local=str(same),
                ttft_lengths=",".join(map(str, lengths)), ttft_first_length_metrics_unsuffixed="true",
                pool=dram)
     for workers in sorted(per_workers):
@@ -302,6 +309,7 @@ def loopback_main(args, build: pathlib.Path) -> int:
     for length, row in sorted(ttft["rows"].items()):
         env[f"ttft_{length}_restored_tokens"] = f"local {row['local_restored']}, remote {row['remote_restored']}"
         env[f"ttft_{length}_remote_runs_ms"] = str(row["remote_runs_ms"])
+        env[f"ttft_{length}_first_token_as_recompute"] = row["first_token_as_recompute"]
     env["plot"] = plot(ttft, args.plot) if args.plot else "not asked (--plot)"
     emit(dict(bench="distributed", results=results, env=env), args.json)
     return 0 if bad == 0 and same else 1

@@ -33,7 +33,10 @@ StreamId OwnerStreamer::Id() const {
 
 void OwnerStreamer::Backoff(State resume) {
   backoff_ = std::clamp(backoff_ * 2, options_.backoff_min, options_.backoff_max);
-  backoff_until_ = MonoNow() + backoff_;
+  // Jittered (a uniform half to all of the step): the 16 streams of every owner that lost the same catalog
+  // host do not come back in lockstep.
+  const double share = 0.5 + 0.5 * std::uniform_real_distribution<double>(0.0, 1.0)(jitter_);
+  backoff_until_ = MonoNow() + std::chrono::duration_cast<MonoClock::duration>(backoff_ * share);
   resume_ = resume;
   state_ = State::kBackoff;
 }
@@ -139,7 +142,41 @@ bool OwnerStreamer::Snapshot() {
     return true;
   }
   catalog_incarnation_ = reply->catalog_incarnation;
-  // 2. The current view, in bounded pages with a stable cursor.
+  // 2. The current view, in bounded pages with a stable cursor; after each page the interval's changes so far
+  //    travel too (interval pages), so the journal need only hold what changes while one page is taken, not a
+  //    whole scan's changes.
+  uint64_t interval_through = w0;  // the interval (w0, interval_through] has been sent
+  SnapshotEnd end{Id(), id, 0, {}};
+  // Reads the journal after interval_through up to `upto` into end.interval, sending full chunks as interval
+  // pages (all of it with `flush`); false when the snapshot had to stop (already handled).
+  const auto send_interval = [&](uint64_t upto, bool flush) {
+    while (interval_through < upto) {
+      Result<core::JournalRead> read = inventory_->ReadJournal(options_.shard, subscriber_, interval_through,
+                                                               std::max<size_t>(options_.max_batch_records, 1));
+      if (!read.ok()) {  // the interval overflowed the journal: abort this snapshot, retry later
+        OnTrouble(Result<CatalogReply>(CatalogReply{CatalogReply::Kind::kRetryLater, 0, 0,
+                                                    "the snapshot's interval overflowed the journal"}),
+                  true);
+        return false;
+      }
+      for (const core::ResidencyRecord& r : read->records) {
+        if (r.sequence > upto) break;
+        end.interval.push_back(ToCatalogRecord(r));
+        interval_through = r.sequence;
+      }
+      if (read->records.empty()) break;
+      if (end.interval.size() >= options_.max_batch_records || (flush && !end.interval.empty())) {
+        SnapshotPage chunk{Id(), id, std::move(end.interval), /*interval=*/true};
+        end.interval.clear();
+        Result<CatalogReply> sent = transport_->Deliver(options_.catalog_node, chunk);
+        if (!sent.ok() || sent->kind != CatalogReply::Kind::kAck) {
+          OnTrouble(sent, true);
+          return false;
+        }
+      }
+    }
+    return true;
+  };
   std::optional<core::InventoryCursor> cursor;
   for (;;) {
     core::InventoryPage page =
@@ -159,35 +196,12 @@ bool OwnerStreamer::Snapshot() {
     }
     if (!page.next) break;
     cursor = page.next;
+    if (!send_interval(page.watermark, /*flush=*/true)) return true;
   }
-  // 3. The end of the cut and every change in (w0, w1].
+  // 3. The end of the cut and every change in (w0, w1] not sent yet.
   const uint64_t w1 = inventory_->Watermark(options_.shard);
-  SnapshotEnd end{Id(), id, w1, {}};
-  for (uint64_t after = w0; after < w1;) {
-    Result<core::JournalRead> read = inventory_->ReadJournal(options_.shard, subscriber_, after,
-                                                             std::max<size_t>(options_.max_batch_records, 1));
-    if (!read.ok()) {  // the interval overflowed the journal: abort this snapshot, retry later
-      OnTrouble(Result<CatalogReply>(CatalogReply{CatalogReply::Kind::kRetryLater, 0, 0,
-                                                  "the snapshot's interval overflowed the journal"}),
-                true);
-      return true;
-    }
-    for (const core::ResidencyRecord& r : read->records) {
-      if (r.sequence > w1) break;
-      end.interval.push_back(ToCatalogRecord(r));
-      after = r.sequence;
-    }
-    if (read->records.empty()) break;
-    if (end.interval.size() >= options_.max_batch_records && after < w1) {  // a long interval: in pages
-      SnapshotPage chunk{Id(), id, std::move(end.interval), /*interval=*/true};
-      end.interval.clear();
-      reply = transport_->Deliver(options_.catalog_node, chunk);
-      if (!reply.ok() || reply->kind != CatalogReply::Kind::kAck) {
-        OnTrouble(reply, true);
-        return true;
-      }
-    }
-  }
+  end.end_watermark = w1;
+  if (!send_interval(w1, /*flush=*/false)) return true;
   reply = transport_->Deliver(options_.catalog_node, end);
   if (!reply.ok() || reply->kind != CatalogReply::Kind::kAck) {
     OnTrouble(reply, true);

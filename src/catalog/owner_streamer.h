@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <random>
 #include <string>
 
 #include "base/clock.h"
@@ -50,7 +51,10 @@ class OwnerStreamer {
     uint32_t shard = 0;
     std::string catalog_node;
     size_t max_batch_records = 4096;
-    size_t page_records = 1024;
+    // Records a snapshot page carries, and so what one Scan holds the inventory shard's mutex for: 512 keeps a
+    // page's hold near 4 % of a walk over a 250,000-record shard (scripts/bench catalog) while a 250,000-record
+    // snapshot is still under 500 pages.
+    size_t page_records = 512;
     std::chrono::milliseconds batch_delay{2};
     std::chrono::milliseconds backoff_min{10};
     std::chrono::milliseconds backoff_max{2000};
@@ -99,6 +103,7 @@ class OwnerStreamer {
   uint64_t catalog_incarnation_ = 0;
   uint64_t next_snapshot_id_ = 1;
   std::chrono::milliseconds backoff_{0};
+  std::minstd_rand jitter_{std::random_device{}()};
   MonoTime backoff_until_{};
   State resume_ = State::kSnapshot;  // what follows the backoff
   std::atomic<State> state_{State::kSnapshot};

@@ -252,6 +252,58 @@ TEST(OwnerStreamerTest, ALongIntervalTravelsInPages) {
   EXPECT_GT(pages, 8);
 }
 
+// A large shard snapshotted while it changes steadily, with a journal far smaller than a scan's worth of changes:
+// the interval travels while the pages are taken (after each page), so the cut converges, and the catalog then
+// follows by deltas (TSan runs this).
+TEST(OwnerStreamerTest, ALargeShardUnderSteadyChurnWithASmallJournalConverges) {
+  auto inventory = Inventory(256 << 10);
+  CatalogStore store({0xca7});
+  InProcessTransport transport(&store);
+  uint64_t generation = 1;
+  constexpr uint64_t kRecords = 20000;
+  for (uint64_t k = 0; k < kRecords; ++k) {
+    inventory->Apply(kShard, core::testing::ChainKey(12, k), core::Tier::kDram, true, core::TransitionCause::kAdmit,
+                     ++generation, 4096);
+  }
+  OwnerStreamer::Options options = StreamerOptions();
+  options.page_records = 1024;
+  options.max_batch_records = 4096;
+  options.backoff_min = std::chrono::milliseconds(1);
+  options.backoff_max = std::chrono::milliseconds(50);
+  auto streamer = *OwnerStreamer::Create(options, inventory.get(), &transport);
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {  // 2,000 changes/s: alternately a new residence and an eviction of the oldest
+    uint64_t next = kRecords, oldest = 0, changes = 0;
+    const MonoTime start = MonoNow();
+    while (!stop.load()) {
+      const double due = std::chrono::duration<double>(MonoNow() - start).count() * 2000;
+      for (; changes < due; ++changes) {
+        if (changes % 2 == 0) {
+          inventory->Apply(kShard, core::testing::ChainKey(12, next++), core::Tier::kDram, true,
+                           core::TransitionCause::kAdmit, ++generation, 4096);
+        } else {
+          inventory->Apply(kShard, core::testing::ChainKey(12, oldest++), core::Tier::kDram, false,
+                           core::TransitionCause::kEvict, 1, 4096);
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  bool streaming = false;
+  const MonoTime t0 = MonoNow();
+  while (!streaming && MonoNow() - t0 < std::chrono::seconds(60)) {
+    streamer->Step();
+    streaming = streamer->snapshots() > 0 && streamer->state() == OwnerStreamer::State::kStreaming;
+  }
+  stop = true;
+  churn.join();
+  ASSERT_TRUE(streaming) << "no snapshot converged: " << streamer->snapshot_aborts() << " aborted";
+  EXPECT_TRUE(streamer->converged());
+  Drain(*streamer);
+  EXPECT_EQ(store.Dump(kShard, "node-a"), OwnerView(*inventory));
+  EXPECT_EQ(streamer->acknowledged(), inventory->Watermark(kShard));
+}
+
 TEST(OwnerStreamerTest, ARefusedOwnerStops) {
   auto inventory = Inventory();
   CatalogStore::Options options{0xca7};

@@ -94,15 +94,16 @@ uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& 
 void ResidencyInventory::RecordLocked(uint32_t shard_index, Shard& shard, uint64_t sequence,
                                       const state::StateKey& key, Tier tier, bool present,
                                       TransitionCause cause, uint64_t generation, uint64_t bytes) {
-  ViewKey view_key{key, tier};
+  const ViewKey view_key{key, tier, ScanHash(key, tier)};
+  auto& bucket = shard.view[BucketOf(view_key.hash)];
   if (present) {
-    shard.view.insert_or_assign(view_key, ViewValue{generation, bytes, sequence});
+    shard.view_size += bucket.insert_or_assign(view_key, ViewValue{generation, bytes, sequence}).second ? 1 : 0;
   } else {
-    auto it = shard.view.find(view_key);
-    ORBITKV_CHECK_MSG(it != shard.view.end(),
-                      "inventory: removing {} residence of {} that it does not hold",
+    auto it = bucket.find(view_key);
+    ORBITKV_CHECK_MSG(it != bucket.end(), "inventory: removing {} residence of {} that it does not hold",
                       TierName(tier), key.ToString());
-    shard.view.erase(it);
+    bucket.erase(it);
+    --shard.view_size;
   }
   int64_t retained_delta = 1;
   if (shard.journal.size() >= journal_records_per_shard_) {
@@ -281,45 +282,36 @@ InventoryPage ResidencyInventory::Scan(uint32_t shard_index, const InventoryCurs
   ORBITKV_CHECK(shard_index < shards_.size());
   ORBITKV_CHECK(max_records >= 1);
   const Shard& shard = *shards_[shard_index];
-  // The scan order: (hash, key, tier).
-  struct Position {
-    uint64_t hash;
-    const state::StateKey* key;
-    Tier tier;
-  };
-  const auto before = [](const Position& a, const Position& b) {
+  // The scan order: (hash, key, tier); buckets are hash ranges in that order.
+  using Entry = std::pair<const ViewKey, ViewValue>;
+  const auto before = [](const ViewKey& a, const ViewKey& b) {
     if (a.hash != b.hash) return a.hash < b.hash;
-    if (auto c = *a.key <=> *b.key; c != 0) return c < 0;
+    if (auto c = a.key <=> b.key; c != 0) return c < 0;
     return a.tier < b.tier;
   };
   InventoryPage page;
+  std::optional<ViewKey> cursor;
+  if (after != nullptr) cursor = ViewKey{after->key, after->tier, ScanHash(after->key, after->tier)};
+  // Whole buckets from the cursor's on, each sorted, until one record more than the page (it tells whether the
+  // scan goes on) or the last bucket. Sorted by hash alone first (contiguous, no key loads): keys are compared
+  // only where hashes are equal. The buffers are allocated before the mutex is taken.
+  std::vector<std::pair<uint64_t, const Entry*>> found;
+  found.reserve(2 * max_records + 1024);
+  page.records.reserve(max_records);
   MutexLock lock(&shard.mu);
   page.watermark = shard.last_sequence;
-  std::optional<Position> cursor;
-  if (after != nullptr) cursor = Position{ViewKeyHash{}(ViewKey{after->key, after->tier}), &after->key, after->tier};
-  // The max_records smallest positions after the cursor, as a max-heap; one more tells whether the scan goes on.
-  std::vector<std::pair<Position, const std::pair<const ViewKey, ViewValue>*>> heap;
-  heap.reserve(std::min(max_records, shard.view.size()) + 1);
-  const auto heap_less = [&](const auto& a, const auto& b) { return before(a.first, b.first); };
-  bool more = false;
-  for (const auto& entry : shard.view) {
-    const Position p{ViewKeyHash{}(entry.first), &entry.first.key, entry.first.tier};
-    if (cursor && !before(*cursor, p)) continue;
-    if (heap.size() < max_records) {
-      heap.emplace_back(p, &entry);
-      std::push_heap(heap.begin(), heap.end(), heap_less);
-    } else {
-      more = true;
-      if (before(p, heap.front().first)) {
-        std::pop_heap(heap.begin(), heap.end(), heap_less);
-        heap.back() = {p, &entry};
-        std::push_heap(heap.begin(), heap.end(), heap_less);
-      }
+  for (size_t b = cursor ? BucketOf(cursor->hash) : 0; b < kViewBuckets && found.size() <= max_records; ++b) {
+    const size_t first = found.size();
+    for (const Entry& entry : shard.view[b]) {
+      if (!cursor || before(*cursor, entry.first)) found.emplace_back(entry.first.hash, &entry);
     }
+    std::sort(found.begin() + static_cast<std::ptrdiff_t>(first), found.end(), [&](const auto& x, const auto& y) {
+      return x.first != y.first ? x.first < y.first : before(x.second->first, y.second->first);
+    });
   }
-  std::sort_heap(heap.begin(), heap.end(), heap_less);
-  page.records.reserve(heap.size());
-  for (const auto& [position, entry] : heap) {
+  const bool more = found.size() > max_records;
+  if (more) found.resize(max_records);
+  for (const auto& [hash, entry] : found) {
     page.records.push_back(InventoryRecord{entry->first.key, entry->first.tier, entry->second.generation,
                                            entry->second.bytes, entry->second.version});
   }
@@ -338,14 +330,16 @@ size_t ResidencyInventory::Size(uint32_t shard_index) const {
   ORBITKV_CHECK(shard_index < shards_.size());
   const Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
-  return shard.view.size();
+  return shard.view_size;
 }
 
 uint64_t ResidencyInventory::ReplicaCount(Tier tier) const {
   uint64_t count = 0;
   for (const auto& shard : shards_) {
     MutexLock lock(&shard->mu);
-    for (const auto& [key, value] : shard->view) count += key.tier == tier ? 1 : 0;
+    for (const auto& bucket : shard->view) {
+      for (const auto& [key, value] : bucket) count += key.tier == tier ? 1 : 0;
+    }
   }
   return count;
 }

@@ -168,7 +168,8 @@ class ResidencyInventory {
 
   // Current replicas of `shard` strictly after `after` (from the start when null), at most
   // `max_records` (>= 1), in a stable order: by a hash of (key, tier), then key, then tier (the same on
-  // every host). O(shard size) per page under the shard's mutex: snapshots are rare, Apply is not.
+  // every host). A page costs O(max_records + one hash bucket) under the shard's mutex, from the cursor's
+  // bucket on (the view is kept in kViewBuckets hash-range buckets), whatever the shard's size.
   InventoryPage Scan(uint32_t shard, const InventoryCursor* after, size_t max_records) const;
 
   uint64_t Watermark(uint32_t shard) const;
@@ -178,18 +179,25 @@ class ResidencyInventory {
   uint64_t ReplicaCount(Tier tier) const;
 
  private:
-  // The view is a hash table (one probe per Apply: a tree of ~100,000 128-byte keys cost a quarter of a
-  // Manager's save time in pointer chasing and key compares), and Scan orders it on demand by
-  // (ViewKeyHash, key, tier): a total order that is the same on every host, so cursors resume exactly.
+  // The view is hash tables (one probe per Apply: a tree of ~100,000 128-byte keys cost a quarter of a
+  // Manager's save time in pointer chasing and key compares), one per range of the scan hash (its top
+  // kViewBucketBits bits), and Scan orders it on demand by (ScanHash, key, tier): a total order that is the
+  // same on every host, so cursors resume exactly. A page sorts only the buckets it covers, so a snapshot of N
+  // records costs O(N log(N / kViewBuckets)) in all and the mutex is held one page at a time.
+  static constexpr int kViewBucketBits = 10;
+  static constexpr size_t kViewBuckets = size_t{1} << kViewBucketBits;
+  static uint64_t ScanHash(const state::StateKey& key, Tier tier) {
+    return key.Hash64() ^ (static_cast<uint64_t>(tier) * 0x9e3779b97f4a7c15ULL);
+  }
+  static size_t BucketOf(uint64_t scan_hash) { return static_cast<size_t>(scan_hash >> (64 - kViewBucketBits)); }
   struct ViewKey {
     state::StateKey key;
     Tier tier;
-    friend bool operator==(const ViewKey&, const ViewKey&) = default;
+    uint64_t hash;  // ScanHash(key, tier): computed once per Apply, for the bucket and the probe
+    friend bool operator==(const ViewKey& a, const ViewKey& b) { return a.tier == b.tier && a.key == b.key; }
   };
   struct ViewKeyHash {
-    size_t operator()(const ViewKey& k) const {
-      return k.key.Hash64() ^ (static_cast<uint64_t>(k.tier) * 0x9e3779b97f4a7c15ULL);
-    }
+    size_t operator()(const ViewKey& k) const { return k.hash; }
   };
   struct ViewValue {
     uint64_t generation;
@@ -205,7 +213,10 @@ class ResidencyInventory {
     mutable std::condition_variable_any changed;  // the watermark moved
     uint64_t last_sequence GUARDED_BY(mu) = 0;
     std::deque<ResidencyRecord> journal GUARDED_BY(mu);
-    absl::flat_hash_map<ViewKey, ViewValue, ViewKeyHash> view GUARDED_BY(mu);  // one probe per Apply
+    // The view, by bucket (BucketOf(hash)); one probe per Apply.
+    std::vector<absl::flat_hash_map<ViewKey, ViewValue, ViewKeyHash>> view GUARDED_BY(mu) =
+        std::vector<absl::flat_hash_map<ViewKey, ViewValue, ViewKeyHash>>(kViewBuckets);
+    size_t view_size GUARDED_BY(mu) = 0;
     std::map<InventorySubscriber, Subscription> subscribers GUARDED_BY(mu);
     InventorySubscriber next_subscriber GUARDED_BY(mu) = 1;
     mutable uint32_t waiters GUARDED_BY(mu) = 0;  // in WaitForChange

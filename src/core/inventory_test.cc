@@ -343,6 +343,22 @@ TEST(InventoryTest, ScanPagesVisitEveryReplicaOnceInOneStableOrder) {
     cursor = page.next;
   } while (cursor.has_value());
   EXPECT_EQ(paged, order(whole));
+  // Many replicas per hash bucket and pages that end mid-bucket: the same single order, each replica once.
+  auto big = MakeInventory(&metrics, 1, 1 << 20);
+  for (uint64_t i = 0; i < 5000; ++i) {
+    big->Apply(0, ChainKey(9, i), i % 5 == 0 ? Tier::kSsd : Tier::kDram, true, TransitionCause::kAdmit, i + 1, 10);
+  }
+  const InventoryPage all = big->Scan(0, nullptr, 10000);
+  ASSERT_EQ(all.records.size(), 5000u);
+  std::vector<std::pair<StateKey, Tier>> big_paged;
+  cursor.reset();
+  do {
+    InventoryPage page = big->Scan(0, cursor ? &*cursor : nullptr, 333);
+    EXPECT_LE(page.records.size(), 333u);
+    for (auto& r : order(page)) big_paged.push_back(r);
+    cursor = page.next;
+  } while (cursor.has_value());
+  EXPECT_EQ(big_paged, order(all));
   // Remove the cursor's own residence: the next page starts right after where it was.
   InventoryPage first = a->Scan(0, nullptr, 10);
   ASSERT_TRUE(first.next.has_value());
