@@ -526,15 +526,13 @@ def test_a_linker_configured_with_only_the_socket_starts_and_round_trips(manager
 
 def run_tp_ranks(manager, fail_rank, interface):
     import os
-    import socket
     import subprocess
+    import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = os.path.join(tempfile.mkdtemp(prefix="orbitkv-tp-"), "store")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_harness", "linker_tp_rank.py")
     mode = "verdicts" if interface.verdicts else "pinned"
-    ranks = [subprocess.Popen([sys.executable, script, str(r), "2", str(port), manager.socket, str(fail_rank), mode],
+    ranks = [subprocess.Popen([sys.executable, script, str(r), "2", store, manager.socket, str(fail_rank), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outputs = []
     for proc in ranks:

@@ -1,7 +1,7 @@
 """One TP rank of SGLang driving OrbitKVLinker through the pinned wrapper's flow, in its own process with a real
 torch.distributed gloo group (the CPU group SGLang gives the cache), for test_sglang_linker's TP=2 cases.
 
-    python linker_tp_rank.py RANK WORLD PORT SOCKET FAIL_RANK [pinned|verdicts]
+    python linker_tp_rank.py RANK WORLD STORE_FILE SOCKET FAIL_RANK [pinned|verdicts]
 
 Each rank offloads its own shard of 4 pages, matches them (the ranks' MIN intersects the hit), loads them, and
 runs one forward pass of layer waits; FAIL_RANK's restores fail (injected: a Manager error on that rank alone).
@@ -31,11 +31,12 @@ P, LAYERS = 16, 2
 
 
 def main() -> int:
-    rank, world, port, socket, fail_rank = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
-                                           int(sys.argv[5]))
+    rank, world, store, socket, fail_rank = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                            int(sys.argv[5]))
     interface = VERDICTS if len(sys.argv) > 6 and sys.argv[6] == "verdicts" else PINNED
     _compat.set_linker_interface(interface)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # A file store: no port to pick (a picked free port can be taken before the store binds it).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     pool = MHATokenToKVPool(size=32 * P, page_size=P, layer_num=LAYERS, head_num=1, head_dim=8, shared=True)
     for t in pool.k_buffer + pool.v_buffer:
