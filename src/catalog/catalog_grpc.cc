@@ -70,7 +70,8 @@ peer::v1::CatalogRequest ToRequest(const CatalogMessage& message) {
 Result<CatalogMessage> FromRequest(const peer::v1::CatalogRequest& request) {
   // The owner is the route's source (CheckRoute proved it a registered member's current start); the catalog
   // start it addresses is this one (CheckRoute proved that too).
-  StreamId stream{request.route().source_node_id(), request.route().source_runtime_uuid(), request.shard(), 0};
+  StreamId stream{request.route().source_node_id(), request.route().source_runtime_uuid(), request.shard(), 0,
+                  request.route().source_epoch()};
   switch (request.body_case()) {
     case peer::v1::CatalogRequest::kDelta: {
       ORBITKV_ASSIGN_OR_RETURN(std::vector<CatalogRecord> records, FromProto(request.delta().records()));

@@ -41,6 +41,9 @@ struct StreamId {
   std::string owner_runtime;  // the owner's runtime UUID
   uint32_t shard = 0;
   uint64_t catalog_incarnation = 0;  // the receiver start the owner addresses (0: not known yet)
+  // The owner's registration epoch (its member record's; over gRPC the route's source_epoch): a slice never
+  // moves to an older one, whatever order messages arrive in.
+  int64_t owner_epoch = 0;
 };
 
 struct DeltaBatch {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "fmt/format.h"
+#include "state/state_key.h"
 
 namespace orbitkv::catalog {
 
@@ -38,16 +39,53 @@ CatalogReply CatalogStore::Reply(CatalogReply::Kind kind, uint64_t applied, std:
 }
 
 std::optional<CatalogReply> CatalogStore::Admit(const StreamId& stream) const {
-  if (options_.owner_live && !options_.owner_live(stream.owner_node, stream.owner_runtime)) {
-    return Reply(CatalogReply::Kind::kRefused, 0,
-                 fmt::format("owner '{}' runtime {} is not a live member (fenced, expired or an older start)",
-                             stream.owner_node, stream.owner_runtime));
+  if (options_.owner_live) {
+    const std::optional<bool> live = options_.owner_live(stream.owner_node, stream.owner_runtime);
+    if (!live.has_value()) {
+      return Reply(CatalogReply::Kind::kRetryLater, 0,
+                   "the member view is incomplete: evidence is admitted once it is whole again");
+    }
+    if (!*live) {
+      return Reply(CatalogReply::Kind::kRefused, 0,
+                   fmt::format("owner '{}' runtime {} is not a live member (fenced, expired or an older start)",
+                               stream.owner_node, stream.owner_runtime));
+    }
   }
   if (stream.catalog_incarnation != 0 && stream.catalog_incarnation != options_.incarnation) {
     return Reply(CatalogReply::Kind::kResync, 0,
                  fmt::format("this catalog host restarted (incarnation {:016x}, the stream names {:016x}): "
                              "a new baseline is needed",
                              options_.incarnation, stream.catalog_incarnation));
+  }
+  return std::nullopt;
+}
+
+std::optional<CatalogReply> CatalogStore::StaleStart(const Slice& slice, const StreamId& stream) const {
+  if (slice.owner_runtime.empty()) return std::nullopt;  // a new slice
+  // Epochs come from the owner's registrations (each one higher); 0 is an owner that names none (then a new
+  // runtime is taken as a new start, as before epochs were carried).
+  if (stream.owner_epoch < slice.owner_epoch ||
+      (stream.owner_epoch == slice.owner_epoch && stream.owner_epoch != 0 &&
+       stream.owner_runtime != slice.owner_runtime)) {
+    return Reply(CatalogReply::Kind::kRefused, 0,
+                 fmt::format("owner '{}' start {} (epoch {}) is older than the one this slice holds ({}, epoch {}): "
+                             "a slice never moves to an older start",
+                             stream.owner_node, stream.owner_runtime, stream.owner_epoch, slice.owner_runtime,
+                             slice.owner_epoch));
+  }
+  return std::nullopt;
+}
+
+std::optional<CatalogReply> CatalogStore::ForeignKey(const StreamId& stream,
+                                                     const std::vector<CatalogRecord>& records) const {
+  if (options_.num_shards == 0) return std::nullopt;
+  for (const CatalogRecord& r : records) {
+    const uint32_t shard = state::ShardOf(r.key, options_.num_shards);
+    if (shard != stream.shard) {
+      return Reply(CatalogReply::Kind::kRefused, 0,
+                   fmt::format("a key of shard {} on shard {}'s stream (owner '{}'): refused with its message",
+                               shard, stream.shard, stream.owner_node));
+    }
   }
   return std::nullopt;
 }
@@ -85,11 +123,27 @@ void CatalogStore::DropView(Slice& slice) {
 CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
   MutexLock lock(&mu_);
   if (auto refused = Admit(batch.stream)) return *refused;
+  if (auto foreign = ForeignKey(batch.stream, batch.records)) return *foreign;
   auto it = slices_.find({batch.stream.shard, batch.stream.owner_node});
+  if (it != slices_.end()) {
+    if (auto stale = StaleStart(it->second, batch.stream)) return *stale;
+  }
   if (it == slices_.end() || !it->second.baseline || it->second.owner_runtime != batch.stream.owner_runtime) {
     return Reply(CatalogReply::Kind::kResync, 0, "no baseline for this stream here: send a snapshot");
   }
   Slice& slice = it->second;
+  // A resend overlapping what was applied: an equal version must carry the same content (a record that differs
+  // is a conflict, never resolved by arrival order).
+  for (size_t i = 0; i < batch.records.size() && batch.first_sequence + i <= slice.applied; ++i) {
+    const CatalogRecord& r = batch.records[i];
+    auto held = slice.view.find(EntryKey{r.key, r.tier});
+    if (held != slice.view.end() && held->second.version == r.version &&
+        (!r.present || held->second.generation != r.generation || held->second.bytes != r.bytes)) {
+      DropView(slice);
+      return Reply(CatalogReply::Kind::kResync, 0,
+                   fmt::format("sequence {} was applied with other contents: a new baseline is needed", r.version));
+    }
+  }
   for (size_t i = 0; i < batch.records.size(); ++i) {
     if (batch.records[i].version != batch.first_sequence + i) {
       DropView(slice);
@@ -147,13 +201,26 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
 CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
   MutexLock lock(&mu_);
   if (auto refused = Admit(begin.stream)) return *refused;
+  if (auto found = slices_.find({begin.stream.shard, begin.stream.owner_node}); found != slices_.end()) {
+    // An older start's Begin (reordered, or a fenced owner) neither replaces nor reserves anything.
+    if (auto stale = StaleStart(found->second, begin.stream)) return *stale;
+    const Slice& current = found->second;
+    if (current.owner_runtime == begin.stream.owner_runtime &&
+        (begin.snapshot_id <= current.installed_snapshot ||
+         (current.building && begin.snapshot_id < current.building->id))) {
+      // A replayed Begin of a snapshot installed or superseded already: answered, and nothing built or charged.
+      return Reply(CatalogReply::Kind::kAck, current.applied, "a stale Begin: that snapshot is done");
+    }
+  }
   Slice& slice = slices_[{begin.stream.shard, begin.stream.owner_node}];
   if (slice.owner_runtime != begin.stream.owner_runtime) {  // a new start of that owner: its old view is void
     AbortBuilding(slice);
     DropView(slice);
     slice.applied = 0;
+    slice.installed_snapshot = 0;
     slice.owner_runtime = begin.stream.owner_runtime;
   }
+  slice.owner_epoch = begin.stream.owner_epoch;
   AbortBuilding(slice);
   const uint64_t reserve = begin.expected_records * EntryCharge();
   if (used_ + reserve > options_.budget_bytes && slice.baseline) {
@@ -219,6 +286,10 @@ CatalogReply CatalogStore::Page(const SnapshotPage& page) {
   if (auto refused = Admit(page.stream)) return *refused;
   Slice* slice = FindBuilding(page.stream, page.snapshot_id);
   if (slice == nullptr) return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
+  if (auto foreign = ForeignKey(page.stream, page.records)) {
+    AbortBuilding(*slice);
+    return *foreign;
+  }
   if (page.interval && !IntervalFollows(*slice->building, page.records)) {
     AbortBuilding(*slice);
     return Reply(CatalogReply::Kind::kResync, slice->applied, "the snapshot's interval is out of order");
@@ -234,6 +305,10 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   Slice* found = FindBuilding(end.stream, end.snapshot_id);
   if (found == nullptr) return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
   Slice& slice = *found;
+  if (auto foreign = ForeignKey(end.stream, end.interval)) {
+    AbortBuilding(slice);
+    return *foreign;
+  }
   Building& building = *slice.building;
   // The interval must be exactly (start, end]: anything less would install a view that misses a change.
   if (!IntervalFollows(building, end.interval)) {
@@ -259,6 +334,7 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   used_ += slice.view.size() * EntryCharge();
   slice.applied = end.end_watermark;
   slice.baseline = true;
+  slice.installed_snapshot = end.snapshot_id;
   slice.building.reset();
   slice.installed_at = MonoNow();
   if (options_.on_visible) options_.on_visible(end.stream, 0, slice.applied);
@@ -282,8 +358,8 @@ size_t CatalogStore::DropDeadOwners() {
   MutexLock lock(&mu_);
   size_t dropped = 0;
   for (auto it = slices_.begin(); it != slices_.end();) {
-    if (options_.owner_live(it->first.second, it->second.owner_runtime)) {
-      ++it;
+    if (options_.owner_live(it->first.second, it->second.owner_runtime) != std::optional<bool>(false)) {
+      ++it;  // live, or unknown (an incomplete member view drops nothing)
       continue;
     }
     AbortBuilding(it->second);

@@ -40,8 +40,13 @@ class CatalogStore {
   struct Options {
     uint64_t incarnation = 0;  // this host's start: owners must address it
     uint64_t budget_bytes = kDefaultBudgetBytes;
-    // Whether `runtime` is the live, registered start of `node` (the member view). Null: everyone.
-    std::function<bool(const std::string& node, const std::string& runtime)> owner_live;
+    // Whether `runtime` is the live, registered start of `node` (the member view); nullopt while that is
+    // unknown (the member view is incomplete): evidence is then not admitted (RETRY_LATER) and no slice is
+    // dropped. Null: everyone.
+    std::function<std::optional<bool>(const std::string& node, const std::string& runtime)> owner_live;
+    // The number of logical shards: a record whose key belongs to another shard than its stream's is refused
+    // with its whole message. 0: not checked.
+    uint32_t num_shards = 0;
     // The live members, as (node, runtime UUID), each of whose owner streams must have a baseline in a shard
     // for the shard to be complete (so a restarted catalog host reads incomplete until every owner
     // re-baselined); nullopt while the member view is incomplete (every shard then reads incomplete). Null:
@@ -129,6 +134,8 @@ class CatalogStore {
   };
   struct Slice {
     std::string owner_runtime;
+    int64_t owner_epoch = 0;          // of the owner start whose evidence this is: never moves back
+    uint64_t installed_snapshot = 0;  // the id of the last snapshot installed from that start
     uint64_t applied = 0;
     bool baseline = false;
     View view;  // present entries only: the applied sequence makes older events rejectable
@@ -144,6 +151,11 @@ class CatalogStore {
   bool ShardComplete(uint32_t shard, const LiveOwners& live) const REQUIRES(mu_);
   // Common checks; a reply when the message must be answered without applying it.
   std::optional<CatalogReply> Admit(const StreamId& stream) const REQUIRES(mu_);
+  // A refusal when `stream` is an older owner start than the one `slice` holds evidence of (an older epoch, or
+  // another runtime of the same epoch), which must never replace it.
+  std::optional<CatalogReply> StaleStart(const Slice& slice, const StreamId& stream) const;
+  // A refusal when a record's key belongs to another shard than the stream's.
+  std::optional<CatalogReply> ForeignKey(const StreamId& stream, const std::vector<CatalogRecord>& records) const;
   CatalogReply Reply(CatalogReply::Kind kind, uint64_t applied, std::string reason) const;
   // Applies `record` to a view with deletion evidence by version; false on an equal-version conflict.
   static bool ApplyByVersion(View& view, const CatalogRecord& record);

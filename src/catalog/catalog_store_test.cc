@@ -15,8 +15,8 @@ using Kind = CatalogReply::Kind;
 
 constexpr uint64_t kIncarnation = 0xc0ffee;
 
-StreamId Stream(const std::string& node = "node-a", const std::string& runtime = "run-1") {
-  return StreamId{node, runtime, 3, kIncarnation};
+StreamId Stream(const std::string& node = "node-a", const std::string& runtime = "run-1", int64_t epoch = 0) {
+  return StreamId{node, runtime, 3, kIncarnation, epoch};
 }
 
 CatalogRecord Add(uint64_t i, uint64_t version, uint64_t generation = 1) {
@@ -234,6 +234,104 @@ TEST(CatalogStoreTest, AShardIsCompleteOnlyWhenEveryLiveOwnerHasABaselineThere) 
   EXPECT_FALSE(shard(3).complete);  // node-b restarted: its new start must baseline
   Baseline(store, 1, Stream("node-b", "run-3"));
   EXPECT_TRUE(shard(3).complete);
+}
+
+TEST(CatalogStoreTest, AnOlderStartNeverReplacesANewerSliceInAnyOrderAndReservesNothing) {
+  // Review point 4: the epoch is part of the stream and orders slices on every path.
+  CatalogStore store({kIncarnation});
+  Baseline(store, 3, Stream("node-a", "run-2", 2));
+  const uint64_t used = store.used_bytes();
+  const StreamId old_start = Stream("node-a", "run-1", 1);
+  // The older start's Begin, delta, page and End arrive after the newer install (reordered, or a fenced owner).
+  EXPECT_EQ(store.Begin({old_start, 9, 0, 50}).kind, Kind::kRefused);
+  EXPECT_EQ(store.Apply({old_start, 4, {Add(9, 4)}}).kind, Kind::kRefused);
+  EXPECT_EQ(store.Page({old_start, 9, {Add(9, 1)}}).kind, Kind::kResync);  // no such snapshot: nothing applied
+  EXPECT_EQ(store.End({old_start, 9, 0, {}}).kind, Kind::kResync);
+  EXPECT_EQ(store.used_bytes(), used);  // no orphan build, no reservation charged
+  EXPECT_TRUE(store.Status()[0].complete);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 3u);
+  bool complete = false;
+  const auto holders = store.Lookup(3, core::testing::ChainKey(7, 0), &complete);
+  ASSERT_EQ(holders.size(), 1u);
+  EXPECT_EQ(holders[0].owner_runtime, "run-2");
+  // Another runtime claiming the same epoch is refused too; a newer epoch replaces the slice.
+  EXPECT_EQ(store.Begin({Stream("node-a", "run-x", 2), 1, 0, 1}).kind, Kind::kRefused);
+  Baseline(store, 1, Stream("node-a", "run-3", 3));
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 1u);
+  EXPECT_EQ(store.Apply({Stream("node-a", "run-2", 2), 4, {Add(1, 4)}}).kind, Kind::kRefused);
+}
+
+TEST(CatalogStoreTest, AReplayedBeginOfAnInstalledSnapshotBuildsAndChargesNothing) {
+  CatalogStore store({kIncarnation});
+  Baseline(store, 3);  // snapshot 1 installed
+  const uint64_t used = store.used_bytes();
+  CatalogReply replay = store.Begin({Stream(), 1, 0, 1000});  // snapshot 1's Begin again, duplicated late
+  EXPECT_EQ(replay.kind, Kind::kAck);
+  EXPECT_EQ(store.used_bytes(), used);
+  EXPECT_TRUE(store.Status()[0].complete);  // no build in progress
+  EXPECT_EQ(store.End({Stream(), 1, 3, {}}).kind, Kind::kResync);  // and its End finds nothing to install
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 3u);
+  // A newer snapshot's Begin, then a replay of an older one while it builds: the build goes on.
+  ASSERT_EQ(store.Begin({Stream(), 5, 3, 3}).kind, Kind::kAck);
+  EXPECT_EQ(store.Begin({Stream(), 4, 3, 3}).kind, Kind::kAck);
+  ASSERT_EQ(store.Page({Stream(), 5, {Add(0, 1), Add(1, 2), Add(2, 3)}}).kind, Kind::kAck);
+  ASSERT_EQ(store.End({Stream(), 5, 3, {}}).kind, Kind::kAck);
+  EXPECT_TRUE(store.Status()[0].complete);
+}
+
+TEST(CatalogStoreTest, ConflictingEqualVersionsInADeltaForceAResync) {
+  CatalogStore store({kIncarnation});
+  Baseline(store, 3);
+  // A resend of sequence 2 (applied already) with other contents: not deduplicated silently, a conflict.
+  CatalogReply reply = store.Apply({Stream(), 2, {Add(1, 2, /*generation=*/99)}});
+  EXPECT_EQ(reply.kind, Kind::kResync);
+  EXPECT_TRUE(store.Dump(3, "node-a").empty());  // the view is gone until a new baseline
+  EXPECT_FALSE(store.Status()[0].complete);
+  // The same resend with equal contents is a duplicate.
+  CatalogStore again({kIncarnation});
+  Baseline(again, 3);
+  EXPECT_EQ(again.Apply({Stream(), 2, {Add(1, 2)}}).kind, Kind::kAck);
+  EXPECT_EQ(again.Dump(3, "node-a").size(), 3u);
+}
+
+TEST(CatalogStoreTest, AKeyOnAnotherShardsStreamIsRefusedWithItsMessage) {
+  CatalogStore::Options options{kIncarnation};
+  options.num_shards = 16;
+  CatalogStore store(std::move(options));
+  // Keys of shard 3 and one of another shard.
+  std::vector<CatalogRecord> own, others;
+  for (uint64_t i = 0; own.size() < 2 || others.empty(); ++i) {
+    const state::StateKey key = core::testing::ChainKey(7, i);
+    if (state::ShardOf(key, 16) == 3) {
+      if (own.size() < 2) own.push_back(CatalogRecord{key, 1, true, own.size() + 1, 1, 4096});
+    } else if (others.empty()) {
+      others.push_back(CatalogRecord{key, 1, true, 3, 1, 4096});
+    }
+  }
+  const CatalogRecord foreign = others[0];
+  ASSERT_EQ(store.Begin({Stream(), 1, 0, 2}).kind, Kind::kAck);
+  ASSERT_EQ(store.End({Stream(), 1, 2, own}).kind, Kind::kAck);
+  const CatalogReply reply = store.Apply({Stream(), 3, {foreign}});
+  EXPECT_EQ(reply.kind, Kind::kRefused);
+  EXPECT_NE(reply.reason.find("on shard 3's stream"), std::string::npos) << reply.reason;
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 2u);  // nothing of it applied
+  ASSERT_EQ(store.Begin({Stream(), 2, 2, 2}).kind, Kind::kAck);
+  EXPECT_EQ(store.Page({Stream(), 2, {foreign}}).kind, Kind::kRefused);  // a snapshot page too, and its build goes
+  EXPECT_EQ(store.End({Stream(), 2, 2, {}}).kind, Kind::kResync);
+}
+
+TEST(CatalogStoreTest, AnIncompleteMemberViewAdmitsNothingAndDropsNothing) {
+  std::optional<bool> live = true;
+  CatalogStore::Options options{kIncarnation};
+  options.owner_live = [&](const std::string&, const std::string&) { return live; };
+  CatalogStore store(std::move(options));
+  Baseline(store, 2);
+  live = std::nullopt;  // the member view is incomplete: who is live is unknown
+  EXPECT_EQ(store.Apply({Stream(), 3, {Add(5, 3)}}).kind, Kind::kRetryLater);
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 2u);
+  live = false;  // now known dead
+  EXPECT_EQ(store.DropDeadOwners(), 1u);
 }
 
 TEST(CatalogStoreTest, LookupNamesEveryOwnerHoldingAKeyInEachTier) {

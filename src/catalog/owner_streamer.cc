@@ -28,7 +28,8 @@ OwnerStreamer::OwnerStreamer(Options options, core::ResidencyInventory* inventor
 OwnerStreamer::~OwnerStreamer() { inventory_->Unsubscribe(options_.shard, subscriber_); }
 
 StreamId OwnerStreamer::Id() const {
-  return StreamId{options_.owner_node, options_.owner_runtime, options_.shard, catalog_incarnation_};
+  return StreamId{options_.owner_node, options_.owner_runtime, options_.shard, catalog_incarnation_,
+                  options_.owner_epoch};
 }
 
 void OwnerStreamer::Backoff(State resume) {

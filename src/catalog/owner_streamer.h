@@ -48,6 +48,7 @@ class OwnerStreamer {
   struct Options {
     std::string owner_node;
     std::string owner_runtime;
+    int64_t owner_epoch = 0;  // the owner's registration epoch, carried in every message's StreamId
     uint32_t shard = 0;
     std::string catalog_node;
     size_t max_batch_records = 4096;

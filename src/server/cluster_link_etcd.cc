@@ -219,11 +219,13 @@ class CatalogNode {
       options.incarnation = runtime.incarnation();
       options.budget_bytes = config.catalog_budget_bytes;
       const cluster::MemberView* view = &membership.view();
-      options.owner_live = [view](const std::string& node, const std::string& owner_runtime) {
+      options.owner_live = [view](const std::string& node,
+                                  const std::string& owner_runtime) -> std::optional<bool> {
         Result<cluster::Member> member = view->Find(node);
-        if (member.status().code() == StatusCode::kUnavailable) return true;  // view incomplete: keep, decide later
+        if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;  // view incomplete: unknown
         return member.ok() && member->record.runtime_uuid == owner_runtime;
       };
+      options.num_shards = cluster::kNumShards;
       // A shard is complete only when every live member's owner stream has a baseline in it.
       options.live_owners = [view]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
         const cluster::MemberView::Snapshot snapshot = view->Read();
@@ -268,6 +270,7 @@ class CatalogNode {
       catalog::OwnerStreamer::Options options;
       options.owner_node = config.node_id;
       options.owner_runtime = runtime.ToString();
+      options.owner_epoch = membership_.self().epoch;
       options.shard = shard;
       options.catalog_node = membership_.placement().OwnerOf(shard);
       ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<catalog::OwnerStreamer> streamer,
