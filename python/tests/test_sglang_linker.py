@@ -225,10 +225,19 @@ def test_loads_pair_pages_by_key_when_the_tree_adopts_a_later_subset(manager, in
     assert manager.stats()["leases_active"] == 0
     # A page the lookup did not find: the lookup promised the others, so the load is accepted (SGLang's wrapper
     # treats a refused load as fatal) and fails once submitted; nothing stays leased.
+    # The same page into two slots (never from SGLang): accepted, every lease kept for the load thread to release.
+    assert b.lookup("dup", kv(k[:2])) == [1, 2]
+    assert b.load("dup", kv([k[0], k[0]], slots(20, 2))) is True
+    assert manager.stats()["leases_active"] == 2
+    assert b.cancel_request("dup") is (LinkerCancelOutcome.QUEUED_LOAD_CANCELLED if interface.cancel_outcomes
+                                       else False)
+    if not interface.cancel_outcomes:
+        b.reset()
+    assert manager.stats()["leases_active"] == 0
     assert b.lookup("r2", kv(k[:2])) == [1, 2]
     assert b.load("r2", kv(k[1:3], slots(20, 2))) is True
     b.layer_done_counter.set_consumer(b.start_layer_wise_loading())
-    assert b.counters()["load_errors"] == 1
+    assert b.counters()["load_errors"] == 2  # the duplicate and this one
     if interface.verdicts:
         b.layer_done_counter.wait_until(LAYERS - 1)
         wait_for(lambda: b.num_completed_loads() == 1)
@@ -461,6 +470,15 @@ def test_cancel_request_names_what_it_released(manager, interface):
     wait_for(lambda: linker.num_completed_loads() == 1)
     assert wrapper.drain_loads() == ["s"] and wrapper.pending_loads == {}
     assert same_pages(pool, slots(0, 2), pool, slots(8, 2))
+    # A load that completed but was not drained yet is still the wrapper's: a release then retains it (the load
+    # thread does not forget it before pop_completed_load hands it over).
+    done = Wrapper(linker, interface, page_size=P)  # another server's tree, without s's pages
+    assert done.match("d", k) == 2 and done.load_back("d", 12) == [12, 13]
+    done.forward(done.start_layer_wise_loading(), LAYERS)
+    wait_for(lambda: linker.num_completed_loads() == 1)
+    done.release_request("d")  # raised "lost pending load state" when the rid was forgotten at completion
+    assert done.drain_loads() == ["d"] and done.pending_loads == {}
+    assert linker.cancel_request("d") is LinkerCancelOutcome.NOT_FOUND
     # The ranks share no prefix length: the wrapper's match releases the lookup at once.
     empty = Wrapper(linker, interface, page_size=P, intersect=lambda mask: mask.zero_())
     assert empty.match("none", k) == 0 and empty.hit_markers == {}

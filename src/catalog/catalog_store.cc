@@ -207,7 +207,7 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
     const Slice& current = found->second;
     if (current.owner_runtime == begin.stream.owner_runtime &&
         (begin.snapshot_id <= current.installed_snapshot ||
-         (current.building && begin.snapshot_id < current.building->id))) {
+         (current.building && begin.snapshot_id <= current.building->id))) {
       // A replayed Begin of a snapshot installed or superseded already: answered, and nothing built or charged.
       return Reply(CatalogReply::Kind::kAck, current.applied, "a stale Begin: that snapshot is done");
     }

@@ -273,10 +273,13 @@ TEST(CatalogStoreTest, AReplayedBeginOfAnInstalledSnapshotBuildsAndChargesNothin
   EXPECT_EQ(store.Dump(3, "node-a").size(), 3u);
   // A newer snapshot's Begin, then a replay of an older one while it builds: the build goes on.
   ASSERT_EQ(store.Begin({Stream(), 5, 3, 3}).kind, Kind::kAck);
+  ASSERT_EQ(store.Page({Stream(), 5, {Add(0, 1)}}).kind, Kind::kAck);
   EXPECT_EQ(store.Begin({Stream(), 4, 3, 3}).kind, Kind::kAck);
-  ASSERT_EQ(store.Page({Stream(), 5, {Add(0, 1), Add(1, 2), Add(2, 3)}}).kind, Kind::kAck);
+  EXPECT_EQ(store.Begin({Stream(), 5, 3, 3}).kind, Kind::kAck);  // its own Begin again: the build keeps its page
+  ASSERT_EQ(store.Page({Stream(), 5, {Add(1, 2), Add(2, 3)}}).kind, Kind::kAck);
   ASSERT_EQ(store.End({Stream(), 5, 3, {}}).kind, Kind::kAck);
   EXPECT_TRUE(store.Status()[0].complete);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 3u);
 }
 
 TEST(CatalogStoreTest, ConflictingEqualVersionsInADeltaForceAResync) {

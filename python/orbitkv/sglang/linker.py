@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import orbitkv
 from orbitkv.link import canonical_options
@@ -226,7 +226,9 @@ class OrbitKVLinker(UnifiedCacheLinker):
         # Loads queued for the next start_layer_wise_loading: (leases, device pages, why it must fail or None).
         self._pending: Dict[str, Tuple[_Leased, List[int], Optional[BaseException]]] = {}
         self._submitted_lock = threading.Lock()
-        self._submitted: Set[str] = set()  # loads handed to the load thread and not completed yet
+        # Loads handed to the load thread and not yet consumed by pop_completed_load (the wrapper holds its
+        # pending load until it pops the completion), by request (a count: one request may be in two batches).
+        self._submitted: Dict[str, int] = {}
         self._completed_loads: "queue.Queue[Tuple[List[str], bool]]" = queue.Queue()
         self._completed_offloads: "queue.Queue[bool]" = queue.Queue()
         self._load_queue: "queue.Queue" = queue.Queue()
@@ -305,7 +307,10 @@ class OrbitKVLinker(UnifiedCacheLinker):
             self.counters_.add("load_errors")
             self._log.warning("load", "OrbitKV: load of request %r, which no lookup reported", rid)
             return False
-        try:
+        earlier = self._pending.pop(rid, None)
+        if earlier is not None:  # a second load of one request before the loads start: the earlier one goes
+            self._release(earlier[0])
+        try:  # everything is checked before any lease moves, so a refusal leaves the ticket whole
             kv = _kv_transfer(transfers)
             keys = [native_key(k) for k in kv.keys or []]
             indices = kv.device_indices
@@ -316,16 +321,19 @@ class OrbitKVLinker(UnifiedCacheLinker):
             missing = [k for k in keys if k not in leased.leases]
             if missing:
                 raise ValueError(f"load of {len(missing)} pages the lookup did not find")
+            if len(set(keys)) != len(keys):
+                raise ValueError("load of the same page into two slots")
             # Pair by key: the tree loads only the ranges it adopted (load_back), not always a leading prefix.
             pages = [slot // self.page_size for slot in indices[:: self.page_size].tolist()]
-            chosen = {k: leased.leases.pop(k) for k in keys}
-            self._release(leased)  # hits that reach no load: released now
-            self._pending[rid] = (_Leased(chosen), pages, None)
         except Exception as e:  # noqa: BLE001
             self.counters_.add("load_errors")
             self._log.warning("load", "OrbitKV: load of request %r cannot be carried out (%s); it fails once "
                               "submitted", rid, e)
-            self._pending[rid] = (leased, [], e)
+            self._pending[rid] = (leased, [], e)  # its leases are released by the load thread
+            return True
+        chosen = {k: leased.leases.pop(k) for k in keys}
+        self._pending[rid] = (_Leased(chosen), pages, None)
+        self._release(leased)  # hits that reach no load: released now
         return True
 
     def start_layer_wise_loading(self) -> int:
@@ -340,7 +348,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return -1
         batch, self._pending = self._pending, {}
         with self._submitted_lock:
-            self._submitted.update(batch)
+            for rid in batch:
+                self._submitted[rid] = self._submitted.get(rid, 0) + 1
         index = self.layer_done_counter.update_producer()
         self._load_queue.put((index, batch, self._stream_mark()))
         return index
@@ -388,8 +397,6 @@ class OrbitKVLinker(UnifiedCacheLinker):
                                       len(batch), error, "SGLang aborts them after the forward pass"
                                       if self._verdicts else "the layer wait raises on every rank")
                     self.layer_done_counter.fail(index, error)
-                with self._submitted_lock:
-                    self._submitted.difference_update(batch)
                 self._completed_loads.put((list(batch), error is None))
             finally:
                 self._load_queue.task_done()
@@ -440,6 +447,13 @@ class OrbitKVLinker(UnifiedCacheLinker):
             rids, ok = self._completed_loads.get_nowait()
         except queue.Empty:
             rids, ok = [], True
+        with self._submitted_lock:  # now the wrapper lets go of them too
+            for rid in rids:
+                left = self._submitted.get(rid, 0) - 1
+                if left > 0:
+                    self._submitted[rid] = left
+                else:
+                    self._submitted.pop(rid, None)
         return (rids, ok) if self._verdicts else rids
 
     # ---- offload ----
