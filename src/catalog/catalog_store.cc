@@ -477,6 +477,11 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
   return holders;
 }
 
+bool CatalogStore::Complete(uint32_t shard) const {
+  MutexLock lock(&mu_);
+  return ShardComplete(shard, ReadLiveOwners());
+}
+
 std::vector<std::string> CatalogStore::Owners(uint32_t shard) const {
   MutexLock lock(&mu_);
   std::vector<std::string> owners;

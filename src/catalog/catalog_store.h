@@ -105,6 +105,9 @@ class CatalogStore {
   std::vector<Holder> Lookup(uint32_t shard, const state::StateKey& key, bool* complete,
                              std::string_view requester = {}, size_t max_holders = kMaxHoldersPerKey) const
       EXCLUDES(mu_);
+  // Whether `shard`'s evidence here is complete (ShardStatus::complete); Lookup with a null `complete` skips
+  // this, so a caller answering many keys of one shard asks once.
+  bool Complete(uint32_t shard) const EXCLUDES(mu_);
   // The owners with an installed baseline for `shard`, in order.
   std::vector<std::string> Owners(uint32_t shard) const EXCLUDES(mu_);
   // One owner's current evidence for `shard`, in (key, tier) order.

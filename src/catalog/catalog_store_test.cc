@@ -226,6 +226,8 @@ TEST(CatalogStoreTest, AShardIsCompleteOnlyWhenEveryLiveOwnerHasABaselineThere) 
   Baseline(store, 1, Stream("node-b", "run-2"));
   EXPECT_TRUE(shard(3).complete);
   EXPECT_FALSE(shard(5).complete);
+  EXPECT_TRUE(store.Complete(3));  // what Peer.Lookup asks once per shard of a request
+  EXPECT_FALSE(store.Complete(5));
   store.Lookup(3, core::testing::ChainKey(7, 0), &complete);
   EXPECT_TRUE(complete);
   live = std::nullopt;  // the member view is incomplete: nobody knows who must have reported

@@ -1,5 +1,6 @@
 #include "catalog/peer_service.h"
 
+#include <map>
 #include <utility>
 
 #include "catalog/catalog_grpc.h"
@@ -74,6 +75,7 @@ grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v
         "a lookup of {} keys in {} bytes (at most {} keys and {} bytes a request)", request->keys_size(), key_bytes,
         kMaxLookupKeys, kMaxLookupKeyBytes)));
   }
+  std::map<uint32_t, bool> complete_by_shard;
   for (const std::string& bytes : request->keys()) {
     Result<state::StateKey> key = state::StateKey::Decode(
         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
@@ -83,9 +85,14 @@ grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v
     const bool here = options_.catalog != nullptr && options_.hosts_shard && options_.hosts_shard(shard);
     row->set_placed_here(here);
     if (!here) continue;
-    bool complete = false;
+    // Completeness once per shard of the request (it reads the member view), not once per key.
+    auto known = complete_by_shard.find(shard);
+    if (known == complete_by_shard.end()) {
+      known = complete_by_shard.emplace(shard, options_.catalog->Complete(shard)).first;
+    }
+    const bool complete = known->second;
     for (const CatalogStore::Holder& h :
-         options_.catalog->Lookup(shard, *key, &complete, request->route().source_node_id())) {
+         options_.catalog->Lookup(shard, *key, nullptr, request->route().source_node_id())) {
       peer::v1::LookupCandidate* c = row->add_candidates();
       c->set_owner_node(h.owner_node);
       c->set_owner_runtime_uuid(h.owner_runtime);
