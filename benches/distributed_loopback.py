@@ -232,7 +232,7 @@ def loopback_main(args, build: pathlib.Path) -> int:
     read_1m = raw["transfer_read_1m"]
     documents = list(range(1, SEQUENTIAL_PREFIXES + 1))
     together = list(range(100, 100 + CONCURRENT_PREFIXES))
-    per_workers, ttft, bad = {}, None, 0
+    per_workers, ttft, bad, page_bytes = {}, None, 0, 0
     for workers in workers_list:
         cluster = Cluster(build, workers, dram)
         try:
@@ -246,6 +246,7 @@ def loopback_main(args, build: pathlib.Path) -> int:
             gb = one["hits"] * reader.page_bytes / 1e9
             many = fetch_concurrently(cluster, together)
             bad += one["bad"] + many["bad"]
+            page_bytes = reader.page_bytes
             per_workers[workers] = dict(gbps=percentile(one["gbps"], 0.5), hit_rate=one["hits"] / one["asked"],
                                         source_cpu_s_per_gb=source / gb if gb else 0.0,
                                         dest_cpu_s_per_gb=dest / gb if gb else 0.0, concurrent=many,
@@ -274,7 +275,7 @@ def loopback_main(args, build: pathlib.Path) -> int:
         "transfer_read_1m_source_cpu_s_per_gb", raw["source_cpu_s_per_gb"])
     add("remote_hit_rate", "fraction", base["hit_rate"], "blocks_saved_on_host_0", 1.0)
     add("remote_restore_ms_p50", "ms", base["restore_ms_p50"], "transfer_read_1m_ms_for_prefix",
-        PREFIX_PAGES * 36 * 2 * 16 * 8 * 128 * 2 / (read_1m * 1e9) * 1e3)
+        PREFIX_PAGES * page_bytes / (read_1m * 1e9) * 1e3)
     for workers in sorted(per_workers):
         row = per_workers[workers]
         add(f"remote_fetch_gbps_w{workers}", "GB/s", row["gbps"], "transfer_read_1m", read_1m)
@@ -297,7 +298,7 @@ def loopback_main(args, build: pathlib.Path) -> int:
     add("iperf3_loopback", "GB/s", iperf)
     env = dict(host=platform.node(), cpus=str(os.cpu_count()),
                managers="3 on loopback (distinct ports), UCX tcp on lo, gRPC peers without TLS",
-               block_bytes=str(36 * 2 * 16 * 8 * 128 * 2), prefix_blocks=str(PREFIX_PAGES),
+               block_bytes=str(page_bytes), prefix_blocks=str(PREFIX_PAGES),
                sequential_prefixes=str(SEQUENTIAL_PREFIXES), concurrent_prefixes=str(CONCURRENT_PREFIXES),
                fetch_workers=",".join(map(str, sorted(per_workers))), wrong_pages=str(bad),
                ttft_device=ttft["device"], ttft_model=ttft["model"], ttft_remote_tokens_equal_local=str(same),

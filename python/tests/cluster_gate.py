@@ -167,42 +167,18 @@ def test_the_sglang_linker_restores_a_prefix_another_host_saved(cluster):
     """SGLang's OrbitKVLinker (no host tier: the Manager copies the engine's device pages itself): host a's engine
     offloads five pages, host b's linker finds them (b fetches them from a) and loads them into its device pool;
     the generation is bit-identical to a recompute on the same device."""
-    from test_sglang_gate import (CONFIG, NEW_TOKENS, block_slots, engine_linker, identical, load_and_generate,
-                                  prompts, recompute)
-    from sglang_harness.hashing import page_hashes
+    from test_sglang_gate import (CONFIG, identical, offload_through_linker, prompts, read_through_linker,
+                                  recompute)
 
     device = "cuda" if MEMORY == "cuda" else "cpu"
     model = refengine.RefEngine(CONFIG, 1, device=device, kv_layout="split", chunk_size=64).model
     a, b, c = cluster["a"], cluster["b"], cluster["c"]
     first, second = prompts("cluster-linker")
-    writer = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
-    saver = engine_linker(writer, a.socket)
-    try:
-        request = writer.add_request(first, "a")
-        writer.allocate(request)
-        writer.generate(request, NEW_TOKENS)
-        keys = page_hashes(first, 64)[:5]
-        assert saver.offload([_transfer(keys, block_slots(request.block_ids[:5]))])
-        wait_for(lambda: saver.num_completed_offloads() == 1, what="the offload")
-        assert saver.pop_completed_offload() is True
-    finally:
-        saver.close()
+    assert offload_through_linker(model, a.socket, first, device)["offload_written"] == 5
     wait_catalogs_hold_every_block([a, b, c])
     before = fetched(b)
-    reader = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
-    assert reader.cache.layers[0].device.type == device
-    loader = engine_linker(reader, b.socket)
-    try:
-        generation = load_and_generate(reader, loader, second)
-        assert generation.logits[0].device.type == device
-        assert identical(generation, recompute(model, second, device))
-    finally:
-        loader.close()
+    generation = read_through_linker(model, b.socket, second, device)
+    assert identical(generation, recompute(model, second, device))
     assert fetched(b) - before == 5
     assert_nothing_held([a, b, c])
 
-
-def _transfer(keys, indices):
-    from orbitkv.sglang._compat import PoolTransfer
-
-    return PoolTransfer(name="kv", keys=keys, device_indices=indices)

@@ -174,35 +174,47 @@ def load_and_generate(engine, loader, prompt):
     return engine.generate(request, NEW_TOKENS, start_token=5 * 64)
 
 
+def offload_through_linker(model, socket, prompt, device) -> dict:
+    """An engine on `device` computes `prompt` and its linker offloads the first 5 pages; its counters."""
+    writer = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
+    saver = engine_linker(writer, socket)
+    try:
+        request = writer.add_request(prompt, "a")
+        writer.allocate(request)
+        writer.generate(request, NEW_TOKENS)
+        # The offload right after the forward pass: the linker orders the save after the kernels that wrote pages.
+        keys = page_hashes(prompt, 64)[:5]
+        assert saver.offload([PoolTransfer(name="kv", keys=keys, device_indices=block_slots(request.block_ids[:5]))])
+        wait_for(lambda: saver.num_completed_offloads() == 1)
+        assert saver.pop_completed_offload() is True
+        return saver.counters()
+    finally:
+        saver.close()
+
+
+def read_through_linker(model, socket, prompt, device):
+    """A fresh engine on `device` whose linker loads `prompt`'s first 5 pages and generates from page 5 on."""
+    reader = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
+    assert reader.cache.layers[0].device.type == device
+    loader = engine_linker(reader, socket)
+    try:
+        generation = load_and_generate(reader, loader, prompt)
+        assert generation.logits[0].device.type == device
+        return generation
+    finally:
+        loader.close()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_linker_hits_are_bit_identical_to_recompute(build_dir, models, device):
     model = models(device)
     m = ManagerProcess(build_dir)
     try:
         first, second = prompts(f"linker-{device}")
-        writer = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
-        saver = engine_linker(writer, m.socket)
-        request = writer.add_request(first, "a")
-        writer.allocate(request)
-        writer.generate(request, NEW_TOKENS)
-        # The offload right after the forward pass: the linker orders the save after the kernels that wrote pages.
-        keys = page_hashes(first, 64)[:5]
-        assert saver.offload([PoolTransfer(name="kv", keys=keys, device_indices=block_slots(request.block_ids[:5]))])
-        wait_for(lambda: saver.num_completed_offloads() == 1)
-        assert saver.pop_completed_offload() is True
-        assert saver.counters()["offload_written"] == 5
-        saver.close()
-
-        reader = refengine.RefEngine(CONFIG, 16, device=device, kv_layout="split", chunk_size=64, model=model)
-        assert reader.cache.layers[0].device.type == device
-        loader = engine_linker(reader, m.socket)
-        try:
-            generation = load_and_generate(reader, loader, second)
-            assert generation.logits[0].device.type == device
-            assert identical(generation, recompute(model, second, device))
-            assert m.stats()["leases_active"] == 0
-        finally:
-            loader.close()
+        assert offload_through_linker(model, m.socket, first, device)["offload_written"] == 5
+        generation = read_through_linker(model, m.socket, second, device)
+        assert identical(generation, recompute(model, second, device))
+        assert m.stats()["leases_active"] == 0
     finally:
         m.stop()
 

@@ -334,15 +334,19 @@ TEST(InventoryTest, ScanPagesVisitEveryReplicaOnceInOneStableOrder) {
   ASSERT_EQ(whole.records.size(), 300u);
   EXPECT_FALSE(whole.next.has_value());
   EXPECT_EQ(order(whole), order(b->Scan(0, nullptr, 1000)));
-  std::vector<std::pair<StateKey, Tier>> paged;
-  std::optional<InventoryCursor> cursor;
-  do {
-    InventoryPage page = a->Scan(0, cursor ? &*cursor : nullptr, 7);
-    EXPECT_LE(page.records.size(), 7u);
-    for (auto& r : order(page)) paged.push_back(r);
-    cursor = page.next;
-  } while (cursor.has_value());
-  EXPECT_EQ(paged, order(whole));
+  // Every replica of `inventory`'s shard 0, scanned in pages of `page_records`.
+  auto paged = [&](const ResidencyInventory& inventory, size_t page_records) {
+    std::vector<std::pair<StateKey, Tier>> out;
+    std::optional<InventoryCursor> cursor;
+    do {
+      InventoryPage page = inventory.Scan(0, cursor ? &*cursor : nullptr, page_records);
+      EXPECT_LE(page.records.size(), page_records);
+      for (auto& r : order(page)) out.push_back(r);
+      cursor = page.next;
+    } while (cursor.has_value());
+    return out;
+  };
+  EXPECT_EQ(paged(*a, 7), order(whole));
   // Many replicas per hash bucket and pages that end mid-bucket: the same single order, each replica once.
   auto big = MakeInventory(&metrics, 1, 1 << 20);
   for (uint64_t i = 0; i < 5000; ++i) {
@@ -350,15 +354,7 @@ TEST(InventoryTest, ScanPagesVisitEveryReplicaOnceInOneStableOrder) {
   }
   const InventoryPage all = big->Scan(0, nullptr, 10000);
   ASSERT_EQ(all.records.size(), 5000u);
-  std::vector<std::pair<StateKey, Tier>> big_paged;
-  cursor.reset();
-  do {
-    InventoryPage page = big->Scan(0, cursor ? &*cursor : nullptr, 333);
-    EXPECT_LE(page.records.size(), 333u);
-    for (auto& r : order(page)) big_paged.push_back(r);
-    cursor = page.next;
-  } while (cursor.has_value());
-  EXPECT_EQ(big_paged, order(all));
+  EXPECT_EQ(paged(*big, 333), order(all));
   // Remove the cursor's own residence: the next page starts right after where it was.
   InventoryPage first = a->Scan(0, nullptr, 10);
   ASSERT_TRUE(first.next.has_value());

@@ -40,20 +40,9 @@ build=BUILD-gpu-cluster
 out="${OUT:-$root/BUILD-cluster-out}"
 limit_mib=56
 
-# The C library, the loader and the compiler runtime: every glibc system has them (Ubuntu 24.04's are newer).
-system_lib() {
-  [[ "$1" =~ ^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+\.|libgcc_s\.) ]]
-}
-
-# Copies into $2 every non-system shared library binary $1 loads (recursively, as ldd resolves them).
-copy_libs() {
-  local lib path
-  while read -r lib _ path _; do
-    system_lib "$lib" && continue
-    [[ -f "$path" ]] || { echo "run_cluster.sh: $1 needs $lib, not found here" >&2; return 1; }
-    [[ -f "$2/$lib" ]] || cp -L "$path" "$2/$lib"
-  done < <(ldd "$1" | grep '=>')
-}
+# system_lib and copy_libs.
+# shellcheck source=tests/gpu/bundle_lib.sh
+source "$root/tests/gpu/bundle_lib.sh"
 
 pack() {
   set -e

@@ -32,11 +32,9 @@ bundle="${ORBITKV_GPU_GATE_BUNDLE:-BUILD-gpu-gate}"
 out="${OUT:-$root/$bundle/out}"
 binaries=(src/gpu/gpu_copy_engine_test benches/gpu_bench src/server/orbitkv-manager src/gpu/gpu_ipc_engine)
 
-# Libraries every glibc system has, never carried: the C library and its parts, the dynamic loader, and the
-# compiler runtime (Ubuntu 24.04's libstdc++ and libgcc_s are newer than this machine's, and backward compatible).
-system_lib() {
-  [[ "$1" =~ ^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+\.|libgcc_s\.) ]]
-}
+# system_lib and copy_libs.
+# shellcheck source=tests/gpu/bundle_lib.sh
+source "$root/tests/gpu/bundle_lib.sh"
 
 pack() {
   local build=BUILD-gpu
@@ -47,14 +45,10 @@ pack() {
   ninja -C "$build" -j"${ORBITKV_JOBS:-1}" gpu_copy_engine_test gpu_bench orbitkv-manager gpu_ipc_engine
   rm -rf "$bundle"
   mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/tests/gpu" "$bundle/python/orbitkv"
-  local binary lib path
+  local binary
   for binary in "${binaries[@]}"; do
     cp "$build/$binary" "$bundle/bin/"
-    while read -r lib _ path _; do
-      system_lib "$lib" && continue
-      [[ -f "$path" ]] || { echo "run_gate.sh: $binary needs $lib, not found here" >&2; exit 4; }
-      cp -L "$path" "$bundle/lib/$lib"
-    done < <(ldd "$build/$binary" | grep '=>')
+    copy_libs "$build/$binary" "$bundle/lib" || exit 4
   done
   # The torch engine loads its export helper from the client module's source (the GPU machine's Python cannot
   # import the native module built here).
