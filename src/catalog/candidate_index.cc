@@ -18,6 +18,12 @@ void CandidateIndex::Erase(Lru::iterator it) {
   lru_.erase(it);
 }
 
+void CandidateIndex::Clear() {
+  MutexLock lock(&mu_);
+  while (!lru_.empty()) Erase(lru_.begin());
+  stats_.entries = 0;
+}
+
 void CandidateIndex::EvictOverBudget() {
   while (stats_.bytes > options_.budget_bytes && !lru_.empty()) {
     Erase(std::prev(lru_.end()));

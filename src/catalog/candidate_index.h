@@ -72,6 +72,8 @@ class CandidateIndex {
   // A source rejected this exact version: drop it (and the key when it was the last one).
   void Remove(const state::StateKey& key, const std::string& owner_node, const std::string& runtime_uuid,
               uint64_t generation, uint64_t sequence) EXCLUDES(mu_);
+  // Forgets every candidate (this Manager registered again: what it learnt named peers' starts of before).
+  void Clear() EXCLUDES(mu_);
   Stats GetStats() const EXCLUDES(mu_);
 
   // The logical bytes an entry is charged.

@@ -170,7 +170,7 @@ Result<std::vector<LookupRow>> GrpcRequesterTransport::Lookup(const std::string&
     return Status::Unavailable(fmt::format("catalog host '{}' has no peer endpoint", host));
   }
   peer::v1::LookupRequest request;
-  *request.mutable_route() = MakeRoute(self_, member.record);
+  *request.mutable_route() = MakeRoute(self_.Get(), member.record);
   for (const state::StateKey& key : keys) {
     const auto bytes = key.Encode();
     request.add_keys(bytes.data(), bytes.size());
@@ -274,7 +274,7 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
                                                       Deadline deadline) {
   ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, CurrentStart(*members_, node, runtime));
   peer::v1::AuthorizeRequest request;
-  *request.mutable_route() = MakeRoute(self_, member.record);
+  *request.mutable_route() = MakeRoute(self_.Get(), member.record);
   request.set_request_id(request_id);
   request.set_byte_limit(byte_limit);
   request.set_deadline_ms(static_cast<uint32_t>(lifetime.count()));
@@ -285,6 +285,11 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
     block->set_generation(v.generation);
     block->set_sequence(v.sequence);
   }
+  {
+    MutexLock lock(&mu_);
+    if (granted_by_.size() >= kMaxChannels) granted_by_.clear();
+    granted_by_[{node, runtime}] = member.record;
+  }
   peer::v1::AuthorizeResponse response;
   grpc::ClientContext context;
   const grpc::Status status =
@@ -294,15 +299,24 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
 }
 
 Result<bool> GrpcRequesterTransport::Release(const std::string& node, const std::string& runtime,
-                                             uint64_t request_id, Deadline deadline) {
-  ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, CurrentStart(*members_, node, runtime));
+                                             uint64_t request_id, uint64_t grant_id, Deadline deadline) {
+  Result<cluster::Member> member = CurrentStart(*members_, node, runtime);
+  if (!member.ok() && grant_id != 0) {
+    MutexLock lock(&mu_);
+    if (auto it = granted_by_.find({node, runtime}); it != granted_by_.end()) {
+      member = cluster::Member{};
+      member->record = it->second;
+    }
+  }
+  if (!member.ok()) return member.status();
   peer::v1::ReleaseRequest request;
-  *request.mutable_route() = MakeRoute(self_, member.record);
+  *request.mutable_route() = MakeRoute(self_.Get(), member->record);
   request.set_request_id(request_id);
+  request.set_grant_id(grant_id);
   peer::v1::ReleaseResponse response;
   grpc::ClientContext context;
   const grpc::Status status =
-      StubFor(member.record.endpoint)->Release(WithDeadline(&context, deadline), request, &response);
+      StubFor(member->record.endpoint)->Release(WithDeadline(&context, deadline), request, &response);
   if (!status.ok()) return FromGrpc(status);
   return response.released();
 }

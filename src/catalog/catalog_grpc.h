@@ -67,18 +67,25 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
   Result<SourceReply> Authorize(const std::string& node, const std::string& runtime, uint64_t request_id,
                                 std::span<const SourceBlockVersion> blocks, uint64_t byte_limit,
                                 std::chrono::milliseconds lifetime, Deadline deadline) override;
-  Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id,
+  // With a grant id, a source the member view does not show now (incomplete, or it registered again) is reached
+  // at the endpoint its grant came from.
+  Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id, uint64_t grant_id,
                        Deadline deadline) override;
+  // This Manager registered again: requests name its new start.
+  void SetSelf(PeerIdentity self) { self_.Set(std::move(self)); }
   // Lookup RPCs sent.
   uint64_t lookups() const { return lookups_.load(std::memory_order_relaxed); }
 
  private:
   std::shared_ptr<peer::v1::Peer::Stub> StubFor(const std::string& endpoint) EXCLUDES(mu_);
 
-  const PeerIdentity self_;
+  SelfIdentity self_;
   const cluster::MemberView* const members_;
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   Mutex mu_;
+  // The member records grants came from, by (node, runtime): where a release by grant id goes when the view does
+  // not show that start any more. At most kMaxChannels (cleared when full).
+  std::map<std::pair<std::string, std::string>, cluster::MemberRecord> granted_by_ GUARDED_BY(mu_);
   // Peer channels, at most kMaxChannels (the least recently used one goes first).
   static constexpr size_t kMaxChannels = 64;
   std::list<std::pair<std::string, std::shared_ptr<peer::v1::Peer::Stub>>> stubs_ GUARDED_BY(mu_);

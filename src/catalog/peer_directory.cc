@@ -22,7 +22,7 @@ std::string_view PeerHealthName(PeerDirectory::Health health) {
 }
 
 PeerDirectory::PeerDirectory(Options options, const cluster::MemberView* members)
-    : options_(std::move(options)), members_(members) {}
+    : options_(std::move(options)), self_(options_.self), members_(members) {}
 
 PeerDirectory::~PeerDirectory() { Stop(); }
 
@@ -61,7 +61,7 @@ PeerDirectory::Peer PeerDirectory::Probe(const cluster::Member& member) {
     return peer;
   }
   peer::v1::HealthRequest request;
-  *request.mutable_route() = MakeRoute(options_.self, member.record);
+  *request.mutable_route() = MakeRoute(self_.Get(), member.record);
   request.mutable_route()->set_protocol_version(options_.protocol_version);
   peer::v1::HealthResponse response;
   grpc::ClientContext context;
@@ -96,7 +96,7 @@ void PeerDirectory::ProbeAll() {
   if (!view.complete) return;  // keep what we knew; the view is refreshed first
   std::map<std::string, Peer> probed;
   for (const cluster::Member& member : view.members) {
-    if (member.record.node_id == options_.self.node_id) continue;
+    if (member.record.node_id == options_.self.node_id /* the node never changes */) continue;
     probed.emplace(member.record.node_id, Probe(member));
   }
   MutexLock lock(&mu_);

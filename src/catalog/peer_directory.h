@@ -56,6 +56,8 @@ class PeerDirectory {
   PeerDirectory(const PeerDirectory&) = delete;
   PeerDirectory& operator=(const PeerDirectory&) = delete;
 
+  // This Manager registered again: probes name its new start.
+  void SetSelf(PeerIdentity self) { self_.Set(std::move(self)); }
   // Starts the probing thread (probes at once, then every interval and on view changes).
   void Start() EXCLUDES(mu_);
   // Stops probing (what it learnt stays readable). Idempotent.
@@ -75,6 +77,7 @@ class PeerDirectory {
   void Loop() EXCLUDES(mu_);
 
   const Options options_;
+  SelfIdentity self_;  // options_.self, then the identity of each registration made again
   const cluster::MemberView* const members_;
   mutable Mutex mu_;
   std::condition_variable_any wake_;

@@ -31,10 +31,10 @@ std::shared_ptr<peer::v1::Peer::Stub> NewPeerStub(const std::string& endpoint,
 }
 
 PeerService::PeerService(Options options, const cluster::MemberView* members)
-    : options_(std::move(options)), members_(members) {}
+    : options_(std::move(options)), self_(options_.self), members_(members) {}
 
 Status PeerService::Admit(const peer::v1::RouteHeader& route) {
-  Status routed = CheckRoute(route, options_.self, *members_);
+  Status routed = CheckRoute(route, self_.Get(), *members_);
   if (!routed.ok()) refused_.fetch_add(1, std::memory_order_relaxed);
   return routed;
 }
@@ -43,9 +43,10 @@ grpc::Status PeerService::Health(grpc::ServerContext* /*context*/, const peer::v
                                  peer::v1::HealthResponse* response) {
   if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
   response->set_protocol_version(kPeerProtocolVersion);
-  response->set_node_id(options_.self.node_id);
-  response->set_runtime_uuid(options_.self.runtime_uuid);
-  response->set_epoch(options_.self.epoch);
+  const PeerIdentity self = self_.Get();
+  response->set_node_id(self.node_id);
+  response->set_runtime_uuid(self.runtime_uuid);
+  response->set_epoch(self.epoch);
   response->set_incarnation(options_.incarnation);
   response->set_ucx_worker_address(options_.ucx_worker_address);
   for (const std::string& c : options_.capabilities) response->add_capabilities(c);
@@ -57,7 +58,7 @@ grpc::Status PeerService::Catalog(grpc::ServerContext* /*context*/, const peer::
   if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
   if (options_.catalog == nullptr || !options_.hosts_shard || !options_.hosts_shard(request->shard())) {
     return ToGrpc(Status::FailedPrecondition(
-        fmt::format("catalog shard {} is not placed on node '{}'", request->shard(), options_.self.node_id)));
+        fmt::format("catalog shard {} is not placed on node '{}'", request->shard(), self_.Get().node_id)));
   }
   Result<CatalogMessage> message = FromRequest(*request);
   if (!message.ok()) return ToGrpc(message.status());
@@ -111,12 +112,12 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1
   if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
   if (options_.source == nullptr) {
     return ToGrpc(Status::FailedPrecondition(
-        fmt::format("node '{}' serves no transfers (no UCX engine)", options_.self.node_id)));
+        fmt::format("node '{}' serves no transfers (no UCX engine)", self_.Get().node_id)));
   }
   if (options_.remote_off) {
     if (std::string why = options_.remote_off(); !why.empty()) {
       return ToGrpc(Status::FailedPrecondition(
-          fmt::format("remote work is off on node '{}' ({}): no new grants", options_.self.node_id, why)));
+          fmt::format("remote work is off on node '{}' ({}): no new grants", self_.Get().node_id, why)));
     }
   }
   AuthorizeArgs args;
@@ -145,6 +146,15 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1
 
 grpc::Status PeerService::Release(grpc::ServerContext* /*context*/, const peer::v1::ReleaseRequest* request,
                                   peer::v1::ReleaseResponse* response) {
+  if (request->grant_id() != 0) {
+    if (Status routed = CheckReleaseRoute(request->route(), self_.Get()); !routed.ok()) {
+      refused_.fetch_add(1, std::memory_order_relaxed);
+      return ToGrpc(routed);
+    }
+    response->set_released(options_.source != nullptr &&
+                           options_.source->ReleaseGrant(request->route().source_node_id(), request->grant_id()));
+    return grpc::Status::OK;
+  }
   if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
   response->set_released(options_.source != nullptr &&
                          options_.source->Release(request->route().source_runtime_uuid(), request->request_id()));

@@ -53,12 +53,17 @@ class PeerService final : public peer::v1::Peer::Service {
   // malformed request.
   grpc::Status Authorize(grpc::ServerContext* context, const peer::v1::AuthorizeRequest* request,
                          peer::v1::AuthorizeResponse* response) override;
-  // Ends a grant of the route's source (idempotent).
+  // Ends a grant of the route's source (idempotent): by request id from the granted start, or by grant id alone
+  // (CheckReleaseRoute: neither side's member view is needed).
   grpc::Status Release(grpc::ServerContext* context, const peer::v1::ReleaseRequest* request,
                        peer::v1::ReleaseResponse* response) override;
   // One message of an owner's stream for a shard placed here (FAILED_PRECONDITION for another shard).
   grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest* request,
                        peer::v1::CatalogResponse* response) override;
+
+  // This Manager's identity changed (it registered again): requests must address the new start.
+  void SetSelf(PeerIdentity self) { self_.Set(std::move(self)); }
+  PeerIdentity self() const { return self_.Get(); }
 
   // Requests refused by the route check, for status and metrics.
   uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
@@ -67,7 +72,8 @@ class PeerService final : public peer::v1::Peer::Service {
   // The route check every method runs first; a refusal is counted.
   Status Admit(const peer::v1::RouteHeader& route);
 
-  const Options options_;
+  const Options options_;  // options_.self is the first identity; self_ the current one
+  SelfIdentity self_;
   const cluster::MemberView* const members_;
   std::atomic<uint64_t> refused_{0};
 };

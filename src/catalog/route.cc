@@ -17,8 +17,10 @@ peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberR
   return route;
 }
 
-Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
-                  const cluster::MemberView& members) {
+namespace {
+
+// The checks both gates share: protocol version, cluster, destination node, placement.
+Status CheckAddress(const peer::v1::RouteHeader& route, const PeerIdentity& self) {
   if (route.protocol_version() != kPeerProtocolVersion) {
     return Status::FailedPrecondition(fmt::format(
         "peer protocol version {} from node '{}', this Manager speaks {}: remote work between them is off "
@@ -33,15 +35,28 @@ Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
     return Status::FailedPrecondition(fmt::format("request addressed to node '{}', this is node '{}'",
                                                   route.destination_node_id(), self.node_id));
   }
-  if (route.destination_runtime_uuid() != self.runtime_uuid) {
-    return Status::FailedPrecondition(fmt::format(
-        "stale incarnation: request addressed to runtime {} of node '{}', which restarted as runtime {}",
-        route.destination_runtime_uuid(), self.node_id, self.runtime_uuid));
-  }
   if (route.placement_fingerprint() != self.placement_fingerprint) {
     return Status::FailedPrecondition(fmt::format(
         "placement mismatch: the sender routes by placement {}, this Manager by {}",
         route.placement_fingerprint(), self.placement_fingerprint));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status CheckReleaseRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self) {
+  return CheckAddress(route, self);
+}
+
+Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
+                  const cluster::MemberView& members) {
+  ORBITKV_RETURN_IF_ERROR(CheckAddress(route, self));
+  if (route.destination_runtime_uuid() != self.runtime_uuid) {
+    return Status::FailedPrecondition(fmt::format(
+        "stale incarnation: request addressed to runtime {} of node '{}', which is now runtime {} (it restarted "
+        "or registered again)",
+        route.destination_runtime_uuid(), self.node_id, self.runtime_uuid));
   }
   Result<cluster::Member> source = members.Find(route.source_node_id());
   if (!source.ok()) {

@@ -6,7 +6,9 @@
 #define ORBITKV_CATALOG_ROUTE_H_
 
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "base/status.h"
 #include "catalog/proto/peer.pb.h"
@@ -30,6 +32,25 @@ struct PeerIdentity {
   std::string placement_fingerprint;
 };
 
+// This Manager's identity as its peer parts use it now: a new runtime UUID and epoch after each
+// registration made again (issue 51). Thread safety: Get/Set from any thread.
+class SelfIdentity {
+ public:
+  explicit SelfIdentity(PeerIdentity identity) : identity_(std::move(identity)) {}
+  PeerIdentity Get() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return identity_;
+  }
+  void Set(PeerIdentity identity) {
+    std::lock_guard<std::mutex> lock(mu_);
+    identity_ = std::move(identity);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  PeerIdentity identity_;
+};
+
 // The header a request from `self` to `destination` carries.
 peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberRecord& destination);
 
@@ -42,6 +63,11 @@ peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberR
 //   UNAVAILABLE          the member view is incomplete (etcd unreachable): retry later.
 Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
                   const cluster::MemberView& members);
+
+// The gate of a Release by grant id: protocol, cluster, destination node and placement as above, but neither the
+// member view (a grant must be releasable while either side's view is incomplete) nor the destination's start
+// (grants of an earlier start of this Manager were revoked when it ended: such a release finds nothing).
+Status CheckReleaseRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self);
 
 }  // namespace orbitkv::catalog
 

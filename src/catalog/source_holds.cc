@@ -212,6 +212,41 @@ void SourceHolds::Drained(const HoldKey& key) {
   core::BlockPin::ReleaseAll(&gone.pins);  // outside the lock (the table's shard locks)
 }
 
+bool SourceHolds::ReleaseGrant(const std::string& peer_node, uint64_t grant_id) {
+  HoldKey key;
+  {
+    MutexLock lock(&mu_);
+    auto it = holds_.begin();
+    while (it != holds_.end() && (it->second.grant.grant_id != grant_id || it->second.peer_node != peer_node)) ++it;
+    if (it == holds_.end() || grant_id == 0) return false;
+    if (it->second.revoking) return true;  // a duplicate: the first release is draining it
+    it->second.revoking = true;
+    key = it->first;
+  }
+  Revoke(key, grant_id);
+  return true;
+}
+
+size_t SourceHolds::RevokeAll(std::string_view why) {
+  MutexLock serial(&authorize_mu_);  // no authorization lands between the scan and the revocations
+  std::vector<std::pair<HoldKey, uint64_t>> all;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [key, hold] : holds_) {
+      if (hold.revoking) continue;
+      hold.revoking = true;
+      hold.quarantined = true;
+      all.emplace_back(key, hold.grant.grant_id);
+    }
+    if (!all.empty()) UpdateGauges();
+  }
+  if (!all.empty()) {
+    ORBITKV_LOG_WARN("source: revoking all {} grants ({}); their pins stay until each drained", all.size(), why);
+  }
+  for (const auto& [key, grant] : all) Revoke(key, grant);
+  return all.size();
+}
+
 size_t SourceHolds::ExpireDue() {
   const MonoTime now = options_.now();
   std::vector<std::pair<HoldKey, uint64_t>> due;

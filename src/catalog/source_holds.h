@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/clock.h"
@@ -124,8 +125,15 @@ class SourceHolds {
   // Ends the hold `request_id` of `peer_runtime`: revoke, drain, free. False when there is none (already released
   // or never granted).
   bool Release(const std::string& peer_runtime, uint64_t request_id) EXCLUDES(mu_);
+  // Ends the hold whose grant is `grant_id`, if `peer_node` holds it: the release by grant id alone (a requester
+  // that registered again, or whose view or this one is incomplete). False when there is none.
+  bool ReleaseGrant(const std::string& peer_node, uint64_t grant_id) EXCLUDES(mu_);
   // Quarantines and revokes holds past their deadline. Returns how many it revoked.
   size_t ExpireDue() EXCLUDES(mu_);
+  // Quarantines and revokes every hold not being revoked yet (this Manager's registration ended: its grants belong
+  // to a start of it that peers no longer address). The pins go once each grant drained, as ever; holds granted
+  // later are not affected and never wait for these. Returns how many it revoked.
+  size_t RevokeAll(std::string_view why) EXCLUDES(authorize_mu_, mu_);
   // Quarantines and revokes every hold of requesters `alive` says are gone (it gets node and runtime); their
   // endpoints are force-closed (GrantIssuer::RevokePeer). Returns how many requesters.
   size_t DropVanished(const std::function<bool(const std::string& node, const std::string& runtime)>& alive)

@@ -250,6 +250,43 @@ TEST_F(SourceHoldsTest, AnExpiredGrantIsQuarantinedUntilItDrainedNeverFreedOnThe
   EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
 }
 
+// Issue 51: this Manager's registration ended, so every grant it gave goes. Each stays pinned and charged
+// (quarantined) until its own revocation drained; a grant given after that (the new registration) neither waits for
+// them nor is touched by them.
+TEST_F(SourceHoldsTest, RevokeAllQuarantinesEveryGrantUntilItDrainedAndLaterGrantsDoNotWait) {
+  const auto versions = Publish(Chain(7, 3));
+  ASSERT_TRUE(holds_->Authorize(Args({versions[0]}, 1, "rt-x")).ok());
+  ASSERT_TRUE(holds_->Authorize(Args({versions[1]}, 2, "rt-y")).ok());
+  EXPECT_EQ(holds_->RevokeAll("registration lapsed"), 2u);
+  EXPECT_EQ(holds_->RevokeAll("again"), 0u);  // already revoking
+  EXPECT_EQ(issuer_.live(), 0u);
+  EXPECT_EQ(holds_->GetStats().quarantined, 2u);
+  EXPECT_EQ(holds_->GetStats().quarantined_bytes, 2 * kBlock);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 2u);
+  // A new grant (the new registration's requester) is given at once, and revoking the old ones does not touch it.
+  auto later = holds_->Authorize(Args({versions[2]}, 3, "rt-new"));
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_EQ(later->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(issuer_.live(), 1u);
+  issuer_.DrainOne(0);
+  EXPECT_EQ(holds_->GetStats().sessions, 2u);  // one old hold drained and went; the other is still in flight
+  issuer_.DrainOne(1);
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);
+  EXPECT_EQ(holds_->GetStats().quarantined, 0u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);
+  // The new one ends by its grant id alone, but only for the node that holds it.
+  EXPECT_FALSE(holds_->ReleaseGrant("node-other", later->grant_id));
+  EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id + 1000));
+  EXPECT_TRUE(holds_->ReleaseGrant("node-b", later->grant_id));
+  EXPECT_TRUE(holds_->ReleaseGrant("node-b", later->grant_id));  // a duplicate while it drains
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);            // pinned until drained
+  issuer_.DrainAll();
+  EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id));
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+  EXPECT_EQ(Metric("orbitkv_source_quarantined_bytes"), 0);
+}
+
 TEST_F(SourceHoldsTest, AVanishedRequestersGrantsAreRevokedThroughItsTransportThenFreed) {
   const auto versions = Publish(Chain(6, 3));
   ASSERT_TRUE(holds_->Authorize(Args({versions[0]}, 1, "rt-gone")).ok());

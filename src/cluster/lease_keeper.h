@@ -6,7 +6,7 @@
 // beyond what the lease itself guarantees, even if the reply was delayed by up to half the TTL.
 // Validity only grows while the registration is live; once it lapses or is ended (fenced, lease
 // lost, shutdown) it never comes back, so a delayed acknowledgement cannot revive an expired or
-// fenced runtime. A new registration needs a new Membership (a new incarnation).
+// fenced runtime. A new registration gets a new clock and a new keeper (Membership's supervisor).
 //
 // LeaseKeeper renews the lease on its own LeaseKeepAlive stream every TTL/3, reopening the stream
 // (on the next endpoint) whenever it breaks, and reports the end of the registration once through

@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <charconv>
+#include <random>
 
 #include "base/check.h"
 #include "base/logging.h"
@@ -123,64 +125,114 @@ Membership::Membership(MembershipOptions options, MetricsRegistry* metrics,
       "orbitkv_membership_registered", "1 while this Manager holds a valid registration, else 0");
   epoch_gauge_ = &metrics_->GetGauge("orbitkv_membership_epoch",
                                      "Epoch (incarnation) of this Manager's Node ID");
+  MutexLock lock(&mu_);
   self_.record.cluster = options_.cluster_name;
   self_.record.node_id = options_.node_id;
   self_.record.endpoint = options_.peer_endpoint;
   self_.record.runtime_uuid =
       options_.runtime_uuid.empty() ? NewRuntimeUuid() : options_.runtime_uuid;
+  since_ = MonoNow();
 }
 
 Membership::~Membership() { Shutdown(); }
 
 Status Membership::Join(Deadline deadline) {
+  Member self;
   {
     MutexLock lock(&mu_);
-    ORBITKV_CHECK_MSG(state_ == MembershipState::kNotJoined && !shut_down_ && clock_ == nullptr,
+    ORBITKV_CHECK_MSG(state_ == MembershipState::kNotJoined && !shut_down_ && clocks_.empty(),
                       "Membership::Join called twice");
+    self = self_;
   }
   ORBITKV_ASSIGN_OR_RETURN(
       int64_t placement_revision,
       InstallOrVerifyPlacement(*client_, options_.cluster_name, *placement_, deadline));
-  ORBITKV_RETURN_IF_ERROR(Register(placement_revision, deadline));
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<RegistrationClock> clock,
+                           Register(placement_revision, deadline, &self));
+  RegistrationClock* current = clock.get();
+  {
+    MutexLock lock(&mu_);
+    clocks_.push_back(std::move(clock));
+    self_ = self;
+    own_uuids_.push_back(self.record.runtime_uuid);
+    state_ = MembershipState::kRegistered;
+    since_ = MonoNow();
+    registrations_ = 1;
+  }
+  clock_.store(current, std::memory_order_release);
+  registered_gauge_->Set(1);
+  epoch_gauge_->Set(static_cast<double>(self.record.epoch));
+  StartIncarnation(self, current);
+  // The supervisor: registers again after a lapse, and joins the incarnations' threads.
+  supervisor_thread_ = std::thread([this] { Supervise(); });
+  ORBITKV_LOG_INFO("cluster {}: registered node {} epoch {} uuid {} lease {:x} (TTL {} s)",
+                   options_.cluster_name, options_.node_id, self.record.epoch,
+                   self.record.runtime_uuid, self.lease_id, lease_ttl_secs());
+  return Status::Ok();
+}
 
+int64_t Membership::lease_ttl_secs() const {
+  MutexLock lock(&mu_);
+  return lease_ttl_secs_;
+}
+
+void Membership::StartIncarnation(const Member& self, RegistrationClock* clock) {
   LeaseKeeper::Options keeper_options;
-  keeper_options.lease_id = self_.lease_id;
-  keeper_options.ttl_secs = lease_ttl_secs_;
-  keeper_options.etcd_cluster_id = etcd_cluster_id_;
+  keeper_options.lease_id = self.lease_id;
+  ViewSync::Options view_options;
+  {
+    MutexLock lock(&mu_);
+    keeper_options.ttl_secs = lease_ttl_secs_;
+    keeper_options.etcd_cluster_id = etcd_cluster_id_;
+    view_options.etcd_cluster_id = etcd_cluster_id_;
+  }
   keeper_options.metrics = metrics_;
   keeper_options.on_lost = [this](const std::string& reason) {
     EndRegistration(MembershipState::kExpired, reason);
   };
-  keeper_ = std::make_unique<LeaseKeeper>(client_.get(), clock_.get(), std::move(keeper_options));
-
-  ViewSync::Options view_options;
   view_options.cluster = options_.cluster_name;
-  view_options.self = self_;
+  view_options.self = self;
   view_options.placement = placement_->Encode();
-  view_options.etcd_cluster_id = etcd_cluster_id_;
   view_options.metrics = metrics_;
   view_options.on_installed = options_.on_view_installed;
-  view_options.on_fence = [this](const std::string& reason) {
-    if (clock_->End()) EndRegistration(MembershipState::kFenced, reason);
+  view_options.on_fence = [this, clock](const std::string& reason, bool final) {
+    if (clock->End()) {
+      EndRegistration(final ? MembershipState::kFenced : MembershipState::kExpired, reason);
+    }
   };
-  view_sync_ = std::make_unique<ViewSync>(client_.get(), &view_, std::move(view_options));
-
+  auto keeper = std::make_unique<LeaseKeeper>(client_.get(), clock, std::move(keeper_options));
+  auto view_sync = std::make_unique<ViewSync>(client_.get(), &view_, std::move(view_options));
+  LeaseKeeper* k = keeper.get();
+  ViewSync* v = view_sync.get();
   {
     MutexLock lock(&mu_);
-    state_ = MembershipState::kRegistered;
+    keeper_ = std::move(keeper);
+    view_sync_ = std::move(view_sync);
+    if (shut_down_) {  // Shutdown() ran meanwhile: the threads start and end at once
+      k->Stop();
+      v->Stop();
+    }
   }
-  registered_gauge_->Set(1);
-  epoch_gauge_->Set(static_cast<double>(self_.record.epoch));
-  // The Manager's two long-lived membership threads; both end promptly on Shutdown().
-  keeper_thread_ = std::thread([this] { keeper_->Run(); });
-  view_thread_ = std::thread([this] { view_sync_->Run(); });
-  ORBITKV_LOG_INFO("cluster {}: registered node {} epoch {} uuid {} lease {:x} (TTL {} s)",
-                   options_.cluster_name, options_.node_id, self_.record.epoch,
-                   self_.record.runtime_uuid, self_.lease_id, lease_ttl_secs_);
-  return Status::Ok();
+  // The registration's two threads; both end promptly on Stop().
+  keeper_thread_ = std::thread([k] { k->Run(); });
+  view_thread_ = std::thread([v] { v->Run(); });
 }
 
-Status Membership::Register(int64_t placement_revision, Deadline deadline) {
+void Membership::StopIncarnation() {
+  {
+    MutexLock lock(&mu_);
+    if (view_sync_) view_sync_->Stop();
+    if (keeper_) keeper_->Stop();
+  }
+  if (view_thread_.joinable()) view_thread_.join();
+  if (keeper_thread_.joinable()) keeper_thread_.join();
+  MutexLock lock(&mu_);
+  view_sync_.reset();
+  keeper_.reset();
+}
+
+Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placement_revision,
+                                                                Deadline deadline, Member* self) {
   const std::string member_key = MemberKey(options_.cluster_name, options_.node_id);
   const std::string epoch_key = EpochKey(options_.cluster_name, options_.node_id);
   const std::string placement_key = PlacementKey(options_.cluster_name);
@@ -191,11 +243,25 @@ Status Membership::Register(int64_t placement_revision, Deadline deadline) {
   ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::LeaseGrantResponse granted,
                            client_->LeaseGrant(grant, deadline));
   if (granted.ttl() <= 0) return Status::Unavailable("etcd granted a lease with no TTL");
-  self_.lease_id = granted.id();
-  lease_ttl_secs_ = granted.ttl();
-  etcd_cluster_id_ = granted.header().cluster_id();
-  clock_ =
-      std::make_unique<RegistrationClock>(grant_sent + std::chrono::seconds(lease_ttl_secs_) / 2);
+  uint64_t known_cluster = 0;
+  {
+    MutexLock lock(&mu_);
+    known_cluster = etcd_cluster_id_;
+    if (known_cluster == 0 || granted.header().cluster_id() == known_cluster) {
+      etcd_cluster_id_ = granted.header().cluster_id();
+      lease_ttl_secs_ = granted.ttl();
+    }
+  }
+  if (known_cluster != 0 && granted.header().cluster_id() != known_cluster) {
+    // Another etcd cluster answers at these endpoints: nothing registered there is the one we knew.
+    (void)RevokeLease(granted.id(), deadline);
+    return Status::FailedPrecondition(fmt::format(
+        "the etcd cluster changed (ID {:x}, registered in {:x}): restart the Manager to join it",
+        granted.header().cluster_id(), known_cluster));
+  }
+  self->lease_id = granted.id();
+  auto clock =
+      std::make_unique<RegistrationClock>(grant_sent + std::chrono::seconds(granted.ttl()) / 2);
 
   Status status = Status::Aborted("registration did not converge");
   for (int attempt = 0; attempt < kMaxRegisterAttempts; ++attempt) {
@@ -217,7 +283,7 @@ Status Membership::Register(int64_t placement_revision, Deadline deadline) {
       epoch = *parsed;
       epoch_mod_revision = current->kvs(0).mod_revision();
     }
-    self_.record.epoch = epoch + 1;
+    self->record.epoch = epoch + 1;
 
     etcdserverpb::TxnRequest txn;
     AddCompare(txn, member_key, etcdserverpb::Compare::CREATE)->set_create_revision(0);
@@ -226,11 +292,11 @@ Status Membership::Register(int64_t placement_revision, Deadline deadline) {
         ->set_mod_revision(placement_revision);
     etcdserverpb::PutRequest* put_epoch = txn.add_success()->mutable_request_put();
     put_epoch->set_key(epoch_key);
-    put_epoch->set_value(std::to_string(self_.record.epoch));
+    put_epoch->set_value(std::to_string(self->record.epoch));
     etcdserverpb::PutRequest* put_member = txn.add_success()->mutable_request_put();
     put_member->set_key(member_key);
-    put_member->set_value(EncodeMemberRecord(self_.record));
-    put_member->set_lease(self_.lease_id);
+    put_member->set_value(EncodeMemberRecord(self->record));
+    put_member->set_lease(self->lease_id);
     txn.add_failure()->mutable_request_range()->set_key(member_key);
     Result<etcdserverpb::TxnResponse> response = client_->Txn(txn, deadline);
     if (!response.ok()) {
@@ -238,22 +304,40 @@ Status Membership::Register(int64_t placement_revision, Deadline deadline) {
       break;
     }
     if (response->succeeded()) {
-      self_.create_revision = response->header().revision();
-      self_.mod_revision = response->header().revision();
-      return Status::Ok();
+      self->create_revision = response->header().revision();
+      self->mod_revision = response->header().revision();
+      return clock;
     }
     const etcdserverpb::RangeResponse& holder = response->responses(0).response_range();
     if (holder.kvs_size() == 1) {
       const mvccpb::KeyValue& kv = holder.kvs(0);
       Result<MemberRecord> record =
           DecodeMemberRecord(options_.cluster_name, options_.node_id, kv.value());
-      if (record.ok() && record->runtime_uuid == self_.record.runtime_uuid &&
-          kv.lease() == self_.lease_id) {
+      if (record.ok() && record->runtime_uuid == self->record.runtime_uuid &&
+          kv.lease() == self->lease_id) {
         // An earlier attempt of this very transaction was applied although its reply was lost.
-        self_.record = *record;
-        self_.create_revision = kv.create_revision();
-        self_.mod_revision = kv.mod_revision();
-        return Status::Ok();
+        self->record = *record;
+        self->create_revision = kv.create_revision();
+        self->mod_revision = kv.mod_revision();
+        return clock;
+      }
+      bool ours = false;
+      if (record.ok()) {
+        MutexLock lock(&mu_);
+        ours = std::find(own_uuids_.begin(), own_uuids_.end(), record->runtime_uuid) !=
+               own_uuids_.end();
+      }
+      if (ours) {
+        // One of this Membership's earlier registrations, its lease still alive in etcd (a restart
+        // refreshes leases): not a fence. Revoke that lease and register again.
+        ORBITKV_LOG_INFO("cluster {}: node {} epoch {} (an earlier registration of this Manager) still "
+                         "holds the record; revoking its lease {:x}",
+                         options_.cluster_name, options_.node_id, record->epoch, kv.lease());
+        if (Status revoked = RevokeLease(kv.lease(), deadline); !revoked.ok()) {
+          status = revoked;
+          break;
+        }
+        continue;
       }
       status = Status::AlreadyExists(
           fmt::format("node '{}' is already registered in cluster '{}' by a live runtime ({}); "
@@ -278,30 +362,41 @@ Status Membership::Register(int64_t placement_revision, Deadline deadline) {
       break;
     }
   }
-  RevokeLease();
-  clock_->End();
+  (void)RevokeLease(self->lease_id, Deadline::After(options_.etcd_call_timeout));
+  self->lease_id = 0;
   return status;
 }
 
-void Membership::RevokeLease() {
-  if (self_.lease_id == 0) return;
+Status Membership::RevokeLease(int64_t lease_id, Deadline deadline) {
+  if (lease_id == 0) return Status::Ok();
   etcdserverpb::LeaseRevokeRequest revoke;
-  revoke.set_id(self_.lease_id);
-  Result<etcdserverpb::LeaseRevokeResponse> revoked =
-      client_->LeaseRevoke(revoke, Deadline::After(options_.etcd_call_timeout));
+  revoke.set_id(lease_id);
+  Result<etcdserverpb::LeaseRevokeResponse> revoked = client_->LeaseRevoke(revoke, deadline);
   if (!revoked.ok() && revoked.status().code() != StatusCode::kNotFound) {
     ORBITKV_LOG_WARN("cluster {}: could not revoke lease {:x}: {}; etcd expires it within {} s",
-                     options_.cluster_name, self_.lease_id, revoked.status().ToString(),
-                     lease_ttl_secs_);
+                     options_.cluster_name, lease_id, revoked.status().ToString(),
+                     options_.membership_ttl_secs);
+    return revoked.status();
   }
+  return Status::Ok();
 }
 
 void Membership::EndRegistration(MembershipState state, const std::string& reason) {
+  int64_t epoch = 0;
   {
     MutexLock lock(&mu_);
     if (state_ != MembershipState::kRegistered) return;
     state_ = state;
     reason_ = reason;
+    last_cause_ = reason;
+    since_ = MonoNow();
+    attempts_ = 0;
+    last_error_.clear();
+    epoch = self_.record.epoch;
+    // The keeper has nothing left to do once fenced; Stop() only flags and cancels, it does not
+    // join (the supervisor joins).
+    if (state == MembershipState::kFenced && keeper_) keeper_->Stop();
+    wake_.notify_all();
   }
   registered_gauge_->Set(0);
   metrics_
@@ -309,13 +404,153 @@ void Membership::EndRegistration(MembershipState state, const std::string& reaso
                    "Registrations that ended, by cause",
                    {{"state", std::string(MembershipStateName(state))}})
       .Increment();
-  ORBITKV_LOG_WARN(
-      "cluster {}: node {} epoch {} is {}: {}; new remote work is disabled until the Manager "
-      "restarts",
-      options_.cluster_name, options_.node_id, self_.record.epoch, MembershipStateName(state),
-      reason);
-  // The other thread has nothing left to do; Stop() only flags and cancels, it does not join.
-  if (state == MembershipState::kFenced && keeper_) keeper_->Stop();
+  if (state == MembershipState::kFenced || !options_.reregister) {
+    ORBITKV_LOG_WARN("cluster {}: node {} epoch {} is {}: {}; remote work stays off until the Manager "
+                     "restarts",
+                     options_.cluster_name, options_.node_id, epoch, MembershipStateName(state),
+                     reason);
+  } else {
+    ORBITKV_LOG_WARN("cluster {}: node {} epoch {} is {}: {}; remote work is off while it registers "
+                     "again (local service goes on)",
+                     options_.cluster_name, options_.node_id, epoch, MembershipStateName(state),
+                     reason);
+  }
+}
+
+bool Membership::WaitFor(std::chrono::milliseconds delay) {
+  const MonoTime until = MonoNow() + delay;
+  MutexLock lock(&mu_);
+  while (!shut_down_ && MonoNow() < until) wake_.wait_until(mu_, until);
+  return !shut_down_;
+}
+
+void Membership::Supervise() {
+  std::minstd_rand jitter{std::random_device{}()};
+  for (;;) {
+    std::string cause;
+    {
+      MutexLock lock(&mu_);
+      while (!shut_down_ &&
+             (state_ == MembershipState::kRegistered ||
+              (state_ == MembershipState::kExpired && !options_.reregister) ||
+              state_ == MembershipState::kFenced)) {
+        wake_.wait(mu_);
+      }
+      if (shut_down_) break;
+      cause = reason_;
+    }
+    // A lapse: end the old incarnation's threads and what the Manager built on it, then register
+    // again until it works, a fence says it never will, or Shutdown().
+    StopIncarnation();
+    view_.Invalidate();
+    if (options_.on_lapsed) options_.on_lapsed(cause);
+    std::chrono::milliseconds backoff = options_.reregister_backoff_min;
+    bool first = true;
+    for (;;) {
+      if (!first) {
+        std::uniform_int_distribution<int64_t> spread(backoff.count() / 2, backoff.count());
+        if (!WaitFor(std::chrono::milliseconds(spread(jitter)))) break;
+        backoff = std::min(backoff * 2, options_.reregister_backoff_max);
+      }
+      first = false;
+      {
+        MutexLock lock(&mu_);
+        if (shut_down_) break;
+        ++attempts_;
+      }
+      const Status status = Reregister(Deadline::After(
+          std::min(options_.etcd_call_timeout, std::chrono::milliseconds(2000))));
+      if (status.ok()) break;
+      const bool final = status.code() == StatusCode::kAlreadyExists ||
+                         status.code() == StatusCode::kFailedPrecondition;
+      {
+        MutexLock lock(&mu_);
+        last_error_ = status.ToString();
+        if (final) {
+          state_ = MembershipState::kFenced;
+          reason_ = fmt::format("registering again: {}", status.message());
+          last_cause_ = reason_;
+          since_ = MonoNow();
+        }
+      }
+      if (final) {
+        metrics_
+            ->GetCounter("orbitkv_membership_registration_ends_total",
+                         "Registrations that ended, by cause", {{"state", "fenced"}})
+            .Increment();
+        ORBITKV_LOG_WARN("cluster {}: node {} is fenced: {}; remote work stays off until the Manager "
+                         "restarts",
+                         options_.cluster_name, options_.node_id, status.ToString());
+        break;
+      }
+    }
+  }
+  StopIncarnation();
+}
+
+Status Membership::Reregister(Deadline deadline) {
+  Member self;
+  int64_t old_lease = 0;
+  {
+    MutexLock lock(&mu_);
+    self = self_;
+    old_lease = self_.lease_id;
+  }
+  // The old lease first: etcd refreshes leases when it restarts, so the old record may still be
+  // there, and the create-only registration would find it.
+  ORBITKV_RETURN_IF_ERROR(RevokeLease(old_lease, deadline));
+  {
+    MutexLock lock(&mu_);
+    self_.lease_id = 0;
+  }
+  ORBITKV_ASSIGN_OR_RETURN(
+      int64_t placement_revision,
+      InstallOrVerifyPlacement(*client_, options_.cluster_name, *placement_, deadline));
+  self.record.runtime_uuid = NewRuntimeUuid();
+  self.lease_id = 0;
+  {
+    MutexLock lock(&mu_);
+    own_uuids_.push_back(self.record.runtime_uuid);
+  }
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<RegistrationClock> clock,
+                           Register(placement_revision, deadline, &self));
+  RegistrationClock* current = clock.get();
+  std::string cause;
+  bool stopping = false;
+  {
+    MutexLock lock(&mu_);
+    stopping = shut_down_;
+  }
+  if (stopping) {
+    (void)RevokeLease(self.lease_id, Deadline::After(options_.etcd_call_timeout));
+    return Status::Cancelled("shutting down");
+  }
+  {
+    MutexLock lock(&mu_);
+    clocks_.push_back(std::move(clock));
+    self_ = self;
+    state_ = MembershipState::kRegistered;
+    reason_.clear();
+    since_ = MonoNow();
+    ++registrations_;
+    cause = last_cause_;
+  }
+  clock_.store(current, std::memory_order_release);
+  registered_gauge_->Set(1);
+  epoch_gauge_->Set(static_cast<double>(self.record.epoch));
+  metrics_
+      ->GetCounter("orbitkv_membership_reregistrations_total",
+                   "Registrations made again after a lapse, without a restart")
+      .Increment();
+  ORBITKV_LOG_INFO("cluster {}: registered node {} again: epoch {} uuid {} lease {:x} (the last one "
+                   "ended: {})",
+                   options_.cluster_name, options_.node_id, self.record.epoch,
+                   self.record.runtime_uuid, self.lease_id, cause);
+  // The identity goes to the Manager's parts before the view is taken: remote work stays off
+  // until the new view is complete.
+  if (options_.on_registered) options_.on_registered(self.record);
+  StartIncarnation(self, current);
+  return Status::Ok();
 }
 
 void Membership::Shutdown() {
@@ -323,24 +558,31 @@ void Membership::Shutdown() {
     MutexLock lock(&mu_);
     if (shut_down_) return;
     shut_down_ = true;
+    if (view_sync_) view_sync_->Stop();
+    if (keeper_) keeper_->Stop();
+    wake_.notify_all();
   }
-  if (view_sync_) view_sync_->Stop();
-  if (keeper_) keeper_->Stop();
-  if (view_thread_.joinable()) view_thread_.join();
-  if (keeper_thread_.joinable()) keeper_thread_.join();
+  if (supervisor_thread_.joinable()) supervisor_thread_.join();
+  StopIncarnation();  // without a supervisor (Join failed or never ran) nothing is left, or this joins
   bool was_joined = false;
+  int64_t lease = 0;
   {
     MutexLock lock(&mu_);
     was_joined = state_ != MembershipState::kNotJoined;
     if (state_ == MembershipState::kRegistered) reason_ = "shut down";
     state_ = MembershipState::kStopped;
+    since_ = MonoNow();
+    lease = self_.lease_id;
   }
-  if (clock_) clock_->End();
+  if (RegistrationClock* clock = clock_.load(std::memory_order_acquire)) clock->End();
   registered_gauge_->Set(0);
-  if (was_joined) RevokeLease();
+  if (was_joined) (void)RevokeLease(lease, Deadline::After(options_.etcd_call_timeout));
 }
 
-bool Membership::RegistrationValid() const { return clock_ != nullptr && clock_->Valid(MonoNow()); }
+bool Membership::RegistrationValid() const {
+  const RegistrationClock* clock = clock_.load(std::memory_order_acquire);
+  return clock != nullptr && clock->Valid(MonoNow());
+}
 
 bool Membership::CanDoRemoteWork() const { return RegistrationValid() && view_.complete(); }
 
@@ -357,21 +599,32 @@ MembershipState Membership::state() const {
   return state_;
 }
 
+MemberRecord Membership::self() const {
+  MutexLock lock(&mu_);
+  return self_.record;
+}
+
 MembershipStatus Membership::GetStatus() const {
   MembershipStatus status;
+  const MonoTime now = MonoNow();
   {
     MutexLock lock(&mu_);
     status.state = state_;
     status.reason = reason_;
+    status.last_cause = last_cause_;
+    status.since = std::chrono::duration_cast<std::chrono::milliseconds>(now - since_);
+    status.registrations = registrations_;
+    status.attempts = attempts_;
+    status.last_error = last_error_;
+    status.self = self_.record;
+    status.lease_id = self_.lease_id;
+    status.lease_ttl_secs = lease_ttl_secs_;
   }
-  const MonoTime now = MonoNow();
-  status.registration_valid = clock_ != nullptr && clock_->Valid(now);
-  status.self = self_.record;
-  status.lease_id = self_.lease_id;
-  status.lease_ttl_secs = lease_ttl_secs_;
+  const RegistrationClock* clock = clock_.load(std::memory_order_acquire);
+  status.registration_valid = clock != nullptr && clock->Valid(now);
   if (status.registration_valid) {
     status.registration_remaining =
-        std::chrono::duration_cast<std::chrono::milliseconds>(clock_->valid_until() - now);
+        std::chrono::duration_cast<std::chrono::milliseconds>(clock->valid_until() - now);
   }
   status.placement_fingerprint = placement_->fingerprint();
   status.view = view_.Read();
@@ -382,15 +635,22 @@ MembershipStatus Membership::GetStatus() const {
 std::string Membership::StatusText() const {
   const MembershipStatus s = GetStatus();
   std::string out = fmt::format(
-      "membership: {}{}\n  cluster {} node {} epoch {} uuid {}\n  endpoint {} lease {:x} ttl {} s, "
-      "valid for "
-      "{} ms\n  placement {} catalog nodes {}\n  view: {} at revision {}, {} members, remote work "
-      "{}\n",
+      "membership: {}{} for {:.1f} s\n  cluster {} node {} epoch {} uuid {}\n  endpoint {} lease {:x} "
+      "ttl {} s, valid for {} ms\n  placement {} catalog nodes {}\n  view: {} at revision {}, {} "
+      "members, remote work {}\n",
       MembershipStateName(s.state), s.reason.empty() ? "" : fmt::format(" ({})", s.reason),
-      s.self.cluster, s.self.node_id, s.self.epoch, s.self.runtime_uuid, s.self.endpoint,
-      s.lease_id, s.lease_ttl_secs, s.registration_remaining.count(), s.placement_fingerprint,
+      static_cast<double>(s.since.count()) / 1000, s.self.cluster, s.self.node_id, s.self.epoch,
+      s.self.runtime_uuid, s.self.endpoint, s.lease_id, s.lease_ttl_secs,
+      s.registration_remaining.count(), s.placement_fingerprint,
       fmt::join(placement_->catalog_nodes(), ","), s.view.complete ? "complete" : "incomplete",
       s.view.revision, s.view.members.size(), s.remote_work_allowed ? "allowed" : "disabled");
+  if (s.state == MembershipState::kExpired && options_.reregister) {
+    out += fmt::format("  registering again: attempt {}{}\n", s.attempts,
+                       s.last_error.empty() ? "" : fmt::format(", last error: {}", s.last_error));
+  }
+  if (!s.last_cause.empty()) {
+    out += fmt::format("  registrations: {}; the last one ended: {}\n", s.registrations, s.last_cause);
+  }
   for (const Member& m : s.view.members) {
     out += fmt::format("    {} epoch {} {} uuid {}\n", m.record.node_id, m.record.epoch,
                        m.record.endpoint, m.record.runtime_uuid);

@@ -4,10 +4,24 @@
 // etcd transaction: the Node ID must have no live record, its persistent epoch is incremented, and
 // a record with the peer endpoint and a fresh runtime UUID is written under a new lease. Two
 // threads then run until Shutdown(): the LeaseKeeper renews the lease every TTL/3 on its own
-// stream, and ViewSync keeps the MemberView (snapshot then Watch) and fences the runtime when its
-// own record disappears or changes, the placement changes, or the etcd cluster changes. A
-// registration that lapsed or was fenced is never restored; the Manager restarts to get a new
-// incarnation. Shutdown() revokes the lease, so peers see the member leave at once.
+// stream, and ViewSync keeps the MemberView (snapshot then Watch). Shutdown() revokes the lease, so
+// peers see the member leave at once.
+//
+// A registration ends in one of two ways (docs/cluster.md, "Validity and recovery"):
+//   - it lapses (kExpired): no keepalive acknowledged within TTL/2, etcd lost the lease, or the own
+//     record was deleted (its lease expired in etcd). A third thread, the supervisor, then stops
+//     the keeper and the view, calls on_lapsed, and registers again with jittered backoff while
+//     etcd does not answer: it revokes the old lease first (an etcd restart refreshes leases, so
+//     the old record can outlive the outage), then registers under a new epoch and a new
+//     cluster-facing runtime UUID, calls on_registered, and takes a fresh view. A record of the
+//     Node ID held by one of this Membership's own earlier UUIDs is cleared the same way.
+//   - it is fenced (kFenced), for good: another runtime registered the Node ID (own record
+//     replaced, or held by a runtime that is not one of ours when registering again), the
+//     placement changed, or the etcd cluster changed. A fenced Manager stays fenced until it
+//     restarts.
+// What stays across registrations: the Node ID, the peer endpoint, the placement and the
+// MemberView object (incomplete between them); what changes: the epoch, the runtime UUID and the
+// lease.
 //
 // Cache operations never call etcd: CanDoRemoteWork(), view() and ResolveShardOwner() read only
 // local state. An incomplete view or a lapsed registration disables new remote work; local DRAM/SSD
@@ -18,7 +32,9 @@
 #ifndef ORBITKV_CLUSTER_MEMBERSHIP_H_
 #define ORBITKV_CLUSTER_MEMBERSHIP_H_
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -59,6 +75,20 @@ struct MembershipOptions {
   // The Manager's RuntimeId (base/runtime_id.h), written into the member record; empty: a new one.
   std::string runtime_uuid;
   std::chrono::milliseconds etcd_call_timeout{5000};
+  // Register again after a lapse (false: a lapsed registration stays expired, as before issue 51).
+  bool reregister = true;
+  // Backoff between registration attempts while etcd does not answer (each one jittered to
+  // 50-100 %, doubling from min to max).
+  std::chrono::milliseconds reregister_backoff_min{100};
+  std::chrono::milliseconds reregister_backoff_max{1000};
+  // Called on the supervisor thread once a lapsed registration's keeper and view threads stopped,
+  // before registering again (the Manager ends what its old incarnation held). Optional; must not
+  // call Shutdown().
+  std::function<void(const std::string& cause)> on_lapsed;
+  // Called on the supervisor thread after a registration that follows a lapse succeeded, before
+  // its member view is taken (so remote work is still off): the new identity. Optional; must not
+  // call Shutdown().
+  std::function<void(const MemberRecord& self)> on_registered;
   // Called on the view thread after every snapshot install, before its Watch opens (view_sync.h).
   // Optional.
   std::function<void(int64_t revision)> on_view_installed;
@@ -74,8 +104,8 @@ Result<std::vector<std::string>> SplitFlagList(std::string_view flag, std::strin
 enum class MembershipState : uint8_t {
   kNotJoined,   // Before Join(), or Join() failed.
   kRegistered,  // Lease held; valid while the RegistrationClock says so.
-  kExpired,     // Keepalives stopped being acknowledged in time, or etcd lost the lease.
-  kFenced,      // Own record removed or replaced, placement changed, or etcd cluster changed.
+  kExpired,     // Lapsed (keepalives unacknowledged, lease or own record lost): registering again.
+  kFenced,      // For good: Node ID taken by another runtime, placement or etcd cluster changed.
   kStopped,     // Shutdown() ran.
 };
 std::string_view MembershipStateName(MembershipState state);
@@ -86,6 +116,12 @@ struct MembershipStatus {
   bool registration_valid = false;
   bool remote_work_allowed = false;
   std::string reason;  // Why the state left kRegistered; empty otherwise.
+  // Why the last registration ended (kept after a recovery; empty if none ended).
+  std::string last_cause;
+  std::chrono::milliseconds since{0};  // time in the current state
+  int64_t registrations = 0;           // successful registrations, the first Join's included
+  int64_t attempts = 0;                // registration attempts since the last lapse
+  std::string last_error;              // the last failed attempt's error (while kExpired)
   MemberRecord self;
   int64_t lease_id = 0;
   int64_t lease_ttl_secs = 0;
@@ -129,17 +165,31 @@ class Membership {
   // Multi-line text for `orbitkv status`.
   std::string StatusText() const;
   const Placement& placement() const { return *placement_; }
-  // This runtime's identity (valid after Join()).
-  const MemberRecord& self() const { return self_.record; }
+  // This runtime's current cluster identity (valid after Join(); a new one after each recovery).
+  MemberRecord self() const;
   EtcdClient& etcd() { return *client_; }
+  int64_t lease_ttl_secs() const;
 
  private:
   Membership(MembershipOptions options, MetricsRegistry* metrics,
              std::unique_ptr<EtcdClient> client, Placement placement);
 
-  Status Register(int64_t placement_revision, Deadline deadline);
+  // Registers `self` (node, endpoint, UUID set; epoch and lease filled in) under a new lease and
+  // returns the clock of that registration.
+  Result<std::unique_ptr<RegistrationClock>> Register(int64_t placement_revision, Deadline deadline,
+                                                      Member* self);
+  // Starts the keeper and view threads of the registration `self` under `clock` (owned by clocks_).
+  void StartIncarnation(const Member& self, RegistrationClock* clock) EXCLUDES(mu_);
+  // Stops and joins the keeper and view threads (supervisor or Shutdown after it).
+  void StopIncarnation() EXCLUDES(mu_);
+  // The supervisor thread: re-registers after a lapse, until Shutdown().
+  void Supervise();
+  // One attempt to register again; a final error (fence) is FailedPrecondition or AlreadyExists.
+  Status Reregister(Deadline deadline);
   void EndRegistration(MembershipState state, const std::string& reason);
-  void RevokeLease();
+  // Sleeps for `delay` or until Shutdown(); false when shutting down.
+  bool WaitFor(std::chrono::milliseconds delay) EXCLUDES(mu_);
+  Status RevokeLease(int64_t lease_id, Deadline deadline);
 
   // Immutable after construction.
   const MembershipOptions options_;
@@ -149,22 +199,32 @@ class Membership {
   Gauge* registered_gauge_;
   Gauge* epoch_gauge_;
 
-  // Written by Join() before the threads start, then immutable.
-  Member self_;
-  int64_t lease_ttl_secs_ = 0;
-  uint64_t etcd_cluster_id_ = 0;
-  std::unique_ptr<RegistrationClock> clock_;
-  std::unique_ptr<LeaseKeeper> keeper_;
-  std::unique_ptr<ViewSync> view_sync_;
-  std::thread keeper_thread_;
-  std::thread view_thread_;
+  // The current registration's clock (null before Join()); the clocks themselves live in clocks_
+  // until the Membership goes, so a reader never sees one freed. Acquire/release with its store.
+  std::atomic<RegistrationClock*> clock_{nullptr};
 
   MemberView view_;
 
   mutable Mutex mu_;
+  std::condition_variable_any wake_;  // state changes and Shutdown(), for the supervisor
   // Guarded by mu_.
+  Member self_ GUARDED_BY(mu_);
+  int64_t lease_ttl_secs_ GUARDED_BY(mu_) = 0;
+  uint64_t etcd_cluster_id_ GUARDED_BY(mu_) = 0;
+  std::vector<std::string> own_uuids_ GUARDED_BY(mu_);  // every runtime UUID this Membership registered
+  std::vector<std::unique_ptr<RegistrationClock>> clocks_ GUARDED_BY(mu_);
+  std::unique_ptr<LeaseKeeper> keeper_ GUARDED_BY(mu_);
+  std::unique_ptr<ViewSync> view_sync_ GUARDED_BY(mu_);
+  std::thread keeper_thread_;      // started and joined by Join()/the supervisor/Shutdown only
+  std::thread view_thread_;
+  std::thread supervisor_thread_;
   MembershipState state_ GUARDED_BY(mu_) = MembershipState::kNotJoined;
   std::string reason_ GUARDED_BY(mu_);
+  std::string last_cause_ GUARDED_BY(mu_);
+  MonoTime since_ GUARDED_BY(mu_){};
+  int64_t registrations_ GUARDED_BY(mu_) = 0;
+  int64_t attempts_ GUARDED_BY(mu_) = 0;
+  std::string last_error_ GUARDED_BY(mu_);
   bool shut_down_ GUARDED_BY(mu_) = false;
 };
 

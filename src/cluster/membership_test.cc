@@ -6,6 +6,9 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <mutex>
+#include <thread>
+
 #include "cluster/etcd_client.h"
 #include "cluster/testing/child_process.h"
 #include "cluster/testing/cluster_fixture.h"
@@ -160,29 +163,80 @@ TEST_F(MembershipTest, KillNineExpiresTheLeaseAndTheSurvivorDropsTheStaleMember)
   EXPECT_TRUE(line.ok() && *line == "stopped");
 }
 
-TEST_F(MembershipTest, OwnRecordRemovalFencesAndNothingRevivesIt) {
+// Issue 51: the own record deleted (its lease expired in etcd, or an operator removed it) ends the registration,
+// and the Manager registers again in-process: a new epoch, a new runtime UUID, a new lease; the old lease revoked.
+TEST_F(MembershipTest, OwnRecordRemovalEndsTheRegistrationAndItIsMadeAgain) {
+  MetricsRegistry m;
+  std::vector<std::string> calls;
+  std::mutex calls_mu;
+  MembershipOptions o = Options("node-a");
+  o.on_lapsed = [&](const std::string& cause) {
+    std::lock_guard<std::mutex> lock(calls_mu);
+    calls.push_back("lapsed: " + cause);
+  };
+  o.on_registered = [&](const MemberRecord& self) {
+    std::lock_guard<std::mutex> lock(calls_mu);
+    calls.push_back(fmt::format("registered: {} {}", self.epoch, self.runtime_uuid));
+  };
+  auto a = Join(o, &m);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(WaitUntil([&] { return a->CanDoRemoteWork(); }));
+  const MemberRecord first = a->self();
+  const int64_t first_lease = a->GetStatus().lease_id;
+  ASSERT_TRUE(RawDelete(MemberKey(cluster_, "node-a")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->self().epoch == first.epoch + 1 && a->CanDoRemoteWork(); }));
+  const MembershipStatus s = a->GetStatus();
+  EXPECT_EQ(s.state, MembershipState::kRegistered);
+  EXPECT_NE(s.self.runtime_uuid, first.runtime_uuid);
+  EXPECT_NE(s.lease_id, first_lease);
+  EXPECT_EQ(s.registrations, 2);
+  EXPECT_NE(s.last_cause.find("deleted"), std::string::npos) << s.last_cause;
+  EXPECT_NE(a->StatusText().find("the last one ended"), std::string::npos) << a->StatusText();
+  // etcd holds the new record, and the old lease is gone.
+  MetricsRegistry probe_metrics;
+  auto probe = Join(Options("probe"), &probe_metrics);
+  ASSERT_TRUE(probe);
+  ASSERT_TRUE(WaitUntil([&] {
+    Result<Member> seen = probe->view().Find("node-a");
+    return seen.ok() && seen->record.runtime_uuid == s.self.runtime_uuid && seen->record.epoch == first.epoch + 1;
+  }));
+  etcdserverpb::LeaseTimeToLiveRequest ttl;
+  ttl.set_id(first_lease);
+  Result<etcdserverpb::LeaseTimeToLiveResponse> old = raw_->LeaseTimeToLive(ttl, Deadline::After(kWaitLimit));
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(old->ttl(), -1);  // etcd: no such lease
+  EXPECT_EQ(CounterValue(m, "orbitkv_membership_registration_ends_total", {{"state", "expired"}}), 1u);
+  EXPECT_EQ(CounterValue(m, "orbitkv_membership_reregistrations_total"), 1u);
+  std::lock_guard<std::mutex> lock(calls_mu);
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_TRUE(calls[0].starts_with("lapsed: own member record"));
+  EXPECT_EQ(calls[1], fmt::format("registered: {} {}", first.epoch + 1, s.self.runtime_uuid));
+}
+
+// Another runtime holding the Node ID is a fence for good: the Manager never takes the Node ID back.
+TEST_F(MembershipTest, ANodeIdTakenByAnotherRuntimeStaysFenced) {
   MetricsRegistry m;
   auto a = Join(Options("node-a"), &m);
   ASSERT_TRUE(a);
   ASSERT_TRUE(WaitUntil([&] { return a->CanDoRemoteWork(); }));
+  // The record goes (a lapse) and another runtime registers the Node ID right after: whether this Manager sees
+  // the record replaced, or finds it held when it registers again, it is fenced.
+  const std::string other = FakeRecord("node-a", 7);
   ASSERT_TRUE(RawDelete(MemberKey(cluster_, "node-a")).ok());
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "node-a"), other).ok());
   ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kFenced; }));
+  // Well past several backoffs: still fenced, the other runtime's record untouched.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_EQ(a->state(), MembershipState::kFenced);
   EXPECT_FALSE(a->RegistrationValid());
   EXPECT_FALSE(a->CanDoRemoteWork());
   EXPECT_EQ(a->ResolveShardOwner(0).status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(a->GetStatus().reason.find("deleted"), std::string::npos) << a->GetStatus().reason;
-  // Putting the very same record back (under the still-live lease) does not un-fence the runtime.
-  ASSERT_TRUE(
-      RawPut(MemberKey(cluster_, "node-a"), EncodeMemberRecord(a->self()), a->GetStatus().lease_id)
-          .ok());
-  MetricsRegistry probe_metrics;
-  auto probe = Join(Options("probe"), &probe_metrics);
-  ASSERT_TRUE(probe);
-  ASSERT_TRUE(WaitUntil([&] { return Sees(*probe, "node-a"); }));
-  EXPECT_EQ(a->state(), MembershipState::kFenced);
-  EXPECT_FALSE(a->RegistrationValid());
-  EXPECT_EQ(CounterValue(m, "orbitkv_membership_registration_ends_total", {{"state", "fenced"}}),
-            1u);
+  etcdserverpb::RangeRequest read;
+  read.set_key(MemberKey(cluster_, "node-a"));
+  Result<etcdserverpb::RangeResponse> held = raw_->Range(read, Deadline::After(kWaitLimit));
+  ASSERT_TRUE(held.ok() && held->kvs_size() == 1);
+  EXPECT_EQ(held->kvs(0).value(), other);
+  EXPECT_NE(a->StatusText().find("fenced"), std::string::npos) << a->StatusText();
 }
 
 TEST_F(MembershipTest, ReplacedRecordFences) {
@@ -260,28 +314,39 @@ TEST_F(MembershipTest, EtcdStoppedAndRestartedRepairsTheView) {
       [&] { return CounterValue(ma, "orbitkv_membership_keepalive_acks_total") > acks; }));
 }
 
-TEST_F(MembershipTest, RegistrationThatLapsedWhileEtcdWasDownStaysExpired) {
-  MetricsRegistry m;
+// Issue 51: a registration that lapsed while etcd was down is made again when etcd answers (the old lease, which
+// an etcd restart refreshes, is revoked first), without a new Membership; with reregister off it stays expired.
+TEST_F(MembershipTest, RegistrationThatLapsedWhileEtcdWasDownIsMadeAgainWhenEtcdAnswers) {
+  MetricsRegistry m, m_off;
   MembershipOptions o = Options("node-a", {"node-a"}, 2);
   o.etcd_call_timeout = std::chrono::milliseconds(500);
   auto a = Join(o, &m);
-  ASSERT_TRUE(a);
+  MembershipOptions off = Options("node-b", {"node-a"}, 2);
+  off.etcd_call_timeout = std::chrono::milliseconds(500);
+  off.reregister = false;
+  auto b = Join(off, &m_off);
+  ASSERT_TRUE(a && b);
+  const MemberRecord first = a->self();
   ASSERT_TRUE(etcd_->Stop().ok());
   ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kExpired; }));
   EXPECT_FALSE(a->RegistrationValid());
+  // While etcd is down it keeps trying, and says so.
+  ASSERT_TRUE(WaitUntil([&] { return a->GetStatus().attempts >= 2; }));
+  EXPECT_FALSE(a->GetStatus().last_error.empty());
+  EXPECT_NE(a->StatusText().find("registering again: attempt"), std::string::npos) << a->StatusText();
   ASSERT_TRUE(etcd_->Launch().ok());
   ASSERT_TRUE(etcd_->WaitReady(Deadline::After(kWaitLimit)).ok());
-  // The lease may well be alive again in etcd (a restart refreshes leases), yet the runtime stays
-  // expired and a new incarnation must register.
-  MetricsRegistry probe_metrics;
-  auto probe = Join(Options("probe", {"node-a"}), &probe_metrics);
-  ASSERT_TRUE(probe);
-  ASSERT_TRUE(WaitUntil([&] { return probe->view().complete(); }));
-  EXPECT_EQ(a->state(), MembershipState::kExpired);
-  EXPECT_FALSE(a->CanDoRemoteWork());
-  a->Shutdown();  // Revokes whatever is left of the old lease.
+  ASSERT_TRUE(WaitUntil([&] { return a->CanDoRemoteWork(); }));
+  EXPECT_EQ(a->state(), MembershipState::kRegistered);
+  EXPECT_EQ(a->self().epoch, first.epoch + 1);
+  EXPECT_NE(a->self().runtime_uuid, first.runtime_uuid);
+  EXPECT_EQ(a->GetStatus().registrations, 2);
+  // The one that does not register again stays expired.
+  EXPECT_EQ(b->state(), MembershipState::kExpired);
+  EXPECT_FALSE(b->CanDoRemoteWork());
+  b->Shutdown();
   MetricsRegistry m2;
-  auto again = Join(Options("node-a", {"node-a"}), &m2);
+  auto again = Join(Options("node-b", {"node-a"}), &m2);
   ASSERT_TRUE(again);
   EXPECT_EQ(again->self().epoch, 2);
 }

@@ -78,10 +78,10 @@ void ViewSync::Invalidate(const char* reason) {
                    options_.cluster, reason);
 }
 
-void ViewSync::Fence(const std::string& reason) {
+void ViewSync::Fence(const std::string& reason, bool final) {
   if (fenced_) return;
   fenced_ = true;
-  if (options_.on_fence) options_.on_fence(reason);
+  if (options_.on_fence) options_.on_fence(reason, final);
 }
 
 bool ViewSync::CheckClusterId(const etcdserverpb::ResponseHeader& header) {
@@ -94,7 +94,8 @@ bool ViewSync::CheckClusterId(const etcdserverpb::ResponseHeader& header) {
   if (header.cluster_id() == cluster_id_) return true;
   if (options_.self.has_value()) {
     Fence(
-        fmt::format("etcd cluster ID changed from {:x} to {:x}", cluster_id_, header.cluster_id()));
+        fmt::format("etcd cluster ID changed from {:x} to {:x}", cluster_id_, header.cluster_id()),
+        /*final=*/true);
     return false;
   }
   // An observer follows the new cluster from a fresh snapshot.
@@ -159,20 +160,23 @@ Result<int64_t> ViewSync::TakeSnapshot() {
 
   if (options_.placement.has_value() && placement != options_.placement) {
     Fence(placement.has_value() ? fmt::format("placement record changed to {}", *placement)
-                                : std::string("placement record was removed"));
+                                : std::string("placement record was removed"),
+          /*final=*/true);
     return Status::Aborted("fenced");
   }
   if (options_.self.has_value()) {
     const Member& self = *options_.self;
     auto it = members.find(self.record.node_id);
     if (it == members.end()) {
-      Fence(fmt::format("own member record is missing at revision {}", revision));
+      Fence(fmt::format("own member record is missing at revision {} (its lease expired?)", revision),
+            /*final=*/false);
       return Status::Aborted("fenced");
     }
     if (it->second.record != self.record || it->second.lease_id != self.lease_id) {
       Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}",
                         it->second.record.epoch, it->second.record.runtime_uuid,
-                        it->second.mod_revision));
+                        it->second.mod_revision),
+            /*final=*/true);
       return Status::Aborted("fenced");
     }
   }
@@ -195,7 +199,8 @@ bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
     if (kv.key() == placement_key_) {
       if (options_.placement.has_value() && (deleted || kv.value() != *options_.placement)) {
         Fence(deleted ? std::string("placement record was removed")
-                      : fmt::format("placement record changed to {}", kv.value()));
+                      : fmt::format("placement record changed to {}", kv.value()),
+              /*final=*/true);
         return false;
       }
       continue;
@@ -215,12 +220,16 @@ bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
     if (options_.self.has_value() && node == options_.self->record.node_id) {
       const Member& self = *options_.self;
       if (!member.has_value()) {
-        Fence(fmt::format("own member record was deleted at revision {}", kv.mod_revision()));
+        Fence(fmt::format("own member record was deleted at revision {} (its lease expired or "
+                          "was revoked)",
+                          kv.mod_revision()),
+              /*final=*/false);
         return false;
       }
       if (member->record != self.record || member->lease_id != self.lease_id) {
         Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}",
-                          member->record.epoch, member->record.runtime_uuid, kv.mod_revision()));
+                          member->record.epoch, member->record.runtime_uuid, kv.mod_revision()),
+              /*final=*/true);
         return false;
       }
     }

@@ -10,8 +10,10 @@
 // exponential backoff (100 ms to 2 s).
 //
 // When it guards a registration (Options::self), ViewSync also fences: the registration's own
-// record missing, deleted or rewritten with another epoch, lease or UUID, the placement record
-// changed or removed, or the etcd cluster ID changed all call on_fence once and end Run().
+// record missing or deleted (final = false: the lease lapsed, the registration can be made
+// again), or rewritten with another epoch, lease or UUID, the placement record changed or removed,
+// or the etcd cluster ID changed (final = true: another runtime or another cluster) all call
+// on_fence once and end Run().
 //
 // Thread safety: Run() on one thread; Stop() from any thread, and it makes Run() return promptly.
 #ifndef ORBITKV_CLUSTER_VIEW_SYNC_H_
@@ -55,7 +57,7 @@ class ViewSync {
     uint64_t etcd_cluster_id = 0;
     // Called once, on the ViewSync thread, when the guarded registration must be fenced. Must not
     // block on ViewSync.
-    std::function<void(const std::string& reason)> on_fence;
+    std::function<void(const std::string& reason, bool final)> on_fence;
     // Called on the ViewSync thread after each snapshot is installed, before the Watch opens: while
     // it runs the view does not advance. May be empty.
     std::function<void(int64_t revision)> on_installed;
@@ -87,7 +89,7 @@ class ViewSync {
                               int64_t mod_revision);
   bool CheckClusterId(const etcdserverpb::ResponseHeader& header);
   void Invalidate(const char* reason);
-  void Fence(const std::string& reason);
+  void Fence(const std::string& reason, bool final);
   // Waits for `delay` or Stop(); false when stopping.
   bool WaitFor(std::chrono::milliseconds delay);
   bool stopping() const;

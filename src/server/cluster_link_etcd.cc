@@ -6,6 +6,7 @@
 #include "catalog/catalog_store.h"
 #include "catalog/owner_streamer.h"
 #include "catalog/peer_directory.h"
+#include "catalog/release_queue.h"
 #include "catalog/source_holds.h"
 #include "catalog/transfer_grants.h"
 
@@ -260,35 +261,53 @@ class CatalogNode {
 
   catalog::CatalogStore* store() const { return store_.get(); }
 
-  Status StartStreams(const ManagerConfig& config, const RuntimeId& runtime) {
-    catalog::PeerIdentity self{config.cluster_name, config.node_id, runtime.ToString(), membership_.self().epoch,
-                               membership_.placement().fingerprint()};
-    ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, PeerClientCredentials(config));
-    transport_ = std::make_unique<catalog::GrpcCatalogTransport>(self, &membership_.view(), std::move(credentials),
+  // Starts one owner stream per shard as the registration `self` (each new stream snapshots its shard first),
+  // and the maintenance thread the first time.
+  Status StartStreams(std::shared_ptr<grpc::ChannelCredentials> credentials, const cluster::MemberRecord& self) {
+    const catalog::PeerIdentity identity{self.cluster, self.node_id, self.runtime_uuid, self.epoch,
+                                         membership_.placement().fingerprint()};
+    MutexLock lock(&streams_mu_);
+    ORBITKV_CHECK_MSG(streamers_.empty(), "owner streams started twice");
+    streams_stop_.store(false, std::memory_order_release);
+    transport_ = std::make_unique<catalog::GrpcCatalogTransport>(identity, &membership_.view(), std::move(credentials),
                                                                  store_.get());
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
       catalog::OwnerStreamer::Options options;
-      options.owner_node = config.node_id;
-      options.owner_runtime = runtime.ToString();
-      options.owner_epoch = membership_.self().epoch;
+      options.owner_node = self.node_id;
+      options.owner_runtime = self.runtime_uuid;
+      options.owner_epoch = self.epoch;
       options.shard = shard;
       options.catalog_node = membership_.placement().OwnerOf(shard);
-      ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<catalog::OwnerStreamer> streamer,
-                               catalog::OwnerStreamer::Create(options, inventory_, transport_.get()));
-      streamers_.push_back(std::move(streamer));
+      Result<std::unique_ptr<catalog::OwnerStreamer>> streamer =
+          catalog::OwnerStreamer::Create(options, inventory_, transport_.get());
+      if (!streamer.ok()) {
+        streamers_.clear();
+        return streamer.status();
+      }
+      streamers_.push_back(std::move(*streamer));
     }
     for (auto& streamer : streamers_) {
-      threads_.emplace_back([this, s = streamer.get()] { s->Run(stop_); });
+      threads_.emplace_back([this, s = streamer.get()] { s->Run(streams_stop_); });
     }
-    maintenance_ = std::thread([this] { Maintain(); });
+    if (!maintenance_.joinable()) maintenance_ = std::thread([this] { Maintain(); });
     return Status::Ok();
   }
 
-  void Stop() {
-    stop_.store(true, std::memory_order_release);
+  // Stops and joins the owner streams (before streams of a new registration start: issue 51).
+  void StopStreams() {
+    MutexLock lock(&streams_mu_);
+    streams_stop_.store(true, std::memory_order_release);
     for (std::thread& t : threads_) {
       if (t.joinable()) t.join();
     }
+    threads_.clear();
+    streamers_.clear();  // unsubscribes from the inventory
+    transport_.reset();
+  }
+
+  void Stop() {
+    StopStreams();
+    stop_.store(true, std::memory_order_release);
     if (maintenance_.joinable()) maintenance_.join();
   }
   ~CatalogNode() { Stop(); }
@@ -332,13 +351,13 @@ class CatalogNode {
                        "\"catalog_streams_streaming\": {}, \"catalog_streams_converged\": {}, "
                        "\"catalog_stream_snapshots\": {}, \"inventory_records\": {}",
                        hosted_, s.records, s.bytes, s.incomplete, incomplete_ms_.load(std::memory_order_relaxed),
-                       streamers_.size(), s.streaming, s.converged, s.snapshots, inventory);
+                       s.streams, s.streaming, s.converged, s.snapshots, inventory);
   }
 
  private:
   // The figures status and metrics show, over the shards placed here and this Manager's own streams.
   struct Summary {
-    size_t records = 0, incomplete = 0, converged = 0, streaming = 0;
+    size_t records = 0, incomplete = 0, converged = 0, streaming = 0, streams = 0;
     uint64_t bytes = 0, snapshots = 0;
     double lag_ms = 0, last_repair_s = -1;
   };
@@ -355,6 +374,8 @@ class CatalogNode {
       }
       sum.bytes = store_->used_bytes();
     }
+    MutexLock lock(&streams_mu_);
+    sum.streams = streamers_.size();
     for (const auto& s : streamers_) {
       sum.converged += s->converged() ? 1 : 0;
       sum.streaming += s->state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
@@ -393,9 +414,12 @@ class CatalogNode {
   const std::string node_;
   size_t hosted_ = 0;
   std::unique_ptr<catalog::CatalogStore> store_;
-  std::unique_ptr<catalog::GrpcCatalogTransport> transport_;
-  std::vector<std::unique_ptr<catalog::OwnerStreamer>> streamers_;
-  std::vector<std::thread> threads_;
+  // The owner streams of the current registration (stopped and made anew when it registers again).
+  mutable Mutex streams_mu_;
+  std::unique_ptr<catalog::GrpcCatalogTransport> transport_ GUARDED_BY(streams_mu_);
+  std::vector<std::unique_ptr<catalog::OwnerStreamer>> streamers_ GUARDED_BY(streams_mu_);
+  std::vector<std::thread> threads_ GUARDED_BY(streams_mu_);
+  std::atomic<bool> streams_stop_{false};
   std::thread maintenance_;
   std::atomic<bool> stop_{false};
   Gauge* records_;
@@ -423,6 +447,7 @@ class RemoteNode {
         requester_(catalog::PeerIdentity{config.cluster_name, config.node_id, runtime.ToString(),
                                          membership.self().epoch, membership.placement().fingerprint()},
                    &membership.view(), std::move(credentials)),
+        releases_(catalog::ReleaseQueue::Options{}, &requester_, metrics),
         issuer_(engine, arenas) {
     catalog::Discovery::Options discovery;
     discovery.max_hosts = config.discovery_max_hosts;
@@ -438,7 +463,8 @@ class RemoteNode {
     fetch.threads = fetch_workers_ = config.remote_fetch_workers;
     fetch.staging_budget_bytes = config.remote_staging_budget_bytes;
     fetch.can_work = [&membership] { return membership.CanDoRemoteWork(); };
-    fetcher_ = std::make_unique<RemoteFetcher>(std::move(fetch), cache, &index_, discovery_.get(), &requester_,
+    // Authorizations go straight to the peers; releases through the release queue's own workers.
+    fetcher_ = std::make_unique<RemoteFetcher>(std::move(fetch), cache, &index_, discovery_.get(), &releases_,
                                                engine, std::move(arenas), metrics);
     index_entries_ = &metrics->GetGauge("orbitkv_candidate_index_entries", "Blocks the candidate index knows holders of");
     index_bytes_ = &metrics->GetGauge("orbitkv_candidate_index_bytes",
@@ -457,8 +483,18 @@ class RemoteNode {
   // until the node goes (after the transfer engine stopped).
   void Stop() {
     fetcher_->Stop();
+    releases_.Stop();  // after the fetches: the last releases are queued
     stop_.store(true, std::memory_order_release);
     if (maintenance_.joinable()) maintenance_.join();
+  }
+
+  // The registration lapsed: every grant this source gave goes (quarantined until drained).
+  void OnLapsed(const std::string& cause) { holds_->RevokeAll(fmt::format("the registration ended: {}", cause)); }
+  // A new registration: requests name it, and what was learnt of peers' starts before is forgotten.
+  void OnRegistered(const catalog::PeerIdentity& self) {
+    requester_.SetSelf(self);
+    index_.Clear();
+    holds_->RevokeAll("registered again");  // none normally: no grant is given while remote work is off
   }
 
   catalog::SourceHolds* holds() { return holds_.get(); }
@@ -469,6 +505,7 @@ class RemoteNode {
     const catalog::SourceHolds::Stats h = holds_->GetStats();
     const catalog::CandidateIndex::Stats i = index_.GetStats();
     const catalog::Discovery::Stats d = discovery_->GetStats();
+    const catalog::ReleaseQueue::Stats r = releases_.GetStats();
     return fmt::format(", \"remote_fetches\": {}, \"remote_fetched_blocks\": {}, \"remote_fetched_bytes\": {}, "
                        "\"remote_no_source\": {}, \"remote_fetch_failures\": {}, \"remote_staging_bytes\": {}, "
                        "\"discovery_rpcs\": {}, \"source_authorizations\": {}, \"candidate_rejections\": {}, "
@@ -478,6 +515,10 @@ class RemoteNode {
                        f.fetches, f.fetched_blocks, f.fetched_bytes, f.no_source, f.failed, f.staging_bytes,
                        f.discovery_rpcs, f.authorizations, f.rejections, i.entries, i.bytes, i.hits, i.misses,
                        h.sessions, h.pinned_bytes, h.quarantined_bytes, h.granted, h.rejected) +
+           fmt::format(", \"remote_releases_queued\": {}, \"remote_releases_released\": {}, "
+                       "\"remote_releases_not_held\": {}, \"remote_releases_retries\": {}, "
+                       "\"remote_releases_abandoned\": {}, \"remote_releases_pending\": {}",
+                       r.queued, r.released, r.not_held, r.retries, r.abandoned, r.pending) +
            fmt::format(", \"discovery_skipped_hosts\": {}, \"discovery_failed_hosts\": {}, "
                        "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}, "
                        "\"remote_fetches_shared\": {}, \"remote_fetch_seconds\": {:.6f}, "
@@ -510,6 +551,7 @@ class RemoteNode {
   cluster::Membership& membership_;
   catalog::CandidateIndex index_;
   catalog::GrpcRequesterTransport requester_;
+  catalog::ReleaseQueue releases_;  // over requester_
   catalog::TransferGrantIssuer issuer_;
   std::unique_ptr<catalog::Discovery> discovery_;
   std::unique_ptr<catalog::SourceHolds> holds_;
@@ -524,12 +566,55 @@ class RemoteNode {
   std::thread maintenance_;
 };
 
+// What the membership's supervisor calls when a registration lapses and when it registers again (issue 51), set
+// once the Manager's distributed parts exist and cleared before they stop. The hooks run under `mu`, so clearing
+// waits for one that runs.
+struct RegistrationHooks {
+  Mutex mu;
+  std::function<void(const std::string& cause)> lapsed GUARDED_BY(mu);
+  std::function<void(const cluster::MemberRecord& self)> registered GUARDED_BY(mu);
+  void Clear() {
+    MutexLock lock(&mu);
+    lapsed = nullptr;
+    registered = nullptr;
+  }
+};
+
+// Why remote work is off now, for peers refused a grant and for `orbitkv status` (empty: it is on).
+std::string RemoteOffReason(const cluster::Membership& m) {
+  if (m.CanDoRemoteWork()) return std::string();
+  const cluster::MembershipStatus s = m.GetStatus();
+  const double since = static_cast<double>(s.since.count()) / 1000;
+  switch (s.state) {
+    case cluster::MembershipState::kRegistered:
+      return s.registration_valid ? "the member view is incomplete (etcd unreachable?)"
+                                  : "the registration is not acknowledged by etcd";
+    case cluster::MembershipState::kExpired:
+      return fmt::format("the registration lapsed {:.1f} s ago ({}); registering again, attempt {}", since, s.reason,
+                         s.attempts);
+    case cluster::MembershipState::kFenced:
+      return fmt::format("fenced {:.1f} s ago ({}): restart the Manager", since, s.reason);
+    default:
+      return fmt::format("membership is {}", cluster::MembershipStateName(s.state));
+  }
+}
+
+std::string JsonText(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += (c == '\n' ? ' ' : c);
+  }
+  return out;
+}
+
 class MembershipLink final : public ClusterLink {
  public:
   MembershipLink(std::unique_ptr<cluster::Membership> membership, std::unique_ptr<CatalogNode> catalog,
                  std::unique_ptr<RemoteNode> remote, std::unique_ptr<transfer::UcxTransferEngine> transfer,
-                 std::unique_ptr<PeerListener> peers)
-      : membership_(std::move(membership)),
+                 std::unique_ptr<PeerListener> peers, std::shared_ptr<RegistrationHooks> hooks)
+      : hooks_(std::move(hooks)),
+        membership_(std::move(membership)),
         catalog_(std::move(catalog)),
         remote_(std::move(remote)),
         transfer_(std::move(transfer)),
@@ -548,6 +633,14 @@ class MembershipLink final : public ClusterLink {
         "\"view_revision\": {}, \"members\": {}",
         cluster::MembershipStateName(status.state), status.self.epoch,
         CanDoRemoteWork() ? 1 : 0, status.view.revision, status.view.members.size()) +
+           fmt::format(", \"membership_for_s\": {:.1f}, \"membership_reason\": \"{}\", "
+                       "\"membership_last_cause\": \"{}\", \"membership_registrations\": {}, "
+                       "\"membership_attempts\": {}, \"membership_last_error\": \"{}\", "
+                       "\"cluster_runtime_uuid\": \"{}\", \"membership_off_reason\": \"{}\"",
+                       static_cast<double>(status.since.count()) / 1000, JsonText(status.reason),
+                       JsonText(status.last_cause), status.registrations, status.attempts,
+                       JsonText(status.last_error), status.self.runtime_uuid,
+                       JsonText(RemoteOffReason(*membership_))) +
            fmt::format(", \"placement_fingerprint\": \"{}\", \"peer_listen\": \"{}\", \"peer_refused\": {}",
                        membership_->placement().fingerprint(), peers_ ? peers_->address : "",
                        peers_ ? peers_->service->refused() : 0) +
@@ -572,6 +665,7 @@ class MembershipLink final : public ClusterLink {
   }
 
   void Shutdown() override {
+    hooks_->Clear();  // no registration made again restarts a part after it stopped
     if (remote_ != nullptr) remote_->Stop();  // fetches end before the engine, the channels and the view
     if (catalog_ != nullptr) catalog_->Stop();  // the owner streams end before the channels and the view
     if (peers_ != nullptr) peers_->directory->Stop();  // stops probing before the member view goes
@@ -582,6 +676,7 @@ class MembershipLink final : public ClusterLink {
   }
 
  private:
+  std::shared_ptr<RegistrationHooks> hooks_;
   std::unique_ptr<cluster::Membership> membership_;
   std::unique_ptr<CatalogNode> catalog_;  // with the peer listener; after it in destruction (the service uses it)
   // With the peer listener: its holds go after the transfer engine (nothing reads their pins any more) and the
@@ -622,6 +717,15 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   }
   options.peer_endpoint = config.peer_endpoint;
   options.runtime_uuid = runtime.ToString();
+  auto hooks = std::make_shared<RegistrationHooks>();
+  options.on_lapsed = [hooks](const std::string& cause) {
+    MutexLock lock(&hooks->mu);
+    if (hooks->lapsed) hooks->lapsed(cause);
+  };
+  options.on_registered = [hooks](const cluster::MemberRecord& self) {
+    MutexLock lock(&hooks->mu);
+    if (hooks->registered) hooks->registered(self);
+  };
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<cluster::Membership> membership,
                            cluster::Membership::Create(std::move(options), metrics));
   Status joined = membership->Join(Deadline::After(std::chrono::seconds(30)));
@@ -650,17 +754,19 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
     remote = std::make_unique<RemoteNode>(config, runtime, *membership, cache, transfer.get(), std::move(arenas),
                                           std::move(*credentials), metrics);
     cluster::Membership* m = membership.get();
-    Result<std::unique_ptr<PeerListener>> started = StartPeerListener(
-        config, runtime, *membership, *transfer, catalog->store(), remote->holds(), [m]() -> std::string {
-          return m->CanDoRemoteWork() ? std::string() : "its registration expired or its member view is incomplete";
-        });
+    Result<std::unique_ptr<PeerListener>> started =
+        StartPeerListener(config, runtime, *membership, *transfer, catalog->store(), remote->holds(),
+                          [m]() -> std::string { return RemoteOffReason(*m); });
     if (!started.ok()) {
       remote->Stop();
       membership->Shutdown();
       return started.status();
     }
     peers = std::move(*started);
-    if (Status streams = catalog->StartStreams(config, runtime); !streams.ok()) {
+    Result<std::shared_ptr<grpc::ChannelCredentials>> stream_credentials = PeerClientCredentials(config);
+    Status streams = stream_credentials.status();
+    if (streams.ok()) streams = catalog->StartStreams(*stream_credentials, membership->self());
+    if (!streams.ok()) {
       remote->Stop();
       catalog->Stop();
       peers->server->Shutdown();
@@ -668,9 +774,39 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
       return streams.WithContext("starting the catalog streams");
     }
   }
+  if (peers != nullptr) {
+    // Issue 51: a registration that lapses ends the grants this source gave and the owner streams; one made again
+    // gives every peer-facing part the new identity and streams the inventory anew as the new owner start. The UCX
+    // engine, its registered pool, the engine-facing incarnation and the inventory's sequences stay.
+    CatalogNode* c = catalog.get();
+    RemoteNode* r = remote.get();
+    PeerListener* p = peers.get();
+    const std::string fingerprint = membership->placement().fingerprint();
+    std::shared_ptr<grpc::ChannelCredentials> credentials = PeerClientCredentials(config).value();
+    MutexLock lock(&hooks->mu);
+    hooks->lapsed = [c, r](const std::string& cause) {
+      r->OnLapsed(cause);
+      c->StopStreams();
+    };
+    hooks->registered = [c, r, p, fingerprint, credentials](const cluster::MemberRecord& self) {
+      const catalog::PeerIdentity identity{self.cluster, self.node_id, self.runtime_uuid, self.epoch, fingerprint};
+      p->service->SetSelf(identity);
+      p->directory->SetSelf(identity);
+      r->OnRegistered(identity);
+      c->StopStreams();  // none normally (the lapse stopped them): a lapse before these hooks were set
+      if (Status started = c->StartStreams(credentials, self); !started.ok()) {
+        ORBITKV_LOG_ERROR("manager: the catalog streams of the new registration did not start: {}",
+                          started.ToString());
+      }
+    };
+    // A lapse between the join and now went unseen by the hooks: catch up.
+    if (const cluster::MemberRecord now = membership->self(); now.runtime_uuid != runtime.ToString()) {
+      hooks->registered(now);
+    }
+  }
   return std::unique_ptr<ClusterLink>(
       new MembershipLink(std::move(membership), std::move(catalog), std::move(remote), std::move(transfer),
-                         std::move(peers)));
+                         std::move(peers), std::move(hooks)));
 }
 
 }  // namespace orbitkv::server

@@ -126,6 +126,9 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   // What is resident at the front needs no fetch.
   size_t local = cache_->table().PinPrefix(job.keys, &pins);
   if (local == job.keys.size() || job.deadline.Expired()) return pins;
+  // A fetch that waited in the queue asks again: the registration may have lapsed, or the view gone incomplete,
+  // since its stage was made.
+  if (options_.can_work && !options_.can_work()) return pins;
   // Another stage fetching from the same first key: wait for it, then take what it brought.
   std::optional<Flights<state::StateKey, state::StateKeyHash>::Ticket> flight =
       flights_.WaitOrStart(job.keys[local], job.deadline);
@@ -366,21 +369,14 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
 }
 
 void RemoteFetcher::ReleaseGrant(const catalog::Authorized& authorized, uint64_t request_id) {
-  // Bounded, idempotent retries: a source that never hears it revokes at the grant's deadline, or when this
-  // Manager leaves the member view.
-  std::chrono::milliseconds backoff(50);
-  for (int attempt = 0; attempt < 4; ++attempt) {
-    Result<bool> released = sources_->Release(authorized.span.node, authorized.span.runtime, request_id,
-                                              Deadline::After(std::chrono::seconds(2)));
-    if (released.ok()) return;
-    if (released.status().code() == StatusCode::kNotFound) return;  // the source restarted: nothing held there
-    if (attempt == 3) {
-      ORBITKV_LOG_WARN("remote: releasing grant {:x} at {}: {} (it expires there)", request_id, authorized.span.node,
-                       released.status().ToString());
-      return;
-    }
-    std::this_thread::sleep_for(backoff);
-    backoff *= 2;
+  // By grant id, so the release needs neither side's member view. In a Manager `sources_` is the release queue
+  // (catalog/release_queue.h): this returns at once and the queue's own workers retry; a source that never hears
+  // it revokes the grant at its deadline, or when this Manager leaves the member view.
+  Result<bool> released = sources_->Release(authorized.span.node, authorized.span.runtime, request_id,
+                                            authorized.reply.grant.grant_id, Deadline::After(std::chrono::seconds(2)));
+  if (!released.ok() && released.status().code() != StatusCode::kNotFound) {
+    ORBITKV_LOG_WARN("remote: releasing grant {:x} at {}: {} (it expires there)", authorized.reply.grant.grant_id,
+                     authorized.span.node, released.status().ToString());
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <future>
 #include <set>
 #include <string>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "distributed_util.h"
 #include "engine_kv.h"
 #include "netns_mesh.h"
+#include "transfer/descriptor.h"
 #include "transfer/test_util.h"
 #include "transfer/ucx_engine.h"
 
@@ -718,14 +720,14 @@ TEST_F(MeshTest, SourcesGrantOnlyTheVersionsTheyHoldAndFreeAVanishedRequestersHo
   const std::string rt0 = granted.authorized->span.runtime;
   EXPECT_EQ(Field(StatsOf(*managers[0]), "source_sessions"), 1u);
   EXPECT_GE(Field(StatsOf(*managers[0]), "source_pinned_bytes"), keys.size() * testing::kBlockBytes);
-  auto released = transport.Release(Node(0), rt0, 1, Deadline::After(std::chrono::seconds(5)));
+  auto released = transport.Release(Node(0), rt0, 1, /*grant_id=*/0, Deadline::After(std::chrono::seconds(5)));
   ASSERT_TRUE(released.ok()) << released.status();
   EXPECT_TRUE(*released);
   // The grant drains asynchronously (its transport revoked first); a Release that comes meanwhile still answers
   // true (the first one is draining it), so the duplicate is asked once the session is gone.
   EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
   EXPECT_EQ(Field(StatsOf(*managers[0]), "source_pinned_bytes"), 0u);
-  released = transport.Release(Node(0), rt0, 1, Deadline::After(std::chrono::seconds(5)));
+  released = transport.Release(Node(0), rt0, 1, /*grant_id=*/0, Deadline::After(std::chrono::seconds(5)));
   ASSERT_TRUE(released.ok()) << released.status();
   EXPECT_FALSE(*released);  // a duplicate Release: nothing held any more, no error
 
@@ -831,7 +833,7 @@ TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
     EXPECT_EQ(outcome.authorized->span.node, Node(0));
     EXPECT_EQ(outcome.authorized->reply.grant.granted, 16u);
     auto released = transport.Release(Node(0), outcome.authorized->span.runtime, 77,
-                                      Deadline::After(std::chrono::seconds(5)));
+                                      outcome.authorized->reply.grant.grant_id, Deadline::After(std::chrono::seconds(5)));
     ASSERT_TRUE(released.ok() && *released) << released.status();
   }
 
@@ -1180,6 +1182,205 @@ TEST_F(MeshTest, ACatalogHostKilledDuringAQueryCostsItsShardsOnly) {
   EXPECT_EQ(exact, hits);
   EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
   EXPECT_EQ(FieldWhen(*managers[1], "remote_staging_bytes", 0), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
+// Reads the first block a grant covers from its source, into a buffer of this process, through a UCX engine of
+// the test's own on the bridge: the read a holder of the grant could make. The batch's status.
+Status ReadFirstGrantedBlock(const catalog::Authorized& authorized, const std::string& device) {
+  transfer::UcxEngineOptions options;
+  options.listen_address = std::string(testing::NetnsMesh::kRootAddress) + ":0";
+  options.transports = "tcp";
+  options.net_devices = device;
+  auto reader = transfer::UcxTransferEngine::Create(options);
+  if (!reader.ok()) return reader.status();
+  const catalog::SourceGrant& grant = authorized.reply.grant;
+  if (grant.blocks.empty()) return Status::NotFound("the grant covers no block");
+  const catalog::SourceGrant::Block& block = grant.blocks[0];
+  std::vector<uint8_t> landing(block.bytes);
+  auto local = (*reader)->RegisterRegion(landing.data(), landing.size());
+  if (!local.ok()) return local.status();
+  transfer::ReadBatchRequest read;
+  read.peer = authorized.reply.ucx_address;
+  read.grant = grant.grant_id;
+  for (const auto& bytes : grant.regions) {
+    auto descriptor = transfer::DecodeDescriptor(bytes);
+    if (!descriptor.ok()) return descriptor.status();
+    read.remotes.push_back(*descriptor);
+  }
+  read.fragments = {transfer::Fragment{block.region, block.offset, *local, 0, block.bytes}};
+  read.deadline = Deadline::After(std::chrono::seconds(10));
+  transfer::testing::BatchWaiter waiter;
+  if (auto started = (*reader)->ReadBatch(read, waiter.Callback()); !started.ok()) return started.status();
+  auto result = waiter.Wait(Deadline::After(std::chrono::seconds(20)));
+  if (!result.has_value()) return Status::DeadlineExceeded("the read never completed");
+  if (result->status.ok() && result->bytes != block.bytes) {
+    return Status::DataLoss(fmt::format("{} bytes landed of {}", result->bytes, block.bytes));
+  }
+  return result->status;
+}
+
+// Issue 51: etcd stopped for twice the membership TTL (3 s) and started again. Every Manager serves locally
+// throughout; each registers again, in-process, under a higher epoch and a new cluster-facing runtime UUID (its
+// engine-facing incarnation and transfer engine stay); a remote hit afterwards is byte-exact; and a grant with a
+// 30 s lifetime a peer took before the outage is refused a read after the recovery, well before its deadline (the
+// source revoked every grant of its old registration, and freed their pins once drained).
+TEST_F(MeshTest, AnEtcdOutageOfTwiceTheTtlEndsInANewRegistrationWithoutARestart) {
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  ASSERT_TRUE(StartManagers(kHosts, "outage", &managers));
+  auto all = [&] { return All(managers); };
+  constexpr uint32_t kBlocks = 16;
+  const auto x = testing::Chain(9700, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+  std::vector<uint64_t> epochs;
+  std::vector<std::string> engine_uuids, cluster_uuids;
+  for (const auto& m : managers) {
+    const std::string stats = StatsOf(*m);
+    epochs.push_back(Field(stats, "membership_epoch"));
+    engine_uuids.push_back(StringField(stats, "runtime_uuid"));
+    cluster_uuids.push_back(StringField(stats, "cluster_runtime_uuid"));
+    EXPECT_EQ(cluster_uuids.back(), engine_uuids.back()) << stats;  // one identity until a registration is redone
+  }
+
+  // A peer played by the test, as node-1's current start, takes a 30 s grant of x at node-0 and reads under it.
+  cluster::MemberView view;
+  InstallMembers(&view);
+  const cluster::MemberRecord r1 = view.Find(Node(1))->record;
+  const std::string placement = StringField(StatsOf(*managers[0]), "placement_fingerprint");
+  catalog::GrpcRequesterTransport transport({"mesh", Node(1), r1.runtime_uuid, r1.epoch, placement}, &view, nullptr);
+  catalog::CandidateIndex index({});
+  auto placed = cluster::Placement::Create({"node-0", "node-1", "node-2"});
+  ASSERT_TRUE(placed.ok());
+  catalog::Discovery::Options discovery_options;
+  discovery_options.host_of = [&](const state::StateKey& key) {
+    return placed->OwnerOf(cluster::Placement::ShardOf(key));
+  };
+  catalog::Discovery discovery(discovery_options, &index, &transport);
+  ASSERT_EQ(discovery.Discover(x).known_prefix, x.size());
+  catalog::AuthorizeOptions authorize;
+  authorize.self_node = Node(1);
+  authorize.request_id = 51;
+  authorize.lifetime = std::chrono::seconds(30);
+  const MonoTime granted_at = MonoNow();
+  catalog::AuthorizeOutcome granted = catalog::AuthorizeBest(x, index, transport, authorize);
+  ASSERT_TRUE(granted.authorized.has_value()) << granted.last_error;
+  ASSERT_EQ(granted.authorized->span.node, Node(0));
+  const Status before = ReadFirstGrantedBlock(*granted.authorized, mesh_->root_veth());
+  ASSERT_TRUE(before.ok()) << before;
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_sessions"), 1u);
+
+  // etcd down for 2 x TTL: every registration lapses; local saves and restores go on everywhere.
+  ASSERT_TRUE(etcd_->Stop().ok());
+  std::vector<std::unique_ptr<MeshEngine>> locals;
+  for (int i = 0; i < kHosts; ++i) {
+    locals.push_back(std::make_unique<MeshEngine>(*managers[i], 10 + i, kBlocks));
+    const auto w = testing::Chain(9710 + i, kBlocks);
+    ASSERT_TRUE(testing::SaveChain(*locals[i]->client, 10 + i, locals[i]->kv, w).ok());
+    auto [hits, exact] = locals[i]->QueryAndRestore(w);
+    EXPECT_EQ(hits, kBlocks) << Node(i);
+    EXPECT_EQ(exact, kBlocks) << Node(i);
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(6));
+  for (int i = 0; i < kHosts; ++i) {
+    const std::string stats = StatsOf(*managers[i]);
+    EXPECT_EQ(StringField(stats, "membership"), "expired") << stats;
+    EXPECT_EQ(Field(stats, "remote_work"), 0u) << stats;
+    EXPECT_GE(Field(stats, "membership_attempts"), 1u) << stats;
+    const auto w = testing::Chain(9710 + i, kBlocks);
+    auto [hits, exact] = locals[i]->QueryAndRestore(w);
+    EXPECT_EQ(hits, kBlocks) << Node(i);
+    EXPECT_EQ(exact, kBlocks) << Node(i);
+  }
+  // The source revoked the grants of its lapsed registration: the hold is gone once the grant drained.
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+
+  ASSERT_TRUE(etcd_->Launch().ok());
+  ASSERT_TRUE(etcd_->WaitReady(Deadline::After(std::chrono::seconds(30))).ok()) << etcd_->LogTail();
+  for (int i = 0; i < kHosts; ++i) {
+    EXPECT_EQ(FieldWhen(*managers[i], "remote_work", 1), 1u) << StatsOf(*managers[i]);
+    const std::string stats = StatsOf(*managers[i]);
+    EXPECT_EQ(StringField(stats, "membership"), "registered") << stats;
+    EXPECT_GT(Field(stats, "membership_epoch"), epochs[i]) << stats;
+    EXPECT_EQ(Field(stats, "membership_registrations"), 2u) << stats;
+    EXPECT_NE(StringField(stats, "membership_last_cause"), "") << stats;
+    EXPECT_NE(StringField(stats, "cluster_runtime_uuid"), cluster_uuids[i]) << stats;
+    EXPECT_EQ(StringField(stats, "runtime_uuid"), engine_uuids[i]) << stats;  // the engine-facing identity stays
+    // etcd holds the new registration.
+    const cluster::MemberRecord record = RecordOf(etcd_->endpoint(), Node(i), "mesh");
+    EXPECT_EQ(record.runtime_uuid, StringField(stats, "cluster_runtime_uuid"));
+    EXPECT_EQ(static_cast<uint64_t>(record.epoch), Field(stats, "membership_epoch"));
+  }
+  // A remote hit: node-1 fetches x from node-0, byte-exact (the new views and catalogs may need a moment).
+  MeshEngine b(*managers[1], 2, kBlocks);
+  size_t hits = 0, exact = 0;
+  for (int attempt = 0; attempt < 40 && hits < kBlocks; ++attempt) {
+    std::tie(hits, exact) = b.QueryAndRestore(x);
+    if (hits < kBlocks) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  EXPECT_EQ(hits, kBlocks) << StatsOf(*managers[1]);
+  EXPECT_EQ(exact, kBlocks);
+  // The grant taken before the outage is refused now, long before its 30 s are over.
+  const Status after = ReadFirstGrantedBlock(*granted.authorized, mesh_->root_veth());
+  EXPECT_FALSE(after.ok());
+  EXPECT_LT(MonoNow() - granted_at, std::chrono::seconds(30));
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_quarantined_bytes"), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "transfer_grants"), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
+// Issue 51: gRPC between node-1 and node-0 blocked right after node-0 granted node-1 a prefix (its UCX port was
+// blocked first, so the read hangs to the stage's deadline and the grant outlives it). The release waits in node-1's
+// release queue, not on its one fetch worker: another prefix, from node-2, is fetched while that release is still
+// pending, and once gRPC is open again the release goes through.
+TEST_F(MeshTest, AReleaseBehindAPartitionBlocksNoOtherFetchAndGoesThroughOnceHealed) {
+  catalog_nodes_ = "node-2";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  const std::vector<std::vector<std::string>> extra = {
+      {"--transfer-listen", mesh_->address(0) + ":7400"},
+      {"--remote-fetch-deadline-ms", "3000", "--remote-fetch-workers", "1"},
+      {}};
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("release-{}", i), extra[i]));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  constexpr uint32_t kBlocks = 16;
+  const auto x = testing::Chain(9800, kBlocks), y = testing::Chain(9801, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks), c(*managers[2], 3, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
+  ASSERT_TRUE(testing::SaveChain(*c.client, 3, c.kv, y).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  MeshEngine b(*managers[1], 2, kBlocks);
+
+  ASSERT_TRUE(mesh_->BlockPort(0, 7400).ok());
+  std::future<std::pair<size_t, size_t>> fetching_x = std::async(std::launch::async, [&] { return b.QueryAndRestore(x); });
+  ASSERT_EQ(FieldWhen(*managers[0], "source_sessions", 1), 1u);  // granted; the read hangs
+  ASSERT_TRUE(mesh_->BlockPort(0, 7070, "okv_block_grpc").ok());
+  const auto [hits_x, exact_x] = fetching_x.get();  // the stage's deadline ends it
+  EXPECT_EQ(hits_x, 0u);
+  EXPECT_EQ(exact_x, 0u);
+  std::string stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_releases_queued"), 1u) << stats;
+  EXPECT_EQ(Field(stats, "remote_releases_pending"), 1u) << stats;
+
+  // The only fetch worker is free at once: y comes from node-2 while x's release still waits behind the partition.
+  const auto [hits_y, exact_y] = b.QueryAndRestore(y);
+  EXPECT_EQ(hits_y, kBlocks);
+  EXPECT_EQ(exact_y, kBlocks);
+  stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_releases_pending"), 1u) << stats;
+  EXPECT_EQ(Field(stats, "remote_releases_released") + Field(stats, "remote_releases_not_held"), 1u) << stats;
+
+  ASSERT_TRUE(mesh_->Unblock(0, "okv_block_grpc").ok());
+  ASSERT_TRUE(mesh_->Unblock(0).ok());
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_releases_pending", 0), 0u);
+  stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_releases_released") + Field(stats, "remote_releases_not_held"), 2u) << stats;
+  EXPECT_EQ(Field(stats, "remote_releases_abandoned"), 0u) << stats;
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_pinned_bytes"), 0u);
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
 }
 

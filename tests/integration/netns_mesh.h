@@ -110,28 +110,30 @@ class NetnsMesh {
     return Status::Ok();
   }
   // Drops host i's packets matching the nftables expression `match` each way (e.g. "tcp dport 7400" with its
-  // reverse "tcp sport 7400" in `reverse`), in a table of its own; Unblock removes it.
-  Status Block(int i, const std::string& match, const std::string& reverse) const {
+  // reverse "tcp sport 7400" in `reverse`), in a table of its own (`table`: several blocks can stand side by side);
+  // Unblock removes it.
+  Status Block(int i, const std::string& match, const std::string& reverse,
+               const std::string& table = "okv_block") const {
     const std::string command = fmt::format(
         "ip netns exec {} nft -f - >/dev/null 2>&1 <<'EOF'\n"
-        "table inet okv_block {{\n"
+        "table inet {} {{\n"
         "  chain in {{ type filter hook input priority 0; {} drop; {} drop; }}\n"
         "  chain out {{ type filter hook output priority 0; {} drop; {} drop; }}\n"
         "}}\nEOF",
-        host(i), match, reverse, match, reverse);
+        host(i), table, match, reverse, match, reverse);
     if (std::system(command.c_str()) != 0) return Status::Internal("nft could not add the block rules");
     return Status::Ok();
   }
   // Host i's TCP traffic to and from `port` (on either side) is dropped.
-  Status BlockPort(int i, int port) const {
-    return Block(i, fmt::format("tcp dport {}", port), fmt::format("tcp sport {}", port));
+  Status BlockPort(int i, int port, const std::string& table = "okv_block") const {
+    return Block(i, fmt::format("tcp dport {}", port), fmt::format("tcp sport {}", port), table);
   }
   // Everything between host i and host j is dropped (etcd and the other hosts still reach it).
   Status Partition(int i, int j) const {
     return Block(i, fmt::format("ip daddr {}", address(j)), fmt::format("ip saddr {}", address(j)));
   }
-  Status Unblock(int i) const {
-    if (std::system(fmt::format("ip netns exec {} nft delete table inet okv_block >/dev/null 2>&1", host(i)).c_str()) !=
+  Status Unblock(int i, const std::string& table = "okv_block") const {
+    if (std::system(fmt::format("ip netns exec {} nft delete table inet {} >/dev/null 2>&1", host(i), table).c_str()) !=
         0) {
       return Status::Internal("nft could not delete the block rules");
     }

@@ -1,0 +1,124 @@
+#include "catalog/release_queue.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/logging.h"
+
+namespace orbitkv::catalog {
+
+ReleaseQueue::ReleaseQueue(Options options, SourceTransport* inner, MetricsRegistry* metrics)
+    : options_(std::move(options)), inner_(inner) {
+  if (metrics != nullptr) {
+    const char* help = "Grant releases this requester sent to sources, by outcome";
+    released_ = &metrics->GetCounter("orbitkv_remote_releases_total", help, {{"outcome", "released"}});
+    not_held_ = &metrics->GetCounter("orbitkv_remote_releases_total", help, {{"outcome", "not_held"}});
+    abandoned_ = &metrics->GetCounter("orbitkv_remote_releases_total", help, {{"outcome", "abandoned"}});
+    dropped_ = &metrics->GetCounter("orbitkv_remote_releases_total", help, {{"outcome", "dropped"}});
+    pending_gauge_ = &metrics->GetGauge("orbitkv_remote_releases_pending",
+                                        "Grant releases waiting for their source (queued or being sent)");
+  }
+  for (size_t i = 0; i < std::max<size_t>(options_.workers, 1); ++i) {
+    workers_.emplace_back([this] { Work(); });
+  }
+}
+
+ReleaseQueue::~ReleaseQueue() { Stop(); }
+
+void ReleaseQueue::Stop() {
+  {
+    MutexLock lock(&mu_);
+    if (stop_) return;
+    stop_ = true;
+    wake_.notify_all();
+  }
+  for (std::thread& t : workers_) {
+    if (t.joinable()) t.join();
+  }
+  MutexLock lock(&mu_);
+  if (!due_.empty()) {
+    ORBITKV_LOG_INFO("remote: {} grant releases not sent at shutdown (the grants expire at their sources)",
+                     due_.size());
+  }
+}
+
+Result<SourceReply> ReleaseQueue::Authorize(const std::string& node, const std::string& runtime,
+                                            uint64_t request_id, std::span<const SourceBlockVersion> blocks,
+                                            uint64_t byte_limit, std::chrono::milliseconds lifetime,
+                                            Deadline deadline) {
+  return inner_->Authorize(node, runtime, request_id, blocks, byte_limit, lifetime, deadline);
+}
+
+Result<bool> ReleaseQueue::Release(const std::string& node, const std::string& runtime, uint64_t request_id,
+                                   uint64_t grant_id, Deadline /*deadline*/) {
+  MutexLock lock(&mu_);
+  if (stop_ || due_.size() + sending_ >= options_.max_queued) {
+    ++stats_.dropped;
+    if (dropped_ != nullptr) dropped_->Increment();
+    return Status::ResourceExhausted(fmt::format(
+        "{} grant releases are waiting already: grant {:x} at '{}' expires there instead", due_.size() + sending_,
+        grant_id, node));
+  }
+  const MonoTime now = MonoNow();
+  due_.emplace(now, Item{node, runtime, request_id, grant_id, now + options_.give_up_after, options_.backoff_min});
+  ++stats_.queued;
+  if (pending_gauge_ != nullptr) pending_gauge_->Set(static_cast<int64_t>(due_.size() + sending_));
+  wake_.notify_one();
+  return true;
+}
+
+void ReleaseQueue::Work() {
+  for (;;) {
+    Item item;
+    {
+      MutexLock lock(&mu_);
+      for (;;) {
+        if (stop_) return;
+        if (!due_.empty() && due_.begin()->first <= MonoNow()) break;
+        if (due_.empty()) {
+          wake_.wait(mu_);
+        } else {
+          wake_.wait_until(mu_, due_.begin()->first);
+        }
+      }
+      item = std::move(due_.begin()->second);
+      due_.erase(due_.begin());
+      ++sending_;
+    }
+    Result<bool> answer = inner_->Release(item.node, item.runtime, item.request_id, item.grant_id,
+                                          Deadline::After(options_.rpc_timeout));
+    MutexLock lock(&mu_);
+    --sending_;
+    const MonoTime now = MonoNow();
+    if (answer.ok() || answer.status().code() == StatusCode::kNotFound) {
+      const bool held = answer.ok() && *answer;
+      ++(held ? stats_.released : stats_.not_held);
+      if (Counter* c = held ? released_ : not_held_; c != nullptr) c->Increment();
+    } else if (now + item.backoff >= item.give_up) {
+      ++stats_.abandoned;
+      if (abandoned_ != nullptr) abandoned_->Increment();
+      ORBITKV_LOG_WARN("remote: releasing grant {:x} at '{}' failed until its lifetime ended ({}); the source "
+                       "revoked it at its deadline",
+                       item.grant_id, item.node, answer.status().ToString());
+    } else {
+      // Jittered to 50-100 % of the backoff, which doubles up to backoff_max.
+      std::uniform_int_distribution<int64_t> spread(item.backoff.count() / 2, item.backoff.count());
+      const MonoTime next = now + std::chrono::milliseconds(spread(jitter_));
+      item.backoff = std::min(item.backoff * 2, options_.backoff_max);
+      ++stats_.retries;
+      due_.emplace(next, std::move(item));
+      wake_.notify_one();
+    }
+    if (pending_gauge_ != nullptr) pending_gauge_->Set(static_cast<int64_t>(due_.size() + sending_));
+  }
+}
+
+ReleaseQueue::Stats ReleaseQueue::GetStats() const {
+  MutexLock lock(&mu_);
+  Stats stats = stats_;
+  stats.pending = due_.size() + sending_;
+  return stats;
+}
+
+}  // namespace orbitkv::catalog
