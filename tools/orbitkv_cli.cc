@@ -196,12 +196,38 @@ int main(int argc, char** argv) {
                  unquoted("gpus").empty() ? "none" : unquoted("gpus"));
     }
     if (!membership.empty() && membership != "single-host") {
+      // A quoted field's text: the quotes off, \" and \\ back to " and \.
       auto text = [&](const std::string& key) {
         std::string v = f[key];
-        v.erase(std::remove(v.begin(), v.end(), '"'), v.end());
-        return v;
+        if (v.size() >= 2 && v.front() == '"' && v.back() == '"') v = v.substr(1, v.size() - 2);
+        std::string out;
+        for (size_t i = 0; i < v.size(); ++i) {
+          if (v[i] == '\\' && i + 1 < v.size()) ++i;
+          out += v[i];
+        }
+        return out;
       };
-      const std::string reason = text("remote_work_off_reason");
+      // The registration (issue 51): its state and for how long, why the last one ended, what is being done.
+      const std::string state = text("membership");
+      std::string registration = fmt::format("registration: {} for {} s (epoch {}, cluster runtime {}, {} "
+                                             "registration{})",
+                                             state, f["membership_for_s"], f["membership_epoch"],
+                                             text("cluster_runtime_uuid"), f["membership_registrations"],
+                                             f["membership_registrations"] == "1" ? "" : "s");
+      if (state == "expired") {
+        registration += fmt::format("; registering again, attempt {}{}", f["membership_attempts"],
+                                    text("membership_last_error").empty()
+                                        ? std::string()
+                                        : "; last error: " + text("membership_last_error"));
+      } else if (state == "fenced") {
+        registration += "; stays fenced until the Manager restarts";
+      }
+      if (!text("membership_last_cause").empty()) {
+        registration += "; the last registration ended: " + text("membership_last_cause");
+      }
+      fmt::print("{}\n", registration);
+      std::string reason = text("membership_off_reason");
+      if (reason.empty()) reason = text("remote_work_off_reason");
       fmt::print(
           "remote work {}; peers: {} healthy, {} unreachable, {} incompatible; transfers on {}\n",
           f["remote_work"] == "1" ? std::string("on")

@@ -60,7 +60,9 @@ class MeshTest : public ::testing::Test {
 
   // Manager i on host i: pool sized for the test, one copy thread, short membership TTL, UCX on the veth.
   std::unique_ptr<ManagerProcess> StartManager(int i, const std::string& tag, std::vector<std::string> extra = {}) {
-    std::vector<std::string> flags = {"--etcd-endpoints", etcd_->endpoint_on(NetnsMesh::kRootAddress),
+    std::vector<std::string> flags = {"--etcd-endpoints",
+                                      etcd_endpoints_.empty() ? etcd_->endpoint_on(NetnsMesh::kRootAddress)
+                                                              : etcd_endpoints_,
                                       "--cluster-name", "mesh", "--node-id", Node(i), "--catalog-nodes",
                                       catalog_nodes_, "--membership-ttl-secs", "3",
                                       "--peer-endpoint", PeerEndpoint(i), "--dram", "256MiB",
@@ -116,6 +118,7 @@ class MeshTest : public ::testing::Test {
   std::unique_ptr<NetnsMesh> mesh_;
   std::unique_ptr<cluster::testing::EtcdProcess> etcd_;
   std::string catalog_nodes_ = "node-0,node-1,node-2";
+  std::string etcd_endpoints_;  // --etcd-endpoints of the Managers; empty: the fixture's single etcd
 };
 
 // Three hosts report one runtime UUID each, the same in `orbitkv stats`, in etcd and in Health (asked
@@ -1293,6 +1296,11 @@ TEST_F(MeshTest, AnEtcdOutageOfTwiceTheTtlEndsInANewRegistrationWithoutARestart)
     EXPECT_EQ(hits, kBlocks) << Node(i);
     EXPECT_EQ(exact, kBlocks) << Node(i);
   }
+  // `orbitkv status` says what is going on and why remote work is off.
+  const std::string during = testing::CliOutput({"status", "--socket", managers[1]->socket()});
+  EXPECT_NE(during.find("registration: expired for"), std::string::npos) << during;
+  EXPECT_NE(during.find("registering again, attempt"), std::string::npos) << during;
+  EXPECT_NE(during.find("remote work off: the registration lapsed"), std::string::npos) << during;
   // The source revoked the grants of its lapsed registration: the hold is gone once the grant drained.
   EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
 
@@ -1312,6 +1320,10 @@ TEST_F(MeshTest, AnEtcdOutageOfTwiceTheTtlEndsInANewRegistrationWithoutARestart)
     EXPECT_EQ(record.runtime_uuid, StringField(stats, "cluster_runtime_uuid"));
     EXPECT_EQ(static_cast<uint64_t>(record.epoch), Field(stats, "membership_epoch"));
   }
+  const std::string recovered = testing::CliOutput({"status", "--socket", managers[1]->socket()});
+  EXPECT_NE(recovered.find("registration: registered for"), std::string::npos) << recovered;
+  EXPECT_NE(recovered.find("2 registrations); the last registration ended: "), std::string::npos) << recovered;
+  EXPECT_NE(recovered.find("remote work on"), std::string::npos) << recovered;
   // A remote hit: node-1 fetches x from node-0, byte-exact (the new views and catalogs may need a moment).
   MeshEngine b(*managers[1], 2, kBlocks);
   size_t hits = 0, exact = 0;
@@ -1382,6 +1394,59 @@ TEST_F(MeshTest, AReleaseBehindAPartitionBlocksNoOtherFetchAndGoesThroughOnceHea
   EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
   EXPECT_EQ(Field(StatsOf(*managers[0]), "source_pinned_bytes"), 0u);
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
+// Issue 51: the Managers on a three-member etcd that the namespaces reach. A follower killed and started again, then
+// the leader killed: the leases ride through both (keepalives and views move to a live member), so no registration
+// lapses and a remote hit afterwards is byte-exact. The members' raft timings are scaled to the tests' 3 s TTL as a
+// production cluster's defaults (100 ms heartbeat, 1 s election) are to the Managers' default 10 s.
+TEST_F(MeshTest, AThreeMemberEtcdLosingAFollowerThenItsLeaderLapsesNoRegistration) {
+  auto cluster = cluster::testing::EtcdCluster::Start(3, Deadline::After(std::chrono::seconds(60)),
+                                                      NetnsMesh::kRootAddress,
+                                                      {"--heartbeat-interval", "30", "--election-timeout", "300"});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  etcd_endpoints_ = fmt::format("{}", fmt::join((*cluster)->endpoints_on(NetnsMesh::kRootAddress), ","));
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  ASSERT_TRUE(StartManagers(kHosts, "ha", &managers));
+  auto all = [&] { return All(managers); };
+  constexpr uint32_t kBlocks = 16;
+  const auto x = testing::Chain(9900, kBlocks), y = testing::Chain(9901, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, y).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+  MeshEngine b(*managers[1], 2, kBlocks);
+  auto [hits, exact] = b.QueryAndRestore(x);
+  EXPECT_EQ(hits, kBlocks);
+  EXPECT_EQ(exact, kBlocks);
+
+  Result<size_t> leader = (*cluster)->LeaderIndex(Deadline::After(std::chrono::seconds(30)));
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  const size_t follower = (*leader + 1) % 3;
+  (*cluster)->member(follower).Kill();
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  ASSERT_TRUE((*cluster)->member(follower).Launch().ok());
+  ASSERT_TRUE((*cluster)->member(follower).WaitReady(Deadline::After(std::chrono::seconds(30))).ok())
+      << (*cluster)->member(follower).LogTail();
+  (*cluster)->member(*leader).Kill();
+  Result<size_t> next = (*cluster)->LeaderIndex(Deadline::After(std::chrono::seconds(30)));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_NE(*next, *leader);
+  // Two TTLs on the two survivors.
+  std::this_thread::sleep_for(std::chrono::seconds(6));
+  for (int i = 0; i < kHosts; ++i) {
+    EXPECT_EQ(FieldWhen(*managers[i], "remote_work", 1), 1u) << StatsOf(*managers[i]);
+    const std::string stats = StatsOf(*managers[i]);
+    EXPECT_EQ(StringField(stats, "membership"), "registered") << stats;
+    EXPECT_EQ(Field(stats, "membership_registrations"), 1u) << stats;  // never lapsed
+    EXPECT_EQ(StringField(stats, "membership_last_cause"), "") << stats;
+  }
+  std::tie(hits, exact) = b.QueryAndRestore(y);
+  EXPECT_EQ(hits, kBlocks) << StatsOf(*managers[1]);
+  EXPECT_EQ(exact, kBlocks);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+  ASSERT_TRUE((*cluster)->member(*leader).Launch().ok());
+  managers.clear();  // before the cluster goes
 }
 
 }  // namespace

@@ -136,6 +136,7 @@ Status EtcdProcess::Launch() {
                   "zap",
                   "--log-outputs",
                   "stderr"};
+  options.argv.insert(options.argv.end(), extra_flags_.begin(), extra_flags_.end());
   options.output_path = dir_ + "/etcd.log";
   ORBITKV_ASSIGN_OR_RETURN(process_, ChildProcess::Spawn(options));
   launched_before_ = true;
@@ -202,7 +203,8 @@ Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline,
   return last;
 }
 
-Result<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, Deadline deadline) {
+Result<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, Deadline deadline, std::string also_on,
+                                                        std::vector<std::string> extra_flags) {
   auto cluster = std::make_unique<EtcdCluster>();
   std::vector<EtcdProcess::Member> specs;
   std::string initial;
@@ -218,6 +220,8 @@ Result<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, Deadline de
     ORBITKV_ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
     cluster->members_.push_back(std::unique_ptr<EtcdProcess>(
         new EtcdProcess(m, initial, fmt::format("orbitkv-{}", specs[0].peer_port), dir)));
+    cluster->members_.back()->also_on_ = also_on;
+    cluster->members_.back()->extra_flags_ = extra_flags;
   }
   for (auto& member : cluster->members_) ORBITKV_RETURN_IF_ERROR(member->Launch());
   for (auto& member : cluster->members_) ORBITKV_RETURN_IF_ERROR(member->WaitReady(deadline));
@@ -227,6 +231,12 @@ Result<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, Deadline de
 std::vector<std::string> EtcdCluster::endpoints() const {
   std::vector<std::string> out;
   for (const auto& m : members_) out.push_back(m->endpoint());
+  return out;
+}
+
+std::vector<std::string> EtcdCluster::endpoints_on(const std::string& host) const {
+  std::vector<std::string> out;
+  for (const auto& m : members_) out.push_back(m->endpoint_on(host));
   return out;
 }
 

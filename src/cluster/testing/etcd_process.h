@@ -65,6 +65,7 @@ class EtcdProcess {
   std::string token_;  // --initial-cluster-token, shared by the members of one cluster.
   std::string dir_;    // Temp dir holding data/ and etcd.log; removed by the destructor.
   std::string also_on_;  // A second client address (StartSingle's also_on).
+  std::vector<std::string> extra_flags_;  // More etcd flags (EtcdCluster::Start's).
   bool launched_before_ = false;
   // The cluster ID this member answered with when first ready: a relaunched member must answer with
   // it too (anything else is another etcd on its port).
@@ -72,12 +73,16 @@ class EtcdProcess {
   ChildProcess process_;
 };
 
-// A multi-member etcd cluster on loopback.
+// A multi-member etcd cluster on loopback (and, with `also_on`, serving clients on that address of this host
+// too, e.g. on a test bridge the network namespaces reach). `extra_flags` go to every member (e.g. raft timings
+// scaled to a test's short lease TTL).
 class EtcdCluster {
  public:
-  static Result<std::unique_ptr<EtcdCluster>> Start(int members, Deadline deadline);
+  static Result<std::unique_ptr<EtcdCluster>> Start(int members, Deadline deadline, std::string also_on = "",
+                                                    std::vector<std::string> extra_flags = {});
 
   std::vector<std::string> endpoints() const;
+  std::vector<std::string> endpoints_on(const std::string& host) const;
   EtcdProcess& member(size_t i) { return *members_[i]; }
   size_t size() const { return members_.size(); }
   // Index of the current raft leader, asked of every running member.
