@@ -4,6 +4,10 @@
 #include <atomic>
 #include <thread>
 
+#include <fmt/format.h>
+
+#include "base/logging.h"
+
 namespace orbitkv::catalog {
 
 Discovery::Discovery(Options options, CandidateIndex* index, LookupTransport* transport)
@@ -13,6 +17,11 @@ bool Discovery::BreakerOpen(const std::string& host, MonoTime now) {
   MutexLock lock(&mu_);
   auto it = open_until_.find(host);
   return it != open_until_.end() && now < it->second;
+}
+
+void Discovery::ResetBreakers() {
+  MutexLock lock(&mu_);
+  open_until_.clear();
 }
 
 void Discovery::Trip(const std::string& host, MonoTime now) {
@@ -66,7 +75,7 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   std::atomic<size_t> rpcs{0};
   std::atomic<size_t> in_flight{0}, max_in_flight{0};
   Mutex failed_mu;
-  std::vector<std::string> failed;
+  std::vector<std::string> failed, refused;
   auto work = [&] {
     for (size_t h = next_host.fetch_add(1); h < hosts.size(); h = next_host.fetch_add(1)) {
       const std::vector<state::StateKey>& host_keys = by_host.at(hosts[h]);
@@ -80,7 +89,17 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
         const std::span<const state::StateKey> batch(host_keys.data() + at, n);
         rpcs.fetch_add(1, std::memory_order_relaxed);
         Result<std::vector<LookupRow>> rows = transport_->Lookup(hosts[h], batch, deadline);
+        if (!rows.ok() && IsRouteRefusal(rows.status())) {  // it answered: the next discovery asks it again
+          MutexLock lock(&failed_mu);
+          refused.push_back(hosts[h]);
+          break;
+        }
         if (!rows.ok() || rows->size() != n) {  // down, too slow or malformed: skip it for a while
+          ORBITKV_LOG_WARN("discovery: catalog host '{}' {}: its shards are not asked for {} ms",
+                           hosts[h],
+                           rows.ok() ? fmt::format("answered {} rows for {} keys", rows->size(), n)
+                                     : fmt::format("failed ({})", rows.status().ToString()),
+                           options_.breaker_open.count());
           Trip(hosts[h], options_.now());
           MutexLock lock(&failed_mu);
           failed.push_back(hosts[h]);
@@ -100,6 +119,7 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   {
     MutexLock lock(&failed_mu);
     outcome.failed_hosts = std::move(failed);
+    outcome.refused_hosts = std::move(refused);
   }
   outcome.known_prefix = index_->KnownPrefix(keys);
   {
@@ -107,6 +127,7 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
     stats_.rpcs += outcome.rpcs;
     stats_.skipped_hosts += outcome.skipped_hosts.size();
     stats_.failed_hosts += outcome.failed_hosts.size();
+    stats_.refused_hosts += outcome.refused_hosts.size();
     stats_.max_hosts_in_flight = std::max<uint64_t>(stats_.max_hosts_in_flight, max_in_flight.load());
   }
   return outcome;

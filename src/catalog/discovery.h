@@ -48,6 +48,18 @@ class LookupTransport {
                                                 Deadline deadline) = 0;
 };
 
+// The message a peer's route check refuses with while its member view is incomplete (UNAVAILABLE).
+inline constexpr std::string_view kViewIncompleteRefusal = "the member view is incomplete";
+
+// Whether `status` is a peer's quick refusal by its route check: the peer answered, and the cause is membership
+// skew that settles as the views catch up (right after a Manager registered again, its peers' views may not show
+// its new start for a moment, or a peer is registering again itself). Not a host that is down or too slow.
+inline bool IsRouteRefusal(const Status& status) {
+  return status.code() == StatusCode::kPermissionDenied || status.code() == StatusCode::kFailedPrecondition ||
+         (status.code() == StatusCode::kUnavailable &&
+          status.message().find(kViewIncompleteRefusal) != std::string_view::npos);
+}
+
 class Discovery {
  public:
   struct Options {
@@ -64,6 +76,7 @@ class Discovery {
     size_t known_prefix = 0;   // keys, from the first, with candidates now
     std::vector<std::string> skipped_hosts;  // breakers open: not asked
     std::vector<std::string> failed_hosts;   // asked, failed or too slow: breakers opened
+    std::vector<std::string> refused_hosts;  // answered with a route refusal (IsRouteRefusal): no breaker
     bool coalesced = false;  // answered by another caller's lookup of the same prefix
   };
 
@@ -72,11 +85,14 @@ class Discovery {
     uint64_t rpcs = 0;
     uint64_t skipped_hosts = 0;  // hosts not asked because their breaker was open
     uint64_t failed_hosts = 0;   // hosts that failed or were too slow (breaker opened)
+    uint64_t refused_hosts = 0;  // hosts that refused by their route check (membership skew): no breaker
     uint64_t coalesced = 0;      // discoveries answered by another caller's lookup
     uint64_t max_hosts_in_flight = 0;  // the most hosts one discovery asked at once
   };
 
   Discovery(Options options, CandidateIndex* index, LookupTransport* transport);
+  // Closes every breaker (this Manager registered again: what failed before says nothing of its new start).
+  void ResetBreakers() EXCLUDES(mu_);
 
   // Looks up the keys of `keys` the index does not know (from the first unknown one on), within the budget.
   Outcome Discover(std::span<const state::StateKey> keys) EXCLUDES(mu_);

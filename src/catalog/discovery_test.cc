@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -19,6 +20,7 @@ using std::chrono::milliseconds;
 class FakeHosts final : public LookupTransport {
  public:
   std::set<std::string> down, slow, empty;
+  std::map<std::string, Status> refuses;  // host -> the route refusal it answers with
   std::atomic<int> rpcs{0}, in_flight{0}, max_in_flight{0};
   std::atomic<size_t> largest_batch{0};
   int slow_ms = 2;
@@ -42,6 +44,7 @@ class FakeHosts final : public LookupTransport {
   Result<std::vector<LookupRow>> Answer(const std::string& host, std::span<const state::StateKey> keys,
                                         Deadline deadline) {
     if (down.count(host) != 0) return Status::Unavailable(host + " is down");
+    if (auto it = refuses.find(host); it != refuses.end()) return it->second;
     if (slow.count(host) != 0) {
       while (!deadline.Expired()) std::this_thread::sleep_for(milliseconds(1));
       return Status::DeadlineExceeded(host + " did not answer in time");
@@ -125,6 +128,46 @@ TEST(DiscoveryTest, AFailingHostIsSkippedUntilItsBreakerCloses) {
   Discovery::Outcome third = discovery.Discover(keys);
   EXPECT_GT(third.rpcs, 0u);
   EXPECT_EQ(third.known_prefix, 300u);
+}
+
+// Issue 51: a host that answers with a route refusal (its view does not show this Manager's new start yet, or it
+// is registering again itself) is alive: no breaker, the next discovery asks it again. Breakers tripped before this
+// Manager registered again are closed by ResetBreakers.
+TEST(DiscoveryTest, ARouteRefusalOpensNoBreakerAndResetBreakersClosesThem) {
+  MonoTime now = MonoNow();
+  CandidateIndex index({});
+  FakeHosts hosts;
+  Discovery::Options options = Options();
+  options.now = [&] { return now; };
+  Discovery discovery(options, &index, &hosts);
+  const auto keys = Keys(4, 300);
+  for (const Status& refusal :
+       {Status::PermissionDenied("node 'x' sent as runtime a epoch 1, but its registered start is runtime b epoch 2"),
+        Status::FailedPrecondition("stale incarnation: request addressed to runtime a"),
+        Status::Unavailable(std::string(kViewIncompleteRefusal) + " (etcd unreachable): cannot check the sender")}) {
+    ASSERT_TRUE(IsRouteRefusal(refusal)) << refusal;
+    hosts.refuses = {{"host-1", refusal}};
+    Discovery::Outcome refused = discovery.Discover(keys);
+    EXPECT_EQ(refused.refused_hosts, std::vector<std::string>{"host-1"}) << refusal;
+    EXPECT_TRUE(refused.failed_hosts.empty()) << refusal;
+    EXPECT_LT(refused.known_prefix, 300u);
+  }
+  EXPECT_FALSE(IsRouteRefusal(Status::Unavailable("failed to connect to all addresses")));
+  hosts.refuses.clear();
+  Discovery::Outcome answered = discovery.Discover(keys);  // asked at once, no breaker to wait out
+  EXPECT_TRUE(answered.skipped_hosts.empty());
+  EXPECT_EQ(answered.known_prefix, 300u);
+  EXPECT_EQ(discovery.GetStats().refused_hosts, 3u);
+  // A down host trips its breaker; ResetBreakers closes it before its time.
+  const auto more = Keys(5, 300);
+  hosts.down = {"host-2"};
+  EXPECT_EQ(discovery.Discover(more).failed_hosts, std::vector<std::string>{"host-2"});
+  hosts.down.clear();
+  EXPECT_EQ(discovery.Discover(more).skipped_hosts, std::vector<std::string>{"host-2"});
+  discovery.ResetBreakers();
+  Discovery::Outcome after_reset = discovery.Discover(more);
+  EXPECT_TRUE(after_reset.skipped_hosts.empty());
+  EXPECT_EQ(after_reset.known_prefix, 300u);
 }
 
 TEST(DiscoveryTest, ASlowHostCostsOneBudgetThenIsSkipped) {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "catalog/discovery.h"
+
 namespace orbitkv::catalog {
 
 peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberRecord& destination) {
@@ -61,7 +63,9 @@ Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
   Result<cluster::Member> source = members.Find(route.source_node_id());
   if (!source.ok()) {
     if (source.status().code() == StatusCode::kUnavailable) {
-      return Status::Unavailable("the member view is incomplete (etcd unreachable?): cannot check the sender");
+      return Status::Unavailable(
+          fmt::format("{} (etcd unreachable, or this Manager is registering again): cannot check the sender",
+                      kViewIncompleteRefusal));
     }
     return Status::PermissionDenied(
         fmt::format("node '{}' is not a registered member of cluster '{}'", route.source_node_id(), self.cluster));

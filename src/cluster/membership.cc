@@ -367,12 +367,13 @@ Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placemen
   return status;
 }
 
-Status Membership::RevokeLease(int64_t lease_id, Deadline deadline) {
+Status Membership::RevokeLease(int64_t lease_id, Deadline deadline, bool quiet) {
   if (lease_id == 0) return Status::Ok();
   etcdserverpb::LeaseRevokeRequest revoke;
   revoke.set_id(lease_id);
   Result<etcdserverpb::LeaseRevokeResponse> revoked = client_->LeaseRevoke(revoke, deadline);
   if (!revoked.ok() && revoked.status().code() != StatusCode::kNotFound) {
+    if (quiet) return revoked.status();
     ORBITKV_LOG_WARN("cluster {}: could not revoke lease {:x}: {}; etcd expires it within {} s",
                      options_.cluster_name, lease_id, revoked.status().ToString(),
                      options_.membership_ttl_secs);
@@ -463,15 +464,22 @@ void Membership::Supervise() {
       if (status.ok()) break;
       const bool final = status.code() == StatusCode::kAlreadyExists ||
                          status.code() == StatusCode::kFailedPrecondition;
+      int64_t attempt = 0;
       {
         MutexLock lock(&mu_);
         last_error_ = status.ToString();
+        attempt = attempts_;
         if (final) {
           state_ = MembershipState::kFenced;
           reason_ = fmt::format("registering again: {}", status.message());
           last_cause_ = reason_;
           since_ = MonoNow();
         }
+      }
+      if (!final && status.code() != StatusCode::kCancelled && (attempt == 1 || attempt % 20 == 0)) {
+        ORBITKV_LOG_WARN("cluster {}: registering node {} again, attempt {}: {}; trying again every {} ms at most",
+                         options_.cluster_name, options_.node_id, attempt, status.ToString(),
+                         options_.reregister_backoff_max.count());
       }
       if (final) {
         metrics_
@@ -498,7 +506,7 @@ Status Membership::Reregister(Deadline deadline) {
   }
   // The old lease first: etcd refreshes leases when it restarts, so the old record may still be
   // there, and the create-only registration would find it.
-  ORBITKV_RETURN_IF_ERROR(RevokeLease(old_lease, deadline));
+  ORBITKV_RETURN_IF_ERROR(RevokeLease(old_lease, deadline, /*quiet=*/true));
   {
     MutexLock lock(&mu_);
     self_.lease_id = 0;

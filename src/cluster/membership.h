@@ -189,7 +189,8 @@ class Membership {
   void EndRegistration(MembershipState state, const std::string& reason);
   // Sleeps for `delay` or until Shutdown(); false when shutting down.
   bool WaitFor(std::chrono::milliseconds delay) EXCLUDES(mu_);
-  Status RevokeLease(int64_t lease_id, Deadline deadline);
+  // Revokes `lease_id` (NotFound counts as done); a failure is logged unless `quiet`.
+  Status RevokeLease(int64_t lease_id, Deadline deadline, bool quiet = false);
 
   // Immutable after construction.
   const MembershipOptions options_;

@@ -494,6 +494,7 @@ class RemoteNode {
   void OnRegistered(const catalog::PeerIdentity& self) {
     requester_.SetSelf(self);
     index_.Clear();
+    discovery_->ResetBreakers();
     holds_->RevokeAll("registered again");  // none normally: no grant is given while remote work is off
   }
 
@@ -521,9 +522,10 @@ class RemoteNode {
                        r.queued, r.released, r.not_held, r.retries, r.abandoned, r.pending) +
            fmt::format(", \"discovery_skipped_hosts\": {}, \"discovery_failed_hosts\": {}, "
                        "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}, "
+                       "\"discovery_refused_hosts\": {}, "
                        "\"remote_fetches_shared\": {}, \"remote_fetch_seconds\": {:.6f}, "
                        "\"remote_sources_skipped\": {}, \"remote_fetch_workers\": {}",
-                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, f.shared,
+                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, d.refused_hosts, f.shared,
                        f.fetch_seconds, f.sources_skipped, fetch_workers_);
   }
 

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <future>
 #include <map>
 
@@ -121,6 +122,7 @@ class RemoteFetchTest : public ::testing::Test {
     options.threads = 2;
     options.deadline = deadline;
     options.max_batch_bytes = max_batch_bytes;
+    options.can_work = can_work_;
     fetcher_ = std::make_unique<RemoteFetcher>(options, cache_.get(), &index_, discovery_.get(), transport_.get(),
                                                faults_.get(), arenas_, &metrics_);
   }
@@ -200,7 +202,56 @@ class RemoteFetchTest : public ::testing::Test {
   std::unique_ptr<catalog::GrpcRequesterTransport> transport_;
   std::unique_ptr<catalog::Discovery> discovery_;
   std::unique_ptr<RemoteFetcher> fetcher_;
+  std::function<bool()> can_work_;  // the fetcher's, when set before MakeFetcher
 };
+
+// Issue 51: a stage made while remote work was allowed, whose fetch starts after it was turned off (the
+// registration lapsed meanwhile), asks again and fetches nothing: no authorization reaches the source.
+TEST_F(RemoteFetchTest, AFetchThatWaitedChecksAgainThatRemoteWorkIsAllowed) {
+  std::atomic<bool> allowed{true};
+  can_work_ = [&] { return allowed.load(); };
+  MakeFetcher();
+  const auto keys = SaveOnSource(3, 4);
+  std::optional<LoadingStage> stage = fetcher_->Stage(keys);
+  ASSERT_TRUE(stage.has_value());
+  allowed = false;
+  EXPECT_FALSE(fetcher_->Stage(keys).has_value());  // no new stage either
+  std::promise<std::vector<core::BlockPin>> done;
+  ASSERT_TRUE(stage->start([&done](std::vector<core::BlockPin> pins) { done.set_value(std::move(pins)); }, {}).ok());
+  EXPECT_TRUE(done.get_future().get().empty());
+  EXPECT_EQ(fetcher_->GetStats().authorizations, 0u);
+  EXPECT_EQ(holds_->GetStats().granted, 0u);
+  EXPECT_EQ(Resident(keys), 0u);
+  // Allowed again: the same keys are fetched.
+  allowed = true;
+  EXPECT_EQ(RunStage(keys).size(), keys.size());
+}
+
+// Issue 51: a hold is released by its grant id while the member view is incomplete on both sides (here they share
+// one view): the requester reaches the source at the endpoint the grant came from, the source checks no view. A
+// release by request id alone needs the view and is refused meanwhile.
+TEST_F(RemoteFetchTest, AGrantIsReleasedByItsIdWhileEitherSidesViewIsIncomplete) {
+  const auto keys = SaveOnSource(4, 2);
+  catalog::AuthorizeOptions authorize;
+  authorize.self_node = "requester";
+  authorize.request_id = 77;
+  catalog::AuthorizeOutcome outcome = catalog::AuthorizeBest(keys, index_, *transport_, authorize);
+  ASSERT_TRUE(outcome.authorized.has_value()) << outcome.last_error;
+  const uint64_t grant = outcome.authorized->reply.grant.grant_id;
+  ASSERT_NE(grant, 0u);
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);
+  view_.Invalidate();
+  const Deadline deadline = Deadline::After(std::chrono::seconds(5));
+  Result<bool> by_request = transport_->Release("source", source_uuid_, 77, /*grant_id=*/0, deadline);
+  EXPECT_EQ(by_request.status().code(), StatusCode::kUnavailable) << by_request.status();
+  Result<bool> wrong = transport_->Release("source", source_uuid_, 77, grant + 1, deadline);
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  EXPECT_FALSE(*wrong);  // no such grant of this node: nothing released
+  Result<bool> released = transport_->Release("source", source_uuid_, 77, grant, deadline);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_TRUE(*released);
+  EXPECT_TRUE(SourceIdle());
+}
 
 TEST_F(RemoteFetchTest, FetchesTheSpanIntoSealedBlocksInPipelinedBatchesAndReleasesTheSource) {
   MakeFetcher(/*max_batch_bytes=*/1 << 20);  // 4 blocks a batch: 4 batches, two in flight
