@@ -79,7 +79,8 @@ void ReleaseQueue::Work() {
         if (due_.empty()) {
           wake_.wait(mu_);
         } else {
-          wake_.wait_until(mu_, due_.begin()->first);
+          const MonoTime until = due_.begin()->first;  // a copy: another worker may take that item meanwhile
+          wake_.wait_until(mu_, until);
         }
       }
       item = std::move(due_.begin()->second);
