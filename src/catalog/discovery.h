@@ -51,11 +51,13 @@ class LookupTransport {
 // The message a peer's route check refuses with while its member view is incomplete (UNAVAILABLE).
 inline constexpr std::string_view kViewIncompleteRefusal = "the member view is incomplete";
 
-// Whether `status` is a peer's quick refusal by its route check: the peer answered, and the cause is membership
-// skew that settles as the views catch up (right after a Manager registered again, its peers' views may not show
-// its new start for a moment, or a peer is registering again itself). Not a host that is down or too slow.
+// Whether `status` is membership skew rather than a host that is down or too slow: a peer's quick refusal by its
+// route check (it answered), or this side's view not showing the host as a live member now (NOT_FOUND: no RPC was
+// made). Both settle as the views catch up: right after a Manager registered again its peers' views may not show
+// its new start for a moment, and a peer that is registering again itself is briefly no member at all.
 inline bool IsRouteRefusal(const Status& status) {
   return status.code() == StatusCode::kPermissionDenied || status.code() == StatusCode::kFailedPrecondition ||
+         status.code() == StatusCode::kNotFound ||
          (status.code() == StatusCode::kUnavailable &&
           status.message().find(kViewIncompleteRefusal) != std::string_view::npos);
 }

@@ -427,24 +427,25 @@ bool Membership::WaitFor(std::chrono::milliseconds delay) {
 
 void Membership::Supervise() {
   std::minstd_rand jitter{std::random_device{}()};
+  bool handled = false;  // the end of the current registration was dealt with
   for (;;) {
     std::string cause;
+    MembershipState ended = MembershipState::kRegistered;
     {
       MutexLock lock(&mu_);
-      while (!shut_down_ &&
-             (state_ == MembershipState::kRegistered ||
-              (state_ == MembershipState::kExpired && !options_.reregister) ||
-              state_ == MembershipState::kFenced)) {
-        wake_.wait(mu_);
-      }
+      while (!shut_down_ && (state_ == MembershipState::kRegistered || handled)) wake_.wait(mu_);
       if (shut_down_) break;
       cause = reason_;
+      ended = state_;
     }
-    // A lapse: end the old incarnation's threads and what the Manager built on it, then register
-    // again until it works, a fence says it never will, or Shutdown().
+    // The registration ended: end its threads and what the Manager built on it (a fenced one too: its
+    // grants and owner streams belong to a start peers no longer accept), then, after a lapse,
+    // register again until it works, a fence says it never will, or Shutdown().
+    handled = true;
     StopIncarnation();
     view_.Invalidate();
     if (options_.on_lapsed) options_.on_lapsed(cause);
+    if (ended != MembershipState::kExpired || !options_.reregister) continue;
     std::chrono::milliseconds backoff = options_.reregister_backoff_min;
     bool first = true;
     for (;;) {
@@ -461,7 +462,10 @@ void Membership::Supervise() {
       }
       const Status status = Reregister(Deadline::After(
           std::min(options_.etcd_call_timeout, std::chrono::milliseconds(2000))));
-      if (status.ok()) break;
+      if (status.ok()) {
+        handled = false;
+        break;
+      }
       const bool final = status.code() == StatusCode::kAlreadyExists ||
                          status.code() == StatusCode::kFailedPrecondition;
       int64_t attempt = 0;

@@ -81,9 +81,9 @@ struct MembershipOptions {
   // 50-100 %, doubling from min to max).
   std::chrono::milliseconds reregister_backoff_min{100};
   std::chrono::milliseconds reregister_backoff_max{1000};
-  // Called on the supervisor thread once a lapsed registration's keeper and view threads stopped,
-  // before registering again (the Manager ends what its old incarnation held). Optional; must not
-  // call Shutdown().
+  // Called on the supervisor thread once an ended registration's keeper and view threads stopped:
+  // after a lapse before registering again, and after a fence (the Manager ends what its old
+  // incarnation held). Optional; must not call Shutdown().
   std::function<void(const std::string& cause)> on_lapsed;
   // Called on the supervisor thread after a registration that follows a lapse succeeded, before
   // its member view is taken (so remote work is still off): the new identity. Optional; must not
