@@ -209,7 +209,8 @@ def registration_recovery(etcd_proc: subprocess.Popen, etcd_endpoint: str, engin
         clients[i].save(engine.instance, [(k, p) for p, k in enumerate(keys)])
         prefixes.append(keys)
     deadline = time.monotonic() + 60
-    while sum(c.stats()["catalog_records"] for c in clients) != sum(c.stats()["inventory_records"] for c in clients):
+    replicas = clients[0].stats()["catalog_replicas"]
+    while sum(c.stats()["catalog_records"] for c in clients) != replicas * sum(c.stats()["inventory_records"] for c in clients):
         if time.monotonic() > deadline:
             raise RuntimeError("the catalogs never caught up before the outage")
         time.sleep(0.05)
@@ -397,7 +398,7 @@ def main(argv=None) -> int:
         deadline = time.monotonic() + 60
         while True:
             s = [c.stats() for c in clients]
-            if sum(x["catalog_records"] for x in s) == sum(x["inventory_records"] for x in s) > 0:
+            if sum(x["catalog_records"] for x in s) == s[0]["catalog_replicas"] * sum(x["inventory_records"] for x in s) > 0:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("the catalogs never caught up with host 0's blocks")

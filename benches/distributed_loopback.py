@@ -70,7 +70,7 @@ class Cluster:
         deadline = time.monotonic() + 60
         while True:
             s = [c.stats() for c in self.clients]
-            if sum(x["catalog_records"] for x in s) == sum(x["inventory_records"] for x in s) > 0:
+            if sum(x["catalog_records"] for x in s) == s[0]["catalog_replicas"] * sum(x["inventory_records"] for x in s) > 0:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError("the catalogs never caught up with the Managers' blocks")

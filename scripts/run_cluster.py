@@ -194,7 +194,7 @@ def main() -> int:
         deadline = time.monotonic() + 60
         while True:
             s = [stats(i) for i in range(HOSTS)]
-            if sum(x["catalog_records"] for x in s) == sum(x["inventory_records"] for x in s) > 0:
+            if sum(x["catalog_records"] for x in s) == s[0]["catalog_replicas"] * sum(x["inventory_records"] for x in s) > 0:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("the catalogs never caught up with host-0's blocks")

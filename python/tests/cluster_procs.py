@@ -92,6 +92,8 @@ def wait_catalogs_hold_every_block(managers) -> None:
     """Until the catalog hosts' evidence equals every Manager's inventory and every owner stream streams."""
     def converged():
         stats = [m.stats() for m in managers]
-        return (sum(s["catalog_records"] for s in stats) == sum(s["inventory_records"] for s in stats) > 0
-                and all(s["catalog_streams_streaming"] == 16 for s in stats))
+        # Every copy of a shard holds it (issue 54): catalog_replicas copies, one owner stream per shard and copy.
+        replicas = stats[0]["catalog_replicas"]
+        return (sum(s["catalog_records"] for s in stats) == replicas * sum(s["inventory_records"] for s in stats) > 0
+                and all(s["catalog_streams_streaming"] == 16 * replicas for s in stats))
     wait_for(converged, what="the catalogs to hold every Manager's blocks")

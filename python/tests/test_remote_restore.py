@@ -57,7 +57,8 @@ def test_a_remote_chain_is_restored_while_it_arrives(build_dir):
 def test_query_restore_of_an_unknown_chain_restores_nothing_and_writes_nothing(build_dir):
     with distributed_managers(lambda flags: ManagerProcess(build_dir, dram="256MiB", slab="16MiB",
                                                            extra=flags)) as (a, b):
-        wait_for(lambda: all(m.stats()["catalog_streams_streaming"] == 16 for m in (a, b)),
+        wait_for(lambda: all(m.stats()["catalog_streams_streaming"] == 16 * m.stats()["catalog_replicas"]
+                             for m in (a, b)),
                  what="the catalog streams")
         reader = KvEngine(orbitkv.CacheManagerClient(b.socket), 2, 4)
         for view in reader.views:

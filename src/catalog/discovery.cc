@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -17,6 +18,29 @@ bool Discovery::BreakerOpen(const std::string& host, MonoTime now) {
   MutexLock lock(&mu_);
   auto it = open_until_.find(host);
   return it != open_until_.end() && now < it->second;
+}
+
+std::vector<std::string> Discovery::Order(std::vector<std::string> copies, MonoTime now) {
+  if (copies.size() <= 1) return copies;
+  // The rotation first (per requester and shard), then a stable sort by breaker (closed first) and by the copy's
+  // last answer for this shard (complete first).
+  const std::string first = copies.front();
+  const size_t turn = static_cast<size_t>((options_.rotation + std::hash<std::string>{}(first)) % copies.size());
+  std::rotate(copies.begin(), copies.begin() + static_cast<std::ptrdiff_t>(turn), copies.end());
+  std::vector<std::pair<int, std::string>> ranked;  // (rank, host): stable-sorted by rank below
+  {
+    MutexLock lock(&mu_);
+    for (std::string& host : copies) {
+      auto open = open_until_.find(host);
+      const bool broken = open != open_until_.end() && now < open->second;
+      auto seen = complete_.find({host, first});
+      const bool incomplete = seen != complete_.end() && !seen->second;
+      ranked.emplace_back((broken ? 2 : 0) + (incomplete ? 1 : 0), std::move(host));
+    }
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 0; i < ranked.size(); ++i) copies[i] = std::move(ranked[i].second);
+  return copies;
 }
 
 void Discovery::ResetBreakers() {
@@ -56,71 +80,126 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   // The budget of this lookup, counted after coalescing.
   const Deadline deadline = Deadline::After(options_.budget);
   const MonoTime start = options_.now();
-  // The unknown keys from the first unknown one on, grouped by catalog host (order kept within a host).
-  std::map<std::string, std::vector<state::StateKey>> by_host;
+  // The unknown keys from the first unknown one on, each with its shard's copies in the order to ask them.
+  struct Pending {
+    state::StateKey key;
+    std::string shard;  // the shard's first copy in placement order: names the shard in complete_
+    std::vector<std::string> copies;  // in the order to ask them
+    size_t next = 0;  // the copy to ask next
+  };
+  std::vector<Pending> pending;
   for (size_t i = known; i < keys.size(); ++i) {
     if (!index_->Find(keys[i]).empty()) continue;
-    by_host[options_.host_of(keys[i])].push_back(keys[i]);
+    std::vector<std::string> copies =
+        options_.copies_of ? options_.copies_of(keys[i]) : std::vector<std::string>{options_.host_of(keys[i])};
+    std::string shard = copies.front();
+    pending.push_back(Pending{keys[i], std::move(shard), Order(std::move(copies), start), 0});
   }
-  std::vector<std::string> hosts;
-  for (const auto& [host, host_keys] : by_host) {
-    if (BreakerOpen(host, start)) {
-      outcome.skipped_hosts.push_back(host);
-    } else {
-      hosts.push_back(host);
-    }
-  }
-  // At most max_hosts hosts in flight: each worker takes the next host and sends its batches in order.
-  std::atomic<size_t> next_host{0};
-  std::atomic<size_t> rpcs{0};
-  std::atomic<size_t> in_flight{0}, max_in_flight{0};
-  Mutex failed_mu;
+  std::set<std::string> skipped;
   std::vector<std::string> failed, refused;
-  auto work = [&] {
-    for (size_t h = next_host.fetch_add(1); h < hosts.size(); h = next_host.fetch_add(1)) {
-      const std::vector<state::StateKey>& host_keys = by_host.at(hosts[h]);
-      const size_t now_in_flight = in_flight.fetch_add(1) + 1;
-      for (size_t seen = max_in_flight.load(); now_in_flight > seen &&
-                                               !max_in_flight.compare_exchange_weak(seen, now_in_flight);) {
-      }
-      for (size_t at = 0; at < host_keys.size(); at += options_.max_keys_per_rpc) {
-        if (deadline.Expired()) break;
-        const size_t n = std::min(options_.max_keys_per_rpc, host_keys.size() - at);
-        const std::span<const state::StateKey> batch(host_keys.data() + at, n);
-        rpcs.fetch_add(1, std::memory_order_relaxed);
-        Result<std::vector<LookupRow>> rows = transport_->Lookup(hosts[h], batch, deadline);
-        if (!rows.ok() && IsRouteRefusal(rows.status())) {  // it answered: the next discovery asks it again
-          MutexLock lock(&failed_mu);
-          refused.push_back(hosts[h]);
-          break;
-        }
-        if (!rows.ok() || rows->size() != n) {  // down, too slow or malformed: skip it for a while
-          ORBITKV_LOG_WARN("discovery: catalog host '{}' {}: its shards are not asked for {} ms",
-                           hosts[h],
-                           rows.ok() ? fmt::format("answered {} rows for {} keys", rows->size(), n)
-                                     : fmt::format("failed ({})", rows.status().ToString()),
-                           options_.breaker_open.count());
-          Trip(hosts[h], options_.now());
-          MutexLock lock(&failed_mu);
-          failed.push_back(hosts[h]);
-          break;
-        }
-        for (size_t i = 0; i < n; ++i) index_->Insert(batch[i], (*rows)[i].candidates);
-      }
-      in_flight.fetch_sub(1);
+  std::set<std::string> failed_over;  // shards (by their first copy) whose keys went on to another copy
+  std::atomic<size_t> rpcs{0};
+  std::atomic<size_t> max_in_flight{0};
+  // Rounds: each key's next copy whose breaker is closed; keys grouped by that host and sent in batches, at most
+  // max_hosts hosts in flight. A key whose copy failed, was too slow or answered incomplete without a holder goes on
+  // to its next copy in the next round.
+  for (size_t round = 0; !pending.empty() && !deadline.Expired(); ++round) {
+    std::map<std::string, std::vector<size_t>> by_host;  // host -> indexes into pending, in key order
+    const MonoTime now = options_.now();
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = pending[i];
+      while (p.next < p.copies.size() && BreakerOpen(p.copies[p.next], now)) skipped.insert(p.copies[p.next++]);
+      if (p.next == p.copies.size()) continue;
+      by_host[p.copies[p.next]].push_back(i);
+      if (round > 0) failed_over.insert(p.shard);
     }
-  };
-  const size_t workers = std::min(options_.max_hosts, hosts.size());
-  std::vector<std::thread> threads;
-  for (size_t w = 1; w < workers; ++w) threads.emplace_back(work);
-  if (workers > 0) work();
-  for (std::thread& t : threads) t.join();
-  outcome.rpcs = rpcs.load();
-  {
-    MutexLock lock(&failed_mu);
-    outcome.failed_hosts = std::move(failed);
-    outcome.refused_hosts = std::move(refused);
+    if (by_host.empty()) break;
+    std::vector<std::pair<std::string, std::vector<size_t>>> hosts(by_host.begin(), by_host.end());
+    std::vector<size_t> again;  // pending keys to ask their next copy
+    Mutex again_mu;
+    std::atomic<size_t> next_host{0};
+    std::atomic<size_t> in_flight{0};
+    auto work = [&] {
+      for (size_t h = next_host.fetch_add(1); h < hosts.size(); h = next_host.fetch_add(1)) {
+        const std::string& host = hosts[h].first;
+        const std::vector<size_t>& mine = hosts[h].second;
+        const size_t now_in_flight = in_flight.fetch_add(1) + 1;
+        for (size_t seen = max_in_flight.load(); now_in_flight > seen &&
+                                                 !max_in_flight.compare_exchange_weak(seen, now_in_flight);) {
+        }
+        // A copy that is the last one left for some key gets the whole budget; otherwise the per-copy deadline, so
+        // a copy that does not answer costs at most that before the next copy is asked.
+        bool last_for_some = false;
+        for (size_t i : mine) last_for_some = last_for_some || pending[i].next + 1 >= pending[i].copies.size();
+        const Deadline rpc_deadline =
+            last_for_some ? deadline
+                          : Deadline::At(std::min(deadline.when(), Deadline::After(options_.copy_deadline).when()));
+        std::vector<size_t> retry;
+        bool complete = true;
+        for (size_t at = 0; at < mine.size(); at += options_.max_keys_per_rpc) {
+          const size_t n = std::min(options_.max_keys_per_rpc, mine.size() - at);
+          if (deadline.Expired()) break;
+          std::vector<state::StateKey> batch;
+          batch.reserve(n);
+          for (size_t k = 0; k < n; ++k) batch.push_back(pending[mine[at + k]].key);
+          rpcs.fetch_add(1, std::memory_order_relaxed);
+          Result<std::vector<LookupRow>> rows = transport_->Lookup(host, batch, rpc_deadline);
+          if (!rows.ok() || rows->size() != n) {
+            if (!rows.ok() && IsRouteRefusal(rows.status())) {  // it answered: the next discovery asks it again
+              MutexLock lock(&again_mu);
+              refused.push_back(host);
+            } else {  // down, too slow or malformed: skip it for a while
+              ORBITKV_LOG_WARN("discovery: catalog host '{}' {}: not asked for {} ms{}", host,
+                               rows.ok() ? fmt::format("answered {} rows for {} keys", rows->size(), n)
+                                         : fmt::format("failed ({})", rows.status().ToString()),
+                               options_.breaker_open.count(),
+                               last_for_some ? "" : "; its shards' other copies are asked");
+              Trip(host, options_.now());
+              MutexLock lock(&again_mu);
+              failed.push_back(host);
+            }
+            for (size_t k = at; k < mine.size(); ++k) retry.push_back(mine[k]);
+            complete = false;
+            break;
+          }
+          for (size_t k = 0; k < n; ++k) {
+            const LookupRow& row = (*rows)[k];
+            if (!row.candidates.empty()) {
+              index_->Insert(batch[k], row.candidates);
+            } else if (!row.complete) {
+              retry.push_back(mine[at + k]);  // a miss from an incomplete copy proves nothing: ask the next one
+            }
+            complete = complete && row.complete;
+          }
+        }
+        {
+          MutexLock lock(&mu_);
+          for (size_t i : mine) complete_[{host, pending[i].shard}] = complete;
+        }
+        MutexLock lock(&again_mu);
+        again.insert(again.end(), retry.begin(), retry.end());
+        in_flight.fetch_sub(1);
+      }
+    };
+    const size_t workers = std::min(options_.max_hosts, hosts.size());
+    std::vector<std::thread> threads;
+    for (size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+    if (workers > 0) work();
+    for (std::thread& t : threads) t.join();
+    std::sort(again.begin(), again.end());
+    std::vector<Pending> next_round;
+    for (size_t i : again) {
+      Pending p = std::move(pending[i]);
+      ++p.next;
+      next_round.push_back(std::move(p));
+    }
+    pending = std::move(next_round);
   }
+  outcome.rpcs = rpcs.load();
+  outcome.skipped_hosts.assign(skipped.begin(), skipped.end());
+  outcome.failed_hosts = std::move(failed);
+  outcome.refused_hosts = std::move(refused);
+  outcome.failovers = failed_over.size();
   outcome.known_prefix = index_->KnownPrefix(keys);
   {
     MutexLock lock(&mu_);
@@ -128,6 +207,7 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
     stats_.skipped_hosts += outcome.skipped_hosts.size();
     stats_.failed_hosts += outcome.failed_hosts.size();
     stats_.refused_hosts += outcome.refused_hosts.size();
+    stats_.failovers += outcome.failovers;
     stats_.max_hosts_in_flight = std::max<uint64_t>(stats_.max_hosts_in_flight, max_in_flight.load());
   }
   return outcome;

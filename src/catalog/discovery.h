@@ -1,10 +1,15 @@
 // Discovery: a requesting Manager's bounded lookup of who holds the blocks it misses (seed 000, "Implemented
 // discovery behavior"; issue 21, item 2, requester side). Keys the candidate index already knows cost nothing
-// (a warm query makes no RPC); the unknown ones are grouped by the catalog host their shard is placed on, sent in
-// batches of at most `max_keys_per_rpc`, with at most `max_hosts` hosts in flight at once and one total time
-// budget. A host that fails or times out opens its breaker: later discoveries skip it at once (for
-// `breaker_open`) instead of each waiting out the budget. Rows with candidates are learnt by the index; empty rows
-// prove nothing and are not cached. Never one RPC per block, never a broadcast.
+// (a warm query makes no RPC); the unknown ones are grouped by their shard's catalog copies (issue 54: each shard
+// has up to --catalog-replicas copies on distinct hosts), sent in batches of at most `max_keys_per_rpc`, with at
+// most `max_hosts` shards' lookups in flight at once and one total time budget. A shard's copies are tried one
+// after another (failover), ordered by breaker state, then copies that answered complete before, then a rotation
+// that spreads requesters over the copies; every copy but the last one asked has a short per-copy deadline
+// (`copy_deadline`), so a blackholed copy costs at most that before the next copy is asked, all within the budget.
+// A host that fails or times out opens its breaker: later discoveries skip it at once (for `breaker_open`) instead
+// of each waiting out its deadline. Rows with candidates are learnt by the index; an empty row from a complete copy
+// is authoritative (no other copy is asked for that key), one from an incomplete copy is not (the next copy is
+// asked); empty rows are never cached. Never one RPC per block, never a broadcast.
 //
 // Concurrent misses of the same prefix share one lookup: a caller whose first unknown key is being looked up waits
 // for that lookup (within its own budget) and reads the index again; when it brought nothing new, it looks up
@@ -69,8 +74,14 @@ class Discovery {
     size_t max_hosts = 4;  // --discovery-max-hosts
     std::chrono::milliseconds budget{3000};
     std::chrono::milliseconds breaker_open{5000};
-    // The catalog host a key's shard is placed on.
+    // How long a copy that is not the last one left to ask may take before the next copy is asked (issue 54).
+    std::chrono::milliseconds copy_deadline{300};
+    // The catalog hosts keeping a key's shard, in placement order (all keys of one shard get the same list).
+    std::function<std::vector<std::string>(const state::StateKey&)> copies_of;
+    // Or, with one copy a shard: the catalog host a key's shard is placed on (used when copies_of is empty).
     std::function<std::string(const state::StateKey&)> host_of;
+    // Spreads requesters over a shard's copies (e.g. a hash of the requester's Node ID).
+    uint64_t rotation = 0;
     std::function<MonoTime()> now = [] { return MonoNow(); };
   };
   struct Outcome {
@@ -79,6 +90,7 @@ class Discovery {
     std::vector<std::string> skipped_hosts;  // breakers open: not asked
     std::vector<std::string> failed_hosts;   // asked, failed or too slow: breakers opened
     std::vector<std::string> refused_hosts;  // answered with a route refusal (IsRouteRefusal): no breaker
+    size_t failovers = 0;  // shards whose keys went to another copy after one failed, was slow or incomplete
     bool coalesced = false;  // answered by another caller's lookup of the same prefix
   };
 
@@ -88,6 +100,7 @@ class Discovery {
     uint64_t skipped_hosts = 0;  // hosts not asked because their breaker was open
     uint64_t failed_hosts = 0;   // hosts that failed or were too slow (breaker opened)
     uint64_t refused_hosts = 0;  // hosts that refused by their route check (membership skew): no breaker
+    uint64_t failovers = 0;      // shard lookups that moved on to another copy
     uint64_t coalesced = 0;      // discoveries answered by another caller's lookup
     uint64_t max_hosts_in_flight = 0;  // the most hosts one discovery asked at once
   };
@@ -102,6 +115,8 @@ class Discovery {
 
  private:
   bool BreakerOpen(const std::string& host, MonoTime now) EXCLUDES(mu_);
+  // `copies` in the order to ask them (breakers closed first, then the ones last seen complete, then the rotation).
+  std::vector<std::string> Order(std::vector<std::string> copies, MonoTime now) EXCLUDES(mu_);
   void Trip(const std::string& host, MonoTime now) EXCLUDES(mu_);
 
   const Options options_;
@@ -109,6 +124,8 @@ class Discovery {
   LookupTransport* const transport_;
   mutable Mutex mu_;
   std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
+  // (host, the shard's first copy) -> whether that copy's last answer for the shard was complete.
+  std::map<std::pair<std::string, std::string>, bool> complete_ GUARDED_BY(mu_);
   Stats stats_ GUARDED_BY(mu_);
   // Lookups in flight, by the first key they look up.
   Flights<state::StateKey, state::StateKeyHash> flights_;

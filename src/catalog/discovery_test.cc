@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -21,6 +22,11 @@ class FakeHosts final : public LookupTransport {
  public:
   std::set<std::string> down, slow, empty;
   std::map<std::string, Status> refuses;  // host -> the route refusal it answers with
+  std::set<std::string> incomplete;       // answers rows without holders, marked incomplete
+  std::set<std::string> misses;           // answers rows without holders, marked complete (authoritative)
+  std::mutex asked_mu;
+  std::map<std::string, int> asked;                                // host -> Lookup RPCs
+  std::map<std::string, std::chrono::milliseconds> longest_given;  // host -> the longest deadline it was given
   std::atomic<int> rpcs{0}, in_flight{0}, max_in_flight{0};
   std::atomic<size_t> largest_batch{0};
   int slow_ms = 2;
@@ -28,6 +34,12 @@ class FakeHosts final : public LookupTransport {
   Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
                                         Deadline deadline) override {
     rpcs.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(asked_mu);
+      ++asked[host];
+      auto given = std::chrono::duration_cast<std::chrono::milliseconds>(deadline.Remaining());
+      longest_given[host] = std::max(longest_given[host], given);
+    }
     const int now = in_flight.fetch_add(1) + 1;
     for (int seen = max_in_flight.load(); now > seen && !max_in_flight.compare_exchange_weak(seen, now);) {
     }
@@ -51,6 +63,13 @@ class FakeHosts final : public LookupTransport {
     }
     std::vector<LookupRow> rows(keys.size());
     if (empty.count(host) != 0) return rows;
+    if (incomplete.count(host) != 0 || misses.count(host) != 0) {
+      for (LookupRow& row : rows) {
+        row.placed_here = true;
+        row.complete = misses.count(host) != 0;
+      }
+      return rows;
+    }
     for (LookupRow& row : rows) {
       row.placed_here = row.complete = true;
       row.candidates.push_back(Candidate{"owner-" + host, "uuid", 1, 1, 1, 4096});
@@ -169,6 +188,101 @@ TEST(DiscoveryTest, ARouteRefusalOpensNoBreakerAndResetBreakersClosesThem) {
   Discovery::Outcome after_reset = discovery.Discover(more);
   EXPECT_TRUE(after_reset.skipped_hosts.empty());
   EXPECT_EQ(after_reset.known_prefix, 300u);
+}
+
+// Issue 54: every shard has three copies (host-0..2, the order rotating with the shard).
+Discovery::Options ThreeCopies() {
+  Discovery::Options options = Options();
+  options.copy_deadline = milliseconds(100);
+  options.copies_of = [](const state::StateKey& key) {
+    const uint32_t shard = state::ShardOf(key, 16);
+    std::vector<std::string> copies;
+    for (uint32_t c = 0; c < 3; ++c) copies.push_back("host-" + std::to_string((shard + c) % 3));
+    return copies;
+  };
+  return options;
+}
+
+TEST(DiscoveryTest, ThreeCopiesBatchPerHostAndADownCopyFailsOverWithinTheLookup) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  Discovery discovery(ThreeCopies(), &index, &hosts);
+  const auto healthy = Keys(20, 300);
+  Discovery::Outcome cold = discovery.Discover(healthy);
+  EXPECT_EQ(cold.known_prefix, 300u);
+  EXPECT_LE(cold.rpcs, 3u * 3u);  // batched per host (at most 3 hosts x ceil(300 / 128)), never per shard
+  EXPECT_EQ(cold.failovers, 0u);
+  // host-1 down: its shards' keys go to their next copy in the same lookup; nothing is lost.
+  hosts.down = {"host-1"};
+  const auto keys = Keys(21, 300);
+  Discovery::Outcome first = discovery.Discover(keys);
+  EXPECT_EQ(first.known_prefix, 300u);
+  EXPECT_EQ(first.failed_hosts, std::vector<std::string>{"host-1"});
+  EXPECT_GE(first.failovers, 1u);
+  // Its breaker is open: the next lookup skips it at once and still learns everything.
+  const int asked_before = hosts.asked["host-1"];
+  Discovery::Outcome second = discovery.Discover(Keys(22, 300));
+  EXPECT_EQ(second.known_prefix, 300u);
+  EXPECT_TRUE(second.failed_hosts.empty());
+  EXPECT_EQ(hosts.asked["host-1"], asked_before);
+  EXPECT_GE(discovery.GetStats().failovers, 1u);
+}
+
+// A copy that does not answer costs its per-copy deadline, not the budget: it is given at most copy_deadline, and
+// the last copy left for a key the whole remaining budget.
+TEST(DiscoveryTest, ASlowCopyIsGivenThePerCopyDeadlineAndTheNextCopyAnswers) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  hosts.slow = {"host-0"};
+  Discovery discovery(ThreeCopies(), &index, &hosts);
+  Discovery::Outcome outcome = discovery.Discover(Keys(23, 300));
+  EXPECT_EQ(outcome.known_prefix, 300u);
+  EXPECT_EQ(outcome.failed_hosts, std::vector<std::string>{"host-0"});
+  std::lock_guard<std::mutex> lock(hosts.asked_mu);
+  EXPECT_LE(hosts.longest_given["host-0"], milliseconds(100));
+  EXPECT_GT(hosts.asked["host-1"] + hosts.asked["host-2"], 0);
+}
+
+// A miss from an incomplete copy proves nothing (the next copy is asked); a miss from a complete copy is
+// authoritative (no other copy is asked); with every copy incomplete nothing is learnt and nothing is claimed.
+TEST(DiscoveryTest, OnlyACompleteCopysMissIsAuthoritative) {
+  {
+    CandidateIndex index({});
+    FakeHosts hosts;
+    hosts.incomplete = {"host-0"};
+    Discovery discovery(ThreeCopies(), &index, &hosts);
+    Discovery::Outcome outcome = discovery.Discover(Keys(24, 300));
+    EXPECT_EQ(outcome.known_prefix, 300u);
+    EXPECT_GE(outcome.failovers, 1u);
+    EXPECT_TRUE(outcome.failed_hosts.empty());
+    // Later lookups ask the copies last seen complete first.
+    const int incomplete_asked = hosts.asked["host-0"];
+    EXPECT_EQ(discovery.Discover(Keys(25, 300)).known_prefix, 300u);
+    EXPECT_EQ(hosts.asked["host-0"], incomplete_asked);
+  }
+  {
+    CandidateIndex index({});
+    FakeHosts hosts;
+    hosts.misses = {"host-0", "host-1", "host-2"};
+    Discovery discovery(ThreeCopies(), &index, &hosts);
+    Discovery::Outcome outcome = discovery.Discover(Keys(26, 300));
+    EXPECT_EQ(outcome.known_prefix, 0u);
+    EXPECT_EQ(outcome.failovers, 0u);  // one complete copy per shard answered: no other copy is asked
+    EXPECT_LE(outcome.rpcs, 3u * 3u);
+  }
+  {
+    CandidateIndex index({});
+    FakeHosts hosts;
+    hosts.incomplete = {"host-0", "host-1", "host-2"};
+    Discovery discovery(ThreeCopies(), &index, &hosts);
+    Discovery::Outcome outcome = discovery.Discover(Keys(27, 300));
+    EXPECT_EQ(outcome.known_prefix, 0u);
+    EXPECT_TRUE(index.Find(Keys(27, 1)[0]).empty());
+    std::lock_guard<std::mutex> lock(hosts.asked_mu);
+    EXPECT_GE(hosts.asked["host-0"], 1);  // every copy was asked before giving up
+    EXPECT_GE(hosts.asked["host-1"], 1);
+    EXPECT_GE(hosts.asked["host-2"], 1);
+  }
 }
 
 TEST(DiscoveryTest, ASlowHostCostsOneBudgetThenIsSkipped) {

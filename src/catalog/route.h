@@ -16,7 +16,8 @@
 
 namespace orbitkv::catalog {
 
-inline constexpr uint32_t kPeerProtocolVersion = 1;
+// 2 (issue 54): catalog shards have several copies (placement record version 2); a Manager of version 1 keeps one.
+inline constexpr uint32_t kPeerProtocolVersion = 2;
 // The largest message either side sends or accepts (gRPC's limits are set to it).
 inline constexpr int kMaxPeerMessageBytes = 4 << 20;
 // A Lookup names at most this many keys and this many key bytes.

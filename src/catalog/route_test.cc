@@ -44,8 +44,10 @@ TEST_F(RouteTest, EachWrongFieldIsRefusedWithItsReason) {
     const char* says;
   };
   const Case cases[] = {
-      {[](peer::v1::RouteHeader* r) { r->set_protocol_version(2); }, StatusCode::kFailedPrecondition,
-       "protocol version 2"},
+      {[](peer::v1::RouteHeader* r) { r->set_protocol_version(kPeerProtocolVersion + 1); },
+       StatusCode::kFailedPrecondition, "peer protocol version 3"},
+      {[](peer::v1::RouteHeader* r) { r->set_protocol_version(1); }, StatusCode::kFailedPrecondition,
+       "peer protocol version 1"},
       {[](peer::v1::RouteHeader* r) { r->set_cluster("c2"); }, StatusCode::kPermissionDenied, "cluster 'c2'"},
       {[](peer::v1::RouteHeader* r) { r->set_destination_node_id("c"); }, StatusCode::kFailedPrecondition,
        "addressed to node 'c'"},

@@ -18,6 +18,13 @@ using KeepAliveStream =
 
 constexpr std::chrono::milliseconds kReopenBackoff{200};
 
+// A registration is valid for TTL/2 after the send of its last acknowledged keepalive; renewing every
+// TTL/6 puts three renewals into that window, as etcd's own client puts three (every TTL/3) into the
+// TTL: one lost or delayed reply (a leader election, a broken stream) never lapses a registration.
+std::chrono::milliseconds RenewInterval(int64_t ttl_secs) {
+  return std::max(std::chrono::milliseconds(ttl_secs * 1000 / 6), std::chrono::milliseconds(1));
+}
+
 }  // namespace
 
 RegistrationClock::RegistrationClock(MonoTime valid_until)
@@ -47,7 +54,7 @@ LeaseKeeper::LeaseKeeper(EtcdClient* client, RegistrationClock* clock, Options o
     : client_(client),
       clock_(clock),
       options_(std::move(options)),
-      renew_interval_(std::chrono::milliseconds(options_.ttl_secs * 1000 / 3)) {
+      renew_interval_(RenewInterval(options_.ttl_secs)) {
   ORBITKV_CHECK(options_.metrics != nullptr && options_.ttl_secs > 0);
   acks_ = &options_.metrics->GetCounter("orbitkv_membership_keepalive_acks_total",
                                         "Lease keepalive acknowledgements received");
@@ -108,6 +115,9 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
   // time.
   std::deque<MonoTime> sent;
   MonoTime next_send = MonoNow();
+  const std::chrono::milliseconds unanswered_limit =
+      std::min(client_->options().call_timeout,
+               std::max(std::chrono::milliseconds(options_.ttl_secs * 1000 / 6), std::chrono::milliseconds(100)));
   etcdserverpb::LeaseKeepAliveResponse response;
   stream.StartRead(&response);
   while (true) {
@@ -125,17 +135,19 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
       sent.push_back(now);
       next_send = now + renew_interval_;
     }
-    // A request unanswered for a call timeout means the stream sits on a dead connection (for
-    // example one a stopping etcd accepted but will never serve); reopen rather than wait for
-    // gRPC's keepalive to notice.
-    if (!sent.empty() && now >= sent.front() + client_->options().call_timeout) {
-      ORBITKV_LOG_INFO("membership: keepalive unanswered for {} ms; reopening the stream",
-                       client_->options().call_timeout.count());
+    // A request unanswered for a while means the stream sits on a dead connection (for example
+    // one a stopping etcd accepted but will never serve) or a member cut off from its leader;
+    // reopen on the next endpoint rather than wait for gRPC's keepalive to notice. "A while" is the
+    // call timeout, but at most a third of the validity window, so another endpoint is tried while
+    // the registration is still valid.
+    if (!sent.empty() && now >= sent.front() + unanswered_limit) {
+      ORBITKV_LOG_INFO("membership: keepalive unanswered for {} ms; reopening the stream on the next endpoint",
+                       unanswered_limit.count());
       return StreamEnd::kBroken;
     }
     MonoTime wake =
         stream.write_pending() ? clock_->valid_until() : std::min(next_send, clock_->valid_until());
-    if (!sent.empty()) wake = std::min(wake, sent.front() + client_->options().call_timeout);
+    if (!sent.empty()) wake = std::min(wake, sent.front() + unanswered_limit);
     std::optional<KeepAliveStream::Event> event = stream.Next(Deadline::At(wake));
     if (!event.has_value()) continue;
     if (!event->ok) return StreamEnd::kBroken;
@@ -162,8 +174,7 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
       return StreamEnd::kDone;
     }
     acks_->Increment();
-    renew_interval_ = std::max(std::chrono::milliseconds(response.ttl() * 1000 / 3),
-                               std::chrono::milliseconds(1));
+    renew_interval_ = RenewInterval(response.ttl());
     response.Clear();
     stream.StartRead(&response);
   }

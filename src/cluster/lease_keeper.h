@@ -8,7 +8,7 @@
 // lost, shutdown) it never comes back, so a delayed acknowledgement cannot revive an expired or
 // fenced runtime. A new registration gets a new clock and a new keeper (Membership's supervisor).
 //
-// LeaseKeeper renews the lease on its own LeaseKeepAlive stream every TTL/3, reopening the stream
+// LeaseKeeper renews the lease on its own LeaseKeepAlive stream every TTL/6, reopening the stream
 // (on the next endpoint) whenever it breaks, and reports the end of the registration once through
 // on_lost.
 //

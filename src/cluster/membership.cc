@@ -88,7 +88,7 @@ Status ValidateMembershipOptions(const MembershipOptions& options) {
                                                options.membership_ttl_secs, kMinMembershipTtlSecs,
                                                kMaxMembershipTtlSecs));
   }
-  ORBITKV_RETURN_IF_ERROR(Placement::Create(options.catalog_nodes).status());
+  ORBITKV_RETURN_IF_ERROR(Placement::Create(options.catalog_nodes, options.catalog_replicas).status());
   ORBITKV_RETURN_IF_ERROR(ValidateEndpoint("peer endpoint", options.peer_endpoint));
   if (!options.runtime_uuid.empty() && !IsRuntimeUuid(options.runtime_uuid)) {
     return Status::InvalidArgument(
@@ -104,7 +104,8 @@ Result<std::unique_ptr<Membership>> Membership::Create(MembershipOptions options
                                                        MetricsRegistry* metrics) {
   ORBITKV_CHECK(metrics != nullptr);
   ORBITKV_RETURN_IF_ERROR(ValidateMembershipOptions(options));
-  ORBITKV_ASSIGN_OR_RETURN(Placement placement, Placement::Create(options.catalog_nodes));
+  ORBITKV_ASSIGN_OR_RETURN(Placement placement,
+                           Placement::Create(options.catalog_nodes, options.catalog_replicas));
   EtcdClientOptions client_options;
   client_options.endpoints = options.etcd_endpoints;
   client_options.call_timeout = options.etcd_call_timeout;
@@ -168,6 +169,14 @@ Status Membership::Join(Deadline deadline) {
   ORBITKV_LOG_INFO("cluster {}: registered node {} epoch {} uuid {} lease {:x} (TTL {} s)",
                    options_.cluster_name, options_.node_id, self.record.epoch,
                    self.record.runtime_uuid, self.lease_id, lease_ttl_secs());
+  if (placement_->reduced_coverage()) {
+    ORBITKV_LOG_WARN("cluster {}: reduced failure coverage: each catalog shard has {} cop{} ({} asked for, {} "
+                     "catalog node{}); give --catalog-nodes at least 3 nodes and --catalog-replicas 3 so that a "
+                     "lost catalog host loses no shard",
+                     options_.cluster_name, placement_->replicas(), placement_->replicas() == 1 ? "y" : "ies",
+                     placement_->requested_replicas(), placement_->catalog_nodes().size(),
+                     placement_->catalog_nodes().size() == 1 ? "" : "s");
+  }
   return Status::Ok();
 }
 
@@ -648,13 +657,15 @@ std::string Membership::StatusText() const {
   const MembershipStatus s = GetStatus();
   std::string out = fmt::format(
       "membership: {}{} for {:.1f} s\n  cluster {} node {} epoch {} uuid {}\n  endpoint {} lease {:x} "
-      "ttl {} s, valid for {} ms\n  placement {} catalog nodes {}\n  view: {} at revision {}, {} "
-      "members, remote work {}\n",
+      "ttl {} s, valid for {} ms\n  placement {} catalog nodes {}, {} copies a shard{}\n  view: {} at "
+      "revision {}, {} members, remote work {}\n",
       MembershipStateName(s.state), s.reason.empty() ? "" : fmt::format(" ({})", s.reason),
       static_cast<double>(s.since.count()) / 1000, s.self.cluster, s.self.node_id, s.self.epoch,
       s.self.runtime_uuid, s.self.endpoint, s.lease_id, s.lease_ttl_secs,
       s.registration_remaining.count(), s.placement_fingerprint,
-      fmt::join(placement_->catalog_nodes(), ","), s.view.complete ? "complete" : "incomplete",
+      fmt::join(placement_->catalog_nodes(), ","), placement_->replicas(),
+      placement_->reduced_coverage() ? " (reduced failure coverage)" : "",
+      s.view.complete ? "complete" : "incomplete",
       s.view.revision, s.view.members.size(), s.remote_work_allowed ? "allowed" : "disabled");
   if (s.state == MembershipState::kExpired && options_.reregister) {
     out += fmt::format("  registering again: attempt {}{}\n", s.attempts,

@@ -3,7 +3,7 @@
 // Join() verifies (or installs) the cluster's placement record, then registers this runtime in one
 // etcd transaction: the Node ID must have no live record, its persistent epoch is incremented, and
 // a record with the peer endpoint and a fresh runtime UUID is written under a new lease. Two
-// threads then run until Shutdown(): the LeaseKeeper renews the lease every TTL/3 on its own
+// threads then run until Shutdown(): the LeaseKeeper renews the lease every TTL/6 on its own
 // stream, and ViewSync keeps the MemberView (snapshot then Watch). Shutdown() revokes the lease, so
 // peers see the member leave at once.
 //
@@ -71,6 +71,7 @@ struct MembershipOptions {
   std::string node_id;                      // --node-id
   int64_t membership_ttl_secs = 10;         // --membership-ttl-secs
   std::vector<std::string> catalog_nodes;   // --catalog-nodes id[,id...] (1..16)
+  uint32_t catalog_replicas = kDefaultCatalogReplicas;  // --catalog-replicas (1..5, capped by the nodes)
   std::string peer_endpoint;                // host:port peers dial (the Manager's peer listener)
   // The Manager's RuntimeId (base/runtime_id.h), written into the member record; empty: a new one.
   std::string runtime_uuid;

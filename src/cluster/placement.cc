@@ -38,10 +38,14 @@ uint64_t Placement::Score(uint32_t shard, std::string_view node_id) {
   return score;
 }
 
-Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes) {
+Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes, uint32_t replicas) {
   if (catalog_nodes.empty() || catalog_nodes.size() > kMaxCatalogNodes) {
     return Status::InvalidArgument(fmt::format("--catalog-nodes: give 1 to {} Node IDs (got {})",
                                                kMaxCatalogNodes, catalog_nodes.size()));
+  }
+  if (replicas < 1 || replicas > kMaxCatalogReplicas) {
+    return Status::InvalidArgument(fmt::format("--catalog-replicas {} is outside 1..{}", replicas,
+                                               kMaxCatalogReplicas));
   }
   for (const std::string& node : catalog_nodes)
     ORBITKV_RETURN_IF_ERROR(ValidateName("--catalog-nodes entry", node));
@@ -52,19 +56,19 @@ Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes) {
   }
   Placement placement;
   placement.nodes_ = std::move(catalog_nodes);
+  placement.requested_replicas_ = replicas;
+  const size_t copies = std::min<size_t>(replicas, placement.nodes_.size());
   for (uint32_t shard = 0; shard < kNumShards; ++shard) {
-    uint32_t best = 0;
-    uint64_t best_score = 0;
+    std::vector<std::pair<uint64_t, uint32_t>> ranked;  // (score, index): highest score first
     for (uint32_t i = 0; i < placement.nodes_.size(); ++i) {
-      // Ties (astronomically unlikely) go to the smaller Node ID because nodes_ is sorted and '>'
-      // is strict.
-      const uint64_t score = Score(shard, placement.nodes_[i]);
-      if (i == 0 || score > best_score) {
-        best = i;
-        best_score = score;
-      }
+      ranked.emplace_back(Score(shard, placement.nodes_[i]), i);
     }
-    placement.owner_index_[shard] = best;
+    // Ties (astronomically unlikely) go to the smaller Node ID (nodes_ is sorted).
+    std::stable_sort(ranked.begin(), ranked.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (size_t c = 0; c < copies; ++c) {
+      placement.copies_[shard].push_back(placement.nodes_[ranked[c].second]);
+    }
   }
   const std::array<uint8_t, 32> digest = Sha256(placement.Encode());
   for (size_t i = 0; i < 8; ++i) placement.fingerprint_ += fmt::format("{:02x}", digest[i]);
@@ -74,7 +78,9 @@ Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes) {
 std::string Placement::Encode() const {
   return FlatJsonWriter()
       .Add("v", kPlacementRecordVersion)
+      .Add("generation", generation())
       .Add("shards", static_cast<int64_t>(kNumShards))
+      .Add("replicas", static_cast<int64_t>(requested_replicas_))
       .Add("catalog_nodes", nodes_)
       .Finish();
 }
@@ -82,9 +88,24 @@ std::string Placement::Encode() const {
 Result<Placement> Placement::Decode(std::string_view bytes) {
   ORBITKV_ASSIGN_OR_RETURN(FlatJsonObject json, FlatJsonObject::Parse(bytes));
   ORBITKV_ASSIGN_OR_RETURN(int64_t version, json.GetInt("v"));
+  if (version == 1) {
+    return Status::InvalidArgument(
+        "placement record version 1 (one catalog copy per shard) was written by an older OrbitKV; this "
+        "one keeps several copies (record version 2): upgrade every Manager of the cluster together, "
+        "stop them all, delete the placement key, and start them with this version");
+  }
   if (version != kPlacementRecordVersion) {
     return Status::InvalidArgument(
         fmt::format("placement record version {} is not {}", version, kPlacementRecordVersion));
+  }
+  ORBITKV_ASSIGN_OR_RETURN(int64_t generation, json.GetInt("generation"));
+  if (generation != 1) {
+    return Status::InvalidArgument(
+        fmt::format("placement generation {}: this build knows generation 1 only", generation));
+  }
+  ORBITKV_ASSIGN_OR_RETURN(int64_t replicas, json.GetInt("replicas"));
+  if (replicas < 1 || replicas > static_cast<int64_t>(kMaxCatalogReplicas)) {
+    return Status::InvalidArgument(fmt::format("placement record asks for {} replicas", replicas));
   }
   ORBITKV_ASSIGN_OR_RETURN(int64_t shards, json.GetInt("shards"));
   if (shards != kNumShards) {
@@ -92,13 +113,20 @@ Result<Placement> Placement::Decode(std::string_view bytes) {
         fmt::format("placement record has {} shards; this build uses {}", shards, kNumShards));
   }
   ORBITKV_ASSIGN_OR_RETURN(std::vector<std::string> nodes, json.GetStringArray("catalog_nodes"));
-  return Create(std::move(nodes));
+  return Create(std::move(nodes), static_cast<uint32_t>(replicas));
 }
 
-const std::string& Placement::OwnerOf(uint32_t shard) const {
+const std::vector<std::string>& Placement::CopiesOf(uint32_t shard) const {
   ORBITKV_CHECK_MSG(shard < kNumShards, "shard {} out of range", shard);
-  return nodes_[owner_index_[shard]];
+  return copies_[shard];
 }
+
+bool Placement::Keeps(uint32_t shard, std::string_view node) const {
+  const std::vector<std::string>& copies = CopiesOf(shard);
+  return std::find(copies.begin(), copies.end(), node) != copies.end();
+}
+
+const std::string& Placement::OwnerOf(uint32_t shard) const { return CopiesOf(shard)[0]; }
 
 Result<Member> Placement::ResolveOwner(uint32_t shard, const MemberView& view) const {
   const std::string& owner = OwnerOf(shard);
@@ -140,10 +168,12 @@ Result<int64_t> InstallOrVerifyPlacement(EtcdClient& client, std::string_view cl
   if (*installed != placement) {
     return Status::FailedPrecondition(
         fmt::format("placement mismatch: cluster '{}' was installed with --catalog-nodes {} "
-                    "(revision {}), but this Manager "
-                    "was started with {}; start every Manager with the same set",
-                    cluster, fmt::join(installed->catalog_nodes(), ","), kv.mod_revision(),
-                    fmt::join(placement.catalog_nodes(), ",")));
+                    "--catalog-replicas {} (revision {}), but this Manager "
+                    "was started with {} --catalog-replicas {}; start every Manager with the same "
+                    "set and replicas",
+                    cluster, fmt::join(installed->catalog_nodes(), ","),
+                    installed->requested_replicas(), kv.mod_revision(),
+                    fmt::join(placement.catalog_nodes(), ","), placement.requested_replicas()));
   }
   return kv.mod_revision();
 }

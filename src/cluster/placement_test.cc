@@ -34,7 +34,7 @@ TEST(PlacementTest, OrderDoesNotMatter) {
   EXPECT_EQ(p1->fingerprint(), p2->fingerprint());
   EXPECT_EQ(p1->fingerprint().size(), 16u);
   for (uint32_t s = 0; s < kNumShards; ++s) EXPECT_EQ(p1->OwnerOf(s), p2->OwnerOf(s));
-  EXPECT_EQ(p1->Encode(), R"({"v":1,"shards":16,"catalog_nodes":["a","b","c"]})");
+  EXPECT_EQ(p1->Encode(), R"({"v":2,"generation":1,"shards":16,"replicas":3,"catalog_nodes":["a","b","c"]})");
   EXPECT_NE(p1->fingerprint(), Placement::Create({"a", "b"})->fingerprint());
 }
 
@@ -75,9 +75,61 @@ TEST(PlacementTest, DecodeRoundTripsAndRejectsOtherShardCounts) {
   Result<Placement> back = Placement::Decode(p->Encode());
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, *p);
-  EXPECT_FALSE(Placement::Decode(R"({"v":1,"shards":32,"catalog_nodes":["x"]})").ok());
-  EXPECT_FALSE(Placement::Decode(R"({"v":2,"shards":16,"catalog_nodes":["x"]})").ok());
-  EXPECT_FALSE(Placement::Decode(R"({"v":1,"shards":16,"catalog_nodes":[]})").ok());
+  EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":1,"shards":32,"replicas":3,"catalog_nodes":["x"]})").ok());
+  EXPECT_FALSE(Placement::Decode(R"({"v":3,"generation":1,"shards":16,"replicas":3,"catalog_nodes":["x"]})").ok());
+  EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":1,"shards":16,"replicas":3,"catalog_nodes":[]})").ok());
+  EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":1,"shards":16,"replicas":0,"catalog_nodes":["x"]})").ok());
+  EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":2,"shards":16,"replicas":3,"catalog_nodes":["x"]})").ok());
+  // A version-1 record (one copy a shard) names the upgrade.
+  Result<Placement> old = Placement::Decode(R"({"v":1,"shards":16,"catalog_nodes":["x"]})");
+  ASSERT_FALSE(old.ok());
+  EXPECT_NE(old.status().message().find("upgrade every Manager"), std::string_view::npos) << old.status();
+  // The replicas asked for are part of the placement.
+  EXPECT_NE(*Placement::Create({"x", "y"}, 1), *p);
+  EXPECT_NE(Placement::Create({"x", "y"}, 1)->fingerprint(), p->fingerprint());
+}
+
+// Issue 54: each shard has R copies on distinct catalog nodes, the R best rendezvous scores; copy 0 is the one
+// owner of before; capped by the set's size (two nodes: two copies, reduced failure coverage); removing a node
+// moves only the copies it kept.
+TEST(PlacementTest, EachShardHasItsReplicasOnDistinctNodesBestScoreFirst) {
+  Result<Placement> one = Placement::Create({"node-a", "node-b", "node-c", "node-d"}, 1);
+  Result<Placement> three = Placement::Create({"node-a", "node-b", "node-c", "node-d"});
+  ASSERT_TRUE(one.ok() && three.ok());
+  EXPECT_EQ(three->replicas(), 3u);
+  EXPECT_FALSE(three->reduced_coverage());
+  EXPECT_TRUE(one->reduced_coverage());
+  std::map<std::string, int> kept;
+  for (uint32_t s = 0; s < kNumShards; ++s) {
+    const std::vector<std::string>& copies = three->CopiesOf(s);
+    ASSERT_EQ(copies.size(), 3u);
+    EXPECT_EQ(std::set<std::string>(copies.begin(), copies.end()).size(), 3u) << s;
+    EXPECT_EQ(copies[0], one->OwnerOf(s)) << s;  // copy 0 is the single-copy owner
+    EXPECT_EQ(three->OwnerOf(s), copies[0]);
+    for (const std::string& node : copies) {
+      EXPECT_TRUE(three->Keeps(s, node));
+      ++kept[node];
+    }
+  }
+  EXPECT_EQ(kept.size(), 4u);  // every node keeps some copies
+  Result<Placement> two = Placement::Create({"node-a", "node-b"});
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(two->replicas(), 2u);
+  EXPECT_EQ(two->requested_replicas(), 3u);
+  EXPECT_TRUE(two->reduced_coverage());
+  for (uint32_t s = 0; s < kNumShards; ++s) EXPECT_EQ(two->CopiesOf(s).size(), 2u);
+  // Without node-c, a shard's copies are its old ones minus node-c, plus the next best.
+  Result<Placement> without_c = Placement::Create({"node-a", "node-b", "node-d"});
+  ASSERT_TRUE(without_c.ok());
+  for (uint32_t s = 0; s < kNumShards; ++s) {
+    for (const std::string& node : three->CopiesOf(s)) {
+      if (node != "node-c") {
+        EXPECT_TRUE(without_c->Keeps(s, node)) << s << " " << node;
+      }
+    }
+  }
+  EXPECT_FALSE(Placement::Create({"x"}, 0).ok());
+  EXPECT_FALSE(Placement::Create({"x"}, kMaxCatalogReplicas + 1).ok());
 }
 
 TEST(PlacementTest, ShardOfIsStateShardOf) {

@@ -172,7 +172,7 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   options.source = source;
   options.remote_off = std::move(remote_off);
   options.hosts_shard = [&membership, node = config.node_id](uint32_t shard) {
-    return shard < cluster::kNumShards && membership.placement().OwnerOf(shard) == node;
+    return shard < cluster::kNumShards && membership.placement().Keeps(shard, node);
   };
   catalog::PeerDirectory::Options directory;
   directory.self = options.self;
@@ -213,7 +213,7 @@ class CatalogNode {
               core::ResidencyInventory* inventory, MetricsRegistry* metrics)
       : membership_(membership), inventory_(inventory), node_(config.node_id) {
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
-      hosted_ += membership.placement().OwnerOf(shard) == node_ ? 1 : 0;
+      hosted_ += membership.placement().Keeps(shard, node_) ? 1 : 0;
     }
     if (hosted_ > 0) {
       catalog::CatalogStore::Options options;
@@ -236,7 +236,7 @@ class CatalogNode {
         return live;
       };
       for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
-        if (membership.placement().OwnerOf(shard) == node_) options.shards.push_back(shard);
+        if (membership.placement().Keeps(shard, node_)) options.shards.push_back(shard);
       }
       store_ = std::make_unique<catalog::CatalogStore>(std::move(options));
     }
@@ -249,7 +249,8 @@ class CatalogNode {
         "orbitkv_catalog_incomplete_seconds_total",
         "Shard-seconds the shards placed here were incomplete (only grows; their misses are not authoritative)");
     streams_converged_ = &metrics->GetGauge(
-        "orbitkv_catalog_streams_converged", "This Manager's owner streams that converge (of 16, one per shard)");
+        "orbitkv_catalog_streams_converged",
+        "This Manager's owner streams that converge (one per shard and copy: 16 x --catalog-replicas)");
     snapshots_ = &metrics->GetGauge("orbitkv_catalog_stream_snapshots",
                                     "Snapshots this Manager's owner streams sent (since start)");
     lag_ms_ = &metrics->GetGauge("orbitkv_catalog_update_lag_ms",
@@ -271,20 +272,24 @@ class CatalogNode {
     streams_stop_.store(false, std::memory_order_release);
     transport_ = std::make_unique<catalog::GrpcCatalogTransport>(identity, &membership_.view(), std::move(credentials),
                                                                  store_.get());
+    // Issue 54: every copy of a shard is built from the owners' streams alone: one stream per (shard, copy), each
+    // with its own journal subscriber, so a slow or dead copy resyncs alone.
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
-      catalog::OwnerStreamer::Options options;
-      options.owner_node = self.node_id;
-      options.owner_runtime = self.runtime_uuid;
-      options.owner_epoch = self.epoch;
-      options.shard = shard;
-      options.catalog_node = membership_.placement().OwnerOf(shard);
-      Result<std::unique_ptr<catalog::OwnerStreamer>> streamer =
-          catalog::OwnerStreamer::Create(options, inventory_, transport_.get());
-      if (!streamer.ok()) {
-        streamers_.clear();
-        return streamer.status();
+      for (const std::string& copy : membership_.placement().CopiesOf(shard)) {
+        catalog::OwnerStreamer::Options options;
+        options.owner_node = self.node_id;
+        options.owner_runtime = self.runtime_uuid;
+        options.owner_epoch = self.epoch;
+        options.shard = shard;
+        options.catalog_node = copy;
+        Result<std::unique_ptr<catalog::OwnerStreamer>> streamer =
+            catalog::OwnerStreamer::Create(options, inventory_, transport_.get());
+        if (!streamer.ok()) {
+          streamers_.clear();
+          return streamer.status();
+        }
+        streamers_.push_back(std::move(*streamer));
       }
-      streamers_.push_back(std::move(*streamer));
     }
     for (auto& streamer : streamers_) {
       threads_.emplace_back([this, s = streamer.get()] { s->Run(streams_stop_); });
@@ -302,6 +307,7 @@ class CatalogNode {
     }
     threads_.clear();
     streamers_.clear();  // unsubscribes from the inventory
+    if (transport_) stream_bytes_before_ += transport_->bytes_sent();
     transport_.reset();
   }
 
@@ -331,7 +337,7 @@ class CatalogNode {
     std::map<uint32_t, catalog::CatalogStore::ShardStatus> known;
     for (const auto& s : store_->Status()) known[s.shard] = s;
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
-      if (membership_.placement().OwnerOf(shard) != node_) continue;
+      if (!membership_.placement().Keeps(shard, node_)) continue;
       const auto it = known.find(shard);
       catalog::CatalogStore::ShardStatus s = it == known.end() ? catalog::CatalogStore::ShardStatus{} : it->second;
       if (it == known.end()) s.complete = false;  // Status names every shard placed here: not one of them
@@ -349,15 +355,16 @@ class CatalogNode {
     return fmt::format(", \"catalog_shards_hosted\": {}, \"catalog_records\": {}, \"catalog_bytes\": {}, "
                        "\"catalog_incomplete_shards\": {}, \"catalog_incomplete_shard_ms\": {}, \"catalog_streams\": {}, "
                        "\"catalog_streams_streaming\": {}, \"catalog_streams_converged\": {}, "
-                       "\"catalog_stream_snapshots\": {}, \"inventory_records\": {}",
+                       "\"catalog_stream_snapshots\": {}, \"inventory_records\": {}, \"catalog_stream_bytes_sent\": {}",
                        hosted_, s.records, s.bytes, s.incomplete, incomplete_ms_.load(std::memory_order_relaxed),
-                       s.streams, s.streaming, s.converged, s.snapshots, inventory);
+                       s.streams, s.streaming, s.converged, s.snapshots, inventory, s.stream_bytes);
   }
 
  private:
   // The figures status and metrics show, over the shards placed here and this Manager's own streams.
   struct Summary {
     size_t records = 0, incomplete = 0, converged = 0, streaming = 0, streams = 0;
+    uint64_t stream_bytes = 0;  // catalog stream messages this Manager sent to other hosts' copies
     uint64_t bytes = 0, snapshots = 0;
     double lag_ms = 0, last_repair_s = -1;
   };
@@ -376,6 +383,7 @@ class CatalogNode {
     }
     MutexLock lock(&streams_mu_);
     sum.streams = streamers_.size();
+    sum.stream_bytes = stream_bytes_before_ + (transport_ ? transport_->bytes_sent() : 0);
     for (const auto& s : streamers_) {
       sum.converged += s->converged() ? 1 : 0;
       sum.streaming += s->state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
@@ -419,6 +427,7 @@ class CatalogNode {
   std::unique_ptr<catalog::GrpcCatalogTransport> transport_ GUARDED_BY(streams_mu_);
   std::vector<std::unique_ptr<catalog::OwnerStreamer>> streamers_ GUARDED_BY(streams_mu_);
   std::vector<std::thread> threads_ GUARDED_BY(streams_mu_);
+  uint64_t stream_bytes_before_ GUARDED_BY(streams_mu_) = 0;  // sent by the streams of earlier registrations
   std::atomic<bool> streams_stop_{false};
   std::thread maintenance_;
   std::atomic<bool> stop_{false};
@@ -451,9 +460,11 @@ class RemoteNode {
         issuer_(engine, arenas) {
     catalog::Discovery::Options discovery;
     discovery.max_hosts = config.discovery_max_hosts;
-    discovery.host_of = [&membership](const state::StateKey& key) {
-      return membership.placement().OwnerOf(state::ShardOf(key, cluster::kNumShards));
+    // Issue 54: a shard's copies, tried one after another; the rotation spreads requesters over them.
+    discovery.copies_of = [&membership](const state::StateKey& key) {
+      return membership.placement().CopiesOf(state::ShardOf(key, cluster::kNumShards));
     };
+    discovery.rotation = std::hash<std::string>{}(config.node_id);
     discovery_ = std::make_unique<catalog::Discovery>(std::move(discovery), &index_, &requester_);
     holds_ = std::make_unique<catalog::SourceHolds>(catalog::SourceHolds::Options{}, &cache->table(), &cache->pool(),
                                                     &cache->transfer_budget(), &issuer_, metrics);
@@ -522,10 +533,10 @@ class RemoteNode {
                        r.queued, r.released, r.not_held, r.retries, r.abandoned, r.pending) +
            fmt::format(", \"discovery_skipped_hosts\": {}, \"discovery_failed_hosts\": {}, "
                        "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}, "
-                       "\"discovery_refused_hosts\": {}, "
+                       "\"discovery_refused_hosts\": {}, \"discovery_failovers\": {}, "
                        "\"remote_fetches_shared\": {}, \"remote_fetch_seconds\": {:.6f}, "
                        "\"remote_sources_skipped\": {}, \"remote_fetch_workers\": {}",
-                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, d.refused_hosts, f.shared,
+                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, d.refused_hosts, d.failovers, f.shared,
                        f.fetch_seconds, f.sources_skipped, fetch_workers_);
   }
 
@@ -643,8 +654,10 @@ class MembershipLink final : public ClusterLink {
                        JsonText(status.last_cause), status.registrations, status.attempts,
                        JsonText(status.last_error), status.self.runtime_uuid,
                        JsonText(RemoteOffReason(*membership_))) +
-           fmt::format(", \"placement_fingerprint\": \"{}\", \"peer_listen\": \"{}\", \"peer_refused\": {}",
-                       membership_->placement().fingerprint(), peers_ ? peers_->address : "",
+           fmt::format(", \"placement_fingerprint\": \"{}\", \"catalog_replicas\": {}, "
+                       "\"catalog_reduced_coverage\": {}, \"peer_listen\": \"{}\", \"peer_refused\": {}",
+                       membership_->placement().fingerprint(), membership_->placement().replicas(),
+                       membership_->placement().reduced_coverage() ? 1 : 0, peers_ ? peers_->address : "",
                        peers_ ? peers_->service->refused() : 0) +
            (peers_ ? peers_->directory->StatusJson() : std::string()) +
            (catalog_ ? catalog_->StatusJson() : std::string()) +
@@ -713,6 +726,7 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   options.cluster_name = config.cluster_name;
   options.node_id = config.node_id;
   options.membership_ttl_secs = config.membership_ttl_secs;
+  options.catalog_replicas = config.catalog_replicas;
   if (!config.catalog_nodes.empty()) {
     ORBITKV_ASSIGN_OR_RETURN(options.catalog_nodes,
                              cluster::SplitFlagList("--catalog-nodes", config.catalog_nodes));

@@ -287,6 +287,10 @@ const std::vector<Option>& Options() {
       {"catalog-nodes", "ID[,ID...]",
        "the 1-16 Node IDs that host catalog shards (the same on every Manager)",
        StringInto(&ManagerConfig::catalog_nodes)},
+      {"catalog-replicas", "N",
+       "copies of each catalog shard, on distinct catalog nodes (default 3; capped by the number of "
+       "--catalog-nodes, and the same on every Manager): with 3, a lost catalog host costs no lookup",
+       Uint32Into(&ManagerConfig::catalog_replicas, 1, 5)},
       {"peer-endpoint", "HOST:PORT",
        "where other Managers reach this one (advertised in its member record); starts the peer "
        "listener (orbitkv.peer.v1 over gRPC)",

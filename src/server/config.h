@@ -68,6 +68,7 @@ struct ManagerConfig {
   std::string node_id;
   uint32_t membership_ttl_secs = 10;
   std::string catalog_nodes;  // id[,id...]
+  uint32_t catalog_replicas = 3;  // copies of each catalog shard (capped by the catalog nodes)
   std::string
       peer_endpoint;  // host:port peers reach this Manager at (advertised in its member record)
   std::string peer_listen;  // host:port the peer listener binds; empty: peer_endpoint

@@ -198,17 +198,21 @@ TEST(DistributedManagerTest, PeerListenersAnswerHealthAndRefuseBadRoutes) {
 // plays that member: it joins the cluster through the real membership code and serves Health.
 class OtherVersionPeer final : public peer::v1::Peer::Service {
  public:
-  enum class Mode { kAnswersV2, kRefusesV1, kSpeaksV1 };
-  std::atomic<Mode> mode{Mode::kAnswersV2};
+  // kAnswersNext: Health answers with the next protocol version; kRefusesThis: Health refuses this Manager's
+  // version; kSpeaksThis: upgraded to this version.
+  enum class Mode { kAnswersNext, kRefusesThis, kSpeaksThis };
+  std::atomic<Mode> mode{Mode::kAnswersNext};
   std::string node_id, runtime_uuid;
   grpc::Status Health(grpc::ServerContext*, const peer::v1::HealthRequest* request,
                       peer::v1::HealthResponse* response) override {
-    if (mode == Mode::kRefusesV1) {
+    if (mode == Mode::kRefusesThis) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          fmt::format("peer protocol version {} from node '{}', this Manager speaks 2",
-                                      request->route().protocol_version(), request->route().source_node_id()));
+                          fmt::format("peer protocol version {} from node '{}', this Manager speaks {}",
+                                      request->route().protocol_version(), request->route().source_node_id(),
+                                      catalog::kPeerProtocolVersion + 1));
     }
-    response->set_protocol_version(mode == Mode::kAnswersV2 ? 2 : 1);
+    response->set_protocol_version(mode == Mode::kAnswersNext ? catalog::kPeerProtocolVersion + 1
+                                                              : catalog::kPeerProtocolVersion);
     response->set_node_id(node_id);
     response->set_runtime_uuid(runtime_uuid);
     return grpc::Status::OK;
@@ -259,7 +263,9 @@ TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndL
   std::string stats = await("\"peers_incompatible\": 1");
   EXPECT_NE(stats.find("\"peers_incompatible\": 1"), std::string::npos) << stats;
   EXPECT_NE(stats.find("\"remote_work\": 0"), std::string::npos) << stats;
-  EXPECT_NE(StringField(stats, "remote_work_off_reason").find("speaks orbitkv.peer v2"), std::string::npos)
+  EXPECT_NE(StringField(stats, "remote_work_off_reason")
+                .find(fmt::format("speaks orbitkv.peer v{}", catalog::kPeerProtocolVersion + 1)),
+            std::string::npos)
       << stats;
   EXPECT_NE(testing::MetricsText(metrics_port).find("orbitkv_membership_remote_work_enabled 0"),
             std::string::npos);
@@ -275,14 +281,15 @@ TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndL
     EXPECT_TRUE((*client)->Ping().ok());
   }
   // A peer that refuses this Manager's version is incompatible the same way.
-  other.mode = OtherVersionPeer::Mode::kRefusesV1;
+  other.mode = OtherVersionPeer::Mode::kRefusesThis;
   stats = await("refuses this Manager");
-  EXPECT_NE(StringField(stats, "remote_work_off_reason").find("refuses this Manager's orbitkv.peer v1"),
+  EXPECT_NE(StringField(stats, "remote_work_off_reason")
+                .find(fmt::format("refuses this Manager's orbitkv.peer v{}", catalog::kPeerProtocolVersion)),
             std::string::npos)
       << stats;
   EXPECT_NE(stats.find("\"remote_work\": 0"), std::string::npos) << stats;
   // Upgraded to this version: remote work is on again.
-  other.mode = OtherVersionPeer::Mode::kSpeaksV1;
+  other.mode = OtherVersionPeer::Mode::kSpeaksThis;
   stats = await("\"peers_healthy\": 1");
   EXPECT_NE(stats.find("\"peers_incompatible\": 0"), std::string::npos) << stats;
   EXPECT_NE(stats.find("\"remote_work\": 1"), std::string::npos) << stats;
