@@ -118,17 +118,18 @@ def start_etcd(host: str, work: str, procs: list) -> str:
 
 
 def start_managers(net, nodes: list[str], etcd_endpoint: str, work: str, procs: list, manager_bin: str, cli: str,
-                   extra: list[str], per_node=None) -> list[str]:
-    """One distributed Manager per node (host i of `net`), every node a catalog host; waits until each answers.
-    `per_node(i)`: flags of host i's alone (on loopback, its own metrics port). Returns their sockets."""
+                   extra: list[str], per_node=None, cluster: str = "run") -> list[str]:
+    """One distributed Manager per node (host i of `net`), every node a catalog host, in etcd cluster `cluster`;
+    waits until each answers. `per_node(i)`: flags of host i's alone (on loopback, its own metrics port). Returns
+    their sockets."""
     sockets = []
     first = len(procs)
     for i, node in enumerate(nodes):
-        sock = f"{work}/{node}.sock"
+        sock = f"{work}/{cluster}-{node}.sock"
         sockets.append(sock)
         peer = f"{net.address(i)}:{7070 if isinstance(net, Mesh) else free_port('127.0.0.1')}"
         flags = ["--socket", sock, "--log-level", "warn", "--log-file", f"{work}/{node}.log",
-                 "--etcd-endpoints", etcd_endpoint, "--cluster-name", "run", "--node-id", node,
+                 "--etcd-endpoints", etcd_endpoint, "--cluster-name", cluster, "--node-id", node,
                  "--catalog-nodes", ",".join(nodes), "--peer-endpoint", peer,
                  "--transfer-listen", net.address(i), "--ucx-tls", "tcp", "--ucx-net-devices", net.device(i), *extra,
                  *(per_node(i) if per_node else [])]
