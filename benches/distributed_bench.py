@@ -261,9 +261,10 @@ def nft_block_peer_port(net, host: int, on: bool) -> None:
     """Drops (on) or lets through again (off) every packet to and from host `host`'s peer port 7070: a blackholed
     catalog host."""
     if on:
-        rules = ("table inet okv_bench { chain in { type filter hook input priority 0; tcp dport 7070 drop; "
-                 "tcp sport 7070 drop; } chain out { type filter hook output priority 0; tcp dport 7070 drop; "
-                 "tcp sport 7070 drop; } }")
+        rules = ("table inet okv_bench {\n"
+                 "  chain in { type filter hook input priority 0; tcp dport 7070 drop; tcp sport 7070 drop; }\n"
+                 "  chain out { type filter hook output priority 0; tcp dport 7070 drop; tcp sport 7070 drop; }\n"
+                 "}\n")
         subprocess.run(net.launcher(host) + ["nft", "-f", "-"], input=rules, text=True, check=True)
     else:
         subprocess.run(net.launcher(host) + ["nft", "delete", "table", "inet", "okv_bench"], check=True)

@@ -287,7 +287,7 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
   }
   {
     MutexLock lock(&mu_);
-    if (granted_by_.size() >= kMaxChannels) granted_by_.clear();
+    if (granted_by_.size() >= kMaxGrantOrigins) granted_by_.erase(granted_by_.begin());  // make room for one
     granted_by_[{node, runtime}] = member.record;
   }
   peer::v1::AuthorizeResponse response;

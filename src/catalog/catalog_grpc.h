@@ -84,7 +84,8 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   Mutex mu_;
   // The member records grants came from, by (node, runtime): where a release by grant id goes when the view does
-  // not show that start any more. At most kMaxChannels (cleared when full).
+  // not show that start any more. At most kMaxGrantOrigins (one source start each; one goes to make room).
+  static constexpr size_t kMaxGrantOrigins = 1024;
   std::map<std::pair<std::string, std::string>, cluster::MemberRecord> granted_by_ GUARDED_BY(mu_);
   // Peer channels, at most kMaxChannels (the least recently used one goes first).
   static constexpr size_t kMaxChannels = 64;

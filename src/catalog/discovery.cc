@@ -20,21 +20,21 @@ bool Discovery::BreakerOpen(const std::string& host, MonoTime now) {
   return it != open_until_.end() && now < it->second;
 }
 
-std::vector<std::string> Discovery::Order(std::vector<std::string> copies, MonoTime now) {
+std::vector<std::string> Discovery::Order(std::vector<std::string> copies, const std::string& shard, uint64_t turn,
+                                          MonoTime now) {
   if (copies.size() <= 1) return copies;
-  // The rotation first (per requester and shard), then a stable sort by breaker (closed first) and by the copy's
-  // last answer for this shard (complete first).
-  const std::string first = copies.front();
-  const size_t turn = static_cast<size_t>((options_.rotation + std::hash<std::string>{}(first)) % copies.size());
-  std::rotate(copies.begin(), copies.begin() + static_cast<std::ptrdiff_t>(turn), copies.end());
+  // The rotation first (per requester and shard), then a stable sort by breaker (closed first) and by whether the
+  // copy answered incomplete for this shard lately.
+  const std::string& first = shard;
+  std::rotate(copies.begin(), copies.begin() + static_cast<std::ptrdiff_t>(turn % copies.size()), copies.end());
   std::vector<std::pair<int, std::string>> ranked;  // (rank, host): stable-sorted by rank below
   {
     MutexLock lock(&mu_);
     for (std::string& host : copies) {
       auto open = open_until_.find(host);
       const bool broken = open != open_until_.end() && now < open->second;
-      auto seen = complete_.find({host, first});
-      const bool incomplete = seen != complete_.end() && !seen->second;
+      auto seen = incomplete_until_.find({host, first});
+      const bool incomplete = seen != incomplete_until_.end() && now < seen->second;
       ranked.emplace_back((broken ? 2 : 0) + (incomplete ? 1 : 0), std::move(host));
     }
   }
@@ -83,7 +83,7 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   // The unknown keys from the first unknown one on, each with its shard's copies in the order to ask them.
   struct Pending {
     state::StateKey key;
-    std::string shard;  // the shard's first copy in placement order: names the shard in complete_
+    std::string shard;  // names the key's shard (its number with shard_of, else its first copy in placement order)
     std::vector<std::string> copies;  // in the order to ask them
     size_t next = 0;  // the copy to ask next
   };
@@ -92,8 +92,9 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
     if (!index_->Find(keys[i]).empty()) continue;
     std::vector<std::string> copies =
         options_.copies_of ? options_.copies_of(keys[i]) : std::vector<std::string>{options_.host_of(keys[i])};
-    std::string shard = copies.front();
-    pending.push_back(Pending{keys[i], std::move(shard), Order(std::move(copies), start), 0});
+    std::string shard = options_.shard_of ? std::to_string(options_.shard_of(keys[i])) : copies.front();
+    const uint64_t turn = options_.rotation + std::hash<std::string>{}(shard);
+    pending.push_back(Pending{keys[i], shard, Order(std::move(copies), shard, turn, start), 0});
   }
   std::set<std::string> skipped;
   std::vector<std::string> failed, refused;
@@ -127,18 +128,26 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
         for (size_t seen = max_in_flight.load(); now_in_flight > seen &&
                                                  !max_in_flight.compare_exchange_weak(seen, now_in_flight);) {
         }
-        // A copy that is the last one left for some key gets the whole budget; otherwise the per-copy deadline, so
-        // a copy that does not answer costs at most that before the next copy is asked.
+        // A copy that is the last one left for some key (no later copy with a closed breaker) gets the whole budget;
+        // otherwise each RPC gets the per-copy deadline, so a copy that does not answer costs at most that before
+        // the next copy is asked.
         bool last_for_some = false;
-        for (size_t i : mine) last_for_some = last_for_some || pending[i].next + 1 >= pending[i].copies.size();
-        const Deadline rpc_deadline =
-            last_for_some ? deadline
-                          : Deadline::At(std::min(deadline.when(), Deadline::After(options_.copy_deadline).when()));
+        for (size_t i : mine) {
+          bool later = false;
+          for (size_t c = pending[i].next + 1; c < pending[i].copies.size() && !later; ++c) {
+            later = !BreakerOpen(pending[i].copies[c], options_.now());
+          }
+          last_for_some = last_for_some || !later;
+        }
         std::vector<size_t> retry;
-        bool complete = true;
+        std::map<std::string, bool> complete;  // shard -> every row of it from this host was complete
         for (size_t at = 0; at < mine.size(); at += options_.max_keys_per_rpc) {
           const size_t n = std::min(options_.max_keys_per_rpc, mine.size() - at);
           if (deadline.Expired()) break;
+          const Deadline rpc_deadline =
+              last_for_some
+                  ? deadline
+                  : Deadline::At(std::min(deadline.when(), Deadline::After(options_.copy_deadline).when()));
           std::vector<state::StateKey> batch;
           batch.reserve(n);
           for (size_t k = 0; k < n; ++k) batch.push_back(pending[mine[at + k]].key);
@@ -159,7 +168,6 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
               failed.push_back(host);
             }
             for (size_t k = at; k < mine.size(); ++k) retry.push_back(mine[k]);
-            complete = false;
             break;
           }
           for (size_t k = 0; k < n; ++k) {
@@ -169,12 +177,14 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
             } else if (!row.complete) {
               retry.push_back(mine[at + k]);  // a miss from an incomplete copy proves nothing: ask the next one
             }
-            complete = complete && row.complete;
+            auto [it, fresh] = complete.emplace(pending[mine[at + k]].shard, row.complete);
+            if (!fresh) it->second = it->second && row.complete;
           }
         }
         {
+          const MonoTime until = options_.now() + options_.breaker_open;
           MutexLock lock(&mu_);
-          for (size_t i : mine) complete_[{host, pending[i].shard}] = complete;
+          for (const auto& [shard, whole] : complete) incomplete_until_[{host, shard}] = whole ? MonoTime{} : until;
         }
         MutexLock lock(&again_mu);
         again.insert(again.end(), retry.begin(), retry.end());

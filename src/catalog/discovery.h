@@ -3,7 +3,7 @@
 // (a warm query makes no RPC); the unknown ones are grouped by their shard's catalog copies (issue 54: each shard
 // has up to --catalog-replicas copies on distinct hosts), sent in batches of at most `max_keys_per_rpc`, with at
 // most `max_hosts` shards' lookups in flight at once and one total time budget. A shard's copies are tried one
-// after another (failover), ordered by breaker state, then copies that answered complete before, then a rotation
+// after another (failover), ordered by breaker state, then copies not seen incomplete lately, then a rotation
 // that spreads requesters over the copies; every copy but the last one asked has a short per-copy deadline
 // (`copy_deadline`), so a blackholed copy costs at most that before the next copy is asked, all within the budget.
 // A host that fails or times out opens its breaker: later discoveries skip it at once (for `breaker_open`) instead
@@ -54,7 +54,8 @@ class LookupTransport {
 };
 
 // The message a peer's route check refuses with while its member view is incomplete (UNAVAILABLE).
-inline constexpr std::string_view kViewIncompleteRefusal = "the member view is incomplete";
+// (MemberView::Find's own message on this side contains it too.)
+inline constexpr std::string_view kViewIncompleteRefusal = "member view is incomplete";
 
 // Whether `status` is membership skew rather than a host that is down or too slow: a peer's quick refusal by its
 // route check (it answered), or this side's view not showing the host as a live member now (NOT_FOUND: no RPC was
@@ -80,8 +81,10 @@ class Discovery {
     std::function<std::vector<std::string>(const state::StateKey&)> copies_of;
     // Or, with one copy a shard: the catalog host a key's shard is placed on (used when copies_of is empty).
     std::function<std::string(const state::StateKey&)> host_of;
-    // Spreads requesters over a shard's copies (e.g. a hash of the requester's Node ID).
+    // Spreads requesters over a shard's copies (e.g. a hash of the requester's Node ID), and with shard_of a
+    // requester's shards over their copies: a shard's copies are rotated by (rotation + shard_of(key)).
     uint64_t rotation = 0;
+    std::function<uint32_t(const state::StateKey&)> shard_of;
     std::function<MonoTime()> now = [] { return MonoNow(); };
   };
   struct Outcome {
@@ -115,8 +118,10 @@ class Discovery {
 
  private:
   bool BreakerOpen(const std::string& host, MonoTime now) EXCLUDES(mu_);
-  // `copies` in the order to ask them (breakers closed first, then the ones last seen complete, then the rotation).
-  std::vector<std::string> Order(std::vector<std::string> copies, MonoTime now) EXCLUDES(mu_);
+  // `copies` in the order to ask them (breakers closed first, then those not seen incomplete lately, then the
+  // rotation).
+  std::vector<std::string> Order(std::vector<std::string> copies, const std::string& shard, uint64_t turn,
+                                 MonoTime now) EXCLUDES(mu_);
   void Trip(const std::string& host, MonoTime now) EXCLUDES(mu_);
 
   const Options options_;
@@ -124,8 +129,9 @@ class Discovery {
   LookupTransport* const transport_;
   mutable Mutex mu_;
   std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
-  // (host, the shard's first copy) -> whether that copy's last answer for the shard was complete.
-  std::map<std::pair<std::string, std::string>, bool> complete_ GUARDED_BY(mu_);
+  // (host, shard) -> until when that copy counts as incomplete for the shard (its last answer
+  // was; for breaker_open, so that a copy once incomplete is preferred again later and so asked again).
+  std::map<std::pair<std::string, std::string>, MonoTime> incomplete_until_ GUARDED_BY(mu_);
   Stats stats_ GUARDED_BY(mu_);
   // Lookups in flight, by the first key they look up.
   Flights<state::StateKey, state::StateKeyHash> flights_;

@@ -73,24 +73,42 @@ void ReleaseQueue::Work() {
     Item item;
     {
       MutexLock lock(&mu_);
+      // The earliest due release of a node no other worker is sending to: one unreachable source holds at most
+      // one worker (for one RPC timeout at a time), never both.
       for (;;) {
         if (stop_) return;
-        if (!due_.empty() && due_.begin()->first <= MonoNow()) break;
-        if (due_.empty()) {
+        const MonoTime now = MonoNow();
+        auto next = due_.end();
+        MonoTime wait_until = MonoTime::max();
+        for (auto it = due_.begin(); it != due_.end(); ++it) {
+          if (busy_nodes_.count(it->second.node) != 0) continue;
+          if (it->first <= now) {
+            next = it;
+          } else {
+            wait_until = it->first;
+          }
+          break;
+        }
+        if (next != due_.end()) {
+          item = std::move(next->second);
+          due_.erase(next);
+          break;
+        }
+        if (wait_until == MonoTime::max()) {
           wake_.wait(mu_);
         } else {
-          const MonoTime until = due_.begin()->first;  // a copy: another worker may take that item meanwhile
-          wake_.wait_until(mu_, until);
+          wake_.wait_until(mu_, wait_until);  // a copy: another worker may take that item meanwhile
         }
       }
-      item = std::move(due_.begin()->second);
-      due_.erase(due_.begin());
+      busy_nodes_.insert(item.node);
       ++sending_;
     }
     Result<bool> answer = inner_->Release(item.node, item.runtime, item.request_id, item.grant_id,
                                           Deadline::After(options_.rpc_timeout));
     MutexLock lock(&mu_);
     --sending_;
+    busy_nodes_.erase(item.node);
+    wake_.notify_all();  // that node's other releases may go now
     const MonoTime now = MonoNow();
     if (answer.ok() || answer.status().code() == StatusCode::kNotFound) {
       const bool held = answer.ok() && *answer;

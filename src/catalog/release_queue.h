@@ -2,7 +2,9 @@
 // fetch"). It is the SourceTransport the fetch path uses: Authorize goes straight to the transport it wraps, and
 // Release is queued and answered at once, so a fetch worker never waits for a source that does not answer (a
 // gRPC-only partition after a grant, a source stopped with SIGSTOP). Two worker threads send the releases, each
-// RPC bounded by `rpc_timeout`, and retry a failed one with jittered backoff until `give_up_after` (the longest
+// RPC bounded by `rpc_timeout`, at most one at a time to any one node (so an unreachable source holds one worker at
+// most and releases to other sources keep going), and retry a failed one with jittered backoff until
+// `give_up_after` (the longest
 // grant lifetime a source allows: by then it revoked the grant itself). A release that finds nothing held, or a
 // source that restarted (NotFound), ends there. At most `max_queued` releases wait; past that Release answers
 // ResourceExhausted and the grant expires at its source (counted as dropped).
@@ -16,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -89,6 +92,7 @@ class ReleaseQueue final : public SourceTransport {
   std::condition_variable_any wake_;
   std::multimap<MonoTime, Item> due_ GUARDED_BY(mu_);  // by when the next attempt may go
   size_t sending_ GUARDED_BY(mu_) = 0;
+  std::set<std::string> busy_nodes_ GUARDED_BY(mu_);  // nodes a worker is sending a release to now
   bool stop_ GUARDED_BY(mu_) = false;
   Stats stats_ GUARDED_BY(mu_);
   std::minstd_rand jitter_ GUARDED_BY(mu_){std::random_device{}()};

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <algorithm>
 #include <functional>
 #include <mutex>
 #include <set>
@@ -23,6 +24,12 @@ class PartitionedSources final : public SourceTransport {
                        Deadline deadline) override {
     std::unique_lock<std::mutex> lock(mu);
     ++attempts[node];
+    max_in_flight[node] = std::max(max_in_flight[node], ++in_flight[node]);
+    struct Done {
+      PartitionedSources* self;
+      std::string node;
+      ~Done() { --self->in_flight[node]; }
+    } done{this, node};
     cv.notify_all();
     if (gone.count(node) != 0) return Status::NotFound(node + " restarted");
     // Behind the partition the RPC hangs until its deadline (or the partition heals meanwhile).
@@ -50,6 +57,7 @@ class PartitionedSources final : public SourceTransport {
   std::set<std::string> partitioned, gone;
   std::set<uint64_t> released;
   std::map<std::string, int> attempts;
+  std::map<std::string, int> in_flight, max_in_flight;  // concurrent Release RPCs per node
 };
 
 ReleaseQueue::Options Quick() {
@@ -105,6 +113,25 @@ TEST(ReleaseQueueTest, ARestartedSourceEndsTheReleaseAndOneNeverHealedIsAbandone
   EXPECT_EQ(sources.attempts["g"], 1);  // NotFound is an answer: no retry
   EXPECT_GE(sources.attempts["p"], 2);
   EXPECT_TRUE(sources.released.empty());
+}
+
+// Many releases to one unreachable source hold one worker at most (one RPC to a node at a time): a release to
+// another source goes through while they wait.
+TEST(ReleaseQueueTest, ManyReleasesToOneUnreachableSourceHoldOneWorkerAtMost) {
+  PartitionedSources sources;
+  sources.partitioned.insert("p");
+  ReleaseQueue queue(Quick(), &sources, nullptr);
+  for (uint64_t i = 0; i < 6; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, Deadline::Infinite()).ok());
+  ASSERT_TRUE(sources.WaitFor([&] { return sources.attempts["p"] >= 3; }));
+  ASSERT_TRUE(queue.Release("q", "rt-q", 9, 999, Deadline::Infinite()).ok());
+  ASSERT_TRUE(sources.WaitFor([&] { return sources.released.count(999) == 1; }));
+  {
+    std::lock_guard<std::mutex> lock(sources.mu);
+    EXPECT_EQ(sources.max_in_flight["p"], 1);
+    EXPECT_TRUE(std::none_of(sources.released.begin(), sources.released.end(), [](uint64_t g) { return g < 999; }));
+  }
+  sources.Heal("p");
+  ASSERT_TRUE(sources.WaitFor([&] { return sources.released.size() == 7; }));
 }
 
 TEST(ReleaseQueueTest, PastItsBoundTheQueueRefusesAndCountsTheDrop) {

@@ -64,7 +64,7 @@ Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
   if (!source.ok()) {
     if (source.status().code() == StatusCode::kUnavailable) {
       return Status::Unavailable(
-          fmt::format("{} (etcd unreachable, or this Manager is registering again): cannot check the sender",
+          fmt::format("the {} (etcd unreachable, or this Manager is registering again): cannot check the sender",
                       kViewIncompleteRefusal));
     }
     return Status::PermissionDenied(

@@ -92,6 +92,10 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
   // One authorization at a time (each is a few microseconds of pinning): a duplicate waits for the first and
   // finds its grant, never a second ticket.
   MutexLock serial(&authorize_mu_);
+  if (!accepting_) {  // checked under authorize_mu_: no grant slips in after RevokeAll(stop accepting)
+    return Status::FailedPrecondition(
+        "this source's registration ended: no new grants until it is registered again (retry later)");
+  }
   {
     MutexLock lock(&mu_);
     auto it = holds_.find(key);
@@ -227,8 +231,14 @@ bool SourceHolds::ReleaseGrant(const std::string& peer_node, uint64_t grant_id) 
   return true;
 }
 
-size_t SourceHolds::RevokeAll(std::string_view why) {
+void SourceHolds::Accept() {
+  MutexLock serial(&authorize_mu_);
+  accepting_ = true;
+}
+
+size_t SourceHolds::RevokeAll(std::string_view why, bool stop_accepting) {
   MutexLock serial(&authorize_mu_);  // no authorization lands between the scan and the revocations
+  if (stop_accepting) accepting_ = false;
   std::vector<std::pair<HoldKey, uint64_t>> all;
   {
     MutexLock lock(&mu_);

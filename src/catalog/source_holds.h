@@ -132,8 +132,12 @@ class SourceHolds {
   size_t ExpireDue() EXCLUDES(mu_);
   // Quarantines and revokes every hold not being revoked yet (this Manager's registration ended: its grants belong
   // to a start of it that peers no longer address). The pins go once each grant drained, as ever; holds granted
-  // later are not affected and never wait for these. Returns how many it revoked.
-  size_t RevokeAll(std::string_view why) EXCLUDES(authorize_mu_, mu_);
+  // later are not affected and never wait for these. With `stop_accepting`, Authorize refuses (FailedPrecondition)
+  // until Accept(): an authorization already past the peer service's remote-work check cannot slip in after the
+  // revocation. Returns how many it revoked.
+  size_t RevokeAll(std::string_view why, bool stop_accepting = false) EXCLUDES(authorize_mu_, mu_);
+  // Grants again after RevokeAll(..., true) (a new registration).
+  void Accept() EXCLUDES(authorize_mu_);
   // Quarantines and revokes every hold of requesters `alive` says are gone (it gets node and runtime); their
   // endpoints are force-closed (GrantIssuer::RevokePeer). Returns how many requesters.
   size_t DropVanished(const std::function<bool(const std::string& node, const std::string& runtime)>& alive)
@@ -173,6 +177,7 @@ class SourceHolds {
   Counter* exhausted_ = nullptr;
 
   Mutex authorize_mu_;  // before mu_
+  bool accepting_ GUARDED_BY(authorize_mu_) = true;
   mutable Mutex mu_;
   std::map<HoldKey, Hold> holds_ GUARDED_BY(mu_);
   Stats stats_ GUARDED_BY(mu_);

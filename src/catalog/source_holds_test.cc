@@ -257,8 +257,12 @@ TEST_F(SourceHoldsTest, RevokeAllQuarantinesEveryGrantUntilItDrainedAndLaterGran
   const auto versions = Publish(Chain(7, 3));
   ASSERT_TRUE(holds_->Authorize(Args({versions[0]}, 1, "rt-x")).ok());
   ASSERT_TRUE(holds_->Authorize(Args({versions[1]}, 2, "rt-y")).ok());
-  EXPECT_EQ(holds_->RevokeAll("registration lapsed"), 2u);
+  EXPECT_EQ(holds_->RevokeAll("registration lapsed", /*stop_accepting=*/true), 2u);
   EXPECT_EQ(holds_->RevokeAll("again"), 0u);  // already revoking
+  // Until the new registration, nothing more is granted (an Authorize already past the remote-work check too).
+  auto refused = holds_->Authorize(Args({versions[2]}, 3, "rt-new"));
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+  holds_->Accept();
   EXPECT_EQ(issuer_.live(), 0u);
   EXPECT_EQ(holds_->GetStats().quarantined, 2u);
   EXPECT_EQ(holds_->GetStats().quarantined_bytes, 2 * kBlock);

@@ -475,8 +475,12 @@ void Membership::Supervise() {
         handled = false;
         break;
       }
-      const bool final = status.code() == StatusCode::kAlreadyExists ||
-                         status.code() == StatusCode::kFailedPrecondition;
+      // Final only for this Membership's own verdicts (another runtime holds the Node ID, the placement or the
+      // etcd cluster changed). etcd's own errors, FAILED_PRECONDITION among them ("not leader", "not capable"
+      // right after a restart), carry the client's "etcd <method> at <endpoint>" prefix and are retried.
+      const bool from_etcd = status.message().rfind("etcd ", 0) == 0;
+      const bool final = !from_etcd && (status.code() == StatusCode::kAlreadyExists ||
+                                        status.code() == StatusCode::kFailedPrecondition);
       int64_t attempt = 0;
       {
         MutexLock lock(&mu_);
@@ -527,11 +531,15 @@ Status Membership::Reregister(Deadline deadline) {
   ORBITKV_ASSIGN_OR_RETURN(
       int64_t placement_revision,
       InstallOrVerifyPlacement(*client_, options_.cluster_name, *placement_, deadline));
-  self.record.runtime_uuid = NewRuntimeUuid();
   self.lease_id = 0;
   {
+    // One candidate UUID for every attempt until one registers it (own_uuids_ does not grow with each retry).
     MutexLock lock(&mu_);
-    own_uuids_.push_back(self.record.runtime_uuid);
+    if (candidate_uuid_.empty()) {
+      candidate_uuid_ = NewRuntimeUuid();
+      own_uuids_.push_back(candidate_uuid_);
+    }
+    self.record.runtime_uuid = candidate_uuid_;
   }
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<RegistrationClock> clock,
                            Register(placement_revision, deadline, &self));
@@ -548,6 +556,7 @@ Status Membership::Reregister(Deadline deadline) {
   }
   {
     MutexLock lock(&mu_);
+    candidate_uuid_.clear();
     clocks_.push_back(std::move(clock));
     self_ = self;
     state_ = MembershipState::kRegistered;

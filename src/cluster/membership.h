@@ -214,6 +214,7 @@ class Membership {
   int64_t lease_ttl_secs_ GUARDED_BY(mu_) = 0;
   uint64_t etcd_cluster_id_ GUARDED_BY(mu_) = 0;
   std::vector<std::string> own_uuids_ GUARDED_BY(mu_);  // every runtime UUID this Membership registered
+  std::string candidate_uuid_ GUARDED_BY(mu_);  // the UUID the attempts to register again use, until one does
   std::vector<std::unique_ptr<RegistrationClock>> clocks_ GUARDED_BY(mu_);
   std::unique_ptr<LeaseKeeper> keeper_ GUARDED_BY(mu_);
   std::unique_ptr<ViewSync> view_sync_ GUARDED_BY(mu_);

@@ -465,6 +465,7 @@ class RemoteNode {
       return membership.placement().CopiesOf(state::ShardOf(key, cluster::kNumShards));
     };
     discovery.rotation = std::hash<std::string>{}(config.node_id);
+    discovery.shard_of = [](const state::StateKey& key) { return state::ShardOf(key, cluster::kNumShards); };
     discovery_ = std::make_unique<catalog::Discovery>(std::move(discovery), &index_, &requester_);
     holds_ = std::make_unique<catalog::SourceHolds>(catalog::SourceHolds::Options{}, &cache->table(), &cache->pool(),
                                                     &cache->transfer_budget(), &issuer_, metrics);
@@ -500,13 +501,16 @@ class RemoteNode {
   }
 
   // The registration lapsed: every grant this source gave goes (quarantined until drained).
-  void OnLapsed(const std::string& cause) { holds_->RevokeAll(fmt::format("the registration ended: {}", cause)); }
+  void OnLapsed(const std::string& cause) {
+    holds_->RevokeAll(fmt::format("the registration ended: {}", cause), /*stop_accepting=*/true);
+  }
   // A new registration: requests name it, and what was learnt of peers' starts before is forgotten.
   void OnRegistered(const catalog::PeerIdentity& self) {
     requester_.SetSelf(self);
     index_.Clear();
     discovery_->ResetBreakers();
     holds_->RevokeAll("registered again");  // none normally: no grant is given while remote work is off
+    holds_->Accept();
   }
 
   catalog::SourceHolds* holds() { return holds_.get(); }
@@ -815,8 +819,11 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
                           started.ToString());
       }
     };
-    // A lapse between the join and now went unseen by the hooks: catch up.
-    if (const cluster::MemberRecord now = membership->self(); now.runtime_uuid != runtime.ToString()) {
+    // A lapse or fence between the join and now went unseen by the hooks: catch up (both are idempotent; the
+    // supervisor may call them again once these hooks are set).
+    if (membership->state() != cluster::MembershipState::kRegistered) {
+      hooks->lapsed("the registration ended while the Manager was starting");
+    } else if (const cluster::MemberRecord now = membership->self(); now.runtime_uuid != runtime.ToString()) {
       hooks->registered(now);
     }
   }
