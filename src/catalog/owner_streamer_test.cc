@@ -209,6 +209,43 @@ TEST(OwnerStreamerTest, ARestartedCatalogHostIsRepairedFromTheOwner) {
   EXPECT_EQ(store->Dump(kShard, "node-a"), OwnerView(*inventory));
 }
 
+// Issue 54: a shard's copies are each fed by the owner's own stream to it. One copy unreachable while the owner
+// keeps publishing, then back as a new start (restarted empty): only its stream snapshots again; the other copy
+// follows with deltas throughout and never notices.
+TEST(OwnerStreamerTest, TwoCopiesOfAShardAreFedByTheirOwnStreamsAndOneResyncsAlone) {
+  auto inventory = Inventory();
+  CatalogStore copy_c({0xc1});
+  auto copy_d = std::make_unique<CatalogStore>(CatalogStore::Options{0xd1});
+  InProcessTransport to_c(&copy_c), to_d(copy_d.get());
+  Churn churn(inventory.get(), 11);
+  churn.Run(300);
+  OwnerStreamer::Options to_node_c = StreamerOptions(), to_node_d = StreamerOptions();
+  to_node_d.catalog_node = "node-d";
+  auto c = *OwnerStreamer::Create(to_node_c, inventory.get(), &to_c);
+  auto d = *OwnerStreamer::Create(to_node_d, inventory.get(), &to_d);
+  Drain(*c);
+  Drain(*d);
+  ASSERT_EQ(copy_c.Dump(kShard, "node-a"), OwnerView(*inventory));
+  ASSERT_EQ(copy_d->Dump(kShard, "node-a"), OwnerView(*inventory));
+  to_d.unavailable = true;
+  for (int round = 0; round < 5; ++round) {
+    churn.Run(100);
+    Drain(*c);
+    for (int i = 0; i < 10; ++i) d->Step();
+    ASSERT_EQ(copy_c.Dump(kShard, "node-a"), OwnerView(*inventory)) << round;
+  }
+  copy_d = std::make_unique<CatalogStore>(CatalogStore::Options{0xd2});
+  to_d.set_store(copy_d.get());
+  to_d.unavailable = false;
+  churn.Run(10);
+  Drain(*c);
+  Drain(*d);
+  EXPECT_EQ(copy_d->Dump(kShard, "node-a"), OwnerView(*inventory));
+  EXPECT_EQ(copy_c.Dump(kShard, "node-a"), OwnerView(*inventory));
+  EXPECT_EQ(c->snapshots(), 1u);  // the copy that stayed up never resynced
+  EXPECT_GE(d->snapshots(), 2u);
+}
+
 // A journal too small for the churn: the subscriber is flagged for resync, and a snapshot whose
 // interval overflowed the journal mid-cut is aborted and retried until one fits.
 TEST(OwnerStreamerTest, AJournalThatLostHistoryForcesSnapshotsAndAnOverflowingIntervalIsRetried) {
