@@ -1,5 +1,9 @@
 #include "catalog/peer_directory.h"
 
+#include <algorithm>
+#include <atomic>
+#include <random>
+#include <thread>
 #include <utility>
 
 #include "base/logging.h"
@@ -94,11 +98,29 @@ PeerDirectory::Peer PeerDirectory::Probe(const cluster::Member& member) {
 void PeerDirectory::ProbeAll() {
   const cluster::MemberView::Snapshot view = members_->Read();
   if (!view.complete) return;  // keep what we knew; the view is refreshed first
-  std::map<std::string, Peer> probed;
+  std::vector<const cluster::Member*> others;
   for (const cluster::Member& member : view.members) {
-    if (member.record.node_id == options_.self.node_id /* the node never changes */) continue;
-    probed.emplace(member.record.node_id, Probe(member));
+    if (member.record.node_id != options_.self.node_id /* the node never changes */) others.push_back(&member);
   }
+  // In parallel, at most max_probes_in_flight at once: each worker takes the next member.
+  std::vector<Peer> results(others.size());
+  std::atomic<size_t> next{0}, in_flight{0};
+  auto work = [&] {
+    for (size_t i = next.fetch_add(1); i < others.size(); i = next.fetch_add(1)) {
+      const size_t now = in_flight.fetch_add(1) + 1;
+      for (size_t seen = max_probes_seen_.load(); now > seen && !max_probes_seen_.compare_exchange_weak(seen, now);) {
+      }
+      results[i] = Probe(*others[i]);
+      in_flight.fetch_sub(1);
+    }
+  };
+  const size_t workers = std::min(std::max<size_t>(options_.max_probes_in_flight, 1), others.size());
+  std::vector<std::thread> threads;
+  for (size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+  if (workers > 0) work();
+  for (std::thread& t : threads) t.join();
+  std::map<std::string, Peer> probed;
+  for (size_t i = 0; i < others.size(); ++i) probed.emplace(others[i]->record.node_id, std::move(results[i]));
   MutexLock lock(&mu_);
   for (const auto& [node, peer] : probed) {
     auto before = peers_.find(node);
@@ -124,6 +146,8 @@ void PeerDirectory::ProbeAll() {
 void PeerDirectory::Loop() {
   uint64_t generation = 0;
   auto last = std::chrono::steady_clock::now() - options_.probe_interval;
+  std::chrono::milliseconds interval = options_.probe_interval;
+  std::minstd_rand jitter{std::random_device{}()};
   for (;;) {
     {
       MutexLock lock(&mu_);
@@ -131,9 +155,13 @@ void PeerDirectory::Loop() {
     }
     const uint64_t now_generation = members_->Read().generation;
     const auto now = std::chrono::steady_clock::now();
-    if (now_generation != generation || now - last >= options_.probe_interval) {
+    if (now_generation != generation || now - last >= interval) {
       generation = now_generation;
       last = now;
+      // The next round after 80-120 % of the interval.
+      std::uniform_int_distribution<int64_t> spread(options_.probe_interval.count() * 8 / 10,
+                                                    options_.probe_interval.count() * 12 / 10);
+      interval = std::chrono::milliseconds(spread(jitter));
       ProbeAll();
     }
     MutexLock lock(&mu_);

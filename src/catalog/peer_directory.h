@@ -1,7 +1,9 @@
 // PeerDirectory: the sending half of orbitkv.peer.v1 in a distributed Manager. It keeps one gRPC
 // channel per member of the cluster (with this Manager's client certificate under mutual TLS) and
-// probes each member's current start with Health, on its own thread, every probe interval and
-// whenever the member view changes. What it learns (per peer: healthy, unreachable or incompatible,
+// probes each member's current start with Health, on its own thread, every probe interval (jittered
+// to 80-120 %, so Managers do not probe in lockstep) and whenever the member view changes; one round
+// probes the members in parallel, at most `max_probes_in_flight` at once (issue 52: 4,096 members are
+// not 4,096 serial RPCs a round). What it learns (per peer: healthy, unreachable or incompatible,
 // its transfer address and capabilities) is what later callers (discovery, remote fetch) route by.
 //
 // A peer that speaks another protocol version (its Health answers another version, or it refuses
@@ -14,6 +16,7 @@
 #ifndef ORBITKV_CATALOG_PEER_DIRECTORY_H_
 #define ORBITKV_CATALOG_PEER_DIRECTORY_H_
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -37,6 +40,7 @@ class PeerDirectory {
     std::shared_ptr<grpc::ChannelCredentials> credentials;
     std::chrono::milliseconds probe_interval{2000};
     std::chrono::milliseconds rpc_timeout{1000};
+    size_t max_probes_in_flight = 16;
     // The protocol version this Manager speaks (a test may pretend another).
     uint32_t protocol_version = kPeerProtocolVersion;
   };
@@ -68,6 +72,8 @@ class PeerDirectory {
   // Empty while no peer is incompatible; else which peer speaks what, and that remote work is off.
   std::string incompatibility() const EXCLUDES(mu_);
   std::vector<Peer> Peers() const EXCLUDES(mu_);
+  // The most probes one round had in flight at once (since construction).
+  size_t max_probes_seen() const { return max_probes_seen_.load(std::memory_order_relaxed); }
   // ", \"peers_healthy\": ..." fields for `orbitkv stats`.
   std::string StatusJson() const EXCLUDES(mu_);
 
@@ -85,6 +91,7 @@ class PeerDirectory {
   std::map<std::string, Peer> peers_ GUARDED_BY(mu_);  // by node id: the members of the last probe
   std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ GUARDED_BY(mu_);  // by endpoint
   std::thread thread_;
+  std::atomic<size_t> max_probes_seen_{0};
 };
 
 std::string_view PeerHealthName(PeerDirectory::Health health);

@@ -4,8 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
+#include <thread>
+
+#include "catalog/peer_directory.h"
 
 namespace orbitkv::catalog {
 namespace {
@@ -85,6 +89,60 @@ TEST_F(PeerServiceTest, ARefusedRouteCarriesItsCodeAndReasonOverTheWire) {
   stranger.set_source_node_id("mallory");
   EXPECT_EQ(FromGrpc(Health(stranger, &response)).code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(service_->refused(), 2u);
+}
+
+// A Health that takes its time and counts how many probes reach it at once (the peers of a large cluster, all
+// answering from one server here).
+class SlowHealth final : public peer::v1::Peer::Service {
+ public:
+  grpc::Status Health(grpc::ServerContext*, const peer::v1::HealthRequest* request,
+                      peer::v1::HealthResponse* response) override {
+    const int now = ++in_flight;
+    for (int seen = max_in_flight.load(); now > seen && !max_in_flight.compare_exchange_weak(seen, now);) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    --in_flight;
+    ++answered;
+    response->set_protocol_version(kPeerProtocolVersion);
+    response->set_node_id(request->route().destination_node_id());
+    response->set_runtime_uuid(request->route().destination_runtime_uuid());
+    return grpc::Status::OK;
+  }
+  std::atomic<int> in_flight{0}, max_in_flight{0}, answered{0};
+};
+
+// Issue 52, item 3: one probe round over 48 members runs in parallel, never more than max_probes_in_flight at
+// once, and learns every member.
+TEST(PeerDirectoryTest, AProbeRoundRunsInParallelWithinItsBound) {
+  SlowHealth health;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&health);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  cluster::MemberView view;
+  std::map<std::string, cluster::Member> members;
+  for (int i = 0; i < 48; ++i) {
+    cluster::Member m;
+    const std::string node = "n" + std::to_string(i);
+    m.record = cluster::MemberRecord{"c1", node, 1, "127.0.0.1:" + std::to_string(port), "uuid-" + node};
+    members.emplace(node, m);
+  }
+  view.Install(std::move(members), 1);
+  PeerDirectory::Options options;
+  options.self = PeerIdentity{"c1", "self", "uuid-self", 1, "fp"};
+  options.max_probes_in_flight = 8;
+  PeerDirectory directory(options, &view);
+  directory.ProbeAll();
+  EXPECT_EQ(health.answered.load(), 48);
+  EXPECT_LE(health.max_in_flight.load(), 8);
+  EXPECT_LE(directory.max_probes_seen(), 8u);
+  EXPECT_GE(directory.max_probes_seen(), 2u);  // not one after another
+  const std::vector<PeerDirectory::Peer> peers = directory.Peers();
+  ASSERT_EQ(peers.size(), 48u);
+  for (const auto& peer : peers) EXPECT_EQ(peer.health, PeerDirectory::Health::kHealthy) << peer.reason;
+  server->Shutdown();
 }
 
 }  // namespace
