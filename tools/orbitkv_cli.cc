@@ -226,6 +226,14 @@ int main(int argc, char** argv) {
         registration += "; the last registration ended: " + text("membership_last_cause");
       }
       fmt::print("{}\n", registration);
+      // Issue 54: the catalog copies a shard has, and whether a lost catalog host may cost lookups.
+      if (!f["catalog_replicas"].empty()) {
+        fmt::print("catalog: {} cop{} of each shard{}\n", f["catalog_replicas"],
+                   f["catalog_replicas"] == "1" ? "y" : "ies",
+                   f["catalog_reduced_coverage"] == "1"
+                       ? " (reduced failure coverage: give at least 3 --catalog-nodes and --catalog-replicas 3)"
+                       : "");
+      }
       std::string reason = text("membership_off_reason");
       if (reason.empty()) reason = text("remote_work_off_reason");
       fmt::print(

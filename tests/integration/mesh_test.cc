@@ -395,6 +395,8 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
     // Every key answered by each of its copies (two catalog nodes: both keep every shard, reduced coverage).
     EXPECT_EQ(answered, 100u * Field(StatsOf(*managers[0]), "catalog_replicas"));
     EXPECT_EQ(Field(StatsOf(*managers[0]), "catalog_reduced_coverage"), 1u);
+    const std::string status = testing::CliOutput({"status", "--socket", managers[0]->socket()});
+    EXPECT_NE(status.find("catalog: 2 copies of each shard (reduced failure coverage"), std::string::npos) << status;
 
   }
   // The same through Discovery over Peer.Lookup: 1,000 of node-1's keys are learnt in batches per catalog host
@@ -1492,6 +1494,8 @@ TEST_F(FourHostMeshTest, ThreeCopiesKeepEveryLookupThroughAKilledABlackholedAndT
   ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
   EXPECT_EQ(Field(StatsOf(*managers[1]), "catalog_replicas"), 3u);
   EXPECT_EQ(Field(StatsOf(*managers[1]), "catalog_reduced_coverage"), 0u);
+  const std::string status = testing::CliOutput({"status", "--socket", managers[1]->socket()});
+  EXPECT_NE(status.find("catalog: 3 copies of each shard\n"), std::string::npos) << status;
   MeshEngine b(*managers[1], 2, kBlocks);
   auto expect_full = [&](int c) {
     auto [hits, exact] = b.QueryAndRestore(chains[static_cast<size_t>(c)]);
