@@ -1,0 +1,349 @@
+// Distributed hardening in the mesh (issues 51 and 54): an etcd outage ended by a new registration without a
+// restart, a grant release behind a partition, a three-member etcd losing members, and three catalog copies on
+// four hosts losing two. Label `distributed` (serial: the mesh's addresses are fixed), fixture in mesh_fixture.h.
+#include "mesh_fixture.h"  // first: it brings gRPC in
+
+#include <fmt/ranges.h>
+
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catalog/catalog_grpc.h"
+#include "catalog/candidate_index.h"
+#include "catalog/discovery.h"
+#include "catalog/remote_plan.h"
+#include "cluster/placement.h"
+#include "transfer/descriptor.h"
+#include "transfer/test_util.h"
+#include "transfer/ucx_engine.h"
+
+namespace orbitkv {
+namespace {
+
+using namespace mesh_testing;  // NOLINT: the fixture and its checks
+
+// Reads the first block a grant covers from its source, into a buffer of this process, through a UCX engine of
+// the test's own on the bridge: the read a holder of the grant could make. The batch's status.
+Status ReadFirstGrantedBlock(const catalog::Authorized& authorized, const std::string& device) {
+  transfer::UcxEngineOptions options;
+  options.listen_address = std::string(testing::NetnsMesh::kRootAddress) + ":0";
+  options.transports = "tcp";
+  options.net_devices = device;
+  auto reader = transfer::UcxTransferEngine::Create(options);
+  if (!reader.ok()) return reader.status();
+  const catalog::SourceGrant& grant = authorized.reply.grant;
+  if (grant.blocks.empty()) return Status::NotFound("the grant covers no block");
+  const catalog::SourceGrant::Block& block = grant.blocks[0];
+  std::vector<uint8_t> landing(block.bytes);
+  auto local = (*reader)->RegisterRegion(landing.data(), landing.size());
+  if (!local.ok()) return local.status();
+  transfer::ReadBatchRequest read;
+  read.peer = authorized.reply.ucx_address;
+  read.grant = grant.grant_id;
+  for (const auto& bytes : grant.regions) {
+    auto descriptor = transfer::DecodeDescriptor(bytes);
+    if (!descriptor.ok()) return descriptor.status();
+    read.remotes.push_back(*descriptor);
+  }
+  read.fragments = {transfer::Fragment{block.region, block.offset, *local, 0, block.bytes}};
+  read.deadline = Deadline::After(std::chrono::seconds(10));
+  transfer::testing::BatchWaiter waiter;
+  if (auto started = (*reader)->ReadBatch(read, waiter.Callback()); !started.ok()) return started.status();
+  auto result = waiter.Wait(Deadline::After(std::chrono::seconds(20)));
+  if (!result.has_value()) return Status::DeadlineExceeded("the read never completed");
+  if (result->status.ok() && result->bytes != block.bytes) {
+    return Status::DataLoss(fmt::format("{} bytes landed of {}", result->bytes, block.bytes));
+  }
+  return result->status;
+}
+
+// Issue 51: etcd stopped for twice the membership TTL (3 s) and started again. Every Manager serves locally
+// throughout; each registers again, in-process, under a higher epoch and a new cluster-facing runtime UUID (its
+// engine-facing incarnation and transfer engine stay); a remote hit afterwards is byte-exact; and a grant with a
+// 30 s lifetime a peer took before the outage is refused a read after the recovery, well before its deadline (the
+// source revoked every grant of its old registration, and freed their pins once drained).
+TEST_F(MeshTest, AnEtcdOutageOfTwiceTheTtlEndsInANewRegistrationWithoutARestart) {
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  ASSERT_TRUE(StartManagers(kHosts, "outage", &managers));
+  auto all = [&] { return All(managers); };
+  constexpr uint32_t kBlocks = 16;
+  const auto x = testing::Chain(9700, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+  std::vector<uint64_t> epochs;
+  std::vector<std::string> engine_uuids, cluster_uuids;
+  for (const auto& m : managers) {
+    const std::string stats = StatsOf(*m);
+    epochs.push_back(Field(stats, "membership_epoch"));
+    engine_uuids.push_back(StringField(stats, "runtime_uuid"));
+    cluster_uuids.push_back(StringField(stats, "cluster_runtime_uuid"));
+    EXPECT_EQ(cluster_uuids.back(), engine_uuids.back()) << stats;  // one identity until a registration is redone
+  }
+
+  // A peer played by the test, as node-1's current start, takes a 30 s grant of x at node-0 and reads under it.
+  cluster::MemberView view;
+  InstallMembers(&view);
+  const cluster::MemberRecord r1 = view.Find(Node(1))->record;
+  const std::string placement = StringField(StatsOf(*managers[0]), "placement_fingerprint");
+  catalog::GrpcRequesterTransport transport({"mesh", Node(1), r1.runtime_uuid, r1.epoch, placement}, &view, nullptr);
+  catalog::CandidateIndex index({});
+  auto placed = cluster::Placement::Create({"node-0", "node-1", "node-2"});
+  ASSERT_TRUE(placed.ok());
+  catalog::Discovery::Options discovery_options;
+  discovery_options.host_of = [&](const state::StateKey& key) {
+    return placed->OwnerOf(cluster::Placement::ShardOf(key));
+  };
+  catalog::Discovery discovery(discovery_options, &index, &transport);
+  ASSERT_EQ(discovery.Discover(x).known_prefix, x.size());
+  catalog::AuthorizeOptions authorize;
+  authorize.self_node = Node(1);
+  authorize.request_id = 51;
+  authorize.lifetime = std::chrono::seconds(30);
+  const MonoTime granted_at = MonoNow();
+  catalog::AuthorizeOutcome granted = catalog::AuthorizeBest(x, index, transport, authorize);
+  ASSERT_TRUE(granted.authorized.has_value()) << granted.last_error;
+  ASSERT_EQ(granted.authorized->span.node, Node(0));
+  const Status before = ReadFirstGrantedBlock(*granted.authorized, mesh_->root_veth());
+  ASSERT_TRUE(before.ok()) << before;
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_sessions"), 1u);
+
+  // etcd down for 2 x TTL: every registration lapses; local saves and restores go on everywhere.
+  ASSERT_TRUE(etcd_->Stop().ok());
+  std::vector<std::unique_ptr<MeshEngine>> locals;
+  for (int i = 0; i < kHosts; ++i) {
+    locals.push_back(std::make_unique<MeshEngine>(*managers[i], 10 + i, kBlocks));
+    const auto w = testing::Chain(9710 + i, kBlocks);
+    ASSERT_TRUE(testing::SaveChain(*locals[i]->client, 10 + i, locals[i]->kv, w).ok());
+    auto [hits, exact] = locals[i]->QueryAndRestore(w);
+    EXPECT_EQ(hits, kBlocks) << Node(i);
+    EXPECT_EQ(exact, kBlocks) << Node(i);
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(6));
+  for (int i = 0; i < kHosts; ++i) {
+    const std::string stats = StatsOf(*managers[i]);
+    EXPECT_EQ(StringField(stats, "membership"), "expired") << stats;
+    EXPECT_EQ(Field(stats, "remote_work"), 0u) << stats;
+    EXPECT_GE(Field(stats, "membership_attempts"), 1u) << stats;
+    const auto w = testing::Chain(9710 + i, kBlocks);
+    auto [hits, exact] = locals[i]->QueryAndRestore(w);
+    EXPECT_EQ(hits, kBlocks) << Node(i);
+    EXPECT_EQ(exact, kBlocks) << Node(i);
+  }
+  // `orbitkv status` says what is going on and why remote work is off.
+  const std::string during = testing::CliOutput({"status", "--socket", managers[1]->socket()});
+  EXPECT_NE(during.find("registration: expired for"), std::string::npos) << during;
+  EXPECT_NE(during.find("registering again, attempt"), std::string::npos) << during;
+  EXPECT_NE(during.find("remote work off: the registration lapsed"), std::string::npos) << during;
+  // The source revoked the grants of its lapsed registration: the hold is gone once the grant drained.
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+
+  ASSERT_TRUE(etcd_->Launch().ok());
+  ASSERT_TRUE(etcd_->WaitReady(Deadline::After(std::chrono::seconds(30))).ok()) << etcd_->LogTail();
+  for (int i = 0; i < kHosts; ++i) {
+    EXPECT_EQ(FieldWhen(*managers[i], "remote_work", 1), 1u) << StatsOf(*managers[i]);
+    const std::string stats = StatsOf(*managers[i]);
+    EXPECT_EQ(StringField(stats, "membership"), "registered") << stats;
+    EXPECT_GT(Field(stats, "membership_epoch"), epochs[i]) << stats;
+    EXPECT_EQ(Field(stats, "membership_registrations"), 2u) << stats;
+    EXPECT_NE(StringField(stats, "membership_last_cause"), "") << stats;
+    EXPECT_NE(StringField(stats, "cluster_runtime_uuid"), cluster_uuids[i]) << stats;
+    EXPECT_EQ(StringField(stats, "runtime_uuid"), engine_uuids[i]) << stats;  // the engine-facing identity stays
+    // etcd holds the new registration.
+    const cluster::MemberRecord record = RecordOf(etcd_->endpoint(), Node(i), "mesh");
+    EXPECT_EQ(record.runtime_uuid, StringField(stats, "cluster_runtime_uuid"));
+    EXPECT_EQ(static_cast<uint64_t>(record.epoch), Field(stats, "membership_epoch"));
+  }
+  const std::string recovered = testing::CliOutput({"status", "--socket", managers[1]->socket()});
+  EXPECT_NE(recovered.find("registration: registered for"), std::string::npos) << recovered;
+  EXPECT_NE(recovered.find("2 registrations); the last registration ended: "), std::string::npos) << recovered;
+  EXPECT_NE(recovered.find("remote work on"), std::string::npos) << recovered;
+  // A remote hit: node-1 fetches x from node-0, byte-exact (the new views and catalogs may need a moment).
+  MeshEngine b(*managers[1], 2, kBlocks);
+  size_t hits = 0, exact = 0;
+  for (int attempt = 0; attempt < 40 && hits < kBlocks; ++attempt) {
+    std::tie(hits, exact) = b.QueryAndRestore(x);
+    if (hits < kBlocks) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  EXPECT_EQ(hits, kBlocks) << StatsOf(*managers[1]);
+  EXPECT_EQ(exact, kBlocks);
+  // The grant taken before the outage is refused now, long before its 30 s are over.
+  const Status after = ReadFirstGrantedBlock(*granted.authorized, mesh_->root_veth());
+  EXPECT_FALSE(after.ok());
+  EXPECT_LT(MonoNow() - granted_at, std::chrono::seconds(30));
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_quarantined_bytes"), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "transfer_grants"), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
+// Issue 51: gRPC between node-1 and node-0 blocked right after node-0 granted node-1 a prefix (its UCX port was
+// blocked first, so the read hangs to the stage's deadline and the grant outlives it). The release waits in node-1's
+// release queue, not on its one fetch worker: another prefix, from node-2, is fetched while that release is still
+// pending, and once gRPC is open again the release goes through.
+TEST_F(MeshTest, AReleaseBehindAPartitionBlocksNoOtherFetchAndGoesThroughOnceHealed) {
+  catalog_nodes_ = "node-2";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  const std::vector<std::vector<std::string>> extra = {
+      {"--transfer-listen", mesh_->address(0) + ":7400"},
+      {"--remote-fetch-deadline-ms", "3000", "--remote-fetch-workers", "1"},
+      {}};
+  for (int i = 0; i < kHosts; ++i) {
+    managers.push_back(StartManager(i, fmt::format("release-{}", i), extra[i]));
+    ASSERT_TRUE(managers.back()->running()) << managers.back()->LogText();
+  }
+  constexpr uint32_t kBlocks = 16;
+  const auto x = testing::Chain(9800, kBlocks), y = testing::Chain(9801, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks), c(*managers[2], 3, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
+  ASSERT_TRUE(testing::SaveChain(*c.client, 3, c.kv, y).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  MeshEngine b(*managers[1], 2, kBlocks);
+
+  ASSERT_TRUE(mesh_->BlockPort(0, 7400).ok());
+  std::future<std::pair<size_t, size_t>> fetching_x = std::async(std::launch::async, [&] { return b.QueryAndRestore(x); });
+  ASSERT_EQ(FieldWhen(*managers[0], "source_sessions", 1), 1u);  // granted; the read hangs
+  ASSERT_TRUE(mesh_->BlockPort(0, 7070, "okv_block_grpc").ok());
+  const auto [hits_x, exact_x] = fetching_x.get();  // the stage's deadline ends it
+  EXPECT_EQ(hits_x, 0u);
+  EXPECT_EQ(exact_x, 0u);
+  std::string stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_releases_queued"), 1u) << stats;
+  EXPECT_EQ(Field(stats, "remote_releases_pending"), 1u) << stats;
+
+  // The only fetch worker is free at once: y comes from node-2 while x's release still waits behind the partition.
+  const auto [hits_y, exact_y] = b.QueryAndRestore(y);
+  EXPECT_EQ(hits_y, kBlocks);
+  EXPECT_EQ(exact_y, kBlocks);
+  stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_releases_pending"), 1u) << stats;
+  EXPECT_EQ(Field(stats, "remote_releases_released") + Field(stats, "remote_releases_not_held"), 1u) << stats;
+
+  ASSERT_TRUE(mesh_->Unblock(0, "okv_block_grpc").ok());
+  ASSERT_TRUE(mesh_->Unblock(0).ok());
+  EXPECT_EQ(FieldWhen(*managers[1], "remote_releases_pending", 0), 0u);
+  stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_releases_released") + Field(stats, "remote_releases_not_held"), 2u) << stats;
+  EXPECT_EQ(Field(stats, "remote_releases_abandoned"), 0u) << stats;
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[0]), "source_pinned_bytes"), 0u);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
+// Issue 51: the Managers on a three-member etcd that the namespaces reach. A follower killed and started again, then
+// the leader killed: the leases ride through both (keepalives and views move to a live member), so no registration
+// lapses and a remote hit afterwards is byte-exact. The members' raft timings are scaled to the tests' 3 s TTL as a
+// production cluster's defaults (100 ms heartbeat, 1 s election) are to the Managers' default 10 s.
+TEST_F(MeshTest, AThreeMemberEtcdLosingAFollowerThenItsLeaderLapsesNoRegistration) {
+  auto cluster = cluster::testing::EtcdCluster::Start(3, Deadline::After(std::chrono::seconds(60)),
+                                                      NetnsMesh::kRootAddress,
+                                                      {"--heartbeat-interval", "30", "--election-timeout", "300"});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  etcd_endpoints_ = fmt::format("{}", fmt::join((*cluster)->endpoints_on(NetnsMesh::kRootAddress), ","));
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  ASSERT_TRUE(StartManagers(kHosts, "ha", &managers));
+  auto all = [&] { return All(managers); };
+  constexpr uint32_t kBlocks = 16;
+  const auto x = testing::Chain(9900, kBlocks), y = testing::Chain(9901, kBlocks);
+  MeshEngine a(*managers[0], 1, kBlocks);
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
+  ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, y).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(all()));
+  MeshEngine b(*managers[1], 2, kBlocks);
+  auto [hits, exact] = b.QueryAndRestore(x);
+  EXPECT_EQ(hits, kBlocks);
+  EXPECT_EQ(exact, kBlocks);
+
+  Result<size_t> leader = (*cluster)->LeaderIndex(Deadline::After(std::chrono::seconds(30)));
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  const size_t follower = (*leader + 1) % 3;
+  (*cluster)->member(follower).Kill();
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  ASSERT_TRUE((*cluster)->member(follower).Launch().ok());
+  ASSERT_TRUE((*cluster)->member(follower).WaitReady(Deadline::After(std::chrono::seconds(30))).ok())
+      << (*cluster)->member(follower).LogTail();
+  (*cluster)->member(*leader).Kill();
+  Result<size_t> next = (*cluster)->LeaderIndex(Deadline::After(std::chrono::seconds(30)));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_NE(*next, *leader);
+  // Two TTLs on the two survivors.
+  std::this_thread::sleep_for(std::chrono::seconds(6));
+  for (int i = 0; i < kHosts; ++i) {
+    EXPECT_EQ(FieldWhen(*managers[i], "remote_work", 1), 1u) << StatsOf(*managers[i]);
+    const std::string stats = StatsOf(*managers[i]);
+    EXPECT_EQ(StringField(stats, "membership"), "registered") << stats;
+    EXPECT_EQ(Field(stats, "membership_registrations"), 1u) << stats;  // never lapsed
+    EXPECT_EQ(StringField(stats, "membership_last_cause"), "") << stats;
+  }
+  std::tie(hits, exact) = b.QueryAndRestore(y);
+  EXPECT_EQ(hits, kBlocks) << StatsOf(*managers[1]);
+  EXPECT_EQ(exact, kBlocks);
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+  ASSERT_TRUE((*cluster)->member(*leader).Launch().ok());
+  managers.clear();  // before the cluster goes
+}
+
+// Four hosts: every shard's three copies on three of them, so any two may be lost.
+class FourHostMeshTest : public MeshTest {
+ protected:
+  FourHostMeshTest() { hosts_ = 4; }
+};
+
+// Issue 54: three copies a shard on four catalog hosts. node-3 killed with SIGKILL while node-1 runs cold queries:
+// no lookup fails and no hit is wrong (the killed copy's shards are asked of another copy in the same lookup);
+// node-2's gRPC then blackholed (nftables drop): lookups that meet it first go on to the next copy after the
+// per-copy deadline; with both lost every shard still has a copy, so cold queries still hit in full, and a cached
+// prefix is served locally.
+TEST_F(FourHostMeshTest, ThreeCopiesKeepEveryLookupThroughAKilledABlackholedAndTwoLostCatalogHosts) {
+  catalog_nodes_ = "node-0,node-1,node-2,node-3";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  ASSERT_TRUE(StartManagers(4, "copies", &managers));
+  constexpr uint32_t kBlocks = 16;
+  constexpr int kChains = 12;
+  MeshEngine a(*managers[0], 1, kBlocks);
+  std::vector<std::vector<state::StateKey>> chains;
+  for (int c = 0; c < kChains; ++c) {
+    chains.push_back(testing::Chain(9950 + static_cast<uint64_t>(c), kBlocks));
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, chains.back()).ok());
+  }
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  EXPECT_EQ(Field(StatsOf(*managers[1]), "catalog_replicas"), 3u);
+  EXPECT_EQ(Field(StatsOf(*managers[1]), "catalog_reduced_coverage"), 0u);
+  const std::string status = testing::CliOutput({"status", "--socket", managers[1]->socket()});
+  EXPECT_NE(status.find("catalog: 3 copies of each shard\n"), std::string::npos) << status;
+  MeshEngine b(*managers[1], 2, kBlocks);
+  auto expect_full = [&](int c) {
+    auto [hits, exact] = b.QueryAndRestore(chains[static_cast<size_t>(c)]);
+    EXPECT_EQ(hits, kBlocks) << "chain " << c << ": " << StatsOf(*managers[1]);
+    EXPECT_EQ(exact, hits) << "chain " << c;
+  };
+
+  // node-3 killed while the cold queries run.
+  std::thread killer([&] {
+    AwaitRemoteFetch(*managers[1]);
+    managers[3]->Stop(SIGKILL);
+  });
+  for (int c = 0; c < 4; ++c) expect_full(c);
+  killer.join();
+  for (int c = 4; c < 6; ++c) expect_full(c);
+  std::string stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_no_source"), 0u) << stats;
+  EXPECT_EQ(Field(stats, "remote_fetch_failures"), 0u) << stats;
+
+  // node-2's peer port blackholed as well: two of four catalog hosts lost.
+  ASSERT_TRUE(mesh_->BlockPort(2, 7070).ok());
+  const uint64_t failovers = Field(stats, "discovery_failovers");
+  for (int c = 6; c < kChains; ++c) expect_full(c);
+  stats = StatsOf(*managers[1]);
+  EXPECT_EQ(Field(stats, "remote_no_source"), 0u) << stats;
+  EXPECT_GT(Field(stats, "discovery_failovers"), failovers) << stats;
+  // A prefix already fetched is served locally, whatever the catalogs.
+  expect_full(0);
+  ASSERT_TRUE(mesh_->Unblock(2).ok());
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
+}  // namespace
+}  // namespace orbitkv
