@@ -44,7 +44,7 @@ import orbitkv  # noqa: E402
 from orbitkv import refengine  # noqa: E402
 from orbitkv.vllm.sequential import SequentialEngine  # noqa: E402
 from orbitkv.workload import Engine as KvEngine  # noqa: E402
-from run_cluster import BRIDGE, Mesh, start_etcd, start_managers, stop_all  # noqa: E402
+from run_cluster import BRIDGE, Mesh, start_etcd, start_managers, stop_all, wait_catalogs  # noqa: E402
 
 PREFIX_PAGES = 64
 PREFIXES = 6
@@ -208,12 +208,7 @@ def registration_recovery(etcd_proc: subprocess.Popen, etcd_endpoint: str, engin
             engine.compute(key, p)
         clients[i].save(engine.instance, [(k, p) for p, k in enumerate(keys)])
         prefixes.append(keys)
-    deadline = time.monotonic() + 60
-    replicas = clients[0].stats()["catalog_replicas"]
-    while sum(c.stats()["catalog_records"] for c in clients) != replicas * sum(c.stats()["inventory_records"] for c in clients):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the catalogs never caught up before the outage")
-        time.sleep(0.05)
+    wait_catalogs(lambda: [c.stats() for c in clients], "the prefixes saved before the outage")
     args = etcd_proc.args
     etcd_proc.send_signal(signal.SIGTERM)
     etcd_proc.wait(timeout=30)
@@ -283,13 +278,7 @@ def catalog_failover(net, engines, clients) -> dict:
         engines[0].compute(key[0], 0)
         clients[0].save(engines[0].instance, [(key[0], 0)])
         keys.append(key)
-    deadline = time.monotonic() + 60
-    replicas = clients[0].stats()["catalog_replicas"]
-    while sum(c.stats()["catalog_records"] for c in clients) != replicas * sum(c.stats()["inventory_records"]
-                                                                               for c in clients):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the catalogs never caught up before the failover round")
-        time.sleep(0.05)
+    wait_catalogs(lambda: [c.stats() for c in clients], "the blocks of the failover round")
 
     def query(key) -> tuple[float, bool]:
         for view in engines[1].views:
@@ -335,14 +324,7 @@ def metadata_rate(net, etcd: str, work: str, manager_bin: str, cli: str, replica
                 for p, key in enumerate(keys):
                     engine.compute(key, p)
                 client.save(engine.instance, [(k, p) for p, k in enumerate(keys)])
-        deadline = time.monotonic() + 60
-        while True:
-            s = [c.stats() for c in clients]
-            if sum(x["catalog_records"] for x in s) == replicas * sum(x["inventory_records"] for x in s) > 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the catalogs ({replicas} copies) never caught up")
-            time.sleep(0.02)
+        wait_catalogs(lambda: [c.stats() for c in clients], f"the saves ({replicas} copies a shard)", poll=0.02)
         time.sleep(max(0.0, t0 + METADATA_WINDOW_S - time.perf_counter()))
         return (sent() - bytes0) / (time.perf_counter() - t0)
     finally:
@@ -487,14 +469,7 @@ def main(argv=None) -> int:
         mesh = transfer_read_mesh(build, net, 0, 1)  # host 1 reads from host 0, as the fetch does
         mesh_read = mesh["transfer_read_1m"]
         mesh_copy = transfer_read_mesh(build, net, 0, 1, with_copy=True)["transfer_read_1m"]
-        deadline = time.monotonic() + 60
-        while True:
-            s = [c.stats() for c in clients]
-            if sum(x["catalog_records"] for x in s) == s[0]["catalog_replicas"] * sum(x["inventory_records"] for x in s) > 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the catalogs never caught up with host 0's blocks")
-            time.sleep(0.05)
+        wait_catalogs(lambda: [c.stats() for c in clients], "host 0's blocks")
 
         if os.environ.get("ORBITKV_DBENCH_PAUSE"):  # for a profiler: a marker, then a pause before the fetches
             print("distributed_bench: fetching next", file=sys.stderr, flush=True)

@@ -25,7 +25,7 @@ import orbitkv
 from distributed_bench import (PREFIX_PAGES, cpu_seconds, emit, fetch_round, iperf3_mesh, percentile,
                                transfer_read_mesh)
 from orbitkv.workload import Engine as KvEngine
-from run_cluster import Loopback, free_port, start_etcd, start_managers, stop_all
+from run_cluster import Loopback, free_port, start_etcd, start_managers, stop_all, wait_catalogs
 
 SEQUENTIAL_PREFIXES = 6
 CONCURRENT_PREFIXES = 8
@@ -67,14 +67,7 @@ class Cluster:
         return self.procs[1 + host].pid  # procs: etcd, host-0, host-1, host-2
 
     def wait_catalogs(self) -> None:
-        deadline = time.monotonic() + 60
-        while True:
-            s = [c.stats() for c in self.clients]
-            if sum(x["catalog_records"] for x in s) == s[0]["catalog_replicas"] * sum(x["inventory_records"] for x in s) > 0:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError("the catalogs never caught up with the Managers' blocks")
-            time.sleep(0.05)
+        wait_catalogs(lambda: [c.stats() for c in self.clients], "the Managers' blocks")
 
     def close(self) -> None:
         stop_all(self.procs)

@@ -146,6 +146,20 @@ def start_managers(net, nodes: list[str], etcd_endpoint: str, work: str, procs: 
     return sockets
 
 
+def wait_catalogs(read_stats, what: str, timeout: float = 60.0, poll: float = 0.05) -> None:
+    """Until every copy of every catalog shard holds what its owners hold: the catalog records over the Managers
+    whose stats `read_stats()` returns equal their inventories' records times the copies a shard has (issue 54).
+    RuntimeError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = read_stats()
+        if sum(x["catalog_records"] for x in s) == s[0]["catalog_replicas"] * sum(x["inventory_records"] for x in s) > 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the catalogs never caught up with {what}")
+        time.sleep(poll)
+
+
 def stop_all(procs: list) -> None:
     for p in reversed(procs):
         if p.poll() is None:
@@ -192,14 +206,7 @@ def main() -> int:
         env = {**os.environ, "PYTHONPATH": os.path.join(os.getcwd(), "python")}
         log("host-0: the chat computes and saves its prefixes")
         status |= subprocess.run(chat + ["--socket", sockets[0]], env=env).returncode
-        deadline = time.monotonic() + 60
-        while True:
-            s = [stats(i) for i in range(HOSTS)]
-            if sum(x["catalog_records"] for x in s) == s[0]["catalog_replicas"] * sum(x["inventory_records"] for x in s) > 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the catalogs never caught up with host-0's blocks")
-            time.sleep(0.1)
+        wait_catalogs(lambda: [stats(i) for i in range(HOSTS)], "host-0's blocks", poll=0.1)
         for i in range(1, HOSTS):
             log(f"host-{i}: the same chat; its Manager fetches the prefixes from its peers")
             status |= subprocess.run(chat + ["--socket", sockets[i]], env=env).returncode

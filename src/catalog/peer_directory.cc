@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "base/json_text.h"
 #include "base/logging.h"
 #include "catalog/peer_service.h"
 
@@ -198,15 +199,10 @@ std::string PeerDirectory::StatusJson() const {
       }
     }
   }
-  std::string escaped;
-  for (char c : reason) {
-    if (c == '"' || c == '\\') escaped += '\\';
-    escaped += (c == '\n' ? ' ' : c);
-  }
   return fmt::format(", \"peers_healthy\": {}, \"peers_unreachable\": {}, \"peers_incompatible\": {}, "
                      "\"remote_work_off_reason\": \"{}\"",
                      counts[static_cast<int>(Health::kHealthy)], counts[static_cast<int>(Health::kUnreachable)],
-                     counts[static_cast<int>(Health::kIncompatible)], escaped);
+                     counts[static_cast<int>(Health::kIncompatible)], JsonText(reason));
 }
 
 }  // namespace orbitkv::catalog

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "base/clock.h"
+#include "base/json_text.h"
 #include "fmt/ranges.h"
 #include "base/logging.h"
 #include "cluster/membership.h"
@@ -614,15 +615,6 @@ std::string RemoteOffReason(const cluster::Membership& m) {
     default:
       return fmt::format("membership is {}", cluster::MembershipStateName(s.state));
   }
-}
-
-std::string JsonText(std::string_view text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += (c == '\n' ? ' ' : c);
-  }
-  return out;
 }
 
 class MembershipLink final : public ClusterLink {

@@ -9,6 +9,7 @@
 // of range) gets an error reply and the session continues.
 #include <memory>
 
+#include "base/json_text.h"
 #include "base/logging.h"
 #include "channel/claims.h"
 #include "channel/messages.h"
@@ -130,14 +131,7 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
 namespace {
 
 // A JSON string literal of a label (the Manager accepted it without control characters).
-std::string JsonString(std::string_view text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
-}
+std::string JsonString(std::string_view text) { return "\"" + JsonText(text) + "\""; }
 
 // `, "instances": [{"instance": ID, "session": OWNER, "identity": "LABEL"}, ...]`.
 std::string InstancesJson(const InstanceTable& table) {
