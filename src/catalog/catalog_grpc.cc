@@ -164,7 +164,8 @@ std::shared_ptr<peer::v1::Peer::Stub> GrpcRequesterTransport::StubFor(const std:
 }
 
 Result<std::vector<LookupRow>> GrpcRequesterTransport::Lookup(const std::string& host,
-                                                           std::span<const state::StateKey> keys, Deadline deadline) {
+                                                           std::span<const state::StateKey> keys, Deadline deadline,
+                                                           CallCancel* cancel) {
   ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members_->Find(host));
   if (member.record.endpoint.empty()) {
     return Status::Unavailable(fmt::format("catalog host '{}' has no peer endpoint", host));
@@ -179,8 +180,13 @@ Result<std::vector<LookupRow>> GrpcRequesterTransport::Lookup(const std::string&
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline.Remaining()));
+  std::shared_ptr<peer::v1::Peer::Stub> stub = StubFor(member.record.endpoint);
+  if (cancel != nullptr && !cancel->Arm([&context] { context.TryCancel(); })) {
+    return Status::Cancelled(fmt::format("lookup at '{}' cancelled", host));
+  }
   lookups_.fetch_add(1, std::memory_order_relaxed);
-  const grpc::Status status = StubFor(member.record.endpoint)->Lookup(&context, request, &response);
+  const grpc::Status status = stub->Lookup(&context, request, &response);
+  if (cancel != nullptr) cancel->Disarm();  // before `context` goes
   if (!status.ok()) return FromGrpc(status);
   std::vector<LookupRow> rows;
   rows.reserve(static_cast<size_t>(response.rows_size()));

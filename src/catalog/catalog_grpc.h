@@ -63,7 +63,7 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
   GrpcRequesterTransport(PeerIdentity self, const cluster::MemberView* members,
                          std::shared_ptr<grpc::ChannelCredentials> credentials);
   Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
-                                        Deadline deadline) override;
+                                        Deadline deadline, CallCancel* cancel) override;
   Result<SourceReply> Authorize(const std::string& node, const std::string& runtime, uint64_t request_id,
                                 std::span<const SourceBlockVersion> blocks, uint64_t byte_limit,
                                 std::chrono::milliseconds lifetime, Deadline deadline) override;

@@ -2,14 +2,17 @@
 // discovery behavior"; issue 21, item 2, requester side). Keys the candidate index already knows cost nothing
 // (a warm query makes no RPC); the unknown ones are grouped by their shard's catalog copies (issue 54: each shard
 // has up to --catalog-replicas copies on distinct hosts), sent in batches of at most `max_keys_per_rpc`, with at
-// most `max_hosts` shards' lookups in flight at once and one total time budget. A shard's copies are tried one
-// after another (failover), ordered by breaker state, then copies not seen incomplete lately, then a rotation
-// that spreads requesters over the copies; every copy but the last one asked has a short per-copy deadline
-// (`copy_deadline`), so a blackholed copy costs at most that before the next copy is asked, all within the budget.
-// A host that fails or times out opens its breaker: later discoveries skip it at once (for `breaker_open`) instead
-// of each waiting out its deadline. Rows with candidates are learnt by the index; an empty row from a complete copy
-// is authoritative (no other copy is asked for that key), one from an incomplete copy is not (the next copy is
-// asked); empty rows are never cached. Never one RPC per block, never a broadcast.
+// most `max_hosts` hosts asked at once (hedges aside) and one total time budget.
+//
+// A shard's copies are ordered by breaker state, then copies not overtaken by a hedge lately, then copies not seen
+// incomplete lately, then a rotation that spreads requesters over the copies. The first copy is asked; when it has
+// not answered within `hedge_after` and a later copy is left, that copy is asked too with the first still in flight
+// (a hedge), the first answer for a key wins and a call no longer needed is cancelled. Every copy but the last one
+// left gets at most `copy_deadline` (then it counts as failed), the last one the rest of the budget. So a dead or
+// blackholed catalog host costs a lookup about `hedge_after`, not the budget. A host that fails or times out opens
+// its breaker: later discoveries skip it at once (for `breaker_open`). Rows with candidates are learnt by the index;
+// an empty row from a complete copy is authoritative (no other copy is asked for that key), one from an incomplete
+// copy is not (the next copy is asked); empty rows are never cached. Never one RPC per block, never a broadcast.
 //
 // Concurrent misses of the same prefix share one lookup: a caller whose first unknown key is being looked up waits
 // for that lookup (within its own budget) and reads the index again; when it brought nothing new, it looks up
@@ -44,13 +47,29 @@ struct LookupRow {
   bool complete = false;
 };
 
+// Lets Discovery cancel a lookup call it no longer needs (a hedge answered first). The transport arms it with how
+// to cancel the call it is about to make (gRPC: ClientContext::TryCancel) and disarms it when the call returned.
+class CallCancel {
+ public:
+  // False when Cancel() came first: then the call is not made.
+  bool Arm(std::function<void()> cancel) EXCLUDES(mu_);
+  void Disarm() EXCLUDES(mu_);
+  void Cancel() EXCLUDES(mu_);
+  bool cancelled() const EXCLUDES(mu_);
+
+ private:
+  mutable Mutex mu_;
+  bool cancelled_ GUARDED_BY(mu_) = false;
+  std::function<void()> cancel_ GUARDED_BY(mu_);
+};
+
 // How the requester reaches catalog hosts (Peer.Lookup in a Manager; in process in the unit tests). Rows align
-// with `keys`.
+// with `keys`. `cancel` may be null; a cancelled call returns CANCELLED soon.
 class LookupTransport {
  public:
   virtual ~LookupTransport() = default;
   virtual Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
-                                                Deadline deadline) = 0;
+                                                Deadline deadline, CallCancel* cancel) = 0;
 };
 
 // The message a peer's route check refuses with while its member view is incomplete (UNAVAILABLE).
@@ -75,8 +94,11 @@ class Discovery {
     size_t max_hosts = 4;  // --discovery-max-hosts
     std::chrono::milliseconds budget{3000};
     std::chrono::milliseconds breaker_open{5000};
-    // How long a copy that is not the last one left to ask may take before the next copy is asked (issue 54).
+    // How long a copy that is not the last one left may take before it counts as failed (issue 54).
     std::chrono::milliseconds copy_deadline{300};
+    // How long a copy that is not the last one left may take before the next copy is asked beside it (a hedge;
+    // --discovery-hedge-ms). A healthy lookup takes about a millisecond in a data centre.
+    std::chrono::milliseconds hedge_after{10};
     // The catalog hosts keeping a key's shard, in placement order (all keys of one shard get the same list).
     std::function<std::vector<std::string>(const state::StateKey&)> copies_of;
     // Or, with one copy a shard: the catalog host a key's shard is placed on (used when copies_of is empty).
@@ -94,6 +116,7 @@ class Discovery {
     std::vector<std::string> failed_hosts;   // asked, failed or too slow: breakers opened
     std::vector<std::string> refused_hosts;  // answered with a route refusal (IsRouteRefusal): no breaker
     size_t failovers = 0;  // shards whose keys went to another copy after one failed, was slow or incomplete
+    size_t hedges = 0;     // calls that were slow and had their keys' next copies asked beside them
     bool coalesced = false;  // answered by another caller's lookup of the same prefix
   };
 
@@ -104,8 +127,9 @@ class Discovery {
     uint64_t failed_hosts = 0;   // hosts that failed or were too slow (breaker opened)
     uint64_t refused_hosts = 0;  // hosts that refused by their route check (membership skew): no breaker
     uint64_t failovers = 0;      // shard lookups that moved on to another copy
+    uint64_t hedges = 0;         // slow calls hedged (their keys' next copies asked beside them)
     uint64_t coalesced = 0;      // discoveries answered by another caller's lookup
-    uint64_t max_hosts_in_flight = 0;  // the most hosts one discovery asked at once
+    uint64_t max_hosts_in_flight = 0;  // the most hosts one discovery asked at once, hedges aside
   };
 
   Discovery(Options options, CandidateIndex* index, LookupTransport* transport);
@@ -117,18 +141,25 @@ class Discovery {
   Stats GetStats() const EXCLUDES(mu_);
 
  private:
+  class Run;  // one lookup's calls (discovery.cc)
+
   bool BreakerOpen(const std::string& host, MonoTime now) EXCLUDES(mu_);
-  // `copies` in the order to ask them (breakers closed first, then those not seen incomplete lately, then the
-  // rotation).
+  // `copies` in the order to ask them (breakers closed first, then those not overtaken by a hedge lately, then those
+  // not seen incomplete lately, then the rotation).
   std::vector<std::string> Order(std::vector<std::string> copies, const std::string& shard, uint64_t turn,
                                  MonoTime now) EXCLUDES(mu_);
   void Trip(const std::string& host, MonoTime now) EXCLUDES(mu_);
+  // `host`'s call was overtaken by its hedge: later lookups ask it after the other copies for a while.
+  void MarkSlow(const std::string& host, MonoTime now) EXCLUDES(mu_);
+  void NoteIncomplete(const std::string& host, const std::map<std::string, bool>& complete_by_shard, MonoTime now)
+      EXCLUDES(mu_);
 
   const Options options_;
   CandidateIndex* const index_;
   LookupTransport* const transport_;
   mutable Mutex mu_;
   std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
+  std::map<std::string, MonoTime> slow_until_ GUARDED_BY(mu_);  // overtaken by a hedge until then
   // (host, shard) -> until when that copy counts as incomplete for the shard (its last answer
   // was; for breaker_open, so that a copy once incomplete is preferred again later and so asked again).
   std::map<std::pair<std::string, std::string>, MonoTime> incomplete_until_ GUARDED_BY(mu_);

@@ -24,6 +24,8 @@ class FakeHosts final : public LookupTransport {
   std::map<std::string, Status> refuses;  // host -> the route refusal it answers with
   std::set<std::string> incomplete;       // answers rows without holders, marked incomplete
   std::set<std::string> misses;           // answers rows without holders, marked complete (authoritative)
+  std::map<std::string, int> late_ms;      // answers, this many ms late
+  std::atomic<int> cancelled{0};           // calls to a slow host its caller cancelled
   std::mutex asked_mu;
   std::map<std::string, int> asked;                                // host -> Lookup RPCs
   std::map<std::string, std::chrono::milliseconds> longest_given;  // host -> the longest deadline it was given
@@ -32,7 +34,8 @@ class FakeHosts final : public LookupTransport {
   int slow_ms = 2;
 
   Result<std::vector<LookupRow>> Lookup(const std::string& host, std::span<const state::StateKey> keys,
-                                        Deadline deadline) override {
+                                        Deadline deadline, CallCancel* cancel) override {
+    if (cancel != nullptr && !cancel->Arm([] {})) return Status::Cancelled("cancelled before the call");
     rpcs.fetch_add(1);
     {
       std::lock_guard<std::mutex> lock(asked_mu);
@@ -47,19 +50,29 @@ class FakeHosts final : public LookupTransport {
     while (keys.size() > batch && !largest_batch.compare_exchange_weak(batch, keys.size())) {
     }
     std::this_thread::sleep_for(milliseconds(slow_ms));  // let hosts (and callers) overlap
-    Result<std::vector<LookupRow>> out = Answer(host, keys, deadline);
+    Result<std::vector<LookupRow>> out = Answer(host, keys, deadline, cancel);
+    if (cancel != nullptr) cancel->Disarm();
     in_flight.fetch_sub(1);
     return out;
   }
 
  private:
   Result<std::vector<LookupRow>> Answer(const std::string& host, std::span<const state::StateKey> keys,
-                                        Deadline deadline) {
+                                        Deadline deadline, CallCancel* cancel) {
     if (down.count(host) != 0) return Status::Unavailable(host + " is down");
     if (auto it = refuses.find(host); it != refuses.end()) return it->second;
-    if (slow.count(host) != 0) {
-      while (!deadline.Expired()) std::this_thread::sleep_for(milliseconds(1));
+    if (slow.count(host) != 0) {  // blackholed: answers nothing until its deadline, or its caller cancels
+      while (!deadline.Expired()) {
+        if (cancel != nullptr && cancel->cancelled()) {
+          ++cancelled;
+          return Status::Cancelled(host + ": cancelled by the caller");
+        }
+        std::this_thread::sleep_for(milliseconds(1));
+      }
       return Status::DeadlineExceeded(host + " did not answer in time");
+    }
+    if (auto it = late_ms.find(host); it != late_ms.end()) {  // slow but answers
+      std::this_thread::sleep_for(milliseconds(it->second));
     }
     std::vector<LookupRow> rows(keys.size());
     if (empty.count(host) != 0) return rows;
@@ -191,10 +204,13 @@ TEST(DiscoveryTest, ARouteRefusalOpensNoBreakerAndResetBreakersClosesThem) {
   EXPECT_EQ(after_reset.known_prefix, 300u);
 }
 
-// Issue 54: every shard has three copies (host-0..2, the order rotating with the shard).
-Discovery::Options ThreeCopies() {
+// Issue 54: every shard has three copies (host-0..2, the order rotating with the shard). Hedging is off unless a
+// test asks for it (a hedge after a second, beyond the per-copy deadline), so that slow sanitizer runs ask nothing
+// twice.
+Discovery::Options ThreeCopies(milliseconds hedge_after = milliseconds(1000)) {
   Discovery::Options options = Options();
   options.copy_deadline = milliseconds(100);
+  options.hedge_after = hedge_after;
   options.copies_of = [](const state::StateKey& key) {
     const uint32_t shard = state::ShardOf(key, 16);
     std::vector<std::string> copies;
@@ -229,8 +245,8 @@ TEST(DiscoveryTest, ThreeCopiesBatchPerHostAndADownCopyFailsOverWithinTheLookup)
   EXPECT_GE(discovery.GetStats().failovers, 1u);
 }
 
-// A copy that does not answer costs its per-copy deadline, not the budget: it is given at most copy_deadline, and
-// the last copy left for a key the whole remaining budget.
+// Without a hedge first, a copy that does not answer costs its per-copy deadline, not the budget: it is given at
+// most copy_deadline (then it counts as failed), and the last copy left for a key the whole remaining budget.
 TEST(DiscoveryTest, ASlowCopyIsGivenThePerCopyDeadlineAndTheNextCopyAnswers) {
   CandidateIndex index({});
   FakeHosts hosts;
@@ -242,6 +258,92 @@ TEST(DiscoveryTest, ASlowCopyIsGivenThePerCopyDeadlineAndTheNextCopyAnswers) {
   std::lock_guard<std::mutex> lock(hosts.asked_mu);
   EXPECT_LE(hosts.longest_given["host-0"], milliseconds(100));
   EXPECT_GT(hosts.asked["host-1"] + hosts.asked["host-2"], 0);
+}
+
+// A blackholed copy is hedged: its keys' next copies are asked beside it after hedge_after, they answer, and the
+// blackholed call is cancelled (no breaker: it did not fail, it was overtaken). Later lookups ask it after the
+// other copies, so they do not wait for it at all.
+TEST(DiscoveryTest, ABlackholedCopyIsHedgedCancelledAndAskedLastAfterwards) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  hosts.slow = {"host-0"};
+  Discovery::Options options = ThreeCopies(milliseconds(200));
+  options.copy_deadline = milliseconds(2500);  // the hedge, not the per-copy deadline, moves the lookup on
+  Discovery discovery(options, &index, &hosts);
+  Discovery::Outcome outcome = discovery.Discover(Keys(28, 300));
+  EXPECT_EQ(outcome.known_prefix, 300u);
+  EXPECT_GE(outcome.hedges, 1u);
+  EXPECT_GE(outcome.failovers, 1u);
+  EXPECT_TRUE(outcome.failed_hosts.empty());
+  EXPECT_GE(hosts.cancelled.load(), 1);  // the blackholed call was cancelled, not left to its deadline
+  EXPECT_EQ(hosts.in_flight.load(), 0);  // and no call outlives the lookup
+  EXPECT_GE(discovery.GetStats().hedges, 1u);
+  int asked_before = 0;
+  {
+    std::lock_guard<std::mutex> lock(hosts.asked_mu);
+    asked_before = hosts.asked["host-0"];
+    EXPECT_GE(asked_before, 1);
+  }
+  Discovery::Outcome later = discovery.Discover(Keys(29, 300));
+  EXPECT_EQ(later.known_prefix, 300u);
+  EXPECT_EQ(later.hedges, 0u);
+  std::lock_guard<std::mutex> lock(hosts.asked_mu);
+  EXPECT_EQ(hosts.asked["host-0"], asked_before);
+}
+
+// The same with a lookup of one key (one call: nothing else ends to wake the lookup before its hedge is due).
+TEST(DiscoveryTest, AOneKeyLookupHedgesItsBlackholedFirstCopy) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  hosts.slow = {"host-0"};
+  Discovery::Options options = ThreeCopies(milliseconds(200));
+  options.copy_deadline = milliseconds(2500);
+  Discovery discovery(options, &index, &hosts);
+  // One-key lookups until one meets host-0 first (the copies' order rotates with the shard).
+  Discovery::Outcome hedged;
+  for (uint64_t chain = 40; chain < 80 && hedged.hedges == 0; ++chain) {
+    Discovery::Outcome outcome = discovery.Discover(Keys(chain, 1));
+    ASSERT_EQ(outcome.known_prefix, 1u) << chain;
+    if (outcome.hedges > 0) hedged = outcome;
+  }
+  ASSERT_EQ(hedged.hedges, 1u);
+  EXPECT_TRUE(hedged.failed_hosts.empty());  // overtaken and cancelled, not left to its per-copy deadline
+  EXPECT_EQ(hosts.cancelled.load(), 1);
+}
+
+// A copy that answers late races its hedge: whichever answers first, every key is learnt, nothing fails.
+TEST(DiscoveryTest, ALateCopyAndItsHedgeRaceWithoutLossOrFailure) {
+  for (int round = 0; round < 5; ++round) {
+    CandidateIndex index({});
+    FakeHosts hosts;
+    hosts.late_ms = {{"host-1", 5 * round}};
+    Discovery::Options options = ThreeCopies(milliseconds(3));
+    options.copy_deadline = milliseconds(2500);
+    Discovery discovery(options, &index, &hosts);
+    const auto keys = Keys(30 + static_cast<uint64_t>(round), 300);
+    Discovery::Outcome outcome = discovery.Discover(keys);
+    EXPECT_EQ(outcome.known_prefix, 300u) << round;
+    EXPECT_TRUE(outcome.failed_hosts.empty()) << round;
+    EXPECT_EQ(hosts.in_flight.load(), 0) << round;
+    for (const state::StateKey& key : keys) ASSERT_FALSE(index.Find(key).empty()) << round;
+  }
+}
+
+// Every copy blackholed: the lookup ends at its budget with nothing learnt and no call left running.
+TEST(DiscoveryTest, EveryCopyBlackholedEndsAtTheBudgetWithNoCallLeft) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  hosts.slow = {"host-0", "host-1", "host-2"};
+  Discovery::Options options = ThreeCopies(milliseconds(5));
+  options.budget = milliseconds(300);
+  Discovery discovery(options, &index, &hosts);
+  Discovery::Outcome outcome = discovery.Discover(Keys(36, 100));
+  EXPECT_EQ(outcome.known_prefix, 0u);
+  EXPECT_EQ(hosts.in_flight.load(), 0);
+  std::lock_guard<std::mutex> lock(hosts.asked_mu);
+  EXPECT_GE(hosts.asked["host-0"], 1);  // each copy was asked (hedged) before the budget ran out
+  EXPECT_GE(hosts.asked["host-1"], 1);
+  EXPECT_GE(hosts.asked["host-2"], 1);
 }
 
 // A miss from an incomplete copy proves nothing (the next copy is asked); a miss from a complete copy is

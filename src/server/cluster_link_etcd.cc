@@ -461,6 +461,7 @@ class RemoteNode {
         issuer_(engine, arenas) {
     catalog::Discovery::Options discovery;
     discovery.max_hosts = config.discovery_max_hosts;
+    discovery.hedge_after = std::chrono::milliseconds(config.discovery_hedge_ms);
     // Issue 54: a shard's copies, tried one after another; the rotation spreads requesters over them.
     discovery.copies_of = [&membership](const state::StateKey& key) {
       return membership.placement().CopiesOf(state::ShardOf(key, cluster::kNumShards));
@@ -538,10 +539,11 @@ class RemoteNode {
                        r.queued, r.released, r.not_held, r.retries, r.abandoned, r.pending) +
            fmt::format(", \"discovery_skipped_hosts\": {}, \"discovery_failed_hosts\": {}, "
                        "\"discovery_coalesced\": {}, \"discovery_max_hosts_in_flight\": {}, "
-                       "\"discovery_refused_hosts\": {}, \"discovery_failovers\": {}, "
+                       "\"discovery_refused_hosts\": {}, \"discovery_failovers\": {}, \"discovery_hedges\": {}, "
                        "\"remote_fetches_shared\": {}, \"remote_fetch_seconds\": {:.6f}, "
                        "\"remote_sources_skipped\": {}, \"remote_fetch_workers\": {}",
-                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, d.refused_hosts, d.failovers, f.shared,
+                       d.skipped_hosts, d.failed_hosts, d.coalesced, d.max_hosts_in_flight, d.refused_hosts, d.failovers, d.hedges,
+                       f.shared,
                        f.fetch_seconds, f.sources_skipped, fetch_workers_);
   }
 

@@ -293,8 +293,8 @@ class FourHostMeshTest : public MeshTest {
 
 // Issue 54: three copies a shard on four catalog hosts. node-3 killed with SIGKILL while node-1 runs cold queries:
 // no lookup fails and no hit is wrong (the killed copy's shards are asked of another copy in the same lookup);
-// node-2's gRPC then blackholed (nftables drop): lookups that meet it first go on to the next copy after the
-// per-copy deadline; with both lost every shard still has a copy, so cold queries still hit in full, and a cached
+// node-2's gRPC then blackholed (nftables drop): lookups that meet it first are hedged (the next copy asked beside
+// it after --discovery-hedge-ms, the blackholed call cancelled); with both lost every shard still has a copy, so cold queries still hit in full, and a cached
 // prefix is served locally.
 TEST_F(FourHostMeshTest, ThreeCopiesKeepEveryLookupThroughAKilledABlackholedAndTwoLostCatalogHosts) {
   catalog_nodes_ = "node-0,node-1,node-2,node-3";
@@ -335,10 +335,12 @@ TEST_F(FourHostMeshTest, ThreeCopiesKeepEveryLookupThroughAKilledABlackholedAndT
   // node-2's peer port blackholed as well: two of four catalog hosts lost.
   ASSERT_TRUE(mesh_->BlockPort(2, 7070).ok());
   const uint64_t failovers = Field(stats, "discovery_failovers");
+  const uint64_t hedges = Field(stats, "discovery_hedges");
   for (int c = 6; c < kChains; ++c) expect_full(c);
   stats = StatsOf(*managers[1]);
   EXPECT_EQ(Field(stats, "remote_no_source"), 0u) << stats;
   EXPECT_GT(Field(stats, "discovery_failovers"), failovers) << stats;
+  EXPECT_GT(Field(stats, "discovery_hedges"), hedges) << stats;
   // A prefix already fetched is served locally, whatever the catalogs.
   expect_full(0);
   ASSERT_TRUE(mesh_->Unblock(2).ok());
