@@ -45,6 +45,7 @@ from orbitkv.sglang._compat import (
     server_args,
     sglang_version,
 )
+from orbitkv.sglang._computation import digest as computation_digest
 from orbitkv.sglang._layout import PoolGeometry, describe_host_pool, host_pool_group_anchor
 from orbitkv.sglang._session import (
     Counters,
@@ -198,6 +199,7 @@ class OrbitKVStorage(HiCacheStorage):
         self.model_revision = weights_revision(extra, self.model_id)
         self.tokenizer = _str_option(extra, "tokenizer", None) or self.model_id
         self.cache_scope = _str_option(extra, "cache_scope", "")
+        self._computation: Optional[bytes] = None  # what the server computes (issue 59), at the first namespace
         # An fp8 KV cache sits in uint8 host storage; its real dtype is the server's --kv-cache-dtype.
         self.kv_cache_dtype = _str_option(extra, "kv_cache_dtype", None) or _server_kv_cache_dtype()
         # The weights epoch (clear() advances it): chained from the configured one, random without one.
@@ -291,9 +293,11 @@ class OrbitKVStorage(HiCacheStorage):
         cp_size = getattr(cfg, "attn_cp_size", 1) or 1
         if cp_size > 1:  # each context-parallel rank holds a disjoint slice of every page
             detail += f"/cp{cfg.attn_cp_rank}of{cp_size}"
+        if self._computation is None:  # SGLang publishes its ServerArgs before it builds the cache controller
+            self._computation = computation_digest()
         return orbitkv.derive_namespace(
             self.model_id, self.model_revision, self.tokenizer, "sglang", cache_scope=self.cache_scope,
-            dtype=geometry.dtype, layout=geometry.state_layout, layout_detail=detail,
+            model_digest=self._computation, dtype=geometry.dtype, layout=geometry.state_layout, layout_detail=detail,
             page_size_tokens=geometry.page_tokens, tp_size=tp_size, tp_rank=tp_rank,
             pp_size=getattr(cfg, "pp_size", 1) or 1, pp_rank=getattr(cfg, "pp_rank", 0) or 0)
 

@@ -34,6 +34,7 @@ import orbitkv
 from orbitkv.link import canonical_options
 from orbitkv.sglang._compat import (LinkerCancelOutcome, UnifiedCacheLinker, linker_interface, pool_name_str,
                                     sglang_version)
+from orbitkv.sglang._computation import digest as computation_digest
 from orbitkv.sglang._layout import describe_device_pool
 from orbitkv.sglang._session import Counters, ManagerLink, RateLimitedLog, env_socket, native_key
 from orbitkv.sglang.hicache import weights_revision
@@ -193,7 +194,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
         revision = weights_revision(extra, str(model_id))
         namespace = orbitkv.derive_namespace(
             str(model_id), revision, str(extra.get("tokenizer", model_id)), "sglang",
-            cache_scope=str(extra.get("cache_scope", "")), dtype=geometry.dtype, layout=geometry.state_layout,
+            cache_scope=str(extra.get("cache_scope", "")), model_digest=computation_digest(server_args),
+            dtype=geometry.dtype, layout=geometry.state_layout,
             layout_detail=detail, page_size_tokens=self.page_size, tp_size=tp_size, tp_rank=tp_rank,
             pp_size=int(getattr(params, "pp_size", 1) or 1), pp_rank=int(getattr(params, "pp_rank", 0) or 0))
         self.counters_ = Counters()

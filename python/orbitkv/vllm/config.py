@@ -17,6 +17,7 @@ import orbitkv
 from orbitkv.link import canonical_options
 from orbitkv.vllm._compat import scheduler_recovers_hybrid
 from orbitkv.vllm.identity import WeightsIdentity, hub_cache_dirs, resolve_weights, tokenizer_identity
+from orbitkv.vllm import computation
 from orbitkv.vllm.keys import KEY_SCHEME
 
 log = logging.getLogger("orbitkv.vllm")
@@ -149,6 +150,16 @@ def _warn_once(what: str, message: str, *args) -> None:
         log.warning(message, *args)
 
 
+# v3 (issue 59): the model digest binds the computation (orbitkv.vllm.computation), not only a fingerprint.
+NAMESPACE_VERSION = "orbitkv.vllm.v3"
+
+
+def kv_cache_layout() -> str:
+    """The KV cache layout vLLM's attention backends use (``VLLM_KV_CACHE_LAYOUT``, NHD by default): blocks saved
+    in one layout are other bytes in the other (vLLM #55904)."""
+    return os.environ.get("VLLM_KV_CACHE_LAYOUT", "NHD")
+
+
 def _weights_identity(vllm_config, model_id: Optional[str], revision: Optional[str]) -> WeightsIdentity:
     """The weights' identity: explicit keys override, else what vLLM loaded (orbitkv.vllm.identity)."""
     model = vllm_config.model_config
@@ -268,7 +279,8 @@ class OrbitKVConfig:
             download_dir)
         scope = get("cache_scope") or os.environ.get("ORBITKV_CACHE_SCOPE", "")
         fingerprint = get("model_fingerprint") or os.environ.get("ORBITKV_MODEL_FINGERPRINT", "")
-        model_digest = b""
+        # What the engine computes (issue 59: RoPE overrides, quantization, ...), unless the user names it.
+        model_digest = computation.digest(vllm_config)
         if fingerprint:
             try:
                 model_digest = bytes.fromhex(fingerprint)
@@ -280,10 +292,10 @@ class OrbitKVConfig:
         # stored representation, so they go into the namespace.
         # Keys are OrbitKV's own chain over token ids (orbitkv.vllm.keys), not vLLM's block hashes, whose root is
         # random per process unless PYTHONHASHSEED is set: the algorithm of vLLM's hashes is not part of it.
-        layout = os.environ.get("VLLM_KV_CACHE_LAYOUT", "NHD")
+        layout = kv_cache_layout()
         group_text = ";".join(f"{g.group}:{g.kind}:{g.window}:{len(g.layer_names)}x{g.page_bytes}" for g in groups)
         detail = f"vllm-blocks;layout={layout};keys={KEY_SCHEME};groups={group_text}"
-        implementation = hashlib.sha256(f"orbitkv.vllm.v2;keys={KEY_SCHEME}".encode()).digest()
+        implementation = hashlib.sha256(f"{NAMESPACE_VERSION};keys={KEY_SCHEME}".encode()).digest()
         identity = dict(model_id=model_id, weights_revision=revision, tokenizer=tokenizer, engine_kind="vllm",
                         cache_scope=scope, model_digest=model_digest, implementation_digest=implementation,
                         dtype=dtype, layout="layer_first", layout_detail=detail, page_size_tokens=block_size)

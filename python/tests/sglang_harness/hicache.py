@@ -726,6 +726,13 @@ class ServerArgs:
     ``prefetch_threshold`` and the ``prefetch_timeout_*`` keys before the backend gets the rest."""
 
     kv_cache_dtype: str = "auto"
+    # What ModelConfig.from_server_args loads the model with (the namespace binds them, issue 59).
+    dtype: str = "auto"
+    quantization: Optional[str] = None
+    modelopt_quant: Optional[str] = None
+    quantization_param_path: Optional[str] = None
+    json_model_override_args: str = "{}"
+    model_impl: str = "auto"
     hicache_storage_prefetch_policy: str = "timeout"
     hicache_storage_backend: str = "dynamic"
     hicache_storage_backend_extra_config: Optional[str] = None

@@ -6,7 +6,9 @@ Field names and meanings follow ``vllm/config/*.py`` and ``vllm/v1/kv_cache_inte
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -44,20 +46,104 @@ def hub_fetch(repo: str, revision: Optional[str], commit: Optional[str] = None) 
     return snapshot
 
 
+TRANSFORMERS_VERSION = "5.17.0"  # what the GPU machine's image has; written into every to_dict()
+
+
+class PretrainedConfig:
+    """transformers 5's ``PreTrainedConfig``, reduced to what vLLM and a connector touch: attributes from
+    config.json, ``_name_or_path`` (where it was loaded from), ``update()``, ``get_text_config()``, ``to_dict()``
+    (the attributes, ``model_type``, the installed ``transformers_version``; nested configs as dicts) and
+    ``rope_scaling`` as an alias of ``rope_parameters`` (legacy ``rope_scaling``/``rope_theta`` in config.json are
+    converted at load)."""
+
+    def __init__(self, name_or_path: str = "", **kwargs):
+        self._name_or_path = name_or_path
+        self._commit_hash = kwargs.pop("_commit_hash", None)
+        legacy = kwargs.pop("rope_scaling", None)
+        theta = kwargs.pop("rope_theta", None)
+        rope = dict(kwargs.pop("rope_parameters", None) or legacy or {})
+        if theta is not None:
+            rope.setdefault("rope_theta", theta)
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        if rope:
+            kwargs["rope_parameters"] = rope
+        text = kwargs.pop("text_config", None)
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        if isinstance(text, dict):
+            self.text_config = PretrainedConfig(name_or_path, **text)
+
+    def __setattr__(self, key, value):
+        if key == "rope_scaling":  # the v5 alias
+            key = "rope_parameters"
+        object.__setattr__(self, key, value)
+
+    @property
+    def rope_scaling(self):
+        return getattr(self, "rope_parameters", None)
+
+    def update(self, values: dict) -> None:
+        for key, value in values.items():
+            setattr(self, key, value)
+
+    def get_text_config(self):
+        return getattr(self, "text_config", self)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for key, value in self.__dict__.items():
+            out[key] = value.to_dict() if isinstance(value, PretrainedConfig) else copy.deepcopy(value)
+            if isinstance(value, PretrainedConfig):
+                out[key].pop("transformers_version", None)
+        out.setdefault("model_type", "")
+        out["transformers_version"] = TRANSFORMERS_VERSION
+        return out
+
+
+def _load_hf_config(path: str) -> PretrainedConfig:
+    """config.json of a model directory; an empty config where there is none (vLLM reads params.json and other
+    formats the harness does not model: the connector must still decide from what it is given)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return PretrainedConfig(path)
+    with open(file) as f:
+        values = json.load(f)
+    return PretrainedConfig(path, **values)
+
+
 @dataclass
 class ModelConfig:
-    """``vllm/config/model.py``: ``model`` is a repository id or a local path; ``revision`` is None unless the user
-    passes ``--revision``; ``tokenizer_revision`` defaults to ``revision``. Constructing it fetches the model's
-    config from the hub into the local hub cache (a repository id) as vLLM's ``get_config`` does."""
+    """``vllm/config/model.py`` at 6adad087: ``model`` is a repository id or a local path; ``revision`` is None
+    unless the user passes ``--revision``; ``tokenizer_revision`` defaults to ``revision``. Constructing it fetches
+    the model's config from the hub into the local hub cache (a repository id) as vLLM's ``get_config`` does and
+    loads it as ``hf_config``: ``hf_overrides`` applied as vLLM applies them (a callable on the config; flat values
+    by ``config.update`` on the top-level config inside ``get_config``; dict values after it by
+    ``_apply_dict_overrides``: a nested config updated in place, anything else set on the top level, e.g.
+    ``{"rope_scaling": {...}}``), the checkpoint's ``quantization_config`` detected into ``quantization`` when none
+    is given (``_verify_quantization``), ``hf_text_config = hf_config.get_text_config()``. There are no
+    ``rope_scaling``/``rope_theta`` fields since vLLM #28006: RoPE changes come through ``hf_overrides``."""
 
     model: str = "orbitkv/ref-tiny"
     tokenizer: Optional[str] = None
     revision: Optional[str] = None
     tokenizer_revision: Optional[str] = None
+    code_revision: Optional[str] = None
+    trust_remote_code: bool = False
     dtype: torch.dtype = torch.bfloat16
     max_model_len: int = 32768
     is_encoder_decoder: bool = False
     served_model_name: Optional[str] = None
+    hf_config_path: Optional[str] = None
+    hf_overrides: Any = field(default_factory=dict)
+    quantization: Optional[str] = None
+    quantization_config: Optional[dict] = None
+    model_impl: str = "auto"
+    override_attention_dtype: Optional[str] = None
+    generation_config: str = "auto"
+    override_generation_config: dict = field(default_factory=dict)
+    seed: int = 0
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if self.tokenizer is None:
@@ -66,8 +152,40 @@ class ModelConfig:
             self.tokenizer_revision = self.revision
         if self.served_model_name is None:
             self.served_model_name = self.model
-        if not os.path.exists(self.model):
-            hub_fetch(self.model, self.revision)
+        source = self.hf_config_path or self.model
+        if not os.path.exists(source):
+            source = hub_fetch(source, self.revision)
+        self.original_max_model_len = self.max_model_len
+        flat, nested, fn = {}, {}, None
+        if callable(self.hf_overrides):
+            fn = self.hf_overrides
+        else:
+            for key, value in (self.hf_overrides or {}).items():
+                (nested if isinstance(value, dict) else flat)[key] = value
+        config = _load_hf_config(source)
+        config.update(flat)  # get_config: config.update(hf_overrides_kw)
+        if fn is not None:
+            config = fn(config)
+        for key, value in nested.items():  # ModelConfig._apply_dict_overrides, after get_config
+            current = getattr(config, key, None)
+            if isinstance(current, PretrainedConfig):
+                current.update(value)
+            else:
+                setattr(config, key, value)
+        self.hf_config = config
+        self.hf_text_config = config.get_text_config()
+        if self.quantization is None:
+            checkpoint = getattr(config, "quantization_config", None)
+            if isinstance(checkpoint, dict) and checkpoint.get("quant_method"):
+                self.quantization = str(checkpoint["quant_method"])
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or [""])[0]
+
+    @property
+    def use_mla(self) -> bool:
+        return bool(getattr(self.hf_text_config, "kv_lora_rank", None)) and not os.environ.get("VLLM_MLA_DISABLE")
 
 
 @dataclass
@@ -91,6 +209,10 @@ class CacheConfig:
     # With several KV groups vLLM hashes blocks of prefix_match_unit tokens when it is set
     # (resolve_kv_cache_block_sizes), else of the groups' gcd block size.
     prefix_match_unit: Optional[int] = None
+    # Layers whose KV stays in the model dtype under a quantized cache_dtype (vllm/config/cache.py at 6adad087;
+    # calculate_kv_scales was removed there, by vLLM #49389).
+    kv_cache_dtype_skip_layers: list = field(default_factory=list)
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass

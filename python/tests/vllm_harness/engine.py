@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from vllm_harness.request import Request, SamplingParams, block_hasher
 from vllm_harness.scheduler import Scheduler
@@ -171,7 +172,8 @@ def vllm_config(socket_path=None, *, tp: int = 1, block_size: int = 16, budget: 
                 threshold: int = 0, prefix_caching: bool = True, max_num_seqs: int = 64, model: str = "test/model",
                 hash_algo: str = "sha256", extra=None, role: str = "kv_both", policy: str = "fail",
                 dtype=None, revision=None, kv_events: bool = False, device_type: str = "cpu",
-                cudagraph_mode: str = "NONE"):
+                cudagraph_mode: str = "NONE", model_options: Optional[dict] = None,
+                cache_options: Optional[dict] = None):
     """A VllmConfig as ``vllm serve`` would build it; with ``socket_path`` the OrbitKV connector is configured
     exactly as docs/vllm.md tells users to."""
     import torch
@@ -184,11 +186,12 @@ def vllm_config(socket_path=None, *, tp: int = 1, block_size: int = 16, budget: 
         transfer = KVTransferConfig(kv_connector="OrbitKVConnector", kv_connector_module_path="orbitkv.vllm",
                                     kv_role=role, kv_load_failure_policy=policy,
                                     kv_connector_extra_config={"orbitkv.socket_path": socket_path, **(extra or {})})
-    return VllmConfig(model_config=ModelConfig(model=model, dtype=dtype or torch.bfloat16, revision=revision),
+    return VllmConfig(model_config=ModelConfig(model=model, dtype=dtype or torch.bfloat16, revision=revision,
+                                               **(model_options or {})),
                       device_config=DeviceConfig(device_type=device_type),
                       compilation_config=CompilationConfig(cudagraph_mode=cudagraph_mode),
                       cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
-                                               prefix_caching_hash_algo=hash_algo),
+                                               prefix_caching_hash_algo=hash_algo, **(cache_options or {})),
                       parallel_config=ParallelConfig(tensor_parallel_size=tp),
                       scheduler_config=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                                        long_prefill_token_threshold=threshold),

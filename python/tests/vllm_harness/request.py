@@ -52,6 +52,15 @@ def block_hasher(block_size: int, algo: str, seed: Optional[str]):
     return hasher
 
 
+@dataclass
+class LoRARequest:
+    """``vllm/lora/request.py``: a request's adapter; vLLM's prefix cache keys it by ``lora_name`` (since #27211)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()
