@@ -13,6 +13,8 @@ module only makes them canonical.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import math
@@ -31,12 +33,11 @@ IGNORED_CONFIG_KEYS = frozenset({
     "ignore_keys_at_rope_validation", "output_attentions", "_output_attentions", "output_hidden_states",
     "return_dict", "use_cache", "torchscript", "id2label", "label2id", "problem_type", "num_labels",
     "chunk_size_feed_forward", "torch_dtype", "dtype", "tf_legacy_loss", "use_bfloat16", "pruned_heads",
-    # generation defaults
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
-    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
-    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    # generation defaults that name nothing else (not top_k or max_length: some architectures use those names)
+    "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_p",
+    "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "remove_invalid_values",
+    "exponential_decay_length_penalty",
 })
 
 
@@ -53,24 +54,47 @@ def config_dict(config: Any) -> Optional[dict]:
 
 
 def _canonical(value: Any) -> Any:
-    """A JSON value of `value`: a nested model config (a dict with a ``model_type``, e.g. ``text_config``) as
-    ``canonical_config`` makes it, other mappings with their keys sorted."""
+    """A JSON value of `value`, the same in every process: a nested model config (a dict with a ``model_type``,
+    e.g. ``text_config``) as ``canonical_config`` makes it, other mappings with their keys sorted, sets sorted,
+    enums by value, dataclasses and objects by their fields. A value with no stable form (a function, an object
+    whose text names its address) raises: a digest that differed between the engine's processes would never hit."""
     if isinstance(value, dict):
         if "model_type" in value:
             return canonical_config(value)
         return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda item: str(item[0]))}
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
     if isinstance(value, float):
         if math.isnan(value) or math.isinf(value):
             return {"__float__": repr(value)}
         return value
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    nested = config_dict(value) if hasattr(value, "to_dict") else None
-    if nested is not None:
-        return _canonical(nested)
-    return str(value).replace("torch.", "")  # a dtype, an enum
+    if isinstance(value, enum.Enum):
+        return _canonical(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _canonical({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+    if hasattr(value, "to_dict"):
+        return _canonical(config_dict(value))
+    text = str(value)
+    if text.startswith("torch."):
+        return text[len("torch."):]  # a dtype
+    if callable(value) or " at 0x" in text:
+        raise ValueError(f"OrbitKV: a model config value of type {type(value).__name__} has no stable form ({text!r})")
+    if hasattr(value, "__dict__"):
+        return _canonical({k: v for k, v in vars(value).items() if not k.startswith("_")})
+    return text
+
+
+def _fold(rope: dict, key: str, value: Any, out: dict, name: str) -> None:
+    """Puts `value` into the RoPE mapping under `key` when it is absent there or equal; a different value stays
+    beside it under `name` (a model may read either: both are bound)."""
+    if key not in rope or rope[key] == value:
+        rope[key] = value
+    else:
+        out[name] = value
 
 
 def canonical_config(config: dict) -> dict:
@@ -81,13 +105,16 @@ def canonical_config(config: dict) -> dict:
     rope = out.pop("rope_parameters", None)
     legacy = out.pop("rope_scaling", None)
     rope = dict(rope) if isinstance(rope, dict) else {}
-    if isinstance(legacy, dict):
-        for k, v in legacy.items():
-            rope.setdefault(k, v)
-    if "rope_theta" in out:
-        rope.setdefault("rope_theta", out.pop("rope_theta"))
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
+    if isinstance(legacy, dict):
+        legacy = dict(legacy)
+        if "type" in legacy and "rope_type" not in legacy:
+            legacy["rope_type"] = legacy.pop("type")
+        for k, v in legacy.items():
+            _fold(rope, k, v, out, "rope_scaling." + k)
+    if "rope_theta" in out:
+        _fold(rope, "rope_theta", out.pop("rope_theta"), out, "rope_theta")
     if rope:
         out["rope_parameters"] = rope
     return {k: _canonical(v) for k, v in sorted(out.items())}

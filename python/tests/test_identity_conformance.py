@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from orbitkv.config_digest import computation_digest
 from orbitkv.vllm import computation, keys as vllm_keys
 from orbitkv.vllm import config as vllm_config_module
 from orbitkv.vllm.config import OrbitKVConfig
@@ -89,9 +90,6 @@ def test_vllm_quantized_weights_do_not_share_with_bf16(monkeypatch):
     """Issue 59: one server with --quantization fp8, one in bf16, same weights revision: other KV."""
     model = hub_model("conf/qwen3-quant", QWEN3)
     assert namespace(model, model_options={"quantization": "fp8"}) != namespace(model)
-    # A checkpoint that carries its quantization_config is detected the same way (vLLM's _verify_quantization).
-    awq = hub_model("conf/qwen3-awq", dict(QWEN3, quantization_config={"quant_method": "awq", "bits": 4}))
-    assert namespace(awq) != namespace(awq, model_options={"quantization": "awq_marlin"})
     without_factor(monkeypatch, "quantization")
     assert namespace(model, model_options={"quantization": "fp8"}) == namespace(model)
 
@@ -135,7 +133,7 @@ def test_vllm_44701_a_lora_name_never_collides_with_a_cache_salt(monkeypatch):
     assert first_key(lora=LoRARequest("COLLIDE_SALT", 1, "/adapters/x")) == first_key(cache_salt="COLLIDE_SALT")
 
 
-def test_vllm_longrope_binds_the_long_factor_switch():
+def test_vllm_longrope_binds_the_long_factor_switch(monkeypatch):
     """vLLM builds LongRoPE's long factors when max_model_len passes original_max_position_embeddings (#56311's
     second finding): that switch is bound, the length itself is not."""
     config = dict(QWEN3, rope_scaling={"type": "longrope", "original_max_position_embeddings": 4096,
@@ -144,6 +142,8 @@ def test_vllm_longrope_binds_the_long_factor_switch():
     short = namespace(model, model_options={"max_model_len": 4096})
     assert namespace(model, model_options={"max_model_len": 2048}) == short
     assert namespace(model, model_options={"max_model_len": 131072}) != short
+    without_factor(monkeypatch, "longrope_long_factors")
+    assert namespace(model, model_options={"max_model_len": 131072}) == namespace(model)
 
 
 def test_vllm_shares_where_only_paths_limits_and_sampling_differ(tmp_path):
@@ -167,12 +167,38 @@ def test_vllm_shares_where_only_paths_limits_and_sampling_differ(tmp_path):
         (snapshot / "model.safetensors").write_bytes(b"\0" * 64)
         paths.append(str(snapshot))
     assert namespace(paths[0]) == namespace(paths[1])
-    # transformers 4's rope_theta/rope_scaling and 5's rope_parameters spell one computation.
+    # transformers 4's rope_theta/rope_scaling and 5's rope_parameters spell one computation...
     v5 = {k: v for k, v in QWEN3.items() if k not in ("rope_theta", "rope_scaling")}
-    v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000}
-    v4 = dict(QWEN3, rope_scaling={"type": "default"})
-    digest = lambda m: computation.digest(vllm_config(None, model=m))  # noqa: E731
-    assert digest(hub_model("conf/spell-v5", v5)) == digest(hub_model("conf/spell-v4", v4))
+    v5["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000}
+    v4 = dict(QWEN3, rope_scaling={"type": "linear", "factor": 2.0})
+    assert computation_digest(v5, {}) == computation_digest(v4, {})
+    # ...while a top-level rope_theta that differs from the one inside rope_parameters is a third (models read
+    # either): kept beside it, not folded away.
+    assert computation_digest(dict(v5, rope_theta=500000), {}) != computation_digest(v5, {})
+    assert computation_digest(dict(v4, rope_theta=500000), {}) != computation_digest(v4, {})
+
+
+def test_vllm_a_config_the_worker_changes_while_building_the_model_keeps_its_digest():
+    """Some models set fields of hf_config while the worker builds them (Llama 4's attn_temperature_tuning,
+    MiniMax-M2's max_model_len), after the scheduler's copy was made: the digest comes from what vLLM loads, so the
+    scheduler and the workers agree."""
+    model = hub_model("conf/qwen3-built", QWEN3)
+    cfg = vllm_config(None, model=model, model_options={"hf_overrides": {"rope_scaling": {"rope_type": "linear",
+                                                                                          "factor": 2.0}}})
+    before = computation.digest(cfg)
+    cfg.model_config.hf_config.attn_temperature_tuning = True
+    cfg.model_config.hf_config.max_model_len = 4096
+    assert computation.digest(cfg) == before
+
+
+def test_values_without_a_stable_form_are_refused_not_hashed_by_address():
+    class Opaque:
+        __slots__ = ()
+
+    with pytest.raises(ValueError, match="no stable form"):
+        computation_digest({"model_type": "x", "hook": Opaque()}, {})
+    assert computation_digest({"model_type": "x", "ids": {3, 1, 2}}, {}) == \
+        computation_digest({"model_type": "x", "ids": {2, 3, 1}}, {})
 
 
 def test_an_explicit_fingerprint_still_wins():
@@ -255,3 +281,12 @@ def test_sglang_binds_the_model_config_it_loaded(manager, monkeypatch):
     monkeypatch.setattr(_computation, "digest", lambda args=None: b"\0" * 32)
     monkeypatch.setattr("orbitkv.sglang.hicache.computation_digest", lambda args=None: b"\0" * 32)
     assert _sglang_shares(manager, ServerArgs(), rope, tag="s4")
+
+
+def test_sglang_without_its_server_args_never_shares_with_a_default_server(monkeypatch):
+    from orbitkv.sglang import _computation
+    from sglang_harness.hicache import ServerArgs
+
+    monkeypatch.setattr(_computation, "HAVE_SGLANG", True)
+    monkeypatch.setattr(_computation, "server_args", lambda: None)
+    assert _computation.digest() != _computation.digest(ServerArgs())

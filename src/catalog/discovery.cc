@@ -69,6 +69,20 @@ void Discovery::NoteIncomplete(const std::string& host, const std::map<std::stri
   for (const auto& [shard, whole] : complete_by_shard) incomplete_until_[{host, shard}] = whole ? MonoTime{} : until;
 }
 
+void Discovery::NoteLatency(const std::string& host, MonoClock::duration took) {
+  MutexLock lock(&mu_);
+  auto [it, fresh] = latency_.emplace(host, took);
+  if (!fresh) it->second = (it->second * 4 + took) / 5;
+}
+
+MonoClock::duration Discovery::HedgeDelay(const std::string& host) {
+  MonoClock::duration floor = options_.hedge_after;
+  MutexLock lock(&mu_);
+  auto it = latency_.find(host);
+  if (it == latency_.end()) return std::max<MonoClock::duration>(floor, options_.hedge_unsampled);
+  return std::max<MonoClock::duration>(floor, it->second * 3);
+}
+
 bool CallCancel::Arm(std::function<void()> cancel) {
   MutexLock lock(&mu_);
   if (cancelled_) return false;
@@ -130,7 +144,7 @@ class Discovery::Run {
     std::vector<size_t> keys;  // indexes into keys_, in key order
     bool has_later = false;    // some key has a later copy: the per-copy deadline applies, and hedging
     bool is_hedge = false;     // launched as a hedge: not counted against max_hosts
-    MonoTime started;
+    MonoTime rpc_started;    // guarded by mu_: when its RPC in flight was sent (hedges count from there)
     bool hedged = false;     // guarded by mu_: its keys' next copies were asked beside it
     bool timed_out = false;  // guarded by mu_: still out when the budget ran out (cancelled, and it counts as failed)
     bool done = false;       // guarded by mu_
@@ -171,7 +185,7 @@ void Discovery::Run::Start(std::string host, std::vector<size_t> keys, bool is_h
   call.host = std::move(host);
   call.keys = std::move(keys);
   call.is_hedge = is_hedge;
-  call.started = MonoNow();
+  call.rpc_started = MonoNow();
   const MonoTime now = options().now();
   for (size_t i : call.keys) {
     Key& k = keys_[i];
@@ -226,7 +240,9 @@ void Discovery::Run::Go() {
       const MonoTime now = MonoNow();
       // Slow calls are hedged: their keys' next copies are asked beside them.
       for (Call& call : calls_) {
-        if (call.done || !call.has_later || call.hedged || now < call.started + options().hedge_after) continue;
+        if (call.done || !call.has_later || call.hedged || now < call.rpc_started + d_->HedgeDelay(call.host)) {
+          continue;
+        }
         call.hedged = true;
         ++hedges_;
         for (size_t i : call.keys) {
@@ -250,7 +266,9 @@ void Discovery::Run::Go() {
       // Until a call ends (it notifies), the next hedge is due, or the budget ends.
       MonoTime wake = deadline_.when();
       for (const Call& call : calls_) {
-        if (!call.done && call.has_later && !call.hedged) wake = std::min(wake, call.started + options().hedge_after);
+        if (!call.done && call.has_later && !call.hedged) {
+          wake = std::min(wake, call.rpc_started + d_->HedgeDelay(call.host));
+        }
       }
       wake_.wait_until(mu_, wake);
     }
@@ -296,12 +314,15 @@ void Discovery::Run::Ask(Call* call) {
         Release(*call, at);
         break;
       }
+      call->rpc_started = MonoNow();
     }
+    const MonoTime sent = MonoNow();
     const Deadline rpc_deadline =
         call->has_later ? Deadline::At(std::min(deadline_.when(), Deadline::After(options().copy_deadline).when()))
                         : deadline_;
     rpcs_.fetch_add(1);
     Result<std::vector<LookupRow>> rows = d_->transport_->Lookup(host, batch, rpc_deadline, &call->cancel);
+    if (rows.ok()) d_->NoteLatency(host, MonoNow() - sent);
     MutexLock lock(&mu_);
     if (!rows.ok() || rows->size() != batch.size()) {
       if (call->timed_out) {

@@ -96,9 +96,11 @@ class Discovery {
     std::chrono::milliseconds breaker_open{5000};
     // How long a copy that is not the last one left may take before it counts as failed (issue 54).
     std::chrono::milliseconds copy_deadline{300};
-    // How long a copy that is not the last one left may take before the next copy is asked beside it (a hedge;
-    // --discovery-hedge-ms). A healthy lookup takes about a millisecond in a data centre.
-    std::chrono::milliseconds hedge_after{10};
+    // How long an RPC to a copy that is not the last one left may take before the next copy is asked beside it (a
+    // hedge; --discovery-hedge-ms): at least this, and at least 3x that host's recent answer time, or
+    // `hedge_unsampled` while it has not answered yet. A healthy lookup takes about a millisecond in a data centre.
+    std::chrono::milliseconds hedge_after{5};
+    std::chrono::milliseconds hedge_unsampled{100};
     // The catalog hosts keeping a key's shard, in placement order (all keys of one shard get the same list).
     std::function<std::vector<std::string>(const state::StateKey&)> copies_of;
     // Or, with one copy a shard: the catalog host a key's shard is placed on (used when copies_of is empty).
@@ -153,6 +155,9 @@ class Discovery {
   void MarkSlow(const std::string& host, MonoTime now) EXCLUDES(mu_);
   void NoteIncomplete(const std::string& host, const std::map<std::string, bool>& complete_by_shard, MonoTime now)
       EXCLUDES(mu_);
+  // An RPC to `host` answered after `took`; how long one may take before it is hedged.
+  void NoteLatency(const std::string& host, MonoClock::duration took) EXCLUDES(mu_);
+  MonoClock::duration HedgeDelay(const std::string& host) EXCLUDES(mu_);
 
   const Options options_;
   CandidateIndex* const index_;
@@ -160,6 +165,7 @@ class Discovery {
   mutable Mutex mu_;
   std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
   std::map<std::string, MonoTime> slow_until_ GUARDED_BY(mu_);  // overtaken by a hedge until then
+  std::map<std::string, MonoClock::duration> latency_ GUARDED_BY(mu_);  // moving average of answered RPCs
   // (host, shard) -> until when that copy counts as incomplete for the shard (its last answer
   // was; for breaker_open, so that a copy once incomplete is preferred again later and so asked again).
   std::map<std::pair<std::string, std::string>, MonoTime> incomplete_until_ GUARDED_BY(mu_);

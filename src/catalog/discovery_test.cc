@@ -210,7 +210,7 @@ TEST(DiscoveryTest, ARouteRefusalOpensNoBreakerAndResetBreakersClosesThem) {
 Discovery::Options ThreeCopies(milliseconds hedge_after = milliseconds(1000)) {
   Discovery::Options options = Options();
   options.copy_deadline = milliseconds(100);
-  options.hedge_after = hedge_after;
+  options.hedge_after = options.hedge_unsampled = hedge_after;
   options.copies_of = [](const state::StateKey& key) {
     const uint32_t shard = state::ShardOf(key, 16);
     std::vector<std::string> copies;
@@ -327,6 +327,24 @@ TEST(DiscoveryTest, ALateCopyAndItsHedgeRaceWithoutLossOrFailure) {
     EXPECT_EQ(hosts.in_flight.load(), 0) << round;
     for (const state::StateKey& key : keys) ASSERT_FALSE(index.Find(key).empty()) << round;
   }
+}
+
+// The hedge delay follows each host's answer time: hosts that answer slowly but surely (a loaded machine, a far
+// zone) are not asked twice once their time is known.
+TEST(DiscoveryTest, TheHedgeDelayFollowsAHostsAnswerTime) {
+  CandidateIndex index({});
+  FakeHosts hosts;
+  hosts.late_ms = {{"host-0", 30}, {"host-1", 30}, {"host-2", 30}};
+  Discovery::Options options = ThreeCopies(milliseconds(5));
+  options.copy_deadline = milliseconds(2500);
+  Discovery discovery(options, &index, &hosts);
+  Discovery::Outcome first = discovery.Discover(Keys(37, 100));  // nothing known yet: 30 ms is past 5 ms
+  EXPECT_EQ(first.known_prefix, 100u);
+  EXPECT_GE(first.hedges, 1u);
+  Discovery::Outcome later = discovery.Discover(Keys(38, 100));  // now each is hedged after 3 x ~30 ms
+  EXPECT_EQ(later.known_prefix, 100u);
+  EXPECT_EQ(later.hedges, 0u);
+  EXPECT_TRUE(later.failed_hosts.empty());
 }
 
 // Every copy blackholed: the lookup ends at its budget with nothing learnt and no call left running.

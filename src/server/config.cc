@@ -336,7 +336,7 @@ const std::vector<Option>& Options() {
        Uint32Into(&ManagerConfig::discovery_max_hosts, 1, 16)},
       {"discovery-hedge-ms", "MS",
        "how long a lookup waits for a catalog copy before it also asks the shard's next copy (a "
-       "hedge; the first answer wins); raise it where healthy lookups take longer (default 10)",
+       "hedge; the first answer wins): at least this and 3x the copy's recent answer time (default 5)",
        Uint32Into(&ManagerConfig::discovery_hedge_ms, 1, 3000)},
       {"candidate-ttl-ms", "MS",
        "how long a learnt candidate (who holds a block) is trusted without asking the catalog "

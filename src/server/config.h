@@ -88,7 +88,7 @@ struct ManagerConfig {
   // Remote fetches (distributed mode): the requester's discovery fan-out and candidate index TTL,
   // the remote stage's deadline and staging budget, and the source's per-peer pin limit.
   uint32_t discovery_max_hosts = 4;
-  uint32_t discovery_hedge_ms = 10;  // --discovery-hedge-ms
+  uint32_t discovery_hedge_ms = 5;  // --discovery-hedge-ms
   uint32_t candidate_ttl_ms = 5000;
   uint32_t remote_fetch_deadline_ms = 10000;
   uint32_t remote_fetch_workers = 4;  // threads running remote stages (fetches) at once

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from typing import Any, Optional
 
 from orbitkv.config_digest import computation_digest
-from orbitkv.sglang._compat import server_args
+from orbitkv.sglang._compat import HAVE_SGLANG, server_args
+
+log = logging.getLogger("orbitkv.sglang")
 
 
 def _overrides(args: Any) -> Optional[dict]:
@@ -62,6 +65,14 @@ def factors(args: Any) -> tuple[Optional[dict], dict]:
 
 def digest(args: Any = None) -> bytes:
     """The 32-byte model digest of the SGLang server in this process (``args``: its ServerArgs, by default
-    ``get_global_server_args()``)."""
-    model_config, other = factors(args if args is not None else server_args())
+    ``get_global_server_args()``). Where SGLang runs but its ServerArgs cannot be had, a digest of its own that no
+    known configuration has (with a warning): a server with overrides must never share with a default one."""
+    if args is None:
+        args = server_args()
+    if args is None and HAVE_SGLANG:
+        log.warning("orbitkv: SGLang's ServerArgs are not available in this process (get_global_server_args): "
+                    "pages are stored under an 'unknown computation' namespace, shared only with other servers in "
+                    "the same state")
+        return computation_digest(None, {"server_args": "unknown"})
+    model_config, other = factors(args)
     return computation_digest(model_config, other)

@@ -280,7 +280,7 @@ class OrbitKVConfig:
         scope = get("cache_scope") or os.environ.get("ORBITKV_CACHE_SCOPE", "")
         fingerprint = get("model_fingerprint") or os.environ.get("ORBITKV_MODEL_FINGERPRINT", "")
         # What the engine computes (issue 59: RoPE overrides, quantization, ...), unless the user names it.
-        model_digest = computation.digest(vllm_config)
+        model_digest = b"" if fingerprint else computation.digest(vllm_config)
         if fingerprint:
             try:
                 model_digest = bytes.fromhex(fingerprint)

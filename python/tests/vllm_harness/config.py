@@ -112,6 +112,20 @@ def _load_hf_config(path: str) -> PretrainedConfig:
     return PretrainedConfig(path, **values)
 
 
+def _update_nested(target, updates: dict) -> None:
+    """``ModelConfig._update_nested``: dict values merge recursively into existing configs and dicts."""
+    for key, value in updates.items():
+        if isinstance(value, dict):
+            nested = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+            if nested is not None and (isinstance(nested, dict) or hasattr(nested, "__dict__")):
+                _update_nested(nested, value)
+                continue
+        if isinstance(target, dict):
+            target[key] = value
+        else:
+            setattr(target, key, value)
+
+
 @dataclass
 class ModelConfig:
     """``vllm/config/model.py`` at 6adad087: ``model`` is a repository id or a local path; ``revision`` is None
@@ -169,7 +183,7 @@ class ModelConfig:
         for key, value in nested.items():  # ModelConfig._apply_dict_overrides, after get_config
             current = getattr(config, key, None)
             if isinstance(current, PretrainedConfig):
-                current.update(value)
+                _update_nested(current, value)
             else:
                 setattr(config, key, value)
         self.hf_config = config
