@@ -257,17 +257,19 @@ class CacheManagerClient:
         return _answer(*self._native.query(instance_id, group, list(keys), _wait_ms(wait)))
 
     def query_hashes(self, instance_id: int, block_hashes: Sequence[bytes], *, first_token: int = 0,
-                     page_tokens: int, group: int = 0, key_version: int = 1, wait: float = 0.0):
+                     page_tokens: int, group: int = 0, key_version: int = 1, wait: float = 0.0,
+                     fixed_span: bool = False):
         """The fast path: the chain named by the engine's block hashes (all the same length); page i covers tokens
-        [first_token + i * page_tokens, + page_tokens) of this instance's namespace. ``wait`` as in
-        ``query_prefetch``."""
+        [first_token + i * page_tokens, + page_tokens) of this instance's namespace, or with ``fixed_span`` every
+        page [first_token, first_token + page_tokens) (hashes that name their whole prefix, as SGLang's do).
+        ``wait`` as in ``query_prefetch``."""
         if not isinstance(block_hashes, (list, tuple)):
             block_hashes = list(block_hashes)
-        if not wait:  # the hot path: no conversion, no extra argument
+        if not wait and not fixed_span:  # the hot path: no conversion, no extra argument
             return _answer(*self._native.query_native(instance_id, group, first_token, page_tokens, block_hashes,
                                                       key_version))
         return _answer(*self._native.query_native(instance_id, group, first_token, page_tokens, block_hashes,
-                                                  key_version, _wait_ms(wait)))
+                                                  key_version, _wait_ms(wait) if wait else 0, fixed_span))
 
     def wait_loading(self, instance_id: int, op: int, timeout: float) -> Optional[int]:
         """Waits (up to ``timeout`` seconds, without polling) until Loading operation ``op`` completed, and returns

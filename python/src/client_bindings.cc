@@ -152,7 +152,7 @@ void BindClient(py::module_& m) {
           "query_native",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t first_token,
              uint32_t page_tokens, const py::object& hashes, uint16_t key_version,
-             uint32_t wait_ms) {
+             uint32_t wait_ms, bool fixed_span) {
             // Flatten the native keys while holding the GIL (straight from the bytes objects, no
             // per-item conversion), then talk to the Manager without it. `hashes` is a list of
             // equal-length bytes, or one bytes object of count x native_bytes with native_bytes
@@ -186,20 +186,23 @@ void BindClient(py::module_& m) {
               py::gil_scoped_release release;
               const std::span natives(reinterpret_cast<const uint8_t*>(flat.data()), flat.size());
               const auto bytes = static_cast<uint8_t>(native_bytes);
+              const uint8_t flags = fixed_span ? channel::kQueryFixedSpan : 0;
               result = ValueOrThrow(
                   wait_ms == 0
                       ? c.QueryNative(instance, group, first_token, page_tokens, bytes, natives,
-                                      key_version)
+                                      key_version, flags)
                       : c.QueryNativeWait(instance, group, first_token, page_tokens, bytes,
                                           natives, std::chrono::milliseconds(wait_ms),
-                                          key_version));
+                                          key_version, flags));
             }
             return py::make_tuple(result.hits, result.lease, result.loading_op);
           },
           py::arg("instance_id"), py::arg("group"), py::arg("first_token"), py::arg("page_tokens"),
           py::arg("block_hashes"), py::arg("key_version") = 1, py::arg("wait_ms") = 0,
+          py::arg("fixed_span") = false,
           "-> (hits, lease, loading_op) for the chain of pages whose native keys (block hashes) "
-          "are given; wait_ms > 0 waits that long for a Loading answer to complete")
+          "are given; wait_ms > 0 waits that long for a Loading answer to complete; fixed_span: "
+          "every page covers [first_token, first_token + page_tokens) (keys that name their prefix)")
       .def(
           "start_restore",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease,

@@ -306,18 +306,61 @@ def test_get_stats_reports_each_call_since_the_last_poll(manager):
     storage.close()
 
 
-def test_positions_from_prefix_keys_and_learned_positions(manager):
-    """SGLang names a batch's position through prefix_keys; an empty list at the root is not grown between
-    batches, so a position learned from an earlier call is used instead."""
-    storage = backend(config(manager.socket), mha_pool(pages=16))
-    k = keys("chain", 6)
+def test_every_page_is_found_whatever_the_call_order_and_extra_info(manager):
+    """Issue 58, item 1: SGLang's default path passes no prefix_keys (hicache_storage_pass_prefix_keys is off),
+    writes a node's side pools before its KV, and backs up beside its prefetch threads. A page's hash names its
+    place in the prefix, so every page is found from the chain's start and from mid-chain, whatever the order of the
+    calls and whatever extra_info carried. Before (keys at a position guessed from the call): a 130-page chain was
+    found as 128 pages, backups made by concurrent threads as 4 of 16, a child node's side pages as 3 of 6."""
+    import threading
+
     info = HiCacheStorageExtraInfo
-    assert storage.batch_set_v1(k[:3], slots(0, 3), info(prefix_keys=[])) == [True] * 3
-    assert storage.batch_set_v1(k[3:], slots(3, 3), info(prefix_keys=k[:3])) == [True] * 3
-    assert storage.batch_exists(k, info(prefix_keys=None)) == 6
-    assert storage.batch_exists(k[3:], info(prefix_keys=k[:3])) == 3
-    assert storage.batch_exists(k[3:], info(prefix_keys=[])) == 3  # learned from the second set
-    assert storage.batch_exists(k[3:], info(prefix_keys=k[:2])) == 0  # a wrong position is a miss, not a hit
+    kv, side = mha_pool(pages=160), mha_pool(pages=160, head_dim=4)
+    storage = backend(config(manager.socket), kv)
+    storage.register_mem_host_pool_v2(kv, "kv")
+    storage.register_mem_host_pool_v2(side, "indexer")
+    # A 130-page chain backed up as SGLang does: 128 pages, then 2, no extra_info at all.
+    k = keys("long", 130)
+    assert storage.batch_set_v1(k[:128], slots(0, 128)) == [True] * 128
+    assert storage.batch_set_v1(k[128:], slots(128, 2)) == [True] * 2
+    assert storage.batch_exists(k) == 130
+    assert storage.batch_exists(k[100:]) == 30  # mid-chain, no position given
+    assert storage.batch_exists(k[100:], info(prefix_keys=k[:60])) == 30  # a list that names another position
+    assert storage.batch_exists(k[100:], info(prefix_keys=[])) == 30
+    assert storage.batch_get_v1(k[128:], slots(140, 2), info(prefix_keys=None)) == [True, True]
+    assert same_page(kv, 128 * P, kv, 140 * P)
+    # A parent node (4 pages) and its child (6 pages): the child's side pages are written first, with no
+    # extra_info, then its KV; the parent's after the child's (backups are not ordered across nodes).
+    c = keys("tree", 10)
+    assert storage.batch_set_v2([PoolTransfer(name="indexer", host_indices=slots(4, 6), keys=c[4:])]) == {
+        "indexer": [True] * 6}
+    assert storage.batch_set_v1(c[4:], slots(4, 6)) == [True] * 6
+    assert storage.batch_set_v2([PoolTransfer(name="indexer", host_indices=slots(0, 4), keys=c[:4])]) == {
+        "indexer": [True] * 4}
+    assert storage.batch_set_v1(c[:4], slots(0, 4), info(prefix_keys=[])) == [True] * 4
+    whole = storage.batch_exists_v2(c, [PoolTransfer(name="indexer", keys=c)])
+    assert whole.kv_hit_pages == 10 and whole.extra_pool_hit_pages == {"kv": 10, "indexer": 10}
+    child = storage.batch_exists_v2(c[4:], [PoolTransfer(name="indexer", keys=c[4:])], info(prefix_keys=c[:2]))
+    assert child.kv_hit_pages == 6 and child.extra_pool_hit_pages["indexer"] == 6
+    # 16 pages backed up by 4 threads at once, each its own 4-page node, in any order.
+    t = keys("threads", 16)
+    errors = []
+
+    def backup(part):
+        try:
+            lo = 4 * part
+            assert storage.batch_set_v1(t[lo:lo + 4], slots(lo, 4)) == [True] * 4
+        except AssertionError as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=backup, args=(p,)) for p in (3, 1, 2, 0)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert storage.batch_exists(t) == 16
+    assert storage.batch_exists(t[8:]) == 8
     storage.close()
 
 
@@ -380,7 +423,7 @@ def test_backpressure_probes_in_smaller_chunks(build_dir):
         assert all(storage.batch_set_v1(k[24:], slots(24, 24), HiCacheStorageExtraInfo(prefix_keys=k[:24])))
         # 48 pages can never fit the budget of 8 (the Manager answers for the part that fits), so the backend
         # walks the chain in smaller steps; a lease on 4 pages held meanwhile makes some of them wait (busy).
-        held = storage._link.query("kv", native_keys(k[:4]), 0)
+        held = storage._link.query("kv", native_keys(k[:4]))
         assert held.hits == 4
         assert storage.batch_exists(k) == 48
         counters = storage.counters()

@@ -270,8 +270,12 @@ enum QueryFlags : uint8_t {
   // any hit) instead of Loading, so that a waiting engine restores it while the rest arrives. The
   // operation goes on; without an operation this is an ordinary query.
   kQueryPartial = 1,
+  // Every key of the chain covers the same tokens, [first_token, first_token + page_tokens), instead
+  // of consecutive spans: for engines whose native keys already name their whole prefix (SGLang's
+  // page hashes chain over every earlier page), so a page is the same key wherever a call starts.
+  kQueryFixedSpan = 2,
 };
-inline constexpr uint8_t kKnownQueryFlags = kQueryPartial;
+inline constexpr uint8_t kKnownQueryFlags = kQueryPartial | kQueryFixedSpan;
 
 struct RestoreBody {
   uint32_t group;

@@ -417,12 +417,12 @@ Result<QueryResult> CacheClient::QueryNativeWait(uint64_t instance, uint32_t gro
                                                  uint8_t native_bytes,
                                                  std::span<const uint8_t> natives,
                                                  std::chrono::milliseconds timeout,
-                                                 uint16_t key_version) {
+                                                 uint16_t key_version, uint8_t flags) {
   const orbitkv::Deadline deadline = orbitkv::Deadline::After(timeout);
   for (;;) {
     ORBITKV_ASSIGN_OR_RETURN(QueryResult result,
                              QueryNative(instance, group, first_token, page_tokens, native_bytes,
-                                         natives, key_version));
+                                         natives, key_version, flags));
     if (result.loading_op == 0) return result;
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline.Remaining());
     if (left.count() <= 0) return result;
@@ -484,7 +484,7 @@ Result<uint32_t> CacheClient::QueryRestoreNative(uint64_t instance, uint32_t gro
                                                  std::span<const uint8_t> natives,
                                                  std::span<const uint32_t> pages,
                                                  std::chrono::milliseconds timeout,
-                                                 uint16_t key_version) {
+                                                 uint16_t key_version, uint8_t flags) {
   if (native_bytes == 0 || natives.size() % native_bytes != 0) {
     return Status::InvalidArgument("native keys must all have native_bytes bytes");
   }
@@ -514,8 +514,8 @@ Result<uint32_t> CacheClient::QueryRestoreNative(uint64_t instance, uint32_t gro
     restored = upto;
     return true;
   };
-  Result<QueryResult> answer =
-      QueryNative(instance, group, first_token, page_tokens, native_bytes, natives, key_version);
+  Result<QueryResult> answer = QueryNative(instance, group, first_token, page_tokens, native_bytes,
+                                           natives, key_version, flags);
   uint32_t want = 1;  // the next wait's min_resident: past what the last partial answer leased
   uint64_t op = 0;    // the chain's Loading operation
   while (answer.ok() && failure.ok()) {
@@ -537,12 +537,13 @@ Result<uint32_t> CacheClient::QueryRestoreNative(uint64_t instance, uint32_t gro
       }
       // Taken by another query, cancelled or expired: the plain query says what is there now.
       answer = QueryNative(instance, group, first_token, page_tokens, native_bytes, natives,
-                           key_version);
+                           key_version, flags);
       continue;
     }
     want = static_cast<uint32_t>(std::max<uint64_t>(want, waited->resident + 1));
     answer = QueryNative(instance, group, first_token, page_tokens, native_bytes, natives,
-                         key_version, waited->completed ? 0 : channel::kQueryPartial);
+                         key_version,
+                         static_cast<uint8_t>(flags | (waited->completed ? 0 : channel::kQueryPartial)));
   }
   if (!answer.ok() && failure.ok()) failure = answer.status();
   // Every started copy drains before the pages are reported; the restored prefix ends at the first

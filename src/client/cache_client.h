@@ -159,7 +159,8 @@ class CacheClient {
   Result<QueryResult> QueryNativeWait(uint64_t instance, uint32_t group, uint64_t first_token,
                                       uint32_t page_tokens, uint8_t native_bytes,
                                       std::span<const uint8_t> natives,
-                                      std::chrono::milliseconds timeout, uint16_t key_version = 1);
+                                      std::chrono::milliseconds timeout, uint16_t key_version = 1,
+                                      uint8_t flags = 0);
   Result<uint32_t> QueryRestore(uint64_t instance, uint32_t group,
                                 std::span<const state::StateKey> keys,
                                 std::span<const uint32_t> pages, std::chrono::milliseconds timeout);
@@ -182,7 +183,8 @@ class CacheClient {
                                       uint32_t page_tokens, uint8_t native_bytes,
                                       std::span<const uint8_t> natives,
                                       std::span<const uint32_t> pages,
-                                      std::chrono::milliseconds timeout, uint16_t key_version = 1);
+                                      std::chrono::milliseconds timeout, uint16_t key_version = 1,
+                                      uint8_t flags = 0);
 
   // Copies the leased blocks into `pages` (one destination page per leased block, in order;
   // kSkipPage leaves one out). The lease is consumed. StartRestore returns a handle; WaitRestore

@@ -167,7 +167,8 @@ Result<channel::QueryReply> CacheService::Query(uint64_t owner,
   std::vector<state::StateKey> keys;
   ORBITKV_RETURN_IF_ERROR(state::StateKey::AppendChain(
       target.instance->ns, request.group, request.first_token, request.page_tokens, request.natives,
-      request.native_bytes, request.key_version, &keys));
+      request.native_bytes, request.key_version, &keys,
+      (request.flags & channel::kQueryFixedSpan) != 0));
   // Keys past what one lease can hold are never looked at (nor loaded).
   const size_t max_blocks = cache_->MaxQueryBlocks(target.group->padded_bytes);
   if (keys.size() > max_blocks)

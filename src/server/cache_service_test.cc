@@ -199,6 +199,45 @@ TEST_F(CacheServiceTest, SavedBlocksComeBackByteExact) {
   EXPECT_FALSE(RestoreTo(hit->lease, {0}).ok());  // a consumed lease is stale
 }
 
+// Issue 58: a fixed-span query (kQueryFixedSpan: native keys that name their whole prefix, as
+// SGLang's page hashes do) finds pages saved with the same span wherever the query starts, and not
+// pages saved under consecutive spans; an ordinary query does not find fixed-span pages past the
+// first.
+TEST_F(CacheServiceTest, FixedSpanQueriesFindPagesWhereverTheChainStarts) {
+  const std::vector<uint8_t> natives = Natives(7, 6);
+  std::vector<state::StateKey> fixed;
+  ASSERT_TRUE(
+      state::StateKey::AppendChain(ns_, 0, 0, 16, natives, 16, 2, &fixed, /*fixed_span=*/true).ok());
+  for (const state::StateKey& key : fixed) EXPECT_EQ(key.span(), (state::TokenRange{0, 16}));
+  channel::SaveRequest save;
+  save.instance = kInstance;
+  for (uint32_t i = 0; i < fixed.size(); ++i) {
+    core::testing::Stamp(Page(i), kBlock, 500 + i);
+    save.items.push_back(channel::SaveItem{fixed[i], i});
+  }
+  Captured<channel::SaveReply> saved;
+  service_->Save(kOwner, save, saved.Callback());
+  ASSERT_TRUE(saved.Get().ok());
+  channel::QueryRequest tail = QueryOf(7, 6);
+  tail.key_version = 2;
+  tail.flags = channel::kQueryFixedSpan;
+  tail.natives.erase(tail.natives.begin(), tail.natives.begin() + 3 * 16);  // pages 3..5 alone
+  Result<channel::QueryReply> hit = service_->Query(kOwner, tail);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->hits, 3u);
+  std::memset(memory_.data(), 0, memory_.size());
+  ASSERT_TRUE(RestoreTo(hit->lease, {20, 21, 22}).ok());
+  EXPECT_TRUE(core::testing::CheckStamp(Page(20), kBlock, 503));
+  EXPECT_TRUE(core::testing::CheckStamp(Page(22), kBlock, 505));
+  // Consecutive spans name other keys: only the first page (span [0, 16)) is the same.
+  channel::QueryRequest consecutive = QueryOf(7, 6);
+  consecutive.key_version = 2;
+  hit = service_->Query(kOwner, consecutive);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->hits, 1u);
+  EXPECT_TRUE(service_->Release(kOwner, {kInstance, hit->lease}).ok());
+}
+
 // More than 4x restore_lead_pages pages: the first restore_lead_pages go to the copy engine at
 // once, the rest as a second batch; the reply comes once both drained, every page byte-exact.
 TEST_F(CacheServiceTest, ALongRestoreIsTwoBatchesAndComesBackByteExact) {

@@ -87,7 +87,7 @@ Result<StateKey> StateKey::Create(const StateNamespace& ns, uint32_t group, Toke
 Status StateKey::AppendChain(const StateNamespace& ns, uint32_t group, uint64_t first_token,
                              uint32_t page_tokens, std::span<const uint8_t> natives,
                              size_t native_bytes, uint16_t key_version,
-                             std::vector<StateKey>* out) {
+                             std::vector<StateKey>* out, bool fixed_span) {
   if (native_bytes == 0 || native_bytes > kMaxNativeKeyBytes ||
       natives.size() % native_bytes != 0) {
     return Status::InvalidArgument(fmt::format(
@@ -96,7 +96,8 @@ Status StateKey::AppendChain(const StateNamespace& ns, uint32_t group, uint64_t 
   }
   if (page_tokens == 0) return Status::InvalidArgument("state key chain: pages of 0 tokens");
   const uint64_t count = natives.size() / native_bytes;
-  if (count != 0 && first_token > UINT64_MAX - count * uint64_t{page_tokens}) {
+  const uint64_t stride = fixed_span ? 0 : page_tokens;
+  if (count != 0 && first_token > UINT64_MAX - std::max<uint64_t>(count * stride, page_tokens)) {
     return Status::InvalidArgument("state key chain: token spans overflow");
   }
   StateKey proto;
@@ -108,7 +109,7 @@ Status StateKey::AppendChain(const StateNamespace& ns, uint32_t group, uint64_t 
   for (uint64_t i = 0; i < count; ++i) {
     out->push_back(proto);
     StateKey& key = out->back();
-    key.span_ = TokenRange{first_token + i * page_tokens, first_token + (i + 1) * page_tokens};
+    key.span_ = TokenRange{first_token + i * stride, first_token + i * stride + page_tokens};
     std::memcpy(key.native_.data(), natives.data() + i * native_bytes, native_bytes);
   }
   return Status::Ok();

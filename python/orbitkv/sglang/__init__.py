@@ -2,7 +2,7 @@
 
 - :class:`OrbitKVStorage`: a HiCache L3 storage backend, loaded with ``--hicache-storage-backend dynamic`` and
   ``--hicache-storage-backend-extra-config '{"backend_name":"orbitkv","module_path":"orbitkv.sglang",
-  "class_name":"OrbitKVStorage","interface_v1":1,"hicache_storage_pass_prefix_keys":true}'``. Zero copy between
+  "class_name":"OrbitKVStorage","interface_v1":1}'``. Zero copy between
   the Manager and SGLang's host KV pool, SGLang's own (pinned) memory or OrbitKV shared memory.
 - :class:`OrbitKVLinker`: an external-KV linker for SGLang's ``UnifiedRadixCache`` (no host tier), selected through
   the ``sglang.srt.plugins`` entry point ``orbitkv.sglang.plugin:register`` and ``--radix-cache-backend orbitkv``

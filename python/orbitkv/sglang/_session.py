@@ -32,7 +32,7 @@ from orbitkv.sglang._layout import PoolGeometry
 
 logger = logging.getLogger("orbitkv.sglang")
 
-__all__ = ["ManagerLink", "Counters", "native_key", "native_keys", "PositionMemo"]
+__all__ = ["ManagerLink", "Counters", "native_key", "native_keys", "KEY_VERSION"]
 
 
 def native_key(page_hash) -> bytes:
@@ -55,25 +55,6 @@ def native_keys(page_hashes: Sequence) -> List[bytes]:
         except ValueError:
             pass
     return [native_key(h) for h in page_hashes]
-
-
-class PositionMemo:
-    """Page hash -> absolute first token, learned from calls whose position was known. Bounded: cleared when full
-    (a forgotten position only costs a miss, never a wrong read: the hash still binds the prefix)."""
-
-    def __init__(self, capacity: int = 1 << 16):
-        self._capacity = capacity
-        self._map: Dict[bytes, int] = {}
-
-    def get(self, native: bytes) -> Optional[int]:
-        return self._map.get(native)
-
-    def learn(self, natives: Sequence[bytes], first: int, page_tokens: int) -> None:
-        if not natives or self._map.get(natives[-1]) == first + (len(natives) - 1) * page_tokens:
-            return  # the usual case of a page asked again: already known
-        if len(self._map) + len(natives) > self._capacity:
-            self._map.clear()
-        self._map.update(zip(natives, range(first, first + len(natives) * page_tokens, page_tokens)))
 
 
 class Counters:
@@ -133,6 +114,13 @@ class _Pool:
     span_tokens: int  # tokens of one key's span: the KV page, also for side pools (their pages follow KV pages)
     instance_id: int = 0  # on the current client; 0 while not registered
     largest_hit: int = 0  # the most blocks one query found: a chain that long fits the query budget
+
+
+# Issue 58: SGLang's page hashes chain over every earlier page, so a hash alone names its place in the prefix. Every
+# page is keyed with the same span, [0, page) of its pool ("fixed span" queries), never with a position guessed from
+# the call (SGLang passes none by default: hicache_storage_pass_prefix_keys is off). Version 2 of the keys: pages
+# saved by earlier versions, under positional spans, are not found again.
+KEY_VERSION = 2
 
 
 class ManagerLink:
@@ -272,8 +260,8 @@ class ManagerLink:
 
     # ---- queries, restores, saves ----
 
-    def query(self, label: str, natives: List[bytes], first: int, *, wait_loading: bool = True) -> Answer:
-        """The chain ``natives`` starting at token ``first``. A Loading answer (blocks being read from SSD into
+    def query(self, label: str, natives: List[bytes], *, wait_loading: bool = True) -> Answer:
+        """The longest stored prefix of the pages ``natives`` (each keyed by its hash alone). A Loading answer (blocks being read from SSD into
         DRAM) is waited for on the completion of its operation (the Manager answers when it completes; no sleeping
         or polling here) and asked again, until ``loading_wait`` passes; then the op is cancelled (its reads
         finish anyway, nothing stays leased) and the answer counts as a miss."""
@@ -283,7 +271,8 @@ class ManagerLink:
         pending_op = None
         try:
             while True:
-                answer = client.query_hashes(instance, natives, first_token=first, page_tokens=page)
+                answer = client.query_hashes(instance, natives, page_tokens=page, key_version=KEY_VERSION,
+                                             fixed_span=True)
                 if not isinstance(answer, orbitkv.QueryLoading):
                     # A Loading op that turned into this answer has completed: nothing to cancel.
                     return Answer(answer.num_hit_blocks, getattr(answer, "lease", 0), client, instance)
@@ -357,15 +346,15 @@ class ManagerLink:
                 self._lost(client, e)
                 raise
 
-    def save(self, label: str, natives: List[bytes], begins: List[int], pages: List[int]) -> Tuple[int, int]:
-        """Saves ``pages`` of the pool under ``natives`` with token spans starting at ``begins``; returns once the
-        Manager holds them: (written, skipped: already stored or no room)."""
+    def save(self, label: str, natives: List[bytes], pages: List[int]) -> Tuple[int, int]:
+        """Saves ``pages`` of the pool under ``natives`` (each keyed by its hash alone); returns once the Manager
+        holds them: (written, skipped: already stored or no room)."""
         client, instance = self._current(label)
         pool = self._pools[label]
         page = pool.span_tokens
         ns = pool.namespace
         make = orbitkv.StateKey
-        items = [(make(ns, 0, b, b + page, n), p) for n, b, p in zip(natives, begins, pages)]
+        items = [(make(ns, 0, 0, page, n, KEY_VERSION), p) for n, p in zip(natives, pages)]
         try:
             return client.save(instance, items)
         except orbitkv.OrbitKVError as e:
@@ -386,7 +375,7 @@ class ManagerLink:
 
     # ---- composite reads ----
 
-    def _chunked(self, label: str, natives: List[bytes], first: int, step: Optional[int], action) -> int:
+    def _chunked(self, label: str, natives: List[bytes], step: Optional[int], action) -> int:
         """Runs ``action(hits, lease, client, instance, offset)`` over the chain in chunks, the whole chain first.
         A query reserves query budget for every block it finds: on backpressure (no room now) the chunk is halved;
         the Manager answers a prefix larger than the whole budget for the part that fits, so a shorter hit is
@@ -394,15 +383,14 @@ class ManagerLink:
         seen so far is checked with its first page alone, and halved when that page is there).
         Returns how many leading pages were found (and handled)."""
         pool = self._pools[label]
-        page = pool.span_tokens
         step = step or len(natives)
         done = 0
         while done < len(natives):
             chunk = natives[done:done + step]
             try:
-                hits, lease, client, instance, loading = self.query(label, chunk, first + done * page)
+                hits, lease, client, instance, loading = self.query(label, chunk)
                 if hits == 0 and not loading and len(chunk) > 1 and len(chunk) > pool.largest_hit:
-                    probe = self.query(label, chunk[:1], first + done * page)
+                    probe = self.query(label, chunk[:1])
                     if probe.hits:
                         self.release(probe.client, probe.instance, probe.lease)
                         self._counters.add("query_over_budget")
@@ -426,37 +414,20 @@ class ManagerLink:
                 step = hits
         return done
 
-    def read_chain(self, label: str, natives: List[bytes], first: int, pages: List[int]) -> int:
-        """Restores the longest stored prefix of a chain into ``pages``; returns how many pages landed."""
+    def read_chain(self, label: str, natives: List[bytes], pages: List[int]) -> int:
+        """Restores the longest stored prefix of the pages ``natives`` into ``pages``; returns how many landed."""
         def restore(hits, lease, client, instance, offset):
             self.restore(client, instance, lease, pages[offset:offset + hits])
 
-        return self._chunked(label, natives, first, None, restore)
+        return self._chunked(label, natives, None, restore)
 
-    def read_singles(self, label: str, natives: List[bytes], pages: List[int]) -> int:
-        """Single mode: one query and restore per page, stopping at the first miss."""
-        done = 0
-        for native, page in zip(natives, pages):
-            hits, lease, client, instance, _ = self.query(label, [native], 0)
-            if hits == 0:
-                break
-            self.restore(client, instance, lease, [page])
-            done += 1
-        return done
-
-    def exists_chain(self, label: str, natives: List[bytes], first: int) -> int:
-        """The longest stored prefix of a chain. The query leases (pins) what it finds, so it is released at once;
-        under budget pressure the chain is probed in smaller pieces."""
+    def exists_chain(self, label: str, natives: List[bytes]) -> int:
+        """The longest stored prefix of the pages ``natives``. The query leases (pins) what it finds, so it is
+        released at once; under budget pressure the chain is probed in smaller pieces."""
         def release(hits, lease, client, instance, offset):
             self.release(client, instance, lease)
 
-        return self._chunked(label, natives, first, None, release)
-
-    def exists_singles(self, label: str, natives: List[bytes]) -> int:
-        for i, native in enumerate(natives):
-            if self.exists_chain(label, [native], 0) == 0:
-                return i
-        return len(natives)
+        return self._chunked(label, natives, None, release)
 
 
 def env_socket() -> Optional[str]:

@@ -4,8 +4,7 @@ Loaded by SGLang's dynamic backend factory:
 
     --enable-hierarchical-cache --page-size 64 --hicache-mem-layout page_first_direct --hicache-io-backend direct \\
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
-    '{"backend_name":"orbitkv","module_path":"orbitkv.sglang","class_name":"OrbitKVStorage","interface_v1":1,
-      "hicache_storage_pass_prefix_keys":true}'
+    '{"backend_name":"orbitkv","module_path":"orbitkv.sglang","class_name":"OrbitKVStorage","interface_v1":1}'
 
 ``batch_get_v1`` / ``batch_set_v1`` are zero copy: the Manager copies pages straight between its pool and the host
 KV pool's (L2) pages. SGLang's own (pinned) host pool is registered as this process's memory, which the Manager
@@ -13,7 +12,9 @@ copies with process_vm_readv/writev (same uid, or a Manager with CAP_SYS_PTRACE)
 shared memory (``orbitkv.shm``) is mapped by the Manager instead, with no system call per copy.
 
 Keys: SGLang's page hashes inside a namespace that binds model, dtype, layout, shapes and the TP/PP/CP shard (one
-namespace for all TP ranks of an MLA model, where only rank 0 writes). See docs/sglang.md.
+namespace for all TP ranks of an MLA model, where only rank 0 writes). A page hash chains over every earlier page,
+so it alone names the page's place: every page is keyed with the same token span (key version 2, issue 58), found
+whatever the call order and whether or not SGLang passes ``prefix_keys``. See docs/sglang.md.
 
 Contract with SGLang's storage threads: no I/O method raises or returns None. A failure (Manager gone, bad
 arguments, a full pool) is a False per page or a shorter hit, logged at most every 10 s and counted
@@ -35,7 +36,6 @@ import orbitkv
 from orbitkv.link import canonical_options
 from orbitkv import shm
 from orbitkv.sglang._compat import (
-    STORAGE_BATCH_SIZE,
     HiCacheStorage,
     PoolHitPolicy,
     PoolTransferResult,
@@ -50,7 +50,6 @@ from orbitkv.sglang._layout import PoolGeometry, describe_host_pool, host_pool_g
 from orbitkv.sglang._session import (
     Counters,
     ManagerLink,
-    PositionMemo,
     RateLimitedLog,
     env_socket,
     native_keys,
@@ -210,19 +209,18 @@ class OrbitKVStorage(HiCacheStorage):
         self.prefetch_wait = PrefetchWait.from_server(server_args(), loading_wait_ms)
         reconnect_s = _number_option(extra, "reconnect_interval_s", 1.0, 0)
         self._staging_pages = _int_option(extra, "legacy_staging_pages", 8, 1)
-        # Only the zero-copy calls carry positions (prefix_keys); the generic ones never do, so without
-        # interface_v1 every page is keyed on its own (see orbitkv/sglang/_session.py).
+        # Without interface_v1 SGLang uses the generic calls, which copy pages through a staging area; the keys are
+        # the same either way.
         self.chain_mode = bool(extra.get("interface_v1", 0))
         if not self.chain_mode:
-            logger.warning("OrbitKV: \"interface_v1\" is not set, so SGLang uses the generic copy path and OrbitKV "
-                           "answers each page with its own query; add \"interface_v1\": 1 for zero copy")
+            logger.warning("OrbitKV: \"interface_v1\" is not set, so SGLang uses the generic copy path (pages copied "
+                           "through a staging area); add \"interface_v1\": 1 for zero copy")
         self.is_mla = bool(storage_config.is_mla_model)
         # Rank-replicated KV (MLA): every TP rank holds the same bytes, only rank 0 writes, all ranks read.
         self.is_writer = not self.is_mla or storage_config.tp_rank == 0
         self.counters_ = Counters()
         self._log = RateLimitedLog()
-        self._memo = PositionMemo()
-        self._calls = threading.local()
+
         logger.info("OrbitKV: pages still loading are waited for per %r", self.prefetch_wait)
         self._link = ManagerLink(_str_option(extra, "socket_path", None) or env_socket(), timeout_ms=timeout_ms,
                                  loading_wait_s=self.prefetch_wait, reconnect_interval_s=reconnect_s,
@@ -315,43 +313,6 @@ class OrbitKVStorage(HiCacheStorage):
             return fallback()
         return fallback() if result is None else result
 
-    def _candidates(self, natives: List[bytes], extra_info, page_tokens: int, *, write: bool = False) -> List[int]:
-        """Where natives[0] may sit (first token), most likely first. A non-empty prefix_keys says it. Else the
-        span the page was used under before in this process. Else SGLang's calls name no position: an empty
-        prefix_keys is the root, or a later 128-page batch of the same operation (SGLang does not grow an empty
-        list between batches; the same list object comes back), and None (the hit query of a root prefetch, or no
-        prefix keys at all) may follow a full 128-page batch on this thread, or start at 0 (reads try both; a write
-        with None is never guessed to continue)."""
-        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
-        if prefix:
-            return [len(prefix) * page_tokens]
-        learned = self._memo.get(natives[0])
-        if learned is not None:
-            return [learned]
-        if write and prefix is None:
-            return [0]
-        last = getattr(self._calls, "last", None)
-        if last is not None and last[0] is prefix and (prefix is not None or (last[2] == STORAGE_BATCH_SIZE
-                                                                              and last[3])):
-            follow = last[1] + last[2] * page_tokens
-            return [follow] if prefix is not None else [follow, 0]
-        return [0]
-
-    def _remember(self, extra_info, first: int, count: int, complete: bool) -> None:
-        """This thread's last call, for _candidates (the list object is kept so its identity stays unique)."""
-        self._calls.last = (getattr(extra_info, "prefix_keys", None) if extra_info is not None else None,
-                            first, count, complete)
-
-    def _learned_or_zero(self, natives: List[bytes]) -> int:
-        learned = self._memo.get(natives[0])
-        return 0 if learned is None else learned
-
-    def _learn(self, natives: List[bytes], first: int) -> None:
-        """Remembers the span each page was stored or asked under, so a later call that names no position (a side
-        pool's, a generic one's, a root batch after the first) uses the same one."""
-        if self.chain_mode:
-            self._memo.learn(natives, first, self._kv.page_tokens)
-
     def _pages(self, host_indices, count: int, geometry: PoolGeometry) -> List[int]:
         """Host-pool page numbers of ``count`` pages given as token slots (page i starts at slot i*page)."""
         unit = geometry.page_tokens
@@ -380,20 +341,14 @@ class OrbitKVStorage(HiCacheStorage):
                 self._metrics.backup_pgs.append(pages)
                 self._metrics.backup_bandwidth.append(pages * block_bytes / max(seconds, 1e-9) / 1e9)
 
-    def _exists(self, label: str, natives: List[bytes], first: int) -> int:
-        if self.chain_mode:
-            return self._link.exists_chain(label, natives, first)
-        return self._link.exists_singles(label, natives)
+    def _exists(self, label: str, natives: List[bytes]) -> int:
+        return self._link.exists_chain(label, natives)
 
-    def _read(self, label: str, natives: List[bytes], first: int, pages: List[int]) -> int:
-        if self.chain_mode:
-            return self._link.read_chain(label, natives, first, pages)
-        return self._link.read_singles(label, natives, pages)
+    def _read(self, label: str, natives: List[bytes], pages: List[int]) -> int:
+        return self._link.read_chain(label, natives, pages)
 
-    def _write(self, label: str, natives: List[bytes], first: int, pages: List[int]):
-        page = self._link.span_tokens(label)
-        begins = [first + i * page for i in range(len(natives))] if self.chain_mode else [0] * len(natives)
-        return self._link.save(label, natives, begins, pages)
+    def _write(self, label: str, natives: List[bytes], pages: List[int]):
+        return self._link.save(label, natives, pages)
 
     # ---- the hit query ----
 
@@ -403,14 +358,7 @@ class OrbitKVStorage(HiCacheStorage):
                 return 0
             if self._anchor:
                 return len(keys)
-            natives = native_keys(keys)
-            hits = 0
-            for first in self._candidates(natives, extra_info, self._kv.page_tokens):
-                hits = self._exists(_KV, natives, first)
-                if hits:
-                    break
-            self._learn(natives, first)
-            self._remember(extra_info, first, len(natives), hits == len(natives))
+            hits = self._exists(_KV, native_keys(keys))
             self.counters_.add_many(exists_calls=1, exists_keys=len(keys), exists_hits=hits)
             return hits
 
@@ -428,14 +376,7 @@ class OrbitKVStorage(HiCacheStorage):
                 return [True] * n
             started = time.perf_counter()
             pages = self._pages(host_indices, n, self._kv)
-            natives = native_keys(keys)
-            got = 0
-            for first in self._candidates(natives, extra_info, self._kv.page_tokens):
-                got = self._read(_KV, natives, first, pages)
-                if got:
-                    break
-            self._learn(natives, first)
-            self._remember(extra_info, first, n, got == n)
+            got = self._read(_KV, native_keys(keys), pages)
             self.counters_.add_many(get_pages=n, get_hits=got)
             self._record("prefetch", got, time.perf_counter() - started, self._kv.block_bytes)
             return [True] * got + [False] * (n - got)
@@ -447,18 +388,11 @@ class OrbitKVStorage(HiCacheStorage):
             n = len(keys)
             if n == 0 or self._anchor:
                 return [True] * n
-            natives = native_keys(keys)
-            first = self._candidates(natives, extra_info, self._kv.page_tokens, write=True)[0]
-            if not self.is_writer:
-                # Replicated KV: rank 0 stores it. The positions are still learned, for this rank's side pools.
-                self._learn(natives, first)
-                self._remember(extra_info, first, n, True)
+            if not self.is_writer:  # replicated KV: rank 0 stores it
                 return [True] * n
             started = time.perf_counter()
             pages = self._pages(host_indices, n, self._kv)
-            written, skipped = self._write(_KV, natives, first, pages)
-            self._learn(natives, first)
-            self._remember(extra_info, first, n, True)
+            written, skipped = self._write(_KV, native_keys(keys), pages)
             self.counters_.add_many(set_pages=n, set_written=written, set_skipped=skipped)
             self._record("backup", n, time.perf_counter() - started, self._kv.block_bytes)
             return [True] * n
@@ -539,8 +473,7 @@ class OrbitKVStorage(HiCacheStorage):
             step = staging.shape[0]
             for start in range(0, len(keys), step):
                 chunk = natives[start:start + step]
-                first = self._learned_or_zero(chunk)
-                got = self._read(label, chunk, first, list(range(len(chunk))))
+                got = self._read(label, chunk, list(range(len(chunk))))
                 for j in range(got):
                     target = targets[start + j]
                     if target is None:
@@ -581,8 +514,7 @@ class OrbitKVStorage(HiCacheStorage):
                 chunk = natives[start:start + step]
                 for j, value in enumerate(values[start:start + step]):
                     staging[j].copy_(self._flat_bytes(value, size))
-                first = self._learned_or_zero(chunk)
-                written, skipped = self._write(label, chunk, first, list(range(len(chunk))))
+                written, skipped = self._write(label, chunk, list(range(len(chunk))))
                 self.counters_.add("legacy_set_pages", len(chunk))
                 self.counters_.add("set_written", written)
                 self.counters_.add("set_skipped", skipped)
@@ -604,15 +536,7 @@ class OrbitKVStorage(HiCacheStorage):
             natives = native_keys(keys)
             if not natives:
                 return PoolTransferResult(0, {})
-            page = self._kv.page_tokens if self._kv is not None else None
-            first, kv = 0, len(keys)
-            if not self._anchor:
-                for first in self._candidates(natives, extra_info, page):
-                    kv = self._exists(_KV, natives, first)
-                    if kv:
-                        break
-                self._learn(natives, first)
-                self._remember(extra_info, first, len(natives), kv == len(natives))
+            kv = len(keys) if self._anchor else self._exists(_KV, natives)
             hit_count = {_KV: kv} if kv else {}
             final = kv
             lengths = set(range(1, kv + 1))
@@ -626,13 +550,12 @@ class OrbitKVStorage(HiCacheStorage):
                     for length in range(kv, 0, -1):
                         start = max(0, length - trailing)
                         window = natives[start:length]
-                        pos = first + start * self._link.span_tokens(label)
-                        if self._exists(label, window, pos) == len(window):
+                        if self._exists(label, window) == len(window):
                             ok.add(length)
                     boundary = max(ok, default=0)
                     lengths &= ok
                 else:
-                    boundary = self._exists(label, natives[:final], first)
+                    boundary = self._exists(label, natives[:final])
                     lengths = {n for n in lengths if n <= boundary}
                 if boundary:
                     hit_count[name] = boundary
@@ -644,14 +567,6 @@ class OrbitKVStorage(HiCacheStorage):
             return result
 
         return self._guarded("batch_exists_v2", lambda: PoolTransferResult(0, {}), run)
-
-    def _side_first(self, natives: List[bytes], extra_info, label: str) -> int:
-        """A side pool's pages sit where their KV pages were used (learned), else where prefix_keys says."""
-        learned = self._memo.get(natives[0])
-        if learned is not None:
-            return learned
-        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
-        return len(prefix) * self._link.span_tokens(label) if prefix else 0
 
     def batch_get_v2(self, transfers, extra_info=None):
         def run():
@@ -666,7 +581,7 @@ class OrbitKVStorage(HiCacheStorage):
                     _, label, geometry = self._side(transfer)
                     pages = self._pages(transfer.host_indices, len(keys), geometry)
                     natives = native_keys(keys)
-                    got = self._read(label, natives, self._side_first(natives, extra_info, label), pages)
+                    got = self._read(label, natives, pages)
                 except Exception as e:  # noqa: BLE001 -- one pool's failure must not hide the others' results
                     self.counters_.add("batch_get_v2_errors")
                     self._log.warning("batch_get_v2", "OrbitKV: batch_get_v2 of %s failed (%s)", name, e)
@@ -691,7 +606,7 @@ class OrbitKVStorage(HiCacheStorage):
                     _, label, geometry = self._side(transfer)
                     pages = self._pages(transfer.host_indices, len(keys), geometry)
                     natives = native_keys(keys)
-                    self._write(label, natives, self._side_first(natives, extra_info, label), pages)
+                    self._write(label, natives, pages)
                 except Exception as e:  # noqa: BLE001
                     self.counters_.add("batch_set_v2_errors")
                     self._log.warning("batch_set_v2", "OrbitKV: batch_set_v2 of %s failed (%s)", name, e)
@@ -725,7 +640,6 @@ class OrbitKVStorage(HiCacheStorage):
                 namespaces[_STAGING] = namespaces[_KV]
             self._link.renamespace(namespaces)
             self._epoch = epoch
-            self._memo = PositionMemo()
             self.counters_.add("clears")
             logger.info("OrbitKV: cleared: a new weights epoch; pages saved before are no longer found here")
             return True

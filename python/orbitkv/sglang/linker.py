@@ -280,7 +280,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
             # inserts them and load() must take them.
             natives = [native_key(key) for key in kv.keys or []]
             for native in natives:
-                hits, lease, client, instance, _ = self._link.query(_DEVICE, [native], 0)
+                hits, lease, client, instance, _ = self._link.query(_DEVICE, [native])
                 if hits == 0:
                     break
                 if native in leases:  # the same page twice: one lease is enough
@@ -489,7 +489,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
                     try:
                         if pages_ready is not None:
                             pages_ready.synchronize()  # the pages are complete on the GPU before the Manager copies
-                        written, skipped = self._link.save(_DEVICE, natives, [0] * len(natives), pages)
+                        written, skipped = self._link.save(_DEVICE, natives, pages)
                         self.counters_.add("offload_written", written)
                         self.counters_.add("offload_skipped", skipped)
                     except Exception as e:  # noqa: BLE001

@@ -396,7 +396,7 @@ class HiRadixCache:
                  write_policy: str, prefetch_policy: str, groups: Dict[str, Collective], is_mla: bool,
                  extra_config: dict, model_name: str = "harness/model", prefetch_threshold: int = 256,
                  prefetch_timeout_base: float = 2.0, prefetch_timeout_per_ki_token: float = 0.1,
-                 pass_prefix_keys: bool = True):
+                 pass_prefix_keys: bool = False):
         assert write_policy in ("write_through", "write_through_selective", "write_back")
         assert prefetch_policy in ("best_effort", "wait_complete", "timeout")
         self.rank = rank
@@ -573,7 +573,11 @@ class HiRadixCache:
         tokens = new_input_tokens[: len(new_input_tokens) // P * P]
         if len(tokens) < self.controller.prefetch_threshold:
             return False
-        prefix = last_host_node.prefix_hashes() if self.pass_prefix_keys else None
+        # SGLang (db570fe6, scheduler.py / unified_tree_core.py) passes the anchor's ancestors only, not its own
+        # pages, when hicache_storage_pass_prefix_keys is on (off by default).
+        anchor_parent = last_host_node.parent
+        prefix = (anchor_parent.prefix_hashes() if anchor_parent is not None else []) if self.pass_prefix_keys \
+            else None
         operation = self.controller.prefetch(req_id, tokens, last_host_node.last_hash(), prefix)
         last_host_node.host_ref += 1
         self.ongoing_prefetch[req_id] = (last_host_node, tokens, operation)

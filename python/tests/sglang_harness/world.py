@@ -39,7 +39,7 @@ class World:
                  host_pages: int = 64, device_pages: int = 64, is_mla: bool = False,
                  write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
                  extra: Dict = None, prefetch_threshold: int = 64, timeout_base: float = 2.0,
-                 pass_prefix_keys: bool = True, shared_host: bool = True):
+                 pass_prefix_keys: bool = False, shared_host: bool = True):
         self.tp, self.page_size, self.is_mla = tp, page_size, is_mla
         groups = {name: Collective(tp) for name in ("scheduler", "hits", "completion")}
         self.caches: List[HiRadixCache] = []
