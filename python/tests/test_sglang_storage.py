@@ -261,6 +261,106 @@ def test_hybrid_side_pools_exist_get_and_set(manager):
     reader.close()
 
 
+class IndexerPool:
+    """SGLang's DSA indexer host pool (mem_cache/pool_host/dsa.py at db570fe6): ``index_k_with_scale_buffer``, uint8,
+    one row per page in every layout: (pages + 1, layers, 1, stride) in page_first and page_first_direct, (layers,
+    pages + 1, stride) in layer_first; page_size, size and page_num are the KV pool's."""
+
+    def __init__(self, layout="page_first", pages=16, layers=2, stride=40):
+        self.layout, self.page_size, self.page_num, self.size = layout, P, pages, pages * P
+        self.dtype = torch.bfloat16  # the device pool's, not the buffer's
+        rows = (self.size + P + 1) // P
+        shape = (layers, rows, stride) if layout == "layer_first" else (rows, layers, 1, stride)
+        self.index_k_with_scale_buffer = torch.randint(0, 255, shape, dtype=torch.uint8)
+
+    def get_hybrid_pool_buffer(self):
+        return [self.index_k_with_scale_buffer]
+
+    def page_row(self, page):
+        buf = self.index_k_with_scale_buffer
+        return buf[:, page] if self.layout == "layer_first" else buf[page]
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_mla_side_pools_rank0_writes_every_rank_reads_mamba_stays_per_rank(manager, layout):
+    """Issue 58, item 2: on a rank-replicated model (MLA, DSA, DeepSeek-V4) SGLang writes the indexer, SWA,
+    DeepSeek-V4 and draft side pools from TP rank 0 only and every rank reads them (should_backup, db570fe6); Mamba
+    state is written by every rank. The indexer host pool (one row per page) attaches in every layout."""
+    def rank(r):
+        kv = MLATokenToKVPoolHost(layer_num=2, kv_lora_rank=24, qk_rope_head_dim=8, page_size=P, page_num=16,
+                                  layout=layout)
+        kv.kv_buffer.copy_(torch.randn(kv.kv_buffer.shape).to(torch.bfloat16))
+        indexer, state = IndexerPool(layout), StatePool()
+        s = backend(config(manager.socket, tp_rank=r, tp_size=2, mla=True), kv)
+        s.register_mem_host_pool_v2(indexer, "indexer")
+        s.register_mem_host_pool_v2(state, "mamba")
+        return s, indexer, state
+
+    (w, w_indexer, _), (r1, r1_indexer, r1_state) = rank(0), rank(1)
+    k = keys("dsa-" + layout, 4)
+    # SGLang's order on rank 0: side pools first, then the KV; rank 1 writes its Mamba state only.
+    assert w.batch_set_v2([PoolTransfer(name="indexer", host_indices=slots(0, 4), keys=k),
+                           PoolTransfer(name="mamba", host_indices=torch.tensor([3]), keys=[k[3]])]) == {
+        "indexer": [True] * 4, "mamba": [True]}
+    assert w.batch_set_v1(k, slots(0, 4)) == [True] * 4
+    side = [PoolTransfer(name="indexer", keys=k), PoolTransfer(name="mamba", keys=[k[3]],
+                                                                hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    seen = r1.batch_exists_v2(k, side)
+    assert seen.kv_hit_pages == 0  # rank 1's own Mamba state is not there yet
+    assert seen.extra_pool_hit_pages.get("indexer") == 4  # rank 0's indexer pages: rank 1 finds them
+    assert r1.batch_set_v2([PoolTransfer(name="mamba", host_indices=torch.tensor([5]), keys=[k[3]])]) == {
+        "mamba": [True]}
+    assert r1.batch_exists_v2(k, side).kv_hit_pages == 4
+    got = r1.batch_get_v2([PoolTransfer(name="indexer", host_indices=slots(8, 4), keys=k)])
+    assert got == {"indexer": [True] * 4}
+    assert all(torch.equal(w_indexer.page_row(i), r1_indexer.page_row(8 + i)) for i in range(4))
+    # Rank 1 never stores a replicated side pool, even if asked.
+    before = manager.stats()["resident_blocks"]
+    assert r1.batch_set_v2([PoolTransfer(name="indexer", host_indices=slots(0, 1), keys=keys("r1", 1))]) == {
+        "indexer": [True]}
+    assert manager.stats()["resident_blocks"] == before
+    for s in (w, r1):
+        s.close()
+
+
+def test_draft_pools_registered_after_attach_are_bound_to_the_draft_model(manager, tmp_path):
+    """Issue 58, item 2: a DRAFT pool arrives after the backend attached (register_host_pool_entry ->
+    register_mem_host_pool_v2); its pages are keyed by the draft model, so two servers with different draft
+    checkpoints of one shape never share them, and one draft mounted at two paths does."""
+    from sglang_harness.hicache import ServerArgs
+
+    def draft_dir(name, content):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(content)
+        (d / "model.safetensors").write_bytes(b"\0" * 128)
+        return str(d)
+
+    a, a_copy, b = draft_dir("a", '{"n": 1}'), draft_dir("a-copy", '{"n": 1}'), draft_dir("b", '{"n": 2}')
+
+    def server(path):
+        ServerArgs(speculative_draft_model_path=path).install()
+        kv = mha_pool()
+        s = backend(config(manager.socket), kv)
+        draft = mha_pool(head_dim=4)
+        s.register_mem_host_pool_v2(draft, "draft")  # after attach
+        return s
+
+    k = keys("draft-pool", 3)
+    writer = server(a)
+    assert writer.batch_set_v1(k, slots(0, 3)) == [True] * 3
+    assert writer.batch_set_v2([PoolTransfer(name="draft", host_indices=slots(0, 3), keys=k)]) == {
+        "draft": [True] * 3}
+    found = {}
+    for name, path in (("same draft elsewhere", a_copy), ("another draft", b)):
+        reader = server(path)
+        found[name] = reader.batch_exists_v2(k, [PoolTransfer(name="draft", keys=k)]).extra_pool_hit_pages.get(
+            "draft", 0)
+        reader.close()
+    assert found == {"same draft elsewhere": 3, "another draft": 0}
+    writer.close()
+
+
 def test_no_io_call_raises_and_the_manager_comes_back(build_dir):
     m = ManagerProcess(build_dir)
     try:
@@ -671,9 +771,11 @@ def test_fp8_dtype_comes_from_the_servers_kv_cache_dtype(manager):
 
 
 def test_the_loading_wait_follows_sglangs_prefetch_policy_and_timeout():
-    """Pages still loading (SSD, later a peer) are waited for as long as SGLang's own prefetch would wait for them,
-    not a constant 100 ms: the prefetch_timeout_* keys SGLang pops from the extra config are read from the server
-    arguments."""
+    """Issue 58, item 3: pages still loading (SSD, later a peer) are waited for as long as SGLang's own prefetch
+    would wait for them, as UnifiedRadixCache computes it at db570fe6 (parse_storage_backend_extra_config: base
+    1 s + 0.25 s per 1,024 tokens, no cap; prefetch_timeout_max is neither popped nor used), read from the server
+    arguments because SGLang pops those keys; a hit query waits at most 80 % of the base (until it answers, the
+    prefetch's budget is the base alone)."""
     import json
 
     from orbitkv.sglang.hicache import PrefetchWait
@@ -683,14 +785,40 @@ def test_the_loading_wait_follows_sglangs_prefetch_policy_and_timeout():
                       "prefetch_timeout_max": 10})
     assert "prefetch_timeout_base" not in backend_extra_config(raw)  # what the backend itself receives
     timeout = PrefetchWait.from_server(ServerArgs(hicache_storage_backend_extra_config=raw), None)
-    assert timeout(2048) == pytest.approx(4.0) and timeout(100_000) == pytest.approx(10.0)
-    defaults = PrefetchWait.from_server(ServerArgs(), None)  # SGLang's defaults: 2 s + 0.1 s per 1024, max 30
-    assert defaults(10240) == pytest.approx(3.0)
+    assert timeout(2048) == pytest.approx(4.0) and timeout(100_000) == pytest.approx(3 + 0.5 * 100_000 / 1024)
+    assert timeout(100_000, hit_query=True) == pytest.approx(2.4)
+    defaults = PrefetchWait.from_server(ServerArgs(), None)  # SGLang's defaults: timeout policy, 1 s + 0.25 s
+    assert defaults(65536) == pytest.approx(17.0) and defaults(65536, hit_query=True) == pytest.approx(0.8)
     assert PrefetchWait.from_server(ServerArgs(hicache_storage_prefetch_policy="best_effort"), None)(4096) == 0
     assert PrefetchWait.from_server(ServerArgs(hicache_storage_prefetch_policy="wait_complete",
-                                               hicache_storage_backend_extra_config=raw), None)(64) == 10
+                                               hicache_storage_backend_extra_config=raw), None)(64) == 30
     assert PrefetchWait.from_server(ServerArgs(), 250)(1 << 20) == pytest.approx(0.25)  # explicit override
     assert PrefetchWait.from_server(None, None)(4096) == pytest.approx(0.1)  # no server args (older SGLang)
+
+
+def test_the_scheduler_thread_never_waits_for_pages_still_loading(manager):
+    """Issue 58, item 3: query_storage_hit_length (the PD decode path) calls batch_exists on SGLang's scheduler
+    thread and then all-reduces across ranks: a Loading answer there is a miss at once (the load goes on, so the
+    prefetch finds the pages in DRAM), never a wait and never a cancel. On SGLang's prefetch thread the same call
+    waits for the load."""
+    import threading
+
+    storage = backend(config(manager.socket, loading_wait_ms=2000), mha_pool())
+    k = keys("scheduler-thread", 2)
+    storage.batch_set_v1(k, slots(0, 2))
+    real = storage._link._link._client
+    fake = LoadingClient(real, loading=3)
+    storage._link._link._client = fake
+    assert threading.current_thread() is threading.main_thread()
+    assert storage.batch_exists(k) == 0  # the scheduler thread: Loading is a miss now
+    assert fake.loading == 2 and fake.cancelled == [] and storage.counters()["query_loading_not_waited"] == 1
+    found = []
+    prefetch = threading.Thread(target=lambda: found.append(storage.batch_exists(k)))  # a prefetch thread
+    prefetch.start()
+    prefetch.join()
+    assert found == [2] and fake.loading == 0
+    storage._link._link._client = real
+    storage.close()
 
 
 def test_draft_kv_of_speculative_decoding_round_trips_in_its_own_namespace(manager):

@@ -124,10 +124,26 @@ def _registrable(views: list, what: str) -> list:
     return views
 
 
-def _paged_views(tensor, layout: str, num_pages: int, page_tokens: int) -> list:
+def _page_rowed(tensor, layout: str, num_pages: int, page_tokens: int) -> bool:
+    """Whether a side pool's buffer has one row per page rather than per token along its paged axis: SGLang's DSA
+    indexer host pool (``index_k_with_scale_buffer``, (pages, layers, 1, stride) in page_first and
+    page_first_direct, (layers, pages, stride) in layer_first; mem_cache/pool_host/dsa.py at db570fe6)."""
+    axis = 1 if layout == "layer_first" else 0
+    if layout in _PAGED_FIRST or page_tokens == 1 or tensor.dim() <= axis:
+        return False
+    rows = int(tensor.shape[axis])
+    return num_pages <= rows < num_pages * page_tokens
+
+
+def _paged_views(tensor, layout: str, num_pages: int, page_tokens: int, page_rowed: bool = False) -> list:
     """[num_pages, page_elements] views of one pool buffer, in block fragment order."""
     if not tensor.is_contiguous():
         raise ValueError(f"a {layout} KV buffer must be contiguous, got strides {tuple(tensor.stride())}")
+    if page_rowed:
+        if layout == "layer_first":
+            return _registrable([tensor[layer, :num_pages].reshape(num_pages, -1) for layer in range(tensor.shape[0])],
+                                "host side pool")
+        return _registrable([tensor[:num_pages].reshape(num_pages, -1)], "host side pool")
     if layout in _PAGED_FIRST:
         if tensor.shape[0] < num_pages:
             raise ValueError(f"a {layout} buffer of {tensor.shape[0]} pages is smaller than the pool's {num_pages}")
@@ -193,7 +209,8 @@ def describe_host_pool(pool, *, is_mla: bool, kv_cache_dtype: Optional[str] = No
     dtype = _resolve_dtype(tensors, kv_cache_dtype if label == "kv" else None, require_real=label == "kv")
     buffers = []
     for tensor in tensors:
-        buffers.extend(_paged_views(tensor, layout, num_pages, page_tokens))
+        rowed = label != "kv" and _page_rowed(tensor, layout, num_pages, page_tokens)
+        buffers.extend(_paged_views(tensor, layout, num_pages, page_tokens, rowed))
     block_bytes = sum(b[0].numel() * b.element_size() for b in buffers)
     paged_axis = 1 if layout == "layer_first" else 0
     shapes = ",".join(_shape_signature(t, paged_axis) for t in tensors)

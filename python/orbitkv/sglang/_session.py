@@ -130,9 +130,9 @@ class ManagerLink:
     def __init__(self, socket_path: Optional[str], *, timeout_ms: int, loading_wait_s,
                  reconnect_interval_s: float, counters: Counters, log: RateLimitedLog, identity: str = ""):
         self.identity = identity  # what `orbitkv status` shows for this rank's instances
-        # Seconds a Loading answer is waited for: a constant, or a function of the tokens asked about (SGLang's
-        # prefetch timeout, see PrefetchWait).
-        self._loading_wait = loading_wait_s if callable(loading_wait_s) else (lambda tokens: loading_wait_s)
+        # Seconds a Loading answer is waited for: a constant, or a function of the tokens asked about and whether
+        # the call is a hit query (SGLang's prefetch timeout, see PrefetchWait).
+        self._loading_wait = loading_wait_s if callable(loading_wait_s) else (lambda tokens, hit: loading_wait_s)
         self._counters = counters
         self._log = log
         self._timeout_s = timeout_ms / 1000.0
@@ -260,8 +260,12 @@ class ManagerLink:
 
     # ---- queries, restores, saves ----
 
-    def query(self, label: str, natives: List[bytes], *, wait_loading: bool = True) -> Answer:
-        """The longest stored prefix of the pages ``natives`` (each keyed by its hash alone). A Loading answer (blocks being read from SSD into
+    def query(self, label: str, natives: List[bytes], *, wait_loading: bool = True, hit_query: bool = False,
+              blocking: bool = True) -> Answer:
+        """The longest stored prefix of the pages ``natives`` (each keyed by its hash alone). With ``blocking``
+        False (SGLang's scheduler thread) a Loading answer is a miss at once and its operation goes on, so that the
+        pages are in DRAM when the prefetch asks. ``hit_query``: the loading wait of a hit query (see
+        PrefetchWait.hit_query). A Loading answer (blocks being read from SSD into
         DRAM) is waited for on the completion of its operation (the Manager answers when it completes; no sleeping
         or polling here) and asked again, until ``loading_wait`` passes; then the op is cancelled (its reads
         finish anyway, nothing stays leased) and the answer counts as a miss."""
@@ -277,12 +281,16 @@ class ManagerLink:
                     # A Loading op that turned into this answer has completed: nothing to cancel.
                     return Answer(answer.num_hit_blocks, getattr(answer, "lease", 0), client, instance)
                 self._counters.add("query_loading")
+                if not blocking:
+                    self._counters.add("query_loading_not_waited")
+                    return Answer(0, 0, client, instance, True)
                 if pending_op is not None and answer.op != pending_op:
                     self._cancel(client, instance, pending_op)
                 pending_op = answer.op
                 now = time.monotonic()
                 if deadline is None:
-                    deadline = now + (self._loading_wait(len(natives) * page) if wait_loading else 0.0)
+                    wait = self._loading_wait(len(natives) * page, hit_query) if wait_loading else 0.0
+                    deadline = now + wait
                 if now >= deadline:
                     self._cancel(client, instance, pending_op)
                     self._counters.add("query_loading_timeouts")
@@ -375,7 +383,7 @@ class ManagerLink:
 
     # ---- composite reads ----
 
-    def _chunked(self, label: str, natives: List[bytes], step: Optional[int], action) -> int:
+    def _chunked(self, label: str, natives: List[bytes], step: Optional[int], action, **query) -> int:
         """Runs ``action(hits, lease, client, instance, offset)`` over the chain in chunks, the whole chain first.
         A query reserves query budget for every block it finds: on backpressure (no room now) the chunk is halved;
         the Manager answers a prefix larger than the whole budget for the part that fits, so a shorter hit is
@@ -388,9 +396,9 @@ class ManagerLink:
         while done < len(natives):
             chunk = natives[done:done + step]
             try:
-                hits, lease, client, instance, loading = self.query(label, chunk)
+                hits, lease, client, instance, loading = self.query(label, chunk, **query)
                 if hits == 0 and not loading and len(chunk) > 1 and len(chunk) > pool.largest_hit:
-                    probe = self.query(label, chunk[:1])
+                    probe = self.query(label, chunk[:1], **query)
                     if probe.hits:
                         self.release(probe.client, probe.instance, probe.lease)
                         self._counters.add("query_over_budget")
@@ -421,13 +429,13 @@ class ManagerLink:
 
         return self._chunked(label, natives, None, restore)
 
-    def exists_chain(self, label: str, natives: List[bytes]) -> int:
-        """The longest stored prefix of the pages ``natives``. The query leases (pins) what it finds, so it is
-        released at once; under budget pressure the chain is probed in smaller pieces."""
+    def exists_chain(self, label: str, natives: List[bytes], *, blocking: bool = True) -> int:
+        """The longest stored prefix of the pages ``natives`` (a hit query). The query leases (pins) what it finds,
+        so it is released at once; under budget pressure the chain is probed in smaller pieces."""
         def release(hits, lease, client, instance, offset):
             self.release(client, instance, lease)
 
-        return self._chunked(label, natives, None, release)
+        return self._chunked(label, natives, None, release, hit_query=True, blocking=blocking)
 
 
 def env_socket() -> Optional[str]:

@@ -23,6 +23,7 @@ arguments, a full pool) is a False per page or a shorter hit, logged at most eve
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -119,11 +120,25 @@ def weights_revision(extra: dict, model_id: str) -> str:
 
 
 def _draft_model() -> str:
-    """The draft model of speculative decoding, as the server names it (its pages are its own KV)."""
+    """The draft model of speculative decoding (its pages are its own KV): ``--speculative-draft-model-path`` by its
+    weights (a local directory by the digest of its config and weight files, so two hosts that mount one draft at
+    different paths agree; a hub id by its revision), so two servers with different draft checkpoints of one shape
+    never share draft pages."""
     args = server_args()
     path = getattr(args, "speculative_draft_model_path", None) if args is not None else None
     revision = getattr(args, "speculative_draft_model_revision", None) if args is not None else None
-    return f"{path or 'draft'}@{revision or ''}"
+    if not path:
+        return f"draft@{revision or ''}"
+    if os.path.isdir(os.path.expanduser(str(path))):
+        return f"{model_fingerprint(str(path))}@{revision or ''}"
+    return f"{path}@{revision or ''}"
+
+
+# Side pools SGLang writes on every TP rank of a rank-replicated model (MLA, DSA, DeepSeek-V4): Mamba state is
+# sharded by head. The others (SWA, indexer, DeepSeek-V4's compressed pools, draft pools) hold the same bytes on
+# every rank and only TP rank 0 writes them (hybrid_cache_controller.py should_backup, SGLang db570fe6), while every
+# rank reads them: they are keyed without the TP rank there.
+_PER_RANK_SIDE_POOLS = frozenset({"mamba"})
 
 
 def _server_kv_cache_dtype() -> Optional[str]:
@@ -133,25 +148,28 @@ def _server_kv_cache_dtype() -> Optional[str]:
 
 class PrefetchWait:
     """How long a lookup waits for pages still loading (from SSD, later from a peer): SGLang's own prefetch policy
-    and timeout (``--hicache-storage-prefetch-policy``; ``prefetch_timeout_base``, ``prefetch_timeout_per_ki_token``
-    and ``prefetch_timeout_max`` in the backend extra config, which SGLang pops before the backend sees it, so they
-    are read from the server's arguments). ``best_effort`` may end the prefetch at any moment: no wait.
-    ``timeout``: ``min(max, base + per_ki_token * tokens / 1024)``, SGLang's own bound. ``wait_complete``: up to
-    ``max``. An explicit ``loading_wait_ms`` overrides all of it; without server arguments (older SGLang) the wait
-    is 100 ms."""
+    and timeout (``--hicache-storage-prefetch-policy``; ``prefetch_timeout_base`` and ``prefetch_timeout_per_ki_token``
+    in the backend extra config, which SGLang pops before the backend sees it, so they are read from the server's
+    arguments), as SGLang's UnifiedRadixCache applies them at db570fe6 (``parse_storage_backend_extra_config``:
+    base 1 s, 0.25 s per 1,024 tokens, no cap; the old HiCacheController's 2 s, 0.1 s and 30 s cap are gone). The
+    prefetch's clock starts when SGLang creates it, and until its hit query answers the budget is the base alone:
+    a hit query waits at most 80 % of it, so that the prefetch is not revoked while the backend waits.
+    ``best_effort`` may end the prefetch at any moment: no wait. ``wait_complete``: up to 30 s. An explicit
+    ``loading_wait_ms`` overrides all of it; without server arguments (older SGLang) the wait is 100 ms."""
 
-    def __init__(self, policy: str, base: float, per_ki_token: float, maximum: float,
-                 fixed: Optional[float] = None):
-        self.policy, self.base, self.per_ki_token, self.maximum, self.fixed = policy, base, per_ki_token, maximum, fixed
+    WAIT_COMPLETE_S = 30.0
+
+    def __init__(self, policy: str, base: float, per_ki_token: float, fixed: Optional[float] = None):
+        self.policy, self.base, self.per_ki_token, self.fixed = policy, base, per_ki_token, fixed
 
     @classmethod
     def from_server(cls, args, loading_wait_ms: Optional[int]) -> "PrefetchWait":
         if loading_wait_ms is not None:
-            return cls("explicit", 0.0, 0.0, 0.0, loading_wait_ms / 1000.0)
+            return cls("explicit", 0.0, 0.0, loading_wait_ms / 1000.0)
         if args is None:
-            return cls("default", 0.0, 0.0, 0.0, 0.1)
+            return cls("default", 0.0, 0.0, 0.1)
         raw = raw_storage_extra_config(args)
-        policy = str(getattr(args, "hicache_storage_prefetch_policy", None) or "best_effort")
+        policy = str(getattr(args, "hicache_storage_prefetch_policy", None) or "timeout")
 
         def number(key, default):
             try:
@@ -159,23 +177,24 @@ class PrefetchWait:
             except (TypeError, ValueError):
                 return default
 
-        return cls(policy, number("prefetch_timeout_base", 2.0), number("prefetch_timeout_per_ki_token", 0.1),
-                   number("prefetch_timeout_max", 30.0))
+        return cls(policy, number("prefetch_timeout_base", 1.0), number("prefetch_timeout_per_ki_token", 0.25))
 
-    def __call__(self, tokens: int) -> float:
+    def __call__(self, tokens: int, hit_query: bool = False) -> float:
         if self.fixed is not None:
             return self.fixed
         if self.policy == "best_effort":
             return 0.0
         if self.policy == "wait_complete":
-            return self.maximum
-        return min(self.maximum, self.base + self.per_ki_token * tokens / 1024)
+            return self.WAIT_COMPLETE_S
+        if hit_query:
+            return 0.8 * self.base
+        return self.base + self.per_ki_token * tokens / 1024
 
     def __repr__(self) -> str:
         if self.fixed is not None:
             return f"{self.fixed * 1000:.0f} ms ({self.policy})"
-        return (f"SGLang's {self.policy} policy (base {self.base} s, {self.per_ki_token} s per 1024 tokens, "
-                f"max {self.maximum} s)")
+        return (f"SGLang's {self.policy} policy (base {self.base} s, {self.per_ki_token} s per 1024 tokens; a hit "
+                f"query waits at most {0.8 * self.base:.2f} s)")
 
 
 class OrbitKVStorage(HiCacheStorage):
@@ -216,6 +235,7 @@ class OrbitKVStorage(HiCacheStorage):
             logger.warning("OrbitKV: \"interface_v1\" is not set, so SGLang uses the generic copy path (pages copied "
                            "through a staging area); add \"interface_v1\": 1 for zero copy")
         self.is_mla = bool(storage_config.is_mla_model)
+        self._replicated: Dict[str, bool] = {}  # side pool label -> keyed without the TP rank
         # Rank-replicated KV (MLA): every TP rank holds the same bytes, only rank 0 writes, all ranks read.
         self.is_writer = not self.is_mla or storage_config.tp_rank == 0
         self.counters_ = Counters()
@@ -272,14 +292,23 @@ class OrbitKVStorage(HiCacheStorage):
         geometry = describe_host_pool(host_pool, is_mla=self.is_mla, label=name)
         if geometry is None:
             raise ValueError(f"OrbitKV: the {name!r} host pool has no buffer to register")
+        if name.startswith("draft"):  # a draft model's KV (registered after attach, register_host_pool_entry)
+            geometry = dataclasses.replace(geometry, detail=f"{geometry.detail}/draft-model:{_draft_model()}")
         # A side page belongs to a KV page: its key spans that KV page's tokens.
         span = self._kv.page_tokens if self._kv is not None else None
-        self._link.register("pool:" + name, geometry, self._namespace(geometry, replicated=False), span)
+        replicated = self._side_replicated(name)
+        self._replicated["pool:" + name] = replicated
+        self._link.register("pool:" + name, geometry, self._namespace(geometry, replicated=replicated), span)
+
+    def _side_replicated(self, name: str) -> bool:
+        """Whether side pool ``name`` holds the same bytes on every TP rank (keyed without the rank; rank 0
+        writes)."""
+        return self.is_mla and name not in _PER_RANK_SIDE_POOLS
 
     def _namespace(self, geometry: PoolGeometry, *, replicated: Optional[bool] = None,
                    epoch: Optional[bytes] = None) -> bytes:
-        """The pool's namespace. Only a rank-replicated pool (MLA's KV pool: every TP rank holds the same bytes)
-        drops the TP rank; side pools (Mamba/KDA state, sharded by head across TP) keep it, MLA or not."""
+        """The pool's namespace. Only a rank-replicated pool (MLA's KV pool, and its side pools but Mamba's: every TP
+        rank holds the same bytes) drops the TP rank; Mamba/KDA state (sharded by head across TP) keeps it."""
         cfg = self.config
         if replicated is None:
             replicated = self.is_mla
@@ -358,7 +387,10 @@ class OrbitKVStorage(HiCacheStorage):
                 return 0
             if self._anchor:
                 return len(keys)
-            hits = self._exists(_KV, native_keys(keys))
+            # SGLang's scheduler thread (query_storage_hit_length on the PD decode path) must never wait for pages
+            # still loading: it answers from what is in DRAM now; the load goes on for the prefetch.
+            on_scheduler = threading.current_thread() is threading.main_thread()
+            hits = self._link.exists_chain(_KV, native_keys(keys), blocking=not on_scheduler)
             self.counters_.add_many(exists_calls=1, exists_keys=len(keys), exists_hits=hits)
             return hits
 
@@ -598,12 +630,15 @@ class OrbitKVStorage(HiCacheStorage):
             for transfer in transfers:
                 keys = transfer.keys or []
                 name = pool_name_str(transfer.name)
-                if not keys:  # every rank writes its side pools: they are sharded even where the KV is not
+                if not keys:
                     results[name] = []
                     continue
                 results[name] = [False] * len(keys)
                 try:
                     _, label, geometry = self._side(transfer)
+                    if self._replicated.get(label) and not self.is_writer:  # rank 0 stores the replicated pools
+                        results[name] = [True] * len(keys)
+                        continue
                     pages = self._pages(transfer.host_indices, len(keys), geometry)
                     natives = native_keys(keys)
                     self._write(label, natives, pages)
@@ -634,7 +669,7 @@ class OrbitKVStorage(HiCacheStorage):
             for label in self._link.labels():
                 if label == _STAGING:
                     continue
-                replicated = False if label.startswith("pool:") else None  # side pools keep their TP rank
+                replicated = self._replicated.get(label)  # None: the KV pool's rule
                 namespaces[label] = self._namespace(self._link.geometry(label), replicated=replicated, epoch=epoch)
             if self._link.has_pool(_STAGING):
                 namespaces[_STAGING] = namespaces[_KV]

@@ -737,6 +737,8 @@ class ServerArgs:
     quantization_param_path: Optional[str] = None
     json_model_override_args: str = "{}"
     model_impl: str = "auto"
+    speculative_draft_model_path: Optional[str] = None
+    speculative_draft_model_revision: Optional[str] = None
     hicache_storage_prefetch_policy: str = "timeout"
     hicache_storage_backend: str = "dynamic"
     hicache_storage_backend_extra_config: Optional[str] = None
