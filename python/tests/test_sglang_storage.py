@@ -323,6 +323,35 @@ def test_mla_side_pools_rank0_writes_every_rank_reads_mamba_stays_per_rank(manag
         s.close()
 
 
+class LogicalAnchor:
+    """DeepSeek-V4's KV host pool on the UnifiedRadixCache path: the group's index anchor, with no buffer of its
+    own (its pages live in the deepseek_v4_* side pools)."""
+
+    layout, page_size, page_num, size, dtype = "page_first", P, 16, 16 * P, torch.bfloat16
+
+    def get_hybrid_pool_buffer(self):
+        return []
+
+
+def test_a_logical_anchor_answers_the_decode_hit_query_from_its_side_pools(manager):
+    """Issue 58 (research B6): query_storage_hit_length calls plain batch_exists, with no side pools named. On
+    DeepSeek-V4's logical anchor the backend answered every key (the decode side then loaded pages nobody had); it
+    now answers the run its side pools hold, and 0 when the run's last state page is missing."""
+    storage = backend(config(manager.socket, tp_rank=0, tp_size=1, mla=True), LogicalAnchor())
+    compressed, state = mha_pool(head_dim=4), StatePool()
+    storage.register_mem_host_pool_v2(compressed, "deepseek_v4_c4")
+    storage.register_mem_host_pool_v2(state, "deepseek_v4_c4_state")
+    k = keys("dsv4-anchor", 6)
+    assert storage.batch_set_v2([PoolTransfer(name="deepseek_v4_c4", host_indices=slots(0, 4), keys=k[:4])]) == {
+        "deepseek_v4_c4": [True] * 4}
+    assert storage.batch_exists(k) == 0  # no state page at the run's end yet
+    assert storage.batch_set_v2([PoolTransfer(name="deepseek_v4_c4_state", host_indices=torch.tensor([3]),
+                                              keys=[k[3]])]) == {"deepseek_v4_c4_state": [True]}
+    assert storage.batch_exists(k) == 4  # not 6: pages 5 and 6 are nowhere
+    assert storage.batch_exists(keys("dsv4-unknown", 3)) == 0
+    storage.close()
+
+
 def test_draft_pools_registered_after_attach_are_bound_to_the_draft_model(manager, tmp_path):
     """Issue 58, item 2: a DRAFT pool arrives after the backend attached (register_host_pool_entry ->
     register_mem_host_pool_v2); its pages are keyed by the draft model, so two servers with different draft

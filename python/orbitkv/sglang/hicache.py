@@ -385,16 +385,38 @@ class OrbitKVStorage(HiCacheStorage):
         def run() -> int:
             if not keys:
                 return 0
-            if self._anchor:
-                return len(keys)
             # SGLang's scheduler thread (query_storage_hit_length on the PD decode path) must never wait for pages
             # still loading: it answers from what is in DRAM now; the load goes on for the prefetch.
             on_scheduler = threading.current_thread() is threading.main_thread()
-            hits = self._link.exists_chain(_KV, native_keys(keys), blocking=not on_scheduler)
+            natives = native_keys(keys)
+            if self._anchor:
+                hits = self._anchor_hits(natives, blocking=not on_scheduler)
+            else:
+                hits = self._link.exists_chain(_KV, natives, blocking=not on_scheduler)
             self.counters_.add_many(exists_calls=1, exists_keys=len(keys), exists_hits=hits)
             return hits
 
         return self._guarded("batch_exists", lambda: 0, run)
+
+    def _anchor_hits(self, natives: List[bytes], *, blocking: bool) -> int:
+        """A hit query with no side pools named (query_storage_hit_length, which always calls plain batch_exists)
+        on a KV pool without a buffer (DeepSeek-V4's logical anchor): the pages whose side pools hold them. Pools
+        stored at every page give the leading run; a state pool (stored at node boundaries) must hold the run's
+        last page, else the answer is 0. Never more than is there (answering every key, as before, made the
+        decode side load pages nobody had)."""
+        labels = [label for label in self._link.labels() if label.startswith("pool:")]
+        if not labels:
+            return 0
+        per_page = [label for label in labels if not label.endswith(("_state", ":mamba"))]
+        hits = len(natives)
+        for label in per_page:
+            hits = min(hits, self._link.exists_chain(label, natives[:hits], blocking=blocking))
+            if hits == 0:
+                return 0
+        for label in labels:
+            if label not in per_page and self._link.exists_chain(label, [natives[hits - 1]], blocking=blocking) != 1:
+                return 0
+        return hits
 
     def exists(self, key) -> bool:
         return self.batch_exists([key]) > 0
