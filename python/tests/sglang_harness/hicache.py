@@ -228,19 +228,14 @@ class CacheController:
     # ---- threads ----
 
     def _storage_hit_query(self, operation):
+        """HybridCacheController's hit query (hybrid_cache_controller.py, SGLang db570fe6): one unchunked call over
+        every hash of the operation, with a copy of prefix_keys (None when there are none)."""
         prefix_keys = operation.prefix_keys.copy() if operation.prefix_keys else None
         hashes = page_hashes(operation.token_ids, self.page_size, operation.last_hash)
-        hit_values, hit_tokens = [], 0
-        for start in range(0, len(hashes), STORAGE_BATCH_SIZE):
-            batch = hashes[start:start + STORAGE_BATCH_SIZE]
-            hits = self.storage_backend.batch_exists(batch, HiCacheStorageExtraInfo(prefix_keys=prefix_keys))
-            hit_values.extend(batch[:hits])
-            hit_tokens += hits * self.page_size
-            if hits < len(batch):
-                break
-            if prefix_keys and len(prefix_keys) > 0:
-                prefix_keys += batch
-        return hit_values, hit_tokens
+        if not hashes:
+            return [], 0
+        hits = self.storage_backend.batch_exists(hashes, HiCacheStorageExtraInfo(prefix_keys=prefix_keys))
+        return hashes[:hits], hits * self.page_size
 
     def _prefetch_thread(self):
         while not self.stop_event.is_set():
@@ -395,7 +390,7 @@ class HiRadixCache:
     def __init__(self, *, rank: int, tp_size: int, device_pool, device_pages: DevicePages, host_pool, page_size: int,
                  write_policy: str, prefetch_policy: str, groups: Dict[str, Collective], is_mla: bool,
                  extra_config: dict, model_name: str = "harness/model", prefetch_threshold: int = 256,
-                 prefetch_timeout_base: float = 2.0, prefetch_timeout_per_ki_token: float = 0.1,
+                 prefetch_timeout_base: float = 1.0, prefetch_timeout_per_ki_token: float = 0.25,
                  pass_prefix_keys: bool = False):
         assert write_policy in ("write_through", "write_through_selective", "write_back")
         assert prefetch_policy in ("best_effort", "wait_complete", "timeout")
@@ -584,7 +579,9 @@ class HiRadixCache:
         return True
 
     def _prefetch_timeout(self, operation: PrefetchOperation) -> float:
-        return self.timeout_base + self.timeout_per_ki * len(operation.token_ids) / 1024
+        """UnifiedRadixCache's budget (unified_radix_cache.py, db570fe6): base + per_ki_token per 1,024 tokens that
+        hit storage, no cap."""
+        return self.timeout_base + self.timeout_per_ki * operation.storage_hit_count / 1024
 
     def drain_storage_control_queues(self) -> None:
         """One scheduler step: hit-query results and backup acks, counted alike on every rank."""
@@ -753,8 +750,10 @@ class ServerArgs:
         return self
 
 
+# parse_storage_backend_extra_config at db570fe6 (prefetch_timeout_max is neither popped nor used any more) and
+# tp_lcm_size (cache_controller.py _generate_storage_config).
 SGLANG_POPPED_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                      "prefetch_timeout_max", "hicache_storage_pass_prefix_keys")
+                      "hicache_storage_pass_prefix_keys", "tp_lcm_size")
 
 
 def backend_extra_config(raw_json: str) -> dict:

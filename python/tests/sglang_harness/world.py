@@ -38,7 +38,7 @@ class World:
     def __init__(self, socket: str, *, tp: int = 1, layout: str = "page_first", page_size: int = 64,
                  host_pages: int = 64, device_pages: int = 64, is_mla: bool = False,
                  write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
-                 extra: Dict = None, prefetch_threshold: int = 64, timeout_base: float = 2.0,
+                 extra: Dict = None, prefetch_threshold: int = 64, timeout_base: float = 1.0,
                  pass_prefix_keys: bool = False, shared_host: bool = True):
         self.tp, self.page_size, self.is_mla = tp, page_size, is_mla
         groups = {name: Collective(tp) for name in ("scheduler", "hits", "completion")}
