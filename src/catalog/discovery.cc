@@ -259,10 +259,7 @@ void Discovery::Run::Go() {
           call.cancel.Cancel();
         }
       }
-      if (!Launch(options().now())) break;
-      bool all_answered = true;
-      for (const Key& k : keys_) all_answered = all_answered && k.resolved;
-      if (all_answered) break;
+      if (!Launch(options().now())) break;  // every key answered, or out of copies
       // Until a call ends (it notifies), the next hedge is due, or the budget ends.
       MonoTime wake = deadline_.when();
       for (const Call& call : calls_) {

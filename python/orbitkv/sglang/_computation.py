@@ -14,6 +14,7 @@ is that of SGLang's defaults.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -27,7 +28,7 @@ log = logging.getLogger("orbitkv.sglang")
 
 
 def _overrides(args: Any) -> Optional[dict]:
-    raw = getattr(args, "json_model_override_args", None) if args is not None else None
+    raw = getattr(args, "json_model_override_args", None)
     if not raw:
         return None
     if isinstance(raw, dict):
@@ -51,14 +52,14 @@ def _file_digest(path: Optional[str]) -> Optional[str]:
 
 def factors(args: Any) -> tuple[Optional[dict], dict]:
     """(the model-config overrides, the other factors) of SGLang's ServerArgs ``args``."""
-    get = (lambda name, default=None: getattr(args, name, default)) if args is not None else (
-        lambda name, default=None: default)
+    # Without ServerArgs (None has none of these attributes) every factor is SGLang's default.
+    get = functools.partial(getattr, args)
     return _overrides(args), {
         "dtype": str(get("dtype", "auto") or "auto"),
-        "quantization": get("quantization"),
-        "modelopt_quant": get("modelopt_quant"),
+        "quantization": get("quantization", None),
+        "modelopt_quant": get("modelopt_quant", None),
         "kv_cache_dtype": str(get("kv_cache_dtype", "auto") or "auto"),
-        "quantization_param_path": _file_digest(get("quantization_param_path")),
+        "quantization_param_path": _file_digest(get("quantization_param_path", None)),
         "model_impl": str(get("model_impl", "auto") or "auto"),
     }
 

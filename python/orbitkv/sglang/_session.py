@@ -260,8 +260,7 @@ class ManagerLink:
 
     # ---- queries, restores, saves ----
 
-    def query(self, label: str, natives: List[bytes], *, wait_loading: bool = True, hit_query: bool = False,
-              blocking: bool = True) -> Answer:
+    def query(self, label: str, natives: List[bytes], *, hit_query: bool = False, blocking: bool = True) -> Answer:
         """The longest stored prefix of the pages ``natives`` (each keyed by its hash alone). With ``blocking``
         False (SGLang's scheduler thread) a Loading answer is a miss at once and its operation goes on, so that the
         pages are in DRAM when the prefetch asks. ``hit_query``: the loading wait of a hit query (see
@@ -289,8 +288,7 @@ class ManagerLink:
                 pending_op = answer.op
                 now = time.monotonic()
                 if deadline is None:
-                    wait = self._loading_wait(len(natives) * page, hit_query) if wait_loading else 0.0
-                    deadline = now + wait
+                    deadline = now + self._loading_wait(len(natives) * page, hit_query)
                 if now >= deadline:
                     self._cancel(client, instance, pending_op)
                     self._counters.add("query_loading_timeouts")

@@ -230,8 +230,7 @@ class OrbitKVStorage(HiCacheStorage):
         self._staging_pages = _int_option(extra, "legacy_staging_pages", 8, 1)
         # Without interface_v1 SGLang uses the generic calls, which copy pages through a staging area; the keys are
         # the same either way.
-        self.chain_mode = bool(extra.get("interface_v1", 0))
-        if not self.chain_mode:
+        if not extra.get("interface_v1", 0):
             logger.warning("OrbitKV: \"interface_v1\" is not set, so SGLang uses the generic copy path (pages copied "
                            "through a staging area); add \"interface_v1\": 1 for zero copy")
         self.is_mla = bool(storage_config.is_mla_model)
