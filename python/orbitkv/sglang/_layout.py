@@ -205,15 +205,19 @@ def describe_host_pool(pool, *, is_mla: bool, kv_cache_dtype: Optional[str] = No
         return None
     tensors = list(tensors)
     # Side pools (Mamba state, indexer keys) keep whatever storage SGLang gives them; their label and shapes are in
-    # the namespace, and only the KV pool's uint8 needs the real fp8 dtype.
-    dtype = _resolve_dtype(tensors, kv_cache_dtype if label == "kv" else None, require_real=label == "kv")
+    # the namespace, and only the KV pool's uint8 needs the real fp8 dtype. A side pool may mix dtypes (SGLang's
+    # MambaPoolHost: a float32 temporal buffer beside bf16 conv buffers): its blocks are bytes, and every buffer's
+    # dtype goes into the namespace's detail.
+    mixed = label != "kv" and len({dtype_name(t.dtype) for t in tensors}) > 1
+    dtype = dtype_name(tensors[0].dtype) if mixed else \
+        _resolve_dtype(tensors, kv_cache_dtype if label == "kv" else None, require_real=label == "kv")
     buffers = []
     for tensor in tensors:
         rowed = label != "kv" and _page_rowed(tensor, layout, num_pages, page_tokens)
         buffers.extend(_paged_views(tensor, layout, num_pages, page_tokens, rowed))
     block_bytes = sum(b[0].numel() * b.element_size() for b in buffers)
     paged_axis = 1 if layout == "layer_first" else 0
-    shapes = ",".join(_shape_signature(t, paged_axis) for t in tensors)
+    shapes = ",".join(_shape_signature(t, paged_axis) + (f":{dtype_name(t.dtype)}" if mixed else "") for t in tensors)
     layers = ""
     if getattr(pool, "start_layer", None) is not None and getattr(pool, "end_layer", None) is not None:
         layers = f"/layers{pool.start_layer}-{pool.end_layer}"

@@ -1,4 +1,4 @@
-"""Test-only: the reference engine (orbitkv.refengine) served SGLang-style: 64-token pages, a HiRadixCache with a
+"""Test-only: the reference engine (orbitkv.refengine) served SGLang-style: 64-token pages, a UnifiedRadixCache (over a one-entry HostPoolGroup) with a
 host tier (OrbitKV shared memory, or with ``shared_host=False`` ordinary memory as stock SGLang allocates it) and
 OrbitKV as L3, TP 1; the engine and its device KV pool on the CPU or (``device="cuda"``) on the GPU. One
 EngineServer is one SGLang server process; two on one Manager are a server and a later one
@@ -13,7 +13,7 @@ import torch
 
 from orbitkv import refengine
 
-from .hicache import Collective, HiRadixCache, serve_prefix
+from .hicache import Collective, UnifiedRadixCache, serve_prefix
 from .pools import MHATokenToKVPoolHost
 
 
@@ -55,10 +55,10 @@ class EngineServer:
                                               page_size=c.block_size, page_num=host_pages, dtype=c.torch_dtype,
                                               layout=layout, shared=shared_host)
         self.pages = EngineDevicePages(self.engine)
-        self.cache = HiRadixCache(
+        self.cache = UnifiedRadixCache(
             rank=0, tp_size=1, device_pool=self.device_pool, device_pages=self.pages, host_pool=self.host_pool,
             page_size=c.block_size, write_policy=write_policy, prefetch_policy=prefetch_policy,
-            groups={name: Collective(1) for name in ("scheduler", "hits", "completion")}, is_mla=False,
+            groups={name: Collective(1) for name in ("scheduler", "hits")}, is_mla=False,
             extra_config=dict(socket_extra), model_name=f"refengine/{c.name}", prefetch_threshold=c.block_size)
 
     def generate(self, req_id: str, prompt: List[int], max_new_tokens: int,

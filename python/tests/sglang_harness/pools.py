@@ -288,10 +288,54 @@ class MLATokenToKVPool:
         self.layer_transfer_counter = counter
 
 
-class PoolEntry:
-    """One pool of a hybrid model's host pool group (``mem_cache/pool_host/group.py``)."""
+class MambaPoolHost(_HostPoolBase):
+    """SGLang's MambaPoolHost (``mem_cache/pool_host/mamba.py`` at db570fe6) in its page_first layouts: page_size 1
+    (one state slot per radix node), a float32 temporal buffer ``(slots, layers, 1, *temporal)`` and bf16 conv buffers
+    ``(slots, layers, 1, *conv)``; ``get_hybrid_pool_buffer()`` is ``[temporal, *conv]``. The state is TP-sharded
+    (every rank writes its own, ``should_backup``)."""
 
-    def __init__(self, name: str, host_pool, device_pool=None, *, is_primary_index_anchor: bool = False):
+    def __init__(self, *, slots: int, num_layers: int = 2, temporal=(4, 8), conv=((3, 16),),
+                 layout: str = "page_first", shared: bool = True):
+        assert layout in ("page_first", "page_first_direct"), layout
+        super().__init__(1, slots, layout, torch.bfloat16)  # dtype: the conv dtype, as SGLang's
+        self.device = "cpu"
+        self.temporal_buffer = _alloc((slots, num_layers, 1) + tuple(temporal), torch.float32, shared)
+        self.conv_buffer = [_alloc((slots, num_layers, 1) + tuple(c), torch.bfloat16, shared) for c in conv]
+
+    def get_hybrid_pool_buffer(self):
+        return [self.temporal_buffer, *self.conv_buffer]
+
+    def slot_tensors(self, slot: int) -> List[torch.Tensor]:
+        return [buffer[slot] for buffer in self.get_hybrid_pool_buffer()]
+
+
+class DSAIndexerPoolHost:
+    """SGLang's DSA indexer host pool (``mem_cache/pool_host/dsa.py`` at db570fe6): ``index_k_with_scale_buffer``,
+    uint8, one row per page in every layout ((rows, layers, 1, stride) page-major, (layers, rows, stride) in
+    layer_first, rows = (size + page_size + 1) // page_size); page_size, size and page_num are the KV anchor's and a
+    KV token slot's row is ``slot // page_size`` (a KV-derived sidecar: it shares the anchor's slot numbering)."""
+
+    def __init__(self, kv_host, *, layer_num: int = 2, stride: int = 40, shared: bool = True):
+        self.layout, self.page_size, self.device = kv_host.layout, kv_host.page_size, "cpu"
+        self.size, self.page_num = kv_host.size, kv_host.page_num
+        self.dtype = kv_host.dtype  # the device pool's store dtype, not the buffer's
+        rows = (self.size + self.page_size + 1) // self.page_size
+        shape = (layer_num, rows, stride) if self.layout == "layer_first" else (rows, layer_num, 1, stride)
+        self.index_k_with_scale_buffer = _alloc(shape, torch.uint8, shared)
+
+    def get_hybrid_pool_buffer(self):
+        return [self.index_k_with_scale_buffer]
+
+    def row(self, slot: int) -> torch.Tensor:
+        page = slot // self.page_size
+        buf = self.index_k_with_scale_buffer
+        return buf[:, page] if self.layout == "layer_first" else buf[page]
+
+
+class PoolEntry:
+    """One pool of a HostPoolGroup (``memory_pool_host.py`` PoolEntry at db570fe6)."""
+
+    def __init__(self, name, host_pool, device_pool=None, *, is_primary_index_anchor: bool = False):
         self.name = name
         self.host_pool = host_pool
         self.device_pool = device_pool
@@ -299,13 +343,14 @@ class PoolEntry:
 
 
 class HostPoolGroup:
-    """SGLang's ``HostPoolGroup`` (UnifiedRadixCache path, hybrid models): the anchor entry's attributes are the
-    group's (``layout``, ``page_size``, ``size``), ``kv_buffer`` delegates to the anchor's stacked ``(2, ...)`` MHA
-    buffer, and there is no ``get_hybrid_pool_buffer``. Older SGLang hands the group itself to
-    ``register_mem_pool_host``; newer hands the anchor's host pool and then every entry through
-    ``register_mem_host_pool_v2`` (``hybrid_cache_controller.py``)."""
+    """SGLang's ``HostPoolGroup`` (``memory_pool_host.py`` at db570fe6): what every HiCache server's
+    HybridCacheController holds since #35081, a one-entry group for a plain KV model. The anchor entry's attributes
+    are the group's (``layout``, ``page_size``, ``size``); ``kv_buffer``, ``dtype``, the allocator and the flat-page
+    methods delegate to the anchor; ``add_entry`` takes a pool registered later (a draft model's)."""
 
     def __init__(self, entries):
+        if not entries:
+            raise ValueError("HostPoolGroup requires at least one pool entry.")
         self._entries = list(entries)
         anchor = self.anchor_entry.host_pool
         self.layout, self.page_size, self.size = anchor.layout, anchor.page_size, anchor.size
@@ -323,6 +368,11 @@ class HostPoolGroup:
     def anchor_entry(self):
         return next((e for e in self._entries if e.is_primary_index_anchor), self._entries[0])
 
+    def add_entry(self, entry) -> None:
+        if entry.name in self.entry_map:
+            raise ValueError(f"Host pool {entry.name} is already registered.")
+        self._entries.append(entry)
+
     def get_pool(self, name: str):
         return self.entry_map[name].host_pool
 
@@ -331,5 +381,33 @@ class HostPoolGroup:
         return self.anchor_entry.host_pool.kv_buffer
 
     @property
+    def dtype(self):
+        return self.anchor_entry.host_pool.dtype
+
+    @property
     def size_per_token(self):
         return self.anchor_entry.host_pool.get_size_per_token()
+
+    def get_size_per_token(self):
+        return self.anchor_entry.host_pool.get_size_per_token()
+
+    def available_size(self):
+        return self.anchor_entry.host_pool.available_size()
+
+    def alloc(self, need_size: int):
+        return self.anchor_entry.host_pool.alloc(need_size)
+
+    def free(self, indices):
+        return self.anchor_entry.host_pool.free(indices)
+
+    def get_page_buffer_meta(self, indices):
+        return self.anchor_entry.host_pool.get_page_buffer_meta(indices)
+
+    def get_data_page(self, index, flat: bool = True):
+        return self.anchor_entry.host_pool.get_data_page(index, flat)
+
+    def get_dummy_flat_data_page(self):
+        return self.anchor_entry.host_pool.get_dummy_flat_data_page()
+
+    def set_from_flat_data_page(self, index: int, data_page) -> None:
+        return self.anchor_entry.host_pool.set_from_flat_data_page(index, data_page)
