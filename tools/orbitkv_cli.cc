@@ -226,6 +226,17 @@ int main(int argc, char** argv) {
         registration += "; the last registration ended: " + text("membership_last_cause");
       }
       fmt::print("{}\n", registration);
+      // Issue 53: how etcd is reached.
+      if (!f["etcd_tls"].empty()) {
+        const std::string tls = f["etcd_tls"] == "2"   ? "over TLS (etcd's certificate verified; client certificate)"
+                                : f["etcd_tls"] == "1" ? "over TLS (etcd's certificate verified)"
+                                                       : "without TLS (plaintext)";
+        fmt::print("etcd: {}; {}\n", tls,
+                   text("etcd_user").empty()
+                       ? std::string("no user auth")
+                       : fmt::format("authenticated as user '{}' ({} token{} obtained)", text("etcd_user"),
+                                     f["etcd_auth_tokens"], f["etcd_auth_tokens"] == "1" ? "" : "s"));
+      }
       // Issue 54: the catalog copies a shard has, and whether a lost catalog host may cost lookups.
       if (!f["catalog_replicas"].empty()) {
         fmt::print("catalog: {} cop{} of each shard{}\n", f["catalog_replicas"],

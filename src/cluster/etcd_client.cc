@@ -6,6 +6,7 @@
 
 #include "base/check.h"
 #include "base/logging.h"
+#include "cluster/tls_files.h"
 
 namespace orbitkv::cluster {
 namespace {
@@ -18,9 +19,9 @@ constexpr int kKeepaliveTimeoutMs = 5'000;
 // Snapshots are paged (128 records of at most 1 KiB), so 16 MiB is only a guard.
 constexpr int kMaxReceiveBytes = 16 << 20;
 
-constexpr const char* kMethodNames[] = {"Range",   "Put",        "DeleteRange",   "Txn",
-                                        "Compact", "LeaseGrant", "LeaseRevoke",   "LeaseTimeToLive",
-                                        "Status",  "Watch",      "LeaseKeepAlive"};
+constexpr const char* kMethodNames[] = {"Range",   "Put",        "DeleteRange",    "Txn",
+                                        "Compact", "LeaseGrant", "LeaseRevoke",    "LeaseTimeToLive",
+                                        "Status",  "Watch",      "LeaseKeepAlive", "Authenticate"};
 
 thread_local uint64_t t_calls_on_thread = 0;
 
@@ -31,13 +32,21 @@ std::chrono::system_clock::time_point ToSystemDeadline(Deadline deadline) {
          std::chrono::duration_cast<std::chrono::system_clock::duration>(remaining);
 }
 
-Result<std::string> NormalizeEndpoint(std::string_view endpoint) {
+Result<std::string> NormalizeEndpoint(std::string_view endpoint, bool tls) {
   std::string_view e = endpoint;
   if (e.starts_with("https://")) {
-    return Status::InvalidArgument(
-        fmt::format("etcd endpoint '{}': TLS is not supported; use http://", endpoint));
+    if (!tls) {
+      return Status::InvalidArgument(fmt::format(
+          "etcd endpoint '{}' is https://: give --etcd-tls-ca (the CA that signed etcd's certificate)", endpoint));
+    }
+    e.remove_prefix(8);
+  } else if (e.starts_with("http://")) {
+    if (tls) {
+      return Status::InvalidArgument(fmt::format(
+          "etcd endpoint '{}' is http:// but --etcd-tls-ca asks for TLS: write https:// (or host:port)", endpoint));
+    }
+    e.remove_prefix(7);
   }
-  if (e.starts_with("http://")) e.remove_prefix(7);
   while (!e.empty() && e.back() == '/') e.remove_suffix(1);
   const size_t colon = e.rfind(':');
   if (e.empty() || colon == std::string_view::npos || colon == 0 || colon + 1 == e.size() ||
@@ -53,6 +62,11 @@ Result<std::string> NormalizeEndpoint(std::string_view endpoint) {
   return std::string(e);
 }
 
+// `status` with what to do about it after its message.
+Status WithHint(const Status& status, std::string_view hint) {
+  return Status(status.code(), fmt::format("{} ({})", status.message(), hint));
+}
+
 }  // namespace
 
 struct EtcdClient::Endpoint {
@@ -61,6 +75,7 @@ struct EtcdClient::Endpoint {
   std::unique_ptr<etcdserverpb::Lease::Stub> lease;
   std::unique_ptr<etcdserverpb::Watch::Stub> watch;
   std::unique_ptr<etcdserverpb::Maintenance::Stub> maintenance;
+  std::unique_ptr<etcdserverpb::Auth::Stub> auth;
 };
 
 Status FromGrpc(const grpc::Status& status, std::string_view method, std::string_view endpoint) {
@@ -78,9 +93,26 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options
   if (options.call_timeout <= std::chrono::milliseconds::zero()) {
     return Status::InvalidArgument("etcd call timeout must be positive");
   }
+  const bool tls = !options.tls_ca_file.empty();
+  if (!tls && (!options.tls_cert_file.empty() || !options.tls_key_file.empty())) {
+    return Status::InvalidArgument(
+        "--etcd-tls-cert and --etcd-tls-key need --etcd-tls-ca (the CA that signed etcd's certificate)");
+  }
+  if (options.user.empty() != options.password.empty()) {
+    return Status::InvalidArgument(options.user.empty()
+                                       ? "an etcd password was given without --etcd-user"
+                                       : "--etcd-user needs its password (--etcd-password-file: a file holding it)");
+  }
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (tls) {
+    TlsFiles files{options.tls_ca_file, options.tls_cert_file, options.tls_key_file,
+                   "--etcd-tls-ca",     "--etcd-tls-cert",     "--etcd-tls-key",
+                   options.tls_reload_secs};
+    ORBITKV_ASSIGN_OR_RETURN(credentials, WatchedChannelCredentials(files));
+  }
   std::vector<std::string> normalized;
   for (const std::string& e : options.endpoints) {
-    ORBITKV_ASSIGN_OR_RETURN(std::string n, NormalizeEndpoint(e));
+    ORBITKV_ASSIGN_OR_RETURN(std::string n, NormalizeEndpoint(e, tls));
     if (std::find(normalized.begin(), normalized.end(), n) != normalized.end()) {
       return Status::InvalidArgument(fmt::format("--etcd-endpoints lists '{}' twice", e));
     }
@@ -99,11 +131,12 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options
     // etcd.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     auto endpoint = std::make_unique<Endpoint>();
-    endpoint->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    endpoint->channel = grpc::CreateCustomChannel(target, credentials, args);
     endpoint->kv = etcdserverpb::KV::NewStub(endpoint->channel);
     endpoint->lease = etcdserverpb::Lease::NewStub(endpoint->channel);
     endpoint->watch = etcdserverpb::Watch::NewStub(endpoint->channel);
     endpoint->maintenance = etcdserverpb::Maintenance::NewStub(endpoint->channel);
+    endpoint->auth = etcdserverpb::Auth::NewStub(endpoint->channel);
     client->channels_.push_back(std::move(endpoint));
   }
   return client;
@@ -126,6 +159,8 @@ EtcdClient::EtcdClient(EtcdClientOptions options) : options_(std::move(options))
   failovers_ =
       &metrics->GetCounter("orbitkv_etcd_failovers_total",
                            "etcd calls or streams moved to another endpoint after UNAVAILABLE");
+  tokens_ = &metrics->GetCounter("orbitkv_etcd_auth_tokens_total",
+                                 "etcd auth tokens obtained (the first, then one per expiry or broken stream)");
 }
 
 EtcdClient::~EtcdClient() = default;
@@ -143,21 +178,106 @@ Deadline EtcdClient::Cap(Deadline deadline) const {
   return cap.when() < deadline.when() ? cap : deadline;
 }
 
+Result<std::string> EtcdClient::Token(size_t endpoint_index, Deadline deadline) {
+  if (options_.user.empty()) return std::string();
+  {
+    MutexLock lock(&token_mu_);
+    if (!token_.empty()) return token_;
+  }
+  CountCall(kAuthenticate);
+  grpc::ClientContext context;
+  context.set_deadline(ToSystemDeadline(Cap(deadline)));
+  etcdserverpb::AuthenticateRequest request;
+  request.set_name(options_.user);
+  request.set_password(options_.password);
+  etcdserverpb::AuthenticateResponse response;
+  const grpc::Status status = channels_[endpoint_index]->auth->Authenticate(&context, request, &response);
+  if (!status.ok()) {
+    counters_[kAuthenticate].failures->Increment();
+    return Explain(status, FromGrpc(status, "Authenticate", endpoints_[endpoint_index]));
+  }
+  if (response.token().empty()) {
+    return Status::FailedPrecondition(fmt::format(
+        "etcd at {} answered --etcd-user '{}' with no token: user auth is not enabled there (etcdctl auth enable), "
+        "or drop --etcd-user",
+        endpoints_[endpoint_index], options_.user));
+  }
+  tokens_->Increment();
+  MutexLock lock(&token_mu_);
+  token_ = response.token();
+  return token_;
+}
+
+void EtcdClient::DropToken(const std::string& token) {
+  MutexLock lock(&token_mu_);
+  if (token.empty() || token_ == token) token_.clear();
+}
+
+Status EtcdClient::Explain(const grpc::Status& status, Status ours) const {
+  const std::string& text = status.error_message();
+  const auto has = [&text](std::string_view word) { return text.find(word) != std::string::npos; };
+  const grpc::StatusCode code = status.error_code();
+  if (code == grpc::StatusCode::UNAVAILABLE && client_certificate()) {
+    // etcd refuses an expired client certificate after the handshake (TLS 1.3): the connection just ends.
+    const std::string problem = CertificateValidityProblem(options_.tls_cert_file);
+    if (!problem.empty()) {
+      return WithHint(ours, fmt::format("--etcd-tls-cert {} {}: etcd refuses it; issue a new one (it is re-read "
+                                        "without a restart)",
+                                        options_.tls_cert_file, problem));
+    }
+  }
+  if (code == grpc::StatusCode::UNAVAILABLE && tls() &&
+      (has("andshake") || has("SSL") || has("ertificate") || has("TLS") || has("tls") || has("alert") ||
+       (client_certificate() && has("Endpoint read failed")))) {
+    return WithHint(ours, 
+        "the TLS handshake with etcd failed: --etcd-tls-ca must be the CA that signed etcd's certificate (whose "
+        "subjectAltName names the endpoint's host), and with etcd --client-cert-auth --etcd-tls-cert/--etcd-tls-key "
+        "a current client certificate signed by etcd's --trusted-ca-file");
+  }
+  if (code == grpc::StatusCode::UNAVAILABLE && !tls() && (has("Socket closed") || has("ecord") || has("EOF"))) {
+    return WithHint(ours, "no gRPC answer: if etcd serves TLS (https://), give --etcd-tls-ca");
+  }
+  if (has("authentication failed")) {
+    return WithHint(ours, fmt::format(
+        "etcd refused --etcd-user '{}' with the password of --etcd-password-file", options_.user));
+  }
+  if (has("user name is empty") || (code == grpc::StatusCode::PERMISSION_DENIED && options_.user.empty())) {
+    return WithHint(ours, 
+        "etcd has user auth enabled: give --etcd-user and --etcd-password-file (a user whose role may read and "
+        "write the /orbitkv/ prefix)");
+  }
+  if (code == grpc::StatusCode::PERMISSION_DENIED) {
+    return WithHint(ours, fmt::format(
+        "etcd user '{}' lacks permission: grant its role readwrite on the /orbitkv/ prefix "
+        "(etcdctl role grant-permission ROLE --prefix=true readwrite /orbitkv/)",
+        options_.user));
+  }
+  return ours;
+}
+
 template <typename Response, typename Invoke>
 Result<Response> EtcdClient::Call(Method method, Deadline deadline, Invoke&& invoke) {
   const Deadline capped = Cap(deadline);
   const size_t n = channels_.size();
   const size_t first = preferred_.load(std::memory_order_relaxed) % n;
   Status last;
+  bool renewed = false;  // one new token per call: an expired token is renewed, a refused one is not retried
   for (size_t attempt = 0; attempt < n; ++attempt) {
     const size_t index = (first + attempt) % n;
     if (attempt > 0) {
       if (capped.Expired()) break;
       failovers_->Increment();
     }
+    Result<std::string> token = Token(index, capped);
+    if (!token.ok()) {
+      last = token.status();
+      if (last.code() != StatusCode::kUnavailable) break;
+      continue;
+    }
     CountCall(method);
     grpc::ClientContext context;
     context.set_deadline(ToSystemDeadline(capped));
+    if (!token->empty()) context.AddMetadata("token", *token);
     Response response;
     const grpc::Status status = invoke(*channels_[index], &context, &response);
     if (status.ok()) {
@@ -165,7 +285,16 @@ Result<Response> EtcdClient::Call(Method method, Deadline deadline, Invoke&& inv
       return response;
     }
     counters_[method].failures->Increment();
-    last = FromGrpc(status, kMethodNames[method], endpoints_[index]);
+    last = Explain(status, FromGrpc(status, kMethodNames[method], endpoints_[index]));
+    if (!token->empty() && !renewed && status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      // etcd dropped the token (--auth-token-ttl after the last use, or a restart): a new one, the same endpoint.
+      ORBITKV_LOG_INFO("etcd: the auth token was refused by {} ({}); obtaining a new one", endpoints_[index],
+                       status.error_message());
+      DropToken(*token);
+      renewed = true;
+      --attempt;
+      continue;
+    }
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
   }
   return last;
@@ -202,15 +331,17 @@ Result<etcdserverpb::CompactionResponse> EtcdClient::Compact(
 Result<etcdserverpb::StatusResponse> EtcdClient::EndpointStatus(size_t endpoint_index,
                                                                 Deadline deadline) {
   ORBITKV_CHECK(endpoint_index < channels_.size());
+  ORBITKV_ASSIGN_OR_RETURN(std::string token, Token(endpoint_index, deadline));
   CountCall(kStatus);
   grpc::ClientContext context;
   context.set_deadline(ToSystemDeadline(Cap(deadline)));
+  if (!token.empty()) context.AddMetadata("token", token);
   etcdserverpb::StatusResponse response;
   const grpc::Status status = channels_[endpoint_index]->maintenance->Status(
       &context, etcdserverpb::StatusRequest(), &response);
   if (!status.ok()) {
     counters_[kStatus].failures->Increment();
-    return FromGrpc(status, "Status", endpoints_[endpoint_index]);
+    return Explain(status, FromGrpc(status, "Status", endpoints_[endpoint_index]));
   }
   return response;
 }
@@ -229,12 +360,25 @@ etcdserverpb::Lease::Stub* EtcdClient::LeaseStub(size_t endpoint_index) {
   return channels_[endpoint_index]->lease.get();
 }
 
-void EtcdClient::PrepareStreamContext(grpc::ClientContext* context, std::string_view method) {
+void EtcdClient::PrepareStreamContext(grpc::ClientContext* context, std::string_view method,
+                                      size_t endpoint_index) {
   context->AddMetadata("hasleader", "true");
+  if (!options_.user.empty()) {
+    // Without a token the stream opens anyway and etcd refuses it: the owner sees it break and tries again.
+    Result<std::string> token = Token(endpoint_index % channels_.size(), Deadline::After(options_.call_timeout));
+    if (token.ok()) {
+      context->AddMetadata("token", *token);
+    } else {
+      ORBITKV_LOG_WARN("etcd: no auth token for the {} stream: {}", method, token.status().ToString());
+    }
+  }
   CountCall(method == "Watch" ? kWatch : kLeaseKeepAlive);
 }
 
 void EtcdClient::ReportStreamFailure(size_t endpoint_index) {
+  // The token may be why it broke (an expired token ends a stream with UNAUTHENTICATED): the next stream gets a
+  // fresh one.
+  if (!options_.user.empty()) DropToken(std::string());
   if (channels_.size() < 2) return;
   size_t expected = endpoint_index;
   // Only the first report about the current preference moves it; later reports of the same outage

@@ -15,6 +15,14 @@
 // etcd answers faster pings with GOAWAY too_many_pings) and a short reconnect backoff (at most 1 s)
 // so a restarted etcd is found again quickly.
 //
+// TLS and user auth (issue 53): with a CA file every channel is TLS (etcd's certificate must chain to the CA
+// and name the endpoint's host), with a certificate and key the client presents them (etcd --client-cert-auth);
+// the files are re-read every tls_reload_secs, so new connections use rotated ones without a restart. With a
+// user, the client obtains a token (etcdserverpb.Auth/Authenticate) before its first call, sends it as the
+// "token" metadata of every call and stream, and obtains a new one when etcd says the token is invalid (it
+// expired: etcd --auth-token-ttl) and retries the call once; a stream owner that sees its stream break calls
+// ReportStreamFailure, after which the next stream starts with a fresh token. Failures name the flag to fix.
+//
 // Every call is counted: per method in the metrics registry (orbitkv_etcd_calls_total{method}) and
 // per thread (CallsOnThisThread), so tests can prove that a code path makes no etcd call.
 //
@@ -30,6 +38,7 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "base/mutex.h"
 #include "base/metrics.h"
 #include "base/result.h"
 #include "cluster/grpc.h"
@@ -37,8 +46,17 @@
 namespace orbitkv::cluster {
 
 struct EtcdClientOptions {
-  // "host:port" or "http://host:port"; at least one. TLS ("https://") is not supported.
+  // "host:port", "http://host:port" or, with TLS, "https://host:port"; at least one.
   std::vector<std::string> endpoints;
+  // TLS: the CA of etcd's server certificate (turns TLS on), and this client's certificate and key (both or
+  // neither), as PEM files re-read every tls_reload_secs.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  unsigned tls_reload_secs = 10;
+  // User auth (etcd `auth enable`): the user and its password (the Manager reads --etcd-password-file).
+  std::string user;
+  std::string password;
   // Upper bound of every unary call, including its failover retries.
   std::chrono::milliseconds call_timeout{5000};
   // Metrics land here; null means a registry private to the client.
@@ -74,6 +92,13 @@ class EtcdClient {
   // Status of one specific endpoint (no failover): which member it is and who it thinks leads.
   Result<etcdserverpb::StatusResponse> EndpointStatus(size_t endpoint_index, Deadline deadline);
 
+  // Whether channels use TLS (a CA was given), present a client certificate, and authenticate as a user.
+  bool tls() const { return !options_.tls_ca_file.empty(); }
+  bool client_certificate() const { return !options_.tls_cert_file.empty(); }
+  bool authenticates() const { return !options_.user.empty(); }
+  // Tokens obtained so far (the first, and one per expiry or broken stream).
+  uint64_t tokens_obtained() const { return tokens_->Value(); }
+
   // --- Streams
   // -------------------------------------------------------------------------------------------------
   // The endpoint a new stream should use, and its stubs.
@@ -81,8 +106,9 @@ class EtcdClient {
   etcdserverpb::Watch::Stub* WatchStub(size_t endpoint_index);
   etcdserverpb::Lease::Stub* LeaseStub(size_t endpoint_index);
   // Adds the "hasleader: true" metadata, so that a member cut off from its leader ends the stream
-  // instead of leaving it silent, and counts the stream open as a call of `method` on this thread.
-  void PrepareStreamContext(grpc::ClientContext* context, std::string_view method);
+  // instead of leaving it silent, and with user auth the token (obtaining one from `endpoint_index` first if
+  // there is none or the last stream broke), and counts the stream open as a call of `method` on this thread.
+  void PrepareStreamContext(grpc::ClientContext* context, std::string_view method, size_t endpoint_index);
   // A stream on `endpoint_index` broke: the next stream (and call) starts at the following
   // endpoint, unless another failure already moved the preference.
   void ReportStreamFailure(size_t endpoint_index);
@@ -115,6 +141,7 @@ class EtcdClient {
     kStatus,
     kWatch,
     kLeaseKeepAlive,
+    kAuthenticate,
     kMethodCount
   };
 
@@ -124,6 +151,12 @@ class EtcdClient {
   Result<Response> Call(Method method, Deadline deadline, Invoke&& invoke);
   void CountCall(Method method);
   Deadline Cap(Deadline deadline) const;
+  // The token to send (obtaining one from `endpoint_index` when there is none); "" without user auth.
+  Result<std::string> Token(size_t endpoint_index, Deadline deadline);
+  // Forgets `token` if it is still the current one (etcd called it invalid, or a stream using it broke).
+  void DropToken(const std::string& token);
+  // Adds what to fix to a failed call's status (TLS handshakes, auth).
+  Status Explain(const grpc::Status& status, Status ours) const;
 
   // Immutable after construction.
   const EtcdClientOptions options_;
@@ -138,6 +171,10 @@ class EtcdClient {
   std::atomic<size_t> preferred_{0};
   // Relaxed: a statistic.
   std::atomic<uint64_t> calls_total_{0};
+  Counter* tokens_ = nullptr;
+
+  mutable Mutex token_mu_;
+  std::string token_ GUARDED_BY(token_mu_);
 };
 
 // Maps a gRPC status to an OrbitKV Status with "etcd <method> at <endpoint>: " as context.

@@ -90,7 +90,7 @@ void LeaseKeeper::Lost(const std::string& reason) {
 
 LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
   KeepAliveStream stream;
-  client_->PrepareStreamContext(stream.context(), "LeaseKeepAlive");
+  client_->PrepareStreamContext(stream.context(), "LeaseKeepAlive", endpoint);
   {
     MutexLock lock(&mu_);
     if (stopping_) return StreamEnd::kDone;

@@ -108,6 +108,12 @@ Result<std::unique_ptr<Membership>> Membership::Create(MembershipOptions options
                            Placement::Create(options.catalog_nodes, options.catalog_replicas));
   EtcdClientOptions client_options;
   client_options.endpoints = options.etcd_endpoints;
+  client_options.tls_ca_file = options.etcd_tls_ca;
+  client_options.tls_cert_file = options.etcd_tls_cert;
+  client_options.tls_key_file = options.etcd_tls_key;
+  client_options.tls_reload_secs = options.tls_reload_secs;
+  client_options.user = options.etcd_user;
+  client_options.password = options.etcd_password;
   client_options.call_timeout = options.etcd_call_timeout;
   client_options.metrics = metrics;
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client,

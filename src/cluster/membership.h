@@ -67,6 +67,12 @@ inline constexpr int64_t kMaxMembershipTtlSecs = 3600;
 // The Manager flags of distributed mode (names as on the command line).
 struct MembershipOptions {
   std::vector<std::string> etcd_endpoints;  // --etcd-endpoints host:port[,host:port...]
+  std::string etcd_tls_ca;                  // --etcd-tls-ca (TLS to etcd)
+  std::string etcd_tls_cert;                // --etcd-tls-cert
+  std::string etcd_tls_key;                 // --etcd-tls-key
+  std::string etcd_user;                    // --etcd-user
+  std::string etcd_password;                // the content of --etcd-password-file
+  unsigned tls_reload_secs = 10;            // --tls-reload-secs
   std::string cluster_name;                 // --cluster-name
   std::string node_id;                      // --node-id
   int64_t membership_ttl_secs = 10;         // --membership-ttl-secs

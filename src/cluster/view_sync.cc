@@ -248,7 +248,7 @@ bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
 ViewSync::WatchEnd ViewSync::WatchFrom(int64_t start_revision) {
   const size_t endpoint = client_->PreferredEndpoint();
   WatchStream stream;
-  client_->PrepareStreamContext(stream.context(), "Watch");
+  client_->PrepareStreamContext(stream.context(), "Watch", endpoint);
   {
     MutexLock lock(&mu_);
     if (stopping_) return WatchEnd::kStopped;

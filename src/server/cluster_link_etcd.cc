@@ -13,6 +13,7 @@
 #include <atomic>
 #include <map>
 #include <fstream>
+#include <optional>
 #include <thread>
 #include <sstream>
 
@@ -20,8 +21,10 @@
 #include "base/json_text.h"
 #include "fmt/ranges.h"
 #include "base/logging.h"
+#include "cluster/etcd_client.h"
 #include "cluster/membership.h"
 #include "cluster/placement.h"
+#include "cluster/tls_files.h"
 #include "server/cluster_link.h"
 #include "server/remote_fetch.h"
 #include "transfer/descriptor.h"
@@ -39,32 +42,24 @@ struct PeerListener {
   std::unique_ptr<catalog::PeerDirectory> directory;
 };
 
-Result<std::string> ReadPem(const std::string& flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::NotFound(fmt::format("{} {}: cannot read the file", flag, path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (text.str().find("-----BEGIN") == std::string::npos) {
-    return Status::InvalidArgument(fmt::format("{} {}: not a PEM file", flag, path));
-  }
-  return text.str();
-}
-
-// Mutual TLS from --peer-tls-cert/key/ca (all three), or null for an unauthenticated listener (none).
-Result<std::shared_ptr<grpc::ServerCredentials>> PeerCredentials(const ManagerConfig& config) {
+// The --peer-tls-* files (all three, or none: null), re-read every --tls-reload-secs (cluster/tls_files.h).
+Result<std::optional<cluster::TlsFiles>> PeerTlsFiles(const ManagerConfig& config) {
   const int given = !config.peer_tls_cert.empty() + !config.peer_tls_key.empty() + !config.peer_tls_ca.empty();
-  if (given == 0) return std::shared_ptr<grpc::ServerCredentials>();
+  if (given == 0) return std::optional<cluster::TlsFiles>();
   if (given != 3) {
     return Status::InvalidArgument(
         "mutual TLS between peers needs all of --peer-tls-cert, --peer-tls-key and --peer-tls-ca");
   }
-  grpc::SslServerCredentialsOptions options(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  ORBITKV_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem("--peer-tls-ca", config.peer_tls_ca));
-  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  ORBITKV_ASSIGN_OR_RETURN(pair.private_key, ReadPem("--peer-tls-key", config.peer_tls_key));
-  ORBITKV_ASSIGN_OR_RETURN(pair.cert_chain, ReadPem("--peer-tls-cert", config.peer_tls_cert));
-  options.pem_key_cert_pairs.push_back(std::move(pair));
-  return grpc::SslServerCredentials(options);
+  return std::optional<cluster::TlsFiles>(cluster::TlsFiles{config.peer_tls_ca, config.peer_tls_cert,
+                                                            config.peer_tls_key, "--peer-tls-ca", "--peer-tls-cert",
+                                                            "--peer-tls-key", config.tls_reload_secs});
+}
+
+// Mutual TLS from --peer-tls-cert/key/ca (all three), or null for an unauthenticated listener (none).
+Result<std::shared_ptr<grpc::ServerCredentials>> PeerCredentials(const ManagerConfig& config) {
+  ORBITKV_ASSIGN_OR_RETURN(std::optional<cluster::TlsFiles> files, PeerTlsFiles(config));
+  if (!files.has_value()) return std::shared_ptr<grpc::ServerCredentials>();
+  return cluster::WatchedServerCredentials(*files);
 }
 
 // --transfer-listen HOST[:PORT[-PORT]] (default: the --peer-endpoint's host, any port) -> host, first and last port.
@@ -140,17 +135,36 @@ Result<std::unique_ptr<transfer::UcxTransferEngine>> StartTransfer(const Manager
 
 // This Manager's client side of mutual TLS (the same three files), or insecure channels (null) without them.
 Result<std::shared_ptr<grpc::ChannelCredentials>> PeerClientCredentials(const ManagerConfig& config) {
-  const int given = !config.peer_tls_cert.empty() + !config.peer_tls_key.empty() + !config.peer_tls_ca.empty();
-  if (given == 0) return std::shared_ptr<grpc::ChannelCredentials>();
-  if (given != 3) {
-    return Status::InvalidArgument(
-        "mutual TLS between peers needs all of --peer-tls-cert, --peer-tls-key and --peer-tls-ca");
+  ORBITKV_ASSIGN_OR_RETURN(std::optional<cluster::TlsFiles> files, PeerTlsFiles(config));
+  if (!files.has_value()) return std::shared_ptr<grpc::ChannelCredentials>();
+  return cluster::WatchedChannelCredentials(*files);
+}
+
+// The password of --etcd-user from --etcd-password-file (its first line), or an error naming the flags.
+Result<std::string> EtcdPassword(const ManagerConfig& config) {
+  if (config.etcd_user.empty()) {
+    if (!config.etcd_password_file.empty()) {
+      return Status::InvalidArgument("--etcd-password-file needs --etcd-user (the user whose password it holds)");
+    }
+    return std::string();
   }
-  grpc::SslCredentialsOptions options;
-  ORBITKV_ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem("--peer-tls-ca", config.peer_tls_ca));
-  ORBITKV_ASSIGN_OR_RETURN(options.pem_private_key, ReadPem("--peer-tls-key", config.peer_tls_key));
-  ORBITKV_ASSIGN_OR_RETURN(options.pem_cert_chain, ReadPem("--peer-tls-cert", config.peer_tls_cert));
-  return grpc::SslCredentials(options);
+  if (config.etcd_password_file.empty()) {
+    return Status::InvalidArgument(
+        "--etcd-user needs --etcd-password-file (a file holding the password; it is never taken on the command "
+        "line)");
+  }
+  std::ifstream in(config.etcd_password_file, std::ios::binary);
+  if (!in) {
+    return Status::NotFound(fmt::format("--etcd-password-file {}: cannot read the file", config.etcd_password_file));
+  }
+  std::string password;
+  std::getline(in, password);
+  while (!password.empty() && (password.back() == '\r' || password.back() == ' ')) password.pop_back();
+  if (password.empty()) {
+    return Status::InvalidArgument(
+        fmt::format("--etcd-password-file {}: the first line (the password) is empty", config.etcd_password_file));
+  }
+  return password;
 }
 
 Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& config, const RuntimeId& runtime,
@@ -662,7 +676,17 @@ class MembershipLink final : public ClusterLink {
            (remote_ ? remote_->StatusJson() : std::string()) +
            (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}",
                                     transfer_->ListenAddress(), transfer_->Stats().live_grants)
-                      : std::string(", \"transfer_listen\": \"\""));
+                      : std::string(", \"transfer_listen\": \"\"")) +
+           EtcdSecurityJson();
+  }
+
+  // How etcd is reached (issue 53): "etcd_tls" (0: plaintext, 1: TLS verifying etcd, 2: and a client
+  // certificate), "etcd_user" (empty: no user auth) and the tokens obtained so far.
+  std::string EtcdSecurityJson() const {
+    cluster::EtcdClient& etcd = membership_->etcd();
+    return fmt::format(", \"etcd_tls\": {}, \"etcd_user\": \"{}\", \"etcd_auth_tokens\": {}",
+                       etcd.tls() ? (etcd.client_certificate() ? 2 : 1) : 0, JsonText(etcd.options().user),
+                       etcd.tokens_obtained());
   }
 
   std::vector<std::string> CatalogLines(uint32_t shard) const override {
@@ -721,6 +745,12 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   cluster::MembershipOptions options;
   ORBITKV_ASSIGN_OR_RETURN(options.etcd_endpoints,
                            cluster::SplitFlagList("--etcd-endpoints", config.etcd_endpoints));
+  options.etcd_tls_ca = config.etcd_tls_ca;
+  options.etcd_tls_cert = config.etcd_tls_cert;
+  options.etcd_tls_key = config.etcd_tls_key;
+  options.tls_reload_secs = config.tls_reload_secs;
+  options.etcd_user = config.etcd_user;
+  ORBITKV_ASSIGN_OR_RETURN(options.etcd_password, EtcdPassword(config));
   options.cluster_name = config.cluster_name;
   options.node_id = config.node_id;
   options.membership_ttl_secs = config.membership_ttl_secs;

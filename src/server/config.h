@@ -64,6 +64,15 @@ struct ManagerConfig {
 
   // Distributed mode (membership on etcd): off unless etcd_endpoints is set.
   std::string etcd_endpoints;  // host:port[,host:port...]
+  // etcd over TLS (a CA turns it on; a client certificate and key for etcd --client-cert-auth) and user auth
+  // (the password is read from a file, never given on the command line).
+  std::string etcd_tls_ca;
+  std::string etcd_tls_cert;
+  std::string etcd_tls_key;
+  std::string etcd_user;
+  std::string etcd_password_file;
+  // How often the etcd and peer TLS files are re-read (rotation without a restart).
+  uint32_t tls_reload_secs = 10;
   std::string cluster_name;
   std::string node_id;
   uint32_t membership_ttl_secs = 10;

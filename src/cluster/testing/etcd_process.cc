@@ -1,6 +1,7 @@
 #include "cluster/testing/etcd_process.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -9,6 +10,7 @@
 
 #include <cerrno>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <set>
@@ -110,8 +112,9 @@ Status EtcdProcess::Launch() {
   if (EtcdBinary().empty())
     return Status::FailedPrecondition("no etcd binary was found at configure time");
   if (process_.running()) return Status::FailedPrecondition("etcd is already running");
-  std::string client_url = fmt::format("http://127.0.0.1:{}", member_.client_port);
-  if (!also_on_.empty()) client_url += fmt::format(",http://{}:{}", also_on_, member_.client_port);
+  const char* scheme = tls_dir_.empty() ? "http" : "https";
+  std::string client_url = fmt::format("{}://127.0.0.1:{}", scheme, member_.client_port);
+  if (!also_on_.empty()) client_url += fmt::format(",{}://{}:{}", scheme, also_on_, member_.client_port);
   ChildProcess::Options options;
   options.argv = {EtcdBinary(),
                   "--name",
@@ -136,6 +139,11 @@ Status EtcdProcess::Launch() {
                   "zap",
                   "--log-outputs",
                   "stderr"};
+  if (!tls_dir_.empty()) {
+    options.argv.insert(options.argv.end(), {"--cert-file", tls_dir_ + "/server.pem", "--key-file",
+                                             tls_dir_ + "/server.key", "--trusted-ca-file", tls_dir_ + "/ca.pem"});
+    if (client_cert_auth_) options.argv.push_back("--client-cert-auth");
+  }
   options.argv.insert(options.argv.end(), extra_flags_.begin(), extra_flags_.end());
   options.output_path = dir_ + "/etcd.log";
   ORBITKV_ASSIGN_OR_RETURN(process_, ChildProcess::Spawn(options));
@@ -161,12 +169,11 @@ Status EtcdProcess::WaitReady(Deadline deadline) {
   while (!deadline.Expired() && process_.running()) {
     // A fresh channel per probe: a channel that first met a port nobody listened on can sit in
     // reconnect backoff well after etcd started serving, which would only slow the test down.
-    EtcdClientOptions options;
-    options.endpoints = {endpoint()};
+    EtcdClientOptions options = ClientOptions();
     options.call_timeout = std::chrono::milliseconds(1000);
     ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client, EtcdClient::Create(options));
     etcdserverpb::RangeRequest request;
-    request.set_key("/orbitkv-test/ready");
+    request.set_key("/orbitkv/test-ready");  // under the prefix an auth-enabled etcd grants OrbitKV
     Result<etcdserverpb::RangeResponse> response = client->Range(request, deadline);
     if (response.ok() && process_.running()) {
       const uint64_t cluster_id = response->header().cluster_id();
@@ -185,7 +192,59 @@ Status EtcdProcess::WaitReady(Deadline deadline) {
                                          member_.name, last.ToString(), LogTail()));
 }
 
-Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline, std::string also_on) {
+EtcdClientOptions EtcdProcess::ClientOptions() const {
+  EtcdClientOptions options;
+  options.endpoints = {endpoint()};
+  if (!tls_dir_.empty()) {
+    options.tls_ca_file = tls_dir_ + "/ca.pem";
+    options.tls_cert_file = tls_dir_ + "/client.pem";
+    options.tls_key_file = tls_dir_ + "/client.key";
+  }
+  options.user = user_;
+  options.password = password_;
+  return options;
+}
+
+void EtcdProcess::SetClientAuth(std::string user, std::string password) {
+  user_ = std::move(user);
+  password_ = std::move(password);
+}
+
+Status EtcdProcess::EnableAuth(const std::string& user, const std::string& password, const std::string& prefix) {
+  const std::vector<std::vector<std::string>> steps = {
+      {"user", "add", "root:root-" + password},
+      {"user", "grant-role", "root", "root"},
+      {"role", "add", "orbitkv"},
+      {"role", "grant-permission", "orbitkv", "--prefix=true", "readwrite", prefix},
+      {"user", "add", user + ":" + password},
+      {"user", "grant-role", user, "orbitkv"},
+      {"auth", "enable"}};
+  for (const std::vector<std::string>& step : steps) ORBITKV_RETURN_IF_ERROR(Etcdctl(step).status());
+  SetClientAuth(user, password);
+  return Status::Ok();
+}
+
+Result<std::string> EtcdProcess::Etcdctl(const std::vector<std::string>& args) const {
+  std::string command = "ETCDCTL_API=3 etcdctl --command-timeout=10s --endpoints ";
+  command += fmt::format("{}://{}", tls_dir_.empty() ? "http" : "https", endpoint());
+  if (!tls_dir_.empty()) {
+    command += fmt::format(" --cacert '{0}/ca.pem' --cert '{0}/client.pem' --key '{0}/client.key'", tls_dir_);
+  }
+  if (!user_.empty()) command += fmt::format(" --user '{}:{}'", user_, password_);
+  for (const std::string& arg : args) command += " '" + arg + "'";
+  command += " 2>&1";
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return Status::Internal("popen etcdctl failed");
+  std::string out;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) out.append(buffer, n);
+  const int rc = ::pclose(pipe);
+  if (rc != 0) return Status::Internal(fmt::format("etcdctl {} failed: {}", fmt::join(args, " "), out));
+  return out;
+}
+
+Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartConfigured(
+    Deadline deadline, const std::function<void(EtcdProcess&)>& configure) {
   Status last;
   // A port picked free can be taken before etcd binds it; try a few fresh pairs.
   for (int attempt = 0; attempt < 3; ++attempt) {
@@ -195,12 +254,25 @@ Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline,
     const std::string initial = fmt::format("{}={}", member.name, PeerUrl(member));
     std::unique_ptr<EtcdProcess> etcd(
         new EtcdProcess(member, initial, fmt::format("orbitkv-{}", member.peer_port), dir));
-    etcd->also_on_ = also_on;
+    configure(*etcd);
     ORBITKV_RETURN_IF_ERROR(etcd->Launch());
     last = etcd->WaitReady(deadline);
     if (last.ok()) return etcd;
   }
   return last;
+}
+
+Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline, std::string also_on) {
+  return StartConfigured(deadline, [&](EtcdProcess& etcd) { etcd.also_on_ = also_on; });
+}
+
+Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartTls(const std::string& cert_dir, bool client_cert_auth,
+                                                            Deadline deadline, std::vector<std::string> extra_flags) {
+  return StartConfigured(deadline, [&](EtcdProcess& etcd) {
+    etcd.tls_dir_ = cert_dir;
+    etcd.client_cert_auth_ = client_cert_auth;
+    etcd.extra_flags_ = extra_flags;
+  });
 }
 
 Result<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, Deadline deadline, std::string also_on,

@@ -6,6 +6,7 @@
 #ifndef ORBITKV_CLUSTER_TESTING_ETCD_PROCESS_H_
 #define ORBITKV_CLUSTER_TESTING_ETCD_PROCESS_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,23 @@ class EtcdProcess {
   // this host, e.g. on a test bridge) it serves clients there too, on the same port.
   static Result<std::unique_ptr<EtcdProcess>> StartSingle(Deadline deadline, std::string also_on = "");
 
+  // A single-member etcd serving clients over TLS (https://) with the certificates of a TestCertificates
+  // directory (server.pem/key, ca.pem; with `client_cert_auth` it requires a client certificate from ca.pem),
+  // and `extra_flags` (e.g. --auth-token-ttl). Readiness is probed with the client certificate.
+  static Result<std::unique_ptr<EtcdProcess>> StartTls(const std::string& cert_dir, bool client_cert_auth,
+                                                       Deadline deadline, std::vector<std::string> extra_flags = {});
+
+  // Client options reaching this etcd (TLS files when it serves TLS; plus `user`/`password` once set with
+  // SetClientAuth, also used by readiness probes after a relaunch).
+  EtcdClientOptions ClientOptions() const;
+  void SetClientAuth(std::string user, std::string password);
+  // What docs/cluster.md tells an operator to do: a root user, `user` with a role that may read and write keys
+  // under `prefix`, `auth enable`; then SetClientAuth(user, password).
+  Status EnableAuth(const std::string& user, const std::string& password, const std::string& prefix = "/orbitkv/");
+  // etcdctl against this member with ClientOptions' TLS files and, if set, user (e.g. {"auth", "enable"}); the
+  // output, or an error with it.
+  Result<std::string> Etcdctl(const std::vector<std::string>& args) const;
+
   ~EtcdProcess();
   EtcdProcess(const EtcdProcess&) = delete;
   EtcdProcess& operator=(const EtcdProcess&) = delete;
@@ -59,6 +77,9 @@ class EtcdProcess {
  private:
   friend class EtcdCluster;
   EtcdProcess(Member member, std::string initial_cluster, std::string token, std::string dir);
+  // A single member on fresh ports, `configure`d before its first launch, ready.
+  static Result<std::unique_ptr<EtcdProcess>> StartConfigured(Deadline deadline,
+                                                              const std::function<void(EtcdProcess&)>& configure);
 
   Member member_;
   std::string initial_cluster_;
@@ -66,6 +87,10 @@ class EtcdProcess {
   std::string dir_;    // Temp dir holding data/ and etcd.log; removed by the destructor.
   std::string also_on_;  // A second client address (StartSingle's also_on).
   std::vector<std::string> extra_flags_;  // More etcd flags (EtcdCluster::Start's).
+  std::string tls_dir_;  // StartTls's certificates (empty: plaintext)
+  bool client_cert_auth_ = false;
+  std::string user_;
+  std::string password_;
   bool launched_before_ = false;
   // The cluster ID this member answered with when first ready: a relaunched member must answer with
   // it too (anything else is another etcd on its port).
