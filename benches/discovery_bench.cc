@@ -293,7 +293,8 @@ int main(int argc, char** argv) {
     rejections += outcome.rejections;
     if (outcome.authorized.has_value()) {
       (void)requester.Release(outcome.authorized->span.node, outcome.authorized->span.runtime, options.request_id,
-                              outcome.authorized->reply.grant.grant_id, Deadline::After(std::chrono::seconds(2)));
+                              outcome.authorized->reply.grant.grant_id, outcome.authorized->reply.grant.grant_secret,
+                              Deadline::After(std::chrono::seconds(2)));
     }
   }
   const double stale_s = std::chrono::duration<double>(MonoNow() - stale_start).count();

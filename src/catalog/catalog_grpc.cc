@@ -210,6 +210,7 @@ peer::v1::AuthorizeResponse ToResponse(const SourceGrant& grant, const std::stri
   response.set_granted(static_cast<uint32_t>(grant.granted));
   response.set_stop(static_cast<peer::v1::AuthorizeResponse::Outcome>(grant.stop));
   response.set_grant_id(grant.grant_id);
+  response.set_grant_secret(grant.grant_secret);
   for (const auto& region : grant.regions) response.add_regions(region.data(), region.size());
   for (const SourceGrant::Block& b : grant.blocks) {
     peer::v1::GrantedBlock* block = response.add_blocks();
@@ -235,6 +236,7 @@ Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response) {
   ORBITKV_ASSIGN_OR_RETURN(grant.stop, outcome(response.stop()));
   grant.granted = response.granted();
   grant.grant_id = response.grant_id();
+  grant.grant_secret = response.grant_secret();
   grant.lifetime = std::chrono::milliseconds(response.deadline_ms());
   for (const std::string& region : response.regions()) grant.regions.emplace_back(region.begin(), region.end());
   for (const peer::v1::GrantedBlock& b : response.blocks()) {
@@ -244,7 +246,8 @@ Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response) {
     grant.blocks.push_back({b.region(), b.offset(), b.bytes()});
   }
   if (grant.outcome == SourceOutcome::kGranted && (grant.blocks.size() != grant.granted || grant.granted == 0 ||
-                                                   grant.grant_id == 0)) {
+                                                   grant.grant_id == 0 ||
+                                                   grant.grant_secret.size() != kGrantSecretBytes)) {
     return Status::InvalidArgument(fmt::format("a grant of {} blocks carries {} ranges (grant id {:x})",
                                                grant.granted, grant.blocks.size(), grant.grant_id));
   }
@@ -305,7 +308,8 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
 }
 
 Result<bool> GrpcRequesterTransport::Release(const std::string& node, const std::string& runtime,
-                                             uint64_t request_id, uint64_t grant_id, Deadline deadline) {
+                                             uint64_t request_id, uint64_t grant_id,
+                                             const std::string& grant_secret, Deadline deadline) {
   Result<cluster::Member> member = CurrentStart(*members_, node, runtime);
   if (!member.ok() && grant_id != 0) {
     MutexLock lock(&mu_);
@@ -319,6 +323,7 @@ Result<bool> GrpcRequesterTransport::Release(const std::string& node, const std:
   *request.mutable_route() = MakeRoute(self_.Get(), member->record);
   request.set_request_id(request_id);
   request.set_grant_id(grant_id);
+  request.set_grant_secret(grant_secret);
   peer::v1::ReleaseResponse response;
   grpc::ClientContext context;
   const grpc::Status status =

@@ -70,7 +70,7 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
   // With a grant id, a source the member view does not show now (incomplete, or it registered again) is reached
   // at the endpoint its grant came from.
   Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id, uint64_t grant_id,
-                       Deadline deadline) override;
+                       const std::string& grant_secret, Deadline deadline) override;
   // This Manager registered again: requests name its new start.
   void SetSelf(PeerIdentity self) { self_.Set(std::move(self)); }
   // Lookup RPCs sent.

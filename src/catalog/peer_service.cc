@@ -1,7 +1,10 @@
 #include "catalog/peer_service.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
+
+#include "fmt/ranges.h"
 
 #include "catalog/catalog_grpc.h"
 #include "cluster/placement.h"
@@ -33,15 +36,51 @@ std::shared_ptr<peer::v1::Peer::Stub> NewPeerStub(const std::string& endpoint,
 PeerService::PeerService(Options options, const cluster::MemberView* members)
     : options_(std::move(options)), self_(options_.self), members_(members) {}
 
-Status PeerService::Admit(const peer::v1::RouteHeader& route) {
-  Status routed = CheckRoute(route, self_.Get(), *members_);
-  if (!routed.ok()) refused_.fetch_add(1, std::memory_order_relaxed);
-  return routed;
+std::vector<std::string> CertifiedNodes(const grpc::AuthContext& auth) {
+  std::vector<std::string> nodes;
+  // gRPC lists URI SANs as "peer_uri" and, depending on its version, also among "x509_subject_alternative_name".
+  for (const char* property : {GRPC_PEER_URI_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
+    for (const grpc::string_ref& value : auth.FindPropertyValues(property)) {
+      const std::string_view text(value.data(), value.size());
+      if (!text.starts_with(kNodeUriPrefix)) continue;
+      std::string node(text.substr(kNodeUriPrefix.size()));
+      if (std::find(nodes.begin(), nodes.end(), node) == nodes.end()) nodes.push_back(std::move(node));
+    }
+  }
+  return nodes;
 }
 
-grpc::Status PeerService::Health(grpc::ServerContext* /*context*/, const peer::v1::HealthRequest* request,
+Status PeerService::CheckCaller(grpc::ServerContext* context, const peer::v1::RouteHeader& route) {
+  if (!options_.require_node_certificates) return Status::Ok();
+  const std::shared_ptr<const grpc::AuthContext> auth = context->auth_context();
+  const std::vector<std::string> nodes = auth ? CertifiedNodes(*auth) : std::vector<std::string>();
+  if (nodes.empty()) {
+    refused_no_node_.fetch_add(1, std::memory_order_relaxed);
+    return Status::PermissionDenied(fmt::format(
+        "node '{}' refuses a peer whose certificate names no node: with peer TLS each Manager's certificate must "
+        "carry its Node ID as a subjectAltName URI (openssl: subjectAltName=URI:{}<node-id>,IP:<address>; "
+        "docs/cluster.md)",
+        self_.Get().node_id, kNodeUriPrefix));
+  }
+  if (std::find(nodes.begin(), nodes.end(), route.source_node_id()) == nodes.end()) {
+    refused_other_node_.fetch_add(1, std::memory_order_relaxed);
+    return Status::PermissionDenied(fmt::format(
+        "node '{}' refuses a request claiming to come from node '{}' over a certificate of node{} '{}'",
+        self_.Get().node_id, route.source_node_id(), nodes.size() == 1 ? "" : "s", fmt::join(nodes, "', '")));
+  }
+  return Status::Ok();
+}
+
+Status PeerService::Admit(grpc::ServerContext* context, const peer::v1::RouteHeader& route) {
+  Status checked = CheckCaller(context, route);
+  if (checked.ok()) checked = CheckRoute(route, self_.Get(), *members_);
+  if (!checked.ok()) refused_.fetch_add(1, std::memory_order_relaxed);
+  return checked;
+}
+
+grpc::Status PeerService::Health(grpc::ServerContext* context, const peer::v1::HealthRequest* request,
                                  peer::v1::HealthResponse* response) {
-  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
+  if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);
   response->set_protocol_version(kPeerProtocolVersion);
   const PeerIdentity self = self_.Get();
   response->set_node_id(self.node_id);
@@ -53,9 +92,9 @@ grpc::Status PeerService::Health(grpc::ServerContext* /*context*/, const peer::v
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Catalog(grpc::ServerContext* /*context*/, const peer::v1::CatalogRequest* request,
+grpc::Status PeerService::Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest* request,
                                   peer::v1::CatalogResponse* response) {
-  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
+  if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);
   if (options_.catalog == nullptr || !options_.hosts_shard || !options_.hosts_shard(request->shard())) {
     return ToGrpc(Status::FailedPrecondition(
         fmt::format("catalog shard {} is not placed on node '{}'", request->shard(), self_.Get().node_id)));
@@ -66,9 +105,9 @@ grpc::Status PeerService::Catalog(grpc::ServerContext* /*context*/, const peer::
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v1::LookupRequest* request,
+grpc::Status PeerService::Lookup(grpc::ServerContext* context, const peer::v1::LookupRequest* request,
                                  peer::v1::LookupResponse* response) {
-  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
+  if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);
   size_t key_bytes = 0;
   for (const std::string& key : request->keys()) key_bytes += key.size();
   if (request->keys_size() > kMaxLookupKeys || key_bytes > kMaxLookupKeyBytes) {
@@ -109,7 +148,7 @@ grpc::Status PeerService::Lookup(grpc::ServerContext* /*context*/, const peer::v
 
 grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1::AuthorizeRequest* request,
                                     peer::v1::AuthorizeResponse* response) {
-  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
+  if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);
   if (options_.source == nullptr) {
     return ToGrpc(Status::FailedPrecondition(
         fmt::format("node '{}' serves no transfers (no UCX engine)", self_.Get().node_id)));
@@ -144,18 +183,21 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Release(grpc::ServerContext* /*context*/, const peer::v1::ReleaseRequest* request,
+grpc::Status PeerService::Release(grpc::ServerContext* context, const peer::v1::ReleaseRequest* request,
                                   peer::v1::ReleaseResponse* response) {
   if (request->grant_id() != 0) {
-    if (Status routed = CheckReleaseRoute(request->route(), self_.Get()); !routed.ok()) {
+    Status routed = CheckCaller(context, request->route());
+    if (routed.ok()) routed = CheckReleaseRoute(request->route(), self_.Get());
+    if (!routed.ok()) {
       refused_.fetch_add(1, std::memory_order_relaxed);
       return ToGrpc(routed);
     }
     response->set_released(options_.source != nullptr &&
-                           options_.source->ReleaseGrant(request->route().source_node_id(), request->grant_id()));
+                           options_.source->ReleaseGrant(request->route().source_node_id(), request->grant_id(),
+                                                                 request->grant_secret()));
     return grpc::Status::OK;
   }
-  if (Status routed = Admit(request->route()); !routed.ok()) return ToGrpc(routed);
+  if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);
   response->set_released(options_.source != nullptr &&
                          options_.source->Release(request->route().source_runtime_uuid(), request->request_id()));
   return grpc::Status::OK;

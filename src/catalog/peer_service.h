@@ -39,6 +39,9 @@ class PeerService final : public peer::v1::Peer::Service {
     SourceHolds* source = nullptr;
     // Why remote work is off here now (empty: it is on). New grants are refused while it is off; releases are not.
     std::function<std::string()> remote_off;
+    // Peer mutual TLS is on (issue 52): every request's claimed source node must be named by the caller's
+    // certificate, as a subjectAltName URI "orbitkv-node:<node-id>" (kNodeUriPrefix).
+    bool require_node_certificates = false;
   };
   PeerService(Options options, const cluster::MemberView* members);
 
@@ -65,18 +68,33 @@ class PeerService final : public peer::v1::Peer::Service {
   void SetSelf(PeerIdentity self) { self_.Set(std::move(self)); }
   PeerIdentity self() const { return self_.Get(); }
 
-  // Requests refused by the route check, for status and metrics.
+  // Requests refused, for status and metrics: in all, and by the caller's certificate (one naming no node; one
+  // naming other nodes than the request claims).
   uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
+  uint64_t refused_certificate_without_node() const { return refused_no_node_.load(std::memory_order_relaxed); }
+  uint64_t refused_certificate_of_another_node() const {
+    return refused_other_node_.load(std::memory_order_relaxed);
+  }
 
  private:
-  // The route check every method runs first; a refusal is counted.
-  Status Admit(const peer::v1::RouteHeader& route);
+  // The checks every method runs first: the caller's certificate names the route's source node (with peer TLS),
+  // then the route check; a refusal is counted.
+  Status Admit(grpc::ServerContext* context, const peer::v1::RouteHeader& route);
+  Status CheckCaller(grpc::ServerContext* context, const peer::v1::RouteHeader& route);
 
   const Options options_;  // options_.self is the first identity; self_ the current one
   SelfIdentity self_;
   const cluster::MemberView* const members_;
   std::atomic<uint64_t> refused_{0};
+  std::atomic<uint64_t> refused_no_node_{0};
+  std::atomic<uint64_t> refused_other_node_{0};
 };
+
+// The subjectAltName URI prefix that names a Manager's Node ID in its peer certificate.
+inline constexpr std::string_view kNodeUriPrefix = "orbitkv-node:";
+
+// The Node IDs a peer certificate names (its "orbitkv-node:" URIs), from gRPC's auth context properties.
+std::vector<std::string> CertifiedNodes(const grpc::AuthContext& auth);
 
 }  // namespace orbitkv::catalog
 

@@ -51,7 +51,7 @@ Result<SourceReply> ReleaseQueue::Authorize(const std::string& node, const std::
 }
 
 Result<bool> ReleaseQueue::Release(const std::string& node, const std::string& runtime, uint64_t request_id,
-                                   uint64_t grant_id, Deadline /*deadline*/) {
+                                   uint64_t grant_id, const std::string& grant_secret, Deadline /*deadline*/) {
   MutexLock lock(&mu_);
   if (stop_ || due_.size() + sending_ >= options_.max_queued) {
     ++stats_.dropped;
@@ -61,7 +61,7 @@ Result<bool> ReleaseQueue::Release(const std::string& node, const std::string& r
         grant_id, node));
   }
   const MonoTime now = MonoNow();
-  due_.emplace(now, Item{node, runtime, request_id, grant_id, now + options_.give_up_after, options_.backoff_min});
+  due_.emplace(now, Item{node, runtime, request_id, grant_id, grant_secret, now + options_.give_up_after, options_.backoff_min});
   ++stats_.queued;
   if (pending_gauge_ != nullptr) pending_gauge_->Set(static_cast<int64_t>(due_.size() + sending_));
   wake_.notify_one();
@@ -104,7 +104,7 @@ void ReleaseQueue::Work() {
       ++sending_;
     }
     Result<bool> answer = inner_->Release(item.node, item.runtime, item.request_id, item.grant_id,
-                                          Deadline::After(options_.rpc_timeout));
+                                          item.grant_secret, Deadline::After(options_.rpc_timeout));
     MutexLock lock(&mu_);
     --sending_;
     busy_nodes_.erase(item.node);

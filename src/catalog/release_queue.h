@@ -65,7 +65,7 @@ class ReleaseQueue final : public SourceTransport {
   // Queues the release and answers true at once (ResourceExhausted when full; `deadline` is not used: the
   // workers bound each attempt themselves).
   Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id, uint64_t grant_id,
-                       Deadline deadline) override EXCLUDES(mu_);
+                       const std::string& grant_secret, Deadline deadline) override EXCLUDES(mu_);
 
   Stats GetStats() const EXCLUDES(mu_);
 
@@ -75,6 +75,7 @@ class ReleaseQueue final : public SourceTransport {
     std::string runtime;
     uint64_t request_id = 0;
     uint64_t grant_id = 0;
+    std::string grant_secret;
     MonoTime give_up{};
     std::chrono::milliseconds backoff{0};
   };

@@ -21,7 +21,7 @@ class PartitionedSources final : public SourceTransport {
     return Status::Unimplemented("not asked here");
   }
   Result<bool> Release(const std::string& node, const std::string&, uint64_t, uint64_t grant_id,
-                       Deadline deadline) override {
+                       const std::string& /*grant_secret*/, Deadline deadline) override {
     std::unique_lock<std::mutex> lock(mu);
     ++attempts[node];
     max_in_flight[node] = std::max(max_in_flight[node], ++in_flight[node]);
@@ -74,8 +74,8 @@ TEST(ReleaseQueueTest, APartitionedSourceDelaysNeitherTheCallerNorOtherSourcesAn
   MetricsRegistry metrics;
   ReleaseQueue queue(Quick(), &sources, &metrics);
   // Both calls return before anything was answered: the caller (a fetch worker) never waits for a source.
-  ASSERT_TRUE(queue.Release("p", "rt-p", 1, 11, Deadline::After(std::chrono::seconds(2))).value());
-  ASSERT_TRUE(queue.Release("q", "rt-q", 2, 22, Deadline::After(std::chrono::seconds(2))).value());
+  ASSERT_TRUE(queue.Release("p", "rt-p", 1, 11, "secret", Deadline::After(std::chrono::seconds(2))).value());
+  ASSERT_TRUE(queue.Release("q", "rt-q", 2, 22, "secret", Deadline::After(std::chrono::seconds(2))).value());
   {
     std::lock_guard<std::mutex> lock(sources.mu);
     EXPECT_EQ(sources.released.count(11), 0u);
@@ -102,8 +102,8 @@ TEST(ReleaseQueueTest, ARestartedSourceEndsTheReleaseAndOneNeverHealedIsAbandone
   ReleaseQueue::Options options = Quick();
   options.give_up_after = std::chrono::milliseconds(300);
   ReleaseQueue queue(options, &sources, nullptr);
-  ASSERT_TRUE(queue.Release("g", "rt-g", 1, 11, Deadline::Infinite()).ok());
-  ASSERT_TRUE(queue.Release("p", "rt-p", 2, 22, Deadline::Infinite()).ok());
+  ASSERT_TRUE(queue.Release("g", "rt-g", 1, 11, "secret", Deadline::Infinite()).ok());
+  ASSERT_TRUE(queue.Release("p", "rt-p", 2, 22, "secret", Deadline::Infinite()).ok());
   for (int i = 0; i < 30000 && queue.GetStats().pending != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const ReleaseQueue::Stats stats = queue.GetStats();
   EXPECT_EQ(stats.pending, 0u);
@@ -121,9 +121,9 @@ TEST(ReleaseQueueTest, ManyReleasesToOneUnreachableSourceHoldOneWorkerAtMost) {
   PartitionedSources sources;
   sources.partitioned.insert("p");
   ReleaseQueue queue(Quick(), &sources, nullptr);
-  for (uint64_t i = 0; i < 6; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, Deadline::Infinite()).ok());
+  for (uint64_t i = 0; i < 6; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, "secret", Deadline::Infinite()).ok());
   ASSERT_TRUE(sources.WaitFor([&] { return sources.attempts["p"] >= 3; }));
-  ASSERT_TRUE(queue.Release("q", "rt-q", 9, 999, Deadline::Infinite()).ok());
+  ASSERT_TRUE(queue.Release("q", "rt-q", 9, 999, "secret", Deadline::Infinite()).ok());
   ASSERT_TRUE(sources.WaitFor([&] { return sources.released.count(999) == 1; }));
   {
     std::lock_guard<std::mutex> lock(sources.mu);
@@ -142,8 +142,8 @@ TEST(ReleaseQueueTest, PastItsBoundTheQueueRefusesAndCountsTheDrop) {
   options.workers = 1;
   MetricsRegistry metrics;
   ReleaseQueue queue(options, &sources, &metrics);
-  for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, Deadline::Infinite()).ok());
-  Result<bool> over = queue.Release("p", "rt-p", 9, 109, Deadline::Infinite());
+  for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, "secret", Deadline::Infinite()).ok());
+  Result<bool> over = queue.Release("p", "rt-p", 9, 109, "secret", Deadline::Infinite());
   EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
   EXPECT_EQ(queue.GetStats().dropped, 1u);
   sources.Heal("p");

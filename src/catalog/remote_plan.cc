@@ -93,7 +93,7 @@ AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateI
       if (reply.status().code() == StatusCode::kDeadlineExceeded ||
           reply.status().code() == StatusCode::kUnavailable || reply.status().code() == StatusCode::kCancelled) {
         (void)transport.Release(span->node, span->runtime, options.request_id, /*grant_id=*/0,
-                                Deadline::After(std::chrono::milliseconds(200)));
+                                /*grant_secret=*/"", Deadline::After(std::chrono::milliseconds(200)));
       }
       continue;
     }

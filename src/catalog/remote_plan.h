@@ -36,11 +36,11 @@ class SourceTransport {
   virtual Result<SourceReply> Authorize(const std::string& node, const std::string& runtime, uint64_t request_id,
                                         std::span<const SourceBlockVersion> blocks, uint64_t byte_limit,
                                         std::chrono::milliseconds lifetime, Deadline deadline) = 0;
-  // True when the source held something under the id. `grant_id` (0: unknown) is the grant the source named:
-  // with it the release needs neither side's member view to be complete, nor this side's start to be the one
-  // that was granted.
+  // True when the source held something under the id. `grant_id` (0: unknown) is the grant the source named,
+  // `grant_secret` the secret it returned with it (a release by grant id without it is refused): with them the
+  // release needs neither side's member view to be complete, nor this side's start to be the one that was granted.
   virtual Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id,
-                               uint64_t grant_id, Deadline deadline) = 0;
+                               uint64_t grant_id, const std::string& grant_secret, Deadline deadline) = 0;
 };
 
 struct PlannedSpan {

@@ -32,7 +32,8 @@ class FakeSources final : public SourceTransport {
     reply.grant.grant_id = held == 0 ? 0 : request_id;
     return reply;
   }
-  Result<bool> Release(const std::string& node, const std::string&, uint64_t, uint64_t, Deadline) override {
+  Result<bool> Release(const std::string& node, const std::string&, uint64_t, uint64_t, const std::string&,
+                       Deadline) override {
     ++released[node];
     return true;
   }

@@ -165,7 +165,9 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
     grant.blocks.push_back({it->second, pin.arena_offset(), pin.bytes()});
     ranges.push_back({pin.arena(), pin.arena_offset(), pin.bytes()});
   }
-  ORBITKV_ASSIGN_OR_RETURN(grant.grant_id, issuer_->Grant(args.peer_runtime, ranges));
+  ORBITKV_ASSIGN_OR_RETURN(GrantIssuer::Issued issued, issuer_->Grant(args.peer_runtime, ranges));
+  grant.grant_id = issued.id;
+  grant.grant_secret = std::move(issued.secret);
   grant.outcome = SourceOutcome::kGranted;
   grant.lifetime = std::min(std::max(args.lifetime, std::chrono::milliseconds(1)), options_.max_lifetime);
   hold.deadline = options_.now() + grant.lifetime;
@@ -216,13 +218,26 @@ void SourceHolds::Drained(const HoldKey& key) {
   core::BlockPin::ReleaseAll(&gone.pins);  // outside the lock (the table's shard locks)
 }
 
-bool SourceHolds::ReleaseGrant(const std::string& peer_node, uint64_t grant_id) {
+bool SameSecret(const std::string& given, const std::string& expected) {
+  if (given.size() != expected.size()) return false;
+  volatile uint8_t diff = 0;
+  for (size_t i = 0; i < given.size(); ++i) {
+    diff = static_cast<uint8_t>(diff | (static_cast<uint8_t>(given[i]) ^ static_cast<uint8_t>(expected[i])));
+  }
+  return diff == 0;
+}
+
+bool SourceHolds::ReleaseGrant(const std::string& peer_node, uint64_t grant_id, const std::string& grant_secret) {
   HoldKey key;
   {
     MutexLock lock(&mu_);
     auto it = holds_.begin();
     while (it != holds_.end() && (it->second.grant.grant_id != grant_id || it->second.peer_node != peer_node)) ++it;
     if (it == holds_.end() || grant_id == 0) return false;
+    if (!SameSecret(grant_secret, it->second.grant.grant_secret)) {
+      ++stats_.release_secret_refusals;
+      return false;
+    }
     if (it->second.revoking) return true;  // a duplicate: the first release is draining it
     it->second.revoking = true;
     key = it->first;

@@ -38,6 +38,12 @@
 namespace orbitkv::catalog {
 
 // The transfer engine as the source sees it (UcxTransferEngine in a Manager; a recording fake in unit tests).
+// The size of a grant's secret (transfer::GrantSecret).
+inline constexpr size_t kGrantSecretBytes = 16;
+
+// Whether `given` is `expected`, in time that does not depend on where they differ (only on the length).
+bool SameSecret(const std::string& given, const std::string& expected);
+
 class GrantIssuer {
  public:
   struct Range {
@@ -46,8 +52,12 @@ class GrantIssuer {
     uint64_t bytes = 0;
   };
   virtual ~GrantIssuer() = default;
-  // A grant for `peer` (the requester's runtime UUID) over `ranges`.
-  virtual Result<uint64_t> Grant(const std::string& peer, const std::vector<Range>& ranges) = 0;
+  // A grant for `peer` (the requester's runtime UUID) over `ranges`: its id and its secret (kGrantSecretBytes).
+  struct Issued {
+    uint64_t id = 0;
+    std::string secret;
+  };
+  virtual Result<Issued> Grant(const std::string& peer, const std::vector<Range>& ranges) = 0;
   // Revokes one grant; `drained` runs once nothing under it is in flight (maybe inline).
   virtual Status Revoke(uint64_t grant, std::function<void()> drained) = 0;
   // Revokes every grant of `peer` and force-closes its endpoints; `drained` as above.
@@ -83,6 +93,7 @@ struct SourceGrant {
   size_t granted = 0;                           // blocks pinned, from the first
   SourceOutcome stop = SourceOutcome::kGranted;  // why block `granted` was not pinned
   uint64_t grant_id = 0;
+  std::string grant_secret;  // kGrantSecretBytes, for the requester alone (issue 52)
   std::vector<std::vector<uint8_t>> regions;  // encoded descriptors; blocks index into it
   struct Block {
     uint32_t region = 0;
@@ -108,6 +119,7 @@ class SourceHolds {
     uint64_t granted = 0;            // Authorize calls that granted (duplicates not counted)
     uint64_t released = 0;           // holds freed after draining
     uint64_t rejected = 0;           // authorizations refused (stale, not in DRAM, no room)
+    uint64_t release_secret_refusals = 0;  // releases by grant id without the grant's secret (nothing released)
   };
 
   // `table`, `pool`, `budget`, `issuer` and `metrics` (may be null) must outlive the holds.
@@ -127,7 +139,9 @@ class SourceHolds {
   bool Release(const std::string& peer_runtime, uint64_t request_id) EXCLUDES(mu_);
   // Ends the hold whose grant is `grant_id`, if `peer_node` holds it: the release by grant id alone (a requester
   // that registered again, or whose view or this one is incomplete). False when there is none.
-  bool ReleaseGrant(const std::string& peer_node, uint64_t grant_id) EXCLUDES(mu_);
+  // The release must present the grant's secret (compared in constant time); one that does not is refused, counted
+  // (Stats::release_secret_refusals) and releases nothing.
+  bool ReleaseGrant(const std::string& peer_node, uint64_t grant_id, const std::string& grant_secret) EXCLUDES(mu_);
   // Quarantines and revokes holds past their deadline. Returns how many it revoked.
   size_t ExpireDue() EXCLUDES(mu_);
   // Quarantines and revokes every hold not being revoked yet (this Manager's registration ended: its grants belong

@@ -17,10 +17,11 @@ using core::testing::Chain;
 // Records grants; revocations drain only when the test says (a transfer still in flight).
 class RecordingIssuer final : public GrantIssuer {
  public:
-  Result<uint64_t> Grant(const std::string& peer, const std::vector<Range>& ranges) override {
+  Result<Issued> Grant(const std::string& peer, const std::vector<Range>& ranges) override {
     MutexLock lock(&mu_);
     grants[next_] = {peer, ranges};
-    return next_++;
+    const uint64_t id = next_++;
+    return Issued{id, std::string(kGrantSecretBytes, static_cast<char>('a' + id % 26))};
   }
   Status Revoke(uint64_t grant, std::function<void()> drained) override {
     MutexLock lock(&mu_);
@@ -278,14 +279,23 @@ TEST_F(SourceHoldsTest, RevokeAllQuarantinesEveryGrantUntilItDrainedAndLaterGran
   EXPECT_EQ(holds_->GetStats().sessions, 1u);
   EXPECT_EQ(holds_->GetStats().quarantined, 0u);
   EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);
-  // The new one ends by its grant id alone, but only for the node that holds it.
-  EXPECT_FALSE(holds_->ReleaseGrant("node-other", later->grant_id));
-  EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id + 1000));
-  EXPECT_TRUE(holds_->ReleaseGrant("node-b", later->grant_id));
-  EXPECT_TRUE(holds_->ReleaseGrant("node-b", later->grant_id));  // a duplicate while it drains
-  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);            // pinned until drained
+  // The new one ends by its grant id and secret alone, but only for the node that holds it (issue 52: a release
+  // without the grant's secret, or with another, is refused and counted, and releases nothing).
+  const std::string secret = later->grant_secret;
+  ASSERT_EQ(secret.size(), kGrantSecretBytes);
+  EXPECT_FALSE(holds_->ReleaseGrant("node-other", later->grant_id, secret));
+  EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id + 1000, secret));
+  std::string wrong = secret;
+  wrong[3] ^= 1;
+  EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id, ""));
+  EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id, wrong));
+  EXPECT_EQ(holds_->GetStats().release_secret_refusals, 2u);
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);  // the new grant still held: nothing was released by them
+  EXPECT_TRUE(holds_->ReleaseGrant("node-b", later->grant_id, secret));
+  EXPECT_TRUE(holds_->ReleaseGrant("node-b", later->grant_id, secret));  // a duplicate while it drains
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);                    // pinned until drained
   issuer_.DrainAll();
-  EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id));
+  EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id, secret));
   EXPECT_EQ(holds_->GetStats().sessions, 0u);
   EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
   EXPECT_EQ(Metric("orbitkv_source_quarantined_bytes"), 0);

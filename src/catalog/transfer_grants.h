@@ -18,14 +18,15 @@ class TransferGrantIssuer final : public GrantIssuer {
  public:
   TransferGrantIssuer(transfer::TransferEngine* engine, std::vector<transfer::RegionHandle> arenas)
       : engine_(engine), arenas_(std::move(arenas)) {}
-  Result<uint64_t> Grant(const std::string& peer, const std::vector<Range>& ranges) override {
+  Result<Issued> Grant(const std::string& peer, const std::vector<Range>& ranges) override {
     transfer::GrantRequest request;
     request.peer = peer;
     for (const Range& r : ranges) {
       if (r.arena >= arenas_.size()) return Status::Internal("a pinned block outside the registered pool");
       request.ranges.push_back({arenas_[r.arena], r.offset, r.bytes});
     }
-    return engine_->CreateGrant(std::move(request));
+    ORBITKV_ASSIGN_OR_RETURN(transfer::IssuedGrant issued, engine_->CreateGrant(std::move(request)));
+    return Issued{issued.id, std::string(issued.secret.begin(), issued.secret.end())};
   }
   Status Revoke(uint64_t grant, std::function<void()> drained) override {
     return engine_->RevokeGrant(grant, std::move(drained));

@@ -9,6 +9,7 @@
 #include <openssl/bio.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
 #include <algorithm>
 #include <fstream>
@@ -53,6 +54,26 @@ std::string CertificateValidityProblem(const std::string& path) {
   }
   X509_free(cert);
   return problem;
+}
+
+std::vector<std::string> CertificateUris(const std::string& path) {
+  std::vector<std::string> uris;
+  BIO* bio = BIO_new_file(path.c_str(), "r");
+  if (bio == nullptr) return uris;
+  X509* cert = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr);
+  BIO_free(bio);
+  if (cert == nullptr) return uris;
+  auto* names = static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(cert, NID_subject_alt_name, nullptr, nullptr));
+  for (int i = 0; names != nullptr && i < sk_GENERAL_NAME_num(names); ++i) {
+    const GENERAL_NAME* name = sk_GENERAL_NAME_value(names, i);
+    if (name->type != GEN_URI) continue;
+    const ASN1_IA5STRING* uri = name->d.uniformResourceIdentifier;
+    uris.emplace_back(reinterpret_cast<const char*>(ASN1_STRING_get0_data(uri)),
+                      static_cast<size_t>(ASN1_STRING_length(uri)));
+  }
+  if (names != nullptr) GENERAL_NAMES_free(names);
+  X509_free(cert);
+  return uris;
 }
 
 Status ValidateTlsFiles(const TlsFiles& files) {

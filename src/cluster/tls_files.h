@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "base/result.h"
 
@@ -38,6 +39,9 @@ Result<std::string> ReadPemFile(std::string_view flag, const std::string& path);
 // Why the PEM certificate at `path` is not valid now ("expired on 2020-01-02 00:00:00 UTC", "not valid before
 // ..."), or "" when it is (or cannot be read: the handshake's own error says so).
 std::string CertificateValidityProblem(const std::string& path);
+
+// The URI subjectAltNames of the PEM certificate at `path` (empty when it has none or cannot be read).
+std::vector<std::string> CertificateUris(const std::string& path);
 
 // Checks that files.ca is given and readable PEM, and that cert and key are both given or both absent (and PEM).
 Status ValidateTlsFiles(const TlsFiles& files);

@@ -10,6 +10,7 @@
 #include "catalog/source_holds.h"
 #include "catalog/transfer_grants.h"
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <fstream>
@@ -55,10 +56,20 @@ Result<std::optional<cluster::TlsFiles>> PeerTlsFiles(const ManagerConfig& confi
                                                             "--peer-tls-key", config.tls_reload_secs});
 }
 
-// Mutual TLS from --peer-tls-cert/key/ca (all three), or null for an unauthenticated listener (none).
+// Mutual TLS from --peer-tls-cert/key/ca (all three), or null for an unauthenticated listener (none). The
+// certificate must name this Manager's Node ID (issue 52), or every peer would refuse it.
 Result<std::shared_ptr<grpc::ServerCredentials>> PeerCredentials(const ManagerConfig& config) {
   ORBITKV_ASSIGN_OR_RETURN(std::optional<cluster::TlsFiles> files, PeerTlsFiles(config));
   if (!files.has_value()) return std::shared_ptr<grpc::ServerCredentials>();
+  ORBITKV_RETURN_IF_ERROR(cluster::ValidateTlsFiles(*files));
+  const std::string wanted = fmt::format("{}{}", catalog::kNodeUriPrefix, config.node_id);
+  const std::vector<std::string> uris = cluster::CertificateUris(files->cert);
+  if (std::find(uris.begin(), uris.end(), wanted) == uris.end()) {
+    return Status::InvalidArgument(fmt::format(
+        "--peer-tls-cert {} does not name this node: peers accept a certificate only for the Node ID it carries as "
+        "a subjectAltName URI; issue it with subjectAltName=URI:{},IP:<its address> (it names {})",
+        files->cert, wanted, uris.empty() ? std::string("no URI") : fmt::format("{}", fmt::join(uris, ", "))));
+  }
   return cluster::WatchedServerCredentials(*files);
 }
 
@@ -186,6 +197,7 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   options.catalog = catalog;
   options.source = source;
   options.remote_off = std::move(remote_off);
+  options.require_node_certificates = tls != nullptr;  // issue 52: a peer is who its certificate says
   options.hosts_shard = [&membership, node = config.node_id](uint32_t shard) {
     return shard < cluster::kNumShards && membership.placement().Keeps(shard, node);
   };
@@ -207,8 +219,9 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
                                            listener->address));
   }
   if (tls) {
-    ORBITKV_LOG_INFO("manager: peer listener on {} (mutual TLS: peers need a certificate from {})",
-                     listener->address, config.peer_tls_ca);
+    ORBITKV_LOG_INFO("manager: peer listener on {} (mutual TLS: peers need a certificate from {} naming their "
+                     "Node ID as subjectAltName URI:{}<node-id>)",
+                     listener->address, config.peer_tls_ca, catalog::kNodeUriPrefix);
   } else {
     ORBITKV_LOG_WARN(
         "manager: peer listener on {} serves orbitkv.peer.v1 without TLS: peers are not authenticated beyond "
@@ -547,6 +560,7 @@ class RemoteNode {
                        f.fetches, f.fetched_blocks, f.fetched_bytes, f.no_source, f.failed, f.staging_bytes,
                        f.discovery_rpcs, f.authorizations, f.rejections, i.entries, i.bytes, i.hits, i.misses,
                        h.sessions, h.pinned_bytes, h.quarantined_bytes, h.granted, h.rejected) +
+           fmt::format(", \"source_release_secret_refusals\": {}", h.release_secret_refusals) +
            fmt::format(", \"remote_releases_queued\": {}, \"remote_releases_released\": {}, "
                        "\"remote_releases_not_held\": {}, \"remote_releases_retries\": {}, "
                        "\"remote_releases_abandoned\": {}, \"remote_releases_pending\": {}",
@@ -671,11 +685,17 @@ class MembershipLink final : public ClusterLink {
                        membership_->placement().fingerprint(), membership_->placement().replicas(),
                        membership_->placement().reduced_coverage() ? 1 : 0, peers_ ? peers_->address : "",
                        peers_ ? peers_->service->refused() : 0) +
+           fmt::format(", \"peer_refused_certificate_without_node\": {}, "
+                       "\"peer_refused_certificate_of_another_node\": {}",
+                       peers_ ? peers_->service->refused_certificate_without_node() : 0,
+                       peers_ ? peers_->service->refused_certificate_of_another_node() : 0) +
            (peers_ ? peers_->directory->StatusJson() : std::string()) +
            (catalog_ ? catalog_->StatusJson() : std::string()) +
            (remote_ ? remote_->StatusJson() : std::string()) +
-           (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}",
-                                    transfer_->ListenAddress(), transfer_->Stats().live_grants)
+           (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}, "
+                                    "\"transfer_grant_secret_refusals\": {}",
+                                    transfer_->ListenAddress(), transfer_->Stats().live_grants,
+                                    transfer_->Stats().grant_secret_refusals)
                       : std::string(", \"transfer_listen\": \"\"")) +
            EtcdSecurityJson();
   }

@@ -239,6 +239,9 @@ bool RemoteFetcher::StartBatch(GrantedRead& read) {
   transfer::ReadBatchRequest request;
   request.peer = authorized.reply.ucx_address;
   request.grant = grant.grant_id;
+  if (grant.grant_secret.size() == request.grant_secret.size()) {
+    std::copy(grant.grant_secret.begin(), grant.grant_secret.end(), request.grant_secret.begin());
+  }
   request.remotes = read.remotes;
   request.deadline = read.deadline;
   request.verify_checksum = true;
@@ -372,8 +375,9 @@ void RemoteFetcher::ReleaseGrant(const catalog::Authorized& authorized, uint64_t
   // By grant id, so the release needs neither side's member view. In a Manager `sources_` is the release queue
   // (catalog/release_queue.h): this returns at once and the queue's own workers retry; a source that never hears
   // it revokes the grant at its deadline, or when this Manager leaves the member view.
-  Result<bool> released = sources_->Release(authorized.span.node, authorized.span.runtime, request_id,
-                                            authorized.reply.grant.grant_id, Deadline::After(std::chrono::seconds(2)));
+  Result<bool> released =
+      sources_->Release(authorized.span.node, authorized.span.runtime, request_id, authorized.reply.grant.grant_id,
+                        authorized.reply.grant.grant_secret, Deadline::After(std::chrono::seconds(2)));
   if (!released.ok() && released.status().code() != StatusCode::kNotFound) {
     ORBITKV_LOG_WARN("remote: releasing grant {:x} at {}: {} (it expires there)", authorized.reply.grant.grant_id,
                      authorized.span.node, released.status().ToString());

@@ -242,12 +242,20 @@ TEST_F(RemoteFetchTest, AGrantIsReleasedByItsIdWhileEitherSidesViewIsIncomplete)
   EXPECT_EQ(holds_->GetStats().sessions, 1u);
   view_.Invalidate();
   const Deadline deadline = Deadline::After(std::chrono::seconds(5));
-  Result<bool> by_request = transport_->Release("source", source_uuid_, 77, /*grant_id=*/0, deadline);
+  const std::string secret = outcome.authorized->reply.grant.grant_secret;
+  ASSERT_EQ(secret.size(), catalog::kGrantSecretBytes);  // carried by the Authorize reply, for this requester
+  Result<bool> by_request = transport_->Release("source", source_uuid_, 77, /*grant_id=*/0, "", deadline);
   EXPECT_EQ(by_request.status().code(), StatusCode::kUnavailable) << by_request.status();
-  Result<bool> wrong = transport_->Release("source", source_uuid_, 77, grant + 1, deadline);
+  Result<bool> wrong = transport_->Release("source", source_uuid_, 77, grant + 1, secret, deadline);
   ASSERT_TRUE(wrong.ok()) << wrong.status();
   EXPECT_FALSE(*wrong);  // no such grant of this node: nothing released
-  Result<bool> released = transport_->Release("source", source_uuid_, 77, grant, deadline);
+  // Issue 52: the grant id without its secret releases nothing.
+  Result<bool> unbound = transport_->Release("source", source_uuid_, 77, grant, "", deadline);
+  ASSERT_TRUE(unbound.ok()) << unbound.status();
+  EXPECT_FALSE(*unbound);
+  EXPECT_EQ(holds_->GetStats().sessions, 1u);
+  EXPECT_EQ(holds_->GetStats().release_secret_refusals, 1u);
+  Result<bool> released = transport_->Release("source", source_uuid_, 77, grant, secret, deadline);
   ASSERT_TRUE(released.ok()) << released.status();
   EXPECT_TRUE(*released);
   EXPECT_TRUE(SourceIdle());

@@ -71,7 +71,7 @@ TEST(DescriptorTest, HexRoundTripAndErrors) {
 }
 
 TEST(WireTest, LayoutsAreFixed) {
-  EXPECT_EQ(sizeof(wire::ReadRequest), 40u);
+  EXPECT_EQ(sizeof(wire::ReadRequest), 56u);
   EXPECT_EQ(sizeof(wire::WireFragment), 24u);
   EXPECT_EQ(sizeof(wire::DataHeader), 16u);
   EXPECT_EQ(sizeof(wire::DoneHeader), 24u);

@@ -55,7 +55,7 @@ class FaultInjectingEngine final : public TransferEngine {
   }
   Result<uint64_t> ReadBatch(ReadBatchRequest request, BatchCallback done) override EXCLUDES(mu_);
   Status Cancel(uint64_t batch_id) override EXCLUDES(mu_);
-  Result<uint64_t> CreateGrant(GrantRequest request) override {
+  Result<IssuedGrant> CreateGrant(GrantRequest request) override {
     return inner_->CreateGrant(std::move(request));
   }
   Status RevokeGrant(uint64_t grant, DrainedCallback drained) override {

@@ -29,6 +29,7 @@
 #ifndef ORBITKV_TRANSFER_TRANSFER_ENGINE_H_
 #define ORBITKV_TRANSFER_TRANSFER_ENGINE_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -76,12 +77,28 @@ struct Fragment {
   uint64_t length = 0;
 };
 
+// A grant's secret, and what CreateGrant returns.
+using GrantSecret = std::array<uint8_t, 16>;
+struct IssuedGrant {
+  uint64_t id = 0;
+  GrantSecret secret{};
+};
+
+// Whether two secrets are equal, in time that does not depend on where they differ.
+inline bool SameGrantSecret(const GrantSecret& a, const GrantSecret& b) {
+  volatile uint8_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff = static_cast<uint8_t>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+
 struct ReadBatchRequest {
   // The peer's address as its engine reports it (ListenAddress()).
   std::string peer;
   // The grant the source issued for these bytes (CreateGrant on the source, handed over by the
   // catalog's source authorization). 0: none, which a source that requires grants refuses.
   uint64_t grant = 0;
+  // That grant's secret (IssuedGrant::secret): without it the source serves nothing under the grant.
+  GrantSecret grant_secret{};
   // Decoded descriptors of the peer's regions this batch reads from.
   std::vector<RegionDescriptor> remotes;
   std::vector<Fragment> fragments;
@@ -143,6 +160,7 @@ struct EngineStats {
   uint64_t pinned_regions = 0;  // Regions with a non-zero pin count (either side).
   uint64_t peer_endpoints = 0;  // Pooled outgoing endpoints.
   uint64_t live_grants = 0;     // Issued and not yet drained after their revocation.
+  uint64_t grant_secret_refusals = 0;  // Read requests naming a live grant without its secret (nothing served).
 };
 
 class TransferEngine {
@@ -171,11 +189,12 @@ class TransferEngine {
   // NotFound when the batch already completed.
   virtual Status Cancel(uint64_t batch_id) = 0;
 
-  // Issues a grant (a random 64-bit id, never 0, the requester's capability: hand it over only on
-  // an authenticated channel). Its ranges pin their regions (UnregisterRegion fails) until it is
-  // revoked and drained. InvalidArgument for an empty or malformed range list, NotFound for a
-  // stale region, OutOfRange for a range outside its region.
-  virtual Result<uint64_t> CreateGrant(GrantRequest request) = 0;
+  // Issues a grant: a random 64-bit id (never 0) and a random 128-bit secret, the requester's capability (hand
+  // both over only on an authenticated channel, to the requester alone: a read presenting the id without the
+  // secret is refused). Its ranges pin their regions (UnregisterRegion fails) until it is revoked and drained.
+  // InvalidArgument for an empty or malformed range list, NotFound for a stale region, OutOfRange for a range
+  // outside its region.
+  virtual Result<IssuedGrant> CreateGrant(GrantRequest request) = 0;
   // Revokes a grant: from now on no request or unsent fragment under it is served; `drained` runs
   // once its sends in flight are terminal (nothing is reclaimed on a timer alone). NotFound for an
   // unknown or already revoked grant.

@@ -89,7 +89,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "transfer_test_peer: %s\n", grant.status().ToString().c_str());
       return 1;
     }
-    std::cout << fmt::format("GRANT {:016x}", *grant) << std::endl;
+    std::cout << fmt::format("GRANT {:016x} {}", grant->id, ToHex(std::vector<uint8_t>(grant->secret.begin(), grant->secret.end())))
+              << std::endl;
   }
   std::cout << ready << std::endl;
 

@@ -92,7 +92,8 @@ Result<sockaddr_in> ParseInetAddress(std::string_view address) { return ParseAdd
 
 UcxTransferEngine::Counters::Counters(MetricsRegistry* registry) {
   Counter** slots[] = {&bytes_read,        &bytes_served,    &batches_ok, &batches_failed,
-                       &checksum_failures, &protocol_errors, &revocations, &grant_refusals};
+                       &checksum_failures, &protocol_errors, &revocations, &grant_refusals,
+                       &grant_secret_refusals};
   if (registry == nullptr) {
     for (size_t i = 0; i < std::size(slots); ++i) *slots[i] = &own[i];
     return;
@@ -115,6 +116,9 @@ UcxTransferEngine::Counters::Counters(MetricsRegistry* registry) {
   grant_refusals = &registry->GetCounter(
       "orbitkv_transfer_grant_refusals_total",
       "Read requests refused because they named no live grant or read outside it");
+  grant_secret_refusals = &registry->GetCounter(
+      "orbitkv_transfer_grant_secret_refusals_total",
+      "Read requests naming a live grant without its secret (a grant id used by someone but its holder)");
 }
 
 UcxTransferEngine::UcxTransferEngine(const UcxEngineOptions& options)
@@ -502,6 +506,7 @@ EngineStats UcxTransferEngine::Stats() const {
   }
   stats.serving_requests = serving_count_.load(std::memory_order_relaxed);
   stats.peer_endpoints = peer_count_.load(std::memory_order_relaxed);
+  stats.grant_secret_refusals = counters_->grant_secret_refusals->Value();
   return stats;
 }
 

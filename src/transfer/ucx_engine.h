@@ -99,7 +99,7 @@ class UcxTransferEngine final : public TransferEngine {
   Result<uint64_t> ReadBatch(ReadBatchRequest request, BatchCallback done) override
       EXCLUDES(regions_mu_, queue_mu_);
   Status Cancel(uint64_t batch_id) override EXCLUDES(queue_mu_);
-  Result<uint64_t> CreateGrant(GrantRequest request) override EXCLUDES(regions_mu_);
+  Result<IssuedGrant> CreateGrant(GrantRequest request) override EXCLUDES(regions_mu_);
   Status RevokeGrant(uint64_t grant, DrainedCallback drained) override
       EXCLUDES(regions_mu_, queue_mu_);
   Status RevokePeer(const std::string& peer, DrainedCallback drained) override
@@ -193,7 +193,7 @@ class UcxTransferEngine final : public TransferEngine {
   void SweepServerEps();
   // Checks a request's fragments against its grant (regions_mu_ held): the grant is live and every
   // fragment lies inside one of its ranges.
-  Status CheckGrant(uint64_t grant_id, const std::vector<wire::WireFragment>& fragments)
+  Status CheckGrant(uint64_t grant_id, const GrantSecret& secret, const std::vector<wire::WireFragment>& fragments)
       REQUIRES(regions_mu_);
   // Progress thread: stops the serve ops of `grants` (closing their endpoints when `close`), then
   // runs the drained callbacks of those that have nothing in flight.

@@ -46,6 +46,7 @@ struct DrainWaiter {
 // An issued grant (guarded by regions_mu_). Its ranges pin their regions until it drained.
 struct UcxTransferEngine::Grant {
   std::string peer;
+  GrantSecret secret{};
   std::vector<GrantRange> ranges;  // Sorted by (region index, offset).
   bool revoked = false;
   uint32_t serving = 0;  // Serve ops under it that have not ended.
@@ -207,8 +208,9 @@ struct UcxTransferEngine::Counters {
   Counter* protocol_errors = nullptr;
   Counter* revocations = nullptr;
   Counter* grant_refusals = nullptr;
+  Counter* grant_secret_refusals = nullptr;
   // Fallbacks when no registry is given.
-  Counter own[8];
+  Counter own[9];
 };
 
 }  // namespace orbitkv::transfer

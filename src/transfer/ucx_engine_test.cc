@@ -359,49 +359,74 @@ TEST_F(UcxEngineTest, AGrantBoundsEveryFragmentItServes) {
   EXPECT_TRUE(descriptor_.rkey.empty()) << "with grants required no rkey may leave the source";
   EXPECT_TRUE(source_->GetCapabilities().grants_required);
   auto requester = MakeEngine();
-  TestBuffer dest(4 << 20);
-  RegionHandle local = *requester->RegisterRegion(dest.data(), dest.size());
   // Granted: [1 MiB, +2 MiB) and [8 MiB, +64 KiB).
   auto grant = source_->CreateGrant(GrantRequest{
       "node-b", {{region, 8 << 20, 64 << 10}, {region, 1 << 20, 2 << 20}}});
   ASSERT_TRUE(grant.ok()) << grant.status();
   EXPECT_EQ(source_->Stats().live_grants, 1u);
-  auto read = [&](uint64_t grant_id, std::vector<std::pair<uint64_t, uint64_t>> spans,
-                  PullMode mode = PullMode::kAuto) {
+  const uint64_t id = grant->id;
+  const GrantSecret secret = grant->secret;
+  auto read_as = [&](UcxTransferEngine& reader, uint64_t grant_id, const GrantSecret& presented,
+                     std::vector<std::pair<uint64_t, uint64_t>> spans, PullMode mode = PullMode::kAuto) {
+    TestBuffer into(4 << 20);
+    std::memset(into.data(), 0, into.size());
+    RegionHandle landing = *reader.RegisterRegion(into.data(), into.size());
     Plan plan;
     for (auto [offset, length] : spans) {
-      plan.fragments.push_back(Fragment{0, offset, local, plan.bytes, length});
+      plan.fragments.push_back(Fragment{0, offset, landing, plan.bytes, length});
       plan.bytes += length;
     }
     ReadBatchRequest request = Request(plan, mode);
     request.grant = grant_id;
-    BatchResult result = ReadAndWait(*requester, std::move(request));
-    if (result.status.ok()) ExpectLanded(plan, dest);
+    request.grant_secret = presented;
+    BatchResult result = ReadAndWait(reader, std::move(request));
+    if (result.status.ok()) {
+      ExpectLanded(plan, into);
+    } else {
+      // Refused: nothing landed.
+      EXPECT_EQ(std::count(into.data(), into.data() + plan.bytes, uint8_t{0}), static_cast<long>(plan.bytes));
+    }
+    EXPECT_TRUE(reader.UnregisterRegion(landing).ok());
     return result.status;
   };
-  // Inside the grant (both ranges, their edges included): byte exact, by active messages.
-  EXPECT_TRUE(read(*grant, {{1 << 20, 4096}, {(3 << 20) - 100, 100}, {8 << 20, 64 << 10}}).ok());
+  auto read = [&](uint64_t grant_id, std::vector<std::pair<uint64_t, uint64_t>> spans,
+                  PullMode mode = PullMode::kAuto) { return read_as(*requester, grant_id, secret, spans, mode); };
+  // Inside the grant (both ranges, their edges included), with its secret: byte exact, by active messages.
+  EXPECT_TRUE(read(id, {{1 << 20, 4096}, {(3 << 20) - 100, 100}, {8 << 20, 64 << 10}}).ok());
   // No grant, a grant never issued, a fragment one byte past a range, a fragment in a gap between
   // ranges, a fragment spanning a range's end: refused as a whole, by the source.
   for (auto [grant_id, spans] : std::vector<std::pair<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>>>{
            {0, {{1 << 20, 4096}}},
-           {*grant ^ 0x5a5a, {{1 << 20, 4096}}},
-           {*grant, {{1 << 20, 4096}, {(3 << 20) - 100, 101}}},
-           {*grant, {{4 << 20, 4096}}},
-           {*grant, {{(8 << 20) + (60 << 10), 8 << 10}}},
-           {*grant, {{0, 4096}}}}) {
+           {id ^ 0x5a5a, {{1 << 20, 4096}}},
+           {id, {{1 << 20, 4096}, {(3 << 20) - 100, 101}}},
+           {id, {{4 << 20, 4096}}},
+           {id, {{(8 << 20) + (60 << 10), 8 << 10}}},
+           {id, {{0, 4096}}}}) {
     Status refused = read(grant_id, spans);
     EXPECT_EQ(refused.code(), StatusCode::kPermissionDenied) << refused;
   }
+  // Issue 52: the grant id replayed by a third host, without the secret or with a wrong one, reads nothing; the
+  // holder's own request without its secret neither. Each is counted.
+  auto third = MakeEngine();
+  GrantSecret wrong = secret;
+  wrong[5] ^= 0x01;
+  for (auto [reader, presented] : std::vector<std::pair<UcxTransferEngine*, GrantSecret>>{
+           {third.get(), GrantSecret{}}, {third.get(), wrong}, {requester.get(), GrantSecret{}}}) {
+    Status refused = read_as(*reader, id, presented, {{1 << 20, 4096}});
+    EXPECT_EQ(refused.code(), StatusCode::kPermissionDenied) << refused;
+    EXPECT_NE(refused.message().find("does not present the grant's secret"), std::string::npos) << refused;
+  }
+  EXPECT_EQ(source_->Stats().grant_secret_refusals, 3u);
+  EXPECT_TRUE(read(id, {{1 << 20, 4096}}).ok());  // the holder, with its secret, still reads
   // RMA is off: there is no rkey to read with.
-  EXPECT_EQ(read(*grant, {{1 << 20, 4096}}, PullMode::kRma).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(read(id, {{1 << 20, 4096}}, PullMode::kRma).code(), StatusCode::kInvalidArgument);
   // The grant pins its region; after revoking and draining it refuses, and the region is free.
   EXPECT_EQ(source_->UnregisterRegion(region).code(), StatusCode::kFailedPrecondition);
   DrainFlag drained;
-  ASSERT_TRUE(source_->RevokeGrant(*grant, drained.Callback()).ok());
-  EXPECT_EQ(source_->RevokeGrant(*grant, nullptr).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(source_->RevokeGrant(id, drained.Callback()).ok());
+  EXPECT_EQ(source_->RevokeGrant(id, nullptr).code(), StatusCode::kNotFound);
   EXPECT_TRUE(drained.Wait());
-  EXPECT_EQ(read(*grant, {{1 << 20, 4096}}).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(read(id, {{1 << 20, 4096}}).code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(source_->Stats().live_grants, 0u);
   EXPECT_TRUE(source_->UnregisterRegion(region).ok());
   EXPECT_EQ(requester->Stats().pinned_regions, 0u);
@@ -424,7 +449,8 @@ TEST_F(UcxEngineTest, TheBatchesOfOneGrantAreServedInOrder) {
     ReadBatchRequest r = Request(plan, PullMode::kActiveMessage);
     r.peer = source->ListenAddress();
     r.remotes = {*source->ExportRegion(region)};
-    r.grant = *grant;
+    r.grant = grant->id;
+    r.grant_secret = grant->secret;
     return r;
   };
   // 16 MiB each, four times the served window, packed one after the other in `dest`.
@@ -487,7 +513,7 @@ TEST_F(UcxEngineTest, TheBatchesOfOneGrantAreServedInOrder) {
   ASSERT_TRUE(large_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30))).has_value());
 
   DrainFlag drained;
-  ASSERT_TRUE(source->RevokeGrant(*grant, drained.Callback()).ok());
+  ASSERT_TRUE(source->RevokeGrant(grant->id, drained.Callback()).ok());
   EXPECT_TRUE(drained.Wait());
   EXPECT_EQ(source->Stats().live_grants, 0u);
   EXPECT_TRUE(source->UnregisterRegion(region).ok());
@@ -530,7 +556,8 @@ TEST_F(UcxEngineTest, RevokingAPeerMidTransferDrainsBeforeReleasing) {
   ASSERT_TRUE(grant.ok() && kept.ok());
   Plan plan = RandomPlan(1024, 64 << 10, 64 << 10, kSourceBytes, local, 11);
   ReadBatchRequest request = Request(plan, PullMode::kActiveMessage);
-  request.grant = *grant;
+  request.grant = grant->id;
+  request.grant_secret = grant->secret;
   BatchWaiter waiter;
   ASSERT_TRUE(requester->ReadBatch(std::move(request), waiter.Callback()).ok());
   for (int i = 0; i < 2000 && source_->Stats().serving_requests == 0 && !waiter.done(); ++i) {
@@ -556,17 +583,19 @@ TEST_F(UcxEngineTest, RevokingAPeerMidTransferDrainsBeforeReleasing) {
   RegionHandle local2 = *requester->RegisterRegion(dest.data(), dest.size());
   Plan one = RandomPlan(1, 4096, 4096, 4096, local2, 12);
   ReadBatchRequest again = Request(one, PullMode::kActiveMessage);
-  again.grant = *grant;
+  again.grant = grant->id;
+  again.grant_secret = grant->secret;
   EXPECT_EQ(ReadAndWait(*requester, std::move(again)).status.code(), StatusCode::kPermissionDenied);
   ReadBatchRequest other = Request(one, PullMode::kActiveMessage);
-  other.grant = *kept;
+  other.grant = kept->id;
+  other.grant_secret = kept->secret;
   EXPECT_TRUE(ReadAndWait(*requester, std::move(other)).status.ok());
   // A peer with no grants: drained at once.
   DrainFlag nobody;
   ASSERT_TRUE(source_->RevokePeer("node-z", nobody.Callback()).ok());
   EXPECT_TRUE(nobody.Wait());
   DrainFlag last;
-  ASSERT_TRUE(source_->RevokeGrant(*kept, last.Callback()).ok());
+  ASSERT_TRUE(source_->RevokeGrant(kept->id, last.Callback()).ok());
   EXPECT_TRUE(last.Wait());
   EXPECT_TRUE(source_->UnregisterRegion(region).ok());
   EXPECT_EQ(drained.fired(), 1);

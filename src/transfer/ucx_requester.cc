@@ -107,7 +107,9 @@ void UcxTransferEngine::SendReadRequest(Batch& b, uint16_t flags) {
                         b.request.remotes[0].engine_id,
                         static_cast<uint32_t>(std::clamp<int64_t>(remaining, 1, UINT32_MAX)),
                         0,
-                        b.request.grant};
+                        b.request.grant,
+                        {}};
+  std::memcpy(b.request_header.grant_secret, b.request.grant_secret.data(), b.request.grant_secret.size());
   b.wire_fragments.resize(n);
   for (size_t i = 0; i < n; ++i) {
     const Fragment& f = b.request.fragments[i];

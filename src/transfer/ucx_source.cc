@@ -115,7 +115,9 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
     std::vector<wire::WireFragment> fragments(n);
     std::memcpy(fragments.data(), e.data.data(), e.data.size());
     MutexLock lock(&regions_mu_);
-    if (Status granted = CheckGrant(h.grant_id, fragments); !granted.ok()) {
+    GrantSecret secret;
+    std::memcpy(secret.data(), h.grant_secret, secret.size());
+    if (Status granted = CheckGrant(h.grant_id, secret, fragments); !granted.ok()) {
       counters_->grant_refusals->Increment();
       op->failure = granted;
     }
@@ -252,7 +254,7 @@ void UcxTransferEngine::MaybeFinishServe(ServeOp& s) {
 // ---- Grants
 // ------------------------------------------------------------------------------------------------
 
-Status UcxTransferEngine::CheckGrant(uint64_t grant_id,
+Status UcxTransferEngine::CheckGrant(uint64_t grant_id, const GrantSecret& secret,
                                      const std::vector<wire::WireFragment>& fragments) {
   if (grant_id == 0) {
     if (!options_.require_grants) return Status::Ok();
@@ -263,6 +265,11 @@ Status UcxTransferEngine::CheckGrant(uint64_t grant_id,
   if (it == grants_.end() || it->second.revoked) {
     return Status::PermissionDenied(
         fmt::format("grant {:016x} is not live here (revoked, drained or never issued)", grant_id));
+  }
+  if (!SameGrantSecret(secret, it->second.secret)) {
+    counters_->grant_secret_refusals->Increment();
+    return Status::PermissionDenied(fmt::format(
+        "grant {:016x} is not this requester's: the request does not present the grant's secret", grant_id));
   }
   const std::vector<GrantRange>& ranges = it->second.ranges;
   for (size_t i = 0; i < fragments.size(); ++i) {
@@ -284,7 +291,7 @@ Status UcxTransferEngine::CheckGrant(uint64_t grant_id,
   return Status::Ok();
 }
 
-Result<uint64_t> UcxTransferEngine::CreateGrant(GrantRequest request) {
+Result<IssuedGrant> UcxTransferEngine::CreateGrant(GrantRequest request) {
   if (request.ranges.empty()) return Status::InvalidArgument("CreateGrant: no ranges");
   std::sort(request.ranges.begin(), request.ranges.end(),
             [](const GrantRange& a, const GrantRange& b) {
@@ -315,7 +322,14 @@ Result<uint64_t> UcxTransferEngine::CreateGrant(GrantRequest request) {
   Grant& grant = grants_[id];
   grant.peer = std::move(request.peer);
   grant.ranges = std::move(request.ranges);
-  return id;
+  IssuedGrant issued;
+  issued.id = id;
+  for (size_t i = 0; i < issued.secret.size(); i += sizeof(uint64_t)) {
+    const uint64_t word = SecureRandomU64();
+    std::memcpy(issued.secret.data() + i, &word, sizeof(word));
+  }
+  grant.secret = issued.secret;
+  return issued;
 }
 
 Status UcxTransferEngine::RevokeGrant(uint64_t grant, DrainedCallback drained) {

@@ -46,8 +46,8 @@ enum AmId : unsigned {
   kAmCancel = 4,  // requester -> source: header CancelHeader, no data.
 };
 
-// 2: ReadRequest carries a grant id.
-inline constexpr uint16_t kProtocolVersion = 2;
+// 2: ReadRequest carries a grant id. 3: and the grant's secret (issue 52: a grant works only for its holder).
+inline constexpr uint16_t kProtocolVersion = 3;
 
 // ReadRequest flags.
 inline constexpr uint16_t kFlagChecksum = 1 << 0;
@@ -68,8 +68,11 @@ struct ReadRequest {
   uint32_t reserved;
   // The source's grant these fragments are read under (0: none).
   uint64_t grant_id;
+  // The secret the source returned with that grant to its requester only (over mutually authenticated gRPC); the
+  // source serves nothing unless it matches (compared in constant time).
+  uint8_t grant_secret[16];
 };
-static_assert(sizeof(ReadRequest) == 40 && alignof(ReadRequest) == 8);
+static_assert(sizeof(ReadRequest) == 56 && alignof(ReadRequest) == 8);
 
 struct WireFragment {
   uint32_t region_index;

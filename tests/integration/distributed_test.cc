@@ -310,19 +310,25 @@ std::string ReadFile(const std::string& path) {
 }
 
 // Mutual TLS between peers: a peer with a certificate from the cluster's CA is served; one without a
-// certificate, or with one from another CA, is refused in the handshake, before any handler runs.
+// certificate, or with one from another CA, is refused in the handshake, before any handler runs. Issue 52: the
+// certificate must also name the node the request claims to come from (subjectAltName URI:orbitkv-node:<id>):
+// another node's certificate of the same CA is refused on every RPC kind, one naming no node with an error that
+// says how to issue it, and a Manager whose own certificate does not name it is refused at start.
 TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate) {
   char dir_template[] = "/tmp/orbitkv-tls-XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
-  const Status made = cluster::testing::MakeTestCertificates(dir);
+  Status made = cluster::testing::MakeTestCertificates(dir);
+  for (const char* node : {"node-t", "node-u"}) {
+    if (made.ok()) made = cluster::testing::MakeNodeCertificate(dir, node);
+  }
   ASSERT_TRUE(made.ok()) << made;
   auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
   ASSERT_TRUE(etcd.ok()) << etcd.status();
   const std::string peer = Loopback();
   ManagerProcess manager({"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id",
                           "node-t", "--catalog-nodes", "node-t", "--peer-endpoint", peer, "--peer-tls-cert",
-                          dir + "/server.pem", "--peer-tls-key", dir + "/server.key", "--peer-tls-ca",
+                          dir + "/node-node-t.pem", "--peer-tls-key", dir + "/node-node-t.key", "--peer-tls-ca",
                           dir + "/ca.pem"},
                          "tls");
   ASSERT_TRUE(manager.running()) << manager.LogText();
@@ -331,14 +337,46 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
   // The Manager itself is the one registered member: a well-routed request as node-t.
   const peer::v1::RouteHeader route =
       catalog::MakeRoute(catalog::PeerIdentity{"it", "node-t", self.runtime_uuid, self.epoch, placement}, self);
+  const auto stub = [&](std::shared_ptr<grpc::ChannelCredentials> credentials) {
+    return peer::v1::Peer::NewStub(grpc::CreateChannel(peer, credentials));
+  };
+  const auto deadline = [] { return std::chrono::system_clock::now() + std::chrono::seconds(5); };
   auto call = [&](std::shared_ptr<grpc::ChannelCredentials> credentials) {
-    auto stub = peer::v1::Peer::NewStub(grpc::CreateChannel(peer, credentials));
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    context.set_deadline(deadline());
     peer::v1::HealthRequest request;
     *request.mutable_route() = route;
     peer::v1::HealthResponse response;
-    return stub->Health(&context, request, &response);
+    return stub(credentials)->Health(&context, request, &response);
+  };
+  // Every RPC kind of orbitkv.peer.v1, routed as node-t, through `credentials`.
+  auto every_kind = [&](std::shared_ptr<grpc::ChannelCredentials> credentials) {
+    std::vector<std::pair<std::string, grpc::Status>> out;
+    auto s = stub(credentials);
+    const auto ask = [&](const char* kind, auto request, auto response, auto rpc) {
+      grpc::ClientContext c;
+      c.set_deadline(deadline());
+      *request.mutable_route() = route;
+      out.emplace_back(kind, rpc(&c, request, &response));
+    };
+    ask("Health", peer::v1::HealthRequest(), peer::v1::HealthResponse(),
+        [&](auto* c, const auto& r, auto* a) { return s->Health(c, r, a); });
+    ask("Lookup", peer::v1::LookupRequest(), peer::v1::LookupResponse(),
+        [&](auto* c, const auto& r, auto* a) { return s->Lookup(c, r, a); });
+    ask("Catalog", peer::v1::CatalogRequest(), peer::v1::CatalogResponse(),
+        [&](auto* c, const auto& r, auto* a) { return s->Catalog(c, r, a); });
+    peer::v1::AuthorizeRequest authorize;
+    authorize.set_request_id(7);
+    ask("Authorize", authorize, peer::v1::AuthorizeResponse(),
+        [&](auto* c, const auto& r, auto* a) { return s->Authorize(c, r, a); });
+    for (const uint64_t grant : {uint64_t{0}, uint64_t{0x1234}}) {
+      peer::v1::ReleaseRequest release;
+      release.set_request_id(7);
+      release.set_grant_id(grant);
+      ask(grant == 0 ? "Release by request" : "Release by grant", release, peer::v1::ReleaseResponse(),
+          [&](auto* c, const auto& r, auto* a) { return s->Release(c, r, a); });
+    }
+    return out;
   };
   auto tls = [&](const std::string& who) {
     grpc::SslCredentialsOptions options;
@@ -349,11 +387,28 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
     }
     return grpc::SslCredentials(options);
   };
-  grpc::Status ok = call(tls("client"));
+  grpc::Status ok = call(tls("node-node-t"));
   EXPECT_TRUE(ok.ok()) << ok.error_message();
   EXPECT_EQ(call(tls("")).error_code(), grpc::StatusCode::UNAVAILABLE);       // no client certificate
   EXPECT_EQ(call(tls("rogue")).error_code(), grpc::StatusCode::UNAVAILABLE);  // another CA's
   EXPECT_EQ(call(grpc::InsecureChannelCredentials()).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // node-u's certificate (the cluster's CA) claiming to be node-t: refused by every RPC, before any handler.
+  for (const auto& [kind, status] : every_kind(tls("node-node-u"))) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << kind << ": " << status.error_message();
+    EXPECT_NE(status.error_message().find("claiming to come from node 'node-t' over a certificate of node 'node-u'"),
+              std::string::npos)
+        << kind << ": " << status.error_message();
+  }
+  // A certificate of the cluster's CA that names no node: refused, and the error says how to issue one.
+  const grpc::Status unnamed = call(tls("client"));
+  EXPECT_EQ(unnamed.error_code(), grpc::StatusCode::PERMISSION_DENIED) << unnamed.error_message();
+  EXPECT_NE(unnamed.error_message().find("subjectAltName=URI:orbitkv-node:<node-id>"), std::string::npos)
+      << unnamed.error_message();
+  const std::string refusals = StatsOf(manager);
+  EXPECT_NE(refusals.find("\"peer_refused_certificate_without_node\": 1, "
+                          "\"peer_refused_certificate_of_another_node\": 6"),
+            std::string::npos)
+      << refusals;
   // Managers probe each other with their own certificates: a second one of the cluster's CA is healthy to
   // node-t (and node-t to it); one with another CA's certificate reaches nobody, and nobody reaches it.
   auto tls_manager = [&](const std::string& node, const std::string& who, const std::string& ca) {
@@ -364,7 +419,7 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
                                  "--peer-tls-ca", dir + "/" + ca + ".pem"},
         "tls-" + node);
   };
-  auto second = tls_manager("node-u", "client", "ca");
+  auto second = tls_manager("node-u", "node-node-u", "ca");
   auto rogue = tls_manager("node-r", "rogue", "rogue-ca");
   ASSERT_TRUE(second->running() && rogue->running()) << second->LogText() << rogue->LogText();
   std::string second_stats, rogue_stats;
@@ -388,6 +443,12 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
                       "tls-half");
   EXPECT_FALSE(half.running());
   EXPECT_NE(half.LogText().find("--peer-tls-key"), std::string::npos) << half.LogText();
+  // A certificate that does not name this node (node-u's, given to node-v) is refused at start, with the fix.
+  auto misnamed = tls_manager("node-v", "node-node-u", "ca");
+  EXPECT_FALSE(misnamed->running());
+  EXPECT_NE(misnamed->LogText().find("does not name this node"), std::string::npos) << misnamed->LogText();
+  EXPECT_NE(misnamed->LogText().find("subjectAltName=URI:orbitkv-node:node-v"), std::string::npos)
+      << misnamed->LogText();
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 
@@ -399,7 +460,10 @@ TEST(DistributedManagerTest, ManagersJoinThroughATlsEtcdWithUserAuthAndPeerCerti
   char dir_template[] = "/tmp/orbitkv-etcd-auth-XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
-  const Status made = cluster::testing::MakeTestCertificates(dir);
+  Status made = cluster::testing::MakeTestCertificates(dir);
+  for (const char* node : {"node-a", "node-b"}) {
+    if (made.ok()) made = cluster::testing::MakeNodeCertificate(dir, node);
+  }
   ASSERT_TRUE(made.ok()) << made;
   auto etcd = cluster::testing::EtcdProcess::StartTls(dir, /*client_cert_auth=*/true,
                                                       Deadline::After(std::chrono::seconds(60)),
@@ -427,8 +491,8 @@ TEST(DistributedManagerTest, ManagersJoinThroughATlsEtcdWithUserAuthAndPeerCerti
                                  "--tls-reload-secs", "1"},
         "auth-" + node);
   };
-  auto a = manager("node-a", "server", "password");
-  auto b = manager("node-b", "client", "password");
+  auto a = manager("node-a", "node-node-a", "password");
+  auto b = manager("node-b", "node-node-b", "password");
   ASSERT_TRUE(a->running() && b->running()) << a->LogText() << b->LogText();
   const auto healthy = [](const ManagerProcess& m) {
     const std::string stats = StatsOf(m);
@@ -464,20 +528,21 @@ TEST(DistributedManagerTest, ManagersJoinThroughATlsEtcdWithUserAuthAndPeerCerti
                        "auth-wrong");
   EXPECT_FALSE(wrong.running());
   EXPECT_NE(wrong.LogText().find("--etcd-password-file"), std::string::npos) << wrong.LogText();
-  // Rotation: node-a's peer certificate is reissued on disk (CN=server-rotated); within a few reloads new
+  // Rotation: node-a's peer certificate is reissued on disk (CN=node-a-rotated); within a few reloads new
   // connections to its peer listener get it, and node-a was not restarted.
   const std::string peer_a = StringField(StatsOf(*a), "peer_listen");
   Result<std::string> before = cluster::testing::PresentedCommonName(peer_a, dir);
   ASSERT_TRUE(before.ok()) << before.status();
-  EXPECT_EQ(*before, "server");
-  const Status reissued = cluster::testing::ReissueCertificate(dir, "server", "server-rotated");
+  EXPECT_EQ(*before, "node-a");
+  const Status reissued =
+      cluster::testing::ReissueCertificate(dir, "node-node-a", "node-a-rotated", {"127.0.0.1"}, {"orbitkv-node:node-a"});
   ASSERT_TRUE(reissued.ok()) << reissued;
   std::string presented;
-  for (int i = 0; i < 100 && presented != "server-rotated"; ++i) {
+  for (int i = 0; i < 100 && presented != "node-a-rotated"; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     presented = cluster::testing::PresentedCommonName(peer_a, dir).value_or("");
   }
-  EXPECT_EQ(presented, "server-rotated");
+  EXPECT_EQ(presented, "node-a-rotated");
   EXPECT_TRUE(a->running());
   // node-b, reconnecting with its own certificate, still finds node-a healthy over the rotated certificate.
   EXPECT_TRUE(healthy(*b)) << StatsOf(*b);

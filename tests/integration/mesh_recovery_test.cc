@@ -42,6 +42,9 @@ Status ReadFirstGrantedBlock(const catalog::Authorized& authorized, const std::s
   transfer::ReadBatchRequest read;
   read.peer = authorized.reply.ucx_address;
   read.grant = grant.grant_id;
+  if (grant.grant_secret.size() == read.grant_secret.size()) {
+    std::copy(grant.grant_secret.begin(), grant.grant_secret.end(), read.grant_secret.begin());
+  }
   for (const auto& bytes : grant.regions) {
     auto descriptor = transfer::DecodeDescriptor(bytes);
     if (!descriptor.ok()) return descriptor.status();

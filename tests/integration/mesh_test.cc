@@ -559,14 +559,14 @@ TEST_F(MeshTest, SourcesGrantOnlyTheVersionsTheyHoldAndFreeAVanishedRequestersHo
   const std::string rt0 = granted.authorized->span.runtime;
   EXPECT_EQ(Field(StatsOf(*managers[0]), "source_sessions"), 1u);
   EXPECT_GE(Field(StatsOf(*managers[0]), "source_pinned_bytes"), keys.size() * testing::kBlockBytes);
-  auto released = transport.Release(Node(0), rt0, 1, /*grant_id=*/0, Deadline::After(std::chrono::seconds(5)));
+  auto released = transport.Release(Node(0), rt0, 1, /*grant_id=*/0, "", Deadline::After(std::chrono::seconds(5)));
   ASSERT_TRUE(released.ok()) << released.status();
   EXPECT_TRUE(*released);
   // The grant drains asynchronously (its transport revoked first); a Release that comes meanwhile still answers
   // true (the first one is draining it), so the duplicate is asked once the session is gone.
   EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
   EXPECT_EQ(Field(StatsOf(*managers[0]), "source_pinned_bytes"), 0u);
-  released = transport.Release(Node(0), rt0, 1, /*grant_id=*/0, Deadline::After(std::chrono::seconds(5)));
+  released = transport.Release(Node(0), rt0, 1, /*grant_id=*/0, "", Deadline::After(std::chrono::seconds(5)));
   ASSERT_TRUE(released.ok()) << released.status();
   EXPECT_FALSE(*released);  // a duplicate Release: nothing held any more, no error
 
@@ -673,7 +673,9 @@ TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
     EXPECT_EQ(outcome.authorized->span.node, Node(0));
     EXPECT_EQ(outcome.authorized->reply.grant.granted, 16u);
     auto released = transport.Release(Node(0), outcome.authorized->span.runtime, 77,
-                                      outcome.authorized->reply.grant.grant_id, Deadline::After(std::chrono::seconds(5)));
+                                      outcome.authorized->reply.grant.grant_id,
+                                      outcome.authorized->reply.grant.grant_secret,
+                                      Deadline::After(std::chrono::seconds(5)));
     ASSERT_TRUE(released.ok() && *released) << released.status();
   }
 

@@ -19,9 +19,10 @@ Result<std::string> Run(const std::string& script) {
   return out;
 }
 
-std::string SanLine(const std::vector<std::string>& ips) {
+std::string SanLine(const std::vector<std::string>& ips, const std::vector<std::string>& uris = {}) {
   std::vector<std::string> names;
   for (const std::string& ip : ips) names.push_back("IP:" + ip);
+  for (const std::string& uri : uris) names.push_back("URI:" + uri);
   return fmt::format("subjectAltName={}", fmt::join(names, ","));
 }
 
@@ -39,8 +40,9 @@ Status MakeTestCertificates(const std::string& dir, const std::vector<std::strin
       "    -out $who.pem;"
       "done;"
       "openssl req -newkey rsa:2048 -nodes -subj /CN=rogue -keyout rogue.key -out rogue.csr;"
-      "openssl x509 -req -in rogue.csr -CA rogue-ca.pem -CAkey rogue-ca.key -CAcreateserial -days 2 -extfile san.ext"
-      "  -out rogue.pem;"
+      "printf '{2}\\n' > san-rogue.ext;"
+      "openssl x509 -req -in rogue.csr -CA rogue-ca.pem -CAkey rogue-ca.key -CAcreateserial -days 2"
+      "  -extfile san-rogue.ext -out rogue.pem;"
       // An expired client certificate: `openssl ca` takes an end date in the past.
       "mkdir -p ca.db; : > ca.db/index.txt; echo 01 > ca.db/serial;"
       "printf '[ca]\\ndefault_ca=test\\n[test]\\ndatabase=./ca.db/index.txt\\nnew_certs_dir=./ca.db\\n"
@@ -48,19 +50,23 @@ Status MakeTestCertificates(const std::string& dir, const std::vector<std::strin
       "openssl req -newkey rsa:2048 -nodes -subj /CN=expired -keyout expired.key -out expired.csr;"
       "openssl ca -batch -config ca.cnf -cert ca.pem -keyfile ca.key -startdate 20200101000000Z"
       "  -enddate 20200102000000Z -extfile san.ext -in expired.csr -out expired.pem",
-      dir, SanLine(ips));
+      dir, SanLine(ips), SanLine(ips, {"orbitkv-node:node-r"}));
   return Run(script).status();
 }
 
+Status MakeNodeCertificate(const std::string& dir, const std::string& node, const std::vector<std::string>& ips) {
+  return ReissueCertificate(dir, "node-" + node, node, ips, {"orbitkv-node:" + node});
+}
+
 Status ReissueCertificate(const std::string& dir, const std::string& name, const std::string& cn,
-                          const std::vector<std::string>& ips) {
+                          const std::vector<std::string>& ips, const std::vector<std::string>& uris) {
   const std::string script = fmt::format(
       "set -e; cd '{0}'; printf '{3}\\n' > san-{1}.ext;"
       "openssl req -newkey rsa:2048 -nodes -subj /CN={2} -keyout {1}.key.new -out {1}.csr.new;"
       "openssl x509 -req -in {1}.csr.new -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile san-{1}.ext"
       "  -out {1}.pem.new;"
       "mv {1}.key.new {1}.key; mv {1}.pem.new {1}.pem",
-      dir, name, cn, SanLine(ips));
+      dir, name, cn, SanLine(ips, uris));
   return Run(script).status();
 }
 
