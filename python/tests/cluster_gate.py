@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from cluster_procs import EtcdProcess, cluster_flags, wait_catalogs_hold_every_block, wait_for
+from cluster_procs import EtcdProcess, start_on_free_ports, wait_catalogs_hold_every_block, wait_for
 from orbitkv import refengine
 from vllm_harness.manager import ManagerProcess
 
@@ -39,9 +39,14 @@ def cluster(build_dir):
     managers = []
     try:
         for node in NODES:
-            flags = cluster_flags(etcd, node, list(NODES))
-            managers.append(ManagerProcess(build_dir / "src" / "server" / "orbitkv-manager", dram="512MiB",
-                                           extra=flags))
+            started = {}
+
+            def start(flags):
+                started["flags"] = flags
+                return ManagerProcess(build_dir / "src" / "server" / "orbitkv-manager", dram="512MiB", extra=flags)
+
+            managers.append(start_on_free_ports(start, etcd, node, list(NODES)))
+            flags = started["flags"]
             peer = flags[flags.index("--peer-endpoint") + 1]
             sys.__stderr__.write(f"cluster_gate: {node}: Manager pid {managers[-1].proc.pid}, socket "
                                  f"{managers[-1].socket}, peer endpoint {peer}, UCX tcp on lo, pool 512MiB\n")

@@ -72,6 +72,17 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
         time.sleep(0.02)
 
 
+def start_on_free_ports(start, etcd: EtcdProcess, node: str, nodes: list[str], attempts: int = 3):
+    """`start(cluster_flags(...))`, again with another peer port when the one picked free was taken before the
+    Manager bound it (another process's ephemeral port: free_port() cannot reserve it)."""
+    for attempt in range(attempts):
+        try:
+            return start(cluster_flags(etcd, node, nodes))
+        except RuntimeError as e:
+            if "address is in use" not in str(e) or attempt == attempts - 1:
+                raise
+
+
 @contextlib.contextmanager
 def distributed_managers(start, nodes=("a", "b")):
     """A real etcd and one distributed Manager per node, `start(flags)` starting each (the harness's
@@ -80,7 +91,7 @@ def distributed_managers(start, nodes=("a", "b")):
     managers = []
     try:
         for node in nodes:
-            managers.append(start(cluster_flags(etcd, node, list(nodes))))
+            managers.append(start_on_free_ports(start, etcd, node, list(nodes)))
         yield managers
     finally:
         for m in managers:
