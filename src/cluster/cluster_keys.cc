@@ -40,6 +40,14 @@ std::string EpochKey(std::string_view cluster, std::string_view node_id) {
 
 std::string PlacementKey(std::string_view cluster) { return ClusterPrefix(cluster) + "placement"; }
 
+std::string PlacementTransitionKey(std::string_view cluster) {
+  return ClusterPrefix(cluster) + "placement-transition";
+}
+
+std::string PlacementRequestKey(std::string_view cluster) { return ClusterPrefix(cluster) + "placement-request"; }
+
+std::string ReconcilerLeaderKey(std::string_view cluster) { return ClusterPrefix(cluster) + "reconciler/leader"; }
+
 std::string ViewRangeBegin(std::string_view cluster) { return MembersPrefix(cluster); }
 
 std::string ViewRangeEnd(std::string_view cluster) {

@@ -3,7 +3,8 @@
 // Every key lives under /orbitkv/v1/<cluster>/ (docs/formats/cluster_records.md):
 //   epochs/<node>   persistent incarnation counter of a Node ID (decimal text, never leased, never
 //   deleted) members/<node>  the live member record (JSON, attached to the member's lease)
-//   placement       the immutable catalog placement record (JSON, no lease)
+//   placement       the catalog placement record (JSON, no lease), changed only by the elected reconciler
+//   placement-request, placement-transition, reconciler/leader   issue 55 (placement_reconciler.h)
 // The member view reads the one contiguous range [members/, placement + "\0"), which holds exactly
 // the member records and the placement record because "members/" < "placement" and nothing else is
 // written between them.
@@ -30,6 +31,11 @@ std::string MembersPrefix(std::string_view cluster);  // ".../members/"
 std::string MemberKey(std::string_view cluster, std::string_view node_id);
 std::string EpochKey(std::string_view cluster, std::string_view node_id);
 std::string PlacementKey(std::string_view cluster);
+// Issue 55, outside the member view's range (both sort after "placement\0"): a placement change in progress, the
+// operator's request for one, and the elected reconciler's leader key.
+std::string PlacementTransitionKey(std::string_view cluster);  // ".../placement-transition"
+std::string PlacementRequestKey(std::string_view cluster);     // ".../placement-request"
+std::string ReconcilerLeaderKey(std::string_view cluster);     // ".../reconciler/leader"
 
 // [begin, end) of the member view's Range and Watch: all member records plus the placement record.
 std::string ViewRangeBegin(std::string_view cluster);

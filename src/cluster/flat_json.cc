@@ -261,4 +261,11 @@ std::string FlatJsonWriter::Finish() {
   return std::move(out_);
 }
 
+Result<FlatJsonObject> ParseVersioned(std::string_view text, int64_t version, std::string_view what) {
+  ORBITKV_ASSIGN_OR_RETURN(FlatJsonObject json, FlatJsonObject::Parse(text));
+  ORBITKV_ASSIGN_OR_RETURN(int64_t found, json.GetInt("v"));
+  if (found != version) return Status::InvalidArgument(fmt::format("{} version {} is not {}", what, found, version));
+  return json;
+}
+
 }  // namespace orbitkv::cluster

@@ -42,6 +42,9 @@ class FlatJsonObject {
   std::map<std::string, FlatJsonValue, std::less<>> fields_;
 };
 
+// Parses a record whose "v" must be `version`: InvalidArgument "<what> version V is not W" otherwise.
+Result<FlatJsonObject> ParseVersioned(std::string_view text, int64_t version, std::string_view what);
+
 // Builds one object in insertion order: the canonical form is whatever the writer emits, so callers
 // add fields in a fixed order.
 class FlatJsonWriter {

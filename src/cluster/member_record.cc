@@ -90,12 +90,7 @@ Result<MemberRecord> DecodeMemberRecord(std::string_view cluster, std::string_vi
     return Status::OutOfRange(fmt::format("member record for '{}' is {} bytes; the limit is {}",
                                           node_id, bytes.size(), kMaxMemberRecordBytes));
   }
-  ORBITKV_ASSIGN_OR_RETURN(FlatJsonObject json, FlatJsonObject::Parse(bytes));
-  ORBITKV_ASSIGN_OR_RETURN(int64_t version, json.GetInt("v"));
-  if (version != kMemberRecordVersion) {
-    return Status::InvalidArgument(
-        fmt::format("member record version {} is not {}", version, kMemberRecordVersion));
-  }
+  ORBITKV_ASSIGN_OR_RETURN(FlatJsonObject json, ParseVersioned(bytes, kMemberRecordVersion, "member record"));
   MemberRecord record;
   ORBITKV_ASSIGN_OR_RETURN(record.cluster, json.GetString("cluster"));
   ORBITKV_ASSIGN_OR_RETURN(record.node_id, json.GetString("node"));

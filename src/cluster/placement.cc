@@ -38,7 +38,11 @@ uint64_t Placement::Score(uint32_t shard, std::string_view node_id) {
   return score;
 }
 
-Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes, uint32_t replicas) {
+Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes, uint32_t replicas,
+                                    int64_t generation) {
+  if (generation < 1) {
+    return Status::InvalidArgument(fmt::format("placement generation {} is not positive", generation));
+  }
   if (catalog_nodes.empty() || catalog_nodes.size() > kMaxCatalogNodes) {
     return Status::InvalidArgument(fmt::format("--catalog-nodes: give 1 to {} Node IDs (got {})",
                                                kMaxCatalogNodes, catalog_nodes.size()));
@@ -57,6 +61,7 @@ Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes, uint
   Placement placement;
   placement.nodes_ = std::move(catalog_nodes);
   placement.requested_replicas_ = replicas;
+  placement.generation_ = generation;
   const size_t copies = std::min<size_t>(replicas, placement.nodes_.size());
   for (uint32_t shard = 0; shard < kNumShards; ++shard) {
     std::vector<std::pair<uint64_t, uint32_t>> ranked;  // (score, index): highest score first
@@ -99,9 +104,8 @@ Result<Placement> Placement::Decode(std::string_view bytes) {
         fmt::format("placement record version {} is not {}", version, kPlacementRecordVersion));
   }
   ORBITKV_ASSIGN_OR_RETURN(int64_t generation, json.GetInt("generation"));
-  if (generation != 1) {
-    return Status::InvalidArgument(
-        fmt::format("placement generation {}: this build knows generation 1 only", generation));
+  if (generation < 1) {
+    return Status::InvalidArgument(fmt::format("placement generation {} is not positive", generation));
   }
   ORBITKV_ASSIGN_OR_RETURN(int64_t replicas, json.GetInt("replicas"));
   if (replicas < 1 || replicas > static_cast<int64_t>(kMaxCatalogReplicas)) {
@@ -113,7 +117,13 @@ Result<Placement> Placement::Decode(std::string_view bytes) {
         fmt::format("placement record has {} shards; this build uses {}", shards, kNumShards));
   }
   ORBITKV_ASSIGN_OR_RETURN(std::vector<std::string> nodes, json.GetStringArray("catalog_nodes"));
-  return Create(std::move(nodes), static_cast<uint32_t>(replicas));
+  return Create(std::move(nodes), static_cast<uint32_t>(replicas), generation);
+}
+
+Placement Placement::WithGeneration(int64_t generation) const {
+  Result<Placement> same = Create(nodes_, requested_replicas_, generation);
+  ORBITKV_CHECK_MSG(same.ok(), "{}", same.status().ToString());
+  return std::move(same).value();
 }
 
 const std::vector<std::string>& Placement::CopiesOf(uint32_t shard) const {
@@ -165,7 +175,7 @@ Result<int64_t> InstallOrVerifyPlacement(EtcdClient& client, std::string_view cl
     return Status::DataLoss(
         fmt::format("placement record at {} is unreadable: {}", key, installed.status().message()));
   }
-  if (*installed != placement) {
+  if (!installed->SameContent(placement)) {
     return Status::FailedPrecondition(
         fmt::format("placement mismatch: cluster '{}' was installed with --catalog-nodes {} "
                     "--catalog-replicas {} (revision {}), but this Manager "

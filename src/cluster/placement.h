@@ -44,10 +44,11 @@ class Placement {
   // a bad name, or `replicas` is outside 1..kMaxCatalogReplicas. The order of `catalog_nodes` does
   // not matter.
   static Result<Placement> Create(std::vector<std::string> catalog_nodes,
-                                  uint32_t replicas = kDefaultCatalogReplicas);
+                                  uint32_t replicas = kDefaultCatalogReplicas, int64_t generation = 1);
 
   // The canonical record:
-  // {"v":2,"generation":1,"shards":16,"replicas":R,"catalog_nodes":[sorted ids]}, R as requested.
+  // {"v":2,"generation":G,"shards":16,"replicas":R,"catalog_nodes":[sorted ids]}, R as requested; G is 1 as
+  // installed and grows by one with every committed placement change (issue 55).
   std::string Encode() const;
   // InvalidArgument for a malformed record, another record version (a version-1 record names the
   // upgrade) or an unsupported shard count.
@@ -57,7 +58,13 @@ class Placement {
   const std::vector<std::string>& catalog_nodes() const { return nodes_; }
   // First 16 hex digits of SHA-256 over Encode(); equal placements have equal fingerprints.
   const std::string& fingerprint() const { return fingerprint_; }
-  int64_t generation() const { return 1; }
+  int64_t generation() const { return generation_; }
+  // The same placement at another generation (the content, and so every shard's copies, unchanged).
+  Placement WithGeneration(int64_t generation) const;
+  // Whether two placements keep every shard's copies on the same nodes (whatever their generations).
+  bool SameContent(const Placement& other) const {
+    return nodes_ == other.nodes_ && requested_replicas_ == other.requested_replicas_;
+  }
   // Copies a shard has: the requested count, capped by the number of catalog nodes.
   uint32_t replicas() const { return static_cast<uint32_t>(copies_[0].size()); }
   uint32_t requested_replicas() const { return requested_replicas_; }
@@ -79,7 +86,7 @@ class Placement {
   Result<Member> ResolveOwner(uint32_t shard, const MemberView& view) const;
 
   friend bool operator==(const Placement& a, const Placement& b) {
-    return a.nodes_ == b.nodes_ && a.requested_replicas_ == b.requested_replicas_;
+    return a.SameContent(b) && a.generation_ == b.generation_;
   }
 
  private:
@@ -88,6 +95,7 @@ class Placement {
 
   std::vector<std::string> nodes_;
   uint32_t requested_replicas_ = kDefaultCatalogReplicas;
+  int64_t generation_ = 1;
   std::string fingerprint_;
   std::array<std::vector<std::string>, kNumShards> copies_{};
 };

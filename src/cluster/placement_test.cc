@@ -79,7 +79,11 @@ TEST(PlacementTest, DecodeRoundTripsAndRejectsOtherShardCounts) {
   EXPECT_FALSE(Placement::Decode(R"({"v":3,"generation":1,"shards":16,"replicas":3,"catalog_nodes":["x"]})").ok());
   EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":1,"shards":16,"replicas":3,"catalog_nodes":[]})").ok());
   EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":1,"shards":16,"replicas":0,"catalog_nodes":["x"]})").ok());
-  EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":2,"shards":16,"replicas":3,"catalog_nodes":["x"]})").ok());
+  // Generations grow with each committed placement change (issue 55); 0 and negative ones are malformed.
+  Result<Placement> second = Placement::Decode(R"({"v":2,"generation":2,"shards":16,"replicas":3,"catalog_nodes":["x"]})");
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->generation(), 2);
+  EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":0,"shards":16,"replicas":3,"catalog_nodes":["x"]})").ok());
   // A version-1 record (one copy a shard) names the upgrade.
   Result<Placement> old = Placement::Decode(R"({"v":1,"shards":16,"catalog_nodes":["x"]})");
   ASSERT_FALSE(old.ok());

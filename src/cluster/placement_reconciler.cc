@@ -1,0 +1,321 @@
+#include "cluster/placement_reconciler.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "base/logging.h"
+#include "cluster/cluster_keys.h"
+
+namespace orbitkv::cluster {
+namespace {
+
+etcdserverpb::Compare* AddCompare(etcdserverpb::TxnRequest* txn, const std::string& key,
+                                  etcdserverpb::Compare::CompareTarget target) {
+  etcdserverpb::Compare* compare = txn->add_compare();
+  compare->set_key(key);
+  compare->set_target(target);
+  compare->set_result(etcdserverpb::Compare::EQUAL);
+  return compare;
+}
+
+void Put(etcdserverpb::TxnRequest* txn, const std::string& key, const std::string& value) {
+  etcdserverpb::PutRequest* put = txn->add_success()->mutable_request_put();
+  put->set_key(key);
+  put->set_value(value);
+}
+
+void Delete(etcdserverpb::TxnRequest* txn, const std::string& key) {
+  txn->add_success()->mutable_request_delete_range()->set_key(key);
+}
+
+constexpr std::string_view kDidNames[] = {"nothing", "not leader", "started", "advanced",
+                                          "waiting", "committed",  "aborted", "retired"};
+
+}  // namespace
+
+std::string_view ReconcilerDidName(PlacementReconciler::Did did) { return kDidNames[static_cast<int>(did)]; }
+
+// ---- Leadership -----------------------------------------------------------------------------------------------
+
+ReconcilerLeadership::ReconcilerLeadership(EtcdClient* etcd, std::string cluster, std::string self,
+                                           std::string runtime)
+    : etcd_(etcd), key_(ReconcilerLeaderKey(cluster)), value_(fmt::format("{}/{}", self, runtime)) {}
+
+Result<bool> ReconcilerLeadership::Campaign(int64_t lease, Deadline deadline) {
+  etcdserverpb::TxnRequest txn;
+  AddCompare(&txn, key_, etcdserverpb::Compare::CREATE)->set_create_revision(0);
+  etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
+  put->set_key(key_);
+  put->set_value(value_);
+  put->set_lease(lease);
+  txn.add_failure()->mutable_request_range()->set_key(key_);
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::TxnResponse response, etcd_->Txn(txn, deadline));
+  MutexLock lock(&mu_);
+  if (response.succeeded()) {
+    leading_ = true;
+    term_ = response.header().revision();
+    return true;
+  }
+  const auto& kvs = response.responses(0).response_range().kvs();
+  // Already this start's (a campaign repeated after an answer that was lost).
+  leading_ = kvs.size() == 1 && kvs[0].value() == value_;
+  term_ = leading_ ? kvs[0].create_revision() : 0;
+  return leading_;
+}
+
+bool ReconcilerLeadership::leading() const {
+  MutexLock lock(&mu_);
+  return leading_;
+}
+
+int64_t ReconcilerLeadership::term() const {
+  MutexLock lock(&mu_);
+  return term_;
+}
+
+Result<std::string> ReconcilerLeadership::Leader(Deadline deadline) const {
+  etcdserverpb::RangeRequest range;
+  range.set_key(key_);
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse response, etcd_->Range(range, deadline));
+  return response.kvs_size() == 1 ? response.kvs(0).value() : std::string();
+}
+
+void ReconcilerLeadership::Resign(Deadline deadline) {
+  etcdserverpb::TxnRequest txn;
+  {
+    MutexLock lock(&mu_);
+    if (!leading_) return;
+    leading_ = false;
+    AddCompare(&txn, key_, etcdserverpb::Compare::CREATE)->set_create_revision(term_);
+    Delete(&txn, key_);
+  }
+  (void)etcd_->Txn(txn, deadline);  // best effort: the key goes with the lease anyway
+}
+
+void ReconcilerLeadership::Lapsed() {
+  MutexLock lock(&mu_);
+  leading_ = false;
+}
+
+bool ReconcilerLeadership::Guard(etcdserverpb::TxnRequest* txn) const {
+  MutexLock lock(&mu_);
+  if (!leading_) return false;
+  AddCompare(txn, key_, etcdserverpb::Compare::CREATE)->set_create_revision(term_);
+  AddCompare(txn, key_, etcdserverpb::Compare::VALUE)->set_value(value_);
+  return true;
+}
+
+bool ReconcilerLeadership::CheckDeposed(Deadline deadline) {
+  etcdserverpb::RangeRequest range;
+  range.set_key(key_);
+  Result<etcdserverpb::RangeResponse> response = etcd_->Range(range, deadline);
+  if (!response.ok()) return false;  // unknown: the next pass asks again
+  MutexLock lock(&mu_);
+  const bool ours = response->kvs_size() == 1 && response->kvs(0).create_revision() == term_ &&
+                    response->kvs(0).value() == value_;
+  if (!ours) leading_ = false;
+  return !ours;
+}
+
+// ---- Reconciler -------------------------------------------------------------------------------------------------
+
+PlacementReconciler::PlacementReconciler(Options options, EtcdClient* etcd)
+    : options_(std::move(options)), etcd_(etcd) {}
+
+Result<PlacementReconciler::Snapshot> PlacementReconciler::Read(Deadline deadline) const {
+  Snapshot s;
+  // One range over [placement, placement-transition\0): the placement, the request and the transition at one
+  // revision ("placement" < "placement-request" < "placement-transition").
+  etcdserverpb::RangeRequest range;
+  range.set_key(PlacementKey(options_.cluster));
+  std::string end = PlacementTransitionKey(options_.cluster);
+  end.push_back('\0');
+  range.set_range_end(end);
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse response, etcd_->Range(range, deadline));
+  for (const mvccpb::KeyValue& kv : response.kvs()) {
+    if (kv.key() == PlacementKey(options_.cluster)) {
+      ORBITKV_ASSIGN_OR_RETURN(Placement p, Placement::Decode(kv.value()));
+      s.placement = std::move(p);
+      s.placement_revision = kv.mod_revision();
+    } else if (kv.key() == PlacementTransitionKey(options_.cluster)) {
+      ORBITKV_ASSIGN_OR_RETURN(PlacementTransition t, PlacementTransition::Decode(kv.value()));
+      s.transition = std::move(t);
+      s.transition_revision = kv.mod_revision();
+    } else if (kv.key() == PlacementRequestKey(options_.cluster)) {
+      Result<PlacementRequest> r = PlacementRequest::Decode(kv.value());
+      if (!r.ok()) {
+        ORBITKV_LOG_WARN("cluster {}: ignoring a malformed placement request: {}", options_.cluster,
+                         r.status().ToString());
+        continue;
+      }
+      s.request = std::move(r).value();
+      s.request_revision = kv.mod_revision();
+    }
+  }
+  return s;
+}
+
+Result<bool> PlacementReconciler::Commit(ReconcilerLeadership& leadership, etcdserverpb::TxnRequest txn,
+                                         Deadline deadline, Outcome* lost) {
+  if (!leadership.Guard(&txn)) {
+    *lost = Outcome{Did::kNotLeader, "not the reconciler leader"};
+    return false;
+  }
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::TxnResponse response, etcd_->Txn(txn, deadline));
+  if (response.succeeded()) return true;
+  *lost = leadership.CheckDeposed(deadline)
+              ? Outcome{Did::kNotLeader, "deposed: another reconciler leads now; the write changed nothing"}
+              : Outcome{Did::kWaiting, "the placement records changed under this pass; reading them again"};
+  return false;
+}
+
+Result<PlacementReconciler::Outcome> PlacementReconciler::Step(ReconcilerLeadership& leadership, Deadline deadline) {
+  if (!leadership.leading()) return Outcome{Did::kNotLeader, "not the reconciler leader"};
+  ORBITKV_ASSIGN_OR_RETURN(Snapshot s, Read(deadline));
+  if (!s.placement.has_value()) return Outcome{Did::kNothing, "no placement installed yet"};
+  return Advance(leadership, s, deadline);
+}
+
+Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLeadership& leadership,
+                                                                  const Snapshot& s, Deadline deadline) {
+  const std::string cluster = options_.cluster;
+  const Placement& from = *s.placement;
+  const int64_t now = options_.now_ms();
+  Outcome lost;
+  if (!s.transition.has_value()) {
+    if (!s.request.has_value()) return Outcome{Did::kNothing, ""};
+    etcdserverpb::TxnRequest txn;
+    AddCompare(&txn, PlacementKey(cluster), etcdserverpb::Compare::MOD)->set_mod_revision(s.placement_revision);
+    AddCompare(&txn, PlacementTransitionKey(cluster), etcdserverpb::Compare::CREATE)->set_create_revision(0);
+    AddCompare(&txn, PlacementRequestKey(cluster), etcdserverpb::Compare::MOD)->set_mod_revision(s.request_revision);
+    Delete(&txn, PlacementRequestKey(cluster));
+    ORBITKV_ASSIGN_OR_RETURN(Placement wanted, Placement::Create(s.request->catalog_nodes, s.request->replicas));
+    if (wanted.SameContent(from)) {
+      ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
+      return done ? Outcome{Did::kNothing, "the requested placement is the current one"} : lost;
+    }
+    const PlacementTransition t = PlacementTransition::Start(from, wanted, leadership.value(), now);
+    Put(&txn, PlacementTransitionKey(cluster), t.Encode());
+    ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
+    if (!done) return lost;
+    ++stats_.started;
+    ORBITKV_LOG_INFO("cluster {}: placement change started: generation {} -> {} ({}), {} shard(s) to move",
+                     cluster, from.generation(), from.generation() + 1, fmt::join(wanted.catalog_nodes(), ","),
+                     t.CountIn(ShardMove::State::kWaiting));
+    return Outcome{Did::kStarted, fmt::format("{} shard(s) to move", t.CountIn(ShardMove::State::kWaiting))};
+  }
+
+  PlacementTransition t = *s.transition;
+  etcdserverpb::TxnRequest txn;
+  AddCompare(&txn, PlacementKey(cluster), etcdserverpb::Compare::MOD)->set_mod_revision(s.placement_revision);
+  AddCompare(&txn, PlacementTransitionKey(cluster), etcdserverpb::Compare::MOD)
+      ->set_mod_revision(s.transition_revision);
+  if (t.phase != PlacementTransition::Phase::kMoving) {
+    if (now - t.phase_ms < options_.retire_grace.count()) {
+      return Outcome{Did::kWaiting, fmt::format("{}: the old copies retire after the grace period",
+                                                PlacementPhaseName(t.phase))};
+    }
+    Delete(&txn, PlacementTransitionKey(cluster));
+    ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
+    return done ? Outcome{Did::kRetired, std::string(PlacementPhaseName(t.phase))} : lost;
+  }
+  if (t.from_generation != from.generation()) {
+    // Cannot happen through this code (the commit writes both records at once); a hand-edited etcd can.
+    t.phase = PlacementTransition::Phase::kAborted;
+    t.reason = fmt::format("the placement is at generation {}, the transition started from {}", from.generation(),
+                           t.from_generation);
+  }
+  const Placement to = t.To();
+  std::vector<std::string> live = options_.live_owners ? options_.live_owners() : std::vector<std::string>();
+  std::sort(live.begin(), live.end());
+  const auto is_live = [&live](const std::string& node) { return std::binary_search(live.begin(), live.end(), node); };
+  bool changed = t.phase != PlacementTransition::Phase::kMoving;
+  // Moving shards: ready once every new copy has each live watermarked owner's baseline past its watermark.
+  for (uint32_t shard = 0; shard < kNumShards && t.phase == PlacementTransition::Phase::kMoving; ++shard) {
+    ShardMove& m = t.shards[shard];
+    if (m.state != ShardMove::State::kMoving) continue;
+    std::string behind;
+    for (const std::string& copy : PlacementTransition::NewCopies(from, to, shard)) {
+      Result<std::map<std::string, OwnerProgress>> status =
+          options_.progress->ShardStatus(copy, shard, to.generation(), deadline);
+      if (!status.ok()) {
+        behind = fmt::format("copy '{}' did not answer ({})", copy, status.status().message());
+        break;
+      }
+      for (const auto& [owner, watermark] : m.watermarks) {
+        if (!is_live(owner)) continue;  // gone since: nothing more of it to wait for
+        auto p = status->find(owner);
+        if (p == status->end() || !p->second.baseline || p->second.sequence < watermark) {
+          behind = fmt::format("copy '{}' holds owner '{}' at {} of {}", copy, owner,
+                               p == status->end() ? std::string("nothing")
+                               : p->second.baseline ? std::to_string(p->second.sequence)
+                                                    : std::string("no baseline"),
+                               watermark);
+          break;
+        }
+      }
+      if (!behind.empty()) break;
+    }
+    if (behind.empty()) {
+      m.state = ShardMove::State::kReady;
+      m.since_ms = now;
+      changed = true;
+      ++stats_.shard_moves;
+    } else if (now - m.since_ms > options_.shard_bound.count()) {
+      t.phase = PlacementTransition::Phase::kAborted;
+      t.reason = fmt::format("shard {} did not converge within {} s: {}", shard, options_.shard_bound.count() / 1000,
+                             behind);
+      changed = true;
+    }
+  }
+  // Start waiting shards while fewer than max_moving move, each with its owners' watermarks now.
+  for (uint32_t shard = 0; shard < kNumShards && t.phase == PlacementTransition::Phase::kMoving &&
+                           t.CountIn(ShardMove::State::kMoving) < options_.max_moving;
+       ++shard) {
+    ShardMove& m = t.shards[shard];
+    if (m.state != ShardMove::State::kWaiting) continue;
+    m.watermarks.clear();
+    for (const std::string& owner : live) m.watermarks[owner] = 0;
+    for (const std::string& copy : from.CopiesOf(shard)) {
+      Result<std::map<std::string, OwnerProgress>> status =
+          options_.progress->ShardStatus(copy, shard, from.generation(), deadline);
+      if (!status.ok()) continue;  // another copy knows; a sequence nobody reports starts at 0
+      for (const auto& [owner, p] : *status) {
+        if (is_live(owner)) m.watermarks[owner] = std::max(m.watermarks[owner], p.sequence);
+      }
+    }
+    m.state = ShardMove::State::kMoving;
+    m.since_ms = now;
+    changed = true;
+  }
+  if (t.phase == PlacementTransition::Phase::kMoving && t.AllReady()) {
+    t.phase = PlacementTransition::Phase::kCommitted;
+    t.phase_ms = now;
+    Put(&txn, PlacementKey(cluster), to.Encode());
+    Put(&txn, PlacementTransitionKey(cluster), t.Encode());
+    ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
+    if (!done) return lost;
+    ++stats_.committed;
+    ORBITKV_LOG_INFO("cluster {}: placement generation {} committed ({})", cluster, to.generation(),
+                     fmt::join(to.catalog_nodes(), ","));
+    return Outcome{Did::kCommitted, fmt::format("generation {}", to.generation())};
+  }
+  if (!changed) {
+    return Outcome{Did::kWaiting, fmt::format("{} shard(s) moving", t.CountIn(ShardMove::State::kMoving))};
+  }
+  if (t.phase == PlacementTransition::Phase::kAborted) t.phase_ms = now;
+  Put(&txn, PlacementTransitionKey(cluster), t.Encode());
+  ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
+  if (!done) return lost;
+  if (t.phase == PlacementTransition::Phase::kAborted) {
+    ++stats_.aborted;
+    ORBITKV_LOG_WARN("cluster {}: placement change to generation {} aborted: {}", cluster, to.generation(), t.reason);
+    return Outcome{Did::kAborted, t.reason};
+  }
+  return Outcome{Did::kAdvanced, fmt::format("{} shard(s) moving, {} ready", t.CountIn(ShardMove::State::kMoving),
+                                             t.CountIn(ShardMove::State::kReady))};
+}
+
+}  // namespace orbitkv::cluster

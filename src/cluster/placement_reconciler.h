@@ -1,0 +1,154 @@
+// The elected placement reconciler (issue 55, seed 000 "Membership and shard placement"): one Manager at a time
+// leads, and only the leader changes the catalog placement, through etcd transactions that a deposed leader cannot
+// win. It performs no block lookup or allocation.
+//
+// Leadership (ReconcilerLeadership). The leader key /orbitkv/v1/<cluster>/reconciler/leader is created only if
+// absent and attached to the candidate's member lease, so it goes with a lapsed registration; its create revision
+// is the leader's term. Every write the reconciler makes carries the compares "the leader key was created at my
+// term" and "holds my name" (Guard), and the placement and transition records' revisions it read: a deposed
+// leader's write fails and changes nothing. A leader whose registration lapses gives up at once (Lapsed), before
+// it registers again; it campaigns anew with its new lease.
+//
+// The change (PlacementReconciler::Step, one idempotent pass over what etcd holds, so a new leader continues where
+// a killed one stopped):
+//   request -> transition: the operator's request (placement-request, the next set of catalog nodes) becomes a
+//     transition record (placement_transition.h) in the transaction that deletes the request;
+//   moving: at most `max_moving` shards at once get their new copies; each records, when it starts, the sequence
+//     every live owner had published to the shard's current copies (its watermark, from CatalogProgress); it is
+//     ready once every new copy reports a baseline of each of those owners past its watermark; a shard that does not
+//     get there within `shard_bound` aborts the change (phase aborted, with the reason, counted);
+//   commit: when every shard is ready, one transaction writes the placement of generation G+1 and the transition's
+//     committed phase;
+//   retire: `retire_grace` after the commit (or the abort) the transition record goes; the old copies retire with it.
+//
+// CatalogProgress is the transport seam: in a Manager the CatalogStatus peer RPC to each catalog copy.
+//
+// Thread safety: ReconcilerLeadership's methods are; a PlacementReconciler is driven by one thread.
+#ifndef ORBITKV_CLUSTER_PLACEMENT_RECONCILER_H_
+#define ORBITKV_CLUSTER_PLACEMENT_RECONCILER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "base/clock.h"
+#include "base/mutex.h"
+#include "base/result.h"
+#include "cluster/etcd_client.h"
+#include "cluster/placement.h"
+#include "cluster/placement_transition.h"
+
+namespace orbitkv::cluster {
+
+class ReconcilerLeadership {
+ public:
+  // `self` is this Manager's Node ID, `runtime` its runtime UUID (the key's value names both).
+  ReconcilerLeadership(EtcdClient* etcd, std::string cluster, std::string self, std::string runtime);
+
+  // Leads if nobody does (the key created, attached to `lease`) or if this start already does. Returns whether it
+  // leads now. etcd errors as the client returns them.
+  Result<bool> Campaign(int64_t lease, Deadline deadline) EXCLUDES(mu_);
+  bool leading() const EXCLUDES(mu_);
+  int64_t term() const EXCLUDES(mu_);
+  // The leader key's value now ("" when nobody leads).
+  Result<std::string> Leader(Deadline deadline) const;
+  // Stops leading here at once, and deletes the key if it is still this term's.
+  void Resign(Deadline deadline) EXCLUDES(mu_);
+  // The registration lapsed: stops leading here, without etcd (the key goes with the lease).
+  void Lapsed() EXCLUDES(mu_);
+  // A transaction of this term: compares that fail once another leader's key replaced this one's. False (nothing
+  // added) when not leading.
+  bool Guard(etcdserverpb::TxnRequest* txn) const EXCLUDES(mu_);
+  // A guarded transaction did not succeed: whether this leadership is gone (then it stops leading here).
+  bool CheckDeposed(Deadline deadline) EXCLUDES(mu_);
+
+  const std::string& value() const { return value_; }
+
+ private:
+  EtcdClient* const etcd_;
+  const std::string key_;
+  const std::string value_;
+  mutable Mutex mu_;
+  bool leading_ GUARDED_BY(mu_) = false;
+  int64_t term_ GUARDED_BY(mu_) = 0;
+};
+
+// What one catalog copy holds of a shard, per owner: a baseline (a complete snapshot was installed) and the last
+// sequence applied.
+struct OwnerProgress {
+  bool baseline = false;
+  uint64_t sequence = 0;
+};
+
+class CatalogProgress {
+ public:
+  virtual ~CatalogProgress() = default;
+  // The copy of `shard` on `node` for `generation`, per owner Node ID (Unavailable when it cannot be asked).
+  virtual Result<std::map<std::string, OwnerProgress>> ShardStatus(const std::string& node, uint32_t shard,
+                                                                   int64_t generation, Deadline deadline) = 0;
+};
+
+class PlacementReconciler {
+ public:
+  struct Options {
+    std::string cluster;
+    size_t max_moving = 2;
+    std::chrono::milliseconds shard_bound{60'000};
+    std::chrono::milliseconds retire_grace{10'000};
+    // Wall clock in ms (the records carry it); tests step it.
+    std::function<int64_t()> now_ms;
+    // The owners whose watermarks count (the live members).
+    std::function<std::vector<std::string>()> live_owners;
+    CatalogProgress* progress = nullptr;
+  };
+  enum class Did { kNothing, kNotLeader, kStarted, kAdvanced, kWaiting, kCommitted, kAborted, kRetired };
+  struct Outcome {
+    Did did = Did::kNothing;
+    std::string detail;
+  };
+  struct Stats {
+    uint64_t started = 0;
+    uint64_t committed = 0;
+    uint64_t aborted = 0;
+    uint64_t shard_moves = 0;  // shards that became ready
+  };
+
+  PlacementReconciler(Options options, EtcdClient* etcd);
+
+  // One pass (see the file comment). etcd errors as the client returns them; a write that lost its compares is
+  // kNotLeader (deposed) or kWaiting (the records moved under it: the next pass reads them again).
+  Result<Outcome> Step(ReconcilerLeadership& leadership, Deadline deadline);
+
+  // The committed placement, the transition (if any) and the request (if any), as etcd holds them now.
+  struct Snapshot {
+    std::optional<Placement> placement;
+    int64_t placement_revision = 0;
+    std::optional<PlacementTransition> transition;
+    int64_t transition_revision = 0;
+    std::optional<PlacementRequest> request;
+    int64_t request_revision = 0;
+  };
+  Result<Snapshot> Read(Deadline deadline) const;
+
+  Stats stats() const { return stats_; }
+
+ private:
+  Result<Outcome> Advance(ReconcilerLeadership& leadership, const Snapshot& s, Deadline deadline);
+  // Runs a guarded transaction: kNotLeader / kWaiting when it did not succeed.
+  Result<bool> Commit(ReconcilerLeadership& leadership, etcdserverpb::TxnRequest txn, Deadline deadline,
+                      Outcome* lost);
+
+  const Options options_;
+  EtcdClient* const etcd_;
+  Stats stats_;
+};
+
+std::string_view ReconcilerDidName(PlacementReconciler::Did did);
+
+}  // namespace orbitkv::cluster
+
+#endif  // ORBITKV_CLUSTER_PLACEMENT_RECONCILER_H_
