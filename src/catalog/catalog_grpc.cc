@@ -307,6 +307,27 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
   return FromResponse(response);
 }
 
+Result<std::map<std::string, cluster::OwnerProgress>> GrpcRequesterTransport::ShardStatus(const std::string& node,
+                                                                                         uint32_t shard,
+                                                                                         int64_t generation,
+                                                                                         Deadline deadline) {
+  ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members_->Find(node));
+  peer::v1::CatalogStatusRequest request;
+  *request.mutable_route() = MakeRoute(self_.Get(), member.record);
+  request.set_shard(shard);
+  request.set_generation(generation);
+  peer::v1::CatalogStatusResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status =
+      StubFor(member.record.endpoint)->CatalogStatus(WithDeadline(&context, deadline), request, &response);
+  if (!status.ok()) return FromGrpc(status);
+  std::map<std::string, cluster::OwnerProgress> owners;
+  for (const peer::v1::OwnerSliceStatus& o : response.owners()) {
+    owners[o.owner_node()] = cluster::OwnerProgress{o.baseline(), o.sequence()};
+  }
+  return owners;
+}
+
 Result<bool> GrpcRequesterTransport::Release(const std::string& node, const std::string& runtime,
                                              uint64_t request_id, uint64_t grant_id,
                                              const std::string& grant_secret, Deadline deadline) {

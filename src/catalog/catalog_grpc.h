@@ -21,6 +21,7 @@
 #include "catalog/remote_plan.h"
 #include "catalog/peer_grpc.h"
 #include "catalog/route.h"
+#include "cluster/placement_reconciler.h"
 
 namespace orbitkv::catalog {
 
@@ -58,7 +59,7 @@ class GrpcCatalogTransport final : public CatalogTransport {
 // current start as the member view names it) and the planner's SourceTransport over Peer.Authorize/Release (to
 // the candidate's start: a source that restarted since the lookup is refused here, NotFound, without an RPC).
 // Peer channels are shared, in an LRU of at most 64.
-class GrpcRequesterTransport final : public LookupTransport, public SourceTransport {
+class GrpcRequesterTransport final : public LookupTransport, public SourceTransport, public cluster::CatalogProgress {
  public:
   GrpcRequesterTransport(PeerIdentity self, const cluster::MemberView* members,
                          std::shared_ptr<grpc::ChannelCredentials> credentials);
@@ -71,6 +72,10 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
   // at the endpoint its grant came from.
   Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id, uint64_t grant_id,
                        const std::string& grant_secret, Deadline deadline) override;
+  // What the copy of `shard` on catalog host `node` holds, owner by owner (Peer.CatalogStatus, issue 55: the
+  // placement reconciler's view of the copies). Unavailable when `node` is not in the member view.
+  Result<std::map<std::string, cluster::OwnerProgress>> ShardStatus(const std::string& node, uint32_t shard,
+                                                                   int64_t generation, Deadline deadline) override;
   // This Manager registered again: requests name its new start.
   void SetSelf(PeerIdentity self) { self_.Set(std::move(self)); }
   // Lookup RPCs sent.

@@ -491,6 +491,15 @@ std::vector<std::string> CatalogStore::Owners(uint32_t shard) const {
   return owners;
 }
 
+std::vector<CatalogStore::OwnerSlice> CatalogStore::Slices(uint32_t shard) const {
+  MutexLock lock(&mu_);
+  std::vector<OwnerSlice> out;
+  for (const auto& [key, slice] : slices_) {
+    if (key.first == shard) out.push_back({key.second, slice.owner_runtime, slice.baseline, slice.applied});
+  }
+  return out;
+}
+
 uint64_t CatalogStore::used_bytes() const {
   MutexLock lock(&mu_);
   return used_;

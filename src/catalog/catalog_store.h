@@ -110,6 +110,14 @@ class CatalogStore {
   bool Complete(uint32_t shard) const EXCLUDES(mu_);
   // The owners with an installed baseline for `shard`, in order.
   std::vector<std::string> Owners(uint32_t shard) const EXCLUDES(mu_);
+  // Every owner slice of `shard`, baseline or not, with the sequence applied (CatalogStatus, issue 55).
+  struct OwnerSlice {
+    std::string owner_node;
+    std::string owner_runtime;
+    bool baseline = false;
+    uint64_t applied = 0;
+  };
+  std::vector<OwnerSlice> Slices(uint32_t shard) const EXCLUDES(mu_);
   // One owner's current evidence for `shard`, in (key, tier) order.
   std::vector<CatalogRecord> Dump(uint32_t shard, const std::string& owner_node) const EXCLUDES(mu_);
   uint64_t used_bytes() const EXCLUDES(mu_);

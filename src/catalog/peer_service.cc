@@ -105,6 +105,31 @@ grpc::Status PeerService::Catalog(grpc::ServerContext* context, const peer::v1::
   return grpc::Status::OK;
 }
 
+grpc::Status PeerService::CatalogStatus(grpc::ServerContext* context, const peer::v1::CatalogStatusRequest* request,
+                                        peer::v1::CatalogStatusResponse* response) {
+  if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);
+  const uint32_t shard = request->shard();
+  if (options_.catalog == nullptr || !options_.hosts_shard || shard >= cluster::kNumShards ||
+      !options_.hosts_shard(shard)) {
+    return ToGrpc(Status::FailedPrecondition(
+        fmt::format("catalog shard {} is not placed on node '{}'", shard, self_.Get().node_id)));
+  }
+  if (request->generation() != options_.placement_generation) {
+    return ToGrpc(Status::FailedPrecondition(
+        fmt::format("node '{}' runs placement generation {}, not {}", self_.Get().node_id,
+                    options_.placement_generation, request->generation())));
+  }
+  for (const CatalogStore::OwnerSlice& slice : options_.catalog->Slices(shard)) {
+    peer::v1::OwnerSliceStatus* owner = response->add_owners();
+    owner->set_owner_node(slice.owner_node);
+    owner->set_owner_runtime_uuid(slice.owner_runtime);
+    owner->set_baseline(slice.baseline);
+    owner->set_sequence(slice.applied);
+  }
+  response->set_complete(options_.catalog->Complete(shard));
+  return grpc::Status::OK;
+}
+
 grpc::Status PeerService::Lookup(grpc::ServerContext* context, const peer::v1::LookupRequest* request,
                                  peer::v1::LookupResponse* response) {
   if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);

@@ -35,6 +35,8 @@ class PeerService final : public peer::v1::Peer::Service {
     // The catalog shards placed on this Manager are kept here (null: it hosts none).
     CatalogStore* catalog = nullptr;
     std::function<bool(uint32_t shard)> hosts_shard;
+    // The placement generation this Manager runs (CatalogStatus answers about it only).
+    int64_t placement_generation = 1;
     // The source side of remote fetches (null: this Manager grants nothing).
     SourceHolds* source = nullptr;
     // Why remote work is off here now (empty: it is on). New grants are refused while it is off; releases are not.
@@ -63,6 +65,10 @@ class PeerService final : public peer::v1::Peer::Service {
   // One message of an owner's stream for a shard placed here (FAILED_PRECONDITION for another shard).
   grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest* request,
                        peer::v1::CatalogResponse* response) override;
+  // What the copy of a shard placed here holds, owner by owner (FAILED_PRECONDITION for another shard or another
+  // placement generation than this Manager's).
+  grpc::Status CatalogStatus(grpc::ServerContext* context, const peer::v1::CatalogStatusRequest* request,
+                             peer::v1::CatalogStatusResponse* response) override;
 
   // This Manager's identity changed (it registered again): requests must address the new start.
   void SetSelf(PeerIdentity self) { self_.Set(std::move(self)); }

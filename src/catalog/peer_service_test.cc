@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "catalog/peer_directory.h"
+#include "core/test_util.h"
 
 namespace orbitkv::catalog {
 namespace {
@@ -29,6 +30,9 @@ class PeerServiceTest : public ::testing::Test {
     options.incarnation = 42;
     options.ucx_worker_address = std::string("\x01\x02", 2);
     options.capabilities = {"health"};
+    options.catalog = &store_;
+    options.hosts_shard = [](uint32_t shard) { return shard == 3; };
+    options.placement_generation = 1;
     service_ = std::make_unique<PeerService>(options, &view_);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -58,6 +62,7 @@ class PeerServiceTest : public ::testing::Test {
   }
 
   cluster::MemberView view_;
+  CatalogStore store_{CatalogStore::Options{.incarnation = 0xc0ffee}};
   std::unique_ptr<PeerService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<peer::v1::Peer::Stub> stub_;
@@ -89,6 +94,48 @@ TEST_F(PeerServiceTest, ARefusedRouteCarriesItsCodeAndReasonOverTheWire) {
   stranger.set_source_node_id("mallory");
   EXPECT_EQ(FromGrpc(Health(stranger, &response)).code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(service_->refused(), 2u);
+}
+
+// Issue 55: what a catalog copy holds of a shard, owner by owner, for the placement reconciler: the route is
+// checked first, and a shard or a placement generation not kept here is FAILED_PRECONDITION.
+TEST_F(PeerServiceTest, CatalogStatusReportsEachOwnersBaselineAndSequence) {
+  const StreamId a{"a", "uuid-a", 3, 0xc0ffee, 1};
+  ASSERT_EQ(store_.Begin({a, 1, 0, 2}).kind, CatalogReply::Kind::kAck);
+  SnapshotEnd end{a, 1, 2, {}};
+  for (uint64_t i = 0; i < 2; ++i) {
+    end.interval.push_back(CatalogRecord{core::testing::ChainKey(5, i), 1, true, i + 1, 1, 4096});
+  }
+  ASSERT_EQ(store_.End(end).kind, CatalogReply::Kind::kAck);
+  ASSERT_EQ(store_.Apply({a, 3, {CatalogRecord{core::testing::ChainKey(5, 9), 1, true, 3, 1, 4096}}}).kind,
+            CatalogReply::Kind::kAck);
+  const StreamId b{"b", "uuid-b", 3, 0xc0ffee, 1};
+  ASSERT_EQ(store_.Begin({b, 1, 0, 1}).kind, CatalogReply::Kind::kAck);  // building: no baseline yet
+  auto ask = [&](uint32_t shard, int64_t generation, const peer::v1::RouteHeader& route,
+                 peer::v1::CatalogStatusResponse* response) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    peer::v1::CatalogStatusRequest request;
+    *request.mutable_route() = route;
+    request.set_shard(shard);
+    request.set_generation(generation);
+    return FromGrpc(stub_->CatalogStatus(&context, request, response));
+  };
+  peer::v1::CatalogStatusResponse response;
+  ASSERT_TRUE(ask(3, 1, FromA(), &response).ok());
+  ASSERT_EQ(response.owners_size(), 2);
+  EXPECT_EQ(response.owners(0).owner_node(), "a");
+  EXPECT_TRUE(response.owners(0).baseline());
+  EXPECT_EQ(response.owners(0).sequence(), 3u);
+  EXPECT_EQ(response.owners(1).owner_node(), "b");
+  EXPECT_FALSE(response.owners(1).baseline());
+  EXPECT_FALSE(response.complete());  // b's snapshot is still being built
+  EXPECT_EQ(ask(4, 1, FromA(), &response).code(), StatusCode::kFailedPrecondition);
+  const Status generation = ask(3, 2, FromA(), &response);
+  EXPECT_EQ(generation.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(generation.message().find("runs placement generation 1, not 2"), std::string::npos) << generation;
+  peer::v1::RouteHeader stranger = FromA();
+  stranger.set_source_node_id("mallory");
+  EXPECT_EQ(ask(3, 1, stranger, &response).code(), StatusCode::kPermissionDenied);
 }
 
 // A Health that takes its time and counts how many probes reach it at once (the peers of a large cluster, all

@@ -198,6 +198,7 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   options.source = source;
   options.remote_off = std::move(remote_off);
   options.require_node_certificates = tls != nullptr;  // issue 52: a peer is who its certificate says
+  options.placement_generation = membership.placement().generation();
   options.hosts_shard = [&membership, node = config.node_id](uint32_t shard) {
     return shard < cluster::kNumShards && membership.placement().Keeps(shard, node);
   };
