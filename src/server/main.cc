@@ -6,6 +6,7 @@
 
 #include <cstdio>
 
+#include "base/crash_report.h"
 #include "base/logging.h"
 #include "server/config.h"
 #include "server/manager.h"
@@ -15,6 +16,7 @@
 #endif
 
 int main(int argc, char** argv) {
+  orbitkv::InstallCrashReport("orbitkv-manager");  // a crash says where, on stderr
   using namespace orbitkv;
   // Every request allocates and frees buffers of tens to hundreds of KiB (payload copies, decoded
   // keys, copy fragments). glibc would hand the top of the heap back after each and fault it in

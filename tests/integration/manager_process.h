@@ -105,8 +105,19 @@ class ManagerProcess {
   // Sends `signal` and reaps the process; returns its wait status (-1 if it was not running).
   int Stop(int signal = SIGTERM) {
     if (pid_ <= 0) return -1;
-    kill(pid_, signal);
     int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      // It had died before anyone stopped it: say how, with its log's end and its stderr's crash report, so a
+      // failure elsewhere in the test is not the only trace.
+      const std::string log = LogText();
+      const size_t from = log.size() > 6000 ? log.size() - 6000 : 0;
+      fmt::print(stderr, "ManagerProcess {}: the Manager had exited on its own ({} {}); its log ends:\n{}\n", dir_,
+                 WIFSIGNALED(status) ? "signal" : "status",
+                 WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status), log.substr(from));
+      pid_ = -1;
+      return status;
+    }
+    kill(pid_, signal);
     waitpid(pid_, &status, 0);
     pid_ = -1;
     return status;
