@@ -256,6 +256,21 @@ int main(int argc, char** argv) {
           f["peers_unreachable"].empty() ? "0" : f["peers_unreachable"],
           f["peers_incompatible"].empty() ? "0" : f["peers_incompatible"],
           text("transfer_listen").empty() ? std::string("(none)") : text("transfer_listen"));
+      // Issue 52: who a peer is, and whom a grant serves.
+      if (!f["peer_tls"].empty()) {
+        const auto count = [&](const char* key) { return f[key].empty() ? std::string("0") : f[key]; };
+        fmt::print("peer security: {}; grants bound to their holder (refused without the grant's secret: {} read{}, "
+                   "{} release{})\n",
+                   f["peer_tls"] == "1"
+                       ? fmt::format("mutual TLS, each certificate naming its node (refused: {} naming no node, {} "
+                                     "naming another)",
+                                     count("peer_refused_certificate_without_node"),
+                                     count("peer_refused_certificate_of_another_node"))
+                       : std::string("no TLS: peers are trusted by the member view alone (give --peer-tls-cert, "
+                                     "--peer-tls-key and --peer-tls-ca)"),
+                   count("transfer_grant_secret_refusals"), count("transfer_grant_secret_refusals") == "1" ? "" : "s",
+                   count("source_release_secret_refusals"), count("source_release_secret_refusals") == "1" ? "" : "s");
+      }
     }
     const auto instances = Instances(*stats);
     fmt::print("{} engine instance{} registered\n", instances.size(),

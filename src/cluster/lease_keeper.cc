@@ -16,7 +16,14 @@ namespace {
 using KeepAliveStream =
     BidiStream<etcdserverpb::LeaseKeepAliveRequest, etcdserverpb::LeaseKeepAliveResponse>;
 
-constexpr std::chrono::milliseconds kReopenBackoff{200};
+// The pause before reopening a broken keepalive stream on the next endpoint: a sixtieth of the TTL, between 20 and
+// 200 ms. During a leader election every member refuses the stream ("no leader") until the new leader is up; the
+// registration stays valid for half the TTL, so the pause must be small against it, or a short TTL (tests run 3 s:
+// 1.5 s of validity, an election of up to 0.6 s) spends its margin waiting between attempts. 10 s (the default): 166 ms.
+std::chrono::milliseconds ReopenBackoff(int64_t ttl_secs) {
+  return std::clamp(std::chrono::milliseconds(ttl_secs * 1000 / 60), std::chrono::milliseconds(20),
+                    std::chrono::milliseconds(200));
+}
 
 // A registration is valid for TTL/2 after the send of its last acknowledged keepalive; renewing every
 // TTL/6 puts three renewals into that window, as etcd's own client puts three (every TTL/3) into the
@@ -191,7 +198,7 @@ void LeaseKeeper::Run() {
       Lost("no keepalive was acknowledged within half the lease TTL of its sending");
       return;
     }
-    if (!WaitUntil(std::min(MonoNow() + kReopenBackoff, clock_->valid_until()))) return;
+    if (!WaitUntil(std::min(MonoNow() + ReopenBackoff(options_.ttl_secs), clock_->valid_until()))) return;
   }
 }
 

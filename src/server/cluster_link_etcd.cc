@@ -37,6 +37,7 @@ namespace {
 // The peer listener: one gRPC server serving PeerService on --peer-listen (default --peer-endpoint).
 struct PeerListener {
   std::string address;
+  bool tls = false;  // mutual TLS, certificates naming their node (issue 52)
   std::unique_ptr<catalog::PeerService> service;
   std::unique_ptr<grpc::Server> server;
   // The sending side: channels to the members and their Health (peer_directory.h).
@@ -213,6 +214,7 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
   builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
   builder.RegisterService(listener->service.get());
+  listener->tls = tls != nullptr;
   listener->server = builder.BuildAndStart();
   if (listener->server == nullptr || port == 0) {
     return Status::Unavailable(fmt::format("cannot listen for peers on {} (--peer-listen / --peer-endpoint): "
@@ -686,6 +688,7 @@ class MembershipLink final : public ClusterLink {
                        membership_->placement().fingerprint(), membership_->placement().replicas(),
                        membership_->placement().reduced_coverage() ? 1 : 0, peers_ ? peers_->address : "",
                        peers_ ? peers_->service->refused() : 0) +
+           fmt::format(", \"peer_tls\": {}", peers_ != nullptr && peers_->tls ? 1 : 0) +
            fmt::format(", \"peer_refused_certificate_without_node\": {}, "
                        "\"peer_refused_certificate_of_another_node\": {}",
                        peers_ ? peers_->service->refused_certificate_without_node() : 0,

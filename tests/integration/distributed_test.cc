@@ -409,6 +409,12 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
                           "\"peer_refused_certificate_of_another_node\": 6"),
             std::string::npos)
       << refusals;
+  const std::string status = CliOutput({"status", "--socket", manager.socket()});
+  EXPECT_NE(status.find("peer security: mutual TLS, each certificate naming its node (refused: 1 naming no node, 6 "
+                        "naming another); grants bound to their holder (refused without the grant's secret: 0 reads, "
+                        "0 releases)"),
+            std::string::npos)
+      << status;
   // Managers probe each other with their own certificates: a second one of the cluster's CA is healthy to
   // node-t (and node-t to it); one with another CA's certificate reaches nobody, and nobody reaches it.
   auto tls_manager = [&](const std::string& node, const std::string& who, const std::string& ca) {
