@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -131,15 +132,23 @@ class ManagerProcess {
 
 // A TCP port free on 127.0.0.1 right now (bound to 0, read back, released): for --metrics-addr.
 inline uint16_t FreeLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(addr);
-  const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                     getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) == 0;
-  close(fd);
-  return bound ? ntohs(addr.sin_port) : 0;
+  // Below the kernel's ephemeral range (ip_local_port_range, 32768-60999 by default): a port handed out to some
+  // process's outgoing connection or "any port" listener between this check and the Manager's bind would make the
+  // Manager fail with "address in use"; only an explicit bind can take one of these. Random, so that two tests
+  // running at once rarely try the same one.
+  static std::mt19937 random(std::random_device{}() ^ static_cast<unsigned>(getpid()));
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const uint16_t port = static_cast<uint16_t>(20000 + random() % 12000);
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(port);
+    const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (bound) return port;
+  }
+  return 0;
 }
 
 // GET /metrics from a Manager's metrics endpoint on `host`:`port` (127.0.0.1 by default; "" when it does not
