@@ -19,6 +19,7 @@
 #endif
 
 namespace orbitkv {
+#ifndef ORBITKV_CRASH_REPORT_OFF
 namespace {
 
 const char* g_program = "orbitkv";
@@ -55,6 +56,7 @@ void OnFatalSignal(int signal) {
 }
 
 }  // namespace
+#endif  // ORBITKV_CRASH_REPORT_OFF
 
 void InstallCrashReport(const char* program) {
 #ifndef ORBITKV_CRASH_REPORT_OFF
