@@ -9,17 +9,7 @@
 #include <exception>
 #include <initializer_list>
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define ORBITKV_CRASH_REPORT_OFF 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define ORBITKV_CRASH_REPORT_OFF 1
-#endif
-
 namespace orbitkv {
-#ifndef ORBITKV_CRASH_REPORT_OFF
 namespace {
 
 const char* g_program = "orbitkv";
@@ -56,23 +46,33 @@ void OnFatalSignal(int signal) {
 }
 
 }  // namespace
-#endif  // ORBITKV_CRASH_REPORT_OFF
+
+bool SanitizerReportsSignals() {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  return true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+  return true;
+#else
+  return false;
+#endif
+#else
+  return false;
+#endif
+}
 
 void InstallCrashReport(const char* program) {
-#ifndef ORBITKV_CRASH_REPORT_OFF
   g_program = program;
   void* warm[1];
   (void)backtrace(warm, 1);  // loads libgcc's unwinder now, not inside a signal handler
-  std::set_terminate(OnTerminate);
+  std::set_terminate(OnTerminate);  // no sanitizer reports a terminate: installed in every build
+  if (SanitizerReportsSignals()) return;
   struct sigaction action;
   memset(&action, 0, sizeof(action));
   action.sa_handler = OnFatalSignal;
   action.sa_flags = SA_RESETHAND;
   sigemptyset(&action.sa_mask);
   for (int signal : {SIGSEGV, SIGILL, SIGFPE, SIGABRT}) sigaction(signal, &action, nullptr);
-#else
-  (void)program;
-#endif
 }
 
 }  // namespace orbitkv

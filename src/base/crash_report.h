@@ -2,7 +2,8 @@
 // (an uncaught exception, "pure virtual method called") writes what happened and its stack to stderr, then dies as
 // it would have (the signal re-raised with its default action), so the operator's log or a CI run shows where.
 //
-// Not installed under AddressSanitizer or ThreadSanitizer: their own reports are better.
+// Under AddressSanitizer or ThreadSanitizer only the terminate report is installed: the sanitizers report fatal
+// signals themselves, better.
 //
 // Thread safety: call once, early, before threads start.
 #ifndef ORBITKV_BASE_CRASH_REPORT_H_
@@ -12,6 +13,9 @@ namespace orbitkv {
 
 // `program` names the process in the report (e.g. "orbitkv-manager"); it must outlive the process.
 void InstallCrashReport(const char* program);
+
+// Whether this build's sanitizer reports fatal signals (then InstallCrashReport leaves them to it).
+bool SanitizerReportsSignals();
 
 }  // namespace orbitkv
 
