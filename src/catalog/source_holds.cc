@@ -3,6 +3,7 @@
 #include <set>
 #include <utility>
 
+#include "base/constant_time.h"
 #include "base/logging.h"
 #include "fmt/format.h"
 
@@ -218,15 +219,6 @@ void SourceHolds::Drained(const HoldKey& key) {
   core::BlockPin::ReleaseAll(&gone.pins);  // outside the lock (the table's shard locks)
 }
 
-bool SameSecret(const std::string& given, const std::string& expected) {
-  if (given.size() != expected.size()) return false;
-  volatile uint8_t diff = 0;
-  for (size_t i = 0; i < given.size(); ++i) {
-    diff = static_cast<uint8_t>(diff | (static_cast<uint8_t>(given[i]) ^ static_cast<uint8_t>(expected[i])));
-  }
-  return diff == 0;
-}
-
 bool SourceHolds::ReleaseGrant(const std::string& peer_node, uint64_t grant_id, const std::string& grant_secret) {
   HoldKey key;
   {
@@ -234,7 +226,8 @@ bool SourceHolds::ReleaseGrant(const std::string& peer_node, uint64_t grant_id, 
     auto it = holds_.begin();
     while (it != holds_.end() && (it->second.grant.grant_id != grant_id || it->second.peer_node != peer_node)) ++it;
     if (it == holds_.end() || grant_id == 0) return false;
-    if (!SameSecret(grant_secret, it->second.grant.grant_secret)) {
+    const std::string& expected = it->second.grant.grant_secret;
+    if (!ConstantTimeEqual(grant_secret.data(), grant_secret.size(), expected.data(), expected.size())) {
       ++stats_.release_secret_refusals;
       return false;
     }

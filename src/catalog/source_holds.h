@@ -41,9 +41,6 @@ namespace orbitkv::catalog {
 // The size of a grant's secret (transfer::GrantSecret).
 inline constexpr size_t kGrantSecretBytes = 16;
 
-// Whether `given` is `expected`, in time that does not depend on where they differ (only on the length).
-bool SameSecret(const std::string& given, const std::string& expected);
-
 class GrantIssuer {
  public:
   struct Range {

@@ -120,12 +120,6 @@ Result<Placement> Placement::Decode(std::string_view bytes) {
   return Create(std::move(nodes), static_cast<uint32_t>(replicas), generation);
 }
 
-Placement Placement::WithGeneration(int64_t generation) const {
-  Result<Placement> same = Create(nodes_, requested_replicas_, generation);
-  ORBITKV_CHECK_MSG(same.ok(), "{}", same.status().ToString());
-  return std::move(same).value();
-}
-
 const std::vector<std::string>& Placement::CopiesOf(uint32_t shard) const {
   ORBITKV_CHECK_MSG(shard < kNumShards, "shard {} out of range", shard);
   return copies_[shard];

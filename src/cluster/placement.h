@@ -59,8 +59,6 @@ class Placement {
   // First 16 hex digits of SHA-256 over Encode(); equal placements have equal fingerprints.
   const std::string& fingerprint() const { return fingerprint_; }
   int64_t generation() const { return generation_; }
-  // The same placement at another generation (the content, and so every shard's copies, unchanged).
-  Placement WithGeneration(int64_t generation) const;
   // Whether two placements keep every shard's copies on the same nodes (whatever their generations).
   bool SameContent(const Placement& other) const {
     return nodes_ == other.nodes_ && requested_replicas_ == other.requested_replicas_;

@@ -82,18 +82,6 @@ Result<std::string> ReconcilerLeadership::Leader(Deadline deadline) const {
   return response.kvs_size() == 1 ? response.kvs(0).value() : std::string();
 }
 
-void ReconcilerLeadership::Resign(Deadline deadline) {
-  etcdserverpb::TxnRequest txn;
-  {
-    MutexLock lock(&mu_);
-    if (!leading_) return;
-    leading_ = false;
-    AddCompare(&txn, key_, etcdserverpb::Compare::CREATE)->set_create_revision(term_);
-    Delete(&txn, key_);
-  }
-  (void)etcd_->Txn(txn, deadline);  // best effort: the key goes with the lease anyway
-}
-
 void ReconcilerLeadership::Lapsed() {
   MutexLock lock(&mu_);
   leading_ = false;

@@ -56,8 +56,6 @@ class ReconcilerLeadership {
   int64_t term() const EXCLUDES(mu_);
   // The leader key's value now ("" when nobody leads).
   Result<std::string> Leader(Deadline deadline) const;
-  // Stops leading here at once, and deletes the key if it is still this term's.
-  void Resign(Deadline deadline) EXCLUDES(mu_);
   // The registration lapsed: stops leading here, without etcd (the key goes with the lease).
   void Lapsed() EXCLUDES(mu_);
   // A transaction of this term: compares that fail once another leader's key replaced this one's. False (nothing

@@ -115,10 +115,11 @@ TEST(PlacementTransitionTest, RoundTripsAndRefusesMalformedRecords) {
                                  t.Encode().replace(t.Encode().find("\"to_generation\":2"), 17, "\"to_generation\":3")}) {
     EXPECT_FALSE(PlacementTransition::Decode(bad).ok()) << bad;
   }
-  EXPECT_EQ(from.WithGeneration(2).generation(), 2);
-  EXPECT_TRUE(from.WithGeneration(2).SameContent(from));
-  EXPECT_FALSE(from.WithGeneration(2) == from);
-  EXPECT_NE(from.WithGeneration(2).fingerprint(), from.fingerprint());
+  const Placement next = *Placement::Create({"n1", "n2", "n3"}, 3, 2);
+  EXPECT_EQ(next.generation(), 2);
+  EXPECT_TRUE(next.SameContent(from));
+  EXPECT_FALSE(next == from);
+  EXPECT_NE(next.fingerprint(), from.fingerprint());
 }
 
 TEST_F(PlacementReconcilerTest, OneLeaderAtATimeAndADeposedLeadersWriteChangesNothing) {

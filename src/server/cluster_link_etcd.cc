@@ -62,7 +62,9 @@ Result<std::optional<cluster::TlsFiles>> PeerTlsFiles(const ManagerConfig& confi
 Result<std::shared_ptr<grpc::ServerCredentials>> PeerCredentials(const ManagerConfig& config) {
   ORBITKV_ASSIGN_OR_RETURN(std::optional<cluster::TlsFiles> files, PeerTlsFiles(config));
   if (!files.has_value()) return std::shared_ptr<grpc::ServerCredentials>();
-  ORBITKV_RETURN_IF_ERROR(cluster::ValidateTlsFiles(*files));
+  // First the credentials: they check every file is readable PEM, naming its flag.
+  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                           cluster::WatchedServerCredentials(*files));
   const std::string wanted = fmt::format("{}{}", catalog::kNodeUriPrefix, config.node_id);
   const std::vector<std::string> uris = cluster::CertificateUris(files->cert);
   if (std::find(uris.begin(), uris.end(), wanted) == uris.end()) {
@@ -71,7 +73,7 @@ Result<std::shared_ptr<grpc::ServerCredentials>> PeerCredentials(const ManagerCo
         "a subjectAltName URI; issue it with subjectAltName=URI:{},IP:<its address> (it names {})",
         files->cert, wanted, uris.empty() ? std::string("no URI") : fmt::format("{}", fmt::join(uris, ", "))));
   }
-  return cluster::WatchedServerCredentials(*files);
+  return credentials;
 }
 
 // --transfer-listen HOST[:PORT[-PORT]] (default: the --peer-endpoint's host, any port) -> host, first and last port.

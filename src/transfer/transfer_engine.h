@@ -84,13 +84,6 @@ struct IssuedGrant {
   GrantSecret secret{};
 };
 
-// Whether two secrets are equal, in time that does not depend on where they differ.
-inline bool SameGrantSecret(const GrantSecret& a, const GrantSecret& b) {
-  volatile uint8_t diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff = static_cast<uint8_t>(diff | (a[i] ^ b[i]));
-  return diff == 0;
-}
-
 struct ReadBatchRequest {
   // The peer's address as its engine reports it (ListenAddress()).
   std::string peer;

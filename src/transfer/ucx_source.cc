@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/constant_time.h"
 #include "base/check.h"
 #include "base/logging.h"
 #include "transfer/ucx_engine_internal.h"
@@ -266,7 +267,7 @@ Status UcxTransferEngine::CheckGrant(uint64_t grant_id, const GrantSecret& secre
     return Status::PermissionDenied(
         fmt::format("grant {:016x} is not live here (revoked, drained or never issued)", grant_id));
   }
-  if (!SameGrantSecret(secret, it->second.secret)) {
+  if (!ConstantTimeEqual(secret.data(), secret.size(), it->second.secret.data(), it->second.secret.size())) {
     counters_->grant_secret_refusals->Increment();
     return Status::PermissionDenied(fmt::format(
         "grant {:016x} is not this requester's: the request does not present the grant's secret", grant_id));

@@ -1,5 +1,6 @@
 #include "cluster/testing/child_process.h"
 
+#include <fmt/format.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -8,9 +9,20 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <utility>
 
 namespace orbitkv::cluster::testing {
+
+Result<std::string> RunShell(const std::string& shell, std::string_view what) {
+  std::FILE* pipe = ::popen(("(" + shell + ") 2>&1").c_str(), "r");
+  if (pipe == nullptr) return Status::Internal(fmt::format("popen for {} failed", what));
+  std::string out;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) out.append(buffer, n);
+  if (::pclose(pipe) != 0) return Status::Internal(fmt::format("{} failed: {}", what, out));
+  return out;
+}
 
 Result<ChildProcess> ChildProcess::Spawn(const Options& options) {
   std::vector<char*> argv;

@@ -12,6 +12,7 @@
 #include <sys/types.h>
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/clock.h"
@@ -19,6 +20,10 @@
 #include "base/scoped_fd.h"
 
 namespace orbitkv::cluster::testing {
+
+// Runs `shell` through /bin/sh with stderr joined to stdout; its output, or Internal naming `what` and carrying the
+// output when it exits non-zero.
+Result<std::string> RunShell(const std::string& shell, std::string_view what);
 
 class ChildProcess {
  public:

@@ -232,15 +232,7 @@ Result<std::string> EtcdProcess::Etcdctl(const std::vector<std::string>& args) c
   }
   if (!user_.empty()) command += fmt::format(" --user '{}:{}'", user_, password_);
   for (const std::string& arg : args) command += " '" + arg + "'";
-  command += " 2>&1";
-  std::FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return Status::Internal("popen etcdctl failed");
-  std::string out;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) out.append(buffer, n);
-  const int rc = ::pclose(pipe);
-  if (rc != 0) return Status::Internal(fmt::format("etcdctl {} failed: {}", fmt::join(args, " "), out));
-  return out;
+  return RunShell(command, fmt::format("etcdctl {}", fmt::join(args, " ")));
 }
 
 Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartConfigured(

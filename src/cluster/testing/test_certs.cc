@@ -3,21 +3,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <cstdio>
-#include <cstdlib>
+#include "cluster/testing/child_process.h"
 
 namespace orbitkv::cluster::testing {
 namespace {
-
-Result<std::string> Run(const std::string& script) {
-  std::FILE* pipe = ::popen(("(" + script + ") 2>&1").c_str(), "r");
-  if (pipe == nullptr) return Status::Internal("popen failed");
-  std::string out;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) out.append(buffer, n);
-  if (::pclose(pipe) != 0) return Status::Internal(fmt::format("openssl failed: {}", out));
-  return out;
-}
 
 std::string SanLine(const std::vector<std::string>& ips, const std::vector<std::string>& uris = {}) {
   std::vector<std::string> names;
@@ -51,7 +40,7 @@ Status MakeTestCertificates(const std::string& dir, const std::vector<std::strin
       "openssl ca -batch -config ca.cnf -cert ca.pem -keyfile ca.key -startdate 20200101000000Z"
       "  -enddate 20200102000000Z -extfile san.ext -in expired.csr -out expired.pem",
       dir, SanLine(ips), SanLine(ips, {"orbitkv-node:node-r"}));
-  return Run(script).status();
+  return RunShell(script, "openssl").status();
 }
 
 Status MakeNodeCertificate(const std::string& dir, const std::string& node, const std::vector<std::string>& ips) {
@@ -67,15 +56,16 @@ Status ReissueCertificate(const std::string& dir, const std::string& name, const
       "  -out {1}.pem.new;"
       "mv {1}.key.new {1}.key; mv {1}.pem.new {1}.pem",
       dir, name, cn, SanLine(ips, uris));
-  return Run(script).status();
+  return RunShell(script, "openssl").status();
 }
 
 Result<std::string> PresentedCommonName(const std::string& host_port, const std::string& cert_dir) {
   ORBITKV_ASSIGN_OR_RETURN(
       std::string out,
-      Run(fmt::format("openssl s_client -connect {0} -CAfile '{1}/ca.pem' -cert '{1}/client.pem' "
-                      "-key '{1}/client.key' </dev/null 2>/dev/null | openssl x509 -noout -subject",
-                      host_port, cert_dir)));
+      RunShell(fmt::format("openssl s_client -connect {0} -CAfile '{1}/ca.pem' -cert '{1}/client.pem' "
+                           "-key '{1}/client.key' </dev/null 2>/dev/null | openssl x509 -noout -subject",
+                           host_port, cert_dir),
+               "openssl s_client"));
   const size_t cn = out.find("CN");
   if (cn == std::string::npos) return Status::NotFound(fmt::format("no certificate subject in: {}", out));
   std::string name = out.substr(cn + 2);
