@@ -41,10 +41,10 @@ import urllib.request
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
 
 import orbitkv  # noqa: E402
-from orbitkv import refengine  # noqa: E402
+from orbitkv import refengine, shm  # noqa: E402
 from orbitkv.vllm.sequential import SequentialEngine  # noqa: E402
 from orbitkv.workload import Engine as KvEngine  # noqa: E402
-from run_cluster import BRIDGE, Mesh, start_etcd, start_managers, stop_all, wait_catalogs  # noqa: E402
+from run_cluster import BRIDGE, Loopback, Mesh, start_etcd, start_managers, stop_all, wait_catalogs  # noqa: E402
 
 PREFIX_PAGES = 64
 PREFIXES = 6
@@ -331,6 +331,62 @@ def metadata_rate(net, etcd: str, work: str, manager_bin: str, cli: str, replica
         stop_all(procs)
 
 
+PLACEMENT_RECORDS = 100_000
+PLACEMENT_PAGE_BYTES = 4096
+
+
+def placement_change(etcd: str, work: str, manager_bin: str, cli: str) -> dict:
+    """Issue 55: a fourth catalog node added online. Four Managers on loopback (a fresh etcd cluster name), the catalog
+    set the first three; those three save PLACEMENT_RECORDS blocks of 4 KiB between them (so the catalog holds that
+    many records, each in three copies); then `orbitkv catalog placement --add` the fourth. Measured: from the request
+    to generation 2 committed on every Manager (every moved shard's new copy caught up past its watermarks), and to
+    the old copies retired (--placement-retire-grace-ms 1000); the records moved are the ones the new node's copies
+    hold afterwards (it owns none itself). The catalogs are checked equal to the inventories afterwards."""
+    procs: list = []
+    nodes = ["place-0", "place-1", "place-2", "place-3"]
+    try:
+        sockets = start_managers(Loopback(), nodes, etcd, work, procs, manager_bin, cli,
+                                 ["--dram", "256MiB", "--placement-retire-grace-ms", "1000"], cluster="place",
+                                 catalog_nodes=nodes[:3])
+        clients = [orbitkv.CacheManagerClient(sock, timeout_ms=30000) for sock in sockets]
+        ns = orbitkv.derive_namespace("orbitkv/placement-bench", "main", "orbitkv/placement-bench", "placement",
+                                      dtype="bf16", page_size_tokens=16)
+        per_owner = -(-PLACEMENT_RECORDS // 3)  # at least PLACEMENT_RECORDS in all
+        for i, client in enumerate(clients[:3]):
+            pages = shm.empty((512, PLACEMENT_PAGE_BYTES), "uint8", like="torch")
+            client.register_instance(50 + i, ns, label="placement-bench")
+            client.register_group(50 + i, 0, [pages])
+            for first in range(0, per_owner, 500):
+                items = [(orbitkv.StateKey(ns, 0, b * 16, b * 16 + 16, (i << 32 | b).to_bytes(16, "little")), b % 512)
+                         for b in range(first, min(per_owner, first + 500))]
+                client.save(50 + i, items)
+        wait_catalogs(lambda: [c.stats() for c in clients], f"{PLACEMENT_RECORDS} records", timeout=300, poll=0.1)
+        records = sum(c.stats()["inventory_records"] for c in clients)
+        t0 = time.perf_counter()
+        subprocess.run([cli, "catalog", "placement", "--add", nodes[3], "--socket", sockets[0]], check=True,
+                       stdout=subprocess.DEVNULL)
+        committed = retired = None
+        most_moving = 0
+        deadline = t0 + 300
+        while retired is None:
+            stats = [c.stats() for c in clients]
+            most_moving = max(most_moving, max(x.get("placement_shards_moving", 0) for x in stats))
+            now = time.perf_counter()
+            if committed is None and all(x.get("placement_generation") == 2 for x in stats):
+                committed = now - t0
+            if committed is not None and all(x.get("placement_change") == "none" for x in stats):
+                retired = now - t0
+            if now > deadline:
+                raise RuntimeError("the placement change did not settle within 300 s")
+            time.sleep(0.02)
+        wait_catalogs(lambda: [c.stats() for c in clients], "the placement change", timeout=120, poll=0.1)
+        stats = [c.stats() for c in clients]
+        return dict(seconds=committed, retired=retired, moved=stats[3]["catalog_records"], records=records,
+                    most_moving=most_moving, aborted=sum(x.get("placement_changes_aborted", 0) for x in stats))
+    finally:
+        stop_all(procs)
+
+
 def ttft(config, sockets, lose_catalog_host, chunk: int = 512, length: int = 4096, seed: int = 3) -> dict:
     """TTFT of one prompt: recomputed, restored from host 0's DRAM, and restored on host 1 from host 0; then another
     prompt restored on host 1 while one of the three catalog hosts (host 2, killed by `lose_catalog_host`) is down."""
@@ -408,6 +464,24 @@ def plot_ttft_by_tier(times: dict, path: pathlib.Path) -> str:
     return str(path)
 
 
+def add_placement(results: list, placement: dict) -> None:
+    """placement_change_s against the issue's 10 s target, with the records moved beside it."""
+    def add(metric, unit, value, baseline_metric="", baseline=0.0):
+        results.append(dict(metric=metric, unit=unit, value=value, baseline_metric=baseline_metric,
+                            baseline=baseline, ratio=(value / baseline) if baseline else None))
+
+    add("placement_change_s", "s", placement["seconds"], "placement_change_target_s", 10.0)
+    add("placement_records_moved", "records", float(placement["moved"]), "catalog_records", float(placement["records"]))
+    add("placement_retired_s", "s", placement["retired"], "placement_change_s", placement["seconds"])
+    add("placement_shards_moving_max", "shards", float(placement["most_moving"]), "placement_max_moving", 2.0)
+
+
+def placement_env(placement: dict) -> dict:
+    return dict(placement_change=(f"4 Managers on loopback, catalog set 3 -> 4 nodes (3 copies a shard) with "
+                                  f"{placement['records']} records of {PLACEMENT_PAGE_BYTES} B blocks; "
+                                  f"{placement['aborted']} aborted; retire grace 1 s"))
+
+
 def emit(report: dict, as_json: bool) -> None:
     """The report as one JSON object, or as a table and the environment's lines."""
     if as_json:
@@ -433,6 +507,8 @@ def main(argv=None) -> int:
                         help="--loopback: prompt lengths (e.g. 4096,8192) whose TTFT is measured on the GPU with "
                              "the Qwen3-8B-shaped model (the CPU 'tiny' model at 4096 when empty or no GPU)")
     parser.add_argument("--plot", default="", help="--loopback: where the TTFT plot goes")
+    parser.add_argument("--placement-only", action="store_true",
+                        help="only placement_change_s (issue 55): four Managers on loopback, no root needed")
     args = parser.parse_args(argv)
     build = pathlib.Path(os.environ.get("ORBITKV_BUILD_DIR", "build")).resolve()
     cli_bin = build / "tools" / "orbitkv"
@@ -442,9 +518,21 @@ def main(argv=None) -> int:
         from distributed_loopback import loopback_main
 
         return loopback_main(args, build)
-    if os.geteuid() != 0:
-        parser.error("needs root (network namespaces, as CI runs it); --loopback runs without")
     manager_bin = str(build / "src" / "server" / "orbitkv-manager")
+    if args.placement_only:
+        work = tempfile.mkdtemp(prefix="orbitkv-pbench-")
+        procs: list = []
+        try:
+            placement = placement_change(start_etcd("127.0.0.1", work, procs), work, manager_bin, str(cli_bin))
+        finally:
+            stop_all(procs)
+            subprocess.run(["rm", "-rf", work])
+        results = []
+        add_placement(results, placement)
+        emit(dict(bench="distributed", results=results, env=placement_env(placement)), args.json)
+        return 0 if placement["aborted"] == 0 else 1
+    if os.geteuid() != 0:
+        parser.error("needs root (network namespaces, as CI runs it); --loopback and --placement-only run without")
     baselines = transfer_baselines(build)
 
     work = tempfile.mkdtemp(prefix="orbitkv-dbench-")
@@ -512,6 +600,7 @@ def main(argv=None) -> int:
         stop_all(procs[1:])
         meta3 = metadata_rate(net, etcd, work, manager_bin, str(cli_bin), 3)
         meta1 = metadata_rate(net, etcd, work, manager_bin, str(cli_bin), 1)
+        placement = placement_change(etcd, work, manager_bin, str(cli_bin))
     finally:
         stop_all(procs)
         net.cleanup()
@@ -567,6 +656,7 @@ def main(argv=None) -> int:
     # Issue 51: from etcd answering again after a 2 x TTL outage to a byte-exact remote hit on every Manager, against
     # the issue's target of 3 s.
     add("registration_recovery_s", "s", recovery["seconds"], "registration_recovery_target_s", 3.0)
+    add_placement(results, placement)
     add("transfer_read_1m", "GB/s", read_1m)
     add("iperf3_veth", "GB/s", iperf)
     add("iperf3_mesh", "GB/s", mesh_iperf)
@@ -593,6 +683,7 @@ def main(argv=None) -> int:
                                     f"{recovery['lapsed']} of 3 registrations lapsed; first remote hit per host "
                                     f"{', '.join(f'{t:.2f}' for t in recovery['per_host'])} s; registrations "
                                     f"{recovery['registrations']}")
+    env.update(placement_env(placement))
     env["plot"] = plot_ttft_by_tier(times, build / "benches" / "distributed_ttft.png")
     emit(dict(bench="distributed", results=results, env=env), args.json)
     return 0 if two["bad"] + three["bad"] + failover["wrong"] == 0 and times["same"] else 1

@@ -118,10 +118,10 @@ def start_etcd(host: str, work: str, procs: list) -> str:
 
 
 def start_managers(net, nodes: list[str], etcd_endpoint: str, work: str, procs: list, manager_bin: str, cli: str,
-                   extra: list[str], per_node=None, cluster: str = "run") -> list[str]:
-    """One distributed Manager per node (host i of `net`), every node a catalog host, in etcd cluster `cluster`;
-    waits until each answers. `per_node(i)`: flags of host i's alone (on loopback, its own metrics port). Returns
-    their sockets."""
+                   extra: list[str], per_node=None, cluster: str = "run", catalog_nodes=None) -> list[str]:
+    """One distributed Manager per node (host i of `net`), every node a catalog host (or those of `catalog_nodes`),
+    in etcd cluster `cluster`; waits until each answers. `per_node(i)`: flags of host i's alone (on loopback, its own
+    metrics port). Returns their sockets."""
     sockets = []
     first = len(procs)
     for i, node in enumerate(nodes):
@@ -130,7 +130,7 @@ def start_managers(net, nodes: list[str], etcd_endpoint: str, work: str, procs: 
         peer = f"{net.address(i)}:{7070 if isinstance(net, Mesh) else free_port('127.0.0.1')}"
         flags = ["--socket", sock, "--log-level", "warn", "--log-file", f"{work}/{node}.log",
                  "--etcd-endpoints", etcd_endpoint, "--cluster-name", cluster, "--node-id", node,
-                 "--catalog-nodes", ",".join(nodes), "--peer-endpoint", peer,
+                 "--catalog-nodes", ",".join(catalog_nodes or nodes), "--peer-endpoint", peer,
                  "--transfer-listen", net.address(i), "--ucx-tls", "tcp", "--ucx-net-devices", net.device(i), *extra,
                  *(per_node(i) if per_node else [])]
         if os.geteuid() != 0:

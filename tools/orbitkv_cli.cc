@@ -4,6 +4,8 @@
 //   orbitkv catalog status [--socket PATH]  the catalog shards placed on it (distributed mode)
 //   orbitkv catalog dump --shard N          the evidence it holds for shard N, one record a line
 //   orbitkv inventory dump --shard N        its own replicas of shard N, one record a line
+//   orbitkv catalog placement [--add NODE | --remove NODE]
+//                                           the catalog placement and any change in progress; asks for a change
 // Exit status: 0 when the Manager answered, 1 when it did not (the message says why), 2 for bad
 // usage.
 #include <fmt/format.h>
@@ -26,6 +28,11 @@ constexpr const char* kUsage =
     "       orbitkv catalog status [--socket PATH]\n"
     "       orbitkv catalog dump --shard N [--socket PATH]\n"
     "       orbitkv inventory dump --shard N [--socket PATH]\n"
+    "       orbitkv catalog placement [--add NODE | --remove NODE] [--socket PATH]\n"
+    "catalog placement shows which nodes keep the catalog's copies (the placement generation), the elected\n"
+    "reconciler and any change in progress, shard by shard; --add/--remove asks for the next set (the node to add\n"
+    "must run a Manager in the cluster already). The reconciler moves at most 2 shards at a time and commits the\n"
+    "next generation when every moved shard's new copies caught up; Managers follow without a restart.\n"
     "Dumps print one record a line: [OWNER] KEY(hex of its 128-byte encoding) TIER VERSION "
     "GENERATION BYTES\n"
     "(a catalog's lines start with the owner's node id), so a catalog can be compared with its "
@@ -98,17 +105,24 @@ int main(int argc, char** argv) {
   std::string command = argv[1];
   int first_flag = 2;
   if ((command == "catalog" || command == "inventory") && argc > 2) {
-    command += std::string(" ") + argv[2];  // "catalog status", "catalog dump", "inventory dump"
+    command += std::string(" ") + argv[2];  // "catalog status", "catalog dump", "catalog placement", "inventory dump"
     first_flag = 3;
   }
   orbitkv::client::ClientOptions options;
   options.timeout = std::chrono::milliseconds(3000);
   bool json = false;
   long shard = -1;
+  std::string change;  // "add NODE" or "remove NODE" (catalog placement)
   for (int i = first_flag; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--json") {
       json = true;
+    } else if ((arg == "--add" || arg == "--remove") && i + 1 < argc && command == "catalog placement") {
+      if (!change.empty()) {
+        fmt::print(stderr, "orbitkv: catalog placement takes one --add or --remove at a time\n");
+        return 2;
+      }
+      change = arg.substr(2) + " " + argv[++i];
     } else if (arg == "--socket" && i + 1 < argc) {
       options.socket_path = argv[++i];
     } else if (arg == "--shard" && i + 1 < argc) {
@@ -124,7 +138,8 @@ int main(int argc, char** argv) {
     }
   }
   const bool dump = command == "catalog dump" || command == "inventory dump";
-  if (command != "status" && command != "stats" && command != "catalog status" && !dump) {
+  if (command != "status" && command != "stats" && command != "catalog status" && command != "catalog placement" &&
+      !dump) {
     fmt::print(stderr, "orbitkv: unknown command '{}'\n{}", command, kUsage);
     return 2;
   }
@@ -137,17 +152,19 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "orbitkv: {}\n", client.status().message());
     return 1;
   }
-  if (dump || command == "catalog status") {
+  if (dump || command == "catalog status" || command == "catalog placement") {
     using orbitkv::channel::DumpKind;
-    const DumpKind kind = command == "inventory dump" ? DumpKind::kInventory
-                          : command == "catalog dump" ? DumpKind::kCatalog
-                                                      : DumpKind::kCatalogStatus;
+    const DumpKind kind = command == "inventory dump"      ? DumpKind::kInventory
+                          : command == "catalog dump"      ? DumpKind::kCatalog
+                          : command == "catalog placement" ? (change.empty() ? DumpKind::kPlacement
+                                                                             : DumpKind::kPlacementChange)
+                                                           : DumpKind::kCatalogStatus;
     if (kind == DumpKind::kCatalogStatus) {
       fmt::print("shard owners records bytes coverage lag_ms last_repair_s_ago\n");
     }
     uint64_t first = 0;
     do {  // page by page: a reply slot holds 64 KiB
-      auto page = (*client)->Dump(kind, static_cast<uint32_t>(std::max(shard, 0L)), first);
+      auto page = (*client)->Dump(kind, static_cast<uint32_t>(std::max(shard, 0L)), first, change);
       if (!page.ok()) {
         fmt::print(stderr, "orbitkv: {}\n", page.status().message());
         return 1;

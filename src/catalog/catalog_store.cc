@@ -353,13 +353,11 @@ CatalogReply CatalogStore::Handle(const CatalogMessage& message) {
       message);
 }
 
-size_t CatalogStore::DropDeadOwners() {
-  if (!options_.owner_live) return 0;
-  MutexLock lock(&mu_);
+size_t CatalogStore::DropSlicesWhere(const std::function<bool(const SliceKey&, const Slice&)>& drop) {
   size_t dropped = 0;
   for (auto it = slices_.begin(); it != slices_.end();) {
-    if (options_.owner_live(it->first.second, it->second.owner_runtime) != std::optional<bool>(false)) {
-      ++it;  // live, or unknown (an incomplete member view drops nothing)
+    if (!drop(it->first, it->second)) {
+      ++it;
       continue;
     }
     AbortBuilding(it->second);
@@ -368,6 +366,21 @@ size_t CatalogStore::DropDeadOwners() {
     ++dropped;
   }
   return dropped;
+}
+
+size_t CatalogStore::DropUnhosted() {
+  if (!options_.hosts) return 0;
+  MutexLock lock(&mu_);
+  return DropSlicesWhere([this](const SliceKey& key, const Slice&) { return !options_.hosts(key.first); });
+}
+
+size_t CatalogStore::DropDeadOwners() {
+  if (!options_.owner_live) return 0;
+  MutexLock lock(&mu_);
+  // Live, or unknown (an incomplete member view drops nothing), stays.
+  return DropSlicesWhere([this](const SliceKey& key, const Slice& slice) {
+    return options_.owner_live(key.second, slice.owner_runtime) == std::optional<bool>(false);
+  });
 }
 
 CatalogStore::LiveOwners CatalogStore::ReadLiveOwners() const {
@@ -396,7 +409,13 @@ bool CatalogStore::ShardComplete(uint32_t shard, const LiveOwners& live) const {
 std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
   MutexLock lock(&mu_);
   std::map<uint32_t, ShardStatus> shards;
-  for (uint32_t shard : options_.shards) shards[shard].shard = shard;
+  if (options_.hosts) {
+    for (uint32_t shard = 0; shard < options_.num_shards; ++shard) {
+      if (options_.hosts(shard)) shards[shard].shard = shard;
+    }
+  } else {
+    for (uint32_t shard : options_.shards) shards[shard].shard = shard;
+  }
   for (const auto& [key, slice] : slices_) {
     ShardStatus& s = shards[key.first];
     s.shard = key.first;

@@ -55,6 +55,10 @@ class CatalogStore {
     // The shards placed on this host: Status reports each of them, those without any slice too. Empty: the
     // shards that have slices.
     std::vector<uint32_t> shards;
+    // Issue 55: whether this host keeps a copy of `shard` now (the placement changes online): Status reports each
+    // such shard (of num_shards), and DropUnhosted drops the slices of the others. Null: `shards` decides. Called
+    // under the store's lock.
+    std::function<bool(uint32_t shard)> hosts;
     // Called (under the store's lock: keep it short) when a stream's evidence became visible through
     // sequence `through` (from `from` + 1): a delta applied or a snapshot installed. For lag measurements.
     std::function<void(const StreamId& stream, uint64_t from, uint64_t through)> on_visible;
@@ -73,6 +77,9 @@ class CatalogStore {
 
   // Drops the slices of owners that are no longer live; returns how many.
   size_t DropDeadOwners() EXCLUDES(mu_);
+  // Drops the slices of shards this host no longer keeps a copy of (options.hosts: a retired copy after a placement
+  // change); returns how many.
+  size_t DropUnhosted() EXCLUDES(mu_);
 
   struct ShardStatus {
     uint32_t shard = 0;
@@ -179,6 +186,8 @@ class CatalogStore {
   std::optional<CatalogReply> AddToBuilding(Slice& slice, const std::vector<CatalogRecord>& records)
       REQUIRES(mu_);
   void AbortBuilding(Slice& slice) REQUIRES(mu_);
+  // Drops (and uncharges) every slice `drop` picks; returns how many.
+  size_t DropSlicesWhere(const std::function<bool(const SliceKey&, const Slice&)>& drop) REQUIRES(mu_);
   void DropView(Slice& slice) REQUIRES(mu_);
 
   const Options options_;

@@ -114,10 +114,11 @@ grpc::Status PeerService::CatalogStatus(grpc::ServerContext* context, const peer
     return ToGrpc(Status::FailedPrecondition(
         fmt::format("catalog shard {} is not placed on node '{}'", shard, self_.Get().node_id)));
   }
-  if (request->generation() != options_.placement_generation) {
-    return ToGrpc(Status::FailedPrecondition(
-        fmt::format("node '{}' runs placement generation {}, not {}", self_.Get().node_id,
-                    options_.placement_generation, request->generation())));
+  const bool serves = options_.serves_generation ? options_.serves_generation(request->generation())
+                                                 : request->generation() == 1;
+  if (!serves) {
+    return ToGrpc(Status::FailedPrecondition(fmt::format("node '{}' does not serve placement generation {} now",
+                                                         self_.Get().node_id, request->generation())));
   }
   for (const CatalogStore::OwnerSlice& slice : options_.catalog->Slices(shard)) {
     peer::v1::OwnerSliceStatus* owner = response->add_owners();

@@ -35,8 +35,9 @@ class PeerService final : public peer::v1::Peer::Service {
     // The catalog shards placed on this Manager are kept here (null: it hosts none).
     CatalogStore* catalog = nullptr;
     std::function<bool(uint32_t shard)> hosts_shard;
-    // The placement generation this Manager runs (CatalogStatus answers about it only).
-    int64_t placement_generation = 1;
+    // Whether this Manager serves the copies of placement generation `generation` now (CatalogStatus answers about
+    // those only: the committed generation, and the next one while a change is in progress). Null: generation 1.
+    std::function<bool(int64_t generation)> serves_generation;
     // The source side of remote fetches (null: this Manager grants nothing).
     SourceHolds* source = nullptr;
     // Why remote work is off here now (empty: it is on). New grants are refused while it is off; releases are not.
@@ -65,8 +66,8 @@ class PeerService final : public peer::v1::Peer::Service {
   // One message of an owner's stream for a shard placed here (FAILED_PRECONDITION for another shard).
   grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest* request,
                        peer::v1::CatalogResponse* response) override;
-  // What the copy of a shard placed here holds, owner by owner (FAILED_PRECONDITION for another shard or another
-  // placement generation than this Manager's).
+  // What the copy of a shard placed here holds, owner by owner (FAILED_PRECONDITION for another shard or a
+  // placement generation this Manager does not serve now).
   grpc::Status CatalogStatus(grpc::ServerContext* context, const peer::v1::CatalogStatusRequest* request,
                              peer::v1::CatalogStatusResponse* response) override;
 

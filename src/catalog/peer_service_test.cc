@@ -32,7 +32,7 @@ class PeerServiceTest : public ::testing::Test {
     options.capabilities = {"health"};
     options.catalog = &store_;
     options.hosts_shard = [](uint32_t shard) { return shard == 3; };
-    options.placement_generation = 1;
+    options.serves_generation = [](int64_t generation) { return generation == 1; };
     service_ = std::make_unique<PeerService>(options, &view_);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -132,7 +132,7 @@ TEST_F(PeerServiceTest, CatalogStatusReportsEachOwnersBaselineAndSequence) {
   EXPECT_EQ(ask(4, 1, FromA(), &response).code(), StatusCode::kFailedPrecondition);
   const Status generation = ask(3, 2, FromA(), &response);
   EXPECT_EQ(generation.code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(generation.message().find("runs placement generation 1, not 2"), std::string::npos) << generation;
+  EXPECT_NE(generation.message().find("does not serve placement generation 2"), std::string::npos) << generation;
   peer::v1::RouteHeader stranger = FromA();
   stranger.set_source_node_id("mallory");
   EXPECT_EQ(ask(3, 1, stranger, &response).code(), StatusCode::kPermissionDenied);

@@ -10,7 +10,7 @@ peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberR
   peer::v1::RouteHeader route;
   route.set_protocol_version(kPeerProtocolVersion);
   route.set_cluster(self.cluster);
-  route.set_placement_fingerprint(self.placement_fingerprint);
+  route.set_placement_fingerprint(self.current_placement ? self.current_placement() : self.placement_fingerprint);
   route.set_destination_node_id(destination.node_id);
   route.set_destination_runtime_uuid(destination.runtime_uuid);
   route.set_source_node_id(self.node_id);
@@ -37,10 +37,12 @@ Status CheckAddress(const peer::v1::RouteHeader& route, const PeerIdentity& self
     return Status::FailedPrecondition(fmt::format("request addressed to node '{}', this is node '{}'",
                                                   route.destination_node_id(), self.node_id));
   }
-  if (route.placement_fingerprint() != self.placement_fingerprint) {
+  const bool accepted = self.accepts_placement ? self.accepts_placement(route.placement_fingerprint())
+                                               : route.placement_fingerprint() == self.placement_fingerprint;
+  if (!accepted) {
     return Status::FailedPrecondition(fmt::format(
-        "placement mismatch: the sender routes by placement {}, this Manager by {}",
-        route.placement_fingerprint(), self.placement_fingerprint));
+        "placement mismatch: the sender routes by placement {}, this Manager by {}", route.placement_fingerprint(),
+        self.current_placement ? self.current_placement() : self.placement_fingerprint));
   }
   return Status::Ok();
 }

@@ -6,8 +6,10 @@
 #define ORBITKV_CATALOG_ROUTE_H_
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "base/status.h"
@@ -31,6 +33,11 @@ struct PeerIdentity {
   std::string runtime_uuid;
   int64_t epoch = 0;
   std::string placement_fingerprint;
+  // Issue 55: the placement changes online. When set, the fingerprint requests carry now (instead of
+  // placement_fingerprint), and the placements whose requests this Manager serves (its committed one, the next one
+  // while a change is in progress, the previous one until the change's record goes: live_placement.h).
+  std::function<std::string()> current_placement;
+  std::function<bool(std::string_view fingerprint)> accepts_placement;
 };
 
 // This Manager's identity as its peer parts use it now: a new runtime UUID and epoch after each

@@ -857,7 +857,8 @@ Result<std::string> CacheClient::Stats() {
   return json;
 }
 
-Result<CacheClient::DumpPage> CacheClient::Dump(channel::DumpKind kind, uint32_t shard, uint64_t first) {
+Result<CacheClient::DumpPage> CacheClient::Dump(channel::DumpKind kind, uint32_t shard, uint64_t first,
+                                                std::string_view request) {
   if (first > 0xffffffffu) return Status::InvalidArgument("a dump page starts below 2^32 records");
   Descriptor d{};
   d.opcode = static_cast<uint16_t>(channel::Opcode::kDump);
@@ -865,7 +866,9 @@ Result<CacheClient::DumpPage> CacheClient::Dump(channel::DumpKind kind, uint32_t
   d.arg1 = (static_cast<uint64_t>(shard) << 32) | first;
   DumpPage page;
   MutexLock lock(&control_mu_);
-  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, Call(d, {}, &page.text));
+  ORBITKV_ASSIGN_OR_RETURN(
+      channel::InboundReply reply,
+      Call(d, std::span(reinterpret_cast<const uint8_t*>(request.data()), request.size()), &page.text));
   page.total = reply.descriptor.arg0;
   page.next = reply.descriptor.arg1;
   return page;

@@ -264,7 +264,8 @@ class CacheClient {
     uint64_t total = 0;
     uint64_t next = 0;
   };
-  Result<DumpPage> Dump(channel::DumpKind kind, uint32_t shard, uint64_t first);
+  // `request` is the request payload (kPlacementChange: "add NODE" or "remove NODE"; empty otherwise).
+  Result<DumpPage> Dump(channel::DumpKind kind, uint32_t shard, uint64_t first, std::string_view request = {});
   // Round trip with no work; returns the Manager's incarnation.
   Result<uint64_t> Ping();
 

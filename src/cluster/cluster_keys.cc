@@ -51,7 +51,7 @@ std::string ReconcilerLeaderKey(std::string_view cluster) { return ClusterPrefix
 std::string ViewRangeBegin(std::string_view cluster) { return MembersPrefix(cluster); }
 
 std::string ViewRangeEnd(std::string_view cluster) {
-  std::string end = PlacementKey(cluster);
+  std::string end = ReconcilerLeaderKey(cluster);
   end.push_back('\0');
   return end;
 }

@@ -127,7 +127,8 @@ Membership::Membership(MembershipOptions options, MetricsRegistry* metrics,
     : options_(std::move(options)),
       metrics_(metrics),
       client_(std::move(client)),
-      placement_(std::move(placement)) {
+      configured_(placement),
+      live_(std::move(placement)) {
   registered_gauge_ = &metrics_->GetGauge(
       "orbitkv_membership_registered", "1 while this Manager holds a valid registration, else 0");
   epoch_gauge_ = &metrics_->GetGauge("orbitkv_membership_epoch",
@@ -151,11 +152,16 @@ Status Membership::Join(Deadline deadline) {
                       "Membership::Join called twice");
     self = self_;
   }
-  ORBITKV_ASSIGN_OR_RETURN(
-      int64_t placement_revision,
-      InstallOrVerifyPlacement(*client_, options_.cluster_name, *placement_, deadline));
-  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<RegistrationClock> clock,
-                           Register(placement_revision, deadline, &self));
+  // A placement change that commits between reading the placement and registering fails the registration's
+  // compare (Aborted): read it again.
+  Result<std::unique_ptr<RegistrationClock>> registered = Status::Aborted("not tried");
+  for (int attempt = 0; attempt < 3 && registered.status().code() == StatusCode::kAborted; ++attempt) {
+    ORBITKV_ASSIGN_OR_RETURN(
+        int64_t placement_revision,
+        JoinPlacement(*client_, options_.cluster_name, configured_, &live_, /*initial=*/true, deadline));
+    registered = Register(placement_revision, deadline, &self);
+  }
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<RegistrationClock> clock, std::move(registered));
   RegistrationClock* current = clock.get();
   {
     MutexLock lock(&mu_);
@@ -175,13 +181,13 @@ Status Membership::Join(Deadline deadline) {
   ORBITKV_LOG_INFO("cluster {}: registered node {} epoch {} uuid {} lease {:x} (TTL {} s)",
                    options_.cluster_name, options_.node_id, self.record.epoch,
                    self.record.runtime_uuid, self.lease_id, lease_ttl_secs());
-  if (placement_->reduced_coverage()) {
+  if (const Placement placement = live_.Get()->committed; placement.reduced_coverage()) {
     ORBITKV_LOG_WARN("cluster {}: reduced failure coverage: each catalog shard has {} cop{} ({} asked for, {} "
                      "catalog node{}); give --catalog-nodes at least 3 nodes and --catalog-replicas 3 so that a "
                      "lost catalog host loses no shard",
-                     options_.cluster_name, placement_->replicas(), placement_->replicas() == 1 ? "y" : "ies",
-                     placement_->requested_replicas(), placement_->catalog_nodes().size(),
-                     placement_->catalog_nodes().size() == 1 ? "" : "s");
+                     options_.cluster_name, placement.replicas(), placement.replicas() == 1 ? "y" : "ies",
+                     placement.requested_replicas(), placement.catalog_nodes().size(),
+                     placement.catalog_nodes().size() == 1 ? "" : "s");
   }
   return Status::Ok();
 }
@@ -207,7 +213,9 @@ void Membership::StartIncarnation(const Member& self, RegistrationClock* clock) 
   };
   view_options.cluster = options_.cluster_name;
   view_options.self = self;
-  view_options.placement = placement_->Encode();
+  view_options.on_placement = [this](const std::map<std::string, std::string>& records) {
+    return live_.Apply(records);
+  };
   view_options.metrics = metrics_;
   view_options.on_installed = options_.on_view_installed;
   view_options.on_fence = [this, clock](const std::string& reason, bool final) {
@@ -372,8 +380,10 @@ Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placemen
     Result<etcdserverpb::RangeResponse> placement = client_->Range(read_placement, deadline);
     if (placement.ok() &&
         (placement->kvs_size() != 1 || placement->kvs(0).mod_revision() != placement_revision)) {
-      status = Status::FailedPrecondition(fmt::format(
-          "placement record of cluster '{}' changed during join", options_.cluster_name));
+      status = Status::Aborted(fmt::format(
+          "placement record of cluster '{}' changed during the registration (a placement change committed); "
+          "reading it again",
+          options_.cluster_name));
       break;
     }
   }
@@ -536,7 +546,7 @@ Status Membership::Reregister(Deadline deadline) {
   }
   ORBITKV_ASSIGN_OR_RETURN(
       int64_t placement_revision,
-      InstallOrVerifyPlacement(*client_, options_.cluster_name, *placement_, deadline));
+      JoinPlacement(*client_, options_.cluster_name, configured_, &live_, /*initial=*/false, deadline));
   self.lease_id = 0;
   {
     // One candidate UUID for every attempt until one registers it (own_uuids_ does not grow with each retry).
@@ -627,7 +637,7 @@ Result<Member> Membership::ResolveShardOwner(uint32_t shard) const {
     return Status::Unavailable(
         fmt::format("remote work is disabled: membership is {}", MembershipStateName(state())));
   }
-  return placement_->ResolveOwner(shard, view_);
+  return live_.Get()->committed.ResolveOwner(shard, view_);
 }
 
 MembershipState Membership::state() const {
@@ -662,14 +672,41 @@ MembershipStatus Membership::GetStatus() const {
     status.registration_remaining =
         std::chrono::duration_cast<std::chrono::milliseconds>(clock->valid_until() - now);
   }
-  status.placement_fingerprint = placement_->fingerprint();
+  status.placement_fingerprint = live_.Get()->committed.fingerprint();
   status.view = view_.Read();
   status.remote_work_allowed = status.registration_valid && status.view.complete;
   return status;
 }
 
+namespace {
+
+// ", changing to generation G+1 (...): N shard(s) moving, M ready" and the like, or "".
+std::string PlacementChangeLine(const LivePlacement::State& live) {
+  std::string line;
+  if (live.transition.has_value()) {
+    const PlacementTransition& t = *live.transition;
+    line = fmt::format(", change to generation {} ({}) {}", t.from_generation + 1, fmt::join(t.to_nodes, ","),
+                       PlacementPhaseName(t.phase));
+    if (t.phase == PlacementTransition::Phase::kMoving) {
+      line += fmt::format(": {} shard(s) moving, {} ready, {} waiting", t.CountIn(ShardMove::State::kMoving),
+                          t.CountIn(ShardMove::State::kReady), t.CountIn(ShardMove::State::kWaiting));
+    } else if (!t.reason.empty()) {
+      line += fmt::format(" ({})", t.reason);
+    }
+  }
+  if (live.request.has_value()) {
+    line += fmt::format("; requested: {}", fmt::join(live.request->catalog_nodes, ","));
+  }
+  if (!live.leader.empty()) line += fmt::format("; reconciler {}", live.leader);
+  return line;
+}
+
+}  // namespace
+
 std::string Membership::StatusText() const {
   const MembershipStatus s = GetStatus();
+  const std::shared_ptr<const LivePlacement::State> live = live_.Get();
+  const Placement& placement = live->committed;
   std::string out = fmt::format(
       "membership: {}{} for {:.1f} s\n  cluster {} node {} epoch {} uuid {}\n  endpoint {} lease {:x} "
       "ttl {} s, valid for {} ms\n  placement {} catalog nodes {}, {} copies a shard{}\n  view: {} at "
@@ -678,10 +715,11 @@ std::string Membership::StatusText() const {
       static_cast<double>(s.since.count()) / 1000, s.self.cluster, s.self.node_id, s.self.epoch,
       s.self.runtime_uuid, s.self.endpoint, s.lease_id, s.lease_ttl_secs,
       s.registration_remaining.count(), s.placement_fingerprint,
-      fmt::join(placement_->catalog_nodes(), ","), placement_->replicas(),
-      placement_->reduced_coverage() ? " (reduced failure coverage)" : "",
+      fmt::join(placement.catalog_nodes(), ","), placement.replicas(),
+      placement.reduced_coverage() ? " (reduced failure coverage)" : "",
       s.view.complete ? "complete" : "incomplete",
       s.view.revision, s.view.members.size(), s.remote_work_allowed ? "allowed" : "disabled");
+  out += fmt::format("  placement generation {}{}\n", placement.generation(), PlacementChangeLine(*live));
   if (s.state == MembershipState::kExpired && options_.reregister) {
     out += fmt::format("  registering again: attempt {}{}\n", s.attempts,
                        s.last_error.empty() ? "" : fmt::format(", last error: {}", s.last_error));

@@ -17,8 +17,8 @@
 //     Node ID held by one of this Membership's own earlier UUIDs is cleared the same way.
 //   - it is fenced (kFenced), for good: another runtime registered the Node ID (own record
 //     replaced, or held by a runtime that is not one of ours when registering again), the
-//     placement changed, or the etcd cluster changed. A fenced Manager stays fenced until it
-//     restarts.
+//     placement regressed (a newer generation is adopted: issue 55, live_placement.h), or the etcd
+//     cluster changed. A fenced Manager stays fenced until it restarts.
 // What stays across registrations: the Node ID, the peer endpoint, the placement and the
 // MemberView object (incomplete between them); what changes: the epoch, the runtime UUID and the
 // lease.
@@ -51,6 +51,7 @@
 #include "base/thread_annotations.h"
 #include "cluster/member_record.h"
 #include "cluster/member_view.h"
+#include "cluster/live_placement.h"
 #include "cluster/placement.h"
 
 namespace orbitkv::cluster {
@@ -112,7 +113,7 @@ enum class MembershipState : uint8_t {
   kNotJoined,   // Before Join(), or Join() failed.
   kRegistered,  // Lease held; valid while the RegistrationClock says so.
   kExpired,     // Lapsed (keepalives unacknowledged, lease or own record lost): registering again.
-  kFenced,      // For good: Node ID taken by another runtime, placement or etcd cluster changed.
+  kFenced,      // For good: Node ID taken by another runtime, placement regressed or etcd cluster changed.
   kStopped,     // Shutdown() ran.
 };
 std::string_view MembershipStateName(MembershipState state);
@@ -171,7 +172,10 @@ class Membership {
   MembershipStatus GetStatus() const;
   // Multi-line text for `orbitkv status`.
   std::string StatusText() const;
-  const Placement& placement() const { return *placement_; }
+  // The committed catalog placement now (a copy: it changes online, issue 55).
+  Placement placement() const { return live_.Get()->committed; }
+  // The placement and any change in progress, as the member view's watch delivers them.
+  const LivePlacement& live_placement() const { return live_; }
   // This runtime's current cluster identity (valid after Join(); a new one after each recovery).
   MemberRecord self() const;
   EtcdClient& etcd() { return *client_; }
@@ -203,7 +207,8 @@ class Membership {
   const MembershipOptions options_;
   MetricsRegistry* const metrics_;
   std::unique_ptr<EtcdClient> client_;
-  const std::optional<Placement> placement_;
+  const Placement configured_;  // --catalog-nodes, --catalog-replicas (generation 1)
+  LivePlacement live_;
   Gauge* registered_gauge_;
   Gauge* epoch_gauge_;
 

@@ -1,11 +1,13 @@
 // Membership against a real etcd: registration, epochs, duplicate Node IDs, expiry after kill -9,
 // fencing, placement, etcd restarts and the no-etcd-call guarantee of the cache-operation path.
 #include "cluster/membership.h"
+#include "cluster/placement_transition.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <mutex>
 #include <thread>
 
@@ -280,6 +282,60 @@ TEST_F(MembershipTest, PlacementChangeFencesEveryMember) {
       RawPut(PlacementKey(cluster_), Placement::Create({"node-a", "node-z"})->Encode()).ok());
   ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kFenced; }));
   EXPECT_NE(a->GetStatus().reason.find("placement"), std::string::npos) << a->GetStatus().reason;
+}
+
+// Issue 55: a committed placement of the next generation is adopted without fencing, through the watch alone; a
+// Manager started later with the old --catalog-nodes joins and follows the installed generation; one started with
+// a set the cluster never had at generation 1 is still refused.
+TEST_F(MembershipTest, ANewerPlacementGenerationIsAdoptedAndLaterJoinsFollowIt) {
+  MetricsRegistry ma, mb, mc;
+  auto a = Join(Options("node-a", {"node-a"}), &ma);
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
+  const Placement next = Placement::Create({"node-a", "node-b"}, kDefaultCatalogReplicas, 2).value();
+  ASSERT_TRUE(RawPut(PlacementKey(cluster_), next.Encode()).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->placement().generation() == 2; }));
+  EXPECT_EQ(a->state(), MembershipState::kRegistered);
+  EXPECT_EQ(a->placement().catalog_nodes(), next.catalog_nodes());
+  EXPECT_NE(a->StatusText().find("placement generation 2"), std::string::npos) << a->StatusText();
+  auto b = Join(Options("node-b", {"node-a"}), &mb);  // the flags of generation 1
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->placement(), next);
+  EXPECT_EQ(b->GetStatus().placement_fingerprint, a->GetStatus().placement_fingerprint);
+  // Back to generation 1: a regression, every member fences.
+  ASSERT_TRUE(RawPut(PlacementKey(cluster_), Placement::Create({"node-a"}).value().Encode()).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kFenced && b->state() == MembershipState::kFenced; }));
+  EXPECT_NE(a->GetStatus().reason.find("went back"), std::string::npos) << a->GetStatus().reason;
+}
+
+// Issue 55: a Manager joining while a change moves adopts the committed placement and the change: its owner
+// streams go to both generations' copies of a moving shard, and it serves the next generation's routes. Started with
+// the set the cluster is changing to, it joins too (that is the set it will have).
+TEST_F(MembershipTest, AMemberJoiningMidTransitionAdoptsTheChangeInProgress) {
+  MetricsRegistry ma, mb;
+  auto a = Join(Options("node-a", {"node-a", "node-b", "node-c"}), &ma);
+  ASSERT_TRUE(a);
+  const Placement from = a->placement();
+  const Placement to = Placement::Create({"node-a", "node-b", "node-c", "node-d"}, kDefaultCatalogReplicas, 2).value();
+  PlacementTransition t = PlacementTransition::Start(from, to, "node-a/x", 1);
+  uint32_t moving = kNumShards;
+  for (uint32_t shard = 0; shard < kNumShards && moving == kNumShards; ++shard) {
+    if (!PlacementTransition::NewCopies(from, to, shard).empty()) moving = shard;
+  }
+  ASSERT_LT(moving, kNumShards);
+  t.shards[moving].state = ShardMove::State::kMoving;
+  ASSERT_TRUE(RawPut(PlacementTransitionKey(cluster_), t.Encode()).ok());
+  ASSERT_TRUE(WaitUntil([&] { return a->live_placement().Get()->moving(); }));
+  auto d = Join(Options("node-d", {"node-a", "node-b", "node-c", "node-d"}), &mb);
+  ASSERT_TRUE(d);
+  const auto live = d->live_placement().Get();
+  EXPECT_EQ(live->committed, from);
+  ASSERT_TRUE(live->moving());
+  const std::vector<std::string> publish = live->PublishCopies(moving);
+  EXPECT_NE(std::find(publish.begin(), publish.end(), "node-d"), publish.end());
+  EXPECT_TRUE(live->Accepts(to.fingerprint()));
+  EXPECT_TRUE(live->Hosts(moving, "node-d"));
+  EXPECT_EQ(d->state(), MembershipState::kRegistered);
 }
 
 TEST_F(MembershipTest, EtcdStoppedAndRestartedRepairsTheView) {

@@ -37,6 +37,16 @@ constexpr std::string_view kDidNames[] = {"nothing", "not leader", "started", "a
 
 std::string_view ReconcilerDidName(PlacementReconciler::Did did) { return kDidNames[static_cast<int>(did)]; }
 
+Result<bool> SubmitPlacementRequest(EtcdClient& etcd, std::string_view cluster, const PlacementRequest& request,
+                                    Deadline deadline) {
+  const std::string key = PlacementRequestKey(cluster);
+  etcdserverpb::TxnRequest txn;
+  AddCompare(&txn, key, etcdserverpb::Compare::CREATE)->set_create_revision(0);
+  Put(&txn, key, request.Encode());
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::TxnResponse response, etcd.Txn(txn, deadline));
+  return response.succeeded();
+}
+
 // ---- Leadership -----------------------------------------------------------------------------------------------
 
 ReconcilerLeadership::ReconcilerLeadership(EtcdClient* etcd, std::string cluster, std::string self,

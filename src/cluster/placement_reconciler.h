@@ -147,6 +147,11 @@ class PlacementReconciler {
 
 std::string_view ReconcilerDidName(PlacementReconciler::Did did);
 
+// Writes the operator's request unless one waits already (one transaction, create-only): false when one does.
+// etcd errors as the client returns them.
+Result<bool> SubmitPlacementRequest(EtcdClient& etcd, std::string_view cluster, const PlacementRequest& request,
+                                    Deadline deadline);
+
 }  // namespace orbitkv::cluster
 
 #endif  // ORBITKV_CLUSTER_PLACEMENT_RECONCILER_H_

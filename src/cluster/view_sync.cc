@@ -9,6 +9,7 @@
 #include "cluster/bidi_stream.h"
 #include "cluster/cluster_keys.h"
 #include "cluster/etcd_client.h"
+#include "cluster/live_placement.h"
 
 namespace orbitkv::cluster {
 namespace {
@@ -27,7 +28,7 @@ ViewSync::ViewSync(EtcdClient* client, MemberView* view, Options options)
       range_begin_(ViewRangeBegin(options_.cluster)),
       range_end_(ViewRangeEnd(options_.cluster)),
       members_prefix_(MembersPrefix(options_.cluster)),
-      placement_key_(PlacementKey(options_.cluster)),
+      cluster_prefix_(ClusterPrefix(options_.cluster)),
       metrics_(options_.metrics),
       cluster_id_(options_.etcd_cluster_id) {
   ORBITKV_CHECK(metrics_ != nullptr);
@@ -119,9 +120,27 @@ Result<Member> ViewSync::DecodeMember(std::string_view node_id, const std::strin
   return Member{std::move(record).value(), lease, create_revision, mod_revision};
 }
 
+std::optional<std::string> ViewSync::PlacementRecordName(const std::string& key) const {
+  if (!key.starts_with(cluster_prefix_)) return std::nullopt;
+  const std::string_view name = std::string_view(key).substr(cluster_prefix_.size());
+  if (name == kPlacementRecordName || name == kTransitionRecordName || name == kRequestRecordName ||
+      name == kLeaderRecordName) {
+    return std::string(name);
+  }
+  return std::nullopt;
+}
+
+bool ViewSync::DeliverPlacement() {
+  if (!options_.on_placement) return true;
+  const std::string why = options_.on_placement(placement_records_);
+  if (why.empty()) return true;
+  Fence(why, /*final=*/true);
+  return false;
+}
+
 Result<int64_t> ViewSync::TakeSnapshot() {
   std::map<std::string, Member> members;
-  std::optional<std::string> placement;
+  std::map<std::string, std::string> placement;
   int64_t revision = 0;
   std::string cursor = range_begin_;
   while (true) {
@@ -136,8 +155,8 @@ Result<int64_t> ViewSync::TakeSnapshot() {
     if (!CheckClusterId(page.header())) return Status::Aborted("fenced");
     if (revision == 0) revision = page.header().revision();
     for (const mvccpb::KeyValue& kv : page.kvs()) {
-      if (kv.key() == placement_key_) {
-        placement = kv.value();
+      if (std::optional<std::string> name = PlacementRecordName(kv.key())) {
+        placement[*name] = kv.value();
         continue;
       }
       if (!kv.key().starts_with(members_prefix_))
@@ -158,12 +177,8 @@ Result<int64_t> ViewSync::TakeSnapshot() {
     cursor.push_back('\0');
   }
 
-  if (options_.placement.has_value() && placement != options_.placement) {
-    Fence(placement.has_value() ? fmt::format("placement record changed to {}", *placement)
-                                : std::string("placement record was removed"),
-          /*final=*/true);
-    return Status::Aborted("fenced");
-  }
+  placement_records_ = std::move(placement);
+  if (!DeliverPlacement()) return Status::Aborted("fenced");
   if (options_.self.has_value()) {
     const Member& self = *options_.self;
     auto it = members.find(self.record.node_id);
@@ -192,17 +207,18 @@ Result<int64_t> ViewSync::TakeSnapshot() {
 bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
   std::vector<MemberView::Change> changes;
   int64_t revision = 0;
+  bool placement_changed = false;
   for (const mvccpb::Event& event : response.events()) {
     const mvccpb::KeyValue& kv = event.kv();
     const bool deleted = event.type() == mvccpb::Event::DELETE;
     revision = std::max(revision, kv.mod_revision());
-    if (kv.key() == placement_key_) {
-      if (options_.placement.has_value() && (deleted || kv.value() != *options_.placement)) {
-        Fence(deleted ? std::string("placement record was removed")
-                      : fmt::format("placement record changed to {}", kv.value()),
-              /*final=*/true);
-        return false;
+    if (std::optional<std::string> name = PlacementRecordName(kv.key())) {
+      if (deleted) {
+        placement_records_.erase(*name);
+      } else {
+        placement_records_[*name] = kv.value();
       }
+      placement_changed = true;
       continue;
     }
     if (!kv.key().starts_with(members_prefix_)) continue;
@@ -235,6 +251,7 @@ bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
     }
     changes.emplace_back(node, std::move(member));
   }
+  if (placement_changed && !DeliverPlacement()) return false;
   if (changes.empty()) return true;
   if (!view_->Apply(changes, revision)) {
     Invalidate("overflow");

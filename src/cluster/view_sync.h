@@ -11,9 +11,9 @@
 //
 // When it guards a registration (Options::self), ViewSync also fences: the registration's own
 // record missing or deleted (final = false: the lease lapsed, the registration can be made
-// again), or rewritten with another epoch, lease or UUID, the placement record changed or removed,
-// or the etcd cluster ID changed (final = true: another runtime or another cluster) all call
-// on_fence once and end Run().
+// again), or rewritten with another epoch, lease or UUID, the placement record regressed or removed
+// (on_placement says so; a newer generation is adopted, issue 55), or the etcd cluster ID changed
+// (final = true: another runtime or another cluster) all call on_fence once and end Run().
 //
 // Thread safety: Run() on one thread; Stop() from any thread, and it makes Run() return promptly.
 #ifndef ORBITKV_CLUSTER_VIEW_SYNC_H_
@@ -51,8 +51,11 @@ class ViewSync {
     std::string cluster;
     // The registration this view guards, or nullopt for an observer that only watches.
     std::optional<Member> self;
-    // Canonical placement record that must stay installed, or nullopt to ignore the placement key.
-    std::optional<std::string> placement;
+    // Issue 55: called on the ViewSync thread with the placement records in the range (the committed placement, the
+    // transition, the request and the reconciler's leader key, by their names under the cluster prefix:
+    // live_placement.h) after every snapshot and every watch response that changed one of them. Returns "" or the
+    // reason to fence (final: a regression of the placement). Empty: the placement keys are ignored.
+    std::function<std::string(const std::map<std::string, std::string>& records)> on_placement;
     // etcd cluster ID seen at registration; 0 adopts the first one seen.
     uint64_t etcd_cluster_id = 0;
     // Called once, on the ViewSync thread, when the guarded registration must be fenced. Must not
@@ -101,7 +104,7 @@ class ViewSync {
   const std::string range_begin_;
   const std::string range_end_;
   const std::string members_prefix_;
-  const std::string placement_key_;
+  const std::string cluster_prefix_;
   Counter* snapshots_;
   Counter* rejected_malformed_;
   Counter* rejected_oversized_;
@@ -110,7 +113,13 @@ class ViewSync {
   Gauge* members_gauge_;
   MetricsRegistry* metrics_;
 
+  // Whether `key` is one of the placement records (and its name under the cluster prefix).
+  std::optional<std::string> PlacementRecordName(const std::string& key) const;
+  // Hands the placement records to on_placement; false when it fenced.
+  bool DeliverPlacement();
+
   // Owned by the Run() thread.
+  std::map<std::string, std::string> placement_records_;
   uint64_t cluster_id_ = 0;
   bool fenced_ = false;
 

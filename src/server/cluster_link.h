@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/metrics.h"
@@ -51,6 +52,10 @@ class ClusterLink {
   // RECORDS BYTES complete|incomplete LAG_MS LAST_REPAIR_S"); empty when this Manager hosts none.
   virtual std::vector<std::string> CatalogLines(uint32_t shard) const = 0;
   virtual std::vector<std::string> CatalogStatusLines() const = 0;
+  // `orbitkv catalog placement`: the placement, the reconciler and any change in progress (issue 55).
+  virtual std::vector<std::string> PlacementLines() const = 0;
+  // `orbitkv catalog placement --add/--remove NODE`: asks for a change (placement_driver.h); what was asked.
+  virtual Result<std::vector<std::string>> RequestPlacement(std::string_view verb, std::string_view node) = 0;
   // The remote stage of a Loading operation for `keys` (a chain's keys from where the local tiers
   // stop): none while remote work is off, or without a peer endpoint.
   virtual std::optional<LoadingStage> RemoteStage(std::vector<state::StateKey> keys) = 0;

@@ -15,6 +15,7 @@
 #include <map>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <thread>
 #include <sstream>
 
@@ -27,6 +28,7 @@
 #include "cluster/placement.h"
 #include "cluster/tls_files.h"
 #include "server/cluster_link.h"
+#include "server/placement_driver.h"
 #include "server/remote_fetch.h"
 #include "transfer/descriptor.h"
 #include "transfer/ucx_engine.h"
@@ -181,6 +183,15 @@ Result<std::string> EtcdPassword(const ManagerConfig& config) {
   return password;
 }
 
+// This Manager as its peers address it: the registration `self`, routing by the placement as it changes (issue 55).
+catalog::PeerIdentity PeerIdentityOf(const cluster::MemberRecord& self, const cluster::LivePlacement& live) {
+  catalog::PeerIdentity identity{self.cluster, self.node_id, self.runtime_uuid, self.epoch,
+                                 live.Get()->committed.fingerprint()};
+  identity.current_placement = [&live] { return live.Get()->committed.fingerprint(); };
+  identity.accepts_placement = [&live](std::string_view fingerprint) { return live.Get()->Accepts(fingerprint); };
+  return identity;
+}
+
 Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& config, const RuntimeId& runtime,
                                                         const cluster::Membership& membership,
                                                         const transfer::TransferEngine& transfer,
@@ -191,8 +202,7 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   auto listener = std::make_unique<PeerListener>();
   listener->address = config.peer_listen.empty() ? config.peer_endpoint : config.peer_listen;
   catalog::PeerService::Options options;
-  options.self = catalog::PeerIdentity{config.cluster_name, config.node_id, runtime.ToString(),
-                                       membership.GetStatus().self.epoch, membership.placement().fingerprint()};
+  options.self = PeerIdentityOf(membership.self(), membership.live_placement());
   options.incarnation = runtime.incarnation();
   options.ucx_worker_address = transfer.ListenAddress();
   options.capabilities = {"health", "transfer.am", "transfer.grants", "catalog.stream", "catalog.lookup",
@@ -201,9 +211,10 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
   options.source = source;
   options.remote_off = std::move(remote_off);
   options.require_node_certificates = tls != nullptr;  // issue 52: a peer is who its certificate says
-  options.placement_generation = membership.placement().generation();
-  options.hosts_shard = [&membership, node = config.node_id](uint32_t shard) {
-    return shard < cluster::kNumShards && membership.placement().Keeps(shard, node);
+  const cluster::LivePlacement* live = &membership.live_placement();
+  options.serves_generation = [live](int64_t generation) { return live->Get()->Serves(generation); };
+  options.hosts_shard = [live, node = config.node_id](uint32_t shard) {
+    return shard < cluster::kNumShards && live->Get()->Hosts(shard, node);
   };
   catalog::PeerDirectory::Options directory;
   directory.self = options.self;
@@ -238,17 +249,17 @@ Result<std::unique_ptr<PeerListener>> StartPeerListener(const ManagerConfig& con
 }
 
 // The catalog in this Manager (docs/catalog.md): the store for the shards placed here, one owner stream per
-// shard to its catalog host (this Manager's own store directly, others over orbitkv.peer.v1), and a maintenance
-// thread that drops the slices of owners the member view no longer holds and refreshes the metrics.
+// shard and copy (this Manager's own store directly, others over orbitkv.peer.v1), and a maintenance thread that
+// drops the slices of owners the member view no longer holds and refreshes the metrics. Issue 55: the placement
+// changes online, so the store is there on every Manager (a node added to the catalog set starts hosting without a
+// restart), the maintenance thread follows the live placement (owner streams to the copies of both generations
+// while a change moves, the slices of retired copies dropped) and the set of streams is made anew on each change.
 class CatalogNode {
  public:
   CatalogNode(const ManagerConfig& config, const RuntimeId& runtime, cluster::Membership& membership,
               core::ResidencyInventory* inventory, MetricsRegistry* metrics)
       : membership_(membership), inventory_(inventory), node_(config.node_id) {
-    for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
-      hosted_ += membership.placement().Keeps(shard, node_) ? 1 : 0;
-    }
-    if (hosted_ > 0) {
+    {
       catalog::CatalogStore::Options options;
       options.incarnation = runtime.incarnation();
       options.budget_bytes = config.catalog_budget_bytes;
@@ -268,9 +279,8 @@ class CatalogNode {
         for (const cluster::Member& m : snapshot.members) live.emplace_back(m.record.node_id, m.record.runtime_uuid);
         return live;
       };
-      for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
-        if (membership.placement().Keeps(shard, node_)) options.shards.push_back(shard);
-      }
+      const cluster::LivePlacement* live = &membership.live_placement();
+      options.hosts = [live, node = node_](uint32_t shard) { return live->Get()->Hosts(shard, node); };
       store_ = std::make_unique<catalog::CatalogStore>(std::move(options));
     }
     records_ = &metrics->GetGauge("orbitkv_catalog_records", "Residences this catalog host holds as evidence");
@@ -295,37 +305,18 @@ class CatalogNode {
 
   catalog::CatalogStore* store() const { return store_.get(); }
 
-  // Starts one owner stream per shard as the registration `self` (each new stream snapshots its shard first),
-  // and the maintenance thread the first time.
+  // Starts the owner streams of the registration `self` (one per shard and copy the live placement publishes to;
+  // each new stream snapshots its shard first), and the maintenance thread the first time.
   Status StartStreams(std::shared_ptr<grpc::ChannelCredentials> credentials, const cluster::MemberRecord& self) {
-    const catalog::PeerIdentity identity{self.cluster, self.node_id, self.runtime_uuid, self.epoch,
-                                         membership_.placement().fingerprint()};
-    MutexLock lock(&streams_mu_);
-    ORBITKV_CHECK_MSG(streamers_.empty(), "owner streams started twice");
-    streams_stop_.store(false, std::memory_order_release);
-    transport_ = std::make_unique<catalog::GrpcCatalogTransport>(identity, &membership_.view(), std::move(credentials),
-                                                                 store_.get());
-    // Issue 54: every copy of a shard is built from the owners' streams alone: one stream per (shard, copy), each
-    // with its own journal subscriber, so a slow or dead copy resyncs alone.
-    for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
-      for (const std::string& copy : membership_.placement().CopiesOf(shard)) {
-        catalog::OwnerStreamer::Options options;
-        options.owner_node = self.node_id;
-        options.owner_runtime = self.runtime_uuid;
-        options.owner_epoch = self.epoch;
-        options.shard = shard;
-        options.catalog_node = copy;
-        Result<std::unique_ptr<catalog::OwnerStreamer>> streamer =
-            catalog::OwnerStreamer::Create(options, inventory_, transport_.get());
-        if (!streamer.ok()) {
-          streamers_.clear();
-          return streamer.status();
-        }
-        streamers_.push_back(std::move(*streamer));
-      }
-    }
-    for (auto& streamer : streamers_) {
-      threads_.emplace_back([this, s = streamer.get()] { s->Run(streams_stop_); });
+    {
+      MutexLock lock(&streams_mu_);
+      ORBITKV_CHECK_MSG(streams_.empty() && !transport_, "owner streams started twice");
+      streams_stop_.store(false, std::memory_order_release);
+      transport_ = std::make_unique<catalog::GrpcCatalogTransport>(PeerIdentityOf(self, membership_.live_placement()),
+                                                                   &membership_.view(), std::move(credentials),
+                                                                   store_.get());
+      owner_ = self;
+      ORBITKV_RETURN_IF_ERROR(SyncStreams());
     }
     if (!maintenance_.joinable()) maintenance_ = std::thread([this] { Maintain(); });
     return Status::Ok();
@@ -335,11 +326,11 @@ class CatalogNode {
   void StopStreams() {
     MutexLock lock(&streams_mu_);
     streams_stop_.store(true, std::memory_order_release);
-    for (std::thread& t : threads_) {
-      if (t.joinable()) t.join();
+    for (auto& [where, stream] : streams_) stream->stop.store(true, std::memory_order_release);
+    for (auto& [where, stream] : streams_) {
+      if (stream->thread.joinable()) stream->thread.join();
     }
-    threads_.clear();
-    streamers_.clear();  // unsubscribes from the inventory
+    streams_.clear();  // unsubscribes from the inventory
     if (transport_) stream_bytes_before_ += transport_->bytes_sent();
     transport_.reset();
   }
@@ -369,8 +360,9 @@ class CatalogNode {
     if (!store_) return lines;
     std::map<uint32_t, catalog::CatalogStore::ShardStatus> known;
     for (const auto& s : store_->Status()) known[s.shard] = s;
+    const std::shared_ptr<const cluster::LivePlacement::State> live = membership_.live_placement().Get();
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
-      if (!membership_.placement().Keeps(shard, node_)) continue;
+      if (!live->Hosts(shard, node_)) continue;
       const auto it = known.find(shard);
       catalog::CatalogStore::ShardStatus s = it == known.end() ? catalog::CatalogStore::ShardStatus{} : it->second;
       if (it == known.end()) s.complete = false;  // Status names every shard placed here: not one of them
@@ -385,11 +377,14 @@ class CatalogNode {
     const Summary s = Summarize();
     size_t inventory = 0;
     for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) inventory += inventory_->Size(shard);
+    size_t hosted = 0;
+    const std::shared_ptr<const cluster::LivePlacement::State> live = membership_.live_placement().Get();
+    for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) hosted += live->Hosts(shard, node_) ? 1 : 0;
     return fmt::format(", \"catalog_shards_hosted\": {}, \"catalog_records\": {}, \"catalog_bytes\": {}, "
                        "\"catalog_incomplete_shards\": {}, \"catalog_incomplete_shard_ms\": {}, \"catalog_streams\": {}, "
                        "\"catalog_streams_streaming\": {}, \"catalog_streams_converged\": {}, "
                        "\"catalog_stream_snapshots\": {}, \"inventory_records\": {}, \"catalog_stream_bytes_sent\": {}",
-                       hosted_, s.records, s.bytes, s.incomplete, incomplete_ms_.load(std::memory_order_relaxed),
+                       hosted, s.records, s.bytes, s.incomplete, incomplete_ms_.load(std::memory_order_relaxed),
                        s.streams, s.streaming, s.converged, s.snapshots, inventory, s.stream_bytes);
   }
 
@@ -415,20 +410,67 @@ class CatalogNode {
       sum.bytes = store_->used_bytes();
     }
     MutexLock lock(&streams_mu_);
-    sum.streams = streamers_.size();
+    sum.streams = streams_.size();
     sum.stream_bytes = stream_bytes_before_ + (transport_ ? transport_->bytes_sent() : 0);
-    for (const auto& s : streamers_) {
-      sum.converged += s->converged() ? 1 : 0;
-      sum.streaming += s->state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
-      sum.snapshots += s->snapshots();
+    for (const auto& [where, stream] : streams_) {
+      const catalog::OwnerStreamer& s = *stream->streamer;
+      sum.converged += s.converged() ? 1 : 0;
+      sum.streaming += s.state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
+      sum.snapshots += s.snapshots();
     }
+    sum.snapshots += snapshots_before_;
     return sum;
+  }
+
+  // Makes the owner streams those the live placement publishes to now: starts the missing ones, stops those no
+  // longer wanted (a retired or aborted copy). Nothing while no registration streams.
+  Status SyncStreams() REQUIRES(streams_mu_) {
+    if (!transport_) return Status::Ok();
+    const std::shared_ptr<const cluster::LivePlacement::State> live = membership_.live_placement().Get();
+    std::set<std::pair<uint32_t, std::string>> wanted;
+    for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+      for (const std::string& copy : live->PublishCopies(shard)) wanted.emplace(shard, copy);
+    }
+    std::vector<std::unique_ptr<Stream>> gone;
+    for (auto it = streams_.begin(); it != streams_.end();) {
+      if (wanted.contains(it->first)) {
+        ++it;
+        continue;
+      }
+      it->second->stop.store(true, std::memory_order_release);
+      gone.push_back(std::move(it->second));
+      it = streams_.erase(it);
+    }
+    for (auto& stream : gone) {
+      if (stream->thread.joinable()) stream->thread.join();
+      snapshots_before_ += stream->streamer->snapshots();
+    }
+    for (const auto& [shard, copy] : wanted) {
+      if (streams_.contains({shard, copy})) continue;
+      // Issue 54: every copy of a shard is built from the owners' streams alone: one stream per (shard, copy), each
+      // with its own journal subscriber, so a slow or dead copy resyncs alone.
+      catalog::OwnerStreamer::Options options;
+      options.owner_node = owner_.node_id;
+      options.owner_runtime = owner_.runtime_uuid;
+      options.owner_epoch = owner_.epoch;
+      options.shard = shard;
+      options.catalog_node = copy;
+      ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<catalog::OwnerStreamer> streamer,
+                               catalog::OwnerStreamer::Create(options, inventory_, transport_.get()));
+      auto stream = std::make_unique<Stream>();
+      stream->streamer = std::move(streamer);
+      Stream* raw = stream.get();
+      raw->thread = std::thread([raw] { raw->streamer->Run(raw->stop); });
+      streams_.emplace(std::make_pair(shard, copy), std::move(stream));
+    }
+    return Status::Ok();
   }
 
   void Maintain() {
     MonoTime last = MonoNow();
     size_t incomplete = 0;  // as of the last round: the state the time since then is charged to
     while (!stop_.load(std::memory_order_acquire)) {
+      FollowPlacement();
       if (store_) store_->DropDeadOwners();
       const Summary s = Summarize();
       const MonoTime now = MonoNow();
@@ -444,23 +486,53 @@ class CatalogNode {
       snapshots_->Set(static_cast<int64_t>(s.snapshots));
       lag_ms_->Set(static_cast<int64_t>(s.lag_ms));
       stale_repair_s_->Set(static_cast<int64_t>(s.last_repair_s));
-      for (int i = 0; i < 5 && !stop_.load(std::memory_order_acquire); ++i) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      for (int i = 0; i < 10 && !stop_.load(std::memory_order_acquire); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (membership_.live_placement().version() != followed_version_.load(std::memory_order_acquire)) {
+          FollowPlacement();
+        }
       }
     }
   }
 
+  // The placement changed: the streams follow it, and the slices of copies retired here go.
+  void FollowPlacement() {
+    const uint64_t version = membership_.live_placement().version();
+    if (version == followed_version_.load(std::memory_order_acquire)) return;
+    {
+      MutexLock lock(&streams_mu_);
+      if (streams_stop_.load(std::memory_order_acquire)) {
+        // No registration streams now; the next StartStreams follows the placement.
+      } else if (Status synced = SyncStreams(); !synced.ok()) {
+        ORBITKV_LOG_ERROR("manager: the catalog streams did not follow the placement: {}", synced.ToString());
+        return;  // tried again on the next round
+      }
+    }
+    if (const size_t dropped = store_->DropUnhosted(); dropped > 0) {
+      ORBITKV_LOG_INFO("manager: dropped {} catalog slice(s) of shards no longer placed on node {}", dropped, node_);
+    }
+    followed_version_.store(version, std::memory_order_release);
+  }
+
+  // One owner stream and its thread.
+  struct Stream {
+    std::unique_ptr<catalog::OwnerStreamer> streamer;
+    std::atomic<bool> stop{false};
+    std::thread thread;
+  };
+
   cluster::Membership& membership_;
   core::ResidencyInventory* const inventory_;
   const std::string node_;
-  size_t hosted_ = 0;
   std::unique_ptr<catalog::CatalogStore> store_;
-  // The owner streams of the current registration (stopped and made anew when it registers again).
+  // The owner streams of the current registration (stopped and made anew when it registers again), by (shard, copy).
   mutable Mutex streams_mu_;
   std::unique_ptr<catalog::GrpcCatalogTransport> transport_ GUARDED_BY(streams_mu_);
-  std::vector<std::unique_ptr<catalog::OwnerStreamer>> streamers_ GUARDED_BY(streams_mu_);
-  std::vector<std::thread> threads_ GUARDED_BY(streams_mu_);
+  cluster::MemberRecord owner_ GUARDED_BY(streams_mu_);  // the registration the streams send as
+  std::map<std::pair<uint32_t, std::string>, std::unique_ptr<Stream>> streams_ GUARDED_BY(streams_mu_);
   uint64_t stream_bytes_before_ GUARDED_BY(streams_mu_) = 0;  // sent by the streams of earlier registrations
+  uint64_t snapshots_before_ GUARDED_BY(streams_mu_) = 0;     // sent by streams stopped since
+  std::atomic<uint64_t> followed_version_{0};  // the live placement's version the streams and the store follow
   std::atomic<bool> streams_stop_{false};
   std::thread maintenance_;
   std::atomic<bool> stop_{false};
@@ -480,23 +552,23 @@ class CatalogNode {
 // view, and refreshes the gauges.
 class RemoteNode {
  public:
-  RemoteNode(const ManagerConfig& config, const RuntimeId& runtime, cluster::Membership& membership,
+  RemoteNode(const ManagerConfig& config, cluster::Membership& membership,
              core::BlockCache* cache, transfer::TransferEngine* engine, std::vector<transfer::RegionHandle> arenas,
              std::shared_ptr<grpc::ChannelCredentials> credentials, MetricsRegistry* metrics)
       : membership_(membership),
         index_(catalog::CandidateIndex::Options{
             .budget_bytes = 16ull << 20, .ttl = std::chrono::milliseconds(config.candidate_ttl_ms)}),
-        requester_(catalog::PeerIdentity{config.cluster_name, config.node_id, runtime.ToString(),
-                                         membership.self().epoch, membership.placement().fingerprint()},
-                   &membership.view(), std::move(credentials)),
+        requester_(PeerIdentityOf(membership.self(), membership.live_placement()), &membership.view(),
+                   std::move(credentials)),
         releases_(catalog::ReleaseQueue::Options{}, &requester_, metrics),
         issuer_(engine, arenas) {
     catalog::Discovery::Options discovery;
     discovery.max_hosts = config.discovery_max_hosts;
     discovery.hedge_after = std::chrono::milliseconds(config.discovery_hedge_ms);
     // Issue 54: a shard's copies, tried one after another; the rotation spreads requesters over them.
-    discovery.copies_of = [&membership](const state::StateKey& key) {
-      return membership.placement().CopiesOf(state::ShardOf(key, cluster::kNumShards));
+    // Issue 55: while the placement changes, a moving shard's new copies come after its committed ones.
+    discovery.copies_of = [live = &membership.live_placement()](const state::StateKey& key) {
+      return live->Get()->QueryCopies(state::ShardOf(key, cluster::kNumShards));
     };
     discovery.rotation = std::hash<std::string>{}(config.node_id);
     discovery.shard_of = [](const state::StateKey& key) { return state::ShardOf(key, cluster::kNumShards); };
@@ -548,6 +620,8 @@ class RemoteNode {
   }
 
   catalog::SourceHolds* holds() { return holds_.get(); }
+  // The CatalogStatus RPCs of the placement reconciler go through the requester's channels.
+  cluster::CatalogProgress* progress() { return &requester_; }
   std::optional<LoadingStage> Stage(std::vector<state::StateKey> keys) { return fetcher_->Stage(std::move(keys)); }
 
   std::string StatusJson() const {
@@ -656,13 +730,15 @@ class MembershipLink final : public ClusterLink {
  public:
   MembershipLink(std::unique_ptr<cluster::Membership> membership, std::unique_ptr<CatalogNode> catalog,
                  std::unique_ptr<RemoteNode> remote, std::unique_ptr<transfer::UcxTransferEngine> transfer,
-                 std::unique_ptr<PeerListener> peers, std::shared_ptr<RegistrationHooks> hooks)
+                 std::unique_ptr<PeerListener> peers, std::unique_ptr<PlacementDriver> placement,
+                 std::shared_ptr<RegistrationHooks> hooks)
       : hooks_(std::move(hooks)),
         membership_(std::move(membership)),
         catalog_(std::move(catalog)),
         remote_(std::move(remote)),
         transfer_(std::move(transfer)),
-        peers_(std::move(peers)) {}
+        peers_(std::move(peers)),
+        placement_(std::move(placement)) {}
   ~MembershipLink() override { Shutdown(); }
 
   // A peer that speaks another protocol version turns remote work off (local service continues).
@@ -696,6 +772,8 @@ class MembershipLink final : public ClusterLink {
                        peers_ ? peers_->service->refused_certificate_without_node() : 0,
                        peers_ ? peers_->service->refused_certificate_of_another_node() : 0) +
            (peers_ ? peers_->directory->StatusJson() : std::string()) +
+           (placement_ ? placement_->StatusJson()
+                       : fmt::format(", \"placement_generation\": {}", membership_->placement().generation())) +
            (catalog_ ? catalog_->StatusJson() : std::string()) +
            (remote_ ? remote_->StatusJson() : std::string()) +
            (transfer_ ? fmt::format(", \"transfer_listen\": \"{}\", \"transfer_grants\": {}, "
@@ -722,6 +800,21 @@ class MembershipLink final : public ClusterLink {
     return catalog_ ? catalog_->CatalogStatusLines() : std::vector<std::string>();
   }
 
+  std::vector<std::string> PlacementLines() const override {
+    if (placement_) return placement_->Lines();
+    const cluster::Placement p = membership_->placement();
+    return {fmt::format("placement generation {}: catalog nodes {}, {} copies a shard, fingerprint {}",
+                        p.generation(), fmt::join(p.catalog_nodes(), ","), p.replicas(), p.fingerprint()),
+            "reconciler: not run here (this Manager has no --peer-endpoint)"};
+  }
+  Result<std::vector<std::string>> RequestPlacement(std::string_view verb, std::string_view node) override {
+    if (!placement_) {
+      return Status::FailedPrecondition(
+          "this Manager runs no placement reconciler (no --peer-endpoint): ask a Manager with one");
+    }
+    return placement_->Request(verb, node, Deadline::After(std::chrono::seconds(5)));
+  }
+
   std::optional<LoadingStage> RemoteStage(std::vector<state::StateKey> keys) override {
     if (remote_ == nullptr || !CanDoRemoteWork()) return std::nullopt;
     return remote_->Stage(std::move(keys));
@@ -729,6 +822,7 @@ class MembershipLink final : public ClusterLink {
 
   void Shutdown() override {
     hooks_->Clear();  // no registration made again restarts a part after it stopped
+    if (placement_ != nullptr) placement_->Stop();  // before the channels its CatalogStatus RPCs use
     if (remote_ != nullptr) remote_->Stop();  // fetches end before the engine, the channels and the view
     if (catalog_ != nullptr) catalog_->Stop();  // the owner streams end before the channels and the view
     if (peers_ != nullptr) peers_->directory->Stop();  // stops probing before the member view goes
@@ -747,6 +841,7 @@ class MembershipLink final : public ClusterLink {
   std::unique_ptr<RemoteNode> remote_;
   std::unique_ptr<transfer::UcxTransferEngine> transfer_;  // with the peer listener; before it in destruction
   std::unique_ptr<PeerListener> peers_;
+  std::unique_ptr<PlacementDriver> placement_;  // first in destruction: it uses remote_'s channels
 };
 
 }  // namespace
@@ -806,6 +901,7 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   std::unique_ptr<RemoteNode> remote;
   std::unique_ptr<transfer::UcxTransferEngine> transfer;
   std::unique_ptr<PeerListener> peers;
+  std::unique_ptr<PlacementDriver> placement;
   if (!config.peer_endpoint.empty()) {
     catalog = std::make_unique<CatalogNode>(config, runtime, *membership, inventory, metrics);
     std::vector<transfer::RegionHandle> arenas;
@@ -821,7 +917,7 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
       membership->Shutdown();
       return credentials.status();
     }
-    remote = std::make_unique<RemoteNode>(config, runtime, *membership, cache, transfer.get(), std::move(arenas),
+    remote = std::make_unique<RemoteNode>(config, *membership, cache, transfer.get(), std::move(arenas),
                                           std::move(*credentials), metrics);
     cluster::Membership* m = membership.get();
     Result<std::unique_ptr<PeerListener>> started =
@@ -843,6 +939,12 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
       membership->Shutdown();
       return streams.WithContext("starting the catalog streams");
     }
+    PlacementDriver::Options driver;
+    driver.cluster = config.cluster_name;
+    driver.node_id = config.node_id;
+    driver.shard_bound = std::chrono::milliseconds(config.placement_shard_bound_ms);
+    driver.retire_grace = std::chrono::milliseconds(config.placement_retire_grace_ms);
+    placement = std::make_unique<PlacementDriver>(std::move(driver), membership.get(), remote->progress(), metrics);
   }
   if (peers != nullptr) {
     // Issue 51: a registration that lapses ends the grants this source gave and the owner streams; one made again
@@ -851,15 +953,18 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
     CatalogNode* c = catalog.get();
     RemoteNode* r = remote.get();
     PeerListener* p = peers.get();
-    const std::string fingerprint = membership->placement().fingerprint();
+    PlacementDriver* d = placement.get();
+    const cluster::LivePlacement* live = &membership->live_placement();
     std::shared_ptr<grpc::ChannelCredentials> credentials = PeerClientCredentials(config).value();
     MutexLock lock(&hooks->mu);
-    hooks->lapsed = [c, r](const std::string& cause) {
+    hooks->lapsed = [c, r, d](const std::string& cause) {
+      d->OnLapsed();  // issue 55: leadership goes before the registration is made again
       r->OnLapsed(cause);
       c->StopStreams();
     };
-    hooks->registered = [c, r, p, fingerprint, credentials](const cluster::MemberRecord& self) {
-      const catalog::PeerIdentity identity{self.cluster, self.node_id, self.runtime_uuid, self.epoch, fingerprint};
+    hooks->registered = [c, r, p, d, live, credentials](const cluster::MemberRecord& self) {
+      d->OnRegistered(self);
+      const catalog::PeerIdentity identity = PeerIdentityOf(self, *live);
       p->service->SetSelf(identity);
       p->directory->SetSelf(identity);
       r->OnRegistered(identity);
@@ -877,9 +982,10 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
       hooks->registered(now);
     }
   }
+  if (placement != nullptr) placement->Start();
   return std::unique_ptr<ClusterLink>(
       new MembershipLink(std::move(membership), std::move(catalog), std::move(remote), std::move(transfer),
-                         std::move(peers), std::move(hooks)));
+                         std::move(peers), std::move(placement), std::move(hooks)));
 }
 
 }  // namespace orbitkv::server

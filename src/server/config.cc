@@ -371,6 +371,14 @@ const std::vector<Option>& Options() {
        "remote stages (fetches of different prefixes from peers) run at once, one thread each; "
        "more help where cores and the network have room (default 4)",
        Uint32Into(&ManagerConfig::remote_fetch_workers, 1, 64)},
+      {"placement-shard-bound-ms", "MS",
+       "a catalog placement change (`orbitkv catalog placement --add/--remove`) aborts when one moving shard's new "
+       "copies have not caught up with their owners by then (default 60000)",
+       Uint32Into(&ManagerConfig::placement_shard_bound_ms, 1000, 3600000)},
+      {"placement-retire-grace-ms", "MS",
+       "after a placement change commits, the old catalog copies keep answering this long for Managers that have "
+       "not seen the commit yet (default 10000)",
+       Uint32Into(&ManagerConfig::placement_retire_grace_ms, 0, 3600000)},
       {"remote-staging-budget", "SIZE",
        "pool bytes blocks being fetched from peers may hold before they are sealed (default a "
        "quarter of the "

@@ -198,6 +198,26 @@ Status Manager::HandleDump(Session& session, const channel::InboundRequest& requ
                              r.version, r.generation, r.bytes);
       bytes += lines[i].size() + 1;
     }
+  } else if (kind == channel::DumpKind::kPlacement || kind == channel::DumpKind::kPlacementChange) {
+    if (!cluster_) {
+      return session.channel->ReplyError(
+          d, Status::FailedPrecondition("a single-host Manager has no catalog placement (distributed mode only)"));
+    }
+    if (kind == channel::DumpKind::kPlacement) {
+      lines = cluster_->PlacementLines();
+    } else {
+      // "add NODE" or "remove NODE".
+      const std::string text(request.payload.begin(), request.payload.end());
+      const size_t space = text.find(' ');
+      if (space == std::string::npos) {
+        return session.channel->ReplyError(
+            d, Status::InvalidArgument("a placement change is 'add NODE' or 'remove NODE'"));
+      }
+      Result<std::vector<std::string>> asked =
+          cluster_->RequestPlacement(std::string_view(text).substr(0, space), std::string_view(text).substr(space + 1));
+      if (!asked.ok()) return session.channel->ReplyError(d, asked.status());
+      lines = *std::move(asked);
+    }
   } else if (kind == channel::DumpKind::kCatalog || kind == channel::DumpKind::kCatalogStatus) {
     if (!cluster_) {
       return session.channel->ReplyError(

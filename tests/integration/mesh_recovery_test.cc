@@ -5,6 +5,7 @@
 
 #include <fmt/ranges.h>
 
+#include <atomic>
 #include <future>
 #include <string>
 #include <thread>
@@ -351,6 +352,107 @@ TEST_F(FourHostMeshTest, ThreeCopiesKeepEveryLookupThroughAKilledABlackholedAndT
   expect_full(0);
   ASSERT_TRUE(mesh_->Unblock(2).ok());
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+}
+
+// Issue 55: a fourth catalog node added under load. The operator asks with `orbitkv catalog placement --add node-3`;
+// the elected reconciler moves at most two shards at a time (owners publish to both generations, the new copies
+// catch up past their watermarks), commits generation 2, and the old copies retire after the grace period. Meanwhile
+// an engine on node-0 keeps saving and engines on node-1 and node-3 keep asking for prefixes saved before the change:
+// every query hits in full with the right bytes, no lookup fails, no Manager fences or restarts, and afterwards every
+// copy equals its owners' inventories.
+TEST_F(FourHostMeshTest, AFourthCatalogNodeAddedUnderLoadCommitsTheNextGenerationWithoutALookupError) {
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  ASSERT_TRUE(StartManagers(4, "placement", &managers, {"--placement-retire-grace-ms", "1000"}));
+  constexpr uint32_t kBlocks = 16;
+  constexpr int kChains = 24;
+  MeshEngine a(*managers[0], 1, kBlocks);
+  std::vector<std::vector<state::StateKey>> chains;
+  for (int c = 0; c < kChains; ++c) {
+    chains.push_back(testing::Chain(7700 + static_cast<uint64_t>(c), kBlocks));
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, chains.back()).ok());
+  }
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  EXPECT_EQ(Field(StatsOf(*managers[3]), "catalog_shards_hosted"), 0u);
+  EXPECT_EQ(Field(StatsOf(*managers[3]), "placement_generation"), 1u);
+  // Asking for a node that is not a member is refused with the fix named; asking for node-3 is taken.
+  const std::string refused = testing::CliOutput(
+      {"catalog", "placement", "--add", "node-9", "--socket", managers[1]->socket()}, /*with_errors=*/true);
+  EXPECT_NE(refused.find("not a live member"), std::string::npos) << refused;
+  const std::string asked =
+      testing::CliOutput({"catalog", "placement", "--add", "node-3", "--socket", managers[1]->socket()});
+  ASSERT_NE(asked.find("requested: catalog nodes node-0,node-1,node-2,node-3"), std::string::npos) << asked;
+
+  std::atomic<bool> done{false};
+  uint64_t most_moving = 0, samples_moving = 0;
+  std::thread sampler([&] {  // the transition record as node-2 follows it
+    while (!done.load()) {
+      const std::string stats = StatsOf(*managers[2]);
+      most_moving = std::max(most_moving, Field(stats, "placement_shards_moving"));
+      samples_moving += StringField(stats, "placement_change") == "moving" ? 1 : 0;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+  std::thread writer([&] {  // load: node-0's engine keeps saving new prefixes
+    MeshEngine w(*managers[0], 5, kBlocks);
+    for (uint64_t c = 0; !done.load(); ++c) {
+      EXPECT_TRUE(testing::SaveChain(*w.client, 5, w.kv, testing::Chain(8800 + c, kBlocks)).ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  MeshEngine b(*managers[1], 2, kBlocks);
+  MeshEngine d(*managers[3], 4, kBlocks);
+  int queried = 0;
+  const auto committed = [&] {
+    for (const auto& m : managers) {
+      const std::string stats = StatsOf(*m);
+      if (Field(stats, "placement_generation") != 2 || StringField(stats, "placement_change") != "none") return false;
+    }
+    return true;
+  };
+  for (int round = 0; round < 3000 && !committed(); ++round) {
+    if (queried < kChains) {  // cold queries from both requesters while the shards move
+      MeshEngine& e = queried % 2 == 0 ? b : d;
+      const auto [hits, exact] = e.QueryAndRestore(chains[static_cast<size_t>(queried)]);
+      EXPECT_EQ(hits, kBlocks) << "chain " << queried << ": " << StatsOf(*managers[queried % 2 == 0 ? 1 : 3]);
+      EXPECT_EQ(exact, hits) << "chain " << queried;
+      ++queried;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  done.store(true);
+  writer.join();
+  sampler.join();
+  ASSERT_TRUE(committed()) << testing::CliOutput({"catalog", "placement", "--socket", managers[1]->socket()});
+  EXPECT_GT(queried, 0);
+  EXPECT_GT(samples_moving, 0u) << "the change was never seen moving";
+  EXPECT_GE(most_moving, 1u);
+  EXPECT_LE(most_moving, 2u);
+  for (int i = 0; i < 4; ++i) {
+    const std::string stats = StatsOf(*managers[static_cast<size_t>(i)]);
+    EXPECT_EQ(StringField(stats, "membership"), "registered") << stats;
+    EXPECT_EQ(Field(stats, "membership_registrations"), 1u) << stats;
+    EXPECT_EQ(Field(stats, "remote_no_source"), 0u) << "node-" << i << ": " << stats;
+    EXPECT_EQ(Field(stats, "remote_fetch_failures"), 0u) << "node-" << i << ": " << stats;
+    EXPECT_EQ(Field(stats, "discovery_failed_hosts"), 0u) << "node-" << i << ": " << stats;
+  }
+  EXPECT_GT(Field(StatsOf(*managers[3]), "catalog_shards_hosted"), 0u);
+  uint64_t committed_by = 0;
+  for (const auto& m : managers) committed_by += Field(StatsOf(*m), "placement_changes_committed");
+  EXPECT_EQ(committed_by, 1u);  // one leader committed it once
+  const std::string shown = testing::CliOutput({"catalog", "placement", "--socket", managers[3]->socket()});
+  EXPECT_NE(shown.find("placement generation 2: catalog nodes node-0,node-1,node-2,node-3"), std::string::npos)
+      << shown;
+  EXPECT_NE(shown.find("change: none"), std::string::npos) << shown;
+  // The old copies retired: every copy of generation 2 equals its owners' inventories, and nothing more is held.
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  // The rest of the prefixes, asked after the commit, hit in full as well.
+  for (; queried < kChains; ++queried) {
+    const auto [hits, exact] = b.QueryAndRestore(chains[static_cast<size_t>(queried)]);
+    EXPECT_EQ(hits, kBlocks) << "chain " << queried;
+    EXPECT_EQ(exact, hits);
+  }
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+  EXPECT_TRUE(testing::EventuallyIdle(*d.client));
 }
 
 }  // namespace

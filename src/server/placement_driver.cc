@@ -1,0 +1,284 @@
+#include "server/placement_driver.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "base/logging.h"
+#include "cluster/cluster_keys.h"
+
+namespace orbitkv::server {
+
+namespace {
+
+int64_t WallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+PlacementDriver::PlacementDriver(Options options, cluster::Membership* membership,
+                                 cluster::CatalogProgress* progress, MetricsRegistry* metrics)
+    : options_(std::move(options)),
+      membership_(membership),
+      reconciler_(
+          cluster::PlacementReconciler::Options{
+              .cluster = options_.cluster,
+              .max_moving = options_.max_moving,
+              .shard_bound = options_.shard_bound,
+              .retire_grace = options_.retire_grace,
+              .now_ms = WallMs,
+              .live_owners =
+                  [membership] {
+                    std::vector<std::string> live;
+                    for (const cluster::Member& m : membership->view().Read().members) {
+                      live.push_back(m.record.node_id);
+                    }
+                    return live;
+                  },
+              .progress = progress},
+          &membership->etcd()) {
+  started_ = &metrics->GetCounter("orbitkv_placement_changes_started_total",
+                                  "Catalog placement changes this Manager started as the reconciler leader");
+  committed_ = &metrics->GetCounter("orbitkv_placement_changes_committed_total",
+                                    "Catalog placement generations this Manager committed as the reconciler leader");
+  aborted_ = &metrics->GetCounter("orbitkv_placement_changes_aborted_total",
+                                  "Catalog placement changes this Manager aborted (a shard did not converge in time)");
+  shard_moves_ = &metrics->GetCounter("orbitkv_placement_shard_moves_total",
+                                      "Shards whose new catalog copies this Manager saw converge as the leader");
+  leading_gauge_ = &metrics->GetGauge("orbitkv_placement_reconciler_leading",
+                                      "1 while this Manager leads the placement reconciler");
+  moving_gauge_ = &metrics->GetGauge("orbitkv_placement_shards_moving",
+                                     "Catalog shards whose new copies are catching up now (at most 2)");
+  const cluster::MemberRecord self = membership->self();
+  leadership_ = std::make_shared<cluster::ReconcilerLeadership>(&membership->etcd(), options_.cluster, self.node_id,
+                                                                self.runtime_uuid);
+}
+
+PlacementDriver::~PlacementDriver() { Stop(); }
+
+void PlacementDriver::Start() {
+  MutexLock lock(&mu_);
+  if (thread_.joinable() || stop_) return;
+  thread_ = std::thread([this] { Run(); });
+}
+
+void PlacementDriver::Stop() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void PlacementDriver::OnLapsed() {
+  MutexLock lock(&mu_);
+  if (leadership_->leading()) {
+    ORBITKV_LOG_WARN("cluster {}: this Manager gives up leading the placement reconciler (its registration lapsed)",
+                     options_.cluster);
+  }
+  leadership_->Lapsed();
+}
+
+void PlacementDriver::OnRegistered(const cluster::MemberRecord& self) {
+  {
+    MutexLock lock(&mu_);
+    leadership_->Lapsed();
+    leadership_ = std::make_shared<cluster::ReconcilerLeadership>(&membership_->etcd(), options_.cluster,
+                                                                  self.node_id, self.runtime_uuid);
+  }
+  wake_.notify_all();
+}
+
+void PlacementDriver::Run() {
+  while (true) {
+    const std::chrono::milliseconds wait = Round();
+    MutexLock lock(&mu_);
+    const MonoTime until = MonoNow() + wait;
+    while (!stop_ && MonoNow() < until) wake_.wait_until(mu_, until);
+    if (stop_) return;
+  }
+}
+
+std::chrono::milliseconds PlacementDriver::Round() {
+  std::shared_ptr<cluster::ReconcilerLeadership> leadership;
+  {
+    MutexLock lock(&mu_);
+    leadership = leadership_;
+  }
+  const std::shared_ptr<const cluster::LivePlacement::State> live = membership_->live_placement().Get();
+  moving_gauge_->Set(live->moving() ? static_cast<double>(live->transition->CountIn(cluster::ShardMove::State::kMoving))
+                                    : 0);
+  leading_gauge_->Set(leadership->leading() ? 1 : 0);
+  // Steady state: nothing asked, nothing moving: no etcd call at all.
+  if (!live->request.has_value() && !live->transition.has_value()) return options_.step_interval;
+  if (!membership_->CanDoRemoteWork()) return options_.step_interval;  // no current registration or view
+  const Deadline deadline = Deadline::After(std::chrono::seconds(5));
+  if (!leadership->leading()) {
+    // Another start leads (or an older start's key waits for its lease to go); this start's own key is taken back.
+    if (!live->leader.empty() && live->leader != leadership->value()) return options_.step_interval;
+    const cluster::MembershipStatus status = membership_->GetStatus();
+    Result<bool> won = leadership->Campaign(status.lease_id, deadline);
+    if (!won.ok()) {
+      ORBITKV_LOG_WARN("cluster {}: campaigning for the placement reconciler failed: {}", options_.cluster,
+                       won.status().ToString());
+      return options_.step_interval;
+    }
+    if (!*won) return options_.step_interval;
+    ORBITKV_LOG_INFO("cluster {}: node {} leads the placement reconciler (term {})", options_.cluster,
+                     options_.node_id, leadership->term());
+  }
+  Result<cluster::PlacementReconciler::Outcome> outcome = reconciler_.Step(*leadership, deadline);
+  const cluster::PlacementReconciler::Stats stats = reconciler_.stats();
+  const auto catch_up = [](Counter* counter, uint64_t total) {
+    if (total > counter->Value()) counter->Increment(total - counter->Value());
+  };
+  catch_up(started_, stats.started);
+  catch_up(committed_, stats.committed);
+  catch_up(aborted_, stats.aborted);
+  catch_up(shard_moves_, stats.shard_moves);
+  std::string line;
+  if (!outcome.ok()) {
+    line = fmt::format("step failed: {}", outcome.status().ToString());
+  } else {
+    line = fmt::format("{}{}{}", cluster::ReconcilerDidName(outcome->did), outcome->detail.empty() ? "" : ": ",
+                       outcome->detail);
+  }
+  MutexLock lock(&mu_);
+  if (line != last_outcome_) {
+    ORBITKV_LOG_INFO("cluster {}: placement reconciler: {}", options_.cluster, line);
+    last_outcome_ = line;
+  }
+  return options_.step_interval;
+}
+
+Result<std::vector<std::string>> PlacementDriver::Request(std::string_view verb, std::string_view node,
+                                                          Deadline deadline) {
+  if (verb != "add" && verb != "remove") {
+    return Status::InvalidArgument(fmt::format("a placement change is 'add NODE' or 'remove NODE', not '{}'", verb));
+  }
+  ORBITKV_RETURN_IF_ERROR(cluster::ValidateName("the node to " + std::string(verb), node));
+  const std::shared_ptr<const cluster::LivePlacement::State> live = membership_->live_placement().Get();
+  if (live->moving()) {
+    return Status::FailedPrecondition(fmt::format(
+        "a placement change to generation {} is in progress ({} shard(s) moving, {} ready): ask again once it "
+        "committed (`orbitkv catalog placement` shows it)",
+        live->transition->from_generation + 1, live->transition->CountIn(cluster::ShardMove::State::kMoving),
+        live->transition->CountIn(cluster::ShardMove::State::kReady)));
+  }
+  if (live->request.has_value()) {
+    return Status::FailedPrecondition(fmt::format("a placement request ({}) waits for the reconciler already",
+                                                  fmt::join(live->request->catalog_nodes, ",")));
+  }
+  if (!membership_->CanDoRemoteWork()) {
+    return Status::Unavailable("this Manager's registration or member view is not current: try again shortly");
+  }
+  std::vector<std::string> nodes = live->committed.catalog_nodes();
+  const bool present = std::find(nodes.begin(), nodes.end(), node) != nodes.end();
+  if (verb == "add") {
+    if (present) {
+      return Status::FailedPrecondition(fmt::format("node '{}' keeps catalog copies already (generation {}: {})", node,
+                                                    live->committed.generation(), fmt::join(nodes, ",")));
+    }
+    if (!membership_->view().Find(std::string(node)).ok()) {
+      return Status::FailedPrecondition(fmt::format(
+          "node '{}' is not a live member of cluster '{}': start its Manager (same --cluster-name and "
+          "--etcd-endpoints) before adding it to the catalog set",
+          node, options_.cluster));
+    }
+    nodes.emplace_back(node);
+  } else {
+    if (!present) {
+      return Status::FailedPrecondition(fmt::format("node '{}' keeps no catalog copy (generation {}: {})", node,
+                                                    live->committed.generation(), fmt::join(nodes, ",")));
+    }
+    if (nodes.size() == 1) return Status::FailedPrecondition("the catalog set cannot lose its last node");
+    nodes.erase(std::find(nodes.begin(), nodes.end(), node));
+  }
+  cluster::PlacementRequest request;
+  request.catalog_nodes = nodes;
+  request.replicas = live->committed.requested_replicas();
+  request.requested_by = options_.node_id;
+  request.requested_ms = WallMs();
+  ORBITKV_RETURN_IF_ERROR(cluster::Placement::Create(request.catalog_nodes, request.replicas).status());
+  ORBITKV_ASSIGN_OR_RETURN(bool written,
+                           cluster::SubmitPlacementRequest(membership_->etcd(), options_.cluster, request, deadline));
+  if (!written) return Status::FailedPrecondition("another placement request was written just now: look again");
+  wake_.notify_all();
+  std::sort(request.catalog_nodes.begin(), request.catalog_nodes.end());
+  return std::vector<std::string>{
+      fmt::format("requested: catalog nodes {} ({} copies a shard), generation {} -> {}",
+                  fmt::join(request.catalog_nodes, ","), request.replicas, live->committed.generation(),
+                  live->committed.generation() + 1),
+      "the elected reconciler moves at most 2 shards at a time; `orbitkv catalog placement` shows the progress"};
+}
+
+std::vector<std::string> PlacementDriver::Lines() const {
+  const std::shared_ptr<const cluster::LivePlacement::State> live = membership_->live_placement().Get();
+  std::string outcome;
+  bool leading = false;
+  {
+    MutexLock lock(&mu_);
+    outcome = last_outcome_;
+    leading = leadership_->leading();
+  }
+  const cluster::Placement& p = live->committed;
+  std::vector<std::string> lines;
+  lines.push_back(fmt::format("placement generation {}: catalog nodes {}, {} copies a shard, fingerprint {}",
+                              p.generation(), fmt::join(p.catalog_nodes(), ","), p.replicas(), p.fingerprint()));
+  lines.push_back(fmt::format("reconciler: {}{}", live->leader.empty() ? std::string("none elected") : live->leader,
+                              leading ? " (this Manager)" : ""));
+  if (leading && !outcome.empty()) lines.push_back(fmt::format("last step: {}", outcome));
+  if (live->request.has_value()) {
+    lines.push_back(fmt::format("requested by {}: catalog nodes {} ({} copies a shard)", live->request->requested_by,
+                                fmt::join(live->request->catalog_nodes, ","), live->request->replicas));
+  }
+  if (!live->transition.has_value()) {
+    lines.push_back("change: none");
+    return lines;
+  }
+  const cluster::PlacementTransition& t = *live->transition;
+  const double age = static_cast<double>(WallMs() - t.started_ms) / 1000;
+  lines.push_back(fmt::format("change: generation {} -> {} ({}), {} for {:.1f} s (started {:.1f} s ago by {}){}",
+                              t.from_generation, t.from_generation + 1, fmt::join(t.to_nodes, ","),
+                              cluster::PlacementPhaseName(t.phase), static_cast<double>(WallMs() - t.phase_ms) / 1000,
+                              age, t.leader, t.reason.empty() ? "" : fmt::format(": {}", t.reason)));
+  if (t.phase != cluster::PlacementTransition::Phase::kMoving) return lines;
+  const cluster::Placement to = t.To();
+  lines.push_back("shard state since_s copies -> next_copies watermarks");
+  for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+    const cluster::ShardMove& m = t.shards[shard];
+    std::vector<std::string> marks;
+    for (const auto& [owner, seq] : m.watermarks) marks.push_back(fmt::format("{}={}", owner, seq));
+    lines.push_back(fmt::format("{} {} {:.1f} {} -> {} {}", shard, cluster::ShardMoveStateName(m.state),
+                                m.since_ms > 0 ? static_cast<double>(WallMs() - m.since_ms) / 1000 : 0.0,
+                                fmt::join(p.generation() == t.from_generation ? p.CopiesOf(shard)
+                                                                              : std::vector<std::string>{},
+                                          ","),
+                                fmt::join(to.CopiesOf(shard), ","), marks.empty() ? "-" : fmt::format("{}", fmt::join(marks, ","))));
+  }
+  return lines;
+}
+
+std::string PlacementDriver::StatusJson() const {
+  const std::shared_ptr<const cluster::LivePlacement::State> live = membership_->live_placement().Get();
+  bool leading = false;
+  {
+    MutexLock lock(&mu_);
+    leading = leadership_->leading();
+  }
+  const bool moving = live->moving();
+  return fmt::format(", \"placement_generation\": {}, \"placement_change\": \"{}\", \"placement_shards_moving\": {}, "
+                     "\"placement_shards_ready\": {}, \"placement_reconciler_leading\": {}, "
+                     "\"placement_changes_committed\": {}, \"placement_changes_aborted\": {}",
+                     live->committed.generation(),
+                     live->transition ? cluster::PlacementPhaseName(live->transition->phase) : std::string_view("none"),
+                     moving ? live->transition->CountIn(cluster::ShardMove::State::kMoving) : 0,
+                     moving ? live->transition->CountIn(cluster::ShardMove::State::kReady) : 0, leading ? 1 : 0,
+                     committed_->Value(), aborted_->Value());
+}
+
+}  // namespace orbitkv::server
