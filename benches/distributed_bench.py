@@ -439,6 +439,80 @@ def ttft_from_ssd(config, manager_bin: str, work: str, chunk: int = 512, length:
     return dict(ssd=runs["ssd"].ttft_s, ssd_tokens=runs["ssd"].restored_tokens, tokens=runs["ssd"].tokens)
 
 
+def ssd_read_1m(directory: str) -> float:
+    """GB/s of 1 MiB direct reads (queue depth 4, io_uring) from a 512 MiB file on the disk `directory` is on: the
+    raw read a source's SSD preparation is compared with."""
+    path = os.path.join(directory, "fio-read.dat")
+    try:
+        out = subprocess.run(["fio", "--name=ssd_read_1m", f"--filename={path}", "--size=512M", "--bs=1M",
+                              "--rw=read", "--direct=1", "--ioengine=io_uring", "--iodepth=4", "--output-format=json"],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def remote_ssd(net, etcd: str, work: str, manager_bin: str, cli: str, config) -> dict:
+    """Issue 56: the prefixes resident only on a peer's SSD. A fresh two-Manager cluster: host 0 (its SSD tier
+    written through) saves the PREFIXES prefixes and a 4,096-token prompt of the reference engine, then is restarted
+    on its SSD files (its DRAM empty). Host 1's engine then asks for each prefix (host 0 reads it from its SSD into
+    DRAM, grants it, host 1 reads it over UCX and restores it) and runs the prompt (ttft_remote_ssd_hit)."""
+    procs: list = []
+    nodes = ["host-0", "host-1"]
+    ssd = ["--ssd-path", os.path.join(work, "rssd"), "--ssd-capacity", "2GiB", "--ssd-policy", "write-through",
+           "--ssd-min-frequency", "1"]
+    common = ["--dram", "2GiB", "--membership-ttl-secs", str(RECOVERY_TTL_S)]
+    chunk, length = 512, 4096
+    rng = random.Random(11)
+    prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
+    blocks = -(-length // config.block_size) + 4
+    model = refengine.RefEngine(config, 1, device="cpu", chunk_size=chunk).model
+    try:
+        sockets = start_managers(net, nodes, etcd, work, procs, manager_bin, cli, common,
+                                 per_node=lambda i: ssd if i == 0 else [], cluster="rssd")
+        clients = [orbitkv.CacheManagerClient(sock, timeout_ms=30000) for sock in sockets]
+        engine0 = KvEngine(clients[0], 60, PREFIX_PAGES)
+        documents = list(range(101, 101 + PREFIXES))
+        for document in documents:
+            keys = engine0.keys(document, PREFIX_PAGES, 0, 0)
+            for p, key in enumerate(keys):
+                engine0.compute(key, p)
+            clients[0].save(engine0.instance, [(k, p) for p, k in enumerate(keys)])
+        saver = SequentialEngine(config, blocks, sockets[0], chunk_size=chunk, model=model)
+        saver.generate(prompt, 1)
+        saver.close()
+        written = PREFIXES * PREFIX_PAGES
+        deadline = time.monotonic() + 120
+        while clients[0].stats()["writes"] < written and time.monotonic() < deadline:
+            time.sleep(0.1)
+        procs[0].send_signal(signal.SIGTERM)  # procs: host-0, host-1
+        procs[0].wait(timeout=120)
+        again: list = []
+        start_managers(net, nodes[:1], etcd, work, again, manager_bin, cli, common + ssd, cluster="rssd",
+                       catalog_nodes=nodes)
+        procs[0] = again[0]
+        clients[0] = orbitkv.CacheManagerClient(sockets[0], timeout_ms=30000)
+        wait_catalogs(lambda: [c.stats() for c in clients], "host 0's SSD records", timeout=120)
+        resident = clients[0].stats()["resident_blocks"]
+        engine1 = KvEngine(clients[1], 61, PREFIX_PAGES)
+        before = clients[1].stats()
+        round_ = fetch_round(engine1, clients[1], documents)
+        after = clients[1].stats()
+        fetcher = SequentialEngine(config, blocks, sockets[1], chunk_size=chunk, model=model)
+        run = fetcher.generate(prompt, 1)
+        fetcher.close()
+        source = clients[0].stats()
+        return dict(gbps=round_["gbps"], hits=round_["hits"], asked=round_["asked"], bad=round_["bad"],
+                    resident_at_restart=resident,
+                    ssd_blocks=after["remote_ssd_fetched_blocks"] - before["remote_ssd_fetched_blocks"],
+                    polls=after["remote_authorize_polls"] - before["remote_authorize_polls"],
+                    prepared=source["source_ssd_prepared_blocks"], ttft=run.ttft_s, ttft_tokens=run.restored_tokens,
+                    tokens=run.tokens)
+    finally:
+        stop_all(procs)
+
+
 def plot_ttft_by_tier(times: dict, path: pathlib.Path) -> str:
     """A bar per tier (log scale): where the prefix came from and how long the first token took."""
     try:
@@ -448,11 +522,15 @@ def plot_ttft_by_tier(times: dict, path: pathlib.Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "skipped: matplotlib is not importable"
-    tiers = [("local DRAM", times["local"]), ("local SSD", times["ssd"]), ("remote\n(peer DRAM)", times["remote"]),
-             ("recompute", times["recompute"])]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bars = ax.bar([t for t, _ in tiers], [v * 1e3 for _, v in tiers],
-                  color=["tab:green", "tab:olive", "tab:blue", "tab:red"])
+    tiers = [("local DRAM", times["local"]), ("local SSD", times["ssd"]), ("remote\n(peer DRAM)", times["remote"])]
+    colors = ["tab:green", "tab:olive", "tab:blue"]
+    if "remote_ssd" in times:  # issue 56
+        tiers.append(("remote\n(peer SSD)", times["remote_ssd"]))
+        colors.append("tab:cyan")
+    tiers.append(("recompute", times["recompute"]))
+    colors.append("tab:red")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar([t for t, _ in tiers], [v * 1e3 for _, v in tiers], color=colors)
     for bar, (_, v) in zip(bars, tiers):
         ax.annotate(f"{v * 1e3:.0f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                     va="bottom", fontsize=9)
@@ -601,6 +679,9 @@ def main(argv=None) -> int:
         meta3 = metadata_rate(net, etcd, work, manager_bin, str(cli_bin), 3)
         meta1 = metadata_rate(net, etcd, work, manager_bin, str(cli_bin), 1)
         placement = placement_change(etcd, work, manager_bin, str(cli_bin))
+        rssd = remote_ssd(net, etcd, work, manager_bin, str(cli_bin), refengine.preset("tiny"))
+        ssd_1m = ssd_read_1m(work)
+        times["remote_ssd"] = rssd["ttft"]
     finally:
         stop_all(procs)
         net.cleanup()
@@ -657,6 +738,14 @@ def main(argv=None) -> int:
     # the issue's target of 3 s.
     add("registration_recovery_s", "s", recovery["seconds"], "registration_recovery_target_s", 3.0)
     add_placement(results, placement)
+    # Issue 56: the same prefixes from a peer's SSD (read into its DRAM first) against the same from its DRAM.
+    p50_ssd = percentile(rssd["gbps"], 0.5)
+    add("remote_ssd_fetch_gbps", "GB/s", p50_ssd, "remote_fetch_gbps", p50_2)
+    add("remote_ssd_fetch_gbps_vs_ssd_read_1m", "GB/s", p50_ssd, "ssd_read_1m", ssd_1m)
+    add("remote_ssd_fetch_gbps_vs_transfer_read_1m", "GB/s", p50_ssd, "transfer_read_1m", read_1m)
+    add("ssd_read_1m", "GB/s", ssd_1m)
+    add("ttft_remote_ssd_hit_ms", "ms", rssd["ttft"] * 1e3, "ttft_remote_hit_ms", times["remote"] * 1e3)
+    add("ttft_remote_ssd_hit_ms_vs_recompute", "ms", rssd["ttft"] * 1e3, "ttft_recompute_ms", times["recompute"] * 1e3)
     add("transfer_read_1m", "GB/s", read_1m)
     add("iperf3_veth", "GB/s", iperf)
     add("iperf3_mesh", "GB/s", mesh_iperf)
@@ -684,9 +773,14 @@ def main(argv=None) -> int:
                                     f"{', '.join(f'{t:.2f}' for t in recovery['per_host'])} s; registrations "
                                     f"{recovery['registrations']}")
     env.update(placement_env(placement))
+    env["remote_ssd"] = (f"a fresh 2-Manager cluster: host 0 restarted on its SSD files ({rssd['resident_at_restart']} "
+                         f"blocks in its DRAM then); {rssd['hits']} of {rssd['asked']} blocks hit, "
+                         f"{rssd['ssd_blocks']} of them read from host 0's SSD ({rssd['prepared']} prepared there), "
+                         f"{rssd['polls']} pending answers polled, {rssd['bad']} wrong pages; TTFT prompt restored "
+                         f"{rssd['ttft_tokens']} tokens, same tokens as recompute: {rssd['tokens'] == times['tokens']}")
     env["plot"] = plot_ttft_by_tier(times, build / "benches" / "distributed_ttft.png")
     emit(dict(bench="distributed", results=results, env=env), args.json)
-    return 0 if two["bad"] + three["bad"] + failover["wrong"] == 0 and times["same"] else 1
+    return 0 if two["bad"] + three["bad"] + failover["wrong"] + rssd["bad"] == 0 and times["same"] else 1
 
 
 if __name__ == "__main__":

@@ -187,3 +187,47 @@ def test_the_sglang_linker_restores_a_prefix_another_host_saved(cluster):
     assert fetched(b) - before == 5
     assert_nothing_held([a, b, c])
 
+
+
+def test_a_prefix_only_on_a_peers_ssd_is_restored_bit_identically(build_dir, tmp_path):
+    """Issue 56: host a's engine computes and saves (its SSD tier written through), then host a restarts on its SSD
+    files, its DRAM empty: host b's engine restores the prompts after host a read their blocks from its SSD into its
+    DRAM (answering pending meanwhile) and granted them: tokens and logits bit-identical to a recompute. A fresh
+    two-host cluster (host a with an SSD tier and a small pool), not the module's."""
+    from test_vllm_refengine import assert_identical, prompt_set, run
+
+    config = refengine.preset("tiny")
+    prompts = prompt_set(config.vocab_size, seed=56)
+    _, baseline = run(config, None, prompts, memory=MEMORY)
+    binary = build_dir / "src" / "server" / "orbitkv-manager"
+    ssd = ["--ssd-path", str(tmp_path / "ssd"), "--ssd-capacity", "256MiB", "--ssd-policy", "write-through",
+           "--ssd-min-frequency", "1"]
+    nodes = ["host-a", "host-b"]
+    etcd = EtcdProcess()
+    managers = []
+    try:
+        for node, dram, extra in (("host-a", "32MiB", ssd), ("host-b", "512MiB", [])):
+            managers.append(start_on_free_ports(
+                lambda flags, dram=dram, extra=extra: ManagerProcess(binary, dram=dram, extra=[*flags, *extra]),
+                etcd, node, nodes))
+        a, b = managers
+        wait_for(lambda: all(m.stats().get("remote_work") == 1 for m in managers), timeout=30,
+                 what="every Manager to enable remote work")
+        run(config, a.socket, prompts, memory=MEMORY)
+        a.stop()  # graceful: whatever is not on SSD yet is written before it exits
+        a.start()
+        wait_for(lambda: all(m.stats().get("remote_work") == 1 for m in managers), timeout=30,
+                 what="host a to rejoin")
+        assert a.stats()["resident_blocks"] == 0
+        wait_catalogs_hold_every_block([a, b])
+        engine, results = run(config, b.socket, prompts, memory=MEMORY)
+        assert_identical(results, baseline)
+        assert engine.worker_stats.data["restored_blocks"] > 0
+        assert b.stats()["remote_ssd_fetched_blocks"] > 0, "nothing came from host a's SSD"
+        assert a.stats()["source_ssd_granted"] > 0
+        assert_nothing_held([a, b])
+        wait_for(lambda: a.stats()["source_ssd_staging_bytes"] == 0, timeout=20, what="host a's SSD staging to drain")
+    finally:
+        for m in managers:
+            m.close()
+        etcd.close()

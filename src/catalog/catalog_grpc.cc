@@ -1,5 +1,6 @@
 #include "catalog/catalog_grpc.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -220,6 +221,7 @@ peer::v1::AuthorizeResponse ToResponse(const SourceGrant& grant, const std::stri
   }
   if (grant.outcome == SourceOutcome::kGranted) response.set_ucx_address(ucx_address);
   response.set_deadline_ms(static_cast<uint32_t>(grant.lifetime.count()));
+  response.set_retry_after_ms(static_cast<uint32_t>(grant.retry_after.count()));
   return response;
 }
 
@@ -227,7 +229,7 @@ Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response) {
   SourceReply reply;
   SourceGrant& grant = reply.grant;
   const auto outcome = [](int value) -> Result<SourceOutcome> {
-    if (value < 0 || value > static_cast<int>(SourceOutcome::kNotInDram)) {
+    if (value < 0 || value > static_cast<int>(SourceOutcome::kMissing)) {
       return Status::InvalidArgument(fmt::format("an authorization outcome {} this version does not know", value));
     }
     return static_cast<SourceOutcome>(value);
@@ -238,6 +240,7 @@ Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response) {
   grant.grant_id = response.grant_id();
   grant.grant_secret = response.grant_secret();
   grant.lifetime = std::chrono::milliseconds(response.deadline_ms());
+  grant.retry_after = std::chrono::milliseconds(std::min<uint32_t>(response.retry_after_ms(), 1000));
   for (const std::string& region : response.regions()) grant.regions.emplace_back(region.begin(), region.end());
   for (const peer::v1::GrantedBlock& b : response.blocks()) {
     if (b.region() >= grant.regions.size()) {
@@ -293,6 +296,7 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
     block->set_key(bytes.data(), bytes.size());
     block->set_generation(v.generation);
     block->set_sequence(v.sequence);
+    block->set_tier(v.tier);
   }
   {
     MutexLock lock(&mu_);

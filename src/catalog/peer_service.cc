@@ -196,11 +196,16 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1
     Result<state::StateKey> key = state::StateKey::Decode(
         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(block.key().data()), block.key().size()));
     if (!key.ok()) return ToGrpc(key.status().WithContext("an authorization's key"));
-    args.blocks.push_back({*key, block.generation(), block.sequence()});
+    const uint32_t tier = block.tier() == 0 ? kSourceDram : block.tier();
+    if (tier != kSourceDram && tier != kSourceSsd) {
+      return ToGrpc(Status::InvalidArgument(fmt::format("an authorization names tier {} (1 DRAM, 2 SSD)", tier)));
+    }
+    args.blocks.push_back({*key, block.generation(), block.sequence(), static_cast<uint8_t>(tier)});
   }
   Result<SourceGrant> grant = options_.source->Authorize(args);
   if (!grant.ok()) return ToGrpc(grant.status());
-  if (grant->outcome == SourceOutcome::kGranted && context->IsCancelled()) {
+  if ((grant->outcome == SourceOutcome::kGranted || grant->outcome == SourceOutcome::kPending) &&
+      context->IsCancelled()) {
     // The requester gave up before it could hear of the grant: it never reads under it.
     options_.source->Release(args.peer_runtime, args.request_id);
     return grpc::Status(grpc::StatusCode::CANCELLED, "the requester cancelled the authorization");

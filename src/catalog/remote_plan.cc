@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <thread>
 
 #include "fmt/format.h"
 
@@ -9,6 +10,7 @@ namespace orbitkv::catalog {
 namespace {
 
 constexpr uint8_t kDramTier = 1;  // core::Tier::kDram
+constexpr uint8_t kSsdTier = 2;   // core::Tier::kSsd
 
 using Source = std::pair<std::string, std::string>;  // (node, runtime)
 
@@ -21,6 +23,7 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
   struct Run {
     std::vector<SourceBlockVersion> versions;
     std::vector<uint64_t> bytes;
+    size_t ssd = 0;  // blocks named on the source's SSD (issue 56: read into its DRAM before they are granted)
   };
   std::map<Source, Run> running;
   std::map<Source, Run> finished;
@@ -28,11 +31,14 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
   for (size_t i = 0; i < n; ++i) {
     // Find returns copies: `found` keeps them alive for this step.
     std::vector<Candidate> found = index.Find(keys[i]);
+    // Per source its DRAM replica, else its SSD one (a source's own DRAM copy of a key is served at once).
     std::map<Source, const Candidate*> here;
     for (const Candidate& c : found) {
-      if (c.tier != kDramTier || c.owner_node == self_node) continue;
+      if ((c.tier != kDramTier && c.tier != kSsdTier) || c.owner_node == self_node) continue;
       Source source{c.owner_node, c.runtime_uuid};
-      if (excluded.count(source) == 0) here.emplace(std::move(source), &c);
+      if (excluded.count(source) != 0) continue;
+      auto [at, added] = here.emplace(std::move(source), &c);
+      if (!added && c.tier == kDramTier) at->second = &c;
     }
     if (i == 0) {
       for (const auto& [source, c] : here) running[source];
@@ -43,19 +49,24 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
         finished.insert(*it);
         it = running.erase(it);
       } else {
-        it->second.versions.push_back({keys[i], at->second->generation, at->second->sequence});
+        it->second.versions.push_back({keys[i], at->second->generation, at->second->sequence, at->second->tier});
         it->second.bytes.push_back(at->second->bytes);
+        it->second.ssd += at->second->tier == kSsdTier ? 1 : 0;
         ++it;
       }
     }
     if (running.empty()) break;
   }
   for (auto& entry : running) finished.insert(std::move(entry));
-  // The longest span; std::map order makes the smallest (node, runtime) win a tie.
+  // The longest span; of equal ones the one with fewer blocks on SSD (peer DRAM before peer SSD), and std::map
+  // order makes the smallest (node, runtime) win a tie.
   const std::pair<const Source, Run>* best = nullptr;
   for (const auto& entry : finished) {
     if (entry.second.versions.empty()) continue;
-    if (best == nullptr || entry.second.versions.size() > best->second.versions.size()) best = &entry;
+    if (best == nullptr || entry.second.versions.size() > best->second.versions.size() ||
+        (entry.second.versions.size() == best->second.versions.size() && entry.second.ssd < best->second.ssd)) {
+      best = &entry;
+    }
   }
   if (best == nullptr) return std::nullopt;
   return PlannedSpan{best->first.first, best->first.second, best->second.versions, best->second.bytes};
@@ -77,6 +88,23 @@ AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateI
     const Deadline rpc = Deadline::At(std::min(options.deadline.when(), Deadline::After(options.rpc_timeout).when()));
     Result<SourceReply> reply = transport.Authorize(span->node, span->runtime, options.request_id, span->versions,
                                                     options.byte_limit, options.lifetime, rpc);
+    // Issue 56: SSD blocks being read into the source's DRAM: ask again, same request id, until granted (or
+    // missing) within the deadline; backing off from the source's hint to 20 ms.
+    std::chrono::milliseconds wait{1};
+    while (reply.ok() && reply->grant.outcome == SourceOutcome::kPending) {
+      ++outcome.polls;
+      wait = std::clamp(std::max(wait * 2, reply->grant.retry_after), std::chrono::milliseconds(1),
+                        std::chrono::milliseconds(20));
+      if (options.deadline.Remaining() <= wait) {
+        reply = Status::DeadlineExceeded("the source was still reading the blocks from its SSD at the deadline");
+        break;
+      }
+      std::this_thread::sleep_for(wait);
+      const Deadline again =
+          Deadline::At(std::min(options.deadline.when(), Deadline::After(options.rpc_timeout).when()));
+      reply = transport.Authorize(span->node, span->runtime, options.request_id, span->versions, options.byte_limit,
+                                  options.lifetime, again);
+    }
     if (!reply.ok()) {
       ++outcome.failures;
       outcome.last_error = reply.status().WithContext(fmt::format("authorizing at {}", span->node));
@@ -98,7 +126,15 @@ AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateI
       continue;
     }
     const SourceGrant& grant = reply->grant;
+    if (grant.outcome == SourceOutcome::kBackpressure) {
+      // No staging room there now: another source, or the local answer. Its candidates stay (room comes back).
+      ++outcome.rejections;
+      ++outcome.backpressure;
+      excluded.insert(source);
+      continue;
+    }
     if (grant.outcome != SourceOutcome::kGranted || grant.granted == 0) {
+      outcome.missing += grant.outcome == SourceOutcome::kMissing ? 1 : 0;
       ++outcome.rejections;
       excluded.insert(source);
       const SourceBlockVersion& refused = span->versions[0];

@@ -1,6 +1,10 @@
 // Remote planning in the requesting Manager (seed 000, "Query path", step 4; issue 21, item 3): from the candidate
-// index, the source whose DRAM replicas cover the longest contiguous span of the blocks a query misses (ties go to
-// the smaller node id, then runtime UUID), authorized through SourceTransport. A source's rejection removes only
+// index, the source whose DRAM or SSD replicas cover the longest contiguous span of the blocks a query misses (of
+// equal spans the one with fewer SSD blocks: peer DRAM before peer SSD; then the smaller node id, then runtime
+// UUID), authorized through SourceTransport. Issue 56: a span named on a source's SSD is read into that source's
+// DRAM first; the source answers pending, and the requester asks again with the same request id until the grant
+// (or missing) comes, within its deadline; a source out of SSD staging room answers backpressure and the next one
+// is asked. A source's rejection removes only
 // the candidate versions it refused from the index, and at most `max_alternatives` other sources are tried per
 // fetch, with no new directory RPC (another query refreshes the evidence). No candidate, or no source granting,
 // means the local answer stands.
@@ -50,7 +54,7 @@ struct PlannedSpan {
   std::vector<uint64_t> bytes;               // each block's size as the lookup named it
 };
 
-// The best span over `keys` from the index's DRAM candidates, leaving out `self_node` and the sources in
+// The best span over `keys` from the index's DRAM and SSD candidates, leaving out `self_node` and the sources in
 // `excluded`; none when no candidate holds keys[0].
 std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, CandidateIndex& index,
                                     const std::string& self_node,
@@ -79,6 +83,9 @@ struct AuthorizeOutcome {
   size_t attempts = 0;                   // Authorize RPCs sent
   size_t rejections = 0;                 // stale or not-in-DRAM answers
   size_t failures = 0;                   // RPCs that failed (source gone, busy, too slow)
+  size_t polls = 0;                      // Authorize RPCs repeated while a source prepared SSD blocks (issue 56)
+  size_t backpressure = 0;               // sources whose SSD staging budget was full
+  size_t missing = 0;                    // sources whose SSD records failed their read or checksum
   Status last_error;                     // the last failure, for logs
 };
 

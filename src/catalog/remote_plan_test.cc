@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 
 #include "core/test_util.h"
 
@@ -57,9 +58,11 @@ class RemotePlanTest : public ::testing::Test {
 };
 
 TEST_F(RemotePlanTest, TheLongestContiguousSpanWinsAndTiesGoToTheSmallerNode) {
-  // b holds 0..5, c holds 0..5, a holds 0..3 and 5..9 (a gap at 4), self holds everything, d only on SSD.
+  // b holds 0..5, c holds 0..5, a holds 0..3 and 5..9 (a gap at 4), self holds everything, d 0..5 on SSD only (as
+  // long a span as b's and c's: peer DRAM goes first).
   for (size_t i = 0; i < keys_.size(); ++i) {
-    std::vector<Candidate> row = {On("self"), On("d", 2)};
+    std::vector<Candidate> row = {On("self")};
+    if (i < 6) row.push_back(On("d", 2));
     if (i < 6) row.push_back(On("c"));
     if (i != 4) row.push_back(On("a"));
     index_.Insert(keys_[i], row);
@@ -73,10 +76,96 @@ TEST_F(RemotePlanTest, TheLongestContiguousSpanWinsAndTiesGoToTheSmallerNode) {
   auto without_b = PlanSpan(keys_, index_, "self", {{"b", "rt-b"}});
   ASSERT_TRUE(without_b.has_value());
   EXPECT_EQ(without_b->node, "c");
-  // Only self or SSD: nothing to plan.
+  // Only self (on any tier): nothing to plan.
   CandidateIndex local({});
-  local.Insert(keys_[0], {On("self"), On("d", 2)});
+  local.Insert(keys_[0], {On("self"), On("self", 2)});
   EXPECT_FALSE(PlanSpan(keys_, local, "self", {}).has_value());
+}
+
+// Issue 56: SSD candidates are planned. A source's SSD replica counts where it has no DRAM one; more of the span wins
+// (between two SSD sources too), and of equal spans the one with fewer SSD blocks; each block carries its tier.
+TEST_F(RemotePlanTest, PeerSsdReplicasArePlannedAndPeerDramGoesFirstForEqualSpans) {
+  for (size_t i = 0; i < keys_.size(); ++i) {
+    std::vector<Candidate> row;
+    if (i < 4) row.push_back(On("a"));           // DRAM, 4 blocks
+    if (i < 8) row.push_back(On("b", 2, 3));     // SSD, 8 blocks
+    row.push_back(On("c", 2, 4));                // SSD, all 10 ...
+    if (i < 5) row.push_back(On("c", 1, 5));     // ... the first 5 also in DRAM
+    index_.Insert(keys_[i], row);
+  }
+  auto span = PlanSpan(keys_, index_, "self", {});
+  ASSERT_TRUE(span.has_value());
+  EXPECT_EQ(span->node, "c");
+  ASSERT_EQ(span->versions.size(), 10u);
+  EXPECT_EQ(span->versions[0].tier, kSourceDram);  // its DRAM replica where it has one
+  EXPECT_EQ(span->versions[0].generation, 5u);
+  EXPECT_EQ(span->versions[9].tier, kSourceSsd);
+  EXPECT_EQ(span->versions[9].generation, 4u);
+  auto without_c = PlanSpan(keys_, index_, "self", {{"c", "rt-c"}});
+  ASSERT_TRUE(without_c.has_value());
+  EXPECT_EQ(without_c->node, "b");  // 8 SSD blocks before a's 4 DRAM ones
+  // Equal spans: DRAM first.
+  CandidateIndex equal({});
+  for (size_t i = 0; i < 3; ++i) equal.Insert(keys_[i], {On("a", 2), On("z")});
+  auto dram = PlanSpan(keys_, equal, "self", {});
+  ASSERT_TRUE(dram.has_value());
+  EXPECT_EQ(dram->node, "z");
+}
+
+// A source preparing SSD blocks answers pending; the requester asks again with the same request id until the grant.
+// One out of staging room answers backpressure and the next source is asked, its candidates kept.
+class PreparingSources final : public SourceTransport {
+ public:
+  int pending_answers = 3;
+  std::set<std::string> backpressure;
+  std::vector<std::pair<std::string, uint64_t>> asked;
+  Result<SourceReply> Authorize(const std::string& node, const std::string&, uint64_t request_id,
+                                std::span<const SourceBlockVersion> blocks, uint64_t, std::chrono::milliseconds,
+                                Deadline) override {
+    asked.emplace_back(node, request_id);
+    SourceReply reply;
+    if (backpressure.count(node) != 0) {
+      reply.grant.outcome = SourceOutcome::kBackpressure;
+      return reply;
+    }
+    if (pending_answers-- > 0) {
+      reply.grant.outcome = SourceOutcome::kPending;
+      reply.grant.retry_after = std::chrono::milliseconds(1);
+      return reply;
+    }
+    reply.grant.outcome = SourceOutcome::kGranted;
+    reply.grant.granted = blocks.size();
+    reply.grant.grant_id = 1;
+    return reply;
+  }
+  Result<bool> Release(const std::string&, const std::string&, uint64_t, uint64_t, const std::string&,
+                       Deadline) override {
+    ++released;
+    return true;
+  }
+  int released = 0;
+};
+
+TEST_F(RemotePlanTest, APendingSourceIsAskedAgainWithTheSameRequestIdAndBackpressureMovesOn) {
+  for (size_t i = 0; i < 4; ++i) index_.Insert(keys_[i], {On("a", 2), On("b", 2)});
+  PreparingSources sources;
+  sources.backpressure = {"a"};
+  AuthorizeOutcome outcome = AuthorizeBest(std::span(keys_).first(4), index_, sources, Options());
+  ASSERT_TRUE(outcome.authorized.has_value());
+  EXPECT_EQ(outcome.authorized->span.node, "b");
+  EXPECT_EQ(outcome.backpressure, 1u);
+  EXPECT_EQ(outcome.polls, 3u);
+  ASSERT_EQ(sources.asked.size(), 5u);  // a once, b four times
+  for (size_t i = 1; i < 5; ++i) EXPECT_EQ(sources.asked[i], std::make_pair(std::string("b"), uint64_t{7}));
+  EXPECT_EQ(index_.Find(keys_[0]).size(), 2u);  // backpressure keeps a's candidates
+  // Still pending at the deadline: no grant, and the source is told to drop the preparation.
+  PreparingSources slow;
+  slow.pending_answers = 1 << 30;
+  AuthorizeOptions hurried = Options();
+  hurried.deadline = Deadline::After(std::chrono::milliseconds(30));
+  AuthorizeOutcome late = AuthorizeBest(std::span(keys_).first(4), index_, slow, hurried);
+  EXPECT_FALSE(late.authorized.has_value());
+  EXPECT_GE(slow.released, 1);
 }
 
 TEST_F(RemotePlanTest, ARejectionRemovesOnlyTheRefusedVersionAndAtMostTwoAlternativesAreTried) {

@@ -29,6 +29,9 @@ std::string_view SourceOutcomeName(SourceOutcome outcome) {
     case SourceOutcome::kGranted: return "granted";
     case SourceOutcome::kStale: return "stale";
     case SourceOutcome::kNotInDram: return "not_in_dram";
+    case SourceOutcome::kPending: return "pending";
+    case SourceOutcome::kBackpressure: return "backpressure";
+    case SourceOutcome::kMissing: return "missing";
   }
   return "unknown";
 }
@@ -48,6 +51,10 @@ SourceHolds::SourceHolds(Options options, core::BlockTable* table, core::PinnedP
     stale_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "stale"}});
     not_dram_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "not_in_dram"}});
     exhausted_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "resource_exhausted"}});
+    ssd_backpressure_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "ssd_backpressure"}});
+    ssd_missing_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "ssd_missing"}});
+    ssd_prepared_bytes_ = &metrics->GetCounter("orbitkv_source_ssd_prepared_bytes_total",
+                                               "Bytes this source read from its SSD into DRAM for peers (issue 56)");
   }
 }
 
@@ -58,16 +65,22 @@ SourceHolds::~SourceHolds() {
 }
 
 void SourceHolds::Reject(SourceOutcome why) {
-  Counter* counter = why == SourceOutcome::kNotInDram ? not_dram_ : why == SourceOutcome::kStale ? stale_ : exhausted_;
+  Counter* counter = why == SourceOutcome::kNotInDram     ? not_dram_
+                     : why == SourceOutcome::kStale        ? stale_
+                     : why == SourceOutcome::kBackpressure ? ssd_backpressure_
+                     : why == SourceOutcome::kMissing      ? ssd_missing_
+                                                           : exhausted_;
   if (counter != nullptr) counter->Increment();
   MutexLock lock(&mu_);
   ++stats_.rejected;
 }
 
 void SourceHolds::UpdateGauges() {
-  uint64_t pinned = 0, quarantined = 0, quarantined_bytes = 0;
+  uint64_t pinned = 0, quarantined = 0, quarantined_bytes = 0, preparing = 0, staging = 0;
   for (const auto& [key, hold] : holds_) {
     pinned += hold.bytes;
+    preparing += hold.preparing ? 1 : 0;
+    staging += hold.staging.bytes();
     if (hold.quarantined) {
       ++quarantined;
       quarantined_bytes += hold.bytes;
@@ -77,6 +90,8 @@ void SourceHolds::UpdateGauges() {
   stats_.pinned_bytes = pinned;
   stats_.quarantined = quarantined;
   stats_.quarantined_bytes = quarantined_bytes;
+  stats_.ssd_preparing = preparing;
+  stats_.ssd_staging_bytes = staging;
   if (sessions_gauge_ != nullptr) {
     sessions_gauge_->Set(static_cast<int64_t>(holds_.size()));
     pinned_gauge_->Set(static_cast<int64_t>(pinned));
@@ -106,7 +121,13 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
             "request {} of {} was already released or expired: ask again with a new request id", args.request_id,
             args.peer_node));
       }
-      return it->second.grant;  // a duplicate: the same grant
+      if (it->second.preparing) {  // issue 56: asked again while its SSD blocks are being read
+        SourceGrant pending;
+        pending.outcome = SourceOutcome::kPending;
+        pending.retry_after = options_.retry_after;
+        return pending;
+      }
+      return it->second.grant;  // a duplicate: the same grant (or the preparation's kMissing)
     }
   }
   std::vector<state::StateKey> keys;
@@ -120,6 +141,13 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
   Hold hold;
   hold.peer_node = args.peer_node;
   const core::ExactPins pinned = table_->PinExact(keys, generations, sequences, &hold.pins);
+  if (options_.load_ssd && pinned.pinned < args.blocks.size() && args.blocks[pinned.pinned].tier == kSourceSsd) {
+    // Issue 56: the span goes on with blocks named on SSD (their DRAM residences, if any, have other versions): the
+    // whole of it is prepared (its DRAM blocks pinned exactly, its SSD ones checked against their SSD residences and
+    // read into DRAM, or taken from DRAM where a local query brought them in meanwhile) and granted at once.
+    core::BlockPin::ReleaseAll(&hold.pins);
+    return Prepare(args, key);
+  }
   SourceGrant& grant = hold.grant;
   grant.stop = FromStop(pinned.stop);
   // Within the requester's byte limit.
@@ -153,22 +181,7 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
         hold.bytes, args.peer_node, ticket.status().message()));
   }
   hold.ticket = std::move(*ticket);
-  // The regions: one descriptor per arena the pins live in.
-  std::map<uint32_t, uint32_t> region_of;
-  std::vector<GrantIssuer::Range> ranges;
-  for (const core::BlockPin& pin : hold.pins) {
-    auto [it, added] = region_of.emplace(pin.arena(), static_cast<uint32_t>(grant.regions.size()));
-    if (added) {
-      Result<std::vector<uint8_t>> descriptor = issuer_->Describe(pin.arena());
-      if (!descriptor.ok()) return descriptor.status().WithContext("describing the pool to a peer");
-      grant.regions.push_back(std::move(*descriptor));
-    }
-    grant.blocks.push_back({it->second, pin.arena_offset(), pin.bytes()});
-    ranges.push_back({pin.arena(), pin.arena_offset(), pin.bytes()});
-  }
-  ORBITKV_ASSIGN_OR_RETURN(GrantIssuer::Issued issued, issuer_->Grant(args.peer_runtime, ranges));
-  grant.grant_id = issued.id;
-  grant.grant_secret = std::move(issued.secret);
+  ORBITKV_RETURN_IF_ERROR(Issue(args.peer_runtime, hold.pins, &grant));
   grant.outcome = SourceOutcome::kGranted;
   grant.lifetime = std::min(std::max(args.lifetime, std::chrono::milliseconds(1)), options_.max_lifetime);
   hold.deadline = options_.now() + grant.lifetime;
@@ -180,7 +193,173 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
   return reply;
 }
 
+Status SourceHolds::Issue(const std::string& peer_runtime, const std::vector<core::BlockPin>& pins,
+                          SourceGrant* grant) {
+  // The regions: one descriptor per arena the pins live in.
+  std::map<uint32_t, uint32_t> region_of;
+  std::vector<GrantIssuer::Range> ranges;
+  for (const core::BlockPin& pin : pins) {
+    auto [it, added] = region_of.emplace(pin.arena(), static_cast<uint32_t>(grant->regions.size()));
+    if (added) {
+      Result<std::vector<uint8_t>> descriptor = issuer_->Describe(pin.arena());
+      if (!descriptor.ok()) return descriptor.status().WithContext("describing the pool to a peer");
+      grant->regions.push_back(std::move(*descriptor));
+    }
+    grant->blocks.push_back({it->second, pin.arena_offset(), pin.bytes()});
+    ranges.push_back({pin.arena(), pin.arena_offset(), pin.bytes()});
+  }
+  ORBITKV_ASSIGN_OR_RETURN(GrantIssuer::Issued issued, issuer_->Grant(peer_runtime, ranges));
+  grant->grant_id = issued.id;
+  grant->grant_secret = std::move(issued.secret);
+  return Status::Ok();
+}
+
+Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKey& key) {
+  // The span: each block held here in the version named, on SSD (its residence generation) or, after the first,
+  // in DRAM (pinned exactly, kept pinned while the others are read), within the byte limit.
+  Hold hold;
+  hold.peer_node = args.peer_node;
+  hold.preparing = true;
+  std::vector<state::StateKey> keys;
+  uint64_t payload = 0, charge = 0;
+  SourceOutcome stop = SourceOutcome::kGranted;
+  for (const SourceBlockVersion& b : args.blocks) {
+    uint64_t bytes = 0;
+    if (b.tier == kSourceSsd) {
+      const std::optional<core::SsdResidence> ssd = table_->FindSsd(b.key);
+      if (!ssd.has_value() || ssd->generation != b.generation) {
+        stop = SourceOutcome::kStale;
+        break;
+      }
+      bytes = ssd->bytes;
+    } else {
+      std::vector<core::BlockPin> one;
+      const core::ExactPins pinned = table_->PinExact(std::span(&b.key, 1), std::span(&b.generation, 1),
+                                                      std::span(&b.sequence, 1), &one);
+      if (pinned.pinned != 1) {
+        stop = FromStop(pinned.stop);
+        break;
+      }
+      bytes = one[0].bytes();
+      hold.pins.push_back(std::move(one[0]));
+    }
+    if (args.byte_limit != 0 && payload + bytes > args.byte_limit) break;
+    payload += bytes;
+    charge += pool_->ClassBytes(bytes);
+    keys.push_back(b.key);
+  }
+  if (keys.empty()) {
+    SourceGrant refused;
+    refused.outcome = stop == SourceOutcome::kGranted ? SourceOutcome::kStale : stop;
+    Reject(refused.outcome);
+    return refused;
+  }
+  Result<core::BudgetTicket> staging = options_.ssd_staging->TryReserve(PeerOwner(args.peer_runtime), charge);
+  if (!staging.ok()) {
+    SourceGrant busy;
+    busy.outcome = SourceOutcome::kBackpressure;
+    busy.retry_after = options_.retry_after;
+    Reject(busy.outcome);
+    MutexLock lock(&mu_);
+    ++stats_.ssd_backpressure;
+    return busy;
+  }
+  hold.staging = std::move(*staging);
+  hold.grant.lifetime = std::min(std::max(args.lifetime, std::chrono::milliseconds(1)), options_.max_lifetime);
+  // A preparation that outlives its grant's lifetime is given up as a grant would be (ExpireDue).
+  hold.deadline = options_.now() + hold.grant.lifetime;
+  {
+    MutexLock lock(&mu_);
+    holds_.emplace(key, std::move(hold));
+    ++stats_.ssd_preparations;
+    UpdateGauges();
+  }
+  Status started = options_.load_ssd(keys, [this, key](std::vector<core::BlockPin> pins) {
+    Prepared(key, std::move(pins));
+  });
+  if (!started.ok()) {
+    Drained(key);  // nothing was started: the hold and its charge go
+    return started.WithContext("preparing SSD blocks for a peer");
+  }
+  SourceGrant pending;
+  pending.outcome = SourceOutcome::kPending;
+  pending.retry_after = options_.retry_after;
+  return pending;
+}
+
+void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins) {
+  bool gone = false;
+  {
+    MutexLock lock(&mu_);
+    auto it = holds_.find(key);
+    gone = it == holds_.end() || it->second.revoking;
+  }
+  if (gone) {
+    core::BlockPin::ReleaseAll(&pins);  // released, expired or its requester gone meanwhile
+    return;
+  }
+  uint64_t payload = 0;
+  for (const core::BlockPin& pin : pins) payload += pin.bytes();
+  if (ssd_prepared_bytes_ != nullptr) ssd_prepared_bytes_->Increment(payload);
+  SourceGrant grant;
+  // Nothing in DRAM: a read error, a record that failed its checksum, an extent evicted meanwhile, or no room.
+  const Status issued = pins.empty() ? Status::NotFound("no block of the span could be read from SSD")
+                                     : Issue(key.first, pins, &grant);
+  std::vector<core::BlockPin> release;  // released outside the lock
+  bool revoke = false;
+  bool missing = false;
+  {
+    MutexLock lock(&mu_);
+    stats_.ssd_prepared_blocks += pins.size();
+    stats_.ssd_prepared_bytes += payload;
+    auto it = holds_.find(key);
+    if (it == holds_.end() || it->second.revoking) {
+      revoke = issued.ok();  // gone while the grant was issued: it is revoked before anyone reads under it
+      release = std::move(pins);
+    } else {
+      Hold& hold = it->second;
+      release = std::move(hold.pins);  // the exact pins taken at the start; `pins` hold the same blocks now
+      hold.preparing = false;
+      if (!issued.ok()) {
+        // kMissing, kept for a duplicate until the hold's deadline or release.
+        missing = true;
+        hold.grant.outcome = SourceOutcome::kMissing;
+        hold.staging.Reset();
+        ++stats_.ssd_missing;
+        for (core::BlockPin& pin : pins) release.push_back(std::move(pin));
+      } else {
+        grant.outcome = SourceOutcome::kGranted;
+        grant.granted = pins.size();
+        grant.stop = SourceOutcome::kGranted;
+        grant.lifetime = hold.grant.lifetime;
+        for (const core::BlockPin& pin : pins) hold.bytes += pool_->ClassBytes(pin.bytes());
+        hold.grant = std::move(grant);
+        hold.pins = std::move(pins);
+        ++stats_.granted;
+        ++stats_.ssd_granted;
+      }
+      UpdateGauges();
+    }
+  }
+  if (revoke) {
+    auto keep = std::make_shared<std::vector<core::BlockPin>>(std::move(release));
+    if (!issuer_->Revoke(grant.grant_id, [keep] { core::BlockPin::ReleaseAll(keep.get()); }).ok()) {
+      core::BlockPin::ReleaseAll(keep.get());
+    }
+    return;
+  }
+  core::BlockPin::ReleaseAll(&release);
+  if (missing) {
+    ORBITKV_LOG_WARN("source: SSD blocks prepared for {} not granted: {}", key.first, issued.ToString());
+    Reject(SourceOutcome::kMissing);
+  }
+}
+
 void SourceHolds::Revoke(const HoldKey& key, uint64_t grant) {
+  if (grant == 0) {  // a preparation not granted yet, or one found missing: nothing of it can be in flight
+    Drained(key);
+    return;
+  }
   Status revoked = issuer_->Revoke(grant, [this, key] { Drained(key); });
   if (!revoked.ok()) {
     // Unknown to the engine: nothing of it can be in flight.

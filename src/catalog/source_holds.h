@@ -66,14 +66,24 @@ class GrantIssuer {
 enum class SourceOutcome : uint8_t {
   kGranted = 0,
   kStale = 1,      // absent, or held in another version than asked for
-  kNotInDram = 2,  // held on SSD only (version 1 grants DRAM replicas only)
+  kNotInDram = 2,  // held on SSD only, and this source prepares no SSD blocks (no SSD tier)
+  // Issue 56, SSD-resident blocks: being read into DRAM here; ask again with the same request id after
+  // SourceGrant::retry_after.
+  kPending = 3,
+  kBackpressure = 4,  // this source's SSD staging budget is full now: ask another source, or recompute
+  kMissing = 5,       // the SSD record failed its read or its checksum here: never served
 };
 std::string_view SourceOutcomeName(SourceOutcome outcome);
+
+// The tiers a lookup names (core::Tier).
+inline constexpr uint8_t kSourceDram = 1;
+inline constexpr uint8_t kSourceSsd = 2;
 
 struct SourceBlockVersion {
   state::StateKey key;
   uint64_t generation = 0;
   uint64_t sequence = 0;
+  uint8_t tier = kSourceDram;  // the residence the lookup named: DRAM, or SSD (prepared into DRAM first)
 };
 
 struct AuthorizeArgs {
@@ -99,14 +109,25 @@ struct SourceGrant {
   };
   std::vector<Block> blocks;
   std::chrono::milliseconds lifetime{0};
+  std::chrono::milliseconds retry_after{0};  // kPending: when to ask again
 };
 
 class SourceHolds {
  public:
   static constexpr size_t kMaxBlocks = 1024;
+  // Issue 56: how SSD-resident blocks are read into DRAM (SsdTier::Load in a Manager): the SSD-only keys read with
+  // the tier's coalesced path, verified and sealed into DRAM; `done` gets pins on the prefix of `keys` now in DRAM,
+  // on another thread (or this one). An error: nothing was started.
+  using SsdLoader = std::function<Status(std::vector<state::StateKey> keys,
+                                         std::function<void(std::vector<core::BlockPin> pins)> done)>;
   struct Options {
     std::chrono::milliseconds max_lifetime{30000};  // a grant's deadline is capped at this
     std::function<MonoTime()> now = [] { return MonoNow(); };
+    // Null: SSD residences are refused (kNotInDram). With it, `ssd_staging` (required) is charged the bytes of a
+    // preparation from its start until its grant drained (--remote-ssd-staging-budget).
+    SsdLoader load_ssd;
+    core::Budget* ssd_staging = nullptr;
+    std::chrono::milliseconds retry_after{2};
   };
   struct Stats {
     uint64_t sessions = 0;           // holds alive (pinned), quarantined or not
@@ -117,6 +138,16 @@ class SourceHolds {
     uint64_t released = 0;           // holds freed after draining
     uint64_t rejected = 0;           // authorizations refused (stale, not in DRAM, no room)
     uint64_t release_secret_refusals = 0;  // releases by grant id without the grant's secret (nothing released)
+    // Issue 56: SSD preparations started, in progress now, granted, refused for staging room, found missing (a
+    // read or checksum failure), and the blocks and bytes read from SSD for peers.
+    uint64_t ssd_preparations = 0;
+    uint64_t ssd_preparing = 0;
+    uint64_t ssd_granted = 0;
+    uint64_t ssd_backpressure = 0;
+    uint64_t ssd_missing = 0;
+    uint64_t ssd_prepared_blocks = 0;
+    uint64_t ssd_prepared_bytes = 0;
+    uint64_t ssd_staging_bytes = 0;  // charged now
   };
 
   // `table`, `pool`, `budget`, `issuer` and `metrics` (may be null) must outlive the holds.
@@ -128,7 +159,10 @@ class SourceHolds {
 
   // Pins the longest prefix of `args.blocks` held in exactly the named versions (within the byte limit) and grants
   // reads of it. kStale/kNotInDram with nothing pinned when the first block is not held so (counted as a
-  // rejection). ResourceExhausted (nothing pinned) past the transfer budget, the peer's budget or the session
+  // rejection). Issue 56: a span whose first block is named on SSD (and held there in that generation) is
+  // prepared: staging credit charged, the SSD blocks read into DRAM (load_ssd), kPending answered; asked again with
+  // the same request id, it answers kPending until the blocks are in DRAM, then the grant of the prefix that made
+  // it (kMissing when none did), or kBackpressure at once when the staging budget is full. ResourceExhausted (nothing pinned) past the transfer budget, the peer's budget or the session
   // limit; InvalidArgument for no blocks or more than kMaxBlocks; the issuer's error otherwise.
   Result<SourceGrant> Authorize(const AuthorizeArgs& args) EXCLUDES(authorize_mu_, mu_);
   // Ends the hold `request_id` of `peer_runtime`: revoke, drain, free. False when there is none (already released
@@ -161,6 +195,8 @@ class SourceHolds {
     SourceGrant grant;
     std::vector<core::BlockPin> pins;
     core::BudgetTicket ticket;
+    core::BudgetTicket staging;  // an SSD preparation's (issue 56), until it drained
+    bool preparing = false;      // its SSD blocks are being read into DRAM: no grant yet
     uint64_t bytes = 0;  // allocation bytes pinned
     MonoTime deadline;
     bool revoking = false;
@@ -171,6 +207,12 @@ class SourceHolds {
 
   // The issuer said the grant drained: free the hold.
   void Drained(const HoldKey& key) EXCLUDES(mu_);
+  // Issue 56: a span named on SSD: starts its preparation (or answers why not).
+  Result<SourceGrant> Prepare(const AuthorizeArgs& args, const HoldKey& key) REQUIRES(authorize_mu_) EXCLUDES(mu_);
+  // The preparation of `key` ended with `pins` on the prefix now in DRAM: grant it, or record it missing.
+  void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins) EXCLUDES(mu_);
+  // Grants `pins` to `peer_runtime` into `grant` (regions, blocks, id, secret); the issuer is called here.
+  Status Issue(const std::string& peer_runtime, const std::vector<core::BlockPin>& pins, SourceGrant* grant);
   void Revoke(const HoldKey& key, uint64_t grant);
   void Reject(SourceOutcome why);
   void UpdateGauges() REQUIRES(mu_);
@@ -186,6 +228,9 @@ class SourceHolds {
   Counter* stale_ = nullptr;
   Counter* not_dram_ = nullptr;
   Counter* exhausted_ = nullptr;
+  Counter* ssd_backpressure_ = nullptr;
+  Counter* ssd_missing_ = nullptr;
+  Counter* ssd_prepared_bytes_ = nullptr;
 
   Mutex authorize_mu_;  // before mu_
   bool accepting_ GUARDED_BY(authorize_mu_) = true;

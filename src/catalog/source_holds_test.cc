@@ -7,7 +7,10 @@
 #include <set>
 #include <thread>
 
+#include "base/temp_dir.h"
+#include "core/ssd_tier.h"
 #include "core/test_util.h"
+#include "storage/testing/fault_injecting_device.h"
 
 namespace orbitkv::catalog {
 namespace {
@@ -361,6 +364,306 @@ TEST_F(SourceHoldsTest, ConcurrentDuplicateAuthorizesMakeOneSession) {
   EXPECT_EQ(issuer_.live(), 1u);
   EXPECT_TRUE(holds_->Release("rt-b", 42));
   issuer_.DrainAll();
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+}
+
+
+// Issue 56: SSD-resident blocks are read into DRAM (the loader stands in for SsdTier::Load: the test completes each
+// load when it says, sealing the blocks it read into DRAM as the tier does) before they are granted.
+class SourceHoldsSsdTest : public SourceHoldsTest {
+ protected:
+  void SetUp() override {
+    SourceHoldsTest::SetUp();
+    staging_ = std::make_unique<core::Budget>(
+        core::Budget::Options{.name = "ssd_staging", .global_bytes = 6 * cache_->pool().ClassBytes(kBlock)},
+        &metrics_);
+    SourceHolds::Options o;
+    o.now = [this] { return now_; };
+    o.ssd_staging = staging_.get();
+    o.load_ssd = [this](std::vector<state::StateKey> keys, std::function<void(std::vector<core::BlockPin>)> done) {
+      std::lock_guard<std::mutex> lock(loads_mu_);
+      loads_.push_back({std::move(keys), std::move(done)});
+      return Status::Ok();
+    };
+    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
+                                           &issuer_, &metrics_);
+  }
+  void TearDown() override {
+    holds_.reset();
+    staging_.reset();
+    SourceHoldsTest::TearDown();
+  }
+  // `keys` on SSD only (a residence each, as the SSD tier publishes after a write): the versions a lookup names.
+  std::vector<SourceBlockVersion> OnSsd(const std::vector<state::StateKey>& keys) {
+    std::vector<SourceBlockVersion> versions;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const uint64_t generation = cache_->table().PublishSsd(keys[i], /*locator=*/i, kBlock);
+      versions.push_back({keys[i], generation, /*sequence=*/1000 + i, kSourceSsd});
+    }
+    return versions;
+  }
+  // Completes load `i`: its first `readable` keys are read into DRAM (stamped with their index), the callback gets
+  // pins on them.
+  void CompleteLoad(size_t i, size_t readable) {
+    std::vector<state::StateKey> keys;
+    std::function<void(std::vector<core::BlockPin>)> done;
+    {
+      std::lock_guard<std::mutex> lock(loads_mu_);
+      keys = loads_.at(i).first;
+      done = std::move(loads_.at(i).second);
+    }
+    std::vector<core::BlockPin> pins;
+    for (size_t k = 0; k < std::min(readable, keys.size()); ++k) {
+      auto pinned = cache_->table().Pin(keys[k]);
+      if (!pinned.ok()) {
+        auto writer = cache_->Prepare(keys[k], kBlock);
+        ASSERT_TRUE(writer.ok()) << writer.status();
+        core::testing::Stamp(writer->data(), kBlock, k);
+        cache_->Seal(*writer, core::TransitionCause::kRestore);
+        pinned = cache_->table().Pin(keys[k]);
+      }
+      ASSERT_TRUE(pinned.ok());
+      pins.push_back(std::move(*pinned));
+    }
+    done(std::move(pins));
+  }
+  size_t loads() {
+    std::lock_guard<std::mutex> lock(loads_mu_);
+    return loads_.size();
+  }
+
+  std::unique_ptr<core::Budget> staging_;
+  std::mutex loads_mu_;
+  std::vector<std::pair<std::vector<state::StateKey>, std::function<void(std::vector<core::BlockPin>)>>> loads_;
+};
+
+TEST_F(SourceHoldsSsdTest, AnSsdSpanIsPendingWhileItIsReadThenGrantedUnderTheSameRequestId) {
+  const auto keys = Chain(40, 4);
+  auto versions = OnSsd(keys);
+  auto first = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->outcome, SourceOutcome::kPending);
+  EXPECT_GT(first->retry_after.count(), 0);
+  ASSERT_EQ(loads(), 1u);
+  EXPECT_EQ(staging_->reserved_bytes(), 4 * cache_->pool().ClassBytes(kBlock));
+  EXPECT_EQ(holds_->GetStats().ssd_preparing, 1u);
+  // Asked again before the read finished: still pending, no second read.
+  auto again = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->outcome, SourceOutcome::kPending);
+  EXPECT_EQ(loads(), 1u);
+  CompleteLoad(0, 4);
+  auto granted = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  ASSERT_EQ(granted->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(granted->granted, 4u);
+  ASSERT_EQ(issuer_.grants.count(granted->grant_id), 1u);
+  EXPECT_EQ(issuer_.grants[granted->grant_id].second.size(), 4u);
+  const SourceHolds::Stats stats = holds_->GetStats();
+  EXPECT_EQ(stats.ssd_preparations, 1u);
+  EXPECT_EQ(stats.ssd_granted, 1u);
+  EXPECT_EQ(stats.ssd_prepared_blocks, 4u);
+  EXPECT_EQ(stats.ssd_preparing, 0u);
+  EXPECT_EQ(cache_->transfer_budget().reserved_bytes(), 0u);  // charged to the SSD staging budget instead
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 4u);
+  // The prepared blocks stay resident at the source (a normal admission), the grant's pins end with its drain.
+  EXPECT_TRUE(holds_->Release("rt-b", 1));
+  EXPECT_EQ(staging_->reserved_bytes(), 4 * cache_->pool().ClassBytes(kBlock));  // until drained
+  issuer_.DrainAll();
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(staging_->reserved_bytes(), 0u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+  EXPECT_EQ(cache_->table().LookupPrefix(keys), 4u);
+}
+
+TEST_F(SourceHoldsSsdTest, AFullStagingBudgetIsBackpressureAndAChangedGenerationIsStale) {
+  auto big = OnSsd(Chain(41, 7));  // 7 blocks, room for 6
+  auto busy = holds_->Authorize(Args(big));
+  ASSERT_TRUE(busy.ok());
+  EXPECT_EQ(busy->outcome, SourceOutcome::kBackpressure);
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(loads(), 0u);
+  EXPECT_EQ(holds_->GetStats().ssd_backpressure, 1u);
+  auto versions = OnSsd(Chain(42, 2));
+  cache_->table().PublishSsd(versions[0].key, 7, kBlock);  // rewritten since the lookup: another generation
+  auto stale = holds_->Authorize(Args(versions, 2));
+  ASSERT_TRUE(stale.ok());
+  EXPECT_EQ(stale->outcome, SourceOutcome::kStale);
+  EXPECT_EQ(loads(), 0u);
+  EXPECT_EQ(staging_->reserved_bytes(), 0u);
+}
+
+TEST_F(SourceHoldsSsdTest, NothingReadIsMissingAndFreesItsCharge) {
+  auto versions = OnSsd(Chain(43, 3));
+  ASSERT_EQ(holds_->Authorize(Args(versions))->outcome, SourceOutcome::kPending);
+  CompleteLoad(0, 0);  // every record failed its read or checksum
+  auto missing = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(missing.ok());
+  EXPECT_EQ(missing->outcome, SourceOutcome::kMissing);
+  EXPECT_EQ(issuer_.live(), 0u);
+  EXPECT_EQ(staging_->reserved_bytes(), 0u);
+  EXPECT_EQ(holds_->GetStats().ssd_missing, 1u);
+  EXPECT_TRUE(holds_->Release("rt-b", 1));
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  // A prefix that made it is granted alone.
+  auto partial = OnSsd(Chain(44, 3));
+  ASSERT_EQ(holds_->Authorize(Args(partial, 2))->outcome, SourceOutcome::kPending);
+  CompleteLoad(1, 2);
+  auto two = holds_->Authorize(Args(partial, 2));
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(two->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(two->granted, 2u);
+}
+
+TEST_F(SourceHoldsSsdTest, ARequesterGoneOrReleasedMidPreparationLeavesNoPinChargeOrGrant) {
+  auto versions = OnSsd(Chain(45, 4));
+  ASSERT_EQ(holds_->Authorize(Args(versions, 1, "rt-gone"))->outcome, SourceOutcome::kPending);
+  ASSERT_EQ(holds_->Authorize(Args(OnSsd(Chain(46, 2)), 2, "rt-b"))->outcome, SourceOutcome::kPending);
+  EXPECT_EQ(holds_->DropVanished([](const std::string&, const std::string& runtime) { return runtime != "rt-gone"; }),
+            1u);
+  issuer_.DrainAll();
+  EXPECT_TRUE(holds_->Release("rt-b", 2));
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(staging_->reserved_bytes(), 0u);
+  // The reads finish afterwards: their blocks are not granted to anyone and not kept pinned.
+  CompleteLoad(0, 4);
+  CompleteLoad(1, 2);
+  EXPECT_EQ(issuer_.live(), 0u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+}
+
+TEST_F(SourceHoldsSsdTest, ASpanGoingFromDramToSsdIsPreparedWholeWithItsDramBlocksExact) {
+  const auto keys = Chain(47, 4);
+  std::vector<SourceBlockVersion> versions = Publish({keys[0], keys[1]});
+  for (const auto& v : OnSsd({keys[2], keys[3]})) versions.push_back(v);
+  auto pending = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(pending.ok());
+  ASSERT_EQ(pending->outcome, SourceOutcome::kPending);
+  ASSERT_EQ(loads(), 1u);
+  EXPECT_EQ(loads_[0].first.size(), 4u);
+  CompleteLoad(0, 4);
+  auto granted = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(granted.ok());
+  EXPECT_EQ(granted->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(granted->granted, 4u);
+  // A DRAM block named in another version stops the span before it: nothing to prepare from a stale start.
+  std::vector<SourceBlockVersion> wrong = versions;
+  wrong[0].sequence += 1;
+  auto stale = holds_->Authorize(Args(wrong, 9));
+  ASSERT_TRUE(stale.ok());
+  EXPECT_EQ(stale->outcome, SourceOutcome::kStale);
+}
+
+// Issue 56 over the real SSD tier (its coalesced, verified reads, on psync) with a device that fails reads on demand:
+// a span read whole is granted with the bytes that were saved; a read error in the middle of a preparation grants
+// the prefix before it; a read error on the first block is kMissing, never a grant.
+class SourceHoldsSsdTierTest : public SourceHoldsTest {
+ protected:
+  void SetUp() override {
+    SourceHoldsTest::SetUp();
+    core::SsdTierOptions options;
+    options.store.directory = dir_.path();
+    options.store.capacity_bytes = 16ull << 20;
+    options.store.file_count = 1;
+    options.store.backend = storage::DeviceBackend::kPsync;
+    options.store.wrap_device = [this](std::unique_ptr<storage::Device> inner) {
+      auto device = std::make_unique<storage::testing::FaultInjectingDevice>(std::move(inner));
+      device_ = device.get();
+      return std::unique_ptr<storage::Device>(std::move(device));
+    };
+    options.min_frequency = 1;
+    options.policy = core::SsdWritePolicy::kWriteThrough;
+    options.reader_threads = 1;  // the reads in key order, so a fault lands on the block the test names
+    auto tier = core::SsdTier::Create(options, cache_.get(), &metrics_);
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    tier_ = std::move(*tier);
+    staging_ = std::make_unique<core::Budget>(core::Budget::Options{.name = "ssd_staging"}, &metrics_);
+    SourceHolds::Options o;
+    o.ssd_staging = staging_.get();
+    o.load_ssd = [this](std::vector<state::StateKey> keys, std::function<void(std::vector<core::BlockPin>)> done) {
+      return tier_->Load(std::move(keys), std::move(done));
+    };
+    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
+                                           &issuer_, &metrics_);
+  }
+  void TearDown() override {
+    issuer_.DrainAll();
+    holds_.reset();
+    if (tier_) tier_->Shutdown();
+    tier_.reset();
+    staging_.reset();
+    SourceHoldsTest::TearDown();
+  }
+  // Saves `keys` (stamped with their index), writes them through to SSD, then drops their DRAM copies: the versions
+  // a lookup names for their SSD residences.
+  std::vector<SourceBlockVersion> SavedToSsdOnly(const std::vector<state::StateKey>& keys) {
+    Publish(keys);
+    for (const auto& key : keys) tier_->OnSealed(key);
+    tier_->Flush();
+    std::vector<SourceBlockVersion> versions;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      EXPECT_TRUE(cache_->table().Remove(keys[i], core::Tier::kDram).ok());
+      const std::optional<core::SsdResidence> ssd = cache_->table().FindSsd(keys[i]);
+      EXPECT_TRUE(ssd.has_value());
+      versions.push_back({keys[i], ssd ? ssd->generation : 0, 1, kSourceSsd});
+    }
+    return versions;
+  }
+  // Asks until the answer is not pending (about 5 s at most).
+  SourceGrant AskUntilSettled(const AuthorizeArgs& args) {
+    for (int i = 0; i < 5000; ++i) {
+      Result<SourceGrant> grant = holds_->Authorize(args);
+      EXPECT_TRUE(grant.ok()) << grant.status();
+      if (!grant.ok() || grant->outcome != SourceOutcome::kPending) return grant.ok() ? *grant : SourceGrant{};
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ADD_FAILURE() << "still pending";
+    return {};
+  }
+
+  orbitkv::testing::TempDir dir_;
+  storage::testing::FaultInjectingDevice* device_ = nullptr;
+  std::unique_ptr<core::SsdTier> tier_;
+  std::unique_ptr<core::Budget> staging_;
+};
+
+TEST_F(SourceHoldsSsdTierTest, TheSpanIsReadFromSsdIntoDramAndGrantedWithTheSavedBytes) {
+  const auto keys = Chain(60, 4);
+  const auto versions = SavedToSsdOnly(keys);
+  const SourceGrant grant = AskUntilSettled(Args(versions));
+  ASSERT_EQ(grant.outcome, SourceOutcome::kGranted);
+  ASSERT_EQ(grant.granted, 4u);
+  const auto& ranges = issuer_.grants.at(grant.grant_id).second;
+  for (size_t i = 0; i < 4; ++i) {
+    const uint8_t* data = cache_->pool().arena(ranges[i].arena).data() + ranges[i].offset;
+    EXPECT_TRUE(core::testing::CheckStamp(data, kBlock, i)) << "block " << i;
+  }
+  EXPECT_EQ(holds_->GetStats().ssd_prepared_blocks, 4u);
+  EXPECT_EQ(tier_->Stats().verify_failures, 0u);
+}
+
+TEST_F(SourceHoldsSsdTierTest, AReadErrorMidPreparationGrantsThePrefixBeforeItAndOneFirstIsMissing) {
+  ASSERT_NE(device_, nullptr);
+  const auto versions = SavedToSsdOnly(Chain(61, 4));
+  // The third block's read fails (the records are read in key order, each as two requests: its header page and its
+  // payload).
+  device_->FailReads(/*after=*/4, /*count=*/1);
+  const SourceGrant partial = AskUntilSettled(Args(versions));
+  EXPECT_EQ(device_->failed_reads(), 1u);
+  ASSERT_EQ(partial.outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(partial.granted, 2u);
+  // A read error on the first block: missing, nothing granted, nothing held once released.
+  const auto others = SavedToSsdOnly(Chain(62, 3));
+  device_->FailReads(/*after=*/0, /*count=*/1);
+  const SourceGrant missing = AskUntilSettled(Args(others, 2));
+  EXPECT_EQ(missing.outcome, SourceOutcome::kMissing);
+  EXPECT_EQ(missing.grant_id, 0u);
+  EXPECT_TRUE(holds_->Release("rt-b", 2));
+  EXPECT_TRUE(holds_->Release("rt-b", 1));
+  issuer_.DrainAll();
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(staging_->reserved_bytes(), 0u);
   EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
 }
 

@@ -21,6 +21,7 @@
 #include "base/result.h"
 #include "base/runtime_id.h"
 #include "core/block_cache.h"
+#include "core/ssd_tier.h"
 #include "server/loading_registry.h"
 #include "server/config.h"
 
@@ -39,7 +40,7 @@ class ClusterLink {
   // and fetches remote blocks into the pool (RemoteStage).
   static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config,
                                                     const RuntimeId& runtime,
-                                                    core::BlockCache* cache,
+                                                    core::BlockCache* cache, core::SsdTier* ssd,
                                                     MetricsRegistry* metrics);
   virtual ~ClusterLink() = default;
 

@@ -553,7 +553,7 @@ class CatalogNode {
 class RemoteNode {
  public:
   RemoteNode(const ManagerConfig& config, cluster::Membership& membership,
-             core::BlockCache* cache, transfer::TransferEngine* engine, std::vector<transfer::RegionHandle> arenas,
+             core::BlockCache* cache, core::SsdTier* ssd, transfer::TransferEngine* engine, std::vector<transfer::RegionHandle> arenas,
              std::shared_ptr<grpc::ChannelCredentials> credentials, MetricsRegistry* metrics)
       : membership_(membership),
         index_(catalog::CandidateIndex::Options{
@@ -573,7 +573,21 @@ class RemoteNode {
     discovery.rotation = std::hash<std::string>{}(config.node_id);
     discovery.shard_of = [](const state::StateKey& key) { return state::ShardOf(key, cluster::kNumShards); };
     discovery_ = std::make_unique<catalog::Discovery>(std::move(discovery), &index_, &requester_);
-    holds_ = std::make_unique<catalog::SourceHolds>(catalog::SourceHolds::Options{}, &cache->table(), &cache->pool(),
+    catalog::SourceHolds::Options source;
+    if (ssd != nullptr) {
+      // Issue 56: this source serves its SSD-resident blocks too, read into DRAM (the SSD tier's coalesced, verified
+      // path) before they are granted, within their own staging budget.
+      const uint64_t staging = config.remote_ssd_staging_budget_bytes != 0 ? config.remote_ssd_staging_budget_bytes
+                                                                            : cache->pool().Stats().capacity_bytes / 8;
+      ssd_staging_ = std::make_unique<core::Budget>(
+          core::Budget::Options{.name = "remote_ssd_staging", .global_bytes = staging}, metrics);
+      source.ssd_staging = ssd_staging_.get();
+      source.load_ssd = [ssd](std::vector<state::StateKey> keys,
+                              std::function<void(std::vector<core::BlockPin>)> done) {
+        return ssd->Load(std::move(keys), std::move(done));
+      };
+    }
+    holds_ = std::make_unique<catalog::SourceHolds>(std::move(source), &cache->table(), &cache->pool(),
                                                     &cache->transfer_budget(), &issuer_, metrics);
     RemoteFetcher::Options fetch;
     fetch.self_node = config.node_id;
@@ -640,6 +654,14 @@ class RemoteNode {
                        f.discovery_rpcs, f.authorizations, f.rejections, i.entries, i.bytes, i.hits, i.misses,
                        h.sessions, h.pinned_bytes, h.quarantined_bytes, h.granted, h.rejected) +
            fmt::format(", \"source_release_secret_refusals\": {}", h.release_secret_refusals) +
+           fmt::format(", \"source_ssd_preparations\": {}, \"source_ssd_preparing\": {}, \"source_ssd_granted\": {}, "
+                       "\"source_ssd_backpressure\": {}, \"source_ssd_missing\": {}, \"source_ssd_prepared_blocks\": {}, "
+                       "\"source_ssd_prepared_bytes\": {}, \"source_ssd_staging_bytes\": {}, "
+                       "\"remote_ssd_fetched_blocks\": {}, \"remote_authorize_polls\": {}, "
+                       "\"remote_ssd_backpressure\": {}, \"remote_ssd_missing\": {}",
+                       h.ssd_preparations, h.ssd_preparing, h.ssd_granted, h.ssd_backpressure, h.ssd_missing,
+                       h.ssd_prepared_blocks, h.ssd_prepared_bytes, h.ssd_staging_bytes, f.fetched_ssd_blocks,
+                       f.authorize_polls, f.source_backpressure, f.source_missing) +
            fmt::format(", \"remote_releases_queued\": {}, \"remote_releases_released\": {}, "
                        "\"remote_releases_not_held\": {}, \"remote_releases_retries\": {}, "
                        "\"remote_releases_abandoned\": {}, \"remote_releases_pending\": {}",
@@ -681,6 +703,7 @@ class RemoteNode {
   catalog::ReleaseQueue releases_;  // over requester_
   catalog::TransferGrantIssuer issuer_;
   std::unique_ptr<catalog::Discovery> discovery_;
+  std::unique_ptr<core::Budget> ssd_staging_;  // before the holds that charge it (issue 56)
   std::unique_ptr<catalog::SourceHolds> holds_;
   std::unique_ptr<RemoteFetcher> fetcher_;
   size_t fetch_workers_ = 0;  // --remote-fetch-workers, reported in stats
@@ -848,7 +871,7 @@ class MembershipLink final : public ClusterLink {
 
 Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
                                                         const RuntimeId& runtime,
-                                                        core::BlockCache* cache,
+                                                        core::BlockCache* cache, core::SsdTier* ssd,
                                                         MetricsRegistry* metrics) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();
   core::ResidencyInventory* inventory = &cache->inventory();
@@ -917,7 +940,7 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
       membership->Shutdown();
       return credentials.status();
     }
-    remote = std::make_unique<RemoteNode>(config, *membership, cache, transfer.get(), std::move(arenas),
+    remote = std::make_unique<RemoteNode>(config, *membership, cache, ssd, transfer.get(), std::move(arenas),
                                           std::move(*credentials), metrics);
     cluster::Membership* m = membership.get();
     Result<std::unique_ptr<PeerListener>> started =

@@ -371,6 +371,10 @@ const std::vector<Option>& Options() {
        "remote stages (fetches of different prefixes from peers) run at once, one thread each; "
        "more help where cores and the network have room (default 4)",
        Uint32Into(&ManagerConfig::remote_fetch_workers, 1, 64)},
+      {"remote-ssd-staging-budget", "SIZE",
+       "bytes of SSD-resident blocks this Manager may be reading into DRAM for peers' remote hits (and hold until "
+       "their transfers drained) at once; past it a peer is told to ask elsewhere (default an eighth of the pool)",
+       SizeInto(&ManagerConfig::remote_ssd_staging_budget_bytes)},
       {"placement-shard-bound-ms", "MS",
        "a catalog placement change (`orbitkv catalog placement --add/--remove`) aborts when one moving shard's new "
        "copies have not caught up with their owners by then (default 60000)",

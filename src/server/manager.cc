@@ -131,7 +131,7 @@ Status Manager::Start() {
     return ErrnoStatus("epoll_ctl", errno);
   }
   ORBITKV_ASSIGN_OR_RETURN(cluster_,
-                           ClusterLink::Start(config_, runtime_id_, cache_.get(), &metrics_));
+                           ClusterLink::Start(config_, runtime_id_, cache_.get(), ssd_.get(), &metrics_));
   if (cluster_) {
     service_->SetRemoteStage([link = cluster_.get()](std::vector<state::StateKey> keys) {
       return link->RemoteStage(std::move(keys));

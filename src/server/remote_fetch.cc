@@ -157,8 +157,11 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   {
     MutexLock lock(&mu_);
     stats_.discovery_rpcs += learnt.rpcs;
-    stats_.authorizations += outcome.attempts;
+    stats_.authorizations += outcome.attempts + outcome.polls;
     stats_.rejections += outcome.rejections;
+    stats_.authorize_polls += outcome.polls;
+    stats_.source_backpressure += outcome.backpressure;
+    stats_.source_missing += outcome.missing;
   }
   if (!outcome.authorized.has_value()) {
     no_source_->Increment();
@@ -184,6 +187,9 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   {
     MutexLock lock(&mu_);
     if (pins.size() > before) stats_.fetch_seconds += std::chrono::duration<double>(MonoNow() - started).count();
+    for (size_t i = 0; i < pins.size() - before && i < outcome.authorized->span.versions.size(); ++i) {
+      stats_.fetched_ssd_blocks += outcome.authorized->span.versions[i].tier == catalog::kSourceSsd ? 1 : 0;
+    }
     if (!transferred) {
       source_open_until_[{outcome.authorized->span.node, outcome.authorized->span.runtime}] =
           MonoNow() + options_.source_breaker;

@@ -74,6 +74,12 @@ class RemoteFetcher {
     uint64_t shared = 0;           // stages that waited for another stage fetching the same prefix
     uint64_t sources_skipped = 0;  // sources left out of a plan because a transfer from them failed just before
     double fetch_seconds = 0;      // wall time of the transfers that brought blocks (authorized to sealed)
+    // Issue 56: blocks fetched that the source held on SSD (read into its DRAM first), Authorize RPCs repeated
+    // while sources prepared, and sources that answered backpressure or missing.
+    uint64_t fetched_ssd_blocks = 0;
+    uint64_t authorize_polls = 0;
+    uint64_t source_backpressure = 0;
+    uint64_t source_missing = 0;
   };
 
   // Everything passed must outlive the fetcher. `arenas[i]` is the transfer region of pool arena i.

@@ -148,6 +148,7 @@ Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options,
       return Status(device.status().code(),
                     fmt::format("SSD file {}: {}", path, device.status().message()));
     }
+    if (options.wrap_device) device = options.wrap_device(std::move(*device));
     devices.push_back(std::move(device).value());
   }
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<ExtentAllocator> allocator,

@@ -4,11 +4,13 @@
 #define ORBITKV_TESTS_INTEGRATION_ENGINE_KV_H_
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -153,6 +155,22 @@ inline bool EventuallyIdle(CacheClient& client) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return false;
+}
+
+// Flips one byte in every 4 KiB page past each record's header: every record on disk is corrupt.
+inline void CorruptEveryRecord(const std::string& dir) {
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    int fd = ::open(entry.path().c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const off_t size = lseek(fd, 0, SEEK_END);
+    for (off_t at = 2048; at < size; at += 4096) {
+      uint8_t byte = 0;
+      ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+      byte ^= 0x01;
+      ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+    }
+    ::close(fd);
+  }
 }
 
 }  // namespace orbitkv::testing

@@ -929,6 +929,106 @@ TEST_F(MeshTest, APrefixContinuesFromDramToSsdToAPeer) {
   std::filesystem::remove_all(ssd);
 }
 
+// Issue 56: a prefix only on a peer's SSD is a remote hit. node-0 (a 16 MiB pool, written through to its SSD) saves
+// chains X, Y and W, then a filler evicts them from its DRAM. node-1 gets X byte-exact: node-0 reads it from its SSD
+// into DRAM (pending answers meanwhile) and grants it. node-0 restarted on its SSD files serves Y to node-2 the same
+// way. With node-0's SSD staging budget too small for a span, the answer is backpressure and node-2 recomputes at
+// once; with node-0's records corrupted on disk, W is a miss (checksum), never served. Nothing stays staged,
+// pinned or granted on any Manager.
+TEST_F(MeshTest, APrefixOnlyOnAPeersSsdIsARemoteHitAndItsFaultsAreMisses) {
+  const std::string ssd = fmt::format("/tmp/orbitkv-mesh-rssd-{}", getpid());
+  std::filesystem::remove_all(ssd);
+  std::filesystem::create_directories(ssd);
+  const std::vector<std::string> ssd_flags = {"--dram", "16MiB", "--ssd-path", ssd, "--ssd-capacity", "128MiB",
+                                              "--ssd-policy", "write-through", "--ssd-min-frequency", "1",
+                                              "--ssd-queue", "64MiB"};
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  managers.push_back(StartManager(0, "rssd-0", ssd_flags));
+  managers.push_back(StartManager(1, "rssd-1"));
+  managers.push_back(StartManager(2, "rssd-2"));
+  for (auto& m : managers) ASSERT_TRUE(m->running()) << m->LogText();
+  constexpr uint32_t kBlocks = 32;  // 1 MiB a chain (32 KiB blocks)
+  const auto x = testing::Chain(5600, kBlocks), y = testing::Chain(5601, kBlocks), w = testing::Chain(5602, kBlocks);
+  {
+    MeshEngine a(*managers[0], 1, 640);
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, y, kBlocks).ok());
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, w, 2 * kBlocks).ok());
+    EXPECT_EQ(FieldWhen(*managers[0], "writes", 3 * kBlocks), 3 * kBlocks) << StatsOf(*managers[0]);
+    // 40 MiB of fillers, each saved three times (every save counts as a use in W-TinyLFU's sketch, so the fillers
+    // win the admission duels the once-saved X, Y and W would otherwise win on a tie): most of X, Y and W leave
+    // node-0's DRAM (the table's shards feel the pressure unevenly), their SSD copies stay.
+    for (uint64_t c = 0; c < 40; ++c) {
+      const auto filler = testing::Chain(5700 + c, kBlocks);
+      for (int times = 0; times < 3; ++times) {
+        ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, filler, 3 * kBlocks + (c % 17) * kBlocks).ok());
+      }
+    }
+  }
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+
+  MeshEngine b(*managers[1], 2, kBlocks);
+  auto [hits, exact] = b.QueryAndRestore(x);
+  EXPECT_EQ(hits, kBlocks) << StatsOf(*managers[1]);
+  EXPECT_EQ(exact, kBlocks);
+  std::string stats = StatsOf(*managers[1]);
+  // One span from node-0: what it still had in DRAM and what it had on SSD only, prepared whole there.
+  EXPECT_GE(Field(stats, "remote_ssd_fetched_blocks"), kBlocks / 2) << stats;
+  EXPECT_EQ(Field(stats, "remote_fetched_blocks"), kBlocks) << stats;
+  EXPECT_GE(Field(stats, "remote_authorize_polls"), 1u) << stats;
+  stats = StatsOf(*managers[0]);
+  EXPECT_GE(Field(stats, "source_ssd_granted"), 1u) << stats;
+  EXPECT_EQ(Field(stats, "source_ssd_prepared_blocks"), kBlocks) << stats;
+  EXPECT_EQ(FieldWhen(*managers[0], "source_ssd_staging_bytes", 0), 0u);
+  EXPECT_EQ(FieldWhen(*managers[0], "source_sessions", 0), 0u);
+
+  // node-0 restarted on its SSD files (its DRAM empty): Y from its SSD to node-2.
+  managers[0]->Stop(SIGTERM);
+  managers[0] = StartManager(0, "rssd-0b", ssd_flags);
+  ASSERT_TRUE(managers[0]->running()) << managers[0]->LogText();
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  MeshEngine c(*managers[2], 3, kBlocks);
+  std::tie(hits, exact) = c.QueryAndRestore(y);
+  EXPECT_EQ(hits, kBlocks) << StatsOf(*managers[2]);
+  EXPECT_EQ(exact, kBlocks);
+  EXPECT_EQ(Field(StatsOf(*managers[2]), "remote_ssd_fetched_blocks"), kBlocks);
+
+  // A staging budget smaller than one block: backpressure, node-2 answers with what it has (nothing) at once.
+  managers[0]->Stop(SIGTERM);
+  std::vector<std::string> tight = ssd_flags;
+  tight.insert(tight.end(), {"--remote-ssd-staging-budget", "16KiB", "--ssd-persist-on-exit", "0"});
+  managers[0] = StartManager(0, "rssd-0c", tight);
+  ASSERT_TRUE(managers[0]->running()) << managers[0]->LogText();
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  std::tie(hits, exact) = c.QueryAndRestore(w);
+  EXPECT_EQ(hits, 0u);
+  EXPECT_GE(Field(StatsOf(*managers[0]), "source_ssd_backpressure"), 1u) << StatsOf(*managers[0]);
+  EXPECT_GE(Field(StatsOf(*managers[2]), "remote_ssd_backpressure"), 1u) << StatsOf(*managers[2]);
+
+  // Every record on node-0's SSD corrupted on disk: W's checksum fails at the source, a miss, never served (asked by
+  // node-1, whose candidate index has not learnt W's holders yet: node-2's still names node-0's previous start).
+  managers[0]->Stop(SIGTERM);
+  testing::CorruptEveryRecord(ssd);
+  std::vector<std::string> plain = ssd_flags;
+  plain.insert(plain.end(), {"--ssd-persist-on-exit", "0"});
+  managers[0] = StartManager(0, "rssd-0d", plain);
+  ASSERT_TRUE(managers[0]->running()) << managers[0]->LogText();
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+  std::tie(hits, exact) = b.QueryAndRestore(w);
+  EXPECT_EQ(hits, exact);  // never a wrong byte
+  EXPECT_LT(hits, kBlocks);
+  stats = StatsOf(*managers[0]);
+  EXPECT_GE(Field(stats, "verify_failures"), 1u) << stats;
+  EXPECT_GE(Field(stats, "source_ssd_missing") + Field(stats, "source_ssd_prepared_blocks"), 1u) << stats;
+  ExpectNothingHeld(managers);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(FieldWhen(*managers[static_cast<size_t>(i)], "source_ssd_staging_bytes", 0), 0u) << "node-" << i;
+  }
+  EXPECT_TRUE(testing::EventuallyIdle(*b.client));
+  EXPECT_TRUE(testing::EventuallyIdle(*c.client));
+  std::filesystem::remove_all(ssd);
+}
+
 // The source stopped with SIGSTOP while a fetch from it runs, then etcd stopped while another fetch runs: each query
 // ends within its bounds with an exact prefix, nothing stays staged or pinned, and once the source (or etcd) is back
 // the next query gets the whole prefix.

@@ -27,6 +27,7 @@ using client::QueryResult;
 using state::StateKey;
 using testing::Chain;
 using testing::Connect;
+using testing::CorruptEveryRecord;
 using testing::EngineKv;
 using testing::EventuallyIdle;
 using testing::ManagerProcess;
@@ -337,22 +338,6 @@ TEST(SsdIntegrationTest, KillDuringWritebackNeverServesATornBlock) {
   }
   EXPECT_GT(served, 0u);
   EXPECT_TRUE(EventuallyIdle(*client));
-}
-
-// Flips one byte in every 4 KiB page past each record's header: every record on disk is corrupt.
-void CorruptEveryRecord(const std::string& dir) {
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    int fd = ::open(entry.path().c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    const off_t size = lseek(fd, 0, SEEK_END);
-    for (off_t at = 2048; at < size; at += 4096) {
-      uint8_t byte = 0;
-      ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
-      byte ^= 0x01;
-      ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
-    }
-    ::close(fd);
-  }
 }
 
 TEST(SsdIntegrationTest, CorruptedRecordIsAMissNeverData) {
