@@ -229,7 +229,7 @@ Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response) {
   SourceReply reply;
   SourceGrant& grant = reply.grant;
   const auto outcome = [](int value) -> Result<SourceOutcome> {
-    if (value < 0 || value > static_cast<int>(SourceOutcome::kMissing)) {
+    if (value < 0 || value > static_cast<int>(SourceOutcome::kMore)) {
       return Status::InvalidArgument(fmt::format("an authorization outcome {} this version does not know", value));
     }
     return static_cast<SourceOutcome>(value);

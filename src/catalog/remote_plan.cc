@@ -141,7 +141,8 @@ AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateI
       index.Remove(refused.key, span->node, span->runtime, refused.generation, refused.sequence);
       continue;
     }
-    if (grant.granted < span->versions.size() && grant.stop != SourceOutcome::kGranted) {
+    if (grant.granted < span->versions.size() && grant.stop != SourceOutcome::kGranted &&
+        grant.stop != SourceOutcome::kMore) {
       // The source holds the block after the granted prefix in another version (or not in DRAM): forget it.
       const SourceBlockVersion& refused = span->versions[grant.granted];
       index.Remove(refused.key, span->node, span->runtime, refused.generation, refused.sequence);

@@ -146,6 +146,36 @@ class PreparingSources final : public SourceTransport {
   int released = 0;
 };
 
+// A grant of a span's first piece whose rest is still being read at the source (stop kMore) keeps the candidates of
+// the rest: the requester asks for them next.
+TEST_F(RemotePlanTest, AGrantWithMoreToComeKeepsTheCandidatesOfTheRest) {
+  class Piecewise final : public SourceTransport {
+   public:
+    Result<SourceReply> Authorize(const std::string&, const std::string&, uint64_t,
+                                  std::span<const SourceBlockVersion> blocks, uint64_t, std::chrono::milliseconds,
+                                  Deadline) override {
+      SourceReply reply;
+      reply.grant.outcome = SourceOutcome::kGranted;
+      reply.grant.granted = std::min<size_t>(2, blocks.size());
+      reply.grant.stop = blocks.size() > 2 ? SourceOutcome::kMore : SourceOutcome::kGranted;
+      reply.grant.grant_id = 1;
+      return reply;
+    }
+    Result<bool> Release(const std::string&, const std::string&, uint64_t, uint64_t, const std::string&,
+                         Deadline) override {
+      return true;
+    }
+  } source;
+  for (size_t i = 0; i < 4; ++i) index_.Insert(keys_[i], {On("a", 2)});
+  AuthorizeOutcome first = AuthorizeBest(std::span(keys_).first(4), index_, source, Options());
+  ASSERT_TRUE(first.authorized.has_value());
+  EXPECT_EQ(first.authorized->reply.grant.granted, 2u);
+  EXPECT_EQ(index_.Find(keys_[2]).size(), 1u);
+  AuthorizeOutcome rest = AuthorizeBest(std::span(keys_).subspan(2, 2), index_, source, Options());
+  ASSERT_TRUE(rest.authorized.has_value());
+  EXPECT_EQ(rest.authorized->reply.grant.granted, 2u);
+}
+
 TEST_F(RemotePlanTest, APendingSourceIsAskedAgainWithTheSameRequestIdAndBackpressureMovesOn) {
   for (size_t i = 0; i < 4; ++i) index_.Insert(keys_[i], {On("a", 2), On("b", 2)});
   PreparingSources sources;

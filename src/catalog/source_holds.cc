@@ -32,6 +32,7 @@ std::string_view SourceOutcomeName(SourceOutcome outcome) {
     case SourceOutcome::kPending: return "pending";
     case SourceOutcome::kBackpressure: return "backpressure";
     case SourceOutcome::kMissing: return "missing";
+    case SourceOutcome::kMore: return "more";
   }
   return "unknown";
 }
@@ -146,7 +147,10 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
     // whole of it is prepared (its DRAM blocks pinned exactly, its SSD ones checked against their SSD residences and
     // read into DRAM, or taken from DRAM where a local query brought them in meanwhile) and granted at once.
     core::BlockPin::ReleaseAll(&hold.pins);
-    return Prepare(args, key);
+    // A first block already in DRAM in another version is one an earlier preparation read (the requester asks for the
+    // rest of a span piece by piece): that preparation reads the later pieces already.
+    const bool read_ahead = !(pinned.pinned == 0 && pinned.stop == core::ExactStop::kReplaced);
+    return Prepare(args, key, read_ahead);
   }
   SourceGrant& grant = hold.grant;
   grant.stop = FromStop(pinned.stop);
@@ -214,14 +218,16 @@ Status SourceHolds::Issue(const std::string& peer_runtime, const std::vector<cor
   return Status::Ok();
 }
 
-Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKey& key) {
+Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKey& key, bool read_ahead) {
   // The span: each block held here in the version named, on SSD (its residence generation) or, after the first,
   // in DRAM (pinned exactly, kept pinned while the others are read), within the byte limit.
   Hold hold;
   hold.peer_node = args.peer_node;
   hold.preparing = true;
   std::vector<state::StateKey> keys;
-  uint64_t payload = 0, charge = 0;
+  std::vector<size_t> pieces;     // where each piece ends
+  std::vector<uint64_t> charges;  // what each piece costs the staging budget
+  uint64_t payload = 0, charge = 0, piece = 0;
   SourceOutcome stop = SourceOutcome::kGranted;
   for (const SourceBlockVersion& b : args.blocks) {
     uint64_t bytes = 0;
@@ -244,6 +250,12 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
       hold.pins.push_back(std::move(one[0]));
     }
     if (args.byte_limit != 0 && payload + bytes > args.byte_limit) break;
+    if (piece > 0 && piece + bytes > options_.prepare_piece_bytes) {
+      pieces.push_back(keys.size());
+      charges.push_back(charge);
+      piece = charge = 0;
+    }
+    piece += bytes;
     payload += bytes;
     charge += pool_->ClassBytes(bytes);
     keys.push_back(b.key);
@@ -254,7 +266,10 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
     Reject(refused.outcome);
     return refused;
   }
-  Result<core::BudgetTicket> staging = options_.ssd_staging->TryReserve(PeerOwner(args.peer_runtime), charge);
+  pieces.push_back(keys.size());
+  charges.push_back(charge);
+  // The first piece's charge is the hold's (until its grant drained); a later piece's only while it is read.
+  Result<core::BudgetTicket> staging = options_.ssd_staging->TryReserve(PeerOwner(args.peer_runtime), charges[0]);
   if (!staging.ok()) {
     SourceGrant busy;
     busy.outcome = SourceOutcome::kBackpressure;
@@ -274,12 +289,41 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
     ++stats_.ssd_preparations;
     UpdateGauges();
   }
-  Status started = options_.load_ssd(keys, [this, key](std::vector<core::BlockPin> pins) {
-    Prepared(key, std::move(pins));
+  // The pieces are read at once (the SSD tier's readers take them in order): the first is granted when it is in
+  // DRAM; the later ones land in DRAM as restored residents meanwhile, for the requester's next request.
+  const bool more = pieces.size() > 1;
+  std::vector<state::StateKey> first(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(pieces[0]));
+  const size_t first_size = first.size();
+  Status started = options_.load_ssd(std::move(first), [this, key, more, first_size](std::vector<core::BlockPin> pins) {
+    // Why the grant stops where it does: a block that could not be read, the rest still being read, or the end.
+    const SourceOutcome ends = pins.size() < first_size ? SourceOutcome::kMissing
+                               : more                   ? SourceOutcome::kMore
+                                                        : SourceOutcome::kGranted;
+    Prepared(key, std::move(pins), ends);
   });
   if (!started.ok()) {
     Drained(key);  // nothing was started: the hold and its charge go
     return started.WithContext("preparing SSD blocks for a peer");
+  }
+  for (size_t p = 1; read_ahead && p < pieces.size(); ++p) {
+    Result<core::BudgetTicket> room = options_.ssd_staging->TryReserve(PeerOwner(args.peer_runtime), charges[p]);
+    if (!room.ok()) break;  // the requester asks for the rest later (stop kMore): read then
+    std::vector<state::StateKey> rest(keys.begin() + static_cast<ptrdiff_t>(pieces[p - 1]),
+                                      keys.begin() + static_cast<ptrdiff_t>(pieces[p]));
+    auto ticket = std::make_shared<core::BudgetTicket>(std::move(*room));
+    Status later = options_.load_ssd(std::move(rest), [this, ticket](std::vector<core::BlockPin> pins) {
+      ticket->Reset();
+      uint64_t bytes = 0;
+      for (const core::BlockPin& pin : pins) bytes += pin.bytes();
+      if (ssd_prepared_bytes_ != nullptr) ssd_prepared_bytes_->Increment(bytes);
+      {
+        MutexLock lock(&mu_);
+        stats_.ssd_prepared_blocks += pins.size();
+        stats_.ssd_prepared_bytes += bytes;
+      }
+      core::BlockPin::ReleaseAll(&pins);  // resident now (the admission decides how long): the next request pins them
+    });
+    if (!later.ok()) break;  // the first piece is granted alone
   }
   SourceGrant pending;
   pending.outcome = SourceOutcome::kPending;
@@ -287,7 +331,7 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   return pending;
 }
 
-void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins) {
+void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop) {
   bool gone = false;
   {
     MutexLock lock(&mu_);
@@ -330,7 +374,7 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins)
       } else {
         grant.outcome = SourceOutcome::kGranted;
         grant.granted = pins.size();
-        grant.stop = SourceOutcome::kGranted;
+        grant.stop = stop;
         grant.lifetime = hold.grant.lifetime;
         for (const core::BlockPin& pin : pins) hold.bytes += pool_->ClassBytes(pin.bytes());
         hold.grant = std::move(grant);

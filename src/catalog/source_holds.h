@@ -72,6 +72,9 @@ enum class SourceOutcome : uint8_t {
   kPending = 3,
   kBackpressure = 4,  // this source's SSD staging budget is full now: ask another source, or recompute
   kMissing = 5,       // the SSD record failed its read or its checksum here: never served
+  // As a grant's `stop` only: the rest of the span is still being read into DRAM here; ask for it again (a new
+  // request) once this grant was read.
+  kMore = 6,
 };
 std::string_view SourceOutcomeName(SourceOutcome outcome);
 
@@ -128,6 +131,9 @@ class SourceHolds {
     SsdLoader load_ssd;
     core::Budget* ssd_staging = nullptr;
     std::chrono::milliseconds retry_after{2};
+    // A preparation reads its span in pieces of about this many bytes, all started at once: the first piece is
+    // granted as soon as it is in DRAM (stop kMore), so the requester reads it while the rest is read from SSD.
+    uint64_t prepare_piece_bytes = 16ull << 20;
   };
   struct Stats {
     uint64_t sessions = 0;           // holds alive (pinned), quarantined or not
@@ -207,10 +213,13 @@ class SourceHolds {
 
   // The issuer said the grant drained: free the hold.
   void Drained(const HoldKey& key) EXCLUDES(mu_);
-  // Issue 56: a span named on SSD: starts its preparation (or answers why not).
-  Result<SourceGrant> Prepare(const AuthorizeArgs& args, const HoldKey& key) REQUIRES(authorize_mu_) EXCLUDES(mu_);
-  // The preparation of `key` ended with `pins` on the prefix now in DRAM: grant it, or record it missing.
-  void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins) EXCLUDES(mu_);
+  // Issue 56: a span named on SSD: starts its preparation (or answers why not); `read_ahead`: the later pieces are
+  // read too (not when an earlier preparation of the span does so already).
+  Result<SourceGrant> Prepare(const AuthorizeArgs& args, const HoldKey& key, bool read_ahead) REQUIRES(authorize_mu_)
+      EXCLUDES(mu_);
+  // The first piece of the preparation of `key` is read, `pins` on its prefix now in DRAM: grant it with `stop` as
+  // the reason it ends there (kMore: later pieces are being read), or record it missing when nothing made it.
+  void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop) EXCLUDES(mu_);
   // Grants `pins` to `peer_runtime` into `grant` (regions, blocks, id, secret); the issuer is called here.
   Status Issue(const std::string& peer_runtime, const std::vector<core::BlockPin>& pins, SourceGrant* grant);
   void Revoke(const HoldKey& key, uint64_t grant);

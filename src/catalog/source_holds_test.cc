@@ -377,9 +377,14 @@ class SourceHoldsSsdTest : public SourceHoldsTest {
     staging_ = std::make_unique<core::Budget>(
         core::Budget::Options{.name = "ssd_staging", .global_bytes = 6 * cache_->pool().ClassBytes(kBlock)},
         &metrics_);
+    MakeHolds(SourceHolds::Options{}.prepare_piece_bytes);
+  }
+  // The holds under test, reading their preparations in pieces of `piece_bytes`.
+  void MakeHolds(uint64_t piece_bytes) {
     SourceHolds::Options o;
     o.now = [this] { return now_; };
     o.ssd_staging = staging_.get();
+    o.prepare_piece_bytes = piece_bytes;
     o.load_ssd = [this](std::vector<state::StateKey> keys, std::function<void(std::vector<core::BlockPin>)> done) {
       std::lock_guard<std::mutex> lock(loads_mu_);
       loads_.push_back({std::move(keys), std::move(done)});
@@ -390,6 +395,7 @@ class SourceHoldsSsdTest : public SourceHoldsTest {
   }
   void TearDown() override {
     holds_.reset();
+    loads_.clear();  // reads never completed: their staging charges go with them
     staging_.reset();
     SourceHoldsTest::TearDown();
   }
@@ -531,6 +537,38 @@ TEST_F(SourceHoldsSsdTest, ARequesterGoneOrReleasedMidPreparationLeavesNoPinChar
   EXPECT_EQ(issuer_.live(), 0u);
   EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
   EXPECT_EQ(holds_->GetStats().sessions, 0u);
+}
+
+// A span read in pieces: the first piece is granted as soon as it is in DRAM, saying more is coming (stop kMore); the
+// later pieces land in DRAM unpinned, and the requester's next request for them is a plain DRAM grant.
+TEST_F(SourceHoldsSsdTest, TheFirstPieceIsGrantedWhileTheRestIsReadAndTheRestIsThenInDram) {
+  MakeHolds(2 * kBlock);
+  const auto keys = Chain(48, 5);
+  const auto versions = OnSsd(keys);
+  ASSERT_EQ(holds_->Authorize(Args(versions))->outcome, SourceOutcome::kPending);
+  ASSERT_EQ(loads(), 3u);  // 2 + 2 + 1 blocks, all started at once
+  EXPECT_EQ(loads_[0].first.size(), 2u);
+  EXPECT_EQ(loads_[2].first.size(), 1u);
+  CompleteLoad(0, 2);
+  auto first = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(first->granted, 2u);
+  EXPECT_EQ(first->stop, SourceOutcome::kMore);
+  CompleteLoad(1, 2);
+  CompleteLoad(2, 1);
+  EXPECT_EQ(holds_->GetStats().ssd_prepared_blocks, 5u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 2u);  // only the granted piece
+  EXPECT_EQ(cache_->table().LookupPrefix(std::vector<state::StateKey>(keys.begin() + 2, keys.end())), 3u);
+  // A short first piece (a read failed in it) stops the grant there, with no more to come.
+  MakeHolds(2 * kBlock);
+  const auto other = OnSsd(Chain(49, 4));
+  ASSERT_EQ(holds_->Authorize(Args(other, 2))->outcome, SourceOutcome::kPending);
+  CompleteLoad(3, 1);
+  auto short_piece = holds_->Authorize(Args(other, 2));
+  ASSERT_TRUE(short_piece.ok());
+  EXPECT_EQ(short_piece->granted, 1u);
+  EXPECT_EQ(short_piece->stop, SourceOutcome::kMissing);
 }
 
 TEST_F(SourceHoldsSsdTest, ASpanGoingFromDramToSsdIsPreparedWholeWithItsDramBlocksExact) {

@@ -144,59 +144,77 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   const std::span<const state::StateKey> rest(job.keys.data() + local, job.keys.size() - local);
   const catalog::Discovery::Outcome learnt = discovery_->Discover(rest);
   discovery_rpcs_->Increment(learnt.rpcs);
-  catalog::AuthorizeOptions authorize;
-  authorize.self_node = options_.self_node;
-  authorize.request_id = next_request_.fetch_add(1, std::memory_order_relaxed);
-  authorize.lifetime = std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline.Remaining()) +
-                       std::chrono::milliseconds(1000);
-  authorize.deadline = job.deadline;
-  ExcludeOpenSources(&authorize);
-  catalog::AuthorizeOutcome outcome = catalog::AuthorizeBest(rest, *index_, *sources_, authorize);
-  authorizations_->Increment(outcome.attempts);
-  rejections_->Increment(outcome.rejections);
   {
     MutexLock lock(&mu_);
     stats_.discovery_rpcs += learnt.rpcs;
-    stats_.authorizations += outcome.attempts + outcome.polls;
-    stats_.rejections += outcome.rejections;
-    stats_.authorize_polls += outcome.polls;
-    stats_.source_backpressure += outcome.backpressure;
-    stats_.source_missing += outcome.missing;
   }
-  if (!outcome.authorized.has_value()) {
-    no_source_->Increment();
-    MutexLock lock(&mu_);
-    ++stats_.no_source;
-    if (!outcome.last_error.ok()) {
-      ORBITKV_LOG_DEBUG("remote: no source for {} blocks: {}", rest.size(), outcome.last_error.ToString());
+  // One grant after another while a source says more of its span is coming (issue 56: a span it reads from its SSD
+  // is granted piece by piece, so this side reads one piece while the source reads the next): each grant but the
+  // last is released as soon as it was read; the last one after the engine's operation completed.
+  for (;;) {
+    const std::span<const state::StateKey> todo(job.keys.data() + pins.size(), job.keys.size() - pins.size());
+    catalog::AuthorizeOptions authorize;
+    authorize.self_node = options_.self_node;
+    authorize.request_id = next_request_.fetch_add(1, std::memory_order_relaxed);
+    authorize.lifetime = std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline.Remaining()) +
+                         std::chrono::milliseconds(1000);
+    authorize.deadline = job.deadline;
+    ExcludeOpenSources(&authorize);
+    catalog::AuthorizeOutcome outcome = catalog::AuthorizeBest(todo, *index_, *sources_, authorize);
+    authorizations_->Increment(outcome.attempts + outcome.polls);
+    rejections_->Increment(outcome.rejections);
+    {
+      MutexLock lock(&mu_);
+      stats_.authorizations += outcome.attempts + outcome.polls;
+      stats_.rejections += outcome.rejections;
+      stats_.authorize_polls += outcome.polls;
+      stats_.source_backpressure += outcome.backpressure;
+      stats_.source_missing += outcome.missing;
     }
-    return pins;
+    if (!outcome.authorized.has_value()) {
+      if (todo.size() == rest.size()) {  // nothing at all came from a peer
+        no_source_->Increment();
+        MutexLock lock(&mu_);
+        ++stats_.no_source;
+      }
+      if (!outcome.last_error.ok()) {
+        ORBITKV_LOG_DEBUG("remote: no source for {} blocks: {}", todo.size(), outcome.last_error.ToString());
+      }
+      return pins;
+    }
+    ORBITKV_LOG_DEBUG("remote: {} of {} blocks granted by {} ({} planned after {} local; {} discovery RPCs, {} "
+                      "authorizations, {} polls, {} rejected)",
+                      outcome.authorized->reply.grant.granted, todo.size(), outcome.authorized->span.node,
+                      outcome.authorized->span.versions.size(), pins.size(), learnt.rpcs, outcome.attempts,
+                      outcome.polls, outcome.rejections);
+    // The reads end a little before the stage's deadline, so what arrived is reported while the op still waits.
+    const Deadline reads = job.deadline.Remaining() > std::chrono::milliseconds(500)
+                               ? Deadline::At(job.deadline.when() - std::chrono::milliseconds(250))
+                               : job.deadline;
+    const MonoTime started = MonoNow();
+    const size_t before = pins.size();
+    const bool transferred = ReadGranted(*outcome.authorized, reads, &pins, job.progress);
+    const catalog::SourceGrant& grant = outcome.authorized->reply.grant;
+    {
+      MutexLock lock(&mu_);
+      if (pins.size() > before) stats_.fetch_seconds += std::chrono::duration<double>(MonoNow() - started).count();
+      for (size_t i = 0; i < pins.size() - before && i < outcome.authorized->span.versions.size(); ++i) {
+        stats_.fetched_ssd_blocks += outcome.authorized->span.versions[i].tier == catalog::kSourceSsd ? 1 : 0;
+      }
+      if (!transferred) {
+        source_open_until_[{outcome.authorized->span.node, outcome.authorized->span.runtime}] =
+            MonoNow() + options_.source_breaker;
+      }
+    }
+    const bool more = transferred && grant.stop == catalog::SourceOutcome::kMore &&
+                      pins.size() == before + grant.granted && pins.size() < job.keys.size() &&
+                      !reads.Expired();
+    if (!more) {
+      *fetched = Fetched{std::move(*outcome.authorized), authorize.request_id};
+      return pins;
+    }
+    ReleaseGrant(*outcome.authorized, authorize.request_id);
   }
-  ORBITKV_LOG_DEBUG("remote: {} of {} blocks granted by {} ({} planned after {} local; {} discovery RPCs, {} "
-                    "authorizations, {} rejected)",
-                    outcome.authorized->reply.grant.granted, rest.size(), outcome.authorized->span.node,
-                    outcome.authorized->span.versions.size(), local, learnt.rpcs, outcome.attempts,
-                    outcome.rejections);
-  // The reads end a little before the stage's deadline, so what arrived is reported while the op still waits.
-  const Deadline reads = job.deadline.Remaining() > std::chrono::milliseconds(500)
-                             ? Deadline::At(job.deadline.when() - std::chrono::milliseconds(250))
-                             : job.deadline;
-  const MonoTime started = MonoNow();
-  const size_t before = pins.size();
-  const bool transferred = ReadGranted(*outcome.authorized, reads, &pins, job.progress);
-  {
-    MutexLock lock(&mu_);
-    if (pins.size() > before) stats_.fetch_seconds += std::chrono::duration<double>(MonoNow() - started).count();
-    for (size_t i = 0; i < pins.size() - before && i < outcome.authorized->span.versions.size(); ++i) {
-      stats_.fetched_ssd_blocks += outcome.authorized->span.versions[i].tier == catalog::kSourceSsd ? 1 : 0;
-    }
-    if (!transferred) {
-      source_open_until_[{outcome.authorized->span.node, outcome.authorized->span.runtime}] =
-          MonoNow() + options_.source_breaker;
-    }
-  }
-  *fetched = Fetched{std::move(*outcome.authorized), authorize.request_id};
-  return pins;
 }
 
 void RemoteFetcher::ExcludeOpenSources(catalog::AuthorizeOptions* authorize) {
