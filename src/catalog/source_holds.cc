@@ -325,6 +325,12 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
     });
     if (!later.ok()) break;  // the first piece is granted alone
   }
+  {
+    // Its blocks were all in DRAM already (a follow-up for the rest of a span): granted inline, answered at once.
+    MutexLock lock(&mu_);
+    auto it = holds_.find(key);
+    if (it != holds_.end() && !it->second.preparing && !it->second.revoking) return it->second.grant;
+  }
   SourceGrant pending;
   pending.outcome = SourceOutcome::kPending;
   pending.retry_after = options_.retry_after;
