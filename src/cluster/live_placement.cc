@@ -8,6 +8,7 @@
 #include "base/logging.h"
 #include "cluster/cluster_keys.h"
 #include "cluster/etcd_client.h"
+#include "cluster/placement_reconciler.h"
 
 namespace orbitkv::cluster {
 
@@ -128,24 +129,20 @@ std::string LivePlacement::Apply(const std::map<std::string, std::string>& recor
       last_ignored_ = line;
     }
   };
-  next->transition.reset();
-  if (const auto t = records.find(std::string(kTransitionRecordName)); t != records.end()) {
-    Result<PlacementTransition> transition = PlacementTransition::Decode(t->second);
-    if (transition.ok()) {
-      next->transition = *std::move(transition);
+  // The record `name` into `out` (none when absent or malformed).
+  const auto decode = [&]<typename T>(std::string_view name, std::optional<T>* out) {
+    out->reset();
+    const auto found = records.find(std::string(name));
+    if (found == records.end()) return;
+    Result<T> decoded = T::Decode(found->second);
+    if (decoded.ok()) {
+      *out = *std::move(decoded);
     } else {
-      ignore(kTransitionRecordName, transition.status());
+      ignore(name, decoded.status());
     }
-  }
-  next->request.reset();
-  if (const auto r = records.find(std::string(kRequestRecordName)); r != records.end()) {
-    Result<PlacementRequest> request = PlacementRequest::Decode(r->second);
-    if (request.ok()) {
-      next->request = *std::move(request);
-    } else {
-      ignore(kRequestRecordName, request.status());
-    }
-  }
+  };
+  decode(kTransitionRecordName, &next->transition);
+  decode(kRequestRecordName, &next->request);
   const auto leader = records.find(std::string(kLeaderRecordName));
   next->leader = leader == records.end() ? std::string() : leader->second;
   Publish(std::move(next));
@@ -176,13 +173,7 @@ Status LivePlacement::Adopt(const Placement& committed, const std::optional<Plac
 
 Result<int64_t> JoinPlacement(EtcdClient& client, std::string_view cluster, const Placement& configured,
                               LivePlacement* live, bool initial, Deadline deadline) {
-  // The placement and the transition at one revision ("placement" < "placement-request" < "placement-transition").
-  etcdserverpb::RangeRequest range;
-  range.set_key(PlacementKey(cluster));
-  std::string end = PlacementTransitionKey(cluster);
-  end.push_back('\0');
-  range.set_range_end(end);
-  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse response, client.Range(range, deadline));
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse response, RangePlacementRecords(client, cluster, deadline));
   const mvccpb::KeyValue* placement = nullptr;
   std::optional<PlacementTransition> transition;
   for (const mvccpb::KeyValue& kv : response.kvs()) {

@@ -37,6 +37,16 @@ constexpr std::string_view kDidNames[] = {"nothing", "not leader", "started", "a
 
 std::string_view ReconcilerDidName(PlacementReconciler::Did did) { return kDidNames[static_cast<int>(did)]; }
 
+Result<etcdserverpb::RangeResponse> RangePlacementRecords(EtcdClient& etcd, std::string_view cluster,
+                                                          Deadline deadline) {
+  etcdserverpb::RangeRequest range;
+  range.set_key(PlacementKey(cluster));
+  std::string end = PlacementTransitionKey(cluster);
+  end.push_back('\0');
+  range.set_range_end(end);
+  return etcd.Range(range, deadline);
+}
+
 Result<bool> SubmitPlacementRequest(EtcdClient& etcd, std::string_view cluster, const PlacementRequest& request,
                                     Deadline deadline) {
   const std::string key = PlacementRequestKey(cluster);
@@ -124,14 +134,8 @@ PlacementReconciler::PlacementReconciler(Options options, EtcdClient* etcd)
 
 Result<PlacementReconciler::Snapshot> PlacementReconciler::Read(Deadline deadline) const {
   Snapshot s;
-  // One range over [placement, placement-transition\0): the placement, the request and the transition at one
-  // revision ("placement" < "placement-request" < "placement-transition").
-  etcdserverpb::RangeRequest range;
-  range.set_key(PlacementKey(options_.cluster));
-  std::string end = PlacementTransitionKey(options_.cluster);
-  end.push_back('\0');
-  range.set_range_end(end);
-  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse response, etcd_->Range(range, deadline));
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse response,
+                           RangePlacementRecords(*etcd_, options_.cluster, deadline));
   for (const mvccpb::KeyValue& kv : response.kvs()) {
     if (kv.key() == PlacementKey(options_.cluster)) {
       ORBITKV_ASSIGN_OR_RETURN(Placement p, Placement::Decode(kv.value()));

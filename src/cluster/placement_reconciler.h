@@ -147,6 +147,12 @@ class PlacementReconciler {
 
 std::string_view ReconcilerDidName(PlacementReconciler::Did did);
 
+// The placement, the request and the transition records at one revision: one range over [placement,
+// placement-transition\0) ("placement" < "placement-request" < "placement-transition"). etcd errors as the client
+// returns them.
+Result<etcdserverpb::RangeResponse> RangePlacementRecords(EtcdClient& etcd, std::string_view cluster,
+                                                          Deadline deadline);
+
 // Writes the operator's request unless one waits already (one transaction, create-only): false when one does.
 // etcd errors as the client returns them.
 Result<bool> SubmitPlacementRequest(EtcdClient& etcd, std::string_view cluster, const PlacementRequest& request,
