@@ -22,8 +22,8 @@ import threading
 import time
 
 import orbitkv
-from distributed_bench import (PREFIX_PAGES, cpu_seconds, emit, fetch_round, iperf3_mesh, percentile,
-                               transfer_read_mesh)
+from distributed_bench import (PREFIX_PAGES, cpu_seconds, emit, fetch_round, iperf3_mesh, percentile, remote_ssd,
+                               ssd_read_1m, transfer_read_mesh)
 from orbitkv.workload import Engine as KvEngine
 from run_cluster import Loopback, free_port, start_etcd, start_managers, stop_all, wait_catalogs
 
@@ -207,6 +207,26 @@ def plot(ttft: dict, path: str) -> str:
     return path
 
 
+def remote_ssd_on_loopback(build: pathlib.Path) -> tuple[dict, float, str]:
+    """Issue 56 where cores are not the limit: distributed_bench.remote_ssd (a fresh two-Manager cluster, host 0
+    restarted on its SSD files, host 1 fetching the prefixes host 0 prepares from its SSD, and the 4,096-token TTFT
+    of the CPU reference engine) on loopback, with the raw 1 MiB read of the same disk."""
+    from orbitkv import refengine
+
+    work = tempfile.mkdtemp(prefix="orbitkv-dbench-lo-rssd-")
+    procs: list = []
+    try:
+        etcd = start_etcd("127.0.0.1", work, procs)
+        log("remote SSD: host 0 saves, restarts on its SSD files, host 1 fetches what host 0 prepares")
+        rssd = remote_ssd(Loopback(), etcd, work, str(build / "src" / "server" / "orbitkv-manager"),
+                          str(build / "tools" / "orbitkv"), refengine.preset("tiny"))
+        ssd_1m, how = ssd_read_1m(work)
+        return rssd, ssd_1m, how
+    finally:
+        stop_all(procs)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def loopback_main(args, build: pathlib.Path) -> int:
     import torch
 
@@ -250,6 +270,8 @@ def loopback_main(args, build: pathlib.Path) -> int:
                 ttft = ttft_by_tier(cluster, lengths, gpu, repeats=3)
         finally:
             cluster.close()
+    rssd, ssd_1m, ssd_1m_how = remote_ssd_on_loopback(build)
+    bad += rssd["bad"]
 
     results = []
 
@@ -279,6 +301,12 @@ def loopback_main(args, build: pathlib.Path) -> int:
         add(f"remote_fetch_concurrent_source_cpu_s_per_gb_w{workers}", "s/GB",
             row["concurrent"]["source_cpu_s_per_gb"], "transfer_read_1m_source_cpu_s_per_gb",
             raw["source_cpu_s_per_gb"])
+    # Issue 56: the prefixes from a peer's SSD (prepared into its DRAM first) against the same from its DRAM.
+    p50_ssd = percentile(rssd["gbps"], 0.5)
+    add("remote_ssd_fetch_gbps", "GB/s", p50_ssd, "remote_fetch_gbps", base["gbps"])
+    add("remote_ssd_fetch_gbps_vs_ssd_read_1m", "GB/s", p50_ssd, "ssd_read_1m", ssd_1m)
+    add("remote_ssd_fetch_gbps_vs_transfer_read_1m", "GB/s", p50_ssd, "transfer_read_1m", read_1m)
+    add("ssd_read_1m", "GB/s", ssd_1m)
     same = True
     for length, row in sorted(ttft["rows"].items()):
         suffix = "" if length == lengths[0] else f"_{length // 1024}k"
@@ -304,6 +332,13 @@ def loopback_main(args, build: pathlib.Path) -> int:
         env[f"ttft_{length}_restored_tokens"] = f"local {row['local_restored']}, remote {row['remote_restored']}"
         env[f"ttft_{length}_remote_runs_ms"] = str(row["remote_runs_ms"])
         env[f"ttft_{length}_first_token_as_recompute"] = row["first_token_as_recompute"]
+    env["ssd_read_1m"] = ssd_1m_how
+    env["remote_ssd"] = (f"a fresh 2-Manager cluster on loopback (4 fetch workers): host 0 restarted on its SSD files "
+                         f"({rssd['resident_at_restart']} blocks in its DRAM then); {rssd['hits']} of {rssd['asked']} "
+                         f"blocks hit, {rssd['ssd_blocks']} of them read from host 0's SSD, {rssd['polls']} pending "
+                         f"answers polled, {rssd['bad']} wrong pages; per prefix GB/s "
+                         f"{', '.join(f'{g:.2f}' for g in rssd['gbps'])}; CPU tiny-model TTFT {rssd['ttft'] * 1e3:.0f} "
+                         f"ms restoring {rssd['ttft_tokens']} tokens")
     env["plot"] = plot(ttft, args.plot) if args.plot else "not asked (--plot)"
     emit(dict(bench="distributed", results=results, env=env), args.json)
     return 0 if bad == 0 and same else 1

@@ -192,7 +192,7 @@ def test_the_sglang_linker_restores_a_prefix_another_host_saved(cluster):
 def test_a_prefix_only_on_a_peers_ssd_is_restored_bit_identically(build_dir, tmp_path):
     """Issue 56: host a's engine computes and saves (its SSD tier written through), then host a restarts on its SSD
     files, its DRAM empty: host b's engine restores the prompts after host a read their blocks from its SSD into its
-    DRAM (answering pending meanwhile) and granted them: tokens and logits bit-identical to a recompute. A fresh
+    DRAM (holding its answer back meanwhile) and granted them: tokens and logits bit-identical to a recompute. A fresh
     two-host cluster (host a with an SSD tier and a small pool), not the module's."""
     from test_vllm_refengine import assert_identical, prompt_set, run
 

@@ -101,6 +101,22 @@ void SourceHolds::UpdateGauges() {
 }
 
 Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
+  Result<SourceGrant> answer = AuthorizeNow(args);
+  if (!answer.ok() || answer->outcome != SourceOutcome::kPending || options_.pending_wait.count() <= 0) return answer;
+  // Issue 56: held back while the first piece is read (neither lock held but mu_ inside the wait), so the requester
+  // neither sleeps nor asks again when the read takes less than pending_wait.
+  const MonoTime until = std::min(MonoNow() + options_.pending_wait, args.answer_by);
+  const HoldKey key{args.peer_runtime, args.request_id};
+  MutexLock lock(&mu_);
+  for (;;) {
+    auto it = holds_.find(key);
+    if (it == holds_.end() || it->second.revoking) return answer;  // released or given up meanwhile: asked again, says so
+    if (!it->second.preparing) return it->second.grant;            // the grant (or kMissing), as a duplicate gets it
+    if (prepared_.wait_until(mu_, until) == std::cv_status::timeout && MonoNow() >= until) return answer;
+  }
+}
+
+Result<SourceGrant> SourceHolds::AuthorizeNow(const AuthorizeArgs& args) {
   if (args.blocks.empty() || args.blocks.size() > kMaxBlocks) {
     return Status::InvalidArgument(
         fmt::format("an authorization names {} blocks (1 to {} allowed)", args.blocks.size(), kMaxBlocks));
@@ -228,6 +244,16 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   std::vector<size_t> pieces;     // where each piece ends
   std::vector<uint64_t> charges;  // what each piece costs the staging budget
   uint64_t payload = 0, charge = 0, piece = 0;
+  if (read_ahead) {
+    // The span starts inside the reads of an earlier preparation (the requester asks for the rest piece by piece
+    // faster than they land): that preparation reads the later pieces already.
+    MutexLock lock(&mu_);
+    read_ahead = !reading_.contains(args.blocks[0].key);
+  }
+  // A new preparation starts with a small piece (the requester's first read waits for it alone), each next one twice
+  // the last up to prepare_piece_bytes; a follow-up (the rest of a span being read already) takes whole pieces.
+  uint64_t piece_limit = read_ahead ? std::min(options_.first_piece_bytes, options_.prepare_piece_bytes)
+                                    : options_.prepare_piece_bytes;
   SourceOutcome stop = SourceOutcome::kGranted;
   for (const SourceBlockVersion& b : args.blocks) {
     uint64_t bytes = 0;
@@ -250,10 +276,11 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
       hold.pins.push_back(std::move(one[0]));
     }
     if (args.byte_limit != 0 && payload + bytes > args.byte_limit) break;
-    if (piece > 0 && piece + bytes > options_.prepare_piece_bytes) {
+    if (piece > 0 && piece + bytes > piece_limit) {
       pieces.push_back(keys.size());
       charges.push_back(charge);
       piece = charge = 0;
+      piece_limit = std::min(piece_limit * 2, options_.prepare_piece_bytes);
     }
     piece += bytes;
     payload += bytes;
@@ -293,15 +320,17 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   // DRAM; the later ones land in DRAM as restored residents meanwhile, for the requester's next request.
   const bool more = pieces.size() > 1;
   std::vector<state::StateKey> first(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(pieces[0]));
-  const size_t first_size = first.size();
-  Status started = options_.load_ssd(std::move(first), [this, key, more, first_size](std::vector<core::BlockPin> pins) {
+  MarkReading(first);
+  Status started = options_.load_ssd(first, [this, key, more, first](std::vector<core::BlockPin> pins) {
+    UnmarkReading(first);
     // Why the grant stops where it does: a block that could not be read, the rest still being read, or the end.
-    const SourceOutcome ends = pins.size() < first_size ? SourceOutcome::kMissing
-                               : more                   ? SourceOutcome::kMore
-                                                        : SourceOutcome::kGranted;
+    const SourceOutcome ends = pins.size() < first.size() ? SourceOutcome::kMissing
+                               : more                     ? SourceOutcome::kMore
+                                                          : SourceOutcome::kGranted;
     Prepared(key, std::move(pins), ends);
   });
   if (!started.ok()) {
+    UnmarkReading(first);
     Drained(key);  // nothing was started: the hold and its charge go
     return started.WithContext("preparing SSD blocks for a peer");
   }
@@ -311,7 +340,9 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
     std::vector<state::StateKey> rest(keys.begin() + static_cast<ptrdiff_t>(pieces[p - 1]),
                                       keys.begin() + static_cast<ptrdiff_t>(pieces[p]));
     auto ticket = std::make_shared<core::BudgetTicket>(std::move(*room));
-    Status later = options_.load_ssd(std::move(rest), [this, ticket](std::vector<core::BlockPin> pins) {
+    MarkReading(rest);
+    Status later = options_.load_ssd(rest, [this, ticket, rest](std::vector<core::BlockPin> pins) {
+      UnmarkReading(rest);
       ticket->Reset();
       uint64_t bytes = 0;
       for (const core::BlockPin& pin : pins) bytes += pin.bytes();
@@ -323,7 +354,10 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
       }
       core::BlockPin::ReleaseAll(&pins);  // resident now (the admission decides how long): the next request pins them
     });
-    if (!later.ok()) break;  // the first piece is granted alone
+    if (!later.ok()) {
+      UnmarkReading(rest);
+      break;  // the first piece is granted alone
+    }
   }
   {
     // Its blocks were all in DRAM already (a follow-up for the rest of a span): granted inline, answered at once.
@@ -335,6 +369,19 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   pending.outcome = SourceOutcome::kPending;
   pending.retry_after = options_.retry_after;
   return pending;
+}
+
+void SourceHolds::MarkReading(const std::vector<state::StateKey>& keys) {
+  MutexLock lock(&mu_);
+  for (const state::StateKey& k : keys) ++reading_[k];
+}
+
+void SourceHolds::UnmarkReading(const std::vector<state::StateKey>& keys) {
+  MutexLock lock(&mu_);
+  for (const state::StateKey& k : keys) {
+    auto it = reading_.find(k);
+    if (it != reading_.end() && --it->second == 0) reading_.erase(it);
+  }
 }
 
 void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop) {
@@ -391,6 +438,7 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
       UpdateGauges();
     }
   }
+  prepared_.notify_all();
   if (revoke) {
     auto keep = std::make_shared<std::vector<core::BlockPin>>(std::move(release));
     if (!issuer_->Revoke(grant.grant_id, [keep] { core::BlockPin::ReleaseAll(keep.get()); }).ok()) {
@@ -445,6 +493,7 @@ void SourceHolds::Drained(const HoldKey& key) {
     ++stats_.released;
     UpdateGauges();
   }
+  prepared_.notify_all();  // an authorization waiting on this preparation answers now
   core::BlockPin::ReleaseAll(&gone.pins);  // outside the lock (the table's shard locks)
 }
 

@@ -18,11 +18,13 @@
 #define ORBITKV_CATALOG_SOURCE_HOLDS_H_
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "base/clock.h"
@@ -96,6 +98,9 @@ struct AuthorizeArgs {
   std::vector<SourceBlockVersion> blocks;
   uint64_t byte_limit = 0;  // 0: no limit beyond the budgets
   std::chrono::milliseconds lifetime{10000};
+  // Issue 56: a pending answer (SSD blocks being read here) is held back until the first piece is in DRAM, at most
+  // Options::pending_wait and never past this (the RPC's deadline, less a margin for the answer's way back).
+  MonoTime answer_by = MonoTime::max();
 };
 
 struct SourceGrant {
@@ -131,9 +136,15 @@ class SourceHolds {
     SsdLoader load_ssd;
     core::Budget* ssd_staging = nullptr;
     std::chrono::milliseconds retry_after{2};
-    // A preparation reads its span in pieces of about this many bytes, all started at once: the first piece is
+    // A preparation reads its span in pieces of at most this many bytes, all started at once: the first piece is
     // granted as soon as it is in DRAM (stop kMore), so the requester reads it while the rest is read from SSD.
     uint64_t prepare_piece_bytes = 16ull << 20;
+    // The first piece of a new preparation is at most this (then each piece twice the last, up to
+    // prepare_piece_bytes): the requester's first read starts after one small SSD read, not a whole piece's.
+    uint64_t first_piece_bytes = 4ull << 20;
+    // An authorization that would answer kPending waits up to this for its first piece to be in DRAM and answers
+    // the grant instead (no poll, no sleep on the requester's side); 0 answers kPending at once.
+    std::chrono::milliseconds pending_wait{20};
   };
   struct Stats {
     uint64_t sessions = 0;           // holds alive (pinned), quarantined or not
@@ -170,6 +181,8 @@ class SourceHolds {
   // the same request id, it answers kPending until the blocks are in DRAM, then the grant of the prefix that made
   // it (kMissing when none did), or kBackpressure at once when the staging budget is full. ResourceExhausted (nothing pinned) past the transfer budget, the peer's budget or the session
   // limit; InvalidArgument for no blocks or more than kMaxBlocks; the issuer's error otherwise.
+  // A kPending answer is first held back up to Options::pending_wait (not past args.answer_by) while the first piece
+  // is read, and becomes the grant (or kMissing) if it is read by then.
   Result<SourceGrant> Authorize(const AuthorizeArgs& args) EXCLUDES(authorize_mu_, mu_);
   // Ends the hold `request_id` of `peer_runtime`: revoke, drain, free. False when there is none (already released
   // or never granted).
@@ -211,6 +224,8 @@ class SourceHolds {
   };
   using HoldKey = std::pair<std::string, uint64_t>;  // (requester runtime, request id)
 
+  // Authorize without the wait for a pending preparation.
+  Result<SourceGrant> AuthorizeNow(const AuthorizeArgs& args) EXCLUDES(authorize_mu_, mu_);
   // The issuer said the grant drained: free the hold.
   void Drained(const HoldKey& key) EXCLUDES(mu_);
   // Issue 56: a span named on SSD: starts its preparation (or answers why not); `read_ahead`: the later pieces are
@@ -220,6 +235,9 @@ class SourceHolds {
   // The first piece of the preparation of `key` is read, `pins` on its prefix now in DRAM: grant it with `stop` as
   // the reason it ends there (kMore: later pieces are being read), or record it missing when nothing made it.
   void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop) EXCLUDES(mu_);
+  // reading_: `keys` being read from now on, or read (or not started) now.
+  void MarkReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);
+  void UnmarkReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);
   // Grants `pins` to `peer_runtime` into `grant` (regions, blocks, id, secret); the issuer is called here.
   Status Issue(const std::string& peer_runtime, const std::vector<core::BlockPin>& pins, SourceGrant* grant);
   void Revoke(const HoldKey& key, uint64_t grant);
@@ -245,6 +263,10 @@ class SourceHolds {
   bool accepting_ GUARDED_BY(authorize_mu_) = true;
   mutable Mutex mu_;
   std::map<HoldKey, Hold> holds_ GUARDED_BY(mu_);
+  std::condition_variable_any prepared_;  // a preparation ended (granted, missing) or its hold went
+  // Issue 56: the keys of the SSD reads preparations started and that have not completed (a count per key): a
+  // request whose span starts inside one continues that preparation (whole pieces, no second read-ahead).
+  std::unordered_map<state::StateKey, uint32_t, state::StateKeyHash> reading_ GUARDED_BY(mu_);
   Stats stats_ GUARDED_BY(mu_);
 };
 

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <future>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -379,12 +381,16 @@ class SourceHoldsSsdTest : public SourceHoldsTest {
         &metrics_);
     MakeHolds(SourceHolds::Options{}.prepare_piece_bytes);
   }
-  // The holds under test, reading their preparations in pieces of `piece_bytes`.
-  void MakeHolds(uint64_t piece_bytes) {
+  // The holds under test, reading their preparations in pieces of `piece_bytes` (the first one too, unless
+  // `first_piece_bytes`), answering kPending at once unless `pending_wait`.
+  void MakeHolds(uint64_t piece_bytes, std::chrono::milliseconds pending_wait = std::chrono::milliseconds(0),
+                 uint64_t first_piece_bytes = 0) {
     SourceHolds::Options o;
     o.now = [this] { return now_; };
     o.ssd_staging = staging_.get();
     o.prepare_piece_bytes = piece_bytes;
+    o.first_piece_bytes = first_piece_bytes == 0 ? piece_bytes : first_piece_bytes;
+    o.pending_wait = pending_wait;
     o.load_ssd = [this](std::vector<state::StateKey> keys, std::function<void(std::vector<core::BlockPin>)> done) {
       std::lock_guard<std::mutex> lock(loads_mu_);
       loads_.push_back({std::move(keys), std::move(done)});
@@ -571,6 +577,83 @@ TEST_F(SourceHoldsSsdTest, TheFirstPieceIsGrantedWhileTheRestIsReadAndTheRestIsT
   EXPECT_EQ(short_piece->stop, SourceOutcome::kMissing);
 }
 
+// A preparation starts with a small piece and doubles it: the requester's first read waits for one small SSD read.
+// The requester's next request, for a span that starts inside those reads, continues them: whole pieces, no second
+// read of anything.
+TEST_F(SourceHoldsSsdTest, TheFirstPieceIsSmallAndARequestForTheRestContinuesTheReadsAlreadyStarted) {
+  holds_.reset();
+  staging_ = std::make_unique<core::Budget>(
+      core::Budget::Options{.name = "ssd_staging", .global_bytes = 16 * cache_->pool().ClassBytes(kBlock)}, &metrics_);
+  MakeHolds(2 * kBlock, std::chrono::milliseconds(0), /*first_piece_bytes=*/kBlock);
+  const auto keys = Chain(50, 6);
+  const auto versions = OnSsd(keys);
+  ASSERT_EQ(holds_->Authorize(Args(versions))->outcome, SourceOutcome::kPending);
+  ASSERT_EQ(loads(), 4u);  // 1, 2, 2 and 1 blocks, all started at once
+  EXPECT_EQ(loads_[0].first.size(), 1u);
+  EXPECT_EQ(loads_[1].first.size(), 2u);
+  EXPECT_EQ(loads_[2].first.size(), 2u);
+  EXPECT_EQ(loads_[3].first.size(), 1u);
+  CompleteLoad(0, 1);
+  auto first = holds_->Authorize(Args(versions));
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(first->granted, 1u);
+  EXPECT_EQ(first->stop, SourceOutcome::kMore);
+  // The rest, asked for before its blocks landed: one load of a whole first piece (shared with the read in flight
+  // by the SSD tier's coalescer), no read-ahead of the pieces after it.
+  const std::vector<SourceBlockVersion> rest(versions.begin() + 1, versions.end());
+  ASSERT_EQ(holds_->Authorize(Args(rest, 2))->outcome, SourceOutcome::kPending);
+  ASSERT_EQ(loads(), 5u);
+  EXPECT_EQ(loads_[4].first, std::vector<state::StateKey>(keys.begin() + 1, keys.begin() + 3));
+  CompleteLoad(1, 2);
+  CompleteLoad(4, 2);
+  auto second = holds_->Authorize(Args(rest, 2));
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(second->granted, 2u);
+  EXPECT_EQ(second->stop, SourceOutcome::kMore);
+  // A span no read covers any more starts small again and reads ahead.
+  CompleteLoad(2, 2);
+  CompleteLoad(3, 1);
+  const auto others = OnSsd(Chain(51, 3));
+  ASSERT_EQ(holds_->Authorize(Args(others, 3))->outcome, SourceOutcome::kPending);
+  ASSERT_EQ(loads(), 7u);  // 1 and 2 blocks
+  EXPECT_EQ(loads_[5].first.size(), 1u);
+  EXPECT_EQ(loads_[6].first.size(), 2u);
+}
+
+// An authorization that would be pending waits for its first piece (Options::pending_wait) and answers the grant:
+// the requester neither sleeps nor asks again. A release while it waits ends the wait (pending: asked again, the
+// hold is gone).
+TEST_F(SourceHoldsSsdTest, APendingAuthorizationWaitsForItsFirstPieceAndAnswersTheGrant) {
+  MakeHolds(SourceHolds::Options{}.prepare_piece_bytes, std::chrono::seconds(30));
+  const auto versions = OnSsd(Chain(52, 3));
+  auto answer = std::async(std::launch::async, [&] { return holds_->Authorize(Args(versions)); });
+  while (loads() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CompleteLoad(0, 3);
+  Result<SourceGrant> granted = answer.get();
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  EXPECT_EQ(granted->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(granted->granted, 3u);
+  EXPECT_EQ(issuer_.live(), 1u);
+  // Released mid-wait: the wait ends with kPending, nothing is left behind once the read lands.
+  const auto others = OnSsd(Chain(53, 2));
+  auto waiting = std::async(std::launch::async, [&] { return holds_->Authorize(Args(others, 2)); });
+  while (loads() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (holds_->GetStats().ssd_preparing == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_TRUE(holds_->Release("rt-b", 2));
+  Result<SourceGrant> pending = waiting.get();
+  ASSERT_TRUE(pending.ok());
+  EXPECT_EQ(pending->outcome, SourceOutcome::kPending);
+  CompleteLoad(1, 2);
+  EXPECT_EQ(issuer_.live(), 1u);  // the first grant alone
+  EXPECT_TRUE(holds_->Release("rt-b", 1));
+  issuer_.DrainAll();
+  EXPECT_EQ(holds_->GetStats().sessions, 0u);
+  EXPECT_EQ(staging_->reserved_bytes(), 0u);
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+}
+
 TEST_F(SourceHoldsSsdTest, ASpanGoingFromDramToSsdIsPreparedWholeWithItsDramBlocksExact) {
   const auto keys = Chain(47, 4);
   std::vector<SourceBlockVersion> versions = Publish({keys[0], keys[1]});
@@ -702,6 +785,11 @@ TEST_F(SourceHoldsSsdTierTest, AReadErrorMidPreparationGrantsThePrefixBeforeItAn
   issuer_.DrainAll();
   EXPECT_EQ(holds_->GetStats().sessions, 0u);
   EXPECT_EQ(staging_->reserved_bytes(), 0u);
+  // The tier's reader drops its own pins on what it sealed just after the load callbacks ran (the grant can be
+  // answered before that, now that a pending authorization waits for its read).
+  for (int i = 0; i < 5000 && cache_->table().Stats().pinned_blocks != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
 }
 
