@@ -107,14 +107,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int, with_copy: bool = False) -> dict:
+def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int, with_copy: bool = False,
+                       cold: bool = False) -> dict:
     """transfer_read_1m between two mesh hosts: a transfer_test_peer serving in `source`'s namespace (grants
     required, as a Manager serves) read by the transfer bench in `reader`'s, over the fetch's own veths and bridge;
     with the CPU seconds per GB of the reader and of the source. `with_copy`: the reader also copies each batch
-    once more while it reads the next (the restore into the engine a fetch must make: `--with-copy`)."""
+    once more while it reads the next (the restore into the engine a fetch must make: `--with-copy`). `cold`: the
+    source serves 2 x 1 GiB and the reader lands each batch in fresh memory, so no cache holds either side
+    (`--cold`: a fetch reads pool blocks no cache holds into pool blocks no cache holds)."""
     peer = subprocess.Popen(net.launcher(source) + [
         str(build / "src" / "transfer" / "transfer_test_peer"), "--listen", f"{net.address(source)}:0", "--bytes",
-        str(64 << 20), "--regions", "2", "--transports", "tcp", "--devices", net.device(source), "--grants", "1"],
+        str((1 << 30) if cold else (64 << 20)), "--regions", "2", "--transports", "tcp", "--devices", net.device(source), "--grants", "1"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -129,7 +132,7 @@ def transfer_read_mesh(build: pathlib.Path, net, source: int, reader: int, with_
         source_cpu = cpu_seconds(peer.pid)  # `ip netns exec` execs the peer: the same pid
         out = subprocess.run(net.launcher(reader) + [str(build / "benches" / "transfer_bench"), "--mesh-read",
                                                      net.address(reader), net.device(reader)] +
-                             (["--with-copy"] if with_copy else []),
+                             (["--with-copy"] if with_copy else []) + (["--cold"] if cold else []),
                              input="".join(lines), capture_output=True, text=True, check=True, timeout=300)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         result["source_cpu_s_per_gb"] = (cpu_seconds(peer.pid) - source_cpu) / (result["bytes_read"] / 1e9)

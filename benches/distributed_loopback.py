@@ -2,7 +2,10 @@
 mode of the GPU machine, which has cores to spare and no network namespaces to make. Every baseline is measured on
 the same loopback in the same run: the raw UCX read (transfer_read_1m: a transfer_test_peer serving inside a grant,
 read by the transfer bench in 1 MiB fragments), the same read plus the one copy a fetch makes
-(transfer_read_1m_with_copy), and iperf3 (one TCP stream). For each --fetch-workers count a fresh cluster: one
+(transfer_read_1m_with_copy), the same read from and into memory no cache holds (transfer_read_1m_cold: 2 x 1 GiB
+served, landed in fresh slices of 1 GiB, as a fetch reads pool blocks into pool blocks; transfer_read_1m reads a
+128 MiB source into one 64 MiB buffer, which a server's last-level cache may hold), and iperf3 (one TCP stream).
+Then the remote SSD fetch (issue 56) on a fresh two-Manager cluster, beside the raw 1 MiB read of the same disk. For each --fetch-workers count a fresh cluster: one
 prefix at a time (remote_fetch_gbps, the query to the last page restored in the engine) and eight prefixes fetched
 at once by eight engines on host 1 (remote_fetch_concurrent_gbps_wN), with the Managers' CPU seconds per GB fetched.
 Then, on the cluster with the default 4 workers, TTFT by where the prefix came from: recompute, host 0's DRAM, a
@@ -238,9 +241,10 @@ def loopback_main(args, build: pathlib.Path) -> int:
     lengths = gpu_lengths if gpu else [4096]
     dram = os.environ.get("ORBITKV_DBENCH_DRAM", "16GiB" if gpu else "3GiB")
     net = Loopback()
-    log("baselines on loopback: the UCX read, the read plus one copy, iperf3")
+    log("baselines on loopback: the UCX read, the read plus one copy, the read into memory no cache holds, iperf3")
     raw = transfer_read_mesh(build, net, 0, 1)
     with_copy = transfer_read_mesh(build, net, 0, 1, with_copy=True)
+    cold = transfer_read_mesh(build, net, 0, 1, cold=True)
     iperf = iperf3_mesh(net, 0, 1)
     read_1m = raw["transfer_read_1m"]
     documents = list(range(1, SEQUENTIAL_PREFIXES + 1))
@@ -283,6 +287,8 @@ def loopback_main(args, build: pathlib.Path) -> int:
     add("remote_fetch_gbps", "GB/s", base["gbps"], "transfer_read_1m", read_1m)
     add("remote_fetch_gbps_vs_transfer_read_1m_with_copy", "GB/s", base["gbps"], "transfer_read_1m_with_copy",
         with_copy["transfer_read_1m"])
+    add("remote_fetch_gbps_vs_transfer_read_1m_cold", "GB/s", base["gbps"], "transfer_read_1m_cold",
+        cold["transfer_read_1m"])
     add("remote_fetch_gbps_vs_iperf3_loopback", "GB/s", base["gbps"], "iperf3_loopback", iperf)
     add("remote_fetch_dest_cpu_s_per_gb", "s/GB", base["dest_cpu_s_per_gb"], "transfer_read_1m_reader_cpu_s_per_gb",
         raw["reader_cpu_s_per_gb"])
@@ -316,6 +322,7 @@ def loopback_main(args, build: pathlib.Path) -> int:
         same = same and row["same"]
     add("transfer_read_1m", "GB/s", read_1m)
     add("transfer_read_1m_with_copy", "GB/s", with_copy["transfer_read_1m"], "transfer_read_1m", read_1m)
+    add("transfer_read_1m_cold", "GB/s", cold["transfer_read_1m"], "transfer_read_1m", read_1m)
     add("iperf3_loopback", "GB/s", iperf)
     env = dict(host=platform.node(), cpus=str(os.cpu_count()),
                managers="3 on loopback (distinct ports), UCX tcp on lo, gRPC peers without TLS",

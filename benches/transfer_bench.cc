@@ -137,7 +137,7 @@ double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
   for (uint64_t at = 0; at + fragment <= batch_bytes; at += fragment) {
     transfer::Fragment f;
     f.remote = static_cast<uint32_t>(rng() % peer.regions.size());
-    f.remote_offset = (rng() % (kRegionBytes / fragment)) * fragment;
+    f.remote_offset = (rng() % (peer.regions[f.remote].length / fragment)) * fragment;
     f.local = local;
     f.local_offset = at;
     f.length = fragment;
@@ -188,8 +188,12 @@ double ProcessCpuSeconds() {
 // hosts, so its baseline is measured on the fetch's own veths and bridge. --with-copy adds the one
 // copy a fetch must also make, the restore into the engine: the batches land in fresh slices of a
 // 1 GiB region (a pool's free blocks) and each is copied into a 64 MiB buffer (the engine's pages)
-// while the next is read. It is what the machine allows a fetch that does no other work.
-int MeshRead(const std::string& listen, const std::string& device, bool with_copy) {
+// while the next is read. It is what the machine allows a fetch that does no other work. --cold
+// (issue 57) lands the batches in the fresh slices of the 1 GiB region without the copy: the raw read
+// into memory no cache holds, as a fetch's pool blocks are (the distributed bench pairs it with a
+// peer serving 2 x 1 GiB, so the source's side is as cold); without it every batch lands in the same
+// 64 MiB, which a server's last-level cache may hold.
+int MeshRead(const std::string& listen, const std::string& device, bool with_copy, bool cold) {
   log::Options log_options;
   log_options.level = log::Level::kWarn;
   ORBITKV_CHECK(log::Init(log_options).ok());
@@ -205,13 +209,13 @@ int MeshRead(const std::string& listen, const std::string& device, bool with_cop
   options.net_devices = device;
   auto engine = transfer::UcxTransferEngine::Create(options);
   ORBITKV_CHECK_MSG(engine.ok(), "{}", engine.status().ToString());
-  TestBuffer dest(with_copy ? 16 * kBatchBytes : kBatchBytes);  // faulted in (MAP_POPULATE)
+  TestBuffer dest(with_copy || cold ? 16 * kBatchBytes : kBatchBytes);  // faulted in (MAP_POPULATE)
   TestBuffer engine_pages(with_copy ? kBatchBytes : 1);
   ReadTarget target;
-  if (with_copy) {
+  if (with_copy || cold) {
     target.bytes = dest.size();
     target.base = dest.data();
-    target.copy_to = engine_pages.data();
+    target.copy_to = with_copy ? engine_pages.data() : nullptr;
   }
   transfer::RegionHandle local = *(*engine)->RegisterRegion(dest.data(), dest.size());
   ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage, true, kBatchBytes, 1,
@@ -234,9 +238,11 @@ int MeshRead(const std::string& listen, const std::string& device, bool with_cop
 int main(int argc, char** argv) {
   using namespace orbitkv;
   using namespace orbitkv::bench;
-  if ((argc == 4 || (argc == 5 && std::string_view(argv[4]) == "--with-copy")) &&
+  if ((argc == 4 || (argc == 5 && (std::string_view(argv[4]) == "--with-copy" ||
+                                    std::string_view(argv[4]) == "--cold"))) &&
       std::string_view(argv[1]) == "--mesh-read")
-    return MeshRead(argv[2], argv[3], argc == 5);
+    return MeshRead(argv[2], argv[3], argc == 5 && std::string_view(argv[4]) == "--with-copy",
+                    argc == 5 && std::string_view(argv[4]) == "--cold");
   const bool json =
       ParseBenchArgs(argc, argv,
                      "Peer transfer: batch reads of 64 KiB - 4 MiB fragments between two network "
