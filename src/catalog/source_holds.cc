@@ -321,13 +321,15 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   const bool more = pieces.size() > 1;
   std::vector<state::StateKey> first(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(pieces[0]));
   MarkReading(first);
-  Status started = options_.load_ssd(first, [this, key, more, first](std::vector<core::BlockPin> pins) {
+  // A continuation's first piece was read (and counted) by the preparation it continues.
+  const bool counted = read_ahead;
+  Status started = options_.load_ssd(first, [this, key, more, first, counted](std::vector<core::BlockPin> pins) {
     UnmarkReading(first);
     // Why the grant stops where it does: a block that could not be read, the rest still being read, or the end.
     const SourceOutcome ends = pins.size() < first.size() ? SourceOutcome::kMissing
                                : more                     ? SourceOutcome::kMore
                                                           : SourceOutcome::kGranted;
-    Prepared(key, std::move(pins), ends);
+    Prepared(key, std::move(pins), ends, counted);
   });
   if (!started.ok()) {
     UnmarkReading(first);
@@ -384,7 +386,7 @@ void SourceHolds::UnmarkReading(const std::vector<state::StateKey>& keys) {
   }
 }
 
-void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop) {
+void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop, bool counted) {
   bool gone = false;
   {
     MutexLock lock(&mu_);
@@ -396,7 +398,7 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
     return;
   }
   uint64_t payload = 0;
-  for (const core::BlockPin& pin : pins) payload += pin.bytes();
+  for (const core::BlockPin& pin : pins) payload += counted ? pin.bytes() : 0;
   if (ssd_prepared_bytes_ != nullptr) ssd_prepared_bytes_->Increment(payload);
   SourceGrant grant;
   // Nothing in DRAM: a read error, a record that failed its checksum, an extent evicted meanwhile, or no room.
@@ -407,7 +409,7 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
   bool missing = false;
   {
     MutexLock lock(&mu_);
-    stats_.ssd_prepared_blocks += pins.size();
+    stats_.ssd_prepared_blocks += counted ? pins.size() : 0;
     stats_.ssd_prepared_bytes += payload;
     auto it = holds_.find(key);
     if (it == holds_.end() || it->second.revoking) {

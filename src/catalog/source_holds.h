@@ -234,7 +234,8 @@ class SourceHolds {
       EXCLUDES(mu_);
   // The first piece of the preparation of `key` is read, `pins` on its prefix now in DRAM: grant it with `stop` as
   // the reason it ends there (kMore: later pieces are being read), or record it missing when nothing made it.
-  void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop) EXCLUDES(mu_);
+  // `counted`: its blocks count as read for peers (not when a continuation's, read by the preparation it continues).
+  void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop, bool counted) EXCLUDES(mu_);
   // reading_: `keys` being read from now on, or read (or not started) now.
   void MarkReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);
   void UnmarkReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);

@@ -615,6 +615,7 @@ TEST_F(SourceHoldsSsdTest, TheFirstPieceIsSmallAndARequestForTheRestContinuesThe
   // A span no read covers any more starts small again and reads ahead.
   CompleteLoad(2, 2);
   CompleteLoad(3, 1);
+  EXPECT_EQ(holds_->GetStats().ssd_prepared_blocks, 6u);  // each block once: the continuation read nothing new
   const auto others = OnSsd(Chain(51, 3));
   ASSERT_EQ(holds_->Authorize(Args(others, 3))->outcome, SourceOutcome::kPending);
   ASSERT_EQ(loads(), 7u);  // 1 and 2 blocks
