@@ -105,7 +105,9 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
   if (!answer.ok() || answer->outcome != SourceOutcome::kPending || options_.pending_wait.count() <= 0) return answer;
   // Issue 56: held back while the first piece is read (neither lock held but mu_ inside the wait), so the requester
   // neither sleeps nor asks again when the read takes less than pending_wait.
-  const MonoTime until = std::min(MonoNow() + options_.pending_wait, args.answer_by);
+  const MonoTime until =
+      std::min(MonoNow() + std::min<std::chrono::milliseconds>(options_.pending_wait, std::chrono::seconds(60)),
+               args.answer_by);
   const HoldKey key{args.peer_runtime, args.request_id};
   MutexLock lock(&mu_);
   for (;;) {
@@ -252,8 +254,8 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   }
   // A new preparation starts with a small piece (the requester's first read waits for it alone), each next one twice
   // the last up to prepare_piece_bytes; a follow-up (the rest of a span being read already) takes whole pieces.
-  uint64_t piece_limit = read_ahead ? std::min(options_.first_piece_bytes, options_.prepare_piece_bytes)
-                                    : options_.prepare_piece_bytes;
+  uint64_t piece_limit = std::max<uint64_t>(
+      1, read_ahead ? std::min(options_.first_piece_bytes, options_.prepare_piece_bytes) : options_.prepare_piece_bytes);
   SourceOutcome stop = SourceOutcome::kGranted;
   for (const SourceBlockVersion& b : args.blocks) {
     uint64_t bytes = 0;
@@ -320,9 +322,14 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   // DRAM; the later ones land in DRAM as restored residents meanwhile, for the requester's next request.
   const bool more = pieces.size() > 1;
   std::vector<state::StateKey> first(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(pieces[0]));
+  // Which blocks of the first piece this preparation reads itself (and counts): not those whose reads another
+  // preparation started (a continuation's, or another requester's of the same span).
+  std::vector<bool> counted(first.size());
+  {
+    MutexLock lock(&mu_);
+    for (size_t i = 0; i < first.size(); ++i) counted[i] = !reading_.contains(first[i]);
+  }
   MarkReading(first);
-  // A continuation's first piece was read (and counted) by the preparation it continues.
-  const bool counted = read_ahead;
   Status started = options_.load_ssd(first, [this, key, more, first, counted](std::vector<core::BlockPin> pins) {
     UnmarkReading(first);
     // Why the grant stops where it does: a block that could not be read, the rest still being read, or the end.
@@ -386,7 +393,8 @@ void SourceHolds::UnmarkReading(const std::vector<state::StateKey>& keys) {
   }
 }
 
-void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop, bool counted) {
+void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop,
+                           const std::vector<bool>& counted) {
   bool gone = false;
   {
     MutexLock lock(&mu_);
@@ -398,7 +406,13 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
     return;
   }
   uint64_t payload = 0;
-  for (const core::BlockPin& pin : pins) payload += counted ? pin.bytes() : 0;
+  uint64_t read_blocks = 0;
+  for (size_t i = 0; i < pins.size(); ++i) {
+    if (i < counted.size() && counted[i]) {
+      payload += pins[i].bytes();
+      ++read_blocks;
+    }
+  }
   if (ssd_prepared_bytes_ != nullptr) ssd_prepared_bytes_->Increment(payload);
   SourceGrant grant;
   // Nothing in DRAM: a read error, a record that failed its checksum, an extent evicted meanwhile, or no room.
@@ -409,7 +423,7 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
   bool missing = false;
   {
     MutexLock lock(&mu_);
-    stats_.ssd_prepared_blocks += counted ? pins.size() : 0;
+    stats_.ssd_prepared_blocks += read_blocks;
     stats_.ssd_prepared_bytes += payload;
     auto it = holds_.find(key);
     if (it == holds_.end() || it->second.revoking) {

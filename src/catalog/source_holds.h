@@ -125,7 +125,7 @@ class SourceHolds {
   static constexpr size_t kMaxBlocks = 1024;
   // Issue 56: how SSD-resident blocks are read into DRAM (SsdTier::Load in a Manager): the SSD-only keys read with
   // the tier's coalesced path, verified and sealed into DRAM; `done` gets pins on the prefix of `keys` now in DRAM,
-  // on another thread (or this one). An error: nothing was started.
+  // on another thread (or this one). An error: nothing was started, and `done` is never called.
   using SsdLoader = std::function<Status(std::vector<state::StateKey> keys,
                                          std::function<void(std::vector<core::BlockPin> pins)> done)>;
   struct Options {
@@ -234,8 +234,10 @@ class SourceHolds {
       EXCLUDES(mu_);
   // The first piece of the preparation of `key` is read, `pins` on its prefix now in DRAM: grant it with `stop` as
   // the reason it ends there (kMore: later pieces are being read), or record it missing when nothing made it.
-  // `counted`: its blocks count as read for peers (not when a continuation's, read by the preparation it continues).
-  void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop, bool counted) EXCLUDES(mu_);
+  // `counted[i]`: block i of the piece was read by this preparation and counts as read for peers (not one whose
+  // read another preparation had started: a continuation's, or another requester's of the same span).
+  void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop,
+                const std::vector<bool>& counted) EXCLUDES(mu_);
   // reading_: `keys` being read from now on, or read (or not started) now.
   void MarkReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);
   void UnmarkReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);

@@ -629,8 +629,13 @@ TEST_F(SourceHoldsSsdTest, TheFirstPieceIsSmallAndARequestForTheRestContinuesThe
 TEST_F(SourceHoldsSsdTest, APendingAuthorizationWaitsForItsFirstPieceAndAnswersTheGrant) {
   MakeHolds(SourceHolds::Options{}.prepare_piece_bytes, std::chrono::seconds(30));
   const auto versions = OnSsd(Chain(52, 3));
+  // Until `n` loads were started (at most about 5 s: a preparation that never starts fails the test, not hangs it).
+  auto started = [this](size_t n) {
+    for (int i = 0; i < 5000 && loads() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return loads() >= n;
+  };
   auto answer = std::async(std::launch::async, [&] { return holds_->Authorize(Args(versions)); });
-  while (loads() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(started(1));
   CompleteLoad(0, 3);
   Result<SourceGrant> granted = answer.get();
   ASSERT_TRUE(granted.ok()) << granted.status();
@@ -640,8 +645,7 @@ TEST_F(SourceHoldsSsdTest, APendingAuthorizationWaitsForItsFirstPieceAndAnswersT
   // Released mid-wait: the wait ends with kPending, nothing is left behind once the read lands.
   const auto others = OnSsd(Chain(53, 2));
   auto waiting = std::async(std::launch::async, [&] { return holds_->Authorize(Args(others, 2)); });
-  while (loads() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  while (holds_->GetStats().ssd_preparing == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(started(2));
   EXPECT_TRUE(holds_->Release("rt-b", 2));
   Result<SourceGrant> pending = waiting.get();
   ASSERT_TRUE(pending.ok());
