@@ -322,12 +322,13 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   // DRAM; the later ones land in DRAM as restored residents meanwhile, for the requester's next request.
   const bool more = pieces.size() > 1;
   std::vector<state::StateKey> first(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(pieces[0]));
-  // Which blocks of the first piece this preparation reads itself (and counts): not those whose reads another
-  // preparation started (a continuation's, or another requester's of the same span).
+  // Which blocks of the first piece this preparation reads itself (and counts): not those in DRAM already nor those
+  // whose reads another preparation started (a continuation's, or another requester's of the same span).
   std::vector<bool> counted(first.size());
+  for (size_t i = 0; i < first.size(); ++i) counted[i] = table_->LookupPrefix(std::span(&first[i], 1)) == 0;
   {
     MutexLock lock(&mu_);
-    for (size_t i = 0; i < first.size(); ++i) counted[i] = !reading_.contains(first[i]);
+    for (size_t i = 0; i < first.size(); ++i) counted[i] = counted[i] && !reading_.contains(first[i]);
   }
   MarkReading(first);
   Status started = options_.load_ssd(first, [this, key, more, first, counted](std::vector<core::BlockPin> pins) {

@@ -616,11 +616,21 @@ TEST_F(SourceHoldsSsdTest, TheFirstPieceIsSmallAndARequestForTheRestContinuesThe
   CompleteLoad(2, 2);
   CompleteLoad(3, 1);
   EXPECT_EQ(holds_->GetStats().ssd_prepared_blocks, 6u);  // each block once: the continuation read nothing new
+  // The rest asked for once every read landed: its blocks are in DRAM already, nothing is read or counted again.
+  const std::vector<SourceBlockVersion> last(versions.begin() + 3, versions.end());
+  ASSERT_EQ(holds_->Authorize(Args(last, 4))->outcome, SourceOutcome::kPending);
+  ASSERT_EQ(loads(), 6u);
+  CompleteLoad(5, 2);
+  auto third = holds_->Authorize(Args(last, 4));
+  ASSERT_TRUE(third.ok());
+  ASSERT_EQ(third->outcome, SourceOutcome::kGranted);
+  EXPECT_EQ(third->granted, 2u);
+  EXPECT_EQ(holds_->GetStats().ssd_prepared_blocks, 6u);
   const auto others = OnSsd(Chain(51, 3));
   ASSERT_EQ(holds_->Authorize(Args(others, 3))->outcome, SourceOutcome::kPending);
-  ASSERT_EQ(loads(), 7u);  // 1 and 2 blocks
-  EXPECT_EQ(loads_[5].first.size(), 1u);
-  EXPECT_EQ(loads_[6].first.size(), 2u);
+  ASSERT_EQ(loads(), 8u);  // 1 and 2 blocks
+  EXPECT_EQ(loads_[6].first.size(), 1u);
+  EXPECT_EQ(loads_[7].first.size(), 2u);
 }
 
 // An authorization that would be pending waits for its first piece (Options::pending_wait) and answers the grant:
