@@ -5,12 +5,13 @@ read by the transfer bench in 1 MiB fragments), the same read plus the one copy 
 (transfer_read_1m_with_copy), the same read from and into memory no cache holds (transfer_read_1m_cold: 2 x 1 GiB
 served, landed in fresh slices of 1 GiB, as a fetch reads pool blocks into pool blocks; transfer_read_1m reads a
 128 MiB source into one 64 MiB buffer, which a server's last-level cache may hold), and iperf3 (one TCP stream).
-Then the remote SSD fetch (issue 56) on a fresh two-Manager cluster, beside the raw 1 MiB read of the same disk. For each --fetch-workers count a fresh cluster: one
-prefix at a time (remote_fetch_gbps, the query to the last page restored in the engine) and eight prefixes fetched
-at once by eight engines on host 1 (remote_fetch_concurrent_gbps_wN), with the Managers' CPU seconds per GB fetched.
+For each --fetch-workers count a fresh cluster: one prefix at a time (remote_fetch_gbps, the query to the last page
+restored in the engine) and eight prefixes fetched at once by eight engines on host 1
+(remote_fetch_concurrent_gbps_wN), with the Managers' CPU seconds per GB fetched.
 Then, on the cluster with the default 4 workers, TTFT by where the prefix came from: recompute, host 0's DRAM, a
 peer's DRAM (host 1 asks for a prefix host 0 saved), on the GPU with the Qwen3-8B-shaped model when --gpu-ttft names
-lengths and torch sees one (the engines' KV caches then CUDA tensors restored through CUDA IPC)."""
+lengths and torch sees one (the engines' KV caches then CUDA tensors restored through CUDA IPC). Last, the remote SSD
+fetch (issue 56) on a fresh two-Manager cluster, beside the raw 1 MiB read of the same disk."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ import threading
 import time
 
 import orbitkv
-from distributed_bench import (PREFIX_PAGES, cpu_seconds, emit, fetch_round, iperf3_mesh, percentile, remote_ssd,
-                               ssd_read_1m, transfer_read_mesh)
+from distributed_bench import (PREFIX_PAGES, add_remote_ssd, cpu_seconds, emit, fetch_round, iperf3_mesh, percentile,
+                               remote_ssd, ssd_read_1m, transfer_read_mesh)
 from orbitkv.workload import Engine as KvEngine
 from run_cluster import Loopback, free_port, start_etcd, start_managers, stop_all, wait_catalogs
 
@@ -307,12 +308,7 @@ def loopback_main(args, build: pathlib.Path) -> int:
         add(f"remote_fetch_concurrent_source_cpu_s_per_gb_w{workers}", "s/GB",
             row["concurrent"]["source_cpu_s_per_gb"], "transfer_read_1m_source_cpu_s_per_gb",
             raw["source_cpu_s_per_gb"])
-    # Issue 56: the prefixes from a peer's SSD (prepared into its DRAM first) against the same from its DRAM.
-    p50_ssd = percentile(rssd["gbps"], 0.5)
-    add("remote_ssd_fetch_gbps", "GB/s", p50_ssd, "remote_fetch_gbps", base["gbps"])
-    add("remote_ssd_fetch_gbps_vs_ssd_read_1m", "GB/s", p50_ssd, "ssd_read_1m", ssd_1m)
-    add("remote_ssd_fetch_gbps_vs_transfer_read_1m", "GB/s", p50_ssd, "transfer_read_1m", read_1m)
-    add("ssd_read_1m", "GB/s", ssd_1m)
+    add_remote_ssd(results, rssd, base["gbps"], ssd_1m, read_1m)
     same = True
     for length, row in sorted(ttft["rows"].items()):
         suffix = "" if length == lengths[0] else f"_{length // 1024}k"

@@ -114,7 +114,8 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
     auto it = holds_.find(key);
     if (it == holds_.end() || it->second.revoking) return answer;  // released or given up meanwhile: asked again, says so
     if (!it->second.preparing) return it->second.grant;            // the grant (or kMissing), as a duplicate gets it
-    if (prepared_.wait_until(mu_, until) == std::cv_status::timeout && MonoNow() >= until) return answer;
+    if (MonoNow() >= until) return answer;
+    prepared_.wait_until(mu_, until);
   }
 }
 
@@ -322,15 +323,7 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   // DRAM; the later ones land in DRAM as restored residents meanwhile, for the requester's next request.
   const bool more = pieces.size() > 1;
   std::vector<state::StateKey> first(keys.begin(), keys.begin() + static_cast<ptrdiff_t>(pieces[0]));
-  // Which blocks of the first piece this preparation reads itself (and counts): not those in DRAM already nor those
-  // whose reads another preparation started (a continuation's, or another requester's of the same span).
-  std::vector<bool> counted(first.size());
-  for (size_t i = 0; i < first.size(); ++i) counted[i] = table_->LookupPrefix(std::span(&first[i], 1)) == 0;
-  {
-    MutexLock lock(&mu_);
-    for (size_t i = 0; i < first.size(); ++i) counted[i] = counted[i] && !reading_.contains(first[i]);
-  }
-  MarkReading(first);
+  std::vector<bool> counted = StartReading(first);
   Status started = options_.load_ssd(first, [this, key, more, first, counted](std::vector<core::BlockPin> pins) {
     UnmarkReading(first);
     // Why the grant stops where it does: a block that could not be read, the rest still being read, or the end.
@@ -350,18 +343,11 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
     std::vector<state::StateKey> rest(keys.begin() + static_cast<ptrdiff_t>(pieces[p - 1]),
                                       keys.begin() + static_cast<ptrdiff_t>(pieces[p]));
     auto ticket = std::make_shared<core::BudgetTicket>(std::move(*room));
-    MarkReading(rest);
-    Status later = options_.load_ssd(rest, [this, ticket, rest](std::vector<core::BlockPin> pins) {
+    std::vector<bool> fresh = StartReading(rest);
+    Status later = options_.load_ssd(rest, [this, ticket, rest, fresh](std::vector<core::BlockPin> pins) {
       UnmarkReading(rest);
       ticket->Reset();
-      uint64_t bytes = 0;
-      for (const core::BlockPin& pin : pins) bytes += pin.bytes();
-      if (ssd_prepared_bytes_ != nullptr) ssd_prepared_bytes_->Increment(bytes);
-      {
-        MutexLock lock(&mu_);
-        stats_.ssd_prepared_blocks += pins.size();
-        stats_.ssd_prepared_bytes += bytes;
-      }
+      CountPrepared(pins, fresh);
       core::BlockPin::ReleaseAll(&pins);  // resident now (the admission decides how long): the next request pins them
     });
     if (!later.ok()) {
@@ -381,9 +367,28 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   return pending;
 }
 
-void SourceHolds::MarkReading(const std::vector<state::StateKey>& keys) {
+std::vector<bool> SourceHolds::StartReading(const std::vector<state::StateKey>& keys) {
+  std::vector<bool> fresh(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) fresh[i] = table_->LookupPrefix(std::span(&keys[i], 1)) == 0;
   MutexLock lock(&mu_);
-  for (const state::StateKey& k : keys) ++reading_[k];
+  for (size_t i = 0; i < keys.size(); ++i) {
+    fresh[i] = fresh[i] && !reading_.contains(keys[i]);
+    ++reading_[keys[i]];
+  }
+  return fresh;
+}
+
+void SourceHolds::CountPrepared(const std::vector<core::BlockPin>& pins, const std::vector<bool>& fresh) {
+  uint64_t blocks = 0, bytes = 0;
+  for (size_t i = 0; i < pins.size() && i < fresh.size(); ++i) {
+    if (!fresh[i]) continue;
+    ++blocks;
+    bytes += pins[i].bytes();
+  }
+  if (ssd_prepared_bytes_ != nullptr) ssd_prepared_bytes_->Increment(bytes);
+  MutexLock lock(&mu_);
+  stats_.ssd_prepared_blocks += blocks;
+  stats_.ssd_prepared_bytes += bytes;
 }
 
 void SourceHolds::UnmarkReading(const std::vector<state::StateKey>& keys) {
@@ -406,15 +411,7 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
     core::BlockPin::ReleaseAll(&pins);  // released, expired or its requester gone meanwhile
     return;
   }
-  uint64_t payload = 0;
-  uint64_t read_blocks = 0;
-  for (size_t i = 0; i < pins.size(); ++i) {
-    if (i < counted.size() && counted[i]) {
-      payload += pins[i].bytes();
-      ++read_blocks;
-    }
-  }
-  if (ssd_prepared_bytes_ != nullptr) ssd_prepared_bytes_->Increment(payload);
+  CountPrepared(pins, counted);
   SourceGrant grant;
   // Nothing in DRAM: a read error, a record that failed its checksum, an extent evicted meanwhile, or no room.
   const Status issued = pins.empty() ? Status::NotFound("no block of the span could be read from SSD")
@@ -424,8 +421,6 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
   bool missing = false;
   {
     MutexLock lock(&mu_);
-    stats_.ssd_prepared_blocks += read_blocks;
-    stats_.ssd_prepared_bytes += payload;
     auto it = holds_.find(key);
     if (it == holds_.end() || it->second.revoking) {
       revoke = issued.ok();  // gone while the grant was issued: it is revoked before anyone reads under it

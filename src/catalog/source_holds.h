@@ -234,13 +234,17 @@ class SourceHolds {
       EXCLUDES(mu_);
   // The first piece of the preparation of `key` is read, `pins` on its prefix now in DRAM: grant it with `stop` as
   // the reason it ends there (kMore: later pieces are being read), or record it missing when nothing made it.
-  // `counted[i]`: block i of the piece was read by this preparation and counts as read for peers (not one whose
-  // read another preparation had started: a continuation's, or another requester's of the same span).
+  // `counted`: as StartReading said for the piece.
   void Prepared(const HoldKey& key, std::vector<core::BlockPin> pins, SourceOutcome stop,
                 const std::vector<bool>& counted) EXCLUDES(mu_);
-  // reading_: `keys` being read from now on, or read (or not started) now.
-  void MarkReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);
+  // reading_: `keys` are being read from now on. Returns which of them this read brings from SSD itself (and counts
+  // as read for peers): not those in DRAM already, nor those whose read another preparation started (a
+  // continuation's, or another requester's of the same span).
+  std::vector<bool> StartReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);
+  // reading_: `keys` were read (or their read was not started).
   void UnmarkReading(const std::vector<state::StateKey>& keys) EXCLUDES(mu_);
+  // ssd_prepared_blocks/_bytes: the blocks of `pins` StartReading called fresh.
+  void CountPrepared(const std::vector<core::BlockPin>& pins, const std::vector<bool>& fresh) EXCLUDES(mu_);
   // Grants `pins` to `peer_runtime` into `grant` (regions, blocks, id, secret); the issuer is called here.
   Status Issue(const std::string& peer_runtime, const std::vector<core::BlockPin>& pins, SourceGrant* grant);
   void Revoke(const HoldKey& key, uint64_t grant);

@@ -443,6 +443,21 @@ class SourceHoldsSsdTest : public SourceHoldsTest {
     std::lock_guard<std::mutex> lock(loads_mu_);
     return loads_.size();
   }
+  // How many keys each load started so far asked for, in order.
+  std::vector<size_t> LoadSizes() {
+    std::lock_guard<std::mutex> lock(loads_mu_);
+    std::vector<size_t> sizes;
+    for (const auto& load : loads_) sizes.push_back(load.first.size());
+    return sizes;
+  }
+  // Asks `args` again: a grant of `granted` blocks stopping for `stop`.
+  void ExpectGrant(const AuthorizeArgs& args, size_t granted, SourceOutcome stop) {
+    Result<SourceGrant> grant = holds_->Authorize(args);
+    ASSERT_TRUE(grant.ok()) << grant.status();
+    ASSERT_EQ(grant->outcome, SourceOutcome::kGranted);
+    EXPECT_EQ(grant->granted, granted);
+    EXPECT_EQ(grant->stop, stop);
+  }
 
   std::unique_ptr<core::Budget> staging_;
   std::mutex loads_mu_;
@@ -552,15 +567,9 @@ TEST_F(SourceHoldsSsdTest, TheFirstPieceIsGrantedWhileTheRestIsReadAndTheRestIsT
   const auto keys = Chain(48, 5);
   const auto versions = OnSsd(keys);
   ASSERT_EQ(holds_->Authorize(Args(versions))->outcome, SourceOutcome::kPending);
-  ASSERT_EQ(loads(), 3u);  // 2 + 2 + 1 blocks, all started at once
-  EXPECT_EQ(loads_[0].first.size(), 2u);
-  EXPECT_EQ(loads_[2].first.size(), 1u);
+  ASSERT_EQ(LoadSizes(), (std::vector<size_t>{2, 2, 1}));  // all started at once
   CompleteLoad(0, 2);
-  auto first = holds_->Authorize(Args(versions));
-  ASSERT_TRUE(first.ok());
-  ASSERT_EQ(first->outcome, SourceOutcome::kGranted);
-  EXPECT_EQ(first->granted, 2u);
-  EXPECT_EQ(first->stop, SourceOutcome::kMore);
+  ExpectGrant(Args(versions), 2, SourceOutcome::kMore);
   CompleteLoad(1, 2);
   CompleteLoad(2, 1);
   EXPECT_EQ(holds_->GetStats().ssd_prepared_blocks, 5u);
@@ -588,17 +597,9 @@ TEST_F(SourceHoldsSsdTest, TheFirstPieceIsSmallAndARequestForTheRestContinuesThe
   const auto keys = Chain(50, 6);
   const auto versions = OnSsd(keys);
   ASSERT_EQ(holds_->Authorize(Args(versions))->outcome, SourceOutcome::kPending);
-  ASSERT_EQ(loads(), 4u);  // 1, 2, 2 and 1 blocks, all started at once
-  EXPECT_EQ(loads_[0].first.size(), 1u);
-  EXPECT_EQ(loads_[1].first.size(), 2u);
-  EXPECT_EQ(loads_[2].first.size(), 2u);
-  EXPECT_EQ(loads_[3].first.size(), 1u);
+  ASSERT_EQ(LoadSizes(), (std::vector<size_t>{1, 2, 2, 1}));  // all started at once
   CompleteLoad(0, 1);
-  auto first = holds_->Authorize(Args(versions));
-  ASSERT_TRUE(first.ok());
-  ASSERT_EQ(first->outcome, SourceOutcome::kGranted);
-  EXPECT_EQ(first->granted, 1u);
-  EXPECT_EQ(first->stop, SourceOutcome::kMore);
+  ExpectGrant(Args(versions), 1, SourceOutcome::kMore);
   // The rest, asked for before its blocks landed: one load of a whole first piece (shared with the read in flight
   // by the SSD tier's coalescer), no read-ahead of the pieces after it.
   const std::vector<SourceBlockVersion> rest(versions.begin() + 1, versions.end());
@@ -607,11 +608,7 @@ TEST_F(SourceHoldsSsdTest, TheFirstPieceIsSmallAndARequestForTheRestContinuesThe
   EXPECT_EQ(loads_[4].first, std::vector<state::StateKey>(keys.begin() + 1, keys.begin() + 3));
   CompleteLoad(1, 2);
   CompleteLoad(4, 2);
-  auto second = holds_->Authorize(Args(rest, 2));
-  ASSERT_TRUE(second.ok());
-  ASSERT_EQ(second->outcome, SourceOutcome::kGranted);
-  EXPECT_EQ(second->granted, 2u);
-  EXPECT_EQ(second->stop, SourceOutcome::kMore);
+  ExpectGrant(Args(rest, 2), 2, SourceOutcome::kMore);
   // A span no read covers any more starts small again and reads ahead.
   CompleteLoad(2, 2);
   CompleteLoad(3, 1);
@@ -621,16 +618,11 @@ TEST_F(SourceHoldsSsdTest, TheFirstPieceIsSmallAndARequestForTheRestContinuesThe
   ASSERT_EQ(holds_->Authorize(Args(last, 4))->outcome, SourceOutcome::kPending);
   ASSERT_EQ(loads(), 6u);
   CompleteLoad(5, 2);
-  auto third = holds_->Authorize(Args(last, 4));
-  ASSERT_TRUE(third.ok());
-  ASSERT_EQ(third->outcome, SourceOutcome::kGranted);
-  EXPECT_EQ(third->granted, 2u);
+  ExpectGrant(Args(last, 4), 2, SourceOutcome::kMore);
   EXPECT_EQ(holds_->GetStats().ssd_prepared_blocks, 6u);
   const auto others = OnSsd(Chain(51, 3));
   ASSERT_EQ(holds_->Authorize(Args(others, 3))->outcome, SourceOutcome::kPending);
-  ASSERT_EQ(loads(), 8u);  // 1 and 2 blocks
-  EXPECT_EQ(loads_[6].first.size(), 1u);
-  EXPECT_EQ(loads_[7].first.size(), 2u);
+  ASSERT_EQ(LoadSizes(), (std::vector<size_t>{1, 2, 2, 1, 2, 2, 1, 2}));  // the last two: 1 and 2 blocks
 }
 
 // An authorization that would be pending waits for its first piece (Options::pending_wait) and answers the grant:
