@@ -702,7 +702,11 @@ class SourceHoldsSsdTierTest : public SourceHoldsTest {
     };
     options.min_frequency = 1;
     options.policy = core::SsdWritePolicy::kWriteThrough;
-    options.reader_threads = 1;  // the reads in key order, so a fault lands on the block the test names
+    // One writer, one write in flight: a span's records are written in key order at increasing offsets (two writers
+    // race for extents), and one reader reads a batch in offset order, so a fault lands on the block the test names.
+    options.writer_threads = 1;
+    options.writes_in_flight = 1;
+    options.reader_threads = 1;
     auto tier = core::SsdTier::Create(options, cache_.get(), &metrics_);
     ASSERT_TRUE(tier.ok()) << tier.status();
     tier_ = std::move(*tier);
@@ -783,9 +787,8 @@ TEST_F(SourceHoldsSsdTierTest, TheSpanIsReadFromSsdIntoDramAndGrantedWithTheSave
   EXPECT_EQ(tier_->Stats().verify_failures, 0u);
 }
 
-// Each read-error case on a fresh store: the records of one span are then written at increasing offsets, so the
-// device reads them in key order (a record dropped by an earlier case would free an extent a later record reuses,
-// and the tier reads a batch in offset order).
+// Each read-error case on a fresh store: a record dropped by an earlier case would free an extent a later record
+// reuses, and the tier reads a batch in offset order, not key order.
 TEST_F(SourceHoldsSsdTierTest, AReadErrorMidPreparationGrantsThePrefixBeforeIt) {
   ASSERT_NE(device_, nullptr);
   const auto versions = SavedToSsdOnly(Chain(61, 4));
