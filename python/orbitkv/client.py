@@ -344,13 +344,7 @@ class CacheManagerClient:
 
     def cancel(self, instance_id: int, op: int) -> bool:
         """Forgets a Loading operation; False when it had already completed (or was cancelled)."""
-        try:
-            self._native.cancel(instance_id, op)
-            return True
-        except _native.OrbitKVError as error:
-            if "no Loading operation" in str(error):
-                return False
-            raise
+        return bool(self._native.cancel(instance_id, op))
 
     def stats(self) -> dict:
         import json

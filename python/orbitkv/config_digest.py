@@ -1,4 +1,4 @@
-"""What an engine computes, as a digest for the namespace (issue 59): two engines whose KV bytes for the same tokens
+"""What an engine computes, as a digest for the namespace: two engines whose KV bytes for the same tokens
 can differ never share blocks; engines that differ only in where the weights are mounted, memory and scheduling
 limits or sampling defaults still do.
 

@@ -303,11 +303,10 @@ void BindClient(py::module_& m) {
           GilRelease(), py::arg("instance_id"), py::arg("lease"))
       .def(
           "cancel",
-          [](CacheClient& c, uint64_t instance, uint64_t op) {
-            ThrowIfError(c.Cancel(instance, op));
-          },
+          [](CacheClient& c, uint64_t instance, uint64_t op) { return ValueOrThrow(c.Cancel(instance, op)); },
           GilRelease(), py::arg("instance_id"), py::arg("op"),
-          "forgets a Loading operation (raises NotFound-style OrbitKVError once it completed)")
+          "forgets a Loading operation: True, or False when there was none (it completed and was taken, or was "
+          "cancelled); NOT_FOUND for an instance this session did not register")
       .def(
           "stats", [](CacheClient& c) { return ValueOrThrow(c.Stats()); }, GilRelease(),
           "the Manager's counters as a JSON string")

@@ -223,6 +223,12 @@ def test_loading_is_waited_for_on_its_completion_not_polled(build_dir, tmp_path)
             hit = client.query_prefetch(1, keys, wait=10.0)
             assert isinstance(hit, orbitkv.QueryHit) and hit.num_hit_blocks == 8
             assert client.wait_loading(1, first.op, timeout=0.1) is None  # taken by the query
+            # Cancelling it answers False (nothing to cancel), decided by the reply, not by an error's text; an
+            # instance this session never registered is an error.
+            assert client.cancel(1, first.op) is False
+            with pytest.raises(orbitkv.OrbitKVError) as unknown:
+                client.cancel(7, first.op)
+            assert unknown.value.code == "NOT_FOUND"
             for cache in caches:
                 cache.fill_(float("nan"))
             client.restore(1, hit.lease, range(8))

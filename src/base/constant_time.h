@@ -1,4 +1,4 @@
-// Comparing secrets (grant secrets, issue 52) in time that depends on their length only, never on where they
+// Comparing secrets (grant secrets) in time that depends on their length only, never on where they
 // first differ.
 //
 // Thread safety: a pure function.

@@ -14,6 +14,16 @@ constexpr std::array<std::string_view, kMaxStatusCode + 1> kCodeNames = {
 
 }  // namespace
 
+std::string_view StatusReasonName(StatusReason reason) {
+  switch (reason) {
+    case StatusReason::kNone: return "none";
+    case StatusReason::kEtcd: return "etcd";
+    case StatusReason::kPeerProtocolVersion: return "peer-protocol-version";
+    case StatusReason::kViewIncomplete: return "view-incomplete";
+  }
+  return "unknown";
+}
+
 std::string_view StatusCodeName(StatusCode code) {
   const auto index = static_cast<uint8_t>(code);
   return index <= kMaxStatusCode ? kCodeNames[index] : std::string_view("UNKNOWN");
@@ -51,7 +61,13 @@ Status Status::WithContext(std::string_view context) const {
   std::string message(context);
   message += ": ";
   message += rep_->message;
-  return Status(rep_->code, message);
+  return Status(rep_->code, message).WithReason(rep_->reason);
+}
+
+Status Status::WithReason(StatusReason reason) const {
+  Status out(*this);
+  if (out.rep_) out.rep_->reason = reason;
+  return out;
 }
 
 std::ostream& operator<<(std::ostream& os, const Status& status) { return os << status.ToString(); }

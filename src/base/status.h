@@ -47,6 +47,25 @@ std::string_view StatusCodeName(StatusCode code);
 // Maps a wire byte back to a code; values above kMaxStatusCode become kUnknown.
 StatusCode StatusCodeFromByte(uint8_t value);
 
+// Why an error happened, in a form code may decide on; the message is for people and is never parsed. Only the
+// few reasons that callers branch on have a value, each naming who sets it and who reads it. A reason travels with
+// the Status through WithContext and copies, and across the peer protocol (catalog/peer_service.h).
+enum class StatusReason : uint8_t {
+  kNone = 0,
+  // etcd, or reaching it, gave this error (cluster/etcd_client.cc): the membership supervisor retries a
+  // registration that failed so, whatever the code, while this Manager's own verdicts (another runtime holds the
+  // Node ID, the placement regressed) fence it.
+  kEtcd = 1,
+  // A peer refused a request for another orbitkv.peer protocol version (catalog/route.cc): the peer directory turns
+  // remote work off until that member speaks this version again.
+  kPeerProtocolVersion = 2,
+  // A member view is incomplete (cluster/member_view.cc on this side, a peer's route check on the other): membership
+  // skew that settles by itself, so discovery opens no breaker for it.
+  kViewIncomplete = 3,
+};
+inline constexpr uint8_t kMaxStatusReason = 3;
+std::string_view StatusReasonName(StatusReason reason);
+
 class [[nodiscard]] Status {
  public:
   // OK.
@@ -85,8 +104,13 @@ class [[nodiscard]] Status {
   // "OK" or "NOT_FOUND: key 3f.. is not resident".
   std::string ToString() const;
 
-  // Returns a copy whose message is "<context>: <message>"; OK stays OK.
+  // Returns a copy whose message is "<context>: <message>" (the reason kept); OK stays OK.
   Status WithContext(std::string_view context) const;
+
+  // kNone for OK and for errors without one.
+  StatusReason reason() const { return rep_ ? rep_->reason : StatusReason::kNone; }
+  // Returns a copy with `reason`; OK stays OK.
+  Status WithReason(StatusReason reason) const;
 
   friend bool operator==(const Status& a, const Status& b) {
     return a.code() == b.code() && a.message() == b.message();
@@ -96,6 +120,7 @@ class [[nodiscard]] Status {
   struct Rep {
     StatusCode code;
     std::string message;
+    StatusReason reason = StatusReason::kNone;
   };
   // Null means OK, so the success path never allocates.
   std::unique_ptr<Rep> rep_;

@@ -72,6 +72,25 @@ TEST(StatusTest, WithContextPrefixesMessageAndKeepsCode) {
   EXPECT_TRUE(Status::Ok().WithContext("x").ok());
 }
 
+TEST(StatusTest, AReasonTravelsThroughContextCopiesAndMovesButNotIntoOk) {
+  const Status s = Status::FailedPrecondition("not leader").WithReason(StatusReason::kEtcd);
+  EXPECT_EQ(s.reason(), StatusReason::kEtcd);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), "not leader");  // the message stays as people read it
+  const Status wrapped = s.WithContext("registering again");
+  EXPECT_EQ(wrapped.reason(), StatusReason::kEtcd);
+  Status copy = wrapped;
+  EXPECT_EQ(copy.reason(), StatusReason::kEtcd);
+  Status moved = std::move(copy);
+  EXPECT_EQ(moved.reason(), StatusReason::kEtcd);
+  EXPECT_EQ(Status::FailedPrecondition("not leader").reason(), StatusReason::kNone);
+  EXPECT_EQ(Status::Ok().WithReason(StatusReason::kEtcd).reason(), StatusReason::kNone);
+  EXPECT_TRUE(Status::Ok().WithReason(StatusReason::kEtcd).ok());
+  for (uint8_t r = 0; r <= kMaxStatusReason; ++r) {
+    EXPECT_NE(StatusReasonName(static_cast<StatusReason>(r)), "unknown") << int{r};
+  }
+}
+
 Status FailsWhen(bool fail) { return fail ? Status::InvalidArgument("bad") : Status::Ok(); }
 
 Status Chain(bool fail, int* reached) {

@@ -1,7 +1,6 @@
-// CandidateIndex: what a distributed Manager remembers of who holds which blocks, so a warm query never waits
-// for the directory (seed 000, "Query path and bounded subscriptions"; issue 21, item 1). Exact StateKey -> up to
-// four candidates (owner node, runtime UUID, tier, generation, insertion sequence, bytes), learnt from catalog
-// lookups:
+// CandidateIndex: what a distributed Manager remembers of who holds which blocks, so a warm query never waits for the
+// directory (seed 000, "Query path and bounded subscriptions"). Exact StateKey -> up to four candidates (owner node,
+// runtime UUID, tier, generation, insertion sequence, bytes), learnt from catalog lookups:
 //  - an LRU bounded by a logical byte budget (16 MiB by default: the key's encoding and each candidate's
 //    strings and fields), evicting the least recently used key first;
 //  - a TTL (5 s by default) counted from insertion: reads do not extend it, so a stale candidate ages out even

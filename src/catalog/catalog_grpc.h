@@ -72,7 +72,7 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
   // at the endpoint its grant came from.
   Result<bool> Release(const std::string& node, const std::string& runtime, uint64_t request_id, uint64_t grant_id,
                        const std::string& grant_secret, Deadline deadline) override;
-  // What the copy of `shard` on catalog host `node` holds, owner by owner (Peer.CatalogStatus, issue 55: the
+  // What the copy of `shard` on catalog host `node` holds, owner by owner (Peer.CatalogStatus: the
   // placement reconciler's view of the copies). Unavailable when `node` is not in the member view.
   Result<std::map<std::string, cluster::OwnerProgress>> ShardStatus(const std::string& node, uint32_t shard,
                                                                    int64_t generation, Deadline deadline) override;

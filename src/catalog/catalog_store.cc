@@ -62,8 +62,8 @@ std::optional<CatalogReply> CatalogStore::Admit(const StreamId& stream) const {
 
 std::optional<CatalogReply> CatalogStore::StaleStart(const Slice& slice, const StreamId& stream) const {
   if (slice.owner_runtime.empty()) return std::nullopt;  // a new slice
-  // Epochs come from the owner's registrations (each one higher); 0 is an owner that names none (then a new
-  // runtime is taken as a new start, as before epochs were carried).
+  // Epochs come from the owner's registrations (each one higher); 0 is an owner that names none: then a new
+  // runtime is taken as a new start.
   if (stream.owner_epoch < slice.owner_epoch ||
       (stream.owner_epoch == slice.owner_epoch && stream.owner_epoch != 0 &&
        stream.owner_runtime != slice.owner_runtime)) {

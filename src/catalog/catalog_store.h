@@ -55,9 +55,9 @@ class CatalogStore {
     // The shards placed on this host: Status reports each of them, those without any slice too. Empty: the
     // shards that have slices.
     std::vector<uint32_t> shards;
-    // Issue 55: whether this host keeps a copy of `shard` now (the placement changes online): Status reports each
-    // such shard (of num_shards), and DropUnhosted drops the slices of the others. Null: `shards` decides. Called
-    // under the store's lock.
+    // Whether this host currently keeps a copy of `shard` (the placement changes online): Status reports each such
+    // shard (of num_shards), and DropUnhosted drops the slices of the others. Null: `shards` decides. Called under the
+    // store's lock.
     std::function<bool(uint32_t shard)> hosts;
     // Called (under the store's lock: keep it short) when a stream's evidence became visible through
     // sequence `through` (from `from` + 1): a delta applied or a snapshot installed. For lag measurements.
@@ -117,7 +117,7 @@ class CatalogStore {
   bool Complete(uint32_t shard) const EXCLUDES(mu_);
   // The owners with an installed baseline for `shard`, in order.
   std::vector<std::string> Owners(uint32_t shard) const EXCLUDES(mu_);
-  // Every owner slice of `shard`, baseline or not, with the sequence applied (CatalogStatus, issue 55).
+  // Every owner slice of `shard`, baseline or not, with the sequence applied (for CatalogStatus).
   struct OwnerSlice {
     std::string owner_node;
     std::string owner_runtime;

@@ -1,8 +1,8 @@
-// Discovery: a requesting Manager's bounded lookup of who holds the blocks it misses (seed 000, "Implemented
-// discovery behavior"; issue 21, item 2, requester side). Keys the candidate index already knows cost nothing
-// (a warm query makes no RPC); the unknown ones are grouped by their shard's catalog copies (issue 54: each shard
-// has up to --catalog-replicas copies on distinct hosts), sent in batches of at most `max_keys_per_rpc`, with at
-// most `max_hosts` hosts asked at once (hedges aside) and one total time budget.
+// Discovery: a requesting Manager's bounded lookup of who holds the blocks it misses (seed 000, "Implemented discovery
+// behavior"; requester side). Keys the candidate index already knows cost nothing (a warm query makes no RPC); the
+// unknown ones are grouped by their shard's catalog copies (each shard has up to --catalog-replicas copies on distinct
+// hosts), sent in batches of at most `max_keys_per_rpc`, with at most `max_hosts` hosts asked at once (hedges aside)
+// and one total time budget.
 //
 // A shard's copies are ordered by breaker state, then copies not overtaken by a hedge lately, then copies not seen
 // incomplete lately, then a rotation that spreads requesters over the copies. The first copy is asked; when it has
@@ -72,10 +72,6 @@ class LookupTransport {
                                                 Deadline deadline, CallCancel* cancel) = 0;
 };
 
-// The message a peer's route check refuses with while its member view is incomplete (UNAVAILABLE).
-// (MemberView::Find's own message on this side contains it too.)
-inline constexpr std::string_view kViewIncompleteRefusal = "member view is incomplete";
-
 // Whether `status` is membership skew rather than a host that is down or too slow: a peer's quick refusal by its
 // route check (it answered), or this side's view not showing the host as a live member now (NOT_FOUND: no RPC was
 // made). Both settle as the views catch up: right after a Manager registered again its peers' views may not show
@@ -83,8 +79,7 @@ inline constexpr std::string_view kViewIncompleteRefusal = "member view is incom
 inline bool IsRouteRefusal(const Status& status) {
   return status.code() == StatusCode::kPermissionDenied || status.code() == StatusCode::kFailedPrecondition ||
          status.code() == StatusCode::kNotFound ||
-         (status.code() == StatusCode::kUnavailable &&
-          status.message().find(kViewIncompleteRefusal) != std::string_view::npos);
+         (status.code() == StatusCode::kUnavailable && status.reason() == StatusReason::kViewIncomplete);
 }
 
 class Discovery {
@@ -94,7 +89,7 @@ class Discovery {
     size_t max_hosts = 4;  // --discovery-max-hosts
     std::chrono::milliseconds budget{3000};
     std::chrono::milliseconds breaker_open{5000};
-    // How long a copy that is not the last one left may take before it counts as failed (issue 54).
+    // How long a copy that is not the last one left may take before it counts as failed.
     std::chrono::milliseconds copy_deadline{300};
     // How long an RPC to a copy that is not the last one left may take before the next copy is asked beside it (a
     // hedge; --discovery-hedge-ms): at least this, and at least 3x that host's recent answer time, or

@@ -187,8 +187,9 @@ TEST(DiscoveryTest, ARouteRefusalOpensNoBreakerAndResetBreakersClosesThem) {
        {Status::PermissionDenied("node 'x' sent as runtime a epoch 1, but its registered start is runtime b epoch 2"),
         Status::FailedPrecondition("stale incarnation: request addressed to runtime a"),
         Status::NotFound("node 'host-1' is not a live member at revision 10"),
-        Status::Unavailable("member view is incomplete (etcd snapshot pending)"),  // this side's own view
-        Status::Unavailable(std::string(kViewIncompleteRefusal) + " (etcd unreachable): cannot check the sender")}) {
+        Status::Unavailable("member view is incomplete (etcd snapshot pending)")  // this side's own view
+            .WithReason(StatusReason::kViewIncomplete),
+        Status::Unavailable("a peer's view is incomplete").WithReason(StatusReason::kViewIncomplete)}) {
     ASSERT_TRUE(IsRouteRefusal(refusal)) << refusal;
     hosts.refuses = {{"host-1", refusal}};
     Discovery::Outcome refused = discovery.Discover(keys);
@@ -197,6 +198,8 @@ TEST(DiscoveryTest, ARouteRefusalOpensNoBreakerAndResetBreakersClosesThem) {
     EXPECT_LT(refused.known_prefix, 300u);
   }
   EXPECT_FALSE(IsRouteRefusal(Status::Unavailable("failed to connect to all addresses")));
+  // The text decides nothing: an UNAVAILABLE that only says so is a host down.
+  EXPECT_FALSE(IsRouteRefusal(Status::Unavailable("member view is incomplete")));
   hosts.refuses.clear();
   Discovery::Outcome answered = discovery.Discover(keys);  // asked at once, no breaker to wait out
   EXPECT_TRUE(answered.skipped_hosts.empty());

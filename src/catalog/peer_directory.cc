@@ -84,8 +84,7 @@ PeerDirectory::Peer PeerDirectory::Probe(const cluster::Member& member) {
     peer.health = Health::kHealthy;
     peer.transfer_address = response.ucx_worker_address();
     peer.capabilities.assign(response.capabilities().begin(), response.capabilities().end());
-  } else if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
-             status.error_message().find("protocol version") != std::string::npos) {
+  } else if (FromGrpc(status).reason() == StatusReason::kPeerProtocolVersion) {
     peer.health = Health::kIncompatible;
     peer.reason = fmt::format("node '{}' refuses this Manager's orbitkv.peer v{}: {}", peer.node_id,
                               options_.protocol_version, status.error_message());

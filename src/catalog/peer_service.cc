@@ -14,12 +14,22 @@ namespace orbitkv::catalog {
 
 grpc::Status ToGrpc(const Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(static_cast<int>(status.code())), std::string(status.message()));
+  const auto code = static_cast<grpc::StatusCode>(static_cast<int>(status.code()));
+  if (status.reason() == StatusReason::kNone) return grpc::Status(code, std::string(status.message()));
+  peer::v1::ErrorDetail detail;
+  detail.set_reason(static_cast<peer::v1::ErrorDetail::Reason>(static_cast<int>(status.reason())));
+  return grpc::Status(code, std::string(status.message()), detail.SerializeAsString());
 }
 
 Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return Status::Ok();
-  return Status(static_cast<StatusCode>(static_cast<int>(status.error_code())), status.error_message());
+  Status out(static_cast<StatusCode>(static_cast<int>(status.error_code())), status.error_message());
+  peer::v1::ErrorDetail detail;
+  if (!status.error_details().empty() && detail.ParseFromString(status.error_details()) &&
+      static_cast<int>(detail.reason()) <= kMaxStatusReason) {
+    out = out.WithReason(static_cast<StatusReason>(detail.reason()));
+  }
+  return out;
 }
 
 std::shared_ptr<peer::v1::Peer::Stub> NewPeerStub(const std::string& endpoint,
@@ -192,7 +202,7 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1
   args.request_id = request->request_id();
   args.byte_limit = request->byte_limit();
   args.lifetime = std::chrono::milliseconds(request->deadline_ms() == 0 ? 10000 : request->deadline_ms());
-  // A pending answer held back at the source (issue 56) still reaches the requester inside its RPC deadline: a
+  // A pending answer held back at the source still reaches the requester inside its RPC deadline: a
   // quarter of what is left stays for the way back.
   if (const auto left = context->deadline() - std::chrono::system_clock::now();
       left < std::chrono::hours(1)) {

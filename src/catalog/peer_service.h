@@ -18,7 +18,8 @@
 
 namespace orbitkv::catalog {
 
-// The gRPC status of an OrbitKV status (same code, same message).
+// The gRPC status of an OrbitKV status (same code, same message, the reason as a serialized ErrorDetail in the
+// error details), and back (a reason this side does not know is dropped).
 grpc::Status ToGrpc(const Status& status);
 Status FromGrpc(const grpc::Status& status);
 // A stub for the peer at `endpoint` with the protocol's message limits (insecure when `credentials` is null).
@@ -42,7 +43,7 @@ class PeerService final : public peer::v1::Peer::Service {
     SourceHolds* source = nullptr;
     // Why remote work is off here now (empty: it is on). New grants are refused while it is off; releases are not.
     std::function<std::string()> remote_off;
-    // Peer mutual TLS is on (issue 52): every request's claimed source node must be named by the caller's
+    // Peer mutual TLS is on: every request's claimed source node must be named by the caller's
     // certificate, as a subjectAltName URI "orbitkv-node:<node-id>" (kNodeUriPrefix).
     bool require_node_certificates = false;
   };

@@ -1,13 +1,12 @@
-// ReleaseQueue: the requester's grant releases on their own bounded workers (issue 51, "a release never blocks a
-// fetch"). It is the SourceTransport the fetch path uses: Authorize goes straight to the transport it wraps, and
-// Release is queued and answered at once, so a fetch worker never waits for a source that does not answer (a
-// gRPC-only partition after a grant, a source stopped with SIGSTOP). Two worker threads send the releases, each
-// RPC bounded by `rpc_timeout`, at most one at a time to any one node (so an unreachable source holds one worker at
-// most and releases to other sources keep going), and retry a failed one with jittered backoff until
-// `give_up_after` (the longest
-// grant lifetime a source allows: by then it revoked the grant itself). A release that finds nothing held, or a
-// source that restarted (NotFound), ends there. At most `max_queued` releases wait; past that Release answers
-// ResourceExhausted and the grant expires at its source (counted as dropped).
+// ReleaseQueue: the requester's grant releases on their own bounded workers, so a release never blocks a fetch. It is
+// the SourceTransport the fetch path uses: Authorize goes straight to the transport it wraps, and Release is queued and
+// answered at once, so a fetch worker never waits for a source that does not answer (a gRPC-only partition after a
+// grant, a source stopped with SIGSTOP). Two worker threads send the releases, each RPC bounded by `rpc_timeout`, at
+// most one at a time to any one node (so an unreachable source holds one worker at most and releases to other sources
+// keep going), and retry a failed one with jittered backoff until `give_up_after` (the longest grant lifetime a source
+// allows: by then it revoked the grant itself). A release that finds nothing held, or a source that restarted
+// (NotFound), ends there. At most `max_queued` releases wait; past that Release answers ResourceExhausted and the grant
+// expires at its source (counted as dropped).
 //
 // Thread safety: every method is safe from any thread.
 #ifndef ORBITKV_CATALOG_RELEASE_QUEUE_H_

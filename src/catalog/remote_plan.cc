@@ -23,7 +23,7 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
   struct Run {
     std::vector<SourceBlockVersion> versions;
     std::vector<uint64_t> bytes;
-    size_t ssd = 0;  // blocks named on the source's SSD (issue 56: read into its DRAM before they are granted)
+    size_t ssd = 0;  // blocks named on the source's SSD (read into its DRAM before they are granted)
   };
   std::map<Source, Run> running;
   std::map<Source, Run> finished;
@@ -88,7 +88,7 @@ AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateI
     const Deadline rpc = Deadline::At(std::min(options.deadline.when(), Deadline::After(options.rpc_timeout).when()));
     Result<SourceReply> reply = transport.Authorize(span->node, span->runtime, options.request_id, span->versions,
                                                     options.byte_limit, options.lifetime, rpc);
-    // Issue 56: SSD blocks being read into the source's DRAM: ask again, same request id, until granted (or
+    // SSD blocks being read into the source's DRAM: ask again, same request id, until granted (or
     // missing) within the deadline; backing off from the source's hint to 5 ms (a 16 MiB piece reads in about that).
     std::chrono::milliseconds wait{1};
     while (reply.ok() && reply->grant.outcome == SourceOutcome::kPending) {

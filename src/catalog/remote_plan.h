@@ -1,13 +1,12 @@
-// Remote planning in the requesting Manager (seed 000, "Query path", step 4; issue 21, item 3): from the candidate
-// index, the source whose DRAM or SSD replicas cover the longest contiguous span of the blocks a query misses (of
-// equal spans the one with fewer SSD blocks: peer DRAM before peer SSD; then the smaller node id, then runtime
-// UUID), authorized through SourceTransport. Issue 56: a span named on a source's SSD is read into that source's
-// DRAM first; the source answers pending, and the requester asks again with the same request id until the grant
-// (or missing) comes, within its deadline; a source out of SSD staging room answers backpressure and the next one
-// is asked. A source's rejection removes only
-// the candidate versions it refused from the index, and at most `max_alternatives` other sources are tried per
-// fetch, with no new directory RPC (another query refreshes the evidence). No candidate, or no source granting,
-// means the local answer stands.
+// Remote planning in the requesting Manager (seed 000, "Query path", step 4): from the candidate index, the source
+// whose DRAM or SSD replicas cover the longest contiguous span of the blocks a query misses (of equal spans the one
+// with fewer SSD blocks: peer DRAM before peer SSD; then the smaller node id, then runtime UUID), authorized through
+// SourceTransport. A span named on a source's SSD is read into that source's DRAM first; the source answers pending,
+// and the requester asks again with the same request id until the grant (or missing) comes, within its deadline; a
+// source out of SSD staging room answers backpressure and the next one is asked. A source's rejection removes only the
+// candidate versions it refused from the index, and at most `max_alternatives` other sources are tried per fetch, with
+// no new directory RPC (another query refreshes the evidence). No candidate, or no source granting, means the local
+// answer stands.
 //
 // Thread safety: AuthorizeBest may be called from any thread (the index is thread-safe; the transport must be).
 #ifndef ORBITKV_CATALOG_REMOTE_PLAN_H_
@@ -83,7 +82,7 @@ struct AuthorizeOutcome {
   size_t attempts = 0;                   // Authorize RPCs sent
   size_t rejections = 0;                 // stale or not-in-DRAM answers
   size_t failures = 0;                   // RPCs that failed (source gone, busy, too slow)
-  size_t polls = 0;                      // Authorize RPCs repeated while a source prepared SSD blocks (issue 56)
+  size_t polls = 0;                      // Authorize RPCs repeated while a source prepared SSD blocks
   size_t backpressure = 0;               // sources whose SSD staging budget was full
   size_t missing = 0;                    // sources whose SSD records failed their read or checksum
   Status last_error;                     // the last failure, for logs

@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include "catalog/discovery.h"
 
 namespace orbitkv::catalog {
 
@@ -25,9 +24,10 @@ namespace {
 Status CheckAddress(const peer::v1::RouteHeader& route, const PeerIdentity& self) {
   if (route.protocol_version() != kPeerProtocolVersion) {
     return Status::FailedPrecondition(fmt::format(
-        "peer protocol version {} from node '{}', this Manager speaks {}: remote work between them is off "
-        "until both run one version",
-        route.protocol_version(), route.source_node_id(), kPeerProtocolVersion));
+                                          "peer protocol version {} from node '{}', this Manager speaks {}: remote "
+                                          "work between them is off until both run one version",
+                                          route.protocol_version(), route.source_node_id(), kPeerProtocolVersion))
+        .WithReason(StatusReason::kPeerProtocolVersion);
   }
   if (route.cluster() != self.cluster) {
     return Status::PermissionDenied(fmt::format("request for cluster '{}', this Manager is in cluster '{}'",
@@ -66,8 +66,9 @@ Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
   if (!source.ok()) {
     if (source.status().code() == StatusCode::kUnavailable) {
       return Status::Unavailable(
-          fmt::format("the {} (etcd unreachable, or this Manager is registering again): cannot check the sender",
-                      kViewIncompleteRefusal));
+                 "the member view is incomplete (etcd unreachable, or this Manager is registering again): cannot "
+                 "check the sender")
+          .WithReason(StatusReason::kViewIncomplete);
     }
     return Status::PermissionDenied(
         fmt::format("node '{}' is not a registered member of cluster '{}'", route.source_node_id(), self.cluster));

@@ -18,7 +18,7 @@
 
 namespace orbitkv::catalog {
 
-// 2 (issue 54): catalog shards have several copies (placement record version 2); a Manager of version 1 keeps one.
+// 2: catalog shards have several copies (placement record version 2); a Manager of version 1 keeps one.
 inline constexpr uint32_t kPeerProtocolVersion = 2;
 // The largest message either side sends or accepts (gRPC's limits are set to it).
 inline constexpr int kMaxPeerMessageBytes = 4 << 20;
@@ -33,15 +33,15 @@ struct PeerIdentity {
   std::string runtime_uuid;
   int64_t epoch = 0;
   std::string placement_fingerprint;
-  // Issue 55: the placement changes online. When set, the fingerprint requests carry now (instead of
+  // The placement changes online. When set, the fingerprint requests currently carry (in place of
   // placement_fingerprint), and the placements whose requests this Manager serves (its committed one, the next one
   // while a change is in progress, the previous one until the change's record goes: live_placement.h).
   std::function<std::string()> current_placement;
   std::function<bool(std::string_view fingerprint)> accepts_placement;
 };
 
-// This Manager's identity as its peer parts use it now: a new runtime UUID and epoch after each
-// registration made again (issue 51). Thread safety: Get/Set from any thread.
+// This Manager's current identity as its peer parts use it: each registration made again brings a new runtime UUID
+// and epoch. Thread safety: Get/Set from any thread.
 class SelfIdentity {
  public:
   explicit SelfIdentity(PeerIdentity identity) : identity_(std::move(identity)) {}
@@ -69,6 +69,7 @@ peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberR
 //   PERMISSION_DENIED    another cluster, or a source that is not a registered member with that runtime UUID and
 //                        epoch (unregistered, or an older start of it);
 //   UNAVAILABLE          the member view is incomplete (etcd unreachable): retry later.
+// The protocol-version refusal carries StatusReason::kPeerProtocolVersion, the incomplete view kViewIncomplete.
 Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
                   const cluster::MemberView& members);
 

@@ -1,3 +1,5 @@
+#include "catalog/peer_service.h"  // first: it brings gRPC in
+
 #include "catalog/route.h"
 
 #include <gtest/gtest.h>
@@ -68,12 +70,33 @@ TEST_F(RouteTest, EachWrongFieldIsRefusedWithItsReason) {
     Status status = CheckRoute(route, b, view_);
     EXPECT_EQ(status.code(), c.code) << status;
     EXPECT_NE(status.message().find(c.says), std::string::npos) << status;
+    // Only the protocol-version refusal carries the reason that turns remote work off.
+    EXPECT_EQ(status.reason() == StatusReason::kPeerProtocolVersion,
+              route.protocol_version() != kPeerProtocolVersion)
+        << status;
   }
+}
+
+TEST_F(RouteTest, ARefusalsReasonCrossesGrpcAndAMessageAloneCarriesNone) {
+  peer::v1::RouteHeader route = FromAToB();
+  route.set_protocol_version(kPeerProtocolVersion + 1);
+  const Status refused = CheckRoute(route, Self("b", "uuid-b", 1), view_);
+  const Status received = FromGrpc(ToGrpc(refused));
+  EXPECT_EQ(received, refused);  // code and message
+  EXPECT_EQ(received.reason(), StatusReason::kPeerProtocolVersion);
+  const Status text_only = FromGrpc(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "peer protocol version 9"));
+  EXPECT_EQ(text_only.reason(), StatusReason::kNone);
+  const Status garbage = FromGrpc(grpc::Status(grpc::StatusCode::UNAVAILABLE, "x", "\xff\xff not a proto"));
+  EXPECT_EQ(garbage.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(garbage.reason(), StatusReason::kNone);
 }
 
 TEST_F(RouteTest, AnIncompleteMemberViewIsUnavailableNotARefusal) {
   view_.Invalidate();
-  EXPECT_EQ(CheckRoute(FromAToB(), Self("b", "uuid-b", 1), view_).code(), StatusCode::kUnavailable);
+  const Status status = CheckRoute(FromAToB(), Self("b", "uuid-b", 1), view_);
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(status.reason(), StatusReason::kViewIncomplete);
+  EXPECT_EQ(FromGrpc(ToGrpc(status)).reason(), StatusReason::kViewIncomplete);
 }
 
 }  // namespace

@@ -80,9 +80,9 @@ void SourceHolds::UpdateGauges() {
   uint64_t pinned = 0, quarantined = 0, quarantined_bytes = 0, preparing = 0, staging = 0;
   for (const auto& [key, hold] : holds_) {
     pinned += hold.bytes;
-    preparing += hold.preparing ? 1 : 0;
+    preparing += hold.phase == HoldPhase::kPreparing ? 1 : 0;
     staging += hold.staging.bytes();
-    if (hold.quarantined) {
+    if (IsQuarantined(hold.phase)) {
       ++quarantined;
       quarantined_bytes += hold.bytes;
     }
@@ -112,8 +112,8 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
   MutexLock lock(&mu_);
   for (;;) {
     auto it = holds_.find(key);
-    if (it == holds_.end() || it->second.revoking) return answer;  // released or given up meanwhile: asked again, says so
-    if (!it->second.preparing) return it->second.grant;            // the grant (or kMissing), as a duplicate gets it
+    if (it == holds_.end() || IsRevoking(it->second.phase)) return answer;  // released or given up meanwhile
+    if (it->second.phase != HoldPhase::kPreparing) return it->second.grant;  // the grant (or kMissing)
     if (MonoNow() >= until) return answer;
     prepared_.wait_until(mu_, until);
   }
@@ -136,12 +136,12 @@ Result<SourceGrant> SourceHolds::AuthorizeNow(const AuthorizeArgs& args) {
     MutexLock lock(&mu_);
     auto it = holds_.find(key);
     if (it != holds_.end()) {
-      if (it->second.revoking) {
+      if (IsRevoking(it->second.phase)) {
         return Status::FailedPrecondition(fmt::format(
             "request {} of {} was already released or expired: ask again with a new request id", args.request_id,
             args.peer_node));
       }
-      if (it->second.preparing) {  // issue 56: asked again while its SSD blocks are being read
+      if (it->second.phase == HoldPhase::kPreparing) {  // asked again while its SSD blocks are being read
         SourceGrant pending;
         pending.outcome = SourceOutcome::kPending;
         pending.retry_after = options_.retry_after;
@@ -242,7 +242,7 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   // in DRAM (pinned exactly, kept pinned while the others are read), within the byte limit.
   Hold hold;
   hold.peer_node = args.peer_node;
-  hold.preparing = true;
+  hold.phase = HoldPhase::kPreparing;
   std::vector<state::StateKey> keys;
   std::vector<size_t> pieces;     // where each piece ends
   std::vector<uint64_t> charges;  // what each piece costs the staging budget
@@ -359,7 +359,7 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
     // Its blocks were all in DRAM already (a follow-up for the rest of a span): granted inline, answered at once.
     MutexLock lock(&mu_);
     auto it = holds_.find(key);
-    if (it != holds_.end() && !it->second.preparing && !it->second.revoking) return it->second.grant;
+    if (it != holds_.end() && it->second.phase == HoldPhase::kGranted) return it->second.grant;
   }
   SourceGrant pending;
   pending.outcome = SourceOutcome::kPending;
@@ -405,7 +405,7 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
   {
     MutexLock lock(&mu_);
     auto it = holds_.find(key);
-    gone = it == holds_.end() || it->second.revoking;
+    gone = it == holds_.end() || IsRevoking(it->second.phase);
   }
   if (gone) {
     core::BlockPin::ReleaseAll(&pins);  // released, expired or its requester gone meanwhile
@@ -422,13 +422,13 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
   {
     MutexLock lock(&mu_);
     auto it = holds_.find(key);
-    if (it == holds_.end() || it->second.revoking) {
+    if (it == holds_.end() || IsRevoking(it->second.phase)) {
       revoke = issued.ok();  // gone while the grant was issued: it is revoked before anyone reads under it
       release = std::move(pins);
     } else {
       Hold& hold = it->second;
       release = std::move(hold.pins);  // the exact pins taken at the start; `pins` hold the same blocks now
-      hold.preparing = false;
+      hold.phase = Step(hold.phase, HoldEvent::kPrepared).next;
       if (!issued.ok()) {
         // kMissing, kept for a duplicate until the hold's deadline or release.
         missing = true;
@@ -486,8 +486,9 @@ bool SourceHolds::Release(const std::string& peer_runtime, uint64_t request_id) 
     MutexLock lock(&mu_);
     auto it = holds_.find(key);
     if (it == holds_.end()) return false;
-    if (it->second.revoking) return true;  // a duplicate Release: the first one is draining it
-    it->second.revoking = true;
+    const HoldStep step = Step(it->second.phase, HoldEvent::kRelease);
+    if (!step.starts_revocation) return true;  // a duplicate Release: the first one is draining it
+    it->second.phase = step.next;
     grant = it->second.grant.grant_id;
   }
   Revoke(key, grant);
@@ -521,8 +522,9 @@ bool SourceHolds::ReleaseGrant(const std::string& peer_node, uint64_t grant_id, 
       ++stats_.release_secret_refusals;
       return false;
     }
-    if (it->second.revoking) return true;  // a duplicate: the first release is draining it
-    it->second.revoking = true;
+    const HoldStep step = Step(it->second.phase, HoldEvent::kRelease);
+    if (!step.starts_revocation) return true;  // a duplicate: the first release is draining it
+    it->second.phase = step.next;
     key = it->first;
   }
   Revoke(key, grant_id);
@@ -541,9 +543,9 @@ size_t SourceHolds::RevokeAll(std::string_view why, bool stop_accepting) {
   {
     MutexLock lock(&mu_);
     for (auto& [key, hold] : holds_) {
-      if (hold.revoking) continue;
-      hold.revoking = true;
-      hold.quarantined = true;
+      const HoldStep step = Step(hold.phase, HoldEvent::kRevoke);
+      if (!step.starts_revocation) continue;
+      hold.phase = step.next;
       all.emplace_back(key, hold.grant.grant_id);
     }
     if (!all.empty()) UpdateGauges();
@@ -561,9 +563,8 @@ size_t SourceHolds::ExpireDue() {
   {
     MutexLock lock(&mu_);
     for (auto& [key, hold] : holds_) {
-      if (hold.revoking || now < hold.deadline) continue;
-      hold.revoking = true;
-      hold.quarantined = true;
+      if (IsRevoking(hold.phase) || now < hold.deadline) continue;
+      hold.phase = Step(hold.phase, HoldEvent::kRevoke).next;
       due.emplace_back(key, hold.grant.grant_id);
     }
     if (!due.empty()) UpdateGauges();
@@ -589,7 +590,7 @@ size_t SourceHolds::DropVanished(
     MutexLock lock(&mu_);
     std::set<std::string> checked_alive;
     for (auto& [key, hold] : holds_) {
-      if (hold.peer_revoked || checked_alive.count(key.first) != 0) continue;
+      if (hold.phase == HoldPhase::kPeerRevoked || checked_alive.count(key.first) != 0) continue;
       if (gone.count(key.first) == 0 && alive(hold.peer_node, key.first)) {
         checked_alive.insert(key.first);
         continue;
@@ -598,10 +599,9 @@ size_t SourceHolds::DropVanished(
       ++g.holds;
       // A hold being revoked already (released or expired) is freed by its own revocation once it drained; the
       // peer's revocation still force-closes the endpoints its sends go out on.
-      if (!hold.revoking) g.free.push_back(key);
-      hold.peer_revoked = true;
-      hold.revoking = true;
-      hold.quarantined = true;
+      const HoldStep step = Step(hold.phase, HoldEvent::kRequesterVanished);
+      if (step.starts_revocation) g.free.push_back(key);
+      hold.phase = step.next;
     }
     if (!gone.empty()) UpdateGauges();
   }

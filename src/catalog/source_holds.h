@@ -32,6 +32,7 @@
 #include "base/mutex.h"
 #include "base/result.h"
 #include "base/thread_annotations.h"
+#include "catalog/hold_lifecycle.h"
 #include "core/block_table.h"
 #include "core/budget.h"
 #include "core/slab_pool.h"
@@ -214,13 +215,10 @@ class SourceHolds {
     SourceGrant grant;
     std::vector<core::BlockPin> pins;
     core::BudgetTicket ticket;
-    core::BudgetTicket staging;  // an SSD preparation's (issue 56), until it drained
-    bool preparing = false;      // its SSD blocks are being read into DRAM: no grant yet
+    core::BudgetTicket staging;  // an SSD preparation's, until it drained
     uint64_t bytes = 0;  // allocation bytes pinned
     MonoTime deadline;
-    bool revoking = false;
-    bool quarantined = false;
-    bool peer_revoked = false;  // its requester vanished: its transport was revoked
+    HoldPhase phase = HoldPhase::kGranted;  // stepped by hold_lifecycle.h's Step only
   };
   using HoldKey = std::pair<std::string, uint64_t>;  // (requester runtime, request id)
 

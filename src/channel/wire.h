@@ -217,7 +217,7 @@ enum class DumpKind : uint64_t {
   kInventory = 1,      // this Manager's residency inventory of one shard
   kCatalog = 2,        // the catalog evidence this Manager holds for one shard (every owner)
   kCatalogStatus = 3,  // one line per shard placed here (the shard argument is ignored)
-  kPlacement = 4,      // the catalog placement, its reconciler and any change in progress (issue 55)
+  kPlacement = 4,      // the catalog placement, its reconciler and any change in progress
   // Asks for a placement change: the request payload is "add NODE" or "remove NODE"; the reply lists what was asked.
   kPlacementChange = 5,
 };

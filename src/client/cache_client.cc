@@ -841,11 +841,12 @@ Status CacheClient::Release(uint64_t instance, uint64_t lease) {
   return Call(d, {}).status();
 }
 
-Status CacheClient::Cancel(uint64_t instance, uint64_t op) {
+Result<bool> CacheClient::Cancel(uint64_t instance, uint64_t op) {
   Descriptor d{};
   channel::EncodeCancel(channel::CancelRequest{instance, op}, &d);
   MutexLock lock(&control_mu_);
-  return Call(d, {}).status();
+  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, Call(d, {}));
+  return reply.descriptor.arg0 != 0;
 }
 
 Result<std::string> CacheClient::Stats() {

@@ -254,7 +254,7 @@ class CacheClient {
   Status Release(uint64_t instance, uint64_t lease);
   // Forgets a Loading operation (the engine no longer wants it): its reads still drain and what
   // they bring into DRAM stays cached. NotFound when it already completed or was cancelled.
-  Status Cancel(uint64_t instance, uint64_t op);
+  Result<bool> Cancel(uint64_t instance, uint64_t op);
   // The Manager's counters as JSON.
   Result<std::string> Stats();
   // One page of a listing (channel::DumpKind): the lines from `first`, how many the listing holds, and

@@ -4,11 +4,11 @@
 //   epochs/<node>   persistent incarnation counter of a Node ID (decimal text, never leased, never
 //   deleted) members/<node>  the live member record (JSON, attached to the member's lease)
 //   placement       the catalog placement record (JSON, no lease), changed only by the elected reconciler
-//   placement-request, placement-transition, reconciler/leader   issue 55 (placement_reconciler.h)
-// The member view reads the one contiguous range [members/, reconciler/leader + "\0"), which holds exactly
-// the member records and the four placement records (issue 55: every Manager follows a placement change through its
-// watch, without polling) because "members/" < "placement" < "placement-request" < "placement-transition" <
-// "reconciler/leader" and nothing else is written between them.
+//   placement-request, placement-transition, reconciler/leader   placement changes (placement_reconciler.h)
+// The member view reads the one contiguous range [members/, reconciler/leader + "\0"), which holds exactly the member
+// records and the four placement records (so every Manager follows a placement change through its watch, without
+// polling) because "members/" < "placement" < "placement-request" < "placement-transition" < "reconciler/leader" and
+// nothing else is written between them.
 //
 // Thread safety: pure functions.
 #ifndef ORBITKV_CLUSTER_CLUSTER_KEYS_H_
@@ -32,7 +32,7 @@ std::string MembersPrefix(std::string_view cluster);  // ".../members/"
 std::string MemberKey(std::string_view cluster, std::string_view node_id);
 std::string EpochKey(std::string_view cluster, std::string_view node_id);
 std::string PlacementKey(std::string_view cluster);
-// Issue 55, inside the member view's range: a placement change in progress, the operator's request for one, and the
+// Inside the member view's range: a placement change in progress, the operator's request for one, and the
 // elected reconciler's leader key.
 std::string PlacementTransitionKey(std::string_view cluster);  // ".../placement-transition"
 std::string PlacementRequestKey(std::string_view cluster);     // ".../placement-request"

@@ -64,7 +64,7 @@ Result<std::string> NormalizeEndpoint(std::string_view endpoint, bool tls) {
 
 // `status` with what to do about it after its message.
 Status WithHint(const Status& status, std::string_view hint) {
-  return Status(status.code(), fmt::format("{} ({})", status.message(), hint));
+  return Status(status.code(), fmt::format("{} ({})", status.message(), hint)).WithReason(status.reason());
 }
 
 }  // namespace
@@ -83,7 +83,8 @@ Status FromGrpc(const grpc::Status& status, std::string_view method, std::string
   const int code = static_cast<int>(status.error_code());
   const StatusCode ours =
       (code >= 0 && code <= kMaxStatusCode) ? static_cast<StatusCode>(code) : StatusCode::kUnknown;
-  return Status(ours, fmt::format("etcd {} at {}: {}", method, endpoint, status.error_message()));
+  return Status(ours, fmt::format("etcd {} at {}: {}", method, endpoint, status.error_message()))
+      .WithReason(StatusReason::kEtcd);
 }
 
 Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options) {
@@ -200,7 +201,7 @@ Result<std::string> EtcdClient::Token(size_t endpoint_index, Deadline deadline) 
     return Status::FailedPrecondition(fmt::format(
         "etcd at {} answered --etcd-user '{}' with no token: user auth is not enabled there (etcdctl auth enable), "
         "or drop --etcd-user",
-        endpoints_[endpoint_index], options_.user));
+        endpoints_[endpoint_index], options_.user)).WithReason(StatusReason::kEtcd);
   }
   tokens_->Increment();
   MutexLock lock(&token_mu_);

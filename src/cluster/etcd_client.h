@@ -15,7 +15,7 @@
 // etcd answers faster pings with GOAWAY too_many_pings) and a short reconnect backoff (at most 1 s)
 // so a restarted etcd is found again quickly.
 //
-// TLS and user auth (issue 53): with a CA file every channel is TLS (etcd's certificate must chain to the CA
+// TLS and user auth: with a CA file every channel is TLS (etcd's certificate must chain to the CA
 // and name the endpoint's host), with a certificate and key the client presents them (etcd --client-cert-auth);
 // the files are re-read every tls_reload_secs, so new connections use rotated ones without a restart. With a
 // user, the client obtains a token (etcdserverpb.Auth/Authenticate) before its first call, sends it as the
@@ -177,7 +177,7 @@ class EtcdClient {
   std::string token_ GUARDED_BY(token_mu_);
 };
 
-// Maps a gRPC status to an OrbitKV Status with "etcd <method> at <endpoint>: " as context.
+// Maps a gRPC status to an OrbitKV Status with "etcd <method> at <endpoint>: " as context and reason kEtcd.
 Status FromGrpc(const grpc::Status& status, std::string_view method, std::string_view endpoint);
 
 }  // namespace orbitkv::cluster

@@ -1,4 +1,4 @@
-// LivePlacement: the catalog placement a Manager routes by now, and the change in progress if any (issue 55).
+// LivePlacement: the catalog placement a Manager routes by now, and the change in progress if any.
 //
 // The etcd records it follows (the member view's range, view_sync.h): the committed placement (generation G), the
 // transition record of a change to G+1 (placement_transition.h), the operator's request and the reconciler's
@@ -97,11 +97,10 @@ class EtcdClient;
 // The placement a Manager joins with (and registers again with): installs `configured` (--catalog-nodes,
 // --catalog-replicas) as generation 1 when the cluster has none; otherwise adopts the installed placement and any
 // transition into `live`. A cluster still at generation 1 must have been installed with the configured set (or be
-// changing to it): FailedPrecondition naming both sets otherwise, as before issue 55. Once the placement was changed
-// online (generation 2 or more) the installed one is the truth and the flags only seed new clusters. Returns the
-// placement record's mod_revision (registration's fencing token). DataLoss for an unreadable placement record;
-// FailedPrecondition for a regression against what `live` already routes by (not `initial`); etcd errors as the
-// client returns them.
+// changing to it): FailedPrecondition naming both sets otherwise. Once the placement was changed online (generation 2
+// or more) the installed one is the truth and the flags only seed new clusters. Returns the placement record's
+// mod_revision (registration's fencing token). DataLoss for an unreadable placement record; FailedPrecondition for a
+// regression against what `live` already routes by (not `initial`); etcd errors as the client returns them.
 Result<int64_t> JoinPlacement(EtcdClient& client, std::string_view cluster, const Placement& configured,
                               LivePlacement* live, bool initial, Deadline deadline);
 

@@ -19,7 +19,8 @@ size_t MemberView::size() const {
 Result<Member> MemberView::Find(std::string_view node_id) const {
   MutexLock lock(&mu_);
   if (!complete_.load(std::memory_order_relaxed)) {
-    return Status::Unavailable("member view is incomplete (etcd snapshot pending)");
+    return Status::Unavailable("member view is incomplete (etcd snapshot pending)")
+        .WithReason(StatusReason::kViewIncomplete);
   }
   auto it = members_.find(node_id);
   if (it == members_.end()) {

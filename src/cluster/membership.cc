@@ -452,81 +452,96 @@ bool Membership::WaitFor(std::chrono::milliseconds delay) {
 
 void Membership::Supervise() {
   std::minstd_rand jitter{std::random_device{}()};
-  bool handled = false;  // the end of the current registration was dealt with
-  for (;;) {
-    std::string cause;
-    MembershipState ended = MembershipState::kRegistered;
-    {
-      MutexLock lock(&mu_);
-      while (!shut_down_ && (state_ == MembershipState::kRegistered || handled)) wake_.wait(mu_);
-      if (shut_down_) break;
-      cause = reason_;
-      ended = state_;
-    }
-    // The registration ended: end its threads and what the Manager built on it (a fenced one too: its
-    // grants and owner streams belong to a start peers no longer accept), then, after a lapse,
-    // register again until it works, a fence says it never will, or Shutdown().
-    handled = true;
-    StopIncarnation();
-    view_.Invalidate();
-    if (options_.on_lapsed) options_.on_lapsed(cause);
-    if (ended != MembershipState::kExpired || !options_.reregister) continue;
-    std::chrono::milliseconds backoff = options_.reregister_backoff_min;
-    bool first = true;
-    for (;;) {
-      if (!first) {
-        std::uniform_int_distribution<int64_t> spread(backoff.count() / 2, backoff.count());
-        if (!WaitFor(std::chrono::milliseconds(spread(jitter)))) break;
-        backoff = std::min(backoff * 2, options_.reregister_backoff_max);
-      }
-      first = false;
-      {
+  SupervisorPhase phase = SupervisorPhase::kWatching;
+  std::string cause;    // why the registration being ended ended
+  bool lapsed = false;  // it lapsed (kExpired) rather than being fenced
+  std::chrono::milliseconds backoff = options_.reregister_backoff_min;
+  bool first_attempt = true;
+  while (phase != SupervisorPhase::kStopped) {
+    switch (phase) {
+      case SupervisorPhase::kWatching: {
         MutexLock lock(&mu_);
-        if (shut_down_) break;
-        ++attempts_;
-      }
-      const Status status = Reregister(Deadline::After(
-          std::min(options_.etcd_call_timeout, std::chrono::milliseconds(2000))));
-      if (status.ok()) {
-        handled = false;
-        break;
-      }
-      // Final only for this Membership's own verdicts (another runtime holds the Node ID, the placement or the
-      // etcd cluster changed). etcd's own errors, FAILED_PRECONDITION among them ("not leader", "not capable"
-      // right after a restart), carry the client's "etcd <method> at <endpoint>" prefix and are retried.
-      const bool from_etcd = status.message().rfind("etcd ", 0) == 0;
-      const bool final = !from_etcd && (status.code() == StatusCode::kAlreadyExists ||
-                                        status.code() == StatusCode::kFailedPrecondition);
-      int64_t attempt = 0;
-      {
-        MutexLock lock(&mu_);
-        last_error_ = status.ToString();
-        attempt = attempts_;
-        if (final) {
-          state_ = MembershipState::kFenced;
-          reason_ = fmt::format("registering again: {}", status.message());
-          last_cause_ = reason_;
-          since_ = MonoNow();
+        while (!shut_down_ && state_ == MembershipState::kRegistered) wake_.wait(mu_);
+        if (shut_down_) {
+          phase = Step(phase, {.event = SupervisorEvent::kShutdown});
+          break;
         }
-      }
-      if (!final && status.code() != StatusCode::kCancelled && (attempt == 1 || attempt % 20 == 0)) {
-        ORBITKV_LOG_WARN("cluster {}: registering node {} again, attempt {}: {}; trying again every {} ms at most",
-                         options_.cluster_name, options_.node_id, attempt, status.ToString(),
-                         options_.reregister_backoff_max.count());
-      }
-      if (final) {
-        metrics_
-            ->GetCounter("orbitkv_membership_registration_ends_total",
-                         "Registrations that ended, by cause", {{"state", "fenced"}})
-            .Increment();
-        ORBITKV_LOG_WARN("cluster {}: node {} is fenced: {}; remote work stays off until the Manager "
-                         "restarts",
-                         options_.cluster_name, options_.node_id, status.ToString());
+        cause = reason_;
+        lapsed = state_ == MembershipState::kExpired;
+        phase = Step(phase, {.event = SupervisorEvent::kEnded});
         break;
       }
+      case SupervisorPhase::kEnding:
+        // End the registration's threads and what the Manager built on it (a fenced one too: its grants and owner
+        // streams belong to a start peers no longer accept).
+        StopIncarnation();
+        view_.Invalidate();
+        if (options_.on_lapsed) options_.on_lapsed(cause);
+        phase = Step(phase, {.event = SupervisorEvent::kEndHandled, .lapsed = lapsed,
+                             .reregister = options_.reregister});
+        backoff = options_.reregister_backoff_min;
+        first_attempt = true;
+        break;
+      case SupervisorPhase::kRegistering:
+        phase = Step(phase, AttemptRegistration(jitter, &backoff, &first_attempt));
+        break;
+      case SupervisorPhase::kIdle: {
+        MutexLock lock(&mu_);
+        while (!shut_down_) wake_.wait(mu_);
+        phase = Step(phase, {.event = SupervisorEvent::kShutdown});
+        break;
+      }
+      case SupervisorPhase::kStopped:
+        break;
     }
   }
   StopIncarnation();
+}
+
+SupervisorInput Membership::AttemptRegistration(std::minstd_rand& jitter, std::chrono::milliseconds* backoff,
+                                                bool* first) {
+  if (!*first) {
+    std::uniform_int_distribution<int64_t> spread(backoff->count() / 2, backoff->count());
+    if (!WaitFor(std::chrono::milliseconds(spread(jitter)))) return {.event = SupervisorEvent::kShutdown};
+    *backoff = std::min(*backoff * 2, options_.reregister_backoff_max);
+  }
+  *first = false;
+  {
+    MutexLock lock(&mu_);
+    if (shut_down_) return {.event = SupervisorEvent::kShutdown};
+    ++attempts_;
+  }
+  const Status status =
+      Reregister(Deadline::After(std::min(options_.etcd_call_timeout, std::chrono::milliseconds(2000))));
+  if (status.ok()) return {.event = SupervisorEvent::kAttemptSucceeded};
+  const AttemptVerdict verdict = JudgeAttempt(status);
+  const bool final = verdict == AttemptVerdict::kFence;
+  int64_t attempt = 0;
+  {
+    MutexLock lock(&mu_);
+    last_error_ = status.ToString();
+    attempt = attempts_;
+    if (final) {
+      state_ = MembershipState::kFenced;
+      reason_ = fmt::format("registering again: {}", status.message());
+      last_cause_ = reason_;
+      since_ = MonoNow();
+    }
+  }
+  if (!final && status.code() != StatusCode::kCancelled && (attempt == 1 || attempt % 20 == 0)) {
+    ORBITKV_LOG_WARN("cluster {}: registering node {} again, attempt {}: {}; trying again every {} ms at most",
+                     options_.cluster_name, options_.node_id, attempt, status.ToString(),
+                     options_.reregister_backoff_max.count());
+  }
+  if (final) {
+    metrics_
+        ->GetCounter("orbitkv_membership_registration_ends_total", "Registrations that ended, by cause",
+                     {{"state", "fenced"}})
+        .Increment();
+    ORBITKV_LOG_WARN("cluster {}: node {} is fenced: {}; remote work stays off until the Manager restarts",
+                     options_.cluster_name, options_.node_id, status.ToString());
+  }
+  return {.event = SupervisorEvent::kAttemptFailed, .verdict = verdict};
 }
 
 Status Membership::Reregister(Deadline deadline) {

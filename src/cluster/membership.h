@@ -39,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -51,6 +52,7 @@
 #include "base/thread_annotations.h"
 #include "cluster/member_record.h"
 #include "cluster/member_view.h"
+#include "cluster/supervisor_step.h"
 #include "cluster/live_placement.h"
 #include "cluster/placement.h"
 
@@ -193,8 +195,11 @@ class Membership {
   void StartIncarnation(const Member& self, RegistrationClock* clock) EXCLUDES(mu_);
   // Stops and joins the keeper and view threads (supervisor or Shutdown after it).
   void StopIncarnation() EXCLUDES(mu_);
-  // The supervisor thread: re-registers after a lapse, until Shutdown().
+  // The supervisor thread: re-registers after a lapse, until Shutdown(); its decisions are supervisor_step.h's.
   void Supervise();
+  // One attempt to register again, after the backoff (doubled for the next one) unless it is the first: what the
+  // supervisor saw (kAttemptSucceeded, kAttemptFailed with its verdict, or kShutdown). A fence is recorded here.
+  SupervisorInput AttemptRegistration(std::minstd_rand& jitter, std::chrono::milliseconds* backoff, bool* first);
   // One attempt to register again; a final error (fence) is FailedPrecondition or AlreadyExists.
   Status Reregister(Deadline deadline);
   void EndRegistration(MembershipState state, const std::string& reason);

@@ -48,7 +48,7 @@ class Placement {
 
   // The canonical record:
   // {"v":2,"generation":G,"shards":16,"replicas":R,"catalog_nodes":[sorted ids]}, R as requested; G is 1 as
-  // installed and grows by one with every committed placement change (issue 55).
+  // installed and grows by one with every committed placement change.
   std::string Encode() const;
   // InvalidArgument for a malformed record, another record version (a version-1 record names the
   // upgrade) or an unsupported shard count.

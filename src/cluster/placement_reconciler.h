@@ -1,4 +1,4 @@
-// The elected placement reconciler (issue 55, seed 000 "Membership and shard placement"): one Manager at a time
+// The elected placement reconciler (seed 000 "Membership and shard placement"): one Manager at a time
 // leads, and only the leader changes the catalog placement, through etcd transactions that a deposed leader cannot
 // win. It performs no block lookup or allocation.
 //

@@ -1,4 +1,4 @@
-// PlacementTransition: the explicit state of a catalog placement change in progress (issue 55), kept at
+// PlacementTransition: the explicit state of a catalog placement change in progress, kept at
 // /orbitkv/v1/<cluster>/placement-transition by the elected reconciler (placement_reconciler.h) and read by every
 // Manager.
 //

@@ -1,4 +1,4 @@
-// TLS credentials from PEM files that are watched (issue 53): gRPC's FileWatcherCertificateProvider re-reads the
+// TLS credentials from PEM files that are watched: gRPC's FileWatcherCertificateProvider re-reads the
 // files every `reload_secs`, so a rotated certificate, key or CA is used by every connection made afterwards,
 // without a restart. Connections already open keep the certificates they were made with.
 //

@@ -12,7 +12,7 @@
 // When it guards a registration (Options::self), ViewSync also fences: the registration's own
 // record missing or deleted (final = false: the lease lapsed, the registration can be made
 // again), or rewritten with another epoch, lease or UUID, the placement record regressed or removed
-// (on_placement says so; a newer generation is adopted, issue 55), or the etcd cluster ID changed
+// (on_placement says so; a newer generation is adopted), or the etcd cluster ID changed
 // (final = true: another runtime or another cluster) all call on_fence once and end Run().
 //
 // Thread safety: Run() on one thread; Stop() from any thread, and it makes Run() return promptly.
@@ -51,7 +51,7 @@ class ViewSync {
     std::string cluster;
     // The registration this view guards, or nullopt for an observer that only watches.
     std::optional<Member> self;
-    // Issue 55: called on the ViewSync thread with the placement records in the range (the committed placement, the
+    // Called on the ViewSync thread with the placement records in the range (the committed placement, the
     // transition, the request and the reconciler's leader key, by their names under the cluster prefix:
     // live_placement.h) after every snapshot and every watch response that changed one of them. Returns "" or the
     // reason to fence (final: a regression of the placement). Empty: the placement keys are ignored.

@@ -505,7 +505,7 @@ Status CacheService::Release(uint64_t owner, const channel::ReleaseRequest& requ
   return cache_->ReleaseLease(request.instance, core::LeaseId::Unpack(request.lease));
 }
 
-Status CacheService::Cancel(uint64_t owner, const channel::CancelRequest& request) {
+Result<bool> CacheService::Cancel(uint64_t owner, const channel::CancelRequest& request) {
   ORBITKV_RETURN_IF_ERROR(instances_.Find(owner, request.instance).status());
   // The reads drain on their own; what they bring into DRAM stays cached for later queries.
   return loading_.Cancel(request.instance, request.op);

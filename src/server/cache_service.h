@@ -114,7 +114,9 @@ class CacheService {
             ClaimFn claim = {});
   Status Release(uint64_t owner, const channel::ReleaseRequest& request);
   // NotFound when the op completed and was taken by a query, or was cancelled.
-  Status Cancel(uint64_t owner, const channel::CancelRequest& request);
+  // Whether the Loading operation was there to cancel (false: it completed and was taken, or was cancelled);
+  // NotFound for an instance this session did not register.
+  Result<bool> Cancel(uint64_t owner, const channel::CancelRequest& request);
   // Answered when the op completes (at once if it has): the blocks now resident. NotFound when
   // there is no such op (ask the query again), Aborted when it was cancelled or expired first.
   void WaitLoading(uint64_t owner, const channel::WaitLoadingRequest& request,

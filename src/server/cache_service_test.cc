@@ -607,9 +607,9 @@ TEST_F(CacheServiceTest, CancelForgetsTheOpAndItsWaitersHearIt) {
   ssd_->Flush();
   Result<channel::QueryReply> loading = service_->Query(kOwner, QueryOf(1, 4));
   ASSERT_EQ(loading->outcome, channel::QueryOutcome::kLoading);
-  EXPECT_TRUE(service_->Cancel(kOwner, {kInstance, loading->loading_op}).ok());
-  EXPECT_EQ(service_->Cancel(kOwner, {kInstance, loading->loading_op}).code(),
-            StatusCode::kNotFound);
+  EXPECT_EQ(service_->Cancel(kOwner, {kInstance, loading->loading_op}).value(), true);
+  EXPECT_EQ(service_->Cancel(kOwner, {kInstance, loading->loading_op}).value(), false);  // gone: nothing to cancel
+  EXPECT_EQ(service_->Cancel(kOwner, {kInstance + 1, loading->loading_op}).status().code(), StatusCode::kNotFound);
   // What the reads brought stays cached; nothing is left pinned.
   ssd_->Flush();
   EXPECT_EQ(service_->loading().held_blocks(), 0u);
@@ -839,8 +839,8 @@ TEST_F(LoadingRegistryTest, CancelWhileAStageRunsReleasesItsLatePinsAndAbortsWai
   Result<LoadingState> heard = Status::Unknown("");
   registry.Wait(chain_.instance, *op, Deadline::After(10s),
                 [&](Result<LoadingState> r) { heard = std::move(r); });
-  EXPECT_EQ(registry.Cancel(chain_.instance + 1, *op).code(), StatusCode::kNotFound);
-  EXPECT_TRUE(registry.Cancel(chain_.instance, *op).ok());
+  EXPECT_FALSE(registry.Cancel(chain_.instance + 1, *op));  // not this instance's
+  EXPECT_TRUE(registry.Cancel(chain_.instance, *op));
   EXPECT_EQ(heard.status().code(), StatusCode::kAborted);
   first[0](Pins(0, 3));  // the reads drained after the cancel
   EXPECT_EQ(pinned(), 0u);

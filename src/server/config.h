@@ -103,10 +103,10 @@ struct ManagerConfig {
   uint32_t remote_fetch_workers = 4;  // threads running remote stages (fetches) at once
   uint64_t remote_staging_budget_bytes = 0;  // 0: a quarter of the pool
   uint64_t transfer_peer_budget_bytes = 0;   // 0: the transfer budget
-  // Issue 56: bytes of SSD blocks this source may be reading into DRAM for peers (and hold until their grants
+  // Bytes of SSD blocks this source may be reading into DRAM for peers (and hold until their grants
   // drained) at once; 0: an eighth of the pool.
   uint64_t remote_ssd_staging_budget_bytes = 0;
-  // Online placement changes (issue 55): how long a moving shard may take to converge before the change aborts, and
+  // Online placement changes: how long a moving shard may take to converge before the change aborts, and
   // how long the old catalog copies stay after a commit.
   uint32_t placement_shard_bound_ms = 60000;
   uint32_t placement_retire_grace_ms = 10000;

@@ -247,19 +247,16 @@ void LoadingRegistry::Forget(const LoadingChain& chain) {
   after.Run(this);
 }
 
-Status LoadingRegistry::Cancel(uint64_t instance, uint64_t id) {
+bool LoadingRegistry::Cancel(uint64_t instance, uint64_t id) {
   Aftermath after;
   {
     MutexLock lock(&mu_);
     auto it = ops_.find(id);
-    if (it == ops_.end() || it->second.chain.instance != instance) {
-      return Status::NotFound(
-          "no Loading operation with that id for this instance (it completed or was cancelled)");
-    }
+    if (it == ops_.end() || it->second.chain.instance != instance) return false;
     ForgetLocked(it, "cancelled", &after);
   }
   after.Run(this);
-  return Status::Ok();
+  return true;
 }
 
 void LoadingRegistry::Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done,

@@ -108,9 +108,9 @@ class LoadingRegistry {
   // Forgets the chain's op, running or completed; its held pins go (after the caller's lease took
   // its own, the blocks stay resident).
   void Forget(const LoadingChain& chain) EXCLUDES(mu_);
-  // Forgets op `id` of `instance`: NotFound when there is none (it completed and was taken, or was
-  // cancelled). Its reads drain on their own; what they bring stays cached.
-  Status Cancel(uint64_t instance, uint64_t id) EXCLUDES(mu_);
+  // Forgets op `id` of `instance`; false when there is none (it completed and was taken, or was cancelled).
+  // Its reads drain on their own; what they bring stays cached.
+  bool Cancel(uint64_t instance, uint64_t id) EXCLUDES(mu_);
   // Calls `done` when op `id` of `instance` completes (now, if it has), when `min_resident` > 0
   // leading blocks of its chain are in DRAM while it runs (now, if they are), or DeadlineExceeded
   // once `deadline` passed (at the next Sweep); NotFound (inline) when there is no such op.

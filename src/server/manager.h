@@ -46,7 +46,7 @@
 #include "core/block_cache.h"
 #include "core/ssd_tier.h"
 #include "server/cache_service.h"
-#include "server/cluster_link.h"
+#include "server/distributed/cluster_link.h"
 #include "server/config.h"
 #include "server/copy_engines.h"
 #include "server/engine_state.h"

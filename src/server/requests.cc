@@ -110,7 +110,9 @@ Status Manager::HandleRequest(const std::shared_ptr<Session>& session,
     case Opcode::kCancel: {
       ORBITKV_ASSIGN_OR_RETURN(channel::CancelRequest cancel,
                                channel::DecodeCancel(d, request.payload));
-      return channel.Answer(d, ArgsOf(service_->Cancel(owner, cancel)));
+      return channel.Answer(d, ArgsOf(service_->Cancel(owner, cancel), [](bool cancelled) {
+                              return channel::ReplyArgs{cancelled ? 1u : 0u, 0};
+                            }));
     }
     case Opcode::kWaitLoading: {
       ORBITKV_ASSIGN_OR_RETURN(channel::WaitLoadingRequest wait,

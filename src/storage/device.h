@@ -61,7 +61,7 @@ class Device {
 
   // Registers long-lived memory that requests will use as buffers (the DRAM pool's arenas), so a
   // backend that can (io_uring: fixed buffers) skips mapping the pages on every request. Requests
-  // whose buffer lies inside a registered region use it; others work as before. Replaces any
+  // whose buffer lies inside a registered region use it; others run unregistered. Replaces any
   // earlier registration; the memory must stay valid until the device is destroyed or registers
   // again. OK when the backend has nothing to register (psync) or registration was refused (logged
   // once: requests then run unregistered).

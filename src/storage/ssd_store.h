@@ -61,7 +61,7 @@ struct SsdStoreOptions {
   bool recover = true;          // false: start empty (the seeds' behaviour)
   bool verify_on_open = false;  // eager checksums during the scan
   WriteStaging write_staging = WriteStaging::kAuto;
-  // Test seam (issue 56): wraps each file's device (a fault-injecting decorator); null in a Manager.
+  // Test seam: wraps each file's device (a fault-injecting decorator); null in a Manager.
   std::function<std::unique_ptr<Device>(std::unique_ptr<Device>)> wrap_device;
 };
 

@@ -46,7 +46,7 @@ enum AmId : unsigned {
   kAmCancel = 4,  // requester -> source: header CancelHeader, no data.
 };
 
-// 2: ReadRequest carries a grant id. 3: and the grant's secret (issue 52: a grant works only for its holder).
+// 2: ReadRequest carries a grant id. 3: and the grant's secret (a grant works only for its holder).
 inline constexpr uint16_t kProtocolVersion = 3;
 
 // ReadRequest flags.

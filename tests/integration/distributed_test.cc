@@ -207,10 +207,12 @@ class OtherVersionPeer final : public peer::v1::Peer::Service {
   grpc::Status Health(grpc::ServerContext*, const peer::v1::HealthRequest* request,
                       peer::v1::HealthResponse* response) override {
     if (mode == Mode::kRefusesThis) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          fmt::format("peer protocol version {} from node '{}', this Manager speaks {}",
-                                      request->route().protocol_version(), request->route().source_node_id(),
-                                      catalog::kPeerProtocolVersion + 1));
+      // As the route check of a Manager of that version refuses (catalog/route.cc): the reason is what counts.
+      return catalog::ToGrpc(Status::FailedPrecondition(fmt::format(
+                                 "peer protocol version {} from node '{}', this Manager speaks {}",
+                                 request->route().protocol_version(), request->route().source_node_id(),
+                                 catalog::kPeerProtocolVersion + 1))
+                                 .WithReason(StatusReason::kPeerProtocolVersion));
     }
     response->set_protocol_version(mode == Mode::kAnswersNext ? catalog::kPeerProtocolVersion + 1
                                                               : catalog::kPeerProtocolVersion);

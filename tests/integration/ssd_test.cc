@@ -205,11 +205,12 @@ TEST(SsdIntegrationTest, EvictedBlocksComeBackFromSsdAndAfterRestart) {
   ASSERT_TRUE(pending.ok());
   ASSERT_NE(pending->loading_op, 0u);
   ASSERT_TRUE(client->RegisterInstance(3, state::testing::SampleNamespace()).ok());
-  EXPECT_EQ(client->Cancel(3, pending->loading_op).code(), StatusCode::kNotFound);
-  const Status cancelled = client->Cancel(2, pending->loading_op);
-  EXPECT_TRUE(cancelled.ok() || cancelled.code() == StatusCode::kNotFound) << cancelled;
-  EXPECT_EQ(client->Cancel(2, pending->loading_op).code(), StatusCode::kNotFound);
-  EXPECT_EQ(client->Cancel(2, 999'999).code(), StatusCode::kNotFound);
+  EXPECT_EQ(client->Cancel(3, pending->loading_op).value(), false);  // another instance's operation
+  EXPECT_EQ(client->Cancel(4, pending->loading_op).status().code(), StatusCode::kNotFound);  // not registered
+  const Result<bool> cancelled = client->Cancel(2, pending->loading_op);
+  EXPECT_TRUE(cancelled.ok()) << cancelled.status();  // true, or false when it completed and was taken
+  EXPECT_EQ(client->Cancel(2, pending->loading_op).value(), false);
+  EXPECT_EQ(client->Cancel(2, 999'999).value(), false);
   // The reads drained anyway: asking again ends in a Hit of the whole rest.
   const QueryResult rest_hit = QueryThroughLoading(*client, 2, rest);
   EXPECT_GT(rest_hit.hits, 0u);
@@ -287,7 +288,7 @@ TEST(SsdIntegrationTest, LoadedBlocksAreHeldUntilTheEngineAsksAgain) {
   auto second = client->Query(1, 0, part(1));
   ASSERT_TRUE(second.ok() && second->loading_op != 0);
   ASSERT_TRUE(EventuallyPinned(*client, 64));
-  EXPECT_TRUE(client->Cancel(1, second->loading_op).ok());
+  EXPECT_TRUE(client->Cancel(1, second->loading_op).ok());  // true, or false once it completed and was taken
   EXPECT_TRUE(EventuallyPinned(*client, 0));
   // Nobody asks: the hold ends after --loading-hold, on a Manager that gets no query meanwhile.
   auto unasked = client->Query(1, 0, part(3));

@@ -1,8 +1,8 @@
 """A reference paged-attention engine: a small Llama-architecture transformer in plain PyTorch.
 
-It exists so OrbitKV can prove, on real attention math, that restored KV gives exactly the output of recomputation
-(issue 7). It is driven vLLM-style (block tables, chained block hashes, per-layer KV tensors) by the vLLM connector
-harness and SGLang-style (64-token pages, SHA-256 page hashes, page_first host pools) by the SGLang adapter tests.
+It exists so OrbitKV can prove, on real attention math, that restored KV gives exactly the output of recomputation. It
+is driven vLLM-style (block tables, chained block hashes, per-layer KV tensors) by the vLLM connector harness and
+SGLang-style (64-token pages, SHA-256 page hashes, page_first host pools) by the SGLang adapter tests.
 Random weights from a fixed seed; CPU (torch 1.13) and CUDA. The package itself never uses ``orbitkv._native``
 (though importing it runs ``orbitkv/__init__.py``, which loads that extension).
 

@@ -1,5 +1,5 @@
 """The computation an SGLang server runs, for the namespace's model digest of the HiCache backend and the linker
-(issue 59; ``orbitkv.config_digest`` makes it canonical).
+(``orbitkv.config_digest`` makes it canonical).
 
 Neither is handed SGLang's ``ModelConfig``: ``HiCacheStorageConfig`` carries ranks, ``is_mla_model`` and the served
 model name only. Both read the process's ``ServerArgs`` (``get_global_server_args``), whose fields decide what

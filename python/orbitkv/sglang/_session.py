@@ -116,10 +116,10 @@ class _Pool:
     largest_hit: int = 0  # the most blocks one query found: a chain that long fits the query budget
 
 
-# Issue 58: SGLang's page hashes chain over every earlier page, so a hash alone names its place in the prefix. Every
-# page is keyed with the same span, [0, page) of its pool ("fixed span" queries), never with a position guessed from
-# the call (SGLang passes none by default: hicache_storage_pass_prefix_keys is off). Version 2 of the keys: pages
-# saved by earlier versions, under positional spans, are not found again.
+# SGLang's page hashes chain over every earlier page, so a hash alone names its place in the prefix. Every page is keyed
+# with the same span, [0, page) of its pool ("fixed span" queries), never with a position guessed from the call (SGLang
+# passes none by default: hicache_storage_pass_prefix_keys is off). Version 2 of the keys: pages saved by earlier
+# versions, under positional spans, are not found again.
 KEY_VERSION = 2
 
 

@@ -13,7 +13,7 @@ shared memory (``orbitkv.shm``) is mapped by the Manager instead, with no system
 
 Keys: SGLang's page hashes inside a namespace that binds model, dtype, layout, shapes and the TP/PP/CP shard (one
 namespace for all TP ranks of an MLA model, where only rank 0 writes). A page hash chains over every earlier page,
-so it alone names the page's place: every page is keyed with the same token span (key version 2, issue 58), found
+so it alone names the page's place: every page is keyed with the same token span (key version 2), found
 whatever the call order and whether or not SGLang passes ``prefix_keys``. See docs/sglang.md.
 
 Contract with SGLang's storage threads: no I/O method raises or returns None. A failure (Manager gone, bad
@@ -217,7 +217,7 @@ class OrbitKVStorage(HiCacheStorage):
         self.model_revision = weights_revision(extra, self.model_id)
         self.tokenizer = _str_option(extra, "tokenizer", None) or self.model_id
         self.cache_scope = _str_option(extra, "cache_scope", "")
-        self._computation: Optional[bytes] = None  # what the server computes (issue 59), at the first namespace
+        self._computation: Optional[bytes] = None  # what the server computes, at the first namespace
         # An fp8 KV cache sits in uint8 host storage; its real dtype is the server's --kv-cache-dtype.
         self.kv_cache_dtype = _str_option(extra, "kv_cache_dtype", None) or _server_kv_cache_dtype()
         # The weights epoch (clear() advances it): chained from the configured one, random without one.
@@ -401,8 +401,8 @@ class OrbitKVStorage(HiCacheStorage):
         """A hit query with no side pools named (query_storage_hit_length, which always calls plain batch_exists)
         on a KV pool without a buffer (DeepSeek-V4's logical anchor): the pages whose side pools hold them. Pools
         stored at every page give the leading run; a state pool (stored at node boundaries) must hold the run's
-        last page, else the answer is 0. Never more than is there (answering every key, as before, made the
-        decode side load pages nobody had)."""
+        last page, else the answer is 0. Never more than is there (answering every key would make the decode side
+        load pages nobody had)."""
         labels = [label for label in self._link.labels() if label.startswith("pool:")]
         if not labels:
             return 0

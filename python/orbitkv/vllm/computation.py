@@ -1,5 +1,5 @@
 """The computation a vLLM engine runs, from what vLLM hands the connector (``vllm_config``, as vLLM 6adad087 has it),
-for the namespace's model digest (issue 59; ``orbitkv.config_digest`` makes it canonical).
+for the namespace's model digest (``orbitkv.config_digest`` makes it canonical).
 
 Bound (each changes the KV bytes of a token sequence):
 - the model config as vLLM loads it: config.json with ``hf_overrides`` applied as vLLM applies them (``get_config``

@@ -150,7 +150,7 @@ def _warn_once(what: str, message: str, *args) -> None:
         log.warning(message, *args)
 
 
-# v3 (issue 59): the model digest binds the computation (orbitkv.vllm.computation), not only a fingerprint.
+# v3: the model digest binds the computation (orbitkv.vllm.computation), not only a fingerprint.
 NAMESPACE_VERSION = "orbitkv.vllm.v3"
 
 
@@ -279,7 +279,7 @@ class OrbitKVConfig:
             download_dir)
         scope = get("cache_scope") or os.environ.get("ORBITKV_CACHE_SCOPE", "")
         fingerprint = get("model_fingerprint") or os.environ.get("ORBITKV_MODEL_FINGERPRINT", "")
-        # What the engine computes (issue 59: RoPE overrides, quantization, ...), unless the user names it.
+        # What the engine computes (RoPE overrides, quantization, ...), unless the user names it.
         model_digest = b"" if fingerprint else computation.digest(vllm_config)
         if fingerprint:
             try:

@@ -1,4 +1,4 @@
-// FaultInjectingDevice (test-only, issue 56): a storage::Device decorator that fails reads on demand, which a real
+// FaultInjectingDevice (test-only): a storage::Device decorator that fails reads on demand, which a real
 // disk cannot do: after `after` more successful read requests, the next `count` reads fail with `status` (EIO's
 // DataLoss by default); writes pass through. Installed through SsdStoreOptions::wrap_device, it makes a source's
 // SSD read fail in the middle of preparing a peer's span.

@@ -8,8 +8,8 @@
 // cluster_link_none.cc when it is not: no source holds an `#if` on it.
 //
 // Thread safety: every method is safe from any thread.
-#ifndef ORBITKV_SERVER_CLUSTER_LINK_H_
-#define ORBITKV_SERVER_CLUSTER_LINK_H_
+#ifndef ORBITKV_SERVER_DISTRIBUTED_CLUSTER_LINK_H_
+#define ORBITKV_SERVER_DISTRIBUTED_CLUSTER_LINK_H_
 
 #include <memory>
 #include <optional>
@@ -66,4 +66,4 @@ class ClusterLink {
 
 }  // namespace orbitkv::server
 
-#endif  // ORBITKV_SERVER_CLUSTER_LINK_H_
+#endif  // ORBITKV_SERVER_DISTRIBUTED_CLUSTER_LINK_H_

@@ -1,4 +1,4 @@
-#include "server/placement_driver.h"
+#include "server/distributed/placement_driver.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

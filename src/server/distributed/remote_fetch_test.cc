@@ -4,7 +4,7 @@
 // FaultInjectingEngine for the faults UCX cannot produce on demand: a corrupted fragment, a lost batch, a peer that
 // stops answering after some batches. Every case checks what was sealed byte for byte, that nothing unverified is
 // resident, and that the staging charge and the source's holds go back to 0.
-#include "server/remote_fetch.h"
+#include "server/distributed/remote_fetch.h"
 
 #include "catalog/peer_service.h"  // first of the gRPC users (cluster/grpc.h)
 

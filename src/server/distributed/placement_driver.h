@@ -12,8 +12,8 @@
 // operator's request (the whole next set) if none waits and no change moves.
 //
 // Thread safety: every method is safe from any thread.
-#ifndef ORBITKV_SERVER_PLACEMENT_DRIVER_H_
-#define ORBITKV_SERVER_PLACEMENT_DRIVER_H_
+#ifndef ORBITKV_SERVER_DISTRIBUTED_PLACEMENT_DRIVER_H_
+#define ORBITKV_SERVER_DISTRIBUTED_PLACEMENT_DRIVER_H_
 
 #include <atomic>
 #include <chrono>
@@ -91,4 +91,4 @@ class PlacementDriver {
 
 }  // namespace orbitkv::server
 
-#endif  // ORBITKV_SERVER_PLACEMENT_DRIVER_H_
+#endif  // ORBITKV_SERVER_DISTRIBUTED_PLACEMENT_DRIVER_H_

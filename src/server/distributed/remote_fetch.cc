@@ -1,4 +1,4 @@
-#include "server/remote_fetch.h"
+#include "server/distributed/remote_fetch.h"
 
 #include <future>
 #include <random>

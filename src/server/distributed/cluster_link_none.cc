@@ -1,6 +1,6 @@
 // ClusterLink in a build without the cluster module: single-host only, and --etcd-endpoints is a
 // clear error naming the build option.
-#include "server/cluster_link.h"
+#include "server/distributed/cluster_link.h"
 
 namespace orbitkv::server {
 

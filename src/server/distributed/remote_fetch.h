@@ -16,8 +16,8 @@
 // and a fetch owns its writers and its grant until the transport completed, whatever the engine does meanwhile.
 //
 // Thread safety: Stage may be called from any thread; fetches run on the fetcher's own threads.
-#ifndef ORBITKV_SERVER_REMOTE_FETCH_H_
-#define ORBITKV_SERVER_REMOTE_FETCH_H_
+#ifndef ORBITKV_SERVER_DISTRIBUTED_REMOTE_FETCH_H_
+#define ORBITKV_SERVER_DISTRIBUTED_REMOTE_FETCH_H_
 
 #include <atomic>
 #include <chrono>
@@ -155,4 +155,4 @@ class RemoteFetcher {
 
 }  // namespace orbitkv::server
 
-#endif  // ORBITKV_SERVER_REMOTE_FETCH_H_
+#endif  // ORBITKV_SERVER_DISTRIBUTED_REMOTE_FETCH_H_

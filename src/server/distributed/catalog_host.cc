@@ -1,0 +1,243 @@
+#include "server/distributed/catalog_host.h"
+
+#include <algorithm>
+#include <set>
+
+#include "base/check.h"
+#include "base/clock.h"
+#include "base/logging.h"
+#include "cluster/placement.h"
+#include "fmt/format.h"
+#include "fmt/ranges.h"
+#include "server/distributed/node_identity.h"
+
+namespace orbitkv::server {
+
+CatalogHost::CatalogHost(Options options, const cluster::MemberView* view, const cluster::LivePlacement* live,
+                         core::ResidencyInventory* inventory, MetricsRegistry* metrics)
+    : options_(std::move(options)), view_(view), live_(live), inventory_(inventory) {
+  catalog::CatalogStore::Options store;
+  store.incarnation = options_.incarnation;
+  store.budget_bytes = options_.budget_bytes;
+  store.owner_live = [view](const std::string& node, const std::string& owner_runtime) -> std::optional<bool> {
+    Result<cluster::Member> member = view->Find(node);
+    if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;  // view incomplete: unknown
+    return member.ok() && member->record.runtime_uuid == owner_runtime;
+  };
+  store.num_shards = cluster::kNumShards;
+  // A shard is complete only when every live member's owner stream has a baseline in it.
+  store.live_owners = [view]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
+    const cluster::MemberView::Snapshot snapshot = view->Read();
+    if (!snapshot.complete) return std::nullopt;
+    std::vector<std::pair<std::string, std::string>> owners;
+    for (const cluster::Member& m : snapshot.members) owners.emplace_back(m.record.node_id, m.record.runtime_uuid);
+    return owners;
+  };
+  store.hosts = [live, node = options_.node_id](uint32_t shard) { return live->Get()->Hosts(shard, node); };
+  store_ = std::make_unique<catalog::CatalogStore>(std::move(store));
+  records_ = &metrics->GetGauge("orbitkv_catalog_records", "Residences this catalog host holds as evidence");
+  bytes_ = &metrics->GetGauge("orbitkv_catalog_bytes", "Bytes charged to --catalog-budget on this catalog host");
+  incomplete_ = &metrics->GetGauge("orbitkv_catalog_incomplete_shards",
+                                   "Shards placed here whose evidence is incomplete (a live owner without a "
+                                   "baseline: rebuilding, over budget, or after this catalog host restarted)");
+  incomplete_seconds_ = &metrics->GetGauge(
+      "orbitkv_catalog_incomplete_seconds_total",
+      "Shard-seconds the shards placed here were incomplete (only grows; their misses are not authoritative)");
+  streams_converged_ = &metrics->GetGauge(
+      "orbitkv_catalog_streams_converged",
+      "This Manager's owner streams that converge (one per shard and copy: 16 x --catalog-replicas)");
+  snapshots_ = &metrics->GetGauge("orbitkv_catalog_stream_snapshots",
+                                  "Snapshots this Manager's owner streams sent (since start)");
+  lag_ms_ = &metrics->GetGauge("orbitkv_catalog_update_lag_ms",
+                               "Largest update lag of the owners' last deltas over the shards placed here (ms, "
+                               "owner side: the oldest record's age when sent)");
+  stale_repair_s_ = &metrics->GetGauge("orbitkv_catalog_seconds_since_repair",
+                                       "Seconds since the most recent snapshot installed on this catalog host");
+}
+
+CatalogHost::~CatalogHost() {
+  StopStreams();
+  stop_.store(true, std::memory_order_release);
+  if (maintenance_.joinable()) maintenance_.join();
+}
+
+Status CatalogHost::StartStreams(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                 const cluster::MemberRecord& self) {
+  {
+    MutexLock lock(&streams_mu_);
+    ORBITKV_CHECK_MSG(streams_.empty() && !transport_, "owner streams started twice");
+    streams_stop_.store(false, std::memory_order_release);
+    transport_ = std::make_unique<catalog::GrpcCatalogTransport>(PeerIdentityOf(self, *live_), view_,
+                                                                 std::move(credentials), store_.get());
+    owner_ = self;
+    ORBITKV_RETURN_IF_ERROR(SyncStreams());
+  }
+  if (!maintenance_.joinable()) maintenance_ = std::thread([this] { Maintain(); });
+  return Status::Ok();
+}
+
+void CatalogHost::StopStreams() {
+  MutexLock lock(&streams_mu_);
+  streams_stop_.store(true, std::memory_order_release);
+  for (auto& [where, stream] : streams_) stream->stop.store(true, std::memory_order_release);
+  for (auto& [where, stream] : streams_) {
+    if (stream->thread.joinable()) stream->thread.join();
+    snapshots_before_ += stream->streamer->snapshots();  // the figure counts since start, across registrations
+  }
+  streams_.clear();  // unsubscribes from the inventory
+  if (transport_) stream_bytes_before_ += transport_->bytes_sent();
+  transport_.reset();
+}
+
+std::vector<std::string> CatalogHost::CatalogLines(uint32_t shard) const {
+  std::vector<std::string> lines;
+  for (const std::string& owner : store_->Owners(shard)) {
+    for (const catalog::CatalogRecord& r : store_->Dump(shard, owner)) {
+      const auto key = r.key.Encode();
+      lines.push_back(fmt::format("{} {:02x} {} {} {} {}", owner, fmt::join(key, ""), r.tier, r.version,
+                                  r.generation, r.bytes));
+    }
+  }
+  return lines;
+}
+
+std::vector<std::string> CatalogHost::CatalogStatusLines() const {
+  std::vector<std::string> lines;
+  std::map<uint32_t, catalog::CatalogStore::ShardStatus> known;
+  for (const auto& s : store_->Status()) known[s.shard] = s;
+  const std::shared_ptr<const cluster::LivePlacement::State> live = live_->Get();
+  for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+    if (!live->Hosts(shard, options_.node_id)) continue;
+    const auto it = known.find(shard);
+    catalog::CatalogStore::ShardStatus s = it == known.end() ? catalog::CatalogStore::ShardStatus{} : it->second;
+    if (it == known.end()) s.complete = false;  // Status names every shard placed here: not one of them
+    lines.push_back(fmt::format("{} {} {} {} {} {:.1f} {}", shard, s.owners, s.records, s.bytes,
+                                s.complete ? "complete" : "incomplete", s.lag_ms,
+                                s.last_repair_s < 0 ? std::string("never") : fmt::format("{:.1f}", s.last_repair_s)));
+  }
+  return lines;
+}
+
+CatalogHost::Summary CatalogHost::Summarize() const {
+  Summary sum;
+  for (const auto& shard : store_->Status()) {
+    sum.records += shard.records;
+    sum.incomplete += shard.complete ? 0 : 1;
+    sum.lag_ms = std::max(sum.lag_ms, shard.lag_ms);
+    if (shard.last_repair_s >= 0) {
+      sum.last_repair_s =
+          sum.last_repair_s < 0 ? shard.last_repair_s : std::min(sum.last_repair_s, shard.last_repair_s);
+    }
+  }
+  sum.bytes = store_->used_bytes();
+  const std::shared_ptr<const cluster::LivePlacement::State> live = live_->Get();
+  for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+    sum.hosted += live->Hosts(shard, options_.node_id) ? 1 : 0;
+    sum.inventory_records += inventory_->Size(shard);
+  }
+  sum.incomplete_shard_ms = incomplete_ms_.load(std::memory_order_relaxed);
+  MutexLock lock(&streams_mu_);
+  sum.streams = streams_.size();
+  sum.stream_bytes = stream_bytes_before_ + (transport_ ? transport_->bytes_sent() : 0);
+  for (const auto& [where, stream] : streams_) {
+    const catalog::OwnerStreamer& s = *stream->streamer;
+    sum.converged += s.converged() ? 1 : 0;
+    sum.streaming += s.state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
+    sum.snapshots += s.snapshots();
+  }
+  sum.snapshots += snapshots_before_;
+  return sum;
+}
+
+Status CatalogHost::SyncStreams() {
+  if (!transport_) return Status::Ok();
+  const std::shared_ptr<const cluster::LivePlacement::State> live = live_->Get();
+  std::set<std::pair<uint32_t, std::string>> wanted;
+  for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
+    for (const std::string& copy : live->PublishCopies(shard)) wanted.emplace(shard, copy);
+  }
+  std::vector<std::unique_ptr<Stream>> gone;
+  for (auto it = streams_.begin(); it != streams_.end();) {
+    if (wanted.contains(it->first)) {
+      ++it;
+      continue;
+    }
+    it->second->stop.store(true, std::memory_order_release);
+    gone.push_back(std::move(it->second));
+    it = streams_.erase(it);
+  }
+  for (auto& stream : gone) {
+    if (stream->thread.joinable()) stream->thread.join();
+    snapshots_before_ += stream->streamer->snapshots();
+  }
+  for (const auto& [shard, copy] : wanted) {
+    if (streams_.contains({shard, copy})) continue;
+    // Every copy of a shard is built from the owners' streams alone: one stream per (shard, copy), each with its
+    // own journal subscriber.
+    catalog::OwnerStreamer::Options options;
+    options.owner_node = owner_.node_id;
+    options.owner_runtime = owner_.runtime_uuid;
+    options.owner_epoch = owner_.epoch;
+    options.shard = shard;
+    options.catalog_node = copy;
+    ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<catalog::OwnerStreamer> streamer,
+                             catalog::OwnerStreamer::Create(options, inventory_, transport_.get()));
+    auto stream = std::make_unique<Stream>();
+    stream->streamer = std::move(streamer);
+    Stream* raw = stream.get();
+    raw->thread = std::thread([raw] { raw->streamer->Run(raw->stop); });
+    streams_.emplace(std::make_pair(shard, copy), std::move(stream));
+  }
+  return Status::Ok();
+}
+
+void CatalogHost::Maintain() {
+  MonoTime last = MonoNow();
+  size_t incomplete = 0;  // as of the last round: the state the time since then is charged to
+  constexpr auto kTick = std::chrono::milliseconds(50);
+  while (!stop_.load(std::memory_order_acquire)) {
+    FollowPlacement();
+    store_->DropDeadOwners();
+    const Summary s = Summarize();
+    const MonoTime now = MonoNow();
+    const double seconds = std::chrono::duration<double>(now - last).count() * static_cast<double>(incomplete);
+    incomplete_ms_.fetch_add(static_cast<uint64_t>(seconds * 1000), std::memory_order_relaxed);
+    last = now;
+    incomplete = s.incomplete;
+    incomplete_seconds_->Set(static_cast<double>(incomplete_ms_.load(std::memory_order_relaxed)) / 1000);
+    records_->Set(static_cast<int64_t>(s.records));
+    bytes_->Set(static_cast<int64_t>(s.bytes));
+    incomplete_->Set(static_cast<int64_t>(s.incomplete));
+    streams_converged_->Set(static_cast<int64_t>(s.converged));
+    snapshots_->Set(static_cast<int64_t>(s.snapshots));
+    lag_ms_->Set(static_cast<int64_t>(s.lag_ms));
+    stale_repair_s_->Set(static_cast<int64_t>(s.last_repair_s));
+    // Between rounds, a placement change is followed within a tick.
+    for (auto waited = std::chrono::milliseconds(0);
+         waited < options_.maintenance_period && !stop_.load(std::memory_order_acquire); waited += kTick) {
+      std::this_thread::sleep_for(kTick);
+      if (live_->version() != followed_version_.load(std::memory_order_acquire)) FollowPlacement();
+    }
+  }
+}
+
+void CatalogHost::FollowPlacement() {
+  const uint64_t version = live_->version();
+  if (version == followed_version_.load(std::memory_order_acquire)) return;
+  {
+    MutexLock lock(&streams_mu_);
+    if (streams_stop_.load(std::memory_order_acquire)) {
+      // No registration streams now; the next StartStreams follows the placement.
+    } else if (Status synced = SyncStreams(); !synced.ok()) {
+      ORBITKV_LOG_ERROR("manager: the catalog streams did not follow the placement: {}", synced.ToString());
+      return;  // tried again on the next round
+    }
+  }
+  if (const size_t dropped = store_->DropUnhosted(); dropped > 0) {
+    ORBITKV_LOG_INFO("manager: dropped {} catalog slice(s) of shards no longer placed on node {}", dropped,
+                     options_.node_id);
+  }
+  followed_version_.store(version, std::memory_order_release);
+}
+
+}  // namespace orbitkv::server

@@ -1,0 +1,332 @@
+// The distributed wing's parts, each alone: the flags they are configured from, the registration hooks, the catalog
+// host over a real inventory and store (its own streams to itself, no etcd), and the peer listener on loopback
+// gRPC (bind failures, TLS files, a Health answered). The source and the requester are exercised against real
+// peers in remote_fetch_test.cc and the mesh tests.
+#include "server/distributed/node_parts.h"  // first: it brings gRPC in
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <thread>
+
+#include "base/runtime_id.h"
+#include "base/temp_dir.h"
+#include "cluster/placement.h"
+#include "cluster/testing/test_certs.h"
+#include "core/test_util.h"
+#include "server/distributed/node_config.h"
+#include "server/distributed/node_identity.h"
+
+namespace orbitkv::server {
+namespace {
+
+using std::chrono::milliseconds;
+
+ManagerConfig PeerConfig() {
+  ManagerConfig config;
+  config.node_id = "n0";
+  config.cluster_name = "t";
+  config.peer_endpoint = "127.0.0.1:0";
+  config.etcd_endpoints = "127.0.0.1:2379";
+  return config;
+}
+
+// --- node_config -------------------------------------------------------------------------------------------------
+
+TEST(NodeConfigTest, TransferListenDefaultsToThePeerEndpointsHostAndAnyPort) {
+  ManagerConfig config = PeerConfig();
+  config.peer_endpoint = "10.0.0.5:7300";
+  Result<TransferListen> listen = ParseTransferListen(config);
+  ASSERT_TRUE(listen.ok()) << listen.status();
+  EXPECT_EQ(listen->host, "10.0.0.5");
+  EXPECT_EQ(listen->first_port, 0u);
+  EXPECT_EQ(listen->last_port, 0u);
+}
+
+TEST(NodeConfigTest, TransferListenTakesAPortOrARange) {
+  ManagerConfig config = PeerConfig();
+  config.transfer_listen = "10.0.0.5:7400-7409";
+  Result<TransferListen> range = ParseTransferListen(config);
+  ASSERT_TRUE(range.ok()) << range.status();
+  EXPECT_EQ(range->host, "10.0.0.5");
+  EXPECT_EQ(range->first_port, 7400u);
+  EXPECT_EQ(range->last_port, 7409u);
+  config.transfer_listen = "10.0.0.5:7400";
+  Result<TransferListen> one = ParseTransferListen(config);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->first_port, 7400u);
+  EXPECT_EQ(one->last_port, 7400u);
+}
+
+TEST(NodeConfigTest, ABadTransferListenNamesTheFlagAndTheForm) {
+  ManagerConfig config = PeerConfig();
+  for (const char* bad : {":7400", "h:port", "h:7409-7400", "h:99999", "h:0-5", "h:7400-x"}) {
+    config.transfer_listen = bad;
+    Result<TransferListen> listen = ParseTransferListen(config);
+    ASSERT_FALSE(listen.ok()) << bad;
+    EXPECT_EQ(listen.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(listen.status().message().find("--transfer-listen"), std::string_view::npos) << listen.status();
+    EXPECT_NE(listen.status().message().find("HOST:FIRST-LAST"), std::string_view::npos) << listen.status();
+  }
+}
+
+TEST(NodeConfigTest, TheEtcdPasswordIsTheFilesFirstLineAndNeedsBothFlags) {
+  orbitkv::testing::TempDir dir;
+  const std::string file = dir.path() + "/password";
+  std::ofstream(file) << "s3cret \r\nsecond line\n";
+  ManagerConfig config = PeerConfig();
+  EXPECT_EQ(*EtcdPassword(config), "");  // no user, no password
+  config.etcd_password_file = file;
+  EXPECT_EQ(EtcdPassword(config).status().code(), StatusCode::kInvalidArgument);  // a file without a user
+  config.etcd_user = "orbitkv";
+  Result<std::string> password = EtcdPassword(config);
+  ASSERT_TRUE(password.ok()) << password.status();
+  EXPECT_EQ(*password, "s3cret");
+  config.etcd_password_file.clear();
+  Result<std::string> missing = EtcdPassword(config);
+  EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find("--etcd-password-file"), std::string_view::npos);
+  config.etcd_password_file = dir.path() + "/absent";
+  EXPECT_EQ(EtcdPassword(config).status().code(), StatusCode::kNotFound);
+  std::ofstream(file, std::ios::trunc) << "\nsecond line\n";
+  config.etcd_password_file = file;
+  EXPECT_EQ(EtcdPassword(config).status().code(), StatusCode::kInvalidArgument);  // an empty first line
+}
+
+TEST(NodeConfigTest, MembershipOptionsCarryTheFlagsAndTheRuntime) {
+  ManagerConfig config = PeerConfig();
+  config.etcd_endpoints = "a:1, b:2";
+  config.catalog_nodes = "n0,n1";
+  config.catalog_replicas = 2;
+  const RuntimeId runtime = RuntimeId::New();
+  Result<cluster::MembershipOptions> options = MembershipOptionsOf(config, runtime);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->etcd_endpoints, (std::vector<std::string>{"a:1", "b:2"}));
+  EXPECT_EQ(options->catalog_nodes, (std::vector<std::string>{"n0", "n1"}));
+  EXPECT_EQ(options->catalog_replicas, 2u);
+  EXPECT_EQ(options->node_id, "n0");
+  EXPECT_EQ(options->runtime_uuid, runtime.ToString());
+  config.catalog_nodes = "n0,,n1";
+  Result<cluster::MembershipOptions> bad = MembershipOptionsOf(config, runtime);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--catalog-nodes"), std::string_view::npos) << bad.status();
+}
+
+TEST(NodeConfigTest, PeerTlsNeedsAllThreeFilesAndACertificateNamingThisNode) {
+  ManagerConfig config = PeerConfig();
+  Result<std::optional<cluster::TlsFiles>> none = PeerTlsFiles(config);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->has_value());
+  orbitkv::testing::TempDir dir;
+  ASSERT_TRUE(cluster::testing::MakeTestCertificates(dir.path()).ok());
+  ASSERT_TRUE(cluster::testing::MakeNodeCertificate(dir.path(), "n1").ok());
+  config.peer_tls_cert = dir.path() + "/node-n1.pem";
+  EXPECT_EQ(PeerTlsFiles(config).status().code(), StatusCode::kInvalidArgument);  // one of three
+  config.peer_tls_key = dir.path() + "/node-n1.key";
+  config.peer_tls_ca = dir.path() + "/ca.pem";
+  Result<std::shared_ptr<grpc::ServerCredentials>> other = PeerServerCredentials(config);
+  ASSERT_FALSE(other.ok());
+  EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(other.status().message().find("URI:orbitkv-node:n0"), std::string_view::npos) << other.status();
+  ASSERT_TRUE(cluster::testing::MakeNodeCertificate(dir.path(), "n0").ok());
+  config.peer_tls_cert = dir.path() + "/node-n0.pem";
+  config.peer_tls_key = dir.path() + "/node-n0.key";
+  Result<std::shared_ptr<grpc::ServerCredentials>> own = PeerServerCredentials(config);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_NE(*own, nullptr);
+}
+
+// --- registration hooks ------------------------------------------------------------------------------------------
+
+TEST(RegistrationHooksTest, HooksRunUntilClearedAndClearingWaitsForARunningOne) {
+  auto hooks = std::make_shared<RegistrationHooks>();
+  hooks->Lapsed("nothing set");  // no-op
+  std::atomic<int> lapsed{0};
+  std::promise<void> entered;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  hooks->Set(
+      [&](const std::string& cause) {
+        if (cause == "slow") {
+          entered.set_value();
+          released.wait();
+        }
+        lapsed.fetch_add(1);
+      },
+      nullptr);
+  hooks->Lapsed("quick");
+  EXPECT_EQ(lapsed.load(), 1);
+  std::thread slow([&] { hooks->Lapsed("slow"); });
+  entered.get_future().wait();
+  std::atomic<bool> cleared{false};
+  std::thread clear([&] {
+    { RegistrationHooks::ClearOnExit guard(hooks); }
+    cleared.store(true);
+  });
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_FALSE(cleared.load());  // the running hook holds it
+  release.set_value();
+  slow.join();
+  clear.join();
+  EXPECT_TRUE(cleared.load());
+  EXPECT_EQ(lapsed.load(), 2);
+  hooks->Lapsed("after");  // cleared: nothing runs
+  hooks->Registered(cluster::MemberRecord{});
+  EXPECT_EQ(lapsed.load(), 2);
+}
+
+// --- the catalog host --------------------------------------------------------------------------------------------
+
+class CatalogHostTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    core::ResidencyInventory::Options options;
+    options.incarnation = runtime_.incarnation();
+    options.shards = cluster::kNumShards;
+    auto inventory = core::ResidencyInventory::Create(options, &metrics_);
+    ASSERT_TRUE(inventory.ok()) << inventory.status();
+    inventory_ = std::move(*inventory);
+    Result<cluster::Placement> placement = cluster::Placement::Create({"n0"}, 1);
+    ASSERT_TRUE(placement.ok()) << placement.status();
+    live_ = std::make_unique<cluster::LivePlacement>(*placement);
+    self_ = cluster::MemberRecord{"t", "n0", 1, "127.0.0.1:1", runtime_.ToString()};
+    std::map<std::string, cluster::Member> members;
+    cluster::Member me;
+    me.record = self_;
+    members.emplace("n0", me);
+    view_.Install(std::move(members), 1);
+  }
+
+  // Waits up to 10 s for `done`.
+  template <typename F>
+  bool Eventually(F done) {
+    for (int i = 0; i < 1000; ++i) {
+      if (done()) return true;
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return done();
+  }
+
+  MetricsRegistry metrics_;
+  RuntimeId runtime_ = RuntimeId::New();
+  std::unique_ptr<core::ResidencyInventory> inventory_;
+  std::unique_ptr<cluster::LivePlacement> live_;
+  cluster::MemberView view_;
+  cluster::MemberRecord self_;
+};
+
+TEST_F(CatalogHostTest, EveryShardPlacedHereIsListedAndIncompleteBeforeAnyStream) {
+  CatalogHost host({.node_id = "n0", .incarnation = runtime_.incarnation()}, &view_, live_.get(), inventory_.get(),
+                   &metrics_);
+  const std::vector<std::string> lines = host.CatalogStatusLines();
+  ASSERT_EQ(lines.size(), cluster::kNumShards);
+  for (const std::string& line : lines) EXPECT_NE(line.find(" incomplete "), std::string::npos) << line;
+  const CatalogHost::Summary s = host.Summarize();
+  EXPECT_EQ(s.hosted, cluster::kNumShards);
+  EXPECT_EQ(s.streams, 0u);
+  EXPECT_EQ(s.records, 0u);
+}
+
+TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndStopWithTheRegistration) {
+  const state::StateKey key = core::testing::ChainKey(7, 0);
+  const uint32_t shard = inventory_->ShardFor(key);
+  inventory_->Apply(shard, key, core::Tier::kDram, true, core::TransitionCause::kAdmit, 1, 4096);
+  CatalogHost host({.node_id = "n0", .incarnation = runtime_.incarnation(), .budget_bytes = 1 << 20}, &view_,
+                   live_.get(), inventory_.get(), &metrics_);
+  ASSERT_TRUE(host.StartStreams(nullptr, self_).ok());
+  ASSERT_TRUE(Eventually([&] {
+    const CatalogHost::Summary s = host.Summarize();
+    return s.streams == cluster::kNumShards && s.converged == cluster::kNumShards && s.records == 1 &&
+           s.incomplete == 0;
+  })) << "streams " << host.Summarize().streams << ", converged " << host.Summarize().converged << ", records "
+      << host.Summarize().records << ", incomplete " << host.Summarize().incomplete;
+  const std::vector<std::string> dump = host.CatalogLines(shard);
+  ASSERT_EQ(dump.size(), 1u);
+  EXPECT_EQ(dump[0].rfind("n0 ", 0), 0u) << dump[0];  // the owner node first
+  EXPECT_EQ(host.Summarize().inventory_records, 1u);
+  host.StopStreams();
+  EXPECT_EQ(host.Summarize().streams, 0u);
+  EXPECT_GE(host.Summarize().snapshots, static_cast<uint64_t>(cluster::kNumShards));  // counted past their stop
+  // A registration made again streams anew.
+  ASSERT_TRUE(host.StartStreams(nullptr, self_).ok());
+  EXPECT_EQ(host.Summarize().streams, cluster::kNumShards);
+}
+
+// --- the peer listener -------------------------------------------------------------------------------------------
+
+class PeerListenerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Result<cluster::Placement> placement = cluster::Placement::Create({"n0"}, 1);
+    ASSERT_TRUE(placement.ok()) << placement.status();
+    live_ = std::make_unique<cluster::LivePlacement>(*placement);
+    self_ = cluster::MemberRecord{"t", "n0", 1, "127.0.0.1:1", runtime_.ToString()};
+    peer_ = cluster::MemberRecord{"t", "n1", 1, "127.0.0.1:2", RuntimeId::New().ToString()};
+    std::map<std::string, cluster::Member> members;
+    for (const cluster::MemberRecord& record : {self_, peer_}) {
+      cluster::Member m;
+      m.record = record;
+      members.emplace(record.node_id, m);
+    }
+    view_.Install(std::move(members), 1);
+  }
+
+  PeerListener::Parts Parts() {
+    return PeerListener::Parts{.self = PeerIdentityOf(self_, *live_),
+                               .incarnation = runtime_.incarnation(),
+                               .ucx_worker_address = "ucx-address",
+                               .view = &view_,
+                               .live = live_.get(),
+                               .remote_off = [] { return std::string("testing"); }};
+  }
+
+  RuntimeId runtime_ = RuntimeId::New();
+  std::unique_ptr<cluster::LivePlacement> live_;
+  cluster::MemberView view_;
+  cluster::MemberRecord self_;
+  cluster::MemberRecord peer_;
+};
+
+TEST_F(PeerListenerTest, AnswersHealthAsThisStartOnItsAddress) {
+  ManagerConfig config = PeerConfig();
+  config.peer_listen = "127.0.0.1:0";
+  Result<std::unique_ptr<PeerListener>> listener = PeerListener::Start(config, Parts());
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  EXPECT_FALSE((*listener)->tls());
+  ASSERT_NE((*listener)->port(), 0);
+  auto stub = catalog::NewPeerStub(fmt::format("127.0.0.1:{}", (*listener)->port()), nullptr);
+  peer::v1::HealthRequest request;
+  *request.mutable_route() = catalog::MakeRoute(PeerIdentityOf(peer_, *live_), self_);
+  peer::v1::HealthResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const grpc::Status status = stub->Health(&context, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.runtime_uuid(), runtime_.ToString());
+  EXPECT_EQ(response.ucx_worker_address(), "ucx-address");
+}
+
+TEST_F(PeerListenerTest, AnAddressNotOfThisHostNamesTheFlags) {
+  ManagerConfig config = PeerConfig();
+  config.peer_listen = "192.0.2.1:0";  // TEST-NET-1: no interface of this host has it
+  Result<std::unique_ptr<PeerListener>> listener = PeerListener::Start(config, Parts());
+  ASSERT_FALSE(listener.ok());
+  EXPECT_EQ(listener.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(listener.status().message().find("--peer-listen"), std::string_view::npos) << listener.status();
+}
+
+TEST_F(PeerListenerTest, IncompleteTlsFilesAreRefusedBeforeBinding) {
+  ManagerConfig config = PeerConfig();
+  config.peer_listen = "127.0.0.1:0";
+  config.peer_tls_ca = "/nonexistent/ca.pem";
+  Result<std::unique_ptr<PeerListener>> listener = PeerListener::Start(config, Parts());
+  ASSERT_FALSE(listener.ok());
+  EXPECT_EQ(listener.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(listener.status().message().find("--peer-tls-cert"), std::string_view::npos) << listener.status();
+}
+
+}  // namespace
+}  // namespace orbitkv::server
