@@ -177,10 +177,81 @@ Histogram& MetricsRegistry::GetHistogram(std::string_view name, std::string_view
   return *slot;
 }
 
+namespace {
+
+// The figures collectors name metrics for, by metric name: the type, help and each label set's rendered sample.
+struct CollectedFamily {
+  bool counter = false;
+  std::string help;
+  std::map<std::string, std::string> samples;  // rendered labels -> value
+};
+
+class PrometheusCollector final : public StatsVisitor {
+ public:
+  void Counter(std::string_view /*key*/, uint64_t value, const MetricName& metric) override {
+    Add(metric, true, fmt::format("{}", value));
+  }
+  void Gauge(std::string_view /*key*/, int64_t value, const MetricName& metric) override {
+    Add(metric, false, fmt::format("{}", value));
+  }
+  void Real(std::string_view /*key*/, double value, int /*decimals*/, const MetricName& metric) override {
+    Add(metric, false, FormatValue(value));
+  }
+  void Text(std::string_view /*key*/, std::string_view /*value*/) override {}
+
+  std::map<std::string, CollectedFamily, std::less<>>& families() { return families_; }
+
+ private:
+  void Add(const MetricName& metric, bool counter, std::string value) {
+    if (metric.name.empty()) return;
+    ORBITKV_CHECK_MSG(MetricsRegistry::IsValidMetricName(metric.name), "invalid collected metric name");
+    auto [it, fresh] = families_.try_emplace(std::string(metric.name));
+    if (fresh) {
+      it->second.counter = counter;
+      it->second.help = std::string(metric.help);
+    }
+    ORBITKV_CHECK_MSG(it->second.counter == counter, "a collected metric visited as both counter and gauge");
+    MetricLabels labels;
+    if (!metric.label.empty()) labels.emplace_back(std::string(metric.label), std::string(metric.label_value));
+    it->second.samples[RenderLabels(labels)] = std::move(value);
+  }
+
+  std::map<std::string, CollectedFamily, std::less<>> families_;
+};
+
+}  // namespace
+
+MetricsRegistry::CollectorHandle::~CollectorHandle() {
+  MutexLock lock(&registry_->collect_mu_);
+  registry_->collectors_.erase(id_);
+}
+
+std::unique_ptr<MetricsRegistry::CollectorHandle> MetricsRegistry::AddCollector(
+    std::function<void(StatsVisitor&)> collect) {
+  MutexLock lock(&collect_mu_);
+  const uint64_t id = next_collector_++;
+  collectors_.emplace(id, std::move(collect));
+  return std::make_unique<CollectorHandle>(this, id);
+}
+
 std::string MetricsRegistry::RenderPrometheus() const {
+  PrometheusCollector collected;
+  {
+    MutexLock lock(&collect_mu_);
+    for (const auto& [id, collect] : collectors_) collect(collected);
+  }
+  // Each family's text by name, registered and collected together, so the output stays sorted by name.
+  std::map<std::string, std::string, std::less<>> rendered;
+  for (const auto& [name, family] : collected.families()) {
+    std::string& out = rendered[name];
+    out = fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, EscapeHelp(family.help), name,
+                      family.counter ? "counter" : "gauge");
+    for (const auto& [labels, value] : family.samples) out += fmt::format("{}{} {}\n", name, labels, value);
+  }
   MutexLock lock(&mu_);
-  std::string out;
   for (const auto& [name, family] : families_) {
+    ORBITKV_CHECK_MSG(!rendered.contains(name), "a metric is both registered and collected");
+    std::string& out = rendered[name];
     std::string_view type_name = family.type == Type::kCounter ? "counter"
                                  : family.type == Type::kGauge ? "gauge"
                                                                : "histogram";
@@ -204,6 +275,8 @@ std::string MetricsRegistry::RenderPrometheus() const {
       out += fmt::format("{}_count{} {}\n", name, RenderLabels(labels), cumulative);
     }
   }
+  std::string out;
+  for (const auto& [name, text] : rendered) out += text;
   return out;
 }
 

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "base/stats_visitor.h"
 #include "base/thread_annotations.h"
 
 namespace orbitkv {
@@ -86,8 +88,26 @@ class MetricsRegistry {
   Histogram& GetHistogram(std::string_view name, std::string_view help, std::vector<double> upper_bounds,
                           MetricLabels labels = {});
 
+  // A function that visits figures kept outside the registry (stats_visitor.h); every render runs it and exports
+  // the figures it names a metric for, as counters or gauges beside the registered families. The returned handle
+  // removes it when it goes (waiting for a render that runs it): it must go before what the function reads.
+  // A collected name must not also be registered (CHECK at render).
+  class CollectorHandle {
+   public:
+    CollectorHandle(MetricsRegistry* registry, uint64_t id) : registry_(registry), id_(id) {}
+    ~CollectorHandle();
+    CollectorHandle(const CollectorHandle&) = delete;
+    CollectorHandle& operator=(const CollectorHandle&) = delete;
+
+   private:
+    MetricsRegistry* const registry_;
+    const uint64_t id_;
+  };
+  [[nodiscard]] std::unique_ptr<CollectorHandle> AddCollector(std::function<void(StatsVisitor&)> collect)
+      EXCLUDES(collect_mu_);
+
   // The whole registry in Prometheus text format: families sorted by name, each with # HELP and # TYPE.
-  std::string RenderPrometheus() const;
+  std::string RenderPrometheus() const EXCLUDES(collect_mu_, mu_);
 
   // True for [a-zA-Z_:][a-zA-Z0-9_:]*.
   static bool IsValidMetricName(std::string_view name);
@@ -112,6 +132,10 @@ class MetricsRegistry {
   mutable Mutex mu_;
   // Guarded by mu_.
   std::map<std::string, Family, std::less<>> families_ GUARDED_BY(mu_);
+  // Held while collectors run (before mu_), so removing one waits for a render that runs it.
+  mutable Mutex collect_mu_;
+  std::map<uint64_t, std::function<void(StatsVisitor&)>> collectors_ GUARDED_BY(collect_mu_);
+  uint64_t next_collector_ GUARDED_BY(collect_mu_) = 0;
 };
 
 }  // namespace orbitkv

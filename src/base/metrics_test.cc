@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 
 
@@ -108,6 +109,53 @@ TEST(MetricsTest, NameValidation) {
   EXPECT_FALSE(MetricsRegistry::IsValidLabelName("a:b"));
 }
 
+// A part that keeps its own figures: what a collector visits.
+struct Figures {
+  std::atomic<uint64_t> served{0};
+  std::atomic<int64_t> open{0};
+  void Visit(StatsVisitor& v) const {
+    v.Counter("served", served.load(), {"b_served_total", "Requests served"});
+    v.Gauge("open", open.load(), {"d_open", "Open now"});
+    v.Counter("", 7, {"c_rejected_total", "Refused", "reason", "stale"});
+    v.Counter("", 2, {"c_rejected_total", "Refused", "reason", "busy"});
+    v.Real("uptime_s", 1.26, 1, {});  // JSON only
+    v.Text("state", "up \"now\"");      // JSON only
+  }
+};
+
+TEST(MetricsTest, CollectedFiguresRenderSortedAmongRegisteredOnesUntilTheirHandleGoes) {
+  MetricsRegistry r;
+  r.GetCounter("a_total", "a").Increment(1);
+  r.GetGauge("e_level", "e").Set(3);
+  Figures figures;
+  figures.served = 5;
+  figures.open = -2;
+  {
+    auto handle = r.AddCollector([&figures](StatsVisitor& v) { figures.Visit(v); });
+    std::string text = r.RenderPrometheus();
+    EXPECT_THAT(text, ::testing::HasSubstr("# HELP b_served_total Requests served\n# TYPE b_served_total counter\n"
+                                           "b_served_total 5\n"));
+    EXPECT_THAT(text, ::testing::HasSubstr("# TYPE d_open gauge\nd_open -2\n"));
+    EXPECT_THAT(text, ::testing::HasSubstr("c_rejected_total{reason=\"busy\"} 2\nc_rejected_total{reason=\"stale\"} 7\n"));
+    EXPECT_EQ(text.find("uptime"), std::string::npos);  // no metric named: JSON only
+    EXPECT_LT(text.find("a_total"), text.find("b_served_total"));
+    EXPECT_LT(text.find("c_rejected_total"), text.find("d_open"));
+    EXPECT_LT(text.find("d_open"), text.find("e_level"));
+    figures.served = 6;  // read at each render: counted in one place
+    EXPECT_THAT(r.RenderPrometheus(), ::testing::HasSubstr("b_served_total 6\n"));
+  }
+  EXPECT_EQ(r.RenderPrometheus().find("b_served_total"), std::string::npos);  // its handle went
+}
+
+TEST(MetricsTest, TheJsonWriterWritesEachKeyOnceInItsForm) {
+  Figures figures;
+  figures.served = 5;
+  figures.open = -2;
+  JsonStatsWriter json;
+  figures.Visit(json);
+  EXPECT_EQ(json.json(), ", \"served\": 5, \"open\": -2, \"uptime_s\": 1.3, \"state\": \"up \\\"now\\\"\"");
+}
+
 TEST(MetricsDeathTest, MisuseCrashes) {
   MetricsRegistry r;
   r.GetCounter("x_total", "x");
@@ -117,6 +165,8 @@ TEST(MetricsDeathTest, MisuseCrashes) {
   r.GetHistogram("h", "h", {1, 2});
   EXPECT_DEATH(r.GetHistogram("h", "h", {1, 3}, {{"k", "v"}}), "other bounds");
   EXPECT_DEATH(r.GetHistogram("h2", "h", {2, 1}), "strictly increasing");
+  auto twice = r.AddCollector([](StatsVisitor& v) { v.Counter("", 1, {"x_total", "x"}); });
+  EXPECT_DEATH(r.RenderPrometheus(), "both registered and collected");
 }
 
 }  // namespace

@@ -6,7 +6,6 @@
 #include <thread>
 #include <utility>
 
-#include "base/json_text.h"
 #include "base/logging.h"
 #include "catalog/peer_service.h"
 
@@ -185,7 +184,7 @@ std::vector<PeerDirectory::Peer> PeerDirectory::Peers() const {
   return out;
 }
 
-std::string PeerDirectory::StatusJson() const {
+void PeerDirectory::VisitStats(StatsVisitor& v) const {
   size_t counts[4] = {};
   std::string reason;
   {
@@ -198,10 +197,10 @@ std::string PeerDirectory::StatusJson() const {
       }
     }
   }
-  return fmt::format(", \"peers_healthy\": {}, \"peers_unreachable\": {}, \"peers_incompatible\": {}, "
-                     "\"remote_work_off_reason\": \"{}\"",
-                     counts[static_cast<int>(Health::kHealthy)], counts[static_cast<int>(Health::kUnreachable)],
-                     counts[static_cast<int>(Health::kIncompatible)], JsonText(reason));
+  v.Gauge("peers_healthy", static_cast<int64_t>(counts[static_cast<int>(Health::kHealthy)]));
+  v.Gauge("peers_unreachable", static_cast<int64_t>(counts[static_cast<int>(Health::kUnreachable)]));
+  v.Gauge("peers_incompatible", static_cast<int64_t>(counts[static_cast<int>(Health::kIncompatible)]));
+  v.Text("remote_work_off_reason", reason);
 }
 
 }  // namespace orbitkv::catalog

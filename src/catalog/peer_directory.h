@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "base/stats_visitor.h"
 #include "base/thread_annotations.h"
 #include "catalog/peer_grpc.h"
 #include "catalog/route.h"
@@ -74,8 +75,8 @@ class PeerDirectory {
   std::vector<Peer> Peers() const EXCLUDES(mu_);
   // The most probes one round had in flight at once (since construction).
   size_t max_probes_seen() const { return max_probes_seen_.load(std::memory_order_relaxed); }
-  // ", \"peers_healthy\": ..." fields for `orbitkv stats`.
-  std::string StatusJson() const EXCLUDES(mu_);
+  // The peers by health (peers_healthy, _unreachable, _incompatible) and why remote work is off.
+  void VisitStats(StatsVisitor& v) const EXCLUDES(mu_);
 
  private:
   Peer Probe(const cluster::Member& member) EXCLUDES(mu_);

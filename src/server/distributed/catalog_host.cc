@@ -14,7 +14,7 @@
 namespace orbitkv::server {
 
 CatalogHost::CatalogHost(Options options, const cluster::MemberView* view, const cluster::LivePlacement* live,
-                         core::ResidencyInventory* inventory, MetricsRegistry* metrics)
+                         core::ResidencyInventory* inventory)
     : options_(std::move(options)), view_(view), live_(live), inventory_(inventory) {
   catalog::CatalogStore::Options store;
   store.incarnation = options_.incarnation;
@@ -35,24 +35,6 @@ CatalogHost::CatalogHost(Options options, const cluster::MemberView* view, const
   };
   store.hosts = [live, node = options_.node_id](uint32_t shard) { return live->Get()->Hosts(shard, node); };
   store_ = std::make_unique<catalog::CatalogStore>(std::move(store));
-  records_ = &metrics->GetGauge("orbitkv_catalog_records", "Residences this catalog host holds as evidence");
-  bytes_ = &metrics->GetGauge("orbitkv_catalog_bytes", "Bytes charged to --catalog-budget on this catalog host");
-  incomplete_ = &metrics->GetGauge("orbitkv_catalog_incomplete_shards",
-                                   "Shards placed here whose evidence is incomplete (a live owner without a "
-                                   "baseline: rebuilding, over budget, or after this catalog host restarted)");
-  incomplete_seconds_ = &metrics->GetGauge(
-      "orbitkv_catalog_incomplete_seconds_total",
-      "Shard-seconds the shards placed here were incomplete (only grows; their misses are not authoritative)");
-  streams_converged_ = &metrics->GetGauge(
-      "orbitkv_catalog_streams_converged",
-      "This Manager's owner streams that converge (one per shard and copy: 16 x --catalog-replicas)");
-  snapshots_ = &metrics->GetGauge("orbitkv_catalog_stream_snapshots",
-                                  "Snapshots this Manager's owner streams sent (since start)");
-  lag_ms_ = &metrics->GetGauge("orbitkv_catalog_update_lag_ms",
-                               "Largest update lag of the owners' last deltas over the shards placed here (ms, "
-                               "owner side: the oldest record's age when sent)");
-  stale_repair_s_ = &metrics->GetGauge("orbitkv_catalog_seconds_since_repair",
-                                       "Seconds since the most recent snapshot installed on this catalog host");
 }
 
 CatalogHost::~CatalogHost() {
@@ -191,6 +173,39 @@ Status CatalogHost::SyncStreams() {
   return Status::Ok();
 }
 
+void CatalogHost::VisitStats(StatsVisitor& v) const {
+  const Summary s = Summarize();
+  v.Gauge("catalog_shards_hosted", static_cast<int64_t>(s.hosted));
+  v.Gauge("catalog_records", static_cast<int64_t>(s.records),
+          {"orbitkv_catalog_records", "Residences this catalog host holds as evidence"});
+  v.Gauge("catalog_bytes", static_cast<int64_t>(s.bytes),
+          {"orbitkv_catalog_bytes", "Bytes charged to --catalog-budget on this catalog host"});
+  v.Gauge("catalog_incomplete_shards", static_cast<int64_t>(s.incomplete),
+          {"orbitkv_catalog_incomplete_shards",
+           "Shards placed here whose evidence is incomplete (a live owner without a baseline: rebuilding, over "
+           "budget, or after this catalog host restarted)"});
+  v.Counter("catalog_incomplete_shard_ms", s.incomplete_shard_ms);
+  v.Real("", static_cast<double>(s.incomplete_shard_ms) / 1000, 3,
+         {"orbitkv_catalog_incomplete_seconds_total",
+          "Shard-seconds the shards placed here were incomplete (only grows; their misses are not authoritative)"});
+  v.Gauge("catalog_streams", static_cast<int64_t>(s.streams));
+  v.Gauge("catalog_streams_streaming", static_cast<int64_t>(s.streaming));
+  v.Gauge("catalog_streams_converged", static_cast<int64_t>(s.converged),
+          {"orbitkv_catalog_streams_converged",
+           "This Manager's owner streams that converge (one per shard and copy: 16 x --catalog-replicas)"});
+  v.Gauge("catalog_stream_snapshots", static_cast<int64_t>(s.snapshots),
+          {"orbitkv_catalog_stream_snapshots", "Snapshots this Manager's owner streams sent (since start)"});
+  v.Gauge("inventory_records", static_cast<int64_t>(s.inventory_records));
+  v.Counter("catalog_stream_bytes_sent", s.stream_bytes);
+  v.Gauge("", static_cast<int64_t>(s.lag_ms),
+          {"orbitkv_catalog_update_lag_ms",
+           "Largest update lag of the owners' last deltas over the shards placed here (ms, owner side: the oldest "
+           "record's age when sent)"});
+  v.Gauge("", static_cast<int64_t>(s.last_repair_s),
+          {"orbitkv_catalog_seconds_since_repair",
+           "Seconds since the most recent snapshot installed on this catalog host"});
+}
+
 void CatalogHost::Maintain() {
   MonoTime last = MonoNow();
   size_t incomplete = 0;  // as of the last round: the state the time since then is charged to
@@ -204,14 +219,6 @@ void CatalogHost::Maintain() {
     incomplete_ms_.fetch_add(static_cast<uint64_t>(seconds * 1000), std::memory_order_relaxed);
     last = now;
     incomplete = s.incomplete;
-    incomplete_seconds_->Set(static_cast<double>(incomplete_ms_.load(std::memory_order_relaxed)) / 1000);
-    records_->Set(static_cast<int64_t>(s.records));
-    bytes_->Set(static_cast<int64_t>(s.bytes));
-    incomplete_->Set(static_cast<int64_t>(s.incomplete));
-    streams_converged_->Set(static_cast<int64_t>(s.converged));
-    snapshots_->Set(static_cast<int64_t>(s.snapshots));
-    lag_ms_->Set(static_cast<int64_t>(s.lag_ms));
-    stale_repair_s_->Set(static_cast<int64_t>(s.last_repair_s));
     // Between rounds, a placement change is followed within a tick.
     for (auto waited = std::chrono::milliseconds(0);
          waited < options_.maintenance_period && !stop_.load(std::memory_order_acquire); waited += kTick) {

@@ -6,9 +6,10 @@
 //     alone, made anew for each registration (StartStreams/StopStreams),
 //   - a maintenance thread that follows the placement (streams to the copies of both generations while a change
 //     moves, slices of retired copies dropped), drops the slices of owners the member view no longer holds, and
-//     refreshes the catalog gauges.
+//     charges the time shards stay incomplete.
+// Its figures are read when visited (VisitStats): the catalog_* stats keys and orbitkv_catalog_* metrics.
 //
-// Thread safety: every method is safe from any thread. `view`, `live`, `inventory` and `metrics` must outlive it.
+// Thread safety: every method is safe from any thread. `view`, `live` and `inventory` must outlive it.
 #ifndef ORBITKV_SERVER_DISTRIBUTED_CATALOG_HOST_H_
 #define ORBITKV_SERVER_DISTRIBUTED_CATALOG_HOST_H_
 
@@ -23,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "base/metrics.h"
+#include "base/stats_visitor.h"
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 #include "catalog/catalog_store.h"
@@ -55,7 +56,7 @@ class CatalogHost {
   };
 
   CatalogHost(Options options, const cluster::MemberView* view, const cluster::LivePlacement* live,
-              core::ResidencyInventory* inventory, MetricsRegistry* metrics);
+              core::ResidencyInventory* inventory);
   // Stops the streams and the maintenance thread.
   ~CatalogHost();
   CatalogHost(const CatalogHost&) = delete;
@@ -73,6 +74,7 @@ class CatalogHost {
   std::vector<std::string> CatalogLines(uint32_t shard) const;
   std::vector<std::string> CatalogStatusLines() const;
   Summary Summarize() const;
+  void VisitStats(StatsVisitor& v) const;
 
  private:
   // One owner stream and its thread.
@@ -104,14 +106,6 @@ class CatalogHost {
   std::atomic<uint64_t> followed_version_{0};  // the live placement's version the streams and the store follow
   std::atomic<bool> streams_stop_{false};
   std::atomic<uint64_t> incomplete_ms_{0};  // shard-milliseconds incomplete
-  Gauge* records_;
-  Gauge* bytes_;
-  Gauge* incomplete_;
-  Gauge* incomplete_seconds_;
-  Gauge* streams_converged_;
-  Gauge* snapshots_;
-  Gauge* lag_ms_;
-  Gauge* stale_repair_s_;
   std::atomic<bool> stop_{false};
   std::thread maintenance_;
 };

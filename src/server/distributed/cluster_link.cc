@@ -40,18 +40,18 @@ class DistributedLink final : public ClusterLink {
 
   std::vector<std::string> PlacementLines() const override {
     if (parts_ == nullptr) return {"this Manager left the cluster"};
-    if (parts_->placement) return parts_->placement->Lines();
+    if (parts_->placement_driver) return parts_->placement_driver->Lines();
     const cluster::Placement p = parts_->membership->placement();
     return {fmt::format("placement generation {}: catalog nodes {}, {} copies a shard, fingerprint {}",
                         p.generation(), fmt::join(p.catalog_nodes(), ","), p.replicas(), p.fingerprint()),
             "reconciler: not run here (this Manager has no --peer-endpoint)"};
   }
   Result<std::vector<std::string>> RequestPlacement(std::string_view verb, std::string_view node) override {
-    if (parts_ == nullptr || !parts_->placement) {
+    if (parts_ == nullptr || !parts_->placement_driver) {
       return Status::FailedPrecondition(
           "this Manager runs no placement reconciler (no --peer-endpoint): ask a Manager with one");
     }
-    return parts_->placement->Request(verb, node, Deadline::After(std::chrono::seconds(5)));
+    return parts_->placement_driver->Request(verb, node, Deadline::After(std::chrono::seconds(5)));
   }
 
   std::optional<LoadingStage> RemoteStage(std::vector<state::StateKey> keys) override {
@@ -74,7 +74,7 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
   parts.catalog = std::make_unique<CatalogHost>(
       CatalogHost::Options{.node_id = config.node_id, .incarnation = runtime.incarnation(),
                            .budget_bytes = config.catalog_budget_bytes},
-      view, live, &cache->inventory(), metrics);
+      view, live, &cache->inventory());
   std::vector<transfer::RegionHandle> arenas;
   ORBITKV_ASSIGN_OR_RETURN(parts.transfer, StartTransferEngine(config, runtime, cache->pool(), &arenas, metrics));
   parts.source = std::make_unique<Source>(config, cache, ssd, parts.transfer.get(), arenas, metrics);
@@ -110,7 +110,7 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
   driver.node_id = config.node_id;
   driver.shard_bound = std::chrono::milliseconds(config.placement_shard_bound_ms);
   driver.retire_grace = std::chrono::milliseconds(config.placement_retire_grace_ms);
-  parts.placement = std::make_unique<PlacementDriver>(std::move(driver), membership, parts.requester->progress(), metrics);
+  parts.placement_driver = std::make_unique<PlacementDriver>(std::move(driver), membership, parts.requester->progress());
 
   // A registration that lapses ends the grants this source gave and the owner streams; one made again gives every
   // peer-facing part the new identity and streams the inventory anew as the new owner start. The UCX engine, its
@@ -119,7 +119,7 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
   Source* source = parts.source.get();
   Requester* requester = parts.requester.get();
   PeerListener* peers = parts.peers.get();
-  PlacementDriver* placement = parts.placement.get();
+  PlacementDriver* placement = parts.placement_driver.get();
   parts.hooks->Set(
       [catalog, source, placement](const std::string& cause) {
         placement->OnLapsed();  // leadership goes before the registration is made again
@@ -145,7 +145,7 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
   } else if (const cluster::MemberRecord now = membership->self(); now.runtime_uuid != runtime.ToString()) {
     parts.hooks->Registered(now);
   }
-  parts.placement->Start();
+  parts.placement_driver->Start();
   return Status::Ok();
 }
 
@@ -178,6 +178,7 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   if (!config.peer_endpoint.empty()) {
     ORBITKV_RETURN_IF_ERROR(StartPeerParts(config, runtime, cache, ssd, metrics, *parts));
   }
+  parts->metrics_collector = metrics->AddCollector([node = parts.get()](StatsVisitor& v) { node->VisitStats(v); });
   return std::unique_ptr<ClusterLink>(new DistributedLink(std::move(parts)));
 }
 

@@ -8,7 +8,8 @@
 //     which revokes grants through the engine, stops before it;
 //   - the requester, which reads through the engine, stops before it;
 //   - the placement driver, which asks the copies through the requester's channels, stops before the requester;
-//   - the registration hooks are cleared first, so that no registration made again restarts a part that stops.
+//   - the registration hooks are cleared first, so that no registration made again restarts a part that stops,
+//     after the metrics collector (it reads every part).
 // A part that is started later than its place (the source after the engine: it grants through it) is still
 // declared in its place.
 //
@@ -21,6 +22,8 @@
 #include <memory>
 #include <string>
 
+#include "base/metrics.h"
+#include "base/stats_visitor.h"
 #include "cluster/membership.h"
 #include "server/distributed/catalog_host.h"
 #include "server/distributed/placement_driver.h"
@@ -41,12 +44,16 @@ struct NodeParts {
   std::unique_ptr<SourceUpkeep> source_upkeep;
   std::unique_ptr<PeerListener> peers;
   std::unique_ptr<Requester> requester;
-  std::unique_ptr<PlacementDriver> placement;
+  std::unique_ptr<PlacementDriver> placement_driver;
   RegistrationHooks::ClearOnExit clear_hooks{hooks};
+  // The metrics endpoint's collector over VisitStats: removed first, before anything it reads.
+  std::unique_ptr<MetricsRegistry::CollectorHandle> metrics_collector;
 
   // Whether remote work is allowed now: registered with a complete member view, and no peer speaking another
   // protocol version.
   bool CanDoRemoteWork() const;
+  // Every distributed figure, once, from the part that keeps it (the membership must be there).
+  void VisitStats(StatsVisitor& v) const;
 };
 
 // The distributed fields of `orbitkv stats --json` (", \"membership\": ..."), from every part started.

@@ -219,8 +219,7 @@ class CatalogHostTest : public ::testing::Test {
 };
 
 TEST_F(CatalogHostTest, EveryShardPlacedHereIsListedAndIncompleteBeforeAnyStream) {
-  CatalogHost host({.node_id = "n0", .incarnation = runtime_.incarnation()}, &view_, live_.get(), inventory_.get(),
-                   &metrics_);
+  CatalogHost host({.node_id = "n0", .incarnation = runtime_.incarnation()}, &view_, live_.get(), inventory_.get());
   const std::vector<std::string> lines = host.CatalogStatusLines();
   ASSERT_EQ(lines.size(), cluster::kNumShards);
   for (const std::string& line : lines) EXPECT_NE(line.find(" incomplete "), std::string::npos) << line;
@@ -235,7 +234,7 @@ TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndStopWithThe
   const uint32_t shard = inventory_->ShardFor(key);
   inventory_->Apply(shard, key, core::Tier::kDram, true, core::TransitionCause::kAdmit, 1, 4096);
   CatalogHost host({.node_id = "n0", .incarnation = runtime_.incarnation(), .budget_bytes = 1 << 20}, &view_,
-                   live_.get(), inventory_.get(), &metrics_);
+                   live_.get(), inventory_.get());
   ASSERT_TRUE(host.StartStreams(nullptr, self_).ok());
   ASSERT_TRUE(Eventually([&] {
     const CatalogHost::Summary s = host.Summarize();

@@ -20,7 +20,7 @@ int64_t WallMs() {
 }  // namespace
 
 PlacementDriver::PlacementDriver(Options options, cluster::Membership* membership,
-                                 cluster::CatalogProgress* progress, MetricsRegistry* metrics)
+                                 cluster::CatalogProgress* progress)
     : options_(std::move(options)),
       membership_(membership),
       reconciler_(
@@ -40,18 +40,6 @@ PlacementDriver::PlacementDriver(Options options, cluster::Membership* membershi
                   },
               .progress = progress},
           &membership->etcd()) {
-  started_ = &metrics->GetCounter("orbitkv_placement_changes_started_total",
-                                  "Catalog placement changes this Manager started as the reconciler leader");
-  committed_ = &metrics->GetCounter("orbitkv_placement_changes_committed_total",
-                                    "Catalog placement generations this Manager committed as the reconciler leader");
-  aborted_ = &metrics->GetCounter("orbitkv_placement_changes_aborted_total",
-                                  "Catalog placement changes this Manager aborted (a shard did not converge in time)");
-  shard_moves_ = &metrics->GetCounter("orbitkv_placement_shard_moves_total",
-                                      "Shards whose new catalog copies this Manager saw converge as the leader");
-  leading_gauge_ = &metrics->GetGauge("orbitkv_placement_reconciler_leading",
-                                      "1 while this Manager leads the placement reconciler");
-  moving_gauge_ = &metrics->GetGauge("orbitkv_placement_shards_moving",
-                                     "Catalog shards whose new copies are catching up now (at most 2)");
   const cluster::MemberRecord self = membership->self();
   leadership_ = std::make_shared<cluster::ReconcilerLeadership>(&membership->etcd(), options_.cluster, self.node_id,
                                                                 self.runtime_uuid);
@@ -110,9 +98,6 @@ std::chrono::milliseconds PlacementDriver::Round() {
     leadership = leadership_;
   }
   const std::shared_ptr<const cluster::LivePlacement::State> live = membership_->live_placement().Get();
-  moving_gauge_->Set(live->moving() ? static_cast<double>(live->transition->CountIn(cluster::ShardMove::State::kMoving))
-                                    : 0);
-  leading_gauge_->Set(leadership->leading() ? 1 : 0);
   // Steady state: nothing asked, nothing moving: no etcd call at all.
   if (!live->request.has_value() && !live->transition.has_value()) return options_.step_interval;
   if (!membership_->CanDoRemoteWork()) return options_.step_interval;  // no current registration or view
@@ -133,13 +118,6 @@ std::chrono::milliseconds PlacementDriver::Round() {
   }
   Result<cluster::PlacementReconciler::Outcome> outcome = reconciler_.Step(*leadership, deadline);
   const cluster::PlacementReconciler::Stats stats = reconciler_.stats();
-  const auto catch_up = [](Counter* counter, uint64_t total) {
-    if (total > counter->Value()) counter->Increment(total - counter->Value());
-  };
-  catch_up(started_, stats.started);
-  catch_up(committed_, stats.committed);
-  catch_up(aborted_, stats.aborted);
-  catch_up(shard_moves_, stats.shard_moves);
   std::string line;
   if (!outcome.ok()) {
     line = fmt::format("step failed: {}", outcome.status().ToString());
@@ -148,6 +126,7 @@ std::chrono::milliseconds PlacementDriver::Round() {
                        outcome->detail);
   }
   MutexLock lock(&mu_);
+  reconciler_stats_ = stats;
   if (line != last_outcome_) {
     ORBITKV_LOG_INFO("cluster {}: placement reconciler: {}", options_.cluster, line);
     last_outcome_ = line;
@@ -263,22 +242,38 @@ std::vector<std::string> PlacementDriver::Lines() const {
   return lines;
 }
 
-std::string PlacementDriver::StatusJson() const {
+void PlacementDriver::VisitStats(StatsVisitor& v) const {
   const std::shared_ptr<const cluster::LivePlacement::State> live = membership_->live_placement().Get();
   bool leading = false;
+  cluster::PlacementReconciler::Stats stats;
   {
     MutexLock lock(&mu_);
     leading = leadership_->leading();
+    stats = reconciler_stats_;
   }
   const bool moving = live->moving();
-  return fmt::format(", \"placement_generation\": {}, \"placement_change\": \"{}\", \"placement_shards_moving\": {}, "
-                     "\"placement_shards_ready\": {}, \"placement_reconciler_leading\": {}, "
-                     "\"placement_changes_committed\": {}, \"placement_changes_aborted\": {}",
-                     live->committed.generation(),
-                     live->transition ? cluster::PlacementPhaseName(live->transition->phase) : std::string_view("none"),
-                     moving ? live->transition->CountIn(cluster::ShardMove::State::kMoving) : 0,
-                     moving ? live->transition->CountIn(cluster::ShardMove::State::kReady) : 0, leading ? 1 : 0,
-                     committed_->Value(), aborted_->Value());
+  v.Gauge("placement_generation", live->committed.generation());
+  v.Text("placement_change",
+         live->transition ? cluster::PlacementPhaseName(live->transition->phase) : std::string_view("none"));
+  v.Gauge("placement_shards_moving",
+          moving ? static_cast<int64_t>(live->transition->CountIn(cluster::ShardMove::State::kMoving)) : 0,
+          {"orbitkv_placement_shards_moving", "Catalog shards whose new copies are catching up now (at most 2)"});
+  v.Gauge("placement_shards_ready",
+          moving ? static_cast<int64_t>(live->transition->CountIn(cluster::ShardMove::State::kReady)) : 0);
+  v.Gauge("placement_reconciler_leading", leading ? 1 : 0,
+          {"orbitkv_placement_reconciler_leading", "1 while this Manager leads the placement reconciler"});
+  v.Counter("", stats.started,
+            {"orbitkv_placement_changes_started_total",
+             "Catalog placement changes this Manager started as the reconciler leader"});
+  v.Counter("placement_changes_committed", stats.committed,
+            {"orbitkv_placement_changes_committed_total",
+             "Catalog placement generations this Manager committed as the reconciler leader"});
+  v.Counter("placement_changes_aborted", stats.aborted,
+            {"orbitkv_placement_changes_aborted_total",
+             "Catalog placement changes this Manager aborted (a shard did not converge in time)"});
+  v.Counter("", stats.shard_moves,
+            {"orbitkv_placement_shard_moves_total",
+             "Shards whose new catalog copies this Manager saw converge as the leader"});
 }
 
 }  // namespace orbitkv::server

@@ -24,9 +24,9 @@
 #include <thread>
 #include <vector>
 
-#include "base/metrics.h"
 #include "base/mutex.h"
 #include "base/result.h"
+#include "base/stats_visitor.h"
 #include "base/thread_annotations.h"
 #include "cluster/membership.h"
 #include "cluster/placement_reconciler.h"
@@ -45,8 +45,7 @@ class PlacementDriver {
   };
 
   // `membership` and `progress` must outlive the driver.
-  PlacementDriver(Options options, cluster::Membership* membership, cluster::CatalogProgress* progress,
-                  MetricsRegistry* metrics);
+  PlacementDriver(Options options, cluster::Membership* membership, cluster::CatalogProgress* progress);
   ~PlacementDriver();
 
   void Start() EXCLUDES(mu_);
@@ -64,7 +63,8 @@ class PlacementDriver {
 
   // `orbitkv catalog placement`: the placement, the reconciler and any change, shard by shard.
   std::vector<std::string> Lines() const EXCLUDES(mu_);
-  std::string StatusJson() const EXCLUDES(mu_);
+  // The reconciler's figures (its counts as of its last step, the live placement's state now).
+  void VisitStats(StatsVisitor& v) const EXCLUDES(mu_);
 
  private:
   void Run() EXCLUDES(mu_);
@@ -74,17 +74,12 @@ class PlacementDriver {
   const Options options_;
   cluster::Membership* const membership_;
   cluster::PlacementReconciler reconciler_;  // driven by the Run thread only
-  Counter* started_;
-  Counter* committed_;
-  Counter* aborted_;
-  Counter* shard_moves_;
-  Gauge* leading_gauge_;
-  Gauge* moving_gauge_;
 
   mutable Mutex mu_;
   std::condition_variable_any wake_;
   std::shared_ptr<cluster::ReconcilerLeadership> leadership_ GUARDED_BY(mu_);
   std::string last_outcome_ GUARDED_BY(mu_);
+  cluster::PlacementReconciler::Stats reconciler_stats_ GUARDED_BY(mu_);  // as of the last step
   bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

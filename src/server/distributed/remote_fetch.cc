@@ -33,19 +33,6 @@ RemoteFetcher::RemoteFetcher(Options options, core::BlockCache* cache, catalog::
   staging.global_bytes = options_.staging_budget_bytes != 0 ? options_.staging_budget_bytes
                                                             : cache_->pool().Stats().capacity_bytes / 4;
   staging_ = std::make_unique<core::Budget>(std::move(staging), metrics);
-  discovery_rpcs_ = &metrics->GetCounter("orbitkv_discovery_rpcs_total",
-                                         "Catalog Lookup RPCs this Manager sent to learn who holds missed blocks");
-  fetches_ = &metrics->GetCounter("orbitkv_remote_fetches_total", "Remote stages of Loading operations run");
-  fetched_bytes_ = &metrics->GetCounter("orbitkv_remote_fetched_bytes_total",
-                                        "Bytes read from peers into DRAM blocks (verified and sealed)");
-  no_source_ = &metrics->GetCounter("orbitkv_remote_no_source_total",
-                                    "Remote stages that found no peer granting the next block (a local answer)");
-  failed_ = &metrics->GetCounter("orbitkv_remote_fetch_failures_total",
-                                 "Remote stages whose transfer failed part-way (the prefix stopped there)");
-  authorizations_ = &metrics->GetCounter("orbitkv_source_authorizations_total",
-                                         "Authorize RPCs this Manager sent to sources");
-  rejections_ = &metrics->GetCounter("orbitkv_candidate_rejections_total",
-                                     "Authorizations a source refused (stale or not in DRAM): stale candidates");
   for (size_t i = 0; i < options_.threads; ++i) threads_.emplace_back([this] { Work(); });
 }
 
@@ -117,11 +104,7 @@ std::pair<uint32_t, uint64_t> RemoteFetcher::Locate(const uint8_t* data) const {
 }
 
 std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<Fetched>* fetched) {
-  fetches_->Increment();
-  {
-    MutexLock lock(&mu_);
-    ++stats_.fetches;
-  }
+  counts_.fetches.fetch_add(1, std::memory_order_relaxed);
   std::vector<core::BlockPin> pins;
   // What is resident at the front needs no fetch.
   size_t local = cache_->table().PinPrefix(job.keys, &pins);
@@ -133,21 +116,14 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   std::optional<Flights<state::StateKey, state::StateKeyHash>::Ticket> flight =
       flights_.WaitOrStart(job.keys[local], job.deadline);
   if (!flight.has_value()) {
-    {
-      MutexLock lock(&mu_);
-      ++stats_.shared;
-    }
+    counts_.shared.fetch_add(1, std::memory_order_relaxed);
     local += cache_->table().PinPrefix(std::span(job.keys).subspan(local), &pins);
     if (local == job.keys.size() || job.deadline.Expired()) return pins;
     flight.emplace(flights_.Start(job.keys[local]));
   }
   const std::span<const state::StateKey> rest(job.keys.data() + local, job.keys.size() - local);
   const catalog::Discovery::Outcome learnt = discovery_->Discover(rest);
-  discovery_rpcs_->Increment(learnt.rpcs);
-  {
-    MutexLock lock(&mu_);
-    stats_.discovery_rpcs += learnt.rpcs;
-  }
+  counts_.discovery_rpcs.fetch_add(learnt.rpcs, std::memory_order_relaxed);
   // One grant after another while a source says more of its span is coming (issue 56: a span it reads from its SSD
   // is granted piece by piece, so this side reads one piece while the source reads the next): each grant but the
   // last is released as soon as it was read; the last one after the engine's operation completed.
@@ -161,21 +137,14 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
     authorize.deadline = job.deadline;
     ExcludeOpenSources(&authorize);
     catalog::AuthorizeOutcome outcome = catalog::AuthorizeBest(todo, *index_, *sources_, authorize);
-    authorizations_->Increment(outcome.attempts + outcome.polls);
-    rejections_->Increment(outcome.rejections);
-    {
-      MutexLock lock(&mu_);
-      stats_.authorizations += outcome.attempts + outcome.polls;
-      stats_.rejections += outcome.rejections;
-      stats_.authorize_polls += outcome.polls;
-      stats_.source_backpressure += outcome.backpressure;
-      stats_.source_missing += outcome.missing;
-    }
+    counts_.authorizations.fetch_add(outcome.attempts + outcome.polls, std::memory_order_relaxed);
+    counts_.rejections.fetch_add(outcome.rejections, std::memory_order_relaxed);
+    counts_.authorize_polls.fetch_add(outcome.polls, std::memory_order_relaxed);
+    counts_.source_backpressure.fetch_add(outcome.backpressure, std::memory_order_relaxed);
+    counts_.source_missing.fetch_add(outcome.missing, std::memory_order_relaxed);
     if (!outcome.authorized.has_value()) {
       if (todo.size() == rest.size()) {  // nothing at all came from a peer
-        no_source_->Increment();
-        MutexLock lock(&mu_);
-        ++stats_.no_source;
+        counts_.no_source.fetch_add(1, std::memory_order_relaxed);
       }
       if (!outcome.last_error.ok()) {
         ORBITKV_LOG_DEBUG("remote: no source for {} blocks: {}", todo.size(), outcome.last_error.ToString());
@@ -195,16 +164,20 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
     const size_t before = pins.size();
     const bool transferred = ReadGranted(*outcome.authorized, reads, &pins, job.progress);
     const catalog::SourceGrant& grant = outcome.authorized->reply.grant;
-    {
+    if (pins.size() > before) {
+      counts_.fetch_ns.fetch_add(
+          static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(MonoNow() - started).count()),
+          std::memory_order_relaxed);
+    }
+    uint64_t from_ssd = 0;
+    for (size_t i = 0; i < pins.size() - before && i < outcome.authorized->span.versions.size(); ++i) {
+      from_ssd += outcome.authorized->span.versions[i].tier == catalog::kSourceSsd ? 1 : 0;
+    }
+    counts_.fetched_ssd_blocks.fetch_add(from_ssd, std::memory_order_relaxed);
+    if (!transferred) {
       MutexLock lock(&mu_);
-      if (pins.size() > before) stats_.fetch_seconds += std::chrono::duration<double>(MonoNow() - started).count();
-      for (size_t i = 0; i < pins.size() - before && i < outcome.authorized->span.versions.size(); ++i) {
-        stats_.fetched_ssd_blocks += outcome.authorized->span.versions[i].tier == catalog::kSourceSsd ? 1 : 0;
-      }
-      if (!transferred) {
-        source_open_until_[{outcome.authorized->span.node, outcome.authorized->span.runtime}] =
-            MonoNow() + options_.source_breaker;
-      }
+      source_open_until_[{outcome.authorized->span.node, outcome.authorized->span.runtime}] =
+          MonoNow() + options_.source_breaker;
     }
     const bool more = transferred && grant.stop == catalog::SourceOutcome::kMore &&
                       pins.size() == before + grant.granted && pins.size() < job.keys.size() &&
@@ -225,7 +198,7 @@ void RemoteFetcher::ExcludeOpenSources(catalog::AuthorizeOptions* authorize) {
       it = source_open_until_.erase(it);
     } else {
       authorize->excluded.insert(it->first);
-      ++stats_.sources_skipped;
+      counts_.sources_skipped.fetch_add(1, std::memory_order_relaxed);
       ++it;
     }
   }
@@ -340,7 +313,7 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
     if (!descriptor.ok()) {
       ORBITKV_LOG_WARN("remote: {} sent a bad region descriptor: {}", authorized.span.node,
                        descriptor.status().ToString());
-      failed_->Increment();
+      counts_.failed.fetch_add(1, std::memory_order_relaxed);
       return false;
     }
     read.remotes.push_back(std::move(*descriptor));
@@ -386,12 +359,9 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
     }
     // `batch` goes: unsealed writers abort, the staging charge returns (sealed ones were charged until now).
   }
-  fetched_bytes_->Increment(fetched_bytes);
-  if (read.failure) failed_->Increment();
-  MutexLock lock(&mu_);
-  stats_.fetched_blocks += fetched_blocks;
-  stats_.fetched_bytes += fetched_bytes;
-  stats_.failed += read.failure ? 1 : 0;
+  counts_.fetched_blocks.fetch_add(fetched_blocks, std::memory_order_relaxed);
+  counts_.fetched_bytes.fetch_add(fetched_bytes, std::memory_order_relaxed);
+  if (read.failure) counts_.failed.fetch_add(1, std::memory_order_relaxed);
   return !read.failure;
 }
 
@@ -409,10 +379,55 @@ void RemoteFetcher::ReleaseGrant(const catalog::Authorized& authorized, uint64_t
 }
 
 RemoteFetcher::Stats RemoteFetcher::GetStats() const {
-  MutexLock lock(&mu_);
-  Stats stats = stats_;
+  const auto read = [](const std::atomic<uint64_t>& count) { return count.load(std::memory_order_relaxed); };
+  Stats stats;
+  stats.fetches = read(counts_.fetches);
+  stats.fetched_blocks = read(counts_.fetched_blocks);
+  stats.fetched_bytes = read(counts_.fetched_bytes);
+  stats.no_source = read(counts_.no_source);
+  stats.failed = read(counts_.failed);
+  stats.authorizations = read(counts_.authorizations);
+  stats.rejections = read(counts_.rejections);
   stats.staging_bytes = staging_->reserved_bytes();
+  stats.discovery_rpcs = read(counts_.discovery_rpcs);
+  stats.shared = read(counts_.shared);
+  stats.sources_skipped = read(counts_.sources_skipped);
+  stats.fetch_seconds = static_cast<double>(read(counts_.fetch_ns)) / 1e9;
+  stats.fetched_ssd_blocks = read(counts_.fetched_ssd_blocks);
+  stats.authorize_polls = read(counts_.authorize_polls);
+  stats.source_backpressure = read(counts_.source_backpressure);
+  stats.source_missing = read(counts_.source_missing);
   return stats;
+}
+
+void RemoteFetcher::VisitStats(StatsVisitor& v) const {
+  const Stats s = GetStats();
+  v.Counter("remote_fetches", s.fetches, {"orbitkv_remote_fetches_total", "Remote stages of Loading operations run"});
+  v.Counter("remote_fetched_blocks", s.fetched_blocks);
+  v.Counter("remote_fetched_bytes", s.fetched_bytes,
+            {"orbitkv_remote_fetched_bytes_total", "Bytes read from peers into DRAM blocks (verified and sealed)"});
+  v.Counter("remote_no_source", s.no_source,
+            {"orbitkv_remote_no_source_total",
+             "Remote stages that found no peer granting the next block (a local answer)"});
+  v.Counter("remote_fetch_failures", s.failed,
+            {"orbitkv_remote_fetch_failures_total",
+             "Remote stages whose transfer failed part-way (the prefix stopped there)"});
+  v.Gauge("remote_staging_bytes", static_cast<int64_t>(s.staging_bytes),
+          {"orbitkv_remote_staging_bytes", "Pool bytes of blocks being fetched from peers, not sealed yet"});
+  v.Counter("discovery_rpcs", s.discovery_rpcs,
+            {"orbitkv_discovery_rpcs_total", "Catalog Lookup RPCs this Manager sent to learn who holds missed blocks"});
+  v.Counter("source_authorizations", s.authorizations,
+            {"orbitkv_source_authorizations_total", "Authorize RPCs this Manager sent to sources"});
+  v.Counter("candidate_rejections", s.rejections,
+            {"orbitkv_candidate_rejections_total",
+             "Authorizations a source refused (stale or not in DRAM): stale candidates"});
+  v.Counter("remote_ssd_fetched_blocks", s.fetched_ssd_blocks);
+  v.Counter("remote_authorize_polls", s.authorize_polls);
+  v.Counter("remote_ssd_backpressure", s.source_backpressure);
+  v.Counter("remote_ssd_missing", s.source_missing);
+  v.Counter("remote_fetches_shared", s.shared);
+  v.Real("remote_fetch_seconds", s.fetch_seconds, 6);
+  v.Counter("remote_sources_skipped", s.sources_skipped);
 }
 
 }  // namespace orbitkv::server

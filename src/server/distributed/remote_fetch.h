@@ -34,6 +34,7 @@
 
 #include "base/flights.h"
 #include "base/metrics.h"
+#include "base/stats_visitor.h"
 #include "base/mutex.h"
 #include "catalog/candidate_index.h"
 #include "catalog/discovery.h"
@@ -94,6 +95,8 @@ class RemoteFetcher {
   // work is off.
   std::optional<LoadingStage> Stage(std::vector<state::StateKey> keys);
   Stats GetStats() const;
+  // Its figures, each under its stats JSON key and, where exported, its orbitkv_* metric.
+  void VisitStats(StatsVisitor& v) const;
 
  private:
   struct Job {
@@ -136,20 +139,20 @@ class RemoteFetcher {
   std::unique_ptr<core::Budget> staging_;
   std::atomic<uint64_t> next_request_;
 
-  Counter* discovery_rpcs_;
-  Counter* fetches_;
-  Counter* fetched_bytes_;
-  Counter* no_source_;
-  Counter* failed_;
-  Counter* authorizations_;
-  Counter* rejections_;
+  // Each figure counted once, here (relaxed: they order nothing); GetStats and VisitStats read them.
+  struct Counts {
+    std::atomic<uint64_t> fetches{0}, fetched_blocks{0}, fetched_bytes{0}, no_source{0}, failed{0};
+    std::atomic<uint64_t> authorizations{0}, rejections{0}, discovery_rpcs{0}, shared{0}, sources_skipped{0};
+    std::atomic<uint64_t> fetch_ns{0}, fetched_ssd_blocks{0}, authorize_polls{0}, source_backpressure{0};
+    std::atomic<uint64_t> source_missing{0};
+  };
+  Counts counts_;
 
   mutable Mutex mu_;
   std::condition_variable_any wake_;
   std::deque<Job> queue_ GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, MonoTime> source_open_until_ GUARDED_BY(mu_);
   bool stop_ GUARDED_BY(mu_) = false;
-  Stats stats_ GUARDED_BY(mu_);
   std::vector<std::thread> threads_;
 };
 

@@ -35,28 +35,11 @@ Requester::Requester(const ManagerConfig& config, Parts parts, MetricsRegistry* 
   // Authorizations go straight to the peers; releases through the release queue's own workers.
   fetcher_ = std::make_unique<RemoteFetcher>(std::move(fetch), parts.cache, &index_, discovery_.get(), &releases_,
                                              parts.engine, std::move(parts.arenas), metrics);
-  index_entries_ = &metrics->GetGauge("orbitkv_candidate_index_entries", "Blocks the candidate index knows holders of");
-  index_bytes_ = &metrics->GetGauge("orbitkv_candidate_index_bytes",
-                                    "Logical bytes of the candidate index (of its 16 MiB budget)");
-  index_hits_ = &metrics->GetGauge("orbitkv_candidate_index_hits",
-                                   "Candidate index reads that found a fresh holder (since start)");
-  index_misses_ = &metrics->GetGauge("orbitkv_candidate_index_misses",
-                                     "Candidate index reads that found none, or only expired ones (since start)");
-  staging_bytes_ = &metrics->GetGauge("orbitkv_remote_staging_bytes",
-                                      "Pool bytes of blocks being fetched from peers, not sealed yet");
-  gauges_ = std::thread([this] {
-    while (!stop_.load(std::memory_order_acquire)) {
-      RefreshGauges();
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  });
 }
 
 Requester::~Requester() {
   fetcher_->Stop();
   releases_.Stop();  // after the fetches: their last releases are queued
-  stop_.store(true, std::memory_order_release);
-  if (gauges_.joinable()) gauges_.join();
 }
 
 void Requester::OnRegistered(const catalog::PeerIdentity& self) {
@@ -65,17 +48,34 @@ void Requester::OnRegistered(const catalog::PeerIdentity& self) {
   discovery_->ResetBreakers();
 }
 
-Requester::Stats Requester::GetStats() const {
-  return Stats{fetcher_->GetStats(), index_.GetStats(), discovery_->GetStats(), releases_.GetStats(), fetch_workers_};
-}
-
-void Requester::RefreshGauges() {
+void Requester::VisitStats(StatsVisitor& v) const {
+  fetcher_->VisitStats(v);
   const catalog::CandidateIndex::Stats i = index_.GetStats();
-  index_entries_->Set(static_cast<int64_t>(i.entries));
-  index_bytes_->Set(static_cast<int64_t>(i.bytes));
-  index_hits_->Set(static_cast<int64_t>(i.hits));
-  index_misses_->Set(static_cast<int64_t>(i.misses));
-  staging_bytes_->Set(static_cast<int64_t>(fetcher_->GetStats().staging_bytes));
+  v.Gauge("candidate_index_entries", static_cast<int64_t>(i.entries),
+          {"orbitkv_candidate_index_entries", "Blocks the candidate index knows holders of"});
+  v.Gauge("candidate_index_bytes", static_cast<int64_t>(i.bytes),
+          {"orbitkv_candidate_index_bytes", "Logical bytes of the candidate index (of its 16 MiB budget)"});
+  v.Gauge("candidate_index_hits", static_cast<int64_t>(i.hits),
+          {"orbitkv_candidate_index_hits", "Candidate index reads that found a fresh holder (since start)"});
+  v.Gauge("candidate_index_misses", static_cast<int64_t>(i.misses),
+          {"orbitkv_candidate_index_misses",
+           "Candidate index reads that found none, or only expired ones (since start)"});
+  const catalog::ReleaseQueue::Stats q = releases_.GetStats();
+  v.Counter("remote_releases_queued", q.queued);
+  v.Counter("remote_releases_released", q.released);
+  v.Counter("remote_releases_not_held", q.not_held);
+  v.Counter("remote_releases_retries", q.retries);
+  v.Counter("remote_releases_abandoned", q.abandoned);
+  v.Gauge("remote_releases_pending", static_cast<int64_t>(q.pending));
+  const catalog::Discovery::Stats d = discovery_->GetStats();
+  v.Counter("discovery_skipped_hosts", d.skipped_hosts);
+  v.Counter("discovery_failed_hosts", d.failed_hosts);
+  v.Counter("discovery_coalesced", d.coalesced);
+  v.Gauge("discovery_max_hosts_in_flight", static_cast<int64_t>(d.max_hosts_in_flight));
+  v.Counter("discovery_refused_hosts", d.refused_hosts);
+  v.Counter("discovery_failovers", d.failovers);
+  v.Counter("discovery_hedges", d.hedges);
+  v.Gauge("remote_fetch_workers", static_cast<int64_t>(fetch_workers_));
 }
 
 }  // namespace orbitkv::server

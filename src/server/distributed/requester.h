@@ -1,7 +1,7 @@
 // The requester: how this Manager fetches prefixes its local tiers miss from peers (seed 000, "Query path"). It
 // owns the candidate index (who held which block lately), the gRPC requester transport (Lookup, Authorize, Release
 // and CatalogStatus to peers), the release queue, discovery over the catalog copies, and the RemoteFetcher that runs
-// remote stages, with a thread that refreshes the index and staging gauges.
+// remote stages. Its figures are read when visited (VisitStats), never copied.
 //
 // Lifetime: it reads through the transfer engine, so it must stop (be destroyed) before the engine; the placement
 // driver asks the copies through its transport, so the driver must stop before it.
@@ -47,18 +47,10 @@ class Requester {
     std::vector<transfer::RegionHandle> arenas;
     std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure channels
   };
-  // What remote work has done, for `orbitkv stats` and the metrics.
-  struct Stats {
-    RemoteFetcher::Stats fetch;
-    catalog::CandidateIndex::Stats index;
-    catalog::Discovery::Stats discovery;
-    catalog::ReleaseQueue::Stats releases;
-    size_t fetch_workers = 0;  // --remote-fetch-workers
-  };
 
   Requester(const ManagerConfig& config, Parts parts, MetricsRegistry* metrics);
-  // Stops fetching (running fetches finish within their deadlines), the release queue after the last release was
-  // queued, and the gauge thread.
+  // Stops fetching (running fetches finish within their deadlines), then the release queue after the last release
+  // was queued.
   ~Requester();
   Requester(const Requester&) = delete;
   Requester& operator=(const Requester&) = delete;
@@ -70,24 +62,16 @@ class Requester {
   std::optional<LoadingStage> Stage(std::vector<state::StateKey> keys) { return fetcher_->Stage(std::move(keys)); }
   // The placement reconciler's CatalogStatus RPCs go through the requester's channels.
   cluster::CatalogProgress* progress() { return &transport_; }
-  Stats GetStats() const;
+  // What remote work has done: the fetcher's, the candidate index's, the release queue's and discovery's figures.
+  void VisitStats(StatsVisitor& v) const;
 
  private:
-  void RefreshGauges();
-
   catalog::CandidateIndex index_;
   catalog::GrpcRequesterTransport transport_;
   catalog::ReleaseQueue releases_;  // over transport_
   std::unique_ptr<catalog::Discovery> discovery_;
   std::unique_ptr<RemoteFetcher> fetcher_;
-  const size_t fetch_workers_;
-  Gauge* index_entries_;
-  Gauge* index_bytes_;
-  Gauge* index_hits_;
-  Gauge* index_misses_;
-  Gauge* staging_bytes_;
-  std::atomic<bool> stop_{false};
-  std::thread gauges_;
+  const size_t fetch_workers_;  // --remote-fetch-workers
 };
 
 }  // namespace orbitkv::server

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "base/metrics.h"
+#include "base/stats_visitor.h"
 #include "catalog/source_holds.h"
 #include "catalog/transfer_grants.h"
 #include "cluster/member_view.h"
@@ -39,7 +40,8 @@ class Source {
   Source& operator=(const Source&) = delete;
 
   catalog::SourceHolds* holds() { return holds_.get(); }
-  catalog::SourceHolds::Stats GetStats() const { return holds_->GetStats(); }
+  // The holds' figures under their source_* stats keys (their orbitkv_source_* metrics are the holds' own).
+  void VisitStats(StatsVisitor& v) const;
 
   // The registration lapsed: every grant this source gave goes (quarantined until drained), and no new one is
   // given until OnRegistered.
