@@ -102,6 +102,14 @@ void LivePlacement::Publish(std::shared_ptr<State> next) {
   version_.fetch_add(1, std::memory_order_acq_rel);
 }
 
+void LivePlacement::LogIgnored(std::string_view what, const Status& status) {
+  const std::string line = fmt::format("{}: {}", what, status.message());
+  if (line != last_ignored_) {
+    ORBITKV_LOG_WARN("cluster: ignoring the {} record: {}", what, status.message());
+    last_ignored_ = line;
+  }
+}
+
 std::string LivePlacement::Apply(const std::map<std::string, std::string>& records) {
   MutexLock lock(&mu_);
   auto next = std::make_shared<State>(*state_);
@@ -122,12 +130,8 @@ std::string LivePlacement::Apply(const std::map<std::string, std::string>& recor
     }
     next->committed = *std::move(committed);
   }
-  const auto ignore = [&](std::string_view what, const Status& status) {
-    const std::string line = fmt::format("{}: {}", what, status.message());
-    if (line != last_ignored_) {
-      ORBITKV_LOG_WARN("cluster: ignoring the {} record: {}", what, status.message());
-      last_ignored_ = line;
-    }
+  const auto ignore = [this](std::string_view what, const Status& status) NO_THREAD_SAFETY_ANALYSIS {
+    LogIgnored(what, status);  // under `lock` (the analysis does not follow it into lambdas)
   };
   // The record `name` into `out` (none when absent or malformed).
   const auto decode = [&]<typename T>(std::string_view name, std::optional<T>* out) {

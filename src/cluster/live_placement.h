@@ -83,6 +83,8 @@ class LivePlacement {
  private:
   // Replaces the state (version bumped) when it differs.
   void Publish(std::shared_ptr<State> next) REQUIRES(mu_);
+  // Logs a malformed record once (until another one is ignored).
+  void LogIgnored(std::string_view what, const Status& status) REQUIRES(mu_);
   // "" or why `incoming` may not replace `current`.
   static std::string Regression(const Placement& current, const Placement& incoming);
 
