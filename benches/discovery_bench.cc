@@ -128,8 +128,7 @@ int main(int argc, char** argv) {
     arenas.push_back(*region);
   }
   catalog::TransferGrantIssuer issuer(engine->get(), arenas);
-  catalog::SourceHolds holds({}, &(*cache)->table(), &(*cache)->pool(), &(*cache)->transfer_budget(), &issuer,
-                             &metrics);
+  catalog::SourceHolds holds({}, &(*cache)->table(), &(*cache)->pool(), &(*cache)->transfer_budget(), &issuer);
 
   // Three catalog hosts and the source's listener.
   std::vector<std::unique_ptr<Server>> catalogs;

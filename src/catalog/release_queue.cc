@@ -8,17 +8,8 @@
 
 namespace orbitkv::catalog {
 
-ReleaseQueue::ReleaseQueue(Options options, SourceTransport* inner, MetricsRegistry* metrics)
+ReleaseQueue::ReleaseQueue(Options options, SourceTransport* inner)
     : options_(std::move(options)), inner_(inner) {
-  if (metrics != nullptr) {
-    const char* help = "Grant releases this requester sent to sources, by outcome";
-    released_ = &metrics->GetCounter("orbitkv_remote_releases_total", help, {{"outcome", "released"}});
-    not_held_ = &metrics->GetCounter("orbitkv_remote_releases_total", help, {{"outcome", "not_held"}});
-    abandoned_ = &metrics->GetCounter("orbitkv_remote_releases_total", help, {{"outcome", "abandoned"}});
-    dropped_ = &metrics->GetCounter("orbitkv_remote_releases_total", help, {{"outcome", "dropped"}});
-    pending_gauge_ = &metrics->GetGauge("orbitkv_remote_releases_pending",
-                                        "Grant releases waiting for their source (queued or being sent)");
-  }
   for (size_t i = 0; i < std::max<size_t>(options_.workers, 1); ++i) {
     workers_.emplace_back([this] { Work(); });
   }
@@ -55,7 +46,6 @@ Result<bool> ReleaseQueue::Release(const std::string& node, const std::string& r
   MutexLock lock(&mu_);
   if (stop_ || due_.size() + sending_ >= options_.max_queued) {
     ++stats_.dropped;
-    if (dropped_ != nullptr) dropped_->Increment();
     return Status::ResourceExhausted(fmt::format(
         "{} grant releases are waiting already: grant {:x} at '{}' expires there instead", due_.size() + sending_,
         grant_id, node));
@@ -63,7 +53,6 @@ Result<bool> ReleaseQueue::Release(const std::string& node, const std::string& r
   const MonoTime now = MonoNow();
   due_.emplace(now, Item{node, runtime, request_id, grant_id, grant_secret, now + options_.give_up_after, options_.backoff_min});
   ++stats_.queued;
-  if (pending_gauge_ != nullptr) pending_gauge_->Set(static_cast<int64_t>(due_.size() + sending_));
   wake_.notify_one();
   return true;
 }
@@ -113,10 +102,8 @@ void ReleaseQueue::Work() {
     if (answer.ok() || answer.status().code() == StatusCode::kNotFound) {
       const bool held = answer.ok() && *answer;
       ++(held ? stats_.released : stats_.not_held);
-      if (Counter* c = held ? released_ : not_held_; c != nullptr) c->Increment();
     } else if (now + item.backoff >= item.give_up) {
       ++stats_.abandoned;
-      if (abandoned_ != nullptr) abandoned_->Increment();
       ORBITKV_LOG_WARN("remote: releasing grant {:x} at '{}' failed until its lifetime ended ({}); the source "
                        "revoked it at its deadline",
                        item.grant_id, item.node, answer.status().ToString());
@@ -129,7 +116,6 @@ void ReleaseQueue::Work() {
       due_.emplace(next, std::move(item));
       wake_.notify_one();
     }
-    if (pending_gauge_ != nullptr) pending_gauge_->Set(static_cast<int64_t>(due_.size() + sending_));
   }
 }
 
@@ -138,6 +124,20 @@ ReleaseQueue::Stats ReleaseQueue::GetStats() const {
   Stats stats = stats_;
   stats.pending = due_.size() + sending_;
   return stats;
+}
+
+void ReleaseQueue::VisitStats(StatsVisitor& v) const {
+  const Stats s = GetStats();
+  constexpr std::string_view kName = "orbitkv_remote_releases_total";
+  constexpr std::string_view kHelp = "Grant releases this requester sent to sources, by outcome";
+  v.Counter("remote_releases_queued", s.queued);
+  v.Counter("remote_releases_released", s.released, {kName, kHelp, "outcome", "released"});
+  v.Counter("remote_releases_not_held", s.not_held, {kName, kHelp, "outcome", "not_held"});
+  v.Counter("remote_releases_retries", s.retries);
+  v.Counter("remote_releases_abandoned", s.abandoned, {kName, kHelp, "outcome", "abandoned"});
+  v.Counter("", s.dropped, {kName, kHelp, "outcome", "dropped"});
+  v.Gauge("remote_releases_pending", static_cast<int64_t>(s.pending),
+          {"orbitkv_remote_releases_pending", "Grant releases waiting for their source (queued or being sent)"});
 }
 
 }  // namespace orbitkv::catalog

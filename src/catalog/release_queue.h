@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "base/clock.h"
-#include "base/metrics.h"
+#include "base/stats_visitor.h"
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 #include "catalog/remote_plan.h"
@@ -50,8 +50,8 @@ class ReleaseQueue final : public SourceTransport {
     size_t pending = 0;      // waiting or being sent now
   };
 
-  // `inner` (and `metrics`, may be null) must outlive the queue. Starts the workers.
-  ReleaseQueue(Options options, SourceTransport* inner, MetricsRegistry* metrics);
+  // `inner` must outlive the queue. Starts the workers.
+  ReleaseQueue(Options options, SourceTransport* inner);
   // Stop().
   ~ReleaseQueue() override;
   // Ends the workers after the RPCs in flight; releases still queued are not sent (their grants expire at the
@@ -67,6 +67,8 @@ class ReleaseQueue final : public SourceTransport {
                        const std::string& grant_secret, Deadline deadline) override EXCLUDES(mu_);
 
   Stats GetStats() const EXCLUDES(mu_);
+  // The remote_releases_* stats keys, orbitkv_remote_releases_total by outcome and orbitkv_remote_releases_pending.
+  void VisitStats(StatsVisitor& v) const EXCLUDES(mu_);
 
  private:
   struct Item {
@@ -82,11 +84,6 @@ class ReleaseQueue final : public SourceTransport {
 
   const Options options_;
   SourceTransport* const inner_;
-  Counter* released_ = nullptr;
-  Counter* not_held_ = nullptr;
-  Counter* abandoned_ = nullptr;
-  Counter* dropped_ = nullptr;
-  Gauge* pending_gauge_ = nullptr;
 
   mutable Mutex mu_;
   std::condition_variable_any wake_;

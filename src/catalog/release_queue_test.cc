@@ -2,6 +2,8 @@
 // deadline), one that answers.
 #include "catalog/release_queue.h"
 
+#include "base/metrics.h"
+
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -71,8 +73,7 @@ ReleaseQueue::Options Quick() {
 TEST(ReleaseQueueTest, APartitionedSourceDelaysNeitherTheCallerNorOtherSourcesAndItsReleaseGoesThroughOnceHealed) {
   PartitionedSources sources;
   sources.partitioned.insert("p");
-  MetricsRegistry metrics;
-  ReleaseQueue queue(Quick(), &sources, &metrics);
+  ReleaseQueue queue(Quick(), &sources);
   // Both calls return before anything was answered: the caller (a fetch worker) never waits for a source.
   ASSERT_TRUE(queue.Release("p", "rt-p", 1, 11, "secret", Deadline::After(std::chrono::seconds(2))).value());
   ASSERT_TRUE(queue.Release("q", "rt-q", 2, 22, "secret", Deadline::After(std::chrono::seconds(2))).value());
@@ -101,7 +102,7 @@ TEST(ReleaseQueueTest, ARestartedSourceEndsTheReleaseAndOneNeverHealedIsAbandone
   sources.partitioned.insert("p");
   ReleaseQueue::Options options = Quick();
   options.give_up_after = std::chrono::milliseconds(300);
-  ReleaseQueue queue(options, &sources, nullptr);
+  ReleaseQueue queue(options, &sources);
   ASSERT_TRUE(queue.Release("g", "rt-g", 1, 11, "secret", Deadline::Infinite()).ok());
   ASSERT_TRUE(queue.Release("p", "rt-p", 2, 22, "secret", Deadline::Infinite()).ok());
   for (int i = 0; i < 30000 && queue.GetStats().pending != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -120,7 +121,7 @@ TEST(ReleaseQueueTest, ARestartedSourceEndsTheReleaseAndOneNeverHealedIsAbandone
 TEST(ReleaseQueueTest, ManyReleasesToOneUnreachableSourceHoldOneWorkerAtMost) {
   PartitionedSources sources;
   sources.partitioned.insert("p");
-  ReleaseQueue queue(Quick(), &sources, nullptr);
+  ReleaseQueue queue(Quick(), &sources);
   for (uint64_t i = 0; i < 6; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, "secret", Deadline::Infinite()).ok());
   ASSERT_TRUE(sources.WaitFor([&] { return sources.attempts["p"] >= 3; }));
   ASSERT_TRUE(queue.Release("q", "rt-q", 9, 999, "secret", Deadline::Infinite()).ok());
@@ -141,11 +142,16 @@ TEST(ReleaseQueueTest, PastItsBoundTheQueueRefusesAndCountsTheDrop) {
   options.max_queued = 3;
   options.workers = 1;
   MetricsRegistry metrics;
-  ReleaseQueue queue(options, &sources, &metrics);
+  ReleaseQueue queue(options, &sources);
+  // Its figures reach /metrics through a collector, read when scraped (declared after the queue: it goes first).
+  auto collector = metrics.AddCollector([&queue](StatsVisitor& v) { queue.VisitStats(v); });
   for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, "secret", Deadline::Infinite()).ok());
   Result<bool> over = queue.Release("p", "rt-p", 9, 109, "secret", Deadline::Infinite());
   EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
   EXPECT_EQ(queue.GetStats().dropped, 1u);
+  const std::string text = metrics.RenderPrometheus();
+  EXPECT_NE(text.find("orbitkv_remote_releases_total{outcome=\"dropped\"} 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("orbitkv_remote_releases_pending 3\n"), std::string::npos) << text;
   sources.Heal("p");
   ASSERT_TRUE(sources.WaitFor([&] { return sources.released.size() == 3; }));
   queue.Stop();

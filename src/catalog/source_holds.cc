@@ -38,25 +38,8 @@ std::string_view SourceOutcomeName(SourceOutcome outcome) {
 }
 
 SourceHolds::SourceHolds(Options options, core::BlockTable* table, core::PinnedPool* pool, core::Budget* budget,
-                         GrantIssuer* issuer, MetricsRegistry* metrics)
+                         GrantIssuer* issuer)
     : options_(std::move(options)), table_(table), pool_(pool), budget_(budget), issuer_(issuer) {
-  if (metrics != nullptr) {
-    sessions_gauge_ = &metrics->GetGauge("orbitkv_source_sessions",
-                                         "Transfer sessions this source holds for peers (quarantined included)");
-    pinned_gauge_ = &metrics->GetGauge("orbitkv_source_pinned_bytes",
-                                       "Pool bytes this source keeps pinned for peers' transfers");
-    quarantined_gauge_ = &metrics->GetGauge(
-        "orbitkv_source_quarantined_bytes",
-        "Pinned bytes of grants past their deadline or of vanished requesters, kept until the transport drained");
-    const std::string help = "Source authorizations refused, by reason";
-    stale_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "stale"}});
-    not_dram_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "not_in_dram"}});
-    exhausted_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "resource_exhausted"}});
-    ssd_backpressure_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "ssd_backpressure"}});
-    ssd_missing_ = &metrics->GetCounter("orbitkv_source_rejections_total", help, {{"reason", "ssd_missing"}});
-    ssd_prepared_bytes_ = &metrics->GetCounter("orbitkv_source_ssd_prepared_bytes_total",
-                                               "Bytes this source read from its SSD into DRAM for peers (issue 56)");
-  }
 }
 
 SourceHolds::~SourceHolds() {
@@ -66,14 +49,13 @@ SourceHolds::~SourceHolds() {
 }
 
 void SourceHolds::Reject(SourceOutcome why) {
-  Counter* counter = why == SourceOutcome::kNotInDram     ? not_dram_
-                     : why == SourceOutcome::kStale        ? stale_
-                     : why == SourceOutcome::kBackpressure ? ssd_backpressure_
-                     : why == SourceOutcome::kMissing      ? ssd_missing_
-                                                           : exhausted_;
-  if (counter != nullptr) counter->Increment();
   MutexLock lock(&mu_);
   ++stats_.rejected;
+  ++(why == SourceOutcome::kNotInDram     ? stats_.rejected_not_in_dram
+     : why == SourceOutcome::kStale        ? stats_.rejected_stale
+     : why == SourceOutcome::kBackpressure ? stats_.rejected_ssd_backpressure
+     : why == SourceOutcome::kMissing      ? stats_.rejected_ssd_missing
+                                           : stats_.rejected_exhausted);
 }
 
 void SourceHolds::UpdateGauges() {
@@ -93,11 +75,6 @@ void SourceHolds::UpdateGauges() {
   stats_.quarantined_bytes = quarantined_bytes;
   stats_.ssd_preparing = preparing;
   stats_.ssd_staging_bytes = staging;
-  if (sessions_gauge_ != nullptr) {
-    sessions_gauge_->Set(static_cast<int64_t>(holds_.size()));
-    pinned_gauge_->Set(static_cast<int64_t>(pinned));
-    quarantined_gauge_->Set(static_cast<int64_t>(quarantined_bytes));
-  }
 }
 
 Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
@@ -385,7 +362,6 @@ void SourceHolds::CountPrepared(const std::vector<core::BlockPin>& pins, const s
     ++blocks;
     bytes += pins[i].bytes();
   }
-  if (ssd_prepared_bytes_ != nullptr) ssd_prepared_bytes_->Increment(bytes);
   MutexLock lock(&mu_);
   stats_.ssd_prepared_blocks += blocks;
   stats_.ssd_prepared_bytes += bytes;
@@ -623,6 +599,36 @@ size_t SourceHolds::DropVanished(
 SourceHolds::Stats SourceHolds::GetStats() const {
   MutexLock lock(&mu_);
   return stats_;
+}
+
+void SourceHolds::VisitStats(StatsVisitor& v) const {
+  const Stats h = GetStats();
+  v.Gauge("source_sessions", static_cast<int64_t>(h.sessions),
+          {"orbitkv_source_sessions", "Transfer sessions this source holds for peers (quarantined included)"});
+  v.Gauge("source_pinned_bytes", static_cast<int64_t>(h.pinned_bytes),
+          {"orbitkv_source_pinned_bytes", "Pool bytes this source keeps pinned for peers' transfers"});
+  v.Gauge("source_quarantined_bytes", static_cast<int64_t>(h.quarantined_bytes),
+          {"orbitkv_source_quarantined_bytes",
+           "Pinned bytes of grants past their deadline or of vanished requesters, kept until the transport drained"});
+  v.Counter("source_grants", h.granted);
+  v.Counter("source_rejections", h.rejected);
+  constexpr std::string_view kRejections = "orbitkv_source_rejections_total";
+  constexpr std::string_view kRejectionsHelp = "Source authorizations refused, by reason";
+  v.Counter("", h.rejected_stale, {kRejections, kRejectionsHelp, "reason", "stale"});
+  v.Counter("", h.rejected_not_in_dram, {kRejections, kRejectionsHelp, "reason", "not_in_dram"});
+  v.Counter("", h.rejected_exhausted, {kRejections, kRejectionsHelp, "reason", "resource_exhausted"});
+  v.Counter("", h.rejected_ssd_backpressure, {kRejections, kRejectionsHelp, "reason", "ssd_backpressure"});
+  v.Counter("", h.rejected_ssd_missing, {kRejections, kRejectionsHelp, "reason", "ssd_missing"});
+  v.Counter("source_release_secret_refusals", h.release_secret_refusals);
+  v.Counter("source_ssd_preparations", h.ssd_preparations);
+  v.Gauge("source_ssd_preparing", static_cast<int64_t>(h.ssd_preparing));
+  v.Counter("source_ssd_granted", h.ssd_granted);
+  v.Counter("source_ssd_backpressure", h.ssd_backpressure);
+  v.Counter("source_ssd_missing", h.ssd_missing);
+  v.Counter("source_ssd_prepared_blocks", h.ssd_prepared_blocks);
+  v.Counter("source_ssd_prepared_bytes", h.ssd_prepared_bytes,
+            {"orbitkv_source_ssd_prepared_bytes_total", "Bytes this source read from its SSD into DRAM for peers"});
+  v.Gauge("source_ssd_staging_bytes", static_cast<int64_t>(h.ssd_staging_bytes));
 }
 
 }  // namespace orbitkv::catalog

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "base/clock.h"
-#include "base/metrics.h"
+#include "base/stats_visitor.h"
 #include "base/mutex.h"
 #include "base/result.h"
 #include "base/thread_annotations.h"
@@ -154,7 +154,9 @@ class SourceHolds {
     uint64_t quarantined_bytes = 0;
     uint64_t granted = 0;            // Authorize calls that granted (duplicates not counted)
     uint64_t released = 0;           // holds freed after draining
-    uint64_t rejected = 0;           // authorizations refused (stale, not in DRAM, no room)
+    uint64_t rejected = 0;           // authorizations refused (stale, not in DRAM, no room), and by reason:
+    uint64_t rejected_stale = 0, rejected_not_in_dram = 0, rejected_exhausted = 0, rejected_ssd_backpressure = 0,
+             rejected_ssd_missing = 0;
     uint64_t release_secret_refusals = 0;  // releases by grant id without the grant's secret (nothing released)
     // Issue 56: SSD preparations started, in progress now, granted, refused for staging room, found missing (a
     // read or checksum failure), and the blocks and bytes read from SSD for peers.
@@ -168,9 +170,9 @@ class SourceHolds {
     uint64_t ssd_staging_bytes = 0;  // charged now
   };
 
-  // `table`, `pool`, `budget`, `issuer` and `metrics` (may be null) must outlive the holds.
+  // `table`, `pool`, `budget` and `issuer` must outlive the holds.
   SourceHolds(Options options, core::BlockTable* table, core::PinnedPool* pool, core::Budget* budget,
-              GrantIssuer* issuer, MetricsRegistry* metrics);
+              GrantIssuer* issuer);
   // Revokes what is still held and waits for nothing: remaining pins go with the holds (the transfer engine must
   // be stopped first, so nothing reads them any more).
   ~SourceHolds();
@@ -208,6 +210,8 @@ class SourceHolds {
   size_t DropVanished(const std::function<bool(const std::string& node, const std::string& runtime)>& alive)
       EXCLUDES(authorize_mu_, mu_);
   Stats GetStats() const EXCLUDES(mu_);
+  // The source_* stats keys and the orbitkv_source_* metrics (rejections by reason).
+  void VisitStats(StatsVisitor& v) const EXCLUDES(mu_);
 
  private:
   struct Hold {
@@ -254,15 +258,6 @@ class SourceHolds {
   core::PinnedPool* const pool_;
   core::Budget* const budget_;
   GrantIssuer* const issuer_;
-  Gauge* sessions_gauge_ = nullptr;
-  Gauge* pinned_gauge_ = nullptr;
-  Gauge* quarantined_gauge_ = nullptr;
-  Counter* stale_ = nullptr;
-  Counter* not_dram_ = nullptr;
-  Counter* exhausted_ = nullptr;
-  Counter* ssd_backpressure_ = nullptr;
-  Counter* ssd_missing_ = nullptr;
-  Counter* ssd_prepared_bytes_ = nullptr;
 
   Mutex authorize_mu_;  // before mu_
   bool accepting_ GUARDED_BY(authorize_mu_) = true;

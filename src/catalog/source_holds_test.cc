@@ -1,5 +1,7 @@
 #include "catalog/source_holds.h"
 
+#include "base/metric_reader.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -92,7 +94,7 @@ class SourceHoldsTest : public ::testing::Test {
     SourceHolds::Options o;
     o.now = [this] { return now_; };
     holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
-                                           &issuer_, &metrics_);
+                                           &issuer_);
   }
   void TearDown() override {
     holds_.reset();
@@ -120,8 +122,11 @@ class SourceHoldsTest : public ::testing::Test {
     args.blocks = std::move(blocks);
     return args;
   }
-  double Metric(std::string_view name, MetricLabels labels = {}) {
-    return metrics_.GetGauge(name, "", std::move(labels)).Value();
+  // The value the holds visit for a metric (and label value): what /metrics shows.
+  double Metric(std::string_view name, std::string_view label_value = {}) {
+    MetricReader reader(name, label_value);
+    holds_->VisitStats(reader);
+    return reader.value();
   }
 
   MetricsRegistry metrics_;
@@ -199,8 +204,9 @@ TEST_F(SourceHoldsTest, AReplacedOrEvictedBlockIsRefusedWithNothingPinned) {
   auto ssd_only = holds_->Authorize(Args({versions[2]}, 3));
   ASSERT_TRUE(ssd_only.ok());
   EXPECT_EQ(ssd_only->outcome, SourceOutcome::kNotInDram);
-  EXPECT_EQ(metrics_.GetCounter("orbitkv_source_rejections_total", "", {{"reason", "stale"}}).Value(), 1u);
-  EXPECT_EQ(metrics_.GetCounter("orbitkv_source_rejections_total", "", {{"reason", "not_in_dram"}}).Value(), 1u);
+  EXPECT_EQ(Metric("orbitkv_source_rejections_total", "stale"), 1);
+  EXPECT_EQ(Metric("orbitkv_source_rejections_total", "not_in_dram"), 1);
+  EXPECT_EQ(Metric("orbitkv_source_rejections_total", "resource_exhausted"), 0);
   EXPECT_TRUE(holds_->Release("rt-b", 2));
   issuer_.DrainAll();
   EXPECT_EQ(holds_->GetStats().sessions, 0u);
@@ -397,7 +403,7 @@ class SourceHoldsSsdTest : public SourceHoldsTest {
       return Status::Ok();
     };
     holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
-                                           &issuer_, &metrics_);
+                                           &issuer_);
   }
   void TearDown() override {
     holds_.reset();
@@ -717,7 +723,7 @@ class SourceHoldsSsdTierTest : public SourceHoldsTest {
       return tier_->Load(std::move(keys), std::move(done));
     };
     holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
-                                           &issuer_, &metrics_);
+                                           &issuer_);
   }
   void TearDown() override {
     issuer_.DrainAll();

@@ -1,7 +1,8 @@
 // The distributed wing's parts, each alone: the flags they are configured from, the registration hooks, the catalog
 // host over a real inventory and store (its own streams to itself, no etcd), and the peer listener on loopback
-// gRPC (bind failures, TLS files, a Health answered). The source and the requester are exercised against real
-// peers in remote_fetch_test.cc and the mesh tests.
+// gRPC (bind failures, TLS files, a Health answered), the source over a real cache and UCX engine (its grants across
+// a lapse, its upkeep revoking a vanished requester's), and the requester with remote work off. Fetches between
+// real peers are remote_fetch_test.cc's and the mesh tests'.
 #include "server/distributed/node_parts.h"  // first: it brings gRPC in
 
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 #include "core/test_util.h"
 #include "server/distributed/node_config.h"
 #include "server/distributed/node_identity.h"
+#include "transfer/ucx_engine.h"
 
 namespace orbitkv::server {
 namespace {
@@ -252,6 +254,135 @@ TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndStopWithThe
   // A registration made again streams anew.
   ASSERT_TRUE(host.StartStreams(nullptr, self_).ok());
   EXPECT_EQ(host.Summarize().streams, cluster::kNumShards);
+}
+
+// --- the source and the requester --------------------------------------------------------------------------------
+
+constexpr uint64_t kBlock = 64 << 10;
+
+// A cache and a UCX engine (tcp on loopback) with the pool's arenas registered, as a Manager has them.
+class NodeSideTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto options = core::testing::SmallCacheOptions(16ull << 20, 1ull << 20);
+    options.incarnation = runtime_.incarnation();
+    auto cache = core::BlockCache::Create(options, &metrics_);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+    transfer::UcxEngineOptions engine;
+    engine.transports = "tcp";
+    engine.require_grants = true;
+    engine.engine_id = runtime_.incarnation();
+    auto created = transfer::UcxTransferEngine::Create(engine);
+    ASSERT_TRUE(created.ok()) << created.status();
+    engine_ = std::move(*created);
+    for (size_t i = 0; i < cache_->pool().arena_count(); ++i) {
+      auto region = engine_->RegisterRegion(cache_->pool().arena(i).data(), cache_->pool().arena(i).size());
+      ASSERT_TRUE(region.ok()) << region.status();
+      arenas_.push_back(*region);
+    }
+  }
+  void TearDown() override { engine_.reset(); }
+
+  // Saves one block and names its exact version, as a requester's lookup would.
+  catalog::SourceBlockVersion SaveBlock(uint64_t chain) {
+    const state::StateKey key = core::testing::ChainKey(chain, 0);
+    auto writer = cache_->Prepare(key, kBlock);
+    EXPECT_TRUE(writer.ok()) << writer.status();
+    const uint64_t generation = cache_->Seal(*writer);
+    auto pin = cache_->table().Pin(key);
+    EXPECT_TRUE(pin.ok());
+    return catalog::SourceBlockVersion{key, generation, pin->sequence()};
+  }
+
+  void InstallView(const std::string& requester_runtime) {
+    std::map<std::string, cluster::Member> members;
+    cluster::Member m;
+    m.record = cluster::MemberRecord{"t", "r", 1, "127.0.0.1:1", requester_runtime};
+    members.emplace("r", m);
+    view_.Install(std::move(members), ++revision_);
+  }
+
+  template <typename F>
+  bool Eventually(F done) {
+    for (int i = 0; i < 1000 && !done(); ++i) std::this_thread::sleep_for(milliseconds(10));
+    return done();
+  }
+
+  MetricsRegistry metrics_;
+  RuntimeId runtime_ = RuntimeId::New();
+  std::unique_ptr<core::BlockCache> cache_;
+  std::unique_ptr<transfer::UcxTransferEngine> engine_;
+  std::vector<transfer::RegionHandle> arenas_;
+  cluster::MemberView view_;
+  int64_t revision_ = 0;
+};
+
+TEST_F(NodeSideTest, ASourceGrantsUntilItsRegistrationLapsesAndItsUpkeepFreesAVanishedRequestersHolds) {
+  const std::string requester = RuntimeId::New().ToString();
+  InstallView(requester);
+  Source source(PeerConfig(), cache_.get(), nullptr, engine_.get(), arenas_, &metrics_);
+  catalog::AuthorizeArgs args{.peer_node = "r", .peer_runtime = requester, .request_id = 1,
+                              .blocks = {SaveBlock(1)}};
+  Result<catalog::SourceGrant> granted = source.holds()->Authorize(args);
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  EXPECT_EQ(granted->outcome, catalog::SourceOutcome::kGranted);
+  // The registration lapsed: every grant goes, and none is given until a new registration.
+  source.OnLapsed("testing");
+  args.request_id = 2;
+  EXPECT_EQ(source.holds()->Authorize(args).status().code(), StatusCode::kFailedPrecondition);
+  source.OnRegistered();
+  Result<catalog::SourceGrant> again = source.holds()->Authorize(args);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->outcome, catalog::SourceOutcome::kGranted);
+  const auto sessions = [&] {
+    JsonStatsWriter json;
+    source.VisitStats(json);
+    return json.json();
+  };
+  // The lapsed grant is quarantined until the engine says it drained (on its own thread), then freed.
+  EXPECT_TRUE(Eventually([&] { return sessions().find("\"source_sessions\": 1,") != std::string::npos; }))
+      << sessions();
+  {
+    SourceUpkeep upkeep(source.holds(), &view_, milliseconds(10));
+    std::this_thread::sleep_for(milliseconds(50));
+    EXPECT_NE(sessions().find("\"source_sessions\": 1"), std::string::npos) << "its requester is still a member";
+    InstallView(RuntimeId::New().ToString());  // the requester restarted: its old start is gone
+    EXPECT_TRUE(Eventually([&] { return sessions().find("\"source_sessions\": 0") != std::string::npos; }))
+        << sessions();
+  }
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
+}
+
+TEST_F(NodeSideTest, ARequesterStagesNothingWhileRemoteWorkIsOffAndVisitsItsFigures) {
+  Result<cluster::Placement> placement = cluster::Placement::Create({"n0"}, 1);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  cluster::LivePlacement live(*placement);
+  std::atomic<bool> can_work{false};
+  ManagerConfig config = PeerConfig();
+  config.remote_fetch_workers = 3;
+  Requester requester(config,
+                      Requester::Parts{.self = catalog::PeerIdentity{"t", "n0", runtime_.ToString(), 1, "fp"},
+                                       .view = &view_,
+                                       .live = &live,
+                                       .can_work = [&can_work] { return can_work.load(); },
+                                       .cache = cache_.get(),
+                                       .engine = engine_.get(),
+                                       .arenas = arenas_},
+                      &metrics_);
+  EXPECT_FALSE(requester.Stage(core::testing::Chain(5, 4)).has_value());
+  JsonStatsWriter json;
+  requester.VisitStats(json);
+  for (const char* key : {"\"remote_fetch_workers\": 3", "\"remote_fetches\": 0", "\"candidate_index_entries\": 0",
+                          "\"remote_releases_pending\": 0", "\"discovery_failovers\": 0"}) {
+    EXPECT_NE(json.json().find(key), std::string::npos) << key << " in " << json.json();
+  }
+  // The figures with a metric reach /metrics through a collector, read when scraped.
+  auto collector = metrics_.AddCollector([&requester](StatsVisitor& v) { requester.VisitStats(v); });
+  const std::string text = metrics_.RenderPrometheus();
+  EXPECT_NE(text.find("# TYPE orbitkv_remote_fetches_total counter\norbitkv_remote_fetches_total 0\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("orbitkv_candidate_index_entries 0\n"), std::string::npos);
 }
 
 // --- the peer listener -------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ class RemoteFetchTest : public ::testing::Test {
     issuer_ = std::make_unique<catalog::TransferGrantIssuer>(source_engine_.get(), source_arenas_);
     holds_ = std::make_unique<catalog::SourceHolds>(catalog::SourceHolds::Options{}, &source_cache_->table(),
                                                     &source_cache_->pool(), &source_cache_->transfer_budget(),
-                                                    issuer_.get(), &source_metrics_);
+                                                    issuer_.get());
     catalog::PeerService::Options service;
     service.self = catalog::PeerIdentity{"t", "source", source_uuid_, 1, "fp"};
     service.source = holds_.get();

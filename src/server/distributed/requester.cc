@@ -13,7 +13,7 @@ Requester::Requester(const ManagerConfig& config, Parts parts, MetricsRegistry* 
     : index_(catalog::CandidateIndex::Options{.budget_bytes = 16ull << 20,
                                               .ttl = std::chrono::milliseconds(config.candidate_ttl_ms)}),
       transport_(std::move(parts.self), parts.view, std::move(parts.credentials)),
-      releases_(catalog::ReleaseQueue::Options{}, &transport_, metrics),
+      releases_(catalog::ReleaseQueue::Options{}, &transport_),
       fetch_workers_(config.remote_fetch_workers) {
   catalog::Discovery::Options discovery;
   discovery.max_hosts = config.discovery_max_hosts;
@@ -60,13 +60,7 @@ void Requester::VisitStats(StatsVisitor& v) const {
   v.Gauge("candidate_index_misses", static_cast<int64_t>(i.misses),
           {"orbitkv_candidate_index_misses",
            "Candidate index reads that found none, or only expired ones (since start)"});
-  const catalog::ReleaseQueue::Stats q = releases_.GetStats();
-  v.Counter("remote_releases_queued", q.queued);
-  v.Counter("remote_releases_released", q.released);
-  v.Counter("remote_releases_not_held", q.not_held);
-  v.Counter("remote_releases_retries", q.retries);
-  v.Counter("remote_releases_abandoned", q.abandoned);
-  v.Gauge("remote_releases_pending", static_cast<int64_t>(q.pending));
+  releases_.VisitStats(v);
   const catalog::Discovery::Stats d = discovery_->GetStats();
   v.Counter("discovery_skipped_hosts", d.skipped_hosts);
   v.Counter("discovery_failed_hosts", d.failed_hosts);

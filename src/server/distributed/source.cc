@@ -25,25 +25,7 @@ Source::Source(const ManagerConfig& config, core::BlockCache* cache, core::SsdTi
     };
   }
   holds_ = std::make_unique<catalog::SourceHolds>(std::move(options), &cache->table(), &cache->pool(),
-                                                  &cache->transfer_budget(), &issuer_, metrics);
-}
-
-void Source::VisitStats(StatsVisitor& v) const {
-  const catalog::SourceHolds::Stats h = holds_->GetStats();
-  v.Gauge("source_sessions", static_cast<int64_t>(h.sessions));
-  v.Gauge("source_pinned_bytes", static_cast<int64_t>(h.pinned_bytes));
-  v.Gauge("source_quarantined_bytes", static_cast<int64_t>(h.quarantined_bytes));
-  v.Counter("source_grants", h.granted);
-  v.Counter("source_rejections", h.rejected);
-  v.Counter("source_release_secret_refusals", h.release_secret_refusals);
-  v.Counter("source_ssd_preparations", h.ssd_preparations);
-  v.Gauge("source_ssd_preparing", static_cast<int64_t>(h.ssd_preparing));
-  v.Counter("source_ssd_granted", h.ssd_granted);
-  v.Counter("source_ssd_backpressure", h.ssd_backpressure);
-  v.Counter("source_ssd_missing", h.ssd_missing);
-  v.Counter("source_ssd_prepared_blocks", h.ssd_prepared_blocks);
-  v.Counter("source_ssd_prepared_bytes", h.ssd_prepared_bytes);
-  v.Gauge("source_ssd_staging_bytes", static_cast<int64_t>(h.ssd_staging_bytes));
+                                                  &cache->transfer_budget(), &issuer_);
 }
 
 void Source::OnLapsed(const std::string& cause) {

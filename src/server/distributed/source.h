@@ -40,8 +40,8 @@ class Source {
   Source& operator=(const Source&) = delete;
 
   catalog::SourceHolds* holds() { return holds_.get(); }
-  // The holds' figures under their source_* stats keys (their orbitkv_source_* metrics are the holds' own).
-  void VisitStats(StatsVisitor& v) const;
+  // The holds' figures: the source_* stats keys and orbitkv_source_* metrics.
+  void VisitStats(StatsVisitor& v) const { holds_->VisitStats(v); }
 
   // The registration lapsed: every grant this source gave goes (quarantined until drained), and no new one is
   // given until OnRegistered.
