@@ -2,8 +2,8 @@
 // channel per member of the cluster (with this Manager's client certificate under mutual TLS) and
 // probes each member's current start with Health, on its own thread, every probe interval (jittered
 // to 80-120 %, so Managers do not probe in lockstep) and whenever the member view changes; one round
-// probes the members in parallel, at most `max_probes_in_flight` at once (issue 52: 4,096 members are
-// not 4,096 serial RPCs a round). What it learns (per peer: healthy, unreachable or incompatible,
+// probes the members in parallel, at most `max_probes_in_flight` at once (4,096 members
+// are not 4,096 serial RPCs a round). What it learns (per peer: healthy, unreachable or incompatible,
 // its transfer address and capabilities) is what later callers (discovery, remote fetch) route by.
 //
 // A peer that speaks another protocol version (its Health answers another version, or it refuses

@@ -80,7 +80,7 @@ void SourceHolds::UpdateGauges() {
 Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
   Result<SourceGrant> answer = AuthorizeNow(args);
   if (!answer.ok() || answer->outcome != SourceOutcome::kPending || options_.pending_wait.count() <= 0) return answer;
-  // Issue 56: held back while the first piece is read (neither lock held but mu_ inside the wait), so the requester
+  // Held back while the first piece is read (neither lock held but mu_ inside the wait), so the requester
   // neither sleeps nor asks again when the read takes less than pending_wait.
   const MonoTime until =
       std::min(MonoNow() + std::min<std::chrono::milliseconds>(options_.pending_wait, std::chrono::seconds(60)),
@@ -139,7 +139,7 @@ Result<SourceGrant> SourceHolds::AuthorizeNow(const AuthorizeArgs& args) {
   hold.peer_node = args.peer_node;
   const core::ExactPins pinned = table_->PinExact(keys, generations, sequences, &hold.pins);
   if (options_.load_ssd && pinned.pinned < args.blocks.size() && args.blocks[pinned.pinned].tier == kSourceSsd) {
-    // Issue 56: the span goes on with blocks named on SSD (their DRAM residences, if any, have other versions): the
+    // The span goes on with blocks named on SSD (their DRAM residences, if any, have other versions): the
     // whole of it is prepared (its DRAM blocks pinned exactly, its SSD ones checked against their SSD residences and
     // read into DRAM, or taken from DRAM where a local query brought them in meanwhile) and granted at once.
     core::BlockPin::ReleaseAll(&hold.pins);

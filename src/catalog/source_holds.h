@@ -1,5 +1,5 @@
-// SourceHolds: the source side of a remote fetch (seed 000, "Transfer lifetime and resource control"; issue 21,
-// item 4). A requesting Manager names the exact replica versions a lookup told it about; the source pins those
+// SourceHolds: the source side of a remote fetch (seed 000, "Transfer lifetime and resource control"). A
+// requesting Manager names the exact replica versions a lookup told it about; the source pins those
 // versions and nothing else (BlockTable::PinExact checks every generation and insertion sequence under the
 // table's shard locks before pinning), charges the whole allocations to the transfer budget (global, per peer, at
 // most 1024 sessions) and issues a transfer grant over exactly the pinned bytes. A rejection pins nothing, grants
@@ -70,7 +70,7 @@ enum class SourceOutcome : uint8_t {
   kGranted = 0,
   kStale = 1,      // absent, or held in another version than asked for
   kNotInDram = 2,  // held on SSD only, and this source prepares no SSD blocks (no SSD tier)
-  // Issue 56, SSD-resident blocks: being read into DRAM here; ask again with the same request id after
+  // SSD-resident blocks being read into DRAM here; ask again with the same request id after
   // SourceGrant::retry_after.
   kPending = 3,
   kBackpressure = 4,  // this source's SSD staging budget is full now: ask another source, or recompute
@@ -99,7 +99,7 @@ struct AuthorizeArgs {
   std::vector<SourceBlockVersion> blocks;
   uint64_t byte_limit = 0;  // 0: no limit beyond the budgets
   std::chrono::milliseconds lifetime{10000};
-  // Issue 56: a pending answer (SSD blocks being read here) is held back until the first piece is in DRAM, at most
+  // A pending answer (SSD blocks being read here) is held back until the first piece is in DRAM, at most
   // Options::pending_wait and never past this (the RPC's deadline, less a margin for the answer's way back).
   MonoTime answer_by = MonoTime::max();
 };
@@ -109,7 +109,7 @@ struct SourceGrant {
   size_t granted = 0;                           // blocks pinned, from the first
   SourceOutcome stop = SourceOutcome::kGranted;  // why block `granted` was not pinned
   uint64_t grant_id = 0;
-  std::string grant_secret;  // kGrantSecretBytes, for the requester alone (issue 52)
+  std::string grant_secret;  // kGrantSecretBytes, for the requester alone
   std::vector<std::vector<uint8_t>> regions;  // encoded descriptors; blocks index into it
   struct Block {
     uint32_t region = 0;
@@ -124,7 +124,7 @@ struct SourceGrant {
 class SourceHolds {
  public:
   static constexpr size_t kMaxBlocks = 1024;
-  // Issue 56: how SSD-resident blocks are read into DRAM (SsdTier::Load in a Manager): the SSD-only keys read with
+  // How SSD-resident blocks are read into DRAM (SsdTier::Load in a Manager): the SSD-only keys read with
   // the tier's coalesced path, verified and sealed into DRAM; `done` gets pins on the prefix of `keys` now in DRAM,
   // on another thread (or this one). An error: nothing was started, and `done` is never called.
   using SsdLoader = std::function<Status(std::vector<state::StateKey> keys,
@@ -158,7 +158,7 @@ class SourceHolds {
     uint64_t rejected_stale = 0, rejected_not_in_dram = 0, rejected_exhausted = 0, rejected_ssd_backpressure = 0,
              rejected_ssd_missing = 0;
     uint64_t release_secret_refusals = 0;  // releases by grant id without the grant's secret (nothing released)
-    // Issue 56: SSD preparations started, in progress now, granted, refused for staging room, found missing (a
+    // SSD preparations started, in progress now, granted, refused for staging room, found missing (a
     // read or checksum failure), and the blocks and bytes read from SSD for peers.
     uint64_t ssd_preparations = 0;
     uint64_t ssd_preparing = 0;
@@ -179,7 +179,7 @@ class SourceHolds {
 
   // Pins the longest prefix of `args.blocks` held in exactly the named versions (within the byte limit) and grants
   // reads of it. kStale/kNotInDram with nothing pinned when the first block is not held so (counted as a
-  // rejection). Issue 56: a span whose first block is named on SSD (and held there in that generation) is
+  // rejection). A span whose first block is named on SSD (and held there in that generation) is
   // prepared: staging credit charged, the SSD blocks read into DRAM (load_ssd), kPending answered; asked again with
   // the same request id, it answers kPending until the blocks are in DRAM, then the grant of the prefix that made
   // it (kMissing when none did), or kBackpressure at once when the staging budget is full. ResourceExhausted (nothing pinned) past the transfer budget, the peer's budget or the session
@@ -230,7 +230,7 @@ class SourceHolds {
   Result<SourceGrant> AuthorizeNow(const AuthorizeArgs& args) EXCLUDES(authorize_mu_, mu_);
   // The issuer said the grant drained: free the hold.
   void Drained(const HoldKey& key) EXCLUDES(mu_);
-  // Issue 56: a span named on SSD: starts its preparation (or answers why not); `read_ahead`: the later pieces are
+  // A span named on SSD: starts its preparation (or answers why not); `read_ahead`: the later pieces are
   // read too (not when an earlier preparation of the span does so already).
   Result<SourceGrant> Prepare(const AuthorizeArgs& args, const HoldKey& key, bool read_ahead) REQUIRES(authorize_mu_)
       EXCLUDES(mu_);
@@ -264,7 +264,7 @@ class SourceHolds {
   mutable Mutex mu_;
   std::map<HoldKey, Hold> holds_ GUARDED_BY(mu_);
   std::condition_variable_any prepared_;  // a preparation ended (granted, missing) or its hold went
-  // Issue 56: the keys of the SSD reads preparations started and that have not completed (a count per key): a
+  // The keys of the SSD reads preparations started and that have not completed (a count per key): a
   // request whose span starts inside one continues that preparation (whole pieces, no second read-ahead).
   std::unordered_map<state::StateKey, uint32_t, state::StateKeyHash> reading_ GUARDED_BY(mu_);
   Stats stats_ GUARDED_BY(mu_);

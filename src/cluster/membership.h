@@ -17,7 +17,7 @@
 //     Node ID held by one of this Membership's own earlier UUIDs is cleared the same way.
 //   - it is fenced (kFenced), for good: another runtime registered the Node ID (own record
 //     replaced, or held by a runtime that is not one of ours when registering again), the
-//     placement regressed (a newer generation is adopted: issue 55, live_placement.h), or the etcd
+//     placement regressed (a newer generation is adopted: live_placement.h), or the etcd
 //     cluster changed. A fenced Manager stays fenced until it restarts.
 // What stays across registrations: the Node ID, the peer endpoint, the placement and the
 // MemberView object (incomplete between them); what changes: the epoch, the runtime UUID and the
@@ -85,7 +85,7 @@ struct MembershipOptions {
   // The Manager's RuntimeId (base/runtime_id.h), written into the member record; empty: a new one.
   std::string runtime_uuid;
   std::chrono::milliseconds etcd_call_timeout{5000};
-  // Register again after a lapse (false: a lapsed registration stays expired, as before issue 51).
+  // Register again after a lapse (false: a lapsed registration stays expired).
   bool reregister = true;
   // Backoff between registration attempts while etcd does not answer (each one jittered to
   // 50-100 %, doubling from min to max).
@@ -174,7 +174,7 @@ class Membership {
   MembershipStatus GetStatus() const;
   // Multi-line text for `orbitkv status`.
   std::string StatusText() const;
-  // The committed catalog placement now (a copy: it changes online, issue 55).
+  // The committed catalog placement now (a copy: it changes online).
   Placement placement() const { return live_.Get()->committed; }
   // The placement and any change in progress, as the member view's watch delivers them.
   const LivePlacement& live_placement() const { return live_; }

@@ -53,7 +53,7 @@ class ClusterLink {
   // RECORDS BYTES complete|incomplete LAG_MS LAST_REPAIR_S"); empty when this Manager hosts none.
   virtual std::vector<std::string> CatalogLines(uint32_t shard) const = 0;
   virtual std::vector<std::string> CatalogStatusLines() const = 0;
-  // `orbitkv catalog placement`: the placement, the reconciler and any change in progress (issue 55).
+  // `orbitkv catalog placement`: the placement, the reconciler and any change in progress.
   virtual std::vector<std::string> PlacementLines() const = 0;
   // `orbitkv catalog placement --add/--remove NODE`: asks for a change (placement_driver.h); what was asked.
   virtual Result<std::vector<std::string>> RequestPlacement(std::string_view verb, std::string_view node) = 0;

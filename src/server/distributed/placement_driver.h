@@ -1,4 +1,4 @@
-// PlacementDriver: the elected placement reconciler in a distributed Manager (issue 55; the logic is
+// PlacementDriver: the elected placement reconciler in a distributed Manager (the logic is
 // cluster/placement_reconciler.h, the state every Manager follows cluster/live_placement.h).
 //
 // Every Manager runs one. It reads only the live placement its member view's watch keeps (no etcd call in steady

@@ -124,8 +124,8 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
   const std::span<const state::StateKey> rest(job.keys.data() + local, job.keys.size() - local);
   const catalog::Discovery::Outcome learnt = discovery_->Discover(rest);
   counts_.discovery_rpcs.fetch_add(learnt.rpcs, std::memory_order_relaxed);
-  // One grant after another while a source says more of its span is coming (issue 56: a span it reads from its SSD
-  // is granted piece by piece, so this side reads one piece while the source reads the next): each grant but the
+  // One grant after another while a source says more of its span is coming (a span it reads from its SSD is
+  // granted piece by piece, so this side reads one piece while the source reads the next): each grant but the
   // last is released as soon as it was read; the last one after the engine's operation completed.
   for (;;) {
     const std::span<const state::StateKey> todo(job.keys.data() + pins.size(), job.keys.size() - pins.size());

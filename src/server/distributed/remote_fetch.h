@@ -1,5 +1,5 @@
 // RemoteFetcher: the remote stage of a Loading operation in a distributed Manager (seed 000, "Query path", steps
-// 1-5; issues 21 and 22). Given the keys of a chain from where local DRAM and SSD stop, it
+// 1-5). Given the keys of a chain from where local DRAM and SSD stop, it
 //   1. pins what is already resident at the front (nothing to fetch there),
 //   2. learns who holds the rest (Discovery: warm keys cost no RPC; concurrent misses of a prefix share a lookup),
 //   3. plans the longest span on one source and authorizes it there (AuthorizeBest: a rejection removes only the
@@ -75,7 +75,7 @@ class RemoteFetcher {
     uint64_t shared = 0;           // stages that waited for another stage fetching the same prefix
     uint64_t sources_skipped = 0;  // sources left out of a plan because a transfer from them failed just before
     double fetch_seconds = 0;      // wall time of the transfers that brought blocks (authorized to sealed)
-    // Issue 56: blocks fetched that the source held on SSD (read into its DRAM first), Authorize RPCs repeated
+    // Blocks fetched that the source held on SSD (read into its DRAM first), Authorize RPCs repeated
     // while sources prepared, and sources that answered backpressure or missing.
     uint64_t fetched_ssd_blocks = 0;
     uint64_t authorize_polls = 0;
