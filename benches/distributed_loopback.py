@@ -26,9 +26,9 @@ import threading
 import time
 
 import orbitkv
-from distributed_bench import (PREFIX_PAGES, add_remote_ssd, cpu_seconds, emit, fetch_round, iperf3_mesh, percentile,
-                               remote_ssd, ssd_read_1m, transfer_read_mesh)
-from orbitkv.workload import Engine as KvEngine
+from distributed_common import (PREFIX_PAGES, add_remote_ssd, cpu_seconds, emit, fetch_round, iperf3_mesh, percentile,
+                                remote_ssd, ssd_read_1m, transfer_read_mesh)
+from orbitkv.demo.workload import Engine as KvEngine
 from run_cluster import Loopback, free_port, start_etcd, start_managers, stop_all, wait_catalogs
 
 SEQUENTIAL_PREFIXES = 6
@@ -126,8 +126,8 @@ def ttft_by_tier(cluster: Cluster, lengths: list, gpu: bool, repeats: int, seed:
     from host 0 while the engine waits on Loading). Every engine is long-lived and warmed, as a server's is."""
     import torch
 
-    from orbitkv import refengine
-    from orbitkv.vllm.sequential import SequentialEngine
+    from orbitkv.demo import refengine
+    from orbitkv.demo.sequential import SequentialEngine
 
     device = torch.device("cuda" if gpu else "cpu")
     config = refengine.preset("qwen3_8b_shaped" if gpu else "tiny")
@@ -215,7 +215,7 @@ def remote_ssd_on_loopback(build: pathlib.Path) -> tuple[dict, float, str]:
     """Issue 56 where cores are not the limit: distributed_bench.remote_ssd (a fresh two-Manager cluster, host 0
     restarted on its SSD files, host 1 fetching the prefixes host 0 prepares from its SSD, and the 4,096-token TTFT
     of the CPU reference engine) on loopback, with the raw 1 MiB read of the same disk."""
-    from orbitkv import refengine
+    from orbitkv.demo import refengine
 
     work = tempfile.mkdtemp(prefix="orbitkv-dbench-lo-rssd-")
     procs: list = []

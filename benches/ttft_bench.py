@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 import orbitkv
-from orbitkv import refengine
-from orbitkv.vllm.sequential import SequentialEngine
+from orbitkv.demo import refengine
+from orbitkv.demo.sequential import SequentialEngine
 
 
 class Manager:

@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from ttft_bench import Manager, manager_dram_mib  # noqa: E402
 
-from orbitkv import refengine  # noqa: E402
-from orbitkv.vllm.sequential import SequentialEngine  # noqa: E402
+from orbitkv.demo import refengine  # noqa: E402
+from orbitkv.demo.sequential import SequentialEngine  # noqa: E402
 
 
 def main(argv=None) -> int:

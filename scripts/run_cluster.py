@@ -201,7 +201,7 @@ def main() -> int:
                                  check=True)
             return json.loads(out.stdout)
 
-        chat = [sys.executable, "-m", "orbitkv.vllm.chat", "--turns", args.turns, "--conversations",
+        chat = [sys.executable, "-m", "orbitkv.demo.chat", "--turns", args.turns, "--conversations",
                 args.conversations, *chat_args]
         env = {**os.environ, "PYTHONPATH": os.path.join(os.getcwd(), "python")}
         log("host-0: the chat computes and saves its prefixes")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cluster_procs import EtcdProcess, start_on_free_ports, wait_catalogs_hold_every_block, wait_for
-from orbitkv import refengine
+from orbitkv.demo import refengine
 from vllm_harness.manager import ManagerProcess
 
 MEMORY = os.environ.get("ORBITKV_CLUSTER_GATE_MEMORY") or ("cuda" if torch.cuda.is_available() else "shm")
@@ -108,7 +108,7 @@ def test_a_prefix_saved_on_one_host_is_restored_on_two_others_bit_identically(cl
 ENGINE = r"""
 import json, os, sys, time
 sys.path[:0] = [os.environ["GATE_PYTHON"], os.environ["GATE_TESTS"]]
-from orbitkv import refengine
+from orbitkv.demo import refengine
 from test_vllm_refengine import prompt_set, run
 
 config = refengine.preset("tiny")

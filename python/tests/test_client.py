@@ -164,9 +164,9 @@ def test_missing_manager_is_a_clear_error(tmp_path):
 
 
 def test_workload_engine_runs_against_the_manager(manager):
-    """The main job's engine (python -m orbitkv.workload) on a small run: it must verify every restore and exit 0."""
+    """The main job's engine (python -m orbitkv.demo.workload) on a small run: it must verify every restore and exit 0."""
     _, sock = manager
-    from orbitkv import workload
+    from orbitkv.demo import workload
 
     assert workload.main(["--socket", sock, "--documents", "2", "--prefix-pages", "3", "--tail-pages", "1",
                           "--requests", "4"]) == 0

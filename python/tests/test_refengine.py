@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from orbitkv import refengine as rf
+from orbitkv.demo import refengine as rf
 from orbitkv import shm
 
 PROMPT = [(7 * i + 3) % 251 for i in range(160)]  # 10 blocks of 16; the last block is partial once decoding

@@ -6,7 +6,7 @@ import random
 
 import orbitkv
 from cluster_procs import distributed_managers, wait_catalogs_hold_every_block, wait_for
-from orbitkv.workload import Engine as KvEngine
+from orbitkv.demo.workload import Engine as KvEngine
 from sglang_harness.manager import ManagerProcess
 
 BLOCKS = 24  # 2.25 MiB each: 54 MiB, several 16 MiB fetch batches

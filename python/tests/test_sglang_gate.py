@@ -16,7 +16,8 @@ import types
 import pytest
 import torch
 
-from orbitkv import refengine, shm
+from orbitkv import shm
+from orbitkv.demo import refengine
 from orbitkv.sglang import OrbitKVLinker
 from orbitkv.sglang._compat import PoolTransfer, linker_interface
 from sglang_harness.engine_server import EngineServer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import orbitkv
-from orbitkv import refengine
+from orbitkv.demo import refengine
 from orbitkv.sglang import OrbitKVStorage
 from orbitkv.sglang._session import native_keys
 from orbitkv.sglang._compat import (

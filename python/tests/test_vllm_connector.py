@@ -237,7 +237,7 @@ def test_stats_merge_and_reduce():
 
 
 def test_a_manager_that_refuses_on_reconnect_is_a_warning_once(manager, caplog):
-    from orbitkv.vllm.manager_link import ManagerLink
+    from orbitkv.vllm.manager_link import VllmLink
 
     refusals = []
 
@@ -245,7 +245,7 @@ def test_a_manager_that_refuses_on_reconnect_is_a_warning_once(manager, caplog):
         if refusals:
             raise orbitkv.OrbitKVError(refusals[0])
 
-    link = ManagerLink(manager.socket, 2000, 16, require=True, reconnect_interval_s=0.0, on_connect=on_connect)
+    link = VllmLink(manager.socket, 2000, 16, require=True, reconnect_interval_s=0.0, on_connect=on_connect)
     refusals.append("cannot read engine process 1 at 0x1000: Operation not permitted")
     link.failed(orbitkv.ManagerUnavailable("gone"), link.current)
     with caplog.at_level("DEBUG", logger="orbitkv.vllm"):

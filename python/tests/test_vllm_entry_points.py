@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from orbitkv.vllm import chat
+from orbitkv.demo import chat
 from vllm_harness.manager import ManagerProcess
 
 

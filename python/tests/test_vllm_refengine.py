@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import orbitkv
-from orbitkv import refengine, shm
+from orbitkv import shm
+from orbitkv.demo import refengine
 from vllm_harness.engine import Engine, vllm_config
 from vllm_harness.manager import ManagerProcess
 from vllm_harness.models import RefEngineModel

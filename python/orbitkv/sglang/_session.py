@@ -32,7 +32,7 @@ from orbitkv.sglang._layout import PoolGeometry
 
 logger = logging.getLogger("orbitkv.sglang")
 
-__all__ = ["ManagerLink", "Counters", "native_key", "native_keys", "KEY_VERSION"]
+__all__ = ["SGLangLink", "Counters", "native_key", "native_keys", "KEY_VERSION"]
 
 
 def native_key(page_hash) -> bytes:
@@ -123,7 +123,7 @@ class _Pool:
 KEY_VERSION = 2
 
 
-class ManagerLink:
+class SGLangLink:
     """One SGLang rank's view of the Manager: the pools registered through the shared link (``orbitkv.link``: one
     failure policy with the vLLM connector), and their registrations replayed when it reconnects."""
 

@@ -50,7 +50,7 @@ from orbitkv.sglang._computation import digest as computation_digest
 from orbitkv.sglang._layout import PoolGeometry, describe_host_pool, host_pool_group_anchor
 from orbitkv.sglang._session import (
     Counters,
-    ManagerLink,
+    SGLangLink,
     RateLimitedLog,
     env_socket,
     native_keys,
@@ -241,7 +241,7 @@ class OrbitKVStorage(HiCacheStorage):
         self._log = RateLimitedLog()
 
         logger.info("OrbitKV: pages still loading are waited for per %r", self.prefetch_wait)
-        self._link = ManagerLink(_str_option(extra, "socket_path", None) or env_socket(), timeout_ms=timeout_ms,
+        self._link = SGLangLink(_str_option(extra, "socket_path", None) or env_socket(), timeout_ms=timeout_ms,
                                  loading_wait_s=self.prefetch_wait, reconnect_interval_s=reconnect_s,
                                  identity=f"SGLang HiCache {self.model_id}@{self.model_revision}, tp "
                                           f"{storage_config.tp_rank}/{storage_config.tp_size}",

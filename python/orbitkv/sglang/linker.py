@@ -36,7 +36,7 @@ from orbitkv.sglang._compat import (LinkerCancelOutcome, UnifiedCacheLinker, lin
                                     sglang_version)
 from orbitkv.sglang._computation import digest as computation_digest
 from orbitkv.sglang._layout import describe_device_pool
-from orbitkv.sglang._session import Counters, ManagerLink, RateLimitedLog, env_socket, native_key
+from orbitkv.sglang._session import Counters, SGLangLink, RateLimitedLog, env_socket, native_key
 from orbitkv.sglang.hicache import weights_revision
 
 logger = logging.getLogger("orbitkv.sglang")
@@ -200,7 +200,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
             pp_size=int(getattr(params, "pp_size", 1) or 1), pp_rank=int(getattr(params, "pp_rank", 0) or 0))
         self.counters_ = Counters()
         self._log = RateLimitedLog()
-        self._link = ManagerLink(extra.get("socket_path") or env_socket(), timeout_ms=int(extra.get("timeout_ms", 10000)),
+        self._link = SGLangLink(extra.get("socket_path") or env_socket(), timeout_ms=int(extra.get("timeout_ms", 10000)),
                                  loading_wait_s=int(extra.get("loading_wait_ms", 100)) / 1000.0,
                                  reconnect_interval_s=float(extra.get("reconnect_interval_s", 1.0)),
                                  identity=f"SGLang linker {model_id}@{revision}, tp "

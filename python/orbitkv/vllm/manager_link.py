@@ -12,7 +12,7 @@ from orbitkv.link import ManagerLink as _SharedLink
 log = logging.getLogger("orbitkv.vllm")
 
 
-class ManagerLink(_SharedLink):
+class VllmLink(_SharedLink):
     def __init__(self, socket_path: Optional[str], timeout_ms: int, spin_iterations: int, *, require: bool,
                  reconnect_interval_s: float, on_connect: Callable[[orbitkv.CacheManagerClient], None]):
         super().__init__(socket_path, timeout_ms, spin_iterations, require=require,

@@ -37,7 +37,7 @@ from orbitkv.vllm._query import PageRun
 from orbitkv.vllm.config import OrbitKVConfig
 from orbitkv.vllm.costs import HitCosts
 from orbitkv.vllm.keys import KeyCache, next_epoch
-from orbitkv.vllm.manager_link import ManagerLink
+from orbitkv.vllm.manager_link import VllmLink
 from orbitkv.vllm.metadata import GroupLoad, LoadPlan, OrbitKVConnectorMetadata, OrbitKVConnectorStats
 
 log = logging.getLogger("orbitkv.vllm")
@@ -110,9 +110,9 @@ class SchedulerSide:
         self._loaded: Counter = Counter()  # layer-wise loads: workers that reported them done
         self._query_buffers = []
         self._max_keys = 0
-        self.link: Optional[ManagerLink] = None
+        self.link: Optional[VllmLink] = None
         if cfg.load_enabled:
-            self.link = ManagerLink(cfg.socket_path, cfg.timeout_ms, cfg.spin_iterations,
+            self.link = VllmLink(cfg.socket_path, cfg.timeout_ms, cfg.spin_iterations,
                                     require=cfg.require_manager, reconnect_interval_s=cfg.reconnect_interval_s,
                                     on_connect=self._register)
 

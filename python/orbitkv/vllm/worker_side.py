@@ -45,7 +45,7 @@ from orbitkv.vllm import layout
 from orbitkv.vllm._compat import parallel_ranks
 from orbitkv.vllm._query import PageRun, release_lease
 from orbitkv.vllm.config import OrbitKVConfig
-from orbitkv.vllm.manager_link import ManagerLink
+from orbitkv.vllm.manager_link import VllmLink
 from orbitkv.vllm.metadata import LoadPlan, OrbitKVConnectorStats, OrbitKVWorkerMetadata
 
 log = logging.getLogger("orbitkv.vllm")
@@ -172,7 +172,7 @@ class WorkerSide:
         # _gpu_wait False (or no StreamWaits): the CPU waits for their replies.
         self._stream_waits = None
         self._gpu_wait = False
-        self.link = ManagerLink(cfg.socket_path, cfg.timeout_ms, cfg.spin_iterations, require=cfg.require_manager,
+        self.link = VllmLink(cfg.socket_path, cfg.timeout_ms, cfg.spin_iterations, require=cfg.require_manager,
                                 reconnect_interval_s=cfg.reconnect_interval_s, on_connect=self._register)
 
     def _count(self, name: str, amount=1) -> None:

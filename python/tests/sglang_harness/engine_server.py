@@ -1,4 +1,4 @@
-"""Test-only: the reference engine (orbitkv.refengine) served SGLang-style: 64-token pages, a UnifiedRadixCache (over a one-entry HostPoolGroup) with a
+"""Test-only: the reference engine (orbitkv.demo.refengine) served SGLang-style: 64-token pages, a UnifiedRadixCache (over a one-entry HostPoolGroup) with a
 host tier (OrbitKV shared memory, or with ``shared_host=False`` ordinary memory as stock SGLang allocates it) and
 OrbitKV as L3, TP 1; the engine and its device KV pool on the CPU or (``device="cuda"``) on the GPU. One
 EngineServer is one SGLang server process; two on one Manager are a server and a later one
@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from orbitkv import refengine
+from orbitkv.demo import refengine
 
 from .hicache import Collective, UnifiedRadixCache, serve_prefix
 from .pools import MHATokenToKVPoolHost

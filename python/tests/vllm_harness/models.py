@@ -183,7 +183,7 @@ class RefEngineModel:
     outputs with the other ranks; those run as threads (``concurrent_ranks``), as vLLM's workers run at once."""
 
     def __init__(self, config, *, device="cpu", memory: str = "shm", tp_rank: int = 0, group=None):
-        from orbitkv.refengine.model import Transformer
+        from orbitkv.demo.refengine.model import Transformer
 
         self.config = config
         self.memory = memory
@@ -207,7 +207,7 @@ class RefEngineModel:
                                    c.torch_dtype, num_blocks)
 
     def bind(self, kv_cache_config: KVCacheConfig) -> dict:
-        from orbitkv.refengine.kvcache import PagedKVCache
+        from orbitkv.demo.refengine.kvcache import PagedKVCache
 
         c = self.shard
         logical, physical = allocate_kv_caches(kv_cache_config, c.torch_dtype, c.block_size, c.num_kv_heads,

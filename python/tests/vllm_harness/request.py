@@ -22,7 +22,7 @@ def hash_fn(algo: str):
     if algo == "sha256":
         return lambda obj: hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
     if algo == "sha256_cbor":
-        from orbitkv.refengine.hashing import cbor_encode
+        from orbitkv.demo.refengine.hashing import cbor_encode
 
         return lambda obj: hashlib.sha256(cbor_encode(obj)).digest()
     raise ValueError(f"unsupported prefix_caching_hash_algo {algo!r} in the harness")

@@ -8,7 +8,7 @@ what those tokens' KV must be, "computes" the missed pages, and saves them. Phas
 once; phase 2 (warm) replays a Zipf mix. It prints hit rate, bytes and GB/s per phase and exits 0 only if every
 restored byte was right and the Manager holds no lease afterwards.
 
-    python -m orbitkv.workload --socket /path/to/manager.sock [--requests N] [--documents N] ...
+    python -m orbitkv.demo.workload --socket /path/to/manager.sock [--requests N] [--documents N] ...
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from orbitkv.refengine.config import ModelConfig
-from orbitkv.refengine.kvcache import PagedKVCache
+from orbitkv.demo.refengine.config import ModelConfig
+from orbitkv.demo.refengine.kvcache import PagedKVCache
 
 _EMBED, _LM_HEAD, _FINAL = -1, -2, -3  # non-layer generator slots
 

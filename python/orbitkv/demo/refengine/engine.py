@@ -8,10 +8,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from orbitkv.refengine import hashing
-from orbitkv.refengine.config import ModelConfig
-from orbitkv.refengine.kvcache import BlockAllocator, PagedKVCache
-from orbitkv.refengine.model import Transformer
+from orbitkv.demo.refengine import hashing
+from orbitkv.demo.refengine.config import ModelConfig
+from orbitkv.demo.refengine.kvcache import BlockAllocator, PagedKVCache
+from orbitkv.demo.refengine.model import Transformer
 
 
 @dataclass

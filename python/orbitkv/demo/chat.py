@@ -8,7 +8,7 @@ computes only the new message). It prints per-turn TTFT both ways, the hit rate,
 produced the same replies (chunks end on block boundaries, so restored and recomputed KV give identical logits).
 Exits 0 when every reply matched and the Manager holds no lease afterwards.
 
-    python -m orbitkv.vllm.chat --socket /path/to/manager.sock [--conversations 3] [--turns 4] ...
+    python -m orbitkv.demo.chat --socket /path/to/manager.sock [--conversations 3] [--turns 4] ...
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 import time
 
 import orbitkv
-from orbitkv import refengine
-from orbitkv.vllm.sequential import SequentialEngine
+from orbitkv.demo import refengine
+from orbitkv.demo.sequential import SequentialEngine
 
 
 def _positive(text: str) -> int:
@@ -32,7 +32,7 @@ def _positive(text: str) -> int:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m orbitkv.vllm.chat", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m orbitkv.demo.chat", description=__doc__.split("\n\n")[0])
     p.add_argument("--socket", default=None, help="the Manager's socket (default: its default socket)")
     p.add_argument("--model", default="tiny", choices=sorted(refengine.PRESETS),
                    help="reference-engine preset (CPU: tiny, tiny_hybrid or small)")

@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 
-from orbitkv import refengine, shm
+from orbitkv import shm
+from orbitkv.demo import refengine
 from orbitkv.vllm._compat import KVConnectorRole
 
 

@@ -13,8 +13,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from orbitkv.refengine.config import ModelConfig
-from orbitkv.refengine.kvcache import PagedKVCache
+from orbitkv.demo.refengine.config import ModelConfig
+from orbitkv.demo.refengine.kvcache import PagedKVCache
 
 HOST_LAYOUTS = ("page_first", "page_first_direct")
 

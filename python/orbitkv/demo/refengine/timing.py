@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from orbitkv.refengine.config import ModelConfig
+from orbitkv.demo.refengine.config import ModelConfig
 
 
 @dataclass

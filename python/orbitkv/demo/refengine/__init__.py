@@ -135,18 +135,18 @@ SGLang host pool (``HostKVPool``)
     page, one entry pair per ``page_size`` slots), so it can stand in for SGLang's pool in adapter tests.
 """
 
-from orbitkv.refengine.config import PRESETS, ModelConfig, preset  # noqa: F401
-from orbitkv.refengine.engine import Generation, RefEngine, Request  # noqa: F401
-from orbitkv.refengine.hashing import (  # noqa: F401
+from orbitkv.demo.refengine.config import PRESETS, ModelConfig, preset  # noqa: F401
+from orbitkv.demo.refengine.engine import Generation, RefEngine, Request  # noqa: F401
+from orbitkv.demo.refengine.hashing import (  # noqa: F401
     cbor_encode,
     none_hash,
     sglang_page_hashes,
     vllm_block_hashes,
 )
-from orbitkv.refengine.host_pool import HostKVPool  # noqa: F401
-from orbitkv.refengine.kvcache import KV_LAYOUTS, BlockAllocator, OutOfBlocks, PagedKVCache  # noqa: F401
-from orbitkv.refengine.model import ThreadTPGroup, Transformer  # noqa: F401
-from orbitkv.refengine.timing import TTFT, prefix_kv_bytes, time_to_first_token  # noqa: F401
+from orbitkv.demo.refengine.host_pool import HostKVPool  # noqa: F401
+from orbitkv.demo.refengine.kvcache import KV_LAYOUTS, BlockAllocator, OutOfBlocks, PagedKVCache  # noqa: F401
+from orbitkv.demo.refengine.model import ThreadTPGroup, Transformer  # noqa: F401
+from orbitkv.demo.refengine.timing import TTFT, prefix_kv_bytes, time_to_first_token  # noqa: F401
 
 __all__ = [
     "KV_LAYOUTS",

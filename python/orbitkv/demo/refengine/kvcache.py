@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from orbitkv.refengine.config import ModelConfig
+from orbitkv.demo.refengine.config import ModelConfig
 
 KV_LAYOUTS = ("nhd", "hnd", "split")
 
