@@ -213,12 +213,12 @@ void CatalogHost::Maintain() {
   while (!stop_.load(std::memory_order_acquire)) {
     FollowPlacement();
     store_->DropDeadOwners();
-    const Summary s = Summarize();
     const MonoTime now = MonoNow();
     const double seconds = std::chrono::duration<double>(now - last).count() * static_cast<double>(incomplete);
     incomplete_ms_.fetch_add(static_cast<uint64_t>(seconds * 1000), std::memory_order_relaxed);
     last = now;
-    incomplete = s.incomplete;
+    incomplete = 0;
+    for (const auto& shard : store_->Status()) incomplete += shard.complete ? 0 : 1;
     // Between rounds, a placement change is followed within a tick.
     for (auto waited = std::chrono::milliseconds(0);
          waited < options_.maintenance_period && !stop_.load(std::memory_order_acquire); waited += kTick) {

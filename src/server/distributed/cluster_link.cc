@@ -90,7 +90,8 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
                                                       .live = live,
                                                       .catalog = parts.catalog->store(),
                                                       .source = parts.source->holds(),
-                                                      .remote_off = [membership] { return RemoteOffReason(*membership); }}));
+                                                      .remote_off = [membership] { return RemoteOffReason(*membership); },
+                                                      .credentials = credentials}));
   parts.requester = std::make_unique<Requester>(
       config,
       Requester::Parts{.self = identity,
@@ -178,7 +179,7 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
   if (!config.peer_endpoint.empty()) {
     ORBITKV_RETURN_IF_ERROR(StartPeerParts(config, runtime, cache, ssd, metrics, *parts));
   }
-  parts->metrics_collector = metrics->AddCollector([node = parts.get()](StatsVisitor& v) { node->VisitStats(v); });
+  parts->metrics_collector = metrics->AddCollector([node = parts.get()](StatsVisitor& v) { node->VisitExported(v); });
   return std::unique_ptr<ClusterLink>(new DistributedLink(std::move(parts)));
 }
 

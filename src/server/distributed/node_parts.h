@@ -54,6 +54,9 @@ struct NodeParts {
   bool CanDoRemoteWork() const;
   // Every distributed figure, once, from the part that keeps it (the membership must be there).
   void VisitStats(StatsVisitor& v) const;
+  // The parts whose figures name orbitkv_* metrics (what a scrape reads): the placement driver, the catalog host, the
+  // requester and the source. The membership's own figures, the peers' and etcd's are stats JSON only.
+  void VisitExported(StatsVisitor& v) const;
 };
 
 // The distributed fields of `orbitkv stats --json` (", \"membership\": ..."), from every part started.

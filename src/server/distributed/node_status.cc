@@ -38,14 +38,8 @@ void NodeParts::VisitStats(StatsVisitor& v) const {
   v.Counter("peer_refused_certificate_of_another_node",
             peers ? peers->service().refused_certificate_of_another_node() : 0);
   if (peers) peers->directory().VisitStats(v);
-  if (placement_driver) {
-    placement_driver->VisitStats(v);
-  } else {
-    v.Gauge("placement_generation", placement.generation());
-  }
-  if (catalog) catalog->VisitStats(v);
-  if (requester) requester->VisitStats(v);
-  if (source) source->VisitStats(v);
+  if (!placement_driver) v.Gauge("placement_generation", placement.generation());
+  VisitExported(v);
   if (transfer) {
     const auto stats = transfer->Stats();
     v.Text("transfer_listen", transfer->ListenAddress());
@@ -60,6 +54,13 @@ void NodeParts::VisitStats(StatsVisitor& v) const {
   v.Gauge("etcd_tls", etcd.tls() ? (etcd.client_certificate() ? 2 : 1) : 0);
   v.Text("etcd_user", etcd.options().user);
   v.Counter("etcd_auth_tokens", etcd.tokens_obtained());
+}
+
+void NodeParts::VisitExported(StatsVisitor& v) const {
+  if (placement_driver) placement_driver->VisitStats(v);
+  if (catalog) catalog->VisitStats(v);
+  if (requester) requester->VisitStats(v);
+  if (source) source->VisitStats(v);
 }
 
 std::string NodeStatusJson(const NodeParts& parts) {

@@ -12,7 +12,6 @@ namespace orbitkv::server {
 
 Result<std::unique_ptr<PeerListener>> PeerListener::Start(const ManagerConfig& config, Parts parts) {
   ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tls, PeerServerCredentials(config));
-  ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> client, PeerClientCredentials(config));
   std::unique_ptr<PeerListener> listener(new PeerListener());
   listener->address_ = config.peer_listen.empty() ? config.peer_endpoint : config.peer_listen;
   catalog::PeerService::Options options;
@@ -32,7 +31,7 @@ Result<std::unique_ptr<PeerListener>> PeerListener::Start(const ManagerConfig& c
   };
   catalog::PeerDirectory::Options directory;
   directory.self = std::move(parts.self);
-  directory.credentials = std::move(client);
+  directory.credentials = std::move(parts.credentials);
   listener->directory_ = std::make_unique<catalog::PeerDirectory>(std::move(directory), parts.view);
   listener->service_ = std::make_unique<catalog::PeerService>(std::move(options), parts.view);
   grpc::ServerBuilder builder;

@@ -38,6 +38,7 @@ class PeerListener {
     catalog::CatalogStore* catalog = nullptr;
     catalog::SourceHolds* source = nullptr;
     std::function<std::string()> remote_off;  // why remote work is off now ("": on)
+    std::shared_ptr<grpc::ChannelCredentials> credentials;  // the directory's channels' (null: insecure)
   };
 
   // Binds --peer-listen (Unavailable naming the flags when the address is taken or not this host's), starts serving
