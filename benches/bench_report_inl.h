@@ -18,7 +18,8 @@ double BestRate(Body&& body, double min_seconds, int repeats) {
     double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     if (seconds >= min_seconds) break;
     iterations = seconds <= 0 ? iterations * 10
-                              : std::max<uint64_t>(iterations * 2, static_cast<uint64_t>(iterations * min_seconds / seconds * 1.2));
+                              : std::max<uint64_t>(iterations * 2,
+                                                   static_cast<uint64_t>(iterations * min_seconds / seconds * 1.2));
   }
   double best = 0;
   for (int r = 0; r < repeats; ++r) {

@@ -21,7 +21,6 @@
 #include "base/logging.h"
 #include "base/runtime_id.h"
 #include "bench_report.h"
-#include "peer_bench.h"
 #include "catalog/catalog_grpc.h"
 #include "catalog/catalog_store.h"
 #include "catalog/owner_streamer.h"
@@ -29,6 +28,7 @@
 #include "cluster/placement.h"
 #include "cluster/testing/etcd_process.h"
 #include "core/inventory.h"
+#include "peer_bench.h"
 #include "state/namespace.h"
 
 namespace orbitkv::bench {
@@ -36,13 +36,12 @@ namespace {
 
 constexpr int kOwners = 16;
 constexpr uint32_t kShards = 16;
-constexpr int kRecords = 30000;          // loaded before the churn, and what the replay must cover
+constexpr int kRecords = 30000;  // loaded before the churn, and what the replay must cover
 constexpr double kChangesPerSecond = 4500;
 constexpr double kChurnSeconds = 5;
 constexpr char kPlacement[] = "bench-placement";
 
 double Ms(MonoClock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
-
 
 void Check(const Status& s, const char* what) {
   if (!s.ok()) {
@@ -233,8 +232,7 @@ ScaleFigures InventoryAtScale() {
       const double due = std::chrono::duration<double>(MonoNow() - start).count() * kScaleChangesPerSecond;
       for (; changes < due; ++changes) {  // alternately a new residence and an eviction of the oldest
         if (changes % 2 == 0) {
-          inv.Apply(0, Key(900, next++), core::Tier::kDram, true, core::TransitionCause::kAdmit, ++generation,
-                    2359296);
+          inv.Apply(0, Key(900, next++), core::Tier::kDram, true, core::TransitionCause::kAdmit, ++generation, 2359296);
         } else {
           inv.Apply(0, Key(900, oldest++), core::Tier::kDram, false, core::TransitionCause::kEvict, ++generation,
                     2359296);
@@ -404,9 +402,9 @@ int main(int argc, char** argv) {
     const state::StateKey key = Key(owner, k);
     auto& inventory = *inventories[owner];
     const uint32_t shard = inventory.ShardFor(key);
-    const uint64_t seq = inventory.Apply(shard, key, core::Tier::kDram, add,
-                                         add ? core::TransitionCause::kAdmit : core::TransitionCause::kEvict,
-                                         ++generation, 65536);
+    const uint64_t seq =
+        inventory.Apply(shard, key, core::Tier::kDram, add,
+                        add ? core::TransitionCause::kAdmit : core::TransitionCause::kEvict, ++generation, 65536);
     times.Record(owner, shard, seq, MonoNow());
     if (add) {
       present[owner].insert(k);
@@ -464,8 +462,7 @@ int main(int argc, char** argv) {
     for (const auto& shard : host->store->Status()) records += shard.records;
     bool acked = true;
     for (size_t s = 0; s < streamers.size() && acked; ++s) {
-      acked = streamers[s]->acknowledged() ==
-              inventories[s / kShards]->Watermark(static_cast<uint32_t>(s % kShards));
+      acked = streamers[s]->acknowledged() == inventories[s / kShards]->Watermark(static_cast<uint32_t>(s % kShards));
     }
     if (acked && records == live) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -514,13 +511,14 @@ int main(int argc, char** argv) {
   report.Add({"shard_walk_us_250k", "us", scale.walk_us, "", 0});
   report.AddEnv("scan_page_p50_hold_us", fmt::format("{:.1f}", scale.page_p50_hold_us));
   report.Add({"inventory_apply_ns_250k", "ns", scale.apply_ns, "", 0});
-  report.AddEnv("scale", fmt::format("one shard of {} residences, {:.0f} changes/s during the snapshot, pages of "
-                                     "{} (the owner streams' default)", kScaleRecords, kScaleChangesPerSecond,
-                                     catalog::OwnerStreamer::Options{}.page_records));
+  report.AddEnv("scale",
+                fmt::format("one shard of {} residences, {:.0f} changes/s during the snapshot, pages of "
+                            "{} (the owner streams' default)",
+                            kScaleRecords, kScaleChangesPerSecond, catalog::OwnerStreamer::Options{}.page_records));
   report.Add({"lookup_reply_bytes_max", "B", HotPrefixLookupReplyBytes(), "peer_message_limit_bytes",
               static_cast<double>(catalog::kMaxPeerMessageBytes)});
-  report.AddEnv("lookup_hot_prefix", fmt::format("{} holders of the same {} keys, one Lookup of them", kHotHolders,
-                                                 kHotKeys));
+  report.AddEnv("lookup_hot_prefix",
+                fmt::format("{} holders of the same {} keys, one Lookup of them", kHotHolders, kHotKeys));
   report.Add({"etcd_put_rtt_p50", "ms", put_p50, "", 0});
   report.Add({"grpc_unary_rtt_p50", "ms", rtt_p50, "", 0});
   report.Print(json);

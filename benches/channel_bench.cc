@@ -39,8 +39,7 @@ Percentiles Summarize(std::vector<double> us) {
 // Parent and child exchange 64-byte messages through a shared page, each direction rung by an
 // eventfd.
 Percentiles ShmEventfdPingPong() {
-  auto* shared = static_cast<uint8_t*>(
-      mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  auto* shared = static_cast<uint8_t*>(mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
   const int to_child = eventfd(0, EFD_CLOEXEC);
   const int to_parent = eventfd(0, EFD_CLOEXEC);
   pid_t child = fork();
@@ -108,8 +107,7 @@ Percentiles CppQueryRtt(const testing::ManagerProcess& manager) {
   client::ClientOptions options;
   options.socket_path = manager.socket();
   auto client = *client::CacheClient::Connect(options);
-  static uint64_t next_instance =
-      100;  // a fresh instance per run: the previous session may still be closing
+  static uint64_t next_instance = 100;  // a fresh instance per run: the previous session may still be closing
   const uint64_t instance = next_instance++;
   EngineBuffer engine(*client, instance, 128, 4096);
   const auto keys = EngineBuffer::Keys(1, 128);
@@ -118,8 +116,7 @@ Percentiles CppQueryRtt(const testing::ManagerProcess& manager) {
   ORBITKV_CHECK(client->Save(instance, 0, items).ok());
   // The engine's view: its block hashes, 32 bytes each (4 KiB for 128 pages).
   std::vector<uint8_t> hashes;
-  for (const auto& key : keys)
-    hashes.insert(hashes.end(), key.native_key().begin(), key.native_key().end());
+  for (const auto& key : keys) hashes.insert(hashes.end(), key.native_key().begin(), key.native_key().end());
   std::vector<double> us;
   for (int i = 0; i < kRounds + 100; ++i) {
     Stopwatch watch;
@@ -167,17 +164,15 @@ print(json.dumps({{"p50": us[len(us) // 2], "p99": us[len(us) * 99 // 100]}}))
     std::fclose(file);
   }
   const char* python = std::getenv("ORBITKV_PYTHON");
-  const std::string command =
-      fmt::format("PYTHONPATH={} {} {} {}", ORBITKV_PYTHON_DIR,
-                  python != nullptr ? python : "/usr/bin/python3", path, manager.socket());
+  const std::string command = fmt::format("PYTHONPATH={} {} {} {}", ORBITKV_PYTHON_DIR,
+                                          python != nullptr ? python : "/usr/bin/python3", path, manager.socket());
   FILE* pipe = popen(command.c_str(), "r");
   ORBITKV_CHECK(pipe != nullptr);
   char line[512] = {};
   const bool read = std::fgets(line, sizeof(line), pipe) != nullptr;
   const int status = pclose(pipe);
   unlink(path.c_str());
-  ORBITKV_CHECK_MSG(read && status == 0,
-                    "the Python query loop failed (is the orbitkv extension built?)");
+  ORBITKV_CHECK_MSG(read && status == 0, "the Python query loop failed (is the orbitkv extension built?)");
   Percentiles p;
   ORBITKV_CHECK(std::sscanf(line, "{\"p50\": %lf, \"p99\": %lf}", &p.p50, &p.p99) == 2);
   return p;
@@ -188,10 +183,9 @@ print(json.dumps({{"p50": us[len(us) // 2], "p99": us[len(us) * 99 // 100]}}))
 
 int main(int argc, char** argv) {
   using namespace orbitkv::bench;
-  const bool json =
-      ParseBenchArgs(argc, argv,
-                     "Query round trip (128-key hit) to a real Manager from C++ and Python vs raw "
-                     "shared-memory eventfd and UDS ping-pongs, p50/p99 in microseconds.");
+  const bool json = ParseBenchArgs(argc, argv,
+                                   "Query round trip (128-key hit) to a real Manager from C++ and Python vs raw "
+                                   "shared-memory eventfd and UDS ping-pongs, p50/p99 in microseconds.");
   BenchReport report("channel");
   AddStandardEnv(report);
   // Each figure is the best (lowest p50) of three runs, baselines included: a 2-core VM's wakeup

@@ -103,8 +103,7 @@ void BuildFixture() {
     }
   }
   fixture->missing = Chain(1000, kPrefix);
-  MetricsRegistry* churn_metrics =
-      new MetricsRegistry();  // separate names space; leaked with the fixture
+  MetricsRegistry* churn_metrics = new MetricsRegistry();  // separate names space; leaked with the fixture
   fixture->churn_cache = *BlockCache::Create(CacheOptions(32ull << 20), churn_metrics);
   for (int t = 0; t < 2; ++t) fixture->churn_keys.push_back(Chain(2000 + t, 1 << 16));
 }
@@ -222,8 +221,7 @@ class CaptureReporter : public benchmark::BenchmarkReporter {
 
 double NsPerOp(const CaptureReporter& reporter, const std::string& name, int threads) {
   auto it = reporter.rates.find({name, threads});
-  ORBITKV_CHECK_MSG(it != reporter.rates.end() && it->second > 0, "no result for {} threads={}",
-                    name, threads);
+  ORBITKV_CHECK_MSG(it != reporter.rates.end() && it->second > 0, "no result for {} threads={}", name, threads);
   return 1e9 / it->second;
 }
 
@@ -246,8 +244,7 @@ CopyFigures MeasureCopy(int repeats) {
   auto cache = *BlockCache::Create(options, &metrics);
   int fd = memfd_create("orbitkv-bench-engine", MFD_CLOEXEC);
   ORBITKV_CHECK(fd >= 0 && ftruncate(fd, kTotal) == 0);
-  auto* buffer =
-      static_cast<uint8_t*>(mmap(nullptr, kTotal, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  auto* buffer = static_cast<uint8_t*>(mmap(nullptr, kTotal, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   ORBITKV_CHECK(buffer != MAP_FAILED);
   std::memset(buffer, 0x5a, kTotal);
   std::vector<core::PoolBlock> blocks;
@@ -294,8 +291,7 @@ CopyFigures MeasureCopy(int repeats) {
     Stopwatch watch;
     std::memcpy(buffer, contiguous, kTotal);
     benchmark::ClobberMemory();
-    figures.memcpy_gbps =
-        std::max(figures.memcpy_gbps, static_cast<double>(kTotal) / watch.ElapsedSeconds() / 1e9);
+    figures.memcpy_gbps = std::max(figures.memcpy_gbps, static_cast<double>(kTotal) / watch.ElapsedSeconds() / 1e9);
   }
   engine->Shutdown();
   ORBITKV_CHECK(engine->UnregisterBuffer(id).ok());
@@ -327,26 +323,13 @@ int main(int argc, char** argv) {
   AddStandardEnv(report);
 
   benchmark::RegisterBenchmark("unordered_map_lookup_128", BM_UnorderedMapLookup128)->UseRealTime();
-  benchmark::RegisterBenchmark("prefix_lookup_128", BM_PrefixLookup128)
-      ->Threads(1)
-      ->Threads(2)
-      ->UseRealTime();
+  benchmark::RegisterBenchmark("prefix_lookup_128", BM_PrefixLookup128)->Threads(1)->Threads(2)->UseRealTime();
   benchmark::RegisterBenchmark("unordered_map_miss_1", BM_UnorderedMapMiss1)->UseRealTime();
-  benchmark::RegisterBenchmark("prefix_lookup_128_miss", BM_PrefixLookup128Miss)
-      ->Threads(1)
-      ->Threads(2)
-      ->UseRealTime();
+  benchmark::RegisterBenchmark("prefix_lookup_128_miss", BM_PrefixLookup128Miss)->Threads(1)->Threads(2)->UseRealTime();
   benchmark::RegisterBenchmark("malloc_free_64k", BM_MallocFree)->UseRealTime();
-  benchmark::RegisterBenchmark("pool_alloc_free", BM_PoolAllocFree)
-      ->Threads(1)
-      ->Threads(2)
-      ->UseRealTime();
-  benchmark::RegisterBenchmark("unordered_map_insert_erase", BM_UnorderedMapInsertErase)
-      ->UseRealTime();
-  benchmark::RegisterBenchmark("publish_evict", BM_PublishEvict)
-      ->Threads(1)
-      ->Threads(2)
-      ->UseRealTime();
+  benchmark::RegisterBenchmark("pool_alloc_free", BM_PoolAllocFree)->Threads(1)->Threads(2)->UseRealTime();
+  benchmark::RegisterBenchmark("unordered_map_insert_erase", BM_UnorderedMapInsertErase)->UseRealTime();
+  benchmark::RegisterBenchmark("publish_evict", BM_PublishEvict)->Threads(1)->Threads(2)->UseRealTime();
 
   std::string min_time = "--benchmark_min_time=0.2";
   std::string repetitions = "--benchmark_repetitions=3";
@@ -355,37 +338,31 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&bench_argc, bench_argv);
   CaptureReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
-  for (const std::string& error : reporter.errors)
-    std::fprintf(stderr, "core_bench: %s\n", error.c_str());
+  for (const std::string& error : reporter.errors) std::fprintf(stderr, "core_bench: %s\n", error.c_str());
   if (!reporter.errors.empty()) return 1;
 
   const double map128 = NsPerOp(reporter, "unordered_map_lookup_128", 1);
-  report.Add({"prefix_lookup_128", "ns", NsPerOp(reporter, "prefix_lookup_128", 1),
-              "unordered_map_lookup_128", map128});
-  report.Add({"prefix_lookup_128_t2", "ns", NsPerOp(reporter, "prefix_lookup_128", 2),
-              "unordered_map_lookup_128", map128});
+  report.Add(
+      {"prefix_lookup_128", "ns", NsPerOp(reporter, "prefix_lookup_128", 1), "unordered_map_lookup_128", map128});
+  report.Add(
+      {"prefix_lookup_128_t2", "ns", NsPerOp(reporter, "prefix_lookup_128", 2), "unordered_map_lookup_128", map128});
   const double miss1 = NsPerOp(reporter, "unordered_map_miss_1", 1);
-  report.Add({"prefix_lookup_128_miss", "ns", NsPerOp(reporter, "prefix_lookup_128_miss", 1),
-              "unordered_map_miss_1", miss1});
-  report.Add({"prefix_lookup_128_miss_t2", "ns", NsPerOp(reporter, "prefix_lookup_128_miss", 2),
-              "unordered_map_miss_1", miss1});
+  report.Add(
+      {"prefix_lookup_128_miss", "ns", NsPerOp(reporter, "prefix_lookup_128_miss", 1), "unordered_map_miss_1", miss1});
+  report.Add({"prefix_lookup_128_miss_t2", "ns", NsPerOp(reporter, "prefix_lookup_128_miss", 2), "unordered_map_miss_1",
+              miss1});
   const double malloc_ns = NsPerOp(reporter, "malloc_free_64k", 1);
-  report.Add({"pool_alloc_free", "ns", NsPerOp(reporter, "pool_alloc_free", 1), "malloc_free_64k",
-              malloc_ns});
-  report.Add({"pool_alloc_free_t2", "ns", NsPerOp(reporter, "pool_alloc_free", 2),
-              "malloc_free_64k", malloc_ns});
+  report.Add({"pool_alloc_free", "ns", NsPerOp(reporter, "pool_alloc_free", 1), "malloc_free_64k", malloc_ns});
+  report.Add({"pool_alloc_free_t2", "ns", NsPerOp(reporter, "pool_alloc_free", 2), "malloc_free_64k", malloc_ns});
   const double map_churn = NsPerOp(reporter, "unordered_map_insert_erase", 1);
-  report.Add({"publish_evict", "ns", NsPerOp(reporter, "publish_evict", 1),
-              "unordered_map_insert_erase", map_churn});
-  report.Add({"publish_evict_t2", "ns", NsPerOp(reporter, "publish_evict", 2),
-              "unordered_map_insert_erase", map_churn});
+  report.Add({"publish_evict", "ns", NsPerOp(reporter, "publish_evict", 1), "unordered_map_insert_erase", map_churn});
+  report.Add(
+      {"publish_evict_t2", "ns", NsPerOp(reporter, "publish_evict", 2), "unordered_map_insert_erase", map_churn});
 
   const CopyFigures copy = MeasureCopy(5);
   report.Add({"cpu_copy_64k", "GB/s", copy.restore_gbps, "memcpy_1t", copy.memcpy_gbps});
   report.Add({"cpu_copy_64k_save", "GB/s", copy.save_gbps, "memcpy_1t", copy.memcpy_gbps});
-  report.AddEnv(
-      "note",
-      "ns metrics at t2 are wall time per operation with 2 threads running (aggregate rate)");
+  report.AddEnv("note", "ns metrics at t2 are wall time per operation with 2 threads running (aggregate rate)");
   report.Print(json);
   return 0;
 }

@@ -23,7 +23,6 @@
 #include "base/logging.h"
 #include "base/runtime_id.h"
 #include "bench_report.h"
-#include "peer_bench.h"
 #include "catalog/catalog_grpc.h"
 #include "catalog/catalog_store.h"
 #include "catalog/owner_streamer.h"
@@ -32,6 +31,7 @@
 #include "catalog/transfer_grants.h"
 #include "cluster/placement.h"
 #include "core/block_cache.h"
+#include "peer_bench.h"
 #include "state/namespace.h"
 #include "transfer/ucx_engine.h"
 
@@ -165,8 +165,7 @@ int main(int argc, char** argv) {
   }
 
   // Baseline: the loopback gRPC unary round trip (Health, route check included).
-  const double rtt_p50 =
-      HealthRoundTripP50Ms(catalogs[0]->endpoint, identity("requester"), view.Find("cat-0")->record);
+  const double rtt_p50 = HealthRoundTripP50Ms(catalogs[0]->endpoint, identity("requester"), view.Find("cat-0")->record);
 
   // The source's blocks, streamed to the catalog hosts.
   std::vector<std::vector<state::StateKey>> chains;
@@ -318,11 +317,10 @@ int main(int argc, char** argv) {
               "rpc_bound_ceil_1024_128_plus_2", bound});
   report.Add({"discovery_cold_p50", "ms", Percentile(cold_ms, 0.5), "grpc_unary_rtt_p50", rtt_p50});
   report.Add({"discovery_cold_p99", "ms", Percentile(cold_ms, 0.99), "grpc_unary_rtt_p50", rtt_p50});
-  report.Add({"discovery_warm_p50", "us", Percentile(warm_us, 0.5), "unordered_map_lookup_128",
-              Percentile(map_us, 0.5)});
+  report.Add(
+      {"discovery_warm_p50", "us", Percentile(warm_us, 0.5), "unordered_map_lookup_128", Percentile(map_us, 0.5)});
   report.Add({"candidate_stale_rate", "fraction", attempts == 0 ? 0 : static_cast<double>(rejections) / attempts,
-              "source_replaced_fraction",
-              static_cast<double>(replaced.load()) / static_cast<double>(blocks)});
+              "source_replaced_fraction", static_cast<double>(replaced.load()) / static_cast<double>(blocks)});
   report.Add({"candidate_index_bytes", "B", static_cast<double>(index_bytes), "candidate_index_budget",
               static_cast<double>(16ull << 20)});
   report.Add({"grpc_unary_rtt_p50", "ms", rtt_p50, "", 0});

@@ -61,11 +61,10 @@ constexpr uint64_t kMinPassBytes = uint64_t{512} << 20;
 constexpr uint64_t kPeakBytes = uint64_t{1} << 30;
 constexpr int kPasses = 5;
 
-#define CUDA_OK(expr)                                                 \
-  do {                                                                \
-    const cudaError_t orbitkv_error_ = (expr);                        \
-    ORBITKV_CHECK_MSG(orbitkv_error_ == cudaSuccess, "{}: {}", #expr, \
-                      cudaGetErrorString(orbitkv_error_));            \
+#define CUDA_OK(expr)                                                                                      \
+  do {                                                                                                     \
+    const cudaError_t orbitkv_error_ = (expr);                                                             \
+    ORBITKV_CHECK_MSG(orbitkv_error_ == cudaSuccess, "{}: {}", #expr, cudaGetErrorString(orbitkv_error_)); \
   } while (false)
 
 double Median(std::vector<double> values) {
@@ -106,8 +105,7 @@ void SubmitRetrying(CudaCopyEngine& engine, const CopyBatch& batch, Completions&
   for (;;) {
     const Status status = engine.Submit(batch, completions.Callback());
     if (status.ok()) return;
-    ORBITKV_CHECK_MSG(status.code() == StatusCode::kResourceExhausted, "submit failed: {}",
-                      status.ToString());
+    ORBITKV_CHECK_MSG(status.code() == StatusCode::kResourceExhausted, "submit failed: {}", status.ToString());
     std::this_thread::yield();
   }
 }
@@ -120,8 +118,8 @@ struct PassTimes {
 
 // Runs `rounds` x every batch of every list (lists interleaved batch by batch) and returns GB/s.
 // `at_start` runs just before the first Submit; `times`, if given, gets the pass's steps.
-double RunGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyBatch>*>& lists,
-               int rounds, PassTimes* times = nullptr, const std::function<void()>& at_start = {}) {
+double RunGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyBatch>*>& lists, int rounds,
+               PassTimes* times = nullptr, const std::function<void()>& at_start = {}) {
   Completions completions;
   uint64_t batches = 0;
   uint64_t bytes = 0;
@@ -129,9 +127,8 @@ double RunGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyB
   pass.start_ns = MonoNanos();
   if (at_start) at_start();
   for (int r = 0; r < rounds; ++r) {
-    const size_t longest = (*std::max_element(lists.begin(), lists.end(), [](auto* a, auto* b) {
-                             return a->size() < b->size();
-                           }))->size();
+    const size_t longest =
+        (*std::max_element(lists.begin(), lists.end(), [](auto* a, auto* b) { return a->size() < b->size(); }))->size();
     for (size_t i = 0; i < longest; ++i) {
       for (const std::vector<CopyBatch>* list : lists) {
         if (i >= list->size()) continue;
@@ -145,12 +142,10 @@ double RunGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyB
   pass.woke_ns = MonoNanos();
   pass.last_done_ns = completions.last_done_ns();
   if (times != nullptr) *times = pass;
-  return static_cast<double>(bytes) / (static_cast<double>(pass.woke_ns - pass.start_ns) / 1e9) /
-         1e9;
+  return static_cast<double>(bytes) / (static_cast<double>(pass.woke_ns - pass.start_ns) / 1e9) / 1e9;
 }
 
-double MedianGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyBatch>*>& lists,
-                  int rounds) {
+double MedianGbps(CudaCopyEngine& engine, const std::vector<const std::vector<CopyBatch>*>& lists, int rounds) {
   RunGbps(engine, lists, 1);  // Warm-up.
   std::vector<double> passes;
   for (int p = 0; p < kPasses; ++p) passes.push_back(RunGbps(engine, lists, rounds));
@@ -164,8 +159,7 @@ struct Peaks {
 // The copy kernel alone on one contiguous kPeakBytes range between the pinned arena and device
 // memory, in `chunk`-byte pieces (2 blocks per SM, the engine's default grid): what the SMs'
 // reads and writes of host memory reach with no scatter at all, against the copy engines' peak.
-std::pair<double, double> MeasureKernelContiguous(uint8_t* pinned, uint8_t* device, uint64_t chunk,
-                                                  int sms) {
+std::pair<double, double> MeasureKernelContiguous(uint8_t* pinned, uint8_t* device, uint64_t chunk, int sms) {
   void* mapped = nullptr;
   CUDA_OK(cudaHostGetDevicePointer(&mapped, pinned, 0));
   gpu::CudaStream stream = std::move(gpu::CudaStream::Create(0)).value();
@@ -179,14 +173,12 @@ std::pair<double, double> MeasureKernelContiguous(uint8_t* pinned, uint8_t* devi
       const uint64_t dev = reinterpret_cast<uint64_t>(device) + i * chunk;
       chunks[i] = gpu::CopyChunk{h2d ? host : dev, h2d ? dev : host, chunk, 0};
     }
-    CUDA_OK(cudaMemcpy(descriptors->data(), chunks.data(), count * sizeof(gpu::CopyChunk),
-                       cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(descriptors->data(), chunks.data(), count * sizeof(gpu::CopyChunk), cudaMemcpyHostToDevice));
     std::vector<double> passes;
     for (int p = 0; p < kPasses + 1; ++p) {
       Stopwatch watch;
       CUDA_OK(gpu::LaunchCopyChunks(reinterpret_cast<const gpu::CopyChunk*>(descriptors->data()),
-                                    static_cast<uint32_t>(count), static_cast<uint32_t>(2 * sms),
-                                    stream.get()));
+                                    static_cast<uint32_t>(count), static_cast<uint32_t>(2 * sms), stream.get()));
       CUDA_OK(cudaStreamSynchronize(stream.get()));
       const double seconds = watch.ElapsedSeconds();
       if (p > 0) passes.push_back(static_cast<double>(kPeakBytes) / seconds / 1e9);
@@ -206,8 +198,7 @@ double MeasureCopyPieces(uint8_t* pinned, uint8_t* device, uint64_t piece, int s
   for (int p = 0; p < kPasses + 1; ++p) {
     Stopwatch watch;
     for (uint64_t at = 0, i = 0; at < kPeakBytes; at += piece, ++i) {
-      CUDA_OK(cudaMemcpyAsync(device + at, pinned + at, piece, cudaMemcpyHostToDevice,
-                              lanes[i % lanes.size()].get()));
+      CUDA_OK(cudaMemcpyAsync(device + at, pinned + at, piece, cudaMemcpyHostToDevice, lanes[i % lanes.size()].get()));
     }
     for (gpu::CudaStream& lane : lanes) CUDA_OK(cudaStreamSynchronize(lane.get()));
     const double seconds = watch.ElapsedSeconds();
@@ -240,8 +231,7 @@ struct RingModel {
   uint64_t pass_bytes = kPeakBytes;  // bytes per timed pass (the engine bench's passes: 512 MiB)
 };
 
-double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model,
-                        std::mt19937_64& rng, int sms) {
+double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model, std::mt19937_64& rng, int sms) {
   uint8_t* const pages = device;
   uint8_t* const ring = device + kPeakBytes;
   const uint64_t page_count = kPeakBytes / model.page;
@@ -253,9 +243,8 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
   std::vector<gpu::CopyChunk> chunks(page_count);
   for (uint64_t i = 0; i < page_count; ++i) {
     const uint64_t slot = (i / per_slot) % static_cast<uint64_t>(model.slots);
-    chunks[i] = gpu::CopyChunk{
-        reinterpret_cast<uint64_t>(ring + slot * model.slot_bytes + (i % per_slot) * model.page),
-        reinterpret_cast<uint64_t>(pages + order[i] * model.page), model.page, 0};
+    chunks[i] = gpu::CopyChunk{reinterpret_cast<uint64_t>(ring + slot * model.slot_bytes + (i % per_slot) * model.page),
+                               reinterpret_cast<uint64_t>(pages + order[i] * model.page), model.page, 0};
   }
   // Each piece's copies into its slot: (source, offset in the slot, bytes).
   struct Copy {
@@ -279,13 +268,13 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
   }
   auto descriptors = gpu::DeviceMemory::Allocate(0, chunks.size() * sizeof(gpu::CopyChunk));
   ORBITKV_CHECK_MSG(descriptors.ok(), "{}", descriptors.status().ToString());
-  CUDA_OK(cudaMemcpy(descriptors->data(), chunks.data(), chunks.size() * sizeof(gpu::CopyChunk),
-                     cudaMemcpyHostToDevice));
+  CUDA_OK(
+      cudaMemcpy(descriptors->data(), chunks.data(), chunks.size() * sizeof(gpu::CopyChunk), cudaMemcpyHostToDevice));
   auto mapped = gpu::PinnedHostMemory::Allocate(0, chunks.size() * sizeof(gpu::CopyChunk));
   ORBITKV_CHECK_MSG(mapped.ok(), "{}", mapped.status().ToString());
   std::memcpy(mapped->data(), chunks.data(), chunks.size() * sizeof(gpu::CopyChunk));
-  const auto* device_chunks = reinterpret_cast<const gpu::CopyChunk*>(
-      model.host_descriptors ? mapped->device_data() : descriptors->data());
+  const auto* device_chunks =
+      reinterpret_cast<const gpu::CopyChunk*>(model.host_descriptors ? mapped->device_data() : descriptors->data());
   gpu::CudaStream copy = std::move(gpu::CudaStream::Create(0)).value();
   std::vector<gpu::CudaStream> scatters;
   const int scatter_streams = model.slots_per_batch > 0 ? 2 : model.scatter_streams;
@@ -293,10 +282,9 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
     scatters.push_back(std::move(gpu::CudaStream::Create(0)).value());
   }
   // The engine-like completion path (slots_per_batch > 0).
-  const uint64_t batches =
-      model.slots_per_batch > 0
-          ? (pieces + static_cast<uint64_t>(model.slots_per_batch) - 1) / model.slots_per_batch
-          : 0;
+  const uint64_t batches = model.slots_per_batch > 0
+                               ? (pieces + static_cast<uint64_t>(model.slots_per_batch) - 1) / model.slots_per_batch
+                               : 0;
   std::vector<gpu::CudaEvent> done;
   for (uint64_t b = 0; b < batches; ++b) {
     done.push_back(std::move(gpu::CudaEvent::Create(0, /*blocking_sync=*/true)).value());
@@ -342,10 +330,9 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
     for (uint64_t piece = 0; piece < pieces; ++piece) {
       const int slot = static_cast<int>(piece % static_cast<uint64_t>(model.slots));
       uint8_t* const slot_at = ring + slot * model.slot_bytes;
-      cudaStream_t scatter =
-          model.slots_per_batch > 0
-              ? scatters[(piece / static_cast<uint64_t>(model.slots_per_batch)) % 2].get()
-              : scatters[piece % scatters.size()].get();
+      cudaStream_t scatter = model.slots_per_batch > 0
+                                 ? scatters[(piece / static_cast<uint64_t>(model.slots_per_batch)) % 2].get()
+                                 : scatters[piece % scatters.size()].get();
       if (piece >= static_cast<uint64_t>(model.slots)) {
         CUDA_OK(cudaStreamWaitEvent(copy.get(), freed[slot].get(), 0));
       }
@@ -359,23 +346,20 @@ double MeasureRingModel(uint8_t* pinned, uint8_t* device, const RingModel& model
           sizes.push_back(c.bytes);
         }
         size_t first = 0;
-        CUDA_OK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
-                                     &attributes, &first, 1, copy.get()));
+        CUDA_OK(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attributes, &first, 1,
+                                     copy.get()));
       } else {
         for (const Copy& c : copies[piece]) {
-          CUDA_OK(
-              cudaMemcpyAsync(slot_at + c.at, c.from, c.bytes, cudaMemcpyHostToDevice, copy.get()));
+          CUDA_OK(cudaMemcpyAsync(slot_at + c.at, c.from, c.bytes, cudaMemcpyHostToDevice, copy.get()));
         }
       }
       CUDA_OK(cudaEventRecord(filled[slot].get(), copy.get()));
       CUDA_OK(cudaStreamWaitEvent(scatter, filled[slot].get(), 0));
-      CUDA_OK(gpu::LaunchCopyChunks(device_chunks + piece * per_slot,
-                                    static_cast<uint32_t>(per_slot), static_cast<uint32_t>(2 * sms),
-                                    scatter));
+      CUDA_OK(gpu::LaunchCopyChunks(device_chunks + piece * per_slot, static_cast<uint32_t>(per_slot),
+                                    static_cast<uint32_t>(2 * sms), scatter));
       CUDA_OK(cudaEventRecord(freed[slot].get(), scatter));
       if (model.slots_per_batch > 0 &&
-          ((piece + 1) % static_cast<uint64_t>(model.slots_per_batch) == 0 ||
-           piece + 1 == pieces)) {
+          ((piece + 1) % static_cast<uint64_t>(model.slots_per_batch) == 0 || piece + 1 == pieces)) {
         const uint64_t b = piece / static_cast<uint64_t>(model.slots_per_batch);
         CUDA_OK(cudaEventRecord(done[b].get(), scatter));
         {
@@ -425,8 +409,7 @@ Peaks MeasurePeaks(uint8_t* pinned, uint8_t* device) {
         CUDA_OK(cudaMemcpyAsync(device_up, host_up, kPeakBytes, cudaMemcpyHostToDevice, up.get()));
       }
       if (d2h) {
-        CUDA_OK(cudaMemcpyAsync(host_down, device_down, kPeakBytes, cudaMemcpyDeviceToHost,
-                                down.get()));
+        CUDA_OK(cudaMemcpyAsync(host_down, device_down, kPeakBytes, cudaMemcpyDeviceToHost, down.get()));
       }
       CUDA_OK(cudaStreamSynchronize(up.get()));
       CUDA_OK(cudaStreamSynchronize(down.get()));
@@ -447,8 +430,8 @@ struct PageSet {
   std::vector<CopyBatch> restores, saves;
 };
 
-PageSet MakePageSet(core::PinnedPool& pool, BufferId buffer, uint64_t fragment_bytes,
-                    std::mt19937_64& rng, uint32_t pages_per_batch = kPagesPerBatch) {
+PageSet MakePageSet(core::PinnedPool& pool, BufferId buffer, uint64_t fragment_bytes, std::mt19937_64& rng,
+                    uint32_t pages_per_batch = kPagesPerBatch) {
   PageSet set;
   set.fragment_bytes = fragment_bytes;
   std::vector<uint32_t> slots(2 * kPages);
@@ -465,10 +448,10 @@ PageSet MakePageSet(core::PinnedPool& pool, BufferId buffer, uint64_t fragment_b
     CopyBatch restore{CopyDirection::kRestore, {}};
     CopyBatch save{CopyDirection::kSave, {}};
     for (uint32_t i = first; i < first + pages_per_batch; ++i) {
-      restore.fragments.push_back(CopyFragment{buffer, set.restore_slots[i] * fragment_bytes,
-                                               set.restore_blocks[i].data, fragment_bytes});
-      save.fragments.push_back(CopyFragment{buffer, set.save_slots[i] * fragment_bytes,
-                                            set.save_blocks[i].data, fragment_bytes});
+      restore.fragments.push_back(
+          CopyFragment{buffer, set.restore_slots[i] * fragment_bytes, set.restore_blocks[i].data, fragment_bytes});
+      save.fragments.push_back(
+          CopyFragment{buffer, set.save_slots[i] * fragment_bytes, set.save_blocks[i].data, fragment_bytes});
     }
     set.restores.push_back(std::move(restore));
     set.saves.push_back(std::move(save));
@@ -506,12 +489,10 @@ void CheckBytes(CudaCopyEngine& engine, const PageSet& set, uint8_t* device, std
   std::vector<uint8_t> after(device_bytes);
   CUDA_OK(cudaMemcpy(after.data(), device, device_bytes, cudaMemcpyDeviceToHost));
   for (uint32_t i = 0; i < kPages; ++i) {
-    ORBITKV_CHECK_MSG(
-        std::memcmp(after.data() + set.restore_slots[i] * f, set.restore_blocks[i].data, f) == 0,
-        "restored page {} ({} KiB fragments) differs from its block", i, f >> 10);
-    ORBITKV_CHECK_MSG(
-        std::memcmp(set.save_blocks[i].data, pages.data() + set.save_slots[i] * f, f) == 0,
-        "saved block {} ({} KiB fragments) differs from its page", i, f >> 10);
+    ORBITKV_CHECK_MSG(std::memcmp(after.data() + set.restore_slots[i] * f, set.restore_blocks[i].data, f) == 0,
+                      "restored page {} ({} KiB fragments) differs from its block", i, f >> 10);
+    ORBITKV_CHECK_MSG(std::memcmp(set.save_blocks[i].data, pages.data() + set.save_slots[i] * f, f) == 0,
+                      "saved block {} ({} KiB fragments) differs from its page", i, f >> 10);
   }
 }
 
@@ -519,8 +500,7 @@ int RoundsFor(uint64_t fragment_bytes) {
   return static_cast<int>(std::max<uint64_t>(1, kMinPassBytes / (kPages * fragment_bytes)));
 }
 
-std::unique_ptr<CudaCopyEngine> MakeEngine(const gpu::HostMemoryRegistry& registry,
-                                           CudaCopyEngine::Options options,
+std::unique_ptr<CudaCopyEngine> MakeEngine(const gpu::HostMemoryRegistry& registry, CudaCopyEngine::Options options,
                                            MetricsRegistry* metrics = nullptr) {
   options.devices = {0};
   auto engine = CudaCopyEngine::Create(options, &registry, metrics);
@@ -609,9 +589,8 @@ std::string WakeLatencies(uint8_t* pinned, uint8_t* device) {
 // page to its own scattered device page, as ONE batch (a 4K-token restore is 9216 fragments, an
 // 8K one 18432). Checked byte for byte once, then GB/s (median of kPasses after a warm-up) through
 // each engine, in turn.
-std::string BlockRestores(const gpu::HostMemoryRegistry& registry, uint8_t* pinned,
-                          uint64_t pinned_bytes, uint8_t* device, uint64_t device_bytes,
-                          uint64_t blocks, std::mt19937_64& rng) {
+std::string BlockRestores(const gpu::HostMemoryRegistry& registry, uint8_t* pinned, uint64_t pinned_bytes,
+                          uint8_t* device, uint64_t device_bytes, uint64_t blocks, std::mt19937_64& rng) {
   constexpr uint64_t kPage = 64 << 10, kPagesPerBlock = 36, kSlab = 4 << 20;
   const uint64_t pages = blocks * kPagesPerBlock;
   if (pages > device_bytes / kPage || blocks * kSlab > pinned_bytes) {
@@ -623,8 +602,8 @@ std::string BlockRestores(const gpu::HostMemoryRegistry& registry, uint8_t* pinn
   CopyBatch batch{CopyDirection::kRestore, {}};
   for (uint64_t b = 0; b < blocks; ++b) {
     for (uint64_t l = 0; l < kPagesPerBlock; ++l) {
-      batch.fragments.push_back(CopyFragment{BufferId{}, slots[b * kPagesPerBlock + l] * kPage,
-                                             pinned + b * kSlab + l * kPage, kPage});
+      batch.fragments.push_back(
+          CopyFragment{BufferId{}, slots[b * kPagesPerBlock + l] * kPage, pinned + b * kSlab + l * kPage, kPage});
     }
   }
   for (uint64_t b = 0; b < blocks; ++b) FillRandom(pinned + b * kSlab, kPagesPerBlock * kPage, rng);
@@ -663,8 +642,8 @@ std::string BlockRestores(const gpu::HostMemoryRegistry& registry, uint8_t* pinn
       gbps[v].push_back(MedianGbps(*engines[v], {&lists[v]}, 1));
     }
   }
-  std::string out = fmt::format("{} fragments of 64 KiB from {} runs of 2.25 MiB, one batch:",
-                                batch.fragments.size(), blocks);
+  std::string out =
+      fmt::format("{} fragments of 64 KiB from {} runs of 2.25 MiB, one batch:", batch.fragments.size(), blocks);
   for (size_t v = 0; v < variants.size(); ++v) {
     out += fmt::format(" {} {:.1f}", variants[v].name, Median(gbps[v]));
     engines[v]->Shutdown();
@@ -681,9 +660,8 @@ std::string BlockRestores(const gpu::HostMemoryRegistry& registry, uint8_t* pinn
 // of the caller's just before the first Submit, to the first fill's start, on the GPU's clock; of
 // it, the first Submit call on the CPU), end (the last scatter's end to the last CopyDone, the CPU
 // clock less the GPU's start and span) and hand-off (that CopyDone to its waiter awake).
-std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* device,
-                         uint64_t device_bytes, CudaCopyEngine::Options options, PageSet& set,
-                         int rounds) {
+std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* device, uint64_t device_bytes,
+                         CudaCopyEngine::Options options, PageSet& set, int rounds) {
   options.ring_timeline_slots = 4096;
   auto engine = MakeEngine(registry, options);
   SetBuffer(set, RegisterDevice(*engine, device, device_bytes));
@@ -695,8 +673,8 @@ std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* devic
   gpu::CudaStream side = std::move(gpu::CudaStream::Create(0)).value();
   gpu::CudaEvent origin = std::move(gpu::CudaEvent::Create(0, false, /*timing=*/true)).value();
   PassTimes pass;
-  const double wall = RunGbps(*engine, {&set.restores}, rounds, &pass,
-                              [&] { CUDA_OK(cudaEventRecord(origin.get(), side.get())); });
+  const double wall =
+      RunGbps(*engine, {&set.restores}, rounds, &pass, [&] { CUDA_OK(cudaEventRecord(origin.get(), side.get())); });
   CUDA_OK(cudaEventSynchronize(origin.get()));
   auto timeline = engine->TakeRingTimeline(0, origin.get());
   ORBITKV_CHECK_MSG(timeline.ok(), "timeline: {}", timeline.status().ToString());
@@ -722,17 +700,14 @@ std::string RingTimeline(const gpu::HostMemoryRegistry& registry, uint8_t* devic
   for (const auto& slot : t) last_scatter = std::max(last_scatter, slot.scatter_end_ms);
   const double start_ms = t.front().fill_start_ms;
   const double span_ms = last_scatter - start_ms;
-  const auto ms_since_start = [&](int64_t ns) {
-    return static_cast<double>(ns - pass.start_ns) / 1e6;
-  };
+  const auto ms_since_start = [&](int64_t ns) { return static_cast<double>(ns - pass.start_ns) / 1e6; };
   return fmt::format(
       "{} slots, {:.1f} runs each: fill {:.1f} GB/s, copy stream busy {:.3f} (gaps {:.3f} ms in "
       "all, largest {:.3f}), fill to scatter end {:.3f} ms a slot, span {:.1f} GB/s, wall {:.1f} "
       "GB/s; start {:.3f} ms (first Submit {:.3f}), end {:.3f} ms, hand-off {:.3f} ms",
-      t.size(), static_cast<double>(runs) / static_cast<double>(t.size()), gb / (filling / 1e3),
-      filling / copy_span, gaps, largest_gap, scatter / static_cast<double>(t.size()),
-      gb / (span_ms / 1e3), wall, start_ms, ms_since_start(pass.first_submitted_ns),
-      ms_since_start(pass.last_done_ns) - last_scatter,
+      t.size(), static_cast<double>(runs) / static_cast<double>(t.size()), gb / (filling / 1e3), filling / copy_span,
+      gaps, largest_gap, scatter / static_cast<double>(t.size()), gb / (span_ms / 1e3), wall, start_ms,
+      ms_since_start(pass.first_submitted_ns), ms_since_start(pass.last_done_ns) - last_scatter,
       static_cast<double>(pass.woke_ns - pass.last_done_ns) / 1e6);
 }
 
@@ -761,14 +736,13 @@ AllDevices MeasureAllDevices(gpu::HostMemoryRegistry& registry, core::PinnedPool
   {
     // The arena's bytes are free: no block is allocated while this runs.
     const uint64_t slice =
-        std::min<uint64_t>(kPeakBytes, pool.arena(0).size() / static_cast<uint64_t>(devices)) &
-        ~uint64_t{4095};
+        std::min<uint64_t>(kPeakBytes, pool.arena(0).size() / static_cast<uint64_t>(devices)) & ~uint64_t{4095};
     std::vector<double> passes;
     for (int p = 0; p < kPasses + 1; ++p) {
       Stopwatch watch;
       for (int d = 0; d < devices; ++d) {
-        CUDA_OK(cudaMemcpyAsync(memory[d].data(), pool.arena(0).data() + d * slice, slice,
-                                cudaMemcpyHostToDevice, streams[d].get()));
+        CUDA_OK(cudaMemcpyAsync(memory[d].data(), pool.arena(0).data() + d * slice, slice, cudaMemcpyHostToDevice,
+                                streams[d].get()));
       }
       for (int d = 0; d < devices; ++d) CUDA_OK(cudaStreamSynchronize(streams[d].get()));
       const double seconds = watch.ElapsedSeconds();
@@ -779,8 +753,7 @@ AllDevices MeasureAllDevices(gpu::HostMemoryRegistry& registry, core::PinnedPool
   CudaCopyEngine::Options options;
   for (int d = 0; d < devices; ++d) options.devices.push_back(d);
   auto created = CudaCopyEngine::Create(options, &registry, nullptr);
-  ORBITKV_CHECK_MSG(created.ok(), "copy engine on {} devices: {}", devices,
-                    created.status().ToString());
+  ORBITKV_CHECK_MSG(created.ok(), "copy engine on {} devices: {}", devices, created.status().ToString());
   CudaCopyEngine& engine = **created;
   std::vector<std::vector<CopyBatch>> lists(devices);
   std::vector<std::vector<core::PoolBlock>> blocks(devices);
@@ -809,9 +782,8 @@ AllDevices MeasureAllDevices(gpu::HostMemoryRegistry& registry, core::PinnedPool
   for (int d = 0; d < devices; ++d) {
     CUDA_OK(cudaMemcpy(after.data(), memory[d].data(), device_bytes, cudaMemcpyDeviceToHost));
     for (uint32_t i = 0; i < kPages; ++i) {
-      ORBITKV_CHECK_MSG(
-          std::memcmp(after.data() + slots[d][i] * kFragment, blocks[d][i].data, kFragment) == 0,
-          "device {}: restored page {} differs from its block", d, i);
+      ORBITKV_CHECK_MSG(std::memcmp(after.data() + slots[d][i] * kFragment, blocks[d][i].data, kFragment) == 0,
+                        "device {}: restored page {} differs from its block", d, i);
     }
   }
   out.restore = MedianGbps(engine, all_lists, RoundsFor(kFragment));
@@ -824,8 +796,7 @@ AllDevices MeasureAllDevices(gpu::HostMemoryRegistry& registry, core::PinnedPool
 
 // GB/s of restore, save and both at once for other settings, on stderr (for tuning the defaults;
 // ORBITKV_GPU_BENCH_SWEEP=1): other batch sizes, grid sizes and chunk sizes for the kernel.
-void Sweep(gpu::HostMemoryRegistry& registry, core::PinnedPool& pool, uint8_t* device,
-           std::mt19937_64& rng) {
+void Sweep(gpu::HostMemoryRegistry& registry, core::PinnedPool& pool, uint8_t* device, std::mt19937_64& rng) {
   using Method = CudaCopyEngine::Method;
   constexpr uint64_t k16 = 16 << 10, k64 = 64 << 10, k256 = 256 << 10;
   struct Config {
@@ -835,12 +806,9 @@ void Sweep(gpu::HostMemoryRegistry& registry, core::PinnedPool& pool, uint8_t* d
     CudaCopyEngine::Options options;
   };
   const std::vector<Config> configs = {
-      {"kernel", k16, 64, {.method = Method::kKernel}},
-      {"kernel", k16, 256, {.method = Method::kKernel}},
-      {"kernel", k16, 1024, {.method = Method::kKernel}},
-      {"kernel", k64, 4096, {.method = Method::kKernel}},
-      {"kernel", k256, 4096, {.method = Method::kKernel}},
-      {"copy engines", k64, 256, {.method = Method::kMemcpyBatch}},
+      {"kernel", k16, 64, {.method = Method::kKernel}},    {"kernel", k16, 256, {.method = Method::kKernel}},
+      {"kernel", k16, 1024, {.method = Method::kKernel}},  {"kernel", k64, 4096, {.method = Method::kKernel}},
+      {"kernel", k256, 4096, {.method = Method::kKernel}}, {"copy engines", k64, 256, {.method = Method::kMemcpyBatch}},
   };
 
   for (const Config& config : configs) {
@@ -865,15 +833,13 @@ void Sweep(gpu::HostMemoryRegistry& registry, core::PinnedPool& pool, uint8_t* d
 int main(int argc, char** argv) {
   using namespace orbitkv;
   using namespace orbitkv::bench;
-  const bool json = ParseBenchArgs(
-      argc, argv,
-      "Save and restore GB/s through the CUDA copy engine for 4096 scattered pages of 16, 64 "
-      "and 256 KiB fragments, vs one large pinned cudaMemcpy per direction (needs a GPU).");
+  const bool json =
+      ParseBenchArgs(argc, argv,
+                     "Save and restore GB/s through the CUDA copy engine for 4096 scattered pages of 16, 64 "
+                     "and 256 KiB fragments, vs one large pinned cudaMemcpy per direction (needs a GPU).");
   int devices = 0;
-  if (const cudaError_t error = cudaGetDeviceCount(&devices);
-      error != cudaSuccess || devices == 0) {
-    fmt::print(stderr, "gpu_bench: no CUDA device ({}); run it on the GPU machine\n",
-               cudaGetErrorString(error));
+  if (const cudaError_t error = cudaGetDeviceCount(&devices); error != cudaSuccess || devices == 0) {
+    fmt::print(stderr, "gpu_bench: no CUDA device ({}); run it on the GPU machine\n", cudaGetErrorString(error));
     return 1;
   }
   BenchReport report("gpu");
@@ -886,8 +852,7 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaDriverGetVersion(&driver));
   const Result<int> node = core::NumaNodeOfPciDevice(pci);
   const int numa_node = node.ok() ? *node : -1;
-  report.AddEnv(
-      "gpu", fmt::format("{} ({}, {} SMs)", properties.name, pci, properties.multiProcessorCount));
+  report.AddEnv("gpu", fmt::format("{} ({}, {} SMs)", properties.name, pci, properties.multiProcessorCount));
   report.AddEnv("cuda_driver", fmt::format("{}.{}", driver / 1000, (driver % 1000) / 10));
   report.AddEnv("pool_numa_node", std::to_string(numa_node));
 
@@ -909,11 +874,11 @@ int main(int argc, char** argv) {
   // Baselines first, on the fresh arena (no block allocated yet, so its bytes are free to use).
   const Peaks peaks = MeasurePeaks(pool.arena(0).data(), device);
   for (uint64_t chunk : {uint64_t{16} << 10, uint64_t{64} << 10}) {
-    const auto [restore, save] = MeasureKernelContiguous(pool.arena(0).data(), device, chunk,
-                                                         properties.multiProcessorCount);
+    const auto [restore, save] =
+        MeasureKernelContiguous(pool.arena(0).data(), device, chunk, properties.multiProcessorCount);
     report.AddEnv(fmt::format("kernel_contiguous_{}k", chunk >> 10),
-                  fmt::format("restore {:.1f} ({:.3f} of the peak), save {:.1f} ({:.3f}) GB/s",
-                              restore, restore / peaks.h2d, save, save / peaks.d2h));
+                  fmt::format("restore {:.1f} ({:.3f} of the peak), save {:.1f} ({:.3f}) GB/s", restore,
+                              restore / peaks.h2d, save, save / peaks.d2h));
   }
   report.AddEnv("wake_latency", WakeLatencies(pool.arena(0).data(), device));
   std::mt19937_64 ring_rng(7);  // its own: the pages below keep their placement
@@ -927,24 +892,16 @@ int main(int argc, char** argv) {
       {"64k_blocks_16m_slots",
        {.page = 64 << 10, .slot_bytes = 16 * mib, .run_bytes = 2304 << 10, .run_stride = 4 * mib}},
       {"64k_blocks_16m_slots_batch_api",
-       {.page = 64 << 10,
-        .slot_bytes = 16 * mib,
-        .run_bytes = 2304 << 10,
-        .run_stride = 4 * mib,
-        .batch_api = true}},
+       {.page = 64 << 10, .slot_bytes = 16 * mib, .run_bytes = 2304 << 10, .run_stride = 4 * mib, .batch_api = true}},
       {"64k_blocks_64m_slots", {.page = 64 << 10, .run_bytes = 2304 << 10, .run_stride = 4 * mib}},
       {"64k_blocks_64m_slots_batch_api",
        {.page = 64 << 10, .run_bytes = 2304 << 10, .run_stride = 4 * mib, .batch_api = true}},
       // One step at a time toward the engine's restore_gpu_16k (16 MiB slots, batches of 4,
       // descriptors in mapped memory, 512 MiB passes).
       {"16k_16m_slots_half_passes", {.slot_bytes = 16 * mib, .pass_bytes = 512 * mib}},
-      {"16k_16m_slots_batches_of_4",
-       {.slot_bytes = 16 * mib, .slots_per_batch = 4, .pass_bytes = 512 * mib}},
+      {"16k_16m_slots_batches_of_4", {.slot_bytes = 16 * mib, .slots_per_batch = 4, .pass_bytes = 512 * mib}},
       {"16k_16m_slots_batches_of_4_host_descriptors",
-       {.slot_bytes = 16 * mib,
-        .host_descriptors = true,
-        .slots_per_batch = 4,
-        .pass_bytes = 512 * mib}},
+       {.slot_bytes = 16 * mib, .host_descriptors = true, .slots_per_batch = 4, .pass_bytes = 512 * mib}},
       // ... and each slot's one run through cudaMemcpyBatchAsync, as the engine fills it.
       {"16k_16m_slots_batches_of_4_host_descriptors_batch_api",
        {.slot_bytes = 16 * mib,
@@ -954,8 +911,7 @@ int main(int argc, char** argv) {
         .pass_bytes = 512 * mib}},
   };
   for (const auto& [name, model] : ring_models) {
-    const double ring = MeasureRingModel(pool.arena(0).data(), device, model, ring_rng,
-                                         properties.multiProcessorCount);
+    const double ring = MeasureRingModel(pool.arena(0).data(), device, model, ring_rng, properties.multiProcessorCount);
     report.AddEnv("ring_model_" + name,
                   fmt::format("restore {:.1f} ({:.3f} of the peak) GB/s", ring, ring / peaks.h2d));
   }
@@ -963,8 +919,8 @@ int main(int argc, char** argv) {
     const double one = MeasureCopyPieces(pool.arena(0).data(), device, piece_mib << 20, 1);
     const double two = MeasureCopyPieces(pool.arena(0).data(), device, piece_mib << 20, 2);
     report.AddEnv(fmt::format("h2d_copies_of_{}m", piece_mib),
-                  fmt::format("one stream {:.1f} ({:.3f} of the peak), two {:.1f} ({:.3f}) GB/s",
-                              one, one / peaks.h2d, two, two / peaks.h2d));
+                  fmt::format("one stream {:.1f} ({:.3f} of the peak), two {:.1f} ({:.3f}) GB/s", one, one / peaks.h2d,
+                              two, two / peaks.h2d));
   }
 
   // The default engine gives the metrics; the kernel alone and the copy engines alone run the same
@@ -973,8 +929,7 @@ int main(int argc, char** argv) {
   auto engine = MakeEngine(registry, defaults);
   // Batches go whole in these (the default queues batches of 4096 fragments or more in parts; the
   // one-batch figures below compare the two).
-  const CudaCopyEngine::Options kernel_options{.method = CudaCopyEngine::Method::kKernel,
-                                               .split_min_fragments = 0};
+  const CudaCopyEngine::Options kernel_options{.method = CudaCopyEngine::Method::kKernel, .split_min_fragments = 0};
   auto kernel = MakeEngine(registry, kernel_options);
   auto batch_api = MakeEngine(registry, {.method = CudaCopyEngine::Method::kMemcpyBatch});
   // Every restore of small fragments through the staging ring, whatever its pool runs (the default
@@ -984,16 +939,14 @@ int main(int argc, char** argv) {
   const char* staging_mib = std::getenv("ORBITKV_GPU_BENCH_STAGING_MIB");
   const CudaCopyEngine::Options staged_options{
       .dma_min_fragment_bytes = uint64_t{1} << 20,
-      .restore_staging_bytes =
-          (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256) << 20,
+      .restore_staging_bytes = (staging_mib != nullptr ? std::strtoull(staging_mib, nullptr, 10) : 256) << 20,
       .staged_min_run_bytes = 1,
       .split_min_fragments = 0};
   auto staged = MakeEngine(registry, staged_options, &staged_metrics);
-  report.AddEnv("engine",
-                fmt::format("auto (copy engines from {} KiB fragments, else kernel), kernel chunk "
-                            "{} KiB, {} blocks/SM, {} streams per lane, {} pages per batch",
-                            defaults.dma_min_fragment_bytes >> 10, defaults.chunk_bytes >> 10,
-                            defaults.blocks_per_sm, defaults.streams_per_lane, kPagesPerBatch));
+  report.AddEnv("engine", fmt::format("auto (copy engines from {} KiB fragments, else kernel), kernel chunk "
+                                      "{} KiB, {} blocks/SM, {} streams per lane, {} pages per batch",
+                                      defaults.dma_min_fragment_bytes >> 10, defaults.chunk_bytes >> 10,
+                                      defaults.blocks_per_sm, defaults.streams_per_lane, kPagesPerBatch));
   const uint64_t device_bytes = 2 * kPages * kMaxFragmentBytes;
   const BufferId id = RegisterDevice(*engine, device, device_bytes);
   const BufferId kernel_id = RegisterDevice(*kernel, device, device_bytes);
@@ -1004,37 +957,32 @@ int main(int argc, char** argv) {
     const int rounds = RoundsFor(fragment);
     PageSet set = MakePageSet(pool, id, fragment, rng);
     CheckBytes(*engine, set, device, rng);
-    report.Add({"restore_gpu_" + size, "GB/s", MedianGbps(*engine, {&set.restores}, rounds),
-                "pinned_h2d_peak", peaks.h2d});
-    report.Add({"save_gpu_" + size, "GB/s", MedianGbps(*engine, {&set.saves}, rounds),
-                "pinned_d2h_peak", peaks.d2h});
+    report.Add(
+        {"restore_gpu_" + size, "GB/s", MedianGbps(*engine, {&set.restores}, rounds), "pinned_h2d_peak", peaks.h2d});
+    report.Add({"save_gpu_" + size, "GB/s", MedianGbps(*engine, {&set.saves}, rounds), "pinned_d2h_peak", peaks.d2h});
     if (fragment == (uint64_t{64} << 10)) {
-      report.Add({"save_restore_concurrent", "GB/s",
-                  MedianGbps(*engine, {&set.restores, &set.saves}, rounds), "pinned_bidir_peak",
-                  peaks.bidir});
+      report.Add({"save_restore_concurrent", "GB/s", MedianGbps(*engine, {&set.restores, &set.saves}, rounds),
+                  "pinned_bidir_peak", peaks.bidir});
     }
     // How much of the restore's pool side is adjacent (the staged path's condition).
     report.AddEnv(fmt::format("restore_pool_runs_{}", size),
                   fmt::format("{} runs in a batch of {} fragments", core::PoolRuns(set.restores[0]),
                               set.restores[0].fragments.size()));
     for (const auto& [name, other, other_id] :
-         {std::tuple{"kernel", kernel.get(), kernel_id},
-          std::tuple{"memcpy_batch", batch_api.get(), batch_id},
+         {std::tuple{"kernel", kernel.get(), kernel_id}, std::tuple{"memcpy_batch", batch_api.get(), batch_id},
           std::tuple{"staged", staged.get(), staged_id}}) {
       SetBuffer(set, other_id);
       CheckBytes(*other, set, device, rng);
       report.AddEnv(fmt::format("{}_{}", name, size),
                     fmt::format("restore {:.1f}, save {:.1f}, concurrent {:.1f} GB/s",
-                                MedianGbps(*other, {&set.restores}, rounds),
-                                MedianGbps(*other, {&set.saves}, rounds),
+                                MedianGbps(*other, {&set.restores}, rounds), MedianGbps(*other, {&set.saves}, rounds),
                                 MedianGbps(*other, {&set.restores, &set.saves}, rounds)));
     }
     if (fragment == (uint64_t{16} << 10)) {
       // Passes four times as long: how much of the gap is the pipeline's start and drain per pass.
       SetBuffer(set, staged_id);
-      report.AddEnv(
-          "staged_16k_long_passes",
-          fmt::format("restore {:.1f} GB/s", MedianGbps(*staged, {&set.restores}, 4 * rounds)));
+      report.AddEnv("staged_16k_long_passes",
+                    fmt::format("restore {:.1f} GB/s", MedianGbps(*staged, {&set.restores}, 4 * rounds)));
       // The same pass as one batch (the pages `rounds` times over): what the engine loses from
       // batch to batch, against what it loses inside one.
       std::vector<CopyBatch> one{CopyBatch{CopyDirection::kRestore, {}}};
@@ -1043,15 +991,12 @@ int main(int argc, char** argv) {
           one[0].fragments.insert(one[0].fragments.end(), b.fragments.begin(), b.fragments.end());
         }
       }
-      report.AddEnv("staged_16k_one_batch",
-                    fmt::format("restore {:.1f} GB/s", MedianGbps(*staged, {&one}, 1)));
+      report.AddEnv("staged_16k_one_batch", fmt::format("restore {:.1f} GB/s", MedianGbps(*staged, {&one}, 1)));
       for (CopyFragment& f : one[0].fragments) f.buffer = kernel_id;
-      report.AddEnv("kernel_16k_one_batch",
-                    fmt::format("restore {:.1f} GB/s", MedianGbps(*kernel, {&one}, 1)));
+      report.AddEnv("kernel_16k_one_batch", fmt::format("restore {:.1f} GB/s", MedianGbps(*kernel, {&one}, 1)));
       // The same batch queued in parts (Options::split_min_fragments): the GPU starts after the
       // first part's Submit work, not the whole batch's.
-      for (const auto& [name, base] :
-           {std::pair{"staged", staged_options}, std::pair{"kernel", kernel_options}}) {
+      for (const auto& [name, base] : {std::pair{"staged", staged_options}, std::pair{"kernel", kernel_options}}) {
         CudaCopyEngine::Options split = base;
         split.split_min_fragments = 8192;
         auto parts = MakeEngine(registry, split);
@@ -1079,13 +1024,11 @@ int main(int argc, char** argv) {
         Completions completions;
         Stopwatch watch;
         SubmitRetrying(*kernel, one[0], completions);
-        submits.push_back(watch.ElapsedSeconds() * 1e9 /
-                          static_cast<double>(one[0].fragments.size()));
+        submits.push_back(watch.ElapsedSeconds() * 1e9 / static_cast<double>(one[0].fragments.size()));
         completions.WaitFor(1);
       }
-      report.AddEnv(
-          "submit_ns_per_fragment",
-          fmt::format("{:.1f} ns ({} fragments)", Median(submits), one[0].fragments.size()));
+      report.AddEnv("submit_ns_per_fragment",
+                    fmt::format("{:.1f} ns ({} fragments)", Median(submits), one[0].fragments.size()));
     }
     // Where the default engine's staged restores spend their time, on the GPU's clock, and the same
     // with the dispatcher woken only when each batch is queued (the pass's start).
@@ -1140,9 +1083,9 @@ int main(int argc, char** argv) {
   // the dispatcher woken late.
   // (The arena's bytes are free to use raw here: every page set was freed.)
   for (const uint64_t blocks : {uint64_t{256}, uint64_t{512}}) {
-    report.AddEnv(fmt::format("blocks_64k_{}", blocks),
-                  BlockRestores(registry, pool.arena(0).data(), pool.arena(0).size(), device,
-                                device_bytes, blocks, rng));
+    report.AddEnv(
+        fmt::format("blocks_64k_{}", blocks),
+        BlockRestores(registry, pool.arena(0).data(), pool.arena(0).size(), device, device_bytes, blocks, rng));
   }
   // Every GPU at once (issue 24's restore_gpu_64k_all): a metric where there are several, in env
   // on one (where it is restore_gpu_64k again, through the multi-device code path).
@@ -1150,25 +1093,21 @@ int main(int argc, char** argv) {
   if (devices > 1) {
     report.Add({"restore_gpu_64k_all", "GB/s", all.restore, "pinned_h2d_peak_all", all.peak});
   } else {
-    report.AddEnv("restore_gpu_64k_all",
-                  fmt::format("1 device: restore {:.1f} GB/s against {:.1f} ({:.3f})", all.restore,
-                              all.peak, all.restore / all.peak));
+    report.AddEnv("restore_gpu_64k_all", fmt::format("1 device: restore {:.1f} GB/s against {:.1f} ({:.3f})",
+                                                     all.restore, all.peak, all.restore / all.peak));
   }
   report.AddEnv("devices", std::to_string(devices));
-  report.AddEnv("staged_restores",
-                fmt::format("{} batches through the ring",
-                            staged_metrics
-                                .GetCounter("orbitkv_copy_staged_batches_total", "",
-                                            {{"engine", "cuda"}})
-                                .Value()));
+  report.AddEnv(
+      "staged_restores",
+      fmt::format("{} batches through the ring",
+                  staged_metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}}).Value()));
   engine->Shutdown();
   kernel->Shutdown();
   batch_api->Shutdown();
   staged->Shutdown();
   report.Print(json);
   std::fflush(stdout);
-  if (const char* sweep = std::getenv("ORBITKV_GPU_BENCH_SWEEP");
-      sweep != nullptr && std::string(sweep) == "1") {
+  if (const char* sweep = std::getenv("ORBITKV_GPU_BENCH_SWEEP"); sweep != nullptr && std::string(sweep) == "1") {
     Sweep(registry, pool, device, rng);
   }
   return 0;

@@ -34,8 +34,7 @@ inline std::unique_ptr<testing::ManagerProcess> StartManager(const std::string& 
 
 // One memfd buffer of `pages` pages of `page_bytes`, registered as group 0 of `instance`.
 struct EngineBuffer {
-  EngineBuffer(client::CacheClient& client, uint64_t instance, uint32_t num_pages,
-               uint64_t bytes_per_page)
+  EngineBuffer(client::CacheClient& client, uint64_t instance, uint32_t num_pages, uint64_t bytes_per_page)
       : pages(num_pages), page_bytes(bytes_per_page), bytes(num_pages * bytes_per_page) {
     Result<ScopedFd> memory = client::CreateKvMemory("bench-engine", bytes);
     ORBITKV_CHECK_MSG(memory.ok(), "{}", memory.status().ToString());
@@ -66,9 +65,8 @@ struct EngineBuffer {
     for (size_t i = 0; i < n; ++i) {
       // 32-byte native keys, the size of vLLM's and SGLang's block hashes.
       uint64_t native[4] = {chain, i, chain * 0x9e3779b97f4a7c15ull, ~i};
-      keys.push_back(*state::StateKey::Create(
-          ns, 0, {i * 16, i * 16 + 16},
-          std::span<const uint8_t>(reinterpret_cast<uint8_t*>(native), 32)));
+      keys.push_back(*state::StateKey::Create(ns, 0, {i * 16, i * 16 + 16},
+                                              std::span<const uint8_t>(reinterpret_cast<uint8_t*>(native), 32)));
     }
     return keys;
   }

@@ -36,7 +36,6 @@ constexpr int kWatchSamples = 300;
 
 double Ms(MonoClock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-
 std::string Record(const std::string& node, int64_t epoch) {
   MemberRecord r;
   r.cluster = kCluster;
@@ -88,10 +87,9 @@ struct Observer {
 int main(int argc, char** argv) {
   using namespace orbitkv;
   using namespace orbitkv::bench;
-  const bool json =
-      ParseBenchArgs(argc, argv,
-                     "Cluster membership on a real etcd: view convergence for 1,000 members and "
-                     "Watch propagation p50/p99, against the p50 round trip of one etcd Put.");
+  const bool json = ParseBenchArgs(argc, argv,
+                                   "Cluster membership on a real etcd: view convergence for 1,000 members and "
+                                   "Watch propagation p50/p99, against the p50 round trip of one etcd Put.");
   log::SetLevel(log::Level::kWarn);
   BenchReport report("membership");
   AddStandardEnv(report);
@@ -124,8 +122,7 @@ int main(int argc, char** argv) {
       put->set_key(MemberKey(kCluster, node));
       put->set_value(Record(node, 1));
     }
-    Check((*writer)->Txn(txn, Deadline::After(std::chrono::seconds(10))).status(),
-          "seeding members");
+    Check((*writer)->Txn(txn, Deadline::After(std::chrono::seconds(10))).status(), "seeding members");
   }
   // Warm the reader's connection so that convergence does not include the TCP/HTTP2 handshake.
   etcdserverpb::RangeRequest warm;
@@ -136,8 +133,7 @@ int main(int argc, char** argv) {
   for (int run = 0; run < kConvergeRuns; ++run) {
     const MonoTime t0 = MonoNow();
     Observer observer(reader->get());
-    while (!(observer.view.complete() && observer.view.size() == kMembers))
-      std::this_thread::yield();
+    while (!(observer.view.complete() && observer.view.size() == kMembers)) std::this_thread::yield();
     converge_ms.push_back(Ms(MonoNow() - t0));
   }
 
@@ -161,12 +157,9 @@ int main(int argc, char** argv) {
     }
   }
 
-  report.Add(
-      {"view_converge_1000", "ms", Percentile(converge_ms, 0.5), "etcd_put_rtt_p50", put_p50});
-  report.Add(
-      {"watch_propagation_p50", "ms", Percentile(watch_ms, 0.5), "etcd_put_rtt_p50", put_p50});
-  report.Add(
-      {"watch_propagation_p99", "ms", Percentile(watch_ms, 0.99), "etcd_put_rtt_p50", put_p50});
+  report.Add({"view_converge_1000", "ms", Percentile(converge_ms, 0.5), "etcd_put_rtt_p50", put_p50});
+  report.Add({"watch_propagation_p50", "ms", Percentile(watch_ms, 0.5), "etcd_put_rtt_p50", put_p50});
+  report.Add({"watch_propagation_p99", "ms", Percentile(watch_ms, 0.99), "etcd_put_rtt_p50", put_p50});
   report.AddEnv("etcd", "3.4 single member, loopback, fresh data dir");
   report.Print(json);
   return 0;

@@ -23,8 +23,7 @@ struct Figures {
   double restore_gbps = 0, save_gbps = 0;
 };
 
-Figures Measure(const testing::ManagerProcess& manager, uint64_t instance, uint64_t page_bytes,
-                uint32_t pages) {
+Figures Measure(const testing::ManagerProcess& manager, uint64_t instance, uint64_t page_bytes, uint32_t pages) {
   client::ClientOptions options;
   options.socket_path = manager.socket();
   options.timeout = std::chrono::seconds(120);
@@ -41,8 +40,7 @@ Figures Measure(const testing::ManagerProcess& manager, uint64_t instance, uint6
     Stopwatch save_watch;
     auto saved = client->Save(instance, 0, items);
     const double save_s = save_watch.ElapsedSeconds();
-    ORBITKV_CHECK_MSG(saved.ok() && saved->written == pages, "save failed: {}",
-                      saved.status().ToString());
+    ORBITKV_CHECK_MSG(saved.ok() && saved->written == pages, "save failed: {}", saved.status().ToString());
     best.save_gbps = std::max(best.save_gbps, static_cast<double>(total) / save_s / 1e9);
     // Queries answer at most max_query_keys keys: restore the prefix in chunks, timing only the
     // restores.
@@ -51,8 +49,7 @@ Figures Measure(const testing::ManagerProcess& manager, uint64_t instance, uint6
       auto hit = client->Query(instance, 0, std::span(keys).subspan(start));
       ORBITKV_CHECK_MSG(hit.ok() && hit->hits > 0, "query failed: {}", hit.status().ToString());
       std::vector<uint32_t> dst(hit->hits);
-      for (uint32_t i = 0; i < hit->hits; ++i)
-        dst[i] = pages - 1 - static_cast<uint32_t>(start + i);
+      for (uint32_t i = 0; i < hit->hits; ++i) dst[i] = pages - 1 - static_cast<uint32_t>(start + i);
       Stopwatch watch;
       ORBITKV_CHECK(client->Restore(instance, 0, hit->lease, dst).ok());
       restore_s += watch.ElapsedSeconds();
@@ -64,8 +61,8 @@ Figures Measure(const testing::ManagerProcess& manager, uint64_t instance, uint6
   return best;
 }
 
-void ProfileSaves(const testing::ManagerProcess& manager, uint64_t instance, uint64_t page_bytes,
-                  uint32_t pages, int rounds) {
+void ProfileSaves(const testing::ManagerProcess& manager, uint64_t instance, uint64_t page_bytes, uint32_t pages,
+                  int rounds) {
   client::ClientOptions options;
   options.socket_path = manager.socket();
   options.timeout = std::chrono::seconds(120);
@@ -85,10 +82,8 @@ void ProfileSaves(const testing::ManagerProcess& manager, uint64_t instance, uin
 }
 
 double MemcpyGbps(uint64_t bytes) {
-  auto* a = static_cast<uint8_t*>(
-      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-  auto* b = static_cast<uint8_t*>(
-      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  auto* a = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  auto* b = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   std::memset(a, 1, bytes);
   std::memset(b, 2, bytes);
   double best = 0;
@@ -107,10 +102,9 @@ double MemcpyGbps(uint64_t bytes) {
 
 int main(int argc, char** argv) {
   using namespace orbitkv::bench;
-  const bool json = ParseBenchArgs(
-      argc, argv,
-      "Restore and save GB/s through a real Manager into engine shared memory with 16 "
-      "and 64 KiB blocks, vs single-thread memcpy of the same bytes.");
+  const bool json = ParseBenchArgs(argc, argv,
+                                   "Restore and save GB/s through a real Manager into engine shared memory with 16 "
+                                   "and 64 KiB blocks, vs single-thread memcpy of the same bytes.");
   // Profiling aid: ORBITKV_SAVE_PROFILE_ROUNDS=N only saves 16 KiB blocks, N rounds of fresh keys,
   // so a profiler attached to the Manager (perf record -p) sees the save path alone. Prints each
   // round's GB/s. ORBITKV_SAVE_PROFILE_DRAM sizes the pool (default 6GiB; a smaller one reaches

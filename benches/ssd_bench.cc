@@ -31,7 +31,7 @@ namespace {
 
 constexpr uint64_t kMiB = 1 << 20;
 constexpr uint64_t kTotalBytes = 1024 * kMiB;
-constexpr int kWriteDepth = 4;  // SsdTierOptions::writes_in_flight
+constexpr int kWriteDepth = 4;     // SsdTierOptions::writes_in_flight
 constexpr int kWriterThreads = 2;  // SsdTierOptions::writer_threads
 constexpr int kReaders = 4;
 constexpr int kReadBatch = 4;  // records each reader thread reads at once (SsdTier::kReadBatch)
@@ -49,11 +49,11 @@ std::string Run(const std::string& command) {
 
 // fio's bandwidth for `rw` (write or read) in GB/s, from its JSON output.
 double Fio(const std::string& dir, const std::string& rw, uint64_t block, int depth) {
-  const std::string json = Run(
-      fmt::format("fio --name=orbitkv --directory={} --filename=fio.data --rw={} --bs={}k --size=1G "
-                  "--ioengine=io_uring --iodepth={} --direct=1 --numjobs=1 --end_fsync=0 "
-                  "--output-format=json 2>&1",
-                  dir, rw, block >> 10, depth));
+  const std::string json =
+      Run(fmt::format("fio --name=orbitkv --directory={} --filename=fio.data --rw={} --bs={}k --size=1G "
+                      "--ioengine=io_uring --iodepth={} --direct=1 --numjobs=1 --end_fsync=0 "
+                      "--output-format=json 2>&1",
+                      dir, rw, block >> 10, depth));
   const std::string section = "\"" + rw + "\" : {";
   const size_t at = json.find(section);
   ORBITKV_CHECK_MSG(at != std::string::npos, "no {} section in fio output:\n{}", rw, json);
@@ -119,15 +119,14 @@ TierFigures MeasureTier(const std::string& tier_dir, uint64_t block) {
       std::vector<client::SaveItem> items;
       for (uint32_t i = start; i < start + batch; ++i) items.push_back({keys[i], i % engine.pages});
       auto saved = client->Save(1, 0, items);
-      ORBITKV_CHECK_MSG(saved.ok() && saved->written == batch, "save: {} ({} written)",
-                        saved.status().ToString(), saved.ok() ? saved->written : 0);
+      ORBITKV_CHECK_MSG(saved.ok() && saved->written == batch, "save: {} ({} written)", saved.status().ToString(),
+                        saved.ok() ? saved->written : 0);
     }
     while (Stat(*client, "pinned_blocks") > 0) usleep(1000);
     const double seconds = watch.ElapsedSeconds();
     const uint64_t written = Stat(*client, "written_bytes");
     ORBITKV_CHECK_MSG(Stat(*client, "writeback_dropped") == 0, "write-backs were dropped");
-    ORBITKV_CHECK_MSG(written == kTotalBytes, "only {} of {} bytes reached SSD", written,
-                      kTotalBytes);
+    ORBITKV_CHECK_MSG(written == kTotalBytes, "only {} of {} bytes reached SSD", written, kTotalBytes);
     figures.write_gbps = static_cast<double>(written) / seconds / 1e9;
     figures.write_staging = StatText(*client, "write_staging");
     manager->Stop(SIGTERM);
@@ -156,14 +155,12 @@ TierFigures MeasureTier(const std::string& tier_dir, uint64_t block) {
         auto result = client->Query(2, 0, chain);
         ORBITKV_CHECK_MSG(result.ok(), "{}", result.status().ToString());
         if (result->hits > 0) {
-          ORBITKV_CHECK_MSG(result->hits == chain_length, "hit {} of {}", result->hits,
-                            chain_length);
+          ORBITKV_CHECK_MSG(result->hits == chain_length, "hit {} of {}", result->hits, chain_length);
           ORBITKV_CHECK(client->Release(2, result->lease).ok());
           loading.erase(loading.begin() + static_cast<ptrdiff_t>(i));
           continue;
         }
-        ORBITKV_CHECK_MSG(result->loading_op != 0, "blocks {}.. are a miss after the restart",
-                          loading[i]);
+        ORBITKV_CHECK_MSG(result->loading_op != 0, "blocks {}.. are a miss after the restart", loading[i]);
         ++i;
       }
       usleep(500);
@@ -229,8 +226,7 @@ SizeFigures MeasureSize(const std::string& dir, uint64_t block, int rounds) {
     fmt::print(stderr,
                "ssd bench: {} KiB round {}/{}: write {:.2f} GB/s (fio {:.2f}), read {:.2f} GB/s "
                "(fio {:.2f})\n",
-               block >> 10, round + 1, rounds, tier.write_gbps, fio_write.back(), tier.read_gbps,
-               fio_read.back());
+               block >> 10, round + 1, rounds, tier.write_gbps, fio_write.back(), tier.read_gbps, fio_read.back());
   }
   figures.write = MedianRound(tier_write, fio_write);
   figures.read = MedianRound(tier_read, fio_read);
@@ -266,10 +262,8 @@ int main(int argc, char** argv) {
                 fmt::format("fio_write_{}", size.suffix), figures.write.baseline});
     report.Add({fmt::format("ssd_read_{}", size.suffix), "GB/s", figures.read.value,
                 fmt::format("fio_read_{}", size.suffix), figures.read.baseline});
-    rounds_env.emplace_back(fmt::format("write_rounds_{}", size.suffix),
-                            "tier/fio GB/s: " + figures.write.detail);
-    rounds_env.emplace_back(fmt::format("read_rounds_{}", size.suffix),
-                            "tier/fio GB/s: " + figures.read.detail);
+    rounds_env.emplace_back(fmt::format("write_rounds_{}", size.suffix), "tier/fio GB/s: " + figures.write.detail);
+    rounds_env.emplace_back(fmt::format("read_rounds_{}", size.suffix), "tier/fio GB/s: " + figures.read.detail);
     if (size.block == kMiB) read_bytes = figures.read_bytes;
     write_staging = figures.write_staging;
   }
@@ -279,10 +273,9 @@ int main(int argc, char** argv) {
   report.AddEnv("fio", fmt::format("io_uring, O_DIRECT, the record size, iodepth {} (write) / {} "
                                    "(read)",
                                    kWriteDepth, kReaders * kReadBatch));
-  report.AddEnv("tier",
-                fmt::format("{} writer threads keeping {} writes in flight ({} writes), {} reader "
-                            "threads reading {} records at once, 1 GiB of blocks",
-                            kWriterThreads, kWriteDepth, write_staging, kReaders, kReadBatch));
+  report.AddEnv("tier", fmt::format("{} writer threads keeping {} writes in flight ({} writes), {} reader "
+                                    "threads reading {} records at once, 1 GiB of blocks",
+                                    kWriterThreads, kWriteDepth, write_staging, kReaders, kReadBatch));
   report.AddEnv("rounds",
                 "5 (1 MiB) or 3; each figure is the round with the median ratio, its baseline the "
                 "mean of the fio runs just before and after it");

@@ -90,10 +90,11 @@ int main(int argc, char** argv) {
   report.Add({"key_hash64_per_s", "keys/s", hash64, "memcpy_128B_per_s", copy});
 
   // Planning: legal boundaries for a 3-group hybrid over a 32K-token prompt (2048 pages), per page examined.
-  auto contract = *state::RecoveryContract::Compile(
-      keys[0].ns(), 16,
-      {{.group = 0}, {.group = 1, .kind = state::RecoveryRuleKind::kWindow, .window_tokens = 4096},
-       {.group = 2, .kind = state::RecoveryRuleKind::kCheckpoint}});
+  auto contract =
+      *state::RecoveryContract::Compile(keys[0].ns(), 16,
+                                        {{.group = 0},
+                                         {.group = 1, .kind = state::RecoveryRuleKind::kWindow, .window_tokens = 4096},
+                                         {.group = 2, .kind = state::RecoveryRuleKind::kCheckpoint}});
   std::vector<state::GroupCoverage> cov = {{0, {}}, {1, {}}, {2, {}}};
   for (uint64_t p = 0; p < 2048; ++p) {
     cov[0].pages.push_back(p);
@@ -101,21 +102,24 @@ int main(int argc, char** argv) {
     if (p % 4 == 3) cov[2].pages.push_back(p);
   }
   double pages_per_s = BestRate([&](uint64_t n) {
-    for (uint64_t i = 0; i < n; ++i) sink = sink + contract.RestorableBoundaries(keys[0].ns(), 0, 2048 * 16, cov)->size();
-  }) * 2048;
+                         for (uint64_t i = 0; i < n; ++i)
+                           sink = sink + contract.RestorableBoundaries(keys[0].ns(), 0, 2048 * 16, cov)->size();
+                       }) *
+                       2048;
   // Baseline: reading the same coverage once (the least any planner must do).
   double scan_pages_per_s = BestRate([&](uint64_t n) {
-    for (uint64_t i = 0; i < n; ++i) {
-      uint64_t s = 0;
-      for (const auto& g : cov) {
-        for (uint64_t p : g.pages) s += p;
-      }
-      asm volatile("" : : "r"(s));
-      sink = sink + s;
-    }
-  }) * 2048;
-  report.Add({"restorable_boundaries_pages_per_s", "pages/s", pages_per_s, "coverage_scan_pages_per_s",
-              scan_pages_per_s});
+                              for (uint64_t i = 0; i < n; ++i) {
+                                uint64_t s = 0;
+                                for (const auto& g : cov) {
+                                  for (uint64_t p : g.pages) s += p;
+                                }
+                                asm volatile("" : : "r"(s));
+                                sink = sink + s;
+                              }
+                            }) *
+                            2048;
+  report.Add(
+      {"restorable_boundaries_pages_per_s", "pages/s", pages_per_s, "coverage_scan_pages_per_s", scan_pages_per_s});
 
   MetricsRegistry registry;
   Counter& counter = registry.GetCounter("bench_total", "bench");

@@ -37,14 +37,13 @@ constexpr uint64_t kBatchBytes = 64ull << 20;
 
 double Iperf3GBps(NetnsPair& netns) {
   const int port = 20000 + static_cast<int>(getpid() % 20000);
-  auto server = ChildProcess::Spawn(
-      netns.InB({"iperf3", "-s", "-1", "-p", std::to_string(port), "-B", NetnsPair::kAddressB}));
+  auto server =
+      ChildProcess::Spawn(netns.InB({"iperf3", "-s", "-1", "-p", std::to_string(port), "-B", NetnsPair::kAddressB}));
   ORBITKV_CHECK_MSG(server.ok(), "iperf3 server: {}", server.status().ToString());
   // The client retries until the server listens (it is a separate process starting up).
   std::string json;
   for (int attempt = 0; attempt < 100; ++attempt) {
-    std::string command =
-        fmt::format("iperf3 -c {} -p {} -t 3 -J 2>/dev/null", NetnsPair::kAddressB, port);
+    std::string command = fmt::format("iperf3 -c {} -p {} -t 3 -J 2>/dev/null", NetnsPair::kAddressB, port);
     FILE* pipe = popen(command.c_str(), "r");
     ORBITKV_CHECK(pipe != nullptr);
     json.clear();
@@ -66,7 +65,7 @@ double Iperf3GBps(NetnsPair& netns) {
 struct PeerInfo {
   std::string address;
   std::vector<transfer::RegionDescriptor> regions;
-  uint64_t grant = 0;  // the peer serves only inside it, as a distributed Manager does
+  uint64_t grant = 0;                    // the peer serves only inside it, as a distributed Manager does
   transfer::GrantSecret grant_secret{};  // and only to a request presenting its secret (issue 52)
 };
 
@@ -120,9 +119,8 @@ struct ReadTarget {
 
 // GB/s of back-to-back batches of kBatchBytes in `fragment` pieces from random offsets of both
 // regions (with a copy, up to the last batch copied).
-double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
-                transfer::RegionHandle local, uint64_t fragment, transfer::PullMode mode,
-                bool checksum, uint64_t batch_bytes, int batches, int repeats,
+double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer, transfer::RegionHandle local, uint64_t fragment,
+                transfer::PullMode mode, bool checksum, uint64_t batch_bytes, int batches, int repeats,
                 const ReadTarget& target = {}) {
   const uint64_t slices = std::max<uint64_t>(1, target.bytes / batch_bytes);
   uint64_t slice = 0;
@@ -150,8 +148,7 @@ double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
     for (int b = 0; b < batches; ++b) {
       request.deadline = Deadline::After(std::chrono::seconds(120));
       const uint64_t at = (slice++ % slices) * batch_bytes;
-      for (size_t i = 0; i < request.fragments.size(); ++i)
-        request.fragments[i].local_offset = at + i * fragment;
+      for (size_t i = 0; i < request.fragments.size(); ++i) request.fragments[i].local_offset = at + i * fragment;
       BatchWaiter waiter;
       auto id = engine.ReadBatch(request, waiter.Callback());
       ORBITKV_CHECK_MSG(id.ok(), "ReadBatch: {}", id.status().ToString());
@@ -160,14 +157,12 @@ double ReadGBps(transfer::TransferEngine& engine, const PeerInfo& peer,
                         result ? result->status.ToString() : "no completion");
       if (target.copy_to != nullptr) {
         if (copier.joinable()) copier.join();
-        copier = std::thread([from = target.base + at, to = target.copy_to, batch_bytes] {
-          std::memcpy(to, from, batch_bytes);
-        });
+        copier = std::thread(
+            [from = target.base + at, to = target.copy_to, batch_bytes] { std::memcpy(to, from, batch_bytes); });
       }
     }
     if (copier.joinable()) copier.join();
-    best =
-        std::max(best, static_cast<double>(batch_bytes) * batches / watch.ElapsedSeconds() / 1e9);
+    best = std::max(best, static_cast<double>(batch_bytes) * batches / watch.ElapsedSeconds() / 1e9);
   }
   return best;
 }
@@ -199,8 +194,7 @@ int MeshRead(const std::string& listen, const std::string& device, bool with_cop
   ORBITKV_CHECK(log::Init(log_options).ok());
   const PeerInfo info = ParseReady([]() -> Result<std::string> {
     std::string line;
-    if (!std::getline(std::cin, line))
-      return Status::Unavailable("stdin ended before the peer's READY line");
+    if (!std::getline(std::cin, line)) return Status::Unavailable("stdin ended before the peer's READY line");
     return line;
   });
   transfer::UcxEngineOptions options;
@@ -218,11 +212,10 @@ int MeshRead(const std::string& listen, const std::string& device, bool with_cop
     target.copy_to = with_copy ? engine_pages.data() : nullptr;
   }
   transfer::RegionHandle local = *(*engine)->RegisterRegion(dest.data(), dest.size());
-  ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage, true, kBatchBytes, 1,
-           1, target);
+  ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage, true, kBatchBytes, 1, 1, target);
   const double cpu_before = ProcessCpuSeconds();
-  const double gbps = ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage,
-                               true, kBatchBytes, 4, 3, target);
+  const double gbps =
+      ReadGBps(**engine, info, local, 1 << 20, transfer::PullMode::kActiveMessage, true, kBatchBytes, 4, 3, target);
   const double reader_cpu = ProcessCpuSeconds() - cpu_before;
   engine->reset();
   // The reader's CPU per GB read (its UCX thread: the receive copy and the verify), for the
@@ -238,20 +231,18 @@ int MeshRead(const std::string& listen, const std::string& device, bool with_cop
 int main(int argc, char** argv) {
   using namespace orbitkv;
   using namespace orbitkv::bench;
-  if ((argc == 4 || (argc == 5 && (std::string_view(argv[4]) == "--with-copy" ||
-                                    std::string_view(argv[4]) == "--cold"))) &&
+  if ((argc == 4 ||
+       (argc == 5 && (std::string_view(argv[4]) == "--with-copy" || std::string_view(argv[4]) == "--cold"))) &&
       std::string_view(argv[1]) == "--mesh-read")
     return MeshRead(argv[2], argv[3], argc == 5 && std::string_view(argv[4]) == "--with-copy",
                     argc == 5 && std::string_view(argv[4]) == "--cold");
-  const bool json =
-      ParseBenchArgs(argc, argv,
-                     "Peer transfer: batch reads of 64 KiB - 4 MiB fragments between two network "
-                     "namespaces over UCX tcp (checksums verified), vs iperf3 over the same veth.");
+  const bool json = ParseBenchArgs(argc, argv,
+                                   "Peer transfer: batch reads of 64 KiB - 4 MiB fragments between two network "
+                                   "namespaces over UCX tcp (checksums verified), vs iperf3 over the same veth.");
   // Enter namespace "a" while the process still has one thread (a private mount namespace needs
   // that).
   auto netns = NetnsPair::Create();
-  ORBITKV_CHECK_MSG(netns.ok(), "transfer bench needs root, ip and iperf3: {}",
-                    netns.status().ToString());
+  ORBITKV_CHECK_MSG(netns.ok(), "transfer bench needs root, ip and iperf3: {}", netns.status().ToString());
   Status entered = (*netns)->EnterA();
   ORBITKV_CHECK_MSG(entered.ok(), "{}", entered.ToString());
   log::Options log_options;
@@ -269,10 +260,10 @@ int main(int argc, char** argv) {
   // against it. UCX's RMA needs rkeys, which a source requiring grants never exports: a second
   // peer without grants serves the RMA case.
   auto spawn_peer = [&](bool grants) {
-    auto peer = ChildProcess::Spawn((*netns)->InB(
-        {ORBITKV_TRANSFER_PEER_BIN, "--listen", std::string(NetnsPair::kAddressB) + ":0", "--bytes",
-         std::to_string(kRegionBytes), "--regions", "2", "--transports", "tcp", "--devices",
-         (*netns)->veth_b(), "--grants", grants ? "1" : "0"}));
+    auto peer = ChildProcess::Spawn(
+        (*netns)->InB({ORBITKV_TRANSFER_PEER_BIN, "--listen", std::string(NetnsPair::kAddressB) + ":0", "--bytes",
+                       std::to_string(kRegionBytes), "--regions", "2", "--transports", "tcp", "--devices",
+                       (*netns)->veth_b(), "--grants", grants ? "1" : "0"}));
     ORBITKV_CHECK_MSG(peer.ok(), "{}", peer.status().ToString());
     return std::move(*peer);
   };
@@ -281,8 +272,9 @@ int main(int argc, char** argv) {
   ORBITKV_CHECK_MSG(info.grant != 0, "the transfer peer announced no grant");
   auto rma_peer = spawn_peer(false);
   PeerInfo rma_info = ReadReady(*rma_peer);
-  report.AddEnv("grants", "required (the AM cases read inside one grant bound to its holder, as from a Manager; "
-                          "transfer_read_1m from a peer that needs none)");
+  report.AddEnv("grants",
+                "required (the AM cases read inside one grant bound to its holder, as from a Manager; "
+                "transfer_read_1m from a peer that needs none)");
   rma_info.grant = 0;  // the grant-free peer: its reads name no grant
 
   transfer::UcxEngineOptions options;
@@ -313,8 +305,8 @@ int main(int argc, char** argv) {
   for (int round = 0; round < 3; ++round) {
     plain = std::max(plain,
                      ReadGBps(**engine, rma_info, local, 1 << 20, PullMode::kActiveMessage, true, kBatchBytes, 4, 1));
-    bound = std::max(bound,
-                     ReadGBps(**engine, info, local, 1 << 20, PullMode::kActiveMessage, true, kBatchBytes, 4, 1));
+    bound =
+        std::max(bound, ReadGBps(**engine, info, local, 1 << 20, PullMode::kActiveMessage, true, kBatchBytes, 4, 1));
   }
   report.Add({"transfer_read_1m", "GB/s", plain, "iperf3_veth", iperf});
   report.Add({"transfer_read_1m_bound_grants", "GB/s", bound, "transfer_read_1m", plain});
@@ -327,8 +319,8 @@ int main(int argc, char** argv) {
       {"transfer_read_4m_rma", 4 << 20, PullMode::kRma, true, 16 << 20, 1},
   };
   for (const Case& c : cases) {
-    double gbps = ReadGBps(**engine, c.mode == PullMode::kRma ? rma_info : info, local, c.fragment,
-                           c.mode, c.checksum, c.batch_bytes, c.batches, 3);
+    double gbps = ReadGBps(**engine, c.mode == PullMode::kRma ? rma_info : info, local, c.fragment, c.mode, c.checksum,
+                           c.batch_bytes, c.batches, 3);
     report.Add({c.metric, "GB/s", gbps, "iperf3_veth", iperf});
   }
   engine->reset();

@@ -39,8 +39,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       auto query = DecodeQuery(d, payload);
       if (!query.ok()) return 0;
       auto bytes = EncodeQuery(*query, &again, slot);
-      Check(bytes.ok() && *bytes == payload.size() &&
-            std::memcmp(slot.data(), payload.data(), *bytes) == 0);
+      Check(bytes.ok() && *bytes == payload.size() && std::memcmp(slot.data(), payload.data(), *bytes) == 0);
       Check(again.arg0 == d.arg0 && again.arg1 == d.arg1);
       break;
     }
@@ -49,16 +48,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       auto restore = DecodeRestore(d, payload);
       if (!restore.ok()) return 0;
       auto bytes = EncodeRestore(*restore, &again, slot);
-      Check(bytes.ok() && *bytes == payload.size() &&
-            std::memcmp(slot.data(), payload.data(), *bytes) == 0);
+      Check(bytes.ok() && *bytes == payload.size() && std::memcmp(slot.data(), payload.data(), *bytes) == 0);
       break;
     }
     case Opcode::kSave: {
       auto save = DecodeSave(d, payload);
       if (!save.ok()) return 0;
       auto bytes = EncodeSave(*save, &again, slot);
-      Check(bytes.ok() && *bytes == payload.size() &&
-            std::memcmp(slot.data(), payload.data(), *bytes) == 0);
+      Check(bytes.ok() && *bytes == payload.size() && std::memcmp(slot.data(), payload.data(), *bytes) == 0);
       Check(again.arg1 == d.arg1);
       break;
     }
@@ -79,8 +76,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       auto wait = DecodeWaitLoading(d, payload);
       if (!wait.ok()) return 0;
       auto bytes = EncodeWaitLoading(*wait, &again, slot);
-      Check(bytes.ok() && *bytes == payload.size() &&
-            std::memcmp(slot.data(), payload.data(), *bytes) == 0);
+      Check(bytes.ok() && *bytes == payload.size() && std::memcmp(slot.data(), payload.data(), *bytes) == 0);
       Check(again.arg0 == d.arg0 && again.arg1 == d.arg1);
       break;
     }

@@ -42,8 +42,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (catalog::CheckRoute(r, Self(), View()).ok()) {
       Check(r.protocol_version() == catalog::kPeerProtocolVersion && r.cluster() == "c1" &&
             r.destination_node_id() == "b" && r.destination_runtime_uuid() == "uuid-b" &&
-            r.placement_fingerprint() == "fp" && r.source_node_id() == "a" &&
-            r.source_runtime_uuid() == "uuid-a" && r.source_epoch() == 3);
+            r.placement_fingerprint() == "fp" && r.source_node_id() == "a" && r.source_runtime_uuid() == "uuid-a" &&
+            r.source_epoch() == 3);
     }
   }
   peer::v1::HealthResponse response;

@@ -102,8 +102,7 @@ bool ParseArgs(int argc, char** argv, Options* opt) {
     char* end = nullptr;
     *target = std::strtoull(argv[++i], &end, 10);
     if (*end != '\0' || *target == 0) {
-      fmt::print(stderr, "orbitkv-cache-demo: {} needs a positive integer, got '{}'\n", arg,
-                 argv[i]);
+      fmt::print(stderr, "orbitkv-cache-demo: {} needs a positive integer, got '{}'\n", arg, argv[i]);
       return false;
     }
   }
@@ -170,8 +169,8 @@ struct Totals {
 };
 
 // One engine instance: its own shared-memory KV buffer and request stream.
-Status RunInstance(uint64_t instance, const Options& opt, const state::StateNamespace& ns,
-                   core::BlockCache& cache, core::CpuCopyEngine& engine, Totals& totals) {
+Status RunInstance(uint64_t instance, const Options& opt, const state::StateNamespace& ns, core::BlockCache& cache,
+                   core::CpuCopyEngine& engine, Totals& totals) {
   const uint64_t page_bytes = opt.page_kib << 10;
   const uint64_t pages = opt.prefix_pages + opt.tail_pages;
   const uint64_t buffer_bytes = pages * page_bytes;
@@ -200,13 +199,11 @@ Status RunInstance(uint64_t instance, const Options& opt, const state::StateName
     for (uint64_t p = 0; p < pages; ++p) {
       // Prefix pages are shared by every request on the document; tail pages are private to this
       // request.
-      uint64_t native[2] = {p < opt.prefix_pages ? document : (instance << 40 | r) + (1ull << 62),
-                            p};
+      uint64_t native[2] = {p < opt.prefix_pages ? document : (instance << 40 | r) + (1ull << 62), p};
       ORBITKV_ASSIGN_OR_RETURN(
           state::StateKey key,
-          state::StateKey::Create(
-              ns, 0, {p * 16, p * 16 + 16},
-              std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(native), 16)));
+          state::StateKey::Create(ns, 0, {p * 16, p * 16 + 16},
+                                  std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(native), 16)));
       keys.push_back(key);
     }
     // Stale data in the engine's pages must never pass for a restore.
@@ -220,8 +217,8 @@ Status RunInstance(uint64_t instance, const Options& opt, const state::StateName
       core::CopyBatch batch;
       batch.direction = core::CopyDirection::kRestore;
       for (size_t i = 0; i < hits; ++i) {
-        batch.fragments.push_back(core::CopyFragment{
-            buffer_id, i * page_bytes, const_cast<uint8_t*>(use.pins()[i].data()), page_bytes});
+        batch.fragments.push_back(
+            core::CopyFragment{buffer_id, i * page_bytes, const_cast<uint8_t*>(use.pins()[i].data()), page_bytes});
       }
       Stopwatch watch;
       ORBITKV_RETURN_IF_ERROR(engine.Submit(std::move(batch), completion.Callback()));
@@ -243,10 +240,8 @@ Status RunInstance(uint64_t instance, const Options& opt, const state::StateName
     for (size_t i = hits; i < pages; ++i) {
       FillPage(keys[i], buffer + i * page_bytes, page_bytes);
       auto writer = cache.Prepare(keys[i], page_bytes);
-      if (!writer.ok())
-        continue;  // already resident, being written by another instance, or no room now
-      save.fragments.push_back(
-          core::CopyFragment{buffer_id, i * page_bytes, writer->data(), page_bytes});
+      if (!writer.ok()) continue;  // already resident, being written by another instance, or no room now
+      save.fragments.push_back(core::CopyFragment{buffer_id, i * page_bytes, writer->data(), page_bytes});
       writers.push_back(std::move(*writer));
     }
     if (!save.fragments.empty()) {
@@ -274,8 +269,7 @@ int Run(const Options& opt) {
   core::BlockCacheOptions cache_options;
   cache_options.pool.capacity_bytes = opt.pool_mib << 20;
   cache_options.pool.slab_bytes = std::max<uint64_t>(std::bit_ceil(opt.page_kib << 13), 1 << 20);
-  cache_options.pool.pin_mode =
-      opt.allow_unpinned ? core::PinMode::kAllowUnpinned : core::PinMode::kRequireLocked;
+  cache_options.pool.pin_mode = opt.allow_unpinned ? core::PinMode::kAllowUnpinned : core::PinMode::kRequireLocked;
   cache_options.table.expected_blocks = (opt.pool_mib << 10) / opt.page_kib;
   auto cache = core::BlockCache::Create(cache_options, &metrics);
   if (!cache.ok()) {
@@ -300,8 +294,8 @@ int Run(const Options& opt) {
       "OrbitKV core cache demo: {} MiB pool ({}), {} KiB pages, {} instances x {} requests, {} "
       "documents of {} "
       "pages + {} private pages\n",
-      opt.pool_mib, (*cache)->pool().arena(0).locked() ? "mlocked" : "NOT locked", opt.page_kib,
-      opt.instances, opt.requests, opt.documents, opt.prefix_pages, opt.tail_pages);
+      opt.pool_mib, (*cache)->pool().arena(0).locked() ? "mlocked" : "NOT locked", opt.page_kib, opt.instances,
+      opt.requests, opt.documents, opt.prefix_pages, opt.tail_pages);
   Totals totals;
   std::vector<Status> results(opt.instances);
   std::vector<std::thread> threads;
@@ -321,8 +315,7 @@ int Run(const Options& opt) {
     const uint64_t now = static_cast<uint64_t>(wall.ElapsedSeconds());
     if (now == last_print) continue;
     last_print = now;
-    fmt::print("  {:>4}s  {:>7}/{} requests  hit rate {:5.1f}%\n", now, totals.requests.load(),
-               total_requests,
+    fmt::print("  {:>4}s  {:>7}/{} requests  hit rate {:5.1f}%\n", now, totals.requests.load(), total_requests,
                100.0 * static_cast<double>(totals.pages_hit.load()) /
                    static_cast<double>(std::max<uint64_t>(totals.pages_asked.load(), 1)));
     std::fflush(stdout);
@@ -344,8 +337,7 @@ int Run(const Options& opt) {
   fmt::print("  requests                 {:>12}\n", totals.requests.load());
   fmt::print("  pages asked / hit        {:>12} / {} ({:.1f}% restored instead of recomputed)\n",
              totals.pages_asked.load(), totals.pages_hit.load(),
-             100.0 * static_cast<double>(totals.pages_hit.load()) /
-                 static_cast<double>(totals.pages_asked.load()));
+             100.0 * static_cast<double>(totals.pages_hit.load()) / static_cast<double>(totals.pages_asked.load()));
   fmt::print("  restored / saved         {:>9.1f} MiB / {:.1f} MiB, {:.2f} GB/s while copying\n",
              static_cast<double>(totals.bytes_restored.load()) / (1 << 20),
              static_cast<double>(totals.bytes_saved.load()) / (1 << 20),
@@ -353,14 +345,12 @@ int Run(const Options& opt) {
                  std::max(1.0, static_cast<double>(totals.copy_nanos.load())));
   fmt::print("  resident blocks / bytes  {:>12} / {:.1f} MiB of {} MiB\n", stats.resident_blocks,
              static_cast<double>(stats.resident_bytes) / (1 << 20), opt.pool_mib);
-  fmt::print("  evictions                {:>12}\n",
-             counter("orbitkv_cache_evictions_total", {{"tier", "dram"}}));
+  fmt::print("  evictions                {:>12}\n", counter("orbitkv_cache_evictions_total", {{"tier", "dram"}}));
   fmt::print("  one-hit blocks rejected  {:>12} (W-TinyLFU kept hot prefixes)\n",
              counter("orbitkv_cache_admissions_rejected_total"));
   fmt::print("  budget backpressure      {:>12}\n", totals.backpressure.load());
   fmt::print("  corrupted restores       {:>12}\n", totals.corrupt.load());
-  fmt::print("  leases / pinned after    {:>12} / {}\n", (*cache)->leases().active(),
-             stats.pinned_blocks);
+  fmt::print("  leases / pinned after    {:>12} / {}\n", (*cache)->leases().active(), stats.pinned_blocks);
   if (opt.metrics) fmt::print("\n{}", metrics.RenderPrometheus());
   if (totals.corrupt.load() != 0 || (*cache)->leases().active() != 0 || stats.pinned_blocks != 0) {
     fmt::print(stderr, "orbitkv-cache-demo: FAILED: corrupted restores or leaked pins\n");

@@ -55,8 +55,7 @@ std::map<std::string, std::string> ParseFlatJson(const std::string& json) {
     size_t value_end = json.find_first_of(",}", colon);
     if (first != std::string::npos && json[first] == '"') {
       value_end = first + 1;
-      while (value_end < json.size() && json[value_end] != '"')
-        value_end += json[value_end] == '\\' ? 2 : 1;
+      while (value_end < json.size() && json[value_end] != '"') value_end += json[value_end] == '\\' ? 2 : 1;
       if (value_end >= json.size()) value_end = std::string::npos;
     }
     if (value_end == std::string::npos) break;
@@ -154,11 +153,11 @@ int main(int argc, char** argv) {
   }
   if (dump || command == "catalog status" || command == "catalog placement") {
     using orbitkv::channel::DumpKind;
-    const DumpKind kind = command == "inventory dump"      ? DumpKind::kInventory
-                          : command == "catalog dump"      ? DumpKind::kCatalog
-                          : command == "catalog placement" ? (change.empty() ? DumpKind::kPlacement
-                                                                             : DumpKind::kPlacementChange)
-                                                           : DumpKind::kCatalogStatus;
+    const DumpKind kind = command == "inventory dump" ? DumpKind::kInventory
+                          : command == "catalog dump" ? DumpKind::kCatalog
+                          : command == "catalog placement"
+                              ? (change.empty() ? DumpKind::kPlacement : DumpKind::kPlacementChange)
+                              : DumpKind::kCatalogStatus;
     if (kind == DumpKind::kCatalogStatus) {
       fmt::print("shard owners records bytes coverage lag_ms last_repair_s_ago\n");
     }
@@ -199,8 +198,8 @@ int main(int argc, char** argv) {
         "Manager on {}: up (runtime {}, incarnation {}), {} of {} pool in use, {} blocks resident, "
         "{} leases, {} copies in flight; membership {}\n",
         (*client)->socket_path(), runtime, f["incarnation"], Mib(f["pool_allocated_bytes"]),
-        Mib(f["pool_capacity_bytes"]), f["resident_blocks"], f["leases_active"],
-        f["operations_active"], membership.empty() ? "unknown" : membership);
+        Mib(f["pool_capacity_bytes"]), f["resident_blocks"], f["leases_active"], f["operations_active"],
+        membership.empty() ? "unknown" : membership);
     auto unquoted = [&](const std::string& key) {
       std::string v = f[key];
       v.erase(std::remove(v.begin(), v.end(), '"'), v.end());
@@ -208,8 +207,7 @@ int main(int argc, char** argv) {
     };
     if (!unquoted("pool_numa_nodes").empty()) {
       const std::string nodes = unquoted("pool_numa_nodes");
-      fmt::print("pool arenas on NUMA node(s) {}; GPUs served: {}\n",
-                 nodes == "-1" ? "(unbound)" : nodes,
+      fmt::print("pool arenas on NUMA node(s) {}; GPUs served: {}\n", nodes == "-1" ? "(unbound)" : nodes,
                  unquoted("gpus").empty() ? "none" : unquoted("gpus"));
     }
     if (!membership.empty() && membership != "single-host") {
@@ -226,16 +224,15 @@ int main(int argc, char** argv) {
       };
       // The registration (issue 51): its state and for how long, why the last one ended, what is being done.
       const std::string state = text("membership");
-      std::string registration = fmt::format("registration: {} for {} s (epoch {}, cluster runtime {}, {} "
-                                             "registration{})",
-                                             state, f["membership_for_s"], f["membership_epoch"],
-                                             text("cluster_runtime_uuid"), f["membership_registrations"],
-                                             f["membership_registrations"] == "1" ? "" : "s");
+      std::string registration = fmt::format(
+          "registration: {} for {} s (epoch {}, cluster runtime {}, {} "
+          "registration{})",
+          state, f["membership_for_s"], f["membership_epoch"], text("cluster_runtime_uuid"),
+          f["membership_registrations"], f["membership_registrations"] == "1" ? "" : "s");
       if (state == "expired") {
-        registration += fmt::format("; registering again, attempt {}{}", f["membership_attempts"],
-                                    text("membership_last_error").empty()
-                                        ? std::string()
-                                        : "; last error: " + text("membership_last_error"));
+        registration += fmt::format(
+            "; registering again, attempt {}{}", f["membership_attempts"],
+            text("membership_last_error").empty() ? std::string() : "; last error: " + text("membership_last_error"));
       } else if (state == "fenced") {
         registration += "; stays fenced until the Manager restarts";
       }
@@ -264,34 +261,33 @@ int main(int argc, char** argv) {
       }
       std::string reason = text("membership_off_reason");
       if (reason.empty()) reason = text("remote_work_off_reason");
-      fmt::print(
-          "remote work {}; peers: {} healthy, {} unreachable, {} incompatible; transfers on {}\n",
-          f["remote_work"] == "1" ? std::string("on")
-          : reason.empty() ? std::string("off (membership not registered or view incomplete)")
-                           : "off: " + reason,
-          f["peers_healthy"].empty() ? "0" : f["peers_healthy"],
-          f["peers_unreachable"].empty() ? "0" : f["peers_unreachable"],
-          f["peers_incompatible"].empty() ? "0" : f["peers_incompatible"],
-          text("transfer_listen").empty() ? std::string("(none)") : text("transfer_listen"));
+      fmt::print("remote work {}; peers: {} healthy, {} unreachable, {} incompatible; transfers on {}\n",
+                 f["remote_work"] == "1" ? std::string("on")
+                 : reason.empty()        ? std::string("off (membership not registered or view incomplete)")
+                                         : "off: " + reason,
+                 f["peers_healthy"].empty() ? "0" : f["peers_healthy"],
+                 f["peers_unreachable"].empty() ? "0" : f["peers_unreachable"],
+                 f["peers_incompatible"].empty() ? "0" : f["peers_incompatible"],
+                 text("transfer_listen").empty() ? std::string("(none)") : text("transfer_listen"));
       // Issue 52: who a peer is, and whom a grant serves.
       if (!f["peer_tls"].empty()) {
         const auto count = [&](const char* key) { return f[key].empty() ? std::string("0") : f[key]; };
-        fmt::print("peer security: {}; grants bound to their holder (refused without the grant's secret: {} read{}, "
-                   "{} release{})\n",
-                   f["peer_tls"] == "1"
-                       ? fmt::format("mutual TLS, each certificate naming its node (refused: {} naming no node, {} "
-                                     "naming another)",
-                                     count("peer_refused_certificate_without_node"),
-                                     count("peer_refused_certificate_of_another_node"))
-                       : std::string("no TLS: peers are trusted by the member view alone (give --peer-tls-cert, "
-                                     "--peer-tls-key and --peer-tls-ca)"),
-                   count("transfer_grant_secret_refusals"), count("transfer_grant_secret_refusals") == "1" ? "" : "s",
-                   count("source_release_secret_refusals"), count("source_release_secret_refusals") == "1" ? "" : "s");
+        fmt::print(
+            "peer security: {}; grants bound to their holder (refused without the grant's secret: {} read{}, "
+            "{} release{})\n",
+            f["peer_tls"] == "1"
+                ? fmt::format("mutual TLS, each certificate naming its node (refused: {} naming no node, {} "
+                              "naming another)",
+                              count("peer_refused_certificate_without_node"),
+                              count("peer_refused_certificate_of_another_node"))
+                : std::string("no TLS: peers are trusted by the member view alone (give --peer-tls-cert, "
+                              "--peer-tls-key and --peer-tls-ca)"),
+            count("transfer_grant_secret_refusals"), count("transfer_grant_secret_refusals") == "1" ? "" : "s",
+            count("source_release_secret_refusals"), count("source_release_secret_refusals") == "1" ? "" : "s");
       }
     }
     const auto instances = Instances(*stats);
-    fmt::print("{} engine instance{} registered\n", instances.size(),
-               instances.size() == 1 ? "" : "s");
+    fmt::print("{} engine instance{} registered\n", instances.size(), instances.size() == 1 ? "" : "s");
     for (const auto& [id, identity] : instances) {
       fmt::print("  instance {}: {}\n", id, identity.empty() ? "(no identity given)" : identity);
     }

@@ -126,17 +126,20 @@ int Run(const Options& opt) {
     auto contract = RecoveryContract::Compile(
         *derived, opt.page_tokens,
         {{.group = kFull, .kind = RecoveryRuleKind::kPrefix, .components = {StateComponent::kAttentionKv}},
-         {.group = kSwa, .kind = RecoveryRuleKind::kWindow, .components = {StateComponent::kSlidingWindow},
+         {.group = kSwa,
+          .kind = RecoveryRuleKind::kWindow,
+          .components = {StateComponent::kSlidingWindow},
           .window_tokens = opt.window_tokens},
-         {.group = kState, .kind = RecoveryRuleKind::kCheckpoint,
+         {.group = kState,
+          .kind = RecoveryRuleKind::kCheckpoint,
           .components = {StateComponent::kRecurrent, StateComponent::kConvolution}}});
     if (!contract.ok()) {
       fmt::print(stderr, "contract: {}\n", contract.status().ToString());
       return 1;
     }
     contracts.push_back(*contract);
-    fmt::print("{:<6} {:<14} {} {} {} tp={}/{}\n", rank, derived->ShortHex(), id.model_id,
-               DTypeName(id.format.dtype), LayoutName(id.format.layout), rank, id.format.parallel.tp_size);
+    fmt::print("{:<6} {:<14} {} {} {} tp={}/{}\n", rank, derived->ShortHex(), id.model_id, DTypeName(id.format.dtype),
+               LayoutName(id.format.layout), rank, id.format.parallel.tp_size);
   }
 
   fmt::print("\nCompiled recovery contract (same rules on both ranks)\n");
@@ -151,9 +154,10 @@ int Run(const Options& opt) {
   }
 
   fmt::print("\nRequired ranges (tokens [begin, end)) for a restore from the engine's valid prefix origin\n");
-  fmt::print("{:<18} {:<18} {:<18} {:<18} {}\n", "origin -> end", "full attention", "sliding window",
-             "recurrent ckpt", "pages to read");
-  std::vector<std::pair<uint64_t, uint64_t>> spans = {{0, end}, {end / 2 / page * page, end}, {0, 5 * page}, {end, end}};
+  fmt::print("{:<18} {:<18} {:<18} {:<18} {}\n", "origin -> end", "full attention", "sliding window", "recurrent ckpt",
+             "pages to read");
+  std::vector<std::pair<uint64_t, uint64_t>> spans = {
+      {0, end}, {end / 2 / page * page, end}, {0, 5 * page}, {end, end}};
   for (auto [origin, to] : spans) {
     auto demand = contracts[0].RequiredRanges(ns[0], origin, to);
     if (!demand.ok()) {

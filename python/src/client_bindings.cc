@@ -22,8 +22,7 @@ using client::CacheClient;
 using GilRelease = py::call_guard<py::gil_scoped_release>;
 
 state::StateNamespace NamespaceFromBytes(const std::string& bytes) {
-  if (bytes.size() != 32)
-    throw StatusError(Status::InvalidArgument("a namespace is exactly 32 bytes"));
+  if (bytes.size() != 32) throw StatusError(Status::InvalidArgument("a namespace is exactly 32 bytes"));
   state::Digest256 digest;
   std::copy(bytes.begin(), bytes.end(), digest.bytes.begin());
   return state::StateNamespace(digest);
@@ -32,30 +31,26 @@ state::StateNamespace NamespaceFromBytes(const std::string& bytes) {
 }  // namespace
 
 void BindClient(py::module_& m) {
-  py::class_<CacheClient>(
-      m, "CacheClient",
-      "A connection to this host's OrbitKV Manager (see orbitkv.CacheManagerClient for the "
-      "friendly wrapper).")
-      .def(
-          py::init([](std::optional<std::string> socket_path, int timeout_ms, int spin_iterations) {
-            client::ClientOptions options;
-            options.socket_path = socket_path.value_or("");
-            options.timeout = std::chrono::milliseconds(timeout_ms);
-            options.spin_iterations = spin_iterations;
-            Result<std::unique_ptr<CacheClient>> connected = [&] {
-              py::gil_scoped_release release;
-              return CacheClient::Connect(options);
-            }();
-            return ValueOrThrow(std::move(connected));
-          }),
-          py::arg("socket_path") = py::none(), py::arg("timeout_ms") = 5000,
-          py::arg("spin_iterations") = 4096)
+  py::class_<CacheClient>(m, "CacheClient",
+                          "A connection to this host's OrbitKV Manager (see orbitkv.CacheManagerClient for the "
+                          "friendly wrapper).")
+      .def(py::init([](std::optional<std::string> socket_path, int timeout_ms, int spin_iterations) {
+             client::ClientOptions options;
+             options.socket_path = socket_path.value_or("");
+             options.timeout = std::chrono::milliseconds(timeout_ms);
+             options.spin_iterations = spin_iterations;
+             Result<std::unique_ptr<CacheClient>> connected = [&] {
+               py::gil_scoped_release release;
+               return CacheClient::Connect(options);
+             }();
+             return ValueOrThrow(std::move(connected));
+           }),
+           py::arg("socket_path") = py::none(), py::arg("timeout_ms") = 5000, py::arg("spin_iterations") = 4096)
       .def_property_readonly("socket_path", &CacheClient::socket_path)
       .def_property_readonly("session_id", &CacheClient::session_id)
       .def_property_readonly("manager_incarnation", &CacheClient::manager_incarnation)
       .def(
-          "max_query_keys",
-          [](const CacheClient& c, size_t native_bytes) { return c.MaxQueryKeys(native_bytes); },
+          "max_query_keys", [](const CacheClient& c, size_t native_bytes) { return c.MaxQueryKeys(native_bytes); },
           py::arg("native_bytes") = 32)
       .def(
           "register_instance",
@@ -68,25 +63,23 @@ void BindClient(py::module_& m) {
       .def(
           "register_group",
           [](CacheClient& c, uint64_t instance, uint32_t group, uint32_t num_pages,
-             const std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>>&
-                 buffers,
-             const std::optional<std::vector<std::tuple<py::bytes, uint64_t, std::string>>>&
-                 cuda_ipc) {
+             const std::vector<std::tuple<int, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>>& buffers,
+             const std::optional<std::vector<std::tuple<py::bytes, uint64_t, std::string>>>& cuda_ipc) {
             std::vector<client::BufferSpec> specs;
             for (const auto& [fd, bytes, offset, stride, page, address] : buffers)
               specs.push_back({fd, bytes, offset, stride, page, address, std::nullopt});
             if (cuda_ipc.has_value()) {
               if (cuda_ipc->size() != specs.size()) {
-                throw StatusError(Status::InvalidArgument(
-                    "cuda_ipc needs one (handle, offset, pci_bus_id) per buffer"));
+                throw StatusError(
+                    Status::InvalidArgument("cuda_ipc needs one (handle, offset, pci_bus_id) per buffer"));
               }
               for (size_t i = 0; i < specs.size(); ++i) {
                 const auto& [handle, offset, bus_id] = (*cuda_ipc)[i];
                 const std::string raw = handle;
                 client::CudaIpcSpec spec;
                 if (raw.size() != spec.handle.size()) {
-                  throw StatusError(Status::InvalidArgument(fmt::format(
-                      "a CUDA IPC handle is {} bytes, not {}", spec.handle.size(), raw.size())));
+                  throw StatusError(Status::InvalidArgument(
+                      fmt::format("a CUDA IPC handle is {} bytes, not {}", spec.handle.size(), raw.size())));
                 }
                 std::copy(raw.begin(), raw.end(), spec.handle.begin());
                 spec.offset = offset;
@@ -105,18 +98,17 @@ void BindClient(py::module_& m) {
           "buffer (fd -1, address 0): GPU buffers. Returns the padded bytes of one block")
       .def(
           "unregister_instance",
-          [](CacheClient& c, uint64_t instance) { ThrowIfError(c.UnregisterInstance(instance)); },
-          GilRelease(), py::arg("instance_id"))
+          [](CacheClient& c, uint64_t instance) { ThrowIfError(c.UnregisterInstance(instance)); }, GilRelease(),
+          py::arg("instance_id"))
       .def(
           "query",
-          [](CacheClient& c, uint64_t instance, uint32_t group,
-             const std::vector<state::StateKey>& keys, uint32_t wait_ms) {
+          [](CacheClient& c, uint64_t instance, uint32_t group, const std::vector<state::StateKey>& keys,
+             uint32_t wait_ms) {
             client::QueryResult result = [&] {
               py::gil_scoped_release release;
-              return ValueOrThrow(
-                  wait_ms == 0 ? c.Query(instance, group, keys)
-                               : c.QueryWait(instance, group, keys,
-                                             std::chrono::milliseconds(wait_ms)));
+              return ValueOrThrow(wait_ms == 0
+                                      ? c.Query(instance, group, keys)
+                                      : c.QueryWait(instance, group, keys, std::chrono::milliseconds(wait_ms)));
             }();
             return py::make_tuple(result.hits, result.lease, result.loading_op);
           },
@@ -126,23 +118,19 @@ void BindClient(py::module_& m) {
           "wait_ms > 0 waits that long for a Loading answer to complete (no polling)")
       .def(
           "query_restore",
-          [](CacheClient& c, uint64_t instance, uint32_t group,
-             const std::vector<state::StateKey>& keys, const std::vector<uint32_t>& pages,
-             uint32_t wait_ms) {
+          [](CacheClient& c, uint64_t instance, uint32_t group, const std::vector<state::StateKey>& keys,
+             const std::vector<uint32_t>& pages, uint32_t wait_ms) {
             py::gil_scoped_release release;
-            return ValueOrThrow(c.QueryRestore(instance, group, keys, pages,
-                                               std::chrono::milliseconds(wait_ms)));
+            return ValueOrThrow(c.QueryRestore(instance, group, keys, pages, std::chrono::milliseconds(wait_ms)));
           },
-          py::arg("instance_id"), py::arg("group"), py::arg("keys"), py::arg("pages"),
-          py::arg("wait_ms"),
+          py::arg("instance_id"), py::arg("group"), py::arg("keys"), py::arg("pages"), py::arg("wait_ms"),
           "-> blocks restored: the chain's resident prefix restored into pages (pages[i] for "
           "block i), and while a Loading operation brings the rest (up to wait_ms), each part as "
           "it arrives; returns once every copy drained")
       .def(
           "wait_loading",
           [](CacheClient& c, uint64_t instance, uint64_t op, uint32_t timeout_ms) {
-            return ValueOrThrow(
-                c.WaitLoading(instance, op, std::chrono::milliseconds(timeout_ms)));
+            return ValueOrThrow(c.WaitLoading(instance, op, std::chrono::milliseconds(timeout_ms)));
           },
           GilRelease(), py::arg("instance_id"), py::arg("op"), py::arg("timeout_ms"),
           "waits until Loading operation `op` completed; returns the blocks of its chain now in "
@@ -150,9 +138,8 @@ void BindClient(py::module_& m) {
           "when a query took it or it was cancelled")
       .def(
           "query_native",
-          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t first_token,
-             uint32_t page_tokens, const py::object& hashes, uint16_t key_version,
-             uint32_t wait_ms, bool fixed_span) {
+          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t first_token, uint32_t page_tokens,
+             const py::object& hashes, uint16_t key_version, uint32_t wait_ms, bool fixed_span) {
             // Flatten the native keys while holding the GIL (straight from the bytes objects, no
             // per-item conversion), then talk to the Manager without it. `hashes` is a list of
             // equal-length bytes, or one bytes object of count x native_bytes with native_bytes
@@ -164,22 +151,19 @@ void BindClient(py::module_& m) {
               const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
               PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
               for (Py_ssize_t i = 0; i < n; ++i) {
-                if (!PyBytes_Check(items[i]))
-                  throw StatusError(Status::InvalidArgument("block hashes must be bytes"));
+                if (!PyBytes_Check(items[i])) throw StatusError(Status::InvalidArgument("block hashes must be bytes"));
                 const size_t size = static_cast<size_t>(PyBytes_GET_SIZE(items[i]));
                 if (i == 0) {
                   native_bytes = size;
                   flat.reserve(native_bytes * static_cast<size_t>(n));
                 }
                 if (size != native_bytes || size == 0 || size > 64) {
-                  throw StatusError(Status::InvalidArgument(
-                      "block hashes must all have the same length, 1-64 bytes"));
+                  throw StatusError(Status::InvalidArgument("block hashes must all have the same length, 1-64 bytes"));
                 }
                 flat.append(PyBytes_AS_STRING(items[i]), size);
               }
             } else {
-              throw StatusError(
-                  Status::InvalidArgument("block_hashes must be a list or tuple of bytes"));
+              throw StatusError(Status::InvalidArgument("block_hashes must be a list or tuple of bytes"));
             }
             client::QueryResult result;
             if (!flat.empty()) {
@@ -189,38 +173,31 @@ void BindClient(py::module_& m) {
               const uint8_t flags = fixed_span ? channel::kQueryFixedSpan : 0;
               result = ValueOrThrow(
                   wait_ms == 0
-                      ? c.QueryNative(instance, group, first_token, page_tokens, bytes, natives,
-                                      key_version, flags)
-                      : c.QueryNativeWait(instance, group, first_token, page_tokens, bytes,
-                                          natives, std::chrono::milliseconds(wait_ms),
-                                          key_version, flags));
+                      ? c.QueryNative(instance, group, first_token, page_tokens, bytes, natives, key_version, flags)
+                      : c.QueryNativeWait(instance, group, first_token, page_tokens, bytes, natives,
+                                          std::chrono::milliseconds(wait_ms), key_version, flags));
             }
             return py::make_tuple(result.hits, result.lease, result.loading_op);
           },
           py::arg("instance_id"), py::arg("group"), py::arg("first_token"), py::arg("page_tokens"),
-          py::arg("block_hashes"), py::arg("key_version") = 1, py::arg("wait_ms") = 0,
-          py::arg("fixed_span") = false,
+          py::arg("block_hashes"), py::arg("key_version") = 1, py::arg("wait_ms") = 0, py::arg("fixed_span") = false,
           "-> (hits, lease, loading_op) for the chain of pages whose native keys (block hashes) "
           "are given; wait_ms > 0 waits that long for a Loading answer to complete; fixed_span: "
           "every page covers [first_token, first_token + page_tokens) (keys that name their prefix)")
       .def(
           "start_restore",
-          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease,
-             const std::vector<uint32_t>& pages) {
+          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease, const std::vector<uint32_t>& pages) {
             return ValueOrThrow(c.StartRestore(instance, group, lease, pages));
           },
-          GilRelease(), py::arg("instance_id"), py::arg("group"), py::arg("lease"),
-          py::arg("pages"))
+          GilRelease(), py::arg("instance_id"), py::arg("group"), py::arg("lease"), py::arg("pages"))
       .def(
           "start_restore_layers",
-          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease,
-             const std::vector<uint32_t>& pages, uint32_t first_buffer, uint32_t buffer_count,
-             bool last) {
-            return ValueOrThrow(c.StartRestoreLayers(instance, group, lease, pages, first_buffer,
-                                                     buffer_count, last));
+          [](CacheClient& c, uint64_t instance, uint32_t group, uint64_t lease, const std::vector<uint32_t>& pages,
+             uint32_t first_buffer, uint32_t buffer_count, bool last) {
+            return ValueOrThrow(c.StartRestoreLayers(instance, group, lease, pages, first_buffer, buffer_count, last));
           },
-          GilRelease(), py::arg("instance_id"), py::arg("group"), py::arg("lease"),
-          py::arg("pages"), py::arg("first_buffer"), py::arg("buffer_count"), py::arg("last"),
+          GilRelease(), py::arg("instance_id"), py::arg("group"), py::arg("lease"), py::arg("pages"),
+          py::arg("first_buffer"), py::arg("buffer_count"), py::arg("last"),
           "copies buffers [first_buffer, +buffer_count) of every leased block; the lease stays "
           "valid until the part with last=True")
       .def(
@@ -239,13 +216,11 @@ void BindClient(py::module_& m) {
             ThrowIfError(*done);
             return true;
           },
-          GilRelease(), py::arg("handle"),
-          "True when the restore completed (raises if it failed); False if pending")
+          GilRelease(), py::arg("handle"), "True when the restore completed (raises if it failed); False if pending")
       .def("take_restore_drained_ns", &CacheClient::TakeRestoreDrainedNanos, py::arg("handle"),
            "CLOCK_MONOTONIC ns when a completed restore's copies drained (once per handle), or None")
       .def(
-          "abandon_restore",
-          [](CacheClient& c, uint64_t handle) { return ValueOrThrow(c.AbandonRestore(handle)); },
+          "abandon_restore", [](CacheClient& c, uint64_t handle) { return ValueOrThrow(c.AbandonRestore(handle)); },
           GilRelease(), py::arg("handle"),
           "True: the Manager had not claimed the restore, its pages were never written and are free "
           "again; False: it claimed it, the pages stay reserved until it completes")
@@ -297,13 +272,10 @@ void BindClient(py::module_& m) {
           "resident")
       .def(
           "release",
-          [](CacheClient& c, uint64_t instance, uint64_t lease) {
-            ThrowIfError(c.Release(instance, lease));
-          },
+          [](CacheClient& c, uint64_t instance, uint64_t lease) { ThrowIfError(c.Release(instance, lease)); },
           GilRelease(), py::arg("instance_id"), py::arg("lease"))
       .def(
-          "cancel",
-          [](CacheClient& c, uint64_t instance, uint64_t op) { return ValueOrThrow(c.Cancel(instance, op)); },
+          "cancel", [](CacheClient& c, uint64_t instance, uint64_t op) { return ValueOrThrow(c.Cancel(instance, op)); },
           GilRelease(), py::arg("instance_id"), py::arg("op"),
           "forgets a Loading operation: True, or False when there was none (it completed and was taken, or was "
           "cancelled); NOT_FOUND for an instance this session did not register")

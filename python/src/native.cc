@@ -7,15 +7,15 @@ PYBIND11_MODULE(_native, m) {
   // OrbitKVError (a ValueError) for every failure, with subclasses for the ones callers handle
   // differently. Each carries `code`, the status code name.
   static py::exception<orbitkv::python::StatusError> error(m, "OrbitKVError", PyExc_ValueError);
-  static py::object unavailable = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
-      "orbitkv._native.ManagerUnavailable",
-      "The Manager is not running, stopped, or closed this session.", error.ptr(), nullptr));
+  static py::object unavailable = py::reinterpret_steal<py::object>(
+      PyErr_NewExceptionWithDoc("orbitkv._native.ManagerUnavailable",
+                                "The Manager is not running, stopped, or closed this session.", error.ptr(), nullptr));
   static py::object timeout = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
-      "orbitkv._native.OrbitKVTimeout",
-      "A call did not complete within its timeout; its memory stays owned.", error.ptr(), nullptr));
+      "orbitkv._native.OrbitKVTimeout", "A call did not complete within its timeout; its memory stays owned.",
+      error.ptr(), nullptr));
   static py::object busy = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
-      "orbitkv._native.OrbitKVBusy",
-      "Backpressure: a budget or queue is full right now; retry later.", error.ptr(), nullptr));
+      "orbitkv._native.OrbitKVBusy", "Backpressure: a budget or queue is full right now; retry later.", error.ptr(),
+      nullptr));
   m.attr("ManagerUnavailable") = unavailable;
   m.attr("OrbitKVTimeout") = timeout;
   m.attr("OrbitKVBusy") = busy;

@@ -24,7 +24,8 @@ state::Digest256 DigestFromBytes(const py::bytes& b, const char* what) {
   std::string s = b;
   if (s.empty()) return {};
   if (s.size() != 32) {
-    throw StatusError(Status::InvalidArgument(std::string(what) + " must be 32 bytes, got " + std::to_string(s.size())));
+    throw StatusError(
+        Status::InvalidArgument(std::string(what) + " must be 32 bytes, got " + std::to_string(s.size())));
   }
   state::Digest256 d;
   std::copy(s.begin(), s.end(), d.bytes.begin());
@@ -84,9 +85,9 @@ void BindState(py::module_& m) {
     return std::make_tuple(py::arg("model_id"), py::arg("weights_revision"), py::arg("tokenizer"),
                            py::arg("engine_kind"), py::kw_only(), py::arg("cache_scope") = "",
                            py::arg("model_digest") = py::bytes(), py::arg("implementation_digest") = py::bytes(),
-                           py::arg("dtype") = "bf16", py::arg("layout") = "layer_first",
-                           py::arg("layout_detail") = "", py::arg("page_size_tokens") = 16, py::arg("tp_size") = 1,
-                           py::arg("tp_rank") = 0, py::arg("pp_size") = 1, py::arg("pp_rank") = 0);
+                           py::arg("dtype") = "bf16", py::arg("layout") = "layer_first", py::arg("layout_detail") = "",
+                           py::arg("page_size_tokens") = 16, py::arg("tp_size") = 1, py::arg("tp_rank") = 0,
+                           py::arg("pp_size") = 1, py::arg("pp_rank") = 0);
   };
   std::apply(
       [&](auto... args) {
@@ -112,8 +113,8 @@ void BindState(py::module_& m) {
       .def(py::init([](const py::bytes& ns, uint32_t group, uint64_t begin, uint64_t end, const py::bytes& native,
                        uint16_t key_version) {
              std::string native_bytes = native;
-             return ValueOrThrow(StateKey::Create(NamespaceFromBytes(ns), group, {begin, end}, native_bytes,
-                                                  key_version));
+             return ValueOrThrow(
+                 StateKey::Create(NamespaceFromBytes(ns), group, {begin, end}, native_bytes, key_version));
            }),
            py::arg("namespace"), py::arg("group"), py::arg("begin"), py::arg("end"), py::arg("native_key"),
            py::arg("key_version") = 1)
@@ -142,7 +143,8 @@ void BindState(py::module_& m) {
              if (n == 0) throw StatusError(Status::InvalidArgument("shard_of needs at least one shard"));
              return state::ShardOf(k, n);
            })
-      .def("__eq__", [](const StateKey& a, const StateKey& b) { return a == b; }, py::is_operator())
+      .def(
+          "__eq__", [](const StateKey& a, const StateKey& b) { return a == b; }, py::is_operator())
       .def("__hash__", [](const StateKey& k) { return static_cast<py::ssize_t>(k.Hash64() >> 1); })
       .def("__repr__", [](const StateKey& k) { return "StateKey(" + k.ToString() + ")"; });
 

@@ -11,17 +11,17 @@ namespace orbitkv::internal {
 [[noreturn]] void CheckFailed(const char* file, int line, const char* condition, std::string_view message);
 }  // namespace orbitkv::internal
 
-#define ORBITKV_CHECK(cond)                                                   \
-  do {                                                                        \
-    if (!(cond)) [[unlikely]]                                                 \
-      ::orbitkv::internal::CheckFailed(__FILE__, __LINE__, #cond, {});        \
+#define ORBITKV_CHECK(cond)                                            \
+  do {                                                                 \
+    if (!(cond)) [[unlikely]]                                          \
+      ::orbitkv::internal::CheckFailed(__FILE__, __LINE__, #cond, {}); \
   } while (false)
 
 // ORBITKV_CHECK_MSG(cond, "fmt {}", args...): the message is formatted only on failure.
-#define ORBITKV_CHECK_MSG(cond, ...)                                                                 \
-  do {                                                                                               \
-    if (!(cond)) [[unlikely]]                                                                        \
-      ::orbitkv::internal::CheckFailed(__FILE__, __LINE__, #cond, ::fmt::format(__VA_ARGS__));       \
+#define ORBITKV_CHECK_MSG(cond, ...)                                                           \
+  do {                                                                                         \
+    if (!(cond)) [[unlikely]]                                                                  \
+      ::orbitkv::internal::CheckFailed(__FILE__, __LINE__, #cond, ::fmt::format(__VA_ARGS__)); \
   } while (false)
 
 #ifdef NDEBUG

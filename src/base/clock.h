@@ -24,9 +24,7 @@ class Stopwatch {
   void Restart() { start_ = MonoNow(); }
   MonoClock::duration Elapsed() const { return MonoNow() - start_; }
   double ElapsedSeconds() const { return std::chrono::duration<double>(Elapsed()).count(); }
-  int64_t ElapsedMicros() const {
-    return std::chrono::duration_cast<std::chrono::microseconds>(Elapsed()).count();
-  }
+  int64_t ElapsedMicros() const { return std::chrono::duration_cast<std::chrono::microseconds>(Elapsed()).count(); }
 
  private:
   MonoTime start_;

@@ -64,7 +64,7 @@ bool SanitizerReportsSignals() {
 void InstallCrashReport(const char* program) {
   g_program = program;
   void* warm[1];
-  (void)backtrace(warm, 1);  // loads libgcc's unwinder now, not inside a signal handler
+  (void)backtrace(warm, 1);         // loads libgcc's unwinder now, not inside a signal handler
   std::set_terminate(OnTerminate);  // no sanitizer reports a terminate: installed in every build
   if (SanitizerReportsSignals()) return;
   struct sigaction action;

@@ -51,8 +51,8 @@ void FaultGuard::Install() {
   });
 }
 
-bool FaultGuard::GuardedCopy(void* dst, const void* src, size_t n, const void* foreign,
-                             size_t foreign_bytes, CopyStores stores) {
+bool FaultGuard::GuardedCopy(void* dst, const void* src, size_t n, const void* foreign, size_t foreign_bytes,
+                             CopyStores stores) {
   sigjmp_buf jump;
   // savemask 0: no sigprocmask call on the fast path; the rare recovery unblocks SIGBUS itself.
   if (sigsetjmp(jump, 0) != 0) {

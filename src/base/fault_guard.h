@@ -35,8 +35,8 @@ class FaultGuard {
   static void Install();
   // CopyBytes(dst, src, n, stores); false when a SIGBUS hit an address in
   // [foreign, foreign + foreign_bytes) meanwhile (the copy is then partial). Install() must have run.
-  static bool GuardedCopy(void* dst, const void* src, size_t n, const void* foreign,
-                          size_t foreign_bytes, CopyStores stores = CopyStores::kCached);
+  static bool GuardedCopy(void* dst, const void* src, size_t n, const void* foreign, size_t foreign_bytes,
+                          CopyStores stores = CopyStores::kCached);
   // SIGBUS faults recovered so far (tests, metrics).
   static uint64_t recovered();
 };

@@ -13,8 +13,8 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <utility>
 #include <unordered_map>
+#include <utility>
 
 #include "base/clock.h"
 #include "base/mutex.h"
@@ -36,7 +36,8 @@ class Flights {
     Ticket(Flights* flights, Key key, std::shared_ptr<Flight> flight)
         : flights_(flights), key_(std::move(key)), flight_(std::move(flight)) {}
     Ticket(Ticket&& other) noexcept
-        : flights_(std::exchange(other.flights_, nullptr)), key_(std::move(other.key_)),
+        : flights_(std::exchange(other.flights_, nullptr)),
+          key_(std::move(other.key_)),
           flight_(std::move(other.flight_)) {}
     Ticket(const Ticket&) = delete;
     Ticket& operator=(const Ticket&) = delete;

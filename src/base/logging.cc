@@ -25,13 +25,20 @@ std::shared_ptr<spdlog::logger> g_logger GUARDED_BY(g_logger_mu);
 
 spdlog::level::level_enum ToSpd(Level level) {
   switch (level) {
-    case Level::kTrace: return spdlog::level::trace;
-    case Level::kDebug: return spdlog::level::debug;
-    case Level::kInfo: return spdlog::level::info;
-    case Level::kWarn: return spdlog::level::warn;
-    case Level::kError: return spdlog::level::err;
-    case Level::kCritical: return spdlog::level::critical;
-    case Level::kOff: return spdlog::level::off;
+    case Level::kTrace:
+      return spdlog::level::trace;
+    case Level::kDebug:
+      return spdlog::level::debug;
+    case Level::kInfo:
+      return spdlog::level::info;
+    case Level::kWarn:
+      return spdlog::level::warn;
+    case Level::kError:
+      return spdlog::level::err;
+    case Level::kCritical:
+      return spdlog::level::critical;
+    case Level::kOff:
+      return spdlog::level::off;
   }
   return spdlog::level::info;
 }
@@ -39,8 +46,7 @@ spdlog::level::level_enum ToSpd(Level level) {
 std::shared_ptr<spdlog::logger> MakeLogger(const Options& options) {
   std::shared_ptr<spdlog::logger> logger;
   if (options.file.empty()) {
-    logger = std::make_shared<spdlog::logger>(options.name,
-                                              std::make_shared<spdlog::sinks::stderr_sink_mt>());
+    logger = std::make_shared<spdlog::logger>(options.name, std::make_shared<spdlog::sinks::stderr_sink_mt>());
   } else {
     logger = std::make_shared<spdlog::logger>(
         options.name, std::make_shared<spdlog::sinks::basic_file_sink_mt>(options.file, /*truncate=*/false));
@@ -84,13 +90,20 @@ std::optional<Level> ParseLevel(std::string_view text) {
 
 std::string_view LevelName(Level level) {
   switch (level) {
-    case Level::kTrace: return "trace";
-    case Level::kDebug: return "debug";
-    case Level::kInfo: return "info";
-    case Level::kWarn: return "warn";
-    case Level::kError: return "error";
-    case Level::kCritical: return "critical";
-    case Level::kOff: return "off";
+    case Level::kTrace:
+      return "trace";
+    case Level::kDebug:
+      return "debug";
+    case Level::kInfo:
+      return "info";
+    case Level::kWarn:
+      return "warn";
+    case Level::kError:
+      return "error";
+    case Level::kCritical:
+      return "critical";
+    case Level::kOff:
+      return "off";
   }
   return "unknown";
 }
@@ -114,9 +127,7 @@ Status Init(const Options& options) {
 
 void SetLevel(Level level) { g_level.store(level, std::memory_order_relaxed); }
 Level GetLevel() { return g_level.load(std::memory_order_relaxed); }
-bool Enabled(Level level) {
-  return level != Level::kOff && level >= g_level.load(std::memory_order_relaxed);
-}
+bool Enabled(Level level) { return level != Level::kOff && level >= g_level.load(std::memory_order_relaxed); }
 
 void Flush() { Logger()->flush(); }
 

@@ -49,10 +49,9 @@ void Write(Level level, const char* file, int line, std::string_view message);
 
 }  // namespace orbitkv::log
 
-#define ORBITKV_LOG(level, ...)                                                                   \
-  do {                                                                                            \
-    if (::orbitkv::log::Enabled(level))                                                           \
-      ::orbitkv::log::Write(level, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__));               \
+#define ORBITKV_LOG(level, ...)                                                                                       \
+  do {                                                                                                                \
+    if (::orbitkv::log::Enabled(level)) ::orbitkv::log::Write(level, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__)); \
   } while (false)
 
 #define ORBITKV_LOG_TRACE(...) ORBITKV_LOG(::orbitkv::log::Level::kTrace, __VA_ARGS__)

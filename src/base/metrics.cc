@@ -132,10 +132,9 @@ MetricsRegistry::Family& MetricsRegistry::FamilyFor(std::string_view name, std::
   ORBITKV_CHECK_MSG(IsValidMetricName(name), "invalid metric name '{}'", name);
   std::sort(labels.begin(), labels.end());
   for (size_t i = 0; i < labels.size(); ++i) {
-    ORBITKV_CHECK_MSG(IsValidLabelName(labels[i].first), "metric '{}': invalid label name '{}'", name,
+    ORBITKV_CHECK_MSG(IsValidLabelName(labels[i].first), "metric '{}': invalid label name '{}'", name, labels[i].first);
+    ORBITKV_CHECK_MSG(i == 0 || labels[i].first != labels[i - 1].first, "metric '{}': duplicate label '{}'", name,
                       labels[i].first);
-    ORBITKV_CHECK_MSG(i == 0 || labels[i].first != labels[i - 1].first, "metric '{}': duplicate label '{}'",
-                      name, labels[i].first);
     ORBITKV_CHECK_MSG(type != Type::kHistogram || labels[i].first != "le",
                       "metric '{}': histogram label 'le' is reserved", name);
   }
@@ -163,8 +162,8 @@ Gauge& MetricsRegistry::GetGauge(std::string_view name, std::string_view help, M
   return *slot;
 }
 
-Histogram& MetricsRegistry::GetHistogram(std::string_view name, std::string_view help,
-                                         std::vector<double> upper_bounds, MetricLabels labels) {
+Histogram& MetricsRegistry::GetHistogram(std::string_view name, std::string_view help, std::vector<double> upper_bounds,
+                                         MetricLabels labels) {
   MutexLock lock(&mu_);
   Family& family = FamilyFor(name, help, Type::kHistogram, labels);
   if (family.histograms.empty()) {

@@ -126,8 +126,7 @@ class MetricsRegistry {
     std::map<MetricLabels, std::unique_ptr<Histogram>> histograms;
   };
 
-  Family& FamilyFor(std::string_view name, std::string_view help, Type type, MetricLabels& labels)
-      REQUIRES(mu_);
+  Family& FamilyFor(std::string_view name, std::string_view help, Type type, MetricLabels& labels) REQUIRES(mu_);
 
   mutable Mutex mu_;
   // Guarded by mu_.

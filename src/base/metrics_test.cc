@@ -6,7 +6,6 @@
 #include <atomic>
 #include <cmath>
 
-
 namespace orbitkv {
 namespace {
 
@@ -119,7 +118,7 @@ struct Figures {
     v.Counter("", 7, {"c_rejected_total", "Refused", "reason", "stale"});
     v.Counter("", 2, {"c_rejected_total", "Refused", "reason", "busy"});
     v.Real("uptime_s", 1.26, 1, {});  // JSON only
-    v.Text("state", "up \"now\"");      // JSON only
+    v.Text("state", "up \"now\"");    // JSON only
   }
 };
 
@@ -136,7 +135,8 @@ TEST(MetricsTest, CollectedFiguresRenderSortedAmongRegisteredOnesUntilTheirHandl
     EXPECT_THAT(text, ::testing::HasSubstr("# HELP b_served_total Requests served\n# TYPE b_served_total counter\n"
                                            "b_served_total 5\n"));
     EXPECT_THAT(text, ::testing::HasSubstr("# TYPE d_open gauge\nd_open -2\n"));
-    EXPECT_THAT(text, ::testing::HasSubstr("c_rejected_total{reason=\"busy\"} 2\nc_rejected_total{reason=\"stale\"} 7\n"));
+    EXPECT_THAT(text,
+                ::testing::HasSubstr("c_rejected_total{reason=\"busy\"} 2\nc_rejected_total{reason=\"stale\"} 7\n"));
     EXPECT_EQ(text.find("uptime"), std::string::npos);  // no metric named: JSON only
     EXPECT_LT(text.find("a_total"), text.find("b_served_total"));
     EXPECT_LT(text.find("c_rejected_total"), text.find("d_open"));

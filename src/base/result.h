@@ -21,15 +21,15 @@ class [[nodiscard]] Result {
 
  public:
   // Implicit so that `return value;` and `return Status::NotFound(...)` both read naturally.
-  Result(const T& value) : rep_(std::in_place_index<1>, value) {}  // NOLINT(google-explicit-constructor)
-  Result(T&& value) : rep_(std::in_place_index<1>, std::move(value)) {}  // NOLINT
+  Result(const T& value) : rep_(std::in_place_index<1>, value) {}            // NOLINT(google-explicit-constructor)
+  Result(T&& value) : rep_(std::in_place_index<1>, std::move(value)) {}      // NOLINT
   Result(Status status) : rep_(std::in_place_index<0>, std::move(status)) {  // NOLINT
     ORBITKV_CHECK_MSG(!std::get<0>(rep_).ok(), "Result constructed from an OK Status without a value");
   }
   template <typename U>
-    requires(std::is_constructible_v<T, U&&> && !std::is_same_v<std::decay_t<U>, T> &&
-             !std::is_same_v<std::decay_t<U>, Status> && !std::is_same_v<std::decay_t<U>, Result>)
-  Result(U&& value) : rep_(std::in_place_index<1>, T(std::forward<U>(value))) {}  // NOLINT
+  requires(std::is_constructible_v<T, U&&> && !std::is_same_v<std::decay_t<U>, T> &&
+           !std::is_same_v<std::decay_t<U>, Status> && !std::is_same_v<std::decay_t<U>, Result>) Result(U&& value)
+      : rep_(std::in_place_index<1>, T(std::forward<U>(value))) {}  // NOLINT
 
   bool ok() const { return rep_.index() == 1; }
 
@@ -84,8 +84,8 @@ Status ToStatus(const Result<T>& r) {
   ORBITKV_ASSIGN_OR_RETURN_IMPL_(ORBITKV_CONCAT_(orbitkv_result_, __COUNTER__), lhs, expr)
 // NOLINTBEGIN(bugprone-macro-parentheses): lhs may be a declaration ("auto x"), which parentheses would break.
 #define ORBITKV_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
-  auto tmp = (expr);                                  \
-  if (!tmp.ok()) return tmp.status();                 \
+  auto tmp = (expr);                                   \
+  if (!tmp.ok()) return tmp.status();                  \
   lhs = std::move(tmp).value()
 // NOLINTEND(bugprone-macro-parentheses)
 

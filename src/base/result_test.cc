@@ -67,7 +67,12 @@ TEST(ResultDeathTest, ValueOfErrorCrashesWithStatus) {
 }
 
 TEST(ResultDeathTest, OkStatusWithoutValueCrashes) {
-  EXPECT_DEATH({ Result<int> r = Status::Ok(); (void)r; }, "OK Status without a value");
+  EXPECT_DEATH(
+      {
+        Result<int> r = Status::Ok();
+        (void)r;
+      },
+      "OK Status without a value");
 }
 
 }  // namespace

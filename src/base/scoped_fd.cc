@@ -29,25 +29,44 @@ Result<ScopedFd> ScopedFd::Duplicate() const {
 Status ErrnoStatus(std::string_view what, int err) {
   StatusCode code = StatusCode::kInternal;
   switch (err) {
-    case ENOENT: code = StatusCode::kNotFound; break;
-    case EEXIST: code = StatusCode::kAlreadyExists; break;
+    case ENOENT:
+      code = StatusCode::kNotFound;
+      break;
+    case EEXIST:
+      code = StatusCode::kAlreadyExists;
+      break;
     case EACCES:
-    case EPERM: code = StatusCode::kPermissionDenied; break;
+    case EPERM:
+      code = StatusCode::kPermissionDenied;
+      break;
     case EINVAL:
-    case EBADF: code = StatusCode::kInvalidArgument; break;
+    case EBADF:
+      code = StatusCode::kInvalidArgument;
+      break;
     case ENOSPC:
     case ENOMEM:
     case EMFILE:
     case ENFILE:
-    case EAGAIN: code = StatusCode::kResourceExhausted; break;
-    case ETIMEDOUT: code = StatusCode::kDeadlineExceeded; break;
+    case EAGAIN:
+      code = StatusCode::kResourceExhausted;
+      break;
+    case ETIMEDOUT:
+      code = StatusCode::kDeadlineExceeded;
+      break;
     case ECONNREFUSED:
     case ECONNRESET:
     case EPIPE:
-    case ENOTCONN: code = StatusCode::kUnavailable; break;
-    case EIO: code = StatusCode::kDataLoss; break;
-    case ECANCELED: code = StatusCode::kCancelled; break;
-    default: break;
+    case ENOTCONN:
+      code = StatusCode::kUnavailable;
+      break;
+    case EIO:
+      code = StatusCode::kDataLoss;
+      break;
+    case ECANCELED:
+      code = StatusCode::kCancelled;
+      break;
+    default:
+      break;
   }
   char buf[128];
   // GNU strerror_r returns the message pointer (possibly not buf).

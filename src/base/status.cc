@@ -6,9 +6,9 @@ namespace orbitkv {
 namespace {
 
 constexpr std::array<std::string_view, kMaxStatusCode + 1> kCodeNames = {
-    "OK",        "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
-    "NOT_FOUND", "ALREADY_EXISTS",    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-    "ABORTED",   "OUT_OF_RANGE",      "UNIMPLEMENTED",    "INTERNAL",         "UNAVAILABLE",
+    "OK",        "CANCELLED",       "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+    "NOT_FOUND", "ALREADY_EXISTS",  "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED",   "OUT_OF_RANGE",    "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
     "DATA_LOSS", "UNAUTHENTICATED",
 };
 
@@ -16,10 +16,14 @@ constexpr std::array<std::string_view, kMaxStatusCode + 1> kCodeNames = {
 
 std::string_view StatusReasonName(StatusReason reason) {
   switch (reason) {
-    case StatusReason::kNone: return "none";
-    case StatusReason::kEtcd: return "etcd";
-    case StatusReason::kPeerProtocolVersion: return "peer-protocol-version";
-    case StatusReason::kViewIncomplete: return "view-incomplete";
+    case StatusReason::kNone:
+      return "none";
+    case StatusReason::kEtcd:
+      return "etcd";
+    case StatusReason::kPeerProtocolVersion:
+      return "peer-protocol-version";
+    case StatusReason::kViewIncomplete:
+      return "view-incomplete";
   }
   return "unknown";
 }
@@ -38,8 +42,7 @@ Status::Status(StatusCode code, std::string_view message) {
   if (code != StatusCode::kOk) rep_ = std::make_unique<Rep>(Rep{code, std::string(message)});
 }
 
-Status::Status(const Status& other)
-    : rep_(other.rep_ ? std::make_unique<Rep>(*other.rep_) : nullptr) {}
+Status::Status(const Status& other) : rep_(other.rep_ ? std::make_unique<Rep>(*other.rep_) : nullptr) {}
 
 Status& Status::operator=(const Status& other) {
   if (this != &other) rep_ = other.rep_ ? std::make_unique<Rep>(*other.rep_) : nullptr;

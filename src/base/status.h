@@ -133,10 +133,10 @@ std::ostream& operator<<(std::ostream& os, StatusCode code);
 
 // Evaluates an expression yielding Status (or Result<T>) and returns its Status from the calling function when
 // it is not OK.
-#define ORBITKV_RETURN_IF_ERROR(expr)                                            \
-  do {                                                                           \
-    ::orbitkv::Status orbitkv_status_ = ::orbitkv::internal::ToStatus((expr));   \
-    if (!orbitkv_status_.ok()) return orbitkv_status_;                           \
+#define ORBITKV_RETURN_IF_ERROR(expr)                                          \
+  do {                                                                         \
+    ::orbitkv::Status orbitkv_status_ = ::orbitkv::internal::ToStatus((expr)); \
+    if (!orbitkv_status_.ok()) return orbitkv_status_;                         \
   } while (false)
 
 namespace orbitkv::internal {

@@ -26,8 +26,8 @@ TEST(StreamCopyTest, CopiesExactlyAtEveryAlignmentAndLength) {
           for (size_t i = 0; i < dest.size(); ++i) {
             const bool inside = i >= kGuard + dst_shift && i < kGuard + dst_shift + n;
             const uint8_t want = inside ? source[i - kGuard - dst_shift + src_shift] : 0xEE;
-            ASSERT_EQ(dest[i], want) << "byte " << i << " of a " << n << "-byte copy, source +"
-                                     << src_shift << ", destination +" << dst_shift
+            ASSERT_EQ(dest[i], want) << "byte " << i << " of a " << n << "-byte copy, source +" << src_shift
+                                     << ", destination +" << dst_shift
                                      << (stores == CopyStores::kStreaming ? ", streamed" : "");
           }
         }

@@ -14,8 +14,7 @@ namespace orbitkv::testing {
 
 class TempDir {
  public:
-  explicit TempDir(const std::string& parent = "/var/tmp",
-                   const std::string& prefix = "orbitkv_test") {
+  explicit TempDir(const std::string& parent = "/var/tmp", const std::string& prefix = "orbitkv_test") {
     std::string pattern = parent + "/" + prefix + ".XXXXXX";
     if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
   }

@@ -19,8 +19,7 @@ TEST(Xxh3Test, EqualsThePlainHashAtEveryLengthAndAlignment) {
   for (auto& b : data) b = static_cast<uint8_t>(rng());
   std::vector<size_t> lengths;
   for (size_t n = 0; n <= 2100; ++n) lengths.push_back(n);
-  for (size_t n : {4095u, 4096u, 65536u, 1u << 20, (1u << 20) + 17, 2359296u, 3u << 20})
-    lengths.push_back(n);
+  for (size_t n : {4095u, 4096u, 65536u, 1u << 20, (1u << 20) + 17, 2359296u, 3u << 20}) lengths.push_back(n);
   for (size_t offset : {0u, 1u, 13u, 64u}) {
     for (size_t n : lengths) {
       ASSERT_EQ(Xxh3(data.data() + offset, n), XXH3_64bits(data.data() + offset, n))
@@ -54,8 +53,7 @@ TEST(Xxh3Test, ConcurrentFirstCallsAgree) {
   const uint64_t want = XXH3_64bits(data.data(), data.size());
   std::vector<uint64_t> got(4);
   std::vector<std::thread> threads;
-  for (size_t t = 0; t < got.size(); ++t)
-    threads.emplace_back([&, t] { got[t] = Xxh3(data.data(), data.size()); });
+  for (size_t t = 0; t < got.size(); ++t) threads.emplace_back([&, t] { got[t] = Xxh3(data.data(), data.size()); });
   for (auto& t : threads) t.join();
   for (uint64_t h : got) EXPECT_EQ(h, want);
 }

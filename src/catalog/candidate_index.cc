@@ -95,8 +95,8 @@ size_t CandidateIndex::KnownPrefix(std::span<const state::StateKey> keys) {
   return known;
 }
 
-void CandidateIndex::Remove(const state::StateKey& key, const std::string& owner_node,
-                            const std::string& runtime_uuid, uint64_t generation, uint64_t sequence) {
+void CandidateIndex::Remove(const state::StateKey& key, const std::string& owner_node, const std::string& runtime_uuid,
+                            uint64_t generation, uint64_t sequence) {
   MutexLock lock(&mu_);
   auto it = by_key_.find(key);
   if (it == by_key_.end()) return;

@@ -28,8 +28,8 @@ Result<std::vector<CatalogRecord>> FromProto(const Repeated& records) {
         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(r.key().data()), r.key().size()));
     if (!key.ok()) return key.status().WithContext("a catalog record's key");
     if (r.tier() == 0 || r.tier() > 255) return Status::InvalidArgument("a catalog record's tier is out of range");
-    out.push_back(CatalogRecord{*key, static_cast<uint8_t>(r.tier()), r.present(), r.version(), r.generation(),
-                                r.bytes()});
+    out.push_back(
+        CatalogRecord{*key, static_cast<uint8_t>(r.tier()), r.present(), r.version(), r.generation(), r.bytes()});
   }
   return out;
 }
@@ -165,8 +165,8 @@ std::shared_ptr<peer::v1::Peer::Stub> GrpcRequesterTransport::StubFor(const std:
 }
 
 Result<std::vector<LookupRow>> GrpcRequesterTransport::Lookup(const std::string& host,
-                                                           std::span<const state::StateKey> keys, Deadline deadline,
-                                                           CallCancel* cancel) {
+                                                              std::span<const state::StateKey> keys, Deadline deadline,
+                                                              CallCancel* cancel) {
   ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members_->Find(host));
   if (member.record.endpoint.empty()) {
     return Status::Unavailable(fmt::format("catalog host '{}' has no peer endpoint", host));
@@ -248,11 +248,11 @@ Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response) {
     }
     grant.blocks.push_back({b.region(), b.offset(), b.bytes()});
   }
-  if (grant.outcome == SourceOutcome::kGranted && (grant.blocks.size() != grant.granted || grant.granted == 0 ||
-                                                   grant.grant_id == 0 ||
-                                                   grant.grant_secret.size() != kGrantSecretBytes)) {
-    return Status::InvalidArgument(fmt::format("a grant of {} blocks carries {} ranges (grant id {:x})",
-                                               grant.granted, grant.blocks.size(), grant.grant_id));
+  if (grant.outcome == SourceOutcome::kGranted &&
+      (grant.blocks.size() != grant.granted || grant.granted == 0 || grant.grant_id == 0 ||
+       grant.grant_secret.size() != kGrantSecretBytes)) {
+    return Status::InvalidArgument(fmt::format("a grant of {} blocks carries {} ranges (grant id {:x})", grant.granted,
+                                               grant.blocks.size(), grant.grant_id));
   }
   reply.ucx_address = response.ucx_address();
   return reply;
@@ -312,9 +312,9 @@ Result<SourceReply> GrpcRequesterTransport::Authorize(const std::string& node, c
 }
 
 Result<std::map<std::string, cluster::OwnerProgress>> GrpcRequesterTransport::ShardStatus(const std::string& node,
-                                                                                         uint32_t shard,
-                                                                                         int64_t generation,
-                                                                                         Deadline deadline) {
+                                                                                          uint32_t shard,
+                                                                                          int64_t generation,
+                                                                                          Deadline deadline) {
   ORBITKV_ASSIGN_OR_RETURN(cluster::Member member, members_->Find(node));
   peer::v1::CatalogStatusRequest request;
   *request.mutable_route() = MakeRoute(self_.Get(), member.record);
@@ -332,9 +332,8 @@ Result<std::map<std::string, cluster::OwnerProgress>> GrpcRequesterTransport::Sh
   return owners;
 }
 
-Result<bool> GrpcRequesterTransport::Release(const std::string& node, const std::string& runtime,
-                                             uint64_t request_id, uint64_t grant_id,
-                                             const std::string& grant_secret, Deadline deadline) {
+Result<bool> GrpcRequesterTransport::Release(const std::string& node, const std::string& runtime, uint64_t request_id,
+                                             uint64_t grant_id, const std::string& grant_secret, Deadline deadline) {
   Result<cluster::Member> member = CurrentStart(*members_, node, runtime);
   if (!member.ok() && grant_id != 0) {
     MutexLock lock(&mu_);

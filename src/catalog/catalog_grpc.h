@@ -18,8 +18,8 @@
 #include "catalog/catalog_store.h"
 #include "catalog/discovery.h"
 #include "catalog/owner_streamer.h"
-#include "catalog/remote_plan.h"
 #include "catalog/peer_grpc.h"
+#include "catalog/remote_plan.h"
 #include "catalog/route.h"
 #include "cluster/placement_reconciler.h"
 
@@ -38,8 +38,7 @@ class GrpcCatalogTransport final : public CatalogTransport {
   // `local` (may be null) is this Manager's store, for the shards it hosts itself.
   GrpcCatalogTransport(PeerIdentity self, const cluster::MemberView* members,
                        std::shared_ptr<grpc::ChannelCredentials> credentials, CatalogStore* local);
-  Result<CatalogReply> Deliver(const std::string& catalog_node, const CatalogMessage& message) override
-      EXCLUDES(mu_);
+  Result<CatalogReply> Deliver(const std::string& catalog_node, const CatalogMessage& message) override EXCLUDES(mu_);
   // Bytes of the requests sent to other Managers so far (the catalog's metadata traffic).
   uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
 
@@ -75,7 +74,7 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
   // What the copy of `shard` on catalog host `node` holds, owner by owner (Peer.CatalogStatus: the
   // placement reconciler's view of the copies). Unavailable when `node` is not in the member view.
   Result<std::map<std::string, cluster::OwnerProgress>> ShardStatus(const std::string& node, uint32_t shard,
-                                                                   int64_t generation, Deadline deadline) override;
+                                                                    int64_t generation, Deadline deadline) override;
   // This Manager registered again: requests name its new start.
   void SetSelf(PeerIdentity self) { self_.Set(std::move(self)); }
   // Lookup RPCs sent.

@@ -48,7 +48,7 @@ struct StreamId {
 
 struct DeltaBatch {
   StreamId stream;
-  uint64_t first_sequence = 0;  // == records.front().version
+  uint64_t first_sequence = 0;         // == records.front().version
   std::vector<CatalogRecord> records;  // contiguous sequences
   // How long before sending the owner applied the oldest record (its update lag so far, on its own clock).
   uint64_t oldest_age_us = 0;
@@ -56,9 +56,9 @@ struct DeltaBatch {
 
 struct SnapshotBegin {
   StreamId stream;
-  uint64_t snapshot_id = 0;        // the owner's, unique per stream
-  uint64_t start_watermark = 0;    // w0: the interval is (w0, w1]
-  uint64_t expected_records = 0;   // the owner's current view size (a reservation hint)
+  uint64_t snapshot_id = 0;       // the owner's, unique per stream
+  uint64_t start_watermark = 0;   // w0: the interval is (w0, w1]
+  uint64_t expected_records = 0;  // the owner's current view size (a reservation hint)
 };
 
 struct SnapshotPage {

@@ -64,9 +64,8 @@ std::optional<CatalogReply> CatalogStore::StaleStart(const Slice& slice, const S
   if (slice.owner_runtime.empty()) return std::nullopt;  // a new slice
   // Epochs come from the owner's registrations (each one higher); 0 is an owner that names none: then a new
   // runtime is taken as a new start.
-  if (stream.owner_epoch < slice.owner_epoch ||
-      (stream.owner_epoch == slice.owner_epoch && stream.owner_epoch != 0 &&
-       stream.owner_runtime != slice.owner_runtime)) {
+  if (stream.owner_epoch < slice.owner_epoch || (stream.owner_epoch == slice.owner_epoch && stream.owner_epoch != 0 &&
+                                                 stream.owner_runtime != slice.owner_runtime)) {
     return Reply(CatalogReply::Kind::kRefused, 0,
                  fmt::format("owner '{}' start {} (epoch {}) is older than the one this slice holds ({}, epoch {}): "
                              "a slice never moves to an older start",
@@ -83,8 +82,8 @@ std::optional<CatalogReply> CatalogStore::ForeignKey(const StreamId& stream,
     const uint32_t shard = state::ShardOf(r.key, options_.num_shards);
     if (shard != stream.shard) {
       return Reply(CatalogReply::Kind::kRefused, 0,
-                   fmt::format("a key of shard {} on shard {}'s stream (owner '{}'): refused with its message",
-                               shard, stream.shard, stream.owner_node));
+                   fmt::format("a key of shard {} on shard {}'s stream (owner '{}'): refused with its message", shard,
+                               stream.shard, stream.owner_node));
     }
   }
   return std::nullopt;
@@ -263,8 +262,7 @@ CatalogStore::Slice* CatalogStore::FindBuilding(const StreamId& stream, uint64_t
 std::optional<CatalogReply> CatalogStore::AddToBuilding(Slice& slice, const std::vector<CatalogRecord>& records) {
   Building& building = *slice.building;
   const uint64_t before = BuildingCharge(building);
-  const uint64_t worst =
-      std::max<uint64_t>(building.reserved, (building.view.size() + records.size()) * EntryCharge());
+  const uint64_t worst = std::max<uint64_t>(building.reserved, (building.view.size() + records.size()) * EntryCharge());
   if (used_ - before + worst > options_.budget_bytes) {
     AbortBuilding(slice);
     return Reply(CatalogReply::Kind::kRetryLater, slice.applied,
@@ -390,8 +388,7 @@ CatalogStore::LiveOwners CatalogStore::ReadLiveOwners() const {
 
 bool CatalogStore::ShardComplete(uint32_t shard, const LiveOwners& live) const {
   if (!options_.live_owners) {
-    for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard;
-         ++it) {
+    for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard; ++it) {
       if (!it->second.baseline || it->second.building) return false;
     }
     return true;
@@ -451,7 +448,7 @@ std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string&
 }
 
 std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const state::StateKey& key, bool* complete,
-                                                      std::string_view requester, size_t max_holders) const {
+                                                       std::string_view requester, size_t max_holders) const {
   // Every holder, by tier, each tier in owner-node order (the slices' order); only the chosen ones are copied.
   struct Found {
     const std::string* node;
@@ -462,12 +459,11 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
   MutexLock lock(&mu_);
   std::vector<Found> found;
   if (complete != nullptr) *complete = ShardComplete(shard, ReadLiveOwners());
-  for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard;
-       ++it) {
+  for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard; ++it) {
     const Slice& slice = it->second;
     if (!slice.baseline) continue;
-    for (auto entry = slice.view.lower_bound(EntryKey{key, 0});
-         entry != slice.view.end() && entry->first.key == key; ++entry) {
+    for (auto entry = slice.view.lower_bound(EntryKey{key, 0}); entry != slice.view.end() && entry->first.key == key;
+         ++entry) {
       found.push_back(Found{&it->first.second, &slice, entry->first.tier, &entry->second});
     }
   }
@@ -487,9 +483,9 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
     const size_t count = end - first;
     for (size_t i = 0; i < count && holders.size() < max_holders; ++i) {
       const Found& f = found[first + (start + i) % count];
-      holders.push_back(Holder{*f.node, f.slice->owner_runtime,
-                               CatalogRecord{key, f.tier, true, f.entry->version, f.entry->generation,
-                                             f.entry->bytes}});
+      holders.push_back(
+          Holder{*f.node, f.slice->owner_runtime,
+                 CatalogRecord{key, f.tier, true, f.entry->version, f.entry->generation, f.entry->bytes}});
     }
     first = end;
   }

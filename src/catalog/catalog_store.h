@@ -83,9 +83,9 @@ class CatalogStore {
 
   struct ShardStatus {
     uint32_t shard = 0;
-    size_t owners = 0;     // slices with an installed baseline
-    size_t records = 0;    // present residences over those slices
-    uint64_t bytes = 0;    // charged for the shard (views, views being built, reservations)
+    size_t owners = 0;   // slices with an installed baseline
+    size_t records = 0;  // present residences over those slices
+    uint64_t bytes = 0;  // charged for the shard (views, views being built, reservations)
     // Every live owner's stream (options.live_owners; without it every known slice) has a baseline here and
     // no snapshot pending: only then is a miss in this shard an answer.
     bool complete = true;
@@ -146,9 +146,9 @@ class CatalogStore {
   struct Building {
     uint64_t id = 0;
     uint64_t start = 0;
-    uint64_t reserved = 0;  // bytes reserved at Begin
+    uint64_t reserved = 0;       // bytes reserved at Begin
     uint64_t interval_next = 0;  // the next interval sequence expected (start + 1 at Begin)
-    View view;              // with deletion evidence (present == false)
+    View view;                   // with deletion evidence (present == false)
   };
   struct Slice {
     std::string owner_runtime;
@@ -183,8 +183,7 @@ class CatalogStore {
   // The slice whose snapshot `snapshot_id` of `stream` is being built, or null.
   Slice* FindBuilding(const StreamId& stream, uint64_t snapshot_id) REQUIRES(mu_);
   // Applies snapshot records to the slice's private view within the budget; a reply when it aborted.
-  std::optional<CatalogReply> AddToBuilding(Slice& slice, const std::vector<CatalogRecord>& records)
-      REQUIRES(mu_);
+  std::optional<CatalogReply> AddToBuilding(Slice& slice, const std::vector<CatalogRecord>& records) REQUIRES(mu_);
   void AbortBuilding(Slice& slice) REQUIRES(mu_);
   // Drops (and uncharges) every slice `drop` picks; returns how many.
   size_t DropSlicesWhere(const std::function<bool(const SliceKey&, const Slice&)>& drop) REQUIRES(mu_);

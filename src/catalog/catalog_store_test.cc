@@ -270,7 +270,7 @@ TEST(CatalogStoreTest, AReplayedBeginOfAnInstalledSnapshotBuildsAndChargesNothin
   CatalogReply replay = store.Begin({Stream(), 1, 0, 1000});  // snapshot 1's Begin again, duplicated late
   EXPECT_EQ(replay.kind, Kind::kAck);
   EXPECT_EQ(store.used_bytes(), used);
-  EXPECT_TRUE(store.Status()[0].complete);  // no build in progress
+  EXPECT_TRUE(store.Status()[0].complete);                         // no build in progress
   EXPECT_EQ(store.End({Stream(), 1, 3, {}}).kind, Kind::kResync);  // and its End finds nothing to install
   EXPECT_EQ(store.Dump(3, "node-a").size(), 3u);
   // A newer snapshot's Begin, then a replay of an older one while it builds: the build goes on.
@@ -343,9 +343,10 @@ TEST(CatalogStoreTest, LookupNamesEveryOwnerHoldingAKeyInEachTier) {
   CatalogStore store({kIncarnation});
   Baseline(store, 3, Stream("node-a", "run-1"));
   Baseline(store, 2, Stream("node-b", "run-2"));
-  ASSERT_EQ(store.Apply({Stream("node-b", "run-2"), 3, {CatalogRecord{core::testing::ChainKey(7, 0), 2, true, 3, 5, 4096}}})
-                .kind,
-            Kind::kAck);  // node-b also holds key 0 on SSD
+  ASSERT_EQ(
+      store.Apply({Stream("node-b", "run-2"), 3, {CatalogRecord{core::testing::ChainKey(7, 0), 2, true, 3, 5, 4096}}})
+          .kind,
+      Kind::kAck);  // node-b also holds key 0 on SSD
   bool complete = false;
   auto holders = store.Lookup(3, core::testing::ChainKey(7, 0), &complete);
   EXPECT_TRUE(complete);

@@ -117,11 +117,11 @@ class Discovery::Run {
     state::StateKey key;
     std::string shard;  // names the key's shard (its number with shard_of, else its first copy in placement order)
     std::vector<std::string> copies;  // in the order to ask them
-    size_t next = 0;        // the copy to ask next
-    size_t asked = 0;       // calls that asked for it so far
-    int in_flight = 0;      // calls asking for it now
-    bool resolved = false;  // holders learnt, or a complete copy's miss
-    bool hedge = false;     // its call is slow: ask its next copy beside it
+    size_t next = 0;                  // the copy to ask next
+    size_t asked = 0;                 // calls that asked for it so far
+    int in_flight = 0;                // calls asking for it now
+    bool resolved = false;            // holders learnt, or a complete copy's miss
+    bool hedge = false;               // its call is slow: ask its next copy beside it
   };
 
   Run(Discovery* discovery, Deadline deadline, std::vector<Key> keys)
@@ -144,10 +144,10 @@ class Discovery::Run {
     std::vector<size_t> keys;  // indexes into keys_, in key order
     bool has_later = false;    // some key has a later copy: the per-copy deadline applies, and hedging
     bool is_hedge = false;     // launched as a hedge: not counted against max_hosts
-    MonoTime rpc_started;    // guarded by mu_: when its RPC in flight was sent (hedges count from there)
-    bool hedged = false;     // guarded by mu_: its keys' next copies were asked beside it
-    bool timed_out = false;  // guarded by mu_: still out when the budget ran out (cancelled, and it counts as failed)
-    bool done = false;       // guarded by mu_
+    MonoTime rpc_started;      // guarded by mu_: when its RPC in flight was sent (hedges count from there)
+    bool hedged = false;       // guarded by mu_: its keys' next copies were asked beside it
+    bool timed_out = false;    // guarded by mu_: still out when the budget ran out (cancelled, and it counts as failed)
+    bool done = false;         // guarded by mu_
     CallCancel cancel;
     std::thread thread;
   };
@@ -205,7 +205,7 @@ void Discovery::Run::Start(std::string host, std::vector<size_t> keys, bool is_h
 
 bool Discovery::Run::Launch(MonoTime now) {
   std::map<std::string, std::vector<size_t>> primary, hedge;  // host -> keys, in key order
-  bool open = false;  // some key is being asked or can still be asked
+  bool open = false;                                          // some key is being asked or can still be asked
   for (size_t i = 0; i < keys_.size(); ++i) {
     Key& k = keys_[i];
     if (k.resolved) continue;
@@ -349,7 +349,7 @@ void Discovery::Run::Ask(Call* call) {
         key.resolved = true;
       } else if (row.complete) {
         key.resolved = true;  // a complete copy's miss is authoritative
-      }  // else a miss from an incomplete copy proves nothing: its next copy is asked
+      }                       // else a miss from an incomplete copy proves nothing: its next copy is asked
       --key.in_flight;
       auto [it, fresh] = complete.emplace(key.shard, row.complete);
       if (!fresh) it->second = it->second && row.complete;
@@ -362,7 +362,6 @@ void Discovery::Run::Ask(Call* call) {
   if (!call->is_hedge) --primaries_running_;
   wake_.notify_all();
 }
-
 
 Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
   Outcome outcome;

@@ -25,11 +25,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
-#include <memory>
-#include <unordered_map>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "base/clock.h"
@@ -107,25 +107,25 @@ class Discovery {
     std::function<MonoTime()> now = [] { return MonoNow(); };
   };
   struct Outcome {
-    size_t rpcs = 0;           // Lookup RPCs sent
-    size_t known_prefix = 0;   // keys, from the first, with candidates now
+    size_t rpcs = 0;                         // Lookup RPCs sent
+    size_t known_prefix = 0;                 // keys, from the first, with candidates now
     std::vector<std::string> skipped_hosts;  // breakers open: not asked
     std::vector<std::string> failed_hosts;   // asked, failed or too slow: breakers opened
     std::vector<std::string> refused_hosts;  // answered with a route refusal (IsRouteRefusal): no breaker
-    size_t failovers = 0;  // shards whose keys went to another copy after one failed, was slow or incomplete
-    size_t hedges = 0;     // calls that were slow and had their keys' next copies asked beside them
+    size_t failovers = 0;    // shards whose keys went to another copy after one failed, was slow or incomplete
+    size_t hedges = 0;       // calls that were slow and had their keys' next copies asked beside them
     bool coalesced = false;  // answered by another caller's lookup of the same prefix
   };
 
   // Totals since construction, for status and metrics.
   struct Stats {
     uint64_t rpcs = 0;
-    uint64_t skipped_hosts = 0;  // hosts not asked because their breaker was open
-    uint64_t failed_hosts = 0;   // hosts that failed or were too slow (breaker opened)
-    uint64_t refused_hosts = 0;  // hosts that refused by their route check (membership skew): no breaker
-    uint64_t failovers = 0;      // shard lookups that moved on to another copy
-    uint64_t hedges = 0;         // slow calls hedged (their keys' next copies asked beside them)
-    uint64_t coalesced = 0;      // discoveries answered by another caller's lookup
+    uint64_t skipped_hosts = 0;        // hosts not asked because their breaker was open
+    uint64_t failed_hosts = 0;         // hosts that failed or were too slow (breaker opened)
+    uint64_t refused_hosts = 0;        // hosts that refused by their route check (membership skew): no breaker
+    uint64_t failovers = 0;            // shard lookups that moved on to another copy
+    uint64_t hedges = 0;               // slow calls hedged (their keys' next copies asked beside them)
+    uint64_t coalesced = 0;            // discoveries answered by another caller's lookup
     uint64_t max_hosts_in_flight = 0;  // the most hosts one discovery asked at once, hedges aside
   };
 
@@ -143,8 +143,8 @@ class Discovery {
   bool BreakerOpen(const std::string& host, MonoTime now) EXCLUDES(mu_);
   // `copies` in the order to ask them (breakers closed first, then those not overtaken by a hedge lately, then those
   // not seen incomplete lately, then the rotation).
-  std::vector<std::string> Order(std::vector<std::string> copies, const std::string& shard, uint64_t turn,
-                                 MonoTime now) EXCLUDES(mu_);
+  std::vector<std::string> Order(std::vector<std::string> copies, const std::string& shard, uint64_t turn, MonoTime now)
+      EXCLUDES(mu_);
   void Trip(const std::string& host, MonoTime now) EXCLUDES(mu_);
   // `host`'s call was overtaken by its hedge: later lookups ask it after the other copies for a while.
   void MarkSlow(const std::string& host, MonoTime now) EXCLUDES(mu_);
@@ -159,7 +159,7 @@ class Discovery {
   LookupTransport* const transport_;
   mutable Mutex mu_;
   std::map<std::string, MonoTime> open_until_ GUARDED_BY(mu_);
-  std::map<std::string, MonoTime> slow_until_ GUARDED_BY(mu_);  // overtaken by a hedge until then
+  std::map<std::string, MonoTime> slow_until_ GUARDED_BY(mu_);          // overtaken by a hedge until then
   std::map<std::string, MonoClock::duration> latency_ GUARDED_BY(mu_);  // moving average of answered RPCs
   // (host, shard) -> until when that copy counts as incomplete for the shard (its last answer
   // was; for breaker_open, so that a copy once incomplete is preferred again later and so asked again).

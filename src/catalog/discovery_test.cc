@@ -25,8 +25,8 @@ class FakeHosts final : public LookupTransport {
   std::map<std::string, Status> refuses;  // host -> the route refusal it answers with
   std::set<std::string> incomplete;       // answers rows without holders, marked incomplete
   std::set<std::string> misses;           // answers rows without holders, marked complete (authoritative)
-  std::map<std::string, int> late_ms;      // answers, this many ms late
-  std::atomic<int> cancelled{0};           // calls to a slow host its caller cancelled
+  std::map<std::string, int> late_ms;     // answers, this many ms late
+  std::atomic<int> cancelled{0};          // calls to a slow host its caller cancelled
 
   // Whether every host of `names` was asked at least once.
   bool AskedEach(std::initializer_list<const char*> names) {
@@ -107,9 +107,7 @@ Discovery::Options Options(size_t max_hosts = 4) {
   Discovery::Options options;
   options.max_hosts = max_hosts;
   options.budget = milliseconds(3000);
-  options.host_of = [](const state::StateKey& key) {
-    return "host-" + std::to_string(state::ShardOf(key, 16) % 3);
-  };
+  options.host_of = [](const state::StateKey& key) { return "host-" + std::to_string(state::ShardOf(key, 16) % 3); };
   return options;
 }
 

@@ -71,11 +71,16 @@ constexpr HoldStep Step(HoldPhase phase, HoldEvent event) {
 
 constexpr std::string_view HoldPhaseName(HoldPhase phase) {
   switch (phase) {
-    case HoldPhase::kPreparing: return "preparing";
-    case HoldPhase::kGranted: return "granted";
-    case HoldPhase::kReleasing: return "releasing";
-    case HoldPhase::kQuarantined: return "quarantined";
-    case HoldPhase::kPeerRevoked: return "peer-revoked";
+    case HoldPhase::kPreparing:
+      return "preparing";
+    case HoldPhase::kGranted:
+      return "granted";
+    case HoldPhase::kReleasing:
+      return "releasing";
+    case HoldPhase::kQuarantined:
+      return "quarantined";
+    case HoldPhase::kPeerRevoked:
+      return "peer-revoked";
   }
   return "unknown";
 }

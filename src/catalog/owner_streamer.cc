@@ -8,8 +8,8 @@
 namespace orbitkv::catalog {
 
 CatalogRecord ToCatalogRecord(const core::ResidencyRecord& record) {
-  return CatalogRecord{record.key,        static_cast<uint8_t>(record.tier), record.present, record.sequence,
-                       record.generation, record.bytes};
+  return CatalogRecord{
+      record.key, static_cast<uint8_t>(record.tier), record.present, record.sequence, record.generation, record.bytes};
 }
 
 Result<std::unique_ptr<OwnerStreamer>> OwnerStreamer::Create(Options options, core::ResidencyInventory* inventory,
@@ -180,8 +180,7 @@ bool OwnerStreamer::Snapshot() {
   };
   std::optional<core::InventoryCursor> cursor;
   for (;;) {
-    core::InventoryPage page =
-        inventory_->Scan(options_.shard, cursor ? &*cursor : nullptr, options_.page_records);
+    core::InventoryPage page = inventory_->Scan(options_.shard, cursor ? &*cursor : nullptr, options_.page_records);
     SnapshotPage message{Id(), id, {}};
     message.records.reserve(page.records.size());
     for (const core::InventoryRecord& r : page.records) {
@@ -211,9 +210,9 @@ bool OwnerStreamer::Snapshot() {
   // 4. Commit: only if nothing after w1 was dropped meanwhile (else the catalog would miss it).
   Status committed = inventory_->CommitSnapshot(options_.shard, subscriber_, w1);
   if (!committed.ok()) {
-    OnTrouble(Result<CatalogReply>(CatalogReply{CatalogReply::Kind::kResync, 0, catalog_incarnation_,
-                                                committed.ToString()}),
-              true);
+    OnTrouble(
+        Result<CatalogReply>(CatalogReply{CatalogReply::Kind::kResync, 0, catalog_incarnation_, committed.ToString()}),
+        true);
     return true;
   }
   acked_ = w1;

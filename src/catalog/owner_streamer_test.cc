@@ -7,10 +7,10 @@
 
 #include <algorithm>
 #include <deque>
-#include <tuple>
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "catalog/catalog_store.h"
 #include "core/test_util.h"
@@ -71,8 +71,7 @@ class Churn {
         inventory_->Apply(kShard, key, core::Tier::kDram, false, core::TransitionCause::kEvict, 1, 4096);
         present_.erase(k);
       } else if (present_.count(k) != 0) {
-        inventory_->Apply(kShard, key, core::Tier::kDram, true, core::TransitionCause::kReplace, ++generation_,
-                          4096);
+        inventory_->Apply(kShard, key, core::Tier::kDram, true, core::TransitionCause::kReplace, ++generation_, 4096);
       } else {
         inventory_->Apply(kShard, key, core::Tier::kDram, true, core::TransitionCause::kAdmit, ++generation_, 4096);
         present_.insert(k);

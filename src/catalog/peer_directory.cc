@@ -77,8 +77,8 @@ PeerDirectory::Peer PeerDirectory::Probe(const cluster::Member& member) {
                               response.protocol_version(), options_.protocol_version);
   } else if (status.ok() && response.runtime_uuid() != member.record.runtime_uuid) {
     peer.health = Health::kUnreachable;
-    peer.reason = fmt::format("{} answers as runtime {}, not the registered {}", peer.endpoint,
-                              response.runtime_uuid(), member.record.runtime_uuid);
+    peer.reason = fmt::format("{} answers as runtime {}, not the registered {}", peer.endpoint, response.runtime_uuid(),
+                              member.record.runtime_uuid);
   } else if (status.ok()) {
     peer.health = Health::kHealthy;
     peer.transfer_address = response.ucx_worker_address();
@@ -126,9 +126,10 @@ void PeerDirectory::ProbeAll() {
     const bool changed = before == peers_.end() || before->second.health != peer.health ||
                          before->second.runtime_uuid != peer.runtime_uuid;
     if (changed && peer.health == Health::kIncompatible) {
-      ORBITKV_LOG_WARN("manager: remote work is off: {} (local service continues; run one OrbitKV version "
-                       "across the cluster)",
-                       peer.reason);
+      ORBITKV_LOG_WARN(
+          "manager: remote work is off: {} (local service continues; run one OrbitKV version "
+          "across the cluster)",
+          peer.reason);
     } else if (changed && before != peers_.end() && before->second.health == Health::kIncompatible) {
       ORBITKV_LOG_INFO("manager: node '{}' speaks this protocol version again", node);
     }

@@ -125,8 +125,8 @@ grpc::Status PeerService::CatalogStatus(grpc::ServerContext* context, const peer
     return ToGrpc(Status::FailedPrecondition(
         fmt::format("catalog shard {} is not placed on node '{}'", shard, self_.Get().node_id)));
   }
-  const bool serves = options_.serves_generation ? options_.serves_generation(request->generation())
-                                                 : request->generation() == 1;
+  const bool serves =
+      options_.serves_generation ? options_.serves_generation(request->generation()) : request->generation() == 1;
   if (!serves) {
     return ToGrpc(Status::FailedPrecondition(fmt::format("node '{}' does not serve placement generation {} now",
                                                          self_.Get().node_id, request->generation())));
@@ -148,14 +148,14 @@ grpc::Status PeerService::Lookup(grpc::ServerContext* context, const peer::v1::L
   size_t key_bytes = 0;
   for (const std::string& key : request->keys()) key_bytes += key.size();
   if (request->keys_size() > kMaxLookupKeys || key_bytes > kMaxLookupKeyBytes) {
-    return ToGrpc(Status::InvalidArgument(fmt::format(
-        "a lookup of {} keys in {} bytes (at most {} keys and {} bytes a request)", request->keys_size(), key_bytes,
-        kMaxLookupKeys, kMaxLookupKeyBytes)));
+    return ToGrpc(
+        Status::InvalidArgument(fmt::format("a lookup of {} keys in {} bytes (at most {} keys and {} bytes a request)",
+                                            request->keys_size(), key_bytes, kMaxLookupKeys, kMaxLookupKeyBytes)));
   }
   std::map<uint32_t, bool> complete_by_shard;
   for (const std::string& bytes : request->keys()) {
-    Result<state::StateKey> key = state::StateKey::Decode(
-        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+    Result<state::StateKey> key =
+        state::StateKey::Decode(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
     if (!key.ok()) return ToGrpc(key.status().WithContext("a lookup key"));
     peer::v1::LookupRow* row = response->add_rows();
     const uint32_t shard = state::ShardOf(*key, cluster::kNumShards);
@@ -187,8 +187,8 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1
                                     peer::v1::AuthorizeResponse* response) {
   if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);
   if (options_.source == nullptr) {
-    return ToGrpc(Status::FailedPrecondition(
-        fmt::format("node '{}' serves no transfers (no UCX engine)", self_.Get().node_id)));
+    return ToGrpc(
+        Status::FailedPrecondition(fmt::format("node '{}' serves no transfers (no UCX engine)", self_.Get().node_id)));
   }
   if (options_.remote_off) {
     if (std::string why = options_.remote_off(); !why.empty()) {
@@ -204,8 +204,7 @@ grpc::Status PeerService::Authorize(grpc::ServerContext* context, const peer::v1
   args.lifetime = std::chrono::milliseconds(request->deadline_ms() == 0 ? 10000 : request->deadline_ms());
   // A pending answer held back at the source still reaches the requester inside its RPC deadline: a
   // quarter of what is left stays for the way back.
-  if (const auto left = context->deadline() - std::chrono::system_clock::now();
-      left < std::chrono::hours(1)) {
+  if (const auto left = context->deadline() - std::chrono::system_clock::now(); left < std::chrono::hours(1)) {
     args.answer_by = MonoNow() + std::chrono::duration_cast<MonoClock::duration>(left * 3 / 4);
   }
   args.blocks.reserve(static_cast<size_t>(request->blocks_size()));
@@ -240,9 +239,9 @@ grpc::Status PeerService::Release(grpc::ServerContext* context, const peer::v1::
       refused_.fetch_add(1, std::memory_order_relaxed);
       return ToGrpc(routed);
     }
-    response->set_released(options_.source != nullptr &&
-                           options_.source->ReleaseGrant(request->route().source_node_id(), request->grant_id(),
-                                                                 request->grant_secret()));
+    response->set_released(
+        options_.source != nullptr &&
+        options_.source->ReleaseGrant(request->route().source_node_id(), request->grant_id(), request->grant_secret()));
     return grpc::Status::OK;
   }
   if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);

@@ -80,9 +80,7 @@ class PeerService final : public peer::v1::Peer::Service {
   // naming other nodes than the request claims).
   uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
   uint64_t refused_certificate_without_node() const { return refused_no_node_.load(std::memory_order_relaxed); }
-  uint64_t refused_certificate_of_another_node() const {
-    return refused_other_node_.load(std::memory_order_relaxed);
-  }
+  uint64_t refused_certificate_of_another_node() const { return refused_other_node_.load(std::memory_order_relaxed); }
 
  private:
   // The checks every method runs first: the caller's certificate names the route's source node (with peer TLS),

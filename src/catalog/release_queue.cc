@@ -8,8 +8,7 @@
 
 namespace orbitkv::catalog {
 
-ReleaseQueue::ReleaseQueue(Options options, SourceTransport* inner)
-    : options_(std::move(options)), inner_(inner) {
+ReleaseQueue::ReleaseQueue(Options options, SourceTransport* inner) : options_(std::move(options)), inner_(inner) {
   for (size_t i = 0; i < std::max<size_t>(options_.workers, 1); ++i) {
     workers_.emplace_back([this] { Work(); });
   }
@@ -34,10 +33,9 @@ void ReleaseQueue::Stop() {
   }
 }
 
-Result<SourceReply> ReleaseQueue::Authorize(const std::string& node, const std::string& runtime,
-                                            uint64_t request_id, std::span<const SourceBlockVersion> blocks,
-                                            uint64_t byte_limit, std::chrono::milliseconds lifetime,
-                                            Deadline deadline) {
+Result<SourceReply> ReleaseQueue::Authorize(const std::string& node, const std::string& runtime, uint64_t request_id,
+                                            std::span<const SourceBlockVersion> blocks, uint64_t byte_limit,
+                                            std::chrono::milliseconds lifetime, Deadline deadline) {
   return inner_->Authorize(node, runtime, request_id, blocks, byte_limit, lifetime, deadline);
 }
 
@@ -46,12 +44,13 @@ Result<bool> ReleaseQueue::Release(const std::string& node, const std::string& r
   MutexLock lock(&mu_);
   if (stop_ || due_.size() + sending_ >= options_.max_queued) {
     ++stats_.dropped;
-    return Status::ResourceExhausted(fmt::format(
-        "{} grant releases are waiting already: grant {:x} at '{}' expires there instead", due_.size() + sending_,
-        grant_id, node));
+    return Status::ResourceExhausted(
+        fmt::format("{} grant releases are waiting already: grant {:x} at '{}' expires there instead",
+                    due_.size() + sending_, grant_id, node));
   }
   const MonoTime now = MonoNow();
-  due_.emplace(now, Item{node, runtime, request_id, grant_id, grant_secret, now + options_.give_up_after, options_.backoff_min});
+  due_.emplace(
+      now, Item{node, runtime, request_id, grant_id, grant_secret, now + options_.give_up_after, options_.backoff_min});
   ++stats_.queued;
   wake_.notify_one();
   return true;
@@ -92,8 +91,8 @@ void ReleaseQueue::Work() {
       busy_nodes_.insert(item.node);
       ++sending_;
     }
-    Result<bool> answer = inner_->Release(item.node, item.runtime, item.request_id, item.grant_id,
-                                          item.grant_secret, Deadline::After(options_.rpc_timeout));
+    Result<bool> answer = inner_->Release(item.node, item.runtime, item.request_id, item.grant_id, item.grant_secret,
+                                          Deadline::After(options_.rpc_timeout));
     MutexLock lock(&mu_);
     --sending_;
     busy_nodes_.erase(item.node);
@@ -104,9 +103,10 @@ void ReleaseQueue::Work() {
       ++(held ? stats_.released : stats_.not_held);
     } else if (now + item.backoff >= item.give_up) {
       ++stats_.abandoned;
-      ORBITKV_LOG_WARN("remote: releasing grant {:x} at '{}' failed until its lifetime ended ({}); the source "
-                       "revoked it at its deadline",
-                       item.grant_id, item.node, answer.status().ToString());
+      ORBITKV_LOG_WARN(
+          "remote: releasing grant {:x} at '{}' failed until its lifetime ended ({}); the source "
+          "revoked it at its deadline",
+          item.grant_id, item.node, answer.status().ToString());
     } else {
       // Jittered to 50-100 % of the backoff, which doubles up to backoff_max.
       std::uniform_int_distribution<int64_t> spread(item.backoff.count() / 2, item.backoff.count());

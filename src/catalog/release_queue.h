@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "base/clock.h"
-#include "base/stats_visitor.h"
 #include "base/mutex.h"
+#include "base/stats_visitor.h"
 #include "base/thread_annotations.h"
 #include "catalog/remote_plan.h"
 

@@ -6,8 +6,8 @@
 
 #include <gtest/gtest.h>
 
-#include <condition_variable>
 #include <algorithm>
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <set>
@@ -88,7 +88,8 @@ TEST(ReleaseQueueTest, APartitionedSourceDelaysNeitherTheCallerNorOtherSourcesAn
   EXPECT_EQ(queue.GetStats().pending, 1u);
   sources.Heal("p");
   ASSERT_TRUE(sources.WaitFor([&] { return sources.released.count(11) == 1; }));
-  for (int i = 0; i < 3000 && queue.GetStats().pending != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  for (int i = 0; i < 3000 && queue.GetStats().pending != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const ReleaseQueue::Stats stats = queue.GetStats();
   EXPECT_EQ(stats.queued, 2u);
   EXPECT_EQ(stats.released, 2u);
@@ -105,7 +106,8 @@ TEST(ReleaseQueueTest, ARestartedSourceEndsTheReleaseAndOneNeverHealedIsAbandone
   ReleaseQueue queue(options, &sources);
   ASSERT_TRUE(queue.Release("g", "rt-g", 1, 11, "secret", Deadline::Infinite()).ok());
   ASSERT_TRUE(queue.Release("p", "rt-p", 2, 22, "secret", Deadline::Infinite()).ok());
-  for (int i = 0; i < 30000 && queue.GetStats().pending != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  for (int i = 0; i < 30000 && queue.GetStats().pending != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const ReleaseQueue::Stats stats = queue.GetStats();
   EXPECT_EQ(stats.pending, 0u);
   EXPECT_EQ(stats.not_held, 1u);
@@ -122,7 +124,8 @@ TEST(ReleaseQueueTest, ManyReleasesToOneUnreachableSourceHoldOneWorkerAtMost) {
   PartitionedSources sources;
   sources.partitioned.insert("p");
   ReleaseQueue queue(Quick(), &sources);
-  for (uint64_t i = 0; i < 6; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, "secret", Deadline::Infinite()).ok());
+  for (uint64_t i = 0; i < 6; ++i)
+    ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, "secret", Deadline::Infinite()).ok());
   ASSERT_TRUE(sources.WaitFor([&] { return sources.attempts["p"] >= 3; }));
   ASSERT_TRUE(queue.Release("q", "rt-q", 9, 999, "secret", Deadline::Infinite()).ok());
   ASSERT_TRUE(sources.WaitFor([&] { return sources.released.count(999) == 1; }));
@@ -145,7 +148,8 @@ TEST(ReleaseQueueTest, PastItsBoundTheQueueRefusesAndCountsTheDrop) {
   ReleaseQueue queue(options, &sources);
   // Its figures reach /metrics through a collector, read when scraped (declared after the queue: it goes first).
   auto collector = metrics.AddCollector([&queue](StatsVisitor& v) { queue.VisitStats(v); });
-  for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, "secret", Deadline::Infinite()).ok());
+  for (uint64_t i = 0; i < 3; ++i)
+    ASSERT_TRUE(queue.Release("p", "rt-p", i, 100 + i, "secret", Deadline::Infinite()).ok());
   Result<bool> over = queue.Release("p", "rt-p", 9, 109, "secret", Deadline::Infinite());
   EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
   EXPECT_EQ(queue.GetStats().dropped, 1u);

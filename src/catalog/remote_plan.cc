@@ -72,8 +72,8 @@ std::optional<PlannedSpan> PlanSpan(std::span<const state::StateKey> keys, Candi
   return PlannedSpan{best->first.first, best->first.second, best->second.versions, best->second.bytes};
 }
 
-AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateIndex& index,
-                               SourceTransport& transport, const AuthorizeOptions& options) {
+AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateIndex& index, SourceTransport& transport,
+                               const AuthorizeOptions& options) {
   AuthorizeOutcome outcome;
   std::set<Source> excluded = options.excluded;
   for (size_t attempt = 0; attempt <= options.max_alternatives; ++attempt) {
@@ -118,8 +118,8 @@ AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateI
       }
       // The source may have granted after this side gave up (too slow, connection lost): tell it, best effort,
       // so the hold does not wait out its deadline there.
-      if (reply.status().code() == StatusCode::kDeadlineExceeded ||
-          reply.status().code() == StatusCode::kUnavailable || reply.status().code() == StatusCode::kCancelled) {
+      if (reply.status().code() == StatusCode::kDeadlineExceeded || reply.status().code() == StatusCode::kUnavailable ||
+          reply.status().code() == StatusCode::kCancelled) {
         (void)transport.Release(span->node, span->runtime, options.request_id, /*grant_id=*/0,
                                 /*grant_secret=*/"", Deadline::After(std::chrono::milliseconds(200)));
       }

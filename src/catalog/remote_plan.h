@@ -73,7 +73,7 @@ struct AuthorizeOptions {
 };
 
 struct Authorized {
-  PlannedSpan span;    // as planned (the grant may cover a prefix of it: reply.grant.granted)
+  PlannedSpan span;  // as planned (the grant may cover a prefix of it: reply.grant.granted)
   SourceReply reply;
 };
 
@@ -89,8 +89,8 @@ struct AuthorizeOutcome {
 };
 
 // Plans and authorizes, trying at most options.max_alternatives other sources after the first.
-AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateIndex& index,
-                               SourceTransport& transport, const AuthorizeOptions& options);
+AuthorizeOutcome AuthorizeBest(std::span<const state::StateKey> keys, CandidateIndex& index, SourceTransport& transport,
+                               const AuthorizeOptions& options);
 
 }  // namespace orbitkv::catalog
 

@@ -87,10 +87,10 @@ TEST_F(RemotePlanTest, TheLongestContiguousSpanWinsAndTiesGoToTheSmallerNode) {
 TEST_F(RemotePlanTest, PeerSsdReplicasArePlannedAndPeerDramGoesFirstForEqualSpans) {
   for (size_t i = 0; i < keys_.size(); ++i) {
     std::vector<Candidate> row;
-    if (i < 4) row.push_back(On("a"));           // DRAM, 4 blocks
-    if (i < 8) row.push_back(On("b", 2, 3));     // SSD, 8 blocks
-    row.push_back(On("c", 2, 4));                // SSD, all 10 ...
-    if (i < 5) row.push_back(On("c", 1, 5));     // ... the first 5 also in DRAM
+    if (i < 4) row.push_back(On("a"));        // DRAM, 4 blocks
+    if (i < 8) row.push_back(On("b", 2, 3));  // SSD, 8 blocks
+    row.push_back(On("c", 2, 4));             // SSD, all 10 ...
+    if (i < 5) row.push_back(On("c", 1, 5));  // ... the first 5 also in DRAM
     index_.Insert(keys_[i], row);
   }
   auto span = PlanSpan(keys_, index_, "self", {});

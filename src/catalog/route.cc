@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-
 namespace orbitkv::catalog {
 
 peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberRecord& destination) {
@@ -23,19 +22,19 @@ namespace {
 // The checks both gates share: protocol version, cluster, destination node, placement.
 Status CheckAddress(const peer::v1::RouteHeader& route, const PeerIdentity& self) {
   if (route.protocol_version() != kPeerProtocolVersion) {
-    return Status::FailedPrecondition(fmt::format(
-                                          "peer protocol version {} from node '{}', this Manager speaks {}: remote "
-                                          "work between them is off until both run one version",
-                                          route.protocol_version(), route.source_node_id(), kPeerProtocolVersion))
+    return Status::FailedPrecondition(
+               fmt::format("peer protocol version {} from node '{}', this Manager speaks {}: remote "
+                           "work between them is off until both run one version",
+                           route.protocol_version(), route.source_node_id(), kPeerProtocolVersion))
         .WithReason(StatusReason::kPeerProtocolVersion);
   }
   if (route.cluster() != self.cluster) {
-    return Status::PermissionDenied(fmt::format("request for cluster '{}', this Manager is in cluster '{}'",
-                                                route.cluster(), self.cluster));
+    return Status::PermissionDenied(
+        fmt::format("request for cluster '{}', this Manager is in cluster '{}'", route.cluster(), self.cluster));
   }
   if (route.destination_node_id() != self.node_id) {
-    return Status::FailedPrecondition(fmt::format("request addressed to node '{}', this is node '{}'",
-                                                  route.destination_node_id(), self.node_id));
+    return Status::FailedPrecondition(
+        fmt::format("request addressed to node '{}', this is node '{}'", route.destination_node_id(), self.node_id));
   }
   const bool accepted = self.accepts_placement ? self.accepts_placement(route.placement_fingerprint())
                                                : route.placement_fingerprint() == self.placement_fingerprint;
@@ -53,8 +52,7 @@ Status CheckReleaseRoute(const peer::v1::RouteHeader& route, const PeerIdentity&
   return CheckAddress(route, self);
 }
 
-Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
-                  const cluster::MemberView& members) {
+Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self, const cluster::MemberView& members) {
   ORBITKV_RETURN_IF_ERROR(CheckAddress(route, self));
   if (route.destination_runtime_uuid() != self.runtime_uuid) {
     return Status::FailedPrecondition(fmt::format(
@@ -77,8 +75,7 @@ Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
   if (record.runtime_uuid != route.source_runtime_uuid() || record.epoch != route.source_epoch()) {
     return Status::PermissionDenied(fmt::format(
         "node '{}' sent as runtime {} epoch {}, but its registered start is runtime {} epoch {}",
-        route.source_node_id(), route.source_runtime_uuid(), route.source_epoch(), record.runtime_uuid,
-        record.epoch));
+        route.source_node_id(), route.source_runtime_uuid(), route.source_epoch(), record.runtime_uuid, record.epoch));
   }
   return Status::Ok();
 }

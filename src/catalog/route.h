@@ -70,8 +70,7 @@ peer::v1::RouteHeader MakeRoute(const PeerIdentity& self, const cluster::MemberR
 //                        epoch (unregistered, or an older start of it);
 //   UNAVAILABLE          the member view is incomplete (etcd unreachable): retry later.
 // The protocol-version refusal carries StatusReason::kPeerProtocolVersion, the incomplete view kViewIncomplete.
-Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self,
-                  const cluster::MemberView& members);
+Status CheckRoute(const peer::v1::RouteHeader& route, const PeerIdentity& self, const cluster::MemberView& members);
 
 // The gate of a Release by grant id: protocol, cluster, destination node and placement as above, but neither the
 // member view (a grant must be releasable while either side's view is incomplete) nor the destination's start

@@ -53,16 +53,15 @@ TEST_F(RouteTest, EachWrongFieldIsRefusedWithItsReason) {
       {[](peer::v1::RouteHeader* r) { r->set_cluster("c2"); }, StatusCode::kPermissionDenied, "cluster 'c2'"},
       {[](peer::v1::RouteHeader* r) { r->set_destination_node_id("c"); }, StatusCode::kFailedPrecondition,
        "addressed to node 'c'"},
-      {[](peer::v1::RouteHeader* r) { r->set_destination_runtime_uuid("uuid-b-old"); },
-       StatusCode::kFailedPrecondition, "stale incarnation"},
+      {[](peer::v1::RouteHeader* r) { r->set_destination_runtime_uuid("uuid-b-old"); }, StatusCode::kFailedPrecondition,
+       "stale incarnation"},
       {[](peer::v1::RouteHeader* r) { r->set_placement_fingerprint("fp-0"); }, StatusCode::kFailedPrecondition,
        "placement mismatch"},
       {[](peer::v1::RouteHeader* r) { r->set_source_node_id("z"); }, StatusCode::kPermissionDenied,
        "not a registered member"},
       {[](peer::v1::RouteHeader* r) { r->set_source_runtime_uuid("uuid-a-old"); }, StatusCode::kPermissionDenied,
        "registered start"},
-      {[](peer::v1::RouteHeader* r) { r->set_source_epoch(2); }, StatusCode::kPermissionDenied,
-       "registered start"},
+      {[](peer::v1::RouteHeader* r) { r->set_source_epoch(2); }, StatusCode::kPermissionDenied, "registered start"},
   };
   for (const Case& c : cases) {
     peer::v1::RouteHeader route = FromAToB();
@@ -71,8 +70,7 @@ TEST_F(RouteTest, EachWrongFieldIsRefusedWithItsReason) {
     EXPECT_EQ(status.code(), c.code) << status;
     EXPECT_NE(status.message().find(c.says), std::string::npos) << status;
     // Only the protocol-version refusal carries the reason that turns remote work off.
-    EXPECT_EQ(status.reason() == StatusReason::kPeerProtocolVersion,
-              route.protocol_version() != kPeerProtocolVersion)
+    EXPECT_EQ(status.reason() == StatusReason::kPeerProtocolVersion, route.protocol_version() != kPeerProtocolVersion)
         << status;
   }
 }

@@ -14,10 +14,13 @@ uint64_t PeerOwner(const std::string& runtime) { return std::hash<std::string>{}
 
 SourceOutcome FromStop(core::ExactStop stop) {
   switch (stop) {
-    case core::ExactStop::kNone: return SourceOutcome::kGranted;
-    case core::ExactStop::kNotDram: return SourceOutcome::kNotInDram;
+    case core::ExactStop::kNone:
+      return SourceOutcome::kGranted;
+    case core::ExactStop::kNotDram:
+      return SourceOutcome::kNotInDram;
     case core::ExactStop::kAbsent:
-    case core::ExactStop::kReplaced: return SourceOutcome::kStale;
+    case core::ExactStop::kReplaced:
+      return SourceOutcome::kStale;
   }
   return SourceOutcome::kStale;
 }
@@ -26,21 +29,27 @@ SourceOutcome FromStop(core::ExactStop stop) {
 
 std::string_view SourceOutcomeName(SourceOutcome outcome) {
   switch (outcome) {
-    case SourceOutcome::kGranted: return "granted";
-    case SourceOutcome::kStale: return "stale";
-    case SourceOutcome::kNotInDram: return "not_in_dram";
-    case SourceOutcome::kPending: return "pending";
-    case SourceOutcome::kBackpressure: return "backpressure";
-    case SourceOutcome::kMissing: return "missing";
-    case SourceOutcome::kMore: return "more";
+    case SourceOutcome::kGranted:
+      return "granted";
+    case SourceOutcome::kStale:
+      return "stale";
+    case SourceOutcome::kNotInDram:
+      return "not_in_dram";
+    case SourceOutcome::kPending:
+      return "pending";
+    case SourceOutcome::kBackpressure:
+      return "backpressure";
+    case SourceOutcome::kMissing:
+      return "missing";
+    case SourceOutcome::kMore:
+      return "more";
   }
   return "unknown";
 }
 
 SourceHolds::SourceHolds(Options options, core::BlockTable* table, core::PinnedPool* pool, core::Budget* budget,
                          GrantIssuer* issuer)
-    : options_(std::move(options)), table_(table), pool_(pool), budget_(budget), issuer_(issuer) {
-}
+    : options_(std::move(options)), table_(table), pool_(pool), budget_(budget), issuer_(issuer) {}
 
 SourceHolds::~SourceHolds() {
   MutexLock lock(&mu_);
@@ -51,7 +60,7 @@ SourceHolds::~SourceHolds() {
 void SourceHolds::Reject(SourceOutcome why) {
   MutexLock lock(&mu_);
   ++stats_.rejected;
-  ++(why == SourceOutcome::kNotInDram     ? stats_.rejected_not_in_dram
+  ++(why == SourceOutcome::kNotInDram      ? stats_.rejected_not_in_dram
      : why == SourceOutcome::kStale        ? stats_.rejected_stale
      : why == SourceOutcome::kBackpressure ? stats_.rejected_ssd_backpressure
      : why == SourceOutcome::kMissing      ? stats_.rejected_ssd_missing
@@ -82,14 +91,13 @@ Result<SourceGrant> SourceHolds::Authorize(const AuthorizeArgs& args) {
   if (!answer.ok() || answer->outcome != SourceOutcome::kPending || options_.pending_wait.count() <= 0) return answer;
   // Held back while the first piece is read (neither lock held but mu_ inside the wait), so the requester
   // neither sleeps nor asks again when the read takes less than pending_wait.
-  const MonoTime until =
-      std::min(MonoNow() + std::min<std::chrono::milliseconds>(options_.pending_wait, std::chrono::seconds(60)),
-               args.answer_by);
+  const MonoTime until = std::min(
+      MonoNow() + std::min<std::chrono::milliseconds>(options_.pending_wait, std::chrono::seconds(60)), args.answer_by);
   const HoldKey key{args.peer_runtime, args.request_id};
   MutexLock lock(&mu_);
   for (;;) {
     auto it = holds_.find(key);
-    if (it == holds_.end() || IsRevoking(it->second.phase)) return answer;  // released or given up meanwhile
+    if (it == holds_.end() || IsRevoking(it->second.phase)) return answer;   // released or given up meanwhile
     if (it->second.phase != HoldPhase::kPreparing) return it->second.grant;  // the grant (or kMissing)
     if (MonoNow() >= until) return answer;
     prepared_.wait_until(mu_, until);
@@ -114,9 +122,9 @@ Result<SourceGrant> SourceHolds::AuthorizeNow(const AuthorizeArgs& args) {
     auto it = holds_.find(key);
     if (it != holds_.end()) {
       if (IsRevoking(it->second.phase)) {
-        return Status::FailedPrecondition(fmt::format(
-            "request {} of {} was already released or expired: ask again with a new request id", args.request_id,
-            args.peer_node));
+        return Status::FailedPrecondition(
+            fmt::format("request {} of {} was already released or expired: ask again with a new request id",
+                        args.request_id, args.peer_node));
       }
       if (it->second.phase == HoldPhase::kPreparing) {  // asked again while its SSD blocks are being read
         SourceGrant pending;
@@ -232,8 +240,9 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
   }
   // A new preparation starts with a small piece (the requester's first read waits for it alone), each next one twice
   // the last up to prepare_piece_bytes; a follow-up (the rest of a span being read already) takes whole pieces.
-  uint64_t piece_limit = std::max<uint64_t>(
-      1, read_ahead ? std::min(options_.first_piece_bytes, options_.prepare_piece_bytes) : options_.prepare_piece_bytes);
+  uint64_t piece_limit =
+      std::max<uint64_t>(1, read_ahead ? std::min(options_.first_piece_bytes, options_.prepare_piece_bytes)
+                                       : options_.prepare_piece_bytes);
   SourceOutcome stop = SourceOutcome::kGranted;
   for (const SourceBlockVersion& b : args.blocks) {
     uint64_t bytes = 0;
@@ -246,8 +255,8 @@ Result<SourceGrant> SourceHolds::Prepare(const AuthorizeArgs& args, const HoldKe
       bytes = ssd->bytes;
     } else {
       std::vector<core::BlockPin> one;
-      const core::ExactPins pinned = table_->PinExact(std::span(&b.key, 1), std::span(&b.generation, 1),
-                                                      std::span(&b.sequence, 1), &one);
+      const core::ExactPins pinned =
+          table_->PinExact(std::span(&b.key, 1), std::span(&b.generation, 1), std::span(&b.sequence, 1), &one);
       if (pinned.pinned != 1) {
         stop = FromStop(pinned.stop);
         break;
@@ -390,8 +399,8 @@ void SourceHolds::Prepared(const HoldKey& key, std::vector<core::BlockPin> pins,
   CountPrepared(pins, counted);
   SourceGrant grant;
   // Nothing in DRAM: a read error, a record that failed its checksum, an extent evicted meanwhile, or no room.
-  const Status issued = pins.empty() ? Status::NotFound("no block of the span could be read from SSD")
-                                     : Issue(key.first, pins, &grant);
+  const Status issued =
+      pins.empty() ? Status::NotFound("no block of the span could be read from SSD") : Issue(key.first, pins, &grant);
   std::vector<core::BlockPin> release;  // released outside the lock
   bool revoke = false;
   bool missing = false;
@@ -449,8 +458,7 @@ void SourceHolds::Revoke(const HoldKey& key, uint64_t grant) {
   Status revoked = issuer_->Revoke(grant, [this, key] { Drained(key); });
   if (!revoked.ok()) {
     // Unknown to the engine: nothing of it can be in flight.
-    ORBITKV_LOG_WARN("source: revoking grant {:x} of {}: {} (freeing its hold)", grant, key.first,
-                     revoked.ToString());
+    ORBITKV_LOG_WARN("source: revoking grant {:x} of {}: {} (freeing its hold)", grant, key.first, revoked.ToString());
     Drained(key);
   }
 }
@@ -482,7 +490,7 @@ void SourceHolds::Drained(const HoldKey& key) {
     ++stats_.released;
     UpdateGauges();
   }
-  prepared_.notify_all();  // an authorization waiting on this preparation answers now
+  prepared_.notify_all();                  // an authorization waiting on this preparation answers now
   core::BlockPin::ReleaseAll(&gone.pins);  // outside the lock (the table's shard locks)
 }
 
@@ -582,9 +590,10 @@ size_t SourceHolds::DropVanished(
     if (!gone.empty()) UpdateGauges();
   }
   for (auto& [runtime, g] : gone) {
-    ORBITKV_LOG_WARN("source: requester {} left the cluster holding {} grants: revoking its transport (the pins "
-                     "stay until it drained)",
-                     runtime, g.holds);
+    ORBITKV_LOG_WARN(
+        "source: requester {} left the cluster holding {} grants: revoking its transport (the pins "
+        "stay until it drained)",
+        runtime, g.holds);
     std::vector<HoldKey> keys = std::move(g.free);
     Status revoked = issuer_->RevokePeer(runtime, [this, keys] {
       for (const HoldKey& key : keys) Drained(key);

@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "base/clock.h"
-#include "base/stats_visitor.h"
 #include "base/mutex.h"
 #include "base/result.h"
+#include "base/stats_visitor.h"
 #include "base/thread_annotations.h"
 #include "catalog/hold_lifecycle.h"
 #include "core/block_table.h"
@@ -106,10 +106,10 @@ struct AuthorizeArgs {
 
 struct SourceGrant {
   SourceOutcome outcome = SourceOutcome::kGranted;
-  size_t granted = 0;                           // blocks pinned, from the first
+  size_t granted = 0;                            // blocks pinned, from the first
   SourceOutcome stop = SourceOutcome::kGranted;  // why block `granted` was not pinned
   uint64_t grant_id = 0;
-  std::string grant_secret;  // kGrantSecretBytes, for the requester alone
+  std::string grant_secret;                   // kGrantSecretBytes, for the requester alone
   std::vector<std::vector<uint8_t>> regions;  // encoded descriptors; blocks index into it
   struct Block {
     uint32_t region = 0;
@@ -148,13 +148,13 @@ class SourceHolds {
     std::chrono::milliseconds pending_wait{20};
   };
   struct Stats {
-    uint64_t sessions = 0;           // holds alive (pinned), quarantined or not
-    uint64_t pinned_bytes = 0;       // bytes of pinned blocks (allocations) over every hold
-    uint64_t quarantined = 0;        // holds whose deadline passed or requester vanished, not yet drained
+    uint64_t sessions = 0;      // holds alive (pinned), quarantined or not
+    uint64_t pinned_bytes = 0;  // bytes of pinned blocks (allocations) over every hold
+    uint64_t quarantined = 0;   // holds whose deadline passed or requester vanished, not yet drained
     uint64_t quarantined_bytes = 0;
-    uint64_t granted = 0;            // Authorize calls that granted (duplicates not counted)
-    uint64_t released = 0;           // holds freed after draining
-    uint64_t rejected = 0;           // authorizations refused (stale, not in DRAM, no room), and by reason:
+    uint64_t granted = 0;   // Authorize calls that granted (duplicates not counted)
+    uint64_t released = 0;  // holds freed after draining
+    uint64_t rejected = 0;  // authorizations refused (stale, not in DRAM, no room), and by reason:
     uint64_t rejected_stale = 0, rejected_not_in_dram = 0, rejected_exhausted = 0, rejected_ssd_backpressure = 0,
              rejected_ssd_missing = 0;
     uint64_t release_secret_refusals = 0;  // releases by grant id without the grant's secret (nothing released)
@@ -182,10 +182,10 @@ class SourceHolds {
   // rejection). A span whose first block is named on SSD (and held there in that generation) is
   // prepared: staging credit charged, the SSD blocks read into DRAM (load_ssd), kPending answered; asked again with
   // the same request id, it answers kPending until the blocks are in DRAM, then the grant of the prefix that made
-  // it (kMissing when none did), or kBackpressure at once when the staging budget is full. ResourceExhausted (nothing pinned) past the transfer budget, the peer's budget or the session
-  // limit; InvalidArgument for no blocks or more than kMaxBlocks; the issuer's error otherwise.
-  // A kPending answer is first held back up to Options::pending_wait (not past args.answer_by) while the first piece
-  // is read, and becomes the grant (or kMissing) if it is read by then.
+  // it (kMissing when none did), or kBackpressure at once when the staging budget is full. ResourceExhausted (nothing
+  // pinned) past the transfer budget, the peer's budget or the session limit; InvalidArgument for no blocks or more
+  // than kMaxBlocks; the issuer's error otherwise. A kPending answer is first held back up to Options::pending_wait
+  // (not past args.answer_by) while the first piece is read, and becomes the grant (or kMissing) if it is read by then.
   Result<SourceGrant> Authorize(const AuthorizeArgs& args) EXCLUDES(authorize_mu_, mu_);
   // Ends the hold `request_id` of `peer_runtime`: revoke, drain, free. False when there is none (already released
   // or never granted).
@@ -220,7 +220,7 @@ class SourceHolds {
     std::vector<core::BlockPin> pins;
     core::BudgetTicket ticket;
     core::BudgetTicket staging;  // an SSD preparation's, until it drained
-    uint64_t bytes = 0;  // allocation bytes pinned
+    uint64_t bytes = 0;          // allocation bytes pinned
     MonoTime deadline;
     HoldPhase phase = HoldPhase::kGranted;  // stepped by hold_lifecycle.h's Step only
   };

@@ -93,8 +93,7 @@ class SourceHoldsTest : public ::testing::Test {
     cache_ = std::move(*cache);
     SourceHolds::Options o;
     o.now = [this] { return now_; };
-    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
-                                           &issuer_);
+    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(), &issuer_);
   }
   void TearDown() override {
     holds_.reset();
@@ -304,7 +303,7 @@ TEST_F(SourceHoldsTest, RevokeAllQuarantinesEveryGrantUntilItDrainedAndLaterGran
   EXPECT_EQ(holds_->GetStats().sessions, 1u);  // the new grant still held: nothing was released by them
   EXPECT_TRUE(holds_->ReleaseGrant("node-b", later->grant_id, secret));
   EXPECT_TRUE(holds_->ReleaseGrant("node-b", later->grant_id, secret));  // a duplicate while it drains
-  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);                    // pinned until drained
+  EXPECT_EQ(cache_->table().Stats().pinned_blocks, 1u);                  // pinned until drained
   issuer_.DrainAll();
   EXPECT_FALSE(holds_->ReleaseGrant("node-b", later->grant_id, secret));
   EXPECT_EQ(holds_->GetStats().sessions, 0u);
@@ -375,7 +374,6 @@ TEST_F(SourceHoldsTest, ConcurrentDuplicateAuthorizesMakeOneSession) {
   EXPECT_EQ(cache_->table().Stats().pinned_blocks, 0u);
 }
 
-
 // Issue 56: SSD-resident blocks are read into DRAM (the loader stands in for SsdTier::Load: the test completes each
 // load when it says, sealing the blocks it read into DRAM as the tier does) before they are granted.
 class SourceHoldsSsdTest : public SourceHoldsTest {
@@ -383,8 +381,7 @@ class SourceHoldsSsdTest : public SourceHoldsTest {
   void SetUp() override {
     SourceHoldsTest::SetUp();
     staging_ = std::make_unique<core::Budget>(
-        core::Budget::Options{.name = "ssd_staging", .global_bytes = 6 * cache_->pool().ClassBytes(kBlock)},
-        &metrics_);
+        core::Budget::Options{.name = "ssd_staging", .global_bytes = 6 * cache_->pool().ClassBytes(kBlock)}, &metrics_);
     MakeHolds(SourceHolds::Options{}.prepare_piece_bytes);
   }
   // The holds under test, reading their preparations in pieces of `piece_bytes` (the first one too, unless
@@ -402,8 +399,7 @@ class SourceHoldsSsdTest : public SourceHoldsTest {
       loads_.push_back({std::move(keys), std::move(done)});
       return Status::Ok();
     };
-    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
-                                           &issuer_);
+    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(), &issuer_);
   }
   void TearDown() override {
     holds_.reset();
@@ -722,8 +718,7 @@ class SourceHoldsSsdTierTest : public SourceHoldsTest {
     o.load_ssd = [this](std::vector<state::StateKey> keys, std::function<void(std::vector<core::BlockPin>)> done) {
       return tier_->Load(std::move(keys), std::move(done));
     };
-    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(),
-                                           &issuer_);
+    holds_ = std::make_unique<SourceHolds>(o, &cache_->table(), &cache_->pool(), &cache_->transfer_budget(), &issuer_);
   }
   void TearDown() override {
     issuer_.DrainAll();

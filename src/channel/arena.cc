@@ -25,15 +25,12 @@ std::atomic_ref<uint32_t> AtomicU32(uint32_t& field) { return std::atomic_ref<ui
 
 }  // namespace
 
-Result<ArenaLayout> ArenaLayout::Compute(uint32_t ring_entries, uint32_t payload_slots,
-                                         uint32_t slot_bytes) {
+Result<ArenaLayout> ArenaLayout::Compute(uint32_t ring_entries, uint32_t payload_slots, uint32_t slot_bytes) {
   if (ring_entries < 16 || ring_entries > 4096 || !std::has_single_bit(ring_entries)) {
-    return Status::InvalidArgument(
-        fmt::format("ring_entries {} is not a power of two in [16, 4096]", ring_entries));
+    return Status::InvalidArgument(fmt::format("ring_entries {} is not a power of two in [16, 4096]", ring_entries));
   }
   if (payload_slots < 1 || payload_slots > 1024) {
-    return Status::InvalidArgument(
-        fmt::format("payload_slots {} is not in [1, 1024]", payload_slots));
+    return Status::InvalidArgument(fmt::format("payload_slots {} is not in [1, 1024]", payload_slots));
   }
   if (slot_bytes < kPage || slot_bytes > (1u << 20) || slot_bytes % kPage != 0) {
     return Status::InvalidArgument(
@@ -52,18 +49,15 @@ Result<ArenaLayout> ArenaLayout::Compute(uint32_t ring_entries, uint32_t payload
   return layout;
 }
 
-Result<std::unique_ptr<DescriptorArena>> DescriptorArena::Create(const ArenaLayout& requested,
-                                                                 uint64_t session_epoch) {
-  ORBITKV_ASSIGN_OR_RETURN(
-      ArenaLayout layout,
-      ArenaLayout::Compute(requested.ring_entries, requested.payload_slots, requested.slot_bytes));
+Result<std::unique_ptr<DescriptorArena>> DescriptorArena::Create(const ArenaLayout& requested, uint64_t session_epoch) {
+  ORBITKV_ASSIGN_OR_RETURN(ArenaLayout layout,
+                           ArenaLayout::Compute(requested.ring_entries, requested.payload_slots, requested.slot_bytes));
   ScopedFd fd(memfd_create("orbitkv-channel", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return ErrnoStatus("memfd_create for the channel arena", errno);
   if (ftruncate(fd.get(), static_cast<off_t>(layout.arena_bytes)) != 0) {
     return ErrnoStatus("ftruncate channel arena", errno);
   }
-  if (fcntl(fd.get(), F_ADD_SEALS, kRequiredSeals) != 0)
-    return ErrnoStatus("seal channel arena", errno);
+  if (fcntl(fd.get(), F_ADD_SEALS, kRequiredSeals) != 0) return ErrnoStatus("seal channel arena", errno);
   void* mapped = mmap(nullptr, layout.arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (mapped == MAP_FAILED) return ErrnoStatus("mmap channel arena", errno);
   auto* base = static_cast<uint8_t*>(mapped);
@@ -79,19 +73,15 @@ Result<std::unique_ptr<DescriptorArena>> DescriptorArena::Create(const ArenaLayo
   header.reply_ring_offset = layout.reply_ring_offset;
   header.slots_offset = layout.slots_offset;
   std::memcpy(base, &header, sizeof(header));
-  return std::unique_ptr<DescriptorArena>(
-      new DescriptorArena(std::move(fd), base, layout, session_epoch));
+  return std::unique_ptr<DescriptorArena>(new DescriptorArena(std::move(fd), base, layout, session_epoch));
 }
 
-Result<std::unique_ptr<DescriptorArena>> DescriptorArena::Attach(ScopedFd fd,
-                                                                 const WelcomeBody& welcome) {
-  ORBITKV_ASSIGN_OR_RETURN(
-      ArenaLayout layout,
-      ArenaLayout::Compute(welcome.ring_entries, welcome.payload_slots, welcome.slot_bytes));
+Result<std::unique_ptr<DescriptorArena>> DescriptorArena::Attach(ScopedFd fd, const WelcomeBody& welcome) {
+  ORBITKV_ASSIGN_OR_RETURN(ArenaLayout layout,
+                           ArenaLayout::Compute(welcome.ring_entries, welcome.payload_slots, welcome.slot_bytes));
   if (layout.arena_bytes != welcome.arena_bytes) {
-    return Status::DataLoss(
-        fmt::format("channel arena size {} does not match its layout ({} bytes)",
-                    welcome.arena_bytes, layout.arena_bytes));
+    return Status::DataLoss(fmt::format("channel arena size {} does not match its layout ({} bytes)",
+                                        welcome.arena_bytes, layout.arena_bytes));
   }
   const int seals = fcntl(fd.get(), F_GET_SEALS);
   if (seals < 0) return ErrnoStatus("F_GET_SEALS on the channel arena", errno);
@@ -101,21 +91,18 @@ Result<std::unique_ptr<DescriptorArena>> DescriptorArena::Attach(ScopedFd fd,
   struct stat st {};
   if (fstat(fd.get(), &st) != 0) return ErrnoStatus("fstat channel arena", errno);
   if (static_cast<uint64_t>(st.st_size) != layout.arena_bytes) {
-    return Status::DataLoss(
-        fmt::format("channel arena is {} bytes, expected {}", st.st_size, layout.arena_bytes));
+    return Status::DataLoss(fmt::format("channel arena is {} bytes, expected {}", st.st_size, layout.arena_bytes));
   }
   void* mapped = mmap(nullptr, layout.arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (mapped == MAP_FAILED) return ErrnoStatus("mmap channel arena", errno);
-  auto arena = std::unique_ptr<DescriptorArena>(new DescriptorArena(
-      std::move(fd), static_cast<uint8_t*>(mapped), layout, welcome.session_epoch));
+  auto arena = std::unique_ptr<DescriptorArena>(
+      new DescriptorArena(std::move(fd), static_cast<uint8_t*>(mapped), layout, welcome.session_epoch));
   ArenaHeader header;
   std::memcpy(&header, mapped, sizeof(header));
-  if (header.magic != kMagic || header.version != kWireVersion ||
-      header.session_epoch != welcome.session_epoch || header.ring_entries != layout.ring_entries ||
-      header.payload_slots != layout.payload_slots || header.slot_bytes != layout.slot_bytes ||
-      header.request_ring_offset != layout.request_ring_offset ||
-      header.reply_ring_offset != layout.reply_ring_offset ||
-      header.slots_offset != layout.slots_offset) {
+  if (header.magic != kMagic || header.version != kWireVersion || header.session_epoch != welcome.session_epoch ||
+      header.ring_entries != layout.ring_entries || header.payload_slots != layout.payload_slots ||
+      header.slot_bytes != layout.slot_bytes || header.request_ring_offset != layout.request_ring_offset ||
+      header.reply_ring_offset != layout.reply_ring_offset || header.slots_offset != layout.slots_offset) {
     return Status::DataLoss("channel arena header does not match the Welcome frame");
   }
   return arena;
@@ -199,8 +186,6 @@ Result<bool> RingConsumer::PrepareToWait() {
   return head != tail_;
 }
 
-void RingConsumer::ClearWaiting() {
-  AtomicU32(control_->consumer_waiting).store(0, std::memory_order_relaxed);
-}
+void RingConsumer::ClearWaiting() { AtomicU32(control_->consumer_waiting).store(0, std::memory_order_relaxed); }
 
 }  // namespace orbitkv::channel

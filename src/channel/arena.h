@@ -43,15 +43,13 @@ struct ArenaLayout {
   // Validates the three sizes (ring_entries a power of two in [16, 4096], payload_slots in [1,
   // 1024], slot_bytes a multiple of 4096 in [4096, 1 MiB]) and computes the offsets.
   // InvalidArgument names the bad field.
-  static Result<ArenaLayout> Compute(uint32_t ring_entries, uint32_t payload_slots,
-                                     uint32_t slot_bytes);
+  static Result<ArenaLayout> Compute(uint32_t ring_entries, uint32_t payload_slots, uint32_t slot_bytes);
 };
 
 class DescriptorArena {
  public:
   // Manager side: a new sealed memfd arena with its header written.
-  static Result<std::unique_ptr<DescriptorArena>> Create(const ArenaLayout& layout,
-                                                         uint64_t session_epoch);
+  static Result<std::unique_ptr<DescriptorArena>> Create(const ArenaLayout& layout, uint64_t session_epoch);
   // Engine side: maps `fd` and checks its seals, size and header against what Welcome announced.
   static Result<std::unique_ptr<DescriptorArena>> Attach(ScopedFd fd, const WelcomeBody& welcome);
 

@@ -33,8 +33,7 @@ TEST(ArenaLayoutTest, ValidatesEveryField) {
   EXPECT_EQ(layout.request_ring_offset % 64, 0u);
   EXPECT_EQ(layout.reply_ring_offset % 64, 0u);
   EXPECT_EQ(layout.slots_offset % 4096, 0u);
-  EXPECT_GE(layout.reply_ring_offset,
-            layout.request_ring_offset + sizeof(RingControl) + 16 * sizeof(Descriptor));
+  EXPECT_GE(layout.reply_ring_offset, layout.request_ring_offset + sizeof(RingControl) + 16 * sizeof(Descriptor));
   // One claim word per slot after the slots, the arena rounded up to a page.
   EXPECT_EQ(layout.claims_offset, layout.slots_offset + 2 * 4096);
   EXPECT_EQ(layout.arena_bytes, layout.claims_offset + 4096);
@@ -52,13 +51,11 @@ TEST(ArenaTest, AttachSeesTheSameMemoryAndChecksTheHeader) {
 
   WelcomeBody wrong_epoch = WelcomeFor(**created);
   wrong_epoch.session_epoch = 78;
-  EXPECT_EQ(DescriptorArena::Attach(Dup((*created)->fd()), wrong_epoch).status().code(),
-            StatusCode::kDataLoss);
+  EXPECT_EQ(DescriptorArena::Attach(Dup((*created)->fd()), wrong_epoch).status().code(), StatusCode::kDataLoss);
   WelcomeBody wrong_size = WelcomeFor(**created);
   wrong_size.payload_slots = 8;
   wrong_size.arena_bytes = ArenaLayout::Compute(16, 8, 4096)->arena_bytes;
-  EXPECT_EQ(DescriptorArena::Attach(Dup((*created)->fd()), wrong_size).status().code(),
-            StatusCode::kDataLoss);
+  EXPECT_EQ(DescriptorArena::Attach(Dup((*created)->fd()), wrong_size).status().code(), StatusCode::kDataLoss);
 }
 
 TEST(ArenaTest, AttachRefusesAnUnsealedMemfd) {
@@ -72,8 +69,7 @@ TEST(ArenaTest, AttachRefusesAnUnsealedMemfd) {
   w.ring_entries = 16;
   w.payload_slots = 1;
   w.slot_bytes = 4096;
-  EXPECT_EQ(DescriptorArena::Attach(std::move(fd), w).status().code(),
-            StatusCode::kPermissionDenied);
+  EXPECT_EQ(DescriptorArena::Attach(std::move(fd), w).status().code(), StatusCode::kPermissionDenied);
 }
 
 Descriptor Numbered(uint64_t n) {

@@ -36,8 +36,7 @@ constexpr uint64_t ClaimWord(uint32_t generation, ClaimState state) {
 
 // Engine, before submitting the request of `generation`.
 inline void ArmClaim(uint64_t* word, uint32_t generation) {
-  std::atomic_ref<uint64_t>(*word).store(ClaimWord(generation, ClaimState::kPending),
-                                         std::memory_order_seq_cst);
+  std::atomic_ref<uint64_t>(*word).store(ClaimWord(generation, ClaimState::kPending), std::memory_order_seq_cst);
 }
 
 // Manager: true when the operation is now the Manager's (claimed by this call, or a word the engine
@@ -45,8 +44,7 @@ inline void ArmClaim(uint64_t* word, uint32_t generation) {
 inline bool Claim(uint64_t* word, uint32_t generation) {
   uint64_t expected = ClaimWord(generation, ClaimState::kPending);
   std::atomic_ref<uint64_t> ref(*word);
-  if (ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kClaimed),
-                                  std::memory_order_seq_cst)) {
+  if (ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kClaimed), std::memory_order_seq_cst)) {
     return true;
   }
   return expected != ClaimWord(generation, ClaimState::kAbandoned);
@@ -55,14 +53,13 @@ inline bool Claim(uint64_t* word, uint32_t generation) {
 // Manager: the claimed operation is over.
 inline void Finish(uint64_t* word, uint32_t generation) {
   uint64_t expected = ClaimWord(generation, ClaimState::kClaimed);
-  std::atomic_ref<uint64_t>(*word).compare_exchange_strong(
-      expected, ClaimWord(generation, ClaimState::kDone), std::memory_order_seq_cst);
+  std::atomic_ref<uint64_t>(*word).compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kDone),
+                                                           std::memory_order_seq_cst);
 }
 
 // Engine: whether the Manager finished the claimed operation of `generation`.
 inline bool Finished(uint64_t* word, uint32_t generation) {
-  return std::atomic_ref<uint64_t>(*word).load(std::memory_order_seq_cst) ==
-         ClaimWord(generation, ClaimState::kDone);
+  return std::atomic_ref<uint64_t>(*word).load(std::memory_order_seq_cst) == ClaimWord(generation, ClaimState::kDone);
 }
 
 // The least word at which the operation of `generation` no longer writes or reads the engine's
@@ -70,9 +67,7 @@ inline bool Finished(uint64_t* word, uint32_t generation) {
 // grow: states advance pending -> claimed -> done or pending -> abandoned, and each use of a slot
 // has a greater generation). A GPU stream that must not read a restore's pages early waits for the
 // word to reach it (cuStreamWaitValue64, GEQ) instead of for the reply.
-constexpr uint64_t SettledWord(uint32_t generation) {
-  return ClaimWord(generation, ClaimState::kAbandoned);
-}
+constexpr uint64_t SettledWord(uint32_t generation) { return ClaimWord(generation, ClaimState::kAbandoned); }
 
 // The operation of `generation` is over: the Manager answers it, or the engine got its reply or
 // found the Manager gone (ClientSession::ClaimStillRunning). Lifts the word to at least SettledWord,
@@ -81,13 +76,11 @@ constexpr uint64_t SettledWord(uint32_t generation) {
 inline void Settle(uint64_t* word, uint32_t generation) {
   std::atomic_ref<uint64_t> ref(*word);
   uint64_t expected = ClaimWord(generation, ClaimState::kPending);
-  if (ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kAbandoned),
-                                  std::memory_order_seq_cst)) {
+  if (ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kAbandoned), std::memory_order_seq_cst)) {
     return;
   }
   if (expected == ClaimWord(generation, ClaimState::kClaimed)) {
-    ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kDone),
-                                std::memory_order_seq_cst);
+    ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kDone), std::memory_order_seq_cst);
   }
 }
 
@@ -102,12 +95,10 @@ inline bool HeldClaim(uint64_t* word, uint32_t generation) {
 inline ClaimState Abandon(uint64_t* word, uint32_t generation) {
   uint64_t expected = ClaimWord(generation, ClaimState::kPending);
   std::atomic_ref<uint64_t> ref(*word);
-  if (ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kAbandoned),
-                                  std::memory_order_seq_cst)) {
+  if (ref.compare_exchange_strong(expected, ClaimWord(generation, ClaimState::kAbandoned), std::memory_order_seq_cst)) {
     return ClaimState::kAbandoned;
   }
-  return expected == ClaimWord(generation, ClaimState::kAbandoned) ? ClaimState::kAbandoned
-                                                                   : ClaimState::kClaimed;
+  return expected == ClaimWord(generation, ClaimState::kAbandoned) ? ClaimState::kAbandoned : ClaimState::kClaimed;
 }
 
 }  // namespace orbitkv::channel

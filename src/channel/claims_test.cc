@@ -50,8 +50,7 @@ uint8_t Marker(uint32_t round, size_t i) { return static_cast<uint8_t>(~Pattern(
 // through atomic_ref and the test stays free of undefined behaviour (and TSan reports).
 void Fill(uint8_t* page, uint32_t round, bool marker) {
   for (size_t i = 0; i < kPageBytes; ++i) {
-    std::atomic_ref<uint8_t>(page[i]).store(marker ? Marker(round, i) : Pattern(round, i),
-                                            std::memory_order_relaxed);
+    std::atomic_ref<uint8_t>(page[i]).store(marker ? Marker(round, i) : Pattern(round, i), std::memory_order_relaxed);
   }
 }
 void CopyPage(uint8_t* to, uint8_t* from) {
@@ -137,8 +136,7 @@ void ManagerRestores(Shared* s, uint32_t seed) {
 }
 
 Shared* MapShared() {
-  void* mapped = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                      -1, 0);
+  void* mapped = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   EXPECT_NE(mapped, MAP_FAILED);
   return new (mapped) Shared{};
 }

@@ -33,9 +33,7 @@ struct QueryRequest {
   std::vector<uint8_t> natives;  // count x native_bytes
 
   size_t count() const { return native_bytes == 0 ? 0 : natives.size() / native_bytes; }
-  std::span<const uint8_t> native(size_t i) const {
-    return {natives.data() + i * native_bytes, native_bytes};
-  }
+  std::span<const uint8_t> native(size_t i) const { return {natives.data() + i * native_bytes, native_bytes}; }
   // The compact form of `keys` when they form a chain (same group, version and native length,
   // consecutive equal-sized token spans); InvalidArgument otherwise.
   static Result<QueryRequest> FromKeys(uint64_t instance, std::span<const state::StateKey> keys);
@@ -96,13 +94,9 @@ struct QueryReply {
   uint64_t loading_op = 0;
 
   static QueryReply Miss() { return {}; }
-  static QueryReply Hit(uint32_t hits, uint64_t lease) {
-    return {QueryOutcome::kHit, hits, lease, 0};
-  }
+  static QueryReply Hit(uint32_t hits, uint64_t lease) { return {QueryOutcome::kHit, hits, lease, 0}; }
   static QueryReply Loading(uint64_t op) { return {QueryOutcome::kLoading, 0, 0, op}; }
-  static QueryReply Partial(uint32_t hits, uint64_t lease) {
-    return {QueryOutcome::kPartial, hits, lease, 0};
-  }
+  static QueryReply Partial(uint32_t hits, uint64_t lease) { return {QueryOutcome::kPartial, hits, lease, 0}; }
   bool leased() const { return outcome == QueryOutcome::kHit || outcome == QueryOutcome::kPartial; }
   friend bool operator==(const QueryReply&, const QueryReply&) = default;
 };
@@ -150,19 +144,16 @@ size_t MaxRestorePages(uint32_t slot_bytes);
 Result<uint32_t> EncodeQuery(const QueryRequest& request, Descriptor* d, std::span<uint8_t> slot);
 // The same from the chain's parts, written straight into the slot (the client's hot path: no
 // intermediate QueryRequest). `natives` holds count x native_bytes bytes.
-Result<uint32_t> EncodeQueryChain(uint64_t instance, uint32_t group, uint64_t first_token,
-                                  uint32_t page_tokens, uint16_t key_version, uint8_t native_bytes,
-                                  std::span<const uint8_t> natives, Descriptor* d,
-                                  std::span<uint8_t> slot, uint8_t flags = 0);
+Result<uint32_t> EncodeQueryChain(uint64_t instance, uint32_t group, uint64_t first_token, uint32_t page_tokens,
+                                  uint16_t key_version, uint8_t native_bytes, std::span<const uint8_t> natives,
+                                  Descriptor* d, std::span<uint8_t> slot, uint8_t flags = 0);
 void EncodePing(Descriptor* d);
 void EncodeStats(Descriptor* d);
-Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d,
-                               std::span<uint8_t> slot);
+Result<uint32_t> EncodeRestore(const RestoreRequest& request, Descriptor* d, std::span<uint8_t> slot);
 Result<uint32_t> EncodeSave(const SaveRequest& request, Descriptor* d, std::span<uint8_t> slot);
 void EncodeRelease(const ReleaseRequest& request, Descriptor* d);
 void EncodeCancel(const CancelRequest& request, Descriptor* d);
-Result<uint32_t> EncodeWaitLoading(const WaitLoadingRequest& request, Descriptor* d,
-                                   std::span<uint8_t> slot);
+Result<uint32_t> EncodeWaitLoading(const WaitLoadingRequest& request, Descriptor* d, std::span<uint8_t> slot);
 
 // Decoders take the validated descriptor and the payload bytes it names (already copied to private
 // memory).
@@ -171,8 +162,7 @@ Result<RestoreRequest> DecodeRestore(const Descriptor& d, std::span<const uint8_
 Result<SaveRequest> DecodeSave(const Descriptor& d, std::span<const uint8_t> payload);
 Result<ReleaseRequest> DecodeRelease(const Descriptor& d, std::span<const uint8_t> payload);
 Result<CancelRequest> DecodeCancel(const Descriptor& d, std::span<const uint8_t> payload);
-Result<WaitLoadingRequest> DecodeWaitLoading(const Descriptor& d,
-                                             std::span<const uint8_t> payload);
+Result<WaitLoadingRequest> DecodeWaitLoading(const Descriptor& d, std::span<const uint8_t> payload);
 
 // Reply encoders give the args of an OK reply; decoders read them back from the reply descriptor
 // (its status already known to be OK). A reply that breaks its format (an unknown outcome, a hit

@@ -18,17 +18,15 @@ Descriptor ReplyWith(ReplyArgs args) {
 }
 
 TEST(MessagesTest, QueryRepliesRoundTripAndMalformedOnesAreRefused) {
-  for (const QueryReply& reply :
-       {QueryReply::Miss(), QueryReply::Hit(7, 0x500000003ull), QueryReply::Loading(42),
-        QueryReply::Partial(3, 0x700000001ull)}) {
+  for (const QueryReply& reply : {QueryReply::Miss(), QueryReply::Hit(7, 0x500000003ull), QueryReply::Loading(42),
+                                  QueryReply::Partial(3, 0x700000001ull)}) {
     Result<QueryReply> decoded = DecodeQueryReply(ReplyWith(EncodeQueryReply(reply)));
     ASSERT_TRUE(decoded.ok()) << decoded.status();
     EXPECT_EQ(*decoded, reply);
   }
   // A hit without blocks, a miss naming a lease, Loading without an operation, an unknown outcome.
   for (const ReplyArgs& bad : {ReplyArgs{1ull << 32, 5}, ReplyArgs{0, 9}, ReplyArgs{2ull << 32, 0},
-                               ReplyArgs{(2ull << 32) | 3, 8}, ReplyArgs{7ull << 32, 1},
-                               ReplyArgs{3ull << 32, 4}}) {
+                               ReplyArgs{(2ull << 32) | 3, 8}, ReplyArgs{7ull << 32, 1}, ReplyArgs{3ull << 32, 4}}) {
     EXPECT_EQ(DecodeQueryReply(ReplyWith(bad)).status().code(), StatusCode::kInvalidArgument)
         << bad.arg0 << " " << bad.arg1;
   }
@@ -37,13 +35,10 @@ TEST(MessagesTest, QueryRepliesRoundTripAndMalformedOnesAreRefused) {
 TEST(MessagesTest, OtherRepliesRoundTrip) {
   EXPECT_EQ(*DecodeSaveReply(ReplyWith(EncodeSaveReply({5, 2}))), (SaveReply{5, 2}));
   EXPECT_EQ(*DecodeRestoreReply(ReplyWith(EncodeRestoreReply({4096}))), (RestoreReply{4096}));
-  EXPECT_EQ(*DecodeRestoreReply(ReplyWith(EncodeRestoreReply({4096, 123456789}))),
-            (RestoreReply{4096, 123456789}));
-  EXPECT_EQ(*DecodeWaitLoadingReply(ReplyWith(EncodeWaitLoadingReply({12}))),
-            (WaitLoadingReply{12, true}));
+  EXPECT_EQ(*DecodeRestoreReply(ReplyWith(EncodeRestoreReply({4096, 123456789}))), (RestoreReply{4096, 123456789}));
+  EXPECT_EQ(*DecodeWaitLoadingReply(ReplyWith(EncodeWaitLoadingReply({12}))), (WaitLoadingReply{12, true}));
   // Answered early (min_resident reached while the operation runs): not completed.
-  EXPECT_EQ(*DecodeWaitLoadingReply(ReplyWith(EncodeWaitLoadingReply({5, false}))),
-            (WaitLoadingReply{5, false}));
+  EXPECT_EQ(*DecodeWaitLoadingReply(ReplyWith(EncodeWaitLoadingReply({5, false}))), (WaitLoadingReply{5, false}));
   EXPECT_FALSE(DecodeWaitLoadingReply(ReplyWith({5, 2})).ok());
   EXPECT_EQ(*DecodePingReply(ReplyWith(EncodePingReply({99}))), (PingReply{99}));
   EXPECT_FALSE(DecodePingReply(ReplyWith({1, 1})).ok());  // arg1 is the restore's drain time only
@@ -92,8 +87,7 @@ TEST(MessagesTest, APartialQueryCarriesItsFlagAndUnknownFlagsAreRefused) {
   EXPECT_EQ(DecodeQuery(d, std::span(slot).first(*bytes))->flags, 0);
   EXPECT_FALSE(EncodeQueryChain(4, 0, 0, 16, 1, 8, natives, &d, slot, 0x80).ok());
   slot[offsetof(QueryKeysHeader, flags)] = 0x82;  // a flag this Manager does not know
-  EXPECT_EQ(DecodeQuery(d, std::span(slot).first(*bytes)).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeQuery(d, std::span(slot).first(*bytes)).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(MessagesTest, TheClientsChainEncodingIsTheQueryEncoding) {
@@ -106,8 +100,7 @@ TEST(MessagesTest, TheClientsChainEncodingIsTheQueryEncoding) {
   query.natives.assign(24, 0x5c);
   std::vector<uint8_t> a(256), b(256);
   Descriptor da{}, db{};
-  ASSERT_EQ(*EncodeQuery(query, &da, a),
-            *EncodeQueryChain(4, 2, 32, 16, 1, 8, query.natives, &db, b));
+  ASSERT_EQ(*EncodeQuery(query, &da, a), *EncodeQueryChain(4, 2, 32, 16, 1, 8, query.natives, &db, b));
   EXPECT_EQ(a, b);
   EXPECT_EQ(da.arg0, db.arg0);
   EXPECT_EQ(da.arg1, db.arg1);

@@ -1,7 +1,7 @@
 #include "channel/session.h"
 
-#include <poll.h>
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -29,16 +29,14 @@ std::vector<uint8_t> WithMessage(std::span<const uint8_t> head, std::string_view
 
 Status StatusFromWire(uint32_t code, std::string_view message) {
   if (code == 0 || code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {
-    return Status::Internal(
-        fmt::format("the Manager sent an unknown status code {}: {}", code, message));
+    return Status::Internal(fmt::format("the Manager sent an unknown status code {}: {}", code, message));
   }
   return Status(static_cast<StatusCode>(code), message);
 }
 
 std::string_view TrailingMessage(const Frame& frame, size_t head_bytes) {
   if (frame.body.size() <= head_bytes) return {};
-  return {reinterpret_cast<const char*>(frame.body.data()) + head_bytes,
-          frame.body.size() - head_bytes};
+  return {reinterpret_cast<const char*>(frame.body.data()) + head_bytes, frame.body.size() - head_bytes};
 }
 
 void SendReject(int fd, uint64_t request_id, const Status& status) {
@@ -51,25 +49,22 @@ void SendReject(int fd, uint64_t request_id, const Status& status) {
 
 // ---- ServerSession ----
 
-ServerSession::ServerSession(ScopedFd socket, PeerCredentials peer,
-                             std::unique_ptr<DescriptorArena> arena, Doorbell to_manager,
-                             Doorbell to_engine, uint64_t session_id, SessionRole role,
+ServerSession::ServerSession(ScopedFd socket, PeerCredentials peer, std::unique_ptr<DescriptorArena> arena,
+                             Doorbell to_manager, Doorbell to_engine, uint64_t session_id, SessionRole role,
                              uint64_t control_session)
     : socket_(std::move(socket)),
       peer_(peer),
       arena_(std::move(arena)),
       to_manager_(std::move(to_manager)),
       to_engine_(std::move(to_engine)),
-      requests_(arena_->request_control(), arena_->request_entries(),
-                arena_->layout().ring_entries),
+      requests_(arena_->request_control(), arena_->request_entries(), arena_->layout().ring_entries),
       replies_(arena_->reply_control(), arena_->reply_entries(), arena_->layout().ring_entries),
       session_id_(session_id),
       role_(role),
       control_session_(control_session),
       last_generation_(arena_->layout().payload_slots, 0) {}
 
-Result<std::unique_ptr<ServerSession>> ServerSession::Accept(ScopedFd connection,
-                                                             const AcceptOptions& options) {
+Result<std::unique_ptr<ServerSession>> ServerSession::Accept(ScopedFd connection, const AcceptOptions& options) {
   ORBITKV_ASSIGN_OR_RETURN(PeerCredentials peer, GetPeerCredentials(connection.get()));
   auto reject = [&](uint64_t request_id, Status status) {
     SendReject(connection.get(), request_id, status);
@@ -78,19 +73,17 @@ Result<std::unique_ptr<ServerSession>> ServerSession::Accept(ScopedFd connection
   // Read the Hello before answering even a refusal: closing a socket with unread data makes the
   // peer's read fail with ECONNRESET, and the engine would never see why it was refused.
   ORBITKV_ASSIGN_OR_RETURN(Frame frame, RecvFrame(connection.get(), options.deadline));
-  const bool uid_allowed =
-      peer.uid == geteuid() || std::find(options.allowed_uids.begin(), options.allowed_uids.end(),
-                                         peer.uid) != options.allowed_uids.end();
+  const bool uid_allowed = peer.uid == geteuid() || std::find(options.allowed_uids.begin(), options.allowed_uids.end(),
+                                                              peer.uid) != options.allowed_uids.end();
   if (!uid_allowed) {
-    return reject(frame.header.request_id, Status::PermissionDenied(fmt::format(
-                                               "uid {} may not use this Manager (it runs as uid "
-                                               "{}); start the Manager with --allow-uid {} "
-                                               "to admit it",
-                                               peer.uid, geteuid(), peer.uid)));
+    return reject(frame.header.request_id,
+                  Status::PermissionDenied(fmt::format("uid {} may not use this Manager (it runs as uid "
+                                                       "{}); start the Manager with --allow-uid {} "
+                                                       "to admit it",
+                                                       peer.uid, geteuid(), peer.uid)));
   }
   if (frame.type() != FrameType::kHello) {
-    return reject(frame.header.request_id,
-                  Status::InvalidArgument("a session must start with Hello"));
+    return reject(frame.header.request_id, Status::InvalidArgument("a session must start with Hello"));
   }
   Result<HelloBody> hello = BodyAs<HelloBody>(frame);
   if (!hello.ok()) return reject(frame.header.request_id, hello.status());
@@ -102,16 +95,14 @@ Result<std::unique_ptr<ServerSession>> ServerSession::Accept(ScopedFd connection
   const auto role = static_cast<SessionRole>(hello->role);
   if ((role == SessionRole::kPublish) != (hello->control_session != 0) || hello->reserved != 0) {
     return reject(frame.header.request_id,
-                  Status::InvalidArgument(
-                      "a publish session names its control session; a control session does not"));
+                  Status::InvalidArgument("a publish session names its control session; a control session does not"));
   }
-  Result<ArenaLayout> layout = ArenaLayout::Compute(
-      hello->ring_entries != 0 ? hello->ring_entries : options.default_layout.ring_entries,
-      hello->payload_slots != 0 ? hello->payload_slots : options.default_layout.payload_slots,
-      hello->slot_bytes != 0 ? hello->slot_bytes : options.default_layout.slot_bytes);
+  Result<ArenaLayout> layout =
+      ArenaLayout::Compute(hello->ring_entries != 0 ? hello->ring_entries : options.default_layout.ring_entries,
+                           hello->payload_slots != 0 ? hello->payload_slots : options.default_layout.payload_slots,
+                           hello->slot_bytes != 0 ? hello->slot_bytes : options.default_layout.slot_bytes);
   if (!layout.ok()) return reject(frame.header.request_id, layout.status());
-  Result<std::unique_ptr<DescriptorArena>> arena =
-      DescriptorArena::Create(*layout, options.session_epoch);
+  Result<std::unique_ptr<DescriptorArena>> arena = DescriptorArena::Create(*layout, options.session_epoch);
   if (!arena.ok()) return reject(frame.header.request_id, arena.status());
   ORBITKV_ASSIGN_OR_RETURN(Doorbell to_manager, Doorbell::Create());
   ORBITKV_ASSIGN_OR_RETURN(Doorbell to_engine, Doorbell::Create());
@@ -124,11 +115,11 @@ Result<std::unique_ptr<ServerSession>> ServerSession::Accept(ScopedFd connection
   welcome.payload_slots = layout->payload_slots;
   welcome.slot_bytes = layout->slot_bytes;
   const int fds[] = {(*arena)->fd().get(), to_manager.fd().get(), to_engine.fd().get()};
-  ORBITKV_RETURN_IF_ERROR(SendFrame(connection.get(), FrameType::kWelcome, frame.header.request_id,
-                                    BytesOf(welcome), fds));
-  return std::unique_ptr<ServerSession>(
-      new ServerSession(std::move(connection), peer, std::move(*arena), std::move(to_manager),
-                        std::move(to_engine), options.session_id, role, hello->control_session));
+  ORBITKV_RETURN_IF_ERROR(
+      SendFrame(connection.get(), FrameType::kWelcome, frame.header.request_id, BytesOf(welcome), fds));
+  return std::unique_ptr<ServerSession>(new ServerSession(std::move(connection), peer, std::move(*arena),
+                                                          std::move(to_manager), std::move(to_engine),
+                                                          options.session_id, role, hello->control_session));
 }
 
 Result<std::optional<InboundRequest>> ServerSession::NextRequest() {
@@ -140,16 +131,15 @@ Result<std::optional<InboundRequest>> ServerSession::NextRequest() {
   const ArenaLayout& layout = arena_->layout();
   ORBITKV_RETURN_IF_ERROR(ValidateRequestDescriptor(d, layout.payload_slots, layout.slot_bytes));
   if (d.session_epoch != arena_->session_epoch()) {
-    return Status::Aborted(fmt::format("request {} carries session epoch {}, not this session's {}",
-                                       d.request_id, d.session_epoch, arena_->session_epoch()));
+    return Status::Aborted(fmt::format("request {} carries session epoch {}, not this session's {}", d.request_id,
+                                       d.session_epoch, arena_->session_epoch()));
   }
   // Generations only move forward per slot (modulo 2^32): an older or repeated one is stale or
   // replayed.
   uint32_t& last = last_generation_[d.payload_slot];
   if (last != 0 && static_cast<int32_t>(d.payload_generation - last) <= 0) {
-    return Status::Aborted(
-        fmt::format("request {} reuses slot {} generation {} (last {}): stale or replayed",
-                    d.request_id, d.payload_slot, d.payload_generation, last));
+    return Status::Aborted(fmt::format("request {} reuses slot {} generation {} (last {}): stale or replayed",
+                                       d.request_id, d.payload_slot, d.payload_generation, last));
   }
   last = d.payload_generation;
   // Copy out before anything interprets it: the engine could change shared memory afterwards.
@@ -158,8 +148,8 @@ Result<std::optional<InboundRequest>> ServerSession::NextRequest() {
   return std::optional<InboundRequest>(std::move(request));
 }
 
-Status ServerSession::Reply(const Descriptor& request, StatusCode code, uint64_t arg0,
-                            uint64_t arg1, std::span<const uint8_t> payload) {
+Status ServerSession::Reply(const Descriptor& request, StatusCode code, uint64_t arg0, uint64_t arg1,
+                            std::span<const uint8_t> payload) {
   std::span<uint8_t> slot = arena_->slot(request.payload_slot);
   if (payload.size() > slot.size()) payload = payload.first(slot.size());
   Descriptor reply = request;
@@ -186,9 +176,8 @@ Status ServerSession::Reply(const Descriptor& request, StatusCode code, uint64_t
 
 Status ServerSession::ReplyError(const Descriptor& request, const Status& status) {
   const std::string_view message = status.message();
-  return Reply(
-      request, status.code(), 0, 0,
-      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(message.data()), message.size()));
+  return Reply(request, status.code(), 0, 0,
+               std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(message.data()), message.size()));
 }
 
 Result<std::optional<Frame>> ServerSession::ReadFrame() {
@@ -200,8 +189,7 @@ Result<std::optional<Frame>> ServerSession::ReadFrame() {
   return std::optional<Frame>(std::move(*frame));
 }
 
-Status ServerSession::SendLifecycleReply(uint64_t request_id, const Status& status,
-                                         uint64_t value) {
+Status ServerSession::SendLifecycleReply(uint64_t request_id, const Status& status, uint64_t value) {
   const LifecycleReplyBody head{static_cast<uint32_t>(status.code()), 0, value};
   return SendFrame(socket_.get(), FrameType::kLifecycleReply, request_id,
                    WithMessage(BytesOf(head), status.ok() ? std::string_view() : status.message()));
@@ -220,9 +208,8 @@ void ServerSession::Poison(const Status& reason) {
 
 // ---- ClientSession ----
 
-ClientSession::ClientSession(ScopedFd socket, const WelcomeBody& welcome,
-                             std::unique_ptr<DescriptorArena> arena, Doorbell to_manager,
-                             Doorbell to_engine)
+ClientSession::ClientSession(ScopedFd socket, const WelcomeBody& welcome, std::unique_ptr<DescriptorArena> arena,
+                             Doorbell to_manager, Doorbell to_engine)
     : socket_(std::move(socket)),
       welcome_(welcome),
       arena_(std::move(arena)),
@@ -252,37 +239,32 @@ Result<std::unique_ptr<ClientSession>> ClientSession::Connect(const std::string&
   // A Manager that refuses the peer outright (SO_PEERCRED) answers Reject before reading Hello and
   // closes, so a failed send still reads what the Manager said.
   const Status sent = SendFrame(socket.get(), FrameType::kHello, 1, BytesOf(hello));
-  Result<Frame> frame =
-      RecvFrame(socket.get(), sent.ok() ? options.deadline : Deadline::At(MonoNow()));
+  Result<Frame> frame = RecvFrame(socket.get(), sent.ok() ? options.deadline : Deadline::At(MonoNow()));
   if (!sent.ok() && (!frame.ok() || frame->type() != FrameType::kReject)) return sent;
   if (!frame.ok()) return frame.status().WithContext("waiting for the Manager's Welcome");
   if (frame->type() == FrameType::kReject) {
-    ORBITKV_ASSIGN_OR_RETURN(RejectBody reject,
-                             BodyAs<RejectBody>(*frame, /*allow_trailing=*/true));
+    ORBITKV_ASSIGN_OR_RETURN(RejectBody reject, BodyAs<RejectBody>(*frame, /*allow_trailing=*/true));
     return StatusFromWire(reject.code, TrailingMessage(*frame, sizeof(RejectBody)))
         .WithContext("the Manager refused the session");
   }
   if (frame->type() != FrameType::kWelcome) {
-    return Status::InvalidArgument(
-        fmt::format("the Manager answered Hello with frame type {}", frame->header.type));
+    return Status::InvalidArgument(fmt::format("the Manager answered Hello with frame type {}", frame->header.type));
   }
   ORBITKV_ASSIGN_OR_RETURN(WelcomeBody welcome, BodyAs<WelcomeBody>(*frame));
   if (frame->fds.size() != 3) {
-    return Status::InvalidArgument(
-        fmt::format("Welcome carried {} fds, expected 3", frame->fds.size()));
+    return Status::InvalidArgument(fmt::format("Welcome carried {} fds, expected 3", frame->fds.size()));
   }
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<DescriptorArena> arena,
                            DescriptorArena::Attach(std::move(frame->fds[0]), welcome));
-  return std::unique_ptr<ClientSession>(
-      new ClientSession(std::move(socket), welcome, std::move(arena),
-                        Doorbell(std::move(frame->fds[1])), Doorbell(std::move(frame->fds[2]))));
+  return std::unique_ptr<ClientSession>(new ClientSession(std::move(socket), welcome, std::move(arena),
+                                                          Doorbell(std::move(frame->fds[1])),
+                                                          Doorbell(std::move(frame->fds[2]))));
 }
 
 Result<uint32_t> ClientSession::AcquireSlot() {
   if (free_slots_.empty()) {
-    return Status::ResourceExhausted(
-        fmt::format("all {} request slots of this session are in flight",
-                    std::min(welcome_.payload_slots, welcome_.ring_entries)));
+    return Status::ResourceExhausted(fmt::format("all {} request slots of this session are in flight",
+                                                 std::min(welcome_.payload_slots, welcome_.ring_entries)));
   }
   const uint32_t slot = free_slots_.back();
   free_slots_.pop_back();
@@ -380,11 +362,10 @@ Result<std::optional<InboundReply>> ClientSession::PollReply() {
     }
     if (!*got) return std::optional<InboundReply>();
     const Descriptor& d = reply.descriptor;
-    const bool current =
-        d.magic == kMagic && d.flags == static_cast<uint16_t>(DescriptorFlags::kReply) &&
-        d.payload_slot < welcome_.payload_slots && slot_request_[d.payload_slot] == d.request_id &&
-        d.payload_generation == generation_[d.payload_slot] + 1 &&
-        d.payload_bytes <= welcome_.slot_bytes;
+    const bool current = d.magic == kMagic && d.flags == static_cast<uint16_t>(DescriptorFlags::kReply) &&
+                         d.payload_slot < welcome_.payload_slots && slot_request_[d.payload_slot] == d.request_id &&
+                         d.payload_generation == generation_[d.payload_slot] + 1 &&
+                         d.payload_bytes <= welcome_.slot_bytes;
     if (!current) continue;  // stale: a reply for a request this session no longer waits for
     slot_request_[d.payload_slot] = 0;
     if (abandoned_[d.payload_slot]) {  // nobody waits for it: the slot is free now
@@ -402,25 +383,22 @@ Status ClientSession::SocketStatus() {
   if (frame.ok()) {
     if (frame->type() == FrameType::kReject) {
       Result<RejectBody> reject = BodyAs<RejectBody>(*frame, /*allow_trailing=*/true);
-      dead_ = reject.ok()
-                  ? StatusFromWire(reject->code, TrailingMessage(*frame, sizeof(RejectBody)))
-                        .WithContext("the Manager closed this session")
-                  : reject.status();
+      dead_ = reject.ok() ? StatusFromWire(reject->code, TrailingMessage(*frame, sizeof(RejectBody)))
+                                .WithContext("the Manager closed this session")
+                          : reject.status();
     }
     return dead_;
   }
   if (frame.status().code() == StatusCode::kDeadlineExceeded) return dead_;
   if (frame.status().code() == StatusCode::kUnavailable) {
-    dead_ = Status::Unavailable(
-        "the OrbitKV Manager closed the session (it stopped, restarted or was killed)");
+    dead_ = Status::Unavailable("the OrbitKV Manager closed the session (it stopped, restarted or was killed)");
   } else {
     dead_ = frame.status();
   }
   return dead_;
 }
 
-Result<InboundReply> ClientSession::WaitReply(uint64_t request_id, Deadline deadline,
-                                              int spin_iterations) {
+Result<InboundReply> ClientSession::WaitReply(uint64_t request_id, Deadline deadline, int spin_iterations) {
   for (auto it = parked_.begin(); it != parked_.end(); ++it) {
     if (it->descriptor.request_id == request_id) {
       InboundReply reply = *it;
@@ -443,13 +421,11 @@ Result<InboundReply> ClientSession::WaitReply(uint64_t request_id, Deadline dead
     pollfd fds[2] = {{to_engine_.fd().get(), POLLIN, 0}, {socket_.get(), POLLIN, 0}};
     const int rc = poll(fds, 2, deadline.RemainingPollMs());
     const int poll_errno = errno;
-    const Status disarmed =
-        DisarmReplyDoorbell(rc > 0 ? fds[0].revents : 0, rc > 0 ? fds[1].revents : 0);
+    const Status disarmed = DisarmReplyDoorbell(rc > 0 ? fds[0].revents : 0, rc > 0 ? fds[1].revents : 0);
     if (rc < 0 && poll_errno != EINTR) return ErrnoStatus("poll reply doorbell", poll_errno);
     ORBITKV_RETURN_IF_ERROR(disarmed);
     if (rc == 0 && deadline.Expired()) {
-      return Status::DeadlineExceeded(
-          fmt::format("no reply to request {} before the deadline", request_id));
+      return Status::DeadlineExceeded(fmt::format("no reply to request {} before the deadline", request_id));
     }
   }
 }
@@ -473,8 +449,8 @@ Status ClientSession::EnableCompletionFd() {
   return replies_.PrepareToWait().status();
 }
 
-Result<uint64_t> ClientSession::Lifecycle(FrameType type, std::span<const uint8_t> body,
-                                          std::span<const int> fds, Deadline deadline) {
+Result<uint64_t> ClientSession::Lifecycle(FrameType type, std::span<const uint8_t> body, std::span<const int> fds,
+                                          Deadline deadline) {
   ORBITKV_RETURN_IF_ERROR(dead_);
   const uint64_t request_id = next_request_id_++;
   ORBITKV_RETURN_IF_ERROR(SendFrame(socket_.get(), type, request_id, body, fds));
@@ -482,25 +458,20 @@ Result<uint64_t> ClientSession::Lifecycle(FrameType type, std::span<const uint8_
     Result<Frame> frame = RecvFrame(socket_.get(), deadline);
     if (!frame.ok()) {
       if (frame.status().code() == StatusCode::kUnavailable) {
-        dead_ = Status::Unavailable(
-            "the OrbitKV Manager closed the session (it stopped, restarted or was killed)");
+        dead_ = Status::Unavailable("the OrbitKV Manager closed the session (it stopped, restarted or was killed)");
         return dead_;
       }
       return frame.status();
     }
     if (frame->type() == FrameType::kReject) {
-      ORBITKV_ASSIGN_OR_RETURN(RejectBody reject,
-                               BodyAs<RejectBody>(*frame, /*allow_trailing=*/true));
+      ORBITKV_ASSIGN_OR_RETURN(RejectBody reject, BodyAs<RejectBody>(*frame, /*allow_trailing=*/true));
       dead_ = StatusFromWire(reject.code, TrailingMessage(*frame, sizeof(RejectBody)))
                   .WithContext("the Manager closed this session");
       return dead_;
     }
-    if (frame->type() != FrameType::kLifecycleReply || frame->header.request_id != request_id)
-      continue;
-    ORBITKV_ASSIGN_OR_RETURN(LifecycleReplyBody reply,
-                             BodyAs<LifecycleReplyBody>(*frame, /*allow_trailing=*/true));
-    if (reply.code != 0)
-      return StatusFromWire(reply.code, TrailingMessage(*frame, sizeof(LifecycleReplyBody)));
+    if (frame->type() != FrameType::kLifecycleReply || frame->header.request_id != request_id) continue;
+    ORBITKV_ASSIGN_OR_RETURN(LifecycleReplyBody reply, BodyAs<LifecycleReplyBody>(*frame, /*allow_trailing=*/true));
+    if (reply.code != 0) return StatusFromWire(reply.code, TrailingMessage(*frame, sizeof(LifecycleReplyBody)));
     return reply.value;
   }
 }

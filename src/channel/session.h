@@ -58,8 +58,7 @@ class ServerSession {
   // Authenticates the connected peer, reads its Hello and answers Welcome (or Reject, returning the
   // reason): PermissionDenied for a uid not allowed, InvalidArgument/FailedPrecondition for a bad
   // Hello.
-  static Result<std::unique_ptr<ServerSession>> Accept(ScopedFd connection,
-                                                       const AcceptOptions& options);
+  static Result<std::unique_ptr<ServerSession>> Accept(ScopedFd connection, const AcceptOptions& options);
 
   uint64_t session_id() const { return session_id_; }
   SessionRole role() const { return role_; }
@@ -87,8 +86,8 @@ class ServerSession {
   // Replies with an error status and its message as the payload.
   Status ReplyError(const Descriptor& request, const Status& status) EXCLUDES(reply_mu_);
   // An OK reply with `args` (channel/messages.h's Encode*Reply), or the error reply of `reply`.
-  Status Answer(const Descriptor& request, const Result<ReplyArgs>& reply,
-                std::span<const uint8_t> payload = {}) EXCLUDES(reply_mu_) {
+  Status Answer(const Descriptor& request, const Result<ReplyArgs>& reply, std::span<const uint8_t> payload = {})
+      EXCLUDES(reply_mu_) {
     if (!reply.ok()) return ReplyError(request, reply.status());
     return Reply(request, StatusCode::kOk, reply->arg0, reply->arg1, payload);
   }
@@ -105,9 +104,8 @@ class ServerSession {
   bool poisoned() const { return poisoned_; }
 
  private:
-  ServerSession(ScopedFd socket, PeerCredentials peer, std::unique_ptr<DescriptorArena> arena,
-                Doorbell to_manager, Doorbell to_engine, uint64_t session_id, SessionRole role,
-                uint64_t control_session);
+  ServerSession(ScopedFd socket, PeerCredentials peer, std::unique_ptr<DescriptorArena> arena, Doorbell to_manager,
+                Doorbell to_engine, uint64_t session_id, SessionRole role, uint64_t control_session);
 
   ScopedFd socket_;
   PeerCredentials peer_;
@@ -145,8 +143,7 @@ class ClientSession {
  public:
   // Connects to the Manager at `socket_path` and opens a session. Unavailable when no Manager
   // listens there, PermissionDenied (with the Manager's reason) when refused.
-  static Result<std::unique_ptr<ClientSession>> Connect(const std::string& socket_path,
-                                                        const ConnectOptions& options);
+  static Result<std::unique_ptr<ClientSession>> Connect(const std::string& socket_path, const ConnectOptions& options);
 
   const WelcomeBody& welcome() const { return welcome_; }
   uint64_t session_id() const { return welcome_.session_id; }
@@ -206,12 +203,11 @@ class ClientSession {
   // doorbell. Replies to other requests that arrive meanwhile are kept for later WaitReply calls.
   // DeadlineExceeded leaves the request outstanding (its slot stays owned); Unavailable/Aborted
   // when the Manager closed or poisoned the session.
-  Result<InboundReply> WaitReply(uint64_t request_id, Deadline deadline,
-                                 int spin_iterations = 4096);
+  Result<InboundReply> WaitReply(uint64_t request_id, Deadline deadline, int spin_iterations = 4096);
 
   // Sends a lifecycle frame (with fds) and waits for its LifecycleReply; returns the reply's value.
-  Result<uint64_t> Lifecycle(FrameType type, std::span<const uint8_t> body,
-                             std::span<const int> fds, Deadline deadline);
+  Result<uint64_t> Lifecycle(FrameType type, std::span<const uint8_t> body, std::span<const int> fds,
+                             Deadline deadline);
 
  private:
   ClientSession(ScopedFd socket, const WelcomeBody& welcome, std::unique_ptr<DescriptorArena> arena,
@@ -230,7 +226,7 @@ class ClientSession {
   std::vector<uint32_t> generation_;    // per slot, the generation of its current request
   std::vector<uint64_t> slot_request_;  // per slot, the request id in flight (0: none)
   std::function<void(const InboundReply&)> abandoned_reply_handler_;
-  std::vector<bool> abandoned_;          // per slot: released while in flight, free on its reply
+  std::vector<bool> abandoned_;  // per slot: released while in flight, free on its reply
   std::vector<uint32_t> free_slots_;
   std::vector<InboundReply> parked_;  // replies that arrived while waiting for another request
   Status dead_;                       // set once the session is known dead

@@ -1,7 +1,7 @@
 #include "channel/session.h"
 
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -30,9 +30,7 @@ class SessionTest : public ::testing::Test {
     ASSERT_TRUE(listener.ok()) << listener.status();
     listener_ = std::move(*listener);
   }
-  void TearDown() override {
-    std::filesystem::remove_all(std::filesystem::path(path_).parent_path());
-  }
+  void TearDown() override { std::filesystem::remove_all(std::filesystem::path(path_).parent_path()); }
 
   AcceptOptions Options(uint64_t id = 1) {
     AcceptOptions options;
@@ -48,8 +46,7 @@ class SessionTest : public ::testing::Test {
   std::pair<Result<std::unique_ptr<ServerSession>>, Result<std::unique_ptr<ClientSession>>> Open(
       ConnectOptions connect = {}, AcceptOptions accept = {}) {
     if (accept.session_id == 0) accept = Options();
-    auto client =
-        std::async(std::launch::async, [&] { return ClientSession::Connect(path_, connect); });
+    auto client = std::async(std::launch::async, [&] { return ClientSession::Connect(path_, connect); });
     ScopedFd conn;
     for (int i = 0; i < 1000 && !conn.valid(); ++i) {
       conn = ScopedFd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
@@ -129,8 +126,7 @@ TEST_F(SessionTest, TimeoutKeepsTheSlotOwnedAndLateRepliesAreStillMatched) {
   Descriptor d{};
   d.opcode = static_cast<uint16_t>(Opcode::kPing);
   uint64_t id = *(*client)->Submit(d, slot, 0);
-  EXPECT_EQ((*client)->WaitReply(id, Deadline::After(milliseconds(20))).status().code(),
-            StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*client)->WaitReply(id, Deadline::After(milliseconds(20))).status().code(), StatusCode::kDeadlineExceeded);
   // The slot is not reusable while its request is outstanding.
   (*client)->ReleaseSlot(slot);
   for (int i = 0; i < 3; ++i) EXPECT_NE(*(*client)->AcquireSlot(), slot);
@@ -248,8 +244,7 @@ TEST_F(SessionTest, PoisonTellsTheClientWhy) {
   ASSERT_EQ(reply.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(reply.status().message().find("bad encoding"), std::string::npos);
   // Every later call fails the same way, fast.
-  EXPECT_EQ((*client)->Submit(d, *(*client)->AcquireSlot(), 0).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*client)->Submit(d, *(*client)->AcquireSlot(), 0).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(SessionTest, ManagerGoneIsUnavailableNotAHang) {
@@ -292,8 +287,8 @@ TEST_F(SessionTest, LifecycleFramesRoundTripWithFds) {
   const int fds[] = {bell->fd().get()};
   auto pending = std::async(std::launch::async, [&] {
     return (*client)->Lifecycle(FrameType::kRegisterInstance,
-                                std::span(reinterpret_cast<const uint8_t*>(&body), sizeof(body)),
-                                fds, Deadline::After(seconds(10)));
+                                std::span(reinterpret_cast<const uint8_t*>(&body), sizeof(body)), fds,
+                                Deadline::After(seconds(10)));
   });
   std::optional<Frame> frame;
   for (int i = 0; i < 2000 && !frame.has_value(); ++i) {

@@ -45,8 +45,7 @@ std::string DefaultManagerSocketPath() {
   const char* explicit_path = std::getenv("ORBITKV_SOCKET");
   if (explicit_path != nullptr && explicit_path[0] != '\0') return explicit_path;
   const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  if (runtime != nullptr && runtime[0] != '\0')
-    return fmt::format("{}/orbitkv/manager.sock", runtime);
+  if (runtime != nullptr && runtime[0] != '\0') return fmt::format("{}/orbitkv/manager.sock", runtime);
   return fmt::format("/tmp/orbitkv-{}/manager.sock", getuid());
 }
 
@@ -58,24 +57,18 @@ Result<ScopedFd> ListenUnix(const std::string& path, mode_t mode, int backlog) {
     if (std::filesystem::create_directories(dir, ec)) {
       const bool shared = (mode & 0066) != 0;
       std::filesystem::permissions(
-          dir,
-          shared ? static_cast<std::filesystem::perms>(0755) : std::filesystem::perms::owner_all,
-          ec);
+          dir, shared ? static_cast<std::filesystem::perms>(0755) : std::filesystem::perms::owner_all, ec);
     }
-    if (ec)
-      return Status::Internal(
-          fmt::format("cannot create socket directory {}: {}", dir.string(), ec.message()));
+    if (ec) return Status::Internal(fmt::format("cannot create socket directory {}: {}", dir.string(), ec.message()));
   }
   // A socket file that nobody accepts on is left over from a dead Manager: replace it. A live one
   // is an error.
   if (std::filesystem::exists(path)) {
     ScopedFd probe(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-    if (probe.valid() &&
-        connect(probe.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0) {
+    if (probe.valid() && connect(probe.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0) {
       return Status::AlreadyExists(fmt::format("another Manager is already listening on {}", path));
     }
-    if (unlink(path.c_str()) != 0 && errno != ENOENT)
-      return ErrnoStatus("remove stale socket " + path, errno);
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("remove stale socket " + path, errno);
   }
   ScopedFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return ErrnoStatus("socket(AF_UNIX)", errno);
@@ -108,25 +101,20 @@ Result<ScopedFd> ConnectUnix(const std::string& path) {
 Result<PeerCredentials> GetPeerCredentials(int fd) {
   ucred cred{};
   socklen_t len = sizeof(cred);
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
-    return ErrnoStatus("SO_PEERCRED", errno);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return ErrnoStatus("SO_PEERCRED", errno);
   return PeerCredentials{cred.pid, cred.uid, cred.gid};
 }
 
-Status SendFrame(int fd, FrameType type, uint64_t request_id, std::span<const uint8_t> body,
-                 std::span<const int> fds) {
+Status SendFrame(int fd, FrameType type, uint64_t request_id, std::span<const uint8_t> body, std::span<const int> fds) {
   if (sizeof(FrameHeader) + body.size() > kMaxFrameBytes) {
-    return Status::InvalidArgument(
-        fmt::format("frame body of {} bytes exceeds the {}-byte frame limit", body.size(),
-                    kMaxFrameBytes - sizeof(FrameHeader)));
+    return Status::InvalidArgument(fmt::format("frame body of {} bytes exceeds the {}-byte frame limit", body.size(),
+                                               kMaxFrameBytes - sizeof(FrameHeader)));
   }
   if (fds.size() > kMaxFrameFds) {
-    return Status::InvalidArgument(
-        fmt::format("{} fds exceed the {} per frame", fds.size(), kMaxFrameFds));
+    return Status::InvalidArgument(fmt::format("{} fds exceed the {} per frame", fds.size(), kMaxFrameFds));
   }
-  FrameHeader header{
-      kMagic, kWireVersion, static_cast<uint16_t>(type), static_cast<uint32_t>(body.size()),
-      0,      request_id};
+  FrameHeader header{kMagic, kWireVersion, static_cast<uint16_t>(type), static_cast<uint32_t>(body.size()),
+                     0,      request_id};
   iovec iov[2] = {{&header, sizeof(header)}, {const_cast<uint8_t*>(body.data()), body.size()}};
   msghdr msg{};
   msg.msg_iov = iov;
@@ -150,8 +138,7 @@ Status SendFrame(int fd, FrameType type, uint64_t request_id, std::span<const ui
       ORBITKV_RETURN_IF_ERROR(WaitFor(fd, POLLOUT, Deadline::After(std::chrono::seconds(5))));
       continue;
     }
-    if (errno == EPIPE || errno == ECONNRESET)
-      return Status::Unavailable("channel peer closed the connection");
+    if (errno == EPIPE || errno == ECONNRESET) return Status::Unavailable("channel peer closed the connection");
     return ErrnoStatus("sendmsg channel frame", errno);
   }
 }
@@ -187,18 +174,14 @@ Result<Frame> RecvFrame(int fd, Deadline deadline) {
     }
   }
   if (received == 0) return Status::Unavailable("channel peer closed the connection");
-  if ((msg.msg_flags & MSG_CTRUNC) != 0)
-    return Status::InvalidArgument("channel frame carried too many fds");
-  if ((msg.msg_flags & MSG_TRUNC) != 0)
-    return Status::InvalidArgument("channel frame exceeds the frame limit");
+  if ((msg.msg_flags & MSG_CTRUNC) != 0) return Status::InvalidArgument("channel frame carried too many fds");
+  if ((msg.msg_flags & MSG_TRUNC) != 0) return Status::InvalidArgument("channel frame exceeds the frame limit");
   if (static_cast<size_t>(received) < sizeof(FrameHeader)) {
-    return Status::InvalidArgument(
-        fmt::format("channel frame of {} bytes is shorter than its header", received));
+    return Status::InvalidArgument(fmt::format("channel frame of {} bytes is shorter than its header", received));
   }
   std::memcpy(&frame.header, buffer.data(), sizeof(FrameHeader));
   const FrameHeader& h = frame.header;
-  if (h.magic != kMagic)
-    return Status::InvalidArgument(fmt::format("bad channel frame magic {:#x}", h.magic));
+  if (h.magic != kMagic) return Status::InvalidArgument(fmt::format("bad channel frame magic {:#x}", h.magic));
   if (h.version != kWireVersion) {
     return Status::FailedPrecondition(
         fmt::format("channel wire version {} is not this Manager's {}: upgrade the client and the "
@@ -209,9 +192,8 @@ Result<Frame> RecvFrame(int fd, Deadline deadline) {
     return Status::InvalidArgument(fmt::format("unknown channel frame type {}", h.type));
   }
   if (h.body_bytes != static_cast<size_t>(received) - sizeof(FrameHeader) || h.reserved != 0) {
-    return Status::InvalidArgument(
-        fmt::format("channel frame length {} does not match its {} received bytes", h.body_bytes,
-                    received - sizeof(FrameHeader)));
+    return Status::InvalidArgument(fmt::format("channel frame length {} does not match its {} received bytes",
+                                               h.body_bytes, received - sizeof(FrameHeader)));
   }
   frame.body.assign(buffer.begin() + sizeof(FrameHeader), buffer.begin() + received);
   return frame;

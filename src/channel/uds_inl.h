@@ -12,12 +12,10 @@ namespace orbitkv::channel {
 template <typename T>
 Result<T> BodyAs(const Frame& frame, bool allow_trailing) {
   static_assert(std::is_trivially_copyable_v<T>);
-  const bool size_ok =
-      allow_trailing ? frame.body.size() >= sizeof(T) : frame.body.size() == sizeof(T);
+  const bool size_ok = allow_trailing ? frame.body.size() >= sizeof(T) : frame.body.size() == sizeof(T);
   if (!size_ok) {
-    return Status::InvalidArgument(fmt::format("frame type {} has a {}-byte body, expected {}{}",
-                                               frame.header.type, frame.body.size(),
-                                               allow_trailing ? "at least " : "", sizeof(T)));
+    return Status::InvalidArgument(fmt::format("frame type {} has a {}-byte body, expected {}{}", frame.header.type,
+                                               frame.body.size(), allow_trailing ? "at least " : "", sizeof(T)));
   }
   T value;
   std::memcpy(&value, frame.body.data(), sizeof(T));

@@ -109,25 +109,23 @@ TEST(UdsTest, MalformedFramesAreRejectedAndTheirFdsClosed) {
   // A malformed frame with an fd attached: the fd is closed, not leaked.
   auto bell = Doorbell::Create();
   int fds[] = {bell->fd().get()};
-  const uint32_t open_before = static_cast<uint32_t>(std::distance(
-      std::filesystem::directory_iterator("/proc/self/fd"), std::filesystem::directory_iterator()));
+  const uint32_t open_before = static_cast<uint32_t>(
+      std::distance(std::filesystem::directory_iterator("/proc/self/fd"), std::filesystem::directory_iterator()));
   ASSERT_TRUE(SendFrame(p.a.get(), FrameType::kHello, 1, {}, fds).ok());
   auto frame = RecvFrame(p.b.get(), deadline());
   ASSERT_TRUE(frame.ok());
   EXPECT_EQ(BodyAs<HelloBody>(*frame).status().code(), StatusCode::kInvalidArgument);
   frame = Status::Cancelled("drop");
-  const uint32_t open_after = static_cast<uint32_t>(std::distance(
-      std::filesystem::directory_iterator("/proc/self/fd"), std::filesystem::directory_iterator()));
+  const uint32_t open_after = static_cast<uint32_t>(
+      std::distance(std::filesystem::directory_iterator("/proc/self/fd"), std::filesystem::directory_iterator()));
   EXPECT_EQ(open_after, open_before);
 }
 
 TEST(UdsTest, RecvReportsTimeoutsAndClosedPeers) {
   Pair p = SocketPair();
-  EXPECT_EQ(RecvFrame(p.b.get(), Deadline::After(milliseconds(10))).status().code(),
-            StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(RecvFrame(p.b.get(), Deadline::After(milliseconds(10))).status().code(), StatusCode::kDeadlineExceeded);
   p.a.Reset();
-  EXPECT_EQ(RecvFrame(p.b.get(), Deadline::After(milliseconds(2000))).status().code(),
-            StatusCode::kUnavailable);
+  EXPECT_EQ(RecvFrame(p.b.get(), Deadline::After(milliseconds(2000))).status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(SendFrame(p.b.get(), FrameType::kHello, 1, {}).code(), StatusCode::kUnavailable);
 }
 

@@ -29,10 +29,9 @@ inline constexpr uint16_t kWireVersion = 1;
 // ---- Bootstrap and lifecycle frames (UDS) ----
 
 enum class FrameType : uint16_t {
-  kHello = 1,  // engine -> Manager: open a session
-  kWelcome =
-      2,  // Manager -> engine: session accepted (+ fds: arena, doorbell to Manager, to engine)
-  kReject = 3,  // Manager -> engine: refused or poisoned; body = RejectBody + UTF-8 message
+  kHello = 1,               // engine -> Manager: open a session
+  kWelcome = 2,             // Manager -> engine: session accepted (+ fds: arena, doorbell to Manager, to engine)
+  kReject = 3,              // Manager -> engine: refused or poisoned; body = RejectBody + UTF-8 message
   kRegisterInstance = 4,    // engine -> Manager
   kRegisterGroup = 5,       // engine -> Manager (+ one fd per buffer)
   kUnregisterInstance = 6,  // engine -> Manager
@@ -189,8 +188,8 @@ static_assert(sizeof(RingControl) == 192);
 static_assert(offsetof(RingControl, tail) == 64 && offsetof(RingControl, consumer_waiting) == 128);
 
 enum class Opcode : uint16_t {
-  kPing = 1,   // round trip, no payload
-  kQuery = 2,  // arg0 instance, arg1 group<<32 | key count; payload: QueryKeysHeader + native keys
+  kPing = 1,     // round trip, no payload
+  kQuery = 2,    // arg0 instance, arg1 group<<32 | key count; payload: QueryKeysHeader + native keys
   kRestore = 3,  // arg0 instance, arg1 lease; payload: RestoreBody + page indices
   kSave = 4,     // arg0 instance, arg1 group<<32 | count; payload: SaveEntry[count]
   kRelease = 5,  // arg0 instance, arg1 lease
@@ -308,7 +307,7 @@ struct SaveEntry {
 static_assert(sizeof(SaveEntry) == 136);
 
 struct WaitLoadingBody {
-  uint32_t timeout_ms;    // 1..kMaxWaitLoadingMs
+  uint32_t timeout_ms;  // 1..kMaxWaitLoadingMs
   // 0: answered when the operation completes. N > 0: also answered (not completed) as soon as N
   // leading blocks of its chain are in DRAM while it runs (a remote stage seals a batch).
   uint32_t min_resident;

@@ -25,15 +25,13 @@ std::span<const uint8_t> BytesOf(const T& value) {
 }  // namespace
 
 Result<std::unique_ptr<CacheClient>> CacheClient::Connect(const ClientOptions& options) {
-  std::string path =
-      options.socket_path.empty() ? channel::DefaultManagerSocketPath() : options.socket_path;
+  std::string path = options.socket_path.empty() ? channel::DefaultManagerSocketPath() : options.socket_path;
   channel::ConnectOptions connect;
   connect.role = channel::SessionRole::kControl;
   connect.deadline = orbitkv::Deadline::After(options.timeout);
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<channel::ClientSession> control,
                            channel::ClientSession::Connect(path, connect));
-  return std::unique_ptr<CacheClient>(
-      new CacheClient(options, std::move(path), std::move(control)));
+  return std::unique_ptr<CacheClient>(new CacheClient(options, std::move(path), std::move(control)));
 }
 
 CacheClient::~CacheClient() {
@@ -104,19 +102,14 @@ void CacheClient::RunGuards() {
   }
 }
 
-orbitkv::Deadline CacheClient::CallDeadline() const {
-  return orbitkv::Deadline::After(options_.timeout);
-}
+orbitkv::Deadline CacheClient::CallDeadline() const { return orbitkv::Deadline::After(options_.timeout); }
 
-Status CacheClient::ErrorFromReply(channel::ClientSession& session,
-                                   const channel::InboundReply& reply, uint32_t slot) {
+Status CacheClient::ErrorFromReply(channel::ClientSession& session, const channel::InboundReply& reply, uint32_t slot) {
   const auto bytes = session.slot(slot).first(reply.descriptor.payload_bytes);
-  return Status(reply.code(),
-                std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  return Status(reply.code(), std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
-Result<bool> CacheClient::DrainControlReplies(uint64_t wanted,
-                                              std::optional<channel::InboundReply>* mine) {
+Result<bool> CacheClient::DrainControlReplies(uint64_t wanted, std::optional<channel::InboundReply>* mine) {
   bool others = false;
   for (;;) {
     ORBITKV_ASSIGN_OR_RETURN(std::optional<channel::InboundReply> reply, control_->PollReply());
@@ -132,8 +125,7 @@ Result<bool> CacheClient::DrainControlReplies(uint64_t wanted,
   return others;
 }
 
-Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
-                                                        orbitkv::Deadline deadline,
+Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id, orbitkv::Deadline deadline,
                                                         int spin_iterations) {
   for (int spin = 0;; ++spin) {
     if (auto it = arrived_.find(request_id); it != arrived_.end()) {
@@ -152,14 +144,12 @@ Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
       continue;
     }
     const auto expired = [&] {
-      return Status::DeadlineExceeded(
-          fmt::format("no reply to request {} before the deadline", request_id));
+      return Status::DeadlineExceeded(fmt::format("no reply to request {} before the deadline", request_id));
     };
     if (sleeper_) {
       // Another waiter sleeps on the doorbell and hands over what it reads.
       if (deadline.Expired()) return expired();
-      reply_cv_.wait_until(control_mu_, deadline.IsInfinite() ? MonoNow() + std::chrono::hours(1)
-                                                              : deadline.when());
+      reply_cv_.wait_until(control_mu_, deadline.IsInfinite() ? MonoNow() + std::chrono::hours(1) : deadline.when());
       continue;
     }
     ORBITKV_ASSIGN_OR_RETURN(bool arrived, control_->ArmReplyDoorbell());
@@ -175,8 +165,7 @@ Result<channel::InboundReply> CacheClient::AwaitControl(uint64_t request_id,
     sleeper_ = false;
     reply_cv_.notify_all();  // a waiter still waiting takes over the doorbell
     if (rc < 0 && poll_errno != EINTR) return ErrnoStatus("poll reply doorbell", poll_errno);
-    ORBITKV_RETURN_IF_ERROR(control_->DisarmReplyDoorbell(rc > 0 ? fds[0].revents : 0,
-                                                          rc > 0 ? fds[1].revents : 0));
+    ORBITKV_RETURN_IF_ERROR(control_->DisarmReplyDoorbell(rc > 0 ? fds[0].revents : 0, rc > 0 ? fds[1].revents : 0));
     std::optional<channel::InboundReply> woken;
     ORBITKV_RETURN_IF_ERROR(DrainControlReplies(request_id, &woken).status());
     if (woken.has_value()) return *woken;
@@ -214,16 +203,13 @@ void CacheClient::FlushLateReleases() {
   }
 }
 
-Result<channel::InboundReply> CacheClient::RoundTrip(const Encoder& encode,
-                                                     orbitkv::Deadline deadline,
-                                                     std::string* reply_payload,
-                                                     uint64_t query_instance) {
+Result<channel::InboundReply> CacheClient::RoundTrip(const Encoder& encode, orbitkv::Deadline deadline,
+                                                     std::string* reply_payload, uint64_t query_instance) {
   FlushLateReleases();
   ORBITKV_ASSIGN_OR_RETURN(uint32_t slot, control_->AcquireSlot());
   Descriptor d{};
   Result<uint32_t> bytes = encode(&d, control_->slot(slot));
-  Result<uint64_t> id =
-      bytes.ok() ? control_->Submit(d, slot, *bytes) : Result<uint64_t>(bytes.status());
+  Result<uint64_t> id = bytes.ok() ? control_->Submit(d, slot, *bytes) : Result<uint64_t>(bytes.status());
   if (!id.ok()) {
     control_->ReleaseSlot(slot);
     return id.status();
@@ -234,8 +220,7 @@ Result<channel::InboundReply> CacheClient::RoundTrip(const Encoder& encode,
     control_->AbandonSlot(slot);  // the slot is free again once its reply arrived
     return reply.status();
   }
-  Status error =
-      reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(*control_, *reply, slot);
+  Status error = reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(*control_, *reply, slot);
   if (reply_payload != nullptr && error.ok()) {
     const auto out = control_->slot(slot).first(reply->descriptor.payload_bytes);
     reply_payload->assign(reinterpret_cast<const char*>(out.data()), out.size());
@@ -249,8 +234,7 @@ Result<channel::InboundReply> CacheClient::Call(Descriptor d, std::span<const ui
                                                 std::string* reply_payload) {
   return RoundTrip(
       [&](Descriptor* out, std::span<uint8_t> slot) -> Result<uint32_t> {
-        if (payload.size() > slot.size())
-          return Status::InvalidArgument("request payload exceeds its slot");
+        if (payload.size() > slot.size()) return Status::InvalidArgument("request payload exceeds its slot");
         *out = d;
         if (!payload.empty()) std::memcpy(slot.data(), payload.data(), payload.size());
         return static_cast<uint32_t>(payload.size());
@@ -258,23 +242,20 @@ Result<channel::InboundReply> CacheClient::Call(Descriptor d, std::span<const ui
       CallDeadline(), reply_payload);
 }
 
-Status CacheClient::RegisterInstance(uint64_t instance, const state::StateNamespace& ns,
-                                     std::string_view label) {
+Status CacheClient::RegisterInstance(uint64_t instance, const state::StateNamespace& ns, std::string_view label) {
   channel::RegisterInstanceBody body{};
   body.instance_id = instance;
   std::memcpy(body.namespace_digest, ns.digest().bytes.data(), 32);
   if (label.size() > channel::kMaxInstanceLabel) label = label.substr(0, channel::kMaxInstanceLabel);
   const std::vector<uint8_t> frame = channel::EncodeRegisterInstance(body, label);
   MutexLock lock(&control_mu_);
-  return control_->Lifecycle(channel::FrameType::kRegisterInstance, frame, {}, CallDeadline())
-      .status();
+  return control_->Lifecycle(channel::FrameType::kRegisterInstance, frame, {}, CallDeadline()).status();
 }
 
 Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, uint32_t num_pages,
                                             std::span<const BufferSpec> buffers) {
   if (buffers.empty() || buffers.size() > channel::kMaxFrameFds) {
-    return Status::InvalidArgument(
-        fmt::format("a group needs 1-{} buffers", channel::kMaxFrameFds));
+    return Status::InvalidArgument(fmt::format("a group needs 1-{} buffers", channel::kMaxFrameFds));
   }
   auto kind_of = [](const BufferSpec& spec) {
     if (spec.cuda_ipc.has_value()) return channel::BufferKind::kCudaIpc;
@@ -295,21 +276,19 @@ Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, u
         return Status::InvalidArgument("a CUDA IPC buffer has no fd (-1) and no address (0)");
       }
       const std::string& bus_id = spec.cuda_ipc->pci_bus_id;
-      if (bus_id.empty() || bus_id.size() >= channel::kPciBusIdBytes ||
-          bus_id.find('\0') != std::string::npos) {
+      if (bus_id.empty() || bus_id.size() >= channel::kPciBusIdBytes || bus_id.find('\0') != std::string::npos) {
         return Status::InvalidArgument(
-            fmt::format("'{}' is not a PCI bus id (like 0000:00:06.0, at most {} characters)",
-                        bus_id, channel::kPciBusIdBytes - 1));
+            fmt::format("'{}' is not a PCI bus id (like 0000:00:06.0, at most {} characters)", bus_id,
+                        channel::kPciBusIdBytes - 1));
       }
     }
   }
-  channel::RegisterGroupHeader header{instance, group, static_cast<uint32_t>(buffers.size()),
-                                      num_pages, static_cast<uint32_t>(kind)};
+  channel::RegisterGroupHeader header{instance, group, static_cast<uint32_t>(buffers.size()), num_pages,
+                                      static_cast<uint32_t>(kind)};
   std::vector<uint8_t> body(BytesOf(header).begin(), BytesOf(header).end());
   std::vector<int> fds;
   for (const BufferSpec& spec : buffers) {
-    const channel::BufferDescriptor layout{spec.buffer_bytes, spec.base_offset, spec.page_stride,
-                                           spec.page_bytes};
+    const channel::BufferDescriptor layout{spec.buffer_bytes, spec.base_offset, spec.page_stride, spec.page_bytes};
     body.insert(body.end(), BytesOf(layout).begin(), BytesOf(layout).end());
     if (kind == channel::BufferKind::kSharedMemory) fds.push_back(spec.fd);
   }
@@ -328,14 +307,12 @@ Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, u
       channel::CudaIpcBuffer cuda{};
       std::memcpy(cuda.ipc_handle, spec.cuda_ipc->handle.data(), sizeof(cuda.ipc_handle));
       cuda.offset = spec.cuda_ipc->offset;
-      std::memcpy(cuda.pci_bus_id, spec.cuda_ipc->pci_bus_id.data(),
-                  spec.cuda_ipc->pci_bus_id.size());
+      std::memcpy(cuda.pci_bus_id, spec.cuda_ipc->pci_bus_id.data(), spec.cuda_ipc->pci_bus_id.size());
       body.insert(body.end(), BytesOf(cuda).begin(), BytesOf(cuda).end());
     }
   }
   if (body.size() > channel::kMaxFrameBytes - sizeof(channel::FrameHeader)) {
-    return Status::InvalidArgument(
-        fmt::format("{} buffers do not fit one RegisterGroup frame", buffers.size()));
+    return Status::InvalidArgument(fmt::format("{} buffers do not fit one RegisterGroup frame", buffers.size()));
   }
   MutexLock lock(&control_mu_);
   return control_->Lifecycle(channel::FrameType::kRegisterGroup, body, fds, CallDeadline());
@@ -344,9 +321,7 @@ Result<uint64_t> CacheClient::RegisterGroup(uint64_t instance, uint32_t group, u
 Status CacheClient::UnregisterInstance(uint64_t instance) {
   const channel::UnregisterInstanceBody body{instance};
   MutexLock lock(&control_mu_);
-  return control_
-      ->Lifecycle(channel::FrameType::kUnregisterInstance, BytesOf(body), {}, CallDeadline())
-      .status();
+  return control_->Lifecycle(channel::FrameType::kUnregisterInstance, BytesOf(body), {}, CallDeadline()).status();
 }
 
 size_t CacheClient::MaxQueryKeys(size_t native_bytes) const {
@@ -354,29 +329,25 @@ size_t CacheClient::MaxQueryKeys(size_t native_bytes) const {
 }
 
 Result<channel::QueryRequest> CacheClient::ChainRequest(uint64_t instance, uint32_t group,
-                                                       std::span<const state::StateKey> keys) const {
+                                                        std::span<const state::StateKey> keys) const {
   const size_t count = std::min(keys.size(), MaxQueryKeys(keys.front().native_key().size()));
-  ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request,
-                           channel::QueryRequest::FromKeys(instance, keys.first(count)));
+  ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request, channel::QueryRequest::FromKeys(instance, keys.first(count)));
   if (request.group != group) {
-    return Status::InvalidArgument(
-        fmt::format("query keys belong to group {}, not {}", request.group, group));
+    return Status::InvalidArgument(fmt::format("query keys belong to group {}, not {}", request.group, group));
   }
   return request;
 }
 
-Result<QueryResult> CacheClient::Query(uint64_t instance, uint32_t group,
-                                       std::span<const state::StateKey> keys) {
+Result<QueryResult> CacheClient::Query(uint64_t instance, uint32_t group, std::span<const state::StateKey> keys) {
   if (keys.empty()) return QueryResult{};
   ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request, ChainRequest(instance, group, keys));
-  return QueryNative(instance, group, request.first_token, request.page_tokens,
-                     request.native_bytes, request.natives, request.key_version);
+  return QueryNative(instance, group, request.first_token, request.page_tokens, request.native_bytes, request.natives,
+                     request.key_version);
 }
 
-Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
-                                             uint64_t first_token, uint32_t page_tokens,
-                                             uint8_t native_bytes, std::span<const uint8_t> natives,
-                                             uint16_t key_version, uint8_t flags) {
+Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group, uint64_t first_token,
+                                             uint32_t page_tokens, uint8_t native_bytes,
+                                             std::span<const uint8_t> natives, uint16_t key_version, uint8_t flags) {
   if (native_bytes == 0 || natives.size() % native_bytes != 0) {
     return Status::InvalidArgument("native keys must all have native_bytes bytes");
   }
@@ -384,15 +355,14 @@ Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
   const size_t count = std::min(natives.size() / native_bytes, MaxQueryKeys(native_bytes));
   MutexLock lock(&control_mu_);
   // Encoded straight into the request slot: no intermediate copy on the hot path.
-  ORBITKV_ASSIGN_OR_RETURN(
-      channel::InboundReply reply,
-      RoundTrip(
-          [&](Descriptor* d, std::span<uint8_t> slot) {
-            return channel::EncodeQueryChain(instance, group, first_token, page_tokens,
-                                             key_version, native_bytes,
-                                             natives.first(count * native_bytes), d, slot, flags);
-          },
-          CallDeadline(), nullptr, instance));
+  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply, RoundTrip(
+                                                            [&](Descriptor* d, std::span<uint8_t> slot) {
+                                                              return channel::EncodeQueryChain(
+                                                                  instance, group, first_token, page_tokens,
+                                                                  key_version, native_bytes,
+                                                                  natives.first(count * native_bytes), d, slot, flags);
+                                                            },
+                                                            CallDeadline(), nullptr, instance));
   Result<channel::QueryReply> decoded = channel::DecodeQueryReply(reply.descriptor);
   if (!decoded.ok()) return decoded.status().WithContext("the Manager's query reply is malformed");
   QueryResult result;
@@ -403,26 +373,22 @@ Result<QueryResult> CacheClient::QueryNative(uint64_t instance, uint32_t group,
   return result;
 }
 
-Result<QueryResult> CacheClient::QueryWait(uint64_t instance, uint32_t group,
-                                           std::span<const state::StateKey> keys,
+Result<QueryResult> CacheClient::QueryWait(uint64_t instance, uint32_t group, std::span<const state::StateKey> keys,
                                            std::chrono::milliseconds timeout) {
   if (keys.empty()) return QueryResult{};
   ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request, ChainRequest(instance, group, keys));
-  return QueryNativeWait(instance, group, request.first_token, request.page_tokens,
-                         request.native_bytes, request.natives, timeout, request.key_version);
+  return QueryNativeWait(instance, group, request.first_token, request.page_tokens, request.native_bytes,
+                         request.natives, timeout, request.key_version);
 }
 
-Result<QueryResult> CacheClient::QueryNativeWait(uint64_t instance, uint32_t group,
-                                                 uint64_t first_token, uint32_t page_tokens,
-                                                 uint8_t native_bytes,
-                                                 std::span<const uint8_t> natives,
-                                                 std::chrono::milliseconds timeout,
+Result<QueryResult> CacheClient::QueryNativeWait(uint64_t instance, uint32_t group, uint64_t first_token,
+                                                 uint32_t page_tokens, uint8_t native_bytes,
+                                                 std::span<const uint8_t> natives, std::chrono::milliseconds timeout,
                                                  uint16_t key_version, uint8_t flags) {
   const orbitkv::Deadline deadline = orbitkv::Deadline::After(timeout);
   for (;;) {
-    ORBITKV_ASSIGN_OR_RETURN(QueryResult result,
-                             QueryNative(instance, group, first_token, page_tokens, native_bytes,
-                                         natives, key_version, flags));
+    ORBITKV_ASSIGN_OR_RETURN(QueryResult result, QueryNative(instance, group, first_token, page_tokens, native_bytes,
+                                                             natives, key_version, flags));
     if (result.loading_op == 0) return result;
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline.Remaining());
     if (left.count() <= 0) return result;
@@ -431,60 +397,47 @@ Result<QueryResult> CacheClient::QueryNativeWait(uint64_t instance, uint32_t gro
       // Still running at the deadline: the caller hears Loading. Taken by another query, cancelled
       // or expired: the query, asked again, says what is there now.
       if (waited.status().code() == StatusCode::kDeadlineExceeded) return result;
-      if (waited.status().code() != StatusCode::kNotFound &&
-          waited.status().code() != StatusCode::kAborted) {
+      if (waited.status().code() != StatusCode::kNotFound && waited.status().code() != StatusCode::kAborted) {
         return waited.status();
       }
     }
   }
 }
 
-Result<uint64_t> CacheClient::WaitLoading(uint64_t instance, uint64_t op,
-                                          std::chrono::milliseconds timeout) {
+Result<uint64_t> CacheClient::WaitLoading(uint64_t instance, uint64_t op, std::chrono::milliseconds timeout) {
   ORBITKV_ASSIGN_OR_RETURN(LoadingProgress done, WaitLoadingProgress(instance, op, 0, timeout));
   return done.resident;
 }
 
-Result<LoadingProgress> CacheClient::WaitLoadingProgress(uint64_t instance, uint64_t op,
-                                                         uint32_t min_resident,
+Result<LoadingProgress> CacheClient::WaitLoadingProgress(uint64_t instance, uint64_t op, uint32_t min_resident,
                                                          std::chrono::milliseconds timeout) {
   const auto clamped = std::clamp<int64_t>(timeout.count(), 1, channel::kMaxWaitLoadingMs);
-  const channel::WaitLoadingRequest request{instance, op, static_cast<uint32_t>(clamped),
-                                            min_resident};
+  const channel::WaitLoadingRequest request{instance, op, static_cast<uint32_t>(clamped), min_resident};
   // The Manager answers by the timeout itself; the client waits a little longer for that answer
   // (then the request is abandoned, its slot freed when the answer comes).
-  const orbitkv::Deadline deadline =
-      orbitkv::Deadline::After(std::chrono::milliseconds(clamped) + options_.timeout);
+  const orbitkv::Deadline deadline = orbitkv::Deadline::After(std::chrono::milliseconds(clamped) + options_.timeout);
   MutexLock lock(&control_mu_);
-  ORBITKV_ASSIGN_OR_RETURN(channel::InboundReply reply,
-                           RoundTrip(
-                               [&](Descriptor* d, std::span<uint8_t> slot) {
-                                 return channel::EncodeWaitLoading(request, d, slot);
-                               },
-                               deadline));
-  ORBITKV_ASSIGN_OR_RETURN(channel::WaitLoadingReply done,
-                           channel::DecodeWaitLoadingReply(reply.descriptor));
+  ORBITKV_ASSIGN_OR_RETURN(
+      channel::InboundReply reply,
+      RoundTrip([&](Descriptor* d, std::span<uint8_t> slot) { return channel::EncodeWaitLoading(request, d, slot); },
+                deadline));
+  ORBITKV_ASSIGN_OR_RETURN(channel::WaitLoadingReply done, channel::DecodeWaitLoadingReply(reply.descriptor));
   return LoadingProgress{done.resident, done.completed};
 }
 
-Result<uint32_t> CacheClient::QueryRestore(uint64_t instance, uint32_t group,
-                                           std::span<const state::StateKey> keys,
-                                           std::span<const uint32_t> pages,
-                                           std::chrono::milliseconds timeout) {
+Result<uint32_t> CacheClient::QueryRestore(uint64_t instance, uint32_t group, std::span<const state::StateKey> keys,
+                                           std::span<const uint32_t> pages, std::chrono::milliseconds timeout) {
   if (keys.empty() || pages.empty()) return 0u;
   ORBITKV_ASSIGN_OR_RETURN(channel::QueryRequest request, ChainRequest(instance, group, keys));
-  return QueryRestoreNative(instance, group, request.first_token, request.page_tokens,
-                            request.native_bytes, request.natives, pages, timeout,
-                            request.key_version);
+  return QueryRestoreNative(instance, group, request.first_token, request.page_tokens, request.native_bytes,
+                            request.natives, pages, timeout, request.key_version);
 }
 
-Result<uint32_t> CacheClient::QueryRestoreNative(uint64_t instance, uint32_t group,
-                                                 uint64_t first_token, uint32_t page_tokens,
-                                                 uint8_t native_bytes,
-                                                 std::span<const uint8_t> natives,
-                                                 std::span<const uint32_t> pages,
-                                                 std::chrono::milliseconds timeout,
-                                                 uint16_t key_version, uint8_t flags) {
+Result<uint32_t> CacheClient::QueryRestoreNative(uint64_t instance, uint32_t group, uint64_t first_token,
+                                                 uint32_t page_tokens, uint8_t native_bytes,
+                                                 std::span<const uint8_t> natives, std::span<const uint32_t> pages,
+                                                 std::chrono::milliseconds timeout, uint16_t key_version,
+                                                 uint8_t flags) {
   if (native_bytes == 0 || natives.size() % native_bytes != 0) {
     return Status::InvalidArgument("native keys must all have native_bytes bytes");
   }
@@ -514,8 +467,8 @@ Result<uint32_t> CacheClient::QueryRestoreNative(uint64_t instance, uint32_t gro
     restored = upto;
     return true;
   };
-  Result<QueryResult> answer = QueryNative(instance, group, first_token, page_tokens, native_bytes,
-                                           natives, key_version, flags);
+  Result<QueryResult> answer =
+      QueryNative(instance, group, first_token, page_tokens, native_bytes, natives, key_version, flags);
   uint32_t want = 1;  // the next wait's min_resident: past what the last partial answer leased
   uint64_t op = 0;    // the chain's Loading operation
   while (answer.ok() && failure.ok()) {
@@ -526,23 +479,19 @@ Result<uint32_t> CacheClient::QueryRestoreNative(uint64_t instance, uint32_t gro
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline.Remaining());
     if (left.count() <= 0) break;  // what arrived in time is restored; the op runs on
     want = std::max(want, restored + 1);
-    Result<LoadingProgress> waited =
-        WaitLoadingProgress(instance, op, want, left);
+    Result<LoadingProgress> waited = WaitLoadingProgress(instance, op, want, left);
     if (!waited.ok()) {
       if (waited.status().code() == StatusCode::kDeadlineExceeded) break;
-      if (waited.status().code() != StatusCode::kNotFound &&
-          waited.status().code() != StatusCode::kAborted) {
+      if (waited.status().code() != StatusCode::kNotFound && waited.status().code() != StatusCode::kAborted) {
         failure = waited.status();
         break;
       }
       // Taken by another query, cancelled or expired: the plain query says what is there now.
-      answer = QueryNative(instance, group, first_token, page_tokens, native_bytes, natives,
-                           key_version, flags);
+      answer = QueryNative(instance, group, first_token, page_tokens, native_bytes, natives, key_version, flags);
       continue;
     }
     want = static_cast<uint32_t>(std::max<uint64_t>(want, waited->resident + 1));
-    answer = QueryNative(instance, group, first_token, page_tokens, native_bytes, natives,
-                         key_version,
+    answer = QueryNative(instance, group, first_token, page_tokens, native_bytes, natives, key_version,
                          static_cast<uint8_t>(flags | (waited->completed ? 0 : channel::kQueryPartial)));
   }
   if (!answer.ok() && failure.ok()) failure = answer.status();
@@ -571,9 +520,8 @@ Result<uint64_t> CacheClient::StartRestore(uint64_t instance, uint32_t group, ui
 }
 
 Result<uint64_t> CacheClient::StartRestoreLayers(uint64_t instance, uint32_t group, uint64_t lease,
-                                                 std::span<const uint32_t> pages,
-                                                 uint32_t first_buffer, uint32_t buffer_count,
-                                                 bool last) {
+                                                 std::span<const uint32_t> pages, uint32_t first_buffer,
+                                                 uint32_t buffer_count, bool last) {
   if (buffer_count == 0) return Status::InvalidArgument("a layer restore needs buffers");
   channel::RestoreRequest request;
   request.instance = instance;
@@ -611,8 +559,7 @@ Result<bool> CacheClient::AbandonRestore(uint64_t handle) {
   MutexLock lock(&control_mu_);
   auto it = restores_.find(handle);
   if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
-  if (control_->AbandonClaim(it->second.slot, it->second.generation) ==
-      channel::ClaimState::kClaimed) {
+  if (control_->AbandonClaim(it->second.slot, it->second.generation) == channel::ClaimState::kClaimed) {
     return false;  // the Manager owns it: its pages stay reserved until it completes
   }
   control_->AbandonSlot(it->second.slot);
@@ -629,8 +576,7 @@ Result<CacheClient::RestoreSignal> CacheClient::RestoreSignalOf(uint64_t handle)
   MutexLock lock(&control_mu_);
   auto it = restores_.find(handle);
   if (it == restores_.end()) return Status::NotFound(fmt::format("no pending restore {}", handle));
-  return RestoreSignal{uint64_t{it->second.slot} * sizeof(uint64_t),
-                       channel::SettledWord(it->second.generation)};
+  return RestoreSignal{uint64_t{it->second.slot} * sizeof(uint64_t), channel::SettledWord(it->second.generation)};
 }
 
 Status CacheClient::RecordDrain(uint64_t handle, const channel::Descriptor& reply) {
@@ -684,8 +630,7 @@ Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::mill
   const PendingRestore pending = it->second;
   const orbitkv::Deadline deadline = orbitkv::Deadline::After(timeout.value_or(options_.timeout));
   // control_mu_ is let go while this waits: other threads' queries and restores go on meanwhile.
-  Result<channel::InboundReply> reply =
-      AwaitControl(pending.request_id, deadline, options_.spin_iterations);
+  Result<channel::InboundReply> reply = AwaitControl(pending.request_id, deadline, options_.spin_iterations);
   if (!reply.ok()) {
     if (reply.status().code() == StatusCode::kDeadlineExceeded) {
       return Status::DeadlineExceeded(
@@ -711,8 +656,7 @@ Status CacheClient::WaitRestore(uint64_t handle, std::optional<std::chrono::mill
   return status;
 }
 
-Status CacheClient::Restore(uint64_t instance, uint32_t group, uint64_t lease,
-                            std::span<const uint32_t> pages) {
+Status CacheClient::Restore(uint64_t instance, uint32_t group, uint64_t lease, std::span<const uint32_t> pages) {
   ORBITKV_ASSIGN_OR_RETURN(uint64_t handle, StartRestore(instance, group, lease, pages));
   return WaitRestore(handle);
 }
@@ -734,8 +678,7 @@ Result<channel::ClientSession*> CacheClient::PublishSession() {
   return publish_.get();
 }
 
-Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
-                                     std::span<const SaveItem> items) {
+Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group, std::span<const SaveItem> items) {
   MutexLock lock(&publish_mu_);
   ORBITKV_ASSIGN_OR_RETURN(channel::ClientSession * session, PublishSession());
   const size_t per_request = channel::MaxSaveItems(session->slot_bytes());
@@ -758,8 +701,7 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
     inflight.erase(inflight.begin());
     // After one request timed out the Manager is not answering: the rest are decided at once.
     const orbitkv::Deadline deadline =
-        total.abandoned_requests + total.unconfirmed > 0 ? orbitkv::Deadline::At(MonoNow())
-                                                         : CallDeadline();
+        total.abandoned_requests + total.unconfirmed > 0 ? orbitkv::Deadline::At(MonoNow()) : CallDeadline();
     Result<channel::InboundReply> reply = session->WaitReply(oldest.id, deadline, spins);
     // Until its reply the Manager may still be reading the source pages. At the timeout one
     // compare-and-swap decides: abandoned first, the Manager will never seal what it read (the pages
@@ -772,10 +714,10 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
       } else {
         ++total.abandoned_requests;
         if (failed.ok()) {
-          failed = Status::DeadlineExceeded(fmt::format(
-              "the Manager did not take a save of {} blocks within {} ms (stopped or overloaded); "
-              "it was abandoned and none of it will be sealed",
-              oldest.items, options_.timeout.count()));
+          failed = Status::DeadlineExceeded(
+              fmt::format("the Manager did not take a save of {} blocks within {} ms (stopped or overloaded); "
+                          "it was abandoned and none of it will be sealed",
+                          oldest.items, options_.timeout.count()));
         }
       }
       return;
@@ -785,12 +727,10 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
       // seals it (either way its copy no longer reads the pages once this returns).
       (void)session->AbandonClaim(oldest.slot, oldest.generation);
     }
-    Status status = reply.ok() ? (reply->code() == StatusCode::kOk
-                                      ? Status::Ok()
-                                      : ErrorFromReply(*session, *reply, oldest.slot))
-                               : reply.status();
-    session->ReleaseSlot(
-        oldest.slot);  // kept retired by the session while the request is outstanding
+    Status status =
+        reply.ok() ? (reply->code() == StatusCode::kOk ? Status::Ok() : ErrorFromReply(*session, *reply, oldest.slot))
+                   : reply.status();
+    session->ReleaseSlot(oldest.slot);  // kept retired by the session while the request is outstanding
     Result<channel::SaveReply> counts =
         status.ok() ? channel::DecodeSaveReply(reply->descriptor) : Result<channel::SaveReply>(status);
     if (counts.ok()) {
@@ -808,8 +748,7 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
     if (inflight.size() == kPipeline) wait_oldest();
     const size_t end = std::min(items.size(), start + per_request);
     request.items.clear();
-    for (size_t i = start; i < end; ++i)
-      request.items.push_back(channel::SaveItem{items[i].key, items[i].page});
+    for (size_t i = start; i < end; ++i) request.items.push_back(channel::SaveItem{items[i].key, items[i].page});
     Result<uint32_t> slot = session->AcquireSlot();
     if (!slot.ok()) {
       failed = slot.status();
@@ -818,8 +757,7 @@ Result<SaveResult> CacheClient::Save(uint64_t instance, uint32_t group,
     Descriptor d{};
     Result<uint32_t> bytes = channel::EncodeSave(request, &d, session->slot(*slot));
     const uint32_t generation = session->ArmClaim(*slot);
-    Result<uint64_t> id =
-        bytes.ok() ? session->Submit(d, *slot, *bytes) : Result<uint64_t>(bytes.status());
+    Result<uint64_t> id = bytes.ok() ? session->Submit(d, *slot, *bytes) : Result<uint64_t>(bytes.status());
     if (!id.ok()) {
       session->ReleaseSlot(*slot);
       failed = id.status();

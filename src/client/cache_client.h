@@ -63,7 +63,7 @@ struct ClientOptions {
 // untyped_storage()._share_cuda_()) and passes the handle's bytes; this library never calls CUDA.
 struct CudaIpcSpec {
   std::array<uint8_t, channel::kCudaIpcHandleBytes> handle{};  // a cudaIpcMemHandle_t's bytes
-  uint64_t offset = 0;  // where the buffer starts inside the exported allocation
+  uint64_t offset = 0;                                         // where the buffer starts inside the exported allocation
   // The GPU's PCI bus id ("0000:00:06.0", cudaDeviceGetPCIBusId's form): the Manager's CUDA
   // ordinal for the same GPU may differ from the engine's.
   std::string pci_bus_id;
@@ -128,8 +128,7 @@ class CacheClient {
 
   // `label` says what the engine is (model, weights, rank) for `orbitkv status`: printable UTF-8,
   // cut at channel::kMaxInstanceLabel bytes.
-  Status RegisterInstance(uint64_t instance, const state::StateNamespace& ns,
-                          std::string_view label = {});
+  Status RegisterInstance(uint64_t instance, const state::StateNamespace& ns, std::string_view label = {});
   // Returns the padded bytes of one block (what a query charges per block).
   Result<uint64_t> RegisterGroup(uint64_t instance, uint32_t group, uint32_t num_pages,
                                  std::span<const BufferSpec> buffers);
@@ -139,30 +138,24 @@ class CacheClient {
   // version and native-key length, consecutive equal token spans): the request carries only their
   // native keys. At most MaxQueryKeys(native bytes) keys are looked up; a longer chain is answered
   // for its first ones.
-  Result<QueryResult> Query(uint64_t instance, uint32_t group,
-                            std::span<const state::StateKey> keys);
+  Result<QueryResult> Query(uint64_t instance, uint32_t group, std::span<const state::StateKey> keys);
   // The same with the chain given directly: `natives` holds count x native_bytes bytes; page i
   // covers tokens [first_token + i * page_tokens, + page_tokens).
   // `flags`: channel::QueryFlags (kQueryPartial: a partial hit while the chain's Loading runs).
-  Result<QueryResult> QueryNative(uint64_t instance, uint32_t group, uint64_t first_token,
-                                  uint32_t page_tokens, uint8_t native_bytes,
-                                  std::span<const uint8_t> natives, uint16_t key_version = 1,
+  Result<QueryResult> QueryNative(uint64_t instance, uint32_t group, uint64_t first_token, uint32_t page_tokens,
+                                  uint8_t native_bytes, std::span<const uint8_t> natives, uint16_t key_version = 1,
                                   uint8_t flags = 0);
   size_t MaxQueryKeys(size_t native_bytes = 32) const;
   // Like Query / QueryNative, but a Loading answer is waited for (on its operation's completion,
   // with no polling) and asked again, until `timeout` passed: then the Loading result is returned
   // (ask again later, or Cancel). For callers on threads of their own (SGLang's prefetch thread);
   // a scheduler that must never block uses Query.
-  Result<QueryResult> QueryWait(uint64_t instance, uint32_t group,
-                                std::span<const state::StateKey> keys,
+  Result<QueryResult> QueryWait(uint64_t instance, uint32_t group, std::span<const state::StateKey> keys,
                                 std::chrono::milliseconds timeout);
-  Result<QueryResult> QueryNativeWait(uint64_t instance, uint32_t group, uint64_t first_token,
-                                      uint32_t page_tokens, uint8_t native_bytes,
-                                      std::span<const uint8_t> natives,
-                                      std::chrono::milliseconds timeout, uint16_t key_version = 1,
-                                      uint8_t flags = 0);
-  Result<uint32_t> QueryRestore(uint64_t instance, uint32_t group,
-                                std::span<const state::StateKey> keys,
+  Result<QueryResult> QueryNativeWait(uint64_t instance, uint32_t group, uint64_t first_token, uint32_t page_tokens,
+                                      uint8_t native_bytes, std::span<const uint8_t> natives,
+                                      std::chrono::milliseconds timeout, uint16_t key_version = 1, uint8_t flags = 0);
+  Result<uint32_t> QueryRestore(uint64_t instance, uint32_t group, std::span<const state::StateKey> keys,
                                 std::span<const uint32_t> pages, std::chrono::milliseconds timeout);
   // Waits until Loading operation `op` completed: returns how many blocks of its chain are now in
   // DRAM (the next query leases them). DeadlineExceeded when it still runs after `timeout`;
@@ -179,29 +172,25 @@ class CacheClient {
   // brings the rest, each part is restored as it arrives (partial queries on the op's progress), so
   // the copies overlap the remote fetch. Returns how many leading blocks are now in `pages` once
   // every copy drained; `timeout` bounds the wait for Loading (what arrived by then is restored).
-  Result<uint32_t> QueryRestoreNative(uint64_t instance, uint32_t group, uint64_t first_token,
-                                      uint32_t page_tokens, uint8_t native_bytes,
-                                      std::span<const uint8_t> natives,
-                                      std::span<const uint32_t> pages,
-                                      std::chrono::milliseconds timeout, uint16_t key_version = 1,
-                                      uint8_t flags = 0);
+  Result<uint32_t> QueryRestoreNative(uint64_t instance, uint32_t group, uint64_t first_token, uint32_t page_tokens,
+                                      uint8_t native_bytes, std::span<const uint8_t> natives,
+                                      std::span<const uint32_t> pages, std::chrono::milliseconds timeout,
+                                      uint16_t key_version = 1, uint8_t flags = 0);
 
   // Copies the leased blocks into `pages` (one destination page per leased block, in order;
   // kSkipPage leaves one out). The lease is consumed. StartRestore returns a handle; WaitRestore
   // blocks until the copy drained (or the timeout: DeadlineExceeded, and the restore stays
   // pending), PollRestore does not block (nullopt: pending).
-  Result<uint64_t> StartRestore(uint64_t instance, uint32_t group, uint64_t lease,
-                                std::span<const uint32_t> pages);
+  Result<uint64_t> StartRestore(uint64_t instance, uint32_t group, uint64_t lease, std::span<const uint32_t> pages);
   // Layer-wise restore: copies only buffers [first_buffer, first_buffer + buffer_count) of the
   // group (a layer, or K and V of some layers) of each leased block, with its own completion, so
   // the engine can start computing layer 0 while later layers still copy. The lease stays valid for
   // the next part until `last`, which consumes it (or Release it to stop early). Parts may be in
   // flight together.
   Result<uint64_t> StartRestoreLayers(uint64_t instance, uint32_t group, uint64_t lease,
-                                      std::span<const uint32_t> pages, uint32_t first_buffer,
-                                      uint32_t buffer_count, bool last);
-  Status WaitRestore(uint64_t handle,
-                     std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+                                      std::span<const uint32_t> pages, uint32_t first_buffer, uint32_t buffer_count,
+                                      bool last);
+  Status WaitRestore(uint64_t handle, std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   Result<std::optional<Status>> PollRestore(uint64_t handle);
   // When the copies of a restore that WaitRestore/PollRestore reported complete drained, in the
   // Manager's CLOCK_MONOTONIC nanoseconds (one clock for the host), once per handle; nullopt when
@@ -237,8 +226,7 @@ class CacheClient {
   // The control session's claim words (ClientSession::claim_region), mapped for this client's
   // lifetime: whole pages, page-aligned.
   std::span<uint8_t> claim_region() const;
-  Status Restore(uint64_t instance, uint32_t group, uint64_t lease,
-                 std::span<const uint32_t> pages);
+  Status Restore(uint64_t instance, uint32_t group, uint64_t lease, std::span<const uint32_t> pages);
   // An fd that becomes readable when a reply (e.g. a restore completion) arrives: poll it, then
   // PollRestore. The first call switches the session to ringing it for every reply.
   Result<int> CompletionFd();
@@ -279,8 +267,7 @@ class CacheClient {
     uint32_t generation;  // of its claim word
   };
 
-  CacheClient(ClientOptions options, std::string socket_path,
-              std::unique_ptr<channel::ClientSession> control)
+  CacheClient(ClientOptions options, std::string socket_path, std::unique_ptr<channel::ClientSession> control)
       : options_(std::move(options)),
         socket_path_(std::move(socket_path)),
         session_id_(control->session_id()),
@@ -288,8 +275,7 @@ class CacheClient {
         control_slot_bytes_(control->slot_bytes()),
         manager_pid_(PeerPid(control->socket_fd())),
         control_(std::move(control)) {
-    control_->SetAbandonedReplyHandler(
-        [this](const channel::InboundReply& reply) { OnAbandonedReply(reply); });
+    control_->SetAbandonedReplyHandler([this](const channel::InboundReply& reply) { OnAbandonedReply(reply); });
   }
   // A late reply to a query whose caller timed out: its lease (if any) is released with the next
   // control request, so a stopped Manager that wakes up leaks no pins.
@@ -309,8 +295,8 @@ class CacheClient {
   // `query_instance`: the instance of a query, whose late reply's lease is released if the wait is
   // abandoned (0: not a query).
   Result<channel::InboundReply> RoundTrip(const Encoder& encode, orbitkv::Deadline deadline,
-                                          std::string* reply_payload = nullptr,
-                                          uint64_t query_instance = 0) REQUIRES(control_mu_);
+                                          std::string* reply_payload = nullptr, uint64_t query_instance = 0)
+      REQUIRES(control_mu_);
   // RoundTrip with a prepared descriptor and payload.
   Result<channel::InboundReply> Call(channel::Descriptor d, std::span<const uint8_t> payload,
                                      std::string* reply_payload = nullptr) REQUIRES(control_mu_);
@@ -318,14 +304,12 @@ class CacheClient {
   // released while spinning and sleeping: one waiter at a time sleeps on the reply doorbell, the
   // others on reply_cv_, and every reply read off the ring is kept in arrived_ for its waiter.
   // DeadlineExceeded leaves the request outstanding.
-  Result<channel::InboundReply> AwaitControl(uint64_t request_id, orbitkv::Deadline deadline,
-                                             int spin_iterations) REQUIRES(control_mu_);
+  Result<channel::InboundReply> AwaitControl(uint64_t request_id, orbitkv::Deadline deadline, int spin_iterations)
+      REQUIRES(control_mu_);
   // Reads every reply on the ring: the one for `wanted` into *mine, the others into arrived_ (true
   // when there were any: their waiters are woken).
-  Result<bool> DrainControlReplies(uint64_t wanted, std::optional<channel::InboundReply>* mine)
-      REQUIRES(control_mu_);
-  Status ErrorFromReply(channel::ClientSession& session, const channel::InboundReply& reply,
-                        uint32_t slot);
+  Result<bool> DrainControlReplies(uint64_t wanted, std::optional<channel::InboundReply>* mine) REQUIRES(control_mu_);
+  Status ErrorFromReply(channel::ClientSession& session, const channel::InboundReply& reply, uint32_t slot);
   Result<channel::ClientSession*> PublishSession() REQUIRES(publish_mu_);
 
   // Immutable after Connect.

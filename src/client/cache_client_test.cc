@@ -68,13 +68,11 @@ class ScriptedManager {
       auto request = (*session)->NextRequest();
       ASSERT_TRUE(request.ok()) << request.status();
       if (release_restores) {
-        for (const Descriptor& d : held_restores)
-          (void)(*session)->Answer(d, channel::EncodeRestoreReply({4096}));
+        for (const Descriptor& d : held_restores) (void)(*session)->Answer(d, channel::EncodeRestoreReply({4096}));
         held_restores.clear();
       }
       if (release_waits) {
-        for (const Descriptor& d : held_waits)
-          (void)(*session)->Answer(d, channel::EncodeWaitLoadingReply({3}));
+        for (const Descriptor& d : held_waits) (void)(*session)->Answer(d, channel::EncodeWaitLoadingReply({3}));
         held_waits.clear();
       }
       if (!request->has_value()) {
@@ -86,9 +84,8 @@ class ScriptedManager {
         case Opcode::kQuery: {
           ++queries;
           const auto count = static_cast<uint32_t>(d.arg1);
-          (void)(*session)->Answer(d, channel::EncodeQueryReply(
-                                          loaded ? channel::QueryReply::Hit(count, 42)
-                                                 : channel::QueryReply::Loading(7)));
+          (void)(*session)->Answer(d, channel::EncodeQueryReply(loaded ? channel::QueryReply::Hit(count, 42)
+                                                                       : channel::QueryReply::Loading(7)));
           break;
         }
         case Opcode::kRestore:

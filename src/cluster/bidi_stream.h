@@ -28,8 +28,7 @@ class BidiStream {
  public:
   using Rpc = grpc::ClientAsyncReaderWriter<Request, Response>;
   // Creates the call without starting it (a stub's PrepareAsync<Method>).
-  using PrepareFn =
-      std::function<std::unique_ptr<Rpc>(grpc::ClientContext*, grpc::CompletionQueue*)>;
+  using PrepareFn = std::function<std::unique_ptr<Rpc>(grpc::ClientContext*, grpc::CompletionQueue*)>;
   enum class Op { kStart = 0, kRead = 1, kWrite = 2, kFinish = 3 };
   struct Event {
     Op op;
@@ -82,8 +81,7 @@ class BidiStream {
     const auto when = until.IsInfinite()
                           ? std::chrono::system_clock::time_point::max()
                           : std::chrono::system_clock::now() +
-                                std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                    until.Remaining());
+                                std::chrono::duration_cast<std::chrono::system_clock::duration>(until.Remaining());
     switch (cq_.AsyncNext(&tag, &ok, when)) {
       case grpc::CompletionQueue::GOT_EVENT: {
         const Op op = static_cast<Op>(static_cast<const char*>(tag) - tags_);

@@ -7,26 +7,23 @@ namespace orbitkv::cluster {
 Status ValidateName(std::string_view what, std::string_view name) {
   if (name.empty()) return Status::InvalidArgument(fmt::format("{} must not be empty", what));
   if (name.size() > kMaxNameBytes) {
-    return Status::InvalidArgument(fmt::format("{} '{}...' is {} bytes; the limit is {}", what,
-                                               name.substr(0, 16), name.size(), kMaxNameBytes));
+    return Status::InvalidArgument(
+        fmt::format("{} '{}...' is {} bytes; the limit is {}", what, name.substr(0, 16), name.size(), kMaxNameBytes));
   }
-  if (name == "." || name == "..")
-    return Status::InvalidArgument(fmt::format("{} must not be '{}'", what, name));
+  if (name == "." || name == "..") return Status::InvalidArgument(fmt::format("{} must not be '{}'", what, name));
   for (char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
+    const bool ok =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     if (!ok) {
       return Status::InvalidArgument(
-          fmt::format("{} '{}' contains byte 0x{:02x}; use letters, digits, '.', '_' and '-'", what,
-                      name, static_cast<unsigned>(static_cast<unsigned char>(c))));
+          fmt::format("{} '{}' contains byte 0x{:02x}; use letters, digits, '.', '_' and '-'", what, name,
+                      static_cast<unsigned>(static_cast<unsigned char>(c))));
     }
   }
   return Status::Ok();
 }
 
-std::string ClusterPrefix(std::string_view cluster) {
-  return fmt::format("/orbitkv/v1/{}/", cluster);
-}
+std::string ClusterPrefix(std::string_view cluster) { return fmt::format("/orbitkv/v1/{}/", cluster); }
 
 std::string MembersPrefix(std::string_view cluster) { return ClusterPrefix(cluster) + "members/"; }
 
@@ -40,9 +37,7 @@ std::string EpochKey(std::string_view cluster, std::string_view node_id) {
 
 std::string PlacementKey(std::string_view cluster) { return ClusterPrefix(cluster) + "placement"; }
 
-std::string PlacementTransitionKey(std::string_view cluster) {
-  return ClusterPrefix(cluster) + "placement-transition";
-}
+std::string PlacementTransitionKey(std::string_view cluster) { return ClusterPrefix(cluster) + "placement-transition"; }
 
 std::string PlacementRequestKey(std::string_view cluster) { return ClusterPrefix(cluster) + "placement-request"; }
 

@@ -28,8 +28,7 @@ thread_local uint64_t t_calls_on_thread = 0;
 std::chrono::system_clock::time_point ToSystemDeadline(Deadline deadline) {
   if (deadline.IsInfinite()) return std::chrono::system_clock::time_point::max();
   const auto remaining = deadline.Remaining();
-  return std::chrono::system_clock::now() +
-         std::chrono::duration_cast<std::chrono::system_clock::duration>(remaining);
+  return std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(remaining);
 }
 
 Result<std::string> NormalizeEndpoint(std::string_view endpoint, bool tls) {
@@ -51,13 +50,11 @@ Result<std::string> NormalizeEndpoint(std::string_view endpoint, bool tls) {
   const size_t colon = e.rfind(':');
   if (e.empty() || colon == std::string_view::npos || colon == 0 || colon + 1 == e.size() ||
       e.find_first_of(" /,\"") != std::string_view::npos) {
-    return Status::InvalidArgument(fmt::format(
-        "etcd endpoint '{}' is not host:port (e.g. 127.0.0.1:2379 or http://etcd-1:2379)",
-        endpoint));
+    return Status::InvalidArgument(
+        fmt::format("etcd endpoint '{}' is not host:port (e.g. 127.0.0.1:2379 or http://etcd-1:2379)", endpoint));
   }
   for (char c : e.substr(colon + 1)) {
-    if (c < '0' || c > '9')
-      return Status::InvalidArgument(fmt::format("etcd endpoint '{}' has a bad port", endpoint));
+    if (c < '0' || c > '9') return Status::InvalidArgument(fmt::format("etcd endpoint '{}' has a bad port", endpoint));
   }
   return std::string(e);
 }
@@ -81,8 +78,7 @@ struct EtcdClient::Endpoint {
 Status FromGrpc(const grpc::Status& status, std::string_view method, std::string_view endpoint) {
   if (status.ok()) return Status::Ok();
   const int code = static_cast<int>(status.error_code());
-  const StatusCode ours =
-      (code >= 0 && code <= kMaxStatusCode) ? static_cast<StatusCode>(code) : StatusCode::kUnknown;
+  const StatusCode ours = (code >= 0 && code <= kMaxStatusCode) ? static_cast<StatusCode>(code) : StatusCode::kUnknown;
   return Status(ours, fmt::format("etcd {} at {}: {}", method, endpoint, status.error_message()))
       .WithReason(StatusReason::kEtcd);
 }
@@ -106,9 +102,8 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options
   }
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (tls) {
-    TlsFiles files{options.tls_ca_file, options.tls_cert_file, options.tls_key_file,
-                   "--etcd-tls-ca",     "--etcd-tls-cert",     "--etcd-tls-key",
-                   options.tls_reload_secs};
+    TlsFiles files{options.tls_ca_file, options.tls_cert_file, options.tls_key_file,   "--etcd-tls-ca",
+                   "--etcd-tls-cert",   "--etcd-tls-key",      options.tls_reload_secs};
     ORBITKV_ASSIGN_OR_RETURN(credentials, WatchedChannelCredentials(files));
   }
   std::vector<std::string> normalized;
@@ -150,16 +145,14 @@ EtcdClient::EtcdClient(EtcdClientOptions options) : options_(std::move(options))
     metrics = own_metrics_.get();
   }
   for (int m = 0; m < kMethodCount; ++m) {
-    counters_[m].calls = &metrics->GetCounter("orbitkv_etcd_calls_total",
-                                              "etcd unary calls and stream opens, by method",
-                                              {{"method", kMethodNames[m]}});
-    counters_[m].failures = &metrics->GetCounter(
-        "orbitkv_etcd_call_failures_total", "etcd unary calls that returned an error, by method",
-        {{"method", kMethodNames[m]}});
+    counters_[m].calls = &metrics->GetCounter(
+        "orbitkv_etcd_calls_total", "etcd unary calls and stream opens, by method", {{"method", kMethodNames[m]}});
+    counters_[m].failures =
+        &metrics->GetCounter("orbitkv_etcd_call_failures_total", "etcd unary calls that returned an error, by method",
+                             {{"method", kMethodNames[m]}});
   }
-  failovers_ =
-      &metrics->GetCounter("orbitkv_etcd_failovers_total",
-                           "etcd calls or streams moved to another endpoint after UNAVAILABLE");
+  failovers_ = &metrics->GetCounter("orbitkv_etcd_failovers_total",
+                                    "etcd calls or streams moved to another endpoint after UNAVAILABLE");
   tokens_ = &metrics->GetCounter("orbitkv_etcd_auth_tokens_total",
                                  "etcd auth tokens obtained (the first, then one per expiry or broken stream)");
 }
@@ -198,10 +191,11 @@ Result<std::string> EtcdClient::Token(size_t endpoint_index, Deadline deadline) 
     return Explain(status, FromGrpc(status, "Authenticate", endpoints_[endpoint_index]));
   }
   if (response.token().empty()) {
-    return Status::FailedPrecondition(fmt::format(
-        "etcd at {} answered --etcd-user '{}' with no token: user auth is not enabled there (etcdctl auth enable), "
-        "or drop --etcd-user",
-        endpoints_[endpoint_index], options_.user)).WithReason(StatusReason::kEtcd);
+    return Status::FailedPrecondition(fmt::format("etcd at {} answered --etcd-user '{}' with no token: user auth is "
+                                                  "not enabled there (etcdctl auth enable), "
+                                                  "or drop --etcd-user",
+                                                  endpoints_[endpoint_index], options_.user))
+        .WithReason(StatusReason::kEtcd);
   }
   tokens_->Increment();
   MutexLock lock(&token_mu_);
@@ -230,7 +224,8 @@ Status EtcdClient::Explain(const grpc::Status& status, Status ours) const {
   if (code == grpc::StatusCode::UNAVAILABLE && tls() &&
       (has("andshake") || has("SSL") || has("ertificate") || has("TLS") || has("tls") || has("alert") ||
        (client_certificate() && has("Endpoint read failed")))) {
-    return WithHint(ours, 
+    return WithHint(
+        ours,
         "the TLS handshake with etcd failed: --etcd-tls-ca must be the CA that signed etcd's certificate (whose "
         "subjectAltName names the endpoint's host), and with etcd --client-cert-auth --etcd-tls-cert/--etcd-tls-key "
         "a current client certificate signed by etcd's --trusted-ca-file");
@@ -239,19 +234,20 @@ Status EtcdClient::Explain(const grpc::Status& status, Status ours) const {
     return WithHint(ours, "no gRPC answer: if etcd serves TLS (https://), give --etcd-tls-ca");
   }
   if (has("authentication failed")) {
-    return WithHint(ours, fmt::format(
-        "etcd refused --etcd-user '{}' with the password of --etcd-password-file", options_.user));
+    return WithHint(
+        ours, fmt::format("etcd refused --etcd-user '{}' with the password of --etcd-password-file", options_.user));
   }
   if (has("user name is empty") || (code == grpc::StatusCode::PERMISSION_DENIED && options_.user.empty())) {
-    return WithHint(ours, 
+    return WithHint(
+        ours,
         "etcd has user auth enabled: give --etcd-user and --etcd-password-file (a user whose role may read and "
         "write the /orbitkv/ prefix)");
   }
   if (code == grpc::StatusCode::PERMISSION_DENIED) {
-    return WithHint(ours, fmt::format(
-        "etcd user '{}' lacks permission: grant its role readwrite on the /orbitkv/ prefix "
-        "(etcdctl role grant-permission ROLE --prefix=true readwrite /orbitkv/)",
-        options_.user));
+    return WithHint(ours,
+                    fmt::format("etcd user '{}' lacks permission: grant its role readwrite on the /orbitkv/ prefix "
+                                "(etcdctl role grant-permission ROLE --prefix=true readwrite /orbitkv/)",
+                                options_.user));
   }
   return ours;
 }
@@ -301,14 +297,12 @@ Result<Response> EtcdClient::Call(Method method, Deadline deadline, Invoke&& inv
   return last;
 }
 
-#define ORBITKV_ETCD_UNARY(Name, Stub, Req, Resp)                                  \
-  Result<etcdserverpb::Resp> EtcdClient::Name(const etcdserverpb::Req& request,    \
-                                              Deadline deadline) {                 \
-    return Call<etcdserverpb::Resp>(                                               \
-        k##Name, deadline,                                                         \
-        [&](Endpoint& e, grpc::ClientContext* ctx, etcdserverpb::Resp* response) { \
-          return e.Stub->Name(ctx, request, response);                             \
-        });                                                                        \
+#define ORBITKV_ETCD_UNARY(Name, Stub, Req, Resp)                                                              \
+  Result<etcdserverpb::Resp> EtcdClient::Name(const etcdserverpb::Req& request, Deadline deadline) {           \
+    return Call<etcdserverpb::Resp>(k##Name, deadline,                                                         \
+                                    [&](Endpoint& e, grpc::ClientContext* ctx, etcdserverpb::Resp* response) { \
+                                      return e.Stub->Name(ctx, request, response);                             \
+                                    });                                                                        \
   }
 
 ORBITKV_ETCD_UNARY(Range, kv, RangeRequest, RangeResponse)
@@ -320,17 +314,15 @@ ORBITKV_ETCD_UNARY(LeaseRevoke, lease, LeaseRevokeRequest, LeaseRevokeResponse)
 ORBITKV_ETCD_UNARY(LeaseTimeToLive, lease, LeaseTimeToLiveRequest, LeaseTimeToLiveResponse)
 #undef ORBITKV_ETCD_UNARY
 
-Result<etcdserverpb::CompactionResponse> EtcdClient::Compact(
-    const etcdserverpb::CompactionRequest& request, Deadline deadline) {
+Result<etcdserverpb::CompactionResponse> EtcdClient::Compact(const etcdserverpb::CompactionRequest& request,
+                                                             Deadline deadline) {
   return Call<etcdserverpb::CompactionResponse>(
-      kCompact, deadline,
-      [&](Endpoint& e, grpc::ClientContext* ctx, etcdserverpb::CompactionResponse* response) {
+      kCompact, deadline, [&](Endpoint& e, grpc::ClientContext* ctx, etcdserverpb::CompactionResponse* response) {
         return e.kv->Compact(ctx, request, response);
       });
 }
 
-Result<etcdserverpb::StatusResponse> EtcdClient::EndpointStatus(size_t endpoint_index,
-                                                                Deadline deadline) {
+Result<etcdserverpb::StatusResponse> EtcdClient::EndpointStatus(size_t endpoint_index, Deadline deadline) {
   ORBITKV_CHECK(endpoint_index < channels_.size());
   ORBITKV_ASSIGN_OR_RETURN(std::string token, Token(endpoint_index, deadline));
   CountCall(kStatus);
@@ -338,8 +330,8 @@ Result<etcdserverpb::StatusResponse> EtcdClient::EndpointStatus(size_t endpoint_
   context.set_deadline(ToSystemDeadline(Cap(deadline)));
   if (!token.empty()) context.AddMetadata("token", token);
   etcdserverpb::StatusResponse response;
-  const grpc::Status status = channels_[endpoint_index]->maintenance->Status(
-      &context, etcdserverpb::StatusRequest(), &response);
+  const grpc::Status status =
+      channels_[endpoint_index]->maintenance->Status(&context, etcdserverpb::StatusRequest(), &response);
   if (!status.ok()) {
     counters_[kStatus].failures->Increment();
     return Explain(status, FromGrpc(status, "Status", endpoints_[endpoint_index]));
@@ -347,9 +339,7 @@ Result<etcdserverpb::StatusResponse> EtcdClient::EndpointStatus(size_t endpoint_
   return response;
 }
 
-size_t EtcdClient::PreferredEndpoint() const {
-  return preferred_.load(std::memory_order_relaxed) % channels_.size();
-}
+size_t EtcdClient::PreferredEndpoint() const { return preferred_.load(std::memory_order_relaxed) % channels_.size(); }
 
 etcdserverpb::Watch::Stub* EtcdClient::WatchStub(size_t endpoint_index) {
   ORBITKV_CHECK(endpoint_index < channels_.size());
@@ -361,8 +351,7 @@ etcdserverpb::Lease::Stub* EtcdClient::LeaseStub(size_t endpoint_index) {
   return channels_[endpoint_index]->lease.get();
 }
 
-void EtcdClient::PrepareStreamContext(grpc::ClientContext* context, std::string_view method,
-                                      size_t endpoint_index) {
+void EtcdClient::PrepareStreamContext(grpc::ClientContext* context, std::string_view method, size_t endpoint_index) {
   context->AddMetadata("hasleader", "true");
   if (!options_.user.empty()) {
     // Without a token the stream opens anyway and etcd refuses it: the owner sees it break and tries again.

@@ -38,8 +38,8 @@
 #include <vector>
 
 #include "base/clock.h"
-#include "base/mutex.h"
 #include "base/metrics.h"
+#include "base/mutex.h"
 #include "base/result.h"
 #include "cluster/grpc.h"
 
@@ -75,20 +75,18 @@ class EtcdClient {
   // Unary calls. On error the Status carries the gRPC code (the values are the same) and a message
   // naming the method and the endpoint: e.g. OUT_OF_RANGE "etcd Range at 127.0.0.1:2379: mvcc:
   // required revision has been compacted".
-  Result<etcdserverpb::RangeResponse> Range(const etcdserverpb::RangeRequest& request,
-                                            Deadline deadline);
+  Result<etcdserverpb::RangeResponse> Range(const etcdserverpb::RangeRequest& request, Deadline deadline);
   Result<etcdserverpb::PutResponse> Put(const etcdserverpb::PutRequest& request, Deadline deadline);
-  Result<etcdserverpb::DeleteRangeResponse> DeleteRange(
-      const etcdserverpb::DeleteRangeRequest& request, Deadline deadline);
+  Result<etcdserverpb::DeleteRangeResponse> DeleteRange(const etcdserverpb::DeleteRangeRequest& request,
+                                                        Deadline deadline);
   Result<etcdserverpb::TxnResponse> Txn(const etcdserverpb::TxnRequest& request, Deadline deadline);
-  Result<etcdserverpb::CompactionResponse> Compact(const etcdserverpb::CompactionRequest& request,
-                                                   Deadline deadline);
-  Result<etcdserverpb::LeaseGrantResponse> LeaseGrant(
-      const etcdserverpb::LeaseGrantRequest& request, Deadline deadline);
-  Result<etcdserverpb::LeaseRevokeResponse> LeaseRevoke(
-      const etcdserverpb::LeaseRevokeRequest& request, Deadline deadline);
-  Result<etcdserverpb::LeaseTimeToLiveResponse> LeaseTimeToLive(
-      const etcdserverpb::LeaseTimeToLiveRequest& request, Deadline deadline);
+  Result<etcdserverpb::CompactionResponse> Compact(const etcdserverpb::CompactionRequest& request, Deadline deadline);
+  Result<etcdserverpb::LeaseGrantResponse> LeaseGrant(const etcdserverpb::LeaseGrantRequest& request,
+                                                      Deadline deadline);
+  Result<etcdserverpb::LeaseRevokeResponse> LeaseRevoke(const etcdserverpb::LeaseRevokeRequest& request,
+                                                        Deadline deadline);
+  Result<etcdserverpb::LeaseTimeToLiveResponse> LeaseTimeToLive(const etcdserverpb::LeaseTimeToLiveRequest& request,
+                                                                Deadline deadline);
   // Status of one specific endpoint (no failover): which member it is and who it thinks leads.
   Result<etcdserverpb::StatusResponse> EndpointStatus(size_t endpoint_index, Deadline deadline);
 

@@ -86,8 +86,7 @@ TEST_F(EtcdClientTest, ErrorsKeepTheGrpcCodeAndNameMethodAndEndpoint) {
   Result<etcdserverpb::RangeResponse> future = raw_->Range(range, Soon());
   ASSERT_FALSE(future.ok());
   EXPECT_EQ(future.status().code(), StatusCode::kOutOfRange);
-  EXPECT_NE(future.status().message().find("etcd Range at " + etcd_->endpoint()),
-            std::string_view::npos)
+  EXPECT_NE(future.status().message().find("etcd Range at " + etcd_->endpoint()), std::string_view::npos)
       << future.status();
   etcdserverpb::RangeRequest empty;
   EXPECT_EQ(raw_->Range(empty, Soon()).status().code(), StatusCode::kInvalidArgument);
@@ -112,9 +111,7 @@ TEST_F(EtcdClientTest, FailsOverFromADeadEndpoint) {
   ASSERT_TRUE((*client)->Range(range, Soon()).ok());
   EXPECT_EQ((*client)->failovers_total(), 1u);
   EXPECT_EQ(testing::CounterValue(metrics, "orbitkv_etcd_calls_total", {{"method", "Range"}}), 3u);
-  EXPECT_EQ(
-      testing::CounterValue(metrics, "orbitkv_etcd_call_failures_total", {{"method", "Range"}}),
-      1u);
+  EXPECT_EQ(testing::CounterValue(metrics, "orbitkv_etcd_call_failures_total", {{"method", "Range"}}), 1u);
 }
 
 TEST_F(EtcdClientTest, EveryCallHasADeadline) {
@@ -140,8 +137,7 @@ TEST_F(EtcdClientTest, EveryCallHasADeadline) {
   // The caller's deadline is infinite; the client's call timeout bounds the call.
   Result<etcdserverpb::RangeResponse> got = (*client)->Range(range, Deadline::Infinite());
   ASSERT_FALSE(got.ok());
-  EXPECT_TRUE(got.status().code() == StatusCode::kDeadlineExceeded ||
-              got.status().code() == StatusCode::kUnavailable)
+  EXPECT_TRUE(got.status().code() == StatusCode::kDeadlineExceeded || got.status().code() == StatusCode::kUnavailable)
       << got.status();
 }
 

@@ -28,8 +28,7 @@ MembershipOptions OptionsFor(const std::vector<std::string>& endpoints, const st
 
 TEST(EtcdClusterTest, LeaderKilledMembershipContinues) {
   if (testing::EtcdBinary().empty()) GTEST_SKIP() << "no etcd binary was found at configure time";
-  Result<std::unique_ptr<testing::EtcdCluster>> cluster =
-      testing::EtcdCluster::Start(3, Deadline::After(kWaitLimit));
+  Result<std::unique_ptr<testing::EtcdCluster>> cluster = testing::EtcdCluster::Start(3, Deadline::After(kWaitLimit));
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   Result<size_t> leader = (*cluster)->LeaderIndex(Deadline::After(kWaitLimit));
   ASSERT_TRUE(leader.ok()) << leader.status();
@@ -44,27 +43,23 @@ TEST(EtcdClusterTest, LeaderKilledMembershipContinues) {
   ASSERT_TRUE(a.ok() && b.ok());
   ASSERT_TRUE((*a)->Join(Deadline::After(kWaitLimit)).ok());
   ASSERT_TRUE((*b)->Join(Deadline::After(kWaitLimit)).ok());
-  ASSERT_TRUE(WaitUntil(
-      [&] { return (*a)->view().Find("node-b").ok() && (*b)->view().Find("node-a").ok(); }));
+  ASSERT_TRUE(WaitUntil([&] { return (*a)->view().Find("node-b").ok() && (*b)->view().Find("node-a").ok(); }));
 
   (*cluster)->member(*leader).Kill();
 
   // Both views notice the broken stream and come back complete through another endpoint.
   ASSERT_TRUE(WaitUntil([&] {
-    return CounterValue(ma, "orbitkv_membership_view_invalidations_total",
-                        {{"reason", "reconnect"}}) >= 1 &&
+    return CounterValue(ma, "orbitkv_membership_view_invalidations_total", {{"reason", "reconnect"}}) >= 1 &&
            (*a)->CanDoRemoteWork() && (*a)->view().Find("node-b").ok();
   }));
-  ASSERT_TRUE(
-      WaitUntil([&] { return (*b)->CanDoRemoteWork() && (*b)->view().Find("node-a").ok(); }));
+  ASSERT_TRUE(WaitUntil([&] { return (*b)->CanDoRemoteWork() && (*b)->view().Find("node-a").ok(); }));
   EXPECT_EQ((*a)->state(), MembershipState::kRegistered);
   EXPECT_EQ((*b)->state(), MembershipState::kRegistered);
   EXPECT_GE(CounterValue(ma, "orbitkv_etcd_failovers_total"), 1u);
 
   // Keepalives continue on a surviving member.
   const uint64_t acks = CounterValue(ma, "orbitkv_membership_keepalive_acks_total");
-  ASSERT_TRUE(WaitUntil(
-      [&] { return CounterValue(ma, "orbitkv_membership_keepalive_acks_total") > acks; }));
+  ASSERT_TRUE(WaitUntil([&] { return CounterValue(ma, "orbitkv_membership_keepalive_acks_total") > acks; }));
 
   // A new Manager joins through the dead endpoint first, failing over to the quorum, and everyone
   // sees it.
@@ -73,10 +68,8 @@ TEST(EtcdClusterTest, LeaderKilledMembershipContinues) {
   ASSERT_TRUE(c.ok());
   const Status joined = (*c)->Join(Deadline::After(kWaitLimit));
   ASSERT_TRUE(joined.ok()) << joined;
-  ASSERT_TRUE(WaitUntil(
-      [&] { return (*a)->view().Find("node-c").ok() && (*c)->view().Find("node-a").ok(); }));
-  for (uint32_t shard = 0; shard < kNumShards; ++shard)
-    EXPECT_TRUE((*c)->ResolveShardOwner(shard).ok()) << shard;
+  ASSERT_TRUE(WaitUntil([&] { return (*a)->view().Find("node-c").ok() && (*c)->view().Find("node-a").ok(); }));
+  for (uint32_t shard = 0; shard < kNumShards; ++shard) EXPECT_TRUE((*c)->ResolveShardOwner(shard).ok()) << shard;
 }
 
 }  // namespace

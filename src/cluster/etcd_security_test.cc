@@ -28,9 +28,9 @@ class EtcdSecurityTest : public ::testing::Test {
     dir_ = dir_template;
     const Status made = testing::MakeTestCertificates(dir_);
     ASSERT_TRUE(made.ok()) << made;
-    Result<std::unique_ptr<testing::EtcdProcess>> etcd = testing::EtcdProcess::StartTls(
-        dir_, /*client_cert_auth=*/true, Deadline::After(kWaitLimit),
-        {"--auth-token-ttl", std::to_string(kTokenTtlSecs)});
+    Result<std::unique_ptr<testing::EtcdProcess>> etcd =
+        testing::EtcdProcess::StartTls(dir_, /*client_cert_auth=*/true, Deadline::After(kWaitLimit),
+                                       {"--auth-token-ttl", std::to_string(kTokenTtlSecs)});
     ASSERT_TRUE(etcd.ok()) << etcd.status();
     etcd_ = std::move(etcd).value();
     // The operator's steps (docs/cluster.md).

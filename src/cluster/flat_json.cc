@@ -17,8 +17,8 @@ class Reader {
   }
 
   void SkipSpace() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\n' ||
-                                   text_[pos_] == '\t' || text_[pos_] == '\r')) {
+    while (pos_ < text_.size() &&
+           (text_[pos_] == ' ' || text_[pos_] == '\n' || text_[pos_] == '\t' || text_[pos_] == '\r')) {
       ++pos_;
     }
   }
@@ -105,8 +105,7 @@ class Reader {
     uint64_t value = 0;
     while (!AtEnd() && text_[pos_] >= '0' && text_[pos_] <= '9') {
       value = value * 10 + static_cast<uint64_t>(text_[pos_] - '0');
-      if (value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-        return Fail("integer too large");
+      if (value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return Fail("integer too large");
       ++pos_;
     }
     if (pos_ == start) return Fail("expected a value");
@@ -164,14 +163,13 @@ std::string_view TypeName(const FlatJsonValue& v) {
 }
 
 template <typename T>
-Result<T> GetTyped(const std::map<std::string, FlatJsonValue, std::less<>>& fields,
-                   std::string_view name, std::string_view want) {
+Result<T> GetTyped(const std::map<std::string, FlatJsonValue, std::less<>>& fields, std::string_view name,
+                   std::string_view want) {
   auto it = fields.find(name);
-  if (it == fields.end())
-    return Status::InvalidArgument(fmt::format("JSON record: missing field \"{}\"", name));
+  if (it == fields.end()) return Status::InvalidArgument(fmt::format("JSON record: missing field \"{}\"", name));
   if (const T* v = std::get_if<T>(&it->second)) return *v;
-  return Status::InvalidArgument(fmt::format("JSON record: field \"{}\" is a {}, expected a {}",
-                                             name, TypeName(it->second), want));
+  return Status::InvalidArgument(
+      fmt::format("JSON record: field \"{}\" is a {}, expected a {}", name, TypeName(it->second), want));
 }
 
 }  // namespace

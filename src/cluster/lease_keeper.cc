@@ -13,13 +13,13 @@
 namespace orbitkv::cluster {
 namespace {
 
-using KeepAliveStream =
-    BidiStream<etcdserverpb::LeaseKeepAliveRequest, etcdserverpb::LeaseKeepAliveResponse>;
+using KeepAliveStream = BidiStream<etcdserverpb::LeaseKeepAliveRequest, etcdserverpb::LeaseKeepAliveResponse>;
 
 // The pause before reopening a broken keepalive stream on the next endpoint: a sixtieth of the TTL, between 20 and
 // 200 ms. During a leader election every member refuses the stream ("no leader") until the new leader is up; the
 // registration stays valid for half the TTL, so the pause must be small against it, or a short TTL (tests run 3 s:
-// 1.5 s of validity, an election of up to 0.6 s) spends its margin waiting between attempts. 10 s (the default): 166 ms.
+// 1.5 s of validity, an election of up to 0.6 s) spends its margin waiting between attempts. 10 s (the default): 166
+// ms.
 std::chrono::milliseconds ReopenBackoff(int64_t ttl_secs) {
   return std::clamp(std::chrono::milliseconds(ttl_secs * 1000 / 60), std::chrono::milliseconds(20),
                     std::chrono::milliseconds(200));
@@ -34,16 +34,14 @@ std::chrono::milliseconds RenewInterval(int64_t ttl_secs) {
 
 }  // namespace
 
-RegistrationClock::RegistrationClock(MonoTime valid_until)
-    : valid_until_ns_(ToNanos(valid_until)) {}
+RegistrationClock::RegistrationClock(MonoTime valid_until) : valid_until_ns_(ToNanos(valid_until)) {}
 
 bool RegistrationClock::OnAck(MonoTime send_time, std::chrono::seconds ttl, MonoTime now) {
   if (!Valid(now)) {
     End();
     return false;
   }
-  const int64_t extended =
-      ToNanos(send_time + std::chrono::duration_cast<MonoClock::duration>(ttl) / 2);
+  const int64_t extended = ToNanos(send_time + std::chrono::duration_cast<MonoClock::duration>(ttl) / 2);
   if (extended > valid_until_ns_.load(std::memory_order_relaxed)) {
     valid_until_ns_.store(extended, std::memory_order_relaxed);
   }
@@ -58,16 +56,12 @@ MonoTime RegistrationClock::valid_until() const {
 }
 
 LeaseKeeper::LeaseKeeper(EtcdClient* client, RegistrationClock* clock, Options options)
-    : client_(client),
-      clock_(clock),
-      options_(std::move(options)),
-      renew_interval_(RenewInterval(options_.ttl_secs)) {
+    : client_(client), clock_(clock), options_(std::move(options)), renew_interval_(RenewInterval(options_.ttl_secs)) {
   ORBITKV_CHECK(options_.metrics != nullptr && options_.ttl_secs > 0);
   acks_ = &options_.metrics->GetCounter("orbitkv_membership_keepalive_acks_total",
                                         "Lease keepalive acknowledgements received");
-  stream_restarts_ =
-      &options_.metrics->GetCounter("orbitkv_membership_keepalive_stream_restarts_total",
-                                    "Lease keepalive streams reopened after an error");
+  stream_restarts_ = &options_.metrics->GetCounter("orbitkv_membership_keepalive_stream_restarts_total",
+                                                   "Lease keepalive streams reopened after an error");
 }
 
 bool LeaseKeeper::stopping() const {
@@ -89,8 +83,7 @@ bool LeaseKeeper::WaitUntil(MonoTime until) {
 }
 
 void LeaseKeeper::Lost(const std::string& reason) {
-  if (!clock_->End())
-    return;  // Already ended elsewhere (fenced or stopped): nothing new to report.
+  if (!clock_->End()) return;  // Already ended elsewhere (fenced or stopped): nothing new to report.
   ORBITKV_LOG_WARN("membership: registration ended: {}", reason);
   if (options_.on_lost) options_.on_lost(reason);
 }
@@ -114,8 +107,7 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
   const auto prepare = [&](grpc::ClientContext* ctx, grpc::CompletionQueue* cq) {
     return client_->LeaseStub(endpoint)->PrepareAsyncLeaseKeepAlive(ctx, cq);
   };
-  const MonoTime open_until =
-      std::min(clock_->valid_until(), MonoNow() + client_->options().call_timeout);
+  const MonoTime open_until = std::min(clock_->valid_until(), MonoNow() + client_->options().call_timeout);
   if (!stream.Start(prepare, Deadline::At(open_until))) return StreamEnd::kBroken;
 
   // Replies come back in request order, so each one is matched with the oldest unanswered send
@@ -130,9 +122,8 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
   while (true) {
     const MonoTime now = MonoNow();
     if (!clock_->Valid(now)) {
-      Lost(clock_->ended()
-               ? "registration ended"
-               : "no keepalive was acknowledged within half the lease TTL of its sending");
+      Lost(clock_->ended() ? "registration ended"
+                           : "no keepalive was acknowledged within half the lease TTL of its sending");
       return StreamEnd::kDone;
     }
     if (!stream.write_pending() && now >= next_send) {
@@ -152,8 +143,7 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
                        unanswered_limit.count());
       return StreamEnd::kBroken;
     }
-    MonoTime wake =
-        stream.write_pending() ? clock_->valid_until() : std::min(next_send, clock_->valid_until());
+    MonoTime wake = stream.write_pending() ? clock_->valid_until() : std::min(next_send, clock_->valid_until());
     if (!sent.empty()) wake = std::min(wake, sent.front() + unanswered_limit);
     std::optional<KeepAliveStream::Event> event = stream.Next(Deadline::At(wake));
     if (!event.has_value()) continue;
@@ -172,8 +162,7 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
       return StreamEnd::kDone;
     }
     if (response.ttl() <= 0) {
-      Lost(fmt::format("lease {:x} no longer exists in etcd (expired or revoked)",
-                       options_.lease_id));
+      Lost(fmt::format("lease {:x} no longer exists in etcd (expired or revoked)", options_.lease_id));
       return StreamEnd::kDone;
     }
     if (!clock_->OnAck(send_time, std::chrono::seconds(response.ttl()), MonoNow())) {

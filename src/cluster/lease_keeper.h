@@ -40,8 +40,7 @@ class RegistrationClock {
 
   bool Valid(MonoTime now) const {
     // Acquire pairs with End()'s release: once ended is seen, no later extension matters.
-    return !ended_.load(std::memory_order_acquire) &&
-           ToNanos(now) < valid_until_ns_.load(std::memory_order_relaxed);
+    return !ended_.load(std::memory_order_acquire) && ToNanos(now) < valid_until_ns_.load(std::memory_order_relaxed);
   }
   // Extends validity to send_time + ttl/2 when the registration is still valid at `now`. Returns
   // false, ending the registration for good, when it had already lapsed or ended: the

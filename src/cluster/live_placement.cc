@@ -189,16 +189,16 @@ Result<int64_t> JoinPlacement(EtcdClient& client, std::string_view cluster, cons
   }
   if (placement == nullptr) {
     if (!initial && live->Get()->committed.generation() > 1) {
-      return Status::FailedPrecondition(fmt::format(
-          "the placement record of cluster '{}' was removed (this Manager routes by generation {})", cluster,
-          live->Get()->committed.generation()));
+      return Status::FailedPrecondition(
+          fmt::format("the placement record of cluster '{}' was removed (this Manager routes by generation {})",
+                      cluster, live->Get()->committed.generation()));
     }
     return InstallOrVerifyPlacement(client, cluster, configured, deadline);
   }
   Result<Placement> installed = Placement::Decode(placement->value());
   if (!installed.ok()) {
-    return Status::DataLoss(fmt::format("placement record at {} is unreadable: {}", PlacementKey(cluster),
-                                        installed.status().message()));
+    return Status::DataLoss(
+        fmt::format("placement record at {} is unreadable: {}", PlacementKey(cluster), installed.status().message()));
   }
   const bool changing_to_configured = transition.has_value() &&
                                       transition->phase == PlacementTransition::Phase::kMoving &&
@@ -208,10 +208,11 @@ Result<int64_t> JoinPlacement(EtcdClient& client, std::string_view cluster, cons
       // The mismatch error, naming both sets.
       return InstallOrVerifyPlacement(client, cluster, configured, deadline);
     }
-    ORBITKV_LOG_INFO("cluster {}: the catalog placement is generation {} ({}, {} copies a shard), not --catalog-nodes "
-                     "{}: it was changed online (`orbitkv catalog placement`), and the installed one is followed",
-                     cluster, installed->generation(), fmt::join(installed->catalog_nodes(), ","),
-                     installed->replicas(), fmt::join(configured.catalog_nodes(), ","));
+    ORBITKV_LOG_INFO(
+        "cluster {}: the catalog placement is generation {} ({}, {} copies a shard), not --catalog-nodes "
+        "{}: it was changed online (`orbitkv catalog placement`), and the installed one is followed",
+        cluster, installed->generation(), fmt::join(installed->catalog_nodes(), ","), installed->replicas(),
+        fmt::join(configured.catalog_nodes(), ","));
   }
   ORBITKV_RETURN_IF_ERROR(live->Adopt(*installed, transition, initial));
   return placement->mod_revision();

@@ -53,7 +53,7 @@ TEST(LivePlacementTest, FollowsATransitionThroughItsPhases) {
   auto s = live.Get();
   ASSERT_TRUE(s->moving());
   EXPECT_FALSE(Has(s->PublishCopies(shard), "d")) << "waiting shards do not stream to their new copies yet";
-  EXPECT_TRUE(s->Hosts(shard, "d"));       // it accepts streams early
+  EXPECT_TRUE(s->Hosts(shard, "d"));  // it accepts streams early
   EXPECT_TRUE(s->Accepts(next.fingerprint()));
   EXPECT_TRUE(s->Accepts(g1.fingerprint()));
   EXPECT_TRUE(s->Serves(1));
@@ -64,7 +64,7 @@ TEST(LivePlacementTest, FollowsATransitionThroughItsPhases) {
   ASSERT_EQ(live.Apply(Records(g1, t)), "");
   s = live.Get();
   const std::vector<std::string> publish = s->PublishCopies(shard);
-  ASSERT_EQ(publish.size(), 4u);  // both generations
+  ASSERT_EQ(publish.size(), 4u);   // both generations
   EXPECT_EQ(publish.back(), "d");  // committed copies first: queries ask the new one last
   EXPECT_EQ(s->QueryCopies(shard), publish);
 

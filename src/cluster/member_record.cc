@@ -26,8 +26,7 @@ Status ValidateEndpoint(std::string_view what, std::string_view endpoint) {
   }
   const std::string_view host = endpoint.substr(0, colon);
   if (host.find(':') != std::string_view::npos && !(host.front() == '[' && host.back() == ']')) {
-    return Status::InvalidArgument(
-        fmt::format("{} '{}': write an IPv6 host as [addr]:port", what, endpoint));
+    return Status::InvalidArgument(fmt::format("{} '{}': write an IPv6 host as [addr]:port", what, endpoint));
   }
   const std::string_view port = endpoint.substr(colon + 1);
   uint32_t value = 0;
@@ -61,8 +60,7 @@ std::string NewRuntimeUuid() { return RuntimeId::New().ToString(); }
 Status ValidateMemberRecord(const MemberRecord& record) {
   ORBITKV_RETURN_IF_ERROR(ValidateName("member record cluster", record.cluster));
   ORBITKV_RETURN_IF_ERROR(ValidateName("member record node", record.node_id));
-  if (record.epoch < 1)
-    return Status::InvalidArgument(fmt::format("member epoch {} is below 1", record.epoch));
+  if (record.epoch < 1) return Status::InvalidArgument(fmt::format("member epoch {} is below 1", record.epoch));
   ORBITKV_RETURN_IF_ERROR(ValidateEndpoint("member endpoint", record.endpoint));
   if (!IsRuntimeUuid(record.runtime_uuid)) {
     return Status::InvalidArgument(
@@ -84,11 +82,10 @@ std::string EncodeMemberRecord(const MemberRecord& record) {
       .Finish();
 }
 
-Result<MemberRecord> DecodeMemberRecord(std::string_view cluster, std::string_view node_id,
-                                        std::string_view bytes) {
+Result<MemberRecord> DecodeMemberRecord(std::string_view cluster, std::string_view node_id, std::string_view bytes) {
   if (bytes.size() > kMaxMemberRecordBytes) {
-    return Status::OutOfRange(fmt::format("member record for '{}' is {} bytes; the limit is {}",
-                                          node_id, bytes.size(), kMaxMemberRecordBytes));
+    return Status::OutOfRange(fmt::format("member record for '{}' is {} bytes; the limit is {}", node_id, bytes.size(),
+                                          kMaxMemberRecordBytes));
   }
   ORBITKV_ASSIGN_OR_RETURN(FlatJsonObject json, ParseVersioned(bytes, kMemberRecordVersion, "member record"));
   MemberRecord record;
@@ -99,9 +96,8 @@ Result<MemberRecord> DecodeMemberRecord(std::string_view cluster, std::string_vi
   ORBITKV_ASSIGN_OR_RETURN(record.runtime_uuid, json.GetString("uuid"));
   ORBITKV_RETURN_IF_ERROR(ValidateMemberRecord(record));
   if (record.cluster != cluster || record.node_id != node_id) {
-    return Status::InvalidArgument(
-        fmt::format("member record names {}/{} but is stored under {}/{}", record.cluster,
-                    record.node_id, cluster, node_id));
+    return Status::InvalidArgument(fmt::format("member record names {}/{} but is stored under {}/{}", record.cluster,
+                                               record.node_id, cluster, node_id));
   }
   return record;
 }

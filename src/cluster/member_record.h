@@ -50,8 +50,7 @@ std::string EncodeMemberRecord(const MemberRecord& record);
 
 // OutOfRange when `bytes` exceeds kMaxMemberRecordBytes; InvalidArgument for anything malformed,
 // including a record whose cluster or node differs from the key it was stored under.
-Result<MemberRecord> DecodeMemberRecord(std::string_view cluster, std::string_view node_id,
-                                        std::string_view bytes);
+Result<MemberRecord> DecodeMemberRecord(std::string_view cluster, std::string_view node_id, std::string_view bytes);
 
 // InvalidArgument for a bad name, epoch < 1, endpoint or UUID.
 Status ValidateMemberRecord(const MemberRecord& record);

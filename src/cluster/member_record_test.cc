@@ -30,22 +30,18 @@ TEST(MemberRecordTest, RoundTrips) {
 
 TEST(MemberRecordTest, RejectsARecordStoredUnderAnotherKey) {
   const std::string bytes = EncodeMemberRecord(Sample());
-  EXPECT_EQ(DecodeMemberRecord("prod-1", "host-b", bytes).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(DecodeMemberRecord("prod-2", "host-a", bytes).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeMemberRecord("prod-1", "host-b", bytes).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeMemberRecord("prod-2", "host-a", bytes).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(MemberRecordTest, OversizedIsOutOfRangeAndMalformedIsInvalid) {
   std::string big = EncodeMemberRecord(Sample());
   big.insert(big.size() - 1, ",\"pad\":\"" + std::string(kMaxMemberRecordBytes, 'x') + "\"");
   EXPECT_EQ(DecodeMemberRecord("prod-1", "host-a", big).status().code(), StatusCode::kOutOfRange);
-  EXPECT_EQ(DecodeMemberRecord("prod-1", "host-a", "not json").status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeMemberRecord("prod-1", "host-a", "not json").status().code(), StatusCode::kInvalidArgument);
   std::string v2 = EncodeMemberRecord(Sample());
   v2.replace(v2.find("\"v\":1"), 5, "\"v\":2");
-  EXPECT_EQ(DecodeMemberRecord("prod-1", "host-a", v2).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeMemberRecord("prod-1", "host-a", v2).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(MemberRecordTest, UnknownFieldsAreKeptCompatible) {
@@ -70,8 +66,8 @@ TEST(MemberRecordTest, EndpointValidation) {
   for (const char* ok : {"127.0.0.1:1", "host-a.example:65535", "[::1]:7300"}) {
     EXPECT_TRUE(ValidateEndpoint("e", ok).ok()) << ok;
   }
-  for (const char* bad : {"", "host", ":80", "host:", "host:0", "host:65536", "host:8x", "::1:80",
-                          "a b:1", "http://h:1", "h:123456"}) {
+  for (const char* bad :
+       {"", "host", ":80", "host:", "host:0", "host:65536", "host:8x", "::1:80", "a b:1", "http://h:1", "h:123456"}) {
     EXPECT_FALSE(ValidateEndpoint("e", bad).ok()) << bad;
   }
 }

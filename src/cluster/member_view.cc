@@ -24,8 +24,7 @@ Result<Member> MemberView::Find(std::string_view node_id) const {
   }
   auto it = members_.find(node_id);
   if (it == members_.end()) {
-    return Status::NotFound(
-        fmt::format("node '{}' is not a live member at revision {}", node_id, revision_));
+    return Status::NotFound(fmt::format("node '{}' is not a live member at revision {}", node_id, revision_));
   }
   return it->second;
 }

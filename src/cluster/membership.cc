@@ -26,8 +26,8 @@ Result<int64_t> ParseEpoch(std::string_view key, std::string_view text) {
   int64_t value = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (ec != std::errc() || end != text.data() + text.size() || value < 1) {
-    return Status::DataLoss(fmt::format(
-        "epoch record {} holds '{}', not a positive decimal integer", key, text.substr(0, 32)));
+    return Status::DataLoss(
+        fmt::format("epoch record {} holds '{}', not a positive decimal integer", key, text.substr(0, 32)));
   }
   return value;
 }
@@ -68,8 +68,7 @@ Result<std::vector<std::string>> SplitFlagList(std::string_view flag, std::strin
     std::string_view item = value.substr(start, comma - start);
     while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
     while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
-    if (item.empty())
-      return Status::InvalidArgument(fmt::format("{} has an empty item in '{}'", flag, value));
+    if (item.empty()) return Status::InvalidArgument(fmt::format("{} has an empty item in '{}'", flag, value));
     items.emplace_back(item);
     start = comma + 1;
   }
@@ -82,8 +81,7 @@ Status ValidateMembershipOptions(const MembershipOptions& options) {
   }
   ORBITKV_RETURN_IF_ERROR(ValidateName("--cluster-name", options.cluster_name));
   ORBITKV_RETURN_IF_ERROR(ValidateName("--node-id", options.node_id));
-  if (options.membership_ttl_secs < kMinMembershipTtlSecs ||
-      options.membership_ttl_secs > kMaxMembershipTtlSecs) {
+  if (options.membership_ttl_secs < kMinMembershipTtlSecs || options.membership_ttl_secs > kMaxMembershipTtlSecs) {
     return Status::InvalidArgument(fmt::format("--membership-ttl-secs {} is outside {}..{}",
                                                options.membership_ttl_secs, kMinMembershipTtlSecs,
                                                kMaxMembershipTtlSecs));
@@ -91,8 +89,7 @@ Status ValidateMembershipOptions(const MembershipOptions& options) {
   ORBITKV_RETURN_IF_ERROR(Placement::Create(options.catalog_nodes, options.catalog_replicas).status());
   ORBITKV_RETURN_IF_ERROR(ValidateEndpoint("peer endpoint", options.peer_endpoint));
   if (!options.runtime_uuid.empty() && !IsRuntimeUuid(options.runtime_uuid)) {
-    return Status::InvalidArgument(
-        fmt::format("runtime UUID '{}' is not a lower-case UUID", options.runtime_uuid));
+    return Status::InvalidArgument(fmt::format("runtime UUID '{}' is not a lower-case UUID", options.runtime_uuid));
   }
   if (options.etcd_call_timeout <= std::chrono::milliseconds::zero()) {
     return Status::InvalidArgument("etcd call timeout must be positive");
@@ -100,12 +97,10 @@ Status ValidateMembershipOptions(const MembershipOptions& options) {
   return Status::Ok();
 }
 
-Result<std::unique_ptr<Membership>> Membership::Create(MembershipOptions options,
-                                                       MetricsRegistry* metrics) {
+Result<std::unique_ptr<Membership>> Membership::Create(MembershipOptions options, MetricsRegistry* metrics) {
   ORBITKV_CHECK(metrics != nullptr);
   ORBITKV_RETURN_IF_ERROR(ValidateMembershipOptions(options));
-  ORBITKV_ASSIGN_OR_RETURN(Placement placement,
-                           Placement::Create(options.catalog_nodes, options.catalog_replicas));
+  ORBITKV_ASSIGN_OR_RETURN(Placement placement, Placement::Create(options.catalog_nodes, options.catalog_replicas));
   EtcdClientOptions client_options;
   client_options.endpoints = options.etcd_endpoints;
   client_options.tls_ca_file = options.etcd_tls_ca;
@@ -116,29 +111,26 @@ Result<std::unique_ptr<Membership>> Membership::Create(MembershipOptions options
   client_options.password = options.etcd_password;
   client_options.call_timeout = options.etcd_call_timeout;
   client_options.metrics = metrics;
-  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client,
-                           EtcdClient::Create(std::move(client_options)));
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client, EtcdClient::Create(std::move(client_options)));
   return std::unique_ptr<Membership>(
       new Membership(std::move(options), metrics, std::move(client), std::move(placement)));
 }
 
-Membership::Membership(MembershipOptions options, MetricsRegistry* metrics,
-                       std::unique_ptr<EtcdClient> client, Placement placement)
+Membership::Membership(MembershipOptions options, MetricsRegistry* metrics, std::unique_ptr<EtcdClient> client,
+                       Placement placement)
     : options_(std::move(options)),
       metrics_(metrics),
       client_(std::move(client)),
       configured_(placement),
       live_(std::move(placement)) {
-  registered_gauge_ = &metrics_->GetGauge(
-      "orbitkv_membership_registered", "1 while this Manager holds a valid registration, else 0");
-  epoch_gauge_ = &metrics_->GetGauge("orbitkv_membership_epoch",
-                                     "Epoch (incarnation) of this Manager's Node ID");
+  registered_gauge_ =
+      &metrics_->GetGauge("orbitkv_membership_registered", "1 while this Manager holds a valid registration, else 0");
+  epoch_gauge_ = &metrics_->GetGauge("orbitkv_membership_epoch", "Epoch (incarnation) of this Manager's Node ID");
   MutexLock lock(&mu_);
   self_.record.cluster = options_.cluster_name;
   self_.record.node_id = options_.node_id;
   self_.record.endpoint = options_.peer_endpoint;
-  self_.record.runtime_uuid =
-      options_.runtime_uuid.empty() ? NewRuntimeUuid() : options_.runtime_uuid;
+  self_.record.runtime_uuid = options_.runtime_uuid.empty() ? NewRuntimeUuid() : options_.runtime_uuid;
   since_ = MonoNow();
 }
 
@@ -156,9 +148,8 @@ Status Membership::Join(Deadline deadline) {
   // compare (Aborted): read it again.
   Result<std::unique_ptr<RegistrationClock>> registered = Status::Aborted("not tried");
   for (int attempt = 0; attempt < 3 && registered.status().code() == StatusCode::kAborted; ++attempt) {
-    ORBITKV_ASSIGN_OR_RETURN(
-        int64_t placement_revision,
-        JoinPlacement(*client_, options_.cluster_name, configured_, &live_, /*initial=*/true, deadline));
+    ORBITKV_ASSIGN_OR_RETURN(int64_t placement_revision, JoinPlacement(*client_, options_.cluster_name, configured_,
+                                                                       &live_, /*initial=*/true, deadline));
     registered = Register(placement_revision, deadline, &self);
   }
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<RegistrationClock> clock, std::move(registered));
@@ -178,16 +169,16 @@ Status Membership::Join(Deadline deadline) {
   StartIncarnation(self, current);
   // The supervisor: registers again after a lapse, and joins the incarnations' threads.
   supervisor_thread_ = std::thread([this] { Supervise(); });
-  ORBITKV_LOG_INFO("cluster {}: registered node {} epoch {} uuid {} lease {:x} (TTL {} s)",
-                   options_.cluster_name, options_.node_id, self.record.epoch,
-                   self.record.runtime_uuid, self.lease_id, lease_ttl_secs());
+  ORBITKV_LOG_INFO("cluster {}: registered node {} epoch {} uuid {} lease {:x} (TTL {} s)", options_.cluster_name,
+                   options_.node_id, self.record.epoch, self.record.runtime_uuid, self.lease_id, lease_ttl_secs());
   if (const Placement placement = live_.Get()->committed; placement.reduced_coverage()) {
-    ORBITKV_LOG_WARN("cluster {}: reduced failure coverage: each catalog shard has {} cop{} ({} asked for, {} "
-                     "catalog node{}); give --catalog-nodes at least 3 nodes and --catalog-replicas 3 so that a "
-                     "lost catalog host loses no shard",
-                     options_.cluster_name, placement.replicas(), placement.replicas() == 1 ? "y" : "ies",
-                     placement.requested_replicas(), placement.catalog_nodes().size(),
-                     placement.catalog_nodes().size() == 1 ? "" : "s");
+    ORBITKV_LOG_WARN(
+        "cluster {}: reduced failure coverage: each catalog shard has {} cop{} ({} asked for, {} "
+        "catalog node{}); give --catalog-nodes at least 3 nodes and --catalog-replicas 3 so that a "
+        "lost catalog host loses no shard",
+        options_.cluster_name, placement.replicas(), placement.replicas() == 1 ? "y" : "ies",
+        placement.requested_replicas(), placement.catalog_nodes().size(),
+        placement.catalog_nodes().size() == 1 ? "" : "s");
   }
   return Status::Ok();
 }
@@ -208,9 +199,7 @@ void Membership::StartIncarnation(const Member& self, RegistrationClock* clock) 
     view_options.etcd_cluster_id = etcd_cluster_id_;
   }
   keeper_options.metrics = metrics_;
-  keeper_options.on_lost = [this](const std::string& reason) {
-    EndRegistration(MembershipState::kExpired, reason);
-  };
+  keeper_options.on_lost = [this](const std::string& reason) { EndRegistration(MembershipState::kExpired, reason); };
   view_options.cluster = options_.cluster_name;
   view_options.self = self;
   view_options.on_placement = [this](const std::map<std::string, std::string>& records) {
@@ -254,8 +243,8 @@ void Membership::StopIncarnation() {
   keeper_.reset();
 }
 
-Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placement_revision,
-                                                                Deadline deadline, Member* self) {
+Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placement_revision, Deadline deadline,
+                                                                Member* self) {
   const std::string member_key = MemberKey(options_.cluster_name, options_.node_id);
   const std::string epoch_key = EpochKey(options_.cluster_name, options_.node_id);
   const std::string placement_key = PlacementKey(options_.cluster_name);
@@ -263,8 +252,7 @@ Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placemen
   etcdserverpb::LeaseGrantRequest grant;
   grant.set_ttl(options_.membership_ttl_secs);
   const MonoTime grant_sent = MonoNow();
-  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::LeaseGrantResponse granted,
-                           client_->LeaseGrant(grant, deadline));
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::LeaseGrantResponse granted, client_->LeaseGrant(grant, deadline));
   if (granted.ttl() <= 0) return Status::Unavailable("etcd granted a lease with no TTL");
   uint64_t known_cluster = 0;
   {
@@ -278,13 +266,12 @@ Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placemen
   if (known_cluster != 0 && granted.header().cluster_id() != known_cluster) {
     // Another etcd cluster answers at these endpoints: nothing registered there is the one we knew.
     (void)RevokeLease(granted.id(), deadline);
-    return Status::FailedPrecondition(fmt::format(
-        "the etcd cluster changed (ID {:x}, registered in {:x}): restart the Manager to join it",
-        granted.header().cluster_id(), known_cluster));
+    return Status::FailedPrecondition(
+        fmt::format("the etcd cluster changed (ID {:x}, registered in {:x}): restart the Manager to join it",
+                    granted.header().cluster_id(), known_cluster));
   }
   self->lease_id = granted.id();
-  auto clock =
-      std::make_unique<RegistrationClock>(grant_sent + std::chrono::seconds(granted.ttl()) / 2);
+  auto clock = std::make_unique<RegistrationClock>(grant_sent + std::chrono::seconds(granted.ttl()) / 2);
 
   Status status = Status::Aborted("registration did not converge");
   for (int attempt = 0; attempt < kMaxRegisterAttempts; ++attempt) {
@@ -311,8 +298,7 @@ Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placemen
     etcdserverpb::TxnRequest txn;
     AddCompare(txn, member_key, etcdserverpb::Compare::CREATE)->set_create_revision(0);
     AddCompare(txn, epoch_key, etcdserverpb::Compare::MOD)->set_mod_revision(epoch_mod_revision);
-    AddCompare(txn, placement_key, etcdserverpb::Compare::MOD)
-        ->set_mod_revision(placement_revision);
+    AddCompare(txn, placement_key, etcdserverpb::Compare::MOD)->set_mod_revision(placement_revision);
     etcdserverpb::PutRequest* put_epoch = txn.add_success()->mutable_request_put();
     put_epoch->set_key(epoch_key);
     put_epoch->set_value(std::to_string(self->record.epoch));
@@ -334,10 +320,8 @@ Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placemen
     const etcdserverpb::RangeResponse& holder = response->responses(0).response_range();
     if (holder.kvs_size() == 1) {
       const mvccpb::KeyValue& kv = holder.kvs(0);
-      Result<MemberRecord> record =
-          DecodeMemberRecord(options_.cluster_name, options_.node_id, kv.value());
-      if (record.ok() && record->runtime_uuid == self->record.runtime_uuid &&
-          kv.lease() == self->lease_id) {
+      Result<MemberRecord> record = DecodeMemberRecord(options_.cluster_name, options_.node_id, kv.value());
+      if (record.ok() && record->runtime_uuid == self->record.runtime_uuid && kv.lease() == self->lease_id) {
         // An earlier attempt of this very transaction was applied although its reply was lost.
         self->record = *record;
         self->create_revision = kv.create_revision();
@@ -347,30 +331,30 @@ Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placemen
       bool ours = false;
       if (record.ok()) {
         MutexLock lock(&mu_);
-        ours = std::find(own_uuids_.begin(), own_uuids_.end(), record->runtime_uuid) !=
-               own_uuids_.end();
+        ours = std::find(own_uuids_.begin(), own_uuids_.end(), record->runtime_uuid) != own_uuids_.end();
       }
       if (ours) {
         // One of this Membership's earlier registrations, its lease still alive in etcd (a restart
         // refreshes leases): not a fence. Revoke that lease and register again.
-        ORBITKV_LOG_INFO("cluster {}: node {} epoch {} (an earlier registration of this Manager) still "
-                         "holds the record; revoking its lease {:x}",
-                         options_.cluster_name, options_.node_id, record->epoch, kv.lease());
+        ORBITKV_LOG_INFO(
+            "cluster {}: node {} epoch {} (an earlier registration of this Manager) still "
+            "holds the record; revoking its lease {:x}",
+            options_.cluster_name, options_.node_id, record->epoch, kv.lease());
         if (Status revoked = RevokeLease(kv.lease(), deadline); !revoked.ok()) {
           status = revoked;
           break;
         }
         continue;
       }
-      status = Status::AlreadyExists(
-          fmt::format("node '{}' is already registered in cluster '{}' by a live runtime ({}); "
-                      "stop it, or wait up to {} s "
-                      "for its lease to expire",
-                      options_.node_id, options_.cluster_name,
-                      record.ok() ? fmt::format("epoch {}, uuid {}, endpoint {}", record->epoch,
-                                                record->runtime_uuid, record->endpoint)
-                                  : std::string("unreadable record"),
-                      options_.membership_ttl_secs));
+      status =
+          Status::AlreadyExists(fmt::format("node '{}' is already registered in cluster '{}' by a live runtime ({}); "
+                                            "stop it, or wait up to {} s "
+                                            "for its lease to expire",
+                                            options_.node_id, options_.cluster_name,
+                                            record.ok() ? fmt::format("epoch {}, uuid {}, endpoint {}", record->epoch,
+                                                                      record->runtime_uuid, record->endpoint)
+                                                        : std::string("unreadable record"),
+                                            options_.membership_ttl_secs));
       break;
     }
     // The epoch or the placement moved under us; the placement check repeats only through a new
@@ -378,8 +362,7 @@ Result<std::unique_ptr<RegistrationClock>> Membership::Register(int64_t placemen
     etcdserverpb::RangeRequest read_placement;
     read_placement.set_key(placement_key);
     Result<etcdserverpb::RangeResponse> placement = client_->Range(read_placement, deadline);
-    if (placement.ok() &&
-        (placement->kvs_size() != 1 || placement->kvs(0).mod_revision() != placement_revision)) {
+    if (placement.ok() && (placement->kvs_size() != 1 || placement->kvs(0).mod_revision() != placement_revision)) {
       status = Status::Aborted(fmt::format(
           "placement record of cluster '{}' changed during the registration (a placement change committed); "
           "reading it again",
@@ -399,9 +382,8 @@ Status Membership::RevokeLease(int64_t lease_id, Deadline deadline, bool quiet) 
   Result<etcdserverpb::LeaseRevokeResponse> revoked = client_->LeaseRevoke(revoke, deadline);
   if (!revoked.ok() && revoked.status().code() != StatusCode::kNotFound) {
     if (quiet) return revoked.status();
-    ORBITKV_LOG_WARN("cluster {}: could not revoke lease {:x}: {}; etcd expires it within {} s",
-                     options_.cluster_name, lease_id, revoked.status().ToString(),
-                     options_.membership_ttl_secs);
+    ORBITKV_LOG_WARN("cluster {}: could not revoke lease {:x}: {}; etcd expires it within {} s", options_.cluster_name,
+                     lease_id, revoked.status().ToString(), options_.membership_ttl_secs);
     return revoked.status();
   }
   return Status::Ok();
@@ -426,20 +408,19 @@ void Membership::EndRegistration(MembershipState state, const std::string& reaso
   }
   registered_gauge_->Set(0);
   metrics_
-      ->GetCounter("orbitkv_membership_registration_ends_total",
-                   "Registrations that ended, by cause",
+      ->GetCounter("orbitkv_membership_registration_ends_total", "Registrations that ended, by cause",
                    {{"state", std::string(MembershipStateName(state))}})
       .Increment();
   if (state == MembershipState::kFenced || !options_.reregister) {
-    ORBITKV_LOG_WARN("cluster {}: node {} epoch {} is {}: {}; remote work stays off until the Manager "
-                     "restarts",
-                     options_.cluster_name, options_.node_id, epoch, MembershipStateName(state),
-                     reason);
+    ORBITKV_LOG_WARN(
+        "cluster {}: node {} epoch {} is {}: {}; remote work stays off until the Manager "
+        "restarts",
+        options_.cluster_name, options_.node_id, epoch, MembershipStateName(state), reason);
   } else {
-    ORBITKV_LOG_WARN("cluster {}: node {} epoch {} is {}: {}; remote work is off while it registers "
-                     "again (local service goes on)",
-                     options_.cluster_name, options_.node_id, epoch, MembershipStateName(state),
-                     reason);
+    ORBITKV_LOG_WARN(
+        "cluster {}: node {} epoch {} is {}: {}; remote work is off while it registers "
+        "again (local service goes on)",
+        options_.cluster_name, options_.node_id, epoch, MembershipStateName(state), reason);
   }
 }
 
@@ -477,8 +458,8 @@ void Membership::Supervise() {
         StopIncarnation();
         view_.Invalidate();
         if (options_.on_lapsed) options_.on_lapsed(cause);
-        phase = Step(phase, {.event = SupervisorEvent::kEndHandled, .lapsed = lapsed,
-                             .reregister = options_.reregister});
+        phase =
+            Step(phase, {.event = SupervisorEvent::kEndHandled, .lapsed = lapsed, .reregister = options_.reregister});
         backoff = options_.reregister_backoff_min;
         first_attempt = true;
         break;
@@ -559,9 +540,8 @@ Status Membership::Reregister(Deadline deadline) {
     MutexLock lock(&mu_);
     self_.lease_id = 0;
   }
-  ORBITKV_ASSIGN_OR_RETURN(
-      int64_t placement_revision,
-      JoinPlacement(*client_, options_.cluster_name, configured_, &live_, /*initial=*/false, deadline));
+  ORBITKV_ASSIGN_OR_RETURN(int64_t placement_revision, JoinPlacement(*client_, options_.cluster_name, configured_,
+                                                                     &live_, /*initial=*/false, deadline));
   self.lease_id = 0;
   {
     // One candidate UUID for every attempt until one registers it (own_uuids_ does not grow with each retry).
@@ -572,8 +552,7 @@ Status Membership::Reregister(Deadline deadline) {
     }
     self.record.runtime_uuid = candidate_uuid_;
   }
-  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<RegistrationClock> clock,
-                           Register(placement_revision, deadline, &self));
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<RegistrationClock> clock, Register(placement_revision, deadline, &self));
   RegistrationClock* current = clock.get();
   std::string cause;
   bool stopping = false;
@@ -603,10 +582,10 @@ Status Membership::Reregister(Deadline deadline) {
       ->GetCounter("orbitkv_membership_reregistrations_total",
                    "Registrations made again after a lapse, without a restart")
       .Increment();
-  ORBITKV_LOG_INFO("cluster {}: registered node {} again: epoch {} uuid {} lease {:x} (the last one "
-                   "ended: {})",
-                   options_.cluster_name, options_.node_id, self.record.epoch,
-                   self.record.runtime_uuid, self.lease_id, cause);
+  ORBITKV_LOG_INFO(
+      "cluster {}: registered node {} again: epoch {} uuid {} lease {:x} (the last one "
+      "ended: {})",
+      options_.cluster_name, options_.node_id, self.record.epoch, self.record.runtime_uuid, self.lease_id, cause);
   // The identity goes to the Manager's parts before the view is taken: remote work stays off
   // until the new view is complete.
   if (options_.on_registered) options_.on_registered(self.record);
@@ -649,8 +628,7 @@ bool Membership::CanDoRemoteWork() const { return RegistrationValid() && view_.c
 
 Result<Member> Membership::ResolveShardOwner(uint32_t shard) const {
   if (!RegistrationValid()) {
-    return Status::Unavailable(
-        fmt::format("remote work is disabled: membership is {}", MembershipStateName(state())));
+    return Status::Unavailable(fmt::format("remote work is disabled: membership is {}", MembershipStateName(state())));
   }
   return live_.Get()->committed.ResolveOwner(shard, view_);
 }
@@ -684,8 +662,7 @@ MembershipStatus Membership::GetStatus() const {
   const RegistrationClock* clock = clock_.load(std::memory_order_acquire);
   status.registration_valid = clock != nullptr && clock->Valid(now);
   if (status.registration_valid) {
-    status.registration_remaining =
-        std::chrono::duration_cast<std::chrono::milliseconds>(clock->valid_until() - now);
+    status.registration_remaining = std::chrono::duration_cast<std::chrono::milliseconds>(clock->valid_until() - now);
   }
   status.placement_fingerprint = live_.Get()->committed.fingerprint();
   status.view = view_.Read();
@@ -727,12 +704,10 @@ std::string Membership::StatusText() const {
       "ttl {} s, valid for {} ms\n  placement {} catalog nodes {}, {} copies a shard{}\n  view: {} at "
       "revision {}, {} members, remote work {}\n",
       MembershipStateName(s.state), s.reason.empty() ? "" : fmt::format(" ({})", s.reason),
-      static_cast<double>(s.since.count()) / 1000, s.self.cluster, s.self.node_id, s.self.epoch,
-      s.self.runtime_uuid, s.self.endpoint, s.lease_id, s.lease_ttl_secs,
-      s.registration_remaining.count(), s.placement_fingerprint,
+      static_cast<double>(s.since.count()) / 1000, s.self.cluster, s.self.node_id, s.self.epoch, s.self.runtime_uuid,
+      s.self.endpoint, s.lease_id, s.lease_ttl_secs, s.registration_remaining.count(), s.placement_fingerprint,
       fmt::join(placement.catalog_nodes(), ","), placement.replicas(),
-      placement.reduced_coverage() ? " (reduced failure coverage)" : "",
-      s.view.complete ? "complete" : "incomplete",
+      placement.reduced_coverage() ? " (reduced failure coverage)" : "", s.view.complete ? "complete" : "incomplete",
       s.view.revision, s.view.members.size(), s.remote_work_allowed ? "allowed" : "disabled");
   out += fmt::format("  placement generation {}{}\n", placement.generation(), PlacementChangeLine(*live));
   if (s.state == MembershipState::kExpired && options_.reregister) {
@@ -743,8 +718,8 @@ std::string Membership::StatusText() const {
     out += fmt::format("  registrations: {}; the last one ended: {}\n", s.registrations, s.last_cause);
   }
   for (const Member& m : s.view.members) {
-    out += fmt::format("    {} epoch {} {} uuid {}\n", m.record.node_id, m.record.epoch,
-                       m.record.endpoint, m.record.runtime_uuid);
+    out += fmt::format("    {} epoch {} {} uuid {}\n", m.record.node_id, m.record.epoch, m.record.endpoint,
+                       m.record.runtime_uuid);
   }
   return out;
 }

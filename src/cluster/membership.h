@@ -50,11 +50,11 @@
 #include "base/mutex.h"
 #include "base/result.h"
 #include "base/thread_annotations.h"
+#include "cluster/live_placement.h"
 #include "cluster/member_record.h"
 #include "cluster/member_view.h"
-#include "cluster/supervisor_step.h"
-#include "cluster/live_placement.h"
 #include "cluster/placement.h"
+#include "cluster/supervisor_step.h"
 
 namespace orbitkv::cluster {
 
@@ -63,25 +63,24 @@ class LeaseKeeper;
 class RegistrationClock;
 class ViewSync;
 
-inline constexpr int64_t kMinMembershipTtlSecs =
-    2;  // etcd raises shorter TTLs to 1.5 election timeouts.
+inline constexpr int64_t kMinMembershipTtlSecs = 2;  // etcd raises shorter TTLs to 1.5 election timeouts.
 inline constexpr int64_t kMaxMembershipTtlSecs = 3600;
 
 // The Manager flags of distributed mode (names as on the command line).
 struct MembershipOptions {
-  std::vector<std::string> etcd_endpoints;  // --etcd-endpoints host:port[,host:port...]
-  std::string etcd_tls_ca;                  // --etcd-tls-ca (TLS to etcd)
-  std::string etcd_tls_cert;                // --etcd-tls-cert
-  std::string etcd_tls_key;                 // --etcd-tls-key
-  std::string etcd_user;                    // --etcd-user
-  std::string etcd_password;                // the content of --etcd-password-file
-  unsigned tls_reload_secs = 10;            // --tls-reload-secs
-  std::string cluster_name;                 // --cluster-name
-  std::string node_id;                      // --node-id
-  int64_t membership_ttl_secs = 10;         // --membership-ttl-secs
-  std::vector<std::string> catalog_nodes;   // --catalog-nodes id[,id...] (1..16)
+  std::vector<std::string> etcd_endpoints;              // --etcd-endpoints host:port[,host:port...]
+  std::string etcd_tls_ca;                              // --etcd-tls-ca (TLS to etcd)
+  std::string etcd_tls_cert;                            // --etcd-tls-cert
+  std::string etcd_tls_key;                             // --etcd-tls-key
+  std::string etcd_user;                                // --etcd-user
+  std::string etcd_password;                            // the content of --etcd-password-file
+  unsigned tls_reload_secs = 10;                        // --tls-reload-secs
+  std::string cluster_name;                             // --cluster-name
+  std::string node_id;                                  // --node-id
+  int64_t membership_ttl_secs = 10;                     // --membership-ttl-secs
+  std::vector<std::string> catalog_nodes;               // --catalog-nodes id[,id...] (1..16)
   uint32_t catalog_replicas = kDefaultCatalogReplicas;  // --catalog-replicas (1..5, capped by the nodes)
-  std::string peer_endpoint;                // host:port peers dial (the Manager's peer listener)
+  std::string peer_endpoint;                            // host:port peers dial (the Manager's peer listener)
   // The Manager's RuntimeId (base/runtime_id.h), written into the member record; empty: a new one.
   std::string runtime_uuid;
   std::chrono::milliseconds etcd_call_timeout{5000};
@@ -143,8 +142,7 @@ struct MembershipStatus {
 class Membership {
  public:
   // Validates options and builds the etcd client; no I/O. `metrics` must outlive the Membership.
-  static Result<std::unique_ptr<Membership>> Create(MembershipOptions options,
-                                                    MetricsRegistry* metrics);
+  static Result<std::unique_ptr<Membership>> Create(MembershipOptions options, MetricsRegistry* metrics);
   ~Membership();
   Membership(const Membership&) = delete;
   Membership& operator=(const Membership&) = delete;
@@ -184,13 +182,12 @@ class Membership {
   int64_t lease_ttl_secs() const;
 
  private:
-  Membership(MembershipOptions options, MetricsRegistry* metrics,
-             std::unique_ptr<EtcdClient> client, Placement placement);
+  Membership(MembershipOptions options, MetricsRegistry* metrics, std::unique_ptr<EtcdClient> client,
+             Placement placement);
 
   // Registers `self` (node, endpoint, UUID set; epoch and lease filled in) under a new lease and
   // returns the clock of that registration.
-  Result<std::unique_ptr<RegistrationClock>> Register(int64_t placement_revision, Deadline deadline,
-                                                      Member* self);
+  Result<std::unique_ptr<RegistrationClock>> Register(int64_t placement_revision, Deadline deadline, Member* self);
   // Starts the keeper and view threads of the registration `self` under `clock` (owned by clocks_).
   void StartIncarnation(const Member& self, RegistrationClock* clock) EXCLUDES(mu_);
   // Stops and joins the keeper and view threads (supervisor or Shutdown after it).
@@ -230,11 +227,11 @@ class Membership {
   int64_t lease_ttl_secs_ GUARDED_BY(mu_) = 0;
   uint64_t etcd_cluster_id_ GUARDED_BY(mu_) = 0;
   std::vector<std::string> own_uuids_ GUARDED_BY(mu_);  // every runtime UUID this Membership registered
-  std::string candidate_uuid_ GUARDED_BY(mu_);  // the UUID the attempts to register again use, until one does
+  std::string candidate_uuid_ GUARDED_BY(mu_);          // the UUID the attempts to register again use, until one does
   std::vector<std::unique_ptr<RegistrationClock>> clocks_ GUARDED_BY(mu_);
   std::unique_ptr<LeaseKeeper> keeper_ GUARDED_BY(mu_);
   std::unique_ptr<ViewSync> view_sync_ GUARDED_BY(mu_);
-  std::thread keeper_thread_;      // started and joined by Join()/the supervisor/Shutdown only
+  std::thread keeper_thread_;  // started and joined by Join()/the supervisor/Shutdown only
   std::thread view_thread_;
   std::thread supervisor_thread_;
   MembershipState state_ GUARDED_BY(mu_) = MembershipState::kNotJoined;

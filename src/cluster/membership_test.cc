@@ -108,8 +108,7 @@ TEST_F(MembershipTest, EpochIncrementsAcrossRestartsAndShutdownRevokes) {
     Result<etcdserverpb::RangeResponse> gone = raw_->Range(range, Deadline::After(kWaitLimit));
     ASSERT_TRUE(gone.ok());
     EXPECT_EQ(gone->kvs_size(), 0);
-    ASSERT_TRUE(WaitUntil(
-        [&] { return watcher->view().Find("node-a").status().code() == StatusCode::kNotFound; }));
+    ASSERT_TRUE(WaitUntil([&] { return watcher->view().Find("node-a").status().code() == StatusCode::kNotFound; }));
   }
 }
 
@@ -143,8 +142,7 @@ TEST_F(MembershipTest, KillNineExpiresTheLeaseAndTheSurvivorDropsTheStaleMember)
   ASSERT_TRUE(status.ok());
   EXPECT_TRUE(WIFSIGNALED(*status));
   // Nobody revokes: etcd expires the 2 s lease, and B's Watch drops the stale member.
-  ASSERT_TRUE(
-      WaitUntil([&] { return b->view().Find("node-a").status().code() == StatusCode::kNotFound; }));
+  ASSERT_TRUE(WaitUntil([&] { return b->view().Find("node-a").status().code() == StatusCode::kNotFound; }));
   EXPECT_EQ(b->ResolveShardOwner(shard_of_a).status().code(), StatusCode::kUnavailable);
   EXPECT_TRUE(b->CanDoRemoteWork());
 
@@ -152,8 +150,7 @@ TEST_F(MembershipTest, KillNineExpiresTheLeaseAndTheSurvivorDropsTheStaleMember)
   Result<testing::ChildProcess> again = spawn_a();
   ASSERT_TRUE(again.ok());
   line = again->ReadLine(Deadline::After(kWaitLimit));
-  ASSERT_TRUE(line.ok() && line->starts_with("joined 2 "))
-      << (line.ok() ? *line : line.status().ToString());
+  ASSERT_TRUE(line.ok() && line->starts_with("joined 2 ")) << (line.ok() ? *line : line.status().ToString());
   const std::string second_uuid = line->substr(9);
   EXPECT_NE(second_uuid, first_uuid);
   ASSERT_TRUE(WaitUntil([&] {
@@ -255,8 +252,7 @@ TEST_F(MembershipTest, PlacementMismatchOnJoinFailsClearly) {
   MetricsRegistry ma, mb;
   auto a = Join(Options("node-a", {"node-a", "node-b"}), &ma);
   ASSERT_TRUE(a);
-  Result<std::unique_ptr<Membership>> b =
-      Membership::Create(Options("node-b", {"node-a", "node-c"}), &mb);
+  Result<std::unique_ptr<Membership>> b = Membership::Create(Options("node-b", {"node-a", "node-c"}), &mb);
   ASSERT_TRUE(b.ok());
   const Status joined = (*b)->Join(Deadline::After(kWaitLimit));
   EXPECT_EQ(joined.code(), StatusCode::kFailedPrecondition) << joined;
@@ -269,8 +265,7 @@ TEST_F(MembershipTest, PlacementMismatchOnJoinFailsClearly) {
   range.set_range_end(PrefixEnd(ClusterPrefix(cluster_)));
   Result<etcdserverpb::RangeResponse> all = raw_->Range(range, Deadline::After(kWaitLimit));
   ASSERT_TRUE(all.ok());
-  for (const auto& kv : all->kvs())
-    EXPECT_EQ(kv.key().find("node-b"), std::string::npos) << kv.key();
+  for (const auto& kv : all->kvs()) EXPECT_EQ(kv.key().find("node-b"), std::string::npos) << kv.key();
 }
 
 TEST_F(MembershipTest, PlacementChangeFencesEveryMember) {
@@ -278,8 +273,7 @@ TEST_F(MembershipTest, PlacementChangeFencesEveryMember) {
   auto a = Join(Options("node-a"), &m);
   ASSERT_TRUE(a);
   ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
-  ASSERT_TRUE(
-      RawPut(PlacementKey(cluster_), Placement::Create({"node-a", "node-z"})->Encode()).ok());
+  ASSERT_TRUE(RawPut(PlacementKey(cluster_), Placement::Create({"node-a", "node-z"})->Encode()).ok());
   ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kFenced; }));
   EXPECT_NE(a->GetStatus().reason.find("placement"), std::string::npos) << a->GetStatus().reason;
 }
@@ -304,7 +298,8 @@ TEST_F(MembershipTest, ANewerPlacementGenerationIsAdoptedAndLaterJoinsFollowIt) 
   EXPECT_EQ(b->GetStatus().placement_fingerprint, a->GetStatus().placement_fingerprint);
   // Back to generation 1: a regression, every member fences.
   ASSERT_TRUE(RawPut(PlacementKey(cluster_), Placement::Create({"node-a"}).value().Encode()).ok());
-  ASSERT_TRUE(WaitUntil([&] { return a->state() == MembershipState::kFenced && b->state() == MembershipState::kFenced; }));
+  ASSERT_TRUE(
+      WaitUntil([&] { return a->state() == MembershipState::kFenced && b->state() == MembershipState::kFenced; }));
   EXPECT_NE(a->GetStatus().reason.find("went back"), std::string::npos) << a->GetStatus().reason;
 }
 
@@ -361,13 +356,10 @@ TEST_F(MembershipTest, EtcdStoppedAndRestartedRepairsTheView) {
   ASSERT_TRUE(etcd_->WaitReady(Deadline::After(kWaitLimit)).ok());
   ASSERT_TRUE(WaitUntil([&] { return a->CanDoRemoteWork() && Sees(*a, "node-b"); }));
   EXPECT_GT(CounterValue(ma, "orbitkv_membership_snapshots_total"), snapshots);
-  EXPECT_GE(
-      CounterValue(ma, "orbitkv_membership_view_invalidations_total", {{"reason", "reconnect"}}),
-      1u);
+  EXPECT_GE(CounterValue(ma, "orbitkv_membership_view_invalidations_total", {{"reason", "reconnect"}}), 1u);
   EXPECT_EQ(a->state(), MembershipState::kRegistered);
   // Keepalives resumed on the restarted etcd (none can be acknowledged while it is down).
-  ASSERT_TRUE(WaitUntil(
-      [&] { return CounterValue(ma, "orbitkv_membership_keepalive_acks_total") > acks; }));
+  ASSERT_TRUE(WaitUntil([&] { return CounterValue(ma, "orbitkv_membership_keepalive_acks_total") > acks; }));
 }
 
 // Issue 51: a registration that lapsed while etcd was down is made again when etcd answers (the old lease, which
@@ -415,8 +407,8 @@ TEST_F(MembershipTest, CacheOperationsMakeNoEtcdCalls) {
   ASSERT_TRUE(WaitUntil([&] { return a->CanDoRemoteWork() && Sees(*a, "node-b"); }));
   auto non_keepalive_calls = [&] {
     uint64_t total = 0;
-    for (const char* method : {"Range", "Put", "DeleteRange", "Txn", "LeaseGrant", "LeaseRevoke",
-                               "LeaseTimeToLive", "Watch"}) {
+    for (const char* method :
+         {"Range", "Put", "DeleteRange", "Txn", "LeaseGrant", "LeaseRevoke", "LeaseTimeToLive", "Watch"}) {
       total += CounterValue(ma, "orbitkv_etcd_calls_total", {{"method", method}});
     }
     return total;

@@ -20,8 +20,7 @@ constexpr std::string_view kRendezvousDomain{"orbitkv.rendezvous.v1\0", 22};
 std::array<uint8_t, 32> Sha256(std::string_view bytes) {
   std::array<uint8_t, 32> out{};
   unsigned int len = 0;
-  ORBITKV_CHECK(EVP_Digest(bytes.data(), bytes.size(), out.data(), &len, EVP_sha256(), nullptr) ==
-                1);
+  ORBITKV_CHECK(EVP_Digest(bytes.data(), bytes.size(), out.data(), &len, EVP_sha256(), nullptr) == 1);
   return out;
 }
 
@@ -29,8 +28,7 @@ std::array<uint8_t, 32> Sha256(std::string_view bytes) {
 
 uint64_t Placement::Score(uint32_t shard, std::string_view node_id) {
   std::string input(kRendezvousDomain);
-  for (int shift = 24; shift >= 0; shift -= 8)
-    input.push_back(static_cast<char>((shard >> shift) & 0xff));
+  for (int shift = 24; shift >= 0; shift -= 8) input.push_back(static_cast<char>((shard >> shift) & 0xff));
   input.append(node_id);
   const std::array<uint8_t, 32> digest = Sha256(input);
   uint64_t score = 0;
@@ -38,24 +36,21 @@ uint64_t Placement::Score(uint32_t shard, std::string_view node_id) {
   return score;
 }
 
-Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes, uint32_t replicas,
-                                    int64_t generation) {
+Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes, uint32_t replicas, int64_t generation) {
   if (generation < 1) {
     return Status::InvalidArgument(fmt::format("placement generation {} is not positive", generation));
   }
   if (catalog_nodes.empty() || catalog_nodes.size() > kMaxCatalogNodes) {
-    return Status::InvalidArgument(fmt::format("--catalog-nodes: give 1 to {} Node IDs (got {})",
-                                               kMaxCatalogNodes, catalog_nodes.size()));
+    return Status::InvalidArgument(
+        fmt::format("--catalog-nodes: give 1 to {} Node IDs (got {})", kMaxCatalogNodes, catalog_nodes.size()));
   }
   if (replicas < 1 || replicas > kMaxCatalogReplicas) {
-    return Status::InvalidArgument(fmt::format("--catalog-replicas {} is outside 1..{}", replicas,
-                                               kMaxCatalogReplicas));
+    return Status::InvalidArgument(
+        fmt::format("--catalog-replicas {} is outside 1..{}", replicas, kMaxCatalogReplicas));
   }
-  for (const std::string& node : catalog_nodes)
-    ORBITKV_RETURN_IF_ERROR(ValidateName("--catalog-nodes entry", node));
+  for (const std::string& node : catalog_nodes) ORBITKV_RETURN_IF_ERROR(ValidateName("--catalog-nodes entry", node));
   std::sort(catalog_nodes.begin(), catalog_nodes.end());
-  if (auto dup = std::adjacent_find(catalog_nodes.begin(), catalog_nodes.end());
-      dup != catalog_nodes.end()) {
+  if (auto dup = std::adjacent_find(catalog_nodes.begin(), catalog_nodes.end()); dup != catalog_nodes.end()) {
     return Status::InvalidArgument(fmt::format("--catalog-nodes lists '{}' twice", *dup));
   }
   Placement placement;
@@ -69,8 +64,7 @@ Result<Placement> Placement::Create(std::vector<std::string> catalog_nodes, uint
       ranked.emplace_back(Score(shard, placement.nodes_[i]), i);
     }
     // Ties (astronomically unlikely) go to the smaller Node ID (nodes_ is sorted).
-    std::stable_sort(ranked.begin(), ranked.end(),
-                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     for (size_t c = 0; c < copies; ++c) {
       placement.copies_[shard].push_back(placement.nodes_[ranked[c].second]);
     }
@@ -136,14 +130,14 @@ Result<Member> Placement::ResolveOwner(uint32_t shard, const MemberView& view) c
   const std::string& owner = OwnerOf(shard);
   Result<Member> member = view.Find(owner);
   if (!member.ok()) {
-    return Status::Unavailable(fmt::format("catalog shard {} (owner '{}') is unavailable: {}",
-                                           shard, owner, member.status().message()));
+    return Status::Unavailable(
+        fmt::format("catalog shard {} (owner '{}') is unavailable: {}", shard, owner, member.status().message()));
   }
   return member;
 }
 
-Result<int64_t> InstallOrVerifyPlacement(EtcdClient& client, std::string_view cluster,
-                                         const Placement& placement, Deadline deadline) {
+Result<int64_t> InstallOrVerifyPlacement(EtcdClient& client, std::string_view cluster, const Placement& placement,
+                                         Deadline deadline) {
   const std::string key = PlacementKey(cluster);
   etcdserverpb::TxnRequest txn;
   etcdserverpb::Compare* absent = txn.add_compare();
@@ -160,14 +154,12 @@ Result<int64_t> InstallOrVerifyPlacement(EtcdClient& client, std::string_view cl
 
   if (response.responses_size() != 1 || !response.responses(0).has_response_range() ||
       response.responses(0).response_range().kvs_size() != 1) {
-    return Status::Unavailable(
-        fmt::format("placement record of cluster '{}' vanished during join; retry", cluster));
+    return Status::Unavailable(fmt::format("placement record of cluster '{}' vanished during join; retry", cluster));
   }
   const mvccpb::KeyValue& kv = response.responses(0).response_range().kvs(0);
   Result<Placement> installed = Placement::Decode(kv.value());
   if (!installed.ok()) {
-    return Status::DataLoss(
-        fmt::format("placement record at {} is unreadable: {}", key, installed.status().message()));
+    return Status::DataLoss(fmt::format("placement record at {} is unreadable: {}", key, installed.status().message()));
   }
   if (!installed->SameContent(placement)) {
     return Status::FailedPrecondition(
@@ -175,9 +167,8 @@ Result<int64_t> InstallOrVerifyPlacement(EtcdClient& client, std::string_view cl
                     "--catalog-replicas {} (revision {}), but this Manager "
                     "was started with {} --catalog-replicas {}; start every Manager with the same "
                     "set and replicas",
-                    cluster, fmt::join(installed->catalog_nodes(), ","),
-                    installed->requested_replicas(), kv.mod_revision(),
-                    fmt::join(placement.catalog_nodes(), ","), placement.requested_replicas()));
+                    cluster, fmt::join(installed->catalog_nodes(), ","), installed->requested_replicas(),
+                    kv.mod_revision(), fmt::join(placement.catalog_nodes(), ","), placement.requested_replicas()));
   }
   return kv.mod_revision();
 }

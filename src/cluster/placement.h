@@ -43,8 +43,8 @@ class Placement {
   // InvalidArgument when the set is empty, larger than kMaxCatalogNodes, names a node twice or has
   // a bad name, or `replicas` is outside 1..kMaxCatalogReplicas. The order of `catalog_nodes` does
   // not matter.
-  static Result<Placement> Create(std::vector<std::string> catalog_nodes,
-                                  uint32_t replicas = kDefaultCatalogReplicas, int64_t generation = 1);
+  static Result<Placement> Create(std::vector<std::string> catalog_nodes, uint32_t replicas = kDefaultCatalogReplicas,
+                                  int64_t generation = 1);
 
   // The canonical record:
   // {"v":2,"generation":G,"shards":16,"replicas":R,"catalog_nodes":[sorted ids]}, R as requested; G is 1 as
@@ -102,8 +102,8 @@ class Placement {
 // installed one is identical. Returns the record's mod_revision, a fencing token for registration.
 // FailedPrecondition naming both sets on a mismatch; DataLoss for an unreadable installed record;
 // etcd errors as the client returns them.
-Result<int64_t> InstallOrVerifyPlacement(EtcdClient& client, std::string_view cluster,
-                                         const Placement& placement, Deadline deadline);
+Result<int64_t> InstallOrVerifyPlacement(EtcdClient& client, std::string_view cluster, const Placement& placement,
+                                         Deadline deadline);
 
 }  // namespace orbitkv::cluster
 

@@ -59,8 +59,7 @@ Result<bool> SubmitPlacementRequest(EtcdClient& etcd, std::string_view cluster, 
 
 // ---- Leadership -----------------------------------------------------------------------------------------------
 
-ReconcilerLeadership::ReconcilerLeadership(EtcdClient* etcd, std::string cluster, std::string self,
-                                           std::string runtime)
+ReconcilerLeadership::ReconcilerLeadership(EtcdClient* etcd, std::string cluster, std::string self, std::string runtime)
     : etcd_(etcd), key_(ReconcilerLeaderKey(cluster)), value_(fmt::format("{}/{}", self, runtime)) {}
 
 Result<bool> ReconcilerLeadership::Campaign(int64_t lease, Deadline deadline) {
@@ -121,8 +120,8 @@ bool ReconcilerLeadership::CheckDeposed(Deadline deadline) {
   Result<etcdserverpb::RangeResponse> response = etcd_->Range(range, deadline);
   if (!response.ok()) return false;  // unknown: the next pass asks again
   MutexLock lock(&mu_);
-  const bool ours = response->kvs_size() == 1 && response->kvs(0).create_revision() == term_ &&
-                    response->kvs(0).value() == value_;
+  const bool ours =
+      response->kvs_size() == 1 && response->kvs(0).create_revision() == term_ && response->kvs(0).value() == value_;
   if (!ours) leading_ = false;
   return !ours;
 }
@@ -180,8 +179,8 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Step(ReconcilerLeaders
   return Advance(leadership, s, deadline);
 }
 
-Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLeadership& leadership,
-                                                                  const Snapshot& s, Deadline deadline) {
+Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLeadership& leadership, const Snapshot& s,
+                                                                  Deadline deadline) {
   const std::string cluster = options_.cluster;
   const Placement& from = *s.placement;
   const int64_t now = options_.now_ms();
@@ -203,8 +202,8 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
     ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
     if (!done) return lost;
     ++stats_.started;
-    ORBITKV_LOG_INFO("cluster {}: placement change started: generation {} -> {} ({}), {} shard(s) to move",
-                     cluster, from.generation(), from.generation() + 1, fmt::join(wanted.catalog_nodes(), ","),
+    ORBITKV_LOG_INFO("cluster {}: placement change started: generation {} -> {} ({}), {} shard(s) to move", cluster,
+                     from.generation(), from.generation() + 1, fmt::join(wanted.catalog_nodes(), ","),
                      t.CountIn(ShardMove::State::kWaiting));
     return Outcome{Did::kStarted, fmt::format("{} shard(s) to move", t.CountIn(ShardMove::State::kWaiting))};
   }
@@ -216,8 +215,8 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
       ->set_mod_revision(s.transition_revision);
   if (t.phase != PlacementTransition::Phase::kMoving) {
     if (now - t.phase_ms < options_.retire_grace.count()) {
-      return Outcome{Did::kWaiting, fmt::format("{}: the old copies retire after the grace period",
-                                                PlacementPhaseName(t.phase))};
+      return Outcome{Did::kWaiting,
+                     fmt::format("{}: the old copies retire after the grace period", PlacementPhaseName(t.phase))};
     }
     Delete(&txn, PlacementTransitionKey(cluster));
     ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
@@ -251,7 +250,7 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
         auto p = status->find(owner);
         if (p == status->end() || !p->second.baseline || p->second.sequence < watermark) {
           behind = fmt::format("copy '{}' holds owner '{}' at {} of {}", copy, owner,
-                               p == status->end() ? std::string("nothing")
+                               p == status->end()   ? std::string("nothing")
                                : p->second.baseline ? std::to_string(p->second.sequence)
                                                     : std::string("no baseline"),
                                watermark);
@@ -267,8 +266,8 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
       ++stats_.shard_moves;
     } else if (now - m.since_ms > options_.shard_bound.count()) {
       t.phase = PlacementTransition::Phase::kAborted;
-      t.reason = fmt::format("shard {} did not converge within {} s: {}", shard, options_.shard_bound.count() / 1000,
-                             behind);
+      t.reason =
+          fmt::format("shard {} did not converge within {} s: {}", shard, options_.shard_bound.count() / 1000, behind);
       changed = true;
     }
   }

@@ -137,8 +137,7 @@ class PlacementReconciler {
  private:
   Result<Outcome> Advance(ReconcilerLeadership& leadership, const Snapshot& s, Deadline deadline);
   // Runs a guarded transaction: kNotLeader / kWaiting when it did not succeed.
-  Result<bool> Commit(ReconcilerLeadership& leadership, etcdserverpb::TxnRequest txn, Deadline deadline,
-                      Outcome* lost);
+  Result<bool> Commit(ReconcilerLeadership& leadership, etcdserverpb::TxnRequest txn, Deadline deadline, Outcome* lost);
 
   const Options options_;
   EtcdClient* const etcd_;

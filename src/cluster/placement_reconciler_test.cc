@@ -33,7 +33,7 @@ class ModelCatalog final : public CatalogProgress {
   }
   std::vector<std::string> owners = {"n1", "n2", "n3"};
   std::set<std::string> original = {"n1", "n2", "n3"};  // copies of generation 1
-  std::set<std::string> caught_up;                       // new copies that have caught up
+  std::set<std::string> caught_up;                      // new copies that have caught up
   std::set<std::string> down;
   uint64_t sequence = 100;
   uint64_t behind = 0;  // how far the sequences a caught-up new copy reports trail the current copies' ones
@@ -111,8 +111,9 @@ TEST(PlacementTransitionTest, RoundTripsAndRefusesMalformedRecords) {
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->Encode(), t.Encode());
   EXPECT_EQ(back->shards[3], t.shards[3]);
-  for (const std::string& bad : {std::string("{}"), t.Encode().replace(t.Encode().find("moving"), 6, "flying"),
-                                 t.Encode().replace(t.Encode().find("\"to_generation\":2"), 17, "\"to_generation\":3")}) {
+  for (const std::string& bad :
+       {std::string("{}"), t.Encode().replace(t.Encode().find("moving"), 6, "flying"),
+        t.Encode().replace(t.Encode().find("\"to_generation\":2"), 17, "\"to_generation\":3")}) {
     EXPECT_FALSE(PlacementTransition::Decode(bad).ok()) << bad;
   }
   const Placement next = *Placement::Create({"n1", "n2", "n3"}, 3, 2);

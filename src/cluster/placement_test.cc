@@ -80,7 +80,8 @@ TEST(PlacementTest, DecodeRoundTripsAndRejectsOtherShardCounts) {
   EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":1,"shards":16,"replicas":3,"catalog_nodes":[]})").ok());
   EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":1,"shards":16,"replicas":0,"catalog_nodes":["x"]})").ok());
   // Generations grow with each committed placement change (issue 55); 0 and negative ones are malformed.
-  Result<Placement> second = Placement::Decode(R"({"v":2,"generation":2,"shards":16,"replicas":3,"catalog_nodes":["x"]})");
+  Result<Placement> second =
+      Placement::Decode(R"({"v":2,"generation":2,"shards":16,"replicas":3,"catalog_nodes":["x"]})");
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(second->generation(), 2);
   EXPECT_FALSE(Placement::Decode(R"({"v":2,"generation":0,"shards":16,"replicas":3,"catalog_nodes":["x"]})").ok());
@@ -146,8 +147,7 @@ TEST(PlacementTest, ShardOfIsStateShardOf) {
   ASSERT_TRUE(ns.ok());
   std::set<uint32_t> shards;
   for (uint64_t i = 0; i < 256; ++i) {
-    Result<state::StateKey> key =
-        state::StateKey::Create(*ns, 0, {i * 16, i * 16 + 16}, "native-" + std::to_string(i));
+    Result<state::StateKey> key = state::StateKey::Create(*ns, 0, {i * 16, i * 16 + 16}, "native-" + std::to_string(i));
     ASSERT_TRUE(key.ok());
     const uint32_t shard = Placement::ShardOf(*key);
     EXPECT_EQ(shard, state::ShardOf(*key, kNumShards));

@@ -39,12 +39,9 @@ std::vector<std::string_view> Split(std::string_view text, char separator) {
 
 std::string_view ShardMoveStateName(ShardMove::State state) { return kStateNames[static_cast<int>(state)]; }
 
-std::string_view PlacementPhaseName(PlacementTransition::Phase phase) {
-  return kPhaseNames[static_cast<int>(phase)];
-}
+std::string_view PlacementPhaseName(PlacementTransition::Phase phase) { return kPhaseNames[static_cast<int>(phase)]; }
 
-std::vector<std::string> PlacementTransition::NewCopies(const Placement& from, const Placement& to,
-                                                        uint32_t shard) {
+std::vector<std::string> PlacementTransition::NewCopies(const Placement& from, const Placement& to, uint32_t shard) {
   std::vector<std::string> added;
   for (const std::string& node : to.CopiesOf(shard)) {
     if (!from.Keeps(shard, node)) added.push_back(node);
@@ -52,8 +49,8 @@ std::vector<std::string> PlacementTransition::NewCopies(const Placement& from, c
   return added;
 }
 
-PlacementTransition PlacementTransition::Start(const Placement& from, const Placement& to_content,
-                                               std::string leader, int64_t now_ms) {
+PlacementTransition PlacementTransition::Start(const Placement& from, const Placement& to_content, std::string leader,
+                                               int64_t now_ms) {
   PlacementTransition t;
   t.phase = Phase::kMoving;
   t.from_generation = from.generation();
@@ -125,8 +122,8 @@ Result<PlacementTransition> PlacementTransition::Decode(std::string_view bytes) 
   ORBITKV_ASSIGN_OR_RETURN(t.from_generation, json.GetInt("from_generation"));
   ORBITKV_ASSIGN_OR_RETURN(int64_t to_generation, json.GetInt("to_generation"));
   if (t.from_generation < 1 || to_generation != t.from_generation + 1) {
-    return Status::InvalidArgument(fmt::format("placement transition from generation {} to {}", t.from_generation,
-                                               to_generation));
+    return Status::InvalidArgument(
+        fmt::format("placement transition from generation {} to {}", t.from_generation, to_generation));
   }
   ORBITKV_ASSIGN_OR_RETURN(int64_t replicas, json.GetInt("replicas"));
   ORBITKV_ASSIGN_OR_RETURN(t.to_nodes, json.GetStringArray("catalog_nodes"));
@@ -142,8 +139,8 @@ Result<PlacementTransition> PlacementTransition::Decode(std::string_view bytes) 
   ORBITKV_ASSIGN_OR_RETURN(t.reason, json.GetString("reason"));
   ORBITKV_ASSIGN_OR_RETURN(std::vector<std::string> moves, json.GetStringArray("shards"));
   if (moves.size() != kNumShards) {
-    return Status::InvalidArgument(fmt::format("placement transition lists {} shards, not {}", moves.size(),
-                                               kNumShards));
+    return Status::InvalidArgument(
+        fmt::format("placement transition lists {} shards, not {}", moves.size(), kNumShards));
   }
   for (uint32_t shard = 0; shard < kNumShards; ++shard) {
     const std::vector<std::string_view> fields = Split(moves[shard], ':');

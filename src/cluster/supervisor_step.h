@@ -48,8 +48,8 @@ inline AttemptVerdict JudgeAttempt(const Status& status) {
 
 struct SupervisorInput {
   SupervisorEvent event;
-  bool lapsed = false;      // kEndHandled: the registration lapsed (kExpired), rather than being fenced
-  bool reregister = true;   // kEndHandled: registering again after a lapse is on
+  bool lapsed = false;     // kEndHandled: the registration lapsed (kExpired), rather than being fenced
+  bool reregister = true;  // kEndHandled: registering again after a lapse is on
   AttemptVerdict verdict = AttemptVerdict::kRetry;  // kAttemptFailed
 };
 
@@ -79,11 +79,16 @@ constexpr SupervisorPhase Step(SupervisorPhase phase, const SupervisorInput& inp
 
 constexpr std::string_view SupervisorPhaseName(SupervisorPhase phase) {
   switch (phase) {
-    case SupervisorPhase::kWatching: return "watching";
-    case SupervisorPhase::kEnding: return "ending";
-    case SupervisorPhase::kRegistering: return "registering";
-    case SupervisorPhase::kIdle: return "idle";
-    case SupervisorPhase::kStopped: return "stopped";
+    case SupervisorPhase::kWatching:
+      return "watching";
+    case SupervisorPhase::kEnding:
+      return "ending";
+    case SupervisorPhase::kRegistering:
+      return "registering";
+    case SupervisorPhase::kIdle:
+      return "idle";
+    case SupervisorPhase::kStopped:
+      return "stopped";
   }
   return "unknown";
 }

@@ -7,9 +7,8 @@
 namespace orbitkv::cluster {
 namespace {
 
-constexpr SupervisorPhase kAll[] = {SupervisorPhase::kWatching, SupervisorPhase::kEnding,
-                                    SupervisorPhase::kRegistering, SupervisorPhase::kIdle,
-                                    SupervisorPhase::kStopped};
+constexpr SupervisorPhase kAll[] = {SupervisorPhase::kWatching, SupervisorPhase::kEnding, SupervisorPhase::kRegistering,
+                                    SupervisorPhase::kIdle, SupervisorPhase::kStopped};
 
 TEST(SupervisorStepTest, ALapseIsEndedThenRegisteredAgainUntilAnAttemptSucceeds) {
   SupervisorPhase phase = SupervisorPhase::kWatching;
@@ -28,9 +27,9 @@ TEST(SupervisorStepTest, ALapseIsEndedThenRegisteredAgainUntilAnAttemptSucceeds)
 TEST(SupervisorStepTest, AFenceOrRegisteringAgainOffEndsInIdleForGood) {
   EXPECT_EQ(Step(SupervisorPhase::kEnding, {.event = SupervisorEvent::kEndHandled, .lapsed = false}),
             SupervisorPhase::kIdle);  // fenced
-  EXPECT_EQ(Step(SupervisorPhase::kEnding,
-                 {.event = SupervisorEvent::kEndHandled, .lapsed = true, .reregister = false}),
-            SupervisorPhase::kIdle);
+  EXPECT_EQ(
+      Step(SupervisorPhase::kEnding, {.event = SupervisorEvent::kEndHandled, .lapsed = true, .reregister = false}),
+      SupervisorPhase::kIdle);
   EXPECT_EQ(Step(SupervisorPhase::kRegistering,
                  {.event = SupervisorEvent::kAttemptFailed, .verdict = AttemptVerdict::kFence}),
             SupervisorPhase::kIdle);
@@ -70,8 +69,7 @@ TEST(SupervisorStepTest, EtcdsOwnErrorsAreRetriedWhateverTheirCodeAndTheMessageD
   EXPECT_EQ(JudgeAttempt(Status::AlreadyExists("node n0 is held by another runtime")), AttemptVerdict::kFence);
   EXPECT_EQ(JudgeAttempt(Status::FailedPrecondition("etcd cluster ID changed from 1 to 2")), AttemptVerdict::kFence);
   // And a message that only looks like etcd's is not etcd's.
-  EXPECT_EQ(JudgeAttempt(Status::FailedPrecondition("etcd Txn at a:1: placement regressed")),
-            AttemptVerdict::kFence);
+  EXPECT_EQ(JudgeAttempt(Status::FailedPrecondition("etcd Txn at a:1: placement regressed")), AttemptVerdict::kFence);
   for (StatusCode transient : {StatusCode::kUnavailable, StatusCode::kDeadlineExceeded, StatusCode::kCancelled,
                                StatusCode::kAborted, StatusCode::kDataLoss}) {
     EXPECT_EQ(JudgeAttempt(Status(transient, "x")), AttemptVerdict::kRetry) << transient;

@@ -78,12 +78,12 @@ std::vector<std::string> CertificateUris(const std::string& path) {
 
 Status ValidateTlsFiles(const TlsFiles& files) {
   if (files.ca.empty()) {
-    return Status::InvalidArgument(fmt::format("TLS needs {} (the CA that signs the other side's certificate)",
-                                               files.ca_flag));
+    return Status::InvalidArgument(
+        fmt::format("TLS needs {} (the CA that signs the other side's certificate)", files.ca_flag));
   }
   if (files.cert.empty() != files.key.empty()) {
-    return Status::InvalidArgument(fmt::format("{} and {} go together: give both or neither", files.cert_flag,
-                                               files.key_flag));
+    return Status::InvalidArgument(
+        fmt::format("{} and {} go together: give both or neither", files.cert_flag, files.key_flag));
   }
   ORBITKV_RETURN_IF_ERROR(ReadPemFile(files.ca_flag, files.ca).status());
   if (!files.cert.empty()) {
@@ -100,8 +100,7 @@ std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> Provider(con
   if (files.cert.empty()) {
     return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(files.ca, reload);
   }
-  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(files.key, files.cert, files.ca,
-                                                                             reload);
+  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(files.key, files.cert, files.ca, reload);
 }
 
 }  // namespace
@@ -116,8 +115,8 @@ Result<std::shared_ptr<grpc::ChannelCredentials>> WatchedChannelCredentials(cons
   options.set_certificate_verifier(std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::experimental::TlsCredentials(options);
   if (credentials == nullptr) {
-    return Status::InvalidArgument(fmt::format("gRPC refused the TLS options of {} / {} / {}", files.ca_flag,
-                                               files.cert_flag, files.key_flag));
+    return Status::InvalidArgument(
+        fmt::format("gRPC refused the TLS options of {} / {} / {}", files.ca_flag, files.cert_flag, files.key_flag));
   }
   return credentials;
 }
@@ -133,8 +132,8 @@ Result<std::shared_ptr<grpc::ServerCredentials>> WatchedServerCredentials(const 
   options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::experimental::TlsServerCredentials(options);
   if (credentials == nullptr) {
-    return Status::InvalidArgument(fmt::format("gRPC refused the TLS options of {} / {} / {}", files.ca_flag,
-                                               files.cert_flag, files.key_flag));
+    return Status::InvalidArgument(
+        fmt::format("gRPC refused the TLS options of {} / {} / {}", files.ca_flag, files.cert_flag, files.key_flag));
   }
   return credentials;
 }

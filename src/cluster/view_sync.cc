@@ -32,20 +32,17 @@ ViewSync::ViewSync(EtcdClient* client, MemberView* view, Options options)
       metrics_(options_.metrics),
       cluster_id_(options_.etcd_cluster_id) {
   ORBITKV_CHECK(metrics_ != nullptr);
-  snapshots_ = &metrics_->GetCounter("orbitkv_membership_snapshots_total",
-                                     "Member view snapshots installed");
-  rejected_malformed_ = &metrics_->GetCounter("orbitkv_membership_rejected_records_total",
-                                              "Member records ignored because they were unusable",
-                                              {{"reason", "malformed"}});
-  rejected_oversized_ = &metrics_->GetCounter("orbitkv_membership_rejected_records_total",
-                                              "Member records ignored because they were unusable",
-                                              {{"reason", "oversized"}});
-  complete_gauge_ = &metrics_->GetGauge("orbitkv_membership_view_complete",
-                                        "1 when the cached member view is complete, else 0");
-  revision_gauge_ =
-      &metrics_->GetGauge("orbitkv_membership_view_revision", "etcd revision of the member view");
-  members_gauge_ =
-      &metrics_->GetGauge("orbitkv_membership_view_members", "Members in the cached view");
+  snapshots_ = &metrics_->GetCounter("orbitkv_membership_snapshots_total", "Member view snapshots installed");
+  rejected_malformed_ =
+      &metrics_->GetCounter("orbitkv_membership_rejected_records_total",
+                            "Member records ignored because they were unusable", {{"reason", "malformed"}});
+  rejected_oversized_ =
+      &metrics_->GetCounter("orbitkv_membership_rejected_records_total",
+                            "Member records ignored because they were unusable", {{"reason", "oversized"}});
+  complete_gauge_ =
+      &metrics_->GetGauge("orbitkv_membership_view_complete", "1 when the cached member view is complete, else 0");
+  revision_gauge_ = &metrics_->GetGauge("orbitkv_membership_view_revision", "etcd revision of the member view");
+  members_gauge_ = &metrics_->GetGauge("orbitkv_membership_view_members", "Members in the cached view");
 }
 
 bool ViewSync::stopping() const {
@@ -72,11 +69,10 @@ void ViewSync::Invalidate(const char* reason) {
   view_->Invalidate();
   complete_gauge_->Set(0);
   metrics_
-      ->GetCounter("orbitkv_membership_view_invalidations_total",
-                   "Member view invalidations, by cause", {{"reason", reason}})
+      ->GetCounter("orbitkv_membership_view_invalidations_total", "Member view invalidations, by cause",
+                   {{"reason", reason}})
       .Increment();
-  ORBITKV_LOG_INFO("cluster {}: member view invalidated ({}); taking a fresh snapshot",
-                   options_.cluster, reason);
+  ORBITKV_LOG_INFO("cluster {}: member view invalidated ({}); taking a fresh snapshot", options_.cluster, reason);
 }
 
 void ViewSync::Fence(const std::string& reason, bool final) {
@@ -86,17 +82,15 @@ void ViewSync::Fence(const std::string& reason, bool final) {
 }
 
 bool ViewSync::CheckClusterId(const etcdserverpb::ResponseHeader& header) {
-  if (header.cluster_id() == 0)
-    return true;  // E.g. the compaction-cancel reply carries an empty header.
+  if (header.cluster_id() == 0) return true;  // E.g. the compaction-cancel reply carries an empty header.
   if (cluster_id_ == 0) {
     cluster_id_ = header.cluster_id();
     return true;
   }
   if (header.cluster_id() == cluster_id_) return true;
   if (options_.self.has_value()) {
-    Fence(
-        fmt::format("etcd cluster ID changed from {:x} to {:x}", cluster_id_, header.cluster_id()),
-        /*final=*/true);
+    Fence(fmt::format("etcd cluster ID changed from {:x} to {:x}", cluster_id_, header.cluster_id()),
+          /*final=*/true);
     return false;
   }
   // An observer follows the new cluster from a fresh snapshot.
@@ -104,15 +98,13 @@ bool ViewSync::CheckClusterId(const etcdserverpb::ResponseHeader& header) {
   return true;
 }
 
-Result<Member> ViewSync::DecodeMember(std::string_view node_id, const std::string& key,
-                                      const std::string& value, int64_t lease,
-                                      int64_t create_revision, int64_t mod_revision) {
+Result<Member> ViewSync::DecodeMember(std::string_view node_id, const std::string& key, const std::string& value,
+                                      int64_t lease, int64_t create_revision, int64_t mod_revision) {
   Status status = ValidateName("member key", node_id);
-  Result<MemberRecord> record = status.ok() ? DecodeMemberRecord(options_.cluster, node_id, value)
-                                            : Result<MemberRecord>(status);
+  Result<MemberRecord> record =
+      status.ok() ? DecodeMemberRecord(options_.cluster, node_id, value) : Result<MemberRecord>(status);
   if (!record.ok()) {
-    (record.status().code() == StatusCode::kOutOfRange ? rejected_oversized_ : rejected_malformed_)
-        ->Increment();
+    (record.status().code() == StatusCode::kOutOfRange ? rejected_oversized_ : rejected_malformed_)->Increment();
     ORBITKV_LOG_WARN("cluster {}: ignoring member record at '{}': {}", options_.cluster, key,
                      record.status().ToString());
     return record.status();
@@ -149,9 +141,8 @@ Result<int64_t> ViewSync::TakeSnapshot() {
     request.set_range_end(range_end_);
     request.set_limit(kSnapshotPageSize);
     request.set_revision(revision);
-    ORBITKV_ASSIGN_OR_RETURN(
-        etcdserverpb::RangeResponse page,
-        client_->Range(request, Deadline::After(client_->options().call_timeout)));
+    ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse page,
+                             client_->Range(request, Deadline::After(client_->options().call_timeout)));
     if (!CheckClusterId(page.header())) return Status::Aborted("fenced");
     if (revision == 0) revision = page.header().revision();
     for (const mvccpb::KeyValue& kv : page.kvs()) {
@@ -159,11 +150,10 @@ Result<int64_t> ViewSync::TakeSnapshot() {
         placement[*name] = kv.value();
         continue;
       }
-      if (!kv.key().starts_with(members_prefix_))
-        continue;  // Nothing else is written in the range.
+      if (!kv.key().starts_with(members_prefix_)) continue;  // Nothing else is written in the range.
       const std::string_view node = std::string_view(kv.key()).substr(members_prefix_.size());
-      Result<Member> member = DecodeMember(node, kv.key(), kv.value(), kv.lease(),
-                                           kv.create_revision(), kv.mod_revision());
+      Result<Member> member =
+          DecodeMember(node, kv.key(), kv.value(), kv.lease(), kv.create_revision(), kv.mod_revision());
       if (!member.ok()) continue;
       members.emplace(std::string(node), std::move(member).value());
       if (members.size() > kMaxMembers) {
@@ -188,9 +178,8 @@ Result<int64_t> ViewSync::TakeSnapshot() {
       return Status::Aborted("fenced");
     }
     if (it->second.record != self.record || it->second.lease_id != self.lease_id) {
-      Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}",
-                        it->second.record.epoch, it->second.record.runtime_uuid,
-                        it->second.mod_revision),
+      Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}", it->second.record.epoch,
+                        it->second.record.runtime_uuid, it->second.mod_revision),
             /*final=*/true);
       return Status::Aborted("fenced");
     }
@@ -225,8 +214,8 @@ bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
     const std::string node(std::string_view(kv.key()).substr(members_prefix_.size()));
     std::optional<Member> member;
     if (!deleted) {
-      Result<Member> decoded = DecodeMember(node, kv.key(), kv.value(), kv.lease(),
-                                            kv.create_revision(), kv.mod_revision());
+      Result<Member> decoded =
+          DecodeMember(node, kv.key(), kv.value(), kv.lease(), kv.create_revision(), kv.mod_revision());
       if (!decoded.ok()) {
         Invalidate("malformed");
         return false;
@@ -243,8 +232,8 @@ bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
         return false;
       }
       if (member->record != self.record || member->lease_id != self.lease_id) {
-        Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}",
-                          member->record.epoch, member->record.runtime_uuid, kv.mod_revision()),
+        Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}", member->record.epoch,
+                          member->record.runtime_uuid, kv.mod_revision()),
               /*final=*/true);
         return false;
       }
@@ -306,8 +295,7 @@ ViewSync::WatchEnd ViewSync::WatchFrom(int64_t start_revision) {
       if (response.compact_revision() > 0) {
         Invalidate("compaction");
       } else {
-        ORBITKV_LOG_WARN("cluster {}: watch cancelled: {}", options_.cluster,
-                         response.cancel_reason());
+        ORBITKV_LOG_WARN("cluster {}: watch cancelled: {}", options_.cluster, response.cancel_reason());
         Invalidate("canceled");
       }
       return WatchEnd::kInvalidated;
@@ -318,8 +306,8 @@ ViewSync::WatchEnd ViewSync::WatchFrom(int64_t start_revision) {
   }
   const grpc::Status status = stream.Finish();
   if (stopping()) return WatchEnd::kStopped;
-  ORBITKV_LOG_INFO("cluster {}: watch stream to {} ended: {}", options_.cluster,
-                   client_->endpoints()[endpoint], status.error_message());
+  ORBITKV_LOG_INFO("cluster {}: watch stream to {} ended: {}", options_.cluster, client_->endpoints()[endpoint],
+                   status.error_message());
   client_->ReportStreamFailure(endpoint);
   Invalidate("reconnect");
   return WatchEnd::kInvalidated;
@@ -331,11 +319,9 @@ void ViewSync::Run() {
     Result<int64_t> revision = TakeSnapshot();
     if (fenced_) return;
     if (!revision.ok()) {
-      if (revision.status().code() == StatusCode::kOutOfRange)
-        continue;  // Compacted while paging: restart now.
+      if (revision.status().code() == StatusCode::kOutOfRange) continue;  // Compacted while paging: restart now.
       if (view_->complete()) Invalidate("reconnect");
-      ORBITKV_LOG_DEBUG("cluster {}: snapshot failed: {}", options_.cluster,
-                        revision.status().ToString());
+      ORBITKV_LOG_DEBUG("cluster {}: snapshot failed: {}", options_.cluster, revision.status().ToString());
       if (!WaitFor(backoff)) return;
       backoff = std::min(backoff * 2, kBackoffMax);
       continue;

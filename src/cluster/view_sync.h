@@ -87,9 +87,8 @@ class ViewSync {
   // Applies one response; false when the view had to be invalidated or the runtime was fenced.
   bool ApplyResponse(const etcdserverpb::WatchResponse& response);
   // Validates a member key-value; counts and logs a rejected one.
-  Result<Member> DecodeMember(std::string_view node_id, const std::string& key,
-                              const std::string& value, int64_t lease, int64_t create_revision,
-                              int64_t mod_revision);
+  Result<Member> DecodeMember(std::string_view node_id, const std::string& key, const std::string& value, int64_t lease,
+                              int64_t create_revision, int64_t mod_revision);
   bool CheckClusterId(const etcdserverpb::ResponseHeader& header);
   void Invalidate(const char* reason);
   void Fence(const std::string& reason, bool final);

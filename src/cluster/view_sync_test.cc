@@ -20,9 +20,7 @@ using testing::WaitUntil;
 
 class ViewSyncTest : public EtcdTest {
  protected:
-  uint64_t Snapshots(MetricsRegistry& m) {
-    return CounterValue(m, "orbitkv_membership_snapshots_total");
-  }
+  uint64_t Snapshots(MetricsRegistry& m) { return CounterValue(m, "orbitkv_membership_snapshots_total"); }
   uint64_t Invalidations(MetricsRegistry& m, const char* reason) {
     return CounterValue(m, "orbitkv_membership_view_invalidations_total", {{"reason", reason}});
   }

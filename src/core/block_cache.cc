@@ -9,8 +9,7 @@
 
 namespace orbitkv::core {
 
-Result<std::unique_ptr<BlockCache>> BlockCache::Create(const BlockCacheOptions& options,
-                                                       MetricsRegistry* metrics) {
+Result<std::unique_ptr<BlockCache>> BlockCache::Create(const BlockCacheOptions& options, MetricsRegistry* metrics) {
   if (metrics == nullptr) return Status::InvalidArgument("BlockCache needs a metrics registry");
   std::unique_ptr<BlockCache> cache(new BlockCache());
   ORBITKV_ASSIGN_OR_RETURN(cache->pool_, PinnedPool::Create(options.pool, metrics));
@@ -25,27 +24,21 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(const BlockCacheOptions& 
   inventory_options.shards = options.inventory_shards;
   inventory_options.journal_bytes = options.journal_bytes;
   inventory_options.record = options.record_inventory;
-  ORBITKV_ASSIGN_OR_RETURN(cache->inventory_,
-                           ResidencyInventory::Create(inventory_options, metrics));
+  ORBITKV_ASSIGN_OR_RETURN(cache->inventory_, ResidencyInventory::Create(inventory_options, metrics));
 
-  if (options.table.shards == 0)
-    return Status::InvalidArgument("the block table needs at least one shard");
-  cache->table_ = std::make_unique<BlockTable>(options.table, cache->pool_.get(),
-                                               cache->inventory_.get(), metrics);
+  if (options.table.shards == 0) return Status::InvalidArgument("the block table needs at least one shard");
+  cache->table_ = std::make_unique<BlockTable>(options.table, cache->pool_.get(), cache->inventory_.get(), metrics);
 
   Budget::Options query;
   query.name = "query";
-  query.global_bytes =
-      options.query_budget_bytes != 0 ? options.query_budget_bytes : capacity / 4 * 3;
-  query.per_owner_bytes = options.query_instance_budget_bytes != 0
-                              ? options.query_instance_budget_bytes
-                              : query.global_bytes;
+  query.global_bytes = options.query_budget_bytes != 0 ? options.query_budget_bytes : capacity / 4 * 3;
+  query.per_owner_bytes =
+      options.query_instance_budget_bytes != 0 ? options.query_instance_budget_bytes : query.global_bytes;
   cache->query_budget_ = std::make_unique<Budget>(std::move(query), metrics);
 
   Budget::Options transfer;
   transfer.name = "transfer";
-  transfer.global_bytes =
-      options.transfer_budget_bytes != 0 ? options.transfer_budget_bytes : capacity / 2;
+  transfer.global_bytes = options.transfer_budget_bytes != 0 ? options.transfer_budget_bytes : capacity / 2;
   transfer.max_tickets = options.max_transfer_sessions;
   transfer.per_owner_bytes = options.transfer_peer_budget_bytes;
   cache->transfer_budget_ = std::make_unique<Budget>(std::move(transfer), metrics);
@@ -53,8 +46,7 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(const BlockCacheOptions& 
   cache->coalescer_ = std::make_unique<ReadCoalescer>(metrics);
   LeaseTable::Options lease_options;
   lease_options.max_leases = options.max_leases;
-  if (lease_options.max_leases == 0)
-    return Status::InvalidArgument("max_leases must be at least 1");
+  if (lease_options.max_leases == 0) return Status::InvalidArgument("max_leases must be at least 1");
   cache->leases_ = std::make_unique<LeaseTable>(lease_options, metrics);
   ORBITKV_LOG_INFO("block cache: {} MiB pool in {} arena(s), incarnation {:016x}", capacity >> 20,
                    cache->pool_->arena_count(), cache->inventory_->incarnation());
@@ -107,8 +99,7 @@ Result<QueryResult> BlockCache::Query(uint64_t instance, std::span<const state::
     if (ticket.status().code() == StatusCode::kOutOfRange) return result;
     return ticket.status();
   }
-  ORBITKV_ASSIGN_OR_RETURN(LeaseId lease,
-                           leases_->Create(instance, std::move(pins), std::move(*ticket)));
+  ORBITKV_ASSIGN_OR_RETURN(LeaseId lease, leases_->Create(instance, std::move(pins), std::move(*ticket)));
   result.hits = hits;
   result.lease = lease;
   return result;

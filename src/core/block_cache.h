@@ -61,18 +61,14 @@ class BlockCache {
   // Creates the pool (mlocking it unless options.pool.pin_mode allows otherwise) and the rest.
   // Errors: the pool's (ResourceExhausted with the `ulimit -l` advice when memory cannot be
   // locked), InvalidArgument for inconsistent options. `metrics` must outlive the cache.
-  static Result<std::unique_ptr<BlockCache>> Create(const BlockCacheOptions& options,
-                                                    MetricsRegistry* metrics);
+  static Result<std::unique_ptr<BlockCache>> Create(const BlockCacheOptions& options, MetricsRegistry* metrics);
   ~BlockCache();
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
 
   // Publish path. See BlockTable::Prepare for the errors (AlreadyExists means nothing to write).
-  Result<BlockWriter> Prepare(const state::StateKey& key, uint64_t bytes) {
-    return table_->Prepare(key, bytes);
-  }
-  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit,
-                BlockPin* pin = nullptr) {
+  Result<BlockWriter> Prepare(const state::StateKey& key, uint64_t bytes) { return table_->Prepare(key, bytes); }
+  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit, BlockPin* pin = nullptr) {
     return table_->Seal(writer, cause, pin);
   }
   void SealAll(std::span<BlockWriter> writers, TransitionCause cause = TransitionCause::kAdmit) {
@@ -84,14 +80,11 @@ class BlockCache {
   // ResourceExhausted when the query budget or the lease table is full right now (backpressure:
   // keep the query pending and retry). Only the first MaxQueryBlocks() keys are looked at: a
   // longer prefix could never be leased at once.
-  Result<QueryResult> Query(uint64_t instance, std::span<const state::StateKey> keys,
-                            uint64_t padded_block_bytes);
+  Result<QueryResult> Query(uint64_t instance, std::span<const state::StateKey> keys, uint64_t padded_block_bytes);
 
   // The most blocks of `padded_block_bytes` one lease can hold (the query budget's limits).
   size_t MaxQueryBlocks(uint64_t padded_block_bytes) const;
-  Status ReleaseLease(uint64_t instance, LeaseId lease) {
-    return leases_->Release(lease, instance);
-  }
+  Status ReleaseLease(uint64_t instance, LeaseId lease) { return leases_->Release(lease, instance); }
   // A use of the lease's blocks for a partial restore: pins of their own, no reservation (that
   // stays with the lease, which stays valid; LeaseTable::Borrow).
   Result<LeaseUse> BorrowLease(uint64_t instance, LeaseId lease) const {
@@ -109,9 +102,7 @@ class BlockCache {
     uint64_t query_reserved_bytes = 0;
   };
   Stats GetStats() const;
-  Result<LeaseUse> ConsumeLease(uint64_t instance, LeaseId lease) {
-    return leases_->Consume(lease, instance);
-  }
+  Result<LeaseUse> ConsumeLease(uint64_t instance, LeaseId lease) { return leases_->Consume(lease, instance); }
   // The engine instance went away: releases its live leases. Returns how many.
   size_t CleanupInstance(uint64_t instance) { return leases_->ReleaseOwner(instance); }
 

@@ -126,8 +126,7 @@ TEST_F(BlockCacheTest, MetricsAreExported) {
   for (const char* name :
        {"orbitkv_cache_hits_total 2", "orbitkv_cache_misses_total 1", "orbitkv_leases_active 1",
         "orbitkv_cache_resident_bytes{tier=\"dram\"} 131072", "orbitkv_pool_capacity_bytes",
-        "orbitkv_cache_evictions_total", "orbitkv_cache_admissions_rejected_total",
-        "orbitkv_budget_waits_total"}) {
+        "orbitkv_cache_evictions_total", "orbitkv_cache_admissions_rejected_total", "orbitkv_budget_waits_total"}) {
     EXPECT_NE(text.find(name), std::string::npos) << name;
   }
 }
@@ -136,8 +135,7 @@ TEST_F(BlockCacheTest, ReportsAClearErrorForBadOptions) {
   auto options = testing::SmallCacheOptions();
   options.table.shards = 0;
   EXPECT_EQ(BlockCache::Create(options, &metrics_).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(BlockCache::Create(testing::SmallCacheOptions(), nullptr).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockCache::Create(testing::SmallCacheOptions(), nullptr).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -41,9 +41,7 @@ void BlockPin::Reset() {
 
 uint64_t BlockPin::arena_offset() const {
   // Computed on demand: pins are taken by the hundred per query, transfers ask for this rarely.
-  return table_ == nullptr
-             ? 0
-             : static_cast<uint64_t>(data_ - table_->pool_->arena(arena_).data());
+  return table_ == nullptr ? 0 : static_cast<uint64_t>(data_ - table_->pool_->arena(arena_).data());
 }
 
 BlockPin BlockPin::Clone() const {
@@ -52,10 +50,7 @@ BlockPin BlockPin::Clone() const {
 }
 
 BlockWriter::BlockWriter(BlockWriter&& other) noexcept
-    : table_(std::exchange(other.table_, nullptr)),
-      ref_(other.ref_),
-      data_(other.data_),
-      bytes_(other.bytes_) {}
+    : table_(std::exchange(other.table_, nullptr)), ref_(other.ref_), data_(other.data_), bytes_(other.bytes_) {}
 
 BlockWriter& BlockWriter::operator=(BlockWriter&& other) noexcept {
   if (this != &other) {
@@ -80,37 +75,32 @@ BlockTable::BlockTable(const Options& options, PinnedPool* pool, ResidencyInvent
   ORBITKV_CHECK(pool != nullptr && inventory != nullptr && metrics != nullptr);
   ORBITKV_CHECK(options.shards >= 1);
   const uint64_t capacity = pool->Stats().capacity_bytes;
-  window_bytes_per_shard_ = static_cast<uint64_t>(static_cast<double>(capacity) *
-                                                  std::clamp(options.window_fraction, 0.0, 1.0)) /
-                            options.shards;
-  const uint64_t per_shard_entries =
-      std::max<uint64_t>(options.expected_blocks / options.shards, 64);
+  window_bytes_per_shard_ =
+      static_cast<uint64_t>(static_cast<double>(capacity) * std::clamp(options.window_fraction, 0.0, 1.0)) /
+      options.shards;
+  const uint64_t per_shard_entries = std::max<uint64_t>(options.expected_blocks / options.shards, 64);
   shards_.reserve(options.shards);
-  for (uint32_t i = 0; i < options.shards; ++i)
-    shards_.push_back(std::make_unique<Shard>(per_shard_entries));
+  for (uint32_t i = 0; i < options.shards; ++i) shards_.push_back(std::make_unique<Shard>(per_shard_entries));
 
-  hits_ =
-      &metrics->GetCounter("orbitkv_cache_hits_total", "Blocks found resident in DRAM by lookups");
-  misses_ = &metrics->GetCounter("orbitkv_cache_misses_total",
-                                 "Blocks asked for by lookups beyond the resident DRAM prefix");
-  evictions_dram_ = &metrics->GetCounter("orbitkv_cache_evictions_total",
-                                         "Residences evicted for capacity", {{"tier", "dram"}});
-  admissions_rejected_ =
-      &metrics->GetCounter("orbitkv_cache_admissions_rejected_total",
-                           "Window blocks that lost the W-TinyLFU frequency duel and were evicted "
-                           "instead of a main-segment block");
-  prepare_exhausted_ = &metrics->GetCounter(
-      "orbitkv_cache_prepare_exhausted_total",
-      "Publishes refused because every DRAM block was pinned or being written (backpressure)");
-  resident_bytes_dram_ = &metrics->GetGauge("orbitkv_cache_resident_bytes",
-                                            "Bytes of published residences", {{"tier", "dram"}});
-  resident_bytes_ssd_ = &metrics->GetGauge("orbitkv_cache_resident_bytes",
-                                           "Bytes of published residences", {{"tier", "ssd"}});
-  resident_blocks_dram_ = &metrics->GetGauge("orbitkv_cache_resident_blocks",
-                                             "Published residences", {{"tier", "dram"}});
-  pinned_blocks_ =
-      &metrics->GetGauge("orbitkv_cache_pinned_blocks",
-                         "DRAM blocks held by leases, copies, write-backs or peer reads");
+  hits_ = &metrics->GetCounter("orbitkv_cache_hits_total", "Blocks found resident in DRAM by lookups");
+  misses_ =
+      &metrics->GetCounter("orbitkv_cache_misses_total", "Blocks asked for by lookups beyond the resident DRAM prefix");
+  evictions_dram_ =
+      &metrics->GetCounter("orbitkv_cache_evictions_total", "Residences evicted for capacity", {{"tier", "dram"}});
+  admissions_rejected_ = &metrics->GetCounter("orbitkv_cache_admissions_rejected_total",
+                                              "Window blocks that lost the W-TinyLFU frequency duel and were evicted "
+                                              "instead of a main-segment block");
+  prepare_exhausted_ =
+      &metrics->GetCounter("orbitkv_cache_prepare_exhausted_total",
+                           "Publishes refused because every DRAM block was pinned or being written (backpressure)");
+  resident_bytes_dram_ =
+      &metrics->GetGauge("orbitkv_cache_resident_bytes", "Bytes of published residences", {{"tier", "dram"}});
+  resident_bytes_ssd_ =
+      &metrics->GetGauge("orbitkv_cache_resident_bytes", "Bytes of published residences", {{"tier", "ssd"}});
+  resident_blocks_dram_ =
+      &metrics->GetGauge("orbitkv_cache_resident_blocks", "Published residences", {{"tier", "dram"}});
+  pinned_blocks_ = &metrics->GetGauge("orbitkv_cache_pinned_blocks",
+                                      "DRAM blocks held by leases, copies, write-backs or peer reads");
 }
 
 BlockTable::~BlockTable() {
@@ -225,16 +215,14 @@ uint32_t BlockTable::SettledTail(Shard& shard, Segment segment) {
   return kNone;
 }
 
-void BlockTable::EraseEntryIfEmpty(Shard& shard, const StateKey& key, uint64_t hash,
-                                   const Entry& entry) {
+void BlockTable::EraseEntryIfEmpty(Shard& shard, const StateKey& key, uint64_t hash, const Entry& entry) {
   if (entry.dram != kNone || entry.preparing != kNone || entry.ssd.has_value()) return;
   auto it = shard.entries.find(HashedKey{&key, hash});
   ORBITKV_CHECK(it != shard.entries.end() && &it->second == &entry);
   shard.entries.erase(it);
 }
 
-void BlockTable::TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool present,
-                                TransitionCause cause) {
+void BlockTable::TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool present, TransitionCause cause) {
   Block& block = shard.slots[slot];
   const uint64_t bytes = block.memory.requested_bytes;
   if (present) {
@@ -257,8 +245,8 @@ void BlockTable::TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool 
     resident_bytes_dram_->Add(-static_cast<double>(bytes));
     resident_blocks_dram_->Add(-1);
   }
-  const uint64_t sequence = inventory_->Apply(block.inventory_shard, *block.key, Tier::kDram,
-                                              present, cause, block.residence_generation, bytes);
+  const uint64_t sequence = inventory_->Apply(block.inventory_shard, *block.key, Tier::kDram, present, cause,
+                                              block.residence_generation, bytes);
   if (present) block.residence_sequence = sequence;
 }
 
@@ -268,11 +256,9 @@ uint64_t BlockTable::TransitionSsd(Shard& shard, Entry& entry, const StateKey& k
   if (residence.has_value()) {
     if (!entry.ssd.has_value()) ++shard.ssd_residences;
     shard.ssd_bytes += residence->bytes - old_bytes;
-    resident_bytes_ssd_->Add(static_cast<double>(residence->bytes) -
-                             static_cast<double>(old_bytes));
+    resident_bytes_ssd_->Add(static_cast<double>(residence->bytes) - static_cast<double>(old_bytes));
     entry.ssd = residence;
-    inventory_->Apply(entry.inventory_shard, key, Tier::kSsd, true, cause, residence->generation,
-                      residence->bytes);
+    inventory_->Apply(entry.inventory_shard, key, Tier::kSsd, true, cause, residence->generation, residence->bytes);
     return residence->generation;
   }
   ORBITKV_CHECK(entry.ssd.has_value());
@@ -285,8 +271,7 @@ uint64_t BlockTable::TransitionSsd(Shard& shard, Entry& entry, const StateKey& k
   return generation;
 }
 
-BlockPin BlockTable::PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot,
-                               int64_t* newly_pinned) {
+BlockPin BlockTable::PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot, int64_t* newly_pinned) {
   Block& block = shard.slots[slot];
   // A pinned block stays on its list (no relinking on the hot path); SettledTail skips it at
   // eviction time.
@@ -296,8 +281,8 @@ BlockPin BlockTable::PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot
   }
   ++block.pins;
   return BlockPin(this, BlockRef{shard_index, slot, block.slot_generation}, block.memory.data,
-                  block.memory.requested_bytes, block.residence_generation,
-                  block.residence_sequence, block.memory.arena);
+                  block.memory.requested_bytes, block.residence_generation, block.residence_sequence,
+                  block.memory.arena);
 }
 
 BlockPin BlockTable::PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) {
@@ -310,8 +295,7 @@ BlockPin BlockTable::PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) {
 bool BlockTable::UnpinLocked(Shard& shard, const BlockRef& ref) {
   Block& block = shard.slots[ref.index];
   ORBITKV_CHECK_MSG(block.slot_generation == ref.generation && block.pins > 0,
-                    "unpin of block slot {} generation {} that holds no pin", ref.index,
-                    ref.generation);
+                    "unpin of block slot {} generation {} that holds no pin", ref.index, ref.generation);
   if (--block.pins > 0) return false;
   --shard.pinned_blocks;
   if (block.state == BlockState::kSealed) {
@@ -334,8 +318,7 @@ void BlockTable::Unpin(const BlockRef& ref) {
 
 void BlockTable::UnpinMany(std::vector<BlockRef>* refs) {
   // One lock per shard for the whole batch.
-  std::sort(refs->begin(), refs->end(),
-            [](const BlockRef& a, const BlockRef& b) { return a.shard < b.shard; });
+  std::sort(refs->begin(), refs->end(), [](const BlockRef& a, const BlockRef& b) { return a.shard < b.shard; });
   int64_t unpinned = 0;
   for (size_t start = 0; start < refs->size();) {
     Shard& shard = *shards_[(*refs)[start].shard];
@@ -382,8 +365,7 @@ Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
     Entry& entry = it->second;
     if (inserted) entry.inventory_shard = inventory_shard;
     if (entry.dram != kNone) return Status::AlreadyExists("block is already resident in DRAM");
-    if (entry.preparing != kNone)
-      return Status::Aborted("block is being written by another publisher");
+    if (entry.preparing != kNone) return Status::Aborted("block is being written by another publisher");
     slot = AllocateSlot(shard);
     Block& block = shard.slots[slot];
     block.key = &it->first;
@@ -416,10 +398,10 @@ Result<BlockWriter> BlockTable::Prepare(const StateKey& key, uint64_t bytes) {
     EraseEntryIfEmpty(shard, key, hash, entry);
     if (memory.status().code() != StatusCode::kResourceExhausted) return memory.status();
     prepare_exhausted_->Increment();
-    return Status::ResourceExhausted(fmt::format(
-        "DRAM pool cannot fit a {}-byte block: every block is pinned by a lease or copy, or being "
-        "written; retry after leases are released",
-        bytes));
+    return Status::ResourceExhausted(
+        fmt::format("DRAM pool cannot fit a {}-byte block: every block is pinned by a lease or copy, or being "
+                    "written; retry after leases are released",
+                    bytes));
   }
   block.memory = *memory;
   block.under_pressure = under_pressure;
@@ -447,9 +429,8 @@ void BlockTable::SealAll(std::span<BlockWriter> writers, TransitionCause cause) 
     ORBITKV_CHECK_MSG(writers[i].table_ == this, "Seal of a writer that is not live for this table");
     order[i] = static_cast<uint32_t>(i);
   }
-  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    return writers[a].ref_.shard < writers[b].ref_.shard;
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t a, uint32_t b) { return writers[a].ref_.shard < writers[b].ref_.shard; });
   for (size_t i = 0; i < order.size();) {
     const uint32_t shard_index = writers[order[i]].ref_.shard;
     Shard& shard = *shards_[shard_index];
@@ -560,8 +541,7 @@ uint64_t BlockTable::EvictOne(uint32_t first) {
 uint64_t BlockTable::EvictBytes(uint64_t bytes) {
   uint64_t evicted = 0;
   while (evicted < bytes) {
-    const uint64_t one =
-        EvictOne(evict_cursor_.fetch_add(1, std::memory_order_relaxed) % shard_count());
+    const uint64_t one = EvictOne(evict_cursor_.fetch_add(1, std::memory_order_relaxed) % shard_count());
     if (one == 0) break;
     evicted += one;
   }
@@ -627,32 +607,30 @@ size_t BlockTable::ScanPrefix(std::span<const StateKey> keys, Visit&& visit) {
 size_t BlockTable::LookupPrefix(std::span<const StateKey> keys) {
   // The visitors run under the shard lock ScanPrefix holds; the analysis cannot follow that into a
   // lambda.
-  const size_t hit = ScanPrefix(
-      keys, [this](Shard& shard, uint32_t, size_t, Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
-        if (entry == nullptr || entry->dram == kNone) return false;
-        Touch(shard, entry->dram);
-        return true;
-      });
+  const size_t hit = ScanPrefix(keys, [this](Shard& shard, uint32_t, size_t, Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
+    if (entry == nullptr || entry->dram == kNone) return false;
+    Touch(shard, entry->dram);
+    return true;
+  });
   hits_->Increment(hit);
   misses_->Increment(keys.size() - hit);
   return hit;
 }
 
-size_t BlockTable::LookupPrefixTiers(std::span<const StateKey> keys,
-                                     std::vector<Residence>* tiers) {
+size_t BlockTable::LookupPrefixTiers(std::span<const StateKey> keys, std::vector<Residence>* tiers) {
   std::vector<Residence> found(keys.size(), Residence::kMiss);
-  const size_t prefix = ScanPrefix(keys, [this, &found](Shard& shard, uint32_t, size_t i,
-                                                        Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
-    if (entry == nullptr) return false;
-    if (entry->dram != kNone) {
-      Touch(shard, entry->dram);
-      found[i] = Residence::kDram;
-      return true;
-    }
-    if (!entry->ssd.has_value()) return false;
-    found[i] = Residence::kSsd;
-    return true;
-  });
+  const size_t prefix =
+      ScanPrefix(keys, [this, &found](Shard& shard, uint32_t, size_t i, Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
+        if (entry == nullptr) return false;
+        if (entry->dram != kNone) {
+          Touch(shard, entry->dram);
+          found[i] = Residence::kDram;
+          return true;
+        }
+        if (!entry->ssd.has_value()) return false;
+        found[i] = Residence::kSsd;
+        return true;
+      });
   size_t dram_hits = 0;
   for (size_t i = 0; i < prefix; ++i) {
     tiers->push_back(found[i]);
@@ -678,13 +656,12 @@ size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPi
   const size_t base = pins->size();
   pins->resize(base + keys.size());
   int64_t newly_pinned = 0;
-  const size_t prefix = ScanPrefix(
-      keys, [this, pins, base, &newly_pinned](Shard& shard, uint32_t shard_index, size_t i,
-                                              Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
-        if (entry == nullptr || entry->dram == kNone) return false;
-        (*pins)[base + i] = PinLocked(shard, shard_index, entry->dram, &newly_pinned);
-        return true;
-      });
+  const size_t prefix = ScanPrefix(keys, [this, pins, base, &newly_pinned](Shard& shard, uint32_t shard_index, size_t i,
+                                                                           Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
+    if (entry == nullptr || entry->dram == kNone) return false;
+    (*pins)[base + i] = PinLocked(shard, shard_index, entry->dram, &newly_pinned);
+    return true;
+  });
   if (newly_pinned != 0) pinned_blocks_->Add(static_cast<double>(newly_pinned));
   KeepPinnedPrefix(base, prefix, pins);
   hits_->Increment(prefix);
@@ -692,8 +669,7 @@ size_t BlockTable::PinPrefix(std::span<const StateKey> keys, std::vector<BlockPi
   return prefix;
 }
 
-ExactPins BlockTable::PinExact(std::span<const StateKey> keys,
-                               std::span<const uint64_t> generations,
+ExactPins BlockTable::PinExact(std::span<const StateKey> keys, std::span<const uint64_t> generations,
                                std::span<const uint64_t> sequences, std::vector<BlockPin>* pins) {
   ORBITKV_CHECK(keys.size() == generations.size() && keys.size() == sequences.size());
   const size_t base = pins->size();
@@ -701,9 +677,8 @@ ExactPins BlockTable::PinExact(std::span<const StateKey> keys,
   int64_t newly_pinned = 0;
   // Why each key was refused; the prefix ends at the first refusal, whose reason is the answer.
   std::vector<ExactStop> refused(keys.size(), ExactStop::kNone);
-  const size_t prefix = ScanPrefix(
-      keys, [&](Shard& shard, uint32_t shard_index, size_t i, Entry* entry)
-                NO_THREAD_SAFETY_ANALYSIS {
+  const size_t prefix =
+      ScanPrefix(keys, [&](Shard& shard, uint32_t shard_index, size_t i, Entry* entry) NO_THREAD_SAFETY_ANALYSIS {
         if (entry == nullptr || (entry->dram == kNone && !entry->ssd.has_value())) {
           refused[i] = ExactStop::kAbsent;
           return false;
@@ -713,8 +688,7 @@ ExactPins BlockTable::PinExact(std::span<const StateKey> keys,
           return false;
         }
         const Block& block = shard.slots[entry->dram];
-        if (block.residence_generation != generations[i] ||
-            block.residence_sequence != sequences[i]) {
+        if (block.residence_generation != generations[i] || block.residence_sequence != sequences[i]) {
           refused[i] = ExactStop::kReplaced;
           return false;
         }
@@ -740,19 +714,16 @@ Result<BlockPin> BlockTable::Pin(const StateKey& key) {
 
 Result<BlockPin> BlockTable::PinRef(const BlockRef& ref) {
   if (ref.shard >= shards_.size()) {
-    return Status::InvalidArgument(
-        fmt::format("block ref names shard {} of {}", ref.shard, shards_.size()));
+    return Status::InvalidArgument(fmt::format("block ref names shard {} of {}", ref.shard, shards_.size()));
   }
   Shard& shard = *shards_[ref.shard];
   MutexLock lock(&shard.mu);
   if (ref.index >= shard.slots.size()) {
-    return Status::InvalidArgument(
-        fmt::format("block ref names slot {} of {}", ref.index, shard.slots.size()));
+    return Status::InvalidArgument(fmt::format("block ref names slot {} of {}", ref.index, shard.slots.size()));
   }
   Block& block = shard.slots[ref.index];
   if (block.slot_generation != ref.generation || block.state != BlockState::kSealed) {
-    return Status::Aborted(
-        fmt::format("block ref slot {} generation {} is stale", ref.index, ref.generation));
+    return Status::Aborted(fmt::format("block ref slot {} generation {} is stale", ref.index, ref.generation));
   }
   return PinOne(shard, ref.shard, ref.index);
 }
@@ -762,8 +733,7 @@ BlockPin BlockTable::PinAgain(const BlockRef& ref) {
   MutexLock lock(&shard.mu);
   const Block& block = shard.slots[ref.index];
   ORBITKV_CHECK_MSG(block.slot_generation == ref.generation && block.pins > 0,
-                    "cloning a pin of block slot {} generation {} that holds none", ref.index,
-                    ref.generation);
+                    "cloning a pin of block slot {} generation {} that holds none", ref.index, ref.generation);
   return PinOne(shard, ref.shard, ref.index);
 }
 
@@ -773,14 +743,12 @@ Status BlockTable::Remove(const StateKey& key, Tier tier, TransitionCause cause)
   MutexLock lock(&shard.mu);
   auto it = shard.entries.find(key);
   if (tier == Tier::kDram) {
-    if (it == shard.entries.end() || it->second.dram == kNone)
-      return Status::NotFound("no DRAM residence");
+    if (it == shard.entries.end() || it->second.dram == kNone) return Status::NotFound("no DRAM residence");
     const uint32_t slot = it->second.dram;
     TransitionDram(shard, it->second, slot, /*present=*/false, cause);
     if (shard.slots[slot].pins == 0) FreeBlock(shard, slot);
   } else {
-    if (it == shard.entries.end() || !it->second.ssd.has_value())
-      return Status::NotFound("no SSD residence");
+    if (it == shard.entries.end() || !it->second.ssd.has_value()) return Status::NotFound("no SSD residence");
     TransitionSsd(shard, it->second, key, std::nullopt, cause);
   }
   EraseEntryIfEmpty(shard, key, hash, it->second);
@@ -810,8 +778,7 @@ size_t BlockTable::RemoveAllDram() {
   return removed;
 }
 
-uint64_t BlockTable::PublishSsd(const StateKey& key, uint64_t locator, uint64_t bytes,
-                                TransitionCause cause) {
+uint64_t BlockTable::PublishSsd(const StateKey& key, uint64_t locator, uint64_t bytes, TransitionCause cause) {
   const uint64_t hash = key.Hash64();
   Shard& shard = ShardOf(hash);
   const uint32_t inventory_shard = inventory_->ShardFor(key);
@@ -849,8 +816,7 @@ std::vector<StateKey> BlockTable::DramOnlyKeys(uint32_t min_frequency) {
       if (frequency >= min_frequency) found.emplace_back(frequency, key);
     }
   }
-  std::stable_sort(found.begin(), found.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<StateKey> keys;
   keys.reserve(found.size());
   for (auto& [frequency, key] : found) keys.push_back(std::move(key));
@@ -862,11 +828,10 @@ Status BlockTable::DropSsd(const StateKey& key, uint64_t generation, TransitionC
   Shard& shard = ShardOf(hash);
   MutexLock lock(&shard.mu);
   auto it = shard.entries.find(key);
-  if (it == shard.entries.end() || !it->second.ssd.has_value())
-    return Status::NotFound("no SSD residence");
+  if (it == shard.entries.end() || !it->second.ssd.has_value()) return Status::NotFound("no SSD residence");
   if (it->second.ssd->generation != generation) {
-    return Status::Aborted(fmt::format("SSD residence generation is {}, not {}",
-                                       it->second.ssd->generation, generation));
+    return Status::Aborted(
+        fmt::format("SSD residence generation is {}, not {}", it->second.ssd->generation, generation));
   }
   TransitionSsd(shard, it->second, key, std::nullopt, cause);
   EraseEntryIfEmpty(shard, key, hash, it->second);

@@ -98,8 +98,8 @@ class BlockPin {
 
  private:
   friend class BlockTable;
-  BlockPin(BlockTable* table, BlockRef ref, const uint8_t* data, uint64_t bytes,
-           uint64_t generation, uint64_t sequence = 0, uint32_t arena = 0)
+  BlockPin(BlockTable* table, BlockRef ref, const uint8_t* data, uint64_t bytes, uint64_t generation,
+           uint64_t sequence = 0, uint32_t arena = 0)
       : table_(table),
         ref_(ref),
         data_(data),
@@ -119,14 +119,14 @@ class BlockPin {
 
 // Why PinExact stopped before the end of its keys.
 enum class ExactStop : uint8_t {
-  kNone = 0,       // every key pinned
-  kAbsent = 1,     // no residence at all: evicted from every tier, or never held
-  kNotDram = 2,    // resident, but not in DRAM (on SSD only)
-  kReplaced = 3,   // in DRAM with another version (generation or sequence) than asked for
+  kNone = 0,      // every key pinned
+  kAbsent = 1,    // no residence at all: evicted from every tier, or never held
+  kNotDram = 2,   // resident, but not in DRAM (on SSD only)
+  kReplaced = 3,  // in DRAM with another version (generation or sequence) than asked for
 };
 
 struct ExactPins {
-  size_t pinned = 0;  // the prefix pinned (one pin per key appended to the caller's vector)
+  size_t pinned = 0;                  // the prefix pinned (one pin per key appended to the caller's vector)
   ExactStop stop = ExactStop::kNone;  // why key `pinned` was not
 };
 
@@ -194,8 +194,7 @@ class BlockTable {
   using EvictionListener = std::function<void(const state::StateKey& key, BlockPin pin)>;
 
   // `pool`, `inventory` and `metrics` must outlive the table.
-  BlockTable(const Options& options, PinnedPool* pool, ResidencyInventory* inventory,
-             MetricsRegistry* metrics);
+  BlockTable(const Options& options, PinnedPool* pool, ResidencyInventory* inventory, MetricsRegistry* metrics);
   // Every BlockPin and BlockWriter must be gone (CHECK); remaining published blocks are freed.
   ~BlockTable();
   BlockTable(const BlockTable&) = delete;
@@ -216,8 +215,7 @@ class BlockTable {
   // writer becomes invalid.
   // With `pin` (an empty BlockPin), it also pins the block in the same step, so nothing can evict it
   // in between.
-  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit,
-                BlockPin* pin = nullptr);
+  uint64_t Seal(BlockWriter& writer, TransitionCause cause = TransitionCause::kAdmit, BlockPin* pin = nullptr);
   // Seals every writer (as Seal, without pins), taking each table shard's lock once.
   void SealAll(std::span<BlockWriter> writers, TransitionCause cause = TransitionCause::kAdmit);
 
@@ -249,8 +247,7 @@ class BlockTable {
   // Unpublishes the key's residence on `tier` (cause kCleanup by default). A pinned DRAM block
   // stays readable through its pins and is freed after the last one. NotFound when there is no such
   // residence.
-  Status Remove(const state::StateKey& key, Tier tier,
-                TransitionCause cause = TransitionCause::kCleanup);
+  Status Remove(const state::StateKey& key, Tier tier, TransitionCause cause = TransitionCause::kCleanup);
   // Unpublishes every DRAM residence (pinned ones stay readable through their pins). Returns how
   // many.
   size_t RemoveAllDram();
@@ -386,16 +383,14 @@ class BlockTable {
 
   // The one residency transition function: publishes (present) or unpublishes a residence in the
   // table and records it in the inventory, in one step under the shard lock.
-  void TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool present,
-                      TransitionCause cause) REQUIRES(shard.mu);
-  uint64_t TransitionSsd(Shard& shard, Entry& entry, const state::StateKey& key,
-                         std::optional<SsdResidence> residence, TransitionCause cause)
+  void TransitionDram(Shard& shard, Entry& entry, uint32_t slot, bool present, TransitionCause cause)
       REQUIRES(shard.mu);
+  uint64_t TransitionSsd(Shard& shard, Entry& entry, const state::StateKey& key, std::optional<SsdResidence> residence,
+                         TransitionCause cause) REQUIRES(shard.mu);
 
   // Picks and unpublishes one victim in `shard` by W-TinyLFU; false when the shard has nothing
   // evictable.
-  bool EvictOneLocked(Shard& shard, uint32_t shard_index, std::vector<Evicted>* out)
-      REQUIRES(shard.mu);
+  bool EvictOneLocked(Shard& shard, uint32_t shard_index, std::vector<Evicted>* out) REQUIRES(shard.mu);
   // Evicts one block from shard `first`, or else the next shard that has one; returns its bytes, 0
   // when no shard has anything evictable.
   uint64_t EvictOne(uint32_t first);
@@ -404,8 +399,7 @@ class BlockTable {
   uint32_t AllocateSlot(Shard& shard) REQUIRES(shard.mu);
   void ReleaseSlot(Shard& shard, uint32_t slot) REQUIRES(shard.mu);
   // Pins `slot`; counts a first pin in *newly_pinned (the caller updates the gauge once per batch).
-  BlockPin PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot, int64_t* newly_pinned)
-      REQUIRES(shard.mu);
+  BlockPin PinLocked(Shard& shard, uint32_t shard_index, uint32_t slot, int64_t* newly_pinned) REQUIRES(shard.mu);
   BlockPin PinOne(Shard& shard, uint32_t shard_index, uint32_t slot) REQUIRES(shard.mu);
   // Seal's step under the shard's lock; returns the residence generation.
   uint64_t SealLocked(Shard& shard, const BlockRef& ref, TransitionCause cause) REQUIRES(shard.mu);

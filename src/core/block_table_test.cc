@@ -164,15 +164,13 @@ TEST_F(BlockTableTest, PinExactPinsOnlyTheAnnouncedVersionsAndSaysWhyItStopped) 
   ASSERT_TRUE(table_->Remove(keys[2], Tier::kDram).ok());
   ASSERT_TRUE(table_->Remove(keys[3], Tier::kDram).ok());
   std::vector<StateKey> tail = {keys[2]};
-  EXPECT_EQ(table_->PinExact(tail, std::span(generations).subspan(2, 1),
-                             std::span(sequences).subspan(2, 1), &pins)
-                .stop,
-            ExactStop::kNotDram);
+  EXPECT_EQ(
+      table_->PinExact(tail, std::span(generations).subspan(2, 1), std::span(sequences).subspan(2, 1), &pins).stop,
+      ExactStop::kNotDram);
   tail = {keys[3]};
-  EXPECT_EQ(table_->PinExact(tail, std::span(generations).subspan(3, 1),
-                             std::span(sequences).subspan(3, 1), &pins)
-                .stop,
-            ExactStop::kAbsent);
+  EXPECT_EQ(
+      table_->PinExact(tail, std::span(generations).subspan(3, 1), std::span(sequences).subspan(3, 1), &pins).stop,
+      ExactStop::kAbsent);
   EXPECT_TRUE(pins.empty());
   EXPECT_EQ(table_->Stats().pinned_blocks, 0u);
 }
@@ -205,14 +203,12 @@ TEST_F(BlockTableTest, RecentlyUsedBlocksOutliveOlderOnes) {
   const auto keys = Chain(5, 16);
   for (size_t i = 0; i < keys.size(); ++i) Publish(keys[i], i);
   // Touch the first half so the second half is older.
-  for (size_t round = 0; round < 3; ++round)
-    EXPECT_EQ(table_->LookupPrefix(std::span(keys).first(8)), 8u);
+  for (size_t round = 0; round < 3; ++round) EXPECT_EQ(table_->LookupPrefix(std::span(keys).first(8)), 8u);
   for (size_t i = 0; i < 4; ++i) Publish(ChainKey(6, i), 100 + i);
   // The recently and frequently used half survives; capacity is still fully used.
   EXPECT_EQ(table_->LookupPrefix(std::span(keys).first(8)), 8u);
   EXPECT_EQ(table_->Stats().resident_blocks, 16u);
-  EXPECT_EQ(metrics_.GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}}).Value(),
-            4u);
+  EXPECT_EQ(metrics_.GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}}).Value(), 4u);
 }
 
 TEST_F(BlockTableTest, OneHitWondersDoNotFlushAHotPrefix) {
@@ -269,11 +265,9 @@ TEST_F(BlockTableTest, SsdResidenceIsIndependentOfDram) {
   // A late failure naming an old generation never drops a newer copy.
   const uint64_t newer = table_->PublishSsd(keys[0], 79, kBlock);
   EXPECT_NE(newer, ssd_gen);
-  EXPECT_EQ(table_->DropSsd(keys[0], ssd_gen, TransitionCause::kCleanup).code(),
-            StatusCode::kAborted);
+  EXPECT_EQ(table_->DropSsd(keys[0], ssd_gen, TransitionCause::kCleanup).code(), StatusCode::kAborted);
   EXPECT_TRUE(table_->DropSsd(keys[0], newer, TransitionCause::kCleanup).ok());
-  EXPECT_EQ(table_->DropSsd(keys[0], newer, TransitionCause::kCleanup).code(),
-            StatusCode::kNotFound);
+  EXPECT_EQ(table_->DropSsd(keys[0], newer, TransitionCause::kCleanup).code(), StatusCode::kNotFound);
   EXPECT_EQ(table_->Stats().ssd_residences, 1u);
 }
 
@@ -293,8 +287,7 @@ TEST_F(BlockTableTest, StaleRefsAreDetectedAfterSlotReuse) {
   Publish(key, 2);  // likely reuses the slot with a new generation
   EXPECT_EQ(table_->PinRef(ref).status().code(), StatusCode::kAborted);
   EXPECT_EQ(table_->PinRef(BlockRef{99, 0, 1}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(table_->PinRef(BlockRef{ref.shard, 1u << 30, 1}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(table_->PinRef(BlockRef{ref.shard, 1u << 30, 1}).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(BlockTableTest, RemovedPinnedBlockStaysReadableUntilUnpinned) {
@@ -339,8 +332,7 @@ TEST_F(BlockTableTest, EveryTransitionIsJournaledAndTheInventoryMatchesTheTable)
       if (record.cause == TransitionCause::kEvict) ++evictions;
     }
   }
-  EXPECT_EQ(evictions,
-            metrics_.GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}}).Value());
+  EXPECT_EQ(evictions, metrics_.GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "dram"}}).Value());
   EXPECT_GT(evictions, 0u);
   const auto stats = table_->Stats();
   EXPECT_EQ(inventory_->ReplicaCount(Tier::kDram), stats.resident_blocks);
@@ -378,8 +370,7 @@ TEST_F(BlockTableTest, RemoveAllDramAndEvictBytes) {
 
 TEST_F(BlockTableTest, InvalidSizesAreRejected) {
   EXPECT_EQ(table_->Prepare(ChainKey(15, 0), 0).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(table_->Prepare(ChainKey(15, 0), 2 << 20).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(table_->Prepare(ChainKey(15, 0), 2 << 20).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(table_->Stats().preparing_blocks, 0u);
 }
 

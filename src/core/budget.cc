@@ -27,20 +27,16 @@ Budget::Budget(Options options, MetricsRegistry* metrics) : options_(std::move(o
   ORBITKV_CHECK(metrics != nullptr);
   MetricLabels labels{{"budget", options_.name}};
   waits_ = &metrics->GetCounter("orbitkv_budget_waits_total",
-                                "Reservations refused because the budget was full (backpressure)",
-                                labels);
+                                "Reservations refused because the budget was full (backpressure)", labels);
   bypasses_ = &metrics->GetCounter("orbitkv_budget_bypasses_total",
                                    "Reservations larger than a limit, answered as a miss", labels);
-  reserved_gauge_ =
-      &metrics->GetGauge("orbitkv_budget_reserved_bytes", "Bytes currently reserved", labels);
-  tickets_gauge_ =
-      &metrics->GetGauge("orbitkv_budget_tickets", "Reservations currently held", labels);
+  reserved_gauge_ = &metrics->GetGauge("orbitkv_budget_reserved_bytes", "Bytes currently reserved", labels);
+  tickets_gauge_ = &metrics->GetGauge("orbitkv_budget_tickets", "Reservations currently held", labels);
 }
 
 Budget::~Budget() {
   MutexLock lock(&mu_);
-  ORBITKV_CHECK_MSG(tickets_ == 0, "budget '{}' destroyed with {} tickets outstanding",
-                    options_.name, tickets_);
+  ORBITKV_CHECK_MSG(tickets_ == 0, "budget '{}' destroyed with {} tickets outstanding", options_.name, tickets_);
 }
 
 Status Budget::CheckLocked(uint64_t owner, uint64_t bytes) const {
@@ -49,17 +45,15 @@ Status Budget::CheckLocked(uint64_t owner, uint64_t bytes) const {
         fmt::format("{} budget: all {} sessions are in use", options_.name, options_.max_tickets));
   }
   if (options_.global_bytes != 0 && reserved_ + bytes > options_.global_bytes) {
-    return Status::ResourceExhausted(
-        fmt::format("{} budget: {} of {} bytes reserved, {} more do not fit", options_.name,
-                    reserved_, options_.global_bytes, bytes));
+    return Status::ResourceExhausted(fmt::format("{} budget: {} of {} bytes reserved, {} more do not fit",
+                                                 options_.name, reserved_, options_.global_bytes, bytes));
   }
   if (options_.per_owner_bytes != 0) {
     auto it = per_owner_.find(owner);
     const uint64_t held = it == per_owner_.end() ? 0 : it->second;
     if (held + bytes > options_.per_owner_bytes) {
-      return Status::ResourceExhausted(
-          fmt::format("{} budget: owner {} holds {} of its {} bytes, {} more do not fit",
-                      options_.name, owner, held, options_.per_owner_bytes, bytes));
+      return Status::ResourceExhausted(fmt::format("{} budget: owner {} holds {} of its {} bytes, {} more do not fit",
+                                                   options_.name, owner, held, options_.per_owner_bytes, bytes));
     }
   }
   return Status::Ok();
@@ -67,15 +61,13 @@ Status Budget::CheckLocked(uint64_t owner, uint64_t bytes) const {
 
 Result<BudgetTicket> Budget::TryReserve(uint64_t owner, uint64_t bytes) {
   const uint64_t limit =
-      options_.per_owner_bytes != 0 &&
-              (options_.global_bytes == 0 || options_.per_owner_bytes < options_.global_bytes)
+      options_.per_owner_bytes != 0 && (options_.global_bytes == 0 || options_.per_owner_bytes < options_.global_bytes)
           ? options_.per_owner_bytes
           : options_.global_bytes;
   if (limit != 0 && bytes > limit) {
     bypasses_->Increment();
-    return Status::OutOfRange(
-        fmt::format("{} budget: {} bytes exceed the {}-byte limit and can never be reserved",
-                    options_.name, bytes, limit));
+    return Status::OutOfRange(fmt::format("{} budget: {} bytes exceed the {}-byte limit and can never be reserved",
+                                          options_.name, bytes, limit));
   }
   MutexLock lock(&mu_);
   Status status = CheckLocked(owner, bytes);
@@ -96,8 +88,7 @@ Status Budget::WaitForRoom(uint64_t owner, uint64_t bytes, Deadline deadline) {
   while (!CheckLocked(owner, bytes).ok()) {
     if (deadline.IsInfinite()) {
       room_.wait(mu_);
-    } else if (room_.wait_until(mu_, deadline.when()) == std::cv_status::timeout &&
-               !CheckLocked(owner, bytes).ok()) {
+    } else if (room_.wait_until(mu_, deadline.when()) == std::cv_status::timeout && !CheckLocked(owner, bytes).ok()) {
       return Status::DeadlineExceeded(
           fmt::format("{} budget: no room for {} bytes before the deadline", options_.name, bytes));
     }

@@ -48,8 +48,7 @@ class BudgetTicket {
 
  private:
   friend class Budget;
-  BudgetTicket(Budget* budget, uint64_t owner, uint64_t bytes)
-      : budget_(budget), owner_(owner), bytes_(bytes) {}
+  BudgetTicket(Budget* budget, uint64_t owner, uint64_t bytes) : budget_(budget), owner_(owner), bytes_(bytes) {}
 
   Budget* budget_ = nullptr;
   uint64_t owner_ = 0;

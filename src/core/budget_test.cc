@@ -35,8 +35,7 @@ TEST(BudgetTest, ChargesUntilTicketsAreDestroyed) {
   EXPECT_EQ(budget.reserved_bytes(), 0u);
   EXPECT_EQ(budget.tickets(), 0u);
   EXPECT_EQ(metrics.GetCounter("orbitkv_budget_waits_total", "", {{"budget", "test"}}).Value(), 1u);
-  EXPECT_EQ(metrics.GetGauge("orbitkv_budget_reserved_bytes", "", {{"budget", "test"}}).Value(),
-            0.0);
+  EXPECT_EQ(metrics.GetGauge("orbitkv_budget_reserved_bytes", "", {{"budget", "test"}}).Value(), 0.0);
 }
 
 TEST(BudgetTest, PerOwnerLimitIsolatesInstances) {
@@ -52,8 +51,7 @@ TEST(BudgetTest, RequestsLargerThanALimitCanNeverFit) {
   MetricsRegistry metrics;
   Budget budget(Limits(100, 50, 0), &metrics);
   EXPECT_EQ(budget.TryReserve(1, 51).status().code(), StatusCode::kOutOfRange);
-  EXPECT_EQ(metrics.GetCounter("orbitkv_budget_bypasses_total", "", {{"budget", "test"}}).Value(),
-            1u);
+  EXPECT_EQ(metrics.GetCounter("orbitkv_budget_bypasses_total", "", {{"budget", "test"}}).Value(), 1u);
   Budget unlimited(Limits(0, 0, 0), &metrics);
   EXPECT_TRUE(unlimited.TryReserve(1, uint64_t{1} << 60).ok());
 }

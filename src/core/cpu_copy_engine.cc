@@ -28,12 +28,11 @@ Status ProcessError(pid_t pid, int err, bool save, const uint8_t* at) {
     return Status::Unavailable(fmt::format("engine process {} is gone", pid));
   }
   if (err == EPERM || err == EACCES) {
-    return Status::PermissionDenied(fmt::format(
-        "may not access the memory of engine process {} (another uid, or ptrace restricted)", pid));
+    return Status::PermissionDenied(
+        fmt::format("may not access the memory of engine process {} (another uid, or ptrace restricted)", pid));
   }
-  return Status::InvalidArgument(fmt::format("{} of engine process {} at {} failed: {}",
-                                             save ? "reading" : "writing", pid,
-                                             static_cast<const void*>(at), std::strerror(err)));
+  return Status::InvalidArgument(fmt::format("{} of engine process {} at {} failed: {}", save ? "reading" : "writing",
+                                             pid, static_cast<const void*>(at), std::strerror(err)));
 }
 
 // Moves `bytes` between this process's `pool` and address `remote` of the engine `process`,
@@ -42,8 +41,7 @@ Status ProcessError(pid_t pid, int err, bool save, const uint8_t* at) {
 // so the bytes are its. Writes go through its /proc/PID/mem, bound to its memory: they can never
 // land in a process that reused the pid.
 template <typename Process>
-Status CopyProcessMemory(const Process& process, uint8_t* remote, uint8_t* pool, uint64_t bytes,
-                         bool save) {
+Status CopyProcessMemory(const Process& process, uint8_t* remote, uint8_t* pool, uint64_t bytes, bool save) {
   uint64_t done = 0;
   while (done < bytes) {
     ssize_t n;
@@ -62,8 +60,7 @@ Status CopyProcessMemory(const Process& process, uint8_t* remote, uint8_t* pool,
     }
     done += static_cast<uint64_t>(n);
   }
-  if (save && !StillThere(process.pidfd.get()))
-    return ProcessError(process.pid, ESRCH, save, remote);
+  if (save && !StillThere(process.pidfd.get())) return ProcessError(process.pid, ESRCH, save, remote);
   return Status::Ok();
 }
 
@@ -77,23 +74,20 @@ constexpr uint32_t kMaxFragmentsPerClaim = 1024;
 
 constexpr int DirectionIndex(CopyDirection direction) { return static_cast<int>(direction); }
 
-MetricsRegistry& PickRegistry(MetricsRegistry* given,
-                              const std::unique_ptr<MetricsRegistry>& owned) {
+MetricsRegistry& PickRegistry(MetricsRegistry* given, const std::unique_ptr<MetricsRegistry>& owned) {
   return given != nullptr ? *given : *owned;
 }
 
 Counter& BytesCounter(MetricsRegistry& registry, CopyDirection direction) {
-  return registry.GetCounter("orbitkv_copy_bytes_total", "Bytes copied by completed copy batches.",
-                             {{"engine", "cpu"},
-                              {"direction", std::string(CopyDirectionName(direction))},
-                              {"device", "host"}});
+  return registry.GetCounter(
+      "orbitkv_copy_bytes_total", "Bytes copied by completed copy batches.",
+      {{"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}, {"device", "host"}});
 }
 
 Counter& BatchesCounter(MetricsRegistry& registry, CopyDirection direction) {
-  return registry.GetCounter("orbitkv_copy_batches_total", "Copy batches completed.",
-                             {{"engine", "cpu"},
-                              {"direction", std::string(CopyDirectionName(direction))},
-                              {"device", "host"}});
+  return registry.GetCounter(
+      "orbitkv_copy_batches_total", "Copy batches completed.",
+      {{"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}, {"device", "host"}});
 }
 
 // The checks that need no registry, with InvalidArgument naming the first bad fragment; on OK,
@@ -106,8 +100,7 @@ Status CheckShape(const CopyBatch& batch, const CopyDone& done, uint64_t* total_
   }
   if (batch.fragments.empty()) return Status::InvalidArgument("copy batch has no fragments");
   if (batch.fragments.size() > std::numeric_limits<uint32_t>::max()) {
-    return Status::InvalidArgument(
-        fmt::format("copy batch has {} fragments", batch.fragments.size()));
+    return Status::InvalidArgument(fmt::format("copy batch has {} fragments", batch.fragments.size()));
   }
   uint64_t total = 0;
   for (size_t i = 0; i < batch.fragments.size(); ++i) {
@@ -117,8 +110,7 @@ Status CheckShape(const CopyBatch& batch, const CopyDone& done, uint64_t* total_
     }
     if (f.length == 0) return Status::InvalidArgument(fmt::format("fragment {}: zero length", i));
     if (reinterpret_cast<uintptr_t>(f.pool) > std::numeric_limits<uintptr_t>::max() - f.length) {
-      return Status::InvalidArgument(
-          fmt::format("fragment {}: pool range wraps the address space", i));
+      return Status::InvalidArgument(fmt::format("fragment {}: pool range wraps the address space", i));
     }
     if (f.length > std::numeric_limits<uint64_t>::max() - total) {
       return Status::InvalidArgument("copy batch length overflows 64 bits");
@@ -172,11 +164,9 @@ struct CpuCopyEngine::Batch {
   Batch* next = nullptr;
 };
 
-Result<std::unique_ptr<CpuCopyEngine>> CpuCopyEngine::Create(Options options,
-                                                             MetricsRegistry* metrics) {
+Result<std::unique_ptr<CpuCopyEngine>> CpuCopyEngine::Create(Options options, MetricsRegistry* metrics) {
   if (options.threads < 1 || options.threads > kMaxThreads) {
-    return Status::InvalidArgument(
-        fmt::format("threads must be in [1, {}], not {}", kMaxThreads, options.threads));
+    return Status::InvalidArgument(fmt::format("threads must be in [1, {}], not {}", kMaxThreads, options.threads));
   }
   FaultGuard::Install();  // a copy that faults on engine memory fails its batch, not the process
   if (options.max_inflight_batches == 0) {
@@ -199,12 +189,10 @@ CpuCopyEngine::CpuCopyEngine(const Options& options, MetricsRegistry* metrics)
       owned_metrics_(metrics == nullptr ? std::make_unique<MetricsRegistry>() : nullptr),
       bytes_total_{&BytesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kSave),
                    &BytesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kRestore)},
-      batches_total_{
-          &BatchesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kSave),
-          &BatchesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kRestore)},
+      batches_total_{&BatchesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kSave),
+                     &BatchesCounter(PickRegistry(metrics, owned_metrics_), CopyDirection::kRestore)},
       inflight_gauge_(&PickRegistry(metrics, owned_metrics_)
-                           .GetGauge("orbitkv_copy_inflight_batches",
-                                     "Copy batches accepted and not yet completed.",
+                           .GetGauge("orbitkv_copy_inflight_batches", "Copy batches accepted and not yet completed.",
                                      {{"engine", "cpu"}})) {}
 
 CpuCopyEngine::~CpuCopyEngine() {
@@ -251,10 +239,10 @@ Result<BufferId> CpuCopyEngine::RegisterProcessBuffer(pid_t pid, uint64_t base, 
   process->mem = ScopedFd(open(fmt::format("/proc/{}/mem", pid).c_str(), O_RDWR | O_CLOEXEC));
   if (!process->mem.valid()) {
     const int err = errno;
-    return Status::PermissionDenied(fmt::format(
-        "cannot open the memory of engine process {}: {} (process memory needs the same uid or "
-        "CAP_SYS_PTRACE; allocate KV in shared memory with orbitkv.shm otherwise)",
-        pid, std::strerror(err)));
+    return Status::PermissionDenied(
+        fmt::format("cannot open the memory of engine process {}: {} (process memory needs the same uid or "
+                    "CAP_SYS_PTRACE; allocate KV in shared memory with orbitkv.shm otherwise)",
+                    pid, std::strerror(err)));
   }
   // The pidfd was taken after the pid was looked up: make sure both name the process that was
   // asked for (it may have been replaced in between).
@@ -358,14 +346,14 @@ Status CpuCopyEngine::ResolveAndPin(Batch* batch) {
     const CopyFragment& f = fragments[i];
     const Slot* slot = FindLiveSlot(f.buffer);
     if (slot == nullptr) {
-      return Status::NotFound(fmt::format("fragment {}: buffer {}/{} is not registered", i,
-                                          f.buffer.index, f.buffer.generation));
+      return Status::NotFound(
+          fmt::format("fragment {}: buffer {}/{} is not registered", i, f.buffer.index, f.buffer.generation));
     }
     // Two comparisons instead of offset + length, which could overflow.
     if (f.buffer_offset > slot->bytes || f.length > slot->bytes - f.buffer_offset) {
-      return Status::InvalidArgument(
-          fmt::format("fragment {}: offset {} length {} exceeds buffer {}/{} of {} bytes", i,
-                      f.buffer_offset, f.length, f.buffer.index, f.buffer.generation, slot->bytes));
+      return Status::InvalidArgument(fmt::format("fragment {}: offset {} length {} exceeds buffer {}/{} of {} bytes", i,
+                                                 f.buffer_offset, f.length, f.buffer.index, f.buffer.generation,
+                                                 slot->bytes));
     }
     batch->engine_addr[i] = slot->base + f.buffer_offset;
     batch->engine_pid[i] = slot->pid;
@@ -399,8 +387,7 @@ void CpuCopyEngine::WorkerLoop() {
       claim = ClaimFromHead();
     }
     Copy(claim);
-    const uint64_t before =
-        claim.batch->remaining_bytes.fetch_sub(claim.bytes, std::memory_order_acq_rel);
+    const uint64_t before = claim.batch->remaining_bytes.fetch_sub(claim.bytes, std::memory_order_acq_rel);
     ORBITKV_CHECK(before >= claim.bytes);
     if (before == claim.bytes) Finish(claim.batch);
   }
@@ -461,11 +448,11 @@ void CpuCopyEngine::Copy(const Claim& claim) {
       if (!copied) {
         MutexLock lock(&claim.batch->error_mu);
         if (claim.batch->error.ok()) {
-          claim.batch->error = Status::DataLoss(fmt::format(
-              "the engine's memory at {} vanished during a {} (SIGBUS): it was shrunk, punched or "
-              "unmapped while the Manager copied; the operation failed and nothing it copied is "
-              "used",
-              static_cast<const void*>(engine), save ? "save" : "restore"));
+          claim.batch->error = Status::DataLoss(
+              fmt::format("the engine's memory at {} vanished during a {} (SIGBUS): it was shrunk, punched or "
+                          "unmapped while the Manager copied; the operation failed and nothing it copied is "
+                          "used",
+                          static_cast<const void*>(engine), save ? "save" : "restore"));
         }
       }
     }

@@ -34,8 +34,8 @@
 
 #include "base/metrics.h"
 #include "base/mutex.h"
-#include "base/scoped_fd.h"
 #include "base/result.h"
+#include "base/scoped_fd.h"
 #include "base/status.h"
 #include "base/thread_annotations.h"
 #include "core/copy_engine.h"
@@ -105,7 +105,7 @@ class CpuCopyEngine final : public CopyEngine {
   // A registered buffer. `pins` counts fragments of in-flight batches that name it.
   struct Slot {
     uint8_t* base = nullptr;
-    pid_t pid = 0;  // non-zero: `base` is an address in that process
+    pid_t pid = 0;                           // non-zero: `base` is an address in that process
     std::shared_ptr<const Process> process;  // with pid
     uint64_t bytes = 0;
     uint32_t generation = 1;

@@ -36,8 +36,7 @@ Bytes RandomBytes(size_t size, std::mt19937_64& rng) {
   return bytes;
 }
 
-std::unique_ptr<CpuCopyEngine> MakeEngine(CpuCopyEngine::Options options,
-                                          MetricsRegistry* metrics = nullptr) {
+std::unique_ptr<CpuCopyEngine> MakeEngine(CpuCopyEngine::Options options, MetricsRegistry* metrics = nullptr) {
   auto engine = CpuCopyEngine::Create(options, metrics);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return engine.ok() ? std::move(engine).value() : nullptr;
@@ -85,8 +84,7 @@ TEST(CpuCopyEngineTest, EngineMemoryThatVanishesFailsOnlyItsBatch) {
   ScopedFd fd(memfd_create("vanishing", MFD_CLOEXEC));
   ASSERT_TRUE(fd.valid());
   ASSERT_EQ(ftruncate(fd.get(), kBytes), 0);
-  auto* mapped =
-      static_cast<uint8_t*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  auto* mapped = static_cast<uint8_t*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
   ASSERT_NE(mapped, MAP_FAILED);
   std::memset(mapped, 0x3c, kBytes);
   auto vanishing = engine->RegisterBuffer(mapped, kBytes);
@@ -121,15 +119,11 @@ TEST(CpuCopyEngineTest, EngineMemoryThatVanishesFailsOnlyItsBatch) {
 }
 
 TEST(CpuCopyEngineTest, CreateRejectsOptionsOutOfRange) {
-  EXPECT_EQ(CpuCopyEngine::Create({.threads = 0}, nullptr).status().code(),
+  EXPECT_EQ(CpuCopyEngine::Create({.threads = 0}, nullptr).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(CpuCopyEngine::Create({.threads = CpuCopyEngine::kMaxThreads + 1}, nullptr).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(
-      CpuCopyEngine::Create({.threads = CpuCopyEngine::kMaxThreads + 1}, nullptr).status().code(),
-      StatusCode::kInvalidArgument);
-  EXPECT_EQ(CpuCopyEngine::Create({.max_inflight_batches = 0}, nullptr).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(CpuCopyEngine::Create({.chunk_bytes = 0}, nullptr).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(CpuCopyEngine::Create({.max_inflight_batches = 0}, nullptr).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(CpuCopyEngine::Create({.chunk_bytes = 0}, nullptr).status().code(), StatusCode::kInvalidArgument);
   auto engine = CpuCopyEngine::Create({.threads = 1}, nullptr);
   ASSERT_TRUE(engine.ok());
   EXPECT_EQ((*engine)->name(), "cpu");
@@ -165,14 +159,10 @@ TEST(CpuCopyEngineTest, ReusedSlotGetsANewGenerationAndTheOldIdStaysStale) {
   EXPECT_EQ(new_id.index, old_id.index);
   EXPECT_NE(new_id.generation, old_id.generation);
   DoneProbe stale_probe;
-  EXPECT_EQ(
-      engine->Submit({CopyDirection::kSave, {{old_id, 0, pool.data(), 64}}}, stale_probe.Callback())
-          .code(),
-      StatusCode::kNotFound);
+  EXPECT_EQ(engine->Submit({CopyDirection::kSave, {{old_id, 0, pool.data(), 64}}}, stale_probe.Callback()).code(),
+            StatusCode::kNotFound);
   DoneProbe probe;
-  ASSERT_TRUE(
-      engine->Submit({CopyDirection::kSave, {{new_id, 0, pool.data(), 64}}}, probe.Callback())
-          .ok());
+  ASSERT_TRUE(engine->Submit({CopyDirection::kSave, {{new_id, 0, pool.data(), 64}}}, probe.Callback()).ok());
   EXPECT_TRUE(probe.Wait().ok());
   engine->Shutdown();
   EXPECT_EQ(pool, b);
@@ -187,27 +177,25 @@ TEST(CpuCopyEngineTest, ProcessBuffersAreCopiedAndAGoneProcessFailsTheBatch) {
   ASSERT_NE(engine, nullptr);
   Bytes engine_memory(3 * 4096 + 100), pool(3 * 4096 + 100, 0);
   for (size_t i = 0; i < engine_memory.size(); ++i) engine_memory[i] = static_cast<uint8_t>(i * 7);
-  auto id = engine->RegisterProcessBuffer(
-      getpid(), reinterpret_cast<uint64_t>(engine_memory.data()), engine_memory.size());
+  auto id =
+      engine->RegisterProcessBuffer(getpid(), reinterpret_cast<uint64_t>(engine_memory.data()), engine_memory.size());
   ASSERT_TRUE(id.ok()) << id.status();
   DoneProbe saved;
-  ASSERT_TRUE(engine
-                  ->Submit({CopyDirection::kSave,
-                            {{*id, 0, pool.data(), 4096},
-                             {*id, 4096, pool.data() + 4096, engine_memory.size() - 4096}}},
-                           saved.Callback())
-                  .ok());
+  ASSERT_TRUE(
+      engine
+          ->Submit({CopyDirection::kSave,
+                    {{*id, 0, pool.data(), 4096}, {*id, 4096, pool.data() + 4096, engine_memory.size() - 4096}}},
+                   saved.Callback())
+          .ok());
   ASSERT_TRUE(saved.Wait().ok());
   EXPECT_EQ(pool, engine_memory);
   Bytes restored_into(engine_memory.size(), 0);
-  auto target = engine->RegisterProcessBuffer(
-      getpid(), reinterpret_cast<uint64_t>(restored_into.data()), restored_into.size());
+  auto target =
+      engine->RegisterProcessBuffer(getpid(), reinterpret_cast<uint64_t>(restored_into.data()), restored_into.size());
   ASSERT_TRUE(target.ok());
   DoneProbe restored;
-  ASSERT_TRUE(engine
-                  ->Submit({CopyDirection::kRestore, {{*target, 0, pool.data(), pool.size()}}},
-                           restored.Callback())
-                  .ok());
+  ASSERT_TRUE(
+      engine->Submit({CopyDirection::kRestore, {{*target, 0, pool.data(), pool.size()}}}, restored.Callback()).ok());
   ASSERT_TRUE(restored.Wait().ok());
   EXPECT_EQ(restored_into, engine_memory);
 
@@ -225,21 +213,19 @@ TEST(CpuCopyEngineTest, ProcessBuffersAreCopiedAndAGoneProcessFailsTheBatch) {
   }
   ASSERT_GT(child, 0);
   close(hold[0]);
-  auto gone = engine->RegisterProcessBuffer(child, reinterpret_cast<uint64_t>(restored_into.data()),
-                                            restored_into.size());
+  auto gone =
+      engine->RegisterProcessBuffer(child, reinterpret_cast<uint64_t>(restored_into.data()), restored_into.size());
   ASSERT_TRUE(gone.ok()) << gone.status();
   close(hold[1]);
   ASSERT_EQ(waitpid(child, nullptr, 0), child);
   for (CopyDirection direction : {CopyDirection::kRestore, CopyDirection::kSave}) {
     DoneProbe failed;
-    ASSERT_TRUE(
-        engine->Submit({direction, {{*gone, 0, pool.data(), 4096}}}, failed.Callback()).ok());
+    ASSERT_TRUE(engine->Submit({direction, {{*gone, 0, pool.data(), 4096}}}, failed.Callback()).ok());
     EXPECT_EQ(failed.Wait().code(), StatusCode::kUnavailable);
     EXPECT_EQ(failed.calls(), 1);
   }
   // A process already gone cannot be registered at all.
-  EXPECT_EQ(engine->RegisterProcessBuffer(child, 4096, 4096).status().code() == StatusCode::kOk,
-            false);
+  EXPECT_EQ(engine->RegisterProcessBuffer(child, 4096, 4096).status().code() == StatusCode::kOk, false);
   EXPECT_FALSE(engine->RegisterProcessBuffer(0, 4096, 4096).ok());
   engine->Shutdown();
 }
@@ -271,8 +257,7 @@ TEST_P(CpuCopyEngineRoundTripTest, SaveThenRestoreIsByteExact) {
   ASSERT_NE(engine, nullptr);
 
   std::vector<Bytes> originals;
-  for (uint64_t size :
-       {3 * param.buffer_scale + 17, 5 * param.buffer_scale, 2 * param.buffer_scale + 1}) {
+  for (uint64_t size : {3 * param.buffer_scale + 17, 5 * param.buffer_scale, 2 * param.buffer_scale + 1}) {
     originals.push_back(RandomBytes(size, rng));
   }
   std::vector<Bytes> buffers = originals;
@@ -286,10 +271,9 @@ TEST_P(CpuCopyEngineRoundTripTest, SaveThenRestoreIsByteExact) {
   for (size_t b = 0; b < buffers.size(); ++b) {
     uint64_t offset = 0;
     while (offset < buffers[b].size()) {
-      const uint64_t cap =
-          std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? param.max_piece : 64;
-      const uint64_t length = std::min<uint64_t>(
-          std::uniform_int_distribution<uint64_t>(1, cap)(rng), buffers[b].size() - offset);
+      const uint64_t cap = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? param.max_piece : 64;
+      const uint64_t length =
+          std::min<uint64_t>(std::uniform_int_distribution<uint64_t>(1, cap)(rng), buffers[b].size() - offset);
       if (std::uniform_int_distribution<int>(0, 4)(rng) != 0) {
         pieces.push_back({b, offset, length, 0});
       }
@@ -299,8 +283,7 @@ TEST_P(CpuCopyEngineRoundTripTest, SaveThenRestoreIsByteExact) {
   std::shuffle(pieces.begin(), pieces.end(), rng);
   uint64_t pool_size = 0;
   for (Piece& piece : pieces) {
-    pool_size +=
-        std::uniform_int_distribution<uint64_t>(0, 9)(rng);  // Gaps that must stay untouched.
+    pool_size += std::uniform_int_distribution<uint64_t>(0, 9)(rng);  // Gaps that must stay untouched.
     piece.pool_offset = pool_size;
     pool_size += piece.length;
   }
@@ -309,10 +292,9 @@ TEST_P(CpuCopyEngineRoundTripTest, SaveThenRestoreIsByteExact) {
   Bytes pool_expected(pool_size, kUntouched);
   CopyBatch save{CopyDirection::kSave, {}};
   for (const Piece& piece : pieces) {
-    save.fragments.push_back(
-        {ids[piece.buffer], piece.offset, pool.data() + piece.pool_offset, piece.length});
-    std::copy_n(originals[piece.buffer].begin() + static_cast<ptrdiff_t>(piece.offset),
-                piece.length, pool_expected.begin() + static_cast<ptrdiff_t>(piece.pool_offset));
+    save.fragments.push_back({ids[piece.buffer], piece.offset, pool.data() + piece.pool_offset, piece.length});
+    std::copy_n(originals[piece.buffer].begin() + static_cast<ptrdiff_t>(piece.offset), piece.length,
+                pool_expected.begin() + static_cast<ptrdiff_t>(piece.pool_offset));
   }
   CopyBatch restore = save;
   restore.direction = CopyDirection::kRestore;
@@ -329,8 +311,7 @@ TEST_P(CpuCopyEngineRoundTripTest, SaveThenRestoreIsByteExact) {
     expected.emplace_back(buffer.size(), 0);
   }
   for (const Piece& piece : pieces) {
-    std::copy_n(originals[piece.buffer].begin() + static_cast<ptrdiff_t>(piece.offset),
-                piece.length,
+    std::copy_n(originals[piece.buffer].begin() + static_cast<ptrdiff_t>(piece.offset), piece.length,
                 expected[piece.buffer].begin() + static_cast<ptrdiff_t>(piece.offset));
   }
   DoneProbe restored;
@@ -348,21 +329,17 @@ INSTANTIATE_TEST_SUITE_P(
     Splits, CpuCopyEngineRoundTripTest,
     ::testing::Values(
         // One thread, chunks far larger than any piece: small pieces grouped, nothing split.
-        RoundTripParam{
-            .threads = 1, .chunk_bytes = 1 << 20, .max_piece = 20000, .buffer_scale = 100000},
+        RoundTripParam{.threads = 1, .chunk_bytes = 1 << 20, .max_piece = 20000, .buffer_scale = 100000},
         // Pieces both below and far above the chunk: grouping and splitting across three threads.
-        RoundTripParam{
-            .threads = 3, .chunk_bytes = 4096, .max_piece = 50000, .buffer_scale = 100000},
+        RoundTripParam{.threads = 3, .chunk_bytes = 4096, .max_piece = 50000, .buffer_scale = 100000},
         // A chunk smaller than most pieces, not a power of two: almost every piece is split
         // unevenly.
         RoundTripParam{.threads = 2, .chunk_bytes = 7, .max_piece = 300, .buffer_scale = 4000},
         // About 24 MiB each way, pieces up to 96 KiB at every alignment: the restore, larger than
         // the caches, streams its stores like the save (base/stream_copy.h).
-        RoundTripParam{
-            .threads = 2, .chunk_bytes = 1 << 20, .max_piece = 96 << 10, .buffer_scale = 3 << 20}),
+        RoundTripParam{.threads = 2, .chunk_bytes = 1 << 20, .max_piece = 96 << 10, .buffer_scale = 3 << 20}),
     [](const ::testing::TestParamInfo<RoundTripParam>& test) {
-      return "Threads" + std::to_string(test.param.threads) + "Chunk" +
-             std::to_string(test.param.chunk_bytes);
+      return "Threads" + std::to_string(test.param.threads) + "Chunk" + std::to_string(test.param.chunk_bytes);
     });
 
 // Every way a fragment can be invalid, placed after valid fragments of the same batch: the batch is
@@ -401,33 +378,27 @@ TEST(CpuCopyEngineTest, InvalidFragmentsRejectTheWholeBatch) {
       {"pool range wraps", {ia, 0, wrapping_pool, 32}, StatusCode::kInvalidArgument},
       {"unknown index", {BufferId{77, 1}, 0, pool.data() + 200, 16}, StatusCode::kNotFound},
       {"default id", {BufferId{}, 0, pool.data() + 200, 16}, StatusCode::kNotFound},
-      {"wrong generation",
-       {BufferId{ia.index, ia.generation + 1}, 0, pool.data() + 200, 16},
-       StatusCode::kNotFound},
+      {"wrong generation", {BufferId{ia.index, ia.generation + 1}, 0, pool.data() + 200, 16}, StatusCode::kNotFound},
       {"stale after unregister", {stale, 0, pool.data() + 200, 16}, StatusCode::kNotFound},
   };
   std::vector<std::unique_ptr<DoneProbe>> probes;
   for (const Case& test_case : cases) {
     for (CopyDirection direction : {CopyDirection::kSave, CopyDirection::kRestore}) {
       SCOPED_TRACE(test_case.name + " " + std::string(CopyDirectionName(direction)));
-      CopyBatch batch{
-          direction, {{ia, 0, pool.data(), 100}, {ib, 100, pool.data() + 100, 100}, test_case.bad}};
+      CopyBatch batch{direction, {{ia, 0, pool.data(), 100}, {ib, 100, pool.data() + 100, 100}, test_case.bad}};
       probes.push_back(std::make_unique<DoneProbe>());
       EXPECT_EQ(engine->Submit(std::move(batch), probes.back()->Callback()).code(), test_case.code);
     }
   }
   // Whole-batch checks.
   probes.push_back(std::make_unique<DoneProbe>());
-  EXPECT_EQ(engine->Submit({CopyDirection::kSave, {}}, probes.back()->Callback()).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->Submit({CopyDirection::kSave, {}}, probes.back()->Callback()).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(engine->Submit({CopyDirection::kSave, {{ia, 0, pool.data(), 8}}}, nullptr).code(),
             StatusCode::kInvalidArgument);
   probes.push_back(std::make_unique<DoneProbe>());
-  EXPECT_EQ(engine
-                ->Submit({static_cast<CopyDirection>(2), {{ia, 0, pool.data(), 8}}},
-                         probes.back()->Callback())
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      engine->Submit({static_cast<CopyDirection>(2), {{ia, 0, pool.data(), 8}}}, probes.back()->Callback()).code(),
+      StatusCode::kInvalidArgument);
 
   engine->Shutdown();  // Any callback that was going to run has run.
   for (const auto& probe : probes) EXPECT_EQ(probe->calls(), 0);
@@ -435,13 +406,11 @@ TEST(CpuCopyEngineTest, InvalidFragmentsRejectTheWholeBatch) {
   EXPECT_TRUE(b == b_before);
   EXPECT_TRUE(pool == pool_before);
   for (CopyDirection direction : {CopyDirection::kSave, CopyDirection::kRestore}) {
-    const MetricLabels labels = {{"engine", "cpu"},
-                                 {"direction", std::string(CopyDirectionName(direction))},
-                                 {"device", "host"}};
+    const MetricLabels labels = {
+        {"engine", "cpu"}, {"direction", std::string(CopyDirectionName(direction))}, {"device", "host"}};
     EXPECT_EQ(metrics.GetCounter("orbitkv_copy_batches_total", "", labels).Value(), 0u);
   }
-  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(),
-            0.0);
+  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(), 0.0);
 }
 
 TEST(CpuCopyEngineTest, EveryAcceptedBatchCallsDoneOnceOnAnEngineThread) {
@@ -456,8 +425,7 @@ TEST(CpuCopyEngineTest, EveryAcceptedBatchCallsDoneOnceOnAnEngineThread) {
   for (int i = 0; i < kBatches; ++i) {
     const uint64_t offset = uint64_t{1024} * static_cast<uint64_t>(i);
     CopyBatch batch{CopyDirection::kSave,
-                    {{id, offset, pool.data() + offset, 1000},
-                     {id, offset + 1000, pool.data() + offset + 1000, 24}}};
+                    {{id, offset, pool.data() + offset, 1000}, {id, offset + 1000, pool.data() + offset + 1000, 24}}};
     ASSERT_TRUE(engine->Submit(std::move(batch), probes[static_cast<size_t>(i)].Callback()).ok());
   }
   engine->Shutdown();
@@ -478,27 +446,22 @@ TEST(CpuCopyEngineTest, MetricsCountCompletedBatchesByDirection) {
   CopyEngine& base = *engine;  // Through the interface the block cache uses.
   DoneProbe p1, p2, p3;
   ASSERT_TRUE(base.Submit({CopyDirection::kSave, {{id, 0, pool.data(), 600}}}, p1.Callback()).ok());
-  ASSERT_TRUE(
-      base.Submit({CopyDirection::kSave, {{id, 600, pool.data() + 600, 400}}}, p2.Callback()).ok());
+  ASSERT_TRUE(base.Submit({CopyDirection::kSave, {{id, 600, pool.data() + 600, 400}}}, p2.Callback()).ok());
   EXPECT_TRUE(p1.Wait().ok());
   EXPECT_TRUE(p2.Wait().ok());
-  ASSERT_TRUE(base.Submit({CopyDirection::kRestore,
-                           {{id, 0, pool.data(), 10}, {id, 10, pool.data() + 10, 5}}},
-                          p3.Callback())
-                  .ok());
+  ASSERT_TRUE(
+      base.Submit({CopyDirection::kRestore, {{id, 0, pool.data(), 10}, {id, 10, pool.data() + 10, 5}}}, p3.Callback())
+          .ok());
   base.Shutdown();
   auto counter = [&metrics](std::string_view name, std::string_view direction) {
-    return metrics
-        .GetCounter(name, "",
-                    {{"engine", "cpu"}, {"direction", std::string(direction)}, {"device", "host"}})
+    return metrics.GetCounter(name, "", {{"engine", "cpu"}, {"direction", std::string(direction)}, {"device", "host"}})
         .Value();
   };
   EXPECT_EQ(counter("orbitkv_copy_bytes_total", "save"), 1000u);
   EXPECT_EQ(counter("orbitkv_copy_batches_total", "save"), 2u);
   EXPECT_EQ(counter("orbitkv_copy_bytes_total", "restore"), 15u);
   EXPECT_EQ(counter("orbitkv_copy_batches_total", "restore"), 1u);
-  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(),
-            0.0);
+  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(), 0.0);
 }
 
 // Batches whose CopyDone blocks stay in flight; one more is refused until they return, then
@@ -517,11 +480,9 @@ TEST(CpuCopyEngineTest, BackpressureWhenMaxInflightBatchesIsReached) {
     release.wait();
   };
   for (uint32_t i = 0; i < kMaxInflight; ++i) {
-    ASSERT_TRUE(engine
-                    ->Submit({CopyDirection::kSave,
-                              {{id, uint64_t{i} * 16, pool.data() + uint64_t{i} * 16, 16}}},
-                             held)
-                    .ok());
+    ASSERT_TRUE(
+        engine->Submit({CopyDirection::kSave, {{id, uint64_t{i} * 16, pool.data() + uint64_t{i} * 16, 16}}}, held)
+            .ok());
   }
   EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(),
             static_cast<double>(kMaxInflight));
@@ -579,8 +540,7 @@ TEST(CpuCopyEngineTest, UnregisterWaitsForInflightBatches) {
   DoneProbe refused;
   for (;;) {
     auto probe = std::make_unique<DoneProbe>();
-    Status status =
-        engine->Submit({CopyDirection::kRestore, {{id, 0, pool.data(), 8}}}, probe->Callback());
+    Status status = engine->Submit({CopyDirection::kRestore, {{id, 0, pool.data(), 8}}}, probe->Callback());
     if (status.code() == StatusCode::kNotFound) break;
     if (status.ok()) {
       accepted.push_back(std::move(probe));
@@ -589,8 +549,7 @@ TEST(CpuCopyEngineTest, UnregisterWaitsForInflightBatches) {
     }
     std::this_thread::yield();
   }
-  EXPECT_EQ(engine->Submit({CopyDirection::kRestore, {{id, 0, pool.data(), 8}}}, refused.Callback())
-                .code(),
+  EXPECT_EQ(engine->Submit({CopyDirection::kRestore, {{id, 0, pool.data(), 8}}}, refused.Callback()).code(),
             StatusCode::kNotFound);
   EXPECT_FALSE(unregister_returned.load(std::memory_order_acquire));
   release.count_down();
@@ -615,11 +574,10 @@ TEST(CpuCopyEngineTest, ShutdownDrainsAcceptedBatchesThenRefuses) {
   std::vector<DoneProbe> probes(kBatches);
   for (int i = 0; i < kBatches; ++i) {
     const uint64_t offset = static_cast<uint64_t>(i) * kBatchBytes;
-    ASSERT_TRUE(
-        engine
-            ->Submit({CopyDirection::kRestore, {{id, offset, pool.data() + offset, kBatchBytes}}},
-                     probes[static_cast<size_t>(i)].Callback())
-            .ok());
+    ASSERT_TRUE(engine
+                    ->Submit({CopyDirection::kRestore, {{id, offset, pool.data() + offset, kBatchBytes}}},
+                             probes[static_cast<size_t>(i)].Callback())
+                    .ok());
   }
   engine->Shutdown();
   // No waiting on the probes: Shutdown() returned only after every accepted batch completed.
@@ -627,9 +585,8 @@ TEST(CpuCopyEngineTest, ShutdownDrainsAcceptedBatchesThenRefuses) {
   EXPECT_TRUE(buffer == pool);
 
   DoneProbe late;
-  EXPECT_EQ(
-      engine->Submit({CopyDirection::kRestore, {{id, 0, pool.data(), 1}}}, late.Callback()).code(),
-      StatusCode::kUnavailable);
+  EXPECT_EQ(engine->Submit({CopyDirection::kRestore, {{id, 0, pool.data(), 1}}}, late.Callback()).code(),
+            StatusCode::kUnavailable);
   engine->Shutdown();  // Idempotent.
   EXPECT_TRUE(engine->UnregisterBuffer(id).ok());
   engine.reset();
@@ -643,14 +600,14 @@ TEST(CpuCopyEngineTest, DoneMaySubmitTheNextBatch) {
   BufferId id = Register(*engine, buffer);
   DoneProbe second;
   Status chained = Status::Unknown("not run");
-  ASSERT_TRUE(engine
-                  ->Submit({CopyDirection::kSave, {{id, 0, pool.data(), 32}}},
-                           [&](const Status&) {
-                             chained = engine->Submit(
-                                 {CopyDirection::kSave, {{id, 32, pool.data() + 32, 32}}},
-                                 second.Callback());
-                           })
-                  .ok());
+  ASSERT_TRUE(
+      engine
+          ->Submit(
+              {CopyDirection::kSave, {{id, 0, pool.data(), 32}}},
+              [&](const Status&) {
+                chained = engine->Submit({CopyDirection::kSave, {{id, 32, pool.data() + 32, 32}}}, second.Callback());
+              })
+          .ok());
   EXPECT_TRUE(second.Wait().ok());
   engine->Shutdown();
   EXPECT_TRUE(chained.ok()) << chained;
@@ -662,8 +619,7 @@ TEST(CpuCopyEngineTest, DoneMaySubmitTheNextBatch) {
 // buffers, submits on them and unregisters them at once. Run under TSan in CI.
 TEST(CpuCopyEngineConcurrencyTest, SubmittersAndRegistrationChurn) {
   MetricsRegistry metrics;
-  auto engine =
-      MakeEngine({.threads = 2, .max_inflight_batches = 4, .chunk_bytes = 4096}, &metrics);
+  auto engine = MakeEngine({.threads = 2, .max_inflight_batches = 4, .chunk_bytes = 4096}, &metrics);
   ASSERT_NE(engine, nullptr);
   constexpr int kSubmitters = 4;
   constexpr int kRounds = 60;
@@ -676,16 +632,15 @@ TEST(CpuCopyEngineConcurrencyTest, SubmittersAndRegistrationChurn) {
     Bytes pool(kBytes, 0);
     BufferId id = Register(*engine, buffer);
     for (int round = 0; round < kRounds; ++round) {
-      const CopyDirection direction =
-          round % 2 == 0 ? CopyDirection::kSave : CopyDirection::kRestore;
+      const CopyDirection direction = round % 2 == 0 ? CopyDirection::kSave : CopyDirection::kRestore;
       if (direction == CopyDirection::kRestore) pool = RandomBytes(kBytes, rng);
       // The pool mirrors the buffer's layout; cut it into pieces dealt round-robin to the
       // outstanding batches.
       std::vector<CopyBatch> batches(kOutstanding, CopyBatch{direction, {}});
       uint64_t offset = 0;
       for (int piece = 0; offset < kBytes; ++piece) {
-        const uint64_t length = std::min<uint64_t>(
-            std::uniform_int_distribution<uint64_t>(1, 9000)(rng), kBytes - offset);
+        const uint64_t length =
+            std::min<uint64_t>(std::uniform_int_distribution<uint64_t>(1, 9000)(rng), kBytes - offset);
         batches[static_cast<size_t>(piece % kOutstanding)].fragments.push_back(
             {id, offset, pool.data() + offset, length});
         offset += length;
@@ -712,16 +667,13 @@ TEST(CpuCopyEngineConcurrencyTest, SubmittersAndRegistrationChurn) {
     while (!stop_churn.load(std::memory_order_relaxed)) {
       BufferId id = Register(*engine, scratch);
       DoneProbe probe;
-      Status status =
-          engine->Submit({CopyDirection::kSave, {{id, 0, pool.data(), 512}}}, probe.Callback());
+      Status status = engine->Submit({CopyDirection::kSave, {{id, 0, pool.data(), 512}}}, probe.Callback());
       EXPECT_TRUE(status.ok() || status.code() == StatusCode::kResourceExhausted) << status;
       ASSERT_TRUE(engine->UnregisterBuffer(id).ok());
       // UnregisterBuffer() returned, so a batch accepted on the buffer has completed.
       EXPECT_EQ(probe.calls(), status.ok() ? 1 : 0);
-      EXPECT_EQ(
-          engine->Submit({CopyDirection::kSave, {{id, 0, pool.data(), 512}}}, probe.Callback())
-              .code(),
-          StatusCode::kNotFound);
+      EXPECT_EQ(engine->Submit({CopyDirection::kSave, {{id, 0, pool.data(), 512}}}, probe.Callback()).code(),
+                StatusCode::kNotFound);
     }
   });
   std::vector<std::thread> submitters;
@@ -731,13 +683,12 @@ TEST(CpuCopyEngineConcurrencyTest, SubmittersAndRegistrationChurn) {
   stop_churn.store(true, std::memory_order_relaxed);
   churn.join();
   engine->Shutdown();
-  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(),
-            0.0);
-  EXPECT_EQ(metrics
-                .GetCounter("orbitkv_copy_bytes_total", "",
-                            {{"engine", "cpu"}, {"direction", "restore"}, {"device", "host"}})
-                .Value(),
-            uint64_t{kSubmitters} * (kRounds / 2) * kBytes);
+  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cpu"}}).Value(), 0.0);
+  EXPECT_EQ(
+      metrics
+          .GetCounter("orbitkv_copy_bytes_total", "", {{"engine", "cpu"}, {"direction", "restore"}, {"device", "host"}})
+          .Value(),
+      uint64_t{kSubmitters} * (kRounds / 2) * kBytes);
 }
 
 }  // namespace

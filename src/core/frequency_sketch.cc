@@ -23,8 +23,8 @@ constexpr uint64_t kHalveMask = 0x7777'7777'7777'7777;
 
 // Distinct odd multipliers (from splitmix64, xxHash and MurmurHash3). Multiply-shift with a
 // distinct odd multiplier per row gives each row its own index from one mixed hash.
-constexpr uint64_t kRowMultipliers[FrequencySketch::kRows] = {
-    0x9E37'79B9'7F4A'7C15, 0xC2B2'AE3D'27D4'EB4F, 0x1656'67B1'9E37'79F9, 0xD6E8'FEB8'6659'FD93};
+constexpr uint64_t kRowMultipliers[FrequencySketch::kRows] = {0x9E37'79B9'7F4A'7C15, 0xC2B2'AE3D'27D4'EB4F,
+                                                              0x1656'67B1'9E37'79F9, 0xD6E8'FEB8'6659'FD93};
 constexpr uint64_t kProbeMultipliers[FrequencySketch::kDoorkeeperProbes] = {
     0xBF58'476D'1CE4'E5B9, 0x94D0'49BB'1331'11EB, 0xFF51'AFD7'ED55'8CCD};
 static_assert(std::all_of(std::begin(kRowMultipliers), std::end(kRowMultipliers),
@@ -47,8 +47,7 @@ constexpr uint64_t Mix64(uint64_t x) {
 }
 
 uint64_t WidthFor(uint64_t expected_entries) {
-  return std::bit_ceil(
-      std::clamp(expected_entries, FrequencySketch::kMinWidth, FrequencySketch::kMaxWidth));
+  return std::bit_ceil(std::clamp(expected_entries, FrequencySketch::kMinWidth, FrequencySketch::kMaxWidth));
 }
 
 int ShiftFor(uint64_t power_of_two) { return 64 - std::countr_zero(power_of_two); }
@@ -132,8 +131,6 @@ void FrequencySketch::Age() {
   additions_since_age_ = 0;
 }
 
-size_t FrequencySketch::MemoryBytes() const {
-  return (counters_.size() + doorkeeper_.size()) * sizeof(uint64_t);
-}
+size_t FrequencySketch::MemoryBytes() const { return (counters_.size() + doorkeeper_.size()) * sizeof(uint64_t); }
 
 }  // namespace orbitkv::core

@@ -30,8 +30,8 @@ TEST(FrequencySketchTest, SizesItselfFromExpectedEntries) {
     uint64_t expected_entries;
     uint64_t width;
   };
-  for (Case c : {Case{0, 64}, Case{1, 64}, Case{64, 64}, Case{65, 128}, Case{1000, 1024},
-                 Case{1024, 1024}, Case{100'000, 131'072}}) {
+  for (Case c : {Case{0, 64}, Case{1, 64}, Case{64, 64}, Case{65, 128}, Case{1000, 1024}, Case{1024, 1024},
+                 Case{100'000, 131'072}}) {
     FrequencySketch sketch(c.expected_entries);
     EXPECT_EQ(sketch.width(), c.width) << c.expected_entries;
     EXPECT_EQ(sketch.sample_size(), 10 * c.width) << c.expected_entries;

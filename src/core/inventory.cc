@@ -47,9 +47,9 @@ Result<std::unique_ptr<ResidencyInventory>> ResidencyInventory::Create(const Opt
                                                                        MetricsRegistry* metrics) {
   if (options.shards == 0) return Status::InvalidArgument("inventory needs at least one shard");
   if (options.journal_bytes / options.shards < kRecordCharge) {
-    return Status::InvalidArgument(fmt::format(
-        "inventory journal of {} bytes cannot hold one {}-byte record in each of {} shards",
-        options.journal_bytes, kRecordCharge, options.shards));
+    return Status::InvalidArgument(
+        fmt::format("inventory journal of {} bytes cannot hold one {}-byte record in each of {} shards",
+                    options.journal_bytes, kRecordCharge, options.shards));
   }
   ORBITKV_CHECK(metrics != nullptr);
   return std::unique_ptr<ResidencyInventory>(new ResidencyInventory(options, metrics));
@@ -63,37 +63,34 @@ ResidencyInventory::ResidencyInventory(const Options& options, MetricsRegistry* 
   for (uint32_t i = 0; i < options.shards; ++i) shards_.push_back(std::make_unique<Shard>());
   records_total_ = &metrics->GetCounter("orbitkv_inventory_records_total",
                                         "Residency transitions recorded in the inventory journal");
-  resync_total_ = &metrics->GetCounter(
-      "orbitkv_inventory_resync_total",
-      "Times a subscriber of a journal shard had a record it had not acknowledged dropped, and "
-      "must resync");
-  journal_records_ = &metrics->GetGauge("orbitkv_inventory_journal_records",
-                                        "Records retained in the inventory journals");
+  resync_total_ =
+      &metrics->GetCounter("orbitkv_inventory_resync_total",
+                           "Times a subscriber of a journal shard had a record it had not acknowledged dropped, and "
+                           "must resync");
+  journal_records_ =
+      &metrics->GetGauge("orbitkv_inventory_journal_records", "Records retained in the inventory journals");
 }
 
 uint32_t ResidencyInventory::ShardFor(const state::StateKey& key) const {
   // Without a catalog the placement need not match other hosts': the in-process hash spreads the
   // shard mutexes as well, without the SHA-256.
-  return record_ ? state::ShardOf(key, shard_count())
-                 : static_cast<uint32_t>(key.Hash64() % shard_count());
+  return record_ ? state::ShardOf(key, shard_count()) : static_cast<uint32_t>(key.Hash64() % shard_count());
 }
 
-uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& key, Tier tier,
-                                   bool present, TransitionCause cause, uint64_t generation,
-                                   uint64_t bytes) {
+uint64_t ResidencyInventory::Apply(uint32_t shard_index, const state::StateKey& key, Tier tier, bool present,
+                                   TransitionCause cause, uint64_t generation, uint64_t bytes) {
   ORBITKV_CHECK(shard_index < shards_.size());
   Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
   const uint64_t sequence = ++shard.last_sequence;
-  if (record_)
-    RecordLocked(shard_index, shard, sequence, key, tier, present, cause, generation, bytes);
+  if (record_) RecordLocked(shard_index, shard, sequence, key, tier, present, cause, generation, bytes);
   if (shard.waiters > 0) shard.changed.notify_all();
   return sequence;
 }
 
-void ResidencyInventory::RecordLocked(uint32_t shard_index, Shard& shard, uint64_t sequence,
-                                      const state::StateKey& key, Tier tier, bool present,
-                                      TransitionCause cause, uint64_t generation, uint64_t bytes) {
+void ResidencyInventory::RecordLocked(uint32_t shard_index, Shard& shard, uint64_t sequence, const state::StateKey& key,
+                                      Tier tier, bool present, TransitionCause cause, uint64_t generation,
+                                      uint64_t bytes) {
   const ViewKey view_key{key, tier, ScanHash(key, tier)};
   auto& bucket = shard.view[BucketOf(view_key.hash)];
   if (present) {
@@ -110,8 +107,7 @@ void ResidencyInventory::RecordLocked(uint32_t shard_index, Shard& shard, uint64
     DropOldestLocked(shard_index, shard);
     retained_delta = 0;
   }
-  shard.journal.push_back(
-      ResidencyRecord{sequence, key, tier, present, cause, generation, bytes, MonoNow()});
+  shard.journal.push_back(ResidencyRecord{sequence, key, tier, present, cause, generation, bytes, MonoNow()});
   records_total_->Increment();
   if (retained_delta != 0) journal_records_->Add(static_cast<double>(retained_delta));
 }
@@ -136,10 +132,8 @@ Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index, uint64
   return ReadJournal(shard_index, 0, after_sequence, max_records);
 }
 
-Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index,
-                                                    InventorySubscriber subscriber,
-                                                    uint64_t after_sequence,
-                                                    size_t max_records) const {
+Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index, InventorySubscriber subscriber,
+                                                    uint64_t after_sequence, size_t max_records) const {
   if (shard_index >= shards_.size()) {
     return Status::InvalidArgument(fmt::format("inventory shard {} out of range", shard_index));
   }
@@ -147,28 +141,25 @@ Result<JournalRead> ResidencyInventory::ReadJournal(uint32_t shard_index,
   const Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
   if (after_sequence > shard.last_sequence) {
-    return Status::InvalidArgument(
-        fmt::format("inventory shard {}: sequence {} is beyond the watermark {}", shard_index,
-                    after_sequence, shard.last_sequence));
+    return Status::InvalidArgument(fmt::format("inventory shard {}: sequence {} is beyond the watermark {}",
+                                               shard_index, after_sequence, shard.last_sequence));
   }
   JournalRead read;
   read.watermark = shard.last_sequence;
   if (subscriber != 0) {
     auto it = shard.subscribers.find(subscriber);
     if (it == shard.subscribers.end()) {
-      return Status::NotFound(fmt::format("inventory shard {}: no subscriber {}", shard_index,
-                                          subscriber));
+      return Status::NotFound(fmt::format("inventory shard {}: no subscriber {}", shard_index, subscriber));
     }
     read.resync_required = it->second.resync;
   }
   if (after_sequence == shard.last_sequence) return read;
   // Records are contiguous in sequence, so the first wanted one is at a computable index.
-  const uint64_t oldest =
-      shard.journal.empty() ? shard.last_sequence + 1 : shard.journal.front().sequence;
+  const uint64_t oldest = shard.journal.empty() ? shard.last_sequence + 1 : shard.journal.front().sequence;
   if (after_sequence + 1 < oldest) {
-    return Status::OutOfRange(fmt::format(
-        "inventory shard {}: records after {} were dropped (oldest retained {}); take a snapshot",
-        shard_index, after_sequence, oldest));
+    return Status::OutOfRange(
+        fmt::format("inventory shard {}: records after {} were dropped (oldest retained {}); take a snapshot",
+                    shard_index, after_sequence, oldest));
   }
   const size_t begin = static_cast<size_t>(after_sequence + 1 - oldest);
   const size_t end = std::min(shard.journal.size(), begin + max_records);
@@ -196,15 +187,13 @@ void ResidencyInventory::Unsubscribe(uint32_t shard_index, InventorySubscriber s
   shard.subscribers.erase(subscriber);
 }
 
-void ResidencyInventory::Acknowledge(uint32_t shard_index, InventorySubscriber subscriber,
-                                     uint64_t sequence) {
+void ResidencyInventory::Acknowledge(uint32_t shard_index, InventorySubscriber subscriber, uint64_t sequence) {
   ORBITKV_CHECK(shard_index < shards_.size());
   Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
   auto it = shard.subscribers.find(subscriber);
   if (it == shard.subscribers.end()) return;
-  it->second.acked_sequence =
-      std::max(it->second.acked_sequence, std::min(sequence, shard.last_sequence));
+  it->second.acked_sequence = std::max(it->second.acked_sequence, std::min(sequence, shard.last_sequence));
   // Retention follows the slowest live subscriber: what every one of them acknowledged goes.
   uint64_t slowest = UINT64_MAX;
   for (const auto& [id, subscription] : shard.subscribers) {
@@ -218,8 +207,7 @@ void ResidencyInventory::Acknowledge(uint32_t shard_index, InventorySubscriber s
   if (trimmed != 0) journal_records_->Add(-static_cast<double>(trimmed));
 }
 
-bool ResidencyInventory::resync_required(uint32_t shard_index,
-                                         InventorySubscriber subscriber) const {
+bool ResidencyInventory::resync_required(uint32_t shard_index, InventorySubscriber subscriber) const {
   ORBITKV_CHECK(shard_index < shards_.size());
   const Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
@@ -236,31 +224,27 @@ Status ResidencyInventory::CommitSnapshot(uint32_t shard_index, InventorySubscri
   MutexLock lock(&shard.mu);
   auto it = shard.subscribers.find(subscriber);
   if (it == shard.subscribers.end()) {
-    return Status::NotFound(
-        fmt::format("inventory shard {}: no subscriber {}", shard_index, subscriber));
+    return Status::NotFound(fmt::format("inventory shard {}: no subscriber {}", shard_index, subscriber));
   }
   if (end_watermark > shard.last_sequence) {
-    return Status::InvalidArgument(fmt::format(
-        "inventory shard {}: snapshot end {} is beyond the watermark {}", shard_index,
-        end_watermark, shard.last_sequence));
+    return Status::InvalidArgument(fmt::format("inventory shard {}: snapshot end {} is beyond the watermark {}",
+                                               shard_index, end_watermark, shard.last_sequence));
   }
-  const uint64_t oldest =
-      shard.journal.empty() ? shard.last_sequence + 1 : shard.journal.front().sequence;
+  const uint64_t oldest = shard.journal.empty() ? shard.last_sequence + 1 : shard.journal.front().sequence;
   if (oldest > end_watermark + 1) {
     // A record after the cut is gone: committing would hide it from this subscriber for good.
     it->second.resync = true;
-    return Status::Aborted(fmt::format(
-        "inventory shard {}: records after the snapshot's end {} were dropped (oldest retained "
-        "{}); take the snapshot again",
-        shard_index, end_watermark, oldest));
+    return Status::Aborted(
+        fmt::format("inventory shard {}: records after the snapshot's end {} were dropped (oldest retained "
+                    "{}); take the snapshot again",
+                    shard_index, end_watermark, oldest));
   }
   it->second.acked_sequence = end_watermark;
   it->second.resync = false;
   return Status::Ok();
 }
 
-bool ResidencyInventory::WaitForChange(uint32_t shard_index, uint64_t after_sequence,
-                                       Deadline deadline) const {
+bool ResidencyInventory::WaitForChange(uint32_t shard_index, uint64_t after_sequence, Deadline deadline) const {
   ORBITKV_CHECK(shard_index < shards_.size());
   const Shard& shard = *shards_[shard_index];
   MutexLock lock(&shard.mu);
@@ -277,8 +261,7 @@ bool ResidencyInventory::WaitForChange(uint32_t shard_index, uint64_t after_sequ
   return true;
 }
 
-InventoryPage ResidencyInventory::Scan(uint32_t shard_index, const InventoryCursor* after,
-                                       size_t max_records) const {
+InventoryPage ResidencyInventory::Scan(uint32_t shard_index, const InventoryCursor* after, size_t max_records) const {
   ORBITKV_CHECK(shard_index < shards_.size());
   ORBITKV_CHECK(max_records >= 1);
   const Shard& shard = *shards_[shard_index];

@@ -60,8 +60,7 @@ enum class TransitionCause : uint8_t {
 const char* TransitionCauseName(TransitionCause cause);
 
 struct ResidencyRecord {
-  uint64_t sequence =
-      0;  // per (incarnation, shard); also the record version of the replica it describes
+  uint64_t sequence = 0;  // per (incarnation, shard); also the record version of the replica it describes
   state::StateKey key;
   Tier tier = Tier::kDram;
   bool present = false;  // true: residence added or replaced; false: removed
@@ -122,8 +121,7 @@ class ResidencyInventory {
   };
 
   // InvalidArgument when shards is 0 or journal_bytes cannot hold one record per shard.
-  static Result<std::unique_ptr<ResidencyInventory>> Create(const Options& options,
-                                                            MetricsRegistry* metrics);
+  static Result<std::unique_ptr<ResidencyInventory>> Create(const Options& options, MetricsRegistry* metrics);
 
   ResidencyInventory(const ResidencyInventory&) = delete;
   ResidencyInventory& operator=(const ResidencyInventory&) = delete;
@@ -136,16 +134,15 @@ class ResidencyInventory {
   // Records one transition on `shard` (== ShardFor(key), passed in because callers cache it) and
   // returns its sequence. Removing a residence that the view does not hold is a programming error
   // (CHECK).
-  uint64_t Apply(uint32_t shard, const state::StateKey& key, Tier tier, bool present,
-                 TransitionCause cause, uint64_t generation, uint64_t bytes);
+  uint64_t Apply(uint32_t shard, const state::StateKey& key, Tier tier, bool present, TransitionCause cause,
+                 uint64_t generation, uint64_t bytes);
 
   // Records after `after_sequence`, at most `max_records`. OutOfRange when records after it were
   // already dropped (the reader must snapshot); InvalidArgument for a bad shard or a sequence
   // beyond the watermark. With a subscriber, resync_required is that subscriber's.
-  Result<JournalRead> ReadJournal(uint32_t shard, uint64_t after_sequence,
+  Result<JournalRead> ReadJournal(uint32_t shard, uint64_t after_sequence, size_t max_records) const;
+  Result<JournalRead> ReadJournal(uint32_t shard, InventorySubscriber subscriber, uint64_t after_sequence,
                                   size_t max_records) const;
-  Result<JournalRead> ReadJournal(uint32_t shard, InventorySubscriber subscriber,
-                                  uint64_t after_sequence, size_t max_records) const;
 
   // A new receiver of `shard`. It starts with resync set: it snapshots first (and commits).
   Result<InventorySubscriber> Subscribe(uint32_t shard);
@@ -222,9 +219,8 @@ class ResidencyInventory {
     mutable uint32_t waiters GUARDED_BY(mu) = 0;  // in WaitForChange
   };
   // The view and journal side of Apply (a recording inventory only).
-  void RecordLocked(uint32_t shard_index, Shard& shard, uint64_t sequence,
-                    const state::StateKey& key, Tier tier, bool present, TransitionCause cause,
-                    uint64_t generation, uint64_t bytes) REQUIRES(shard.mu);
+  void RecordLocked(uint32_t shard_index, Shard& shard, uint64_t sequence, const state::StateKey& key, Tier tier,
+                    bool present, TransitionCause cause, uint64_t generation, uint64_t bytes) REQUIRES(shard.mu);
   // Drops the oldest record, flagging every subscriber that had not acknowledged it.
   void DropOldestLocked(uint32_t shard_index, Shard& shard) REQUIRES(shard.mu);
 

@@ -15,8 +15,7 @@ namespace {
 using state::StateKey;
 using testing::ChainKey;
 
-std::unique_ptr<ResidencyInventory> MakeInventory(MetricsRegistry* metrics, uint32_t shards,
-                                                  uint64_t journal_bytes) {
+std::unique_ptr<ResidencyInventory> MakeInventory(MetricsRegistry* metrics, uint32_t shards, uint64_t journal_bytes) {
   ResidencyInventory::Options options;
   options.incarnation = 99;
   options.shards = shards;
@@ -30,12 +29,10 @@ TEST(InventoryTest, RejectsBadOptions) {
   MetricsRegistry metrics;
   ResidencyInventory::Options options;
   options.shards = 0;
-  EXPECT_EQ(ResidencyInventory::Create(options, &metrics).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResidencyInventory::Create(options, &metrics).status().code(), StatusCode::kInvalidArgument);
   options.shards = 16;
   options.journal_bytes = 100;
-  EXPECT_EQ(ResidencyInventory::Create(options, &metrics).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResidencyInventory::Create(options, &metrics).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(InventoryTest, SequencesArePerShardAndContiguous) {
@@ -45,8 +42,7 @@ TEST(InventoryTest, SequencesArePerShardAndContiguous) {
   for (uint64_t i = 0; i < 64; ++i) {
     const StateKey key = ChainKey(1, i);
     const uint32_t shard = inventory->ShardFor(key);
-    EXPECT_EQ(inventory->Apply(shard, key, Tier::kDram, true, TransitionCause::kAdmit, i + 1, 4096),
-              ++next[shard]);
+    EXPECT_EQ(inventory->Apply(shard, key, Tier::kDram, true, TransitionCause::kAdmit, i + 1, 4096), ++next[shard]);
   }
   for (uint32_t shard = 0; shard < 4; ++shard) {
     EXPECT_EQ(inventory->Watermark(shard), next[shard]);
@@ -65,16 +61,13 @@ TEST(InventoryTest, SequencesArePerShardAndContiguous) {
   }
   EXPECT_EQ(inventory->ReplicaCount(Tier::kDram), 64u);
   EXPECT_EQ(inventory->ReadJournal(9, 0, 1).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(inventory->ReadJournal(0, next[0] + 1, 1).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(inventory->ReadJournal(0, next[0] + 1, 1).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(InventoryTest, RemovalOfAnUnknownResidenceIsAProgrammingError) {
   MetricsRegistry metrics;
   auto inventory = MakeInventory(&metrics, 1, 1 << 20);
-  EXPECT_DEATH(
-      inventory->Apply(0, ChainKey(2, 0), Tier::kSsd, false, TransitionCause::kEvict, 1, 1),
-      "inventory");
+  EXPECT_DEATH(inventory->Apply(0, ChainKey(2, 0), Tier::kSsd, false, TransitionCause::kEvict, 1, 1), "inventory");
 }
 
 TEST(InventoryTest, OverflowOfUnacknowledgedRecordsSetsResyncAndReadersMustSnapshot) {
@@ -142,8 +135,7 @@ TEST(InventoryTest, ASlowSubscriberResyncsAloneAndNeverStallsApply) {
   inventory->Unsubscribe(0, slow);
   EXPECT_EQ(inventory->CommitSnapshot(0, slow, 0).code(), StatusCode::kNotFound);
   EXPECT_EQ(inventory->ReadJournal(0, slow, 0, 1).status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(inventory->CommitSnapshot(0, fast, inventory->Watermark(0) + 1).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(inventory->CommitSnapshot(0, fast, inventory->Watermark(0) + 1).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(InventoryTest, ACommitCannotHideARecordDroppedAfterItsCut) {
@@ -244,17 +236,16 @@ TEST(InventoryTest, AnInventoryThatDoesNotRecordOnlyNumbersTransitions) {
     const StateKey key = ChainKey(12, i);
     const uint32_t shard = inventory.ShardFor(key);
     ASSERT_LT(shard, 16u);
-    EXPECT_EQ(inventory.Apply(shard, key, i % 2 == 0 ? Tier::kDram : Tier::kSsd, true,
-                              TransitionCause::kAdmit, i + 1, 4096),
-              ++next[shard]);
+    EXPECT_EQ(
+        inventory.Apply(shard, key, i % 2 == 0 ? Tier::kDram : Tier::kSsd, true, TransitionCause::kAdmit, i + 1, 4096),
+        ++next[shard]);
   }
   EXPECT_GT(next.size(), 4u);
   // Removing what was never kept is not an error here: nothing is kept.
   const StateKey removed = ChainKey(12, 5);
   const uint32_t removed_shard = inventory.ShardFor(removed);
-  EXPECT_EQ(
-      inventory.Apply(removed_shard, removed, Tier::kSsd, false, TransitionCause::kEvict, 6, 4096),
-      ++next[removed_shard]);
+  EXPECT_EQ(inventory.Apply(removed_shard, removed, Tier::kSsd, false, TransitionCause::kEvict, 6, 4096),
+            ++next[removed_shard]);
   for (const auto& [shard, last] : next) {
     EXPECT_EQ(inventory.Watermark(shard), last);
     EXPECT_EQ(inventory.Size(shard), 0u);
@@ -286,10 +277,8 @@ TEST(InventoryTest, PagedScanWithTheSnapshotCutRebuildsTheViewDespiteConcurrentC
     for (const auto& record : page.records) view[{record.key, record.tier}] = record.version;
     cursor = page.next;
     // Concurrent modifications: remove a key (possibly already scanned) and add a new one.
-    inventory->Apply(0, ChainKey(4, changes), Tier::kDram, false, TransitionCause::kEvict,
-                     changes + 1, 10);
-    inventory->Apply(0, ChainKey(5, changes), Tier::kSsd, true, TransitionCause::kAdmit,
-                     500 + changes, 10);
+    inventory->Apply(0, ChainKey(4, changes), Tier::kDram, false, TransitionCause::kEvict, changes + 1, 10);
+    inventory->Apply(0, ChainKey(5, changes), Tier::kSsd, true, TransitionCause::kAdmit, 500 + changes, 10);
     ++changes;
   } while (cursor.has_value());
   auto interval = inventory->ReadJournal(0, start, 1 << 20);

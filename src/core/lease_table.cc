@@ -8,14 +8,11 @@ namespace orbitkv::core {
 
 std::string LeaseId::ToString() const { return fmt::format("lease {}:{}", index, generation); }
 
-LeaseTable::LeaseTable(const Options& options, MetricsRegistry* metrics)
-    : max_leases_(options.max_leases) {
+LeaseTable::LeaseTable(const Options& options, MetricsRegistry* metrics) : max_leases_(options.max_leases) {
   ORBITKV_CHECK(metrics != nullptr && max_leases_ > 0);
-  active_gauge_ =
-      &metrics->GetGauge("orbitkv_leases_active", "Leases pinning DRAM blocks for engines");
-  stale_total_ = &metrics->GetCounter(
-      "orbitkv_lease_stale_total",
-      "Release or consume of a lease id that was not live (stale or repeated)");
+  active_gauge_ = &metrics->GetGauge("orbitkv_leases_active", "Leases pinning DRAM blocks for engines");
+  stale_total_ = &metrics->GetCounter("orbitkv_lease_stale_total",
+                                      "Release or consume of a lease id that was not live (stale or repeated)");
 }
 
 LeaseTable::~LeaseTable() {
@@ -34,12 +31,11 @@ LeaseTable::~LeaseTable() {
   for (Slot& slot : drained) BlockPin::ReleaseAll(&slot.pins);
 }
 
-Result<LeaseId> LeaseTable::Create(uint64_t owner, std::vector<BlockPin> pins,
-                                   BudgetTicket ticket) {
+Result<LeaseId> LeaseTable::Create(uint64_t owner, std::vector<BlockPin> pins, BudgetTicket ticket) {
   MutexLock lock(&mu_);
   if (active_ >= max_leases_) {
-    return Status::ResourceExhausted(fmt::format(
-        "all {} leases are in use; release leases or wait for restores to finish", max_leases_));
+    return Status::ResourceExhausted(
+        fmt::format("all {} leases are in use; release leases or wait for restores to finish", max_leases_));
   }
   uint32_t index;
   if (!free_.empty()) {
@@ -60,10 +56,9 @@ Result<LeaseId> LeaseTable::Create(uint64_t owner, std::vector<BlockPin> pins,
 }
 
 Status LeaseTable::ValidateLocked(LeaseId id, uint64_t owner) const {
-  if (id.index >= slots_.size() || slots_[id.index].generation != id.generation ||
-      !slots_[id.index].live) {
-    return Status::FailedPrecondition(fmt::format(
-        "{} is not live: it was already released or consumed, or never issued", id.ToString()));
+  if (id.index >= slots_.size() || slots_[id.index].generation != id.generation || !slots_[id.index].live) {
+    return Status::FailedPrecondition(
+        fmt::format("{} is not live: it was already released or consumed, or never issued", id.ToString()));
   }
   if (slots_[id.index].owner != owner) {
     return Status::PermissionDenied(fmt::format("{} belongs to another instance", id.ToString()));
@@ -131,8 +126,7 @@ size_t LeaseTable::ReleaseOwner(uint64_t owner) {
     for (uint32_t index = 0; index < slots_.size(); ++index) {
       if (!slots_[index].live || slots_[index].owner != owner) continue;
       taken.emplace_back();
-      ORBITKV_CHECK(
-          TakeLocked(LeaseId{index, slots_[index].generation}, owner, &taken.back()).ok());
+      ORBITKV_CHECK(TakeLocked(LeaseId{index, slots_[index].generation}, owner, &taken.back()).ok());
     }
   }
   return taken.size();

@@ -66,9 +66,7 @@ struct ModelParam {
   uint64_t seed;
 };
 
-void PrintTo(const ModelParam& param, std::ostream* out) {
-  *out << param.config.name << " seed " << param.seed;
-}
+void PrintTo(const ModelParam& param, std::ostream* out) { *out << param.config.name << " seed " << param.seed; }
 
 // One DRAM publication of a key, from Seal until it is unpublished and its last pin is gone.
 struct Publication {
@@ -193,8 +191,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
   }
   size_t ResidentPrefix(int chain, int length) const {
     size_t hits = 0;
-    while (static_cast<int>(hits) < length &&
-           resident_.count(chain * kChainLength + static_cast<int>(hits)) > 0) {
+    while (static_cast<int>(hits) < length && resident_.count(chain * kChainLength + static_cast<int>(hits)) > 0) {
       ++hits;
     }
     return hits;
@@ -281,15 +278,15 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     if (Chance(0.4)) return RandomKey();
     // Extend a chain's resident prefix, as a save of the next page would.
     const int chain = static_cast<int>(Uniform(kChains));
-    return chain * kChainLength + static_cast<int>(std::min<size_t>(
-                                      ResidentPrefix(chain, kChainLength), kChainLength - 1));
+    return chain * kChainLength +
+           static_cast<int>(std::min<size_t>(ResidentPrefix(chain, kChainLength), kChainLength - 1));
   }
 
   void DoPublish() {
     const int key = PublishTarget();
     const bool was_resident = resident_.count(key) > 0;
-    const bool writing = std::any_of(writers_.begin(), writers_.end(),
-                                     [&](const OpenWriter& w) { return w.key == key; });
+    const bool writing =
+        std::any_of(writers_.begin(), writers_.end(), [&](const OpenWriter& w) { return w.key == key; });
     if (Chance(0.02)) {
       // Sizes the pool can never serve are rejected and leave the key as it was.
       const uint64_t bad = Chance(0.5) ? 0 : cache_->pool().slab_bytes() + 1;
@@ -320,8 +317,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     if (!writer.ok()) {
       Saw("prepare exhausted");
       ASSERT_EQ(writer.status().code(), StatusCode::kResourceExhausted) << writer.status();
-      ASSERT_TRUE(AllResidentPinned())
-          << "Prepare gave up while an unpinned block could be evicted";
+      ASSERT_TRUE(AllResidentPinned()) << "Prepare gave up while an unpinned block could be evicted";
       return;
     }
     ASSERT_EQ(writer->bytes(), bytes);
@@ -329,8 +325,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     // The fresh range must not overlap any block that is still referenced; checked before writing
     // to it.
     ASSERT_NO_FATAL_FAILURE(CheckDisjoint(writer->data(), bytes));
-    OpenWriter open{std::move(*writer), key,
-                    static_cast<uint64_t>(key) << 32 | ++publication_count_};
+    OpenWriter open{std::move(*writer), key, static_cast<uint64_t>(key) << 32 | ++publication_count_};
     Stamp(open.writer.data(), bytes, open.stamp);
     if (writers_.size() < kMaxOpenWriters && Chance(0.25)) {
       writers_.push_back(std::move(open));
@@ -359,12 +354,10 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     const int length = 1 + static_cast<int>(Uniform(kChainLength));
     static constexpr uint64_t kPadded[] = {kUnit, kUnit + 512, kUnit + kUnit / 2};
     const uint64_t padded = kPadded[Uniform(std::size(kPadded))];
-    const std::span<const StateKey> keys(keys_.data() + chain * kChainLength,
-                                         static_cast<size_t>(length));
+    const std::span<const StateKey> keys(keys_.data() + chain * kChainLength, static_cast<size_t>(length));
     const Budget::Options& budget = cache_->query_budget().options();
     // Only as many keys as one lease can ever hold are looked at.
-    const int fits =
-        static_cast<int>(std::min(budget.global_bytes, budget.per_owner_bytes) / padded);
+    const int fits = static_cast<int>(std::min(budget.global_bytes, budget.per_owner_bytes) / padded);
     const size_t hits = ResidentPrefix(chain, std::min(length, fits));
     const uint64_t bytes = hits * padded;
     uint64_t reserved = 0;
@@ -372,9 +365,8 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
 
     Result<QueryResult> result = cache_->Query(instance, keys, padded);
     const bool miss = hits == 0;
-    if (!miss &&
-        (reserved + bytes > budget.global_bytes ||
-         ReservedBy(instance) + bytes > budget.per_owner_bytes || leases_.size() >= kMaxLeases)) {
+    if (!miss && (reserved + bytes > budget.global_bytes || ReservedBy(instance) + bytes > budget.per_owner_bytes ||
+                  leases_.size() >= kMaxLeases)) {
       ASSERT_EQ(result.status().code(), StatusCode::kResourceExhausted) << result.status();
       Saw("query backpressure");
       return;
@@ -411,15 +403,13 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
       ASSERT_NO_FATAL_FAILURE(DropPins(lease.generations));
       RetireLease(i);
       if (variant == 1) {
-        ASSERT_EQ(cache_->ReleaseLease(lease.owner, lease.id).code(),
-                  StatusCode::kFailedPrecondition);
+        ASSERT_EQ(cache_->ReleaseLease(lease.owner, lease.id).code(), StatusCode::kFailedPrecondition);
       }
     } else if (variant == 2 && !leases_.empty()) {
       const LiveLease& lease = leases_[Uniform(leases_.size())];
       const uint64_t other = lease.owner % kInstances + 1;
       ASSERT_EQ(cache_->ReleaseLease(other, lease.id).code(), StatusCode::kPermissionDenied);
-      ASSERT_EQ(cache_->ConsumeLease(other, lease.id).status().code(),
-                StatusCode::kPermissionDenied);
+      ASSERT_EQ(cache_->ConsumeLease(other, lease.id).status().code(), StatusCode::kPermissionDenied);
     } else if (variant == 3 && !retired_.empty()) {
       const LeaseId id = retired_[Uniform(retired_.size())];
       const uint64_t owner = RandomInstance();
@@ -428,10 +418,8 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
       Saw("stale release");
     } else {
       const LeaseId never{static_cast<uint32_t>(1000 + Uniform(1000)), 1};
-      ASSERT_EQ(cache_->ReleaseLease(RandomInstance(), never).code(),
-                StatusCode::kFailedPrecondition);
-      ASSERT_EQ(cache_->ReleaseLease(RandomInstance(), LeaseId{}).code(),
-                StatusCode::kFailedPrecondition);
+      ASSERT_EQ(cache_->ReleaseLease(RandomInstance(), never).code(), StatusCode::kFailedPrecondition);
+      ASSERT_EQ(cache_->ReleaseLease(RandomInstance(), LeaseId{}).code(), StatusCode::kFailedPrecondition);
     }
   }
 
@@ -449,8 +437,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
       ASSERT_NO_FATAL_FAILURE(CheckPin(use->pins()[k], pub));
       ASSERT_TRUE(CheckStamp(use->pins()[k].data(), pub.bytes, pub.stamp));
     }
-    ASSERT_EQ(cache_->ConsumeLease(lease.owner, lease.id).status().code(),
-              StatusCode::kFailedPrecondition);
+    ASSERT_EQ(cache_->ConsumeLease(lease.owner, lease.id).status().code(), StatusCode::kFailedPrecondition);
     uses_.push_back(LiveUse{std::move(*use), lease.generations, lease.reserved});
     Saw("consume");
   }
@@ -523,8 +510,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
       ASSERT_TRUE(AllResidentPinned()) << "EvictBytes stopped early";
     }
     const std::vector<uint64_t>& sizes = GetParam().config.block_sizes;
-    ASSERT_LT(returned, asked + *std::max_element(sizes.begin(), sizes.end()))
-        << "EvictBytes overshot";
+    ASSERT_LT(returned, asked + *std::max_element(sizes.begin(), sizes.end())) << "EvictBytes overshot";
   }
 
   void DoPublishSsd() {
@@ -553,8 +539,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     } else if (Chance(0.5) && !retired_ssd_.empty()) {
       std::tie(key, generation) = retired_ssd_[Uniform(retired_ssd_.size())];
     }
-    const Status status =
-        cache_->table().DropSsd(keys_[key], generation, TransitionCause::kCleanup);
+    const Status status = cache_->table().DropSsd(keys_[key], generation, TransitionCause::kCleanup);
     auto it = ssd_.find(key);
     if (it == ssd_.end()) {
       ASSERT_EQ(status.code(), StatusCode::kNotFound) << status;
@@ -729,17 +714,15 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     if (extra != nullptr) ranges.emplace_back(extra, extra_bytes);
     std::sort(ranges.begin(), ranges.end());
     for (size_t i = 1; i < ranges.size(); ++i) {
-      ASSERT_LE(ranges[i - 1].first + ranges[i - 1].second, ranges[i].first)
-          << "two live blocks overlap";
+      ASSERT_LE(ranges[i - 1].first + ranges[i - 1].second, ranges[i].first) << "two live blocks overlap";
     }
   }
 
   void CheckPayloads(bool whole) {
     for (const auto& [generation, pub] : publications_) {
-      ASSERT_TRUE(
-          CheckStamp(pub.data, whole ? pub.bytes : std::min(pub.bytes, kHeadCheckBytes), pub.stamp))
-          << "bytes of generation " << generation << " (key " << pub.key << ", " << pub.pins
-          << " pins, published " << pub.published << ") changed";
+      ASSERT_TRUE(CheckStamp(pub.data, whole ? pub.bytes : std::min(pub.bytes, kHeadCheckBytes), pub.stamp))
+          << "bytes of generation " << generation << " (key " << pub.key << ", " << pub.pins << " pins, published "
+          << pub.published << ") changed";
     }
     for (const DirectPin& pin : pins_) {
       ASSERT_NO_FATAL_FAILURE(CheckPin(pin.pin, Pub(pin.generation)));
@@ -789,8 +772,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
 
     uint64_t reserved = 0;
     for (uint64_t owner = 1; owner <= kInstances; ++owner) {
-      ASSERT_EQ(cache_->query_budget().reserved_bytes(owner), ReservedBy(owner))
-          << "instance " << owner;
+      ASSERT_EQ(cache_->query_budget().reserved_bytes(owner), ReservedBy(owner)) << "instance " << owner;
       reserved += ReservedBy(owner);
     }
     ASSERT_EQ(cache_->query_budget().reserved_bytes(), reserved);
@@ -828,8 +810,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     std::map<int, Replica> dram;
     std::map<int, Replica> ssd;
     for (uint32_t shard = 0; shard < cache_->inventory().shard_count(); ++shard) {
-      Result<JournalRead> read =
-          cache_->inventory().ReadJournal(shard, 0, std::numeric_limits<size_t>::max());
+      Result<JournalRead> read = cache_->inventory().ReadJournal(shard, 0, std::numeric_limits<size_t>::max());
       ASSERT_TRUE(read.ok()) << read.status();
       ASSERT_EQ(read->records.size(), read->watermark) << "shard " << shard;
       for (size_t i = 0; i < read->records.size(); ++i) {
@@ -851,8 +832,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
           ASSERT_EQ(view.count(key), 0u) << "DRAM residence published twice";
           ASSERT_EQ(history_.at(record.generation).admitted, record.cause);
         } else {
-          ASSERT_EQ(record.cause,
-                    view.count(key) > 0 ? TransitionCause::kReplace : TransitionCause::kAdmit);
+          ASSERT_EQ(record.cause, view.count(key) > 0 ? TransitionCause::kReplace : TransitionCause::kAdmit);
         }
         view[key] = Replica{record.generation, record.bytes};
       }
@@ -869,8 +849,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     std::vector<uint64_t> generations;
     for (uint64_t owner = 1; owner <= kInstances; ++owner) {
       const size_t owned = static_cast<size_t>(
-          std::count_if(leases_.begin(), leases_.end(),
-                        [&](const LiveLease& lease) { return lease.owner == owner; }));
+          std::count_if(leases_.begin(), leases_.end(), [&](const LiveLease& lease) { return lease.owner == owner; }));
       ASSERT_EQ(cache_->CleanupInstance(owner), owned);
     }
     for (const LiveLease& lease : leases_) {
@@ -895,9 +874,7 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     ASSERT_NO_FATAL_FAILURE(DoRemoveAll());
     while (!ssd_.empty()) {
       const auto [key, residence] = *ssd_.begin();
-      ASSERT_TRUE(cache_->table()
-                      .DropSsd(keys_[key], residence.generation, TransitionCause::kCleanup)
-                      .ok());
+      ASSERT_TRUE(cache_->table().DropSsd(keys_[key], residence.generation, TransitionCause::kCleanup).ok());
       ssd_.erase(key);
     }
     ASSERT_NO_FATAL_FAILURE(CheckAll(/*whole_payloads=*/true));
@@ -907,8 +884,8 @@ class BlockCacheModelTest : public ::testing::TestWithParam<ModelParam> {
     ASSERT_EQ(pool.free_slabs, pool.total_slabs);
     ASSERT_EQ(cache_->inventory().ReplicaCount(Tier::kDram), 0u);
     ASSERT_EQ(cache_->inventory().ReplicaCount(Tier::kSsd), 0u);
-    for (const char* gauge : {"orbitkv_leases_active", "orbitkv_cache_pinned_blocks",
-                              "orbitkv_pool_allocated_bytes", "orbitkv_pool_requested_bytes"}) {
+    for (const char* gauge : {"orbitkv_leases_active", "orbitkv_cache_pinned_blocks", "orbitkv_pool_allocated_bytes",
+                              "orbitkv_pool_requested_bytes"}) {
       EXPECT_EQ(GaugeNamed(gauge).Value(), 0.0) << gauge;
     }
     EXPECT_EQ(GaugeNamed("orbitkv_budget_reserved_bytes", {{"budget", "query"}}).Value(), 0.0);
@@ -995,8 +972,7 @@ TEST_P(BlockCacheModelTest, RandomOperationsMatchTheModel) {
 
 std::vector<ModelParam> Params() {
   const ModelConfig kUniform{"Uniform64K", 1ull << 20, {kUnit}, 4, 0.01};
-  const ModelConfig kMixed{
-      "MixedSizes", 3ull << 20, {kUnit, kUnit, 32 * kKiB - 100, 96 * kKiB + 123}, 2, 0.2};
+  const ModelConfig kMixed{"MixedSizes", 3ull << 20, {kUnit, kUnit, 32 * kKiB - 100, 96 * kKiB + 123}, 2, 0.2};
   std::vector<ModelParam> params;
   for (const ModelConfig& config : {kUniform, kMixed}) {
     for (uint64_t seed : {1, 2, 3, 0x5eed}) params.push_back({config, seed});
@@ -1006,8 +982,7 @@ std::vector<ModelParam> Params() {
 
 INSTANTIATE_TEST_SUITE_P(Seeds, BlockCacheModelTest, ::testing::ValuesIn(Params()),
                          [](const ::testing::TestParamInfo<ModelParam>& param_info) {
-                           return fmt::format("{}_seed{}", param_info.param.config.name,
-                                              param_info.param.seed);
+                           return fmt::format("{}_seed{}", param_info.param.config.name, param_info.param.seed);
                          });
 
 }  // namespace

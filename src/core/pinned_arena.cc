@@ -50,19 +50,16 @@ uint64_t LockedBytesOfProcess() {
 Status ValidateNode(int node, bool* bind) {
   *bind = false;
   if (node == -1) return Status::Ok();
-  if (node < -1)
-    return Status::InvalidArgument(
-        fmt::format("NUMA node {} is not a node (use -1 for none)", node));
+  if (node < -1) return Status::InvalidArgument(fmt::format("NUMA node {} is not a node (use -1 for none)", node));
   if (numa_available() < 0) {
     if (node == 0) return Status::Ok();
-    return Status::InvalidArgument(fmt::format(
-        "NUMA node {} requested, but the kernel has no NUMA support (only node 0 exists)", node));
+    return Status::InvalidArgument(
+        fmt::format("NUMA node {} requested, but the kernel has no NUMA support (only node 0 exists)", node));
   }
-  if (node > numa_max_node() ||
-      numa_bitmask_isbitset(numa_all_nodes_ptr, static_cast<unsigned>(node)) == 0 ||
+  if (node > numa_max_node() || numa_bitmask_isbitset(numa_all_nodes_ptr, static_cast<unsigned>(node)) == 0 ||
       numa_node_size64(node, nullptr) <= 0) {
-    return Status::InvalidArgument(fmt::format(
-        "NUMA node {} has no memory this process may use (see MemoryNumaNodes())", node));
+    return Status::InvalidArgument(
+        fmt::format("NUMA node {} has no memory this process may use (see MemoryNumaNodes())", node));
   }
   *bind = true;
   return Status::Ok();
@@ -71,12 +68,10 @@ Status ValidateNode(int node, bool* bind) {
 // MPOL_BIND on a shared mapping sets the policy of the memfd's pages themselves, so it must come
 // before the first touch: pages placed earlier would stay where they are.
 Status BindToNode(uint8_t* data, uint64_t bytes, int node) {
-  constexpr size_t kBitsPerWord =
-      sizeof(unsigned long) * CHAR_BIT;  // NOLINT(google-runtime-int): mbind's type.
+  constexpr size_t kBitsPerWord = sizeof(unsigned long) * CHAR_BIT;  // NOLINT(google-runtime-int): mbind's type.
   std::vector<unsigned long> mask(static_cast<size_t>(node) / kBitsPerWord + 1,
                                   0);  // NOLINT(google-runtime-int)
-  mask[static_cast<size_t>(node) / kBitsPerWord] |= 1UL
-                                                    << (static_cast<size_t>(node) % kBitsPerWord);
+  mask[static_cast<size_t>(node) / kBitsPerWord] |= 1UL << (static_cast<size_t>(node) % kBitsPerWord);
   // The kernel reads maxnode - 1 bits (a historical off-by-one that libnuma also compensates for).
   if (mbind(data, bytes, MPOL_BIND, mask.data(), mask.size() * kBitsPerWord + 1, 0) != 0) {
     return ErrnoStatus(fmt::format("mbind to NUMA node {}", node), errno);
@@ -95,10 +90,9 @@ Status Populate(uint8_t* data, uint64_t bytes, int node) {
   const int err = errno;
   if (err != EINVAL) {
     if (err == ENOMEM || err == EFAULT) {
-      return Status::ResourceExhausted(
-          fmt::format("cannot populate {} bytes{}: {}", bytes,
-                      node >= 0 ? fmt::format(" on NUMA node {}", node) : "",
-                      ErrnoStatus("madvise(MADV_POPULATE_WRITE)", err).message()));
+      return Status::ResourceExhausted(fmt::format("cannot populate {} bytes{}: {}", bytes,
+                                                   node >= 0 ? fmt::format(" on NUMA node {}", node) : "",
+                                                   ErrnoStatus("madvise(MADV_POPULATE_WRITE)", err).message()));
     }
     return ErrnoStatus("madvise(MADV_POPULATE_WRITE)", err);
   }
@@ -113,8 +107,7 @@ Status LockFailure(const std::string& name, uint64_t bytes, int err) {
   struct rlimit limit {};
   std::string current = "unknown";
   if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0) {
-    current =
-        fmt::format("{} (hard limit {})", FormatLimit(limit.rlim_cur), FormatLimit(limit.rlim_max));
+    current = fmt::format("{} (hard limit {})", FormatLimit(limit.rlim_cur), FormatLimit(limit.rlim_max));
   }
   const uint64_t already_locked = LockedBytesOfProcess();
   const uint64_t needed_kib = (already_locked + bytes + 1023) / 1024;
@@ -122,16 +115,13 @@ Status LockFailure(const std::string& name, uint64_t bytes, int err) {
       "pinned arena '{}': cannot lock {} bytes ({} KiB) in memory: {}; RLIMIT_MEMLOCK is {} and "
       "the process already has {} KiB locked; raise `ulimit -l` to at least {} KiB (or "
       "unlimited), give the process CAP_IPC_LOCK, or start with --allow-unpinned for development",
-      name, bytes, bytes / 1024, ErrnoStatus("mlock", err).message(), current,
-      already_locked / 1024, needed_kib));
+      name, bytes, bytes / 1024, ErrnoStatus("mlock", err).message(), current, already_locked / 1024, needed_kib));
 }
 
 // mlock(2) through the raw system call: the sanitizer runtimes intercept mlock/munlock as no-ops,
 // which would make sanitizer builds report arenas as locked that are not (and hide the
 // RLIMIT_MEMLOCK failure path).
-int LockRange(uint8_t* data, uint64_t bytes) {
-  return static_cast<int>(syscall(SYS_mlock, data, bytes));
-}
+int LockRange(uint8_t* data, uint64_t bytes) { return static_cast<int>(syscall(SYS_mlock, data, bytes)); }
 
 struct TopologyDeleter {
   void operator()(hwloc_topology_t topology) const { hwloc_topology_destroy(topology); }
@@ -210,8 +200,7 @@ bool ParsePciBusId(std::string_view text, PciAddress* address) {
   std::string_view rest = text.substr(0, dot);
   const size_t colon = rest.rfind(':');
   if (colon == std::string_view::npos) return false;
-  if (!ParseHex(rest.substr(colon + 1), 2, &address->device) || address->device > 0x1f)
-    return false;
+  if (!ParseHex(rest.substr(colon + 1), 2, &address->device) || address->device > 0x1f) return false;
   rest = rest.substr(0, colon);
   const size_t domain_colon = rest.rfind(':');
   if (domain_colon == std::string_view::npos) return ParseHex(rest, 2, &address->bus);
@@ -224,17 +213,14 @@ bool ParsePciBusId(std::string_view text, PciAddress* address) {
 Result<std::unique_ptr<PinnedArena>> PinnedArena::Create(const ArenaOptions& options) {
   std::string name = options.name.empty() ? std::string(kDefaultArenaName) : options.name;
   if (options.bytes == 0 || options.bytes % kArenaPageBytes != 0) {
-    return Status::InvalidArgument(
-        fmt::format("pinned arena '{}': size {} is not a non-zero multiple of {} bytes", name,
-                    options.bytes, kArenaPageBytes));
+    return Status::InvalidArgument(fmt::format("pinned arena '{}': size {} is not a non-zero multiple of {} bytes",
+                                               name, options.bytes, kArenaPageBytes));
   }
   if (options.bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
-    return Status::InvalidArgument(
-        fmt::format("pinned arena '{}': size {} is too large", name, options.bytes));
+    return Status::InvalidArgument(fmt::format("pinned arena '{}': size {} is too large", name, options.bytes));
   }
   bool bind = false;
-  ORBITKV_RETURN_IF_ERROR(
-      ValidateNode(options.numa_node, &bind).WithContext("pinned arena '" + name + "'"));
+  ORBITKV_RETURN_IF_ERROR(ValidateNode(options.numa_node, &bind).WithContext("pinned arena '" + name + "'"));
 
   ScopedFd memfd(memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!memfd.valid()) return ErrnoStatus("memfd_create", errno);
@@ -248,8 +234,8 @@ Result<std::unique_ptr<PinnedArena>> PinnedArena::Create(const ArenaOptions& opt
   void* mapped = mmap(nullptr, options.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
   if (mapped == MAP_FAILED) return ErrnoStatus("mmap", errno);
   // From here on the arena owns the mapping, so every early return below unmaps it.
-  std::unique_ptr<PinnedArena> arena(new PinnedArena(
-      std::move(memfd), static_cast<uint8_t*>(mapped), options.bytes, options.numa_node, name));
+  std::unique_ptr<PinnedArena> arena(
+      new PinnedArena(std::move(memfd), static_cast<uint8_t*>(mapped), options.bytes, options.numa_node, name));
 
   if (bind) {
     ORBITKV_RETURN_IF_ERROR(BindToNode(arena->data_, arena->size_, options.numa_node));
@@ -275,13 +261,8 @@ Result<std::unique_ptr<PinnedArena>> PinnedArena::Create(const ArenaOptions& opt
   return arena;
 }
 
-PinnedArena::PinnedArena(ScopedFd memfd, uint8_t* data, uint64_t size, int numa_node,
-                         std::string name)
-    : memfd_(std::move(memfd)),
-      data_(data),
-      size_(size),
-      numa_node_(numa_node),
-      name_(std::move(name)) {}
+PinnedArena::PinnedArena(ScopedFd memfd, uint8_t* data, uint64_t size, int numa_node, std::string name)
+    : memfd_(std::move(memfd)), data_(data), size_(size), numa_node_(numa_node), name_(std::move(name)) {}
 
 PinnedArena::PinnedArena(PinnedArena&& other) noexcept
     : memfd_(std::move(other.memfd_)),
@@ -311,8 +292,7 @@ void PinnedArena::Release() {
     // munmap drops the lock too; munlock first keeps the accounting explicit and its failure is
     // harmless. Raw system call for the reason given at LockRange.
     if (locked_) syscall(SYS_munlock, data_, size_);
-    ORBITKV_CHECK_MSG(munmap(data_, size_) == 0, "munmap of pinned arena '{}' failed: {}", name_,
-                      std::strerror(errno));
+    ORBITKV_CHECK_MSG(munmap(data_, size_) == 0, "munmap of pinned arena '{}' failed: {}", name_, std::strerror(errno));
   }
   data_ = nullptr;
   size_ = 0;
@@ -336,13 +316,12 @@ Result<int> NumaNodeOfPciDevice(std::string_view pci_bus_id) {
         fmt::format("'{}' is not a PCI bus id ([domain:]bus:device.function in hex)", pci_bus_id));
   }
   ORBITKV_ASSIGN_OR_RETURN(TopologyPtr topology, LoadTopology(/*with_pci=*/true));
-  hwloc_obj_t device = hwloc_get_pcidev_by_busid(topology.get(), address.domain, address.bus,
-                                                 address.device, address.function);
+  hwloc_obj_t device =
+      hwloc_get_pcidev_by_busid(topology.get(), address.domain, address.bus, address.device, address.function);
   if (device == nullptr) return -1;
   hwloc_obj_t ancestor = hwloc_get_non_io_ancestor_obj(topology.get(), device);
   // A device attached above several nodes (or of unknown locality) is near no node in particular.
-  if (ancestor == nullptr || ancestor->nodeset == nullptr ||
-      hwloc_bitmap_weight(ancestor->nodeset) != 1) {
+  if (ancestor == nullptr || ancestor->nodeset == nullptr || hwloc_bitmap_weight(ancestor->nodeset) != 1) {
     return -1;
   }
   return hwloc_bitmap_first(ancestor->nodeset);

@@ -74,8 +74,7 @@ int RunInChild(Body body) {
 }
 
 TEST(PinnedArenaTest, RejectsSizesThatAreNotWholePages) {
-  for (uint64_t bytes :
-       {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{4097}, 3 * kMiB + 512}) {
+  for (uint64_t bytes : {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{4097}, 3 * kMiB + 512}) {
     auto arena = PinnedArena::Create({.bytes = bytes, .pin_mode = PinMode::kAllowUnpinned});
     EXPECT_EQ(arena.status().code(), StatusCode::kInvalidArgument) << bytes;
   }
@@ -85,8 +84,7 @@ TEST(PinnedArenaTest, RejectsSizesThatAreNotWholePages) {
 }
 
 TEST(PinnedArenaTest, RejectsNodesWithoutMemory) {
-  EXPECT_EQ(PinnedArena::Create({.bytes = 4096, .numa_node = -2}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PinnedArena::Create({.bytes = 4096, .numa_node = -2}).status().code(), StatusCode::kInvalidArgument);
   auto arena = PinnedArena::Create({.bytes = 4096, .numa_node = 4000});
   EXPECT_EQ(arena.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(arena.status().message()), HasSubstr("4000"));
@@ -94,8 +92,7 @@ TEST(PinnedArenaTest, RejectsNodesWithoutMemory) {
 
 TEST(PinnedArenaTest, WholeRangeIsWritableAndReadsBack) {
   constexpr uint64_t kBytes = 4 * kMiB;
-  auto arena =
-      PinnedArena::Create({.bytes = kBytes, .pin_mode = PinMode::kAllowUnpinned, .name = "rw"});
+  auto arena = PinnedArena::Create({.bytes = kBytes, .pin_mode = PinMode::kAllowUnpinned, .name = "rw"});
   ASSERT_TRUE(arena.ok()) << arena.status();
   PinnedArena& a = **arena;
   ASSERT_NE(a.data(), nullptr);
@@ -104,8 +101,7 @@ TEST(PinnedArenaTest, WholeRangeIsWritableAndReadsBack) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % kArenaPageBytes, 0U);
   for (uint64_t i = 0; i < kBytes; ++i) a.data()[i] = static_cast<uint8_t>(i * 131 + 7);
   uint64_t mismatches = 0;
-  for (uint64_t i = 0; i < kBytes; ++i)
-    mismatches += a.data()[i] != static_cast<uint8_t>(i * 131 + 7);
+  for (uint64_t i = 0; i < kBytes; ++i) mismatches += a.data()[i] != static_cast<uint8_t>(i * 131 + 7);
   EXPECT_EQ(mismatches, 0U);
 }
 
@@ -133,8 +129,7 @@ TEST(PinnedArenaTest, MemfdIsSealedAndSharesTheMapping) {
 
 TEST(PinnedArenaTest, LocksTheWholeRangeAndUnlocksOnDestruction) {
   constexpr uint64_t kBytes = 16 * kMiB;
-  if (!CanLock(kBytes))
-    GTEST_SKIP() << "no CAP_IPC_LOCK and RLIMIT_MEMLOCK below " << kBytes << " bytes";
+  if (!CanLock(kBytes)) GTEST_SKIP() << "no CAP_IPC_LOCK and RLIMIT_MEMLOCK below " << kBytes << " bytes";
   const uint64_t before_kib = LockedKiB();
   {
     auto arena = PinnedArena::Create({.bytes = kBytes});
@@ -150,22 +145,19 @@ TEST(PinnedArenaTest, BindsToNodeZeroBeforePopulating) {
   auto nodes = MemoryNumaNodes();
   ASSERT_TRUE(nodes.ok());
   if ((*nodes)[0] != 0) GTEST_SKIP() << "node 0 has no memory here";
-  auto arena =
-      PinnedArena::Create({.bytes = 2 * kMiB, .numa_node = 0, .pin_mode = PinMode::kAllowUnpinned});
+  auto arena = PinnedArena::Create({.bytes = 2 * kMiB, .numa_node = 0, .pin_mode = PinMode::kAllowUnpinned});
   ASSERT_TRUE(arena.ok()) << arena.status();
   EXPECT_EQ((*arena)->numa_node(), 0);
   if (numa_available() < 0) return;  // Nothing to bind on a kernel without NUMA.
   // The policy of the pages is MPOL_BIND to {0}, and the populated pages are on node 0.
   int mode = -1;
   unsigned long mask[16] = {};  // NOLINT(google-runtime-int): get_mempolicy's type.
-  ASSERT_EQ(get_mempolicy(&mode, mask, sizeof(mask) * 8, (*arena)->data(), MPOL_F_ADDR), 0)
-      << strerror(errno);
+  ASSERT_EQ(get_mempolicy(&mode, mask, sizeof(mask) * 8, (*arena)->data(), MPOL_F_ADDR), 0) << strerror(errno);
   EXPECT_EQ(mode, MPOL_BIND);
   EXPECT_EQ(mask[0], 1UL);
   for (uint64_t offset : {uint64_t{0}, kMiB, 2 * kMiB - kArenaPageBytes}) {
     int node = -1;
-    ASSERT_EQ(
-        get_mempolicy(&node, nullptr, 0, (*arena)->data() + offset, MPOL_F_NODE | MPOL_F_ADDR), 0);
+    ASSERT_EQ(get_mempolicy(&node, nullptr, 0, (*arena)->data() + offset, MPOL_F_NODE | MPOL_F_ADDR), 0);
     EXPECT_EQ(node, 0) << offset;
   }
 }
@@ -177,15 +169,13 @@ TEST(PinnedArenaTest, EveryMemoryNodeCanBackAnArena) {
   EXPECT_TRUE(std::is_sorted(nodes->begin(), nodes->end()));
   for (int node : *nodes) {
     EXPECT_GE(node, 0);
-    auto arena = PinnedArena::Create(
-        {.bytes = 64 * 1024, .numa_node = node, .pin_mode = PinMode::kAllowUnpinned});
+    auto arena = PinnedArena::Create({.bytes = 64 * 1024, .numa_node = node, .pin_mode = PinMode::kAllowUnpinned});
     EXPECT_TRUE(arena.ok()) << node << ": " << arena.status();
   }
 }
 
 TEST(PinnedArenaTest, MoveTransfersOwnership) {
-  auto arena = PinnedArena::Create(
-      {.bytes = 64 * 1024, .pin_mode = PinMode::kAllowUnpinned, .name = "moved"});
+  auto arena = PinnedArena::Create({.bytes = 64 * 1024, .pin_mode = PinMode::kAllowUnpinned, .name = "moved"});
   ASSERT_TRUE(arena.ok());
   uint8_t* data = (*arena)->data();
   const int fd = (*arena)->memfd().get();
@@ -238,8 +228,7 @@ TEST(PinnedArenaTest, LockFailureNamesTheFixOrFallsBackWhenAllowed) {
     if (message.find("`ulimit -l`") == std::string::npos) return kMessageLacksUlimit;
     if (message.find("at least 65536 KiB") == std::string::npos) return kMessageLacksNeededKiB;
     if (message.find("RLIMIT_MEMLOCK is 1024 KiB") == std::string::npos) return kMessageLacksLimit;
-    if (message.find("CAP_IPC_LOCK") == std::string::npos ||
-        message.find("--allow-unpinned") == std::string::npos) {
+    if (message.find("CAP_IPC_LOCK") == std::string::npos || message.find("--allow-unpinned") == std::string::npos) {
       return kMessageLacksAlternatives;
     }
 
@@ -271,8 +260,8 @@ TEST(NumaNodeOfPciDeviceTest, UnknownDeviceIsMinusOne) {
 }
 
 TEST(NumaNodeOfPciDeviceTest, MalformedBusIdIsInvalid) {
-  for (const char* text : {"", "gpu0", "00:1f", "0000:00:1f", "0000:00:20.0", "0000:00:1f.8",
-                           "000000000:00:00.0", "0000:100:00.0", "0000:00:00.x"}) {
+  for (const char* text : {"", "gpu0", "00:1f", "0000:00:1f", "0000:00:20.0", "0000:00:1f.8", "000000000:00:00.0",
+                           "0000:100:00.0", "0000:00:00.x"}) {
     EXPECT_EQ(NumaNodeOfPciDevice(text).status().code(), StatusCode::kInvalidArgument) << text;
   }
 }

@@ -8,9 +8,8 @@ namespace orbitkv::core {
 
 ReadCoalescer::ReadCoalescer(MetricsRegistry* metrics) {
   ORBITKV_CHECK(metrics != nullptr);
-  shared_total_ =
-      &metrics->GetCounter("orbitkv_cache_coalesced_reads_total",
-                           "Requests served by joining a backing read already in flight");
+  shared_total_ = &metrics->GetCounter("orbitkv_cache_coalesced_reads_total",
+                                       "Requests served by joining a backing read already in flight");
 }
 
 ReadCoalescer::~ReadCoalescer() {

@@ -51,8 +51,7 @@ class ReadCoalescer {
   Counter* shared_total_ = nullptr;
 
   mutable Mutex mu_;
-  std::unordered_map<state::StateKey, std::vector<Waiter>, state::StateKeyHash> reads_
-      GUARDED_BY(mu_);
+  std::unordered_map<state::StateKey, std::vector<Waiter>, state::StateKeyHash> reads_ GUARDED_BY(mu_);
 };
 
 }  // namespace orbitkv::core

@@ -44,8 +44,7 @@ TEST(ReadCoalescerTest, WaitersMayJoinFromTheCompletionCallback) {
   ReadCoalescer coalescer(&metrics);
   const auto key = testing::ChainKey(2, 0);
   bool rejoined = false;
-  ASSERT_TRUE(coalescer.Join(
-      key, [&](const Status&) { rejoined = coalescer.Join(key, [](const Status&) {}); }));
+  ASSERT_TRUE(coalescer.Join(key, [&](const Status&) { rejoined = coalescer.Join(key, [](const Status&) {}); }));
   coalescer.Complete(key, Status::Ok());
   EXPECT_TRUE(rejoined);  // no lock held during callbacks, and the old read is gone
   coalescer.Complete(key, Status::Ok());

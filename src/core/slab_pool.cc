@@ -18,9 +18,7 @@ constexpr uint32_t kNil = std::numeric_limits<uint32_t>::max();
 constexpr uint8_t kNoClass = std::numeric_limits<uint8_t>::max();
 static_assert(kMaxSizeClasses < kNoClass, "class ids must fit in a byte with kNoClass to spare");
 
-uint64_t RoundUpToPage(uint64_t bytes) {
-  return (bytes + kArenaPageBytes - 1) / kArenaPageBytes * kArenaPageBytes;
-}
+uint64_t RoundUpToPage(uint64_t bytes) { return (bytes + kArenaPageBytes - 1) / kArenaPageBytes * kArenaPageBytes; }
 
 }  // namespace
 
@@ -59,8 +57,8 @@ class PinnedPool::Shard {
   uint32_t slab_count() const { return slab_count_; }
 
   // Takes one object of class `id` from this arena; false when it has no room.
-  bool TryAllocate(uint32_t id, const SizeClass& size_class, uint64_t requested_bytes,
-                   uint32_t arena_index, PoolBlock* block, Change* change) EXCLUDES(mu_) {
+  bool TryAllocate(uint32_t id, const SizeClass& size_class, uint64_t requested_bytes, uint32_t arena_index,
+                   PoolBlock* block, Change* change) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     SlabList& partial = partial_[id];
     uint32_t s = partial.head;
@@ -80,11 +78,10 @@ class PinnedPool::Shard {
       index = slab.free_head;
       uint32_t next;
       std::memcpy(&next, slab_base + index * size_class.class_bytes, sizeof(next));
-      ORBITKV_CHECK_MSG(
-          next == kNil || (next < slab.bump && !TestBit(s, next)),
-          "pool arena '{}' slab {}: free list corrupted after object {} (was a block written "
-          "after Free?)",
-          arena_->name(), s, index);
+      ORBITKV_CHECK_MSG(next == kNil || (next < slab.bump && !TestBit(s, next)),
+                        "pool arena '{}' slab {}: free list corrupted after object {} (was a block written "
+                        "after Free?)",
+                        arena_->name(), s, index);
       slab.free_head = next;
     } else {
       ORBITKV_CHECK(slab.bump < size_class.objects_per_slab);
@@ -106,21 +103,17 @@ class PinnedPool::Shard {
   }
 
   // Returns `block` (of class `id`); CHECK-fails unless it is an allocated object of this arena.
-  void Free(const PoolBlock& block, uint32_t id, const SizeClass& size_class, Change* change)
-      EXCLUDES(mu_) {
+  void Free(const PoolBlock& block, uint32_t id, const SizeClass& size_class, Change* change) EXCLUDES(mu_) {
     const uint32_t s = block.slab;
-    ORBITKV_CHECK_MSG(s < slab_count_, "Free of a block from slab {} of an arena with {} slabs", s,
-                      slab_count_);
+    ORBITKV_CHECK_MSG(s < slab_count_, "Free of a block from slab {} of an arena with {} slabs", s, slab_count_);
     uint8_t* slab_base = arena_->data() + static_cast<uint64_t>(s) * slab_bytes_;
     MutexLock lock(&mu_);
     Slab& slab = slabs_[s];
-    ORBITKV_CHECK_MSG(
-        slab.class_id == id && block.index < slab.bump &&
-            block.data == slab_base + block.index * size_class.class_bytes &&
-            TestBit(s, block.index),
-        "Free of a block that is not allocated from this pool (double free or foreign block): "
-        "arena '{}' slab {} index {} class {} bytes",
-        arena_->name(), s, block.index, block.class_bytes);
+    ORBITKV_CHECK_MSG(slab.class_id == id && block.index < slab.bump &&
+                          block.data == slab_base + block.index * size_class.class_bytes && TestBit(s, block.index),
+                      "Free of a block that is not allocated from this pool (double free or foreign block): "
+                      "arena '{}' slab {} index {} class {} bytes",
+                      arena_->name(), s, block.index, block.class_bytes);
     SetBit(s, block.index, false);
     std::memcpy(block.data, &slab.free_head, sizeof(slab.free_head));
     slab.free_head = block.index;
@@ -200,8 +193,7 @@ class PinnedPool::Shard {
   void SetBit(uint32_t s, uint32_t index, bool value) REQUIRES(mu_) {
     const uint64_t bit = static_cast<uint64_t>(s) * objects_per_slab_max_ + index;
     const uint64_t mask = uint64_t{1} << (bit % 64);
-    allocated_bits_[bit / 64] =
-        value ? (allocated_bits_[bit / 64] | mask) : (allocated_bits_[bit / 64] & ~mask);
+    allocated_bits_[bit / 64] = value ? (allocated_bits_[bit / 64] | mask) : (allocated_bits_[bit / 64] & ~mask);
   }
 
   // Immutable after construction.
@@ -224,14 +216,11 @@ class PinnedPool::Shard {
   uint64_t blocks_in_use_ GUARDED_BY(mu_) = 0;
 };
 
-Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PoolOptions& options,
-                                                       MetricsRegistry* metrics) {
+Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PoolOptions& options, MetricsRegistry* metrics) {
   const uint64_t slab_bytes = options.slab_bytes;
-  if (!std::has_single_bit(slab_bytes) || slab_bytes < kMinSlabBytes ||
-      slab_bytes > kMaxSlabBytes) {
+  if (!std::has_single_bit(slab_bytes) || slab_bytes < kMinSlabBytes || slab_bytes > kMaxSlabBytes) {
     return Status::InvalidArgument(
-        fmt::format("pool slab size {} is not a power of two in [{}, {}]", slab_bytes,
-                    kMinSlabBytes, kMaxSlabBytes));
+        fmt::format("pool slab size {} is not a power of two in [{}, {}]", slab_bytes, kMinSlabBytes, kMaxSlabBytes));
   }
   if (options.capacity_bytes == 0) return Status::InvalidArgument("pool capacity is 0 bytes");
   std::vector<int> nodes = options.numa_nodes;
@@ -239,11 +228,9 @@ Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PoolOptions& option
     ORBITKV_ASSIGN_OR_RETURN(nodes, MemoryNumaNodes());
   }
   // An even split, each part rounded up to whole slabs: at least the capacity asked for.
-  const uint64_t part =
-      options.capacity_bytes / nodes.size() + (options.capacity_bytes % nodes.size() != 0);
+  const uint64_t part = options.capacity_bytes / nodes.size() + (options.capacity_bytes % nodes.size() != 0);
   const uint64_t slabs_per_arena = part / slab_bytes + (part % slab_bytes != 0);
-  if (slabs_per_arena >= kNil ||
-      slabs_per_arena > std::numeric_limits<uint64_t>::max() / slab_bytes) {
+  if (slabs_per_arena >= kNil || slabs_per_arena > std::numeric_limits<uint64_t>::max() / slab_bytes) {
     return Status::InvalidArgument(
         fmt::format("pool capacity {} bytes needs {} slabs of {} bytes per arena; use larger slabs",
                     options.capacity_bytes, slabs_per_arena, slab_bytes));
@@ -251,22 +238,19 @@ Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PoolOptions& option
 
   std::unique_ptr<PinnedPool> pool(new PinnedPool(slab_bytes, options.registrar));
   for (size_t i = 0; i < nodes.size(); ++i) {
-    ArenaOptions arena_options{.bytes = slabs_per_arena * slab_bytes,
-                               .numa_node = nodes[i],
-                               .pin_mode = options.pin_mode,
-                               .name = nodes[i] >= 0
-                                           ? fmt::format("orbitkv-pool-{}-node{}", i, nodes[i])
-                                           : fmt::format("orbitkv-pool-{}", i)};
-    ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena,
-                             PinnedArena::Create(arena_options));
+    ArenaOptions arena_options{
+        .bytes = slabs_per_arena * slab_bytes,
+        .numa_node = nodes[i],
+        .pin_mode = options.pin_mode,
+        .name = nodes[i] >= 0 ? fmt::format("orbitkv-pool-{}-node{}", i, nodes[i]) : fmt::format("orbitkv-pool-{}", i)};
+    ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(arena_options));
     pool->shards_.push_back(std::make_unique<Shard>(std::move(arena), slab_bytes));
     pool->registered_.push_back(false);
     if (options.registrar != nullptr) {
       const PinnedArena& a = pool->shards_.back()->arena();
       // On failure the pool's destructor unregisters the arenas registered so far.
-      ORBITKV_RETURN_IF_ERROR(
-          options.registrar->Register(a.data(), a.size(), a.numa_node())
-              .WithContext(fmt::format("registering pool arena '{}'", a.name())));
+      ORBITKV_RETURN_IF_ERROR(options.registrar->Register(a.data(), a.size(), a.numa_node())
+                                  .WithContext(fmt::format("registering pool arena '{}'", a.name())));
       pool->registered_.back() = true;
     }
   }
@@ -275,16 +259,14 @@ Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PoolOptions& option
     // Gauges are adjusted by deltas (and the destructor takes its share back), so pools sharing a
     // registry add up instead of overwriting each other.
     pool->metrics_ = Metrics{
-        .capacity_bytes = &metrics->GetGauge("orbitkv_pool_capacity_bytes",
-                                             "Bytes of pinned host memory in the pool"),
-        .allocated_bytes = &metrics->GetGauge("orbitkv_pool_allocated_bytes",
-                                              "Bytes of pool blocks in use, counted by size class"),
-        .requested_bytes = &metrics->GetGauge("orbitkv_pool_requested_bytes",
-                                              "Bytes requested by the pool blocks in use"),
-        .free_slabs =
-            &metrics->GetGauge("orbitkv_pool_free_slabs", "Pool slabs assigned to no size class"),
-        .allocation_failures = &metrics->GetCounter("orbitkv_pool_allocation_failures_total",
-                                                    "Pool allocations that found no room")};
+        .capacity_bytes = &metrics->GetGauge("orbitkv_pool_capacity_bytes", "Bytes of pinned host memory in the pool"),
+        .allocated_bytes =
+            &metrics->GetGauge("orbitkv_pool_allocated_bytes", "Bytes of pool blocks in use, counted by size class"),
+        .requested_bytes =
+            &metrics->GetGauge("orbitkv_pool_requested_bytes", "Bytes requested by the pool blocks in use"),
+        .free_slabs = &metrics->GetGauge("orbitkv_pool_free_slabs", "Pool slabs assigned to no size class"),
+        .allocation_failures =
+            &metrics->GetCounter("orbitkv_pool_allocation_failures_total", "Pool allocations that found no room")};
     const PoolStats stats = pool->Stats();
     pool->metrics_.capacity_bytes->Add(static_cast<double>(stats.capacity_bytes));
     pool->metrics_.free_slabs->Add(static_cast<double>(stats.free_slabs));
@@ -336,13 +318,13 @@ Result<uint32_t> PinnedPool::ClassFor(uint64_t class_bytes) {
   if (published != 0) return published - 1U;
   const uint32_t id = class_count_.load(std::memory_order_relaxed);
   if (id == kMaxSizeClasses) {
-    return Status::FailedPrecondition(fmt::format(
-        "pinned pool has {} size classes already, the most it supports, and a {} byte block needs "
-        "another: this is a configuration problem (too many distinct block sizes), not a full pool",
-        kMaxSizeClasses, class_bytes));
+    return Status::FailedPrecondition(
+        fmt::format("pinned pool has {} size classes already, the most it supports, and a {} byte block needs "
+                    "another: this is a configuration problem (too many distinct block sizes), not a full pool",
+                    kMaxSizeClasses, class_bytes));
   }
-  classes_[id] = SizeClass{.class_bytes = class_bytes,
-                           .objects_per_slab = static_cast<uint32_t>(slab_bytes_ / class_bytes)};
+  classes_[id] =
+      SizeClass{.class_bytes = class_bytes, .objects_per_slab = static_cast<uint32_t>(slab_bytes_ / class_bytes)};
   slot.store(static_cast<uint8_t>(id + 1), std::memory_order_release);
   // Release pairs with the acquire in class_count().
   class_count_.store(id + 1, std::memory_order_release);
@@ -351,8 +333,8 @@ Result<uint32_t> PinnedPool::ClassFor(uint64_t class_bytes) {
 
 Result<PoolBlock> PinnedPool::Allocate(uint64_t bytes, int preferred_node) {
   if (bytes == 0 || bytes > slab_bytes_) {
-    return Status::InvalidArgument(fmt::format(
-        "pool block of {} bytes: must be between 1 and the slab size {}", bytes, slab_bytes_));
+    return Status::InvalidArgument(
+        fmt::format("pool block of {} bytes: must be between 1 and the slab size {}", bytes, slab_bytes_));
   }
   const uint64_t class_bytes = RoundUpToPage(bytes);
   ORBITKV_ASSIGN_OR_RETURN(const uint32_t id, ClassFor(class_bytes));
@@ -370,8 +352,7 @@ Result<PoolBlock> PinnedPool::Allocate(uint64_t bytes, int preferred_node) {
     const size_t i = (first + k) % n;
     PoolBlock block;
     Shard::Change change;
-    const bool allocated =
-        shards_[i]->TryAllocate(id, size_class, bytes, static_cast<uint32_t>(i), &block, &change);
+    const bool allocated = shards_[i]->TryAllocate(id, size_class, bytes, static_cast<uint32_t>(i), &block, &change);
     if (!allocated) continue;
     if (metrics_.allocated_bytes != nullptr) {
       metrics_.allocated_bytes->Add(static_cast<double>(class_bytes));
@@ -383,22 +364,18 @@ Result<PoolBlock> PinnedPool::Allocate(uint64_t bytes, int preferred_node) {
   allocation_failures_.fetch_add(1, std::memory_order_relaxed);
   if (metrics_.allocation_failures != nullptr) metrics_.allocation_failures->Increment();
   return Status::ResourceExhausted(
-      fmt::format("pinned pool is full: no free {} KiB block and no free slab in {} arena(s)",
-                  class_bytes / 1024, n));
+      fmt::format("pinned pool is full: no free {} KiB block and no free slab in {} arena(s)", class_bytes / 1024, n));
 }
 
 void PinnedPool::Free(const PoolBlock& block) {
-  ORBITKV_CHECK_MSG(
-      block.arena < shards_.size() && block.class_bytes != 0 && block.class_bytes <= slab_bytes_ &&
-          block.class_bytes % kArenaPageBytes == 0 &&
-          ClassBytes(block.requested_bytes) == block.class_bytes,
-      "Free of a block that is not from this pool: arena {} requested {} class {} bytes",
-      block.arena, block.requested_bytes, block.class_bytes);
+  ORBITKV_CHECK_MSG(block.arena < shards_.size() && block.class_bytes != 0 && block.class_bytes <= slab_bytes_ &&
+                        block.class_bytes % kArenaPageBytes == 0 &&
+                        ClassBytes(block.requested_bytes) == block.class_bytes,
+                    "Free of a block that is not from this pool: arena {} requested {} class {} bytes", block.arena,
+                    block.requested_bytes, block.class_bytes);
   // Acquire: see ClassFor.
-  const uint8_t published =
-      class_of_pages_[block.class_bytes / kArenaPageBytes - 1].load(std::memory_order_acquire);
-  ORBITKV_CHECK_MSG(published != 0, "Free of a block of {} bytes, a size class this pool never had",
-                    block.class_bytes);
+  const uint8_t published = class_of_pages_[block.class_bytes / kArenaPageBytes - 1].load(std::memory_order_acquire);
+  ORBITKV_CHECK_MSG(published != 0, "Free of a block of {} bytes, a size class this pool never had", block.class_bytes);
   const uint32_t id = published - 1U;
   Shard::Change change;
   shards_[block.arena]->Free(block, id, classes_[id], &change);

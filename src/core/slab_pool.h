@@ -91,8 +91,7 @@ class PinnedPool {
   // options.registrar and, when metrics is not null, registers the orbitkv_pool_* metrics there
   // (metrics must outlive the pool). InvalidArgument for a zero capacity or a bad slab size; an
   // arena or registration error is returned as is, after unregistering the arenas registered.
-  static Result<std::unique_ptr<PinnedPool>> Create(const PoolOptions& options,
-                                                    MetricsRegistry* metrics);
+  static Result<std::unique_ptr<PinnedPool>> Create(const PoolOptions& options, MetricsRegistry* metrics);
 
   PinnedPool(const PinnedPool&) = delete;
   PinnedPool& operator=(const PinnedPool&) = delete;

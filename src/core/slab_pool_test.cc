@@ -29,8 +29,7 @@ PoolOptions SmallOptions(uint64_t capacity_bytes, std::vector<int> numa_nodes = 
                      .slab_bytes = kMiB};
 }
 
-std::unique_ptr<PinnedPool> MakePool(const PoolOptions& options,
-                                     MetricsRegistry* metrics = nullptr) {
+std::unique_ptr<PinnedPool> MakePool(const PoolOptions& options, MetricsRegistry* metrics = nullptr) {
   auto pool = PinnedPool::Create(options, metrics);
   EXPECT_TRUE(pool.ok()) << pool.status();
   return pool.ok() ? std::move(pool).value() : nullptr;
@@ -49,8 +48,7 @@ TEST(PinnedPoolTest, CreateValidatesOptions) {
   PoolOptions options = SmallOptions(4 * kMiB);
   for (uint64_t slab : {uint64_t{0}, kMiB / 2, 3 * kMiB, 2 * kMiB + 4096, uint64_t{2} << 30}) {
     options.slab_bytes = slab;
-    EXPECT_EQ(PinnedPool::Create(options, nullptr).status().code(), StatusCode::kInvalidArgument)
-        << slab;
+    EXPECT_EQ(PinnedPool::Create(options, nullptr).status().code(), StatusCode::kInvalidArgument) << slab;
   }
   options = SmallOptions(0);
   EXPECT_EQ(PinnedPool::Create(options, nullptr).status().code(), StatusCode::kInvalidArgument);
@@ -96,8 +94,8 @@ TEST(PinnedPoolTest, BlocksAreAlignedAndSizedByClass) {
   auto pool = MakePool(SmallOptions(8 * kMiB));
   ASSERT_NE(pool, nullptr);
   std::vector<PoolBlock> blocks;
-  for (uint64_t bytes : {uint64_t{1}, uint64_t{4095}, uint64_t{4096}, uint64_t{4097},
-                         uint64_t{100000}, 256 * kKiB, 300 * kKiB + 1, kMiB - 1, kMiB}) {
+  for (uint64_t bytes : {uint64_t{1}, uint64_t{4095}, uint64_t{4096}, uint64_t{4097}, uint64_t{100000}, 256 * kKiB,
+                         300 * kKiB + 1, kMiB - 1, kMiB}) {
     auto block = pool->Allocate(bytes);
     ASSERT_TRUE(block.ok()) << bytes << ": " << block.status();
     EXPECT_TRUE(block->valid());
@@ -135,8 +133,7 @@ TEST(PinnedPoolTest, AccountingIsExactAfterRandomAllocAndFree) {
   auto pool = MakePool(SmallOptions(6 * kMiB, {-1, -1}));
   ASSERT_NE(pool, nullptr);
   std::mt19937_64 rng(12345);
-  const std::vector<uint64_t> sizes = {1,          4096,       5000, 12 * kKiB, 64 * kKiB - 7,
-                                       200 * kKiB, 333 * kKiB, kMiB};
+  const std::vector<uint64_t> sizes = {1, 4096, 5000, 12 * kKiB, 64 * kKiB - 7, 200 * kKiB, 333 * kKiB, kMiB};
   std::vector<PoolBlock> live;
   uint64_t requested = 0, allocated = 0, failures = 0;
   for (int step = 0; step < 4000; ++step) {
@@ -165,15 +162,13 @@ TEST(PinnedPoolTest, AccountingIsExactAfterRandomAllocAndFree) {
     ASSERT_EQ(stats.allocated_bytes, allocated) << "step " << step;
     ASSERT_EQ(stats.blocks_in_use, live.size()) << "step " << step;
     ASSERT_EQ(stats.allocation_failures, failures) << "step " << step;
-    ASSERT_LE(stats.allocated_bytes, (stats.total_slabs - stats.free_slabs) * kMiB)
-        << "step " << step;
+    ASSERT_LE(stats.allocated_bytes, (stats.total_slabs - stats.free_slabs) * kMiB) << "step " << step;
     if (step % 500 == 0) {
       // Non-overlap: sorted by address, each block ends before the next begins.
       std::vector<std::pair<const uint8_t*, uint64_t>> spans;
       for (const PoolBlock& b : live) spans.emplace_back(b.data, b.class_bytes);
       std::sort(spans.begin(), spans.end());
-      for (size_t i = 1; i < spans.size(); ++i)
-        ASSERT_LE(spans[i - 1].first + spans[i - 1].second, spans[i].first);
+      for (size_t i = 1; i < spans.size(); ++i) ASSERT_LE(spans[i - 1].first + spans[i - 1].second, spans[i].first);
     }
   }
   EXPECT_GT(failures, 0U) << "the sequence should have filled the pool at least once";
@@ -326,8 +321,7 @@ class RecordingRegistrar : public ArenaRegistrar {
   explicit RecordingRegistrar(int fail_on_call = -1) : fail_on_call_(fail_on_call) {}
 
   Status Register(uint8_t* base, uint64_t bytes, int numa_node) override {
-    if (static_cast<int>(registered.size()) == fail_on_call_)
-      return Status::Internal("device said no");
+    if (static_cast<int>(registered.size()) == fail_on_call_) return Status::Internal("device said no");
     registered.push_back({base, bytes, numa_node});
     return Status::Ok();
   }
@@ -365,8 +359,7 @@ TEST(PinnedPoolTest, RegistrarSeesEveryArenaAndUnregistersBeforeUnmap) {
   EXPECT_TRUE(registrar.unregistered.empty());
   std::set<uint8_t*> bases = {pool->arena(0).data(), pool->arena(1).data()};
   pool.reset();
-  EXPECT_EQ(std::set<uint8_t*>(registrar.unregistered.begin(), registrar.unregistered.end()),
-            bases);
+  EXPECT_EQ(std::set<uint8_t*>(registrar.unregistered.begin(), registrar.unregistered.end()), bases);
   EXPECT_EQ(registrar.unregistered.size(), 2U);
   EXPECT_EQ(registrar.still_mapped, std::vector<bool>({true, true}));
 }

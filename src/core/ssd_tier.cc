@@ -31,8 +31,7 @@ struct SsdTier::LoadJob {
 
 Result<std::unique_ptr<SsdTier>> SsdTier::Create(const SsdTierOptions& options, BlockCache* cache,
                                                  MetricsRegistry* metrics) {
-  if (options.writer_threads == 0 || options.reader_threads == 0 ||
-      options.writes_in_flight < options.writer_threads) {
+  if (options.writer_threads == 0 || options.reader_threads == 0 || options.writes_in_flight < options.writer_threads) {
     return Status::InvalidArgument(
         "the SSD tier needs at least one writer and one reader thread, and a write in flight per "
         "writer");
@@ -73,26 +72,21 @@ SsdTier::SsdTier(const SsdTierOptions& options, BlockCache* cache, MetricsRegist
                  std::unique_ptr<storage::SsdStore> store)
     : options_(options), cache_(cache), store_(std::move(store)) {
   writes_ = &metrics->GetCounter("orbitkv_ssd_writes_total", "Records written to the SSD tier.");
-  written_bytes_ =
-      &metrics->GetCounter("orbitkv_ssd_written_bytes_total", "Payload bytes written to SSD.");
+  written_bytes_ = &metrics->GetCounter("orbitkv_ssd_written_bytes_total", "Payload bytes written to SSD.");
   reads_ = &metrics->GetCounter("orbitkv_ssd_reads_total", "Records read back from the SSD tier.");
-  read_bytes_ =
-      &metrics->GetCounter("orbitkv_ssd_read_bytes_total", "Payload bytes read back from SSD.");
-  verify_failures_ = &metrics->GetCounter(
-      "orbitkv_ssd_verify_failures_total",
-      "SSD reads whose record was torn, corrupted or reused: served as a miss.");
+  read_bytes_ = &metrics->GetCounter("orbitkv_ssd_read_bytes_total", "Payload bytes read back from SSD.");
+  verify_failures_ = &metrics->GetCounter("orbitkv_ssd_verify_failures_total",
+                                          "SSD reads whose record was torn, corrupted or reused: served as a miss.");
   queue_drops_ = &metrics->GetCounter("orbitkv_ssd_writeback_dropped_total",
                                       "Evicted blocks not written because the queue was full.");
-  filtered_ = &metrics->GetCounter("orbitkv_ssd_admission_filtered_total",
-                                   "Evicted blocks not written: accessed too rarely.");
-  write_errors_ =
-      &metrics->GetCounter("orbitkv_ssd_write_errors_total", "SSD writes the device failed.");
+  filtered_ =
+      &metrics->GetCounter("orbitkv_ssd_admission_filtered_total", "Evicted blocks not written: accessed too rarely.");
+  write_errors_ = &metrics->GetCounter("orbitkv_ssd_write_errors_total", "SSD writes the device failed.");
   evictions_ = &metrics->GetCounter("orbitkv_cache_evictions_total", "", {{"tier", "ssd"}});
   used_bytes_ = &metrics->GetGauge("orbitkv_ssd_used_bytes", "SSD bytes holding records.");
   records_gauge_ = &metrics->GetGauge("orbitkv_ssd_records", "Records on the SSD tier.");
-  admissions_enabled_gauge_ =
-      &metrics->GetGauge("orbitkv_ssd_admissions_enabled",
-                         "1 while the SSD tier accepts new blocks; 0 after a device write error.");
+  admissions_enabled_gauge_ = &metrics->GetGauge(
+      "orbitkv_ssd_admissions_enabled", "1 while the SSD tier accepts new blocks; 0 after a device write error.");
   admissions_enabled_gauge_->Set(1);
   metrics->GetGauge("orbitkv_ssd_capacity_bytes", "SSD tier capacity.")
       .Set(static_cast<double>(store_->capacity_bytes()));
@@ -103,8 +97,7 @@ SsdTier::~SsdTier() { Shutdown(); }
 
 void SsdTier::Recover(std::vector<storage::RecoveredRecord> records) {
   // Oldest first, so the FIFO evicts in write order and a key found twice keeps its newest record.
-  std::sort(records.begin(), records.end(),
-            [](const auto& a, const auto& b) { return a.write_epoch < b.write_epoch; });
+  std::sort(records.begin(), records.end(), [](const auto& a, const auto& b) { return a.write_epoch < b.write_epoch; });
   MutexLock lock(&mu_);
   for (storage::RecoveredRecord& record : records) {
     auto it = live_.find(record.key);
@@ -112,8 +105,8 @@ void SsdTier::Recover(std::vector<storage::RecoveredRecord> records) {
       store_->Release(it->second.locator, it->second.bytes);
       live_.erase(it);
     }
-    const uint64_t generation = cache_->table().PublishSsd(
-        record.key, record.locator, record.payload_bytes, TransitionCause::kRestore);
+    const uint64_t generation =
+        cache_->table().PublishSsd(record.key, record.locator, record.payload_bytes, TransitionCause::kRestore);
     live_[record.key] = Live{generation, record.locator, record.payload_bytes};
     fifo_.push_back(FifoEntry{record.key, generation});
   }
@@ -183,9 +176,7 @@ void SsdTier::WriterLoop(uint32_t depth) {
   }
   storage::SsdStore::Writer& writer = **created;
   // Start() and Wait() fail only when called out of turn, which this loop never does.
-  const auto must = [](const Status& status) {
-    ORBITKV_CHECK_MSG(status.ok(), "SSD writer: {}", status.ToString());
-  };
+  const auto must = [](const Status& status) { ORBITKV_CHECK_MSG(status.ok(), "SSD writer: {}", status.ToString()); };
   // Jobs whose record is prepared or at the disk, by tag.
   std::map<uint64_t, std::optional<WriteJob>> active;
   uint64_t next_tag = 0;
@@ -255,8 +246,7 @@ bool SsdTier::PrepareJob(storage::SsdStore::Writer& writer, WriteJob& job, uint6
   const uint64_t capacity = storage::PaddedPayloadBytes(payload.size());
   Status prepared = writer.Prepare(job.key, payload, capacity, tag);
   // A full store makes room by evicting its oldest records, a few times at most.
-  for (int attempt = 0; prepared.code() == StatusCode::kResourceExhausted && attempt < 8;
-       ++attempt) {
+  for (int attempt = 0; prepared.code() == StatusCode::kResourceExhausted && attempt < 8; ++attempt) {
     if (!EvictOldest(storage::RecordBytes(payload.size()))) break;
     prepared = writer.Prepare(job.key, payload, capacity, tag);
   }
@@ -277,8 +267,7 @@ void SsdTier::FinishJob(WriteJob& job, const Result<uint64_t>& locator) {
   const uint64_t bytes = job.pin.bytes();
   writes_->Increment();
   written_bytes_->Increment(bytes);
-  const uint64_t generation =
-      cache_->table().PublishSsd(job.key, *locator, bytes, TransitionCause::kAdmit);
+  const uint64_t generation = cache_->table().PublishSsd(job.key, *locator, bytes, TransitionCause::kAdmit);
   MutexLock lock(&mu_);
   auto it = live_.find(job.key);
   if (it != live_.end()) {
@@ -367,16 +356,15 @@ Status SsdTier::Load(std::vector<state::StateKey> keys, LoadDone done) {
   job->remaining.store(to_read.size() + 1, std::memory_order_relaxed);
   size_t queued = 0;
   for (size_t i : to_read) {
-    const bool leader =
-        cache_->coalescer().Join(keys[i], [this, job, i, key = keys[i]](const Status& status) {
-          // Pinned as the read completes (on the reader that sealed it, before any other of its
-          // reads): a block evicted in between is left out, and the prefix ends before it.
-          if (status.ok()) {
-            Result<BlockPin> pin = cache_->table().Pin(key);
-            if (pin.ok()) job->pins[i] = std::move(*pin);
-          }
-          if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job->Finish();
-        });
+    const bool leader = cache_->coalescer().Join(keys[i], [this, job, i, key = keys[i]](const Status& status) {
+      // Pinned as the read completes (on the reader that sealed it, before any other of its
+      // reads): a block evicted in between is left out, and the prefix ends before it.
+      if (status.ok()) {
+        Result<BlockPin> pin = cache_->table().Pin(key);
+        if (pin.ok()) job->pins[i] = std::move(*pin);
+      }
+      if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) job->Finish();
+    });
     if (leader) {
       MutexLock lock(&mu_);
       read_queue_.push_back(ReadTask{keys[i]});
@@ -431,8 +419,7 @@ void SsdTier::ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* sta
     Result<BlockWriter> writer = cache_->Prepare(key, residence->bytes);
     if (!writer.ok()) {
       // Already in DRAM (a save or another load won): the block is there, which is what was asked.
-      statuses[t] =
-          writer.status().code() == StatusCode::kAlreadyExists ? Status::Ok() : writer.status();
+      statuses[t] = writer.status().code() == StatusCode::kAlreadyExists ? Status::Ok() : writer.status();
       continue;
     }
     pending.push_back(Pending{t, *residence, std::move(*writer)});
@@ -440,8 +427,7 @@ void SsdTier::ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* sta
   for (Pending& p : pending) {
     reads.push_back(storage::SsdStore::BatchRead{
         &tasks[p.task].key, p.residence.locator, p.residence.bytes,
-        std::span<uint8_t>(p.writer.data(), storage::PaddedPayloadBytes(p.residence.bytes)),
-        Status::Ok()});
+        std::span<uint8_t>(p.writer.data(), storage::PaddedPayloadBytes(p.residence.bytes)), Status::Ok()});
   }
   store_->ReadBatch(reads, staging);
   for (size_t i = 0; i < pending.size(); ++i) {
@@ -463,8 +449,8 @@ void SsdTier::ReadMany(std::vector<ReadTask>& tasks, storage::AlignedBuffer* sta
   BlockPin::ReleaseAll(&sealed);
 }
 
-SsdTier::PersistReport SsdTier::PersistDram(
-    MonoTime deadline, const std::function<void(const PersistReport&)>& progress) {
+SsdTier::PersistReport SsdTier::PersistDram(MonoTime deadline,
+                                            const std::function<void(const PersistReport&)>& progress) {
   Stopwatch watch;
   PersistReport report;
   const uint64_t writes_before = writes_->Value();
@@ -481,8 +467,7 @@ SsdTier::PersistReport SsdTier::PersistDram(
     update();
     progress(report);
   };
-  const uint32_t min_frequency =
-      options_.policy == SsdWritePolicy::kWriteBack ? options_.min_frequency : 0;
+  const uint32_t min_frequency = options_.policy == SsdWritePolicy::kWriteBack ? options_.min_frequency : 0;
   const std::vector<state::StateKey> keys = cache_->table().DramOnlyKeys(min_frequency);
   report.candidates = keys.size();
   bool stop = false;

@@ -36,8 +36,8 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -121,17 +121,16 @@ class SsdTier {
   struct PersistReport {
     uint64_t candidates = 0;  // DRAM-only blocks the admission filter admits
     uint64_t queued = 0;
-    uint64_t written = 0;     // new SSD records while it ran
+    uint64_t written = 0;  // new SSD records while it ran
     uint64_t written_bytes = 0;
     double seconds = 0;
-    bool timed_out = false;   // the deadline came first: the rest stays DRAM-only
+    bool timed_out = false;  // the deadline came first: the rest stays DRAM-only
   };
   // Writes the DRAM blocks that are not on SSD yet (the ones the admission filter admits, most
   // frequent first) and waits for the writes, so a restarted Manager finds them: for a graceful
   // stop, after the engines are gone and before Shutdown(). Stops queueing at `deadline`; writes
   // in flight then finish. `progress` runs on the calling thread about every two seconds.
-  PersistReport PersistDram(MonoTime deadline,
-                            const std::function<void(const PersistReport&)>& progress = {});
+  PersistReport PersistDram(MonoTime deadline, const std::function<void(const PersistReport&)>& progress = {});
 
   SsdTierStats Stats() const;
   const storage::ScanReport& scan_report() const { return scan_report_; }

@@ -77,8 +77,7 @@ class SsdTierTest : public ::testing::Test {
   }
   size_t LoadSync(const std::vector<state::StateKey>& keys) {
     std::promise<size_t> loaded;
-    Status started = tier_->Load(
-        keys, [&loaded](std::vector<BlockPin> pins) { loaded.set_value(pins.size()); });
+    Status started = tier_->Load(keys, [&loaded](std::vector<BlockPin> pins) { loaded.set_value(pins.size()); });
     EXPECT_TRUE(started.ok()) << started;
     return loaded.get_future().get();
   }
@@ -132,14 +131,13 @@ TEST_F(SsdTierTest, EvictedBlocksGoToSsdAndLoadBackByteExact) {
 
 TEST_F(SsdTierTest, IoUringUsesThePoolAsRegisteredBuffers) {
   if (!storage::IoUringCompiledIn()) GTEST_SKIP() << "built without liburing";
-  for (storage::WriteStaging staging :
-       {storage::WriteStaging::kZeroCopy, storage::WriteStaging::kCopy}) {
+  for (storage::WriteStaging staging : {storage::WriteStaging::kZeroCopy, storage::WriteStaging::kCopy}) {
     CloseAll();
     backend_ = storage::DeviceBackend::kIoUring;
     write_staging_ = staging;
     OpenAll();
     ASSERT_EQ(tier_->write_staging(), staging);
-    const SsdTierStats before = tier_->Stats();  // the counters outlive a tier; registered_io not
+    const SsdTierStats before = tier_->Stats();                        // the counters outlive a tier; registered_io not
     const auto keys = Chain(12 + static_cast<uint32_t>(staging), 12);  // 3 MiB: fit the pool
     for (size_t i = 0; i < keys.size(); ++i) Save(keys[i], 300 + i);
     cache_->table().EvictBytes(64 * kMiB);
@@ -149,9 +147,9 @@ TEST_F(SsdTierTest, IoUringUsesThePoolAsRegisteredBuffers) {
     // Every payload read ran on registered pool memory, and so did every write in place (headers
     // are staged: not counted); copied writes run from the writer's staging.
     const SsdTierStats stats = tier_->Stats();
-    EXPECT_EQ(stats.registered_io,
-              stats.reads - before.reads +
-                  (staging == storage::WriteStaging::kZeroCopy ? stats.writes - before.writes : 0));
+    EXPECT_EQ(
+        stats.registered_io,
+        stats.reads - before.reads + (staging == storage::WriteStaging::kZeroCopy ? stats.writes - before.writes : 0));
   }
 }
 
@@ -178,13 +176,11 @@ TEST_F(SsdTierTest, CorruptRecordIsAMissAndIsDropped) {
   auto residence = cache_->table().FindSsd(keys[1]);
   ASSERT_TRUE(residence.has_value());
   // Flip a payload byte of block 1 on disk.
-  const std::string path = dir_.path() + "/orbitkv-ssd-" +
-                           std::to_string(storage::SsdStore::LocatorFile(residence->locator)) +
-                           ".data";
+  const std::string path =
+      dir_.path() + "/orbitkv-ssd-" + std::to_string(storage::SsdStore::LocatorFile(residence->locator)) + ".data";
   int fd = ::open(path.c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
-  const off_t at =
-      static_cast<off_t>(storage::SsdStore::LocatorOffset(residence->locator) + 4096 + 77);
+  const off_t at = static_cast<off_t>(storage::SsdStore::LocatorOffset(residence->locator) + 4096 + 77);
   uint8_t byte = 0;
   ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
   byte ^= 0xff;
@@ -236,7 +232,7 @@ TEST_F(SsdTierTest, PersistDramWritesDramOnlyBlocksForTheRestart) {
   for (size_t i = 0; i < hot.size(); ++i) Save(hot[i], 500 + i);
   for (size_t i = 0; i < cold.size(); ++i) Save(cold[i], 600 + i);
   EXPECT_EQ(cache_->table().LookupPrefix(hot), hot.size());  // a second use: admitted
-  EXPECT_EQ(tier_->Stats().writes, 0u);                        // nothing was evicted
+  EXPECT_EQ(tier_->Stats().writes, 0u);                      // nothing was evicted
 
   const SsdTier::PersistReport expired = tier_->PersistDram(MonoNow());
   EXPECT_EQ(expired.candidates, hot.size());
@@ -272,8 +268,7 @@ TEST_F(SsdTierTest, FullWriteBackQueueDropsInsteadOfHoldingDram) {
   const SsdTierStats stats = tier_->Stats();
   // Saves never waited on the disk: whatever did not fit the 1 MiB queue was dropped and counted.
   EXPECT_GT(stats.queue_drops, 0u);
-  EXPECT_EQ(stats.records + stats.queue_drops + cache_->table().Stats().resident_blocks,
-            keys.size());
+  EXPECT_EQ(stats.records + stats.queue_drops + cache_->table().Stats().resident_blocks, keys.size());
 }
 
 TEST_F(SsdTierTest, AdmissionFilterSkipsOneHitBlocks) {
@@ -321,11 +316,7 @@ TEST_F(SsdTierTest, ConcurrentLoadsOfTheSameKeysShareReads) {
   tier_->Flush();
   std::vector<std::promise<size_t>> done(6);
   for (auto& promise : done) {
-    ASSERT_TRUE(tier_
-                    ->Load(keys, [&promise](std::vector<BlockPin> pins) {
-                      promise.set_value(pins.size());
-                    })
-                    .ok());
+    ASSERT_TRUE(tier_->Load(keys, [&promise](std::vector<BlockPin> pins) { promise.set_value(pins.size()); }).ok());
   }
   for (auto& promise : done) EXPECT_EQ(promise.get_future().get(), keys.size());
   // Each key read at most a few times (reads that start after an earlier one finished find DRAM).

@@ -41,9 +41,7 @@ constexpr size_t kMaxHeldUses = 2;
 constexpr size_t kMaxHeldPins = 3;
 
 // Content addressing: a key's size and stamp depend on (chain, index) only.
-uint64_t BytesOf(uint64_t chain, uint64_t index) {
-  return (chain + index) % 3 == 0 ? 12 * kKiB - 100 : 16 * kKiB;
-}
+uint64_t BytesOf(uint64_t chain, uint64_t index) { return (chain + index) % 3 == 0 ? 12 * kKiB - 100 : 16 * kKiB; }
 uint64_t StampOf(uint64_t chain, uint64_t index) { return chain << 16 | index; }
 
 // Every key the threads use, built before they start and read-only afterwards.
@@ -70,8 +68,7 @@ class KeySpace {
     auto it = where_.find(key);
     if (it == where_.end()) return false;
     const auto [chain, index] = it->second;
-    return bytes == BytesOf(chain, index) &&
-           testing::CheckStamp(data, bytes, StampOf(chain, index));
+    return bytes == BytesOf(chain, index) && testing::CheckStamp(data, bytes, StampOf(chain, index));
   }
 
  private:
@@ -136,8 +133,7 @@ class Worker {
   uint64_t Uniform(uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng_); }
 
   uint64_t RandomChain() {
-    return Uniform(10) < 7 ? Uniform(kSharedChains)
-                           : keys_->private_chain(index_, Uniform(kPrivateChains));
+    return Uniform(10) < 7 ? Uniform(kSharedChains) : keys_->private_chain(index_, Uniform(kPrivateChains));
   }
   std::span<const StateKey> RandomPrefix(uint64_t* chain) {
     *chain = RandomChain();
@@ -184,8 +180,7 @@ class Worker {
       Result<BlockWriter> writer = cache_->Prepare(prefix[i], bytes);
       if (!writer.ok()) {
         const StatusCode code = writer.status().code();
-        EXPECT_TRUE(OneOf(code, {StatusCode::kAlreadyExists, StatusCode::kAborted,
-                                 StatusCode::kResourceExhausted}))
+        EXPECT_TRUE(OneOf(code, {StatusCode::kAlreadyExists, StatusCode::kAborted, StatusCode::kResourceExhausted}))
             << "Prepare: " << writer.status();
         tally_.already_exists += code == StatusCode::kAlreadyExists ? 1 : 0;
         tally_.lost_races += code == StatusCode::kAborted ? 1 : 0;
@@ -252,8 +247,7 @@ class Worker {
     ASSERT_TRUE(use.ok()) << "the lease is this thread's and still live: " << use.status();
     ++tally_.consumed;
     VerifyPins(prefix, *use, hits);
-    EXPECT_EQ(cache_->ConsumeLease(instance_, *lease).status().code(),
-              StatusCode::kFailedPrecondition);
+    EXPECT_EQ(cache_->ConsumeLease(instance_, *lease).status().code(), StatusCode::kFailedPrecondition);
     if (held_uses_.size() < kMaxHeldUses && Uniform(3) == 0) {
       held_uses_.push_back(HeldUse{std::move(*use), prefix});
     } else {
@@ -344,9 +338,7 @@ class Worker {
       ssd_.pop_back();
       const Status status = cache_->table().DropSsd(old_key, generation, TransitionCause::kCleanup);
       // Aborted: another thread republished it; NotFound: another thread dropped or removed it.
-      EXPECT_TRUE(
-          OneOf(status.code(), {StatusCode::kOk, StatusCode::kAborted, StatusCode::kNotFound}))
-          << status;
+      EXPECT_TRUE(OneOf(status.code(), {StatusCode::kOk, StatusCode::kAborted, StatusCode::kNotFound})) << status;
     } else {
       const Status status = cache_->table().Remove(key, Tier::kSsd);
       EXPECT_TRUE(OneOf(status.code(), {StatusCode::kOk, StatusCode::kNotFound})) << status;
@@ -437,17 +429,16 @@ TEST_F(BlockCacheStressTest, ManyThreadsEndWithEveryGaugeAtZero) {
 
   Tally total;
   for (const auto& worker : workers) total.Add(worker->tally());
-  for (const auto& [name, value] :
-       {std::pair{"published", total.published},
-        {"already_exists", total.already_exists},
-        {"lost_races", total.lost_races},
-        {"exhausted", total.exhausted},
-        {"hits", total.hits},
-        {"backpressure", total.backpressure},
-        {"consumed", total.consumed},
-        {"cleaned_up", total.cleaned_up},
-        {"repins", total.repins},
-        {"evictions", evictions_seen_.load(std::memory_order_relaxed)}}) {
+  for (const auto& [name, value] : {std::pair{"published", total.published},
+                                    {"already_exists", total.already_exists},
+                                    {"lost_races", total.lost_races},
+                                    {"exhausted", total.exhausted},
+                                    {"hits", total.hits},
+                                    {"backpressure", total.backpressure},
+                                    {"consumed", total.consumed},
+                                    {"cleaned_up", total.cleaned_up},
+                                    {"repins", total.repins},
+                                    {"evictions", evictions_seen_.load(std::memory_order_relaxed)}}) {
     RecordProperty(name, fmt::format("{}", value));
   }
   EXPECT_GT(total.published, 0u);
@@ -459,8 +450,7 @@ TEST_F(BlockCacheStressTest, ManyThreadsEndWithEveryGaugeAtZero) {
   EXPECT_EQ(cache_->query_budget().reserved_bytes(), 0u);
   EXPECT_EQ(cache_->query_budget().tickets(), 0u);
   for (int i = 0; i < kThreads; ++i) {
-    EXPECT_EQ(cache_->query_budget().reserved_bytes(workers[static_cast<size_t>(i)]->instance()),
-              0u);
+    EXPECT_EQ(cache_->query_budget().reserved_bytes(workers[static_cast<size_t>(i)]->instance()), 0u);
   }
   BlockTableStats table = cache_->table().Stats();
   EXPECT_EQ(table.pinned_blocks, 0u);

@@ -20,8 +20,7 @@ inline state::StateKey ChainKey(uint64_t chain, uint64_t i) {
   uint8_t native[16];
   std::memcpy(native, &chain, 8);
   std::memcpy(native + 8, &i, 8);
-  auto key =
-      state::StateKey::Create(ns, 0, {i * 16, i * 16 + 16}, std::span<const uint8_t>(native, 16));
+  auto key = state::StateKey::Create(ns, 0, {i * 16, i * 16 + 16}, std::span<const uint8_t>(native, 16));
   EXPECT_TRUE(key.ok()) << key.status();
   return *key;
 }
@@ -34,8 +33,7 @@ inline std::vector<state::StateKey> Chain(uint64_t chain, size_t n) {
 }
 
 // A small unlocked pool so tests do not depend on RLIMIT_MEMLOCK.
-inline BlockCacheOptions SmallCacheOptions(uint64_t capacity_bytes = 8ull << 20,
-                                           uint64_t slab_bytes = 1ull << 20) {
+inline BlockCacheOptions SmallCacheOptions(uint64_t capacity_bytes = 8ull << 20, uint64_t slab_bytes = 1ull << 20) {
   BlockCacheOptions options;
   options.pool.capacity_bytes = capacity_bytes;
   options.pool.slab_bytes = slab_bytes;

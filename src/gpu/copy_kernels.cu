@@ -24,8 +24,7 @@ __device__ __forceinline__ void Store(T* p, T v) {
 }
 
 // Copies `n` bytes with single bytes, one per lane per step (heads, tails).
-__device__ __forceinline__ void WarpCopyBytes(const uint8_t* src, uint8_t* dst, uint64_t n,
-                                              uint32_t lane) {
+__device__ __forceinline__ void WarpCopyBytes(const uint8_t* src, uint8_t* dst, uint64_t n, uint32_t lane) {
   for (uint64_t i = lane; i < n; i += kWarpLanes) dst[i] = src[i];
 }
 
@@ -39,8 +38,7 @@ __device__ __forceinline__ uint64_t HeadBytes(const uint8_t* dst, uint64_t word,
 // bytes up to the first T-aligned destination address, T words for the body (kUnroll per lane in
 // flight), single bytes for the tail. Every lane of the warp calls it with the same arguments.
 template <typename T>
-__device__ __forceinline__ void WarpCopy(const uint8_t* src, uint8_t* dst, uint64_t n,
-                                         uint32_t lane) {
+__device__ __forceinline__ void WarpCopy(const uint8_t* src, uint8_t* dst, uint64_t n, uint32_t lane) {
   constexpr uint64_t kWord = sizeof(T);
   const uint64_t head = HeadBytes(dst, kWord, n);
   WarpCopyBytes(src, dst, head, lane);
@@ -64,11 +62,9 @@ __device__ __forceinline__ void WarpCopy(const uint8_t* src, uint8_t* dst, uint6
 }
 
 // Picks the widest word both addresses are aligned to relative to each other.
-__device__ __forceinline__ void WarpCopyAny(const uint8_t* src, uint8_t* dst, uint64_t n,
-                                            uint32_t lane) {
+__device__ __forceinline__ void WarpCopyAny(const uint8_t* src, uint8_t* dst, uint64_t n, uint32_t lane) {
   // The same branch for the whole warp: the chunk is warp-uniform.
-  const uint64_t misalignment =
-      (reinterpret_cast<uintptr_t>(src) ^ reinterpret_cast<uintptr_t>(dst)) & 15;
+  const uint64_t misalignment = (reinterpret_cast<uintptr_t>(src) ^ reinterpret_cast<uintptr_t>(dst)) & 15;
   if (misalignment == 0) {
     WarpCopy<uint4>(src, dst, n, lane);
   } else if ((misalignment & 7) == 0) {
@@ -86,18 +82,15 @@ __global__ void __launch_bounds__(kCopyThreadsPerBlock)
     CopyChunksKernel(const CopyChunk* __restrict__ chunks, uint32_t count) {
   const uint32_t lane = threadIdx.x % kWarpLanes;
   const uint32_t warps = gridDim.x * kCopyWarpsPerBlock;
-  for (uint32_t c = blockIdx.x * kCopyWarpsPerBlock + threadIdx.x / kWarpLanes; c < count;
-       c += warps) {
+  for (uint32_t c = blockIdx.x * kCopyWarpsPerBlock + threadIdx.x / kWarpLanes; c < count; c += warps) {
     const CopyChunk chunk = chunks[c];
-    WarpCopyAny(reinterpret_cast<const uint8_t*>(chunk.src), reinterpret_cast<uint8_t*>(chunk.dst),
-                chunk.bytes, lane);
+    WarpCopyAny(reinterpret_cast<const uint8_t*>(chunk.src), reinterpret_cast<uint8_t*>(chunk.dst), chunk.bytes, lane);
   }
 }
 
 }  // namespace
 
-cudaError_t LaunchCopyChunks(const CopyChunk* device_chunks, uint32_t count, uint32_t blocks,
-                             cudaStream_t stream) {
+cudaError_t LaunchCopyChunks(const CopyChunk* device_chunks, uint32_t count, uint32_t blocks, cudaStream_t stream) {
   CopyChunksKernel<<<blocks, kCopyThreadsPerBlock, 0, stream>>>(device_chunks, count);
   return cudaGetLastError();
 }

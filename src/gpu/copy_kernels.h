@@ -39,8 +39,7 @@ inline constexpr uint32_t kCopyWarpsPerBlock = kCopyThreadsPerBlock / 32;
 // passes mapped pinned host memory, which each warp reads once per chunk). Returns the launch
 // error (cudaSuccess when the launch was queued; a fault during the copy surfaces later on the
 // stream). `count` and `blocks` must be at least 1.
-cudaError_t LaunchCopyChunks(const CopyChunk* device_chunks, uint32_t count, uint32_t blocks,
-                             cudaStream_t stream);
+cudaError_t LaunchCopyChunks(const CopyChunk* device_chunks, uint32_t count, uint32_t blocks, cudaStream_t stream);
 
 }  // namespace orbitkv::gpu
 

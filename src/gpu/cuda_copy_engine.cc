@@ -37,8 +37,7 @@ namespace {
 // CHECK against being called from their own engine's CopyDone, which would wait for itself.
 thread_local const CudaCopyEngine* t_lane_of = nullptr;
 
-MetricsRegistry& PickRegistry(MetricsRegistry* given,
-                              const std::unique_ptr<MetricsRegistry>& owned) {
+MetricsRegistry& PickRegistry(MetricsRegistry* given, const std::unique_ptr<MetricsRegistry>& owned) {
   return given != nullptr ? *given : *owned;
 }
 
@@ -71,8 +70,7 @@ Status CheckShape(const CopyBatch& batch, const CopyDone& done) {
 
 // The checks of fragments [begin, end) that need no registry, with InvalidArgument naming the
 // first bad one; on OK, `*total_bytes` is the sum of their lengths.
-Status CheckFragments(const std::vector<CopyFragment>& fragments, size_t begin, size_t end,
-                      uint64_t* total_bytes) {
+Status CheckFragments(const std::vector<CopyFragment>& fragments, size_t begin, size_t end, uint64_t* total_bytes) {
   uint64_t total = 0;
   for (size_t i = begin; i < end; ++i) {
     const CopyFragment& f = fragments[i];
@@ -81,8 +79,7 @@ Status CheckFragments(const std::vector<CopyFragment>& fragments, size_t begin, 
     }
     if (f.length == 0) return Status::InvalidArgument(fmt::format("fragment {}: zero length", i));
     if (reinterpret_cast<uintptr_t>(f.pool) > std::numeric_limits<uintptr_t>::max() - f.length) {
-      return Status::InvalidArgument(
-          fmt::format("fragment {}: pool range wraps the address space", i));
+      return Status::InvalidArgument(fmt::format("fragment {}: pool range wraps the address space", i));
     }
     if (f.length > std::numeric_limits<uint64_t>::max() - total) {
       return Status::InvalidArgument("copy batch length overflows 64 bits");
@@ -136,36 +133,33 @@ struct CudaCopyEngine::Joint {
 void CudaCopyEngine::CountLaunch(const Batch& batch) {
   if (batch.use_dma && (batch.joint == nullptr || !std::exchange(batch.joint->counted_dma, true))) {
     dma_total_->Increment();
-  } else if (batch.staged &&
-             (batch.joint == nullptr || !std::exchange(batch.joint->counted_staged, true))) {
+  } else if (batch.staged && (batch.joint == nullptr || !std::exchange(batch.joint->counted_staged, true))) {
     staged_total_->Increment();
   }
 }
 
-Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
-    Options options, const HostMemoryRegistry* host_memory, MetricsRegistry* metrics) {
+Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(Options options, const HostMemoryRegistry* host_memory,
+                                                               MetricsRegistry* metrics) {
   if (host_memory == nullptr) return Status::InvalidArgument("host memory registry is null");
   if (options.max_inflight_batches == 0) {
     return Status::InvalidArgument("max_inflight_batches must be at least 1");
   }
   if (options.chunk_bytes < kMinChunkBytes || options.chunk_bytes > kMaxChunkBytes ||
       !std::has_single_bit(options.chunk_bytes)) {
-    return Status::InvalidArgument(
-        fmt::format("chunk_bytes must be a power of two in [{}, {}], not {}", kMinChunkBytes,
-                    kMaxChunkBytes, options.chunk_bytes));
+    return Status::InvalidArgument(fmt::format("chunk_bytes must be a power of two in [{}, {}], not {}", kMinChunkBytes,
+                                               kMaxChunkBytes, options.chunk_bytes));
   }
   if (options.blocks_per_sm < 1 || options.blocks_per_sm > kMaxBlocksPerSm) {
-    return Status::InvalidArgument(fmt::format("blocks_per_sm must be in [1, {}], not {}",
-                                               kMaxBlocksPerSm, options.blocks_per_sm));
+    return Status::InvalidArgument(
+        fmt::format("blocks_per_sm must be in [1, {}], not {}", kMaxBlocksPerSm, options.blocks_per_sm));
   }
   if (options.streams_per_lane < 1 || options.streams_per_lane > kMaxStreamsPerLane) {
-    return Status::InvalidArgument(fmt::format("streams_per_lane must be in [1, {}], not {}",
-                                               kMaxStreamsPerLane, options.streams_per_lane));
+    return Status::InvalidArgument(
+        fmt::format("streams_per_lane must be in [1, {}], not {}", kMaxStreamsPerLane, options.streams_per_lane));
   }
-  if (options.method != Method::kAuto && options.method != Method::kKernel &&
-      options.method != Method::kMemcpyBatch) {
-    return Status::InvalidArgument(fmt::format("copy method {} is not auto, kernel or memcpy-batch",
-                                               static_cast<int>(options.method)));
+  if (options.method != Method::kAuto && options.method != Method::kKernel && options.method != Method::kMemcpyBatch) {
+    return Status::InvalidArgument(
+        fmt::format("copy method {} is not auto, kernel or memcpy-batch", static_cast<int>(options.method)));
   }
   if (options.dma_min_fragment_bytes == 0) {
     return Status::InvalidArgument("dma_min_fragment_bytes must be at least 1");
@@ -183,12 +177,12 @@ Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
     return Status::InvalidArgument("staged_max_fragment_bytes must be at least 1");
   }
   if (options.wake_ahead_us > kMaxWakeAheadUs) {
-    return Status::InvalidArgument(fmt::format("wake_ahead_us must be at most {}, not {}",
-                                               kMaxWakeAheadUs, options.wake_ahead_us));
+    return Status::InvalidArgument(
+        fmt::format("wake_ahead_us must be at most {}, not {}", kMaxWakeAheadUs, options.wake_ahead_us));
   }
   if (options.ring_timeline_slots > kMaxRingTimelineSlots) {
-    return Status::InvalidArgument(fmt::format("ring_timeline_slots must be at most {}, not {}",
-                                               kMaxRingTimelineSlots, options.ring_timeline_slots));
+    return Status::InvalidArgument(fmt::format("ring_timeline_slots must be at most {}, not {}", kMaxRingTimelineSlots,
+                                               options.ring_timeline_slots));
   }
   int device_count = 0;
   ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount"));
@@ -199,11 +193,10 @@ Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
   for (size_t i = 0; i < options.devices.size(); ++i) {
     const int device = options.devices[i];
     if (device < 0 || device >= device_count) {
-      return Status::InvalidArgument(
-          fmt::format("device {} does not exist ({} visible)", device, device_count));
+      return Status::InvalidArgument(fmt::format("device {} does not exist ({} visible)", device, device_count));
     }
-    if (std::find(options.devices.begin(), options.devices.begin() + static_cast<long>(i),
-                  device) != options.devices.begin() + static_cast<long>(i)) {
+    if (std::find(options.devices.begin(), options.devices.begin() + static_cast<long>(i), device) !=
+        options.devices.begin() + static_cast<long>(i)) {
       return Status::InvalidArgument(fmt::format("device {} is listed twice", device));
     }
   }
@@ -211,18 +204,16 @@ Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(
   ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaDriverGetVersion(&driver), "cudaDriverGetVersion"));
   const bool dma_available = driver >= 12080;
   if (options.method == Method::kMemcpyBatch && !dma_available) {
-    return Status::Unimplemented(
-        fmt::format("cudaMemcpyBatchAsync needs a CUDA 12.8 driver; this one is {}.{}",
-                    driver / 1000, (driver % 1000) / 10));
+    return Status::Unimplemented(fmt::format("cudaMemcpyBatchAsync needs a CUDA 12.8 driver; this one is {}.{}",
+                                             driver / 1000, (driver % 1000) / 10));
   }
-  std::unique_ptr<CudaCopyEngine> engine(
-      new CudaCopyEngine(std::move(options), host_memory, metrics, dma_available));
+  std::unique_ptr<CudaCopyEngine> engine(new CudaCopyEngine(std::move(options), host_memory, metrics, dma_available));
   ORBITKV_RETURN_IF_ERROR(engine->StartLanes());
   return engine;
 }
 
-CudaCopyEngine::CudaCopyEngine(Options options, const HostMemoryRegistry* host_memory,
-                               MetricsRegistry* metrics, bool dma_available)
+CudaCopyEngine::CudaCopyEngine(Options options, const HostMemoryRegistry* host_memory, MetricsRegistry* metrics,
+                               bool dma_available)
     : options_(std::move(options)),
       host_memory_(host_memory),
       owned_metrics_(metrics == nullptr ? std::make_unique<MetricsRegistry>() : nullptr),
@@ -248,16 +239,14 @@ CudaCopyEngine::CudaCopyEngine(Options options, const HostMemoryRegistry* host_m
                                             {{"engine", "cuda"}})),
       dma_available_(dma_available),
       inflight_gauge_(&PickRegistry(metrics, owned_metrics_)
-                           .GetGauge("orbitkv_copy_inflight_batches",
-                                     "Copy batches accepted and not yet completed.",
+                           .GetGauge("orbitkv_copy_inflight_batches", "Copy batches accepted and not yet completed.",
                                      {{"engine", "cuda"}})) {}
 
 Status CudaCopyEngine::StartLanes() {
   for (const int device : options_.devices) {
     int multiprocessors = 0;
-    ORBITKV_RETURN_IF_ERROR(
-        CudaStatus(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
-                   fmt::format("multiprocessor count of device {}", device)));
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
+                                       fmt::format("multiprocessor count of device {}", device)));
     for (const CopyDirection direction : {CopyDirection::kSave, CopyDirection::kRestore}) {
       auto lane = std::make_unique<Lane>();
       lane->device = device;
@@ -270,8 +259,7 @@ Status CudaCopyEngine::StartLanes() {
         lane->streams.push_back(std::move(stream));
       }
       if (direction == CopyDirection::kRestore && options_.restore_staging_bytes > 0) {
-        ORBITKV_RETURN_IF_ERROR(
-            StartStagingRing(*lane, options_.restore_staging_bytes, options_.ring_timeline_slots));
+        ORBITKV_RETURN_IF_ERROR(StartStagingRing(*lane, options_.restore_staging_bytes, options_.ring_timeline_slots));
       }
       lanes_.push_back(std::move(lane));
     }
@@ -297,12 +285,11 @@ Result<uint32_t> CudaCopyEngine::DeviceIndex(int device) const {
   for (size_t i = 0; i < options_.devices.size(); ++i) {
     if (options_.devices[i] == device) return static_cast<uint32_t>(i);
   }
-  return Status::InvalidArgument(
-      fmt::format("device {} is not served by this copy engine", device));
+  return Status::InvalidArgument(fmt::format("device {} is not served by this copy engine", device));
 }
 
-Result<BufferId> CudaCopyEngine::RegisterIpcBuffer(std::span<const uint8_t> ipc_handle, int device,
-                                                   uint64_t bytes, uint64_t offset) {
+Result<BufferId> CudaCopyEngine::RegisterIpcBuffer(std::span<const uint8_t> ipc_handle, int device, uint64_t bytes,
+                                                   uint64_t offset) {
   static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes);
   if (ipc_handle.size() != kIpcHandleBytes) {
     return Status::InvalidArgument(
@@ -322,23 +309,19 @@ Result<BufferId> CudaCopyEngine::RegisterIpcBuffer(std::span<const uint8_t> ipc_
   Result<AllocationRange> range = DeviceAllocationRange(mapping);
   Status status = range.status();
   if (status.ok() && (offset > range->bytes || bytes > range->bytes - offset)) {
-    status = Status::InvalidArgument(
-        fmt::format("IPC buffer range [{}, +{}) exceeds the imported allocation of {} bytes",
-                    offset, bytes, range->bytes));
+    status = Status::InvalidArgument(fmt::format(
+        "IPC buffer range [{}, +{}) exceeds the imported allocation of {} bytes", offset, bytes, range->bytes));
   }
-  Result<BufferId> id =
-      status.ok() ? AddSlot(static_cast<uint8_t*>(mapping) + offset, bytes, device_index, mapping)
-                  : Result<BufferId>(status);
+  Result<BufferId> id = status.ok() ? AddSlot(static_cast<uint8_t*>(mapping) + offset, bytes, device_index, mapping)
+                                    : Result<BufferId>(status);
   if (!id.ok()) CloseIpcMapping(mapping);
   return id;
 }
 
-Result<void*> CudaCopyEngine::OpenIpcMapping(const cudaIpcMemHandle_t& handle,
-                                             uint32_t device_index) {
+Result<void*> CudaCopyEngine::OpenIpcMapping(const cudaIpcMemHandle_t& handle, uint32_t device_index) {
   MutexLock lock(&ipc_mu_);
   for (IpcMapping& open : ipc_mappings_) {
-    if (open.device_index == device_index &&
-        std::memcmp(&open.handle, &handle, sizeof(handle)) == 0) {
+    if (open.device_index == device_index && std::memcmp(&open.handle, &handle, sizeof(handle)) == 0) {
       ++open.buffers;
       return open.mapping;
     }
@@ -372,32 +355,27 @@ void CudaCopyEngine::CloseIpcMapping(void* mapping) {
   ORBITKV_CHECK_MSG(false, "closing an IPC mapping that is not open");
 }
 
-Result<BufferId> CudaCopyEngine::RegisterDeviceBuffer(void* device_ptr, int device,
-                                                      uint64_t bytes) {
+Result<BufferId> CudaCopyEngine::RegisterDeviceBuffer(void* device_ptr, int device, uint64_t bytes) {
   if (device_ptr == nullptr) return Status::InvalidArgument("buffer base is null");
   if (bytes == 0) return Status::InvalidArgument("buffer has zero bytes");
   ORBITKV_ASSIGN_OR_RETURN(const uint32_t device_index, DeviceIndex(device));
   ScopedDevice scope(device);
   ORBITKV_RETURN_IF_ERROR(scope.status());
   cudaPointerAttributes attributes{};
-  ORBITKV_RETURN_IF_ERROR(
-      CudaStatus(cudaPointerGetAttributes(&attributes, device_ptr), "cudaPointerGetAttributes"));
+  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaPointerGetAttributes(&attributes, device_ptr), "cudaPointerGetAttributes"));
   if (attributes.type != cudaMemoryTypeDevice || attributes.device != device) {
-    return Status::InvalidArgument(
-        fmt::format("{} is not device memory of device {}", device_ptr, device));
+    return Status::InvalidArgument(fmt::format("{} is not device memory of device {}", device_ptr, device));
   }
   ORBITKV_ASSIGN_OR_RETURN(const AllocationRange range, DeviceAllocationRange(device_ptr));
   const uint64_t offset = reinterpret_cast<uintptr_t>(device_ptr) - range.base;
   if (bytes > range.bytes - offset) {
-    return Status::InvalidArgument(
-        fmt::format("device buffer of {} bytes at offset {} exceeds its allocation of {} bytes",
-                    bytes, offset, range.bytes));
+    return Status::InvalidArgument(fmt::format(
+        "device buffer of {} bytes at offset {} exceeds its allocation of {} bytes", bytes, offset, range.bytes));
   }
   return AddSlot(static_cast<uint8_t*>(device_ptr), bytes, device_index, nullptr);
 }
 
-Result<BufferId> CudaCopyEngine::AddSlot(uint8_t* base, uint64_t bytes, uint32_t device_index,
-                                         void* ipc_mapping) {
+Result<BufferId> CudaCopyEngine::AddSlot(uint8_t* base, uint64_t bytes, uint32_t device_index, void* ipc_mapping) {
   MutexLock lock(&registry_mu_);
   uint32_t index;
   if (!free_slots_.empty()) {
@@ -426,8 +404,7 @@ Status CudaCopyEngine::UnregisterBuffer(BufferId id) {
   {
     MutexLock lock(&registry_mu_);
     if (FindLiveSlot(id) == nullptr) {
-      return Status::NotFound(
-          fmt::format("buffer {}/{} is not registered", id.index, id.generation));
+      return Status::NotFound(fmt::format("buffer {}/{} is not registered", id.index, id.generation));
     }
     slots_[id.index].live = false;
     // Index, not a reference: AddSlot() may grow slots_ while this waits.
@@ -477,12 +454,10 @@ Status CudaCopyEngine::Submit(CopyBatch batch, CopyDone done) {
   // The dispatcher's wake-up overlaps the checks below.
   Expect(batch.fragments[0].buffer, batch.direction);
   const size_t n = batch.fragments.size();
-  const bool parts =
-      options_.split_min_fragments > 0 && n >= options_.split_min_fragments && n > kFirstPartFragments;
+  const bool parts = options_.split_min_fragments > 0 && n >= options_.split_min_fragments && n > kFirstPartFragments;
   // In parts, only the first part is checked here: each later one while the parts ahead copy.
   uint64_t total_bytes = 0;
-  ORBITKV_RETURN_IF_ERROR(
-      CheckFragments(batch.fragments, 0, parts ? kFirstPartFragments : n, &total_bytes));
+  ORBITKV_RETURN_IF_ERROR(CheckFragments(batch.fragments, 0, parts ? kFirstPartFragments : n, &total_bytes));
   if (parts) return SubmitInParts(std::move(batch), std::move(done), total_bytes);
   auto accepted = std::make_unique<Batch>(std::move(batch), std::move(done), total_bytes);
   ORBITKV_RETURN_IF_ERROR(Admit(accepted.get()));
@@ -505,17 +480,15 @@ Status CudaCopyEngine::Admit(Batch* batch) {
 Status CudaCopyEngine::Plan(Batch* batch) {
   const Lane& lane = *lanes_[batch->lane];
   const uint64_t average_fragment = batch->total_bytes / batch->copy.fragments.size();
-  const bool dma = options_.method == Method::kMemcpyBatch ||
-                   (options_.method == Method::kAuto && dma_available_ &&
-                    average_fragment >= options_.dma_min_fragment_bytes);
+  const bool dma = options_.method == Method::kMemcpyBatch || (options_.method == Method::kAuto && dma_available_ &&
+                                                               average_fragment >= options_.dma_min_fragment_bytes);
   // A restore from long pool runs is staged where the kernel would copy it, and also where the copy
   // engines would but its fragments average below staged_max_fragment_bytes: it crosses the link in
   // a few slot-sized copies instead of one copy per fragment.
-  batch->staged =
-      (!dma || average_fragment < options_.staged_max_fragment_bytes) && ShouldStage(lane, *batch);
+  batch->staged = (!dma || average_fragment < options_.staged_max_fragment_bytes) && ShouldStage(lane, *batch);
   batch->use_dma = dma && !batch->staged;
-  batch->chunk_bytes = ChunkBytesFor(
-      batch->total_bytes, uint64_t{lane.max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
+  batch->chunk_bytes =
+      ChunkBytesFor(batch->total_bytes, uint64_t{lane.max_blocks} * kCopyWarpsPerBlock, options_.chunk_bytes);
   if (!batch->use_dma) {  // only the kernel's launches count chunks
     // chunk_bytes is a power of two: a shift, not a division per fragment.
     const int shift = std::countr_zero(batch->chunk_bytes);
@@ -527,8 +500,8 @@ Status CudaCopyEngine::Plan(Batch* batch) {
   if (!batch->use_dma && batch->chunks > std::numeric_limits<uint32_t>::max()) {
     Unpin(batch->copy);
     return Status::InvalidArgument(
-        fmt::format("copy batch makes {} chunks of {} bytes, more than one launch takes; split it",
-                    batch->chunks, batch->chunk_bytes));
+        fmt::format("copy batch makes {} chunks of {} bytes, more than one launch takes; split it", batch->chunks,
+                    batch->chunk_bytes));
   }
   return Status::Ok();
 }
@@ -564,8 +537,7 @@ Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done, uint64_t fi
   auto joint = std::make_shared<Joint>(std::move(done));
   const auto make_part = [&](size_t begin, size_t end, uint64_t bytes) {
     CopyBatch copy{batch.direction,
-                   {all.begin() + static_cast<std::ptrdiff_t>(begin),
-                    all.begin() + static_cast<std::ptrdiff_t>(end)}};
+                   {all.begin() + static_cast<std::ptrdiff_t>(begin), all.begin() + static_cast<std::ptrdiff_t>(end)}};
     auto part = std::make_unique<Batch>(std::move(copy), CopyDone{}, bytes);
     part->joint = joint;
     return part;
@@ -589,20 +561,18 @@ Status CudaCopyEngine::SubmitInParts(CopyBatch batch, CopyDone done, uint64_t fi
     std::unique_ptr<Batch> part = make_part(ends[k - 1], ends[k], bytes);
     if (!status.ok()) {
       // CheckFragments names the fragment by its index in the batch.
-      status = Status(status.code(),
-                      fmt::format("{} (part from fragment {})", status.message(), ends[k - 1]));
+      status = Status(status.code(), fmt::format("{} (part from fragment {})", status.message(), ends[k - 1]));
     } else if (status = ResolveAndPin(part.get()); status.ok() && part->lane != lane) {
       Unpin(part->copy);
-      status = Status::InvalidArgument(fmt::format(
-          "fragment {}: a batch copies to or from one device in one direction; this fragment's "
-          "buffer is on another device than fragment 0's",
-          ends[k - 1]));
+      status = Status::InvalidArgument(
+          fmt::format("fragment {}: a batch copies to or from one device in one direction; this fragment's "
+                      "buffer is on another device than fragment 0's",
+                      ends[k - 1]));
     } else if (status.ok()) {
       status = Plan(part.get());  // unpins on error
     } else {
       // ResolveAndPin names the fragment by its index in the part.
-      status = Status(status.code(),
-                      fmt::format("{} (part from fragment {})", status.message(), ends[k - 1]));
+      status = Status(status.code(), fmt::format("{} (part from fragment {})", status.message(), ends[k - 1]));
     }
     if (!status.ok()) {
       {
@@ -653,9 +623,9 @@ Status CudaCopyEngine::ResolveAndPin(Batch* batch) {
     const CopyFragment& f = fragments[i];
     const uint8_t* pool = HostMemoryRegistry::TranslateIn(host_ranges, f.pool, f.length);
     if (pool == nullptr) {
-      return Status::InvalidArgument(fmt::format(
-          "fragment {}: pool range [{}, +{}) is not inside host memory registered with CUDA", i,
-          static_cast<const void*>(f.pool), f.length));
+      return Status::InvalidArgument(
+          fmt::format("fragment {}: pool range [{}, +{}) is not inside host memory registered with CUDA", i,
+                      static_cast<const void*>(f.pool), f.length));
     }
     (save ? batch->dst : batch->src)[i] = reinterpret_cast<uintptr_t>(pool);
   }
@@ -665,23 +635,23 @@ Status CudaCopyEngine::ResolveAndPin(Batch* batch) {
     const CopyFragment& f = fragments[i];
     const Slot* slot = FindLiveSlot(f.buffer);
     if (slot == nullptr) {
-      return Status::NotFound(fmt::format("fragment {}: buffer {}/{} is not registered", i,
-                                          f.buffer.index, f.buffer.generation));
+      return Status::NotFound(
+          fmt::format("fragment {}: buffer {}/{} is not registered", i, f.buffer.index, f.buffer.generation));
     }
     // Two comparisons instead of offset + length, which could overflow.
     if (f.buffer_offset > slot->bytes || f.length > slot->bytes - f.buffer_offset) {
-      return Status::InvalidArgument(
-          fmt::format("fragment {}: offset {} length {} exceeds buffer {}/{} of {} bytes", i,
-                      f.buffer_offset, f.length, f.buffer.index, f.buffer.generation, slot->bytes));
+      return Status::InvalidArgument(fmt::format("fragment {}: offset {} length {} exceeds buffer {}/{} of {} bytes", i,
+                                                 f.buffer_offset, f.length, f.buffer.index, f.buffer.generation,
+                                                 slot->bytes));
     }
     if (i == 0) {
       device_index = slot->device_index;
     } else if (slot->device_index != device_index) {
-      return Status::InvalidArgument(fmt::format(
-          "fragment {}: buffer {}/{} is on device {}, fragment 0's on device {}; one batch copies "
-          "to or from one device",
-          i, f.buffer.index, f.buffer.generation, options_.devices[slot->device_index],
-          options_.devices[device_index]));
+      return Status::InvalidArgument(
+          fmt::format("fragment {}: buffer {}/{} is on device {}, fragment 0's on device {}; one batch copies "
+                      "to or from one device",
+                      i, f.buffer.index, f.buffer.generation, options_.devices[slot->device_index],
+                      options_.devices[device_index]));
     }
     (save ? batch->src : batch->dst)[i] = reinterpret_cast<uintptr_t>(slot->base) + f.buffer_offset;
   }
@@ -734,9 +704,7 @@ void CudaCopyEngine::DispatchLoop(Lane* lane) {
       // A batch is being built for this lane (Expect): poll for it rather than sleep again, then
       // take it (or, past wake_ahead_us, sleep as usual).
       const int64_t deadline = MonoNanos() + int64_t{options_.wake_ahead_us} * 1000;
-      for (int spin = 0; lane->queued.load(std::memory_order_acquire) == queued &&
-                         MonoNanos() < deadline;
-           ++spin) {
+      for (int spin = 0; lane->queued.load(std::memory_order_acquire) == queued && MonoNanos() < deadline; ++spin) {
         SpinPause(spin);
       }
       continue;
@@ -807,8 +775,7 @@ void CudaCopyEngine::CompleteLoop(Lane* lane) {
 Status CudaCopyEngine::WaitForBatch(Lane* lane, const Batch& batch) const {
   const cudaEvent_t event = batch.staging->done_event.get();
   const auto failed = [&](cudaError_t error) {
-    return CudaStatus(
-        error, fmt::format("{} on device {}", CopyDirectionName(lane->direction), lane->device));
+    return CudaStatus(error, fmt::format("{} on device {}", CopyDirectionName(lane->direction), lane->device));
   };
   // Batches this large, launched on an idle lane, measure the lane's rate (their launch is a small
   // part of their time).
@@ -827,8 +794,8 @@ Status CudaCopyEngine::WaitForBatch(Lane* lane, const Batch& batch) const {
     // It starts no earlier than its launch and, in order on the lane, mostly after the batch ahead
     // ended, and takes its bytes at the lane's rate or, with a margin, up to 10% faster. A batch
     // that overlapped the one ahead (another stream) can end sooner: the sleeps are short.
-    const int64_t expected = static_cast<int64_t>(std::min(
-        kMaxExpectedNs, static_cast<double>(batch.total_bytes) / lane->fastest_bytes_per_ns));
+    const int64_t expected = static_cast<int64_t>(
+        std::min(kMaxExpectedNs, static_cast<double>(batch.total_bytes) / lane->fastest_bytes_per_ns));
     const int64_t poll_from = start + expected * 9 / 10 - poll_ns;
     const int64_t poll_budget = std::max(kMinPollBudgetNs, expected / 4);
     int64_t polling_since = 0;
@@ -853,9 +820,8 @@ Status CudaCopyEngine::WaitForBatch(Lane* lane, const Batch& batch) const {
   }
   const int64_t done = MonoNanos();
   if (status.ok() && from_idle && batch.total_bytes >= kRateSampleBytes && done > start) {
-    lane->fastest_bytes_per_ns =
-        std::max(lane->fastest_bytes_per_ns,
-                 static_cast<double>(batch.total_bytes) / static_cast<double>(done - start));
+    lane->fastest_bytes_per_ns = std::max(lane->fastest_bytes_per_ns,
+                                          static_cast<double>(batch.total_bytes) / static_cast<double>(done - start));
   }
   lane->last_done_ns = done;
   return status;

@@ -149,8 +149,8 @@ class CudaCopyEngine final : public core::CopyEngine {
   };
 
   // One staging slot's use, from the timeline (Options::ring_timeline_slots): milliseconds since
-  // the first recorded fill began (or since TakeRingTimeline's origin event). fill_start is when the copy stream reached the slot's copies
-  // (its previous scatter done, the copies ahead of it done, the dispatcher had queued them).
+  // the first recorded fill began (or since TakeRingTimeline's origin event). fill_start is when the copy stream
+  // reached the slot's copies (its previous scatter done, the copies ahead of it done, the dispatcher had queued them).
   struct RingSlotTiming {
     double fill_start_ms = 0;
     double fill_end_ms = 0;
@@ -189,8 +189,7 @@ class CudaCopyEngine final : public core::CopyEngine {
   //   orbitkv_copy_staged_batches_total{engine="cuda"}: restores staged through the device ring
   //   orbitkv_copy_wakeups_ahead_total{engine="cuda"}: dispatcher wake-ups ahead of a batch
   //     (Expect; Options::wake_ahead_us)
-  static Result<std::unique_ptr<CudaCopyEngine>> Create(Options options,
-                                                        const HostMemoryRegistry* host_memory,
+  static Result<std::unique_ptr<CudaCopyEngine>> Create(Options options, const HostMemoryRegistry* host_memory,
                                                         MetricsRegistry* metrics);
 
   CudaCopyEngine(const CudaCopyEngine&) = delete;
@@ -208,8 +207,8 @@ class CudaCopyEngine final : public core::CopyEngine {
   // handle of the wrong size, zero bytes, a device this engine does not serve, a handle CUDA
   // refuses, or a range beyond the allocation (the mapping is closed again); ResourceExhausted when
   // 2^32 slots are in use.
-  Result<core::BufferId> RegisterIpcBuffer(std::span<const uint8_t> ipc_handle, int device,
-                                           uint64_t bytes, uint64_t offset = 0);
+  Result<core::BufferId> RegisterIpcBuffer(std::span<const uint8_t> ipc_handle, int device, uint64_t bytes,
+                                           uint64_t offset = 0);
 
   // Registers [device_ptr, device_ptr + bytes) of memory allocated on `device` in this process (not
   // owned: the caller frees it after UnregisterBuffer()). InvalidArgument for a null pointer, zero
@@ -230,8 +229,7 @@ class CudaCopyEngine final : public core::CopyEngine {
   Status Submit(core::CopyBatch batch, core::CopyDone done) override;
   // Wakes the lane of `buffer`'s device and `direction` when its dispatcher sleeps with nothing
   // queued (Options::wake_ahead_us); Submit does the same for its own batch before checking it.
-  void Expect(core::BufferId buffer, core::CopyDirection direction) override
-      EXCLUDES(registry_mu_);
+  void Expect(core::BufferId buffer, core::CopyDirection direction) override EXCLUDES(registry_mu_);
   void Shutdown() override;
   std::string_view name() const override { return "cuda"; }
 
@@ -269,14 +267,12 @@ class CudaCopyEngine final : public core::CopyEngine {
     uint32_t buffers = 0;  // registered buffers using it
   };
 
-  CudaCopyEngine(Options options, const HostMemoryRegistry* host_memory, MetricsRegistry* metrics,
-                 bool dma_available);
+  CudaCopyEngine(Options options, const HostMemoryRegistry* host_memory, MetricsRegistry* metrics, bool dma_available);
 
   // The mapping of `handle` on the device, opened unless another buffer already did; each OK
   // result is released once with CloseIpcMapping. Holds ipc_mu_ across cudaIpcOpenMemHandle (a
   // registration, never a copy, waits on it) so that two registrations cannot open it twice.
-  Result<void*> OpenIpcMapping(const cudaIpcMemHandle_t& handle, uint32_t device_index)
-      EXCLUDES(ipc_mu_);
+  Result<void*> OpenIpcMapping(const cudaIpcMemHandle_t& handle, uint32_t device_index) EXCLUDES(ipc_mu_);
   void CloseIpcMapping(void* mapping) EXCLUDES(ipc_mu_);
 
   // Starts the lanes of every device; on error the lanes started so far are stopped by the caller's
@@ -288,8 +284,8 @@ class CudaCopyEngine final : public core::CopyEngine {
   static Status StartStagingRing(Lane& lane, uint64_t bytes, uint32_t timeline_slots);
   // The index of `device` in options_.devices, or InvalidArgument.
   Result<uint32_t> DeviceIndex(int device) const;
-  Result<core::BufferId> AddSlot(uint8_t* base, uint64_t bytes, uint32_t device_index,
-                                 void* ipc_mapping) EXCLUDES(registry_mu_);
+  Result<core::BufferId> AddSlot(uint8_t* base, uint64_t bytes, uint32_t device_index, void* ipc_mapping)
+      EXCLUDES(registry_mu_);
   Slot* FindLiveSlot(core::BufferId id) REQUIRES(registry_mu_);
 
   // A batch of Options::split_min_fragments or more: queued in parts, the first checked before

@@ -47,29 +47,23 @@ TEST(CudaCopyEngineTest, InvalidBatchesAreRejectedWholeWithoutCopyingOrCallingDo
   };
   const std::vector<Case> cases = {
       {"no fragments", CopyBatch{CopyDirection::kRestore, {}}, StatusCode::kInvalidArgument},
-      {"bad direction", CopyBatch{static_cast<CopyDirection>(5), {good}},
-       StatusCode::kInvalidArgument},
+      {"bad direction", CopyBatch{static_cast<CopyDirection>(5), {good}}, StatusCode::kInvalidArgument},
       {"null pool", with({*id, 8192, nullptr, 16}), StatusCode::kInvalidArgument},
       {"zero length", with({*id, 8192, pool.data() + 8192, 0}), StatusCode::kInvalidArgument},
       {"unknown buffer", with({BufferId{77, 1}, 0, pool.data() + 8192, 16}), StatusCode::kNotFound},
       {"stale buffer", with({*retired, 0, pool.data() + 8192, 16}), StatusCode::kNotFound},
       {"default id", with({BufferId{}, 0, pool.data() + 8192, 16}), StatusCode::kNotFound},
-      {"past the buffer", with({*id, (1 << 20) - 8, pool.data() + 8192, 16}),
-       StatusCode::kInvalidArgument},
-      {"offset overflow", with({*id, UINT64_MAX, pool.data() + 8192, 16}),
-       StatusCode::kInvalidArgument},
-      {"pool not registered", with({*id, 8192, unregistered_host.data(), 16}),
-       StatusCode::kInvalidArgument},
-      {"pool runs past its range", with({*id, 8192, pool.data() + (1 << 20) - 8, 16}),
-       StatusCode::kInvalidArgument},
+      {"past the buffer", with({*id, (1 << 20) - 8, pool.data() + 8192, 16}), StatusCode::kInvalidArgument},
+      {"offset overflow", with({*id, UINT64_MAX, pool.data() + 8192, 16}), StatusCode::kInvalidArgument},
+      {"pool not registered", with({*id, 8192, unregistered_host.data(), 16}), StatusCode::kInvalidArgument},
+      {"pool runs past its range", with({*id, 8192, pool.data() + (1 << 20) - 8, 16}), StatusCode::kInvalidArgument},
   };
   for (const Case& c : cases) {
     DoneProbe probe;
     EXPECT_EQ(engine->Submit(c.batch, probe.Callback()).code(), c.code) << c.name;
     EXPECT_EQ(probe.calls(), 0) << c.name;
   }
-  EXPECT_EQ(engine->Submit(CopyBatch{CopyDirection::kRestore, {good}}, nullptr).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->Submit(CopyBatch{CopyDirection::kRestore, {good}}, nullptr).code(), StatusCode::kInvalidArgument);
   // A valid batch after all of them still completes, and the device saw only its bytes.
   ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kRestore, {good}}).ok());
   const Bytes seen = Download(device);
@@ -91,18 +85,14 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
   MetricsRegistry metrics;
   auto engine = MakeEngine(registry, {.split_min_fragments = 8192}, &metrics);
   ASSERT_NE(engine, nullptr);
-  Counter& restores =
-      metrics.GetCounter("orbitkv_copy_batches_total", "",
-                         {{"engine", "cuda"}, {"direction", "restore"}, {"device", "0"}});
+  Counter& restores = metrics.GetCounter("orbitkv_copy_batches_total", "",
+                                         {{"engine", "cuda"}, {"direction", "restore"}, {"device", "0"}});
   Counter& saves = metrics.GetCounter("orbitkv_copy_batches_total", "",
                                       {{"engine", "cuda"}, {"direction", "save"}, {"device", "0"}});
-  Counter& failed =
-      metrics.GetCounter("orbitkv_copy_failed_batches_total", "", {{"engine", "cuda"}});
-  Counter& staged =
-      metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
-  Counter& restored_bytes =
-      metrics.GetCounter("orbitkv_copy_bytes_total", "",
-                         {{"engine", "cuda"}, {"direction", "restore"}, {"device", "0"}});
+  Counter& failed = metrics.GetCounter("orbitkv_copy_failed_batches_total", "", {{"engine", "cuda"}});
+  Counter& staged = metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
+  Counter& restored_bytes = metrics.GetCounter("orbitkv_copy_bytes_total", "",
+                                               {{"engine", "cuda"}, {"direction", "restore"}, {"device", "0"}});
   RegisteredHostMemory pool(registry, kPoolBytes);
   FillPattern(pool.data(), kFragments * kFragment, 21);
   std::memset(pool.data() + kFragments * kFragment, 0, kFragments * kFragment);
@@ -116,10 +106,8 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
   CopyBatch restore{CopyDirection::kRestore, {}};
   CopyBatch save{CopyDirection::kSave, {}};
   for (size_t i = 0; i < kFragments; ++i) {
-    restore.fragments.push_back(
-        {*id, slots[i] * kFragment, pool.data() + i * kFragment, kFragment});
-    save.fragments.push_back(
-        {*id, slots[i] * kFragment, pool.data() + (kFragments + i) * kFragment, kFragment});
+    restore.fragments.push_back({*id, slots[i] * kFragment, pool.data() + i * kFragment, kFragment});
+    save.fragments.push_back({*id, slots[i] * kFragment, pool.data() + (kFragments + i) * kFragment, kFragment});
   }
   DoneProbe restored;
   ASSERT_TRUE(engine->Submit(restore, restored.Callback()).ok());
@@ -135,8 +123,7 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
     std::memcpy(expected.data() + f.buffer_offset, f.pool, f.length);
   }
   EXPECT_TRUE(Download(device) == expected) << "a restore in parts differs";
-  EXPECT_EQ(std::memcmp(pool.data(), pool.data() + kFragments * kFragment, kFragments * kFragment),
-            0)
+  EXPECT_EQ(std::memcmp(pool.data(), pool.data() + kFragments * kFragment, kFragments * kFragment), 0)
       << "a save in parts differs";
 
   // A bad buffer in the first part: refused whole, as a small batch is.
@@ -163,10 +150,8 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
     DoneProbe failing;
     ASSERT_TRUE(engine->Submit(late, failing.Callback()).ok());
     const Status status = failing.Wait();
-    EXPECT_EQ(status.code(), zero_length ? StatusCode::kInvalidArgument : StatusCode::kNotFound)
-        << status;
-    EXPECT_NE(status.message().find(fmt::format("part from fragment {}", part_start)),
-              std::string_view::npos)
+    EXPECT_EQ(status.code(), zero_length ? StatusCode::kInvalidArgument : StatusCode::kNotFound) << status;
+    EXPECT_NE(status.message().find(fmt::format("part from fragment {}", part_start)), std::string_view::npos)
         << status;
     EXPECT_EQ(failing.calls(), 1);
     EXPECT_EQ(failed.Value(), ++failures);
@@ -175,15 +160,12 @@ TEST(CudaCopyEngineTest, LargeBatchesGoInPartsWithOneCompletion) {
     const Bytes after = Download(device);
     for (size_t i = 0; i < kFragments; ++i) {
       const CopyFragment& f = late.fragments[i];
-      const bool copied = std::equal(after.begin() + f.buffer_offset,
-                                     after.begin() + f.buffer_offset + kFragment,
+      const bool copied = std::equal(after.begin() + f.buffer_offset, after.begin() + f.buffer_offset + kFragment,
                                      restore.fragments[i].pool);
-      const bool poisoned =
-          std::all_of(after.begin() + f.buffer_offset, after.begin() + f.buffer_offset + kFragment,
-                      [](uint8_t b) { return b == kPoison; });
+      const bool poisoned = std::all_of(after.begin() + f.buffer_offset, after.begin() + f.buffer_offset + kFragment,
+                                        [](uint8_t b) { return b == kPoison; });
       ASSERT_TRUE(i < part_start ? copied : poisoned)
-          << "bad fragment " << bad << ": fragment " << i
-          << (i < part_start ? " was not copied" : " was copied");
+          << "bad fragment " << bad << ": fragment " << i << (i < part_start ? " was not copied" : " was copied");
     }
   }
   EXPECT_TRUE(engine->UnregisterBuffer(*id).ok());  // every part's pins are gone
@@ -201,8 +183,7 @@ TEST(CudaCopyEngineTest, MixedDevicesInOneBatchAreRejected) {
   ASSERT_TRUE(a.ok());
   if (devices < 2) {
     // One device: the engine serves exactly that one and refuses any other.
-    EXPECT_EQ(engine->RegisterDeviceBuffer(zero.data(), 1, 4096).status().code(),
-              StatusCode::kInvalidArgument);
+    EXPECT_EQ(engine->RegisterDeviceBuffer(zero.data(), 1, 4096).status().code(), StatusCode::kInvalidArgument);
     return;
   }
   auto other = DeviceMemory::Allocate(1, 1 << 20);
@@ -210,12 +191,12 @@ TEST(CudaCopyEngineTest, MixedDevicesInOneBatchAreRejected) {
   auto b = engine->RegisterDeviceBuffer(other->data(), 1, 1 << 20);
   ASSERT_TRUE(b.ok()) << b.status();
   DoneProbe probe;
-  EXPECT_EQ(engine
-                ->Submit(CopyBatch{CopyDirection::kRestore,
-                                   {{*a, 0, pool.data(), 4096}, {*b, 0, pool.data() + 4096, 4096}}},
-                         probe.Callback())
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      engine
+          ->Submit(CopyBatch{CopyDirection::kRestore, {{*a, 0, pool.data(), 4096}, {*b, 0, pool.data() + 4096, 4096}}},
+                   probe.Callback())
+          .code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(probe.calls(), 0);
 }
 
@@ -247,9 +228,8 @@ TEST(CudaCopyEngineTest, BackpressureBoundsBatchesInFlight) {
   EXPECT_EQ(engine->Submit(CopyBatch{CopyDirection::kRestore, {}}, rejected.Callback()).code(),
             StatusCode::kInvalidArgument);
   // A save goes to another lane but counts against the same bound.
-  EXPECT_EQ(
-      engine->Submit(CopyBatch{CopyDirection::kSave, batch.fragments}, rejected.Callback()).code(),
-      StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine->Submit(CopyBatch{CopyDirection::kSave, batch.fragments}, rejected.Callback()).code(),
+            StatusCode::kResourceExhausted);
   release.count_down();
   engine->Shutdown();
   EXPECT_EQ(completed.load(), 2);
@@ -308,10 +288,8 @@ TEST(CudaCopyEngineTest, ExpectWakesTheLaneAheadOfItsBatch) {
   auto late_engine = MakeEngine(registry, {.wake_ahead_us = 0}, &late_metrics);
   ASSERT_NE(engine, nullptr);
   ASSERT_NE(late_engine, nullptr);
-  const Counter& wakeups =
-      metrics.GetCounter("orbitkv_copy_wakeups_ahead_total", "", {{"engine", "cuda"}});
-  const Counter& late_wakeups =
-      late_metrics.GetCounter("orbitkv_copy_wakeups_ahead_total", "", {{"engine", "cuda"}});
+  const Counter& wakeups = metrics.GetCounter("orbitkv_copy_wakeups_ahead_total", "", {{"engine", "cuda"}});
+  const Counter& late_wakeups = late_metrics.GetCounter("orbitkv_copy_wakeups_ahead_total", "", {{"engine", "cuda"}});
   constexpr uint64_t kBatchBytes = 1 << 20;
   constexpr int kBatches = 3;
   RegisteredHostMemory pool(registry, kBatches * kBatchBytes);
@@ -376,8 +354,7 @@ TEST(CudaCopyEngineTest, PartEndsCoverTheBatchInAscendingParts) {
   EXPECT_EQ(E::PartEnds(2560), (std::vector<size_t>{512, 2048, 2560}));
   EXPECT_EQ(E::PartEnds(4096), (std::vector<size_t>{512, 2048, 4096}));
   EXPECT_EQ(E::PartEnds(12000), (std::vector<size_t>{512, 2048, 7024, 12000}));
-  for (const size_t n : {size_t{513}, size_t{4097}, size_t{18432}, size_t{36864}, size_t{30720},
-                         size_t{1} << 20}) {
+  for (const size_t n : {size_t{513}, size_t{4097}, size_t{18432}, size_t{36864}, size_t{30720}, size_t{1} << 20}) {
     const std::vector<size_t> ends = E::PartEnds(n);
     ASSERT_GE(ends.size(), 2u) << n;
     EXPECT_LE(ends.size(), E::kMaxParts) << n;
@@ -422,11 +399,8 @@ TEST(CudaCopyEngineTest, ShutdownDrainsAcceptedBatchesThenRefusesNewOnes) {
   const Bytes seen = Download(device);
   EXPECT_TRUE(std::equal(seen.begin(), seen.end(), pool.data()));
   DoneProbe late;
-  EXPECT_EQ(
-      engine
-          ->Submit(CopyBatch{CopyDirection::kRestore, {{*id, 0, pool.data(), 16}}}, late.Callback())
-          .code(),
-      StatusCode::kUnavailable);
+  EXPECT_EQ(engine->Submit(CopyBatch{CopyDirection::kRestore, {{*id, 0, pool.data(), 16}}}, late.Callback()).code(),
+            StatusCode::kUnavailable);
   engine->Shutdown();  // Idempotent.
   EXPECT_EQ(late.calls(), 0);
 }
@@ -441,8 +415,7 @@ TEST(CudaCopyEngineTest, CopyDoneMaySubmitAndSavesOverlapRestores) {
   DeviceMemory device = MakeDeviceMemory(2 * kBytes);
   Bytes upper(kBytes);
   FillPattern(upper.data(), kBytes, 13);
-  ASSERT_EQ(cudaMemcpy(device.data() + kBytes, upper.data(), kBytes, cudaMemcpyHostToDevice),
-            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device.data() + kBytes, upper.data(), kBytes, cudaMemcpyHostToDevice), cudaSuccess);
   auto id = engine->RegisterDeviceBuffer(device.data(), 0, device.size());
   ASSERT_TRUE(id.ok());
   // A restore of the lower half whose CopyDone submits a save of the upper half.
@@ -450,14 +423,11 @@ TEST(CudaCopyEngineTest, CopyDoneMaySubmitAndSavesOverlapRestores) {
   DoneProbe restore_probe;
   CopyDone chained = [&, inner = restore_probe.Callback()](Status s) {
     const Status submitted = engine->Submit(
-        CopyBatch{CopyDirection::kSave, {{*id, kBytes, pool.data() + kBytes, kBytes}}},
-        save_probe.Callback());
+        CopyBatch{CopyDirection::kSave, {{*id, kBytes, pool.data() + kBytes, kBytes}}}, save_probe.Callback());
     EXPECT_TRUE(submitted.ok()) << submitted;
     inner(std::move(s));
   };
-  ASSERT_TRUE(
-      engine->Submit(CopyBatch{CopyDirection::kRestore, {{*id, 0, pool.data(), kBytes}}}, chained)
-          .ok());
+  ASSERT_TRUE(engine->Submit(CopyBatch{CopyDirection::kRestore, {{*id, 0, pool.data(), kBytes}}}, chained).ok());
   EXPECT_TRUE(restore_probe.Wait().ok());
   EXPECT_TRUE(save_probe.Wait().ok());
   EXPECT_TRUE(std::equal(upper.begin(), upper.end(), pool.data() + kBytes));

@@ -60,22 +60,20 @@ Status CudaCopyEngine::StartStagingRing(Lane& lane, uint64_t bytes, uint32_t tim
   return Status::Ok();
 }
 
-Result<std::vector<CudaCopyEngine::RingSlotTiming>> CudaCopyEngine::TakeRingTimeline(
-    int device, cudaEvent_t origin_event) {
+Result<std::vector<CudaCopyEngine::RingSlotTiming>> CudaCopyEngine::TakeRingTimeline(int device,
+                                                                                     cudaEvent_t origin_event) {
   ORBITKV_ASSIGN_OR_RETURN(const uint32_t index, DeviceIndex(device));
   Lane& lane = *lanes_[2 * index + DirectionIndex(CopyDirection::kRestore)];
   if (lane.timeline.empty()) {
     return Status::FailedPrecondition(
-        fmt::format("device {} records no ring timeline (ring_timeline_slots {}, ring {} bytes)",
-                    device, options_.ring_timeline_slots, lane.ring.size()));
+        fmt::format("device {} records no ring timeline (ring_timeline_slots {}, ring {} bytes)", device,
+                    options_.ring_timeline_slots, lane.ring.size()));
   }
   // Milliseconds from the origin (the first recorded fill's start unless given) to `event`.
-  const cudaEvent_t origin =
-      origin_event != nullptr ? origin_event : lane.timeline[0].fill_start.get();
+  const cudaEvent_t origin = origin_event != nullptr ? origin_event : lane.timeline[0].fill_start.get();
   const auto since_origin = [origin](const CudaEvent& event) -> Result<double> {
     float ms = 0;
-    ORBITKV_RETURN_IF_ERROR(
-        CudaStatus(cudaEventElapsedTime(&ms, origin, event.get()), "cudaEventElapsedTime"));
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventElapsedTime(&ms, origin, event.get()), "cudaEventElapsedTime"));
     return ms;
   };
   std::vector<RingSlotTiming> out;
@@ -83,8 +81,7 @@ Result<std::vector<CudaCopyEngine::RingSlotTiming>> CudaCopyEngine::TakeRingTime
   for (size_t i = 0; i < used; ++i) {
     const Lane::SlotMarks& marks = lane.timeline[i];
     // The scatter waited for the slot's fill, so this covers all three marks.
-    ORBITKV_RETURN_IF_ERROR(
-        CudaStatus(cudaEventSynchronize(marks.scatter_end.get()), "timeline event"));
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(marks.scatter_end.get()), "timeline event"));
     RingSlotTiming timing{.bytes = marks.bytes, .runs = marks.runs};
     ORBITKV_ASSIGN_OR_RETURN(timing.fill_start_ms, since_origin(marks.fill_start));
     ORBITKV_ASSIGN_OR_RETURN(timing.fill_end_ms, since_origin(marks.fill_end));
@@ -101,8 +98,7 @@ Status CudaCopyEngine::Launch(Lane* lane, Batch* batch) {
                   : batch->staged ? LaunchStaged(lane, stream, batch)
                                   : LaunchKernel(lane, stream, batch);
   if (status.ok()) {
-    status =
-        CudaStatus(cudaEventRecord(batch->staging->done_event.get(), stream), "cudaEventRecord");
+    status = CudaStatus(cudaEventRecord(batch->staging->done_event.get(), stream), "cudaEventRecord");
   }
   if (!status.ok()) {
     // Part of the batch may be queued: let it drain before its staging area is reused.
@@ -124,18 +120,17 @@ Status CudaCopyEngine::LaunchKernel(Lane* lane, cudaStream_t stream, Batch* batc
   for (size_t i = 0; i < fragments.size(); ++i) {
     const uint64_t length = fragments[i].length;
     for (uint64_t offset = 0; offset < length; offset += chunk_bytes) {
-      chunks[n++] = CopyChunk{batch->src[i] + offset, batch->dst[i] + offset,
-                              std::min(chunk_bytes, length - offset), 0};
+      chunks[n++] =
+          CopyChunk{batch->src[i] + offset, batch->dst[i] + offset, std::min(chunk_bytes, length - offset), 0};
     }
   }
   ORBITKV_CHECK(n == batch->chunks);
   const uint64_t blocks = std::min<uint64_t>(CeilDiv(n, kCopyWarpsPerBlock), lane->max_blocks);
   // The kernel reads the descriptors in place: uploading them first (a copy queued ahead of every
   // launch) measured 3-5% slower.
-  return CudaStatus(
-      LaunchCopyChunks(reinterpret_cast<const CopyChunk*>(staging.chunks.device_data()),
-                       static_cast<uint32_t>(n), static_cast<uint32_t>(blocks), stream),
-      "launch of the copy kernel");
+  return CudaStatus(LaunchCopyChunks(reinterpret_cast<const CopyChunk*>(staging.chunks.device_data()),
+                                     static_cast<uint32_t>(n), static_cast<uint32_t>(blocks), stream),
+                    "launch of the copy kernel");
 }
 
 Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batch) {
@@ -144,8 +139,7 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
   const uint64_t slot_bytes = lane->slot_bytes;
   const uint64_t chunk_bytes = batch->chunk_bytes;
   // A fragment cut by a slot's end makes one chunk more, at most once per slot.
-  ORBITKV_RETURN_IF_ERROR(
-      staging.Reserve(lane->device, batch->chunks + CeilDiv(batch->total_bytes, slot_bytes) + 1));
+  ORBITKV_RETURN_IF_ERROR(staging.Reserve(lane->device, batch->chunks + CeilDiv(batch->total_bytes, slot_bytes) + 1));
   auto* chunks = reinterpret_cast<CopyChunk*>(staging.chunks.data());
   const auto* device_chunks = reinterpret_cast<const CopyChunk*>(staging.chunks.device_data());
   cudaStream_t copies = lane->copy_stream.get();
@@ -188,8 +182,8 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
         run_bytes = take;
       }
       for (uint64_t at = 0; at < take; at += chunk_bytes) {
-        chunks[n++] = CopyChunk{reinterpret_cast<uintptr_t>(slot) + filled + at,
-                                batch->dst[i] + offset + at, std::min(chunk_bytes, take - at), 0};
+        chunks[n++] = CopyChunk{reinterpret_cast<uintptr_t>(slot) + filled + at, batch->dst[i] + offset + at,
+                                std::min(chunk_bytes, take - at), 0};
       }
       filled += take;
       offset += take;
@@ -200,36 +194,32 @@ Status CudaCopyEngine::LaunchStaged(Lane* lane, cudaStream_t stream, Batch* batc
     }
     ORBITKV_RETURN_IF_ERROR(copy_run());
     // Counted once its last mark is recorded: a slot whose copies failed to queue is left out.
-    Lane::SlotMarks* marks = lane->timeline_used < lane->timeline.size()
-                                 ? &lane->timeline[lane->timeline_used]
-                                 : nullptr;
+    Lane::SlotMarks* marks =
+        lane->timeline_used < lane->timeline.size() ? &lane->timeline[lane->timeline_used] : nullptr;
     if (marks != nullptr) {
       marks->bytes = filled;
       marks->runs = static_cast<uint32_t>(staging.dsts.size());
-      ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(marks->fill_start.get(), copies),
-                                         "cudaEventRecord (timeline)"));
+      ORBITKV_RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(marks->fill_start.get(), copies), "cudaEventRecord (timeline)"));
     }
     ORBITKV_RETURN_IF_ERROR(FillSlot(copies, &staging));
     if (marks != nullptr) {
-      ORBITKV_RETURN_IF_ERROR(
-          CudaStatus(cudaEventRecord(marks->fill_end.get(), copies), "cudaEventRecord (timeline)"));
+      ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(marks->fill_end.get(), copies), "cudaEventRecord (timeline)"));
     }
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_filled[k].get(), copies),
-                                       "cudaEventRecord (staging slot filled)"));
+    ORBITKV_RETURN_IF_ERROR(
+        CudaStatus(cudaEventRecord(lane->slot_filled[k].get(), copies), "cudaEventRecord (staging slot filled)"));
     ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream, lane->slot_filled[k].get(), 0),
                                        "cudaStreamWaitEvent (staging slot filled)"));
     const uint64_t count = n - first_chunk;
-    const uint64_t blocks =
-        std::min<uint64_t>(CeilDiv(count, kCopyWarpsPerBlock), lane->max_blocks);
+    const uint64_t blocks = std::min<uint64_t>(CeilDiv(count, kCopyWarpsPerBlock), lane->max_blocks);
+    ORBITKV_RETURN_IF_ERROR(CudaStatus(LaunchCopyChunks(device_chunks + first_chunk, static_cast<uint32_t>(count),
+                                                        static_cast<uint32_t>(blocks), stream),
+                                       "launch of the copy kernel (staged scatter)"));
     ORBITKV_RETURN_IF_ERROR(
-        CudaStatus(LaunchCopyChunks(device_chunks + first_chunk, static_cast<uint32_t>(count),
-                                    static_cast<uint32_t>(blocks), stream),
-                   "launch of the copy kernel (staged scatter)"));
-    ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->slot_free[k].get(), stream),
-                                       "cudaEventRecord (staging slot free)"));
+        CudaStatus(cudaEventRecord(lane->slot_free[k].get(), stream), "cudaEventRecord (staging slot free)"));
     if (marks != nullptr) {
-      ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(marks->scatter_end.get(), stream),
-                                         "cudaEventRecord (timeline)"));
+      ORBITKV_RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(marks->scatter_end.get(), stream), "cudaEventRecord (timeline)"));
       ++lane->timeline_used;
     }
   }
@@ -250,8 +240,7 @@ Status CudaCopyEngine::IssueMemcpyBatches(Staging* staging, cudaStream_t stream,
     const size_t count = std::min(kCopiesPerMemcpyBatch, n - begin);
     ORBITKV_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyBatchAsync(staging->dsts.data() + begin, staging->srcs.data() + begin,
-                                        staging->sizes.data() + begin, count, &attributes,
-                                        &first_copy, 1, stream),
+                                        staging->sizes.data() + begin, count, &attributes, &first_copy, 1, stream),
                    what));
   }
   return Status::Ok();
@@ -261,10 +250,9 @@ Status CudaCopyEngine::FillSlot(cudaStream_t copies, Staging* staging) const {
   const size_t n = staging->dsts.size();
   if (!dma_available_) {
     for (size_t i = 0; i < n; ++i) {
-      ORBITKV_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(staging->dsts[i], staging->srcs[i], staging->sizes[i],
-                                     cudaMemcpyHostToDevice, copies),
-                     "cudaMemcpyAsync into the staging ring"));
+      ORBITKV_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(staging->dsts[i], staging->srcs[i], staging->sizes[i], cudaMemcpyHostToDevice, copies),
+          "cudaMemcpyAsync into the staging ring"));
     }
     return Status::Ok();
   }

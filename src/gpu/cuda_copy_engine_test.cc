@@ -100,11 +100,9 @@ TEST(CudaCopyEngineTest, CreateRejectsOptionsOutOfRange) {
   EXPECT_EQ(code({.chunk_bytes = 0}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.chunk_bytes = 4095}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.chunk_bytes = 4096 + 16}, &registry), StatusCode::kInvalidArgument);
-  EXPECT_EQ(code({.chunk_bytes = CudaCopyEngine::kMaxChunkBytes * 2}, &registry),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.chunk_bytes = CudaCopyEngine::kMaxChunkBytes * 2}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.blocks_per_sm = 0}, &registry), StatusCode::kInvalidArgument);
-  EXPECT_EQ(code({.blocks_per_sm = CudaCopyEngine::kMaxBlocksPerSm + 1}, &registry),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.blocks_per_sm = CudaCopyEngine::kMaxBlocksPerSm + 1}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.devices = {-1}}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.devices = {devices}}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.devices = {0, 0}}, &registry), StatusCode::kInvalidArgument);
@@ -118,8 +116,7 @@ TEST(CudaCopyEngineTest, CreateRejectsOptionsOutOfRange) {
   EXPECT_EQ(code({.staged_max_fragment_bytes = 0}, &registry), StatusCode::kInvalidArgument);
   EXPECT_EQ(code({.ring_timeline_slots = CudaCopyEngine::kMaxRingTimelineSlots + 1}, &registry),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(code({.wake_ahead_us = CudaCopyEngine::kMaxWakeAheadUs + 1}, &registry),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({.wake_ahead_us = CudaCopyEngine::kMaxWakeAheadUs + 1}, &registry), StatusCode::kInvalidArgument);
   auto engine = CudaCopyEngine::Create({}, &registry, nullptr);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->name(), "cuda");
@@ -132,19 +129,13 @@ TEST(CudaCopyEngineTest, RegisterDeviceBufferValidatesAndIssuesDistinctIds) {
   ASSERT_NE(engine, nullptr);
   DeviceMemory a = MakeDeviceMemory(1 << 20);
   Bytes host(4096);
-  EXPECT_EQ(engine->RegisterDeviceBuffer(nullptr, 0, 64).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 0, 0).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 99, 64).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine->RegisterDeviceBuffer(host.data(), 0, 64).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(nullptr, 0, 64).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 0, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 99, 64).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(host.data(), 0, 64).status().code(), StatusCode::kInvalidArgument);
   // Past the end of the allocation, from its start and from inside it.
-  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 0, (1 << 20) + 1).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data() + 4096, 0, 1 << 20).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data(), 0, (1 << 20) + 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterDeviceBuffer(a.data() + 4096, 0, 1 << 20).status().code(), StatusCode::kInvalidArgument);
   auto first = engine->RegisterDeviceBuffer(a.data(), 0, 1 << 20);
   auto second = engine->RegisterDeviceBuffer(a.data() + 4096, 0, (1 << 20) - 4096);
   ASSERT_TRUE(first.ok()) << first.status();
@@ -166,24 +157,18 @@ TEST(CudaCopyEngineTest, RegisterIpcBufferRefusesBadHandles) {
   auto engine = MakeEngine(registry);
   ASSERT_NE(engine, nullptr);
   Bytes short_handle(CudaCopyEngine::kIpcHandleBytes - 1, 0);
-  EXPECT_EQ(engine->RegisterIpcBuffer(short_handle, 0, 4096).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterIpcBuffer(short_handle, 0, 4096).status().code(), StatusCode::kInvalidArgument);
   Bytes garbage(CudaCopyEngine::kIpcHandleBytes);
   FillPattern(garbage.data(), garbage.size(), 3);
-  EXPECT_EQ(engine->RegisterIpcBuffer(garbage, 0, 4096).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterIpcBuffer(garbage, 0, 4096).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(engine->RegisterIpcBuffer(garbage, 0, 0).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine->RegisterIpcBuffer(garbage, 99, 4096).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterIpcBuffer(garbage, 99, 4096).status().code(), StatusCode::kInvalidArgument);
   // A handle of this process's own memory cannot be opened here.
   DeviceMemory own = MakeDeviceMemory(1 << 20);
   cudaIpcMemHandle_t handle;
   ASSERT_EQ(cudaIpcGetMemHandle(&handle, own.data()), cudaSuccess);
   EXPECT_EQ(
-      engine
-          ->RegisterIpcBuffer({reinterpret_cast<const uint8_t*>(&handle), sizeof(handle)}, 0, 4096)
-          .status()
-          .code(),
+      engine->RegisterIpcBuffer({reinterpret_cast<const uint8_t*>(&handle), sizeof(handle)}, 0, 4096).status().code(),
       StatusCode::kInvalidArgument);
 }
 
@@ -198,9 +183,7 @@ struct MethodCase {
 
 class CudaCopyEngineMethodTest : public ::testing::TestWithParam<MethodCase> {};
 
-std::string MethodCaseName(const ::testing::TestParamInfo<MethodCase>& info) {
-  return info.param.name;
-}
+std::string MethodCaseName(const ::testing::TestParamInfo<MethodCase>& info) { return info.param.name; }
 
 TEST_P(CudaCopyEngineMethodTest, RestoreAndSaveAreByteExact) {
   const CudaCopyEngine::Options& options = GetParam().options;
@@ -213,8 +196,7 @@ TEST_P(CudaCopyEngineMethodTest, RestoreAndSaveAreByteExact) {
   DeviceMemory device = MakeDeviceMemory(kBytes);
   auto id = engine->RegisterDeviceBuffer(device.data(), 0, kBytes);
   ASSERT_TRUE(id.ok()) << id.status();
-  std::mt19937_64 rng(42 + static_cast<int>(options.method) + options.chunk_bytes +
-                      options.dma_min_fragment_bytes);
+  std::mt19937_64 rng(42 + static_cast<int>(options.method) + options.chunk_bytes + options.dma_min_fragment_bytes);
   const std::vector<CopyFragment> fragments = MixedFragments(*id, kBytes, pool.data(), kBytes, rng);
   uint64_t total = 0;
   for (const CopyFragment& f : fragments) total += f.length;
@@ -237,42 +219,35 @@ TEST_P(CudaCopyEngineMethodTest, RestoreAndSaveAreByteExact) {
   ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kSave, fragments}).ok());
   Bytes pool_expected(kBytes, kPoison);
   for (const CopyFragment& f : fragments) {
-    std::memcpy(pool_expected.data() + (f.pool - pool.data()), source.data() + f.buffer_offset,
-                f.length);
+    std::memcpy(pool_expected.data() + (f.pool - pool.data()), source.data() + f.buffer_offset, f.length);
   }
-  EXPECT_TRUE(std::equal(pool_expected.begin(), pool_expected.end(), pool.data()))
-      << "saved bytes differ";
+  EXPECT_TRUE(std::equal(pool_expected.begin(), pool_expected.end(), pool.data())) << "saved bytes differ";
 
   auto counter = [&](const char* direction) {
     return metrics
-        .GetCounter("orbitkv_copy_bytes_total", "",
-                    {{"engine", "cuda"}, {"direction", direction}, {"device", "0"}})
+        .GetCounter("orbitkv_copy_bytes_total", "", {{"engine", "cuda"}, {"direction", direction}, {"device", "0"}})
         .Value();
   };
   EXPECT_EQ(counter("restore"), total);
   EXPECT_EQ(counter("save"), total);
-  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cuda"}}).Value(),
-            0.0);
+  EXPECT_EQ(metrics.GetGauge("orbitkv_copy_inflight_batches", "", {{"engine", "cuda"}}).Value(), 0.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Methods, CudaCopyEngineMethodTest,
-    ::testing::Values(
-        MethodCase{"Kernel", {.chunk_bytes = 64 << 10, .method = Method::kKernel}},
-        MethodCase{"KernelChunk4k", {.chunk_bytes = 4 << 10, .method = Method::kKernel}},
-        MethodCase{"MemcpyBatch", {.method = Method::kMemcpyBatch}},
-        MethodCase{"AutoCopyEngines", {.method = Method::kAuto}},
-        MethodCase{"AutoKernel", {.method = Method::kAuto, .dma_min_fragment_bytes = 64 << 20}},
-        // The completer polling near each batch's end (the default), and blocking in
-        // cudaEventSynchronize instead.
-        MethodCase{"AutoPollingCompletion", {.method = Method::kAuto, .completion_poll_us = 200}},
-        MethodCase{"KernelPollingCompletion",
-                   {.method = Method::kKernel, .completion_poll_us = 200}},
-        MethodCase{"AutoBlockingCompletion", {.method = Method::kAuto, .completion_poll_us = 0}},
-        MethodCase{"KernelBlockingCompletion",
-                   {.method = Method::kKernel, .completion_poll_us = 0}},
-        // The dispatcher woken only when a batch is queued, not ahead of it.
-        MethodCase{"AutoNoWakeAhead", {.method = Method::kAuto, .wake_ahead_us = 0}}),
+    ::testing::Values(MethodCase{"Kernel", {.chunk_bytes = 64 << 10, .method = Method::kKernel}},
+                      MethodCase{"KernelChunk4k", {.chunk_bytes = 4 << 10, .method = Method::kKernel}},
+                      MethodCase{"MemcpyBatch", {.method = Method::kMemcpyBatch}},
+                      MethodCase{"AutoCopyEngines", {.method = Method::kAuto}},
+                      MethodCase{"AutoKernel", {.method = Method::kAuto, .dma_min_fragment_bytes = 64 << 20}},
+                      // The completer polling near each batch's end (the default), and blocking in
+                      // cudaEventSynchronize instead.
+                      MethodCase{"AutoPollingCompletion", {.method = Method::kAuto, .completion_poll_us = 200}},
+                      MethodCase{"KernelPollingCompletion", {.method = Method::kKernel, .completion_poll_us = 200}},
+                      MethodCase{"AutoBlockingCompletion", {.method = Method::kAuto, .completion_poll_us = 0}},
+                      MethodCase{"KernelBlockingCompletion", {.method = Method::kKernel, .completion_poll_us = 0}},
+                      // The dispatcher woken only when a batch is queued, not ahead of it.
+                      MethodCase{"AutoNoWakeAhead", {.method = Method::kAuto, .wake_ahead_us = 0}}),
     MethodCaseName);
 
 // kAuto sends batches of large fragments to the copy engines and small ones to the kernel; both
@@ -327,12 +302,10 @@ TEST(CudaCopyEngineTest, RestoresOfLongPoolRunsAreStagedThroughTheRing) {
   HostMemoryRegistry registry;
   MetricsRegistry metrics;
   auto engine = MakeEngine(
-      registry, {.restore_staging_bytes = CudaCopyEngine::kStagingSlots * kSlot,
-                 .staged_min_run_bytes = 4096},
+      registry, {.restore_staging_bytes = CudaCopyEngine::kStagingSlots * kSlot, .staged_min_run_bytes = 4096},
       &metrics);
   ASSERT_NE(engine, nullptr);
-  Counter& staged =
-      metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
+  Counter& staged = metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
   constexpr uint64_t kBytes = 4 << 20;
   RegisteredHostMemory pool(registry, kBytes);
   DeviceMemory device = MakeDeviceMemory(kBytes);
@@ -349,8 +322,7 @@ TEST(CudaCopyEngineTest, RestoresOfLongPoolRunsAreStagedThroughTheRing) {
   std::vector<uint64_t> pages(kBytes / kPage);
   for (uint64_t p = 0; p < pages.size(); ++p) pages[p] = p;
   std::shuffle(pages.begin(), pages.end(), rng);
-  auto make_batch = [&](uint64_t pool_at, size_t first_page, size_t count, uint64_t gap,
-                        uint64_t fixed_length = 0) {
+  auto make_batch = [&](uint64_t pool_at, size_t first_page, size_t count, uint64_t gap, uint64_t fixed_length = 0) {
     CopyBatch batch{CopyDirection::kRestore, {}};
     for (size_t j = 0; j < count; ++j) {
       const uint64_t length = fixed_length != 0 ? fixed_length : lengths[j % lengths.size()];
@@ -417,8 +389,8 @@ TEST(CudaCopyEngineTest, BlocksOf64KiBPagesAreStagedBeforeTheCopyEngines) {
     CopyBatch batch{CopyDirection::kRestore, {}};
     for (uint64_t b = 0; b < kBlocks; ++b) {
       for (uint64_t l = 0; l < kPagesPerBlock; ++l) {
-        batch.fragments.push_back({id, pages[b * kPagesPerBlock + l] * kPage,
-                                   pool.data() + b * kStride + l * kPage, kPage});
+        batch.fragments.push_back(
+            {id, pages[b * kPagesPerBlock + l] * kPage, pool.data() + b * kStride + l * kPage, kPage});
       }
     }
     return batch;
@@ -431,8 +403,7 @@ TEST(CudaCopyEngineTest, BlocksOf64KiBPagesAreStagedBeforeTheCopyEngines) {
     if (!staged_first) options.staged_max_fragment_bytes = kPage;
     auto engine = MakeEngine(registry, options, &metrics);
     ASSERT_NE(engine, nullptr);
-    Counter& staged =
-        metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
+    Counter& staged = metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
     Counter& dma = metrics.GetCounter("orbitkv_copy_dma_batches_total", "", {{"engine", "cuda"}});
     auto id = engine->RegisterDeviceBuffer(device.data(), 0, kDeviceBytes);
     ASSERT_TRUE(id.ok()) << id.status();
@@ -460,8 +431,7 @@ TEST(CudaCopyEngineTest, BlocksOf64KiBPagesAreStagedBeforeTheCopyEngines) {
       last_start = t.fill_start_ms;
     }
     EXPECT_EQ(bytes, staged_first ? kBlocks * kPagesPerBlock * kPage : 0u);
-    EXPECT_EQ(timeline->size(),
-              staged_first ? (kBlocks * kPagesPerBlock * kPage + kSlot - 1) / kSlot : 0u);
+    EXPECT_EQ(timeline->size(), staged_first ? (kBlocks * kPagesPerBlock * kPage + kSlot - 1) / kSlot : 0u);
     // Taken: the next call starts empty.
     auto again = engine->TakeRingTimeline(0);
     ASSERT_TRUE(again.ok()) << again.status();
@@ -487,8 +457,7 @@ TEST(CudaCopyEngineTest, StagedSlotsGatherManyRunsEach) {
                             .staged_min_run_bytes = 4000},  // the runs average 4093.5 bytes
                            &metrics);
   ASSERT_NE(engine, nullptr);
-  Counter& staged =
-      metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
+  Counter& staged = metrics.GetCounter("orbitkv_copy_staged_batches_total", "", {{"engine", "cuda"}});
   constexpr uint64_t kBytes = 8 << 20;
   constexpr uint64_t kDeviceBytes = 16 << 20;  // a page of kPage for each of the 2401 fragments
   constexpr uint64_t kPage = 4096;
@@ -559,8 +528,7 @@ TEST(CudaCopyEngineTest, SplitKvAndMlaLayoutsRoundTrip) {
       for (uint32_t l = 0; l < kLayers; ++l) {
         for (int part = 0; part < parts; ++part) {
           const uint64_t engine_offset = (part * kPages + pages[b]) * kPageBytes;
-          out.push_back(CopyFragment{ids[l], engine_offset, block + (l * parts + part) * kPageBytes,
-                                     kPageBytes});
+          out.push_back(CopyFragment{ids[l], engine_offset, block + (l * parts + part) * kPageBytes, kPageBytes});
         }
       }
       return out;
@@ -586,9 +554,7 @@ TEST(CudaCopyEngineTest, SplitKvAndMlaLayoutsRoundTrip) {
     }
     std::memset(pool.data() + kRestored * block_bytes, kPoison, kRestored * block_bytes);
     ASSERT_TRUE(RunBatch(*engine, save).ok());
-    EXPECT_EQ(
-        std::memcmp(pool.data(), pool.data() + kRestored * block_bytes, kRestored * block_bytes),
-        0);
+    EXPECT_EQ(std::memcmp(pool.data(), pool.data() + kRestored * block_bytes, kRestored * block_bytes), 0);
     for (const BufferId id : ids) ASSERT_TRUE(engine->UnregisterBuffer(id).ok());
   }
 }
@@ -659,8 +625,7 @@ TEST(CudaCopyEngineTest, ImportsAnotherProcessesBufferThroughIpc) {
     ASSERT_NE(engine, nullptr);
     RegisteredHostMemory pool(registry, kIpcBytes);
     // A range past the exported allocation is refused (and its mapping closed again).
-    EXPECT_EQ(engine->RegisterIpcBuffer(handle, 0, kIpcBytes, 4096).status().code(),
-              StatusCode::kInvalidArgument);
+    EXPECT_EQ(engine->RegisterIpcBuffer(handle, 0, kIpcBytes, 4096).status().code(), StatusCode::kInvalidArgument);
     // The lower half, and the upper half as a second registration of the same handle at an
     // offset while the first is live (CUDA opens a handle once per process: they share it).
     auto lower = engine->RegisterIpcBuffer(handle, 0, kIpcBytes / 2, 0);
@@ -668,9 +633,7 @@ TEST(CudaCopyEngineTest, ImportsAnotherProcessesBufferThroughIpc) {
     auto upper = engine->RegisterIpcBuffer(handle, 0, kIpcBytes / 2, kIpcBytes / 2);
     ASSERT_TRUE(upper.ok()) << upper.status();
     std::memset(pool.data(), kPoison, kIpcBytes);
-    ASSERT_TRUE(RunBatch(*engine,
-                         CopyBatch{CopyDirection::kSave, {{*lower, 0, pool.data(), kIpcBytes / 2}}})
-                    .ok());
+    ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kSave, {{*lower, 0, pool.data(), kIpcBytes / 2}}}).ok());
     bool same = true;
     for (uint64_t i = 0; i < kIpcBytes / 2 && same; ++i) {
       same = pool.data()[i] == PatternByte(kIpcSeed, i);
@@ -679,9 +642,7 @@ TEST(CudaCopyEngineTest, ImportsAnotherProcessesBufferThroughIpc) {
     // Unregistering the lower half leaves the shared mapping open for the upper one.
     ASSERT_TRUE(engine->UnregisterBuffer(*lower).ok());
     FillPattern(pool.data(), kIpcBytes / 2, kIpcRestoreSeed);
-    ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kRestore,
-                                            {{*upper, 0, pool.data(), kIpcBytes / 2}}})
-                    .ok());
+    ASSERT_TRUE(RunBatch(*engine, CopyBatch{CopyDirection::kRestore, {{*upper, 0, pool.data(), kIpcBytes / 2}}}).ok());
     ASSERT_TRUE(engine->UnregisterBuffer(*upper).ok());
   }
   // The exporter checks the restored half in its own memory.
@@ -704,10 +665,8 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   // Without a device every test would fail on its first CUDA call: say why once instead.
   int devices = 0;
-  if (const cudaError_t error = cudaGetDeviceCount(&devices);
-      error != cudaSuccess || devices == 0) {
-    std::fprintf(stderr,
-                 "gpu_copy_engine_test: no usable CUDA device (%s); run it on a GPU machine\n",
+  if (const cudaError_t error = cudaGetDeviceCount(&devices); error != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "gpu_copy_engine_test: no usable CUDA device (%s); run it on a GPU machine\n",
                  cudaGetErrorString(error));
     return 1;
   }

@@ -51,8 +51,7 @@ inline void FillPattern(uint8_t* data, uint64_t bytes, uint64_t seed) {
 // Host memory from mmap, registered with a HostMemoryRegistry for the object's lifetime.
 class RegisteredHostMemory {
  public:
-  RegisteredHostMemory(HostMemoryRegistry& registry, uint64_t bytes)
-      : registry_(registry), bytes_(bytes) {
+  RegisteredHostMemory(HostMemoryRegistry& registry, uint64_t bytes) : registry_(registry), bytes_(bytes) {
     void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     ORBITKV_CHECK(data != MAP_FAILED);
     data_ = static_cast<uint8_t*>(data);
@@ -96,8 +95,8 @@ inline void Poison(const DeviceMemory& memory) {
 }
 
 inline std::unique_ptr<CudaCopyEngine> MakeEngine(const HostMemoryRegistry& registry,
-                                           CudaCopyEngine::Options options = {},
-                                           MetricsRegistry* metrics = nullptr) {
+                                                  CudaCopyEngine::Options options = {},
+                                                  MetricsRegistry* metrics = nullptr) {
   if (options.devices.empty()) options.devices = {0};
   auto engine = CudaCopyEngine::Create(options, &registry, metrics);
   EXPECT_TRUE(engine.ok()) << engine.status();
@@ -113,7 +112,7 @@ inline Status RunBatch(CudaCopyEngine& engine, CopyBatch batch) {
 // Fragments of many lengths at many alignments, laid out without overlap in an engine buffer of
 // `buffer_bytes` and a pool of `pool_bytes` (in a shuffled order on the pool side).
 inline std::vector<CopyFragment> MixedFragments(BufferId buffer, uint64_t buffer_bytes, uint8_t* pool,
-                                         uint64_t pool_bytes, std::mt19937_64& rng) {
+                                                uint64_t pool_bytes, std::mt19937_64& rng) {
   const std::vector<uint64_t> lengths = {1,        2,
                                          3,        7,
                                          15,       16,

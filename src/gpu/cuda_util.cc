@@ -9,8 +9,7 @@ namespace orbitkv::gpu {
 
 Status CudaStatus(cudaError_t error, std::string_view what) {
   if (error == cudaSuccess) return Status::Ok();
-  const std::string message =
-      fmt::format("{}: {} ({})", what, cudaGetErrorName(error), cudaGetErrorString(error));
+  const std::string message = fmt::format("{}: {} ({})", what, cudaGetErrorName(error), cudaGetErrorString(error));
   switch (error) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
@@ -36,8 +35,7 @@ Result<int> UsableDeviceCount() {
 
 Result<int> DeviceByPciBusId(std::string_view pci_bus_id) {
   if (pci_bus_id.empty() || pci_bus_id.size() >= 64) {
-    return Status::InvalidArgument(
-        fmt::format("'{}' is not a PCI bus id (like 0000:00:06.0)", pci_bus_id));
+    return Status::InvalidArgument(fmt::format("'{}' is not a PCI bus id (like 0000:00:06.0)", pci_bus_id));
   }
   const std::string text(pci_bus_id);
   int device = -1;
@@ -45,17 +43,17 @@ Result<int> DeviceByPciBusId(std::string_view pci_bus_id) {
   if (error == cudaSuccess) return device;
   cudaGetLastError();
   if (error == cudaErrorInvalidDevice || error == cudaErrorInvalidValue) {
-    return Status::NotFound(fmt::format(
-        "no GPU visible to this process has PCI bus id {} ({}); is CUDA_VISIBLE_DEVICES hiding it?",
-        text, cudaGetErrorName(error)));
+    return Status::NotFound(
+        fmt::format("no GPU visible to this process has PCI bus id {} ({}); is CUDA_VISIBLE_DEVICES hiding it?", text,
+                    cudaGetErrorName(error)));
   }
   return CudaStatus(error, fmt::format("cudaDeviceGetByPCIBusId({})", text));
 }
 
 Result<std::string> PciBusIdOf(int device) {
   char text[64] = {};
-  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetPCIBusId(text, sizeof(text), device),
-                                     fmt::format("cudaDeviceGetPCIBusId({})", device)));
+  ORBITKV_RETURN_IF_ERROR(
+      CudaStatus(cudaDeviceGetPCIBusId(text, sizeof(text), device), fmt::format("cudaDeviceGetPCIBusId({})", device)));
   return std::string(text);
 }
 
@@ -82,8 +80,7 @@ Result<DeviceMemory> DeviceMemory::Allocate(int device, uint64_t bytes) {
   ScopedDevice scope(device);
   ORBITKV_RETURN_IF_ERROR(scope.status());
   void* data = nullptr;
-  ORBITKV_RETURN_IF_ERROR(
-      CudaStatus(cudaMalloc(&data, bytes), fmt::format("cudaMalloc({} bytes)", bytes)));
+  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&data, bytes), fmt::format("cudaMalloc({} bytes)", bytes)));
   DeviceMemory memory;
   memory.device_ = device;
   memory.data_ = static_cast<uint8_t*>(data);
@@ -92,9 +89,7 @@ Result<DeviceMemory> DeviceMemory::Allocate(int device, uint64_t bytes) {
 }
 
 DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
-    : device_(other.device_),
-      data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+    : device_(other.device_), data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
 
 DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
   if (this != &other) {
@@ -123,16 +118,14 @@ Result<PinnedHostMemory> PinnedHostMemory::Allocate(int device, uint64_t bytes) 
   ScopedDevice scope(device);
   ORBITKV_RETURN_IF_ERROR(scope.status());
   void* data = nullptr;
-  ORBITKV_RETURN_IF_ERROR(
-      CudaStatus(cudaHostAlloc(&data, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
-                 fmt::format("cudaHostAlloc({} bytes)", bytes)));
+  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(&data, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+                                     fmt::format("cudaHostAlloc({} bytes)", bytes)));
   PinnedHostMemory memory;
   memory.device_ = device;
   memory.data_ = static_cast<uint8_t*>(data);
   memory.size_ = bytes;
   void* device_data = nullptr;
-  ORBITKV_RETURN_IF_ERROR(
-      CudaStatus(cudaHostGetDevicePointer(&device_data, data, 0), "cudaHostGetDevicePointer"));
+  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaHostGetDevicePointer(&device_data, data, 0), "cudaHostGetDevicePointer"));
   memory.device_data_ = static_cast<uint8_t*>(device_data);
   return memory;
 }
@@ -171,8 +164,8 @@ Result<CudaStream> CudaStream::Create(int device) {
   ScopedDevice scope(device);
   ORBITKV_RETURN_IF_ERROR(scope.status());
   cudaStream_t stream = nullptr;
-  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                                     "cudaStreamCreateWithFlags"));
+  ORBITKV_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
   CudaStream owned;
   owned.device_ = device;
   owned.stream_ = stream;
@@ -206,10 +199,8 @@ Result<CudaEvent> CudaEvent::Create(int device, bool blocking_sync, bool timing)
   ScopedDevice scope(device);
   ORBITKV_RETURN_IF_ERROR(scope.status());
   cudaEvent_t event = nullptr;
-  const unsigned flags =
-      (timing ? 0u : cudaEventDisableTiming) | (blocking_sync ? cudaEventBlockingSync : 0u);
-  ORBITKV_RETURN_IF_ERROR(
-      CudaStatus(cudaEventCreateWithFlags(&event, flags), "cudaEventCreateWithFlags"));
+  const unsigned flags = (timing ? 0u : cudaEventDisableTiming) | (blocking_sync ? cudaEventBlockingSync : 0u);
+  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&event, flags), "cudaEventCreateWithFlags"));
   CudaEvent owned;
   owned.device_ = device;
   owned.event_ = event;
@@ -244,20 +235,19 @@ Result<AllocationRange> DeviceAllocationRange(const void* address) {
   void* entry = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
   ORBITKV_RETURN_IF_ERROR(
-      CudaStatus(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000,
-                                                  cudaEnableDefault, &found),
+      CudaStatus(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000, cudaEnableDefault, &found),
                  "cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)"));
   if (found != cudaDriverEntryPointSuccess || entry == nullptr) {
     return Status::Unavailable("the CUDA driver has no cuMemGetAddressRange");
   }
   CUdeviceptr base = 0;
   size_t bytes = 0;
-  const CUresult result = reinterpret_cast<GetAddressRangeFn>(entry)(
-      &base, &bytes, reinterpret_cast<CUdeviceptr>(address));
+  const CUresult result =
+      reinterpret_cast<GetAddressRangeFn>(entry)(&base, &bytes, reinterpret_cast<CUdeviceptr>(address));
   if (result != CUDA_SUCCESS) {
-    return Status::InvalidArgument(fmt::format(
-        "address {} is not inside a device allocation of the current device (CUresult {})", address,
-        static_cast<int>(result)));
+    return Status::InvalidArgument(
+        fmt::format("address {} is not inside a device allocation of the current device (CUresult {})", address,
+                    static_cast<int>(result)));
   }
   return AllocationRange{static_cast<uint64_t>(base), static_cast<uint64_t>(bytes)};
 }

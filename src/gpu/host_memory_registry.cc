@@ -27,20 +27,17 @@ Status HostMemoryRegistry::Register(uint8_t* base, uint64_t bytes, int numa_node
   MutexLock lock(&mu_);
   for (const Range& range : ranges_) {
     if (base < range.host + range.bytes && range.host < base + bytes) {
-      return Status::InvalidArgument(
-          fmt::format("host range [{}, +{}) overlaps the registered range [{}, +{})",
-                      static_cast<const void*>(base), bytes, static_cast<const void*>(range.host),
-                      range.bytes));
+      return Status::InvalidArgument(fmt::format("host range [{}, +{}) overlaps the registered range [{}, +{})",
+                                                 static_cast<const void*>(base), bytes,
+                                                 static_cast<const void*>(range.host), range.bytes));
     }
   }
   ScopedDevice scope(device_);
   ORBITKV_RETURN_IF_ERROR(scope.status());
-  ORBITKV_RETURN_IF_ERROR(
-      CudaStatus(cudaHostRegister(base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
-                 fmt::format("cudaHostRegister of {} bytes (NUMA node {})", bytes, numa_node)));
+  ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaHostRegister(base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+                                     fmt::format("cudaHostRegister of {} bytes (NUMA node {})", bytes, numa_node)));
   void* device = nullptr;
-  if (Status status =
-          CudaStatus(cudaHostGetDevicePointer(&device, base, 0), "cudaHostGetDevicePointer");
+  if (Status status = CudaStatus(cudaHostGetDevicePointer(&device, base, 0), "cudaHostGetDevicePointer");
       !status.ok()) {
     cudaHostUnregister(base);
     return status;
@@ -51,8 +48,7 @@ Status HostMemoryRegistry::Register(uint8_t* base, uint64_t bytes, int numa_node
 
 void HostMemoryRegistry::Unregister(uint8_t* base) {
   MutexLock lock(&mu_);
-  auto it = std::find_if(ranges_.begin(), ranges_.end(),
-                         [base](const Range& range) { return range.host == base; });
+  auto it = std::find_if(ranges_.begin(), ranges_.end(), [base](const Range& range) { return range.host == base; });
   ORBITKV_CHECK_MSG(it != ranges_.end(), "Unregister of host range {} that is not registered",
                     static_cast<const void*>(base));
   ScopedDevice scope(device_);
@@ -70,8 +66,7 @@ std::vector<HostMemoryRegistry::Range> HostMemoryRegistry::Snapshot() const {
   return ranges_;
 }
 
-uint8_t* HostMemoryRegistry::TranslateIn(const std::vector<Range>& ranges, const uint8_t* host,
-                                         uint64_t length) {
+uint8_t* HostMemoryRegistry::TranslateIn(const std::vector<Range>& ranges, const uint8_t* host, uint64_t length) {
   const uintptr_t address = reinterpret_cast<uintptr_t>(host);
   for (const Range& range : ranges) {
     const uintptr_t start = reinterpret_cast<uintptr_t>(range.host);

@@ -61,8 +61,7 @@ class HostMemoryRegistry final : public core::ArenaRegistrar {
   // A copy of the registered ranges, for a caller translating many addresses without taking the
   // lock each time (see TranslateIn).
   std::vector<Range> Snapshot() const EXCLUDES(mu_);
-  static uint8_t* TranslateIn(const std::vector<Range>& ranges, const uint8_t* host,
-                              uint64_t length);
+  static uint8_t* TranslateIn(const std::vector<Range>& ranges, const uint8_t* host, uint64_t length);
 
  private:
   const int device_;

@@ -106,12 +106,11 @@ class CacheService {
   };
   // A restore is claimed before its first write into the engine's pages; an abandoned one is never
   // started (Aborted, the lease's pins go back).
-  void Restore(uint64_t owner, const channel::RestoreRequest& request,
-               Done<channel::RestoreReply> done, ClaimFn claim = {});
+  void Restore(uint64_t owner, const channel::RestoreRequest& request, Done<channel::RestoreReply> done,
+               ClaimFn claim = {});
   // A save is claimed after its copy finished and before it is sealed; an abandoned one is never
   // sealed (Aborted), whatever bytes the copy read.
-  void Save(uint64_t owner, const channel::SaveRequest& request, Done<channel::SaveReply> done,
-            ClaimFn claim = {});
+  void Save(uint64_t owner, const channel::SaveRequest& request, Done<channel::SaveReply> done, ClaimFn claim = {});
   Status Release(uint64_t owner, const channel::ReleaseRequest& request);
   // NotFound when the op completed and was taken by a query, or was cancelled.
   // Whether the Loading operation was there to cancel (false: it completed and was taken, or was cancelled);
@@ -119,8 +118,7 @@ class CacheService {
   Result<bool> Cancel(uint64_t owner, const channel::CancelRequest& request);
   // Answered when the op completes (at once if it has): the blocks now resident. NotFound when
   // there is no such op (ask the query again), Aborted when it was cancelled or expired first.
-  void WaitLoading(uint64_t owner, const channel::WaitLoadingRequest& request,
-                   Done<channel::WaitLoadingReply> done);
+  void WaitLoading(uint64_t owner, const channel::WaitLoadingRequest& request, Done<channel::WaitLoadingReply> done);
   CacheServiceStats Stats() const;
 
   // The instance went away (unregistered, or its owner's session closed): it refuses new work,
@@ -132,8 +130,7 @@ class CacheService {
   // Distributed mode: the stage that brings a chain's keys (from where the local tiers stop) in
   // from peers, or none while remote work is off. Set before the service is used (the Manager sets
   // it once its cluster link is up).
-  using RemoteStageFn =
-      std::function<std::optional<LoadingStage>(std::vector<state::StateKey> keys)>;
+  using RemoteStageFn = std::function<std::optional<LoadingStage>(std::vector<state::StateKey> keys)>;
   void SetRemoteStage(RemoteStageFn remote) { remote_stage_ = std::move(remote); }
   uint32_t operations_active() const { return operations_.load(std::memory_order_relaxed); }
 
@@ -148,8 +145,7 @@ class CacheService {
   bool TryBeginOperation();
   void EndOperation();
   // Counts an answered query's blocks by tier (`origin`: its chain's completed Loading op, if any).
-  void CountAnswer(size_t blocks, size_t hits,
-                   const std::optional<LoadingRegistry::Origin>& origin);
+  void CountAnswer(size_t blocks, size_t hits, const std::optional<LoadingRegistry::Origin>& origin);
   // The stages that bring `keys` (from hits on) into DRAM, or none when nothing below DRAM has the
   // next block.
   std::vector<LoadingStage> PlanLoading(const std::vector<state::StateKey>& keys, size_t hits);
@@ -157,12 +153,10 @@ class CacheService {
   void CheckFault(uint64_t owner, const Status& status) const;
   // InvalidArgument/FailedPrecondition when a restore's pages or blocks do not fit `group` (checked
   // whole, before anything is copied).
-  static Status CheckRestore(const channel::RestoreRequest& request, const KvGroup& group,
-                             const core::LeaseUse& lease);
+  static Status CheckRestore(const channel::RestoreRequest& request, const KvGroup& group, const core::LeaseUse& lease);
   // Appends the fragments of the restore's pages [begin, end) (checked) to `batch`; their bytes.
   static uint64_t RestoreFragments(const channel::RestoreRequest& request, const KvGroup& group,
-                                   const core::LeaseUse& lease, size_t begin, size_t end,
-                                   core::CopyBatch* batch);
+                                   const core::LeaseUse& lease, size_t begin, size_t end, core::CopyBatch* batch);
 
   // Immutable after construction.
   const CacheServiceOptions options_;

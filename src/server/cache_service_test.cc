@@ -49,16 +49,13 @@ struct Captured {
 class RefusingEngine : public core::CopyEngine {
  public:
   Status Submit(core::CopyBatch batch, core::CopyDone done) override {
-    if (++submits == refuse_at.load())
-      return Status::ResourceExhausted("every batch slot is taken");
+    if (++submits == refuse_at.load()) return Status::ResourceExhausted("every batch slot is taken");
     return inner->Submit(std::move(batch), [this, done = std::move(done)](Status status) {
       finished.fetch_add(1);
       done(std::move(status));
     });
   }
-  void Expect(core::BufferId buffer, core::CopyDirection direction) override {
-    inner->Expect(buffer, direction);
-  }
+  void Expect(core::BufferId buffer, core::CopyDirection direction) override { inner->Expect(buffer, direction); }
   void Shutdown() override {}
   std::string_view name() const override { return inner->name(); }
 
@@ -106,8 +103,7 @@ class CacheServiceTest : public ::testing::Test {
     group->padded_bytes = kBlock;
     auto id = engine_->RegisterBuffer(memory_.data(), memory_.size());
     ASSERT_TRUE(id.ok()) << id.status();
-    group->buffers.push_back(
-        KvGroup::Buffer{nullptr, memory_.size(), {memory_.size(), 0, kBlock, kBlock}, *id});
+    group->buffers.push_back(KvGroup::Buffer{nullptr, memory_.size(), {memory_.size(), 0, kBlock, kBlock}, *id});
     ASSERT_TRUE((*service_->instances().Find(kOwner, kInstance))->AddGroup(group).ok());
   }
   void Close() {
@@ -206,8 +202,7 @@ TEST_F(CacheServiceTest, SavedBlocksComeBackByteExact) {
 TEST_F(CacheServiceTest, FixedSpanQueriesFindPagesWhereverTheChainStarts) {
   const std::vector<uint8_t> natives = Natives(7, 6);
   std::vector<state::StateKey> fixed;
-  ASSERT_TRUE(
-      state::StateKey::AppendChain(ns_, 0, 0, 16, natives, 16, 2, &fixed, /*fixed_span=*/true).ok());
+  ASSERT_TRUE(state::StateKey::AppendChain(ns_, 0, 0, 16, natives, 16, 2, &fixed, /*fixed_span=*/true).ok());
   for (const state::StateKey& key : fixed) EXPECT_EQ(key.span(), (state::TokenRange{0, 16}));
   channel::SaveRequest save;
   save.instance = kInstance;
@@ -245,9 +240,8 @@ TEST_F(CacheServiceTest, ALongRestoreIsTwoBatchesAndComesBackByteExact) {
   CacheServiceOptions options;
   options.restore_lead_pages = 2;
   Open(false, options);
-  Counter& batches =
-      metrics_.GetCounter("orbitkv_copy_batches_total", "",
-                          {{"engine", "cpu"}, {"direction", "restore"}, {"device", "host"}});
+  Counter& batches = metrics_.GetCounter("orbitkv_copy_batches_total", "",
+                                         {{"engine", "cpu"}, {"direction", "restore"}, {"device", "host"}});
   constexpr size_t kBlocks = 12;
   ASSERT_EQ(SaveChain(1, kBlocks, 300).written, kBlocks);
   Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, kBlocks));
@@ -347,9 +341,7 @@ TEST_F(CacheServiceTest, SaveSkipsBlocksAlreadyResidentAndRefusesForeignKeys) {
   const std::vector<uint8_t> natives = Natives(3, 1);
   state::Digest256 digest;
   digest.bytes[0] = 0xee;
-  ASSERT_TRUE(
-      state::StateKey::AppendChain(state::StateNamespace(digest), 0, 0, 16, natives, 16, 1, &keys)
-          .ok());
+  ASSERT_TRUE(state::StateKey::AppendChain(state::StateNamespace(digest), 0, 0, 16, natives, 16, 1, &keys).ok());
   channel::SaveRequest foreign;
   foreign.instance = kInstance;
   foreign.items.push_back(channel::SaveItem{keys[0], 0});
@@ -360,15 +352,13 @@ TEST_F(CacheServiceTest, SaveSkipsBlocksAlreadyResidentAndRefusesForeignKeys) {
 
 TEST_F(CacheServiceTest, OnlyTheOwnerUsesItsInstance) {
   SaveChain(1, 2);
-  EXPECT_EQ(service_->Query(kOwner + 1, QueryOf(1, 2)).status().code(),
-            StatusCode::kPermissionDenied);
+  EXPECT_EQ(service_->Query(kOwner + 1, QueryOf(1, 2)).status().code(), StatusCode::kPermissionDenied);
   channel::QueryRequest other_group = QueryOf(1, 2);
   other_group.group = 3;
   EXPECT_EQ(service_->Query(kOwner, other_group).status().code(), StatusCode::kNotFound);
   Result<channel::QueryReply> hit = service_->Query(kOwner, QueryOf(1, 2));
   ASSERT_TRUE(hit.ok());
-  EXPECT_EQ(service_->Release(kOwner + 1, {kInstance, hit->lease}).code(),
-            StatusCode::kPermissionDenied);
+  EXPECT_EQ(service_->Release(kOwner + 1, {kInstance, hit->lease}).code(), StatusCode::kPermissionDenied);
   EXPECT_TRUE(service_->Release(kOwner, {kInstance, hit->lease}).ok());
   EXPECT_EQ(service_->Query(kOwner, QueryOf(2, 2))->outcome, channel::QueryOutcome::kMiss);
 }
@@ -469,9 +459,7 @@ TEST_F(CacheServiceTest, AnsweredQueriesCountTheirBlocksByTheTierThatServedThem)
   auto counted = [&](const char* tier) {
     return metrics_.GetCounter("orbitkv_query_hit_blocks_total", "", {{"tier", tier}}).Value();
   };
-  auto missed = [&] {
-    return metrics_.GetCounter("orbitkv_query_missed_blocks_total", "").Value();
-  };
+  auto missed = [&] { return metrics_.GetCounter("orbitkv_query_missed_blocks_total", "").Value(); };
   SaveChain(1, 6, 700);
   cache_->table().EvictBytes(64 << 20);
   ssd_->Flush();
@@ -493,10 +481,10 @@ TEST_F(CacheServiceTest, AnsweredQueriesCountTheirBlocksByTheTierThatServedThem)
   EXPECT_EQ(counted("ssd"), 4u);
   EXPECT_EQ(counted("remote"), 0u);
   EXPECT_EQ(missed(), 2u);
-  Histogram& restore_seconds = metrics_.GetHistogram("orbitkv_restore_seconds", "",
-                                                     Histogram::ExponentialBounds(1e-5, 2, 20));
-  Histogram& submit_seconds = metrics_.GetHistogram("orbitkv_restore_submit_seconds", "",
-                                                    Histogram::ExponentialBounds(1e-6, 2, 20));
+  Histogram& restore_seconds =
+      metrics_.GetHistogram("orbitkv_restore_seconds", "", Histogram::ExponentialBounds(1e-5, 2, 20));
+  Histogram& submit_seconds =
+      metrics_.GetHistogram("orbitkv_restore_submit_seconds", "", Histogram::ExponentialBounds(1e-6, 2, 20));
   const uint64_t restores = restore_seconds.Count();
   const uint64_t submits = submit_seconds.Count();
   ASSERT_TRUE(RestoreTo(hit->lease, {0, 1, 2, 3, 4, 5}).ok());
@@ -505,10 +493,7 @@ TEST_F(CacheServiceTest, AnsweredQueriesCountTheirBlocksByTheTierThatServedThem)
   EXPECT_EQ(submit_seconds.Count(), submits + 1);
   EXPECT_GT(submit_seconds.Sum(), 0.0);
   EXPECT_LE(submit_seconds.Sum(), restore_seconds.Sum());
-  EXPECT_GE(
-      metrics_.GetHistogram("orbitkv_save_seconds", "", Histogram::ExponentialBounds(1e-5, 2, 20))
-          .Count(),
-      2u);
+  EXPECT_GE(metrics_.GetHistogram("orbitkv_save_seconds", "", Histogram::ExponentialBounds(1e-5, 2, 20)).Count(), 2u);
   // Asked again, the whole prefix is in DRAM now.
   Result<channel::QueryReply> warm = service_->Query(kOwner, QueryOf(1, 8));
   ASSERT_TRUE(warm.ok());
@@ -588,9 +573,9 @@ TEST_F(CacheServiceTest, PartialQueriesLeaseWhatArrivedWhileTheRemoteStageRuns) 
   ASSERT_TRUE(last.ok());
   ASSERT_EQ(last->outcome, channel::QueryOutcome::kHit);
   EXPECT_EQ(last->hits, 6u);
-  ASSERT_TRUE(RestoreTo(last->lease, {channel::kSkipPage, channel::kSkipPage, channel::kSkipPage,
-                                      channel::kSkipPage, 4, 5})
-                  .ok());
+  ASSERT_TRUE(
+      RestoreTo(last->lease, {channel::kSkipPage, channel::kSkipPage, channel::kSkipPage, channel::kSkipPage, 4, 5})
+          .ok());
   for (uint32_t i = 0; i < 6; ++i) EXPECT_TRUE(core::testing::CheckStamp(Page(i), kBlock, 900 + i));
   EXPECT_EQ(counted("dram"), 2u);
   EXPECT_EQ(counted("remote"), 4u);
@@ -632,8 +617,7 @@ TEST_F(CacheServiceTest, EngineMemoryThatVanishesFailsTheSaveAndReportsTheOwner)
   constexpr uint64_t kBytes = 4 * kBlock;
   ScopedFd fd(memfd_create("vanishing", MFD_CLOEXEC));
   ASSERT_EQ(ftruncate(fd.get(), kBytes), 0);
-  auto* mapped =
-      static_cast<uint8_t*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  auto* mapped = static_cast<uint8_t*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
   ASSERT_NE(mapped, MAP_FAILED);
   auto group = std::make_shared<KvGroup>();
   group->group = 1;
@@ -664,7 +648,7 @@ TEST_F(CacheServiceTest, EngineMemoryThatVanishesFailsTheSaveAndReportsTheOwner)
   channel::QueryRequest query = QueryOf(40, 2);
   query.group = 1;
   EXPECT_EQ(service_->Query(kOwner, query)->outcome, channel::QueryOutcome::kMiss);  // not sealed
-  EXPECT_EQ(SaveChain(1, 2), (channel::SaveReply{2, 0}));  // the healthy group still works
+  EXPECT_EQ(SaveChain(1, 2), (channel::SaveReply{2, 0}));                            // the healthy group still works
   engine_->Shutdown();
   munmap(mapped, kBytes);
 }
@@ -693,8 +677,7 @@ class LoadingRegistryTest : public ::testing::Test {
   }
   // A stage that hands its completion to the test.
   // `progress`, when given, receives the stage's progress reporter.
-  LoadingStage Manual(size_t span, std::chrono::milliseconds deadline,
-                      std::vector<LoadingStage::Done>* started,
+  LoadingStage Manual(size_t span, std::chrono::milliseconds deadline, std::vector<LoadingStage::Done>* started,
                       std::vector<LoadingStage::Progress>* progress = nullptr) {
     LoadingStage stage;
     stage.name = "manual";
@@ -725,8 +708,7 @@ TEST_F(LoadingRegistryTest, StagesRunInOrderAndTheOpCompletesAfterTheLast) {
   ASSERT_EQ(first.size(), 1u);
   EXPECT_TRUE(second.empty());  // not before the first stage completed
   Result<LoadingState> resident = Status::Unknown("not answered");
-  registry.Wait(chain_.instance, *op, Deadline::After(10s),
-                [&](Result<LoadingState> r) { resident = std::move(r); });
+  registry.Wait(chain_.instance, *op, Deadline::After(10s), [&](Result<LoadingState> r) { resident = std::move(r); });
   first[0](Pins(0, 2));
   ASSERT_EQ(second.size(), 1u);
   EXPECT_FALSE(registry.Completed(chain_));
@@ -743,8 +725,7 @@ TEST_F(LoadingRegistryTest, StagesRunInOrderAndTheOpCompletesAfterTheLast) {
   EXPECT_EQ(registry.running(), 0u);
 }
 
-TEST_F(LoadingRegistryTest,
-       AProgressWaiterHearsOfTheRunningStagesBlocksAndACompletionWaiterDoesNot) {
+TEST_F(LoadingRegistryTest, AProgressWaiterHearsOfTheRunningStagesBlocksAndACompletionWaiterDoesNot) {
   LoadingRegistry registry({}, &metrics_);
   std::vector<LoadingStage::Done> first, second;
   std::vector<LoadingStage::Progress> progress;
@@ -753,16 +734,12 @@ TEST_F(LoadingRegistryTest,
   stages.push_back(Manual(6, 10s, &second, &progress));
   Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
   ASSERT_TRUE(op.ok());
-  Result<LoadingState> at_three = Status::Unknown(""), at_eight = Status::Unknown(""),
-                       done = Status::Unknown("");
+  Result<LoadingState> at_three = Status::Unknown(""), at_eight = Status::Unknown(""), done = Status::Unknown("");
   registry.Wait(
-      chain_.instance, *op, Deadline::After(10s),
-      [&](Result<LoadingState> r) { at_three = std::move(r); }, 3);
+      chain_.instance, *op, Deadline::After(10s), [&](Result<LoadingState> r) { at_three = std::move(r); }, 3);
   registry.Wait(
-      chain_.instance, *op, Deadline::After(10s),
-      [&](Result<LoadingState> r) { at_eight = std::move(r); }, 8);
-  registry.Wait(chain_.instance, *op, Deadline::After(10s),
-                [&](Result<LoadingState> r) { done = std::move(r); });
+      chain_.instance, *op, Deadline::After(10s), [&](Result<LoadingState> r) { at_eight = std::move(r); }, 8);
+  registry.Wait(chain_.instance, *op, Deadline::After(10s), [&](Result<LoadingState> r) { done = std::move(r); });
   first[0](Pins(0, 2));
   EXPECT_EQ(at_three.status().code(), StatusCode::kUnknown);  // 2 of the chain so far
   ASSERT_EQ(progress.size(), 1u);
@@ -781,8 +758,7 @@ TEST_F(LoadingRegistryTest,
   // A waiter asking for what is already there hears at once; a completion waiter still waits.
   Result<LoadingState> now = Status::Unknown("");
   registry.Wait(
-      chain_.instance, *op, Deadline::After(10s),
-      [&](Result<LoadingState> r) { now = std::move(r); }, 5);
+      chain_.instance, *op, Deadline::After(10s), [&](Result<LoadingState> r) { now = std::move(r); }, 5);
   ASSERT_TRUE(now.ok());
   EXPECT_EQ(now->resident, 8u);
   EXPECT_EQ(done.status().code(), StatusCode::kUnknown);
@@ -837,8 +813,7 @@ TEST_F(LoadingRegistryTest, CancelWhileAStageRunsReleasesItsLatePinsAndAbortsWai
   Result<uint64_t> op = registry.Start(kOwner, chain_, std::move(stages));
   ASSERT_TRUE(op.ok());
   Result<LoadingState> heard = Status::Unknown("");
-  registry.Wait(chain_.instance, *op, Deadline::After(10s),
-                [&](Result<LoadingState> r) { heard = std::move(r); });
+  registry.Wait(chain_.instance, *op, Deadline::After(10s), [&](Result<LoadingState> r) { heard = std::move(r); });
   EXPECT_FALSE(registry.Cancel(chain_.instance + 1, *op));  // not this instance's
   EXPECT_TRUE(registry.Cancel(chain_.instance, *op));
   EXPECT_EQ(heard.status().code(), StatusCode::kAborted);
@@ -899,8 +874,7 @@ TEST_F(LoadingRegistryTest, AWaiterPastItsDeadlineHearsDeadlineExceededAndTheSwe
   const int after_start = wakes;
   EXPECT_GE(after_start, 1);  // the stage deadline is new work for the sweeper
   Result<LoadingState> heard = Status::Unknown("");
-  registry.Wait(chain_.instance, *op, Deadline::After(1ms),
-                [&](Result<LoadingState> r) { heard = std::move(r); });
+  registry.Wait(chain_.instance, *op, Deadline::After(1ms), [&](Result<LoadingState> r) { heard = std::move(r); });
   EXPECT_GT(wakes, after_start);  // an earlier deadline than the stage's
   std::this_thread::sleep_for(5ms);
   registry.Sweep();
@@ -920,8 +894,7 @@ TEST_F(LoadingRegistryTest, MaxPerOwnerAndAFailedFirstStage) {
   ASSERT_TRUE(registry.Start(kOwner, chain_, std::move(stages)).ok());
   std::vector<LoadingStage> more;
   more.push_back(Manual(1, 10s, &first));
-  EXPECT_EQ(registry.Start(kOwner, {1, 0, 100}, std::move(more)).status().code(),
-            StatusCode::kResourceExhausted);
+  EXPECT_EQ(registry.Start(kOwner, {1, 0, 100}, std::move(more)).status().code(), StatusCode::kResourceExhausted);
   registry.Forget(chain_);
   LoadingStage failing;
   failing.span = 1;
@@ -930,8 +903,7 @@ TEST_F(LoadingRegistryTest, MaxPerOwnerAndAFailedFirstStage) {
   };
   std::vector<LoadingStage> bad;
   bad.push_back(std::move(failing));
-  EXPECT_EQ(registry.Start(kOwner, chain_, std::move(bad)).status().code(),
-            StatusCode::kUnavailable);
+  EXPECT_EQ(registry.Start(kOwner, chain_, std::move(bad)).status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(registry.running(), 0u);
   EXPECT_EQ(metrics_.GetGauge("orbitkv_loading_active", "").Value(), 0);
 }

@@ -98,10 +98,8 @@ const std::vector<Option>& Options() {
        "NUMA placement of the pool: auto (one arena per node with memory), none (one "
        "unbound arena), or nodes like 0,1 (default auto)",
        [](ManagerConfig& c, std::string_view v) -> Status {
-         if (v != "auto" && v != "none" &&
-             v.find_first_not_of("0123456789,") != std::string_view::npos) {
-           return Status::InvalidArgument(
-               fmt::format("'{}' is not auto, none or a list of node numbers", v));
+         if (v != "auto" && v != "none" && v.find_first_not_of("0123456789,") != std::string_view::npos) {
+           return Status::InvalidArgument(fmt::format("'{}' is not auto, none or a list of node numbers", v));
          }
          c.numa = std::string(v);
          return Status::Ok();
@@ -113,14 +111,11 @@ const std::vector<Option>& Options() {
          ORBITKV_ASSIGN_OR_RETURN(c.allow_unpinned, ParseBool(v));
          return Status::Ok();
        }},
-      {"slab", "SIZE",
-       "pool slab size, a power of two >= 1MiB that bounds the largest block (default 32MiB)",
+      {"slab", "SIZE", "pool slab size, a power of two >= 1MiB that bounds the largest block (default 32MiB)",
        SizeInto(&ManagerConfig::slab_bytes)},
-      {"query-budget", "SIZE",
-       "bytes all pending queries and restores may hold (default 75% of the pool)",
+      {"query-budget", "SIZE", "bytes all pending queries and restores may hold (default 75% of the pool)",
        SizeInto(&ManagerConfig::query_budget_bytes)},
-      {"query-instance-budget", "SIZE",
-       "the same limit per engine instance (default: the query budget)",
+      {"query-instance-budget", "SIZE", "the same limit per engine instance (default: the query budget)",
        SizeInto(&ManagerConfig::query_instance_budget_bytes)},
       {"transfer-budget", "SIZE", "bytes peer transfers may pin as sources (default half the pool)",
        SizeInto(&ManagerConfig::transfer_budget_bytes)},
@@ -133,9 +128,8 @@ const std::vector<Option>& Options() {
        [](ManagerConfig& c, std::string_view v) -> Status {
          ORBITKV_ASSIGN_OR_RETURN(const uint64_t bytes, ParseSize(v));
          if (bytes % (16 << 10) != 0) {
-           return Status::InvalidArgument(fmt::format(
-               "--gpu-restore-staging must be a multiple of 16KiB (4 slots of 4 KiB pages), not {}",
-               v));
+           return Status::InvalidArgument(
+               fmt::format("--gpu-restore-staging must be a multiple of 16KiB (4 slots of 4 KiB pages), not {}", v));
          }
          c.gpu_restore_staging_bytes = bytes;
          return Status::Ok();
@@ -159,32 +153,26 @@ const std::vector<Option>& Options() {
       {"log-level", "LEVEL", "trace, debug, info, warn, error or off (default info)",
        [](ManagerConfig& c, std::string_view v) -> Status {
          std::optional<log::Level> level = log::ParseLevel(v);
-         if (!level.has_value())
-           return Status::InvalidArgument(fmt::format("'{}' is not a log level", v));
+         if (!level.has_value()) return Status::InvalidArgument(fmt::format("'{}' is not a log level", v));
          c.log_level = *level;
          return Status::Ok();
        }},
-      {"log-file", "PATH", "append logs to PATH instead of stderr",
-       StringInto(&ManagerConfig::log_file)},
-      {"allow-uid", "UID[,UID...]",
-       "also admit engines running as these uids (the Manager's own uid always may)",
+      {"log-file", "PATH", "append logs to PATH instead of stderr", StringInto(&ManagerConfig::log_file)},
+      {"allow-uid", "UID[,UID...]", "also admit engines running as these uids (the Manager's own uid always may)",
        [](ManagerConfig& c, std::string_view v) -> Status {
          ORBITKV_ASSIGN_OR_RETURN(std::vector<uint64_t> uids, ParseUintList(v));
          for (const uint64_t uid : uids) c.allowed_uids.push_back(static_cast<uid_t>(uid));
          return Status::Ok();
        }},
-      {"ring-entries", "N",
-       "descriptor ring entries per session, a power of two in [16, 4096] (default 256)",
+      {"ring-entries", "N", "descriptor ring entries per session, a power of two in [16, 4096] (default 256)",
        Uint32Into(&ManagerConfig::ring_entries, 16, 4096)},
       {"payload-slots", "N", "request payload slots per session (default 64)",
        Uint32Into(&ManagerConfig::payload_slots, 1, 1024)},
-      {"slot-bytes", "SIZE",
-       "bytes per payload slot, a multiple of 4KiB up to 1MiB (default 64KiB)",
+      {"slot-bytes", "SIZE", "bytes per payload slot, a multiple of 4KiB up to 1MiB (default 64KiB)",
        [](ManagerConfig& c, std::string_view v) -> Status {
          ORBITKV_ASSIGN_OR_RETURN(uint64_t bytes, ParseSize(v));
          if (bytes < 4096 || bytes > (1 << 20) || bytes % 4096 != 0) {
-           return Status::InvalidArgument(
-               fmt::format("{} is not a multiple of 4KiB in [4KiB, 1MiB]", bytes));
+           return Status::InvalidArgument(fmt::format("{} is not a multiple of 4KiB in [4KiB, 1MiB]", bytes));
          }
          c.slot_bytes = static_cast<uint32_t>(bytes);
          return Status::Ok();
@@ -220,8 +208,7 @@ const std::vector<Option>& Options() {
          c.ssd_write_staging = std::string(v);
          return Status::Ok();
        }},
-      {"ssd-recover", "BOOL",
-       "on start, find the blocks already on SSD (true, default) or discard them (false)",
+      {"ssd-recover", "BOOL", "on start, find the blocks already on SSD (true, default) or discard them (false)",
        [](ManagerConfig& c, std::string_view v) -> Status {
          ORBITKV_ASSIGN_OR_RETURN(c.ssd_recover, ParseBool(v));
          return Status::Ok();
@@ -241,8 +228,7 @@ const std::vector<Option>& Options() {
        "saved (write-through)",
        [](ManagerConfig& c, std::string_view v) -> Status {
          if (v != "write-back" && v != "write-through") {
-           return Status::InvalidArgument(
-               fmt::format("'{}' is not write-back or write-through", v));
+           return Status::InvalidArgument(fmt::format("'{}' is not write-back or write-through", v));
          }
          c.ssd_policy = std::string(v);
          return Status::Ok();
@@ -256,15 +242,13 @@ const std::vector<Option>& Options() {
        "--ssd-min-frequency admits, most used first) for up to SECONDS before exiting, so the "
        "restarted Manager finds them (default 30; 0 exits at once)",
        Uint32Into(&ManagerConfig::ssd_persist_seconds, 0, 86400)},
-      {"ssd-write-budget", "SIZE",
-       "SSD write bandwidth the tier may use per second, e.g. 1GiB (default unlimited)",
+      {"ssd-write-budget", "SIZE", "SSD write bandwidth the tier may use per second, e.g. 1GiB (default unlimited)",
        SizeInto(&ManagerConfig::ssd_write_budget_bytes)},
       {"ssd-queue", "SIZE",
        "evicted bytes that may wait for an SSD writer; more are not written (default an eighth of "
        "the pool, at most 1GiB)",
        SizeInto(&ManagerConfig::ssd_queue_bytes)},
-      {"max-loading", "N",
-       "outstanding Loading operations (SSD reads for queries) per session (default 256)",
+      {"max-loading", "N", "outstanding Loading operations (SSD reads for queries) per session (default 256)",
        Uint32Into(&ManagerConfig::max_loading, 1, 1 << 16)},
       {"loading-hold", "SECONDS",
        "how long the blocks a completed Loading operation read from SSD stay pinned for the "
@@ -298,13 +282,11 @@ const std::vector<Option>& Options() {
        Uint32Into(&ManagerConfig::tls_reload_secs, 1, 3600)},
       {"cluster-name", "NAME", "the cluster to join in etcd (needed with --etcd-endpoints)",
        StringInto(&ManagerConfig::cluster_name)},
-      {"node-id", "ID",
-       "this Manager's stable Node ID in the cluster (needed with --etcd-endpoints)",
+      {"node-id", "ID", "this Manager's stable Node ID in the cluster (needed with --etcd-endpoints)",
        StringInto(&ManagerConfig::node_id)},
       {"membership-ttl-secs", "N", "lease TTL of the membership record in seconds (default 10)",
        Uint32Into(&ManagerConfig::membership_ttl_secs, 2, 3600)},
-      {"catalog-nodes", "ID[,ID...]",
-       "the 1-16 Node IDs that host catalog shards (the same on every Manager)",
+      {"catalog-nodes", "ID[,ID...]", "the 1-16 Node IDs that host catalog shards (the same on every Manager)",
        StringInto(&ManagerConfig::catalog_nodes)},
       {"catalog-replicas", "N",
        "copies of each catalog shard, on distinct catalog nodes (default 3; capped by the number of "
@@ -320,8 +302,7 @@ const std::vector<Option>& Options() {
        "PEM certificate of this Manager for mutual TLS between peers (with --peer-tls-key and "
        "--peer-tls-ca)",
        StringInto(&ManagerConfig::peer_tls_cert)},
-      {"peer-tls-key", "PATH", "PEM private key of --peer-tls-cert",
-       StringInto(&ManagerConfig::peer_tls_key)},
+      {"peer-tls-key", "PATH", "PEM private key of --peer-tls-cert", StringInto(&ManagerConfig::peer_tls_key)},
       {"peer-tls-ca", "PATH",
        "PEM CA certificates peers' certificates must chain to (a peer without one is refused "
        "before any request is read)",
@@ -406,8 +387,7 @@ const Option* FindOption(std::string_view name) {
 // A TOML value in the textual form the flag parser takes.
 Result<std::string> TomlValueText(const toml::node& node) {
   if (auto s = node.value<std::string>()) return *s;
-  if (auto b = node.value<bool>(); b.has_value() && node.is_boolean())
-    return std::string(*b ? "true" : "false");
+  if (auto b = node.value<bool>(); b.has_value() && node.is_boolean()) return std::string(*b ? "true" : "false");
   if (auto i = node.value<int64_t>(); i.has_value() && node.is_integer()) {
     if (*i < 0) return Status::InvalidArgument(fmt::format("{} is negative", *i));
     return std::to_string(*i);
@@ -428,8 +408,8 @@ Status ApplyFile(const std::string& path, ManagerConfig* config) {
   toml::parse_result parsed = toml::parse_file(path);
   if (!parsed) {
     const toml::parse_error& error = parsed.error();
-    return Status::InvalidArgument(fmt::format("config file {} line {}: {}", path,
-                                               error.source().begin.line, error.description()));
+    return Status::InvalidArgument(
+        fmt::format("config file {} line {}: {}", path, error.source().begin.line, error.description()));
   }
   for (const auto& [key, node] : parsed.table()) {
     const std::string_view name = key.str();
@@ -441,10 +421,9 @@ Status ApplyFile(const std::string& path, ManagerConfig* config) {
                       path, name));
     }
     Result<std::string> text = TomlValueText(node);
-    if (!text.ok())
-      return text.status().WithContext(fmt::format("config file {}: key '{}'", path, name));
-    ORBITKV_RETURN_IF_ERROR(option->apply(*config, *text)
-                                .WithContext(fmt::format("config file {}: key '{}'", path, name)));
+    if (!text.ok()) return text.status().WithContext(fmt::format("config file {}: key '{}'", path, name));
+    ORBITKV_RETURN_IF_ERROR(
+        option->apply(*config, *text).WithContext(fmt::format("config file {}: key '{}'", path, name)));
   }
   return Status::Ok();
 }
@@ -471,12 +450,10 @@ uint64_t DefaultDramBytes() {
 Result<uint64_t> ParseSize(std::string_view text) {
   size_t digits = 0;
   while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
-  if (digits == 0)
-    return Status::InvalidArgument(fmt::format("'{}' is not a size like 4GiB or 1048576", text));
+  if (digits == 0) return Status::InvalidArgument(fmt::format("'{}' is not a size like 4GiB or 1048576", text));
   ORBITKV_ASSIGN_OR_RETURN(uint64_t value, ParseUint(text.substr(0, digits)));
   std::string suffix(text.substr(digits));
-  std::transform(suffix.begin(), suffix.end(), suffix.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
+  std::transform(suffix.begin(), suffix.end(), suffix.begin(), [](unsigned char c) { return std::tolower(c); });
   int shift = 0;
   if (suffix.empty() || suffix == "b") {
     shift = 0;
@@ -489,8 +466,7 @@ Result<uint64_t> ParseSize(std::string_view text) {
   } else if (suffix == "t" || suffix == "tib" || suffix == "tb") {
     shift = 40;
   } else {
-    return Status::InvalidArgument(
-        fmt::format("'{}' has an unknown size suffix (use K, M, G or T)", text));
+    return Status::InvalidArgument(fmt::format("'{}' has an unknown size suffix (use K, M, G or T)", text));
   }
   if (shift != 0 && value > (UINT64_MAX >> shift)) {
     return Status::InvalidArgument(fmt::format("'{}' is too large", text));
@@ -508,8 +484,7 @@ Result<std::optional<std::vector<int>>> ParseGpus(std::string_view text) {
   }
   std::vector<int> devices;
   for (const uint64_t ordinal : *ordinals) {
-    const int device =
-        static_cast<int>(std::min<uint64_t>(ordinal, std::numeric_limits<int>::max()));
+    const int device = static_cast<int>(std::min<uint64_t>(ordinal, std::numeric_limits<int>::max()));
     if (std::find(devices.begin(), devices.end(), device) != devices.end()) {
       return Status::InvalidArgument(fmt::format("GPU {} is named twice in '{}'", device, text));
     }
@@ -554,25 +529,21 @@ Result<ParsedArgs> ParseManagerArgs(int argc, const char* const* argv) {
       continue;
     }
     const Option* option = FindOption(arg);
-    if (option == nullptr)
-      return Status::InvalidArgument(fmt::format("unknown flag --{} (see --help)", arg));
+    if (option == nullptr) return Status::InvalidArgument(fmt::format("unknown flag --{} (see --help)", arg));
     if (!value.has_value()) {
       if (option->value_name == nullptr) {
         value = "true";
       } else if (i + 1 < argc) {
         value = argv[++i];
       } else {
-        return Status::InvalidArgument(
-            fmt::format("--{} needs a value {} (see --help)", arg, option->value_name));
+        return Status::InvalidArgument(fmt::format("--{} needs a value {} (see --help)", arg, option->value_name));
       }
     }
     flags.emplace_back(option, *value);
   }
-  if (!parsed.config.config_file.empty())
-    ORBITKV_RETURN_IF_ERROR(ApplyFile(parsed.config.config_file, &parsed.config));
+  if (!parsed.config.config_file.empty()) ORBITKV_RETURN_IF_ERROR(ApplyFile(parsed.config.config_file, &parsed.config));
   for (const auto& [option, value] : flags) {
-    ORBITKV_RETURN_IF_ERROR(
-        option->apply(parsed.config, value).WithContext(fmt::format("--{}", option->name)));
+    ORBITKV_RETURN_IF_ERROR(option->apply(parsed.config, value).WithContext(fmt::format("--{}", option->name)));
   }
   if (parsed.config.socket_path.empty()) parsed.config.socket_path = DefaultSocketPath();
   if (parsed.config.dram_bytes == 0) parsed.config.dram_bytes = DefaultDramBytes();
@@ -589,17 +560,14 @@ std::string ManagerHelp() {
       "defaults.\n\n"
       "Usage: orbitkv-manager [--config FILE] [flags]\n\n"
       "Flags (each can also be a key of the TOML file given by --config; flags win):\n";
-  out += fmt::format("  {:<34} {}\n", "--config FILE",
-                     "read settings from a TOML file, keys named like the flags");
+  out += fmt::format("  {:<34} {}\n", "--config FILE", "read settings from a TOML file, keys named like the flags");
   for (const Option& option : Options()) {
-    const std::string left = option.value_name == nullptr
-                                 ? fmt::format("--{}", option.name)
-                                 : fmt::format("--{} {}", option.name, option.value_name);
+    const std::string left = option.value_name == nullptr ? fmt::format("--{}", option.name)
+                                                          : fmt::format("--{} {}", option.name, option.value_name);
     out += fmt::format("  {:<34} {}\n", left, option.help);
   }
-  out += fmt::format(
-      "  {:<34} {}\n", "--check-config",
-      "check the flags and the --config file, print the main settings and exit (0: valid)");
+  out += fmt::format("  {:<34} {}\n", "--check-config",
+                     "check the flags and the --config file, print the main settings and exit (0: valid)");
   out += fmt::format("  {:<34} {}\n", "--version", "print the version and exit");
   out += fmt::format("  {:<34} {}\n", "--help", "this text");
   out +=

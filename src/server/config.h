@@ -21,10 +21,9 @@
 namespace orbitkv::server {
 
 struct ManagerConfig {
-  std::string socket_path;  // default: DefaultSocketPath()
-  uint64_t dram_bytes = 0;  // 0: DefaultDramBytes()
-  std::string numa =
-      "auto";  // "auto" (every node with memory), "none" (one unbound arena), or "0,1"
+  std::string socket_path;    // default: DefaultSocketPath()
+  uint64_t dram_bytes = 0;    // 0: DefaultDramBytes()
+  std::string numa = "auto";  // "auto" (every node with memory), "none" (one unbound arena), or "0,1"
   bool allow_unpinned = false;
   uint64_t slab_bytes = 32ull << 20;
   uint64_t query_budget_bytes = 0;           // 0: 75% of the pool
@@ -76,11 +75,10 @@ struct ManagerConfig {
   std::string cluster_name;
   std::string node_id;
   uint32_t membership_ttl_secs = 10;
-  std::string catalog_nodes;  // id[,id...]
+  std::string catalog_nodes;      // id[,id...]
   uint32_t catalog_replicas = 3;  // copies of each catalog shard (capped by the catalog nodes)
-  std::string
-      peer_endpoint;  // host:port peers reach this Manager at (advertised in its member record)
-  std::string peer_listen;  // host:port the peer listener binds; empty: peer_endpoint
+  std::string peer_endpoint;      // host:port peers reach this Manager at (advertised in its member record)
+  std::string peer_listen;        // host:port the peer listener binds; empty: peer_endpoint
   // Mutual TLS between peers: all three PEM files, or none (peers then unauthenticated).
   std::string peer_tls_cert;
   std::string peer_tls_key;
@@ -100,7 +98,7 @@ struct ManagerConfig {
   uint32_t discovery_hedge_ms = 5;  // --discovery-hedge-ms
   uint32_t candidate_ttl_ms = 5000;
   uint32_t remote_fetch_deadline_ms = 10000;
-  uint32_t remote_fetch_workers = 4;  // threads running remote stages (fetches) at once
+  uint32_t remote_fetch_workers = 4;         // threads running remote stages (fetches) at once
   uint64_t remote_staging_budget_bytes = 0;  // 0: a quarter of the pool
   uint64_t transfer_peer_budget_bytes = 0;   // 0: the transfer budget
   // Bytes of SSD blocks this source may be reading into DRAM for peers (and hold until their grants

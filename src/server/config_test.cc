@@ -97,9 +97,8 @@ TEST(ConfigTest, CheckConfigValidatesWithoutStopping) {
 }
 
 TEST(ConfigTest, FlagsInBothSpellings) {
-  auto parsed = Parse({"--dram", "1GiB", "--socket=/tmp/x.sock", "--allow-unpinned", "--allow-uid",
-                       "1001,1002", "--log-level", "debug", "--copy-threads=4", "--metrics-addr",
-                       "127.0.0.1:0"});
+  auto parsed = Parse({"--dram", "1GiB", "--socket=/tmp/x.sock", "--allow-unpinned", "--allow-uid", "1001,1002",
+                       "--log-level", "debug", "--copy-threads=4", "--metrics-addr", "127.0.0.1:0"});
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   const ManagerConfig& c = parsed->config;
   EXPECT_EQ(c.dram_bytes, 1ull << 30);
@@ -173,10 +172,9 @@ TEST(ConfigTest, TomlFileUsesTheFlagNamesAndFlagsWin) {
 
 TEST(ConfigTest, HelpDocumentsEveryFlag) {
   const std::string help = ManagerHelp();
-  for (const char* flag :
-       {"--socket", "--dram", "--numa", "--allow-unpinned", "--query-budget",
-        "--query-instance-budget", "--transfer-budget", "--metrics-addr", "--log-level", "--config",
-        "--allow-uid", "--copy-threads", "--max-operations", "--gpu-restore-staging"}) {
+  for (const char* flag : {"--socket", "--dram", "--numa", "--allow-unpinned", "--query-budget",
+                           "--query-instance-budget", "--transfer-budget", "--metrics-addr", "--log-level", "--config",
+                           "--allow-uid", "--copy-threads", "--max-operations", "--gpu-restore-staging"}) {
     EXPECT_NE(help.find(flag), std::string::npos) << flag;
   }
 }

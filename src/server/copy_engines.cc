@@ -5,14 +5,13 @@ namespace orbitkv::server {
 CopyEngines::CopyEngines() = default;
 CopyEngines::~CopyEngines() { Close(); }
 
-Status CopyEngines::PreparePool(core::BlockCacheOptions* options,
-                                const std::optional<std::vector<int>>& gpus) {
+Status CopyEngines::PreparePool(core::BlockCacheOptions* options, const std::optional<std::vector<int>>& gpus) {
   ORBITKV_ASSIGN_OR_RETURN(gpu_, GpuSupport::Detect(options, gpus));
   return Status::Ok();
 }
 
-Status CopyEngines::Start(uint32_t copy_threads, uint32_t max_inflight,
-                          uint64_t gpu_restore_staging_bytes, MetricsRegistry* metrics) {
+Status CopyEngines::Start(uint32_t copy_threads, uint32_t max_inflight, uint64_t gpu_restore_staging_bytes,
+                          MetricsRegistry* metrics) {
   core::CpuCopyEngine::Options options;
   options.threads = static_cast<int>(copy_threads);
   options.max_inflight_batches = max_inflight;
@@ -33,13 +32,9 @@ void CopyEngines::Close() {
 
 bool CopyEngines::gpu_enabled() const { return gpu_ != nullptr; }
 
-std::string CopyEngines::DescribeGpus() const {
-  return gpu_ ? gpu_->Describe() : std::string("none");
-}
+std::string CopyEngines::DescribeGpus() const { return gpu_ ? gpu_->Describe() : std::string("none"); }
 
-Status CopyEngines::GpuUnavailable() const {
-  return gpu_enabled() ? Status::Ok() : GpuSupport::Unavailable();
-}
+Status CopyEngines::GpuUnavailable() const { return gpu_enabled() ? Status::Ok() : GpuSupport::Unavailable(); }
 
 core::CopyEngine* CopyEngines::Engine(channel::BufferKind kind) const {
   if (kind == channel::BufferKind::kCudaIpc) return gpu_ ? gpu_->engine() : nullptr;
@@ -50,13 +45,11 @@ Result<core::BufferId> CopyEngines::RegisterSharedMemory(uint8_t* base, uint64_t
   return cpu_->RegisterBuffer(base, bytes);
 }
 
-Result<core::BufferId> CopyEngines::RegisterProcessMemory(pid_t pid, uint64_t address,
-                                                          uint64_t bytes) {
+Result<core::BufferId> CopyEngines::RegisterProcessMemory(pid_t pid, uint64_t address, uint64_t bytes) {
   return cpu_->RegisterProcessBuffer(pid, address, bytes);
 }
 
-Result<core::BufferId> CopyEngines::RegisterCudaIpc(const channel::CudaIpcBuffer& cuda,
-                                                    uint64_t bytes) {
+Result<core::BufferId> CopyEngines::RegisterCudaIpc(const channel::CudaIpcBuffer& cuda, uint64_t bytes) {
   if (!gpu_) return GpuSupport::Unavailable();
   return gpu_->RegisterCudaIpc(cuda, bytes);
 }

@@ -12,17 +12,15 @@ KvGroup::~KvGroup() {
   }
 }
 
-uint64_t KvGroup::AppendFragments(uint32_t page, uint8_t* pool,
-                                  std::vector<core::CopyFragment>* out, size_t first_buffer,
-                                  size_t buffer_count) const {
+uint64_t KvGroup::AppendFragments(uint32_t page, uint8_t* pool, std::vector<core::CopyFragment>* out,
+                                  size_t first_buffer, size_t buffer_count) const {
   uint64_t offset = 0;
   uint64_t bytes = 0;
   for (size_t b = 0; b < buffers.size(); ++b) {
     const Buffer& buffer = buffers[b];
     if (b >= first_buffer && b - first_buffer < buffer_count) {
-      out->push_back(core::CopyFragment{
-          buffer.id, buffer.layout.base_offset + page * buffer.layout.page_stride, pool + offset,
-          buffer.layout.page_bytes});
+      out->push_back(core::CopyFragment{buffer.id, buffer.layout.base_offset + page * buffer.layout.page_stride,
+                                        pool + offset, buffer.layout.page_bytes});
       bytes += buffer.layout.page_bytes;
     }
     offset += buffer.layout.page_bytes;
@@ -42,8 +40,7 @@ Result<std::shared_ptr<const KvGroup>> EngineInstance::FindGroup(uint32_t group)
 Status EngineInstance::AddGroup(std::shared_ptr<KvGroup> group) {
   MutexLock lock(&mu);
   if (groups_.count(group->group) != 0) {
-    return Status::AlreadyExists(
-        fmt::format("group {} of instance {} is already registered", group->group, id));
+    return Status::AlreadyExists(fmt::format("group {} of instance {} is already registered", group->group, id));
   }
   const uint32_t key = group->group;
   groups_.emplace(key, std::move(group));
@@ -57,20 +54,18 @@ std::map<uint32_t, std::shared_ptr<KvGroup>> EngineInstance::TakeGroups() {
   return groups;
 }
 
-Result<bool> InstanceTable::Register(uint64_t owner, uint64_t id, const state::StateNamespace& ns,
-                                     std::string label) {
+Result<bool> InstanceTable::Register(uint64_t owner, uint64_t id, const state::StateNamespace& ns, std::string label) {
   MutexLock lock(&mu_);
   auto it = instances_.find(id);
   if (it != instances_.end()) {
     if (it->second->owner != owner) {
-      return Status::AlreadyExists(fmt::format(
-          "instance {} is registered by another live session; pick another instance id or stop "
-          "that engine first",
-          id));
+      return Status::AlreadyExists(
+          fmt::format("instance {} is registered by another live session; pick another instance id or stop "
+                      "that engine first",
+                      id));
     }
     if (!(it->second->ns == ns)) {
-      return Status::AlreadyExists(
-          fmt::format("instance {} is already registered with another namespace", id));
+      return Status::AlreadyExists(fmt::format("instance {} is already registered with another namespace", id));
     }
     return false;  // idempotent
   }
@@ -85,8 +80,7 @@ std::vector<InstanceTable::Description> InstanceTable::Describe() const {
     out.reserve(instances_.size());
     for (const auto& [id, instance] : instances_) out.push_back({id, instance->owner, instance->label});
   }
-  std::sort(out.begin(), out.end(),
-            [](const Description& a, const Description& b) { return a.id < b.id; });
+  std::sort(out.begin(), out.end(), [](const Description& a, const Description& b) { return a.id < b.id; });
   return out;
 }
 

@@ -43,8 +43,8 @@ struct KvGroup {
 
   // Appends the fragments of one block (page `page`) at `pool`, one per buffer in
   // [first_buffer, first_buffer + buffer_count); returns their bytes.
-  uint64_t AppendFragments(uint32_t page, uint8_t* pool, std::vector<core::CopyFragment>* out,
-                           size_t first_buffer = 0, size_t buffer_count = SIZE_MAX) const;
+  uint64_t AppendFragments(uint32_t page, uint8_t* pool, std::vector<core::CopyFragment>* out, size_t first_buffer = 0,
+                           size_t buffer_count = SIZE_MAX) const;
 
   uint32_t group = 0;
   uint32_t num_pages = 0;
@@ -57,8 +57,8 @@ struct KvGroup {
 };
 
 struct EngineInstance {
-  EngineInstance(uint64_t instance_id, const state::StateNamespace& instance_ns,
-                 uint64_t owner_id, std::string identity_label = {})
+  EngineInstance(uint64_t instance_id, const state::StateNamespace& instance_ns, uint64_t owner_id,
+                 std::string identity_label = {})
       : id(instance_id), ns(instance_ns), owner(owner_id), label(std::move(identity_label)) {}
 
   // The group, or NotFound naming it.
@@ -85,8 +85,8 @@ class InstanceTable {
  public:
   // Registers `id` for `owner`; registering the same id again with the same namespace is a no-op.
   // AlreadyExists when another owner has it or the namespace differs.
-  Result<bool> Register(uint64_t owner, uint64_t id, const state::StateNamespace& ns,
-                        std::string label = {}) EXCLUDES(mu_);
+  Result<bool> Register(uint64_t owner, uint64_t id, const state::StateNamespace& ns, std::string label = {})
+      EXCLUDES(mu_);
   struct Description {
     uint64_t id;
     uint64_t owner;
@@ -106,8 +106,7 @@ class InstanceTable {
  private:
   using Map = std::unordered_map<uint64_t, std::shared_ptr<EngineInstance>>;
   // NotFound for end(), PermissionDenied for another owner's instance.
-  Status CheckOwnerLocked(uint64_t owner, uint64_t id, Map::const_iterator it) const
-      REQUIRES(mu_);
+  Status CheckOwnerLocked(uint64_t owner, uint64_t id, Map::const_iterator it) const REQUIRES(mu_);
 
   mutable Mutex mu_;
   Map instances_ GUARDED_BY(mu_);

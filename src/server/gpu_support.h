@@ -35,12 +35,10 @@ class GpuSupport {
   virtual ~GpuSupport() = default;
 
   // `restore_staging_bytes`: the CUDA engine's staging ring per GPU (0: none; see docs/gpu.md).
-  virtual Status Start(uint32_t max_inflight, uint64_t restore_staging_bytes,
-                       MetricsRegistry* metrics) = 0;
+  virtual Status Start(uint32_t max_inflight, uint64_t restore_staging_bytes, MetricsRegistry* metrics) = 0;
   virtual core::CopyEngine* engine() = 0;
   // Imports `bytes` at `cuda.offset` of the CUDA IPC allocation on the GPU `cuda.pci_bus_id` names.
-  virtual Result<core::BufferId> RegisterCudaIpc(const channel::CudaIpcBuffer& cuda,
-                                                 uint64_t bytes) = 0;
+  virtual Result<core::BufferId> RegisterCudaIpc(const channel::CudaIpcBuffer& cuda, uint64_t bytes) = 0;
   virtual Status Unregister(core::BufferId id) = 0;
   virtual void Shutdown() = 0;
   virtual void CloseEngine() = 0;

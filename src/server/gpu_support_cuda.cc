@@ -26,8 +26,7 @@ class CudaSupport final : public GpuSupport {
   std::string Describe() const override { return description_; }
   gpu::HostMemoryRegistry* registry() { return host_memory_.get(); }
 
-  Status Start(uint32_t max_inflight, uint64_t restore_staging_bytes,
-               MetricsRegistry* metrics) override {
+  Status Start(uint32_t max_inflight, uint64_t restore_staging_bytes, MetricsRegistry* metrics) override {
     gpu::CudaCopyEngine::Options options;
     options.devices = devices_;  // empty: every visible GPU
     options.max_inflight_batches = std::max<uint32_t>(max_inflight, 1);
@@ -40,10 +39,8 @@ class CudaSupport final : public GpuSupport {
   }
   core::CopyEngine* engine() override { return engine_.get(); }
 
-  Result<core::BufferId> RegisterCudaIpc(const channel::CudaIpcBuffer& cuda,
-                                         uint64_t bytes) override {
-    if (engine_ == nullptr)
-      return Status::FailedPrecondition("the CUDA copy engine is not running");
+  Result<core::BufferId> RegisterCudaIpc(const channel::CudaIpcBuffer& cuda, uint64_t bytes) override {
+    if (engine_ == nullptr) return Status::FailedPrecondition("the CUDA copy engine is not running");
     const size_t bus_id_length = strnlen(cuda.pci_bus_id, sizeof(cuda.pci_bus_id));
     if (bus_id_length == sizeof(cuda.pci_bus_id)) {
       return Status::InvalidArgument("its PCI bus id is not terminated");
@@ -51,12 +48,10 @@ class CudaSupport final : public GpuSupport {
     const std::string_view bus_id(cuda.pci_bus_id, bus_id_length);
     ORBITKV_ASSIGN_OR_RETURN(int device, gpu::DeviceByPciBusId(bus_id));
     Result<core::BufferId> id = engine_->RegisterIpcBuffer(
-        std::span<const uint8_t>(cuda.ipc_handle, sizeof(cuda.ipc_handle)), device, bytes,
-        cuda.offset);
+        std::span<const uint8_t>(cuda.ipc_handle, sizeof(cuda.ipc_handle)), device, bytes, cuda.offset);
     if (!id.ok()) {
-      return id.status().WithContext(
-          fmt::format("importing {} bytes at offset {} of a CUDA IPC allocation on GPU {}", bytes,
-                      cuda.offset, bus_id));
+      return id.status().WithContext(fmt::format("importing {} bytes at offset {} of a CUDA IPC allocation on GPU {}",
+                                                 bytes, cuda.offset, bus_id));
     }
     return id;
   }
@@ -92,28 +87,26 @@ std::string PlacePoolNearGpus(const std::vector<int>& served, core::PoolOptions*
     Result<int> node = bus.ok() ? core::NumaNodeOfPciDevice(*bus) : Result<int>(-1);
     const int numa = node.ok() ? *node : -1;
     near.push_back(numa);
-    description += fmt::format("{}{} ({}, NUMA node {})", description.empty() ? "" : ", ", device,
-                               bus.ok() ? *bus : std::string("?"),
-                               numa < 0 ? std::string("unknown") : std::to_string(numa));
+    description +=
+        fmt::format("{}{} ({}, NUMA node {})", description.empty() ? "" : ", ", device,
+                    bus.ok() ? *bus : std::string("?"), numa < 0 ? std::string("unknown") : std::to_string(numa));
   }
   std::sort(near.begin(), near.end());
   near.erase(std::unique(near.begin(), near.end()), near.end());
   if (!pool->numa_nodes.empty() || near.empty() || near.front() < 0) return description;
   Result<std::vector<int>> with_memory = core::MemoryNumaNodes();  // ascending
-  if (!with_memory.ok() ||
-      !std::includes(with_memory->begin(), with_memory->end(), near.begin(), near.end())) {
+  if (!with_memory.ok() || !std::includes(with_memory->begin(), with_memory->end(), near.begin(), near.end())) {
     return description;
   }
   pool->numa_nodes = near;
-  ORBITKV_LOG_INFO("manager: the pool goes to NUMA node(s) {}, where its GPUs are (--numa auto)",
-                   fmt::join(near, ","));
+  ORBITKV_LOG_INFO("manager: the pool goes to NUMA node(s) {}, where its GPUs are (--numa auto)", fmt::join(near, ","));
   return description;
 }
 
 }  // namespace
 
-Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(
-    core::BlockCacheOptions* options, const std::optional<std::vector<int>>& gpus) {
+Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(core::BlockCacheOptions* options,
+                                                       const std::optional<std::vector<int>>& gpus) {
   if (gpus.has_value() && gpus->empty()) {
     ORBITKV_LOG_INFO("manager: --gpus none: serving CPU engines only");
     return std::unique_ptr<GpuSupport>();
@@ -127,8 +120,7 @@ Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(
                       devices.ok() ? "no GPU found" : devices.status().ToString()));
     }
     if (!devices.ok()) {
-      ORBITKV_LOG_WARN("manager: CUDA is not usable ({}); serving CPU engines only",
-                       devices.status().ToString());
+      ORBITKV_LOG_WARN("manager: CUDA is not usable ({}); serving CPU engines only", devices.status().ToString());
     } else {
       ORBITKV_LOG_INFO("manager: no GPU found; serving CPU engines only");
     }
@@ -150,8 +142,7 @@ Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(
   const std::string description = PlacePoolNearGpus(served, &options->pool);
   auto support = std::make_unique<CudaSupport>(chosen, description);
   options->pool.registrar = support->registry();
-  ORBITKV_LOG_INFO("manager: {} GPU(s) usable, serving {}: the pool is registered with CUDA",
-                   *devices,
+  ORBITKV_LOG_INFO("manager: {} GPU(s) usable, serving {}: the pool is registered with CUDA", *devices,
                    chosen.empty() ? std::string("all") : fmt::format("{}", fmt::join(chosen, ",")));
   return std::unique_ptr<GpuSupport>(std::move(support));
 }

@@ -3,8 +3,8 @@
 
 namespace orbitkv::server {
 
-Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(
-    core::BlockCacheOptions* /*options*/, const std::optional<std::vector<int>>& gpus) {
+Result<std::unique_ptr<GpuSupport>> GpuSupport::Detect(core::BlockCacheOptions* /*options*/,
+                                                       const std::optional<std::vector<int>>& gpus) {
   if (gpus.has_value() && !gpus->empty()) {
     return Status::FailedPrecondition(
         "--gpus names GPUs but this Manager was built without CUDA (orbitkv::gpu); use a build "

@@ -48,26 +48,24 @@ size_t TrailerBytes(channel::BufferKind kind) {
 
 // The header of a RegisterGroup frame, checked against the frame's size and fds.
 Result<channel::RegisterGroupHeader> GroupHeader(channel::Frame& frame) {
-  ORBITKV_ASSIGN_OR_RETURN(
-      channel::RegisterGroupHeader header,
-      channel::BodyAs<channel::RegisterGroupHeader>(frame, /*allow_trailing=*/true));
+  ORBITKV_ASSIGN_OR_RETURN(channel::RegisterGroupHeader header,
+                           channel::BodyAs<channel::RegisterGroupHeader>(frame, /*allow_trailing=*/true));
   if (header.buffer_count == 0 || header.buffer_count > channel::kMaxFrameFds) {
-    return Status::InvalidArgument(fmt::format("a group needs 1-{} buffers, not {}",
-                                               channel::kMaxFrameFds, header.buffer_count));
+    return Status::InvalidArgument(
+        fmt::format("a group needs 1-{} buffers, not {}", channel::kMaxFrameFds, header.buffer_count));
   }
   if (header.buffer_kind > channel::kMaxBufferKind) {
     return Status::InvalidArgument(fmt::format("unknown buffer kind {}", header.buffer_kind));
   }
   const auto kind = static_cast<channel::BufferKind>(header.buffer_kind);
-  const size_t descriptors_end =
-      sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor);
+  const size_t descriptors_end = sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor);
   if (frame.body.size() != descriptors_end + header.buffer_count * TrailerBytes(kind)) {
     return Status::InvalidArgument("RegisterGroup body size does not match its buffer count");
   }
   const size_t expected_fds = kind == channel::BufferKind::kSharedMemory ? header.buffer_count : 0;
   if (frame.fds.size() != expected_fds) {
-    return Status::InvalidArgument(fmt::format("RegisterGroup names {} buffers but passed {} fds",
-                                               header.buffer_count, frame.fds.size()));
+    return Status::InvalidArgument(
+        fmt::format("RegisterGroup names {} buffers but passed {} fds", header.buffer_count, frame.fds.size()));
   }
   if (header.num_pages == 0) return Status::InvalidArgument("a group needs at least one page");
   return header;
@@ -84,19 +82,17 @@ Status Manager::HandleFrame(Session& session, channel::Frame& frame) {
     }
     case channel::FrameType::kRegisterGroup: {
       Result<uint64_t> padded = RegisterGroup(session, frame);
-      return session.channel->SendLifecycleReply(
-          request_id, padded.ok() ? Status::Ok() : padded.status(), padded.ok() ? *padded : 0);
+      return session.channel->SendLifecycleReply(request_id, padded.ok() ? Status::Ok() : padded.status(),
+                                                 padded.ok() ? *padded : 0);
     }
     case channel::FrameType::kUnregisterInstance: {
       ORBITKV_ASSIGN_OR_RETURN(channel::UnregisterInstanceBody body,
                                channel::BodyAs<channel::UnregisterInstanceBody>(frame));
-      return session.channel->SendLifecycleReply(request_id,
-                                                 UnregisterInstance(session, body.instance_id));
+      return session.channel->SendLifecycleReply(request_id, UnregisterInstance(session, body.instance_id));
     }
     default:
       // Engines never send Welcome, Reject or replies: a protocol violation.
-      return Status::InvalidArgument(
-          fmt::format("unexpected frame type {} from an engine", frame.header.type));
+      return Status::InvalidArgument(fmt::format("unexpected frame type {} from an engine", frame.header.type));
   }
 }
 
@@ -104,19 +100,17 @@ Status Manager::RegisterInstance(Session& session, const channel::Frame& frame) 
   if (session.channel->role() != channel::SessionRole::kControl) {
     return Status::FailedPrecondition("instances are registered on the control session");
   }
-  ORBITKV_ASSIGN_OR_RETURN(
-      channel::RegisterInstanceBody body,
-      channel::BodyAs<channel::RegisterInstanceBody>(frame, /*allow_trailing=*/true));
+  ORBITKV_ASSIGN_OR_RETURN(channel::RegisterInstanceBody body,
+                           channel::BodyAs<channel::RegisterInstanceBody>(frame, /*allow_trailing=*/true));
   ORBITKV_ASSIGN_OR_RETURN(std::string label, channel::InstanceLabel(frame.body));
   state::Digest256 digest;
   std::memcpy(digest.bytes.data(), body.namespace_digest, 32);
-  ORBITKV_ASSIGN_OR_RETURN(bool added,
-                           service_->instances().Register(session.id, body.instance_id,
-                                                          state::StateNamespace(digest), label));
+  ORBITKV_ASSIGN_OR_RETURN(
+      bool added, service_->instances().Register(session.id, body.instance_id, state::StateNamespace(digest), label));
   if (added) {
     instances_active_->Add(1);
-    ORBITKV_LOG_INFO("manager: session {} registered instance {}{}{}", session.id,
-                     body.instance_id, label.empty() ? "" : ": ", label);
+    ORBITKV_LOG_INFO("manager: session {} registered instance {}{}{}", session.id, body.instance_id,
+                     label.empty() ? "" : ": ", label);
   }
   return Status::Ok();
 }
@@ -145,36 +139,32 @@ Result<uint64_t> Manager::RegisterGroup(Session& session, channel::Frame& frame)
     UnregisterBuffers(*group);
     return status;
   };
-  const size_t descriptors_end =
-      sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor);
+  const size_t descriptors_end = sizeof(header) + header.buffer_count * sizeof(channel::BufferDescriptor);
   for (uint32_t i = 0; i < header.buffer_count; ++i) {
     channel::BufferDescriptor layout;
     std::memcpy(&layout, frame.body.data() + sizeof(header) + i * sizeof(layout), sizeof(layout));
     if (!PagesFit(layout, header.num_pages)) {
       return abandon(Status::InvalidArgument(fmt::format(
-          "buffer {}: {} pages of {} bytes with stride {} from offset {} do not fit its {} bytes",
-          i, header.num_pages, layout.page_bytes, layout.page_stride, layout.base_offset,
-          layout.buffer_bytes)));
+          "buffer {}: {} pages of {} bytes with stride {} from offset {} do not fit its {} bytes", i, header.num_pages,
+          layout.page_bytes, layout.page_stride, layout.base_offset, layout.buffer_bytes)));
     }
-    Status added = AddBuffer(group.get(), i, layout, frame,
-                             descriptors_end + i * TrailerBytes(kind), engine_pid);
+    Status added = AddBuffer(group.get(), i, layout, frame, descriptors_end + i * TrailerBytes(kind), engine_pid);
     if (!added.ok()) return abandon(added);
     group->block_bytes += layout.page_bytes;
   }
   group->padded_bytes = (group->block_bytes + kPage - 1) / kPage * kPage;
   if (group->block_bytes > cache_->pool().slab_bytes()) {
-    return abandon(Status::InvalidArgument(
-        fmt::format("a block of {} bytes exceeds the pool's {}-byte slabs; start "
-                    "the Manager with a larger --slab",
-                    group->block_bytes, cache_->pool().slab_bytes())));
+    return abandon(
+        Status::InvalidArgument(fmt::format("a block of {} bytes exceeds the pool's {}-byte slabs; start "
+                                            "the Manager with a larger --slab",
+                                            group->block_bytes, cache_->pool().slab_bytes())));
   }
   const uint64_t padded = group->padded_bytes;
   const size_t buffers = group->buffers.size();
   Status added = instance->AddGroup(group);
   if (!added.ok()) return abandon(added);
-  ORBITKV_LOG_INFO("manager: instance {} group {}: {} pages of {} bytes in {} {} buffer(s)",
-                   header.instance_id, header.group, header.num_pages, group->block_bytes,
-                   buffers, BufferKindName(kind));
+  ORBITKV_LOG_INFO("manager: instance {} group {}: {} pages of {} bytes in {} {} buffer(s)", header.instance_id,
+                   header.group, header.num_pages, group->block_bytes, buffers, BufferKindName(kind));
   return padded;
 }
 
@@ -201,25 +191,23 @@ Status Manager::AddBuffer(KvGroup* group, uint32_t index, const channel::BufferD
   return Status::InvalidArgument("unknown buffer kind");
 }
 
-Status Manager::AddSharedMemoryBuffer(KvGroup* group, uint32_t index,
-                                      const channel::BufferDescriptor& layout, int fd) {
+Status Manager::AddSharedMemoryBuffer(KvGroup* group, uint32_t index, const channel::BufferDescriptor& layout, int fd) {
   // An engine that shrank a buffer the Manager copies from would make the Manager fault (SIGBUS)
   // and take every engine's cache down with it: only memfds sealed against resizing are mapped.
   const int seals = fcntl(fd, F_GET_SEALS);
   constexpr int kNeeded = F_SEAL_SHRINK | F_SEAL_GROW;
   if (seals < 0 || (seals & kNeeded) != kNeeded) {
-    return Status::FailedPrecondition(fmt::format(
-        "buffer {} is {}: the engine could resize it while the Manager copies; allocate KV with "
-        "orbitkv.shm (Python) or orbitkv::client::CreateKvMemory (C++), or create the memfd with "
-        "MFD_ALLOW_SEALING and seal it with fcntl(F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)",
-        index, seals < 0 ? "not a sealable memfd" : "a memfd not sealed against shrinking and growing"));
+    return Status::FailedPrecondition(
+        fmt::format("buffer {} is {}: the engine could resize it while the Manager copies; allocate KV with "
+                    "orbitkv.shm (Python) or orbitkv::client::CreateKvMemory (C++), or create the memfd with "
+                    "MFD_ALLOW_SEALING and seal it with fcntl(F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)",
+                    index, seals < 0 ? "not a sealable memfd" : "a memfd not sealed against shrinking and growing"));
   }
   struct stat st {};
   if (fstat(fd, &st) != 0) return ErrnoStatus("fstat engine buffer", errno);
   if (static_cast<uint64_t>(st.st_size) < layout.buffer_bytes) {
     return Status::InvalidArgument(
-        fmt::format("buffer {} is {} bytes, smaller than the {} it claims", index, st.st_size,
-                    layout.buffer_bytes));
+        fmt::format("buffer {} is {} bytes, smaller than the {} it claims", index, st.st_size, layout.buffer_bytes));
   }
   void* mapped = mmap(nullptr, layout.buffer_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (mapped == MAP_FAILED) return ErrnoStatus(fmt::format("mmap engine buffer {}", index), errno);
@@ -228,16 +216,13 @@ Status Manager::AddSharedMemoryBuffer(KvGroup* group, uint32_t index,
   buffer.bytes = layout.buffer_bytes;
   buffer.layout = layout;
   group->buffers.push_back(buffer);  // the group unmaps it, whatever happens next
-  ORBITKV_ASSIGN_OR_RETURN(group->buffers.back().id,
-                           engines_.RegisterSharedMemory(buffer.base, buffer.bytes));
+  ORBITKV_ASSIGN_OR_RETURN(group->buffers.back().id, engines_.RegisterSharedMemory(buffer.base, buffer.bytes));
   return Status::Ok();
 }
 
-Status Manager::AddProcessBuffer(KvGroup* group, uint32_t index,
-                                 const channel::BufferDescriptor& layout, pid_t engine_pid,
-                                 uint64_t address) {
-  ORBITKV_ASSIGN_OR_RETURN(core::BufferId id, engines_.RegisterProcessMemory(
-                                                  engine_pid, address, layout.buffer_bytes));
+Status Manager::AddProcessBuffer(KvGroup* group, uint32_t index, const channel::BufferDescriptor& layout,
+                                 pid_t engine_pid, uint64_t address) {
+  ORBITKV_ASSIGN_OR_RETURN(core::BufferId id, engines_.RegisterProcessMemory(engine_pid, address, layout.buffer_bytes));
   group->buffers.push_back(KvGroup::Buffer{nullptr, layout.buffer_bytes, layout, id});
   // Probe the first byte now, so a buffer the Manager may not access fails here with its reason
   // rather than at the first restore.
@@ -245,10 +230,10 @@ Status Manager::AddProcessBuffer(KvGroup* group, uint32_t index,
   iovec local{&probe, 1};
   iovec remote{reinterpret_cast<void*>(address + layout.base_offset), 1};
   if (process_vm_readv(engine_pid, &local, 1, &remote, 1, 0) != 1) {
-    return Status::PermissionDenied(fmt::format(
-        "buffer {}: cannot read engine process {} at {:#x}: {} (process memory needs the same "
-        "uid or CAP_SYS_PTRACE; allocate KV in shared memory with orbitkv.shm otherwise)",
-        index, engine_pid, address + layout.base_offset, std::strerror(errno)));
+    return Status::PermissionDenied(
+        fmt::format("buffer {}: cannot read engine process {} at {:#x}: {} (process memory needs the same "
+                    "uid or CAP_SYS_PTRACE; allocate KV in shared memory with orbitkv.shm otherwise)",
+                    index, engine_pid, address + layout.base_offset, std::strerror(errno)));
   }
   return Status::Ok();
 }
@@ -257,8 +242,7 @@ void Manager::UnregisterBuffers(KvGroup& group) {
   for (KvGroup::Buffer& buffer : group.buffers) {
     if (buffer.id.generation == 0) continue;  // never registered
     Status unregistered = engines_.Unregister(group.kind, buffer.id);
-    if (!unregistered.ok())
-      ORBITKV_LOG_WARN("manager: unregister buffer: {}", unregistered.ToString());
+    if (!unregistered.ok()) ORBITKV_LOG_WARN("manager: unregister buffer: {}", unregistered.ToString());
   }
 }
 

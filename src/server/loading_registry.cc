@@ -9,9 +9,7 @@ namespace {
 
 // Whether a waiter for `min_resident` leading blocks is answered by `resident` while the op runs (0
 // waits for completion only).
-bool AnsweredEarly(size_t min_resident, size_t resident) {
-  return min_resident > 0 && resident >= min_resident;
-}
+bool AnsweredEarly(size_t min_resident, size_t resident) { return min_resident > 0 && resident >= min_resident; }
 
 }  // namespace
 
@@ -20,10 +18,10 @@ LoadingRegistry::LoadingRegistry(const Options& options, MetricsRegistry* metric
       started_(&metrics->GetCounter("orbitkv_loading_started_total",
                                     "Queries answered Loading (blocks read from SSD into DRAM)")),
       active_(&metrics->GetGauge("orbitkv_loading_active", "Loading operations not yet complete")),
-      held_gauge_(&metrics->GetGauge(
-          "orbitkv_loading_held_blocks",
-          "DRAM blocks that completed loads keep pinned until the engine's next query leases "
-          "them")) {}
+      held_gauge_(
+          &metrics->GetGauge("orbitkv_loading_held_blocks",
+                             "DRAM blocks that completed loads keep pinned until the engine's next query leases "
+                             "them")) {}
 
 LoadingRegistry::~LoadingRegistry() {
   Aftermath after;
@@ -49,8 +47,8 @@ void LoadingRegistry::Aftermath::Run(LoadingRegistry* registry) {
   }
 }
 
-Result<uint64_t> LoadingRegistry::Start(uint64_t owner, const LoadingChain& chain,
-                                        std::vector<LoadingStage> stages, size_t resident) {
+Result<uint64_t> LoadingRegistry::Start(uint64_t owner, const LoadingChain& chain, std::vector<LoadingStage> stages,
+                                        size_t resident) {
   Aftermath after;
   uint64_t id = 0;
   {
@@ -58,9 +56,8 @@ Result<uint64_t> LoadingRegistry::Start(uint64_t owner, const LoadingChain& chai
     if (auto found = by_chain_.find(chain); found != by_chain_.end()) return found->second;
     uint32_t& outstanding = per_owner_[owner];
     if (outstanding >= options_.max_per_owner) {
-      return Status::ResourceExhausted(fmt::format(
-          "{} Loading operations are outstanding on this session (--max-loading); retry",
-          outstanding));
+      return Status::ResourceExhausted(
+          fmt::format("{} Loading operations are outstanding on this session (--max-loading); retry", outstanding));
     }
     ++outstanding;
     id = next_id_++;
@@ -69,8 +66,7 @@ Result<uint64_t> LoadingRegistry::Start(uint64_t owner, const LoadingChain& chai
     op.chain = chain;
     op.stages = std::move(stages);
     op.origin.resident = resident;
-    for (const LoadingStage& stage : op.stages)
-      op.origin.stages.emplace_back(stage.name, stage.span);
+    for (const LoadingStage& stage : op.stages) op.origin.stages.emplace_back(stage.name, stage.span);
     by_chain_.emplace(chain, id);
     started_->Increment();
     active_->Add(1);
@@ -81,8 +77,7 @@ Result<uint64_t> LoadingRegistry::Start(uint64_t owner, const LoadingChain& chai
     }
   }
   if (after.next_start) {
-    std::function<Status(LoadingStage::Done, LoadingStage::Progress)> start =
-        std::move(after.next_start);
+    std::function<Status(LoadingStage::Done, LoadingStage::Progress)> start = std::move(after.next_start);
     after.next_start = nullptr;
     Status started = start(std::move(after.next_done), std::move(after.next_progress));
     if (!started.ok()) {
@@ -110,9 +105,7 @@ void LoadingRegistry::ArmStageLocked(uint64_t id, Op& op, Aftermath* after) {
   after->next_done = [this, id, index = op.stage](std::vector<core::BlockPin> pins) {
     StageDone(id, index, std::move(pins));
   };
-  after->next_progress = [this, id, index = op.stage](size_t resident) {
-    StageProgress(id, index, resident);
-  };
+  after->next_progress = [this, id, index = op.stage](size_t resident) { StageProgress(id, index, resident); };
 }
 
 void LoadingRegistry::StageProgress(uint64_t id, size_t stage, size_t resident) {
@@ -184,14 +177,12 @@ void LoadingRegistry::CompleteLocked(Op& op, Aftermath* after) {
   op.stages.clear();  // their keys are not needed any more
   active_->Add(-1);
   for (Op::Waiter& waiter : op.waiters) {
-    after->answers.emplace_back(std::move(waiter.done),
-                                Result<LoadingState>(LoadingState{op.held.size(), true}));
+    after->answers.emplace_back(std::move(waiter.done), Result<LoadingState>(LoadingState{op.held.size(), true}));
   }
   op.waiters.clear();
 }
 
-LoadingRegistry::OpMap::iterator LoadingRegistry::ForgetLocked(OpMap::iterator it, const char* why,
-                                                               Aftermath* after) {
+LoadingRegistry::OpMap::iterator LoadingRegistry::ForgetLocked(OpMap::iterator it, const char* why, Aftermath* after) {
   Op& op = it->second;
   held_blocks_ -= op.held.size();
   held_gauge_->Add(-static_cast<double>(op.held.size()));
@@ -259,8 +250,7 @@ bool LoadingRegistry::Cancel(uint64_t instance, uint64_t id) {
   return true;
 }
 
-void LoadingRegistry::Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done,
-                           size_t min_resident) {
+void LoadingRegistry::Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done, size_t min_resident) {
   Result<LoadingState> now = Status::NotFound(
       "no Loading operation with that id for this instance (it was taken by a query, cancelled or "
       "expired): ask the query again");
@@ -290,9 +280,8 @@ void LoadingRegistry::DropInstance(uint64_t instance) {
   {
     MutexLock lock(&mu_);
     for (auto it = ops_.begin(); it != ops_.end();) {
-      it = it->second.chain.instance == instance
-               ? ForgetLocked(it, "dropped: its instance went away", &after)
-               : std::next(it);
+      it = it->second.chain.instance == instance ? ForgetLocked(it, "dropped: its instance went away", &after)
+                                                 : std::next(it);
     }
   }
   after.Run(this);
@@ -323,16 +312,14 @@ MonoTime LoadingRegistry::Sweep() {
         auto late = std::partition(op.waiters.begin(), op.waiters.end(),
                                    [now](const Op::Waiter& w) { return now < w.deadline; });
         for (auto w = late; w != op.waiters.end(); ++w) {
-          after.answers.emplace_back(
-              std::move(w->done),
-              Status::DeadlineExceeded("the Loading operation is still running; ask again"));
+          after.answers.emplace_back(std::move(w->done),
+                                     Status::DeadlineExceeded("the Loading operation is still running; ask again"));
         }
         op.waiters.erase(late, op.waiters.end());
         for (const Op::Waiter& w : op.waiters) next = std::min(next, w.deadline);
       }
       const bool expired = hold_sweep && op.completed && now - op.completed_at > options_.hold;
-      it = expired ? ForgetLocked(it, "expired: nobody asked for its blocks", &after)
-                   : std::next(it);
+      it = expired ? ForgetLocked(it, "expired: nobody asked for its blocks", &after) : std::next(it);
     }
     next_sweep_ = next;
     reported_due_ = next;

@@ -54,8 +54,8 @@ struct LoadingStage {
   // Optional, any number of times before `done`: the leading `resident` blocks of the stage's span
   // are in DRAM now (pinned by the stage until `done`), so waiters asking for progress hear of it.
   using Progress = std::function<void(size_t resident)>;
-  std::string name;  // "ssd", in logs and errors
-  size_t span = 0;   // blocks of the chain this stage covers, after the previous stages' spans
+  std::string name;                           // "ssd", in logs and errors
+  size_t span = 0;                            // blocks of the chain this stage covers, after the previous stages' spans
   std::chrono::milliseconds deadline{30000};  // from the stage's start
   // Starts the stage; it calls `done` exactly once unless it returns an error.
   std::function<Status(Done done, Progress progress)> start;
@@ -91,8 +91,8 @@ class LoadingRegistry {
   // error otherwise (the op is forgotten).
   // `resident` is how many leading blocks of the chain were in DRAM when the op started (for the
   // per-tier hit counts of Origin).
-  Result<uint64_t> Start(uint64_t owner, const LoadingChain& chain,
-                         std::vector<LoadingStage> stages, size_t resident = 0) EXCLUDES(mu_);
+  Result<uint64_t> Start(uint64_t owner, const LoadingChain& chain, std::vector<LoadingStage> stages,
+                         size_t resident = 0) EXCLUDES(mu_);
   // Whether the chain has an op that completed (its blocks are held resident).
   bool Completed(const LoadingChain& chain) EXCLUDES(mu_);
   // Whether the chain has an op still running.
@@ -114,8 +114,7 @@ class LoadingRegistry {
   // Calls `done` when op `id` of `instance` completes (now, if it has), when `min_resident` > 0
   // leading blocks of its chain are in DRAM while it runs (now, if they are), or DeadlineExceeded
   // once `deadline` passed (at the next Sweep); NotFound (inline) when there is no such op.
-  void Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done,
-            size_t min_resident = 0) EXCLUDES(mu_);
+  void Wait(uint64_t instance, uint64_t id, Deadline deadline, WaitDone done, size_t min_resident = 0) EXCLUDES(mu_);
   // Forgets every op of `instance`.
   void DropInstance(uint64_t instance) EXCLUDES(mu_);
   // Completes ops whose current stage passed its deadline, answers waiters whose deadline passed
@@ -137,7 +136,7 @@ class LoadingRegistry {
     Origin origin;  // for CompletedOrigin (the stages themselves go when the op completes)
     MonoTime completed_at;
     std::vector<core::BlockPin> held;  // the prefix loaded so far
-    size_t progress = 0;  // leading blocks of the running stage's span in DRAM (its own pins)
+    size_t progress = 0;               // leading blocks of the running stage's span in DRAM (its own pins)
     size_t resident() const { return held.size() + progress; }
     struct Waiter {
       MonoTime deadline;

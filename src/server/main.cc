@@ -41,13 +41,11 @@ int main(int argc, char** argv) {
   if (parsed->check_config) {
     fmt::print("orbitkv-manager: configuration is valid{}\n",
                config.config_file.empty() ? "" : fmt::format(" ({})", config.config_file));
-    fmt::print("  socket {}\n  dram {} MiB\n  ssd {}\n  metrics {}\n  cluster {}\n",
-               config.socket_path, config.dram_bytes >> 20,
-               config.ssd_path.empty() ? "off" : config.ssd_path,
+    fmt::print("  socket {}\n  dram {} MiB\n  ssd {}\n  metrics {}\n  cluster {}\n", config.socket_path,
+               config.dram_bytes >> 20, config.ssd_path.empty() ? "off" : config.ssd_path,
                config.metrics_addr.empty() ? "off" : config.metrics_addr,
-               config.etcd_endpoints.empty()
-                   ? "off (single host)"
-                   : fmt::format("{} via {}", config.cluster_name, config.etcd_endpoints));
+               config.etcd_endpoints.empty() ? "off (single host)"
+                                             : fmt::format("{} via {}", config.cluster_name, config.etcd_endpoints));
     return 0;
   }
   log::Options log_options;

@@ -24,13 +24,12 @@ void LogSsdTier(const ManagerConfig& config, const core::SsdTier& ssd, uint32_t 
   ORBITKV_LOG_INFO(
       "manager: SSD tier at {}: {} GiB in {} file(s), {} backend{}, {} writes; recovered {} "
       "block(s) ({} MiB) in {:.2f} s{}",
-      config.ssd_path, ssd.capacity_bytes() >> 30, files, ssd.backend_name(),
-      ssd.direct_io() ? " with O_DIRECT" : "", storage::WriteStagingName(ssd.write_staging()),
-      scan.records, scan.payload_bytes >> 20, scan.seconds,
+      config.ssd_path, ssd.capacity_bytes() >> 30, files, ssd.backend_name(), ssd.direct_io() ? " with O_DIRECT" : "",
+      storage::WriteStagingName(ssd.write_staging()), scan.records, scan.payload_bytes >> 20, scan.seconds,
       scan.dropped_version + scan.dropped_corrupt + scan.dropped_overlap == 0
           ? std::string()
-          : fmt::format(" (dropped {} of another format version, {} corrupt, {} overlapping)",
-                        scan.dropped_version, scan.dropped_corrupt, scan.dropped_overlap));
+          : fmt::format(" (dropped {} of another format version, {} corrupt, {} overlapping)", scan.dropped_version,
+                        scan.dropped_corrupt, scan.dropped_overlap));
 }
 
 }  // namespace
@@ -43,14 +42,12 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
   options.incarnation = manager->runtime_id_.incarnation();  // one identity for the whole run
   // Before the pool: its arenas are registered as mapped.
   ORBITKV_RETURN_IF_ERROR(manager->engines_.PreparePool(&options, config.gpus));
-  Result<std::unique_ptr<core::BlockCache>> cache =
-      core::BlockCache::Create(options, &manager->metrics_);
+  Result<std::unique_ptr<core::BlockCache>> cache = core::BlockCache::Create(options, &manager->metrics_);
   if (!cache.ok()) return cache.status().WithContext("creating the DRAM pool");
   manager->cache_ = std::move(*cache);
   if (!config.ssd_path.empty()) {
     ORBITKV_ASSIGN_OR_RETURN(core::SsdTierOptions ssd, SsdOptionsFor(config));
-    Result<std::unique_ptr<core::SsdTier>> tier =
-        core::SsdTier::Create(ssd, manager->cache_.get(), &manager->metrics_);
+    Result<std::unique_ptr<core::SsdTier>> tier = core::SsdTier::Create(ssd, manager->cache_.get(), &manager->metrics_);
     if (!tier.ok()) return tier.status().WithContext("opening the SSD tier (--ssd-path)");
     manager->ssd_ = std::move(*tier);
     LogSsdTier(config, *manager->ssd_, ssd.store.file_count);
@@ -70,18 +67,16 @@ Result<std::unique_ptr<Manager>> Manager::Create(const ManagerConfig& config) {
     const uint64_t one = 1;
     (void)!write(m->wake_.get(), &one, sizeof(one));  // the dispatcher poisons the sessions
   };
-  manager->service_ = std::make_unique<CacheService>(service, manager->cache_.get(),
-                                                     manager->ssd_.get(), &manager->metrics_);
+  manager->service_ =
+      std::make_unique<CacheService>(service, manager->cache_.get(), manager->ssd_.get(), &manager->metrics_);
 
   // Admitting other uids needs a socket they can connect to; SO_PEERCRED then decides who stays.
-  Result<ScopedFd> listener =
-      channel::ListenUnix(config.socket_path, config.allowed_uids.empty() ? 0600 : 0666);
+  Result<ScopedFd> listener = channel::ListenUnix(config.socket_path, config.allowed_uids.empty() ? 0600 : 0666);
   if (!listener.ok()) return listener.status().WithContext("opening the engine socket");
   manager->listener_ = std::move(*listener);
   manager->wake_ = ScopedFd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   manager->epoll_ = ScopedFd(epoll_create1(EPOLL_CLOEXEC));
-  if (!manager->wake_.valid() || !manager->epoll_.valid())
-    return ErrnoStatus("eventfd/epoll", errno);
+  if (!manager->wake_.valid() || !manager->epoll_.valid()) return ErrnoStatus("eventfd/epoll", errno);
   manager->RegisterMetrics();
   return manager;
 }
@@ -91,12 +86,11 @@ void Manager::RegisterMetrics() {
   sessions_opened_ = &m.GetCounter("orbitkv_sessions_opened_total", "Engine sessions accepted");
   const char* reasons[] = {"malformed_request", "bad_frame", "reply_ring", "engine_memory"};
   for (int i = 0; i < 4; ++i) {
-    sessions_poisoned_[i] =
-        &m.GetCounter("orbitkv_sessions_poisoned_total",
-                      "Sessions closed by the Manager, by reason: a malformed request or lifecycle "
-                      "frame, a reply ring the engine overflowed or corrupted, engine memory that "
-                      "faulted under a copy",
-                      {{"reason", reasons[i]}});
+    sessions_poisoned_[i] = &m.GetCounter("orbitkv_sessions_poisoned_total",
+                                          "Sessions closed by the Manager, by reason: a malformed request or lifecycle "
+                                          "frame, a reply ring the engine overflowed or corrupted, engine memory that "
+                                          "faulted under a copy",
+                                          {{"reason", reasons[i]}});
   }
   sessions_active_ = &m.GetGauge("orbitkv_sessions_active", "Open engine sessions");
   instances_active_ = &m.GetGauge("orbitkv_instances_active", "Registered engine instances");
@@ -115,11 +109,10 @@ void Manager::RegisterMetrics() {
 Status Manager::Start() {
   ORBITKV_CHECK(!started_);
   // A whole restore of many pages goes to the copy engine as two batches (CacheService::Restore).
-  ORBITKV_RETURN_IF_ERROR(engines_.Start(config_.copy_threads, 2 * config_.max_operations,
-                                         config_.gpu_restore_staging_bytes, &metrics_));
+  ORBITKV_RETURN_IF_ERROR(
+      engines_.Start(config_.copy_threads, 2 * config_.max_operations, config_.gpu_restore_staging_bytes, &metrics_));
   if (!config_.metrics_addr.empty()) {
-    Result<std::unique_ptr<MetricsHttpServer>> http =
-        MetricsHttpServer::Bind(config_.metrics_addr, &metrics_);
+    Result<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Bind(config_.metrics_addr, &metrics_);
     if (!http.ok()) return http.status().WithContext("--metrics-addr");
     http_ = std::move(*http);
     http_->Start();
@@ -130,21 +123,17 @@ Status Manager::Start() {
       epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &wake_event) != 0) {
     return ErrnoStatus("epoll_ctl", errno);
   }
-  ORBITKV_ASSIGN_OR_RETURN(cluster_,
-                           ClusterLink::Start(config_, runtime_id_, cache_.get(), ssd_.get(), &metrics_));
+  ORBITKV_ASSIGN_OR_RETURN(cluster_, ClusterLink::Start(config_, runtime_id_, cache_.get(), ssd_.get(), &metrics_));
   if (cluster_) {
-    service_->SetRemoteStage([link = cluster_.get()](std::vector<state::StateKey> keys) {
-      return link->RemoteStage(std::move(keys));
-    });
+    service_->SetRemoteStage(
+        [link = cluster_.get()](std::vector<state::StateKey> keys) { return link->RemoteStage(std::move(keys)); });
   }
   cleaner_ = std::thread([this] { CleanupLoop(); });
   dispatcher_ = std::thread([this] { DispatchLoop(); });
   started_ = true;
-  ORBITKV_LOG_INFO(
-      "manager: serving engines on {} ({} MiB DRAM pool, {} copy threads, runtime {}{})",
-      config_.socket_path, cache_->pool().Stats().capacity_bytes >> 20, config_.copy_threads,
-      runtime_id_.ToString(),
-      http_ ? fmt::format(", metrics on port {}", http_->port()) : std::string());
+  ORBITKV_LOG_INFO("manager: serving engines on {} ({} MiB DRAM pool, {} copy threads, runtime {}{})",
+                   config_.socket_path, cache_->pool().Stats().capacity_bytes >> 20, config_.copy_threads,
+                   runtime_id_.ToString(), http_ ? fmt::format(", metrics on port {}", http_->port()) : std::string());
   return Status::Ok();
 }
 
@@ -181,16 +170,15 @@ void Manager::PersistDramForRestart() {
   const auto seconds = std::chrono::seconds(config_.ssd_persist_seconds);
   const core::SsdTier::PersistReport report =
       ssd_->PersistDram(MonoNow() + seconds, [](const core::SsdTier::PersistReport& progress) {
-        ORBITKV_LOG_INFO("manager: writing DRAM blocks to SSD before exit: {} of {} ({} MiB)",
-                         progress.written, progress.candidates, progress.written_bytes >> 20);
+        ORBITKV_LOG_INFO("manager: writing DRAM blocks to SSD before exit: {} of {} ({} MiB)", progress.written,
+                         progress.candidates, progress.written_bytes >> 20);
       });
   if (report.candidates == 0) return;
-  ORBITKV_LOG_INFO(
-      "manager: wrote {} of {} DRAM-only block(s) ({} MiB) to SSD in {:.1f} s for the restart{}",
-      report.written, report.candidates, report.written_bytes >> 20, report.seconds,
-      report.timed_out ? fmt::format("; --ssd-persist-on-exit {} s passed, the rest is dropped",
-                                     config_.ssd_persist_seconds)
-                       : std::string());
+  ORBITKV_LOG_INFO("manager: wrote {} of {} DRAM-only block(s) ({} MiB) to SSD in {:.1f} s for the restart{}",
+                   report.written, report.candidates, report.written_bytes >> 20, report.seconds,
+                   report.timed_out ? fmt::format("; --ssd-persist-on-exit {} s passed, the rest is dropped",
+                                                  config_.ssd_persist_seconds)
+                                    : std::string());
 }
 
 Manager::~Manager() {
@@ -220,8 +208,7 @@ void Manager::DispatchLoop() {
   constexpr auto kSpinAfterWork = std::chrono::microseconds(100);
   MonoTime last_work = MonoNow() - std::chrono::seconds(1);  // not "recent": start asleep
   while (!stopping_.load(std::memory_order_acquire)) {
-    const bool spinning =
-        MonoNow() - last_work < kSpinAfterWork && service_->operations_active() == 0;
+    const bool spinning = MonoNow() - last_work < kSpinAfterWork && service_->operations_active() == 0;
     bool pending = spinning;
     if (!spinning) {
       // Announce sleep on every session's request ring; a request that raced in means no sleep this
@@ -319,11 +306,9 @@ void Manager::PoisonSession(const Session& session, const Status& why, PoisonRea
 
 Status Manager::AdmitPublishSession(const Session& session) const {
   auto control = sessions_.find(session.owner_id);
-  if (control == sessions_.end() ||
-      control->second->channel->role() != channel::SessionRole::kControl ||
+  if (control == sessions_.end() || control->second->channel->role() != channel::SessionRole::kControl ||
       control->second->channel->peer().pid != session.channel->peer().pid) {
-    return Status::PermissionDenied(
-        "a publish session must name a live control session of the same process");
+    return Status::PermissionDenied("a publish session must name a live control session of the same process");
   }
   return Status::Ok();
 }
@@ -342,8 +327,7 @@ void Manager::AcceptSessions() {
     options.default_layout.payload_slots = config_.payload_slots;
     options.default_layout.slot_bytes = config_.slot_bytes;
     options.deadline = Deadline::After(std::chrono::seconds(2));
-    Result<std::unique_ptr<channel::ServerSession>> accepted =
-        channel::ServerSession::Accept(std::move(conn), options);
+    Result<std::unique_ptr<channel::ServerSession>> accepted = channel::ServerSession::Accept(std::move(conn), options);
     if (!accepted.ok()) {
       ORBITKV_LOG_WARN("manager: refused a session: {}", accepted.status().ToString());
       continue;
@@ -363,16 +347,14 @@ void Manager::AcceptSessions() {
     epoll_event socket_event{EPOLLIN | EPOLLRDHUP, {.u64 = EventData(session->id, kSocket)}};
     epoll_event bell_event{EPOLLIN, {.u64 = EventData(session->id, kDoorbell)}};
     if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, session->channel->socket_fd(), &socket_event) != 0 ||
-        epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, session->channel->request_doorbell_fd(),
-                  &bell_event) != 0) {
+        epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, session->channel->request_doorbell_fd(), &bell_event) != 0) {
       ORBITKV_LOG_ERROR("manager: epoll_ctl for a new session failed: {}", std::strerror(errno));
       continue;
     }
     sessions_opened_->Increment();
     sessions_active_->Add(1);
-    ORBITKV_LOG_INFO("manager: session {} ({}) opened by pid {} uid {}", session->id,
-                     publish ? "publish" : "control", session->channel->peer().pid,
-                     session->channel->peer().uid);
+    ORBITKV_LOG_INFO("manager: session {} ({}) opened by pid {} uid {}", session->id, publish ? "publish" : "control",
+                     session->channel->peer().pid, session->channel->peer().uid);
     sessions_.emplace(session->id, std::move(session));
   }
 }
@@ -382,10 +364,8 @@ int Manager::ServeSession(const std::shared_ptr<Session>& session) {
   int served = 0;
   for (; served < 64; ++served) {
     if (session->channel->broken()) {
-      PoisonSession(
-          *session,
-          Status::ResourceExhausted("the engine's reply ring overflowed or was corrupted"),
-          PoisonReason::kReplyRing);
+      PoisonSession(*session, Status::ResourceExhausted("the engine's reply ring overflowed or was corrupted"),
+                    PoisonReason::kReplyRing);
       return served;
     }
     Result<std::optional<channel::InboundRequest>> request = session->channel->NextRequest();
@@ -413,18 +393,16 @@ void Manager::CloseSession(uint64_t session_id, const Status& why) {
   epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, session->channel->request_doorbell_fd(), nullptr);
   sessions_active_->Add(-1);
   // A control session's instances go with it; a superseded session cannot touch its replacement's.
-  std::vector<std::shared_ptr<EngineInstance>> retired =
-      service_->instances().RemoveOwner(session->id);
+  std::vector<std::shared_ptr<EngineInstance>> retired = service_->instances().RemoveOwner(session->id);
   for (const auto& instance : retired) RetireInstance(instance);
-  ORBITKV_LOG_INFO("manager: session {} closed ({}); {} instance(s) cleaned up", session_id,
-                   why.ToString(), retired.size());
+  ORBITKV_LOG_INFO("manager: session {} closed ({}); {} instance(s) cleaned up", session_id, why.ToString(),
+                   retired.size());
 }
 
 void Manager::RetireInstance(const std::shared_ptr<EngineInstance>& instance) {
   instances_active_->Add(-1);
   const size_t leases = service_->RetireInstance(*instance);
-  if (leases != 0)
-    ORBITKV_LOG_INFO("manager: instance {}: released {} lease(s)", instance->id, leases);
+  if (leases != 0) ORBITKV_LOG_INFO("manager: instance {}: released {} lease(s)", instance->id, leases);
   // Unregistering waits for in-flight copies into the instance's buffers: not on the dispatcher.
   // Mappings are released when the last in-flight operation drops its reference to the group.
   PostCleanup([this, instance] {

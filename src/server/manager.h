@@ -46,9 +46,9 @@
 #include "core/block_cache.h"
 #include "core/ssd_tier.h"
 #include "server/cache_service.h"
-#include "server/distributed/cluster_link.h"
 #include "server/config.h"
 #include "server/copy_engines.h"
+#include "server/distributed/cluster_link.h"
 #include "server/engine_state.h"
 #include "server/metrics_http.h"
 
@@ -117,12 +117,11 @@ class Manager {
   Status RegisterInstance(Session& session, const channel::Frame& frame);
   Result<uint64_t> RegisterGroup(Session& session, channel::Frame& frame);
   // Registers buffer `index` of `group` with its copy engine and appends it, or returns why not.
-  Status AddBuffer(KvGroup* group, uint32_t index, const channel::BufferDescriptor& layout,
-                   const channel::Frame& frame, size_t trailer_offset, pid_t engine_pid);
-  Status AddSharedMemoryBuffer(KvGroup* group, uint32_t index,
-                               const channel::BufferDescriptor& layout, int fd);
-  Status AddProcessBuffer(KvGroup* group, uint32_t index, const channel::BufferDescriptor& layout,
-                          pid_t engine_pid, uint64_t address);
+  Status AddBuffer(KvGroup* group, uint32_t index, const channel::BufferDescriptor& layout, const channel::Frame& frame,
+                   size_t trailer_offset, pid_t engine_pid);
+  Status AddSharedMemoryBuffer(KvGroup* group, uint32_t index, const channel::BufferDescriptor& layout, int fd);
+  Status AddProcessBuffer(KvGroup* group, uint32_t index, const channel::BufferDescriptor& layout, pid_t engine_pid,
+                          uint64_t address);
   void UnregisterBuffers(KvGroup& group);
   Status UnregisterInstance(Session& session, uint64_t instance_id);
   void RetireInstance(const std::shared_ptr<EngineInstance>& instance);

@@ -25,8 +25,7 @@ class MetricsHttpServer {
  public:
   // Binds HOST:PORT (port 0 picks a free one). InvalidArgument for a malformed address, or the bind
   // error.
-  static Result<std::unique_ptr<MetricsHttpServer>> Bind(const std::string& address,
-                                                         MetricsRegistry* metrics);
+  static Result<std::unique_ptr<MetricsHttpServer>> Bind(const std::string& address, MetricsRegistry* metrics);
   ~MetricsHttpServer();
 
   void Start();

@@ -38,8 +38,7 @@ Result<uint64_t> SsdSpaceAvailable(const std::string& path) {
   for (const auto& entry : std::filesystem::directory_iterator(path, error)) {
     if (entry.path().filename().string().starts_with("orbitkv-ssd-")) {
       struct stat st {};
-      if (stat(entry.path().c_str(), &st) == 0)
-        existing += static_cast<uint64_t>(st.st_blocks) * 512;
+      if (stat(entry.path().c_str(), &st) == 0) existing += static_cast<uint64_t>(st.st_blocks) * 512;
     }
   }
   return static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize + existing;
@@ -52,8 +51,7 @@ core::BlockCacheOptions CacheOptionsFor(const ManagerConfig& config) {
   options.pool.capacity_bytes = config.dram_bytes;
   options.pool.slab_bytes = config.slab_bytes;
   options.pool.numa_nodes = ParseNumaNodes(config.numa);
-  options.pool.pin_mode =
-      config.allow_unpinned ? core::PinMode::kAllowUnpinned : core::PinMode::kRequireLocked;
+  options.pool.pin_mode = config.allow_unpinned ? core::PinMode::kAllowUnpinned : core::PinMode::kRequireLocked;
   options.query_budget_bytes = config.query_budget_bytes;
   options.query_instance_budget_bytes = config.query_instance_budget_bytes;
   options.transfer_budget_bytes = config.transfer_budget_bytes;
@@ -79,30 +77,28 @@ Result<core::SsdTierOptions> SsdOptionsFor(const ManagerConfig& config) {
   uint64_t capacity = config.ssd_capacity_bytes != 0 ? config.ssd_capacity_bytes : (64ull << 30);
   if (capacity > limit) {
     if (config.ssd_capacity_bytes != 0) {
-      return Status::ResourceExhausted(fmt::format(
-          "--ssd-capacity {} MiB does not fit: the file system of {} has {} MiB available (the "
-          "tier takes at most 90% of it); give a smaller --ssd-capacity",
-          capacity >> 20, config.ssd_path, available >> 20));
+      return Status::ResourceExhausted(
+          fmt::format("--ssd-capacity {} MiB does not fit: the file system of {} has {} MiB available (the "
+                      "tier takes at most 90% of it); give a smaller --ssd-capacity",
+                      capacity >> 20, config.ssd_path, available >> 20));
     }
     capacity = limit;
   }
   options.store.capacity_bytes = capacity;
   options.store.file_count = config.ssd_files;
   if (options.store.file_count == 0) {
-    options.store.file_count =
-        static_cast<uint32_t>(std::clamp<uint64_t>(capacity / (64ull << 30), 1, 16));
+    options.store.file_count = static_cast<uint32_t>(std::clamp<uint64_t>(capacity / (64ull << 30), 1, 16));
   }
   options.store.backend = *storage::ParseDeviceBackend(config.ssd_backend);
   options.store.recover = config.ssd_recover;
   options.store.verify_on_open = config.ssd_verify == "eager";
   options.store.write_staging = *storage::ParseWriteStaging(config.ssd_write_staging);
-  options.policy = config.ssd_policy == "write-through" ? core::SsdWritePolicy::kWriteThrough
-                                                        : core::SsdWritePolicy::kWriteBack;
+  options.policy =
+      config.ssd_policy == "write-through" ? core::SsdWritePolicy::kWriteThrough : core::SsdWritePolicy::kWriteBack;
   options.min_frequency = config.ssd_min_frequency;
   options.write_bytes_per_second = config.ssd_write_budget_bytes;
-  options.queue_bytes = config.ssd_queue_bytes != 0
-                            ? config.ssd_queue_bytes
-                            : std::min<uint64_t>(config.dram_bytes / 8, 1ull << 30);
+  options.queue_bytes =
+      config.ssd_queue_bytes != 0 ? config.ssd_queue_bytes : std::min<uint64_t>(config.dram_bytes / 8, 1ull << 30);
   return options;
 }
 

@@ -13,8 +13,8 @@ Status StateBundle::CheckCovers(const RecoveryDemand& demand) const {
   }
   for (const StateDescriptor& part : parts) {
     if (part.ns != ns) {
-      return Status::InvalidArgument(fmt::format("bundle part of group {} has foreign namespace {}", part.group,
-                                                 part.ns.ShortHex()));
+      return Status::InvalidArgument(
+          fmt::format("bundle part of group {} has foreign namespace {}", part.group, part.ns.ShortHex()));
     }
   }
   for (const GroupRange& range : demand.ranges) {
@@ -32,8 +32,8 @@ Status StateBundle::CheckCovers(const RecoveryDemand& demand) const {
       if (frontier >= range.end) break;
     }
     if (frontier < range.end) {
-      return Status::NotFound(fmt::format("bundle does not cover group {} tokens [{}, {})", range.group, frontier,
-                                          range.end));
+      return Status::NotFound(
+          fmt::format("bundle does not cover group {} tokens [{}, {})", range.group, frontier, range.end));
     }
   }
   return Status::Ok();

@@ -41,7 +41,8 @@ Result<Digest256> Digest256::FromHex(std::string_view hex) {
   for (size_t i = 0; i < d.bytes.size(); ++i) {
     int hi = HexValue(hex[2 * i]);
     int lo = HexValue(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return Status::InvalidArgument("digest has a non-hex character near offset " + std::to_string(2 * i));
+    if (hi < 0 || lo < 0)
+      return Status::InvalidArgument("digest has a non-hex character near offset " + std::to_string(2 * i));
     d.bytes[i] = static_cast<uint8_t>(hi << 4 | lo);
   }
   return d;

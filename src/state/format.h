@@ -30,11 +30,11 @@ size_t DTypeBytes(DType dtype);
 
 // Physical arrangement of one page in engine memory. Values are stable.
 enum class KvLayout : uint8_t {
-  kLayerFirst = 1,       // vLLM: one tensor per layer, K and V halves inside each page.
+  kLayerFirst = 1,         // vLLM: one tensor per layer, K and V halves inside each page.
   kLayerFirstSplitKv = 2,  // One tensor per layer for K and one for V (two fragments per layer).
-  kPageFirst = 3,        // SGLang page_first: all layers of a page contiguous.
-  kPageFirstDirect = 4,  // SGLang page_first_direct.
-  kMla = 5,              // One latent fragment per layer (no K/V split).
+  kPageFirst = 3,          // SGLang page_first: all layers of a page contiguous.
+  kPageFirstDirect = 4,    // SGLang page_first_direct.
+  kMla = 5,                // One latent fragment per layer (no K/V split).
 };
 std::string_view LayoutName(KvLayout layout);
 std::optional<KvLayout> ParseLayout(std::string_view name);

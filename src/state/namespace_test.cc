@@ -19,11 +19,11 @@ TEST(NamespaceTest, DeterministicAcrossCalls) {
 }
 
 TEST(NamespaceTest, RequiredFieldsAreChecked) {
-  for (auto clear : {+[](NamespaceIdentity& id) { id.model_id.clear(); },
-                     +[](NamespaceIdentity& id) { id.weights_revision.clear(); },
-                     +[](NamespaceIdentity& id) { id.tokenizer.clear(); },
-                     +[](NamespaceIdentity& id) { id.engine_kind.clear(); },
-                     +[](NamespaceIdentity& id) { id.format.page_size_tokens = 0; }}) {
+  for (auto clear :
+       {+[](NamespaceIdentity& id) { id.model_id.clear(); },
+        +[](NamespaceIdentity& id) { id.weights_revision.clear(); },
+        +[](NamespaceIdentity& id) { id.tokenizer.clear(); }, +[](NamespaceIdentity& id) { id.engine_kind.clear(); },
+        +[](NamespaceIdentity& id) { id.format.page_size_tokens = 0; }}) {
     NamespaceIdentity id = SampleIdentity();
     clear(id);
     EXPECT_EQ(DeriveNamespace(id).status().code(), StatusCode::kInvalidArgument);

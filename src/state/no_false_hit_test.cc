@@ -77,10 +77,10 @@ TEST(NoFalseHitTest, AllMutationsArePairwiseDistinct) {
 TEST(NoFalseHitTest, SpanGroupNativeKeyAndVersionChangeTheKey) {
   NamespaceIdentity id = SampleIdentity();
   const StateKey base = KeyFor(id);
-  EXPECT_NE(KeyFor(id, 0, {80, 96}), base);    // Next page, same native bytes (an engine with a weak hash).
-  EXPECT_NE(KeyFor(id, 0, {64, 96}), base);    // Longer span.
-  EXPECT_NE(KeyFor(id, 0, {48, 80}), base);    // Earlier begin.
-  EXPECT_NE(KeyFor(id, 1), base);              // Another recovery group (e.g. SWA) with the same page hash.
+  EXPECT_NE(KeyFor(id, 0, {80, 96}), base);  // Next page, same native bytes (an engine with a weak hash).
+  EXPECT_NE(KeyFor(id, 0, {64, 96}), base);  // Longer span.
+  EXPECT_NE(KeyFor(id, 0, {48, 80}), base);  // Earlier begin.
+  EXPECT_NE(KeyFor(id, 1), base);            // Another recovery group (e.g. SWA) with the same page hash.
   EXPECT_NE(KeyFor(id, 0, kSpan, "vllm-block-hash-0123456789abcdeF"), base);
   EXPECT_NE(KeyFor(id, 0, kSpan, std::string(kNative) + '\0'), base);  // Trailing zero is not padding.
   auto ns = *DeriveNamespace(id);

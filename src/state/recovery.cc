@@ -9,9 +9,12 @@ namespace orbitkv::state {
 
 std::string_view RuleKindName(RecoveryRuleKind kind) {
   switch (kind) {
-    case RecoveryRuleKind::kPrefix: return "prefix";
-    case RecoveryRuleKind::kWindow: return "window";
-    case RecoveryRuleKind::kCheckpoint: return "checkpoint";
+    case RecoveryRuleKind::kPrefix:
+      return "prefix";
+    case RecoveryRuleKind::kWindow:
+      return "window";
+    case RecoveryRuleKind::kCheckpoint:
+      return "checkpoint";
   }
   return "unknown";
 }
@@ -40,18 +43,18 @@ Result<RecoveryContract> RecoveryContract::Compile(const StateNamespace& ns, uin
       case RecoveryRuleKind::kPrefix:
       case RecoveryRuleKind::kCheckpoint:
         if (rule.window_tokens != 0) {
-          return Status::InvalidArgument(fmt::format("recovery contract: {} group {} cannot have a window",
-                                                     RuleKindName(rule.kind), rule.group));
+          return Status::InvalidArgument(
+              fmt::format("recovery contract: {} group {} cannot have a window", RuleKindName(rule.kind), rule.group));
         }
         break;
       default:
-        return Status::InvalidArgument(
-            fmt::format("recovery contract: group {} has unknown rule kind {}", rule.group, static_cast<int>(rule.kind)));
+        return Status::InvalidArgument(fmt::format("recovery contract: group {} has unknown rule kind {}", rule.group,
+                                                   static_cast<int>(rule.kind)));
     }
     for (StateComponent c : rule.components) {
       if (!IsValidComponent(static_cast<uint8_t>(c))) {
-        return Status::InvalidArgument(fmt::format("recovery contract: group {} lists unknown component {}",
-                                                   rule.group, static_cast<int>(c)));
+        return Status::InvalidArgument(
+            fmt::format("recovery contract: group {} lists unknown component {}", rule.group, static_cast<int>(c)));
       }
     }
     std::sort(rule.components.begin(), rule.components.end());
@@ -67,8 +70,8 @@ Status RecoveryContract::CheckSpan(const StateNamespace& ns, uint64_t origin, ui
   }
   if (end < origin) return Status::InvalidArgument(fmt::format("recovery: end {} < origin {}", end, origin));
   if (origin % page_tokens_ != 0 || end % page_tokens_ != 0) {
-    return Status::InvalidArgument(fmt::format("recovery: span [{}, {}) is not aligned to {}-token pages", origin,
-                                               end, page_tokens_));
+    return Status::InvalidArgument(
+        fmt::format("recovery: span [{}, {}) is not aligned to {}-token pages", origin, end, page_tokens_));
   }
   return Status::Ok();
 }
@@ -96,8 +99,7 @@ GroupRange RecoveryContract::RangeFor(const RecoveryRule& rule, uint64_t origin,
   return range;
 }
 
-Result<RecoveryDemand> RecoveryContract::RequiredRanges(const StateNamespace& ns, uint64_t origin,
-                                                        uint64_t end) const {
+Result<RecoveryDemand> RecoveryContract::RequiredRanges(const StateNamespace& ns, uint64_t origin, uint64_t end) const {
   ORBITKV_RETURN_IF_ERROR(CheckSpan(ns, origin, end));
   RecoveryDemand demand{ns_, origin, end, {}};
   demand.ranges.reserve(rules_.size());
@@ -123,8 +125,8 @@ Result<std::vector<uint64_t>> RecoveryContract::RestorableBoundaries(const State
   for (const GroupCoverage& gc : coverage) {
     auto rule = std::find_if(rules_.begin(), rules_.end(), [&](const auto& r) { return r.group == gc.group; });
     if (rule == rules_.end()) {
-      return Status::InvalidArgument(fmt::format("recovery: coverage names group {} the contract does not declare",
-                                                 gc.group));
+      return Status::InvalidArgument(
+          fmt::format("recovery: coverage names group {} the contract does not declare", gc.group));
     }
     if (!seen.insert(gc.group).second) {
       return Status::InvalidArgument(fmt::format("recovery: coverage lists group {} twice", gc.group));

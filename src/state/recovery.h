@@ -75,8 +75,8 @@ class RecoveryContract {
   static constexpr uint64_t kMaxBoundaryCells = uint64_t{1} << 24;
   static constexpr size_t kMaxGroups = 64;
 
-  // InvalidArgument for: page_tokens == 0, no rules, more than kMaxGroups rules, a group declared twice, a window rule without a window, a
-  // window or checkpoint rule carrying a window of the wrong kind.
+  // InvalidArgument for: page_tokens == 0, no rules, more than kMaxGroups rules, a group declared twice, a window rule
+  // without a window, a window or checkpoint rule carrying a window of the wrong kind.
   static Result<RecoveryContract> Compile(const StateNamespace& ns, uint32_t page_tokens,
                                           std::vector<RecoveryRule> rules);
 

@@ -93,7 +93,8 @@ std::vector<uint64_t> Reference(const RecoveryContract& contract, const StateNam
       for (const auto& g : cov) {
         if (g.group == r.group) have.insert(g.pages.begin(), g.pages.end());
       }
-      for (uint64_t t = r.begin; t < r.end; t += contract.page_tokens()) ok &= have.count(t / contract.page_tokens()) > 0;
+      for (uint64_t t = r.begin; t < r.end; t += contract.page_tokens())
+        ok &= have.count(t / contract.page_tokens()) > 0;
     }
     if (ok) out.push_back(b);
   }

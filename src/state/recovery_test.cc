@@ -16,10 +16,13 @@ constexpr uint32_t kFull = 0, kSwa = 1, kMamba = 2;
 RecoveryContract Hybrid() {
   auto c = RecoveryContract::Compile(
       SampleNamespace(), kPage,
-      {{.group = kMamba, .kind = RecoveryRuleKind::kCheckpoint,
+      {{.group = kMamba,
+        .kind = RecoveryRuleKind::kCheckpoint,
         .components = {StateComponent::kRecurrent, StateComponent::kConvolution}},
        {.group = kFull, .kind = RecoveryRuleKind::kPrefix, .components = {StateComponent::kAttentionKv}},
-       {.group = kSwa, .kind = RecoveryRuleKind::kWindow, .components = {StateComponent::kSlidingWindow},
+       {.group = kSwa,
+        .kind = RecoveryRuleKind::kWindow,
+        .components = {StateComponent::kSlidingWindow},
         .window_tokens = 40}});
   EXPECT_TRUE(c.ok()) << c.status();
   return *c;
@@ -37,7 +40,8 @@ TEST(RecoveryContractTest, CompileSortsGroups) {
 TEST(RecoveryContractTest, CompileNormalizesComponents) {
   auto c = RecoveryContract::Compile(
       SampleNamespace(), kPage,
-      {{.group = 0, .kind = RecoveryRuleKind::kCheckpoint,
+      {{.group = 0,
+        .kind = RecoveryRuleKind::kCheckpoint,
         .components = {StateComponent::kConvolution, StateComponent::kRecurrent, StateComponent::kConvolution}}});
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->rules()[0].components,
@@ -56,8 +60,7 @@ TEST(RecoveryContractTest, CompileRejectsBadRules) {
   EXPECT_EQ(code(16, {{.group = 0, .kind = RecoveryRuleKind::kPrefix, .window_tokens = 8}}),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(code(16, {{.group = 0, .kind = static_cast<RecoveryRuleKind>(9)}}), StatusCode::kInvalidArgument);
-  EXPECT_EQ(code(16, {{.group = 0, .components = {static_cast<StateComponent>(42)}}}),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(16, {{.group = 0, .components = {static_cast<StateComponent>(42)}}}), StatusCode::kInvalidArgument);
   auto dup = RecoveryContract::Compile(ns, 16, {{.group = 5}, {.group = 5}});
   EXPECT_NE(dup.status().message().find("group 5 declared twice"), std::string_view::npos);
 }
@@ -106,9 +109,8 @@ TEST(RecoveryContractTest, WindowExactlyOnPageBoundary) {
 
 TEST(RecoveryContractTest, HugeWindowNeverShrinksTheDemand) {
   // A window of UINT64_MAX tokens ("unbounded") must demand the whole tail, not wrap around to nothing.
-  auto c = RecoveryContract::Compile(
-      SampleNamespace(), kPage,
-      {{.group = 0, .kind = RecoveryRuleKind::kWindow, .window_tokens = UINT64_MAX}});
+  auto c = RecoveryContract::Compile(SampleNamespace(), kPage,
+                                     {{.group = 0, .kind = RecoveryRuleKind::kWindow, .window_tokens = UINT64_MAX}});
   ASSERT_TRUE(c.ok());
   auto d = c->RequiredRanges(SampleNamespace(), 32, 160);
   EXPECT_EQ(d->ranges[0], (GroupRange{0, 32, 160}));
@@ -133,8 +135,7 @@ TEST(RecoveryContractTest, SpansAtTheTopOfTheRangeDoNotWrap) {
 TEST(RecoveryContractTest, TooManyGroupsOrCellsAreRejected) {
   std::vector<RecoveryRule> many;
   for (uint32_t g = 0; g <= RecoveryContract::kMaxGroups; ++g) many.push_back({.group = g});
-  EXPECT_EQ(RecoveryContract::Compile(SampleNamespace(), kPage, many).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(RecoveryContract::Compile(SampleNamespace(), kPage, many).status().code(), StatusCode::kInvalidArgument);
   many.pop_back();
   auto c = RecoveryContract::Compile(SampleNamespace(), kPage, many);
   ASSERT_TRUE(c.ok());

@@ -59,12 +59,10 @@ Result<StateKey> StateKey::Create(const StateNamespace& ns, uint32_t group, Toke
   if (native_key.empty()) return Status::InvalidArgument("state key: native key is empty");
   if (native_key.size() > kMaxNativeKeyBytes) {
     return Status::InvalidArgument(
-        fmt::format("state key: native key has {} bytes, at most {} allowed", native_key.size(),
-                    kMaxNativeKeyBytes));
+        fmt::format("state key: native key has {} bytes, at most {} allowed", native_key.size(), kMaxNativeKeyBytes));
   }
   if (span.empty()) {
-    return Status::InvalidArgument(
-        fmt::format("state key: empty token span [{}, {})", span.begin, span.end));
+    return Status::InvalidArgument(fmt::format("state key: empty token span [{}, {})", span.begin, span.end));
   }
   StateKey key;
   key.ns_ = ns;
@@ -79,20 +77,17 @@ Result<StateKey> StateKey::Create(const StateNamespace& ns, uint32_t group, Toke
 Result<StateKey> StateKey::Create(const StateNamespace& ns, uint32_t group, TokenRange span,
                                   std::string_view native_key, uint16_t key_version) {
   return Create(ns, group, span,
-                std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(native_key.data()),
-                                         native_key.size()),
+                std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(native_key.data()), native_key.size()),
                 key_version);
 }
 
-Status StateKey::AppendChain(const StateNamespace& ns, uint32_t group, uint64_t first_token,
-                             uint32_t page_tokens, std::span<const uint8_t> natives,
-                             size_t native_bytes, uint16_t key_version,
+Status StateKey::AppendChain(const StateNamespace& ns, uint32_t group, uint64_t first_token, uint32_t page_tokens,
+                             std::span<const uint8_t> natives, size_t native_bytes, uint16_t key_version,
                              std::vector<StateKey>* out, bool fixed_span) {
-  if (native_bytes == 0 || native_bytes > kMaxNativeKeyBytes ||
-      natives.size() % native_bytes != 0) {
-    return Status::InvalidArgument(fmt::format(
-        "state key chain: native keys of {} bytes (1-{} allowed) do not divide {} bytes",
-        native_bytes, kMaxNativeKeyBytes, natives.size()));
+  if (native_bytes == 0 || native_bytes > kMaxNativeKeyBytes || natives.size() % native_bytes != 0) {
+    return Status::InvalidArgument(
+        fmt::format("state key chain: native keys of {} bytes (1-{} allowed) do not divide {} bytes", native_bytes,
+                    kMaxNativeKeyBytes, natives.size()));
   }
   if (page_tokens == 0) return Status::InvalidArgument("state key chain: pages of 0 tokens");
   const uint64_t count = natives.size() / native_bytes;
@@ -141,28 +136,24 @@ Result<StateKey> StateKey::Decode(std::span<const uint8_t> bytes) {
   }
   const uint8_t* p = bytes.data();
   if (p[kOffVersion] != kStateKeyEncodingVersion) {
-    return Status::FailedPrecondition(
-        fmt::format("state key: encoding version {} is not supported (this build: {})",
-                    p[kOffVersion], kStateKeyEncodingVersion));
+    return Status::FailedPrecondition(fmt::format("state key: encoding version {} is not supported (this build: {})",
+                                                  p[kOffVersion], kStateKeyEncodingVersion));
   }
   const size_t native_len = p[kOffNativeLen];
   if (native_len == 0 || native_len > kMaxNativeKeyBytes) {
-    return Status::DataLoss(
-        fmt::format("state key: native key length {} out of range", native_len));
+    return Status::DataLoss(fmt::format("state key: native key length {} out of range", native_len));
   }
   for (size_t i = kOffNative + native_len; i < kEncodedSize; ++i) {
     if (p[i] != 0) return Status::DataLoss(fmt::format("state key: nonzero padding at byte {}", i));
   }
   TokenRange span{GetLe(p + kOffSpanBegin, 8), GetLe(p + kOffSpanEnd, 8)};
   if (span.empty()) {
-    return Status::DataLoss(
-        fmt::format("state key: empty token span [{}, {})", span.begin, span.end));
+    return Status::DataLoss(fmt::format("state key: empty token span [{}, {})", span.begin, span.end));
   }
   Digest256 digest;
   std::memcpy(digest.bytes.data(), p + kOffNamespace, 32);
   return Create(StateNamespace(digest), static_cast<uint32_t>(GetLe(p + kOffGroup, 4)), span,
-                bytes.subspan(kOffNative, native_len),
-                static_cast<uint16_t>(GetLe(p + kOffKeyVersion, 2)));
+                bytes.subspan(kOffNative, native_len), static_cast<uint16_t>(GetLe(p + kOffKeyVersion, 2)));
 }
 
 uint64_t StateKey::Hash64() const {
@@ -174,9 +165,7 @@ uint64_t StateKey::Hash64() const {
   const uint8_t* digest = ns_.digest().bytes.data();
   uint64_t a = Load64(digest) ^ kA;
   uint64_t b = Load64(digest + 8) ^ kB;
-  a = (a ^ (static_cast<uint64_t>(group_) << 32 | static_cast<uint64_t>(key_version_) << 16 |
-            native_len_)) *
-      kB;
+  a = (a ^ (static_cast<uint64_t>(group_) << 32 | static_cast<uint64_t>(key_version_) << 16 | native_len_)) * kB;
   b = (b ^ span_.begin) * kA;
   a = (a ^ span_.end) * kA;
   size_t i = 0;
@@ -193,16 +182,14 @@ uint64_t StateKey::Hash64() const {
 
 std::string StateKey::ToString() const {
   std::string native_hex;
-  for (size_t i = 0; i < std::min<size_t>(native_len_, 4); ++i)
-    native_hex += fmt::format("{:02x}", native_[i]);
-  return fmt::format("ns={} g={} t=[{},{}) k={}..({}B) v={}", ns_.ShortHex(), group_, span_.begin,
-                     span_.end, native_hex, native_len_, key_version_);
+  for (size_t i = 0; i < std::min<size_t>(native_len_, 4); ++i) native_hex += fmt::format("{:02x}", native_[i]);
+  return fmt::format("ns={} g={} t=[{},{}) k={}..({}B) v={}", ns_.ShortHex(), group_, span_.begin, span_.end,
+                     native_hex, native_len_, key_version_);
 }
 
 bool operator==(const StateKey& a, const StateKey& b) {
-  return a.ns_ == b.ns_ && a.group_ == b.group_ && a.span_ == b.span_ &&
-         a.key_version_ == b.key_version_ && a.native_len_ == b.native_len_ &&
-         a.native_ == b.native_;
+  return a.ns_ == b.ns_ && a.group_ == b.group_ && a.span_ == b.span_ && a.key_version_ == b.key_version_ &&
+         a.native_len_ == b.native_len_ && a.native_ == b.native_;
 }
 
 std::strong_ordering operator<=>(const StateKey& a, const StateKey& b) {
@@ -220,12 +207,10 @@ uint32_t ShardOf(const StateKey& key, uint32_t num_shards) {
   static constexpr char kDomain[] = "orbitkv.shard.v1";
   std::array<uint8_t, sizeof(kDomain) + StateKey::kEncodedSize> buf;
   std::memcpy(buf.data(), kDomain, sizeof(kDomain));
-  key.EncodeTo(std::span<uint8_t, StateKey::kEncodedSize>(buf.data() + sizeof(kDomain),
-                                                          StateKey::kEncodedSize));
+  key.EncodeTo(std::span<uint8_t, StateKey::kEncodedSize>(buf.data() + sizeof(kDomain), StateKey::kEncodedSize));
   Digest256 d = Sha256::Of(buf);
   uint64_t prefix = 0;
-  for (int i = 0; i < 8; ++i)
-    prefix = prefix << 8 | d.bytes[i];  // Big-endian: the digest's leading bytes.
+  for (int i = 0; i < 8; ++i) prefix = prefix << 8 | d.bytes[i];  // Big-endian: the digest's leading bytes.
   return static_cast<uint32_t>(prefix % num_shards);
 }
 

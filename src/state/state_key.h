@@ -47,18 +47,17 @@ class StateKey {
   // InvalidArgument for an empty or over-long native key, or an empty span.
   static Result<StateKey> Create(const StateNamespace& ns, uint32_t group, TokenRange span,
                                  std::span<const uint8_t> native_key, uint16_t key_version = 1);
-  static Result<StateKey> Create(const StateNamespace& ns, uint32_t group, TokenRange span,
-                                 std::string_view native_key, uint16_t key_version = 1);
+  static Result<StateKey> Create(const StateNamespace& ns, uint32_t group, TokenRange span, std::string_view native_key,
+                                 uint16_t key_version = 1);
 
   // Appends the keys of a chain of pages to `out`: page i covers tokens [first_token + i *
   // page_tokens, + page_tokens) (with `fixed_span`, every page covers [first_token, first_token +
   // page_tokens): native keys that name their whole prefix) and has native key natives[i *
   // native_bytes, + native_bytes). Validates once (the errors of Create, plus overflow), then builds
   // every key in place: the fast path for 128-page queries.
-  static Status AppendChain(const StateNamespace& ns, uint32_t group, uint64_t first_token,
-                            uint32_t page_tokens, std::span<const uint8_t> natives,
-                            size_t native_bytes, uint16_t key_version, std::vector<StateKey>* out,
-                            bool fixed_span = false);
+  static Status AppendChain(const StateNamespace& ns, uint32_t group, uint64_t first_token, uint32_t page_tokens,
+                            std::span<const uint8_t> natives, size_t native_bytes, uint16_t key_version,
+                            std::vector<StateKey>* out, bool fixed_span = false);
 
   const StateNamespace& ns() const { return ns_; }
   uint32_t group() const { return group_; }

@@ -19,10 +19,8 @@ TEST(StateKeyTest, CreateValidatesInputs) {
   EXPECT_EQ(StateKey::Create(ns, 0, {0, 16}, std::string_view("")).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(StateKey::Create(ns, 0, {0, 16}, std::string(65, 'x')).status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(StateKey::Create(ns, 0, {0, 16}, std::string(64, 'x')).ok());
-  EXPECT_EQ(StateKey::Create(ns, 0, {16, 16}, std::string_view("k")).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(StateKey::Create(ns, 0, {32, 16}, std::string_view("k")).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(StateKey::Create(ns, 0, {16, 16}, std::string_view("k")).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(StateKey::Create(ns, 0, {32, 16}, std::string_view("k")).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(StateKeyTest, AccessorsReturnWhatWasGiven) {
@@ -56,12 +54,12 @@ TEST(StateKeyTest, EncodingLayoutIsFixed) {
   StateKey key = MakeKey(SampleNamespace(), 0x01020304, {0x10, 0x20}, "ab");
   auto e = key.Encode();
   EXPECT_EQ(e[0], kStateKeyEncodingVersion);
-  EXPECT_EQ(e[1], 2);                               // native length
-  EXPECT_EQ(e[2], 1);                               // key version, LE
-  EXPECT_EQ(e[4], 0x04);                            // group, LE
+  EXPECT_EQ(e[1], 2);     // native length
+  EXPECT_EQ(e[2], 1);     // key version, LE
+  EXPECT_EQ(e[4], 0x04);  // group, LE
   EXPECT_EQ(e[7], 0x01);
-  EXPECT_EQ(e[8], 0x10);                            // span begin
-  EXPECT_EQ(e[16], 0x20);                           // span end
+  EXPECT_EQ(e[8], 0x10);   // span begin
+  EXPECT_EQ(e[16], 0x20);  // span end
   EXPECT_EQ(e[24], SampleNamespace().digest().bytes[0]);
   EXPECT_EQ(e[56], 'a');
   EXPECT_EQ(e[57], 'b');

@@ -10,16 +10,14 @@ namespace orbitkv::storage {
 
 Result<AlignedBuffer> AlignedBuffer::Create(size_t bytes, size_t alignment) {
   if (alignment < sizeof(void*) || (alignment & (alignment - 1)) != 0) {
-    return Status::InvalidArgument(
-        fmt::format("alignment {} is not a power of two >= {}", alignment, sizeof(void*)));
+    return Status::InvalidArgument(fmt::format("alignment {} is not a power of two >= {}", alignment, sizeof(void*)));
   }
   if (bytes == 0 || bytes % alignment != 0) {
     return Status::InvalidArgument(
         fmt::format("buffer of {} bytes is not a non-zero multiple of {}", bytes, alignment));
   }
   void* memory = std::aligned_alloc(alignment, bytes);
-  if (memory == nullptr)
-    return Status::ResourceExhausted(fmt::format("cannot allocate {} aligned bytes", bytes));
+  if (memory == nullptr) return Status::ResourceExhausted(fmt::format("cannot allocate {} aligned bytes", bytes));
   std::memset(memory, 0, bytes);
   return AlignedBuffer(static_cast<uint8_t*>(memory), bytes, /*mapped=*/false);
 }
@@ -31,8 +29,7 @@ Result<AlignedBuffer> AlignedBuffer::CreateHugePageBacked(size_t bytes) {
   const size_t mapped = size + kHugePageBytes;
   void* memory = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (memory == MAP_FAILED) {
-    return Status::ResourceExhausted(
-        fmt::format("cannot map {} bytes: {}", mapped, std::strerror(errno)));
+    return Status::ResourceExhausted(fmt::format("cannot map {} bytes: {}", mapped, std::strerror(errno)));
   }
   const uintptr_t start = reinterpret_cast<uintptr_t>(memory);
   const uintptr_t aligned = (start + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;

@@ -55,8 +55,7 @@ class AlignedBuffer {
   bool huge_page_backed() const { return mapped_; }
 
  private:
-  AlignedBuffer(uint8_t* data, size_t size, bool mapped)
-      : data_(data), size_(size), mapped_(mapped) {}
+  AlignedBuffer(uint8_t* data, size_t size, bool mapped) : data_(data), size_(size), mapped_(mapped) {}
   void Free();
 
   uint8_t* data_ = nullptr;

@@ -38,9 +38,8 @@ Status Device::Read(uint64_t offset, std::span<uint8_t> out) {
 
 Status Device::Write(uint64_t offset, std::span<const uint8_t> data) {
   // A write request only reads its buffer (IoRequest's contract), so shedding const here is sound.
-  const IoRequest request{.op = IoRequest::Op::kWrite,
-                          .offset = offset,
-                          .buffer = {const_cast<uint8_t*>(data.data()), data.size()}};
+  const IoRequest request{
+      .op = IoRequest::Op::kWrite, .offset = offset, .buffer = {const_cast<uint8_t*>(data.data()), data.size()}};
   return std::move(Submit({&request, 1})[0]);
 }
 
@@ -49,8 +48,8 @@ Status IoQueue::Start(size_t device, std::span<const IoRequest> requests, uint64
     return Status::InvalidArgument(fmt::format("no device {} in this queue", device));
   }
   if (requests.empty() || requests.size() > max_group_requests_) {
-    return Status::InvalidArgument(fmt::format("a group of {} requests (1 to {})",
-                                               requests.size(), max_group_requests_));
+    return Status::InvalidArgument(
+        fmt::format("a group of {} requests (1 to {})", requests.size(), max_group_requests_));
   }
   for (const IoRequest& request : requests) {
     ORBITKV_RETURN_IF_ERROR(devices_[device]->Validate(request));
@@ -109,12 +108,10 @@ Result<std::unique_ptr<IoQueue>> CreateIoQueue(std::vector<Device*> devices, uin
     if (auto* uring = dynamic_cast<UringDevice*>(device)) rings.push_back(uring);
   }
   if (rings.size() == devices.size()) {
-    return UringDevice::CreateQueue(std::move(devices), std::move(rings), depth,
-                                    max_group_requests);
+    return UringDevice::CreateQueue(std::move(devices), std::move(rings), depth, max_group_requests);
   }
 #endif
-  return std::unique_ptr<IoQueue>(
-      new SyncIoQueue(std::move(devices), depth, max_group_requests));
+  return std::unique_ptr<IoQueue>(new SyncIoQueue(std::move(devices), depth, max_group_requests));
 }
 
 Status Device::Validate(const IoRequest& request) const {
@@ -122,14 +119,12 @@ Status Device::Validate(const IoRequest& request) const {
   const auto address = reinterpret_cast<uintptr_t>(request.buffer.data());
   if (length == 0 || length % io_alignment_ != 0 || request.offset % io_alignment_ != 0 ||
       address % io_alignment_ != 0) {
-    return Status::InvalidArgument(
-        fmt::format("I/O of {} bytes at offset {} (buffer {:#x}) is not {}-byte aligned", length,
-                    request.offset, address, io_alignment_));
+    return Status::InvalidArgument(fmt::format("I/O of {} bytes at offset {} (buffer {:#x}) is not {}-byte aligned",
+                                               length, request.offset, address, io_alignment_));
   }
   if (request.offset > size_ || length > size_ - request.offset) {
     return Status::OutOfRange(
-        fmt::format("I/O of {} bytes at offset {} exceeds the device's {} bytes", length,
-                    request.offset, size_));
+        fmt::format("I/O of {} bytes at offset {} exceeds the device's {} bytes", length, request.offset, size_));
   }
   return Status::Ok();
 }
@@ -178,15 +173,11 @@ Result<DeviceFile> OpenDeviceFile(const std::string& path, uint64_t bytes) {
   }
   if (::fallocate(file.fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
     const int err = errno;
-    if (err != EOPNOTSUPP)
-      return ErrnoStatus(fmt::format("fallocate {} bytes for {}", bytes, path), err);
-    ORBITKV_LOG_WARN(
-        "{}: fallocate is unsupported; sizing the file with ftruncate (space is not reserved)",
-        path);
+    if (err != EOPNOTSUPP) return ErrnoStatus(fmt::format("fallocate {} bytes for {}", bytes, path), err);
+    ORBITKV_LOG_WARN("{}: fallocate is unsupported; sizing the file with ftruncate (space is not reserved)", path);
     struct stat st {};
     if (::fstat(file.fd.get(), &st) != 0) return ErrnoStatus("fstat " + path, errno);
-    if (static_cast<uint64_t>(st.st_size) < bytes &&
-        ::ftruncate(file.fd.get(), static_cast<off_t>(bytes)) != 0) {
+    if (static_cast<uint64_t>(st.st_size) < bytes && ::ftruncate(file.fd.get(), static_cast<off_t>(bytes)) != 0) {
       return ErrnoStatus("ftruncate " + path, errno);
     }
   }
@@ -197,28 +188,24 @@ std::string BlockDeviceDriver(const std::string& path) {
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) return "";
   std::error_code error;
-  std::filesystem::path device = std::filesystem::canonical(
-      fmt::format("/sys/dev/block/{}:{}", major(st.st_dev), minor(st.st_dev)), error);
+  std::filesystem::path device =
+      std::filesystem::canonical(fmt::format("/sys/dev/block/{}:{}", major(st.st_dev), minor(st.st_dev)), error);
   if (error) return "";
   if (std::filesystem::exists(device / "partition", error)) device = device.parent_path();
-  const std::filesystem::path driver =
-      std::filesystem::read_symlink(device / "device" / "driver", error);
+  const std::filesystem::path driver = std::filesystem::read_symlink(device / "device" / "driver", error);
   return error ? "" : driver.filename().string();
 }
 
-Result<std::unique_ptr<Device>> CreateDevice(const std::string& path, uint64_t bytes,
-                                             DeviceBackend backend) {
+Result<std::unique_ptr<Device>> CreateDevice(const std::string& path, uint64_t bytes, DeviceBackend backend) {
   if (backend != DeviceBackend::kPsync) {
 #ifdef ORBITKV_HAVE_IO_URING
     auto uring = UringDevice::Create(path, bytes, UringDevice::kDefaultQueueDepth);
     if (uring.ok()) return std::unique_ptr<Device>(std::move(uring).value());
     if (backend == DeviceBackend::kIoUring) return uring.status();
-    ORBITKV_LOG_WARN("{}: io_uring is unavailable ({}); using the psync backend", path,
-                     uring.status().ToString());
+    ORBITKV_LOG_WARN("{}: io_uring is unavailable ({}); using the psync backend", path, uring.status().ToString());
 #else
     if (backend == DeviceBackend::kIoUring) {
-      return Status::Unimplemented(
-          "this build has no io_uring backend (liburing was not found at configure time)");
+      return Status::Unimplemented("this build has no io_uring backend (liburing was not found at configure time)");
     }
     ORBITKV_LOG_INFO("{}: this build has no io_uring backend; using psync", path);
 #endif

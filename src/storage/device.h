@@ -88,7 +88,6 @@ class Device {
                         std::span<Status> statuses) = 0;
 
  private:
-
   // Immutable after construction.
   const uint64_t size_;
   const uint32_t io_alignment_;
@@ -163,8 +162,7 @@ bool IoUringCompiledIn();
 // instead of falling back. InvalidArgument unless `bytes` is a non-zero multiple of 4096;
 // ResourceExhausted when the preallocation hits ENOSPC; the errno-derived Status when the file
 // cannot be opened.
-Result<std::unique_ptr<Device>> CreateDevice(const std::string& path, uint64_t bytes,
-                                             DeviceBackend backend);
+Result<std::unique_ptr<Device>> CreateDevice(const std::string& path, uint64_t bytes, DeviceBackend backend);
 
 // The kernel driver of the block device holding `path` ("virtio_blk", "sd", ...; the whole disk's
 // when the file system sits on a partition), or "" where there is none to name: tmpfs, overlay,

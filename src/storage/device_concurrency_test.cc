@@ -45,10 +45,8 @@ TEST(DeviceConcurrencyTest, ConcurrentBatchesOnDisjointRegions) {
             ins.push_back(std::move(AlignedBuffer::Create(kBytes, 4096)).value());
             std::memset(outs.back().data(), static_cast<int>(t * 31 + round * 7 + i), kBytes);
             const uint64_t offset = (t * kRequests + i) * kBytes;
-            writes.push_back(
-                {.op = IoRequest::Op::kWrite, .offset = offset, .buffer = outs.back().span()});
-            reads.push_back(
-                {.op = IoRequest::Op::kRead, .offset = offset, .buffer = ins.back().span()});
+            writes.push_back({.op = IoRequest::Op::kWrite, .offset = offset, .buffer = outs.back().span()});
+            reads.push_back({.op = IoRequest::Op::kRead, .offset = offset, .buffer = ins.back().span()});
           }
           for (const Status& s : (*device)->Submit(writes)) mismatches[t] += s.ok() ? 0 : 1;
           for (const Status& s : (*device)->Submit(reads)) mismatches[t] += s.ok() ? 0 : 1;
@@ -59,8 +57,7 @@ TEST(DeviceConcurrencyTest, ConcurrentBatchesOnDisjointRegions) {
       });
     }
     for (auto& thread : threads) thread.join();
-    for (size_t t = 0; t < kThreads; ++t)
-      EXPECT_EQ(mismatches[t], 0u) << DeviceBackendName(backend) << " " << t;
+    for (size_t t = 0; t < kThreads; ++t) EXPECT_EQ(mismatches[t], 0u) << DeviceBackendName(backend) << " " << t;
   }
 }
 
@@ -113,9 +110,8 @@ TEST(DeviceConcurrencyTest, RegistrationReplacedWhileRequestsRun) {
             writes.push_back({.op = IoRequest::Op::kWrite,
                               .offset = offset,
                               .buffer = std::span<uint8_t>(out + i * kBytes, kBytes)});
-            reads.push_back({.op = IoRequest::Op::kRead,
-                             .offset = offset,
-                             .buffer = std::span<uint8_t>(in + i * kBytes, kBytes)});
+            reads.push_back(
+                {.op = IoRequest::Op::kRead, .offset = offset, .buffer = std::span<uint8_t>(in + i * kBytes, kBytes)});
           }
           for (const Status& s : (*device)->Submit(writes)) failures[t] += s.ok() ? 0 : 1;
           for (const Status& s : (*device)->Submit(reads)) failures[t] += s.ok() ? 0 : 1;

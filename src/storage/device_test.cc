@@ -33,12 +33,10 @@ AlignedBuffer Buffer(size_t bytes) {
 }
 
 void Fill(AlignedBuffer& buffer, uint32_t seed) {
-  for (size_t i = 0; i < buffer.size(); ++i)
-    buffer.data()[i] = static_cast<uint8_t>((i * 2654435761u + seed) >> 7);
+  for (size_t i = 0; i < buffer.size(); ++i) buffer.data()[i] = static_cast<uint8_t>((i * 2654435761u + seed) >> 7);
 }
 
-Result<std::unique_ptr<Device>> Open(const std::string& path, DeviceBackend backend,
-                                     uint64_t bytes) {
+Result<std::unique_ptr<Device>> Open(const std::string& path, DeviceBackend backend, uint64_t bytes) {
 #ifdef ORBITKV_HAVE_IO_URING
   // A small queue depth so batches exercise the refill-as-completions-arrive path.
   if (backend == DeviceBackend::kIoUring) {
@@ -120,8 +118,7 @@ TEST_P(DeviceTest, RegisteredMemoryIsUsedForRequestsInsideIt) {
   ASSERT_TRUE(device_->Read(8192, region.span().subspan(0, 65536)).ok());
   ASSERT_TRUE(device_->Read(8192, other.span()).ok());
   EXPECT_EQ(std::memcmp(other.data(), expected.data(), expected.size()), 0);
-  EXPECT_EQ(device_->registered_requests() - before,
-            GetParam() == DeviceBackend::kIoUring ? 1u : 0u);
+  EXPECT_EQ(device_->registered_requests() - before, GetParam() == DeviceBackend::kIoUring ? 1u : 0u);
 }
 
 #ifdef ORBITKV_HAVE_IO_URING
@@ -179,9 +176,8 @@ TEST_P(DeviceTest, IoQueueKeepsGroupsInFlightAcrossDevices) {
   EXPECT_EQ(q.Wait().status().code(), StatusCode::kFailedPrecondition);  // nothing in flight
   // Groups of two requests (like a header page and a payload) on alternating devices.
   auto group = [&](uint32_t i, IoRequest::Op op, std::vector<AlignedBuffer>& buffers) {
-    return std::vector<IoRequest>{
-        {op, i * 131072, buffers[i].span().first(4096)},
-        {op, i * 131072 + 4096, buffers[i].span().subspan(4096)}};
+    return std::vector<IoRequest>{{op, i * 131072, buffers[i].span().first(4096)},
+                                  {op, i * 131072 + 4096, buffers[i].span().subspan(4096)}};
   };
   std::set<uint64_t> finished;
   for (uint32_t i = 0; i < 6; ++i) {
@@ -255,8 +251,7 @@ TEST_P(DeviceTest, BatchOfManyRequests) {
     outs.push_back(Buffer(kBytes));
     Fill(outs.back(), static_cast<uint32_t>(i));
     ins.push_back(Buffer(kBytes));
-    writes.push_back(
-        {.op = IoRequest::Op::kWrite, .offset = i * kBytes, .buffer = outs.back().span()});
+    writes.push_back({.op = IoRequest::Op::kWrite, .offset = i * kBytes, .buffer = outs.back().span()});
   }
   for (size_t i = 0; i < kCount; ++i) {
     reads.push_back({.op = IoRequest::Op::kRead, .offset = i * kBytes, .buffer = ins[i].span()});
@@ -279,23 +274,13 @@ TEST_P(DeviceTest, InvalidRequestsFailAloneAndAreNotSubmitted) {
   AlignedBuffer big = Buffer(8192);
   std::vector<IoRequest> batch{
       {.op = IoRequest::Op::kWrite, .offset = 0, .buffer = good.span()},
-      {.op = IoRequest::Op::kWrite, .offset = 100, .buffer = good.span()},  // Misaligned offset.
-      {.op = IoRequest::Op::kWrite,
-       .offset = 4096,
-       .buffer = good.span().first(100)},  // Misaligned size.
-      {.op = IoRequest::Op::kWrite,
-       .offset = 4096,
-       .buffer = good.span().subspan(8, 4096)},                     // Misaligned address.
-      {.op = IoRequest::Op::kWrite, .offset = 4096, .buffer = {}},  // Empty.
-      {.op = IoRequest::Op::kWrite,
-       .offset = kDeviceBytes - 4096,
-       .buffer = big.span()},  // Runs past the end.
-      {.op = IoRequest::Op::kRead,
-       .offset = kDeviceBytes,
-       .buffer = big.span()},  // Starts at the end.
-      {.op = IoRequest::Op::kRead,
-       .offset = UINT64_MAX - 4095,
-       .buffer = big.span()},  // Overflows.
+      {.op = IoRequest::Op::kWrite, .offset = 100, .buffer = good.span()},                    // Misaligned offset.
+      {.op = IoRequest::Op::kWrite, .offset = 4096, .buffer = good.span().first(100)},        // Misaligned size.
+      {.op = IoRequest::Op::kWrite, .offset = 4096, .buffer = good.span().subspan(8, 4096)},  // Misaligned address.
+      {.op = IoRequest::Op::kWrite, .offset = 4096, .buffer = {}},                            // Empty.
+      {.op = IoRequest::Op::kWrite, .offset = kDeviceBytes - 4096, .buffer = big.span()},     // Runs past the end.
+      {.op = IoRequest::Op::kRead, .offset = kDeviceBytes, .buffer = big.span()},             // Starts at the end.
+      {.op = IoRequest::Op::kRead, .offset = UINT64_MAX - 4095, .buffer = big.span()},        // Overflows.
   };
   auto statuses = device_->Submit(batch);
   ASSERT_EQ(statuses.size(), batch.size());
@@ -340,13 +325,10 @@ TEST(CreateDeviceTest, AutoPicksIoUringWhenItWorks) {
 
 TEST(CreateDeviceTest, RejectsBadSizesAndPaths) {
   TempDir dir;
-  EXPECT_EQ(CreateDevice(dir.path() + "/a", 0, DeviceBackend::kPsync).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(CreateDevice(dir.path() + "/a", 4097, DeviceBackend::kAuto).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(
-      CreateDevice(dir.path() + "/missing/dir/f", 4096, DeviceBackend::kPsync).status().code(),
-      StatusCode::kNotFound);
+  EXPECT_EQ(CreateDevice(dir.path() + "/a", 0, DeviceBackend::kPsync).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateDevice(dir.path() + "/a", 4097, DeviceBackend::kAuto).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateDevice(dir.path() + "/missing/dir/f", 4096, DeviceBackend::kPsync).status().code(),
+            StatusCode::kNotFound);
   if (!IoUringCompiledIn()) {
     EXPECT_EQ(CreateDevice(dir.path() + "/u", 4096, DeviceBackend::kIoUring).status().code(),
               StatusCode::kUnimplemented);
@@ -360,8 +342,7 @@ TEST(CreateDeviceTest, WorksOnTmpfsWithOrWithoutODirect) {
   if (dir.path().empty()) GTEST_SKIP() << "no /dev/shm";
   const std::string& pattern = dir.path();
   const std::string path = pattern + "/f";
-  const int probe =
-      ::open((pattern + "/probe").c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+  const int probe = ::open((pattern + "/probe").c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
   const bool tmpfs_direct = probe >= 0;
   if (probe >= 0) ::close(probe);
   for (DeviceBackend backend : Backends()) {

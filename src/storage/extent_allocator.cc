@@ -54,8 +54,7 @@ Result<Extent> ExtentAllocator::Allocate(uint64_t bytes) {
     }
   }
   return Status::ResourceExhausted(
-      fmt::format("no SSD file has {} free contiguous bytes ({} of {} bytes in use)", rounded,
-                  allocated_, capacity_));
+      fmt::format("no SSD file has {} free contiguous bytes ({} of {} bytes in use)", rounded, allocated_, capacity_));
 }
 
 Status ExtentAllocator::Validate(const Extent& extent) const {
@@ -72,28 +71,24 @@ void ExtentAllocator::Release(const Extent& extent) {
   ORBITKV_CHECK_MSG(extent.file < files_.size(), "SSD extent names file {}", extent.file);
   File& file = files_[extent.file];
   ORBITKV_CHECK_MSG(extent.offset <= file.bytes && extent.bytes <= file.bytes - extent.offset,
-                    "SSD extent [{}, +{}) is beyond file {}", extent.offset, extent.bytes,
-                    extent.file);
+                    "SSD extent [{}, +{}) is beyond file {}", extent.offset, extent.bytes, extent.file);
   // The released range must not overlap free space (that would be a double free).
   auto next = file.free.lower_bound(extent.offset);
   ORBITKV_CHECK_MSG(next == file.free.end() || next->first >= extent.offset + extent.bytes,
-                    "SSD extent [{}, +{}) of file {} is already free", extent.offset, extent.bytes,
-                    extent.file);
+                    "SSD extent [{}, +{}) of file {} is already free", extent.offset, extent.bytes, extent.file);
   uint64_t offset = extent.offset;
   uint64_t bytes = extent.bytes;
   if (next != file.free.begin()) {
     auto prev = std::prev(next);
-    ORBITKV_CHECK_MSG(prev->first + prev->second <= extent.offset,
-                      "SSD extent [{}, +{}) of file {} is already free", extent.offset,
-                      extent.bytes, extent.file);
+    ORBITKV_CHECK_MSG(prev->first + prev->second <= extent.offset, "SSD extent [{}, +{}) of file {} is already free",
+                      extent.offset, extent.bytes, extent.file);
     if (prev->first + prev->second == offset) {  // coalesce with the free run before
       offset = prev->first;
       bytes += prev->second;
       file.free.erase(prev);
     }
   }
-  if (next != file.free.end() &&
-      next->first == extent.offset + extent.bytes) {  // and the one after
+  if (next != file.free.end() && next->first == extent.offset + extent.bytes) {  // and the one after
     bytes += next->second;
     file.free.erase(next);
   }
@@ -106,8 +101,8 @@ Status ExtentAllocator::MarkUsed(const Extent& extent) {
   MutexLock lock(&mu_);
   if (extent.file >= files_.size() || extent.offset > files_[extent.file].bytes ||
       extent.bytes > files_[extent.file].bytes - extent.offset) {
-    return Status::InvalidArgument(fmt::format("SSD extent [{}, +{}) of file {} is out of range",
-                                               extent.offset, extent.bytes, extent.file));
+    return Status::InvalidArgument(
+        fmt::format("SSD extent [{}, +{}) of file {} is out of range", extent.offset, extent.bytes, extent.file));
   }
   File& file = files_[extent.file];
   // The free run containing the extent's start must contain all of it.

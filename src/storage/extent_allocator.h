@@ -58,8 +58,7 @@ class ExtentAllocator {
  private:
   struct File {
     uint64_t bytes = 0;
-    std::map<uint64_t, uint64_t>
-        free;  // offset -> length, non-overlapping, never adjacent (coalesced)
+    std::map<uint64_t, uint64_t> free;  // offset -> length, non-overlapping, never adjacent (coalesced)
   };
 
   explicit ExtentAllocator(std::vector<File> files, uint64_t capacity);

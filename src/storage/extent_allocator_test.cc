@@ -64,11 +64,9 @@ TEST(ExtentAllocatorTest, DoubleFreeAndForeignExtentsAreProgrammingErrors) {
 TEST(ExtentAllocatorTest, RestartClaimsRecoveredExtentsAndRefusesOverlaps) {
   auto allocator = *ExtentAllocator::Create({8 * kPage});
   ASSERT_TRUE(allocator->MarkUsed(Extent{0, 2 * kPage, 2 * kPage}).ok());
-  EXPECT_EQ(allocator->MarkUsed(Extent{0, 3 * kPage, 2 * kPage}).code(),
-            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(allocator->MarkUsed(Extent{0, 3 * kPage, 2 * kPage}).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(allocator->MarkUsed(Extent{0, 1, kPage}).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(allocator->MarkUsed(Extent{0, 7 * kPage, 2 * kPage}).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(allocator->MarkUsed(Extent{0, 7 * kPage, 2 * kPage}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(allocator->MarkUsed(Extent{1, 0, kPage}).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(allocator->MarkUsed(Extent{0, 6 * kPage, 2 * kPage}).ok());
   EXPECT_EQ(allocator->allocated_bytes(), 4 * kPage);
@@ -84,15 +82,13 @@ TEST(ExtentAllocatorTest, RandomAllocationsNeverOverlapAndAccountingIsExact) {
   auto allocator = *ExtentAllocator::Create({64 * kPage, 32 * kPage, 48 * kPage});
   std::mt19937_64 rng(7);
   std::vector<Extent> live;
-  std::vector<std::vector<bool>> used = {std::vector<bool>(64), std::vector<bool>(32),
-                                         std::vector<bool>(48)};
+  std::vector<std::vector<bool>> used = {std::vector<bool>(64), std::vector<bool>(32), std::vector<bool>(48)};
   uint64_t expected = 0;
   for (int step = 0; step < 5000; ++step) {
     if (!live.empty() && (rng() % 3 == 0 || allocator->free_bytes() < 8 * kPage)) {
       const size_t i = rng() % live.size();
       const Extent e = live[i];
-      for (uint64_t p = e.offset / kPage; p < (e.offset + e.bytes) / kPage; ++p)
-        used[e.file][p] = false;
+      for (uint64_t p = e.offset / kPage; p < (e.offset + e.bytes) / kPage; ++p) used[e.file][p] = false;
       allocator->Release(e);
       expected -= e.bytes;
       live[i] = live.back();

@@ -29,16 +29,14 @@ Status PsyncDevice::RunOne(const IoRequest& request) const {
     uint8_t* at = request.buffer.data() + done;
     const size_t left = request.buffer.size() - done;
     const off_t offset = static_cast<off_t>(request.offset + done);
-    const ssize_t n =
-        write ? ::pwrite(fd_.get(), at, left, offset) : ::pread(fd_.get(), at, left, offset);
+    const ssize_t n = write ? ::pwrite(fd_.get(), at, left, offset) : ::pread(fd_.get(), at, left, offset);
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoStatus(write ? "pwrite" : "pread", errno);
     }
     if (n == 0) {
-      return Status::DataLoss(fmt::format("short {} at offset {}: {} of {} bytes",
-                                          write ? "write" : "read", request.offset, done,
-                                          request.buffer.size()));
+      return Status::DataLoss(fmt::format("short {} at offset {}: {} of {} bytes", write ? "write" : "read",
+                                          request.offset, done, request.buffer.size()));
     }
     // A partial transfer continues from where it stopped; with O_DIRECT the remainder stays aligned
     // because the kernel transfers whole blocks.

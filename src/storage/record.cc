@@ -14,19 +14,18 @@ namespace orbitkv::storage {
 namespace {
 
 // Byte offsets of the header fields (docs/formats/ssd_record.md). Integers are little-endian.
-constexpr size_t kMagicOffset = 0;        // u32
-constexpr size_t kVersionOffset = 4;      // u16
-constexpr size_t kHeaderSizeOffset = 6;   // u16, always kRecordHeaderBytes
-constexpr size_t kPayloadOffset = 8;      // u64 payload bytes
-constexpr size_t kGenerationOffset = 16;  // u64 residence generation
-constexpr size_t kEpochOffset = 24;       // u64 write epoch
-constexpr size_t kChecksumOffset = 32;    // u64 xxh3-64
-constexpr size_t kReserved1Offset = 40;   // 24 zero bytes
-constexpr size_t kKeyOffset = 64;         // 128-byte StateKey encoding
+constexpr size_t kMagicOffset = 0;                                               // u32
+constexpr size_t kVersionOffset = 4;                                             // u16
+constexpr size_t kHeaderSizeOffset = 6;                                          // u16, always kRecordHeaderBytes
+constexpr size_t kPayloadOffset = 8;                                             // u64 payload bytes
+constexpr size_t kGenerationOffset = 16;                                         // u64 residence generation
+constexpr size_t kEpochOffset = 24;                                              // u64 write epoch
+constexpr size_t kChecksumOffset = 32;                                           // u64 xxh3-64
+constexpr size_t kReserved1Offset = 40;                                          // 24 zero bytes
+constexpr size_t kKeyOffset = 64;                                                // 128-byte StateKey encoding
 constexpr size_t kReserved2Offset = kKeyOffset + state::StateKey::kEncodedSize;  // zero to the end
 
-static_assert(std::endian::native == std::endian::little,
-              "records are written in host (little-endian) order");
+static_assert(std::endian::native == std::endian::little, "records are written in host (little-endian) order");
 static_assert(kReserved1Offset == kChecksumOffset + 8);
 static_assert(kKeyOffset == kReserved1Offset + 24);
 static_assert(kReserved2Offset == 192);
@@ -73,19 +72,17 @@ uint64_t PaddedPayloadBytes(uint64_t payload_bytes) {
   return (payload_bytes + kRecordAlignment - 1) / kRecordAlignment * kRecordAlignment;
 }
 
-uint64_t RecordBytes(uint64_t payload_bytes) {
-  return kRecordPayloadOffset + PaddedPayloadBytes(payload_bytes);
-}
+uint64_t RecordBytes(uint64_t payload_bytes) { return kRecordPayloadOffset + PaddedPayloadBytes(payload_bytes); }
 
 Status EncodeRecordHeader(const RecordHeader& header, std::span<const uint8_t> payload,
                           std::span<uint8_t, kRecordHeaderBytes> out) {
   if (payload.size() != header.payload_bytes) {
-    return Status::InvalidArgument(fmt::format("record payload is {} bytes but the header says {}",
-                                               payload.size(), header.payload_bytes));
+    return Status::InvalidArgument(
+        fmt::format("record payload is {} bytes but the header says {}", payload.size(), header.payload_bytes));
   }
   if (header.payload_bytes > kMaxRecordPayloadBytes) {
-    return Status::InvalidArgument(fmt::format("record payload of {} bytes exceeds {}",
-                                               header.payload_bytes, kMaxRecordPayloadBytes));
+    return Status::InvalidArgument(
+        fmt::format("record payload of {} bytes exceeds {}", header.payload_bytes, kMaxRecordPayloadBytes));
   }
   std::memset(out.data(), 0, out.size());
   Put<uint32_t>(out, kMagicOffset, kRecordMagic);
@@ -99,20 +96,18 @@ Status EncodeRecordHeader(const RecordHeader& header, std::span<const uint8_t> p
   return Status::Ok();
 }
 
-Status EncodeRecord(const RecordHeader& header, std::span<const uint8_t> payload,
-                    std::span<uint8_t> out) {
+Status EncodeRecord(const RecordHeader& header, std::span<const uint8_t> payload, std::span<uint8_t> out) {
   if (header.payload_bytes > kMaxRecordPayloadBytes) {
-    return Status::InvalidArgument(fmt::format("record payload of {} bytes exceeds {}",
-                                               header.payload_bytes, kMaxRecordPayloadBytes));
+    return Status::InvalidArgument(
+        fmt::format("record payload of {} bytes exceeds {}", header.payload_bytes, kMaxRecordPayloadBytes));
   }
   const uint64_t total = RecordBytes(header.payload_bytes);
   if (out.size() < total) {
-    return Status::InvalidArgument(
-        fmt::format("record needs {} bytes, buffer has {}", total, out.size()));
+    return Status::InvalidArgument(fmt::format("record needs {} bytes, buffer has {}", total, out.size()));
   }
   if (payload.size() != header.payload_bytes) {
-    return Status::InvalidArgument(fmt::format("record payload is {} bytes but the header says {}",
-                                               payload.size(), header.payload_bytes));
+    return Status::InvalidArgument(
+        fmt::format("record payload is {} bytes but the header says {}", payload.size(), header.payload_bytes));
   }
   // Copied first and checksummed from the copy (still in cache), so the checksum covers exactly
   // the bytes written even if the source changed meanwhile.
@@ -122,8 +117,7 @@ Status EncodeRecord(const RecordHeader& header, std::span<const uint8_t> payload
   const size_t used = kRecordPayloadOffset + payload.size();
   std::memset(out.data() + used, 0, total - used);
   std::memset(out.data() + kRecordHeaderBytes, 0, kRecordPayloadOffset - kRecordHeaderBytes);
-  return EncodeRecordHeader(header, out.subspan(kRecordPayloadOffset, payload.size()),
-                            out.first<kRecordHeaderBytes>());
+  return EncodeRecordHeader(header, out.subspan(kRecordPayloadOffset, payload.size()), out.first<kRecordHeaderBytes>());
 }
 
 Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> bytes) {
@@ -132,23 +126,19 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> bytes) {
         fmt::format("record header needs {} bytes, got {}", kRecordHeaderBytes, bytes.size()));
   }
   const uint32_t magic = Get<uint32_t>(bytes, kMagicOffset);
-  if (magic != kRecordMagic)
-    return Status::DataLoss(fmt::format("bad record magic {:#010x}", magic));
+  if (magic != kRecordMagic) return Status::DataLoss(fmt::format("bad record magic {:#010x}", magic));
   const uint16_t version = Get<uint16_t>(bytes, kVersionOffset);
   if (version != kRecordFormatVersion) {
     return Status::FailedPrecondition(
-        fmt::format("record format version {} is not supported (this build reads {})", version,
-                    kRecordFormatVersion));
+        fmt::format("record format version {} is not supported (this build reads {})", version, kRecordFormatVersion));
   }
   const uint16_t header_bytes = Get<uint16_t>(bytes, kHeaderSizeOffset);
   if (header_bytes != kRecordHeaderBytes) {
-    return Status::DataLoss(
-        fmt::format("record header size {} is not {}", header_bytes, kRecordHeaderBytes));
+    return Status::DataLoss(fmt::format("record header size {} is not {}", header_bytes, kRecordHeaderBytes));
   }
   const uint64_t payload_bytes = Get<uint64_t>(bytes, kPayloadOffset);
   if (payload_bytes > kMaxRecordPayloadBytes) {
-    return Status::DataLoss(
-        fmt::format("record payload size {} exceeds {}", payload_bytes, kMaxRecordPayloadBytes));
+    return Status::DataLoss(fmt::format("record payload size {} exceeds {}", payload_bytes, kMaxRecordPayloadBytes));
   }
   if (!AllZero(bytes.subspan(kReserved1Offset, kKeyOffset - kReserved1Offset)) ||
       !AllZero(bytes.subspan(kReserved2Offset, kRecordHeaderBytes - kReserved2Offset))) {
@@ -166,26 +156,21 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> bytes) {
 Result<RecordHeader> VerifyRecord(std::span<const uint8_t> record) {
   if (record.size() < kRecordPayloadOffset) {
     ORBITKV_RETURN_IF_ERROR(DecodeRecordHeader(record).status());
-    return Status::DataLoss(
-        fmt::format("record of {} bytes is shorter than its header page", record.size()));
+    return Status::DataLoss(fmt::format("record of {} bytes is shorter than its header page", record.size()));
   }
-  return VerifyRecordParts(record.first(kRecordPayloadOffset),
-                           record.subspan(kRecordPayloadOffset));
+  return VerifyRecordParts(record.first(kRecordPayloadOffset), record.subspan(kRecordPayloadOffset));
 }
 
-Result<RecordHeader> VerifyRecordParts(std::span<const uint8_t> header_page,
-                                       std::span<const uint8_t> payload) {
+Result<RecordHeader> VerifyRecordParts(std::span<const uint8_t> header_page, std::span<const uint8_t> payload) {
   ORBITKV_ASSIGN_OR_RETURN(RecordHeader header, DecodeRecordHeader(header_page));
   if (payload.size() < header.payload_bytes) {
-    return Status::DataLoss(fmt::format("record of {} payload bytes is truncated to {}",
-                                        header.payload_bytes, payload.size()));
-  }
-  const uint64_t actual =
-      ComputeChecksum(header_page.first(kRecordHeaderBytes), payload.first(header.payload_bytes));
-  if (actual != header.checksum) {
     return Status::DataLoss(
-        fmt::format("record checksum mismatch for {}: stored {:#018x}, computed {:#018x}",
-                    header.key.ToString(), header.checksum, actual));
+        fmt::format("record of {} payload bytes is truncated to {}", header.payload_bytes, payload.size()));
+  }
+  const uint64_t actual = ComputeChecksum(header_page.first(kRecordHeaderBytes), payload.first(header.payload_bytes));
+  if (actual != header.checksum) {
+    return Status::DataLoss(fmt::format("record checksum mismatch for {}: stored {:#018x}, computed {:#018x}",
+                                        header.key.ToString(), header.checksum, actual));
   }
   return header;
 }

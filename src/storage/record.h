@@ -61,8 +61,7 @@ Status EncodeRecordHeader(const RecordHeader& header, std::span<const uint8_t> p
 // Writes a whole record (header page, payload at kRecordPayloadOffset, zero padding) into the first
 // RecordBytes(payload.size()) bytes of `out`. InvalidArgument for the errors of
 // EncodeRecordHeader() or when `out` is too small.
-Status EncodeRecord(const RecordHeader& header, std::span<const uint8_t> payload,
-                    std::span<uint8_t> out);
+Status EncodeRecord(const RecordHeader& header, std::span<const uint8_t> payload, std::span<uint8_t> out);
 
 // Parses the first kRecordHeaderBytes of `bytes` without looking at the payload. InvalidArgument
 // when fewer bytes are given; FailedPrecondition for a well-formed header of another format version
@@ -78,8 +77,7 @@ Result<RecordHeader> VerifyRecord(std::span<const uint8_t> record);
 
 // The same for a record read in two parts: its header page (at least kRecordHeaderBytes) and its
 // payload (at least the header's payload bytes; extra bytes are padding and ignored).
-Result<RecordHeader> VerifyRecordParts(std::span<const uint8_t> header,
-                                       std::span<const uint8_t> payload);
+Result<RecordHeader> VerifyRecordParts(std::span<const uint8_t> header, std::span<const uint8_t> payload);
 
 }  // namespace orbitkv::storage
 

@@ -13,8 +13,7 @@ namespace {
 
 state::StateKey SampleKey(uint64_t first_token = 32) {
   state::StateNamespace ns(state::Sha256::Of(std::string_view("storage test namespace")));
-  auto key = state::StateKey::Create(ns, 1, {first_token, first_token + 16},
-                                     std::string_view("native-key-bytes"));
+  auto key = state::StateKey::Create(ns, 1, {first_token, first_token + 16}, std::string_view("native-key-bytes"));
   EXPECT_TRUE(key.ok()) << key.status();
   return *key;
 }
@@ -27,21 +26,14 @@ std::vector<uint8_t> Payload(size_t n, uint8_t seed) {
 
 // Encodes a whole record for `payload` (generation 7, epoch 9).
 std::vector<uint8_t> MakeRecord(const std::vector<uint8_t>& payload) {
-  RecordHeader header{.key = SampleKey(),
-                      .payload_bytes = payload.size(),
-                      .residence_generation = 7,
-                      .write_epoch = 9};
+  RecordHeader header{.key = SampleKey(), .payload_bytes = payload.size(), .residence_generation = 7, .write_epoch = 9};
   std::vector<uint8_t> record(RecordBytes(payload.size()), 0xEE);
   EXPECT_TRUE(EncodeRecord(header, payload, record).ok());
   return record;
 }
 
-void Put16(std::vector<uint8_t>& b, size_t off, uint16_t v) {
-  std::memcpy(b.data() + off, &v, sizeof(v));
-}
-void Put64(std::vector<uint8_t>& b, size_t off, uint64_t v) {
-  std::memcpy(b.data() + off, &v, sizeof(v));
-}
+void Put16(std::vector<uint8_t>& b, size_t off, uint16_t v) { std::memcpy(b.data() + off, &v, sizeof(v)); }
+void Put64(std::vector<uint8_t>& b, size_t off, uint64_t v) { std::memcpy(b.data() + off, &v, sizeof(v)); }
 
 TEST(RecordTest, RecordBytesIsTheHeaderPagePlusThePayloadRoundedToFourKiB) {
   EXPECT_EQ(RecordBytes(0), 4096u);
@@ -67,11 +59,10 @@ TEST(RecordTest, RoundTripsEveryField) {
   EXPECT_EQ(std::memcmp(record.data() + kRecordPayloadOffset, payload.data(), payload.size()), 0);
   // Padding (the header page's rest and after the payload) is zeroed, whatever the buffer held.
   for (size_t i = kRecordHeaderBytes; i < kRecordPayloadOffset; ++i) ASSERT_EQ(record[i], 0) << i;
-  for (size_t i = kRecordPayloadOffset + payload.size(); i < record.size(); ++i)
-    ASSERT_EQ(record[i], 0) << i;
+  for (size_t i = kRecordPayloadOffset + payload.size(); i < record.size(); ++i) ASSERT_EQ(record[i], 0) << i;
   // Verified in two parts (header page and payload read into different memory), the same.
-  auto parts = VerifyRecordParts(std::span(record).first(kRecordPayloadOffset),
-                                 std::span(record).subspan(kRecordPayloadOffset));
+  auto parts =
+      VerifyRecordParts(std::span(record).first(kRecordPayloadOffset), std::span(record).subspan(kRecordPayloadOffset));
   ASSERT_TRUE(parts.ok()) << parts.status();
   EXPECT_EQ(parts->checksum, verified->checksum);
   EXPECT_EQ(VerifyRecordParts(std::span(record).first(kRecordPayloadOffset),
@@ -93,8 +84,7 @@ TEST(RecordTest, EmptyPayloadRoundTrips) {
 
 TEST(RecordTest, ChecksumCoversHeaderFields) {
   const auto payload = Payload(100, 1);
-  RecordHeader a{
-      .key = SampleKey(), .payload_bytes = 100, .residence_generation = 1, .write_epoch = 1};
+  RecordHeader a{.key = SampleKey(), .payload_bytes = 100, .residence_generation = 1, .write_epoch = 1};
   RecordHeader b = a;
   b.write_epoch = 2;
   std::array<uint8_t, kRecordHeaderBytes> ha{}, hb{};
@@ -216,9 +206,7 @@ TEST(RecordTest, TornRecordsFailVerification) {
   std::memcpy(torn.data() + 4096, new_record.data() + 4096, new_record.size() - 4096);
   EXPECT_EQ(VerifyRecord(torn).status().code(), StatusCode::kDataLoss);
   // Truncated read: fewer bytes than header + payload.
-  EXPECT_EQ(VerifyRecord(std::span(new_record).first(kRecordPayloadOffset + new_payload.size() - 1))
-                .status()
-                .code(),
+  EXPECT_EQ(VerifyRecord(std::span(new_record).first(kRecordPayloadOffset + new_payload.size() - 1)).status().code(),
             StatusCode::kDataLoss);
   EXPECT_TRUE(VerifyRecord(new_record).ok());
 }

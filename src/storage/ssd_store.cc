@@ -28,9 +28,8 @@ Status EnsureCapacity(AlignedBuffer* buffer, uint64_t bytes, bool huge = false) 
   // Grow in powers of two so a stream of slightly larger records does not reallocate each time.
   uint64_t size = std::max<uint64_t>(bytes, 64 * 1024);
   size = std::bit_ceil(size);
-  ORBITKV_ASSIGN_OR_RETURN(AlignedBuffer grown, huge
-                                                    ? AlignedBuffer::CreateHugePageBacked(size)
-                                                    : AlignedBuffer::Create(size, kRecordAlignment));
+  ORBITKV_ASSIGN_OR_RETURN(AlignedBuffer grown, huge ? AlignedBuffer::CreateHugePageBacked(size)
+                                                     : AlignedBuffer::Create(size, kRecordAlignment));
   *buffer = std::move(grown);
   return Status::Ok();
 }
@@ -61,8 +60,8 @@ FileScan ScanFile(Device& device, uint32_t file, bool verify) {
       window_bytes = std::min(kScanWindowBytes, size - offset);
       Status read = device.Read(offset, window->span().first(window_bytes));
       if (!read.ok()) {
-        scan.status = Status(read.code(), fmt::format("scanning file {} at offset {}: {}", file,
-                                                      offset, read.message()));
+        scan.status =
+            Status(read.code(), fmt::format("scanning file {} at offset {}: {}", file, offset, read.message()));
         return scan;
       }
       window_start = offset;
@@ -79,8 +78,8 @@ FileScan ScanFile(Device& device, uint32_t file, bool verify) {
     if (!header.ok()) {
       if (header.status().code() == StatusCode::kFailedPrecondition) {
         ++scan.report.dropped_version;
-        ORBITKV_LOG_INFO("ssd: dropping a record of another format version in file {} at {}: {}",
-                         file, offset, header.status().message());
+        ORBITKV_LOG_INFO("ssd: dropping a record of another format version in file {} at {}: {}", file, offset,
+                         header.status().message());
       }
       offset += kRecordAlignment;
       continue;
@@ -92,8 +91,7 @@ FileScan ScanFile(Device& device, uint32_t file, bool verify) {
     }
     if (verify) {
       Status grown = EnsureCapacity(&record_buffer, record_bytes);
-      Status read =
-          grown.ok() ? device.Read(offset, record_buffer.span().first(record_bytes)) : grown;
+      Status read = grown.ok() ? device.Read(offset, record_buffer.span().first(record_bytes)) : grown;
       if (!read.ok()) {
         scan.status = read;
         return scan;
@@ -105,8 +103,8 @@ FileScan ScanFile(Device& device, uint32_t file, bool verify) {
         continue;
       }
     }
-    scan.records.push_back(RecoveredRecord{header->key, SsdStore::PackLocator(file, offset),
-                                           header->payload_bytes, header->write_epoch});
+    scan.records.push_back(
+        RecoveredRecord{header->key, SsdStore::PackLocator(file, offset), header->payload_bytes, header->write_epoch});
     scan.extents.push_back(Extent{file, offset, record_bytes});
     offset += record_bytes;
   }
@@ -116,23 +114,20 @@ FileScan ScanFile(Device& device, uint32_t file, bool verify) {
 }  // namespace
 
 Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options,
-                                                 std::vector<RecoveredRecord>* recovered,
-                                                 ScanReport* report) {
+                                                 std::vector<RecoveredRecord>* recovered, ScanReport* report) {
   Stopwatch watch;
   recovered->clear();
   *report = ScanReport{};
   if (options.directory.empty()) return Status::InvalidArgument("the SSD tier needs a directory");
   uint32_t files = options.file_count;
   if (files == 0) {
-    files =
-        static_cast<uint32_t>(std::clamp<uint64_t>(options.capacity_bytes / (64 * kGiB), 1, 16));
+    files = static_cast<uint32_t>(std::clamp<uint64_t>(options.capacity_bytes / (64 * kGiB), 1, 16));
   }
   if (files > 255) return Status::InvalidArgument("the SSD tier takes at most 255 files");
   const uint64_t per_file = options.capacity_bytes / files / 4096 * 4096;
   if (per_file < kMinFileBytes) {
-    return Status::InvalidArgument(
-        fmt::format("SSD capacity {} bytes over {} file(s) leaves less than 1 MiB per file",
-                    options.capacity_bytes, files));
+    return Status::InvalidArgument(fmt::format("SSD capacity {} bytes over {} file(s) leaves less than 1 MiB per file",
+                                               options.capacity_bytes, files));
   }
   std::error_code error;
   std::filesystem::create_directories(options.directory, error);
@@ -145,8 +140,7 @@ Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options,
     const std::string path = fmt::format("{}/orbitkv-ssd-{}.data", options.directory, i);
     Result<std::unique_ptr<Device>> device = CreateDevice(path, per_file, options.backend);
     if (!device.ok()) {
-      return Status(device.status().code(),
-                    fmt::format("SSD file {}: {}", path, device.status().message()));
+      return Status(device.status().code(), fmt::format("SSD file {}: {}", path, device.status().message()));
     }
     if (options.wrap_device) device = options.wrap_device(std::move(*device));
     devices.push_back(std::move(device).value());
@@ -162,9 +156,8 @@ Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options,
     for (uint32_t begin = 0; begin < files; begin += 8) {
       threads.clear();
       for (uint32_t i = begin; i < std::min(files, begin + 8); ++i) {
-        threads.emplace_back([&scans, &devices, &options, i] {
-          scans[i] = ScanFile(*devices[i], i, options.verify_on_open);
-        });
+        threads.emplace_back(
+            [&scans, &devices, &options, i] { scans[i] = ScanFile(*devices[i], i, options.verify_on_open); });
       }
       for (std::thread& thread : threads) thread.join();
     }
@@ -196,8 +189,7 @@ Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options,
                   ? WriteStaging::kCopy
                   : WriteStaging::kZeroCopy;
   }
-  return std::unique_ptr<SsdStore>(
-      new SsdStore(std::move(devices), std::move(allocator), max_epoch + 1, staging));
+  return std::unique_ptr<SsdStore>(new SsdStore(std::move(devices), std::move(allocator), max_epoch + 1, staging));
 }
 
 std::string_view WriteStagingName(WriteStaging staging) {
@@ -221,12 +213,10 @@ std::optional<WriteStaging> ParseWriteStaging(std::string_view text) {
 
 SsdStore::~SsdStore() = default;
 
-Result<SsdStore::Assembled> SsdStore::Assemble(const state::StateKey& key,
-                                               std::span<const uint8_t> payload,
+Result<SsdStore::Assembled> SsdStore::Assemble(const state::StateKey& key, std::span<const uint8_t> payload,
                                                AlignedBuffer* staging, uint64_t payload_capacity) {
   if (payload.empty() || payload.size() > kMaxRecordPayloadBytes) {
-    return Status::InvalidArgument(
-        fmt::format("an SSD record holds 1 byte to 1 GiB, not {}", payload.size()));
+    return Status::InvalidArgument(fmt::format("an SSD record holds 1 byte to 1 GiB, not {}", payload.size()));
   }
   Assembled assembled;
   assembled.record_bytes = RecordBytes(payload.size());
@@ -235,53 +225,43 @@ Result<SsdStore::Assembled> SsdStore::Assemble(const state::StateKey& key,
   assembled.in_place = write_staging_ == WriteStaging::kZeroCopy &&
                        reinterpret_cast<uintptr_t>(payload.data()) % kRecordAlignment == 0 &&
                        payload_capacity >= PaddedPayloadBytes(payload.size());
-  ORBITKV_RETURN_IF_ERROR(
-      EnsureCapacity(staging, assembled.in_place ? kRecordPayloadOffset : assembled.record_bytes,
-                     /*huge=*/write_staging_ == WriteStaging::kCopy));
+  ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, assembled.in_place ? kRecordPayloadOffset : assembled.record_bytes,
+                                         /*huge=*/write_staging_ == WriteStaging::kCopy));
   const uint64_t epoch = epoch_.fetch_add(1, std::memory_order_relaxed);
-  const RecordHeader header{.key = key,
-                            .payload_bytes = payload.size(),
-                            .residence_generation = epoch,
-                            .write_epoch = epoch};
+  const RecordHeader header{
+      .key = key, .payload_bytes = payload.size(), .residence_generation = epoch, .write_epoch = epoch};
   if (assembled.in_place) {
     std::memset(staging->data(), 0, kRecordPayloadOffset);
-    ORBITKV_RETURN_IF_ERROR(
-        EncodeRecordHeader(header, payload, staging->span().first<kRecordHeaderBytes>()));
+    ORBITKV_RETURN_IF_ERROR(EncodeRecordHeader(header, payload, staging->span().first<kRecordHeaderBytes>()));
   } else {
-    ORBITKV_RETURN_IF_ERROR(
-        EncodeRecord(header, payload, staging->span().first(assembled.record_bytes)));
+    ORBITKV_RETURN_IF_ERROR(EncodeRecord(header, payload, staging->span().first(assembled.record_bytes)));
   }
   return assembled;
 }
 
-size_t SsdStore::WriteRequests(const Assembled& assembled, const Extent& extent,
-                               std::span<const uint8_t> payload, AlignedBuffer* staging,
-                               IoRequest requests[2]) {
+size_t SsdStore::WriteRequests(const Assembled& assembled, const Extent& extent, std::span<const uint8_t> payload,
+                               AlignedBuffer* staging, IoRequest requests[2]) {
   if (!assembled.in_place) {
-    requests[0] = {IoRequest::Op::kWrite, extent.offset,
-                   staging->span().first(assembled.record_bytes)};
+    requests[0] = {IoRequest::Op::kWrite, extent.offset, staging->span().first(assembled.record_bytes)};
     return 1;
   }
   // The device only reads write buffers.
   requests[0] = {IoRequest::Op::kWrite, extent.offset, staging->span().first(kRecordPayloadOffset)};
   requests[1] = {IoRequest::Op::kWrite, extent.offset + kRecordPayloadOffset,
-                 std::span<uint8_t>(const_cast<uint8_t*>(payload.data()),
-                                    PaddedPayloadBytes(payload.size()))};
+                 std::span<uint8_t>(const_cast<uint8_t*>(payload.data()), PaddedPayloadBytes(payload.size()))};
   return 2;
 }
 
 Status SsdStore::WriteFailed(const Extent& extent, uint64_t record_bytes, const Status& status) {
   // Unavailable, not the device's code: a full file system (ENOSPC) must not read as "the store is
   // full, evict and retry".
-  return Status::Unavailable(fmt::format("SSD write of {} bytes to file {} at {} failed: {}",
-                                         record_bytes, extent.file, extent.offset,
-                                         status.ToString()));
+  return Status::Unavailable(fmt::format("SSD write of {} bytes to file {} at {} failed: {}", record_bytes, extent.file,
+                                         extent.offset, status.ToString()));
 }
 
-Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uint8_t> payload,
-                                 AlignedBuffer* staging, uint64_t payload_capacity) {
-  ORBITKV_ASSIGN_OR_RETURN(const Assembled assembled,
-                           Assemble(key, payload, staging, payload_capacity));
+Result<uint64_t> SsdStore::Write(const state::StateKey& key, std::span<const uint8_t> payload, AlignedBuffer* staging,
+                                 uint64_t payload_capacity) {
+  ORBITKV_ASSIGN_OR_RETURN(const Assembled assembled, Assemble(key, payload, staging, payload_capacity));
   ORBITKV_ASSIGN_OR_RETURN(Extent extent, allocator_->Allocate(assembled.record_bytes));
   IoRequest requests[2];
   const size_t count = WriteRequests(assembled, extent, payload, staging, requests);
@@ -327,11 +307,9 @@ Status SsdStore::Writer::Prepare(const state::StateKey& key, std::span<const uin
   AlignedBuffer* staging = &staging_[buffer];
   // The extent first: a full store is refused before the record is copied and checksummed.
   if (payload.empty() || payload.size() > kMaxRecordPayloadBytes) {
-    return Status::InvalidArgument(
-        fmt::format("an SSD record holds 1 byte to 1 GiB, not {}", payload.size()));
+    return Status::InvalidArgument(fmt::format("an SSD record holds 1 byte to 1 GiB, not {}", payload.size()));
   }
-  ORBITKV_ASSIGN_OR_RETURN(Extent extent,
-                           store_->allocator_->Allocate(RecordBytes(payload.size())));
+  ORBITKV_ASSIGN_OR_RETURN(Extent extent, store_->allocator_->Allocate(RecordBytes(payload.size())));
   Result<Assembled> assembled = store_->Assemble(key, payload, staging, payload_capacity);
   if (!assembled.ok()) {
     store_->allocator_->Release(extent);
@@ -346,9 +324,8 @@ Status SsdStore::Writer::Prepare(const state::StateKey& key, std::span<const uin
 
 Status SsdStore::Writer::Start() {
   if (!prepared_.has_value()) return Status::FailedPrecondition("no record is prepared");
-  ORBITKV_RETURN_IF_ERROR(queue_->Start(prepared_->extent.file,
-                                        {prepared_->requests, prepared_->request_count},
-                                        prepared_->tag));
+  ORBITKV_RETURN_IF_ERROR(
+      queue_->Start(prepared_->extent.file, {prepared_->requests, prepared_->request_count}, prepared_->tag));
   started_.push_back(*prepared_);
   prepared_.reset();
   return Status::Ok();
@@ -372,18 +349,16 @@ Result<SsdStore::Writer::Done> SsdStore::Writer::Wait() {
   return done;
 }
 
-Status SsdStore::ReadInto(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes,
-                          AlignedBuffer* staging, std::span<uint8_t> destination) {
+Status SsdStore::ReadInto(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes, AlignedBuffer* staging,
+                          std::span<uint8_t> destination) {
   const uint32_t file = LocatorFile(locator);
   if (file >= devices_.size() || payload_bytes == 0 || payload_bytes > kMaxRecordPayloadBytes) {
     return Status::InvalidArgument("not a locator of this store");
   }
   const uint64_t padded = PaddedPayloadBytes(payload_bytes);
-  if (reinterpret_cast<uintptr_t>(destination.data()) % kRecordAlignment != 0 ||
-      destination.size() < padded) {
+  if (reinterpret_cast<uintptr_t>(destination.data()) % kRecordAlignment != 0 || destination.size() < padded) {
     // Not page-aligned memory: read through the staging buffer and copy.
-    ORBITKV_ASSIGN_OR_RETURN(std::span<const uint8_t> payload,
-                             Read(key, locator, payload_bytes, staging));
+    ORBITKV_ASSIGN_OR_RETURN(std::span<const uint8_t> payload, Read(key, locator, payload_bytes, staging));
     if (destination.size() < payload_bytes) {
       return Status::InvalidArgument("the destination is smaller than the payload");
     }
@@ -392,28 +367,26 @@ Status SsdStore::ReadInto(const state::StateKey& key, uint64_t locator, uint64_t
   }
   ORBITKV_RETURN_IF_ERROR(EnsureCapacity(staging, kRecordPayloadOffset));
   const uint64_t offset = LocatorOffset(locator);
-  const IoRequest requests[2] = {
-      {IoRequest::Op::kRead, offset, staging->span().first(kRecordPayloadOffset)},
-      {IoRequest::Op::kRead, offset + kRecordPayloadOffset, destination.first(padded)}};
+  const IoRequest requests[2] = {{IoRequest::Op::kRead, offset, staging->span().first(kRecordPayloadOffset)},
+                                 {IoRequest::Op::kRead, offset + kRecordPayloadOffset, destination.first(padded)}};
   for (const Status& status : devices_[file]->Submit(requests)) {
     ORBITKV_RETURN_IF_ERROR(status);
   }
-  Result<RecordHeader> header = VerifyRecordParts(staging->span().first(kRecordPayloadOffset),
-                                                  destination.first(payload_bytes));
+  Result<RecordHeader> header =
+      VerifyRecordParts(staging->span().first(kRecordPayloadOffset), destination.first(payload_bytes));
   if (!header.ok()) {
-    return Status::DataLoss(fmt::format("SSD record in file {} at {} is not intact: {}", file,
-                                        offset, header.status().message()));
+    return Status::DataLoss(
+        fmt::format("SSD record in file {} at {} is not intact: {}", file, offset, header.status().message()));
   }
   if (header->key != key || header->payload_bytes != payload_bytes) {
     return Status::DataLoss(
-        fmt::format("SSD record in file {} at {} belongs to another block (the extent was reused)",
-                    file, offset));
+        fmt::format("SSD record in file {} at {} belongs to another block (the extent was reused)", file, offset));
   }
   return Status::Ok();
 }
 
-Result<std::span<const uint8_t>> SsdStore::Read(const state::StateKey& key, uint64_t locator,
-                                                uint64_t payload_bytes, AlignedBuffer* staging) {
+Result<std::span<const uint8_t>> SsdStore::Read(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes,
+                                                AlignedBuffer* staging) {
   const uint32_t file = LocatorFile(locator);
   if (file >= devices_.size() || payload_bytes == 0 || payload_bytes > kMaxRecordPayloadBytes) {
     return Status::InvalidArgument("not a locator of this store");
@@ -424,13 +397,12 @@ Result<std::span<const uint8_t>> SsdStore::Read(const state::StateKey& key, uint
   ORBITKV_RETURN_IF_ERROR(devices_[file]->Read(LocatorOffset(locator), record));
   Result<RecordHeader> header = VerifyRecord(record);
   if (!header.ok()) {
-    return Status::DataLoss(fmt::format("SSD record in file {} at {} is not intact: {}", file,
-                                        LocatorOffset(locator), header.status().message()));
+    return Status::DataLoss(fmt::format("SSD record in file {} at {} is not intact: {}", file, LocatorOffset(locator),
+                                        header.status().message()));
   }
   if (header->key != key || header->payload_bytes != payload_bytes) {
-    return Status::DataLoss(
-        fmt::format("SSD record in file {} at {} belongs to another block (the extent was reused)",
-                    file, LocatorOffset(locator)));
+    return Status::DataLoss(fmt::format("SSD record in file {} at {} belongs to another block (the extent was reused)",
+                                        file, LocatorOffset(locator)));
   }
   return std::span<const uint8_t>(record.data() + kRecordPayloadOffset, payload_bytes);
 }
@@ -444,8 +416,7 @@ void SsdStore::ReadBatch(std::span<BatchRead> reads, AlignedBuffer* staging) {
     const uint32_t file = LocatorFile(read.locator);
     if (!grown.ok()) {
       read.status = grown;
-    } else if (file >= devices_.size() || read.payload_bytes == 0 ||
-               read.payload_bytes > kMaxRecordPayloadBytes) {
+    } else if (file >= devices_.size() || read.payload_bytes == 0 || read.payload_bytes > kMaxRecordPayloadBytes) {
       read.status = Status::InvalidArgument("not a locator of this store");
     } else if (reinterpret_cast<uintptr_t>(read.destination.data()) % kRecordAlignment != 0 ||
                read.destination.size() < PaddedPayloadBytes(read.payload_bytes)) {
@@ -468,9 +439,8 @@ void SsdStore::ReadBatch(std::span<BatchRead> reads, AlignedBuffer* staging) {
     while (end < order.size() && LocatorFile(reads[order[end]].locator) == file) {
       BatchRead& read = reads[order[end]];
       const uint64_t offset = LocatorOffset(read.locator);
-      requests.push_back(
-          {IoRequest::Op::kRead, offset,
-           staging->span().subspan(order[end] * kRecordPayloadOffset, kRecordPayloadOffset)});
+      requests.push_back({IoRequest::Op::kRead, offset,
+                          staging->span().subspan(order[end] * kRecordPayloadOffset, kRecordPayloadOffset)});
       requests.push_back({IoRequest::Op::kRead, offset + kRecordPayloadOffset,
                           read.destination.first(PaddedPayloadBytes(read.payload_bytes))});
       ++end;
@@ -483,17 +453,16 @@ void SsdStore::ReadBatch(std::span<BatchRead> reads, AlignedBuffer* staging) {
         read.status = done[r].ok() ? done[r + 1] : done[r];
         continue;
       }
-      Result<RecordHeader> header = VerifyRecordParts(
-          staging->span().subspan(order[k] * kRecordPayloadOffset, kRecordPayloadOffset),
-          read.destination.first(read.payload_bytes));
+      Result<RecordHeader> header =
+          VerifyRecordParts(staging->span().subspan(order[k] * kRecordPayloadOffset, kRecordPayloadOffset),
+                            read.destination.first(read.payload_bytes));
       const uint64_t offset = LocatorOffset(read.locator);
       if (!header.ok()) {
-        read.status = Status::DataLoss(fmt::format("SSD record in file {} at {} is not intact: {}",
-                                                   file, offset, header.status().message()));
+        read.status = Status::DataLoss(
+            fmt::format("SSD record in file {} at {} is not intact: {}", file, offset, header.status().message()));
       } else if (header->key != *read.key || header->payload_bytes != read.payload_bytes) {
-        read.status = Status::DataLoss(fmt::format(
-            "SSD record in file {} at {} belongs to another block (the extent was reused)", file,
-            offset));
+        read.status = Status::DataLoss(
+            fmt::format("SSD record in file {} at {} belongs to another block (the extent was reused)", file, offset));
       }
     }
     begin = end;
@@ -514,8 +483,7 @@ uint64_t SsdStore::registered_requests() const {
 }
 
 void SsdStore::Release(uint64_t locator, uint64_t payload_bytes) {
-  allocator_->Release(
-      Extent{LocatorFile(locator), LocatorOffset(locator), RecordBytes(payload_bytes)});
+  allocator_->Release(Extent{LocatorFile(locator), LocatorOffset(locator), RecordBytes(payload_bytes)});
 }
 
 }  // namespace orbitkv::storage

@@ -88,8 +88,7 @@ class SsdStore {
   // Creates or opens the files `<directory>/orbitkv-ssd-<i>.data` and scans them (see above).
   // InvalidArgument for a capacity below 1 MiB per file or an unusable directory; the device's
   // errors (ResourceExhausted when preallocation hits ENOSPC).
-  static Result<std::unique_ptr<SsdStore>> Open(const SsdStoreOptions& options,
-                                                std::vector<RecoveredRecord>* recovered,
+  static Result<std::unique_ptr<SsdStore>> Open(const SsdStoreOptions& options, std::vector<RecoveredRecord>* recovered,
                                                 ScanReport* report);
   ~SsdStore();
   SsdStore(const SsdStore&) = delete;
@@ -106,8 +105,8 @@ class SsdStore {
   // record is assembled in `staging` and checksummed there; a store that copies makes `staging`
   // huge-page backed, so the record is one physically contiguous DMA segment rather than one per
   // 4 KiB page of the pool (a virtio disk pays per segment: about 20% of its write throughput).
-  Result<uint64_t> Write(const state::StateKey& key, std::span<const uint8_t> payload,
-                         AlignedBuffer* staging, uint64_t payload_capacity = 0);
+  Result<uint64_t> Write(const state::StateKey& key, std::span<const uint8_t> payload, AlignedBuffer* staging,
+                         uint64_t payload_capacity = 0);
 
   // Writes records asynchronously for one thread: a record is prepared (its extent reserved, the
   // record assembled and checksummed as Write() does, in one of the writer's own staging buffers),
@@ -137,8 +136,8 @@ class SsdStore {
     // carry (see Write() for `payload_capacity` and the errors
     // before the device: InvalidArgument; ResourceExhausted when the store is full).
     // FailedPrecondition when a record is prepared already.
-    Status Prepare(const state::StateKey& key, std::span<const uint8_t> payload,
-                   uint64_t payload_capacity, uint64_t tag);
+    Status Prepare(const state::StateKey& key, std::span<const uint8_t> payload, uint64_t payload_capacity,
+                   uint64_t tag);
     // Starts the prepared record's write. FailedPrecondition without a prepared record or with
     // depth() writes in flight.
     Status Start();
@@ -172,14 +171,14 @@ class SsdStore {
   // valid until the next use of it). DataLoss when the bytes there are not an intact record of
   // `key` with `payload_bytes` bytes (torn, corrupted, or the extent was reused); the device's
   // error for a failed read.
-  Result<std::span<const uint8_t>> Read(const state::StateKey& key, uint64_t locator,
-                                        uint64_t payload_bytes, AlignedBuffer* staging);
+  Result<std::span<const uint8_t>> Read(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes,
+                                        AlignedBuffer* staging);
 
   // Reads the record's payload straight into `destination` (zero copy when it starts on a 4 KiB
   // boundary and holds the payload rounded up to 4 KiB, else through `staging`) and verifies it.
   // The errors of Read(); on an error `destination` holds unspecified bytes.
-  Status ReadInto(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes,
-                  AlignedBuffer* staging, std::span<uint8_t> destination);
+  Status ReadInto(const state::StateKey& key, uint64_t locator, uint64_t payload_bytes, AlignedBuffer* staging,
+                  std::span<uint8_t> destination);
 
   // One record to read by ReadBatch.
   struct BatchRead {
@@ -212,9 +211,7 @@ class SsdStore {
   WriteStaging write_staging() const { return write_staging_; }
   bool direct_io() const { return devices_.front()->direct_io(); }
 
-  static uint64_t PackLocator(uint32_t file, uint64_t offset) {
-    return (offset / 4096) << 8 | file;
-  }
+  static uint64_t PackLocator(uint32_t file, uint64_t offset) { return (offset / 4096) << 8 | file; }
   static uint32_t LocatorFile(uint64_t locator) { return static_cast<uint32_t>(locator & 0xff); }
   static uint64_t LocatorOffset(uint64_t locator) { return (locator >> 8) * 4096; }
 
@@ -232,12 +229,11 @@ class SsdStore {
     uint64_t record_bytes = 0;
     bool in_place = false;  // the payload goes to the device from where it is
   };
-  Result<Assembled> Assemble(const state::StateKey& key, std::span<const uint8_t> payload,
-                             AlignedBuffer* staging, uint64_t payload_capacity);
+  Result<Assembled> Assemble(const state::StateKey& key, std::span<const uint8_t> payload, AlignedBuffer* staging,
+                             uint64_t payload_capacity);
   // Fills `requests` (two in place: header page, payload; else one) and returns how many.
-  static size_t WriteRequests(const Assembled& assembled, const Extent& extent,
-                              std::span<const uint8_t> payload, AlignedBuffer* staging,
-                              IoRequest requests[2]);
+  static size_t WriteRequests(const Assembled& assembled, const Extent& extent, std::span<const uint8_t> payload,
+                              AlignedBuffer* staging, IoRequest requests[2]);
   static Status WriteFailed(const Extent& extent, uint64_t record_bytes, const Status& status);
 
   // Immutable after Open.

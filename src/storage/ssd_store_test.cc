@@ -37,8 +37,7 @@ std::vector<uint8_t> Payload(size_t n, uint64_t seed) {
   return out;
 }
 
-SsdStoreOptions Options(const std::string& dir, uint64_t capacity, DeviceBackend backend,
-                        uint32_t files = 2) {
+SsdStoreOptions Options(const std::string& dir, uint64_t capacity, DeviceBackend backend, uint32_t files = 2) {
   SsdStoreOptions options;
   options.directory = dir;
   options.capacity_bytes = capacity;
@@ -82,10 +81,8 @@ TEST_P(SsdStoreTest, WriteReadRoundTripsAcrossFiles) {
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_TRUE(std::equal(read->begin(), read->end(), payload.begin(), payload.end()));
     // Another key or size at the same place is not this block.
-    EXPECT_EQ((*store)->Read(Key(i + 100), locator, payload.size(), &staging).status().code(),
-              StatusCode::kDataLoss);
-    EXPECT_EQ((*store)->Read(Key(i), locator, payload.size() - 1, &staging).status().code(),
-              StatusCode::kDataLoss);
+    EXPECT_EQ((*store)->Read(Key(i + 100), locator, payload.size(), &staging).status().code(), StatusCode::kDataLoss);
+    EXPECT_EQ((*store)->Read(Key(i), locator, payload.size() - 1, &staging).status().code(), StatusCode::kDataLoss);
   }
 }
 
@@ -106,8 +103,7 @@ TEST_P(SsdStoreTest, ZeroCopyWriteAndReadIntoPageAlignedMemory) {
   std::memcpy(block->data(), payload.data(), bytes);
   std::memset(block->data() + bytes, 0xAB, block->size() - bytes);  // padding is not data
   AlignedBuffer staging;
-  auto locator = (*store)->Write(Key(5), std::span<const uint8_t>(block->data(), bytes), &staging,
-                                 block->size());
+  auto locator = (*store)->Write(Key(5), std::span<const uint8_t>(block->data(), bytes), &staging, block->size());
   ASSERT_TRUE(locator.ok()) << locator.status();
   EXPECT_EQ(staging.size(), 64u * 1024);  // only the header page was staged
   // Read straight into aligned memory, and through staging into unaligned memory.
@@ -116,17 +112,14 @@ TEST_P(SsdStoreTest, ZeroCopyWriteAndReadIntoPageAlignedMemory) {
   ASSERT_TRUE((*store)->ReadInto(Key(5), *locator, bytes, &staging, into->span()).ok());
   EXPECT_EQ(std::memcmp(into->data(), payload.data(), bytes), 0);
   std::vector<uint8_t> unaligned(bytes + 1);
-  ASSERT_TRUE((*store)
-                  ->ReadInto(Key(5), *locator, bytes, &staging,
-                             std::span<uint8_t>(unaligned.data() + 1, bytes))
-                  .ok());
+  ASSERT_TRUE(
+      (*store)->ReadInto(Key(5), *locator, bytes, &staging, std::span<uint8_t>(unaligned.data() + 1, bytes)).ok());
   EXPECT_EQ(std::memcmp(unaligned.data() + 1, payload.data(), bytes), 0);
   // The record is the same as a copied write's: a plain Read verifies it too.
   auto read = (*store)->Read(Key(5), *locator, bytes, &staging);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_TRUE(std::equal(read->begin(), read->end(), payload.begin(), payload.end()));
-  EXPECT_EQ((*store)->ReadInto(Key(6), *locator, bytes, &staging, into->span()).code(),
-            StatusCode::kDataLoss);
+  EXPECT_EQ((*store)->ReadInto(Key(6), *locator, bytes, &staging, into->span()).code(), StatusCode::kDataLoss);
 }
 
 // A store that copies assembles the record in huge-page-backed staging, even from a pool-like block
@@ -146,8 +139,7 @@ TEST_P(SsdStoreTest, CopyingStoreStagesRecordsInHugePages) {
   const auto payload = Payload(bytes, 9);
   std::memcpy(block->data(), payload.data(), bytes);
   AlignedBuffer staging;
-  auto locator = (*store)->Write(Key(9), std::span<const uint8_t>(block->data(), bytes), &staging,
-                                 block->size());
+  auto locator = (*store)->Write(Key(9), std::span<const uint8_t>(block->data(), bytes), &staging, block->size());
   ASSERT_TRUE(locator.ok()) << locator.status();
   EXPECT_TRUE(staging.huge_page_backed());
   EXPECT_EQ(staging.size() % AlignedBuffer::kHugePageBytes, 0u);
@@ -166,8 +158,8 @@ TEST_P(SsdStoreTest, CopyingStoreStagesRecordsInHugePages) {
   ASSERT_TRUE(other.ok()) << other.status();
   std::memcpy(block->data(), payload.data(), bytes);
   AlignedBuffer other_staging;
-  auto other_locator = (*other)->Write(Key(9), std::span<const uint8_t>(block->data(), bytes),
-                                       &other_staging, block->size());
+  auto other_locator =
+      (*other)->Write(Key(9), std::span<const uint8_t>(block->data(), bytes), &other_staging, block->size());
   ASSERT_TRUE(other_locator.ok()) << other_locator.status();
   EXPECT_EQ(*other_locator, *locator);
   auto read_file = [](const std::string& path) {
@@ -186,8 +178,7 @@ TEST(SsdStoreStagingTest, AutoIsZeroCopyOffAVirtioDisk) {
   TempDir dir("/dev/shm");
   std::vector<RecoveredRecord> recovered;
   ScanReport report;
-  auto store = SsdStore::Open(Options(dir.path(), 4 * kMiB, DeviceBackend::kPsync, 1), &recovered,
-                              &report);
+  auto store = SsdStore::Open(Options(dir.path(), 4 * kMiB, DeviceBackend::kPsync, 1), &recovered, &report);
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_EQ((*store)->write_staging(), WriteStaging::kZeroCopy);
   EXPECT_EQ(BlockDeviceDriver(dir.path()), "");
@@ -225,8 +216,7 @@ TEST_P(SsdStoreTest, BatchReadsAcrossFilesEachGetTheirOwnStatus) {
   }
   const state::StateKey wrong = Key(99);
   reads[1].key = &wrong;
-  reads.push_back({&keys[0], locators[0], 40'000, memory->span().subspan(6 * room + 8, room - 8),
-                   Status::Ok()});
+  reads.push_back({&keys[0], locators[0], 40'000, memory->span().subspan(6 * room + 8, room - 8), Status::Ok()});
   (*store)->ReadBatch(reads, &staging);
   for (int i = 5; i >= 0; --i) {
     const SsdStore::BatchRead& read = reads[static_cast<size_t>(5 - i)];
@@ -281,9 +271,7 @@ TEST_P(SsdStoreTest, WriterKeepsRecordsInFlightAndHandsBackLocators) {
     std::vector<std::vector<uint8_t>> payloads;
     for (int i = 0; i < kRecords; ++i) {
       payloads.push_back(Payload(100'000 + i * 4099, 20 + i));
-      blocks.push_back(std::move(AlignedBuffer::Create(PaddedPayloadBytes(payloads[i].size()),
-                                                        4096))
-                           .value());
+      blocks.push_back(std::move(AlignedBuffer::Create(PaddedPayloadBytes(payloads[i].size()), 4096)).value());
       std::memcpy(blocks[i].data(), payloads[i].data(), payloads[i].size());
     }
     std::map<uint64_t, uint64_t> locators;  // tag -> locator
@@ -295,13 +283,11 @@ TEST_P(SsdStoreTest, WriterKeepsRecordsInFlightAndHandsBackLocators) {
       EXPECT_TRUE(locators.emplace(done->tag, *done->locator).second);
     };
     for (int i = 0; i < kRecords; ++i) {
-      ASSERT_TRUE(writer
-                      .Prepare(Key(i), {blocks[i].data(), payloads[i].size()}, blocks[i].size(),
-                               static_cast<uint64_t>(i))
-                      .ok());
+      ASSERT_TRUE(
+          writer.Prepare(Key(i), {blocks[i].data(), payloads[i].size()}, blocks[i].size(), static_cast<uint64_t>(i))
+              .ok());
       EXPECT_TRUE(writer.has_prepared());
-      EXPECT_EQ(writer.Prepare(Key(i), payloads[i], 0, 99).code(),
-                StatusCode::kFailedPrecondition);
+      EXPECT_EQ(writer.Prepare(Key(i), payloads[i], 0, 99).code(), StatusCode::kFailedPrecondition);
       if (writer.in_flight() == writer.depth()) {
         EXPECT_EQ(writer.Start().code(), StatusCode::kFailedPrecondition);  // no room yet
         finish();
@@ -315,9 +301,7 @@ TEST_P(SsdStoreTest, WriterKeepsRecordsInFlightAndHandsBackLocators) {
     for (const auto& [tag, locator] : locators) {
       auto read = (*store)->Read(Key(tag), locator, payloads[tag].size(), &read_staging);
       ASSERT_TRUE(read.ok()) << read.status();
-      EXPECT_TRUE(std::equal(read->begin(), read->end(), payloads[tag].begin(),
-                             payloads[tag].end()))
-          << tag;
+      EXPECT_TRUE(std::equal(read->begin(), read->end(), payloads[tag].begin(), payloads[tag].end())) << tag;
     }
   }
 }
@@ -406,8 +390,7 @@ TEST_P(SsdStoreTest, RestartRecoversRecordsAndContinuesEpochs) {
 
 // Flips a byte in the middle of a record's payload, behind the store's back.
 void Corrupt(const std::string& dir, uint64_t locator, uint64_t byte) {
-  const std::string path =
-      dir + "/orbitkv-ssd-" + std::to_string(SsdStore::LocatorFile(locator)) + ".data";
+  const std::string path = dir + "/orbitkv-ssd-" + std::to_string(SsdStore::LocatorFile(locator)) + ".data";
   int fd = ::open(path.c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
   uint8_t value = 0;
@@ -436,8 +419,7 @@ TEST_P(SsdStoreTest, CorruptionIsDataLossAndEagerScanDropsIt) {
     Corrupt(dir.path(), bad, kRecordHeaderBytes + 100'000);
     auto read = (*store)->Read(Key(2), bad, 200'000, &staging);
     EXPECT_EQ(read.status().code(), StatusCode::kDataLoss);
-    EXPECT_TRUE(
-        (*store)->Read(Key(1), bad - (RecordBytes(200'000) / 4096 << 8), 200'000, &staging).ok());
+    EXPECT_TRUE((*store)->Read(Key(1), bad - (RecordBytes(200'000) / 4096 << 8), 200'000, &staging).ok());
   }
   // Lazy: the header is intact, so the record is claimed, and the read still refuses it.
   auto lazy = SsdStore::Open(Options(dir.path(), 4 * kMiB, GetParam(), 1), &recovered, &report);
@@ -472,26 +454,22 @@ TEST_P(SsdStoreTest, TornRecordAfterCrashIsNeverServed) {
   int fd = ::open(path.c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
   std::vector<uint8_t> zeros(256 * 1024);
-  ASSERT_EQ(::pwrite(fd, zeros.data(), zeros.size(), 768 * 1024),
-            static_cast<ssize_t>(zeros.size()));
+  ASSERT_EQ(::pwrite(fd, zeros.data(), zeros.size(), 768 * 1024), static_cast<ssize_t>(zeros.size()));
   ::close(fd);
   auto store = SsdStore::Open(Options(dir.path(), 4 * kMiB, GetParam(), 1), &recovered, &report);
   ASSERT_TRUE(store.ok());
   ASSERT_EQ(recovered.size(), 1u);
   AlignedBuffer staging;
-  EXPECT_EQ((*store)->Read(Key(7), locator, 1 * kMiB, &staging).status().code(),
-            StatusCode::kDataLoss);
+  EXPECT_EQ((*store)->Read(Key(7), locator, 1 * kMiB, &staging).status().code(), StatusCode::kDataLoss);
 }
 
 TEST(SsdStoreOptionsTest, RejectsTinyCapacityAndBadDirectory) {
   std::vector<RecoveredRecord> recovered;
   ScanReport report;
   TempDir dir;
-  auto tiny = SsdStore::Open(Options(dir.path(), 512 * 1024, DeviceBackend::kPsync, 1), &recovered,
-                             &report);
+  auto tiny = SsdStore::Open(Options(dir.path(), 512 * 1024, DeviceBackend::kPsync, 1), &recovered, &report);
   EXPECT_EQ(tiny.status().code(), StatusCode::kInvalidArgument);
-  auto bad = SsdStore::Open(Options("/proc/orbitkv-no-such/dir", 4 * kMiB, DeviceBackend::kPsync),
-                            &recovered, &report);
+  auto bad = SsdStore::Open(Options("/proc/orbitkv-no-such/dir", 4 * kMiB, DeviceBackend::kPsync), &recovered, &report);
   EXPECT_FALSE(bad.ok());
 }
 

@@ -67,9 +67,8 @@ Status CompletionStatus(const IoRequest& request, int res) {
   const bool write = request.op == IoRequest::Op::kWrite;
   if (res < 0) return ErrnoStatus(write ? "io_uring write" : "io_uring read", -res);
   if (static_cast<size_t>(res) != request.buffer.size()) {
-    return Status::DataLoss(fmt::format("short {} at offset {}: {} of {} bytes",
-                                        write ? "write" : "read", request.offset, res,
-                                        request.buffer.size()));
+    return Status::DataLoss(fmt::format("short {} at offset {}: {} of {} bytes", write ? "write" : "read",
+                                        request.offset, res, request.buffer.size()));
   }
   return Status::Ok();
 }
@@ -95,18 +94,16 @@ int CloneBuffers(UringRing& destination, const UringRing& source) {
 }
 
 bool SameChunks(const std::vector<UringDevice::Chunk>& a, const std::vector<UringDevice::Chunk>& b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
-                    [](const UringDevice::Chunk& x, const UringDevice::Chunk& y) {
-                      return x.begin == y.begin && x.end == y.end;
-                    });
+  return std::equal(
+      a.begin(), a.end(), b.begin(), b.end(),
+      [](const UringDevice::Chunk& x, const UringDevice::Chunk& y) { return x.begin == y.begin && x.end == y.end; });
 }
 
 // The fixed-buffer index of the registered chunk holding [data, data + bytes), or -1.
 int FixedIndex(const std::vector<UringDevice::Chunk>& chunks, const uint8_t* data, size_t bytes) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
-  auto it = std::upper_bound(
-      chunks.begin(), chunks.end(), begin,
-      [](uintptr_t address, const UringDevice::Chunk& chunk) { return address < chunk.begin; });
+  auto it = std::upper_bound(chunks.begin(), chunks.end(), begin,
+                             [](uintptr_t address, const UringDevice::Chunk& chunk) { return address < chunk.begin; });
   if (it == chunks.begin()) return -1;
   --it;
   if (begin < it->begin || begin + bytes > it->end) return -1;
@@ -147,21 +144,16 @@ Result<std::unique_ptr<UringDevice>> UringDevice::Create(const std::string& path
         fmt::format("io_uring queue depth {} is not in [1, {}]", queue_depth, kMaxQueueDepth));
   }
   ORBITKV_ASSIGN_OR_RETURN(DeviceFile file, OpenDeviceFile(path, bytes));
-  auto device = std::unique_ptr<UringDevice>(
-      new UringDevice(std::move(file.fd), bytes, file.direct_io, queue_depth));
+  auto device = std::unique_ptr<UringDevice>(new UringDevice(std::move(file.fd), bytes, file.direct_io, queue_depth));
   // Probe: one read through a real ring proves io_uring works here (seccomp filters often allow
   // setup only).
-  ORBITKV_ASSIGN_OR_RETURN(AlignedBuffer probe,
-                           AlignedBuffer::Create(kDeviceIoAlignment, kDeviceIoAlignment));
+  ORBITKV_ASSIGN_OR_RETURN(AlignedBuffer probe, AlignedBuffer::Create(kDeviceIoAlignment, kDeviceIoAlignment));
   ORBITKV_RETURN_IF_ERROR(device->Read(0, probe.span()).WithContext("io_uring probe read"));
   return device;
 }
 
 UringDevice::UringDevice(ScopedFd fd, uint64_t size, bool direct_io, uint32_t queue_depth)
-    : Device(size, kDeviceIoAlignment),
-      fd_(std::move(fd)),
-      direct_io_(direct_io),
-      queue_depth_(queue_depth) {}
+    : Device(size, kDeviceIoAlignment), fd_(std::move(fd)), direct_io_(direct_io), queue_depth_(queue_depth) {}
 
 UringDevice::~UringDevice() = default;
 
@@ -255,8 +247,7 @@ class UringIoQueue final : public IoQueue {
 
 void UringIoQueue::DoStart(size_t device, std::span<const IoRequest> requests, uint64_t tag) {
   const auto slot = static_cast<size_t>(
-      std::find_if(groups_.begin(), groups_.end(), [](const Group& g) { return !g.busy; }) -
-      groups_.begin());
+      std::find_if(groups_.begin(), groups_.end(), [](const Group& g) { return !g.busy; }) - groups_.begin());
   ORBITKV_CHECK_MSG(slot < groups_.size(), "no free group slot with {} in flight", in_flight());
   Group& group = groups_[slot];
   group.busy = true;
@@ -265,16 +256,14 @@ void UringIoQueue::DoStart(size_t device, std::span<const IoRequest> requests, u
   group.status = Status::Ok();
   group.requests.assign(requests.begin(), requests.end());
   io_uring* r = ring_->get();
-  const std::vector<UringDevice::Chunk>* chunks =
-      ring_->fixed != nullptr ? &ring_->fixed->chunks : nullptr;
+  const std::vector<UringDevice::Chunk>* chunks = ring_->fixed != nullptr ? &ring_->fixed->chunks : nullptr;
   UringDevice& target = *rings_[device];
   for (size_t i = 0; i < requests.size(); ++i) {
     // The ring holds depth * max_group_requests entries and every earlier one was submitted.
     io_uring_sqe* sqe = io_uring_get_sqe(r);
     ORBITKV_CHECK_MSG(sqe != nullptr, "io_uring submission queue full");
     const IoRequest& request = requests[i];
-    const int fixed =
-        chunks != nullptr ? FixedIndex(*chunks, request.buffer.data(), request.buffer.size()) : -1;
+    const int fixed = chunks != nullptr ? FixedIndex(*chunks, request.buffer.data(), request.buffer.size()) : -1;
     if (fixed >= 0) target.registered_requests_.fetch_add(1, std::memory_order_relaxed);
     PrepareSqe(sqe, target.fd_.get(), request, fixed);
     io_uring_sqe_set_data64(sqe, slot << 16 | i);
@@ -305,8 +294,7 @@ void UringIoQueue::Reap(const io_uring_cqe& cqe) {
   const uint64_t data = io_uring_cqe_get_data64(&cqe);
   const size_t slot = data >> 16;
   const size_t index = data & 0xffff;
-  ORBITKV_CHECK_MSG(slot < groups_.size() && groups_[slot].busy &&
-                        index < groups_[slot].requests.size(),
+  ORBITKV_CHECK_MSG(slot < groups_.size() && groups_[slot].busy && index < groups_[slot].requests.size(),
                     "completion for unknown request {:#x}", data);
   Group& group = groups_[slot];
   Status status = CompletionStatus(group.requests[index], cqe.res);
@@ -338,18 +326,14 @@ IoQueue::Completion UringIoQueue::DoWait() {
   return completion;
 }
 
-Result<std::unique_ptr<IoQueue>> UringDevice::CreateQueue(std::vector<Device*> devices,
-                                                          std::vector<UringDevice*> rings,
-                                                          uint32_t depth,
-                                                          uint32_t max_group_requests) {
+Result<std::unique_ptr<IoQueue>> UringDevice::CreateQueue(std::vector<Device*> devices, std::vector<UringDevice*> rings,
+                                                          uint32_t depth, uint32_t max_group_requests) {
   if (static_cast<uint64_t>(depth) * max_group_requests > kMaxQueueDepth || depth > 0xffff ||
       max_group_requests > 0xffff) {
-    return Status::InvalidArgument(fmt::format(
-        "{} groups of {} requests exceed io_uring's queue depth of {}", depth, max_group_requests,
-        kMaxQueueDepth));
+    return Status::InvalidArgument(fmt::format("{} groups of {} requests exceed io_uring's queue depth of {}", depth,
+                                               max_group_requests, kMaxQueueDepth));
   }
-  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<UringRing> ring,
-                           UringRing::Create(depth * max_group_requests));
+  ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<UringRing> ring, UringRing::Create(depth * max_group_requests));
   // The files of one store share one registration (the same pool): the first one's serves all.
   std::shared_ptr<const UringBufferSet> set;
   {
@@ -357,20 +341,18 @@ Result<std::unique_ptr<IoQueue>> UringDevice::CreateQueue(std::vector<Device*> d
     set = rings.front()->buffers_;
   }
   rings.front()->AttachBuffers(ring.get(), set);
-  return std::unique_ptr<IoQueue>(new UringIoQueue(std::move(devices), std::move(rings), depth,
-                                                   max_group_requests, std::move(ring)));
+  return std::unique_ptr<IoQueue>(
+      new UringIoQueue(std::move(devices), std::move(rings), depth, max_group_requests, std::move(ring)));
 }
 
-uint64_t UringDevice::memory_registrations() {
-  return g_memory_registrations.load(std::memory_order_relaxed);
-}
+uint64_t UringDevice::memory_registrations() { return g_memory_registrations.load(std::memory_order_relaxed); }
 
 void UringDevice::LogRegistrationRefused(size_t buffers, int rc) {
   MutexLock lock(&mu_);
   if (registration_refused_) return;
   registration_refused_ = true;
-  ORBITKV_LOG_WARN("io_uring: registering {} buffer(s) failed ({}); requests run unregistered",
-                   buffers, ErrnoStatus("io_uring_register_buffers", -rc).ToString());
+  ORBITKV_LOG_WARN("io_uring: registering {} buffer(s) failed ({}); requests run unregistered", buffers,
+                   ErrnoStatus("io_uring_register_buffers", -rc).ToString());
 }
 
 Status UringDevice::RegisterMemory(std::span<const std::span<uint8_t>> regions) {
@@ -385,11 +367,9 @@ Status UringDevice::RegisterMemory(std::span<const std::span<uint8_t>> regions) 
       begin = chunk_end;
     }
   }
-  std::sort(chunks.begin(), chunks.end(),
-            [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
+  std::sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
   if (chunks.size() > 16384) {
-    return Status::InvalidArgument(
-        fmt::format("{} fixed buffers exceed io_uring's 16384", chunks.size()));
+    return Status::InvalidArgument(fmt::format("{} fixed buffers exceed io_uring's 16384", chunks.size()));
   }
   std::shared_ptr<const UringBufferSet> set;
   if (!chunks.empty()) {
@@ -404,8 +384,7 @@ Status UringDevice::RegisterMemory(std::span<const std::span<uint8_t>> regions) 
   return Status::Ok();  // the set `replaced` held is unpinned here (if unused), outside the lock
 }
 
-Result<std::shared_ptr<const UringBufferSet>> UringDevice::RegisterBufferSet(
-    std::vector<Chunk> chunks) {
+Result<std::shared_ptr<const UringBufferSet>> UringDevice::RegisterBufferSet(std::vector<Chunk> chunks) {
   // Held while registering, so devices registering the same memory at once pin it once.
   MutexLock lock(&g_sets_mu);
   std::erase_if(g_sets, [](const auto& weak) { return weak.expired(); });
@@ -417,8 +396,7 @@ Result<std::shared_ptr<const UringBufferSet>> UringDevice::RegisterBufferSet(
   // its buffers. A refusal (RLIMIT_MEMLOCK, a sandbox) leaves requests unregistered.
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<UringRing> ring, UringRing::Create(1));
   const std::vector<iovec> iovecs = ChunkIovecs(chunks);
-  const int rc =
-      io_uring_register_buffers(ring->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
+  const int rc = io_uring_register_buffers(ring->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
   if (rc != 0) {
     LogRegistrationRefused(chunks.size(), rc);
     return std::shared_ptr<const UringBufferSet>();
@@ -430,7 +408,6 @@ Result<std::shared_ptr<const UringBufferSet>> UringDevice::RegisterBufferSet(
   g_sets.push_back(set);
   return std::shared_ptr<const UringBufferSet>(std::move(set));
 }
-
 
 void UringDevice::ReleaseRing(std::unique_ptr<UringRing> ring) {
   {
@@ -455,18 +432,15 @@ void UringDevice::DoSubmit(std::span<const IoRequest> requests, std::span<const 
   // The set this ring registered: a registration that replaced it meanwhile reaches this ring on
   // its next acquire.
   const std::vector<Chunk>* chunks = ring->fixed != nullptr ? &ring->fixed->chunks : nullptr;
-  size_t next = 0;  // Next entry of `valid` to prepare.
-  size_t outstanding =
-      0;  // Prepared and not yet completed (queued in the SQ ring or in the kernel).
+  size_t next = 0;         // Next entry of `valid` to prepare.
+  size_t outstanding = 0;  // Prepared and not yet completed (queued in the SQ ring or in the kernel).
   while (next < valid.size() || outstanding > 0) {
     while (next < valid.size() && outstanding < queue_depth_) {
       io_uring_sqe* sqe = io_uring_get_sqe(r);
       if (sqe == nullptr) break;  // SQ ring full of entries the kernel has not consumed yet.
       const size_t index = valid[next];
       const IoRequest& request = requests[index];
-      const int fixed = chunks != nullptr
-                            ? FixedIndex(*chunks, request.buffer.data(), request.buffer.size())
-                            : -1;
+      const int fixed = chunks != nullptr ? FixedIndex(*chunks, request.buffer.data(), request.buffer.size()) : -1;
       if (fixed >= 0) registered_requests_.fetch_add(1, std::memory_order_relaxed);
       PrepareSqe(sqe, fd_.get(), request, fixed);
       io_uring_sqe_set_data64(sqe, index);
@@ -478,8 +452,8 @@ void UringDevice::DoSubmit(std::span<const IoRequest> requests, std::span<const 
     if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
       // The kernel may still own some of the caller's buffers; returning would let the caller free
       // them.
-      ORBITKV_CHECK_MSG(false, "io_uring_enter failed with {} outstanding requests: {}",
-                        outstanding, ErrnoStatus("io_uring_enter", -rc).ToString());
+      ORBITKV_CHECK_MSG(false, "io_uring_enter failed with {} outstanding requests: {}", outstanding,
+                        ErrnoStatus("io_uring_enter", -rc).ToString());
     }
     io_uring_cqe* cqe = nullptr;
     while (outstanding > 0 && io_uring_peek_cqe(r, &cqe) == 0 && cqe != nullptr) {

@@ -48,8 +48,7 @@ class UringDevice final : public Device {
   // through it, so a kernel or sandbox that refuses io_uring fails here rather than on the first
   // block. InvalidArgument for a queue depth of 0 or above kMaxQueueDepth; the io_uring_queue_init
   // error otherwise.
-  static Result<std::unique_ptr<UringDevice>> Create(const std::string& path, uint64_t bytes,
-                                                     uint32_t queue_depth);
+  static Result<std::unique_ptr<UringDevice>> Create(const std::string& path, uint64_t bytes, uint32_t queue_depth);
   ~UringDevice() override;
 
   std::string_view backend_name() const override { return "io_uring"; }
@@ -63,13 +62,10 @@ class UringDevice final : public Device {
   // kernel before 6.12, which cannot clone, each ring registers them itself).
   Status RegisterMemory(std::span<const std::span<uint8_t>> regions) override;
   // An IoQueue over `devices` (all io_uring: `rings` are the same devices), for CreateIoQueue().
-  static Result<std::unique_ptr<IoQueue>> CreateQueue(std::vector<Device*> devices,
-                                                      std::vector<UringDevice*> rings,
+  static Result<std::unique_ptr<IoQueue>> CreateQueue(std::vector<Device*> devices, std::vector<UringDevice*> rings,
                                                       uint32_t depth, uint32_t max_group_requests);
 
-  uint64_t registered_requests() const override {
-    return registered_requests_.load(std::memory_order_relaxed);
-  }
+  uint64_t registered_requests() const override { return registered_requests_.load(std::memory_order_relaxed); }
   // Registrations that pinned memory, over every device of this process (tests: a registration
   // shared between devices counts once).
   static uint64_t memory_registrations();
@@ -92,7 +88,6 @@ class UringDevice final : public Device {
   const ScopedFd fd_;
   const bool direct_io_;
   const uint32_t queue_depth_;
-
 
   Mutex mu_;
   std::vector<std::unique_ptr<UringRing>> idle_rings_ GUARDED_BY(mu_);

@@ -15,8 +15,7 @@ void BatchChecksum::Set(size_t index, uint64_t hash) {
 }
 
 uint64_t BatchChecksum::Finish() const {
-  static_assert(std::endian::native == std::endian::little,
-                "the hash array is hashed as little-endian");
+  static_assert(std::endian::native == std::endian::little, "the hash array is hashed as little-endian");
   return Xxh3(hashes_.data(), hashes_.size() * sizeof(uint64_t));
 }
 

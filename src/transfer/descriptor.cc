@@ -32,18 +32,16 @@ std::vector<uint8_t> EncodeDescriptor(const RegionDescriptor& descriptor) {
 
 Result<RegionDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
   if (bytes.size() < kDescriptorHeaderBytes) {
-    return Status::InvalidArgument(
-        fmt::format("transfer descriptor: {} bytes, shorter than its {}-byte header", bytes.size(),
-                    kDescriptorHeaderBytes));
+    return Status::InvalidArgument(fmt::format("transfer descriptor: {} bytes, shorter than its {}-byte header",
+                                               bytes.size(), kDescriptorHeaderBytes));
   }
   const uint8_t* p = bytes.data();
   if (wire::Load32(p) != kDescriptorMagic) {
-    return Status::InvalidArgument(
-        fmt::format("transfer descriptor: bad magic {:#x}", wire::Load32(p)));
+    return Status::InvalidArgument(fmt::format("transfer descriptor: bad magic {:#x}", wire::Load32(p)));
   }
   if (uint16_t version = wire::Load16(p + 4); version != kDescriptorVersion) {
-    return Status::InvalidArgument(fmt::format(
-        "transfer descriptor: version {} (this build reads {})", version, kDescriptorVersion));
+    return Status::InvalidArgument(
+        fmt::format("transfer descriptor: version {} (this build reads {})", version, kDescriptorVersion));
   }
   size_t rkey_bytes = wire::Load16(p + 6);
   if (rkey_bytes > kMaxRkeyBytes) {
@@ -51,9 +49,8 @@ Result<RegionDescriptor> DecodeDescriptor(std::span<const uint8_t> bytes) {
         fmt::format("transfer descriptor: rkey of {} bytes (max {})", rkey_bytes, kMaxRkeyBytes));
   }
   if (bytes.size() != kDescriptorHeaderBytes + rkey_bytes) {
-    return Status::InvalidArgument(
-        fmt::format("transfer descriptor: {} bytes, expected {} for a {}-byte rkey", bytes.size(),
-                    kDescriptorHeaderBytes + rkey_bytes, rkey_bytes));
+    return Status::InvalidArgument(fmt::format("transfer descriptor: {} bytes, expected {} for a {}-byte rkey",
+                                               bytes.size(), kDescriptorHeaderBytes + rkey_bytes, rkey_bytes));
   }
   RegionDescriptor d;
   d.engine_id = wire::Load64(p + 8);
@@ -92,8 +89,7 @@ Result<std::vector<uint8_t>> FromHex(std::string_view hex) {
   for (size_t i = 0; i < out.size(); ++i) {
     int hi = digit(hex[2 * i]);
     int lo = digit(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0)
-      return Status::InvalidArgument(fmt::format("hex: bad digit at {}", 2 * i));
+    if (hi < 0 || lo < 0) return Status::InvalidArgument(fmt::format("hex: bad digit at {}", 2 * i));
     out[i] = static_cast<uint8_t>(hi << 4 | lo);
   }
   return out;

@@ -30,9 +30,7 @@ TEST(DescriptorTest, RoundTripsEveryField) {
 TEST(DescriptorTest, RejectsTruncatedAndPaddedInput) {
   std::vector<uint8_t> bytes = EncodeDescriptor(Sample());
   for (size_t cut = 0; cut < bytes.size(); ++cut) {
-    EXPECT_EQ(DecodeDescriptor(std::span(bytes.data(), cut)).status().code(),
-              StatusCode::kInvalidArgument)
-        << cut;
+    EXPECT_EQ(DecodeDescriptor(std::span(bytes.data(), cut)).status().code(), StatusCode::kInvalidArgument) << cut;
   }
   bytes.push_back(0);
   EXPECT_EQ(DecodeDescriptor(bytes).status().code(), StatusCode::kInvalidArgument);
@@ -52,12 +50,10 @@ TEST(DescriptorTest, RejectsBadMagicVersionRkeyLengthAndBounds) {
 
   RegionDescriptor empty = Sample();
   empty.length = 0;
-  EXPECT_EQ(DecodeDescriptor(EncodeDescriptor(empty)).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeDescriptor(EncodeDescriptor(empty)).status().code(), StatusCode::kInvalidArgument);
   RegionDescriptor wraps = Sample();
   wraps.base_address = UINT64_MAX - 10;
-  EXPECT_NE(DecodeDescriptor(EncodeDescriptor(wraps)).status().message().find("wraps"),
-            std::string_view::npos);
+  EXPECT_NE(DecodeDescriptor(EncodeDescriptor(wraps)).status().message().find("wraps"), std::string_view::npos);
 }
 
 TEST(DescriptorTest, HexRoundTripAndErrors) {

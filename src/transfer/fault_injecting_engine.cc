@@ -85,8 +85,7 @@ FaultInjectingEngine::Fault FaultInjectingEngine::NextFault(MonoClock::duration*
 }
 
 Result<uint64_t> FaultInjectingEngine::ReadBatch(ReadBatchRequest request, BatchCallback done) {
-  if (request.deadline.IsInfinite())
-    return Status::InvalidArgument("ReadBatch: the deadline must be finite");
+  if (request.deadline.IsInfinite()) return Status::InvalidArgument("ReadBatch: the deadline must be finite");
   uint64_t id = 0;
   Fault fault = Fault::kNone;
   {
@@ -126,15 +125,13 @@ Result<uint64_t> FaultInjectingEngine::ReadBatch(ReadBatchRequest request, Batch
   return id;
 }
 
-BatchCallback FaultInjectingEngine::WrapCorrupt(const ReadBatchRequest& request,
-                                                BatchCallback done) {
+BatchCallback FaultInjectingEngine::WrapCorrupt(const ReadBatchRequest& request, BatchCallback done) {
   std::vector<std::pair<uint8_t*, uint64_t>> landed;
   {
     MutexLock lock(&mu_);
     for (const Fragment& f : request.fragments) {
       auto it = regions_.find(f.local.index);
-      landed.emplace_back(it == regions_.end() ? nullptr : it->second.first + f.local_offset,
-                          f.length);
+      landed.emplace_back(it == regions_.end() ? nullptr : it->second.first + f.local_offset, f.length);
     }
   }
   bool verify = request.verify_checksum;
@@ -144,11 +141,9 @@ BatchCallback FaultInjectingEngine::WrapCorrupt(const ReadBatchRequest& request,
       landed[0].first[landed[0].second / 2] ^= 0x5a;
       if (verify) {
         BatchChecksum check(landed.size());
-        for (size_t i = 0; i < landed.size(); ++i)
-          check.Set(i, FragmentHash(landed[i].first, landed[i].second));
+        for (size_t i = 0; i < landed.size(); ++i) check.Set(i, FragmentHash(landed[i].first, landed[i].second));
         if (check.Finish() != result.source_checksum) {
-          result.status = Status::DataLoss(
-              "fault injection: a landed byte was flipped and the checksum caught it");
+          result.status = Status::DataLoss("fault injection: a landed byte was flipped and the checksum caught it");
           result.checksum_verified = false;
         }
       }
@@ -189,16 +184,15 @@ Status FaultInjectingEngine::Submit(uint64_t outer_id, ReadBatchRequest request,
     // engine's thread, which takes mu_) can erase it. The inner engine never completes a batch
     // inside ReadBatch.
     MutexLock lock(&mu_);
-    inner_id = inner_->ReadBatch(std::move(request),
-                                 [this, outer_id, shared_done](const BatchResult& inner) {
-                                   {
-                                     MutexLock inner_lock(&mu_);
-                                     inner_ids_.erase(outer_id);
-                                   }
-                                   BatchResult result = inner;
-                                   result.batch_id = outer_id;
-                                   (*shared_done)(result);
-                                 });
+    inner_id = inner_->ReadBatch(std::move(request), [this, outer_id, shared_done](const BatchResult& inner) {
+      {
+        MutexLock inner_lock(&mu_);
+        inner_ids_.erase(outer_id);
+      }
+      BatchResult result = inner;
+      result.batch_id = outer_id;
+      (*shared_done)(result);
+    });
     if (inner_id.ok()) inner_ids_[outer_id] = *inner_id;
   }
   return inner_id.status();

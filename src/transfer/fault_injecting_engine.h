@@ -50,14 +50,10 @@ class FaultInjectingEngine final : public TransferEngine {
 
   Result<RegionHandle> RegisterRegion(void* base, size_t length) override EXCLUDES(mu_);
   Status UnregisterRegion(RegionHandle region) override EXCLUDES(mu_);
-  Result<RegionDescriptor> ExportRegion(RegionHandle region) override {
-    return inner_->ExportRegion(region);
-  }
+  Result<RegionDescriptor> ExportRegion(RegionHandle region) override { return inner_->ExportRegion(region); }
   Result<uint64_t> ReadBatch(ReadBatchRequest request, BatchCallback done) override EXCLUDES(mu_);
   Status Cancel(uint64_t batch_id) override EXCLUDES(mu_);
-  Result<IssuedGrant> CreateGrant(GrantRequest request) override {
-    return inner_->CreateGrant(std::move(request));
-  }
+  Result<IssuedGrant> CreateGrant(GrantRequest request) override { return inner_->CreateGrant(std::move(request)); }
   Status RevokeGrant(uint64_t grant, DrainedCallback drained) override {
     return inner_->RevokeGrant(grant, std::move(drained));
   }
@@ -80,8 +76,7 @@ class FaultInjectingEngine final : public TransferEngine {
   Fault NextFault(MonoClock::duration* delay) REQUIRES(mu_);
   void TimerLoop() EXCLUDES(mu_);
   // Submits to the inner engine; on error the callback has not run.
-  Status Submit(uint64_t outer_id, ReadBatchRequest request, std::shared_ptr<BatchCallback> done)
-      EXCLUDES(mu_);
+  Status Submit(uint64_t outer_id, ReadBatchRequest request, std::shared_ptr<BatchCallback> done) EXCLUDES(mu_);
   BatchCallback WrapCorrupt(const ReadBatchRequest& request, BatchCallback done) EXCLUDES(mu_);
 
   TransferEngine* const inner_;
@@ -96,7 +91,7 @@ class FaultInjectingEngine final : public TransferEngine {
   bool stopping_ GUARDED_BY(mu_) = false;
   uint64_t next_id_ GUARDED_BY(mu_) = 1;
   std::map<uint64_t, Held> held_ GUARDED_BY(mu_);
-  std::map<uint64_t, uint64_t> inner_ids_ GUARDED_BY(mu_);  // Outer id -> inner id, while live.
+  std::map<uint64_t, uint64_t> inner_ids_ GUARDED_BY(mu_);                   // Outer id -> inner id, while live.
   std::map<uint32_t, std::pair<uint8_t*, size_t>> regions_ GUARDED_BY(mu_);  // By region index.
   std::thread timer_;
 };

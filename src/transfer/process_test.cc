@@ -75,8 +75,7 @@ class ProcessTest : public ::testing::TestWithParam<Topology> {
     peer->process = std::move(child).value();
     Result<std::string> line = peer->process->ReadLine(Deadline::After(kWait));
     // UCX writes its warnings to stdout too; the peer's answer is the READY line.
-    while (line.ok() && line->rfind("READY ", 0) != 0)
-      line = peer->process->ReadLine(Deadline::After(kWait));
+    while (line.ok() && line->rfind("READY ", 0) != 0) line = peer->process->ReadLine(Deadline::After(kWait));
     EXPECT_TRUE(line.ok()) << line.status();
     std::istringstream words(line.value_or(""));
     std::string ready;
@@ -96,8 +95,8 @@ class ProcessTest : public ::testing::TestWithParam<Topology> {
   }
 
   // Fragments from both remote regions, packed back to back in `dest`.
-  ReadBatchRequest Plan(const Peer& peer, RegionHandle local, size_t count, uint64_t min_len,
-                        uint64_t max_len, uint64_t seed) {
+  ReadBatchRequest Plan(const Peer& peer, RegionHandle local, size_t count, uint64_t min_len, uint64_t max_len,
+                        uint64_t seed) {
     std::mt19937_64 rng(seed);
     ReadBatchRequest r;
     r.peer = peer.address;
@@ -120,8 +119,8 @@ class ProcessTest : public ::testing::TestWithParam<Topology> {
   static void ExpectLanded(const ReadBatchRequest& r, const TestBuffer& dest) {
     for (size_t i = 0; i < r.fragments.size(); ++i) {
       const Fragment& f = r.fragments[i];
-      int64_t bad = testing::FindPatternMismatch(dest.data() + f.local_offset, f.length,
-                                                 kSeed + f.remote, f.remote_offset);
+      int64_t bad =
+          testing::FindPatternMismatch(dest.data() + f.local_offset, f.length, kSeed + f.remote, f.remote_offset);
       ASSERT_EQ(bad, -1) << "fragment " << i << " differs at byte " << bad;
     }
   }
@@ -140,8 +139,7 @@ class ProcessTest : public ::testing::TestWithParam<Topology> {
   void ExpectNothingHeld() {
     Deadline deadline = Deadline::After(kWait);
     EngineStats s = engine_->Stats();
-    while ((s.live_batches != 0 || s.pinned_regions != 0 || s.peer_endpoints != 0) &&
-           !deadline.Expired()) {
+    while ((s.live_batches != 0 || s.pinned_regions != 0 || s.peer_endpoints != 0) && !deadline.Expired()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       s = engine_->Stats();
     }
@@ -228,8 +226,7 @@ TEST_P(ProcessTest, PeerKilledMidBatchFailsCleanly) {
   ASSERT_TRUE(Run(*engine_, Plan(peer, local, 4, 100, 1000, 4)).status.ok());
   peer.process->Signal(SIGSTOP);
   BatchWaiter waiter;
-  ASSERT_TRUE(
-      engine_->ReadBatch(Plan(peer, local, 200, 64 << 10, 128 << 10, 5), waiter.Callback()).ok());
+  ASSERT_TRUE(engine_->ReadBatch(Plan(peer, local, 200, 64 << 10, 128 << 10, 5), waiter.Callback()).ok());
   EXPECT_EQ(engine_->UnregisterRegion(local).code(), StatusCode::kFailedPrecondition);
   peer.process->Signal(SIGKILL);
   peer.process->Wait();
@@ -278,15 +275,13 @@ using VethTest = ProcessTest;
 TEST_P(VethTest, PacketLossOnTheVeth) {
   ASSERT_NE(netns_, nullptr);
   Peer& peer = StartPeer();
-  ASSERT_TRUE(
-      NetnsPair::RunIn(
-          netns_->name_b(),
-          "nft -f - <<'EOF'\n"
-          "table inet okv_loss {\n"
-          "  chain in { type filter hook input priority 0; numgen random mod 100 < 3 drop; }\n"
-          "  chain out { type filter hook output priority 0; numgen random mod 100 < 3 drop; }\n"
-          "}\nEOF")
-          .ok());
+  ASSERT_TRUE(NetnsPair::RunIn(netns_->name_b(),
+                               "nft -f - <<'EOF'\n"
+                               "table inet okv_loss {\n"
+                               "  chain in { type filter hook input priority 0; numgen random mod 100 < 3 drop; }\n"
+                               "  chain out { type filter hook output priority 0; numgen random mod 100 < 3 drop; }\n"
+                               "}\nEOF")
+                  .ok());
   constexpr int kBatches = 4;
   int ok = 0;
   for (int i = 0; i < kBatches; ++i) {
@@ -312,12 +307,10 @@ TEST_P(VethTest, PacketLossOnTheVeth) {
   RecordProperty("batches_ok_under_loss", ok);
 }
 
-INSTANTIATE_TEST_SUITE_P(Topologies, ProcessTest,
-                         ::testing::Values(Topology::kLoopback, Topology::kNamespaces),
+INSTANTIATE_TEST_SUITE_P(Topologies, ProcessTest, ::testing::Values(Topology::kLoopback, Topology::kNamespaces),
                          [](const auto& param_info) {
-                           return param_info.param == Topology::kLoopback
-                                      ? std::string("Loopback")
-                                      : std::string("Namespaces");
+                           return param_info.param == Topology::kLoopback ? std::string("Loopback")
+                                                                          : std::string("Namespaces");
                          });
 
 INSTANTIATE_TEST_SUITE_P(Topologies, VethTest, ::testing::Values(Topology::kNamespaces),

@@ -50,8 +50,7 @@ int64_t FindPatternMismatch(const uint8_t* data, size_t length, uint64_t seed, u
 }
 
 TestBuffer::TestBuffer(size_t length) : length_(length) {
-  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   ORBITKV_CHECK_MSG(p != MAP_FAILED, "mmap {} bytes: {}", length, std::strerror(errno));
   data_ = static_cast<uint8_t*>(p);
 }
@@ -142,8 +141,7 @@ Status RunCommand(const std::string& command) {
 
 Result<std::unique_ptr<NetnsPair>> NetnsPair::Create() {
   if (geteuid() != 0) return Status::FailedPrecondition("network namespaces need root");
-  if (std::system("ip -V >/dev/null 2>&1") != 0)
-    return Status::FailedPrecondition("`ip` is not installed");
+  if (std::system("ip -V >/dev/null 2>&1") != 0) return Status::FailedPrecondition("`ip` is not installed");
   std::unique_ptr<NetnsPair> pair(new NetnsPair());
   pair->name_a_ = fmt::format("okvt-a-{}", getpid());
   pair->name_b_ = fmt::format("okvt-b-{}", getpid());
@@ -156,8 +154,7 @@ Result<std::unique_ptr<NetnsPair>> NetnsPair::Create() {
   for (const std::string& command : {
            fmt::format("ip netns add {}", a),
            fmt::format("ip netns add {}", b),
-           fmt::format("ip link add {} netns {} type veth peer name {} netns {}", veth_a, a, veth_b,
-                       b),
+           fmt::format("ip link add {} netns {} type veth peer name {} netns {}", veth_a, a, veth_b, b),
            fmt::format("ip -n {} addr add {}/24 dev {}", a, kAddressA, veth_a),
            fmt::format("ip -n {} addr add {}/24 dev {}", b, kAddressB, veth_b),
            fmt::format("ip -n {} link set {} up", a, veth_a),
@@ -170,9 +167,8 @@ Result<std::unique_ptr<NetnsPair>> NetnsPair::Create() {
   // The veth's carrier comes up asynchronously; UCX ignores devices that are not running yet.
   Deadline deadline = Deadline::After(std::chrono::seconds(30));
   for (;;) {
-    bool up =
-        RunCommand(fmt::format("ip -n {} link show dev {} | grep -q 'state UP'", a, veth_a)).ok() &&
-        RunCommand(fmt::format("ip -n {} link show dev {} | grep -q 'state UP'", b, veth_b)).ok();
+    bool up = RunCommand(fmt::format("ip -n {} link show dev {} | grep -q 'state UP'", a, veth_a)).ok() &&
+              RunCommand(fmt::format("ip -n {} link show dev {} | grep -q 'state UP'", b, veth_b)).ok();
     if (up) break;
     if (deadline.Expired()) return Status::Unavailable("the veth pair did not come up");
     usleep(10000);
@@ -203,11 +199,9 @@ Status NetnsPair::EnterA() {
     return ErrnoStatus("unshare(CLONE_NEWNS) (the process must have no other threads yet)", errno);
   }
   mounted_ = true;
-  if (mount("none", "/", nullptr, MS_SLAVE | MS_REC, nullptr) != 0)
-    return ErrnoStatus("mount --make-rslave /", errno);
+  if (mount("none", "/", nullptr, MS_SLAVE | MS_REC, nullptr) != 0) return ErrnoStatus("mount --make-rslave /", errno);
   umount2("/sys", MNT_DETACH);
-  if (mount(name_a_.c_str(), "/sys", "sysfs", 0, nullptr) != 0)
-    return ErrnoStatus("mount sysfs", errno);
+  if (mount(name_a_.c_str(), "/sys", "sysfs", 0, nullptr) != 0) return ErrnoStatus("mount sysfs", errno);
   return Status::Ok();
 }
 
@@ -235,8 +229,7 @@ BatchCallback BatchWaiter::Callback() {
 std::optional<BatchResult> BatchWaiter::Wait(Deadline deadline) {
   MutexLock lock(&mu_);
   while (!result_) {
-    if (cv_.wait_until(mu_, deadline.when()) == std::cv_status::timeout && !result_)
-      return std::nullopt;
+    if (cv_.wait_until(mu_, deadline.when()) == std::cv_status::timeout && !result_) return std::nullopt;
   }
   return result_;
 }

@@ -150,9 +150,9 @@ struct EngineStats {
   uint64_t live_batches = 0;      // ReadBatch accepted, completion not yet run.
   uint64_t serving_requests = 0;  // Source side: requests whose sends are not all terminal.
   uint64_t registered_regions = 0;
-  uint64_t pinned_regions = 0;  // Regions with a non-zero pin count (either side).
-  uint64_t peer_endpoints = 0;  // Pooled outgoing endpoints.
-  uint64_t live_grants = 0;     // Issued and not yet drained after their revocation.
+  uint64_t pinned_regions = 0;         // Regions with a non-zero pin count (either side).
+  uint64_t peer_endpoints = 0;         // Pooled outgoing endpoints.
+  uint64_t live_grants = 0;            // Issued and not yet drained after their revocation.
   uint64_t grant_secret_refusals = 0;  // Read requests naming a live grant without its secret (nothing served).
 };
 

@@ -89,7 +89,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "transfer_test_peer: %s\n", grant.status().ToString().c_str());
       return 1;
     }
-    std::cout << fmt::format("GRANT {:016x} {}", grant->id, ToHex(std::vector<uint8_t>(grant->secret.begin(), grant->secret.end())))
+    std::cout << fmt::format("GRANT {:016x} {}", grant->id,
+                             ToHex(std::vector<uint8_t>(grant->secret.begin(), grant->secret.end())))
               << std::endl;
   }
   std::cout << ready << std::endl;
@@ -99,8 +100,7 @@ int Main(int argc, char** argv) {
     if (line == "quit") break;
     if (line.rfind("unregister ", 0) == 0) {
       size_t k = std::stoull(line.substr(11));
-      Status s = k < handles.size() ? (*engine)->UnregisterRegion(handles[k])
-                                    : Status::NotFound("no such region");
+      Status s = k < handles.size() ? (*engine)->UnregisterRegion(handles[k]) : Status::NotFound("no such region");
       if (s.ok()) {
         std::cout << "OK" << std::endl;
       } else {
@@ -109,8 +109,7 @@ int Main(int argc, char** argv) {
     } else if (line == "stats") {
       EngineStats st = (*engine)->Stats();
       std::cout << "STATS live=" << st.live_batches << " serving=" << st.serving_requests
-                << " pinned=" << st.pinned_regions << " regions=" << st.registered_regions
-                << std::endl;
+                << " pinned=" << st.pinned_regions << " regions=" << st.registered_regions << std::endl;
     } else {
       std::cout << "ERR unknown command" << std::endl;
     }

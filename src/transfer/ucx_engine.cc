@@ -74,8 +74,7 @@ Result<sockaddr_in> ParseAddress(std::string_view address) {
   sa.sin_family = AF_INET;
   sa.sin_port = htons(static_cast<uint16_t>(port));
   if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1) {
-    return Status::InvalidArgument(
-        fmt::format("address '{}': '{}' is not an IPv4 address", address, host));
+    return Status::InvalidArgument(fmt::format("address '{}': '{}' is not an IPv4 address", address, host));
   }
   return sa;
 }
@@ -91,31 +90,26 @@ uint64_t RandomEngineId() {
 Result<sockaddr_in> ParseInetAddress(std::string_view address) { return ParseAddress(address); }
 
 UcxTransferEngine::Counters::Counters(MetricsRegistry* registry) {
-  Counter** slots[] = {&bytes_read,        &bytes_served,    &batches_ok, &batches_failed,
-                       &checksum_failures, &protocol_errors, &revocations, &grant_refusals,
-                       &grant_secret_refusals};
+  Counter** slots[] = {&bytes_read,      &bytes_served, &batches_ok,     &batches_failed,       &checksum_failures,
+                       &protocol_errors, &revocations,  &grant_refusals, &grant_secret_refusals};
   if (registry == nullptr) {
     for (size_t i = 0; i < std::size(slots); ++i) *slots[i] = &own[i];
     return;
   }
-  bytes_read =
-      &registry->GetCounter("orbitkv_transfer_bytes_read_total", "Bytes landed by completed read batches");
-  bytes_served =
-      &registry->GetCounter("orbitkv_transfer_bytes_served_total", "Bytes sent to peers' read batches");
-  batches_ok = &registry->GetCounter("orbitkv_transfer_batches_total", "Read batches by outcome",
-                                     {{"result", "ok"}});
-  batches_failed = &registry->GetCounter("orbitkv_transfer_batches_total", "Read batches by outcome",
-                                         {{"result", "failed"}});
+  bytes_read = &registry->GetCounter("orbitkv_transfer_bytes_read_total", "Bytes landed by completed read batches");
+  bytes_served = &registry->GetCounter("orbitkv_transfer_bytes_served_total", "Bytes sent to peers' read batches");
+  batches_ok = &registry->GetCounter("orbitkv_transfer_batches_total", "Read batches by outcome", {{"result", "ok"}});
+  batches_failed =
+      &registry->GetCounter("orbitkv_transfer_batches_total", "Read batches by outcome", {{"result", "failed"}});
   checksum_failures = &registry->GetCounter("orbitkv_transfer_checksum_failures_total",
                                             "Batches whose fragments failed their checksum");
-  protocol_errors = &registry->GetCounter("orbitkv_transfer_protocol_errors_total",
-                                          "Malformed or unexpected messages dropped");
+  protocol_errors =
+      &registry->GetCounter("orbitkv_transfer_protocol_errors_total", "Malformed or unexpected messages dropped");
   revocations = &registry->GetCounter("orbitkv_transfer_endpoint_revocations_total",
                                       "Endpoints closed to revoke transfers of expired operations or "
                                       "revoked grants");
-  grant_refusals = &registry->GetCounter(
-      "orbitkv_transfer_grant_refusals_total",
-      "Read requests refused because they named no live grant or read outside it");
+  grant_refusals = &registry->GetCounter("orbitkv_transfer_grant_refusals_total",
+                                         "Read requests refused because they named no live grant or read outside it");
   grant_secret_refusals = &registry->GetCounter(
       "orbitkv_transfer_grant_secret_refusals_total",
       "Read requests naming a live grant without its secret (a grant id used by someone but its holder)");
@@ -126,10 +120,8 @@ UcxTransferEngine::UcxTransferEngine(const UcxEngineOptions& options)
       engine_id_(options.engine_id != 0 ? options.engine_id : RandomEngineId()),
       counters_(std::make_unique<Counters>(options.metrics)) {}
 
-Result<std::unique_ptr<UcxTransferEngine>> UcxTransferEngine::Create(
-    const UcxEngineOptions& options) {
-  if (options.max_regions == 0 || options.max_inflight_bytes == 0 ||
-      options.max_served_inflight_bytes == 0) {
+Result<std::unique_ptr<UcxTransferEngine>> UcxTransferEngine::Create(const UcxEngineOptions& options) {
+  if (options.max_regions == 0 || options.max_inflight_bytes == 0 || options.max_served_inflight_bytes == 0) {
     return Status::InvalidArgument(
         "transfer engine: max_regions, max_inflight_bytes and max_served_inflight_bytes must be "
         "positive");
@@ -148,23 +140,17 @@ Status UcxTransferEngine::Init() {
   }
   UcpConfig config(raw_config);
   if (!options_.transports.empty()) {
-    if (ucs_status_t s = ucp_config_modify(config.get(), "TLS", options_.transports.c_str());
-        s != UCS_OK) {
-      return Status::InvalidArgument(
-          fmt::format("transports '{}': {}", options_.transports, ucs_status_string(s)));
+    if (ucs_status_t s = ucp_config_modify(config.get(), "TLS", options_.transports.c_str()); s != UCS_OK) {
+      return Status::InvalidArgument(fmt::format("transports '{}': {}", options_.transports, ucs_status_string(s)));
     }
   }
   if (!options_.net_devices.empty()) {
-    if (ucs_status_t s =
-            ucp_config_modify(config.get(), "NET_DEVICES", options_.net_devices.c_str());
-        s != UCS_OK) {
-      return Status::InvalidArgument(
-          fmt::format("net_devices '{}': {}", options_.net_devices, ucs_status_string(s)));
+    if (ucs_status_t s = ucp_config_modify(config.get(), "NET_DEVICES", options_.net_devices.c_str()); s != UCS_OK) {
+      return Status::InvalidArgument(fmt::format("net_devices '{}': {}", options_.net_devices, ucs_status_string(s)));
     }
   }
   ucp_params_t params{};
-  params.field_mask =
-      UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
   // Registration runs on callers' threads while the progress thread drives the worker.
   params.mt_workers_shared = 1;
@@ -193,12 +179,11 @@ Status UcxTransferEngine::Init() {
     unsigned id;
     ucp_am_recv_callback_t cb;
   };
-  for (Handler h :
-       {Handler{wire::kAmReadRequest, &OnAmReadRequest}, Handler{wire::kAmData, &OnAmData},
-        Handler{wire::kAmDone, &OnAmDone}, Handler{wire::kAmCancel, &OnAmCancel}}) {
+  for (Handler h : {Handler{wire::kAmReadRequest, &OnAmReadRequest}, Handler{wire::kAmData, &OnAmData},
+                    Handler{wire::kAmDone, &OnAmDone}, Handler{wire::kAmCancel, &OnAmCancel}}) {
     ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
     hp.id = h.id;
     hp.flags = UCP_AM_FLAG_WHOLE_MSG;
     hp.cb = h.cb;
@@ -216,8 +201,7 @@ Status UcxTransferEngine::Init() {
   lp.conn_handler.arg = this;
   ucp_listener_h listener = nullptr;
   if (ucs_status_t s = ucp_listener_create(worker_.get(), &lp, &listener); s != UCS_OK) {
-    return Status::Unavailable(
-        fmt::format("listen on {}: {}", options_.listen_address, ucs_status_string(s)));
+    return Status::Unavailable(fmt::format("listen on {}: {}", options_.listen_address, ucs_status_string(s)));
   }
   listener_.reset(listener);
   ucp_listener_attr_t attr{};
@@ -284,12 +268,10 @@ Result<RegionHandle> UcxTransferEngine::RegisterRegion(void* base, size_t length
   if (ucs_status_t s = ucp_rkey_pack(context_.get(), memh, &rkey_buffer, &rkey_size); s != UCS_OK) {
     return UcsStatus("ucp_rkey_pack", s);
   }
-  std::vector<uint8_t> rkey(static_cast<uint8_t*>(rkey_buffer),
-                            static_cast<uint8_t*>(rkey_buffer) + rkey_size);
+  std::vector<uint8_t> rkey(static_cast<uint8_t*>(rkey_buffer), static_cast<uint8_t*>(rkey_buffer) + rkey_size);
   ucp_rkey_buffer_release(rkey_buffer);
   if (rkey.size() > kMaxRkeyBytes) {
-    return Status::Internal(
-        fmt::format("UCX packed a {}-byte rkey (descriptor limit {})", rkey.size(), kMaxRkeyBytes));
+    return Status::Internal(fmt::format("UCX packed a {}-byte rkey (descriptor limit {})", rkey.size(), kMaxRkeyBytes));
   }
 
   MutexLock lock(&regions_mu_);
@@ -305,8 +287,7 @@ Result<RegionHandle> UcxTransferEngine::RegisterRegion(void* base, size_t length
     r.rkey = std::move(rkey);
     return RegionHandle{i, r.generation};
   }
-  return Status::ResourceExhausted(
-      fmt::format("all {} transfer regions are registered", regions_.size()));
+  return Status::ResourceExhausted(fmt::format("all {} transfer regions are registered", regions_.size()));
 }
 
 Status UcxTransferEngine::UnregisterRegion(RegionHandle handle) {
@@ -315,14 +296,12 @@ Status UcxTransferEngine::UnregisterRegion(RegionHandle handle) {
     MutexLock lock(&regions_mu_);
     if (handle.index >= regions_.size() || !regions_[handle.index].live ||
         regions_[handle.index].generation != handle.generation) {
-      return Status::NotFound(
-          fmt::format("region {}/{} is not registered", handle.index, handle.generation));
+      return Status::NotFound(fmt::format("region {}/{} is not registered", handle.index, handle.generation));
     }
     Region& r = regions_[handle.index];
     if (r.pins != 0) {
       return Status::FailedPrecondition(
-          fmt::format("region {}/{} is referenced by {} in-flight fragments", handle.index,
-                      handle.generation, r.pins));
+          fmt::format("region {}/{} is referenced by {} in-flight fragments", handle.index, handle.generation, r.pins));
     }
     r.live = false;
     r.base = nullptr;
@@ -337,8 +316,7 @@ Result<RegionDescriptor> UcxTransferEngine::ExportRegion(RegionHandle handle) {
   MutexLock lock(&regions_mu_);
   if (handle.index >= regions_.size() || !regions_[handle.index].live ||
       regions_[handle.index].generation != handle.generation) {
-    return Status::NotFound(
-        fmt::format("region {}/{} is not registered", handle.index, handle.generation));
+    return Status::NotFound(fmt::format("region {}/{} is not registered", handle.index, handle.generation));
   }
   const Region& r = regions_[handle.index];
   RegionDescriptor d;
@@ -357,15 +335,12 @@ Status UcxTransferEngine::PinLocal(const ReadBatchRequest& request, std::vector<
     const Fragment& f = request.fragments[i];
     const RegionHandle& h = f.local;
     Status error;
-    if (h.index >= regions_.size() || !regions_[h.index].live ||
-        regions_[h.index].generation != h.generation) {
-      error = Status::NotFound(fmt::format("fragment {}: local region {}/{} is not registered", i,
-                                           h.index, h.generation));
-    } else if (f.local_offset > regions_[h.index].length ||
-               f.length > regions_[h.index].length - f.local_offset) {
+    if (h.index >= regions_.size() || !regions_[h.index].live || regions_[h.index].generation != h.generation) {
       error =
-          Status::OutOfRange(fmt::format("fragment {}: local [{}, +{}) exceeds region of {} bytes",
-                                         i, f.local_offset, f.length, regions_[h.index].length));
+          Status::NotFound(fmt::format("fragment {}: local region {}/{} is not registered", i, h.index, h.generation));
+    } else if (f.local_offset > regions_[h.index].length || f.length > regions_[h.index].length - f.local_offset) {
+      error = Status::OutOfRange(fmt::format("fragment {}: local [{}, +{}) exceeds region of {} bytes", i,
+                                             f.local_offset, f.length, regions_[h.index].length));
     }
     if (!error.ok()) {
       for (size_t j = 0; j < i; ++j) regions_[request.fragments[j].local.index].pins -= 1;
@@ -380,8 +355,7 @@ Status UcxTransferEngine::PinLocal(const ReadBatchRequest& request, std::vector<
 void UcxTransferEngine::Unpin(const std::vector<RegionHandle>& pinned) {
   MutexLock lock(&regions_mu_);
   for (const RegionHandle& h : pinned) {
-    ORBITKV_CHECK(h.index < regions_.size() && regions_[h.index].live &&
-                  regions_[h.index].pins > 0);
+    ORBITKV_CHECK(h.index < regions_.size() && regions_[h.index].live && regions_[h.index].pins > 0);
     regions_[h.index].pins -= 1;
   }
 }
@@ -396,10 +370,8 @@ Result<uint64_t> UcxTransferEngine::ReadBatch(ReadBatchRequest request, BatchCal
     return Status::InvalidArgument(
         fmt::format("ReadBatch: {} fragments (max {} per batch)", n, wire::kMaxFragmentsPerBatch));
   }
-  if (request.deadline.IsInfinite())
-    return Status::InvalidArgument("ReadBatch: the deadline must be finite");
-  if (request.deadline.Expired())
-    return Status::DeadlineExceeded("ReadBatch: deadline already passed");
+  if (request.deadline.IsInfinite()) return Status::InvalidArgument("ReadBatch: the deadline must be finite");
+  if (request.deadline.Expired()) return Status::DeadlineExceeded("ReadBatch: deadline already passed");
   if (request.remotes.empty()) return Status::InvalidArgument("ReadBatch: no remote regions");
   if (!done) return Status::InvalidArgument("ReadBatch: no completion callback");
   for (const RegionDescriptor& r : request.remotes) {
@@ -417,9 +389,8 @@ Result<uint64_t> UcxTransferEngine::ReadBatch(ReadBatchRequest request, BatchCal
     }
     const RegionDescriptor& r = request.remotes[f.remote];
     if (f.remote_offset > r.length || f.length > r.length - f.remote_offset) {
-      return Status::OutOfRange(
-          fmt::format("fragment {}: remote [{}, +{}) exceeds region of {} bytes", i,
-                      f.remote_offset, f.length, r.length));
+      return Status::OutOfRange(fmt::format("fragment {}: remote [{}, +{}) exceeds region of {} bytes", i,
+                                            f.remote_offset, f.length, r.length));
     }
     total += f.length;
   }
@@ -585,13 +556,11 @@ bool UcxTransferEngine::DrainCompletions() {
       case Op::Kind::kBatchRecv:
       case Op::Kind::kBatchGet: {
         auto it = batches_.find(op->owner);
-        ORBITKV_CHECK_MSG(it != batches_.end(), "operation completed for unknown batch {}",
-                          op->owner);
+        ORBITKV_CHECK_MSG(it != batches_.end(), "operation completed for unknown batch {}", op->owner);
         Batch& b = *it->second;
         ORBITKV_CHECK(b.outstanding > 0);
         b.outstanding -= 1;
-        if (op->kind == Op::Kind::kBatchGet)
-          b.inflight_bytes -= b.request.fragments[op->index].length;
+        if (op->kind == Op::Kind::kBatchGet) b.inflight_bytes -= b.request.fragments[op->index].length;
         if (op->status != UCS_OK) {
           FailBatch(b, UcsStatus(fmt::format("batch {} to {}", b.id, b.request.peer), op->status));
         } else if (op->kind != Op::Kind::kBatchControl) {
@@ -604,8 +573,7 @@ bool UcxTransferEngine::DrainCompletions() {
       case Op::Kind::kServeData:
       case Op::Kind::kServeDone: {
         auto it = serve_ops_.find(op->owner);
-        ORBITKV_CHECK_MSG(it != serve_ops_.end(), "operation completed for unknown serve op {}",
-                          op->owner);
+        ORBITKV_CHECK_MSG(it != serve_ops_.end(), "operation completed for unknown serve op {}", op->owner);
         ServeOp& s = *it->second;
         ORBITKV_CHECK(s.outstanding > 0);
         s.outstanding -= 1;
@@ -659,9 +627,8 @@ bool UcxTransferEngine::DrainEvents() {
         auto server_ep = std::make_unique<ServerEp>();
         server_ep->id = next_local_id_++;
         ucp_ep_params_t ep_params{};
-        ep_params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
-                               UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                               UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        ep_params.field_mask =
+            UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
         ep_params.conn_request = e.conn_request;
         ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
         ep_params.err_handler.cb = &OnServerEpError;
@@ -679,8 +646,7 @@ bool UcxTransferEngine::DrainEvents() {
       case Event::Kind::kPeerError: {
         for (auto& [id, peer] : peers_) {
           if (peer->ep == e.ep && !peer->failed) {
-            FailPeer(*peer,
-                     UcsStatus(fmt::format("connection to peer {}", peer->address), e.status));
+            FailPeer(*peer, UcsStatus(fmt::format("connection to peer {}", peer->address), e.status));
             break;
           }
         }
@@ -719,8 +685,7 @@ void UcxTransferEngine::WaitForWork() {
   int timeout_ms = 100;
   MonoTime next = NextDeadline();
   if (next != MonoTime::max()) {
-    auto until =
-        std::chrono::duration_cast<std::chrono::milliseconds>(next - MonoNow()).count() + 1;
+    auto until = std::chrono::duration_cast<std::chrono::milliseconds>(next - MonoNow()).count() + 1;
     timeout_ms = static_cast<int>(std::clamp<int64_t>(until, 0, timeout_ms));
   }
   pollfd fds[2] = {{worker_efd_, POLLIN, 0}, {wakeup_fd_.get(), POLLIN, 0}};
@@ -739,20 +704,18 @@ void UcxTransferEngine::CheckDeadlines() {
   }
   for (uint64_t id : expired) {
     Batch& b = *batches_.at(id);
-    FailBatch(b, Status::DeadlineExceeded(
-                     fmt::format("batch {} from {}: deadline passed with {} of {} fragments "
-                                 "landed",
-                                 b.id, b.request.peer, b.landed, b.state.size())));
+    FailBatch(b, Status::DeadlineExceeded(fmt::format("batch {} from {}: deadline passed with {} of {} fragments "
+                                                      "landed",
+                                                      b.id, b.request.peer, b.landed, b.state.size())));
     if (b.outstanding > 0) {
       // Transfers into the destination are still in flight and only closing the endpoint proves
       // they stopped.
       auto p = peers_.find(b.peer_id);
       if (p != peers_.end() && !p->second->failed) {
         counters_->revocations->Increment();
-        FailPeer(*p->second,
-                 Status::Unavailable(fmt::format("endpoint to {} closed to revoke the transfers of "
-                                                 "expired batch {}",
-                                                 b.request.peer, b.id)));
+        FailPeer(*p->second, Status::Unavailable(fmt::format("endpoint to {} closed to revoke the transfers of "
+                                                             "expired batch {}",
+                                                             b.request.peer, b.id)));
       }
     }
     MaybeFinish(b);
@@ -769,8 +732,7 @@ void UcxTransferEngine::CheckDeadlines() {
       auto it = server_eps_.find(s.server_ep_id);
       if (it != server_eps_.end() && !it->second->failed) {
         counters_->revocations->Increment();
-        FailServerEp(*it->second,
-                     Status::DeadlineExceeded("a served request outlived its deadline"));
+        FailServerEp(*it->second, Status::DeadlineExceeded("a served request outlived its deadline"));
       }
     }
     MaybeFinishServe(s);
@@ -788,11 +750,10 @@ void UcxTransferEngine::Track(ucs_status_ptr_t request, Op* op) {
   // Otherwise UCX calls OnSendComplete / OnRecvComplete later, from ucp_worker_progress.
 }
 
-void UcxTransferEngine::SendAm(ucp_ep_h ep, unsigned id, const void* header, size_t header_bytes,
-                               const void* payload, size_t payload_bytes, uint32_t flags, Op* op) {
+void UcxTransferEngine::SendAm(ucp_ep_h ep, unsigned id, const void* header, size_t header_bytes, const void* payload,
+                               size_t payload_bytes, uint32_t flags, Op* op) {
   ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   param.cb.send = &OnSendComplete;
   param.user_data = op;
   param.flags = flags;
@@ -806,8 +767,7 @@ void UcxTransferEngine::OnSendComplete(void* request, ucs_status_t status, void*
   op->engine->completions_.push_back(op);
 }
 
-void UcxTransferEngine::OnRecvComplete(void* request, ucs_status_t status, size_t /*length*/,
-                                       void* user_data) {
+void UcxTransferEngine::OnRecvComplete(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
   auto* op = static_cast<Op*>(user_data);
   op->status = status;
   ucp_request_free(request);
@@ -815,11 +775,9 @@ void UcxTransferEngine::OnRecvComplete(void* request, ucs_status_t status, size_
 }
 
 void UcxTransferEngine::CloseEndpoint(ucp_ep_h ep, uint64_t owner_id, bool peer_side) {
-  auto* op = new Op{this, peer_side ? Op::Kind::kPeerClose : Op::Kind::kServerEpClose, owner_id, 0,
-                    UCS_OK};
+  auto* op = new Op{this, peer_side ? Op::Kind::kPeerClose : Op::Kind::kServerEpClose, owner_id, 0, UCS_OK};
   ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   param.cb.send = &OnSendComplete;
   param.user_data = op;
   // Forced: every outstanding operation on the endpoint completes with UCS_ERR_CANCELED, which is
@@ -864,14 +822,12 @@ void UcxTransferEngine::BeginShutdown() {
     if (!peer->failed) FailPeer(*peer, Status::Cancelled("transfer engine is shutting down"));
   }
   for (auto& [id, server_ep] : server_eps_) {
-    if (!server_ep->failed)
-      FailServerEp(*server_ep, Status::Cancelled("transfer engine is shutting down"));
+    if (!server_ep->failed) FailServerEp(*server_ep, Status::Cancelled("transfer engine is shutting down"));
   }
 }
 
 bool UcxTransferEngine::ShutdownComplete() const {
-  return batches_.empty() && serve_ops_.empty() && peers_.empty() && server_eps_.empty() &&
-         completions_.empty();
+  return batches_.empty() && serve_ops_.empty() && peers_.empty() && server_eps_.empty() && completions_.empty();
 }
 
 }  // namespace orbitkv::transfer

@@ -96,14 +96,11 @@ class UcxTransferEngine final : public TransferEngine {
   Result<RegionHandle> RegisterRegion(void* base, size_t length) override EXCLUDES(regions_mu_);
   Status UnregisterRegion(RegionHandle region) override EXCLUDES(regions_mu_);
   Result<RegionDescriptor> ExportRegion(RegionHandle region) override EXCLUDES(regions_mu_);
-  Result<uint64_t> ReadBatch(ReadBatchRequest request, BatchCallback done) override
-      EXCLUDES(regions_mu_, queue_mu_);
+  Result<uint64_t> ReadBatch(ReadBatchRequest request, BatchCallback done) override EXCLUDES(regions_mu_, queue_mu_);
   Status Cancel(uint64_t batch_id) override EXCLUDES(queue_mu_);
   Result<IssuedGrant> CreateGrant(GrantRequest request) override EXCLUDES(regions_mu_);
-  Status RevokeGrant(uint64_t grant, DrainedCallback drained) override
-      EXCLUDES(regions_mu_, queue_mu_);
-  Status RevokePeer(const std::string& peer, DrainedCallback drained) override
-      EXCLUDES(regions_mu_, queue_mu_);
+  Status RevokeGrant(uint64_t grant, DrainedCallback drained) override EXCLUDES(regions_mu_, queue_mu_);
+  Status RevokePeer(const std::string& peer, DrainedCallback drained) override EXCLUDES(regions_mu_, queue_mu_);
   std::string ListenAddress() const override { return listen_address_; }
   Capabilities GetCapabilities() const override;
   EngineStats Stats() const override EXCLUDES(regions_mu_, queue_mu_);
@@ -124,8 +121,7 @@ class UcxTransferEngine final : public TransferEngine {
   Status Init();
 
   // Regions (any thread).
-  Status PinLocal(const ReadBatchRequest& request, std::vector<uint8_t*>& dest)
-      EXCLUDES(regions_mu_);
+  Status PinLocal(const ReadBatchRequest& request, std::vector<uint8_t*>& dest) EXCLUDES(regions_mu_);
   void Unpin(const std::vector<RegionHandle>& regions) EXCLUDES(regions_mu_);
 
   // Progress thread: the loop and its plumbing (ucx_engine.cc).
@@ -142,8 +138,8 @@ class UcxTransferEngine final : public TransferEngine {
   void Track(ucs_status_ptr_t request, Op* op);
   // Sends active message `id` (header, then an optional payload) on `ep` with `flags`; `op`
   // completes through OnSendComplete (or at once, via Track).
-  void SendAm(ucp_ep_h ep, unsigned id, const void* header, size_t header_bytes,
-              const void* payload, size_t payload_bytes, uint32_t flags, Op* op);
+  void SendAm(ucp_ep_h ep, unsigned id, const void* header, size_t header_bytes, const void* payload,
+              size_t payload_bytes, uint32_t flags, Op* op);
   void CloseEndpoint(ucp_ep_h ep, uint64_t owner_id, bool peer_side);
   void BeginShutdown();
   bool ShutdownComplete() const;
@@ -152,22 +148,21 @@ class UcxTransferEngine final : public TransferEngine {
   static void OnConnRequest(ucp_conn_request_h request, void* arg);
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnServerEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
-  static ucs_status_t OnAmReadRequest(void* arg, const void* header, size_t header_length,
-                                      void* data, size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t OnAmData(void* arg, const void* header, size_t header_length, void* data,
-                               size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t OnAmDone(void* arg, const void* header, size_t header_length, void* data,
-                               size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t OnAmCancel(void* arg, const void* header, size_t header_length, void* data,
-                                 size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmReadRequest(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                      const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmData(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                               const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmDone(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                               const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmCancel(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                 const ucp_am_recv_param_t* param);
 
   // Requester side (ucx_requester.cc).
   void StartBatch(std::unique_ptr<Batch> batch);
   Result<Peer*> PeerFor(const std::string& address);
   void SendReadRequest(Batch& batch, uint16_t flags);
   void PumpGets(Batch& batch);
-  ucs_status_t HandleData(const wire::DataHeader& header, void* data, size_t length,
-                          const ucp_am_recv_param_t* param);
+  ucs_status_t HandleData(const wire::DataHeader& header, void* data, size_t length, const ucp_am_recv_param_t* param);
   void HandleDone(const Event& event);
   void LandFragment(Batch& batch, uint32_t index);
   void FailBatch(Batch& batch, Status status);
@@ -197,8 +192,7 @@ class UcxTransferEngine final : public TransferEngine {
       REQUIRES(regions_mu_);
   // Progress thread: stops the serve ops of `grants` (closing their endpoints when `close`), then
   // runs the drained callbacks of those that have nothing in flight.
-  void HandleRevoke(const std::vector<uint64_t>& grants, bool close, DrainedCallback drained)
-      EXCLUDES(regions_mu_);
+  void HandleRevoke(const std::vector<uint64_t>& grants, bool close, DrainedCallback drained) EXCLUDES(regions_mu_);
   // A serve op of `grant` ended: a revoked grant with nothing in flight is drained.
   void GrantOpEnded(uint64_t grant) EXCLUDES(regions_mu_);
   void MaybeDrainGrants(const std::vector<uint64_t>& grants) EXCLUDES(regions_mu_);
@@ -227,13 +221,13 @@ class UcxTransferEngine final : public TransferEngine {
 
   // Owned by the progress thread (no lock: nothing else touches them).
   std::unordered_map<uint64_t, std::unique_ptr<Batch>> batches_;
-  std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;  // By peer id, live and closing.
-  std::unordered_map<std::string, uint64_t> peer_by_address_;  // Live peers only.
+  std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;           // By peer id, live and closing.
+  std::unordered_map<std::string, uint64_t> peer_by_address_;           // Live peers only.
   std::unordered_map<uint64_t, std::unique_ptr<ServerEp>> server_eps_;  // By id, live and closing.
-  std::unordered_map<ucp_ep_h, uint64_t> server_ep_by_handle_;        // Live server endpoints only.
-  std::unordered_map<uint64_t, std::unique_ptr<ServeOp>> serve_ops_;  // By serve op id.
-  std::vector<Op*> completions_;  // UCX operations reported terminal, to dispatch.
-  std::deque<Event> events_;      // Messages and connection events recorded by UCX callbacks.
+  std::unordered_map<ucp_ep_h, uint64_t> server_ep_by_handle_;          // Live server endpoints only.
+  std::unordered_map<uint64_t, std::unique_ptr<ServeOp>> serve_ops_;    // By serve op id.
+  std::vector<Op*> completions_;                // UCX operations reported terminal, to dispatch.
+  std::deque<Event> events_;                    // Messages and connection events recorded by UCX callbacks.
   std::unordered_set<uint64_t> dirty_batches_;  // Batches whose state changed inside a callback.
   uint64_t next_local_id_ = 1;                  // Peer, server endpoint and serve op ids.
   bool shutting_down_ = false;

@@ -113,8 +113,7 @@ struct UcxTransferEngine::Batch {
   uint64_t peer_id = 0;
 
   // Progress.
-  std::vector<uint8_t>
-      state;  // Per fragment: 0 waiting, 1 landing (rendezvous/get posted), 2 landed.
+  std::vector<uint8_t> state;  // Per fragment: 0 waiting, 1 landing (rendezvous/get posted), 2 landed.
   uint32_t landed = 0;
   uint32_t next_get = 0;
   uint64_t inflight_bytes = 0;
@@ -170,14 +169,7 @@ struct UcxTransferEngine::ServeOp {
 
 // A message or connection event recorded inside a UCX callback, handled after progress returns.
 struct UcxTransferEngine::Event {
-  enum class Kind : uint8_t {
-    kReadRequest,
-    kDone,
-    kCancel,
-    kConnRequest,
-    kPeerError,
-    kServerEpError
-  };
+  enum class Kind : uint8_t { kReadRequest, kDone, kCancel, kConnRequest, kPeerError, kServerEpError };
   Kind kind = Kind::kDone;
   ucp_ep_h ep = nullptr;
   uint64_t id = 0;

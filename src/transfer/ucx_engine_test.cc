@@ -29,8 +29,7 @@ constexpr auto kWait = std::chrono::seconds(60);
 
 // `inflight` bounds both windows (the requester's RMA gets and what a served request posts);
 // `served`, when given, sets the served one alone.
-std::unique_ptr<UcxTransferEngine> MakeEngine(PullMode mode = PullMode::kAuto,
-                                              uint64_t inflight = 64ull << 20,
+std::unique_ptr<UcxTransferEngine> MakeEngine(PullMode mode = PullMode::kAuto, uint64_t inflight = 64ull << 20,
                                               bool require_grants = false,
                                               std::optional<uint64_t> served = std::nullopt) {
   UcxEngineOptions options;
@@ -53,8 +52,8 @@ struct Plan {
 // `count` fragments of random lengths in [min_len, max_len] at random source offsets, packed back
 // to back in the destination (so every destination byte is checked against exactly one source
 // offset).
-Plan RandomPlan(size_t count, uint64_t min_len, uint64_t max_len, uint64_t source_bytes,
-                RegionHandle local, uint64_t seed) {
+Plan RandomPlan(size_t count, uint64_t min_len, uint64_t max_len, uint64_t source_bytes, RegionHandle local,
+                uint64_t seed) {
   std::mt19937_64 rng(seed);
   Plan plan;
   for (size_t i = 0; i < count; ++i) {
@@ -74,8 +73,7 @@ Plan RandomPlan(size_t count, uint64_t min_len, uint64_t max_len, uint64_t sourc
 void ExpectLanded(const Plan& plan, const TestBuffer& dest) {
   for (size_t i = 0; i < plan.fragments.size(); ++i) {
     const Fragment& f = plan.fragments[i];
-    int64_t bad =
-        FindPatternMismatch(dest.data() + f.local_offset, f.length, kSeed, f.remote_offset);
+    int64_t bad = FindPatternMismatch(dest.data() + f.local_offset, f.length, kSeed, f.remote_offset);
     ASSERT_EQ(bad, -1) << "fragment " << i << " differs at byte " << bad;
   }
 }
@@ -122,8 +120,7 @@ class UcxEngineTest : public ::testing::Test {
     BatchWaiter waiter;
     Result<uint64_t> id = engine.ReadBatch(std::move(request), waiter.Callback());
     EXPECT_TRUE(id.ok()) << id.status();
-    std::optional<BatchResult> result =
-        waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+    std::optional<BatchResult> result = waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
     EXPECT_TRUE(result.has_value()) << "batch did not complete";
     return result.value_or(BatchResult{});
   }
@@ -221,8 +218,7 @@ TEST_F(UcxEngineTest, ConcurrentBatchesFromSeveralThreads) {
         EXPECT_TRUE(requester->ReadBatch(Request(plans[k]), waiters.back()->Callback()).ok());
       }
       for (int b = 0; b < kBatchesPerThread; ++b) {
-        results[t * kBatchesPerThread + b] =
-            waiters[b]->Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+        results[t * kBatchesPerThread + b] = waiters[b]->Wait(Deadline::After(kWait + std::chrono::seconds(30)));
       }
     });
   }
@@ -264,11 +260,9 @@ TEST_F(UcxEngineTest, ASmallBatchIssuedBehindALargeOneIsNotHeldBackByIt) {
   BatchWaiter large_waiter, small_waiter;
   ASSERT_TRUE(requester->ReadBatch(request(large), large_waiter.Callback()).ok());
   ASSERT_TRUE(requester->ReadBatch(request(small), small_waiter.Callback()).ok());
-  std::optional<BatchResult> small_result =
-      small_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  std::optional<BatchResult> small_result = small_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
   const bool large_done_first = large_waiter.done();
-  std::optional<BatchResult> large_result =
-      large_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  std::optional<BatchResult> large_result = large_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
   ASSERT_TRUE(small_result.has_value() && large_result.has_value());
   ASSERT_TRUE(small_result->status.ok()) << small_result->status;
   ASSERT_TRUE(large_result->status.ok()) << large_result->status;
@@ -292,8 +286,7 @@ TEST_F(UcxEngineTest, CancelStopsTheSourceAndDrainsBeforeReleasing) {
   Plan plan = RandomPlan(1024, 64 << 10, 64 << 10, kSourceBytes, local, 6);
 
   BatchWaiter waiter;
-  Result<uint64_t> id =
-      requester->ReadBatch(Request(plan, PullMode::kActiveMessage), waiter.Callback());
+  Result<uint64_t> id = requester->ReadBatch(Request(plan, PullMode::kActiveMessage), waiter.Callback());
   ASSERT_TRUE(id.ok());
   ASSERT_TRUE(requester->Cancel(*id).ok());
   std::optional<BatchResult> result = waiter.Wait(Deadline::After(kWait));
@@ -303,8 +296,7 @@ TEST_F(UcxEngineTest, CancelStopsTheSourceAndDrainsBeforeReleasing) {
   EXPECT_EQ(requester->Cancel(*id).code(), StatusCode::kNotFound);
   EXPECT_TRUE(requester->UnregisterRegion(local).ok());
   for (int i = 0; i < 1000 && source_->Stats().serving_requests != 0; ++i) {
-    std::this_thread::sleep_for(
-        std::chrono::milliseconds(10));  // The source's done send completes async.
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // The source's done send completes async.
   }
   EXPECT_EQ(source_->Stats().serving_requests, 0u);
   EXPECT_TRUE(source_->UnregisterRegion(*handle).ok());
@@ -321,8 +313,7 @@ TEST_F(UcxEngineTest, StaleDescriptorIsRefusedBySource) {
   EXPECT_NE(again.generation, source_region_.generation);
   BatchResult result = ReadAndWait(*requester, Request(plan, PullMode::kActiveMessage));
   EXPECT_EQ(result.status.code(), StatusCode::kNotFound) << result.status;
-  EXPECT_NE(result.status.message().find("not registered"), std::string_view::npos)
-      << result.status;
+  EXPECT_NE(result.status.message().find("not registered"), std::string_view::npos) << result.status;
 
   RegionDescriptor other_incarnation = *source_->ExportRegion(again);
   other_incarnation.engine_id ^= 1;
@@ -360,8 +351,7 @@ TEST_F(UcxEngineTest, AGrantBoundsEveryFragmentItServes) {
   EXPECT_TRUE(source_->GetCapabilities().grants_required);
   auto requester = MakeEngine();
   // Granted: [1 MiB, +2 MiB) and [8 MiB, +64 KiB).
-  auto grant = source_->CreateGrant(GrantRequest{
-      "node-b", {{region, 8 << 20, 64 << 10}, {region, 1 << 20, 2 << 20}}});
+  auto grant = source_->CreateGrant(GrantRequest{"node-b", {{region, 8 << 20, 64 << 10}, {region, 1 << 20, 2 << 20}}});
   ASSERT_TRUE(grant.ok()) << grant.status();
   EXPECT_EQ(source_->Stats().live_grants, 1u);
   const uint64_t id = grant->id;
@@ -466,8 +456,7 @@ TEST_F(UcxEngineTest, TheBatchesOfOneGrantAreServedInOrder) {
   auto landed = [&](const Plan& plan) {
     size_t count = 0;
     for (const Fragment& f : plan.fragments) {
-      if (FindPatternMismatch(dest.data() + f.local_offset, f.length, kSeed, f.remote_offset) == -1)
-        ++count;
+      if (FindPatternMismatch(dest.data() + f.local_offset, f.length, kSeed, f.remote_offset) == -1) ++count;
     }
     return count;
   };
@@ -480,12 +469,9 @@ TEST_F(UcxEngineTest, TheBatchesOfOneGrantAreServedInOrder) {
   };
   BatchWaiter first_waiter, second_waiter;
   ASSERT_TRUE(requester->ReadBatch(request(first), counting(second, first_waiter.Callback())).ok());
-  ASSERT_TRUE(
-      requester->ReadBatch(request(second), counting(first, second_waiter.Callback())).ok());
-  std::optional<BatchResult> first_result =
-      first_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
-  std::optional<BatchResult> second_result =
-      second_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  ASSERT_TRUE(requester->ReadBatch(request(second), counting(first, second_waiter.Callback())).ok());
+  std::optional<BatchResult> first_result = first_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  std::optional<BatchResult> second_result = second_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
   ASSERT_TRUE(first_result.has_value() && second_result.has_value());
   ASSERT_TRUE(first_result->status.ok()) << first_result->status;
   ASSERT_TRUE(second_result->status.ok()) << second_result->status;
@@ -505,8 +491,7 @@ TEST_F(UcxEngineTest, TheBatchesOfOneGrantAreServedInOrder) {
   ASSERT_TRUE(large_id.ok());
   ASSERT_TRUE(requester->ReadBatch(request(small), small_waiter.Callback()).ok());
   ASSERT_TRUE(requester->Cancel(*large_id).ok());
-  std::optional<BatchResult> small_result =
-      small_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
+  std::optional<BatchResult> small_result = small_waiter.Wait(Deadline::After(kWait + std::chrono::seconds(30)));
   ASSERT_TRUE(small_result.has_value());
   ASSERT_TRUE(small_result->status.ok()) << small_result->status;
   ExpectLanded(small, dest);
@@ -523,20 +508,14 @@ TEST_F(UcxEngineTest, TheBatchesOfOneGrantAreServedInOrder) {
 TEST_F(UcxEngineTest, GrantsAreCheckedAgainstTheirRegionsWhenIssued) {
   auto other = std::make_unique<TestBuffer>(1 << 20);
   RegionHandle small = *source_->RegisterRegion(other->data(), 1 << 20);
-  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {}}).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {{small, 1 << 20, 1}}}).status().code(),
-            StatusCode::kOutOfRange);
-  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {{small, 0, 0}}}).status().code(),
-            StatusCode::kOutOfRange);
-  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {{small, 0, 4096}, {small, 100, 4096}}})
-                .status()
-                .code(),
+  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {{small, 1 << 20, 1}}}).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {{small, 0, 0}}}).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {{small, 0, 4096}, {small, 100, 4096}}}).status().code(),
             StatusCode::kInvalidArgument);  // overlapping ranges
   RegionHandle stale = small;
   stale.generation += 1;
-  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {{stale, 0, 4096}}}).status().code(),
-            StatusCode::kNotFound);
+  EXPECT_EQ(source_->CreateGrant(GrantRequest{"p", {{stale, 0, 4096}}}).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(source_->Stats().live_grants, 0u);
   EXPECT_TRUE(source_->UnregisterRegion(small).ok());  // a refused grant pins nothing
 }
@@ -706,8 +685,7 @@ TEST_F(UcxEngineTest, RegionTableFillsUp) {
   TestBuffer buffer(3 * 4096);
   ASSERT_TRUE(engine->RegisterRegion(buffer.data(), 4096).ok());
   RegionHandle second = *engine->RegisterRegion(buffer.data() + 4096, 4096);
-  EXPECT_EQ(engine->RegisterRegion(buffer.data() + 8192, 4096).status().code(),
-            StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine->RegisterRegion(buffer.data() + 8192, 4096).status().code(), StatusCode::kResourceExhausted);
   ASSERT_TRUE(engine->UnregisterRegion(second).ok());
   RegionHandle reused = *engine->RegisterRegion(buffer.data() + 8192, 4096);
   EXPECT_EQ(reused.index, second.index);

@@ -43,8 +43,7 @@ class UcpMemory {
  public:
   UcpMemory() = default;
   UcpMemory(ucp_context_h context, ucp_mem_h memh) : context_(context), memh_(memh) {}
-  UcpMemory(UcpMemory&& other) noexcept
-      : context_(other.context_), memh_(std::exchange(other.memh_, nullptr)) {}
+  UcpMemory(UcpMemory&& other) noexcept : context_(other.context_), memh_(std::exchange(other.memh_, nullptr)) {}
   UcpMemory& operator=(UcpMemory&& other) noexcept {
     if (this != &other) {
       Reset();

@@ -37,9 +37,8 @@ void UcxTransferEngine::StartBatch(std::unique_ptr<Batch> owned) {
   }
   b.mode = mode;
   if (mode == PullMode::kRma && !rkeys) {
-    FailBatch(b, Status::InvalidArgument(
-                     "RMA read of regions exported without an rkey (the source serves reads "
-                     "only inside grants; use active messages)"));
+    FailBatch(b, Status::InvalidArgument("RMA read of regions exported without an rkey (the source serves reads "
+                                         "only inside grants; use active messages)"));
     MaybeFinish(b);
     return;
   }
@@ -52,9 +51,8 @@ void UcxTransferEngine::StartBatch(std::unique_ptr<Batch> owned) {
       if (p.rkeys.count(key) != 0) continue;
       ucp_rkey_h rkey = nullptr;
       if (ucs_status_t s = ucp_ep_rkey_unpack(p.ep, r.rkey.data(), &rkey); s != UCS_OK) {
-        FailBatch(b, Status::InvalidArgument(
-                         fmt::format("unpacking the rkey of remote region {}/{}: {}",
-                                     r.region_index, r.generation, ucs_status_string(s))));
+        FailBatch(b, Status::InvalidArgument(fmt::format("unpacking the rkey of remote region {}/{}: {}",
+                                                         r.region_index, r.generation, ucs_status_string(s))));
         break;
       }
       p.rkeys.emplace(key, UcpRkey(rkey));
@@ -70,8 +68,8 @@ Result<UcxTransferEngine::Peer*> UcxTransferEngine::PeerFor(const std::string& a
   }
   ORBITKV_ASSIGN_OR_RETURN(sockaddr_in sa, ParseInetAddress(address));
   ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
   params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
   params.sockaddr.addrlen = sizeof(sa);
@@ -80,8 +78,7 @@ Result<UcxTransferEngine::Peer*> UcxTransferEngine::PeerFor(const std::string& a
   params.err_handler.arg = this;
   ucp_ep_h ep = nullptr;
   if (ucs_status_t s = ucp_ep_create(worker_.get(), &params, &ep); s != UCS_OK) {
-    return Status::Unavailable(
-        fmt::format("connecting to peer {}: {}", address, ucs_status_string(s)));
+    return Status::Unavailable(fmt::format("connecting to peer {}: {}", address, ucs_status_string(s)));
   }
   auto peer = std::make_unique<Peer>();
   peer->id = next_local_id_++;
@@ -97,33 +94,29 @@ Result<UcxTransferEngine::Peer*> UcxTransferEngine::PeerFor(const std::string& a
 void UcxTransferEngine::SendReadRequest(Batch& b, uint16_t flags) {
   Peer& p = *peers_.at(b.peer_id);
   const size_t n = b.request.fragments.size();
-  auto remaining =
-      std::chrono::duration_cast<std::chrono::milliseconds>(b.request.deadline.Remaining()).count();
-  b.request_header =
-      wire::ReadRequest{wire::kProtocolVersion,
-                        flags,
-                        static_cast<uint32_t>(n),
-                        b.id,
-                        b.request.remotes[0].engine_id,
-                        static_cast<uint32_t>(std::clamp<int64_t>(remaining, 1, UINT32_MAX)),
-                        0,
-                        b.request.grant,
-                        {}};
+  auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(b.request.deadline.Remaining()).count();
+  b.request_header = wire::ReadRequest{wire::kProtocolVersion,
+                                       flags,
+                                       static_cast<uint32_t>(n),
+                                       b.id,
+                                       b.request.remotes[0].engine_id,
+                                       static_cast<uint32_t>(std::clamp<int64_t>(remaining, 1, UINT32_MAX)),
+                                       0,
+                                       b.request.grant,
+                                       {}};
   std::memcpy(b.request_header.grant_secret, b.request.grant_secret.data(), b.request.grant_secret.size());
   b.wire_fragments.resize(n);
   for (size_t i = 0; i < n; ++i) {
     const Fragment& f = b.request.fragments[i];
     const RegionDescriptor& r = b.request.remotes[f.remote];
-    b.wire_fragments[i] =
-        wire::WireFragment{r.region_index, r.generation, f.remote_offset, f.length};
+    b.wire_fragments[i] = wire::WireFragment{r.region_index, r.generation, f.remote_offset, f.length};
   }
   b.outstanding += 1;
   b.request_sent = true;
   // REPLY: the source answers on the endpoint the request came in on. EAGER: a control message is
   // small, and the source must see it whole inside its callback.
-  SendAm(p.ep, wire::kAmReadRequest, &b.request_header, sizeof(b.request_header),
-         b.wire_fragments.data(), n * sizeof(wire::WireFragment),
-         UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
+  SendAm(p.ep, wire::kAmReadRequest, &b.request_header, sizeof(b.request_header), b.wire_fragments.data(),
+         n * sizeof(wire::WireFragment), UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
          new Op{this, Op::Kind::kBatchControl, b.id, 0, UCS_OK});
 }
 
@@ -133,8 +126,7 @@ void UcxTransferEngine::PumpGets(Batch& b) {
   if (pit == peers_.end() || pit->second->failed) return;
   Peer& p = *pit->second;
   const uint32_t n = static_cast<uint32_t>(b.request.fragments.size());
-  while (b.accepting && !b.cancel_requested && b.next_get < n &&
-         b.inflight_bytes < options_.max_inflight_bytes) {
+  while (b.accepting && !b.cancel_requested && b.next_get < n && b.inflight_bytes < options_.max_inflight_bytes) {
     const uint32_t i = b.next_get++;
     const Fragment& f = b.request.fragments[i];
     const RegionDescriptor& r = b.request.remotes[f.remote];
@@ -147,13 +139,11 @@ void UcxTransferEngine::PumpGets(Batch& b) {
     b.outstanding += 1;
     b.inflight_bytes += f.length;
     b.state[i] = 1;
-    Track(ucp_get_nbx(p.ep, b.dest[i], f.length, r.base_address + f.remote_offset, rkey, &param),
-          op);
+    Track(ucp_get_nbx(p.ep, b.dest[i], f.length, r.base_address + f.remote_offset, rkey, &param), op);
   }
 }
 
-ucs_status_t UcxTransferEngine::OnAmData(void* arg, const void* header, size_t header_length,
-                                         void* data, size_t length,
+ucs_status_t UcxTransferEngine::OnAmData(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                          const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxTransferEngine*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
@@ -173,17 +163,15 @@ ucs_status_t UcxTransferEngine::HandleData(const wire::DataHeader& h, void* data
   // pinning.
   const ucs_status_t decline = rndv ? UCS_ERR_CANCELED : UCS_OK;
   auto it = batches_.find(h.batch_id);
-  if (it == batches_.end() || !it->second->accepting ||
-      it->second->mode != PullMode::kActiveMessage) {
+  if (it == batches_.end() || !it->second->accepting || it->second->mode != PullMode::kActiveMessage) {
     return decline;  // Late data for a batch that ended, failed or was cancelled: never lands.
   }
   Batch& b = *it->second;
   const uint32_t i = h.fragment_index;
   if (i >= b.state.size() || b.state[i] != 0 || length != b.request.fragments[i].length) {
     counters_->protocol_errors->Increment();
-    FailBatch(b, Status::Internal(fmt::format(
-                     "peer {} sent fragment {} ({} bytes) that batch {} does not expect",
-                     b.request.peer, i, length, b.id)));
+    FailBatch(b, Status::Internal(fmt::format("peer {} sent fragment {} ({} bytes) that batch {} does not expect",
+                                              b.request.peer, i, length, b.id)));
     dirty_batches_.insert(b.id);
     return decline;
   }
@@ -204,19 +192,16 @@ ucs_status_t UcxTransferEngine::HandleData(const wire::DataHeader& h, void* data
   return UCS_OK;
 }
 
-ucs_status_t UcxTransferEngine::OnAmDone(void* arg, const void* header, size_t header_length,
-                                         void* data, size_t length,
+ucs_status_t UcxTransferEngine::OnAmDone(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                          const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxTransferEngine*>(arg);
-  if (header_length != sizeof(wire::DoneHeader) ||
-      (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+  if (header_length != sizeof(wire::DoneHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     self->counters_->protocol_errors->Increment();
     return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ? UCS_ERR_INVALID_PARAM : UCS_OK;
   }
   Event e;
   e.kind = Event::Kind::kDone;
-  e.header.assign(static_cast<const uint8_t*>(header),
-                  static_cast<const uint8_t*>(header) + header_length);
+  e.header.assign(static_cast<const uint8_t*>(header), static_cast<const uint8_t*>(header) + header_length);
   size_t text = std::min(length, wire::kMaxErrorTextBytes);
   e.data.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + text);
   self->events_.push_back(std::move(e));
@@ -236,9 +221,8 @@ void UcxTransferEngine::HandleDone(const Event& e) {
   b.done_received = true;
   StatusCode code = StatusCodeFromByte(h.status_code);
   std::string text(e.data.begin(), e.data.end());
-  b.done_status = code == StatusCode::kOk
-                      ? Status::Ok()
-                      : Status(code, fmt::format("peer {}: {}", b.request.peer, text));
+  b.done_status =
+      code == StatusCode::kOk ? Status::Ok() : Status(code, fmt::format("peer {}: {}", b.request.peer, text));
   b.done_fragments_sent = h.fragments_sent;
   b.done_has_checksum = h.has_checksum != 0;
   b.done_checksum = h.checksum;
@@ -249,8 +233,7 @@ void UcxTransferEngine::LandFragment(Batch& b, uint32_t i) {
   ORBITKV_CHECK(b.state[i] != 2);
   b.state[i] = 2;
   b.landed += 1;
-  if (b.request.verify_checksum)
-    b.hashes.Set(i, FragmentHash(b.dest[i], b.request.fragments[i].length));
+  if (b.request.verify_checksum) b.hashes.Set(i, FragmentHash(b.dest[i], b.request.fragments[i].length));
 }
 
 void UcxTransferEngine::FailBatch(Batch& b, Status status) {
@@ -265,16 +248,15 @@ void UcxTransferEngine::RequestCancel(uint64_t batch_id) {
   if (b.cancel_requested || !b.accepting) return;
   b.cancel_requested = true;
   auto pit = peers_.find(b.peer_id);
-  if (b.mode == PullMode::kActiveMessage && b.request_sent && pit != peers_.end() &&
-      !pit->second->failed && !b.done_received) {
+  if (b.mode == PullMode::kActiveMessage && b.request_sent && pit != peers_.end() && !pit->second->failed &&
+      !b.done_received) {
     // The source stops sending and answers with a done message once its submitted sends are
     // terminal; data it already sent keeps landing (the destination stays owned until then).
     b.cancel_header.batch_id = b.id;
     b.outstanding += 1;
     b.cancel_sent = true;
     SendAm(pit->second->ep, wire::kAmCancel, &b.cancel_header, sizeof(b.cancel_header), nullptr, 0,
-           UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
-           new Op{this, Op::Kind::kBatchControl, b.id, 0, UCS_OK});
+           UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER, new Op{this, Op::Kind::kBatchControl, b.id, 0, UCS_OK});
   }
   MaybeFinish(b);
 }
@@ -288,8 +270,8 @@ void UcxTransferEngine::MaybeFinish(Batch& b) {
   }
   if (b.mode == PullMode::kRma) {
     if (b.cancel_requested) {
-      FinishBatch(b, Status::Cancelled(fmt::format(
-                         "batch {} cancelled with {} of {} fragments landed", b.id, b.landed, n)));
+      FinishBatch(
+          b, Status::Cancelled(fmt::format("batch {} cancelled with {} of {} fragments landed", b.id, b.landed, n)));
       return;
     }
     if (b.landed < n) return;  // PumpGets keeps going.
@@ -302,8 +284,7 @@ void UcxTransferEngine::MaybeFinish(Batch& b) {
   } else {
     if (!b.done_received) {
       if (b.cancel_requested && !b.cancel_sent) {
-        FinishBatch(b,
-                    Status::Cancelled(fmt::format("batch {} cancelled before it was sent", b.id)));
+        FinishBatch(b, Status::Cancelled(fmt::format("batch {} cancelled before it was sent", b.id)));
       }
       return;
     }
@@ -311,12 +292,10 @@ void UcxTransferEngine::MaybeFinish(Batch& b) {
       FinishBatch(b, b.done_status);
       return;
     }
-    if (b.landed < b.done_fragments_sent)
-      return;  // Data the source sent before its done is still arriving.
+    if (b.landed < b.done_fragments_sent) return;  // Data the source sent before its done is still arriving.
     if (b.landed < n) {
-      FinishBatch(
-          b, Status::Internal(fmt::format("peer {} reported batch {} done with {} of {} fragments",
-                                          b.request.peer, b.id, b.landed, n)));
+      FinishBatch(b, Status::Internal(fmt::format("peer {} reported batch {} done with {} of {} fragments",
+                                                  b.request.peer, b.id, b.landed, n)));
       return;
     }
   }
@@ -326,17 +305,15 @@ void UcxTransferEngine::MaybeFinish(Batch& b) {
       return;
     }
     if (!b.done_has_checksum) {
-      FinishBatch(b, Status::Internal(fmt::format("peer {} sent no checksum for batch {}",
-                                                  b.request.peer, b.id)));
+      FinishBatch(b, Status::Internal(fmt::format("peer {} sent no checksum for batch {}", b.request.peer, b.id)));
       return;
     }
     uint64_t local = b.hashes.Finish();
     if (local != b.done_checksum) {
       counters_->checksum_failures->Increment();
-      FinishBatch(b, Status::DataLoss(fmt::format(
-                         "batch {} from {}: checksum {:016x} of the landed bytes differs "
-                         "from the source's {:016x}",
-                         b.id, b.request.peer, local, b.done_checksum)));
+      FinishBatch(b, Status::DataLoss(fmt::format("batch {} from {}: checksum {:016x} of the landed bytes differs "
+                                                  "from the source's {:016x}",
+                                                  b.id, b.request.peer, local, b.done_checksum)));
       return;
     }
   }

@@ -7,8 +7,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "base/constant_time.h"
 #include "base/check.h"
+#include "base/constant_time.h"
 #include "base/logging.h"
 #include "transfer/ucx_engine_internal.h"
 
@@ -31,13 +31,11 @@ uint64_t SecureRandomU64() {
 
 }  // namespace
 
-ucs_status_t UcxTransferEngine::OnAmReadRequest(void* arg, const void* header, size_t header_length,
-                                                void* data, size_t length,
-                                                const ucp_am_recv_param_t* param) {
+ucs_status_t UcxTransferEngine::OnAmReadRequest(void* arg, const void* header, size_t header_length, void* data,
+                                                size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxTransferEngine*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  if (rndv || header_length != sizeof(wire::ReadRequest) ||
-      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 ||
+  if (rndv || header_length != sizeof(wire::ReadRequest) || (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0 ||
       length > size_t{wire::kMaxFragmentsPerBatch} * sizeof(wire::WireFragment)) {
     self->counters_->protocol_errors->Increment();
     return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
@@ -45,16 +43,14 @@ ucs_status_t UcxTransferEngine::OnAmReadRequest(void* arg, const void* header, s
   Event e;
   e.kind = Event::Kind::kReadRequest;
   e.ep = param->reply_ep;
-  e.header.assign(static_cast<const uint8_t*>(header),
-                  static_cast<const uint8_t*>(header) + header_length);
+  e.header.assign(static_cast<const uint8_t*>(header), static_cast<const uint8_t*>(header) + header_length);
   e.data.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + length);
   self->events_.push_back(std::move(e));
   return UCS_OK;
 }
 
-ucs_status_t UcxTransferEngine::OnAmCancel(void* arg, const void* header, size_t header_length,
-                                           void* /*data*/, size_t /*length*/,
-                                           const ucp_am_recv_param_t* param) {
+ucs_status_t UcxTransferEngine::OnAmCancel(void* arg, const void* header, size_t header_length, void* /*data*/,
+                                           size_t /*length*/, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxTransferEngine*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   if (rndv || header_length != sizeof(wire::CancelHeader) ||
@@ -65,8 +61,7 @@ ucs_status_t UcxTransferEngine::OnAmCancel(void* arg, const void* header, size_t
   Event e;
   e.kind = Event::Kind::kCancel;
   e.ep = param->reply_ep;
-  e.header.assign(static_cast<const uint8_t*>(header),
-                  static_cast<const uint8_t*>(header) + header_length);
+  e.header.assign(static_cast<const uint8_t*>(header), static_cast<const uint8_t*>(header) + header_length);
   self->events_.push_back(std::move(e));
   return UCS_OK;
 }
@@ -81,8 +76,7 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
   wire::ReadRequest h;
   std::memcpy(&h, e.header.data(), sizeof(h));
   if (sep.serve_by_batch.count(h.batch_id) != 0) {
-    counters_->protocol_errors
-        ->Increment();  // A duplicate request id from one requester: ignore it.
+    counters_->protocol_errors->Increment();  // A duplicate request id from one requester: ignore it.
     return;
   }
 
@@ -97,21 +91,17 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
   op->ep = sep.ep;
   op->batch_id = h.batch_id;
   op->flags = h.flags;
-  op->deadline =
-      MonoNow() + std::chrono::milliseconds(h.deadline_ms) + options_.serve_deadline_slack;
+  op->deadline = MonoNow() + std::chrono::milliseconds(h.deadline_ms) + options_.serve_deadline_slack;
 
   const size_t n = h.fragment_count;
   if (h.version != wire::kProtocolVersion) {
-    op->failure = Status::InvalidArgument(fmt::format("protocol version {} (this engine speaks {})",
-                                                      h.version, wire::kProtocolVersion));
-  } else if (n == 0 || n > wire::kMaxFragmentsPerBatch ||
-             e.data.size() != n * sizeof(wire::WireFragment)) {
     op->failure = Status::InvalidArgument(
-        fmt::format("read request with {} fragments in {} bytes", n, e.data.size()));
+        fmt::format("protocol version {} (this engine speaks {})", h.version, wire::kProtocolVersion));
+  } else if (n == 0 || n > wire::kMaxFragmentsPerBatch || e.data.size() != n * sizeof(wire::WireFragment)) {
+    op->failure = Status::InvalidArgument(fmt::format("read request with {} fragments in {} bytes", n, e.data.size()));
   } else if (h.engine_id != engine_id_) {
     op->failure = Status::NotFound(fmt::format(
-        "descriptors name engine incarnation {:016x}; this engine is {:016x} (restarted?)",
-        h.engine_id, engine_id_));
+        "descriptors name engine incarnation {:016x}; this engine is {:016x} (restarted?)", h.engine_id, engine_id_));
   } else {
     std::vector<wire::WireFragment> fragments(n);
     std::memcpy(fragments.data(), e.data.data(), e.data.size());
@@ -126,12 +116,12 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
       const wire::WireFragment& f = fragments[i];
       if (f.region_index >= regions_.size() || !regions_[f.region_index].live ||
           regions_[f.region_index].generation != f.generation) {
-        op->failure = Status::NotFound(fmt::format(
-            "fragment {}: region {}/{} is not registered here", i, f.region_index, f.generation));
+        op->failure = Status::NotFound(
+            fmt::format("fragment {}: region {}/{} is not registered here", i, f.region_index, f.generation));
       } else if (const Region& r = regions_[f.region_index];
                  f.length == 0 || f.offset > r.length || f.length > r.length - f.offset) {
-        op->failure = Status::OutOfRange(fmt::format(
-            "fragment {}: [{}, +{}) outside region of {} bytes", i, f.offset, f.length, r.length));
+        op->failure = Status::OutOfRange(
+            fmt::format("fragment {}: [{}, +{}) outside region of {} bytes", i, f.offset, f.length, r.length));
       } else {
         regions_[f.region_index].pins += 1;
         op->pinned.push_back(RegionHandle{f.region_index, f.generation});
@@ -155,8 +145,7 @@ void UcxTransferEngine::HandleReadRequest(const Event& e) {
   op->hashes = BatchChecksum(op->src.size());
   if (!op->failure && (op->flags & wire::kFlagChecksumOnly) != 0) {
     // RMA mode: the requester already fetched the bytes; hash what it read.
-    for (size_t i = 0; i < op->src.size(); ++i)
-      op->hashes.Set(i, FragmentHash(op->src[i], op->lengths[i]));
+    for (size_t i = 0; i < op->src.size(); ++i) op->hashes.Set(i, FragmentHash(op->src[i], op->lengths[i]));
     op->next = static_cast<uint32_t>(op->src.size());
   }
   ServeOp& s = *op;
@@ -187,8 +176,7 @@ void UcxTransferEngine::EndPostingTurn(ServeOp& s) {
     return;
   }
   if (!was_first) return;
-  if (auto next = serve_ops_.find(order->front()); next != serve_ops_.end())
-    PumpServe(*next->second);
+  if (auto next = serve_ops_.find(order->front()); next != serve_ops_.end()) PumpServe(*next->second);
 }
 
 void UcxTransferEngine::PumpServe(ServeOp& s) {
@@ -197,9 +185,7 @@ void UcxTransferEngine::PumpServe(ServeOp& s) {
     return;
   }
   // An earlier request of the same grant is still being sent: this one waits for its turn.
-  if (const std::deque<uint64_t>* order = PostingOrder(s);
-      order != nullptr && order->front() != s.id)
-    return;
+  if (const std::deque<uint64_t>* order = PostingOrder(s); order != nullptr && order->front() != s.id) return;
   const uint32_t n = static_cast<uint32_t>(s.src.size());
   const bool checksum = (s.flags & wire::kFlagChecksum) != 0;
   while (s.next < n && s.inflight_bytes < options_.max_served_inflight_bytes) {
@@ -227,10 +213,9 @@ void UcxTransferEngine::MaybeFinishServe(ServeOp& s) {
       s.unpinned = true;
     }
     if (!s.ep_failed) {
-      Status status = s.failure ? *s.failure
-                      : s.cancelled
-                          ? Status::Cancelled(fmt::format("cancelled after {} fragments", s.sent))
-                          : Status::Ok();
+      Status status = s.failure     ? *s.failure
+                      : s.cancelled ? Status::Cancelled(fmt::format("cancelled after {} fragments", s.sent))
+                                    : Status::Ok();
       const bool with_checksum = status.ok() && (s.flags & wire::kFlagChecksum) != 0;
       SendDone(s, status, with_checksum, with_checksum ? s.hashes.Finish() : 0);
       // Every fragment is sent and DONE is posted ahead of the grant's next request.
@@ -259,8 +244,7 @@ Status UcxTransferEngine::CheckGrant(uint64_t grant_id, const GrantSecret& secre
                                      const std::vector<wire::WireFragment>& fragments) {
   if (grant_id == 0) {
     if (!options_.require_grants) return Status::Ok();
-    return Status::PermissionDenied(
-        "this source serves reads only inside a grant (the request names none)");
+    return Status::PermissionDenied("this source serves reads only inside a grant (the request names none)");
   }
   auto it = grants_.find(grant_id);
   if (it == grants_.end() || it->second.revoked) {
@@ -276,17 +260,15 @@ Status UcxTransferEngine::CheckGrant(uint64_t grant_id, const GrantSecret& secre
   for (size_t i = 0; i < fragments.size(); ++i) {
     const wire::WireFragment& f = fragments[i];
     // The last range starting at or before the fragment, in (region, offset) order.
-    auto after = std::upper_bound(ranges.begin(), ranges.end(), f, [](const wire::WireFragment& x,
-                                                                      const GrantRange& r) {
-      return std::make_pair(x.region_index, x.offset) < std::make_pair(r.region.index, r.offset);
-    });
+    auto after =
+        std::upper_bound(ranges.begin(), ranges.end(), f, [](const wire::WireFragment& x, const GrantRange& r) {
+          return std::make_pair(x.region_index, x.offset) < std::make_pair(r.region.index, r.offset);
+        });
     const GrantRange* r = after == ranges.begin() ? nullptr : &*std::prev(after);
-    if (r == nullptr || r->region.index != f.region_index ||
-        r->region.generation != f.generation || f.length == 0 ||
+    if (r == nullptr || r->region.index != f.region_index || r->region.generation != f.generation || f.length == 0 ||
         f.offset - r->offset > r->length || f.length > r->length - (f.offset - r->offset)) {
-      return Status::PermissionDenied(
-          fmt::format("fragment {}: region {}/{} [{}, +{}) is outside grant {:016x}", i,
-                      f.region_index, f.generation, f.offset, f.length, grant_id));
+      return Status::PermissionDenied(fmt::format("fragment {}: region {}/{} [{}, +{}) is outside grant {:016x}", i,
+                                                  f.region_index, f.generation, f.offset, f.length, grant_id));
     }
   }
   return Status::Ok();
@@ -294,23 +276,21 @@ Status UcxTransferEngine::CheckGrant(uint64_t grant_id, const GrantSecret& secre
 
 Result<IssuedGrant> UcxTransferEngine::CreateGrant(GrantRequest request) {
   if (request.ranges.empty()) return Status::InvalidArgument("CreateGrant: no ranges");
-  std::sort(request.ranges.begin(), request.ranges.end(),
-            [](const GrantRange& a, const GrantRange& b) {
-              return std::make_pair(a.region.index, a.offset) <
-                     std::make_pair(b.region.index, b.offset);
-            });
+  std::sort(request.ranges.begin(), request.ranges.end(), [](const GrantRange& a, const GrantRange& b) {
+    return std::make_pair(a.region.index, a.offset) < std::make_pair(b.region.index, b.offset);
+  });
   MutexLock lock(&regions_mu_);
   for (size_t i = 0; i < request.ranges.size(); ++i) {
     const GrantRange& g = request.ranges[i];
     if (g.region.index >= regions_.size() || !regions_[g.region.index].live ||
         regions_[g.region.index].generation != g.region.generation) {
-      return Status::NotFound(fmt::format("CreateGrant: range {}: region {}/{} is not registered",
-                                          i, g.region.index, g.region.generation));
+      return Status::NotFound(
+          fmt::format("CreateGrant: range {}: region {}/{} is not registered", i, g.region.index, g.region.generation));
     }
     const Region& r = regions_[g.region.index];
     if (g.length == 0 || g.offset > r.length || g.length > r.length - g.offset) {
-      return Status::OutOfRange(fmt::format("CreateGrant: range {}: [{}, +{}) outside region of {} bytes",
-                                            i, g.offset, g.length, r.length));
+      return Status::OutOfRange(
+          fmt::format("CreateGrant: range {}: [{}, +{}) outside region of {} bytes", i, g.offset, g.length, r.length));
     }
     if (i > 0 && request.ranges[i - 1].region.index == g.region.index &&
         request.ranges[i - 1].offset + request.ranges[i - 1].length > g.offset) {
@@ -377,8 +357,7 @@ Status UcxTransferEngine::RevokePeer(const std::string& peer, DrainedCallback dr
   return Status::Ok();
 }
 
-void UcxTransferEngine::HandleRevoke(const std::vector<uint64_t>& grants, bool close,
-                                     DrainedCallback drained) {
+void UcxTransferEngine::HandleRevoke(const std::vector<uint64_t>& grants, bool close, DrainedCallback drained) {
   auto waiter = std::make_shared<DrainWaiter>();
   waiter->callback = std::move(drained);
   {
@@ -408,8 +387,7 @@ void UcxTransferEngine::HandleRevoke(const std::vector<uint64_t>& grants, bool c
       }
     }
     for (uint64_t id : eps) {
-      FailServerEp(*server_eps_.at(id),
-                   Status::PermissionDenied("the source revoked this peer's grants"));
+      FailServerEp(*server_eps_.at(id), Status::PermissionDenied("the source revoked this peer's grants"));
     }
   }
   std::vector<uint64_t> stopped;
@@ -450,8 +428,7 @@ void UcxTransferEngine::MaybeDrainGrants(const std::vector<uint64_t>& grants) {
       auto it = grants_.find(id);
       // Drained once revoked with nothing in flight, and only once its revocation was handled
       // (waiters attached): a revoke racing the last op's end drains here or in HandleRevoke.
-      if (it == grants_.end() || !it->second.revoked || it->second.serving != 0 ||
-          it->second.waiters.empty()) {
+      if (it == grants_.end() || !it->second.revoked || it->second.serving != 0 || it->second.waiters.empty()) {
         continue;
       }
       for (const GrantRange& g : it->second.ranges) {
@@ -467,20 +444,14 @@ void UcxTransferEngine::MaybeDrainGrants(const std::vector<uint64_t>& grants) {
   }
 }
 
-void UcxTransferEngine::SendDone(ServeOp& s, const Status& status, bool has_checksum,
-                                 uint64_t checksum) {
+void UcxTransferEngine::SendDone(ServeOp& s, const Status& status, bool has_checksum, uint64_t checksum) {
   s.done_sent = true;
-  s.done_header = wire::DoneHeader{s.batch_id,
-                                   s.sent,
-                                   static_cast<uint8_t>(status.code()),
-                                   static_cast<uint8_t>(has_checksum ? 1 : 0),
-                                   0,
-                                   checksum};
+  s.done_header = wire::DoneHeader{
+      s.batch_id, s.sent, static_cast<uint8_t>(status.code()), static_cast<uint8_t>(has_checksum ? 1 : 0), 0, checksum};
   s.done_text = std::string(status.message().substr(0, wire::kMaxErrorTextBytes));
   s.outstanding += 1;
-  SendAm(s.ep, wire::kAmDone, &s.done_header, sizeof(s.done_header), s.done_text.data(),
-         s.done_text.size(), UCP_AM_SEND_FLAG_EAGER,
-         new Op{this, Op::Kind::kServeDone, s.id, 0, UCS_OK});
+  SendAm(s.ep, wire::kAmDone, &s.done_header, sizeof(s.done_header), s.done_text.data(), s.done_text.size(),
+         UCP_AM_SEND_FLAG_EAGER, new Op{this, Op::Kind::kServeDone, s.id, 0, UCS_OK});
 }
 
 void UcxTransferEngine::HandleCancel(const Event& e) {

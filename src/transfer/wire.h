@@ -15,8 +15,7 @@
 
 namespace orbitkv::transfer::wire {
 
-static_assert(std::endian::native == std::endian::little,
-              "wire layouts are little-endian; add byte swaps");
+static_assert(std::endian::native == std::endian::little, "wire layouts are little-endian; add byte swaps");
 
 inline void Store16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
 inline void Store32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
@@ -39,11 +38,10 @@ inline uint64_t Load64(const uint8_t* p) {
 
 // Active-message ids registered on every worker.
 enum AmId : unsigned {
-  kAmReadRequest =
-      1,          // requester -> source: header ReadRequest, data = fragment_count x WireFragment.
-  kAmData = 2,    // source -> requester: header DataHeader, data = the fragment's bytes.
-  kAmDone = 3,    // source -> requester: header DoneHeader, data = UTF-8 error text (may be empty).
-  kAmCancel = 4,  // requester -> source: header CancelHeader, no data.
+  kAmReadRequest = 1,  // requester -> source: header ReadRequest, data = fragment_count x WireFragment.
+  kAmData = 2,         // source -> requester: header DataHeader, data = the fragment's bytes.
+  kAmDone = 3,         // source -> requester: header DoneHeader, data = UTF-8 error text (may be empty).
+  kAmCancel = 4,       // requester -> source: header CancelHeader, no data.
 };
 
 // 2: ReadRequest carries a grant id. 3: and the grant's secret (a grant works only for its holder).

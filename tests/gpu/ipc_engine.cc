@@ -111,8 +111,7 @@ struct Buffer {
 
 class Engine {
  public:
-  Engine(const Args& args, std::unique_ptr<CacheClient> client)
-      : args_(args), client_(std::move(client)) {}
+  Engine(const Args& args, std::unique_ptr<CacheClient> client) : args_(args), client_(std::move(client)) {}
 
   Status Allocate() {
     const bool kv = args_.layout == "kv";
@@ -122,14 +121,12 @@ class Engine {
       // One allocation; buffer i starts 256 bytes after a 1 MiB boundary, so every IPC offset is
       // non-zero and the copies see engine addresses that are only 256-byte aligned.
       const uint64_t span = (uint64_t{args_.pages} * page_bytes + (1 << 20)) >> 20 << 20;
-      ORBITKV_ASSIGN_OR_RETURN(DeviceMemory memory,
-                               DeviceMemory::Allocate(kDevice, span * count + (1 << 20)));
+      ORBITKV_ASSIGN_OR_RETURN(DeviceMemory memory, DeviceMemory::Allocate(kDevice, span * count + (1 << 20)));
       allocations_.push_back(std::move(memory));
       for (uint32_t i = 0; i < count; ++i) buffers_.push_back({0, i * span + 256, page_bytes});
     } else {
       for (uint32_t i = 0; i < count; ++i) {
-        ORBITKV_ASSIGN_OR_RETURN(DeviceMemory memory,
-                                 DeviceMemory::Allocate(kDevice, args_.pages * page_bytes));
+        ORBITKV_ASSIGN_OR_RETURN(DeviceMemory memory, DeviceMemory::Allocate(kDevice, args_.pages * page_bytes));
         allocations_.push_back(std::move(memory));
         buffers_.push_back({i, 0, page_bytes});
       }
@@ -146,8 +143,7 @@ class Engine {
     id.format.model_digest = state::Sha256::Of(std::string_view(args_.layout));
     id.format.implementation_digest = state::Sha256::Of(std::string_view("gpu_ipc_engine bf16"));
     id.format.dtype = state::DType::kBFloat16;
-    id.format.layout =
-        args_.layout == "kv" ? state::KvLayout::kLayerFirstSplitKv : state::KvLayout::kMla;
+    id.format.layout = args_.layout == "kv" ? state::KvLayout::kLayerFirstSplitKv : state::KvLayout::kMla;
     id.format.layout_detail = args_.layout;
     id.format.page_size_tokens = kPageTokens;
     id.format.parallel = {.tp_size = 1, .tp_rank = 0, .pp_size = 1, .pp_rank = 0};
@@ -157,8 +153,8 @@ class Engine {
     std::vector<BufferSpec> specs;
     for (const Buffer& b : buffers_) {
       cudaIpcMemHandle_t handle;
-      ORBITKV_RETURN_IF_ERROR(CudaStatus(
-          cudaIpcGetMemHandle(&handle, allocations_[b.allocation].data()), "cudaIpcGetMemHandle"));
+      ORBITKV_RETURN_IF_ERROR(
+          CudaStatus(cudaIpcGetMemHandle(&handle, allocations_[b.allocation].data()), "cudaIpcGetMemHandle"));
       BufferSpec spec;
       spec.buffer_bytes = uint64_t{args_.pages} * b.page_bytes;
       spec.page_stride = b.page_bytes;
@@ -169,8 +165,7 @@ class Engine {
       spec.cuda_ipc->pci_bus_id = bus_id;
       specs.push_back(std::move(spec));
     }
-    ORBITKV_ASSIGN_OR_RETURN(padded_bytes_,
-                             client_->RegisterGroup(args_.instance, 0, args_.pages, specs));
+    ORBITKV_ASSIGN_OR_RETURN(padded_bytes_, client_->RegisterGroup(args_.instance, 0, args_.pages, specs));
     bus_id_ = bus_id;
     return Status::Ok();
   }
@@ -199,9 +194,8 @@ class Engine {
       host.resize(buffers_[b].page_bytes);
       for (uint32_t k = 0; k < key_count; ++k) {
         Expected(k, b, host.data());
-        ORBITKV_RETURN_IF_ERROR(CudaStatus(
-            cudaMemcpy(PageAddress(b, k), host.data(), host.size(), cudaMemcpyHostToDevice),
-            "fill"));
+        ORBITKV_RETURN_IF_ERROR(
+            CudaStatus(cudaMemcpy(PageAddress(b, k), host.data(), host.size(), cudaMemcpyHostToDevice), "fill"));
       }
     }
     return CudaStatus(cudaDeviceSynchronize(), "fill sync");
@@ -209,8 +203,7 @@ class Engine {
 
   Status Poison() {
     for (DeviceMemory& memory : allocations_) {
-      ORBITKV_RETURN_IF_ERROR(
-          CudaStatus(cudaMemset(memory.data(), kPoison, memory.size()), "poison"));
+      ORBITKV_RETURN_IF_ERROR(CudaStatus(cudaMemset(memory.data(), kPoison, memory.size()), "poison"));
     }
     return CudaStatus(cudaDeviceSynchronize(), "poison sync");
   }
@@ -219,9 +212,8 @@ class Engine {
     std::vector<StateKey> keys;
     for (uint32_t k = 0; k < count; ++k) {
       const std::string native = fmt::format("gate-{:016}-{:08}", args_.seed, k);
-      Result<StateKey> key = StateKey::Create(
-          ns_, 0, state::TokenRange{uint64_t{k} * kPageTokens, uint64_t{k + 1} * kPageTokens},
-          native);
+      Result<StateKey> key =
+          StateKey::Create(ns_, 0, state::TokenRange{uint64_t{k} * kPageTokens, uint64_t{k + 1} * kPageTokens}, native);
       keys.push_back(*key);
     }
     return keys;
@@ -243,15 +235,13 @@ class Engine {
     while (restored < count) {
       ORBITKV_ASSIGN_OR_RETURN(
           client::QueryResult hit,
-          client_->Query(args_.instance, 0,
-                         std::span<const StateKey>(keys).subspan(restored, count - restored)));
+          client_->Query(args_.instance, 0, std::span<const StateKey>(keys).subspan(restored, count - restored)));
       if (hit.hits == 0) {
-        return Status::NotFound(fmt::format("key {} of {} missed ({})", restored, count,
-                                            hit.loading_op != 0 ? "loading" : "miss"));
+        return Status::NotFound(
+            fmt::format("key {} of {} missed ({})", restored, count, hit.loading_op != 0 ? "loading" : "miss"));
       }
       std::vector<uint32_t> pages(dst.begin() + restored, dst.begin() + restored + hit.hits);
-      ORBITKV_ASSIGN_OR_RETURN(uint64_t handle,
-                               client_->StartRestore(args_.instance, 0, hit.lease, pages));
+      ORBITKV_ASSIGN_OR_RETURN(uint64_t handle, client_->StartRestore(args_.instance, 0, hit.lease, pages));
       if (!wait) return hit.hits;
       ORBITKV_RETURN_IF_ERROR(client_->WaitRestore(handle));
       restored += hit.hits;
@@ -269,8 +259,8 @@ class Engine {
     for (size_t b = 0; b < buffers_.size(); ++b) {
       const uint64_t page_bytes = buffers_[b].page_bytes;
       got.resize(page_bytes * args_.pages);
-      ORBITKV_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpy(got.data(), PageAddress(b, 0), got.size(), cudaMemcpyDeviceToHost), "read"));
+      ORBITKV_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpy(got.data(), PageAddress(b, 0), got.size(), cudaMemcpyDeviceToHost), "read"));
       want.resize(page_bytes);
       for (uint32_t p = 0; p < args_.pages; ++p) {
         if (key_of[p] >= 0) {
@@ -280,16 +270,14 @@ class Engine {
         }
         if (std::memcmp(got.data() + p * page_bytes, want.data(), page_bytes) != 0) {
           if (++mismatched_pages <= 5) {
-            fmt::print(stderr, "gpu_ipc_engine: buffer {} page {} (key {}) differs\n", b, p,
-                       key_of[p]);
+            fmt::print(stderr, "gpu_ipc_engine: buffer {} page {} (key {}) differs\n", b, p, key_of[p]);
           }
         }
         compared += page_bytes;
       }
     }
     if (mismatched_pages != 0) {
-      return Status::DataLoss(
-          fmt::format("{} page(s) of {} buffers differ", mismatched_pages, buffers_.size()));
+      return Status::DataLoss(fmt::format("{} page(s) of {} buffers differ", mismatched_pages, buffers_.size()));
     }
     return compared;
   }
@@ -310,8 +298,8 @@ class Engine {
     ORBITKV_ASSIGN_OR_RETURN(client::SaveResult saved, Save(count));
     const auto t1 = std::chrono::steady_clock::now();
     if (resident ? saved.skipped != count : saved.written != count) {
-      return Status::Internal(fmt::format("save wrote {} and skipped {} of {} blocks",
-                                          saved.written, saved.skipped, count));
+      return Status::Internal(
+          fmt::format("save wrote {} and skipped {} of {} blocks", saved.written, saved.skipped, count));
     }
     ORBITKV_RETURN_IF_ERROR(Poison());
     const std::vector<uint32_t> dst = ShuffledPages(count);
@@ -320,17 +308,14 @@ class Engine {
     const auto t3 = std::chrono::steady_clock::now();
     ORBITKV_ASSIGN_OR_RETURN(uint64_t compared, Compare(restored, dst));
     const double block = static_cast<double>(block_bytes());
-    auto gbps = [&](auto a, auto b) {
-      return block * count / std::chrono::duration<double>(b - a).count() / 1e9;
-    };
+    auto gbps = [&](auto a, auto b) { return block * count / std::chrono::duration<double>(b - a).count() / 1e9; };
     fmt::print(
         "{{\"layout\": \"{}\", \"mode\": \"{}\", \"gpu\": \"{}\", \"buffers\": {}, \"pages\": {}, "
         "\"blocks\": {}, \"block_bytes\": {}, \"fragment_bytes\": {}, \"saved\": {}, "
         "\"skipped\": {}, \"restored\": {}, \"bytes_compared\": {}, \"mismatches\": 0, "
         "\"save_gbps\": {:.2f}, \"restore_gbps\": {:.2f}}}\n",
-        args_.layout, args_.mode, bus_id_, buffers_.size(), args_.pages, count, block_bytes(),
-        buffers_[0].page_bytes, saved.written, saved.skipped, restored, compared,
-        resident ? 0.0 : gbps(t0, t1), gbps(t2, t3));
+        args_.layout, args_.mode, bus_id_, buffers_.size(), args_.pages, count, block_bytes(), buffers_[0].page_bytes,
+        saved.written, saved.skipped, restored, compared, resident ? 0.0 : gbps(t0, t1), gbps(t2, t3));
     std::fflush(stdout);
     return Status::Ok();
   }
@@ -356,19 +341,17 @@ class Engine {
     const std::vector<uint32_t> dst = ShuffledPages(count);
     const std::vector<uint32_t> first(dst.begin(), dst.begin() + std::min(hit.hits, count));
     ORBITKV_RETURN_IF_ERROR(StopProcess(args_.manager_pid));
-    ORBITKV_ASSIGN_OR_RETURN(uint64_t handle,
-                             client_->StartRestore(args_.instance, 0, hit.lease, first));
+    ORBITKV_ASSIGN_OR_RETURN(uint64_t handle, client_->StartRestore(args_.instance, 0, hit.lease, first));
     const auto t0 = std::chrono::steady_clock::now();
     Status waited = client_->WaitRestore(handle, std::chrono::milliseconds(300));
-    const double wait_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double wait_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     Result<bool> abandoned = client_->AbandonRestore(handle);
     kill(args_.manager_pid, SIGCONT);
     if (waited.code() != StatusCode::kDeadlineExceeded) {
       return Status::Internal("stopped: the restore wait did not time out: " + waited.ToString());
     }
     if (!abandoned.ok() || !*abandoned) return Status::Internal("stopped: the restore was not abandoned");
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the Manager reaches the restore
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));    // the Manager reaches the restore
     ORBITKV_ASSIGN_OR_RETURN(uint64_t untouched, Compare(0, dst));  // every page still the poison
     ORBITKV_ASSIGN_OR_RETURN(uint32_t restored, Restore(count, dst, true));
     ORBITKV_ASSIGN_OR_RETURN(uint64_t compared, Compare(restored, dst));
@@ -443,8 +426,7 @@ Status RunExternal(const Args& args, CacheClient& client) {
   spec.page_bytes = args.page_bytes;
   spec.cuda_ipc.emplace();
   for (size_t i = 0; i < channel::kCudaIpcHandleBytes; ++i) {
-    spec.cuda_ipc->handle[i] =
-        static_cast<uint8_t>(std::stoul(args.ipc_handle_hex.substr(2 * i, 2), nullptr, 16));
+    spec.cuda_ipc->handle[i] = static_cast<uint8_t>(std::stoul(args.ipc_handle_hex.substr(2 * i, 2), nullptr, 16));
   }
   spec.cuda_ipc->offset = args.ipc_offset;
   spec.cuda_ipc->pci_bus_id = args.pci_bus_id;
@@ -461,17 +443,15 @@ Status RunExternal(const Args& args, CacheClient& client) {
   id.format.parallel = {.tp_size = 1, .tp_rank = 0, .pp_size = 1, .pp_rank = 0};
   ORBITKV_ASSIGN_OR_RETURN(state::StateNamespace ns, state::DeriveNamespace(id));
   ORBITKV_RETURN_IF_ERROR(client.RegisterInstance(args.instance, ns));
-  ORBITKV_RETURN_IF_ERROR(
-      client.RegisterGroup(args.instance, 0, args.pages, std::span(&spec, 1)).status());
+  ORBITKV_RETURN_IF_ERROR(client.RegisterGroup(args.instance, 0, args.pages, std::span(&spec, 1)).status());
   const uint32_t count = args.pages / 2;
   std::vector<StateKey> keys;
   std::vector<SaveItem> items;
   for (uint32_t k = 0; k < count; ++k) {
     ORBITKV_ASSIGN_OR_RETURN(
         StateKey key,
-        StateKey::Create(
-            ns, 0, state::TokenRange{uint64_t{k} * kPageTokens, uint64_t{k + 1} * kPageTokens},
-            fmt::format("torch-{:016}-{:08}", args.seed, k)));
+        StateKey::Create(ns, 0, state::TokenRange{uint64_t{k} * kPageTokens, uint64_t{k + 1} * kPageTokens},
+                         fmt::format("torch-{:016}-{:08}", args.seed, k)));
     keys.push_back(key);
     items.push_back({key, k});
   }
@@ -485,9 +465,8 @@ Status RunExternal(const Args& args, CacheClient& client) {
   }
   uint32_t restored = 0;
   while (restored < count) {
-    ORBITKV_ASSIGN_OR_RETURN(
-        client::QueryResult hit,
-        client.Query(args.instance, 0, std::span<const StateKey>(keys).subspan(restored)));
+    ORBITKV_ASSIGN_OR_RETURN(client::QueryResult hit,
+                             client.Query(args.instance, 0, std::span<const StateKey>(keys).subspan(restored)));
     if (hit.hits == 0) return Status::NotFound("external: a saved block missed");
     std::vector<uint32_t> pages;
     for (uint32_t k = restored; k < restored + hit.hits; ++k) pages.push_back(args.pages - 1 - k);
@@ -513,17 +492,13 @@ Status Run(const Args& args) {
     spec.buffer_bytes = spec.page_stride = spec.page_bytes = 4096;
     spec.cuda_ipc.emplace();
     spec.cuda_ipc->pci_bus_id = "0000:00:00.0";
-    ORBITKV_RETURN_IF_ERROR(
-        engine.client().RegisterInstance(args.instance, state::StateNamespace()));
-    Status registered =
-        engine.client().RegisterGroup(args.instance, 0, 1, std::span(&spec, 1)).status();
+    ORBITKV_RETURN_IF_ERROR(engine.client().RegisterInstance(args.instance, state::StateNamespace()));
+    Status registered = engine.client().RegisterGroup(args.instance, 0, 1, std::span(&spec, 1)).status();
     if (registered.ok()) return Status::Internal("a Manager without a GPU accepted CUDA buffers");
-    fmt::print("{{\"mode\": \"no-gpu\", \"refused\": true, \"code\": \"{}\"}}\n",
-               StatusCodeName(registered.code()));
+    fmt::print("{{\"mode\": \"no-gpu\", \"refused\": true, \"code\": \"{}\"}}\n", StatusCodeName(registered.code()));
     fmt::print(stderr, "gpu_ipc_engine: refused as expected: {}\n", registered.ToString());
-    return registered.code() == StatusCode::kFailedPrecondition
-               ? Status::Ok()
-               : Status::Internal("refused with an unexpected code");
+    return registered.code() == StatusCode::kFailedPrecondition ? Status::Ok()
+                                                                : Status::Internal("refused with an unexpected code");
   }
   ORBITKV_RETURN_IF_ERROR(engine.Allocate());
   ORBITKV_RETURN_IF_ERROR(engine.Register());
@@ -573,8 +548,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (args.socket.empty() || (args.layout != "kv" && args.layout != "mla") || args.pages < 2 ||
-      args.layers == 0) {
+  if (args.socket.empty() || (args.layout != "kv" && args.layout != "mla") || args.pages < 2 || args.layers == 0) {
     std::fprintf(stderr,
                  "usage: gpu_ipc_engine --socket PATH --layout kv|mla "
                  "--mode cycle|die|after-death|stopped|no-gpu|external [--manager-pid PID] "

@@ -44,10 +44,11 @@ using testing::StringField;
 TEST(DistributedManagerTest, OneRuntimeIdentityEverywhereAndANewOneAfterARestart) {
   auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
   ASSERT_TRUE(etcd.ok()) << etcd.status();
-  const std::vector<std::string> flags = {
-      "--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it",
-      "--node-id",        "node-r",            "--catalog-nodes", "node-r",
-      "--peer-endpoint",  fmt::format("127.0.0.1:{}", testing::FreeLoopbackPort())};
+  const std::vector<std::string> flags = {"--etcd-endpoints", (*etcd)->endpoint(),
+                                          "--cluster-name",   "it",
+                                          "--node-id",        "node-r",
+                                          "--catalog-nodes",  "node-r",
+                                          "--peer-endpoint",  fmt::format("127.0.0.1:{}", testing::FreeLoopbackPort())};
   std::string first_uuid;
   for (int run = 0; run < 2; ++run) {
     const uint16_t metrics_port = testing::FreeLoopbackPort();
@@ -60,17 +61,14 @@ TEST(DistributedManagerTest, OneRuntimeIdentityEverywhereAndANewOneAfterARestart
     const std::string uuid = StringField(stats, "runtime_uuid");
     Result<RuntimeId> id = RuntimeId::Parse(uuid);
     ASSERT_TRUE(id.ok()) << id.status() << "\n" << stats;
-    EXPECT_NE(stats.find(fmt::format("\"incarnation\": {},", id->incarnation())),
-              std::string::npos)
-        << stats;
+    EXPECT_NE(stats.find(fmt::format("\"incarnation\": {},", id->incarnation())), std::string::npos) << stats;
     EXPECT_EQ(RecordedRuntimeUuid((*etcd)->endpoint(), "node-r"), uuid);
     // `orbitkv status` tells an operator the same.
     const std::string status = CliOutput({"status", "--socket", manager.socket()});
     EXPECT_NE(status.find("runtime " + uuid), std::string::npos) << status;
     EXPECT_NE(status.find("membership registered"), std::string::npos) << status;
     const std::string metrics = testing::MetricsText(metrics_port);
-    EXPECT_NE(metrics.find(fmt::format("orbitkv_runtime_info{{runtime_uuid=\"{}\"}} 1", uuid)),
-              std::string::npos)
+    EXPECT_NE(metrics.find(fmt::format("orbitkv_runtime_info{{runtime_uuid=\"{}\"}} 1", uuid)), std::string::npos)
         << metrics;
     if (run == 0) {
       first_uuid = uuid;
@@ -85,8 +83,8 @@ TEST(DistributedManagerTest, JoinsTheClusterAndReportsMembership) {
   auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
   ASSERT_TRUE(etcd.ok()) << etcd.status();
   const std::string endpoints = (*etcd)->endpoint();
-  ManagerProcess first({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id",
-                        "node-a", "--catalog-nodes", "node-a", "--peer-endpoint", Loopback()},
+  ManagerProcess first({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", "node-a", "--catalog-nodes",
+                        "node-a", "--peer-endpoint", Loopback()},
                        "dist-a");
   ASSERT_TRUE(first.running()) << first.LogText();
   // The view completes asynchronously after the join.
@@ -102,21 +100,19 @@ TEST(DistributedManagerTest, JoinsTheClusterAndReportsMembership) {
   EXPECT_NE(stats.find("\"remote_work\": 1"), std::string::npos) << stats;
 
   // The same Node ID while the first is live: the second Manager refuses to start.
-  ManagerProcess duplicate(
-      {"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", "node-a",
-       "--catalog-nodes", "node-a", "--peer-endpoint", Loopback()},
-      "dist-dup");
+  ManagerProcess duplicate({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", "node-a",
+                            "--catalog-nodes", "node-a", "--peer-endpoint", Loopback()},
+                           "dist-dup");
   EXPECT_FALSE(duplicate.running());
 
   // A graceful stop revokes the lease: the Node ID is free again at once, with a new epoch.
   EXPECT_EQ(first.Stop(SIGTERM), 0);
-  ManagerProcess again({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id",
-                        "node-a", "--catalog-nodes", "node-a", "--peer-endpoint", Loopback()},
+  ManagerProcess again({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", "node-a", "--catalog-nodes",
+                        "node-a", "--peer-endpoint", Loopback()},
                        "dist-again");
   ASSERT_TRUE(again.running()) << again.LogText();
   EXPECT_NE(StatsOf(again).find("\"membership_epoch\": 2"), std::string::npos);
 }
-
 
 // Two Managers with peer listeners: Health answers a member's well-routed request with the runtime
 // UUID etcd holds; a stale destination, a stranger and a restarted source's old identity are refused.
@@ -126,8 +122,8 @@ TEST(DistributedManagerTest, PeerListenersAnswerHealthAndRefuseBadRoutes) {
   const std::string endpoints = (*etcd)->endpoint();
   const std::string peer_a = Loopback(), peer_b = Loopback();
   auto flags = [&](const std::string& node, const std::string& peer) {
-    return std::vector<std::string>{"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", node,
-                                    "--catalog-nodes", "node-a,node-b", "--peer-endpoint", peer};
+    return std::vector<std::string>{"--etcd-endpoints", endpoints,       "--cluster-name",  "it", "--node-id", node,
+                                    "--catalog-nodes",  "node-a,node-b", "--peer-endpoint", peer};
   };
   ManagerProcess a(flags("node-a", peer_a), "peer-a");
   ManagerProcess b(flags("node-b", peer_b), "peer-b");
@@ -208,11 +204,11 @@ class OtherVersionPeer final : public peer::v1::Peer::Service {
                       peer::v1::HealthResponse* response) override {
     if (mode == Mode::kRefusesThis) {
       // As the route check of a Manager of that version refuses (catalog/route.cc): the reason is what counts.
-      return catalog::ToGrpc(Status::FailedPrecondition(fmt::format(
-                                 "peer protocol version {} from node '{}', this Manager speaks {}",
-                                 request->route().protocol_version(), request->route().source_node_id(),
-                                 catalog::kPeerProtocolVersion + 1))
-                                 .WithReason(StatusReason::kPeerProtocolVersion));
+      return catalog::ToGrpc(
+          Status::FailedPrecondition(fmt::format("peer protocol version {} from node '{}', this Manager speaks {}",
+                                                 request->route().protocol_version(), request->route().source_node_id(),
+                                                 catalog::kPeerProtocolVersion + 1))
+              .WithReason(StatusReason::kPeerProtocolVersion));
     }
     response->set_protocol_version(mode == Mode::kAnswersNext ? catalog::kPeerProtocolVersion + 1
                                                               : catalog::kPeerProtocolVersion);
@@ -227,10 +223,10 @@ TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndL
   ASSERT_TRUE(etcd.ok()) << etcd.status();
   const std::string endpoints = (*etcd)->endpoint();
   const uint16_t metrics_port = testing::FreeLoopbackPort();
-  ManagerProcess a({"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", "node-a",
-                    "--catalog-nodes", "node-a,node-x", "--peer-endpoint", Loopback(), "--metrics-addr",
-                    fmt::format("127.0.0.1:{}", metrics_port)},
-                   "ver-a");
+  ManagerProcess a(
+      {"--etcd-endpoints", endpoints, "--cluster-name", "it", "--node-id", "node-a", "--catalog-nodes", "node-a,node-x",
+       "--peer-endpoint", Loopback(), "--metrics-addr", fmt::format("127.0.0.1:{}", metrics_port)},
+      "ver-a");
   ASSERT_TRUE(a.running()) << a.LogText();
 
   OtherVersionPeer other;
@@ -270,8 +266,7 @@ TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndL
                 .find(fmt::format("speaks orbitkv.peer v{}", catalog::kPeerProtocolVersion + 1)),
             std::string::npos)
       << stats;
-  EXPECT_NE(testing::MetricsText(metrics_port).find("orbitkv_membership_remote_work_enabled 0"),
-            std::string::npos);
+  EXPECT_NE(testing::MetricsText(metrics_port).find("orbitkv_membership_remote_work_enabled 0"), std::string::npos);
   EXPECT_NE(CliOutput({"status", "--socket", a.socket()}).find("remote work off: node 'node-x' speaks"),
             std::string::npos)
       << CliOutput({"status", "--socket", a.socket()});
@@ -328,11 +323,11 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
   auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)));
   ASSERT_TRUE(etcd.ok()) << etcd.status();
   const std::string peer = Loopback();
-  ManagerProcess manager({"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id",
-                          "node-t", "--catalog-nodes", "node-t", "--peer-endpoint", peer, "--peer-tls-cert",
-                          dir + "/node-node-t.pem", "--peer-tls-key", dir + "/node-node-t.key", "--peer-tls-ca",
-                          dir + "/ca.pem"},
-                         "tls");
+  ManagerProcess manager(
+      {"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", "node-t", "--catalog-nodes",
+       "node-t", "--peer-endpoint", peer, "--peer-tls-cert", dir + "/node-node-t.pem", "--peer-tls-key",
+       dir + "/node-node-t.key", "--peer-tls-ca", dir + "/ca.pem"},
+      "tls");
   ASSERT_TRUE(manager.running()) << manager.LogText();
   const cluster::MemberRecord self = RecordOf((*etcd)->endpoint(), "node-t");
   const std::string placement = StringField(StatsOf(manager), "placement_fingerprint");
@@ -423,8 +418,8 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
     return std::make_unique<ManagerProcess>(
         std::vector<std::string>{"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", node,
                                  "--catalog-nodes", "node-t", "--peer-endpoint", Loopback(), "--peer-tls-cert",
-                                 dir + "/" + who + ".pem", "--peer-tls-key", dir + "/" + who + ".key",
-                                 "--peer-tls-ca", dir + "/" + ca + ".pem"},
+                                 dir + "/" + who + ".pem", "--peer-tls-key", dir + "/" + who + ".key", "--peer-tls-ca",
+                                 dir + "/" + ca + ".pem"},
         "tls-" + node);
   };
   auto second = tls_manager("node-u", "node-node-u", "ca");
@@ -440,15 +435,13 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  EXPECT_NE(second_stats.find("\"peers_healthy\": 1, \"peers_unreachable\": 1"), std::string::npos)
-      << second_stats;
-  EXPECT_NE(rogue_stats.find("\"peers_healthy\": 0, \"peers_unreachable\": 2"), std::string::npos)
-      << rogue_stats;
+  EXPECT_NE(second_stats.find("\"peers_healthy\": 1, \"peers_unreachable\": 1"), std::string::npos) << second_stats;
+  EXPECT_NE(rogue_stats.find("\"peers_healthy\": 0, \"peers_unreachable\": 2"), std::string::npos) << rogue_stats;
   // Half a TLS configuration is refused at start, naming what is missing.
-  ManagerProcess half({"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", "node-h",
-                       "--catalog-nodes", "node-t", "--peer-endpoint", Loopback(), "--peer-tls-cert",
-                       dir + "/server.pem"},
-                      "tls-half");
+  ManagerProcess half(
+      {"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", "node-h", "--catalog-nodes",
+       "node-t", "--peer-endpoint", Loopback(), "--peer-tls-cert", dir + "/server.pem"},
+      "tls-half");
   EXPECT_FALSE(half.running());
   EXPECT_NE(half.LogText().find("--peer-tls-key"), std::string::npos) << half.LogText();
   // A certificate that does not name this node (node-u's, given to node-v) is refused at start, with the fix.
@@ -473,9 +466,8 @@ TEST(DistributedManagerTest, ManagersJoinThroughATlsEtcdWithUserAuthAndPeerCerti
     if (made.ok()) made = cluster::testing::MakeNodeCertificate(dir, node);
   }
   ASSERT_TRUE(made.ok()) << made;
-  auto etcd = cluster::testing::EtcdProcess::StartTls(dir, /*client_cert_auth=*/true,
-                                                      Deadline::After(std::chrono::seconds(60)),
-                                                      {"--auth-token-ttl", "2"});
+  auto etcd = cluster::testing::EtcdProcess::StartTls(
+      dir, /*client_cert_auth=*/true, Deadline::After(std::chrono::seconds(60)), {"--auth-token-ttl", "2"});
   ASSERT_TRUE(etcd.ok()) << etcd.status();
   const Status auth = (*etcd)->EnableAuth("orbit", "pw-53");
   ASSERT_TRUE(auth.ok()) << auth;
@@ -488,16 +480,37 @@ TEST(DistributedManagerTest, ManagersJoinThroughATlsEtcdWithUserAuthAndPeerCerti
   write("password", "pw-53\n");
   write("wrong-password", "pw-54\n");
   const auto manager = [&](const std::string& node, const std::string& peer_cert, const std::string& password) {
-    return std::make_unique<ManagerProcess>(
-        std::vector<std::string>{"--etcd-endpoints", "https://" + (*etcd)->endpoint(), "--etcd-tls-ca",
-                                 dir + "/ca.pem", "--etcd-tls-cert", dir + "/client.pem", "--etcd-tls-key",
-                                 dir + "/client.key", "--etcd-user", "orbit", "--etcd-password-file",
-                                 dir + "/" + password, "--cluster-name", "auth", "--node-id", node,
-                                 "--catalog-nodes", "node-a,node-b", "--membership-ttl-secs", "4",
-                                 "--peer-endpoint", Loopback(), "--peer-tls-cert", dir + "/" + peer_cert + ".pem",
-                                 "--peer-tls-key", dir + "/" + peer_cert + ".key", "--peer-tls-ca", dir + "/ca.pem",
-                                 "--tls-reload-secs", "1"},
-        "auth-" + node);
+    return std::make_unique<ManagerProcess>(std::vector<std::string>{"--etcd-endpoints",
+                                                                     "https://" + (*etcd)->endpoint(),
+                                                                     "--etcd-tls-ca",
+                                                                     dir + "/ca.pem",
+                                                                     "--etcd-tls-cert",
+                                                                     dir + "/client.pem",
+                                                                     "--etcd-tls-key",
+                                                                     dir + "/client.key",
+                                                                     "--etcd-user",
+                                                                     "orbit",
+                                                                     "--etcd-password-file",
+                                                                     dir + "/" + password,
+                                                                     "--cluster-name",
+                                                                     "auth",
+                                                                     "--node-id",
+                                                                     node,
+                                                                     "--catalog-nodes",
+                                                                     "node-a,node-b",
+                                                                     "--membership-ttl-secs",
+                                                                     "4",
+                                                                     "--peer-endpoint",
+                                                                     Loopback(),
+                                                                     "--peer-tls-cert",
+                                                                     dir + "/" + peer_cert + ".pem",
+                                                                     "--peer-tls-key",
+                                                                     dir + "/" + peer_cert + ".key",
+                                                                     "--peer-tls-ca",
+                                                                     dir + "/ca.pem",
+                                                                     "--tls-reload-secs",
+                                                                     "1"},
+                                            "auth-" + node);
   };
   auto a = manager("node-a", "node-node-a", "password");
   auto b = manager("node-b", "node-node-b", "password");
@@ -528,10 +541,25 @@ TEST(DistributedManagerTest, ManagersJoinThroughATlsEtcdWithUserAuthAndPeerCerti
     EXPECT_TRUE(healthy(*m)) << now;
   }
   // A wrong password: the Manager does not start, and says which flag to fix.
-  ManagerProcess wrong({"--etcd-endpoints", "https://" + (*etcd)->endpoint(), "--etcd-tls-ca", dir + "/ca.pem",
-                        "--etcd-tls-cert", dir + "/client.pem", "--etcd-tls-key", dir + "/client.key",
-                        "--etcd-user", "orbit", "--etcd-password-file", dir + "/wrong-password", "--cluster-name",
-                        "auth", "--node-id", "node-w", "--catalog-nodes", "node-a,node-b", "--peer-endpoint",
+  ManagerProcess wrong({"--etcd-endpoints",
+                        "https://" + (*etcd)->endpoint(),
+                        "--etcd-tls-ca",
+                        dir + "/ca.pem",
+                        "--etcd-tls-cert",
+                        dir + "/client.pem",
+                        "--etcd-tls-key",
+                        dir + "/client.key",
+                        "--etcd-user",
+                        "orbit",
+                        "--etcd-password-file",
+                        dir + "/wrong-password",
+                        "--cluster-name",
+                        "auth",
+                        "--node-id",
+                        "node-w",
+                        "--catalog-nodes",
+                        "node-a,node-b",
+                        "--peer-endpoint",
                         Loopback()},
                        "auth-wrong");
   EXPECT_FALSE(wrong.running());
@@ -542,8 +570,8 @@ TEST(DistributedManagerTest, ManagersJoinThroughATlsEtcdWithUserAuthAndPeerCerti
   Result<std::string> before = cluster::testing::PresentedCommonName(peer_a, dir);
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_EQ(*before, "node-a");
-  const Status reissued =
-      cluster::testing::ReissueCertificate(dir, "node-node-a", "node-a-rotated", {"127.0.0.1"}, {"orbitkv-node:node-a"});
+  const Status reissued = cluster::testing::ReissueCertificate(dir, "node-node-a", "node-a-rotated", {"127.0.0.1"},
+                                                               {"orbitkv-node:node-a"});
   ASSERT_TRUE(reissued.ok()) << reissued;
   std::string presented;
   for (int i = 0; i < 100 && presented != "node-a-rotated"; ++i) {
@@ -563,8 +591,7 @@ TEST(DistributedManagerTest, SingleHostModeSaysSo) {
   const std::string stats = StatsOf(manager);
   EXPECT_NE(stats.find("\"membership\": \"single-host\""), std::string::npos) << stats;
   // It keeps no residency inventory (no catalog reads one), and a dump says why.
-  const std::string dump =
-      CliOutput({"inventory", "dump", "--shard", "0", "--socket", manager.socket()}, true);
+  const std::string dump = CliOutput({"inventory", "dump", "--shard", "0", "--socket", manager.socket()}, true);
   EXPECT_NE(dump.find("runs single-host"), std::string::npos) << dump;
 }
 

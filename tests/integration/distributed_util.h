@@ -82,9 +82,8 @@ inline std::string RecordedRuntimeUuid(const std::string& endpoint, const std::s
 }
 
 inline grpc::Status Health(const std::string& endpoint, const peer::v1::RouteHeader& route,
-                    peer::v1::HealthResponse* response) {
-  auto stub = peer::v1::Peer::NewStub(
-      grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()));
+                           peer::v1::HealthResponse* response) {
+  auto stub = peer::v1::Peer::NewStub(grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   peer::v1::HealthRequest request;

@@ -3,8 +3,8 @@
 #ifndef ORBITKV_TESTS_INTEGRATION_ENGINE_KV_H_
 #define ORBITKV_TESTS_INTEGRATION_ENGINE_KV_H_
 
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -45,8 +45,7 @@ class EngineKv {
       Result<ScopedFd> fd = client::CreateKvMemory("engine-kv", bytes_);
       EXPECT_TRUE(fd.ok()) << fd.status();
       if (fd.ok()) fds_[l] = std::move(*fd);
-      base_[l] = static_cast<uint8_t*>(
-          mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds_[l].get(), 0));
+      base_[l] = static_cast<uint8_t*>(mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds_[l].get(), 0));
     }
   }
   ~EngineKv() {
@@ -54,8 +53,7 @@ class EngineKv {
   }
   std::vector<BufferSpec> Specs() const {
     std::vector<BufferSpec> specs;
-    for (uint32_t l = 0; l < kLayers; ++l)
-      specs.push_back({fds_[l].get(), bytes_, 4096, stride_, kPageBytes});
+    for (uint32_t l = 0; l < kLayers; ++l) specs.push_back({fds_[l].get(), bytes_, 4096, stride_, kPageBytes});
     return specs;
   }
   uint8_t* Page(uint32_t layer, uint32_t page) { return base_[layer] + 4096 + page * stride_; }
@@ -97,9 +95,8 @@ inline std::vector<StateKey> Chain(uint64_t chain, size_t n) {
   std::vector<StateKey> keys;
   for (size_t i = 0; i < n; ++i) {
     uint64_t native[2] = {chain, i};
-    keys.push_back(
-        *StateKey::Create(ns, 0, {i * 16, i * 16 + 16},
-                          std::span<const uint8_t>(reinterpret_cast<uint8_t*>(native), 16)));
+    keys.push_back(*StateKey::Create(ns, 0, {i * 16, i * 16 + 16},
+                                     std::span<const uint8_t>(reinterpret_cast<uint8_t*>(native), 16)));
   }
   return keys;
 }
@@ -122,9 +119,8 @@ inline uint64_t Register(CacheClient& client, uint64_t instance, EngineKv& kv) {
   return padded.ok() ? *padded : 0;
 }
 
-inline Status SaveChain(CacheClient& client, uint64_t instance, EngineKv& kv,
-                        const std::vector<StateKey>& keys, uint32_t first_page = 0,
-                        client::SaveResult* out = nullptr) {
+inline Status SaveChain(CacheClient& client, uint64_t instance, EngineKv& kv, const std::vector<StateKey>& keys,
+                        uint32_t first_page = 0, client::SaveResult* out = nullptr) {
   std::vector<SaveItem> items;
   for (size_t i = 0; i < keys.size(); ++i) {
     kv.Fill(first_page + static_cast<uint32_t>(i), keys[i]);
@@ -148,8 +144,7 @@ inline uint64_t StatField(CacheClient& client, const std::string& field) {
 inline bool EventuallyIdle(CacheClient& client) {
   for (int i = 0; i < 3000; ++i) {
     if (StatField(client, "leases_active") == 0 && StatField(client, "pinned_blocks") == 0 &&
-        StatField(client, "operations_active") == 0 &&
-        StatField(client, "query_reserved_bytes") == 0) {
+        StatField(client, "operations_active") == 0 && StatField(client, "query_reserved_bytes") == 0) {
       return true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));

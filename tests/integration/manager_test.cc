@@ -8,9 +8,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -118,8 +118,7 @@ TEST(ManagerIntegrationTest, BadGeometryIsRefusedAtRegistration) {
   EXPECT_EQ(client->RegisterGroup(5, 0, 4, kv.Specs()).status().code(), StatusCode::kAlreadyExists);
   // Another session cannot take over a live instance.
   auto other = Connect(manager);
-  EXPECT_EQ(other->RegisterInstance(5, state::testing::SampleNamespace()).code(),
-            StatusCode::kAlreadyExists);
+  EXPECT_EQ(other->RegisterInstance(5, state::testing::SampleNamespace()).code(), StatusCode::kAlreadyExists);
 }
 
 // The other buffer kinds, refused with a reason: process memory the Manager cannot read, and GPU
@@ -170,8 +169,7 @@ TEST(ManagerIntegrationTest, OnlyMemfdsSealedAgainstResizingAreMapped) {
     BufferSpec spec{fd, kBytes, 0, kPageBytes, kPageBytes};
     auto refused = client->RegisterGroup(9, 0, 16, std::span(&spec, 1));
     EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
-    EXPECT_NE(refused.status().message().find("F_SEAL_SHRINK"), std::string::npos)
-        << refused.status();
+    EXPECT_NE(refused.status().message().find("F_SEAL_SHRINK"), std::string::npos) << refused.status();
   }
   Result<ScopedFd> sealed = client::CreateKvMemory("sealed-kv", kBytes);
   ASSERT_TRUE(sealed.ok()) << sealed.status();
@@ -234,8 +232,7 @@ TEST(ManagerIntegrationTest, AFaultOnAnEnginesSealedMemoryCostsOnlyThatEngine) {
   ASSERT_TRUE(fd.valid()) << std::strerror(errno);
   ASSERT_EQ(ftruncate(fd.get(), kHuge), 0);
   ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
-  auto* kv = static_cast<uint8_t*>(
-      mmap(nullptr, kHuge, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  auto* kv = static_cast<uint8_t*>(mmap(nullptr, kHuge, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
   ASSERT_NE(kv, MAP_FAILED);
   std::memset(kv, 0x6b, kHuge);
   BufferSpec spec{fd.get(), kHuge, 0, kPage, kPage};
@@ -248,8 +245,7 @@ TEST(ManagerIntegrationTest, AFaultOnAnEnginesSealedMemoryCostsOnlyThatEngine) {
   // The engine punches its memory out and the only huge page goes elsewhere.
   munmap(kv, kHuge);
   ASSERT_EQ(fallocate(fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, kHuge), 0);
-  void* taken = mmap(nullptr, kHuge, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+  void* taken = mmap(nullptr, kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
   ASSERT_NE(taken, MAP_FAILED) << std::strerror(errno);
   std::memset(taken, 1, kHuge);
   // The Manager's copy from it faults: this save fails, and then the engine's sessions are closed.
@@ -336,9 +332,7 @@ TEST(ManagerIntegrationTest, ARestoresSignalPassesOnlyOnceItsPagesAreTheEnginesA
   auto word = [&](const CacheClient::RestoreSignal& s) {
     return __atomic_load_n(reinterpret_cast<const uint64_t*>(region.data() + s.offset), __ATOMIC_ACQUIRE);
   };
-  auto passed = [&](const CacheClient::RestoreSignal& s) {
-    return static_cast<int64_t>(word(s) - s.value) >= 0;
-  };
+  auto passed = [&](const CacheClient::RestoreSignal& s) { return static_cast<int64_t>(word(s) - s.value) >= 0; };
   auto hit = client->Query(8, 0, keys);
   ASSERT_TRUE(hit.ok() && hit->hits == keys.size()) << hit.status();
 
@@ -502,9 +496,7 @@ TEST(ManagerIntegrationTest, ConcurrentSessionsAndPublishWhileRestoring) {
         if (!client->Save(instance, 0, items).ok()) failures++;
       }
     });
-    if (!SaveChain(*client, instance, kv, shared).ok() ||
-        !SaveChain(*client, instance, kv, own, 16).ok())
-      failures++;
+    if (!SaveChain(*client, instance, kv, shared).ok() || !SaveChain(*client, instance, kv, own, 16).ok()) failures++;
     for (int round = 0; round < 30; ++round) {
       const auto& keys = round % 2 ? shared : own;
       auto hit = client->Query(instance, 0, keys);
@@ -611,8 +603,8 @@ TEST(ManagerIntegrationTest, ASessionPoisonedDuringAClaimedRestoreKeepsItsPagesU
   constexpr uint64_t kPage = 1 << 20;  // one buffer of 1 MiB pages: a 256 MiB restore takes a while
   constexpr uint32_t kPages = 256;
   const uint16_t metrics_port = testing::FreeLoopbackPort();
-  ManagerProcess manager({"--dram", "512MiB", "--copy-threads", "1", "--metrics-addr",
-                          fmt::format("127.0.0.1:{}", metrics_port)});
+  ManagerProcess manager(
+      {"--dram", "512MiB", "--copy-threads", "1", "--metrics-addr", fmt::format("127.0.0.1:{}", metrics_port)});
   ASSERT_TRUE(manager.running());
   auto observer = Connect(manager);
   ASSERT_NE(observer, nullptr);
@@ -626,8 +618,7 @@ TEST(ManagerIntegrationTest, ASessionPoisonedDuringAClaimedRestoreKeepsItsPagesU
     ScopedFd fd(memfd_create("kv", MFD_CLOEXEC | MFD_ALLOW_SEALING));
     ASSERT_EQ(ftruncate(fd.get(), kPage * kPages), 0);
     ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
-    auto* kv = static_cast<uint8_t*>(
-        mmap(nullptr, kPage * kPages, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+    auto* kv = static_cast<uint8_t*>(mmap(nullptr, kPage * kPages, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
     ASSERT_NE(kv, MAP_FAILED);
     BufferSpec spec{fd.get(), kPage * kPages, 0, kPage, kPage};
     ASSERT_TRUE(client->RegisterGroup(instance, 0, kPages, std::span(&spec, 1)).ok());
@@ -654,8 +645,7 @@ TEST(ManagerIntegrationTest, ASessionPoisonedDuringAClaimedRestoreKeepsItsPagesU
         if (std::find(before.begin(), before.end(), arena) != before.end()) continue;
         const auto* header = reinterpret_cast<const channel::ArenaHeader*>(arena);
         auto* ring = reinterpret_cast<channel::RingControl*>(arena + header->request_ring_offset);
-        __atomic_store_n(&ring->head, __atomic_load_n(&ring->tail, __ATOMIC_ACQUIRE) + (1u << 20),
-                         __ATOMIC_SEQ_CST);
+        __atomic_store_n(&ring->head, __atomic_load_n(&ring->tail, __ATOMIC_ACQUIRE) + (1u << 20), __ATOMIC_SEQ_CST);
       }
     }
     ASSERT_EQ(kill(manager.pid(), SIGCONT), 0);
@@ -674,10 +664,8 @@ TEST(ManagerIntegrationTest, ASessionPoisonedDuringAClaimedRestoreKeepsItsPagesU
       if (!outcome.has_value() && !observed_window) {
         const std::string metrics = testing::MetricsText(metrics_port);
         observed_window =
-            metrics.find("orbitkv_sessions_poisoned_total{reason=\"malformed_request\"} 0") ==
-                std::string::npos &&
-            metrics.find("orbitkv_sessions_poisoned_total{reason=\"malformed_request\"}") !=
-                std::string::npos;
+            metrics.find("orbitkv_sessions_poisoned_total{reason=\"malformed_request\"} 0") == std::string::npos &&
+            metrics.find("orbitkv_sessions_poisoned_total{reason=\"malformed_request\"}") != std::string::npos;
       }
       if (!outcome.has_value()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -695,8 +683,7 @@ TEST(ManagerIntegrationTest, ASessionPoisonedDuringAClaimedRestoreKeepsItsPagesU
     munmap(kv, kPage * kPages);
     EXPECT_TRUE(EventuallyIdle(*observer));  // the lease and its pins went with the session
   }
-  EXPECT_TRUE(observed_window)
-      << "in no round was the session poisoned while its claimed restore was still copying";
+  EXPECT_TRUE(observed_window) << "in no round was the session poisoned while its claimed restore was still copying";
   ASSERT_TRUE(manager.running()) << manager.LogText();
   EXPECT_TRUE(observer->Ping().ok());
 }

@@ -39,8 +39,8 @@ class MeshTest : public ::testing::Test {
     }
     ASSERT_TRUE(mesh.ok()) << mesh.status();
     mesh_ = std::move(*mesh);
-    auto etcd = cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)),
-                                                           NetnsMesh::kRootAddress);
+    auto etcd =
+        cluster::testing::EtcdProcess::StartSingle(Deadline::After(std::chrono::seconds(60)), NetnsMesh::kRootAddress);
     ASSERT_TRUE(etcd.ok()) << etcd.status();
     etcd_ = std::move(*etcd);
   }
@@ -50,14 +50,25 @@ class MeshTest : public ::testing::Test {
 
   // Manager i on host i: pool sized for the test, one copy thread, short membership TTL, UCX on the veth.
   std::unique_ptr<ManagerProcess> StartManager(int i, const std::string& tag, std::vector<std::string> extra = {}) {
-    std::vector<std::string> flags = {"--etcd-endpoints",
-                                      etcd_endpoints_.empty() ? etcd_->endpoint_on(NetnsMesh::kRootAddress)
-                                                              : etcd_endpoints_,
-                                      "--cluster-name", "mesh", "--node-id", Node(i), "--catalog-nodes",
-                                      catalog_nodes_, "--catalog-replicas", catalog_replicas_,
-                                      "--membership-ttl-secs", "3",
-                                      "--peer-endpoint", PeerEndpoint(i), "--dram", "256MiB",
-                                      "--copy-threads", "1"};
+    std::vector<std::string> flags = {
+        "--etcd-endpoints",
+        etcd_endpoints_.empty() ? etcd_->endpoint_on(NetnsMesh::kRootAddress) : etcd_endpoints_,
+        "--cluster-name",
+        "mesh",
+        "--node-id",
+        Node(i),
+        "--catalog-nodes",
+        catalog_nodes_,
+        "--catalog-replicas",
+        catalog_replicas_,
+        "--membership-ttl-secs",
+        "3",
+        "--peer-endpoint",
+        PeerEndpoint(i),
+        "--dram",
+        "256MiB",
+        "--copy-threads",
+        "1"};
     for (const std::string& f : mesh_->TransferFlags(i)) flags.push_back(f);
     flags.insert(flags.end(), extra.begin(), extra.end());
     return std::make_unique<ManagerProcess>(flags, tag, mesh_->launcher(i));
@@ -110,7 +121,7 @@ class MeshTest : public ::testing::Test {
   std::unique_ptr<NetnsMesh> mesh_;
   std::unique_ptr<cluster::testing::EtcdProcess> etcd_;
   std::string catalog_nodes_ = "node-0,node-1,node-2";
-  std::string etcd_endpoints_;  // --etcd-endpoints of the Managers; empty: the fixture's single etcd
+  std::string etcd_endpoints_;          // --etcd-endpoints of the Managers; empty: the fixture's single etcd
   std::string catalog_replicas_ = "3";  // --catalog-replicas (the default)
 };
 
@@ -130,7 +141,7 @@ inline void AwaitRemoteFetch(const ManagerProcess& manager) {
 // all live owners' inventories times the copies a shard has (issue 54), and every owner stream (one per shard and
 // copy) follows with deltas. Within `tries` x 20 ms.
 inline ::testing::AssertionResult CatalogsEqualInventories(const std::vector<const ManagerProcess*>& managers,
-                                                    int tries = 1500) {
+                                                           int tries = 1500) {
   std::string last;
   for (int i = 0; i < tries; ++i) {
     uint64_t catalog = 0, inventory = 0, streaming = 0, incomplete = 0, replicas = 0;
@@ -142,9 +153,9 @@ inline ::testing::AssertionResult CatalogsEqualInventories(const std::vector<con
       streaming += Field(stats, "catalog_streams_streaming");
       incomplete += Field(stats, "catalog_incomplete_shards");
       replicas = Field(stats, "catalog_replicas");
-      last += fmt::format("[records {} of inventory {}, streaming {}, incomplete {}] ",
-                          Field(stats, "catalog_records"), Field(stats, "inventory_records"),
-                          Field(stats, "catalog_streams_streaming"), Field(stats, "catalog_incomplete_shards"));
+      last += fmt::format("[records {} of inventory {}, streaming {}, incomplete {}] ", Field(stats, "catalog_records"),
+                          Field(stats, "inventory_records"), Field(stats, "catalog_streams_streaming"),
+                          Field(stats, "catalog_incomplete_shards"));
     }
     if (catalog == replicas * inventory && streaming == 16 * replicas * managers.size() && incomplete == 0 &&
         inventory > 0) {

@@ -11,8 +11,8 @@
 #include <thread>
 #include <vector>
 
-#include "catalog/catalog_grpc.h"
 #include "catalog/candidate_index.h"
+#include "catalog/catalog_grpc.h"
 #include "catalog/discovery.h"
 #include "catalog/remote_plan.h"
 #include "cluster/placement.h"
@@ -207,7 +207,8 @@ TEST_F(MeshTest, AReleaseBehindAPartitionBlocksNoOtherFetchAndGoesThroughOnceHea
   MeshEngine b(*managers[1], 2, kBlocks);
 
   ASSERT_TRUE(mesh_->BlockPort(0, 7400).ok());
-  std::future<std::pair<size_t, size_t>> fetching_x = std::async(std::launch::async, [&] { return b.QueryAndRestore(x); });
+  std::future<std::pair<size_t, size_t>> fetching_x =
+      std::async(std::launch::async, [&] { return b.QueryAndRestore(x); });
   ASSERT_EQ(FieldWhen(*managers[0], "source_sessions", 1), 1u);  // granted; the read hangs
   ASSERT_TRUE(mesh_->BlockPort(0, 7070, "okv_block_grpc").ok());
   const auto [hits_x, exact_x] = fetching_x.get();  // the stage's deadline ends it
@@ -244,9 +245,9 @@ TEST_F(MeshTest, AReleaseBehindAPartitionBlocksNoOtherFetchAndGoesThroughOnceHea
 // lapses and a remote hit afterwards is byte-exact. The members' raft timings are scaled to the tests' 3 s TTL as a
 // production cluster's defaults (100 ms heartbeat, 1 s election) are to the Managers' default 10 s.
 TEST_F(MeshTest, AThreeMemberEtcdLosingAFollowerThenItsLeaderLapsesNoRegistration) {
-  auto cluster = cluster::testing::EtcdCluster::Start(3, Deadline::After(std::chrono::seconds(60)),
-                                                      NetnsMesh::kRootAddress,
-                                                      {"--heartbeat-interval", "30", "--election-timeout", "300"});
+  auto cluster =
+      cluster::testing::EtcdCluster::Start(3, Deadline::After(std::chrono::seconds(60)), NetnsMesh::kRootAddress,
+                                           {"--heartbeat-interval", "30", "--election-timeout", "300"});
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   etcd_endpoints_ = fmt::format("{}", fmt::join((*cluster)->endpoints_on(NetnsMesh::kRootAddress), ","));
   std::vector<std::unique_ptr<ManagerProcess>> managers;
@@ -301,8 +302,8 @@ class FourHostMeshTest : public MeshTest {
 // Issue 54: three copies a shard on four catalog hosts. node-3 killed with SIGKILL while node-1 runs cold queries:
 // no lookup fails and no hit is wrong (the killed copy's shards are asked of another copy in the same lookup);
 // node-2's gRPC then blackholed (nftables drop): lookups that meet it first are hedged (the next copy asked beside
-// it after --discovery-hedge-ms, the blackholed call cancelled); with both lost every shard still has a copy, so cold queries still hit in full, and a cached
-// prefix is served locally.
+// it after --discovery-hedge-ms, the blackholed call cancelled); with both lost every shard still has a copy, so cold
+// queries still hit in full, and a cached prefix is served locally.
 TEST_F(FourHostMeshTest, ThreeCopiesKeepEveryLookupThroughAKilledABlackholedAndTwoLostCatalogHosts) {
   catalog_nodes_ = "node-0,node-1,node-2,node-3";
   std::vector<std::unique_ptr<ManagerProcess>> managers;

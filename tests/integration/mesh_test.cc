@@ -11,8 +11,8 @@
 
 #include "catalog/peer_service.h"  // first of the gRPC users (cluster/grpc.h)
 
-#include "catalog/catalog_grpc.h"
 #include "catalog/candidate_index.h"
+#include "catalog/catalog_grpc.h"
 #include "catalog/discovery.h"
 #include "cluster/placement.h"
 
@@ -264,7 +264,6 @@ TEST_F(MeshTest, CatalogsHoldTheirOwnersEvidenceAndRecoverFromLostHostsAndOwners
     EXPECT_EQ(Field(StatsOf(*managers[0]), "catalog_reduced_coverage"), 1u);
     const std::string status = testing::CliOutput({"status", "--socket", managers[0]->socket()});
     EXPECT_NE(status.find("catalog: 2 copies of each shard (reduced failure coverage"), std::string::npos) << status;
-
   }
   // The same through Discovery over Peer.Lookup: 1,000 of node-1's keys are learnt in batches per catalog host
   // (at most ceil(1000/128) + 1 RPCs for two hosts), then a warm repeat asks nobody. (Kept past the catalog
@@ -469,8 +468,9 @@ TEST_F(MeshTest, WarmPlansAskNobodyAndAColdQueryIsBatchedPerCatalogHost) {
   const std::string metrics1 = mesh_->address(1);
   std::vector<std::unique_ptr<ManagerProcess>> managers;
   managers.push_back(StartManager(0, "warm-0", {"--transfer-budget", "4KiB"}));
-  managers.push_back(StartManager(1, "warm-1", {"--candidate-ttl-ms", "600000", "--discovery-max-hosts", "2",
-                                                "--discovery-hedge-ms", "2500", "--metrics-addr", metrics1 + ":9100"}));
+  managers.push_back(StartManager(1, "warm-1",
+                                  {"--candidate-ttl-ms", "600000", "--discovery-max-hosts", "2", "--discovery-hedge-ms",
+                                   "2500", "--metrics-addr", metrics1 + ":9100"}));
   managers.push_back(StartManager(2, "warm-2"));
   for (auto& m : managers) ASSERT_TRUE(m->running()) << m->LogText();
   auto all = [&] { return All(managers); };
@@ -588,7 +588,7 @@ TEST_F(MeshTest, SourcesGrantOnlyTheVersionsTheyHoldAndFreeAVanishedRequestersHo
   EXPECT_EQ(stale.rejections, 2u);
   EXPECT_TRUE(index.Find(keys[0]).empty());
   EXPECT_EQ(index.Find(keys[1]).size(), 2u);  // only the refused versions went
-  EXPECT_EQ(transport.lookups(), lookups);     // and no directory RPC was made for an alternative
+  EXPECT_EQ(transport.lookups(), lookups);    // and no directory RPC was made for an alternative
   for (int i : {0, 2}) {
     const std::string source = StatsOf(*managers[i]);
     EXPECT_EQ(Field(source, "source_sessions"), 0u) << source;
@@ -676,10 +676,9 @@ TEST_F(MeshTest, FaultsBetweenLookupAndTransferAreBoundedAndServiceContinues) {
     EXPECT_EQ(outcome.failures, 1u);
     EXPECT_EQ(outcome.authorized->span.node, Node(0));
     EXPECT_EQ(outcome.authorized->reply.grant.granted, 16u);
-    auto released = transport.Release(Node(0), outcome.authorized->span.runtime, 77,
-                                      outcome.authorized->reply.grant.grant_id,
-                                      outcome.authorized->reply.grant.grant_secret,
-                                      Deadline::After(std::chrono::seconds(5)));
+    auto released =
+        transport.Release(Node(0), outcome.authorized->span.runtime, 77, outcome.authorized->reply.grant.grant_id,
+                          outcome.authorized->reply.grant.grant_secret, Deadline::After(std::chrono::seconds(5)));
     ASSERT_TRUE(released.ok() && *released) << released.status();
   }
 
@@ -897,8 +896,8 @@ TEST_F(MeshTest, APrefixContinuesFromDramToSsdToAPeer) {
   const std::string ssd = fmt::format("/tmp/orbitkv-mesh-ssd-{}", getpid());
   std::filesystem::remove_all(ssd);
   std::filesystem::create_directories(ssd);
-  const std::vector<std::string> ssd_flags = {"--ssd-path", ssd, "--ssd-capacity", "256MiB", "--ssd-policy",
-                                              "write-through", "--ssd-min-frequency", "1"};
+  const std::vector<std::string> ssd_flags = {
+      "--ssd-path", ssd, "--ssd-capacity", "256MiB", "--ssd-policy", "write-through", "--ssd-min-frequency", "1"};
   std::vector<std::unique_ptr<ManagerProcess>> managers;
   managers.push_back(StartManager(0, "tier-0"));
   managers.push_back(StartManager(1, "tier-1", ssd_flags));
@@ -909,8 +908,8 @@ TEST_F(MeshTest, APrefixContinuesFromDramToSsdToAPeer) {
   ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, keys).ok());
   {
     MeshEngine b(*managers[1], 2, kBlocks);
-    ASSERT_TRUE(testing::SaveChain(*b.client, 2, b.kv, std::vector<state::StateKey>(keys.begin(), keys.begin() + 32))
-                    .ok());
+    ASSERT_TRUE(
+        testing::SaveChain(*b.client, 2, b.kv, std::vector<state::StateKey>(keys.begin(), keys.begin() + 32)).ok());
     // Written through to the SSD before the stop.
     EXPECT_EQ(FieldWhen(*managers[1], "writes", 32), 32u) << StatsOf(*managers[1]);
   }
@@ -935,17 +934,17 @@ TEST_F(MeshTest, APrefixContinuesFromDramToSsdToAPeer) {
 
 // Issue 56: a prefix only on a peer's SSD is a remote hit. node-0 (a 16 MiB pool, written through to its SSD) saves
 // chains X, Y and W, then a filler evicts them from its DRAM. node-1 gets X byte-exact: node-0 reads it from its SSD
-// into DRAM (its answer held back meanwhile, or pending) and grants it. node-0 restarted on its SSD files serves Y to node-2 the same
-// way. With node-0's SSD staging budget too small for a span, the answer is backpressure and node-2 recomputes at
-// once; with node-0's records corrupted on disk, W is a miss (checksum), never served. Nothing stays staged,
-// pinned or granted on any Manager.
+// into DRAM (its answer held back meanwhile, or pending) and grants it. node-0 restarted on its SSD files serves Y to
+// node-2 the same way. With node-0's SSD staging budget too small for a span, the answer is backpressure and node-2
+// recomputes at once; with node-0's records corrupted on disk, W is a miss (checksum), never served. Nothing stays
+// staged, pinned or granted on any Manager.
 TEST_F(MeshTest, APrefixOnlyOnAPeersSsdIsARemoteHitAndItsFaultsAreMisses) {
   const std::string ssd = fmt::format("/tmp/orbitkv-mesh-rssd-{}", getpid());
   std::filesystem::remove_all(ssd);
   std::filesystem::create_directories(ssd);
-  const std::vector<std::string> ssd_flags = {"--dram", "16MiB", "--ssd-path", ssd, "--ssd-capacity", "128MiB",
-                                              "--ssd-policy", "write-through", "--ssd-min-frequency", "1",
-                                              "--ssd-queue", "64MiB"};
+  const std::vector<std::string> ssd_flags = {
+      "--dram",       "16MiB",         "--ssd-path",          ssd, "--ssd-capacity", "128MiB",
+      "--ssd-policy", "write-through", "--ssd-min-frequency", "1", "--ssd-queue",    "64MiB"};
   std::vector<std::unique_ptr<ManagerProcess>> managers;
   managers.push_back(StartManager(0, "rssd-0", ssd_flags));
   managers.push_back(StartManager(1, "rssd-1"));
@@ -1046,8 +1045,8 @@ TEST_F(MeshTest, ASourceStoppedMidFetchAndEtcdStoppedMidFetchAreBounded) {
   // 30 s leases: a registration stays valid through a few seconds of SIGSTOP or of etcd being down (its keepalives
   // every 10 s, valid for 15 s from each), so both Managers serve again afterwards.
   managers.push_back(StartManager(0, "stop-src-0", {"--membership-ttl-secs", "30"}));
-  managers.push_back(StartManager(1, "stop-src-1", {"--membership-ttl-secs", "30", "--remote-fetch-deadline-ms",
-                                                    "3000"}));
+  managers.push_back(
+      StartManager(1, "stop-src-1", {"--membership-ttl-secs", "30", "--remote-fetch-deadline-ms", "3000"}));
   for (auto& m : managers) ASSERT_TRUE(m->running()) << m->LogText();
   constexpr uint32_t kBlocks = 512;
   const auto first = testing::Chain(9800, kBlocks), second = testing::Chain(9801, kBlocks);

@@ -55,8 +55,7 @@ bool EventuallyPinned(CacheClient& client, uint64_t count) {
 
 // Saves `keys` 128 at a time into pages [0, kPages), letting the SSD writers drain between parts so
 // that no write-back is dropped for a full queue.
-void SaveAll(CacheClient& client, uint64_t instance, EngineKv& kv,
-             const std::vector<StateKey>& keys) {
+void SaveAll(CacheClient& client, uint64_t instance, EngineKv& kv, const std::vector<StateKey>& keys) {
   for (uint32_t start = 0; start < keys.size(); start += 128) {
     std::vector<StateKey> part(keys.begin() + start, keys.begin() + start + 128);
     ASSERT_TRUE(SaveChain(client, instance, kv, part, start % kPages).ok());
@@ -66,8 +65,8 @@ void SaveAll(CacheClient& client, uint64_t instance, EngineKv& kv,
 
 // Queries `keys` until the answer is no longer Loading (the Manager reads SSD blocks into DRAM in
 // the background). Every Loading answer for the same chain names the same operation.
-QueryResult QueryThroughLoading(CacheClient& client, uint64_t instance,
-                                const std::vector<StateKey>& keys, int* loading_answers = nullptr) {
+QueryResult QueryThroughLoading(CacheClient& client, uint64_t instance, const std::vector<StateKey>& keys,
+                                int* loading_answers = nullptr) {
   uint64_t op = 0;
   for (int i = 0; i < 2000; ++i) {
     auto result = client.Query(instance, 0, keys);
@@ -95,8 +94,7 @@ bool EventuallyOnSsd(CacheClient& client, uint64_t records) {
 
 // Connects to `manager` and registers instance `instance` over `kv`'s pages; null (with a failure
 // recorded) when the Manager is not running or cannot be reached.
-std::unique_ptr<CacheClient> ConnectEngine(ManagerProcess& manager, uint64_t instance,
-                                           EngineKv& kv) {
+std::unique_ptr<CacheClient> ConnectEngine(ManagerProcess& manager, uint64_t instance, EngineKv& kv) {
   if (!manager.running()) {
     ADD_FAILURE() << "the Manager is not running:\n" << manager.LogText();
     return nullptr;
@@ -112,8 +110,7 @@ std::unique_ptr<CacheClient> ConnectEngine(ManagerProcess& manager, uint64_t ins
 
 // Connects as instance 1, saves `keys` and waits until every one of them is on SSD (a write-through
 // Manager); null (with a failure recorded) when a step fails.
-std::unique_ptr<CacheClient> SaveOnSsd(ManagerProcess& manager, EngineKv& kv,
-                                       const std::vector<StateKey>& keys) {
+std::unique_ptr<CacheClient> SaveOnSsd(ManagerProcess& manager, EngineKv& kv, const std::vector<StateKey>& keys) {
   auto client = ConnectEngine(manager, 1, kv);
   if (client == nullptr) return nullptr;
   SaveAll(*client, 1, kv, keys);
@@ -125,8 +122,8 @@ std::unique_ptr<CacheClient> SaveOnSsd(ManagerProcess& manager, EngineKv& kv,
 }
 
 // Restores `keys` (a Hit of all of them) into poisoned pages and checks every byte.
-void ExpectRestoresByteExact(CacheClient& client, uint64_t instance, EngineKv& kv,
-                             const std::vector<StateKey>& keys, const QueryResult& hit) {
+void ExpectRestoresByteExact(CacheClient& client, uint64_t instance, EngineKv& kv, const std::vector<StateKey>& keys,
+                             const QueryResult& hit) {
   ASSERT_EQ(hit.hits, keys.size()) << client.Stats().value();
   kv.Poison();
   std::vector<uint32_t> pages(keys.size());
@@ -152,8 +149,7 @@ TEST(SsdIntegrationTest, LoadingCompletionIsDeliveredAndQueryWaitLeasesThePrefix
   ASSERT_TRUE(resident.ok()) << resident.status();
   EXPECT_EQ(*resident, head.size());
   // Completed: the wait answers at once, and the next query is the hit.
-  EXPECT_EQ(client->WaitLoading(1, loading->loading_op, std::chrono::seconds(1)).value_or(0),
-            head.size());
+  EXPECT_EQ(client->WaitLoading(1, loading->loading_op, std::chrono::seconds(1)).value_or(0), head.size());
   auto hit = client->QueryWait(1, 0, head, std::chrono::seconds(10));
   ASSERT_TRUE(hit.ok()) << hit.status();
   ExpectRestoresByteExact(*client, 1, kv, head, *hit);
@@ -270,9 +266,7 @@ TEST(SsdIntegrationTest, LoadedBlocksAreHeldUntilTheEngineAsksAgain) {
   ASSERT_NE(client, nullptr);
   ASSERT_TRUE(EventuallyPinned(*client, 0));
   // Three parts of the evicted head, 64 blocks each.
-  auto part = [&](uint32_t n) {
-    return std::vector<StateKey>(keys.begin() + n * 64, keys.begin() + (n + 1) * 64);
-  };
+  auto part = [&](uint32_t n) { return std::vector<StateKey>(keys.begin() + n * 64, keys.begin() + (n + 1) * 64); };
   // Asked again: a Hit, leased; released, nothing stays pinned.
   auto first = client->Query(1, 0, part(0));
   ASSERT_TRUE(first.ok() && first->loading_op != 0);

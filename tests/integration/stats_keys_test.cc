@@ -110,9 +110,9 @@ TEST(StatsKeysTest, TheJsonKeysAndMetricNamesOfRunningManagersAreTheCheckedInSet
   KeySets got;
   {
     const uint16_t port = testing::FreeLoopbackPort();
-    ManagerProcess single({"--metrics-addr", fmt::format("127.0.0.1:{}", port), "--ssd-path", ssd_dir.path(),
-                           "--ssd-capacity", "64MiB"},
-                          "keys-single");
+    ManagerProcess single(
+        {"--metrics-addr", fmt::format("127.0.0.1:{}", port), "--ssd-path", ssd_dir.path(), "--ssd-capacity", "64MiB"},
+        "keys-single");
     ASSERT_TRUE(single.running()) << single.LogText();
     Collect("single-host", single, port, StatsOf(single), &got);
   }
@@ -121,11 +121,11 @@ TEST(StatsKeysTest, TheJsonKeysAndMetricNamesOfRunningManagersAreTheCheckedInSet
   orbitkv::testing::TempDir ssd_dir_2;
   {
     const uint16_t port = testing::FreeLoopbackPort();
-    ManagerProcess distributed({"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "keys", "--node-id",
-                                "node-k", "--catalog-nodes", "node-k", "--peer-endpoint", testing::Loopback(),
-                                "--metrics-addr", fmt::format("127.0.0.1:{}", port), "--ssd-path", ssd_dir_2.path(),
-                                "--ssd-capacity", "64MiB"},
-                               "keys-distributed");
+    ManagerProcess distributed(
+        {"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "keys", "--node-id", "node-k", "--catalog-nodes",
+         "node-k", "--peer-endpoint", testing::Loopback(), "--metrics-addr", fmt::format("127.0.0.1:{}", port),
+         "--ssd-path", ssd_dir_2.path(), "--ssd-capacity", "64MiB"},
+        "keys-distributed");
     ASSERT_TRUE(distributed.running()) << distributed.LogText();
     // Steady state: registered with a complete view and every owner stream converged.
     const std::string stats = StatsWhen(distributed, [](const std::string& s) {

@@ -26,8 +26,7 @@ namespace orbitkv::cluster::testing {
 inline constexpr std::chrono::seconds kWaitLimit{60};
 
 // Polls `condition` until it holds or kWaitLimit passes; returns whether it held.
-inline bool WaitUntil(const std::function<bool()>& condition,
-                      std::chrono::seconds limit = kWaitLimit) {
+inline bool WaitUntil(const std::function<bool()>& condition, std::chrono::seconds limit = kWaitLimit) {
   const Deadline deadline = Deadline::After(limit);
   while (!condition()) {
     if (deadline.Expired()) return false;
@@ -36,8 +35,7 @@ inline bool WaitUntil(const std::function<bool()>& condition,
   return true;
 }
 
-inline uint64_t CounterValue(MetricsRegistry& metrics, std::string_view name,
-                             MetricLabels labels = {}) {
+inline uint64_t CounterValue(MetricsRegistry& metrics, std::string_view name, MetricLabels labels = {}) {
   return metrics.GetCounter(name, "", std::move(labels)).Value();
 }
 
@@ -45,8 +43,7 @@ class EtcdTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (EtcdBinary().empty()) GTEST_SKIP() << "no etcd binary was found at configure time";
-    Result<std::unique_ptr<EtcdProcess>> etcd =
-        EtcdProcess::StartSingle(Deadline::After(kWaitLimit));
+    Result<std::unique_ptr<EtcdProcess>> etcd = EtcdProcess::StartSingle(Deadline::After(kWaitLimit));
     ASSERT_TRUE(etcd.ok()) << etcd.status();
     etcd_ = std::move(etcd).value();
     EtcdClientOptions options;
@@ -80,9 +77,7 @@ class EtcdTest : public ::testing::Test {
     return std::move(m).value();
   }
 
-  static bool Sees(const Membership& m, const std::string& node) {
-    return m.view().Find(node).ok();
-  }
+  static bool Sees(const Membership& m, const std::string& node) { return m.view().Find(node).ok(); }
 
   Status RawPut(const std::string& key, const std::string& value, int64_t lease = 0) {
     etcdserverpb::PutRequest put;
@@ -102,8 +97,7 @@ class EtcdTest : public ::testing::Test {
     etcdserverpb::RangeRequest range;
     range.set_key("/");
     range.set_count_only(true);
-    ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse r,
-                             raw_->Range(range, Deadline::After(kWaitLimit)));
+    ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse r, raw_->Range(range, Deadline::After(kWaitLimit)));
     return r.header().revision();
   }
 

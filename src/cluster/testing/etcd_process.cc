@@ -10,8 +10,8 @@
 
 #include <cerrno>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -81,14 +81,11 @@ Result<EtcdProcess::Member> NewMember(std::string name, std::set<int>* taken) {
   return member;
 }
 
-std::string PeerUrl(const EtcdProcess::Member& m) {
-  return fmt::format("http://127.0.0.1:{}", m.peer_port);
-}
+std::string PeerUrl(const EtcdProcess::Member& m) { return fmt::format("http://127.0.0.1:{}", m.peer_port); }
 
 }  // namespace
 
-EtcdProcess::EtcdProcess(Member member, std::string initial_cluster, std::string token,
-                         std::string dir)
+EtcdProcess::EtcdProcess(Member member, std::string initial_cluster, std::string token, std::string dir)
     : member_(std::move(member)),
       initial_cluster_(std::move(initial_cluster)),
       token_(std::move(token)),
@@ -100,17 +97,14 @@ EtcdProcess::~EtcdProcess() {
   std::filesystem::remove_all(dir_, ignored);
 }
 
-std::string EtcdProcess::endpoint() const {
-  return fmt::format("127.0.0.1:{}", member_.client_port);
-}
+std::string EtcdProcess::endpoint() const { return fmt::format("127.0.0.1:{}", member_.client_port); }
 
 std::string EtcdProcess::endpoint_on(const std::string& host) const {
   return fmt::format("{}:{}", host, member_.client_port);
 }
 
 Status EtcdProcess::Launch() {
-  if (EtcdBinary().empty())
-    return Status::FailedPrecondition("no etcd binary was found at configure time");
+  if (EtcdBinary().empty()) return Status::FailedPrecondition("no etcd binary was found at configure time");
   if (process_.running()) return Status::FailedPrecondition("etcd is already running");
   const char* scheme = tls_dir_.empty() ? "http" : "https";
   std::string client_url = fmt::format("{}://127.0.0.1:{}", scheme, member_.client_port);
@@ -180,16 +174,16 @@ Status EtcdProcess::WaitReady(Deadline deadline) {
       if (cluster_id_ == 0) cluster_id_ = cluster_id;
       if (cluster_id == cluster_id_) return Status::Ok();
       return Status::FailedPrecondition(
-          fmt::format("another etcd (cluster {:x}, not {:x}) answers on {}'s port; log tail:\n{}",
-                      cluster_id, cluster_id_, member_.name, LogTail()));
+          fmt::format("another etcd (cluster {:x}, not {:x}) answers on {}'s port; log tail:\n{}", cluster_id,
+                      cluster_id_, member_.name, LogTail()));
     }
     if (response.ok()) break;  // an answer, but this member's process is gone
     last = response.status();
     // Readiness has no notification; poll it.
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  return Status::Unavailable(fmt::format("etcd {} did not become ready ({}); log tail:\n{}",
-                                         member_.name, last.ToString(), LogTail()));
+  return Status::Unavailable(
+      fmt::format("etcd {} did not become ready ({}); log tail:\n{}", member_.name, last.ToString(), LogTail()));
 }
 
 EtcdClientOptions EtcdProcess::ClientOptions() const {
@@ -235,8 +229,8 @@ Result<std::string> EtcdProcess::Etcdctl(const std::vector<std::string>& args) c
   return RunShell(command, fmt::format("etcdctl {}", fmt::join(args, " ")));
 }
 
-Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartConfigured(
-    Deadline deadline, const std::function<void(EtcdProcess&)>& configure) {
+Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartConfigured(Deadline deadline,
+                                                                  const std::function<void(EtcdProcess&)>& configure) {
   Status last;
   // A port picked free can be taken before etcd binds it; try a few fresh pairs.
   for (int attempt = 0; attempt < 3; ++attempt) {
@@ -259,7 +253,7 @@ Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartSingle(Deadline deadline,
 }
 
 Result<std::unique_ptr<EtcdProcess>> EtcdProcess::StartTls(const std::string& cert_dir, bool client_cert_auth,
-                                                            Deadline deadline, std::vector<std::string> extra_flags) {
+                                                           Deadline deadline, std::vector<std::string> extra_flags) {
   return StartConfigured(deadline, [&](EtcdProcess& etcd) {
     etcd.tls_dir_ = cert_dir;
     etcd.client_cert_auth_ = client_cert_auth;
@@ -274,16 +268,15 @@ Result<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(int members, Deadline de
   std::string initial;
   std::set<int> taken;
   for (int i = 0; i < members; ++i) {
-    ORBITKV_ASSIGN_OR_RETURN(EtcdProcess::Member m,
-                             NewMember(fmt::format("orbitkv-test-{}", i), &taken));
+    ORBITKV_ASSIGN_OR_RETURN(EtcdProcess::Member m, NewMember(fmt::format("orbitkv-test-{}", i), &taken));
     if (!initial.empty()) initial += ",";
     initial += fmt::format("{}={}", m.name, PeerUrl(m));
     specs.push_back(std::move(m));
   }
   for (const EtcdProcess::Member& m : specs) {
     ORBITKV_ASSIGN_OR_RETURN(std::string dir, MakeTempDir());
-    cluster->members_.push_back(std::unique_ptr<EtcdProcess>(
-        new EtcdProcess(m, initial, fmt::format("orbitkv-{}", specs[0].peer_port), dir)));
+    cluster->members_.push_back(
+        std::unique_ptr<EtcdProcess>(new EtcdProcess(m, initial, fmt::format("orbitkv-{}", specs[0].peer_port), dir)));
     cluster->members_.back()->also_on_ = also_on;
     cluster->members_.back()->extra_flags_ = extra_flags;
   }
@@ -313,8 +306,7 @@ Result<size_t> EtcdCluster::LeaderIndex(Deadline deadline) {
     for (size_t i = 0; i < members_.size(); ++i) {
       if (!members_[i]->running()) continue;
       Result<etcdserverpb::StatusResponse> status = client->EndpointStatus(i, deadline);
-      if (status.ok() && status->leader() != 0 && status->leader() == status->header().member_id())
-        return i;
+      if (status.ok() && status->leader() != 0 && status->leader() == status->header().member_id()) return i;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }

@@ -57,7 +57,7 @@ class EtcdProcess {
   EtcdProcess(const EtcdProcess&) = delete;
   EtcdProcess& operator=(const EtcdProcess&) = delete;
 
-  std::string endpoint() const;  // "127.0.0.1:<client port>"
+  std::string endpoint() const;                            // "127.0.0.1:<client port>"
   std::string endpoint_on(const std::string& host) const;  // "<host>:<client port>"
   const Member& member() const { return member_; }
   bool running() const { return process_.running(); }
@@ -83,11 +83,11 @@ class EtcdProcess {
 
   Member member_;
   std::string initial_cluster_;
-  std::string token_;  // --initial-cluster-token, shared by the members of one cluster.
-  std::string dir_;    // Temp dir holding data/ and etcd.log; removed by the destructor.
-  std::string also_on_;  // A second client address (StartSingle's also_on).
+  std::string token_;                     // --initial-cluster-token, shared by the members of one cluster.
+  std::string dir_;                       // Temp dir holding data/ and etcd.log; removed by the destructor.
+  std::string also_on_;                   // A second client address (StartSingle's also_on).
   std::vector<std::string> extra_flags_;  // More etcd flags (EtcdCluster::Start's).
-  std::string tls_dir_;  // StartTls's certificates (empty: plaintext)
+  std::string tls_dir_;                   // StartTls's certificates (empty: plaintext)
   bool client_cert_auth_ = false;
   std::string user_;
   std::string password_;

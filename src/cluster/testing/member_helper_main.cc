@@ -17,8 +17,7 @@ int main(int argc, char** argv) {
   using namespace orbitkv;
   using namespace orbitkv::cluster;
   if (argc != 7) {
-    std::fprintf(stderr, "usage: %s ENDPOINTS CLUSTER NODE TTL_SECS CATALOG_NODES PEER_ENDPOINT\n",
-                 argv[0]);
+    std::fprintf(stderr, "usage: %s ENDPOINTS CLUSTER NODE TTL_SECS CATALOG_NODES PEER_ENDPOINT\n", argv[0]);
     return 2;
   }
   MembershipOptions options;
@@ -36,8 +35,8 @@ int main(int argc, char** argv) {
   options.peer_endpoint = argv[6];
   MetricsRegistry metrics;
   Result<std::unique_ptr<Membership>> membership = Membership::Create(options, &metrics);
-  Status joined = membership.ok() ? (*membership)->Join(Deadline::After(std::chrono::seconds(20)))
-                                  : membership.status();
+  Status joined =
+      membership.ok() ? (*membership)->Join(Deadline::After(std::chrono::seconds(20))) : membership.status();
   if (!joined.ok()) {
     std::printf("error %s\n", joined.ToString().c_str());
     std::fflush(stdout);

@@ -76,8 +76,8 @@ std::vector<std::string> CatalogHost::CatalogLines(uint32_t shard) const {
   for (const std::string& owner : store_->Owners(shard)) {
     for (const catalog::CatalogRecord& r : store_->Dump(shard, owner)) {
       const auto key = r.key.Encode();
-      lines.push_back(fmt::format("{} {:02x} {} {} {} {}", owner, fmt::join(key, ""), r.tier, r.version,
-                                  r.generation, r.bytes));
+      lines.push_back(
+          fmt::format("{} {:02x} {} {} {} {}", owner, fmt::join(key, ""), r.tier, r.version, r.generation, r.bytes));
     }
   }
   return lines;

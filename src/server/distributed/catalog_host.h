@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
-#include "base/stats_visitor.h"
 #include "base/mutex.h"
+#include "base/stats_visitor.h"
 #include "base/thread_annotations.h"
 #include "catalog/catalog_store.h"
 #include "catalog/owner_streamer.h"
@@ -40,7 +40,7 @@ class CatalogHost {
  public:
   struct Options {
     std::string node_id;
-    uint64_t incarnation = 0;  // this Manager's start: owners address it
+    uint64_t incarnation = 0;   // this Manager's start: owners address it
     uint64_t budget_bytes = 0;  // --catalog-budget
     std::chrono::milliseconds maintenance_period{500};
   };
@@ -50,8 +50,8 @@ class CatalogHost {
     uint64_t stream_bytes = 0;  // catalog stream messages this Manager sent to other hosts' copies
     uint64_t bytes = 0, snapshots = 0;
     double lag_ms = 0, last_repair_s = -1;
-    size_t hosted = 0;              // shards the live placement puts here
-    size_t inventory_records = 0;   // this Manager's residency inventory, over all shards
+    size_t hosted = 0;                 // shards the live placement puts here
+    size_t inventory_records = 0;      // this Manager's residency inventory, over all shards
     uint64_t incomplete_shard_ms = 0;  // shard-milliseconds the shards placed here were incomplete (only grows)
   };
 

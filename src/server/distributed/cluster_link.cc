@@ -42,8 +42,8 @@ class DistributedLink final : public ClusterLink {
     if (parts_ == nullptr) return {"this Manager left the cluster"};
     if (parts_->placement_driver) return parts_->placement_driver->Lines();
     const cluster::Placement p = parts_->membership->placement();
-    return {fmt::format("placement generation {}: catalog nodes {}, {} copies a shard, fingerprint {}",
-                        p.generation(), fmt::join(p.catalog_nodes(), ","), p.replicas(), p.fingerprint()),
+    return {fmt::format("placement generation {}: catalog nodes {}, {} copies a shard, fingerprint {}", p.generation(),
+                        fmt::join(p.catalog_nodes(), ","), p.replicas(), p.fingerprint()),
             "reconciler: not run here (this Manager has no --peer-endpoint)"};
   }
   Result<std::vector<std::string>> RequestPlacement(std::string_view verb, std::string_view node) override {
@@ -72,8 +72,8 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
   const cluster::MemberView* view = &membership->view();
   const cluster::LivePlacement* live = &membership->live_placement();
   parts.catalog = std::make_unique<CatalogHost>(
-      CatalogHost::Options{.node_id = config.node_id, .incarnation = runtime.incarnation(),
-                           .budget_bytes = config.catalog_budget_bytes},
+      CatalogHost::Options{
+          .node_id = config.node_id, .incarnation = runtime.incarnation(), .budget_bytes = config.catalog_budget_bytes},
       view, live, &cache->inventory());
   std::vector<transfer::RegionHandle> arenas;
   ORBITKV_ASSIGN_OR_RETURN(parts.transfer, StartTransferEngine(config, runtime, cache->pool(), &arenas, metrics));
@@ -82,27 +82,27 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
   ORBITKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, PeerClientCredentials(config));
   const catalog::PeerIdentity identity = PeerIdentityOf(membership->self(), *live);
   ORBITKV_ASSIGN_OR_RETURN(
-      parts.peers,
-      PeerListener::Start(config, PeerListener::Parts{.self = identity,
-                                                      .incarnation = runtime.incarnation(),
-                                                      .ucx_worker_address = parts.transfer->ListenAddress(),
-                                                      .view = view,
-                                                      .live = live,
-                                                      .catalog = parts.catalog->store(),
-                                                      .source = parts.source->holds(),
-                                                      .remote_off = [membership] { return RemoteOffReason(*membership); },
-                                                      .credentials = credentials}));
-  parts.requester = std::make_unique<Requester>(
-      config,
-      Requester::Parts{.self = identity,
-                       .view = view,
-                       .live = live,
-                       .can_work = [membership] { return membership->CanDoRemoteWork(); },
-                       .cache = cache,
-                       .engine = parts.transfer.get(),
-                       .arenas = std::move(arenas),
-                       .credentials = credentials},
-      metrics);
+      parts.peers, PeerListener::Start(
+                       config, PeerListener::Parts{.self = identity,
+                                                   .incarnation = runtime.incarnation(),
+                                                   .ucx_worker_address = parts.transfer->ListenAddress(),
+                                                   .view = view,
+                                                   .live = live,
+                                                   .catalog = parts.catalog->store(),
+                                                   .source = parts.source->holds(),
+                                                   .remote_off = [membership] { return RemoteOffReason(*membership); },
+                                                   .credentials = credentials}));
+  parts.requester =
+      std::make_unique<Requester>(config,
+                                  Requester::Parts{.self = identity,
+                                                   .view = view,
+                                                   .live = live,
+                                                   .can_work = [membership] { return membership->CanDoRemoteWork(); },
+                                                   .cache = cache,
+                                                   .engine = parts.transfer.get(),
+                                                   .arenas = std::move(arenas),
+                                                   .credentials = credentials},
+                                  metrics);
   if (Status streams = parts.catalog->StartStreams(credentials, membership->self()); !streams.ok()) {
     return streams.WithContext("starting the catalog streams");
   }
@@ -111,7 +111,8 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
   driver.node_id = config.node_id;
   driver.shard_bound = std::chrono::milliseconds(config.placement_shard_bound_ms);
   driver.retire_grace = std::chrono::milliseconds(config.placement_retire_grace_ms);
-  parts.placement_driver = std::make_unique<PlacementDriver>(std::move(driver), membership, parts.requester->progress());
+  parts.placement_driver =
+      std::make_unique<PlacementDriver>(std::move(driver), membership, parts.requester->progress());
 
   // A registration that lapses ends the grants this source gave and the owner streams; one made again gives every
   // peer-facing part the new identity and streams the inventory anew as the new owner start. The UCX engine, its
@@ -163,9 +164,9 @@ Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& con
         "created for a single-host Manager");
   }
   if (const uint32_t shards = inventory->shard_count(); shards != cluster::kNumShards) {
-    return Status::FailedPrecondition(fmt::format(
-        "distributed mode needs the residency inventory in the placement's {} shards, not {}", cluster::kNumShards,
-        shards));
+    return Status::FailedPrecondition(
+        fmt::format("distributed mode needs the residency inventory in the placement's {} shards, not {}",
+                    cluster::kNumShards, shards));
   }
   ORBITKV_ASSIGN_OR_RETURN(cluster::MembershipOptions options, MembershipOptionsOf(config, runtime));
   auto parts = std::make_unique<NodeParts>();

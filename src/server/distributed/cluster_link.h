@@ -22,8 +22,8 @@
 #include "base/runtime_id.h"
 #include "core/block_cache.h"
 #include "core/ssd_tier.h"
-#include "server/loading_registry.h"
 #include "server/config.h"
+#include "server/loading_registry.h"
 
 namespace orbitkv::server {
 
@@ -38,8 +38,7 @@ class ClusterLink {
   // with --peer-endpoint the link starts the UCX transfer engine and registers the pool's arenas,
   // so peers can read blocks inside grants (the source side pins them under the transfer budget),
   // and fetches remote blocks into the pool (RemoteStage).
-  static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config,
-                                                    const RuntimeId& runtime,
+  static Result<std::unique_ptr<ClusterLink>> Start(const ManagerConfig& config, const RuntimeId& runtime,
                                                     core::BlockCache* cache, core::SsdTier* ssd,
                                                     MetricsRegistry* metrics);
   virtual ~ClusterLink() = default;

@@ -4,8 +4,7 @@
 
 namespace orbitkv::server {
 
-Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config,
-                                                        const RuntimeId& /*runtime*/,
+Result<std::unique_ptr<ClusterLink>> ClusterLink::Start(const ManagerConfig& config, const RuntimeId& /*runtime*/,
                                                         core::BlockCache* /*cache*/, core::SsdTier* /*ssd*/,
                                                         MetricsRegistry* /*metrics*/) {
   if (config.etcd_endpoints.empty()) return std::unique_ptr<ClusterLink>();

@@ -242,7 +242,8 @@ TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndStopWithThe
     const CatalogHost::Summary s = host.Summarize();
     return s.streams == cluster::kNumShards && s.converged == cluster::kNumShards && s.records == 1 &&
            s.incomplete == 0;
-  })) << "streams " << host.Summarize().streams << ", converged " << host.Summarize().converged << ", records "
+  })) << "streams "
+      << host.Summarize().streams << ", converged " << host.Summarize().converged << ", records "
       << host.Summarize().records << ", incomplete " << host.Summarize().incomplete;
   const std::vector<std::string> dump = host.CatalogLines(shard);
   ASSERT_EQ(dump.size(), 1u);
@@ -322,8 +323,7 @@ TEST_F(NodeSideTest, ASourceGrantsUntilItsRegistrationLapsesAndItsUpkeepFreesAVa
   const std::string requester = RuntimeId::New().ToString();
   InstallView(requester);
   Source source(PeerConfig(), cache_.get(), nullptr, engine_.get(), arenas_, &metrics_);
-  catalog::AuthorizeArgs args{.peer_node = "r", .peer_runtime = requester, .request_id = 1,
-                              .blocks = {SaveBlock(1)}};
+  catalog::AuthorizeArgs args{.peer_node = "r", .peer_runtime = requester, .request_id = 1, .blocks = {SaveBlock(1)}};
   Result<catalog::SourceGrant> granted = source.holds()->Authorize(args);
   ASSERT_TRUE(granted.ok()) << granted.status();
   EXPECT_EQ(granted->outcome, catalog::SourceOutcome::kGranted);

@@ -18,8 +18,8 @@ Result<std::unique_ptr<PeerListener>> PeerListener::Start(const ManagerConfig& c
   options.self = parts.self;
   options.incarnation = parts.incarnation;
   options.ucx_worker_address = parts.ucx_worker_address;
-  options.capabilities = {"health", "transfer.am", "transfer.grants", "catalog.stream", "catalog.lookup",
-                          "source.authorize"};
+  options.capabilities = {"health",         "transfer.am",    "transfer.grants",
+                          "catalog.stream", "catalog.lookup", "source.authorize"};
   options.catalog = parts.catalog;
   options.source = parts.source;
   options.remote_off = std::move(parts.remote_off);
@@ -42,14 +42,16 @@ Result<std::unique_ptr<PeerListener>> PeerListener::Start(const ManagerConfig& c
   listener->tls_ = tls != nullptr;
   listener->server_ = builder.BuildAndStart();
   if (listener->server_ == nullptr || listener->port_ == 0) {
-    return Status::Unavailable(fmt::format("cannot listen for peers on {} (--peer-listen / --peer-endpoint): "
-                                           "the address is in use or not this host's",
-                                           listener->address_));
+    return Status::Unavailable(
+        fmt::format("cannot listen for peers on {} (--peer-listen / --peer-endpoint): "
+                    "the address is in use or not this host's",
+                    listener->address_));
   }
   if (tls) {
-    ORBITKV_LOG_INFO("manager: peer listener on {} (mutual TLS: peers need a certificate from {} naming their "
-                     "Node ID as subjectAltName URI:{}<node-id>)",
-                     listener->address_, config.peer_tls_ca, catalog::kNodeUriPrefix);
+    ORBITKV_LOG_INFO(
+        "manager: peer listener on {} (mutual TLS: peers need a certificate from {} naming their "
+        "Node ID as subjectAltName URI:{}<node-id>)",
+        listener->address_, config.peer_tls_ca, catalog::kNodeUriPrefix);
   } else {
     ORBITKV_LOG_WARN(
         "manager: peer listener on {} serves orbitkv.peer.v1 without TLS: peers are not authenticated beyond "

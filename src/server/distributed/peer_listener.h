@@ -37,7 +37,7 @@ class PeerListener {
     const cluster::LivePlacement* live = nullptr;
     catalog::CatalogStore* catalog = nullptr;
     catalog::SourceHolds* source = nullptr;
-    std::function<std::string()> remote_off;  // why remote work is off now ("": on)
+    std::function<std::string()> remote_off;                // why remote work is off now ("": on)
     std::shared_ptr<grpc::ChannelCredentials> credentials;  // the directory's channels' (null: insecure)
   };
 

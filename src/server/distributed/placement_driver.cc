@@ -19,27 +19,25 @@ int64_t WallMs() {
 
 }  // namespace
 
-PlacementDriver::PlacementDriver(Options options, cluster::Membership* membership,
-                                 cluster::CatalogProgress* progress)
+PlacementDriver::PlacementDriver(Options options, cluster::Membership* membership, cluster::CatalogProgress* progress)
     : options_(std::move(options)),
       membership_(membership),
-      reconciler_(
-          cluster::PlacementReconciler::Options{
-              .cluster = options_.cluster,
-              .max_moving = options_.max_moving,
-              .shard_bound = options_.shard_bound,
-              .retire_grace = options_.retire_grace,
-              .now_ms = WallMs,
-              .live_owners =
-                  [membership] {
-                    std::vector<std::string> live;
-                    for (const cluster::Member& m : membership->view().Read().members) {
-                      live.push_back(m.record.node_id);
-                    }
-                    return live;
-                  },
-              .progress = progress},
-          &membership->etcd()) {
+      reconciler_(cluster::PlacementReconciler::Options{.cluster = options_.cluster,
+                                                        .max_moving = options_.max_moving,
+                                                        .shard_bound = options_.shard_bound,
+                                                        .retire_grace = options_.retire_grace,
+                                                        .now_ms = WallMs,
+                                                        .live_owners =
+                                                            [membership] {
+                                                              std::vector<std::string> live;
+                                                              for (const cluster::Member& m :
+                                                                   membership->view().Read().members) {
+                                                                live.push_back(m.record.node_id);
+                                                              }
+                                                              return live;
+                                                            },
+                                                        .progress = progress},
+                  &membership->etcd()) {
   const cluster::MemberRecord self = membership->self();
   leadership_ = std::make_shared<cluster::ReconcilerLeadership>(&membership->etcd(), options_.cluster, self.node_id,
                                                                 self.runtime_uuid);
@@ -75,8 +73,8 @@ void PlacementDriver::OnRegistered(const cluster::MemberRecord& self) {
   {
     MutexLock lock(&mu_);
     leadership_->Lapsed();
-    leadership_ = std::make_shared<cluster::ReconcilerLeadership>(&membership_->etcd(), options_.cluster,
-                                                                  self.node_id, self.runtime_uuid);
+    leadership_ = std::make_shared<cluster::ReconcilerLeadership>(&membership_->etcd(), options_.cluster, self.node_id,
+                                                                  self.runtime_uuid);
   }
   wake_.notify_all();
 }
@@ -113,8 +111,8 @@ std::chrono::milliseconds PlacementDriver::Round() {
       return options_.step_interval;
     }
     if (!*won) return options_.step_interval;
-    ORBITKV_LOG_INFO("cluster {}: node {} leads the placement reconciler (term {})", options_.cluster,
-                     options_.node_id, leadership->term());
+    ORBITKV_LOG_INFO("cluster {}: node {} leads the placement reconciler (term {})", options_.cluster, options_.node_id,
+                     leadership->term());
   }
   Result<cluster::PlacementReconciler::Outcome> outcome = reconciler_.Step(*leadership, deadline);
   const cluster::PlacementReconciler::Stats stats = reconciler_.stats();
@@ -163,10 +161,10 @@ Result<std::vector<std::string>> PlacementDriver::Request(std::string_view verb,
                                                     live->committed.generation(), fmt::join(nodes, ",")));
     }
     if (!membership_->view().Find(std::string(node)).ok()) {
-      return Status::FailedPrecondition(fmt::format(
-          "node '{}' is not a live member of cluster '{}': start its Manager (same --cluster-name and "
-          "--etcd-endpoints) before adding it to the catalog set",
-          node, options_.cluster));
+      return Status::FailedPrecondition(
+          fmt::format("node '{}' is not a live member of cluster '{}': start its Manager (same --cluster-name and "
+                      "--etcd-endpoints) before adding it to the catalog set",
+                      node, options_.cluster));
     }
     nodes.emplace_back(node);
   } else {
@@ -232,12 +230,11 @@ std::vector<std::string> PlacementDriver::Lines() const {
     const cluster::ShardMove& m = t.shards[shard];
     std::vector<std::string> marks;
     for (const auto& [owner, seq] : m.watermarks) marks.push_back(fmt::format("{}={}", owner, seq));
-    lines.push_back(fmt::format("{} {} {:.1f} {} -> {} {}", shard, cluster::ShardMoveStateName(m.state),
-                                m.since_ms > 0 ? static_cast<double>(WallMs() - m.since_ms) / 1000 : 0.0,
-                                fmt::join(p.generation() == t.from_generation ? p.CopiesOf(shard)
-                                                                              : std::vector<std::string>{},
-                                          ","),
-                                fmt::join(to.CopiesOf(shard), ","), marks.empty() ? "-" : fmt::format("{}", fmt::join(marks, ","))));
+    lines.push_back(fmt::format(
+        "{} {} {:.1f} {} -> {} {}", shard, cluster::ShardMoveStateName(m.state),
+        m.since_ms > 0 ? static_cast<double>(WallMs() - m.since_ms) / 1000 : 0.0,
+        fmt::join(p.generation() == t.from_generation ? p.CopiesOf(shard) : std::vector<std::string>{}, ","),
+        fmt::join(to.CopiesOf(shard), ","), marks.empty() ? "-" : fmt::format("{}", fmt::join(marks, ","))));
   }
   return lines;
 }

@@ -30,8 +30,8 @@ RemoteFetcher::RemoteFetcher(Options options, core::BlockCache* cache, catalog::
       next_request_(RandomBase()) {
   core::Budget::Options staging;
   staging.name = "remote_staging";
-  staging.global_bytes = options_.staging_budget_bytes != 0 ? options_.staging_budget_bytes
-                                                            : cache_->pool().Stats().capacity_bytes / 4;
+  staging.global_bytes =
+      options_.staging_budget_bytes != 0 ? options_.staging_budget_bytes : cache_->pool().Stats().capacity_bytes / 4;
   staging_ = std::make_unique<core::Budget>(std::move(staging), metrics);
   for (size_t i = 0; i < options_.threads; ++i) threads_.emplace_back([this] { Work(); });
 }
@@ -59,12 +59,12 @@ std::optional<LoadingStage> RemoteFetcher::Stage(std::vector<state::StateKey> ke
   stage.span = keys.size();
   stage.deadline = options_.deadline;
   stage.start = [this, keys = std::move(keys)](LoadingStage::Done done,
-                                                LoadingStage::Progress progress) mutable -> Status {
+                                               LoadingStage::Progress progress) mutable -> Status {
     {
       MutexLock lock(&mu_);
       if (!stop_ && queue_.size() < options_.max_queued) {
-        queue_.push_back(Job{std::move(keys), Deadline::After(options_.deadline), std::move(done),
-                             std::move(progress)});
+        queue_.push_back(
+            Job{std::move(keys), Deadline::After(options_.deadline), std::move(done), std::move(progress)});
         wake_.notify_one();
         return Status::Ok();
       }
@@ -151,11 +151,12 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
       }
       return pins;
     }
-    ORBITKV_LOG_DEBUG("remote: {} of {} blocks granted by {} ({} planned after {} local; {} discovery RPCs, {} "
-                      "authorizations, {} polls, {} rejected)",
-                      outcome.authorized->reply.grant.granted, todo.size(), outcome.authorized->span.node,
-                      outcome.authorized->span.versions.size(), pins.size(), learnt.rpcs, outcome.attempts,
-                      outcome.polls, outcome.rejections);
+    ORBITKV_LOG_DEBUG(
+        "remote: {} of {} blocks granted by {} ({} planned after {} local; {} discovery RPCs, {} "
+        "authorizations, {} polls, {} rejected)",
+        outcome.authorized->reply.grant.granted, todo.size(), outcome.authorized->span.node,
+        outcome.authorized->span.versions.size(), pins.size(), learnt.rpcs, outcome.attempts, outcome.polls,
+        outcome.rejections);
     // The reads end a little before the stage's deadline, so what arrived is reported while the op still waits.
     const Deadline reads = job.deadline.Remaining() > std::chrono::milliseconds(500)
                                ? Deadline::At(job.deadline.when() - std::chrono::milliseconds(250))
@@ -180,8 +181,7 @@ std::vector<core::BlockPin> RemoteFetcher::Fetch(const Job& job, std::optional<F
           MonoNow() + options_.source_breaker;
     }
     const bool more = transferred && grant.stop == catalog::SourceOutcome::kMore &&
-                      pins.size() == before + grant.granted && pins.size() < job.keys.size() &&
-                      !reads.Expired();
+                      pins.size() == before + grant.granted && pins.size() < job.keys.size() && !reads.Expired();
     if (!more) {
       *fetched = Fetched{std::move(*outcome.authorized), authorize.request_id};
       return pins;
@@ -211,7 +211,8 @@ struct RemoteFetcher::GrantedRead {
     std::vector<core::BudgetTicket> staging;  // one per prepared block, until sealed or aborted
     MonoTime submitted;
     // Shared with the engine's callback: set_value may still be returning there when the worker's get() returns.
-    std::shared_ptr<std::promise<transfer::BatchResult>> result = std::make_shared<std::promise<transfer::BatchResult>>();
+    std::shared_ptr<std::promise<transfer::BatchResult>> result =
+        std::make_shared<std::promise<transfer::BatchResult>>();
     std::future<transfer::BatchResult> done;
     uint64_t bytes = 0;
     bool started = false;
@@ -304,8 +305,7 @@ bool RemoteFetcher::StartBatch(GrantedRead& read) {
 }
 
 bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline deadline,
-                                std::vector<core::BlockPin>* pins,
-                                const LoadingStage::Progress& progress) {
+                                std::vector<core::BlockPin>* pins, const LoadingStage::Progress& progress) {
   const catalog::SourceGrant& grant = authorized.reply.grant;
   GrantedRead read{authorized, deadline};
   for (const auto& bytes : grant.regions) {
@@ -321,8 +321,8 @@ bool RemoteFetcher::ReadGranted(const catalog::Authorized& authorized, Deadline 
   const transfer::Capabilities caps = engine_->GetCapabilities();
   // Fragments of at most 1 MiB: the source checksums and sends one while the next is read (a 2.25 MiB block in
   // one fragment serializes both).
-  read.max_fragment =
-      std::min<uint64_t>(options_.max_fragment_bytes, caps.max_fragment_bytes != 0 ? caps.max_fragment_bytes : UINT64_MAX);
+  read.max_fragment = std::min<uint64_t>(options_.max_fragment_bytes,
+                                         caps.max_fragment_bytes != 0 ? caps.max_fragment_bytes : UINT64_MAX);
   read.max_fragments = caps.max_fragments_per_batch != 0 ? caps.max_fragments_per_batch : SIZE_MAX;
   read.granted = std::min(grant.granted, authorized.span.versions.size());
   uint64_t fetched_blocks = 0, fetched_bytes = 0;
@@ -406,9 +406,9 @@ void RemoteFetcher::VisitStats(StatsVisitor& v) const {
   v.Counter("remote_fetched_blocks", s.fetched_blocks);
   v.Counter("remote_fetched_bytes", s.fetched_bytes,
             {"orbitkv_remote_fetched_bytes_total", "Bytes read from peers into DRAM blocks (verified and sealed)"});
-  v.Counter("remote_no_source", s.no_source,
-            {"orbitkv_remote_no_source_total",
-             "Remote stages that found no peer granting the next block (a local answer)"});
+  v.Counter(
+      "remote_no_source", s.no_source,
+      {"orbitkv_remote_no_source_total", "Remote stages that found no peer granting the next block (a local answer)"});
   v.Counter("remote_fetch_failures", s.failed,
             {"orbitkv_remote_fetch_failures_total",
              "Remote stages whose transfer failed part-way (the prefix stopped there)"});

@@ -34,8 +34,8 @@
 
 #include "base/flights.h"
 #include "base/metrics.h"
-#include "base/stats_visitor.h"
 #include "base/mutex.h"
+#include "base/stats_visitor.h"
 #include "catalog/candidate_index.h"
 #include "catalog/discovery.h"
 #include "catalog/remote_plan.h"
@@ -63,8 +63,8 @@ class RemoteFetcher {
     std::function<bool()> can_work;
   };
   struct Stats {
-    uint64_t fetches = 0;          // remote stages run
-    uint64_t fetched_blocks = 0;   // blocks read from peers and sealed
+    uint64_t fetches = 0;         // remote stages run
+    uint64_t fetched_blocks = 0;  // blocks read from peers and sealed
     uint64_t fetched_bytes = 0;
     uint64_t no_source = 0;        // stages that found no source granting anything
     uint64_t failed = 0;           // stages whose transfer failed part-way (the prefix stopped there)
@@ -84,8 +84,8 @@ class RemoteFetcher {
   };
 
   // Everything passed must outlive the fetcher. `arenas[i]` is the transfer region of pool arena i.
-  RemoteFetcher(Options options, core::BlockCache* cache, catalog::CandidateIndex* index,
-                catalog::Discovery* discovery, catalog::SourceTransport* sources, transfer::TransferEngine* engine,
+  RemoteFetcher(Options options, core::BlockCache* cache, catalog::CandidateIndex* index, catalog::Discovery* discovery,
+                catalog::SourceTransport* sources, transfer::TransferEngine* engine,
                 std::vector<transfer::RegionHandle> arenas, MetricsRegistry* metrics);
   // Stops the threads: fetches running finish (their deadlines bound them), queued ones report what is local.
   ~RemoteFetcher();

@@ -145,8 +145,7 @@ class RemoteFetchTest : public ::testing::Test {
   // Runs the remote stage for `keys` and returns the pins it reported; `progress` (when given) gets each progress
   // report, with how many of the reported blocks were resident byte-exact when it came.
   std::vector<core::BlockPin> RunStage(const std::vector<state::StateKey>& keys,
-                                       std::vector<std::pair<size_t, size_t>>* progress = nullptr,
-                                       uint64_t chain = 0) {
+                                       std::vector<std::pair<size_t, size_t>>* progress = nullptr, uint64_t chain = 0) {
     std::optional<LoadingStage> stage = fetcher_->Stage(keys);
     EXPECT_TRUE(stage.has_value());
     if (!stage.has_value()) return {};
@@ -157,9 +156,9 @@ class RemoteFetchTest : public ::testing::Test {
         progress->emplace_back(n, ResidentExact(std::vector<state::StateKey>(keys.begin(), keys.begin() + n), chain));
       };
     }
-    EXPECT_TRUE(stage->start([&done](std::vector<core::BlockPin> pins) { done.set_value(std::move(pins)); },
-                             std::move(report))
-                    .ok());
+    EXPECT_TRUE(
+        stage->start([&done](std::vector<core::BlockPin> pins) { done.set_value(std::move(pins)); }, std::move(report))
+            .ok());
     return done.get_future().get();
   }
 
@@ -327,7 +326,7 @@ TEST_F(RemoteFetchTest, APeerThatStopsAnsweringPartWayLeavesTheVerifiedPrefixOnl
 TEST_F(RemoteFetchTest, ALostBatchEndsTheStageByItsDeadlineWithWhatArrived) {
   MakeFetcher(/*max_batch_bytes=*/1 << 20, /*deadline=*/std::chrono::milliseconds(1500));
   const auto keys = SaveOnSource(4, 8);
-  faults_->Drop(1);  // the first batch never arrives
+  faults_->Drop(1);                                   // the first batch never arrives
   std::vector<core::BlockPin> pins = RunStage(keys);  // returns: the batch's deadline bounds it
   EXPECT_TRUE(pins.empty());
   EXPECT_EQ(Resident(keys), 0u);

@@ -57,9 +57,9 @@ void Requester::VisitStats(StatsVisitor& v) const {
           {"orbitkv_candidate_index_bytes", "Logical bytes of the candidate index (of its 16 MiB budget)"});
   v.Gauge("candidate_index_hits", static_cast<int64_t>(i.hits),
           {"orbitkv_candidate_index_hits", "Candidate index reads that found a fresh holder (since start)"});
-  v.Gauge("candidate_index_misses", static_cast<int64_t>(i.misses),
-          {"orbitkv_candidate_index_misses",
-           "Candidate index reads that found none, or only expired ones (since start)"});
+  v.Gauge(
+      "candidate_index_misses", static_cast<int64_t>(i.misses),
+      {"orbitkv_candidate_index_misses", "Candidate index reads that found none, or only expired ones (since start)"});
   releases_.VisitStats(v);
   const catalog::Discovery::Stats d = discovery_->GetStats();
   v.Counter("discovery_skipped_hosts", d.skipped_hosts);

@@ -15,12 +15,11 @@ Source::Source(const ManagerConfig& config, core::BlockCache* cache, core::SsdTi
     // SSD-resident blocks are served too: read into DRAM through the SSD tier's coalesced, verified path before they
     // are granted, within a staging budget of their own.
     const uint64_t staging = config.remote_ssd_staging_budget_bytes != 0 ? config.remote_ssd_staging_budget_bytes
-                                                                   : cache->pool().Stats().capacity_bytes / 8;
+                                                                         : cache->pool().Stats().capacity_bytes / 8;
     ssd_staging_ = std::make_unique<core::Budget>(
         core::Budget::Options{.name = "remote_ssd_staging", .global_bytes = staging}, metrics);
     options.ssd_staging = ssd_staging_.get();
-    options.load_ssd = [ssd](std::vector<state::StateKey> keys,
-                             std::function<void(std::vector<core::BlockPin>)> done) {
+    options.load_ssd = [ssd](std::vector<state::StateKey> keys, std::function<void(std::vector<core::BlockPin>)> done) {
       return ssd->Load(std::move(keys), std::move(done));
     };
   }

@@ -31,8 +31,8 @@ class FaultInjectingDevice final : public Device {
   }
 
  protected:
-  void DoSubmit(std::span<const IoRequest> requests, std::span<const size_t> valid,
-                std::span<Status> statuses) override EXCLUDES(mu_);
+  void DoSubmit(std::span<const IoRequest> requests, std::span<const size_t> valid, std::span<Status> statuses) override
+      EXCLUDES(mu_);
 
  private:
   const std::unique_ptr<Device> inner_;
