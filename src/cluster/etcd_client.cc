@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <random>
 
 #include "base/check.h"
 #include "base/logging.h"
@@ -135,6 +136,7 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options
     endpoint->auth = etcdserverpb::Auth::NewStub(endpoint->channel);
     client->channels_.push_back(std::move(endpoint));
   }
+  if (client->authenticates()) client->refresher_ = std::thread([c = client.get()] { c->RunTokenRefresher(); });
   return client;
 }
 
@@ -157,7 +159,14 @@ EtcdClient::EtcdClient(EtcdClientOptions options) : options_(std::move(options))
                                  "etcd auth tokens obtained (the first, then one per expiry or broken stream)");
 }
 
-EtcdClient::~EtcdClient() = default;
+EtcdClient::~EtcdClient() {
+  {
+    MutexLock lock(&token_mu_);
+    stopping_ = true;
+    token_changed_.notify_all();
+  }
+  if (refresher_.joinable()) refresher_.join();
+}
 
 uint64_t EtcdClient::CallsOnThisThread() { return t_calls_on_thread; }
 
@@ -176,8 +185,34 @@ Result<std::string> EtcdClient::Token(size_t endpoint_index, Deadline deadline) 
   if (options_.user.empty()) return std::string();
   {
     MutexLock lock(&token_mu_);
-    if (!token_.empty()) return token_;
+    while (true) {
+      if (!token_.empty()) return token_;
+      if (!auth_in_flight_) break;  // ours to obtain
+      // Another thread is authenticating: share its outcome rather than add a bcrypt check to etcd's queue.
+      const uint64_t round = auth_round_;
+      bool timed_out = false;
+      while (auth_in_flight_ && auth_round_ == round && !stopping_ && !timed_out) {
+        if (deadline.IsInfinite()) {
+          token_changed_.wait(token_mu_);
+        } else {
+          timed_out = token_changed_.wait_until(token_mu_, deadline.when()) == std::cv_status::timeout;
+        }
+      }
+      if (!token_.empty()) return token_;
+      if (auth_round_ != round && !last_auth_error_.ok()) return last_auth_error_;
+      if (timed_out || stopping_) {
+        return Status::DeadlineExceeded(fmt::format("etcd: no auth token for --etcd-user '{}' within the call's "
+                                                    "deadline (another thread's Authenticate is still in flight)",
+                                                    options_.user))
+            .WithReason(StatusReason::kEtcd);
+      }
+    }
+    auth_in_flight_ = true;
   }
+  return Authenticate(endpoint_index, deadline);
+}
+
+Result<std::string> EtcdClient::Authenticate(size_t endpoint_index, Deadline deadline) {
   CountCall(kAuthenticate);
   grpc::ClientContext context;
   context.set_deadline(ToSystemDeadline(Cap(deadline)));
@@ -186,26 +221,58 @@ Result<std::string> EtcdClient::Token(size_t endpoint_index, Deadline deadline) 
   request.set_password(options_.password);
   etcdserverpb::AuthenticateResponse response;
   const grpc::Status status = channels_[endpoint_index]->auth->Authenticate(&context, request, &response);
+  Status error;
   if (!status.ok()) {
     counters_[kAuthenticate].failures->Increment();
-    return Explain(status, FromGrpc(status, "Authenticate", endpoints_[endpoint_index]));
+    error = Explain(status, FromGrpc(status, "Authenticate", endpoints_[endpoint_index]));
+  } else if (response.token().empty()) {
+    error = Status::FailedPrecondition(fmt::format("etcd at {} answered --etcd-user '{}' with no token: user auth is "
+                                                   "not enabled there (etcdctl auth enable), or drop --etcd-user",
+                                                   endpoints_[endpoint_index], options_.user))
+                .WithReason(StatusReason::kEtcd);
+  } else {
+    tokens_->Increment();
   }
-  if (response.token().empty()) {
-    return Status::FailedPrecondition(fmt::format("etcd at {} answered --etcd-user '{}' with no token: user auth is "
-                                                  "not enabled there (etcdctl auth enable), "
-                                                  "or drop --etcd-user",
-                                                  endpoints_[endpoint_index], options_.user))
-        .WithReason(StatusReason::kEtcd);
-  }
-  tokens_->Increment();
   MutexLock lock(&token_mu_);
-  token_ = response.token();
+  auth_in_flight_ = false;
+  ++auth_round_;
+  last_auth_error_ = error;
+  if (error.ok()) token_ = response.token();
+  token_changed_.notify_all();
+  if (!error.ok()) return error;
   return token_;
 }
 
 void EtcdClient::DropToken(const std::string& token) {
   MutexLock lock(&token_mu_);
-  if (token.empty() || token_ == token) token_.clear();
+  if (!token.empty() && token_ == token) token_.clear();
+}
+
+void EtcdClient::RunTokenRefresher() {
+  std::minstd_rand jitter(std::random_device{}());
+  // A fleet whose tokens were refused at once (etcd restarted) spreads its Authenticate calls: a pause of up to a
+  // tenth of the call timeout, at most 200 ms, before each one.
+  const int64_t spread = std::min<int64_t>(options_.call_timeout.count() / 10, 200);
+  while (true) {
+    size_t endpoint = 0;
+    {
+      MutexLock lock(&token_mu_);
+      while (!stopping_ && !refresh_wanted_) token_changed_.wait(token_mu_);
+      if (stopping_) return;
+      refresh_wanted_ = false;
+      const MonoTime until =
+          MonoNow() + std::chrono::milliseconds(static_cast<int64_t>(jitter() % static_cast<uint64_t>(spread + 1)));
+      while (!stopping_ && MonoNow() < until) token_changed_.wait_until(token_mu_, until);
+      if (stopping_) return;
+      if (!token_.empty() || auth_in_flight_) continue;  // a caller got one meanwhile, or is getting it
+      auth_in_flight_ = true;
+      endpoint = PreferredEndpoint();
+    }
+    Result<std::string> token = Authenticate(endpoint, Deadline::After(options_.call_timeout));
+    if (!token.ok()) {
+      ORBITKV_LOG_WARN("etcd: no auth token for the keepalive stream yet: {}", token.status().ToString());
+    }
+  }
 }
 
 Status EtcdClient::Explain(const grpc::Status& status, Status ours) const {
@@ -351,24 +418,36 @@ etcdserverpb::Lease::Stub* EtcdClient::LeaseStub(size_t endpoint_index) {
   return channels_[endpoint_index]->lease.get();
 }
 
-void EtcdClient::PrepareStreamContext(grpc::ClientContext* context, std::string_view method, size_t endpoint_index) {
+std::string EtcdClient::PrepareStreamContext(grpc::ClientContext* context, StreamKind kind, size_t endpoint_index) {
   context->AddMetadata("hasleader", "true");
+  std::string token;
   if (!options_.user.empty()) {
-    // Without a token the stream opens anyway and etcd refuses it: the owner sees it break and tries again.
-    Result<std::string> token = Token(endpoint_index % channels_.size(), Deadline::After(options_.call_timeout));
-    if (token.ok()) {
-      context->AddMetadata("token", *token);
+    if (kind == StreamKind::kLeaseKeepAlive) {
+      MutexLock lock(&token_mu_);
+      token = token_;
+      if (token.empty()) {
+        refresh_wanted_ = true;
+        token_changed_.notify_all();
+      }
     } else {
-      ORBITKV_LOG_WARN("etcd: no auth token for the {} stream: {}", method, token.status().ToString());
+      // Without a token the stream opens anyway and etcd refuses it: the owner sees it break and tries again.
+      Result<std::string> got = Token(endpoint_index % channels_.size(), Deadline::After(options_.call_timeout));
+      if (got.ok()) {
+        token = std::move(got).value();
+      } else {
+        ORBITKV_LOG_WARN("etcd: no auth token for the Watch stream: {}", got.status().ToString());
+      }
     }
+    if (!token.empty()) context->AddMetadata("token", token);
   }
-  CountCall(method == "Watch" ? kWatch : kLeaseKeepAlive);
+  CountCall(kind == StreamKind::kWatch ? kWatch : kLeaseKeepAlive);
+  return token;
 }
 
-void EtcdClient::ReportStreamFailure(size_t endpoint_index) {
-  // The token may be why it broke (an expired token ends a stream with UNAUTHENTICATED): the next stream gets a
-  // fresh one.
-  if (!options_.user.empty()) DropToken(std::string());
+void EtcdClient::ReportStreamFailure(size_t endpoint_index, const grpc::Status& status, const std::string& token_sent) {
+  // An expired or forgotten token (etcd restarted: simple tokens live in its memory) ends a stream with
+  // UNAUTHENTICATED: the next stream gets a fresh one. Every other end keeps it: tokens outlive elections.
+  if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) DropToken(token_sent);
   if (channels_.size() < 2) return;
   size_t expected = endpoint_index;
   // Only the first report about the current preference moves it; later reports of the same outage

@@ -20,8 +20,12 @@
 // the files are re-read every tls_reload_secs, so new connections use rotated ones without a restart. With a
 // user, the client obtains a token (etcdserverpb.Auth/Authenticate) before its first call, sends it as the
 // "token" metadata of every call and stream, and obtains a new one when etcd says the token is invalid (it
-// expired: etcd --auth-token-ttl) and retries the call once; a stream owner that sees its stream break calls
-// ReportStreamFailure, after which the next stream starts with a fresh token. Failures name the flag to fix.
+// expired: etcd --auth-token-ttl, or etcd restarted) and retries the call once. Authenticate is dear to etcd (a
+// bcrypt check and a raft proposal), so a fleet must not call it in a storm: one Authenticate is in flight per
+// client at a time (the other threads wait for its token, or its error); a token is dropped only when etcd answers
+// UNAUTHENTICATED with it (a broken stream or a leader election keeps it: tokens outlive both); and the keepalive
+// stream never waits for one (PrepareStreamContext with kLeaseKeepAlive sends the token it has, or none, and asks
+// a background thread for a new one). Failures name the flag to fix.
 //
 // Every call is counted: per method in the metrics registry (orbitkv_etcd_calls_total{method}) and
 // per thread (CallsOnThisThread), so tests can prove that a code path makes no etcd call.
@@ -32,9 +36,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "base/clock.h"
@@ -94,8 +100,10 @@ class EtcdClient {
   bool tls() const { return !options_.tls_ca_file.empty(); }
   bool client_certificate() const { return !options_.tls_cert_file.empty(); }
   bool authenticates() const { return !options_.user.empty(); }
-  // Tokens obtained so far (the first, and one per expiry or broken stream).
+  // Tokens obtained so far (the first, and one per token etcd refused), and Authenticate calls made (failed ones
+  // included).
   uint64_t tokens_obtained() const { return tokens_->Value(); }
+  uint64_t authenticate_calls() const { return counters_[kAuthenticate].calls->Value(); }
 
   // --- Streams
   // -------------------------------------------------------------------------------------------------
@@ -103,13 +111,18 @@ class EtcdClient {
   size_t PreferredEndpoint() const;
   etcdserverpb::Watch::Stub* WatchStub(size_t endpoint_index);
   etcdserverpb::Lease::Stub* LeaseStub(size_t endpoint_index);
+  enum class StreamKind { kWatch, kLeaseKeepAlive };
   // Adds the "hasleader: true" metadata, so that a member cut off from its leader ends the stream
-  // instead of leaving it silent, and with user auth the token (obtaining one from `endpoint_index` first if
-  // there is none or the last stream broke), and counts the stream open as a call of `method` on this thread.
-  void PrepareStreamContext(grpc::ClientContext* context, std::string_view method, size_t endpoint_index);
-  // A stream on `endpoint_index` broke: the next stream (and call) starts at the following
-  // endpoint, unless another failure already moved the preference.
-  void ReportStreamFailure(size_t endpoint_index);
+  // instead of leaving it silent, and with user auth the token, and counts the stream open on this thread.
+  // A Watch waits for a token when there is none (obtaining one from `endpoint_index`, or waiting for the
+  // Authenticate in flight); a LeaseKeepAlive never waits: it sends the token there is, or none, and when there is
+  // none a background thread obtains one for the next stream (the registration's validity must not wait on a
+  // bcrypt check queued behind a fleet's). Returns the token sent ("" for none), for ReportStreamFailure.
+  std::string PrepareStreamContext(grpc::ClientContext* context, StreamKind kind, size_t endpoint_index);
+  // A stream on `endpoint_index` ended with `status`: the next stream (and call) starts at the following
+  // endpoint, unless another failure already moved the preference. The token it sent is dropped only when etcd
+  // refused it (UNAUTHENTICATED); any other end (UNAVAILABLE in an election, a cancelled stream) keeps it.
+  void ReportStreamFailure(size_t endpoint_index, const grpc::Status& status, const std::string& token_sent);
 
   const std::vector<std::string>& endpoints() const { return endpoints_; }
   const EtcdClientOptions& options() const { return options_; }
@@ -149,10 +162,16 @@ class EtcdClient {
   Result<Response> Call(Method method, Deadline deadline, Invoke&& invoke);
   void CountCall(Method method);
   Deadline Cap(Deadline deadline) const;
-  // The token to send (obtaining one from `endpoint_index` when there is none); "" without user auth.
-  Result<std::string> Token(size_t endpoint_index, Deadline deadline);
-  // Forgets `token` if it is still the current one (etcd called it invalid, or a stream using it broke).
-  void DropToken(const std::string& token);
+  // The token to send; "" without user auth. When there is none, the first caller authenticates at
+  // `endpoint_index` and every other caller waits (until `deadline`) for that one Authenticate and shares its token
+  // or its error.
+  Result<std::string> Token(size_t endpoint_index, Deadline deadline) EXCLUDES(token_mu_);
+  // The one Authenticate call, made by the caller that claimed auth_in_flight_.
+  Result<std::string> Authenticate(size_t endpoint_index, Deadline deadline) EXCLUDES(token_mu_);
+  // Forgets `token` if it is still the current one (etcd refused it).
+  void DropToken(const std::string& token) EXCLUDES(token_mu_);
+  // The background thread that obtains a token for a keepalive stream that opened without one.
+  void RunTokenRefresher() EXCLUDES(token_mu_);
   // Adds what to fix to a failed call's status (TLS handshakes, auth).
   Status Explain(const grpc::Status& status, Status ours) const;
 
@@ -172,7 +191,14 @@ class EtcdClient {
   Counter* tokens_ = nullptr;
 
   mutable Mutex token_mu_;
+  std::condition_variable_any token_changed_;  // an Authenticate ended, a refresh was asked for, or stopping
   std::string token_ GUARDED_BY(token_mu_);
+  bool auth_in_flight_ GUARDED_BY(token_mu_) = false;
+  uint64_t auth_round_ GUARDED_BY(token_mu_) = 0;  // Authenticate calls ended so far
+  Status last_auth_error_ GUARDED_BY(token_mu_);   // the last one's error (ok when it brought a token)
+  bool refresh_wanted_ GUARDED_BY(token_mu_) = false;
+  bool stopping_ GUARDED_BY(token_mu_) = false;
+  std::thread refresher_;  // started with the client when it authenticates; joined by the destructor
 };
 
 // Maps a gRPC status to an OrbitKV Status with "etcd <method> at <endpoint>: " as context and reason kEtcd.

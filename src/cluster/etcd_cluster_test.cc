@@ -72,5 +72,64 @@ TEST(EtcdClusterTest, LeaderKilledMembershipContinues) {
   for (uint32_t shard = 0; shard < kNumShards; ++shard) EXPECT_TRUE((*c)->ResolveShardOwner(shard).ok()) << shard;
 }
 
+// Issue 69: with user auth, a leader election costs no Manager an Authenticate (tokens outlive elections; a broken
+// stream no longer drops its token), and no registration lapses. Before, each broken keepalive and watch stream
+// dropped the token, and every Manager of a fleet authenticated again at once (a bcrypt check and a raft proposal
+// each, while the new leader settles).
+TEST(EtcdClusterTest, LeaderKilledWithUserAuthCostsNoAuthenticate) {
+  if (testing::EtcdBinary().empty()) GTEST_SKIP() << "no etcd binary was found at configure time";
+  Result<std::unique_ptr<testing::EtcdCluster>> cluster = testing::EtcdCluster::Start(3, Deadline::After(kWaitLimit));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const Status auth = (*cluster)->member(0).EnableAuth("orbit", "pw-69");
+  ASSERT_TRUE(auth.ok()) << auth;
+  for (size_t i = 1; i < (*cluster)->size(); ++i) (*cluster)->member(i).SetClientAuth("orbit", "pw-69");
+  Result<size_t> leader = (*cluster)->LeaderIndex(Deadline::After(kWaitLimit));
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  std::vector<std::string> endpoints = (*cluster)->endpoints();
+  std::rotate(endpoints.begin(), endpoints.begin() + static_cast<long>(*leader), endpoints.end());
+
+  const std::vector<std::string> nodes = {"node-a", "node-b", "node-c"};
+  std::vector<std::unique_ptr<MetricsRegistry>> metrics;
+  std::vector<std::unique_ptr<Membership>> managers;
+  for (const std::string& node : nodes) {
+    MembershipOptions o = OptionsFor(endpoints, node);
+    o.etcd_user = "orbit";
+    o.etcd_password = "pw-69";
+    metrics.push_back(std::make_unique<MetricsRegistry>());
+    Result<std::unique_ptr<Membership>> m = Membership::Create(o, metrics.back().get());
+    ASSERT_TRUE(m.ok()) << m.status();
+    const Status joined = (*m)->Join(Deadline::After(kWaitLimit));
+    ASSERT_TRUE(joined.ok()) << joined;
+    managers.push_back(std::move(m).value());
+  }
+  ASSERT_TRUE(WaitUntil([&] {
+    for (auto& m : managers) {
+      if (!m->CanDoRemoteWork() || m->view().size() != nodes.size()) return false;
+    }
+    return true;
+  }));
+  std::vector<uint64_t> before;
+  for (auto& m : managers) before.push_back(m->etcd().authenticate_calls());
+
+  (*cluster)->member(*leader).Kill();
+
+  // Every stream on the dead member broke and came back elsewhere, keepalives were acknowledged again.
+  for (size_t i = 0; i < managers.size(); ++i) {
+    const uint64_t acks = CounterValue(*metrics[i], "orbitkv_membership_keepalive_acks_total");
+    ASSERT_TRUE(WaitUntil([&] {
+      return CounterValue(*metrics[i], "orbitkv_membership_view_invalidations_total", {{"reason", "reconnect"}}) >= 1 &&
+             CounterValue(*metrics[i], "orbitkv_membership_keepalive_acks_total") > acks &&
+             managers[i]->CanDoRemoteWork();
+    })) << nodes[i];
+  }
+  for (size_t i = 0; i < managers.size(); ++i) {
+    SCOPED_TRACE(nodes[i]);
+    EXPECT_EQ(managers[i]->etcd().authenticate_calls(), before[i])
+        << "the election made this Manager authenticate again: tokens outlive elections";
+    EXPECT_EQ(managers[i]->GetStatus().registrations, 1) << managers[i]->GetStatus().last_cause;
+  }
+  for (auto& m : managers) m->Shutdown();
+}
+
 }  // namespace
 }  // namespace orbitkv::cluster

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <random>
 
 #include "base/check.h"
 #include "base/logging.h"
@@ -88,9 +89,14 @@ void LeaseKeeper::Lost(const std::string& reason) {
   if (options_.on_lost) options_.on_lost(reason);
 }
 
-LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
+LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint, grpc::Status* ended_with, std::string* token_sent) {
   KeepAliveStream stream;
-  client_->PrepareStreamContext(stream.context(), "LeaseKeepAlive", endpoint);
+  // Never waits for authentication: the registration's validity runs while it would.
+  *token_sent = client_->PrepareStreamContext(stream.context(), EtcdClient::StreamKind::kLeaseKeepAlive, endpoint);
+  const auto broken = [&] {
+    *ended_with = stream.Finish();
+    return StreamEnd::kBroken;
+  };
   {
     MutexLock lock(&mu_);
     if (stopping_) return StreamEnd::kDone;
@@ -108,7 +114,7 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
     return client_->LeaseStub(endpoint)->PrepareAsyncLeaseKeepAlive(ctx, cq);
   };
   const MonoTime open_until = std::min(clock_->valid_until(), MonoNow() + client_->options().call_timeout);
-  if (!stream.Start(prepare, Deadline::At(open_until))) return StreamEnd::kBroken;
+  if (!stream.Start(prepare, Deadline::At(open_until))) return broken();
 
   // Replies come back in request order, so each one is matched with the oldest unanswered send
   // time.
@@ -141,17 +147,17 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
     if (!sent.empty() && now >= sent.front() + unanswered_limit) {
       ORBITKV_LOG_INFO("membership: keepalive unanswered for {} ms; reopening the stream on the next endpoint",
                        unanswered_limit.count());
-      return StreamEnd::kBroken;
+      return broken();
     }
     MonoTime wake = stream.write_pending() ? clock_->valid_until() : std::min(next_send, clock_->valid_until());
     if (!sent.empty()) wake = std::min(wake, sent.front() + unanswered_limit);
     std::optional<KeepAliveStream::Event> event = stream.Next(Deadline::At(wake));
     if (!event.has_value()) continue;
-    if (!event->ok) return StreamEnd::kBroken;
+    if (!event->ok) return broken();
     if (event->op != KeepAliveStream::Op::kRead) continue;
     if (sent.empty()) {
       // etcd never answers unasked; treat a stray reply as a broken stream rather than trust it.
-      return StreamEnd::kBroken;
+      return broken();
     }
     const MonoTime send_time = sent.front();
     sent.pop_front();
@@ -177,17 +183,24 @@ LeaseKeeper::StreamEnd LeaseKeeper::RunStream(size_t endpoint) {
 }
 
 void LeaseKeeper::Run() {
+  std::minstd_rand jitter(std::random_device{}());
   while (!stopping()) {
     const size_t endpoint = client_->PreferredEndpoint();
-    if (RunStream(endpoint) == StreamEnd::kDone) return;
+    grpc::Status ended_with;
+    std::string token_sent;
+    if (RunStream(endpoint, &ended_with, &token_sent) == StreamEnd::kDone) return;
     if (stopping()) return;
     stream_restarts_->Increment();
-    client_->ReportStreamFailure(endpoint);
+    client_->ReportStreamFailure(endpoint, ended_with, token_sent);
     if (!clock_->Valid(MonoNow())) {
       Lost("no keepalive was acknowledged within half the lease TTL of its sending");
       return;
     }
-    if (!WaitUntil(std::min(MonoNow() + ReopenBackoff(options_.ttl_secs), clock_->valid_until()))) return;
+    // Jittered (50-100 %): a fleet whose streams one election broke does not come back in step.
+    const std::chrono::milliseconds pause = ReopenBackoff(options_.ttl_secs);
+    const auto jittered =
+        pause / 2 + std::chrono::milliseconds(jitter() % static_cast<uint64_t>(pause.count() / 2 + 1));
+    if (!WaitUntil(std::min(MonoNow() + jittered, clock_->valid_until()))) return;
   }
 }
 

@@ -30,6 +30,10 @@
 #include "base/mutex.h"
 #include "base/thread_annotations.h"
 
+namespace grpc {
+class Status;
+}  // namespace grpc
+
 namespace orbitkv::cluster {
 
 class EtcdClient;
@@ -83,7 +87,8 @@ class LeaseKeeper {
 
  private:
   enum class StreamEnd { kBroken, kDone };
-  StreamEnd RunStream(size_t endpoint);
+  // One stream on `endpoint`; when it broke, how it ended and the token it sent.
+  StreamEnd RunStream(size_t endpoint, grpc::Status* ended_with, std::string* token_sent);
   void Lost(const std::string& reason);
   bool WaitUntil(MonoTime until);
   bool stopping() const;

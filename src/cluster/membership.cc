@@ -122,7 +122,8 @@ Membership::Membership(MembershipOptions options, MetricsRegistry* metrics, std:
       metrics_(metrics),
       client_(std::move(client)),
       configured_(placement),
-      live_(std::move(placement)) {
+      live_(std::move(placement)),
+      view_(options_.member_limit) {
   registered_gauge_ =
       &metrics_->GetGauge("orbitkv_membership_registered", "1 while this Manager holds a valid registration, else 0");
   epoch_gauge_ = &metrics_->GetGauge("orbitkv_membership_epoch", "Epoch (incarnation) of this Manager's Node ID");
@@ -144,6 +145,7 @@ Status Membership::Join(Deadline deadline) {
                       "Membership::Join called twice");
     self = self_;
   }
+  if (options_.refuse_join_when_full) ORBITKV_RETURN_IF_ERROR(RefuseWhenFull(deadline));
   // A placement change that commits between reading the placement and registering fails the registration's
   // compare (Aborted): read it again.
   Result<std::unique_ptr<RegistrationClock>> registered = Status::Aborted("not tried");
@@ -624,7 +626,25 @@ bool Membership::RegistrationValid() const {
   return clock != nullptr && clock->Valid(MonoNow());
 }
 
-bool Membership::CanDoRemoteWork() const { return RegistrationValid() && view_.complete(); }
+bool Membership::CanDoRemoteWork() const {
+  return RegistrationValid() && view_.complete() &&
+         view_.PlaceOf(options_.node_id).standing == MemberView::Standing::kCounted;
+}
+
+Status Membership::RefuseWhenFull(Deadline deadline) {
+  etcdserverpb::RangeRequest count;
+  const std::string prefix = MembersPrefix(options_.cluster_name);
+  count.set_key(prefix);
+  count.set_range_end(PrefixEnd(prefix));
+  count.set_count_only(true);
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse counted, client_->Range(count, deadline));
+  if (static_cast<size_t>(counted.count()) < options_.member_limit) return Status::Ok();
+  return Status::ResourceExhausted(fmt::format(
+      "cluster '{}' has {} registered Managers, its member limit is {} (the {} oldest registrations count): this "
+      "Manager would wait in line with remote work off. Stop a Manager of the cluster, or run this one in another "
+      "cluster (--cluster-name)",
+      options_.cluster_name, counted.count(), options_.member_limit, options_.member_limit));
+}
 
 Result<Member> Membership::ResolveShardOwner(uint32_t shard) const {
   if (!RegistrationValid()) {
@@ -666,7 +686,9 @@ MembershipStatus Membership::GetStatus() const {
   }
   status.placement_fingerprint = live_.Get()->committed.fingerprint();
   status.view = view_.Read();
-  status.remote_work_allowed = status.registration_valid && status.view.complete;
+  status.place = view_.PlaceOf(options_.node_id);
+  status.remote_work_allowed =
+      status.registration_valid && status.view.complete && status.place.standing == MemberView::Standing::kCounted;
   return status;
 }
 
@@ -710,6 +732,13 @@ std::string Membership::StatusText() const {
       placement.reduced_coverage() ? " (reduced failure coverage)" : "", s.view.complete ? "complete" : "incomplete",
       s.view.revision, s.view.members.size(), s.remote_work_allowed ? "allowed" : "disabled");
   out += fmt::format("  placement generation {}{}\n", placement.generation(), PlacementChangeLine(*live));
+  if (s.view.waiting > 0 || s.view.waiting_dropped) {
+    out += fmt::format("  member limit {}: {} registration(s) beyond it wait in line{}{}\n", s.view.limit,
+                       s.view.waiting, s.view.waiting_dropped ? " (and more, not held)" : "",
+                       s.place.standing == MemberView::Standing::kWaiting
+                           ? fmt::format("; this Manager is number {} in line", s.place.position)
+                           : "");
+  }
   if (s.state == MembershipState::kExpired && options_.reregister) {
     out += fmt::format("  registering again: attempt {}{}\n", s.attempts,
                        s.last_error.empty() ? "" : fmt::format(", last error: {}", s.last_error));

@@ -101,6 +101,13 @@ struct MembershipOptions {
   // Called on the view thread after every snapshot install, before its Watch opens (view_sync.h).
   // Optional.
   std::function<void(int64_t revision)> on_view_installed;
+  // The member limit (seed 000: 4,096; tests lower it): the limit oldest registrations count (member_view.h). A
+  // first Join that finds the cluster full is refused (ResourceExhausted, naming the limit); that check is best
+  // effort (an etcd Txn cannot compare a key count), so a registration that races past it waits in line instead:
+  // registered, remote work off, counted as soon as an older one leaves. `refuse_join_when_full` = false skips the
+  // check (a test making that race).
+  size_t member_limit = kMaxMembers;
+  bool refuse_join_when_full = true;
 };
 
 // InvalidArgument naming the flag at fault.
@@ -137,6 +144,8 @@ struct MembershipStatus {
   std::chrono::milliseconds registration_remaining{0};
   std::string placement_fingerprint;
   MemberView::Snapshot view;
+  // Where this registration stands in the view: counted, or waiting beyond the member limit (and how far back).
+  MemberView::Place place;
 };
 
 class Membership {
@@ -149,6 +158,7 @@ class Membership {
 
   // Installs or verifies placement, registers and starts the keepalive and view threads. Errors:
   // FailedPrecondition (placement mismatch), AlreadyExists (the Node ID is held by a live runtime),
+  // ResourceExhausted (the cluster has member_limit members already),
   // DataLoss (an unreadable epoch or placement record), or the etcd error (Unavailable,
   // DeadlineExceeded). After an error nothing is left registered; create a new Membership to try
   // again.
@@ -161,7 +171,7 @@ class Membership {
   // --- Cache-operation path: no etcd call, no blocking on etcd
   // ---------------------------------------------
   bool RegistrationValid() const;
-  // Registration valid and view complete.
+  // Registration valid, view complete, and this registration among the counted ones (the member limit).
   bool CanDoRemoteWork() const;
   const MemberView& view() const { return view_; }
   // The live member serving catalog shard `shard`; Unavailable when the owner is not live or the
@@ -200,6 +210,8 @@ class Membership {
   // One attempt to register again; a final error (fence) is FailedPrecondition or AlreadyExists.
   Status Reregister(Deadline deadline);
   void EndRegistration(MembershipState state, const std::string& reason);
+  // ResourceExhausted when the cluster already has member_limit member records (Join's best-effort check).
+  Status RefuseWhenFull(Deadline deadline);
   // Sleeps for `delay` or until Shutdown(); false when shutting down.
   bool WaitFor(std::chrono::milliseconds delay) EXCLUDES(mu_);
   // Revokes `lease_id` (NotFound counts as done); a failure is logged unless `quiet`.
@@ -218,7 +230,7 @@ class Membership {
   // until the Membership goes, so a reader never sees one freed. Acquire/release with its store.
   std::atomic<RegistrationClock*> clock_{nullptr};
 
-  MemberView view_;
+  MemberView view_;  // limited to options_.member_limit
 
   mutable Mutex mu_;
   std::condition_variable_any wake_;  // state changes and Shutdown(), for the supervisor

@@ -64,6 +64,76 @@ TEST_F(MembershipTest, ThreeManagersResolveEveryShardOwnerFromTheCache) {
   }
 }
 
+// Issue 69: the member limit holds for everyone. A Manager joining a full cluster is refused with the limit's name;
+// one that races past that best-effort check (an etcd Txn cannot compare a key count) waits in line: registered,
+// remote work off with the limit as its reason (not fenced for a "missing" own record), while the others keep a
+// complete view and remote work; when an older one leaves, it is counted, by everyone alike.
+TEST_F(MembershipTest, TheMemberLimitHoldsForEveryone) {
+  constexpr size_t kLimit = 3;
+  const auto limited = [&](const std::string& node) {
+    MembershipOptions o = Options(node);
+    o.member_limit = kLimit;
+    return o;
+  };
+  std::vector<std::unique_ptr<MetricsRegistry>> metrics;
+  std::vector<std::unique_ptr<Membership>> members;
+  for (const char* node : {"node-a", "node-b", "node-c"}) {
+    metrics.push_back(std::make_unique<MetricsRegistry>());
+    members.push_back(Join(limited(node), metrics.back().get()));
+    ASSERT_TRUE(members.back());
+  }
+  ASSERT_TRUE(WaitUntil([&] {
+    for (auto& m : members) {
+      if (!m->CanDoRemoteWork() || m->view().size() != kLimit) return false;
+    }
+    return true;
+  }));
+
+  // The join-time refusal names the limit and the fix.
+  MetricsRegistry md;
+  Result<std::unique_ptr<Membership>> refused = Membership::Create(limited("node-d"), &md);
+  ASSERT_TRUE(refused.ok());
+  const Status full = (*refused)->Join(Deadline::After(kWaitLimit));
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("member limit is 3"), std::string::npos) << full;
+  EXPECT_NE(full.message().find("--cluster-name"), std::string::npos) << full;
+
+  // One that races past the check waits in line.
+  MembershipOptions racing = limited("node-d");
+  racing.refuse_join_when_full = false;
+  MetricsRegistry me;
+  auto d = Join(racing, &me);
+  ASSERT_TRUE(d);
+  ASSERT_TRUE(WaitUntil([&] { return d->view().complete(); }));
+  EXPECT_EQ(d->state(), MembershipState::kRegistered);
+  EXPECT_TRUE(d->RegistrationValid());
+  EXPECT_FALSE(d->CanDoRemoteWork());
+  const MembershipStatus waiting = d->GetStatus();
+  EXPECT_EQ(waiting.place.standing, MemberView::Standing::kWaiting);
+  EXPECT_EQ(waiting.place.position, 1u);
+  EXPECT_FALSE(waiting.remote_work_allowed);
+  EXPECT_NE(d->StatusText().find("this Manager is number 1 in line"), std::string::npos) << d->StatusText();
+  for (auto& m : members) {
+    ASSERT_TRUE(WaitUntil([&] { return m->view().PlaceOf("node-d").standing == MemberView::Standing::kWaiting; }));
+    EXPECT_TRUE(m->view().complete());
+    EXPECT_TRUE(m->CanDoRemoteWork()) << "an existing Manager lost remote work to one member too many";
+    EXPECT_FALSE(Sees(*m, "node-d"));
+  }
+  for (auto& m : metrics) {
+    EXPECT_EQ(CounterValue(*m, "orbitkv_membership_view_invalidations_total", {{"reason", "line_unknown"}}), 0u);
+  }
+
+  // An older one leaves: node-d is counted, everywhere, and does remote work.
+  members[1]->Shutdown();
+  ASSERT_TRUE(WaitUntil([&] { return d->CanDoRemoteWork(); })) << d->StatusText();
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    ASSERT_TRUE(WaitUntil([&] { return Sees(*members[i], "node-d") && !Sees(*members[i], "node-b"); }));
+    EXPECT_TRUE(members[i]->CanDoRemoteWork());
+    EXPECT_EQ(members[i]->view().Read().members, d->view().Read().members);
+  }
+  EXPECT_EQ(d->GetStatus().registrations, 1);
+}
+
 TEST_F(MembershipTest, DuplicateNodeIdIsRefusedWhileLive) {
   MetricsRegistry ma, mdup;
   auto a = Join(Options("node-a"), &ma);

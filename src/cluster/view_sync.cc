@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <random>
+#include <set>
 
 #include "base/check.h"
 #include "base/logging.h"
@@ -42,7 +44,10 @@ ViewSync::ViewSync(EtcdClient* client, MemberView* view, Options options)
   complete_gauge_ =
       &metrics_->GetGauge("orbitkv_membership_view_complete", "1 when the cached member view is complete, else 0");
   revision_gauge_ = &metrics_->GetGauge("orbitkv_membership_view_revision", "etcd revision of the member view");
-  members_gauge_ = &metrics_->GetGauge("orbitkv_membership_view_members", "Members in the cached view");
+  members_gauge_ = &metrics_->GetGauge("orbitkv_membership_view_members",
+                                       "Members in the cached view (the counted ones, at most the member limit)");
+  waiting_gauge_ = &metrics_->GetGauge("orbitkv_membership_view_waiting",
+                                       "Registrations beyond the member limit, waiting in line to be counted");
 }
 
 bool ViewSync::stopping() const {
@@ -131,7 +136,13 @@ bool ViewSync::DeliverPlacement() {
 }
 
 Result<int64_t> ViewSync::TakeSnapshot() {
+  // Every valid record, but at most 2 x the member limit of them (the youngest beyond that are dropped as they
+  // come: they would neither count nor be next in line), and whether the own record was among them.
+  const size_t held_limit = 2 * view_->limit();
   std::map<std::string, Member> members;
+  std::set<std::pair<int64_t, std::string>> order;
+  std::optional<std::pair<int64_t, std::string>> dropped_min;
+  std::optional<Member> own;
   std::map<std::string, std::string> placement;
   int64_t revision = 0;
   std::string cursor = range_begin_;
@@ -155,11 +166,14 @@ Result<int64_t> ViewSync::TakeSnapshot() {
       Result<Member> member =
           DecodeMember(node, kv.key(), kv.value(), kv.lease(), kv.create_revision(), kv.mod_revision());
       if (!member.ok()) continue;
+      if (options_.self.has_value() && node == options_.self->record.node_id) own = *member;
+      order.emplace(member->create_revision, std::string(node));
       members.emplace(std::string(node), std::move(member).value());
-      if (members.size() > kMaxMembers) {
-        Invalidate("overflow");
-        return Status::ResourceExhausted(
-            fmt::format("cluster {} has more than {} members", options_.cluster, kMaxMembers));
+      if (members.size() > held_limit) {
+        auto youngest = std::prev(order.end());
+        if (!dropped_min.has_value() || *youngest < *dropped_min) dropped_min = *youngest;
+        members.erase(youngest->second);
+        order.erase(youngest);
       }
     }
     if (!page.more() || page.kvs().empty()) break;
@@ -171,26 +185,36 @@ Result<int64_t> ViewSync::TakeSnapshot() {
   if (!DeliverPlacement()) return Status::Aborted("fenced");
   if (options_.self.has_value()) {
     const Member& self = *options_.self;
-    auto it = members.find(self.record.node_id);
-    if (it == members.end()) {
+    if (!own.has_value()) {
       Fence(fmt::format("own member record is missing at revision {} (its lease expired?)", revision),
             /*final=*/false);
       return Status::Aborted("fenced");
     }
-    if (it->second.record != self.record || it->second.lease_id != self.lease_id) {
-      Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}", it->second.record.epoch,
-                        it->second.record.runtime_uuid, it->second.mod_revision),
+    if (own->record != self.record || own->lease_id != self.lease_id) {
+      Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}", own->record.epoch,
+                        own->record.runtime_uuid, own->mod_revision),
             /*final=*/true);
       return Status::Aborted("fenced");
     }
   }
-  const size_t count = members.size();
-  view_->Install(std::move(members), revision);
+  if (dropped_min.has_value()) {
+    ORBITKV_LOG_WARN(
+        "cluster {}: more than {} member records; the {} oldest count, the {} next wait in line, and "
+        "the younger ones are not held",
+        options_.cluster, held_limit, view_->limit(), view_->limit());
+  }
+  view_->Install(std::move(members), revision, std::move(dropped_min));
   snapshots_->Increment();
-  complete_gauge_->Set(1);
+  complete_gauge_->Set(view_->complete() ? 1 : 0);
   revision_gauge_->Set(static_cast<double>(revision));
-  members_gauge_->Set(static_cast<double>(count));
+  SetMemberGauges();
   return revision;
+}
+
+void ViewSync::SetMemberGauges() {
+  const MemberView::Snapshot s = view_->Read();
+  members_gauge_->Set(static_cast<double>(s.members.size()));
+  waiting_gauge_->Set(static_cast<double>(s.waiting));
 }
 
 bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
@@ -243,18 +267,19 @@ bool ViewSync::ApplyResponse(const etcdserverpb::WatchResponse& response) {
   if (placement_changed && !DeliverPlacement()) return false;
   if (changes.empty()) return true;
   if (!view_->Apply(changes, revision)) {
-    Invalidate("overflow");
+    Invalidate("line_unknown");  // a counted member left and the next in line was dropped from a full line
     return false;
   }
   revision_gauge_->Set(static_cast<double>(view_->revision()));
-  members_gauge_->Set(static_cast<double>(view_->size()));
+  SetMemberGauges();
   return true;
 }
 
 ViewSync::WatchEnd ViewSync::WatchFrom(int64_t start_revision) {
   const size_t endpoint = client_->PreferredEndpoint();
   WatchStream stream;
-  client_->PrepareStreamContext(stream.context(), "Watch", endpoint);
+  const std::string token_sent =
+      client_->PrepareStreamContext(stream.context(), EtcdClient::StreamKind::kWatch, endpoint);
   {
     MutexLock lock(&mu_);
     if (stopping_) return WatchEnd::kStopped;
@@ -308,13 +333,14 @@ ViewSync::WatchEnd ViewSync::WatchFrom(int64_t start_revision) {
   if (stopping()) return WatchEnd::kStopped;
   ORBITKV_LOG_INFO("cluster {}: watch stream to {} ended: {}", options_.cluster, client_->endpoints()[endpoint],
                    status.error_message());
-  client_->ReportStreamFailure(endpoint);
+  client_->ReportStreamFailure(endpoint, status, token_sent);
   Invalidate("reconnect");
   return WatchEnd::kInvalidated;
 }
 
 void ViewSync::Run() {
   std::chrono::milliseconds backoff = kBackoffMin;
+  std::minstd_rand jitter(std::random_device{}());
   while (!stopping() && !fenced_) {
     Result<int64_t> revision = TakeSnapshot();
     if (fenced_) return;
@@ -322,7 +348,11 @@ void ViewSync::Run() {
       if (revision.status().code() == StatusCode::kOutOfRange) continue;  // Compacted while paging: restart now.
       if (view_->complete()) Invalidate("reconnect");
       ORBITKV_LOG_DEBUG("cluster {}: snapshot failed: {}", options_.cluster, revision.status().ToString());
-      if (!WaitFor(backoff)) return;
+      // Jittered (50-100 %): a fleet that lost etcd together does not come back in step.
+      if (!WaitFor(backoff / 2 +
+                   std::chrono::milliseconds(jitter() % static_cast<uint64_t>(backoff.count() / 2 + 1)))) {
+        return;
+      }
       backoff = std::min(backoff * 2, kBackoffMax);
       continue;
     }

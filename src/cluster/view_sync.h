@@ -3,11 +3,11 @@
 // Run() loops: take a snapshot of the view range (cluster_keys.h) in pages of 128 at one revision
 // R, install it, then Watch from R+1 and apply events until something makes the cache doubtful;
 // then it invalidates the view and starts over. Doubtful means: the stream broke (reconnect), the
-// Watch was cancelled for compaction, an event carried a malformed or oversized member record, or
-// applying events would exceed kMaxMembers. A snapshot skips malformed and oversized records
-// (counting them) and fails with overflow when more than kMaxMembers valid records exist; either
-// way the view stays incomplete until a snapshot fits. Failed snapshots are retried with a capped
-// exponential backoff (100 ms to 2 s).
+// Watch was cancelled for compaction, an event carried a malformed or oversized member record, or a
+// counted member left while the next in line is unknown (line_unknown: member_view.h). A snapshot
+// skips malformed and oversized records (counting them); more valid records than the member limit are
+// no failure: the view counts the oldest (member_view.h). Failed snapshots are retried with a capped,
+// jittered exponential backoff (100 ms to 2 s).
 //
 // When it guards a registration (Options::self), ViewSync also fences: the registration's own
 // record missing or deleted (final = false: the lease lapsed, the registration can be made
@@ -91,6 +91,7 @@ class ViewSync {
                               int64_t create_revision, int64_t mod_revision);
   bool CheckClusterId(const etcdserverpb::ResponseHeader& header);
   void Invalidate(const char* reason);
+  void SetMemberGauges();
   void Fence(const std::string& reason, bool final);
   // Waits for `delay` or Stop(); false when stopping.
   bool WaitFor(std::chrono::milliseconds delay);
@@ -110,6 +111,7 @@ class ViewSync {
   Gauge* complete_gauge_;
   Gauge* revision_gauge_;
   Gauge* members_gauge_;
+  Gauge* waiting_gauge_;
   MetricsRegistry* metrics_;
 
   // Whether `key` is one of the placement records (and its name under the cluster prefix).

@@ -1,5 +1,5 @@
 // The member view against a real etcd: malformed and oversized records, compaction during Watch,
-// overflow, and an observer that watches without registering.
+// the member limit (the oldest count, the rest wait in line), and an observer that watches without registering.
 #include "cluster/view_sync.h"
 
 #include <gtest/gtest.h>
@@ -17,6 +17,25 @@ using testing::CounterValue;
 using testing::EtcdTest;
 using testing::kWaitLimit;
 using testing::WaitUntil;
+
+// A ViewSync that only watches (no registration), on its own thread for the scope.
+struct Observer {
+  Observer(EtcdClient* client, const std::string& cluster) {
+    ViewSync::Options options;
+    options.cluster = cluster;
+    options.metrics = &metrics;
+    sync = std::make_unique<ViewSync>(client, &view, options);
+    thread = std::thread([this] { sync->Run(); });
+  }
+  ~Observer() {
+    sync->Stop();
+    thread.join();
+  }
+  MetricsRegistry metrics;
+  MemberView view;
+  std::unique_ptr<ViewSync> sync;
+  std::thread thread;
+};
 
 class ViewSyncTest : public EtcdTest {
  protected:
@@ -98,7 +117,9 @@ TEST_F(ViewSyncTest, CompactionDuringWatchTriggersAFreshSnapshot) {
   EXPECT_EQ(a->state(), MembershipState::kRegistered);
 }
 
-TEST_F(ViewSyncTest, OverflowInvalidatesUntilTheClusterFitsAgain) {
+// Issue 69: one member more than the limit (4,096) used to overflow every view, for ever: every Manager lost remote
+// work. Now the 4,096 oldest registrations count, the younger one waits in line, and no view becomes incomplete.
+TEST_F(ViewSyncTest, OneMemberTooManyWaitsInLineAndNobodyLosesRemoteWork) {
   // 4,095 others plus node-a is exactly the limit.
   PutFakeMembers(0, static_cast<int>(kMaxMembers) - 1);
   MetricsRegistry m;
@@ -106,31 +127,43 @@ TEST_F(ViewSyncTest, OverflowInvalidatesUntilTheClusterFitsAgain) {
   ASSERT_TRUE(a);
   ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
   EXPECT_EQ(a->view().size(), kMaxMembers);
+  EXPECT_TRUE(a->CanDoRemoteWork());
   // Snapshot pages hold at most 128 records at one revision.
   EXPECT_GE(CounterValue(m, "orbitkv_etcd_calls_total", {{"method", "Range"}}), kMaxMembers / 128);
+  const uint64_t snapshots = CounterValue(m, "orbitkv_membership_snapshots_total");
 
-  // One more member overflows through the Watch; every snapshot then overflows too.
+  // One more member arrives through the Watch: it waits in line; the view stays complete.
   ASSERT_TRUE(RawPut(MemberKey(cluster_, "one-too-many"), FakeRecord("one-too-many")).ok());
-  ASSERT_TRUE(WaitUntil([&] { return Invalidations(m, "overflow") >= 2; }));
-  EXPECT_FALSE(a->view().complete());
-  EXPECT_FALSE(a->CanDoRemoteWork());
-  EXPECT_TRUE(a->RegistrationValid());
-
-  ASSERT_TRUE(RawDelete(MemberKey(cluster_, "node-0000")).ok());
-  ASSERT_TRUE(WaitUntil([&] { return a->view().complete(); }));
-  EXPECT_TRUE(Sees(*a, "one-too-many"));
+  ASSERT_TRUE(WaitUntil([&] { return a->view().PlaceOf("one-too-many").standing == MemberView::Standing::kWaiting; }));
+  EXPECT_EQ(a->view().PlaceOf("one-too-many").position, 1u);
+  const Status beyond = a->view().Find("one-too-many").status();
+  EXPECT_EQ(beyond.code(), StatusCode::kNotFound);
+  EXPECT_NE(beyond.message().find("member limit of 4096"), std::string::npos) << beyond;
+  EXPECT_TRUE(a->view().complete());
   EXPECT_EQ(a->view().size(), kMaxMembers);
   EXPECT_TRUE(a->CanDoRemoteWork());
+  EXPECT_EQ(CounterValue(m, "orbitkv_membership_snapshots_total"), snapshots) << "the view was rebuilt";
+  EXPECT_EQ(a->view().Read().waiting, 1u);
+
+  // An older one leaves: the one in line is counted, without a snapshot.
+  ASSERT_TRUE(RawDelete(MemberKey(cluster_, "node-0000")).ok());
+  ASSERT_TRUE(WaitUntil([&] { return Sees(*a, "one-too-many"); }));
+  EXPECT_EQ(a->view().size(), kMaxMembers);
+  EXPECT_EQ(a->view().Read().waiting, 0u);
+  EXPECT_TRUE(a->CanDoRemoteWork());
+  EXPECT_EQ(CounterValue(m, "orbitkv_membership_snapshots_total"), snapshots);
+
+  // A fresh Manager's snapshot of a cluster past its limit counts the same ones.
+  ASSERT_TRUE(RawPut(MemberKey(cluster_, "late"), FakeRecord("late")).ok());
+  Observer fresh(raw_.get(), cluster_);
+  ASSERT_TRUE(WaitUntil([&] { return fresh.view.complete() && fresh.view.PlaceOf("late").position == 1; }));
+  ASSERT_TRUE(WaitUntil([&] { return a->view().PlaceOf("late").position == 1; }));
+  EXPECT_EQ(fresh.view.Read().members, a->view().Read().members);
 }
 
 TEST_F(ViewSyncTest, ObserverFollowsMembersWithoutRegistering) {
-  MetricsRegistry m;
-  MemberView view;
-  ViewSync::Options options;
-  options.cluster = cluster_;
-  options.metrics = &m;
-  ViewSync sync(raw_.get(), &view, options);
-  std::thread thread([&] { sync.Run(); });
+  Observer observer(raw_.get(), cluster_);
+  MemberView& view = observer.view;
   ASSERT_TRUE(WaitUntil([&] { return view.complete(); }));
   EXPECT_EQ(view.size(), 0u);
   ASSERT_TRUE(RawPut(MemberKey(cluster_, "x"), FakeRecord("x")).ok());
@@ -144,8 +177,6 @@ TEST_F(ViewSyncTest, ObserverFollowsMembersWithoutRegistering) {
   ASSERT_TRUE(RawPut(MemberKey(cluster_, "z"), FakeRecord("z")).ok());
   ASSERT_TRUE(WaitUntil([&] { return view.Find("z").ok(); }));
   EXPECT_EQ(view.size(), 1u);
-  sync.Stop();
-  thread.join();
 }
 
 }  // namespace

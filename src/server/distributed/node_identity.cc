@@ -18,8 +18,16 @@ std::string RemoteOffReason(const cluster::Membership& membership) {
   const double since = static_cast<double>(s.since.count()) / 1000;
   switch (s.state) {
     case cluster::MembershipState::kRegistered:
-      return s.registration_valid ? "the member view is incomplete (etcd unreachable?)"
-                                  : "the registration is not acknowledged by etcd";
+      if (!s.registration_valid) return "the registration is not acknowledged by etcd";
+      if (!s.view.complete) return "the member view is incomplete (etcd unreachable?)";
+      if (s.place.standing == cluster::MemberView::Standing::kWaiting) {
+        return fmt::format(
+            "the cluster is at its member limit of {}: this registration waits in line (number {}) "
+            "and is counted when an older one leaves",
+            s.view.limit, s.place.position);
+      }
+      return fmt::format("this registration is not in the member view at revision {} (member limit {})",
+                         s.view.revision, s.view.limit);
     case cluster::MembershipState::kExpired:
       return fmt::format("the registration lapsed {:.1f} s ago ({}); registering again, attempt {}", since, s.reason,
                          s.attempts);
