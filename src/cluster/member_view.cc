@@ -67,6 +67,12 @@ MemberView::Snapshot MemberView::Read() const {
   return snapshot;
 }
 
+std::optional<std::map<std::string, Member>> MemberView::Held() const {
+  MutexLock lock(&mu_);
+  if (dropped_min_.has_value()) return std::nullopt;
+  return std::map<std::string, Member>(all_.begin(), all_.end());
+}
+
 bool MemberView::Settle() {
   while (all_.size() > 2 * limit_) {
     const Order youngest = *order_.rbegin();

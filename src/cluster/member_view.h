@@ -80,6 +80,9 @@ class MemberView {
   Result<Member> Find(std::string_view node_id) const;
   Place PlaceOf(std::string_view node_id) const;
   Snapshot Read() const;
+  // Every record held (counted and waiting), by Node ID; nullopt when some were dropped from a full line (the view
+  // does not hold every record).
+  std::optional<std::map<std::string, Member>> Held() const;
 
   // --- Writer side (ViewSync)
   // --------------------------------------------------------------------------------

@@ -35,6 +35,9 @@ ViewSync::ViewSync(EtcdClient* client, MemberView* view, Options options)
       cluster_id_(options_.etcd_cluster_id) {
   ORBITKV_CHECK(metrics_ != nullptr);
   snapshots_ = &metrics_->GetCounter("orbitkv_membership_snapshots_total", "Member view snapshots installed");
+  catch_ups_ = &metrics_->GetCounter("orbitkv_membership_view_catch_ups_total",
+                                     "Member views made complete again after a broken watch from the records changed "
+                                     "meanwhile, without a snapshot");
   rejected_malformed_ =
       &metrics_->GetCounter("orbitkv_membership_rejected_records_total",
                             "Member records ignored because they were unusable", {{"reason", "malformed"}});
@@ -63,6 +66,11 @@ void ViewSync::Stop() {
   wake_.notify_all();
 }
 
+void ViewSync::BreakWatchForTesting() {
+  MutexLock lock(&mu_);
+  if (cancel_active_) cancel_active_();
+}
+
 bool ViewSync::WaitFor(std::chrono::milliseconds delay) {
   const MonoTime until = MonoNow() + delay;
   MutexLock lock(&mu_);
@@ -77,7 +85,9 @@ void ViewSync::Invalidate(const char* reason) {
       ->GetCounter("orbitkv_membership_view_invalidations_total", "Member view invalidations, by cause",
                    {{"reason", reason}})
       .Increment();
-  ORBITKV_LOG_INFO("cluster {}: member view invalidated ({}); taking a fresh snapshot", options_.cluster, reason);
+  ORBITKV_LOG_INFO("cluster {}: member view invalidated ({}); {}", options_.cluster, reason,
+                   std::string_view(reason) == "reconnect" ? "catching up from its revision when etcd answers"
+                                                           : "taking a fresh snapshot");
 }
 
 void ViewSync::Fence(const std::string& reason, bool final) {
@@ -183,20 +193,7 @@ Result<int64_t> ViewSync::TakeSnapshot() {
 
   placement_records_ = std::move(placement);
   if (!DeliverPlacement()) return Status::Aborted("fenced");
-  if (options_.self.has_value()) {
-    const Member& self = *options_.self;
-    if (!own.has_value()) {
-      Fence(fmt::format("own member record is missing at revision {} (its lease expired?)", revision),
-            /*final=*/false);
-      return Status::Aborted("fenced");
-    }
-    if (own->record != self.record || own->lease_id != self.lease_id) {
-      Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}", own->record.epoch,
-                        own->record.runtime_uuid, own->mod_revision),
-            /*final=*/true);
-      return Status::Aborted("fenced");
-    }
-  }
+  if (!CheckOwnRecord(own, revision)) return Status::Aborted("fenced");
   if (dropped_min.has_value()) {
     ORBITKV_LOG_WARN(
         "cluster {}: more than {} member records; the {} oldest count, the {} next wait in line, and "
@@ -205,6 +202,78 @@ Result<int64_t> ViewSync::TakeSnapshot() {
   }
   view_->Install(std::move(members), revision, std::move(dropped_min));
   snapshots_->Increment();
+  complete_gauge_->Set(view_->complete() ? 1 : 0);
+  revision_gauge_->Set(static_cast<double>(revision));
+  SetMemberGauges();
+  return revision;
+}
+
+bool ViewSync::CheckOwnRecord(const std::optional<Member>& own, int64_t revision) {
+  if (!options_.self.has_value()) return true;
+  const Member& self = *options_.self;
+  if (!own.has_value()) {
+    Fence(fmt::format("own member record is missing at revision {} (its lease expired?)", revision), /*final=*/false);
+    return false;
+  }
+  if (own->record != self.record || own->lease_id != self.lease_id) {
+    Fence(fmt::format("own member record was replaced (epoch {}, uuid {}) at revision {}", own->record.epoch,
+                      own->record.runtime_uuid, own->mod_revision),
+          /*final=*/true);
+    return false;
+  }
+  return true;
+}
+
+Result<int64_t> ViewSync::CatchUp(int64_t known) {
+  // 1. How many keys the range holds now (revision R), and 2. those changed since `known`, at R. Every key there
+  // now is either unchanged since `known` (so held by the view) or changed (so in 2): when the view's records and
+  // the placement records, updated by 2, number as many as 1 counted, nothing was deleted meanwhile, and that is
+  // the range at R. Otherwise (a deletion, a record the view skipped or did not hold, a key it does not know) the
+  // caller takes a snapshot. Both reads are small; neither needs history, so compaction does not matter.
+  etcdserverpb::RangeRequest count;
+  count.set_key(range_begin_);
+  count.set_range_end(range_end_);
+  count.set_count_only(true);
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse counted,
+                           client_->Range(count, Deadline::After(client_->options().call_timeout)));
+  if (!CheckClusterId(counted.header())) return Status::Aborted("fenced");
+  const int64_t revision = counted.header().revision();
+  etcdserverpb::RangeRequest changed;
+  changed.set_key(range_begin_);
+  changed.set_range_end(range_end_);
+  changed.set_revision(revision);
+  changed.set_min_mod_revision(known + 1);
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse delta,
+                           client_->Range(changed, Deadline::After(client_->options().call_timeout)));
+  if (!CheckClusterId(delta.header())) return Status::Aborted("fenced");
+  std::optional<std::map<std::string, Member>> members = view_->Held();
+  if (!members.has_value()) return Status::FailedPrecondition("the view does not hold every record (member limit)");
+  std::map<std::string, std::string> placement = placement_records_;
+  for (const mvccpb::KeyValue& kv : delta.kvs()) {
+    if (std::optional<std::string> name = PlacementRecordName(kv.key())) {
+      placement[*name] = kv.value();
+      continue;
+    }
+    if (!kv.key().starts_with(members_prefix_)) return Status::FailedPrecondition("an unknown key in the range");
+    const std::string_view node = std::string_view(kv.key()).substr(members_prefix_.size());
+    Result<Member> member =
+        DecodeMember(node, kv.key(), kv.value(), kv.lease(), kv.create_revision(), kv.mod_revision());
+    if (!member.ok()) return Status::FailedPrecondition("a changed record is unusable");
+    (*members)[std::string(node)] = std::move(member).value();
+  }
+  if (members->size() + placement.size() != static_cast<size_t>(counted.count())) {
+    return Status::FailedPrecondition(fmt::format("{} keys in the range, {} known: some were deleted", counted.count(),
+                                                  members->size() + placement.size()));
+  }
+  std::optional<Member> own;
+  if (options_.self.has_value()) {
+    if (auto it = members->find(options_.self->record.node_id); it != members->end()) own = it->second;
+  }
+  placement_records_ = std::move(placement);
+  if (!DeliverPlacement()) return Status::Aborted("fenced");
+  if (!CheckOwnRecord(own, revision)) return Status::Aborted("fenced");
+  view_->Install(std::move(*members), revision);
+  catch_ups_->Increment();
   complete_gauge_->Set(view_->complete() ? 1 : 0);
   revision_gauge_->Set(static_cast<double>(revision));
   SetMemberGauges();
@@ -335,17 +404,26 @@ ViewSync::WatchEnd ViewSync::WatchFrom(int64_t start_revision) {
                    status.error_message());
   client_->ReportStreamFailure(endpoint, status, token_sent);
   Invalidate("reconnect");
-  return WatchEnd::kInvalidated;
+  return WatchEnd::kBroken;
 }
 
 void ViewSync::Run() {
   std::chrono::milliseconds backoff = kBackoffMin;
   std::minstd_rand jitter(std::random_device{}());
+  // After a broken watch: the revision the view was complete at, to catch up from instead of a snapshot.
+  std::optional<int64_t> resume;
   while (!stopping() && !fenced_) {
-    Result<int64_t> revision = TakeSnapshot();
+    if (resume.has_value() && options_.on_reconnect) options_.on_reconnect();
+    Result<int64_t> revision = resume.has_value() ? CatchUp(*resume) : TakeSnapshot();
     if (fenced_) return;
     if (!revision.ok()) {
       if (revision.status().code() == StatusCode::kOutOfRange) continue;  // Compacted while paging: restart now.
+      if (revision.status().code() == StatusCode::kFailedPrecondition) {
+        ORBITKV_LOG_INFO("cluster {}: catching up after the broken watch needs a snapshot: {}", options_.cluster,
+                         revision.status().message());
+        resume.reset();
+        continue;
+      }
       if (view_->complete()) Invalidate("reconnect");
       ORBITKV_LOG_DEBUG("cluster {}: snapshot failed: {}", options_.cluster, revision.status().ToString());
       // Jittered (50-100 %): a fleet that lost etcd together does not come back in step.
@@ -357,9 +435,11 @@ void ViewSync::Run() {
       continue;
     }
     backoff = kBackoffMin;
+    resume.reset();
     if (options_.on_installed) options_.on_installed(*revision);
     const WatchEnd end = WatchFrom(*revision + 1);
     if (end == WatchEnd::kStopped || end == WatchEnd::kFenced) return;
+    if (end == WatchEnd::kBroken) resume = view_->revision();
   }
 }
 

@@ -2,7 +2,11 @@
 //
 // Run() loops: take a snapshot of the view range (cluster_keys.h) in pages of 128 at one revision
 // R, install it, then Watch from R+1 and apply events until something makes the cache doubtful;
-// then it invalidates the view and starts over. Doubtful means: the stream broke (reconnect), the
+// then it invalidates the view and starts over. A broken stream (reconnect) is no reason to read the
+// whole view again (about 1 MB at 4,096 members, from every Manager at once after an etcd failover):
+// the view catches up from the records changed since its revision (CatchUp: a count and the changed
+// keys, at one revision), and a snapshot is taken only when that cannot tell (a member deleted
+// meanwhile). Doubtful means: the stream broke (reconnect), the
 // Watch was cancelled for compaction, an event carried a malformed or oversized member record, or a
 // counted member left while the next in line is unknown (line_unknown: member_view.h). A snapshot
 // skips malformed and oversized records (counting them); more valid records than the member limit are
@@ -64,6 +68,9 @@ class ViewSync {
     // Called on the ViewSync thread after each snapshot is installed, before the Watch opens: while
     // it runs the view does not advance. May be empty.
     std::function<void(int64_t revision)> on_installed;
+    // Called on the ViewSync thread after a watch broke, before each attempt to catch up (tests change etcd in that
+    // gap). May be empty.
+    std::function<void()> on_reconnect;
     // Required.
     MetricsRegistry* metrics = nullptr;
   };
@@ -74,16 +81,27 @@ class ViewSync {
 
   void Run();
   void Stop();
+  // Ends the current Watch stream as a broken connection would (tests of the catch-up).
+  void BreakWatchForTesting();
 
   uint64_t snapshots_installed() const { return snapshots_->Value(); }
 
  private:
-  enum class WatchEnd { kStopped, kFenced, kInvalidated };
+  // kBroken: the stream ended (a reconnect: the view catches up from its revision); kInvalidated: the view must be
+  // rebuilt from a snapshot (compaction, a malformed record, the line beyond the member limit unknown).
+  enum class WatchEnd { kStopped, kFenced, kInvalidated, kBroken };
 
   // Installs a snapshot and returns its revision. ResourceExhausted on overflow, Aborted when
   // fenced, the etcd error otherwise.
   Result<int64_t> TakeSnapshot();
   WatchEnd WatchFrom(int64_t start_revision);
+  // Makes the view complete again after a broken watch without a snapshot, from the records changed since
+  // `known` (the revision it was complete at); its revision. FailedPrecondition when that cannot tell (a deletion
+  // meanwhile, a record the view did not hold): take a snapshot. Aborted when fenced, the etcd error otherwise.
+  Result<int64_t> CatchUp(int64_t known);
+  // The own-record checks of a registration's view at `revision` (missing: a lapse; replaced: a fence); false when
+  // it fenced.
+  bool CheckOwnRecord(const std::optional<Member>& own, int64_t revision);
   // Applies one response; false when the view had to be invalidated or the runtime was fenced.
   bool ApplyResponse(const etcdserverpb::WatchResponse& response);
   // Validates a member key-value; counts and logs a rejected one.
@@ -106,6 +124,7 @@ class ViewSync {
   const std::string members_prefix_;
   const std::string cluster_prefix_;
   Counter* snapshots_;
+  Counter* catch_ups_;
   Counter* rejected_malformed_;
   Counter* rejected_oversized_;
   Gauge* complete_gauge_;

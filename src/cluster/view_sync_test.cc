@@ -20,10 +20,11 @@ using testing::WaitUntil;
 
 // A ViewSync that only watches (no registration), on its own thread for the scope.
 struct Observer {
-  Observer(EtcdClient* client, const std::string& cluster) {
+  Observer(EtcdClient* client, const std::string& cluster, std::function<void()> on_reconnect = nullptr) {
     ViewSync::Options options;
     options.cluster = cluster;
     options.metrics = &metrics;
+    options.on_reconnect = std::move(on_reconnect);
     sync = std::make_unique<ViewSync>(client, &view, options);
     thread = std::thread([this] { sync->Run(); });
   }
@@ -159,6 +160,49 @@ TEST_F(ViewSyncTest, OneMemberTooManyWaitsInLineAndNobodyLosesRemoteWork) {
   ASSERT_TRUE(WaitUntil([&] { return fresh.view.complete() && fresh.view.PlaceOf("late").position == 1; }));
   ASSERT_TRUE(WaitUntil([&] { return a->view().PlaceOf("late").position == 1; }));
   EXPECT_EQ(fresh.view.Read().members, a->view().Read().members);
+}
+
+// Issue 69: a broken watch no longer re-reads the whole view (about 1 MB at 4,096 members, from every Manager at
+// once after an etcd failover): the view catches up from a count and the records changed since its revision; only a
+// deletion in the gap (which no changed record shows) takes a snapshot.
+TEST_F(ViewSyncTest, ABrokenWatchCatchesUpFromTheChangesAndSnapshotsOnlyForADeletion) {
+  PutFakeMembers(0, 300);
+  std::atomic<int> gap{0};  // what the test changes in etcd while the watch is down
+  Observer observer(raw_.get(), cluster_, [&] {
+    const int what = gap.exchange(0);
+    if (what == 1) {
+      ASSERT_TRUE(RawPut(MemberKey(cluster_, "late-1"), FakeRecord("late-1")).ok());
+      ASSERT_TRUE(RawPut(MemberKey(cluster_, "node-0001"), FakeRecord("node-0001", 2)).ok());
+    } else if (what == 2) {
+      ASSERT_TRUE(RawDelete(MemberKey(cluster_, "node-0002")).ok());
+    }
+  });
+  MemberView& view = observer.view;
+  ASSERT_TRUE(WaitUntil([&] { return view.complete() && view.size() == 300; }));
+  ASSERT_EQ(Snapshots(observer.metrics), 1u);
+  const uint64_t ranges = CounterValue(raw_metrics_, "orbitkv_etcd_calls_total", {{"method", "Range"}});
+
+  gap = 1;
+  observer.sync->BreakWatchForTesting();
+  ASSERT_TRUE(WaitUntil([&] {
+    Result<Member> changed = view.Find("node-0001");
+    return view.complete() && view.Find("late-1").ok() && changed.ok() && changed->record.epoch == 2;
+  }));
+  EXPECT_EQ(view.size(), 301u);
+  EXPECT_EQ(Snapshots(observer.metrics), 1u) << "a reconnect re-read the whole view";
+  EXPECT_EQ(CounterValue(observer.metrics, "orbitkv_membership_view_catch_ups_total"), 1u);
+  EXPECT_EQ(Invalidations(observer.metrics, "reconnect"), 1u);
+  // Two small reads (a count, the changes), not three pages of 128.
+  EXPECT_EQ(CounterValue(raw_metrics_, "orbitkv_etcd_calls_total", {{"method", "Range"}}) - ranges, 2u);
+
+  // A deletion in the gap: the count says so, and a snapshot rebuilds the view.
+  gap = 2;
+  observer.sync->BreakWatchForTesting();
+  ASSERT_TRUE(
+      WaitUntil([&] { return view.complete() && view.Find("node-0002").status().code() == StatusCode::kNotFound; }));
+  EXPECT_EQ(view.size(), 300u);
+  EXPECT_EQ(Snapshots(observer.metrics), 2u);
+  EXPECT_EQ(CounterValue(observer.metrics, "orbitkv_membership_view_catch_ups_total"), 1u);
 }
 
 TEST_F(ViewSyncTest, ObserverFollowsMembersWithoutRegistering) {
