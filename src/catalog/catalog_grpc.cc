@@ -42,6 +42,7 @@ peer::v1::CatalogRequest ToRequest(const CatalogMessage& message) {
       [&](const auto& m) {
         using T = std::decay_t<decltype(m)>;
         request.set_shard(m.stream.shard);
+        request.set_owner_incarnation(m.stream.owner_incarnation);
         if constexpr (std::is_same_v<T, DeltaBatch>) {
           auto* d = request.mutable_delta();
           d->set_first_sequence(m.first_sequence);
@@ -71,8 +72,12 @@ peer::v1::CatalogRequest ToRequest(const CatalogMessage& message) {
 Result<CatalogMessage> FromRequest(const peer::v1::CatalogRequest& request) {
   // The owner is the route's source (CheckRoute proved it a registered member's current start); the catalog
   // start it addresses is this one (CheckRoute proved that too).
-  StreamId stream{request.route().source_node_id(), request.route().source_runtime_uuid(), request.shard(), 0,
-                  request.route().source_epoch()};
+  StreamId stream{request.route().source_node_id(),
+                  request.route().source_runtime_uuid(),
+                  request.shard(),
+                  0,
+                  request.route().source_epoch(),
+                  request.owner_incarnation()};
   switch (request.body_case()) {
     case peer::v1::CatalogRequest::kDelta: {
       ORBITKV_ASSIGN_OR_RETURN(std::vector<CatalogRecord> records, FromProto(request.delta().records()));

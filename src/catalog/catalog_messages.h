@@ -44,6 +44,9 @@ struct StreamId {
   // The owner's registration epoch (its member record's; over gRPC the route's source_epoch): a slice never
   // moves to an older one, whatever order messages arrive in.
   int64_t owner_epoch = 0;
+  // The owner's start: its inventory incarnation (cluster/member_record.h), the same across its registrations, so
+  // a registration made again without a restart continues its slices; 0: not said (then the runtime is the start).
+  uint64_t owner_incarnation = 0;
 };
 
 struct DeltaBatch {

@@ -51,6 +51,14 @@ std::optional<CatalogReply> CatalogStore::Admit(const StreamId& stream) const {
                                stream.owner_node, stream.owner_runtime));
     }
   }
+  if (options_.owner_registration && stream.owner_incarnation != 0) {
+    const std::optional<OwnerRegistration> current = options_.owner_registration(stream.owner_node);
+    if (current.has_value() && current->incarnation != 0 && current->incarnation != stream.owner_incarnation) {
+      return Reply(CatalogReply::Kind::kRefused, 0,
+                   fmt::format("owner '{}' names start {:016x}, its member record {:016x}", stream.owner_node,
+                               stream.owner_incarnation, current->incarnation));
+    }
+  }
   if (stream.catalog_incarnation != 0 && stream.catalog_incarnation != options_.incarnation) {
     return Reply(CatalogReply::Kind::kResync, 0,
                  fmt::format("this catalog host restarted (incarnation {:016x}, the stream names {:016x}): "
@@ -73,6 +81,20 @@ std::optional<CatalogReply> CatalogStore::StaleStart(const Slice& slice, const S
                              slice.owner_epoch));
   }
   return std::nullopt;
+}
+
+bool CatalogStore::SameStart(const Slice& slice, const StreamId& stream) {
+  if (slice.owner_incarnation != 0 && stream.owner_incarnation != 0) {
+    return slice.owner_incarnation == stream.owner_incarnation;
+  }
+  return slice.owner_runtime == stream.owner_runtime;
+}
+
+void CatalogStore::Continue(Slice& slice, const StreamId& stream) {
+  if (slice.owner_runtime == stream.owner_runtime || !SameStart(slice, stream)) return;
+  slice.owner_runtime = stream.owner_runtime;
+  slice.owner_epoch = stream.owner_epoch;
+  ++continuations_;
 }
 
 std::optional<CatalogReply> CatalogStore::ForeignKey(const StreamId& stream,
@@ -126,6 +148,8 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
   auto it = slices_.find({batch.stream.shard, batch.stream.owner_node});
   if (it != slices_.end()) {
     if (auto stale = StaleStart(it->second, batch.stream)) return *stale;
+    Continue(it->second, batch.stream);
+    it->second.absent_since.reset();  // admitted: a live member
   }
   if (it == slices_.end() || !it->second.baseline || it->second.owner_runtime != batch.stream.owner_runtime) {
     return Reply(CatalogReply::Kind::kResync, 0, "no baseline for this stream here: send a snapshot");
@@ -203,6 +227,8 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
   if (auto found = slices_.find({begin.stream.shard, begin.stream.owner_node}); found != slices_.end()) {
     // An older start's Begin (reordered, or a fenced owner) neither replaces nor reserves anything.
     if (auto stale = StaleStart(found->second, begin.stream)) return *stale;
+    Continue(found->second, begin.stream);
+    found->second.absent_since.reset();  // admitted: a live member
     const Slice& current = found->second;
     if (current.owner_runtime == begin.stream.owner_runtime &&
         (begin.snapshot_id <= current.installed_snapshot ||
@@ -219,6 +245,7 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
     slice.installed_snapshot = 0;
     slice.owner_runtime = begin.stream.owner_runtime;
   }
+  slice.owner_incarnation = begin.stream.owner_incarnation;
   slice.owner_epoch = begin.stream.owner_epoch;
   AbortBuilding(slice);
   const uint64_t reserve = begin.expected_records * EntryCharge();
@@ -253,9 +280,10 @@ bool CatalogStore::IntervalFollows(const Building& building, const std::vector<C
 CatalogStore::Slice* CatalogStore::FindBuilding(const StreamId& stream, uint64_t snapshot_id) {
   auto it = slices_.find({stream.shard, stream.owner_node});
   if (it == slices_.end() || !it->second.building || it->second.building->id != snapshot_id ||
-      it->second.owner_runtime != stream.owner_runtime) {
+      !SameStart(it->second, stream) || StaleStart(it->second, stream)) {
     return nullptr;
   }
+  Continue(it->second, stream);
   return &it->second;
 }
 
@@ -375,10 +403,43 @@ size_t CatalogStore::DropUnhosted() {
 size_t CatalogStore::DropDeadOwners() {
   if (!options_.owner_live) return 0;
   MutexLock lock(&mu_);
-  // Live, or unknown (an incomplete member view drops nothing), stays.
-  return DropSlicesWhere([this](const SliceKey& key, const Slice& slice) {
-    return options_.owner_live(key.second, slice.owner_runtime) == std::optional<bool>(false);
+  if (!options_.owner_registration) {
+    // Live, or unknown (an incomplete member view drops nothing), stays.
+    return DropSlicesWhere([this](const SliceKey& key, const Slice& slice) {
+      return options_.owner_live(key.second, slice.owner_runtime) == std::optional<bool>(false);
+    });
+  }
+  // A slice whose owner registered again without a restart follows it (the same start, a newer epoch), so the next
+  // message continues it and lookups name the live registration. One whose owner is no member at all waits out the
+  // grace (its owner may be between revoking its old record and writing the new one). Any other goes: another start,
+  // or an older registration than the member's.
+  const MonoTime now = MonoNow();
+  std::map<SliceKey, bool> dead;
+  for (auto& [key, slice] : slices_) {
+    const std::optional<OwnerRegistration> registered = options_.owner_registration(key.second);
+    if (!registered.has_value()) continue;  // unknown (an incomplete member view): nothing changes
+    if (registered->runtime.empty()) {
+      if (!slice.absent_since.has_value()) slice.absent_since = now;
+      dead[key] = now - *slice.absent_since >= options_.absent_grace;
+      continue;
+    }
+    slice.absent_since.reset();
+    if (registered->runtime != slice.owner_runtime && slice.owner_incarnation != 0 &&
+        registered->incarnation == slice.owner_incarnation && registered->epoch > slice.owner_epoch) {
+      Continue(slice,
+               StreamId{key.second, registered->runtime, key.first, 0, registered->epoch, registered->incarnation});
+    }
+    dead[key] = registered->runtime != slice.owner_runtime;
+  }
+  return DropSlicesWhere([&dead](const SliceKey& key, const Slice&) {
+    auto it = dead.find(key);
+    return it != dead.end() && it->second;
   });
+}
+
+uint64_t CatalogStore::continuations() const {
+  MutexLock lock(&mu_);
+  return continuations_;
 }
 
 CatalogStore::LiveOwners CatalogStore::ReadLiveOwners() const {
@@ -416,7 +477,7 @@ std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
   for (const auto& [key, slice] : slices_) {
     ShardStatus& s = shards[key.first];
     s.shard = key.first;
-    if (slice.baseline) {
+    if (slice.baseline && !slice.absent_since.has_value()) {
       s.owners += 1;
       s.records += slice.view.size();
     }
@@ -440,7 +501,7 @@ std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string&
   MutexLock lock(&mu_);
   std::vector<CatalogRecord> out;
   auto it = slices_.find({shard, owner_node});
-  if (it == slices_.end() || !it->second.baseline) return out;
+  if (it == slices_.end() || !it->second.baseline || it->second.absent_since.has_value()) return out;
   for (const auto& [key, entry] : it->second.view) {
     out.push_back(CatalogRecord{key.key, key.tier, true, entry.version, entry.generation, entry.bytes});
   }
@@ -461,7 +522,7 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
   if (complete != nullptr) *complete = ShardComplete(shard, ReadLiveOwners());
   for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard; ++it) {
     const Slice& slice = it->second;
-    if (!slice.baseline) continue;
+    if (!slice.baseline || slice.absent_since.has_value()) continue;  // an owner that is no member is no holder
     for (auto entry = slice.view.lower_bound(EntryKey{key, 0}); entry != slice.view.end() && entry->first.key == key;
          ++entry) {
       found.push_back(Found{&it->first.second, &slice, entry->first.tier, &entry->second});
@@ -501,7 +562,7 @@ std::vector<std::string> CatalogStore::Owners(uint32_t shard) const {
   MutexLock lock(&mu_);
   std::vector<std::string> owners;
   for (const auto& [key, slice] : slices_) {
-    if (key.first == shard && slice.baseline) owners.push_back(key.second);
+    if (key.first == shard && slice.baseline && !slice.absent_since.has_value()) owners.push_back(key.second);
   }
   return owners;
 }

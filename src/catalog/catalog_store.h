@@ -10,6 +10,9 @@
 //  - Equal versions with different contents are a conflict: the slice loses its baseline (RESYNC).
 //  - Owners that are not live members (fenced, expired, an older start) are refused, and their
 //    slices dropped when the member view drops them.
+//  - An owner's start is its inventory incarnation, not its registration: a registration made again
+//    without a restart (a new runtime UUID and epoch, the same incarnation) continues its slices from
+//    their applied sequence, with their baselines (issue 69); a new incarnation is a new start.
 //  - Every entry of the live views, of the views being built and of reservations is charged to one
 //    byte budget, never exceeded: a snapshot that cannot fit answers RETRY_LATER and leaves the
 //    slice incomplete; a delta that cannot fit drops that slice's derived view (incomplete).
@@ -37,6 +40,12 @@ namespace orbitkv::catalog {
 class CatalogStore {
  public:
   static constexpr uint64_t kDefaultBudgetBytes = 256ull << 20;
+  // An owner's current registration as the member view has it.
+  struct OwnerRegistration {
+    std::string runtime;  // empty: not a member now
+    int64_t epoch = 0;
+    uint64_t incarnation = 0;  // its start (0: not said)
+  };
   struct Options {
     uint64_t incarnation = 0;  // this host's start: owners must address it
     uint64_t budget_bytes = kDefaultBudgetBytes;
@@ -44,6 +53,15 @@ class CatalogStore {
     // unknown (the member view is incomplete): evidence is then not admitted (RETRY_LATER) and no slice is
     // dropped. Null: everyone.
     std::function<std::optional<bool>(const std::string& node, const std::string& runtime)> owner_live;
+    // `node`'s current registration; nullopt while unknown (the member view is incomplete). With it, a slice
+    // follows its owner across registrations of the same start (a new runtime and a higher epoch, the same
+    // incarnation: DropDeadOwners rebinds it instead of dropping it), and a stream whose start is not its
+    // member's is refused. Null: owner_live alone decides.
+    std::function<std::optional<OwnerRegistration>(const std::string& node)> owner_registration;
+    // With owner_registration: how long the slices of an owner that is no member at all are kept (unseen by
+    // lookups, dumps and status) before they go. An owner registering again revokes its old record before it
+    // writes the new one, and a catalog's view can fall between the two; within the grace its slices continue.
+    std::chrono::milliseconds absent_grace{10000};
     // The number of logical shards: a record whose key belongs to another shard than its stream's is refused
     // with its whole message. 0: not checked.
     uint32_t num_shards = 0;
@@ -128,6 +146,8 @@ class CatalogStore {
   // One owner's current evidence for `shard`, in (key, tier) order.
   std::vector<CatalogRecord> Dump(uint32_t shard, const std::string& owner_node) const EXCLUDES(mu_);
   uint64_t used_bytes() const EXCLUDES(mu_);
+  // Slices that followed their owner to a new registration of the same start (kept, not rebuilt), since start.
+  uint64_t continuations() const EXCLUDES(mu_);
   uint64_t incarnation() const { return options_.incarnation; }
 
  private:
@@ -151,15 +171,17 @@ class CatalogStore {
     View view;                   // with deletion evidence (present == false)
   };
   struct Slice {
-    std::string owner_runtime;
+    std::string owner_runtime;        // the owner registration whose messages it takes now
+    uint64_t owner_incarnation = 0;   // the owner's start (0: not said: the runtime is the start)
     int64_t owner_epoch = 0;          // of the owner start whose evidence this is: never moves back
     uint64_t installed_snapshot = 0;  // the id of the last snapshot installed from that start
     uint64_t applied = 0;
     bool baseline = false;
     View view;  // present entries only: the applied sequence makes older events rejectable
     std::optional<Building> building;
-    double lag_ms = 0;        // of the last delta applied
-    MonoTime installed_at{};  // of the last snapshot installed
+    std::optional<MonoTime> absent_since;  // its owner is no member (owner_registration): kept for the grace
+    double lag_ms = 0;                     // of the last delta applied
+    MonoTime installed_at{};               // of the last snapshot installed
   };
   using SliceKey = std::pair<uint32_t, std::string>;  // (shard, owner node)
 
@@ -172,6 +194,12 @@ class CatalogStore {
   // A refusal when `stream` is an older owner start than the one `slice` holds evidence of (an older epoch, or
   // another runtime of the same epoch), which must never replace it.
   std::optional<CatalogReply> StaleStart(const Slice& slice, const StreamId& stream) const;
+  // Whether `stream` comes from the start whose evidence `slice` holds: the same incarnation when both say one,
+  // else the same runtime.
+  static bool SameStart(const Slice& slice, const StreamId& stream);
+  // The same start under a newer registration (StaleStart refused older ones): the slice follows it, keeping its
+  // view, its applied sequence and its baseline.
+  void Continue(Slice& slice, const StreamId& stream) REQUIRES(mu_);
   // A refusal when a record's key belongs to another shard than the stream's.
   std::optional<CatalogReply> ForeignKey(const StreamId& stream, const std::vector<CatalogRecord>& records) const;
   CatalogReply Reply(CatalogReply::Kind kind, uint64_t applied, std::string reason) const;
@@ -193,6 +221,7 @@ class CatalogStore {
   mutable Mutex mu_;
   std::map<SliceKey, Slice> slices_ GUARDED_BY(mu_);
   uint64_t used_ GUARDED_BY(mu_) = 0;
+  uint64_t continuations_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace orbitkv::catalog

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <thread>
 
 #include "core/test_util.h"
 
@@ -57,6 +58,105 @@ TEST(CatalogStoreTest, DeltasApplyInOrderAndDuplicatesAreDeduplicated) {
   EXPECT_DOUBLE_EQ(status[0].lag_ms, 7.5);
   EXPECT_GE(status[0].last_repair_s, 0);
   EXPECT_LT(status[0].last_repair_s, 60);
+}
+
+// Issue 69: an owner's start is its inventory incarnation. A registration made again without a restart (a new
+// runtime UUID and epoch, the same incarnation) continues its slice from the applied sequence, with its baseline:
+// no resync, no rebuild, the shard complete throughout. An older registration's message is still refused, a new
+// incarnation is still a new start, and a stream naming another start than its member record is refused.
+TEST(CatalogStoreTest, ARegistrationMadeAgainWithTheSameStartContinuesItsSlice) {
+  constexpr uint64_t kStart = 0xabc0000000000001;
+  CatalogStore::OwnerRegistration member{"run-1", 1, kStart};
+  CatalogStore::Options options{kIncarnation};
+  options.owner_live = [&](const std::string&, const std::string& runtime) -> std::optional<bool> {
+    return runtime == member.runtime;
+  };
+  options.owner_registration = [&](const std::string&) -> std::optional<CatalogStore::OwnerRegistration> {
+    return member;
+  };
+  options.live_owners = [&]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
+    return std::vector<std::pair<std::string, std::string>>{{"node-a", member.runtime}};
+  };
+  CatalogStore store(options);
+  const auto stream = [](const std::string& runtime, int64_t epoch, uint64_t start) {
+    StreamId id = Stream("node-a", runtime, epoch);
+    id.owner_incarnation = start;
+    return id;
+  };
+  Baseline(store, 4, stream("run-1", 1, kStart));
+  ASSERT_EQ(store.Apply({stream("run-1", 1, kStart), 5, {Add(9, 5)}}).kind, Kind::kAck);
+  ASSERT_TRUE(store.Complete(3));
+
+  // The owner's registration lapsed and was made again: a new runtime and epoch, the same start.
+  member = {"run-2", 2, kStart};
+  const CatalogReply next = store.Apply({stream("run-2", 2, kStart), 6, {Add(10, 6)}});
+  EXPECT_EQ(next.kind, Kind::kAck) << next.reason;
+  EXPECT_EQ(next.applied_sequence, 6u);
+  EXPECT_EQ(store.continuations(), 1u);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 6u) << "the baseline was kept";
+  EXPECT_TRUE(store.Complete(3));
+  bool complete = false;
+  const auto holders = store.Lookup(3, core::testing::ChainKey(7, 10), &complete);
+  ASSERT_EQ(holders.size(), 1u);
+  EXPECT_EQ(holders[0].owner_runtime, "run-2") << "lookups name the live registration";
+  // The older registration's messages are refused, whatever their order.
+  EXPECT_EQ(store.Apply({stream("run-1", 1, kStart), 7, {Add(11, 7)}}).kind, Kind::kRefused);
+
+  // A registration made again that the catalog hears of first through the member view: the slice follows it.
+  member = {"run-3", 3, kStart};
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  EXPECT_EQ(store.continuations(), 2u);
+  ASSERT_EQ(store.Slices(3).size(), 1u);
+  EXPECT_EQ(store.Slices(3)[0].owner_runtime, "run-3");
+  EXPECT_TRUE(store.Slices(3)[0].baseline);
+  EXPECT_TRUE(store.Complete(3));
+
+  // A stream that names another start than its member record: refused.
+  EXPECT_EQ(store.Apply({stream("run-3", 3, 0xdef0000000000002), 7, {Add(11, 7)}}).kind, Kind::kRefused);
+
+  // A restart: a new incarnation is a new start; its first delta needs a baseline, its snapshot replaces the view.
+  member = {"run-4", 4, 0xdef0000000000002};
+  EXPECT_EQ(store.Apply({stream("run-4", 4, member.incarnation), 1, {Add(0, 1)}}).kind, Kind::kResync);
+  ASSERT_EQ(store.Begin({stream("run-4", 4, member.incarnation), 100, 0, 1}).kind, Kind::kAck);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 0u) << "a new start's slice starts empty";
+  EXPECT_EQ(store.continuations(), 2u);
+}
+
+// Issue 69: an owner registering again revokes its old record before it writes the new one, and a catalog's view
+// can fall between the two. Within the grace its slice is kept (no holder, no dump: no member, no evidence) and
+// continues once the new registration shows; an owner gone for longer than the grace loses its slice.
+TEST(CatalogStoreTest, AnOwnerBetweenItsRegistrationsKeepsItsSliceForTheGrace) {
+  constexpr uint64_t kStart = 0xabc0000000000001;
+  std::optional<CatalogStore::OwnerRegistration> member = CatalogStore::OwnerRegistration{"run-1", 1, kStart};
+  CatalogStore::Options options{kIncarnation};
+  options.owner_live = [&](const std::string&, const std::string& runtime) -> std::optional<bool> {
+    return member.has_value() && member->runtime == runtime;
+  };
+  options.owner_registration = [&](const std::string&) { return member; };
+  options.absent_grace = std::chrono::milliseconds(200);
+  CatalogStore store(options);
+  StreamId first = Stream("node-a", "run-1", 1);
+  first.owner_incarnation = kStart;
+  Baseline(store, 3, first);
+
+  member = CatalogStore::OwnerRegistration{};  // no member at all: its old record revoked, the new one not yet seen
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  bool complete = false;
+  EXPECT_TRUE(store.Lookup(3, core::testing::ChainKey(7, 0), &complete).empty());
+  EXPECT_TRUE(store.Owners(3).empty());
+  member = CatalogStore::OwnerRegistration{"run-2", 2, kStart};
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  EXPECT_EQ(store.Lookup(3, core::testing::ChainKey(7, 0), &complete).size(), 1u);
+  StreamId second = Stream("node-a", "run-2", 2);
+  second.owner_incarnation = kStart;
+  EXPECT_EQ(store.Apply({second, 4, {Add(5, 4)}}).kind, Kind::kAck);
+  EXPECT_EQ(store.Dump(3, "node-a").size(), 4u);
+
+  member = CatalogStore::OwnerRegistration{};  // gone for good
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  EXPECT_EQ(store.DropDeadOwners(), 1u);
+  EXPECT_TRUE(store.Slices(3).empty());
 }
 
 TEST(CatalogStoreTest, ABatchThatDoesNotFollowAnswersGapAndOutOfOrderBatchesRecover) {

@@ -23,13 +23,38 @@ Result<std::unique_ptr<OwnerStreamer>> OwnerStreamer::Create(Options options, co
 
 OwnerStreamer::OwnerStreamer(Options options, core::ResidencyInventory* inventory, CatalogTransport* transport,
                              core::InventorySubscriber subscriber)
-    : options_(std::move(options)), inventory_(inventory), transport_(transport), subscriber_(subscriber) {}
+    : options_(std::move(options)),
+      inventory_(inventory),
+      subscriber_(subscriber),
+      owner_runtime_(options_.owner_runtime),
+      owner_epoch_(options_.owner_epoch),
+      transport_(transport) {}
+
+void OwnerStreamer::Rebind(const std::string& owner_runtime, int64_t owner_epoch, CatalogTransport* transport) {
+  owner_runtime_ = owner_runtime;
+  owner_epoch_ = owner_epoch;
+  transport_ = transport;
+  // Where it was, at once: streaming resumes from the acknowledged sequence (the catalog answers GAP or RESYNC if
+  // it needs more); a snapshot that was due stays due; a refusal of the old registration is forgotten.
+  backoff_ = std::chrono::milliseconds(0);
+  backoff_until_ = MonoNow();
+  if (state_ == State::kStopped) state_ = State::kStreaming;
+}
 
 OwnerStreamer::~OwnerStreamer() { inventory_->Unsubscribe(options_.shard, subscriber_); }
 
+namespace {
+
+uint64_t NextSnapshotId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace
+
 StreamId OwnerStreamer::Id() const {
-  return StreamId{options_.owner_node, options_.owner_runtime, options_.shard, catalog_incarnation_,
-                  options_.owner_epoch};
+  return StreamId{options_.owner_node,  owner_runtime_, options_.shard,
+                  catalog_incarnation_, owner_epoch_,   inventory_->incarnation()};
 }
 
 void OwnerStreamer::Backoff(State resume) {
@@ -69,7 +94,10 @@ void OwnerStreamer::OnTrouble(const Result<CatalogReply>& reply, bool in_snapsho
       if (in_snapshot) Backoff(State::kSnapshot);
       break;
     case CatalogReply::Kind::kRetryLater:
-      Backoff(State::kSnapshot);
+      // A catalog whose member view is incomplete (it or this owner registering again) answers this to a delta or
+      // a heartbeat too: streaming resumes from the acknowledged sequence, and the catalog asks for a snapshot
+      // only if it needs one.
+      Backoff(in_snapshot ? State::kSnapshot : State::kStreaming);
       break;
     case CatalogReply::Kind::kRefused:
       ORBITKV_LOG_WARN("catalog: '{}' refuses shard {} of this start: {}", options_.catalog_node, options_.shard,
@@ -128,7 +156,9 @@ bool OwnerStreamer::Stream(uint64_t after) {
 
 bool OwnerStreamer::Snapshot() {
   snapshots_.fetch_add(1, std::memory_order_relaxed);
-  const uint64_t id = next_snapshot_id_++;
+  // Unique in this process, not only in this streamer: a catalog host keeps an owner's slice across the owner's
+  // registrations (the same start), and a streamer made for a new registration must not replay an id it installed.
+  const uint64_t id = NextSnapshotId();
   // 1. The start of the cut.
   const uint64_t w0 = inventory_->Watermark(options_.shard);
   SnapshotBegin begin{Id(), id, w0, inventory_->Size(options_.shard)};

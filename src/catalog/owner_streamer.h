@@ -78,6 +78,10 @@ class OwnerStreamer {
   bool Heartbeat();
   // Streams until `stop` is set (checked at least every 100 ms).
   void Run(const std::atomic<bool>& stop);
+  // The owner registered again without a restart (the same inventory, so the same start): its messages name the
+  // new registration and go through `transport`, and the stream continues where it was (its subscriber, its
+  // acknowledged sequence). Only while Run/Step are not running (the caller joined the thread).
+  void Rebind(const std::string& owner_runtime, int64_t owner_epoch, CatalogTransport* transport);
 
   State state() const { return state_.load(std::memory_order_relaxed); }
   bool converged() const { return failed_snapshots_.load(std::memory_order_relaxed) < options_.snapshot_attempts; }
@@ -99,10 +103,12 @@ class OwnerStreamer {
 
   const Options options_;
   core::ResidencyInventory* const inventory_;
-  CatalogTransport* const transport_;
   const core::InventorySubscriber subscriber_;
+  // The registration the messages name, and the transport they take: Rebind changes them between runs.
+  std::string owner_runtime_;
+  int64_t owner_epoch_ = 0;
+  CatalogTransport* transport_;
   uint64_t catalog_incarnation_ = 0;
-  uint64_t next_snapshot_id_ = 1;
   std::chrono::milliseconds backoff_{0};
   std::minstd_rand jitter_{std::random_device{}()};
   MonoTime backoff_until_{};

@@ -57,6 +57,23 @@ bool IsRuntimeUuid(std::string_view text) {
 
 std::string NewRuntimeUuid() { return RuntimeId::New().ToString(); }
 
+namespace {
+
+// 16 lower-case hex digits.
+Result<uint64_t> ParseIncarnation(std::string_view hex) {
+  uint64_t value = 0;
+  if (hex.size() != 16)
+    return Status::InvalidArgument(fmt::format("member incarnation '{}' is not 16 hex digits", hex));
+  for (char c : hex) {
+    const int digit = c >= '0' && c <= '9' ? c - '0' : (c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1);
+    if (digit < 0) return Status::InvalidArgument(fmt::format("member incarnation '{}' is not 16 hex digits", hex));
+    value = value << 4 | static_cast<uint64_t>(digit);
+  }
+  return value;
+}
+
+}  // namespace
+
 Status ValidateMemberRecord(const MemberRecord& record) {
   ORBITKV_RETURN_IF_ERROR(ValidateName("member record cluster", record.cluster));
   ORBITKV_RETURN_IF_ERROR(ValidateName("member record node", record.node_id));
@@ -79,6 +96,7 @@ std::string EncodeMemberRecord(const MemberRecord& record) {
       .Add("epoch", record.epoch)
       .Add("endpoint", record.endpoint)
       .Add("uuid", record.runtime_uuid)
+      .Add("incarnation", fmt::format("{:016x}", record.incarnation))
       .Finish();
 }
 
@@ -94,6 +112,10 @@ Result<MemberRecord> DecodeMemberRecord(std::string_view cluster, std::string_vi
   ORBITKV_ASSIGN_OR_RETURN(record.epoch, json.GetInt("epoch"));
   ORBITKV_ASSIGN_OR_RETURN(record.endpoint, json.GetString("endpoint"));
   ORBITKV_ASSIGN_OR_RETURN(record.runtime_uuid, json.GetString("uuid"));
+  if (json.Has("incarnation")) {
+    ORBITKV_ASSIGN_OR_RETURN(const std::string hex, json.GetString("incarnation"));
+    ORBITKV_ASSIGN_OR_RETURN(record.incarnation, ParseIncarnation(hex));
+  }
   ORBITKV_RETURN_IF_ERROR(ValidateMemberRecord(record));
   if (record.cluster != cluster || record.node_id != node_id) {
     return Status::InvalidArgument(fmt::format("member record names {}/{} but is stored under {}/{}", record.cluster,

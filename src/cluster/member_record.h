@@ -29,8 +29,13 @@ struct MemberRecord {
   int64_t epoch = 0;
   // "host:port" where the Manager serves peers.
   std::string endpoint;
-  // Random per process start (NewRuntimeUuid); the catalog and transfer layers bind work to it.
+  // Random per registration (the first one's is the process's RuntimeId; each registration made again after a
+  // lapse has a new one, NewRuntimeUuid); routes and grants bind to it.
   std::string runtime_uuid;
+  // The owner's start: the process's inventory incarnation (core/inventory.h, the first 64 bits of its RuntimeId),
+  // the same across its registrations; 0 from a writer that does not say. The catalog keys an owner's evidence on
+  // it, so a registration made again without a restart continues its streams (issue 69).
+  uint64_t incarnation = 0;
 
   friend bool operator==(const MemberRecord&, const MemberRecord&) = default;
 };

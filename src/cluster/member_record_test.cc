@@ -16,6 +16,7 @@ MemberRecord Sample() {
   r.epoch = 3;
   r.endpoint = "10.0.0.7:7300";
   r.runtime_uuid = NewRuntimeUuid();
+  r.incarnation = 0x4f0c1a2b3c4d5e6f;
   return r;
 }
 
@@ -48,6 +49,24 @@ TEST(MemberRecordTest, UnknownFieldsAreKeptCompatible) {
   std::string extended = EncodeMemberRecord(Sample());
   extended.insert(extended.size() - 1, ",\"zone\":\"eu-1\"");
   EXPECT_TRUE(DecodeMemberRecord("prod-1", "host-a", extended).ok());
+}
+
+// Issue 69: the owner's start travels in the record as 16 hex digits; a record of an older writer without it
+// reads as 0 ("not said"), and a malformed one is refused.
+TEST(MemberRecordTest, TheIncarnationIsHexAndOptional) {
+  const std::string bytes = EncodeMemberRecord(Sample());
+  EXPECT_NE(bytes.find("\"incarnation\":\"4f0c1a2b3c4d5e6f\""), std::string::npos) << bytes;
+  std::string older = bytes;
+  const size_t at = older.find(",\"incarnation\"");
+  older.erase(at, older.size() - 1 - at);
+  Result<MemberRecord> read = DecodeMemberRecord("prod-1", "host-a", older);
+  ASSERT_TRUE(read.ok()) << read.status() << " " << older;
+  EXPECT_EQ(read->incarnation, 0u);
+  for (const char* bad : {"4F0C1A2B3C4D5E6F", "4f0c", "4f0c1a2b3c4d5e6g"}) {
+    std::string wrong = bytes;
+    wrong.replace(wrong.find("4f0c1a2b3c4d5e6f"), 16, bad);
+    EXPECT_EQ(DecodeMemberRecord("prod-1", "host-a", wrong).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 TEST(MemberRecordTest, ValidatesFields) {

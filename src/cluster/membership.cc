@@ -132,6 +132,7 @@ Membership::Membership(MembershipOptions options, MetricsRegistry* metrics, std:
   self_.record.node_id = options_.node_id;
   self_.record.endpoint = options_.peer_endpoint;
   self_.record.runtime_uuid = options_.runtime_uuid.empty() ? NewRuntimeUuid() : options_.runtime_uuid;
+  self_.record.incarnation = options_.incarnation;
   since_ = MonoNow();
 }
 

@@ -83,6 +83,9 @@ struct MembershipOptions {
   std::string peer_endpoint;                            // host:port peers dial (the Manager's peer listener)
   // The Manager's RuntimeId (base/runtime_id.h), written into the member record; empty: a new one.
   std::string runtime_uuid;
+  // The owner's start (member_record.h: the process's inventory incarnation), written into every registration's
+  // record; 0: not said.
+  uint64_t incarnation = 0;
   std::chrono::milliseconds etcd_call_timeout{5000};
   // Register again after a lapse (false: a lapsed registration stays expired).
   bool reregister = true;

@@ -24,6 +24,14 @@ CatalogHost::CatalogHost(Options options, const cluster::MemberView* view, const
     if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;  // view incomplete: unknown
     return member.ok() && member->record.runtime_uuid == owner_runtime;
   };
+  store.owner_registration =
+      [view](const std::string& node) -> std::optional<catalog::CatalogStore::OwnerRegistration> {
+    Result<cluster::Member> member = view->Find(node);
+    if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;  // view incomplete: unknown
+    if (!member.ok()) return catalog::CatalogStore::OwnerRegistration{};
+    return catalog::CatalogStore::OwnerRegistration{member->record.runtime_uuid, member->record.epoch,
+                                                    member->record.incarnation};
+  };
   store.num_shards = cluster::kNumShards;
   // A shard is complete only when every live member's owner stream has a baseline in it.
   store.live_owners = [view]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
@@ -47,28 +55,47 @@ Status CatalogHost::StartStreams(std::shared_ptr<grpc::ChannelCredentials> crede
                                  const cluster::MemberRecord& self) {
   {
     MutexLock lock(&streams_mu_);
-    ORBITKV_CHECK_MSG(streams_.empty() && !transport_, "owner streams started twice");
+    ORBITKV_CHECK_MSG(!transport_, "owner streams started twice");
     streams_stop_.store(false, std::memory_order_release);
     transport_ = std::make_unique<catalog::GrpcCatalogTransport>(PeerIdentityOf(self, *live_), view_,
                                                                  std::move(credentials), store_.get());
     owner_ = self;
+    // Paused streams continue as this registration: the same inventory, so the same start.
+    for (auto& [where, stream] : streams_) {
+      stream->streamer->Rebind(self.runtime_uuid, self.epoch, transport_.get());
+      stream->stop.store(false, std::memory_order_release);
+      Stream* raw = stream.get();
+      raw->thread = std::thread([raw] { raw->streamer->Run(raw->stop); });
+      ++continued_;
+    }
     ORBITKV_RETURN_IF_ERROR(SyncStreams());
   }
   if (!maintenance_.joinable()) maintenance_ = std::thread([this] { Maintain(); });
   return Status::Ok();
 }
 
-void CatalogHost::StopStreams() {
-  MutexLock lock(&streams_mu_);
+void CatalogHost::JoinStreams() {
   streams_stop_.store(true, std::memory_order_release);
   for (auto& [where, stream] : streams_) stream->stop.store(true, std::memory_order_release);
   for (auto& [where, stream] : streams_) {
     if (stream->thread.joinable()) stream->thread.join();
+  }
+  if (transport_) stream_bytes_before_ += transport_->bytes_sent();
+  transport_.reset();  // the paused streams' pointer to it is replaced before they run again (Rebind)
+}
+
+void CatalogHost::PauseStreams() {
+  MutexLock lock(&streams_mu_);
+  JoinStreams();
+}
+
+void CatalogHost::StopStreams() {
+  MutexLock lock(&streams_mu_);
+  JoinStreams();
+  for (auto& [where, stream] : streams_) {
     snapshots_before_ += stream->streamer->snapshots();  // the figure counts since start, across registrations
   }
   streams_.clear();  // unsubscribes from the inventory
-  if (transport_) stream_bytes_before_ += transport_->bytes_sent();
-  transport_.reset();
 }
 
 std::vector<std::string> CatalogHost::CatalogLines(uint32_t shard) const {
@@ -128,6 +155,7 @@ CatalogHost::Summary CatalogHost::Summarize() const {
     sum.snapshots += s.snapshots();
   }
   sum.snapshots += snapshots_before_;
+  sum.continued = continued_;
   return sum;
 }
 
@@ -195,7 +223,15 @@ void CatalogHost::VisitStats(StatsVisitor& v) const {
            "This Manager's owner streams that converge (one per shard and copy: 16 x --catalog-replicas)"});
   v.Gauge("catalog_stream_snapshots", static_cast<int64_t>(s.snapshots),
           {"orbitkv_catalog_stream_snapshots", "Snapshots this Manager's owner streams sent (since start)"});
+  v.Counter("catalog_streams_continued", s.continued,
+            {"orbitkv_catalog_streams_continued_total",
+             "Owner streams that continued from their acknowledged sequence after this Manager registered again "
+             "without a restart (no snapshot)"});
   v.Gauge("inventory_records", static_cast<int64_t>(s.inventory_records));
+  v.Counter("catalog_owner_continuations", store_->continuations(),
+            {"orbitkv_catalog_owner_continuations_total",
+             "Owner slices here that followed their owner to a registration made again without a restart (kept "
+             "with their baselines, not rebuilt)"});
   v.Counter("catalog_stream_bytes_sent", s.stream_bytes);
   v.Gauge("", static_cast<int64_t>(s.lag_ms),
           {"orbitkv_catalog_update_lag_ms",

@@ -3,7 +3,8 @@
 //     set starts hosting without a restart; the peer service serves lookups from it),
 //   - this Manager's owner streams, one per shard and copy the live placement publishes to (this Manager's own store
 //     directly, the others over orbitkv.peer.v1), each with its own journal subscriber so a slow or dead copy resyncs
-//     alone, made anew for each registration (StartStreams/StopStreams),
+//     alone; a lapse pauses them (PauseStreams) and the registration made again continues them (StartStreams),
+//     since the inventory and so the owner's start did not change (issue 69),
 //   - a maintenance thread that follows the placement (streams to the copies of both generations while a change
 //     moves, slices of retired copies dropped), drops the slices of owners the member view no longer holds, and
 //     charges the time shards stay incomplete.
@@ -48,7 +49,7 @@ class CatalogHost {
   struct Summary {
     size_t records = 0, incomplete = 0, converged = 0, streaming = 0, streams = 0;
     uint64_t stream_bytes = 0;  // catalog stream messages this Manager sent to other hosts' copies
-    uint64_t bytes = 0, snapshots = 0;
+    uint64_t bytes = 0, snapshots = 0, continued = 0;
     double lag_ms = 0, last_repair_s = -1;
     size_t hosted = 0;                 // shards the live placement puts here
     size_t inventory_records = 0;      // this Manager's residency inventory, over all shards
@@ -64,10 +65,15 @@ class CatalogHost {
 
   catalog::CatalogStore* store() const { return store_.get(); }
 
-  // Starts the owner streams of the registration `self` (each new stream snapshots its shard first), and the
-  // maintenance thread the first time. The streams must be stopped (or never started).
+  // Starts the owner streams of the registration `self`, and the maintenance thread the first time: streams paused
+  // by a lapse continue as the new registration from where they were (their subscribers and acknowledged
+  // sequences: the catalog keeps their slices, the same start), new ones snapshot their shard first. The streams
+  // must be paused or stopped (or never started).
   Status StartStreams(std::shared_ptr<grpc::ChannelCredentials> credentials, const cluster::MemberRecord& self);
-  // Stops and joins the owner streams (before the streams of a new registration start).
+  // Joins the owner streams' threads and keeps the streams (a lapse: the registration made again continues them).
+  // Idempotent.
+  void PauseStreams();
+  // Stops and joins the owner streams, and lets them go (their journal subscriptions too).
   void StopStreams();
 
   // `orbitkv catalog dump SHARD` and `orbitkv catalog status` lines (cluster_link.h).
@@ -87,6 +93,8 @@ class CatalogHost {
   // Makes the owner streams those the live placement publishes to now: starts the missing ones, stops those no
   // longer wanted (a retired or aborted copy). Nothing while no registration streams.
   Status SyncStreams() REQUIRES(streams_mu_);
+  // Stops and joins every stream's thread and lets the transport go (PauseStreams, StopStreams).
+  void JoinStreams() REQUIRES(streams_mu_);
   void Maintain();
   // The placement changed: the streams follow it, and the slices of copies retired here go.
   void FollowPlacement();
@@ -103,6 +111,7 @@ class CatalogHost {
   std::map<std::pair<uint32_t, std::string>, std::unique_ptr<Stream>> streams_ GUARDED_BY(streams_mu_);
   uint64_t stream_bytes_before_ GUARDED_BY(streams_mu_) = 0;  // sent by the streams of earlier registrations
   uint64_t snapshots_before_ GUARDED_BY(streams_mu_) = 0;     // sent by streams stopped since
+  uint64_t continued_ GUARDED_BY(streams_mu_) = 0;            // streams continued by a registration made again
   std::atomic<uint64_t> followed_version_{0};  // the live placement's version the streams and the store follow
   std::atomic<bool> streams_stop_{false};
   std::atomic<uint64_t> incomplete_ms_{0};  // shard-milliseconds incomplete

@@ -114,9 +114,10 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
   parts.placement_driver =
       std::make_unique<PlacementDriver>(std::move(driver), membership, parts.requester->progress());
 
-  // A registration that lapses ends the grants this source gave and the owner streams; one made again gives every
-  // peer-facing part the new identity and streams the inventory anew as the new owner start. The UCX engine, its
-  // registered pool, the engine-facing incarnation and the inventory's sequences stay.
+  // A registration that lapses ends the grants this source gave and pauses the owner streams; one made again gives
+  // every peer-facing part the new identity, and the owner streams continue where they were: the inventory, its
+  // incarnation (the owner's start) and its sequences stay, so the catalog keeps the slices (issue 69). The UCX
+  // engine, its registered pool and the engine-facing incarnation stay too.
   CatalogHost* catalog = parts.catalog.get();
   Source* source = parts.source.get();
   Requester* requester = parts.requester.get();
@@ -126,7 +127,7 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
       [catalog, source, placement](const std::string& cause) {
         placement->OnLapsed();  // leadership goes before the registration is made again
         source->OnLapsed(cause);
-        catalog->StopStreams();
+        catalog->PauseStreams();
       },
       [catalog, source, requester, peers, placement, live, credentials](const cluster::MemberRecord& self) {
         placement->OnRegistered(self);
@@ -134,7 +135,7 @@ Status StartPeerParts(const ManagerConfig& config, const RuntimeId& runtime, cor
         peers->SetSelf(registered);
         requester->OnRegistered(registered);
         source->OnRegistered();
-        catalog->StopStreams();  // none normally (the lapse stopped them): a lapse before these hooks were set
+        catalog->PauseStreams();  // none running normally (the lapse paused them): a lapse before the hooks were set
         if (Status started = catalog->StartStreams(credentials, self); !started.ok()) {
           ORBITKV_LOG_ERROR("manager: the catalog streams of the new registration did not start: {}",
                             started.ToString());

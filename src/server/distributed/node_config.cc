@@ -116,6 +116,7 @@ Result<cluster::MembershipOptions> MembershipOptionsOf(const ManagerConfig& conf
   }
   options.peer_endpoint = config.peer_endpoint;
   options.runtime_uuid = runtime.ToString();
+  options.incarnation = runtime.incarnation();  // the inventory's (Manager::Create): the owner's start
   return options;
 }
 

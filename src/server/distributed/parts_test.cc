@@ -194,7 +194,7 @@ class CatalogHostTest : public ::testing::Test {
     Result<cluster::Placement> placement = cluster::Placement::Create({"n0"}, 1);
     ASSERT_TRUE(placement.ok()) << placement.status();
     live_ = std::make_unique<cluster::LivePlacement>(*placement);
-    self_ = cluster::MemberRecord{"t", "n0", 1, "127.0.0.1:1", runtime_.ToString()};
+    self_ = cluster::MemberRecord{"t", "n0", 1, "127.0.0.1:1", runtime_.ToString(), runtime_.incarnation()};
     std::map<std::string, cluster::Member> members;
     cluster::Member me;
     me.record = self_;
@@ -231,7 +231,7 @@ TEST_F(CatalogHostTest, EveryShardPlacedHereIsListedAndIncompleteBeforeAnyStream
   EXPECT_EQ(s.records, 0u);
 }
 
-TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndStopWithTheRegistration) {
+TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndContinueAcrossRegistrations) {
   const state::StateKey key = core::testing::ChainKey(7, 0);
   const uint32_t shard = inventory_->ShardFor(key);
   inventory_->Apply(shard, key, core::Tier::kDram, true, core::TransitionCause::kAdmit, 1, 4096);
@@ -249,12 +249,42 @@ TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndStopWithThe
   ASSERT_EQ(dump.size(), 1u);
   EXPECT_EQ(dump[0].rfind("n0 ", 0), 0u) << dump[0];  // the owner node first
   EXPECT_EQ(host.Summarize().inventory_records, 1u);
+
+  // Issue 69: the registration lapses (the streams pause) and is made again without a restart: a new runtime UUID
+  // and epoch, the same inventory and so the same start. The streams continue from their acknowledged sequences:
+  // no snapshot, the slices kept (never incomplete), and a change made meanwhile arrives as a delta.
+  const uint64_t snapshots = host.Summarize().snapshots;
+  host.PauseStreams();
+  EXPECT_EQ(host.Summarize().streams, cluster::kNumShards);
+  const state::StateKey later = core::testing::ChainKey(7, 1);
+  inventory_->Apply(inventory_->ShardFor(later), later, core::Tier::kDram, true, core::TransitionCause::kAdmit, 1,
+                    4096);
+  cluster::MemberRecord again = self_;
+  again.runtime_uuid = cluster::NewRuntimeUuid();
+  again.epoch = 2;
+  cluster::Member member;
+  member.record = again;
+  view_.Install({{"n0", member}}, 2);
+  ASSERT_TRUE(host.StartStreams(nullptr, again).ok());
+  ASSERT_TRUE(Eventually([&] {
+    const CatalogHost::Summary s = host.Summarize();
+    return s.records == 2 && s.incomplete == 0 && s.converged == cluster::kNumShards;
+  })) << "records "
+      << host.Summarize().records << ", incomplete " << host.Summarize().incomplete;
+  EXPECT_EQ(host.Summarize().snapshots, snapshots) << "a registration made again resent the inventory";
+  EXPECT_EQ(host.Summarize().continued, cluster::kNumShards);
+  EXPECT_GE(host.store()->continuations(), 1u);
+  for (const catalog::CatalogStore::OwnerSlice& slice : host.store()->Slices(shard)) {
+    EXPECT_EQ(slice.owner_runtime, again.runtime_uuid);
+  }
+
   host.StopStreams();
   EXPECT_EQ(host.Summarize().streams, 0u);
   EXPECT_GE(host.Summarize().snapshots, static_cast<uint64_t>(cluster::kNumShards));  // counted past their stop
-  // A registration made again streams anew.
-  ASSERT_TRUE(host.StartStreams(nullptr, self_).ok());
+  // Streams stopped for good (a fence, a shutdown) start anew: each snapshots its shard first.
+  ASSERT_TRUE(host.StartStreams(nullptr, again).ok());
   EXPECT_EQ(host.Summarize().streams, cluster::kNumShards);
+  ASSERT_TRUE(Eventually([&] { return host.Summarize().snapshots >= snapshots + cluster::kNumShards; }));
 }
 
 // --- the source and the requester --------------------------------------------------------------------------------
@@ -393,7 +423,7 @@ class PeerListenerTest : public ::testing::Test {
     Result<cluster::Placement> placement = cluster::Placement::Create({"n0"}, 1);
     ASSERT_TRUE(placement.ok()) << placement.status();
     live_ = std::make_unique<cluster::LivePlacement>(*placement);
-    self_ = cluster::MemberRecord{"t", "n0", 1, "127.0.0.1:1", runtime_.ToString()};
+    self_ = cluster::MemberRecord{"t", "n0", 1, "127.0.0.1:1", runtime_.ToString(), runtime_.incarnation()};
     peer_ = cluster::MemberRecord{"t", "n1", 1, "127.0.0.1:2", RuntimeId::New().ToString()};
     std::map<std::string, cluster::Member> members;
     for (const cluster::MemberRecord& record : {self_, peer_}) {
