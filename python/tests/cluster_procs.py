@@ -25,24 +25,38 @@ class EtcdProcess:
     def __init__(self, binary: str | None = None):
         self.binary = binary or shutil.which("etcd") or "/usr/bin/etcd"
         self.dir = tempfile.mkdtemp(prefix="orbitkv-etcd-")
-        client, peer = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{client}"
-        self.proc = subprocess.Popen(
-            [self.binary, "--name", "t", "--data-dir", f"{self.dir}/data",
-             "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-             f"http://127.0.0.1:{peer}", "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # A port picked free can be taken before etcd binds it (or two picks can be the same port): etcd then exits at
+        # once, and a fresh pair of ports is tried.
+        for attempt in range(3):
+            client = free_port()
+            peer = free_port()
+            while peer == client:
+                peer = free_port()
+            self.endpoint = f"127.0.0.1:{client}"
+            self.proc = subprocess.Popen(
+                [self.binary, "--name", "t", "--data-dir", f"{self.dir}/data{attempt}",
+                 "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls",
+                 f"http://{self.endpoint}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}", "--initial-cluster",
+                 f"t=http://127.0.0.1:{peer}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if self._wait_healthy():
+                return
+        raise RuntimeError(f"etcd ({self.binary}) did not become healthy on {self.endpoint} (3 attempts)")
+
+    def _wait_healthy(self) -> bool:
         deadline = time.monotonic() + 60
         while True:
             try:
                 with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
                     if json.loads(r.read()).get("health") == "true":
-                        return
+                        return True
             except OSError:
                 pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"etcd ({self.binary}) did not become healthy on {self.endpoint}")
+            if self.proc.poll() is not None:
+                return False  # it exited: most likely a port taken meanwhile
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd ({self.binary}) did not become healthy on {self.endpoint} within 60 s")
             time.sleep(0.05)
 
     def close(self) -> None:

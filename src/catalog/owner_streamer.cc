@@ -219,6 +219,7 @@ bool OwnerStreamer::Snapshot() {
     }
     if (!message.records.empty()) {
       reply = transport_->Deliver(options_.catalog_node, message);
+      snapshot_records_.fetch_add(message.records.size(), std::memory_order_relaxed);
       if (!reply.ok() || reply->kind != CatalogReply::Kind::kAck) {
         OnTrouble(reply, true);
         return true;

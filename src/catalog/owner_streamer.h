@@ -87,6 +87,8 @@ class OwnerStreamer {
   bool converged() const { return failed_snapshots_.load(std::memory_order_relaxed) < options_.snapshot_attempts; }
   uint64_t acknowledged() const { return acked_.load(std::memory_order_relaxed); }
   uint64_t snapshots() const { return snapshots_.load(std::memory_order_relaxed); }
+  // Inventory records sent in snapshot pages (a whole view resent each time), since creation.
+  uint64_t snapshot_records() const { return snapshot_records_.load(std::memory_order_relaxed); }
   uint64_t snapshot_aborts() const { return snapshot_aborts_.load(std::memory_order_relaxed); }
   uint64_t gaps() const { return gaps_.load(std::memory_order_relaxed); }
   const Options& options() const { return options_; }
@@ -116,6 +118,7 @@ class OwnerStreamer {
   std::atomic<State> state_{State::kSnapshot};
   std::atomic<uint64_t> acked_{0};
   std::atomic<uint64_t> snapshots_{0};
+  std::atomic<uint64_t> snapshot_records_{0};
   std::atomic<uint64_t> snapshot_aborts_{0};
   std::atomic<uint64_t> gaps_{0};
   std::atomic<int> failed_snapshots_{0};

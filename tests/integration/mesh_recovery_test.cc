@@ -77,12 +77,13 @@ TEST_F(MeshTest, AnEtcdOutageOfTwiceTheTtlEndsInANewRegistrationWithoutARestart)
   MeshEngine a(*managers[0], 1, kBlocks);
   ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, x).ok());
   ASSERT_TRUE(CatalogsEqualInventories(all()));
-  std::vector<uint64_t> epochs, snapshots;
+  std::vector<uint64_t> epochs, snapshots, resent;
   std::vector<std::string> engine_uuids, cluster_uuids;
   for (const auto& m : managers) {
     const std::string stats = StatsOf(*m);
     epochs.push_back(Field(stats, "membership_epoch"));
     snapshots.push_back(Field(stats, "catalog_stream_snapshots"));
+    resent.push_back(Field(stats, "catalog_stream_snapshot_records"));
     engine_uuids.push_back(StringField(stats, "runtime_uuid"));
     cluster_uuids.push_back(StringField(stats, "cluster_runtime_uuid"));
     EXPECT_EQ(cluster_uuids.back(), engine_uuids.back()) << stats;  // one identity until a registration is redone
@@ -180,6 +181,7 @@ TEST_F(MeshTest, AnEtcdOutageOfTwiceTheTtlEndsInANewRegistrationWithoutARestart)
   for (int i = 0; i < kHosts; ++i) {
     const std::string stats = StatsOf(*managers[i]);
     EXPECT_EQ(Field(stats, "catalog_stream_snapshots"), snapshots[i]) << Node(i) << ": " << stats;
+    EXPECT_EQ(Field(stats, "catalog_stream_snapshot_records"), resent[i]) << Node(i) << ": " << stats;
     EXPECT_GE(Field(stats, "catalog_streams_continued"), static_cast<uint64_t>(cluster::kNumShards)) << stats;
     EXPECT_EQ(FieldWhen(*managers[i], "catalog_incomplete_shards", 0), 0u) << stats;
   }

@@ -94,6 +94,7 @@ void CatalogHost::StopStreams() {
   JoinStreams();
   for (auto& [where, stream] : streams_) {
     snapshots_before_ += stream->streamer->snapshots();  // the figure counts since start, across registrations
+    snapshot_records_before_ += stream->streamer->snapshot_records();
   }
   streams_.clear();  // unsubscribes from the inventory
 }
@@ -153,8 +154,10 @@ CatalogHost::Summary CatalogHost::Summarize() const {
     sum.converged += s.converged() ? 1 : 0;
     sum.streaming += s.state() == catalog::OwnerStreamer::State::kStreaming ? 1 : 0;
     sum.snapshots += s.snapshots();
+    sum.snapshot_records += s.snapshot_records();
   }
   sum.snapshots += snapshots_before_;
+  sum.snapshot_records += snapshot_records_before_;
   sum.continued = continued_;
   return sum;
 }
@@ -179,6 +182,7 @@ Status CatalogHost::SyncStreams() {
   for (auto& stream : gone) {
     if (stream->thread.joinable()) stream->thread.join();
     snapshots_before_ += stream->streamer->snapshots();
+    snapshot_records_before_ += stream->streamer->snapshot_records();
   }
   for (const auto& [shard, copy] : wanted) {
     if (streams_.contains({shard, copy})) continue;
@@ -223,6 +227,10 @@ void CatalogHost::VisitStats(StatsVisitor& v) const {
            "This Manager's owner streams that converge (one per shard and copy: 16 x --catalog-replicas)"});
   v.Gauge("catalog_stream_snapshots", static_cast<int64_t>(s.snapshots),
           {"orbitkv_catalog_stream_snapshots", "Snapshots this Manager's owner streams sent (since start)"});
+  v.Counter("catalog_stream_snapshot_records", s.snapshot_records,
+            {"orbitkv_catalog_stream_snapshot_records_total",
+             "Inventory records this Manager's owner streams sent in snapshots (each one resends a whole shard's "
+             "view; since start)"});
   v.Counter("catalog_streams_continued", s.continued,
             {"orbitkv_catalog_streams_continued_total",
              "Owner streams that continued from their acknowledged sequence after this Manager registered again "

@@ -49,7 +49,7 @@ class CatalogHost {
   struct Summary {
     size_t records = 0, incomplete = 0, converged = 0, streaming = 0, streams = 0;
     uint64_t stream_bytes = 0;  // catalog stream messages this Manager sent to other hosts' copies
-    uint64_t bytes = 0, snapshots = 0, continued = 0;
+    uint64_t bytes = 0, snapshots = 0, snapshot_records = 0, continued = 0;
     double lag_ms = 0, last_repair_s = -1;
     size_t hosted = 0;                 // shards the live placement puts here
     size_t inventory_records = 0;      // this Manager's residency inventory, over all shards
@@ -111,8 +111,9 @@ class CatalogHost {
   std::map<std::pair<uint32_t, std::string>, std::unique_ptr<Stream>> streams_ GUARDED_BY(streams_mu_);
   uint64_t stream_bytes_before_ GUARDED_BY(streams_mu_) = 0;  // sent by the streams of earlier registrations
   uint64_t snapshots_before_ GUARDED_BY(streams_mu_) = 0;     // sent by streams stopped since
-  uint64_t continued_ GUARDED_BY(streams_mu_) = 0;            // streams continued by a registration made again
-  std::atomic<uint64_t> followed_version_{0};  // the live placement's version the streams and the store follow
+  uint64_t snapshot_records_before_ GUARDED_BY(streams_mu_) = 0;
+  uint64_t continued_ GUARDED_BY(streams_mu_) = 0;  // streams continued by a registration made again
+  std::atomic<uint64_t> followed_version_{0};       // the live placement's version the streams and the store follow
   std::atomic<bool> streams_stop_{false};
   std::atomic<uint64_t> incomplete_ms_{0};  // shard-milliseconds incomplete
   std::atomic<bool> stop_{false};
