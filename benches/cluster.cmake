@@ -15,3 +15,5 @@ if(ORBITKV_BUILD_TESTS)
   add_test(NAME ScaleBenchSmoke COMMAND scale_bench --members=64 --check)
   set_tests_properties(ScaleBenchSmoke PROPERTIES LABELS "distributed" TIMEOUT 180)
 endif()
+orbitkv_add_executable(NAME catalog_fleet_bench SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/catalog_fleet_bench.cc
+  DEPS orbitkv::catalog orbitkv_bench_report)
