@@ -18,10 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "catalog/catalog_grpc.h"  // first of the gRPC users (cluster/grpc.h)
+
 #include "base/clock.h"
 #include "base/logging.h"
 #include "bench_report.h"
-#include "catalog/catalog_store.h"
 #include "cluster/member_record.h"
 #include "cluster/member_view.h"
 #include "state/namespace.h"
@@ -81,36 +82,16 @@ Figures Measure(size_t n) {
   }
   view.Install(members, static_cast<int64_t>(10 + n));
 
-  // Wired as CatalogHost wires its store.
   catalog::CatalogStore::Options options;
   options.incarnation = 0xfeed;
   options.budget_bytes = 1ull << 30;
-  options.owner_live = [&view](const std::string& node, const std::string& runtime) -> std::optional<bool> {
-    Result<cluster::Member> member = view.Find(node);
-    if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;
-    return member.ok() && member->record.runtime_uuid == runtime;
-  };
-  options.live_owners = [&view]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
-    const cluster::MemberView::Snapshot snapshot = view.Read();
-    if (!snapshot.complete) return std::nullopt;
-    std::vector<std::pair<std::string, std::string>> owners;
-    for (const cluster::Member& m : snapshot.members) owners.emplace_back(m.record.node_id, m.record.runtime_uuid);
-    return owners;
-  };
-  options.owner_registration =
-      [&view](const std::string& node) -> std::optional<catalog::CatalogStore::OwnerRegistration> {
-    Result<cluster::Member> member = view.Find(node);
-    if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;
-    if (!member.ok()) return catalog::CatalogStore::OwnerRegistration{};
-    return catalog::CatalogStore::OwnerRegistration{member->record.runtime_uuid, member->record.epoch,
-                                                    member->record.incarnation};
-  };
+  catalog::FollowMemberView(&view, &options);  // as a catalog host wires its store
   catalog::CatalogStore store(options);
 
   const state::StateKey hot = Key(1, 0);
   for (const auto& [node, m] : members) {
-    const catalog::StreamId stream{node, m.record.runtime_uuid, kShard, options.incarnation, m.record.epoch,
-                                   m.record.incarnation};
+    const catalog::StreamId stream{node,           m.record.runtime_uuid, kShard, options.incarnation,
+                                   m.record.epoch, m.record.incarnation};
     if (store.Begin({stream, 1, 0, kRecordsPerOwner + 1}).kind != catalog::CatalogReply::Kind::kAck) std::abort();
     catalog::SnapshotEnd end{stream, 1, kRecordsPerOwner + 1, {}};
     end.interval.push_back(catalog::CatalogRecord{hot, 1, true, 1, 1, 4096});
@@ -151,10 +132,10 @@ int main(int argc, char** argv) {
   for (size_t n : {size_t{64}, size_t{256}, size_t{1024}, size_t{4096}}) {
     const Figures f = n == 64 ? base : Measure(n);
     report.Add({fmt::format("store_lookup_us_at_{}", n), "us", f.lookup_us, "store_lookup_us_at_64", base.lookup_us});
-    report.Add({fmt::format("store_lookup_miss_us_at_{}", n), "us", f.miss_us, "store_lookup_miss_us_at_64",
-                base.miss_us});
-    report.Add({fmt::format("store_complete_us_at_{}", n), "us", f.complete_us, "store_complete_us_at_64",
-                base.complete_us});
+    report.Add(
+        {fmt::format("store_lookup_miss_us_at_{}", n), "us", f.miss_us, "store_lookup_miss_us_at_64", base.miss_us});
+    report.Add(
+        {fmt::format("store_complete_us_at_{}", n), "us", f.complete_us, "store_complete_us_at_64", base.complete_us});
     report.Add({fmt::format("store_maintenance_ms_at_{}", n), "ms", f.maintenance_ms, "store_maintenance_ms_at_64",
                 base.maintenance_ms});
   }

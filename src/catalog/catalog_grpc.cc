@@ -361,4 +361,22 @@ Result<bool> GrpcRequesterTransport::Release(const std::string& node, const std:
   return response.released();
 }
 
+void FollowMemberView(const cluster::MemberView* view, CatalogStore::Options* options) {
+  options->owner_registration = [view](const std::string& node) -> std::optional<CatalogStore::OwnerRegistration> {
+    Result<cluster::Member> member = view->Find(node);
+    if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;  // view incomplete: unknown
+    if (!member.ok()) return CatalogStore::OwnerRegistration{};                   // no member now
+    return CatalogStore::OwnerRegistration{member->record.runtime_uuid, member->record.epoch,
+                                           member->record.incarnation};
+  };
+  // A shard is complete only when every live member's owner stream has a baseline in it.
+  options->live_owners = [view]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
+    const cluster::MemberView::Snapshot snapshot = view->Read();
+    if (!snapshot.complete) return std::nullopt;
+    std::vector<std::pair<std::string, std::string>> owners;
+    for (const cluster::Member& m : snapshot.members) owners.emplace_back(m.record.node_id, m.record.runtime_uuid);
+    return owners;
+  };
+}
+
 }  // namespace orbitkv::catalog

@@ -101,6 +101,11 @@ class GrpcRequesterTransport final : public LookupTransport, public SourceTransp
 peer::v1::AuthorizeResponse ToResponse(const SourceGrant& grant, const std::string& ucx_address);
 Result<SourceReply> FromResponse(const peer::v1::AuthorizeResponse& response);
 
+// Wires a catalog store to the member view as a catalog host does: each owner's registration (whether a stream's
+// runtime is live, and which start it is) and the live owners every shard must cover to be complete; both unknown
+// while the view is incomplete. `view` must outlive the store.
+void FollowMemberView(const cluster::MemberView* view, CatalogStore::Options* options);
+
 }  // namespace orbitkv::catalog
 
 #endif  // ORBITKV_CATALOG_CATALOG_GRPC_H_

@@ -39,25 +39,30 @@ CatalogReply CatalogStore::Reply(CatalogReply::Kind kind, uint64_t applied, std:
 }
 
 std::optional<CatalogReply> CatalogStore::Admit(const StreamId& stream) const {
-  if (options_.owner_live) {
-    const std::optional<bool> live = options_.owner_live(stream.owner_node, stream.owner_runtime);
-    if (!live.has_value()) {
-      return Reply(CatalogReply::Kind::kRetryLater, 0,
-                   "the member view is incomplete: evidence is admitted once it is whole again");
-    }
-    if (!*live) {
-      return Reply(CatalogReply::Kind::kRefused, 0,
-                   fmt::format("owner '{}' runtime {} is not a live member (fenced, expired or an older start)",
-                               stream.owner_node, stream.owner_runtime));
-    }
+  // One member-view lookup a message: the owner's registration says both whether the stream's runtime is live and
+  // which start it is; without it, owner_live says the first.
+  std::optional<bool> live = true;
+  std::optional<OwnerRegistration> current;
+  if (options_.owner_registration) {
+    current = options_.owner_registration(stream.owner_node);
+    live = current.has_value() ? std::optional<bool>(current->runtime == stream.owner_runtime) : std::nullopt;
+  } else if (options_.owner_live) {
+    live = options_.owner_live(stream.owner_node, stream.owner_runtime);
   }
-  if (options_.owner_registration && stream.owner_incarnation != 0) {
-    const std::optional<OwnerRegistration> current = options_.owner_registration(stream.owner_node);
-    if (current.has_value() && current->incarnation != 0 && current->incarnation != stream.owner_incarnation) {
-      return Reply(CatalogReply::Kind::kRefused, 0,
-                   fmt::format("owner '{}' names start {:016x}, its member record {:016x}", stream.owner_node,
-                               stream.owner_incarnation, current->incarnation));
-    }
+  if (!live.has_value()) {
+    return Reply(CatalogReply::Kind::kRetryLater, 0,
+                 "the member view is incomplete: evidence is admitted once it is whole again");
+  }
+  if (!*live) {
+    return Reply(CatalogReply::Kind::kRefused, 0,
+                 fmt::format("owner '{}' runtime {} is not a live member (fenced, expired or an older start)",
+                             stream.owner_node, stream.owner_runtime));
+  }
+  if (current.has_value() && stream.owner_incarnation != 0 && current->incarnation != 0 &&
+      current->incarnation != stream.owner_incarnation) {
+    return Reply(CatalogReply::Kind::kRefused, 0,
+                 fmt::format("owner '{}' names start {:016x}, its member record {:016x}", stream.owner_node,
+                             stream.owner_incarnation, current->incarnation));
   }
   if (stream.catalog_incarnation != 0 && stream.catalog_incarnation != options_.incarnation) {
     return Reply(CatalogReply::Kind::kResync, 0,
@@ -401,7 +406,7 @@ size_t CatalogStore::DropUnhosted() {
 }
 
 size_t CatalogStore::DropDeadOwners() {
-  if (!options_.owner_live) return 0;
+  if (!options_.owner_live && !options_.owner_registration) return 0;
   MutexLock lock(&mu_);
   if (!options_.owner_registration) {
     // Live, or unknown (an incomplete member view drops nothing), stays.

@@ -53,10 +53,11 @@ class CatalogStore {
     // unknown (the member view is incomplete): evidence is then not admitted (RETRY_LATER) and no slice is
     // dropped. Null: everyone.
     std::function<std::optional<bool>(const std::string& node, const std::string& runtime)> owner_live;
-    // `node`'s current registration; nullopt while unknown (the member view is incomplete). With it, a slice
+    // `node`'s current registration; nullopt while unknown (the member view is incomplete). It replaces owner_live
+    // (an owner is live when its runtime is the registration's). With it, a slice
     // follows its owner across registrations of the same start (a new runtime and a higher epoch, the same
     // incarnation: DropDeadOwners rebinds it instead of dropping it), and a stream whose start is not its
-    // member's is refused. Null: owner_live alone decides.
+    // member's is refused. Null: owner_live decides liveness.
     std::function<std::optional<OwnerRegistration>(const std::string& node)> owner_registration;
     // With owner_registration: how long the slices of an owner that is no member at all are kept (unseen by
     // lookups, dumps and status) before they go. An owner registering again revokes its old record before it

@@ -10,6 +10,7 @@
 #include "base/logging.h"
 #include "cluster/bidi_stream.h"
 #include "cluster/etcd_client.h"
+#include "cluster/jitter.h"
 
 namespace orbitkv::cluster {
 namespace {
@@ -197,10 +198,9 @@ void LeaseKeeper::Run() {
       return;
     }
     // Jittered (50-100 %): a fleet whose streams one election broke does not come back in step.
-    const std::chrono::milliseconds pause = ReopenBackoff(options_.ttl_secs);
-    const auto jittered =
-        pause / 2 + std::chrono::milliseconds(jitter() % static_cast<uint64_t>(pause.count() / 2 + 1));
-    if (!WaitUntil(std::min(MonoNow() + jittered, clock_->valid_until()))) return;
+    if (!WaitUntil(std::min(MonoNow() + Jittered(ReopenBackoff(options_.ttl_secs), jitter), clock_->valid_until()))) {
+      return;
+    }
   }
 }
 

@@ -9,7 +9,9 @@
 
 namespace orbitkv::cluster {
 
-MemberView::MemberView(size_t limit) : limit_(limit) { ORBITKV_CHECK(limit >= 1); }
+MemberView::MemberView(size_t limit, std::string self) : limit_(limit), self_(std::move(self)) {
+  ORBITKV_CHECK(limit >= 1);
+}
 
 int64_t MemberView::revision() const {
   MutexLock lock(&mu_);
@@ -85,6 +87,8 @@ bool MemberView::Settle() {
   } else {
     cutoff_ = order_.size() <= limit_ ? *order_.rbegin() : *std::next(order_.begin(), static_cast<long>(limit_ - 1));
   }
+  const auto self = self_.empty() ? all_.end() : all_.find(self_);
+  self_counted_.store(self != all_.end() && CountedLocked(self->second), std::memory_order_release);
   // A dropped record older than the youngest counted one, or missing from a count below the limit, would be
   // counted: the view cannot say who is.
   if (!dropped_min_.has_value()) return true;

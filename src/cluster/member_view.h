@@ -63,8 +63,9 @@ class MemberView {
     size_t position = 0;  // 1-based, among the waiting
   };
 
-  // `limit`: the member limit (kMaxMembers; tests lower it).
-  explicit MemberView(size_t limit = kMaxMembers);
+  // `limit`: the member limit (kMaxMembers; tests lower it). `self`: the Node ID of the Manager whose view this is
+  // ("" for an observer), so that SelfCounted() answers without a lock.
+  explicit MemberView(size_t limit = kMaxMembers, std::string self = "");
   MemberView(const MemberView&) = delete;
   MemberView& operator=(const MemberView&) = delete;
 
@@ -79,6 +80,8 @@ class MemberView {
   // which), Unavailable when the view is incomplete.
   Result<Member> Find(std::string_view node_id) const;
   Place PlaceOf(std::string_view node_id) const;
+  // Whether `self` is among the counted (PlaceOf(self) is kCounted), lock-free for the cache-operation path.
+  bool SelfCounted() const { return self_counted_.load(std::memory_order_acquire); }
   Snapshot Read() const;
   // Every record held (counted and waiting), by Node ID; nullopt when some were dropped from a full line (the view
   // does not hold every record).
@@ -107,6 +110,7 @@ class MemberView {
   bool Settle() REQUIRES(mu_);
 
   const size_t limit_;
+  const std::string self_;
   mutable Mutex mu_;
   // Every held record (counted and waiting), by Node ID, and their order.
   std::map<std::string, Member, std::less<>> all_ GUARDED_BY(mu_);
@@ -119,6 +123,7 @@ class MemberView {
   uint64_t generation_ GUARDED_BY(mu_) = 0;
   // Written under mu_; read without it on the fast path (see complete()).
   std::atomic<bool> complete_{false};
+  std::atomic<bool> self_counted_{false};  // likewise (SelfCounted())
 };
 
 }  // namespace orbitkv::cluster

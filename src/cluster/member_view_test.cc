@@ -59,11 +59,13 @@ TEST(MemberViewTest, TheOldestCountWhateverTheOrderOfArrival) {
 }
 
 TEST(MemberViewTest, LeavingPromotesTheOldestWaitingAndReRegistrationGoesToTheBack) {
-  MemberView view(2);
+  MemberView view(2, "c");  // the view of node c
   view.Install({{"a", M("a", 10)}, {"b", M("b", 11)}, {"c", M("c", 12)}, {"d", M("d", 13)}}, 13);
   EXPECT_EQ(Counted(view), (std::vector<std::string>{"a", "b"}));
+  EXPECT_FALSE(view.SelfCounted());
   ASSERT_TRUE(view.Apply({{"a", std::nullopt}}, 14));
   EXPECT_EQ(Counted(view), (std::vector<std::string>{"b", "c"}));
+  EXPECT_TRUE(view.SelfCounted());
   // b's lease expired and it registered again in one response: a new create revision, the back of the line.
   ASSERT_TRUE(view.Apply({{"b", std::nullopt}, {"b", M("b", 15)}}, 15));
   EXPECT_EQ(Counted(view), (std::vector<std::string>{"c", "d"}));

@@ -11,6 +11,7 @@
 #include "base/logging.h"
 #include "cluster/cluster_keys.h"
 #include "cluster/etcd_client.h"
+#include "cluster/jitter.h"
 #include "cluster/lease_keeper.h"
 #include "cluster/view_sync.h"
 
@@ -123,7 +124,7 @@ Membership::Membership(MembershipOptions options, MetricsRegistry* metrics, std:
       client_(std::move(client)),
       configured_(placement),
       live_(std::move(placement)),
-      view_(options_.member_limit) {
+      view_(options_.member_limit, options_.node_id) {
   registered_gauge_ =
       &metrics_->GetGauge("orbitkv_membership_registered", "1 while this Manager holds a valid registration, else 0");
   epoch_gauge_ = &metrics_->GetGauge("orbitkv_membership_epoch", "Epoch (incarnation) of this Manager's Node ID");
@@ -485,8 +486,7 @@ void Membership::Supervise() {
 SupervisorInput Membership::AttemptRegistration(std::minstd_rand& jitter, std::chrono::milliseconds* backoff,
                                                 bool* first) {
   if (!*first) {
-    std::uniform_int_distribution<int64_t> spread(backoff->count() / 2, backoff->count());
-    if (!WaitFor(std::chrono::milliseconds(spread(jitter)))) return {.event = SupervisorEvent::kShutdown};
+    if (!WaitFor(Jittered(*backoff, jitter))) return {.event = SupervisorEvent::kShutdown};
     *backoff = std::min(*backoff * 2, options_.reregister_backoff_max);
   }
   *first = false;
@@ -627,10 +627,7 @@ bool Membership::RegistrationValid() const {
   return clock != nullptr && clock->Valid(MonoNow());
 }
 
-bool Membership::CanDoRemoteWork() const {
-  return RegistrationValid() && view_.complete() &&
-         view_.PlaceOf(options_.node_id).standing == MemberView::Standing::kCounted;
-}
+bool Membership::CanDoRemoteWork() const { return RegistrationValid() && view_.complete() && view_.SelfCounted(); }
 
 Status Membership::RefuseWhenFull(Deadline deadline) {
   etcdserverpb::RangeRequest count;

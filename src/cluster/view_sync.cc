@@ -11,6 +11,7 @@
 #include "cluster/bidi_stream.h"
 #include "cluster/cluster_keys.h"
 #include "cluster/etcd_client.h"
+#include "cluster/jitter.h"
 #include "cluster/live_placement.h"
 
 namespace orbitkv::cluster {
@@ -201,11 +202,15 @@ Result<int64_t> ViewSync::TakeSnapshot() {
         options_.cluster, held_limit, view_->limit(), view_->limit());
   }
   view_->Install(std::move(members), revision, std::move(dropped_min));
-  snapshots_->Increment();
+  Installed(revision, snapshots_);
+  return revision;
+}
+
+void ViewSync::Installed(int64_t revision, Counter* how) {
+  how->Increment();
   complete_gauge_->Set(view_->complete() ? 1 : 0);
   revision_gauge_->Set(static_cast<double>(revision));
   SetMemberGauges();
-  return revision;
 }
 
 bool ViewSync::CheckOwnRecord(const std::optional<Member>& own, int64_t revision) {
@@ -273,10 +278,7 @@ Result<int64_t> ViewSync::CatchUp(int64_t known) {
   if (!DeliverPlacement()) return Status::Aborted("fenced");
   if (!CheckOwnRecord(own, revision)) return Status::Aborted("fenced");
   view_->Install(std::move(*members), revision);
-  catch_ups_->Increment();
-  complete_gauge_->Set(view_->complete() ? 1 : 0);
-  revision_gauge_->Set(static_cast<double>(revision));
-  SetMemberGauges();
+  Installed(revision, catch_ups_);
   return revision;
 }
 
@@ -427,10 +429,7 @@ void ViewSync::Run() {
       if (view_->complete()) Invalidate("reconnect");
       ORBITKV_LOG_DEBUG("cluster {}: snapshot failed: {}", options_.cluster, revision.status().ToString());
       // Jittered (50-100 %): a fleet that lost etcd together does not come back in step.
-      if (!WaitFor(backoff / 2 +
-                   std::chrono::milliseconds(jitter() % static_cast<uint64_t>(backoff.count() / 2 + 1)))) {
-        return;
-      }
+      if (!WaitFor(Jittered(backoff, jitter))) return;
       backoff = std::min(backoff * 2, kBackoffMax);
       continue;
     }

@@ -110,6 +110,8 @@ class ViewSync {
   bool CheckClusterId(const etcdserverpb::ResponseHeader& header);
   void Invalidate(const char* reason);
   void SetMemberGauges();
+  // After a snapshot or a catch-up installed the view at `revision`: counts it (`how`) and sets the gauges.
+  void Installed(int64_t revision, Counter* how);
   void Fence(const std::string& reason, bool final);
   // Waits for `delay` or Stop(); false when stopping.
   bool WaitFor(std::chrono::milliseconds delay);

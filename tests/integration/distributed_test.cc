@@ -541,29 +541,9 @@ TEST(DistributedManagerTest, ManagersJoinThroughATlsEtcdWithUserAuthAndPeerCerti
     EXPECT_TRUE(healthy(*m)) << now;
   }
   // A wrong password: the Manager does not start, and says which flag to fix.
-  ManagerProcess wrong({"--etcd-endpoints",
-                        "https://" + (*etcd)->endpoint(),
-                        "--etcd-tls-ca",
-                        dir + "/ca.pem",
-                        "--etcd-tls-cert",
-                        dir + "/client.pem",
-                        "--etcd-tls-key",
-                        dir + "/client.key",
-                        "--etcd-user",
-                        "orbit",
-                        "--etcd-password-file",
-                        dir + "/wrong-password",
-                        "--cluster-name",
-                        "auth",
-                        "--node-id",
-                        "node-w",
-                        "--catalog-nodes",
-                        "node-a,node-b",
-                        "--peer-endpoint",
-                        Loopback()},
-                       "auth-wrong");
-  EXPECT_FALSE(wrong.running());
-  EXPECT_NE(wrong.LogText().find("--etcd-password-file"), std::string::npos) << wrong.LogText();
+  auto wrong = manager("node-w", "node-node-a", "wrong-password");
+  EXPECT_FALSE(wrong->running());
+  EXPECT_NE(wrong->LogText().find("--etcd-password-file"), std::string::npos) << wrong->LogText();
   // Rotation: node-a's peer certificate is reissued on disk (CN=node-a-rotated); within a few reloads new
   // connections to its peer listener get it, and node-a was not restarted.
   const std::string peer_a = StringField(StatsOf(*a), "peer_listen");

@@ -19,28 +19,8 @@ CatalogHost::CatalogHost(Options options, const cluster::MemberView* view, const
   catalog::CatalogStore::Options store;
   store.incarnation = options_.incarnation;
   store.budget_bytes = options_.budget_bytes;
-  store.owner_live = [view](const std::string& node, const std::string& owner_runtime) -> std::optional<bool> {
-    Result<cluster::Member> member = view->Find(node);
-    if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;  // view incomplete: unknown
-    return member.ok() && member->record.runtime_uuid == owner_runtime;
-  };
-  store.owner_registration =
-      [view](const std::string& node) -> std::optional<catalog::CatalogStore::OwnerRegistration> {
-    Result<cluster::Member> member = view->Find(node);
-    if (member.status().code() == StatusCode::kUnavailable) return std::nullopt;  // view incomplete: unknown
-    if (!member.ok()) return catalog::CatalogStore::OwnerRegistration{};
-    return catalog::CatalogStore::OwnerRegistration{member->record.runtime_uuid, member->record.epoch,
-                                                    member->record.incarnation};
-  };
+  catalog::FollowMemberView(view, &store);
   store.num_shards = cluster::kNumShards;
-  // A shard is complete only when every live member's owner stream has a baseline in it.
-  store.live_owners = [view]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
-    const cluster::MemberView::Snapshot snapshot = view->Read();
-    if (!snapshot.complete) return std::nullopt;
-    std::vector<std::pair<std::string, std::string>> owners;
-    for (const cluster::Member& m : snapshot.members) owners.emplace_back(m.record.node_id, m.record.runtime_uuid);
-    return owners;
-  };
   store.hosts = [live, node = options_.node_id](uint32_t shard) { return live->Get()->Hosts(shard, node); };
   store_ = std::make_unique<catalog::CatalogStore>(std::move(store));
 }
