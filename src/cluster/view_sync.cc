@@ -69,7 +69,13 @@ void ViewSync::Stop() {
 
 void ViewSync::BreakWatchForTesting() {
   MutexLock lock(&mu_);
-  if (cancel_active_) cancel_active_();
+  // Between two watches (catching up, or before the next one is open) the break applies to the next watch: a
+  // test that saw the view complete may call this before the sync thread has opened its watch again.
+  if (cancel_active_) {
+    cancel_active_();
+  } else {
+    break_next_watch_ = true;
+  }
 }
 
 bool ViewSync::WaitFor(std::chrono::milliseconds delay) {
@@ -201,13 +207,13 @@ Result<int64_t> ViewSync::TakeSnapshot() {
         "the younger ones are not held",
         options_.cluster, held_limit, view_->limit(), view_->limit());
   }
+  snapshots_->Increment();  // before the view is complete again: whoever sees it complete sees it counted
   view_->Install(std::move(members), revision, std::move(dropped_min));
-  Installed(revision, snapshots_);
+  Installed(revision);
   return revision;
 }
 
-void ViewSync::Installed(int64_t revision, Counter* how) {
-  how->Increment();
+void ViewSync::Installed(int64_t revision) {
   complete_gauge_->Set(view_->complete() ? 1 : 0);
   revision_gauge_->Set(static_cast<double>(revision));
   SetMemberGauges();
@@ -277,8 +283,9 @@ Result<int64_t> ViewSync::CatchUp(int64_t known) {
   placement_records_ = std::move(placement);
   if (!DeliverPlacement()) return Status::Aborted("fenced");
   if (!CheckOwnRecord(own, revision)) return Status::Aborted("fenced");
+  catch_ups_->Increment();  // as for a snapshot: counted before the view is complete again
   view_->Install(std::move(*members), revision);
-  Installed(revision, catch_ups_);
+  Installed(revision);
   return revision;
 }
 
@@ -355,6 +362,10 @@ ViewSync::WatchEnd ViewSync::WatchFrom(int64_t start_revision) {
     MutexLock lock(&mu_);
     if (stopping_) return WatchEnd::kStopped;
     cancel_active_ = [&stream] { stream.Cancel(); };
+    if (break_next_watch_) {
+      break_next_watch_ = false;
+      stream.Cancel();  // TryCancel before the call starts: the call ends cancelled as soon as it starts
+    }
   }
   struct ClearActive {
     ViewSync* self;

@@ -110,8 +110,8 @@ class ViewSync {
   bool CheckClusterId(const etcdserverpb::ResponseHeader& header);
   void Invalidate(const char* reason);
   void SetMemberGauges();
-  // After a snapshot or a catch-up installed the view at `revision`: counts it (`how`) and sets the gauges.
-  void Installed(int64_t revision, Counter* how);
+  // After a snapshot or a catch-up installed the view at `revision`: sets the gauges.
+  void Installed(int64_t revision);
   void Fence(const std::string& reason, bool final);
   // Waits for `delay` or Stop(); false when stopping.
   bool WaitFor(std::chrono::milliseconds delay);
@@ -151,6 +151,7 @@ class ViewSync {
   bool stopping_ GUARDED_BY(mu_) = false;
   // The stream Run() is reading, so that Stop() can cancel it.
   std::function<void()> cancel_active_ GUARDED_BY(mu_);
+  bool break_next_watch_ GUARDED_BY(mu_) = false;  // BreakWatchForTesting between two watches
 };
 
 }  // namespace orbitkv::cluster

@@ -186,7 +186,8 @@ TEST_F(ViewSyncTest, ABrokenWatchCatchesUpFromTheChangesAndSnapshotsOnlyForADele
   observer.sync->BreakWatchForTesting();
   ASSERT_TRUE(WaitUntil([&] {
     Result<Member> changed = view.Find("node-0001");
-    return view.complete() && view.Find("late-1").ok() && changed.ok() && changed->record.epoch == 2;
+    return view.complete() && view.Find("late-1").ok() && changed.ok() && changed->record.epoch == 2 &&
+           CounterValue(observer.metrics, "orbitkv_membership_view_catch_ups_total") == 1u;
   }));
   EXPECT_EQ(view.size(), 301u);
   EXPECT_EQ(Snapshots(observer.metrics), 1u) << "a reconnect re-read the whole view";
