@@ -10,6 +10,12 @@
 //  - store_maintenance_ms_at_N: one DropDeadOwners round (the catalog host's every 500 ms),
 // each against the same figure at N = 64 measured in this run (the ratio is the growth factor; the seed's limits
 // want it flat or logarithmic, and today it is linear where the store walks every owner).
+// And the same store behind the real PeerService on a loopback gRPC port, asked by the real requester transport
+// (GrpcRequesterTransport, as Discovery asks a catalog host), the route checked against the same N-member view:
+//  - peer_lookup_us_at_N: Peer.Lookup of the hot key, against peer_health_us_at_N, Peer.Health over the same channel
+//    in the same run (the loopback gRPC round trip with the route check: what a lookup cannot beat),
+//  - peer_lookup_batch_us_at_N: Peer.Lookup of a full batch (kMaxLookupKeys keys of that shard, the hot key among
+//    them), against the same round trip.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -22,11 +28,13 @@
 
 #include "base/clock.h"
 #include "base/logging.h"
+#include "bench_keys.h"
 #include "bench_report.h"
+#include "catalog/peer_service.h"
+#include "catalog/route.h"
 #include "cluster/member_record.h"
 #include "cluster/member_view.h"
-#include "state/namespace.h"
-#include "state/state_key.h"
+#include "cluster/placement.h"
 
 namespace orbitkv::bench {
 namespace {
@@ -34,24 +42,27 @@ namespace {
 constexpr uint32_t kShard = 3;
 constexpr uint64_t kRecordsPerOwner = 16;
 constexpr int kSamples = 2001;
+constexpr int kBatchSamples = 51;  // a full batch at N = 4,096 is ~kMaxLookupKeys store lookups of ~1 ms each
+constexpr char kFingerprint[] = "catalog-fleet-placement";
 
 struct Figures {
   double lookup_us = 0, miss_us = 0, complete_us = 0, maintenance_ms = 0;
+  double peer_lookup_us = 0, peer_batch_us = 0, peer_health_us = 0;
 };
 
-// Key `i` of chain `chain` in a namespace of the bench's own.
+// Key `i` of chain `chain`.
 state::StateKey Key(uint64_t chain, uint64_t i) {
-  static const state::StateNamespace ns = [] {
-    state::NamespaceIdentity id;
-    id.model_id = "bench/catalog-fleet-model";
-    id.weights_revision = "r1";
-    id.tokenizer = "bench/tok";
-    id.engine_kind = "vllm";
-    return *state::DeriveNamespace(id);
-  }();
-  uint64_t native[2] = {chain, i};
-  return *state::StateKey::Create(ns, 0, {i * 16, i * 16 + 16},
-                                  std::span<const uint8_t>(reinterpret_cast<uint8_t*>(native), 16));
+  static const state::StateNamespace ns = BenchNamespace("bench/catalog-fleet-model");
+  return BenchKey(ns, chain, i);
+}
+
+// The first key of chain `chain` that falls in kShard (where the bench keeps its slices, and where
+// Peer.Lookup looks for it: state::ShardOf).
+state::StateKey KeyInShard(uint64_t chain) {
+  for (uint64_t i = 0;; ++i) {
+    state::StateKey key = Key(chain, i);
+    if (state::ShardOf(key, cluster::kNumShards) == kShard) return key;
+  }
 }
 
 template <typename F>
@@ -64,6 +75,68 @@ double MedianMicros(int samples, F&& body) {
     us.push_back(std::chrono::duration<double, std::micro>(MonoNow() - t0).count());
   }
   return Percentile(us, 0.5);
+}
+
+catalog::PeerIdentity IdentityOf(const cluster::Member& m) {
+  return catalog::PeerIdentity{.cluster = m.record.cluster,
+                               .node_id = m.record.node_id,
+                               .runtime_uuid = m.record.runtime_uuid,
+                               .epoch = m.record.epoch,
+                               .placement_fingerprint = kFingerprint};
+}
+
+// The store behind a PeerService on a loopback port: node-00000 hosts it, node-00001 asks (both in the view, whose
+// record of node-00000 is given the port now, as the member view of a real fleet names it).
+void MeasurePeer(catalog::CatalogStore& store, cluster::MemberView& view,
+                 std::map<std::string, cluster::Member> members, const state::StateKey& hot, Figures& f) {
+  cluster::Member& host = members.begin()->second;
+  const cluster::Member& asker = std::next(members.begin())->second;
+  catalog::PeerService::Options options;
+  options.self = IdentityOf(host);
+  options.incarnation = host.record.incarnation;
+  options.capabilities = {"catalog.lookup"};
+  options.catalog = &store;
+  options.hosts_shard = [](uint32_t shard) { return shard < cluster::kNumShards; };
+  catalog::PeerService service(options, &view);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
+  builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) std::abort();
+  host.record.endpoint = fmt::format("127.0.0.1:{}", port);
+  view.Install(members, view.revision() + 1);
+
+  catalog::GrpcRequesterTransport requester(IdentityOf(asker), &view, nullptr);
+  std::vector<state::StateKey> batch = {hot};
+  for (uint64_t i = 0; batch.size() < static_cast<size_t>(catalog::kMaxLookupKeys); ++i) {
+    state::StateKey key = Key(3, i);
+    if (state::ShardOf(key, cluster::kNumShards) == kShard) batch.push_back(std::move(key));
+  }
+  const std::shared_ptr<peer::v1::Peer::Stub> stub = catalog::NewPeerStub(host.record.endpoint, nullptr);
+  peer::v1::HealthRequest health;
+  *health.mutable_route() = catalog::MakeRoute(IdentityOf(asker), host.record);
+  const auto ask = [&](std::span<const state::StateKey> keys) {
+    Result<std::vector<catalog::LookupRow>> rows =
+        requester.Lookup(host.record.node_id, keys, Deadline::After(std::chrono::seconds(30)), nullptr);
+    if (!rows.ok() || rows->size() != keys.size() || !(*rows)[0].complete || (*rows)[0].candidates.empty()) {
+      fmt::print(stderr, "catalog_fleet_bench: Peer.Lookup: {}\n",
+                 rows.ok() ? "not the hot key's holders in a complete shard" : rows.status().ToString());
+      std::exit(1);
+    }
+  };
+  ask(batch);  // the channel connected, the answer checked once
+  f.peer_health_us = MedianMicros(kSamples, [&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    peer::v1::HealthResponse response;
+    if (!stub->Health(&context, health, &response).ok()) std::abort();
+  });
+  f.peer_lookup_us = MedianMicros(kSamples, [&] { ask(std::span<const state::StateKey>(batch.data(), 1)); });
+  f.peer_batch_us = MedianMicros(kBatchSamples, [&] { ask(batch); });
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 
 Figures Measure(size_t n) {
@@ -88,7 +161,7 @@ Figures Measure(size_t n) {
   catalog::FollowMemberView(&view, &options);  // as a catalog host wires its store
   catalog::CatalogStore store(options);
 
-  const state::StateKey hot = Key(1, 0);
+  const state::StateKey hot = KeyInShard(1);
   for (const auto& [node, m] : members) {
     const catalog::StreamId stream{node,           m.record.runtime_uuid, kShard, options.incarnation,
                                    m.record.epoch, m.record.incarnation};
@@ -104,7 +177,7 @@ Figures Measure(size_t n) {
   if (!store.Complete(kShard)) std::abort();
 
   Figures f;
-  const state::StateKey miss = Key(2, 0);
+  const state::StateKey miss = KeyInShard(2);
   bool complete = false;
   size_t found = 0;
   f.lookup_us = MedianMicros(kSamples, [&] { found += store.Lookup(kShard, hot, &complete, "node-00001").size(); });
@@ -112,6 +185,7 @@ Figures Measure(size_t n) {
   f.complete_us = MedianMicros(kSamples, [&] { complete = store.Complete(kShard) && complete; });
   f.maintenance_ms = MedianMicros(101, [&] { found += store.DropDeadOwners(); }) / 1000;
   if (found == 0 || !complete) std::abort();  // the hot key is held by every owner; the shard is complete
+  MeasurePeer(store, view, members, hot, f);
   return f;
 }
 
@@ -121,10 +195,11 @@ Figures Measure(size_t n) {
 int main(int argc, char** argv) {
   using namespace orbitkv;
   using namespace orbitkv::bench;
-  const bool json =
-      ParseBenchArgs(argc, argv,
-                     "The catalog store's own costs for a fleet: N members in the view, N baselined owner slices "
-                     "in one shard (lookup, completeness, maintenance), against N = 64 in the same run.");
+  const bool json = ParseBenchArgs(
+      argc, argv,
+      "The catalog store's own costs for a fleet: N members in the view, N baselined owner slices "
+      "in one shard (lookup, completeness, maintenance), against N = 64 in the same run; and Peer.Lookup of that "
+      "store over loopback gRPC, against Peer.Health on the same channel.");
   log::SetLevel(log::Level::kError);
   BenchReport report("catalog-fleet");
   AddStandardEnv(report);
@@ -138,11 +213,19 @@ int main(int argc, char** argv) {
         {fmt::format("store_complete_us_at_{}", n), "us", f.complete_us, "store_complete_us_at_64", base.complete_us});
     report.Add({fmt::format("store_maintenance_ms_at_{}", n), "ms", f.maintenance_ms, "store_maintenance_ms_at_64",
                 base.maintenance_ms});
+    report.Add({fmt::format("peer_lookup_us_at_{}", n), "us", f.peer_lookup_us, fmt::format("peer_health_us_at_{}", n),
+                f.peer_health_us});
+    report.Add({fmt::format("peer_lookup_batch_us_at_{}", n), "us", f.peer_batch_us,
+                fmt::format("peer_health_us_at_{}", n), f.peer_health_us});
   }
   report.AddEnv("shard", fmt::format("one shard, N owner slices with a baseline each ({} records + one hot key "
                                      "every owner holds), the member view installed by hand, no etcd, no gRPC",
                                      kRecordsPerOwner));
-  report.AddEnv("samples", fmt::format("median of {} calls ({} for a maintenance round)", kSamples, 101));
+  report.AddEnv("samples", fmt::format("median of {} calls ({} for a maintenance round, {} for a batch of {} keys)",
+                                       kSamples, 101, kBatchSamples, catalog::kMaxLookupKeys));
+  report.AddEnv("peer",
+                "PeerService on 127.0.0.1 (insecure gRPC), asked by GrpcRequesterTransport; the baseline is "
+                "Peer.Health over the same channel (its route check included)");
   report.Print(json);
   return 0;
 }

@@ -5,12 +5,18 @@
 //    rate (every TTL/6, TTL 10 s) on one LeaseKeepAlive stream shared by the fleet, and its member record attached
 //    to that lease. What they do NOT simulate is said in the env block: one view watch for the whole fleet (a
 //    real fleet has one per Manager; idle watches cost etcd memory, not requests) and no owner streams.
-//  - kReal real registrations (cluster::Membership: its lease keeper, its view watch, its supervisor).
-//  - view_sync_s_at_N: a fresh Manager's Join until its view is complete (N + kReal + 1 members); baseline: the
-//    same records read by a bare client in pages of 128 at one revision (what a view sync cannot beat).
+//  - kReal catalog hosts and --owners owners (SimNode): each a real registration (cluster::Membership) with a
+//    Manager's catalog parts: a residency inventory of --owner-records blocks changing --owner-churn times a second,
+//    its CatalogHost (one owner stream per shard and copy over the real peer wire, the store of the shards placed on
+//    it) and, on a host, the real PeerService on a loopback port; the registration hooks as a Manager sets them.
+//  - view_sync_s_at_N: a fresh Manager's Join until its view is complete (N members); baseline: the same records
+//    read by a bare client in pages of 128 at one revision (what a view sync cannot beat).
 //  - etcd_requests_per_s_per_member, etcd_bytes_per_s_per_member: etcd's own counters (/metrics: gRPC messages
 //    received, client bytes in and out) over a steady window, per member; baseline: the keepalive floor (6/TTL
 //    requests a second; bytes: that rate times one keepalive request and reply measured in the same run).
+//  - reregistration_resent_records_at_N: the inventory records the owner streams sent in snapshots from an etcd
+//    outage longer than TTL/2 (every registration lapses and is made again) until every catalog copy holds exactly
+//    the owners' inventories again; baseline: those inventories' records (what a resend of everything costs).
 // Once, at the limit (4,096 member records): member_limit_join_refused (1 when a Manager joining a full cluster is
 // refused) and remote_work_managers_lost (real Managers that lost remote work when one more member raced past the
 // refusal; target 0). Once, on a three-member etcd with user auth: authenticate_calls_per_member_after_election
@@ -24,16 +30,20 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <sstream>
 #include <thread>
 #include <vector>
 
-#include "cluster/grpc.h"  // first: the gRPC include rule (cluster/grpc.h)
+#include "server/distributed/catalog_host.h"  // first: it brings gRPC in (the rule of cluster/grpc.h)
 
 #include "base/clock.h"
 #include "base/logging.h"
 #include "base/metrics.h"
+#include "base/runtime_id.h"
+#include "bench_keys.h"
 #include "bench_report.h"
+#include "catalog/peer_service.h"
 #include "cluster/bidi_stream.h"
 #include "cluster/cluster_keys.h"
 #include "cluster/etcd_client.h"
@@ -41,6 +51,9 @@
 #include "cluster/membership.h"
 #include "cluster/testing/etcd_process.h"
 #include "cluster/view_sync.h"
+#include "core/inventory.h"
+#include "server/distributed/node_identity.h"
+#include "server/distributed/registration_hooks.h"
 
 namespace orbitkv::bench {
 namespace {
@@ -52,6 +65,7 @@ constexpr int64_t kTtlSecs = 10;  // the Manager's default --membership-ttl-secs
 constexpr int kReal = 3;
 constexpr std::chrono::seconds kSteadyWindow{12};
 constexpr std::chrono::seconds kWait{120};
+constexpr std::chrono::seconds kConverge{30};  // owner streams: a few seconds at most
 
 void Check(const Status& s, const std::string& what) {
   if (!s.ok()) {
@@ -287,16 +301,247 @@ double RawRangeSeconds(EtcdClient& client) {
   return Seconds(MonoNow() - t0);
 }
 
-// N members in all: N - kReal - 1 lean ones, kReal real ones, and the fresh Manager whose view sync is timed.
+// --- owner streams (issue 69): catalog hosts and a sample of owners, as a Manager's catalog parts ---------------
+
+// A port nobody listens on now, for a catalog host's peer service (bound right after, so a collision is unlikely).
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size) != 0) {
+    Check(Status::Internal("no free loopback port"), "catalog host");
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Key `i` of owner `owner`'s inventory.
+state::StateKey OwnerKey(uint64_t owner, uint64_t i) {
+  static const state::StateNamespace ns = BenchNamespace("bench/scale-model");
+  return BenchKey(ns, owner, i);
+}
+
+// A Manager's catalog parts without its cache, engines or transfers: its real registration (cluster::Membership,
+// with the inventory's incarnation as the owner's start), a residency inventory of `records` blocks, its CatalogHost
+// (the store of the shards placed on it, and one owner stream per shard and copy over the real peer wire) and, on a
+// catalog node, the real PeerService on a loopback port. The registration hooks do what a Manager's do
+// (cluster_link.cc): a lapse pauses the owner streams, a registration made again continues them.
+class SimNode {
+ public:
+  SimNode(const std::vector<std::string>& endpoints, const std::string& node, uint64_t salt, size_t records,
+          bool catalog_host)
+      : salt_(salt) {
+    core::ResidencyInventory::Options inventory;
+    inventory.incarnation = runtime_.incarnation();
+    inventory.shards = kNumShards;
+    Result<std::unique_ptr<core::ResidencyInventory>> made = core::ResidencyInventory::Create(inventory, &metrics_);
+    Check(made.status(), "inventory");
+    inventory_ = std::move(made).value();
+    for (size_t i = 0; i < records; ++i) Admit();
+
+    MembershipOptions options = RealOptions(endpoints, node);
+    const int port = catalog_host ? FreePort() : 1;  // an owner that hosts nothing is never dialled
+    options.peer_endpoint = fmt::format("127.0.0.1:{}", port);
+    options.runtime_uuid = runtime_.ToString();
+    options.incarnation = runtime_.incarnation();
+    options.on_lapsed = [hooks = hooks_](const std::string& cause) { hooks->Lapsed(cause); };
+    options.on_registered = [hooks = hooks_](const MemberRecord& self) { hooks->Registered(self); };
+    Result<std::unique_ptr<Membership>> membership = Membership::Create(options, &metrics_);
+    Check(membership.status(), "membership");
+    membership_ = std::move(membership).value();
+    Check(membership_->Join(Deadline::After(kWait)), "join " + node);
+    const MemberView* view = &membership_->view();
+    const LivePlacement* live = &membership_->live_placement();
+    catalog_ = std::make_unique<server::CatalogHost>(
+        server::CatalogHost::Options{
+            .node_id = node, .incarnation = runtime_.incarnation(), .budget_bytes = 1ull << 30},
+        view, live, inventory_.get());
+    if (catalog_host) {
+      catalog::PeerService::Options service;
+      service.self = server::PeerIdentityOf(membership_->self(), *live);
+      service.incarnation = runtime_.incarnation();
+      service.capabilities = {"health", "catalog.stream", "catalog.lookup"};
+      service.catalog = catalog_->store();
+      service.serves_generation = [live](int64_t generation) { return live->Get()->Serves(generation); };
+      service.hosts_shard = [live, node](uint32_t shard) {
+        return shard < kNumShards && live->Get()->Hosts(shard, node);
+      };
+      service_ = std::make_unique<catalog::PeerService>(std::move(service), view);
+      grpc::ServerBuilder builder;
+      int bound = 0;
+      builder.AddListeningPort(options.peer_endpoint, grpc::InsecureServerCredentials(), &bound);
+      builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
+      builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
+      builder.RegisterService(service_.get());
+      server_ = builder.BuildAndStart();
+      if (server_ == nullptr || bound != port) Check(Status::Unavailable(options.peer_endpoint), "peer service");
+    }
+    Check(catalog_->StartStreams(nullptr, membership_->self()), "owner streams");
+    server::CatalogHost* catalog = catalog_.get();
+    catalog::PeerService* peer = service_.get();
+    hooks_->Set([catalog](const std::string&) { catalog->PauseStreams(); },
+                [catalog, peer, live](const MemberRecord& self) {
+                  if (peer != nullptr) peer->SetSelf(server::PeerIdentityOf(self, *live));
+                  catalog->PauseStreams();
+                  Check(catalog->StartStreams(nullptr, self), "owner streams of the registration made again");
+                });
+    if (membership_->self().runtime_uuid != runtime_.ToString()) hooks_->Registered(membership_->self());
+  }
+  ~SimNode() {
+    StopChurn();
+    hooks_->Clear();
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    catalog_.reset();
+    membership_->Shutdown();
+  }
+
+  // `per_s` inventory changes a second (each one block dropped and another admitted, so the size stays), on a
+  // thread of its own until StopChurn.
+  void StartChurn(double per_s) {
+    if (per_s <= 0) return;
+    churning_ = true;
+    churn_ = std::thread([this, period = std::chrono::duration<double>(1.0 / per_s)] {
+      MonoTime next = MonoNow();
+      while (churning_) {
+        Drop();
+        Admit();
+        changes_.fetch_add(1);
+        next += std::chrono::duration_cast<MonoClock::duration>(period);
+        std::this_thread::sleep_until(next);
+      }
+    });
+  }
+  void StopChurn() {
+    churning_ = false;
+    if (churn_.joinable()) churn_.join();
+  }
+
+  Membership& membership() { return *membership_; }
+  server::CatalogHost& catalog() { return *catalog_; }
+  core::ResidencyInventory& inventory() { return *inventory_; }
+  uint64_t changes() const { return changes_.load(); }
+  // Whether its registration was made again since the first (a new runtime UUID; the owner's start stays).
+  bool registered_again() const { return membership_->self().runtime_uuid != runtime_.ToString(); }
+
+ private:
+  void Admit() {
+    const state::StateKey key = OwnerKey(salt_, next_++);
+    inventory_->Apply(inventory_->ShardFor(key), key, core::Tier::kDram, true, core::TransitionCause::kAdmit, 1, 16384);
+    held_.push_back(key);
+  }
+  void Drop() {
+    const state::StateKey key = held_.front();
+    held_.pop_front();
+    inventory_->Apply(inventory_->ShardFor(key), key, core::Tier::kDram, false, core::TransitionCause::kEvict, 1,
+                      16384);
+  }
+
+  const uint64_t salt_;
+  MetricsRegistry metrics_;
+  const RuntimeId runtime_ = RuntimeId::New();
+  std::unique_ptr<core::ResidencyInventory> inventory_;
+  std::deque<state::StateKey> held_;  // the churn thread's alone once it runs
+  uint64_t next_ = 0;
+  std::shared_ptr<server::RegistrationHooks> hooks_ = std::make_shared<server::RegistrationHooks>();
+  std::unique_ptr<Membership> membership_;
+  std::unique_ptr<server::CatalogHost> catalog_;
+  std::unique_ptr<catalog::PeerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::atomic<bool> churning_{false};
+  std::atomic<uint64_t> changes_{0};
+  std::thread churn_;
+};
+
+// What the owner streams are given (--owners, --owner-records, --owner-churn).
+struct OwnerLoad {
+  int owners = 8;          // owners with streams besides the kReal catalog hosts (which own as much)
+  size_t records = 2000;   // each owner's inventory
+  double churn_per_s = 5;  // each owner's inventory changes a second
+};
+OwnerLoad g_owners;
+
+// The catalog hosts' stores hold exactly what every owner's inventory holds of the shards placed on them: in each
+// shard placed there, each owner's slice has a baseline, names the owner's current registration and has applied the
+// inventory's last sequence, and the records add up. (The shards themselves stay incomplete: a shard waits for a
+// baseline from every live member, and the lean members have no owner streams.)
+bool CatalogsMatch(const std::vector<std::unique_ptr<SimNode>>& hosts, const std::vector<SimNode*>& owners,
+                   bool explain = false) {
+  for (const std::unique_ptr<SimNode>& host : hosts) {
+    const std::shared_ptr<const LivePlacement::State> live = host->membership().live_placement().Get();
+    const std::string& node = host->membership().self().node_id;
+    size_t expected = 0;
+    size_t behind = 0;
+    for (uint32_t shard = 0; shard < kNumShards; ++shard) {
+      if (!live->Hosts(shard, node)) continue;
+      const std::vector<catalog::CatalogStore::OwnerSlice> slices = host->catalog().store()->Slices(shard);
+      for (SimNode* owner : owners) {
+        expected += owner->inventory().Size(shard);
+        const MemberRecord self = owner->membership().self();
+        const auto slice = std::find_if(slices.begin(), slices.end(), [&](const catalog::CatalogStore::OwnerSlice& s) {
+          return s.owner_node == self.node_id && s.owner_runtime == self.runtime_uuid;
+        });
+        if (slice == slices.end() || !slice->baseline || slice->applied != owner->inventory().Watermark(shard)) {
+          ++behind;
+        }
+      }
+    }
+    const server::CatalogHost::Summary s = host->catalog().Summarize();
+    if (behind != 0 || s.records != expected) {
+      if (explain) {
+        fmt::print(stderr, "scale_bench: catalog host {}: {} owner slices behind, {} records of {}\n", node, behind,
+                   s.records, expected);
+        for (SimNode* owner : owners) {
+          const server::CatalogHost::Summary o = owner->catalog().Summarize();
+          fmt::print(stderr, "scale_bench:   owner {}: {} streams, {} converged, {} streaming, {} snapshots\n",
+                     owner->membership().self().node_id, o.streams, o.converged, o.streaming, o.snapshots);
+        }
+      }
+      return false;
+    }
+  }
+  return true;
+}
+
+uint64_t SnapshotRecords(const std::vector<SimNode*>& nodes) {
+  uint64_t sum = 0;
+  for (SimNode* node : nodes) sum += node->catalog().Summarize().snapshot_records;
+  return sum;
+}
+
+// N members in all: N - kReal - owners - 1 lean ones, kReal catalog hosts, the owners, and the fresh Manager whose
+// view sync is timed.
 void MeasureAt(int n, BenchReport& report) {
-  const int lean = n - kReal - 1;
-  fmt::print(stderr, "scale_bench: N = {}: etcd, {} lean members, {} real ones and a fresh one\n", n, lean, kReal);
+  const int lean = n - kReal - g_owners.owners - 1;
+  fmt::print(stderr,
+             "scale_bench: N = {}: etcd, {} lean members, {} catalog hosts, {} owners of {} records each and a fresh "
+             "Manager\n",
+             n, lean, kReal, g_owners.owners, g_owners.records);
   Etcd etcd = StartEtcd();
-  std::vector<Real> reals;
-  for (int i = 0; i < kReal; ++i) reals.push_back(JoinReal(RealOptions(etcd.endpoints, fmt::format("real-{}", i))));
+  std::vector<std::unique_ptr<SimNode>> hosts;
+  std::vector<std::unique_ptr<SimNode>> sampled;
+  std::vector<SimNode*> owners;  // every node that streams: the catalog hosts and the sampled owners
+  for (int i = 0; i < kReal; ++i) {
+    hosts.push_back(std::make_unique<SimNode>(etcd.endpoints, fmt::format("real-{}", i), static_cast<uint64_t>(i),
+                                              g_owners.records, /*catalog_host=*/true));
+    owners.push_back(hosts.back().get());
+  }
+  for (int i = 0; i < g_owners.owners; ++i) {
+    sampled.push_back(std::make_unique<SimNode>(etcd.endpoints, fmt::format("owner-{}", i),
+                                                static_cast<uint64_t>(kReal + i), g_owners.records,
+                                                /*catalog_host=*/false));
+    owners.push_back(sampled.back().get());
+  }
   LeanFleet fleet(etcd.client.get(), lean);
   const size_t members = static_cast<size_t>(n - 1);  // without the fresh one
-  if (!WaitFor([&] { return reals[0].membership->view().size() == members; })) Check(Status::Internal("view"), "fleet");
+  Membership& observer = hosts[0]->membership();
+  if (!WaitFor([&] { return observer.view().size() == members; })) Check(Status::Internal("view"), "fleet");
+  if (!WaitFor([&] { return CatalogsMatch(hosts, owners); }, kConverge) && !CatalogsMatch(hosts, owners, true)) {
+    Check(Status::Internal("the catalog hosts never held the owners' inventories"), "owner streams");
+  }
+  for (SimNode* owner : owners) owner->StartChurn(g_owners.churn_per_s);
 
   // A fresh Manager's complete view, against the bare paged read of the same records.
   std::vector<double> raw;
@@ -311,8 +556,7 @@ void MeasureAt(int n, BenchReport& report) {
     }
     sync.push_back(Seconds(MonoNow() - t0));
     fresh.membership->Shutdown();
-    if (!WaitFor([&] { return reals[0].membership->view().size() == members; }))
-      Check(Status::Internal("leave"), "fresh");
+    if (!WaitFor([&] { return observer.view().size() == members; })) Check(Status::Internal("leave"), "fresh");
   }
 
   // Steady state: etcd's counters over a window.
@@ -338,7 +582,50 @@ void MeasureAt(int n, BenchReport& report) {
               floor_requests});
   report.Add({fmt::format("etcd_bytes_per_s_per_member_at_{}", n), "B/s", bytes, "keepalive_floor_bytes_per_s",
               floor_requests * fleet.renewal_bytes()});
-  for (Real& r : reals) r.membership->Shutdown();
+
+  // An etcd outage longer than TTL/2 (every registration lapses and is made again) while the owners' inventories
+  // change: the owner streams continue (the owners' starts did not change), so nothing is resent in snapshots; the
+  // changes made meanwhile arrive as deltas.
+  const uint64_t resent_before = SnapshotRecords(owners);
+  uint64_t changes_before = 0;
+  for (SimNode* owner : owners) changes_before += owner->changes();
+  Check(etcd.process->Stop(), "stopping etcd");
+  std::this_thread::sleep_for(std::chrono::milliseconds(kTtlSecs * 1000 / 2 + 1500));
+  Check(etcd.process->Launch(), "starting etcd again");
+  Check(etcd.process->WaitReady(Deadline::After(kWait)), "etcd ready again");
+  const MonoTime up = MonoNow();
+  if (!WaitFor([&] {
+        for (SimNode* owner : owners) {
+          if (!owner->registered_again() || !owner->membership().CanDoRemoteWork()) return false;
+        }
+        return true;
+      })) {
+    Check(Status::Internal("a registration was not made again after the outage"), "outage");
+  }
+  uint64_t changes = 0;
+  for (SimNode* owner : owners) {
+    owner->StopChurn();
+    changes += owner->changes();
+  }
+  changes -= changes_before;
+  if (!WaitFor([&] { return CatalogsMatch(hosts, owners); }, kConverge) && !CatalogsMatch(hosts, owners, true)) {
+    Check(Status::Internal("the catalog hosts did not hold the owners' inventories after the outage"), "outage");
+  }
+  const double recovery_s = Seconds(MonoNow() - up);
+  const uint64_t resent = SnapshotRecords(owners) - resent_before;
+  size_t inventory = 0;
+  for (SimNode* owner : owners) inventory += owner->catalog().Summarize().inventory_records;
+  report.Add({fmt::format("reregistration_resent_records_at_{}", n), "records", static_cast<double>(resent),
+              fmt::format("inventory_records_at_{}", n), static_cast<double>(inventory)});
+  report.AddEnv(fmt::format("outage_at_{}", n),
+                fmt::format("etcd stopped {:.1f} s (TTL {} s); {} owners registered again; {} inventory changes "
+                            "made from the outage to the registrations; every catalog copy exact again {:.2f} s "
+                            "after etcd answered",
+                            (kTtlSecs * 1000 / 2 + 1500) / 1000.0, kTtlSecs, owners.size(), changes, recovery_s));
+  if (resent > changes) {
+    g_missed.push_back(
+        fmt::format("reregistration_resent_records_at_{} is {}, above the {} changes made", n, resent, changes));
+  }
 }
 
 void MeasureLimit(BenchReport& report) {
@@ -445,6 +732,12 @@ int main(int argc, char** argv) {
     std::string_view arg = argv[i];
     if (arg == "--check") {
       check = true;
+    } else if (arg.starts_with("--owners=")) {
+      g_owners.owners = std::stoi(std::string(arg.substr(9)));
+    } else if (arg.starts_with("--owner-records=")) {
+      g_owners.records = std::stoul(std::string(arg.substr(16)));
+    } else if (arg.starts_with("--owner-churn=")) {
+      g_owners.churn_per_s = std::stod(std::string(arg.substr(14)));
     } else if (arg.starts_with("--members=")) {
       sizes.clear();
       std::string list(arg.substr(10));
@@ -459,11 +752,19 @@ int main(int argc, char** argv) {
       ParseBenchArgs(static_cast<int>(rest.size()), rest.data(),
                      "A fleet of N members on a real etcd (lean simulated members, real registrations): view sync, "
                      "steady etcd load per member, the member limit, and authentication after an election. "
-                     "--members=N[,N...] (default 64,256,1024; each at least 8, at most 4096), --check (exit 1 "
+                     "--members=N[,N...] (default 64,256,1024; at most 4096), --owners=K (members with owner "
+                     "streams besides the 3 catalog hosts, default 8), --owner-records=M (each one's inventory, "
+                     "default 2000), --owner-churn=C (inventory changes a second each, default 5), --check (exit 1 "
                      "when a count misses its target: the smoke in scripts/test).");
+  if (g_owners.owners < 0 || g_owners.churn_per_s < 0) {
+    fmt::print(stderr, "scale_bench: --owners and --owner-churn cannot be negative\n");
+    return 2;
+  }
   for (int n : sizes) {
-    if (n < kReal + 2 || n > static_cast<int>(kMaxMembers)) {
-      fmt::print(stderr, "scale_bench: --members: {} is outside {}..{}\n", n, kReal + 2, kMaxMembers);
+    const int least = kReal + g_owners.owners + 2;
+    if (n < least || n > static_cast<int>(kMaxMembers)) {
+      fmt::print(stderr, "scale_bench: --members: {} is outside {}..{} (with --owners={})\n", n, least, kMaxMembers,
+                 g_owners.owners);
       return 2;
     }
   }
@@ -474,15 +775,22 @@ int main(int argc, char** argv) {
   MeasureLimit(report);
   MeasureElection(report);
   report.AddEnv("etcd", "3.4, a fresh single member per N on loopback (the election: three members, user auth)");
-  report.AddEnv("members", fmt::format("N in all: N - {} lean simulated, {} real (cluster::Membership) and the "
-                                       "fresh one whose view sync is timed; the member limit with 4,096 records "
-                                       "(lean ones without keepalives there), the election with 8 real ones",
-                                       kReal + 1, kReal));
+  report.AddEnv("members",
+                fmt::format("N in all: N - {} lean simulated; {} catalog hosts and {} owners, each a real registration "
+                            "(cluster::Membership) with a Manager's catalog parts (CatalogHost: its store, its owner "
+                            "streams; the hosts' PeerService on loopback gRPC); and the fresh one whose view sync is "
+                            "timed. The member limit with 4,096 records (lean ones without keepalives there), the "
+                            "election with 8 real ones",
+                            kReal + g_owners.owners + 1, kReal, g_owners.owners));
   report.AddEnv("simulated",
                 fmt::format("each lean member: its own lease renewed every TTL/6 (TTL {} s, the Manager's rate, not "
                             "scaled down) on one keepalive stream shared by the lean fleet, and its member record; one "
-                            "view watch for the lean fleet (a real fleet has one per Manager); no owner streams",
-                            kTtlSecs));
+                            "view watch for the lean fleet (a real fleet has one per Manager); no owner streams. Owner "
+                            "streams for a sample: the {} catalog hosts and {} owners, {} records and {} changes a "
+                            "second each, one stream per shard and copy ({} shards x {} copies), heartbeats at the "
+                            "Manager's rate (1 s); no engines, cache or transfers behind them",
+                            kTtlSecs, kReal, g_owners.owners, g_owners.records, g_owners.churn_per_s, kNumShards,
+                            kDefaultCatalogReplicas));
   report.Print(json);
   for (const std::string& missed : g_missed) fmt::print(stderr, "scale_bench: target missed: {}\n", missed);
   return check && !g_missed.empty() ? 1 : 0;
