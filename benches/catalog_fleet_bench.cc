@@ -32,6 +32,7 @@
 #include "bench_report.h"
 #include "catalog/peer_service.h"
 #include "catalog/route.h"
+#include "catalog/testing/loopback_server.h"
 #include "cluster/member_record.h"
 #include "cluster/member_view.h"
 #include "cluster/placement.h"
@@ -98,15 +99,9 @@ void MeasurePeer(catalog::CatalogStore& store, cluster::MemberView& view,
   options.catalog = &store;
   options.hosts_shard = [](uint32_t shard) { return shard < cluster::kNumShards; };
   catalog::PeerService service(options, &view);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
-  builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) std::abort();
-  host.record.endpoint = fmt::format("127.0.0.1:{}", port);
+  catalog::testing::LoopbackServer loopback = catalog::testing::StartLoopbackServer({&service});
+  if (loopback.server == nullptr || loopback.port == 0) std::abort();
+  host.record.endpoint = loopback.endpoint();
   view.Install(members, view.revision() + 1);
 
   catalog::GrpcRequesterTransport requester(IdentityOf(asker), &view, nullptr);
@@ -136,7 +131,7 @@ void MeasurePeer(catalog::CatalogStore& store, cluster::MemberView& view,
   });
   f.peer_lookup_us = MedianMicros(kSamples, [&] { ask(std::span<const state::StateKey>(batch.data(), 1)); });
   f.peer_batch_us = MedianMicros(kBatchSamples, [&] { ask(batch); });
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  loopback.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 
 Figures Measure(size_t n) {

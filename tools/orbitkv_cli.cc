@@ -4,7 +4,7 @@
 //   orbitkv catalog status [--socket PATH]  the catalog shards placed on it (distributed mode)
 //   orbitkv catalog dump --shard N          the evidence it holds for shard N, one record a line
 //   orbitkv inventory dump --shard N        its own replicas of shard N, one record a line
-//   orbitkv catalog placement [--add NODE | --remove NODE]
+//   orbitkv catalog placement [--add NODE | --remove NODE | --abort]
 //                                           the catalog placement and any change in progress; asks for a change
 // Exit status: 0 when the Manager answered, 1 when it did not (the message says why), 2 for bad
 // usage.
@@ -28,11 +28,13 @@ constexpr const char* kUsage =
     "       orbitkv catalog status [--socket PATH]\n"
     "       orbitkv catalog dump --shard N [--socket PATH]\n"
     "       orbitkv inventory dump --shard N [--socket PATH]\n"
-    "       orbitkv catalog placement [--add NODE | --remove NODE] [--socket PATH]\n"
+    "       orbitkv catalog placement [--add NODE | --remove NODE | --abort] [--socket PATH]\n"
     "catalog placement shows which nodes keep the catalog's copies (the placement generation), the elected\n"
     "reconciler and any change in progress, shard by shard; --add/--remove asks for the next set (the node to add\n"
     "must run a Manager in the cluster already). The reconciler moves at most 2 shards at a time and commits the\n"
-    "next generation when every moved shard's new copies caught up; Managers follow without a restart.\n"
+    "next generation when every moved shard's new copies caught up; Managers follow without a restart. --abort\n"
+    "ends the change in progress at the reconciler's next step (the current generation stays); a change also aborts\n"
+    "by itself when a moving shard does not converge within --placement-shard-bound-ms.\n"
     "Dumps print one record a line: [OWNER] KEY(hex of its 128-byte encoding) TIER VERSION "
     "GENERATION BYTES\n"
     "(a catalog's lines start with the owner's node id), so a catalog can be compared with its "
@@ -116,12 +118,13 @@ int main(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--json") {
       json = true;
-    } else if ((arg == "--add" || arg == "--remove") && i + 1 < argc && command == "catalog placement") {
+    } else if ((arg == "--add" || arg == "--remove" || arg == "--abort") && (arg == "--abort" || i + 1 < argc) &&
+               command == "catalog placement") {
       if (!change.empty()) {
-        fmt::print(stderr, "orbitkv: catalog placement takes one --add or --remove at a time\n");
+        fmt::print(stderr, "orbitkv: catalog placement takes one --add, --remove or --abort at a time\n");
         return 2;
       }
-      change = arg.substr(2) + " " + argv[++i];
+      change = arg == "--abort" ? std::string("abort") : arg.substr(2) + " " + argv[++i];
     } else if (arg == "--socket" && i + 1 < argc) {
       options.socket_path = argv[++i];
     } else if (arg == "--shard" && i + 1 < argc) {

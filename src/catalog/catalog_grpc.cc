@@ -332,7 +332,7 @@ Result<std::map<std::string, cluster::OwnerProgress>> GrpcRequesterTransport::Sh
   if (!status.ok()) return FromGrpc(status);
   std::map<std::string, cluster::OwnerProgress> owners;
   for (const peer::v1::OwnerSliceStatus& o : response.owners()) {
-    owners[o.owner_node()] = cluster::OwnerProgress{o.baseline(), o.sequence()};
+    owners[o.owner_node()] = cluster::OwnerProgress{o.baseline(), o.sequence(), o.owner_incarnation()};
   }
   return owners;
 }

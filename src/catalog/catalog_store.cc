@@ -576,7 +576,9 @@ std::vector<CatalogStore::OwnerSlice> CatalogStore::Slices(uint32_t shard) const
   MutexLock lock(&mu_);
   std::vector<OwnerSlice> out;
   for (const auto& [key, slice] : slices_) {
-    if (key.first == shard) out.push_back({key.second, slice.owner_runtime, slice.baseline, slice.applied});
+    if (key.first == shard) {
+      out.push_back({key.second, slice.owner_runtime, slice.baseline, slice.applied, slice.owner_incarnation});
+    }
   }
   return out;
 }

@@ -142,6 +142,7 @@ class CatalogStore {
     std::string owner_runtime;
     bool baseline = false;
     uint64_t applied = 0;
+    uint64_t owner_incarnation = 0;  // the owner's start (0: not said)
   };
   std::vector<OwnerSlice> Slices(uint32_t shard) const EXCLUDES(mu_);
   // One owner's current evidence for `shard`, in (key, tier) order.

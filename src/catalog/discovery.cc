@@ -21,13 +21,19 @@ bool Discovery::BreakerOpen(const std::string& host, MonoTime now) {
   return it != open_until_.end() && now < it->second;
 }
 
-std::vector<std::string> Discovery::Order(std::vector<std::string> copies, const std::string& shard, uint64_t turn,
-                                          MonoTime now) {
+std::vector<std::string> Discovery::Order(std::vector<std::string> copies, size_t committed, const std::string& shard,
+                                          uint64_t turn, MonoTime now) {
   if (copies.size() <= 1) return copies;
-  // The rotation first (per requester and shard), then a stable sort by breaker (closed first), by whether a hedge
-  // overtook the copy lately and by whether it answered incomplete for this shard lately.
+  // The rotation first (per requester and shard, within the committed copies and within the new ones of a moving
+  // shard, which stay behind them), then a stable sort by breaker (closed first), by whether a hedge overtook the
+  // copy lately and by whether it answered incomplete for this shard lately.
   const std::string& first = shard;
-  std::rotate(copies.begin(), copies.begin() + static_cast<std::ptrdiff_t>(turn % copies.size()), copies.end());
+  committed = std::min(committed, copies.size());
+  const auto rotate = [turn](auto begin, auto end) {
+    if (end - begin > 1) std::rotate(begin, begin + static_cast<std::ptrdiff_t>(turn % (end - begin)), end);
+  };
+  rotate(copies.begin(), copies.begin() + static_cast<std::ptrdiff_t>(committed));
+  rotate(copies.begin() + static_cast<std::ptrdiff_t>(committed), copies.end());
   std::vector<std::pair<int, std::string>> ranked;  // (rank, host): stable-sorted by rank below
   {
     MutexLock lock(&mu_);
@@ -398,7 +404,8 @@ Discovery::Outcome Discovery::Discover(std::span<const state::StateKey> keys) {
         options_.copies_of ? options_.copies_of(keys[i]) : std::vector<std::string>{options_.host_of(keys[i])};
     std::string shard = options_.shard_of ? std::to_string(options_.shard_of(keys[i])) : copies.front();
     const uint64_t turn = options_.rotation + std::hash<std::string>{}(shard);
-    std::vector<std::string> ordered = Order(std::move(copies), shard, turn, start);
+    const size_t committed = options_.committed_copies_of ? options_.committed_copies_of(keys[i]) : copies.size();
+    std::vector<std::string> ordered = Order(std::move(copies), committed, shard, turn, start);
     pending.push_back(Run::Key{.key = keys[i], .shard = std::move(shard), .copies = std::move(ordered)});
   }
   Run run(this, deadline, std::move(pending));

@@ -98,6 +98,10 @@ class Discovery {
     std::chrono::milliseconds hedge_unsampled{100};
     // The catalog hosts keeping a key's shard, in placement order (all keys of one shard get the same list).
     std::function<std::vector<std::string>(const state::StateKey&)> copies_of;
+    // How many of copies_of's first copies are the committed ones (the rest: the new copies of a shard that moves
+    // to the next placement). The rotation spreads requesters within each group, so the still-filling new copies
+    // are asked only after the committed ones. Unset: one group.
+    std::function<size_t(const state::StateKey&)> committed_copies_of;
     // Or, with one copy a shard: the catalog host a key's shard is placed on (used when copies_of is empty).
     std::function<std::string(const state::StateKey&)> host_of;
     // Spreads requesters over a shard's copies (e.g. a hash of the requester's Node ID), and with shard_of a
@@ -143,8 +147,8 @@ class Discovery {
   bool BreakerOpen(const std::string& host, MonoTime now) EXCLUDES(mu_);
   // `copies` in the order to ask them (breakers closed first, then those not overtaken by a hedge lately, then those
   // not seen incomplete lately, then the rotation).
-  std::vector<std::string> Order(std::vector<std::string> copies, const std::string& shard, uint64_t turn, MonoTime now)
-      EXCLUDES(mu_);
+  std::vector<std::string> Order(std::vector<std::string> copies, size_t committed, const std::string& shard,
+                                 uint64_t turn, MonoTime now) EXCLUDES(mu_);
   void Trip(const std::string& host, MonoTime now) EXCLUDES(mu_);
   // `host`'s call was overtaken by its hedge: later lookups ask it after the other copies for a while.
   void MarkSlow(const std::string& host, MonoTime now) EXCLUDES(mu_);

@@ -256,6 +256,37 @@ TEST(DiscoveryTest, ThreeCopiesBatchPerHostAndADownCopyFailsOverWithinTheLookup)
   EXPECT_GE(discovery.GetStats().failovers, 1u);
 }
 
+// Issue 84: while a shard moves, its new copy (still filling) comes after the committed ones for every requester:
+// the rotation spreads requesters within the committed copies and within the new ones, never across them.
+TEST(DiscoveryTest, WhileAShardMovesEveryRequesterAsksACommittedCopyBeforeTheNewOne) {
+  FakeHosts hosts;
+  for (uint64_t requester = 0; requester < 32; ++requester) {
+    CandidateIndex index({});
+    Discovery::Options options = ThreeCopies();
+    options.copies_of = [](const state::StateKey&) {
+      return std::vector<std::string>{"host-0", "host-1", "host-2", "new-copy"};
+    };
+    options.committed_copies_of = [](const state::StateKey&) { return size_t{3}; };
+    options.rotation = requester;
+    options.shard_of = [](const state::StateKey& key) { return state::ShardOf(key, 16); };
+    Discovery discovery(options, &index, &hosts);
+    EXPECT_EQ(discovery.Discover(Keys(900 + requester, 1)).known_prefix, 1u);
+  }
+  EXPECT_EQ(hosts.asked["new-copy"], 0) << "a requester asked the still-filling new copy first";
+  EXPECT_TRUE(hosts.AskedEach({"host-0", "host-1", "host-2"})) << "the committed copies share the requesters";
+  // The new copy is still there behind them: with every committed copy down it answers.
+  CandidateIndex index({});
+  Discovery::Options options = ThreeCopies();
+  options.copies_of = [](const state::StateKey&) {
+    return std::vector<std::string>{"host-0", "host-1", "host-2", "new-copy"};
+  };
+  options.committed_copies_of = [](const state::StateKey&) { return size_t{3}; };
+  hosts.down = {"host-0", "host-1", "host-2"};
+  Discovery discovery(options, &index, &hosts);
+  EXPECT_EQ(discovery.Discover(Keys(999, 1)).known_prefix, 1u);
+  EXPECT_GE(hosts.asked["new-copy"], 1);
+}
+
 // Without a hedge first, a copy that does not answer costs its per-copy deadline, not the budget: it is given at
 // most copy_deadline (then it counts as failed), and the last copy left for a key the whole remaining budget.
 TEST(DiscoveryTest, ASlowCopyIsGivenThePerCopyDeadlineAndTheNextCopyAnswers) {

@@ -38,6 +38,12 @@ std::shared_ptr<peer::v1::Peer::Stub> NewPeerStub(const std::string& endpoint,
   // A peer that started a moment after this stub was made, or restarted, is reachable within a
   // second (gRPC's defaults: 1 s, then up to 2 minutes).
   cluster::SetReconnectPolicy(&args);
+  // A peer whose connection is up but which answers nothing (a hung process, a half-open connection) is found by
+  // HTTP/2 keepalive pings while a call waits on it, not only by each call's deadline (issue 84). Pings only while
+  // calls are outstanding: an idle channel costs nothing. The peer listener accepts them (peer_listener.cc).
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kPeerKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kPeerKeepaliveTimeoutMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
   args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
   args.SetMaxSendMessageSize(kMaxPeerMessageBytes);
   return std::shared_ptr<peer::v1::Peer::Stub>(peer::v1::Peer::NewStub(
@@ -137,6 +143,7 @@ grpc::Status PeerService::CatalogStatus(grpc::ServerContext* context, const peer
     owner->set_owner_runtime_uuid(slice.owner_runtime);
     owner->set_baseline(slice.baseline);
     owner->set_sequence(slice.applied);
+    owner->set_owner_incarnation(slice.owner_incarnation);
   }
   response->set_complete(options_.catalog->Complete(shard));
   return grpc::Status::OK;

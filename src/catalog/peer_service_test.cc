@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "catalog/peer_directory.h"
+#include "catalog/testing/loopback_server.h"
 #include "core/test_util.h"
 
 namespace orbitkv::catalog {
@@ -34,17 +35,11 @@ class PeerServiceTest : public ::testing::Test {
     options.hosts_shard = [](uint32_t shard) { return shard == 3; };
     options.serves_generation = [](int64_t generation) { return generation == 1; };
     service_ = std::make_unique<PeerService>(options, &view_);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
-    builder.SetMaxSendMessageSize(kMaxPeerMessageBytes);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
+    testing::LoopbackServer loopback = testing::StartLoopbackServer({service_.get()});
+    server_ = std::move(loopback.server);
     ASSERT_NE(server_, nullptr);
-    ASSERT_GT(port, 0);
-    stub_ = peer::v1::Peer::NewStub(
-        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+    ASSERT_GT(loopback.port, 0);
+    stub_ = peer::v1::Peer::NewStub(grpc::CreateChannel(loopback.endpoint(), grpc::InsecureChannelCredentials()));
   }
   void TearDown() override {
     if (server_) server_->Shutdown();
@@ -162,11 +157,9 @@ class SlowHealth final : public peer::v1::Peer::Service {
 // once, and learns every member.
 TEST(PeerDirectoryTest, AProbeRoundRunsInParallelWithinItsBound) {
   SlowHealth health;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&health);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  testing::LoopbackServer loopback = testing::StartLoopbackServer({&health});
+  std::unique_ptr<grpc::Server>& server = loopback.server;
+  const int port = loopback.port;
   ASSERT_NE(server, nullptr);
   cluster::MemberView view;
   std::map<std::string, cluster::Member> members;

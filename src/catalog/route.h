@@ -22,6 +22,10 @@ namespace orbitkv::catalog {
 inline constexpr uint32_t kPeerProtocolVersion = 2;
 // The largest message either side sends or accepts (gRPC's limits are set to it).
 inline constexpr int kMaxPeerMessageBytes = 4 << 20;
+// HTTP/2 keepalive on peer channels while calls are outstanding: a ping after this long without data, and the
+// connection closed when its answer takes longer than the timeout.
+inline constexpr int kPeerKeepaliveTimeMs = 10'000;
+inline constexpr int kPeerKeepaliveTimeoutMs = 5'000;
 // A Lookup names at most this many keys and this many key bytes.
 inline constexpr int kMaxLookupKeys = 128;
 inline constexpr size_t kMaxLookupKeyBytes = 64 << 10;

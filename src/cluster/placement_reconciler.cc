@@ -48,10 +48,13 @@ Result<etcdserverpb::RangeResponse> RangePlacementRecords(EtcdClient& etcd, std:
 }
 
 Result<bool> SubmitPlacementRequest(EtcdClient& etcd, std::string_view cluster, const PlacementRequest& request,
-                                    Deadline deadline) {
+                                    Deadline deadline, int64_t placement_revision) {
   const std::string key = PlacementRequestKey(cluster);
   etcdserverpb::TxnRequest txn;
   AddCompare(&txn, key, etcdserverpb::Compare::CREATE)->set_create_revision(0);
+  if (placement_revision != 0) {
+    AddCompare(&txn, PlacementKey(cluster), etcdserverpb::Compare::MOD)->set_mod_revision(placement_revision);
+  }
   Put(&txn, key, request.Encode());
   ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::TxnResponse response, etcd.Txn(txn, deadline));
   return response.succeeded();
@@ -159,11 +162,20 @@ Result<PlacementReconciler::Snapshot> PlacementReconciler::Read(Deadline deadlin
 }
 
 Result<bool> PlacementReconciler::Commit(ReconcilerLeadership& leadership, etcdserverpb::TxnRequest txn,
-                                         Deadline deadline, Outcome* lost) {
+                                         Outcome* lost) {
   if (!leadership.Guard(&txn)) {
     *lost = Outcome{Did::kNotLeader, "not the reconciler leader"};
     return false;
   }
+  for (const etcdserverpb::RequestOp& op : txn.success()) {
+    if (op.has_request_put() && op.request_put().value().size() > options_.max_record_bytes) {
+      return Status::ResourceExhausted(
+          fmt::format("the placement record {} would be {} bytes, more than the {} a record may have: not written",
+                      op.request_put().key(), op.request_put().value().size(), options_.max_record_bytes));
+    }
+  }
+  // A fresh deadline: whatever the pass spent before (status calls to slow copies) cannot make the write fail.
+  const Deadline deadline = Deadline::After(options_.etcd_call);
   ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::TxnResponse response, etcd_->Txn(txn, deadline));
   if (response.succeeded()) return true;
   *lost = leadership.CheckDeposed(deadline)
@@ -175,12 +187,94 @@ Result<bool> PlacementReconciler::Commit(ReconcilerLeadership& leadership, etcds
 Result<PlacementReconciler::Outcome> PlacementReconciler::Step(ReconcilerLeadership& leadership, Deadline deadline) {
   if (!leadership.leading()) return Outcome{Did::kNotLeader, "not the reconciler leader"};
   ORBITKV_ASSIGN_OR_RETURN(Snapshot s, Read(deadline));
+  CountUnconfirmed(s);
   if (!s.placement.has_value()) return Outcome{Did::kNothing, "no placement installed yet"};
-  return Advance(leadership, s, deadline);
+  return Advance(leadership, s);
 }
 
-Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLeadership& leadership, const Snapshot& s,
-                                                                  Deadline deadline) {
+void PlacementReconciler::CountUnconfirmed(const Snapshot& s) {
+  if (!unconfirmed_.has_value()) return;
+  const Unconfirmed u = *unconfirmed_;
+  if (s.transition.has_value() && s.transition->from_generation == u.from_generation &&
+      s.transition->started_ms == u.started_ms) {
+    if (s.transition->phase == PlacementTransition::Phase::kMoving) return;  // not written (yet): the pass retries
+    if (s.transition->phase == u.phase) {
+      ++(u.phase == PlacementTransition::Phase::kAborted ? stats_.aborted : stats_.committed);
+      ORBITKV_LOG_INFO("cluster {}: the placement change's {} (whose write answered an error) took effect",
+                       options_.cluster, PlacementPhaseName(u.phase));
+    }
+  }
+  unconfirmed_.reset();
+}
+
+void PlacementReconciler::Credit(const PlacementTransition& t, int64_t now) {
+  const std::pair<int64_t, int64_t> change{t.from_generation, t.started_ms};
+  if (change != credited_change_) {
+    credited_change_ = change;
+    waited_ms_.fill(0);
+    last_read_ms_ = 0;
+    for (auto& marks : marks_) marks.clear();
+    marked_.fill(false);
+  }
+  const int64_t credit =
+      last_read_ms_ == 0 ? 0 : std::clamp<int64_t>(now - last_read_ms_, 0, options_.max_step_credit.count());
+  last_read_ms_ = now;
+  for (uint32_t shard = 0; shard < kNumShards; ++shard) {
+    if (t.shards[shard].state == ShardMove::State::kMoving) waited_ms_[shard] += credit;
+  }
+}
+
+void PlacementReconciler::TakeWatermarks(const Placement& from, uint32_t shard,
+                                         const std::map<std::string, uint64_t>& live) {
+  std::map<std::string, Watermark>& marks = marks_[shard];
+  marks.clear();
+  for (const auto& [owner, start] : live) marks[owner] = Watermark{start, 0};
+  for (const std::string& copy : from.CopiesOf(shard)) {
+    // Each call with its own deadline: a copy that never answers costs one call, not the pass.
+    Result<std::map<std::string, OwnerProgress>> status =
+        options_.progress->ShardStatus(copy, shard, from.generation(), Deadline::After(options_.status_call));
+    if (!status.ok()) continue;  // another copy knows; a sequence nobody reports starts at 0
+    for (const auto& [owner, p] : *status) {
+      auto mark = marks.find(owner);
+      if (mark == marks.end()) continue;
+      // Only the live start's sequences: a slice of an earlier start (not dropped yet) says nothing of this one.
+      if (mark->second.incarnation != 0 && p.incarnation != 0 && p.incarnation != mark->second.incarnation) continue;
+      mark->second.sequence = std::max(mark->second.sequence, p.sequence);
+    }
+  }
+  marked_[shard] = true;
+}
+
+std::string PlacementReconciler::Behind(const Placement& from, const Placement& to, uint32_t shard,
+                                        const std::map<std::string, uint64_t>& live) {
+  for (const std::string& copy : PlacementTransition::NewCopies(from, to, shard)) {
+    Result<std::map<std::string, OwnerProgress>> status =
+        options_.progress->ShardStatus(copy, shard, to.generation(), Deadline::After(options_.status_call));
+    if (!status.ok()) return fmt::format("copy '{}' did not answer ({})", copy, status.status().message());
+    for (const auto& [owner, mark] : marks_[shard]) {
+      auto now = live.find(owner);
+      if (now == live.end()) continue;  // gone since: nothing more of it to wait for
+      // The start the copy must hold: the live one (it may have started again since the watermark was taken).
+      const uint64_t start = now->second != 0 ? now->second : mark.incarnation;
+      auto p = status->find(owner);
+      std::string holds;
+      if (p == status->end()) {
+        holds = "nothing";
+      } else if (start != 0 && p->second.incarnation != 0 && p->second.incarnation != start) {
+        holds = fmt::format("a start ({:016x}) that is not its live one ({:016x})", p->second.incarnation, start);
+      } else if (!p->second.baseline) {
+        holds = "no baseline";
+      } else if ((mark.incarnation == 0 || mark.incarnation == start) && p->second.sequence < mark.sequence) {
+        holds = std::to_string(p->second.sequence);  // (a start newer than the watermark's: its baseline suffices)
+      }
+      if (!holds.empty())
+        return fmt::format("copy '{}' holds owner '{}' at {} of {}", copy, owner, holds, mark.sequence);
+    }
+  }
+  return "";
+}
+
+Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLeadership& leadership, const Snapshot& s) {
   const std::string cluster = options_.cluster;
   const Placement& from = *s.placement;
   const int64_t now = options_.now_ms();
@@ -192,14 +286,32 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
     AddCompare(&txn, PlacementTransitionKey(cluster), etcdserverpb::Compare::CREATE)->set_create_revision(0);
     AddCompare(&txn, PlacementRequestKey(cluster), etcdserverpb::Compare::MOD)->set_mod_revision(s.request_revision);
     Delete(&txn, PlacementRequestKey(cluster));
+    // Requests that change nothing: an abort with no change moving, and one built on another generation (it would
+    // undo what that generation changed). Dropped, and said.
+    std::string refused;
+    if (s.request->abort) {
+      refused = fmt::format("an abort asked on node {} found no change in progress", s.request->requested_by);
+    } else if (s.request->base_generation != 0 && s.request->base_generation != from.generation()) {
+      refused = fmt::format(
+          "a request from node {} was built on placement generation {}, and the placement is at generation {} "
+          "(catalog nodes {}): refused; ask again",
+          s.request->requested_by, s.request->base_generation, from.generation(), fmt::join(from.catalog_nodes(), ","));
+    }
+    if (!refused.empty()) {
+      ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), &lost));
+      if (!done) return lost;
+      ++stats_.refused;
+      ORBITKV_LOG_WARN("cluster {}: placement request dropped: {}", cluster, refused);
+      return Outcome{Did::kNothing, refused};
+    }
     ORBITKV_ASSIGN_OR_RETURN(Placement wanted, Placement::Create(s.request->catalog_nodes, s.request->replicas));
     if (wanted.SameContent(from)) {
-      ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
+      ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), &lost));
       return done ? Outcome{Did::kNothing, "the requested placement is the current one"} : lost;
     }
     const PlacementTransition t = PlacementTransition::Start(from, wanted, leadership.value(), now);
     Put(&txn, PlacementTransitionKey(cluster), t.Encode());
-    ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
+    ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), &lost));
     if (!done) return lost;
     ++stats_.started;
     ORBITKV_LOG_INFO("cluster {}: placement change started: generation {} -> {} ({}), {} shard(s) to move", cluster,
@@ -219,9 +331,10 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
                      fmt::format("{}: the old copies retire after the grace period", PlacementPhaseName(t.phase))};
     }
     Delete(&txn, PlacementTransitionKey(cluster));
-    ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
+    ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), &lost));
     return done ? Outcome{Did::kRetired, std::string(PlacementPhaseName(t.phase))} : lost;
   }
+  Credit(t, now);
   if (t.from_generation != from.generation()) {
     // Cannot happen through this code (the commit writes both records at once); a hand-edited etcd can.
     t.phase = PlacementTransition::Phase::kAborted;
@@ -229,42 +342,36 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
                            t.from_generation);
   }
   const Placement to = t.To();
-  std::vector<std::string> live = options_.live_owners ? options_.live_owners() : std::vector<std::string>();
-  std::sort(live.begin(), live.end());
-  const auto is_live = [&live](const std::string& node) { return std::binary_search(live.begin(), live.end(), node); };
+  const std::map<std::string, uint64_t> live =
+      options_.live_owners ? options_.live_owners() : std::map<std::string, uint64_t>();
+  // The operator's abort ends the change now (its request goes in the same write).
+  if (t.phase == PlacementTransition::Phase::kMoving && s.request.has_value() && s.request->abort) {
+    t.phase = PlacementTransition::Phase::kAborted;
+    t.reason = fmt::format("aborted by the operator (asked on node {})", s.request->requested_by);
+    AddCompare(&txn, PlacementRequestKey(cluster), etcdserverpb::Compare::MOD)->set_mod_revision(s.request_revision);
+    Delete(&txn, PlacementRequestKey(cluster));
+  }
   bool changed = t.phase != PlacementTransition::Phase::kMoving;
   // Moving shards: ready once every new copy has each live watermarked owner's baseline past its watermark.
   for (uint32_t shard = 0; shard < kNumShards && t.phase == PlacementTransition::Phase::kMoving; ++shard) {
     ShardMove& m = t.shards[shard];
     if (m.state != ShardMove::State::kMoving) continue;
-    std::string behind;
-    for (const std::string& copy : PlacementTransition::NewCopies(from, to, shard)) {
-      Result<std::map<std::string, OwnerProgress>> status =
-          options_.progress->ShardStatus(copy, shard, to.generation(), deadline);
-      if (!status.ok()) {
-        behind = fmt::format("copy '{}' did not answer ({})", copy, status.status().message());
-        break;
+    if (!marked_[shard]) {
+      // A move this leader did not start (another leader's, or its own before a restart): the watermarks again, now.
+      TakeWatermarks(from, shard, live);
+      for (const auto& [owner, sequence] : m.watermarks) {  // an older leader's record names some: the larger counts
+        Watermark& mark = marks_[shard][owner];
+        mark.sequence = std::max(mark.sequence, sequence);
       }
-      for (const auto& [owner, watermark] : m.watermarks) {
-        if (!is_live(owner)) continue;  // gone since: nothing more of it to wait for
-        auto p = status->find(owner);
-        if (p == status->end() || !p->second.baseline || p->second.sequence < watermark) {
-          behind = fmt::format("copy '{}' holds owner '{}' at {} of {}", copy, owner,
-                               p == status->end()   ? std::string("nothing")
-                               : p->second.baseline ? std::to_string(p->second.sequence)
-                                                    : std::string("no baseline"),
-                               watermark);
-          break;
-        }
-      }
-      if (!behind.empty()) break;
     }
+    const std::string behind = Behind(from, to, shard, live);
     if (behind.empty()) {
       m.state = ShardMove::State::kReady;
       m.since_ms = now;
+      m.watermarks.clear();
       changed = true;
       ++stats_.shard_moves;
-    } else if (now - m.since_ms > options_.shard_bound.count()) {
+    } else if (waited_ms_[shard] > options_.shard_bound.count()) {
       t.phase = PlacementTransition::Phase::kAborted;
       t.reason =
           fmt::format("shard {} did not converge within {} s: {}", shard, options_.shard_bound.count() / 1000, behind);
@@ -277,18 +384,11 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
        ++shard) {
     ShardMove& m = t.shards[shard];
     if (m.state != ShardMove::State::kWaiting) continue;
-    m.watermarks.clear();
-    for (const std::string& owner : live) m.watermarks[owner] = 0;
-    for (const std::string& copy : from.CopiesOf(shard)) {
-      Result<std::map<std::string, OwnerProgress>> status =
-          options_.progress->ShardStatus(copy, shard, from.generation(), deadline);
-      if (!status.ok()) continue;  // another copy knows; a sequence nobody reports starts at 0
-      for (const auto& [owner, p] : *status) {
-        if (is_live(owner)) m.watermarks[owner] = std::max(m.watermarks[owner], p.sequence);
-      }
-    }
+    TakeWatermarks(from, shard, live);
+    m.watermarks.clear();  // kept here, not in the record (bounded whatever the member count)
     m.state = ShardMove::State::kMoving;
     m.since_ms = now;
+    waited_ms_[shard] = 0;
     changed = true;
   }
   if (t.phase == PlacementTransition::Phase::kMoving && t.AllReady()) {
@@ -296,8 +396,12 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
     t.phase_ms = now;
     Put(&txn, PlacementKey(cluster), to.Encode());
     Put(&txn, PlacementTransitionKey(cluster), t.Encode());
-    ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
-    if (!done) return lost;
+    Result<bool> done = Commit(leadership, std::move(txn), &lost);
+    if (!done.ok()) {
+      unconfirmed_ = Unconfirmed{t.from_generation, t.started_ms, t.phase};
+      return done.status();
+    }
+    if (!*done) return lost;
     ++stats_.committed;
     ORBITKV_LOG_INFO("cluster {}: placement generation {} committed ({})", cluster, to.generation(),
                      fmt::join(to.catalog_nodes(), ","));
@@ -308,8 +412,13 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
   }
   if (t.phase == PlacementTransition::Phase::kAborted) t.phase_ms = now;
   Put(&txn, PlacementTransitionKey(cluster), t.Encode());
-  ORBITKV_ASSIGN_OR_RETURN(bool done, Commit(leadership, std::move(txn), deadline, &lost));
-  if (!done) return lost;
+  Result<bool> done = Commit(leadership, std::move(txn), &lost);
+  if (!done.ok()) {
+    if (t.phase == PlacementTransition::Phase::kAborted)
+      unconfirmed_ = Unconfirmed{t.from_generation, t.started_ms, t.phase};
+    return done.status();
+  }
+  if (!*done) return lost;
   if (t.phase == PlacementTransition::Phase::kAborted) {
     ++stats_.aborted;
     ORBITKV_LOG_WARN("cluster {}: placement change to generation {} aborted: {}", cluster, to.generation(), t.reason);

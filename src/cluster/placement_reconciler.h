@@ -14,9 +14,23 @@
 //   request -> transition: the operator's request (placement-request, the next set of catalog nodes) becomes a
 //     transition record (placement_transition.h) in the transaction that deletes the request;
 //   moving: at most `max_moving` shards at once get their new copies; each records, when it starts, the sequence
-//     every live owner had published to the shard's current copies (its watermark, from CatalogProgress); it is
-//     ready once every new copy reports a baseline of each of those owners past its watermark; a shard that does not
-//     get there within `shard_bound` aborts the change (phase aborted, with the reason, counted);
+//     every live owner start had published to the shard's current copies (its watermark, from CatalogProgress: per
+//     owner start, the inventory incarnation, since sequences restart with each start); it is ready once every new
+//     copy reports a baseline of each of those owners past its watermark, or, for an owner that started again since,
+//     a baseline of its new start (a slice of a start that is no longer live never counts). The watermarks stay in
+//     the leader's memory, so the transition record is bounded whatever the member count (at most
+//     `max_record_bytes`, checked before every write); a new leader takes them again from the current copies (later
+//     sequences: only stricter). A shard that does not
+//     get there within `shard_bound` aborts the change (phase aborted, with the reason, counted). The bound counts
+//     only time this reconciler could act: between two passes that read etcd, at most `max_step_credit` (an etcd
+//     outage does not use it up), afresh with a new leader. Each CatalogStatus call has its own deadline of at most
+//     `status_call`, and each etcd call its own of `etcd_call`, so a copy that never answers cannot eat the write
+//     that aborts the change;
+//   abort: an operator's abort request (`orbitkv catalog placement --abort`) ends a moving change at the next pass
+//     (phase aborted, "aborted by the operator"); with no change moving it is dropped;
+//   stale requests: a request names the generation it was built from (base_generation); one built from another
+//     generation than the committed one is dropped with a warning naming the placement now (the Manager that takes
+//     a request checks the same before it writes: placement_driver.h);
 //   commit: when every shard is ready, one transaction writes the placement of generation G+1 and the transition's
 //     committed phase;
 //   retire: `retire_grace` after the commit (or the abort) the transition record goes; the old copies retire with it.
@@ -27,6 +41,7 @@
 #ifndef ORBITKV_CLUSTER_PLACEMENT_RECONCILER_H_
 #define ORBITKV_CLUSTER_PLACEMENT_RECONCILER_H_
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -80,6 +95,7 @@ class ReconcilerLeadership {
 struct OwnerProgress {
   bool baseline = false;
   uint64_t sequence = 0;
+  uint64_t incarnation = 0;  // the owner start the slice holds evidence of (0: not said)
 };
 
 class CatalogProgress {
@@ -97,10 +113,19 @@ class PlacementReconciler {
     size_t max_moving = 2;
     std::chrono::milliseconds shard_bound{60'000};
     std::chrono::milliseconds retire_grace{10'000};
+    // Each CatalogStatus call's deadline, and each etcd call's (a fresh one per call: see the file comment).
+    std::chrono::milliseconds status_call{1'000};
+    std::chrono::milliseconds etcd_call{5'000};
+    // The most one pass adds to a moving shard's time against its bound (the time since the previous pass that read
+    // etcd, capped: a gap longer than this is time the reconciler could not act).
+    std::chrono::milliseconds max_step_credit{2'000};
     // Wall clock in ms (the records carry it); tests step it.
     std::function<int64_t()> now_ms;
-    // The owners whose watermarks count (the live members).
-    std::function<std::vector<std::string>()> live_owners;
+    // The owners whose watermarks count (the live members), each with its start (the inventory incarnation its
+    // member record names; 0 when it does not say).
+    std::function<std::map<std::string, uint64_t>()> live_owners;
+    // The largest transition record written (etcd's default request limit is 1.5 MiB).
+    size_t max_record_bytes = 64 * 1024;
     CatalogProgress* progress = nullptr;
   };
   enum class Did { kNothing, kNotLeader, kStarted, kAdvanced, kWaiting, kCommitted, kAborted, kRetired };
@@ -113,12 +138,14 @@ class PlacementReconciler {
     uint64_t committed = 0;
     uint64_t aborted = 0;
     uint64_t shard_moves = 0;  // shards that became ready
+    uint64_t refused = 0;      // requests dropped: built on another generation, or an abort with nothing moving
   };
 
   PlacementReconciler(Options options, EtcdClient* etcd);
 
-  // One pass (see the file comment). etcd errors as the client returns them; a write that lost its compares is
-  // kNotLeader (deposed) or kWaiting (the records moved under it: the next pass reads them again).
+  // One pass (see the file comment); `deadline` bounds its etcd read. etcd errors as the client returns them; a write
+  // that lost its compares is kNotLeader (deposed) or kWaiting (the records moved under it: the next pass reads them
+  // again). A commit or an abort whose write's outcome was unknown (an error) is counted when a later pass reads it.
   Result<Outcome> Step(ReconcilerLeadership& leadership, Deadline deadline);
 
   // The committed placement, the transition (if any) and the request (if any), as etcd holds them now.
@@ -135,13 +162,42 @@ class PlacementReconciler {
   Stats stats() const { return stats_; }
 
  private:
-  Result<Outcome> Advance(ReconcilerLeadership& leadership, const Snapshot& s, Deadline deadline);
-  // Runs a guarded transaction: kNotLeader / kWaiting when it did not succeed.
-  Result<bool> Commit(ReconcilerLeadership& leadership, etcdserverpb::TxnRequest txn, Deadline deadline, Outcome* lost);
+  Result<Outcome> Advance(ReconcilerLeadership& leadership, const Snapshot& s);
+  // Runs a guarded transaction with a fresh deadline: kNotLeader / kWaiting when it did not succeed.
+  Result<bool> Commit(ReconcilerLeadership& leadership, etcdserverpb::TxnRequest txn, Outcome* lost);
+  // Counts a commit or abort written earlier with an unknown outcome, once a pass reads it.
+  void CountUnconfirmed(const Snapshot& s);
+  // Adds this pass's credit to the moving shards' time against their bound, and forgets the bound and the watermarks
+  // of an earlier change.
+  void Credit(const PlacementTransition& t, int64_t now);
+  // The sequence each live owner start had published to `shard`'s copies of `from` now (its watermark).
+  void TakeWatermarks(const Placement& from, uint32_t shard, const std::map<std::string, uint64_t>& live);
+  // "" when every new copy of `shard` holds each watermarked owner past its mark, else what is behind.
+  std::string Behind(const Placement& from, const Placement& to, uint32_t shard,
+                     const std::map<std::string, uint64_t>& live);
 
   const Options options_;
   EtcdClient* const etcd_;
   Stats stats_;
+  // The bound's clock: the last pass that read etcd, and each moving shard's time so far, for one change (its
+  // from-generation and start).
+  int64_t last_read_ms_ = 0;
+  std::pair<int64_t, int64_t> credited_change_{-1, -1};
+  std::array<int64_t, kNumShards> waited_ms_{};
+  // The watermarks of the change's moving shards (owner node -> the start and the sequence), and whether taken.
+  struct Watermark {
+    uint64_t incarnation = 0;
+    uint64_t sequence = 0;
+  };
+  std::array<std::map<std::string, Watermark>, kNumShards> marks_;
+  std::array<bool, kNumShards> marked_{};
+  // A commit or abort whose write answered an error: the change (from-generation, start) and the phase it wrote.
+  struct Unconfirmed {
+    int64_t from_generation = 0;
+    int64_t started_ms = 0;
+    PlacementTransition::Phase phase = PlacementTransition::Phase::kMoving;
+  };
+  std::optional<Unconfirmed> unconfirmed_;
 };
 
 std::string_view ReconcilerDidName(PlacementReconciler::Did did);
@@ -152,10 +208,11 @@ std::string_view ReconcilerDidName(PlacementReconciler::Did did);
 Result<etcdserverpb::RangeResponse> RangePlacementRecords(EtcdClient& etcd, std::string_view cluster,
                                                           Deadline deadline);
 
-// Writes the operator's request unless one waits already (one transaction, create-only): false when one does.
+// Writes the operator's request unless one waits already (one transaction, create-only), and, with a
+// `placement_revision`, only while the placement record is still at that revision: false when either compare fails.
 // etcd errors as the client returns them.
 Result<bool> SubmitPlacementRequest(EtcdClient& etcd, std::string_view cluster, const PlacementRequest& request,
-                                    Deadline deadline);
+                                    Deadline deadline, int64_t placement_revision = 0);
 
 }  // namespace orbitkv::cluster
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <thread>
 
 #include "cluster/cluster_keys.h"
 #include "cluster/testing/cluster_fixture.h"
@@ -22,12 +23,23 @@ Deadline Soon() { return Deadline::After(kWaitLimit); }
 class ModelCatalog final : public CatalogProgress {
  public:
   Result<std::map<std::string, OwnerProgress>> ShardStatus(const std::string& node, uint32_t shard,
-                                                           int64_t /*generation*/, Deadline /*deadline*/) override {
+                                                           int64_t /*generation*/, Deadline deadline) override {
     if (down.count(node) != 0) return Status::Unavailable(fmt::format("'{}' is down", node));
+    if (hung.count(node) != 0) {  // connected, never answers: the call ends at its deadline
+      longest_given = std::max(longest_given, deadline.Remaining());
+      std::this_thread::sleep_for(deadline.Remaining());
+      return Status::DeadlineExceeded(fmt::format("'{}' did not answer", node));
+    }
     std::map<std::string, OwnerProgress> out;
     for (const std::string& owner : owners) {
-      if (original.count(node) != 0) out[owner] = OwnerProgress{true, sequence + shard};
-      if (caught_up.count(node) != 0) out[owner] = OwnerProgress{true, sequence + shard - behind};
+      const uint64_t start = starts.count(owner) != 0 ? starts.at(owner) : 0;
+      const uint64_t base = restarted_at.count(owner) != 0 ? restarted_at.at(owner) : sequence;
+      if (original.count(node) != 0) out[owner] = OwnerProgress{true, base + shard, start};
+      if (caught_up.count(node) != 0) {
+        auto held = new_copy_holds.find(owner);
+        out[owner] = held != new_copy_holds.end() ? OwnerProgress{true, held->second.second + shard, held->second.first}
+                                                  : OwnerProgress{true, base + shard - behind, start};
+      }
     }
     return out;
   }
@@ -35,8 +47,20 @@ class ModelCatalog final : public CatalogProgress {
   std::set<std::string> original = {"n1", "n2", "n3"};  // copies of generation 1
   std::set<std::string> caught_up;                      // new copies that have caught up
   std::set<std::string> down;
+  std::set<std::string> hung;            // accept the call and never answer
+  MonoClock::duration longest_given{0};  // the longest deadline a hung copy was given
   uint64_t sequence = 100;
   uint64_t behind = 0;  // how far the sequences a caught-up new copy reports trail the current copies' ones
+  std::map<std::string, uint64_t> starts;        // owner -> its live start (inventory incarnation; absent: 0)
+  std::map<std::string, uint64_t> restarted_at;  // owner -> the sequence its current start is at (absent: sequence)
+  // owner -> (start, sequence) a caught-up new copy holds instead (a slice of an earlier start not replaced yet)
+  std::map<std::string, std::pair<uint64_t, uint64_t>> new_copy_holds;
+
+  std::map<std::string, uint64_t> Live() const {
+    std::map<std::string, uint64_t> live;
+    for (const std::string& owner : owners) live[owner] = starts.count(owner) != 0 ? starts.at(owner) : 0;
+    return live;
+  }
 };
 
 class PlacementReconcilerTest : public testing::EtcdTest {
@@ -69,17 +93,19 @@ class PlacementReconcilerTest : public testing::EtcdTest {
     o.shard_bound = std::chrono::milliseconds(60'000);
     o.retire_grace = std::chrono::milliseconds(10'000);
     o.now_ms = [this] { return now_ms_; };
-    o.live_owners = [this] { return catalog_.owners; };
+    o.live_owners = [this] { return catalog_.Live(); };
     o.progress = &catalog_;
     return o;
   }
 
-  Status Request(std::vector<std::string> nodes) {
+  Status Request(std::vector<std::string> nodes, int64_t base_generation = 0, bool abort = false) {
     PlacementRequest r;
     r.catalog_nodes = std::move(nodes);
     r.replicas = 3;
     r.requested_by = "operator";
     r.requested_ms = now_ms_;
+    r.base_generation = base_generation;
+    r.abort = abort;
     return RawPut(PlacementRequestKey(cluster_), r.Encode());
   }
 
@@ -188,8 +214,10 @@ TEST_F(PlacementReconcilerTest, AddingANodeMovesAtMostTwoShardsAtOnceAndCommitsT
       EXPECT_LE(s->transition->CountIn(ShardMove::State::kMoving), 2u);
       for (const ShardMove& m : s->transition->shards) {
         if (m.state != ShardMove::State::kMoving) continue;
-        // Watermarks: every live owner, at the sequence the current copies reported when the move started.
-        EXPECT_EQ(m.watermarks.size(), 3u);
+        // The watermarks (every live owner, at the sequence the current copies reported when the move started) stay
+        // in the leader's memory: the record does not grow with the owners (issue 84; the passes above show they
+        // hold).
+        EXPECT_TRUE(m.watermarks.empty());
       }
     }
     // The new copy catches up one pass after its shard started moving (owners keep publishing meanwhile).
@@ -292,6 +320,202 @@ TEST_F(PlacementReconcilerTest, EtcdStoppedMidChangeLosesNothing) {
     ASSERT_TRUE(step.ok()) << step.status();
   }
   EXPECT_EQ(Read()->placement->generation(), 2);
+}
+
+// Issue 84, item 1: a copy that accepts the status call and never answers. Each status call has its own deadline
+// (status_call), and the write its own fresh one, so a pass whose own read deadline the hung calls outlast still
+// writes; the change aborts within two passes past its bound.
+TEST_F(PlacementReconcilerTest, AHungCopyCostsOneCallADeadlineAndTheChangeAbortsJustPastItsBound) {
+  ReconcilerLeadership leader(raw_.get(), cluster_, "n1", "uuid-a");
+  ASSERT_TRUE(leader.Campaign(Lease(), Soon()).value());
+  PlacementReconciler::Options options = ReconcilerOptions();
+  options.shard_bound = std::chrono::milliseconds(5'000);
+  options.status_call = std::chrono::milliseconds(200);
+  PlacementReconciler reconciler(options, raw_.get());
+  ASSERT_TRUE(Request({"n1", "n2", "n3", "n4"}).ok());
+  ASSERT_EQ(reconciler.Step(leader, Soon()).value().did, PlacementReconciler::Did::kStarted);
+  catalog_.hung = {"n4"};
+  int passes_after_bound = -1;
+  int64_t moving_since = -1;
+  for (int pass = 0; pass < 20; ++pass) {
+    now_ms_ += 1'000;
+    // Two moving shards each ask n4 (200 ms each): more than this pass's own 300 ms.
+    Result<PlacementReconciler::Outcome> step =
+        reconciler.Step(leader, Deadline::After(std::chrono::milliseconds(300)));
+    ASSERT_TRUE(step.ok()) << "pass " << pass << ": " << step.status();
+    if (moving_since < 0) moving_since = now_ms_;
+    if (now_ms_ - moving_since >= 5'000) ++passes_after_bound;
+    if (step->did == PlacementReconciler::Did::kAborted) break;
+  }
+  EXPECT_GE(passes_after_bound, 0);
+  EXPECT_LE(passes_after_bound, 2) << "the change aborted more than two passes after its bound";
+  Result<PlacementReconciler::Snapshot> s = Read();
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->transition->phase, PlacementTransition::Phase::kAborted);
+  EXPECT_NE(s->transition->reason.find("copy 'n4' did not answer"), std::string::npos) << s->transition->reason;
+  EXPECT_EQ(reconciler.stats().aborted, 1u);
+  EXPECT_LE(catalog_.longest_given, std::chrono::milliseconds(200)) << "a status call got more than its cap";
+}
+
+// Issue 84, item 1: the bound counts only time the reconciler could act. An etcd outage (no pass reads anything)
+// longer than the bound does not abort the change the moment etcd answers again.
+TEST_F(PlacementReconcilerTest, AnOutageLongerThanTheBoundDoesNotUseItUp) {
+  ReconcilerLeadership leader(raw_.get(), cluster_, "n1", "uuid-a");
+  ASSERT_TRUE(leader.Campaign(Lease(120), Soon()).value());
+  PlacementReconciler::Options options = ReconcilerOptions();
+  options.shard_bound = std::chrono::milliseconds(5'000);
+  PlacementReconciler reconciler(options, raw_.get());
+  ASSERT_TRUE(Request({"n1", "n2", "n3", "n4"}).ok());
+  ASSERT_EQ(reconciler.Step(leader, Soon()).value().did, PlacementReconciler::Did::kStarted);
+  ASSERT_TRUE(reconciler.Step(leader, Soon()).ok());  // two shards moving, n4 behind (it has caught up on nothing)
+  ASSERT_TRUE(etcd_->Stop().ok());
+  now_ms_ += 1'000;
+  EXPECT_FALSE(reconciler.Step(leader, Deadline::After(std::chrono::seconds(1))).ok());
+  now_ms_ += 60'000;  // a minute of outage
+  ASSERT_TRUE(etcd_->Launch().ok());
+  ASSERT_TRUE(etcd_->WaitReady(Soon()).ok());
+  Result<PlacementReconciler::Outcome> back = reconciler.Step(leader, Soon());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_NE(back->did, PlacementReconciler::Did::kAborted) << back->detail;
+  // The host catches up meanwhile: the change commits.
+  catalog_.caught_up = {"n4"};
+  for (int pass = 0; pass < 40 && Read()->placement->generation() == 1; ++pass) {
+    now_ms_ += 100;
+    ASSERT_TRUE(reconciler.Step(leader, Soon()).ok());
+  }
+  EXPECT_EQ(Read()->placement->generation(), 2);
+  EXPECT_EQ(reconciler.stats().aborted, 0u);
+}
+
+// Issue 84, item 1: `orbitkv catalog placement --abort` ends a moving change at the next pass; with nothing moving
+// the abort is dropped.
+TEST_F(PlacementReconcilerTest, AnOperatorsAbortEndsTheMoveAtTheNextPass) {
+  ReconcilerLeadership leader(raw_.get(), cluster_, "n1", "uuid-a");
+  ASSERT_TRUE(leader.Campaign(Lease(), Soon()).value());
+  PlacementReconciler reconciler(ReconcilerOptions(), raw_.get());
+  ASSERT_TRUE(Request({"n1", "n2", "n3", "n4"}, 1).ok());
+  ASSERT_EQ(reconciler.Step(leader, Soon()).value().did, PlacementReconciler::Did::kStarted);
+  ASSERT_TRUE(reconciler.Step(leader, Soon()).ok());
+  ASSERT_TRUE(Request({"n1", "n2", "n3"}, 1, /*abort=*/true).ok());
+  now_ms_ += 100;
+  Result<PlacementReconciler::Outcome> step = reconciler.Step(leader, Soon());
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->did, PlacementReconciler::Did::kAborted);
+  Result<PlacementReconciler::Snapshot> s = Read();
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->placement->generation(), 1);
+  EXPECT_EQ(s->transition->phase, PlacementTransition::Phase::kAborted);
+  EXPECT_NE(s->transition->reason.find("aborted by the operator"), std::string::npos) << s->transition->reason;
+  EXPECT_FALSE(s->request.has_value()) << "the abort request stays";
+  EXPECT_EQ(reconciler.stats().aborted, 1u);
+  now_ms_ += 10'001;
+  EXPECT_EQ(reconciler.Step(leader, Soon()).value().did, PlacementReconciler::Did::kRetired);
+  // Nothing moving: an abort changes nothing and goes.
+  ASSERT_TRUE(Request({"n1", "n2", "n3"}, 1, /*abort=*/true).ok());
+  step = reconciler.Step(leader, Soon());
+  ASSERT_TRUE(step.ok());
+  EXPECT_EQ(step->did, PlacementReconciler::Did::kNothing);
+  EXPECT_NE(step->detail.find("found no change in progress"), std::string::npos) << step->detail;
+  EXPECT_FALSE(Read()->request.has_value());
+  EXPECT_FALSE(Read()->transition.has_value());
+  EXPECT_EQ(reconciler.stats().refused, 1u);
+}
+
+// Issue 84, item 4: a request names the generation it was built on. One built on generation 1 after generation 2
+// committed would undo generation 2: it is refused, naming the placement now; one built on 2 goes ahead.
+TEST_F(PlacementReconcilerTest, ARequestBuiltOnAnOlderGenerationIsRefused) {
+  ReconcilerLeadership leader(raw_.get(), cluster_, "n1", "uuid-a");
+  ASSERT_TRUE(leader.Campaign(Lease(), Soon()).value());
+  PlacementReconciler reconciler(ReconcilerOptions(), raw_.get());
+  catalog_.caught_up = {"n4"};
+  ASSERT_TRUE(Request({"n1", "n2", "n3", "n4"}, 1).ok());
+  for (int pass = 0; pass < 40 && Read()->placement->generation() == 1; ++pass) {
+    now_ms_ += 100;
+    ASSERT_TRUE(reconciler.Step(leader, Soon()).ok());
+  }
+  ASSERT_EQ(Read()->placement->generation(), 2);
+  now_ms_ += 10'001;
+  ASSERT_EQ(reconciler.Step(leader, Soon()).value().did, PlacementReconciler::Did::kRetired);
+  // Built from a lagging view of generation 1: "remove n3" from {n1, n2, n3}, which would drop n4 too.
+  ASSERT_TRUE(Request({"n1", "n2"}, 1).ok());
+  Result<PlacementReconciler::Outcome> step = reconciler.Step(leader, Soon());
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->did, PlacementReconciler::Did::kNothing);
+  EXPECT_NE(step->detail.find("built on placement generation 1, and the placement is at generation 2 (catalog nodes "
+                              "n1,n2,n3,n4)"),
+            std::string::npos)
+      << step->detail;
+  EXPECT_FALSE(Read()->request.has_value());
+  EXPECT_FALSE(Read()->transition.has_value());
+  EXPECT_EQ(Read()->placement->generation(), 2);
+  EXPECT_EQ(reconciler.stats().refused, 1u);
+  // Built on generation 2, the same change goes ahead.
+  ASSERT_TRUE(Request({"n1", "n2", "n4"}, 2).ok());
+  EXPECT_EQ(reconciler.Step(leader, Soon()).value().did, PlacementReconciler::Did::kStarted);
+}
+
+// Issue 84, item 2: watermarks are per owner start. An owner that starts again mid-move (a rolling upgrade: its
+// sequences restart) does not keep the shard from ever being ready; a slice of a start that is no longer live, still
+// on the new copy, does not make it ready.
+TEST_F(PlacementReconcilerTest, AnOwnerRestartedMidMoveLetsTheMoveCompleteAndADeadStartsSliceCountsForNothing) {
+  ReconcilerLeadership leader(raw_.get(), cluster_, "n1", "uuid-a");
+  ASSERT_TRUE(leader.Campaign(Lease(), Soon()).value());
+  PlacementReconciler reconciler(ReconcilerOptions(), raw_.get());
+  catalog_.starts = {{"n1", 11}, {"n2", 21}, {"n3", 31}};
+  ASSERT_TRUE(Request({"n1", "n2", "n3", "n4"}).ok());
+  ASSERT_EQ(reconciler.Step(leader, Soon()).value().did, PlacementReconciler::Did::kStarted);
+  ASSERT_TRUE(reconciler.Step(leader, Soon()).ok());  // shards moving, watermarks at 100 + shard
+  // n2 starts again (sequences from 5); n3 too, but n4 still holds n3's earlier start, past its old watermark.
+  catalog_.starts["n2"] = 22;
+  catalog_.restarted_at["n2"] = 5;
+  catalog_.starts["n3"] = 32;
+  catalog_.restarted_at["n3"] = 3;
+  catalog_.new_copy_holds["n3"] = {31, 500};
+  catalog_.caught_up = {"n4"};
+  for (int pass = 0; pass < 20; ++pass) {
+    now_ms_ += 100;
+    Result<PlacementReconciler::Outcome> step = reconciler.Step(leader, Soon());
+    ASSERT_TRUE(step.ok()) << step.status();
+    ASSERT_NE(step->did, PlacementReconciler::Did::kAborted) << step->detail;
+  }
+  EXPECT_EQ(Read()->placement->generation(), 1) << "a dead start's slice made a shard ready";
+  EXPECT_EQ(reconciler.stats().shard_moves, 0u);
+  // n4 gets n3's new start: every shard moves and the change commits, n2 (restarted) included.
+  catalog_.new_copy_holds.clear();
+  for (int pass = 0; pass < 60 && Read()->placement->generation() == 1; ++pass) {
+    now_ms_ += 100;
+    Result<PlacementReconciler::Outcome> step = reconciler.Step(leader, Soon());
+    ASSERT_TRUE(step.ok()) << step.status();
+    ASSERT_NE(step->did, PlacementReconciler::Did::kAborted) << step->detail;
+  }
+  EXPECT_EQ(Read()->placement->generation(), 2);
+}
+
+// Issue 84, item 3: the transition record does not grow with the cluster: 4,096 owners with 40-character Node IDs
+// and a change that moves most shards commit through records far under the bound.
+TEST_F(PlacementReconcilerTest, TheTransitionRecordStaysSmallWithFourThousandOwners) {
+  ReconcilerLeadership leader(raw_.get(), cluster_, "n1", "uuid-a");
+  ASSERT_TRUE(leader.Campaign(Lease(), Soon()).value());
+  catalog_.owners.clear();
+  for (int i = 0; i < 4096; ++i) catalog_.owners.push_back(fmt::format("owner-{:034}", i));  // 40 characters
+  catalog_.caught_up = {"n4", "n5"};
+  PlacementReconciler::Options options = ReconcilerOptions();
+  options.max_moving = 10;
+  PlacementReconciler reconciler(options, raw_.get());
+  ASSERT_TRUE(Request({"n1", "n2", "n3", "n4", "n5"}).ok());
+  ASSERT_EQ(reconciler.Step(leader, Soon()).value().did, PlacementReconciler::Did::kStarted);
+  ASSERT_GE(Read()->transition->CountIn(ShardMove::State::kWaiting), 10u);
+  size_t largest = 0;
+  for (int pass = 0; pass < 40 && Read()->placement->generation() == 1; ++pass) {
+    now_ms_ += 100;
+    Result<PlacementReconciler::Outcome> step = reconciler.Step(leader, Soon());
+    ASSERT_TRUE(step.ok()) << step.status();
+    Result<std::string> record = RawGet(PlacementTransitionKey(cluster_));
+    if (record.ok()) largest = std::max(largest, record->size());
+  }
+  EXPECT_EQ(Read()->placement->generation(), 2);
+  EXPECT_LT(largest, 4096u) << "the transition record grows with the owners";
+  EXPECT_LE(largest, options.max_record_bytes);
 }
 
 }  // namespace

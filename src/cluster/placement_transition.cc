@@ -180,6 +180,8 @@ std::string PlacementRequest::Encode() const {
       .Add("replicas", static_cast<int64_t>(replicas))
       .Add("requested_by", requested_by)
       .Add("requested_ms", requested_ms)
+      .Add("base_generation", base_generation)
+      .Add("abort", int64_t{abort ? 1 : 0})
       .Finish();
 }
 
@@ -195,6 +197,15 @@ Result<PlacementRequest> PlacementRequest::Decode(std::string_view bytes) {
   ORBITKV_RETURN_IF_ERROR(Placement::Create(r.catalog_nodes, r.replicas).status().WithContext("placement request"));
   ORBITKV_ASSIGN_OR_RETURN(r.requested_by, json.GetString("requested_by"));
   ORBITKV_ASSIGN_OR_RETURN(r.requested_ms, json.GetInt("requested_ms"));
+  if (json.Has("base_generation")) {
+    ORBITKV_ASSIGN_OR_RETURN(r.base_generation, json.GetInt("base_generation"));
+    if (r.base_generation < 0) return Status::InvalidArgument("placement request: a negative base_generation");
+  }
+  if (json.Has("abort")) {
+    ORBITKV_ASSIGN_OR_RETURN(int64_t abort, json.GetInt("abort"));
+    if (abort != 0 && abort != 1) return Status::InvalidArgument("placement request: abort is 0 or 1");
+    r.abort = abort == 1;
+  }
   return r;
 }
 

@@ -81,12 +81,16 @@ struct PlacementTransition {
 std::string_view PlacementPhaseName(PlacementTransition::Phase phase);
 
 // The operator's request for a change (what `orbitkv catalog placement --add/--remove` writes):
-// {"v":1,"catalog_nodes":[...],"replicas":R,"requested_by":"node","requested_ms":T}: the whole next set.
+// {"v":1,"catalog_nodes":[...],"replicas":R,"requested_by":"node","requested_ms":T,"base_generation":G}: the whole
+// next set, built from committed generation G (absent from older writers: 0, not checked). With "abort":1 (what
+// `--abort` writes, with the committed set) it asks to abort the change in progress instead.
 struct PlacementRequest {
   std::vector<std::string> catalog_nodes;
   uint32_t replicas = kDefaultCatalogReplicas;
   std::string requested_by;
   int64_t requested_ms = 0;
+  int64_t base_generation = 0;
+  bool abort = false;
 
   std::string Encode() const;
   static Result<PlacementRequest> Decode(std::string_view bytes);

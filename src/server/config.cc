@@ -358,7 +358,8 @@ const std::vector<Option>& Options() {
        SizeInto(&ManagerConfig::remote_ssd_staging_budget_bytes)},
       {"placement-shard-bound-ms", "MS",
        "a catalog placement change (`orbitkv catalog placement --add/--remove`) aborts when one moving shard's new "
-       "copies have not caught up with their owners by then (default 60000)",
+       "copies have not caught up with their owners by then (default 60000); only time the elected reconciler could "
+       "act counts (an etcd outage does not), and `orbitkv catalog placement --abort` ends a change at once",
        Uint32Into(&ManagerConfig::placement_shard_bound_ms, 1000, 3600000)},
       {"placement-retire-grace-ms", "MS",
        "after a placement change commits, the old catalog copies keep answering this long for Managers that have "

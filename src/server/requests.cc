@@ -191,12 +191,13 @@ Status Manager::HandleDump(Session& session, const channel::InboundRequest& requ
     if (kind == channel::DumpKind::kPlacement) {
       lines = cluster_->PlacementLines();
     } else {
-      // "add NODE" or "remove NODE".
-      const std::string text(request.payload.begin(), request.payload.end());
+      // "add NODE", "remove NODE" or "abort".
+      std::string text(request.payload.begin(), request.payload.end());
+      if (text == "abort") text += ' ';
       const size_t space = text.find(' ');
       if (space == std::string::npos) {
         return session.channel->ReplyError(
-            d, Status::InvalidArgument("a placement change is 'add NODE' or 'remove NODE'"));
+            d, Status::InvalidArgument("a placement change is 'add NODE', 'remove NODE' or 'abort'"));
       }
       Result<std::vector<std::string>> asked =
           cluster_->RequestPlacement(std::string_view(text).substr(0, space), std::string_view(text).substr(space + 1));

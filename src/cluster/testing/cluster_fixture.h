@@ -87,6 +87,15 @@ class EtcdTest : public ::testing::Test {
     return raw_->Put(put, Deadline::After(kWaitLimit)).status();
   }
 
+  // The value at `key` (NotFound when absent).
+  Result<std::string> RawGet(const std::string& key) {
+    etcdserverpb::RangeRequest range;
+    range.set_key(key);
+    ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse r, raw_->Range(range, Deadline::After(kWaitLimit)));
+    if (r.kvs_size() == 0) return Status::NotFound(key);
+    return r.kvs(0).value();
+  }
+
   Status RawDelete(const std::string& key) {
     etcdserverpb::DeleteRangeRequest del;
     del.set_key(key);

@@ -33,6 +33,8 @@ CatalogHost::~CatalogHost() {
 
 Status CatalogHost::StartStreams(std::shared_ptr<grpc::ChannelCredentials> credentials,
                                  const cluster::MemberRecord& self) {
+  std::vector<std::unique_ptr<Stream>> gone;
+  Status synced = Status::Ok();
   {
     MutexLock lock(&streams_mu_);
     ORBITKV_CHECK_MSG(!transport_, "owner streams started twice");
@@ -48,10 +50,26 @@ Status CatalogHost::StartStreams(std::shared_ptr<grpc::ChannelCredentials> crede
       raw->thread = std::thread([raw] { raw->streamer->Run(raw->stop); });
       ++continued_;
     }
-    ORBITKV_RETURN_IF_ERROR(SyncStreams());
+    synced = SyncStreams(&gone);
   }
+  RetireStreams(std::move(gone));
+  ORBITKV_RETURN_IF_ERROR(synced);
   if (!maintenance_.joinable()) maintenance_ = std::thread([this] { Maintain(); });
   return Status::Ok();
+}
+
+void CatalogHost::RetireStreams(std::vector<std::unique_ptr<Stream>> gone) {
+  // Joined without streams_mu_: a stream stuck in a call to a copy that does not answer takes up to that call's
+  // deadline to see its stop flag, and nothing that reads the figures (orbitkv stats) waits for it (issue 84).
+  for (const std::unique_ptr<Stream>& stream : gone) {
+    if (stream->thread.joinable()) stream->thread.join();
+  }
+  MutexLock lock(&streams_mu_);
+  for (const std::unique_ptr<Stream>& stream : gone) {
+    // What they sent between their removal (counted then) and their end.
+    snapshots_before_ += stream->streamer->snapshots() - stream->counted_snapshots;
+    snapshot_records_before_ += stream->streamer->snapshot_records() - stream->counted_snapshot_records;
+  }
 }
 
 void CatalogHost::JoinStreams() {
@@ -142,27 +160,27 @@ CatalogHost::Summary CatalogHost::Summarize() const {
   return sum;
 }
 
-Status CatalogHost::SyncStreams() {
+Status CatalogHost::SyncStreams(std::vector<std::unique_ptr<Stream>>* gone) {
   if (!transport_) return Status::Ok();
   const std::shared_ptr<const cluster::LivePlacement::State> live = live_->Get();
   std::set<std::pair<uint32_t, std::string>> wanted;
   for (uint32_t shard = 0; shard < cluster::kNumShards; ++shard) {
     for (const std::string& copy : live->PublishCopies(shard)) wanted.emplace(shard, copy);
   }
-  std::vector<std::unique_ptr<Stream>> gone;
   for (auto it = streams_.begin(); it != streams_.end();) {
     if (wanted.contains(it->first)) {
       ++it;
       continue;
     }
-    it->second->stop.store(true, std::memory_order_release);
-    gone.push_back(std::move(it->second));
+    Stream& stream = *it->second;
+    stream.stop.store(true, std::memory_order_release);
+    // Counted now, so the figures never go back while it ends (RetireStreams adds what it sends meanwhile).
+    stream.counted_snapshots = stream.streamer->snapshots();
+    stream.counted_snapshot_records = stream.streamer->snapshot_records();
+    snapshots_before_ += stream.counted_snapshots;
+    snapshot_records_before_ += stream.counted_snapshot_records;
+    gone->push_back(std::move(it->second));
     it = streams_.erase(it);
-  }
-  for (auto& stream : gone) {
-    if (stream->thread.joinable()) stream->thread.join();
-    snapshots_before_ += stream->streamer->snapshots();
-    snapshot_records_before_ += stream->streamer->snapshot_records();
   }
   for (const auto& [shard, copy] : wanted) {
     if (streams_.contains({shard, copy})) continue;
@@ -256,10 +274,15 @@ void CatalogHost::FollowPlacement() {
   const uint64_t version = live_->version();
   if (version == followed_version_.load(std::memory_order_acquire)) return;
   {
-    MutexLock lock(&streams_mu_);
-    if (streams_stop_.load(std::memory_order_acquire)) {
-      // No registration streams now; the next StartStreams follows the placement.
-    } else if (Status synced = SyncStreams(); !synced.ok()) {
+    std::vector<std::unique_ptr<Stream>> gone;
+    Status synced = Status::Ok();
+    {
+      MutexLock lock(&streams_mu_);
+      // With no registration streaming now, the next StartStreams follows the placement.
+      if (!streams_stop_.load(std::memory_order_acquire)) synced = SyncStreams(&gone);
+    }
+    RetireStreams(std::move(gone));
+    if (!synced.ok()) {
       ORBITKV_LOG_ERROR("manager: the catalog streams did not follow the placement: {}", synced.ToString());
       return;  // tried again on the next round
     }

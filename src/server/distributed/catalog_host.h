@@ -88,11 +88,15 @@ class CatalogHost {
     std::unique_ptr<catalog::OwnerStreamer> streamer;
     std::atomic<bool> stop{false};
     std::thread thread;
+    uint64_t counted_snapshots = 0, counted_snapshot_records = 0;  // added to the totals when it was removed
   };
 
-  // Makes the owner streams those the live placement publishes to now: starts the missing ones, stops those no
-  // longer wanted (a retired or aborted copy). Nothing while no registration streams.
-  Status SyncStreams() REQUIRES(streams_mu_);
+  // Makes the owner streams those the live placement publishes to now: starts the missing ones, and flags those no
+  // longer wanted (a retired or aborted copy) to stop and moves them to `gone`, for RetireStreams once the lock is
+  // released. Nothing while no registration streams.
+  Status SyncStreams(std::vector<std::unique_ptr<Stream>>* gone) REQUIRES(streams_mu_);
+  // Joins streams SyncStreams removed and adds what they sent until they ended.
+  void RetireStreams(std::vector<std::unique_ptr<Stream>> gone) EXCLUDES(streams_mu_);
   // Stops and joins every stream's thread and lets the transport go (PauseStreams, StopStreams).
   void JoinStreams() REQUIRES(streams_mu_);
   void Maintain();

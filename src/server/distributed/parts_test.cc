@@ -15,6 +15,7 @@
 
 #include "base/runtime_id.h"
 #include "base/temp_dir.h"
+#include "catalog/testing/loopback_server.h"
 #include "cluster/placement.h"
 #include "cluster/testing/test_certs.h"
 #include "core/test_util.h"
@@ -285,6 +286,67 @@ TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndContinueAcr
   ASSERT_TRUE(host.StartStreams(nullptr, again).ok());
   EXPECT_EQ(host.Summarize().streams, cluster::kNumShards);
   ASSERT_TRUE(Eventually([&] { return host.Summarize().snapshots >= snapshots + cluster::kNumShards; }));
+}
+
+// A catalog copy whose peer accepts calls and never answers them (the sync Peer service, each Catalog call held
+// until the test lets it go).
+class HungCatalogPeer final : public peer::v1::Peer::Service {
+ public:
+  grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest*,
+                       peer::v1::CatalogResponse*) override {
+    held.fetch_add(1);
+    while (!released.load() && !context->IsCancelled()) std::this_thread::sleep_for(milliseconds(5));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "hung peer");
+  }
+  std::atomic<int> held{0};
+  std::atomic<bool> released{false};
+};
+
+// Issue 84, item 5: when the placement drops a copy whose peer never answers, the owner streams to it are stopped
+// and joined without the lock that the figures (`orbitkv stats`) take: a stream stuck in a call to that copy (up to
+// its deadline) delays nothing that reads them.
+TEST_F(CatalogHostTest, StreamsToADroppedCopyThatNeverAnswersEndWithoutHoldingUpTheFigures) {
+  HungCatalogPeer hung;
+  catalog::testing::LoopbackServer server = catalog::testing::StartLoopbackServer({&hung});
+  ASSERT_NE(server.server, nullptr);
+  Result<cluster::Placement> both = cluster::Placement::Create({"n0", "n1"}, 2);
+  ASSERT_TRUE(both.ok());
+  cluster::LivePlacement live(*both);
+  cluster::Member me;
+  me.record = self_;
+  cluster::Member peer;
+  peer.record = cluster::MemberRecord{"t", "n1", 1, server.endpoint(), cluster::NewRuntimeUuid(), 9};
+  view_.Install({{"n0", me}, {"n1", peer}}, 2);
+  CatalogHost host({.node_id = "n0", .incarnation = runtime_.incarnation()}, &view_, &live, inventory_.get());
+  ASSERT_TRUE(host.StartStreams(nullptr, self_).ok());
+  ASSERT_EQ(host.Summarize().streams, 2 * cluster::kNumShards);
+  ASSERT_TRUE(Eventually([&] { return hung.held.load() > 0; })) << "no stream reached the hung copy";
+
+  // Generation 2 keeps every shard on n0 alone: the streams to n1 go. Every one of them is stuck in its call until
+  // the test lets the copy answer, which a helper does after 3 s at the latest (the calls' own deadline is 5 s).
+  Result<cluster::Placement> alone = cluster::Placement::Create({"n0"}, 1, 2);
+  ASSERT_TRUE(alone.ok());
+  ASSERT_EQ(live.Apply({{std::string(cluster::kPlacementRecordName), alone->Encode()}}), "");
+  std::atomic<bool> done{false};
+  std::thread releaser([&] {
+    for (int i = 0; i < 300 && !done.load(); ++i) std::this_thread::sleep_for(milliseconds(10));
+    hung.released.store(true);
+  });
+  bool released_first = true;
+  for (int i = 0; i < 1000; ++i) {
+    const CatalogHost::Summary s = host.Summarize();  // what `orbitkv stats` reads
+    if (s.streams == cluster::kNumShards) {
+      released_first = hung.released.load();
+      break;
+    }
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  done.store(true);
+  releaser.join();
+  EXPECT_FALSE(released_first) << "the figures waited for the streams stuck in calls to the dropped copy";
+  EXPECT_EQ(host.Summarize().streams, cluster::kNumShards);
+  host.StopStreams();
+  server.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
 // --- the source and the requester --------------------------------------------------------------------------------

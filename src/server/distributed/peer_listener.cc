@@ -37,6 +37,9 @@ Result<std::unique_ptr<PeerListener>> PeerListener::Start(const ManagerConfig& c
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listener->address_, tls ? tls : grpc::InsecureServerCredentials(), &listener->port_);
   builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
+  // Peers ping while a call waits (catalog::NewPeerStub): accept pings that often instead of answering GOAWAY.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, catalog::kPeerKeepaliveTimeMs / 2);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
   builder.RegisterService(listener->service_.get());
   listener->tls_ = tls != nullptr;

@@ -29,10 +29,10 @@ PlacementDriver::PlacementDriver(Options options, cluster::Membership* membershi
                                                         .now_ms = WallMs,
                                                         .live_owners =
                                                             [membership] {
-                                                              std::vector<std::string> live;
+                                                              std::map<std::string, uint64_t> live;
                                                               for (const cluster::Member& m :
                                                                    membership->view().Read().members) {
-                                                                live.push_back(m.record.node_id);
+                                                                live[m.record.node_id] = m.record.incarnation;
                                                               }
                                                               return live;
                                                             },
@@ -134,11 +134,13 @@ std::chrono::milliseconds PlacementDriver::Round() {
 
 Result<std::vector<std::string>> PlacementDriver::Request(std::string_view verb, std::string_view node,
                                                           Deadline deadline) {
-  if (verb != "add" && verb != "remove") {
-    return Status::InvalidArgument(fmt::format("a placement change is 'add NODE' or 'remove NODE', not '{}'", verb));
+  if (verb != "add" && verb != "remove" && verb != "abort") {
+    return Status::InvalidArgument(
+        fmt::format("a placement change is 'add NODE', 'remove NODE' or 'abort', not '{}'", verb));
   }
-  ORBITKV_RETURN_IF_ERROR(cluster::ValidateName("the node to " + std::string(verb), node));
+  if (verb != "abort") ORBITKV_RETURN_IF_ERROR(cluster::ValidateName("the node to " + std::string(verb), node));
   const std::shared_ptr<const cluster::LivePlacement::State> live = membership_->live_placement().Get();
+  if (verb == "abort") return RequestAbort(*live, deadline);
   if (live->moving()) {
     return Status::FailedPrecondition(fmt::format(
         "a placement change to generation {} is in progress ({} shard(s) moving, {} ready): ask again once it "
@@ -180,10 +182,16 @@ Result<std::vector<std::string>> PlacementDriver::Request(std::string_view verb,
   request.replicas = live->committed.requested_replicas();
   request.requested_by = options_.node_id;
   request.requested_ms = WallMs();
+  request.base_generation = live->committed.generation();
   ORBITKV_RETURN_IF_ERROR(cluster::Placement::Create(request.catalog_nodes, request.replicas).status());
-  ORBITKV_ASSIGN_OR_RETURN(bool written,
-                           cluster::SubmitPlacementRequest(membership_->etcd(), options_.cluster, request, deadline));
-  if (!written) return Status::FailedPrecondition("another placement request was written just now: look again");
+  ORBITKV_ASSIGN_OR_RETURN(const int64_t revision, CheckBase(live->committed, deadline));
+  ORBITKV_ASSIGN_OR_RETURN(bool written, cluster::SubmitPlacementRequest(membership_->etcd(), options_.cluster, request,
+                                                                         deadline, revision));
+  if (!written) {
+    return Status::FailedPrecondition(
+        "another placement request, or the next placement, was written just now: look "
+        "again (`orbitkv catalog placement`)");
+  }
   wake_.notify_all();
   std::sort(request.catalog_nodes.begin(), request.catalog_nodes.end());
   return std::vector<std::string>{
@@ -191,6 +199,56 @@ Result<std::vector<std::string>> PlacementDriver::Request(std::string_view verb,
                   fmt::join(request.catalog_nodes, ","), request.replicas, live->committed.generation(),
                   live->committed.generation() + 1),
       "the elected reconciler moves at most 2 shards at a time; `orbitkv catalog placement` shows the progress"};
+}
+
+Result<int64_t> PlacementDriver::CheckBase(const cluster::Placement& base, Deadline deadline) {
+  ORBITKV_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse records,
+                           cluster::RangePlacementRecords(membership_->etcd(), options_.cluster, deadline));
+  for (const mvccpb::KeyValue& kv : records.kvs()) {
+    if (kv.key() != cluster::PlacementKey(options_.cluster)) continue;
+    ORBITKV_ASSIGN_OR_RETURN(cluster::Placement now, cluster::Placement::Decode(kv.value()));
+    if (now.generation() != base.generation()) {
+      return Status::FailedPrecondition(fmt::format(
+          "this Manager's placement (generation {}) is behind etcd's: generation {} (catalog nodes {}, {} "
+          "copies a shard) is committed; a change built on generation {} would undo it: ask again",
+          base.generation(), now.generation(), fmt::join(now.catalog_nodes(), ","), now.replicas(), base.generation()));
+    }
+    return kv.mod_revision();
+  }
+  return Status::FailedPrecondition(fmt::format("cluster '{}' has no placement record", options_.cluster));
+}
+
+Result<std::vector<std::string>> PlacementDriver::RequestAbort(const cluster::LivePlacement::State& live,
+                                                               Deadline deadline) {
+  if (!live.moving()) {
+    return Status::FailedPrecondition(fmt::format(
+        "no placement change is moving (generation {}, change: {}): nothing to abort", live.committed.generation(),
+        live.transition ? cluster::PlacementPhaseName(live.transition->phase) : std::string_view("none")));
+  }
+  if (live.request.has_value()) {
+    return Status::FailedPrecondition(fmt::format("a placement request ({}{}) waits for the reconciler already",
+                                                  live.request->abort ? "abort, " : "",
+                                                  fmt::join(live.request->catalog_nodes, ",")));
+  }
+  if (!membership_->CanDoRemoteWork()) {
+    return Status::Unavailable("this Manager's registration or member view is not current: try again shortly");
+  }
+  cluster::PlacementRequest request;
+  request.catalog_nodes = live.committed.catalog_nodes();
+  request.replicas = live.committed.requested_replicas();
+  request.requested_by = options_.node_id;
+  request.requested_ms = WallMs();
+  request.base_generation = live.committed.generation();
+  request.abort = true;
+  ORBITKV_ASSIGN_OR_RETURN(bool written,
+                           cluster::SubmitPlacementRequest(membership_->etcd(), options_.cluster, request, deadline));
+  if (!written) return Status::FailedPrecondition("another placement request was written just now: look again");
+  wake_.notify_all();
+  return std::vector<std::string>{
+      fmt::format("abort requested: the change to generation {} ends at the reconciler's next step; generation {} "
+                  "stays and the new copies are dropped",
+                  live.transition->from_generation + 1, live.committed.generation()),
+      "`orbitkv catalog placement` shows it (change: aborted)"};
 }
 
 std::vector<std::string> PlacementDriver::Lines() const {
@@ -268,6 +326,10 @@ void PlacementDriver::VisitStats(StatsVisitor& v) const {
   v.Counter("placement_changes_aborted", stats.aborted,
             {"orbitkv_placement_changes_aborted_total",
              "Catalog placement changes this Manager aborted (a shard did not converge in time)"});
+  v.Counter("placement_requests_refused", stats.refused,
+            {"orbitkv_placement_requests_refused_total",
+             "Placement requests this Manager dropped as the reconciler leader (built on an older generation, or an "
+             "abort with no change in progress)"});
   v.Counter("", stats.shard_moves,
             {"orbitkv_placement_shard_moves_total",
              "Shards whose new catalog copies this Manager saw converge as the leader"});

@@ -55,9 +55,11 @@ class PlacementDriver {
   // A registration made again: campaigns as that start.
   void OnRegistered(const cluster::MemberRecord& self) EXCLUDES(mu_);
 
-  // Asks for a change of the catalog set: `verb` "add" or "remove" and a Node ID. Returns what was asked, in a few
-  // lines. FailedPrecondition naming why it cannot be asked now (a change moves, a request waits, the node is not a
-  // live member, not in the set or already in it, the last node); etcd errors as the client returns them.
+  // Asks for a change of the catalog set: `verb` "add" or "remove" and a Node ID, or "abort" (the change moving now
+  // ends at the reconciler's next step). Returns what was asked, in a few lines. FailedPrecondition naming why it
+  // cannot be asked now (a change moves, a request waits, the node is not a live member, not in the set or already in
+  // it, the last node, nothing to abort, or this Manager's placement is behind etcd's: a request names the generation
+  // it was built on and is written only while that generation is committed); etcd errors as the client returns them.
   Result<std::vector<std::string>> Request(std::string_view verb, std::string_view node, Deadline deadline)
       EXCLUDES(mu_);
 
@@ -70,6 +72,11 @@ class PlacementDriver {
   void Run() EXCLUDES(mu_);
   // One round: campaigns and steps when there is work; returns how long to wait before the next one.
   std::chrono::milliseconds Round() EXCLUDES(mu_);
+  // The placement record's revision while it is still at `base`'s generation (FailedPrecondition naming the
+  // committed placement otherwise).
+  Result<int64_t> CheckBase(const cluster::Placement& base, Deadline deadline);
+  Result<std::vector<std::string>> RequestAbort(const cluster::LivePlacement::State& live, Deadline deadline)
+      EXCLUDES(mu_);
 
   const Options options_;
   cluster::Membership* const membership_;

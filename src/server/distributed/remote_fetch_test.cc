@@ -16,6 +16,7 @@
 
 #include "base/runtime_id.h"
 #include "catalog/catalog_grpc.h"
+#include "catalog/testing/loopback_server.h"
 #include "catalog/transfer_grants.h"
 #include "core/test_util.h"
 #include "transfer/fault_injecting_engine.h"
@@ -55,14 +56,11 @@ class RemoteFetchTest : public ::testing::Test {
     service.source = holds_.get();
     service.ucx_worker_address = source_engine_->ListenAddress();
     service_ = std::make_unique<catalog::PeerService>(std::move(service), &view_);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(port, 0);
+    catalog::testing::LoopbackServer loopback = catalog::testing::StartLoopbackServer({service_.get()});
+    server_ = std::move(loopback.server);
+    ASSERT_NE(loopback.port, 0);
     std::map<std::string, cluster::Member> members;
-    members.emplace("source", MemberOf("source", source_uuid_, fmt::format("127.0.0.1:{}", port)));
+    members.emplace("source", MemberOf("source", source_uuid_, loopback.endpoint()));
     members.emplace("requester", MemberOf("requester", requester_uuid_, ""));
     view_.Install(std::move(members), 1);
 

@@ -20,6 +20,9 @@ Requester::Requester(const ManagerConfig& config, Parts parts, MetricsRegistry* 
   discovery.hedge_after = std::chrono::milliseconds(config.discovery_hedge_ms);
   // A shard's copies are tried one after another, the rotation spreading requesters over them; while the placement
   // changes, a moving shard's new copies come after its committed ones.
+  discovery.committed_copies_of = [live = parts.live](const state::StateKey& key) {
+    return live->Get()->committed.CopiesOf(state::ShardOf(key, cluster::kNumShards)).size();
+  };
   discovery.copies_of = [live = parts.live](const state::StateKey& key) {
     return live->Get()->QueryCopies(state::ShardOf(key, cluster::kNumShards));
   };
