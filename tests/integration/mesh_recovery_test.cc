@@ -1,6 +1,7 @@
-// Distributed hardening in the mesh (issues 51 and 54): an etcd outage ended by a new registration without a
-// restart, a grant release behind a partition, a three-member etcd losing members, and three catalog copies on
-// four hosts losing two. Label `distributed` (serial: the mesh's addresses are fixed), fixture in mesh_fixture.h.
+// Distributed hardening in the mesh (issues 51, 54 and 84): an etcd outage ended by a new registration without a
+// restart, a grant release behind a partition, a three-member etcd losing members, three catalog copies on four
+// hosts losing two, and a placement change to a copy that never answers. Label `distributed` (serial: the mesh's
+// addresses are fixed), fixture in mesh_fixture.h.
 #include "mesh_fixture.h"  // first: it brings gRPC in
 
 #include <fmt/ranges.h>
@@ -15,6 +16,7 @@
 #include "catalog/catalog_grpc.h"
 #include "catalog/discovery.h"
 #include "catalog/remote_plan.h"
+#include "cluster/membership.h"
 #include "cluster/placement.h"
 #include "transfer/descriptor.h"
 #include "transfer/test_util.h"
@@ -466,6 +468,141 @@ TEST_F(FourHostMeshTest, AFourthCatalogNodeAddedUnderLoadCommitsTheNextGeneratio
   }
   EXPECT_TRUE(testing::EventuallyIdle(*b.client));
   EXPECT_TRUE(testing::EventuallyIdle(*d.client));
+}
+
+// A member whose peer port accepts calls and never answers them (Health, Catalog, CatalogStatus: each held until
+// its caller gives up), with a real registration: its lease and etcd traffic are a Manager's.
+class SilentPeer final : public peer::v1::Peer::Service {
+ public:
+  grpc::Status Health(grpc::ServerContext* context, const peer::v1::HealthRequest*,
+                      peer::v1::HealthResponse*) override {
+    return Hold(context);
+  }
+  grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest*,
+                       peer::v1::CatalogResponse*) override {
+    return Hold(context);
+  }
+  grpc::Status CatalogStatus(grpc::ServerContext* context, const peer::v1::CatalogStatusRequest*,
+                             peer::v1::CatalogStatusResponse*) override {
+    return Hold(context);
+  }
+  std::atomic<bool> stop{false};
+
+ private:
+  grpc::Status Hold(grpc::ServerContext* context) {
+    while (!stop.load() && !context->IsCancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "silent");
+  }
+};
+
+// Issue 84, item 5: the catalog on two hosts, `--placement-shard-bound-ms 5000`, and a third member whose peer port
+// accepts calls and never answers is added to the catalog set. The change ends (aborted, generation 1 stays) within
+// three times its bound, the leader counts the abort, and `orbitkv stats` answers on every catalog host throughout
+// (within the CLI's 3 s): no lock is held across a call to the silent copy.
+TEST_F(MeshTest, APlacementChangeToACopyThatNeverAnswersEndsWithinItsBoundAndStatsStillAnswer) {
+  catalog_nodes_ = "node-0,node-1";
+  catalog_replicas_ = "2";
+  std::vector<std::unique_ptr<ManagerProcess>> managers;
+  ASSERT_TRUE(StartManagers(kHosts, "silent", &managers,
+                            {"--placement-shard-bound-ms", "5000", "--placement-retire-grace-ms", "1000"}));
+  MeshEngine a(*managers[2], 1, 16);
+  for (uint64_t c = 0; c < 8; ++c)
+    ASSERT_TRUE(testing::SaveChain(*a.client, 1, a.kv, testing::Chain(9900 + c, 16)).ok());
+  ASSERT_TRUE(CatalogsEqualInventories(All(managers)));
+
+  SilentPeer silent;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(std::string(NetnsMesh::kRootAddress) + ":0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&silent);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  cluster::MembershipOptions options;
+  options.etcd_endpoints = {etcd_->endpoint()};
+  options.cluster_name = "mesh";
+  options.node_id = "silent-node";
+  options.membership_ttl_secs = 3;
+  options.catalog_nodes = {"node-0", "node-1"};
+  options.catalog_replicas = 2;
+  options.peer_endpoint = fmt::format("{}:{}", NetnsMesh::kRootAddress, port);
+  MetricsRegistry metrics;
+  Result<std::unique_ptr<cluster::Membership>> member = cluster::Membership::Create(options, &metrics);
+  ASSERT_TRUE(member.ok()) << member.status();
+  ASSERT_TRUE((*member)->Join(Deadline::After(std::chrono::seconds(30))).ok());
+
+  const std::string asked =
+      testing::CliOutput({"catalog", "placement", "--add", "silent-node", "--socket", managers[0]->socket()}, true);
+  ASSERT_NE(asked.find("requested: catalog nodes node-0,node-1,silent-node"), std::string::npos) << asked;
+  const MonoTime start = MonoNow();
+  bool seen_moving = false;
+  int stats_failures = 0;
+  std::string failed_stats;
+  const auto ended = [&] {
+    for (const auto& m : managers) {
+      const std::string stats = StatsOf(*m);
+      const std::string change = StringField(stats, "placement_change");
+      seen_moving = seen_moving || change == "moving";
+      if (change == "moving" || (change == "none" && !seen_moving)) return false;
+    }
+    return true;
+  };
+  while (!ended() && MonoNow() - start < std::chrono::seconds(60)) {
+    for (int i = 0; i < 2; ++i) {  // the catalog hosts, as an operator asks them
+      const std::string out = testing::CliOutput(
+          {"stats", "--json", "--socket", managers[static_cast<size_t>(i)]->socket()}, /*with_errors=*/true);
+      if (out.find("\"placement_change\"") == std::string::npos) {
+        ++stats_failures;
+        failed_stats = out;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  const double seconds = std::chrono::duration<double>(MonoNow() - start).count();
+  silent.stop.store(true);
+  ASSERT_TRUE(ended()) << testing::CliOutput({"catalog", "placement", "--socket", managers[0]->socket()});
+  EXPECT_TRUE(seen_moving);
+  EXPECT_LE(seconds, 15.0) << "the change did not end within three times its 5 s bound";
+  EXPECT_EQ(stats_failures, 0) << failed_stats;
+  uint64_t aborted = 0;
+  for (const auto& m : managers) {
+    const std::string stats = StatsOf(*m);
+    EXPECT_EQ(Field(stats, "placement_generation"), 1u) << stats;
+    aborted += Field(stats, "placement_changes_aborted");
+  }
+  EXPECT_EQ(aborted, 1u) << "the leader did not count its abort";
+  const std::string shown = testing::CliOutput({"catalog", "placement", "--socket", managers[1]->socket()});
+  EXPECT_NE(shown.find("placement generation 1: catalog nodes node-0,node-1"), std::string::npos) << shown;
+
+  // The operator's abort: refused with nothing moving; asked again while the same change moves, it ends the change
+  // at the reconciler's next pass, long before the bound.
+  const auto change_of = [&](const ManagerProcess& m) { return StringField(StatsOf(m), "placement_change"); };
+  for (int i = 0; i < 200 && change_of(*managers[0]) != "none"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const std::string nothing =
+      testing::CliOutput({"catalog", "placement", "--abort", "--socket", managers[1]->socket()}, true);
+  EXPECT_NE(nothing.find("nothing to abort"), std::string::npos) << nothing;
+  silent.stop.store(false);
+  const std::string again =
+      testing::CliOutput({"catalog", "placement", "--add", "silent-node", "--socket", managers[0]->socket()}, true);
+  ASSERT_NE(again.find("requested"), std::string::npos) << again;
+  for (int i = 0; i < 200 && change_of(*managers[1]) != "moving"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(change_of(*managers[1]), "moving");
+  const std::string abort =
+      testing::CliOutput({"catalog", "placement", "--abort", "--socket", managers[1]->socket()}, true);
+  EXPECT_NE(abort.find("abort requested"), std::string::npos) << abort;
+  std::string placement;
+  for (int i = 0; i < 200; ++i) {
+    placement = testing::CliOutput({"catalog", "placement", "--socket", managers[0]->socket()});
+    if (placement.find("aborted by the operator (asked on node node-1)") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_NE(placement.find("aborted by the operator (asked on node node-1)"), std::string::npos) << placement;
+  silent.stop.store(true);
+  (*member)->Shutdown();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
 }  // namespace
