@@ -39,12 +39,13 @@ Status CatalogHost::StartStreams(std::shared_ptr<grpc::ChannelCredentials> crede
     MutexLock lock(&streams_mu_);
     ORBITKV_CHECK_MSG(!transport_, "owner streams started twice");
     streams_stop_.store(false, std::memory_order_release);
-    transport_ = std::make_unique<catalog::GrpcCatalogTransport>(PeerIdentityOf(self, *live_), view_,
+    transport_ = std::make_shared<catalog::GrpcCatalogTransport>(PeerIdentityOf(self, *live_), view_,
                                                                  std::move(credentials), store_.get());
     owner_ = self;
     // Paused streams continue as this registration: the same inventory, so the same start.
     for (auto& [where, stream] : streams_) {
       stream->streamer->Rebind(self.runtime_uuid, self.epoch, transport_.get());
+      stream->transport = transport_;
       stream->stop.store(false, std::memory_order_release);
       Stream* raw = stream.get();
       raw->thread = std::thread([raw] { raw->streamer->Run(raw->stop); });
@@ -196,6 +197,7 @@ Status CatalogHost::SyncStreams(std::vector<std::unique_ptr<Stream>>* gone) {
                              catalog::OwnerStreamer::Create(options, inventory_, transport_.get()));
     auto stream = std::make_unique<Stream>();
     stream->streamer = std::move(streamer);
+    stream->transport = transport_;
     Stream* raw = stream.get();
     raw->thread = std::thread([raw] { raw->streamer->Run(raw->stop); });
     streams_.emplace(std::make_pair(shard, copy), std::move(stream));

@@ -85,6 +85,9 @@ class CatalogHost {
  private:
   // One owner stream and its thread.
   struct Stream {
+    // The transport it sends through, kept while it runs: a stream being retired outside the lock may still be in a
+    // call after the host let the transport go (PauseStreams, StopStreams).
+    std::shared_ptr<catalog::GrpcCatalogTransport> transport;
     std::unique_ptr<catalog::OwnerStreamer> streamer;
     std::atomic<bool> stop{false};
     std::thread thread;
@@ -110,7 +113,7 @@ class CatalogHost {
   std::unique_ptr<catalog::CatalogStore> store_;
   // The owner streams of the current registration (stopped and made anew when it registers again), by (shard, copy).
   mutable Mutex streams_mu_;
-  std::unique_ptr<catalog::GrpcCatalogTransport> transport_ GUARDED_BY(streams_mu_);
+  std::shared_ptr<catalog::GrpcCatalogTransport> transport_ GUARDED_BY(streams_mu_);
   cluster::MemberRecord owner_ GUARDED_BY(streams_mu_);  // the registration the streams send as
   std::map<std::pair<uint32_t, std::string>, std::unique_ptr<Stream>> streams_ GUARDED_BY(streams_mu_);
   uint64_t stream_bytes_before_ GUARDED_BY(streams_mu_) = 0;  // sent by the streams of earlier registrations
