@@ -5,6 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <set>
 #include <thread>
 
@@ -61,6 +66,79 @@ class ModelCatalog final : public CatalogProgress {
     for (const std::string& owner : owners) live[owner] = starts.count(owner) != 0 ? starts.at(owner) : 0;
     return live;
   }
+};
+
+// A TCP proxy in front of etcd that passes requests at once and holds every reply for `reply_delay`: a write it
+// forwards takes effect while a caller with a shorter deadline sees DEADLINE_EXCEEDED (a reply lost on the way,
+// which a real etcd cannot be made to do on demand).
+class SlowRepliesProxy {
+ public:
+  SlowRepliesProxy(int target_port, std::chrono::milliseconds reply_delay)
+      : target_port_(target_port), delay_(reply_delay) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr = Loopback(0);
+    socklen_t size = sizeof(addr);
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(listener_, 16) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &size) != 0) {
+      ADD_FAILURE() << "proxy: no loopback port";
+      return;
+    }
+    port_ = ntohs(addr.sin_port);
+    threads_.emplace_back([this] { Accept(); });
+  }
+  ~SlowRepliesProxy() {
+    stop_ = true;
+    ::shutdown(listener_, SHUT_RDWR);
+    ::close(listener_);
+    for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);
+    for (std::thread& t : threads_) t.join();
+    for (int fd : fds_) ::close(fd);
+  }
+  std::string endpoint() const { return fmt::format("127.0.0.1:{}", port_); }
+
+ private:
+  static sockaddr_in Loopback(int port) {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    return addr;
+  }
+  void Accept() {
+    while (!stop_) {
+      const int client = ::accept(listener_, nullptr, nullptr);
+      if (client < 0) return;
+      const int server = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr = Loopback(target_port_);
+      if (::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+        ::close(client);
+        ::close(server);
+        continue;
+      }
+      fds_.push_back(client);
+      fds_.push_back(server);
+      threads_.emplace_back([this, client, server] { Pump(client, server, std::chrono::milliseconds(0)); });
+      threads_.emplace_back([this, client, server] { Pump(server, client, delay_); });
+    }
+  }
+  void Pump(int from, int to, std::chrono::milliseconds delay) {
+    char buffer[65536];
+    while (!stop_) {
+      const ssize_t n = ::read(from, buffer, sizeof(buffer));
+      if (n <= 0) break;
+      if (delay.count() > 0) std::this_thread::sleep_for(delay);
+      if (::write(to, buffer, static_cast<size_t>(n)) != n) break;
+    }
+    ::shutdown(to, SHUT_WR);
+  }
+
+  const int target_port_;
+  const std::chrono::milliseconds delay_;
+  int listener_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::vector<int> fds_;              // Accept's thread only, then the destructor
+  std::vector<std::thread> threads_;  // likewise
 };
 
 class PlacementReconcilerTest : public testing::EtcdTest {
@@ -516,6 +594,40 @@ TEST_F(PlacementReconcilerTest, TheTransitionRecordStaysSmallWithFourThousandOwn
   EXPECT_EQ(Read()->placement->generation(), 2);
   EXPECT_LT(largest, 4096u) << "the transition record grows with the owners";
   EXPECT_LE(largest, options.max_record_bytes);
+}
+
+// Issue 84, item 5: an abort whose write took effect while its reply was lost (the caller saw DEADLINE_EXCEEDED) is
+// still counted, once a later pass reads it: `placement_changes_aborted` on the leader says what it did.
+TEST_F(PlacementReconcilerTest, AnAbortWhoseReplyWasLostIsCountedWhenAPassReadsIt) {
+  ReconcilerLeadership leader(raw_.get(), cluster_, "n1", "uuid-a");
+  ASSERT_TRUE(leader.Campaign(Lease(), Soon()).value());
+  const std::string& direct = etcd_->endpoint();
+  SlowRepliesProxy proxy(std::stoi(direct.substr(direct.rfind(':') + 1)), std::chrono::milliseconds(300));
+  EtcdClientOptions client_options;
+  client_options.endpoints = {proxy.endpoint()};
+  Result<std::unique_ptr<EtcdClient>> slow = EtcdClient::Create(client_options);
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  PlacementReconciler::Options options = ReconcilerOptions();
+  options.shard_bound = std::chrono::milliseconds(1'000);
+  options.etcd_call = std::chrono::milliseconds(100);  // every write's reply comes too late: 300 ms
+  PlacementReconciler reconciler(options, slow->get());
+  ASSERT_TRUE(Request({"n1", "n2", "n3", "n4"}).ok());
+  catalog_.down = {"n4"};
+  for (int pass = 0; pass < 12; ++pass) {
+    now_ms_ += 1'000;
+    (void)reconciler.Step(leader, Soon());  // the writes answer DEADLINE_EXCEEDED and take effect
+    Result<PlacementReconciler::Snapshot> s = Read();
+    ASSERT_TRUE(s.ok());
+    if (s->transition.has_value() && s->transition->phase == PlacementTransition::Phase::kAborted &&
+        reconciler.stats().aborted == 1) {
+      break;
+    }
+  }
+  Result<PlacementReconciler::Snapshot> s = Read();
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(s->transition.has_value());
+  EXPECT_EQ(s->transition->phase, PlacementTransition::Phase::kAborted) << s->transition->reason;
+  EXPECT_EQ(reconciler.stats().aborted, 1u) << "an abort that took effect was not counted";
 }
 
 }  // namespace
