@@ -197,7 +197,7 @@ void PlacementReconciler::CountUnconfirmed(const Snapshot& s) {
   const Unconfirmed u = *unconfirmed_;
   if (s.transition.has_value() && s.transition->from_generation == u.from_generation &&
       s.transition->started_ms == u.started_ms) {
-    if (s.transition->phase == PlacementTransition::Phase::kMoving) return;  // not written (yet): the pass retries
+    // Still moving: that write did not take effect (this read follows it); the pass writes again and counts that.
     if (s.transition->phase == u.phase) {
       ++(u.phase == PlacementTransition::Phase::kAborted ? stats_.aborted : stats_.committed);
       ORBITKV_LOG_INFO("cluster {}: the placement change's {} (whose write answered an error) took effect",
@@ -264,8 +264,10 @@ std::string PlacementReconciler::Behind(const Placement& from, const Placement& 
         holds = fmt::format("a start ({:016x}) that is not its live one ({:016x})", p->second.incarnation, start);
       } else if (!p->second.baseline) {
         holds = "no baseline";
-      } else if ((mark.incarnation == 0 || mark.incarnation == start) && p->second.sequence < mark.sequence) {
-        holds = std::to_string(p->second.sequence);  // (a start newer than the watermark's: its baseline suffices)
+      } else if (mark.incarnation == start && p->second.sequence < mark.sequence) {
+        // (A live start other than the one the watermark was taken of, 0 "not said" included: the owner started
+        // again since, and its new start's baseline suffices.)
+        holds = std::to_string(p->second.sequence);
       }
       if (!holds.empty())
         return fmt::format("copy '{}' holds owner '{}' at {} of {}", copy, owner, holds, mark.sequence);
@@ -356,14 +358,9 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
   for (uint32_t shard = 0; shard < kNumShards && t.phase == PlacementTransition::Phase::kMoving; ++shard) {
     ShardMove& m = t.shards[shard];
     if (m.state != ShardMove::State::kMoving) continue;
-    if (!marked_[shard]) {
-      // A move this leader did not start (another leader's, or its own before a restart): the watermarks again, now.
-      TakeWatermarks(from, shard, live);
-      for (const auto& [owner, sequence] : m.watermarks) {  // an older leader's record names some: the larger counts
-        Watermark& mark = marks_[shard][owner];
-        mark.sequence = std::max(mark.sequence, sequence);
-      }
-    }
+    // A move this leader did not start (another leader's, or its own before a restart): the watermarks again, now
+    // (the current copies' sequences: at least what the earlier leader waited for, of the same start).
+    if (!marked_[shard]) TakeWatermarks(from, shard, live);
     const std::string behind = Behind(from, to, shard, live);
     if (behind.empty()) {
       m.state = ShardMove::State::kReady;
@@ -375,6 +372,14 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
       t.phase = PlacementTransition::Phase::kAborted;
       t.reason =
           fmt::format("shard {} did not converge within {} s: {}", shard, options_.shard_bound.count() / 1000, behind);
+      changed = true;
+    }
+  }
+  // Watermarks an older leader wrote into the record go with this write: the record stays bounded (they were taken
+  // again above, from the current copies).
+  for (ShardMove& m : t.shards) {
+    if (!m.watermarks.empty()) {
+      m.watermarks.clear();
       changed = true;
     }
   }
@@ -398,7 +403,10 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
     Put(&txn, PlacementTransitionKey(cluster), t.Encode());
     Result<bool> done = Commit(leadership, std::move(txn), &lost);
     if (!done.ok()) {
-      unconfirmed_ = Unconfirmed{t.from_generation, t.started_ms, t.phase};
+      // Sent, and perhaps applied (a refusal before sending is ResourceExhausted): a later read tells.
+      if (done.status().code() != StatusCode::kResourceExhausted) {
+        unconfirmed_ = Unconfirmed{t.from_generation, t.started_ms, t.phase};
+      }
       return done.status();
     }
     if (!*done) return lost;
@@ -414,8 +422,9 @@ Result<PlacementReconciler::Outcome> PlacementReconciler::Advance(ReconcilerLead
   Put(&txn, PlacementTransitionKey(cluster), t.Encode());
   Result<bool> done = Commit(leadership, std::move(txn), &lost);
   if (!done.ok()) {
-    if (t.phase == PlacementTransition::Phase::kAborted)
+    if (t.phase == PlacementTransition::Phase::kAborted && done.status().code() != StatusCode::kResourceExhausted) {
       unconfirmed_ = Unconfirmed{t.from_generation, t.started_ms, t.phase};
+    }
     return done.status();
   }
   if (!*done) return lost;
