@@ -117,24 +117,13 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options
   }
   std::unique_ptr<EtcdClient> client(new EtcdClient(std::move(options)));
   client->endpoints_ = std::move(normalized);
-  for (const std::string& target : client->endpoints_) {
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
-    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
-    SetReconnectPolicy(&args);  // a restarted etcd is found within about a second
-    args.SetMaxReceiveMessageSize(kMaxReceiveBytes);
-    // Each endpoint gets its own connection even when two clients in one process name the same
-    // etcd.
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    auto endpoint = std::make_unique<Endpoint>();
-    endpoint->channel = grpc::CreateCustomChannel(target, credentials, args);
-    endpoint->kv = etcdserverpb::KV::NewStub(endpoint->channel);
-    endpoint->lease = etcdserverpb::Lease::NewStub(endpoint->channel);
-    endpoint->watch = etcdserverpb::Watch::NewStub(endpoint->channel);
-    endpoint->maintenance = etcdserverpb::Maintenance::NewStub(endpoint->channel);
-    endpoint->auth = etcdserverpb::Auth::NewStub(endpoint->channel);
-    client->channels_.push_back(std::move(endpoint));
+  client->credentials_ = std::move(credentials);
+  for (size_t i = 0; i < client->endpoints_.size(); ++i) {
+    auto slot = std::make_unique<Slot>();
+    std::shared_ptr<Endpoint> endpoint = client->NewEndpoint(i);
+    MutexLock lock(&slot->mu);
+    slot->current = std::move(endpoint);
+    client->channels_.push_back(std::move(slot));
   }
   if (client->authenticates()) client->refresher_ = std::thread([c = client.get()] { c->RunTokenRefresher(); });
   return client;
@@ -212,6 +201,59 @@ Result<std::string> EtcdClient::Token(size_t endpoint_index, Deadline deadline) 
   return Authenticate(endpoint_index, deadline);
 }
 
+std::shared_ptr<EtcdClient::Endpoint> EtcdClient::NewEndpoint(size_t endpoint_index) const {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+  SetReconnectPolicy(&args);  // a restarted etcd is found within about a second
+  args.SetMaxReceiveMessageSize(kMaxReceiveBytes);
+  // Each endpoint gets its own connection even when two clients in one process name the same etcd, and a fresh
+  // channel (Slot) its own subchannel.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto endpoint = std::make_shared<Endpoint>();
+  endpoint->channel = grpc::CreateCustomChannel(endpoints_[endpoint_index], credentials_, args);
+  endpoint->kv = etcdserverpb::KV::NewStub(endpoint->channel);
+  endpoint->lease = etcdserverpb::Lease::NewStub(endpoint->channel);
+  endpoint->watch = etcdserverpb::Watch::NewStub(endpoint->channel);
+  endpoint->maintenance = etcdserverpb::Maintenance::NewStub(endpoint->channel);
+  endpoint->auth = etcdserverpb::Auth::NewStub(endpoint->channel);
+  return endpoint;
+}
+
+std::shared_ptr<EtcdClient::Endpoint> EtcdClient::Current(size_t endpoint_index) const {
+  Slot& slot = *channels_[endpoint_index];
+  MutexLock lock(&slot.mu);
+  return slot.current;
+}
+
+bool EtcdClient::NoteOutcome(size_t endpoint_index, bool connect_failure) {
+  Slot& slot = *channels_[endpoint_index];
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(MonoNow().time_since_epoch()).count();
+  MutexLock lock(&slot.mu);
+  if (!connect_failure) {
+    slot.failing_since_ms = 0;
+    return false;
+  }
+  if (slot.failing_since_ms == 0) slot.failing_since_ms = now;
+  if (now - slot.failing_since_ms < kStuckAfterMs || now - slot.last_try_ms < kStuckAfterMs) return false;
+  slot.last_try_ms = now;
+  return true;
+}
+
+void EtcdClient::Adopt(size_t endpoint_index, std::shared_ptr<Endpoint> fresh) {
+  Slot& slot = *channels_[endpoint_index];
+  {
+    MutexLock lock(&slot.mu);
+    slot.retired.push_back(std::move(slot.current));
+    slot.current = std::move(fresh);
+    slot.failing_since_ms = 0;
+  }
+  channel_resets_.fetch_add(1, std::memory_order_relaxed);
+  ORBITKV_LOG_WARN("etcd: the channel to {} could not connect for {} s while a new one could: using the new one",
+                   endpoints_[endpoint_index], kStuckAfterMs / 1000);
+}
+
 Result<std::string> EtcdClient::Authenticate(size_t endpoint_index, Deadline deadline) {
   CountCall(kAuthenticate);
   grpc::ClientContext context;
@@ -220,7 +262,7 @@ Result<std::string> EtcdClient::Authenticate(size_t endpoint_index, Deadline dea
   request.set_name(options_.user);
   request.set_password(options_.password);
   etcdserverpb::AuthenticateResponse response;
-  const grpc::Status status = channels_[endpoint_index]->auth->Authenticate(&context, request, &response);
+  const grpc::Status status = Current(endpoint_index)->auth->Authenticate(&context, request, &response);
   Status error;
   if (!status.ok()) {
     counters_[kAuthenticate].failures->Increment();
@@ -343,7 +385,20 @@ Result<Response> EtcdClient::Call(Method method, Deadline deadline, Invoke&& inv
     context.set_deadline(ToSystemDeadline(capped));
     if (!token->empty()) context.AddMetadata("token", *token);
     Response response;
-    const grpc::Status status = invoke(*channels_[index], &context, &response);
+    grpc::Status status = invoke(*Current(index), &context, &response);
+    // UNAVAILABLE with the channel's own connect error: the call never reached etcd.
+    const bool connect_failure = status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+                                 status.error_message().find("failed to connect") != std::string::npos;
+    if (NoteOutcome(index, connect_failure) && !capped.Expired()) {
+      // Failing to connect for a while: the same call on a fresh channel tells a stuck channel from a down etcd.
+      std::shared_ptr<Endpoint> fresh = NewEndpoint(index);
+      grpc::ClientContext retry;
+      retry.set_deadline(ToSystemDeadline(capped));
+      if (!token->empty()) retry.AddMetadata("token", *token);
+      response.Clear();
+      status = invoke(*fresh, &retry, &response);
+      if (status.ok()) Adopt(index, std::move(fresh));
+    }
     if (status.ok()) {
       preferred_.store(index, std::memory_order_relaxed);
       return response;
@@ -398,7 +453,7 @@ Result<etcdserverpb::StatusResponse> EtcdClient::EndpointStatus(size_t endpoint_
   if (!token.empty()) context.AddMetadata("token", token);
   etcdserverpb::StatusResponse response;
   const grpc::Status status =
-      channels_[endpoint_index]->maintenance->Status(&context, etcdserverpb::StatusRequest(), &response);
+      Current(endpoint_index)->maintenance->Status(&context, etcdserverpb::StatusRequest(), &response);
   if (!status.ok()) {
     counters_[kStatus].failures->Increment();
     return Explain(status, FromGrpc(status, "Status", endpoints_[endpoint_index]));
@@ -410,12 +465,12 @@ size_t EtcdClient::PreferredEndpoint() const { return preferred_.load(std::memor
 
 etcdserverpb::Watch::Stub* EtcdClient::WatchStub(size_t endpoint_index) {
   ORBITKV_CHECK(endpoint_index < channels_.size());
-  return channels_[endpoint_index]->watch.get();
+  return Current(endpoint_index)->watch.get();  // kept alive by the slot (current or retired) until the client goes
 }
 
 etcdserverpb::Lease::Stub* EtcdClient::LeaseStub(size_t endpoint_index) {
   ORBITKV_CHECK(endpoint_index < channels_.size());
-  return channels_[endpoint_index]->lease.get();
+  return Current(endpoint_index)->lease.get();
 }
 
 std::string EtcdClient::PrepareStreamContext(grpc::ClientContext* context, StreamKind kind, size_t endpoint_index) {

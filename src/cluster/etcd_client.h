@@ -104,6 +104,10 @@ class EtcdClient {
   // included).
   uint64_t tokens_obtained() const { return tokens_->Value(); }
   uint64_t authenticate_calls() const { return counters_[kAuthenticate].calls->Value(); }
+  // Channels replaced by a fresh one that answered while the old one could not connect (see Slot).
+  uint64_t channel_resets() const { return channel_resets_.load(std::memory_order_relaxed); }
+  // How long an endpoint's channel fails to connect before a fresh one is tried (at most once per this long).
+  static constexpr int64_t kStuckAfterMs = 3'000;
 
   // --- Streams
   // -------------------------------------------------------------------------------------------------
@@ -179,7 +183,27 @@ class EtcdClient {
   const EtcdClientOptions options_;
   std::unique_ptr<MetricsRegistry> own_metrics_;
   std::vector<std::string> endpoints_;  // Normalized "host:port".
-  std::vector<std::unique_ptr<Endpoint>> channels_;
+  // One slot per endpoint: the channel calls use now. A channel that cannot connect for kStuckAfter while a fresh
+  // one to the same endpoint can is replaced by that one (its gRPC subchannel stays stuck after meeting etcd
+  // mid-restart: seen as "connection attempt timed out before receiving SETTINGS frame" for a minute while a new
+  // client got answers). Replaced channels are kept until the client goes: streams hold raw stub pointers.
+  struct Slot {
+    Mutex mu;
+    std::shared_ptr<Endpoint> current GUARDED_BY(mu);
+    std::vector<std::shared_ptr<Endpoint>> retired GUARDED_BY(mu);
+    int64_t failing_since_ms GUARDED_BY(mu) = 0;  // the first of the current run of connect failures (0: none)
+    int64_t last_try_ms GUARDED_BY(mu) = 0;       // the last time a fresh channel was tried
+  };
+  std::shared_ptr<Endpoint> Current(size_t endpoint_index) const;
+  // A call to `endpoint_index` failed (`connect_failure`: UNAVAILABLE before reaching etcd) or succeeded: whether a
+  // fresh channel should be tried now.
+  bool NoteOutcome(size_t endpoint_index, bool connect_failure);
+  // A new channel to endpoint `endpoint_index`; Adopt makes it the current one.
+  std::shared_ptr<Endpoint> NewEndpoint(size_t endpoint_index) const;
+  void Adopt(size_t endpoint_index, std::shared_ptr<Endpoint> fresh);
+  std::vector<std::unique_ptr<Slot>> channels_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  std::atomic<uint64_t> channel_resets_{0};
   MethodCounters counters_[kMethodCount];
   Counter* failovers_ = nullptr;
 

@@ -6,6 +6,8 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <thread>
+
 #include "base/scoped_fd.h"
 #include "cluster/testing/cluster_fixture.h"
 
@@ -112,6 +114,33 @@ TEST_F(EtcdClientTest, FailsOverFromADeadEndpoint) {
   EXPECT_EQ((*client)->failovers_total(), 1u);
   EXPECT_EQ(testing::CounterValue(metrics, "orbitkv_etcd_calls_total", {{"method", "Range"}}), 3u);
   EXPECT_EQ(testing::CounterValue(metrics, "orbitkv_etcd_call_failures_total", {{"method", "Range"}}), 1u);
+}
+
+// While etcd is down, a fresh channel cannot connect either: the client's channel is kept (a channel is replaced only
+// when a fresh one answers while it cannot connect, EtcdClient::Slot), and once etcd is back the calls go through.
+TEST_F(EtcdClientTest, AChannelIsNotReplacedWhileEtcdIsDownAndCallsResumeWhenItIsBack) {
+  EtcdClientOptions options;
+  options.endpoints = {etcd_->endpoint()};
+  options.call_timeout = std::chrono::milliseconds(500);
+  Result<std::unique_ptr<EtcdClient>> client = EtcdClient::Create(options);
+  ASSERT_TRUE(client.ok());
+  etcdserverpb::RangeRequest range;
+  range.set_key("/t");
+  ASSERT_TRUE((*client)->Range(range, Soon()).ok());
+  ASSERT_TRUE(etcd_->Stop().ok());
+  const MonoTime until = MonoNow() + std::chrono::milliseconds(2 * EtcdClient::kStuckAfterMs);
+  int failed = 0;
+  while (MonoNow() < until) {
+    failed += (*client)->Range(range, Deadline::After(std::chrono::milliseconds(500))).ok() ? 0 : 1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_GT(failed, 0);
+  EXPECT_EQ((*client)->channel_resets(), 0u) << "a channel was replaced by one that could not connect either";
+  ASSERT_TRUE(etcd_->Launch().ok());
+  ASSERT_TRUE(etcd_->WaitReady(Soon()).ok());
+  EXPECT_TRUE(
+      testing::WaitUntil([&] { return (*client)->Range(range, Deadline::After(std::chrono::seconds(1))).ok(); }));
+  EXPECT_LE((*client)->channel_resets(), 1u);
 }
 
 TEST_F(EtcdClientTest, EveryCallHasADeadline) {
