@@ -12,7 +12,7 @@
 // want it flat or logarithmic, and today it is linear where the store walks every owner).
 // And the same store behind the real PeerService on a loopback gRPC port, asked by the real requester transport
 // (GrpcRequesterTransport, as Discovery asks a catalog host), the route checked against the same N-member view:
-//  - peer_lookup_us_at_N: Peer.Lookup of the hot key, against peer_health_us_at_N, Peer.Health over the same channel
+//  - peer_lookup_us_at_N: Peer.Lookup of the hot key, against peer_health_us_at_N, Peer.Health to the same port
 //    in the same run (the loopback gRPC round trip with the route check: what a lookup cannot beat),
 //  - peer_lookup_batch_us_at_N: Peer.Lookup of a full batch (kMaxLookupKeys keys of that shard, the hot key among
 //    them), against the same round trip.
@@ -32,10 +32,10 @@
 #include "bench_report.h"
 #include "catalog/peer_service.h"
 #include "catalog/route.h"
-#include "catalog/testing/loopback_server.h"
 #include "cluster/member_record.h"
 #include "cluster/member_view.h"
 #include "cluster/placement.h"
+#include "peer_bench.h"
 
 namespace orbitkv::bench {
 namespace {
@@ -99,9 +99,7 @@ void MeasurePeer(catalog::CatalogStore& store, cluster::MemberView& view,
   options.catalog = &store;
   options.hosts_shard = [](uint32_t shard) { return shard < cluster::kNumShards; };
   catalog::PeerService service(options, &view);
-  catalog::testing::LoopbackServer loopback = catalog::testing::StartLoopbackServer({&service});
-  if (loopback.server == nullptr || loopback.port == 0) std::abort();
-  host.record.endpoint = loopback.endpoint();
+  std::unique_ptr<grpc::Server> server = ListenLoopback(&service, &host.record.endpoint);
   view.Install(members, view.revision() + 1);
 
   catalog::GrpcRequesterTransport requester(IdentityOf(asker), &view, nullptr);
@@ -110,9 +108,6 @@ void MeasurePeer(catalog::CatalogStore& store, cluster::MemberView& view,
     state::StateKey key = Key(3, i);
     if (state::ShardOf(key, cluster::kNumShards) == kShard) batch.push_back(std::move(key));
   }
-  const std::shared_ptr<peer::v1::Peer::Stub> stub = catalog::NewPeerStub(host.record.endpoint, nullptr);
-  peer::v1::HealthRequest health;
-  *health.mutable_route() = catalog::MakeRoute(IdentityOf(asker), host.record);
   const auto ask = [&](std::span<const state::StateKey> keys) {
     Result<std::vector<catalog::LookupRow>> rows =
         requester.Lookup(host.record.node_id, keys, Deadline::After(std::chrono::seconds(30)), nullptr);
@@ -123,15 +118,10 @@ void MeasurePeer(catalog::CatalogStore& store, cluster::MemberView& view,
     }
   };
   ask(batch);  // the channel connected, the answer checked once
-  f.peer_health_us = MedianMicros(kSamples, [&] {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    peer::v1::HealthResponse response;
-    if (!stub->Health(&context, health, &response).ok()) std::abort();
-  });
+  f.peer_health_us = HealthRoundTripP50Ms(host.record.endpoint, IdentityOf(asker), host.record, kSamples) * 1000;
   f.peer_lookup_us = MedianMicros(kSamples, [&] { ask(std::span<const state::StateKey>(batch.data(), 1)); });
   f.peer_batch_us = MedianMicros(kBatchSamples, [&] { ask(batch); });
-  loopback.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 
 Figures Measure(size_t n) {
@@ -220,7 +210,7 @@ int main(int argc, char** argv) {
                                        kSamples, 101, kBatchSamples, catalog::kMaxLookupKeys));
   report.AddEnv("peer",
                 "PeerService on 127.0.0.1 (insecure gRPC), asked by GrpcRequesterTransport; the baseline is "
-                "Peer.Health over the same channel (its route check included)");
+                "Peer.Health to the same port on a channel of its own (its route check included)");
   report.Print(json);
   return 0;
 }

@@ -14,6 +14,7 @@
 #include "base/clock.h"
 #include "bench_report.h"
 #include "catalog/route.h"
+#include "catalog/testing/loopback_server.h"
 #include "cluster/member_view.h"
 
 namespace orbitkv::bench {
@@ -32,19 +33,13 @@ inline cluster::Member MemberOf(const std::string& node, const std::string& uuid
 // Serves `service` on 127.0.0.1 (any port, the peer protocol's message limits); sets `endpoint`. Exits the
 // benchmark when no port can be had.
 inline std::unique_ptr<grpc::Server> ListenLoopback(grpc::Service* service, std::string* endpoint) {
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(catalog::kMaxPeerMessageBytes);
-  builder.SetMaxSendMessageSize(catalog::kMaxPeerMessageBytes);
-  builder.RegisterService(service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
+  catalog::testing::LoopbackServer loopback = catalog::testing::StartLoopbackServer({service});
+  if (loopback.server == nullptr || loopback.port == 0) {
     std::fprintf(stderr, "bench: no loopback port for a peer server\n");
     std::exit(1);
   }
-  *endpoint = "127.0.0.1:" + std::to_string(port);
-  return server;
+  *endpoint = loopback.endpoint();
+  return std::move(loopback.server);
 }
 
 // The p50 of the loopback gRPC unary round trip (Health, route check included) from `as` to `to` at `endpoint`:

@@ -303,21 +303,6 @@ double RawRangeSeconds(EtcdClient& client) {
 
 // --- owner streams (issue 69): catalog hosts and a sample of owners, as a Manager's catalog parts ---------------
 
-// A port nobody listens on now, for a catalog host's peer service (bound right after, so a collision is unlikely).
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t size = sizeof(addr);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size) != 0) {
-    Check(Status::Internal("no free loopback port"), "catalog host");
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // Key `i` of owner `owner`'s inventory.
 state::StateKey OwnerKey(uint64_t owner, uint64_t i) {
   static const state::StateNamespace ns = BenchNamespace("bench/scale-model");
@@ -343,7 +328,12 @@ class SimNode {
     for (size_t i = 0; i < records; ++i) Admit();
 
     MembershipOptions options = RealOptions(endpoints, node);
-    const int port = catalog_host ? FreePort() : 1;  // an owner that hosts nothing is never dialled
+    int port = 1;  // an owner that hosts nothing is never dialled
+    if (catalog_host) {
+      Result<int> free = testing::PickFreePort();
+      Check(free.status(), "a port for a catalog host");
+      port = *free;
+    }
     options.peer_endpoint = fmt::format("127.0.0.1:{}", port);
     options.runtime_uuid = runtime_.ToString();
     options.incarnation = runtime_.incarnation();

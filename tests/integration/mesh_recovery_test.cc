@@ -16,6 +16,7 @@
 #include "catalog/catalog_grpc.h"
 #include "catalog/discovery.h"
 #include "catalog/remote_plan.h"
+#include "catalog/testing/loopback_server.h"
 #include "cluster/membership.h"
 #include "cluster/placement.h"
 #include "transfer/descriptor.h"
@@ -470,51 +471,25 @@ TEST_F(FourHostMeshTest, AFourthCatalogNodeAddedUnderLoadCommitsTheNextGeneratio
   EXPECT_TRUE(testing::EventuallyIdle(*d.client));
 }
 
-// A member whose peer port accepts calls and never answers them (Health, Catalog, CatalogStatus: each held until
-// its caller gives up), with a real registration: its lease and etcd traffic are a Manager's.
-class SilentPeer final : public peer::v1::Peer::Service {
- public:
-  grpc::Status Health(grpc::ServerContext* context, const peer::v1::HealthRequest*,
-                      peer::v1::HealthResponse*) override {
-    return Hold(context);
-  }
-  grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest*,
-                       peer::v1::CatalogResponse*) override {
-    return Hold(context);
-  }
-  grpc::Status CatalogStatus(grpc::ServerContext* context, const peer::v1::CatalogStatusRequest*,
-                             peer::v1::CatalogStatusResponse*) override {
-    return Hold(context);
-  }
-  std::atomic<bool> stop{false};
-
- private:
-  grpc::Status Hold(grpc::ServerContext* context) {
-    while (!stop.load() && !context->IsCancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "silent");
-  }
-};
-
 // A member with a real registration (its lease and etcd traffic a Manager's) whose peer port, on the mesh's bridge,
-// holds every call (SilentPeer), joined to the fixture's cluster with the catalog on node-0 and node-1.
+// holds every call (catalog::testing::HoldingPeer), joined to the fixture's cluster with the catalog on node-0 and
+// node-1.
 struct SilentMember {
-  SilentPeer service;
+  catalog::testing::HoldingPeer service;
   std::unique_ptr<grpc::Server> server;
   MetricsRegistry metrics;
   std::unique_ptr<cluster::Membership> membership;
   ~SilentMember() {
-    service.stop.store(true);
+    service.released.store(true);
     if (membership) membership->Shutdown();
     if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   }
 };
 
 ::testing::AssertionResult JoinSilentMember(const std::string& etcd_endpoint, SilentMember* out) {
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(std::string(NetnsMesh::kRootAddress) + ":0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&out->service);
-  out->server = builder.BuildAndStart();
+  catalog::testing::LoopbackServer listening =
+      catalog::testing::StartLoopbackServer({&out->service}, NetnsMesh::kRootAddress);
+  out->server = std::move(listening.server);
   if (out->server == nullptr) return ::testing::AssertionFailure() << "the silent peer did not listen";
   cluster::MembershipOptions options;
   options.etcd_endpoints = {etcd_endpoint};
@@ -523,7 +498,7 @@ struct SilentMember {
   options.membership_ttl_secs = 3;
   options.catalog_nodes = {"node-0", "node-1"};
   options.catalog_replicas = 2;
-  options.peer_endpoint = fmt::format("{}:{}", NetnsMesh::kRootAddress, port);
+  options.peer_endpoint = listening.endpoint();
   Result<std::unique_ptr<cluster::Membership>> member = cluster::Membership::Create(options, &out->metrics);
   if (!member.ok()) return ::testing::AssertionFailure() << member.status();
   out->membership = std::move(member).value();

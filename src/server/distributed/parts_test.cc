@@ -288,25 +288,11 @@ TEST_F(CatalogHostTest, ItsOwnStreamsBringTheInventoryIntoItsStoreAndContinueAcr
   ASSERT_TRUE(Eventually([&] { return host.Summarize().snapshots >= snapshots + cluster::kNumShards; }));
 }
 
-// A catalog copy whose peer accepts calls and never answers them (the sync Peer service, each Catalog call held
-// until the test lets it go).
-class HungCatalogPeer final : public peer::v1::Peer::Service {
- public:
-  grpc::Status Catalog(grpc::ServerContext* context, const peer::v1::CatalogRequest*,
-                       peer::v1::CatalogResponse*) override {
-    held.fetch_add(1);
-    while (!released.load() && !context->IsCancelled()) std::this_thread::sleep_for(milliseconds(5));
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "hung peer");
-  }
-  std::atomic<int> held{0};
-  std::atomic<bool> released{false};
-};
-
 // Issue 84, item 5: when the placement drops a copy whose peer never answers, the owner streams to it are stopped
 // and joined without the lock that the figures (`orbitkv stats`) take: a stream stuck in a call to that copy (up to
 // its deadline) delays nothing that reads them.
 TEST_F(CatalogHostTest, StreamsToADroppedCopyThatNeverAnswersEndWithoutHoldingUpTheFigures) {
-  HungCatalogPeer hung;
+  catalog::testing::HoldingPeer hung;
   catalog::testing::LoopbackServer server = catalog::testing::StartLoopbackServer({&hung});
   ASSERT_NE(server.server, nullptr);
   Result<cluster::Placement> both = cluster::Placement::Create({"n0", "n1"}, 2);
