@@ -354,6 +354,12 @@ class CacheManagerClient:
     def ping(self) -> int:
         return self._native.ping()
 
+    def session_alive(self) -> bool:
+        """Whether the session is still open as far as this process can tell, without a request: False once the
+        Manager closed it or its process is gone (stopped, restarted, killed). A Manager stopped with kill -STOP
+        still counts as alive (its calls time out instead)."""
+        return self._native.session_alive()
+
 
 def wait_for_manager(socket_path: str, *, timeout: float = 60.0, process=None) -> None:
     """Waits until the Manager at ``socket_path`` answers a ping, for whoever just started one.

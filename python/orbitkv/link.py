@@ -3,16 +3,20 @@
 One failure policy for both:
 - At start, a Manager that does not answer is ``ManagerNotRunning`` (a ``ManagerUnavailable``) naming the fix, when
   the adapter requires one; otherwise the adapter serves without it (every lookup a miss) until it appears.
-- While running, every call goes through ``client()``, which returns None while the Manager is unreachable. A call
-  that fails with ``ManagerUnavailable`` reports it with ``failed()``: the link goes down, and the next ``client()``
-  after ``reconnect_interval_s`` connects again and replays the adapter's registrations (``on_connect``), so the
-  engine keeps serving (recomputing) meanwhile. Other errors are the call's own and leave the link up.
+- While running, every call goes through ``client()``, which returns None while the Manager is unreachable, so a
+  call made while the Manager is away fails fast (the engine recomputes). A call that fails with
+  ``ManagerUnavailable`` reports it with ``failed()``; other errors are the call's own and leave the link up.
+- The link watches its session in the background (a non-blocking look at its socket every ``WATCH_INTERVAL_S``, no
+  request): a Manager that stopped, restarted or was killed takes the link down at once, not at the engine's next
+  call, and while it is down the watcher connects every ``WATCH_INTERVAL_S`` (a refused connect costs
+  microseconds). The new session is ready before the engine asks: its next ``client()`` replays the adapter's
+  registrations on it (``on_connect``, on the engine's own thread, so the adapter's state is never touched from the
+  watcher) and serves it. A Manager that answers but refuses the replay (it may not read this process's memory,
+  say) is tried again every ``reconnect_interval_s`` and logged once per distinct reason.
 - A Manager that stops answering (``kill -STOP``, swapping, a debugger: a call times out) stalls the link: ``client()``
   returns None at once, so the engine loop never waits on it again, while a background probe pings it every
   ``reconnect_interval_s``; when it answers, the same client (its registrations intact) serves again; when its
   session is found gone, the link reconnects as above.
-- A Manager that answers but refuses the replay (it may not read this process's memory, say) is logged once per
-  distinct reason, not on every attempt.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import orbitkv
@@ -60,6 +65,8 @@ class ManagerNotRunning(orbitkv.ManagerUnavailable, RuntimeError):
 
 
 class ManagerLink:
+    WATCH_INTERVAL_S = 0.05  # how often the watcher looks at the session, and connects while the Manager is away
+
     def __init__(self, socket_path: Optional[str], timeout_ms: int, spin_iterations: int = 4096, *, require: bool,
                  reconnect_interval_s: float, on_connect: Callable[[orbitkv.CacheManagerClient], None],
                  adapter: str = "OrbitKV", fix: str = "", log: Optional[logging.Logger] = None):
@@ -79,7 +86,10 @@ class ManagerLink:
         self._deferred: list = []  # (instance, lease) to release once the stalled Manager answers
         self.reconnects = 0
         self.reconnect_failures = 0
+        self.losses = 0  # sessions the watcher found closed
         self._last_refusal = ""
+        self._ready: Optional[orbitkv.CacheManagerClient] = None  # connected by the watcher, not yet replayed
+        self._stop = threading.Event()
         try:
             self._connect()
         except orbitkv.OrbitKVError as error:
@@ -89,13 +99,71 @@ class ManagerLink:
                     f"{adapter}: no Manager answers at {where} ({error}). Start orbitkv-manager on this "
                     f"host{', ' + fix if fix else ''}.") from error
             self._log.warning("orbitkv: Manager unreachable (%s); serving without it until it appears", error)
-            self._next_attempt = time.monotonic() + self._interval
+        # The watcher holds the link weakly: a link its adapter dropped without close() ends its thread too.
+        threading.Thread(target=ManagerLink._watch, args=(weakref.ref(self), self._stop), daemon=True,
+                         name="orbitkv-link-watch").start()
 
-    def _connect(self) -> None:
-        client = orbitkv.CacheManagerClient(self._socket_path, timeout_ms=self._timeout_ms,
-                                            spin_iterations=self._spin)
+    def _new_client(self) -> orbitkv.CacheManagerClient:
+        return orbitkv.CacheManagerClient(self._socket_path, timeout_ms=self._timeout_ms, spin_iterations=self._spin)
+
+    def _connect(self, client: Optional[orbitkv.CacheManagerClient] = None) -> None:
+        client = client or self._new_client()
         self._on_connect(client)
         self._client = client
+
+    @staticmethod
+    def _watch(ref, stop: threading.Event) -> None:
+        while not stop.wait(ManagerLink.WATCH_INTERVAL_S):
+            link = ref()
+            if link is None:
+                return
+            try:
+                link._watch_once()
+            except Exception:  # noqa: BLE001 - the watcher must outlive anything one look raises
+                link._log.debug("orbitkv: the link's watcher failed once", exc_info=True)
+            del link
+
+    def _watch_once(self) -> None:
+        """One look: a live client whose session closed takes the link down; a link that is down gets a new session
+        ready for the next client() (connected here, replayed there)."""
+        with self._lock:
+            if self._closed or self._stalled is not None:
+                return  # a stalled Manager is the probe's
+            client, ready = self._client, self._ready
+            due = time.monotonic() >= self._next_attempt
+        if client is not None:
+            if client.session_alive():
+                return
+            with self._lock:
+                if self._client is not client or self._stalled is not None:
+                    return
+                self._client = None
+                self._next_attempt = 0.0
+                self.losses += 1
+            self._log.warning("orbitkv: the Manager closed this engine's session (it stopped, restarted or was "
+                              "killed); recomputing until it is back, reconnecting as soon as it listens")
+            return
+        if ready is not None:
+            if not ready.session_alive():
+                with self._lock:
+                    if self._ready is ready:
+                        self._ready = None
+            return
+        if not due:
+            return
+        try:
+            fresh = self._new_client()
+        except orbitkv.ManagerUnavailable:
+            return  # not back yet: try again at the next look
+        except orbitkv.OrbitKVError as error:  # it answers but refuses this process: not on every look
+            self._log.debug("orbitkv: connecting to the Manager: %s", error)
+            with self._lock:
+                self._next_attempt = time.monotonic() + self._interval
+            return
+        with self._lock:
+            if self._closed or self._client is not None or self._ready is not None:
+                return  # the engine's own client() connected meanwhile
+            self._ready = fresh
 
     @property
     def current(self) -> Optional[orbitkv.CacheManagerClient]:
@@ -109,10 +177,13 @@ class ManagerLink:
             return client
         if self._stalled is not None:
             return None
+        if self._ready is None:
+            return None  # away: the watcher connects once it listens again (this call never waits for that)
         with self._lock:
-            if self._client is None and not self._closed and time.monotonic() >= self._next_attempt:
+            ready, self._ready = self._ready, None
+            if ready is not None and self._client is None and not self._closed:
                 try:
-                    self._connect()
+                    self._connect(ready)
                     self.reconnects += 1
                     self._log.warning("orbitkv: reconnected to the Manager")
                 except orbitkv.OrbitKVError as error:
@@ -143,7 +214,7 @@ class ManagerLink:
                 return False
             self._log.warning("orbitkv: lost the Manager (%s); recomputing until it is back", error)
             self._client = None
-            self._next_attempt = time.monotonic() + self._interval
+            self._next_attempt = 0.0  # the watcher connects as soon as it listens again
             return True
 
     def _stall(self) -> None:
@@ -211,8 +282,10 @@ class ManagerLink:
         """Closes the link; returns the client it had (to unregister with), if any: None while stalled (a call
         would wait on a stopped Manager); the stalled client is let go, and its session with it, which gives its
         instances and leases back when the Manager runs again."""
+        self._stop.set()
         with self._lock:
             self._closed = True
+            self._ready = None
             client, self._client = self._client, None
             if self._stalled is not None:
                 client = None

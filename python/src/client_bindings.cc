@@ -282,6 +282,9 @@ void BindClient(py::module_& m) {
       .def(
           "stats", [](CacheClient& c) { return ValueOrThrow(c.Stats()); }, GilRelease(),
           "the Manager's counters as a JSON string")
+      .def("session_alive", &CacheClient::SessionAlive,
+           "Whether the session is still open as far as this side can tell (no request): false once the Manager "
+           "closed it or its process is gone")
       .def(
           "ping", [](CacheClient& c) { return ValueOrThrow(c.Ping()); }, GilRelease(),
           "a round trip; returns the Manager's incarnation");

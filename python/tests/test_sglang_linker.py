@@ -162,7 +162,6 @@ def test_leases_are_released_when_fewer_pages_load_or_nothing_does(manager, inte
         assert linker.cancel_queued_load("short") is False
         assert manager.stats()["leases_active"] == 2
     assert linker.lookup("idle", kv(k)) == [1, 2, 3, 4]
-    assert linker.load("nobody-looked-up", kv(k, slots(8, 4))) is False
     linker.reset()
     assert manager.stats()["leases_active"] == 0
     linker.close()
@@ -215,13 +214,15 @@ def test_loads_pair_pages_by_key_when_the_tree_adopts_a_later_subset(manager, in
     wait_for(lambda: b.num_completed_loads() == 1)
     assert pop_load(b, interface) == ["r"]
     assert same_pages(writer, slots(2, 2), reader_pool, slots(20, 2))
-    # A lookup no load takes in its step: older wrappers never load it later (released when the step's loading
-    # starts); the pinned one keeps its hit across passes until load_back or cancel_request.
+    # A lookup no load takes in its step: every wrapper may keep its hit across passes, so its pages stay leased
+    # until load_back or the request's release (cancel_request, or cancel_queued_load in the older wrappers).
     assert b.lookup("skipped", kv(k)) == [1, 2, 3, 4]
     assert b.start_layer_wise_loading() == -1
+    assert manager.stats()["leases_active"] == 4
     if interface.cancel_outcomes:
-        assert manager.stats()["leases_active"] == 4
         assert b.cancel_request("skipped") is LinkerCancelOutcome.LOOKUP_RELEASED
+    else:
+        assert b.cancel_queued_load("skipped") is False  # nothing queued; the lookup is released all the same
     assert manager.stats()["leases_active"] == 0
     # A page the lookup did not find: the lookup promised the others, so the load is accepted (SGLang's wrapper
     # treats a refused load as fatal) and fails once submitted; nothing stays leased.
@@ -376,30 +377,68 @@ def run_loads(wrapper):
 
 
 def test_a_hit_held_across_passes_and_past_the_lease_ttl_is_loaded(manager, interface):
-    """The pinned wrapper keeps a lookup's hit marker across scheduling passes (a waiting request probed for
-    priority, admitted later): load() must take it however long that was. Before: the linker released the lookup's
-    leases when the next pass started and after lease_ttl_s, load() returned False, and the wrapper raised
-    RuntimeError from load_back (a scheduler crash)."""
+    """Every wrapper may keep a lookup's hit across scheduling passes (a waiting request probed for priority, admitted
+    later; sgl-project/sglang 2c62dc66 as well as the pinned wrapper): load() must take it however long that was.
+    Before: with the older wrappers (2c62dc66 to 03205d15) the linker released the lookup's leases when the next
+    pass's loading started and after lease_ttl_s, load() returned False, and the wrapper's _queue_load raised
+    RuntimeError (a scheduler crash)."""
     writer_pool, reader_pool = device_pool(), device_pool()
     writer = make_linker(manager.socket, writer_pool)
-    k = keys("held", 4)
+    k, other = keys("held", 4), keys("held-released", 2)
     offload(writer, k, slots(0, 4))
-    reader = make_linker(manager.socket, reader_pool, lease_ttl_s=0.05)
+    offload(writer, other, slots(4, 2))
+    reader = make_linker(manager.socket, reader_pool, lease_ttl_s=0.05)  # accepted, no longer used
     wrapper = Wrapper(reader, interface, page_size=P)
     assert wrapper.match("r", k) == 4
-    if not interface.cancel_outcomes:  # older wrappers load in the same pass: nothing to hold across passes
-        assert wrapper.load_back("r", 10) == [10, 11, 12, 13]
-    else:
-        assert wrapper.start_layer_wise_loading() == -1  # a pass in which the request was not admitted
-        time.sleep(0.1)  # past lease_ttl_s
-        assert wrapper.match("other", keys("absent", 2)) == 0  # another lookup (it used to expire old ones)
-        assert manager.stats()["leases_active"] == 4
-        assert wrapper.load_back("r", 10) == [10, 11, 12, 13]
+    assert wrapper.start_layer_wise_loading() == -1  # a pass in which the request was not admitted
+    time.sleep(0.1)  # past the old lease_ttl_s
+    assert wrapper.match("other", keys("absent", 2)) == 0  # another lookup (it used to expire old ones)
+    assert wrapper.start_layer_wise_loading() == -1  # and another pass
+    assert manager.stats()["leases_active"] == 4
+    assert wrapper.load_back("r", 10) == [10, 11, 12, 13]
     assert run_loads(wrapper) == ["r"]
     assert same_pages(writer_pool, slots(0, 4), reader_pool, slots(10, 4))
     assert manager.stats()["leases_active"] == 0
+    # Released without a load: the lookup's pages go back (cancel_request, or cancel_queued_load where the wrapper
+    # releases through that).
+    assert wrapper.match("gone", other) == 2 and manager.stats()["leases_active"] == 2
+    wrapper.release_request("gone")
+    assert manager.stats()["leases_active"] == 0 and reader.counters().get("lookups_evicted", 0) == 0
     for linker in (writer, reader):
         linker.close()
+
+
+def test_a_load_that_cannot_be_carried_out_is_accepted_and_fails_once_submitted(manager, interface):
+    """A load no lookup ticket backs (never looked up, released, or evicted past max_lookup_tickets) is accepted
+    (SGLang's _queue_load raises on a False) and fails after submission like a failed restore: a False verdict, or
+    the layer wait raises. The bound on tickets holds: the oldest goes, counted, and its load fails the same way."""
+    pool = device_pool()
+    linker = make_linker(manager.socket, pool, max_lookup_tickets=2)
+    k = keys("bounded", 3)
+    offload(linker, k, slots(0, 3))
+    for rid in ("t0", "t1", "t2"):  # three tickets of one page each, over a bound of 2: t0's is released
+        assert linker.lookup(rid, kv(k[:1])) == [1]
+    assert linker.counters()["lookups_evicted"] == 1 and manager.stats()["leases_active"] == 2
+    for rid in ("nobody-looked-up", "t0"):
+        assert linker.load(rid, kv(k[:1], slots(8, 1))) is True
+        index = linker.start_layer_wise_loading()
+        assert index >= 0
+        linker.layer_done_counter.set_consumer(index)
+        if interface.verdicts:
+            for layer in range(LAYERS):
+                linker.layer_done_counter.wait_until(layer)
+            wait_for(lambda: linker.num_completed_loads() == 1)
+            assert linker.pop_completed_load() == ([rid], False)
+        else:
+            for layer in range(LAYERS):
+                with pytest.raises(RuntimeError, match="restoring KV pages from the Manager failed"):
+                    linker.layer_done_counter.wait_until(layer)
+            wait_for(lambda: linker.num_completed_loads() == 1)
+            assert linker.pop_completed_load() == [rid]
+    assert linker.counters()["load_errors"] == 2
+    linker.reset()
+    assert manager.stats()["leases_active"] == 0
+    linker.close()
 
 
 def test_a_request_released_before_submission_never_leaves_unloaded_pages_in_the_tree(manager, interface):
@@ -579,3 +618,37 @@ def test_a_failed_restore_raises_on_every_tp_rank(manager, interface):
         assert outputs[1].startswith("RAISED") and "on another TP rank" in outputs[1], outputs
         assert run_tp_ranks(manager, -1, interface) == ["COMPLETED", "COMPLETED"]
     assert manager.stats()["leases_active"] == 0
+
+
+def test_a_linker_rides_through_its_managers_restart_to_a_remote_hit(build_dir, interface):
+    """Issue 73: a linker on Manager b of three distributed Managers keeps running while b's Manager is restarted
+    (SIGTERM, same flags and socket). Once the new start registered, the next lookup of pages another host saved is
+    a remote hit and its load lands byte-exact: the link connected to the new start before the lookup asked."""
+    from cluster_procs import distributed_managers, wait_catalogs_hold_every_block, wait_for as wait_until
+
+    with distributed_managers(lambda flags: ManagerProcess(build_dir, extra=flags), nodes=("a", "b", "c")) as managers:
+        a, b, _ = managers
+        writer_pool, reader_pool = device_pool(), device_pool()
+        writer = make_linker(a.socket, writer_pool)
+        # Long enough for a remote fetch on a loaded CI machine: this tests the restart, not the fetch's latency.
+        reader = make_linker(b.socket, reader_pool, loading_wait_ms=10000)
+        wrapper = Wrapper(reader, interface, page_size=P)
+        first, second = keys("restart-1", 4), keys("restart-2", 4)
+        offload(writer, first, slots(0, 4))
+        wait_catalogs_hold_every_block(managers)
+        assert wrapper.match("r1", first) == 4
+        assert wrapper.load_back("r1", 10) == [10, 11, 12, 13]
+        assert run_loads(wrapper) == ["r1"]
+        b.restart()
+        wait_until(lambda: b.stats().get("membership") == "registered", what="b's new start to register")
+        offload(writer, second, slots(4, 4))
+        wait_catalogs_hold_every_block(managers)
+        assert wrapper.match("r2", second) == 4
+        assert wrapper.load_back("r2", 20) == [20, 21, 22, 23]
+        assert run_loads(wrapper) == ["r2"]
+        assert same_pages(writer_pool, slots(4, 4), reader_pool, slots(20, 4))
+        assert reader.counters().get("load_failures", 0) == 0 and reader.counters()["reconnects"] == 1
+        stats = b.stats()
+        assert stats["remote_fetched_blocks"] == 4 and stats["remote_fetch_failures"] == 0
+        for linker in (writer, reader):
+            linker.close()

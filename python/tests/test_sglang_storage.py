@@ -3,6 +3,7 @@ factory, byte-exact zero-copy and generic round trips in every host layout, name
 (v2) pools, Loading answers and backpressure, and the rule that no I/O call ever raises."""
 
 import hashlib
+import time
 
 import pytest
 import torch
@@ -413,7 +414,11 @@ def test_no_io_call_raises_and_the_manager_comes_back(build_dir):
         assert storage.clear() is True  # a new epoch: the pools register under it when the Manager is back
         assert isinstance(storage.get_stats(), StorageMetrics)
         m.start()  # a new Manager on the same socket: the backend reconnects and re-registers its pool
-        assert storage.batch_exists(k) == 0  # the new Manager is empty
+        deadline = time.monotonic() + 10
+        while storage.counters().get("reconnects", 0) == 0:  # the link's watcher connects within 50 ms
+            assert storage.batch_exists(k) == 0  # the new Manager is empty (and a miss while it is away)
+            assert time.monotonic() < deadline, "the backend never reconnected"
+            time.sleep(0.01)
         assert storage.batch_set_v1(k, slots(0, 4)) == [True] * 4
         assert storage.batch_get_v1(k, slots(8, 4)) == [True] * 4
         assert storage.counters()["reconnects"] == 1

@@ -667,13 +667,41 @@ Result<int> CacheClient::CompletionFd() {
   return control_->reply_doorbell_fd();
 }
 
+bool CacheClient::SessionAlive() const {
+  pollfd p{control_fd_, POLLRDHUP, 0};
+  if (poll(&p, 1, 0) < 0) return errno == EINTR;
+  return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) == 0;
+}
+
 Result<channel::ClientSession*> CacheClient::PublishSession() {
   if (publish_ == nullptr) {
+    // A publish session belongs to this client's control session. Once that is gone (the Manager stopped or
+    // restarted) a new one would be refused, or, by a new start that gave its id to another session, taken for
+    // someone else's: this client is over, and the caller connects a new one (control session first).
+    if (!SessionAlive()) {
+      return Status::Unavailable(
+          "the OrbitKV Manager closed this client's session (it stopped, restarted or was "
+          "killed): connect again");
+    }
     channel::ConnectOptions connect;
     connect.role = channel::SessionRole::kPublish;
     connect.control_session = session_id_;
     connect.deadline = CallDeadline();
-    ORBITKV_ASSIGN_OR_RETURN(publish_, channel::ClientSession::Connect(socket_path_, connect));
+    Result<std::unique_ptr<channel::ClientSession>> opened = channel::ClientSession::Connect(socket_path_, connect);
+    if (!opened.ok() && !SessionAlive()) {  // refused because the control session just went
+      return Status::Unavailable(
+          fmt::format("the OrbitKV Manager closed this client's session while a publish "
+                      "session was opened ({}): connect again",
+                      opened.status().ToString()));
+    }
+    ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<channel::ClientSession> session, std::move(opened));
+    if (session->welcome().manager_incarnation != manager_incarnation_) {
+      return Status::Unavailable(
+          fmt::format("the OrbitKV Manager restarted (incarnation {:016x}, this client's session was opened with "
+                      "{:016x}): connect again",
+                      session->welcome().manager_incarnation, manager_incarnation_));
+    }
+    publish_ = std::move(session);
   }
   return publish_.get();
 }

@@ -256,6 +256,12 @@ class CacheClient {
   Result<DumpPage> Dump(channel::DumpKind kind, uint32_t shard, uint64_t first, std::string_view request = {});
   // Round trip with no work; returns the Manager's incarnation.
   Result<uint64_t> Ping();
+  // Whether the control session is still open as far as this side can tell without asking the Manager
+  // (non-blocking, no request): false once the Manager closed it or its process is gone (stopped,
+  // restarted, killed: the kernel closes the socket), so an engine's link can connect to the next start
+  // before its next call would fail. A Manager stopped with kill -STOP still counts as alive (its calls time
+  // out instead).
+  bool SessionAlive() const;
 
  private:
   // Decodes a successful restore reply and keeps its drain time for TakeRestoreDrainedNanos.
@@ -274,6 +280,7 @@ class CacheClient {
         manager_incarnation_(control->welcome().manager_incarnation),
         control_slot_bytes_(control->slot_bytes()),
         manager_pid_(PeerPid(control->socket_fd())),
+        control_fd_(control->socket_fd()),
         control_(std::move(control)) {
     control_->SetAbandonedReplyHandler([this](const channel::InboundReply& reply) { OnAbandonedReply(reply); });
   }
@@ -319,6 +326,7 @@ class CacheClient {
   const uint64_t manager_incarnation_;
   const uint32_t control_slot_bytes_;
   const pid_t manager_pid_;  // from the socket's peer credentials at connect, 0 if unknown (GuardRestore)
+  const int control_fd_;     // the control session's socket, open for the client's lifetime (SessionAlive)
 
   mutable Mutex control_mu_;
   std::unique_ptr<channel::ClientSession> control_ PT_GUARDED_BY(control_mu_);

@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "base/crash_report.h"
 #include "base/logging.h"
@@ -24,6 +25,11 @@ int main(int argc, char** argv) {
   // reuse; the daemon's footprint is its pool, not its heap.
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
   mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  // A Manager restarted with a fixed --transfer-listen port binds it again at once: its previous start's UCX
+  // connections may still hold the port in TIME_WAIT, which refuses a listener without SO_REUSEADDR (off in UCX by
+  // default; ucp_config_modify does not reach the TCP connection manager's options, so the environment it reads).
+  // Set here, before any thread runs; an operator's own setting wins.
+  setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
   Result<server::ParsedArgs> parsed = server::ParseManagerArgs(argc, argv);
   if (!parsed.ok()) {
     fmt::print(stderr, "orbitkv-manager: {}\n", parsed.status().message());

@@ -41,6 +41,25 @@ class ManagerProcess {
         "--log-file",        log_,       "--log-level", "debug"};
     args.insert(args.end(), extra.begin(), extra.end());
     args.insert(args.begin(), launcher.begin(), launcher.end());
+    args_ = std::move(args);
+    Launch();
+  }
+  ~ManagerProcess() {
+    Stop(SIGKILL);
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  // Stops the Manager with `signal` and starts it again with the same flags, socket and log (appended): what an
+  // operator's restart does. Returns once the new start accepts sessions (running() false if it did not start).
+  void Restart(int signal = SIGTERM) {
+    Stop(signal);
+    Launch();
+  }
+
+ private:
+  void Launch() {
+    std::vector<std::string> args = args_;
     pid_ = fork();
     if (pid_ == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive a crashed parent
@@ -64,12 +83,8 @@ class ManagerProcess {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
-  ~ManagerProcess() {
-    Stop(SIGKILL);
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
 
+ public:
   bool running() const { return pid_ > 0; }
   const std::string& socket() const { return socket_; }
   const std::string& log() const { return log_; }
@@ -127,6 +142,7 @@ class ManagerProcess {
  private:
   static inline int counter_ = 0;
   std::string dir_, socket_, log_;
+  std::vector<std::string> args_;
   pid_t pid_ = -1;
 };
 

@@ -9,11 +9,15 @@
 #include <sys/mount.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/temp_dir.h"
+#include "client/manager_link.h"
 #include "engine_kv.h"
 #include "manager_process.h"
 
@@ -250,6 +254,74 @@ TEST(SsdIntegrationTest, GracefulStopPersistsDramOnlyBlocks) {
     ExpectRestoresByteExact(*client, 2, kv, keys, hit);
     EXPECT_EQ(StatField(*client, "reads"), keys.size());
   }
+}
+
+// Issue 73: an engine on a client::ManagerLink keeps running across its Manager's restart (SIGTERM, the same flags
+// and socket). The link learns of the loss from the session's socket, not from a failing call; calls while the
+// Manager is away get no client at once; the watcher connects to the new start and replays the registration before
+// the engine's next call, and the blocks the old start persisted on exit are hits again from SSD, byte-exact.
+TEST(SsdIntegrationTest, AnEngineOnAManagerLinkRidesThroughARestartAndFindsThePersistedBlocks) {
+  TempDir ssd;
+  ManagerProcess manager(SsdFlags(ssd.path()));
+  ASSERT_TRUE(manager.running()) << manager.LogText();
+  EngineKv kv(kPages);
+  client::ManagerLink::Options options;
+  options.client.socket_path = manager.socket();
+  std::atomic<int> replays{0};
+  options.on_connect = [&](CacheClient& client) {
+    ++replays;
+    ORBITKV_RETURN_IF_ERROR(client.RegisterInstance(1, state::testing::SampleNamespace()));
+    return client.RegisterGroup(1, 0, kv.pages(), kv.Specs()).status();
+  };
+  auto link = client::ManagerLink::Start(options);
+  ASSERT_TRUE(link.ok()) << link.status();
+  std::shared_ptr<CacheClient> first = (*link)->Client();
+  ASSERT_NE(first, nullptr);
+  const auto keys = Chain(73, 128);
+  SaveAll(*first, 1, kv, keys);
+  ASSERT_TRUE(EventuallyIdle(*first));
+
+  manager.Restart(SIGTERM);  // the old start persists its DRAM-only blocks, then the new one recovers them
+  ASSERT_TRUE(manager.running()) << manager.LogText();
+  // The old session is gone: the watcher takes the link down by itself and brings the new session up.
+  std::shared_ptr<CacheClient> second;
+  for (int i = 0; i < 1000 && (second = (*link)->Client()) == first; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  second = (*link)->WaitClient(std::chrono::seconds(10));
+  ASSERT_NE(second, nullptr);
+  EXPECT_NE(second, first);
+  EXPECT_NE(second->manager_incarnation(), first->manager_incarnation());
+  EXPECT_FALSE(first->SessionAlive());
+  EXPECT_TRUE(second->SessionAlive());
+  EXPECT_EQ(replays.load(), 2);
+  const client::ManagerLink::Stats stats = (*link)->GetStats();
+  EXPECT_EQ(stats.connects, 2u);
+  EXPECT_EQ(stats.losses, 1u);
+  // A save on the old client is refused as the old session's, never taken by the new start.
+  std::vector<client::SaveItem> item{{keys[0], 0}};
+  EXPECT_EQ(first->Save(1, 0, item).status().code(), StatusCode::kUnavailable);
+  EXPECT_FALSE((*link)->Failed(first, Status::Unavailable("a late failure of the old session")));
+  EXPECT_EQ((*link)->Client(), second);
+
+  EXPECT_EQ(StatField(*second, "recovered_records"), keys.size());
+  kv.Poison();
+  const QueryResult hit = QueryThroughLoading(*second, 1, keys);
+  ASSERT_EQ(hit.hits, keys.size());
+  std::vector<uint32_t> pages(hit.hits);
+  for (uint32_t i = 0; i < hit.hits; ++i) pages[i] = i;
+  ASSERT_TRUE(second->Restore(1, 0, hit.lease, pages).ok());
+  for (uint32_t i = 0; i < hit.hits; ++i) EXPECT_TRUE(kv.Holds(i, keys[i])) << i;
+
+  // Stopped for good: the link goes down and hands out no client; calls fail fast, nothing waits.
+  manager.Stop(SIGKILL);
+  std::shared_ptr<CacheClient> gone = second;
+  for (int i = 0; i < 1000 && gone != nullptr; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    gone = (*link)->Client();
+  }
+  EXPECT_EQ(gone, nullptr);
+  EXPECT_EQ((*link)->GetStats().losses, 2u);
 }
 
 // A completed Loading operation keeps the blocks it loaded pinned until the engine's next query of

@@ -209,7 +209,12 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._link.register(_DEVICE, geometry, namespace)
         first = geometry.buffers[0] if geometry.buffers else None
         self._cuda = first.device if getattr(getattr(first, "device", None), "type", "cpu") == "cuda" else None
-        self._lease_ttl_s = float(extra.get("lease_ttl_s", 30.0))
+        if "lease_ttl_s" in extra:
+            logger.warning("OrbitKV: the linker option lease_ttl_s is no longer used: a lookup's pages stay leased "
+                           "until its load, the request's release or a reset, on every SGLang version")
+        # Lookup tickets held at once, a bound against a wrapper that never loads nor releases what it looked up: over
+        # it the oldest ticket is released (counted, logged), and its load, should one still come, fails once submitted.
+        self._max_tickets = int(extra.get("max_lookup_tickets", 4096))
         num_layers = len(geometry.buffers) if self.is_mla else len(geometry.buffers) // 2
         interface = linker_interface()
         self._verdicts, self._outcomes = interface.verdicts, interface.cancel_outcomes
@@ -263,18 +268,18 @@ class OrbitKVLinker(UnifiedCacheLinker):
         for client, instance, lease in leased.leases.values():
             self._link.release(client, instance, lease)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, leased in self._leased.items() if now - leased.created > self._lease_ttl_s]:
+    def _bound_tickets(self) -> None:
+        while len(self._leased) > self._max_tickets:
+            rid = next(iter(self._leased))  # the oldest (dicts keep insertion order)
             self._release(self._leased.pop(rid))
-            self.counters_.add("leases_expired")
+            self.counters_.add("lookups_evicted")
+            self._log.warning("tickets", "OrbitKV: %d lookups hold pages that no load or release took; the oldest "
+                              "(request %r) is released (max_lookup_tickets)", self._max_tickets + 1, rid)
 
     def lookup(self, rid: str, transfers) -> list:
         leases: Dict[bytes, Tuple[object, int, int]] = {}
         try:
-            if not self._outcomes:
-                self._expire()  # older wrappers load a lookup in the same pass or never
-            self._release(self._leased.pop(rid, None))
+            self._release(self._leased.pop(rid, None))  # the request asked again: its earlier answer goes
             kv = _kv_transfer(transfers)
             # Every key is checked here, where a refusal is still a clean miss: once pages are reported, the tree
             # inserts them and load() must take them.
@@ -292,6 +297,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
             if not leases:
                 return []
             self._leased[rid] = _Leased(leases)
+            self._bound_tickets()
             return list(range(1, len(leases) + 1))
         except Exception as e:  # noqa: BLE001
             # The pages found before the failure are leased: give them back (SGLang sees a miss, so no load will).
@@ -301,14 +307,20 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return []
 
     def load(self, rid: str, transfers) -> bool:
-        """Queues the load of pages ``lookup`` reported. It never refuses them (SGLang's wrapper treats a False as
-        fatal, and the tree already holds the pages): a load that cannot be carried out is accepted and fails
-        after submission, loudly and on every rank. Only a load no lookup announced is refused."""
+        """Queues the load of pages ``lookup`` reported. It never refuses (SGLang's wrapper treats a False as fatal
+        and raises from the scheduler, and its tree already holds the pages): a load that cannot be carried out
+        (no lookup ticket for the request, slots and keys that do not match, pages the lookup did not find) is
+        accepted and fails after submission, loudly and on every rank, as a failed restore does."""
         leased = self._leased.pop(rid, None)
         if leased is None:
             self.counters_.add("load_errors")
-            self._log.warning("load", "OrbitKV: load of request %r, which no lookup reported", rid)
-            return False
+            self._log.warning("load", "OrbitKV: load of request %r, which holds no lookup (never looked up, or "
+                              "released); it fails once submitted", rid)
+            earlier = self._pending.pop(rid, None)
+            if earlier is not None:
+                self._release(earlier[0])
+            self._pending[rid] = (_Leased({}), [], RuntimeError(f"no lookup of request {rid!r} holds its pages"))
+            return True
         earlier = self._pending.pop(rid, None)
         if earlier is not None:  # a second load of one request before the loads start: the earlier one goes
             self._release(earlier[0])
@@ -339,13 +351,9 @@ class OrbitKVLinker(UnifiedCacheLinker):
         return True
 
     def start_layer_wise_loading(self) -> int:
-        if not self._outcomes:
-            # Older wrappers: lookups of this step that no load took (the ranks agreed on fewer pages, or the
-            # request was not scheduled) hold leases nobody will restore. Newer ones hold a hit across passes and
-            # release it through cancel_request.
-            for rid in list(self._leased):
-                self._release(self._leased.pop(rid))
-                self.counters_.add("lookups_unloaded")
+        # A lookup no load took yet stays: every wrapper may hold a hit across scheduling passes (a waiting request
+        # probed now, admitted later) and loads it then, or releases the request (cancel_request,
+        # cancel_queued_load), asks again (lookup) or resets.
         if not self._pending:
             return -1
         batch, self._pending = self._pending, {}
@@ -407,6 +415,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
         """An older wrapper's release of a request: it rolls back nothing it inserted, so a queued load is kept
         (False) and lands; a wrapper that rolls back (cancel outcomes) gets it cancelled (True)."""
         if not self._outcomes:
+            # The request is released: its lookup ticket goes; a queued load is kept (nothing is rolled back).
+            self._release(self._leased.pop(rid, None))
             if rid in self._pending:
                 self.counters_.add("cancels_kept_load")
             return False

@@ -18,7 +18,9 @@ commit not given by the index). What it does with the linker, method by method:
 
 Verdicts (``VERDICTS``, sgl-project/sglang 2c62dc66 and 63308e79): ``pop_completed_load() -> (rids, success)``; the
 scheduler MIN-reduces success across ranks after the forward pass and aborts the failed requests; a request is
-released through ``cancel_queued_load`` with no rollback (as in 03205d15).
+released through ``cancel_queued_load`` with no rollback (as in 03205d15). These wrappers too keep a lookup's hit
+until ``load_back`` (a request matched in one pass may be admitted in a later one), and ``_queue_load`` raises
+RuntimeError when ``load`` returns False.
 """
 
 from __future__ import annotations

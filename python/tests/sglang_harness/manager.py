@@ -40,6 +40,13 @@ class ManagerProcess:
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
 
+    def restart(self) -> None:
+        """SIGTERM, then the same command line again (same socket and flags): an operator's restart."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        self.start()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -50,6 +50,11 @@ class ManagerProcess:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=30)
 
+    def restart(self) -> None:
+        """SIGTERM, then the same command line again (same socket and flags): an operator's restart."""
+        self.stop()
+        self.start()
+
     def close(self) -> None:
         """Stops the Manager and removes its directory."""
         self.stop()
