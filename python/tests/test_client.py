@@ -6,6 +6,7 @@ import select
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -283,6 +284,49 @@ def test_a_failure_of_a_replaced_client_leaves_the_link_that_replaced_it_up(mana
     assert link.client() is new and not link.stalled
     assert link.failed(orbitkv.ManagerUnavailable("lost again"), new) is True
     link.close()
+
+
+def test_a_restarted_manager_is_found_by_the_watcher_and_replayed_on_the_callers_thread(build_dir, manager):
+    """Issue 73, the reconnect order. A Manager restarted under a link (SIGTERM, then the same command line): the
+    link's watcher sees the closed session without any call failing, connects the new start's control session, and
+    the adapter's registrations are replayed by the next client() on the caller's thread, never on the watcher's;
+    a save on the old client is refused as the old session's (its publish session is never opened on the new
+    start). Calls while the Manager is away get no client, at once."""
+    from orbitkv.link import ManagerLink
+
+    proc, sock = manager
+    replays = []
+    ns = namespace()
+    link = ManagerLink(sock, 2000, require=True, reconnect_interval_s=1.0,
+                       on_connect=lambda c: replays.append((threading.get_ident(), c.register_instance(7, ns))))
+    old = link.client()
+    assert old is not None and len(replays) == 1
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while link.current is old:  # the watcher, not a failing call, takes the link down
+        assert time.monotonic() < deadline, "the watcher never saw the session close"
+        time.sleep(0.01)
+    assert link.losses == 1 and link.failures == 0 and not old.session_alive()
+    started = time.monotonic()
+    assert link.client() is None and time.monotonic() - started < 0.05  # away: no client, no wait
+    args = proc.args
+    restarted = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    try:
+        orbitkv.wait_for_manager(sock, process=restarted)
+        deadline = time.monotonic() + 10
+        while (new := link.client()) is None:
+            assert time.monotonic() < deadline, "the link never reconnected"
+            time.sleep(0.01)
+        assert new is not old and new.session_alive() and link.reconnects == 1
+        assert [thread for thread, _ in replays] == [threading.get_ident()] * 2  # on this thread both times
+        assert link.failures == 0
+        with pytest.raises(orbitkv.ManagerUnavailable):
+            old.save(7, [(keys_for(ns, 1, 1)[0], 0)])
+        link.close()
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        restarted.wait(timeout=30)
 
 
 def test_kv_memory_is_sealed_and_unsealed_memory_is_refused(manager):

@@ -92,8 +92,9 @@ void ManagerLink::Watch() {
         client_ = nullptr;
         ++stats_.losses;
       }
-      ORBITKV_LOG_WARN("engine link: the Manager closed this engine's session (it stopped, restarted or was "
-                       "killed); reconnecting as soon as it listens");
+      ORBITKV_LOG_WARN(
+          "engine link: the Manager closed this engine's session (it stopped, restarted or was "
+          "killed); reconnecting as soon as it listens");
       next_try = std::chrono::steady_clock::now();
       continue;
     }

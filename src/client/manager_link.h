@@ -44,9 +44,9 @@ class ManagerLink {
     std::function<Status(CacheClient&)> on_connect;
   };
   struct Stats {
-    uint64_t connects = 0;    // sessions served (the first included)
-    uint64_t losses = 0;      // sessions found closed by the watcher or reported by Failed
-    uint64_t refusals = 0;    // replays the Manager refused
+    uint64_t connects = 0;  // sessions served (the first included)
+    uint64_t losses = 0;    // sessions found closed by the watcher or reported by Failed
+    uint64_t refusals = 0;  // replays the Manager refused
   };
 
   // Connects now if the Manager answers (an on_connect error is returned), else starts down and connects once it
