@@ -20,7 +20,6 @@ old start persisted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -32,6 +31,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python" / "tests"))  # the vLLM-faithful harness and the loopback cluster helpers
 
+from distributed_common import emit, result  # noqa: E402
 from cluster_procs import distributed_managers, wait_catalogs_hold_every_block, wait_for  # noqa: E402
 from vllm_harness.engine import Engine, vllm_config  # noqa: E402
 from vllm_harness.manager import ManagerProcess  # noqa: E402
@@ -145,11 +145,6 @@ def ssd_round(build: pathlib.Path) -> dict:
             "restored": restored, "asked": len(seeds) * PROMPT_BLOCKS}
 
 
-def result(metric: str, unit: str, value: float, baseline_metric: str = "", baseline: float = 0.0) -> dict:
-    return dict(metric=metric, unit=unit, value=value, baseline_metric=baseline_metric, baseline=baseline,
-                ratio=(value / baseline) if baseline else None)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -170,15 +165,7 @@ def main() -> int:
     report = {"bench": "restart", "results": results,
               "env": {"host": platform.node(), "cpus": os.cpu_count(), "rounds": args.rounds,
                       "remote_requests_until_hit": remote["requests"], "ssd": ssd}}
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for r in results:
-            ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
-            print(f"{r['metric']:<40} {r['value']:>10.4f} {r['unit']:<9} {r['baseline_metric']:<28} "
-                  f"{r['baseline']:>8.4f} {ratio}")
-        for k, v in report["env"].items():
-            print(f"  {k}: {v}")
+    emit(report, args.json)
     return 0
 
 
