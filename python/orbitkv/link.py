@@ -100,8 +100,9 @@ class ManagerLink:
                     f"host{', ' + fix if fix else ''}.") from error
             self._log.warning("orbitkv: Manager unreachable (%s); serving without it until it appears", error)
         # The watcher holds the link weakly: a link its adapter dropped without close() ends its thread too.
-        threading.Thread(target=ManagerLink._watch, args=(weakref.ref(self), self._stop), daemon=True,
-                         name="orbitkv-link-watch").start()
+        self._watcher = threading.Thread(target=ManagerLink._watch, args=(weakref.ref(self), self._stop),
+                                         daemon=True, name="orbitkv-link-watch")
+        self._watcher.start()
 
     def _new_client(self) -> orbitkv.CacheManagerClient:
         return orbitkv.CacheManagerClient(self._socket_path, timeout_ms=self._timeout_ms, spin_iterations=self._spin)
@@ -177,11 +178,14 @@ class ManagerLink:
             return client
         if self._stalled is not None:
             return None
-        if self._ready is None:
+        if self._ready is None and self._watcher.is_alive():
             return None  # away: the watcher connects once it listens again (this call never waits for that)
         with self._lock:
             ready, self._ready = self._ready, None
-            if ready is not None and self._client is None and not self._closed:
+            # Without a watcher (a process forked from the one that made the link has none), a call connects itself
+            # at most every reconnect_interval_s.
+            lazy = ready is None and time.monotonic() >= self._next_attempt
+            if (ready is not None or lazy) and self._client is None and not self._closed:
                 try:
                     self._connect(ready)
                     self.reconnects += 1
