@@ -3,6 +3,7 @@
 // lets them go. That is the fault the real Manager cannot produce on demand (a restore or a Loading
 // operation that takes as long as the test wants), and it makes the waits deterministic.
 #include "client/cache_client.h"
+#include "client/manager_link.h"
 
 #include <gtest/gtest.h>
 #include <sys/socket.h>
@@ -210,6 +211,50 @@ TEST_F(CacheClientTest, ConcurrentCallersEachGetTheirOwnReply) {
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_EQ(manager_->queries.load(), 800);
+}
+
+// Issue 73: a ManagerLink started while no Manager listens serves none (at once, from any thread), connects and
+// replays once one listens, and goes down by itself when that Manager's session closes: no call fails first.
+TEST(ManagerLinkTest, ConnectsWhenAManagerListensAndGoesDownWhenItsSessionCloses) {
+  const std::string path = fmt::format("/tmp/orbitkv-client-test-{}/link.sock", getpid());
+  ManagerLink::Options options;
+  options.client.socket_path = path;
+  options.client.timeout = 500ms;
+  options.watch_interval = 10ms;
+  std::atomic<int> replays{0};
+  options.on_connect = [&](CacheClient& client) {
+    ++replays;
+    return client.Ping().status();
+  };
+  auto link = ManagerLink::Start(options);
+  ASSERT_TRUE(link.ok()) << link.status();
+  EXPECT_EQ((*link)->Client(), nullptr);
+  std::shared_ptr<CacheClient> served;
+  {
+    ScriptedManager manager(path);
+    served = (*link)->WaitClient(10s);
+    ASSERT_NE(served, nullptr);
+    EXPECT_EQ(replays.load(), 1);
+    EXPECT_TRUE(served->SessionAlive());
+    std::atomic<int> seen{0};
+    std::vector<std::thread> callers;
+    for (int t = 0; t < 4; ++t) {
+      callers.emplace_back([&] {
+        for (int i = 0; i < 200; ++i) seen += (*link)->Client() == served ? 1 : 0;
+      });
+    }
+    for (std::thread& t : callers) t.join();
+    EXPECT_EQ(seen.load(), 800);
+  }  // the Manager goes, and its session with it
+  for (int i = 0; i < 1000 && (*link)->Client() != nullptr; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ((*link)->Client(), nullptr);
+  EXPECT_FALSE(served->SessionAlive());
+  const ManagerLink::Stats stats = (*link)->GetStats();
+  EXPECT_EQ(stats.connects, 1u);
+  EXPECT_EQ(stats.losses, 1u);
+  EXPECT_EQ(stats.refusals, 0u);
+  EXPECT_FALSE((*link)->Failed(served, Status::Unavailable("a late failure of the lost session")));
+  EXPECT_EQ((*link)->GetStats().losses, 1u);
 }
 
 }  // namespace
