@@ -369,7 +369,9 @@ void FollowMemberView(const cluster::MemberView* view, CatalogStore::Options* op
     return CatalogStore::OwnerRegistration{member->record.runtime_uuid, member->record.epoch,
                                            member->record.incarnation};
   };
-  // A shard is complete only when every live member's owner stream has a baseline in it.
+  // A shard is complete only when every live member's owner stream has a baseline in it. The store reads the members
+  // again only when the view's generation moved.
+  options->live_owners_generation = [view] { return view->generation(); };
   options->live_owners = [view]() -> std::optional<std::vector<std::pair<std::string, std::string>>> {
     const cluster::MemberView::Snapshot snapshot = view->Read();
     if (!snapshot.complete) return std::nullopt;

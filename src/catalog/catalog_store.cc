@@ -24,7 +24,28 @@ std::string_view CatalogReplyName(CatalogReply::Kind kind) {
 }
 
 uint64_t CatalogStore::EntryCharge() {
-  return sizeof(EntryKey) + sizeof(Entry) + 48;  // the map node: three pointers, color, padding
+  // The view's map node (three pointers, color, padding), and the entry's index node (its next pointer and cached
+  // hash, the allocator's header, a bucket's share).
+  return sizeof(EntryKey) + sizeof(Entry) + 48 + sizeof(KeyIndex::value_type) + 40;
+}
+
+void CatalogStore::Touch(uint32_t shard) { ++shard_changes_[shard]; }
+
+void CatalogStore::IndexAdd(const Slice& slice, const std::string& node, const View::value_type& entry) {
+  index_[slice.shard].emplace(entry.first.key.Hash64(), IndexRef{&entry, &slice, &node});
+}
+
+void CatalogStore::IndexRemove(const Slice& slice, const View::value_type& entry) {
+  auto shard = index_.find(slice.shard);
+  if (shard == index_.end()) return;
+  auto [first, last] = shard->second.equal_range(entry.first.key.Hash64());
+  for (auto it = first; it != last; ++it) {
+    if (it->second.entry == &entry) {
+      shard->second.erase(it);
+      break;
+    }
+  }
+  if (shard->second.empty()) index_.erase(shard);
 }
 
 CatalogStore::CatalogStore(Options options) : options_(std::move(options)) {}
@@ -100,6 +121,7 @@ void CatalogStore::Continue(Slice& slice, const StreamId& stream) {
   slice.owner_runtime = stream.owner_runtime;
   slice.owner_epoch = stream.owner_epoch;
   ++continuations_;
+  Touch(slice.shard);
 }
 
 std::optional<CatalogReply> CatalogStore::ForeignKey(const StreamId& stream,
@@ -138,12 +160,15 @@ void CatalogStore::AbortBuilding(Slice& slice) {
   if (!slice.building) return;
   used_ -= BuildingCharge(*slice.building);
   slice.building.reset();
+  Touch(slice.shard);
 }
 
 void CatalogStore::DropView(Slice& slice) {
+  for (const View::value_type& entry : slice.view) IndexRemove(slice, entry);
   used_ -= slice.view.size() * EntryCharge();
   slice.view.clear();
   slice.baseline = false;
+  Touch(slice.shard);
 }
 
 CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
@@ -204,6 +229,7 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
         return Reply(CatalogReply::Kind::kResync, 0,
                      fmt::format("sequence {} removes a residence this view does not hold", r.version));
       }
+      IndexRemove(slice, *entry);
       slice.view.erase(entry);
       used_ -= EntryCharge();
     } else if (entry != slice.view.end()) {
@@ -216,7 +242,7 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
                                  "snapshot fits",
                                  options_.budget_bytes));
       }
-      slice.view.emplace(key, Entry{true, r.version, r.generation, r.bytes});
+      IndexAdd(slice, it->first.second, *slice.view.emplace(key, Entry{true, r.version, r.generation, r.bytes}).first);
       used_ += EntryCharge();
     }
     slice.applied = r.version;
@@ -243,6 +269,8 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
     }
   }
   Slice& slice = slices_[{begin.stream.shard, begin.stream.owner_node}];
+  slice.shard = begin.stream.shard;
+  Touch(slice.shard);
   if (slice.owner_runtime != begin.stream.owner_runtime) {  // a new start of that owner: its old view is void
     AbortBuilding(slice);
     DropView(slice);
@@ -362,11 +390,14 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   used_ -= BuildingCharge(building);
   DropView(slice);
   slice.view = std::move(installed);
+  const std::string& node = slices_.find({end.stream.shard, end.stream.owner_node})->first.second;
+  for (const View::value_type& entry : slice.view) IndexAdd(slice, node, entry);
   used_ += slice.view.size() * EntryCharge();
   slice.applied = end.end_watermark;
   slice.baseline = true;
   slice.installed_snapshot = end.snapshot_id;
   slice.building.reset();
+  Touch(slice.shard);
   slice.installed_at = MonoNow();
   if (options_.on_visible) options_.on_visible(end.stream, 0, slice.applied);
   return Reply(CatalogReply::Kind::kAck, slice.applied, "");
@@ -393,6 +424,7 @@ size_t CatalogStore::DropSlicesWhere(const std::function<bool(const SliceKey&, c
     }
     AbortBuilding(it->second);
     DropView(it->second);
+    Touch(it->first.first);
     it = slices_.erase(it);
     ++dropped;
   }
@@ -417,15 +449,26 @@ size_t CatalogStore::DropDeadOwners() {
   // A slice whose owner registered again without a restart follows it (the same start, a newer epoch), so the next
   // message continues it and lookups name the live registration. One whose owner is no member at all waits out the
   // grace (its owner may be between revoking its old record and writing the new one). Any other goes: another start,
-  // or an older registration than the member's.
+  // or an older registration than the member's. Nothing of that changes while the member view stands still (slices
+  // admitted meanwhile were checked against it) and no owner waits out its grace: then the round is skipped.
+  std::optional<uint64_t> generation;
+  if (options_.live_owners_generation) {
+    generation = options_.live_owners_generation();
+    if (dropped_at_generation_ == generation && !absent_pending_) return 0;
+  }
   const MonoTime now = MonoNow();
   std::map<SliceKey, bool> dead;
+  bool absent = false, unknown = false;
   for (auto& [key, slice] : slices_) {
     const std::optional<OwnerRegistration> registered = options_.owner_registration(key.second);
-    if (!registered.has_value()) continue;  // unknown (an incomplete member view): nothing changes
+    if (!registered.has_value()) {  // unknown (an incomplete member view): nothing changes
+      unknown = true;
+      continue;
+    }
     if (registered->runtime.empty()) {
       if (!slice.absent_since.has_value()) slice.absent_since = now;
       dead[key] = now - *slice.absent_since >= options_.absent_grace;
+      absent = absent || !dead[key];
       continue;
     }
     slice.absent_since.reset();
@@ -436,6 +479,8 @@ size_t CatalogStore::DropDeadOwners() {
     }
     dead[key] = registered->runtime != slice.owner_runtime;
   }
+  dropped_at_generation_ = unknown ? std::nullopt : generation;
+  absent_pending_ = absent;
   return DropSlicesWhere([&dead](const SliceKey& key, const Slice&) {
     auto it = dead.find(key);
     return it != dead.end() && it->second;
@@ -447,12 +492,40 @@ uint64_t CatalogStore::continuations() const {
   return continuations_;
 }
 
-CatalogStore::LiveOwners CatalogStore::ReadLiveOwners() const {
-  if (!options_.live_owners) return std::vector<std::pair<std::string, std::string>>{};
-  return options_.live_owners();
+const CatalogStore::LiveOwners& CatalogStore::ReadLiveOwners() const {
+  if (!options_.live_owners) {
+    if (!live_read_) {
+      live_ = std::vector<std::pair<std::string, std::string>>{};
+      live_read_ = true;
+    }
+    return live_;
+  }
+  if (!options_.live_owners_generation) {
+    live_ = options_.live_owners();
+    return live_;
+  }
+  // The generation first: a view that moves between the two reads is read again next time.
+  const uint64_t generation = options_.live_owners_generation();
+  if (!live_read_ || generation != live_generation_) {
+    live_ = options_.live_owners();
+    live_generation_ = generation;
+    live_read_ = true;
+  }
+  return live_;
 }
 
 bool CatalogStore::ShardComplete(uint32_t shard, const LiveOwners& live) const {
+  if (!options_.live_owners_generation) return ComputeShardComplete(shard, live);
+  auto changes = shard_changes_.find(shard);
+  const uint64_t changed = changes == shard_changes_.end() ? 0 : changes->second;
+  auto [cached, fresh] = complete_cache_.try_emplace(shard);
+  if (fresh || cached->second.live_generation != live_generation_ || cached->second.changes != changed) {
+    cached->second = CompleteCache{live_generation_, changed, ComputeShardComplete(shard, live)};
+  }
+  return cached->second.complete;
+}
+
+bool CatalogStore::ComputeShardComplete(uint32_t shard, const LiveOwners& live) const {
   if (!options_.live_owners) {
     for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard; ++it) {
       if (!it->second.baseline || it->second.building) return false;
@@ -493,7 +566,7 @@ std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
       s.last_repair_s = s.last_repair_s < 0 ? ago : std::min(s.last_repair_s, ago);
     }
   }
-  const LiveOwners live = ReadLiveOwners();
+  const LiveOwners& live = ReadLiveOwners();
   std::vector<ShardStatus> out;
   for (auto& [shard, s] : shards) {
     s.complete = ShardComplete(shard, live);
@@ -515,7 +588,8 @@ std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string&
 
 std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const state::StateKey& key, bool* complete,
                                                        std::string_view requester, size_t max_holders) const {
-  // Every holder, by tier, each tier in owner-node order (the slices' order); only the chosen ones are copied.
+  // Every holder (from the shard's index: the entries of this key only), by tier, each tier in owner-node order;
+  // only the chosen ones are copied.
   struct Found {
     const std::string* node;
     const Slice* slice;
@@ -525,16 +599,19 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
   MutexLock lock(&mu_);
   std::vector<Found> found;
   if (complete != nullptr) *complete = ShardComplete(shard, ReadLiveOwners());
-  for (auto it = slices_.lower_bound({shard, std::string()}); it != slices_.end() && it->first.first == shard; ++it) {
-    const Slice& slice = it->second;
-    if (!slice.baseline || slice.absent_since.has_value()) continue;  // an owner that is no member is no holder
-    for (auto entry = slice.view.lower_bound(EntryKey{key, 0}); entry != slice.view.end() && entry->first.key == key;
-         ++entry) {
-      found.push_back(Found{&it->first.second, &slice, entry->first.tier, &entry->second});
+  if (auto index = index_.find(shard); index != index_.end()) {
+    auto [first, last] = index->second.equal_range(key.Hash64());
+    for (auto it = first; it != last; ++it) {
+      const IndexRef& ref = it->second;
+      if (ref.entry->first.key != key) continue;                                  // another key with the same hash
+      if (!ref.slice->baseline || ref.slice->absent_since.has_value()) continue;  // no member is no holder
+      found.push_back(Found{ref.owner_node, ref.slice, ref.entry->first.tier, &ref.entry->second});
     }
   }
-  // DRAM (the lower tier number) first; the sort is stable, so each tier stays in node order.
-  std::stable_sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.tier < b.tier; });
+  // DRAM (the lower tier number) first, then node order within a tier. A hot key may have thousands of holders and
+  // only max_holders are taken: a full sort is kept for small lists, the chosen positions are selected otherwise.
+  const auto by_tier = [](const Found& a, const Found& b) { return a.tier < b.tier; };
+  const auto by_node = [](const Found& a, const Found& b) { return *a.node < *b.node; };
   // FNV-1a of the requester's node id: the same start on every catalog host and every run (none: the first).
   size_t start = 0;
   if (!requester.empty()) {
@@ -542,13 +619,20 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
     for (const char c : requester) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
     start = static_cast<size_t>(h);
   }
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.tier < b.tier; });
   std::vector<Holder> holders;
   for (size_t first = 0; first < found.size() && holders.size() < max_holders;) {
     size_t end = first;
-    while (end < found.size() && found[end].tier == found[first].tier) ++end;
+    while (end < found.size() && !by_tier(found[first], found[end])) ++end;
     const size_t count = end - first;
+    const auto tier_begin = found.begin() + static_cast<ptrdiff_t>(first);
+    const auto tier_end = found.begin() + static_cast<ptrdiff_t>(end);
+    const bool sorted = count <= 64;
+    if (sorted) std::sort(tier_begin, tier_end, by_node);
     for (size_t i = 0; i < count && holders.size() < max_holders; ++i) {
-      const Found& f = found[first + (start + i) % count];
+      const size_t at = (start + i) % count;
+      if (!sorted) std::nth_element(tier_begin, tier_begin + static_cast<ptrdiff_t>(at), tier_end, by_node);
+      const Found& f = found[first + at];
       holders.push_back(
           Holder{*f.node, f.slice->owner_runtime,
                  CatalogRecord{key, f.tier, true, f.entry->version, f.entry->generation, f.entry->bytes}});

@@ -17,6 +17,12 @@
 //    byte budget, never exceeded: a snapshot that cannot fit answers RETRY_LATER and leaves the
 //    slice incomplete; a delta that cannot fit drops that slice's derived view (incomplete).
 //
+// Costs (issue 70): a lookup reads a per-shard index from the key's hash to its holders' entries (never every owner
+// slice of the shard); completeness is cached per shard and derived again only when that shard's slices changed
+// state (a baseline installed or lost, a snapshot begun or ended, a slice added, continued or dropped) or the member
+// view moved (options.live_owners_generation), so a lookup never copies the member view; DropDeadOwners does nothing
+// while the member view has not moved and no owner is within its absent grace.
+//
 // Thread safety: every method is safe from any thread (one mutex; each call is short and bounded by
 // its message).
 #ifndef ORBITKV_CATALOG_CATALOG_STORE_H_
@@ -27,6 +33,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -71,6 +78,9 @@ class CatalogStore {
     // re-baselined); nullopt while the member view is incomplete (every shard then reads incomplete). Null:
     // the slices known here alone decide. Called under the store's lock.
     std::function<std::optional<std::vector<std::pair<std::string, std::string>>>()> live_owners;
+    // A number that moves whenever live_owners' answer may have (the member view's generation): with it, live_owners
+    // is called only when it moved and completeness is cached per shard. Null: live_owners is called every time.
+    std::function<uint64_t()> live_owners_generation;
     // The shards placed on this host: Status reports each of them, those without any slice too. Empty: the
     // shards that have slices.
     std::vector<uint32_t> shards;
@@ -173,6 +183,7 @@ class CatalogStore {
     View view;                   // with deletion evidence (present == false)
   };
   struct Slice {
+    uint32_t shard = 0;
     std::string owner_runtime;        // the owner registration whose messages it takes now
     uint64_t owner_incarnation = 0;   // the owner's start (0: not said: the runtime is the start)
     int64_t owner_epoch = 0;          // of the owner start whose evidence this is: never moves back
@@ -188,9 +199,24 @@ class CatalogStore {
   using SliceKey = std::pair<uint32_t, std::string>;  // (shard, owner node)
 
   using LiveOwners = std::optional<std::vector<std::pair<std::string, std::string>>>;
-  LiveOwners ReadLiveOwners() const REQUIRES(mu_);
-  // Whether `shard`'s evidence is complete (see ShardStatus::complete), given ReadLiveOwners().
+  // The live owners, read again only when options.live_owners_generation moved.
+  const LiveOwners& ReadLiveOwners() const REQUIRES(mu_);
+  // Whether `shard`'s evidence is complete (see ShardStatus::complete), given ReadLiveOwners(); cached per shard.
   bool ShardComplete(uint32_t shard, const LiveOwners& live) const REQUIRES(mu_);
+  bool ComputeShardComplete(uint32_t shard, const LiveOwners& live) const REQUIRES(mu_);
+  // A slice of `shard` changed what completeness reads (baseline, building, runtime, existence).
+  void Touch(uint32_t shard) REQUIRES(mu_);
+
+  // The per-shard index of the live views: a key's hash to the entries that hold it (several keys may share a hash:
+  // a lookup compares the key).
+  struct IndexRef {
+    const View::value_type* entry;
+    const Slice* slice;
+    const std::string* owner_node;
+  };
+  using KeyIndex = std::unordered_multimap<uint64_t, IndexRef>;
+  void IndexAdd(const Slice& slice, const std::string& node, const View::value_type& entry) REQUIRES(mu_);
+  void IndexRemove(const Slice& slice, const View::value_type& entry) REQUIRES(mu_);
   // Common checks; a reply when the message must be answered without applying it.
   std::optional<CatalogReply> Admit(const StreamId& stream) const REQUIRES(mu_);
   // A refusal when `stream` is an older owner start than the one `slice` holds evidence of (an older epoch, or
@@ -222,6 +248,20 @@ class CatalogStore {
   const Options options_;
   mutable Mutex mu_;
   std::map<SliceKey, Slice> slices_ GUARDED_BY(mu_);
+  std::unordered_map<uint32_t, KeyIndex> index_ GUARDED_BY(mu_);
+  std::unordered_map<uint32_t, uint64_t> shard_changes_ GUARDED_BY(mu_);  // Touch counts, per shard
+  struct CompleteCache {
+    uint64_t live_generation = 0;
+    uint64_t changes = 0;
+    bool complete = false;
+  };
+  mutable std::unordered_map<uint32_t, CompleteCache> complete_cache_ GUARDED_BY(mu_);
+  mutable LiveOwners live_ GUARDED_BY(mu_);
+  mutable uint64_t live_generation_ GUARDED_BY(mu_) = 0;
+  mutable bool live_read_ GUARDED_BY(mu_) = false;
+  // DropDeadOwners' last round: the member view's generation then, and whether an owner was absent (in its grace).
+  std::optional<uint64_t> dropped_at_generation_ GUARDED_BY(mu_);
+  bool absent_pending_ GUARDED_BY(mu_) = false;
   uint64_t used_ GUARDED_BY(mu_) = 0;
   uint64_t continuations_ GUARDED_BY(mu_) = 0;
 };

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -507,6 +509,135 @@ TEST(CatalogStoreTest, LookupRowsAreBoundedDramFirstAndSpreadOverTheHoldersByReq
   ASSERT_EQ(row.size(), 4u);
   EXPECT_EQ(row[0].owner_node, "dram-a");
   EXPECT_EQ(row[1].record.tier, 2);
+}
+
+// Issue 70: lookups read a per-shard index of the views. Every change of a view reaches it (a delta's addition and
+// removal, a snapshot replacing a view, a view dropped on a conflict), and a key held by many owners is answered with
+// exactly the holders the rule names: DRAM first, node order from the requester's point (FNV-1a of its node id).
+TEST(CatalogStoreTest, TheIndexFollowsEveryViewChangeAndAHotKeyGetsTheHoldersTheRuleNames) {
+  CatalogStore store({kIncarnation});
+  std::vector<std::string> owners;
+  for (int o = 99; o >= 0; --o) {  // created out of node order
+    owners.push_back(fmt::format("owner-{:03}", o));
+    Baseline(store, 4, Stream(owners.back(), "run"));
+  }
+  std::sort(owners.begin(), owners.end());
+  const state::StateKey hot = core::testing::ChainKey(7, 0);
+  auto all = [&](const state::StateKey& key) {
+    bool complete = false;
+    std::set<std::string> nodes;
+    for (const auto& h : store.Lookup(3, key, &complete, "", 1000)) nodes.insert(h.owner_node);
+    return nodes;
+  };
+  for (int r = 0; r < 20; ++r) {
+    const std::string requester = fmt::format("requester-{}", r);
+    uint64_t h = 14695981039346656037ull;
+    for (const char c : requester) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+    bool complete = false;
+    const auto row = store.Lookup(3, hot, &complete, requester);
+    ASSERT_EQ(row.size(), CatalogStore::kMaxHoldersPerKey);
+    for (size_t i = 0; i < row.size(); ++i) {
+      EXPECT_EQ(row[i].owner_node, owners[(static_cast<size_t>(h) + i) % owners.size()]) << requester << " " << i;
+    }
+  }
+  EXPECT_EQ(all(hot).size(), 100u);
+  EXPECT_TRUE(all(core::testing::ChainKey(7, 50)).empty());  // nobody holds it
+  // A delta removes the hot key from one owner, then adds it back.
+  ASSERT_EQ(store.Apply({Stream("owner-042", "run"), 5, {Remove(0, 5)}}).kind, Kind::kAck);
+  EXPECT_EQ(all(hot).size(), 99u);
+  EXPECT_EQ(all(hot).count("owner-042"), 0u);
+  ASSERT_EQ(store.Apply({Stream("owner-042", "run"), 6, {Add(0, 6)}}).kind, Kind::kAck);
+  EXPECT_EQ(all(hot).count("owner-042"), 1u);
+  // A new snapshot replaces one owner's view: its old keys leave the index, its new ones enter.
+  const StreamId seven = Stream("owner-007", "run");
+  ASSERT_EQ(store.Begin({seven, 2, 10, 1}).kind, Kind::kAck);
+  ASSERT_EQ(store.End({seven, 2, 11, {Add(60, 11)}}).kind, Kind::kAck);
+  EXPECT_EQ(all(hot).size(), 99u);
+  EXPECT_EQ(all(hot).count("owner-007"), 0u);
+  EXPECT_EQ(all(core::testing::ChainKey(7, 60)), std::set<std::string>{"owner-007"});
+  // A conflict drops a view: none of its keys answers any more.
+  ASSERT_EQ(store.Apply({Stream("owner-001", "run"), 2, {Add(1, 2, /*generation=*/9)}}).kind, Kind::kResync);
+  EXPECT_EQ(all(hot).count("owner-001"), 0u);
+  EXPECT_EQ(all(core::testing::ChainKey(7, 1)).size(), 98u);  // not owner-001's, nor owner-007's any more
+  EXPECT_EQ(store.used_bytes(), (98 * 4 + 1) * CatalogStore::EntryCharge());
+}
+
+// Issue 70: with the member view's generation, the live owners are read only when it moved and a shard's completeness
+// is derived again only when its slices changed state: lookups neither copy the view nor walk its owners. A change
+// is never missed: a baseline installed or lost, a new start in the view.
+TEST(CatalogStoreTest, CompletenessIsCachedUntilTheShardOrTheMemberViewChanges) {
+  std::optional<std::vector<std::pair<std::string, std::string>>> live =
+      std::vector<std::pair<std::string, std::string>>{{"node-a", "run-1"}, {"node-b", "run-2"}};
+  uint64_t generation = 1;
+  int reads = 0;
+  CatalogStore::Options options{kIncarnation};
+  options.live_owners = [&] {
+    ++reads;
+    return live;
+  };
+  options.live_owners_generation = [&] { return generation; };
+  CatalogStore store(std::move(options));
+  Baseline(store, 2, Stream("node-a", "run-1"));
+  EXPECT_FALSE(store.Complete(3));
+  Baseline(store, 2, Stream("node-b", "run-2"));
+  EXPECT_TRUE(store.Complete(3));
+  const int before = reads;
+  bool complete = false;
+  for (int i = 0; i < 100; ++i) store.Lookup(3, core::testing::ChainKey(7, 0), &complete);
+  EXPECT_TRUE(complete);
+  EXPECT_EQ(reads, before);  // the view did not move: not read again
+  // node-b's view is lost to a conflict: incomplete at once, with the member view unchanged.
+  ASSERT_EQ(store.Apply({Stream("node-b", "run-2"), 2, {Add(1, 2, /*generation=*/9)}}).kind, Kind::kResync);
+  EXPECT_FALSE(store.Complete(3));
+  ASSERT_EQ(store.Begin({Stream("node-b", "run-2"), 2, 2, 1}).kind, Kind::kAck);  // its next snapshot
+  ASSERT_EQ(store.End({Stream("node-b", "run-2"), 2, 3, {Add(5, 3)}}).kind, Kind::kAck);
+  EXPECT_TRUE(store.Complete(3));
+  // node-b restarts: the view moves, and its old baseline no longer counts.
+  live = std::vector<std::pair<std::string, std::string>>{{"node-a", "run-1"}, {"node-b", "run-3"}};
+  ++generation;
+  EXPECT_FALSE(store.Complete(3));
+  EXPECT_EQ(reads, before + 1);
+  ASSERT_EQ(store.Begin({Stream("node-b", "run-3"), 1, 0, 1}).kind, Kind::kAck);
+  EXPECT_FALSE(store.Complete(3));  // a snapshot in progress
+  ASSERT_EQ(store.End({Stream("node-b", "run-3"), 1, 1, {Add(0, 1)}}).kind, Kind::kAck);
+  EXPECT_TRUE(store.Complete(3));
+  live = std::nullopt;  // the member view is incomplete
+  ++generation;
+  EXPECT_FALSE(store.Complete(3));
+}
+
+// Issue 70: DropDeadOwners (every 500 ms on a catalog host) does nothing while the member view stands still and no
+// owner waits out its absent grace; it looks again as soon as either changes.
+TEST(CatalogStoreTest, DropDeadOwnersSkipsItsRoundWhileTheMemberViewStandsStill) {
+  std::map<std::string, CatalogStore::OwnerRegistration> members = {{"node-a", {"run-1", 0, 0}},
+                                                                    {"node-b", {"run-2", 0, 0}}};
+  uint64_t generation = 1;
+  int asked = 0;
+  CatalogStore::Options options{kIncarnation};
+  options.owner_registration = [&](const std::string& node) -> std::optional<CatalogStore::OwnerRegistration> {
+    ++asked;
+    auto it = members.find(node);
+    return it == members.end() ? CatalogStore::OwnerRegistration{} : it->second;
+  };
+  options.live_owners_generation = [&] { return generation; };
+  options.absent_grace = std::chrono::milliseconds(100);
+  CatalogStore store(std::move(options));
+  Baseline(store, 2, Stream("node-a", "run-1"));
+  Baseline(store, 2, Stream("node-b", "run-2"));
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  asked = 0;
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  EXPECT_EQ(asked, 0);  // nothing moved: no owner looked up
+  members.erase("node-b");
+  ++generation;
+  EXPECT_EQ(store.DropDeadOwners(), 0u);  // absent: within its grace
+  EXPECT_GT(asked, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  EXPECT_EQ(store.DropDeadOwners(), 1u);  // the view did not move again, but a grace was running
+  EXPECT_EQ(store.Slices(3).size(), 1u);
+  asked = 0;
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  EXPECT_EQ(asked, 0);
 }
 
 TEST(CatalogStoreTest, ANewCatalogStartAndDeadOwnersAreRefused) {

@@ -18,6 +18,11 @@ int64_t MemberView::revision() const {
   return revision_;
 }
 
+uint64_t MemberView::generation() const {
+  MutexLock lock(&mu_);
+  return generation_;
+}
+
 size_t MemberView::size() const {
   MutexLock lock(&mu_);
   return std::min(all_.size(), limit_);

@@ -83,6 +83,8 @@ class MemberView {
   // Whether `self` is among the counted (PlaceOf(self) is kCounted), lock-free for the cache-operation path.
   bool SelfCounted() const { return self_counted_.load(std::memory_order_acquire); }
   Snapshot Read() const;
+  // Snapshot::generation without the copy: a reader that caches what it derived from a Read asks this first.
+  uint64_t generation() const;
   // Every record held (counted and waiting), by Node ID; nullopt when some were dropped from a full line (the view
   // does not hold every record).
   std::optional<std::map<std::string, Member>> Held() const;
