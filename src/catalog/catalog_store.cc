@@ -609,8 +609,7 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
     }
   }
   // DRAM (the lower tier number) first, then node order within a tier. A hot key may have thousands of holders and
-  // only max_holders are taken: a full sort is kept for small lists, the chosen positions are selected otherwise.
-  const auto by_tier = [](const Found& a, const Found& b) { return a.tier < b.tier; };
+  // only max_holders are taken: the chosen ranks are selected (nth_element, partial_sort), not the whole list sorted.
   const auto by_node = [](const Found& a, const Found& b) { return *a.node < *b.node; };
   // FNV-1a of the requester's node id: the same start on every catalog host and every run (none: the first).
   size_t start = 0;
@@ -619,24 +618,27 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
     for (const char c : requester) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
     start = static_cast<size_t>(h);
   }
-  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.tier < b.tier; });
   std::vector<Holder> holders;
-  for (size_t first = 0; first < found.size() && holders.size() < max_holders;) {
-    size_t end = first;
-    while (end < found.size() && !by_tier(found[first], found[end])) ++end;
-    const size_t count = end - first;
-    const auto tier_begin = found.begin() + static_cast<ptrdiff_t>(first);
-    const auto tier_end = found.begin() + static_cast<ptrdiff_t>(end);
-    const bool sorted = count <= 64;
-    if (sorted) std::sort(tier_begin, tier_end, by_node);
-    for (size_t i = 0; i < count && holders.size() < max_holders; ++i) {
-      const size_t at = (start + i) % count;
-      if (!sorted) std::nth_element(tier_begin, tier_begin + static_cast<ptrdiff_t>(at), tier_end, by_node);
-      const Found& f = found[first + at];
-      holders.push_back(
-          Holder{*f.node, f.slice->owner_runtime,
-                 CatalogRecord{key, f.tier, true, f.entry->version, f.entry->generation, f.entry->bytes}});
-    }
+  auto take = [&](const Found& f) {
+    holders.push_back(Holder{*f.node, f.slice->owner_runtime,
+                             CatalogRecord{key, f.tier, true, f.entry->version, f.entry->generation, f.entry->bytes}});
+  };
+  for (auto first = found.begin(); first != found.end() && holders.size() < max_holders;) {
+    uint8_t tier = first->tier;
+    for (auto it = first; it != found.end(); ++it) tier = std::min(tier, it->tier);
+    const auto end = std::partition(first, found.end(), [tier](const Found& f) { return f.tier == tier; });
+    const size_t count = static_cast<size_t>(end - first);
+    const size_t need = std::min(max_holders - holders.size(), count);
+    // Ranks start % count, ... (need of them, wrapping to 0) in node order.
+    const size_t at = start % count;
+    const size_t head = std::min(need, count - at);  // ranks at .. at + head - 1
+    const size_t wrap = need - head;                 // then ranks 0 .. wrap - 1
+    const auto at_it = first + static_cast<ptrdiff_t>(at);
+    std::nth_element(first, at_it, end, by_node);  // [first, at_it) holds the `at` smallest
+    std::partial_sort(at_it, at_it + static_cast<ptrdiff_t>(head), end, by_node);
+    for (size_t i = 0; i < head; ++i) take(*(at_it + static_cast<ptrdiff_t>(i)));
+    std::partial_sort(first, first + static_cast<ptrdiff_t>(wrap), at_it, by_node);
+    for (size_t i = 0; i < wrap; ++i) take(*(first + static_cast<ptrdiff_t>(i)));
     first = end;
   }
   return holders;
