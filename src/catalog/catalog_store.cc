@@ -26,25 +26,46 @@ std::string_view CatalogReplyName(CatalogReply::Kind kind) {
 uint64_t CatalogStore::EntryCharge() {
   // The view's map node (three pointers, color, padding), and the entry's index node (its next pointer and cached
   // hash, the allocator's header, a bucket's share).
-  return sizeof(EntryKey) + sizeof(Entry) + 48 + sizeof(KeyIndex::value_type) + 40;
+  return sizeof(EntryKey) + sizeof(Entry) + 48 + sizeof(IndexRef) + 64;  // + the key's list: its node, spare capacity
+}
+
+bool CatalogStore::IndexBefore(const IndexRef& a, const IndexRef& b) {
+  if (a.entry->first.tier != b.entry->first.tier) return a.entry->first.tier < b.entry->first.tier;
+  if (*a.owner_node != *b.owner_node) return *a.owner_node < *b.owner_node;
+  return a.entry < b.entry;  // two keys of one hash held by one owner
+}
+
+void CatalogStore::SetAbsent(Slice& slice, std::optional<MonoTime> since) {
+  if (slice.absent_since.has_value() == since.has_value()) {
+    if (since.has_value()) slice.absent_since = since;
+    return;
+  }
+  slice.absent_since = since;
+  if (since.has_value()) {
+    ++absent_slices_;
+  } else {
+    --absent_slices_;
+  }
 }
 
 void CatalogStore::Touch(uint32_t shard) { ++shard_changes_[shard]; }
 
 void CatalogStore::IndexAdd(const Slice& slice, const std::string& node, const View::value_type& entry) {
-  index_[slice.shard].emplace(entry.first.key.Hash64(), IndexRef{&entry, &slice, &node});
+  std::vector<IndexRef>& refs = index_[slice.shard][entry.first.key.Hash64()];
+  const IndexRef ref{&entry, &slice, &node};
+  refs.insert(std::upper_bound(refs.begin(), refs.end(), ref, IndexBefore), ref);
 }
 
 void CatalogStore::IndexRemove(const Slice& slice, const View::value_type& entry) {
   auto shard = index_.find(slice.shard);
   if (shard == index_.end()) return;
-  auto [first, last] = shard->second.equal_range(entry.first.key.Hash64());
-  for (auto it = first; it != last; ++it) {
-    if (it->second.entry == &entry) {
-      shard->second.erase(it);
-      break;
-    }
-  }
+  auto list = shard->second.find(entry.first.key.Hash64());
+  if (list == shard->second.end()) return;
+  std::vector<IndexRef>& refs = list->second;
+  const IndexRef ref{&entry, &slice, slice.node};
+  auto it = std::lower_bound(refs.begin(), refs.end(), ref, IndexBefore);
+  if (it != refs.end() && it->entry == &entry) refs.erase(it);
+  if (refs.empty()) shard->second.erase(list);
   if (shard->second.empty()) index_.erase(shard);
 }
 
@@ -179,7 +200,7 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
   if (it != slices_.end()) {
     if (auto stale = StaleStart(it->second, batch.stream)) return *stale;
     Continue(it->second, batch.stream);
-    it->second.absent_since.reset();  // admitted: a live member
+    SetAbsent(it->second, std::nullopt);  // admitted: a live member
   }
   if (it == slices_.end() || !it->second.baseline || it->second.owner_runtime != batch.stream.owner_runtime) {
     return Reply(CatalogReply::Kind::kResync, 0, "no baseline for this stream here: send a snapshot");
@@ -259,7 +280,7 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
     // An older start's Begin (reordered, or a fenced owner) neither replaces nor reserves anything.
     if (auto stale = StaleStart(found->second, begin.stream)) return *stale;
     Continue(found->second, begin.stream);
-    found->second.absent_since.reset();  // admitted: a live member
+    SetAbsent(found->second, std::nullopt);  // admitted: a live member
     const Slice& current = found->second;
     if (current.owner_runtime == begin.stream.owner_runtime &&
         (begin.snapshot_id <= current.installed_snapshot ||
@@ -268,8 +289,10 @@ CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
       return Reply(CatalogReply::Kind::kAck, current.applied, "a stale Begin: that snapshot is done");
     }
   }
-  Slice& slice = slices_[{begin.stream.shard, begin.stream.owner_node}];
+  auto placed = slices_.try_emplace({begin.stream.shard, begin.stream.owner_node}).first;
+  Slice& slice = placed->second;
   slice.shard = begin.stream.shard;
+  slice.node = &placed->first.second;
   Touch(slice.shard);
   if (slice.owner_runtime != begin.stream.owner_runtime) {  // a new start of that owner: its old view is void
     AbortBuilding(slice);
@@ -424,6 +447,7 @@ size_t CatalogStore::DropSlicesWhere(const std::function<bool(const SliceKey&, c
     }
     AbortBuilding(it->second);
     DropView(it->second);
+    SetAbsent(it->second, std::nullopt);
     Touch(it->first.first);
     it = slices_.erase(it);
     ++dropped;
@@ -466,12 +490,12 @@ size_t CatalogStore::DropDeadOwners() {
       continue;
     }
     if (registered->runtime.empty()) {
-      if (!slice.absent_since.has_value()) slice.absent_since = now;
+      if (!slice.absent_since.has_value()) SetAbsent(slice, now);
       dead[key] = now - *slice.absent_since >= options_.absent_grace;
       absent = absent || !dead[key];
       continue;
     }
-    slice.absent_since.reset();
+    SetAbsent(slice, std::nullopt);
     if (registered->runtime != slice.owner_runtime && slice.owner_incarnation != 0 &&
         registered->incarnation == slice.owner_incarnation && registered->epoch > slice.owner_epoch) {
       Continue(slice,
@@ -588,29 +612,8 @@ std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string&
 
 std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const state::StateKey& key, bool* complete,
                                                        std::string_view requester, size_t max_holders) const {
-  // Every holder (from the shard's index: the entries of this key only), by tier, each tier in owner-node order;
-  // only the chosen ones are copied.
-  struct Found {
-    const std::string* node;
-    const Slice* slice;
-    uint8_t tier;
-    const Entry* entry;
-  };
   MutexLock lock(&mu_);
-  std::vector<Found> found;
   if (complete != nullptr) *complete = ShardComplete(shard, ReadLiveOwners());
-  if (auto index = index_.find(shard); index != index_.end()) {
-    auto [first, last] = index->second.equal_range(key.Hash64());
-    for (auto it = first; it != last; ++it) {
-      const IndexRef& ref = it->second;
-      if (ref.entry->first.key != key) continue;                                  // another key with the same hash
-      if (!ref.slice->baseline || ref.slice->absent_since.has_value()) continue;  // no member is no holder
-      found.push_back(Found{ref.owner_node, ref.slice, ref.entry->first.tier, &ref.entry->second});
-    }
-  }
-  // DRAM (the lower tier number) first, then node order within a tier. A hot key may have thousands of holders and
-  // only max_holders are taken: the chosen ranks are selected (nth_element, partial_sort), not the whole list sorted.
-  const auto by_node = [](const Found& a, const Found& b) { return *a.node < *b.node; };
   // FNV-1a of the requester's node id: the same start on every catalog host and every run (none: the first).
   size_t start = 0;
   if (!requester.empty()) {
@@ -619,10 +622,55 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
     start = static_cast<size_t>(h);
   }
   std::vector<Holder> holders;
-  auto take = [&](const Found& f) {
-    holders.push_back(Holder{*f.node, f.slice->owner_runtime,
-                             CatalogRecord{key, f.tier, true, f.entry->version, f.entry->generation, f.entry->bytes}});
+  auto take = [&](const std::string& node, const Slice& slice, uint8_t tier, const Entry& entry) {
+    holders.push_back(Holder{node, slice.owner_runtime,
+                             CatalogRecord{key, tier, true, entry.version, entry.generation, entry.bytes}});
   };
+  const std::vector<IndexRef>* refs = nullptr;
+  if (auto index = index_.find(shard); index != index_.end()) {
+    if (auto list = index->second.find(key.Hash64()); list != index->second.end()) refs = &list->second;
+  }
+  if (refs == nullptr) return holders;
+  // DRAM (the lower tier number) first, then node order within a tier from the requester's point. The list is in
+  // that order already: with every owner a member (no slice within its absent grace) each tier's run is its holders,
+  // and the chosen ranks are read directly, whatever the number of holders. A chosen entry of another key (a shared
+  // hash) sends the lookup through the walk below.
+  if (absent_slices_ == 0) {
+    bool exact = true;
+    for (size_t first = 0; first < refs->size() && holders.size() < max_holders && exact;) {
+      const uint8_t tier = (*refs)[first].entry->first.tier;
+      const auto run_end = std::upper_bound(refs->begin() + static_cast<ptrdiff_t>(first), refs->end(), tier,
+                                            [](uint8_t t, const IndexRef& r) { return t < r.entry->first.tier; });
+      const size_t end = static_cast<size_t>(run_end - refs->begin());
+      const size_t count = end - first;
+      for (size_t i = 0; i < count && holders.size() < max_holders; ++i) {
+        const IndexRef& ref = (*refs)[first + (start + i) % count];
+        if (ref.entry->first.key != key) {
+          exact = false;
+          break;
+        }
+        take(*ref.owner_node, *ref.slice, tier, ref.entry->second);
+      }
+      first = end;
+    }
+    if (exact) return holders;
+    holders.clear();
+  }
+  // The walk: the key's holders filtered (members only, this key only), then the chosen ranks selected within each
+  // tier (nth_element, partial_sort), not the whole list sorted.
+  struct Found {
+    const std::string* node;
+    const Slice* slice;
+    uint8_t tier;
+    const Entry* entry;
+  };
+  std::vector<Found> found;
+  for (const IndexRef& ref : *refs) {
+    if (ref.entry->first.key != key) continue;                                  // another key with the same hash
+    if (!ref.slice->baseline || ref.slice->absent_since.has_value()) continue;  // no member is no holder
+    found.push_back(Found{ref.owner_node, ref.slice, ref.entry->first.tier, &ref.entry->second});
+  }
+  const auto by_node = [](const Found& a, const Found& b) { return *a.node < *b.node; };
   for (auto first = found.begin(); first != found.end() && holders.size() < max_holders;) {
     uint8_t tier = first->tier;
     for (auto it = first; it != found.end(); ++it) tier = std::min(tier, it->tier);
@@ -636,9 +684,15 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
     const auto at_it = first + static_cast<ptrdiff_t>(at);
     std::nth_element(first, at_it, end, by_node);  // [first, at_it) holds the `at` smallest
     std::partial_sort(at_it, at_it + static_cast<ptrdiff_t>(head), end, by_node);
-    for (size_t i = 0; i < head; ++i) take(*(at_it + static_cast<ptrdiff_t>(i)));
+    for (size_t i = 0; i < head; ++i) {
+      const Found& f = *(at_it + static_cast<ptrdiff_t>(i));
+      take(*f.node, *f.slice, f.tier, *f.entry);
+    }
     std::partial_sort(first, first + static_cast<ptrdiff_t>(wrap), at_it, by_node);
-    for (size_t i = 0; i < wrap; ++i) take(*(first + static_cast<ptrdiff_t>(i)));
+    for (size_t i = 0; i < wrap; ++i) {
+      const Found& f = *(first + static_cast<ptrdiff_t>(i));
+      take(*f.node, *f.slice, f.tier, *f.entry);
+    }
     first = end;
   }
   return holders;

@@ -184,10 +184,11 @@ class CatalogStore {
   };
   struct Slice {
     uint32_t shard = 0;
-    std::string owner_runtime;        // the owner registration whose messages it takes now
-    uint64_t owner_incarnation = 0;   // the owner's start (0: not said: the runtime is the start)
-    int64_t owner_epoch = 0;          // of the owner start whose evidence this is: never moves back
-    uint64_t installed_snapshot = 0;  // the id of the last snapshot installed from that start
+    const std::string* node = nullptr;  // its owner node: the key of its place in slices_
+    std::string owner_runtime;          // the owner registration whose messages it takes now
+    uint64_t owner_incarnation = 0;     // the owner's start (0: not said: the runtime is the start)
+    int64_t owner_epoch = 0;            // of the owner start whose evidence this is: never moves back
+    uint64_t installed_snapshot = 0;    // the id of the last snapshot installed from that start
     uint64_t applied = 0;
     bool baseline = false;
     View view;  // present entries only: the applied sequence makes older events rejectable
@@ -207,14 +208,18 @@ class CatalogStore {
   // A slice of `shard` changed what completeness reads (baseline, building, runtime, existence).
   void Touch(uint32_t shard) REQUIRES(mu_);
 
-  // The per-shard index of the live views: a key's hash to the entries that hold it (several keys may share a hash:
-  // a lookup compares the key).
+  // The per-shard index of the live views: a key's hash to the entries that hold it, kept in the order a lookup
+  // names holders in (tier, then owner node), so a lookup selects its ranks without walking them. Several keys may
+  // share a hash: the chosen entries are compared with the key, and any mismatch walks the list.
   struct IndexRef {
     const View::value_type* entry;
     const Slice* slice;
     const std::string* owner_node;
   };
-  using KeyIndex = std::unordered_multimap<uint64_t, IndexRef>;
+  static bool IndexBefore(const IndexRef& a, const IndexRef& b);
+  using KeyIndex = std::unordered_map<uint64_t, std::vector<IndexRef>>;
+  // Marks a slice's owner absent (no member: kept for the grace, no holder meanwhile) or back.
+  void SetAbsent(Slice& slice, std::optional<MonoTime> since) REQUIRES(mu_);
   void IndexAdd(const Slice& slice, const std::string& node, const View::value_type& entry) REQUIRES(mu_);
   void IndexRemove(const Slice& slice, const View::value_type& entry) REQUIRES(mu_);
   // Common checks; a reply when the message must be answered without applying it.
@@ -262,6 +267,7 @@ class CatalogStore {
   // DropDeadOwners' last round: the member view's generation then, and whether an owner was absent (in its grace).
   std::optional<uint64_t> dropped_at_generation_ GUARDED_BY(mu_);
   bool absent_pending_ GUARDED_BY(mu_) = false;
+  size_t absent_slices_ GUARDED_BY(mu_) = 0;  // slices whose absent_since is set: lookups then filter every holder
   uint64_t used_ GUARDED_BY(mu_) = 0;
   uint64_t continuations_ GUARDED_BY(mu_) = 0;
 };

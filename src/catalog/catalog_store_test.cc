@@ -562,6 +562,43 @@ TEST(CatalogStoreTest, TheIndexFollowsEveryViewChangeAndAHotKeyGetsTheHoldersThe
   EXPECT_EQ(store.used_bytes(), (98 * 4 + 1) * CatalogStore::EntryCharge());
 }
 
+// Issue 70: while an owner waits out its absent grace it is no holder, and the rows name the holders the rule names
+// over the members only (the walk behind the index's direct read).
+TEST(CatalogStoreTest, AnAbsentOwnerIsNoHolderAndTheRuleCountsTheMembersOnly) {
+  std::set<std::string> gone;
+  CatalogStore::Options options{kIncarnation};
+  options.owner_registration = [&](const std::string& node) -> std::optional<CatalogStore::OwnerRegistration> {
+    if (gone.count(node) != 0) return CatalogStore::OwnerRegistration{};
+    return CatalogStore::OwnerRegistration{"run", 0, 0};
+  };
+  options.absent_grace = std::chrono::seconds(60);
+  CatalogStore store(std::move(options));
+  std::vector<std::string> members;
+  for (int o = 0; o < 70; ++o) {
+    members.push_back(fmt::format("owner-{:03}", o));
+    Baseline(store, 2, Stream(members.back(), "run"));
+  }
+  gone.insert("owner-010");
+  EXPECT_EQ(store.DropDeadOwners(), 0u);  // absent, within its grace: kept, no holder
+  members.erase(std::find(members.begin(), members.end(), "owner-010"));
+  const state::StateKey hot = core::testing::ChainKey(7, 1);
+  bool complete = false;
+  EXPECT_EQ(store.Lookup(3, hot, &complete, "", 1000).size(), 69u);
+  for (int r = 0; r < 10; ++r) {
+    const std::string requester = fmt::format("requester-{}", r);
+    uint64_t h = 14695981039346656037ull;
+    for (const char c : requester) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+    const auto row = store.Lookup(3, hot, &complete, requester);
+    ASSERT_EQ(row.size(), CatalogStore::kMaxHoldersPerKey);
+    for (size_t i = 0; i < row.size(); ++i) {
+      EXPECT_EQ(row[i].owner_node, members[(static_cast<size_t>(h) + i) % members.size()]) << requester << " " << i;
+    }
+  }
+  gone.clear();  // back before its grace ran out: a holder again
+  EXPECT_EQ(store.DropDeadOwners(), 0u);
+  EXPECT_EQ(store.Lookup(3, hot, &complete, "", 1000).size(), 70u);
+}
+
 // Issue 70: with the member view's generation, the live owners are read only when it moved and a shard's completeness
 // is derived again only when its slices changed state: lookups neither copy the view nor walk its owners. A change
 // is never missed: a baseline installed or lost, a new start in the view.
