@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <random>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -70,6 +71,7 @@ PeerDirectory::Peer PeerDirectory::Probe(const cluster::Member& member) {
   peer::v1::HealthResponse response;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.rpc_timeout);
+  probes_sent_.fetch_add(1, std::memory_order_relaxed);
   const grpc::Status status = StubFor(peer.endpoint)->Health(&context, request, &response);
   if (status.ok() && response.protocol_version() != options_.protocol_version) {
     peer.health = Health::kIncompatible;
@@ -94,12 +96,55 @@ PeerDirectory::Peer PeerDirectory::Probe(const cluster::Member& member) {
   return peer;
 }
 
+void PeerDirectory::Use(const std::string& node) {
+  if (node == options_.self.node_id) return;
+  MutexLock lock(&use_mu_);
+  used_[node] = std::chrono::steady_clock::now();
+}
+
 void PeerDirectory::ProbeAll() {
   const cluster::MemberView::Snapshot view = members_->Read();
   if (!view.complete) return;  // keep what we knew; the view is refreshed first
+  // Whom to probe: every member without always_probe; else the catalog hosts and the peers used lately.
   std::vector<const cluster::Member*> others;
-  for (const cluster::Member& member : view.members) {
-    if (member.record.node_id != options_.self.node_id /* the node never changes */) others.push_back(&member);
+  if (!options_.always_probe) {
+    for (const cluster::Member& member : view.members) {
+      if (member.record.node_id != options_.self.node_id /* the node never changes */) others.push_back(&member);
+    }
+  } else {
+    std::set<std::string> wanted;
+    for (std::string& node : options_.always_probe()) wanted.insert(std::move(node));
+    {
+      const auto now = std::chrono::steady_clock::now();
+      MutexLock lock(&use_mu_);
+      for (auto it = used_.begin(); it != used_.end();) {
+        if (now - it->second > options_.use_window) {
+          it = used_.erase(it);
+        } else {
+          wanted.insert(it->first);
+          ++it;
+        }
+      }
+    }
+    wanted.erase(options_.self.node_id);
+    for (const cluster::Member& member : view.members) {
+      if (wanted.count(member.record.node_id) != 0) others.push_back(&member);
+    }
+  }
+  // At most max_probes_per_round a round, from where the last round stopped.
+  std::set<std::string> due;  // the peers talked to, probed this round or not
+  for (const cluster::Member* member : others) due.insert(member->record.node_id);
+  const size_t bound = std::max<size_t>(options_.max_probes_per_round, 1);
+  if (others.size() > bound) {
+    size_t from = 0;
+    {
+      MutexLock lock(&mu_);
+      from = cursor_ % others.size();
+      cursor_ = (from + bound) % others.size();
+    }
+    std::vector<const cluster::Member*> round;
+    for (size_t i = 0; i < bound; ++i) round.push_back(others[(from + i) % others.size()]);
+    others = std::move(round);
   }
   // In parallel, at most max_probes_in_flight at once: each worker takes the next member.
   std::vector<Peer> results(others.size());
@@ -118,9 +163,13 @@ void PeerDirectory::ProbeAll() {
   for (size_t w = 1; w < workers; ++w) threads.emplace_back(work);
   if (workers > 0) work();
   for (std::thread& t : threads) t.join();
+  MutexLock lock(&mu_);
   std::map<std::string, Peer> probed;
   for (size_t i = 0; i < others.size(); ++i) probed.emplace(others[i]->record.node_id, std::move(results[i]));
-  MutexLock lock(&mu_);
+  // Those still talked to but not probed this round keep what an earlier round learnt.
+  for (auto& [node, peer] : peers_) {
+    if (probed.count(node) == 0 && due.count(node) != 0) probed.emplace(node, peer);
+  }
   for (const auto& [node, peer] : probed) {
     auto before = peers_.find(node);
     const bool changed = before == peers_.end() || before->second.health != peer.health ||
@@ -135,11 +184,16 @@ void PeerDirectory::ProbeAll() {
     }
   }
   peers_ = std::move(probed);
-  // Channels of members that left are closed; at most one per member remains.
+  bool incompatible = false;
+  std::set<std::string> endpoints;
+  for (const auto& [node, peer] : peers_) {
+    incompatible = incompatible || peer.health == Health::kIncompatible;
+    endpoints.insert(peer.endpoint);
+  }
+  incompatible_.store(incompatible, std::memory_order_release);
+  // Channels of peers no longer talked to are closed; at most one per peer remains.
   for (auto it = stubs_.begin(); it != stubs_.end();) {
-    bool used = false;
-    for (const auto& [node, peer] : peers_) used = used || peer.endpoint == it->first;
-    it = used ? std::next(it) : stubs_.erase(it);
+    it = endpoints.count(it->first) != 0 ? std::next(it) : stubs_.erase(it);
   }
 }
 
@@ -171,6 +225,7 @@ void PeerDirectory::Loop() {
 }
 
 std::string PeerDirectory::incompatibility() const {
+  if (!incompatible_.load(std::memory_order_acquire)) return "";  // the query path's check: no lock
   MutexLock lock(&mu_);
   for (const auto& [node, peer] : peers_) {
     if (peer.health == Health::kIncompatible) return peer.reason;
@@ -202,6 +257,8 @@ void PeerDirectory::VisitStats(StatsVisitor& v) const {
   v.Gauge("peers_unreachable", static_cast<int64_t>(counts[static_cast<int>(Health::kUnreachable)]));
   v.Gauge("peers_incompatible", static_cast<int64_t>(counts[static_cast<int>(Health::kIncompatible)]));
   v.Text("remote_work_off_reason", reason);
+  v.Counter("peer_probes", probes_sent(),
+            {"orbitkv_peer_probes_total", "Health probes this Manager sent to the peers it talks to"});
 }
 
 }  // namespace orbitkv::catalog

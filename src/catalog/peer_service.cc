@@ -91,13 +91,22 @@ Status PeerService::CheckCaller(grpc::ServerContext* context, const peer::v1::Ro
 Status PeerService::Admit(grpc::ServerContext* context, const peer::v1::RouteHeader& route) {
   Status checked = CheckCaller(context, route);
   if (checked.ok()) checked = CheckRoute(route, self_.Get(), *members_);
-  if (!checked.ok()) refused_.fetch_add(1, std::memory_order_relaxed);
+  if (!checked.ok()) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
+  } else if (options_.on_admitted) {
+    options_.on_admitted(route.source_node_id());
+  }
   return checked;
 }
 
 grpc::Status PeerService::Health(grpc::ServerContext* context, const peer::v1::HealthRequest* request,
                                  peer::v1::HealthResponse* response) {
-  if (Status routed = Admit(context, request->route()); !routed.ok()) return ToGrpc(routed);
+  Status routed = CheckCaller(context, request->route());
+  if (routed.ok()) routed = CheckRoute(request->route(), self_.Get(), *members_);
+  if (!routed.ok()) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    return ToGrpc(routed);
+  }
   response->set_protocol_version(kPeerProtocolVersion);
   const PeerIdentity self = self_.Get();
   response->set_node_id(self.node_id);

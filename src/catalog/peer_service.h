@@ -46,6 +46,9 @@ class PeerService final : public peer::v1::Peer::Service {
     // Peer mutual TLS is on: every request's claimed source node must be named by the caller's
     // certificate, as a subjectAltName URI "orbitkv-node:<node-id>" (kNodeUriPrefix).
     bool require_node_certificates = false;
+    // Called with the caller's node for every admitted request but Health (a peer that streams to, looks up at,
+    // authorizes from or releases at this Manager is one it talks to: the peer directory probes it).
+    std::function<void(const std::string& node)> on_admitted;
   };
   PeerService(Options options, const cluster::MemberView* members);
 

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <set>
 #include <thread>
 
 #include "catalog/peer_directory.h"
@@ -183,6 +184,52 @@ TEST(PeerDirectoryTest, AProbeRoundRunsInParallelWithinItsBound) {
   ASSERT_EQ(peers.size(), 48u);
   for (const auto& peer : peers) EXPECT_EQ(peer.health, PeerDirectory::Health::kHealthy) << peer.reason;
   server->Shutdown();
+}
+
+// Issue 70, item 2: a Manager probes the peers it talks to, not the fleet: the catalog hosts (always_probe) and the
+// peers that used it within use_window, at most max_probes_per_round a round (the rest in the next rounds, what
+// earlier rounds learnt kept meanwhile). Probes per round stay flat however many members the view holds.
+TEST(PeerDirectoryTest, OnlyCatalogHostsAndRecentPeersAreProbedWithinABoundPerRound) {
+  SlowHealth health;
+  testing::LoopbackServer loopback = testing::StartLoopbackServer({&health});
+  ASSERT_NE(loopback.server, nullptr);
+  for (const int fleet : {64, 512}) {
+    SCOPED_TRACE(fleet);
+    cluster::MemberView view;
+    std::map<std::string, cluster::Member> members;
+    for (int i = 0; i < fleet; ++i) {
+      cluster::Member m;
+      const std::string node = "n" + std::to_string(i);
+      m.record = cluster::MemberRecord{"c1", node, 1, "127.0.0.1:" + std::to_string(loopback.port), "uuid-" + node};
+      members.emplace(node, m);
+    }
+    view.Install(std::move(members), 1);
+    PeerDirectory::Options options;
+    options.self = PeerIdentity{"c1", "n0", "uuid-n0", 1, "fp"};
+    options.always_probe = [] { return std::vector<std::string>{"n0", "n1", "n2", "n3"}; };  // n0 is this Manager
+    options.use_window = std::chrono::milliseconds(300);
+    options.max_probes_per_round = 4;
+    PeerDirectory directory(options, &view);
+    directory.ProbeAll();
+    EXPECT_EQ(directory.probes_sent(), 3u);  // the three other catalog hosts
+    EXPECT_EQ(directory.Peers().size(), 3u);
+    // Three peers talked to this Manager: six due, four probed this round, the other two next round.
+    for (const char* node : {"n10", "n11", "n12"}) directory.Use(node);
+    directory.ProbeAll();
+    EXPECT_EQ(directory.probes_sent(), 7u);
+    directory.ProbeAll();
+    EXPECT_EQ(directory.probes_sent(), 11u);
+    std::set<std::string> known;
+    for (const auto& peer : directory.Peers()) known.insert(peer.node_id);
+    EXPECT_EQ(known, (std::set<std::string>{"n1", "n2", "n3", "n10", "n11", "n12"}));
+    // Past the window the peers that stopped talking are no longer probed, nor listed.
+    std::this_thread::sleep_for(std::chrono::milliseconds(350));
+    directory.ProbeAll();
+    EXPECT_EQ(directory.probes_sent(), 14u);
+    EXPECT_EQ(directory.Peers().size(), 3u);
+    EXPECT_EQ(directory.incompatibility(), "");
+  }
+  loopback.server->Shutdown();
 }
 
 }  // namespace

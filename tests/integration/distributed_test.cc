@@ -292,6 +292,37 @@ TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndL
   EXPECT_NE(stats.find("\"peers_incompatible\": 0"), std::string::npos) << stats;
   EXPECT_NE(stats.find("\"remote_work\": 1"), std::string::npos) << stats;
   EXPECT_EQ(StringField(stats, "remote_work_off_reason"), "");
+  // Issue 70's rule: only the peers a Manager talks to are probed (the catalog hosts, and those whose requests
+  // reached it). A member of another version that is neither (node-y: no catalog host, it never calls node-a) is
+  // not probed, and remote work stays on over several probe rounds.
+  OtherVersionPeer elsewhere;
+  const std::string elsewhere_endpoint = Loopback();
+  grpc::ServerBuilder elsewhere_builder;
+  elsewhere_builder.AddListeningPort(elsewhere_endpoint, grpc::InsecureServerCredentials());
+  elsewhere_builder.RegisterService(&elsewhere);
+  std::unique_ptr<grpc::Server> elsewhere_server = elsewhere_builder.BuildAndStart();
+  ASSERT_NE(elsewhere_server, nullptr);
+  cluster::MembershipOptions y = options;
+  y.node_id = "node-y";
+  y.peer_endpoint = elsewhere_endpoint;
+  y.runtime_uuid = RuntimeId::New().ToString();
+  elsewhere.node_id = "node-y";
+  elsewhere.runtime_uuid = y.runtime_uuid;
+  auto y_membership = cluster::Membership::Create(y, &registry);
+  ASSERT_TRUE(y_membership.ok()) << y_membership.status();
+  ASSERT_TRUE((*y_membership)->Join(Deadline::After(std::chrono::seconds(30))).ok());
+  stats = await("\"members\": 3");
+  ASSERT_NE(stats.find("\"members\": 3"), std::string::npos) << stats;
+  const uint64_t probes = std::stoull(stats.substr(stats.find("\"peer_probes\": ") + 15));
+  for (int i = 0; i < 25; ++i) {  // 5 s: two probe rounds at least
+    stats = StatsOf(a);
+    EXPECT_NE(stats.find("\"remote_work\": 1"), std::string::npos) << stats;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_NE(stats.find("\"peers_incompatible\": 0"), std::string::npos) << stats;
+  EXPECT_GT(std::stoull(stats.substr(stats.find("\"peer_probes\": ") + 15)), probes);  // node-x still probed
+  (*y_membership)->Shutdown();
+  elsewhere_server->Shutdown();
   (*membership)->Shutdown();
   server->Shutdown();
 }
@@ -412,8 +443,11 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
                         "0 releases)"),
             std::string::npos)
       << status;
-  // Managers probe each other with their own certificates: a second one of the cluster's CA is healthy to
-  // node-t (and node-t to it); one with another CA's certificate reaches nobody, and nobody reaches it.
+  // Managers probe the peers they talk to with their own certificates (issue 70: the catalog hosts, and the peers
+  // whose requests reached them): a second one of the cluster's CA is healthy to node-t, the catalog host, and
+  // node-t to it (its owner streams reached node-t); one with another CA's certificate reaches nobody, and nobody
+  // probes it (none of its requests got through). node-u and node-r do not talk to each other: neither probes the
+  // other.
   auto tls_manager = [&](const std::string& node, const std::string& who, const std::string& ca) {
     return std::make_unique<ManagerProcess>(
         std::vector<std::string>{"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", node,
@@ -425,18 +459,23 @@ TEST(DistributedManagerTest, MutualTlsRefusesPeersWithoutTheClustersCertificate)
   auto second = tls_manager("node-u", "node-node-u", "ca");
   auto rogue = tls_manager("node-r", "rogue", "rogue-ca");
   ASSERT_TRUE(second->running() && rogue->running()) << second->LogText() << rogue->LogText();
-  std::string second_stats, rogue_stats;
+  std::string second_stats, rogue_stats, catalog_stats;
+  const std::string healthy_alone = "\"peers_healthy\": 1, \"peers_unreachable\": 0";
+  const std::string reaches_nobody = "\"peers_healthy\": 0, \"peers_unreachable\": 1";
   for (int i = 0; i < 750; ++i) {
     second_stats = StatsOf(*second);
     rogue_stats = StatsOf(*rogue);
-    if (second_stats.find("\"peers_healthy\": 1, \"peers_unreachable\": 1") != std::string::npos &&
-        rogue_stats.find("\"peers_healthy\": 0, \"peers_unreachable\": 2") != std::string::npos) {
+    catalog_stats = StatsOf(manager);
+    if (second_stats.find(healthy_alone) != std::string::npos &&
+        rogue_stats.find(reaches_nobody) != std::string::npos &&
+        catalog_stats.find(healthy_alone) != std::string::npos) {
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  EXPECT_NE(second_stats.find("\"peers_healthy\": 1, \"peers_unreachable\": 1"), std::string::npos) << second_stats;
-  EXPECT_NE(rogue_stats.find("\"peers_healthy\": 0, \"peers_unreachable\": 2"), std::string::npos) << rogue_stats;
+  EXPECT_NE(second_stats.find(healthy_alone), std::string::npos) << second_stats;
+  EXPECT_NE(rogue_stats.find(reaches_nobody), std::string::npos) << rogue_stats;
+  EXPECT_NE(catalog_stats.find(healthy_alone), std::string::npos) << catalog_stats;
   // Half a TLS configuration is refused at start, naming what is missing.
   ManagerProcess half(
       {"--etcd-endpoints", (*etcd)->endpoint(), "--cluster-name", "it", "--node-id", "node-h", "--catalog-nodes",

@@ -32,7 +32,18 @@ Result<std::unique_ptr<PeerListener>> PeerListener::Start(const ManagerConfig& c
   catalog::PeerDirectory::Options directory;
   directory.self = std::move(parts.self);
   directory.credentials = std::move(parts.credentials);
+  // Probed: the catalog hosts of the committed placement and of a change in progress, and the peers whose requests
+  // reached this Manager lately; never the whole fleet.
+  directory.always_probe = [live] {
+    const std::shared_ptr<const cluster::LivePlacement::State> state = live->Get();
+    std::vector<std::string> nodes = state->committed.catalog_nodes();
+    if (state->next.has_value()) {
+      for (const std::string& node : state->next->catalog_nodes()) nodes.push_back(node);
+    }
+    return nodes;
+  };
   listener->directory_ = std::make_unique<catalog::PeerDirectory>(std::move(directory), parts.view);
+  options.on_admitted = [directory = listener->directory_.get()](const std::string& node) { directory->Use(node); };
   listener->service_ = std::make_unique<catalog::PeerService>(std::move(options), parts.view);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listener->address_, tls ? tls : grpc::InsecureServerCredentials(), &listener->port_);
