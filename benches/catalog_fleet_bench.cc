@@ -16,6 +16,9 @@
 //    in the same run (the loopback gRPC round trip with the route check: what a lookup cannot beat),
 //  - peer_lookup_batch_us_at_N: Peer.Lookup of a full batch (kMaxLookupKeys keys of that shard, the hot key among
 //    them), against the same round trip.
+//  - probe_rpcs_per_s_per_manager_at_N: the Health probes one Manager's PeerDirectory sends a second (one round every
+//    2 s) when it probes the peers it talks to (16 catalog hosts), against probe_rpcs_per_s_full_mesh_at_N, the
+//    same directory probing every member as before issue 70.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -30,6 +33,7 @@
 #include "base/logging.h"
 #include "bench_keys.h"
 #include "bench_report.h"
+#include "catalog/peer_directory.h"
 #include "catalog/peer_service.h"
 #include "catalog/route.h"
 #include "cluster/member_record.h"
@@ -49,6 +53,7 @@ constexpr char kFingerprint[] = "catalog-fleet-placement";
 struct Figures {
   double lookup_us = 0, miss_us = 0, complete_us = 0, maintenance_ms = 0;
   double peer_lookup_us = 0, peer_batch_us = 0, peer_health_us = 0;
+  uint64_t probes_used = 0, probes_mesh = 0;  // Health RPCs of one PeerDirectory round
 };
 
 // Key `i` of chain `chain`.
@@ -121,6 +126,32 @@ void MeasurePeer(catalog::CatalogStore& store, cluster::MemberView& view,
   f.peer_health_us = HealthRoundTripP50Ms(host.record.endpoint, IdentityOf(asker), host.record, kSamples) * 1000;
   f.peer_lookup_us = MedianMicros(kSamples, [&] { ask(std::span<const state::StateKey>(batch.data(), 1)); });
   f.peer_batch_us = MedianMicros(kBatchSamples, [&] { ask(batch); });
+  // One probe round of a Manager's PeerDirectory over the N members (every record naming this loopback port, so a
+  // probe is a real RPC that answers at once): the peers it talks to (16 catalog hosts, issue 70) against the full
+  // mesh of before (every member).
+  cluster::MemberView probed;
+  std::map<std::string, cluster::Member> local = members;
+  for (auto& [node, m] : local) m.record.endpoint = host.record.endpoint;
+  probed.Install(local, view.revision() + 1);
+  auto round = [&](bool mesh) {
+    catalog::PeerDirectory::Options o;
+    o.self = IdentityOf(asker);
+    if (mesh) o.max_probes_per_round = SIZE_MAX;  // as before issue 70: every member, every round
+    if (!mesh) {
+      o.always_probe = [&local] {
+        std::vector<std::string> hosts;
+        for (auto it = local.begin(); it != local.end() && hosts.size() < cluster::kMaxCatalogNodes; ++it) {
+          hosts.push_back(it->first);
+        }
+        return hosts;
+      };
+    }
+    catalog::PeerDirectory directory(o, &probed);
+    directory.ProbeAll();
+    return directory.probes_sent();
+  };
+  f.probes_used = round(false);
+  f.probes_mesh = round(true);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 
@@ -202,6 +233,9 @@ int main(int argc, char** argv) {
                 f.peer_health_us});
     report.Add({fmt::format("peer_lookup_batch_us_at_{}", n), "us", f.peer_batch_us,
                 fmt::format("peer_health_us_at_{}", n), f.peer_health_us});
+    // A round every 2 s (catalog::PeerDirectory::Options::probe_interval, jittered 80-120 %).
+    report.Add({fmt::format("probe_rpcs_per_s_per_manager_at_{}", n), "rpc/s", static_cast<double>(f.probes_used) / 2,
+                fmt::format("probe_rpcs_per_s_full_mesh_at_{}", n), static_cast<double>(f.probes_mesh) / 2});
   }
   report.AddEnv("shard", fmt::format("one shard, N owner slices with a baseline each ({} records + one hot key "
                                      "every owner holds), the member view installed by hand, no etcd, no gRPC",
