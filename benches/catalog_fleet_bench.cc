@@ -16,15 +16,22 @@
 //    in the same run (the loopback gRPC round trip with the route check: what a lookup cannot beat),
 //  - peer_lookup_batch_us_at_N: Peer.Lookup of a full batch (kMaxLookupKeys keys of that shard, the hot key among
 //    them), against the same round trip.
+//  - lookup_p99_us_at_N: p99 of a batch of kMaxLookupKeys keys looked up one by one (as Peer.Lookup asks the store),
+//    against N = 64,
+//  - owner_apply_p99_us_at_N: p99 of an owner's one-record delta while another thread looks batches up back to back,
+//    against owner_apply_idle_p99_us_at_N, the same with no lookups,
 //  - probe_rpcs_per_s_per_manager_at_N: the Health probes one Manager's PeerDirectory sends a second (one round every
 //    2 s) when it probes the peers it talks to (16 catalog hosts), against probe_rpcs_per_s_full_mesh_at_N, the
 //    same directory probing every member as before issue 70.
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <map>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "catalog/catalog_grpc.h"  // first of the gRPC users (cluster/grpc.h)
@@ -54,6 +61,8 @@ struct Figures {
   double lookup_us = 0, miss_us = 0, complete_us = 0, maintenance_ms = 0;
   double peer_lookup_us = 0, peer_batch_us = 0, peer_health_us = 0;
   uint64_t probes_used = 0, probes_mesh = 0;  // Health RPCs of one PeerDirectory round
+  double batch_p99_us = 0;                    // Lookup of 128 keys, one by one as Peer.Lookup asks the store
+  double apply_idle_p99_us = 0, apply_busy_p99_us = 0;
 };
 
 // Key `i` of chain `chain`.
@@ -72,7 +81,7 @@ state::StateKey KeyInShard(uint64_t chain) {
 }
 
 template <typename F>
-double MedianMicros(int samples, F&& body) {
+double PercentileMicros(int samples, double p, F&& body) {
   std::vector<double> us;
   us.reserve(static_cast<size_t>(samples));
   for (int i = 0; i < samples; ++i) {
@@ -80,7 +89,12 @@ double MedianMicros(int samples, F&& body) {
     body();
     us.push_back(std::chrono::duration<double, std::micro>(MonoNow() - t0).count());
   }
-  return Percentile(us, 0.5);
+  return Percentile(us, p);
+}
+
+template <typename F>
+double MedianMicros(int samples, F&& body) {
+  return PercentileMicros(samples, 0.5, std::forward<F>(body));
 }
 
 catalog::PeerIdentity IdentityOf(const cluster::Member& m) {
@@ -201,6 +215,51 @@ Figures Measure(size_t n) {
   f.complete_us = MedianMicros(kSamples, [&] { complete = store.Complete(kShard) && complete; });
   f.maintenance_ms = MedianMicros(101, [&] { found += store.DropDeadOwners(); }) / 1000;
   if (found == 0 || !complete) std::abort();  // the hot key is held by every owner; the shard is complete
+  // A batch of kMaxLookupKeys keys (the hot one, keys some owner holds, keys nobody holds), looked up one by one as
+  // Peer.Lookup asks the store.
+  std::vector<state::StateKey> batch = {hot};
+  for (uint64_t i = 0; batch.size() < catalog::kMaxLookupKeys; ++i) {
+    batch.push_back(i % 2 == 0 ? Key(1000 + 10 + (i % n), i % kRecordsPerOwner) : Key(7, i));
+  }
+  auto lookup_batch = [&] {
+    for (const state::StateKey& key : batch) found += store.Lookup(kShard, key, &complete, "node-00001").size();
+  };
+  f.batch_p99_us = PercentileMicros(kBatchSamples * 4, 0.99, lookup_batch);
+  // An owner's deltas (one record each, alternately adding and removing a key of the first owner's slice), idle, then
+  // while another thread looks batches up back to back: what a catalog host's owner streams wait for lookups.
+  const cluster::Member& owner = members.begin()->second;
+  const catalog::StreamId owner_stream{owner.record.node_id, owner.record.runtime_uuid, kShard,
+                                       options.incarnation,  owner.record.epoch,        owner.record.incarnation};
+  const uint64_t first_sequence = kRecordsPerOwner + 2;  // after the snapshot's end watermark
+  uint64_t sequence = first_sequence;
+  const state::StateKey churned = Key(99, 0);
+  auto apply = [&] {
+    const bool add = (sequence - first_sequence) % 2 == 0;  // added, then removed, and so on
+    const catalog::DeltaBatch delta{
+        owner_stream, sequence, {catalog::CatalogRecord{churned, 1, add, sequence, 1, 4096}}};
+    if (const catalog::CatalogReply r = store.Apply(delta); r.kind != catalog::CatalogReply::Kind::kAck) {
+      fmt::print(stderr, "catalog-fleet: an owner delta was answered {}: {}\n", catalog::CatalogReplyName(r.kind),
+                 r.reason);
+      std::abort();
+    }
+    ++sequence;
+  };
+  f.apply_idle_p99_us = PercentileMicros(kSamples, 0.99, apply);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> batches{0};
+  std::thread lookups([&] {
+    bool c = false;
+    size_t seen = 0;
+    while (!stop.load(std::memory_order_relaxed)) {
+      for (const state::StateKey& key : batch) seen += store.Lookup(kShard, key, &c, "node-00002").size();
+      batches.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (seen == 0) std::abort();  // the hot key is in every batch
+  });
+  while (batches.load(std::memory_order_relaxed) == 0) std::this_thread::yield();  // the lookups run
+  f.apply_busy_p99_us = PercentileMicros(kSamples, 0.99, apply);
+  stop = true;
+  lookups.join();
   MeasurePeer(store, view, members, hot, f);
   return f;
 }
@@ -233,6 +292,9 @@ int main(int argc, char** argv) {
                 f.peer_health_us});
     report.Add({fmt::format("peer_lookup_batch_us_at_{}", n), "us", f.peer_batch_us,
                 fmt::format("peer_health_us_at_{}", n), f.peer_health_us});
+    report.Add({fmt::format("lookup_p99_us_at_{}", n), "us", f.batch_p99_us, "lookup_p99_us_at_64", base.batch_p99_us});
+    report.Add({fmt::format("owner_apply_p99_us_at_{}", n), "us", f.apply_busy_p99_us,
+                fmt::format("owner_apply_idle_p99_us_at_{}", n), f.apply_idle_p99_us});
     // A round every 2 s (catalog::PeerDirectory::Options::probe_interval, jittered 80-120 %).
     report.Add({fmt::format("probe_rpcs_per_s_per_manager_at_{}", n), "rpc/s", static_cast<double>(f.probes_used) / 2,
                 fmt::format("probe_rpcs_per_s_full_mesh_at_{}", n), static_cast<double>(f.probes_mesh) / 2});

@@ -18,6 +18,9 @@ class CAPABILITY("mutex") Mutex {
   Mutex& operator=(const Mutex&) = delete;
 
   void Lock() ACQUIRE() { mu_.lock(); }
+  // Tries `spins` times (SpinPause between tries) before it blocks: for locks whose holders keep them for well under
+  // a microsecond, where a sleeping waiter's wake-up costs ten times the wait.
+  void LockSpinning(int spins) ACQUIRE();
   void Unlock() RELEASE() { mu_.unlock(); }
   // For std::condition_variable_any and friends.
   void lock() ACQUIRE() { mu_.lock(); }
@@ -47,6 +50,26 @@ inline void SpinPause(int iteration) {
 #endif
   if ((iteration & 255) == 255) sched_yield();
 }
+
+inline void Mutex::LockSpinning(int spins) NO_THREAD_SAFETY_ANALYSIS {
+  for (int i = 0; i < spins; ++i) {
+    if (mu_.try_lock()) return;
+    SpinPause(i);
+  }
+  mu_.lock();
+}
+
+// MutexLock that spins briefly before it blocks (Mutex::LockSpinning).
+class SCOPED_CAPABILITY SpinningMutexLock {
+ public:
+  explicit SpinningMutexLock(Mutex* mu, int spins = 512) ACQUIRE(mu) : mu_(mu) { mu_->LockSpinning(spins); }
+  ~SpinningMutexLock() RELEASE() { mu_->Unlock(); }
+  SpinningMutexLock(const SpinningMutexLock&) = delete;
+  SpinningMutexLock& operator=(const SpinningMutexLock&) = delete;
+
+ private:
+  Mutex* const mu_;
+};
 
 }  // namespace orbitkv
 

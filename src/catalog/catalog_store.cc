@@ -193,7 +193,7 @@ void CatalogStore::DropView(Slice& slice) {
 }
 
 CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   if (auto refused = Admit(batch.stream)) return *refused;
   if (auto foreign = ForeignKey(batch.stream, batch.records)) return *foreign;
   auto it = slices_.find({batch.stream.shard, batch.stream.owner_node});
@@ -274,7 +274,7 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
 }
 
 CatalogReply CatalogStore::Begin(const SnapshotBegin& begin) {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   if (auto refused = Admit(begin.stream)) return *refused;
   if (auto found = slices_.find({begin.stream.shard, begin.stream.owner_node}); found != slices_.end()) {
     // An older start's Begin (reordered, or a fenced owner) neither replaces nor reserves anything.
@@ -364,7 +364,7 @@ std::optional<CatalogReply> CatalogStore::AddToBuilding(Slice& slice, const std:
 }
 
 CatalogReply CatalogStore::Page(const SnapshotPage& page) {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   if (auto refused = Admit(page.stream)) return *refused;
   Slice* slice = FindBuilding(page.stream, page.snapshot_id);
   if (slice == nullptr) return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
@@ -382,7 +382,7 @@ CatalogReply CatalogStore::Page(const SnapshotPage& page) {
 }
 
 CatalogReply CatalogStore::End(const SnapshotEnd& end) {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   if (auto refused = Admit(end.stream)) return *refused;
   Slice* found = FindBuilding(end.stream, end.snapshot_id);
   if (found == nullptr) return Reply(CatalogReply::Kind::kResync, 0, "no such snapshot in progress: begin again");
@@ -457,13 +457,13 @@ size_t CatalogStore::DropSlicesWhere(const std::function<bool(const SliceKey&, c
 
 size_t CatalogStore::DropUnhosted() {
   if (!options_.hosts) return 0;
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   return DropSlicesWhere([this](const SliceKey& key, const Slice&) { return !options_.hosts(key.first); });
 }
 
 size_t CatalogStore::DropDeadOwners() {
   if (!options_.owner_live && !options_.owner_registration) return 0;
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   if (!options_.owner_registration) {
     // Live, or unknown (an incomplete member view drops nothing), stays.
     return DropSlicesWhere([this](const SliceKey& key, const Slice& slice) {
@@ -512,7 +512,7 @@ size_t CatalogStore::DropDeadOwners() {
 }
 
 uint64_t CatalogStore::continuations() const {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   return continuations_;
 }
 
@@ -567,7 +567,7 @@ bool CatalogStore::ComputeShardComplete(uint32_t shard, const LiveOwners& live) 
 }
 
 std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   std::map<uint32_t, ShardStatus> shards;
   if (options_.hosts) {
     for (uint32_t shard = 0; shard < options_.num_shards; ++shard) {
@@ -600,7 +600,7 @@ std::vector<CatalogStore::ShardStatus> CatalogStore::Status() const {
 }
 
 std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string& owner_node) const {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   std::vector<CatalogRecord> out;
   auto it = slices_.find({shard, owner_node});
   if (it == slices_.end() || !it->second.baseline || it->second.absent_since.has_value()) return out;
@@ -612,7 +612,7 @@ std::vector<CatalogRecord> CatalogStore::Dump(uint32_t shard, const std::string&
 
 std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const state::StateKey& key, bool* complete,
                                                        std::string_view requester, size_t max_holders) const {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   if (complete != nullptr) *complete = ShardComplete(shard, ReadLiveOwners());
   // FNV-1a of the requester's node id: the same start on every catalog host and every run (none: the first).
   size_t start = 0;
@@ -699,12 +699,12 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
 }
 
 bool CatalogStore::Complete(uint32_t shard) const {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   return ShardComplete(shard, ReadLiveOwners());
 }
 
 std::vector<std::string> CatalogStore::Owners(uint32_t shard) const {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   std::vector<std::string> owners;
   for (const auto& [key, slice] : slices_) {
     if (key.first == shard && slice.baseline && !slice.absent_since.has_value()) owners.push_back(key.second);
@@ -713,7 +713,7 @@ std::vector<std::string> CatalogStore::Owners(uint32_t shard) const {
 }
 
 std::vector<CatalogStore::OwnerSlice> CatalogStore::Slices(uint32_t shard) const {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   std::vector<OwnerSlice> out;
   for (const auto& [key, slice] : slices_) {
     if (key.first == shard) {
@@ -724,7 +724,7 @@ std::vector<CatalogStore::OwnerSlice> CatalogStore::Slices(uint32_t shard) const
 }
 
 uint64_t CatalogStore::used_bytes() const {
-  MutexLock lock(&mu_);
+  SpinningMutexLock lock(&mu_);
   return used_;
 }
 
