@@ -20,10 +20,14 @@
 //    against N = 64,
 //  - owner_apply_p99_us_at_N: p99 of an owner's one-record delta while another thread looks batches up back to back,
 //    against owner_apply_idle_p99_us_at_N, the same with no lookups,
+//  - catalog_bytes_per_record: the allocator's bytes in use per record of a store holding 1 M records (64 owners x
+//    16,384, one shard), against catalog_charged_bytes_per_record, what the budget charges one (EntryCharge),
 //  - probe_rpcs_per_s_per_manager_at_N: the Health probes one Manager's PeerDirectory sends a second (one round every
 //    2 s) when it probes the peers it talks to (16 catalog hosts), against probe_rpcs_per_s_full_mesh_at_N, the
 //    same directory probing every member as before issue 70.
 #include <fmt/format.h>
+
+#include <malloc.h>
 
 #include <algorithm>
 #include <atomic>
@@ -264,6 +268,30 @@ Figures Measure(size_t n) {
   return f;
 }
 
+// Real memory per record (issue 70, item 3's baseline): the allocator's bytes in use before and after a store takes
+// 1 M records (64 owners x 16,384 in one shard), against what the budget charges a record (EntryCharge).
+double BytesPerRecord(size_t owners, size_t per_owner) {
+  const size_t before = mallinfo2().uordblks;
+  {
+    catalog::CatalogStore::Options options;
+    options.incarnation = 0xfeed;
+    options.budget_bytes = 4ull << 30;
+    auto store = std::make_unique<catalog::CatalogStore>(options);
+    for (size_t o = 0; o < owners; ++o) {
+      const catalog::StreamId stream{fmt::format("node-{:05}", o), "run", kShard, options.incarnation, 1, 1 + o};
+      if (store->Begin({stream, 1, 0, per_owner}).kind != catalog::CatalogReply::Kind::kAck) std::abort();
+      catalog::SnapshotEnd end{stream, 1, per_owner, {}};
+      end.interval.reserve(per_owner);
+      for (uint64_t r = 0; r < per_owner; ++r) {
+        end.interval.push_back(catalog::CatalogRecord{Key(50000 + o, r), 1, true, r + 1, 1, 4096});
+      }
+      if (store->End(end).kind != catalog::CatalogReply::Kind::kAck) std::abort();
+    }
+    const size_t after = mallinfo2().uordblks;
+    return static_cast<double>(after - before) / static_cast<double>(owners * per_owner);
+  }
+}
+
 }  // namespace
 }  // namespace orbitkv::bench
 
@@ -299,6 +327,8 @@ int main(int argc, char** argv) {
     report.Add({fmt::format("probe_rpcs_per_s_per_manager_at_{}", n), "rpc/s", static_cast<double>(f.probes_used) / 2,
                 fmt::format("probe_rpcs_per_s_full_mesh_at_{}", n), static_cast<double>(f.probes_mesh) / 2});
   }
+  report.Add({"catalog_bytes_per_record", "B", BytesPerRecord(64, 16384), "catalog_charged_bytes_per_record",
+              static_cast<double>(catalog::CatalogStore::EntryCharge())});
   report.AddEnv("shard", fmt::format("one shard, N owner slices with a baseline each ({} records + one hot key "
                                      "every owner holds), the member view installed by hand, no etcd, no gRPC",
                                      kRecordsPerOwner));
