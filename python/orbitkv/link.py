@@ -21,7 +21,9 @@ One failure policy for both:
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -83,7 +85,7 @@ class ManagerLink:
         self.failures = 0
         self.stalls = 0
         self._stalled: Optional[orbitkv.CacheManagerClient] = None  # the client of a Manager that stopped answering
-        self._deferred: list = []  # (instance, lease) to release once the stalled Manager answers
+        self._deferred: list = []  # (owner client, instance, lease) to release once the stalled Manager answers
         self.reconnects = 0
         self.reconnect_failures = 0
         self.losses = 0  # sessions the watcher found closed
@@ -99,10 +101,32 @@ class ManagerLink:
                     f"{adapter}: no Manager answers at {where} ({error}). Start orbitkv-manager on this "
                     f"host{', ' + fix if fix else ''}.") from error
             self._log.warning("orbitkv: Manager unreachable (%s); serving without it until it appears", error)
+        self._start_watcher()
+        # A process forked from this one gets a link of its own: its own lock (this one may be held at the fork), no
+        # share in this process's sessions, and a watcher of its own.
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=functools.partial(ManagerLink._after_fork, weakref.ref(self)))
+
+    def _start_watcher(self) -> None:
         # The watcher holds the link weakly: a link its adapter dropped without close() ends its thread too.
         self._watcher = threading.Thread(target=ManagerLink._watch, args=(weakref.ref(self), self._stop),
                                          daemon=True, name="orbitkv-link-watch")
         self._watcher.start()
+
+    @staticmethod
+    def _after_fork(ref) -> None:
+        link = ref()
+        if link is None:
+            return
+        link._lock = threading.Lock()
+        link._client = None
+        link._ready = None
+        link._stalled = None
+        link._deferred = []
+        link._next_attempt = 0.0
+        link._stop = threading.Event()
+        if not link._closed:
+            link._start_watcher()
 
     def _new_client(self) -> orbitkv.CacheManagerClient:
         return orbitkv.CacheManagerClient(self._socket_path, timeout_ms=self._timeout_ms, spin_iterations=self._spin)
@@ -184,7 +208,7 @@ class ManagerLink:
             ready, self._ready = self._ready, None
             # Without a watcher (a process forked from the one that made the link has none), a call connects itself
             # at most every reconnect_interval_s.
-            lazy = ready is None and time.monotonic() >= self._next_attempt
+            lazy = ready is None and not self._watcher.is_alive() and time.monotonic() >= self._next_attempt
             if (ready is not None or lazy) and self._client is None and not self._closed:
                 try:
                     self._connect(ready)
@@ -256,7 +280,9 @@ class ManagerLink:
                         if self._stalled is client:
                             self._stalled = None  # with the list empty: no release_later can be stranded
                         break
-                for instance, lease in deferred:
+                for owner, instance, lease in deferred:
+                    if owner is not None and owner is not client:
+                        continue  # another session's: gone with it
                     try:
                         client.release(instance, lease)
                     except orbitkv.OrbitKVError as error:
@@ -268,12 +294,16 @@ class ManagerLink:
     def stalled(self) -> bool:
         return self._stalled is not None
 
-    def release_later(self, instance: int, lease: int) -> None:
+    def release_later(self, instance: int, lease: int, owner: Optional[orbitkv.CacheManagerClient] = None) -> None:
         """A lease to give back once the stalled Manager answers (its session, hence the lease, is still alive);
-        released at once if the stall ended meanwhile."""
+        released at once if the stall ended meanwhile. ``owner``: the client whose session leased it (None: the
+        link's own). A lease of another session than the stalled or current one went with that session: it is never
+        sent to a newer one, where the same instance and lease numbers may name a live lease."""
         with self._lock:
+            if owner is not None and owner is not self._client and owner is not self._stalled:
+                return
             if self._stalled is not None:
-                self._deferred.append((instance, lease))
+                self._deferred.append((owner, instance, lease))
                 return
             client = self._client
         if client is not None:

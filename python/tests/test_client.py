@@ -329,6 +329,31 @@ def test_a_restarted_manager_is_found_by_the_watcher_and_replayed_on_the_callers
         restarted.wait(timeout=30)
 
 
+def test_a_forked_process_gets_a_link_of_its_own(manager):
+    """A process forked after its link was made (a worker pool, a subprocess spawned by fork) shares neither the
+    parent's session nor its lock: its link connects a session of its own, through a watcher of its own."""
+    from orbitkv.link import ManagerLink
+
+    _, sock = manager
+    link = ManagerLink(sock, 2000, require=True, reconnect_interval_s=1.0, on_connect=lambda c: None)
+    parent = link.client()
+    assert parent is not None
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        ok = False
+        try:
+            deadline = time.monotonic() + 10
+            while (child := link.client()) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ok = child is not None and child is not parent and link._watcher.is_alive() and child.ping() > 0
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert link.client() is parent and parent.session_alive()  # the parent's session is untouched
+    link.close()
+
+
 def test_kv_memory_is_sealed_and_unsealed_memory_is_refused(manager):
     import fcntl
 

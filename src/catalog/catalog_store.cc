@@ -32,7 +32,7 @@ uint64_t CatalogStore::EntryCharge() {
 bool CatalogStore::IndexBefore(const IndexRef& a, const IndexRef& b) {
   if (a.entry->first.tier != b.entry->first.tier) return a.entry->first.tier < b.entry->first.tier;
   if (*a.owner_node != *b.owner_node) return *a.owner_node < *b.owner_node;
-  return a.entry < b.entry;  // two keys of one hash held by one owner
+  return std::less<const void*>{}(a.entry, b.entry);  // two keys of one hash held by one owner
 }
 
 void CatalogStore::SetAbsent(Slice& slice, std::optional<MonoTime> since) {
@@ -51,9 +51,10 @@ void CatalogStore::SetAbsent(Slice& slice, std::optional<MonoTime> since) {
 void CatalogStore::Touch(uint32_t shard) { ++shard_changes_[shard]; }
 
 void CatalogStore::IndexAdd(const Slice& slice, const std::string& node, const View::value_type& entry) {
-  std::vector<IndexRef>& refs = index_[slice.shard][entry.first.key.Hash64()];
+  KeyList& list = index_[slice.shard][entry.first.key.Hash64()];
   const IndexRef ref{&entry, &slice, &node};
-  refs.insert(std::upper_bound(refs.begin(), refs.end(), ref, IndexBefore), ref);
+  if (!list.refs.empty() && list.refs.front().entry->first.key != entry.first.key) list.mixed = true;
+  list.refs.insert(std::upper_bound(list.refs.begin(), list.refs.end(), ref, IndexBefore), ref);
 }
 
 void CatalogStore::IndexRemove(const Slice& slice, const View::value_type& entry) {
@@ -61,7 +62,7 @@ void CatalogStore::IndexRemove(const Slice& slice, const View::value_type& entry
   if (shard == index_.end()) return;
   auto list = shard->second.find(entry.first.key.Hash64());
   if (list == shard->second.end()) return;
-  std::vector<IndexRef>& refs = list->second;
+  std::vector<IndexRef>& refs = list->second.refs;
   const IndexRef ref{&entry, &slice, slice.node};
   auto it = std::lower_bound(refs.begin(), refs.end(), ref, IndexBefore);
   if (it != refs.end() && it->entry == &entry) refs.erase(it);
@@ -626,16 +627,17 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
     holders.push_back(Holder{node, slice.owner_runtime,
                              CatalogRecord{key, tier, true, entry.version, entry.generation, entry.bytes}});
   };
-  const std::vector<IndexRef>* refs = nullptr;
+  const KeyList* list = nullptr;
   if (auto index = index_.find(shard); index != index_.end()) {
-    if (auto list = index->second.find(key.Hash64()); list != index->second.end()) refs = &list->second;
+    if (auto found = index->second.find(key.Hash64()); found != index->second.end()) list = &found->second;
   }
-  if (refs == nullptr) return holders;
+  if (list == nullptr) return holders;
+  const std::vector<IndexRef>* refs = &list->refs;
   // DRAM (the lower tier number) first, then node order within a tier from the requester's point. The list is in
   // that order already: with every owner a member (no slice within its absent grace) each tier's run is its holders,
   // and the chosen ranks are read directly, whatever the number of holders. A chosen entry of another key (a shared
   // hash) sends the lookup through the walk below.
-  if (absent_slices_ == 0) {
+  if (absent_slices_ == 0 && !list->mixed) {
     bool exact = true;
     for (size_t first = 0; first < refs->size() && holders.size() < max_holders && exact;) {
       const uint8_t tier = (*refs)[first].entry->first.tier;

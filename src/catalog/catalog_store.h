@@ -217,7 +217,11 @@ class CatalogStore {
     const std::string* owner_node;
   };
   static bool IndexBefore(const IndexRef& a, const IndexRef& b);
-  using KeyIndex = std::unordered_map<uint64_t, std::vector<IndexRef>>;
+  struct KeyList {
+    std::vector<IndexRef> refs;
+    bool mixed = false;  // it once held two keys of one hash: lookups walk it (ranks count one key's holders only)
+  };
+  using KeyIndex = std::unordered_map<uint64_t, KeyList>;
   // Marks a slice's owner absent (no member: kept for the grace, no holder meanwhile) or back.
   void SetAbsent(Slice& slice, std::optional<MonoTime> since) REQUIRES(mu_);
   void IndexAdd(const Slice& slice, const std::string& node, const View::value_type& entry) REQUIRES(mu_);

@@ -107,13 +107,14 @@ void PeerDirectory::ProbeAll() {
   if (!view.complete) return;  // keep what we knew; the view is refreshed first
   // Whom to probe: every member without always_probe; else the catalog hosts and the peers used lately.
   std::vector<const cluster::Member*> others;
+  std::set<std::string> always;  // probed every round, before the others
   if (!options_.always_probe) {
     for (const cluster::Member& member : view.members) {
       if (member.record.node_id != options_.self.node_id /* the node never changes */) others.push_back(&member);
     }
   } else {
-    std::set<std::string> wanted;
-    for (std::string& node : options_.always_probe()) wanted.insert(std::move(node));
+    for (std::string& node : options_.always_probe()) always.insert(std::move(node));
+    std::set<std::string> wanted = always;
     {
       const auto now = std::chrono::steady_clock::now();
       MutexLock lock(&use_mu_);
@@ -131,19 +132,30 @@ void PeerDirectory::ProbeAll() {
       if (wanted.count(member.record.node_id) != 0) others.push_back(&member);
     }
   }
-  // At most max_probes_per_round a round, from where the last round stopped.
-  std::set<std::string> due;  // the peers talked to, probed this round or not
-  for (const cluster::Member* member : others) due.insert(member->record.node_id);
+  // At most max_probes_per_round a round: first the catalog hosts and the peers whose start or endpoint changed
+  // since they were last probed (or never were), then the others from where the last round stopped.
+  std::map<std::string, const cluster::Member*> due;  // the peers talked to, probed this round or not
+  for (const cluster::Member* member : others) due.emplace(member->record.node_id, member);
   const size_t bound = std::max<size_t>(options_.max_probes_per_round, 1);
   if (others.size() > bound) {
+    std::vector<const cluster::Member*> first, rest;
     size_t from = 0;
     {
       MutexLock lock(&mu_);
-      from = cursor_ % others.size();
-      cursor_ = (from + bound) % others.size();
+      for (const cluster::Member* member : others) {
+        auto known = peers_.find(member->record.node_id);
+        const bool changed = known == peers_.end() || known->second.runtime_uuid != member->record.runtime_uuid ||
+                             known->second.endpoint != member->record.endpoint;
+        (always.count(member->record.node_id) != 0 || changed ? first : rest).push_back(member);
+      }
+      if (!rest.empty()) {
+        from = cursor_ % rest.size();
+        cursor_ = (from + bound) % rest.size();
+      }
     }
     std::vector<const cluster::Member*> round;
-    for (size_t i = 0; i < bound; ++i) round.push_back(others[(from + i) % others.size()]);
+    for (size_t i = 0; i < first.size() && round.size() < bound; ++i) round.push_back(first[i]);
+    for (size_t i = 0; i < rest.size() && round.size() < bound; ++i) round.push_back(rest[(from + i) % rest.size()]);
     others = std::move(round);
   }
   // In parallel, at most max_probes_in_flight at once: each worker takes the next member.
@@ -166,9 +178,13 @@ void PeerDirectory::ProbeAll() {
   MutexLock lock(&mu_);
   std::map<std::string, Peer> probed;
   for (size_t i = 0; i < others.size(); ++i) probed.emplace(others[i]->record.node_id, std::move(results[i]));
-  // Those still talked to but not probed this round keep what an earlier round learnt.
+  // Those still talked to but not probed this round keep what an earlier round learnt of the same start.
   for (auto& [node, peer] : peers_) {
-    if (probed.count(node) == 0 && due.count(node) != 0) probed.emplace(node, peer);
+    auto member = due.find(node);
+    if (probed.count(node) == 0 && member != due.end() && member->second->record.runtime_uuid == peer.runtime_uuid &&
+        member->second->record.endpoint == peer.endpoint) {
+      probed.emplace(node, peer);
+    }
   }
   for (const auto& [node, peer] : probed) {
     auto before = peers_.find(node);

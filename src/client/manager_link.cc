@@ -35,6 +35,10 @@ ManagerLink::~ManagerLink() {
 Result<std::shared_ptr<CacheClient>> ManagerLink::Connect() {
   ORBITKV_ASSIGN_OR_RETURN(std::unique_ptr<CacheClient> client, CacheClient::Connect(options_.client));
   std::shared_ptr<CacheClient> shared(std::move(client));
+  {
+    MutexLock lock(&mu_);
+    if (stop_) return Status::Unavailable("the link is closing");  // no replay for a link being destroyed
+  }
   if (options_.on_connect) {
     Status replayed = options_.on_connect(*shared);
     // A Manager that went away during the replay is "not back yet", not a refusal.
@@ -80,7 +84,7 @@ void ManagerLink::Watch() {
     std::shared_ptr<CacheClient> current;
     {
       MutexLock lock(&mu_);
-      changed_.wait_for(mu_, options_.watch_interval);
+      if (!stop_) changed_.wait_for(mu_, options_.watch_interval);
       if (stop_) return;
       current = client_;
     }

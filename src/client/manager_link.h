@@ -15,7 +15,9 @@
 // A Manager that answers but refuses the replay is tried again every `refused_retry`.
 //
 // Thread safety: every method is safe from any thread. The destructor stops the watcher and drops the client
-// (the Manager frees what its session held).
+// (the Manager frees what its session held); it waits for a connect or a replay in progress (at most the client
+// timeout each), so never destroy the link while holding a lock that on_connect takes, nor from on_connect.
+// A stopped Manager (kill -STOP) is not a lost one here: its calls time out (DeadlineExceeded), the session stays.
 #ifndef ORBITKV_CLIENT_MANAGER_LINK_H_
 #define ORBITKV_CLIENT_MANAGER_LINK_H_
 

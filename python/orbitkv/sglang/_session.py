@@ -311,14 +311,14 @@ class SGLangLink:
         """Gives a lease back; while the Manager is stalled (or once this release times out, which stalls it) the
         link keeps it and releases it when the Manager answers, so no call waits on a stopped Manager."""
         if self._link.stalled:
-            self._link.release_later(instance, lease)
+            self._link.release_later(instance, lease, client)
             return
         try:
             client.release(instance, lease)
         except orbitkv.OrbitKVError as e:
             self._lost(client, e)
             if isinstance(e, orbitkv.OrbitKVTimeout):
-                self._link.release_later(instance, lease)
+                self._link.release_later(instance, lease, client)
 
     def restore(self, client, instance: int, lease: int, pages: List[int]) -> None:
         """Copies the leased blocks into ``pages`` and returns once every copy drained. It never returns while the

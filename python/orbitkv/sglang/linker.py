@@ -297,14 +297,14 @@ class OrbitKVLinker(UnifiedCacheLinker):
             if not leases:
                 return []
             self._leased[rid] = _Leased(leases)
-            self._bound_tickets()
-            return list(range(1, len(leases) + 1))
         except Exception as e:  # noqa: BLE001
             # The pages found before the failure are leased: give them back (SGLang sees a miss, so no load will).
             self._release(_Leased(leases))
             self.counters_.add("lookup_errors")
             self._log.warning("lookup", "OrbitKV: lookup failed (%s); SGLang sees a miss", e)
             return []
+        self._bound_tickets()  # the ticket is stored: what this releases is never released twice
+        return list(range(1, len(leases) + 1))
 
     def load(self, rid: str, transfers) -> bool:
         """Queues the load of pages ``lookup`` reported. It never refuses (SGLang's wrapper treats a False as fatal

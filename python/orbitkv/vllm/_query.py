@@ -27,14 +27,14 @@ def release_lease(client, link, instance: int, lease: int) -> None:
     it), the lease goes to the link, which releases it when the Manager answers."""
     if client is None or (link is not None and link.stalled):
         if link is not None:
-            link.release_later(instance, lease)
+            link.release_later(instance, lease, client)
         return
     try:
         client.release(instance, lease)
     except orbitkv.OrbitKVTimeout as error:
         if link is not None:
             link.failed(error, client)
-            link.release_later(instance, lease)
+            link.release_later(instance, lease, client)
     except orbitkv.OrbitKVError as error:
         log.debug("orbitkv: releasing lease %d: %s", lease, error)
 
