@@ -255,10 +255,8 @@ def test_both_adapters_fail_the_same_way_without_a_manager(tmp_path):
     assert "point the test at its socket" in str(raised.value)
     lenient = ManagerLink(missing, 200, require=False, reconnect_interval_s=0.0, on_connect=lambda c: None)
     # A call while the Manager is away fails fast: client() never connects on the caller's thread (the link's
-    # watcher does, in the background).
-    started = time.monotonic()
+    # watcher does, in the background), so no attempt is counted.
     assert lenient.client() is None and lenient.reconnect_failures == 0
-    assert time.monotonic() - started < 0.05
     lenient.close()
 
 
@@ -308,8 +306,7 @@ def test_a_restarted_manager_is_found_by_the_watcher_and_replayed_on_the_callers
         assert time.monotonic() < deadline, "the watcher never saw the session close"
         time.sleep(0.01)
     assert link.losses == 1 and link.failures == 0 and not old.session_alive()
-    started = time.monotonic()
-    assert link.client() is None and time.monotonic() - started < 0.05  # away: no client, no wait
+    assert link.client() is None and link.reconnect_failures == 0  # away: no client, no connect on this thread
     args = proc.args
     restarted = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
     try:

@@ -50,9 +50,9 @@ void CatalogStore::SetAbsent(Slice& slice, std::optional<MonoTime> since) {
 
 void CatalogStore::Touch(uint32_t shard) { ++shard_changes_[shard]; }
 
-void CatalogStore::IndexAdd(const Slice& slice, const std::string& node, const View::value_type& entry) {
+void CatalogStore::IndexAdd(const Slice& slice, const View::value_type& entry) {
   KeyList& list = index_[slice.shard][entry.first.key.Hash64()];
-  const IndexRef ref{&entry, &slice, &node};
+  const IndexRef ref{&entry, &slice, slice.node};
   if (!list.refs.empty() && list.refs.front().entry->first.key != entry.first.key) list.mixed = true;
   list.refs.insert(std::upper_bound(list.refs.begin(), list.refs.end(), ref, IndexBefore), ref);
 }
@@ -264,7 +264,7 @@ CatalogReply CatalogStore::Apply(const DeltaBatch& batch) {
                                  "snapshot fits",
                                  options_.budget_bytes));
       }
-      IndexAdd(slice, it->first.second, *slice.view.emplace(key, Entry{true, r.version, r.generation, r.bytes}).first);
+      IndexAdd(slice, *slice.view.emplace(key, Entry{true, r.version, r.generation, r.bytes}).first);
       used_ += EntryCharge();
     }
     slice.applied = r.version;
@@ -414,8 +414,7 @@ CatalogReply CatalogStore::End(const SnapshotEnd& end) {
   used_ -= BuildingCharge(building);
   DropView(slice);
   slice.view = std::move(installed);
-  const std::string& node = slices_.find({end.stream.shard, end.stream.owner_node})->first.second;
-  for (const View::value_type& entry : slice.view) IndexAdd(slice, node, entry);
+  for (const View::value_type& entry : slice.view) IndexAdd(slice, entry);
   used_ += slice.view.size() * EntryCharge();
   slice.applied = end.end_watermark;
   slice.baseline = true;
@@ -635,11 +634,11 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
   const std::vector<IndexRef>* refs = &list->refs;
   // DRAM (the lower tier number) first, then node order within a tier from the requester's point. The list is in
   // that order already: with every owner a member (no slice within its absent grace) each tier's run is its holders,
-  // and the chosen ranks are read directly, whatever the number of holders. A chosen entry of another key (a shared
-  // hash) sends the lookup through the walk below.
+  // and the chosen ranks are read directly, whatever the number of holders. A list that never held two keys of one
+  // hash holds one key, checked once; a mixed one is walked below.
+  if (!list->mixed && refs->front().entry->first.key != key) return holders;  // one other key of this hash
   if (absent_slices_ == 0 && !list->mixed) {
-    bool exact = true;
-    for (size_t first = 0; first < refs->size() && holders.size() < max_holders && exact;) {
+    for (size_t first = 0; first < refs->size() && holders.size() < max_holders;) {
       const uint8_t tier = (*refs)[first].entry->first.tier;
       const auto run_end = std::upper_bound(refs->begin() + static_cast<ptrdiff_t>(first), refs->end(), tier,
                                             [](uint8_t t, const IndexRef& r) { return t < r.entry->first.tier; });
@@ -647,16 +646,11 @@ std::vector<CatalogStore::Holder> CatalogStore::Lookup(uint32_t shard, const sta
       const size_t count = end - first;
       for (size_t i = 0; i < count && holders.size() < max_holders; ++i) {
         const IndexRef& ref = (*refs)[first + (start + i) % count];
-        if (ref.entry->first.key != key) {
-          exact = false;
-          break;
-        }
         take(*ref.owner_node, *ref.slice, tier, ref.entry->second);
       }
       first = end;
     }
-    if (exact) return holders;
-    holders.clear();
+    return holders;
   }
   // The walk: the key's holders filtered (members only, this key only), then the chosen ranks selected within each
   // tier (nth_element, partial_sort), not the whole list sorted.

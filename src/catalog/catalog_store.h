@@ -224,7 +224,7 @@ class CatalogStore {
   using KeyIndex = std::unordered_map<uint64_t, KeyList>;
   // Marks a slice's owner absent (no member: kept for the grace, no holder meanwhile) or back.
   void SetAbsent(Slice& slice, std::optional<MonoTime> since) REQUIRES(mu_);
-  void IndexAdd(const Slice& slice, const std::string& node, const View::value_type& entry) REQUIRES(mu_);
+  void IndexAdd(const Slice& slice, const View::value_type& entry) REQUIRES(mu_);
   void IndexRemove(const Slice& slice, const View::value_type& entry) REQUIRES(mu_);
   // Common checks; a reply when the message must be answered without applying it.
   std::optional<CatalogReply> Admit(const StreamId& stream) const REQUIRES(mu_);

@@ -15,6 +15,7 @@
 #include "catalog/peer_service.h"  // first of the gRPC users (cluster/grpc.h)
 
 #include "base/runtime_id.h"
+#include "catalog/testing/loopback_server.h"
 #include "client/cache_client.h"
 #include "cluster/cluster_keys.h"
 #include "cluster/etcd_client.h"
@@ -229,26 +230,30 @@ TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndL
       "ver-a");
   ASSERT_TRUE(a.running()) << a.LogText();
 
-  OtherVersionPeer other;
-  const std::string other_endpoint = Loopback();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(other_endpoint, grpc::InsecureServerCredentials());
-  builder.RegisterService(&other);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
+  // A member played by the test: `peer` serves its Health on a loopback port, and it joins as `node` through the
+  // real membership code.
   MetricsRegistry registry;
-  cluster::MembershipOptions options;
-  options.etcd_endpoints = {endpoints};
-  options.cluster_name = "it";
-  options.node_id = "node-x";
-  options.catalog_nodes = {"node-a", "node-x"};
-  options.peer_endpoint = other_endpoint;
-  options.runtime_uuid = RuntimeId::New().ToString();
-  other.node_id = "node-x";
-  other.runtime_uuid = options.runtime_uuid;
-  auto membership = cluster::Membership::Create(options, &registry);
-  ASSERT_TRUE(membership.ok()) << membership.status();
-  ASSERT_TRUE((*membership)->Join(Deadline::After(std::chrono::seconds(30))).ok());
+  auto join_as = [&](const std::string& node, OtherVersionPeer& peer,
+                     catalog::testing::LoopbackServer& listener) -> std::unique_ptr<cluster::Membership> {
+    listener = catalog::testing::StartLoopbackServer({&peer});
+    if (listener.server == nullptr) return nullptr;
+    cluster::MembershipOptions options;
+    options.etcd_endpoints = {endpoints};
+    options.cluster_name = "it";
+    options.node_id = node;
+    options.catalog_nodes = {"node-a", "node-x"};
+    options.peer_endpoint = listener.endpoint();
+    options.runtime_uuid = RuntimeId::New().ToString();
+    peer.node_id = node;
+    peer.runtime_uuid = options.runtime_uuid;
+    auto membership = cluster::Membership::Create(options, &registry);
+    if (!membership.ok() || !(*membership)->Join(Deadline::After(std::chrono::seconds(30))).ok()) return nullptr;
+    return std::move(*membership);
+  };
+  OtherVersionPeer other;
+  catalog::testing::LoopbackServer other_listener;
+  std::unique_ptr<cluster::Membership> membership = join_as("node-x", other, other_listener);
+  ASSERT_NE(membership, nullptr);
 
   auto await = [&](const std::string& needle) {
     std::string stats;
@@ -296,21 +301,9 @@ TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndL
   // reached it). A member of another version that is neither (node-y: no catalog host, it never calls node-a) is
   // not probed, and remote work stays on over several probe rounds.
   OtherVersionPeer elsewhere;
-  const std::string elsewhere_endpoint = Loopback();
-  grpc::ServerBuilder elsewhere_builder;
-  elsewhere_builder.AddListeningPort(elsewhere_endpoint, grpc::InsecureServerCredentials());
-  elsewhere_builder.RegisterService(&elsewhere);
-  std::unique_ptr<grpc::Server> elsewhere_server = elsewhere_builder.BuildAndStart();
-  ASSERT_NE(elsewhere_server, nullptr);
-  cluster::MembershipOptions y = options;
-  y.node_id = "node-y";
-  y.peer_endpoint = elsewhere_endpoint;
-  y.runtime_uuid = RuntimeId::New().ToString();
-  elsewhere.node_id = "node-y";
-  elsewhere.runtime_uuid = y.runtime_uuid;
-  auto y_membership = cluster::Membership::Create(y, &registry);
-  ASSERT_TRUE(y_membership.ok()) << y_membership.status();
-  ASSERT_TRUE((*y_membership)->Join(Deadline::After(std::chrono::seconds(30))).ok());
+  catalog::testing::LoopbackServer elsewhere_listener;
+  std::unique_ptr<cluster::Membership> y_membership = join_as("node-y", elsewhere, elsewhere_listener);
+  ASSERT_NE(y_membership, nullptr);
   stats = await("\"members\": 3");
   ASSERT_NE(stats.find("\"members\": 3"), std::string::npos) << stats;
   const uint64_t probes = std::stoull(stats.substr(stats.find("\"peer_probes\": ") + 15));
@@ -321,10 +314,10 @@ TEST(DistributedManagerTest, APeerOfAnotherProtocolVersionTurnsRemoteWorkOffAndL
   }
   EXPECT_NE(stats.find("\"peers_incompatible\": 0"), std::string::npos) << stats;
   EXPECT_GT(std::stoull(stats.substr(stats.find("\"peer_probes\": ") + 15)), probes);  // node-x still probed
-  (*y_membership)->Shutdown();
-  elsewhere_server->Shutdown();
-  (*membership)->Shutdown();
-  server->Shutdown();
+  y_membership->Shutdown();
+  elsewhere_listener.server->Shutdown();
+  membership->Shutdown();
+  other_listener.server->Shutdown();
 }
 
 std::string ReadFile(const std::string& path) {

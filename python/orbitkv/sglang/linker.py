@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import orbitkv
@@ -132,7 +131,6 @@ class _Leased:
 
     def __init__(self, leases: Dict[bytes, Tuple[object, int, int]]):
         self.leases = leases  # page key -> (client, instance, lease), in lookup order
-        self.created = time.monotonic()
 
 
 def _kv_transfer(transfers):
